@@ -1,0 +1,80 @@
+"""An Adapter: an ordered list of typed rules, from a checkpoint's layout to a model's."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from .errors import AdapterError
+from .rules import Rule
+
+
+class Adapter(BaseModel):
+    """Rules applied in order to the checkpoint's keys; keys no rule matches pass unchanged.
+
+    ``Adapter([rename(...), fuse(...)], name="mymodel")``; ``adapter.inverse()`` maps the other
+    way (for export); ``adapter.to_json()`` / ``Adapter.from_json(text)`` serialise it.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rules: list[Rule] = []
+    name: str = "custom"
+    description: str = ""
+
+    def __init__(self, rules: Iterable[Any] | None = None, /, **data: Any):
+        if rules is not None:
+            if "rules" in data:
+                raise AdapterError("pass the rules once, positionally or as rules=")
+            data["rules"] = list(rules)
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise AdapterError(f"invalid adapter: {e}") from None
+
+    @model_validator(mode="after")
+    def _no_duplicate_inputs(self) -> "Adapter":
+        seen: dict[str, int] = {}
+        for i, r in enumerate(self.rules):
+            if not r.moves_keys:
+                continue
+            for p in r.input_patterns():
+                if p in seen:
+                    raise AdapterError(
+                        f"rules #{seen[p]} {self.rules[seen[p]].label()} and #{i} {r.label()} both take "
+                        f"keys matching {p!r}; a key may be taken by one rule only"
+                    )
+                seen[p] = i
+        return self
+
+    def inverse(self) -> "Adapter":
+        """The adapter from the model's layout back to the checkpoint's."""
+        rules = [inv for r in reversed(self.rules) for inv in r.inverse()]
+        return Adapter(rules, name=f"{self.name}.inverse", description=f"inverse of {self.name}")
+
+    def __add__(self, other: "Adapter") -> "Adapter":
+        return Adapter([*self.rules, *other.rules], name=f"{self.name}+{other.name}")
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return self.model_dump_json(indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Adapter":
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise AdapterError(f"adapter JSON is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise AdapterError("adapter JSON must be an object with a 'rules' list")
+        return cls(**data)
+
+    def __len__(self) -> int:
+        return len(self.rules)
+
+    def describe(self) -> str:
+        lines = [f"adapter {self.name}: {len(self.rules)} rules"]
+        lines += [f"  #{i} {r.label()}" for i, r in enumerate(self.rules)]
+        return "\n".join(lines)

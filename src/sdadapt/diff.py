@@ -1,0 +1,52 @@
+"""``sdadapt.diff``: the report of a plan, without loading anything."""
+
+from __future__ import annotations
+
+import os
+
+from torch import nn
+
+from .adapter import Adapter
+from .plan import build_plan
+from .report import Report
+from .sources import Source, TensorInfo, open_source
+from .target import model_state_dict, schema_of
+
+Target = nn.Module | str | os.PathLike[str] | Source | dict[str, TensorInfo]
+
+
+def target_schema(target: Target, *, subtree: str | None = None) -> tuple[dict[str, TensorInfo], str]:
+    """Schema and display name of a model, a checkpoint path/source, or a ready schema."""
+    if isinstance(target, nn.Module):
+        return schema_of(model_state_dict(target)), type(target).__name__
+    if isinstance(target, dict):
+        return target, "schema"
+    with open_source(target, subtree=subtree) as s:
+        return dict(s.schema), s.path
+
+
+def diff(
+    target: Target,
+    src: str | os.PathLike[str] | Source,
+    adapter: Adapter | None = None,
+    *,
+    subtree: str | None = None,
+    allow_missing: list[str] | None = None,
+    allow_unexpected: list[str] | None = None,
+) -> Report:
+    """Compare checkpoint ``src`` (through ``adapter``) with ``target``; reads headers only."""
+    schema, name = target_schema(target)
+    source = open_source(src, subtree=subtree)
+    try:
+        return build_plan(
+            source.schema,
+            schema,
+            adapter,
+            non_tensor=source.non_tensor,
+            allow_missing=allow_missing,
+            allow_unexpected=allow_unexpected,
+            source_name=source.path,
+            target_name=name,
+        ).report
+    finally:
+        source.close()

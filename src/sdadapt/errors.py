@@ -1,0 +1,56 @@
+"""One exception hierarchy for everything sdadapt raises on purpose.
+
+Every error names what it is about (the file, the key, the rule) and says what to do.
+All derive from :class:`SdadaptError`, an ordinary ``Exception`` (unlike DCP's
+``CheckpointException``, which derives from ``BaseException``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .report import Report
+
+
+class SdadaptError(Exception):
+    """Base class of all sdadapt errors."""
+
+
+class SourceError(SdadaptError):
+    """A checkpoint cannot be opened or read: missing path, corrupt header, unsafe index..."""
+
+    def __init__(self, message: str, *, path: str | None = None, key: str | None = None):
+        self.path = path
+        self.key = key
+        where = []
+        if path is not None:
+            where.append(f"file {path}")
+        if key is not None:
+            where.append(f"key {key!r}")
+        prefix = f"{', '.join(where)}: " if where else ""
+        super().__init__(prefix + message)
+
+
+class AdapterError(SdadaptError):
+    """An adapter or rule is malformed (bad pattern, bad arguments, bad JSON)."""
+
+
+class PlanError(SdadaptError):
+    """The source does not line up with the target; ``.report`` says how. Nothing was read."""
+
+    def __init__(self, report: "Report"):
+        self.report = report
+        super().__init__(
+            "checkpoint does not match the model; nothing was loaded.\n"
+            + report.format()
+            + "\nFix the adapter (see `sdadapt diff`), or relax with allow_missing=/allow_unexpected= patterns."
+        )
+
+
+class LoadError(SdadaptError):
+    """Reading or copying tensor data failed during the load (after planning succeeded)."""
+
+
+class RemoteRankError(SdadaptError):
+    """Another rank failed; this rank stops too instead of hanging in a collective."""

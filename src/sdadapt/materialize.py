@@ -1,0 +1,78 @@
+"""Turning a meta-device model into real (uninitialised) memory, and its buffers into values.
+
+``to_empty`` gives parameters and buffers memory but no values. Parameters are then filled
+by the load; non-persistent buffers (rotary ``inv_freq``/``freqs_cis``...) are not in the state
+dict, so something must compute them: the ``init_buffers`` callback, or the model's own
+``init_weights()`` (torchtitan's convention). We check this before touching the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .errors import SdadaptError
+from .target import is_meta
+
+InitFn = Callable[[nn.Module], None]
+
+
+def has_meta(model: nn.Module) -> bool:
+    return any(is_meta(t) for t in (*model.parameters(), *model.buffers()))
+
+
+def meta_non_persistent_buffers(model: nn.Module) -> list[str]:
+    out = []
+    for mod_name, mod in model.named_modules():
+        for name in getattr(mod, "_non_persistent_buffers_set", ()):
+            buf = mod._buffers.get(name)
+            if buf is not None and is_meta(buf):
+                out.append(f"{mod_name}.{name}" if mod_name else name)
+    return out
+
+
+def choose_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            kind = p.device_mesh.device_type
+            if kind == "cpu":
+                return torch.device("cpu")
+            mod = getattr(torch, kind, None)
+            index = mod.current_device() if mod is not None and hasattr(mod, "current_device") else 0
+            return torch.device(kind, index)
+    return torch.device("cpu")
+
+
+def check_buffers(model: nn.Module, init_buffers: InitFn | None) -> None:
+    """Raise (before any change) if materialising would leave buffers without values."""
+    if init_buffers is not None or callable(getattr(model, "init_weights", None)):
+        return
+    bufs = meta_non_persistent_buffers(model)
+    if bufs:
+        from .keyruns import compress
+
+        raise SdadaptError(
+            f"non-persistent buffers {', '.join(compress(bufs))} are on the meta device and not in "
+            "the state dict, so nothing would give them values after materialising. Pass "
+            "init_buffers=fn (called after to_empty, before reading), or give the model an "
+            "init_weights() method that computes them."
+        )
+
+
+def materialize(model: nn.Module, device: torch.device, init_buffers: InitFn | None) -> bool:
+    """``to_empty`` on ``device`` if anything is on meta, then run the buffer hook. Returns
+    whether the model was materialised."""
+    if not has_meta(model):
+        return False
+    model.to_empty(device=device)
+    if init_buffers is not None:
+        init_buffers(model)
+    elif callable(getattr(model, "init_weights", None)):
+        with torch.no_grad():
+            model.init_weights()
+    return True

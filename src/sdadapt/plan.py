@@ -1,0 +1,167 @@
+"""Adapter + source schema + target schema -> Plan (target key -> recipe) + Report.
+
+Planning reads headers only. It is deterministic, so every rank builds the same plan and
+reaches the same verdict without talking to the others.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .adapter import Adapter
+from .nodes import Leaf, Node
+from .patterns import compile_pattern, matches_any
+from .report import Mismatch, Report, RuleIssue
+from .sources.base import TensorInfo, dtype_name
+
+
+class PlanContext:
+    """The working set rules act on: current key -> Node, plus bookkeeping for the report."""
+
+    def __init__(
+        self,
+        schema: dict[str, TensorInfo],
+        non_tensor: list[str],
+        target: dict[str, TensorInfo] | None,
+        adapter: Adapter,
+    ):
+        self.env: dict[str, Node] = {k: Leaf(k, i.shape, i.dtype) for k, i in schema.items()}
+        self.non_tensor: set[str] = set(non_tensor)
+        self.target = target
+        self.adapter = adapter
+        self.born: dict[str, int] = dict.fromkeys(self.env, -1)
+        self.taken: dict[str, Node] = {}
+        self.consumed: list[tuple[str, int]] = []  # (key, index of the rule that took it)
+        self.matches = [0] * len(adapter.rules)
+        self.issues: list[RuleIssue] = []
+        self.dropped: list[str] = []
+
+    # --- used by rules -------------------------------------------------------------
+    def keys(self, include_non_tensor: bool = False) -> list[str]:
+        ks = list(self.env)
+        return ks + sorted(self.non_tensor) if include_non_tensor else ks
+
+    def has(self, key: str) -> bool:
+        return key in self.env
+
+    def get(self, key: str) -> Node:
+        return self.env[key]
+
+    def mark(self, index: int) -> None:
+        self.matches[index] += 1
+
+    def take(self, key: str, index: int) -> Node:
+        node = self.env.pop(key)
+        self.taken[key] = node
+        self.consumed.append((key, index))
+        self.mark(index)
+        return node
+
+    def put(self, key: str, node: Node, index: int, origin: str | list[str]) -> None:
+        if key in self.env:
+            self.issue(index, key, f"would overwrite {key!r}, which already exists; the rules collide")
+            return
+        self.env[key] = node
+        self.born[key] = index
+
+    def replace(self, key: str, node: Node) -> None:
+        self.env[key] = node
+
+    def drop(self, key: str, index: int) -> None:
+        if key in self.non_tensor:
+            self.non_tensor.discard(key)
+        else:
+            self.env.pop(key)
+        self.dropped.append(key)
+        self.consumed.append((key, index))
+        self.mark(index)
+
+    def issue(self, index: int, key: str | None, message: str) -> None:
+        self.issues.append(
+            RuleIssue(rule=self.adapter.rules[index].label(), index=index, key=key, message=message)
+        )
+        self.mark(index)
+
+    # --- after all rules -------------------------------------------------------------
+    def check_ambiguity(self) -> None:
+        """A key taken by rule i must not also match a later key-moving rule j."""
+        rules = self.adapter.rules
+        later = [(j, [compile_pattern(p) for p in r.input_patterns()]) for j, r in enumerate(rules) if r.moves_keys]
+        for key, i in self.consumed:
+            for j, pats in later:
+                if j > i and any(p.match(key) is not None for p in pats):
+                    self.issue(
+                        j,
+                        key,
+                        f"also matches this key, which rule #{i} {rules[i].label()} took first; "
+                        "make the patterns disjoint",
+                    )
+
+
+@dataclass
+class Plan:
+    """What to load: ``recipes[target_key]`` makes that tensor from source regions."""
+
+    recipes: dict[str, Node]
+    report: Report
+    target: dict[str, TensorInfo]
+    skipped: list[str] = field(default_factory=list)  # allowed-missing target keys (left as they are)
+
+
+def build_plan(
+    source: dict[str, TensorInfo],
+    target: dict[str, TensorInfo],
+    adapter: Adapter | None = None,
+    *,
+    non_tensor: list[str] | None = None,
+    allow_missing: list[str] | None = None,
+    allow_unexpected: list[str] | None = None,
+    source_name: str = "checkpoint",
+    target_name: str = "model",
+) -> Plan:
+    adapter = adapter or Adapter([], name="identity")
+    ctx = PlanContext(source, non_tensor or [], target, adapter)
+    for i, rule in enumerate(adapter.rules):
+        rule.apply(ctx, i)
+    ctx.check_ambiguity()
+
+    allow_missing = allow_missing or []
+    allow_unexpected = allow_unexpected or []
+    report = Report(
+        source=source_name,
+        target=target_name,
+        adapter=adapter.name if adapter.rules else None,
+        source_keys=len(source) + len(non_tensor or []),
+        target_keys=len(target),
+        rule_issues=ctx.issues,
+        unused_rules=[f"#{i} {r.label()}" for i, r in enumerate(adapter.rules) if ctx.matches[i] == 0],
+        dropped=sorted(ctx.dropped),
+    )
+    recipes: dict[str, Node] = {}
+    skipped: list[str] = []
+    for key, want in target.items():
+        node = ctx.env.get(key)
+        if node is None:
+            if matches_any(allow_missing, key):
+                report.allowed_missing.append(key)
+                skipped.append(key)
+            else:
+                report.missing.append(key)
+            continue
+        if tuple(node.shape) != tuple(want.shape):
+            report.shape_mismatch.append(
+                Mismatch(key=key, model=str(list(want.shape)), checkpoint=str(list(node.shape)), recipe=node.describe())
+            )
+        elif node.dtype != want.dtype:
+            report.dtype_mismatch.append(
+                Mismatch(key=key, model=dtype_name(want.dtype), checkpoint=dtype_name(node.dtype), recipe=node.describe())
+            )
+        else:
+            recipes[key] = node
+    for key in ctx.env:
+        if key not in target:
+            (report.allowed_unexpected if matches_any(allow_unexpected, key) else report.unexpected).append(key)
+    for key in sorted(ctx.non_tensor):
+        (report.allowed_unexpected if matches_any(allow_unexpected, key) else report.non_tensor).append(key)
+    report.matched = len(recipes)
+    return Plan(recipes=recipes, report=report, target=target, skipped=skipped)

@@ -1,0 +1,142 @@
+"""The Report: everything that does not line up between a checkpoint and a model.
+
+Pydantic models, so a report serialises (``report.model_dump_json()``) and prints
+(``print(report)``) with runs of keys compressed and nearest-name suggestions.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import defaultdict
+
+from pydantic import BaseModel
+
+from .keyruns import compress
+
+
+class Mismatch(BaseModel):
+    key: str
+    model: str  # what the model wants (shape or dtype)
+    checkpoint: str  # what the checkpoint + adapter give
+    recipe: str  # how the value is made, e.g. "cat([q, k, v], dim=0)"
+
+
+class RuleIssue(BaseModel):
+    rule: str
+    index: int
+    key: str | None = None
+    message: str
+
+
+class Report(BaseModel):
+    source: str
+    target: str
+    adapter: str | None = None
+    source_keys: int = 0
+    target_keys: int = 0
+    matched: int = 0
+    missing: list[str] = []
+    unexpected: list[str] = []
+    shape_mismatch: list[Mismatch] = []
+    dtype_mismatch: list[Mismatch] = []
+    rule_issues: list[RuleIssue] = []
+    unused_rules: list[str] = []
+    non_tensor: list[str] = []
+    allowed_missing: list[str] = []
+    allowed_unexpected: list[str] = []
+    dropped: list[str] = []
+
+    @property
+    def problems(self) -> int:
+        return (
+            len(self.missing)
+            + len(self.unexpected)
+            + len(self.shape_mismatch)
+            + len(self.dtype_mismatch)
+            + len(self.rule_issues)
+            + len(self.unused_rules)
+            + len(self.non_tensor)
+        )
+
+    @property
+    def ok(self) -> bool:
+        return self.problems == 0
+
+    def suggestions(self) -> dict[str, str]:
+        """Compressed missing key -> closest compressed unexpected key."""
+        if not self.missing or not self.unexpected:
+            return {}
+        pool = compress(self.unexpected)
+        out = {}
+        for m in compress(self.missing):
+            near = difflib.get_close_matches(m, pool, n=1, cutoff=0.6)
+            if near:
+                out[m] = near[0]
+        return out
+
+    def format(self, max_rows: int = 12) -> str:
+        lines = [f"source {self.source}", f"target {self.target}"]
+        if self.adapter:
+            lines.append(f"adapter {self.adapter}")
+        lines.append(
+            f"{self.matched} of {self.target_keys} model keys matched "
+            f"({self.source_keys} checkpoint keys); {self.problems} problem(s)"
+        )
+
+        def section(title: str, rows: list[str], count: int) -> None:
+            if not rows:
+                return
+            lines.append(f"{title} ({count}):")
+            for r in rows[:max_rows]:
+                lines.append(f"  {r}")
+            if len(rows) > max_rows:
+                lines.append(f"  ... and {len(rows) - max_rows} more rows")
+
+        hints = self.suggestions()
+        section(
+            "missing: the model has these, the checkpoint + adapter do not give them",
+            [m + (f"    <- did you mean {hints[m]}?" if m in hints else "") for m in compress(self.missing)],
+            len(self.missing),
+        )
+        section(
+            "unexpected: the checkpoint has these, the model does not (drop them or map them)",
+            compress(self.unexpected),
+            len(self.unexpected),
+        )
+        section("not tensors (drop them, or pick a subtree)", compress(self.non_tensor), len(self.non_tensor))
+        for title, items, hint in (
+            ("shape mismatch", self.shape_mismatch, ""),
+            ("dtype mismatch", self.dtype_mismatch, "; add a cast rule if the conversion is intended"),
+        ):
+            groups: dict[tuple[str, str], list[Mismatch]] = defaultdict(list)
+            for mm in items:
+                groups[(mm.model, mm.checkpoint)].append(mm)
+            rows = [
+                f"{k}: model {want}, checkpoint gives {got} (from {ms[0].recipe}){hint}"
+                for (want, got), ms in groups.items()
+                for k in compress([m.key for m in ms])
+            ]
+            section(title, rows, len(items))
+        issue_groups: dict[tuple[int, str, str], list[str]] = defaultdict(list)
+        for it in self.rule_issues:
+            issue_groups[(it.index, it.rule, it.message)].append(it.key or "")
+        section(
+            "rule problems",
+            [
+                f"#{i} {rule}: " + (f"{', '.join(compress([k for k in ks if k]))}: " if any(ks) else "") + msg
+                for (i, rule, msg), ks in issue_groups.items()
+            ],
+            len(self.rule_issues),
+        )
+        section("rules that matched nothing", self.unused_rules, len(self.unused_rules))
+        if self.dropped:
+            lines.append(f"dropped by rules: {len(self.dropped)} key(s)")
+        if self.allowed_missing or self.allowed_unexpected:
+            lines.append(
+                f"allowed: {len(self.allowed_missing)} missing and {len(self.allowed_unexpected)} unexpected key(s)"
+            )
+        lines.append("OK: checkpoint and model line up" if self.ok else f"NOT OK: {self.problems} problem(s)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()

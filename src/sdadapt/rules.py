@@ -1,0 +1,333 @@
+"""Typed rules: the steps an :class:`~sdadapt.Adapter` applies to a checkpoint's keys.
+
+A rule is plain data (a pydantic model, serialisable to JSON). Applied to a plan's working
+set of ``key -> Node`` it matches whole keys with :mod:`sdadapt.patterns` and replaces the
+matched entries with new nodes, so that shapes, dtypes and region mappings follow from the
+nodes (see :mod:`sdadapt.nodes`). Each rule also states its inverse, so one adapter serves
+both loading and exporting.
+
+Two kinds of rules:
+
+- *key-moving* rules (rename, fuse, split, drop, ...) take keys away. A key may be taken by
+  one such rule only: if a later key-moving rule would also match it, the plan reports the
+  two rules as ambiguous instead of silently letting the first win;
+- *value* rules (cast, ...) keep the key and change its value; they apply in order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .errors import AdapterError
+from .nodes import Cast as CastNode
+from .nodes import Concat, Narrow, Node
+from .patterns import check_output_pattern, compile_pattern
+
+if TYPE_CHECKING:
+    from .plan import PlanContext
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    dt = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise AdapterError(f"unknown dtype {name!r}; use a torch dtype name such as 'bfloat16' or 'float32'")
+    return dt
+
+
+def _dtype_str(v: object) -> str:
+    return str(parse_dtype(v)).removeprefix("torch.")  # type: ignore[arg-type]
+
+
+class RuleBase(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    moves_keys: ClassVar[bool] = True
+
+    def input_patterns(self) -> list[str]:
+        raise NotImplementedError
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        raise NotImplementedError
+
+    def inverse(self) -> list["Rule"]:
+        raise NotImplementedError
+
+    def label(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in self.model_dump(exclude={"kind"}).items() if v is not None)
+        return f"{self.kind}({fields})"  # type: ignore[attr-defined]
+
+
+class Rename(RuleBase):
+    """``src`` keys become ``dst`` keys: ``Rename(src="model.layers.{i}.mlp.up_proj.weight",
+    dst="layers.{i}.feed_forward.w3.weight")``."""
+
+    kind: Literal["rename"] = "rename"
+    src: str
+    dst: str
+
+    @model_validator(mode="after")
+    def _check(self) -> "Rename":
+        check_output_pattern(self.src, self.dst)
+        check_output_pattern(self.dst, self.src)  # invertible: same captures both ways
+        return self
+
+    def input_patterns(self) -> list[str]:
+        return [self.src]
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        pat, out = compile_pattern(self.src), compile_pattern(self.dst)
+        moved: list[tuple[str, str]] = []
+        for key in ctx.keys():
+            caps = pat.match(key)
+            if caps is not None:
+                moved.append((key, out.format(caps)))
+        for old, new in moved:
+            ctx.take(old, index)
+        for old, new in moved:
+            ctx.put(new, ctx.taken[old], index, origin=old)
+
+    def inverse(self) -> list["Rule"]:
+        return [Rename(src=self.dst, dst=self.src)]
+
+
+class Fuse(RuleBase):
+    """Concatenate ``srcs`` along ``dim`` into ``dst`` (e.g. q, k, v -> qkv). Parts may differ
+    in size along ``dim`` (GQA). ``sizes`` is optional; it lets the inverse split run without
+    a target schema."""
+
+    kind: Literal["fuse"] = "fuse"
+    srcs: list[str]
+    dst: str
+    dim: int = 0
+    sizes: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "Fuse":
+        if len(self.srcs) < 2:
+            raise AdapterError(f"fuse into {self.dst!r} needs at least two source patterns, got {self.srcs}")
+        names = [set(compile_pattern(s).names) for s in self.srcs]
+        if any(n != names[0] for n in names):
+            raise AdapterError(f"fuse into {self.dst!r}: all source patterns must capture the same names, got {self.srcs}")
+        check_output_pattern(self.srcs[0], self.dst)
+        if self.sizes is not None and len(self.sizes) != len(self.srcs):
+            raise AdapterError(f"fuse into {self.dst!r}: {len(self.sizes)} sizes for {len(self.srcs)} sources")
+        return self
+
+    def input_patterns(self) -> list[str]:
+        return list(self.srcs)
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        first, out = compile_pattern(self.srcs[0]), compile_pattern(self.dst)
+        others = [compile_pattern(s) for s in self.srcs[1:]]
+        for key in ctx.keys():
+            caps = first.match(key)
+            if caps is None:
+                continue
+            names = [key] + [p.format(caps) for p in others]
+            absent = [n for n in names if not ctx.has(n)]
+            dst = out.format(caps)
+            if absent:
+                ctx.issue(index, dst, f"found {key!r} but not {', '.join(map(repr, absent))}")
+                continue
+            parts = [ctx.get(n) for n in names]
+            problem = _concat_problem(parts, names, self.dim, self.sizes)
+            if problem:
+                ctx.issue(index, dst, problem)
+                continue
+            dim = self.dim % len(parts[0].shape)
+            for n in names:
+                ctx.take(n, index)
+            ctx.put(dst, Concat(tuple(parts), dim), index, origin=names)
+
+    def inverse(self) -> list["Rule"]:
+        return [Split(src=self.dst, dsts=list(self.srcs), dim=self.dim, sizes=self.sizes)]
+
+
+def _concat_problem(parts: list[Node], names: list[str], dim: int, sizes: list[int] | None) -> str | None:
+    nd = len(parts[0].shape)
+    if not -nd <= dim < nd:
+        return f"dim {dim} is out of range for {names[0]!r} of shape {list(parts[0].shape)}"
+    d = dim % nd
+    for n, p in zip(names, parts):
+        if len(p.shape) != nd or p.shape[:d] + p.shape[d + 1 :] != parts[0].shape[:d] + parts[0].shape[d + 1 :]:
+            shapes = ", ".join(f"{m}{list(q.shape)}" for m, q in zip(names, parts))
+            return f"shapes do not fit together along dim {dim}: {shapes}"
+        if p.dtype != parts[0].dtype:
+            return f"dtypes differ: {names[0]!r} is {parts[0].dtype}, {n!r} is {p.dtype}; cast first"
+    if sizes is not None and [p.shape[d] for p in parts] != list(sizes):
+        return f"declared sizes {sizes} but the parts have {[p.shape[d] for p in parts]} along dim {dim}"
+    return None
+
+
+class Split(RuleBase):
+    """Cut ``src`` along ``dim`` into ``dsts`` (e.g. qkv -> q, k, v). ``sizes`` may be omitted:
+    then they come from the target schema when it has every ``dst``, else equal parts."""
+
+    kind: Literal["split"] = "split"
+    src: str
+    dsts: list[str]
+    dim: int = 0
+    sizes: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "Split":
+        if len(self.dsts) < 2:
+            raise AdapterError(f"split of {self.src!r} needs at least two destination patterns, got {self.dsts}")
+        for d in self.dsts:
+            check_output_pattern(self.src, d)
+        if self.sizes is not None:
+            if len(self.sizes) != len(self.dsts):
+                raise AdapterError(f"split of {self.src!r}: {len(self.sizes)} sizes for {len(self.dsts)} destinations")
+            if any(s < 0 for s in self.sizes):
+                raise AdapterError(f"split of {self.src!r}: sizes must be >= 0, got {self.sizes}")
+        return self
+
+    def input_patterns(self) -> list[str]:
+        return [self.src]
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        pat = compile_pattern(self.src)
+        outs = [compile_pattern(d) for d in self.dsts]
+        for key in ctx.keys():
+            caps = pat.match(key)
+            if caps is None:
+                continue
+            node = ctx.get(key)
+            dsts = [o.format(caps) for o in outs]
+            nd = len(node.shape)
+            if not -nd <= self.dim < nd:
+                ctx.issue(index, key, f"dim {self.dim} is out of range for shape {list(node.shape)}")
+                continue
+            d = self.dim % nd
+            total = node.shape[d]
+            sizes = self._sizes(ctx, dsts, d, total)
+            if isinstance(sizes, str):
+                ctx.issue(index, key, sizes)
+                continue
+            ctx.take(key, index)
+            start = 0
+            for dst, size in zip(dsts, sizes):
+                ctx.put(dst, Narrow(node, d, start, size), index, origin=key)
+                start += size
+
+    def _sizes(self, ctx: "PlanContext", dsts: list[str], d: int, total: int) -> list[int] | str:
+        if self.sizes is not None:
+            sizes = list(self.sizes)
+            how = "declared"
+        elif ctx.target is not None and all(k in ctx.target and len(ctx.target[k].shape) > d for k in dsts):
+            sizes = [ctx.target[k].shape[d] for k in dsts]
+            how = "taken from the target"
+        elif total % len(dsts) == 0:
+            return [total // len(dsts)] * len(dsts)
+        else:
+            return (
+                f"cannot split {total} along dim {d} into {len(dsts)} equal parts and the target does "
+                f"not give the sizes; pass sizes=[...] to the split rule"
+            )
+        if sum(sizes) != total:
+            return f"sizes {sizes} ({how}) add up to {sum(sizes)}, but dim {d} has {total}"
+        return sizes
+
+    def inverse(self) -> list["Rule"]:
+        return [Fuse(srcs=list(self.dsts), dst=self.src, dim=self.dim, sizes=self.sizes)]
+
+
+class Cast(RuleBase):
+    """Convert matched tensors to ``dtype`` (optionally only those stored as ``from_dtype``).
+    Dtype changes are never silent: without a cast rule a dtype mismatch is a problem."""
+
+    moves_keys: ClassVar[bool] = False
+    kind: Literal["cast"] = "cast"
+    keys: str = "**"
+    dtype: str
+    from_dtype: str | None = None
+
+    @field_validator("dtype", "from_dtype", mode="before")
+    @classmethod
+    def _norm(cls, v: object) -> str | None:
+        return None if v is None else _dtype_str(v)
+
+    def input_patterns(self) -> list[str]:
+        return [self.keys]
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        pat = compile_pattern(self.keys)
+        to = parse_dtype(self.dtype)
+        only = parse_dtype(self.from_dtype) if self.from_dtype else None
+        for key in ctx.keys():
+            if pat.match(key) is None:
+                continue
+            node = ctx.get(key)
+            if only is not None and node.dtype != only:
+                continue
+            ctx.mark(index)
+            if node.dtype != to:
+                ctx.replace(key, CastNode(node, to))
+
+    def inverse(self) -> list["Rule"]:
+        if self.from_dtype is None:
+            raise AdapterError(
+                f"{self.label()} cannot be inverted: it does not say which dtype it converts from; "
+                "give from_dtype=..."
+            )
+        return [Cast(keys=self.keys, dtype=self.from_dtype, from_dtype=self.dtype)]
+
+
+class Drop(RuleBase):
+    """Source keys deliberately ignored (rotary caches, optimizer entries...)."""
+
+    kind: Literal["drop"] = "drop"
+    keys: str
+
+    def input_patterns(self) -> list[str]:
+        return [self.keys]
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        pat = compile_pattern(self.keys)
+        for key in ctx.keys(include_non_tensor=True):
+            if pat.match(key) is not None:
+                ctx.drop(key, index)
+
+    def inverse(self) -> list["Rule"]:
+        return []  # dropped data cannot come back; the export simply lacks it
+
+
+class Tie(RuleBase):
+    """Fill ``dst`` from ``src`` when the checkpoint lacks ``dst`` (tied embeddings:
+    ``Tie(dst="output.weight", src="tok_embeddings.weight")``). ``src`` stays too."""
+
+    moves_keys: ClassVar[bool] = False
+    kind: Literal["tie"] = "tie"
+    dst: str
+    src: str
+
+    @model_validator(mode="after")
+    def _check(self) -> "Tie":
+        check_output_pattern(self.src, self.dst)
+        return self
+
+    def input_patterns(self) -> list[str]:
+        return [self.src]
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        pat, out = compile_pattern(self.src), compile_pattern(self.dst)
+        for key in ctx.keys():
+            caps = pat.match(key)
+            if caps is None:
+                continue
+            ctx.mark(index)
+            dst = out.format(caps)
+            if ctx.has(dst) or (ctx.target is not None and dst not in ctx.target):
+                continue  # the checkpoint holds it already, or the model does not want it
+            ctx.put(dst, ctx.get(key), index, origin=key)
+
+    def inverse(self) -> list["Rule"]:
+        return []  # exporting keeps dst: a checkpoint holding it loads with or without the tie
+
+
+Rule = Annotated[Rename | Fuse | Split | Cast | Drop | Tie, Field(discriminator="kind")]

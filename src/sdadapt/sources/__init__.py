@@ -1,0 +1,49 @@
+"""Checkpoint sources: open a path, get its schema from headers, read regions lazily."""
+
+from __future__ import annotations
+
+import os
+
+from ..errors import SourceError
+from .base import Source, TensorInfo, dtype_name
+from .hf_sharded import INDEX_NAME, HFShardedSource
+from .safetensors_file import SafetensorsFile
+from .torch_save import TorchSaveFile
+
+__all__ = ["Source", "TensorInfo", "dtype_name", "open_source", "SafetensorsFile", "HFShardedSource", "TorchSaveFile"]
+
+
+def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = None) -> Source:
+    """Open a checkpoint by path and read its schema (headers only).
+
+    - a ``.safetensors`` file; a folder with ``model.safetensors.index.json`` (HF sharded) or a
+      single ``model.safetensors``; an ``*.index.json`` file;
+    - a ``torch.save`` zip file (any other file); ``subtree="model"`` selects a nested dict.
+    """
+    if isinstance(path, Source):
+        return path
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise SourceError("no such file or folder", path=p)
+    if os.path.isdir(p):
+        if os.path.isfile(os.path.join(p, INDEX_NAME)):
+            return HFShardedSource(p)
+        if os.path.isfile(os.path.join(p, "model.safetensors")):
+            return SafetensorsFile(os.path.join(p, "model.safetensors"))
+        if os.path.isfile(os.path.join(p, ".metadata")):
+            from .dcp_dir import DCPSource  # noqa: PLC0415 - optional path
+
+            return DCPSource(p)
+        names = sorted(os.listdir(p))[:8]
+        raise SourceError(
+            f"folder holds no checkpoint sdadapt knows ({INDEX_NAME}, model.safetensors or a DCP "
+            f".metadata); it has {names}. Pass the checkpoint file itself",
+            path=p,
+        )
+    if p.endswith(".index.json"):
+        return HFShardedSource(os.path.dirname(p) or ".", index_path=p)
+    if os.path.getsize(p) == 0:
+        raise SourceError("empty file", path=p)
+    if p.endswith(".safetensors"):
+        return SafetensorsFile(p)
+    return TorchSaveFile(p, subtree=subtree)

@@ -1,0 +1,71 @@
+"""What every checkpoint source offers: a schema read from headers, and region reads."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from ..nodes import Box
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Global shape and dtype of one tensor (of a source or of a target)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    placements: str | None = None  # target only: e.g. "(Shard(dim=0), Replicate())"
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(a, b) for a, b in box)
+
+
+class Source(abc.ABC):
+    """A checkpoint opened for lazy reading.
+
+    ``schema`` maps each tensor key to its :class:`TensorInfo` (read from headers only);
+    ``non_tensor`` lists keys whose values are not tensors (ints, strings...).
+    ``read(key, box)`` returns that region; it may be a view of mapped file memory, so
+    copy it before the source is closed.
+    """
+
+    path: str
+    schema: dict[str, TensorInfo]
+    non_tensor: list[str]
+
+    @abc.abstractmethod
+    def read(self, key: str, box: Box) -> torch.Tensor: ...
+
+    def file_of(self, key: str) -> str:
+        """The file that holds ``key`` (for error messages)."""
+        return self.path
+
+    @property
+    def kind(self) -> str:
+        return type(self).__name__
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        pass
+
+    def __enter__(self) -> "Source":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{self.kind}({self.path!r}, {len(self.schema)} tensors)"

@@ -1,0 +1,92 @@
+"""HF sharded safetensors: a folder whose ``model.safetensors.index.json`` maps keys to files.
+
+We follow the index, never a glob of the folder, and refuse entries that leave the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from ..errors import SourceError
+from ..nodes import Box
+from .base import Source
+from .safetensors_file import SafetensorsFile
+
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def _safe_member(folder: str, name: object, index_path: str) -> str:
+    real_folder = os.path.realpath(folder)
+    if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+        raise SourceError(
+            f"index names shard {name!r}, which is not a plain file name inside the folder; "
+            "refusing to read outside the checkpoint folder",
+            path=index_path,
+        )
+    full = os.path.join(folder, name)
+    real = os.path.realpath(full)
+    if os.path.commonpath([real, real_folder]) != real_folder:
+        raise SourceError(
+            f"index names shard {name!r}, which resolves to {real} outside the checkpoint folder "
+            "(a symlink?); refusing to read it",
+            path=index_path,
+        )
+    if not os.path.isfile(real):
+        raise SourceError(f"index names shard {name!r}, which does not exist; the download is incomplete", path=index_path)
+    return full
+
+
+class HFShardedSource(Source):
+    """A folder with ``model.safetensors.index.json`` (or another ``*.index.json``)."""
+
+    def __init__(self, folder: str, index_path: str | None = None):
+        self.path = folder
+        index_path = index_path or os.path.join(folder, INDEX_NAME)
+        self.index_path = index_path
+        try:
+            with open(index_path, "rb") as f:
+                index = json.load(f)
+        except OSError as e:
+            raise SourceError(f"cannot read index: {e.strerror or e}", path=index_path) from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SourceError(f"corrupt index (not valid JSON: {e})", path=index_path) from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise SourceError("index has no 'weight_map' object", path=index_path)
+        self._files: dict[str, SafetensorsFile] = {}
+        self._key_file: dict[str, SafetensorsFile] = {}
+        for key, name in weight_map.items():
+            sf = self._files.get(name)
+            if sf is None:
+                sf = self._files[name] = SafetensorsFile(_safe_member(folder, name, index_path))
+            self._key_file[key] = sf
+        self.schema = {}
+        for key, sf in self._key_file.items():
+            info = sf.schema.get(key)
+            if info is None:
+                raise SourceError(f"index maps {key!r} to this shard, but the shard has no such tensor", path=sf.path)
+            self.schema[key] = info
+        seen: dict[str, str] = {}
+        for sf in self._files.values():
+            for key in sf.schema:
+                if key in seen and seen[key] != sf.path:
+                    raise SourceError(
+                        f"key {key!r} is stored in two shards ({seen[key]} and {sf.path}); the checkpoint is ambiguous",
+                        path=index_path,
+                    )
+                seen[key] = sf.path
+        self.non_tensor = []
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        return self._key_file[key].read(key, box)
+
+    def file_of(self, key: str) -> str:
+        sf = self._key_file.get(key)
+        return sf.path if sf is not None else self.index_path
+
+    def close(self) -> None:
+        for sf in self._files.values():
+            sf.close()

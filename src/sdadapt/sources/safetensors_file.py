@@ -1,0 +1,168 @@
+"""safetensors files, read through our own header parser and one read-only mmap.
+
+The header is validated in full before any tensor is exposed: known dtypes, offsets inside
+the data area, sizes that agree with shapes, no overlaps. Tensors are zero-copy views of
+the mapping, so a region read touches only the pages it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import warnings
+
+import torch
+
+from ..errors import SourceError
+from ..nodes import Box
+from .base import Source, TensorInfo, slices
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _attr):
+        DTYPES[_name] = getattr(torch, _attr)
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def read_header(path: str) -> tuple[dict[str, tuple[TensorInfo, int, int]], dict[str, str], int]:
+    """Parse and validate a safetensors header.
+
+    Returns ``(entries, metadata, data_start)`` where entries map key -> (info, begin, end)
+    with byte offsets relative to the data area.
+    """
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise SourceError(
+                    f"not a safetensors file: {size} bytes, shorter than the 8-byte header length",
+                    path=path,
+                )
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise SourceError(
+                    f"corrupt or truncated safetensors file: header length {n} does not fit "
+                    f"the file size {size} (limit {MAX_HEADER_BYTES})",
+                    path=path,
+                )
+            raw = f.read(n)
+    except OSError as e:
+        raise SourceError(f"cannot read: {e.strerror or e}", path=path) from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SourceError(f"corrupt safetensors header (not valid JSON: {e})", path=path) from None
+    if not isinstance(header, dict):
+        raise SourceError("corrupt safetensors header: not a JSON object", path=path)
+    data_start = 8 + n
+    data_len = size - data_start
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise SourceError("corrupt safetensors header: __metadata__ is not an object", path=path)
+    entries: dict[str, tuple[TensorInfo, int, int]] = {}
+    spans = []
+    for key, e in header.items():
+        if not isinstance(e, dict) or set(e) - {"dtype", "shape", "data_offsets"} or len(e) != 3:
+            raise SourceError("corrupt safetensors header entry (needs dtype, shape, data_offsets)", path=path, key=key)
+        dt, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
+        if dt not in DTYPES:
+            raise SourceError(f"unsupported dtype {dt!r}; known: {', '.join(DTYPES)}", path=path, key=key)
+        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+            raise SourceError(f"corrupt shape {shape!r}", path=path, key=key)
+        if (
+            not isinstance(offs, list)
+            or len(offs) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+        ):
+            raise SourceError(f"corrupt data_offsets {offs!r}", path=path, key=key)
+        begin, end = offs
+        info = TensorInfo(tuple(shape), DTYPES[dt])
+        if not 0 <= begin <= end <= data_len:
+            raise SourceError(
+                f"data_offsets [{begin}, {end}] point outside the data area of {data_len} bytes "
+                "(truncated or corrupt file; download it again)",
+                path=path,
+                key=key,
+            )
+        if end - begin != info.nbytes:
+            raise SourceError(
+                f"data_offsets span {end - begin} bytes but shape {list(shape)} of {dt} needs {info.nbytes}",
+                path=path,
+                key=key,
+            )
+        entries[key] = (info, begin, end)
+        spans.append((begin, end, key))
+    spans.sort()
+    for (b0, e0, k0), (b1, e1, k1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise SourceError(f"tensors {k0!r} and {k1!r} overlap in the data area (corrupt header)", path=path)
+    return entries, metadata, data_start
+
+
+class SafetensorsFile(Source):
+    """One ``.safetensors`` file."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._entries, self.metadata, self._data_start = read_header(path)
+        self.schema = {k: info for k, (info, _, _) in self._entries.items()}
+        self.non_tensor = []
+        self._buf: torch.Tensor | None = None
+        self._mm: mmap.mmap | None = None
+        self._views: dict[str, torch.Tensor] = {}
+
+    def _buffer(self) -> torch.Tensor:
+        if self._buf is None:
+            with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_size == 0:
+                    return torch.empty(0, dtype=torch.uint8)
+                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only buffer: we never write through it
+                self._buf = torch.frombuffer(self._mm, dtype=torch.uint8)
+        return self._buf
+
+    def tensor(self, key: str) -> torch.Tensor:
+        """The whole tensor as a zero-copy view of the mapped file."""
+        t = self._views.get(key)
+        if t is None:
+            info, begin, end = self._entries[key]
+            buf = self._buffer()
+            if len(buf) < self._data_start + end:
+                raise SourceError(
+                    "file shrank since its header was read (being written?); try again when it is complete",
+                    path=self.path,
+                    key=key,
+                )
+            raw = buf[self._data_start + begin : self._data_start + end]
+            if info.dtype.itemsize > 1 and raw.storage_offset() % info.dtype.itemsize:
+                raw = raw.clone()  # unaligned data: copy once rather than fail
+            t = raw.view(info.dtype).view(info.shape) if info.shape else raw.view(info.dtype).reshape(())
+            self._views[key] = t
+        return t
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        return self.tensor(key)[slices(box)]
+
+    def close(self) -> None:
+        self._views.clear()
+        self._buf = None
+        self._mm = None  # closed by GC once no view refers to it

@@ -1,0 +1,33 @@
+"""The target schema: what the (possibly meta, possibly parallelised) model wants."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from .sources.base import TensorInfo
+
+
+def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``get_model_state_dict(model)`` restricted to tensors (DTensors stay sharded)."""
+    sd = get_model_state_dict(model)
+    return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+
+
+def schema_of(state_dict: dict[str, torch.Tensor]) -> dict[str, TensorInfo]:
+    out = {}
+    for k, t in state_dict.items():
+        placements = str(tuple(t.placements)) if isinstance(t, DTensor) else None
+        out[k] = TensorInfo(tuple(t.shape), t.dtype, placements)
+    return out
+
+
+def is_meta(t: torch.Tensor) -> bool:
+    return (t._local_tensor if isinstance(t, DTensor) else t).is_meta
+
+
+def local_nbytes(t: torch.Tensor) -> int:
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
