@@ -1,0 +1,54 @@
+"""The ``sdadapt`` command line (also ``python -m sdadapt``).
+
+Each subcommand is a module of :mod:`sdadapt.commands` with ``NAME``, ``HELP``,
+``add_arguments(parser)`` and ``run(args) -> int``. Exit codes: 0 fine, 1 problems found,
+2 usage errors (bad arguments, unreadable input).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import pkgutil
+import sys
+
+from . import commands
+from .errors import SdadaptError
+
+
+def _command_modules() -> list:
+    mods = [importlib.import_module(f"{commands.__name__}.{m.name}") for m in pkgutil.iter_modules(commands.__path__)]
+    return sorted((m for m in mods if hasattr(m, "run")), key=lambda m: m.NAME)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sdadapt", description="Load, compare and convert checkpoints across layouts.")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for mod in _command_modules():
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "_run", None):
+        parser.print_help()
+        return 2
+    logging.basicConfig(
+        level=[logging.WARNING, logging.INFO, logging.DEBUG][min(args.verbose, 2)],
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args._run(args))
+    except SdadaptError as e:
+        print(f"sdadapt {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of the ``sdadapt`` CLI, one module each (see :mod:`sdadapt.cli`)."""

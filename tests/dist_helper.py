@@ -1,0 +1,160 @@
+"""Run a function on N real processes (gloo on CPU), with a timeout so a hang fails fast.
+
+    results = run_distributed(my_cases, world_size=4, some_arg)
+
+``fn`` must be a module-level function of an importable module (a test module is fine: the
+tests folder is put on the workers' path). Each worker initialises the default process group
+(gloo, 127.0.0.1), calls ``fn(*args, **kwargs)`` and returns its value; the caller gets the
+list of values by rank. If any rank raises, :class:`WorkerError` carries every rank's
+traceback; if any rank does not finish within ``timeout`` s, all are killed and the call
+fails naming the ranks that hung. Process start costs seconds on 2 cores: let one launched
+group run many cases and return a dict of results.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TESTS_DIR = Path(__file__).resolve().parent
+SRC_DIR = TESTS_DIR.parent / "src"
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+    mro: list[str]
+
+
+class WorkerError(AssertionError):
+    def __init__(self, failures: list[RankFailure], logs: str):
+        self.failures = failures
+        text = "\n".join(f"--- rank {f.rank}: {f.type_name}: {f.message}\n{f.traceback}" for f in failures)
+        super().__init__(f"{len(failures)} rank(s) failed:\n{text}\n--- worker output (tail) ---\n{logs}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_distributed(fn: Any, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
+    job = tempfile.mkdtemp(prefix="sdadapt-dist-")
+    with open(os.path.join(job, "job.pkl"), "wb") as f:
+        pickle.dump((fn.__module__, fn.__qualname__, args, kwargs), f)
+    port = _free_port()
+    env = dict(os.environ)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(TESTS_DIR), str(SRC_DIR), env.get("PYTHONPATH", "")]),
+    )
+    procs = []
+    logs = []
+    for rank in range(world_size):
+        log = open(os.path.join(job, f"log.{rank}"), "wb")
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "dist_helper", job, str(rank)],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=str(TESTS_DIR),
+            )
+        )
+    deadline = time.monotonic() + timeout
+    hung = []
+    for rank, p in enumerate(procs):
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung.append(rank)
+    if hung:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+    for log in logs:
+        log.close()
+    tail = ""
+    for rank in range(world_size):
+        text = Path(job, f"log.{rank}").read_text(errors="replace")
+        if text.strip():
+            tail += f"[rank {rank}] " + text[-3000:] + "\n"
+    if hung:
+        raise AssertionError(f"ranks {hung} of {world_size} did not finish within {timeout:.0f} s (hang)\n{tail}")
+    results: list[Any] = []
+    failures: list[RankFailure] = []
+    for rank, p in enumerate(procs):
+        path = Path(job, f"result.{rank}.pkl")
+        if not path.exists():
+            failures.append(RankFailure(rank, "Crash", f"exit code {p.returncode}, no result", "", []))
+            results.append(None)
+            continue
+        status, value = pickle.loads(path.read_bytes())
+        if status == "ok":
+            results.append(value)
+        else:
+            failures.append(RankFailure(rank, *value))
+            results.append(None)
+    if failures:
+        raise WorkerError(failures, tail)
+    return results
+
+
+def _worker(job: str, rank: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    module, qualname, args, kwargs = pickle.loads(Path(job, "job.pkl").read_bytes())
+    world = int(os.environ["WORLD_SIZE"])
+    out: tuple[str, Any]
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        fn: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            fn = getattr(fn, part)
+        out = ("ok", fn(*args, **kwargs))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out = ("error", (type(e).__name__, str(e), traceback.format_exc(), [c.__name__ for c in type(e).__mro__]))
+    try:
+        data = pickle.dumps(out)
+    except Exception as e:  # noqa: BLE001
+        data = pickle.dumps(("error", ("PickleError", f"result not picklable: {e}", "", [])))
+    Path(job, f"result.{rank}.pkl.tmp").write_bytes(data)
+    os.replace(Path(job, f"result.{rank}.pkl.tmp"), Path(job, f"result.{rank}.pkl"))
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # avoids gloo's abort at interpreter exit (see shared/DESIGN.md)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]))
