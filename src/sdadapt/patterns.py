@@ -32,6 +32,7 @@ class KeyPattern:
         names: list[str] = []
         pos = 0
         for m in _TOKEN.finditer(text):
+            _check_literal(text, text[pos : m.start()])
             parts.append(re.escape(text[pos : m.start()]))
             tok = m.group(0)
             if tok == "**":
@@ -47,10 +48,7 @@ class KeyPattern:
                 parts.append(f"(?P<{name}>{body})")
             pos = m.end()
         rest = text[pos:]
-        if "{" in rest or "}" in rest:
-            raise AdapterError(
-                f"pattern {text!r}: unbalanced or invalid braces; captures look like {{name}}, {{name:int}} or {{name:*}}"
-            )
+        _check_literal(text, rest)
         parts.append(re.escape(rest))
         self.text = text
         self.names = tuple(names)
@@ -72,6 +70,13 @@ class KeyPattern:
 
     def __repr__(self) -> str:
         return f"KeyPattern({self.text!r})"
+
+
+def _check_literal(text: str, literal: str) -> None:
+    if "{" in literal or "}" in literal:
+        raise AdapterError(
+            f"pattern {text!r}: unbalanced or invalid braces; captures look like {{name}}, {{name:int}} or {{name:*}}"
+        )
 
 
 def _fill(text: str, captures: dict[str, str]) -> str:
