@@ -5,6 +5,7 @@
     write_hf_sharded(folder, sd, max_shard_bytes)    # model-0000i-of-0000n.safetensors + index
     write_raw_safetensors(path, header, data)        # hand-made (possibly corrupt) header + bytes
     random_state_dict(spec, seed)                    # {key: (shape, dtype)} -> random tensors
+    DictIO(tensors)                                  # in-memory SourceIO for nodes (counts bytes)
 
 Writers use the reference implementations (``torch.save``, ``safetensors.torch``), never
 sdadapt, so they are independent oracles. Each returns the path it wrote.
@@ -102,3 +103,25 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generat
 def random_state_dict(spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]], seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return {k: random_tensor(tuple(shape), dtype, gen) for k, (shape, dtype) in spec.items()}
+
+
+class DictIO:
+    """An in-memory ``SourceIO``: ``read(key, box)`` slices a dict of tensors and counts the
+    bytes it hands out (what a lazy read would take from a file)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self.tensors = dict(tensors)
+        self.bytes_read = 0
+        self.reads: list[tuple[str, tuple[tuple[int, int], ...]]] = []
+
+    def read(self, key: str, box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        t = self.tensors[key][tuple(slice(a, b) for a, b in box)]
+        assert t.dim() == len(box), f"box {box} does not fit {key} of shape {list(self.tensors[key].shape)}"
+        self.bytes_read += t.numel() * t.element_size()
+        self.reads.append((key, box))
+        return t
+
+    def schema(self) -> dict[str, Any]:
+        from sdadapt.sources.base import TensorInfo
+
+        return {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in self.tensors.items()}
