@@ -1,0 +1,328 @@
+"""Small reference implementations of layouts that have no public model class.
+
+- :class:`MetaLlama`: the Meta reference Llama layout (``tok_embeddings``, ``layers.{i}.attention.wq``,
+  ``feed_forward.w1|w2|w3``, ``attention_norm``, ``ffn_norm``, ``norm``, ``output``) with Meta's
+  rotary (complex multiply on *interleaved* row pairs of each head), GQA, optional fused ``wqkv``
+  and ``w13``, optional Meta-style MoE with stacked experts (``layers.{i}.moe.experts.w1|w2|w3``
+  of shape ``[E, ...]`` and ``layers.{i}.moe.router.gate``) in place of the dense feed-forward;
+- :class:`NanoGPT`: nanoGPT's GPT-2 (``transformer.h.{i}.attn.c_attn`` as ``nn.Linear``),
+  optionally with ``c_attn`` split into ``q_proj``/``k_proj``/``v_proj``.
+
+Written from the published model definitions (Meta's llama ``model.py``, nanoGPT ``model.py``),
+so they are independent of sdadapt and of transformers. Head counts are derived from the local
+width of each projection output, so the same code runs unsharded and under tensor parallelism
+(``ColwiseParallel`` q/k/v, ``RowwiseParallel`` output), where each rank holds whole heads.
+``parallelize_*`` apply TP over mesh dim ``"tp"`` and FSDP2 over ``"fsdp"``, as present.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+
+# --------------------------------------------------------------------------------------------
+# Meta Llama
+# --------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def precompute_freqs_cis(head_dim: int, seqlen: int, theta: float) -> torch.Tensor:
+    """Meta's ``precompute_freqs_cis``: ``[seqlen, head_dim // 2]`` complex rotations."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    t = torch.arange(seqlen, dtype=torch.int64).float()
+    return torch.polar(torch.ones(seqlen, head_dim // 2), torch.outer(t, freqs))
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Meta's rotary: rows (2j, 2j+1) of each head form one complex number rotated by freq j."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    out = torch.view_as_real(xc * freqs_cis[None, :, None, :]).flatten(3)
+    return out.type_as(x)
+
+
+class MetaAttention(nn.Module):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, fused_qkv: bool):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.head_dim = dim // n_heads
+        self.fused_qkv = fused_qkv
+        q, kv = n_heads * self.head_dim, n_kv_heads * self.head_dim
+        if fused_qkv:
+            self.wqkv = nn.Linear(dim, q + 2 * kv, bias=False)
+        else:
+            self.wq = nn.Linear(dim, q, bias=False)
+            self.wk = nn.Linear(dim, kv, bias=False)
+            self.wv = nn.Linear(dim, kv, bias=False)
+        self.wo = nn.Linear(q, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        hd = self.head_dim
+        if self.fused_qkv:
+            y = self.wqkv(x)  # under TP: this rank's [q_r; k_r; v_r] (interleaved per rank)
+            unit = y.shape[-1] // (self.n_heads + 2 * self.n_kv_heads)
+            xq, xk, xv = y.split([self.n_heads * unit, self.n_kv_heads * unit, self.n_kv_heads * unit], dim=-1)
+        else:
+            xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
+        xq, xk, xv = (t.reshape(b, s, -1, hd) for t in (xq, xk, xv))
+        xq, xk = apply_rotary_emb(xq, freqs_cis), apply_rotary_emb(xk, freqs_cis)
+        rep = xq.shape[2] // xk.shape[2]
+        xk, xv = (t.repeat_interleave(rep, dim=2) for t in (xk, xv))
+        q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+        mask = torch.full((s, s), float("-inf")).triu(1)
+        out = torch.softmax((scores + mask).float(), dim=-1).type_as(q) @ v
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int, fused_w13: bool):
+        super().__init__()
+        self.fused_w13 = fused_w13
+        if fused_w13:
+            self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
+        else:
+            self.w1 = nn.Linear(dim, hidden, bias=False)
+            self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_w13:
+            h1, h3 = self.w13(x).chunk(2, dim=-1)  # under TP: this rank's [w1_r; w3_r]
+        else:
+            h1, h3 = self.w1(x), self.w3(x)
+        return self.w2(F.silu(h1) * h3)
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.gate = nn.Linear(dim, experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        return weights / weights.sum(dim=-1, keepdim=True), index
+
+
+class GroupedExperts(nn.Module):
+    """Stacked expert weights ``w1, w3: [E, hidden, dim]``, ``w2: [E, dim, hidden]``."""
+
+    def __init__(self, experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
+        for w in (self.w1, self.w2, self.w3):
+            nn.init.normal_(w, std=0.02)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(self.w1.shape[0]):
+            tok, slot = torch.where(index == e)
+            if tok.numel() == 0:
+                continue
+            xe = x[tok]
+            h = F.silu(xe @ self.w1[e].T) * (xe @ self.w3[e].T)
+            out.index_add_(0, tok, (h @ self.w2[e].T) * weights[tok, slot, None].to(x.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, hidden: int, experts: int, top_k: int):
+        super().__init__()
+        self.router = Router(dim, experts, top_k)
+        self.experts = GroupedExperts(experts, dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, index = self.router(flat)
+        return self.experts(flat, weights, index).reshape(shape)
+
+
+class MetaBlock(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        dim = cfg["dim"]
+        self.attention = MetaAttention(dim, cfg["n_heads"], cfg["n_kv_heads"], cfg.get("fused_qkv", False))
+        self.attention_norm = RMSNorm(dim, cfg["norm_eps"])
+        self.ffn_norm = RMSNorm(dim, cfg["norm_eps"])
+        if cfg.get("n_experts"):
+            self.moe = MoE(dim, cfg["hidden_dim"], cfg["n_experts"], cfg["top_k"])
+        else:
+            self.feed_forward = FeedForward(dim, cfg["hidden_dim"], cfg.get("fused_w13", False))
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+class MetaLlama(nn.Module):
+    """Meta's reference Llama layout. ``cfg``: dim, n_layers, n_heads, n_kv_heads, vocab_size,
+    hidden_dim, norm_eps, rope_theta; optional fused_qkv, fused_w13, n_experts + top_k (MoE).
+    ``output`` is always its own parameter (a tied checkpoint fills it from ``tok_embeddings``)."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.cfg = dict(cfg)
+        self.tok_embeddings = nn.Embedding(cfg["vocab_size"], cfg["dim"])
+        self.layers = nn.ModuleList([MetaBlock(cfg) for _ in range(cfg["n_layers"])])
+        self.norm = RMSNorm(cfg["dim"], cfg["norm_eps"])
+        self.output = nn.Linear(cfg["dim"], cfg["vocab_size"], bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        freqs_cis = precompute_freqs_cis(cfg["dim"] // cfg["n_heads"], tokens.shape[1], cfg["rope_theta"])
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, freqs_cis)
+        return self.output(self.norm(h)).float()
+
+
+def parallelize_meta_llama(model: MetaLlama, mesh: DeviceMesh) -> MetaLlama:
+    """TP (vocab-sharded embedding/output, colwise q/k/v and w1/w3, rowwise wo/w2) + FSDP2."""
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names and mesh["tp"].size() > 1:
+        plan: dict = {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Replicate()),
+        }
+        for i, layer in enumerate(model.layers):
+            p = f"layers.{i}."
+            attn = layer.attention
+            for name in ("wqkv",) if attn.fused_qkv else ("wq", "wk", "wv"):
+                plan[p + "attention." + name] = ColwiseParallel()
+            plan[p + "attention.wo"] = RowwiseParallel()
+            if hasattr(layer, "feed_forward"):
+                for name in ("w13",) if layer.feed_forward.fused_w13 else ("w1", "w3"):
+                    plan[p + "feed_forward." + name] = ColwiseParallel()
+                plan[p + "feed_forward.w2"] = RowwiseParallel()
+        parallelize_module(model, mesh["tp"], plan)
+    _fsdp(model, model.layers, mesh)
+    return model
+
+
+def _fsdp(model: nn.Module, blocks: "nn.ModuleList | list[nn.Module]", mesh: DeviceMesh) -> None:
+    names = mesh.mesh_dim_names or ()
+    dp = tuple(n for n in ("replicate", "fsdp") if n in names)
+    if not dp:
+        return
+    dp_mesh = mesh[dp] if len(dp) > 1 else mesh[dp[0]]
+    for block in blocks:
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+
+
+# --------------------------------------------------------------------------------------------
+# nanoGPT GPT-2
+# --------------------------------------------------------------------------------------------
+class CausalSelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, split_qkv: bool):
+        super().__init__()
+        self.n_embd, self.n_head, self.split_qkv = n_embd, n_head, split_qkv
+        if split_qkv:
+            self.q_proj = nn.Linear(n_embd, n_embd)
+            self.k_proj = nn.Linear(n_embd, n_embd)
+            self.v_proj = nn.Linear(n_embd, n_embd)
+        else:
+            self.c_attn = nn.Linear(n_embd, 3 * n_embd)
+        self.c_proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        hd = self.n_embd // self.n_head
+        if self.split_qkv:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (z.reshape(b, t, -1, hd).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+        att = att.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        y = torch.softmax(att, dim=-1) @ v
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int):
+        super().__init__()
+        self.c_fc = nn.Linear(n_embd, 4 * n_embd)
+        self.c_proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # GPT-2's "gelu_new" (tanh approximation), as in the released weights' training
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, eps: float, split_qkv: bool):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(n_embd, eps=eps)
+        self.attn = CausalSelfAttention(n_embd, n_head, split_qkv)
+        self.ln_2 = nn.LayerNorm(n_embd, eps=eps)
+        self.mlp = MLP(n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's GPT: ``transformer.{wte,wpe,h.{i},ln_f}`` and ``lm_head`` (its own parameter
+    here; a tied checkpoint fills it from ``transformer.wte``)."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
+                 eps: float = 1e-5, split_qkv: bool = False):
+        super().__init__()
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(vocab_size, n_embd),
+                wpe=nn.Embedding(block_size, n_embd),
+                h=nn.ModuleList([GPTBlock(n_embd, n_head, eps, split_qkv) for _ in range(n_layer)]),
+                ln_f=nn.LayerNorm(n_embd, eps=eps),
+            )
+        )
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1])
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def parallelize_nanogpt(model: NanoGPT, mesh: DeviceMesh) -> NanoGPT:
+    """TP on the MLP (and on attention when q/k/v are split), vocab-sharded lm_head; + FSDP2."""
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names and mesh["tp"].size() > 1:
+        plan: dict = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+        for i, block in enumerate(model.transformer.h):
+            p = f"transformer.h.{i}."
+            plan[p + "mlp.c_fc"] = ColwiseParallel()
+            plan[p + "mlp.c_proj"] = RowwiseParallel()
+            if block.attn.split_qkv:
+                for n in ("q_proj", "k_proj", "v_proj"):
+                    plan[p + "attn." + n] = ColwiseParallel()
+                plan[p + "attn.c_proj"] = RowwiseParallel()
+        parallelize_module(model, mesh["tp"], plan)
+    _fsdp(model, model.transformer.h, mesh)
+    return model
