@@ -114,6 +114,7 @@ class Fuse(RuleBase):
         if any(n != names[0] for n in names):
             raise AdapterError(f"fuse into {self.dst!r}: all source patterns must capture the same names, got {self.srcs}")
         check_output_pattern(self.srcs[0], self.dst)
+        check_output_pattern(self.dst, self.srcs[0])  # invertible: the split back needs every capture
         if self.sizes is not None and len(self.sizes) != len(self.srcs):
             raise AdapterError(f"fuse into {self.dst!r}: {len(self.sizes)} sizes for {len(self.srcs)} sources")
         return self
@@ -180,6 +181,7 @@ class Split(RuleBase):
             raise AdapterError(f"split of {self.src!r} needs at least two destination patterns, got {self.dsts}")
         for d in self.dsts:
             check_output_pattern(self.src, d)
+            check_output_pattern(d, self.src)  # invertible: the fuse back needs every capture
         if self.sizes is not None:
             if len(self.sizes) != len(self.dsts):
                 raise AdapterError(f"split of {self.src!r}: {len(self.sizes)} sizes for {len(self.dsts)} destinations")
