@@ -67,11 +67,26 @@ TP_PLAN = {
 }
 
 
-def parallelize(model: TinyTransformer, mesh: DeviceMesh) -> TinyTransformer:
-    """TP over mesh dim "tp" and FSDP2 over "fsdp" (or HSDP over ("replicate", "fsdp")), as present."""
+# A TP plan whose forward pass is correct (TP_PLAN shards the fused qkv contiguously, which
+# loads fine but gives each rank a wrong mix of q/k/v rows; its embedding output is also
+# sharded on the feature dim). Attention stays replicated over TP; the vocab-sharded embedding
+# and head and the FFN are tensor parallel, with replicated activations between blocks.
+TP_PLAN_FORWARD = {
+    "embedding": RowwiseParallel(input_layouts=Replicate()),
+    "head": ColwiseParallel(output_layouts=Replicate()),
+    "layers.*.ffn.0": ColwiseParallel(),
+    "layers.*.ffn.2": RowwiseParallel(),
+}
+
+
+def parallelize(model: TinyTransformer, mesh: DeviceMesh, tp_plan: dict | None = None) -> TinyTransformer:
+    """TP over mesh dim "tp" and FSDP2 over "fsdp" (or HSDP over ("replicate", "fsdp")), as present.
+
+    ``tp_plan`` defaults to :data:`TP_PLAN` (the discussion's); :data:`TP_PLAN_FORWARD` gives a
+    model whose forward pass matches the unsharded one."""
     names = mesh.mesh_dim_names or ()
     if "tp" in names and mesh["tp"].size() > 1:
-        parallelize_module(model, mesh["tp"], TP_PLAN)
+        parallelize_module(model, mesh["tp"], TP_PLAN if tp_plan is None else tp_plan)
     dp = tuple(n for n in ("replicate", "fsdp") if n in names)
     if dp:
         dp_mesh = mesh[dp] if len(dp) > 1 else mesh[dp[0]]
