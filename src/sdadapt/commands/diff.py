@@ -1,0 +1,80 @@
+"""``sdadapt diff SRC --target T [--adapter A]``: what lines up and what does not (headers only)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+NAME = "diff"
+HELP = "compare a checkpoint (through an adapter) with a model or another checkpoint; reads headers only"
+
+EPILOG = """\
+T is a checkpoint path, or module:function / path/to/file.py:function returning the model
+(build it on the meta device: only shapes and dtypes are used). A is a shipped adapter name,
+an adapter .json file, or module:ATTR / file.py:ATTR naming an Adapter or a function
+returning one. Exit status: 0 when everything lines up, 1 when there are problems, 2 for
+usage errors (bad arguments, unreadable checkpoint, import failures)."""
+
+
+def parse_options(items: list[str] | None) -> dict[str, Any]:
+    """``["tp=2", "name=x", "bias=true"]`` -> ``{"tp": 2, "name": "x", "bias": True}`` (JSON values
+    where they parse, strings otherwise)."""
+    from ..resolve import ResolveError
+
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise ResolveError(f"option {item!r} is not KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("src", metavar="SRC", help="checkpoint: torch.save file, .safetensors, HF sharded folder")
+    parser.add_argument("--target", "-t", required=True, metavar="T", help="model (module:function) or checkpoint")
+    parser.add_argument("--adapter", "-a", metavar="A", help="adapter name, .json file, or module:ATTR")
+    parser.add_argument(
+        "--adapter-option", "-O", action="append", default=[], metavar="KEY=VALUE",
+        help="option passed to an adapter function or shipped adapter (repeatable)",
+    )
+    parser.add_argument(
+        "--target-option", action="append", default=[], metavar="KEY=VALUE",
+        help="keyword argument passed to the target function (repeatable)",
+    )
+    parser.add_argument("--subtree", "-s", metavar="S", help="nested dict of a torch.save SRC to use, e.g. model")
+    parser.add_argument("--target-subtree", metavar="S", help="nested dict of a torch.save target checkpoint")
+    parser.add_argument("--allow-missing", action="append", default=[], metavar="PAT", help="key pattern the model may lack values for")
+    parser.add_argument("--allow-unexpected", action="append", default=[], metavar="PAT", help="checkpoint key pattern to ignore")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..diff import diff
+    from ..resolve import resolve_adapter, resolve_target
+    from ..sources import open_source
+
+    if args.adapter_option and not args.adapter:
+        from ..resolve import ResolveError
+
+        raise ResolveError("--adapter-option needs --adapter")
+    target: Any = resolve_target(args.target, **parse_options(args.target_option))
+    adapter = resolve_adapter(args.adapter, **parse_options(args.adapter_option)) if args.adapter else None
+    if isinstance(target, str) and args.target_subtree:
+        target = open_source(target, subtree=args.target_subtree)
+    report = diff(
+        target,
+        args.src,
+        adapter,
+        subtree=args.subtree,
+        allow_missing=args.allow_missing or None,
+        allow_unexpected=args.allow_unexpected or None,
+    )
+    print(report.model_dump_json(indent=2) if args.json else report.format())
+    return 0 if report.ok else 1

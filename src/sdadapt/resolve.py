@@ -1,0 +1,206 @@
+"""Turn command-line specs into objects: a target model (or checkpoint path) and an adapter.
+
+Shared by the CLI commands (``diff``, ``convert``, ...) and usable from Python:
+
+- ``resolve_target("ckpt.pt")`` -> ``"ckpt.pt"`` (a checkpoint path, returned as is);
+  ``resolve_target("mypkg.models:build")`` or ``resolve_target("train.py:build_model")`` ->
+  the ``nn.Module`` the function returns (a meta-device model is fine: only its state dict's
+  shapes and dtypes are used).
+- ``resolve_adapter("llama")`` -> a shipped adapter by name (``sdadapt.registry``);
+  ``resolve_adapter("my_adapters.py:ADAPTER")`` / ``"mypkg.adapters:make"`` -> an
+  :class:`~sdadapt.Adapter`, or a function returning one (called with ``**options``);
+  ``resolve_adapter("adapter.json")`` -> ``Adapter.from_json``.
+
+Failures raise :class:`ResolveError` (an :class:`~sdadapt.SdadaptError`; the CLI exits 2).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+from torch import nn
+
+from .adapter import Adapter
+from .errors import SdadaptError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ResolveError", "load_object", "resolve_adapter", "resolve_target", "split_spec"]
+
+
+class ResolveError(SdadaptError):
+    """A ``module:attr`` / ``file.py:attr`` / adapter-name spec cannot be imported or used."""
+
+
+def split_spec(spec: str) -> tuple[str, str] | None:
+    """``"a.b:c"`` -> ``("a.b", "c")``; ``"dir/f.py:make"`` -> ``("dir/f.py", "make")``; a
+    plain path or name (no attribute part) -> ``None``. A Windows drive (``C:\\x``) is no spec."""
+    if ":" not in spec:
+        return None
+    where, attr = spec.rsplit(":", 1)
+    if not where or not attr or "/" in attr or "\\" in attr:
+        return None
+    if not all(part.isidentifier() for part in attr.split(".")):
+        return None
+    return where, attr
+
+
+def _import_file(path: str) -> ModuleType:
+    full = os.path.abspath(path)
+    if not os.path.isfile(full):
+        raise ResolveError(f"{path}: no such Python file")
+    digest = hashlib.sha1(full.encode()).hexdigest()[:12]
+    name = f"_sdadapt_spec_{os.path.splitext(os.path.basename(full))[0]}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, full)
+    if spec is None or spec.loader is None:
+        raise ResolveError(f"{path}: cannot be imported as a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    # the file's own folder first, so it can import its neighbours (as `python file.py` would)
+    folder = os.path.dirname(full)
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:  # SystemExit: a script that parses argv at import
+        sys.modules.pop(name, None)
+        raise ResolveError(f"{path}: importing it failed: {type(e).__name__}: {e}") from e
+    finally:
+        if added and folder in sys.path:
+            sys.path.remove(folder)
+    return module
+
+
+def _import_module(name: str) -> ModuleType:
+    # like `python -m`, let modules of the current folder be found (console scripts lack it)
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        if e.name and (name == e.name or name.startswith(e.name + ".")):
+            raise ResolveError(
+                f"no module named {name!r}: give an importable module (on PYTHONPATH or in the current "
+                f"folder) or a file path such as path/to/{name.split('.')[-1]}.py"
+            ) from e
+        raise ResolveError(f"importing {name!r} failed: {type(e).__name__}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - any import-time failure becomes a usage error
+        raise ResolveError(f"importing {name!r} failed: {type(e).__name__}: {e}") from e
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def load_object(spec: str) -> Any:
+    """The object named by ``module:attr`` or ``path/to/file.py:attr`` (``attr`` may be dotted)."""
+    parts = split_spec(spec)
+    if parts is None:
+        raise ResolveError(f"{spec!r} is not of the form module:attr or path/to/file.py:attr")
+    where, attr = parts
+    is_file = where.endswith(".py") or os.path.sep in where or "/" in where
+    module = _import_file(where) if is_file else _import_module(where)
+    obj: Any = module
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            have = sorted(n for n in dir(module) if not n.startswith("_"))[:20]
+            raise ResolveError(f"{where} has no attribute {attr!r} (it has {have})") from None
+    return obj
+
+
+def _call(spec: str, fn: Any, options: dict[str, Any]) -> Any:
+    try:
+        return fn(**options)
+    except SdadaptError:
+        raise
+    except TypeError as e:
+        raise ResolveError(f"{spec}: calling it with options {options} failed: {e}") from e
+    except Exception as e:  # noqa: BLE001 - the user's function failed: name it
+        raise ResolveError(f"{spec}: calling it failed: {type(e).__name__}: {e}") from e
+
+
+def resolve_target(spec: str | os.PathLike[str] | nn.Module, **options: Any) -> nn.Module | str:
+    """A checkpoint path (returned as a string) or the model that ``spec`` names.
+
+    ``spec`` is an existing file or folder, or ``module:function`` / ``file.py:function``
+    (called with ``**options``) / ``module:MODEL`` naming an ``nn.Module``. Anything else is
+    returned as a path, so that opening it reports the missing file.
+    """
+    if isinstance(spec, nn.Module):
+        return spec
+    text = os.fspath(spec)
+    if os.path.exists(text):
+        return text
+    if split_spec(text) is None:
+        return text
+    obj = load_object(text)
+    if isinstance(obj, nn.Module):
+        if options:
+            raise ResolveError(f"{text} is a model, not a function: it takes no options ({sorted(options)})")
+        return obj
+    if not callable(obj):
+        raise ResolveError(f"{text} is a {type(obj).__name__}, not an nn.Module or a function returning one")
+    model = _call(text, obj, options)
+    if not isinstance(model, nn.Module):
+        raise ResolveError(f"{text} returned a {type(model).__name__}, not an nn.Module")
+    log.info("target %s: %s", text, type(model).__name__)
+    return model
+
+
+def resolve_adapter(spec: str | os.PathLike[str] | Adapter, **options: Any) -> Adapter:
+    """The adapter ``spec`` names: an :class:`Adapter`, a shipped adapter name, a ``.json``
+    file, or ``module:ATTR`` / ``file.py:ATTR`` (an Adapter, or a function returning one,
+    called with ``**options``)."""
+    if isinstance(spec, Adapter):
+        if options:
+            raise ResolveError(f"adapter {spec.name!r} is ready-made; it takes no options ({sorted(options)})")
+        return spec
+    text = os.fspath(spec)
+    if text.endswith(".json"):
+        if options:
+            raise ResolveError(f"{text}: a JSON adapter takes no options ({sorted(options)})")
+        try:
+            with open(text, encoding="utf-8") as f:
+                data = f.read()
+        except OSError as e:
+            raise ResolveError(f"{text}: cannot read adapter JSON: {e.strerror or e}") from None
+        return Adapter.from_json(data)
+    if split_spec(text) is not None:
+        obj = load_object(text)
+        if isinstance(obj, Adapter):
+            if options:
+                raise ResolveError(f"{text} is an Adapter, not a function: it takes no options ({sorted(options)})")
+            return obj
+        if not callable(obj):
+            raise ResolveError(f"{text} is a {type(obj).__name__}, not an Adapter or a function returning one")
+        adapter = _call(text, obj, options)
+        if not isinstance(adapter, Adapter):
+            raise ResolveError(f"{text} returned a {type(adapter).__name__}, not an sdadapt.Adapter")
+        return adapter
+    if text.endswith(".py") or os.path.sep in text or os.path.exists(text):
+        raise ResolveError(
+            f"adapter {text!r}: give a name, a .json file, or file.py:ATTR naming an Adapter (or a function)"
+        )
+    try:
+        registry = importlib.import_module("sdadapt.registry")
+    except ModuleNotFoundError as e:
+        if e.name not in ("sdadapt.registry",):
+            raise
+        raise ResolveError(
+            f"adapter {text!r}: no adapters are shipped by name in this version; give a .json file or "
+            "file.py:ATTR naming an Adapter"
+        ) from None
+    return registry.get_adapter(text, **options)
