@@ -9,6 +9,8 @@ the target schema and reads, per shard, only the source regions the recipe needs
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from .adapter import Adapter
@@ -16,8 +18,27 @@ from .diff import diff
 from .errors import AdapterError, LoadError, PlanError, RemoteRankError, SdadaptError, SourceError
 from .load import LoadReport, load, plan_load
 from .plan import Plan, build_plan
+from .registry import get_adapter, list_adapters
 from .report import Report
-from .rules import Cast, Drop, Fuse, Rename, Rule, Split, Tie
+from .rules import (
+    AddPrefix,
+    Cast,
+    Deinterleave,
+    Drop,
+    Fuse,
+    Interleave,
+    Pad,
+    Rename,
+    Rotary,
+    Rule,
+    Split,
+    Stack,
+    StripPrefix,
+    Tie,
+    Transpose,
+    Trim,
+    Unstack,
+)
 from .sources import Source, TensorInfo, open_source
 
 __version__ = "0.1.0"
@@ -53,6 +74,62 @@ def tie(dst: str, src: str) -> Tie:
     return Tie(dst=dst, src=src)
 
 
+def transpose(keys: str, dim0: int = 0, dim1: int = 1) -> Transpose:
+    """Swap dims ``dim0`` and ``dim1`` of tensors matching ``keys`` (GPT-2 ``Conv1D`` <-> ``nn.Linear``)."""
+    return Transpose(keys=keys, dim0=dim0, dim1=dim1)
+
+
+def rotary(keys: str, heads: int, to: Literal["interleaved", "half"] = "interleaved", dim: int = 0) -> Rotary:
+    """Reorder the rows inside each of ``heads`` heads between rotary layouts: ``to="interleaved"``
+    from HF transformers' half split to Meta's pairs, ``to="half"`` the other way (GQA: one rule
+    for k with the kv head count)."""
+    return Rotary(keys=keys, heads=heads, to=to, dim=dim)
+
+
+def stack(src: str, dst: str, over: str = "e", dim: int = 0, count: int | None = None) -> Stack:
+    """Keys matching ``src`` that differ in capture ``over`` (0..E-1) become one ``[E, ...]`` tensor ``dst``."""
+    return Stack(src=src, dst=dst, over=over, dim=dim, count=count)
+
+
+def unstack(src: str, dst: str, over: str = "e", dim: int = 0, count: int | None = None) -> Unstack:
+    """One tensor ``src`` becomes one key ``dst`` per entry along ``dim`` (``dst`` captures ``over``)."""
+    return Unstack(src=src, dst=dst, over=over, dim=dim, count=count)
+
+
+def pad(
+    keys: str, dim: int = 0, size: int | None = None, multiple_of: int | None = None, value: float = 0.0
+) -> Pad:
+    """Extend along ``dim`` with ``value`` to ``size``, the next multiple of ``multiple_of``, or the model's size."""
+    return Pad(keys=keys, dim=dim, size=size, multiple_of=multiple_of, value=value)
+
+
+def trim(keys: str, dim: int = 0, size: int | None = None) -> Trim:
+    """Keep the first ``size`` entries along ``dim`` (``size`` omitted: the model's size for that key)."""
+    return Trim(keys=keys, dim=dim, size=size)
+
+
+def interleave(keys: str, sizes: list[int], tp: int | None = None, dim: int = 0) -> Interleave:
+    """Lay fused ``[p0; p1; ...]`` (``sizes``) out per TP rank so each ``ColwiseParallel`` shard holds
+    ``[p0_r; p1_r; ...]``; ``tp`` omitted: the model's TP degree for that key."""
+    return Interleave(keys=keys, sizes=sizes, tp=tp, dim=dim)
+
+
+def deinterleave(keys: str, sizes: list[int], tp: int | None = None, dim: int = 0) -> Deinterleave:
+    """The inverse of :func:`interleave` (``tp`` omitted: the source's TP degree for that key)."""
+    return Deinterleave(keys=keys, sizes=sizes, tp=tp, dim=dim)
+
+
+def strip_prefix(prefix: str, optional: bool = False) -> StripPrefix:
+    """Remove ``prefix`` (e.g. ``"model."``) from keys that start with it. ``_orig_mod.``,
+    ``_checkpoint_wrapped_module.`` and ``_fsdp_wrapped_module.`` need no rule: planning removes them."""
+    return StripPrefix(prefix=prefix, optional=optional)
+
+
+def add_prefix(prefix: str, keys: str = "**") -> AddPrefix:
+    """Put ``prefix`` in front of keys matching ``keys`` (the inverse of :func:`strip_prefix`)."""
+    return AddPrefix(prefix=prefix, keys=keys)
+
+
 __all__ = [
     "Adapter",
     "AdapterError",
@@ -84,4 +161,27 @@ __all__ = [
     "rename",
     "split",
     "tie",
+    # layout rules and the adapter registry
+    "AddPrefix",
+    "Deinterleave",
+    "Interleave",
+    "Pad",
+    "Rotary",
+    "Stack",
+    "StripPrefix",
+    "Transpose",
+    "Trim",
+    "Unstack",
+    "add_prefix",
+    "deinterleave",
+    "get_adapter",
+    "interleave",
+    "list_adapters",
+    "pad",
+    "rotary",
+    "stack",
+    "strip_prefix",
+    "transpose",
+    "trim",
+    "unstack",
 ]

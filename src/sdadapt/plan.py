@@ -15,6 +15,19 @@ from .report import Mismatch, Report, RuleIssue
 from .sources.base import TensorInfo, dtype_name
 
 
+WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+"""Key segments that module wrappers add (torch.compile, activation checkpointing, FSDP1) and
+that ``get_model_state_dict`` leaves out: :func:`build_plan` removes them from every source key,
+wherever they appear, before the adapter's rules run."""
+
+
+def unwrap_key(key: str) -> str:
+    """``"_orig_mod.layers.0._checkpoint_wrapped_module.w"`` -> ``"layers.0.w"``."""
+    parts = key.split(".")
+    kept = [p for p in parts if p not in WRAPPER_SEGMENTS]
+    return ".".join(kept) if kept and len(kept) != len(parts) else key
+
+
 class PlanContext:
     """The working set rules act on: current key -> Node, plus bookkeeping for the report."""
 
@@ -26,6 +39,7 @@ class PlanContext:
         adapter: Adapter,
     ):
         self.env: dict[str, Node] = {k: Leaf(k, i.shape, i.dtype) for k, i in schema.items()}
+        self.source = schema  # the source's TensorInfo by original key (leaves keep that key)
         self.non_tensor: set[str] = set(non_tensor)
         self.target = target
         self.adapter = adapter
@@ -82,6 +96,46 @@ class PlanContext:
         )
         self.mark(index)
 
+    def unwrap_keys(self) -> list[tuple[str, str, str]]:
+        """Remove wrapper segments (:data:`WRAPPER_SEGMENTS`) from every key, before any rule.
+
+        Leaves keep reading their original key. When two keys become one, the key that was
+        already clean (else the first) takes the name and the other keeps its original name;
+        returns those collisions as ``(kept_key, winner_key, clean_name)``. A rule may then
+        drop or rename the kept key; if none does, the plan reports the collision."""
+        winner: dict[str, str] = {}
+        keys = [*self.env, *sorted(self.non_tensor)]
+        for key in keys:
+            new = unwrap_key(key)
+            if new not in winner or key == new:
+                winner[new] = key
+        renamed: dict[str, str] = {}
+        collisions: list[tuple[str, str, str]] = []
+        for key in keys:
+            new = unwrap_key(key)
+            if winner[new] == key:
+                renamed[key] = new
+            else:
+                renamed[key] = key
+                collisions.append((key, winner[new], new))
+        self.env = {renamed[k]: v for k, v in self.env.items()}
+        self.born = dict.fromkeys(self.env, -1)
+        self.non_tensor = {renamed[k] for k in self.non_tensor}
+        return collisions
+
+    def collision_issues(self, collisions: list[tuple[str, str, str]]) -> list[RuleIssue]:
+        return [
+            RuleIssue(
+                rule="auto-unwrap",
+                index=-1,
+                key=key,
+                message=f"{key!r} and {other!r} both become {new!r} once the wrapper segments "
+                f"{', '.join(WRAPPER_SEGMENTS)} are removed; drop or rename {key!r}",
+            )
+            for key, other, new in collisions
+            if key in self.env or key in self.non_tensor
+        ]
+
     # --- after all rules -------------------------------------------------------------
     def check_ambiguity(self) -> None:
         """A key taken by rule i must not also match a later key-moving rule j."""
@@ -121,9 +175,11 @@ def build_plan(
 ) -> Plan:
     adapter = adapter or Adapter([], name="identity")
     ctx = PlanContext(source, non_tensor or [], target, adapter)
+    collisions = ctx.unwrap_keys()
     for i, rule in enumerate(adapter.rules):
         rule.apply(ctx, i)
     ctx.check_ambiguity()
+    unwrap_issues = ctx.collision_issues(collisions)
 
     allow_missing = allow_missing or []
     allow_unexpected = allow_unexpected or []
@@ -133,7 +189,7 @@ def build_plan(
         adapter=adapter.name if adapter.rules else None,
         source_keys=len(source) + len(non_tensor or []),
         target_keys=len(target),
-        rule_issues=ctx.issues,
+        rule_issues=unwrap_issues + ctx.issues,
         unused_rules=[f"#{i} {r.label()}" for i, r in enumerate(adapter.rules) if ctx.matches[i] == 0],
         dropped=sorted(ctx.dropped),
     )

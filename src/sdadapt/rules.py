@@ -23,11 +23,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .errors import AdapterError
 from .nodes import Cast as CastNode
+from . import nodes as N
 from .nodes import Concat, Narrow, Node
 from .patterns import check_output_pattern, compile_pattern
 
 if TYPE_CHECKING:
     from .plan import PlanContext
+    from .sources.base import TensorInfo
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -332,4 +334,536 @@ class Tie(RuleBase):
         return []  # exporting keeps dst: a checkpoint holding it loads with or without the tie
 
 
-Rule = Annotated[Rename | Fuse | Split | Cast | Drop | Tie, Field(discriminator="kind")]
+
+# --- layout rules: transpose, rotary, stack/unstack, pad/trim, interleave, prefixes ---------------
+
+
+def _dim_of(ctx: "PlanContext", index: int, key: str, node: Node, dim: int, what: str = "dim") -> int | None:
+    nd = len(node.shape)
+    if not -nd <= dim < nd:
+        ctx.issue(index, key, f"{what} {dim} is out of range for {key!r} of shape {list(node.shape)}")
+        return None
+    return dim % nd
+
+
+class Transpose(RuleBase):
+    """Swap dims ``dim0`` and ``dim1`` of matched tensors, keeping their keys (GPT-2 ``Conv1D``
+    ``[in, out]`` <-> ``nn.Linear`` ``[out, in]``). Its own inverse."""
+
+    moves_keys: ClassVar[bool] = False
+    kind: Literal["transpose"] = "transpose"
+    keys: str
+    dim0: int = 0
+    dim1: int = 1
+
+    def input_patterns(self) -> list[str]:
+        return [self.keys]
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        pat = compile_pattern(self.keys)
+        for key in ctx.keys():
+            if pat.match(key) is None:
+                continue
+            node = ctx.get(key)
+            d0 = _dim_of(ctx, index, key, node, self.dim0, "dim0")
+            d1 = _dim_of(ctx, index, key, node, self.dim1, "dim1")
+            if d0 is None or d1 is None:
+                continue
+            ctx.mark(index)
+            if d0 != d1:
+                ctx.replace(key, N.Transpose(node, d0, d1))
+
+    def inverse(self) -> list["Rule"]:
+        return [Transpose(keys=self.keys, dim0=self.dim0, dim1=self.dim1)]
+
+
+def rotary_perm(head_dim: int, to: str) -> tuple[int, ...]:
+    """Row order inside one head: output row ``j`` is input row ``perm[j]``.
+
+    ``to="half"`` (Meta -> HF transformers): HF row ``t * head_dim/2 + j`` is Meta row ``2j + t``
+    (HF's conversion script: ``w.view(heads, head_dim // 2, 2, dim).transpose(1, 2)``);
+    ``to="interleaved"`` (HF -> Meta) is its inverse."""
+    h = head_dim // 2
+    if to == "half":
+        return tuple(2 * (r % h) + r // h for r in range(head_dim))
+    return tuple((m % 2) * h + m // 2 for m in range(head_dim))
+
+
+class Rotary(RuleBase):
+    """Reorder the rows inside each head of a q or k projection between rotary layouts.
+
+    ``to="interleaved"``: from HF transformers' "half" layout (``rotate_half``: the first half of
+    each head's rows are the real parts) to Meta's interleaved pairs; ``to="half"``: the other
+    way. ``heads`` is the head count of the matched keys (GQA: give k its own rule with the kv
+    head count). Rows along ``dim`` must divide into ``heads`` heads of even size. A region
+    that cuts a head is read as whole heads, permuted, then narrowed."""
+
+    moves_keys: ClassVar[bool] = False
+    kind: Literal["rotary"] = "rotary"
+    keys: str
+    heads: int = Field(gt=0)
+    to: Literal["interleaved", "half"] = "interleaved"
+    dim: int = 0
+
+    def input_patterns(self) -> list[str]:
+        return [self.keys]
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        pat = compile_pattern(self.keys)
+        for key in ctx.keys():
+            if pat.match(key) is None:
+                continue
+            node = ctx.get(key)
+            d = _dim_of(ctx, index, key, node, self.dim)
+            if d is None:
+                continue
+            rows = node.shape[d]
+            if rows % self.heads:
+                ctx.issue(index, key, f"{rows} rows along dim {d} do not divide into heads={self.heads}")
+                continue
+            hd = rows // self.heads
+            if hd % 2:
+                ctx.issue(
+                    index,
+                    key,
+                    f"head_dim {hd} (= {rows} rows / heads={self.heads}) is odd; rotary needs an even head_dim",
+                )
+                continue
+            ctx.mark(index)
+            label = f"rotary_{self.to}[heads={self.heads}, dim={d}]"
+            ctx.replace(key, N.UnitPermute(node, d, hd, rotary_perm(hd, self.to), label))
+
+    def inverse(self) -> list["Rule"]:
+        other = "half" if self.to == "interleaved" else "interleaved"
+        return [Rotary(keys=self.keys, heads=self.heads, to=other, dim=self.dim)]
+
+
+def _check_over(src: str, dst: str, over: str, what: str) -> None:
+    """``src`` captures ``over`` and ``dst`` uses every other capture of ``src`` and not ``over``."""
+    s, d = set(compile_pattern(src).names), set(compile_pattern(dst).names)
+    if over not in s:
+        raise AdapterError(f"{what}: pattern {src!r} must capture {{{over}}} (the index to stack over)")
+    if over in d:
+        raise AdapterError(f"{what}: pattern {dst!r} must not use {{{over}}}: that index becomes a dim")
+    if d != s - {over}:
+        raise AdapterError(
+            f"{what}: patterns {src!r} and {dst!r} must share every capture except {{{over}}}; "
+            f"got {sorted(s)} and {sorted(d)}"
+        )
+    for m in ("*", "**"):
+        if m in dst.replace("{", " ").replace("}", " ").split("."):
+            raise AdapterError(f"{what}: pattern {dst!r} may not contain '*' or '**'; name the capture instead")
+
+
+class Stack(RuleBase):
+    """All keys matching ``src`` that differ only in the capture ``over`` become one tensor
+    ``dst`` with a new dim ``dim`` of size E (MoE experts:
+    ``Stack(src="layers.{i}.block_sparse_moe.experts.{e}.w1.weight", dst="layers.{i}.moe.experts.w1")``).
+    The ``over`` values must be the integers 0..E-1 (``count`` E, if given) with equal shapes
+    and dtypes."""
+
+    kind: Literal["stack"] = "stack"
+    src: str
+    dst: str
+    over: str = "e"
+    dim: int = 0
+    count: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Stack":
+        _check_over(self.src, self.dst, self.over, f"stack into {self.dst!r}")
+        return self
+
+    def input_patterns(self) -> list[str]:
+        return [self.src]
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        pat, out = compile_pattern(self.src), compile_pattern(self.dst)
+        groups: dict[str, list[tuple[str, str]]] = {}
+        for key in ctx.keys():
+            caps = pat.match(key)
+            if caps is not None:
+                groups.setdefault(out.format(caps), []).append((caps[self.over], key))
+        for dst, members in groups.items():
+            bad = [k for e, k in members if not e.isdigit()]
+            if bad:
+                ctx.issue(index, dst, f"{{{self.over}}} must be an integer, got {', '.join(map(repr, bad))}")
+                continue
+            members.sort(key=lambda m: int(m[0]))
+            idx = [int(e) for e, _ in members]
+            if idx != list(range(len(idx))):
+                missing = sorted(set(range(max(idx) + 1)) - set(idx))
+                dup = sorted({i for i in idx if idx.count(i) > 1})
+                ctx.issue(
+                    index,
+                    dst,
+                    f"{{{self.over}}} must run 0..E-1; found {len(idx)} keys"
+                    + (f", missing {self.over}={missing}" if missing else "")
+                    + (f", repeated {self.over}={dup}" if dup else ""),
+                )
+                continue
+            if self.count is not None and len(idx) != self.count:
+                ctx.issue(index, dst, f"found {len(idx)} entries ({self.over}=0..{len(idx) - 1}) but count={self.count}")
+                continue
+            parts = [ctx.get(k) for _, k in members]
+            odd = [(k, p) for (_, k), p in zip(members, parts) if p.shape != parts[0].shape or p.dtype != parts[0].dtype]
+            if odd:
+                k, p = odd[0]
+                ctx.issue(
+                    index,
+                    dst,
+                    f"entries differ: {members[0][1]!r} is {list(parts[0].shape)} {parts[0].dtype}, "
+                    f"{k!r} is {list(p.shape)} {p.dtype}",
+                )
+                continue
+            nd = len(parts[0].shape)
+            if not -(nd + 1) <= self.dim <= nd:
+                ctx.issue(index, dst, f"dim {self.dim} is out of range for stacking tensors of shape {list(parts[0].shape)}")
+                continue
+            for _, k in members:
+                ctx.take(k, index)
+            ctx.put(dst, N.Stack(tuple(parts), self.dim % (nd + 1)), index, origin=[k for _, k in members])
+
+    def inverse(self) -> list["Rule"]:
+        return [Unstack(src=self.dst, dst=self.src, over=self.over, dim=self.dim, count=self.count)]
+
+
+class Unstack(RuleBase):
+    """One tensor ``src`` becomes E keys ``dst`` (which captures ``over``), one per entry along
+    ``dim``: ``Unstack(src="layers.{i}.moe.experts.w1", dst="layers.{i}.experts.{e}.w1.weight")``."""
+
+    kind: Literal["unstack"] = "unstack"
+    src: str
+    dst: str
+    over: str = "e"
+    dim: int = 0
+    count: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Unstack":
+        _check_over(self.dst, self.src, self.over, f"unstack of {self.src!r}")
+        return self
+
+    def input_patterns(self) -> list[str]:
+        return [self.src]
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        pat, out = compile_pattern(self.src), compile_pattern(self.dst)
+        for key in ctx.keys():
+            caps = pat.match(key)
+            if caps is None:
+                continue
+            node = ctx.get(key)
+            d = _dim_of(ctx, index, key, node, self.dim)
+            if d is None:
+                continue
+            n = node.shape[d]
+            if self.count is not None and n != self.count:
+                ctx.issue(index, key, f"has {n} entries along dim {d} but count={self.count}")
+                continue
+            ctx.take(key, index)
+            for e in range(n):
+                ctx.put(out.format({**caps, self.over: str(e)}), N.Select(node, d, e), index, origin=key)
+
+    def inverse(self) -> list["Rule"]:
+        return [Stack(src=self.dst, dst=self.src, over=self.over, dim=self.dim, count=self.count)]
+
+
+def _target_size(ctx: "PlanContext", key: str, d: int, nd: int) -> int | None:
+    info = ctx.target.get(key) if ctx.target is not None else None
+    if info is None or len(info.shape) != nd:
+        return None
+    return info.shape[d]
+
+
+class Pad(RuleBase):
+    """Extend matched tensors along ``dim`` with ``value`` up to ``size``, or to the next multiple
+    of ``multiple_of``, or (neither given) to the target's size for that key (vocab padded for
+    TP). The inverse is :class:`Trim` to the target's size: exporting needs a target (or a
+    ``Trim`` with an explicit ``size``), since one rule may match tensors of several sizes."""
+
+    moves_keys: ClassVar[bool] = False
+    kind: Literal["pad"] = "pad"
+    keys: str
+    dim: int = 0
+    size: int | None = Field(default=None, ge=0)
+    multiple_of: int | None = Field(default=None, gt=0)
+    value: float = 0.0
+
+    @model_validator(mode="after")
+    def _check(self) -> "Pad":
+        if self.size is not None and self.multiple_of is not None:
+            raise AdapterError(f"pad of {self.keys!r}: give size or multiple_of, not both")
+        return self
+
+    def input_patterns(self) -> list[str]:
+        return [self.keys]
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        pat = compile_pattern(self.keys)
+        for key in ctx.keys():
+            if pat.match(key) is None:
+                continue
+            node = ctx.get(key)
+            d = _dim_of(ctx, index, key, node, self.dim)
+            if d is None:
+                continue
+            n = node.shape[d]
+            if self.size is not None:
+                want: int | None = self.size
+            elif self.multiple_of is not None:
+                want = -(-n // self.multiple_of) * self.multiple_of
+            else:
+                want = _target_size(ctx, key, d, len(node.shape))
+                if want is None:
+                    ctx.issue(index, key, "the model has no such key to take the size from; give size= or multiple_of=")
+                    continue
+            if want < n:
+                ctx.issue(index, key, f"cannot pad dim {d} from {n} down to {want}; use trim")
+                continue
+            ctx.mark(index)
+            if want > n:
+                ctx.replace(key, N.Pad(node, d, want, self.value))
+
+    def inverse(self) -> list["Rule"]:
+        return [Trim(keys=self.keys, dim=self.dim)]
+
+
+class Trim(RuleBase):
+    """Keep the first ``size`` entries of matched tensors along ``dim`` (``size`` omitted: the
+    target's size for that key; a plan without that key in its target reports it)."""
+
+    moves_keys: ClassVar[bool] = False
+    kind: Literal["trim"] = "trim"
+    keys: str
+    dim: int = 0
+    size: int | None = Field(default=None, ge=0)
+
+    def input_patterns(self) -> list[str]:
+        return [self.keys]
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        pat = compile_pattern(self.keys)
+        for key in ctx.keys():
+            if pat.match(key) is None:
+                continue
+            node = ctx.get(key)
+            d = _dim_of(ctx, index, key, node, self.dim)
+            if d is None:
+                continue
+            n = node.shape[d]
+            want = self.size if self.size is not None else _target_size(ctx, key, d, len(node.shape))
+            if want is None:
+                ctx.issue(index, key, "the model has no such key to take the size from; give size= to trim")
+                continue
+            if want > n:
+                ctx.issue(index, key, f"cannot trim dim {d} from {n} up to {want}; use pad")
+                continue
+            ctx.mark(index)
+            if want < n:
+                ctx.replace(key, Narrow(node, d, 0, want))
+
+    def inverse(self) -> list["Rule"]:
+        return [Pad(keys=self.keys, dim=self.dim)]
+
+
+TP_MESH_NAMES = frozenset({"tp", "tensor", "tensor_parallel", "model_parallel", "mp"})
+DP_MESH_NAMES = frozenset(
+    {"dp", "ddp", "fsdp", "hsdp", "replicate", "shard", "data", "data_parallel", "dp_shard", "dp_replicate",
+     "dp_shard_cp", "dp_cp", "cp", "ep", "pp"}
+)  # fmt: skip
+
+
+def tp_degree(info: TensorInfo, dim: int) -> int | str:
+    """How many tensor-parallel ranks split ``dim`` of a target tensor: the product of the sizes
+    of the mesh dims that shard ``dim`` and are named like TP (:data:`TP_MESH_NAMES`). Mesh dims
+    named like data parallel (:data:`DP_MESH_NAMES`, ``dp*``, ``*fsdp*``) or ``_StridedShard``
+    (FSDP2 over TP) do not count. Returns a message when a sharding mesh dim is unnamed or
+    unknown: the caller should ask for ``tp=``."""
+    if info.mesh is None:
+        if info.placements is None:
+            return 1  # a plain tensor: no TP
+        return f"the model's placements {info.placements} are not described in detail; pass tp="
+    nd = len(info.shape)
+    tp = 1
+    for i, md in enumerate(info.mesh):
+        if md.shard_dim is None or md.shard_dim % nd != dim or md.size == 1:
+            continue
+        name = (md.name or "").lower()
+        if name in TP_MESH_NAMES:
+            tp *= md.size
+        elif md.strided or name in DP_MESH_NAMES or name.startswith("dp") or "fsdp" in name:
+            continue
+        else:
+            label = f"mesh dim {i} ({md.name!r}, size {md.size}, {md.placement})" if md.name else (
+                f"unnamed mesh dim {i} (size {md.size}, {md.placement})"
+            )
+            return (
+                f"cannot tell whether {label} is tensor or data parallel; name the mesh dims "
+                f"(mesh_dim_names=('dp', 'tp')) or pass tp="
+            )
+    return tp
+
+
+class Interleave(RuleBase):
+    """Lay a fused tensor ``[part0; part1; ...]`` (``sizes`` along ``dim``, e.g. q, k, v rows)
+    out per TP rank: ``[p0_r0; p1_r0; ...; p0_r1; ...]``, so that a ``ColwiseParallel`` shard on
+    TP rank ``r`` holds ``[q_r; k_r; v_r]`` as the layer's code expects.
+
+    ``tp`` omitted: the TP degree of the target's placements for that key (see
+    :func:`tp_degree`; a plain target tensor means 1, nothing moves). Every size must divide by
+    the degree. The inverse is :class:`Deinterleave`."""
+
+    moves_keys: ClassVar[bool] = False
+    kind: Literal["interleave"] = "interleave"
+    keys: str
+    sizes: list[int]
+    tp: int | None = Field(default=None, gt=0)
+    dim: int = 0
+
+    backward: ClassVar[bool] = False
+
+    @model_validator(mode="after")
+    def _check(self) -> "Interleave":
+        if not self.sizes or any(s < 0 for s in self.sizes):
+            raise AdapterError(f"{self.kind} of {self.keys!r}: sizes must be a non-empty list of sizes >= 0, got {self.sizes}")
+        if self.tp is not None and any(s % self.tp for s in self.sizes):
+            raise AdapterError(f"{self.kind} of {self.keys!r}: sizes {self.sizes} do not all divide by tp={self.tp}")
+        return self
+
+    def input_patterns(self) -> list[str]:
+        return [self.keys]
+
+    def _degree(self, ctx: "PlanContext", key: str, node: Node, d: int) -> int | str:
+        if self.tp is not None:
+            return self.tp
+        if ctx.target is None:
+            return "there is no model to read the TP degree from; pass tp="
+        if key not in ctx.target:
+            return "the model has no such key to read the TP degree from; pass tp="
+        return tp_degree(ctx.target[key], d)
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        pat = compile_pattern(self.keys)
+        for key in ctx.keys():
+            if pat.match(key) is None:
+                continue
+            node = ctx.get(key)
+            d = _dim_of(ctx, index, key, node, self.dim)
+            if d is None:
+                continue
+            n = node.shape[d]
+            if sum(self.sizes) != n:
+                ctx.issue(index, key, f"sizes {self.sizes} add up to {sum(self.sizes)}, but dim {d} has {n}")
+                continue
+            tp = self._degree(ctx, key, node, d)
+            if isinstance(tp, str):
+                ctx.issue(index, key, tp)
+                continue
+            if any(s % tp for s in self.sizes):
+                ctx.issue(index, key, f"sizes {self.sizes} do not all divide by the TP degree {tp}")
+                continue
+            ctx.mark(index)
+            if tp > 1 and len(self.sizes) > 1:
+                ctx.replace(key, N.Interleave(node, d, tuple(self.sizes), tp, self.backward))
+
+    def inverse(self) -> list["Rule"]:
+        return [Deinterleave(keys=self.keys, sizes=list(self.sizes), tp=self.tp, dim=self.dim)]
+
+
+class Deinterleave(Interleave):
+    """The inverse of :class:`Interleave`: a per-TP-rank layout ``[p0_r0; p1_r0; ...; p0_r1; ...]``
+    back to contiguous parts ``[part0; part1; ...]``. ``tp`` omitted: the TP degree of the
+    *source's* placements (a parallelised model's state dict being exported), else a plan
+    issue asking for ``tp=`` (the degree the checkpoint was saved with)."""
+
+    kind: Literal["deinterleave"] = "deinterleave"  # type: ignore[assignment]
+    backward: ClassVar[bool] = True
+
+    def _degree(self, ctx: "PlanContext", key: str, node: Node, d: int) -> int | str:
+        if self.tp is not None:
+            return self.tp
+        if isinstance(node, N.Leaf) and node.key in ctx.source:
+            return tp_degree(ctx.source[node.key], d)
+        return "the checkpoint's TP degree is not known here; pass tp= (the TP degree it was saved with)"
+
+    def inverse(self) -> list["Rule"]:
+        return [Interleave(keys=self.keys, sizes=list(self.sizes), tp=self.tp, dim=self.dim)]
+
+
+def _check_prefix(prefix: str) -> str:
+    if not prefix or any(c in prefix for c in "{}*"):
+        raise AdapterError(f"prefix {prefix!r} must be non-empty literal text (no braces or '*'), e.g. 'model.'")
+    return prefix
+
+
+class StripPrefix(RuleBase):
+    """Remove ``prefix`` from the keys that start with it: ``StripPrefix(prefix="model.")``.
+
+    It acts on the keys present when it runs (put it first to strip checkpoint keys) and takes
+    no part in the one-rule-per-key check. With ``optional=True`` finding no such key is fine
+    (checkpoints that may or may not carry ``model.diffusion_model.``).
+
+    Wrapper segments (``_orig_mod.`` of torch.compile, ``_checkpoint_wrapped_module.`` of
+    activation checkpointing, ``_fsdp_wrapped_module.`` of FSDP1) need no rule: planning removes
+    them from every key, wherever they appear, before any rule runs; two keys that become one
+    are reported with both names."""
+
+    kind: Literal["strip_prefix"] = "strip_prefix"
+    prefix: str
+    optional: bool = False
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        return _check_prefix(v)
+
+    def input_patterns(self) -> list[str]:
+        return []  # a catch-all on what is left; exempt from the ambiguity check
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        moved = [(k, k[len(self.prefix) :]) for k in ctx.keys() if k.startswith(self.prefix) and len(k) > len(self.prefix)]
+        for old, _ in moved:
+            ctx.take(old, index)
+        for old, new in moved:
+            ctx.put(new, ctx.taken[old], index, origin=old)
+        if self.optional:
+            ctx.mark(index)
+
+    def inverse(self) -> list["Rule"]:
+        return [AddPrefix(prefix=self.prefix)]
+
+
+class AddPrefix(RuleBase):
+    """Put ``prefix`` in front of the keys matching ``keys`` (default: every key present when
+    it runs). The inverse of :class:`StripPrefix`."""
+
+    kind: Literal["add_prefix"] = "add_prefix"
+    prefix: str
+    keys: str = "**"
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        return _check_prefix(v)
+
+    def input_patterns(self) -> list[str]:
+        return []  # a catch-all on what is left; exempt from the ambiguity check
+
+    def apply(self, ctx: "PlanContext", index: int) -> None:
+        pat = compile_pattern(self.keys)
+        moved = [(k, self.prefix + k) for k in ctx.keys() if pat.match(k) is not None]
+        for old, _ in moved:
+            ctx.take(old, index)
+        for old, new in moved:
+            ctx.put(new, ctx.taken[old], index, origin=old)
+
+    def inverse(self) -> list["Rule"]:
+        return [StripPrefix(prefix=self.prefix)]
+
+
+Rule = Annotated[
+    Rename | Fuse | Split | Cast | Drop | Tie | Transpose | Rotary | Stack | Unstack | Pad | Trim | Interleave
+    | Deinterleave | StripPrefix | AddPrefix,
+    Field(discriminator="kind"),
+]

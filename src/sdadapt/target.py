@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from .sources.base import TensorInfo
+from .sources.base import MeshDim, TensorInfo
 
 
 def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -20,8 +20,22 @@ def schema_of(state_dict: dict[str, torch.Tensor]) -> dict[str, TensorInfo]:
     out = {}
     for k, t in state_dict.items():
         placements = str(tuple(t.placements)) if isinstance(t, DTensor) else None
-        out[k] = TensorInfo(tuple(t.shape), t.dtype, placements)
+        mesh = mesh_dims(t) if isinstance(t, DTensor) else None
+        out[k] = TensorInfo(tuple(t.shape), t.dtype, placements, mesh)
     return out
+
+
+def mesh_dims(t: DTensor) -> tuple[MeshDim, ...]:
+    """The mesh dims of ``t`` with their names, sizes and the tensor dim each one shards."""
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    names = t.device_mesh.mesh_dim_names or (None,) * t.device_mesh.ndim
+    dims = []
+    for i, p in enumerate(t.placements):
+        strided = isinstance(p, _StridedShard)
+        shard = p.dim if (strided or isinstance(p, Shard)) else None
+        dims.append(MeshDim(names[i], t.device_mesh.size(i), str(p), shard, strided))
+    return tuple(dims)
 
 
 def is_meta(t: torch.Tensor) -> bool:

@@ -11,12 +11,27 @@ from ..nodes import Box
 
 
 @dataclass(frozen=True)
+class MeshDim:
+    """One dim of the device mesh a target DTensor lives on, with its placement there.
+
+    ``shard_dim`` is the tensor dim this mesh dim shards (``Shard`` or ``_StridedShard``), else
+    ``None``; ``strided`` is true for ``_StridedShard`` (FSDP2 over a TP-sharded dim)."""
+
+    name: str | None
+    size: int
+    placement: str
+    shard_dim: int | None = None
+    strided: bool = False
+
+
+@dataclass(frozen=True)
 class TensorInfo:
     """Global shape and dtype of one tensor (of a source or of a target)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
     placements: str | None = None  # target only: e.g. "(Shard(dim=0), Replicate())"
+    mesh: tuple[MeshDim, ...] | None = None  # target DTensors only: the same, structured
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,44 @@
+"""``sdadapt adapters [NAME]``: the shipped adapters, one line each; with NAME, its options."""
+
+from __future__ import annotations
+
+import argparse
+
+NAME = "adapters"
+HELP = "list the adapters shipped by name (--adapter NAME); with NAME, show that adapter's options"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", nargs="?", help="an adapter name: show its description and options")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .. import registry
+
+    if args.name is None:
+        rows = registry.list_adapters()
+        if not rows:
+            print("no adapters are shipped in this installation")
+            return 0
+        width = max(len(n) for n, _ in rows)
+        for name, summary in rows:
+            print(f"{name:<{width}}  {summary}")
+        return 0
+    mod = registry.adapter_module(args.name)
+    print(f"{args.name}: {mod.SUMMARY}")
+    doc = (mod.__doc__ or "").strip()
+    if doc:
+        print()
+        print(doc)
+    opts = registry.options_of(args.name)
+    print()
+    if opts:
+        print("options (--option NAME=VALUE; read from config.json / params.json when the checkpoint folder has one):")
+        width = max(len(k) for k in opts)
+        for k, how in opts.items():
+            print(f"  {k:<{width}}  {how}")
+    else:
+        print("options: none")
+    if hasattr(mod, "options_from_config"):
+        print("reads options from the checkpoint folder's config files")
+    return 0
