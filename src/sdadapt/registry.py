@@ -7,7 +7,9 @@ Each adapter is a module ``sdadapt.adapters.<name>`` that exposes
   (``.inverse()`` gives the other direction). Options are keyword parameters (head counts,
   ``tied=...``); a required option is a parameter without a default;
 - optionally ``options_from_config(folder: str) -> dict``: options read from the checkpoint
-  folder's ``config.json`` / ``params.json`` (``{}`` when it has none).
+  folder's ``config.json`` / ``params.json`` (``{}`` when it has none); a reader that takes a
+  second parameter, ``options_from_config(folder, source)``, also gets the checkpoint path as
+  given (to read its key names from headers).
 
 :func:`get_adapter` merges options: the config's first, explicit keyword arguments over them
 (an explicit value that differs from the config's is logged). It checks the merged options
@@ -98,7 +100,10 @@ def get_adapter(name: str, source: str | os.PathLike[str] | None = None, **optio
     reader = getattr(mod, "options_from_config", None)
     if folder is not None and callable(reader):
         try:
-            from_config = dict(reader(folder))
+            # a reader with a second parameter also gets the checkpoint path itself (a file in a
+            # folder of several files: its key names tell what the config files cannot)
+            two = len(inspect.signature(reader).parameters) >= 2
+            from_config = dict(reader(folder, os.fspath(source)) if two else reader(folder))
         except SdadaptError:
             raise
         except Exception as e:  # noqa: BLE001 - a bad config file: name it
