@@ -1,0 +1,274 @@
+"""The I/O engine (sdadapt.io_engine) without processes: every path bit-exact against the
+recipe's own ``read`` (the simple reader's path), coalescing, bounded staging, exact byte
+counts, and errors that name the key and the file."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from checkpoints import random_state_dict, write_hf_sharded, write_safetensors, write_torch_save
+
+from sdadapt import nodes as N
+from sdadapt.errors import LoadError
+from sdadapt.io_engine import EngineConfig, IOEngine, Job, box_spans, default_threads, locate, route
+from sdadapt.sources import open_source
+
+SPEC = {
+    "a": ((37, 19), torch.bfloat16),
+    "b": ((16, 8, 5), torch.float32),
+    "c": ((64, 33), torch.float16),
+    "q": ((24, 12), torch.bfloat16),
+    "k": ((8, 12), torch.bfloat16),
+    "v": ((8, 12), torch.bfloat16),
+    "s": ((), torch.float32),
+    "n": ((7,), torch.int64),
+}
+CONFIGS = {
+    "default": EngineConfig(threads=3),
+    "direct": EngineConfig(threads=2, direct_min_bytes=0, chunk_bytes=4096),
+    "staged-tiny-chunks": EngineConfig(threads=4, direct_min_bytes=1 << 40, chunk_bytes=4096, staging_bytes=3 * 4096),
+    "one-thread": EngineConfig(threads=1, direct_min_bytes=0),
+}
+
+
+def _random_box(shape: tuple[int, ...], rng: random.Random) -> tuple[tuple[int, int], ...]:
+    box = []
+    for n in shape:
+        a = rng.randrange(0, n)
+        box.append((a, rng.randrange(a + 1, n + 1)))
+    return tuple(box)
+
+
+def _recipes(src) -> dict[str, N.Node]:
+    leaf = {k: N.Leaf(k, i.shape, i.dtype) for k, i in src.schema.items()}
+    out: dict[str, N.Node] = dict(leaf)
+    out["qkv"] = N.Concat((leaf["q"], leaf["k"], leaf["v"]), 0)
+    out["kv_cols"] = N.Concat((leaf["k"], leaf["v"]), 1)
+    out["a32"] = N.Cast(leaf["a"], torch.float32)
+    out["c_mid"] = N.Narrow(leaf["c"], 0, 10, 40)
+    out["b_cast_cat"] = N.Cast(N.Concat((leaf["b"], N.Narrow(leaf["b"], 0, 4, 6)), 0), torch.float64)
+    for name in ("Transpose", "Stack", "Select", "UnitPermute", "Pad"):
+        cls = getattr(N, name, None)
+        if cls is None:
+            continue
+        if name == "Transpose":
+            out["cT"] = cls(leaf["c"], 0, 1)
+        elif name == "Stack":
+            out["kv_stack"] = cls((leaf["k"], leaf["v"]), 0)
+        elif name == "Select":
+            out["b_sel"] = cls(leaf["b"], 1, 3)
+        elif name == "UnitPermute":
+            out["q_perm"] = cls(leaf["q"], 0, 4, (0, 2, 1, 3))
+        elif name == "Pad":
+            out["a_pad"] = cls(leaf["a"], 0, 40, 0.0)
+    return out
+
+
+class _Plain:
+    """A SourceIO without counting (the reference read)."""
+
+    def __init__(self, src):
+        self.src = src
+
+    def read(self, key, box):
+        return self.src.read(key, box)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    d = tmp_path_factory.mktemp("engine")
+    sd = random_state_dict(SPEC, seed=1)
+    out = {
+        "safetensors": write_safetensors(d / "m.safetensors", sd),
+        "hf": write_hf_sharded(d / "hf", sd, max_shard_bytes=3000),
+        "torch.save": write_torch_save(d / "m.pt", sd),
+    }
+    return sd, out
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "hf", "torch.save"])
+def test_engine_bit_exact_every_path(sources, fmt):
+    _, paths = sources
+    rng = random.Random(7)
+    with open_source(paths[fmt]) as src:
+        recipes = _recipes(src)
+        ref_io = _Plain(src)
+        for cname, cfg in CONFIGS.items():
+            jobs, expected = [], []
+            for key, node in recipes.items():
+                for _ in range(3):
+                    box = _random_box(node.shape, rng)
+                    want = node.read(box, ref_io).clone()
+                    dest = torch.full(want.shape, 7, dtype=node.dtype) if node.dtype != torch.bool else torch.zeros(want.shape, dtype=torch.bool)
+                    if rng.random() < 0.3 and dest.dim() == 2:  # a non-contiguous destination (TP-like column slice)
+                        dest = torch.full((want.shape[0], want.shape[1] + 3), 7, dtype=node.dtype)[:, 1 : 1 + want.shape[1]]
+                    jobs.append(Job(key, node, box, dest))
+                    expected.append((key, box, want))
+            engine = IOEngine(src, cfg)
+            stats = engine.run(jobs)
+            for job, (key, box, want) in zip(jobs, expected):
+                assert torch.equal(job.dest, want), (fmt, cname, key, box)
+            assert stats.bytes_read > 0
+            assert stats.staging_bytes <= max(cfg.staging_bytes, cfg.chunk())
+
+
+def test_bytes_counted_exactly(sources):
+    """Plain leaves, whole and partial boxes: the engine counts exactly the bytes of the boxes."""
+    _, paths = sources
+    rng = random.Random(3)
+    for cfg in CONFIGS.values():
+        with open_source(paths["safetensors"]) as src:
+            jobs, want = [], 0
+            for key, info in src.schema.items():
+                box = _random_box(info.shape, rng)
+                n = 1
+                for a, b in box:
+                    n *= b - a
+                want += n * info.dtype.itemsize
+                jobs.append(Job(key, N.Leaf(key, info.shape, info.dtype), box, torch.empty([b - a for a, b in box], dtype=info.dtype)))
+            assert IOEngine(src, cfg).run(jobs).bytes_read == want
+
+
+def test_box_spans_match_brute_force():
+    rng = random.Random(0)
+    for _ in range(300):
+        nd = rng.randrange(1, 5)
+        shape = tuple(rng.randrange(1, 6) for _ in range(nd))
+        box = _random_box(shape, rng)
+        flat = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.int64)
+        want = flat.view(shape)[tuple(slice(a, b) for a, b in box)].reshape(-1)
+        starts, run = box_spans(shape, 8, box)
+        got = torch.cat([flat[s // 8 : s // 8 + run // 8] for s in starts])
+        assert torch.equal(got, want), (shape, box)
+        # runs are maximal: whole trailing dims make one run
+        assert len(starts) == len(set(starts))
+    assert box_spans((), 4, ()) == ([0], 4)
+
+
+def test_coalescing_merges_adjacent_small_reads(tmp_path):
+    sd = {f"w{i:03d}": torch.randn(4, 8) for i in range(64)}  # 128 bytes each, back to back
+    path = write_safetensors(tmp_path / "small.safetensors", sd)
+    with open_source(path) as src:
+        jobs = [Job(k, N.Leaf(k, (4, 8), torch.float32), ((0, 4), (0, 8)), torch.empty(4, 8)) for k in sd]
+        stats = IOEngine(src, EngineConfig(threads=2, chunk_bytes=1 << 20)).run(jobs)
+        assert stats.coalesced == 64
+        assert stats.syscalls == 1  # one read for all 64 tensors
+        assert stats.bytes_read == 64 * 128
+        for job in jobs:
+            assert torch.equal(job.dest, sd[job.key])
+        # a chunk limit splits the shared read; a gap of unwanted bytes is not spanned by default
+        jobs = [Job(k, N.Leaf(k, (4, 8), torch.float32), ((0, 4), (0, 8)), torch.empty(4, 8)) for k in list(sd)[::2]]
+        stats = IOEngine(src, EngineConfig(threads=2, chunk_bytes=512)).run(jobs)
+        assert stats.coalesced == 0 and stats.syscalls == 32 and stats.bytes_read == 32 * 128
+        # with coalesce_gap, reads span the gaps (and count them)
+        stats = IOEngine(src, EngineConfig(threads=2, chunk_bytes=1 << 20, coalesce_gap=128)).run(jobs)
+        assert stats.syscalls == 1 and stats.bytes_read == 63 * 128
+        for job in jobs:
+            assert torch.equal(job.dest, sd[job.key])
+
+
+def test_staging_is_bounded(tmp_path):
+    sd = {f"w{i}": torch.randn(64, 256) for i in range(6)}  # 64 KiB each
+    path = write_safetensors(tmp_path / "big.safetensors", sd)
+    cfg = EngineConfig(threads=4, direct_min_bytes=1 << 40, chunk_bytes=8192, staging_bytes=2 * 8192)
+    with open_source(path) as src:
+        # non-contiguous destinations: everything goes through staging, in 8 KiB chunks
+        dests = {k: torch.zeros(64, 300)[:, 10:266] for k in sd}
+        jobs = [Job(k, N.Leaf(k, (64, 256), torch.float32), ((0, 64), (0, 256)), dests[k]) for k in sd]
+        stats = IOEngine(src, cfg).run(jobs)
+        assert stats.staging_bytes <= 2 * 8192
+        assert stats.staging_buffers <= 2
+        assert stats.staged_bytes == 6 * 64 * 256 * 4
+        assert stats.tasks >= 6 * 8
+        for k in sd:
+            assert torch.equal(dests[k], sd[k])
+
+
+def test_direct_reads_use_no_staging(tmp_path):
+    sd = {"big": torch.randn(256, 1024)}  # 1 MiB, read straight into the destination
+    path = write_safetensors(tmp_path / "d.safetensors", sd)
+    with open_source(path) as src:
+        dest = torch.empty(128, 1024)
+        stats = IOEngine(src, EngineConfig(threads=2, chunk_bytes=64 * 1024)).run(
+            [Job("big", N.Leaf("big", (256, 1024), torch.float32), ((128, 256), (0, 1024)), dest)]
+        )
+        assert torch.equal(dest, sd["big"][128:])
+        assert stats.staging_bytes == 0 and stats.direct_bytes == 128 * 1024 * 4 and stats.tasks == 8
+
+
+def test_torch_save_locations_are_file_offsets(sources):
+    sd, paths = sources
+    with open_source(paths["torch.save"]) as src:
+        with open(paths["torch.save"], "rb") as f:
+            for key, t in sd.items():
+                loc = locate(src, key)
+                if t.numel() == 0:
+                    continue
+                assert loc is not None, key
+                f.seek(loc.offset)
+                raw = f.read(t.numel() * t.element_size())
+                assert raw == bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist()), key
+
+
+def test_route_covers_every_element(sources):
+    """Routing writes every element of the destination exactly once per piece set."""
+    _, paths = sources
+    rng = random.Random(11)
+    with open_source(paths["safetensors"]) as src:
+        for key, node in _recipes(src).items():
+            box = _random_box(node.shape, rng)
+            dest = torch.zeros([b - a for a, b in box], dtype=torch.float64)
+            actions: list = []
+            route(node, box, dest, actions)
+            for act in actions:
+                act.dest.add_(1)
+            assert torch.equal(dest, torch.ones_like(dest)), key
+
+
+def test_error_names_key_and_file_on_truncated_file(tmp_path):
+    sd = {"x": torch.randn(64, 64), "y": torch.randn(64, 64)}
+    path = str(write_safetensors(tmp_path / "t.safetensors", sd))
+    src = open_source(path)  # header read while whole
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)  # y's tail is gone
+    try:
+        for cfg in (EngineConfig(threads=2, direct_min_bytes=0), EngineConfig(threads=2, direct_min_bytes=1 << 40)):
+            jobs = [Job("model.y", N.Leaf("y", (64, 64), torch.float32), ((0, 64), (0, 64)), torch.empty(64, 64))]
+            with pytest.raises(LoadError) as ei:
+                IOEngine(src, cfg).run(jobs)
+            msg = str(ei.value)
+            assert "'model.y'" in msg and "'y'" in msg and path in msg and "truncated" in msg
+    finally:
+        src.close()
+
+
+def test_error_from_a_computed_node_names_key(sources):
+    _, paths = sources
+
+    class Boom(N.Node):
+        shape = (3,)
+        dtype = torch.float32
+
+        def read(self, box, io):
+            raise ValueError("boom")
+
+        def leaves(self):
+            return ["a"]
+
+    with open_source(paths["safetensors"]) as src:
+        with pytest.raises(LoadError, match=r"key 'target.w'.*boom"):
+            IOEngine(src, EngineConfig(threads=2)).run([Job("target.w", Boom(), ((0, 3),), torch.empty(3))])
+
+
+def test_default_threads_follow_local_ranks(monkeypatch):
+    monkeypatch.delenv("SDADAPT_IO_THREADS", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    one = default_threads()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1000")
+    assert default_threads() == 1
+    assert 1 <= one <= 32
+    monkeypatch.setenv("SDADAPT_IO_THREADS", "5")
+    assert default_threads() == 5
