@@ -18,13 +18,14 @@ from .safetensors_file import SafetensorsFile
 INDEX_NAME = "model.safetensors.index.json"
 
 
-def _safe_member(folder: str, name: object, index_path: str) -> str:
+def _safe_member(folder: str, name: object, index_path: str, key: str | None = None) -> str:
     real_folder = os.path.realpath(folder)
     if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
         raise SourceError(
             f"index names shard {name!r}, which is not a plain file name inside the folder; "
             "refusing to read outside the checkpoint folder",
             path=index_path,
+            key=key,
         )
     full = os.path.join(folder, name)
     real = os.path.realpath(full)
@@ -33,9 +34,12 @@ def _safe_member(folder: str, name: object, index_path: str) -> str:
             f"index names shard {name!r}, which resolves to {real} outside the checkpoint folder "
             "(a symlink?); refusing to read it",
             path=index_path,
+            key=key,
         )
     if not os.path.isfile(real):
-        raise SourceError(f"index names shard {name!r}, which does not exist; the download is incomplete", path=index_path)
+        raise SourceError(
+            f"index names shard {name!r}, which does not exist; the download is incomplete", path=index_path, key=key
+        )
     return full
 
 
@@ -59,15 +63,20 @@ class HFShardedSource(Source):
         self._files: dict[str, SafetensorsFile] = {}
         self._key_file: dict[str, SafetensorsFile] = {}
         for key, name in weight_map.items():
-            sf = self._files.get(name)
+            sf = self._files.get(name) if isinstance(name, str) else None
             if sf is None:
-                sf = self._files[name] = SafetensorsFile(_safe_member(folder, name, index_path))
+                sf = self._files[name] = SafetensorsFile(_safe_member(folder, name, index_path, key))
             self._key_file[key] = sf
         self.schema = {}
         for key, sf in self._key_file.items():
             info = sf.schema.get(key)
             if info is None:
-                raise SourceError(f"index maps {key!r} to this shard, but the shard has no such tensor", path=sf.path)
+                raise SourceError(
+                    "the index maps this key to this shard, but the shard has no such tensor; the index and "
+                    "shards do not belong together (download them again)",
+                    path=sf.path,
+                    key=key,
+                )
             self.schema[key] = info
         seen: dict[str, str] = {}
         for sf in self._files.values():

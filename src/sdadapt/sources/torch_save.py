@@ -8,6 +8,7 @@ pages. Nested dicts are flattened with dots (``{"model": {"w": t}}`` -> ``model.
 from __future__ import annotations
 
 import pickle
+import re
 import zipfile
 from collections.abc import Mapping
 from typing import Any
@@ -29,11 +30,17 @@ _SHARDED_HINT = (
 def _load_mapped(path: str) -> Any:
     if not zipfile.is_zipfile(path):
         with open(path, "rb") as f:
-            head = f.read(2)
+            head = f.read(4)
         if head[:1] == b"\x80":
             raise SourceError(
                 "legacy (non-zip) torch.save format, which cannot be memory-mapped; re-save it "
                 "once with a current torch: torch.save(torch.load(path, weights_only=True), new_path)",
+                path=path,
+            )
+        if head == b"PK\x03\x04":
+            raise SourceError(
+                "corrupt or truncated torch.save file: it starts like a zip archive but its directory "
+                "at the end is missing or damaged (interrupted save or download?); save or download it again",
                 path=path,
             )
         raise SourceError("not a torch.save (zip) file, a safetensors file, or a checkpoint folder", path=path)
@@ -43,13 +50,14 @@ def _load_mapped(path: str) -> Any:
         text = str(e)
         if "DTensor" in text or "ShardedTensor" in text or "_StridedShard" in text or "DeviceMesh" in text:
             raise SourceError(_SHARDED_HINT.format(what="DTensor/ShardedTensor"), path=path) from None
-        first = text.strip().splitlines()[0] if text.strip() else "unpickling failed"
+        found = re.search(r"GLOBAL ([\w.]+)", text)
+        what = f"it pickles {found.group(1)}" if found else (text.strip().splitlines() or ["unpickling failed"])[0]
         raise SourceError(
-            f"refusing to unpickle non-tensor objects (weights_only=True): {first}. sdadapt never runs "
-            "code from a checkpoint; save plain tensors and dicts instead",
+            f"refusing to unpickle objects other than tensors and plain containers ({what}); sdadapt "
+            "never runs code from a checkpoint (weights_only=True). Save a dict of tensors instead",
             path=path,
         ) from None
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile, KeyError, OSError) as e:
+    except Exception as e:  # noqa: BLE001 - a damaged pickle raises all sorts (IndexError, struct.error...)
         raise SourceError(f"corrupt or truncated torch.save file ({type(e).__name__}: {e})", path=path) from None
 
 
@@ -59,6 +67,58 @@ def _flatten(obj: Any, prefix: str, out: dict[str, Any]) -> None:
             _flatten(v, f"{prefix}{k}.", out) if isinstance(v, Mapping) else out.__setitem__(f"{prefix}{k}", v)
     else:
         out[prefix.rstrip(".")] = obj
+
+
+def _data_records(path: str) -> list[tuple[int, int]]:
+    """(file offset, size) of each tensor data record (``<archive>/data/<key>``) of the zip,
+    from the zip directory and the 30-byte local headers: no tensor bytes are read."""
+    out = []
+    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        for info in z.infolist():
+            parts = info.filename.split("/")
+            if len(parts) != 3 or parts[1] != "data" or info.file_size == 0:
+                continue
+            f.seek(info.header_offset)
+            local = f.read(30)
+            if len(local) < 30 or local[:4] != b"PK\x03\x04":
+                raise SourceError(f"corrupt zip record {info.filename!r}", path=path)
+            n, m = int.from_bytes(local[26:28], "little"), int.from_bytes(local[28:30], "little")
+            out.append((info.header_offset + 30 + n + m, info.file_size))
+    return sorted(out)
+
+
+def _check_records(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Every mapped storage must lie inside its own zip record. ``torch.load(mmap=True)`` slices
+    the mapped file by the sizes the pickle states without checking them against the record, so
+    a damaged file would otherwise give other records' bytes (or zip headers) as tensor values."""
+    storages: dict[int, tuple[int, str]] = {}
+    for key, t in tensors.items():
+        st = t.untyped_storage()
+        if st.nbytes():
+            storages.setdefault(st.data_ptr(), (st.nbytes(), key))
+    if not storages:
+        return
+    try:
+        records = _data_records(path)
+    except (OSError, zipfile.BadZipFile) as e:
+        raise SourceError(f"corrupt or truncated torch.save file ({type(e).__name__}: {e})", path=path) from None
+    by_offset = dict(records)
+    lowest = min(storages)
+    # All storages are slices of one mapping of the file: find its base address, i.e. the record
+    # the lowest storage starts at (the lowest record in any file torch.save wrote).
+    for first, _ in records:
+        base = lowest - first
+        if all(by_offset.get(ptr - base, -1) >= n for ptr, (n, _) in storages.items()):
+            return
+    base = lowest - records[0][0] if records else lowest
+    misfits = [key for ptr, (n, key) in sorted(storages.items()) if by_offset.get(ptr - base, -1) < n]
+    bad = misfits[0] if misfits else storages[lowest][1]
+    raise SourceError(
+        "corrupt torch.save file: the tensor's data record in the zip is shorter than the tensor "
+        "(damaged or hand-edited archive); save or download it again",
+        path=path,
+        key=bad,
+    )
 
 
 class TorchSaveFile(Source):
@@ -86,6 +146,7 @@ class TorchSaveFile(Source):
                 self._tensors[key] = v
             else:
                 self.non_tensor.append(key)
+        _check_records(path, self._tensors)
         self.schema = {k: TensorInfo(tuple(t.shape), t.dtype) for k, t in self._tensors.items()}
 
     def read(self, key: str, box: Box) -> torch.Tensor:
