@@ -185,3 +185,9 @@ __all__ = [
     "trim",
     "unstack",
 ]
+
+# --- issue 4: training state, export (appended) ---
+from .export import export  # noqa: E402
+from .state import StateError, StateLoadReport, load_state, save_state  # noqa: E402
+
+__all__ += ["StateError", "StateLoadReport", "export", "load_state", "save_state"]

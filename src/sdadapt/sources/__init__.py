@@ -30,10 +30,10 @@ def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = 
             return HFShardedSource(p)
         if os.path.isfile(os.path.join(p, "model.safetensors")):
             return SafetensorsFile(os.path.join(p, "model.safetensors"))
-        if os.path.isfile(os.path.join(p, ".metadata")):
+        if os.path.isfile(os.path.join(p, ".metadata")) or any(n.endswith(".distcp") for n in os.listdir(p)):
             from .dcp_dir import DCPSource  # noqa: PLC0415 - optional path
 
-            return DCPSource(p)
+            return DCPSource(p, subtree=subtree)
         names = sorted(os.listdir(p))[:8]
         raise SourceError(
             f"folder holds no checkpoint sdadapt knows ({INDEX_NAME}, model.safetensors or a DCP "

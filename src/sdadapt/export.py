@@ -1,0 +1,3 @@
+"""Placeholder replaced below."""
+def export(*a, **k):
+    raise NotImplementedError
