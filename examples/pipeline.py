@@ -129,22 +129,20 @@ def build_model(layers: int = 2, dim: int = 128, heads: int = 4, ffn: int = 256,
 # The adapter: the checkpoint has q_proj/k_proj/v_proj, the model one fused qkv.
 
 
-def qkv_adapter(tp: int = 1) -> sdadapt.Adapter:
-    """Fuse q, k, v into qkv, in the row order ``ColwiseParallel`` over ``tp`` ranks needs.
+def qkv_adapter(dim: int = 128) -> sdadapt.Adapter:
+    """Fuse q, k, v into qkv, rows in the order ``ColwiseParallel`` needs.
 
     ColwiseParallel gives TP rank r the r-th contiguous block of qkv's rows. For attention to
-    be right, that block must be this rank's heads of q, k and v: [q_0; k_0; v_0; q_1; ...]
-    where q_r is the r-th block of q's rows. With tp=1 this is plain [q; k; v]."""
-    if tp == 1:
-        parts = ["layers.{i}.attn.%s_proj.{p}" % n for n in "qkv"]
-        return sdadapt.Adapter([sdadapt.fuse(parts, "layers.{i}.attn.qkv.{p}")], name="split-qkv")
-    rules: list = [
-        sdadapt.split("layers.{i}.attn.%s_proj.{p}" % n, ["layers.{i}.attn.%s_proj.tp%d.{p}" % (n, r) for r in range(tp)])
-        for n in "qkv"
-    ]
-    parts = ["layers.{i}.attn.%s_proj.tp%d.{p}" % (n, r) for r in range(tp) for n in "qkv"]
-    rules.append(sdadapt.fuse(parts, "layers.{i}.attn.qkv.{p}"))
-    return sdadapt.Adapter(rules, name=f"split-qkv-tp{tp}")
+    be right, that block must hold this rank's heads of q, k and v: [q_0; k_0; v_0; q_1; ...]
+    where q_r is the r-th block of q's rows. ``interleave`` lays the fused rows out so, reading
+    the TP degree from the model's placements (1 on an unparallelised model: plain [q; k; v])."""
+    return sdadapt.Adapter(
+        [
+            sdadapt.fuse(["layers.{i}.attn.%s_proj.{p}" % n for n in "qkv"], "layers.{i}.attn.qkv.{p}"),
+            sdadapt.interleave("layers.{i}.attn.qkv.{p}", sizes=[dim, dim, dim]),
+        ],
+        name="split-qkv",
+    )
 
 
 def write_checkpoint(path: str, cfg: Config, seed: int = 0) -> None:
@@ -239,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parallelize(model, mesh, mp)
 
     # 4. Load: materialise on the device, re-init buffers, then each rank reads its shards only.
-    adapter = qkv_adapter(tp)
+    adapter = qkv_adapter(cfg.dim)
     report = sdadapt.load(model, args.ckpt, adapter, device=device, init_buffers=Transformer.init_buffers)
     reports: list[str | None] = [None] * world
     dist.all_gather_object(reports, report.format())

@@ -48,7 +48,7 @@ def test_pipeline_tp_only_two_processes(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "wrote " in out and ckpt.exists()  # the script wrote its checkpoint (split q/k/v)
-    assert "mesh 1x2 (fsdp x tp) on cpu, adapter split-qkv-tp2" in out
+    assert "mesh 1x2 (fsdp x tp) on cpu, adapter split-qkv" in out
     values = _parse(out, world=2, steps=3)
     assert values[-1] < values[0]  # training on a fixed batch makes progress
 
@@ -66,5 +66,5 @@ def test_demo(tmp_path):
     assert "(exit status 1)" in out and "(exit status 0)" in out
     # ... and with it, every model key is matched
     assert "29 of 29 model keys matched" in out and "OK: checkpoint and model line up" in out
-    assert "mesh 2x2 (fsdp x tp) on cpu, adapter split-qkv-tp2" in out
+    assert "mesh 2x2 (fsdp x tp) on cpu, adapter split-qkv" in out
     _parse(out, world=4, steps=2)
