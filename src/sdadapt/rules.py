@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import AdapterError
 from .nodes import Cast as CastNode
@@ -49,6 +49,13 @@ class RuleBase(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     moves_keys: ClassVar[bool] = True
+
+    def __init__(self, **data: object):
+        try:
+            super().__init__(**data)
+        except ValidationError as e:  # a bad argument is an AdapterError naming the rule
+            kind = type(self).model_fields["kind"].default
+            raise AdapterError(f"invalid adapter rule {kind!r}: {e}") from None
 
     def input_patterns(self) -> list[str]:
         raise NotImplementedError
@@ -569,8 +576,42 @@ class Unstack(RuleBase):
         return [Stack(src=self.dst, dst=self.src, over=self.over, dim=self.dim, count=self.count)]
 
 
-def _target_size(ctx: "PlanContext", key: str, d: int, nd: int) -> int | None:
-    info = ctx.target.get(key) if ctx.target is not None else None
+def final_key(ctx: "PlanContext", key: str, index: int) -> str | None:
+    """The name ``key`` will have once the key-moving rules after rule ``index`` have run:
+    renames and prefix rules are followed; ``None`` if another key-moving rule (fuse, split,
+    stack...) takes it. Value rules that read the target (pad, trim, interleave) look the key
+    up under this name, so they work before renames too (as in an inverted adapter)."""
+    k = key
+    for rule in ctx.adapter.rules[index + 1 :]:
+        if not rule.moves_keys:
+            continue
+        if isinstance(rule, Rename):
+            caps = compile_pattern(rule.src).match(k)
+            if caps is not None:
+                k = compile_pattern(rule.dst).format(caps)
+        elif isinstance(rule, StripPrefix):
+            if k.startswith(rule.prefix) and len(k) > len(rule.prefix):
+                k = k[len(rule.prefix) :]
+        elif isinstance(rule, AddPrefix):
+            if compile_pattern(rule.keys).match(k) is not None:
+                k = rule.prefix + k
+        elif isinstance(rule, Drop) and compile_pattern(rule.keys).match(k) is not None:
+            return None
+        elif any(compile_pattern(p).match(k) is not None for p in rule.input_patterns()):
+            return None
+    return k
+
+
+def target_info(ctx: "PlanContext", key: str, index: int) -> "TensorInfo | None":
+    """The target's TensorInfo for what ``key`` becomes (see :func:`final_key`), if any."""
+    if ctx.target is None:
+        return None
+    final = final_key(ctx, key, index)
+    return None if final is None else ctx.target.get(final)
+
+
+def _target_size(ctx: "PlanContext", key: str, index: int, d: int, nd: int) -> int | None:
+    info = target_info(ctx, key, index)
     if info is None or len(info.shape) != nd:
         return None
     return info.shape[d]
@@ -614,7 +655,7 @@ class Pad(RuleBase):
             elif self.multiple_of is not None:
                 want = -(-n // self.multiple_of) * self.multiple_of
             else:
-                want = _target_size(ctx, key, d, len(node.shape))
+                want = _target_size(ctx, key, index, d, len(node.shape))
                 if want is None:
                     ctx.issue(index, key, "the model has no such key to take the size from; give size= or multiple_of=")
                     continue
@@ -652,7 +693,7 @@ class Trim(RuleBase):
             if d is None:
                 continue
             n = node.shape[d]
-            want = self.size if self.size is not None else _target_size(ctx, key, d, len(node.shape))
+            want = self.size if self.size is not None else _target_size(ctx, key, index, d, len(node.shape))
             if want is None:
                 ctx.issue(index, key, "the model has no such key to take the size from; give size= to trim")
                 continue
@@ -734,14 +775,15 @@ class Interleave(RuleBase):
     def input_patterns(self) -> list[str]:
         return [self.keys]
 
-    def _degree(self, ctx: "PlanContext", key: str, node: Node, d: int) -> int | str:
+    def _degree(self, ctx: "PlanContext", key: str, node: Node, d: int, index: int) -> int | str:
         if self.tp is not None:
             return self.tp
         if ctx.target is None:
             return "there is no model to read the TP degree from; pass tp="
-        if key not in ctx.target:
+        info = target_info(ctx, key, index)
+        if info is None:
             return "the model has no such key to read the TP degree from; pass tp="
-        return tp_degree(ctx.target[key], d)
+        return tp_degree(info, d)
 
     def apply(self, ctx: "PlanContext", index: int) -> None:
         pat = compile_pattern(self.keys)
@@ -756,7 +798,7 @@ class Interleave(RuleBase):
             if sum(self.sizes) != n:
                 ctx.issue(index, key, f"sizes {self.sizes} add up to {sum(self.sizes)}, but dim {d} has {n}")
                 continue
-            tp = self._degree(ctx, key, node, d)
+            tp = self._degree(ctx, key, node, d, index)
             if isinstance(tp, str):
                 ctx.issue(index, key, tp)
                 continue
@@ -780,7 +822,7 @@ class Deinterleave(Interleave):
     kind: Literal["deinterleave"] = "deinterleave"  # type: ignore[assignment]
     backward: ClassVar[bool] = True
 
-    def _degree(self, ctx: "PlanContext", key: str, node: Node, d: int) -> int | str:
+    def _degree(self, ctx: "PlanContext", key: str, node: Node, d: int, index: int) -> int | str:
         if self.tp is not None:
             return self.tp
         if isinstance(node, N.Leaf) and node.key in ctx.source:
