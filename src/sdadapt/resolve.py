@@ -160,10 +160,13 @@ def resolve_target(spec: str | os.PathLike[str] | nn.Module, **options: Any) -> 
     return model
 
 
-def resolve_adapter(spec: str | os.PathLike[str] | Adapter, **options: Any) -> Adapter:
+def resolve_adapter(
+    spec: str | os.PathLike[str] | Adapter, *, source: str | os.PathLike[str] | None = None, **options: Any
+) -> Adapter:
     """The adapter ``spec`` names: an :class:`Adapter`, a shipped adapter name, a ``.json``
     file, or ``module:ATTR`` / ``file.py:ATTR`` (an Adapter, or a function returning one,
-    called with ``**options``)."""
+    called with ``**options``). ``source`` (the checkpoint) lets a shipped adapter read the
+    options not given here from the checkpoint folder's config files."""
     if isinstance(spec, Adapter):
         if options:
             raise ResolveError(f"adapter {spec.name!r} is ready-made; it takes no options ({sorted(options)})")
@@ -203,4 +206,4 @@ def resolve_adapter(spec: str | os.PathLike[str] | Adapter, **options: Any) -> A
             f"adapter {text!r}: no adapters are shipped by name in this version; give a .json file or "
             "file.py:ATTR naming an Adapter"
         ) from None
-    return registry.get_adapter(text, **options)
+    return registry.get_adapter(text, source=source, **options)

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", "-t", required=True, metavar="T", help="model (module:function) or checkpoint")
     parser.add_argument("--adapter", "-a", metavar="A", help="adapter name, .json file, or module:ATTR")
     parser.add_argument(
-        "--adapter-option", "-O", action="append", default=[], metavar="KEY=VALUE",
+        "--adapter-option", "--option", "-O", action="append", default=[], metavar="KEY=VALUE",
         help="option passed to an adapter function or shipped adapter (repeatable)",
     )
     parser.add_argument(
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
         raise ResolveError("--adapter-option needs --adapter")
     target: Any = resolve_target(args.target, **parse_options(args.target_option))
-    adapter = resolve_adapter(args.adapter, **parse_options(args.adapter_option)) if args.adapter else None
+    adapter = resolve_adapter(args.adapter, source=args.src, **parse_options(args.adapter_option)) if args.adapter else None
     if isinstance(target, str) and args.target_subtree:
         target = open_source(target, subtree=args.target_subtree)
     report = diff(
