@@ -135,7 +135,13 @@ def get_adapter(name: str, source: str | os.PathLike[str] | None = None, **optio
             f"adapter {name!r} needs option {', '.join(map(repr, missing))} and {where}; pass it "
             f"(get_adapter({name!r}, {missing[0]}=...), or --option {missing[0]}=... on the command line)"
         )
-    adapter = mod.build(**merged)
+    try:
+        adapter = mod.build(**merged)
+    except SdadaptError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bad option value: name the options
+        shown = ", ".join(f"{k}={v!r}" for k, v in merged.items())
+        raise AdapterError(f"adapter {name!r} cannot be built with {shown}: {type(e).__name__}: {e}") from e
     if not isinstance(adapter, Adapter):
         raise AdapterError(f"adapter module {mod.__name__}: build() returned a {type(adapter).__name__}, not an Adapter")
     log.info("adapter %s: %d rules, options %s", name, len(adapter.rules), merged)

@@ -1,0 +1,1 @@
+"""A module in the adapter package that lacks SUMMARY/build (registry tests)."""
