@@ -15,7 +15,7 @@ import torch
 
 from .adapter import Adapter
 from .diff import diff
-from .errors import AdapterError, LoadError, PlanError, RemoteRankError, SdadaptError, SourceError
+from .errors import AdapterError, LoadError, ModelError, PlanError, RemoteRankError, SdadaptError, SourceError
 from .load import LoadReport, load, plan_load
 from .plan import Plan, build_plan
 from .registry import get_adapter, list_adapters
@@ -138,6 +138,7 @@ __all__ = [
     "Fuse",
     "LoadError",
     "LoadReport",
+    "ModelError",
     "Plan",
     "PlanError",
     "RemoteRankError",
@@ -191,3 +192,8 @@ from .export import export  # noqa: E402
 from .state import StateError, StateLoadReport, load_state, save_state  # noqa: E402
 
 __all__ += ["StateError", "StateLoadReport", "export", "load_state", "save_state"]
+
+# --- issue 7: sdadapt draft (appended) ---
+from .draft import Draft, draft  # noqa: E402
+
+__all__ += ["Draft", "draft"]

@@ -48,6 +48,10 @@ class PlanError(SdadaptError):
         )
 
 
+class ModelError(SdadaptError):
+    """The model cannot be loaded as it is (e.g. buffers nothing would initialise)."""
+
+
 class LoadError(SdadaptError):
     """Reading or copying tensor data failed during the load (after planning succeeded)."""
 

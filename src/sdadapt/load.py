@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from .adapter import Adapter
 from .distributed import agree, rank_and_world
-from .errors import LoadError, PlanError, SdadaptError
+from .errors import LoadError, ModelError, PlanError, SdadaptError
 from .materialize import InitFn, check_buffers, choose_device, materialize
 from .plan import Plan, build_plan
 from .reader import AdaptedStorageReader
@@ -125,7 +125,13 @@ def load(
     assert source is not None and plan is not None
     t_plan = time.perf_counter() - t0
 
-    materialized = materialize(model, choose_device(model, device), init_buffers)
+    materialized, error = False, None
+    try:  # a hook failing on one rank must stop the others before they enter dcp.load
+        materialized = materialize(model, choose_device(model, device), init_buffers)
+    except Exception as e:  # noqa: BLE001 - user hooks can raise anything; re-raised below
+        error = e if isinstance(e, SdadaptError) else ModelError(f"materialising the model failed: {type(e).__name__}: {e}")
+        error.__cause__ = e
+    agree(error, process_group)
     state_dict = model_state_dict(model)
     wanted = {k: v for k, v in state_dict.items() if k in plan.recipes}
     reader = AdaptedStorageReader(plan, source)

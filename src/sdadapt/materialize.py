@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .errors import SdadaptError
+from .errors import ModelError
 from .target import is_meta
 
 InitFn = Callable[[nn.Module], None]
@@ -56,7 +56,7 @@ def check_buffers(model: nn.Module, init_buffers: InitFn | None) -> None:
     if bufs:
         from .keyruns import compress
 
-        raise SdadaptError(
+        raise ModelError(
             f"non-persistent buffers {', '.join(compress(bufs))} are on the meta device and not in "
             "the state dict, so nothing would give them values after materialising. Pass "
             "init_buffers=fn (called after to_empty, before reading), or give the model an "

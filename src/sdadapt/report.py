@@ -7,11 +7,14 @@ Pydantic models, so a report serialises (``report.model_dump_json()``) and print
 from __future__ import annotations
 
 import difflib
+import re
 from collections import defaultdict
 
 from pydantic import BaseModel
 
 from .keyruns import compress
+
+_INDEX = re.compile(r"\.\d+(?=[.,\])\[]|$)")  # ".3." in a recipe -> ".{i}."
 
 
 class Mismatch(BaseModel):
@@ -108,12 +111,12 @@ class Report(BaseModel):
             ("shape mismatch", self.shape_mismatch, ""),
             ("dtype mismatch", self.dtype_mismatch, "; add a cast rule if the conversion is intended"),
         ):
-            groups: dict[tuple[str, str], list[Mismatch]] = defaultdict(list)
-            for mm in items:
-                groups[(mm.model, mm.checkpoint)].append(mm)
+            groups: dict[tuple[str, str, str], list[Mismatch]] = defaultdict(list)
+            for mm in items:  # one row per run of keys with the same numbers and the same recipe shape
+                groups[(mm.model, mm.checkpoint, _INDEX.sub(".{i}", mm.recipe))].append(mm)
             rows = [
-                f"{k}: model {want}, checkpoint gives {got} (from {ms[0].recipe}){hint}"
-                for (want, got), ms in groups.items()
+                f"{k}: model {want}, checkpoint gives {got} (from {recipe}){hint}"
+                for (want, got, recipe), ms in groups.items()
                 for k in compress([m.key for m in ms])
             ]
             section(title, rows, len(items))

@@ -1,0 +1,169 @@
+"""Report and ``sdadapt.diff``: every problem named, suggestions, compressed runs of keys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from checkpoints import write_hf_sharded, write_safetensors, write_torch_save
+from torch import nn
+
+import sdadapt
+from sdadapt.keyruns import compress
+from sdadapt.report import Report
+from sdadapt.sources.base import TensorInfo
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.Linear(4, 4)
+        self.mlp = nn.Linear(4, 6)
+
+
+class Model(nn.Module):
+    def __init__(self, n: int = 32):
+        super().__init__()
+        self.tok = nn.Embedding(10, 4)
+        self.layers = nn.ModuleList([Block() for _ in range(n)])
+        self.norm = nn.LayerNorm(4)
+
+
+def _sd(n=32):
+    torch.manual_seed(0)
+    return {k: v.detach().clone() for k, v in Model(n).state_dict().items()}
+
+
+def _meta_model(n=32):
+    with torch.device("meta"):
+        return Model(n)
+
+
+def test_diff_names_misspelt_extra_and_wrong_shape(tmp_path):
+    sd = _sd()
+    sd["norm.wieght"] = sd.pop("norm.weight")  # misspelt
+    sd["extra.thing"] = torch.ones(2)  # extra
+    sd["tok.weight"] = torch.zeros(11, 4)  # wrong shape
+    path = write_torch_save(tmp_path / "bad.pt", sd)
+    report = sdadapt.diff(_meta_model(), path)
+    assert not report.ok
+    assert report.missing == ["norm.weight"]
+    assert sorted(report.unexpected) == ["extra.thing", "norm.wieght"]
+    [mm] = report.shape_mismatch
+    assert (mm.key, mm.model, mm.checkpoint) == ("tok.weight", "[10, 4]", "[11, 4]")
+    assert report.problems == 4
+    assert report.suggestions() == {"norm.weight": "norm.wieght"}
+    text = report.format()
+    assert str(path) in text
+    assert "norm.weight    <- did you mean norm.wieght?" in text
+    assert "extra.thing" in text
+    assert "tok.weight: model [10, 4], checkpoint gives [11, 4]" in text
+    assert text.endswith("NOT OK: 4 problem(s)")
+    assert str(report) == text
+
+
+def test_diff_matching_pair_is_ok(tmp_path):
+    sd = _sd(3)
+    for path in (
+        write_torch_save(tmp_path / "m.pt", sd),
+        write_safetensors(tmp_path / "m.safetensors", sd),
+        write_hf_sharded(tmp_path / "hf", sd, max_shard_bytes=200),
+    ):
+        report = sdadapt.diff(_meta_model(3), path)
+        assert report.ok and report.problems == 0
+        assert report.matched == report.target_keys == report.source_keys == len(sd)
+        assert report.format().endswith("OK: checkpoint and model line up")
+
+
+def test_diff_targets_and_adapter(tmp_path):
+    sd = _sd(2)
+    renamed = {k.replace("layers.", "model.blocks."): v for k, v in sd.items()}
+    src = write_safetensors(tmp_path / "src.safetensors", renamed)
+    ref = write_torch_save(tmp_path / "ref.pt", sd)
+    adapter = sdadapt.Adapter([sdadapt.rename("model.blocks.{rest:*}", "layers.{rest}")], name="blocks")
+    for target in (_meta_model(2), ref, {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in sd.items()}):
+        assert not sdadapt.diff(target, src).ok
+        report = sdadapt.diff(target, src, adapter)
+        assert report.ok, report.format()
+        assert report.adapter == "blocks"
+    # allow lists relax it
+    report = sdadapt.diff(ref, src, allow_missing=["layers.**"], allow_unexpected=["model.blocks.**"])
+    assert report.ok and len(report.allowed_missing) == len(report.allowed_unexpected) == 8
+    assert "allowed: 8 missing and 8 unexpected key(s)" in report.format()
+
+
+def test_runs_compressed_in_report(tmp_path):
+    sd = _sd()
+    for i in range(32):
+        sd[f"layers.{i}.attn.wieght"] = sd.pop(f"layers.{i}.attn.weight")
+    report = sdadapt.diff(_meta_model(), write_torch_save(tmp_path / "m.pt", sd))
+    text = report.format()
+    assert "layers.{0..31}.attn.weight    <- did you mean layers.{0..31}.attn.wieght?" in text
+    assert "  layers.{0..31}.attn.wieght\n" in text
+    assert "missing: the model has these, the checkpoint + adapter do not give them (32):" in text
+    assert "layers.5.attn" not in text
+
+
+def test_report_row_limit_and_json():
+    r = Report(source="s", target="t", missing=[f"k{i}.x" for i in range(30)] + [f"a{i}.b" for i in range(30)])
+    text = r.format(max_rows=5)
+    assert "  ... and 55 more rows" in text
+    again = Report.model_validate_json(r.model_dump_json())
+    assert again == r and again.problems == 60 and not again.ok
+
+
+def test_dtype_and_rule_problems_grouped():
+    src = {f"l.{i}.w": TensorInfo((2,), torch.bfloat16) for i in range(4)}
+    tgt = {f"l.{i}.w": TensorInfo((2,), torch.float32) for i in range(4)}
+    report = sdadapt.build_plan(src, tgt, sdadapt.Adapter([sdadapt.drop("nothing")])).report
+    text = report.format()
+    assert "dtype mismatch (4):" in text
+    [row] = [line for line in text.splitlines() if line.startswith("  l.{0..3}.w: ")]
+    assert "model float32, checkpoint gives bfloat16 (from l." in row and "add a cast rule" in row
+    assert "rules that matched nothing (1):\n  #0 drop(keys='nothing')" in text
+
+
+@pytest.mark.parametrize(
+    "keys, expected",
+    [
+        ([f"layers.{i}.attn.wq.weight" for i in range(32)], ["layers.{0..31}.attn.wq.weight"]),
+        (["l.0.w", "l.1.w", "l.3.w", "l.4.w", "l.5.w"], ["l.{0..1,3..5}.w"]),
+        ([f"layers.{i}.experts.{j}.w" for i in range(2) for j in range(8)], ["layers.{0..1}.experts.{0..7}.w"]),
+        (["layers.0.a", "layers.1.a", "layers.1.b"], ["layers.1.b", "layers.{0..1}.a"]),
+        (["x", "x.0", "x.1.y"], ["x", "x.0", "x.1.y"]),
+        (["only.7.one"], ["only.7.one"]),
+        ([], []),
+        # distinct keys never merge into one: leading zeros and non-ASCII digits stay as they are
+        (["a.01", "a.1"], ["a.01", "a.1"]),
+        (["a.007.w", "a.7.w", "a.8.w"], ["a.007.w", "a.{7..8}.w"]),
+        (["x.²", "x.1"], ["x.1", "x.²"]),
+        (["a.0", "a.00"], ["a.0", "a.00"]),
+    ],
+)
+def test_compress(keys, expected):
+    assert compress(keys) == expected
+    assert compress(set(keys)) == expected
+
+
+def test_compress_never_loses_keys():
+    import itertools
+    import re
+
+    keys = [f"{a}.{b}.{c}" for a, b, c in itertools.product(["0", "1", "01", "x"], ["2", "3", "03"], ["w", "4"])]
+    keys = sorted(set(keys[::2] + keys[1::5]))
+    rows = compress(keys)
+
+    def expand(row: str) -> set[str]:
+        out = [""]
+        for seg in re.split(r"\.(?![^{]*\})", row):  # dots outside {..}
+            if seg.startswith("{") and seg.endswith("}"):
+                vals = []
+                for part in seg[1:-1].split(","):
+                    lo, _, hi = part.partition("..")
+                    vals += [str(v) for v in range(int(lo), int(hi or lo) + 1)]
+            else:
+                vals = [seg]
+            out = [f"{o}.{v}" if o else v for o in out for v in vals]
+        return set(out)
+
+    got = [k for r in rows for k in expand(r)]
+    assert sorted(got) == keys
