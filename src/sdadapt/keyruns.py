@@ -19,15 +19,21 @@ def _ranges(values: list[int]) -> str:
     return "{" + ",".join(out) + "}"
 
 
+def _is_index(seg: str) -> bool:
+    """A segment that is a plain index: ASCII digits without leading zeros (so that distinct
+    keys such as ``a.01`` and ``a.1`` never merge into one row)."""
+    return seg.isascii() and seg.isdigit() and (seg == "0" or seg[0] != "0")
+
+
 def compress(keys: list[str] | set[str]) -> list[str]:
     """Group keys that differ only in integer segments; returns sorted readable patterns."""
     rows = [tuple(k.split(".")) for k in keys]
-    positions = sorted({i for r in rows for i, s in enumerate(r) if s.isdigit()}, reverse=True)
+    positions = sorted({i for r in rows for i, s in enumerate(r) if _is_index(s)}, reverse=True)
     for p in positions:
         groups: dict[tuple[object, ...], list[int]] = defaultdict(list)
         passthrough: list[tuple[str, ...]] = []
         for r in rows:
-            if len(r) > p and r[p].isdigit():
+            if len(r) > p and _is_index(r[p]):
                 groups[(len(r),) + r[:p] + r[p + 1 :]].append(int(r[p]))
             else:
                 passthrough.append(r)
