@@ -1,0 +1,115 @@
+"""HF transformers Mixtral -> Meta-style MoE layout with stacked experts.
+
+Checkpoint, ``experts="per_expert"`` (released Mixtral checkpoints, and what transformers 5.x
+``save_pretrained`` still writes)::
+
+    model.layers.{i}.block_sparse_moe.gate.weight                  [E, dim]
+    model.layers.{i}.block_sparse_moe.experts.{e}.w1|w3.weight     [hidden, dim]
+    model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight        [dim, hidden]
+
+Checkpoint, ``experts="stacked"`` (the in-memory state dict of transformers 5.x
+``MixtralForCausalLM``, e.g. a ``torch.save(model.state_dict())``)::
+
+    model.layers.{i}.mlp.gate.weight                               [E, dim]
+    model.layers.{i}.mlp.experts.gate_up_proj                      [E, 2*hidden, dim]  ([w1; w3])
+    model.layers.{i}.mlp.experts.down_proj                         [E, dim, hidden]
+
+Model (torchtitan-style)::
+
+    layers.{i}.moe.router.gate.weight                              [E, dim]
+    layers.{i}.moe.experts.w1|w3                                   [E, hidden, dim]
+    layers.{i}.moe.experts.w2                                      [E, dim, hidden]
+
+plus the attention, norms, embeddings and output of the ``llama`` adapter (Meta rotary order).
+An expert count that differs is found while planning: the stack rule names the key and both
+counts when ``n_experts`` is known (``num_local_experts`` of ``config.json``), else the stacked
+key shows as a shape mismatch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import sdadapt
+from sdadapt import Adapter
+from sdadapt.adapters.llama import HF, META, attention_rules, checkpoint_keys, positive, read_config, tied_from, top_level_rules
+from sdadapt.errors import AdapterError
+
+SUMMARY = "HF transformers Mixtral (per-expert or stacked gate_up_proj) -> Meta-style MoE with stacked experts [E, ...]"
+
+
+def build(
+    *,
+    n_heads: int,
+    n_kv_heads: int | None = None,
+    dim: int | None = None,
+    head_dim: int | None = None,
+    experts: Literal["per_expert", "stacked"] = "per_expert",
+    n_experts: int | None = None,
+    tie_embeddings: bool = False,
+    fused_qkv: bool = False,
+    tp: int | None = None,
+) -> Adapter:
+    """The adapter from an HF Mixtral checkpoint to the stacked-experts Meta-style layout.
+
+    ``experts`` says how the checkpoint stores the experts (see the module doc). ``n_heads``
+    is required, ``n_kv_heads`` defaults to it; ``fused_qkv`` needs ``dim`` or ``head_dim``.
+    ``n_experts`` (the config's ``num_local_experts``): the checkpoint must hold exactly that
+    many experts per layer, else planning reports the stack rule, the key and both counts.
+    """
+    if n_experts is not None:
+        positive("n_experts", n_experts, "mixtral")
+    n_heads = positive("n_heads", n_heads, "mixtral")
+    n_kv_heads = positive("n_kv_heads", n_heads if n_kv_heads is None else n_kv_heads, "mixtral")
+    if n_heads % n_kv_heads:
+        raise AdapterError(f"the mixtral adapter: n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
+    if head_dim is None and dim is not None:
+        if dim % n_heads:
+            raise AdapterError(f"the mixtral adapter: dim {dim} is not divisible by n_heads {n_heads}; pass head_dim=...")
+        head_dim = dim // n_heads
+    rules: list[Any] = top_level_rules(tie_embeddings)
+    rules += attention_rules(
+        n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, fused_qkv=fused_qkv, tp=tp, adapter="mixtral"
+    )
+    moe = META + "moe."
+    if experts == "per_expert":
+        src = HF + "block_sparse_moe."
+        rules.append(sdadapt.rename(src + "gate.weight", moe + "router.gate.weight"))
+        for w in ("w1", "w2", "w3"):
+            rules.append(sdadapt.stack(src + "experts.{e}." + w + ".weight", moe + "experts." + w, over="e", dim=0, count=n_experts))
+    elif experts == "stacked":
+        src = HF + "mlp."
+        rules += [
+            sdadapt.rename(src + "gate.weight", moe + "router.gate.weight"),
+            sdadapt.split(src + "experts.gate_up_proj", [moe + "experts.w1", moe + "experts.w3"], dim=1),
+            sdadapt.rename(src + "experts.down_proj", moe + "experts.w2"),
+        ]
+    else:
+        raise AdapterError(f"the mixtral adapter: experts must be 'per_expert' or 'stacked', got {experts!r}")
+    return Adapter(
+        rules,
+        name="mixtral",
+        description=f"HF Mixtral ({experts} experts) -> Meta-style stacked experts (n_heads={n_heads}, n_kv_heads={n_kv_heads})",
+    )
+
+
+def options_from_config(folder: str, source: str | None = None) -> dict[str, Any]:
+    """Options from ``config.json`` and from the checkpoint's key names (headers only)."""
+    cfg = read_config(folder, ("config.json",))
+    keys = checkpoint_keys(source or folder)
+    opts: dict[str, Any] = {}
+    if "num_attention_heads" in cfg:
+        opts["n_heads"] = cfg["num_attention_heads"]
+        opts["n_kv_heads"] = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if "hidden_size" in cfg:
+        opts["dim"] = cfg["hidden_size"]
+    if cfg.get("head_dim"):
+        opts["head_dim"] = cfg["head_dim"]
+    if "num_local_experts" in cfg:
+        opts["n_experts"] = cfg["num_local_experts"]
+    tied = tied_from(cfg, keys)
+    if tied is not None:
+        opts["tie_embeddings"] = tied
+    if any(k.endswith("mlp.experts.gate_up_proj") for k in keys):
+        opts["experts"] = "stacked"
+    return opts
