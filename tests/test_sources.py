@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 
 import pytest
 import torch
@@ -157,27 +158,55 @@ def test_safetensors_all_dtypes(tmp_path, dtype):
     src.close()
 
 
-def test_safetensors_unaligned_data_area(tmp_path):
-    # a header whose length is not a multiple of 8 leaves the data unaligned; still exact
-    t = torch.arange(12, dtype=torch.float64).reshape(3, 4)
-    header = {"w": {"dtype": "F64", "shape": [3, 4], "data_offsets": [0, 96]}, "__metadata__": {"k": "vv"}}
+def _header_bytes(header: dict, misalign: int) -> bytes:
+    """JSON header padded with spaces so that the data area starts ``misalign`` bytes past a
+    multiple of 8 (the safetensors writer pads to 8; other writers may not)."""
     raw = json.dumps(header).encode()
-    assert (8 + len(raw)) % 8 != 0
-    path = write_raw_safetensors(tmp_path / "u.safetensors", header, t.numpy().tobytes())
+    raw += b" " * ((misalign - 8 - len(raw)) % 8)
+    assert (8 + len(raw)) % 8 == misalign
+    return raw
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("misalign", [0, 1, 2, 3, 4, 6])
+def test_safetensors_unaligned_data_area(tmp_path, misalign):
+    names = {torch.float64: "F64", torch.bfloat16: "BF16", torch.int32: "I32", torch.int64: "I64"}
+    sd = random_state_dict(
+        {"d": ((3, 4), torch.float64), "h": ((5, 2), torch.bfloat16), "i": ((2, 3, 2), torch.int32), "s": ((), torch.int64)},
+        seed=5,
+    )
+    header: dict = {"__metadata__": {"k": "v"}}
+    data = b""
+    for k, v in sd.items():
+        blob = _raw_bytes(v)
+        header[k] = {"dtype": names[v.dtype], "shape": list(v.shape), "data_offsets": [len(data), len(data) + len(blob)]}
+        data += blob
+    path = write_raw_safetensors(tmp_path / "u.safetensors", _header_bytes(header, misalign), data)
     src = open_source(path)
-    assert torch.equal(src.read("w", ((1, 3), (1, 2))), t[1:3, 1:2])
+    check_reads(src, sd)
+    src.close()
 
 
-def test_safetensors_opens_from_header_only(tmp_path):
-    """A 4 GiB sparse data area opens instantly; only the boxes read touch the data."""
-    n = 1 << 30  # float32 elements: 4 GiB
-    header = {"big": {"dtype": "F32", "shape": [n // 1024, 1024], "data_offsets": [0, 4 * n]}}
-    path = write_raw_safetensors(tmp_path / "sparse.safetensors", header)
+@pytest.mark.parametrize("misalign", [0, 2], ids=["aligned", "unaligned"])
+def test_safetensors_opens_from_header_only(tmp_path, misalign):
+    """A 2 GiB sparse data area opens without reading it and a box read copies only what it
+    needs: the process's peak memory does not grow by anything like the file's size."""
+    n = 1 << 29  # float32 elements: 2 GiB
+    rows = n // 1024
+    header = {"big": {"dtype": "F32", "shape": [rows, 1024], "data_offsets": [0, 4 * n]}}
+    path = write_raw_safetensors(tmp_path / "sparse.safetensors", _header_bytes(header, misalign))
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) + 4 * n)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     src = open_source(path)
-    assert src.schema["big"].shape == (n // 1024, 1024)
+    assert src.schema["big"].shape == (rows, 1024)
     assert torch.equal(src.read("big", ((5, 7), (0, 3))), torch.zeros(2, 3))
+    assert torch.equal(src.read("big", ((rows - 1, rows), (1020, 1024))), torch.zeros(1, 4))
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak
+    assert grown < 256 * 1024, f"peak RSS grew by {grown} KiB opening a sparse 2 GiB file"
     src.close()
 
 

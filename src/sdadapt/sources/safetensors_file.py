@@ -153,14 +153,34 @@ class SafetensorsFile(Source):
                     key=key,
                 )
             raw = buf[self._data_start + begin : self._data_start + end]
-            if info.dtype.itemsize > 1 and raw.storage_offset() % info.dtype.itemsize:
-                raw = raw.clone()  # unaligned data: copy once rather than fail
+            if self._unaligned(key):
+                raw = raw.clone()  # unaligned data cannot be viewed as the dtype: copy (whole tensor)
             t = raw.view(info.dtype).view(info.shape) if info.shape else raw.view(info.dtype).reshape(())
             self._views[key] = t
         return t
 
+    def _unaligned(self, key: str) -> bool:
+        info, begin, _ = self._entries[key]
+        return info.dtype.itemsize > 1 and (self._data_start + begin) % info.dtype.itemsize != 0
+
     def read(self, key: str, box: Box) -> torch.Tensor:
-        return self.tensor(key)[slices(box)]
+        if key in self._views or not self._unaligned(key) or not box:
+            return self.tensor(key)[slices(box)]
+        # Unaligned data (a writer that did not pad the header): copy only the rows the box
+        # covers, not the whole tensor, then view them as the dtype.
+        info, begin, _ = self._entries[key]
+        (a, b), rest = box[0], box[1:]
+        row = info.nbytes // info.shape[0] if info.shape[0] else 0
+        start = self._data_start + begin + a * row
+        buf = self._buffer()
+        if len(buf) < start + (b - a) * row:
+            raise SourceError(
+                "file shrank since its header was read (being written?); try again when it is complete",
+                path=self.path,
+                key=key,
+            )
+        rows = buf[start : start + (b - a) * row].clone().view(info.dtype).view((b - a, *info.shape[1:]))
+        return rows[(slice(None), *slices(rest))]
 
     def close(self) -> None:
         self._views.clear()
