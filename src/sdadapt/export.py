@@ -1,3 +1,432 @@
-"""Placeholder replaced below."""
-def export(*a, **k):
-    raise NotImplementedError
+"""Export a (parallelised) model, or convert a checkpoint, to another layout and format.
+
+Convention: the ``adapter`` given to :func:`export` is the one you *load* with (checkpoint
+layout -> model layout, as for :func:`sdadapt.load`); export writes through
+``adapter.inverse()``, so ``load(model, export(model, dst, adapter), adapter)`` round-trips.
+:func:`convert` (and ``sdadapt convert``) applies its adapter as given: source layout ->
+destination layout.
+
+Memory: outputs are produced one at a time. For a model, each DTensor the current output
+needs is gathered whole (``full_tensor()``, on every rank, in the same order) and dropped once
+no later output needs it; rank 0 writes. For a checkpoint, each tensor is read from the mapped
+source, written, and its pages are handed back to the kernel. Never the whole model at once.
+
+Atomicity: everything is written into ``dst + ".tmp-<id>"`` beside ``dst`` and renamed into
+place at the end; an existing ``dst`` is an error unless ``overwrite=True``; on any failure
+(a full disk...) the temporary output is removed and ``dst`` is left as it was.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .adapter import Adapter
+from .distributed import agree, is_distributed, rank_and_world
+from .errors import RemoteRankError, SdadaptError
+from .materialize import has_meta
+from .nodes import Box, Node, full_box
+from .plan import PlanContext
+from .sources import Source, open_source
+from .sources.base import TensorInfo, slices
+from .target import model_state_dict
+from .writers import make_writer
+from .writers.base import FORMATS
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, int], None]  # (key, bytes) after each tensor is written
+
+
+class ExportError(SdadaptError):
+    """Writing the output failed or is not possible as asked; nothing is left at ``dst``."""
+
+
+class ExportReport(BaseModel):
+    """What was written."""
+
+    dst: str
+    format: str
+    tensors: int
+    bytes: int
+    files: list[str]
+    skipped_non_tensor: list[str] = []
+    verified: bool = False
+    seconds: float
+
+    def format_text(self) -> str:
+        what = f"{self.tensors} tensors, {self.bytes / 2**20:.1f} MiB"
+        return f"wrote {self.dst} ({self.format}: {what}, {len(self.files)} file(s)) in {self.seconds:.2f} s" + (
+            "; verified" if self.verified else ""
+        )
+
+
+# ------------------------------------------------------------------------------ planning
+def plan_outputs(
+    schema: dict[str, TensorInfo], adapter: Adapter | None, *, non_tensor: list[str] | None = None, what: str = "export"
+) -> tuple[dict[str, Node], list[str]]:
+    """Apply ``adapter`` to ``schema`` with no target: every key it yields is an output.
+    Returns ``(outputs in write order, non-tensor keys left over)``."""
+    adapter = adapter or Adapter([], name="identity")
+    ctx = PlanContext(schema, non_tensor or [], None, adapter)
+    for i, rule in enumerate(adapter.rules):
+        rule.apply(ctx, i)
+    ctx.check_ambiguity()
+    if ctx.issues:
+        rows = "\n".join(f"  #{it.index} {it.rule}: {it.key or ''}: {it.message}" for it in ctx.issues[:20])
+        raise ExportError(f"{what}: adapter {adapter.name!r} does not apply cleanly:\n{rows}")
+    unused = [f"#{i} {r.label()}" for i, r in enumerate(adapter.rules) if ctx.matches[i] == 0]
+    if unused:
+        log.warning("%s: rules that matched nothing: %s", what, ", ".join(unused))
+    order = {k: i for i, k in enumerate(schema)}
+    outputs = sorted(ctx.env.items(), key=lambda kv: min((order.get(leaf, 0) for leaf in kv[1].leaves()), default=0))
+    return dict(outputs), sorted(ctx.non_tensor)
+
+
+def _entries(outputs: dict[str, Node]) -> dict[str, TensorInfo]:
+    return {k: TensorInfo(tuple(n.shape), n.dtype) for k, n in outputs.items()}
+
+
+# ------------------------------------------------------------------------------ reading
+class _CachedIO:
+    """Whole leaves, fetched once and kept until no later output needs them."""
+
+    def __init__(self, outputs: dict[str, Node], fetch: Callable[[str], torch.Tensor], release: Callable[[torch.Tensor], None]):
+        self.uses = Counter(leaf for n in outputs.values() for leaf in set(n.leaves()))
+        self.fetch = fetch
+        self.release = release
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        t = self.cache.get(key)
+        if t is None:
+            t = self.cache[key] = self.fetch(key)
+        return t[slices(box)]
+
+    def produce(self, node: Node) -> torch.Tensor:
+        out = node.full(self)
+        for leaf in set(node.leaves()):
+            self.uses[leaf] -= 1
+            if self.uses[leaf] <= 0 and leaf in self.cache:
+                self.release(self.cache.pop(leaf))
+        return out
+
+
+_MADV_DONTNEED = 4
+
+
+class PageReleaser:
+    """Hands the pages of mapped source files back to the kernel once a tensor is used, so the
+    process's RSS does not grow with every tensor read from an ``mmap`` (Linux; elsewhere a
+    no-op). Only ranges inside a mapping of one of ``files`` are touched."""
+
+    def __init__(self, files: list[str]):
+        self.files = {os.path.realpath(f) for f in files}
+        self.ranges: list[tuple[int, int]] = []
+        self.page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+        self.libc = None
+        if sys.platform.startswith("linux"):
+            try:
+                self.libc = ctypes.CDLL(None, use_errno=True)
+                self.libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            except (OSError, AttributeError):
+                self.libc = None
+
+    def _refresh(self) -> None:
+        self.ranges = []
+        try:
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    parts = line.split(None, 5)
+                    if len(parts) == 6 and os.path.realpath(parts[5].strip()) in self.files:
+                        a, b = (int(x, 16) for x in parts[0].split("-"))
+                        self.ranges.append((a, b))
+        except OSError:
+            pass
+
+    def __call__(self, t: torch.Tensor) -> None:
+        if self.libc is None or not self.files or t.device.type != "cpu" or t.numel() == 0:
+            return
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        a = (start + self.page - 1) // self.page * self.page
+        b = end // self.page * self.page
+        if b <= a:
+            return
+        for attempt in range(2):
+            if any(lo <= a and b <= hi for lo, hi in self.ranges):
+                self.libc.madvise(a, b - a, _MADV_DONTNEED)
+                return
+            if attempt == 0:
+                self._refresh()
+
+
+def _source_files(source: Source) -> list[str]:
+    files = {source.file_of(k) for k in source.schema}
+    return [f for f in files if os.path.isfile(f)]
+
+
+# ------------------------------------------------------------------------------ output
+def _check_dst(dst: str, overwrite: bool) -> None:
+    if os.path.lexists(dst) and not overwrite:
+        raise ExportError(f"{dst} exists; pass overwrite=True (--overwrite) or choose another destination")
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise ExportError(f"{dst}: the folder {parent} does not exist")
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+def _commit(tmp: str, dst: str, overwrite: bool) -> None:
+    old = None
+    if os.path.lexists(dst):
+        if not overwrite:
+            raise ExportError(f"{dst} appeared while writing; the output is left at {tmp}")
+        old = f"{dst}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(dst, old)
+    os.rename(tmp, dst)
+    if old is not None:
+        _remove(old)
+
+
+def _files(path: str) -> list[str]:
+    if os.path.isdir(path):
+        return sorted(n for n in os.listdir(path))
+    return [os.path.basename(path)]
+
+
+def _describe_failure(dst: str, e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        return f"writing {dst} failed: the disk is full ({e}); nothing was left at {dst}"
+    return f"writing {dst} failed ({type(e).__name__}: {e}); nothing was left at {dst}"
+
+
+def _write(
+    dst: str,
+    fmt: str,
+    outputs: dict[str, Node],
+    produce: Callable[[str], torch.Tensor],
+    *,
+    max_shard_size: int | str,
+    overwrite: bool,
+    check: Callable[[str], None] | None = None,
+) -> list[str]:
+    """Write into a temporary path beside ``dst``, run ``check(tmp)``, then rename. Returns the
+    files written."""
+    tmp = f"{dst.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"
+    writer = make_writer(fmt, tmp, max_shard_size)
+    try:
+        writer.write(_entries(outputs), produce)
+        if check is not None:
+            check(tmp)
+        files = _files(tmp) if os.path.isdir(tmp) else [os.path.basename(dst)]
+        _commit(tmp, dst, overwrite)
+    except SdadaptError:
+        _remove(tmp)
+        raise
+    except BaseException as e:  # noqa: BLE001 - a CheckpointException (BaseException) too
+        _remove(tmp)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ExportError(_describe_failure(dst, e)) from e
+    return files
+
+
+# ------------------------------------------------------------------------------ export
+_KEY, _DONE, _ABORT = "key", "done", "abort"
+
+
+def export(
+    model: nn.Module,
+    dst: str | os.PathLike[str],
+    adapter: Adapter | None = None,
+    format: str = "safetensors",  # noqa: A002 - the user-facing name
+    *,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+) -> ExportReport:
+    """Write ``model``'s weights to ``dst`` through ``adapter.inverse()``; every rank calls it.
+
+    ``adapter`` is the checkpoint->model adapter you load with (see the module docstring);
+    ``format`` is ``"safetensors"`` (a folder: ``model.safetensors``, or shards of at most
+    ``max_shard_size`` plus ``model.safetensors.index.json``), ``"torch"`` (one ``torch.save``
+    file of a flat dict) or ``"dcp"`` (a DCP folder). Each tensor is gathered whole on every
+    rank, one at a time, and rank 0 writes; the output appears at ``dst`` atomically.
+    """
+    t0 = time.perf_counter()
+    dst = os.fspath(dst)
+    rank, world = rank_and_world(process_group)
+    error: SdadaptError | None = None
+    outputs: dict[str, Node] = {}
+    try:
+        if format not in FORMATS:
+            raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
+        if has_meta(model):
+            raise ExportError("the model has tensors on the meta device; load or initialise it before exporting")
+        if rank == 0:
+            _check_dst(dst, overwrite)
+        sd = model_state_dict(model)
+        schema = {k: TensorInfo(tuple(t.shape), t.dtype) for k, t in sd.items()}
+        inverse = adapter.inverse() if adapter is not None else None
+        outputs, _ = plan_outputs(schema, inverse, what=f"export to {dst}")
+    except SdadaptError as e:
+        error = e
+    agree(error, process_group)
+
+    def fetch(key: str) -> torch.Tensor:
+        t = sd[key]
+        t = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+        return t.cpu()
+
+    io = _CachedIO(outputs, fetch, lambda t: None)
+    src0 = dist.get_global_rank(process_group, 0) if is_distributed() and process_group is not None else 0
+    written = [0]
+
+    def produce(key: str) -> torch.Tensor:
+        if world > 1:
+            dist.broadcast_object_list([(_KEY, key)], src=src0, group=process_group)
+        t = io.produce(outputs[key])
+        written[0] += t.numel() * t.element_size()
+        return t
+
+    files: list[str] = []
+    if rank == 0:
+        try:
+            files = _write(dst, format, outputs, produce, max_shard_size=max_shard_size, overwrite=overwrite)
+        except BaseException as e:
+            if world > 1:
+                dist.broadcast_object_list([(_ABORT, f"{type(e).__name__}: {e}")], src=src0, group=process_group)
+            raise
+        if world > 1:
+            dist.broadcast_object_list([(_DONE, files)], src=src0, group=process_group)
+    else:
+        while True:
+            msg: list[Any] = [None]
+            dist.broadcast_object_list(msg, src=src0, group=process_group)
+            kind, value = msg[0]
+            if kind == _KEY:
+                t = io.produce(outputs[value])
+                written[0] += t.numel() * t.element_size()
+                del t
+            elif kind == _DONE:
+                files = value
+                break
+            else:
+                raise RemoteRankError(f"rank 0 failed while writing {dst}, so this rank stops too:\n{value}")
+    rep = ExportReport(
+        dst=dst,
+        format=format,
+        tensors=len(outputs),
+        bytes=written[0],
+        files=files,
+        seconds=time.perf_counter() - t0,
+    )
+    log.info("rank %d: %s", rank, rep.format_text())
+    return rep
+
+
+# ------------------------------------------------------------------------------ convert
+def convert(
+    src: str | os.PathLike[str] | Source,
+    dst: str | os.PathLike[str],
+    adapter: Adapter | None = None,
+    format: str = "safetensors",  # noqa: A002
+    *,
+    max_shard_size: int | str = "5GB",
+    subtree: str | None = None,
+    overwrite: bool = False,
+    verify: bool = False,
+    progress: Progress | None = None,
+) -> ExportReport:
+    """Rewrite checkpoint ``src`` as ``dst`` in ``format``, applying ``adapter`` (source layout ->
+    destination layout), one tensor at a time in one process. ``verify=True`` reads the result
+    back (before it is renamed into place) and compares every tensor with the source
+    (bit-exact); a difference is an error and leaves nothing at ``dst``. Non-tensor entries are skipped
+    (listed in the report)."""
+    t0 = time.perf_counter()
+    dst = os.fspath(dst)
+    if format not in FORMATS:
+        raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
+    _check_dst(dst, overwrite)
+    source = open_source(src, subtree=subtree)
+    try:
+        outputs, skipped = plan_outputs(source.schema, adapter, non_tensor=source.non_tensor, what=f"convert {source.path}")
+        if skipped:
+            log.warning("convert: %d non-tensor entries are not written: %s", len(skipped), ", ".join(skipped[:8]))
+        release = PageReleaser(_source_files(source))
+        io = _CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
+        written = [0]
+
+        def produce(key: str) -> torch.Tensor:
+            t = io.produce(outputs[key])
+            n = t.numel() * t.element_size()
+            written[0] += n
+            if progress is not None:
+                progress(key, n)
+            return t
+
+        def check(tmp: str) -> None:
+            _verify(tmp, dst, outputs, source, release, progress)
+
+        files = _write(
+            dst, format, outputs, produce, max_shard_size=max_shard_size, overwrite=overwrite, check=check if verify else None
+        )
+    finally:
+        source.close()
+    return ExportReport(
+        dst=dst,
+        format=format,
+        tensors=len(outputs),
+        bytes=written[0],
+        files=files,
+        skipped_non_tensor=skipped,
+        verified=verify,
+        seconds=time.perf_counter() - t0,
+    )
+
+
+def _verify(tmp: str, dst: str, outputs: dict[str, Node], source: Source, release: PageReleaser, progress: Progress | None) -> None:
+    result = open_source(tmp)
+    try:
+        release_out = PageReleaser(_source_files(result))
+        missing = sorted(set(outputs) - set(result.schema))
+        extra = sorted(set(result.schema) - set(outputs))
+        if missing or extra:
+            raise ExportError(f"verify {dst}: missing {missing[:8]}, unexpected {extra[:8]}")
+        io = _CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
+        for key, node in outputs.items():
+            want = io.produce(node)
+            got = result.read(key, full_box(result.schema[key].shape))
+            same = got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape) and torch.equal(got, want)
+            release_out(got)
+            if not same:
+                raise ExportError(f"verify {dst}: key {key!r} differs from the source; the output is wrong")
+            if progress is not None:
+                progress(key, 0)
+            del want, got
+    finally:
+        result.close()
+
+
+__all__ = ["ExportError", "ExportReport", "PageReleaser", "convert", "export", "plan_outputs"]

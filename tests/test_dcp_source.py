@@ -1,0 +1,170 @@
+"""DCP folders as a source: schema from .metadata, chunk-intersecting region reads, bad input."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from dist_helper import run_distributed
+from models import TinyTransformer, split_qkv
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+import sdadapt
+from sdadapt.sources import open_source
+from sdadapt.sources.dcp_dir import DCPSource
+
+QKV = sdadapt.Adapter(
+    [sdadapt.fuse([f"layers.{{i}}.attn.{n}_proj.{{p}}" for n in "qkv"], "layers.{i}.attn.qkv.{p}")], name="split-qkv"
+)
+
+
+def _save_single(folder, sd) -> str:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, checkpoint_id=str(folder), no_dist=True)
+    return str(folder)
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w": torch.randn(13, 7, generator=g),
+        "b": torch.randn(10, generator=g).to(torch.bfloat16),
+        "i": torch.arange(24, dtype=torch.int32).reshape(2, 3, 4),
+        "s": torch.tensor(5.0),
+    }
+
+
+def _save_sharded(folder: str) -> None:
+    """Each tensor saved as a DTensor sharded over 2x2 ranks: several chunks per tensor."""
+    mesh = init_device_mesh("cpu", (2, 2))
+    sd = {
+        k: distribute_tensor(v, mesh, [Shard(0), Shard(min(1, v.dim() - 1))]) if v.dim() else v
+        for k, v in _tensors().items()
+    }
+    sd["note"] = "hello"
+    dcp.save(sd, checkpoint_id=folder)
+    dist.barrier()
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> str:
+    folder = str(tmp_path_factory.mktemp("dcp") / "sharded")
+    run_distributed(_save_sharded, 4, folder, timeout=120)
+    return folder
+
+
+def test_schema_and_chunks(sharded):
+    src = open_source(sharded)
+    assert isinstance(src, DCPSource)
+    want = _tensors()
+    assert {k: (i.shape, i.dtype) for k, i in src.schema.items()} == {k: (tuple(v.shape), v.dtype) for k, v in want.items()}
+    assert src.non_tensor == ["note"]
+    assert src.read_object("note") == "hello"
+    assert len(src.chunks_of("w")) == 4  # 13 rows x 7 cols over 2x2: uneven chunks
+    assert src.file_of("w").endswith(".distcp")
+
+
+def test_random_boxes_bit_exact(sharded):
+    src = open_source(sharded)
+    rnd = random.Random(1)
+    for key, full in _tensors().items():
+        for _ in range(40):
+            box = []
+            for n in full.shape:
+                a = rnd.randrange(0, n + 1)
+                b = rnd.randrange(a, n + 1)
+                box.append((a, b))
+            box = tuple(box)
+            got = src.read(key, box)
+            assert got.dtype == full.dtype
+            assert torch.equal(got, full[tuple(slice(a, b) for a, b in box)]), (key, box)
+
+
+def test_read_touches_only_intersecting_chunks(sharded, monkeypatch):
+    src = open_source(sharded)
+    seen = []
+    orig = src._reader.read_data
+
+    def spy(plan, planner):
+        seen.append([(i.storage_index.offset, tuple(i.lengths)) for i in plan.items])
+        return orig(plan, planner)
+
+    monkeypatch.setattr(src._reader, "read_data", spy)
+    src.read("w", ((0, 2), (0, 2)))  # inside the first chunk only
+    assert len(seen) == 1 and len(seen[0]) == 1
+    assert seen[0][0] == (torch.Size([0, 0]), (2, 2))
+
+
+def test_load_single_file_dcp_through_adapter(tmp_path):
+    torch.manual_seed(0)
+    ref = TinyTransformer()
+    folder = _save_single(tmp_path / "ck", split_qkv(ref.state_dict()))
+    model = TinyTransformer()
+    rep = sdadapt.load(model, folder, QKV)
+    assert rep.keys_loaded == len(ref.state_dict())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref.state_dict()[k]), k
+
+
+def test_subtree(tmp_path):
+    sd = _tensors()
+    folder = _save_single(tmp_path / "ck", {"model": sd, "other": {"x": torch.ones(2)}})
+    src = open_source(folder, subtree="model")
+    assert set(src.schema) == set(sd)
+    assert torch.equal(src.read("w", ((1, 4), (0, 7))), sd["w"][1:4])
+    with pytest.raises(sdadapt.SourceError, match="subtree 'nope'"):
+        open_source(folder, subtree="nope")
+
+
+def test_interrupted_save_without_metadata(tmp_path):
+    folder = _save_single(tmp_path / "ck", _tensors())
+    os.remove(os.path.join(folder, ".metadata"))
+    with pytest.raises(sdadapt.SourceError, match="no .metadata.*interrupted") as e:
+        open_source(folder)
+    assert folder in str(e.value)
+    with pytest.raises(sdadapt.SourceError, match="no .metadata"):
+        sdadapt.load(TinyTransformer(), folder)
+
+
+def test_missing_data_file(tmp_path):
+    folder = _save_single(tmp_path / "ck", _tensors())
+    os.remove(os.path.join(folder, "__0_0.distcp"))
+    with pytest.raises(sdadapt.SourceError, match=r"__0_0\.distcp.*missing"):
+        open_source(folder)
+
+
+def test_truncated_data_file(tmp_path):
+    folder = _save_single(tmp_path / "ck", _tensors())
+    path = os.path.join(folder, "__0_0.distcp")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 3)
+    src = open_source(folder)
+    with pytest.raises(sdadapt.SourceError, match="corrupt or truncated") as e:
+        for k, info in src.schema.items():
+            src.read(k, tuple((0, n) for n in info.shape))
+    assert "__0_0.distcp" in str(e.value)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_metadata_cannot_run_code(tmp_path):
+    folder = _save_single(tmp_path / "ck", _tensors())
+    with open(os.path.join(folder, ".metadata"), "wb") as f:
+        pickle.dump(_Evil(), f)
+    with pytest.raises(sdadapt.SourceError, match="refusing to read DCP metadata"):
+        open_source(folder)
+    with open(os.path.join(folder, ".metadata"), "wb") as f:
+        f.write(b"\x80\x04garbage")
+    with pytest.raises(sdadapt.SourceError, match="metadata"):
+        open_source(folder)
