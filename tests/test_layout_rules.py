@@ -25,7 +25,7 @@ from sdadapt.plan import build_plan, unwrap_key
 from sdadapt.rules import rotary_perm, tp_degree
 from sdadapt.sources.base import MeshDim, TensorInfo
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16]
 
 

@@ -12,6 +12,36 @@ Two kinds of rules:
   one such rule only: if a later key-moving rule would also match it, the plan reports the
   two rules as ambiguous instead of silently letting the first win;
 - *value* rules (cast, ...) keep the key and change its value; they apply in order.
+
+Layout rules (issue 3), with their constructors in :mod:`sdadapt`:
+
+- ``transpose(keys, dim0=0, dim1=1)`` -> :class:`Transpose` (value; its own inverse);
+- ``rotary(keys, heads, to="interleaved", dim=0)`` -> :class:`Rotary` (value): the row order
+  inside each head, HF "half" <-> Meta "interleaved"; inverse: the other ``to``. A region
+  cutting a head is read as whole heads, permuted, then narrowed;
+- ``stack(src, dst, over="e", dim=0, count=None)`` -> :class:`Stack` (key-moving) and
+  ``unstack(...)`` -> :class:`Unstack`, each the other's inverse; ``count`` (optional) is the
+  expected number of entries, checked at plan time;
+- ``pad(keys, dim=0, size=None, multiple_of=None, value=0.0)`` -> :class:`Pad` (value) and
+  ``trim(keys, dim=0, size=None)`` -> :class:`Trim`. Deviation from the brief: ``Trim.size``
+  is optional (omitted: the target's size), and ``Pad.inverse()`` is ``Trim`` without a size,
+  because one pad rule may match tensors of several original sizes; a plan whose target lacks
+  the key reports "give size=" instead of guessing;
+- ``interleave(keys, sizes, tp=None, dim=0)`` -> :class:`Interleave` (value); its inverse is a
+  separate rule ``deinterleave(...)`` -> :class:`Deinterleave` (not ``inverse=True``).
+  ``tp=None``: interleave reads the TP degree from the target's placements
+  (:attr:`TensorInfo.mesh <sdadapt.sources.base.TensorInfo.mesh>`, see :func:`tp_degree`),
+  deinterleave from the source's (exporting a parallelised model's state dict);
+- ``strip_prefix(prefix, optional=False)`` -> :class:`StripPrefix` and
+  ``add_prefix(prefix, keys="**")`` -> :class:`AddPrefix` (key-moving, each the other's
+  inverse). They act on the keys present when they run and take no part in the
+  one-rule-per-key check. Wrapper segments ``_orig_mod.``, ``_checkpoint_wrapped_module.`` and
+  ``_fsdp_wrapped_module.`` need no rule: :func:`~sdadapt.plan.build_plan` removes them from
+  every source key before the rules run (a collision is reported with both keys).
+
+Value rules that read the target (pad, trim, interleave) look a key up under the name it will
+have after the later renames and prefix rules (:func:`final_key`), so they may sit before
+those rules, as they do in an inverted adapter.
 """
 
 from __future__ import annotations
