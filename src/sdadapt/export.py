@@ -215,7 +215,17 @@ def _files(path: str) -> list[str]:
     return [os.path.basename(path)]
 
 
+def _root_cause(e: BaseException) -> BaseException:
+    """DCP wraps failures in ``CheckpointException.failures`` ({rank: (exception, traceback)})."""
+    for v in getattr(e, "failures", {}).values():
+        inner = v[0] if isinstance(v, tuple) and v else v
+        if isinstance(inner, BaseException):
+            return inner
+    return e
+
+
 def _describe_failure(dst: str, e: BaseException) -> str:
+    e = _root_cause(e)
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return f"writing {dst} failed: the disk is full ({e}); nothing was left at {dst}"
     return f"writing {dst} failed ({type(e).__name__}: {e}); nothing was left at {dst}"
