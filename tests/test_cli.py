@@ -237,6 +237,16 @@ def test_resolve_api(work):
         resolve_adapter("no-such-adapter-name-xyz")
 
 
+def test_resolve_shipped_adapter_by_name():
+    from sdadapt import registry
+
+    names = [n for n, _ in registry.list_adapters()]
+    assert "discussion" in names
+    assert resolve_adapter("discussion") == registry.get_adapter("discussion")
+    with pytest.raises(sdadapt.SdadaptError, match="no-such-adapter"):
+        resolve_adapter("no-such-adapter")
+
+
 def test_python_dash_m(work):
     r = subprocess.run(
         [sys.executable, "-m", "sdadapt", "diff", "good.pt", "--target", "good.pt"],

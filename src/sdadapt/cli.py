@@ -22,9 +22,19 @@ def _command_modules() -> list:
     return sorted((m for m in mods if hasattr(m, "run")), key=lambda m: m.NAME)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("sdadapt")
+    except PackageNotFoundError:  # running from a source tree
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sdadapt", description="Load, compare and convert checkpoints across layouts.")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument("--version", action="version", version=f"sdadapt {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod in _command_modules():
         p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
@@ -48,6 +58,11 @@ def main(argv: list[str] | None = None) -> int:
     except SdadaptError as e:
         print(f"sdadapt {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `sdadapt inspect big.pt | head`: the reader left, nothing is wrong
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":
