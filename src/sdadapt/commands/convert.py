@@ -55,15 +55,15 @@ def _adapter(args: argparse.Namespace) -> Any:
 class ProgressBar:
     """A one-line progress bar on stderr (redrawn in place on a terminal, else a line every 10%)."""
 
-    def __init__(self, total_bytes: int, total_items: int, label: str, stream: TextIO = sys.stderr):
+    def __init__(self, total_bytes: int, total_items: int, label: str, stream: TextIO | None = None):
         self.total = max(total_bytes, 1)
         self.items = total_items
         self.label = label
-        self.stream = stream
+        self.stream = stream if stream is not None else sys.stderr
         self.done_bytes = 0
         self.done_items = 0
         self.start = time.perf_counter()
-        self.tty = stream.isatty()
+        self.tty = self.stream.isatty()
         self.last_decile = -1
 
     def __call__(self, key: str, nbytes: int) -> None:
