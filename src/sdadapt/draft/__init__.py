@@ -1,0 +1,229 @@
+"""``sdadapt.draft``: infer a first adapter from a checkpoint and a model (headers only).
+
+    d = sdadapt.draft(model, "ckpt_dir")       # or a checkpoint path / schema as the target
+    print(d.format())                           # proposals, questions, what is still unmatched
+    open("my_adapter.py", "w").write(d.module)  # a readable adapter module, ADAPTER = ...
+
+How: both schemas are cut into segments, numeric segments become index captures
+(:mod:`.segments`); blocks are paired by count and parameter count, and tensors inside paired
+blocks by shape and name evidence (:mod:`.match`); matches become rules with their evidence
+(:mod:`.proposals`), written as a module (:mod:`.render`). The draft is then checked with the
+same planner as ``sdadapt diff`` and what is still unmatched is reported. Nothing is guessed
+silently: weak evidence is marked uncertain, and what shapes cannot show (rotary row order,
+the per-rank layout of fused tensors) is asked as a question.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from ..adapter import Adapter
+from ..diff import Target, target_schema
+from ..plan import build_plan
+from ..report import Report
+from ..rules import StripPrefix
+from ..sources import Source, TensorInfo, open_source
+from .match import match_trees
+from .proposals import Proposals, build_proposals
+from .render import comment, render_module, rule_code
+from .segments import build_tree
+
+log = logging.getLogger(__name__)
+
+UNCERTAIN_BELOW = 0.6
+RELATED_FRACTION = 0.5
+
+__all__ = ["Draft", "Proposal", "Question", "draft"]
+
+
+class Proposal(BaseModel):
+    """One proposed step: its rules (as code), the keys involved, and why."""
+
+    kind: str  # rename | split | fuse | stack | unstack | transpose | drop | tie | cast | strip_prefix
+    sources: list[str]
+    targets: list[str]
+    code: list[str]
+    confidence: float
+    uncertain: bool
+    evidence: list[str]
+    section: str
+    keys: int
+
+
+class Question(BaseModel):
+    """A choice shapes cannot show; ``suggestion`` holds rules to add if the answer is yes."""
+
+    about: list[str]
+    question: str
+    suggestion: list[str]
+
+
+class Draft(BaseModel):
+    """The result of :func:`draft`: proposals, questions, the adapter module and the remaining diff."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    source: str
+    target: str
+    related: bool
+    summary: list[str]
+    proposals: list[Proposal]
+    questions: list[Question]
+    adapter: Adapter
+    module: str
+    report: Report
+
+    @property
+    def uncertain(self) -> list[Proposal]:
+        return [p for p in self.proposals if p.uncertain]
+
+    def format(self, max_rows: int = 12) -> str:
+        lines = [f"draft: {self.source} -> {self.target}"]
+        lines += [f"  {s}" for s in self.summary]
+        if self.related:
+            kinds: dict[str, int] = {}
+            for p in self.proposals:
+                kinds[p.kind] = kinds.get(p.kind, 0) + 1
+            lines.append(
+                f"proposed {len(self.adapter.rules)} rules ("
+                + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+                + f"); {len(self.uncertain)} uncertain, {len(self.questions)} question(s)"
+            )
+            for p in self.uncertain[:max_rows]:
+                lines.append(f"  UNCERTAIN {p.kind} {', '.join(p.sources) or '-'} -> {', '.join(p.targets) or '-'}: "
+                             f"{'; '.join(p.evidence)}")
+            for q in self.questions:
+                lines.append(f"  DECIDE {', '.join(q.about[:4])}: {q.question}")
+        lines.append("remaining diff with the drafted adapter:")
+        lines += ["  " + line for line in self.report.format(max_rows=max_rows).splitlines()]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def _common_prefix(keys: list[str]) -> str:
+    if not keys:
+        return ""
+    segs = keys[0].split(".")[:-1]
+    n = len(segs)
+    for k in keys[1:]:
+        other = k.split(".")
+        i = 0
+        while i < n and i < len(other) - 1 and other[i] == segs[i]:
+            i += 1
+        n = i
+        if n == 0:
+            return ""
+    return ".".join(segs[:n]) + "." if n else ""
+
+
+def _source_schema(src: Any, subtree: str | None) -> tuple[dict[str, TensorInfo], list[str], str]:
+    if isinstance(src, dict):
+        return dict(src), [], "schema"
+    source = open_source(src, subtree=subtree)
+    try:
+        return dict(source.schema), list(source.non_tensor), source.path
+    finally:
+        if not isinstance(src, Source):
+            source.close()
+
+
+def draft(
+    target: Target,
+    src: str | os.PathLike[str] | Source | dict[str, TensorInfo],
+    *,
+    subtree: str | None = None,
+) -> Draft:
+    """Propose an adapter from checkpoint ``src`` to ``target`` (a model, a checkpoint path or a
+    schema), reading headers only. See :class:`Draft`."""
+    tschema, tname = target_schema(target)
+    sschema, non_tensor, sname = _source_schema(src, subtree)
+    rules_before: list[Any] = []
+    strip = _common_prefix(list(sschema))
+    if strip.count(".") >= 2 and not any(k.startswith(strip) for k in tschema):  # model.diffusion_model.
+        rules_before.append(StripPrefix(prefix=strip))
+        sschema_m = {k[len(strip):]: v for k, v in sschema.items()}
+    else:
+        strip = ""
+        sschema_m = sschema
+    stree, ttree = build_tree(sschema_m), build_tree(tschema)
+    result = match_trees(stree, ttree)
+    props = build_proposals(result, stree, ttree, strip or None)
+    frac = props.matched_target_keys / max(1, props.target_keys)
+    related = frac >= RELATED_FRACTION and props.target_keys > 0
+    summary = _summary(result, props, frac, related, strip)
+    proposals: list[Proposal] = []
+    sections: list[tuple[str, list[tuple[list[str], list[str]]]]] = []
+    rules: list[Any] = []
+    if related:
+        if strip:
+            sp = StripPrefix(prefix=strip)
+            proposals.append(Proposal(kind="strip_prefix", sources=[strip + "**"], targets=["**"], code=[rule_code(sp)],
+                                      confidence=0.95, uncertain=False, section="prefixes",
+                                      evidence=[f"every checkpoint key starts with {strip!r}, no model key does"],
+                                      keys=len(sschema)))
+            sections.append(("prefixes", [(comment(f"every checkpoint key starts with {strip!r}, no model key does"),
+                                           [rule_code(sp)])]))
+            rules.append(sp)
+        grouped: dict[str, list[Any]] = {}
+        for p in props.items:
+            grouped.setdefault(p.section, []).append(p)
+        section_names = ["drops"] + sorted(s for s in grouped if s not in ("drops", "ties", "casts")) + ["ties", "casts"]
+        pair_evidence = {f"{q.src.label()} -> {q.tgt.label()}": q.evidence for q in result.pairs}
+        for name in section_names:
+            entries = []
+            for p in grouped.get(name, []):
+                uncertain = p.confidence < UNCERTAIN_BELOW
+                code = [rule_code(r) for r in p.rules]
+                tag = "UNCERTAIN " if uncertain else ""
+                text = f"{tag}{p.kind} ({p.confidence:.2f}): " + "; ".join(p.evidence)
+                before: list[str] = []
+                after: list[str] = []
+                for q in p.questions:
+                    lines = comment("DECIDE: " + q.question) + [f"        # {x}" for x in q.suggestion]
+                    (before if q.before else after).extend(lines)
+                entries.append((comment(text), before + code + after))
+                rules += p.rules
+                proposals.append(Proposal(kind=p.kind, sources=p.sources, targets=p.targets, code=code,
+                                          confidence=p.confidence, uncertain=uncertain, evidence=p.evidence,
+                                          section=name, keys=p.keys))
+            title = name
+            if name in pair_evidence:
+                title = f"{name} ({pair_evidence[name]})"
+            elif name.startswith("(top level)"):
+                title = "top level"
+            sections.append((title, entries))
+    adapter = Adapter(rules, name="draft", description=f"drafted from {sname} for {tname}")
+    report = build_plan(sschema, tschema, adapter, non_tensor=non_tensor, source_name=sname,
+                        target_name=tname).report
+    questions = [Question(about=q.about, question=q.question, suggestion=q.suggestion) for q in props.questions] if related else []
+    module = render_module(
+        source=sname, target=tname, sections=sections,
+        remaining=report.format(), related=related, summary=summary,
+    )
+    return Draft(source=sname, target=tname, related=related, summary=summary, proposals=proposals,
+                 questions=questions, adapter=adapter, module=module, report=report)
+
+
+def _summary(result: Any, props: Proposals, frac: float, related: bool, strip: str) -> list[str]:
+    lines = []
+    for p in result.pairs:
+        lines.append(f"blocks {p.src.label()} ~ {p.tgt.label()}: {p.evidence}")
+    for s in result.unpaired_src:
+        if not any(i.stacked is s for i in result.src_items):
+            lines.append(f"checkpoint blocks {s.label()} ({s.count} x {int(s.per_instance_numel)} parameters) have no "
+                         "counterpart in the model")
+    for t in result.unpaired_tgt:
+        if not any(i.stacked is t for i in result.tgt_items):
+            lines.append(f"model blocks {t.label()} ({t.count} x {int(t.per_instance_numel)} parameters) have no "
+                         "counterpart in the checkpoint")
+    lines.append(f"{props.matched_target_keys} of {props.target_keys} model tensors have a counterpart "
+                 f"({frac:.0%})" + (f"; {props.unchanged} already line up" if props.unchanged else ""))
+    if not related:
+        lines.append("checkpoint and model look unrelated: no adapter proposed (the evidence above is all there is)")
+    return lines
