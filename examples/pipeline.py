@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 4 examples/pipeline.py --mesh 4x1      # FSDP only
     torchrun --nproc-per-node 2 examples/pipeline.py --mesh 1x2      # TP only
     torchrun --nproc-per-node 4 examples/pipeline.py --ckpt my.pt --steps 20 --check
+    python examples/pipeline.py                                      # one process, no parallelism
 
 CPU (gloo) or GPU (nccl, one GPU per process) is picked from ``torch.cuda.is_available()``.
 The "pretrained" checkpoint is one ``torch.save`` file in another layout than the model (q, k
@@ -17,6 +18,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -201,7 +203,7 @@ def reference_logits(path: str, cfg: Config, tokens: torch.Tensor) -> torch.Tens
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mesh", default=None, help="DPxTP, e.g. 2x2 (default: TP 2 when the world size is even)")
-    ap.add_argument("--ckpt", default=os.path.join("/tmp", "sdadapt_pipeline_ckpt.pt"), help="torch.save file")
+    ap.add_argument("--ckpt", default=os.path.join(tempfile.gettempdir(), "sdadapt_pipeline_ckpt.pt"), help="torch.save file")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--bf16", action="store_true", help="FSDP2 mixed precision: bf16 params, fp32 reduce")
@@ -209,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cfg = Config()
 
-    # 0. Processes and devices (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+    # 0. Processes and devices (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT;
+    #    without torchrun, this is one process).
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -217,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     say = print if rank == 0 else (lambda *a, **k: None)
-    dp, tp = (int(n) for n in args.mesh.lower().split("x")) if args.mesh else (world // 2, 2) if world % 2 == 0 else (world, 1)
+    if args.mesh:
+        dp, tp = (int(n) for n in args.mesh.lower().split("x"))
+    else:
+        tp = 2 if world % 2 == 0 else 1
+        dp = world // tp
     if dp * tp != world:
         raise SystemExit(f"--mesh {dp}x{tp} needs {dp * tp} processes, not {world}")
 
