@@ -27,9 +27,9 @@ def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = 
         raise SourceError("no such file or folder", path=p)
     if os.path.isdir(p):
         if os.path.isfile(os.path.join(p, INDEX_NAME)):
-            return HFShardedSource(p)
+            return HFShardedSource(_flat_only(p, subtree))
         if os.path.isfile(os.path.join(p, "model.safetensors")):
-            return SafetensorsFile(os.path.join(p, "model.safetensors"))
+            return SafetensorsFile(os.path.join(_flat_only(p, subtree), "model.safetensors"))
         if os.path.isfile(os.path.join(p, ".metadata")) or any(n.endswith(".distcp") for n in os.listdir(p)):
             from .dcp_dir import DCPSource  # noqa: PLC0415 - optional path
 
@@ -41,9 +41,19 @@ def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = 
             path=p,
         )
     if p.endswith(".index.json"):
-        return HFShardedSource(os.path.dirname(p) or ".", index_path=p)
+        return HFShardedSource(os.path.dirname(_flat_only(p, subtree)) or ".", index_path=p)
     if os.path.getsize(p) == 0:
         raise SourceError("empty file", path=p)
     if p.endswith(".safetensors"):
-        return SafetensorsFile(p)
+        return SafetensorsFile(_flat_only(p, subtree))
     return TorchSaveFile(p, subtree=subtree)
+
+
+def _flat_only(path: str, subtree: str | None) -> str:
+    if subtree:
+        raise SourceError(
+            f"subtree={subtree!r} applies to torch.save files and DCP folders; safetensors keys are "
+            f"flat. Select keys with a strip_prefix({subtree + '.'!r}) rule instead",
+            path=path,
+        )
+    return path
