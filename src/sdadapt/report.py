@@ -10,7 +10,7 @@ import difflib
 import re
 from collections import defaultdict
 
-from pydantic import BaseModel
+from pydantic import BaseModel, computed_field
 
 from .keyruns import compress
 
@@ -49,6 +49,7 @@ class Report(BaseModel):
     allowed_unexpected: list[str] = []
     dropped: list[str] = []
 
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def problems(self) -> int:
         return (
@@ -61,6 +62,7 @@ class Report(BaseModel):
             + len(self.non_tensor)
         )
 
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def ok(self) -> bool:
         return self.problems == 0
