@@ -65,7 +65,7 @@ class Adapter(BaseModel):
     def from_json(cls, text: str | bytes) -> "Adapter":
         try:
             data = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
             raise AdapterError(f"adapter JSON is not valid JSON: {e}") from None
         if not isinstance(data, dict):
             raise AdapterError("adapter JSON must be an object with a 'rules' list")

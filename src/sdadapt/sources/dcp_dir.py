@@ -78,6 +78,7 @@ def read_dcp_metadata(folder: str) -> Metadata:
         raise SourceError(f"corrupt or truncated DCP metadata ({type(e).__name__}: {e})", path=path) from None
     if not isinstance(md, Metadata) or md.storage_data is None:
         raise SourceError("not DCP metadata (no storage data); was it written by dcp.save?", path=path)
+    _check_data_files(folder, md, path)
     missing = sorted({info.relative_path for info in md.storage_data.values()} - set(os.listdir(folder)))
     if missing:
         raise SourceError(
@@ -88,6 +89,46 @@ def read_dcp_metadata(folder: str) -> Metadata:
     return md
 
 
+def _check_data_files(folder: str, md: Metadata, path: str) -> None:
+    """Every data file named by ``.metadata`` is a plain name inside the folder (no ``..``, no
+    absolute path, no symlink leading out), and every stored item lies inside its file: checked
+    before anything is read, so a bad checkpoint fails at planning, on every rank."""
+    real_folder = os.path.realpath(folder)
+    sizes: dict[str, int] = {}
+    for index, info in md.storage_data.items():
+        name = getattr(info, "relative_path", None)
+        if name not in sizes:
+            if not isinstance(name, str) or not name or os.path.isabs(name) or "/" in name or "\\" in name or name in (".", ".."):
+                raise SourceError(
+                    f"{METADATA_NAME} names data file {name!r}, which is not a plain file name inside the "
+                    "folder; refusing to read outside the checkpoint folder",
+                    path=path,
+                    key=getattr(index, "fqn", None),
+                )
+            full = os.path.join(folder, name)
+            real = os.path.realpath(full)
+            if os.path.commonpath([real, real_folder]) != real_folder:
+                raise SourceError(
+                    f"data file {name!r} resolves to {real} outside the checkpoint folder (a symlink?); "
+                    "refusing to read it",
+                    path=path,
+                    key=getattr(index, "fqn", None),
+                )
+            sizes[name] = os.path.getsize(real) if os.path.isfile(real) else -1
+        size = sizes[name]
+        off, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if size < 0:
+            continue  # reported as missing below
+        if not isinstance(off, int) or not isinstance(length, int) or off < 0 or length < 0 or off + length > size:
+            raise SourceError(
+                f"{METADATA_NAME} places this entry at bytes [{off}, {off}+{length}) of {name}, which has "
+                f"{size} bytes: the data file is truncated or does not belong to this .metadata; copy the "
+                "checkpoint again",
+                path=os.path.join(folder, name),
+                key=getattr(index, "fqn", None),
+            )
+
+
 def read_sdadapt_json(folder: str) -> dict[str, Any] | None:
     """The record :func:`sdadapt.save_state` writes beside the checkpoint, if there is one."""
     path = os.path.join(folder, SDADAPT_JSON)
@@ -96,7 +137,7 @@ def read_sdadapt_json(folder: str) -> dict[str, Any] | None:
     try:
         with open(path, "rb") as f:
             data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise SourceError(f"cannot read the sdadapt record: {e}", path=path) from None
     if not isinstance(data, dict):
         raise SourceError("the sdadapt record is not a JSON object", path=path)

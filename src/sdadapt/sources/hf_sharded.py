@@ -16,6 +16,7 @@ from .base import Source
 from .safetensors_file import SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 * 1024 * 1024  # real indexes are KBs to a few MBs; refuse to parse more
 
 
 def _safe_member(folder: str, name: object, index_path: str, key: str | None = None) -> str:
@@ -51,11 +52,17 @@ class HFShardedSource(Source):
         index_path = index_path or os.path.join(folder, INDEX_NAME)
         self.index_path = index_path
         try:
+            size = os.path.getsize(index_path)
+            if size > MAX_INDEX_BYTES:
+                raise SourceError(
+                    f"index of {size} bytes exceeds the limit of {MAX_INDEX_BYTES} bytes (not an HF index?)",
+                    path=index_path,
+                )
             with open(index_path, "rb") as f:
                 index = json.load(f)
         except OSError as e:
             raise SourceError(f"cannot read index: {e.strerror or e}", path=index_path) from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
             raise SourceError(f"corrupt index (not valid JSON: {e})", path=index_path) from None
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):

@@ -68,7 +68,7 @@ def read_header(path: str) -> tuple[dict[str, tuple[TensorInfo, int, int]], dict
         raise SourceError(f"cannot read: {e.strerror or e}", path=path) from None
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise SourceError(f"corrupt safetensors header (not valid JSON: {e})", path=path) from None
     if not isinstance(header, dict):
         raise SourceError("corrupt safetensors header: not a JSON object", path=path)
