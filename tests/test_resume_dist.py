@@ -260,3 +260,59 @@ def test_resume_fsdp_tp_2x2_to_fsdp_4(saved):
 def test_dcp_folder_as_load_source_reshards(saved):
     _, results = saved
     assert all(r["load_plain"] == [] and r["load_split"] == [] for r in results)
+
+
+def _bad_inputs(folder: str) -> dict:
+    """Each bad input raises the same kind of error on every rank and changes nothing."""
+    out = {}
+    model, _, _ = make("plain", (3,), ("fsdp",), seed=4)
+    before = {k: full(v) for k, v in model.state_dict().items()}
+
+    def attempt(name, opt, path, adapter=None):
+        try:
+            sdadapt.load_state(path, model, opt, adapter=adapter)
+            out[name] = "no error"
+        except sdadapt.SdadaptError as e:
+            out[name] = (type(e).__name__, str(e).splitlines()[0][:500])
+        out[name + ".untouched"] = all(torch.equal(full(v), before[k]) for k, v in model.state_dict().items()) and (
+            opt is None or len(opt.state) == 0
+        )
+
+    plain = os.path.join(folder, "plain")
+    attempt("sgd", torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), plain)
+    frozen = [p for n, p in model.named_parameters() if n != "head.bias"]
+    attempt("lacks_param", torch.optim.AdamW(frozen, lr=1e-2, weight_decay=0.1), plain)
+    attempt("refactor_without_adapter", torch.optim.AdamW(model.parameters(), lr=1e-2), os.path.join(folder, "split"))
+    broken = os.path.join(folder, "interrupted")
+    if dist.get_rank() == 0:
+        os.makedirs(broken, exist_ok=True)
+        open(os.path.join(broken, "__0_0.distcp"), "wb").close()
+    dist.barrier()
+    attempt("no_metadata", torch.optim.AdamW(model.parameters(), lr=1e-2), broken)
+    return out
+
+
+def _launch_3(folder: str) -> dict:
+    return {"fsdp3": _resume(folder, (3,), ("fsdp",)), "bad": _bad_inputs(folder)}
+
+
+def _launch_2(folder: str) -> dict:
+    return {"tp2": _resume(folder, (2,), ("tp",))}
+
+
+def test_resume_on_fsdp_3_uneven_and_bad_inputs(saved):
+    folder, _ = saved
+    results = run_distributed(_launch_3, 3, folder, timeout=240)
+    _check(results, "fsdp3")
+    for r in results:
+        bad = r["bad"]
+        assert bad["sgd"][0] == "StateError" and "another kind" in bad["sgd"][1], bad["sgd"]
+        assert bad["lacks_param"][0] == "PlanError", bad["lacks_param"]
+        assert bad["refactor_without_adapter"][0] == "PlanError", bad["refactor_without_adapter"]
+        assert bad["no_metadata"][0] == "SourceError" and ".metadata" in bad["no_metadata"][1], bad["no_metadata"]
+        assert all(v is True for k, v in bad.items() if k.endswith(".untouched")), bad
+
+
+def test_resume_on_tp_2(saved):
+    folder, _ = saved
+    _check(run_distributed(_launch_2, 2, folder, timeout=240), "tp2")
