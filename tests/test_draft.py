@@ -233,3 +233,124 @@ def test_flux_bfl_to_diffusers(prefix: str, guidance: bool) -> None:
     assert {tuple(p.sources) for p in d.uncertain} == {("single_blocks.{i}.linear1.weight",),
                                                       ("single_blocks.{i}.linear1.bias",)}
     assert list(questions(d)) == ["chunk order"]
+
+
+@pytest.mark.parametrize("family", ["llama_fused", "mixtral"])
+def test_reverse_direction_matches_the_inverse_adapter(ckpts: dict[str, str], family: str) -> None:
+    """Export direction: Meta layout -> HF (fused tensors split, stacked experts unstacked)."""
+    if family == "mixtral":
+        hf = source_schema(ckpts["mixtral"])
+        meta = meta_llama(n_experts=E, top_k=2)
+        shipped = sdadapt.get_adapter("mixtral", n_heads=H, n_kv_heads=KV)
+    else:
+        hf = source_schema(ckpts["llama1"])
+        meta = meta_llama(fused_qkv=True, fused_w13=True)
+        shipped = sdadapt.get_adapter("llama", n_heads=H, n_kv_heads=KV, dim=DIM, hidden_dim=FFN, fused_qkv=True,
+                                      fused_w13=True)  # fmt: skip
+        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]  # an export writes the head too
+    d = check_reproduces(meta, hf, shipped.inverse())
+    kinds = {p.kind for p in d.proposals}
+    assert kinds >= ({"unstack"} if family == "mixtral" else {"split"})
+    assert "rotary row order" in questions(d)
+
+
+# ----------------------------------------------------------------------------------------------
+# no relation; the CLI; bad input
+# ----------------------------------------------------------------------------------------------
+def test_unrelated_pair_gets_no_proposals(ckpts: dict[str, str]) -> None:
+    d = sdadapt.draft(meta_llama(), ckpts["gpt2"])
+    assert not d.related
+    assert d.proposals == [] and d.questions == [] and len(d.adapter) == 0
+    text = d.format()
+    assert "look unrelated" in text and "no adapter proposed" in text
+    assert len(text.splitlines()) <= 8, text
+    assert "transformer.h.{i}" in text and "layers.{i}" in text  # the evidence: blocks that do not pair
+    assert exec_module(d.module).rules == []
+
+
+MODEL_PY = """
+import sys
+import torch
+sys.path.insert(0, {tests!r})
+from reference_models import MetaLlama
+
+
+def build(n_experts=0):
+    cfg = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=40, hidden_dim=48, norm_eps=1e-5,
+               rope_theta=1e4)
+    if n_experts:
+        cfg.update(n_experts=n_experts, top_k=2)
+    with torch.device("meta"):
+        return MetaLlama(cfg)
+"""
+
+
+def test_cli_writes_an_adapter_that_diff_accepts(ckpts: dict[str, str], tmp_path: Path, capsys: Any) -> None:
+    from sdadapt.cli import main
+
+    model_py = tmp_path / "model.py"
+    model_py.write_text(MODEL_PY.format(tests=str(Path(__file__).parent)))
+    out = tmp_path / "my_adapter.py"
+    src = ckpts["mixtral"]
+    rc = main(["draft", src, "--target", f"{model_py}:build", "--target-option", "n_experts=4", "-o", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "OK: checkpoint and model line up" in printed and f"wrote {out}" in printed
+    assert "DECIDE" in out.read_text() and "sdadapt.stack(" in out.read_text()
+    rc = main(["diff", src, "--target", f"{model_py}:build", "--target-option", "n_experts=4",
+               "--adapter", f"{out}:ADAPTER"])  # fmt: skip
+    assert rc == 0, capsys.readouterr().out
+    # without -o the module goes to stdout, the summary to stderr; an existing -o is not overwritten
+    capsys.readouterr()
+    assert main(["draft", src, "-t", f"{model_py}:build", "--target-option", "n_experts=4"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.startswith('"""Adapter drafted by `sdadapt draft`') and "remaining diff" in cap.err
+    assert main(["draft", src, "-t", f"{model_py}:build", "-o", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err
+    # unrelated: a few lines, exit 1, nothing written
+    other = tmp_path / "other.py"
+    assert main(["draft", ckpts["gpt2"], "-t", f"{model_py}:build", "-o", str(other)]) == 1
+    assert "look unrelated" in capsys.readouterr().out and not other.exists()
+
+
+def test_bad_input(ckpts: dict[str, str], tmp_path: Path, capsys: Any) -> None:
+    from sdadapt.cli import main
+
+    # the same source errors as diff
+    missing = str(tmp_path / "nope.safetensors")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"\x00" * 3)
+    for path in (missing, str(bad)):
+        assert main(["diff", path, "--target", ckpts["llama0"]]) == 2
+        diff_err = capsys.readouterr().err
+        assert main(["draft", path, "--target", ckpts["llama0"]]) == 2
+        draft_err = capsys.readouterr().err
+        assert draft_err.replace("sdadapt draft", "sdadapt diff") == diff_err
+        with pytest.raises(sdadapt.SourceError):
+            sdadapt.draft(ckpts["llama0"], path)
+    # a target that cannot be imported: the import error, exit 2
+    broken = tmp_path / "broken.py"
+    broken.write_text("import no_such_module_for_sdadapt\n")
+    assert main(["draft", ckpts["llama0"], "--target", f"{broken}:build"]) == 2
+    err = capsys.readouterr().err
+    assert "ModuleNotFoundError" in err and "no_such_module_for_sdadapt" in err and "broken.py" in err
+    # ... or whose function fails
+    failing = tmp_path / "failing.py"
+    failing.write_text("def build():\n    raise RuntimeError('cannot build this model')\n")
+    assert main(["draft", ckpts["llama0"], "--target", f"{failing}:build"]) == 2
+    assert "cannot build this model" in capsys.readouterr().err
+
+
+def test_checkpoint_as_target_and_tree_segments(ckpts: dict[str, str]) -> None:
+    """A checkpoint can be the target (same family: everything lines up, nothing proposed); and
+    the segmenter keeps nn.Sequential indices literal while layer/expert indices become captures."""
+    d = sdadapt.draft(ckpts["llama0"], ckpts["llama0"])
+    assert d.related and d.report.ok and d.proposals == []
+    tree = build_tree(source_schema(ckpts["mixtral"]))
+    layers = next(iter(tree.root.children.values()))
+    assert (layers.label(), layers.count) == ("model.layers.{i}", L)
+    experts = next(iter(layers.children.values()))
+    assert (experts.label(), experts.count) == ("model.layers.{i}.block_sparse_moe.experts.{e}", E)
+    fam = build_tree({f"h.{i}.mlp.{j}.weight": TensorInfo((4, 4) if j == 0 else (4, 8), torch.float32)
+                      for i in range(3) for j in (0, 2)})  # fmt: skip
+    assert sorted(f.pattern(f.scope.names()) for f in fam.families) == ["h.{i}.mlp.0.weight", "h.{i}.mlp.2.weight"]

@@ -98,6 +98,11 @@ class Draft(BaseModel):
                              f"{'; '.join(p.evidence)}")
             for q in self.questions:
                 lines.append(f"  DECIDE {', '.join(q.about[:4])}: {q.question}")
+        if not self.related:
+            r = self.report
+            lines.append(f"without an adapter: {r.matched} of {r.target_keys} model keys line up, "
+                         f"{len(r.missing)} missing, {len(r.unexpected)} unexpected")
+            return "\n".join(lines)
         lines.append("remaining diff with the drafted adapter:")
         lines += ["  " + line for line in self.report.format(max_rows=max_rows).splitlines()]
         return "\n".join(lines)
@@ -214,14 +219,13 @@ def _summary(result: Any, props: Proposals, frac: float, related: bool, strip: s
     lines = []
     for p in result.pairs:
         lines.append(f"blocks {p.src.label()} ~ {p.tgt.label()}: {p.evidence}")
-    for s in result.unpaired_src:
-        if not any(i.stacked is s for i in result.src_items):
-            lines.append(f"checkpoint blocks {s.label()} ({s.count} x {int(s.per_instance_numel)} parameters) have no "
-                         "counterpart in the model")
-    for t in result.unpaired_tgt:
-        if not any(i.stacked is t for i in result.tgt_items):
-            lines.append(f"model blocks {t.label()} ({t.count} x {int(t.per_instance_numel)} parameters) have no "
-                         "counterpart in the checkpoint")
+    matched = {id(i) for m in result.matches for i in m.srcs + m.tgts}
+    stacked = {id(i.stacked) for i in result.src_items + result.tgt_items if i.stacked is not None and id(i) in matched}
+    for side, scopes in (("checkpoint", result.unpaired_src), ("model", result.unpaired_tgt)):
+        for s in scopes:
+            if id(s) not in stacked:
+                lines.append(f"{side} blocks {s.label()} ({s.count} x {int(s.per_instance_numel)} parameters) pair "
+                             "with no blocks of the other side (counts or parameter counts differ)")
     lines.append(f"{props.matched_target_keys} of {props.target_keys} model tensors have a counterpart "
                  f"({frac:.0%})" + (f"; {props.unchanged} already line up" if props.unchanged else ""))
     if not related:

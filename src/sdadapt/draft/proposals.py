@@ -211,8 +211,8 @@ def build_proposals(result: MatchResult, src: Tree, tgt: Tree, strip: str | None
             continue
         for m in square_by_scope[scope]:
             t = m.tgts[0]
-            what = "square" if m.kind == "rename" else f"cut into square parts {fmt(t.shape)}"
-            ev = [f"{what} {fmt(t.shape)}, so shapes cannot show its orientation",
+            what = "square" if m.kind == "rename" else "cut into square parts"
+            ev = [f"{what} {fmt(t.shape)}, so shapes cannot show the orientation",
                   f"the other {len(tr)} matrices of this block all needed a transpose (Conv1D-style [in, out] storage?)"]
             targets = [x.pattern() for x in m.tgts]
             props.append(Proposed(kind="transpose", rules=_transpose_rules(targets, t.shape),

@@ -109,6 +109,11 @@ def render_module(
     ]
     if not related:
         out += ["# No adapter proposed:"] + [f"#   {s}" for s in summary] + [""]
+    if not any(entries for _title, entries in sections):
+        out += ["ADAPTER = sdadapt.Adapter([], name=\"draft\")", ""]
+        out.append("# What `sdadapt diff` reports without an adapter:")
+        out += [f"#   {line}" if line else "#" for line in remaining.splitlines()]
+        return "\n".join(out) + "\n"
     out += ["ADAPTER = sdadapt.Adapter(", "    ["]
     for title, entries in sections:
         if not entries:

@@ -1,0 +1,69 @@
+"""``sdadapt draft SRC --target T [-o my_adapter.py]``: a first adapter inferred from headers."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+NAME = "draft"
+HELP = "infer a first adapter from a checkpoint and a model (headers only); review it, then use it with --adapter"
+
+EPILOG = """\
+T is a checkpoint path, or module:function / path/to/file.py:function returning the model
+(build it on the meta device: only shapes and dtypes are used). The adapter module goes to
+-o FILE (then the summary and the remaining diff are printed), or to stdout without -o (the
+summary then goes to stderr). Rules on weak evidence are marked UNCERTAIN; choices shapes
+cannot show (rotary row order, per-rank layout of fused tensors) are DECIDE comments with the
+rule to enable. Exit status: 0 when the drafted adapter lines everything up, 1 when problems
+remain or the two look unrelated, 2 for usage errors (bad arguments, unreadable checkpoint,
+a target that cannot be imported or built)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("src", metavar="SRC", help="checkpoint: torch.save file, .safetensors, HF sharded folder, DCP folder")
+    parser.add_argument("--target", "-t", required=True, metavar="T", help="model (module:function) or checkpoint")
+    parser.add_argument(
+        "--target-option", action="append", default=[], metavar="KEY=VALUE",
+        help="keyword argument passed to the target function (repeatable)",
+    )
+    parser.add_argument("--subtree", "-s", metavar="S", help="nested dict of a torch.save SRC to use, e.g. model")
+    parser.add_argument("--target-subtree", metavar="S", help="nested dict of a torch.save target checkpoint")
+    parser.add_argument("--output", "-o", metavar="FILE", help="write the adapter module here (refuses to overwrite)")
+    parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
+    parser.add_argument("--json", action="store_true", help="print the draft (proposals, questions, report) as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..draft import draft
+    from ..resolve import ResolveError, resolve_target
+    from ..sources import open_source
+    from .diff import parse_options
+
+    if args.output and os.path.exists(args.output) and not args.force:
+        raise ResolveError(f"{args.output} exists; pass --force to overwrite it or choose another -o")
+    target: Any = resolve_target(args.target, **parse_options(args.target_option))
+    if isinstance(target, str) and args.target_subtree:
+        target = open_source(target, subtree=args.target_subtree)
+    d = draft(target, args.src, subtree=args.subtree)
+    if args.json:
+        print(d.model_dump_json(indent=2))
+    elif args.output:
+        if d.related:
+            try:
+                with open(args.output, "w", encoding="utf-8") as f:
+                    f.write(d.module)
+            except OSError as e:
+                raise ResolveError(f"cannot write {args.output}: {e.strerror or e}") from None
+        print(d.format())
+        if d.related:
+            print(f"wrote {args.output}: review it, then `sdadapt diff {args.src} --target {args.target} "
+                  f"--adapter {args.output}:ADAPTER`")
+    else:
+        if d.related:
+            sys.stdout.write(d.module)
+        print(d.format(), file=sys.stderr if d.related else sys.stdout)
+    return 0 if d.related and d.report.ok else 1
