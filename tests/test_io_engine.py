@@ -28,8 +28,10 @@ SPEC = {
 }
 CONFIGS = {
     "default": EngineConfig(threads=3),
-    "direct": EngineConfig(threads=2, direct_min_bytes=0, chunk_bytes=4096),
-    "staged-tiny-chunks": EngineConfig(threads=4, direct_min_bytes=1 << 40, chunk_bytes=4096, staging_bytes=3 * 4096),
+    "direct": EngineConfig(threads=2, direct_min_bytes=0, chunk_bytes=4096, min_span_bytes=0),
+    "staged-tiny-chunks": EngineConfig(
+        threads=4, direct_min_bytes=1 << 40, chunk_bytes=4096, staging_bytes=3 * 4096, min_span_bytes=0
+    ),
     "one-thread": EngineConfig(threads=1, direct_min_bytes=0),
 }
 
@@ -173,7 +175,7 @@ def test_coalescing_merges_adjacent_small_reads(tmp_path):
 def test_staging_is_bounded(tmp_path):
     sd = {f"w{i}": torch.randn(64, 256) for i in range(6)}  # 64 KiB each
     path = write_safetensors(tmp_path / "big.safetensors", sd)
-    cfg = EngineConfig(threads=4, direct_min_bytes=1 << 40, chunk_bytes=8192, staging_bytes=2 * 8192)
+    cfg = EngineConfig(threads=4, direct_min_bytes=1 << 40, chunk_bytes=8192, staging_bytes=2 * 8192, min_span_bytes=0)
     with open_source(path) as src:
         # non-contiguous destinations: everything goes through staging, in 8 KiB chunks
         dests = {k: torch.zeros(64, 300)[:, 10:266] for k in sd}
@@ -236,6 +238,7 @@ def test_error_names_key_and_file_on_truncated_file(tmp_path):
         f.truncate(os.path.getsize(path) - 100)  # y's tail is gone
     try:
         for cfg in (EngineConfig(threads=2, direct_min_bytes=0), EngineConfig(threads=2, direct_min_bytes=1 << 40)):
+            # whole rows: read calls, direct and staged; both must name the key and the file
             jobs = [Job("model.y", N.Leaf("y", (64, 64), torch.float32), ((0, 64), (0, 64)), torch.empty(64, 64))]
             with pytest.raises(LoadError) as ei:
                 IOEngine(src, cfg).run(jobs)

@@ -13,7 +13,9 @@ on a thread pool:
 2. **Locating.** Where a source tensor is stored contiguously in a file (safetensors always;
    ``torch.save`` zip files when the storages line up with the zip records), a box becomes
    byte spans of that file: one span when the box covers whole rows (FSDP's dim-0 shards), one
-   span per row otherwise (TP's column shards). Other sources are read through ``Source.read``.
+   span per row otherwise (TP's column shards; rows shorter than 64 KiB are instead copied
+   out of the source's mapping in one strided copy). Other sources are read through
+   ``Source.read``.
 3. **Tasks.** A CPU destination that is contiguous and of the source dtype is read *straight
    into* with ``os.preadv`` (no copy, no staging), in chunks so that several threads share a large
    tensor. Otherwise the bytes go into a staging buffer from a bounded pool (pinned when the
@@ -78,7 +80,9 @@ class EngineConfig:
     a GPU); ``chunk_bytes`` is the largest single read (default: staging / (2 x threads), 1 to
     32 MiB); ``coalesce_gap`` is how many unwanted bytes a coalesced read may span between two
     wanted regions (counted as read); ``direct_min_bytes`` is the size from which a CPU
-    destination is read into directly rather than through staging (and coalescing).
+    destination is read into directly rather than through staging (and coalescing);
+    a region made of several runs shorter than ``min_span_bytes`` each (a column slice) is
+    copied out of the source's mapping in one strided copy instead of one read per run.
     """
 
     threads: int = field(default_factory=default_threads)
@@ -86,6 +90,7 @@ class EngineConfig:
     chunk_bytes: int | None = None
     coalesce_gap: int = 0
     direct_min_bytes: int = 256 * 1024
+    min_span_bytes: int = 64 * 1024
 
     def chunk(self) -> int:
         if self.chunk_bytes is not None:
@@ -543,11 +548,19 @@ class IOEngine:
                 loc = self._locate(act.key)
                 where = _Where(job.key, act.key, loc.path if loc else self._file_of(act.key), act.box)
                 if loc is None:
-                    for sub, sl in _split_box(act.box, _itemsize(act.dest), chunk):
-                        tasks.append(_Task("view", action=Piece(act.key, sub, act.dest[sl]), where=where))
+                    # unknown storage: one read per piece (a sub-box read could cost the source a
+                    # whole stored chunk each time, e.g. DCP files)
+                    tasks.append(_Task("view", action=act, where=where))
                     continue
                 itemsize = loc.dtype.itemsize
                 dest = act.dest
+                starts, run = box_spans(loc.shape, itemsize, act.box)
+                if len(starts) > 1 and run < cfg.min_span_bytes:
+                    # many short rows (a column slice): one strided copy out of the mapped file
+                    # beats a read call per row
+                    for sub, sl in _split_box(act.box, itemsize, chunk):
+                        tasks.append(_Task("view", action=Piece(act.key, sub, dest[sl]), where=where))
+                    continue
                 direct = (
                     dest.device.type == "cpu"
                     and dest.dtype == loc.dtype
@@ -555,7 +568,6 @@ class IOEngine:
                     and dest.numel() * itemsize >= cfg.direct_min_bytes
                 )
                 if direct:
-                    starts, run = box_spans(loc.shape, itemsize, act.box)
                     segs = [(loc.offset + s, run) for s in starts]
                     mem = _bytes_view(dest)
                     pos = 0
@@ -710,9 +722,9 @@ class IOEngine:
                             act = task.action
                             value = counter.read(act.key, act.box)  # type: ignore[union-attr]
                             computed += 1
-                            if stream is not None and act.dest.device.type == "cuda":  # type: ignore[union-attr]
+                            nb = value.numel() * value.element_size()
+                            if stream is not None and act.dest.device.type == "cuda" and nb <= chunk:  # type: ignore[union-attr]
                                 buf = acquire()
-                                nb = value.numel() * value.element_size()
                                 stage = buf[:nb].view(value.dtype).view(value.shape)
                                 stage.copy_(value)
                                 with _on(stream):
