@@ -9,7 +9,8 @@ into the counterpart model (Meta layout / nanoGPT: ``tests/reference_models.py``
 ``FluxTransformer2DModel``) parallelised on a gloo mesh, FSDP2+TP 2x2 and FSDP over 3 ranks
 (uneven shards), and the forward outputs are compared with the original model's (fp32).
 Then the loaded model's state dict goes back through ``adapter.inverse()`` and must give the
-original checkpoint's tensors bit-exactly. One launch per mesh runs every case.
+original checkpoint's tensors bit-exactly. One 4-rank launch runs every case on both meshes
+(the 3-rank mesh is ranks 0-2 of it).
 
 Single-process tests: a wrong adapter gives a short ``diff`` report; bad options (head
 counts, expert counts, fused sizes) fail while planning, naming rule, key and numbers, with
@@ -19,6 +20,7 @@ nothing read and the model left on the meta device.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import pytest
@@ -291,26 +293,20 @@ def _original(path: str) -> dict[str, torch.Tensor]:
     return torch.load(path, weights_only=True)
 
 
-def _load_all(root: str) -> dict[str, dict]:
-    """Worker: every case on this rank's mesh; returns per case the output error and export check."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+def _run_cases(root: str, mesh: Any, group: Any) -> dict[str, dict]:
+    """Every case on ``mesh``; returns per case the output error and the export check."""
     from torch.distributed.tensor import DTensor
 
     from checkpoints import DictIO
     from sdadapt.target import model_state_dict, schema_of
 
-    world = dist.get_world_size()
-    if world == 4:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
-    else:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     cases = torch.load(os.path.join(root, "cases.pt"), weights_only=False)
     results: dict[str, dict] = {}
     for case in cases:
+        t0 = time.perf_counter()
         model = _build_target(case, mesh)
         adapter = sdadapt.get_adapter(case["adapter"], source=case["path"], **case.get("options", {}))
-        rep = sdadapt.load(model, case["path"], adapter)
+        rep = sdadapt.load(model, case["path"], adapter, process_group=group)
         with torch.no_grad():
             if case["target"] == "flux":
                 out = model(**case["inputs"], return_dict=False)[0]
@@ -336,10 +332,25 @@ def _load_all(root: str) -> dict[str, dict]:
         results[case["name"]] = dict(
             err=err, close=close, keys=rep.keys_loaded, target_keys=len(sd), export_ok=plan.report.ok,
             export_report=plan.report.format(), exported=len(plan.recipes), differ=differ,
-            expected_exported=len(original) - len(plan.report.allowed_missing),
+            expected_exported=len(original) - len(plan.report.allowed_missing), seconds=time.perf_counter() - t0,
         )  # fmt: skip
         del model
     return results
+
+
+def _load_all(root: str) -> dict[str, dict[str, dict]]:
+    """Worker on 4 ranks: every case on a 2x2 (fsdp, tp) mesh, then on a 3-rank FSDP mesh of
+    ranks 0-2 (uneven shards; rank 3 waits). One launch for both: process start is the cost."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    assert dist.get_world_size() == 4
+    out = {"fsdp2+tp-2x2": _run_cases(root, init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp")), None)}
+    mesh3 = DeviceMesh("cpu", torch.arange(3), mesh_dim_names=("fsdp",))  # every rank takes part in creating it
+    if dist.get_rank() < 3:
+        out["fsdp-3-uneven"] = _run_cases(root, mesh3, mesh3.get_group())
+    dist.barrier()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -349,15 +360,118 @@ def cases_root(tmp_path_factory: pytest.TempPathFactory) -> str:
     return root
 
 
-@pytest.mark.parametrize("world", [4, 3], ids=["fsdp2+tp-2x2", "fsdp-3-uneven"])
-def test_adapters_load_real_checkpoints(cases_root: str, world: int) -> None:
-    results = run_distributed(_load_all, world, cases_root, timeout=240)
+def test_adapters_load_real_checkpoints(cases_root: str) -> None:
+    results = run_distributed(_load_all, 4, cases_root, timeout=300)
     names = [c["name"] for c in torch.load(os.path.join(cases_root, "cases.pt"), weights_only=False)]
-    for name in names:
-        per_rank = [r[name] for r in results]
-        for rank, r in enumerate(per_rank):
-            assert r["keys"] == r["target_keys"], (name, rank, r)
-            assert r["close"], f"{name} rank {rank}: outputs differ from the original model's by {r['err']:.3g}"
-            assert r["export_ok"], f"{name}: export report\n{r['export_report']}"
-            assert r["exported"] == r["expected_exported"], (name, r["exported"], r["expected_exported"])
-            assert r["differ"] == [], f"{name}: exported tensors differ from the checkpoint: {r['differ']}"
+    for mesh, ranks in (("fsdp2+tp-2x2", range(4)), ("fsdp-3-uneven", range(3))):
+        for name in names:
+            for rank in ranks:
+                r = results[rank][mesh][name]
+                where = f"{name} on {mesh}, rank {rank}"
+                assert r["keys"] == r["target_keys"], (where, r)
+                assert r["close"], f"{where}: outputs differ from the original model's by {r['err']:.3g}"
+                assert r["export_ok"], f"{where}: export report\n{r['export_report']}"
+                assert r["exported"] == r["expected_exported"], (where, r["exported"], r["expected_exported"])
+                assert r["differ"] == [], f"{where}: exported tensors differ from the checkpoint: {r['differ']}"
+    assert "fsdp-3-uneven" not in results[3]
+
+
+# ----------------------------------------------------------------------------------------------
+# single process: wrong adapter, bad options (planning only; nothing is read)
+# ----------------------------------------------------------------------------------------------
+class _NoMesh:
+    mesh_dim_names: tuple = ()
+
+
+def _case(root: str, name: str) -> dict:
+    return next(c for c in torch.load(os.path.join(root, "cases.pt"), weights_only=False) if c["name"] == name)
+
+
+def _meta_model(case: dict) -> torch.nn.Module:
+    return _build_target(case, _NoMesh())
+
+
+def test_wrong_adapter_diff_is_short(cases_root: str) -> None:
+    llama, gpt2 = _case(cases_root, "llama"), _case(cases_root, "gpt2")
+    adapter = sdadapt.get_adapter("gpt2", source=llama["path"])
+    for target in (_meta_model(llama), _meta_model(gpt2)):
+        rep = sdadapt.diff(target, llama["path"], adapter)
+        text = rep.format()
+        assert not rep.ok and rep.matched <= 1
+        assert len(rep.missing) >= 20 and len(rep.unexpected) >= 20
+        lines = text.splitlines()
+        # runs of layers are compressed and long sections cut: a handful of readable rows per
+        # section, whatever the layer count, and the rules that matched nothing are named
+        assert len(lines) < 40, text
+        assert "rules that matched nothing" in text and "transpose(keys='transformer.h.{i}.attn.c_attn.weight'" in text
+        assert any("{0..1}" in line for line in lines)
+        assert not any(".0." in line or ".1." in line for line in lines), text
+
+
+def _plan_error(case: dict, adapter: sdadapt.Adapter) -> str:
+    model = _meta_model(case)
+    with pytest.raises(sdadapt.PlanError) as info:
+        sdadapt.load(model, case["path"], adapter)
+    assert all(p.is_meta for p in model.parameters()), "the model was changed although planning failed"
+    return str(info.value)
+
+
+def test_bad_options_fail_while_planning(cases_root: str) -> None:
+    llama, fused = _case(cases_root, "llama"), _case(cases_root, "llama_tied_fused")
+    mixtral, flux = _case(cases_root, "mixtral_per_expert"), _case(cases_root, "flux_dev")
+
+    # head counts that do not divide the rows
+    msg = _plan_error(llama, sdadapt.get_adapter("llama", source=llama["path"], n_heads=3, n_kv_heads=1))
+    assert "rotary(keys='layers.{i}.attention.wq.weight', heads=3" in msg
+    assert "layers.{0..1}.attention.wq.weight: 32 rows along dim 0 do not divide into heads=3" in msg
+
+    # a fused size that does not add up (head_dim 6: q, k, v declared as 24, 12, 12 rows)
+    msg = _plan_error(fused, sdadapt.get_adapter("llama", source=fused["path"], head_dim=6, **fused["options"]))
+    assert "fuse(srcs=['layers.{i}.attention.wq.weight'" in msg
+    assert "layers.{0..1}.attention.wqkv.weight: declared sizes [24, 12, 12] but the parts have [32, 16, 16]" in msg
+    msg = _plan_error(flux, sdadapt.get_adapter("flux", source=flux["path"], inner_dim=20))
+    assert "single_blocks.{0..1}.linear1.weight: sizes [20, 20, 20, 80] (declared) add up to 140, but dim 0 has 112" in msg
+
+    # an expert count that differs: from the option (config) ...
+    msg = _plan_error(mixtral, sdadapt.get_adapter("mixtral", source=mixtral["path"], n_experts=5))
+    assert "stack(src='model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight'" in msg
+    assert "layers.{0..1}.moe.experts.w1: found 4 entries (e=0..3) but count=5" in msg
+    # ... and from the model, when the option is not known
+    five = {**mixtral, "spec": {**mixtral["spec"], "n_experts": 5}}
+    msg = _plan_error(five, sdadapt.get_adapter("mixtral", n_heads=H, n_kv_heads=KV))
+    assert "layers.{0..1}.moe.experts.w1: model [5, 48, 32], checkpoint gives [4, 48, 32]" in msg
+
+
+def test_adapter_options_are_checked() -> None:
+    with pytest.raises(sdadapt.AdapterError, match="needs option 'n_heads'"):
+        sdadapt.get_adapter("llama")
+    with pytest.raises(sdadapt.AdapterError, match="n_heads 4 is not a multiple of n_kv_heads 3"):
+        sdadapt.get_adapter("llama", n_heads=4, n_kv_heads=3)
+    with pytest.raises(sdadapt.AdapterError, match="needs hidden_dim"):
+        sdadapt.get_adapter("llama", n_heads=4, fused_w13=True)
+    with pytest.raises(sdadapt.AdapterError, match="experts must be 'per_expert' or 'stacked'"):
+        sdadapt.get_adapter("mixtral", n_heads=4, experts="fused")
+    names = dict(sdadapt.list_adapters())
+    assert {"llama", "mixtral", "gpt2", "flux", "discussion"} <= set(names)
+    assert all(not s.startswith("(unavailable") for s in names.values()), names
+
+
+def test_options_from_checkpoints(cases_root: str) -> None:
+    """What each adapter reads from a checkpoint's config.json and key names (headers only)."""
+    from sdadapt.registry import config_folder
+
+    def opts(name: str, case: str) -> dict:
+        path = _case(cases_root, case)["path"]
+        mod = __import__(f"sdadapt.adapters.{name}", fromlist=["options_from_config"])
+        return mod.options_from_config(config_folder(path), path)
+
+    assert opts("llama", "llama") == dict(n_heads=H, n_kv_heads=KV, dim=DIM, head_dim=DIM // H, hidden_dim=FFN,
+                                         tie_embeddings=False)  # fmt: skip
+    assert opts("llama", "llama_tied_fused")["tie_embeddings"] is True
+    assert opts("mixtral", "mixtral_per_expert")["n_experts"] == 4
+    assert "experts" not in opts("mixtral", "mixtral_per_expert")
+    assert opts("mixtral", "mixtral_stacked")["experts"] == "stacked"
+    assert opts("gpt2", "gpt2") == dict(prefix="transformer.", buffers=False)
+    assert opts("gpt2", "gpt2_bare_split_qkv") == dict(prefix="", buffers=True)
+    assert opts("flux", "flux_dev") == dict(prefix=True, guidance=True)
+    assert opts("flux", "flux_schnell") == dict(prefix=False, guidance=False)
