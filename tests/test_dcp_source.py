@@ -146,8 +146,8 @@ def test_truncated_data_file(tmp_path):
     path = os.path.join(folder, "__0_0.distcp")
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 3)
-    src = open_source(folder)
-    with pytest.raises(sdadapt.SourceError, match="corrupt or truncated") as e:
+    with pytest.raises(sdadapt.SourceError, match="corrupt or truncated") as e:  # found at open (item past the end)
+        src = open_source(folder)
         for k, info in src.schema.items():
             src.read(k, tuple((0, n) for n in info.shape))
     assert "__0_0.distcp" in str(e.value)

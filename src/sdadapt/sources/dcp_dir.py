@@ -122,7 +122,7 @@ def _check_data_files(folder: str, md: Metadata, path: str) -> None:
         if not isinstance(off, int) or not isinstance(length, int) or off < 0 or length < 0 or off + length > size:
             raise SourceError(
                 f"{METADATA_NAME} places this entry at bytes [{off}, {off}+{length}) of {name}, which has "
-                f"{size} bytes: the data file is truncated or does not belong to this .metadata; copy the "
+                f"{size} bytes: the data file is corrupt or truncated, or does not belong to this .metadata; copy the "
                 "checkpoint again",
                 path=os.path.join(folder, name),
                 key=getattr(index, "fqn", None),
