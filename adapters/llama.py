@@ -19,7 +19,9 @@ second halves); Meta's rotary rotates interleaved row pairs, so wq and wk are pe
 each head (with ``n_heads`` for q and ``n_kv_heads`` for k: GQA). A fused ``wqkv``/``w13``
 is laid out per tensor-parallel rank (``[q_r; k_r; v_r]``), so that ``ColwiseParallel``
 gives each rank the rows its attention code expects; the TP degree is read from the model's
-placements unless ``tp=`` is given. ``adapter.inverse()`` exports back to the HF layout.
+placements unless ``tp=`` is given. ``adapter.inverse()`` exports back to the HF layout; with
+fused targets, plan the export from the parallelised model's state dict (its placements give
+the TP degree) or pass ``tp=``: a gathered full tensor still has the per-rank row order.
 """
 
 from __future__ import annotations
