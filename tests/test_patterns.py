@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+import sdadapt
 from sdadapt.errors import AdapterError
 from sdadapt.patterns import KeyPattern, check_output_pattern, compile_pattern, matches_any
 
@@ -135,3 +136,18 @@ def test_matches_any():
     assert matches_any(["a.*", "b.{i}.c"], "b.3.c")
     assert not matches_any(["a.*", "b.{i}.c"], "b.3.d")
     assert not matches_any([], "x")
+
+
+def test_inverse_keeps_capture_types():
+    """An output placeholder takes its input capture's type, so the inverse matches the same keys."""
+    from sdadapt.patterns import typed_like
+
+    assert typed_like("transformer.h.{i}.{rest}", "h.{i:int}.{rest:*}") == "transformer.h.{i:int}.{rest:*}"
+    inv = sdadapt.Adapter([sdadapt.rename("h.{i}.{rest:*}", "transformer.h.{i}.{rest}")]).inverse()
+    assert inv.rules[0].src == "transformer.h.{i}.{rest:*}"
+    from sdadapt.patterns import compile_pattern
+
+    assert compile_pattern(inv.rules[0].src).match("transformer.h.3.attn.c_attn.weight") == {
+        "i": "3",
+        "rest": "attn.c_attn.weight",
+    }

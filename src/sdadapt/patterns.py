@@ -114,3 +114,28 @@ def check_output_pattern(inp: str | list[str], out: str) -> None:
 
 def matches_any(patterns: list[str], key: str) -> bool:
     return any(compile_pattern(p).match(key) is not None for p in patterns)
+
+
+def capture_kinds(patterns: str | list[str]) -> dict[str, str]:
+    """``{name: kind}`` for typed captures (``{rest:*}``, ``{i:int}``) of the given patterns."""
+    out: dict[str, str] = {}
+    for p in [patterns] if isinstance(patterns, str) else patterns:
+        for m in _TOKEN.finditer(p):
+            if m.group(1) is not None and m.group(2) is not None:
+                out[m.group(1)] = m.group(2)
+    return out
+
+
+def typed_like(out: str, inputs: str | list[str]) -> str:
+    """``out`` with each bare ``{name}`` given the type its input capture had, so that an
+    output pattern can serve as the input of an inverse rule: ``typed_like("t.{rest}",
+    "{rest:*}") == "t.{rest:*}"``."""
+    kinds = capture_kinds(inputs)
+
+    def sub(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name is None or m.group(2) is not None or name not in kinds:
+            return m.group(0)
+        return f"{{{name}:{kinds[name]}}}"
+
+    return _TOKEN.sub(sub, out)

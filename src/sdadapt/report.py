@@ -79,7 +79,7 @@ class Report(BaseModel):
                 out[m] = near[0]
         return out
 
-    def format(self, max_rows: int = 12) -> str:
+    def format(self, max_rows: int = 8) -> str:
         lines = [f"source {self.source}", f"target {self.target}"]
         if self.adapter:
             lines.append(f"adapter {self.adapter}")
@@ -87,6 +87,8 @@ class Report(BaseModel):
             f"{self.matched} of {self.target_keys} model keys matched "
             f"({self.source_keys} checkpoint keys); {self.problems} problem(s)"
         )
+        if self.target_keys and 2 * self.matched < self.target_keys and (self.unexpected or self.rule_issues):
+            lines.append("hint: most model keys are unmatched; is this the right adapter for this checkpoint?")
 
         def section(title: str, rows: list[str], count: int) -> None:
             if not rows:

@@ -55,7 +55,7 @@ from .errors import AdapterError
 from .nodes import Cast as CastNode
 from . import nodes as N
 from .nodes import Concat, Narrow, Node
-from .patterns import check_output_pattern, compile_pattern
+from .patterns import check_output_pattern, compile_pattern, typed_like
 
 if TYPE_CHECKING:
     from .plan import PlanContext
@@ -131,7 +131,7 @@ class Rename(RuleBase):
             ctx.put(new, ctx.taken[old], index, origin=old)
 
     def inverse(self) -> list["Rule"]:
-        return [Rename(src=self.dst, dst=self.src)]
+        return [Rename(src=typed_like(self.dst, self.src), dst=self.src)]
 
 
 class Fuse(RuleBase):
@@ -185,7 +185,7 @@ class Fuse(RuleBase):
             ctx.put(dst, Concat(tuple(parts), dim), index, origin=names)
 
     def inverse(self) -> list["Rule"]:
-        return [Split(src=self.dst, dsts=list(self.srcs), dim=self.dim, sizes=self.sizes)]
+        return [Split(src=typed_like(self.dst, self.srcs), dsts=list(self.srcs), dim=self.dim, sizes=self.sizes)]
 
 
 def _concat_problem(parts: list[Node], names: list[str], dim: int, sizes: list[int] | None) -> str | None:
@@ -275,7 +275,7 @@ class Split(RuleBase):
         return sizes
 
     def inverse(self) -> list["Rule"]:
-        return [Fuse(srcs=list(self.dsts), dst=self.src, dim=self.dim, sizes=self.sizes)]
+        return [Fuse(srcs=[typed_like(d, self.src) for d in self.dsts], dst=self.src, dim=self.dim, sizes=self.sizes)]
 
 
 class Cast(RuleBase):
@@ -562,7 +562,7 @@ class Stack(RuleBase):
             ctx.put(dst, N.Stack(tuple(parts), self.dim % (nd + 1)), index, origin=[k for _, k in members])
 
     def inverse(self) -> list["Rule"]:
-        return [Unstack(src=self.dst, dst=self.src, over=self.over, dim=self.dim, count=self.count)]
+        return [Unstack(src=typed_like(self.dst, self.src), dst=self.src, over=self.over, dim=self.dim, count=self.count)]
 
 
 class Unstack(RuleBase):
@@ -603,7 +603,7 @@ class Unstack(RuleBase):
                 ctx.put(out.format({**caps, self.over: str(e)}), N.Select(node, d, e), index, origin=key)
 
     def inverse(self) -> list["Rule"]:
-        return [Stack(src=self.dst, dst=self.src, over=self.over, dim=self.dim, count=self.count)]
+        return [Stack(src=typed_like(self.dst, self.src), dst=self.src, over=self.over, dim=self.dim, count=self.count)]
 
 
 def final_key(ctx: "PlanContext", key: str, index: int) -> str | None:
