@@ -104,13 +104,19 @@ def _entries(outputs: dict[str, Node]) -> dict[str, TensorInfo]:
 
 # ------------------------------------------------------------------------------ reading
 class _CachedIO:
-    """Whole leaves, fetched once and kept until no later output needs them."""
+    """Whole leaves, fetched once and kept until no later output needs them.
+
+    Outputs are computed with ``node.read(full box)``, the lazy path: a plain leaf comes back
+    as the fetched tensor itself (for a mapped source, a view of the file: no copy), a concat
+    allocates only its result. Leaves no later output needs are released when the next output
+    is asked for (the writer has written the previous one by then) or at :meth:`flush`."""
 
     def __init__(self, outputs: dict[str, Node], fetch: Callable[[str], torch.Tensor], release: Callable[[torch.Tensor], None]):
         self.uses = Counter(leaf for n in outputs.values() for leaf in set(n.leaves()))
         self.fetch = fetch
         self.release = release
         self.cache: dict[str, torch.Tensor] = {}
+        self.pending: list[torch.Tensor] = []
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         t = self.cache.get(key)
@@ -119,12 +125,17 @@ class _CachedIO:
         return t[slices(box)]
 
     def produce(self, node: Node) -> torch.Tensor:
-        out = node.full(self)
+        self.flush()
+        out = node.read(full_box(tuple(node.shape)), self)
         for leaf in set(node.leaves()):
             self.uses[leaf] -= 1
             if self.uses[leaf] <= 0 and leaf in self.cache:
-                self.release(self.cache.pop(leaf))
+                self.pending.append(self.cache.pop(leaf))
         return out
+
+    def flush(self) -> None:
+        while self.pending:
+            self.release(self.pending.pop())
 
 
 _MADV_DONTNEED = 4
@@ -397,6 +408,7 @@ def convert(
             return t
 
         def check(tmp: str) -> None:
+            io.flush()
             _verify(tmp, dst, outputs, source, release, progress)
 
         files = _write(
@@ -430,6 +442,7 @@ def _verify(tmp: str, dst: str, outputs: dict[str, Node], source: Source, releas
             got = result.read(key, full_box(result.schema[key].shape))
             same = got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape) and torch.equal(got, want)
             release_out(got)
+            io.flush()
             if not same:
                 raise ExportError(f"verify {dst}: key {key!r} differs from the source; the output is wrong")
             if progress is not None:
