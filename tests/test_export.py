@@ -198,3 +198,18 @@ def test_distributed_export_fsdp_tp(tmp_path):
         _assert_same(ref, back)
     assert [r["error"] for r in results] == ["ExportError", "RemoteRankError", "RemoteRankError", "RemoteRankError"]
     assert all(r["left"] == [] for r in results)
+
+
+def test_hf_export_opens_with_from_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers", reason="transformers is an optional extra (models)")
+    cfg = transformers.LlamaConfig(
+        vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    dst = tmp_path / "hf"
+    sdadapt.export(model, dst, max_shard_size=20_000)  # several shards + index
+    cfg.save_pretrained(dst)
+    back = transformers.LlamaForCausalLM.from_pretrained(dst)
+    _assert_same(model, back)

@@ -316,3 +316,43 @@ def test_resume_on_fsdp_3_uneven_and_bad_inputs(saved):
 def test_resume_on_tp_2(saved):
     folder, _ = saved
     _check(run_distributed(_launch_2, 2, folder, timeout=240), "tp2")
+
+
+def test_single_process_state_round_trip_and_record(tmp_path):
+    """No process group: save_state/load_state with an LR scheduler, the sdadapt.json record,
+    a missing extra, and an existing destination."""
+    import json
+
+    torch.manual_seed(0)
+    model = TinyTransformer(vocab=VOCAB)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(2):
+        loss_of(model, step, (0, 1)).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    dst = str(tmp_path / "ck")
+    sdadapt.save_state(dst, model, opt, {"sched": sched, "step": 2}, adapter=QKV)
+    record = json.loads((tmp_path / "ck" / "sdadapt.json").read_text())
+    assert record["model_key"] == "model" and record["optim_key"] == "optim" and record["extra"] == ["sched", "step"]
+    assert sdadapt.Adapter(**record["adapter"]) == QKV
+    with pytest.raises(sdadapt.StateError, match="not empty"):
+        sdadapt.save_state(dst, model, opt)
+
+    model2 = TinyTransformer(vocab=VOCAB)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
+    before = {k: v.clone() for k, v in model2.state_dict().items()}
+    with pytest.raises(sdadapt.StateError, match="no entry 'loader'"):
+        sdadapt.load_state(dst, model2, opt2, {"loader": Counter()})
+    assert all(torch.equal(v, before[k]) for k, v in model2.state_dict().items()) and len(opt2.state) == 0
+    extra = {"sched": sched2, "step": 0}
+    rep = sdadapt.load_state(dst, model2, opt2, extra)
+    assert extra["step"] == 2 and sched2.state_dict() == sched.state_dict()
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 2.5e-3
+    assert rep.saved_with is not None and rep.optimizer_state_names == ["exp_avg", "exp_avg_sq", "step"]
+    for k, v in model.state_dict().items():
+        assert torch.equal(model2.state_dict()[k], v), k
+    a, b = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert all(torch.equal(a[i][n], b[i][n]) for i in a for n in a[i])
