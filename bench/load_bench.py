@@ -535,6 +535,16 @@ def _model_sd(model: Any) -> dict[str, Any]:
     return get_model_state_dict(model)
 
 
+def drop_caches() -> None:
+    """Empty the page cache (root only): the next reads come from the disk."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as e:
+        raise BenchError(f"--cold needs to drop the page cache, which this machine does not allow ({e})") from None
+
+
 # --- the paths ------------------------------------------------------------------------------------
 
 
@@ -641,7 +651,8 @@ def worker(config_path: str) -> None:
         import faulthandler
 
         faulthandler.dump_traceback_later(cfg["dump_after"], exit=False)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.get("pg_timeout", 600)))
+    kw = {"device_id": dev} if backend == "nccl" else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.get("pg_timeout", 600)), **kw)
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {"rank": rank, "world": world, "runs": [], "refs": {}}
     try:
@@ -708,6 +719,10 @@ def _worker_body(cfg: dict[str, Any], shape: Shape, dev: Any, rank: int, world: 
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats(dev)
                     gpu0 = torch.cuda.memory_allocated(dev)
+                if cfg.get("cold"):
+                    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                        drop_caches()
+                    dist.barrier()
                 rchar0 = _rchar()
                 run: dict[str, Any] = {"path": path, "layout": layout, "repeat": rep}
                 model = sd = None
@@ -869,7 +884,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append(f"Checkpoint: {result['checkpoint']['gib']:.2f} GiB {result['shape']['dtype']} "
                  f"({result['shape']['layers']} layers, hidden {result['shape']['hidden']}, vocab {result['shape']['vocab']}); "
                  f"{result['nproc']} ranks, {result['backend']}; {m['torch']} on {m['host']} ({m['cpus']} CPUs"
-                 + (f", {m['gpus']}" if m.get("gpus") else "") + f"); warm page cache; median of {result['repeat']} run(s).")
+                 + (f", {m['gpus']}" if m.get("gpus") else "") + f"); {result.get('cache', 'warm')} page cache; median of {result['repeat']} run(s).")
     refs = result.get("refs", {})
     if refs:
         lines.append("References measured in the same run: " + "; ".join(f"{k} {v}" for k, v in refs.items()) + ".")
@@ -937,6 +952,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--assume-ram-gib", type=float, default=None,
                     help="RAM to plan with (machines whose memory grows on demand report too little)")
     ap.add_argument("--no-references", action="store_true")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before every load (root only)")
     ap.add_argument("--out", default=str(HERE / "out" / "load_bench"), help="output prefix: writes PREFIX.json and PREFIX.md")
     args = ap.parse_args(argv)
     if args.worker:
@@ -983,18 +999,22 @@ def main(argv: list[str] | None = None) -> int:
             files = write_checkpoint(folder, shape, args.shard_gb, formats)
             (folder / "DONE").write_text(json.dumps(files))
         write_s = time.perf_counter() - t0
-        warm = warm_cache(list(files.values()))
+        if args.cold:
+            drop_caches()  # refuses here, before any worker starts, where it is not allowed
+            warm = 0.0
+        else:
+            warm = warm_cache(list(files.values()))
         print(f"checkpoint {shape.nbytes() / GiB:.2f} GiB x {len(files)} formats ready in {write_s:.1f} s; "
               f"cache warmed at {warm:.1f} GiB/s", file=sys.stderr)
         out_prefix = Path(args.out)
         work = Path(tempfile.mkdtemp(prefix="sdadapt-bench-run-"))
-        common = {"shape": asdict(shape), "backend": backend, "files": files, "repeat": args.repeat}
+        common = {"shape": asdict(shape), "backend": backend, "files": files, "repeat": args.repeat, "cold": args.cold}
         layouts = {"fsdp": fsdp_paths}
         if tp_paths:
             layouts["tp"] = tp_paths
         groups = []
         timeouts = {"main": args.timeout}
-        main_cfg = {**common, "layouts": layouts, "out": str(work / "main"), "references": not args.no_references}
+        main_cfg = {**common, "layouts": layouts, "out": str(work / "main"), "references": not args.no_references and not args.cold}
         g = _launch(main_cfg, args.nproc, args.timeout, "main")
         g["paths"] = [(lay, p) for lay, ps in layouts.items() for p in ps]
         groups.append(g)
@@ -1004,7 +1024,7 @@ def main(argv: list[str] | None = None) -> int:
             timeouts[tag] = args.discussion_timeout
             cfg = {**common, "layouts": {"fsdp": [name]}, "out": str(work / tag), "repeat": 1, "references": False,
                    "pg_timeout": int(args.discussion_timeout) + 60,
-                   "dump_after": max(1.0, args.discussion_timeout - 5)}
+                   "dump_after": max(1.0, args.discussion_timeout * 0.6)}
             g = _launch(cfg, args.nproc, args.discussion_timeout, tag)
             g["paths"] = [("fsdp", name)]
             groups.append(g)
@@ -1018,7 +1038,8 @@ def main(argv: list[str] | None = None) -> int:
             if ranks0[0]["refs"].get("pinned_h2d_gibps"):
                 refs["pinned host-to-GPU (GiB/s per rank, all at once)"] = "/".join(
                     f"{r['refs']['pinned_h2d_gibps']:.1f}" for r in ranks0)
-        refs["first (cold or warm) read of all files"] = f"{warm:.1f} GiB/s"
+        if not args.cold:
+            refs["first read of all files after writing (8 threads)"] = f"{warm:.1f} GiB/s"
         result = {
             "command": " ".join([Path(sys.executable).name, *sys.argv]),
             "machine": _machine(),
@@ -1027,6 +1048,7 @@ def main(argv: list[str] | None = None) -> int:
             "nproc": args.nproc,
             "backend": backend,
             "repeat": args.repeat,
+            "cache": "cold (dropped before every load)" if args.cold else "warm",
             "refs": refs,
             "rows": rows,
             "groups": [{k: v for k, v in g.items() if k != "ranks"} | {"ranks": g["ranks"]} for g in groups],
