@@ -221,17 +221,20 @@ def test_flux_bfl_to_diffusers(prefix: str, guidance: bool) -> None:
     shipped = sdadapt.get_adapter("flux", guidance=guidance, prefix=bool(prefix))
     d = check_reproduces(src, tgt, shipped)
     splits = {p.sources[0]: p.targets for p in d.proposals if p.kind == "split"}
-    assert splits["double_blocks.{i}.img_attn.qkv.weight"] == [f"transformer_blocks.{{i}}.attn.to_{x}.weight" for x in "qkv"]
-    assert splits["double_blocks.{i}.txt_attn.qkv.bias"] == [
-        f"transformer_blocks.{{i}}.attn.add_{x}_proj.bias" for x in "qkv"
+    # weight and bias of a module move together: one rule on {p}
+    assert splits["double_blocks.{i}.img_attn.qkv.{p}"] == [f"transformer_blocks.{{i}}.attn.to_{x}.{{p}}" for x in "qkv"]
+    assert splits["double_blocks.{i}.txt_attn.qkv.{p}"] == [
+        f"transformer_blocks.{{i}}.attn.add_{x}_proj.{{p}}" for x in "qkv"
     ]
     # linear1 -> q, k, v, mlp: shapes add up but no name says so: proposed, marked uncertain
-    assert splits["single_blocks.{i}.linear1.weight"] == [
-        *(f"single_transformer_blocks.{{i}}.attn.to_{x}.weight" for x in "qkv"),
-        "single_transformer_blocks.{i}.proj_mlp.weight",
+    assert splits["single_blocks.{i}.linear1.{p}"] == [
+        *(f"single_transformer_blocks.{{i}}.attn.to_{x}.{{p}}" for x in "qkv"),
+        "single_transformer_blocks.{i}.proj_mlp.{p}",
     ]
-    assert {tuple(p.sources) for p in d.uncertain} == {("single_blocks.{i}.linear1.weight",),
-                                                      ("single_blocks.{i}.linear1.bias",)}
+    assert [p.sources for p in d.uncertain] == [["single_blocks.{i}.linear1.{p}"]]
+    renames = {p.sources[0]: p.targets[0] for p in d.proposals if p.kind == "rename"}
+    assert renames["double_blocks.{i}.txt_mod.lin.{p}"] == "transformer_blocks.{i}.norm1_context.linear.{p}"
+    assert renames["double_blocks.{i}.img_mod.lin.{p}"] == "transformer_blocks.{i}.norm1.linear.{p}"
     assert list(questions(d)) == ["chunk order"]
 
 

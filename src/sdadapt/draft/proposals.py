@@ -28,6 +28,7 @@ class Proposed:
     section: str
     keys: int = 0
     questions: list[Question] = field(default_factory=list)
+    match: Match | None = None
 
 
 @dataclass
@@ -192,7 +193,7 @@ def build_proposals(result: MatchResult, src: Tree, tgt: Tree, strip: str | None
             ev = list(m.evidence)
             props.append(Proposed(kind=kind, rules=rules, sources=[s.pattern() for s in m.srcs],
                                   targets=[t.pattern() for t in m.tgts], confidence=m.confidence, evidence=ev,
-                                  section=m.scope, keys=tkeys))
+                                  section=m.scope, keys=tkeys, match=m))
         qs = [q for q in (_rotary_question(m), *_hint_questions(m), _tp_question(m)) if q is not None]
         questions += qs
         if qs and kind != "same":
@@ -205,6 +206,7 @@ def build_proposals(result: MatchResult, src: Tree, tgt: Tree, strip: str | None
                 square_by_scope[m.scope].append(m)
             else:
                 plain_by_scope[m.scope].append(m)
+    props = _merge_params(props, src)
     # Conv1D-style storage: every non-square matrix of a block transposed -> the square ones too
     for scope, tr in transposed_by_scope.items():
         if plain_by_scope.get(scope) or not square_by_scope.get(scope):
@@ -275,6 +277,70 @@ def build_proposals(result: MatchResult, src: Tree, tgt: Tree, strip: str | None
     total = sum(f.count for f in tgt.families if not f.buffer)
     return Proposals(items=props, questions=_dedupe(questions), strip=strip, matched_target_keys=matched,
                      target_keys=total, unchanged=unchanged)
+
+
+_MERGEABLE = ("rename", "split", "fuse", "stack", "unstack")
+
+
+def _merge_params(props: list[Proposed], src: Tree) -> list[Proposed]:
+    """``lin.weight -> linear.weight`` and ``lin.bias -> linear.bias`` become one rule on
+    ``lin.{p} -> linear.{p}`` when they agree in everything but the parameter name and the
+    module holds no other keys (so ``{p}`` takes exactly them)."""
+    families_of: dict[tuple[str, ...], set[int]] = defaultdict(set)
+    for f in src.families:
+        families_of[f.segs[:-1]].add(id(f))
+    groups: dict[tuple, list[Proposed]] = defaultdict(list)
+    order: list[tuple | Proposed] = []
+    for p in props:
+        m = p.match
+        key: tuple | None = None
+        if m is not None and p.kind in _MERGEABLE and not m.transpose:
+            items = m.srcs + m.tgts
+            last = {i.family.segs[-1] for i in items}
+            if len(last) == 1 and all(len(i.family.segs) >= 2 for i in items):
+                key = (p.kind, p.section, m.dim, tuple(x.rsplit(".", 1)[0] for x in p.sources),
+                       tuple(x.rsplit(".", 1)[0] for x in p.targets))
+        if key is None:
+            order.append(p)
+            continue
+        if key not in groups:
+            order.append(key)
+        groups[key].append(p)
+    out: list[Proposed] = []
+    for entry in order:
+        if isinstance(entry, Proposed):
+            out.append(entry)
+            continue
+        ps = sorted(groups[entry], key=lambda p: p.match is not None and p.match.srcs[0].is_bias)
+        fams = {id(s.family) for p in ps for s in p.match.srcs}  # type: ignore[union-attr]
+        modules = {s.family.segs[:-1] for p in ps for s in p.match.srcs}  # type: ignore[union-attr]
+        if len(ps) < 2 or any(families_of[mod] - fams for mod in modules):
+            out += ps
+            continue
+        kind, _section, dim, srcs, dsts = entry
+        srcs = [x + ".{p}" for x in srcs]
+        dsts = [x + ".{p}" for x in dsts]
+        first = ps[0]
+        assert first.match is not None
+        if kind == "rename":
+            rules: list[Any] = [Rename(src=srcs[0], dst=dsts[0])]
+        elif kind == "stack":
+            rules = [Stack(src=srcs[0], dst=dsts[0], over=first.match.srcs[0].stacked.capname, dim=0)]  # type: ignore[union-attr]
+        elif kind == "unstack":
+            rules = [Unstack(src=srcs[0], dst=dsts[0], over=first.match.tgts[0].stacked.capname, dim=0)]  # type: ignore[union-attr]
+        elif kind == "split":
+            rules = [Split(src=srcs[0], dsts=dsts, dim=dim)]
+        else:
+            rules = [Fuse(srcs=srcs, dst=dsts[0], dim=dim)]
+        names = [p.match.srcs[0].family.segs[-1] for p in ps]  # type: ignore[union-attr]
+        evidence = list(first.evidence) + [f"the same for {', '.join(names[1:])} of this module"]
+        merged = Proposed(kind=kind, rules=rules, sources=srcs, targets=dsts,
+                          confidence=min(p.confidence for p in ps), evidence=evidence, section=first.section,
+                          keys=sum(p.keys for p in ps), match=first.match)
+        for p in ps:
+            merged.questions += [q for q in p.questions if q.question not in {x.question for x in merged.questions}]
+        out.append(merged)
+    return out
 
 
 def _dedupe(qs: list[Question]) -> list[Question]:

@@ -137,34 +137,40 @@ class Tree:
     schema: dict[str, TensorInfo]
 
 
-def _index_positions(keys: list[str], schema: dict[str, TensorInfo]) -> dict[str, tuple[int, ...]]:
-    """For each key, the positions of its numeric segments that are index captures."""
-    by_skel: dict[tuple[str, ...], list[tuple[str, list[str]]]] = defaultdict(list)
+def _index_positions(
+    keys: list[str], schema: dict[str, TensorInfo]
+) -> tuple[dict[tuple[str, ...], list[tuple[str, tuple[int, ...]]]], dict[tuple[str, ...], tuple[int, ...]]]:
+    """Keys grouped by skeleton (numeric segments as ``#``) with their numeric values, and for
+    each skeleton the positions of its numeric segments that are index captures."""
+    by_skel: dict[tuple[str, ...], list[tuple[str, tuple[int, ...]]]] = defaultdict(list)
     for k in keys:
         segs = k.split(".")
-        skel = tuple("#" if s.isdigit() else s for s in segs)
-        by_skel[skel].append((k, segs))
-    out: dict[str, tuple[int, ...]] = {}
+        nums = [p for p, x in enumerate(segs) if x.isdigit()]
+        if nums:
+            for p in nums:
+                segs[p] = "#"
+            by_skel[tuple(segs)].append((k, tuple(int(k.split(".")[p]) for p in nums)))
+        else:
+            by_skel[tuple(segs)].append((k, ()))
+    chosen_by_skel: dict[tuple[str, ...], tuple[int, ...]] = {}
     for skel, members in by_skel.items():
-        positions = [p for p, s in enumerate(skel) if s == "#"]
+        positions = [p for p, x in enumerate(skel) if x == "#"]
         chosen: list[int] = []
-        for p in positions:
-            vals = {int(segs[p]) for _, segs in members}
-            container = p > 0 and skel[p - 1] in CONTAINER_NAMES
-            if not container:
-                if len(vals) < 2 or max(vals) - min(vals) != len(vals) - 1:
-                    continue
-                rest: dict[tuple[str, ...], set[tuple[tuple[int, ...], torch.dtype]]] = defaultdict(set)
-                for k, segs in members:
-                    info = schema[k]
-                    rest[tuple(segs[:p] + segs[p + 1:])].add((tuple(info.shape), info.dtype))
-                if any(len(v) > 1 for v in rest.values()):
-                    continue
-            chosen.append(p)
-        pos = tuple(chosen)
-        for k, _ in members:
-            out[k] = pos
-    return out
+        for j, p in enumerate(positions):
+            if p > 0 and skel[p - 1] in CONTAINER_NAMES:
+                chosen.append(p)
+                continue
+            vals = {v[j] for _, v in members}
+            if len(vals) < 2 or max(vals) - min(vals) != len(vals) - 1:
+                continue
+            rest: dict[tuple[int, ...], set[tuple[tuple[int, ...], torch.dtype]]] = defaultdict(set)
+            for k, v in members:
+                info = schema[k]
+                rest[v[:j] + v[j + 1:]].add((tuple(info.shape), info.dtype))
+            if all(len(x) == 1 for x in rest.values()):
+                chosen.append(p)
+        chosen_by_skel[skel] = tuple(chosen)
+    return by_skel, chosen_by_skel
 
 
 def _capname(seg_before: str, depth: int, taken: list[str]) -> str:
@@ -178,17 +184,25 @@ def _capname(seg_before: str, depth: int, taken: list[str]) -> str:
 
 def build_tree(schema: dict[str, TensorInfo]) -> Tree:
     """Families and scopes of a schema."""
-    keys = list(schema)
-    positions = _index_positions(keys, schema)
+    by_skel, chosen = _index_positions(list(schema), schema)
     groups: dict[tuple[str, ...], list[str]] = defaultdict(list)
     idxvals: dict[str, tuple[int, ...]] = {}
-    for k in keys:
-        segs = k.split(".")
-        pos = positions[k]
-        for p in pos:
-            segs[p] = IDX
-        groups[tuple(segs)].append(k)
-        idxvals[k] = tuple(int(k.split(".")[p]) for p in pos)
+    for skel, members in by_skel.items():
+        pos = chosen[skel]
+        nums = [p for p, x in enumerate(skel) if x == "#"]
+        if len(pos) == len(nums):  # every numeric segment is an index: one family per skeleton
+            fam_segs = tuple(IDX if x == "#" else x for x in skel)
+            groups[fam_segs] = [k for k, _ in members]
+            for k, v in members:
+                idxvals[k] = v
+            continue
+        keep = [j for j, p in enumerate(nums) if p in pos]
+        for k, v in members:
+            segs = list(skel)
+            for j, p in enumerate(nums):
+                segs[p] = IDX if p in pos else str(v[j])
+            groups[tuple(segs)].append(k)
+            idxvals[k] = tuple(v[j] for j in keep)
     root = Scope(path=(), parent=None, depth=0)
     families: list[Family] = []
     for segs, members in groups.items():
