@@ -1,0 +1,370 @@
+"""The bad-checkpoint corpus (tests/corpus.py) through single-process, 2- and 4-process loads.
+
+For every case and every rank: the exact SdadaptError subclass, a message naming the file (and
+the key where there is one), the load failing within BOUND_S seconds, and the model unchanged:
+a model on meta stays (or is put back) on meta; a model holding values keeps them bit for bit,
+in the same storage. Pickles that would run code leave no marker file.
+
+On top of the static corpus, faults injected on ONE rank while reading (the others read
+fine): an I/O error, a file that grows while being read, a file truncated after planning,
+and a raising DCP read. Every rank must raise, within the bound, with the model unchanged;
+finally the same process group loads the good checkpoint bit-exactly (it is still healthy).
+
+Meshes: 2 ranks FSDP(2); 4 ranks FSDP(2) x TP(2) (``_StridedShard`` placements), both meta-
+initialised and materialised models.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import shutil
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from corpus import KEY, build_corpus, corpus_model, good_state_dict
+from dist_helper import run_distributed
+from models import parallelize
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import sdadapt
+from sdadapt import io_engine
+from sdadapt.errors import LoadError, SourceError
+
+BOUND_S = 20.0  # generous on a shared 2-core machine; a hang would be the launch timeout
+TIMEOUT_S = 240.0
+
+
+# --------------------------------------------------------------------------------------------
+# model state
+# --------------------------------------------------------------------------------------------
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _all_meta(model: nn.Module) -> bool:
+    return all(_local(t).is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def _snapshot(model: nn.Module) -> dict[str, tuple[torch.Tensor, int]]:
+    return {k: (_local(v).detach().clone(), _local(v).data_ptr()) for k, v in model.state_dict().items()}
+
+
+def _unchanged(model: nn.Module, snap: dict[str, tuple[torch.Tensor, int]]) -> bool:
+    now = _snapshot(model)
+    return now.keys() == snap.keys() and all(
+        now[k][0].dtype == snap[k][0].dtype
+        and torch.equal(now[k][0].view(torch.uint8), snap[k][0].view(torch.uint8))
+        and now[k][1] == snap[k][1]
+        for k in snap
+    )
+
+
+def _make(mesh: Any, meta: bool) -> nn.Module:
+    if meta:
+        model = corpus_model("meta")
+    else:
+        torch.manual_seed(7)
+        model = corpus_model("cpu")
+    return parallelize(model, mesh) if mesh is not None else model
+
+
+def _attempt(model: nn.Module, path: str, **kw: Any) -> dict[str, Any]:
+    meta = _all_meta(model)
+    snap = None if meta else _snapshot(model)
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"error": None}
+    try:
+        sdadapt.load(model, path, **kw)
+    except sdadapt.SdadaptError as e:
+        out = {"error": type(e).__name__, "message": str(e)}
+    except BaseException as e:  # noqa: BLE001 - anything else is a failure of the test
+        out = {"error": f"UNHANDLED {type(e).__name__}", "message": str(e)}
+    out["seconds"] = time.perf_counter() - t0
+    out["unchanged"] = _all_meta(model) if meta else _unchanged(model, snap)  # type: ignore[arg-type]
+    return out
+
+
+def _run_corpus(cases: list[dict[str, Any]], mesh: Any, both: bool) -> dict[str, dict[str, Any]]:
+    out = {}
+    for c in cases:
+        for meta in (True, False) if (both or c["phase"] == "read") else (True,):
+            out[f"{c['name']}/{'meta' if meta else 'real'}"] = _attempt(_make(mesh, meta), c["path"], **c["load_kwargs"])
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# faults on one rank, while reading
+# --------------------------------------------------------------------------------------------
+def _fresh(src: str, folder: str, name: str) -> str:
+    dst = os.path.join(folder, name)
+    if dist.get_rank() == 0:
+        shutil.copy(src, dst)
+    dist.barrier()
+    return dst
+
+
+def _one_rank_faults(good: dict[str, str], scratch: str, mesh: Any) -> dict[str, dict[str, Any]]:
+    rank = dist.get_rank()
+    out: dict[str, dict[str, Any]] = {}
+    real_pread = io_engine._preadv_into
+    for meta in (True, False):
+        tag = "meta" if meta else "real"
+
+        # 1. an I/O error on rank 1 in the middle of its reads
+        path = _fresh(good["st"], scratch, f"eio_{tag}.safetensors")
+
+        def eio(*a: Any, **k: Any) -> int:
+            raise OSError(5, "Input/output error (injected)")
+
+        io_engine._preadv_into = eio if rank == 1 else real_pread
+        try:
+            out[f"eio_rank1/{tag}"] = _attempt(_make(mesh, meta), path) | {"path": path}
+        finally:
+            io_engine._preadv_into = real_pread
+
+        # 2. the file grows (is being written) while rank 1 reads it
+        path = _fresh(good["st"], scratch, f"grow_{tag}.safetensors")
+        grown = []
+
+        def grow(fd: int, mem: Any, pos: int, offset: int, nbytes: int) -> int:
+            if not grown:
+                with open(path, "ab") as f:
+                    f.write(b"\0" * 64)
+                grown.append(True)
+            return real_pread(fd, mem, pos, offset, nbytes)
+
+        io_engine._preadv_into = grow if rank == 1 else real_pread
+        try:
+            out[f"grows_while_read/{tag}"] = _attempt(_make(mesh, meta), path) | {"path": path}
+        finally:
+            io_engine._preadv_into = real_pread
+
+        # 3. truncated by rank 1 after planning (its buffer hook runs after planning, before reading)
+        path = _fresh(good["st"], scratch, f"trunc_{tag}.safetensors")
+
+        def truncate(_model: nn.Module) -> None:
+            if rank == 1:
+                with open(path, "r+b") as f:
+                    f.truncate(os.path.getsize(path) - 100)
+
+        load_mod = sys.modules["sdadapt.load"]
+
+        real_staging = load_mod._staging
+
+        def staging_then_truncate(wanted: Any) -> Any:  # a model with values has no hook: truncate here
+            truncate(None)  # type: ignore[arg-type]
+            return real_staging(wanted)
+
+        load_mod._staging = real_staging if meta else staging_then_truncate
+        try:
+            res = _attempt(_make(mesh, meta), path, **({"init_buffers": truncate} if meta else {}))
+        finally:
+            load_mod._staging = real_staging
+        out[f"truncated_after_plan/{tag}"] = res | {"path": path}
+
+        # 4. a DCP read (through Source.read, not direct file reads) raising on rank 1
+        from sdadapt.sources.dcp_dir import DCPSource
+
+        real_read = DCPSource.read
+
+        def bad_read(self: DCPSource, key: str, box: Any) -> torch.Tensor:
+            if key == KEY:
+                raise RuntimeError("injected failure reading the DCP data file")
+            return real_read(self, key, box)
+
+        DCPSource.read = bad_read if rank == 1 else real_read  # type: ignore[method-assign]
+        try:
+            out[f"dcp_read_raises_rank1/{tag}"] = _attempt(_make(mesh, meta), good["dcp"]) | {"path": good["dcp"]}
+        finally:
+            DCPSource.read = real_read  # type: ignore[method-assign]
+    return out
+
+
+def _fail_once(model: nn.Module) -> None:
+    raise RuntimeError("buffer hook fails after materialising")
+
+
+def _good_load(good: dict[str, str], mesh: Any) -> dict[str, Any]:
+    """After all the failures, the same group loads the good checkpoints bit-exactly."""
+    sd = good_state_dict()
+    out = {}
+    for name in ("pt", "st", "hf", "dcp"):
+        model = _make(mesh, True)
+        try:  # a failed load puts the model back on meta; the same model then loads fine
+            sdadapt.load(model, good[name], check_finite=True, init_buffers=_fail_once)
+        except sdadapt.ModelError:
+            assert _all_meta(model)
+        sdadapt.load(model, good[name], verify=name in ("st",), check_finite=True)
+        out[name] = all(
+            torch.equal(v.full_tensor() if isinstance(v, DTensor) else v, sd[k]) for k, v in model.state_dict().items()
+        )
+    return out
+
+
+def dist_worker(cases: list[dict[str, Any]], good: dict[str, str], scratch: str, both: bool) -> dict[str, Any]:
+    world = dist.get_world_size()
+    if world == 4:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    t0 = time.perf_counter()
+    res = _run_corpus(cases, mesh, both)
+    t1 = time.perf_counter()
+    faults = _one_rank_faults(good, scratch, mesh)
+    return {"corpus": res, "faults": faults, "good": _good_load(good, mesh), "corpus_s": t1 - t0}
+
+
+# --------------------------------------------------------------------------------------------
+# parent side
+# --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], dict[str, str]]:
+    folder = str(tmp_path_factory.mktemp("corpus"))
+    cases = build_corpus(folder)
+    good = {
+        "pt": os.path.join(folder, "good", "good.pt"),
+        "st": os.path.join(folder, "good", "good.safetensors"),
+        "hf": os.path.join(folder, "good", "hf"),
+        "dcp": os.path.join(folder, "good", "dcp"),
+    }
+    sdadapt.integrity.write_checksums(good["st"])
+    return cases, good
+
+
+def _problems(case: Any, got: dict[str, Any], rank: int, label: str) -> list[str]:
+    where = f"{label} rank {rank}"
+    if got["error"] != case.error.__name__:
+        return [f"{where}: expected {case.error.__name__}, got {got['error']}: {got.get('message', '')[:800]}"]
+    out = [f"{where}: message lacks {m}: {got['message'][:800]}" for m in case.check_message(got["message"])]
+    if got["seconds"] > BOUND_S:
+        out.append(f"{where}: took {got['seconds']:.1f} s")
+    if not got["unchanged"]:
+        out.append(f"{where}: the model changed")
+    return out
+
+
+def test_corpus_covers_every_kind(corpus: Any) -> None:
+    cases, _ = corpus
+    kinds = {c.kind for c in cases}
+    assert kinds == {"torch_save", "safetensors", "hf_sharded", "dcp"}
+    for kind in kinds:
+        mine = [c for c in cases if c.kind == kind]
+        assert any("trunc" in c.name for c in mine), kind
+        assert any("flip" in c.name for c in mine), kind
+    assert any(c.marker for c in cases if c.kind == "torch_save") and any(c.marker for c in cases if c.kind == "dcp")
+
+
+def test_corpus_single_process(corpus: Any) -> None:
+    cases, _ = corpus
+    problems: list[str] = []
+    for c in cases:
+        for meta in (True, False):
+            got = _attempt(_make(None, meta), c.path, **c.load_kwargs)
+            problems += _problems(c, got, 0, f"{c.name}/{'meta' if meta else 'real'}")
+    for c in cases:
+        if c.marker:
+            assert not os.path.exists(c.marker), f"{c.name}: code from the checkpoint ran"
+    assert not problems, "\n".join(problems)
+
+
+def test_stage_false_says_partly_overwritten(corpus: Any) -> None:
+    """Opting out of staging saves memory; a read failure then says the model was partly written."""
+    cases, _ = corpus
+    case = next(c for c in cases if c.name == "st_flip_data_verify")
+    model = _make(None, False)
+    with pytest.raises(LoadError, match="partly overwritten"):
+        sdadapt.load(model, case.path, verify=True, stage=False)
+
+
+def test_verify_accepts_good_and_checks_only_what_is_read(corpus: Any, tmp_path: Any) -> None:
+    _, good = corpus
+    sd = good_state_dict()
+    model = _make(None, True)
+    sdadapt.load(model, good["st"], verify=True)
+    assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())
+    # a checksums file that does not describe this checkpoint (shape differs) is refused before reading
+    import json
+
+    other = tmp_path / "m.safetensors"
+    shutil.copy(good["st"], other)
+    sums = json.loads(open(good["st"] + ".sdadapt.checksums.json").read())
+    sums["tensors"][KEY]["shape"] = [12, 9]
+    (tmp_path / "m.safetensors.sdadapt.checksums.json").write_text(json.dumps(sums))
+    model = _make(None, False)
+    snap = _snapshot(model)
+    with pytest.raises(SourceError, match="checksums file records") as e:
+        sdadapt.load(model, other, verify=True)
+    assert _unchanged(model, snap) and str(other) in str(e.value)
+    assert repr(KEY) in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def dist_results(corpus: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
+    cases, good = corpus
+    payload = [{"name": c.name, "path": c.path, "load_kwargs": c.load_kwargs, "phase": c.phase} for c in cases]
+    out: dict[int, Any] = {}
+    for world in (2, 4):
+        scratch = str(tmp_path_factory.mktemp(f"faults{world}"))
+        try:
+            out[world] = run_distributed(dist_worker, world, payload, good, scratch, world == 2, timeout=TIMEOUT_S)
+        except AssertionError as e:
+            out[world] = e
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_corpus_distributed(corpus: Any, dist_results: dict[int, Any], world: int) -> None:
+    cases, _ = corpus
+    results = dist_results[world]
+    if isinstance(results, BaseException):
+        raise results
+    problems: list[str] = []
+    by_name = {c.name: c for c in cases}
+    for rank, r in enumerate(results):
+        for label, got in r["corpus"].items():
+            problems += _problems(by_name[label.split("/")[0]], got, rank, label)
+    assert len(results[0]["corpus"]) >= len(cases)
+    for c in cases:
+        if c.marker:
+            assert not os.path.exists(c.marker), f"{c.name}: code from the checkpoint ran"
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_faults_on_one_rank(dist_results: dict[int, Any], world: int) -> None:
+    results = dist_results[world]
+    if isinstance(results, BaseException):
+        raise results
+    problems = []
+    for label in results[0]["faults"]:
+        kind = label.split("/")[0]
+        for rank, r in enumerate(results):
+            got = r["faults"][label]
+            where = f"{label} rank {rank}"
+            want = {"LoadError"}
+            if kind == "truncated_after_plan":  # found before reading; others may only hear of it
+                want = {"SourceError"} if rank == 1 or label.endswith("meta") else {"SourceError", "RemoteRankError"}
+            if got["error"] not in want:
+                problems.append(f"{where}: expected {want}, got {got['error']}: {got.get('message', '')[:600]}")
+                continue
+            msg = got["message"]
+            path = os.path.join(got["path"], "__0_0.distcp") if kind.startswith("dcp") else got["path"]
+            if path not in msg:
+                problems.append(f"{where}: message does not name {path}: {msg[:600]}")
+            if kind in ("eio_rank1", "dcp_read_raises_rank1") and ("rank(s) 1" not in msg or repr(KEY) not in msg and "key '" not in msg):
+                problems.append(f"{where}: message does not name rank 1 and a key: {msg[:600]}")
+            if kind == "grows_while_read" and "size changed" not in msg:
+                problems.append(f"{where}: {msg[:600]}")
+            if got["seconds"] > BOUND_S:
+                problems.append(f"{where}: took {got['seconds']:.1f} s")
+            if not got["unchanged"]:
+                problems.append(f"{where}: the model changed")
+    assert not problems, "\n".join(problems)
+    for r in results:
+        assert r["good"] == {"pt": True, "st": True, "hf": True, "dcp": True}
