@@ -357,3 +357,28 @@ def test_checkpoint_as_target_and_tree_segments(ckpts: dict[str, str]) -> None:
     fam = build_tree({f"h.{i}.mlp.{j}.weight": TensorInfo((4, 4) if j == 0 else (4, 8), torch.float32)
                       for i in range(3) for j in (0, 2)})  # fmt: skip
     assert sorted(f.pattern(f.scope.names()) for f in fam.families) == ["h.{i}.mlp.0.weight", "h.{i}.mlp.2.weight"]
+
+
+def test_casts_and_transposed_stacks_on_synthetic_schemas() -> None:
+    """bf16 checkpoint, fp32 model: one explicit cast; experts stored [F, D] per expert, model
+    wants [E, D, F]: a stack followed by a transpose of dims 1 and 2."""
+    bf, f32 = torch.bfloat16, torch.float32
+    src = {"embed_tokens.weight": TensorInfo((40, 8), bf)}
+    tgt = {"tok_embeddings.weight": TensorInfo((40, 8), f32)}
+    for i in range(2):
+        src[f"layers.{i}.moe.router.weight"] = TensorInfo((3, 8), bf)
+        tgt[f"blocks.{i}.moe.gate.weight"] = TensorInfo((3, 8), f32)
+        for e in range(3):
+            src[f"layers.{i}.moe.experts.{e}.up_proj.weight"] = TensorInfo((12, 8), bf)
+            src[f"layers.{i}.moe.experts.{e}.down_proj.weight"] = TensorInfo((8, 12), bf)
+        tgt[f"blocks.{i}.moe.experts.w3"] = TensorInfo((3, 8, 12), f32)
+        tgt[f"blocks.{i}.moe.experts.w2"] = TensorInfo((3, 12, 8), f32)
+    d = sdadapt.draft(tgt, src)
+    assert d.report.ok, d.format()
+    codes = [c for p in d.proposals for c in p.code]
+    assert 'sdadapt.cast("**", "float32", from_dtype="bfloat16")' in codes
+    assert 'sdadapt.stack("layers.{i}.moe.experts.{e}.up_proj.weight", "blocks.{i}.moe.experts.w3")' in codes
+    assert 'sdadapt.transpose("blocks.{i}.moe.experts.w3", dim0=1, dim1=2)' in codes
+    plan = build_plan(src, tgt, exec_module(d.module))
+    assert plan.recipes["blocks.1.moe.experts.w2"].describe().count("transpose(") == 1
+    assert plan.recipes["blocks.1.moe.experts.w2"].dtype == f32
