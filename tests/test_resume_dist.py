@@ -356,3 +356,36 @@ def test_single_process_state_round_trip_and_record(tmp_path):
         assert torch.equal(model2.state_dict()[k], v), k
     a, b = opt.state_dict()["state"], opt2.state_dict()["state"]
     assert all(torch.equal(a[i][n], b[i][n]) for i in a for n in a[i])
+
+
+class _Payload:
+    """An object whose unpickling would run code (os.getcwd here, harmless but foreign)."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.getcwd, ())
+
+
+class _Holder:
+    def __init__(self, value):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": self.value}
+
+    def load_state_dict(self, sd):
+        self.value = sd["value"]
+
+
+def test_extras_are_never_unpickled_as_arbitrary_objects(tmp_path):
+    """DCP's default planner restores non-tensor extras with weights_only=False; ours refuses
+    anything but tensors and plain data, naming the entry."""
+    model = TinyTransformer(vocab=VOCAB)
+    dst = str(tmp_path / "ck")
+    sdadapt.save_state(dst, model, None, {"evil": _Holder(_Payload()), "plain": _Holder({"lr": 0.5, "n": [1, 2]})})
+    plain = _Holder({"lr": 0.0, "n": []})  # DCP loads into the leaves the current state has
+    sdadapt.load_state(dst, TinyTransformer(vocab=VOCAB), None, {"plain": plain})
+    assert plain.value == {"lr": 0.5, "n": [1, 2]}
+    with pytest.raises(sdadapt.LoadError, match="refusing to unpickle non-tensor entry 'evil"):
+        sdadapt.load_state(dst, TinyTransformer(vocab=VOCAB), None, {"evil": _Holder(None)})

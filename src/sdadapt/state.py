@@ -46,6 +46,7 @@ from .errors import LoadError, PlanError, SdadaptError, SourceError
 from .materialize import InitFn, check_buffers, choose_device, has_meta, materialize
 from .nodes import Box, Leaf, Node, full_box
 from .plan import Plan, build_plan
+from .safe_planner import SafeLoadPlanner
 from .reader import AdaptedStorageReader
 from .report import Mismatch, Report
 from .sources.base import Source, TensorInfo
@@ -471,7 +472,7 @@ def load_state(
             dcp.load(
                 extra,
                 storage_reader=FileSystemReader(src),
-                planner=DefaultLoadPlanner(allow_partial_load=True),
+                planner=SafeLoadPlanner(allow_partial_load=True),
                 process_group=process_group,
                 no_dist=not is_distributed(),
             )
