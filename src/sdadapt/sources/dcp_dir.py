@@ -98,7 +98,7 @@ def _check_data_files(folder: str, md: Metadata, path: str) -> None:
     for index, info in md.storage_data.items():
         name = getattr(info, "relative_path", None)
         if name not in sizes:
-            if not isinstance(name, str) or not name or os.path.isabs(name) or "/" in name or "\\" in name or name in (".", ".."):
+            if not isinstance(name, str) or not name or os.path.isabs(name) or "/" in name or "\\" in name or "\x00" in name or name in (".", ".."):
                 raise SourceError(
                     f"{METADATA_NAME} names data file {name!r}, which is not a plain file name inside the "
                     "folder; refusing to read outside the checkpoint folder",

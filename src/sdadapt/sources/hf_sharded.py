@@ -21,7 +21,13 @@ MAX_INDEX_BYTES = 64 * 1024 * 1024  # real indexes are KBs to a few MBs; refuse 
 
 def _safe_member(folder: str, name: object, index_path: str, key: str | None = None) -> str:
     real_folder = os.path.realpath(folder)
-    if not isinstance(name, str) or not name or os.path.isabs(name) or ".." in name.replace("\\", "/").split("/"):
+    if (
+        not isinstance(name, str)
+        or not name
+        or "\x00" in name
+        or os.path.isabs(name)
+        or ".." in name.replace("\\", "/").split("/")
+    ):
         raise SourceError(
             f"index names shard {name!r}, which is not a plain file name inside the folder; "
             "refusing to read outside the checkpoint folder",

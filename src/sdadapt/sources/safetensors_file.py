@@ -83,7 +83,7 @@ def read_header(path: str) -> tuple[dict[str, tuple[TensorInfo, int, int]], dict
         if not isinstance(e, dict) or set(e) - {"dtype", "shape", "data_offsets"} or len(e) != 3:
             raise SourceError("corrupt safetensors header entry (needs dtype, shape, data_offsets)", path=path, key=key)
         dt, shape, offs = e["dtype"], e["shape"], e["data_offsets"]
-        if dt not in DTYPES:
+        if not isinstance(dt, str) or dt not in DTYPES:
             raise SourceError(f"unsupported dtype {dt!r}; known: {', '.join(DTYPES)}", path=path, key=key)
         if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
             raise SourceError(f"corrupt shape {shape!r}", path=path, key=key)
