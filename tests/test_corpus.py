@@ -368,3 +368,41 @@ def test_faults_on_one_rank(dist_results: dict[int, Any], world: int) -> None:
     assert not problems, "\n".join(problems)
     for r in results:
         assert r["good"] == {"pt": True, "st": True, "hf": True, "dcp": True}
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch", "dcp"])
+def test_export_and_save_state_checksums_then_verify(tmp_path: Any, fmt: str) -> None:
+    """export(checksums=True) / save_state(checksums=True) write the sidecar; load(verify=True)
+    accepts the output, and names the key when a data byte is then flipped."""
+    sd = good_state_dict()
+    src = _make(None, False)
+    src.load_state_dict(sd)
+    dst = str(tmp_path / ("out.pt" if fmt == "torch" else "out"))
+    sdadapt.export(src, dst, format=fmt, checksums=True)
+    model = _make(None, True)
+    sdadapt.load(model, dst, verify=True)
+    assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())
+    # flip one data byte of KEY where the file stores it
+    from sdadapt.sources import open_source
+
+    with open_source(dst) as s:
+        path = s.file_of(KEY)
+        value = s.read(KEY, ((0, 12), (0, 8))).contiguous().numpy().tobytes()
+    if os.path.isdir(path):  # a DCP folder: its data file
+        path = os.path.join(path, next(n for n in os.listdir(path) if n.endswith(".distcp")))
+    raw = bytearray(open(path, "rb").read())
+    at = raw.find(value[:32])
+    assert at >= 0
+    raw[at + 9] ^= 0x04
+    open(path, "wb").write(bytes(raw))
+    model = _make(None, False)
+    snap = _snapshot(model)
+    with pytest.raises(LoadError, match="checksum mismatch") as e:
+        sdadapt.load(model, dst, verify=True)
+    assert repr(KEY) in str(e.value) and _unchanged(model, snap)
+    if fmt == "dcp":  # save_state: the sidecar keys are the folder's full names (model.*)
+        folder = str(tmp_path / "state")
+        sdadapt.save_state(folder, src, torch.optim.SGD(src.parameters(), lr=0.1), checksums=True)
+        model = _make(None, True)
+        sdadapt.load(model, folder, verify=True)
+        assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())

@@ -36,6 +36,7 @@ from pydantic import BaseModel
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from . import integrity
 from .adapter import Adapter
 from .distributed import agree, is_distributed, rank_and_world
 from .errors import RemoteRankError, SdadaptError
@@ -286,6 +287,7 @@ def export(
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
     process_group: dist.ProcessGroup | None = None,
+    checksums: bool = False,
 ) -> ExportReport:
     """Write ``model``'s weights to ``dst`` through ``adapter.inverse()``; every rank calls it.
 
@@ -294,6 +296,9 @@ def export(
     ``max_shard_size`` plus ``model.safetensors.index.json``), ``"torch"`` (one ``torch.save``
     file of a flat dict) or ``"dcp"`` (a DCP folder). Each tensor is gathered whole on every
     rank, one at a time, and rank 0 writes; the output appears at ``dst`` atomically.
+    ``checksums=True`` also writes ``sdadapt.checksums.json`` (beside a torch file:
+    ``<file>.sdadapt.checksums.json``), computed from the tensors as they are written, for
+    ``load(..., verify=True)``.
     """
     t0 = time.perf_counter()
     dst = os.fspath(dst)
@@ -323,18 +328,23 @@ def export(
     io = _CachedIO(outputs, fetch, lambda t: None)
     src0 = dist.get_global_rank(process_group, 0) if is_distributed() and process_group is not None else 0
     written = [0]
+    sums: dict[str, Any] = {}
 
     def produce(key: str) -> torch.Tensor:
         if world > 1:
             dist.broadcast_object_list([(_KEY, key)], src=src0, group=process_group)
         t = io.produce(outputs[key])
         written[0] += t.numel() * t.element_size()
+        if checksums:  # from the tensor in hand: no read-back (sdadapt.checksums.json, verify=True)
+            sums[key] = integrity.tensor_checksums(TensorInfo(tuple(t.shape), t.dtype), lambda box: t[slices(box)])
         return t
 
     files: list[str] = []
     if rank == 0:
         try:
             files = _write(dst, format, outputs, produce, max_shard_size=max_shard_size, overwrite=overwrite)
+            if checksums:
+                integrity.write_checksums_data(dst, sums)
         except BaseException as e:
             if world > 1:
                 dist.broadcast_object_list([(_ABORT, f"{type(e).__name__}: {e}")], src=src0, group=process_group)

@@ -349,3 +349,25 @@ def nonfinite_counts(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int
             continue
         out[key] = (int(torch.isnan(local).sum()), int(torch.isinf(local).sum()))
     return out
+
+
+def write_checksums_data(path: str, tensors: Mapping[str, Any]) -> str:
+    """Write already computed per-tensor entries (:func:`tensor_checksums`) as the sidecar of ``path``."""
+    out = checksums_path(path)
+    tmp = f"{out}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"format": FORMAT, "algorithm": ALGORITHM, "tensors": dict(sorted(tensors.items()))}, f, separators=(",", ":"))
+    os.replace(tmp, out)
+    return out
+
+
+def checksums_of_saved(path: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
+    """This rank's share (every ``world``-th key) of the checksums of a saved checkpoint, read back."""
+    from .sources import open_source
+
+    source = open_source(path, subtree="")
+    try:
+        keys = sorted(source.schema)[rank::world]
+        return compute_checksums(source, keys)["tensors"]
+    finally:
+        source.close()

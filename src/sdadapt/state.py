@@ -100,8 +100,13 @@ def save_state(
     *,
     overwrite: bool = False,
     process_group: dist.ProcessGroup | None = None,
+    checksums: bool = False,
 ) -> str:
     """Save model (+ optimizer, + ``extra`` entries) to the DCP folder ``dst``; every rank calls it.
+
+    ``checksums=True`` also writes ``sdadapt.checksums.json`` (for ``load(..., verify=True)``):
+    the ranks read the saved tensors back, each a share of the keys, so it costs one read of
+    the checkpoint spread over the ranks.
 
     ``extra`` maps names to ``Stateful`` objects (LR scheduler, dataloader: saved through
     ``state_dict()``) or plain values (``{"step": 7}``). ``adapter``, the checkpoint->model
@@ -160,8 +165,30 @@ def save_state(
         os.replace(tmp, os.path.join(dst, SDADAPT_JSON))
     if is_distributed():
         dist.barrier(group=process_group)
+    if checksums:
+        _write_checksums(dst, rank, world, process_group)
     log.info("rank %d: saved state to %s", rank, dst)
     return dst
+
+
+def _write_checksums(dst: str, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
+    from . import integrity
+
+    error: SdadaptError | None = None
+    mine: dict[str, Any] = {}
+    try:
+        mine = integrity.checksums_of_saved(dst, rank, world)
+    except SdadaptError as e:
+        error = e
+    agree(error, group)
+    parts: list[Any] = [mine]
+    if is_distributed():
+        parts = [None] * world
+        dist.all_gather_object(parts, mine, group=group)
+    if rank == 0:
+        integrity.write_checksums_data(dst, {k: v for p in parts for k, v in p.items()})
+    if is_distributed():
+        dist.barrier(group=group)
 
 
 def _get_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
