@@ -743,7 +743,9 @@ def _worker_body(cfg: dict[str, Any], shape: Shape, dev: Any, rank: int, world: 
                         _local(t)[0].numel() * _local(t)[0].element_size() for t in sd.values()
                     )
                     # correctness (not timed)
-                    if rep == 0:
+                    if rep == 0 and not cfg.get("verify", True):
+                        run["checked"], run["check"] = 0, "not checked (--no-verify)"
+                    elif rep == 0:
                         if path.startswith("sdadapt") and (ref is None or verify_mode == "source" or naming == "fused"):
                             run["checked"] = verify_against_source(model, naming, files, shape)
                             run["check"] = "= source"
@@ -953,6 +955,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="RAM to plan with (machines whose memory grows on demand report too little)")
     ap.add_argument("--no-references", action="store_true")
     ap.add_argument("--cold", action="store_true", help="drop the page cache before every load (root only)")
+    ap.add_argument("--no-verify", action="store_true", help="skip the bit-exact checks (tuning runs only)")
     ap.add_argument("--out", default=str(HERE / "out" / "load_bench"), help="output prefix: writes PREFIX.json and PREFIX.md")
     args = ap.parse_args(argv)
     if args.worker:
@@ -1008,7 +1011,8 @@ def main(argv: list[str] | None = None) -> int:
               f"cache warmed at {warm:.1f} GiB/s", file=sys.stderr)
         out_prefix = Path(args.out)
         work = Path(tempfile.mkdtemp(prefix="sdadapt-bench-run-"))
-        common = {"shape": asdict(shape), "backend": backend, "files": files, "repeat": args.repeat, "cold": args.cold}
+        common = {"shape": asdict(shape), "backend": backend, "files": files, "repeat": args.repeat, "cold": args.cold,
+                  "verify": not args.no_verify}
         layouts = {"fsdp": fsdp_paths}
         if tp_paths:
             layouts["tp"] = tp_paths
