@@ -17,7 +17,6 @@ initialised and materialised models.
 from __future__ import annotations
 
 import os
-import sys
 import shutil
 import time
 from typing import Any
@@ -153,19 +152,19 @@ def _one_rank_faults(good: dict[str, str], scratch: str, mesh: Any) -> dict[str,
                 with open(path, "r+b") as f:
                     f.truncate(os.path.getsize(path) - 100)
 
-        load_mod = sys.modules["sdadapt.load"]
+        from sdadapt import commit as commit_mod
 
-        real_staging = load_mod._staging
+        real_staging = commit_mod.staging_like
 
         def staging_then_truncate(wanted: Any) -> Any:  # a model with values has no hook: truncate here
             truncate(None)  # type: ignore[arg-type]
             return real_staging(wanted)
 
-        load_mod._staging = real_staging if meta else staging_then_truncate
+        commit_mod.staging_like = real_staging if meta else staging_then_truncate
         try:
             res = _attempt(_make(mesh, meta), path, **({"init_buffers": truncate} if meta else {}))
         finally:
-            load_mod._staging = real_staging
+            commit_mod.staging_like = real_staging
         out[f"truncated_after_plan/{tag}"] = res | {"path": path}
 
         # 4. a DCP read (through Source.read, not direct file reads) raising on rank 1

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import integrity
+from . import commit, integrity
 from .adapter import Adapter
 from .distributed import agree, rank_and_world
 from .errors import LoadError, ModelError, PlanError, SdadaptError
@@ -24,7 +24,7 @@ from .plan import Plan, build_plan
 from .reader import AdaptedStorageReader
 from .report import Report
 from .sources import Source, open_source
-from .target import model_state_dict, schema_of
+from .target import local_nbytes, model_state_dict, schema_of
 
 log = logging.getLogger("sdadapt")
 
@@ -154,15 +154,10 @@ def load(
     except Exception as e:  # noqa: BLE001 - user hooks can raise anything; re-raised below
         error = e if isinstance(e, SdadaptError) else ModelError(f"materialising the model failed: {type(e).__name__}: {e}")
         error.__cause__ = e
-    try:
-        agree(error, process_group)
-    except SdadaptError:
-        source.close()
-        _roll_back(model, was_meta)
-        raise
+    commit.agree_or_roll_back(error, process_group, source, model, was_meta)
     state_dict = model_state_dict(model)
     wanted = {k: v for k, v in state_dict.items() if k in plan.recipes}
-    staged = _staging(wanted) if (stage if stage is not None else not was_meta) else None
+    staged = commit.staging_like(wanted) if (stage if stage is not None else not was_meta) else None
     reader = AdaptedStorageReader(plan, source)
     log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), _describe(src), " (staged)" if staged else "")
     error = None
@@ -170,34 +165,26 @@ def load(
         integrity.check_unchanged(files, "after planning, before reading")
     except SdadaptError as e:
         error = e
-    try:
-        agree(error, process_group)
-    except SdadaptError:
-        source.close()
-        _roll_back(model, was_meta)
-        raise
+    commit.agree_or_roll_back(error, process_group, source, model, was_meta)
     failure: LoadError | None = None
+    target = staged if staged is not None else wanted
     try:
-        dcp.load(staged if staged is not None else wanted, storage_reader=reader, planner=DefaultLoadPlanner(), process_group=process_group)
+        dcp.load(target, storage_reader=reader, planner=DefaultLoadPlanner(), process_group=process_group)
     except CheckpointException as e:  # a BaseException, raised on every rank: turn it into ours
-        failure = _read_failure(e, _describe(src))
+        failure = commit.read_failure(e, _describe(src))
     finally:
         source.close()
-    if failure is None:  # every rank got here without error: check, then agree (same error everywhere)
-        failure = _after_read_checks(files, staged if staged is not None else wanted, plan, source, check_finite, process_group)
+    if failure is None:  # every rank got here without error: check, then agree (same verdict everywhere)
+        failure = commit.after_read_checks(files, target, plan, source, check_finite, process_group)
     if failure is not None:
-        _roll_back(model, was_meta)
+        commit.roll_back(model, was_meta)
         if staged is None and not was_meta:
             failure.args = (failure.args[0] + "\nThe model's parameters were partly overwritten (stage=False); load again.",)
         raise failure
     if staged is not None:
-        with torch.no_grad():
-            for k, s in staged.items():
-                _local(wanted[k]).copy_(_local(s))
-        del staged
-    _copy_back_if_detached(model, wanted)
-
-    from .target import local_nbytes
+        commit.commit_staged(staged, wanted)
+        del staged, target
+    commit.copy_back_if_detached(model, wanted)
 
     rep = LoadReport(
         rank=rank,
@@ -215,109 +202,3 @@ def load(
     )
     log.info("%s", rep.format())
     return rep
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _staging(wanted: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Empty shards laid out like ``wanted`` (same DTensor mesh, placements, global shape)."""
-    from torch.distributed.tensor import DTensor
-
-    out: dict[str, torch.Tensor] = {}
-    for k, v in wanted.items():
-        if isinstance(v, DTensor):
-            local = torch.empty_like(v._local_tensor)
-            out[k] = DTensor.from_local(local, v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride())
-        else:
-            out[k] = torch.empty_like(v.detach())
-    return out
-
-
-def _roll_back(model: nn.Module, materialized: bool) -> None:
-    """A failed load leaves no half-loaded model: one this load materialised goes back to meta."""
-    if materialized:
-        model.to_empty(device="meta")
-        log.info("load failed: the model is back on the meta device")
-
-
-def _read_failure(e: CheckpointException, what: str) -> LoadError:
-    """One message for every rank: which ranks failed and their own errors (file, key)."""
-    failures = getattr(e, "failures", {}) or {}
-    lines = []
-    for r, pair in sorted(failures.items()):
-        exc = pair[0] if isinstance(pair, tuple) else pair
-        lines.append(f"  rank {r}: {type(exc).__name__}: {exc}")
-    err = LoadError(
-        f"reading {what} failed on rank(s) {', '.join(str(r) for r in sorted(failures)) or '?'}; nothing was "
-        "kept from this load:\n" + ("\n".join(lines) if lines else str(e))
-    )
-    err.failures = {r: (pair[0] if isinstance(pair, tuple) else pair) for r, pair in failures.items()}  # type: ignore[attr-defined]
-    return err
-
-
-def _after_read_checks(
-    files: integrity.Fingerprint,
-    loaded: dict[str, torch.Tensor],
-    plan: Plan,
-    source: Source,
-    check_finite: bool,
-    group: dist.ProcessGroup | None,
-) -> LoadError | None:
-    """Files unchanged during the read, and (``check_finite``) no NaN/Inf; the same error on every rank."""
-    from .distributed import is_distributed
-
-    problems: list[str] = []
-    try:
-        integrity.check_unchanged(files, "while it was being read")
-    except SdadaptError as e:
-        problems.append(str(e))
-    bad: dict[str, tuple[int, int]] = integrity.nonfinite_counts(loaded) if check_finite else {}
-    gathered: list[Any] = [(problems, bad)]
-    if is_distributed():
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (problems, bad), group=group)
-    all_problems = [f"rank {r}: {p}" for r, (ps, _) in enumerate(gathered) for p in ps]
-    counts: dict[str, list[int]] = {}
-    for _, b in gathered:
-        for k, (n, i) in b.items():
-            c = counts.setdefault(k, [0, 0])
-            c[0] += n
-            c[1] += i
-    if counts:
-        rows = []
-        for k in sorted(counts):
-            files_of = sorted({source.file_of(leaf) for leaf in plan.recipes[k].leaves()})
-            rows.append(f"  {k}: {counts[k][0]} NaN, {counts[k][1]} Inf (from {', '.join(files_of)})")
-        all_problems.append(
-            f"non-finite values (check_finite=True) in {len(counts)} key(s):\n" + "\n".join(rows)
-            + "\nThe checkpoint holds NaN/Inf there; use another checkpoint, or load without check_finite"
-        )
-    if not all_problems:
-        return None
-    return LoadError("the load was refused; nothing was kept from it:\n" + "\n".join(all_problems))
-
-
-def _copy_back_if_detached(model: nn.Module, loaded: dict[str, torch.Tensor]) -> None:
-    """DCP wrote into the state dict's tensors. They are the model's own (sharded) tensors for
-    plain modules, TP and FSDP2; if some are copies (other wrappers), copy them back."""
-    current = model_state_dict(model)
-    detached = {k: v for k, v in loaded.items() if not _same_storage(current.get(k), v)}
-    if detached:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        log.debug("copying %d detached tensors back into the model", len(detached))
-        set_model_state_dict(model, detached, options=StateDictOptions(strict=False))
-
-
-def _same_storage(a: torch.Tensor | None, b: torch.Tensor) -> bool:
-    if a is None:
-        return False
-    from torch.distributed.tensor import DTensor
-
-    la = a._local_tensor if isinstance(a, DTensor) else a
-    lb = b._local_tensor if isinstance(b, DTensor) else b
-    return la.data_ptr() == lb.data_ptr() or la.numel() == 0

@@ -46,6 +46,7 @@ from .errors import LoadError, PlanError, SdadaptError, SourceError
 from .materialize import InitFn, check_buffers, choose_device, has_meta, materialize
 from .nodes import Box, Leaf, Node, full_box
 from .plan import Plan, build_plan
+from .commit import copy_back_if_detached
 from .safe_planner import SafeLoadPlanner
 from .reader import AdaptedStorageReader
 from .report import Mismatch, Report
@@ -493,7 +494,7 @@ def load_state(
                 g[name] = full.read_object(key) if key in full.non_tensor else full.read(key, full_box(full.schema[key].shape))
         set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
     else:
-        _copy_back(model, model_sd)
+        copy_back_if_detached(model, model_sd)
     if extra:
         try:
             dcp.load(
@@ -529,12 +530,6 @@ def _load_plan(plan: Plan, wanted: dict[str, torch.Tensor], source: Source, grou
     except CheckpointException as e:  # a BaseException: turn it into ours
         raise LoadError(f"reading {source.path} failed: {e}") from None
     return len(wanted)
-
-
-def _copy_back(model: nn.Module, loaded: dict[str, torch.Tensor]) -> None:
-    from .load import _copy_back_if_detached
-
-    _copy_back_if_detached(model, loaded)
 
 
 __all__ = ["StateError", "StateLoadReport", "load_state", "save_state"]
