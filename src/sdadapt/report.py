@@ -67,14 +67,20 @@ class Report(BaseModel):
     def ok(self) -> bool:
         return self.problems == 0
 
+    @property
+    def mostly_unmatched(self) -> bool:
+        """Fewer than half of the model's keys matched: a wrong adapter or checkpoint, not typos."""
+        return bool(self.target_keys) and 2 * self.matched < self.target_keys
+
     def suggestions(self) -> dict[str, str]:
-        """Compressed missing key -> closest compressed unexpected key."""
-        if not self.missing or not self.unexpected:
+        """Compressed missing key -> the closest compressed unexpected key, for near misses only
+        (a misspelling); none when most keys are unmatched, where names are no guide."""
+        if not self.missing or not self.unexpected or self.mostly_unmatched:
             return {}
         pool = compress(self.unexpected)
         out = {}
         for m in compress(self.missing):
-            near = difflib.get_close_matches(m, pool, n=1, cutoff=0.6)
+            near = difflib.get_close_matches(m, pool, n=1, cutoff=0.75)
             if near:
                 out[m] = near[0]
         return out
@@ -87,7 +93,7 @@ class Report(BaseModel):
             f"{self.matched} of {self.target_keys} model keys matched "
             f"({self.source_keys} checkpoint keys); {self.problems} problem(s)"
         )
-        if self.target_keys and 2 * self.matched < self.target_keys and (self.unexpected or self.rule_issues):
+        if self.mostly_unmatched and (self.unexpected or self.rule_issues):
             lines.append("hint: most model keys are unmatched; is this the right adapter for this checkpoint?")
 
         def section(title: str, rows: list[str], count: int) -> None:
