@@ -1,5 +1,6 @@
-"""examples/: the pipeline under torchrun (TP-only, with its logits check) and the demo
-(which runs the pipeline on a 2x2 FSDP2 x TP mesh). Subprocesses with timeouts."""
+"""examples/: the pipeline under torchrun (TP-only, with its logits check), the demo
+(which runs the pipeline on a 2x2 FSDP2 x TP mesh) and resume_export.py (one process).
+Subprocesses with timeouts."""
 
 from __future__ import annotations
 
@@ -68,3 +69,18 @@ def test_demo(tmp_path):
     assert "29 of 29 model keys matched" in out and "OK: checkpoint and model line up" in out
     assert "mesh 2x2 (fsdp x tp) on cpu, adapter split-qkv" in out
     _parse(out, world=4, steps=2)
+
+
+def test_resume_export_example(tmp_path):
+    """examples/resume_export.py (one process): shipped adapters, draft, load, save_state /
+    load_state, export and convert, with its own bit-exact asserts."""
+    r = subprocess.run(
+        [sys.executable, str(EXAMPLES / "resume_export.py"), "--dir", str(tmp_path / "ex")],
+        env=_env(), capture_output=True, text=True, timeout=180, cwd=ROOT,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "example finished" in out
+    assert "OK: checkpoint and model line up" in out  # the drafted adapter
+    assert "restored 29 model tensors" in out and "extras ['step']" in out
+    assert "; verified" in out  # convert --verify

@@ -12,6 +12,7 @@ import importlib
 import logging
 import pkgutil
 import sys
+import textwrap
 
 from . import commands
 from .errors import SdadaptError
@@ -37,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"sdadapt {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod in _command_modules():
-        p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
+        # filled here: subcommands with an epilog use RawDescriptionHelpFormatter, which does not wrap
+        p = sub.add_parser(mod.NAME, help=mod.HELP, description=textwrap.fill(mod.HELP, 79))
         mod.add_arguments(p)
         p.set_defaults(_run=mod.run)
     return parser

@@ -451,12 +451,13 @@ def _verify(tmp: str, dst: str, outputs: dict[str, Node], source: Source, releas
             want = io.produce(node)
             got = result.read(key, full_box(result.schema[key].shape))
             same = got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape) and torch.equal(got, want)
+            nbytes = got.numel() * got.element_size()
             release_out(got)
             io.flush()
             if not same:
                 raise ExportError(f"verify {dst}: key {key!r} differs from the source; the output is wrong")
             if progress is not None:
-                progress(key, 0)
+                progress(key, nbytes)
             del want, got
     finally:
         result.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 NAME = "adapters"
 HELP = "list the adapters shipped by name (--adapter NAME); with NAME, show that adapter's options"
@@ -32,13 +33,16 @@ def run(args: argparse.Namespace) -> int:
         print(doc)
     opts = registry.options_of(args.name)
     print()
-    if opts:
-        print("options (--option NAME=VALUE; read from config.json / params.json when the checkpoint folder has one):")
-        width = max(len(k) for k in opts)
-        for k, how in opts.items():
-            print(f"  {k:<{width}}  {how}")
-    else:
+    if not opts:
         print("options: none")
-    if hasattr(mod, "options_from_config"):
-        print("reads options from the checkpoint folder's config files")
+        return 0
+    print("options (--option NAME=VALUE on the command line, keyword arguments of sdadapt.get_adapter):")
+    width = max(len(k) for k in opts)
+    for k, how in opts.items():
+        print(f"  {k:<{width}}  {how}")
+    reader = getattr(mod, "options_from_config", None)
+    if reader is not None:
+        how = " ".join((reader.__doc__ or "").strip().split("\n\n")[0].replace("``", "").split())
+        text = "Options not given are read from the checkpoint folder (config files, key names)."
+        print(textwrap.fill(text + (f" {how}" if how else ""), 88))
     return 0

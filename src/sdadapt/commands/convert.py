@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             outputs, _ = plan_outputs(source.schema, adapter, non_tensor=source.non_tensor, what="convert")
             total = sum(n.dtype.itemsize * _numel(n.shape) for n in outputs.values())
         bar = ProgressBar(total, len(outputs), "write")
-        verify_bar = ProgressBar(0, len(outputs), "verify")
+        verify_bar = ProgressBar(total, len(outputs), "verify")
         state = {"writing": True}
 
         def progress(key: str, nbytes: int) -> None:

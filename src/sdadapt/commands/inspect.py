@@ -125,7 +125,7 @@ def inventory(schema: dict, *, source: str = "", kind: str = "", non_tensor: lis
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", metavar="SRC", help="checkpoint: torch.save file, .safetensors, HF sharded folder")
+    parser.add_argument("src", metavar="SRC", help="checkpoint: torch.save file, .safetensors, HF sharded folder, DCP folder")
     parser.add_argument("--subtree", "-s", metavar="S", help="nested dict of a torch.save file to list, e.g. model")
     parser.add_argument("--json", action="store_true", help="print the inventory as JSON")
 
