@@ -144,14 +144,41 @@ def tied_from(cfg: dict[str, Any], keys: list[str]) -> bool | None:
     return None
 
 
-def _head_dim(dim: int | None, n_heads: int, head_dim: int | None) -> int | None:
+def head_counts(n_heads: int, n_kv_heads: int | None, adapter: str) -> tuple[int, int]:
+    """``n_heads`` and ``n_kv_heads`` (default ``n_heads``), checked: positive, GQA groups whole."""
+    n_heads = positive("n_heads", n_heads, adapter)
+    n_kv_heads = positive("n_kv_heads", n_heads if n_kv_heads is None else n_kv_heads, adapter)
+    if n_heads % n_kv_heads:
+        raise AdapterError(f"the {adapter} adapter: n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
+    return n_heads, n_kv_heads
+
+
+def head_dim_of(dim: int | None, n_heads: int, head_dim: int | None, adapter: str) -> int | None:
+    """``head_dim`` if given, else ``dim // n_heads`` (``dim`` must divide), else ``None``."""
     if head_dim is not None:
         return head_dim
     if dim is None:
         return None
     if dim % n_heads:
-        raise AdapterError(f"the llama adapter: dim {dim} is not divisible by n_heads {n_heads}; pass head_dim=...")
+        raise AdapterError(f"the {adapter} adapter: dim {dim} is not divisible by n_heads {n_heads}; pass head_dim=...")
     return dim // n_heads
+
+
+def attention_options(cfg: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    """Options shared by the Llama-family adapters, from an HF ``config.json`` and the
+    checkpoint's key names: head counts, ``dim``, ``head_dim``, ``tie_embeddings``."""
+    opts: dict[str, Any] = {}
+    if "num_attention_heads" in cfg:
+        opts["n_heads"] = cfg["num_attention_heads"]
+        opts["n_kv_heads"] = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if "hidden_size" in cfg:
+        opts["dim"] = cfg["hidden_size"]
+    if cfg.get("head_dim"):
+        opts["head_dim"] = cfg["head_dim"]
+    tied = tied_from(cfg, keys)
+    if tied is not None:
+        opts["tie_embeddings"] = tied
+    return opts
 
 
 # --- this adapter -------------------------------------------------------------------------------
@@ -176,10 +203,7 @@ def build(
     ``hidden_dim`` (the MLP width). ``inv_freq``: the checkpoint holds old
     ``rotary_emb.inv_freq`` buffers (dropped).
     """
-    n_heads = positive("n_heads", n_heads, "llama")
-    n_kv_heads = positive("n_kv_heads", n_heads if n_kv_heads is None else n_kv_heads, "llama")
-    if n_heads % n_kv_heads:
-        raise AdapterError(f"the llama adapter: n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
+    n_heads, n_kv_heads = head_counts(n_heads, n_kv_heads, "llama")
     rules: list[Any] = []
     if inv_freq:
         rules.append(sdadapt.drop(HF + "self_attn.rotary_emb.inv_freq"))
@@ -187,7 +211,7 @@ def build(
     rules += attention_rules(
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
-        head_dim=_head_dim(dim, n_heads, head_dim),
+        head_dim=head_dim_of(dim, n_heads, head_dim, "llama"),
         fused_qkv=fused_qkv,
         tp=tp,
         adapter="llama",
@@ -220,19 +244,9 @@ def options_from_config(folder: str, source: str | None = None) -> dict[str, Any
     """Options from the checkpoint's ``config.json`` (HF) and its key names (headers only)."""
     cfg = read_config(folder, ("config.json",))
     keys = checkpoint_keys(source or folder)
-    opts: dict[str, Any] = {}
-    if "num_attention_heads" in cfg:
-        opts["n_heads"] = cfg["num_attention_heads"]
-        opts["n_kv_heads"] = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    if "hidden_size" in cfg:
-        opts["dim"] = cfg["hidden_size"]
-    if cfg.get("head_dim"):
-        opts["head_dim"] = cfg["head_dim"]
+    opts = attention_options(cfg, keys)
     if "intermediate_size" in cfg:
         opts["hidden_dim"] = cfg["intermediate_size"]
-    tied = tied_from(cfg, keys)
-    if tied is not None:
-        opts["tie_embeddings"] = tied
     if any(k.endswith("rotary_emb.inv_freq") for k in keys):
         opts["inv_freq"] = True
     return opts

@@ -32,7 +32,18 @@ from typing import Any, Literal
 
 import sdadapt
 from sdadapt import Adapter
-from sdadapt.adapters.llama import HF, META, attention_rules, checkpoint_keys, positive, read_config, tied_from, top_level_rules
+from sdadapt.adapters.llama import (
+    HF,
+    META,
+    attention_options,
+    attention_rules,
+    checkpoint_keys,
+    head_counts,
+    head_dim_of,
+    positive,
+    read_config,
+    top_level_rules,
+)
 from sdadapt.errors import AdapterError
 
 SUMMARY = "HF transformers Mixtral (per-expert or stacked gate_up_proj) -> Meta-style MoE with stacked experts [E, ...]"
@@ -59,14 +70,8 @@ def build(
     """
     if n_experts is not None:
         positive("n_experts", n_experts, "mixtral")
-    n_heads = positive("n_heads", n_heads, "mixtral")
-    n_kv_heads = positive("n_kv_heads", n_heads if n_kv_heads is None else n_kv_heads, "mixtral")
-    if n_heads % n_kv_heads:
-        raise AdapterError(f"the mixtral adapter: n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
-    if head_dim is None and dim is not None:
-        if dim % n_heads:
-            raise AdapterError(f"the mixtral adapter: dim {dim} is not divisible by n_heads {n_heads}; pass head_dim=...")
-        head_dim = dim // n_heads
+    n_heads, n_kv_heads = head_counts(n_heads, n_kv_heads, "mixtral")
+    head_dim = head_dim_of(dim, n_heads, head_dim, "mixtral")
     rules: list[Any] = top_level_rules(tie_embeddings)
     rules += attention_rules(
         n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, fused_qkv=fused_qkv, tp=tp, adapter="mixtral"
@@ -97,19 +102,9 @@ def options_from_config(folder: str, source: str | None = None) -> dict[str, Any
     """Options from ``config.json`` and from the checkpoint's key names (headers only)."""
     cfg = read_config(folder, ("config.json",))
     keys = checkpoint_keys(source or folder)
-    opts: dict[str, Any] = {}
-    if "num_attention_heads" in cfg:
-        opts["n_heads"] = cfg["num_attention_heads"]
-        opts["n_kv_heads"] = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    if "hidden_size" in cfg:
-        opts["dim"] = cfg["hidden_size"]
-    if cfg.get("head_dim"):
-        opts["head_dim"] = cfg["head_dim"]
+    opts = attention_options(cfg, keys)
     if "num_local_experts" in cfg:
         opts["n_experts"] = cfg["num_local_experts"]
-    tied = tied_from(cfg, keys)
-    if tied is not None:
-        opts["tie_embeddings"] = tied
     if any(k.endswith("mlp.experts.gate_up_proj") for k in keys):
         opts["experts"] = "stacked"
     return opts

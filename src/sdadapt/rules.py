@@ -46,6 +46,7 @@ those rules, as they do in an inverted adapter.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
 import torch
@@ -101,6 +102,23 @@ class RuleBase(BaseModel):
         return f"{self.kind}({fields})"  # type: ignore[attr-defined]
 
 
+def _matching(ctx: "PlanContext", keys: str) -> Iterator[tuple[str, Node]]:
+    """``(key, node)`` for each key present when the rule starts that matches the pattern ``keys``."""
+    pat = compile_pattern(keys)
+    for key in ctx.keys():
+        if pat.match(key) is not None:
+            yield key, ctx.get(key)
+
+
+def _move(ctx: "PlanContext", index: int, moved: list[tuple[str, str]]) -> None:
+    """Rule ``index`` renames each ``(old, new)``: all are taken first, then put, so that a new
+    name may be an old name of another pair."""
+    for old, _ in moved:
+        ctx.take(old, index)
+    for old, new in moved:
+        ctx.put(new, ctx.taken[old], index, origin=old)
+
+
 class Rename(RuleBase):
     """``src`` keys become ``dst`` keys: ``Rename(src="model.layers.{i}.mlp.up_proj.weight",
     dst="layers.{i}.feed_forward.w3.weight")``."""
@@ -125,10 +143,7 @@ class Rename(RuleBase):
             caps = pat.match(key)
             if caps is not None:
                 moved.append((key, out.format(caps)))
-        for old, new in moved:
-            ctx.take(old, index)
-        for old, new in moved:
-            ctx.put(new, ctx.taken[old], index, origin=old)
+        _move(ctx, index, moved)
 
     def inverse(self) -> list["Rule"]:
         return [Rename(src=typed_like(self.dst, self.src), dst=self.src)]
@@ -297,13 +312,9 @@ class Cast(RuleBase):
         return [self.keys]
 
     def apply(self, ctx: "PlanContext", index: int) -> None:
-        pat = compile_pattern(self.keys)
         to = parse_dtype(self.dtype)
         only = parse_dtype(self.from_dtype) if self.from_dtype else None
-        for key in ctx.keys():
-            if pat.match(key) is None:
-                continue
-            node = ctx.get(key)
+        for key, node in _matching(ctx, self.keys):
             if only is not None and node.dtype != only:
                 continue
             ctx.mark(index)
@@ -383,6 +394,15 @@ def _dim_of(ctx: "PlanContext", index: int, key: str, node: Node, dim: int, what
     return dim % nd
 
 
+def _matching_dim(ctx: "PlanContext", index: int, keys: str, dim: int) -> Iterator[tuple[str, Node, int]]:
+    """:func:`_matching` with ``dim`` made non-negative for each key; a key for which ``dim`` is
+    out of range is reported as an issue of rule ``index`` and skipped."""
+    for key, node in _matching(ctx, keys):
+        d = _dim_of(ctx, index, key, node, dim)
+        if d is not None:
+            yield key, node, d
+
+
 class Transpose(RuleBase):
     """Swap dims ``dim0`` and ``dim1`` of matched tensors, keeping their keys (GPT-2 ``Conv1D``
     ``[in, out]`` <-> ``nn.Linear`` ``[out, in]``). Its own inverse."""
@@ -397,11 +417,7 @@ class Transpose(RuleBase):
         return [self.keys]
 
     def apply(self, ctx: "PlanContext", index: int) -> None:
-        pat = compile_pattern(self.keys)
-        for key in ctx.keys():
-            if pat.match(key) is None:
-                continue
-            node = ctx.get(key)
+        for key, node in _matching(ctx, self.keys):
             d0 = _dim_of(ctx, index, key, node, self.dim0, "dim0")
             d1 = _dim_of(ctx, index, key, node, self.dim1, "dim1")
             if d0 is None or d1 is None:
@@ -446,14 +462,7 @@ class Rotary(RuleBase):
         return [self.keys]
 
     def apply(self, ctx: "PlanContext", index: int) -> None:
-        pat = compile_pattern(self.keys)
-        for key in ctx.keys():
-            if pat.match(key) is None:
-                continue
-            node = ctx.get(key)
-            d = _dim_of(ctx, index, key, node, self.dim)
-            if d is None:
-                continue
+        for key, node, d in _matching_dim(ctx, index, self.keys, self.dim):
             rows = node.shape[d]
             if rows % self.heads:
                 ctx.issue(index, key, f"{rows} rows along dim {d} do not divide into heads={self.heads}")
@@ -671,14 +680,7 @@ class Pad(RuleBase):
         return [self.keys]
 
     def apply(self, ctx: "PlanContext", index: int) -> None:
-        pat = compile_pattern(self.keys)
-        for key in ctx.keys():
-            if pat.match(key) is None:
-                continue
-            node = ctx.get(key)
-            d = _dim_of(ctx, index, key, node, self.dim)
-            if d is None:
-                continue
+        for key, node, d in _matching_dim(ctx, index, self.keys, self.dim):
             n = node.shape[d]
             if self.size is not None:
                 want: int | None = self.size
@@ -714,14 +716,7 @@ class Trim(RuleBase):
         return [self.keys]
 
     def apply(self, ctx: "PlanContext", index: int) -> None:
-        pat = compile_pattern(self.keys)
-        for key in ctx.keys():
-            if pat.match(key) is None:
-                continue
-            node = ctx.get(key)
-            d = _dim_of(ctx, index, key, node, self.dim)
-            if d is None:
-                continue
+        for key, node, d in _matching_dim(ctx, index, self.keys, self.dim):
             n = node.shape[d]
             want = self.size if self.size is not None else _target_size(ctx, key, index, d, len(node.shape))
             if want is None:
@@ -816,14 +811,7 @@ class Interleave(RuleBase):
         return tp_degree(info, d)
 
     def apply(self, ctx: "PlanContext", index: int) -> None:
-        pat = compile_pattern(self.keys)
-        for key in ctx.keys():
-            if pat.match(key) is None:
-                continue
-            node = ctx.get(key)
-            d = _dim_of(ctx, index, key, node, self.dim)
-            if d is None:
-                continue
+        for key, node, d in _matching_dim(ctx, index, self.keys, self.dim):
             n = node.shape[d]
             if sum(self.sizes) != n:
                 ctx.issue(index, key, f"sizes {self.sizes} add up to {sum(self.sizes)}, but dim {d} has {n}")
@@ -895,10 +883,7 @@ class StripPrefix(RuleBase):
 
     def apply(self, ctx: "PlanContext", index: int) -> None:
         moved = [(k, k[len(self.prefix) :]) for k in ctx.keys() if k.startswith(self.prefix) and len(k) > len(self.prefix)]
-        for old, _ in moved:
-            ctx.take(old, index)
-        for old, new in moved:
-            ctx.put(new, ctx.taken[old], index, origin=old)
+        _move(ctx, index, moved)
         if self.optional:
             ctx.mark(index)
 
@@ -925,10 +910,7 @@ class AddPrefix(RuleBase):
     def apply(self, ctx: "PlanContext", index: int) -> None:
         pat = compile_pattern(self.keys)
         moved = [(k, self.prefix + k) for k in ctx.keys() if pat.match(k) is not None]
-        for old, _ in moved:
-            ctx.take(old, index)
-        for old, new in moved:
-            ctx.put(new, ctx.taken[old], index, origin=old)
+        _move(ctx, index, moved)
 
     def inverse(self) -> list["Rule"]:
         return [StripPrefix(prefix=self.prefix)]
