@@ -39,7 +39,7 @@ import torch
 
 from .errors import SourceError
 from .nodes import Box
-from .sources.base import Source, TensorInfo, dtype_name
+from .sources.base import Source, TensorInfo, dtype_name, read_json_file
 
 log = logging.getLogger(__name__)
 
@@ -206,16 +206,7 @@ def read_checksums(source: Source) -> tuple[str, dict[str, dict[str, Any]]]:
             "it), or load without verify",
             path=source.path,
         )
-    try:
-        size = os.path.getsize(path)
-        if size > MAX_CHECKSUMS_BYTES:
-            raise SourceError(f"checksums file of {size} bytes exceeds the limit of {MAX_CHECKSUMS_BYTES}", path=path)
-        with open(path, "rb") as f:
-            data = json.load(f)
-    except OSError as e:
-        raise SourceError(f"cannot read checksums: {e.strerror or e}", path=path) from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise SourceError(f"corrupt checksums file (not valid JSON: {e})", path=path) from None
+    data = read_json_file(path, MAX_CHECKSUMS_BYTES, "checksums file")
     if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("algorithm") != ALGORITHM:
         raise SourceError(f"not an sdadapt checksums file (format {FORMAT}, {ALGORITHM})", path=path)
     tensors = data.get("tensors")

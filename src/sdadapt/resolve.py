@@ -132,6 +132,22 @@ def _call(spec: str, fn: Any, options: dict[str, Any]) -> Any:
         raise ResolveError(f"{spec}: calling it failed: {type(e).__name__}: {e}") from e
 
 
+def _made(text: str, obj: Any, cls: type, options: dict[str, Any], noun: str, label: str) -> Any:
+    """``obj`` (named by ``text``) if it is a ``cls`` (then it takes no ``options``), else what
+    calling it with ``options`` returns, which must be a ``cls``. ``noun`` (``"a model"``) and
+    ``label`` (``"nn.Module"``) name the class in errors."""
+    if isinstance(obj, cls):
+        if options:
+            raise ResolveError(f"{text} is {noun}, not a function: it takes no options ({sorted(options)})")
+        return obj
+    if not callable(obj):
+        raise ResolveError(f"{text} is a {type(obj).__name__}, not an {label} or a function returning one")
+    made = _call(text, obj, options)
+    if not isinstance(made, cls):
+        raise ResolveError(f"{text} returned a {type(made).__name__}, not an {label}")
+    return made
+
+
 def resolve_target(spec: str | os.PathLike[str] | nn.Module, **options: Any) -> nn.Module | str:
     """A checkpoint path (returned as a string) or the model that ``spec`` names.
 
@@ -146,16 +162,7 @@ def resolve_target(spec: str | os.PathLike[str] | nn.Module, **options: Any) -> 
         return text
     if split_spec(text) is None:
         return text
-    obj = load_object(text)
-    if isinstance(obj, nn.Module):
-        if options:
-            raise ResolveError(f"{text} is a model, not a function: it takes no options ({sorted(options)})")
-        return obj
-    if not callable(obj):
-        raise ResolveError(f"{text} is a {type(obj).__name__}, not an nn.Module or a function returning one")
-    model = _call(text, obj, options)
-    if not isinstance(model, nn.Module):
-        raise ResolveError(f"{text} returned a {type(model).__name__}, not an nn.Module")
+    model = _made(text, load_object(text), nn.Module, options, "a model", "nn.Module")
     log.info("target %s: %s", text, type(model).__name__)
     return model
 
@@ -182,17 +189,7 @@ def resolve_adapter(
             raise ResolveError(f"{text}: cannot read adapter JSON: {e.strerror or e}") from None
         return Adapter.from_json(data)
     if split_spec(text) is not None:
-        obj = load_object(text)
-        if isinstance(obj, Adapter):
-            if options:
-                raise ResolveError(f"{text} is an Adapter, not a function: it takes no options ({sorted(options)})")
-            return obj
-        if not callable(obj):
-            raise ResolveError(f"{text} is a {type(obj).__name__}, not an Adapter or a function returning one")
-        adapter = _call(text, obj, options)
-        if not isinstance(adapter, Adapter):
-            raise ResolveError(f"{text} returned a {type(adapter).__name__}, not an sdadapt.Adapter")
-        return adapter
+        return _made(text, load_object(text), Adapter, options, "an Adapter", "sdadapt.Adapter")
     if text.endswith(".py") or os.path.sep in text or os.path.exists(text):
         raise ResolveError(
             f"adapter {text!r}: give a name, a .json file, or file.py:ATTR naming an Adapter (or a function)"

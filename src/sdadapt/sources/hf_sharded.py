@@ -5,14 +5,13 @@ We follow the index, never a glob of the folder, and refuse entries that leave t
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 
 from ..errors import SourceError
 from ..nodes import Box
-from .base import Source
+from .base import Source, read_json_file
 from .safetensors_file import SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -57,19 +56,7 @@ class HFShardedSource(Source):
         self.path = folder
         index_path = index_path or os.path.join(folder, INDEX_NAME)
         self.index_path = index_path
-        try:
-            size = os.path.getsize(index_path)
-            if size > MAX_INDEX_BYTES:
-                raise SourceError(
-                    f"index of {size} bytes exceeds the limit of {MAX_INDEX_BYTES} bytes (not an HF index?)",
-                    path=index_path,
-                )
-            with open(index_path, "rb") as f:
-                index = json.load(f)
-        except OSError as e:
-            raise SourceError(f"cannot read index: {e.strerror or e}", path=index_path) from None
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise SourceError(f"corrupt index (not valid JSON: {e})", path=index_path) from None
+        index = read_json_file(index_path, MAX_INDEX_BYTES, "index", " (not an HF index?)")
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict):
             raise SourceError("index has no 'weight_map' object", path=index_path)
