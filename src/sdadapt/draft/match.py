@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -138,6 +139,17 @@ def item_role(i: Item) -> str | None:
     return role_of(i.rel[mi])[0] if mi >= 0 else None
 
 
+def _module_roles(items: list[Item]) -> Iterator[tuple[Item, int, str | None, str]]:
+    """``(item, module index, role, template)`` for the plain (not stacked, not buffer) items
+    that have a module segment: the candidates for fuse/split."""
+    for i in items:
+        if i.stacked is not None or i.buffer:
+            continue
+        mi = i.module_index()
+        if mi >= 0:
+            yield (i, mi, *role_of(i.rel[mi]))
+
+
 def role_clash(s: Item, t: Item) -> float:
     """Penalty for renaming across roles: ``proj`` (an output projection) must not become
     ``add_q_proj`` just because both sit in the same attention block."""
@@ -237,25 +249,13 @@ class ScopeMatcher:
     def _role_cands(self, wholes: list[Item], pieces: list[Item], kind: str) -> list[_Cand]:
         """Fused names on the ``wholes`` side against sibling groups on the ``pieces`` side."""
         groups: dict[tuple, dict[str, Item]] = defaultdict(dict)
-        for p in pieces:
-            if p.stacked is not None or p.buffer:
-                continue
-            mi = p.module_index()
-            if mi < 0:
-                continue
-            role, template = role_of(p.rel[mi])
+        for p, mi, role, template in _module_roles(pieces):
             if role in ROLE_ORDER:
                 groups[(p.rel[:mi], template, p.rel[mi + 1:])][role] = p
         out: list[_Cand] = []
         if not groups:
             return out
-        for w in wholes:
-            if w.stacked is not None or w.buffer:
-                continue
-            mi = w.module_index()
-            if mi < 0:
-                continue
-            role, _ = role_of(w.rel[mi])
+        for w, mi, role, _ in _module_roles(wholes):
             roles = FUSED_ROLES.get(role or "")
             if not roles:
                 continue
