@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="option passed to an adapter function or shipped adapter (repeatable)",
     )
     parser.add_argument("--shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard (default 5GB)")
-    parser.add_argument("--subtree", metavar="S", help="nested dict of a torch.save file to convert (e.g. model)")
+    parser.add_argument("--subtree", "-s", metavar="S", help="nested dict of a torch.save file to convert, e.g. model")
     parser.add_argument("--verify", action="store_true", help="read the result back and compare every tensor")
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
