@@ -177,11 +177,15 @@ def _one_rank_faults(good: dict[str, str], scratch: str, mesh: Any) -> dict[str,
                 raise RuntimeError("injected failure reading the DCP data file")
             return real_read(self, key, box)
 
+        real_locate = DCPSource.locate_region  # rank 1 reads through Source.read, not the raw chunks
+
         DCPSource.read = bad_read if rank == 1 else real_read  # type: ignore[method-assign]
+        DCPSource.locate_region = (lambda self, key, box: None) if rank == 1 else real_locate  # type: ignore[method-assign]
         try:
             out[f"dcp_read_raises_rank1/{tag}"] = _attempt(_make(mesh, meta), good["dcp"]) | {"path": good["dcp"]}
         finally:
             DCPSource.read = real_read  # type: ignore[method-assign]
+            DCPSource.locate_region = real_locate  # type: ignore[method-assign]
     return out
 
 

@@ -70,16 +70,10 @@ def agree_or_roll_back(
         raise
 
 
-def read_failure(e: CheckpointException, what: str) -> LoadError:
-    """One message for every rank: which ranks failed and their own errors (file, key)."""
-    failures = {r: (p[0] if isinstance(p, tuple) else p) for r, p in (getattr(e, "failures", {}) or {}).items()}
-    lines = [f"  rank {r}: {type(exc).__name__}: {exc}" for r, exc in sorted(failures.items())]
-    err = LoadError(
-        f"reading {what} failed on rank(s) {', '.join(map(str, sorted(failures))) or '?'}; nothing was "
-        "kept from this load:\n" + ("\n".join(lines) if lines else str(e))
-    )
-    err.failures = failures  # type: ignore[attr-defined]
-    return err
+def read_errors(e: CheckpointException) -> list[str]:
+    """This rank's own read errors out of DCP's exception (file, key), one line each."""
+    failures = [(p[0] if isinstance(p, tuple) else p) for _, p in sorted((getattr(e, "failures", {}) or {}).items())]
+    return [f"{type(exc).__name__}: {exc}" for exc in failures] or [str(e)]
 
 
 def after_read_checks(
@@ -89,21 +83,36 @@ def after_read_checks(
     source: Source,
     check_finite: bool,
     group: dist.ProcessGroup | None,
+    read_errors: list[str] | None = None,
+    what: str = "the checkpoint",
 ) -> LoadError | None:
-    """Files unchanged during the read, and (``check_finite``) no NaN/Inf; the same verdict on every rank."""
+    """One collective after reading: each rank's read errors, files unchanged during the read,
+    and (``check_finite``) no NaN/Inf. The same verdict on every rank: a read failure on any
+    rank is a :class:`LoadError` everywhere that names the failing ranks and their errors (its
+    ``failures`` maps rank -> message)."""
+    read_errors = list(read_errors or [])
     problems: list[str] = []
     try:
         integrity.check_unchanged(files, "while it was being read")
     except SdadaptError as e:
         problems.append(str(e))
-    bad: dict[str, tuple[int, int]] = integrity.nonfinite_counts(loaded) if check_finite else {}
-    gathered: list[Any] = [(problems, bad)]
+    bad: dict[str, tuple[int, int]] = integrity.nonfinite_counts(loaded) if check_finite and not read_errors else {}
+    gathered: list[Any] = [(read_errors, problems, bad)]
     if is_distributed():
         gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (problems, bad), group=group)
-    all_problems = [f"rank {r}: {p}" for r, (ps, _) in enumerate(gathered) for p in ps]
+        dist.all_gather_object(gathered, (read_errors, problems, bad), group=group)
+    failed = {r: "\n".join(errs) for r, (errs, _, _) in enumerate(gathered) if errs}
+    if failed:
+        lines = [f"  rank {r}: {m}" for r, m in sorted(failed.items())]
+        err = LoadError(
+            f"reading {what} failed on rank(s) {', '.join(map(str, sorted(failed)))}; nothing was "
+            "kept from this load:\n" + "\n".join(lines)
+        )
+        err.failures = failed  # type: ignore[attr-defined]
+        return err
+    all_problems = [f"rank {r}: {p}" for r, (_, ps, _) in enumerate(gathered) for p in ps]
     counts: dict[str, list[int]] = {}
-    for _, b in gathered:
+    for _, _, b in gathered:
         for k, (n, i) in b.items():
             c = counts.setdefault(k, [0, 0])
             c[0] += n
@@ -125,7 +134,13 @@ def after_read_checks(
 
 def copy_back_if_detached(model: nn.Module, loaded: dict[str, torch.Tensor]) -> None:
     """DCP wrote into the state dict's tensors. They are the model's own (sharded) tensors for
-    plain modules, TP and FSDP2; if some are copies (other wrappers), copy them back."""
+    plain modules, TP and FSDP2; if some are copies (other wrappers), copy them back.
+
+    Cheap check first: when every loaded tensor's memory is that of one of the model's own
+    parameters or buffers, nothing is detached (no second ``get_model_state_dict``)."""
+    own = {local(t).data_ptr() for t in (*model.parameters(), *model.buffers())}
+    if all(local(v).data_ptr() in own or local(v).numel() == 0 for v in loaded.values()):
+        return
     current = model_state_dict(model)
     detached = {k: v for k, v in loaded.items() if not _same_storage(current.get(k), v)}
     if detached:

@@ -533,7 +533,7 @@ class IOEngine:
         cfg = self.config
         chunk = cfg.chunk()
         tasks: list[_Task] = []
-        small: list[tuple[str, int, int, torch.Tensor, Box, _Where]] = []  # single-span staged pieces
+        small: list[tuple[str, int, int, torch.Tensor, Box, _Where, torch.dtype]] = []  # single-span staged pieces
         for job in jobs:
             actions: list[Action] = []
             route(job.node, job.box, job.dest, actions)
@@ -545,65 +545,100 @@ class IOEngine:
                     files = sorted({self._file_of(k) for k in act.node.leaves()})
                     tasks.append(_Task("compute", action=act, where=_Where(job.key, None, ", ".join(files), act.box)))
                     continue
-                loc = self._locate(act.key)
-                where = _Where(job.key, act.key, loc.path if loc else self._file_of(act.key), act.box)
-                if loc is None:
-                    # unknown storage: one read per piece (a sub-box read could cost the source a
-                    # whole stored chunk each time, e.g. DCP files)
-                    tasks.append(_Task("view", action=act, where=where))
-                    continue
-                itemsize = loc.dtype.itemsize
-                dest = act.dest
-                starts, run = box_spans(loc.shape, itemsize, act.box)
-                if len(starts) > 1 and run < cfg.min_span_bytes:
-                    # many short rows (a column slice): one strided copy out of the mapped file
-                    # beats a read call per row
-                    for sub, sl in _split_box(act.box, itemsize, chunk):
-                        tasks.append(_Task("view", action=Piece(act.key, sub, dest[sl]), where=where))
-                    continue
-                direct = (
-                    dest.device.type == "cpu"
-                    and dest.dtype == loc.dtype
-                    and dest.is_contiguous()
-                    and dest.numel() * itemsize >= cfg.direct_min_bytes
-                )
-                if direct:
-                    segs = [(loc.offset + s, run) for s in starts]
-                    mem = _bytes_view(dest)
-                    pos = 0
-                    for group in _split_segments(segs, chunk):
-                        n = sum(g[1] for g in group)
-                        tasks.append(_Task("direct", path=loc.path, segments=group, dest=mem[pos : pos + n], where=where))
-                        pos += n
-                    continue
-                for sub, sl in _split_box(act.box, itemsize, chunk):
-                    starts, run = box_spans(loc.shape, itemsize, sub)
-                    d = dest[sl]
-                    if len(starts) == 1:
-                        small.append((loc.path, loc.offset + starts[0], run, d, sub, where))
-                    else:
-                        segs = [(loc.offset + s, run) for s in starts]
-                        tasks.append(
-                            _Task(
-                                "staged",
-                                path=loc.path,
-                                segments=segs,
-                                deliveries=[_Delivery(0, len(segs) * run, loc.dtype, box_shape(sub), d, where)],
-                                where=where,
-                            )
-                        )
+                for loc, box, dest, origin in self._parts(act):
+                    where = _Where(job.key, act.key, loc.path if loc else self._file_of(act.key), act.box)
+                    if loc is None:
+                        # unknown storage: one read per piece (a sub-box read could cost the source a
+                        # whole stored chunk each time, e.g. DCP files)
+                        tasks.append(_Task("view", action=act, where=where))
+                        continue
+                    self._plan_located(loc, box, dest, origin, act.key, where, tasks, small)
         tasks.extend(self._coalesce(small, chunk))
         return tasks
 
-    def _coalesce(self, small: list[tuple[str, int, int, torch.Tensor, Box, _Where]], chunk: int) -> list[_Task]:
+    def _parts(self, act: Piece) -> list[tuple[TensorLocation | None, Box, torch.Tensor, tuple[int, ...]]]:
+        """Where the piece's bytes are: (location, box in the located tensor's coordinates,
+        destination view, the located tensor's origin in the source tensor). A source stored in
+        chunks (DCP) gives one part per stored chunk the box intersects."""
+        region = getattr(self.source, "locate_region", None)
+        if callable(region):
+            chunks = region(act.key, act.box)
+            if chunks is not None and all(os.path.isfile(loc.path) for _, loc in chunks):
+                parts = []
+                for cb, loc in chunks:
+                    lo = [max(a, o) for (a, _), (o, _) in zip(act.box, cb)]
+                    hi = [min(b, e) for (_, b), (_, e) in zip(act.box, cb)]
+                    if any(x >= y for x, y in zip(lo, hi)):
+                        continue
+                    dest = act.dest[tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, act.box))]
+                    box = tuple((x - o, y - o) for x, y, (o, _) in zip(lo, hi, cb))
+                    parts.append((loc, box, dest, tuple(o for o, _ in cb)))
+                return parts
+            return [(None, act.box, act.dest, ())]
+        return [(self._locate(act.key), act.box, act.dest, ())]
+
+    def _plan_located(
+        self,
+        loc: TensorLocation,
+        box: Box,
+        dest: torch.Tensor,
+        origin: tuple[int, ...],
+        key: str,
+        where: _Where,
+        tasks: list[_Task],
+        small: list[tuple[str, int, int, torch.Tensor, Box, _Where, torch.dtype]],
+    ) -> None:
+        cfg = self.config
+        chunk = cfg.chunk()
+        itemsize = loc.dtype.itemsize
+        starts, run = box_spans(loc.shape, itemsize, box)
+        if len(starts) > 1 and run < cfg.min_span_bytes:
+            # many short rows (a column slice): one strided copy out of the mapped file
+            # beats a read call per row (Source.read takes global coordinates)
+            for sub, sl in _split_box(box, itemsize, chunk):
+                glob = tuple((a + o, b + o) for (a, b), o in zip(sub, origin)) if origin else sub
+                tasks.append(_Task("view", action=Piece(key, glob, dest[sl]), where=where))
+            return
+        direct = (
+            dest.device.type == "cpu"
+            and dest.dtype == loc.dtype
+            and dest.is_contiguous()
+            and dest.numel() * itemsize >= cfg.direct_min_bytes
+        )
+        if direct:
+            segs = [(loc.offset + s, run) for s in starts]
+            mem = _bytes_view(dest)
+            pos = 0
+            for group in _split_segments(segs, chunk):
+                n = sum(g[1] for g in group)
+                tasks.append(_Task("direct", path=loc.path, segments=group, dest=mem[pos : pos + n], where=where))
+                pos += n
+            return
+        for sub, sl in _split_box(box, itemsize, chunk):
+            starts, run = box_spans(loc.shape, itemsize, sub)
+            d = dest[sl]
+            if len(starts) == 1:
+                small.append((loc.path, loc.offset + starts[0], run, d, sub, where, loc.dtype))
+            else:
+                segs = [(loc.offset + s, run) for s in starts]
+                tasks.append(
+                    _Task(
+                        "staged",
+                        path=loc.path,
+                        segments=segs,
+                        deliveries=[_Delivery(0, len(segs) * run, loc.dtype, box_shape(sub), d, where)],
+                        where=where,
+                    )
+                )
+
+    def _coalesce(self, small: list[tuple[str, int, int, torch.Tensor, Box, _Where, torch.dtype]], chunk: int) -> list[_Task]:
         """Merge single-span staged pieces that are adjacent in one file into shared reads."""
         gap = self.config.coalesce_gap
         out: list[_Task] = []
         small.sort(key=lambda s: (s[0], s[1]))
         cur: _Task | None = None
         cur_end = 0
-        for path, off, n, dest, box, where in small:
-            src_dtype = self._locations[where.source_key].dtype  # type: ignore[index,union-attr]
+        for path, off, n, dest, box, where, src_dtype in small:
             if cur is not None and cur.path == path and 0 <= off - cur_end <= gap and (off + n - cur.segments[0][0]) <= chunk:
                 start = cur.segments[0][0]
                 cur.segments = [(start, off + n - start)]

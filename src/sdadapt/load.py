@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -70,19 +71,36 @@ def plan_load(
     allow_unexpected: list[str] | None = None,
 ) -> tuple[Source, Plan]:
     """Open the source and plan against the model (headers only; nothing is read or changed)."""
-    source = open_source(src, subtree=subtree)
-    target = schema_of(model_state_dict(model))
-    plan = build_plan(
-        source.schema,
-        target,
-        adapter,
-        non_tensor=source.non_tensor,
-        allow_missing=allow_missing,
-        allow_unexpected=allow_unexpected,
-        source_name=_describe(src),
-        target_name=type(model).__name__,
-    )
+    source, plan, _ = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected)
     return source, plan
+
+
+def _plan_load(
+    model: nn.Module,
+    src: str | os.PathLike[str] | Source,
+    adapter: Adapter | None,
+    subtree: str | None,
+    allow_missing: list[str] | None,
+    allow_unexpected: list[str] | None,
+) -> tuple[Source, Plan, dict[str, torch.Tensor]]:
+    """:func:`plan_load`, also returning the model's state dict it planned against."""
+    source = open_source(src, subtree=subtree)
+    state_dict = model_state_dict(model)
+    try:
+        plan = build_plan(
+            source.schema,
+            schema_of(state_dict),
+            adapter,
+            non_tensor=source.non_tensor,
+            allow_missing=allow_missing,
+            allow_unexpected=allow_unexpected,
+            source_name=_describe(src),
+            target_name=type(model).__name__,
+        )
+    except BaseException:
+        source.close()
+        raise
+    return source, plan, state_dict
 
 
 def load(
@@ -124,11 +142,10 @@ def load(
     rank, world = rank_and_world(process_group)
     error: SdadaptError | None = None
     source = plan = None
+    planned: dict[str, torch.Tensor] = {}
     files: integrity.Fingerprint = {}
     try:
-        source, plan = plan_load(
-            model, src, adapter, subtree=subtree, allow_missing=allow_missing, allow_unexpected=allow_unexpected
-        )
+        source, plan, planned = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected)
         files = integrity.fingerprint(integrity.source_files(source))
         if not plan.report.ok:
             if strict:
@@ -149,33 +166,45 @@ def load(
 
     materialized, error = False, None
     was_meta = has_meta(model)  # a failed load puts such a model back on meta
+    staged = None
+    wanted: dict[str, torch.Tensor] = {}
     try:  # a hook failing on one rank must stop the others before they enter dcp.load
         materialized = materialize(model, choose_device(model, device), init_buffers)
     except Exception as e:  # noqa: BLE001 - user hooks can raise anything; re-raised below
         error = e if isinstance(e, SdadaptError) else ModelError(f"materialising the model failed: {type(e).__name__}: {e}")
         error.__cause__ = e
+    if error is None:
+        # materialising gave the parameters new tensors; otherwise the planned state dict is current
+        state_dict = model_state_dict(model) if materialized else planned
+        wanted = {k: v for k, v in state_dict.items() if k in plan.recipes}
+        staged = commit.staging_like(wanted) if (stage if stage is not None else not was_meta) else None
+        try:  # files unchanged since planning: every rank checks before the first byte is written
+            integrity.check_unchanged(files, "after planning, before reading")
+        except SdadaptError as e:
+            error = e
+    del planned
+    # one agreement for both: a failed hook or a changed file on any rank stops every rank here
     commit.agree_or_roll_back(error, process_group, source, model, was_meta)
-    state_dict = model_state_dict(model)
-    wanted = {k: v for k, v in state_dict.items() if k in plan.recipes}
-    staged = commit.staging_like(wanted) if (stage if stage is not None else not was_meta) else None
     reader = AdaptedStorageReader(plan, source)
     log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), _describe(src), " (staged)" if staged else "")
-    error = None
-    try:  # files unchanged since planning: every rank checks before the first byte is written
-        integrity.check_unchanged(files, "after planning, before reading")
-    except SdadaptError as e:
-        error = e
-    commit.agree_or_roll_back(error, process_group, source, model, was_meta)
-    failure: LoadError | None = None
+    read_errors: list[str] = []
     target = staged if staged is not None else wanted
-    try:
-        dcp.load(target, storage_reader=reader, planner=DefaultLoadPlanner(), process_group=process_group)
-    except CheckpointException as e:  # a BaseException, raised on every rank: turn it into ours
-        failure = commit.read_failure(e, _describe(src))
+    try:  # each rank reads its own items: the read plan is local (our reader's metadata is the
+        # target schema, every rank has it), so DCP's plan exchange is skipped (no_dist); the
+        # outcome is agreed below, in the one collective of the checks after reading
+        with warnings.catch_warnings():  # no_dist=True warns that it assumes one process: we mean it
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(target, storage_reader=reader, planner=DefaultLoadPlanner(), process_group=process_group, no_dist=True)
+    except CheckpointException as e:  # a BaseException: turn it into ours
+        read_errors = commit.read_errors(e)
+    except Exception as e:  # noqa: BLE001 - named and agreed on below
+        read_errors = [f"{type(e).__name__}: {e}"]
     finally:
         source.close()
-    if failure is None:  # every rank got here without error: check, then agree (same verdict everywhere)
-        failure = commit.after_read_checks(files, target, plan, source, check_finite, process_group)
+    # every rank: check (files unchanged, finite values), then agree: the same verdict everywhere
+    failure = commit.after_read_checks(
+        files, target, plan, source, check_finite, process_group, read_errors=read_errors, what=_describe(src)
+    )
     if failure is not None:
         commit.roll_back(model, was_meta)
         if staged is None and not was_meta:

@@ -8,6 +8,16 @@ intersect the box: we build one ``ReadItem`` per intersection and hand them to
 ``resolve_tensor`` returns views of the output tensor. DCP's file-format code does the
 reading; we only plan it.
 
+Fast path: ``FileSystemWriter`` stores each tensor chunk with ``torch.save`` into its byte range
+of a ``.distcp`` file (an embedded zip archive whose one storage record holds the raw bytes,
+uncompressed). :meth:`DCPSource.locate_chunks` finds those bytes from the zip's own structures
+(central directory, local header, and the pickled tensor record, read with a restricted
+unpickler) and checks them: one storage record, stored uncompressed, the dtype and shape
+of ``.metadata``, contiguous strides, the data inside the item's byte range. Chunks that pass
+are read by the I/O engine with ``preadv`` (and by :meth:`DCPSource.read` from a mapping of
+the file); any other chunk (a transform extension, a non-contiguous save, a format we do not
+recognise) goes through ``FileSystemReader`` as before.
+
 The ``.metadata`` pickle is read with a restricted unpickler (DCP's metadata classes, torch
 dtypes and sizes, paths): a checkpoint cannot run code when its schema is read.
 
@@ -20,8 +30,13 @@ from __future__ import annotations
 
 import io
 import json
+import mmap
 import os
 import pickle
+import struct
+import threading
+import warnings
+import zipfile
 from typing import Any
 
 import torch
@@ -31,7 +46,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..errors import SourceError
 from ..nodes import Box, box_shape
-from .base import Source, TensorInfo
+from .base import Source, TensorInfo, slices
 
 METADATA_NAME = ".metadata"
 SDADAPT_JSON = "sdadapt.json"
@@ -144,6 +159,134 @@ def read_sdadapt_json(folder: str) -> dict[str, Any] | None:
     return data
 
 
+# --- locating raw chunk bytes inside the torch.save zips of a .distcp file -----------------------
+
+_ZIP_LOCAL = b"PK\x03\x04"
+_MAX_PICKLE = 1 << 16
+
+
+class _FileView(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of an open file, as a seekable read-only stream."""
+
+    def __init__(self, fd: int, start: int, length: int):
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.length}[whence]
+        self.pos = max(0, min(self.length, base + pos))
+        return self.pos
+
+    def readinto(self, b: Any) -> int:
+        n = max(0, min(len(b), self.length - self.pos))
+        data = os.pread(self.fd, n, self.start + self.pos) if n else b""
+        b[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+class _Rebuild:
+    def __init__(self, *args: Any):
+        self.args = args
+
+
+class _TensorRecordUnpickler(pickle.Unpickler):
+    """Reads a ``torch.save`` data.pkl of one plain tensor without building it: returns the
+    arguments of ``_rebuild_tensor_v2`` and the storage's (dtype, record key, numel)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
+            return _Rebuild
+        if (module, name) == ("collections", "OrderedDict"):
+            return dict
+        if module == "torch" and name.endswith("Storage") and "." not in name:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dtype = getattr(getattr(torch, name, None), "dtype", None)
+            if isinstance(dtype, torch.dtype):
+                return dtype
+        raise pickle.UnpicklingError(f"{module}.{name}: not a plain tensor record")
+
+    def persistent_load(self, pid: Any) -> Any:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError("unexpected persistent id")
+        _, dtype, key, _location, numel = pid
+        if not isinstance(dtype, torch.dtype) or not isinstance(key, str) or not isinstance(numel, int):
+            raise pickle.UnpicklingError("unexpected storage record")
+        return ("storage", dtype, key, numel)
+
+
+def locate_item(fd: int, offset: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """File offset of the raw bytes of a tensor chunk that ``torch.save`` wrote into bytes
+    ``[offset, offset + length)`` of the file ``fd``; raises ``ValueError`` unless every check
+    passes (one uncompressed storage record of exactly the chunk's dtype and shape, contiguous,
+    inside the item's range)."""
+    view = _FileView(fd, offset, length)
+    with zipfile.ZipFile(io.BufferedReader(view, 1 << 16)) as zf:
+        infos = zf.infolist()
+        pkls = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+        if len(pkls) != 1:
+            raise ValueError("not one data.pkl record")
+        root = pkls[0].filename[: -len("data.pkl")]
+        data = [i for i in infos if i.filename.startswith(root + "data/")]
+        if len(data) != 1 or pkls[0].file_size > _MAX_PICKLE:
+            raise ValueError("not one storage record")
+        rec = _TensorRecordUnpickler(io.BytesIO(zf.read(pkls[0]))).load()
+    info = data[0]
+    if not isinstance(rec, _Rebuild) or len(rec.args) < 4:
+        raise ValueError("not a plain tensor")
+    storage, storage_offset, size, stride = rec.args[:4]
+    if not (isinstance(storage, tuple) and storage[0] == "storage"):
+        raise ValueError("no storage")
+    _, sdtype, skey, snumel = storage
+    numel = 1
+    for n in shape:
+        numel *= n
+    expect_stride, acc = [], 1
+    for n in reversed(shape):
+        expect_stride.append(acc)
+        acc *= n
+    expect_stride.reverse()
+    if (
+        sdtype != dtype
+        or tuple(size) != tuple(shape)
+        or info.filename != f"{root}data/{skey}"
+        or info.compress_type != zipfile.ZIP_STORED
+        or info.file_size != info.compress_size
+        or info.file_size != snumel * dtype.itemsize
+        or not isinstance(storage_offset, int)
+        or storage_offset < 0
+        or storage_offset + numel > snumel
+        or any(s != e for s, e, n in zip(stride, expect_stride, shape) if n > 1)
+        or len(stride) != len(shape)
+    ):
+        raise ValueError("record does not match .metadata")
+    head = os.pread(fd, 30, offset + info.header_offset)
+    if len(head) != 30 or head[:4] != _ZIP_LOCAL:
+        raise ValueError("bad local header")
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    if os.pread(fd, name_len, offset + info.header_offset + 30) != info.filename.encode():
+        raise ValueError("local header names another record")
+    start = info.header_offset + 30 + name_len + extra_len
+    if start + info.file_size > length:
+        raise ValueError("storage outside the item")
+    return offset + start + storage_offset * dtype.itemsize
+
+
+def logger_debug(path: str, key: str, idx: int, e: BaseException) -> None:
+    import logging
+
+    logging.getLogger(__name__).debug("%s: chunk %d of %r is read through FileSystemReader (%s)", path, idx, key, e)
+
+
 class _IntoViews(LoadPlanner):
     """The minimal LoadPlanner ``FileSystemReader.read_data`` needs: tensors land in
     prepared views, bytes entries in a dict."""
@@ -203,6 +346,94 @@ class DCPSource(Source):
             raise SourceError(f"subtree {subtree!r}: no entries under {prefix!r} (top-level names: {tops[:8]})", path=folder)
         self._reader = FileSystemReader(folder)
         self._reader.set_up_storage_reader(self.metadata, is_coordinator=True)
+        self._lock = threading.Lock()
+        self._fds: dict[str, int] = {}
+        self._maps: dict[str, torch.Tensor] = {}
+        self._mms: list[mmap.mmap] = []
+        self._located: dict[tuple[str, int], Any] = {}  # (key, chunk index) -> TensorLocation | None
+
+    # -- raw chunk locations (see the module docstring) -------------------------------------
+    def _fd(self, name: str) -> int:
+        fd = self._fds.get(name)
+        if fd is None:
+            fd = self._fds[name] = os.open(os.path.join(self.path, name), os.O_RDONLY)
+        return fd
+
+    def _locate_chunk(self, key: str, idx: int) -> Any:
+        from ..io_engine import TensorLocation
+
+        k = (key, idx)
+        if k in self._located:
+            return self._located[k]
+        md = self._entries[key]
+        chunk = md.chunks[idx]
+        dtype = md.properties.dtype
+        shape = tuple(chunk.sizes)
+        loc = None
+        info = self.metadata.storage_data.get(MetadataIndex(self._prefix + key, chunk.offsets, idx))
+        try:
+            if info is None or getattr(info, "transform_descriptors", None):
+                raise ValueError("no plain storage entry")
+            with self._lock:
+                fd = self._fd(info.relative_path)
+            offset = locate_item(fd, info.offset, info.length, dtype, shape)
+            loc = TensorLocation(os.path.join(self.path, info.relative_path), offset, shape, dtype)
+        except (ValueError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, struct.error, TypeError, IndexError, KeyError) as e:
+            logger_debug(self.path, key, idx, e)
+        self._located[k] = loc
+        return loc
+
+    def _intersecting(self, key: str, box: Box) -> list[tuple[int, Box]]:
+        """(chunk index, chunk box) of the stored chunks that intersect ``box``."""
+        out = []
+        for idx, c in enumerate(self._entries[key].chunks):
+            cb = tuple((o, o + n) for o, n in zip(c.offsets, c.sizes))
+            if not box or all(max(a, o) < min(b, e) for (a, b), (o, e) in zip(box, cb)):
+                out.append((idx, cb))
+        return out
+
+    def locate_region(self, key: str, box: Box) -> list[tuple[Box, Any]] | None:
+        """The stored chunks of ``key`` that intersect ``box``, each as (chunk box in global
+        coordinates, :class:`~sdadapt.io_engine.TensorLocation` of its raw bytes), for the I/O
+        engine's direct reads; ``None`` when any of them cannot be located (read through
+        :meth:`read` then)."""
+        if key not in self._entries:
+            return None
+        out = []
+        for idx, cb in self._intersecting(key, box):
+            loc = self._locate_chunk(key, idx)
+            if loc is None:
+                return None
+            out.append((cb, loc))
+        return out
+
+    def _mapped(self, loc: Any, box: Box) -> torch.Tensor:
+        """Region ``box`` (chunk coordinates) of a located chunk, out of a read-only mapping of
+        its file: a view when the chunk's bytes are aligned for its dtype, else a copy of the
+        rows the box spans (items are packed back to back, so many are unaligned)."""
+        with self._lock:
+            buf = self._maps.get(loc.path)
+            if buf is None:
+                with open(loc.path, "rb") as f:
+                    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # read-only buffer: we never write through it
+                    buf = self._maps[loc.path] = torch.frombuffer(mm, dtype=torch.uint8)
+                self._mms.append(mm)
+        n = loc.dtype.itemsize
+        for s in loc.shape:
+            n *= s
+        if loc.offset + n > len(buf):
+            raise SourceError("data file shrank since it was opened (being written?)", path=loc.path)
+        if loc.offset % loc.dtype.itemsize == 0 or not box:
+            raw = buf[loc.offset : loc.offset + n]
+            if loc.offset % loc.dtype.itemsize:
+                raw = raw.clone()
+            return raw.view(loc.dtype).view(loc.shape)[slices(box)]
+        (a, b), rest = box[0], box[1:]
+        row = n // loc.shape[0] if loc.shape[0] else 0
+        rows = buf[loc.offset + a * row : loc.offset + b * row].clone().view(loc.dtype).view((b - a, *loc.shape[1:]))
+        return rows[(slice(None), *slices(rest))]
 
     def chunks_of(self, key: str) -> list[Box]:
         """The boxes the tensor ``key`` was saved in (one per saving shard)."""
@@ -217,6 +448,19 @@ class DCPSource(Source):
         out = torch.empty(box_shape(box), dtype=md.properties.dtype)
         if out.numel() == 0:
             return out
+        located = self.locate_region(key, box)
+        if located is not None:
+            covered = 0
+            for cb, loc in located:
+                lo = [max(a, o) for (a, _), (o, _) in zip(box, cb)]
+                hi = [min(b, e) for (_, b), (_, e) in zip(box, cb)]
+                src = self._mapped(loc, tuple((x - o, y - o) for x, y, (o, _) in zip(lo, hi, cb)))
+                if len(located) == 1 and tuple(src.shape) == tuple(out.shape):
+                    return src  # inside one chunk: the mapping's view (or rows copied once)
+                out[tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, box))].copy_(src)
+                covered += src.numel()
+            if covered >= out.numel():
+                return out
         fqn = self._prefix + key
         items: list[ReadItem] = []
         views: dict[int, torch.Tensor] = {}
@@ -276,6 +520,14 @@ class DCPSource(Source):
                 path=self.path,
                 key=key,
             ) from e
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+            self._maps.clear()
+            self._mms.clear()  # unmapped once no view refers to them
 
     def file_of(self, key: str) -> str:
         md = self._entries.get(key)
