@@ -25,7 +25,7 @@ from .plan import Plan, build_plan
 from .reader import AdaptedStorageReader
 from .report import Report
 from .sources import Source, open_source
-from .target import local_nbytes, model_state_dict, schema_of
+from .target import local_nbytes, model_state_dict, refreshed_state_dict, schema_of
 
 log = logging.getLogger("sdadapt")
 
@@ -166,24 +166,23 @@ def load(
 
     materialized, error = False, None
     was_meta = has_meta(model)  # a failed load puts such a model back on meta
-    staged = None
-    wanted: dict[str, torch.Tensor] = {}
     try:  # a hook failing on one rank must stop the others before they enter dcp.load
         materialized = materialize(model, choose_device(model, device), init_buffers)
     except Exception as e:  # noqa: BLE001 - user hooks can raise anything; re-raised below
         error = e if isinstance(e, SdadaptError) else ModelError(f"materialising the model failed: {type(e).__name__}: {e}")
         error.__cause__ = e
-    if error is None:
-        # materialising gave the parameters new tensors; otherwise the planned state dict is current
-        state_dict = model_state_dict(model) if materialized else planned
-        wanted = {k: v for k, v in state_dict.items() if k in plan.recipes}
-        staged = commit.staging_like(wanted) if (stage if stage is not None else not was_meta) else None
-        try:  # files unchanged since planning: every rank checks before the first byte is written
-            integrity.check_unchanged(files, "after planning, before reading")
-        except SdadaptError as e:
-            error = e
+    # every rank's hook has run (a hook may touch the files) before any rank checks them
+    commit.agree_or_roll_back(error, process_group, source, model, was_meta)
+    # materialising gave the parameters new tensors; otherwise the planned state dict is current
+    state_dict = refreshed_state_dict(model, planned) if materialized else planned
     del planned
-    # one agreement for both: a failed hook or a changed file on any rank stops every rank here
+    wanted = {k: v for k, v in state_dict.items() if k in plan.recipes}
+    staged = commit.staging_like(wanted) if (stage if stage is not None else not was_meta) else None
+    error = None
+    try:  # files unchanged since planning: every rank checks before the first byte is written
+        integrity.check_unchanged(files, "after planning, before reading")
+    except SdadaptError as e:
+        error = e
     commit.agree_or_roll_back(error, process_group, source, model, was_meta)
     reader = AdaptedStorageReader(plan, source)
     log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), _describe(src), " (staged)" if staged else "")
