@@ -513,6 +513,7 @@ class IOEngine:
         self.config = config or EngineConfig.from_env()
         self.stats = EngineStats()
         self._locations: dict[str, TensorLocation | None] = {}
+        self._files: dict[str, bool] = {}
 
     def _locate(self, key: str) -> TensorLocation | None:
         if key not in self._locations:
@@ -521,6 +522,12 @@ class IOEngine:
                 loc = None
             self._locations[key] = loc
         return self._locations[key]
+
+    def _is_file(self, path: str) -> bool:
+        ok = self._files.get(path)
+        if ok is None:
+            ok = self._files[path] = os.path.isfile(path)
+        return ok
 
     def _file_of(self, key: str) -> str:
         try:
@@ -563,7 +570,7 @@ class IOEngine:
         region = getattr(self.source, "locate_region", None)
         if callable(region):
             chunks = region(act.key, act.box)
-            if chunks is not None and all(os.path.isfile(loc.path) for _, loc in chunks):
+            if chunks is not None and all(self._is_file(loc.path) for _, loc in chunks):
                 parts = []
                 for cb, loc in chunks:
                     lo = [max(a, o) for (a, _), (o, _) in zip(act.box, cb)]
