@@ -14,7 +14,10 @@ on a thread pool:
    ``torch.save`` zip files when the storages line up with the zip records), a box becomes
    byte spans of that file: one span when the box covers whole rows (FSDP's dim-0 shards), one
    span per row otherwise (TP's column shards; rows shorter than 64 KiB are instead copied
-   out of the source's mapping in one strided copy). Other sources are read through
+   out of the source's mapping in one strided copy). A source stored in chunks offers
+   ``locate_region(key, box)`` (DCP folders: the raw bytes of each stored chunk inside its
+   ``torch.save`` record, see :mod:`sdadapt.sources.dcp_dir`); the box is then cut at the chunk
+   boundaries and each part located in its chunk. Other sources are read through
    ``Source.read``.
 3. **Tasks.** A CPU destination that is contiguous and of the source dtype is read *straight
    into* with ``os.preadv`` (no copy, no staging), in chunks so that several threads share a large
