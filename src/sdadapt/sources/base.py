@@ -104,3 +104,30 @@ class Source(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{self.kind}({self.path!r}, {len(self.schema)} tensors)"
+
+
+def member_path(folder: str, name: object, *, what: str, path: str, key: str | None = None, subdirs: bool = True) -> str:
+    """``folder/name``, if ``name`` is a plain relative name that stays inside ``folder``: no
+    ``..``, no absolute path, no NUL byte, no symlink leading out (and no ``/`` at all unless
+    ``subdirs``). Otherwise a SourceError: ``what`` says who named it ("index names shard")."""
+    plain = isinstance(name, str) and bool(name) and "\x00" not in name and not os.path.isabs(name)
+    if plain:
+        parts = name.replace("\\", "/").split("/")  # type: ignore[union-attr]
+        plain = ".." not in parts and "." not in parts and (subdirs or len(parts) == 1)
+    if not plain:
+        raise SourceError(
+            f"{what} {name!r}, which is not a plain file name inside the folder; refusing to read "
+            "outside the checkpoint folder",
+            path=path,
+            key=key,
+        )
+    full = os.path.join(folder, name)  # type: ignore[arg-type]
+    real, real_folder = os.path.realpath(full), os.path.realpath(folder)
+    if os.path.commonpath([real, real_folder]) != real_folder:
+        raise SourceError(
+            f"{what} {name!r}, which resolves to {real} outside the checkpoint folder (a symlink?); "
+            "refusing to read it",
+            path=path,
+            key=key,
+        )
+    return full

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import SourceError
 from ..nodes import Box
-from .base import Source, read_json_file
+from .base import Source, member_path, read_json_file
 from .safetensors_file import SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -19,30 +19,8 @@ MAX_INDEX_BYTES = 64 * 1024 * 1024  # real indexes are KBs to a few MBs; refuse 
 
 
 def _safe_member(folder: str, name: object, index_path: str, key: str | None = None) -> str:
-    real_folder = os.path.realpath(folder)
-    if (
-        not isinstance(name, str)
-        or not name
-        or "\x00" in name
-        or os.path.isabs(name)
-        or ".." in name.replace("\\", "/").split("/")
-    ):
-        raise SourceError(
-            f"index names shard {name!r}, which is not a plain file name inside the folder; "
-            "refusing to read outside the checkpoint folder",
-            path=index_path,
-            key=key,
-        )
-    full = os.path.join(folder, name)
-    real = os.path.realpath(full)
-    if os.path.commonpath([real, real_folder]) != real_folder:
-        raise SourceError(
-            f"index names shard {name!r}, which resolves to {real} outside the checkpoint folder "
-            "(a symlink?); refusing to read it",
-            path=index_path,
-            key=key,
-        )
-    if not os.path.isfile(real):
+    full = member_path(folder, name, what="index names shard", path=index_path, key=key)
+    if not os.path.isfile(os.path.realpath(full)):
         raise SourceError(
             f"index names shard {name!r}, which does not exist; the download is incomplete", path=index_path, key=key
         )
