@@ -1,7 +1,7 @@
 """``sdadapt.draft``: infer a first adapter from a checkpoint and a model (headers only).
 
     d = sdadapt.draft(model, "ckpt_dir")       # or a checkpoint path / schema as the target
-    print(d.format())                           # proposals, questions, what is still unmatched
+    summary = d.format()                        # proposals, questions, what is still unmatched
     open("my_adapter.py", "w").write(d.module)  # a readable adapter module, ADAPTER = ...
 
 How: both schemas are cut into segments, numeric segments become index captures
