@@ -1,6 +1,6 @@
 """The ``sdadapt`` command line (also ``python -m sdadapt``).
 
-Each subcommand is a module of :mod:`sdadapt.commands` with ``NAME``, ``HELP``,
+Each subcommand is a module of this package (``sdadapt.cli.diff``, ...) with ``NAME``, ``HELP``,
 ``add_arguments(parser)`` and ``run(args) -> int``. Exit codes: 0 fine, 1 problems found,
 2 usage errors (bad arguments, unreadable input).
 """
@@ -14,12 +14,11 @@ import pkgutil
 import sys
 import textwrap
 
-from . import commands
-from .errors import SdadaptError
+from ..errors import SdadaptError
 
 
 def _command_modules() -> list:
-    mods = [importlib.import_module(f"{commands.__name__}.{m.name}") for m in pkgutil.iter_modules(commands.__path__)]
+    mods = [importlib.import_module(f"{__name__}.{m.name}") for m in pkgutil.iter_modules(__path__)]
     return sorted((m for m in mods if hasattr(m, "run")), key=lambda m: m.NAME)
 
 

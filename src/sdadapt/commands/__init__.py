@@ -1,1 +1,0 @@
-"""Subcommands of the ``sdadapt`` CLI, one module each (see :mod:`sdadapt.cli`)."""
