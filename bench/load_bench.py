@@ -445,6 +445,69 @@ def _parallel_read(ranges: list[tuple[str, int, int]], threads: int, block: int 
     return sum(done)
 
 
+def _pinned_pipeline(ranges: list[tuple[str, int, int]], threads: int, dev: Any, block: int = 8 * MiB) -> int:
+    """The machine's limit for what the engine does on a GPU: ``threads`` threads ``pread`` the
+    byte ranges into two pinned buffers each and copy every block to the GPU without waiting
+    (one stream per thread), into one GPU buffer of the ranges' size. Bytes moved."""
+    import ctypes
+    import queue
+
+    import torch
+
+    total = sum(n for _, _, n in ranges)
+    gpu = torch.empty(total, dtype=torch.uint8, device=dev)
+    work: queue.SimpleQueue = queue.SimpleQueue()
+    pos = 0
+    for path, off, n in ranges:
+        for o in range(off, off + n, block):
+            work.put((path, o, min(block, off + n - o), pos + o - off))
+        pos += n
+
+    def run(i: int) -> None:
+        torch.cuda.set_device(dev)
+        bufs = [torch.empty(block, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        events: list[Any] = [None, None]
+        stream = torch.cuda.Stream(dev)
+        fds: dict[str, int] = {}
+        k = 0
+        try:
+            with torch.cuda.stream(stream):
+                while True:
+                    try:
+                        path, o, n, at = work.get_nowait()
+                    except queue.Empty:
+                        break
+                    fd = fds.get(path)
+                    if fd is None:
+                        fd = fds[path] = os.open(path, os.O_RDONLY)
+                    if events[k] is not None:
+                        events[k].synchronize()
+                    buf = bufs[k]
+                    got = 0
+                    while got < n:
+                        r = os.preadv(fd, [(ctypes.c_char * (n - got)).from_address(buf.data_ptr() + got)], o + got)
+                        if r <= 0:
+                            raise OSError(f"{path}: short read")
+                        got += r
+                    gpu[at : at + n].copy_(buf[:n], non_blocking=True)
+                    events[k] = torch.cuda.Event()
+                    events[k].record(stream)
+                    k ^= 1
+            stream.synchronize()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    del gpu
+    torch.cuda.empty_cache()
+    return total
+
+
 # --- per-rank measurement ---------------------------------------------------------------------
 
 
@@ -570,6 +633,7 @@ def run_path(path: str, cfg: dict[str, Any], layout: str, shape: Shape, dev: Any
         adapter = adapters()["fused" if naming == "fused" else "rename"]
         rep = sdadapt.load(model, src, adapter)
         facts.update(bytes_read=rep.bytes_read, plan_seconds=rep.plan_seconds, read_seconds=rep.read_seconds,
+                     phases=rep.phase_seconds,
                      local_bytes=rep.local_bytes)
     elif path == "rank0-broadcast":
         from safetensors.torch import load_file
@@ -687,13 +751,22 @@ def _worker_body(cfg: dict[str, Any], shape: Shape, dev: Any, rank: int, world: 
             lo, hi = n * rank // world, n * (rank + 1) // world
             ranges.append((f, lo, hi - lo))
         threads = default_threads()
-        dist.barrier()
-        t0 = time.perf_counter()
-        nb = _parallel_read(ranges, threads)
-        dt = time.perf_counter() - t0
-        out["refs"]["page_cache_read_gibps"] = nb / GiB / dt
+        best = 0.0
+        for _ in range(2):  # the better of two: the first also pays for fresh memory
+            dist.barrier()
+            t0 = time.perf_counter()
+            nb = _parallel_read(ranges, threads)
+            best = max(best, nb / GiB / (time.perf_counter() - t0))
+        out["refs"]["page_cache_read_gibps"] = best
         out["refs"]["page_cache_read_threads"] = threads
         if dev.type == "cuda":
+            best = 0.0
+            for _ in range(2):
+                dist.barrier()
+                t0 = time.perf_counter()
+                nb = _pinned_pipeline(ranges, threads, dev)
+                best = max(best, nb / GiB / (time.perf_counter() - t0))
+            out["refs"]["pinned_pipeline_gibps"] = best
             host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
             gpu = torch.empty(GiB, dtype=torch.uint8, device=dev)
             gpu.copy_(host, non_blocking=True)
@@ -873,6 +946,8 @@ def summarize(groups: list[dict[str, Any]], nproc: int, timeouts: dict[str, floa
                     "gpu_extra_gib": max((y.get("gpu_extra_gib") or 0) for y in x[:reps]) if "gpu_extra_gib" in x[0] else None,
                 }
                 pr["gibps"] = pr["local_gib"] / pr["wall_s"]
+                if x[0].get("phases"):
+                    pr["phases"] = {k: statistics.median(y["phases"][k] for y in x[:reps]) for k in x[0]["phases"]}
                 row["per_rank"].append(pr)
             row["check"] = f"{by_rank[0][0].get('check', '?')} ({sum(x[0].get('checked', 0) for x in by_rank)} shards)"
             rows.append(row)
@@ -916,6 +991,15 @@ def markdown(result: dict[str, Any]) -> str:
             f"{rng([p['rss_anon_extra_gib'] for p in pr])} / {rng([p['rss_file_extra_gib'] for p in pr])} | "
             f"{pr[0]['rss_peak_gib']:.2f} | {rng([p['gpu_extra_gib'] for p in pr])} | {r.get('check', '')} |"
         )
+    split = [r for r in rows if r.get("ok") and r["per_rank"] and r["per_rank"][0].get("phases")]
+    if split:
+        names = list(split[0]["per_rank"][0]["phases"])
+        lines += ["", "sdadapt's own split (`LoadReport.phase_seconds`, seconds, median over repeats, slowest rank; "
+                  "`dcp_load` contains `engine`, the engine's planning and reading, which overlap; `engine_plan` is the planning part):", "",
+                  "| path | layout | " + " | ".join(names) + " |", "|" + "|".join(["---"] * (len(names) + 2)) + "|"]
+        for r in split:
+            vals = [max(p["phases"].get(n, 0.0) for p in r["per_rank"]) for n in names]
+            lines.append(f"| {r['path']} | {r['layout']} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -1039,6 +1123,10 @@ def main(argv: list[str] | None = None) -> int:
             pc = [r["refs"].get("page_cache_read_gibps") for r in ranks0]
             refs["page-cache read (GiB/s per rank, all ranks at once)"] = "/".join(f"{x:.1f}" for x in pc) + \
                 f" with {ranks0[0]['refs'].get('page_cache_read_threads')} threads each"
+            if ranks0[0]["refs"].get("pinned_pipeline_gibps"):
+                refs["pread into pinned buffers + host-to-GPU copy, overlapped (GiB/s per rank, all at once)"] = "/".join(
+                    f"{r['refs']['pinned_pipeline_gibps']:.1f}" for r in ranks0) + \
+                    f" with {ranks0[0]['refs'].get('page_cache_read_threads')} threads each"
             if ranks0[0]["refs"].get("pinned_h2d_gibps"):
                 refs["pinned host-to-GPU (GiB/s per rank, all at once)"] = "/".join(
                     f"{r['refs']['pinned_h2d_gibps']:.1f}" for r in ranks0)

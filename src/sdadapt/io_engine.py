@@ -26,8 +26,10 @@ on a thread pool:
    stream, so the next read overlaps the host-to-device copy). Small staged reads that are
    adjacent in one file are **coalesced** into one read.
 4. **Threads.** A pool sized to the machine (CPUs of this process / ranks on this host, or
-   ``SDADAPT_IO_THREADS``). ``pread`` and ``copy_`` release the GIL, so threads read in parallel;
-   Python runs per task (a chunk of megabytes), never per element.
+   ``SDADAPT_IO_THREADS``), started before planning: each task is queued as soon as it is made,
+   so the first bytes are read while later jobs are still being routed. ``pread`` and ``copy_``
+   release the GIL, so threads read in parallel; Python runs per task (a chunk of megabytes),
+   never per element. Each thread cycles through two staging buffers of its own.
 
 Errors name the target key, the source key and the file. Bytes read are counted exactly
 (what was copied out of the checkpoint, including any gap a coalesced read spans).
@@ -41,8 +43,7 @@ import os
 import queue
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -467,7 +468,8 @@ class EngineStats:
     staging_buffers: int = 0
     staging_bytes: int = 0
     threads: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # the whole run
+    plan_seconds: float = 0.0  # of which turning jobs into tasks
 
 
 class _Counter:
@@ -539,31 +541,36 @@ class IOEngine:
             return self.source.path
 
     # -- planning -------------------------------------------------------------------------
-    def plan(self, jobs: Sequence[Job]) -> list[_Task]:
+    def plan(self, jobs: Sequence[Job], emit: Callable[[_Task], None] | None = None) -> list[_Task]:
+        """Turn jobs into read tasks. With ``emit``, each task is handed to it as soon as it is
+        made (so that reading starts while planning goes on) and the list returned is empty;
+        small staged pieces, coalesced across all jobs, come last."""
         cfg = self.config
         chunk = cfg.chunk()
         tasks: list[_Task] = []
+        push = emit or tasks.append
         small: list[tuple[str, int, int, torch.Tensor, Box, _Where, torch.dtype]] = []  # single-span staged pieces
         for job in jobs:
             actions: list[Action] = []
             route(job.node, job.box, job.dest, actions)
             for act in actions:
                 if isinstance(act, Fill):
-                    tasks.append(_Task("fill", action=act, where=_Where(job.key, None, None, job.box)))
+                    push(_Task("fill", action=act, where=_Where(job.key, None, None, job.box)))
                     continue
                 if isinstance(act, Compute):
                     files = sorted({self._file_of(k) for k in act.node.leaves()})
-                    tasks.append(_Task("compute", action=act, where=_Where(job.key, None, ", ".join(files), act.box)))
+                    push(_Task("compute", action=act, where=_Where(job.key, None, ", ".join(files), act.box)))
                     continue
                 for loc, box, dest, origin in self._parts(act):
                     where = _Where(job.key, act.key, loc.path if loc else self._file_of(act.key), act.box)
                     if loc is None:
                         # unknown storage: one read per piece (a sub-box read could cost the source a
                         # whole stored chunk each time, e.g. DCP files)
-                        tasks.append(_Task("view", action=act, where=where))
+                        push(_Task("view", action=act, where=where))
                         continue
-                    self._plan_located(loc, box, dest, origin, act.key, where, tasks, small)
-        tasks.extend(self._coalesce(small, chunk))
+                    self._plan_located(loc, box, dest, origin, act.key, where, push, small)
+        for t in self._coalesce(small, chunk):
+            push(t)
         return tasks
 
     def _parts(self, act: Piece) -> list[tuple[TensorLocation | None, Box, torch.Tensor, tuple[int, ...]]]:
@@ -595,7 +602,7 @@ class IOEngine:
         origin: tuple[int, ...],
         key: str,
         where: _Where,
-        tasks: list[_Task],
+        push: Callable[[_Task], None],
         small: list[tuple[str, int, int, torch.Tensor, Box, _Where, torch.dtype]],
     ) -> None:
         cfg = self.config
@@ -607,7 +614,7 @@ class IOEngine:
             # beats a read call per row (Source.read takes global coordinates)
             for sub, sl in _split_box(box, itemsize, chunk):
                 glob = tuple((a + o, b + o) for (a, b), o in zip(sub, origin)) if origin else sub
-                tasks.append(_Task("view", action=Piece(key, glob, dest[sl]), where=where))
+                push(_Task("view", action=Piece(key, glob, dest[sl]), where=where))
             return
         direct = (
             dest.device.type == "cpu"
@@ -621,7 +628,7 @@ class IOEngine:
             pos = 0
             for group in _split_segments(segs, chunk):
                 n = sum(g[1] for g in group)
-                tasks.append(_Task("direct", path=loc.path, segments=group, dest=mem[pos : pos + n], where=where))
+                push(_Task("direct", path=loc.path, segments=group, dest=mem[pos : pos + n], where=where))
                 pos += n
             return
         for sub, sl in _split_box(box, itemsize, chunk):
@@ -631,7 +638,7 @@ class IOEngine:
                 small.append((loc.path, loc.offset + starts[0], run, d, sub, where, loc.dtype))
             else:
                 segs = [(loc.offset + s, run) for s in starts]
-                tasks.append(
+                push(
                     _Task(
                         "staged",
                         path=loc.path,
@@ -665,188 +672,206 @@ class IOEngine:
 
     # -- running --------------------------------------------------------------------------
     def run(self, jobs: Sequence[Job]) -> EngineStats:
+        """Plan and read ``jobs``; the threads start on the first tasks while planning goes on."""
         start = time.perf_counter()
-        tasks = self.plan(jobs)
         cfg = self.config
         chunk = cfg.chunk()
         cuda_devices = {j.dest.device for j in jobs if j.dest.device.type == "cuda"}
-        staged = [t for t in tasks if t.kind == "staged" or (t.kind == "view" and t.action.dest.device.type == "cuda")]  # type: ignore[union-attr]
-        threads = max(1, min(cfg.threads, len(tasks)))
-        count = max(1, min(cfg.staging_bytes // chunk, 2 * threads, len(staged)))
-        pin = bool(cuda_devices) and torch.cuda.is_available()
-        pool = _Pool(count, chunk, pin) if staged else None
-        fds: dict[str, int] = {}
-        for t in tasks:
-            if t.path is not None and t.path not in fds:
-                try:
-                    fds[t.path] = os.open(t.path, os.O_RDONLY)
-                except OSError as e:
-                    for fd in fds.values():
-                        os.close(fd)
-                    w = t.where
-                    raise LoadError(f"key {w.target!r} (from {t.path}): cannot open the file: {e.strerror or e}") from None
-        # big reads first across files, in file order inside each task list: keeps threads busy
-        tasks.sort(key=lambda t: -(t.nbytes if t.segments else 0))
-        work: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
-        for t in tasks:
-            work.put(t)
-        errors: list[BaseException] = []
-        failed = threading.Event()
-        results: list[tuple[int, int, int, int, int]] = []
-        results_lock = threading.Lock()
-        device = next(iter(cuda_devices)) if cuda_devices else None
-        main_stream = torch.cuda.current_stream(device) if device is not None else None
+        device = next(iter(cuda_devices)) if cuda_devices and torch.cuda.is_available() else None
+        threads = max(1, min(cfg.threads, _estimate_tasks(jobs, chunk)))
+        pool = _Pool(max(1, cfg.staging_bytes // chunk), chunk, device is not None)  # buffers made on first use
+        shared = _Shared(self.source, queue.SimpleQueue(), {}, pool, chunk, device)
+        workers = [_Worker(shared) for _ in range(threads)]
+        pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
+        for th in pool_threads:
+            th.start()
+        count = 0
 
-        def worker() -> None:
-            counter = _Counter(self.source)
-            nbytes = calls = direct = staged_b = computed = 0
-            stream = None
-            if device is not None:
-                torch.cuda.set_device(device)
-                stream = torch.cuda.Stream(device)
-                stream.wait_stream(main_stream)  # destinations were allocated/initialised there
-            pending: deque[tuple[Any, torch.Tensor]] = deque()
+        def push(task: _Task) -> None:
+            nonlocal count
+            if shared.failed.is_set():
+                return  # a thread failed: the load fails, reading on is no use
+            if task.path is not None and task.path not in shared.fds:
+                shared.fds[task.path] = _open(task)  # opened before any thread sees the task
+            shared.work.put(task)
+            count += 1
 
-            def release_oldest() -> None:
-                ev, buf = pending.popleft()
-                ev.synchronize()
-                pool.put(buf)  # type: ignore[union-attr]
-
-            def acquire() -> torch.Tensor:
-                buf = pool.try_get()  # type: ignore[union-attr]
-                if buf is None:
-                    while pending:  # never wait for a buffer while holding one of ours
-                        release_oldest()
-                    buf = pool.get()  # type: ignore[union-attr]
-                return buf
-
-            def hand_over(buf: torch.Tensor) -> None:
-                if stream is not None:
-                    ev = torch.cuda.Event()
-                    ev.record(stream)
-                    pending.append((ev, buf))
-                    if len(pending) >= 2:
-                        release_oldest()
-                else:
-                    pool.put(buf)  # type: ignore[union-attr]
-
-            try:
-                while not failed.is_set():
-                    try:
-                        task = work.get_nowait()
-                    except queue.Empty:
-                        break
-                    try:
-                        if task.kind == "direct":
-                            fd = fds[task.path]  # type: ignore[index]
-                            pos = 0
-                            for off, n in task.segments:
-                                calls += _preadv_into(fd, task.dest, pos, off, n)  # type: ignore[arg-type]
-                                pos += n
-                            nbytes += pos
-                            direct += pos
-                        elif task.kind == "staged":
-                            fd = fds[task.path]  # type: ignore[index]
-                            buf = acquire()
-                            try:
-                                pos = 0
-                                for off, n in task.segments:
-                                    calls += _preadv_into(fd, buf, pos, off, n)
-                                    pos += n
-                                nbytes += pos
-                                staged_b += pos
-                                with _on(stream):
-                                    for dl in task.deliveries:
-                                        src = buf[dl.offset : dl.offset + dl.nbytes].view(dl.dtype).view(dl.shape)
-                                        dl.dest.copy_(src, non_blocking=stream is not None)
-                            except BaseException:
-                                pool.put(buf)  # type: ignore[union-attr]
-                                raise
-                            hand_over(buf)
-                        elif task.kind == "view":
-                            act = task.action
-                            value = counter.read(act.key, act.box)  # type: ignore[union-attr]
-                            computed += 1
-                            nb = value.numel() * value.element_size()
-                            if stream is not None and act.dest.device.type == "cuda" and nb <= chunk:  # type: ignore[union-attr]
-                                buf = acquire()
-                                stage = buf[:nb].view(value.dtype).view(value.shape)
-                                stage.copy_(value)
-                                with _on(stream):
-                                    act.dest.copy_(stage, non_blocking=True)  # type: ignore[union-attr]
-                                hand_over(buf)
-                            else:
-                                act.dest.copy_(value)  # type: ignore[union-attr]
-                        elif task.kind == "compute":
-                            act = task.action
-                            value = act.node.read(act.box, counter)  # type: ignore[union-attr]
-                            computed += 1
-                            with _on(stream):
-                                act.dest.copy_(value)  # type: ignore[union-attr]
-                        elif task.kind == "fill":
-                            with _on(stream):
-                                task.action.dest.fill_(task.action.value)  # type: ignore[union-attr]
-                    except Exception as e:  # noqa: BLE001 - named and re-raised by run()
-                        errors.append(_named(task, e))
-                        failed.set()
-                while pending:
-                    release_oldest()
-                if stream is not None:
-                    stream.synchronize()
-            except BaseException as e:  # noqa: BLE001
-                errors.append(e)
-                failed.set()
-            finally:
-                with results_lock:
-                    results.append((nbytes + counter.bytes_read, calls, direct, staged_b, computed))
-
-        pool_threads = [threading.Thread(target=worker, name=f"sdadapt-io-{i}", daemon=True) for i in range(threads)]
+        planned = start
         try:
-            if threads == 1:
-                worker()
-            else:
-                for th in pool_threads:
-                    th.start()
-                for th in pool_threads:
-                    th.join()
+            self.plan(jobs, push)
+        except BaseException as e:  # noqa: BLE001 - stop the threads, then raise
+            shared.errors.insert(0, e)
+            shared.failed.set()
         finally:
-            for fd in fds.values():
+            planned = time.perf_counter()
+            for _ in pool_threads:
+                shared.work.put(None)
+            for th in pool_threads:
+                th.join()
+            for fd in shared.fds.values():
                 os.close(fd)
         st = self.stats
-        for nb, calls, direct, staged_b, computed in results:
-            st.bytes_read += nb
-            st.syscalls += calls
-            st.direct_bytes += direct
-            st.staged_bytes += staged_b
-            st.computed += computed
-        st.tasks += len(tasks)
+        for w in workers:
+            st.bytes_read += w.nbytes + w.counter.bytes_read
+            st.syscalls += w.calls
+            st.direct_bytes += w.direct
+            st.staged_bytes += w.staged
+            st.computed += w.computed
+        st.tasks += count
         st.threads = threads
-        if pool is not None:
-            st.staging_buffers = max(st.staging_buffers, pool.allocated)
-            st.staging_bytes = max(st.staging_bytes, pool.allocated * pool.size)
+        st.staging_buffers = max(st.staging_buffers, pool.allocated)
+        st.staging_bytes = max(st.staging_bytes, pool.allocated * pool.size)
+        st.plan_seconds += planned - start
         st.seconds += time.perf_counter() - start
-        if errors:
-            raise errors[0]
+        if shared.errors:
+            raise shared.errors[0]
         return st
 
 
-def _itemsize(t: torch.Tensor) -> int:
-    return t.element_size()
+def _estimate_tasks(jobs: Sequence[Job], chunk: int) -> int:
+    """About how many tasks the jobs make (for sizing the thread pool before planning)."""
+    return sum(max(1, -(-j.dest.numel() * j.dest.element_size() // chunk)) for j in jobs)
 
 
-class _on:
-    """``torch.cuda.stream(s)`` when ``s`` is a stream, else nothing."""
+def _open(task: _Task) -> int:
+    """A descriptor for the task's file; an unopenable file names its key."""
+    try:
+        return os.open(task.path, os.O_RDONLY)  # type: ignore[arg-type]
+    except OSError as e:
+        w = task.where
+        raise LoadError(f"key {w.target!r} (from {task.path}): cannot open the file: {e.strerror or e}") from None  # type: ignore[union-attr]
 
-    def __init__(self, stream: Any):
-        self.ctx = torch.cuda.stream(stream) if stream is not None else None
 
-    def __enter__(self) -> None:
-        if self.ctx is not None:
-            self.ctx.__enter__()
+@dataclass
+class _Shared:
+    """What the worker threads of one run share."""
 
-    def __exit__(self, *exc: object) -> None:
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
+    source: Source
+    work: "queue.SimpleQueue[_Task | None]"  # None: no more tasks
+    fds: dict[str, int]
+    pool: _Pool | None
+    chunk: int
+    device: torch.device | None
+    errors: list[BaseException] = field(default_factory=list)
+    failed: threading.Event = field(default_factory=threading.Event)
+
+
+class _Worker:
+    """One I/O thread: takes tasks until none are left (or one failed anywhere).
+
+    Staged reads cycle through a small ring of this thread's own staging buffers (taken from
+    the shared bounded pool, given back at the end): a buffer is reused once the host-to-device
+    copy out of it has finished (its event), so the next read overlaps the copy. On a GPU the
+    thread's own stream is current for the whole run."""
+
+    depth = 2  # staging buffers per thread
+
+    def __init__(self, shared: _Shared):
+        self.shared = shared
+        self.counter = _Counter(shared.source)
+        self.nbytes = self.calls = self.direct = self.staged = self.computed = 0
+        self.ring: list[list[Any]] = []  # [buffer, event or None]
+        self.turn = 0
+        self.stream: Any = None
+
+    def run(self) -> None:
+        sh = self.shared
+        try:
+            if sh.device is not None:
+                with torch.cuda.device(sh.device):
+                    self.stream = torch.cuda.Stream(sh.device)
+                    self.stream.wait_stream(torch.cuda.current_stream(sh.device))  # destinations were made there
+                    with torch.cuda.stream(self.stream):
+                        self._loop()
+                    self.stream.synchronize()
+            else:
+                self._loop()
+        except BaseException as e:  # noqa: BLE001 - re-raised by IOEngine.run
+            sh.errors.append(e)
+            sh.failed.set()
+        finally:
+            if sh.pool is not None:
+                for buf, _ in self.ring:
+                    sh.pool.put(buf)
+
+    def _loop(self) -> None:
+        sh = self.shared
+        while True:
+            task = sh.work.get()
+            if task is None or sh.failed.is_set():
+                return
+            try:
+                getattr(self, "_" + task.kind)(task)
+            except Exception as e:  # noqa: BLE001 - named and re-raised by run()
+                sh.errors.append(_named(task, e))
+                sh.failed.set()
+
+    def _buffer(self) -> torch.Tensor:
+        """A staging buffer free to write: a new one while the ring is short, else the oldest
+        once its copy has finished."""
+        pool = self.shared.pool
+        assert pool is not None
+        if len(self.ring) < self.depth:
+            buf = pool.try_get() if self.ring else pool.get()
+            if buf is not None:
+                self.ring.append([buf, None])
+                self.turn = len(self.ring) - 1
+                return buf
+        self.turn = (self.turn + 1) % len(self.ring)
+        slot = self.ring[self.turn]
+        if slot[1] is not None:
+            slot[1].synchronize()
+        return slot[0]
+
+    def _copied(self) -> None:
+        """Mark the current buffer in use until the copies just queued on the stream finish."""
+        if self.stream is not None:
+            slot = self.ring[self.turn]
+            if slot[1] is None:
+                slot[1] = torch.cuda.Event()
+            slot[1].record(self.stream)
+
+    def _read_into(self, task: _Task, mem: torch.Tensor) -> int:
+        fd = self.shared.fds[task.path]  # type: ignore[index]
+        pos = 0
+        for off, n in task.segments:
+            self.calls += _preadv_into(fd, mem, pos, off, n)
+            pos += n
+        self.nbytes += pos
+        return pos
+
+    def _direct(self, task: _Task) -> None:
+        self.direct += self._read_into(task, task.dest)  # type: ignore[arg-type]
+
+    def _staged(self, task: _Task) -> None:
+        buf = self._buffer()
+        self.staged += self._read_into(task, buf)
+        non_blocking = self.stream is not None
+        for dl in task.deliveries:
+            dl.dest.copy_(buf[dl.offset : dl.offset + dl.nbytes].view(dl.dtype).view(dl.shape), non_blocking=non_blocking)
+        self._copied()
+
+    def _view(self, task: _Task) -> None:
+        act = task.action
+        value = self.counter.read(act.key, act.box)  # type: ignore[union-attr]
+        self.computed += 1
+        nb = value.numel() * value.element_size()
+        if self.stream is not None and act.dest.device.type == "cuda" and nb <= self.shared.chunk:  # type: ignore[union-attr]
+            stage = self._buffer()[:nb].view(value.dtype).view(value.shape)
+            stage.copy_(value)
+            act.dest.copy_(stage, non_blocking=True)  # type: ignore[union-attr]
+            self._copied()
+        else:
+            act.dest.copy_(value)  # type: ignore[union-attr]
+
+    def _compute(self, task: _Task) -> None:
+        act = task.action
+        value = act.node.read(act.box, self.counter)  # type: ignore[union-attr]
+        self.computed += 1
+        act.dest.copy_(value)  # type: ignore[union-attr]
+
+    def _fill(self, task: _Task) -> None:
+        task.action.dest.fill_(task.action.value)  # type: ignore[union-attr]
 
 
 def _named(task: _Task, e: Exception) -> LoadError:

@@ -43,6 +43,7 @@ class LoadReport(BaseModel):
     seconds: float
     plan_seconds: float
     read_seconds: float
+    phase_seconds: dict[str, float] = {}  # wall time of each step of the load, in order
     materialized: bool
     report: Report
 
@@ -55,6 +56,19 @@ class LoadReport(BaseModel):
 
     def __str__(self) -> str:
         return self.format()
+
+
+class _Phases:
+    """Wall time between consecutive marks (for ``LoadReport.phase_seconds``)."""
+
+    def __init__(self, start: float):
+        self.last = start
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self.last
+        self.last = now
 
 
 def _describe(src: Any) -> str:
@@ -163,6 +177,8 @@ def load(
     agree(error, process_group)  # every rank raises if any failed; nothing was changed
     assert source is not None and plan is not None
     t_plan = time.perf_counter() - t0
+    phases = _Phases(t0)
+    phases.mark("plan")
 
     materialized, error = False, None
     was_meta = has_meta(model)  # a failed load puts such a model back on meta
@@ -173,6 +189,7 @@ def load(
         error.__cause__ = e
     # every rank's hook has run (a hook may touch the files) before any rank checks them
     commit.agree_or_roll_back(error, process_group, source, model, was_meta)
+    phases.mark("materialize")
     # materialising gave the parameters new tensors; otherwise the planned state dict is current
     state_dict = refreshed_state_dict(model, planned) if materialized else planned
     del planned
@@ -185,6 +202,7 @@ def load(
         error = e
     commit.agree_or_roll_back(error, process_group, source, model, was_meta)
     reader = AdaptedStorageReader(plan, source)
+    phases.mark("prepare")
     log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), _describe(src), " (staged)" if staged else "")
     read_errors: list[str] = []
     target = staged if staged is not None else wanted
@@ -200,10 +218,12 @@ def load(
         read_errors = [f"{type(e).__name__}: {e}"]
     finally:
         source.close()
+    phases.mark("dcp_load")
     # every rank: check (files unchanged, finite values), then agree: the same verdict everywhere
     failure = commit.after_read_checks(
         files, target, plan, source, check_finite, process_group, read_errors=read_errors, what=_describe(src)
     )
+    phases.mark("check")
     if failure is not None:
         commit.roll_back(model, was_meta)
         if staged is None and not was_meta:
@@ -213,6 +233,10 @@ def load(
         commit.commit_staged(staged, wanted)
         del staged, target
     commit.copy_back_if_detached(model, wanted)
+    phases.mark("commit")
+    timings = dict(phases.seconds)
+    timings["engine"] = reader.stats.seconds  # inside dcp_load: first task to last byte
+    timings["engine_plan"] = reader.stats.plan_seconds  # of which planning (reads start meanwhile)
 
     rep = LoadReport(
         rank=rank,
@@ -225,6 +249,7 @@ def load(
         seconds=time.perf_counter() - t0,
         plan_seconds=t_plan,
         read_seconds=reader.seconds,
+        phase_seconds={k: round(v, 6) for k, v in timings.items()},
         materialized=materialized,
         report=plan.report,
     )

@@ -8,6 +8,8 @@ dict, so something must compute them: the ``init_buffers`` callback, or the mode
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -18,6 +20,10 @@ from .errors import ModelError
 from .target import is_meta
 
 InitFn = Callable[[nn.Module], None]
+
+log = logging.getLogger(__name__)
+
+_SMALL = 1 << 20  # the CUDA caching allocator serves requests up to 1 MiB from a pool of its own
 
 
 def has_meta(model: nn.Module) -> bool:
@@ -69,6 +75,7 @@ def materialize(model: nn.Module, device: torch.device, init_buffers: InitFn | N
     whether the model was materialised."""
     if not has_meta(model):
         return False
+    _reserve(model, device)
     model.to_empty(device=device)
     if init_buffers is not None:
         init_buffers(model)
@@ -76,3 +83,30 @@ def materialize(model: nn.Module, device: torch.device, init_buffers: InitFn | N
         with torch.no_grad():
             model.init_weights()
     return True
+
+
+def _reserve(model: nn.Module, device: torch.device) -> None:
+    """Ask the GPU driver once for all the memory ``to_empty`` is about to take.
+
+    One allocation as large as the model's large (> 1 MiB) local tensors, freed at once: PyTorch's
+    caching allocator keeps that segment and cuts the parameters out of it, instead of one
+    ``cudaMalloc`` per parameter. Skipped where that could strand the memory instead (allocator
+    settings ``max_split_size_mb`` or ``expandable_segments``, which change how cached blocks are
+    reused), when it does not fit, or with ``SDADAPT_RESERVE=0``."""
+    if device.type != "cuda" or os.environ.get("SDADAPT_RESERVE", "1") == "0":
+        return
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "max_split_size" in conf or "expandable_segments" in conf:
+        return
+    total = 0
+    for t in (*model.parameters(), *model.buffers()):
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        n = local.numel() * local.element_size()
+        if local.is_meta and n > _SMALL:
+            total += -(-n // 512) * 512  # the allocator's block rounding
+    if total < 64 * _SMALL:
+        return
+    try:
+        torch.empty(total, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        log.debug("not reserving %d bytes on %s at once: they do not fit in one piece", total, device)

@@ -174,7 +174,7 @@ class AdaptedStorageReader(StorageReader):
 
 
 def _accumulate(total: EngineStats, one: EngineStats) -> None:
-    for name in ("bytes_read", "syscalls", "tasks", "direct_bytes", "staged_bytes", "coalesced", "computed", "seconds"):
+    for name in ("bytes_read", "syscalls", "tasks", "direct_bytes", "staged_bytes", "coalesced", "computed", "seconds", "plan_seconds"):
         setattr(total, name, getattr(total, name) + getattr(one, name))
     total.threads = max(total.threads, one.threads)
     total.staging_buffers = max(total.staging_buffers, one.staging_buffers)

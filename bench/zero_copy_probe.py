@@ -1,0 +1,281 @@
+"""Probe: how fast can one rank move a warm file's bytes to its GPU, by method?
+
+Run with ``torchrun --nproc-per-node N bench/zero_copy_probe.py --gib 7.5`` on a GPU machine.
+Each rank writes its own file (random bytes), reads it once to warm the page cache, then
+times, all ranks at once (barrier before each, slowest rank reported):
+
+- ``pread``: T threads ``preadv`` into their own pinned buffers (no GPU): the page-cache reference.
+- ``pread+h2d``: the same, then a non-blocking host-to-device copy per chunk on each thread's
+  stream (two buffers per thread): what ``sdadapt.load``'s staged path does.
+- ``register``: ``mmap`` the file read-only; per chunk ``cudaHostRegister`` (flags below) the
+  mapped page-cache pages, copy them to the GPU with a DMA, ``cudaHostUnregister``: no CPU copy.
+- ``pageable``: copy from the mapping to the GPU without registering (the driver stages).
+
+Every method's GPU result is compared with the file. Prints one JSON line per method and rank 0
+a table. Nothing here is used by the library; it decides whether the engine should register.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+MiB = 1 << 20
+
+
+def write_file(path: str, nbytes: int) -> None:
+    block = torch.randint(0, 256, (64 * MiB,), dtype=torch.uint8).numpy().tobytes()
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            n = min(left, len(block))
+            f.write(block[:n])
+            left -= n
+
+
+def warm(path: str) -> None:
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(64 * MiB)
+        while f.readinto(buf):
+            pass
+
+
+def chunks(nbytes: int, chunk: int) -> list[tuple[int, int]]:
+    return [(o, min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]
+
+
+def run_threads(n: int, fn) -> None:
+    ths = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join()
+
+
+def m_pread(path: str, nbytes: int, gpu: torch.Tensor | None, threads: int, chunk: int) -> None:
+    import ctypes
+
+    work = chunks(nbytes, chunk)
+    lock = threading.Lock()
+    it = iter(work)
+    fd = os.open(path, os.O_RDONLY)
+
+    def body(i: int) -> None:
+        bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        stream = torch.cuda.Stream() if gpu is not None else None
+        evs: list = [None, None]
+        k = 0
+        while True:
+            with lock:
+                nxt = next(it, None)
+            if nxt is None:
+                break
+            off, n = nxt
+            b = bufs[k % 2]
+            if evs[k % 2] is not None:
+                evs[k % 2].synchronize()
+            done = 0
+            while done < n:
+                cb = (ctypes.c_char * (n - done)).from_address(b.data_ptr() + done)
+                done += os.preadv(fd, [cb], off + done)
+            if gpu is not None:
+                with torch.cuda.stream(stream):
+                    gpu[off : off + n].copy_(b[:n], non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    evs[k % 2] = ev
+            k += 1
+        if stream is not None:
+            stream.synchronize()
+
+    run_threads(threads, body)
+    os.close(fd)
+
+
+def m_register(path: str, nbytes: int, gpu: torch.Tensor, threads: int, chunk: int, flags: int, stats: dict) -> None:
+    cudart = torch.cuda.cudart()
+    fd = os.open(path, os.O_RDONLY)
+    mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cpu = torch.frombuffer(mm, dtype=torch.uint8)
+    base = cpu.data_ptr()
+    work = chunks(nbytes, chunk)
+    lock = threading.Lock()
+    it = iter(work)
+    reg_s = [0.0] * threads
+    unreg_s = [0.0] * threads
+    errs: list[str] = []
+
+    def body(i: int) -> None:
+        stream = torch.cuda.Stream()
+        pending: list = []
+        while True:
+            with lock:
+                nxt = next(it, None)
+            if nxt is None:
+                break
+            off, n = nxt
+            t0 = time.perf_counter()
+            rc = int(cudart.cudaHostRegister(base + off, n, flags))
+            reg_s[i] += time.perf_counter() - t0
+            if rc != 0:
+                errs.append(f"cudaHostRegister rc={rc} flags={flags}")
+                return
+            with torch.cuda.stream(stream):
+                gpu[off : off + n].copy_(cpu[off : off + n], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            pending.append((ev, off))
+            if len(pending) > 2:
+                e, o = pending.pop(0)
+                e.synchronize()
+                t0 = time.perf_counter()
+                cudart.cudaHostUnregister(base + o)
+                unreg_s[i] += time.perf_counter() - t0
+        for e, o in pending:
+            e.synchronize()
+            t0 = time.perf_counter()
+            cudart.cudaHostUnregister(base + o)
+            unreg_s[i] += time.perf_counter() - t0
+
+    run_threads(threads, body)
+    del cpu
+    mm.close()
+    os.close(fd)
+    stats["register_thread_s"] = round(sum(reg_s), 3)
+    stats["unregister_thread_s"] = round(sum(unreg_s), 3)
+    if errs:
+        raise RuntimeError(errs[0])
+
+
+def m_pageable(path: str, nbytes: int, gpu: torch.Tensor, threads: int, chunk: int) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cpu = torch.frombuffer(mm, dtype=torch.uint8)
+    work = chunks(nbytes, chunk)
+    lock = threading.Lock()
+    it = iter(work)
+
+    def body(i: int) -> None:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            while True:
+                with lock:
+                    nxt = next(it, None)
+                if nxt is None:
+                    break
+                off, n = nxt
+                gpu[off : off + n].copy_(cpu[off : off + n], non_blocking=True)
+        stream.synchronize()
+
+    run_threads(threads, body)
+    del cpu
+    mm.close()
+    os.close(fd)
+
+
+def check(path: str, gpu: torch.Tensor, nbytes: int) -> bool:
+    with open(path, "rb") as f:
+        for off in (0, nbytes // 3, nbytes - 4 * MiB):
+            f.seek(off)
+            want = torch.frombuffer(bytearray(f.read(4 * MiB)), dtype=torch.uint8)
+            if not torch.equal(gpu[off : off + len(want)].cpu(), want):
+                return False
+    return True
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=7.5)
+    ap.add_argument("--dir", default="/tmp")
+    ap.add_argument("--threads", default="16")
+    ap.add_argument("--chunks-mb", default="8,64")
+    ap.add_argument("--flags", default="8,0,9")
+    ap.add_argument("--repeat", type=int, default=2)
+    a = ap.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    nbytes = int(a.gib * (1 << 30)) // MiB * MiB
+    path = os.path.join(a.dir, f"zc_probe_{rank}.bin")
+    t0 = time.perf_counter()
+    write_file(path, nbytes)
+    warm(path)
+    dist.barrier()
+    if rank == 0:
+        print(f"wrote and warmed {world} x {nbytes / (1 << 30):.2f} GiB in {time.perf_counter() - t0:.1f} s", flush=True)
+    gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    # warm-up of CUDA, pinned allocator
+    torch.empty(8 * MiB, dtype=torch.uint8, pin_memory=True)
+    rows = []
+
+    def timed(name: str, fn, **kw) -> None:
+        for r in range(a.repeat):
+            gpu.zero_()
+            torch.cuda.synchronize()
+            dist.barrier()
+            stats: dict = {}
+            err = None
+            t = time.perf_counter()
+            try:
+                fn(stats) if kw.get("stats") else fn()
+            except Exception as e:  # noqa: BLE001
+                err = f"{type(e).__name__}: {e}"
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t
+            ok = err is None and (kw.get("nogpu") or check(path, gpu, nbytes))
+            got: list = [None] * world
+            dist.all_gather_object(got, {"s": dt, "ok": ok, "err": err, **stats})
+            if rank == 0:
+                worst = max(g["s"] for g in got)
+                row = {"method": name, "repeat": r, "slowest_s": round(worst, 3), "gib_s_per_rank": round(nbytes / (1 << 30) / worst, 2), "ranks": got}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            if err:
+                break
+
+    for th in [int(x) for x in a.threads.split(",")]:
+        for cm in [int(x) for x in a.chunks_mb.split(",")]:
+            c = cm * MiB
+            timed(f"pread T{th} C{cm}", lambda: m_pread(path, nbytes, None, th, c), nogpu=True)
+            timed(f"pread+h2d T{th} C{cm}", lambda: m_pread(path, nbytes, gpu, th, c))
+            for fl in [int(x) for x in a.flags.split(",")]:
+                timed(f"register f{fl} T{th} C{cm}", lambda st, fl=fl: m_register(path, nbytes, gpu, th, c, fl, st), stats=True)
+            timed(f"pageable T{th} C{cm}", lambda: m_pageable(path, nbytes, gpu, th, c))
+    if rank == 0:
+        print("\n| method | best slowest-rank s | GiB/s per rank |\n|---|---|---|")
+        best: dict = {}
+        for r in rows:
+            if all(g["ok"] for g in r["ranks"]):
+                if r["method"] not in best or r["slowest_s"] < best[r["method"]]:
+                    best[r["method"]] = r["slowest_s"]
+            else:
+                best.setdefault(r["method"], None)
+        for m, s in best.items():
+            print(f"| {m} | {s if s is not None else 'failed'} | {round(nbytes / (1 << 30) / s, 2) if s else '-'} |")
+        out = os.environ.get("OUT")
+        if out:
+            with open(os.path.join(out, "zero_copy_probe.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+    os.unlink(path)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""``model_state_dict``'s fast path returns exactly what ``get_model_state_dict`` returns."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from sdadapt.target import _renames_nothing, model_state_dict
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("cache", torch.zeros(4), persistent=False)
+
+
+def tiny() -> nn.Module:
+    m = nn.Module()
+    m.emb = nn.Embedding(8, 4)
+    m.layers = nn.ModuleList([Block(), Block()])
+    m.out = nn.Linear(4, 8, bias=False)
+    m.out.weight = m.emb.weight  # tied: both keys, one tensor
+    return m
+
+
+def wrapped_layers() -> nn.Module:
+    m = tiny()
+    m.layers[0] = checkpoint_wrapper(m.layers[0])
+    return m
+
+
+class Modifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(2, 2)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        return {"inner": ""}
+
+
+@pytest.mark.parametrize(
+    "make, fast",
+    [
+        (tiny, True),
+        (lambda: torch.compile(tiny()), False),  # OptimizedModule: keys lose "_orig_mod."
+        (wrapped_layers, False),  # activation checkpointing's wrapper segment
+        (lambda: nn.Sequential(Modifier()), False),
+    ],
+)
+def test_same_as_get_model_state_dict(make, fast):
+    model = make()
+    assert _renames_nothing(model) is fast
+    ours = model_state_dict(model)
+    theirs = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
+    assert list(ours) == list(theirs)
+    for k in ours:
+        assert ours[k] is theirs[k] or (ours[k].data_ptr() == theirs[k].data_ptr() and ours[k].shape == theirs[k].shape), k
