@@ -25,11 +25,14 @@ import torch.distributed as dist
 from checkpoints import write_hf_sharded, write_safetensors, write_torch_save
 from dist_helper import run_distributed
 from models import TP_PLAN_FORWARD, TinyTransformer, parallelize, split_qkv
+from torch.distributed.checkpoint import DefaultLoadPlanner, Metadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import sdadapt
+from sdadapt.reader import AdaptedLoadPlanner
 
 # Model sizes: vocab 37, ffn 40, dim 16 give uneven shards over 2, 3 and 4 ranks; "tiny" has a
 # vocab of 3, so FSDP over 4 ranks leaves one rank with an empty shard of the embedding.
@@ -189,6 +192,21 @@ def _check_model(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> d
     return {"full_mismatch": full_bad, "shard_mismatch": shard_bad, "placements": sorted(placements), "uneven": uneven, "empty": empty}
 
 
+def _plans_agree(model: torch.nn.Module) -> bool:
+    """sdadapt's memoised local plan is DCP's ``DefaultLoadPlanner`` plan, item for item."""
+    sd = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    md = Metadata(
+        state_dict_metadata={
+            k: TensorStorageMetadata(TensorProperties(dtype=v.dtype), v.size(), [ChunkStorageMetadata(torch.Size([0] * v.dim()), v.size())])
+            for k, v in sd.items()
+        }
+    )
+    ours, theirs = AdaptedLoadPlanner(), DefaultLoadPlanner()
+    ours.set_up_planner(sd, md, False)
+    theirs.set_up_planner(sd, md, False)
+    return ours.create_local_plan().items == theirs.create_local_plan().items
+
+
 def _even_shape(v: DTensor) -> tuple[int, ...]:
     """The local shape this shard would have if every sharded dim divided evenly (for flagging
     uneven cases: any rank whose shape differs from the ceil-division share)."""
@@ -233,6 +251,7 @@ def _run_cases(folder: str, cases: list[tuple[str, str, str]]) -> dict[str, dict
             materialized=rep.materialized,
             on_meta=any(p.is_meta or (isinstance(p, DTensor) and p.to_local().is_meta) for p in model.parameters()),
             forward_diff=_forward_diff(model, config, expected) if MESHES[mesh_kind][3] else None,
+            plans_agree=_plans_agree(model),
         )
         out[case_id(world, mesh_kind, config, source)] = facts
         dist.barrier()
@@ -277,6 +296,7 @@ def test_load_bit_exact(world: int, mesh: str, config: str, source: str, folder:
         assert f["full_mismatch"] == [], f"rank {rank}: full tensors differ for {f['full_mismatch']}"
         assert f["shard_mismatch"] == [], f"rank {rank}: local shards differ for {f['shard_mismatch']}"
         assert not f["on_meta"], f"rank {rank}: parameters left on meta"
+        assert f["plans_agree"], f"rank {rank}: AdaptedLoadPlanner's plan differs from DefaultLoadPlanner's"
         assert f["materialized"] == (mesh != "plain_cpu"), (rank, f["materialized"])
         if f["forward_diff"] is not None:
             assert f["forward_diff"] <= 1e-5, f"rank {rank}: forward differs by {f['forward_diff']}"

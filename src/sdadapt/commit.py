@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 
 from . import integrity
-from .distributed import agree, is_distributed
+from .distributed import agree, gather_if_any, is_distributed
 from .errors import LoadError, SdadaptError
 from .plan import Plan
 from .sources import Source
@@ -97,10 +97,10 @@ def after_read_checks(
     except SdadaptError as e:
         problems.append(str(e))
     bad: dict[str, tuple[int, int]] = integrity.nonfinite_counts(loaded) if check_finite and not read_errors else {}
-    gathered: list[Any] = [(read_errors, problems, bad)]
+    mine = (read_errors, problems, bad)
+    gathered: list[Any] = [mine]
     if is_distributed():
-        gathered = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, (read_errors, problems, bad), group=group)
+        gathered = [g or ([], [], {}) for g in gather_if_any(mine, bool(read_errors or problems or bad), group)]
     failed = {r: "\n".join(errs) for r, (errs, _, _) in enumerate(gathered) if errs}
     if failed:
         lines = [f"  rank {r}: {m}" for r, m in sorted(failed.items())]

@@ -13,7 +13,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.api import CheckpointException
 
 from . import commit, integrity
@@ -22,7 +21,7 @@ from .distributed import agree, rank_and_world
 from .errors import LoadError, ModelError, PlanError, SdadaptError
 from .materialize import InitFn, check_buffers, choose_device, has_meta, materialize
 from .plan import Plan, build_plan
-from .reader import AdaptedStorageReader
+from .reader import AdaptedLoadPlanner, AdaptedStorageReader
 from .report import Report
 from .sources import Source, open_source
 from .target import local_nbytes, model_state_dict, refreshed_state_dict, schema_of
@@ -211,7 +210,7 @@ def load(
         # outcome is agreed below, in the one collective of the checks after reading
         with warnings.catch_warnings():  # no_dist=True warns that it assumes one process: we mean it
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(target, storage_reader=reader, planner=DefaultLoadPlanner(), process_group=process_group, no_dist=True)
+            dcp.load(target, storage_reader=reader, planner=AdaptedLoadPlanner(), process_group=process_group, no_dist=True)
     except CheckpointException as e:  # a BaseException: turn it into ours
         read_errors = commit.read_errors(e)
     except Exception as e:  # noqa: BLE001 - named and agreed on below

@@ -8,18 +8,22 @@ needs, and copy the result into the destination shard.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint import Metadata, StorageReader
+from torch.distributed.checkpoint import DefaultLoadPlanner, Metadata, StorageReader
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from .errors import LoadError
@@ -29,6 +33,61 @@ from .plan import Plan
 from .sources.base import Source
 
 log = logging.getLogger(__name__)
+
+
+class AdaptedLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` with its local plan memoised for repeated layouts.
+
+    A model repeats a few (global shape, mesh, placements) combinations many times (every layer
+    has the same q/k/v/o...), and against :class:`AdaptedStorageReader`'s metadata (one chunk per
+    key, the whole tensor) the read items of a tensor depend on nothing else. So each
+    combination's items are computed once, by DCP's own ``__create_chunk_list__`` and
+    ``create_read_items_for_chunk_list``, and reused for every key that shares it with only the
+    key replaced: the same plan ``DefaultLoadPlanner`` makes, without recomputing DTensor
+    offsets for every key. Anything else (non-tensor values, other metadata) takes
+    ``DefaultLoadPlanner``'s own path."""
+
+    def create_local_plan(self) -> LoadPlan:
+        md = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        sd = self.state_dict
+        if not all(isinstance(v, torch.Tensor) and isinstance(md.get(k), TensorStorageMetadata) for k, v in sd.items()):
+            return super().create_local_plan()
+        memo: dict[Any, tuple[str, list[ReadItem]]] = {}
+        items: list[ReadItem] = []
+        for fqn, obj in sd.items():
+            tmd = md[fqn]
+            if tmd.size != obj.size():
+                raise ValueError(f"Size mismatch between saved {tmd.size} and current: {obj.size()} for {fqn}")
+            if len(tmd.chunks) != 1 or any(tmd.chunks[0].offsets) or tmd.chunks[0].sizes != tmd.size:
+                items += create_read_items_for_chunk_list(fqn, tmd, _chunks(obj))
+                continue
+            if isinstance(obj, DTensor):
+                if obj.device_mesh.get_coordinate() is None:
+                    continue
+                sig: Any = (tuple(obj.shape), id(obj.device_mesh), tuple(obj.placements))
+            else:
+                sig = tuple(obj.shape)
+            hit = memo.get(sig)
+            if hit is None:
+                memo[sig] = (fqn, create_read_items_for_chunk_list(fqn, tmd, _chunks(obj)))
+                items += memo[sig][1]
+            else:
+                items += [_renamed(it, fqn) for it in hit[1]]
+        return LoadPlan(items)
+
+
+def _chunks(obj: torch.Tensor) -> list[ChunkStorageMetadata]:
+    if isinstance(obj, DTensor):
+        return obj.__create_chunk_list__()
+    return [ChunkStorageMetadata(offsets=torch.Size([0] * obj.dim()), sizes=obj.size())]
+
+
+def _renamed(item: ReadItem, fqn: str) -> ReadItem:
+    return dataclasses.replace(
+        item,
+        dest_index=dataclasses.replace(item.dest_index, fqn=fqn),
+        storage_index=dataclasses.replace(item.storage_index, fqn=fqn),
+    )
 
 
 class CountingIO:
