@@ -38,8 +38,10 @@ Errors name the target key, the source key and the file. Bytes read are counted 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
+import sys
 import queue
 import threading
 import time
@@ -495,6 +497,34 @@ class Job:
     dest: torch.Tensor
 
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_populate_ok = [sys.platform.startswith("linux")]
+
+
+def _populate(mem: torch.Tensor) -> None:
+    """Fault in the pages of a CPU destination in one ``madvise(MADV_POPULATE_WRITE)`` call
+    before reading into it: fresh memory (a just-materialised model) otherwise takes one page
+    fault per 4 KiB inside ``pread``, which costs more than the copy itself (0.30 -> 0.23 s for
+    469 MiB on the 2-core VM). Exactly what the write would do anyway; skipped where the kernel
+    does not know the flag."""
+    if not _populate_ok[0]:
+        return
+    start = mem.data_ptr()
+    lo, hi = -(-start // 4096) * 4096, (start + mem.numel()) // 4096 * 4096
+    if hi - lo < (1 << 20):
+        return
+    libc = _libc()
+    if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_POPULATE_WRITE) != 0:
+        _populate_ok[0] = False  # EINVAL before 5.14; never worth an error
+
+
+@functools.cache
+def _libc() -> Any:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
+
+
 def _preadv_into(fd: int, mem: torch.Tensor, pos: int, offset: int, nbytes: int) -> int:
     """Read ``nbytes`` at file ``offset`` into the uint8 CPU tensor ``mem`` at ``pos``."""
     addr = mem.data_ptr() + pos
@@ -841,6 +871,7 @@ class _Worker:
         return pos
 
     def _direct(self, task: _Task) -> None:
+        _populate(task.dest)  # type: ignore[arg-type]
         self.direct += self._read_into(task, task.dest)  # type: ignore[arg-type]
 
     def _staged(self, task: _Task) -> None:
