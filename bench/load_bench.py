@@ -1053,6 +1053,8 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and torch.cuda.device_count() < args.nproc:
         raise BenchError(f"--backend nccl needs {args.nproc} GPUs, found {torch.cuda.device_count()}")
+    if str(ROOT / "src") not in sys.path:  # the workers get it on PYTHONPATH; this process checks imports
+        sys.path.insert(0, str(ROOT / "src"))
     fsdp_paths = [p for p in args.paths.split(",") if p]
     tp_paths = [p for p in args.tp_paths.split(",") if p]
     variants = [v for v in args.discussion.split(",") if v]

@@ -273,5 +273,10 @@ def test_default_threads_follow_local_ranks(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1000")
     assert default_threads() == 1
     assert 1 <= one <= 32
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert default_threads() == 12  # 16 CPUs per rank, a quarter left to the rest of the process
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert default_threads() == 4  # under 8 CPUs per rank: all of them
     monkeypatch.setenv("SDADAPT_IO_THREADS", "5")
     assert default_threads() == 5
