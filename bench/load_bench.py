@@ -734,14 +734,15 @@ def worker(config_path: str) -> None:
         os._exit(0)
 
 
-def _worker_body(cfg: dict[str, Any], shape: Shape, dev: Any, rank: int, world: int, out: dict[str, Any]) -> None:
+def _references(cfg: dict[str, Any], dev: Any, rank: int, world: int, out: dict[str, Any]) -> None:
+    """The machine's own references, measured in the same run, after the timed paths (so that
+    their threads, pinned buffers and GPU buffer cannot disturb the first path's timing)."""
     import torch
     import torch.distributed as dist
 
     from sdadapt.io_engine import default_threads
 
     files = cfg["files"]
-    # references, measured in the same run
     if cfg.get("references", True) and "safetensors" in files:
         folder = files["safetensors"]
         shard_files = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".safetensors"))
@@ -781,6 +782,13 @@ def _worker_body(cfg: dict[str, Any], shape: Shape, dev: Any, rank: int, world: 
             out["refs"]["pinned_h2d_gibps"] = 5 / (e0.elapsed_time(e1) / 1000)
             del host, gpu
             torch.cuda.empty_cache()
+
+
+def _worker_body(cfg: dict[str, Any], shape: Shape, dev: Any, rank: int, world: int, out: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    files = cfg["files"]
     reps = int(cfg.get("repeat", 1))
     verify_mode = "ref" if dev.type == "cuda" else "source"
     for layout, paths in cfg["layouts"].items():
@@ -858,6 +866,8 @@ def _worker_body(cfg: dict[str, Any], shape: Shape, dev: Any, rank: int, world: 
                 if flag.item():
                     break
         del ref
+    _references(cfg, dev, rank, world, out)
+    Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(out, indent=1))
 
 
 # --- the orchestrator -------------------------------------------------------------------------

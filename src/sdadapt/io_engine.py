@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import gc
 import logging
 import os
 import sys
@@ -733,6 +734,8 @@ class IOEngine:
             count += 1
 
         planned = start
+        gc_was_on = gc.isenabled()
+        gc.disable()  # a full collection would hold the GIL, and with it every thread, mid-read
         try:
             self.plan(jobs, push)
         except BaseException as e:  # noqa: BLE001 - stop the threads, then raise
@@ -744,6 +747,8 @@ class IOEngine:
                 shared.work.put(None)
             for th in pool_threads:
                 th.join()
+            if gc_was_on:
+                gc.enable()
             for fd in shared.fds.values():
                 os.close(fd)
         st = self.stats
