@@ -791,6 +791,15 @@ def _worker_body(cfg: dict[str, Any], shape: Shape, dev: Any, rank: int, world: 
     files = cfg["files"]
     reps = int(cfg.get("repeat", 1))
     verify_mode = "ref" if dev.type == "cuda" else "source"
+    # untimed warm-up loads of the first path: a fresh process pays once for its first pinned
+    # buffers, CUDA streams and (on machines whose memory grows on demand) new memory; without
+    # this the first path measured would pay it and the later ones would not
+    layout0, paths0 = next(iter(cfg["layouts"].items()))
+    for _ in range(int(cfg.get("warmup", 0)) if paths0 else 0):
+        model, _facts, _naming = run_path(paths0[0], cfg, layout0, shape, dev)
+        model = None
+        gc.collect()
+        dist.barrier()
     for layout, paths in cfg["layouts"].items():
         ref: dict[str, Any] | None = None  # source (HF) key -> local shard of the sdadapt result
         for path in paths:
@@ -971,7 +980,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append(f"Checkpoint: {result['checkpoint']['gib']:.2f} GiB {result['shape']['dtype']} "
                  f"({result['shape']['layers']} layers, hidden {result['shape']['hidden']}, vocab {result['shape']['vocab']}); "
                  f"{result['nproc']} ranks, {result['backend']}; {m['torch']} on {m['host']} ({m['cpus']} CPUs"
-                 + (f", {m['gpus']}" if m.get("gpus") else "") + f"); {result.get('cache', 'warm')} page cache; median of {result['repeat']} run(s).")
+                 + (f", {m['gpus']}" if m.get("gpus") else "") + f"); {result.get('cache', 'warm')} page cache; median of {result['repeat']} run(s)"
+                 + f" after {result.get('warmup', 0)} untimed warm-up load(s) of the first path.")
     refs = result.get("refs", {})
     if refs:
         lines.append("References measured in the same run: " + "; ".join(f"{k} {v}" for k, v in refs.items()) + ".")
@@ -1045,6 +1055,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--discussion-timeout", type=float, default=300.0)
     ap.add_argument("--timeout", type=float, default=3000.0, help="timeout of the main worker group (s)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="untimed loads of the first path before timing (default 1)")
     ap.add_argument("--assume-ram-gib", type=float, default=None,
                     help="RAM to plan with (machines whose memory grows on demand report too little)")
     ap.add_argument("--no-references", action="store_true")
@@ -1108,7 +1119,7 @@ def main(argv: list[str] | None = None) -> int:
         out_prefix = Path(args.out)
         work = Path(tempfile.mkdtemp(prefix="sdadapt-bench-run-"))
         common = {"shape": asdict(shape), "backend": backend, "files": files, "repeat": args.repeat, "cold": args.cold,
-                  "verify": not args.no_verify}
+                  "verify": not args.no_verify, "warmup": args.warmup}
         layouts = {"fsdp": fsdp_paths}
         if tp_paths:
             layouts["tp"] = tp_paths
@@ -1152,6 +1163,7 @@ def main(argv: list[str] | None = None) -> int:
             "nproc": args.nproc,
             "backend": backend,
             "repeat": args.repeat,
+            "warmup": args.warmup,
             "cache": "cold (dropped before every load)" if args.cold else "warm",
             "refs": refs,
             "rows": rows,
