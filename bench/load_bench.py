@@ -280,6 +280,11 @@ def parallelize(model: Any, blocks: list[Any], naming: str, layout: str, device_
     elif layout == "tp":
         mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("tp",))
         parallelize_module(model, mesh, tp_plan(naming))
+    elif layout == "hsdp":  # every rank a replica (FSDP over 1 rank): each needs the whole model
+        mesh = init_device_mesh(device_type, (world, 1), mesh_dim_names=("replicate", "fsdp"))
+        for b in blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     else:
         raise BenchError(f"unknown layout {layout!r}")
     return model
@@ -631,7 +636,7 @@ def run_path(path: str, cfg: dict[str, Any], layout: str, shape: Shape, dev: Any
     if path.startswith("sdadapt"):
         src = {"sdadapt-torchsave": files.get("torch.save"), "sdadapt-dcp": files.get("dcp")}.get(path, files.get("safetensors"))
         adapter = adapters()["fused" if naming == "fused" else "rename"]
-        rep = sdadapt.load(model, src, adapter)
+        rep = sdadapt.load(model, src, adapter, share_reads=path == "sdadapt-shared")
         facts.update(bytes_read=rep.bytes_read, plan_seconds=rep.plan_seconds, read_seconds=rep.read_seconds,
                      phases=rep.phase_seconds,
                      local_bytes=rep.local_bytes)
@@ -794,7 +799,7 @@ def _worker_body(cfg: dict[str, Any], shape: Shape, dev: Any, rank: int, world: 
     # untimed warm-up loads of the first path: a fresh process pays once for its first pinned
     # buffers, CUDA streams and (on machines whose memory grows on demand) new memory; without
     # this the first path measured would pay it and the later ones would not
-    layout0, paths0 = next(iter(cfg["layouts"].items()))
+    layout0, paths0 = next(((lay, ps) for lay, ps in cfg["layouts"].items() if ps), ("fsdp", []))
     for _ in range(int(cfg.get("warmup", 0)) if paths0 else 0):
         model, _facts, _naming = run_path(paths0[0], cfg, layout0, shape, dev)
         model = None
@@ -1051,6 +1056,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint (and reuse one written with the same settings)")
     ap.add_argument("--paths", default=",".join(ALL_PATHS), help="comma list of FSDP paths")
     ap.add_argument("--tp-paths", default=",".join(TP_PATHS), help="comma list of TP paths ('' for none)")
+    ap.add_argument("--hsdp-paths", default="", help="comma list of paths on an HSDP mesh of replicas only, "
+                    "e.g. sdadapt,sdadapt-shared (share_reads=True),hf-reader ('' for none)")
     ap.add_argument("--discussion", default="materialized,meta", help="torchsave-broadcast variants to run ('' for none)")
     ap.add_argument("--discussion-timeout", type=float, default=300.0)
     ap.add_argument("--timeout", type=float, default=3000.0, help="timeout of the main worker group (s)")
@@ -1123,6 +1130,9 @@ def main(argv: list[str] | None = None) -> int:
         layouts = {"fsdp": fsdp_paths}
         if tp_paths:
             layouts["tp"] = tp_paths
+        hsdp_paths = [p for p in args.hsdp_paths.split(",") if p]
+        if hsdp_paths:
+            layouts["hsdp"] = hsdp_paths
         groups = []
         timeouts = {"main": args.timeout}
         main_cfg = {**common, "layouts": layouts, "out": str(work / "main"), "references": not args.no_references and not args.cold}

@@ -124,6 +124,8 @@ def _one_rank_faults(good: dict[str, str], scratch: str, mesh: Any) -> dict[str,
         io_engine._preadv_into = eio if rank == 1 else real_pread
         try:
             out[f"eio_rank1/{tag}"] = _attempt(_make(mesh, meta), path) | {"path": path}
+            # the same with share_reads: rank 1's replicas must not wait for its blocks
+            out[f"eio_rank1_shared/{tag}"] = _attempt(_make(mesh, meta), path, share_reads=True) | {"path": path}
         finally:
             io_engine._preadv_into = real_pread
 
@@ -360,7 +362,7 @@ def test_faults_on_one_rank(dist_results: dict[int, Any], world: int) -> None:
             path = os.path.join(got["path"], "__0_0.distcp") if kind.startswith("dcp") else got["path"]
             if path not in msg:
                 problems.append(f"{where}: message does not name {path}: {msg[:600]}")
-            if kind in ("eio_rank1", "dcp_read_raises_rank1") and ("rank(s) 1" not in msg or repr(KEY) not in msg and "key '" not in msg):
+            if kind in ("eio_rank1", "eio_rank1_shared", "dcp_read_raises_rank1") and ("rank(s) 1" not in msg or repr(KEY) not in msg and "key '" not in msg):
                 problems.append(f"{where}: message does not name rank 1 and a key: {msg[:600]}")
             if kind == "grows_while_read" and "size changed" not in msg:
                 problems.append(f"{where}: {msg[:600]}")

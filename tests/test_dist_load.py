@@ -64,6 +64,9 @@ SOURCES: dict[str, tuple[str, sdadapt.Adapter | None, str | None, torch.dtype]] 
     "safetensors_bf16_cast": ("bf16.safetensors", BF16, None, torch.bfloat16),
 }
 ALL_SOURCES = list(SOURCES)
+# the same sources loaded with share_reads=True (replicas split the reads and broadcast)
+SHARED = {"hf_sharded_shared": "hf_sharded", "torch_save_split_qkv_shared": "torch_save_split_qkv"}
+SOURCES.update({k: SOURCES[v] for k, v in SHARED.items()})
 
 # mesh kind -> (mesh shape, mesh dim names, TP plan or None for the discussion's, forward-correct)
 # "plain_meta"/"plain_cpu" are unsharded models (replicated: every rank holds everything).
@@ -87,7 +90,7 @@ CASES: list[tuple[int, str, str, list[str]]] = [
     (1, "fsdp", "base", ["torch_save", "torch_save_split_qkv"]),
     (2, "plain_cpu", "base", ["torch_save", "safetensors_bf16_cast"]),
     (2, "fsdp", "base", ALL_SOURCES),
-    (2, "tp", "base", ALL_SOURCES),
+    (2, "tp", "base", ALL_SOURCES + list(SHARED)),
     (2, "tp_fwd", "base", ["torch_save", "hf_sharded"]),
     (3, "plain_meta", "base", ["torch_save_split_qkv", "hf_sharded"]),
     (3, "fsdp", "base", ALL_SOURCES),
@@ -96,10 +99,10 @@ CASES: list[tuple[int, str, str, list[str]]] = [
     (4, "fsdp", "base", ALL_SOURCES),
     (4, "fsdp", "tiny", ["torch_save", "hf_sharded"]),
     (4, "tp", "base", ["torch_save", "torch_save_split_qkv"]),
-    (4, "fsdp_tp", "base", ALL_SOURCES),
+    (4, "fsdp_tp", "base", ALL_SOURCES + list(SHARED)),
     (4, "fsdp_tp_fwd", "base", ALL_SOURCES),
-    (4, "hsdp", "base", ALL_SOURCES),
-    (4, "plain_cpu", "base", ["hf_sharded"]),
+    (4, "hsdp", "base", ALL_SOURCES + list(SHARED)),
+    (4, "plain_cpu", "base", ["hf_sharded", "hf_sharded_shared"]),
     (4, "fsdp_tp1", "base", ["torch_save", "torch_save_split_qkv"]),
 ]
 WORLD_SIZES = sorted({c[0] for c in CASES})
@@ -241,12 +244,13 @@ def _run_cases(folder: str, cases: list[tuple[str, str, str]]) -> dict[str, dict
     for mesh_kind, config, source in cases:
         name, adapter, subtree, _ = SOURCES[source]
         model = _build(mesh_kind, config, meshes)
-        rep = sdadapt.load(model, os.path.join(folder, config, name), adapter, subtree=subtree)
+        rep = sdadapt.load(model, os.path.join(folder, config, name), adapter, subtree=subtree, share_reads=source in SHARED)
         expected = expected_state_dict(config, source)
         facts = _check_model(model, expected)
         facts.update(
             keys_loaded=rep.keys_loaded,
             bytes_read=rep.bytes_read,
+            bytes_shared=rep.bytes_shared,
             local_bytes=rep.local_bytes,
             materialized=rep.materialized,
             on_meta=any(p.is_meta or (isinstance(p, DTensor) and p.to_local().is_meta) for p in model.parameters()),
@@ -319,6 +323,17 @@ def test_load_bytes(world: int, mesh: str, config: str, source: str, folder: str
         assert f["bytes_read"] <= limit, f"rank {rank} read {f['bytes_read']} bytes for {limit:.0f} of shards"
     total = sum(f["bytes_read"] for f in per_rank)
     ckpt = source_nbytes(config, source)
+    if source in SHARED:
+        shared = sum(f["bytes_shared"] for f in per_rank)
+        if mesh.startswith("plain"):  # no DTensors: nothing to share, every rank reads it all
+            assert total == world * ckpt and shared == 0, (total, shared)
+        else:  # replicas split every replicated DTensor shard: less read than without sharing
+            alone = sum(r[case_id(world, mesh, config, SHARED[source])]["bytes_read"] for r in results_for(world, folder))
+            assert ckpt <= total < alone, (total, ckpt, alone)
+            assert shared == alone - total, (shared, alone, total)
+            if mesh == "hsdp":  # every parameter is a DTensor: the ranks together read it once
+                assert total == ckpt, (total, ckpt)
+        return
     if mesh in ("fsdp", "fsdp_tp1"):  # shards partition every tensor: the ranks together read the checkpoint once
         assert total == ckpt, (total, ckpt)
     elif mesh.startswith("plain"):  # replicated: every rank reads all of it

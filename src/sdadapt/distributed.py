@@ -46,7 +46,7 @@ def gather_if_any(obj: Any, flagged: bool, group: dist.ProcessGroup | None = Non
     all-gather (pickling, two collectives and device copies): a few microseconds instead of
     milliseconds on NCCL. Every rank must call it at the same point."""
     world = dist.get_world_size(group)
-    flag = torch.tensor([1 if flagged else 0], dtype=torch.int32, device=_collective_device(group))
+    flag = torch.tensor([1 if flagged else 0], dtype=torch.int32, device=collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     if not int(flag.item()):
         return [None] * world
@@ -55,7 +55,7 @@ def gather_if_any(obj: Any, flagged: bool, group: dist.ProcessGroup | None = Non
     return out
 
 
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a small tensor for a collective on ``group`` must live (as ``all_gather_object``
     decides: the current GPU for NCCL, else the CPU)."""
     try:

@@ -38,6 +38,7 @@ class LoadReport(BaseModel):
     keys_loaded: int
     items_read: int
     bytes_read: int
+    bytes_shared: int = 0  # received from replicas (share_reads=True) instead of read
     local_bytes: int  # bytes of this rank's destination shards
     seconds: float
     plan_seconds: float
@@ -131,6 +132,7 @@ def load(
     verify: bool = False,
     check_finite: bool = False,
     stage: bool | None = None,
+    share_reads: bool = False,
 ) -> LoadReport:
     """Load checkpoint ``src`` into ``model`` through ``adapter``; every rank reads only its shards.
 
@@ -150,6 +152,12 @@ def load(
     they are read (size, mtime and inode are checked before and after). ``verify=True`` checks
     every region read against ``sdadapt.checksums.json`` (see :mod:`sdadapt.integrity`);
     ``check_finite=True`` refuses NaN/Inf values, naming each key.
+
+    ``share_reads=True``: ranks that hold the same shard (mesh dims where a parameter is
+    ``Replicate``: HSDP's replicate dim, TP-replicated norms) each read a part of it and
+    broadcast it to the others over the process group (:mod:`sdadapt.share`), instead of all
+    reading all of it; for fast interconnects (NVLink) where the page cache, not the network,
+    is the limit. ``LoadReport.bytes_shared`` is what this rank received that way.
     """
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
@@ -200,7 +208,7 @@ def load(
     except SdadaptError as e:
         error = e
     commit.agree_or_roll_back(error, process_group, source, model, was_meta)
-    reader = AdaptedStorageReader(plan, source)
+    reader = AdaptedStorageReader(plan, source, share_reads=share_reads)
     phases.mark("prepare")
     log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), _describe(src), " (staged)" if staged else "")
     read_errors: list[str] = []
@@ -244,6 +252,7 @@ def load(
         keys_loaded=len(wanted),
         items_read=reader.items_read,
         bytes_read=reader.io.bytes_read,
+        bytes_shared=reader.shared_bytes,
         local_bytes=sum(local_nbytes(t) for t in wanted.values()),
         seconds=time.perf_counter() - t0,
         plan_seconds=t_plan,

@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
+from . import share
+from .distributed import is_distributed
 from .errors import LoadError
 from .io_engine import EngineConfig, EngineStats, IOEngine, Job
 from .nodes import Box, box_shape
@@ -121,6 +123,7 @@ class AdaptedStorageReader(StorageReader):
         *,
         engine: str | None = None,
         config: EngineConfig | None = None,
+        share_reads: bool = False,
     ):
         super().__init__()
         self.plan = plan
@@ -132,6 +135,8 @@ class AdaptedStorageReader(StorageReader):
         if self.engine not in ("engine", "simple"):
             raise LoadError(f"unknown I/O engine {self.engine!r} (SDADAPT_IO); use 'engine' or 'simple'")
         self.config = config
+        self.share_reads = share_reads
+        self.shared_bytes = 0  # bytes this rank received from replicas instead of reading
         self.stats = EngineStats()
         self._metadata = Metadata(
             state_dict_metadata={
@@ -176,13 +181,27 @@ class AdaptedStorageReader(StorageReader):
             if tuple(dest.shape) != box_shape(box):
                 raise LoadError(f"key {key!r}: destination shard {list(dest.shape)} != region {list(box)}")
             jobs.append(Job(key, self.plan.recipes[key], box, dest))
+        to_read, shares = jobs, []
+        if self.share_reads and is_distributed():
+            targets = [_target_of(planner, item) for item in plan.items]
+            to_read, shares = share.split(jobs, targets)
         engine = IOEngine(self.source, self.config)
+        failure: BaseException | None = None
         try:
-            engine.run(jobs)
+            engine.run(to_read)
+        except BaseException as e:  # noqa: BLE001 - the replicas must still hear of it (no hang)
+            failure = e
         finally:
             self.io.bytes_read += engine.stats.bytes_read
             self.io.reads += engine.stats.syscalls
             _accumulate(self.stats, engine.stats)
+        if shares:
+            share.exchange(shares, failed=failure is not None)
+            self.shared_bytes += sum(j.dest.numel() * j.dest.element_size() for j in jobs) - sum(
+                j.dest.numel() * j.dest.element_size() for j in to_read
+            )
+        if failure is not None:
+            raise failure
         for item, job in zip(plan.items, jobs):
             planner.commit_tensor(item, job.dest)
             self.items_read += 1
@@ -230,6 +249,12 @@ class AdaptedStorageReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: object) -> bool:
         return False
+
+
+def _target_of(planner: LoadPlanner, item: object) -> torch.Tensor | None:
+    """The state-dict tensor (a DTensor, or not) that a read item's destination belongs to."""
+    sd = getattr(planner, "state_dict", None)
+    return sd.get(item.dest_index.fqn) if isinstance(sd, dict) else None  # type: ignore[attr-defined]
 
 
 def _accumulate(total: EngineStats, one: EngineStats) -> None:
