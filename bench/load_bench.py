@@ -442,12 +442,17 @@ def _parallel_read(ranges: list[tuple[str, int, int]], threads: int, block: int 
             for fd in fds.values():
                 os.close(fd)
 
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
+    _run_threads(run, threads)
+    return sum(done)
+
+
+def _run_threads(fn: Any, n: int) -> None:
+    """``fn(i)`` on ``n`` threads at once; returns when all are done."""
+    ts = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
     for t in ts:
         t.start()
     for t in ts:
         t.join()
-    return sum(done)
 
 
 def _pinned_pipeline(ranges: list[tuple[str, int, int]], threads: int, dev: Any, block: int = 8 * MiB) -> int:
@@ -503,11 +508,7 @@ def _pinned_pipeline(ranges: list[tuple[str, int, int]], threads: int, dev: Any,
             for fd in fds.values():
                 os.close(fd)
 
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    _run_threads(run, threads)
     del gpu
     torch.cuda.empty_cache()
     return total

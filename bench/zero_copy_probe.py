@@ -51,6 +51,21 @@ def chunks(nbytes: int, chunk: int) -> list[tuple[int, int]]:
     return [(o, min(chunk, nbytes - o)) for o in range(0, nbytes, chunk)]
 
 
+class _Work:
+    """The file's chunks, handed to the threads one at a time (``for off, n in work``)."""
+
+    def __init__(self, nbytes: int, chunk: int):
+        self._it = iter(chunks(nbytes, chunk))
+        self._lock = threading.Lock()
+
+    def __iter__(self) -> "_Work":
+        return self
+
+    def __next__(self) -> tuple[int, int]:
+        with self._lock:
+            return next(self._it)
+
+
 def run_threads(n: int, fn) -> None:
     ths = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
     for t in ths:
@@ -62,9 +77,7 @@ def run_threads(n: int, fn) -> None:
 def m_pread(path: str, nbytes: int, gpu: torch.Tensor | None, threads: int, chunk: int) -> None:
     import ctypes
 
-    work = chunks(nbytes, chunk)
-    lock = threading.Lock()
-    it = iter(work)
+    work = _Work(nbytes, chunk)
     fd = os.open(path, os.O_RDONLY)
 
     def body(i: int) -> None:
@@ -72,12 +85,7 @@ def m_pread(path: str, nbytes: int, gpu: torch.Tensor | None, threads: int, chun
         stream = torch.cuda.Stream() if gpu is not None else None
         evs: list = [None, None]
         k = 0
-        while True:
-            with lock:
-                nxt = next(it, None)
-            if nxt is None:
-                break
-            off, n = nxt
+        for off, n in work:
             b = bufs[k % 2]
             if evs[k % 2] is not None:
                 evs[k % 2].synchronize()
@@ -99,19 +107,23 @@ def m_pread(path: str, nbytes: int, gpu: torch.Tensor | None, threads: int, chun
     os.close(fd)
 
 
-def m_register(path: str, nbytes: int, gpu: torch.Tensor, threads: int, chunk: int, flags: int, stats: dict) -> None:
-    cudart = torch.cuda.cudart()
-    fd = os.open(path, os.O_RDONLY)
-    mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
+def _mapped(path: str, nbytes: int) -> tuple[int, mmap.mmap, torch.Tensor]:
+    """The file mapped read-only (shared) and a uint8 tensor over the mapping."""
     import warnings
 
+    fd = os.open(path, os.O_RDONLY)
+    mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # read-only buffer: we never write through it
         cpu = torch.frombuffer(mm, dtype=torch.uint8)
+    return fd, mm, cpu
+
+
+def m_register(path: str, nbytes: int, gpu: torch.Tensor, threads: int, chunk: int, flags: int, stats: dict) -> None:
+    cudart = torch.cuda.cudart()
+    fd, mm, cpu = _mapped(path, nbytes)
     base = cpu.data_ptr()
-    work = chunks(nbytes, chunk)
-    lock = threading.Lock()
-    it = iter(work)
+    work = _Work(nbytes, chunk)
     reg_s = [0.0] * threads
     unreg_s = [0.0] * threads
     errs: list[str] = []
@@ -119,12 +131,7 @@ def m_register(path: str, nbytes: int, gpu: torch.Tensor, threads: int, chunk: i
     def body(i: int) -> None:
         stream = torch.cuda.Stream()
         pending: list = []
-        while True:
-            with lock:
-                nxt = next(it, None)
-            if nxt is None:
-                break
-            off, n = nxt
+        for off, n in work:
             t0 = time.perf_counter()
             rc = int(cudart.cudaHostRegister(base + off, n, flags))
             reg_s[i] += time.perf_counter() - t0
@@ -159,26 +166,13 @@ def m_register(path: str, nbytes: int, gpu: torch.Tensor, threads: int, chunk: i
 
 
 def m_pageable(path: str, nbytes: int, gpu: torch.Tensor, threads: int, chunk: int) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    mm = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ, flags=mmap.MAP_SHARED)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        cpu = torch.frombuffer(mm, dtype=torch.uint8)
-    work = chunks(nbytes, chunk)
-    lock = threading.Lock()
-    it = iter(work)
+    fd, mm, cpu = _mapped(path, nbytes)
+    work = _Work(nbytes, chunk)
 
     def body(i: int) -> None:
         stream = torch.cuda.Stream()
         with torch.cuda.stream(stream):
-            while True:
-                with lock:
-                    nxt = next(it, None)
-                if nxt is None:
-                    break
-                off, n = nxt
+            for off, n in work:
                 gpu[off : off + n].copy_(cpu[off : off + n], non_blocking=True)
         stream.synchronize()
 
