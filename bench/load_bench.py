@@ -897,6 +897,7 @@ def _launch(cfg: dict[str, Any], nproc: int, timeout: float, tag: str) -> dict[s
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(MALLOC_MODES[cfg.get("malloc", "default")])
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(Path(__file__).resolve()), "--worker", str(cfg_path)]
     log_path = out / "log.txt"
@@ -987,7 +988,8 @@ def markdown(result: dict[str, Any]) -> str:
                  f"({result['shape']['layers']} layers, hidden {result['shape']['hidden']}, vocab {result['shape']['vocab']}); "
                  f"{result['nproc']} ranks, {result['backend']}; {m['torch']} on {m['host']} ({m['cpus']} CPUs"
                  + (f", {m['gpus']}" if m.get("gpus") else "") + f"); {result.get('cache', 'warm')} page cache; median of {result['repeat']} run(s)"
-                 + f" after {result.get('warmup', 0)} untimed warm-up load(s) of the first path.")
+                 + f" after {result.get('warmup', 0)} untimed warm-up load(s) of the first path"
+                 + (f"; worker memory: {result['malloc']} (see MALLOC_MODES)." if result.get("malloc", "default") != "default" else "."))
     refs = result.get("refs", {})
     if refs:
         lines.append("References measured in the same run: " + "; ".join(f"{k} {v}" for k, v in refs.items()) + ".")
@@ -1039,6 +1041,18 @@ def _machine() -> dict[str, Any]:
     return m
 
 
+# glibc settings for the worker processes. Which path of a run gets memory that an earlier path
+# freed (already faulted in) and which gets fresh pages (one page fault per 4 KiB on first
+# write, which costs more than reading from the page cache) otherwise depends on glibc's
+# dynamic mmap/trim thresholds, i.e. on luck. "fresh": every tensor of 128 KiB or more is its
+# own mapping, returned on free: every load writes into fresh pages, as a job's first load does.
+# "reuse": memory is kept and reused (tensors over 32 MiB still get fresh pages).
+MALLOC_MODES: dict[str, dict[str, str]] = {
+    "default": {},
+    "fresh": {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)},
+    "reuse": {"MALLOC_MMAP_THRESHOLD_": str(32 * MiB), "MALLOC_TRIM_THRESHOLD_": str(64 * GiB)},
+}
+
 ALL_PATHS = ["sdadapt", "sdadapt-fused", "sdadapt-torchsave", "sdadapt-dcp", "rank0-broadcast", "hf-reader", "dcp-native"]
 TP_PATHS = ["sdadapt", "hf-reader"]
 
@@ -1063,6 +1077,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--discussion-timeout", type=float, default=300.0)
     ap.add_argument("--timeout", type=float, default=3000.0, help="timeout of the main worker group (s)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--malloc", choices=sorted(MALLOC_MODES), default="default",
+                    help="glibc memory reuse between loads in the workers (see MALLOC_MODES); default: glibc's own")
     ap.add_argument("--warmup", type=int, default=1, help="untimed loads of the first path before timing (default 1)")
     ap.add_argument("--assume-ram-gib", type=float, default=None,
                     help="RAM to plan with (machines whose memory grows on demand report too little)")
@@ -1127,7 +1143,7 @@ def main(argv: list[str] | None = None) -> int:
         out_prefix = Path(args.out)
         work = Path(tempfile.mkdtemp(prefix="sdadapt-bench-run-"))
         common = {"shape": asdict(shape), "backend": backend, "files": files, "repeat": args.repeat, "cold": args.cold,
-                  "verify": not args.no_verify, "warmup": args.warmup}
+                  "verify": not args.no_verify, "warmup": args.warmup, "malloc": args.malloc}
         layouts = {"fsdp": fsdp_paths}
         if tp_paths:
             layouts["tp"] = tp_paths
@@ -1175,6 +1191,7 @@ def main(argv: list[str] | None = None) -> int:
             "backend": backend,
             "repeat": args.repeat,
             "warmup": args.warmup,
+            "malloc": args.malloc,
             "cache": "cold (dropped before every load)" if args.cold else "warm",
             "refs": refs,
             "rows": rows,
