@@ -10,8 +10,9 @@ on a thread pool:
    of *pieces*: "source tensor ``key``, region ``box``, goes into this view of the destination".
    Nodes the engine does not know (unit permutations, padding...) are computed with their own
    ``read`` and copied: correct for any node, just not zero-copy.
-2. **Locating.** Where a source tensor is stored contiguously in a file (safetensors always;
-   ``torch.save`` zip files when the storages line up with the zip records), a box becomes
+2. **Locating.** Where a source tensor is stored contiguously in a file (``Source.locate``:
+   safetensors always; ``torch.save`` zip files when the storages line up with the zip
+   records), a box becomes
    byte spans of that file: one span when the box covers whole rows (FSDP's dim-0 shards), one
    span per row otherwise (TP's column shards; rows shorter than 64 KiB are instead copied
    out of the source's mapping in one strided copy). A source stored in chunks offers
@@ -55,7 +56,7 @@ import torch
 from . import nodes as N
 from .errors import LoadError
 from .nodes import Box, box_shape
-from .sources.base import Source
+from .sources.base import Source, TensorLocation
 
 log = logging.getLogger(__name__)
 
@@ -123,106 +124,10 @@ class EngineConfig:
 # --- where a source tensor's bytes are ----------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TensorLocation:
-    """A source tensor stored contiguously (row-major) at byte ``offset`` of file ``path``."""
-
-    path: str
-    offset: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
 def locate(source: Source, key: str) -> TensorLocation | None:
-    """Where ``key``'s bytes are, if the source stores it contiguously in one file.
-
-    A source may offer ``locate(key)`` itself; the built-in safetensors sources are handled
-    here; others (and ``torch.save`` files whose layout we cannot prove) return ``None`` and are
-    read through ``Source.read``."""
-    own = getattr(source, "locate", None)
-    if callable(own):
-        return own(key)
-    from .sources.hf_sharded import HFShardedSource
-    from .sources.safetensors_file import SafetensorsFile
-    from .sources.torch_save import TorchSaveFile
-
-    if isinstance(source, HFShardedSource):
-        sf = source._key_file.get(key)
-        return locate(sf, key) if sf is not None else None
-    if isinstance(source, SafetensorsFile):
-        entry = source._entries.get(key)
-        if entry is None:
-            return None
-        info, begin, _ = entry
-        return TensorLocation(source.path, source._data_start + begin, tuple(info.shape), info.dtype)
-    if isinstance(source, TorchSaveFile):
-        return _torch_save_locations(source).get(key)
-    return None
-
-
-def _torch_save_locations(source: Any) -> dict[str, TensorLocation]:
-    """File offsets of a mapped ``torch.save`` zip file's tensors.
-
-    ``torch.load(mmap=True)`` maps the whole file once and makes each storage a slice of that
-    mapping at its zip record's offset. So ``storage pointer - record offset`` is one constant
-    (the mapping's base) for every storage; we find it, check that every storage agrees, and
-    check a few tensors' first bytes against the file. If anything disagrees we return ``{}``
-    and the source is read through its mapping instead."""
-    cached = getattr(source, "_sdadapt_locations", None)
-    if cached is not None:
-        return cached
-    out: dict[str, TensorLocation] = {}
-    try:
-        out = _compute_torch_save_locations(source.path, source._tensors)
-    except Exception as e:  # noqa: BLE001 - an optimisation only: fall back to mapped reads
-        log.debug("%s: no file offsets for direct reads (%s); using the mapping", source.path, e)
-        out = {}
-    try:
-        source._sdadapt_locations = out
-    except AttributeError:
-        pass
-    return out
-
-
-def _compute_torch_save_locations(path: str, tensors: dict[str, torch.Tensor]) -> dict[str, TensorLocation]:
-    reader = torch._C.PyTorchFileReader(path)
-    offsets = sorted(
-        reader.get_record_offset(name) for name in reader.get_all_records() if "/data/" in f"/{name}" and not name.endswith(".pkl")
-    )
-    if not offsets or not tensors:
-        return {}
-    offset_set = set(offsets)
-    ptrs = {k: t.untyped_storage().data_ptr() for k, t in tensors.items() if t.untyped_storage().nbytes() > 0}
-    if not ptrs:
-        return {}
-    lowest = min(ptrs.values())
-    base = None
-    for cand in offsets:  # the lowest storage sits at one of the record offsets
-        b = lowest - cand
-        if all((p - b) in offset_set for p in ptrs.values()):
-            base = b
-            break
-    if base is None:
-        return {}
-    out = {}
-    for k, t in tensors.items():
-        if k not in ptrs or not t.is_contiguous():
-            continue
-        out[k] = TensorLocation(
-            path, ptrs[k] - base + t.storage_offset() * t.element_size(), tuple(t.shape), t.dtype
-        )
-    # spot-check bytes against the file itself
-    with open(path, "rb") as f:
-        for k in list(out)[:: max(1, len(out) // 8)]:
-            loc, t = out[k], tensors[k]
-            n = min(16, t.numel() * t.element_size())
-            if n == 0:
-                continue
-            f.seek(loc.offset)
-            want = bytes(t.reshape(-1)[: max(1, n // t.element_size())].view(torch.uint8).tolist())[:n]
-            if f.read(len(want)) != want:
-                return {}
-    return out
+    """Where ``key``'s bytes are, if the source stores it contiguously in one file
+    (:meth:`Source.locate`); ``None``: read it through ``Source.read``."""
+    return source.locate(key)
 
 
 # --- routing recipes to pieces ----------------------------------------------------------------

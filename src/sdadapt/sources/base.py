@@ -69,6 +69,16 @@ def slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(a, b) for a, b in box)
 
 
+@dataclass(frozen=True)
+class TensorLocation:
+    """A source tensor stored contiguously (row-major) at byte ``offset`` of file ``path``."""
+
+    path: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
 class Source(abc.ABC):
     """A checkpoint opened for lazy reading.
 
@@ -88,6 +98,12 @@ class Source(abc.ABC):
     def file_of(self, key: str) -> str:
         """The file that holds ``key`` (for error messages)."""
         return self.path
+
+    def locate(self, key: str) -> TensorLocation | None:
+        """Where ``key``'s bytes are, if the source can prove they lie contiguously (row-major)
+        in one file: the I/O engine then reads them with ``pread``. ``None`` (the default):
+        read through :meth:`read`."""
+        return None
 
     @property
     def kind(self) -> str:

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from ..errors import SourceError
 from ..nodes import Box, box_shape
-from .base import Source, TensorInfo, member_path, slices
+from .base import Source, TensorInfo, TensorLocation, member_path, slices
 
 METADATA_NAME = ".metadata"
 SDADAPT_JSON = "sdadapt.json"
@@ -347,7 +347,6 @@ class DCPSource(Source):
         return fd
 
     def _locate_chunk(self, key: str, idx: int) -> Any:
-        from ..io_engine import TensorLocation
 
         k = (key, idx)
         if k in self._located:
@@ -381,7 +380,7 @@ class DCPSource(Source):
 
     def locate_region(self, key: str, box: Box) -> list[tuple[Box, Any]] | None:
         """The stored chunks of ``key`` that intersect ``box``, each as (chunk box in global
-        coordinates, :class:`~sdadapt.io_engine.TensorLocation` of its raw bytes), for the I/O
+        coordinates, :class:`~sdadapt.sources.base.TensorLocation` of its raw bytes), for the I/O
         engine's direct reads; ``None`` when any of them cannot be located (read through
         :meth:`read` then)."""
         if key not in self._entries:

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import SourceError
 from ..nodes import Box
-from .base import Source, member_path, read_json_file
+from .base import Source, TensorLocation, member_path, read_json_file
 from .safetensors_file import SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -69,6 +69,10 @@ class HFShardedSource(Source):
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         return self._key_file[key].read(key, box)
+
+    def locate(self, key: str) -> TensorLocation | None:
+        sf = self._key_file.get(key)
+        return sf.locate(key) if sf is not None else None
 
     def file_of(self, key: str) -> str:
         sf = self._key_file.get(key)

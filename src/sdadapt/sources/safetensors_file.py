@@ -17,7 +17,7 @@ import torch
 
 from ..errors import SourceError
 from ..nodes import Box
-from .base import Source, TensorInfo, slices
+from .base import Source, TensorInfo, TensorLocation, slices
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 
@@ -162,6 +162,13 @@ class SafetensorsFile(Source):
     def _unaligned(self, key: str) -> bool:
         info, begin, _ = self._entries[key]
         return info.dtype.itemsize > 1 and (self._data_start + begin) % info.dtype.itemsize != 0
+
+    def locate(self, key: str) -> TensorLocation | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        info, begin, _ = entry
+        return TensorLocation(self.path, self._data_start + begin, tuple(info.shape), info.dtype)
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         if key in self._views or not self._unaligned(key) or not box:

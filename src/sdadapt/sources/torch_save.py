@@ -7,6 +7,7 @@ pages. Nested dicts are flattened with dots (``{"model": {"w": t}}`` -> ``model.
 
 from __future__ import annotations
 
+import logging
 import pickle
 import re
 import zipfile
@@ -17,7 +18,9 @@ import torch
 
 from ..errors import SourceError
 from ..nodes import Box
-from .base import Source, TensorInfo, slices
+from .base import Source, TensorInfo, TensorLocation, slices
+
+log = logging.getLogger(__name__)
 
 _SHARDED_HINT = (
     "it holds sharded pieces ({what}) rather than full tensors: it was saved from a "
@@ -148,9 +151,66 @@ class TorchSaveFile(Source):
                 self.non_tensor.append(key)
         _check_records(path, self._tensors)
         self.schema = {k: TensorInfo(tuple(t.shape), t.dtype) for k, t in self._tensors.items()}
+        self._locations: dict[str, TensorLocation] | None = None
+
+    def locate(self, key: str) -> TensorLocation | None:
+        """File offsets of the tensors' bytes (see :func:`file_offsets`), found on first use."""
+        if self._locations is None:
+            try:
+                self._locations = file_offsets(self.path, self._tensors)
+            except Exception as e:  # noqa: BLE001 - an optimisation only: fall back to mapped reads
+                log.debug("%s: no file offsets for direct reads (%s); using the mapping", self.path, e)
+                self._locations = {}
+        return self._locations.get(key)
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         return self._tensors[key][slices(box)]
 
     def close(self) -> None:
         self._tensors.clear()
+
+
+def file_offsets(path: str, tensors: dict[str, torch.Tensor]) -> dict[str, TensorLocation]:
+    """File offsets of a mapped ``torch.save`` zip file's tensors.
+
+    ``torch.load(mmap=True)`` maps the whole file once and makes each storage a slice of that
+    mapping at its zip record's offset. So ``storage pointer - record offset`` is one constant
+    (the mapping's base) for every storage; we find it, check that every storage agrees, and
+    check a few tensors' first bytes against the file. If anything disagrees we return ``{}``
+    and the source is read through its mapping instead."""
+    reader = torch._C.PyTorchFileReader(path)
+    offsets = sorted(
+        reader.get_record_offset(name) for name in reader.get_all_records() if "/data/" in f"/{name}" and not name.endswith(".pkl")
+    )
+    if not offsets or not tensors:
+        return {}
+    offset_set = set(offsets)
+    ptrs = {k: t.untyped_storage().data_ptr() for k, t in tensors.items() if t.untyped_storage().nbytes() > 0}
+    if not ptrs:
+        return {}
+    lowest = min(ptrs.values())
+    base = None
+    for cand in offsets:  # the lowest storage sits at one of the record offsets
+        b = lowest - cand
+        if all((p - b) in offset_set for p in ptrs.values()):
+            base = b
+            break
+    if base is None:
+        return {}
+    out = {}
+    for k, t in tensors.items():
+        if k not in ptrs or not t.is_contiguous():
+            continue
+        out[k] = TensorLocation(path, ptrs[k] - base + t.storage_offset() * t.element_size(), tuple(t.shape), t.dtype)
+    # spot-check bytes against the file itself
+    with open(path, "rb") as f:
+        for k in list(out)[:: max(1, len(out) // 8)]:
+            loc, t = out[k], tensors[k]
+            n = min(16, t.numel() * t.element_size())
+            if n == 0:
+                continue
+            f.seek(loc.offset)
+            want = bytes(t.reshape(-1)[: max(1, n // t.element_size())].view(torch.uint8).tolist())[:n]
+            if f.read(len(want)) != want:
+                return {}
+    return out
