@@ -280,3 +280,19 @@ def test_default_threads_follow_local_ranks(monkeypatch):
     assert default_threads() == 4  # under 8 CPUs per rank: all of them
     monkeypatch.setenv("SDADAPT_IO_THREADS", "5")
     assert default_threads() == 5
+
+
+def test_populate_keeps_values_and_fresh_memory_reads_right(tmp_path):
+    from sdadapt.io_engine import _populate
+
+    t = torch.arange(1 << 20, dtype=torch.int32)  # 4 MiB with values: faulting in must not change them
+    want = t.clone()
+    _populate(t)
+    assert torch.equal(t, want)
+    # a direct read into fresh memory large enough to be populated first
+    sd = {"big": torch.randn(1024, 1024)}  # 4 MiB
+    path = write_safetensors(tmp_path / "p.safetensors", sd)
+    with open_source(path) as src:
+        dest = torch.empty(1024, 1024)
+        stats = IOEngine(src, EngineConfig(threads=1)).run([Job("big", N.Leaf("big", (1024, 1024), torch.float32), ((0, 1024), (0, 1024)), dest)])
+        assert stats.direct_bytes == 4 << 20 and torch.equal(dest, sd["big"])

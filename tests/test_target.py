@@ -60,3 +60,29 @@ def test_same_as_get_model_state_dict(make, fast):
     assert list(ours) == list(theirs)
     for k in ours:
         assert ours[k] is theirs[k] or (ours[k].data_ptr() == theirs[k].data_ptr() and ours[k].shape == theirs[k].shape), k
+
+
+def test_reserve_asks_once_for_the_large_tensors(monkeypatch):
+    """One allocation as large as the model's > 1 MiB local tensors (rounded like the caching
+    allocator), only on CUDA, and not under allocator settings that would strand it."""
+    from sdadapt import materialize
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4096, 4096, bias=False), nn.Linear(4096, 2001, bias=True), nn.Linear(10, 10))
+        small = nn.Linear(1024, 1024)  # 4 MiB: under 64 MiB nothing is worth reserving
+    asked: list[int] = []
+    monkeypatch.setattr(materialize.torch, "empty", lambda n, **kw: asked.append(n))  # nothing allocated
+    big = 4096 * 4096 * 4 + 2001 * 4096 * 4  # the two large weights (96 MiB); biases and the small layer stay out
+    materialize._reserve(model, torch.device("cpu"))
+    assert asked == []  # CPU: nothing to reserve
+    materialize._reserve(small, torch.device("cuda", 0))
+    assert asked == []
+    materialize._reserve(model, torch.device("cuda", 0))
+    assert asked == [big]
+    for env in ({"SDADAPT_RESERVE": "0"}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, {"PYTORCH_ALLOC_CONF": "max_split_size_mb:64"}):
+        asked.clear()
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            materialize._reserve(model, torch.device("cuda", 0))
+        assert asked == [], env
