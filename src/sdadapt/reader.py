@@ -54,7 +54,7 @@ class AdaptedLoadPlanner(DefaultLoadPlanner):
         sd = self.state_dict
         if not all(isinstance(v, torch.Tensor) and isinstance(md.get(k), TensorStorageMetadata) for k, v in sd.items()):
             return super().create_local_plan()
-        memo: dict[Any, tuple[str, list[ReadItem]]] = {}
+        memo: dict[Any, list[ReadItem]] = {}
         items: list[ReadItem] = []
         for fqn, obj in sd.items():
             tmd = md[fqn]
@@ -71,10 +71,10 @@ class AdaptedLoadPlanner(DefaultLoadPlanner):
                 sig = tuple(obj.shape)
             hit = memo.get(sig)
             if hit is None:
-                memo[sig] = (fqn, create_read_items_for_chunk_list(fqn, tmd, _chunks(obj)))
-                items += memo[sig][1]
+                memo[sig] = create_read_items_for_chunk_list(fqn, tmd, _chunks(obj))
+                items += memo[sig]
             else:
-                items += [_renamed(it, fqn) for it in hit[1]]
+                items += [_renamed(it, fqn) for it in hit]
         return LoadPlan(items)
 
 
@@ -113,7 +113,8 @@ class AdaptedStorageReader(StorageReader):
     Reads go through :class:`~sdadapt.io_engine.IOEngine` (parallel, coalesced, straight into
     CPU shards or through bounded pinned staging to GPU shards). ``engine="simple"`` (or the
     environment variable ``SDADAPT_IO=simple``) reads item by item on one thread instead: the
-    reference the engine is measured and tested against.
+    reference the engine is measured and tested against (it reads every item itself:
+    ``share_reads`` applies to the engine only).
     """
 
     def __init__(
