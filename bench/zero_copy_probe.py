@@ -5,14 +5,17 @@ Each rank writes its own file (random bytes), reads it once to warm the page cac
 times, all ranks at once (barrier before each, slowest rank reported):
 
 - ``pread``: T threads ``preadv`` into their own pinned buffers (no GPU): the page-cache reference.
+- ``pread-pageable``: the same into reused pageable buffers (is filling pinned memory slower?).
 - ``pread+h2d``: the same, then a non-blocking host-to-device copy per chunk on each thread's
-  stream (two buffers per thread): what ``sdadapt.load``'s staged path does.
+  stream (``--depths`` buffers per thread): what ``sdadapt.load``'s staged path does.
 - ``register``: ``mmap`` the file read-only; per chunk ``cudaHostRegister`` (flags below) the
   mapped page-cache pages, copy them to the GPU with a DMA, ``cudaHostUnregister``: no CPU copy.
 - ``pageable``: copy from the mapping to the GPU without registering (the driver stages).
 
 Every method's GPU result is compared with the file. Prints one JSON line per method and rank 0
-a table. Nothing here is used by the library; it decides whether the engine should register.
+a table. Nothing here is used by the library; it decides how the engine should move bytes.
+For the open question of round 3 (pinned pipeline slower than pageable reads), e.g.:
+``--methods pread,pread-pageable,pread+h2d --threads 12,16 --chunks-mb 1,2,8 --depths 2,4``.
 """
 
 from __future__ import annotations
@@ -74,21 +77,23 @@ def run_threads(n: int, fn) -> None:
         t.join()
 
 
-def m_pread(path: str, nbytes: int, gpu: torch.Tensor | None, threads: int, chunk: int) -> None:
+def m_pread(path: str, nbytes: int, gpu: torch.Tensor | None, threads: int, chunk: int, depth: int = 2, pinned: bool = True) -> None:
+    """``pread`` each chunk into one of ``depth`` buffers of the thread (pinned, or pageable and
+    reused), then (with ``gpu``) copy it to the GPU without waiting."""
     import ctypes
 
     work = _Work(nbytes, chunk)
     fd = os.open(path, os.O_RDONLY)
 
     def body(i: int) -> None:
-        bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        bufs = [torch.empty(chunk, dtype=torch.uint8, pin_memory=pinned) for _ in range(depth)]
         stream = torch.cuda.Stream() if gpu is not None else None
-        evs: list = [None, None]
+        evs: list = [None] * depth
         k = 0
         for off, n in work:
-            b = bufs[k % 2]
-            if evs[k % 2] is not None:
-                evs[k % 2].synchronize()
+            b = bufs[k % depth]
+            if evs[k % depth] is not None:
+                evs[k % depth].synchronize()
             done = 0
             while done < n:
                 cb = (ctypes.c_char * (n - done)).from_address(b.data_ptr() + done)
@@ -98,7 +103,7 @@ def m_pread(path: str, nbytes: int, gpu: torch.Tensor | None, threads: int, chun
                     gpu[off : off + n].copy_(b[:n], non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(stream)
-                    evs[k % 2] = ev
+                    evs[k % depth] = ev
             k += 1
         if stream is not None:
             stream.synchronize()
@@ -200,6 +205,9 @@ def main() -> None:
     ap.add_argument("--chunks-mb", default="8,64")
     ap.add_argument("--flags", default="8,0,9")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--depths", default="2", help="staging buffers per thread for pread+h2d, e.g. 2,4")
+    ap.add_argument("--methods", default="pread,pread+h2d,register,pageable",
+                    help="which to time; also pread-pageable (pread into reused pageable buffers, no GPU)")
     a = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -243,14 +251,22 @@ def main() -> None:
             if err:
                 break
 
+    methods = set(a.methods.split(","))
     for th in [int(x) for x in a.threads.split(",")]:
         for cm in [int(x) for x in a.chunks_mb.split(",")]:
             c = cm * MiB
-            timed(f"pread T{th} C{cm}", lambda: m_pread(path, nbytes, None, th, c), nogpu=True)
-            timed(f"pread+h2d T{th} C{cm}", lambda: m_pread(path, nbytes, gpu, th, c))
-            for fl in [int(x) for x in a.flags.split(",")]:
-                timed(f"register f{fl} T{th} C{cm}", lambda st, fl=fl: m_register(path, nbytes, gpu, th, c, fl, st), stats=True)
-            timed(f"pageable T{th} C{cm}", lambda: m_pageable(path, nbytes, gpu, th, c))
+            if "pread" in methods:
+                timed(f"pread T{th} C{cm}", lambda: m_pread(path, nbytes, None, th, c), nogpu=True)
+            if "pread-pageable" in methods:
+                timed(f"pread-pageable T{th} C{cm}", lambda: m_pread(path, nbytes, None, th, c, pinned=False), nogpu=True)
+            if "pread+h2d" in methods:
+                for dp in [int(x) for x in a.depths.split(",")]:
+                    timed(f"pread+h2d T{th} C{cm} D{dp}", lambda dp=dp: m_pread(path, nbytes, gpu, th, c, depth=dp))
+            if "register" in methods:
+                for fl in [int(x) for x in a.flags.split(",")]:
+                    timed(f"register f{fl} T{th} C{cm}", lambda st, fl=fl: m_register(path, nbytes, gpu, th, c, fl, st), stats=True)
+            if "pageable" in methods:
+                timed(f"pageable T{th} C{cm}", lambda: m_pageable(path, nbytes, gpu, th, c))
     if rank == 0:
         print("\n| method | best slowest-rank s | GiB/s per rank |\n|---|---|---|")
         best: dict = {}
