@@ -24,7 +24,6 @@ import platform
 import shutil
 import subprocess
 import sys
-import time
 
 import torch
 

@@ -31,7 +31,6 @@ tensors), the other paths against the sdadapt result on GPU, or against the sour
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import hashlib
@@ -509,7 +508,7 @@ def _pinned_pipeline(ranges: list[tuple[str, int, int]], threads: int, dev: Any,
                 os.close(fd)
 
     _run_threads(run, threads)
-    del gpu
+    gpu = None  # the threads are done with it; give the memory back
     torch.cuda.empty_cache()
     return total
 
@@ -619,7 +618,7 @@ def drop_caches() -> None:
 
 def run_path(path: str, cfg: dict[str, Any], layout: str, shape: Shape, dev: Any) -> tuple[Any, dict[str, Any], Any]:
     """Build the model for ``path``, parallelise it, then (timed) load it. Returns (model,
-    extra facts, plan-or-None)."""
+    extra facts, the naming of its keys)."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -631,7 +630,6 @@ def run_path(path: str, cfg: dict[str, Any], layout: str, shape: Shape, dev: Any
     model, blocks = build_model(shape, naming)
     parallelize(model, blocks, naming, layout, dev.type)
     facts: dict[str, Any] = {}
-    plan = None
     dist.barrier()
     t0 = time.perf_counter()
     if path.startswith("sdadapt"):

@@ -161,7 +161,7 @@ def m_register(path: str, nbytes: int, gpu: torch.Tensor, threads: int, chunk: i
             unreg_s[i] += time.perf_counter() - t0
 
     run_threads(threads, body)
-    del cpu
+    cpu = None  # the mapping cannot close while a tensor exports it
     mm.close()
     os.close(fd)
     stats["register_thread_s"] = round(sum(reg_s), 3)
@@ -182,7 +182,7 @@ def m_pageable(path: str, nbytes: int, gpu: torch.Tensor, threads: int, chunk: i
         stream.synchronize()
 
     run_threads(threads, body)
-    del cpu
+    cpu = None  # the mapping cannot close while a tensor exports it
     mm.close()
     os.close(fd)
 

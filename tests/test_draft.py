@@ -14,8 +14,6 @@ state dicts otherwise.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from . import commit, integrity
 from .adapter import Adapter
 from .distributed import agree, rank_and_world
-from .errors import LoadError, ModelError, PlanError, SdadaptError
+from .errors import ModelError, PlanError, SdadaptError
 from .materialize import InitFn, check_buffers, choose_device, has_meta, materialize
 from .plan import Plan, build_plan
 from .reader import AdaptedLoadPlanner, AdaptedStorageReader

@@ -11,7 +11,7 @@ from typing import Any
 from ..rules import Cast, Drop, Fuse, Rename, Split, Stack, Tie, Transpose, Unstack
 from ..sources.base import dtype_name
 from .match import Item, Match, MatchResult, fmt, item_role
-from .names import canon_tokens, role_of
+from .names import canon_tokens
 from .segments import Family, Tree
 
 
