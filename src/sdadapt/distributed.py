@@ -46,13 +46,19 @@ def gather_if_any(obj: Any, flagged: bool, group: dist.ProcessGroup | None = Non
     all-gather (pickling, two collectives and device copies): a few microseconds instead of
     milliseconds on NCCL. Every rank must call it at the same point."""
     world = dist.get_world_size(group)
-    flag = torch.tensor([1 if flagged else 0], dtype=torch.int32, device=collective_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if not int(flag.item()):
+    if not any_rank(flagged, group):
         return [None] * world
     out: list[Any] = [None] * world
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def any_rank(flagged: bool, group: dist.ProcessGroup | None = None) -> bool:
+    """Collective: whether any rank of ``group`` passed ``flagged=True`` (one one-element
+    all-reduce)."""
+    flag = torch.tensor([1 if flagged else 0], dtype=torch.int32, device=collective_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(int(flag.item()))
 
 
 def collective_device(group: dist.ProcessGroup | None) -> torch.device:

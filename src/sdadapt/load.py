@@ -24,7 +24,7 @@ from .plan import Plan, build_plan
 from .reader import AdaptedLoadPlanner, AdaptedStorageReader
 from .report import Report
 from .sources import Source, open_source
-from .target import local_nbytes, model_state_dict, refreshed_state_dict, schema_of
+from .target import local_nbytes, model_state_dict, schema_of
 
 log = logging.getLogger("sdadapt")
 
@@ -185,7 +185,6 @@ def load(
             source.close()
     agree(error, process_group)  # every rank raises if any failed; nothing was changed
     assert source is not None and plan is not None
-    t_plan = time.perf_counter() - t0
     phases = _Phases(t0)
     phases.mark("plan")
 
@@ -200,7 +199,7 @@ def load(
     commit.agree_or_roll_back(error, process_group, source, model, was_meta)
     phases.mark("materialize")
     # materialising gave the parameters new tensors; otherwise the planned state dict is current
-    state_dict = refreshed_state_dict(model, planned) if materialized else planned
+    state_dict = model_state_dict(model) if materialized else planned
     del planned
     wanted = {k: v for k, v in state_dict.items() if k in plan.recipes}
     staged = commit.staging_like(wanted) if (stage if stage is not None else not was_meta) else None
@@ -257,7 +256,7 @@ def load(
         bytes_shared=reader.shared_bytes,
         local_bytes=sum(local_nbytes(t) for t in wanted.values()),
         seconds=time.perf_counter() - t0,
-        plan_seconds=t_plan,
+        plan_seconds=phases.seconds["plan"],
         read_seconds=reader.seconds,
         phase_seconds={k: round(v, 6) for k, v in timings.items()},
         materialized=materialized,

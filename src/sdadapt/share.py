@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .distributed import collective_device
+from .distributed import any_rank
 from .io_engine import Job
 
 
@@ -77,29 +77,18 @@ def split(jobs: Sequence[Job], targets: Sequence[torch.Tensor | None]) -> tuple[
     return mine, shares
 
 
-def exchange(shares: Sequence[Share], failed: bool) -> bool:
+def exchange(shares: Sequence[Share], failed: bool) -> None:
     """Collective over each share's group: agree that every member read its blocks, then
     broadcast every block from its reader. A group in which a member failed broadcasts nothing
-    (its members all skip it, so nobody waits); returns False if any group did."""
-    if not shares:
-        return True
-    order: list[dist.ProcessGroup] = []
-    for sh in shares:
-        if not any(sh.group is g for g in order):
-            order.append(sh.group)
-    ok: list[dist.ProcessGroup] = []
-    for group in order:  # in the same order on every member; each group decides for itself
-        flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=collective_device(group))
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if not int(flag.item()):
-            ok.append(group)
-    works = []
-    for sh in shares:
-        if not any(sh.group is g for g in ok):
-            continue
-        for (s, e), src in zip(sh.parts, sh.ranks):
-            if e > s:
-                works.append(dist.broadcast(sh.dest.narrow(0, s, e - s), src=src, group=sh.group, async_op=True))
+    (its members all skip it, so nobody waits; the load then fails as any read failure does)."""
+    groups = list({id(sh.group): sh.group for sh in shares}.values())  # first-seen order, same on every member
+    ok = {id(g) for g in groups if not any_rank(failed, g)}
+    works = [
+        dist.broadcast(sh.dest.narrow(0, s, e - s), src=src, group=sh.group, async_op=True)
+        for sh in shares
+        if id(sh.group) in ok
+        for (s, e), src in zip(sh.parts, sh.ranks)
+        if e > s
+    ]
     for w in works:
         w.wait()
-    return len(ok) == len(order)

@@ -69,19 +69,3 @@ def is_meta(t: torch.Tensor) -> bool:
 def local_nbytes(t: torch.Tensor) -> int:
     local = t._local_tensor if isinstance(t, DTensor) else t
     return local.numel() * local.element_size()
-
-
-def refreshed_state_dict(model: nn.Module, planned: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``model_state_dict(model)`` again (after materialising), the cheap way when it is safe:
-    ``model.state_dict()`` when it has exactly the keys, shapes and dtypes planned against
-    (then no rename applies and its tensors are the ones ``get_model_state_dict`` would return;
-    a model with an FSDP1 module always takes ``get_model_state_dict``)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    if not any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        sd = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-        if sd.keys() == planned.keys() and all(
-            tuple(v.shape) == tuple(planned[k].shape) and v.dtype == planned[k].dtype for k, v in sd.items()
-        ):
-            return sd
-    return model_state_dict(model)

@@ -347,7 +347,6 @@ class DCPSource(Source):
         return fd
 
     def _locate_chunk(self, key: str, idx: int) -> Any:
-
         k = (key, idx)
         if k in self._located:
             return self._located[k]
