@@ -738,6 +738,20 @@ def worker(config_path: str) -> None:
         os._exit(0)
 
 
+def _best_rate(move: Any, tries: int = 2) -> float:
+    """GiB/s of ``move()`` (which returns the bytes it moved), all ranks starting together; the
+    best of ``tries``: the first also pays for fresh memory."""
+    import torch.distributed as dist
+
+    best = 0.0
+    for _ in range(tries):
+        dist.barrier()
+        t0 = time.perf_counter()
+        nb = move()
+        best = max(best, nb / GiB / (time.perf_counter() - t0))
+    return best
+
+
 def _references(cfg: dict[str, Any], dev: Any, rank: int, world: int, out: dict[str, Any]) -> None:
     """The machine's own references, measured in the same run, after the timed paths (so that
     their threads, pinned buffers and GPU buffer cannot disturb the first path's timing)."""
@@ -756,22 +770,10 @@ def _references(cfg: dict[str, Any], dev: Any, rank: int, world: int, out: dict[
             lo, hi = n * rank // world, n * (rank + 1) // world
             ranges.append((f, lo, hi - lo))
         threads = default_threads()
-        best = 0.0
-        for _ in range(2):  # the better of two: the first also pays for fresh memory
-            dist.barrier()
-            t0 = time.perf_counter()
-            nb = _parallel_read(ranges, threads)
-            best = max(best, nb / GiB / (time.perf_counter() - t0))
-        out["refs"]["page_cache_read_gibps"] = best
+        out["refs"]["page_cache_read_gibps"] = _best_rate(lambda: _parallel_read(ranges, threads))
         out["refs"]["page_cache_read_threads"] = threads
         if dev.type == "cuda":
-            best = 0.0
-            for _ in range(2):
-                dist.barrier()
-                t0 = time.perf_counter()
-                nb = _pinned_pipeline(ranges, threads, dev)
-                best = max(best, nb / GiB / (time.perf_counter() - t0))
-            out["refs"]["pinned_pipeline_gibps"] = best
+            out["refs"]["pinned_pipeline_gibps"] = _best_rate(lambda: _pinned_pipeline(ranges, threads, dev))
             host = torch.empty(GiB, dtype=torch.uint8, pin_memory=True)
             gpu = torch.empty(GiB, dtype=torch.uint8, device=dev)
             gpu.copy_(host, non_blocking=True)
