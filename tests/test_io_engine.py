@@ -33,6 +33,9 @@ CONFIGS = {
         threads=4, direct_min_bytes=1 << 40, chunk_bytes=4096, staging_bytes=3 * 4096, min_span_bytes=0
     ),
     "one-thread": EngineConfig(threads=1, direct_min_bytes=0),
+    "staged-depth-3": EngineConfig(
+        threads=2, direct_min_bytes=1 << 40, chunk_bytes=4096, staging_bytes=6 * 4096, min_span_bytes=0, depth=3
+    ),
 }
 
 
@@ -172,10 +175,11 @@ def test_coalescing_merges_adjacent_small_reads(tmp_path):
             assert torch.equal(job.dest, sd[job.key])
 
 
-def test_staging_is_bounded(tmp_path):
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_staging_is_bounded(tmp_path, depth):
     sd = {f"w{i}": torch.randn(64, 256) for i in range(6)}  # 64 KiB each
     path = write_safetensors(tmp_path / "big.safetensors", sd)
-    cfg = EngineConfig(threads=4, direct_min_bytes=1 << 40, chunk_bytes=8192, staging_bytes=2 * 8192, min_span_bytes=0)
+    cfg = EngineConfig(threads=4, direct_min_bytes=1 << 40, chunk_bytes=8192, staging_bytes=2 * 8192, min_span_bytes=0, depth=depth)
     with open_source(path) as src:
         # non-contiguous destinations: everything goes through staging, in 8 KiB chunks
         dests = {k: torch.zeros(64, 300)[:, 10:266] for k in sd}
@@ -280,6 +284,18 @@ def test_default_threads_follow_local_ranks(monkeypatch):
     assert default_threads() == 4  # under 8 CPUs per rank: all of them
     monkeypatch.setenv("SDADAPT_IO_THREADS", "5")
     assert default_threads() == 5
+
+
+def test_config_from_environment(monkeypatch):
+    monkeypatch.setenv("SDADAPT_IO_THREADS", "4")
+    monkeypatch.setenv("SDADAPT_IO_STAGING_MB", "64")
+    monkeypatch.setenv("SDADAPT_IO_DEPTH", "4")
+    monkeypatch.delenv("SDADAPT_IO_CHUNK_MB", raising=False)
+    cfg = EngineConfig.from_env()
+    assert (cfg.threads, cfg.staging_bytes, cfg.depth) == (4, 64 << 20, 4)
+    assert cfg.chunk() == 4 << 20  # staging / (depth x threads)
+    monkeypatch.setenv("SDADAPT_IO_CHUNK_MB", "0.5")
+    assert EngineConfig.from_env().chunk() == 1 << 19
 
 
 def test_populate_keeps_values_and_fresh_memory_reads_right(tmp_path):

@@ -91,12 +91,15 @@ class EngineConfig:
     """Knobs of the engine; the defaults suit most machines.
 
     ``staging_bytes`` bounds the staging memory of one load on one rank (pinned when loading to
-    a GPU); ``chunk_bytes`` is the largest single read (default: staging / (2 x threads), 1 to
-    32 MiB); ``coalesce_gap`` is how many unwanted bytes a coalesced read may span between two
-    wanted regions (counted as read); ``direct_min_bytes`` is the size from which a CPU
-    destination is read into directly rather than through staging (and coalescing);
-    a region made of several runs shorter than ``min_span_bytes`` each (a column slice) is
-    copied out of the source's mapping in one strided copy instead of one read per run.
+    a GPU); ``depth`` is how many staging buffers each thread cycles through (a read into one
+    overlaps the host-to-device copies out of the others); ``chunk_bytes`` is the largest single
+    read (default: staging / (depth x threads), 1 to 32 MiB); ``coalesce_gap`` is how many
+    unwanted bytes a coalesced read may span between two wanted regions (counted as read);
+    ``direct_min_bytes`` is the size from which a CPU destination is read into directly rather
+    than through staging (and coalescing); a region made of several runs shorter than
+    ``min_span_bytes`` each (a column slice) is copied out of the source's mapping in one
+    strided copy instead of one read per run. Environment: ``SDADAPT_IO_THREADS``,
+    ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``, ``SDADAPT_IO_DEPTH``.
     """
 
     threads: int = field(default_factory=default_threads)
@@ -105,11 +108,12 @@ class EngineConfig:
     coalesce_gap: int = 0
     direct_min_bytes: int = 256 * 1024
     min_span_bytes: int = 64 * 1024
+    depth: int = 2
 
     def chunk(self) -> int:
         if self.chunk_bytes is not None:
             return max(4096, self.chunk_bytes)
-        return max(MiB, min(32 * MiB, self.staging_bytes // (2 * max(1, self.threads))))
+        return max(MiB, min(32 * MiB, self.staging_bytes // (self.depth * max(1, self.threads))))
 
     @classmethod
     def from_env(cls) -> "EngineConfig":
@@ -118,6 +122,8 @@ class EngineConfig:
             cfg.staging_bytes = int(float(os.environ["SDADAPT_IO_STAGING_MB"]) * MiB)
         if os.environ.get("SDADAPT_IO_CHUNK_MB"):
             cfg.chunk_bytes = int(float(os.environ["SDADAPT_IO_CHUNK_MB"]) * MiB)
+        if os.environ.get("SDADAPT_IO_DEPTH"):
+            cfg.depth = max(1, int(os.environ["SDADAPT_IO_DEPTH"]))
         return cfg
 
 
@@ -576,7 +582,7 @@ class IOEngine:
         for sub, sl in _split_box(box, itemsize, chunk):
             starts, run = box_spans(loc.shape, itemsize, sub)
             d = dest[sl]
-            if len(starts) == 1:
+            if len(starts) == 1 and run < chunk // 2:
                 small.append((loc.path, loc.offset + starts[0], run, d, sub, where, loc.dtype))
             else:
                 segs = [(loc.offset + s, run) for s in starts]
@@ -623,7 +629,7 @@ class IOEngine:
         threads = max(1, min(cfg.threads, _estimate_tasks(jobs, chunk)))
         pool = _Pool(max(1, cfg.staging_bytes // chunk), chunk, device is not None)  # buffers made on first use
         shared = _Shared(self.source, queue.SimpleQueue(), {}, pool, chunk, device)
-        workers = [_Worker(shared) for _ in range(threads)]
+        workers = [_Worker(shared, cfg.depth) for _ in range(threads)]
         pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
         for th in pool_threads:
             th.start()
@@ -710,10 +716,9 @@ class _Worker:
     copy out of it has finished (its event), so the next read overlaps the copy. On a GPU the
     thread's own stream is current for the whole run."""
 
-    depth = 2  # staging buffers per thread
-
-    def __init__(self, shared: _Shared):
+    def __init__(self, shared: _Shared, depth: int = 2):
         self.shared = shared
+        self.depth = depth  # staging buffers of this thread
         self.counter = _Counter(shared.source)
         self.nbytes = self.calls = self.direct = self.staged = self.computed = 0
         self.ring: list[list[Any]] = []  # [buffer, event or None]
