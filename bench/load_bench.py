@@ -1132,6 +1132,7 @@ def main(argv: list[str] | None = None) -> int:
             created = True
             files = write_checkpoint(folder, shape, args.shard_gb, formats)
             (folder / "DONE").write_text(json.dumps(files))
+            os.sync()  # no write-back of the new files during the timed loads
         write_s = time.perf_counter() - t0
         if args.cold:
             drop_caches()  # refuses here, before any worker starts, where it is not allowed
