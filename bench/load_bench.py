@@ -806,10 +806,16 @@ def _worker_body(cfg: dict[str, Any], shape: Shape, dev: Any, rank: int, world: 
         model = None
         gc.collect()
         dist.barrier()
+    # repeats go round-robin over the paths (every path's first load, then every path's second...):
+    # whatever drifts during a run (the first seconds of a process are slower on the GPU machines,
+    # even after the warm-up; bench/RESULTS.md) then falls on every path alike
     for layout, paths in cfg["layouts"].items():
         ref: dict[str, Any] | None = None  # source (HF) key -> local shard of the sdadapt result
-        for path in paths:
-            for rep in range(reps):
+        failed: set[str] = set()  # paths that failed on some rank: not run again
+        for rep in range(reps):
+            for path in paths:
+                if path in failed:
+                    continue
                 gc.collect()
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
@@ -879,7 +885,7 @@ def _worker_body(cfg: dict[str, Any], shape: Shape, dev: Any, rank: int, world: 
                 if flag.item() and run["ok"]:
                     run["note"] = "another rank failed"
                 if flag.item():
-                    break
+                    failed.add(path)
         del ref
     _references(cfg, dev, rank, world, out)
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(out, indent=1))
@@ -987,7 +993,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines.append(f"Checkpoint: {result['checkpoint']['gib']:.2f} GiB {result['shape']['dtype']} "
                  f"({result['shape']['layers']} layers, hidden {result['shape']['hidden']}, vocab {result['shape']['vocab']}); "
                  f"{result['nproc']} ranks, {result['backend']}; {m['torch']} on {m['host']} ({m['cpus']} CPUs"
-                 + (f", {m['gpus']}" if m.get("gpus") else "") + f"); {result.get('cache', 'warm')} page cache; median of {result['repeat']} run(s)"
+                 + (f", {m['gpus']}" if m.get("gpus") else "") + f"); {result.get('cache', 'warm')} page cache; median of {result['repeat']} run(s) each, round-robin over the paths,"
                  + f" after {result.get('warmup', 0)} untimed warm-up load(s) of the first path"
                  + (f"; worker memory: {result['malloc']} (see MALLOC_MODES)." if result.get("malloc", "default") != "default" else "."))
     refs = result.get("refs", {})
