@@ -175,6 +175,30 @@ def test_coalescing_merges_adjacent_small_reads(tmp_path):
             assert torch.equal(job.dest, sd[job.key])
 
 
+def test_large_reads_are_queued_while_planning(tmp_path):
+    """Single-span pieces of half a chunk or more go out as they are planned (reading starts
+    while later jobs are routed); only smaller ones wait for the coalescing pass at the end."""
+    sd = {"a_big": torch.randn(64, 256), "b_small": torch.randn(4, 8), "c_big": torch.randn(64, 256), "d_small": torch.randn(4, 8)}
+    path = write_safetensors(tmp_path / "m.safetensors", sd)
+    cfg = EngineConfig(threads=2, direct_min_bytes=1 << 40, chunk_bytes=16384)
+    with open_source(path) as src:
+        jobs = [Job(k, N.Leaf(k, tuple(t.shape), t.dtype), tuple((0, n) for n in t.shape), torch.empty_like(t)) for k, t in sd.items()]
+        emitted: list = []
+        assert IOEngine(src, cfg).plan(jobs, emitted.append) == []
+        order = [tuple(d.where.target for d in t.deliveries) for t in emitted]
+        assert order[:-2] == [("a_big",)] * 4 + [("c_big",)] * 4  # 64 KiB each, in 16 KiB reads, in job order
+        assert sorted(order[-2:]) == [("b_small",), ("d_small",)]  # not adjacent in the file: two reads
+        stats = IOEngine(src, cfg).run(jobs)
+        assert stats.staged_bytes == sum(t.numel() * 4 for t in sd.values())
+        for job in jobs:
+            assert torch.equal(job.dest, sd[job.key])
+
+
+def test_config_rejects_zero_depth():
+    with pytest.raises(ValueError, match="depth"):
+        EngineConfig(depth=0)
+
+
 @pytest.mark.parametrize("depth", [1, 2, 3])
 def test_staging_is_bounded(tmp_path, depth):
     sd = {f"w{i}": torch.randn(64, 256) for i in range(6)}  # 64 KiB each

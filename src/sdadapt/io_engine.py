@@ -30,7 +30,7 @@ on a thread pool:
    ``SDADAPT_IO_THREADS``), started before planning: each task is queued as soon as it is made,
    so the first bytes are read while later jobs are still being routed. ``pread`` and ``copy_``
    release the GIL, so threads read in parallel; Python runs per task (a chunk of megabytes),
-   never per element. Each thread cycles through two staging buffers of its own.
+   never per element. Each thread cycles through ``depth`` (2) staging buffers of its own.
 
 Errors name the target key, the source key and the file. Bytes read are counted exactly
 (what was copied out of the checkpoint, including any gap a coalesced read spans).
@@ -109,6 +109,10 @@ class EngineConfig:
     direct_min_bytes: int = 256 * 1024
     min_span_bytes: int = 64 * 1024
     depth: int = 2
+
+    def __post_init__(self) -> None:
+        if self.depth < 1:
+            raise ValueError(f"EngineConfig.depth must be at least 1 (staging buffers per thread), got {self.depth}")
 
     def chunk(self) -> int:
         if self.chunk_bytes is not None:
@@ -492,7 +496,7 @@ class IOEngine:
     def plan(self, jobs: Sequence[Job], emit: Callable[[_Task], None] | None = None) -> list[_Task]:
         """Turn jobs into read tasks. With ``emit``, each task is handed to it as soon as it is
         made (so that reading starts while planning goes on) and the list returned is empty;
-        small staged pieces, coalesced across all jobs, come last."""
+        staged pieces under half a chunk, coalesced across all jobs, come last."""
         cfg = self.config
         chunk = cfg.chunk()
         tasks: list[_Task] = []
