@@ -7,7 +7,8 @@ times, all ranks at once (barrier before each, slowest rank reported):
 - ``pread``: T threads ``preadv`` into their own pinned buffers (no GPU): the page-cache reference.
 - ``pread-pageable``: the same into reused pageable buffers (is filling pinned memory slower?).
 - ``pread+h2d``: the same, then a non-blocking host-to-device copy per chunk on each thread's
-  stream (``--depths`` buffers per thread): what ``sdadapt.load``'s staged path does.
+  stream (``--depths`` buffers per thread; ``--lags L``: a chunk's copy is queued only after
+  L more chunks are read): what ``sdadapt.load``'s staged path does.
 - ``register``: ``mmap`` the file read-only; per chunk ``cudaHostRegister`` (flags below) the
   mapped page-cache pages, copy them to the GPU with a DMA, ``cudaHostUnregister``: no CPU copy.
 - ``pageable``: copy from the mapping to the GPU without registering (the driver stages).
@@ -21,8 +22,9 @@ times, all ranks at once (barrier before each, slowest rank reported):
 
 Every method's GPU result is compared with the file. Prints one JSON line per method and rank 0
 a table. Nothing here is used by the library; it decides how the engine should move bytes.
-For the open question of round 3 (pinned pipeline slower than pageable reads), e.g.:
-``--methods pread,pread-pageable,pread+h2d --threads 12,16 --chunks-mb 1,2,8 --depths 2,4``.
+The runs of round 4 (bench/RESULTS.md), e.g.: ``--methods
+pread,pread-pageable,pread-huge,pread+h2d,pread+h2d-huge,h2d --threads 12,16 --chunks-mb 2,8
+--depths 2,4 --bind none``.
 """
 
 from __future__ import annotations
