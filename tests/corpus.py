@@ -128,11 +128,10 @@ def _zip_record_offset(path: str, suffix: str) -> tuple[int, int]:
 
 def _torch_save_data_offset(path: str, key: str) -> int:
     """File offset of ``key``'s bytes in a flat torch.save zip (via the mapped storage)."""
-    from sdadapt.io_engine import locate
     from sdadapt.sources import open_source
 
     with open_source(path) as src:
-        loc = locate(src, key)
+        loc = src.locate(key)
         assert loc is not None, "torch.save layout not located"
         return loc.offset
 

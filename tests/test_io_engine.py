@@ -13,7 +13,7 @@ from checkpoints import random_state_dict, write_hf_sharded, write_safetensors, 
 
 from sdadapt import nodes as N
 from sdadapt.errors import LoadError
-from sdadapt.io_engine import EngineConfig, IOEngine, Job, box_spans, default_threads, locate, route
+from sdadapt.io_engine import EngineConfig, IOEngine, Job, box_spans, default_threads, route
 from sdadapt.sources import open_source
 
 SPEC = {
@@ -234,7 +234,7 @@ def test_torch_save_locations_are_file_offsets(sources):
     with open_source(paths["torch.save"]) as src:
         with open(paths["torch.save"], "rb") as f:
             for key, t in sd.items():
-                loc = locate(src, key)
+                loc = src.locate(key)
                 if t.numel() == 0:
                     continue
                 assert loc is not None, key

@@ -131,15 +131,6 @@ class EngineConfig:
         return cfg
 
 
-# --- where a source tensor's bytes are ----------------------------------------------------
-
-
-def locate(source: Source, key: str) -> TensorLocation | None:
-    """Where ``key``'s bytes are, if the source stores it contiguously in one file
-    (:meth:`Source.locate`); ``None``: read it through ``Source.read``."""
-    return source.locate(key)
-
-
 # --- routing recipes to pieces ----------------------------------------------------------------
 
 
@@ -474,7 +465,7 @@ class IOEngine:
 
     def _locate(self, key: str) -> TensorLocation | None:
         if key not in self._locations:
-            loc = locate(self.source, key)
+            loc = self.source.locate(key)  # None: read through Source.read
             if loc is not None and not os.path.isfile(loc.path):
                 loc = None
             self._locations[key] = loc
@@ -705,7 +696,7 @@ class _Shared:
     source: Source
     work: "queue.SimpleQueue[_Task | None]"  # None: no more tasks
     fds: dict[str, int]
-    pool: _Pool | None
+    pool: _Pool
     chunk: int
     device: torch.device | None
     errors: list[BaseException] = field(default_factory=list)
@@ -745,9 +736,8 @@ class _Worker:
             sh.errors.append(e)
             sh.failed.set()
         finally:
-            if sh.pool is not None:
-                for buf, _ in self.ring:
-                    sh.pool.put(buf)
+            for buf, _ in self.ring:
+                sh.pool.put(buf)
 
     def _loop(self) -> None:
         sh = self.shared
@@ -765,7 +755,6 @@ class _Worker:
         """A staging buffer free to write: a new one while the ring is short, else the oldest
         once its copy has finished."""
         pool = self.shared.pool
-        assert pool is not None
         if len(self.ring) < self.depth:
             buf = pool.try_get() if self.ring else pool.get()
             if buf is not None:
@@ -848,6 +837,5 @@ __all__: list[str] = [
     "TensorLocation",
     "box_spans",
     "default_threads",
-    "locate",
     "route",
 ]
