@@ -683,7 +683,7 @@ def verify_against_source(model: Any, naming: str, files: dict[str, str], shape:
     import torch
 
     import sdadapt
-    from sdadapt.target import model_state_dict, schema_of
+    from sdadapt._target import model_state_dict, schema_of
 
     src = sdadapt.open_source(files["safetensors"])
     try:
@@ -758,7 +758,7 @@ def _references(cfg: dict[str, Any], dev: Any, rank: int, world: int, out: dict[
     import torch
     import torch.distributed as dist
 
-    from sdadapt.io_engine import default_threads
+    from sdadapt._io_engine import default_threads
 
     files = cfg["files"]
     if cfg.get("references", True) and "safetensors" in files:
@@ -1116,9 +1116,9 @@ def main(argv: list[str] | None = None) -> int:
         formats.append("dcp")
     if "sdadapt-dcp" in fsdp_paths:
         try:
-            import sdadapt.sources.dcp_dir  # noqa: F401
+            import sdadapt.sources._dcp_dir  # noqa: F401
         except ImportError:
-            print("sdadapt-dcp: the DCP source (sdadapt.sources.dcp_dir) is not available here; skipped", file=sys.stderr)
+            print("sdadapt-dcp: the DCP source (sdadapt.sources._dcp_dir) is not available here; skipped", file=sys.stderr)
             fsdp_paths.remove("sdadapt-dcp")
 
     base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())

@@ -23,7 +23,7 @@ sys.path.insert(0, HERE)
 import pipeline  # noqa: E402 - examples/pipeline.py: the model, its checkpoint, its adapter
 
 import sdadapt  # noqa: E402
-from sdadapt.export import convert  # noqa: E402
+from sdadapt._export import convert  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -122,6 +122,6 @@ class DictIO:
         return t
 
     def schema(self) -> dict[str, Any]:
-        from sdadapt.sources.base import TensorInfo
+        from sdadapt.sources._base import TensorInfo
 
         return {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in self.tensors.items()}

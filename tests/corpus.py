@@ -137,7 +137,7 @@ def _torch_save_data_offset(path: str, key: str) -> int:
 
 
 def _safetensors_data_offset(path: str, key: str) -> int:
-    from sdadapt.sources.safetensors_file import read_header
+    from sdadapt.sources._safetensors_file import read_header
 
     entries, _, start = read_header(path)
     return start + entries[key][1]
@@ -179,7 +179,7 @@ def _write_dcp(folder: str, sd: dict[str, torch.Tensor]) -> str:
 
 
 def _checksums(path: str) -> None:
-    from sdadapt.integrity import write_checksums
+    from sdadapt._integrity import write_checksums
 
     write_checksums(path)
 

@@ -298,7 +298,7 @@ def _run_cases(root: str, mesh: Any, group: Any) -> dict[str, dict]:
     from torch.distributed.tensor import DTensor
 
     from checkpoints import DictIO
-    from sdadapt.target import model_state_dict, schema_of
+    from sdadapt._target import model_state_dict, schema_of
 
     cases = torch.load(os.path.join(root, "cases.pt"), weights_only=False)
     results: dict[str, dict] = {}
@@ -459,7 +459,7 @@ def test_adapter_options_are_checked() -> None:
 
 def test_options_from_checkpoints(cases_root: str) -> None:
     """What each adapter reads from a checkpoint's config.json and key names (headers only)."""
-    from sdadapt.registry import config_folder
+    from sdadapt._registry import config_folder
 
     def opts(name: str, case: str) -> dict:
         path = _case(cases_root, case)["path"]

@@ -1,5 +1,5 @@
 """The ``sdadapt`` CLI: ``diff`` and ``inspect`` (in-process through ``cli.main``), and the
-spec resolution of :mod:`sdadapt.resolve`."""
+spec resolution of :mod:`sdadapt._resolve`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 import sdadapt
 from sdadapt.cli import main
-from sdadapt.resolve import ResolveError, resolve_adapter, resolve_target
+from sdadapt._resolve import ResolveError, resolve_adapter, resolve_target
 
 MODEL_PY = """
 import torch
@@ -238,7 +238,7 @@ def test_resolve_api(work):
 
 
 def test_resolve_shipped_adapter_by_name():
-    from sdadapt import registry
+    from sdadapt import _registry as registry
 
     names = [n for n, _ in registry.list_adapters()]
     assert "discussion" in names

@@ -10,7 +10,7 @@ from models import TinyTransformer, split_qkv
 
 import sdadapt
 from sdadapt.cli import main
-from sdadapt.export import ExportError, convert
+from sdadapt._export import ExportError, convert
 
 QKV = sdadapt.Adapter(
     [sdadapt.fuse([f"layers.{{i}}.attn.{n}_proj.{{p}}" for n in "qkv"], "layers.{i}.attn.qkv.{p}")], name="split-qkv"
@@ -70,8 +70,8 @@ def test_cli_existing_destination_and_bad_size(ckpt, capsys):
 
 def test_verify_catches_a_wrong_output_and_leaves_nothing(ckpt, monkeypatch):
     folder, _ = ckpt
-    import sdadapt.writers.safetensors_writer as sw
-    from sdadapt.writers.base import tensor_bytes
+    import sdadapt._writers.safetensors_writer as sw
+    from sdadapt._writers.base import tensor_bytes
 
     def corrupt(t):  # flip every byte of one tensor on its way to disk
         data = tensor_bytes(t)

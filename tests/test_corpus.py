@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import sdadapt
-from sdadapt import io_engine
+from sdadapt import _io_engine as io_engine
 from sdadapt.errors import LoadError, SourceError
 
 BOUND_S = 20.0  # generous on a shared 2-core machine; a hang would be the launch timeout
@@ -154,7 +154,7 @@ def _one_rank_faults(good: dict[str, str], scratch: str, mesh: Any) -> dict[str,
                 with open(path, "r+b") as f:
                     f.truncate(os.path.getsize(path) - 100)
 
-        from sdadapt import commit as commit_mod
+        from sdadapt import _commit as commit_mod
 
         real_staging = commit_mod.staging_like
 
@@ -170,7 +170,7 @@ def _one_rank_faults(good: dict[str, str], scratch: str, mesh: Any) -> dict[str,
         out[f"truncated_after_plan/{tag}"] = res | {"path": path}
 
         # 4. a DCP read (through Source.read, not direct file reads) raising on rank 1
-        from sdadapt.sources.dcp_dir import DCPSource
+        from sdadapt.sources._dcp_dir import DCPSource
 
         real_read = DCPSource.read
 
@@ -238,7 +238,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], dict[st
         "hf": os.path.join(folder, "good", "hf"),
         "dcp": os.path.join(folder, "good", "dcp"),
     }
-    sdadapt.integrity.write_checksums(good["st"])
+    sdadapt._integrity.write_checksums(good["st"])
     return cases, good
 
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 import sdadapt
 from sdadapt.sources import open_source
-from sdadapt.sources.dcp_dir import DCPSource
+from sdadapt.sources._dcp_dir import DCPSource
 
 QKV = sdadapt.Adapter(
     [sdadapt.fuse([f"layers.{{i}}.attn.{n}_proj.{{p}}" for n in "qkv"], "layers.{i}.attn.qkv.{p}")], name="split-qkv"
@@ -126,8 +126,8 @@ def test_engine_reads_raw_chunks_bit_exact(sharded):
     """The I/O engine over a chunked DCP source: random regions (across chunk boundaries,
     contiguous and strided destinations, direct, staged and strided-copy paths) equal the
     saved tensors, with every byte read from the raw chunks (no Source.read fallback)."""
-    from sdadapt import nodes as N
-    from sdadapt.io_engine import EngineConfig, IOEngine, Job
+    from sdadapt import _nodes as N
+    from sdadapt._io_engine import EngineConfig, IOEngine, Job
 
     full = _tensors()
     rnd = random.Random(3)

@@ -22,8 +22,8 @@ import torch
 
 import sdadapt
 from sdadapt import TensorInfo, build_plan
-from sdadapt.draft.segments import build_tree
-from sdadapt.target import schema_of
+from sdadapt._draft.segments import build_tree
+from sdadapt._target import schema_of
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
 diffusers = pytest.importorskip("diffusers", reason="the test extra installs diffusers")

@@ -82,7 +82,7 @@ headers = st.dictionaries(st.text(max_size=10), entry | json_values, max_size=5)
 
 
 def _consistent(tensors: list[tuple[str, str, list[int]]]) -> tuple[dict[str, Any], int]:
-    from sdadapt.sources.safetensors_file import DTYPES as KNOWN
+    from sdadapt.sources._safetensors_file import DTYPES as KNOWN
 
     header: dict[str, Any] = {}
     off = 0
@@ -251,7 +251,7 @@ def _typed_rule(cls: Any) -> st.SearchStrategy[dict[str, Any]]:
 
 
 def _rule_classes() -> list[Any]:
-    from sdadapt import rules as R
+    from sdadapt import _rules as R
 
     out, todo = [], list(R.RuleBase.__subclasses__())
     while todo:

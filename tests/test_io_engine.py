@@ -1,4 +1,4 @@
-"""The I/O engine (sdadapt.io_engine) without processes: every path bit-exact against the
+"""The I/O engine (sdadapt._io_engine) without processes: every path bit-exact against the
 recipe's own ``read`` (the simple reader's path), coalescing, bounded staging, exact byte
 counts, and errors that name the key and the file."""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from checkpoints import random_state_dict, write_hf_sharded, write_safetensors, write_torch_save
 
-from sdadapt import nodes as N
+from sdadapt import _nodes as N
 from sdadapt.errors import LoadError
-from sdadapt.io_engine import EngineConfig, IOEngine, Job, box_spans, default_threads, route
+from sdadapt._io_engine import EngineConfig, IOEngine, Job, box_spans, default_threads, route
 from sdadapt.sources import open_source
 
 SPEC = {
@@ -323,7 +323,7 @@ def test_config_from_environment(monkeypatch):
 
 
 def test_populate_keeps_values_and_fresh_memory_reads_right(tmp_path):
-    from sdadapt.io_engine import _populate
+    from sdadapt._io_engine import _populate
 
     t = torch.arange(1 << 20, dtype=torch.int32)  # 4 MiB with values: faulting in must not change them
     want = t.clone()

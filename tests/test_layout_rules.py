@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sdadapt
-from sdadapt import nodes as N
+from sdadapt import _nodes as N
 from sdadapt.errors import AdapterError
-from sdadapt.plan import build_plan, unwrap_key
-from sdadapt.rules import rotary_perm, tp_degree
-from sdadapt.sources.base import MeshDim, TensorInfo
+from sdadapt._plan import build_plan, unwrap_key
+from sdadapt._rules import rotary_perm, tp_degree
+from sdadapt.sources._base import MeshDim, TensorInfo
 
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16]

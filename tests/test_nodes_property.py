@@ -26,9 +26,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sdadapt
-from sdadapt.nodes import full_box
-from sdadapt.plan import build_plan
-from sdadapt.sources.base import TensorInfo
+from sdadapt._nodes import full_box
+from sdadapt._plan import build_plan
+from sdadapt.sources._base import TensorInfo
 
 # Every value is a small integer, exact in all these dtypes, so casts round-trip exactly.
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.int16]

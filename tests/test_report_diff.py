@@ -8,9 +8,9 @@ from checkpoints import write_hf_sharded, write_safetensors, write_torch_save
 from torch import nn
 
 import sdadapt
-from sdadapt.keyruns import compress
-from sdadapt.report import Report
-from sdadapt.sources.base import TensorInfo
+from sdadapt._keyruns import compress
+from sdadapt._report import Report
+from sdadapt.sources._base import TensorInfo
 
 
 class Block(nn.Module):

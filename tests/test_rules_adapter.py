@@ -8,10 +8,10 @@ from checkpoints import DictIO
 
 import sdadapt
 from sdadapt.errors import AdapterError
-from sdadapt.nodes import Concat, Leaf, Narrow
-from sdadapt.nodes import Cast as CastNode
-from sdadapt.plan import build_plan
-from sdadapt.sources.base import TensorInfo
+from sdadapt._nodes import Concat, Leaf, Narrow
+from sdadapt._nodes import Cast as CastNode
+from sdadapt._plan import build_plan
+from sdadapt.sources._base import TensorInfo
 
 F32, BF16 = torch.float32, torch.bfloat16
 

@@ -18,7 +18,7 @@ from checkpoints import (
 
 import sdadapt
 from sdadapt.errors import SourceError
-from sdadapt.nodes import full_box
+from sdadapt._nodes import full_box
 from sdadapt.sources import HFShardedSource, SafetensorsFile, TorchSaveFile, open_source
 
 ALL_DTYPES = [

@@ -13,14 +13,14 @@ from typing import Literal
 
 import torch
 
-from .adapter import Adapter
-from .diff import diff
+from ._adapter import Adapter
+from ._diff import diff
 from .errors import AdapterError, LoadError, ModelError, PlanError, RemoteRankError, SdadaptError, SourceError
-from .load import LoadReport, load, plan_load
-from .plan import Plan, build_plan
-from .registry import get_adapter, list_adapters
-from .report import Report
-from .rules import (
+from ._load import LoadReport, load, plan_load
+from ._plan import Plan, build_plan
+from ._registry import get_adapter, list_adapters
+from ._report import Report
+from ._rules import (
     AddPrefix,
     Cast,
     Deinterleave,
@@ -188,12 +188,12 @@ __all__ = [
 ]
 
 # --- issue 4: training state, export (appended) ---
-from .export import export  # noqa: E402
-from .state import StateError, StateLoadReport, load_state, save_state  # noqa: E402
+from ._export import export  # noqa: E402
+from ._state import StateError, StateLoadReport, load_state, save_state  # noqa: E402
 
 __all__ += ["StateError", "StateLoadReport", "export", "load_state", "save_state"]
 
 # --- issue 7: sdadapt draft (appended) ---
-from .draft import Draft, draft  # noqa: E402
+from ._draft import Draft, draft  # noqa: E402
 
 __all__ += ["Draft", "draft"]

@@ -41,9 +41,9 @@ def _adapter(args: argparse.Namespace) -> Any:
     if not args.adapter:
         return None
     try:
-        from ..resolve import resolve_adapter
+        from .._resolve import resolve_adapter
     except ImportError:  # the resolver is optional: accept a JSON file
-        from ..adapter import Adapter
+        from .._adapter import Adapter
 
         with open(args.adapter, encoding="utf-8") as f:
             return Adapter.from_json(f.read())
@@ -86,7 +86,7 @@ class ProgressBar:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..export import convert, plan_outputs
+    from .._export import convert, plan_outputs
     from ..sources import open_source
 
     adapter = _adapter(args)

@@ -20,7 +20,7 @@ usage errors (bad arguments, unreadable checkpoint, import failures)."""
 def parse_options(items: list[str] | None) -> dict[str, Any]:
     """``["tp=2", "name=x", "bias=true"]`` -> ``{"tp": 2, "name": "x", "bias": True}`` (JSON values
     where they parse, strings otherwise)."""
-    from ..resolve import ResolveError
+    from .._resolve import ResolveError
 
     out: dict[str, Any] = {}
     for item in items or []:
@@ -56,12 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..diff import diff
-    from ..resolve import resolve_adapter, resolve_target
+    from .._diff import diff
+    from .._resolve import resolve_adapter, resolve_target
     from ..sources import open_source
 
     if args.adapter_option and not args.adapter:
-        from ..resolve import ResolveError
+        from .._resolve import ResolveError
 
         raise ResolveError("--adapter-option needs --adapter")
     target: Any = resolve_target(args.target, **parse_options(args.target_option))

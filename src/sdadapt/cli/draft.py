@@ -38,8 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..draft import draft
-    from ..resolve import ResolveError, resolve_target
+    from .._draft import draft
+    from .._resolve import ResolveError, resolve_target
     from ..sources import open_source
     from .diff import parse_options
 

@@ -44,7 +44,7 @@ class Inventory(BaseModel):
         by_dtype = ", ".join(f"{d} {human(b)}" for d, b in sorted(self.dtypes.items()))
         lines.append(f"total: {self.tensors} tensors in {len(self.rows)} rows, {human(self.bytes)}" + (f" ({by_dtype})" if by_dtype else ""))
         if self.non_tensor:
-            from ..keyruns import compress
+            from .._keyruns import compress
 
             lines.append(f"not tensors ({len(self.non_tensor)}): {', '.join(compress(self.non_tensor))}")
         return "\n".join(lines)
@@ -88,8 +88,8 @@ def _member(key: str, matcher: tuple[re.Pattern[str], list[set[int]]]) -> bool:
 
 def inventory(schema: dict, *, source: str = "", kind: str = "", non_tensor: list[str] | None = None) -> Inventory:
     """Group a schema's keys by (shape, dtype), compress each group's runs; rows in key order."""
-    from ..keyruns import compress
-    from ..sources.base import dtype_name
+    from .._keyruns import compress
+    from ..sources._base import dtype_name
 
     order = {k: i for i, k in enumerate(schema)}
     groups: dict[tuple[tuple[int, ...], str], list[str]] = defaultdict(list)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 
 from ..errors import SourceError
-from .base import Source, TensorInfo, dtype_name
-from .hf_sharded import INDEX_NAME, HFShardedSource
-from .safetensors_file import SafetensorsFile
-from .torch_save import TorchSaveFile
+from ._base import Source, TensorInfo, dtype_name
+from ._hf_sharded import INDEX_NAME, HFShardedSource
+from ._safetensors_file import SafetensorsFile
+from ._torch_save import TorchSaveFile
 
 __all__ = ["Source", "TensorInfo", "dtype_name", "open_source", "SafetensorsFile", "HFShardedSource", "TorchSaveFile"]
 
@@ -31,7 +31,7 @@ def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = 
         if os.path.isfile(os.path.join(p, "model.safetensors")):
             return SafetensorsFile(os.path.join(_flat_only(p, subtree), "model.safetensors"))
         if os.path.isfile(os.path.join(p, ".metadata")) or any(n.endswith(".distcp") for n in os.listdir(p)):
-            from .dcp_dir import DCPSource  # noqa: PLC0415 - optional path
+            from ._dcp_dir import DCPSource  # noqa: PLC0415 - optional path
 
             return DCPSource(p, subtree=subtree)
         names = sorted(os.listdir(p))[:8]

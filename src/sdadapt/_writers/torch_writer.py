@@ -18,7 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..errors import SdadaptError
-from ..sources.base import TensorInfo
+from ..sources._base import TensorInfo
 from .base import Produce, Writer, check_produced, tensor_bytes, write_bytes
 
 

@@ -6,7 +6,7 @@ Shared by the CLI commands (``diff``, ``convert``, ...) and usable from Python:
   ``resolve_target("mypkg.models:build")`` or ``resolve_target("train.py:build_model")`` ->
   the ``nn.Module`` the function returns (a meta-device model is fine: only its state dict's
   shapes and dtypes are used).
-- ``resolve_adapter("llama")`` -> a shipped adapter by name (``sdadapt.registry``);
+- ``resolve_adapter("llama")`` -> a shipped adapter by name (``sdadapt._registry``);
   ``resolve_adapter("my_adapters.py:ADAPTER")`` / ``"mypkg.adapters:make"`` -> an
   :class:`~sdadapt.Adapter`, or a function returning one (called with ``**options``);
   ``resolve_adapter("adapter.json")`` -> ``Adapter.from_json``.
@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from .adapter import Adapter
+from ._adapter import Adapter
 from .errors import SdadaptError
 
 log = logging.getLogger(__name__)
@@ -195,9 +195,9 @@ def resolve_adapter(
             f"adapter {text!r}: give a name, a .json file, or file.py:ATTR naming an Adapter (or a function)"
         )
     try:
-        registry = importlib.import_module("sdadapt.registry")
+        registry = importlib.import_module("sdadapt._registry")
     except ModuleNotFoundError as e:
-        if e.name not in ("sdadapt.registry",):
+        if e.name not in ("sdadapt._registry",):
             raise
         raise ResolveError(
             f"adapter {text!r}: no adapters are shipped by name in this version; give a .json file or "

@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from .errors import AdapterError
-from .rules import Rule
+from ._rules import Rule
 
 
 class Adapter(BaseModel):

@@ -21,11 +21,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from ..adapter import Adapter
-from ..diff import Target, target_schema
-from ..plan import build_plan
-from ..report import Report
-from ..rules import StripPrefix
+from .._adapter import Adapter
+from .._diff import Target, target_schema
+from .._plan import build_plan
+from .._report import Report
+from .._rules import StripPrefix
 from ..sources import Source, TensorInfo, open_source
 from .match import match_trees
 from .proposals import Proposals, build_proposals

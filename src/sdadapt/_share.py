@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from .distributed import any_rank
-from .io_engine import Job
+from ._distributed import any_rank
+from ._io_engine import Job
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import BinaryIO
 import torch
 
 from ..errors import SdadaptError
-from ..sources.base import TensorInfo
+from ..sources._base import TensorInfo
 
 Produce = Callable[[str], torch.Tensor]
 FORMATS = ("safetensors", "torch", "dcp")

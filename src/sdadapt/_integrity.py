@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from .errors import SourceError
-from .nodes import Box
-from .sources.base import Source, TensorInfo, dtype_name, read_json_file
+from ._nodes import Box
+from .sources._base import Source, TensorInfo, dtype_name, read_json_file
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +55,9 @@ MAX_CHECKSUMS_BYTES = 256 << 20  # refuse larger sidecars: a header must not mak
 
 def source_files(source: Source) -> list[str]:
     """Every file a source reads tensor data or headers from (index and metadata included)."""
-    from .sources.hf_sharded import HFShardedSource
-    from .sources.safetensors_file import SafetensorsFile
-    from .sources.torch_save import TorchSaveFile
+    from .sources._hf_sharded import HFShardedSource
+    from .sources._safetensors_file import SafetensorsFile
+    from .sources._torch_save import TorchSaveFile
 
     inner = getattr(source, "inner", None)
     if isinstance(inner, Source):
@@ -67,7 +67,7 @@ def source_files(source: Source) -> list[str]:
     if isinstance(source, (SafetensorsFile, TorchSaveFile)):
         return [source.path]
     try:
-        from .sources.dcp_dir import METADATA_NAME, DCPSource
+        from .sources._dcp_dir import METADATA_NAME, DCPSource
     except ImportError:  # pragma: no cover
         DCPSource = None  # type: ignore[assignment,misc]  # noqa: N806
     if DCPSource is not None and isinstance(source, DCPSource):
@@ -202,7 +202,7 @@ def read_checksums(source: Source) -> tuple[str, dict[str, dict[str, Any]]]:
     if path is None:
         raise SourceError(
             f"verify=True, but there is no {CHECKSUMS_NAME} beside the checkpoint. Write one where the "
-            "checkpoint was made (sdadapt.integrity.write_checksums(path); export and save_state write "
+            "checkpoint was made (sdadapt._integrity.write_checksums(path); export and save_state write "
             "it), or load without verify",
             path=source.path,
         )

@@ -27,7 +27,7 @@ import pkgutil
 from types import ModuleType
 from typing import Any
 
-from .adapter import Adapter
+from ._adapter import Adapter
 from .errors import AdapterError, SdadaptError
 
 log = logging.getLogger(__name__)

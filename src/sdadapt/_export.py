@@ -36,18 +36,18 @@ from pydantic import BaseModel
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from . import integrity
-from .adapter import Adapter
-from .distributed import agree, is_distributed, rank_and_world
+from . import _integrity as integrity
+from ._adapter import Adapter
+from ._distributed import agree, is_distributed, rank_and_world
 from .errors import RemoteRankError, SdadaptError
-from .materialize import has_meta
-from .nodes import Box, Node, full_box
-from .plan import PlanContext
+from ._materialize import has_meta
+from ._nodes import Box, Node, full_box
+from ._plan import PlanContext
 from .sources import Source, open_source
-from .sources.base import TensorInfo, slices
-from .target import model_state_dict
-from .writers import make_writer
-from .writers.base import FORMATS
+from .sources._base import TensorInfo, slices
+from ._target import model_state_dict
+from ._writers import make_writer
+from ._writers.base import FORMATS
 
 log = logging.getLogger(__name__)
 

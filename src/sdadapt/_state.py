@@ -40,19 +40,19 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .adapter import Adapter
-from .distributed import agree, is_distributed, rank_and_world
+from ._adapter import Adapter
+from ._distributed import agree, is_distributed, rank_and_world
 from .errors import LoadError, PlanError, SdadaptError, SourceError
-from .materialize import InitFn, check_buffers, choose_device, has_meta, materialize
-from .nodes import Box, Leaf, Node, full_box
-from .plan import Plan, build_plan
-from .commit import copy_back_if_detached
-from .safe_planner import SafeLoadPlanner
-from .reader import AdaptedStorageReader
-from .report import Mismatch, Report
-from .sources.base import Source, TensorInfo
-from .sources.dcp_dir import SDADAPT_JSON, DCPSource
-from .target import model_state_dict, schema_of
+from ._materialize import InitFn, check_buffers, choose_device, has_meta, materialize
+from ._nodes import Box, Leaf, Node, full_box
+from ._plan import Plan, build_plan
+from ._commit import copy_back_if_detached
+from ._safe_planner import SafeLoadPlanner
+from ._reader import AdaptedStorageReader
+from ._report import Mismatch, Report
+from .sources._base import Source, TensorInfo
+from .sources._dcp_dir import SDADAPT_JSON, DCPSource
+from ._target import model_state_dict, schema_of
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def save_state(
 
 
 def _write_checksums(dst: str, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
-    from . import integrity
+    from . import _integrity as integrity
 
     error: SdadaptError | None = None
     mine: dict[str, Any] = {}

@@ -1,10 +1,10 @@
-"""The I/O engine behind :class:`~sdadapt.reader.AdaptedStorageReader`.
+"""The I/O engine behind :class:`~sdadapt._reader.AdaptedStorageReader`.
 
 ``dcp.load`` gives a rank its ``ReadItem``s (a target key, a box of it in global coordinates, a
 destination shard). The engine turns all of them into file reads at once and runs those reads
 on a thread pool:
 
-1. **Routing.** Each recipe (:mod:`sdadapt.nodes`) is walked down to its leaves for the item's
+1. **Routing.** Each recipe (:mod:`sdadapt._nodes`) is walked down to its leaves for the item's
    box: a concat gives each part its slice of the destination, a narrow shifts the box, a cast
    lets ``copy_`` convert, transpose/select/stack re-view the destination. The result is a list
    of *pieces*: "source tensor ``key``, region ``box``, goes into this view of the destination".
@@ -17,7 +17,7 @@ on a thread pool:
    span per row otherwise (TP's column shards; rows shorter than 64 KiB are instead copied
    out of the source's mapping in one strided copy). A source stored in chunks offers
    ``locate_region(key, box)`` (DCP folders: the raw bytes of each stored chunk inside its
-   ``torch.save`` record, see :mod:`sdadapt.sources.dcp_dir`); the box is then cut at the chunk
+   ``torch.save`` record, see :mod:`sdadapt.sources._dcp_dir`); the box is then cut at the chunk
    boundaries and each part located in its chunk. Other sources are read through
    ``Source.read``.
 3. **Tasks.** A CPU destination that is contiguous and of the source dtype is read *straight
@@ -53,10 +53,10 @@ from typing import Any
 
 import torch
 
-from . import nodes as N
+from . import _nodes as N
 from .errors import LoadError
-from .nodes import Box, box_shape
-from .sources.base import Source, TensorLocation
+from ._nodes import Box, box_shape
+from .sources._base import Source, TensorLocation
 
 log = logging.getLogger(__name__)
 

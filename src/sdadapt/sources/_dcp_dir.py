@@ -45,8 +45,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from ..errors import SourceError
-from ..nodes import Box, box_shape
-from .base import Source, TensorInfo, TensorLocation, member_path, slices
+from .._nodes import Box, box_shape
+from ._base import Source, TensorInfo, TensorLocation, member_path, slices
 
 METADATA_NAME = ".metadata"
 SDADAPT_JSON = "sdadapt.json"
@@ -379,7 +379,7 @@ class DCPSource(Source):
 
     def locate_region(self, key: str, box: Box) -> list[tuple[Box, Any]] | None:
         """The stored chunks of ``key`` that intersect ``box``, each as (chunk box in global
-        coordinates, :class:`~sdadapt.sources.base.TensorLocation` of its raw bytes), for the I/O
+        coordinates, :class:`~sdadapt.sources._base.TensorLocation` of its raw bytes), for the I/O
         engine's direct reads; ``None`` when any of them cannot be located (read through
         :meth:`read` then)."""
         if key not in self._entries:

@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from ..sources.base import TensorInfo
+from ..sources._base import TensorInfo
 from .base import Produce, Writer, check_produced
 
 

@@ -15,16 +15,17 @@ from pydantic import BaseModel
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from . import commit, integrity
-from .adapter import Adapter
-from .distributed import agree, rank_and_world
+from . import _commit as commit
+from . import _integrity as integrity
+from ._adapter import Adapter
+from ._distributed import agree, rank_and_world
 from .errors import ModelError, PlanError, SdadaptError
-from .materialize import InitFn, check_buffers, choose_device, has_meta, materialize
-from .plan import Plan, build_plan
-from .reader import AdaptedLoadPlanner, AdaptedStorageReader
-from .report import Report
+from ._materialize import InitFn, check_buffers, choose_device, has_meta, materialize
+from ._plan import Plan, build_plan
+from ._reader import AdaptedLoadPlanner, AdaptedStorageReader
+from ._report import Report
 from .sources import Source, open_source
-from .target import local_nbytes, model_state_dict, schema_of
+from ._target import local_nbytes, model_state_dict, schema_of
 
 log = logging.getLogger("sdadapt")
 
@@ -152,12 +153,12 @@ def load(
     the memory of one copy of this rank's shards, but a failure then leaves those parameters
     partly overwritten, which the error says). The checkpoint's files must not change while
     they are read (size, mtime and inode are checked before and after). ``verify=True`` checks
-    every region read against ``sdadapt.checksums.json`` (see :mod:`sdadapt.integrity`);
+    every region read against ``sdadapt.checksums.json`` (see :mod:`sdadapt._integrity`);
     ``check_finite=True`` refuses NaN/Inf values, naming each key.
 
     ``share_reads=True``: ranks that hold the same shard (mesh dims where a parameter is
     ``Replicate``: HSDP's replicate dim, TP-replicated norms) each read a part of it and
-    broadcast it to the others over the process group (:mod:`sdadapt.share`), instead of all
+    broadcast it to the others over the process group (:mod:`sdadapt._share`), instead of all
     reading all of it; for fast interconnects (NVLink) where the page cache, not the network,
     is the limit. ``LoadReport.bytes_shared`` is what this rank received that way.
     """

@@ -8,8 +8,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..rules import Cast, Drop, Fuse, Rename, Split, Stack, Tie, Transpose, Unstack
-from ..sources.base import dtype_name
+from .._rules import Cast, Drop, Fuse, Rename, Split, Stack, Tie, Transpose, Unstack
+from ..sources._base import dtype_name
 from .match import Item, Match, MatchResult, fmt, item_role
 from .names import canon_tokens
 from .segments import Family, Tree

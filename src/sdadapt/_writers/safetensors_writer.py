@@ -11,9 +11,9 @@ import os
 import struct
 
 from ..errors import SdadaptError
-from ..sources.base import TensorInfo
-from ..sources.hf_sharded import INDEX_NAME
-from ..sources.safetensors_file import DTYPE_NAMES
+from ..sources._base import TensorInfo
+from ..sources._hf_sharded import INDEX_NAME
+from ..sources._safetensors_file import DTYPE_NAMES
 from .base import Produce, Writer, check_produced, tensor_bytes, write_bytes
 
 

@@ -1,9 +1,9 @@
 """Typed rules: the steps an :class:`~sdadapt.Adapter` applies to a checkpoint's keys.
 
 A rule is plain data (a pydantic model, serialisable to JSON). Applied to a plan's working
-set of ``key -> Node`` it matches whole keys with :mod:`sdadapt.patterns` and replaces the
+set of ``key -> Node`` it matches whole keys with :mod:`sdadapt._patterns` and replaces the
 matched entries with new nodes, so that shapes, dtypes and region mappings follow from the
-nodes (see :mod:`sdadapt.nodes`). Each rule also states its inverse, so one adapter serves
+nodes (see :mod:`sdadapt._nodes`). Each rule also states its inverse, so one adapter serves
 both loading and exporting.
 
 Two kinds of rules:
@@ -30,13 +30,13 @@ Layout rules (issue 3), with their constructors in :mod:`sdadapt`:
 - ``interleave(keys, sizes, tp=None, dim=0)`` -> :class:`Interleave` (value); its inverse is a
   separate rule ``deinterleave(...)`` -> :class:`Deinterleave` (not ``inverse=True``).
   ``tp=None``: interleave reads the TP degree from the target's placements
-  (:attr:`TensorInfo.mesh <sdadapt.sources.base.TensorInfo.mesh>`, see :func:`tp_degree`),
+  (:attr:`TensorInfo.mesh <sdadapt.sources._base.TensorInfo.mesh>`, see :func:`tp_degree`),
   deinterleave from the source's (exporting a parallelised model's state dict);
 - ``strip_prefix(prefix, optional=False)`` -> :class:`StripPrefix` and
   ``add_prefix(prefix, keys="**")`` -> :class:`AddPrefix` (key-moving, each the other's
   inverse). They act on the keys present when they run and take no part in the
   one-rule-per-key check. Wrapper segments ``_orig_mod.``, ``_checkpoint_wrapped_module.`` and
-  ``_fsdp_wrapped_module.`` need no rule: :func:`~sdadapt.plan.build_plan` removes them from
+  ``_fsdp_wrapped_module.`` need no rule: :func:`~sdadapt._plan.build_plan` removes them from
   every source key before the rules run (a collision is reported with both keys).
 
 Value rules that read the target (pad, trim, interleave) look a key up under the name it will
@@ -53,14 +53,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import AdapterError
-from .nodes import Cast as CastNode
-from . import nodes as N
-from .nodes import Concat, Narrow, Node
-from .patterns import check_output_pattern, compile_pattern, typed_like
+from ._nodes import Cast as CastNode
+from . import _nodes as N
+from ._nodes import Concat, Narrow, Node
+from ._patterns import check_output_pattern, compile_pattern, typed_like
 
 if TYPE_CHECKING:
-    from .plan import PlanContext
-    from .sources.base import TensorInfo
+    from ._plan import PlanContext
+    from .sources._base import TensorInfo
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

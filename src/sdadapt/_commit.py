@@ -18,12 +18,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from . import integrity
-from .distributed import agree, gather_if_any, is_distributed
+from . import _integrity as integrity
+from ._distributed import agree, gather_if_any, is_distributed
 from .errors import LoadError, SdadaptError
-from .plan import Plan
+from ._plan import Plan
 from .sources import Source
-from .target import model_state_dict
+from ._target import model_state_dict
 
 log = logging.getLogger(__name__)
 

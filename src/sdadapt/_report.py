@@ -12,7 +12,7 @@ from collections import defaultdict
 
 from pydantic import BaseModel, computed_field
 
-from .keyruns import compress
+from ._keyruns import compress
 
 _INDEX = re.compile(r"\.\d+(?=[.,\])\[]|$)")  # ".3." in a recipe -> ".{i}."
 

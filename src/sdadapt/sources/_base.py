@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ..errors import SourceError
-from ..nodes import Box
+from .._nodes import Box
 
 
 def read_json_file(path: str, limit: int, what: str, hint: str = "") -> Any:

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .errors import ModelError
-from .target import is_meta
+from ._target import is_meta
 
 InitFn = Callable[[nn.Module], None]
 
@@ -60,7 +60,7 @@ def check_buffers(model: nn.Module, init_buffers: InitFn | None) -> None:
         return
     bufs = meta_non_persistent_buffers(model)
     if bufs:
-        from .keyruns import compress
+        from ._keyruns import compress
 
         raise ModelError(
             f"non-persistent buffers {', '.join(compress(bufs))} are on the meta device and not in "

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sources.base import TensorInfo
+from ..sources._base import TensorInfo
 
 IDX = "{}"  # an index position inside Family.segs
 

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from ..errors import SourceError
-from ..nodes import Box
-from .base import Source, TensorInfo, TensorLocation, slices
+from .._nodes import Box
+from ._base import Source, TensorInfo, TensorLocation, slices
 
 log = logging.getLogger(__name__)
 

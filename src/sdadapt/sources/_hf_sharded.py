@@ -10,9 +10,9 @@ import os
 import torch
 
 from ..errors import SourceError
-from ..nodes import Box
-from .base import Source, TensorLocation, member_path, read_json_file
-from .safetensors_file import SafetensorsFile
+from .._nodes import Box
+from ._base import Source, TensorLocation, member_path, read_json_file
+from ._safetensors_file import SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_INDEX_BYTES = 64 * 1024 * 1024  # real indexes are KBs to a few MBs; refuse to parse more

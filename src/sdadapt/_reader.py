@@ -26,13 +26,13 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from . import share
-from .distributed import is_distributed
+from . import _share as share
+from ._distributed import is_distributed
 from .errors import LoadError
-from .io_engine import EngineConfig, EngineStats, IOEngine, Job
-from .nodes import Box, box_shape
-from .plan import Plan
-from .sources.base import Source
+from ._io_engine import EngineConfig, EngineStats, IOEngine, Job
+from ._nodes import Box, box_shape
+from ._plan import Plan
+from .sources._base import Source
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +108,9 @@ class CountingIO:
 
 
 class AdaptedStorageReader(StorageReader):
-    """Serves a :class:`~sdadapt.plan.Plan` to ``dcp.load``.
+    """Serves a :class:`~sdadapt._plan.Plan` to ``dcp.load``.
 
-    Reads go through :class:`~sdadapt.io_engine.IOEngine` (parallel, coalesced, straight into
+    Reads go through :class:`~sdadapt._io_engine.IOEngine` (parallel, coalesced, straight into
     CPU shards or through bounded pinned staging to GPU shards). ``engine="simple"`` (or the
     environment variable ``SDADAPT_IO=simple``) reads item by item on one thread instead: the
     reference the engine is measured and tested against (it reads every item itself:

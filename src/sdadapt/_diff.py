@@ -6,11 +6,11 @@ import os
 
 from torch import nn
 
-from .adapter import Adapter
-from .plan import build_plan
-from .report import Report
+from ._adapter import Adapter
+from ._plan import build_plan
+from ._report import Report
 from .sources import Source, TensorInfo, open_source
-from .target import model_state_dict, schema_of
+from ._target import model_state_dict, schema_of
 
 Target = nn.Module | str | os.PathLike[str] | Source | dict[str, TensorInfo]
 

@@ -16,8 +16,8 @@ import warnings
 import torch
 
 from ..errors import SourceError
-from ..nodes import Box
-from .base import Source, TensorInfo, TensorLocation, slices
+from .._nodes import Box
+from ._base import Source, TensorInfo, TensorLocation, slices
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 

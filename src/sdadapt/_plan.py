@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .adapter import Adapter
-from .nodes import Leaf, Node
-from .patterns import compile_pattern, matches_any
-from .report import Mismatch, Report, RuleIssue
-from .sources.base import TensorInfo, dtype_name
+from ._adapter import Adapter
+from ._nodes import Leaf, Node
+from ._patterns import compile_pattern, matches_any
+from ._report import Mismatch, Report, RuleIssue
+from .sources._base import TensorInfo, dtype_name
 
 
 WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
