@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from sdadapt.adapters.llama import checkpoint_keys, positive
+
 import sdadapt
 from sdadapt import Adapter
-from sdadapt.adapters.llama import checkpoint_keys, positive
 
 SUMMARY = "Black Forest Labs Flux single file (double_blocks/single_blocks, optional model.diffusion_model.) -> diffusers FluxTransformer2DModel"
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from sdadapt.adapters.llama import checkpoint_keys, read_config
+
 import sdadapt
 from sdadapt import Adapter
-from sdadapt.adapters.llama import checkpoint_keys, read_config
 from sdadapt.errors import AdapterError
 
 SUMMARY = "HF GPT-2 (Conv1D [in, out]) -> nanoGPT nn.Linear layout; c_attn optionally split into q/k/v; tied lm_head"

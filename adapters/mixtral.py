@@ -30,8 +30,6 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import sdadapt
-from sdadapt import Adapter
 from sdadapt.adapters.llama import (
     HF,
     META,
@@ -44,6 +42,9 @@ from sdadapt.adapters.llama import (
     read_config,
     top_level_rules,
 )
+
+import sdadapt
+from sdadapt import Adapter
 from sdadapt.errors import AdapterError
 
 SUMMARY = "HF transformers Mixtral (per-expert or stacked gate_up_proj) -> Meta-style MoE with stacked experts [E, ...]"

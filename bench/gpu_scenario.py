@@ -26,10 +26,11 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-import sdadapt  # noqa: E402
 from models import TinyTransformer, parallelize, split_qkv  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
+
+import sdadapt  # noqa: E402
 
 QKV = sdadapt.Adapter(
     [

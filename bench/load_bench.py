@@ -549,7 +549,7 @@ class RssSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")

@@ -118,7 +118,7 @@ class _Work:
         self._it = iter(chunks(nbytes, chunk))
         self._lock = threading.Lock()
 
-    def __iter__(self) -> "_Work":
+    def __iter__(self) -> _Work:
         return self
 
     def __next__(self) -> tuple[int, int]:

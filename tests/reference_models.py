@@ -221,7 +221,7 @@ def parallelize_meta_llama(model: MetaLlama, mesh: DeviceMesh) -> MetaLlama:
     return model
 
 
-def _fsdp(model: nn.Module, blocks: "nn.ModuleList | list[nn.Module]", mesh: DeviceMesh) -> None:
+def _fsdp(model: nn.Module, blocks: nn.ModuleList | list[nn.Module], mesh: DeviceMesh) -> None:
     names = mesh.mesh_dim_names or ()
     dp = tuple(n for n in ("replicate", "fsdp") if n in names)
     if not dp:

@@ -126,9 +126,8 @@ def flux_inputs(cfg: dict) -> dict[str, torch.Tensor]:
 # checkpoints + expected outputs, written once by the parent process
 # ----------------------------------------------------------------------------------------------
 def _write_cases(root: str) -> list[dict]:
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
-
     from models import TinyTransformer, split_qkv
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
     cases: list[dict] = []
@@ -234,10 +233,9 @@ def _write_cases(root: str) -> list[dict]:
 def parallelize_flux(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     """TP where diffusers' Flux code allows it (q/k/v and the MLP inputs column-wise, gathered
     where the code needs full widths; the MLPs' output row-wise), FSDP2 over blocks."""
+    from reference_models import _fsdp
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from reference_models import _fsdp
 
     names = mesh.mesh_dim_names or ()
     if "tp" in names and mesh["tp"].size() > 1:
@@ -295,9 +293,9 @@ def _original(path: str) -> dict[str, torch.Tensor]:
 
 def _run_cases(root: str, mesh: Any, group: Any) -> dict[str, dict]:
     """Every case on ``mesh``; returns per case the output error and the export check."""
+    from checkpoints import DictIO
     from torch.distributed.tensor import DTensor
 
-    from checkpoints import DictIO
     from sdadapt._target import model_state_dict, schema_of
 
     cases = torch.load(os.path.join(root, "cases.pt"), weights_only=False)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import sdadapt
-from sdadapt.cli import main
 from sdadapt._resolve import ResolveError, resolve_adapter, resolve_target
+from sdadapt.cli import main
 
 MODEL_PY = """
 import torch

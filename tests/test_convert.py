@@ -9,8 +9,8 @@ import torch
 from models import TinyTransformer, split_qkv
 
 import sdadapt
-from sdadapt.cli import main
 from sdadapt._export import ExportError, convert
+from sdadapt.cli import main
 
 QKV = sdadapt.Adapter(
     [sdadapt.fuse([f"layers.{{i}}.attn.{n}_proj.{{p}}" for n in "qkv"], "layers.{i}.attn.qkv.{p}")], name="split-qkv"

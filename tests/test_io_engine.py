@@ -12,8 +12,8 @@ import torch
 from checkpoints import random_state_dict, write_hf_sharded, write_safetensors, write_torch_save
 
 from sdadapt import _nodes as N
-from sdadapt.errors import LoadError
 from sdadapt._io_engine import EngineConfig, IOEngine, Job, box_spans, default_threads, route
+from sdadapt.errors import LoadError
 from sdadapt.sources import open_source
 
 SPEC = {

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 
 import sdadapt
 from sdadapt import _nodes as N
-from sdadapt.errors import AdapterError
 from sdadapt._plan import build_plan, unwrap_key
 from sdadapt._rules import rotary_perm, tp_degree
+from sdadapt.errors import AdapterError
 from sdadapt.sources._base import MeshDim, TensorInfo
 
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import sdadapt
-from sdadapt.errors import AdapterError
 from sdadapt._patterns import KeyPattern, check_output_pattern, compile_pattern, matches_any
+from sdadapt.errors import AdapterError
 
 
 @pytest.mark.parametrize(

@@ -16,9 +16,9 @@ from checkpoints import DictIO
 
 import sdadapt
 from sdadapt import _registry as registry
+from sdadapt._plan import build_plan
 from sdadapt.cli import main
 from sdadapt.errors import AdapterError
-from sdadapt._plan import build_plan
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ import torch
 from checkpoints import DictIO
 
 import sdadapt
-from sdadapt.errors import AdapterError
-from sdadapt._nodes import Concat, Leaf, Narrow
 from sdadapt._nodes import Cast as CastNode
+from sdadapt._nodes import Concat, Leaf, Narrow
 from sdadapt._plan import build_plan
+from sdadapt.errors import AdapterError
 from sdadapt.sources._base import TensorInfo
 
 F32, BF16 = torch.float32, torch.bfloat16

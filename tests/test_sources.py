@@ -17,8 +17,8 @@ from checkpoints import (
 )
 
 import sdadapt
-from sdadapt.errors import SourceError
 from sdadapt._nodes import full_box
+from sdadapt.errors import SourceError
 from sdadapt.sources import HFShardedSource, SafetensorsFile, TorchSaveFile, open_source
 
 ALL_DTYPES = [

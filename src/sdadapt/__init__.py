@@ -15,7 +15,6 @@ import torch
 
 from ._adapter import Adapter
 from ._diff import diff
-from .errors import AdapterError, LoadError, ModelError, PlanError, RemoteRankError, SdadaptError, SourceError
 from ._load import LoadReport, load, plan_load
 from ._plan import Plan, build_plan
 from ._registry import get_adapter, list_adapters
@@ -39,6 +38,7 @@ from ._rules import (
     Trim,
     Unstack,
 )
+from .errors import AdapterError, LoadError, ModelError, PlanError, RemoteRankError, SdadaptError, SourceError
 from .sources import Source, TensorInfo, open_source
 
 __version__ = "0.1.0"

@@ -8,8 +8,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from .errors import AdapterError
 from ._rules import Rule
+from .errors import AdapterError
 
 
 class Adapter(BaseModel):
@@ -36,7 +36,7 @@ class Adapter(BaseModel):
             raise AdapterError(f"invalid adapter: {e}") from None
 
     @model_validator(mode="after")
-    def _no_duplicate_inputs(self) -> "Adapter":
+    def _no_duplicate_inputs(self) -> Adapter:
         seen: dict[str, int] = {}
         for i, r in enumerate(self.rules):
             if not r.moves_keys:
@@ -50,19 +50,19 @@ class Adapter(BaseModel):
                 seen[p] = i
         return self
 
-    def inverse(self) -> "Adapter":
+    def inverse(self) -> Adapter:
         """The adapter from the model's layout back to the checkpoint's."""
         rules = [inv for r in reversed(self.rules) for inv in r.inverse()]
         return Adapter(rules, name=f"{self.name}.inverse", description=f"inverse of {self.name}")
 
-    def __add__(self, other: "Adapter") -> "Adapter":
+    def __add__(self, other: Adapter) -> Adapter:
         return Adapter([*self.rules, *other.rules], name=f"{self.name}+{other.name}")
 
     def to_json(self, indent: int | None = 2) -> str:
         return self.model_dump_json(indent=indent)
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Adapter":
+    def from_json(cls, text: str | bytes) -> Adapter:
         try:
             data = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:

@@ -20,10 +20,10 @@ from torch.distributed.tensor import DTensor
 
 from . import _integrity as integrity
 from ._distributed import agree, gather_if_any, is_distributed
-from .errors import LoadError, SdadaptError
 from ._plan import Plan
-from .sources import Source
 from ._target import model_state_dict
+from .errors import LoadError, SdadaptError
+from .sources import Source
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from torch import nn
 from ._adapter import Adapter
 from ._plan import build_plan
 from ._report import Report
-from .sources import Source, TensorInfo, open_source
 from ._target import model_state_dict, schema_of
+from .sources import Source, TensorInfo, open_source
 
 Target = nn.Module | str | os.PathLike[str] | Source | dict[str, TensorInfo]
 

@@ -39,15 +39,15 @@ from torch.distributed.tensor import DTensor
 from . import _integrity as integrity
 from ._adapter import Adapter
 from ._distributed import agree, is_distributed, rank_and_world
-from .errors import RemoteRankError, SdadaptError
 from ._materialize import has_meta
 from ._nodes import Box, Node, full_box
 from ._plan import PlanContext
-from .sources import Source, open_source
-from .sources._base import TensorInfo, slices
 from ._target import model_state_dict
 from ._writers import make_writer
 from ._writers.base import FORMATS
+from .errors import RemoteRankError, SdadaptError
+from .sources import Source, open_source
+from .sources._base import TensorInfo, slices
 
 log = logging.getLogger(__name__)
 

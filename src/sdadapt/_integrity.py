@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from .errors import SourceError
 from ._nodes import Box
+from .errors import SourceError
 from .sources._base import Source, TensorInfo, dtype_name, read_json_file
 
 log = logging.getLogger(__name__)

@@ -43,8 +43,8 @@ import functools
 import gc
 import logging
 import os
-import sys
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -54,8 +54,8 @@ from typing import Any
 import torch
 
 from . import _nodes as N
-from .errors import LoadError
 from ._nodes import Box, box_shape
+from .errors import LoadError
 from .sources._base import Source, TensorLocation
 
 log = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ class EngineConfig:
         return max(MiB, min(32 * MiB, self.staging_bytes // (self.depth * max(1, self.threads))))
 
     @classmethod
-    def from_env(cls) -> "EngineConfig":
+    def from_env(cls) -> EngineConfig:
         cfg = cls()
         if os.environ.get("SDADAPT_IO_STAGING_MB"):
             cfg.staging_bytes = int(float(os.environ["SDADAPT_IO_STAGING_MB"]) * MiB)
@@ -694,7 +694,7 @@ class _Shared:
     """What the worker threads of one run share."""
 
     source: Source
-    work: "queue.SimpleQueue[_Task | None]"  # None: no more tasks
+    work: queue.SimpleQueue[_Task | None]  # None: no more tasks
     fds: dict[str, int]
     pool: _Pool
     chunk: int

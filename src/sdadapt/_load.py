@@ -19,13 +19,13 @@ from . import _commit as commit
 from . import _integrity as integrity
 from ._adapter import Adapter
 from ._distributed import agree, rank_and_world
-from .errors import ModelError, PlanError, SdadaptError
 from ._materialize import InitFn, check_buffers, choose_device, has_meta, materialize
 from ._plan import Plan, build_plan
 from ._reader import AdaptedLoadPlanner, AdaptedStorageReader
 from ._report import Report
-from .sources import Source, open_source
 from ._target import local_nbytes, model_state_dict, schema_of
+from .errors import ModelError, PlanError, SdadaptError
+from .sources import Source, open_source
 
 log = logging.getLogger("sdadapt")
 

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .errors import ModelError
 from ._target import is_meta
+from .errors import ModelError
 
 InitFn = Callable[[nn.Module], None]
 

@@ -14,7 +14,6 @@ from ._patterns import compile_pattern, matches_any
 from ._report import Mismatch, Report, RuleIssue
 from .sources._base import TensorInfo, dtype_name
 
-
 WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 """Key segments that module wrappers add (torch.compile, activation checkpointing, FSDP1) and
 that ``get_model_state_dict`` leaves out: :func:`build_plan` removes them from every source key,

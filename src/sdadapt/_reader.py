@@ -28,10 +28,10 @@ from torch.futures import Future
 
 from . import _share as share
 from ._distributed import is_distributed
-from .errors import LoadError
 from ._io_engine import EngineConfig, EngineStats, IOEngine, Job
 from ._nodes import Box, box_shape
 from ._plan import Plan
+from .errors import LoadError
 from .sources._base import Source
 
 log = logging.getLogger(__name__)

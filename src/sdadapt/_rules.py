@@ -52,11 +52,11 @@ from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import AdapterError
-from ._nodes import Cast as CastNode
 from . import _nodes as N
+from ._nodes import Cast as CastNode
 from ._nodes import Concat, Narrow, Node
 from ._patterns import check_output_pattern, compile_pattern, typed_like
+from .errors import AdapterError
 
 if TYPE_CHECKING:
     from ._plan import PlanContext
@@ -91,10 +91,10 @@ class RuleBase(BaseModel):
     def input_patterns(self) -> list[str]:
         raise NotImplementedError
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         raise NotImplementedError
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         raise NotImplementedError
 
     def label(self) -> str:
@@ -102,7 +102,7 @@ class RuleBase(BaseModel):
         return f"{self.kind}({fields})"  # type: ignore[attr-defined]
 
 
-def _matching(ctx: "PlanContext", keys: str) -> Iterator[tuple[str, Node]]:
+def _matching(ctx: PlanContext, keys: str) -> Iterator[tuple[str, Node]]:
     """``(key, node)`` for each key present when the rule starts that matches the pattern ``keys``."""
     pat = compile_pattern(keys)
     for key in ctx.keys():
@@ -110,7 +110,7 @@ def _matching(ctx: "PlanContext", keys: str) -> Iterator[tuple[str, Node]]:
             yield key, ctx.get(key)
 
 
-def _move(ctx: "PlanContext", index: int, moved: list[tuple[str, str]]) -> None:
+def _move(ctx: PlanContext, index: int, moved: list[tuple[str, str]]) -> None:
     """Rule ``index`` renames each ``(old, new)``: all are taken first, then put, so that a new
     name may be an old name of another pair."""
     for old, _ in moved:
@@ -128,7 +128,7 @@ class Rename(RuleBase):
     dst: str
 
     @model_validator(mode="after")
-    def _check(self) -> "Rename":
+    def _check(self) -> Rename:
         check_output_pattern(self.src, self.dst)
         check_output_pattern(self.dst, self.src)  # invertible: same captures both ways
         return self
@@ -136,7 +136,7 @@ class Rename(RuleBase):
     def input_patterns(self) -> list[str]:
         return [self.src]
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         pat, out = compile_pattern(self.src), compile_pattern(self.dst)
         moved: list[tuple[str, str]] = []
         for key in ctx.keys():
@@ -145,7 +145,7 @@ class Rename(RuleBase):
                 moved.append((key, out.format(caps)))
         _move(ctx, index, moved)
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         return [Rename(src=typed_like(self.dst, self.src), dst=self.src)]
 
 
@@ -161,7 +161,7 @@ class Fuse(RuleBase):
     sizes: list[int] | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "Fuse":
+    def _check(self) -> Fuse:
         if len(self.srcs) < 2:
             raise AdapterError(f"fuse into {self.dst!r} needs at least two source patterns, got {self.srcs}")
         names = [set(compile_pattern(s).names) for s in self.srcs]
@@ -176,7 +176,7 @@ class Fuse(RuleBase):
     def input_patterns(self) -> list[str]:
         return list(self.srcs)
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         first, out = compile_pattern(self.srcs[0]), compile_pattern(self.dst)
         others = [compile_pattern(s) for s in self.srcs[1:]]
         for key in ctx.keys():
@@ -199,7 +199,7 @@ class Fuse(RuleBase):
                 ctx.take(n, index)
             ctx.put(dst, Concat(tuple(parts), dim), index, origin=names)
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         return [Split(src=typed_like(self.dst, self.srcs), dsts=list(self.srcs), dim=self.dim, sizes=self.sizes)]
 
 
@@ -230,7 +230,7 @@ class Split(RuleBase):
     sizes: list[int] | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "Split":
+    def _check(self) -> Split:
         if len(self.dsts) < 2:
             raise AdapterError(f"split of {self.src!r} needs at least two destination patterns, got {self.dsts}")
         for d in self.dsts:
@@ -246,7 +246,7 @@ class Split(RuleBase):
     def input_patterns(self) -> list[str]:
         return [self.src]
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         pat = compile_pattern(self.src)
         outs = [compile_pattern(d) for d in self.dsts]
         for key in ctx.keys():
@@ -271,7 +271,7 @@ class Split(RuleBase):
                 ctx.put(dst, Narrow(node, d, start, size), index, origin=key)
                 start += size
 
-    def _sizes(self, ctx: "PlanContext", dsts: list[str], d: int, total: int) -> list[int] | str:
+    def _sizes(self, ctx: PlanContext, dsts: list[str], d: int, total: int) -> list[int] | str:
         if self.sizes is not None:
             sizes = list(self.sizes)
             how = "declared"
@@ -289,7 +289,7 @@ class Split(RuleBase):
             return f"sizes {sizes} ({how}) add up to {sum(sizes)}, but dim {d} has {total}"
         return sizes
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         return [Fuse(srcs=[typed_like(d, self.src) for d in self.dsts], dst=self.src, dim=self.dim, sizes=self.sizes)]
 
 
@@ -311,7 +311,7 @@ class Cast(RuleBase):
     def input_patterns(self) -> list[str]:
         return [self.keys]
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         to = parse_dtype(self.dtype)
         only = parse_dtype(self.from_dtype) if self.from_dtype else None
         for key, node in _matching(ctx, self.keys):
@@ -321,7 +321,7 @@ class Cast(RuleBase):
             if node.dtype != to:
                 ctx.replace(key, CastNode(node, to))
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         if self.from_dtype is None:
             raise AdapterError(
                 f"{self.label()} cannot be inverted: it does not say which dtype it converts from; "
@@ -339,13 +339,13 @@ class Drop(RuleBase):
     def input_patterns(self) -> list[str]:
         return [self.keys]
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         pat = compile_pattern(self.keys)
         for key in ctx.keys(include_non_tensor=True):
             if pat.match(key) is not None:
                 ctx.drop(key, index)
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         return []  # dropped data cannot come back; the export simply lacks it
 
 
@@ -359,14 +359,14 @@ class Tie(RuleBase):
     src: str
 
     @model_validator(mode="after")
-    def _check(self) -> "Tie":
+    def _check(self) -> Tie:
         check_output_pattern(self.src, self.dst)
         return self
 
     def input_patterns(self) -> list[str]:
         return [self.src]
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         pat, out = compile_pattern(self.src), compile_pattern(self.dst)
         for key in ctx.keys():
             caps = pat.match(key)
@@ -378,7 +378,7 @@ class Tie(RuleBase):
                 continue  # the checkpoint holds it already, or the model does not want it
             ctx.put(dst, ctx.get(key), index, origin=key)
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         return []  # exporting keeps dst: a checkpoint holding it loads with or without the tie
 
 
@@ -386,7 +386,7 @@ class Tie(RuleBase):
 # --- layout rules: transpose, rotary, stack/unstack, pad/trim, interleave, prefixes ---------------
 
 
-def _dim_of(ctx: "PlanContext", index: int, key: str, node: Node, dim: int, what: str = "dim") -> int | None:
+def _dim_of(ctx: PlanContext, index: int, key: str, node: Node, dim: int, what: str = "dim") -> int | None:
     nd = len(node.shape)
     if not -nd <= dim < nd:
         ctx.issue(index, key, f"{what} {dim} is out of range for {key!r} of shape {list(node.shape)}")
@@ -394,7 +394,7 @@ def _dim_of(ctx: "PlanContext", index: int, key: str, node: Node, dim: int, what
     return dim % nd
 
 
-def _matching_dim(ctx: "PlanContext", index: int, keys: str, dim: int) -> Iterator[tuple[str, Node, int]]:
+def _matching_dim(ctx: PlanContext, index: int, keys: str, dim: int) -> Iterator[tuple[str, Node, int]]:
     """:func:`_matching` with ``dim`` made non-negative for each key; a key for which ``dim`` is
     out of range is reported as an issue of rule ``index`` and skipped."""
     for key, node in _matching(ctx, keys):
@@ -416,7 +416,7 @@ class Transpose(RuleBase):
     def input_patterns(self) -> list[str]:
         return [self.keys]
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         for key, node in _matching(ctx, self.keys):
             d0 = _dim_of(ctx, index, key, node, self.dim0, "dim0")
             d1 = _dim_of(ctx, index, key, node, self.dim1, "dim1")
@@ -426,7 +426,7 @@ class Transpose(RuleBase):
             if d0 != d1:
                 ctx.replace(key, N.Transpose(node, d0, d1))
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         return [Transpose(keys=self.keys, dim0=self.dim0, dim1=self.dim1)]
 
 
@@ -461,7 +461,7 @@ class Rotary(RuleBase):
     def input_patterns(self) -> list[str]:
         return [self.keys]
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         for key, node, d in _matching_dim(ctx, index, self.keys, self.dim):
             rows = node.shape[d]
             if rows % self.heads:
@@ -479,7 +479,7 @@ class Rotary(RuleBase):
             label = f"rotary_{self.to}[heads={self.heads}, dim={d}]"
             ctx.replace(key, N.UnitPermute(node, d, hd, rotary_perm(hd, self.to), label))
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         other = "half" if self.to == "interleaved" else "interleaved"
         return [Rotary(keys=self.keys, heads=self.heads, to=other, dim=self.dim)]
 
@@ -516,14 +516,14 @@ class Stack(RuleBase):
     count: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
-    def _check(self) -> "Stack":
+    def _check(self) -> Stack:
         _check_over(self.src, self.dst, self.over, f"stack into {self.dst!r}")
         return self
 
     def input_patterns(self) -> list[str]:
         return [self.src]
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         pat, out = compile_pattern(self.src), compile_pattern(self.dst)
         groups: dict[str, list[tuple[str, str]]] = {}
         for key in ctx.keys():
@@ -570,7 +570,7 @@ class Stack(RuleBase):
                 ctx.take(k, index)
             ctx.put(dst, N.Stack(tuple(parts), self.dim % (nd + 1)), index, origin=[k for _, k in members])
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         return [Unstack(src=typed_like(self.dst, self.src), dst=self.src, over=self.over, dim=self.dim, count=self.count)]
 
 
@@ -586,14 +586,14 @@ class Unstack(RuleBase):
     count: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
-    def _check(self) -> "Unstack":
+    def _check(self) -> Unstack:
         _check_over(self.dst, self.src, self.over, f"unstack of {self.src!r}")
         return self
 
     def input_patterns(self) -> list[str]:
         return [self.src]
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         pat, out = compile_pattern(self.src), compile_pattern(self.dst)
         for key in ctx.keys():
             caps = pat.match(key)
@@ -611,11 +611,11 @@ class Unstack(RuleBase):
             for e in range(n):
                 ctx.put(out.format({**caps, self.over: str(e)}), N.Select(node, d, e), index, origin=key)
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         return [Stack(src=typed_like(self.dst, self.src), dst=self.src, over=self.over, dim=self.dim, count=self.count)]
 
 
-def final_key(ctx: "PlanContext", key: str, index: int) -> str | None:
+def final_key(ctx: PlanContext, key: str, index: int) -> str | None:
     """The name ``key`` will have once the key-moving rules after rule ``index`` have run:
     renames and prefix rules are followed; ``None`` if another key-moving rule (fuse, split,
     stack...) takes it. Value rules that read the target (pad, trim, interleave) look the key
@@ -641,7 +641,7 @@ def final_key(ctx: "PlanContext", key: str, index: int) -> str | None:
     return k
 
 
-def target_info(ctx: "PlanContext", key: str, index: int) -> "TensorInfo | None":
+def target_info(ctx: PlanContext, key: str, index: int) -> TensorInfo | None:
     """The target's TensorInfo for what ``key`` becomes (see :func:`final_key`), if any."""
     if ctx.target is None:
         return None
@@ -649,7 +649,7 @@ def target_info(ctx: "PlanContext", key: str, index: int) -> "TensorInfo | None"
     return None if final is None else ctx.target.get(final)
 
 
-def _target_size(ctx: "PlanContext", key: str, index: int, d: int, nd: int) -> int | None:
+def _target_size(ctx: PlanContext, key: str, index: int, d: int, nd: int) -> int | None:
     info = target_info(ctx, key, index)
     if info is None or len(info.shape) != nd:
         return None
@@ -671,7 +671,7 @@ class Pad(RuleBase):
     value: float = 0.0
 
     @model_validator(mode="after")
-    def _check(self) -> "Pad":
+    def _check(self) -> Pad:
         if self.size is not None and self.multiple_of is not None:
             raise AdapterError(f"pad of {self.keys!r}: give size or multiple_of, not both")
         return self
@@ -679,7 +679,7 @@ class Pad(RuleBase):
     def input_patterns(self) -> list[str]:
         return [self.keys]
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         for key, node, d in _matching_dim(ctx, index, self.keys, self.dim):
             n = node.shape[d]
             if self.size is not None:
@@ -698,7 +698,7 @@ class Pad(RuleBase):
             if want > n:
                 ctx.replace(key, N.Pad(node, d, want, self.value))
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         return [Trim(keys=self.keys, dim=self.dim)]
 
 
@@ -715,7 +715,7 @@ class Trim(RuleBase):
     def input_patterns(self) -> list[str]:
         return [self.keys]
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         for key, node, d in _matching_dim(ctx, index, self.keys, self.dim):
             n = node.shape[d]
             want = self.size if self.size is not None else _target_size(ctx, key, index, d, len(node.shape))
@@ -729,7 +729,7 @@ class Trim(RuleBase):
             if want < n:
                 ctx.replace(key, Narrow(node, d, 0, want))
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         return [Pad(keys=self.keys, dim=self.dim)]
 
 
@@ -790,7 +790,7 @@ class Interleave(RuleBase):
     backward: ClassVar[bool] = False
 
     @model_validator(mode="after")
-    def _check(self) -> "Interleave":
+    def _check(self) -> Interleave:
         if not self.sizes or any(s < 0 for s in self.sizes):
             raise AdapterError(f"{self.kind} of {self.keys!r}: sizes must be a non-empty list of sizes >= 0, got {self.sizes}")
         if self.tp is not None and any(s % self.tp for s in self.sizes):
@@ -800,7 +800,7 @@ class Interleave(RuleBase):
     def input_patterns(self) -> list[str]:
         return [self.keys]
 
-    def _degree(self, ctx: "PlanContext", key: str, node: Node, d: int, index: int) -> int | str:
+    def _degree(self, ctx: PlanContext, key: str, node: Node, d: int, index: int) -> int | str:
         if self.tp is not None:
             return self.tp
         if ctx.target is None:
@@ -810,7 +810,7 @@ class Interleave(RuleBase):
             return "the model has no such key to read the TP degree from; pass tp="
         return tp_degree(info, d)
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         for key, node, d in _matching_dim(ctx, index, self.keys, self.dim):
             n = node.shape[d]
             if sum(self.sizes) != n:
@@ -827,7 +827,7 @@ class Interleave(RuleBase):
             if tp > 1 and len(self.sizes) > 1:
                 ctx.replace(key, N.Interleave(node, d, tuple(self.sizes), tp, self.backward))
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         return [Deinterleave(keys=self.keys, sizes=list(self.sizes), tp=self.tp, dim=self.dim)]
 
 
@@ -840,14 +840,14 @@ class Deinterleave(Interleave):
     kind: Literal["deinterleave"] = "deinterleave"  # type: ignore[assignment]
     backward: ClassVar[bool] = True
 
-    def _degree(self, ctx: "PlanContext", key: str, node: Node, d: int, index: int) -> int | str:
+    def _degree(self, ctx: PlanContext, key: str, node: Node, d: int, index: int) -> int | str:
         if self.tp is not None:
             return self.tp
         if isinstance(node, N.Leaf) and node.key in ctx.source:
             return tp_degree(ctx.source[node.key], d)
         return "the checkpoint's TP degree is not known here; pass tp= (the TP degree it was saved with)"
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         return [Interleave(keys=self.keys, sizes=list(self.sizes), tp=self.tp, dim=self.dim)]
 
 
@@ -881,13 +881,13 @@ class StripPrefix(RuleBase):
     def input_patterns(self) -> list[str]:
         return []  # a catch-all on what is left; exempt from the ambiguity check
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         moved = [(k, k[len(self.prefix) :]) for k in ctx.keys() if k.startswith(self.prefix) and len(k) > len(self.prefix)]
         _move(ctx, index, moved)
         if self.optional:
             ctx.mark(index)
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         return [AddPrefix(prefix=self.prefix)]
 
 
@@ -907,12 +907,12 @@ class AddPrefix(RuleBase):
     def input_patterns(self) -> list[str]:
         return []  # a catch-all on what is left; exempt from the ambiguity check
 
-    def apply(self, ctx: "PlanContext", index: int) -> None:
+    def apply(self, ctx: PlanContext, index: int) -> None:
         pat = compile_pattern(self.keys)
         moved = [(k, self.prefix + k) for k in ctx.keys() if pat.match(k) is not None]
         _move(ctx, index, moved)
 
-    def inverse(self) -> list["Rule"]:
+    def inverse(self) -> list[Rule]:
         return [StripPrefix(prefix=self.prefix)]
 
 

@@ -41,18 +41,18 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ._adapter import Adapter
+from ._commit import copy_back_if_detached
 from ._distributed import agree, is_distributed, rank_and_world
-from .errors import LoadError, PlanError, SdadaptError, SourceError
 from ._materialize import InitFn, check_buffers, choose_device, has_meta, materialize
 from ._nodes import Box, Leaf, Node, full_box
 from ._plan import Plan, build_plan
-from ._commit import copy_back_if_detached
-from ._safe_planner import SafeLoadPlanner
 from ._reader import AdaptedStorageReader
 from ._report import Mismatch, Report
+from ._safe_planner import SafeLoadPlanner
+from ._target import model_state_dict, schema_of
+from .errors import LoadError, PlanError, SdadaptError, SourceError
 from .sources._base import Source, TensorInfo
 from .sources._dcp_dir import SDADAPT_JSON, DCPSource
-from ._target import model_state_dict, schema_of
 
 log = logging.getLogger(__name__)
 

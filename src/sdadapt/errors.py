@@ -39,7 +39,7 @@ class AdapterError(SdadaptError):
 class PlanError(SdadaptError):
     """The source does not line up with the target; ``.report`` says how. Nothing was read."""
 
-    def __init__(self, report: "Report"):
+    def __init__(self, report: Report):
         self.report = report
         super().__init__(
             "checkpoint does not match the model; nothing was loaded.\n"

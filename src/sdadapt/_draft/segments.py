@@ -62,7 +62,7 @@ class Family:
     dtype: torch.dtype
     regular: bool  # every key has this shape and dtype
     buffer: str | None  # why it looks like a buffer, if it does
-    scope: "Scope | None" = None
+    scope: Scope | None = None
 
     @property
     def count(self) -> int:
@@ -87,12 +87,12 @@ class Scope:
     child containers, and how many instances (index values) it has."""
 
     path: tuple[str, ...]  # ends with IDX, except the root ()
-    parent: "Scope | None"
+    parent: Scope | None
     depth: int
     values: set[int] = field(default_factory=set)  # index values at this level
     instances: set[tuple[int, ...]] = field(default_factory=set)  # full index tuples
     families: list[Family] = field(default_factory=list)
-    children: dict[tuple[str, ...], "Scope"] = field(default_factory=dict)
+    children: dict[tuple[str, ...], Scope] = field(default_factory=dict)
     capname: str = ""
     numel_total: int = 0  # non-buffer elements in the whole subtree
     keys_total: int = 0
@@ -123,7 +123,7 @@ class Scope:
         it = iter(self.names())
         return ".".join("{" + next(it) + "}" if s == IDX else s for s in self.path) or "(top level)"
 
-    def walk(self) -> "list[Scope]":
+    def walk(self) -> list[Scope]:
         out = [self]
         for c in self.children.values():
             out += c.walk()

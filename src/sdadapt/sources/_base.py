@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ..errors import SourceError
 from .._nodes import Box
+from ..errors import SourceError
 
 
 def read_json_file(path: str, limit: int, what: str, hint: str = "") -> Any:
@@ -112,7 +112,7 @@ class Source(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         pass
 
-    def __enter__(self) -> "Source":
+    def __enter__(self) -> Source:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -44,8 +44,8 @@ from torch.distributed.checkpoint import FileSystemReader, Metadata
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from ..errors import SourceError
 from .._nodes import Box, box_shape
+from ..errors import SourceError
 from ._base import Source, TensorInfo, TensorLocation, member_path, slices
 
 METADATA_NAME = ".metadata"

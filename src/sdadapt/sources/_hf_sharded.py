@@ -9,8 +9,8 @@ import os
 
 import torch
 
-from ..errors import SourceError
 from .._nodes import Box
+from ..errors import SourceError
 from ._base import Source, TensorLocation, member_path, read_json_file
 from ._safetensors_file import SafetensorsFile
 

@@ -15,8 +15,8 @@ import warnings
 
 import torch
 
-from ..errors import SourceError
 from .._nodes import Box
+from ..errors import SourceError
 from ._base import Source, TensorInfo, TensorLocation, slices
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit

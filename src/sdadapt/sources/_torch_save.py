@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..errors import SourceError
 from .._nodes import Box
+from ..errors import SourceError
 from ._base import Source, TensorInfo, TensorLocation, slices
 
 log = logging.getLogger(__name__)
