@@ -132,14 +132,14 @@ def experts_layout(keys: list[str]) -> str | None:
 
 
 # --- quantized sources --------------------------------------------------------------------------
-QUANT_KEY_SUFFIXES = {"fp8": ("_scale_inv",), "mxfp4": ("_blocks", "_scales")}
+QUANT_KEY_SUFFIXES = {"fp8": ("_scale_inv",), "mxfp4": ("_blocks",)}
 """Key-name suffixes that mark a quantized checkpoint when its ``config.json`` is not at hand."""
 
 
 def quantization_of(cfg: dict[str, Any], keys: list[str]) -> str | None:
     """The quantization of a checkpoint: ``quantization_config.quant_method`` of its
     ``config.json`` (``"fp8"``, ``"mxfp4"``, ...), else what its key names show (FP8 block
-    scales ``*_scale_inv``, MXFP4 ``*_blocks``/``*_scales``), else ``None`` (plain weights)."""
+    scales ``*_scale_inv``, MXFP4 ``*_blocks``), else ``None`` (plain weights)."""
     qc = cfg.get("quantization_config")
     if isinstance(qc, dict) and qc.get("quant_method"):
         return str(qc["quant_method"])
@@ -228,12 +228,12 @@ def mlp_rules(hf: str = HF, meta: str = META) -> list[Any]:
 
 
 def moe_rules(
-    experts: str, *, per_expert: str, names: tuple[str, str, str], n_experts: int | None, adapter: str
+    experts: str, *, block: str, names: tuple[str, str, str], n_experts: int | None, adapter: str
 ) -> list[Any]:
     """Router and experts of an HF MoE block -> ``moe.router.gate.weight`` ``[E, dim]`` and stacked
     ``moe.experts.w1|w3`` ``[E, hidden, dim]`` (gate, up), ``moe.experts.w2`` ``[E, dim, hidden]``.
 
-    ``experts="per_expert"``: the block lives under ``HF + per_expert`` (e.g. ``"mlp."``) with
+    ``experts="per_expert"``: the MoE block lives under ``HF + block`` (``"mlp."``, ``"block_sparse_moe."``) with
     ``gate.weight`` and ``experts.{e}.<name>.weight`` for ``names`` = the (gate, down, up) weight
     names; ``count`` checks the expert count when ``n_experts`` is known.
     ``experts="stacked"``: transformers 5.x fused tensors ``mlp.experts.gate_up_proj``
@@ -243,7 +243,7 @@ def moe_rules(
         positive("n_experts", n_experts, adapter)
     moe = META + "moe."
     if experts == "per_expert":
-        src = HF + per_expert
+        src = HF + block
         rules: list[Any] = [sdadapt.rename(src + "gate.weight", moe + "router.gate.weight")]
         for w, name in zip(("w1", "w2", "w3"), names, strict=True):
             rules.append(

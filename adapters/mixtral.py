@@ -73,7 +73,7 @@ def build(
         n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, fused_qkv=fused_qkv, tp=tp, adapter="mixtral"
     )
     rules += moe_rules(
-        experts, per_expert="block_sparse_moe.", names=("w1", "w2", "w3"), n_experts=n_experts, adapter="mixtral"
+        experts, block="block_sparse_moe.", names=("w1", "w2", "w3"), n_experts=n_experts, adapter="mixtral"
     )
     return Adapter(
         rules,

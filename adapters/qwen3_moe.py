@@ -76,7 +76,7 @@ def build(
     rules: list[Any] = dequant_rules(quantization, "qwen3_moe")
     rules += top_level_rules(tie_embeddings)
     rules += attention_rules(attention_bias)
-    rules += moe_rules(experts, per_expert="mlp.", names=EXPERT_NAMES, n_experts=n_experts, adapter="qwen3_moe")
+    rules += moe_rules(experts, block="mlp.", names=EXPERT_NAMES, n_experts=n_experts, adapter="qwen3_moe")
     for i in dense:
         rules += mlp_rules(f"model.layers.{i}.", f"layers.{i}.")
     return Adapter(
