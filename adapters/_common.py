@@ -233,9 +233,10 @@ def moe_rules(
     """Router and experts of an HF MoE block -> ``moe.router.gate.weight`` ``[E, dim]`` and stacked
     ``moe.experts.w1|w3`` ``[E, hidden, dim]`` (gate, up), ``moe.experts.w2`` ``[E, dim, hidden]``.
 
-    ``experts="per_expert"``: the MoE block lives under ``HF + block`` (``"mlp."``, ``"block_sparse_moe."``) with
-    ``gate.weight`` and ``experts.{e}.<name>.weight`` for ``names`` = the (gate, down, up) weight
-    names; ``count`` checks the expert count when ``n_experts`` is known.
+    ``experts="per_expert"``: the MoE block lives under ``HF + block`` (``"mlp."``,
+    ``"block_sparse_moe."``) with ``gate.weight`` and ``experts.{e}.<name>.weight`` for ``names``
+    = the (gate, down, up) weight names; the stack rules check the expert count when
+    ``n_experts`` is known.
     ``experts="stacked"``: transformers 5.x fused tensors ``mlp.experts.gate_up_proj``
     ``[E, 2*hidden, dim]`` (gate rows, then up rows) and ``mlp.experts.down_proj`` ``[E, dim, hidden]``.
     """
@@ -251,10 +252,9 @@ def moe_rules(
             )
         return rules
     if experts == "stacked":
-        src = HF + "mlp."
         return [
-            sdadapt.rename(src + "gate.weight", moe + "router.gate.weight"),
-            sdadapt.split(src + "experts.gate_up_proj", [moe + "experts.w1", moe + "experts.w3"], dim=1),
-            sdadapt.rename(src + "experts.down_proj", moe + "experts.w2"),
+            sdadapt.rename(HF + "mlp.gate.weight", moe + "router.gate.weight"),
+            sdadapt.split(HF + STACKED_EXPERTS, [moe + "experts.w1", moe + "experts.w3"], dim=1),
+            sdadapt.rename(HF + "mlp.experts.down_proj", moe + "experts.w2"),
         ]
     raise AdapterError(f"the {adapter} adapter: experts must be 'per_expert' or 'stacked', got {experts!r}")

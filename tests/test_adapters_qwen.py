@@ -329,6 +329,28 @@ def test_wrong_adapter_or_options_fail_while_planning(cases_root: str) -> None:
     assert "layers.{0..2}.attention.q_norm.weight: model [8], checkpoint gives [16]" in msg
 
 
+def test_bf16_release_loads_without_casts(tmp_path: Any, cases_root: str) -> None:
+    """A bf16 release (``save_pretrained`` of the bf16 model, as the Hub holds them) loads into a
+    bf16 model with no cast; the values are transformers' (logits of both upcast to fp32 agree),
+    and an fp32 model is a dtype mismatch named per key, never a silent cast."""
+    from transformers import Qwen3MoeForCausalLM
+
+    case = _case(cases_root, "qwen3_moe_per_expert")
+    hf = Qwen3MoeForCausalLM.from_pretrained(case["path"], dtype=torch.bfloat16).eval()
+    path = str(tmp_path / "bf16")
+    hf.save_pretrained(path)
+    adapter = sdadapt.get_adapter("qwen3_moe", source=path)
+    rep = sdadapt.diff(_meta_model(case), path, adapter)
+    assert len(rep.dtype_mismatch) == rep.target_keys and "model float32, checkpoint gives bfloat16" in rep.format()
+    model = _meta_model(case).to(torch.bfloat16)
+    model.to_empty(device="cpu")
+    assert sdadapt.load(model, path, adapter).keys_loaded == rep.target_keys
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    with torch.no_grad():
+        out, expected = model.float()(case["tokens"]), hf.float()(case["tokens"]).logits
+    torch.testing.assert_close(out, expected, **TOL)
+
+
 def test_quantized_configs_are_refused(tmp_path: Any, cases_root: str) -> None:
     """A quantized release is recognised from config.json (quantization_config) or, without a
     config, from its FP8 scale keys, and refused before planning with a clear message."""
