@@ -219,6 +219,8 @@ def shrink(
             )
         finally:
             bar.close()
+            for t in pending:
+                release(t)
     finally:
         source.close()
     rep = ShrinkReport(

@@ -102,16 +102,15 @@ class HFStateDict(dict):
         super().__init__()
         self._bridge = bridge
         self._native = native
-        self._for_load = False
+        self.load_plan: tuple[Plan, Source] | None = None  # set once our reader is asked for
         self.view: str | None = None
 
     def _resolve(self) -> None:
         if self.view is not None:
             return
-        if self._for_load:
+        if self.load_plan is not None:
             self.view = "load"
-            plan = self._bridge._planned(self)
-            dict.update(self, {k: self._native[k] for k in plan.recipes})
+            dict.update(self, {k: self._native[k] for k in self.load_plan[0].recipes})
         else:
             self.view = "export"
             dict.update(self, apply_adapter(self._bridge.adapter_for(None).inverse(), self._native))
@@ -163,24 +162,22 @@ class _BridgeReader(StorageReader):
     once that plan exists (the call order of ``to_hf`` and ``get_hf_storage_reader`` varies
     between torchtitan's callers). The source is closed once the data is read."""
 
-    def __init__(self, bridge: SdadaptStateDictAdapter, path: str):
+    def __init__(self, path: str, target: HFStateDict | None):
         super().__init__()
-        self.bridge = bridge
         self.path = path
+        self.target = target  # the state dict it fills (set by to_hf when the reader came first)
         self.inner: AdaptedStorageReader | None = None
 
     def _reader(self) -> AdaptedStorageReader:
         if self.inner is None:
-            pending = self.bridge._pending
-            if pending is None or not pending._for_load:
+            if self.target is None or self.target.load_plan is None:
                 raise SourceError(
                     "dcp.load with this reader needs the state dict that to_hf() returned for the model; "
                     "call to_hf(model_state_dict) before dcp.load",
                     path=self.path,
                 )
-            pending._resolve()
-            plan, source = self.bridge._plans[id(pending)]
-            self.inner = AdaptedStorageReader(plan, source)
+            self.target._resolve()
+            self.inner = AdaptedStorageReader(*self.target.load_plan)
         return self.inner
 
     def reset(self, checkpoint_id: object = None) -> None:
@@ -250,9 +247,7 @@ class SdadaptStateDictAdapter:
         self.fqn_to_index_mapping: dict[str, int] | None = _index_mapping(hf_assets_path)
         self._adapters: dict[str | None, Adapter] = {}
         self._pending: HFStateDict | None = None
-        self._reader_first: str | None = None  # a checkpoint path whose reader was asked for before to_hf
-        self._paths: dict[int, str] = {}
-        self._plans: dict[int, tuple[Plan, Source]] = {}
+        self._waiting: _BridgeReader | None = None  # a reader asked for before to_hf
 
     @classmethod
     def using(cls, adapter: Adapter | str, **options: Any) -> type[SdadaptStateDictAdapter]:
@@ -279,9 +274,10 @@ class SdadaptStateDictAdapter:
             log.warning("to_hf: %d non-tensor entries are left out: %s", len(skipped), ", ".join(skipped[:8]))
         hf = HFStateDict(self, tensors)
         self._pending = hf
-        if self._reader_first is not None:
-            path, self._reader_first = self._reader_first, None
-            self._mark_for_load(hf, path)
+        if self._waiting is not None:
+            reader, self._waiting = self._waiting, None
+            hf.load_plan = self._plan(hf, reader.path)
+            reader.target = hf
         return hf
 
     def get_hf_storage_reader(self, path: str, from_quantized: bool = False) -> StorageReader:
@@ -292,18 +288,18 @@ class SdadaptStateDictAdapter:
         if from_quantized:
             log.info("get_hf_storage_reader(from_quantized=True): the adapter's rules decide how scales are applied")
         pending = self._pending
-        if pending is not None and pending.view is None and id(pending) not in self._plans:
-            self._mark_for_load(pending, path)
-        else:
-            self._reader_first = path
-        return _BridgeReader(self, path)
+        if pending is not None and pending.view is None and pending.load_plan is None:
+            pending.load_plan = self._plan(pending, path)
+            return _BridgeReader(path, pending)
+        self._waiting = _BridgeReader(path, None)
+        return self._waiting
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
         """The model's state dict: for the dict ``to_hf`` returned and our reader filled, its
         tensors (already the model's); for a plain dict of HF tensors, the adapter applied in
         memory."""
         if isinstance(hf_state_dict, HFStateDict) and hf_state_dict.view == "load":
-            self._plans.pop(id(hf_state_dict), None)
+            hf_state_dict.load_plan = None
             if self._pending is hf_state_dict:
                 self._pending = None
             return dict(dict.items(hf_state_dict))
@@ -311,18 +307,9 @@ class SdadaptStateDictAdapter:
         return dict(apply_adapter(self.adapter_for(None), tensors))
 
     # ------------------------------------------------------------------ planning
-    def _mark_for_load(self, hf: HFStateDict, path: str) -> None:
+    def _plan(self, hf: HFStateDict, path: str) -> tuple[Plan, Source]:
         """Plan ``hf``'s load from ``path`` now (headers only), so that a plan error is raised
         here, identically on every rank, and not from inside ``dcp.load``."""
-        hf._for_load = True
-        self._paths[id(hf)] = path
-        self._planned(hf)
-
-    def _planned(self, hf: HFStateDict) -> Plan:
-        got = self._plans.get(id(hf))
-        if got is not None:
-            return got[0]
-        path = self._paths[id(hf)]
         adapter = self.adapter_for(path)
         source = open_source(path)
         try:
@@ -341,9 +328,8 @@ class SdadaptStateDictAdapter:
         except BaseException:
             source.close()
             raise
-        self._plans[id(hf)] = (plan, source)
         log.info("torchtitan bridge: %d keys planned from %s with adapter %r", len(plan.recipes), path, adapter.name)
-        return plan
+        return plan, source
 
 
 def _index_mapping(hf_assets_path: str | None) -> dict[str, int] | None:
