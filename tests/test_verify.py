@@ -7,6 +7,7 @@ interleaved per TP rank (parity between an FSDP mesh and a TP mesh, 2 gloo ranks
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,9 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
             p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.2 * noise)
     path = root / "hf"
     hf.save_pretrained(path)
-    (root / "build.py").write_text(BUILD_PY)
+    reference_py = "def reference():\n    from transformers import LlamaForCausalLM\n\n"
+    reference_py += f"    return LlamaForCausalLM.from_pretrained({str(path)!r})\n"
+    (root / "build.py").write_text(BUILD_PY + "\n\n" + reference_py)
     wrong = sdadapt.get_adapter("llama", source=str(path))
     no_rotary = sdadapt.Adapter([r for r in wrong.rules if not isinstance(r, Rotary)], name="llama-without-rotary")
     assert len(no_rotary.rules) == len(wrong.rules) - 2
@@ -97,6 +100,9 @@ def test_cli_single_process(case: dict[str, str], capsys: pytest.CaptureFixture[
     assert out.startswith("PASS  MetaLlama vs LlamaForCausalLM"), out
     assert main(["verify", case["path"], "--model", case["build"], "--adapter", case["no_rotary"]]) == 1
     assert capsys.readouterr().out.startswith("FAIL")
+    reference = case["build"].replace(":build", ":reference")  # any module:function returning a model
+    assert main(["verify", case["path"], "--model", case["build"], "--adapter", "llama", "--reference", reference, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["passed"] is True
     # usage errors: exit 2 with a message
     assert main(["verify", case["path"], "--model", case["build"], "--adapter", "llama", "--mesh", "tp=2"]) == 2
     assert "torchrun" in capsys.readouterr().err
