@@ -197,3 +197,9 @@ __all__ += ["StateError", "StateLoadReport", "export", "load_state", "save_state
 from ._draft import Draft, draft  # noqa: E402
 
 __all__ += ["Draft", "draft"]
+
+# --- issue 14: verify, shrink (appended; the torchtitan bridge is the module sdadapt.torchtitan) ---
+from ._shrink import ShrinkReport, shrink  # noqa: E402
+from ._verify import VerifyReport, verify  # noqa: E402
+
+__all__ += ["ShrinkReport", "VerifyReport", "shrink", "verify"]
