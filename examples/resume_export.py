@@ -23,7 +23,6 @@ sys.path.insert(0, HERE)
 import pipeline  # noqa: E402 - examples/pipeline.py: the model, its checkpoint, its adapter
 
 import sdadapt  # noqa: E402
-from sdadapt._export import convert  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     #    to read a TP degree from, so this adapter only fuses (the layout of an unsharded model).
     fuse_only = sdadapt.Adapter([adapter.rules[0]], name="fuse-qkv")
     dcp_dir = os.path.join(folder, "pretrained-dcp")
-    print(convert(ckpt, dcp_dir, fuse_only, "dcp", verify=True).format_text())
+    print(sdadapt.convert(ckpt, dcp_dir, fuse_only, "dcp", verify=True).format_text())
     model4 = pipeline.build_model()
     print(sdadapt.load(model4, dcp_dir, init_buffers=pipeline.Transformer.init_buffers))
     print(f"example finished; files in {folder}")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sdadapt
-from sdadapt._resolve import ResolveError, resolve_adapter, resolve_target
+from sdadapt import ResolveError, resolve_adapter, resolve_target
 from sdadapt.cli import main
 
 MODEL_PY = """

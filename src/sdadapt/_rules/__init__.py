@@ -47,7 +47,7 @@ Rule = Annotated[
     | Deinterleave | StripPrefix | AddPrefix,
     Field(discriminator="kind"),
 ]
-"""Any rule, as pydantic reads it from JSON (``kind`` picks the class)."""
+Rule.__doc__ = """Any rule: the union of the rule classes, read from JSON by its ``kind`` field."""
 
 __all__ = [
     "DP_MESH_NAMES",
