@@ -68,14 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict = {"step": 0}
     print(sdadapt.load_state(state_dir, model2, opt2, extra=extra))
     assert extra["step"] == 1
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True))
 
     # 5. Export in the checkpoint's own layout (through adapter.inverse()) and load it back.
     out = os.path.join(folder, "export")
     print(sdadapt.export(model, out, adapter, format="safetensors", checksums=True).format_text())
     model3 = pipeline.build_model()
     sdadapt.load(model3, out, adapter, init_buffers=pipeline.Transformer.init_buffers, verify=True)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model3.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model3.state_dict().values(), strict=True))
 
     # 6. Convert the pretrained file offline to a DCP folder in the model's layout; a DCP
     #    folder is a source like any other (no adapter needed now). Offline there is no model

@@ -76,7 +76,7 @@ def _split(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in sd.items():
         if ".qkv." in k:
-            for n, part in zip("qkv", v.chunk(3)):
+            for n, part in zip("qkv", v.chunk(3), strict=True):
                 out[k.replace(".qkv.", f".{n}.")] = part.clone()
         else:
             out[k] = v

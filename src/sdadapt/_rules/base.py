@@ -28,9 +28,10 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return dt
 
 
-def dtype_str(v: str | torch.dtype) -> str:
-    """The canonical name a rule stores for a dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    return str(parse_dtype(v)).removeprefix("torch.")
+def dtype_str(v: object) -> str:
+    """The canonical name a rule stores for a dtype given as a name or a ``torch.dtype``
+    (``torch.bfloat16`` -> ``"bfloat16"``); anything else is read as its ``str()``."""
+    return str(parse_dtype(v if isinstance(v, torch.dtype) else str(v))).removeprefix("torch.")
 
 
 class RuleBase(BaseModel):

@@ -133,7 +133,7 @@ class Rotary(RuleBase):
             ctx.replace(key, N.UnitPermute(node, d, hd, rotary_perm(hd, self.to), label))
 
     def inverse(self) -> list[RuleBase]:
-        other = "half" if self.to == "interleaved" else "interleaved"
+        other: Literal["interleaved", "half"] = "half" if self.to == "interleaved" else "interleaved"
         return [Rotary(keys=self.keys, heads=self.heads, to=other, dim=self.dim)]
 
 
@@ -163,21 +163,24 @@ class Pad(RuleBase):
     def apply(self, ctx: PlanContext, index: int) -> None:
         for key, node, d in matching_dim(ctx, index, self.keys, self.dim):
             n = node.shape[d]
-            if self.size is not None:
-                want: int | None = self.size
-            elif self.multiple_of is not None:
-                want = -(-n // self.multiple_of) * self.multiple_of
-            else:
-                want = target_size(ctx, key, index, d, len(node.shape))
-                if want is None:
-                    ctx.issue(index, key, "the model has no such key to take the size from; give size= or multiple_of=")
-                    continue
+            want = self._size(ctx, key, index, n, d, len(node.shape))
+            if want is None:
+                ctx.issue(index, key, "the model has no such key to take the size from; give size= or multiple_of=")
+                continue
             if want < n:
                 ctx.issue(index, key, f"cannot pad dim {d} from {n} down to {want}; use trim")
                 continue
             ctx.mark(index)
             if want > n:
                 ctx.replace(key, N.Pad(node, d, want, self.value))
+
+    def _size(self, ctx: PlanContext, key: str, index: int, n: int, d: int, nd: int) -> int | None:
+        """The padded size along dim ``d`` (now ``n``): declared, rounded up, or the target's."""
+        if self.size is not None:
+            return self.size
+        if self.multiple_of is not None:
+            return -(-n // self.multiple_of) * self.multiple_of
+        return target_size(ctx, key, index, d, nd)
 
     def inverse(self) -> list[RuleBase]:
         return [Trim(keys=self.keys, dim=self.dim)]
