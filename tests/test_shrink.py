@@ -14,8 +14,9 @@ import torch
 from checkpoints import write_hf_sharded
 from safetensors import safe_open
 
-from sdadapt._shrink import ShrinkError, layer_index, shrink, shrink_config
+from sdadapt._shrink import layer_index, shrink, shrink_config
 from sdadapt.cli import main
+from sdadapt.errors import ShrinkError
 
 
 def _tensors(folder: Path) -> dict[str, torch.Tensor]:

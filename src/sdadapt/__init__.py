@@ -15,10 +15,15 @@ import torch
 
 from ._adapter import Adapter
 from ._diff import diff
+from ._draft import Draft, draft
+from ._export import ExportReport, convert, export
+from ._integrity import write_checksums
+from ._io_engine import EngineConfig
 from ._load import LoadReport, load, plan_load
 from ._plan import Plan, build_plan
 from ._registry import get_adapter, list_adapters
 from ._report import Report
+from ._resolve import resolve_adapter, resolve_target
 from ._rules import (
     AddPrefix,
     Cast,
@@ -38,7 +43,23 @@ from ._rules import (
     Trim,
     Unstack,
 )
-from .errors import AdapterError, LoadError, ModelError, PlanError, RemoteRankError, SdadaptError, SourceError
+from ._shrink import ShrinkReport, shrink
+from ._state import StateLoadReport, load_state, save_state
+from ._verify import VerifyReport, verify
+from .errors import (
+    AdapterError,
+    ExportError,
+    LoadError,
+    ModelError,
+    PlanError,
+    RemoteRankError,
+    ResolveError,
+    SdadaptError,
+    ShrinkError,
+    SourceError,
+    StateError,
+    VerifyError,
+)
 from .sources import Source, TensorInfo, open_source
 
 __version__ = "0.1.0"
@@ -131,75 +152,85 @@ def add_prefix(prefix: str, keys: str = "**") -> AddPrefix:
 
 
 __all__ = [
+    # loading, planning, reporting
+    "LoadReport",
+    "Plan",
+    "Report",
+    "build_plan",
+    "diff",
+    "load",
+    "plan_load",
+    # training state, export, integrity
+    "ExportReport",
+    "StateLoadReport",
+    "convert",
+    "export",
+    "load_state",
+    "save_state",
+    "write_checksums",
+    # checking and trimming checkpoints
+    "ShrinkReport",
+    "VerifyReport",
+    "shrink",
+    "verify",
+    # sources and engine settings
+    "EngineConfig",
+    "Source",
+    "TensorInfo",
+    "open_source",
+    # adapters: the registry, spec resolution, drafting
     "Adapter",
-    "AdapterError",
+    "Draft",
+    "draft",
+    "get_adapter",
+    "list_adapters",
+    "resolve_adapter",
+    "resolve_target",
+    # rules and their constructors
+    "AddPrefix",
     "Cast",
+    "Deinterleave",
     "Drop",
     "Fuse",
-    "LoadError",
-    "LoadReport",
-    "ModelError",
-    "Plan",
-    "PlanError",
-    "RemoteRankError",
-    "Rename",
-    "Report",
-    "Rule",
-    "SdadaptError",
-    "Source",
-    "SourceError",
-    "Split",
-    "TensorInfo",
-    "Tie",
-    "build_plan",
-    "cast",
-    "diff",
-    "drop",
-    "fuse",
-    "load",
-    "open_source",
-    "plan_load",
-    "rename",
-    "split",
-    "tie",
-    # layout rules and the adapter registry
-    "AddPrefix",
-    "Deinterleave",
     "Interleave",
     "Pad",
+    "Rename",
     "Rotary",
+    "Rule",
+    "Split",
     "Stack",
     "StripPrefix",
+    "Tie",
     "Transpose",
     "Trim",
     "Unstack",
     "add_prefix",
+    "cast",
     "deinterleave",
-    "get_adapter",
+    "drop",
+    "fuse",
     "interleave",
-    "list_adapters",
     "pad",
+    "rename",
     "rotary",
+    "split",
     "stack",
     "strip_prefix",
+    "tie",
     "transpose",
     "trim",
     "unstack",
+    # errors
+    "AdapterError",
+    "ExportError",
+    "LoadError",
+    "ModelError",
+    "PlanError",
+    "RemoteRankError",
+    "ResolveError",
+    "SdadaptError",
+    "ShrinkError",
+    "SourceError",
+    "StateError",
+    "VerifyError",
 ]
-
-# --- issue 4: training state, export (appended) ---
-from ._export import export  # noqa: E402
-from ._state import StateError, StateLoadReport, load_state, save_state  # noqa: E402
-
-__all__ += ["StateError", "StateLoadReport", "export", "load_state", "save_state"]
-
-# --- issue 7: sdadapt draft (appended) ---
-from ._draft import Draft, draft  # noqa: E402
-
-__all__ += ["Draft", "draft"]
-
-# --- issue 14: verify, shrink (appended; the torchtitan bridge is the module sdadapt.torchtitan) ---
-from ._shrink import ShrinkReport, shrink  # noqa: E402
-from ._verify import VerifyReport, verify  # noqa: E402
-
-__all__ += ["ShrinkReport", "VerifyReport", "shrink", "verify"]

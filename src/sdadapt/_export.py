@@ -45,17 +45,13 @@ from ._plan import PlanContext
 from ._target import model_state_dict
 from ._writers import make_writer
 from ._writers.base import FORMATS
-from .errors import RemoteRankError, SdadaptError
+from .errors import ExportError, RemoteRankError, SdadaptError
 from .sources import Source, open_source
 from .sources._base import TensorInfo, slices
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int], None]  # (key, bytes) after each tensor is written
-
-
-class ExportError(SdadaptError):
-    """Writing the output failed or is not possible as asked; nothing is left at ``dst``."""
 
 
 class ExportReport(BaseModel):

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ._nodes import Box
+from ._writers.base import tensor_bytes
 from .errors import SourceError
 from .sources._base import Source, TensorInfo, dtype_name, read_json_file
 
@@ -128,8 +129,7 @@ def _digest(t: torch.Tensor) -> str:
     t = t.detach().contiguous().reshape(-1)
     if t.numel() == 0:
         return hashlib.blake2b(b"", digest_size=16).hexdigest()
-    data = t.view(torch.uint8).numpy() if t.dtype != torch.uint8 else t.numpy()
-    return hashlib.blake2b(memoryview(data), digest_size=16).hexdigest()
+    return hashlib.blake2b(tensor_bytes(t), digest_size=16).hexdigest()
 
 
 def _row_box(info: TensorInfo, lo: int, hi: int) -> Box:

@@ -32,6 +32,13 @@ class RuleIssue(BaseModel):
 
 
 class Report(BaseModel):
+    """How a checkpoint lines up with a model under an adapter (from headers alone).
+
+    ``missing`` / ``unexpected`` list target keys nothing produces and source keys nothing
+    consumes; ``shape_mismatch`` / ``dtype_mismatch`` the keys that differ; ``rule_issues`` and
+    ``unused_rules`` what the adapter's rules could not do or never matched. ``ok`` is true when
+    none of these (``problems``) remain; ``format()`` prints it as ``sdadapt diff`` does."""
+
     source: str
     target: str
     adapter: str | None = None

@@ -30,7 +30,7 @@ from pydantic import BaseModel
 
 from ._export import PageReleaser, _check_dst, _source_files, _write
 from ._nodes import Leaf, Node, full_box
-from .errors import SdadaptError
+from .errors import ShrinkError
 from .sources import open_source
 
 log = logging.getLogger(__name__)
@@ -39,10 +39,6 @@ __all__ = ["ShrinkError", "ShrinkReport", "layer_index", "shrink", "shrink_confi
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".distcp")
 _SKIP_FILES = ("config.json", "model.safetensors.index.json", ".metadata")
-
-
-class ShrinkError(SdadaptError):
-    """The checkpoint cannot be shrunk as asked (too few layers, no layer keys, a split scale)."""
 
 
 class ShrinkReport(BaseModel):
@@ -126,7 +122,7 @@ def _select(keys: list[str], layers: int, pattern: str) -> tuple[list[str], int]
     before = found[-1] + 1
     if layers < 1 or layers > before:
         raise ShrinkError(f"cannot keep {layers} layers: the checkpoint has {before} (pattern {pattern!r})")
-    kept = [k for k in keys if index[k] is None or index[k] < layers]
+    kept = [k for k in keys if (i := index[k]) is None or i < layers]
     kept_set, have = set(kept), set(keys)
     for k in kept:
         for companion in _companions(k):

@@ -24,15 +24,11 @@ from pydantic import BaseModel
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .errors import SdadaptError
+from .errors import VerifyError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["VerifyError", "VerifyReport", "compare_logits", "random_tokens", "reference_from_checkpoint", "verify"]
-
-
-class VerifyError(SdadaptError):
-    """A verification cannot run (no reference class, no vocabulary size, outputs of different shapes)."""
 
 
 class VerifyReport(BaseModel):
@@ -92,9 +88,9 @@ def compare_logits(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]
 
 def _vocab_size(*models: nn.Module) -> int | None:
     for m in models:
-        cfg = getattr(m, "config", None)
-        if isinstance(getattr(cfg, "vocab_size", None), int):
-            return int(cfg.vocab_size)
+        size = getattr(getattr(m, "config", None), "vocab_size", None)
+        if isinstance(size, int):
+            return size
         get = getattr(m, "get_input_embeddings", None)
         emb = get() if callable(get) else None
         if isinstance(emb, nn.Embedding):

@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ResolveError(f"--reference {args.reference!r} names no model: give module:function returning one")
         else:
             reference = reference_from_checkpoint(args.src).to(args.device)
-        names = (None, None)
+        names: tuple[str | None, str | None] = (None, None)
         if args.parity_mesh:
             names = (f"{type(model).__name__} on mesh {args.mesh}", f"the same on mesh {args.parity_mesh}")
         rep = verify(
