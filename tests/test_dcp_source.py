@@ -127,7 +127,7 @@ def test_engine_reads_raw_chunks_bit_exact(sharded):
     contiguous and strided destinations, direct, staged and strided-copy paths) equal the
     saved tensors, with every byte read from the raw chunks (no Source.read fallback)."""
     from sdadapt import _nodes as N
-    from sdadapt._io_engine import EngineConfig, IOEngine, Job
+    from sdadapt._engine import EngineConfig, IOEngine, Job
 
     full = _tensors()
     rnd = random.Random(3)

@@ -1,4 +1,4 @@
-"""The I/O engine (sdadapt._io_engine) without processes: every path bit-exact against the
+"""The I/O engine (sdadapt._engine) without processes: every path bit-exact against the
 recipe's own ``read`` (the simple reader's path), coalescing, bounded staging, exact byte
 counts, and errors that name the key and the file."""
 
@@ -12,7 +12,7 @@ import torch
 from checkpoints import random_state_dict, write_hf_sharded, write_safetensors, write_torch_save
 
 from sdadapt import _nodes as N
-from sdadapt._io_engine import EngineConfig, IOEngine, Job, box_spans, default_threads, route
+from sdadapt._engine import EngineConfig, IOEngine, Job, box_spans, default_threads
 from sdadapt.errors import LoadError
 from sdadapt.sources import open_source
 
@@ -55,20 +55,15 @@ def _recipes(src) -> dict[str, N.Node]:
     out["a32"] = N.Cast(leaf["a"], torch.float32)
     out["c_mid"] = N.Narrow(leaf["c"], 0, 10, 40)
     out["b_cast_cat"] = N.Cast(N.Concat((leaf["b"], N.Narrow(leaf["b"], 0, 4, 6)), 0), torch.float64)
-    for name in ("Transpose", "Stack", "Select", "UnitPermute", "Pad"):
-        cls = getattr(N, name, None)
-        if cls is None:
-            continue
-        if name == "Transpose":
-            out["cT"] = cls(leaf["c"], 0, 1)
-        elif name == "Stack":
-            out["kv_stack"] = cls((leaf["k"], leaf["v"]), 0)
-        elif name == "Select":
-            out["b_sel"] = cls(leaf["b"], 1, 3)
-        elif name == "UnitPermute":
-            out["q_perm"] = cls(leaf["q"], 0, 4, (0, 2, 1, 3))
-        elif name == "Pad":
-            out["a_pad"] = cls(leaf["a"], 0, 40, 0.0)
+    out["b_int_back"] = N.Cast(N.Cast(leaf["b"], torch.int32), torch.float32)  # truncates
+    out["c_bf16_f32"] = N.Cast(N.Cast(leaf["c"], torch.bfloat16), torch.float32)  # rounds
+    out["cT"] = N.Transpose(leaf["c"], 0, 1)
+    out["kv_stack"] = N.Stack((leaf["k"], leaf["v"]), 0)
+    out["b_sel"] = N.Select(leaf["b"], 1, 3)
+    out["q_perm"] = N.UnitPermute(leaf["q"], 0, 4, (0, 2, 1, 3))
+    out["a_pad"] = N.Pad(leaf["a"], 0, 40, 0.0)
+    out["a_pad_half"] = N.Pad(N.Cast(leaf["a"], torch.float16), 1, 23, 0.1)
+    out["qkv_tp2"] = N.Interleave(N.Concat((leaf["q"], leaf["k"], leaf["v"]), 0), 0, (24, 8, 8), 2)
     return out
 
 
@@ -106,7 +101,8 @@ def test_engine_bit_exact_every_path(sources, fmt):
             for key, node in recipes.items():
                 for _ in range(3):
                     box = _random_box(node.shape, rng)
-                    want = node.read(box, ref_io).clone()
+                    want = node.full(ref_io)[tuple(slice(a, b) for a, b in box)]
+                    assert torch.equal(node.read(box, ref_io), want), (key, box)
                     dest = torch.full(want.shape, 7, dtype=node.dtype) if node.dtype != torch.bool else torch.zeros(want.shape, dtype=torch.bool)
                     if rng.random() < 0.3 and dest.dim() == 2:  # a non-contiguous destination (TP-like column slice)
                         dest = torch.full((want.shape[0], want.shape[1] + 3), 7, dtype=node.dtype)[:, 1 : 1 + want.shape[1]]
@@ -243,19 +239,33 @@ def test_torch_save_locations_are_file_offsets(sources):
                 assert raw == bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist()), key
 
 
-def test_route_covers_every_element(sources):
-    """Routing writes every element of the destination exactly once per piece set."""
+def test_steps_cover_every_element(sources):
+    """A recipe's steps write every element of the destination exactly once."""
     _, paths = sources
     rng = random.Random(11)
     with open_source(paths["safetensors"]) as src:
         for key, node in _recipes(src).items():
             box = _random_box(node.shape, rng)
             dest = torch.zeros([b - a for a, b in box], dtype=torch.float64)
-            actions: list = []
-            route(node, box, dest, actions)
-            for act in actions:
-                act.dest.add_(1)
+            for step in node.steps(box, dest):
+                step.dest.add_(1)
             assert torch.equal(dest, torch.ones_like(dest)), key
+
+
+def test_engine_knows_no_node_kinds(sources):
+    """Pure data movement becomes pieces read straight from the file; only the unit permutation
+    and the lossy casts are computations (no node goes through Source.read whole)."""
+    _, paths = sources
+    with open_source(paths["safetensors"]) as src:
+        recipes = _recipes(src)
+        kinds = {}
+        for key, node in recipes.items():
+            dest = torch.empty(node.shape, dtype=node.dtype)
+            kinds[key] = {type(s).__name__ for s in node.steps(N.full_box(node.shape), dest)}
+        assert kinds["qkv_tp2"] == kinds["kv_stack"] == kinds["cT"] == kinds["b_cast_cat"] == {"Piece"}
+        assert kinds["a_pad"] == {"Piece", "Fill"}
+        assert kinds["q_perm"] == kinds["b_int_back"] == kinds["c_bf16_f32"] == {"Compute"}
+        assert kinds["a_pad_half"] == {"Piece", "Fill"}  # bf16 -> f16 into an f16 destination: copy_ is the cast
 
 
 def test_error_names_key_and_file_on_truncated_file(tmp_path):
@@ -280,17 +290,23 @@ def test_error_from_a_computed_node_names_key(sources):
     _, paths = sources
 
     class Boom(N.Node):
+        """A computation that fails, written as a new node kind would be."""
+
         shape = (3,)
         dtype = torch.float32
 
-        def read(self, box, io):
+        def produce(self, box, dest, out):
+            out.append(N.Compute(self, box, dest, self._boom))
+
+        def _boom(self, io):
+            io.read("a", ((0, 1), (0, 1)))
             raise ValueError("boom")
 
-        def leaves(self):
-            return ["a"]
+        def children(self):
+            return (N.Leaf("a", (37, 19), torch.bfloat16),)
 
     with open_source(paths["safetensors"]) as src:
-        with pytest.raises(LoadError, match=r"key 'target.w'.*boom"):
+        with pytest.raises(LoadError, match=r"key 'target.w' \(from .*m.safetensors\).*boom"):
             IOEngine(src, EngineConfig(threads=2)).run([Job("target.w", Boom(), ((0, 3),), torch.empty(3))])
 
 
@@ -323,11 +339,11 @@ def test_config_from_environment(monkeypatch):
 
 
 def test_populate_keeps_values_and_fresh_memory_reads_right(tmp_path):
-    from sdadapt._io_engine import _populate
+    from sdadapt._engine.syscalls import populate
 
     t = torch.arange(1 << 20, dtype=torch.int32)  # 4 MiB with values: faulting in must not change them
     want = t.clone()
-    _populate(t)
+    populate(t)
     assert torch.equal(t, want)
     # a direct read into fresh memory large enough to be populated first
     sd = {"big": torch.randn(1024, 1024)}  # 4 MiB
@@ -336,3 +352,18 @@ def test_populate_keeps_values_and_fresh_memory_reads_right(tmp_path):
         dest = torch.empty(1024, 1024)
         stats = IOEngine(src, EngineConfig(threads=1)).run([Job("big", N.Leaf("big", (1024, 1024), torch.float32), ((0, 1024), (0, 1024)), dest)])
         assert stats.direct_bytes == 4 << 20 and torch.equal(dest, sd["big"])
+
+
+def test_lossy_cast_chain_is_applied(tmp_path):
+    """f32 -> int32 -> f32 truncates: the engine must compute the inner cast, not let ``copy_``
+    convert f32 straight into the f32 destination."""
+    t = torch.tensor([[1.75, -2.5, 3.25], [0.5, -0.75, 9.9]], dtype=torch.float32)
+    path = write_safetensors(tmp_path / "c.safetensors", {"w": t})
+    with open_source(path) as src:
+        node = N.Cast(N.Cast(N.Leaf("w", (2, 3), torch.float32), torch.int32), torch.float32)
+        want = node.full(_Plain(src))
+        assert torch.equal(want, t.to(torch.int32).to(torch.float32))
+        for cfg in CONFIGS.values():
+            dest = torch.full((2, 3), 7.0)
+            IOEngine(src, cfg).run([Job("w", node, ((0, 2), (0, 3)), dest)])
+            assert torch.equal(dest, want)
