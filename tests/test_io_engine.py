@@ -103,14 +103,14 @@ def test_engine_bit_exact_every_path(sources, fmt):
                     box = _random_box(node.shape, rng)
                     want = node.full(ref_io)[tuple(slice(a, b) for a, b in box)]
                     assert torch.equal(node.read(box, ref_io), want), (key, box)
-                    dest = torch.full(want.shape, 7, dtype=node.dtype) if node.dtype != torch.bool else torch.zeros(want.shape, dtype=torch.bool)
+                    dest = torch.full(want.shape, 7, dtype=node.dtype)
                     if rng.random() < 0.3 and dest.dim() == 2:  # a non-contiguous destination (TP-like column slice)
                         dest = torch.full((want.shape[0], want.shape[1] + 3), 7, dtype=node.dtype)[:, 1 : 1 + want.shape[1]]
                     jobs.append(Job(key, node, box, dest))
                     expected.append((key, box, want))
             engine = IOEngine(src, cfg)
             stats = engine.run(jobs)
-            for job, (key, box, want) in zip(jobs, expected):
+            for job, (key, box, want) in zip(jobs, expected, strict=True):
                 assert torch.equal(job.dest, want), (fmt, cname, key, box)
             assert stats.bytes_read > 0
             assert stats.staging_bytes <= max(cfg.staging_bytes, cfg.chunk())
@@ -350,7 +350,8 @@ def test_populate_keeps_values_and_fresh_memory_reads_right(tmp_path):
     path = write_safetensors(tmp_path / "p.safetensors", sd)
     with open_source(path) as src:
         dest = torch.empty(1024, 1024)
-        stats = IOEngine(src, EngineConfig(threads=1)).run([Job("big", N.Leaf("big", (1024, 1024), torch.float32), ((0, 1024), (0, 1024)), dest)])
+        job = Job("big", N.Leaf("big", (1024, 1024), torch.float32), ((0, 1024), (0, 1024)), dest)
+        stats = IOEngine(src, EngineConfig(threads=1)).run([job])
         assert stats.direct_bytes == 4 << 20 and torch.equal(dest, sd["big"])
 
 
