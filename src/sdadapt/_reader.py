@@ -170,7 +170,8 @@ class AdaptedStorageReader(StorageReader):
     def _read_engine(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         start = time.perf_counter()
         jobs = [self._job(item, planner) for item in plan.items]
-        to_read, shares = jobs, []
+        to_read: list[Job] = jobs
+        shares: list[share.Share] = []
         if self.share_reads and is_distributed():
             targets = [_target_of(planner, item) for item in plan.items]
             to_read, shares = share.split(jobs, targets)

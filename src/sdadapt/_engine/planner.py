@@ -62,6 +62,7 @@ class Planner:
         self.config = config
         self.coalesced = 0
         self._files: dict[str, bool] = {}
+        self._whole: dict[str, TensorLocation] = {}  # keys stored whole in one located tensor
 
     def _is_file(self, path: str) -> bool:
         ok = self._files.get(path)
@@ -94,9 +95,16 @@ class Planner:
     def _parts(self, piece: Piece) -> list[_Part]:
         """Where the piece's bytes are: one part per located tensor or stored chunk the box
         intersects, or one unlocated part when the source cannot locate all of them in files."""
+        whole = self._whole.get(piece.key)
+        if whole is not None:
+            return [_Part(whole, piece.box, piece.dest, ())]
         located = self.source.locate_region(piece.key, piece.box)
         if located is None or not all(self._is_file(loc.path) for _, loc in located):
             return [_Part(None, piece.box, piece.dest, ())]
+        info = self.source.schema.get(piece.key)
+        if len(located) == 1 and info is not None and located[0][1].shape == info.shape:
+            whole = self._whole[piece.key] = located[0][1]  # the whole tensor in one place: any box lies in it
+            return [_Part(whole, piece.box, piece.dest, ())]
         parts = []
         for cb, loc in located:
             lo = [max(a, o) for (a, _), (o, _) in zip(piece.box, cb, strict=True)]
