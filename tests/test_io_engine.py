@@ -4,8 +4,10 @@ counts, and errors that name the key and the file."""
 
 from __future__ import annotations
 
+import functools
 import os
 import random
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -266,6 +268,64 @@ def test_engine_knows_no_node_kinds(sources):
         assert kinds["a_pad"] == {"Piece", "Fill"}
         assert kinds["q_perm"] == kinds["b_int_back"] == kinds["c_bf16_f32"] == {"Compute"}
         assert kinds["a_pad_half"] == {"Piece", "Fill"}  # bf16 -> f16 into an f16 destination: copy_ is the cast
+
+
+@dataclass(frozen=True, eq=False)
+class _BlockScaled(N.Node):
+    """A node kind written outside sdadapt with only shape, dtype, produce, full and describe:
+    ``weight * scale[i // b0, j // b1]`` in float32, computed over block-aligned reads of both
+    inputs (what a dequantisation node does)."""
+
+    weight: N.Node
+    scale: N.Node
+    block: tuple[int, int]
+    shape: tuple[int, ...] = field(init=False)
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", self.weight.shape)
+
+    def produce(self, box, dest, out):
+        out.append(N.Compute(self, box, dest, functools.partial(self._dequant, box)))
+
+    def _dequant(self, box, io):
+        (b0, b1), ((r0, r1), (c0, c1)) = self.block, box
+        rows, cols = (r0 // b0, -(-r1 // b0)), (c0 // b1, -(-c1 // b1))  # the scale tiles the box touches
+        wide = ((rows[0] * b0, min(self.shape[0], rows[1] * b0)), (cols[0] * b1, min(self.shape[1], cols[1] * b1)))
+        w = self.weight.read(wide, io).float()
+        s = self.scale.read((rows, cols), io).repeat_interleave(b0, 0).repeat_interleave(b1, 1)
+        v = w * s[: w.shape[0], : w.shape[1]]
+        return v[r0 - wide[0][0] : r1 - wide[0][0], c0 - wide[1][0] : c1 - wide[1][0]]
+
+    def full(self, io):
+        w, s = self.weight.full(io).float(), self.scale.full(io)
+        i = torch.arange(self.shape[0]) // self.block[0]
+        j = torch.arange(self.shape[1]) // self.block[1]
+        return w * s[i][:, j]
+
+    def describe(self):
+        return f"block_scaled({self.weight.describe()}, {self.scale.describe()})"
+
+
+def test_a_new_computing_node_needs_only_produce(tmp_path):
+    """A node that computes over widened reads of two inputs plugs into the region path and
+    the engine without either knowing it: bit-exact against its own ``full``."""
+    sd = {"w": torch.randn(37, 19).to(torch.bfloat16), "w_scale": torch.rand(5, 3) + 0.5}
+    path = write_safetensors(tmp_path / "q.safetensors", sd)
+    node = _BlockScaled(N.Leaf("w", (37, 19), torch.bfloat16), N.Leaf("w_scale", (5, 3), torch.float32), (8, 7))
+    assert node.leaves() == ["w", "w_scale"]
+    rng = random.Random(5)
+    with open_source(path) as src:
+        full = node.full(_Plain(src))
+        boxes = [_random_box(node.shape, rng) for _ in range(12)] + [N.full_box(node.shape)]
+        for box in boxes:
+            assert torch.equal(node.read(box, _Plain(src)), full[tuple(slice(a, b) for a, b in box)]), box
+        for cfg in CONFIGS.values():
+            jobs = [Job("w", node, box, torch.zeros([b - a for a, b in box])) for box in boxes]
+            stats = IOEngine(src, cfg).run(jobs)
+            assert stats.computed >= len(jobs)
+            for job in jobs:
+                assert torch.equal(job.dest, full[tuple(slice(a, b) for a, b in job.box)]), job.box
 
 
 def test_error_names_key_and_file_on_truncated_file(tmp_path):

@@ -149,6 +149,8 @@ class Node:
 
     def children(self) -> tuple[Node, ...]:
         """The input nodes: every dataclass field that holds a node or a tuple of nodes."""
+        if not dataclasses.is_dataclass(self):
+            return ()
         kids: list[Node] = []
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             v = getattr(self, f.name)
