@@ -16,7 +16,7 @@ unpickler) and checks them: one storage record, stored uncompressed, the dtype a
 of ``.metadata``, contiguous strides, the data inside the item's byte range. Chunks that pass
 are read by the I/O engine with ``preadv`` (and by :meth:`DCPSource.read` from a mapping of
 the file); any other chunk (a transform extension, a non-contiguous save, a format we do not
-recognise) goes through ``FileSystemReader`` as before.
+recognise) goes through ``FileSystemReader``.
 
 The ``.metadata`` pickle is read with a restricted unpickler (DCP's metadata classes, torch
 dtypes and sizes, paths): a checkpoint cannot run code when its schema is read.
