@@ -16,9 +16,9 @@ import torch
 from ._adapter import Adapter
 from ._diff import diff
 from ._draft import Draft, draft
+from ._engine import EngineConfig
 from ._export import ExportReport, convert, export
 from ._integrity import write_checksums
-from ._io_engine import EngineConfig
 from ._load import LoadReport, load, plan_load
 from ._plan import Plan, build_plan
 from ._registry import get_adapter, list_adapters

@@ -184,11 +184,6 @@ class PageReleaser:
                 self._refresh()
 
 
-def _source_files(source: Source) -> list[str]:
-    files = {source.file_of(k) for k in source.schema}
-    return [f for f in files if os.path.isfile(f)]
-
-
 # ------------------------------------------------------------------------------ output
 def _check_dst(dst: str, overwrite: bool) -> None:
     if os.path.lexists(dst) and not overwrite:
@@ -401,7 +396,7 @@ def convert(
         outputs, skipped = plan_outputs(source.schema, adapter, non_tensor=source.non_tensor, what=f"convert {source.path}")
         if skipped:
             log.warning("convert: %d non-tensor entries are not written: %s", len(skipped), ", ".join(skipped[:8]))
-        release = PageReleaser(_source_files(source))
+        release = PageReleaser(source.files())
         io = _CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
         written = [0]
 
@@ -437,7 +432,7 @@ def convert(
 def _verify(tmp: str, dst: str, outputs: dict[str, Node], source: Source, release: PageReleaser, progress: Progress | None) -> None:
     result = open_source(tmp)
     try:
-        release_out = PageReleaser(_source_files(result))
+        release_out = PageReleaser(result.files())
         missing = sorted(set(outputs) - set(result.schema))
         extra = sorted(set(result.schema) - set(outputs))
         if missing or extra:

@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ._export import PageReleaser, _check_dst, _source_files, _write
+from ._export import PageReleaser, _check_dst, _write
 from ._nodes import Leaf, Node, full_box
 from .errors import ShrinkError
 from .sources import open_source
@@ -191,7 +191,7 @@ def shrink(
         kept.sort(key=lambda k: (source.file_of(k), (loc.offset if (loc := source.locate(k)) else 0)))
         outputs: dict[str, Node] = {k: Leaf(k, tuple(source.schema[k].shape), source.schema[k].dtype) for k in kept}
         total = sum(source.schema[k].nbytes for k in kept)
-        release = PageReleaser(_source_files(source))
+        release = PageReleaser(source.files())
         bar = _progress_bar(total, progress)
         pending: list[Any] = []
 
