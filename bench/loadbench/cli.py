@@ -200,10 +200,12 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], shape: Shape, backend
         g.update(job=None, timeout=args.timeout)
         groups.append(g)
     rows = summarize(groups)
+    loads = [run["load_avg"] for g in groups for r in g["ranks"] if r for run in r["runs"] if "load_avg" in run]
     shutil.rmtree(work, ignore_errors=True)
     return {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": the_machine,
+        "load_avg_during": [min(loads), max(loads)] if loads else None,
         "shape": asdict(shape),
         "checkpoint": {"gib": shape.nbytes() / GiB, "formats": formats, "shard_gb": args.shard_gb, **facts},
         "nproc": args.nproc,

@@ -107,7 +107,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"Checkpoint: {result['checkpoint']['gib']:.2f} GiB {sh['dtype']} ({sh['layers']} layers, hidden {sh['hidden']}, "
         f"vocab {sh['vocab']}); {result['nproc']} ranks, {result['backend']}; {m['torch']} on {m['host']} ({m['cpus']} CPUs"
-        + (f", {m['gpus']}" if m.get("gpus") else "") + f", load average {m.get('load_avg', '?')} at the start); "
+        + (f", {m['gpus']}" if m.get("gpus") else "") + f"; load average {m.get('load_avg', '?')} at the start"
+        + (", {:.1f}-{:.1f} after the loads".format(*result["load_avg_during"]) if result.get("load_avg_during") else "") + "); "
         f"{result.get('cache', 'warm')} page cache"
         + (f"; worker memory: {result['malloc']} (see MALLOC_MODES)." if result.get("malloc", "default") != "default" else "."),
         how_line(result),
