@@ -57,7 +57,7 @@ class Job:
 
     @property
     def tag(self) -> str:
-        return f"{self.layout}-{self.path}-{self.flow}"
+        return f"{self.layout}-{self.path}" + ("-materialized" if self.flow == "materialized" else "")
 
 
 def import_libraries() -> list[str]:

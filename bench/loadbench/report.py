@@ -86,8 +86,8 @@ def _span(vals: list[float | None], fmt: str = "{:.2f}") -> str:
     vs = [v for v in vals if v is not None]
     if not vs:
         return "-"
-    lo, hi = min(vs), max(vs)
-    return fmt.format(lo) if abs(hi - lo) < 0.005 else f"{fmt.format(lo)}-{fmt.format(hi)}"
+    lo, hi = fmt.format(min(vs)), fmt.format(max(vs))
+    return lo if lo == hi else f"{lo}-{hi}"
 
 
 def how_line(result: dict[str, Any]) -> str:
