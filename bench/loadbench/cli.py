@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None, description: str = "") -> int:
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl" and torch.cuda.device_count() < args.nproc:
         raise BenchError(f"--backend nccl needs {args.nproc} GPUs, found {torch.cuda.device_count()}")
+    if str(ROOT / "src") not in sys.path:  # the workers get it on PYTHONPATH; this process checks imports
+        sys.path.insert(0, str(ROOT / "src"))
     jobs = _jobs(args)
     if any(j.path == "sdadapt-dcp" for j in jobs):
         try:

@@ -77,7 +77,7 @@ def launch_group(cfg: dict[str, Any], nproc: int, timeout: float, tag: str, entr
             time.sleep(0.05)
     ranks = []
     for r in range(nproc):
-        p = out / f"rank{r}.json"
-        ranks.append(json.loads(p.read_text()) if p.exists() else None)
+        rank_file = out / f"rank{r}.json"
+        ranks.append(json.loads(rank_file.read_text()) if rank_file.exists() else None)
     return {"tag": tag, "rc": [p.returncode for p in procs], "hung": hung, "seconds": time.perf_counter() - start,
             "ranks": ranks, "log_tail": log_path.read_text(errors="replace")[-4000:]}

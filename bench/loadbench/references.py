@@ -67,7 +67,7 @@ def pinned_pipeline(ranges: list[tuple[str, int, int]], threads: int, dev: Any, 
     import torch
 
     total = sum(n for _, _, n in ranges)
-    gpu = torch.empty(total, dtype=torch.uint8, device=dev)
+    dest = [torch.empty(total, dtype=torch.uint8, device=dev)]  # a list, so that it can be freed below
     work: queue.SimpleQueue = queue.SimpleQueue()
     pos = 0
     for path, off, n in ranges:
@@ -101,7 +101,7 @@ def pinned_pipeline(ranges: list[tuple[str, int, int]], threads: int, dev: Any, 
                         if r <= 0:
                             raise OSError(f"{path}: short read")
                         got += r
-                    gpu[at : at + n].copy_(buf[:n], non_blocking=True)
+                    dest[0][at : at + n].copy_(buf[:n], non_blocking=True)
                     events[k] = torch.cuda.Event()
                     events[k].record(stream)
                     k ^= 1
@@ -111,7 +111,7 @@ def pinned_pipeline(ranges: list[tuple[str, int, int]], threads: int, dev: Any, 
                 os.close(fd)
 
     run_threads(run, threads)
-    gpu = None  # the threads are done with it; give the memory back
+    dest.clear()  # the threads are done with it; give the memory back
     torch.cuda.empty_cache()
     return total
 

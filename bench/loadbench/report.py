@@ -41,8 +41,9 @@ def summarize(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         row: dict[str, Any] = {"path": job["path"], "layout": job["layout"], "flow": job["flow"]}
         by_rank = [(r or {}).get("runs", []) for r in g["ranks"]]
-        firsts = [next((x for x in runs if x["phase"] == "first"), None) for runs in by_rank]
-        if any(f is None for f in firsts):
+        found = [next((x for x in runs if x["phase"] == "first"), None) for runs in by_rank]
+        firsts = [f for f in found if f is not None]
+        if len(firsts) < len(found):
             rows.append({**row, "ok": False, "error": _failure(g)})
             continue
         if not all(f["ok"] for f in firsts):

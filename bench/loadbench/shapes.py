@@ -25,7 +25,7 @@ class Shape:
     def hf_keys(self) -> list[tuple[str, tuple[int, ...]]]:
         """(HF key, shape) of every tensor of the checkpoint, in writing order."""
         h, i, kv = self.hidden, self.intermediate, self.kv_heads * self.head_dim
-        out = [("model.embed_tokens.weight", (self.vocab, h))]
+        out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (self.vocab, h))]
         for n in range(self.layers):
             p = f"model.layers.{n}."
             out += [

@@ -43,8 +43,8 @@ def main(config_path: str) -> None:
         import faulthandler
 
         faulthandler.dump_traceback_later(cfg["dump_after"], exit=False)
-    kw = {"device_id": dev} if backend == "nccl" else {}
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.get("pg_timeout", 600)), **kw)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.get("pg_timeout", 600)),
+                            device_id=dev if backend == "nccl" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {"rank": rank, "world": world, "pid": os.getpid(), "imported": imported,
                            "import_s": import_s, "runs": [], "refs": {}}
