@@ -56,5 +56,9 @@ class LoadError(SdadaptError):
     """Reading or copying tensor data failed during the load (after planning succeeded)."""
 
 
+class StateError(SdadaptError):
+    """Saving or restoring training state is not possible as asked (nothing was changed)."""
+
+
 class RemoteRankError(SdadaptError):
     """Another rank failed; this rank stops too instead of hanging in a collective."""
