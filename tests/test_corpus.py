@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 import sdadapt
 from sdadapt import _io_engine as io_engine
+from sdadapt._transaction import is_marked
 from sdadapt.errors import LoadError, SourceError
 
 BOUND_S = 20.0  # generous on a shared 2-core machine; a hang would be the launch timeout
@@ -96,14 +97,9 @@ def _attempt(model: nn.Module, path: str, **kw: Any) -> dict[str, Any]:
 
 
 def _forward_refused(model: nn.Module) -> bool:
-    """Whether the model's forward raises the ModelError of a partly overwritten model (checked
-    without running it: the mark is a forward pre-hook that raises before any computation)."""
-    try:
-        for hook in list(model._forward_pre_hooks.values()):
-            hook(model, ())
-    except sdadapt.ModelError as e:
-        return "partly overwritten" in str(e)
-    return False
+    """Whether a failed load marked the model partly overwritten (its forward then raises
+    ModelError; tests/test_transaction_dist.py runs that forward)."""
+    return is_marked(model)
 
 
 def _modes(both: bool, phase: str) -> list[str]:

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from . import _integrity as integrity
-from ._distributed import agree, gather_if_any, is_distributed
+from ._distributed import agree, any_rank, gather_if_any, is_distributed
 from ._materialize import InitFn, choose_device, has_meta, materialize
 from ._plan import Plan
 from ._reader import AdaptedLoadPlanner, AdaptedStorageReader
@@ -172,10 +172,14 @@ class Transaction:
         for part in parts:
             part.staged = staging_like(part.targets) if stage else None
         errors: list[str] = []
-        for part in parts:
+        for i, part in enumerate(parts):
             errors = self._read(part)
-            if errors:
-                break  # this rank stops reading; the others learn of it in the checks below
+            if i == len(parts) - 1:
+                break
+            # before the next part, every rank learns whether this one failed anywhere (one
+            # one-element all-reduce): a failure in the optimizer's part leaves the model unwritten
+            if any_rank(bool(errors), self.group) if is_distributed() else errors:
+                break  # the failing ranks' errors are gathered in the checks below
         self.close()
         mark("dcp_load")
         loaded = {f"{p.name}:{k}": v for p in parts for k, v in p.into.items()}
