@@ -149,10 +149,15 @@ class Transaction:
         touched them), before the first byte is written."""
         error: SdadaptError | None = None
         try:
-            integrity.check_unchanged(self.files, "after planning, before reading")
+            self.files_unchanged("after planning, before reading")
         except SdadaptError as e:
             error = e
         self.agree(error)
+
+    def files_unchanged(self, when: str) -> None:
+        """This rank alone: raise :class:`SourceError` naming the first fingerprinted file that
+        changed (``when`` says since when, for the message)."""
+        integrity.check_unchanged(self.files, when)
 
     # ------------------------------------------------------------------ read, check, commit
     def run(
