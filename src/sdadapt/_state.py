@@ -331,7 +331,8 @@ def load_state(
         return r
 
     r = txn.prepare(prepare)
-    full = r.full
+    full, plan, report = r.full, r.plan, r.report
+    assert plan is not None and report is not None  # set by prepare, which returned
     loaded_extra = _read_extras(txn, src, extra, process_group)
     if optimizer is None and txn.materialize(device, init_buffers):
         r.model_sd = model_state_dict(model)
@@ -340,7 +341,7 @@ def load_state(
         for name, p in r.oplan.plans.items():
             wanted = {fqn: r.optim_sd["state"][fqn][name] for fqn in p.recipes}
             parts.append(Part(f"optimizer {name}", p, _Namespace(full, f"{r.optim_prefix}{{}}.{name}"), wanted, of_model=False))
-    parts.append(Part("model", r.plan, _Namespace(full, r.model_fmt), {k: r.model_sd[k] for k in r.plan.recipes}))
+    parts.append(Part("model", plan, _Namespace(full, r.model_fmt), {k: r.model_sd[k] for k in plan.recipes}))
 
     def finish() -> None:
         if optimizer is not None:
@@ -360,14 +361,14 @@ def load_state(
         rank=rank,
         world_size=world,
         source=src,
-        model_keys=len(r.plan.recipes),
+        model_keys=len(plan.recipes),
         optimizer_keys=sum(len(p.targets) for p in parts if not p.of_model),
         optimizer_state_names=sorted(r.oplan.plans) if r.oplan is not None else [],
         param_groups=len(r.oplan.hyper) if r.oplan is not None else 0,
         extra=sorted(extra),
         saved_with=full.record,
         seconds=time.perf_counter() - t0,
-        report=r.report,
+        report=report,
     )
     log.info("%s", rep.format())
     return rep
@@ -380,7 +381,7 @@ class _Restore:
         self.full = full
         self.model_fmt = "{}"
         self.optim_prefix = ""
-        self.model_sd: dict[str, torch.Tensor] = {}
+        self.model_sd: dict[str, Any] = {}
         self.optim_sd: dict[str, Any] = {}
         self.plan: Plan | None = None
         self.oplan: OptimPlan | None = None

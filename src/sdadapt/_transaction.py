@@ -379,7 +379,7 @@ def copy_back_if_detached(model: nn.Module, loaded: dict[str, torch.Tensor]) -> 
     if all(local(v).data_ptr() in own or local(v).numel() == 0 for v in loaded.values()):
         return
     current = model_state_dict(model)
-    detached = {k: v for k, v in loaded.items() if not _same_storage(current.get(k), v)}
+    detached: dict[str, Any] = {k: v for k, v in loaded.items() if not _same_storage(current.get(k), v)}
     if detached:
         log.debug("copying %d detached tensors back into the model", len(detached))
         set_model_state_dict(model, detached, options=StateDictOptions(strict=False))
