@@ -19,7 +19,10 @@ writing), and the model is *marked*: its forward raises :class:`ModelError` (and
 optimizer's ``step`` too) until a load into it succeeds. An optimizer that held no state before
 the load gets none back. With staging, nothing is written before every rank succeeded, so a
 failure leaves model and optimizer bit for bit as they were, at the cost of a second copy of the
-staged shards.
+staged shards. Staging is not the default because that copy is one more model's worth of memory
+exactly where memory is tightest (at the scale of the largest models, an out-of-memory error)
+and the copy costs as much time again, to protect against failures that the checks before
+writing already make rare.
 """
 
 from __future__ import annotations
@@ -98,7 +101,6 @@ class Transaction:
         self.optimizer: torch.optim.Optimizer | None = None
         self.optimizer_was_empty = False
         self.written: list[Part] = []  # parts this rank began writing into
-        self.materialized = False
 
     # ------------------------------------------------------------------ prepare
     def add_source(self, source: Source) -> None:
@@ -136,13 +138,14 @@ class Transaction:
         failing on one rank stops the others before any reads."""
         assert self.model is not None
         error: SdadaptError | None = None
+        materialized = False
         try:
-            self.materialized = materialize(self.model, choose_device(self.model, device), init_buffers)
+            materialized = materialize(self.model, choose_device(self.model, device), init_buffers)
         except Exception as e:  # noqa: BLE001 - user hooks can raise anything; re-raised below
             error = e if isinstance(e, SdadaptError) else ModelError(f"materialising the model failed: {type(e).__name__}: {e}")
             error.__cause__ = e
         self.agree(error)
-        return self.materialized
+        return materialized
 
     def check_files(self) -> None:
         """Collective: the files are unchanged since planning (every rank checks; a hook may have
