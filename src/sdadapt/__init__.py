@@ -197,3 +197,46 @@ __all__ += ["StateError", "StateLoadReport", "export", "load_state", "save_state
 from ._draft import Draft, draft  # noqa: E402
 
 __all__ += ["Draft", "draft"]
+
+# --- issue 13: quantized sources (appended) ---
+from ._quant_rules import (  # noqa: E402
+    DequantFP8,
+    DequantMXFP4,
+    QuantizeFP8,
+    QuantizeMXFP4,
+    dequant_rules,
+)
+
+
+def dequant_fp8(
+    keys: str = "**.weight",
+    block: tuple[int, int] | list[int] = (128, 128),
+    *,
+    exclude: list[str] | None = None,
+    scale_suffix: str = "_scale_inv",
+    scale_format: Literal["float32", "ue8m0"] = "float32",
+    dtype: str | torch.dtype = "bfloat16",
+) -> DequantFP8:
+    """FP8 e4m3 weights matching ``keys`` (not ``exclude``) with ``block`` scales at
+    ``key + scale_suffix`` (float32, or ``"ue8m0"`` exponent bytes) -> values in ``dtype``."""
+    return DequantFP8(
+        keys=keys, block=block, exclude=exclude or [], scale_suffix=scale_suffix, scale_format=scale_format, dtype=dtype
+    )
+
+
+def dequant_mxfp4(
+    keys: str, *, blocks_suffix: str = "_blocks", scales_suffix: str = "_scales", dtype: str | torch.dtype = "bfloat16"
+) -> DequantMXFP4:
+    """MXFP4 ``<name>_blocks`` + ``<name>_scales`` -> ``<name>`` (values ``[..., G * 32]``) for names matching ``keys``."""
+    return DequantMXFP4(keys=keys, blocks_suffix=blocks_suffix, scales_suffix=scales_suffix, dtype=dtype)
+
+
+__all__ += [
+    "DequantFP8",
+    "DequantMXFP4",
+    "QuantizeFP8",
+    "QuantizeMXFP4",
+    "dequant_fp8",
+    "dequant_mxfp4",
+    "dequant_rules",
+]

@@ -13,6 +13,7 @@ from collections import defaultdict
 from pydantic import BaseModel, computed_field
 
 from ._keyruns import compress
+from ._quant_rules import quant_hint
 
 _INDEX = re.compile(r"\.\d+(?=[.,\])\[]|$)")  # ".3." in a recipe -> ".{i}."
 
@@ -148,6 +149,9 @@ class Report(BaseModel):
             lines.append(
                 f"allowed: {len(self.allowed_missing)} missing and {len(self.allowed_unexpected)} unexpected key(s)"
             )
+        hint = quant_hint(self)
+        if hint:
+            lines.append(hint)
         lines.append("OK: checkpoint and model line up" if self.ok else f"NOT OK: {self.problems} problem(s)")
         return "\n".join(lines)
 
