@@ -233,8 +233,9 @@ class DequantMXFP4(_MXFP4Fields):
 
 
 class QuantizeMXFP4(_MXFP4Fields):
-    """The inverse of :class:`DequantMXFP4`: each key matching ``keys`` (last dim a multiple of
-    32) becomes ``<key>_blocks`` + ``<key>_scales``."""
+    """The inverse of :class:`DequantMXFP4`: each key matching ``keys`` (two or more dims, the
+    last a multiple of 32) becomes ``<key>_blocks`` + ``<key>_scales``. ``keys`` must name the
+    packed tensors only (GPT-OSS: ``**.mlp.experts.{proj}_proj``, not the ``_bias`` beside them)."""
 
     kind: Literal["quantize_mxfp4"] = "quantize_mxfp4"
 
@@ -244,7 +245,7 @@ class QuantizeMXFP4(_MXFP4Fields):
             if pat.match(key) is None:
                 continue
             node = ctx.get(key)
-            if not node.dtype.is_floating_point or not node.shape or node.shape[-1] % Q.MX_BLOCK:
+            if not node.dtype.is_floating_point or len(node.shape) < 2 or node.shape[-1] % Q.MX_BLOCK:
                 ctx.issue(index, key, f"{_dtype_name(node.dtype)} {list(node.shape)}: MXFP4 needs a floating tensor "
                           f"whose last dim is a multiple of {Q.MX_BLOCK}")  # fmt: skip
                 continue
@@ -268,13 +269,14 @@ def dequant_rules(
     dtype: str | torch.dtype = "bfloat16",
     fp8_keys: str = "**.weight",
     fp8_exclude: list[str] | None = None,
-    mxfp4_keys: str = "**.mlp.experts.{proj}",
+    mxfp4_keys: str = "**.mlp.experts.{proj}_proj",
 ) -> list[DequantFP8 | DequantMXFP4]:
     """The rules to put first in an adapter for a release described by ``config`` (a
     ``config.json`` dict, file or folder): none for an unquantized release; one
     :class:`DequantFP8` for ``quant_method: fp8`` (``weight_block_size``; ``scale_fmt: ue8m0``
     means exponent-byte scales; ``modules_to_not_convert`` extends ``fp8_exclude``, which
-    defaults to :data:`FP8_EXCLUDE`); one :class:`DequantMXFP4` for ``quant_method: mxfp4``."""
+    defaults to :data:`FP8_EXCLUDE`); one :class:`DequantMXFP4` for ``quant_method: mxfp4``
+    (``mxfp4_keys``: GPT-OSS's expert projections ``gate_up_proj`` and ``down_proj``)."""
     cfg = _read_config(config)
     qc = cfg.get("quantization_config")
     if not qc:
