@@ -101,13 +101,19 @@ def dequantize_fp8_region(
     dtype: torch.dtype,
 ) -> torch.Tensor:
     """Dequantise a region of an FP8 weight that starts ``offset`` = ``(row % b0, col % b1)``
-    inside its first block; ``scale`` holds exactly the scale rows/cols the region touches."""
+    inside its first block; ``scale`` holds exactly the scale rows/cols the region touches.
+
+    The region is placed in a float32 buffer aligned to those tiles and scaled through a
+    ``[..., nr, b0, nc, b1]`` view, so the scales are broadcast, never expanded to the weight's size."""
     rows, cols = weight.shape[-2:]
     (b0, b1), (r, c) = block, offset
     s = scale_values(scale, fmt)
-    s = s.repeat_interleave(b0, dim=-2)[..., r : r + rows, :]
-    s = s.repeat_interleave(b1, dim=-1)[..., c : c + cols]
-    return (weight.to(torch.float32) * s).to(dtype)
+    lead, (nr, nc) = tuple(weight.shape[:-2]), tuple(s.shape[-2:])
+    buf = torch.zeros(lead + (nr * b0, nc * b1), dtype=torch.float32)
+    region = buf[..., r : r + rows, c : c + cols]
+    region.copy_(weight)
+    buf.view(lead + (nr, b0, nc, b1)).mul_(s.reshape(lead + (nr, 1, nc, 1)))
+    return region.to(dtype)
 
 
 def _fp8_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, ...]]:
