@@ -490,6 +490,12 @@ def test_dequant_rules_from_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (r,) = sdadapt.dequant_rules(str(tmp_path))
     assert r.scale_format == "ue8m0" and "**model.layers.3.mlp.gate.weight" in r.exclude
+    # DeepSeek-V3.1 style: ue8m0 in the config, power-of-two scales stored as float32
+    schema = {"a.weight_scale_inv": sdadapt.TensorInfo((2, 2), torch.float32)}
+    (r,) = sdadapt.dequant_rules(cfg, schema=schema)
+    assert r.scale_format == "float32"
+    schema = {"a.weight_scale_inv": sdadapt.TensorInfo((2, 2), torch.uint8)}
+    assert sdadapt.dequant_rules(cfg, schema=schema)[0].scale_format == "ue8m0"
     (r,) = sdadapt.dequant_rules({"quantization_config": {"quant_method": "mxfp4"}})
     assert r.kind == "dequant_mxfp4"
     with pytest.raises(AdapterError, match="awq"):

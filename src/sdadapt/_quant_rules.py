@@ -39,6 +39,7 @@ from .errors import AdapterError
 if TYPE_CHECKING:
     from ._plan import PlanContext
     from ._report import Report
+    from .sources._base import TensorInfo
 
 FP8_EXCLUDE = ["**embed_tokens.weight", "lm_head.weight", "**.mlp.gate.weight", "**.shared_head.head.weight"]
 """Matrices that FP8 releases keep in bf16: embeddings, the output head (and DeepSeek's MTP copy
@@ -267,6 +268,7 @@ def dequant_rules(
     config: Mapping[str, Any] | str | os.PathLike[str],
     *,
     dtype: str | torch.dtype = "bfloat16",
+    schema: Mapping[str, TensorInfo] | None = None,
     fp8_keys: str = "**.weight",
     fp8_exclude: list[str] | None = None,
     mxfp4_keys: str = "**.mlp.experts.{proj}_proj",
@@ -275,7 +277,13 @@ def dequant_rules(
     ``config.json`` dict, file or folder): none for an unquantized release; one
     :class:`DequantFP8` for ``quant_method: fp8`` (``weight_block_size``; ``scale_fmt: ue8m0``
     means exponent-byte scales; ``modules_to_not_convert`` extends ``fp8_exclude``, which
-    defaults to :data:`FP8_EXCLUDE`); one :class:`DequantMXFP4` for ``quant_method: mxfp4``
+    defaults to :data:`FP8_EXCLUDE`); one :class:`DequantMXFP4` for ``quant_method: mxfp4``.
+
+    ``scale_fmt: ue8m0`` says the scales are powers of two, not how they are stored: some
+    releases (DeepSeek-V3.1) keep them as float32, others as exponent bytes. Given the
+    checkpoint's ``schema`` (``source.schema``), the stored dtype of the scales decides;
+    without it, exponent bytes are assumed and a float32 release is a plan problem that says
+    ``scale_format='float32'``
     (``mxfp4_keys``: GPT-OSS's expert projections ``gate_up_proj`` and ``down_proj``)."""
     cfg = _read_config(config)
     qc = cfg.get("quantization_config")
@@ -288,6 +296,9 @@ def dequant_rules(
             raise AdapterError("quantization_config has quant_method 'fp8' but no weight_block_size; per-tensor FP8 "
                                "is not supported: give sdadapt.dequant_fp8(block=[rows, cols]) yourself")  # fmt: skip
         fmt = "ue8m0" if qc.get("scale_fmt") == "ue8m0" else "float32"
+        stored = {i.dtype for k, i in (schema or {}).items() if k.endswith("_scale_inv")}
+        if fmt == "ue8m0" and stored == {torch.float32}:
+            fmt = "float32"  # power-of-two values, stored as float32
         exclude = list(FP8_EXCLUDE if fp8_exclude is None else fp8_exclude)
         exclude += [f"**{m}.weight" for m in qc.get("modules_to_not_convert") or []]
         return [DequantFP8(keys=fp8_keys, exclude=exclude, block=block, scale_format=fmt, dtype=dtype)]
