@@ -447,6 +447,7 @@ def test_unconsumed_scale_and_undequantised_weight_are_plan_errors(tmp_path):
     assert {m.key for m in rep.dtype_mismatch} == {"layers.0.w1.weight", "layers.0.w2.weight"}
     text = str(rep)
     assert "hint: the checkpoint is quantized" in text and "sdadapt.dequant_rules(config.json)" in text
+    assert "add a cast rule" not in text  # a cast would load FP8 values without their scales
     with pytest.raises(PlanError, match="dequant_fp8"):
         sdadapt.load(Tiny(), os.path.join(str(tmp_path), "bad.safetensors"), no_dequant)
 
