@@ -22,6 +22,7 @@ from torch import nn
 import sdadapt
 from sdadapt import _quant as Q
 from sdadapt import _quant_nodes as QN
+from sdadapt._export import convert
 from sdadapt._nodes import Leaf
 from sdadapt.errors import AdapterError, PlanError
 
@@ -505,3 +506,21 @@ def test_dequant_rules_from_config(tmp_path):
         sdadapt.dequant_rules({"quantization_config": {"quant_method": "fp8"}})
     with pytest.raises(AdapterError, match="block"):
         sdadapt.dequant_fp8(block=[128])
+
+
+def test_convert_dequantises_offline_and_back(tmp_path):
+    """``convert`` with the dequant rules writes the bf16 twin; converting that twin with the
+    inverse adapter writes the UE8M0 release again, byte for byte."""
+    src = write_release(str(tmp_path), "ue8m0")
+    adapter = fp8_adapter("ue8m0")
+    convert(src, str(tmp_path / "bf16"), adapter, verify=True)
+    twin = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    want = expected_model("ue8m0")
+    assert sorted(twin) == sorted(want)
+    for k, v in want.items():
+        assert torch.equal(bits(twin[k]), bits(v)), k
+    convert(str(tmp_path / "bf16"), str(tmp_path / "fp8"), adapter.inverse())
+    back, original = load_file(str(tmp_path / "fp8" / "model.safetensors")), load_file(src)
+    assert sorted(back) == sorted(original)
+    for k in original:
+        assert torch.equal(bits(back[k]), bits(original[k])), k
