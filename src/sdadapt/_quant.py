@@ -167,11 +167,13 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int], fmt: ScaleFormat) -> t
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``blocks [..., G, 16]`` + ``scales [..., G]`` -> values ``[..., G * 32]`` in ``dtype``."""
+    """``blocks [..., G, 16]`` + ``scales [..., G]`` -> values ``[..., G * 32]`` in ``dtype``.
+
+    One table lookup per byte (byte -> its low-nibble and high-nibble values, in that order)."""
     lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
-    b = blocks.to(torch.int64)
-    pairs = torch.stack([lut[b & 0x0F], lut[b >> 4]], dim=-1)  # [..., G, 16, 2]: low nibble first
-    v = pairs.reshape(tuple(blocks.shape[:-1]) + (MX_BLOCK,)) * decode_e8m0(scales).unsqueeze(-1)
+    pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1)  # [256, 2]: byte & 0xF, byte >> 4
+    v = F.embedding(blocks.to(torch.int64), pairs).reshape(tuple(blocks.shape[:-1]) + (MX_BLOCK,))
+    v.mul_(decode_e8m0(scales).unsqueeze(-1))
     return v.reshape(tuple(blocks.shape[:-2]) + (blocks.shape[-2] * MX_BLOCK,)).to(dtype)
 
 
