@@ -109,7 +109,7 @@ def dequantize_fp8_region(
     (b0, b1), (r, c) = block, offset
     s = scale_values(scale, fmt)
     lead, (nr, nc) = tuple(weight.shape[:-2]), tuple(s.shape[-2:])
-    buf = torch.zeros(lead + (nr * b0, nc * b1), dtype=torch.float32)
+    buf = torch.empty(lead + (nr * b0, nc * b1), dtype=torch.float32)  # the margin is scaled, then dropped
     region = buf[..., r : r + rows, c : c + cols]
     region.copy_(weight)
     buf.view(lead + (nr, b0, nc, b1)).mul_(s.reshape(lead + (nr, 1, nc, 1)))
