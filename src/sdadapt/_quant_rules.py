@@ -33,8 +33,9 @@ from pydantic import Field, field_validator
 from . import _quant as Q
 from . import _quant_nodes as QN
 from ._patterns import compile_pattern, matches_any
-from ._rules import RuleBase, parse_dtype
+from ._rules import RuleBase, _dtype_str, parse_dtype
 from .errors import AdapterError
+from .sources._base import dtype_name
 
 if TYPE_CHECKING:
     from ._plan import PlanContext
@@ -52,33 +53,38 @@ def _block(v: object) -> tuple[int, int]:
     return (int(v[0]), int(v[1]))
 
 
-def _dtype_name(v: object) -> str:
-    return str(parse_dtype(v)).removeprefix("torch.")  # type: ignore[arg-type]
-
-
-class _FP8Fields(RuleBase):
-    """What FP8 dequantisation and re-quantization share: which keys, the block, the scale."""
+class _QuantRule(RuleBase):
+    """What every rule of the family has: the keys it acts on and the dtype of the values."""
 
     moves_keys: ClassVar[bool] = False
+    keys: str
+    dtype: str = "bfloat16"
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _check_dtype(cls, v: object) -> str:
+        return _dtype_str(v)
+
+    def input_patterns(self) -> list[str]:
+        return [self.keys]
+
+    def _fields(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"kind"})
+
+
+class _FP8Fields(_QuantRule):
+    """What FP8 dequantisation and re-quantization share: which keys, the block, the scale."""
+
     keys: str = "**.weight"
     exclude: list[str] = []
     block: tuple[int, int]
     scale_suffix: str = Field(default="_scale_inv", min_length=1)
     scale_format: Q.ScaleFormat = "float32"
-    dtype: str = "bfloat16"
 
     @field_validator("block", mode="before")
     @classmethod
     def _check_block(cls, v: object) -> tuple[int, int]:
         return _block(v)
-
-    @field_validator("dtype", mode="before")
-    @classmethod
-    def _check_dtype(cls, v: object) -> str:
-        return _dtype_name(v)
-
-    def input_patterns(self) -> list[str]:
-        return [self.keys]
 
     def _targets(self, ctx: PlanContext) -> list[str]:
         """Keys this rule acts on: matching ``keys``, not ``exclude``, with two or more dims."""
@@ -88,9 +94,6 @@ class _FP8Fields(RuleBase):
             for k in ctx.keys()
             if pat.match(k) is not None and not matches_any(self.exclude, k) and len(ctx.get(k).shape) >= 2
         ]
-
-    def _fields(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"kind"})
 
 
 class DequantFP8(_FP8Fields):
@@ -119,7 +122,7 @@ class DequantFP8(_FP8Fields):
         node = ctx.get(key)
         if node.dtype != Q.FP8_DTYPE:
             return (
-                f"is stored as {_dtype_name(node.dtype)}, not float8_e4m3fn; add it to exclude=[...] of this "
+                f"is stored as {dtype_name(node.dtype)}, not float8_e4m3fn; add it to exclude=[...] of this "
                 "rule (its inverse re-quantizes every key it matches)"
             )
         if not ctx.has(skey):
@@ -134,8 +137,8 @@ class DequantFP8(_FP8Fields):
         if scale.dtype not in Q.SCALE_DTYPES[self.scale_format]:
             other = "ue8m0" if self.scale_format == "float32" else "float32"
             return (
-                f"scale {skey!r} is {_dtype_name(scale.dtype)}, not what scale_format={self.scale_format!r} "
-                f"stores ({', '.join(_dtype_name(d) for d in Q.SCALE_DTYPES[self.scale_format])}); "
+                f"scale {skey!r} is {dtype_name(scale.dtype)}, not what scale_format={self.scale_format!r} "
+                f"stores ({', '.join(dtype_name(d) for d in Q.SCALE_DTYPES[self.scale_format])}); "
                 f"scale_format={other!r}?"
             )
         return None
@@ -155,7 +158,7 @@ class QuantizeFP8(_FP8Fields):
             node = ctx.get(key)
             skey = key + self.scale_suffix
             if not node.dtype.is_floating_point:
-                ctx.issue(index, key, f"is {_dtype_name(node.dtype)}; only floating tensors can be quantized")
+                ctx.issue(index, key, f"is {dtype_name(node.dtype)}; only floating tensors can be quantized")
                 continue
             if ctx.has(skey):
                 ctx.issue(index, key, f"{skey!r} exists already; the scale would overwrite it")
@@ -168,23 +171,11 @@ class QuantizeFP8(_FP8Fields):
         return [DequantFP8(**self._fields())]
 
 
-class _MXFP4Fields(RuleBase):
-    moves_keys: ClassVar[bool] = False
-    keys: str
+class _MXFP4Fields(_QuantRule):
+    """What MXFP4 dequantisation and re-quantization share: the suffixes of the packed pair."""
+
     blocks_suffix: str = Field(default="_blocks", min_length=1)
     scales_suffix: str = Field(default="_scales", min_length=1)
-    dtype: str = "bfloat16"
-
-    @field_validator("dtype", mode="before")
-    @classmethod
-    def _check_dtype(cls, v: object) -> str:
-        return _dtype_name(v)
-
-    def input_patterns(self) -> list[str]:
-        return [self.keys]
-
-    def _fields(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"kind"})
 
 
 class DequantMXFP4(_MXFP4Fields):
@@ -216,13 +207,13 @@ class DequantMXFP4(_MXFP4Fields):
     def _problem(self, ctx: PlanContext, name: str, bkey: str, skey: str) -> str | None:
         blocks = ctx.get(bkey)
         if blocks.dtype != torch.uint8 or len(blocks.shape) < 2 or blocks.shape[-1] != Q.MX_BYTES:
-            return f"{bkey!r} is {_dtype_name(blocks.dtype)} {list(blocks.shape)}; MXFP4 blocks are uint8 [..., G, 16]"
+            return f"{bkey!r} is {dtype_name(blocks.dtype)} {list(blocks.shape)}; MXFP4 blocks are uint8 [..., G, 16]"
         if not ctx.has(skey):
             return f"has blocks {bkey!r} but no scales {skey!r}; set scales_suffix="
         scales = ctx.get(skey)
         if scales.dtype != torch.uint8 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
             return (
-                f"scales {skey!r} are {_dtype_name(scales.dtype)} {list(scales.shape)}; blocks "
+                f"scales {skey!r} are {dtype_name(scales.dtype)} {list(scales.shape)}; blocks "
                 f"{list(blocks.shape)} need uint8 {list(blocks.shape[:-1])}"
             )
         if ctx.has(name):
@@ -247,7 +238,7 @@ class QuantizeMXFP4(_MXFP4Fields):
                 continue
             node = ctx.get(key)
             if not node.dtype.is_floating_point or len(node.shape) < 2 or node.shape[-1] % Q.MX_BLOCK:
-                ctx.issue(index, key, f"{_dtype_name(node.dtype)} {list(node.shape)}: MXFP4 needs a floating tensor "
+                ctx.issue(index, key, f"{dtype_name(node.dtype)} {list(node.shape)}: MXFP4 needs a floating tensor "
                           f"whose last dim is a multiple of {Q.MX_BLOCK}")  # fmt: skip
                 continue
             ctx.absorb(key, index)
