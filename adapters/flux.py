@@ -21,12 +21,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from sdadapt.adapters.llama import checkpoint_keys, positive
+from sdadapt.adapters._common import checkpoint_keys, positive
 
 import sdadapt
 from sdadapt import Adapter
 
-SUMMARY = "Black Forest Labs Flux single file (double_blocks/single_blocks, optional model.diffusion_model.) -> diffusers FluxTransformer2DModel"
+SUMMARY = (
+    "Black Forest Labs Flux single file (double_blocks/single_blocks, optional model.diffusion_model.) "
+    "-> diffusers FluxTransformer2DModel"
+)
 
 PREFIX = "model.diffusion_model."
 D = "double_blocks.{i}."

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sdadapt.adapters.llama import checkpoint_keys, read_config
+from sdadapt.adapters._common import checkpoint_keys, read_config
 
 import sdadapt
 from sdadapt import Adapter

@@ -30,22 +30,19 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from sdadapt.adapters.llama import (
-    HF,
-    META,
+from sdadapt.adapters._common import (
     attention_options,
     attention_rules,
     checkpoint_keys,
+    experts_layout,
     head_counts,
     head_dim_of,
-    positive,
+    moe_rules,
     read_config,
     top_level_rules,
 )
 
-import sdadapt
 from sdadapt import Adapter
-from sdadapt.errors import AdapterError
 
 SUMMARY = "HF transformers Mixtral (per-expert or stacked gate_up_proj) -> Meta-style MoE with stacked experts [E, ...]"
 
@@ -69,29 +66,15 @@ def build(
     ``n_experts`` (the config's ``num_local_experts``): the checkpoint must hold exactly that
     many experts per layer, else planning reports the stack rule, the key and both counts.
     """
-    if n_experts is not None:
-        positive("n_experts", n_experts, "mixtral")
     n_heads, n_kv_heads = head_counts(n_heads, n_kv_heads, "mixtral")
     head_dim = head_dim_of(dim, n_heads, head_dim, "mixtral")
     rules: list[Any] = top_level_rules(tie_embeddings)
     rules += attention_rules(
         n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, fused_qkv=fused_qkv, tp=tp, adapter="mixtral"
     )
-    moe = META + "moe."
-    if experts == "per_expert":
-        src = HF + "block_sparse_moe."
-        rules.append(sdadapt.rename(src + "gate.weight", moe + "router.gate.weight"))
-        for w in ("w1", "w2", "w3"):
-            rules.append(sdadapt.stack(src + "experts.{e}." + w + ".weight", moe + "experts." + w, over="e", dim=0, count=n_experts))
-    elif experts == "stacked":
-        src = HF + "mlp."
-        rules += [
-            sdadapt.rename(src + "gate.weight", moe + "router.gate.weight"),
-            sdadapt.split(src + "experts.gate_up_proj", [moe + "experts.w1", moe + "experts.w3"], dim=1),
-            sdadapt.rename(src + "experts.down_proj", moe + "experts.w2"),
-        ]
-    else:
-        raise AdapterError(f"the mixtral adapter: experts must be 'per_expert' or 'stacked', got {experts!r}")
+    rules += moe_rules(
+        experts, block="block_sparse_moe.", names=("w1", "w2", "w3"), n_experts=n_experts, adapter="mixtral"
+    )
     return Adapter(
         rules,
         name="mixtral",
@@ -106,6 +89,7 @@ def options_from_config(folder: str, source: str | None = None) -> dict[str, Any
     opts = attention_options(cfg, keys)
     if "num_local_experts" in cfg:
         opts["n_experts"] = cfg["num_local_experts"]
-    if any(k.endswith("mlp.experts.gate_up_proj") for k in keys):
-        opts["experts"] = "stacked"
+    layout = experts_layout(keys)
+    if layout is not None:
+        opts["experts"] = layout
     return opts

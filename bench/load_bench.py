@@ -758,7 +758,7 @@ def _references(cfg: dict[str, Any], dev: Any, rank: int, world: int, out: dict[
     import torch
     import torch.distributed as dist
 
-    from sdadapt._io_engine import default_threads
+    from sdadapt._engine import default_threads
 
     files = cfg["files"]
     if cfg.get("references", True) and "safetensors" in files:

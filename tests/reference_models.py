@@ -5,12 +5,16 @@
   rotary (complex multiply on *interleaved* row pairs of each head), GQA, optional fused ``wqkv``
   and ``w13``, optional Meta-style MoE with stacked experts (``layers.{i}.moe.experts.w1|w2|w3``
   of shape ``[E, ...]`` and ``layers.{i}.moe.router.gate``) in place of the dense feed-forward;
+- :class:`Qwen3`: Qwen3 / Qwen3-MoE in the same family of names (torchtitan's Qwen3), with
+  ``attention.q_norm|k_norm`` (RMSNorm over each head), HF's "half" rotary order, optional
+  q/k/v/o biases, and MoE layers (``moe.*`` as above) beside dense ``feed_forward`` layers;
 - :class:`NanoGPT`: nanoGPT's GPT-2 (``transformer.h.{i}.attn.c_attn`` as ``nn.Linear``),
   optionally with ``c_attn`` split into ``q_proj``/``k_proj``/``v_proj``.
 
-Written from the published model definitions (Meta's llama ``model.py``, nanoGPT ``model.py``),
-so they are independent of sdadapt and of transformers. Head counts are derived from the local
-width of each projection output, so the same code runs unsharded and under tensor parallelism
+Written from the published model definitions (Meta's llama ``model.py``, nanoGPT ``model.py``,
+the Qwen3 equations of HF's ``modeling_qwen3``/``modeling_qwen3_moe``), so they are independent
+of sdadapt and of transformers' code. Head counts are derived from the local width of each
+projection output, so the same code runs unsharded and under tensor parallelism
 (``ColwiseParallel`` q/k/v, ``RowwiseParallel`` output), where each rank holds whole heads.
 ``parallelize_*`` apply TP over mesh dim ``"tp"`` and FSDP2 over ``"fsdp"``, as present.
 """
@@ -82,13 +86,20 @@ class MetaAttention(nn.Module):
             xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)
         xq, xk, xv = (t.reshape(b, s, -1, hd) for t in (xq, xk, xv))
         xq, xk = apply_rotary_emb(xq, freqs_cis), apply_rotary_emb(xk, freqs_cis)
-        rep = xq.shape[2] // xk.shape[2]
-        xk, xv = (t.repeat_interleave(rep, dim=2) for t in (xk, xv))
-        q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))
-        scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
-        mask = torch.full((s, s), float("-inf")).triu(1)
-        out = torch.softmax((scores + mask).float(), dim=-1).type_as(q) @ v
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return self.wo(causal_attention(xq, xk, xv))
+
+
+def causal_attention(xq: torch.Tensor, xk: torch.Tensor, xv: torch.Tensor) -> torch.Tensor:
+    """Causal softmax attention with GQA on ``[b, s, heads, head_dim]`` inputs (k/v heads are
+    repeated to q's count); returns ``[b, s, heads * head_dim]``."""
+    b, s, _, hd = xq.shape
+    rep = xq.shape[2] // xk.shape[2]
+    xk, xv = (t.repeat_interleave(rep, dim=2) for t in (xk, xv))
+    q, k, v = (t.transpose(1, 2) for t in (xq, xk, xv))
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+    mask = torch.full((s, s), float("-inf")).triu(1)
+    out = torch.softmax((scores + mask).float(), dim=-1).type_as(q) @ v
+    return out.transpose(1, 2).reshape(b, s, -1)
 
 
 class FeedForward(nn.Module):
@@ -111,15 +122,20 @@ class FeedForward(nn.Module):
 
 
 class Router(nn.Module):
-    def __init__(self, dim: int, experts: int, top_k: int):
+    """Softmax over the experts, top-k; ``norm_topk``: the k weights are renormalised to sum to 1
+    (Mixtral always, Qwen3-MoE with ``norm_topk_prob``)."""
+
+    def __init__(self, dim: int, experts: int, top_k: int, norm_topk: bool = True):
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.norm_topk = top_k, norm_topk
         self.gate = nn.Linear(dim, experts, bias=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
         weights, index = torch.topk(probs, self.top_k, dim=-1)
-        return weights / weights.sum(dim=-1, keepdim=True), index
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, index
 
 
 class GroupedExperts(nn.Module):
@@ -146,9 +162,9 @@ class GroupedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, dim: int, hidden: int, experts: int, top_k: int):
+    def __init__(self, dim: int, hidden: int, experts: int, top_k: int, norm_topk: bool = True):
         super().__init__()
-        self.router = Router(dim, experts, top_k)
+        self.router = Router(dim, experts, top_k, norm_topk)
         self.experts = GroupedExperts(experts, dim, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -198,8 +214,96 @@ class MetaLlama(nn.Module):
         return self.output(self.norm(h)).float()
 
 
-def parallelize_meta_llama(model: MetaLlama, mesh: DeviceMesh) -> MetaLlama:
-    """TP (vocab-sharded embedding/output, colwise q/k/v and w1/w3, rowwise wo/w2) + FSDP2."""
+# --------------------------------------------------------------------------------------------
+# Qwen3 / Qwen3-MoE (torchtitan-style names)
+# --------------------------------------------------------------------------------------------
+def rope_half(head_dim: int, seqlen: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's default rotary tables ``cos, sin``: ``[seqlen, head_dim]``, each frequency twice
+    (first half of the head, then second half)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    freqs = torch.outer(torch.arange(seqlen, dtype=torch.int64).float(), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rotary_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotary on ``[b, s, heads, head_dim]``: row j pairs with row j + head_dim/2."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[None, :, None, :] + torch.cat((-x2, x1), dim=-1) * sin[None, :, None, :]
+
+
+class Qwen3Attention(nn.Module):
+    """q/k/v/o (optional biases), per-head RMSNorm of q and k before HF "half" rotary, GQA.
+    ``fused_qkv`` is always False (read by :func:`parallelize_meta_llama`)."""
+
+    fused_qkv = False
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, eps: float, bias: bool):
+        super().__init__()
+        self.head_dim = head_dim
+        self.wq = nn.Linear(dim, n_heads * head_dim, bias=bias)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * head_dim, dim, bias=bias)
+        self.q_norm = RMSNorm(head_dim, eps)
+        self.k_norm = RMSNorm(head_dim, eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        hd = self.head_dim
+        xq = self.q_norm(self.wq(x).reshape(b, s, -1, hd))
+        xk = self.k_norm(self.wk(x).reshape(b, s, -1, hd))
+        xv = self.wv(x).reshape(b, s, -1, hd)
+        xq, xk = apply_rotary_half(xq, cos, sin), apply_rotary_half(xk, cos, sin)
+        return self.wo(causal_attention(xq, xk, xv))
+
+
+class Qwen3Block(nn.Module):
+    def __init__(self, cfg: dict, layer: int):
+        super().__init__()
+        dim, eps = cfg["dim"], cfg["norm_eps"]
+        self.attention = Qwen3Attention(
+            dim, cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"], eps, cfg.get("attention_bias", False)
+        )
+        self.attention_norm = RMSNorm(dim, eps)
+        self.ffn_norm = RMSNorm(dim, eps)
+        if cfg.get("n_experts") and layer not in cfg.get("dense_layers", ()):
+            self.moe = MoE(dim, cfg["moe_hidden_dim"], cfg["n_experts"], cfg["top_k"], cfg.get("norm_topk", False))
+        else:
+            self.feed_forward = FeedForward(dim, cfg["hidden_dim"], fused_w13=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        ffn = self.moe if hasattr(self, "moe") else self.feed_forward
+        return h + ffn(self.ffn_norm(h))
+
+
+class Qwen3(nn.Module):
+    """Qwen3 in torchtitan's names. ``cfg``: dim, n_layers, n_heads, n_kv_heads, head_dim,
+    vocab_size, hidden_dim, norm_eps, rope_theta; optional attention_bias; MoE: n_experts, top_k,
+    moe_hidden_dim, norm_topk, dense_layers (indices with a dense ``feed_forward``).
+    ``output`` is always its own parameter (a tied checkpoint fills it from ``tok_embeddings``)."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.cfg = dict(cfg)
+        self.tok_embeddings = nn.Embedding(cfg["vocab_size"], cfg["dim"])
+        self.layers = nn.ModuleList([Qwen3Block(cfg, i) for i in range(cfg["n_layers"])])
+        self.norm = RMSNorm(cfg["dim"], cfg["norm_eps"])
+        self.output = nn.Linear(cfg["dim"], cfg["vocab_size"], bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_half(self.cfg["head_dim"], tokens.shape[1], self.cfg["rope_theta"])
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h)).float()
+
+
+def parallelize_meta_llama(model: MetaLlama | Qwen3, mesh: DeviceMesh) -> MetaLlama | Qwen3:
+    """TP (vocab-sharded embedding/output, colwise q/k/v and w1/w3, rowwise wo/w2) + FSDP2;
+    MoE experts and norms are sharded by FSDP only. Serves both :class:`MetaLlama` and
+    :class:`Qwen3` (same module names)."""
     names = mesh.mesh_dim_names or ()
     if "tp" in names and mesh["tp"].size() > 1:
         plan: dict = {

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import sdadapt
-from sdadapt import _io_engine as io_engine
+from sdadapt._engine import syscalls
 from sdadapt.errors import LoadError, SourceError
 
 BOUND_S = 20.0  # generous on a shared 2-core machine; a hang would be the launch timeout
@@ -111,7 +111,7 @@ def _fresh(src: str, folder: str, name: str) -> str:
 def _one_rank_faults(good: dict[str, str], scratch: str, mesh: Any) -> dict[str, dict[str, Any]]:
     rank = dist.get_rank()
     out: dict[str, dict[str, Any]] = {}
-    real_pread = io_engine._preadv_into
+    real_pread = syscalls.preadv_into
     for meta in (True, False):
         tag = "meta" if meta else "real"
 
@@ -121,13 +121,13 @@ def _one_rank_faults(good: dict[str, str], scratch: str, mesh: Any) -> dict[str,
         def eio(*a: Any, **k: Any) -> int:
             raise OSError(5, "Input/output error (injected)")
 
-        io_engine._preadv_into = eio if rank == 1 else real_pread
+        syscalls.preadv_into = eio if rank == 1 else real_pread
         try:
             out[f"eio_rank1/{tag}"] = _attempt(_make(mesh, meta), path) | {"path": path}
             # the same with share_reads: rank 1's replicas must not wait for its blocks
             out[f"eio_rank1_shared/{tag}"] = _attempt(_make(mesh, meta), path, share_reads=True) | {"path": path}
         finally:
-            io_engine._preadv_into = real_pread
+            syscalls.preadv_into = real_pread
 
         # 2. the file grows (is being written) while rank 1 reads it
         path = _fresh(good["st"], scratch, f"grow_{tag}.safetensors")
@@ -140,11 +140,11 @@ def _one_rank_faults(good: dict[str, str], scratch: str, mesh: Any) -> dict[str,
                 grown.append(True)
             return real_pread(fd, mem, pos, offset, nbytes)
 
-        io_engine._preadv_into = grow if rank == 1 else real_pread
+        syscalls.preadv_into = grow if rank == 1 else real_pread
         try:
             out[f"grows_while_read/{tag}"] = _attempt(_make(mesh, meta), path) | {"path": path}
         finally:
-            io_engine._preadv_into = real_pread
+            syscalls.preadv_into = real_pread
 
         # 3. truncated by rank 1 after planning (its buffer hook runs after planning, before reading)
         path = _fresh(good["st"], scratch, f"trunc_{tag}.safetensors")

@@ -15,10 +15,16 @@ import torch
 
 from ._adapter import Adapter
 from ._diff import diff
+from ._draft import Draft, draft
+from ._engine import EngineConfig
+from ._export import ExportReport, convert, export
+from ._integrity import write_checksums
 from ._load import LoadReport, load, plan_load
 from ._plan import Plan, build_plan
+from ._quant_rules import DequantFP8, DequantMXFP4, QuantizeFP8, QuantizeMXFP4, dequant_rules
 from ._registry import get_adapter, list_adapters
 from ._report import Report
+from ._resolve import resolve_adapter, resolve_target
 from ._rules import (
     AddPrefix,
     Cast,
@@ -38,7 +44,24 @@ from ._rules import (
     Trim,
     Unstack,
 )
-from .errors import AdapterError, LoadError, ModelError, PlanError, RemoteRankError, SdadaptError, SourceError
+from ._rules.base import dtype_str as _dtype_str
+from ._shrink import ShrinkReport, shrink
+from ._state import StateLoadReport, load_state, save_state
+from ._verify import VerifyReport, verify
+from .errors import (
+    AdapterError,
+    ExportError,
+    LoadError,
+    ModelError,
+    PlanError,
+    RemoteRankError,
+    ResolveError,
+    SdadaptError,
+    ShrinkError,
+    SourceError,
+    StateError,
+    VerifyError,
+)
 from .sources import Source, TensorInfo, open_source
 
 __version__ = "0.1.0"
@@ -130,87 +153,9 @@ def add_prefix(prefix: str, keys: str = "**") -> AddPrefix:
     return AddPrefix(prefix=prefix, keys=keys)
 
 
-__all__ = [
-    "Adapter",
-    "AdapterError",
-    "Cast",
-    "Drop",
-    "Fuse",
-    "LoadError",
-    "LoadReport",
-    "ModelError",
-    "Plan",
-    "PlanError",
-    "RemoteRankError",
-    "Rename",
-    "Report",
-    "Rule",
-    "SdadaptError",
-    "Source",
-    "SourceError",
-    "Split",
-    "TensorInfo",
-    "Tie",
-    "build_plan",
-    "cast",
-    "diff",
-    "drop",
-    "fuse",
-    "load",
-    "open_source",
-    "plan_load",
-    "rename",
-    "split",
-    "tie",
-    # layout rules and the adapter registry
-    "AddPrefix",
-    "Deinterleave",
-    "Interleave",
-    "Pad",
-    "Rotary",
-    "Stack",
-    "StripPrefix",
-    "Transpose",
-    "Trim",
-    "Unstack",
-    "add_prefix",
-    "deinterleave",
-    "get_adapter",
-    "interleave",
-    "list_adapters",
-    "pad",
-    "rotary",
-    "stack",
-    "strip_prefix",
-    "transpose",
-    "trim",
-    "unstack",
-]
-
-# --- issue 4: training state, export (appended) ---
-from ._export import export  # noqa: E402
-from ._state import StateError, StateLoadReport, load_state, save_state  # noqa: E402
-
-__all__ += ["StateError", "StateLoadReport", "export", "load_state", "save_state"]
-
-# --- issue 7: sdadapt draft (appended) ---
-from ._draft import Draft, draft  # noqa: E402
-
-__all__ += ["Draft", "draft"]
-
-# --- issue 13: quantized sources (appended) ---
-from ._quant_rules import (  # noqa: E402
-    DequantFP8,
-    DequantMXFP4,
-    QuantizeFP8,
-    QuantizeMXFP4,
-    dequant_rules,
-)
-
-
 def dequant_fp8(
     keys: str = "**.weight",
-    block: tuple[int, int] | list[int] = (128, 128),
+    block: tuple[int, int] = (128, 128),
     *,
     exclude: list[str] | None = None,
     scale_suffix: str = "_scale_inv",
@@ -220,7 +165,12 @@ def dequant_fp8(
     """FP8 e4m3 weights matching ``keys`` (not ``exclude``) with ``block`` scales at
     ``key + scale_suffix`` (float32, or ``"ue8m0"`` exponent bytes) -> values in ``dtype``."""
     return DequantFP8(
-        keys=keys, block=block, exclude=exclude or [], scale_suffix=scale_suffix, scale_format=scale_format, dtype=dtype
+        keys=keys,
+        block=block,
+        exclude=exclude or [],
+        scale_suffix=scale_suffix,
+        scale_format=scale_format,
+        dtype=_dtype_str(dtype),
     )
 
 
@@ -228,10 +178,79 @@ def dequant_mxfp4(
     keys: str, *, blocks_suffix: str = "_blocks", scales_suffix: str = "_scales", dtype: str | torch.dtype = "bfloat16"
 ) -> DequantMXFP4:
     """MXFP4 ``<name>_blocks`` + ``<name>_scales`` -> ``<name>`` (values ``[..., G * 32]``) for names matching ``keys``."""
-    return DequantMXFP4(keys=keys, blocks_suffix=blocks_suffix, scales_suffix=scales_suffix, dtype=dtype)
+    return DequantMXFP4(keys=keys, blocks_suffix=blocks_suffix, scales_suffix=scales_suffix, dtype=_dtype_str(dtype))
 
 
-__all__ += [
+__all__ = [
+    # loading, planning, reporting
+    "LoadReport",
+    "Plan",
+    "Report",
+    "build_plan",
+    "diff",
+    "load",
+    "plan_load",
+    # training state, export, integrity
+    "ExportReport",
+    "StateLoadReport",
+    "convert",
+    "export",
+    "load_state",
+    "save_state",
+    "write_checksums",
+    # checking and trimming checkpoints
+    "ShrinkReport",
+    "VerifyReport",
+    "shrink",
+    "verify",
+    # sources and engine settings
+    "EngineConfig",
+    "Source",
+    "TensorInfo",
+    "open_source",
+    # adapters: the registry, spec resolution, drafting
+    "Adapter",
+    "Draft",
+    "draft",
+    "get_adapter",
+    "list_adapters",
+    "resolve_adapter",
+    "resolve_target",
+    # rules and their constructors
+    "AddPrefix",
+    "Cast",
+    "Deinterleave",
+    "Drop",
+    "Fuse",
+    "Interleave",
+    "Pad",
+    "Rename",
+    "Rotary",
+    "Rule",
+    "Split",
+    "Stack",
+    "StripPrefix",
+    "Tie",
+    "Transpose",
+    "Trim",
+    "Unstack",
+    "add_prefix",
+    "cast",
+    "deinterleave",
+    "drop",
+    "fuse",
+    "interleave",
+    "pad",
+    "rename",
+    "rotary",
+    "split",
+    "stack",
+    "strip_prefix",
+    "tie",
+    "transpose",
+    "trim",
+    "unstack",
+    # quantized sources
     "DequantFP8",
     "DequantMXFP4",
     "QuantizeFP8",
@@ -239,4 +258,17 @@ __all__ += [
     "dequant_fp8",
     "dequant_mxfp4",
     "dequant_rules",
+    # errors
+    "AdapterError",
+    "ExportError",
+    "LoadError",
+    "ModelError",
+    "PlanError",
+    "RemoteRankError",
+    "ResolveError",
+    "SdadaptError",
+    "ShrinkError",
+    "SourceError",
+    "StateError",
+    "VerifyError",
 ]

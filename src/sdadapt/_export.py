@@ -45,17 +45,13 @@ from ._plan import PlanContext
 from ._target import model_state_dict
 from ._writers import make_writer
 from ._writers.base import FORMATS
-from .errors import RemoteRankError, SdadaptError
+from .errors import ExportError, RemoteRankError, SdadaptError
 from .sources import Source, open_source
 from .sources._base import TensorInfo, slices
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int], None]  # (key, bytes) after each tensor is written
-
-
-class ExportError(SdadaptError):
-    """Writing the output failed or is not possible as asked; nothing is left at ``dst``."""
 
 
 class ExportReport(BaseModel):
@@ -186,11 +182,6 @@ class PageReleaser:
                 return
             if attempt == 0:
                 self._refresh()
-
-
-def _source_files(source: Source) -> list[str]:
-    files = {source.file_of(k) for k in source.schema}
-    return [f for f in files if os.path.isfile(f)]
 
 
 # ------------------------------------------------------------------------------ output
@@ -405,7 +396,7 @@ def convert(
         outputs, skipped = plan_outputs(source.schema, adapter, non_tensor=source.non_tensor, what=f"convert {source.path}")
         if skipped:
             log.warning("convert: %d non-tensor entries are not written: %s", len(skipped), ", ".join(skipped[:8]))
-        release = PageReleaser(_source_files(source))
+        release = PageReleaser(source.files())
         io = _CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
         written = [0]
 
@@ -441,7 +432,7 @@ def convert(
 def _verify(tmp: str, dst: str, outputs: dict[str, Node], source: Source, release: PageReleaser, progress: Progress | None) -> None:
     result = open_source(tmp)
     try:
-        release_out = PageReleaser(_source_files(result))
+        release_out = PageReleaser(result.files())
         missing = sorted(set(outputs) - set(result.schema))
         extra = sorted(set(result.schema) - set(outputs))
         if missing or extra:

@@ -170,7 +170,7 @@ def load(
     files: integrity.Fingerprint = {}
     try:
         source, plan, planned = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected)
-        files = integrity.fingerprint(integrity.source_files(source))
+        files = integrity.fingerprint(source.files())
         if not plan.report.ok:
             if strict:
                 raise PlanError(plan.report)

@@ -1,31 +1,39 @@
 """Recipe nodes for quantized sources: dequantise on load, re-quantize on export.
 
-Each node computes a region in one private method, ``_region(box, io)``, which reads through
-its child nodes only the bytes that region needs: for FP8 the weight region itself and the
-scale rows/cols its blocks touch; for MXFP4 the whole 32-value blocks it touches and their
-scale bytes. ``full(io)`` is a separate eager implementation on whole tensors (the reference
-the region path is tested against). The formats themselves are in :mod:`sdadapt._quant`.
+Each node produces a region as one :class:`~sdadapt._nodes.Compute` step whose function is
+the private method ``_region(box, io)``: it reads through the child nodes only the bytes that
+region needs (for FP8 the weight region itself and the scale rows/cols its blocks touch; for
+MXFP4 the whole 32-value blocks it touches and their scale bytes), then computes. ``full(io)``
+is a separate eager implementation on whole tensors (the reference the region path is tested
+against). The formats themselves are in :mod:`sdadapt._quant`.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from . import _quant as Q
-from ._nodes import Box, Node, SourceIO, box_shape
+from ._nodes import Box, Compute, Node, SourceIO, Step
 
 Part = Literal["values", "scales"]
 
 
-def _empty(box: Box) -> bool:
-    return any(a >= b for a, b in box)
+class _Computed(Node):
+    """A node whose every region is one computation, :meth:`_region`."""
+
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+        out.append(Compute(self, box, dest, functools.partial(self._region, box)))
+
+    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True, eq=False)
-class DequantFP8(Node):
+class DequantFP8(_Computed):
     """An FP8 e4m3 ``weight`` times its block ``scale`` (``block`` over the last two dims), in ``dtype``."""
 
     weight: Node
@@ -38,12 +46,7 @@ class DequantFP8(Node):
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.weight.shape))
 
-    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
-        return self._region(box, io)
-
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
-        if _empty(box):
-            return torch.empty(box_shape(box), dtype=self.dtype)
         (r0, r1), (c0, c1) = box[-2:]
         b0, b1 = self.block
         scale_box = box[:-2] + ((r0 // b0, Q.cdiv(r1, b0)), (c0 // b1, Q.cdiv(c1, b1)))
@@ -59,16 +62,13 @@ class DequantFP8(Node):
     def full(self, io: SourceIO) -> torch.Tensor:
         return Q.dequantize_fp8(self.weight.full(io), self.scale.full(io), self.block, self.scale_format, self.dtype)
 
-    def leaves(self) -> list[str]:
-        return self.weight.leaves() + self.scale.leaves()
-
     def describe(self) -> str:
         b0, b1 = self.block
         return f"dequant_fp8({self.weight.describe()}, {self.scale.describe()}, block=[{b0}, {b1}], {self.scale_format})"
 
 
 @dataclass(frozen=True, eq=False)
-class DequantMXFP4(Node):
+class DequantMXFP4(_Computed):
     """MXFP4 ``blocks [..., G, 16]`` and e8m0 ``scales [..., G]`` as values ``[..., G * 32]`` in ``dtype``."""
 
     blocks: Node
@@ -80,12 +80,7 @@ class DequantMXFP4(Node):
         s = tuple(self.blocks.shape)
         object.__setattr__(self, "shape", s[:-2] + (s[-2] * Q.MX_BLOCK,))
 
-    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
-        return self._region(box, io)
-
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
-        if _empty(box):
-            return torch.empty(box_shape(box), dtype=self.dtype)
         c0, c1 = box[-1]
         g0, g1 = c0 // Q.MX_BLOCK, Q.cdiv(c1, Q.MX_BLOCK)
         lead = box[:-1]
@@ -106,15 +101,12 @@ class DequantMXFP4(Node):
         out *= Q.decode_e8m0(self.scales.full(io))[..., None]
         return out.flatten(-2).to(self.dtype)
 
-    def leaves(self) -> list[str]:
-        return self.blocks.leaves() + self.scales.leaves()
-
     def describe(self) -> str:
         return f"dequant_mxfp4({self.blocks.describe()}, {self.scales.describe()})"
 
 
 @dataclass(frozen=True, eq=False)
-class QuantizeFP8(Node):
+class QuantizeFP8(_Computed):
     """One part of ``child`` quantized to FP8 with ``block`` scale tiles: the e4m3 weight
     (``part="values"``) or its stored scale grid (``part="scales"``). A region is computed from
     the whole blocks it touches."""
@@ -134,12 +126,7 @@ class QuantizeFP8(Node):
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", dtype)
 
-    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
-        return self._region(box, io)
-
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
-        if _empty(box):
-            return torch.empty(box_shape(box), dtype=self.dtype)
         rows, cols = self.child.shape[-2:]
         b0, b1 = self.block
         (a0, a1), (c0, c1) = box[-2:]
@@ -155,16 +142,13 @@ class QuantizeFP8(Node):
         q, scale = Q.quantize_fp8(self.child.full(io), self.block, self.scale_format)
         return q if self.part == "values" else scale
 
-    def leaves(self) -> list[str]:
-        return self.child.leaves()
-
     def describe(self) -> str:
         b0, b1 = self.block
         return f"quantize_fp8({self.child.describe()}, block=[{b0}, {b1}], {self.scale_format}).{self.part}"
 
 
 @dataclass(frozen=True, eq=False)
-class QuantizeMXFP4(Node):
+class QuantizeMXFP4(_Computed):
     """One part of ``child [..., C]`` (``C`` a multiple of 32) quantized to MXFP4: the packed
     ``blocks [..., C/32, 16]`` (``part="values"``) or the e8m0 ``scales [..., C/32]``."""
 
@@ -180,12 +164,7 @@ class QuantizeMXFP4(Node):
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", torch.uint8)
 
-    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
-        return self._region(box, io)
-
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
-        if _empty(box):
-            return torch.empty(box_shape(box), dtype=self.dtype)
         lead = box[: len(self.child.shape) - 1]
         g0, g1 = box[len(lead)]
         blocks, scales = Q.quantize_mxfp4(self.child.read(lead + ((g0 * Q.MX_BLOCK, g1 * Q.MX_BLOCK),), io))
@@ -197,9 +176,6 @@ class QuantizeMXFP4(Node):
     def full(self, io: SourceIO) -> torch.Tensor:
         blocks, scales = Q.quantize_mxfp4(self.child.full(io))
         return blocks if self.part == "values" else scales
-
-    def leaves(self) -> list[str]:
-        return self.child.leaves()
 
     def describe(self) -> str:
         return f"quantize_mxfp4({self.child.describe()}).{self.part}"

@@ -33,7 +33,8 @@ from pydantic import Field, field_validator
 from . import _quant as Q
 from . import _quant_nodes as QN
 from ._patterns import compile_pattern, matches_any
-from ._rules import RuleBase, _dtype_str, parse_dtype
+from ._rules import RuleBase, parse_dtype
+from ._rules.base import dtype_str
 from .errors import AdapterError
 from .sources._base import dtype_name
 
@@ -63,7 +64,7 @@ class _QuantRule(RuleBase):
     @field_validator("dtype", mode="before")
     @classmethod
     def _check_dtype(cls, v: object) -> str:
-        return _dtype_str(v)
+        return dtype_str(v)
 
     def input_patterns(self) -> list[str]:
         return [self.keys]
@@ -286,15 +287,15 @@ def dequant_rules(
         if block is None:
             raise AdapterError("quantization_config has quant_method 'fp8' but no weight_block_size; per-tensor FP8 "
                                "is not supported: give sdadapt.dequant_fp8(block=[rows, cols]) yourself")  # fmt: skip
-        fmt = "ue8m0" if qc.get("scale_fmt") == "ue8m0" else "float32"
+        fmt: Q.ScaleFormat = "ue8m0" if qc.get("scale_fmt") == "ue8m0" else "float32"
         stored = {i.dtype for k, i in (schema or {}).items() if k.endswith("_scale_inv")}
         if fmt == "ue8m0" and stored == {torch.float32}:
             fmt = "float32"  # power-of-two values, stored as float32
         exclude = list(FP8_EXCLUDE if fp8_exclude is None else fp8_exclude)
         exclude += [f"**{m}.weight" for m in qc.get("modules_to_not_convert") or []]
-        return [DequantFP8(keys=fp8_keys, exclude=exclude, block=block, scale_format=fmt, dtype=dtype)]
+        return [DequantFP8(keys=fp8_keys, exclude=exclude, block=block, scale_format=fmt, dtype=dtype_str(dtype))]
     if method == "mxfp4":
-        return [DequantMXFP4(keys=mxfp4_keys, dtype=dtype)]
+        return [DequantMXFP4(keys=mxfp4_keys, dtype=dtype_str(dtype))]
     raise AdapterError(f"quantization_config.quant_method {method!r} is not supported; sdadapt reads 'fp8' "
                        "(block scales) and 'mxfp4'")  # fmt: skip
 

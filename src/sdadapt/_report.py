@@ -33,6 +33,13 @@ class RuleIssue(BaseModel):
 
 
 class Report(BaseModel):
+    """How a checkpoint lines up with a model under an adapter (from headers alone).
+
+    ``missing`` / ``unexpected`` list target keys nothing produces and source keys nothing
+    consumes; ``shape_mismatch`` / ``dtype_mismatch`` the keys that differ; ``rule_issues`` and
+    ``unused_rules`` what the adapter's rules could not do or never matched. ``ok`` is true when
+    none of these (``problems``) remain; ``format()`` prints it as ``sdadapt diff`` does."""
+
     source: str
     target: str
     adapter: str | None = None
@@ -149,9 +156,9 @@ class Report(BaseModel):
             lines.append(
                 f"allowed: {len(self.allowed_missing)} missing and {len(self.allowed_unexpected)} unexpected key(s)"
             )
-        hint = quant_hint(self)
-        if hint:
-            lines.append(hint)
+        quant = quant_hint(self)
+        if quant:
+            lines.append(quant)
         lines.append("OK: checkpoint and model line up" if self.ok else f"NOT OK: {self.problems} problem(s)")
         return "\n".join(lines)
 

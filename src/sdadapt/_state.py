@@ -50,7 +50,7 @@ from ._reader import AdaptedStorageReader
 from ._report import Mismatch, Report
 from ._safe_planner import SafeLoadPlanner
 from ._target import model_state_dict, schema_of
-from .errors import LoadError, PlanError, SdadaptError, SourceError
+from .errors import LoadError, PlanError, SdadaptError, SourceError, StateError
 from .sources._base import Source, TensorInfo
 from .sources._dcp_dir import SDADAPT_JSON, DCPSource
 
@@ -59,10 +59,6 @@ log = logging.getLogger(__name__)
 STATE_FORMAT = 1
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
-
-
-class StateError(SdadaptError):
-    """Saving or restoring training state is not possible as asked (nothing was changed)."""
 
 
 class StateLoadReport(BaseModel):

@@ -1,0 +1,260 @@
+"""Helpers shared by the shipped adapters: config and key-name readers, option checks, and the
+rule groups that several families have in common (HF decoder blocks -> Meta/torchtitan names,
+Meta rotary attention, stacked MoE experts, embeddings/output, quantized sources).
+
+HF side: ``model.layers.{i}.`` (:data:`HF`); model side: ``layers.{i}.`` (:data:`META`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import sdadapt
+from sdadapt.errors import AdapterError
+
+HF = "model.layers.{i}."
+META = "layers.{i}."
+
+
+# --- reading a checkpoint folder ----------------------------------------------------------------
+def read_config(path: str, names: tuple[str, ...] = ("config.json", "params.json")) -> dict[str, Any]:
+    """The first of ``names`` found in ``path`` (a folder, or the folder of a file); ``{}`` if none."""
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    for name in names:
+        p = os.path.join(folder, name)
+        if os.path.isfile(p):
+            try:
+                with open(p) as f:
+                    data = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                raise AdapterError(f"cannot read {p}: {e}; fix the file or pass the options as keyword arguments") from None
+            if not isinstance(data, dict):
+                raise AdapterError(f"{p} is not a JSON object; pass the options as keyword arguments")
+            return data
+    return {}
+
+
+def checkpoint_keys(path: str) -> list[str]:
+    """Key names of the checkpoint at ``path`` (headers only), or ``[]`` when there is none.
+
+    ``path`` may be a checkpoint file, a folder sdadapt opens as one checkpoint, or a folder
+    holding exactly one checkpoint file (``.safetensors``, ``.pt``, ``.pth``, ``.bin``, ``.ckpt``)."""
+    candidates = [path]
+    if os.path.isdir(path):
+        files = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".pt", ".pth", ".bin", ".ckpt")))
+        if len(files) == 1:
+            candidates.append(os.path.join(path, files[0]))
+    for candidate in candidates:
+        try:
+            with sdadapt.open_source(candidate) as src:
+                return list(src.schema) + list(src.non_tensor)
+        except sdadapt.SdadaptError:
+            continue
+    return []
+
+
+# --- checking options ---------------------------------------------------------------------------
+def need(name: str, value: Any, adapter: str) -> Any:
+    """``value``, or an :class:`AdapterError` saying that the ``adapter`` needs option ``name``."""
+    if value is None:
+        raise AdapterError(
+            f"the {adapter} adapter needs {name}=...; pass it as a keyword argument, or give the "
+            "checkpoint folder (its config.json supplies it)"
+        )
+    return value
+
+
+def positive(name: str, value: int, adapter: str) -> int:
+    """``value`` if it is a positive integer, else an :class:`AdapterError` naming option ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise AdapterError(f"the {adapter} adapter: {name} must be a positive integer, got {value!r}")
+    return value
+
+
+def head_counts(n_heads: int, n_kv_heads: int | None, adapter: str) -> tuple[int, int]:
+    """``n_heads`` and ``n_kv_heads`` (default ``n_heads``), checked: positive, GQA groups whole."""
+    n_heads = positive("n_heads", n_heads, adapter)
+    n_kv_heads = positive("n_kv_heads", n_heads if n_kv_heads is None else n_kv_heads, adapter)
+    if n_heads % n_kv_heads:
+        raise AdapterError(f"the {adapter} adapter: n_heads {n_heads} is not a multiple of n_kv_heads {n_kv_heads}")
+    return n_heads, n_kv_heads
+
+
+def head_dim_of(dim: int | None, n_heads: int, head_dim: int | None, adapter: str) -> int | None:
+    """``head_dim`` if given, else ``dim // n_heads`` (``dim`` must divide), else ``None``."""
+    if head_dim is not None:
+        return head_dim
+    if dim is None:
+        return None
+    if dim % n_heads:
+        raise AdapterError(f"the {adapter} adapter: dim {dim} is not divisible by n_heads {n_heads}; pass head_dim=...")
+    return dim // n_heads
+
+
+# --- options read from an HF config.json and the checkpoint's key names ------------------------
+def tied_from(cfg: dict[str, Any], keys: list[str]) -> bool | None:
+    """Whether ``output.weight`` must come from the embeddings: the checkpoint's key names say
+    so when known (no ``lm_head.weight``), else ``tie_word_embeddings`` of the config."""
+    if keys:
+        return "lm_head.weight" not in keys
+    if "tie_word_embeddings" in cfg:
+        return bool(cfg["tie_word_embeddings"])
+    return None
+
+
+def attention_options(cfg: dict[str, Any], keys: list[str]) -> dict[str, Any]:
+    """Options shared by the Llama-family adapters, from an HF ``config.json`` and the
+    checkpoint's key names: head counts, ``dim``, ``head_dim``, ``tie_embeddings``."""
+    opts: dict[str, Any] = {}
+    if "num_attention_heads" in cfg:
+        opts["n_heads"] = cfg["num_attention_heads"]
+        opts["n_kv_heads"] = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    if "hidden_size" in cfg:
+        opts["dim"] = cfg["hidden_size"]
+    if cfg.get("head_dim"):
+        opts["head_dim"] = cfg["head_dim"]
+    tied = tied_from(cfg, keys)
+    if tied is not None:
+        opts["tie_embeddings"] = tied
+    return opts
+
+
+STACKED_EXPERTS = "mlp.experts.gate_up_proj"
+"""Key suffix of transformers 5.x fused experts (``[E, 2*hidden, dim]``, gate rows then up rows)."""
+
+
+def experts_layout(keys: list[str]) -> str | None:
+    """``"stacked"`` when the key names hold transformers 5.x fused 3-D experts, else ``None``
+    (the adapter's default, per-expert keys, applies)."""
+    return "stacked" if any(k.endswith(STACKED_EXPERTS) for k in keys) else None
+
+
+# --- quantized sources --------------------------------------------------------------------------
+QUANT_KEY_SUFFIXES = {"fp8": ("_scale_inv",), "mxfp4": ("_blocks",)}
+"""Key-name suffixes that mark a quantized checkpoint when its ``config.json`` is not at hand."""
+
+
+def quantization_of(cfg: dict[str, Any], keys: list[str]) -> str | None:
+    """The quantization of a checkpoint: ``quantization_config.quant_method`` of its
+    ``config.json`` (``"fp8"``, ``"mxfp4"``, ...), else what its key names show (FP8 block
+    scales ``*_scale_inv``, MXFP4 ``*_blocks``), else ``None`` (plain weights)."""
+    qc = cfg.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method"):
+        return str(qc["quant_method"])
+    for method, suffixes in QUANT_KEY_SUFFIXES.items():
+        if any(k.endswith(suffixes) for k in keys):
+            return method
+    return None
+
+
+def dequant_rules(quantization: str | None, adapter: str) -> list[Any]:
+    """The rules that turn a quantized checkpoint's weights into plain ones, placed before an
+    adapter's renames (they act on the checkpoint's own key names); ``[]`` for plain weights.
+
+    Every adapter that accepts quantized releases asks here, so the quantized variants are
+    chosen in this one place. No quantized format is supported yet: a quantized checkpoint is
+    refused before anything is planned or read."""
+    if quantization is None:
+        return []
+    raise AdapterError(
+        f"the {adapter} adapter: {quantization.upper()} checkpoints need the dequant rules: not supported yet "
+        f"(config.json quantization_config / key names say quant_method {quantization!r}); "
+        "load a bf16 / fp32 release of the model instead"
+    )
+
+
+# --- rule groups ---------------------------------------------------------------------------------
+def top_level_rules(tie: bool) -> list[Any]:
+    """Embeddings, final norm and output; ``tie``: the checkpoint has no ``lm_head.weight`` and
+    ``output.weight`` is filled from the embeddings."""
+    rules: list[Any] = [
+        sdadapt.rename("model.embed_tokens.weight", "tok_embeddings.weight"),
+        sdadapt.rename("model.norm.weight", "norm.weight"),
+    ]
+    if tie:
+        rules.append(sdadapt.tie("output.weight", "tok_embeddings.weight"))
+    else:
+        rules.append(sdadapt.rename("lm_head.weight", "output.weight"))
+    return rules
+
+
+def block_rules(bias: bool = False) -> list[Any]:
+    """Per-layer renames every HF Llama-family block shares: the two norms and the q/k/v/o
+    projections (``bias``: also their ``.bias``), with the rows kept in HF order."""
+    rules: list[Any] = [
+        sdadapt.rename(HF + "input_layernorm.weight", META + "attention_norm.weight"),
+        sdadapt.rename(HF + "post_attention_layernorm.weight", META + "ffn_norm.weight"),
+    ]
+    params = ("weight", "bias") if bias else ("weight",)
+    for hf, meta in (("o", "wo"), ("q", "wq"), ("k", "wk"), ("v", "wv")):
+        for p in params:
+            rules.append(sdadapt.rename(HF + f"self_attn.{hf}_proj.{p}", META + f"attention.{meta}.{p}"))
+    return rules
+
+
+def attention_rules(
+    *, n_heads: int, n_kv_heads: int, head_dim: int | None, fused_qkv: bool, tp: int | None, adapter: str
+) -> list[Any]:
+    """HF Llama-family attention + norms -> Meta names, Meta rotary order, optional fused wqkv."""
+    rules: list[Any] = [
+        *block_rules(),
+        sdadapt.rotary(META + "attention.wq.weight", heads=n_heads, to="interleaved"),
+        sdadapt.rotary(META + "attention.wk.weight", heads=n_kv_heads, to="interleaved"),
+    ]
+    if fused_qkv:
+        hd = need("head_dim (or dim)", head_dim, adapter)
+        sizes = [n_heads * hd, n_kv_heads * hd, n_kv_heads * hd]
+        rules += [
+            sdadapt.fuse(
+                [META + "attention.wq.weight", META + "attention.wk.weight", META + "attention.wv.weight"],
+                META + "attention.wqkv.weight",
+                sizes=sizes,
+            ),
+            sdadapt.interleave(META + "attention.wqkv.weight", sizes=sizes, tp=tp),
+        ]
+    return rules
+
+
+def mlp_rules(hf: str = HF, meta: str = META) -> list[Any]:
+    """HF ``mlp.gate_proj|down_proj|up_proj.weight`` -> ``feed_forward.w1|w2|w3.weight`` for the
+    layers under ``hf`` (a pattern such as ``model.layers.{i}.``, or one layer's literal prefix)."""
+    return [
+        sdadapt.rename(hf + "mlp.gate_proj.weight", meta + "feed_forward.w1.weight"),
+        sdadapt.rename(hf + "mlp.down_proj.weight", meta + "feed_forward.w2.weight"),
+        sdadapt.rename(hf + "mlp.up_proj.weight", meta + "feed_forward.w3.weight"),
+    ]
+
+
+def moe_rules(
+    experts: str, *, block: str, names: tuple[str, str, str], n_experts: int | None, adapter: str
+) -> list[Any]:
+    """Router and experts of an HF MoE block -> ``moe.router.gate.weight`` ``[E, dim]`` and stacked
+    ``moe.experts.w1|w3`` ``[E, hidden, dim]`` (gate, up), ``moe.experts.w2`` ``[E, dim, hidden]``.
+
+    ``experts="per_expert"``: the MoE block lives under ``HF + block`` (``"mlp."``,
+    ``"block_sparse_moe."``) with ``gate.weight`` and ``experts.{e}.<name>.weight`` for ``names``
+    = the (gate, down, up) weight names; the stack rules check the expert count when
+    ``n_experts`` is known.
+    ``experts="stacked"``: transformers 5.x fused tensors ``mlp.experts.gate_up_proj``
+    ``[E, 2*hidden, dim]`` (gate rows, then up rows) and ``mlp.experts.down_proj`` ``[E, dim, hidden]``.
+    """
+    if n_experts is not None:
+        positive("n_experts", n_experts, adapter)
+    moe = META + "moe."
+    if experts == "per_expert":
+        src = HF + block
+        rules: list[Any] = [sdadapt.rename(src + "gate.weight", moe + "router.gate.weight")]
+        for w, name in zip(("w1", "w2", "w3"), names, strict=True):
+            rules.append(
+                sdadapt.stack(src + "experts.{e}." + name + ".weight", moe + "experts." + w, over="e", dim=0, count=n_experts)
+            )
+        return rules
+    if experts == "stacked":
+        return [
+            sdadapt.rename(HF + "mlp.gate.weight", moe + "router.gate.weight"),
+            sdadapt.split(HF + STACKED_EXPERTS, [moe + "experts.w1", moe + "experts.w3"], dim=1),
+            sdadapt.rename(HF + "mlp.experts.down_proj", moe + "experts.w2"),
+        ]
+    raise AdapterError(f"the {adapter} adapter: experts must be 'per_expert' or 'stacked', got {experts!r}")
