@@ -21,6 +21,7 @@ from ._export import ExportReport, convert, export
 from ._integrity import write_checksums
 from ._load import LoadReport, load, plan_load
 from ._plan import Plan, build_plan
+from ._quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX, MX_SCALES_SUFFIX
 from ._quant_rules import DequantFP8, DequantMXFP4, QuantizeFP8, QuantizeMXFP4, dequant_rules
 from ._registry import get_adapter, list_adapters
 from ._report import Report
@@ -158,7 +159,7 @@ def dequant_fp8(
     block: tuple[int, int] = (128, 128),
     *,
     exclude: list[str] | None = None,
-    scale_suffix: str = "_scale_inv",
+    scale_suffix: str = FP8_SCALE_SUFFIX,
     scale_format: Literal["float32", "ue8m0"] = "float32",
     dtype: str | torch.dtype = "bfloat16",
 ) -> DequantFP8:
@@ -175,7 +176,11 @@ def dequant_fp8(
 
 
 def dequant_mxfp4(
-    keys: str, *, blocks_suffix: str = "_blocks", scales_suffix: str = "_scales", dtype: str | torch.dtype = "bfloat16"
+    keys: str,
+    *,
+    blocks_suffix: str = MX_BLOCKS_SUFFIX,
+    scales_suffix: str = MX_SCALES_SUFFIX,
+    dtype: str | torch.dtype = "bfloat16",
 ) -> DequantMXFP4:
     """MXFP4 ``<name>_blocks`` + ``<name>_scales`` -> ``<name>`` (values ``[..., G * 32]``) for names matching ``keys``."""
     return DequantMXFP4(keys=keys, blocks_suffix=blocks_suffix, scales_suffix=scales_suffix, dtype=_dtype_str(dtype))

@@ -32,6 +32,8 @@ import torch.nn.functional as F
 
 ScaleFormat = Literal["float32", "ue8m0"]
 
+FP8_SCALE_SUFFIX = "_scale_inv"  # key of a weight's FP8 scale = weight key + this
+MX_BLOCKS_SUFFIX, MX_SCALES_SUFFIX = "_blocks", "_scales"  # MXFP4 <name>_blocks + <name>_scales
 FP8_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 MX_BLOCK = 32  # values per MXFP4 block

@@ -79,7 +79,7 @@ class _FP8Fields(_QuantRule):
     keys: str = "**.weight"
     exclude: list[str] = []
     block: tuple[int, int]
-    scale_suffix: str = Field(default="_scale_inv", min_length=1)
+    scale_suffix: str = Field(default=Q.FP8_SCALE_SUFFIX, min_length=1)
     scale_format: Q.ScaleFormat = "float32"
 
     @field_validator("block", mode="before")
@@ -175,8 +175,8 @@ class QuantizeFP8(_FP8Fields):
 class _MXFP4Fields(_QuantRule):
     """What MXFP4 dequantisation and re-quantization share: the suffixes of the packed pair."""
 
-    blocks_suffix: str = Field(default="_blocks", min_length=1)
-    scales_suffix: str = Field(default="_scales", min_length=1)
+    blocks_suffix: str = Field(default=Q.MX_BLOCKS_SUFFIX, min_length=1)
+    scales_suffix: str = Field(default=Q.MX_SCALES_SUFFIX, min_length=1)
 
 
 class DequantMXFP4(_MXFP4Fields):
@@ -288,7 +288,7 @@ def dequant_rules(
             raise AdapterError("quantization_config has quant_method 'fp8' but no weight_block_size; per-tensor FP8 "
                                "is not supported: give sdadapt.dequant_fp8(block=[rows, cols]) yourself")  # fmt: skip
         fmt: Q.ScaleFormat = "ue8m0" if qc.get("scale_fmt") == "ue8m0" else "float32"
-        stored = {i.dtype for k, i in (schema or {}).items() if k.endswith("_scale_inv")}
+        stored = {i.dtype for k, i in (schema or {}).items() if k.endswith(Q.FP8_SCALE_SUFFIX)}
         if fmt == "ue8m0" and stored == {torch.float32}:
             fmt = "float32"  # power-of-two values, stored as float32
         exclude = list(FP8_EXCLUDE if fp8_exclude is None else fp8_exclude)
@@ -318,7 +318,7 @@ def _read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[
 
 # --- report hint ----------------------------------------------------------------------------------
 
-_SCALE_SUFFIXES = ("_scale_inv", "weight_scale", "_blocks", "_scales")
+_SCALE_SUFFIXES = (Q.FP8_SCALE_SUFFIX, "weight_scale", Q.MX_BLOCKS_SUFFIX, Q.MX_SCALES_SUFFIX)
 
 
 def quant_hint(report: Report) -> str | None:
