@@ -21,6 +21,8 @@ from ._export import ExportReport, convert, export
 from ._integrity import write_checksums
 from ._load import LoadReport, load, plan_load
 from ._plan import Plan, build_plan
+from ._quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX, MX_SCALES_SUFFIX
+from ._quant_rules import DequantFP8, DequantMXFP4, QuantizeFP8, QuantizeMXFP4, dequant_rules
 from ._registry import get_adapter, list_adapters
 from ._report import Report
 from ._resolve import resolve_adapter, resolve_target
@@ -43,6 +45,7 @@ from ._rules import (
     Trim,
     Unstack,
 )
+from ._rules.base import dtype_str as _dtype_str
 from ._shrink import ShrinkReport, shrink
 from ._state import StateLoadReport, load_state, save_state
 from ._verify import VerifyReport, verify
@@ -151,6 +154,38 @@ def add_prefix(prefix: str, keys: str = "**") -> AddPrefix:
     return AddPrefix(prefix=prefix, keys=keys)
 
 
+def dequant_fp8(
+    keys: str = "**.weight",
+    block: tuple[int, int] = (128, 128),
+    *,
+    exclude: list[str] | None = None,
+    scale_suffix: str = FP8_SCALE_SUFFIX,
+    scale_format: Literal["float32", "ue8m0"] = "float32",
+    dtype: str | torch.dtype = "bfloat16",
+) -> DequantFP8:
+    """FP8 e4m3 weights matching ``keys`` (not ``exclude``) with ``block`` scales at
+    ``key + scale_suffix`` (float32, or ``"ue8m0"`` exponent bytes) -> values in ``dtype``."""
+    return DequantFP8(
+        keys=keys,
+        block=block,
+        exclude=exclude or [],
+        scale_suffix=scale_suffix,
+        scale_format=scale_format,
+        dtype=_dtype_str(dtype),
+    )
+
+
+def dequant_mxfp4(
+    keys: str,
+    *,
+    blocks_suffix: str = MX_BLOCKS_SUFFIX,
+    scales_suffix: str = MX_SCALES_SUFFIX,
+    dtype: str | torch.dtype = "bfloat16",
+) -> DequantMXFP4:
+    """MXFP4 ``<name>_blocks`` + ``<name>_scales`` -> ``<name>`` (values ``[..., G * 32]``) for names matching ``keys``."""
+    return DequantMXFP4(keys=keys, blocks_suffix=blocks_suffix, scales_suffix=scales_suffix, dtype=_dtype_str(dtype))
+
+
 __all__ = [
     # loading, planning, reporting
     "LoadReport",
@@ -220,6 +255,14 @@ __all__ = [
     "transpose",
     "trim",
     "unstack",
+    # quantized sources
+    "DequantFP8",
+    "DequantMXFP4",
+    "QuantizeFP8",
+    "QuantizeMXFP4",
+    "dequant_fp8",
+    "dequant_mxfp4",
+    "dequant_rules",
     # errors
     "AdapterError",
     "ExportError",
