@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from checkpoints import DictIO, write_safetensors
 from dist_helper import run_distributed
 from reference_models import MetaLlama
@@ -230,7 +229,9 @@ def build(stage=0):
 """
 
 
-def test_cli_diff_pipeline_stage(hf_llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_diff_pipeline_stage(
+    hf_llama: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "pp_stage_models.py").write_text(textwrap.dedent(STAGE_PY))
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
