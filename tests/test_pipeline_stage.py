@@ -51,12 +51,12 @@ def stage_model(stage: int, *, vacate: str = "none", device: str = "meta") -> Me
     return model
 
 
-def write_hf_llama(folder: str) -> str:
+def write_hf_llama(folder: str, tie: bool = False) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(hidden_size=CFG["dim"], intermediate_size=CFG["hidden_dim"], num_hidden_layers=CFG["n_layers"],
                       num_attention_heads=CFG["n_heads"], num_key_value_heads=CFG["n_kv_heads"],
-                      vocab_size=CFG["vocab_size"], tie_word_embeddings=False)  # fmt: skip
+                      vocab_size=CFG["vocab_size"], tie_word_embeddings=tie)  # fmt: skip
     hf = LlamaForCausalLM(cfg)
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -218,6 +218,19 @@ def test_stage_loads_in_one_process_bit_exact(hf_llama: str) -> None:
         assert rep.keys_loaded == len(model.state_dict())
         for k, v in model.state_dict().items():
             assert torch.equal(v, reference[k]), k
+
+
+def test_tied_output_on_the_last_stage(tmp_path: Path) -> None:
+    """A tied checkpoint (no ``lm_head.weight``): the last stage fills ``output`` from the
+    embeddings' bytes although ``tok_embeddings`` is another stage's module."""
+    path = write_hf_llama(str(tmp_path / "tied"), tie=True)
+    embed = load_file(os.path.join(path, "model.safetensors"))["model.embed_tokens.weight"]
+    adapter = sdadapt.get_adapter("llama", source=path)
+    first, last = stage_model(0), stage_model(1)
+    sdadapt.load(first, path, adapter, pipeline_stage=True)
+    rep = sdadapt.load(last, path, adapter, pipeline_stage=True)
+    assert "tok_embeddings.weight" in rep.report.allowed_unexpected
+    assert torch.equal(last.output.weight, embed) and torch.equal(first.tok_embeddings.weight, embed)
 
 
 STAGE_PY = """
