@@ -173,13 +173,14 @@ def load(
     ``pipeline_stage=True``: ``model`` is one pipeline stage, a subset of a whole model's
     layers (as ``torch.distributed.pipelining``'s manual split or torchtitan's pipeline split
     leave it: the kept layers under their original indices in a ``ModuleDict``, the other
-    modules deleted or set to ``None``). The checkpoint's keys that belong to other stages are
+    stages' top-level modules set to ``None``). The checkpoint's keys that belong to other stages are
     then neither unexpected nor read: an adapted key the stage lacks belongs to another stage
     when its index-generalised name (``layers.{i}.attention.wq.weight``) is that of a key the
     stage holds, or when it lies under a module the stage sets to ``None``
     (``tok_embeddings``, ``norm``, ``output``). They are listed in the report's
     ``allowed_unexpected``. Keys of the stage's own layers that the checkpoint lacks are still
-    missing, and a checkpoint key that matches neither is still unexpected.
+    missing, and a checkpoint key that matches neither is still unexpected (so are the keys
+    of a top-level module deleted with ``del``, which leaves no trace: set it to ``None``).
     """
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
