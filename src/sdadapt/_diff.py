@@ -7,7 +7,7 @@ import os
 from torch import nn
 
 from ._adapter import Adapter
-from ._plan import build_plan
+from ._plan import PipelineStage, build_plan, vacant_modules
 from ._report import Report
 from ._target import model_state_dict, schema_of
 from .sources import Source, TensorInfo, open_source
@@ -33,9 +33,16 @@ def diff(
     subtree: str | None = None,
     allow_missing: list[str] | None = None,
     allow_unexpected: list[str] | None = None,
+    pipeline_stage: bool = False,
 ) -> Report:
-    """Compare checkpoint ``src`` (through ``adapter``) with ``target``; reads headers only."""
+    """Compare checkpoint ``src`` (through ``adapter``) with ``target``; reads headers only.
+    ``pipeline_stage=True``: ``target`` is one pipeline stage, and the checkpoint keys of the
+    other stages are allowed (see :func:`sdadapt.load`; a schema or checkpoint target has no
+    ``None`` module slots, so only the index rule applies to it)."""
     schema, name = target_schema(target)
+    stage = None
+    if pipeline_stage:
+        stage = PipelineStage.of(schema, vacant_modules(target) if isinstance(target, nn.Module) else ())
     source = open_source(src, subtree=subtree)
     try:
         return build_plan(
@@ -47,6 +54,7 @@ def diff(
             allow_unexpected=allow_unexpected,
             source_name=source.path,
             target_name=name,
+            pipeline_stage=stage,
         ).report
     finally:
         source.close()

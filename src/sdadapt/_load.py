@@ -16,7 +16,7 @@ from . import _integrity as integrity
 from ._adapter import Adapter
 from ._distributed import rank_and_world
 from ._materialize import InitFn, check_buffers
-from ._plan import Plan, build_plan
+from ._plan import PipelineStage, Plan, build_plan, vacant_modules
 from ._report import Report
 from ._target import local_nbytes, model_state_dict, schema_of
 from ._transaction import Part, Transaction
@@ -82,9 +82,11 @@ def plan_load(
     subtree: str | None = None,
     allow_missing: list[str] | None = None,
     allow_unexpected: list[str] | None = None,
+    pipeline_stage: bool = False,
 ) -> tuple[Source, Plan]:
-    """Open the source and plan against the model (headers only; nothing is read or changed)."""
-    source, plan, _ = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected)
+    """Open the source and plan against the model (headers only; nothing is read or changed);
+    ``pipeline_stage`` as in :func:`load`."""
+    source, plan, _ = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage)
     return source, plan
 
 
@@ -95,10 +97,12 @@ def _plan_load(
     subtree: str | None,
     allow_missing: list[str] | None,
     allow_unexpected: list[str] | None,
+    pipeline_stage: bool = False,
 ) -> tuple[Source, Plan, dict[str, torch.Tensor]]:
     """:func:`plan_load`, also returning the model's state dict it planned against."""
     source = open_source(src, subtree=subtree)
     state_dict = model_state_dict(model)
+    stage = PipelineStage.of(state_dict, vacant_modules(model)) if pipeline_stage else None
     try:
         plan = build_plan(
             source.schema,
@@ -109,6 +113,7 @@ def _plan_load(
             allow_unexpected=allow_unexpected,
             source_name=_describe(src),
             target_name=type(model).__name__,
+            pipeline_stage=stage,
         )
     except BaseException:
         source.close()
@@ -132,6 +137,7 @@ def load(
     check_finite: bool = False,
     stage: bool = False,
     share_reads: bool = False,
+    pipeline_stage: bool = False,
 ) -> LoadReport:
     """Load checkpoint ``src`` into ``model`` through ``adapter``; every rank reads only its shards.
 
@@ -163,6 +169,18 @@ def load(
     broadcast it to the others over the process group (:mod:`sdadapt._share`), instead of all
     reading all of it; for fast interconnects (NVLink) where the page cache, not the network,
     is the limit. ``LoadReport.bytes_shared`` is what this rank received that way.
+
+    ``pipeline_stage=True``: ``model`` is one pipeline stage, a subset of a whole model's
+    layers (as ``torch.distributed.pipelining``'s manual split or torchtitan's pipeline split
+    leave it: the kept layers under their original indices in a ``ModuleDict``, the other
+    stages' top-level modules set to ``None``). The checkpoint's keys that belong to other stages are
+    then neither unexpected nor read: an adapted key the stage lacks belongs to another stage
+    when its index-generalised name (``layers.{i}.attention.wq.weight``) is that of a key the
+    stage holds, or when it lies under a module the stage sets to ``None``
+    (``tok_embeddings``, ``norm``, ``output``). They are listed in the report's
+    ``allowed_unexpected``. Keys of the stage's own layers that the checkpoint lacks are still
+    missing, and a checkpoint key that matches neither is still unexpected (so are the keys
+    of a top-level module deleted with ``del``, which leaves no trace: set it to ``None``).
     """
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
@@ -171,7 +189,9 @@ def load(
 
     def prepare() -> Plan:
         nonlocal planned
-        source, plan, planned = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected)
+        source, plan, planned = _plan_load(
+            model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage
+        )
         txn.add_source(source)
         if not plan.report.ok:
             if strict:

@@ -6,7 +6,10 @@ reaches the same verdict without talking to the others.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from torch import nn
 
 from ._adapter import Adapter
 from ._nodes import Leaf, Node
@@ -25,6 +28,53 @@ def unwrap_key(key: str) -> str:
     parts = key.split(".")
     kept = [p for p in parts if p not in WRAPPER_SEGMENTS]
     return ".".join(kept) if kept and len(kept) != len(parts) else key
+
+
+def index_pattern(key: str) -> str:
+    """``"layers.12.moe.experts.w1"`` -> ``"layers.{i}.moe.experts.w1"``: every all-digit
+    segment (a layer or block index) replaced by ``{i}``."""
+    return ".".join("{i}" if p.isdigit() else p for p in key.split("."))
+
+
+def vacant_modules(model: nn.Module) -> list[str]:
+    """Module paths that ``model`` registers as ``None`` (``model.norm = None``): the slots a
+    pipeline split leaves where another stage holds the module. Wrapper segments are removed,
+    as the state dict's keys have them removed."""
+    return sorted(
+        unwrap_key(f"{name}.{child}" if name else child)
+        for name, mod in model.named_modules()
+        for child, sub in mod._modules.items()
+        if sub is None
+    )
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """The keys of a model that is one pipeline stage (a subset of a whole model's layers), and
+    which of the checkpoint's keys belong to the other stages.
+
+    A key the adapter produced that the stage does not hold belongs to another stage when
+    (1) it has an index segment and its :func:`index_pattern` is the pattern of some key the
+    stage does hold (``layers.5.attention.wq.weight`` while the stage holds ``layers.2.`` and
+    ``layers.3.``), or (2) it lies under a module slot the stage leaves ``None``
+    (``tok_embeddings.weight`` where ``model.tok_embeddings = None``), as torch's manual
+    pipeline split and torchtitan's leave them. Any other key the stage lacks stays unexpected,
+    and keys of the stage's own layers that the checkpoint lacks stay missing."""
+
+    patterns: frozenset[str]
+    vacant: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, target_keys: Iterable[str], vacant: Iterable[str] = ()) -> PipelineStage:
+        """The stage that holds ``target_keys``, with module slots ``vacant`` left ``None``."""
+        return cls(frozenset(index_pattern(k) for k in target_keys if index_pattern(k) != k), tuple(vacant))
+
+    def elsewhere(self, key: str) -> bool:
+        """``key`` (absent from the stage) belongs to another pipeline stage."""
+        if any(key.startswith(v + ".") for v in self.vacant):
+            return True
+        pattern = index_pattern(key)
+        return pattern != key and pattern in self.patterns
 
 
 class PlanContext:
@@ -165,6 +215,7 @@ class Plan:
     report: Report
     target: dict[str, TensorInfo]
     skipped: list[str] = field(default_factory=list)  # allowed-missing target keys (left as they are)
+    other_stages: list[str] = field(default_factory=list)  # keys of other pipeline stages (not read)
 
 
 def build_plan(
@@ -177,11 +228,15 @@ def build_plan(
     allow_unexpected: list[str] | None = None,
     source_name: str = "checkpoint",
     target_name: str = "model",
+    pipeline_stage: PipelineStage | None = None,
 ) -> Plan:
     """Apply ``adapter``'s rules to the ``source`` schema and line the result up with ``target``
     (both ``key -> TensorInfo``, headers only): a recipe per target key that matches, and a
     :class:`Report` of every key that does not. Deterministic, so every rank gets the same plan.
-    ``allow_missing`` / ``allow_unexpected`` are key patterns whose mismatches are tolerated."""
+    ``allow_missing`` / ``allow_unexpected`` are key patterns whose mismatches are tolerated.
+    ``pipeline_stage``: the target is one pipeline stage; the adapted keys that belong to other
+    stages (:meth:`PipelineStage.elsewhere`) are listed in ``Plan.other_stages`` and in the
+    report's ``allowed_unexpected``, and are not read."""
     adapter = adapter or Adapter([], name="identity")
     ctx = PlanContext(source, non_tensor or [], target, adapter)
     collisions = ctx.unwrap_keys()
@@ -223,10 +278,16 @@ def build_plan(
             )
         else:
             recipes[key] = node
+    other_stages: list[str] = []
     for key in ctx.env:
-        if key not in target:
+        if key in target:
+            continue
+        if pipeline_stage is not None and pipeline_stage.elsewhere(key):
+            other_stages.append(key)
+            report.allowed_unexpected.append(key)
+        else:
             (report.allowed_unexpected if matches_any(allow_unexpected, key) else report.unexpected).append(key)
     for key in sorted(ctx.non_tensor):
         (report.allowed_unexpected if matches_any(allow_unexpected, key) else report.non_tensor).append(key)
     report.matched = len(recipes)
-    return Plan(recipes=recipes, report=report, target=target, skipped=skipped)
+    return Plan(recipes=recipes, report=report, target=target, skipped=skipped, other_stages=other_stages)

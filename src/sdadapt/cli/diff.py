@@ -52,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-subtree", metavar="S", help="nested dict of a torch.save target checkpoint")
     parser.add_argument("--allow-missing", action="append", default=[], metavar="PAT", help="key pattern the model may lack values for")
     parser.add_argument("--allow-unexpected", action="append", default=[], metavar="PAT", help="checkpoint key pattern to ignore")
+    parser.add_argument(
+        "--pipeline-stage", action="store_true",
+        help="the target is one pipeline stage: checkpoint keys of the other stages' layers and of its None modules are allowed",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -73,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         subtree=args.subtree,
         allow_missing=args.allow_missing or None,
         allow_unexpected=args.allow_unexpected or None,
+        pipeline_stage=args.pipeline_stage,
     )
     print(report.model_dump_json(indent=2) if args.json else report.format())
     return 0 if report.ok else 1
