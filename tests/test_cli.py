@@ -175,12 +175,30 @@ def test_diff_with_adapters(work, capsys):
         (["diff", "good.pt", "-t", "cli_models:build", "-O", "x=1"], "--adapter-option needs --adapter"),
         (["diff", "bad.pt", "-s", "nomodel", "-t", "cli_models:build"], "subtree 'nomodel'"),
         (["inspect", "nope.pt"], "nope.pt: no such file"),
+        (["diff", "good.pt", "-t", "cli_models.py"], "give cli_models.py:FUNCTION naming the function that returns the model"),
+        (["diff", "good.pt", "-t", "cli_models.py"], "(it defines Block, Net, build, cpu_model, make_adapter)"),
+        (["diff", "good.pt", "-t", "cli_models"], "'cli_models' is a module, not a checkpoint: give cli_models:FUNCTION"),
+        (["diff", "good.pt", "-t", "cli_models.build"], "did you mean cli_models:build (module:function)?"),
+        (["diff", "good.pt", "-t", "cli_models:biuld"], "no attribute 'biuld'; did you mean cli_models:build?"),
+        (["diff", "good.pt", "-t", "cli_models.py:cpu_modle"], "did you mean cli_models.py:cpu_model?"),
+        (["diff", "Qwen/Qwen2.5-0.5B", "-t", "good.pt"], "Hub ids are not (yet) sources"),
+        (["inspect", "meta-llama/Llama-3.1-8B"], "looks like a Hugging Face Hub id"),
     ],
 )
 def test_usage_errors_exit_2(work, capsys, argv, message):
     rc, out, err = _run(capsys, *argv)
     assert rc == 2, out + err
     assert message in err and err.startswith(f"sdadapt {argv[0]}: error: ")
+
+
+def test_diff_all_lists_every_row(work, capsys):
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima"]
+    torch.save({f"extra.{w}": torch.zeros(1) for w in words}, work / "odd.pt")
+    rc, out, _ = _run(capsys, "diff", "odd.pt", "-t", "good.pt")
+    assert rc == 1 and "more rows (--all lists every row)" in out
+    rc, out, _ = _run(capsys, "diff", "odd.pt", "-t", "good.pt", "--all")
+    assert rc == 1 and "more rows" not in out
+    assert all(f"extra.{w}" in out for w in words)
 
 
 def test_bad_arguments_exit_2(work, capsys):

@@ -44,7 +44,8 @@ def split(src: str, dsts: list[str], dim: int = 0, sizes: list[int] | None = Non
 
 
 def cast(keys: str, dtype: str | torch.dtype, from_dtype: str | torch.dtype | None = None) -> Cast:
-    """Convert tensors matching ``keys`` to ``dtype`` (only those stored as ``from_dtype``, if given)."""
+    """Convert tensors matching ``keys`` to ``dtype`` (only those stored as ``from_dtype``, if given);
+    ``dtype="model"``: to the dtype the model holds for each tensor."""
     return Cast(keys=keys, dtype=dtype, from_dtype=from_dtype)  # type: ignore[arg-type]
 
 

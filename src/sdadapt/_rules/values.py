@@ -24,6 +24,7 @@ from .base import (
     matching,
     matching_dim,
     parse_dtype,
+    target_info,
     target_size,
 )
 
@@ -31,9 +32,15 @@ if TYPE_CHECKING:
     from .._plan import PlanContext
 
 
+MODEL_DTYPE = "model"
+"""``Cast(dtype="model")``: each tensor goes to the dtype the model holds under its final key."""
+
+
 class Cast(RuleBase):
     """Convert matched tensors to ``dtype`` (optionally only those stored as ``from_dtype``).
-    Dtype changes are never silent: without a cast rule a dtype mismatch is a problem."""
+    Dtype changes are never silent: without a cast rule a dtype mismatch is a problem.
+    ``dtype="model"`` converts each tensor to the dtype the model holds for it (looked up under
+    the key's final name), the one rule that fixes any dtype-only mismatch."""
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["cast"] = "cast"
@@ -44,17 +51,32 @@ class Cast(RuleBase):
     @field_validator("dtype", "from_dtype", mode="before")
     @classmethod
     def _norm(cls, v: object) -> str | None:
-        return None if v is None else dtype_str(v)
+        if v is None or v == MODEL_DTYPE:
+            return v  # type: ignore[return-value]
+        return dtype_str(v)
+
+    @field_validator("from_dtype")
+    @classmethod
+    def _from_concrete(cls, v: str | None) -> str | None:
+        if v == MODEL_DTYPE:
+            raise AdapterError('cast: from_dtype names a dtype; "model" applies to dtype only')
+        return v
 
     def input_patterns(self) -> list[str]:
         return [self.keys]
 
     def apply(self, ctx: PlanContext, index: int) -> None:
-        to = parse_dtype(self.dtype)
         only = parse_dtype(self.from_dtype) if self.from_dtype else None
         for key, node in matching(ctx, self.keys):
             if only is not None and node.dtype != only:
                 continue
+            if self.dtype == MODEL_DTYPE:
+                info = target_info(ctx, key, index)
+                if info is None:
+                    continue  # the model does not hold this key: the report says so
+                to = info.dtype
+            else:
+                to = parse_dtype(self.dtype)
             ctx.mark(index)
             if node.dtype != to:
                 ctx.replace(key, CastNode(node, to))
@@ -65,6 +87,8 @@ class Cast(RuleBase):
                 f"{self.label()} cannot be inverted: it does not say which dtype it converts from; "
                 "give from_dtype=..."
             )
+        if self.dtype == MODEL_DTYPE:
+            return [Cast(keys=self.keys, dtype=self.from_dtype)]
         return [Cast(keys=self.keys, dtype=self.from_dtype, from_dtype=self.dtype)]
 
 
