@@ -351,3 +351,66 @@ def test_user_rules_on_a_2_rank_fsdp_mesh(tmp_path):
     for r in results:
         assert r["bad"] == [] and r["keys"] == 6
     assert {results[0]["local"]["w_neg.weight"], results[1]["local"]["w_neg.weight"]} == {(3, DIM), (2, DIM)}
+
+
+class _Stored(nn.Module):
+    """Holds ``w`` and computes with ``w * 4 + 1`` (as Gemma's norms compute with ``1 + w``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x * (self.w * 4.0 + 1.0)).sum()
+
+
+class _Direct(nn.Module):
+    """The same function of a parameter that holds ``w * 4 + 1`` itself."""
+
+    def __init__(self, p: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.zeros(6) if p is None else p.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x * self.p).sum()
+
+
+def _adam_step(model: nn.Module, x: torch.Tensor) -> torch.optim.Optimizer:
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+    model(x).backward()
+    opt.step()
+    return opt
+
+
+def test_resume_through_affine_scales_moments_like_gradients(tmp_path):
+    """A checkpoint trained one Adam step on ``w`` resumes into a model holding ``p = w * 4 + 1``:
+    the moments loaded equal those the model itself gets from the same step (the shift does not
+    reach them; exp_avg is divided by 4, exp_avg_sq by 16), bit for bit."""
+    x = torch.randn(6, generator=torch.Generator().manual_seed(2))
+    stored = _Stored()
+    direct = _Direct(stored.w.detach() * 4.0 + 1.0)
+    stored_opt, direct_opt = _adam_step(stored, x), _adam_step(direct, x)
+    sdadapt.save_state(str(tmp_path / "ck"), stored, stored_opt)
+
+    adapter = sdadapt.Adapter([sdadapt.rename("w", "p"), sdadapt.affine("p", scale=4.0, shift=1.0)])
+    resumed = _Direct()
+    opt = torch.optim.Adam(resumed.parameters(), lr=1e-2, foreach=False)
+    sdadapt.load_state(str(tmp_path / "ck"), resumed, opt, adapter=adapter)
+    assert torch.equal(resumed.p.detach(), stored.w.detach() * 4.0 + 1.0)
+    got, want = opt.state_dict()["state"][0], direct_opt.state_dict()["state"][0]
+    assert torch.equal(got["exp_avg"], want["exp_avg"])
+    assert torch.equal(got["exp_avg_sq"], want["exp_avg_sq"])
+    assert float(got["step"]) == 1.0
+
+
+def test_load_dtype_model_casts_every_tensor_to_the_models_dtype(tmp_path):
+    sd = {k: v.to(torch.bfloat16) for k, v in _expected(_checkpoint()).items()}
+    path = write_safetensors(tmp_path / "bf16.safetensors", sd)
+    model = Small()
+    model.q_norm.to(torch.bfloat16)  # mixed: one module already holds bfloat16
+    with pytest.raises(sdadapt.PlanError, match=r'root cause: only dtypes differ.*sdadapt.cast\("\*\*", "model"\)'):
+        sdadapt.load(model, path)
+    sdadapt.load(model, path, dtype="model")
+    for k, v in model.state_dict().items():
+        assert v.dtype == (torch.bfloat16 if k.startswith("q_norm") else torch.float32), k
+        assert torch.equal(v, sd[k].to(v.dtype)), k
