@@ -51,9 +51,9 @@ class Cast(RuleBase):
     @field_validator("dtype", "from_dtype", mode="before")
     @classmethod
     def _norm(cls, v: object) -> str | None:
-        if v is None or v == MODEL_DTYPE:
-            return v  # type: ignore[return-value]
-        return dtype_str(v)
+        if v is None:
+            return None
+        return MODEL_DTYPE if v == MODEL_DTYPE else dtype_str(v)
 
     @field_validator("from_dtype")
     @classmethod
