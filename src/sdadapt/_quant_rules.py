@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from pydantic import Field, field_validator
@@ -33,7 +33,7 @@ from pydantic import Field, field_validator
 from . import _quant as Q
 from . import _quant_nodes as QN
 from ._patterns import compile_pattern, matches_any
-from ._rules import RuleBase, parse_dtype
+from ._rules import RuleBase, parse_dtype, register_rule
 from ._rules.base import dtype_str
 from .errors import AdapterError
 from .sources._base import dtype_name
@@ -250,7 +250,9 @@ class QuantizeMXFP4(_MXFP4Fields):
         return [DequantMXFP4(**self._fields())]
 
 
-QuantRule = Annotated[DequantFP8 | QuantizeFP8 | DequantMXFP4 | QuantizeMXFP4, Field(discriminator="kind")]
+# adapters read these kinds from JSON through the rule registry
+for _cls in (DequantFP8, QuantizeFP8, DequantMXFP4, QuantizeMXFP4):
+    register_rule(_cls)
 
 
 # --- config.json ----------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pipeline-stage", action="store_true",
         help="the target is one pipeline stage: checkpoint keys of the other stages' layers and of its None modules are allowed",
     )
+    parser.add_argument("--all", action="store_true", help="list every row of each section (text mode)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -79,5 +80,5 @@ def run(args: argparse.Namespace) -> int:
         allow_unexpected=args.allow_unexpected or None,
         pipeline_stage=args.pipeline_stage,
     )
-    print(report.model_dump_json(indent=2) if args.json else report.format())
+    print(report.model_dump_json(indent=2) if args.json else report.format(max_rows=None if args.all else 8))
     return 0 if report.ok else 1
