@@ -147,8 +147,8 @@ def options_from_config(folder: str, source: str | None = None) -> dict[str, Any
     tied = tied_from(cfg, keys)
     if tied is not None:
         opts["tie_embeddings"] = tied
-    quantization = quantization_of(cfg, keys)
-    if quantization is not None:
-        opts["quantization"] = quantization
+    method = _method(quantization_of(cfg, keys))
+    if method is not None:
+        opts["quantization"] = method
     return opts
 

@@ -110,14 +110,17 @@ def _write_cases(root: str) -> list[dict]:
     assert cfg.layer_types[:2] == ["sliding_attention", "full_attention"] and spec["rope"]["rope_type"] == "yarn"
     cases: list[dict] = []
 
-    # bf16, save_pretrained in shards with an index
-    hf = _hf_model(30).to(torch.bfloat16)
+    # bf16, save_pretrained in shards with an index; the expected logits come from the fp32
+    # model holding the bf16 values (its rotary tables stay fp32, as in the reference model)
+    hf = _hf_model(30)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(p.to(torch.bfloat16))
+        expected = hf(tokens).logits.float()
     path = os.path.join(root, "bf16")
-    hf.save_pretrained(path, max_shard_size="40KB")
+    hf.to(torch.bfloat16).save_pretrained(path, max_shard_size="40KB")
     assert os.path.exists(os.path.join(path, "model.safetensors.index.json")), "save_pretrained did not shard"
     assert _checkpoint(path)["model.layers.0.mlp.experts.down_proj"].shape == (E, F, DIM)
-    with torch.no_grad():
-        expected = hf.float()(tokens).logits.float()
     cases.append(dict(name="bf16", path=path, options={}, extra=[TO_FP32], spec=spec, tokens=tokens, expected=expected))
 
     # MXFP4: the released layout; transformers dequantises the file itself for the expected logits
