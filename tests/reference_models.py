@@ -8,11 +8,18 @@
 - :class:`Qwen3`: Qwen3 / Qwen3-MoE in the same family of names (torchtitan's Qwen3), with
   ``attention.q_norm|k_norm`` (RMSNorm over each head), HF's "half" rotary order, optional
   q/k/v/o biases, and MoE layers (``moe.*`` as above) beside dense ``feed_forward`` layers;
+- :class:`GptOss`: GPT-OSS in the same family of names: q/k/v/o with biases, per-head
+  ``attention.sinks``, YaRN rotary in HF's "half" order, sliding-window and full attention
+  alternating, a router with bias (top-k of the logits, softmax over the k) and stacked experts
+  ``moe.experts.w1|w3`` ``[E, F, dim]``, ``w2`` ``[E, dim, F]`` with biases ``b1|b3|b2`` and the
+  clamped SwiGLU (``alpha``, ``limit``); :func:`parallelize_gpt_oss` also shards the experts'
+  F dim and the sinks over ``"tp"``;
 - :class:`NanoGPT`: nanoGPT's GPT-2 (``transformer.h.{i}.attn.c_attn`` as ``nn.Linear``),
   optionally with ``c_attn`` split into ``q_proj``/``k_proj``/``v_proj``.
 
 Written from the published model definitions (Meta's llama ``model.py``, nanoGPT ``model.py``,
-the Qwen3 equations of HF's ``modeling_qwen3``/``modeling_qwen3_moe``), so they are independent
+the Qwen3 equations of HF's ``modeling_qwen3``/``modeling_qwen3_moe``, OpenAI's ``gpt_oss/torch/model.py``),
+so they are independent
 of sdadapt and of transformers' code. Head counts are derived from the local width of each
 projection output, so the same code runs unsharded and under tensor parallelism
 (``ColwiseParallel`` q/k/v, ``RowwiseParallel`` output), where each rank holds whole heads.
@@ -28,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
@@ -300,10 +307,10 @@ class Qwen3(nn.Module):
         return self.output(self.norm(h)).float()
 
 
-def parallelize_meta_llama(model: MetaLlama | Qwen3, mesh: DeviceMesh) -> MetaLlama | Qwen3:
+def parallelize_meta_llama(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """TP (vocab-sharded embedding/output, colwise q/k/v and w1/w3, rowwise wo/w2) + FSDP2;
-    MoE experts and norms are sharded by FSDP only. Serves both :class:`MetaLlama` and
-    :class:`Qwen3` (same module names)."""
+    MoE experts and norms are sharded by FSDP only. Serves :class:`MetaLlama`, :class:`Qwen3`
+    and :class:`GptOss` (same module names)."""
     names = mesh.mesh_dim_names or ()
     if "tp" in names and mesh["tp"].size() > 1:
         plan: dict = {
@@ -334,6 +341,165 @@ def _fsdp(model: nn.Module, blocks: nn.ModuleList | list[nn.Module], mesh: Devic
     for block in blocks:
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
+
+
+# --------------------------------------------------------------------------------------------
+# GPT-OSS (torchtitan-style names)
+# --------------------------------------------------------------------------------------------
+def rope_yarn(head_dim: int, seqlen: int, rope: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's YaRN rotary tables ``cos, sin`` ``[seqlen, head_dim]`` (OpenAI's
+    ``RotaryEmbedding``): frequencies blended between interpolation (``/ factor``) and
+    extrapolation by a linear ramp over ``beta_fast..beta_slow`` rotations of the original
+    context, both tables scaled by the concentration ``0.1 * ln(factor) + 1``."""
+    base, factor, ctx = rope["rope_theta"], rope["factor"], rope["original_max_position_embeddings"]
+    freq = base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    half = head_dim / 2
+    low = max(half * math.log(ctx / (rope["beta_fast"] * 2 * math.pi)) / math.log(base), 0.0)
+    high = min(half * math.log(ctx / (rope["beta_slow"] * 2 * math.pi)) / math.log(base), head_dim - 1.0)
+    mask = 1 - ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    inv_freq = (1.0 / (factor * freq)) * (1 - mask) + (1.0 / freq) * mask
+    angles = torch.outer(torch.arange(seqlen, dtype=torch.float32), inv_freq).repeat(1, 2)  # as rope_half's
+    concentration = 0.1 * math.log(factor) + 1.0
+    return angles.cos() * concentration, angles.sin() * concentration
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a TP-sharded parameter (FSDP2 leaves it a DTensor on the TP mesh)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class GptOssAttention(nn.Module):
+    """q/k/v/o with biases, YaRN rotary on row halves, GQA, one sink logit per head that joins
+    each softmax and is dropped after it, a causal mask narrowed to ``window`` keys when set.
+    ``fused_qkv`` is always False (read by :func:`parallelize_meta_llama`)."""
+
+    fused_qkv = False
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, head_dim: int, window: int | None):
+        super().__init__()
+        self.head_dim, self.window = head_dim, window
+        self.wq = nn.Linear(dim, n_heads * head_dim)
+        self.wk = nn.Linear(dim, n_kv_heads * head_dim)
+        self.wv = nn.Linear(dim, n_kv_heads * head_dim)
+        self.wo = nn.Linear(n_heads * head_dim, dim)
+        self.sinks = nn.Parameter(torch.zeros(n_heads))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        hd = self.head_dim
+        xq, xk, xv = (w(x).reshape(b, s, -1, hd) for w in (self.wq, self.wk, self.wv))
+        xq, xk = apply_rotary_half(xq, cos, sin), apply_rotary_half(xk, cos, sin)
+        rep = xq.shape[2] // xk.shape[2]
+        q, k, v = (t.transpose(1, 2) for t in (xq, xk.repeat_interleave(rep, 2), xv.repeat_interleave(rep, 2)))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+        pos = torch.arange(s)
+        hidden = pos[None, :] > pos[:, None]
+        if self.window is not None:
+            hidden |= pos[None, :] <= pos[:, None] - self.window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        sinks = local(self.sinks).reshape(1, -1, 1, 1).expand(b, -1, s, 1)
+        probs = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+        return self.wo((probs @ v).transpose(1, 2).reshape(b, s, -1))
+
+
+class GptOssExperts(nn.Module):
+    """Stacked experts with biases; ``swiglu``: gate clamped above at ``limit``, up to
+    ``[-limit, limit]``, ``(up + 1) * gate * sigmoid(alpha * gate)``. Under TP each rank holds an
+    F slice of w1/w3/b1/b3/w2: the partial down projections are summed over the TP group, then
+    b2 (replicated) is added once."""
+
+    def __init__(self, experts: int, dim: int, hidden: int, alpha: float, limit: float):
+        super().__init__()
+        self.alpha, self.limit = alpha, limit
+        self.w1 = nn.Parameter(torch.zeros(experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.zeros(experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.zeros(experts, dim, hidden))
+        self.b1 = nn.Parameter(torch.zeros(experts, hidden))
+        self.b3 = nn.Parameter(torch.zeros(experts, hidden))
+        self.b2 = nn.Parameter(torch.zeros(experts, dim))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        w1, w3, w2, b1, b3, b2 = (local(p) for p in (self.w1, self.w3, self.w2, self.b1, self.b3, self.b2))
+        down, bias = torch.zeros_like(x), torch.zeros_like(x)
+        for e in range(w1.shape[0]):
+            tok, slot = torch.where(index == e)
+            if tok.numel() == 0:
+                continue
+            xe, we = x[tok], weights[tok, slot, None]
+            gate = (xe @ w1[e].T + b1[e]).clamp(max=self.limit)
+            up = (xe @ w3[e].T + b3[e]).clamp(-self.limit, self.limit)
+            h = (up + 1) * gate * torch.sigmoid(self.alpha * gate)
+            down.index_add_(0, tok, (h @ w2[e].T) * we)
+            bias.index_add_(0, tok, b2[e] * we)
+        if isinstance(self.w2, DTensor):
+            torch.distributed.all_reduce(down, group=self.w2.device_mesh.get_group())
+        return down + bias
+
+
+class GptOssMoE(nn.Module):
+    def __init__(self, dim: int, hidden: int, experts: int, top_k: int, alpha: float, limit: float):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Module()
+        self.router.gate = nn.Linear(dim, experts)
+        self.experts = GptOssExperts(experts, dim, hidden, alpha, limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        top, index = torch.topk(self.router.gate(flat), self.top_k, dim=-1)
+        return self.experts(flat, torch.softmax(top, dim=-1), index).reshape(x.shape)
+
+
+class GptOssBlock(nn.Module):
+    def __init__(self, cfg: dict, layer: int):
+        super().__init__()
+        dim, eps = cfg["dim"], cfg["norm_eps"]
+        window = cfg["sliding_window"] if layer % 2 == 0 else None  # sliding, full, sliding, ...
+        self.attention = GptOssAttention(dim, cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"], window)
+        self.attention_norm = RMSNorm(dim, eps)
+        self.ffn_norm = RMSNorm(dim, eps)
+        self.moe = GptOssMoE(dim, cfg["hidden_dim"], cfg["n_experts"], cfg["top_k"], cfg["swiglu_alpha"], cfg["swiglu_limit"])
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.moe(self.ffn_norm(h))
+
+
+class GptOss(nn.Module):
+    """GPT-OSS in torchtitan's names. ``cfg``: dim, n_layers, n_heads, n_kv_heads, head_dim,
+    vocab_size, hidden_dim (F), n_experts, top_k, norm_eps, sliding_window, swiglu_alpha,
+    swiglu_limit, rope (rope_theta, factor, beta_fast, beta_slow, original_max_position_embeddings)."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.cfg = dict(cfg)
+        self.tok_embeddings = nn.Embedding(cfg["vocab_size"], cfg["dim"])
+        self.layers = nn.ModuleList([GptOssBlock(cfg, i) for i in range(cfg["n_layers"])])
+        self.norm = RMSNorm(cfg["dim"], cfg["norm_eps"])
+        self.output = nn.Linear(cfg["dim"], cfg["vocab_size"], bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_yarn(self.cfg["head_dim"], tokens.shape[1], self.cfg["rope"])
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.output(self.norm(h)).float()
+
+
+def parallelize_gpt_oss(model: GptOss, mesh: DeviceMesh) -> nn.Module:
+    """:func:`parallelize_meta_llama`'s TP + FSDP2, and over ``"tp"`` the sinks by head and the
+    experts along F (w1/w3/b1/b3 dim 1, w2 dim 2; b2 replicated)."""
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names and mesh["tp"].size() > 1:
+        tp = mesh["tp"]
+        for layer in model.layers:
+            shards = [(layer.attention, "sinks", Shard(0))]
+            shards += [(layer.moe.experts, n, Shard(1)) for n in ("w1", "w3", "b1", "b3")]
+            shards += [(layer.moe.experts, "w2", Shard(2)), (layer.moe.experts, "b2", Replicate())]
+            for module, name, placement in shards:
+                param = getattr(module, name)
+                module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, tp, [placement])))
+    return parallelize_meta_llama(model, mesh)
 
 
 # --------------------------------------------------------------------------------------------
