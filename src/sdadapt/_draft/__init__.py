@@ -27,6 +27,7 @@ from .._plan import build_plan
 from .._report import Report
 from .._rules import StripPrefix
 from ..sources import Source, TensorInfo, open_source
+from .config import NO_CONFIG, read_facts
 from .match import match_trees
 from .proposals import Proposals, build_proposals
 from .render import comment, render_module, rule_code
@@ -158,10 +159,12 @@ def draft(
         sschema_m = sschema
     stree, ttree = build_tree(sschema_m), build_tree(tschema)
     result = match_trees(stree, ttree)
-    props = build_proposals(result, stree, ttree, strip or None)
+    facts = NO_CONFIG if isinstance(src, dict) else read_facts(sname, list(sschema))
+    props = build_proposals(result, stree, ttree, strip or None, facts)
     frac = props.matched_target_keys / max(1, props.target_keys)
     related = frac >= RELATED_FRACTION and props.target_keys > 0
     summary = _summary(result, props, frac, related, strip)
+    summary.insert(0, f"config: {facts.describe()}")
     proposals: list[Proposal] = []
     sections: list[tuple[str, list[tuple[list[str], list[str]]]]] = []
     rules: list[Any] = []
@@ -178,7 +181,7 @@ def draft(
         grouped: dict[str, list[Any]] = {}
         for p in props.items:
             grouped.setdefault(p.section, []).append(p)
-        section_names = ["drops"] + sorted(s for s in grouped if s not in ("drops", "ties", "casts")) + ["ties", "casts"]
+        section_names = ["drops", "dequant"] + sorted(s for s in grouped if s not in ("drops", "dequant", "ties", "casts")) + ["ties", "casts"]
         pair_evidence = {f"{q.src.label()} -> {q.tgt.label()}": q.evidence for q in result.pairs}
         for name in section_names:
             entries = []

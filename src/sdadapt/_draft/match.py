@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 PARAM_NAMES = frozenset({"weight", "bias", "scale", "gamma", "beta"})
 MIN_SCORE = 0.3
+EQUAL_FIT = 0.05  # name evidence closer than this does not tell two mappings apart
+AMBIGUOUS_CONFIDENCE = 0.5
 MAX_PAIRS_PER_BUCKET = 40_000  # same-shape buckets larger than this are matched by exact name only
 
 
@@ -161,6 +163,11 @@ def role_clash(s: Item, t: Item) -> float:
     return 0.0
 
 
+def _bucket(i: Item) -> tuple:
+    """Tensors of one block that shapes and dtypes cannot tell apart."""
+    return (i.shape, i.dtype, i.is_bias, i.buffer, i.stacked is None)
+
+
 def ancestors(rel: tuple[str, ...]) -> list[tuple[str, ...]]:
     """Enclosing modules, innermost first; a numeric segment stays with its container
     (``attn.to_out.0.weight`` -> ``attn.to_out.0``, ``attn``)."""
@@ -180,6 +187,13 @@ class ScopeMatcher:
         self.corr: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()
         self.src_has: dict[tuple[str, ...], set[tuple[str, ...]]] = defaultdict(set)
         self.tgt_has: dict[tuple[str, ...], set[tuple[str, ...]]] = defaultdict(set)
+        self.exact: set[int] = set()  # items matched by identical name and shape
+        self.src_bucket: dict[tuple, list[Item]] = defaultdict(list)
+        self.tgt_bucket: dict[tuple, list[Item]] = defaultdict(list)
+        for i in srcs:
+            self.src_bucket[_bucket(i)].append(i)
+        for i in tgts:
+            self.tgt_bucket[_bucket(i)].append(i)
 
     # --- evidence from accepted matches ---------------------------------------------------
     def _learn(self, s: Item, t: Item) -> None:
@@ -302,6 +316,7 @@ class ScopeMatcher:
         for s in self.srcs:
             t = tgt_by_rel.get((s.rel, s.shape, s.stacked is None))
             if t is not None and id(t) not in self.used and self._compatible(s, t):
+                self.exact.update((id(s), id(t)))
                 self._accept(_Cand("rename", [s], [t], 1.0, [1.0]), 2.0, 0.99, ["same name and shape"])
         cands = [c for c in self.candidates() if not any(id(i) in self.used for i in c.items())]
         while True:
@@ -364,7 +379,12 @@ class ScopeMatcher:
         else:
             ev.append(f"names differ ({sim:.2f})")
         if unique:
-            ev.append("the only candidates of this shape on both sides")
+            ns, nt = (len(self.src_bucket[_bucket(c.srcs[0])]), len(self.tgt_bucket[_bucket(c.tgts[0])]))
+            if ns == 1 and nt == 1:
+                ev.append("the only candidates of this shape on both sides")
+            else:
+                ev.append(f"the last pair of this shape left by earlier matches ({ns} checkpoint, {nt} model tensors "
+                          "of this shape and dtype in this block)")
             conf = 0.95 if sim >= 0.15 else 0.75
         elif runner is None:
             conf = 0.9 if sim >= 0.15 else 0.6
@@ -374,7 +394,30 @@ class ScopeMatcher:
             conf = 0.4 + 0.55 * min(1.0, margin / 0.3)
         if c.kind in ("split", "fuse") and runner is None:
             conf = max(conf, 0.85)
+        if c.kind == "rename" and not c.transpose:
+            alternatives = self._equal_fits(c.srcs[0], c.tgts[0])
+            if alternatives:
+                more = f"; and {len(alternatives) - 4} more" if len(alternatives) > 4 else ""
+                ev.append("other mappings fit as well (same shape, dtype and block, names no better): "
+                          + "; ".join(alternatives[:4]) + more)
+                conf = min(conf, AMBIGUOUS_CONFIDENCE)
         return round(conf, 2), ev
+
+    def _fit(self, s: Item, t: Item) -> float:
+        return self.sim(s.rel, t.rel) - role_clash(s, t)
+
+    def _equal_fits(self, s: Item, t: Item) -> list[str]:
+        """Other renames among same-shaped, same-dtype tensors of this block whose name evidence is
+        as good as ``s -> t`` (within :data:`EQUAL_FIT`)."""
+        fit = self._fit(s, t)
+        out = []
+        for s2 in self.src_bucket[_bucket(s)]:
+            if s2 is not s and id(s2) not in self.exact and self._compatible(s2, t) and self._fit(s2, t) >= fit - EQUAL_FIT:
+                out.append(f"{s2.name()} -> {t.name()}")
+        for t2 in self.tgt_bucket[_bucket(t)]:
+            if t2 is not t and id(t2) not in self.exact and self._compatible(s, t2) and self._fit(s, t2) >= fit - EQUAL_FIT:
+                out.append(f"{s.name()} -> {t2.name()}")
+        return out
 
     def _accept(self, c: _Cand, score: float, conf: float, evidence: list[str]) -> None:
         for i in c.items():
