@@ -103,9 +103,14 @@ def rotary_question(m: Match, facts: Facts) -> Question | None:
                     suggestion=lines, before=m.kind == "fuse")
 
 
+def is_norm(i: Item) -> bool:
+    """A norm's weight: 1-D, not a bias, "norm" in its module's name (``input_layernorm``, ``q_norm``)."""
+    return len(i.shape) == 1 and not i.is_bias and any("norm" in seg.lower() for seg in i.rel[:-1] or i.rel)
+
+
 def is_head_norm(t: Item) -> bool:
     """A per-head q or k norm weight (``q_norm.weight`` [head_dim])."""
-    return len(t.shape) == 1 and not t.is_bias and item_role(t) in ("#q", "#k") and "norm" in canon_tokens(t.rel)
+    return is_norm(t) and item_role(t) in ("#q", "#k")
 
 
 def head_norm_question(m: Match, direction: tuple[str, str]) -> Question | None:
@@ -129,8 +134,7 @@ def offset_question(m: Match, facts: Facts) -> Question | None:
     """Gemma's RMSNorm computes ``x_hat * (1 + w)`` and stores ``w``."""
     if not facts.norm_offset or m.kind != "rename":
         return None
-    hit = [t for t, s in zip(m.tgts, m.srcs, strict=False)
-           if len(t.shape) == 1 and not t.is_bias and "norm" in canon_tokens(s.rel)]
+    hit = [t for t, s in zip(m.tgts, m.srcs, strict=False) if is_norm(s) and len(t.shape) == 1]
     if not hit:
         return None
     need = [] if _rule_available("affine") else ["(sdadapt.affine is required for this and is not in this sdadapt)"]
