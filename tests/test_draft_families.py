@@ -287,14 +287,16 @@ def test_fp8_scales_get_dequantisation_never_a_cast(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     d_, f_ = 32, 48
-    tensors = {"model.layers.0.mlp.up_proj.weight": torch.randn(f_, d_).to(torch.float8_e4m3fn),
-               "model.layers.0.mlp.up_proj.weight_scale_inv": torch.ones(1, 1),
-               "model.layers.0.input_layernorm.weight": torch.ones(d_)}  # fmt: skip
+    tensors = {}
+    for i in range(2):
+        tensors.update({f"model.layers.{i}.mlp.up_proj.weight": torch.randn(f_, d_).to(torch.float8_e4m3fn),
+                        f"model.layers.{i}.mlp.up_proj.weight_scale_inv": torch.ones(1, 1),
+                        f"model.layers.{i}.input_layernorm.weight": torch.ones(d_)})
     save_file(tensors, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3", "quantization_config": '
                                           '{"quant_method": "fp8", "weight_block_size": [128, 128]}}')
-    target = {"layers.0.feed_forward.w3.weight": TensorInfo((f_, d_), torch.float32),
-              "layers.0.attention_norm.weight": TensorInfo((d_,), torch.float32)}
+    target = {f"layers.{i}.{name}": TensorInfo(shape, torch.float32) for i in range(2)
+              for name, shape in (("feed_forward.w3.weight", (f_, d_)), ("attention_norm.weight", (d_,)))}
     d = sdadapt.draft(target, tmp_path)
     assert not [r for r in d.adapter.rules if r.kind == "cast"], d.module
     q = [q for q in d.questions if q.question.startswith("quantized weights")]

@@ -27,7 +27,7 @@ from .._plan import build_plan
 from .._report import Report
 from .._rules import StripPrefix
 from ..sources import Source, TensorInfo, open_source
-from .config import NO_CONFIG, read_facts
+from .config import FP8_SCALE_SUFFIX, NO_CONFIG, read_facts
 from .match import match_trees
 from .proposals import Proposals, build_proposals
 from .render import comment, render_module, rule_code
@@ -149,6 +149,12 @@ def draft(
     schema), reading headers only. See :class:`Draft`."""
     tschema, tname = target_schema(target)
     sschema, non_tensor, sname = _source_schema(src, subtree)
+    facts = NO_CONFIG if isinstance(src, dict) else read_facts(sname, list(sschema))
+    scales = {k for k in sschema if k.endswith(FP8_SCALE_SUFFIX) and k[: -len(FP8_SCALE_SUFFIX)] in sschema}
+    if scales:  # FP8 block scales belong to their weights (a dequantisation reads them), not to the mapping
+        sschema_all, sschema = sschema, {k: v for k, v in sschema.items() if k not in scales}
+    else:
+        sschema_all = sschema
     rules_before: list[Any] = []
     strip = _common_prefix(list(sschema))
     if strip.count(".") >= 2 and not any(k.startswith(strip) for k in tschema):  # model.diffusion_model.
@@ -159,7 +165,6 @@ def draft(
         sschema_m = sschema
     stree, ttree = build_tree(sschema_m), build_tree(tschema)
     result = match_trees(stree, ttree)
-    facts = NO_CONFIG if isinstance(src, dict) else read_facts(sname, list(sschema))
     props = build_proposals(result, stree, ttree, strip or None, facts)
     frac = props.matched_target_keys / max(1, props.target_keys)
     related = frac >= RELATED_FRACTION and props.target_keys > 0
@@ -207,7 +212,7 @@ def draft(
                 title = "top level"
             sections.append((title, entries))
     adapter = Adapter(rules, name="draft", description=f"drafted from {sname} for {tname}")
-    report = build_plan(sschema, tschema, adapter, non_tensor=non_tensor, source_name=sname,
+    report = build_plan(sschema_all, tschema, adapter, non_tensor=non_tensor, source_name=sname,
                         target_name=tname).report
     questions = [Question(about=q.about, question=q.question, suggestion=q.suggestion) for q in props.questions] if related else []
     module = render_module(

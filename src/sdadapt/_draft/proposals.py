@@ -19,6 +19,7 @@ from .questions import (
     head_norm_question,
     hint_questions,
     merge_questions,
+    model_dim,
     offset_question,
     rotary_direction,
     rotary_question,
@@ -71,7 +72,10 @@ def match_rules(m: Match) -> tuple[str, list[Any]]:
         return kind, rules
     if m.kind == "split":
         dsts = [t.pattern() for t in m.tgts]
-        rules = [Split(src=s0.pattern(), dsts=dsts, dim=m.dim)]
+        # parts transposed afterwards: their sizes along the split dim are the model's sizes along
+        # the swapped dim, so they are given here rather than read from the model
+        sizes = [t.shape[model_dim(m.dim, len(s0.shape))] for t in m.tgts] if m.transpose else None
+        rules = [Split(src=s0.pattern(), dsts=dsts, dim=m.dim, sizes=sizes)]
         if m.transpose:
             rules += _transpose_rules(dsts, t0.shape)
         return "split", rules
@@ -199,16 +203,14 @@ def build_proposals(result: MatchResult, src: Tree, tgt: Tree, strip: str | None
     for m in result.matches:
         for t in m.tgts:
             wants[dtype_name(m.srcs[0].dtype)].add(dtype_name(t.dtype))
-    scaled = {f.star_pattern()[: -len(FP8_SCALE_SUFFIX)] for f in src.families
-              if f.star_pattern().endswith(FP8_SCALE_SUFFIX)}
     for (a, b), ms in sorted(by_pair.items()):
         n = sum(t.count for m in ms for t in m.tgts)
-        if a.startswith("float8") and (scaled or facts.quantization == "fp8"):
+        if a.startswith("float8") and facts.quantization == "fp8":
             q = dequant_question(facts, sorted({s.pattern() for m in ms for s in m.srcs}), b)
             questions.append(q)
             props.append(Proposed(kind="dequant", rules=[], sources=q.about, targets=[], confidence=0.9,
                                   evidence=[f"{n} model tensors are {b}, the checkpoint stores them as {a} with "
-                                            f"{len(scaled)} '{FP8_SCALE_SUFFIX}' scale patterns beside them"],
+                                            f"'{FP8_SCALE_SUFFIX}' block scales beside them"],
                                   section="dequant", keys=n, questions=[q]))
             continue
         ev = [f"{n} model tensors are {b}, the checkpoint stores them as {a}"]

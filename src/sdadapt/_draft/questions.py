@@ -165,6 +165,11 @@ def dequant_question(facts: Facts, weights: list[str], dtype: str) -> Question:
 
 # --- fused parts that alternate -------------------------------------------------------------------
 
+def model_dim(dim: int, ndim: int) -> int:
+    """The model-side dim of source dim ``dim`` when the last two dims are swapped."""
+    return {ndim - 1: ndim - 2, ndim - 2: ndim - 1}.get(dim, dim)
+
+
 def deinterleave_rule(m: Match, facts: Facts) -> tuple[list[Any], str] | None:
     """For a split of a fused gate/up tensor whose parts alternate element by element along the
     split dim (``config.json`` names such a family): the rule that makes the parts contiguous
@@ -175,9 +180,7 @@ def deinterleave_rule(m: Match, facts: Facts) -> tuple[list[Any], str] | None:
     toks = canon_tokens(w.rel) | set(w.rel[-1].lower().split("_"))
     if not ({"#gate_up"} & toks or {"gate", "up"} <= toks):
         return None
-    n = len(w.shape)
-    d = {n - 1: n - 2, n - 2: n - 1}.get(m.dim, m.dim) if m.transpose else m.dim  # the split dim on the model's side
-    sizes = [t.shape[d] for t in m.tgts]
+    sizes = [t.shape[model_dim(m.dim, len(w.shape)) if m.transpose else m.dim] for t in m.tgts]
     if sizes[0] != sizes[1]:
         return None
     rule = Deinterleave(keys=w.pattern(), sizes=sizes, tp=sizes[0], dim=m.dim)
