@@ -141,11 +141,11 @@ def item_role(i: Item) -> str | None:
     return role_of(i.rel[mi])[0] if mi >= 0 else None
 
 
-def _module_roles(items: list[Item]) -> Iterator[tuple[Item, int, str | None, str]]:
-    """``(item, module index, role, template)`` for the plain (not stacked, not buffer) items
-    that have a module segment: the candidates for fuse/split."""
+def _module_roles(items: list[Item], stacked: bool = False) -> Iterator[tuple[Item, int, str | None, str]]:
+    """``(item, module index, role, template)`` for the items that have a module segment, not
+    buffers, and stacked (virtual) ones only with ``stacked``: the candidates for fuse/split."""
     for i in items:
-        if i.stacked is not None or i.buffer:
+        if (i.stacked is not None and not stacked) or i.buffer:
             continue
         mi = i.module_index()
         if mi >= 0:
@@ -161,6 +161,12 @@ def role_clash(s: Item, t: Item) -> float:
     if (a is not None and b is not None) or a in STRICT_ROLES or b in STRICT_ROLES:
         return 0.6
     return 0.0
+
+
+def _param_tail(tail: tuple[str, ...]) -> tuple[str, ...]:
+    """A module's ``weight`` and a bare parameter are the same thing to a fuse or split
+    (per-expert ``gate_proj.weight`` stacked into ``experts.w13``)."""
+    return () if tail in ((), ("weight",)) else tail
 
 
 def _bucket(i: Item) -> tuple:
@@ -264,9 +270,9 @@ class ScopeMatcher:
     def _role_cands(self, wholes: list[Item], pieces: list[Item], kind: str) -> list[_Cand]:
         """Fused names on the ``wholes`` side against sibling groups on the ``pieces`` side."""
         groups: dict[tuple, dict[str, Item]] = defaultdict(dict)
-        for p, mi, role, template in _module_roles(pieces):
+        for p, mi, role, template in _module_roles(pieces, stacked=kind == "fuse"):
             if role in ROLE_ORDER:
-                groups[(p.rel[:mi], template, p.rel[mi + 1:])][role] = p
+                groups[(p.rel[:mi], template, _param_tail(p.rel[mi + 1:]))][role] = p
         out: list[_Cand] = []
         if not groups:
             return out
@@ -275,7 +281,7 @@ class ScopeMatcher:
             if not roles:
                 continue
             for (_, _, tail), members in groups.items():
-                if tail != w.rel[mi + 1:] or not all(r in members for r in roles):
+                if tail != _param_tail(w.rel[mi + 1:]) or not all(r in members for r in roles):
                     continue
                 parts = [members[r] for r in roles]
                 if any(p.is_bias != w.is_bias for p in parts):
@@ -403,19 +409,19 @@ class ScopeMatcher:
                 conf = min(conf, AMBIGUOUS_CONFIDENCE)
         return round(conf, 2), ev
 
-    def _fit(self, s: Item, t: Item) -> float:
-        return self.sim(s.rel, t.rel) - role_clash(s, t)
+    def _name_fit(self, s: Item, t: Item) -> float:
+        return self.sim(s.rel, t.rel)
 
     def _equal_fits(self, s: Item, t: Item) -> list[str]:
         """Other renames among same-shaped, same-dtype tensors of this block whose name evidence is
         as good as ``s -> t`` (within :data:`EQUAL_FIT`)."""
-        fit = self._fit(s, t)
+        fit = self._name_fit(s, t)
         out = []
         for s2 in self.src_bucket[_bucket(s)]:
-            if s2 is not s and id(s2) not in self.exact and self._compatible(s2, t) and self._fit(s2, t) >= fit - EQUAL_FIT:
+            if s2 is not s and id(s2) not in self.exact and self._compatible(s2, t) and self._name_fit(s2, t) >= fit - EQUAL_FIT:
                 out.append(f"{s2.name()} -> {t.name()}")
         for t2 in self.tgt_bucket[_bucket(t)]:
-            if t2 is not t and id(t2) not in self.exact and self._compatible(s, t2) and self._fit(s, t2) >= fit - EQUAL_FIT:
+            if t2 is not t and id(t2) not in self.exact and self._compatible(s, t2) and self._name_fit(s, t2) >= fit - EQUAL_FIT:
                 out.append(f"{s.name()} -> {t2.name()}")
         return out
 

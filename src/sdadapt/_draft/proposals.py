@@ -80,10 +80,18 @@ def match_rules(m: Match) -> tuple[str, list[Any]]:
             rules += _transpose_rules(dsts, t0.shape)
         return "split", rules
     dst = t0.pattern()
-    rules = [Fuse(srcs=[s.pattern() for s in m.srcs], dst=dst, dim=m.dim)]
+    srcs = [s.pattern() for s in m.srcs]
+    rules = []
+    for s in m.srcs:  # per-expert parts are stacked first, then fused
+        if s.stacked is not None:
+            stacked = s.pattern().replace(".{" + s.stacked.capname + "}", "")
+            rules.append(Stack(src=s.pattern(), dst=stacked, over=s.stacked.capname, dim=0))
+            srcs[m.srcs.index(s)] = stacked
+    kind = "stack_fuse" if rules else "fuse"
+    rules.append(Fuse(srcs=srcs, dst=dst, dim=m.dim))
     if m.transpose:
         rules += _transpose_rules([dst], t0.shape)
-    return "fuse", rules
+    return kind, rules
 
 
 def _short(item: Item) -> str:
