@@ -150,7 +150,7 @@ def test_evidence_is_true_and_ties_are_uncertain(ckpts: dict) -> None:
         assert right or p.uncertain, p
         assert not any("the only candidates of this shape" in e for e in p.evidence), p.evidence
         if p.uncertain:
-            assert any(e.startswith("other mappings fit as well") for e in p.evidence), p.evidence
+            assert any("fits as well" in e for e in p.evidence), p.evidence
     q3 = sdadapt.draft(_native("qwen3", ckpts["qwen3"][0]), ckpts["qwen3"][0])
     rotary = [q for q in q3.questions if q.question.startswith("rotary row order")]
     assert len(rotary) == 1

@@ -347,6 +347,7 @@ class ScopeMatcher:
                 if set(map(id, o.items())) & used:
                     o.alive = False
         self._leftovers()
+        self._swaps()
         self._coherence()
         return self.matches
 
@@ -400,30 +401,45 @@ class ScopeMatcher:
             conf = 0.4 + 0.55 * min(1.0, margin / 0.3)
         if c.kind in ("split", "fuse") and runner is None:
             conf = max(conf, 0.85)
-        if c.kind == "rename" and not c.transpose:
-            alternatives = self._equal_fits(c.srcs[0], c.tgts[0])
-            if alternatives:
-                more = f"; and {len(alternatives) - 4} more" if len(alternatives) > 4 else ""
-                ev.append("other mappings fit as well (same shape, dtype and block, names no better): "
-                          + "; ".join(alternatives[:4]) + more)
-                conf = min(conf, AMBIGUOUS_CONFIDENCE)
         return round(conf, 2), ev
 
-    def _name_fit(self, s: Item, t: Item) -> float:
-        return self.sim(s.rel, t.rel)
+    def _fit(self, s: Item, t: Item) -> float:
+        """Name evidence for ``s -> t``: the names, and whether the modules enclosing their own
+        modules are known to correspond (``vector_in`` ~ ``text_embedder`` from other matches)."""
+        outer = any((a, b) in self.corr for a in ancestors(s.rel)[1:] for b in ancestors(t.rel)[1:])
+        return self.sim(s.rel, t.rel) + (0.25 if outer else 0.0)
 
-    def _equal_fits(self, s: Item, t: Item) -> list[str]:
-        """Other renames among same-shaped, same-dtype tensors of this block whose name evidence is
-        as good as ``s -> t`` (within :data:`EQUAL_FIT`)."""
-        fit = self._name_fit(s, t)
-        out = []
-        for s2 in self.src_bucket[_bucket(s)]:
-            if s2 is not s and id(s2) not in self.exact and self._compatible(s2, t) and self._name_fit(s2, t) >= fit - EQUAL_FIT:
-                out.append(f"{s2.name()} -> {t.name()}")
-        for t2 in self.tgt_bucket[_bucket(t)]:
-            if t2 is not t and id(t2) not in self.exact and self._compatible(s, t2) and self._name_fit(s, t2) >= fit - EQUAL_FIT:
-                out.append(f"{s.name()} -> {t2.name()}")
-        return out
+    def _swaps(self) -> None:
+        """Two renames among same-shaped, same-dtype tensors of this block whose evidence fits as
+        well swapped (``a -> x, b -> y`` vs ``a -> y, b -> x``, within :data:`EQUAL_FIT`): names,
+        enclosing modules and the module's other parameters cannot tell them apart, so both are
+        marked uncertain with the alternative."""
+        plain = [m for m in self.matches if m.kind == "rename" and not m.transpose and m.srcs[0].stacked is None
+                 and m.tgts[0].stacked is None and id(m.srcs[0]) not in self.exact]
+        by_bucket: dict[tuple, list[Match]] = defaultdict(list)
+        for m in plain:
+            by_bucket[_bucket(m.srcs[0])].append(m)
+        # a module's weight matched by shape elsewhere settles where its bias goes
+        modules: dict[tuple, set[tuple]] = defaultdict(set)
+        for m in self.matches:
+            if len(m.srcs) == 1 and len(m.tgts) == 1:
+                modules[(m.srcs[0].rel[:-1], m.tgts[0].rel[:-1])].add(_bucket(m.srcs[0]))
+
+        def fit(s: Item, t: Item) -> float:
+            sibling = modules.get((s.rel[:-1], t.rel[:-1]), set()) - {_bucket(s)}
+            return self._fit(s, t) + (0.5 if sibling else 0.0)
+
+        for ms in by_bucket.values():
+            for a, b in itertools.combinations(ms, 2):
+                (sa, ta), (sb, tb) = (a.srcs[0], a.tgts[0]), (b.srcs[0], b.tgts[0])
+                kept = fit(sa, ta) + fit(sb, tb)
+                swapped = fit(sa, tb) + fit(sb, ta)
+                if swapped < kept - EQUAL_FIT:
+                    continue
+                for m, s, t in ((a, sa, tb), (b, sb, ta)):
+                    m.confidence = min(m.confidence, AMBIGUOUS_CONFIDENCE)
+                    m.evidence.append(f"{s.name()} -> {t.name()} fits as well (same shape, dtype and block; name "
+                                      f"evidence {kept:.2f} as matched, {swapped:.2f} swapped)")
 
     def _accept(self, c: _Cand, score: float, conf: float, evidence: list[str]) -> None:
         for i in c.items():
