@@ -1,11 +1,12 @@
 """Integrity: files unchanged while we read them, per-block checksums, NaN/Inf checks.
 
-Three independent checks, used by :func:`sdadapt.load`:
+Three independent checks, run by the load transaction (:mod:`sdadapt._transaction`):
 
 - **Fingerprints** (always on). The size, mtime and inode of every file a source reads from are
   taken when it is opened, and compared again right before the first byte of tensor data is
   read (every rank, agreed) and once more after the read. A checkpoint that is being written,
-  replaced or truncated while we load it is refused, and the model rolled back.
+  replaced or truncated while we load it is refused (before writing: the model is untouched;
+  after: as the transaction's roll-back policy says).
 - **Checksums** (``load(..., verify=True)``). A sidecar file ``sdadapt.checksums.json`` (written
   by :func:`write_checksums`, by ``export`` and by ``save_state``) records, for each tensor, a
   BLAKE2b-128 digest of every *block* of its bytes. A block is a run of whole rows along dim 0
@@ -84,7 +85,7 @@ def check_unchanged(before: Fingerprint, when: str) -> None:
             )
             raise SourceError(
                 f"the file changed {when}: {what}. It is being written or replaced; load again once "
-                "it is complete (nothing was kept from this load)",
+                "it is complete",
                 path=p,
             )
 
