@@ -19,9 +19,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from reference_models import RMSNorm, apply_rotary_emb, apply_rotary_half, precompute_freqs_cis, rope_half
+from torch import nn
 
 
 class Attention(nn.Module):
@@ -182,8 +181,8 @@ def native_config(cfg: dict[str, Any], rotary: str) -> dict[str, Any]:
     c["qkv_bias"] = t == "qwen2"
     c["qk_norm"] = t in ("qwen3", "qwen3_moe")
     if t == "qwen3_moe":
-        c.update(experts=cfg.get("num_experts") or cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"], moe_hidden=cfg["moe_intermediate_size"],
-                 norm_topk=cfg["norm_topk_prob"])
+        c.update(experts=cfg.get("num_experts") or cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"],
+                 moe_hidden=cfg["moe_intermediate_size"], norm_topk=cfg["norm_topk_prob"])
     if t in ("gemma", "gemma2"):
         c.update(embed_scale=True, act="gelu_tanh")
     if t == "gemma2":

@@ -186,7 +186,8 @@ def draft(
         grouped: dict[str, list[Any]] = {}
         for p in props.items:
             grouped.setdefault(p.section, []).append(p)
-        section_names = ["drops", "dequant"] + sorted(s for s in grouped if s not in ("drops", "dequant", "ties", "casts")) + ["ties", "casts"]
+        first, last = ["drops", "dequant"], ["ties", "casts"]
+        section_names = first + sorted(s for s in grouped if s not in first + last) + last
         pair_evidence = {f"{q.src.label()} -> {q.tgt.label()}": q.evidence for q in result.pairs}
         for name in section_names:
             entries = []
