@@ -7,10 +7,14 @@
 How: both schemas are cut into segments, numeric segments become index captures
 (:mod:`.segments`); blocks are paired by count and parameter count, and tensors inside paired
 blocks by shape and name evidence (:mod:`.match`); matches become rules with their evidence
-(:mod:`.proposals`), written as a module (:mod:`.render`). The draft is then checked with the
-same planner as ``sdadapt diff`` and what is still unmatched is reported. Nothing is guessed
-silently: weak evidence is marked uncertain, and what shapes cannot show (rotary row order,
-the per-rank layout of fused tensors) is asked as a question.
+(:mod:`.proposals`), written as a module (:mod:`.render`). The checkpoint's ``config.json``
+(:mod:`.config`) gives head counts, the family and quantization to the value-level questions
+(:mod:`.questions`). The draft is then checked with the same planner as ``sdadapt diff`` and
+what is still unmatched is reported. Nothing is guessed silently: weak evidence, and
+same-shaped tensors whose mapping the evidence cannot settle, are marked uncertain with the
+alternative; what shapes cannot show (rotary row order of weights, biases and per-head norms,
+norm offsets, FP8 scales, the per-rank layout of fused tensors) is asked as a question with
+the rules to enable.
 """
 
 from __future__ import annotations
