@@ -592,10 +592,4 @@ def match_trees(src: Tree, tgt: Tree) -> MatchResult:
     return result
 
 
-def covered(items: list[Item], matches: list[Match]) -> int:
-    """Keys (not families) of ``items`` that some match uses."""
-    used = {id(i) for m in matches for i in m.srcs + m.tgts}
-    return sum(i.count for i in items if id(i) in used)
-
-
-__all__ = ["Item", "Match", "MatchResult", "ScopePair", "match_trees", "covered", "fmt", "numel", "transposed"]
+__all__ = ["Item", "Match", "MatchResult", "ScopePair", "match_trees", "fmt", "numel", "transposed"]
