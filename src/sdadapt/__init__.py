@@ -23,6 +23,8 @@ if TYPE_CHECKING:
         affine,
         cast,
         deinterleave,
+        dequant_fp8,
+        dequant_mxfp4,
         drop,
         fuse,
         interleave,
@@ -45,6 +47,7 @@ if TYPE_CHECKING:
     from ._load import LoadReport, load, plan_load
     from ._nodes import Compute, Node, emit
     from ._plan import Plan, build_plan
+    from ._quant_rules import DequantFP8, DequantMXFP4, QuantizeFP8, QuantizeMXFP4, dequant_rules
     from ._registry import get_adapter, list_adapters
     from ._report import Report
     from ._resolve import resolve_adapter, resolve_target
@@ -98,8 +101,8 @@ _RULE_CLASSES = (
     "Tie Transpose Trim Unstack ValueRule register_rule"
 )
 _CONSTRUCTORS = (
-    "add_prefix affine cast deinterleave drop fuse interleave pad rename rotary split stack strip_prefix tie "
-    "transpose trim unstack"
+    "add_prefix affine cast deinterleave dequant_fp8 dequant_mxfp4 drop fuse interleave pad rename rotary split "
+    "stack strip_prefix tie transpose trim unstack"
 )
 _LAZY: dict[str, str] = {
     **dict.fromkeys(["Adapter"], "_adapter"),
@@ -112,6 +115,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(["LoadReport", "load", "plan_load"], "_load"),
     **dict.fromkeys(["Compute", "Node", "emit"], "_nodes"),
     **dict.fromkeys(["Plan", "build_plan"], "_plan"),
+    **dict.fromkeys(["DequantFP8", "DequantMXFP4", "QuantizeFP8", "QuantizeMXFP4", "dequant_rules"], "_quant_rules"),
     **dict.fromkeys(["get_adapter", "list_adapters"], "_registry"),
     **dict.fromkeys(["Report"], "_report"),
     **dict.fromkeys(["resolve_adapter", "resolve_target"], "_resolve"),
@@ -208,6 +212,14 @@ __all__ = [
     "transpose",
     "trim",
     "unstack",
+    # quantized sources
+    "DequantFP8",
+    "DequantMXFP4",
+    "QuantizeFP8",
+    "QuantizeMXFP4",
+    "dequant_fp8",
+    "dequant_mxfp4",
+    "dequant_rules",
     # rules of one's own: the rule protocol, the registry, and the node building blocks
     "Compute",
     "Node",

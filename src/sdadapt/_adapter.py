@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, SerializeAsAny, ValidationError, field_validator, model_validator
 
+from . import _quant_rules  # noqa: F401 - registers the quantization rule kinds
 from ._rules import RuleBase, rule_from_data
 from .errors import AdapterError
 

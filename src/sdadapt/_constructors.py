@@ -7,6 +7,8 @@ from typing import Literal
 
 import torch
 
+from ._quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX, MX_SCALES_SUFFIX
+from ._quant_rules import DequantFP8, DequantMXFP4
 from ._rules import (
     AddPrefix,
     Affine,
@@ -26,6 +28,7 @@ from ._rules import (
     Trim,
     Unstack,
 )
+from ._rules.base import dtype_str
 
 
 def rename(src: str, dst: str) -> Rename:
@@ -128,3 +131,35 @@ def strip_prefix(prefix: str, optional: bool = False) -> StripPrefix:
 def add_prefix(prefix: str, keys: str = "**") -> AddPrefix:
     """Put ``prefix`` in front of keys matching ``keys`` (the inverse of :func:`strip_prefix`)."""
     return AddPrefix(prefix=prefix, keys=keys)
+
+
+def dequant_fp8(
+    keys: str = "**.weight",
+    block: tuple[int, int] = (128, 128),
+    *,
+    exclude: list[str] | None = None,
+    scale_suffix: str = FP8_SCALE_SUFFIX,
+    scale_format: Literal["float32", "ue8m0"] = "float32",
+    dtype: str | torch.dtype = "bfloat16",
+) -> DequantFP8:
+    """FP8 e4m3 weights matching ``keys`` (not ``exclude``) with ``block`` scales at
+    ``key + scale_suffix`` (float32, or ``"ue8m0"`` exponent bytes) -> values in ``dtype``."""
+    return DequantFP8(
+        keys=keys,
+        block=block,
+        exclude=exclude or [],
+        scale_suffix=scale_suffix,
+        scale_format=scale_format,
+        dtype=dtype_str(dtype),
+    )
+
+
+def dequant_mxfp4(
+    keys: str,
+    *,
+    blocks_suffix: str = MX_BLOCKS_SUFFIX,
+    scales_suffix: str = MX_SCALES_SUFFIX,
+    dtype: str | torch.dtype = "bfloat16",
+) -> DequantMXFP4:
+    """MXFP4 ``<name>_blocks`` + ``<name>_scales`` -> ``<name>`` (values ``[..., G * 32]``) for names matching ``keys``."""
+    return DequantMXFP4(keys=keys, blocks_suffix=blocks_suffix, scales_suffix=scales_suffix, dtype=dtype_str(dtype))

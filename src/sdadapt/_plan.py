@@ -70,6 +70,12 @@ class PlanContext:
         self.mark(index)
         return node
 
+    def absorb(self, key: str, index: int) -> Node:
+        """Remove ``key``, folded into another key's recipe by value rule ``index`` (a
+        quantization scale). Not a move: later rules may match its name without ambiguity."""
+        self.mark(index)
+        return self.env.pop(key)
+
     def put(self, key: str, node: Node, index: int, origin: str | list[str]) -> None:
         if key in self.env:
             self.issue(index, key, f"would overwrite {key!r}, which already exists; the rules collide")

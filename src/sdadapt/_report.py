@@ -13,6 +13,7 @@ from collections import Counter, defaultdict
 from pydantic import BaseModel, computed_field
 
 from ._keyruns import compress
+from ._quant_rules import quant_hint
 
 _INDEX = re.compile(r"\.\d+(?=[.,\])\[]|$)")  # ".3." in a recipe -> ".{i}."
 
@@ -128,7 +129,11 @@ class Report(BaseModel):
 
     def root_cause(self) -> str | None:
         """One line naming the likeliest single cause of the problems, with its fix, if one
-        explains them: dtypes only, a key prefix, or a wrong adapter or checkpoint."""
+        explains them: a quantized checkpoint read without its dequant rule, dtypes only, a key
+        prefix, or a wrong adapter or checkpoint."""
+        quant = quant_hint(self)
+        if quant:
+            return quant.removeprefix("hint: ")
         if self.dtype_mismatch and self.problems == len(self.dtype_mismatch):
             pairs = Counter((m.checkpoint, m.model) for m in self.dtype_mismatch)
             what = ", ".join(f"{got} where the model holds {want} ({n} keys)" for (got, want), n in pairs.most_common(3))
@@ -185,7 +190,7 @@ class Report(BaseModel):
         section("not tensors (drop them, or pick a subtree)", compress(self.non_tensor), len(self.non_tensor))
         for title, items, note in (
             ("shape mismatch", self.shape_mismatch, ""),
-            ("dtype mismatch", self.dtype_mismatch, f", all fixed by {CAST_FIX} if the conversion is intended"),
+            ("dtype mismatch", self.dtype_mismatch, "" if quant_hint(self) else f", all fixed by {CAST_FIX} if the conversion is intended"),
         ):
             groups: dict[tuple[str, str, str], list[Mismatch]] = defaultdict(list)
             for mm in items:  # one row per run of keys with the same numbers and the same recipe shape
