@@ -302,6 +302,17 @@ def test_fp8_scales_get_dequantisation_never_a_cast(tmp_path: Path) -> None:
     q = [q for q in d.questions if q.question.startswith("quantized weights")]
     assert q and any("dequant_fp8" in s for s in q[0].suggestion), d.format()
     assert "DECIDE" in d.format() and "sdadapt.dequant_fp8(" in d.module
+    if not hasattr(sdadapt, "dequant_fp8"):
+        return
+    # enabled, the suggestion loads float(w) * scale (first in the adapter: it acts on checkpoint keys)
+    enabled = [eval(s.rstrip(","), {"sdadapt": sdadapt}) for s in q[0].suggestion if s.startswith("sdadapt.")]  # noqa: S307
+    adapter = sdadapt.Adapter(enabled + list(d.adapter.rules))
+    assert sdadapt.diff(target, tmp_path, adapter).ok
+    model = schema_module({k: v.shape for k, v in target.items()})
+    sdadapt.load(model, tmp_path, adapter)
+    for i in range(2):
+        w = tensors[f"model.layers.{i}.mlp.up_proj.weight"].float() * tensors[f"model.layers.{i}.mlp.up_proj.weight_scale_inv"]
+        assert torch.equal(model.state_dict()[f"layers.{i}.feed_forward.w3.weight"], w)
 
 
 # --- the same reviewed adapters on a 2-rank FSDP2 mesh ------------------------------------------
