@@ -7,10 +7,14 @@
 How: both schemas are cut into segments, numeric segments become index captures
 (:mod:`.segments`); blocks are paired by count and parameter count, and tensors inside paired
 blocks by shape and name evidence (:mod:`.match`); matches become rules with their evidence
-(:mod:`.proposals`), written as a module (:mod:`.render`). The draft is then checked with the
-same planner as ``sdadapt diff`` and what is still unmatched is reported. Nothing is guessed
-silently: weak evidence is marked uncertain, and what shapes cannot show (rotary row order,
-the per-rank layout of fused tensors) is asked as a question.
+(:mod:`.proposals`), written as a module (:mod:`.render`). The checkpoint's ``config.json``
+(:mod:`.config`) gives head counts, the family and quantization to the value-level questions
+(:mod:`.questions`). The draft is then checked with the same planner as ``sdadapt diff`` and
+what is still unmatched is reported. Nothing is guessed silently: weak evidence, and
+same-shaped tensors whose mapping the evidence cannot settle, are marked uncertain with the
+alternative; what shapes cannot show (rotary row order of weights, biases and per-head norms,
+norm offsets, FP8 scales, the per-rank layout of fused tensors) is asked as a question with
+the rules to enable.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from .._plan import build_plan
 from .._report import Report
 from .._rules import StripPrefix
 from ..sources import Source, TensorInfo, open_source
+from .config import FP8_SCALE_SUFFIX, NO_CONFIG, read_facts
 from .match import match_trees
 from .proposals import Proposals, build_proposals
 from .render import comment, render_module, rule_code
@@ -148,6 +153,12 @@ def draft(
     schema), reading headers only. See :class:`Draft`."""
     tschema, tname = target_schema(target)
     sschema, non_tensor, sname = _source_schema(src, subtree)
+    facts = NO_CONFIG if isinstance(src, dict) else read_facts(sname, list(sschema))
+    scales = {k for k in sschema if k.endswith(FP8_SCALE_SUFFIX) and k[: -len(FP8_SCALE_SUFFIX)] in sschema}
+    if scales:  # FP8 block scales belong to their weights (a dequantisation reads them), not to the mapping
+        sschema_all, sschema = sschema, {k: v for k, v in sschema.items() if k not in scales}
+    else:
+        sschema_all = sschema
     rules_before: list[Any] = []
     strip = _common_prefix(list(sschema))
     if strip.count(".") >= 2 and not any(k.startswith(strip) for k in tschema):  # model.diffusion_model.
@@ -158,10 +169,11 @@ def draft(
         sschema_m = sschema
     stree, ttree = build_tree(sschema_m), build_tree(tschema)
     result = match_trees(stree, ttree)
-    props = build_proposals(result, stree, ttree, strip or None)
+    props = build_proposals(result, stree, ttree, strip or None, facts)
     frac = props.matched_target_keys / max(1, props.target_keys)
     related = frac >= RELATED_FRACTION and props.target_keys > 0
     summary = _summary(result, props, frac, related, strip)
+    summary.insert(0, f"config: {facts.describe()}")
     proposals: list[Proposal] = []
     sections: list[tuple[str, list[tuple[list[str], list[str]]]]] = []
     rules: list[Any] = []
@@ -178,7 +190,8 @@ def draft(
         grouped: dict[str, list[Any]] = {}
         for p in props.items:
             grouped.setdefault(p.section, []).append(p)
-        section_names = ["drops"] + sorted(s for s in grouped if s not in ("drops", "ties", "casts")) + ["ties", "casts"]
+        first, last = ["drops", "dequant"], ["ties", "casts"]
+        section_names = first + sorted(s for s in grouped if s not in first + last) + last
         pair_evidence = {f"{q.src.label()} -> {q.tgt.label()}": q.evidence for q in result.pairs}
         for name in section_names:
             entries = []
@@ -204,7 +217,7 @@ def draft(
                 title = "top level"
             sections.append((title, entries))
     adapter = Adapter(rules, name="draft", description=f"drafted from {sname} for {tname}")
-    report = build_plan(sschema, tschema, adapter, non_tensor=non_tensor, source_name=sname,
+    report = build_plan(sschema_all, tschema, adapter, non_tensor=non_tensor, source_name=sname,
                         target_name=tname).report
     questions = [Question(about=q.about, question=q.question, suggestion=q.suggestion) for q in props.questions] if related else []
     module = render_module(

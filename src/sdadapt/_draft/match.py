@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 PARAM_NAMES = frozenset({"weight", "bias", "scale", "gamma", "beta"})
 MIN_SCORE = 0.3
+EQUAL_FIT = 0.05  # name evidence closer than this does not tell two mappings apart
+AMBIGUOUS_CONFIDENCE = 0.5
 MAX_PAIRS_PER_BUCKET = 40_000  # same-shape buckets larger than this are matched by exact name only
 
 
@@ -139,11 +141,11 @@ def item_role(i: Item) -> str | None:
     return role_of(i.rel[mi])[0] if mi >= 0 else None
 
 
-def _module_roles(items: list[Item]) -> Iterator[tuple[Item, int, str | None, str]]:
-    """``(item, module index, role, template)`` for the plain (not stacked, not buffer) items
-    that have a module segment: the candidates for fuse/split."""
+def _module_roles(items: list[Item], stacked: bool = False) -> Iterator[tuple[Item, int, str | None, str]]:
+    """``(item, module index, role, template)`` for the items that have a module segment, not
+    buffers, and stacked (virtual) ones only with ``stacked``: the candidates for fuse/split."""
     for i in items:
-        if i.stacked is not None or i.buffer:
+        if (i.stacked is not None and not stacked) or i.buffer:
             continue
         mi = i.module_index()
         if mi >= 0:
@@ -159,6 +161,17 @@ def role_clash(s: Item, t: Item) -> float:
     if (a is not None and b is not None) or a in STRICT_ROLES or b in STRICT_ROLES:
         return 0.6
     return 0.0
+
+
+def _param_tail(tail: tuple[str, ...]) -> tuple[str, ...]:
+    """A module's ``weight`` and a bare parameter are the same thing to a fuse or split
+    (per-expert ``gate_proj.weight`` stacked into ``experts.w13``)."""
+    return () if tail in ((), ("weight",)) else tail
+
+
+def _bucket(i: Item) -> tuple:
+    """Tensors of one block that shapes and dtypes cannot tell apart."""
+    return (i.shape, i.dtype, i.is_bias, i.buffer, i.stacked is None)
 
 
 def ancestors(rel: tuple[str, ...]) -> list[tuple[str, ...]]:
@@ -180,6 +193,13 @@ class ScopeMatcher:
         self.corr: set[tuple[tuple[str, ...], tuple[str, ...]]] = set()
         self.src_has: dict[tuple[str, ...], set[tuple[str, ...]]] = defaultdict(set)
         self.tgt_has: dict[tuple[str, ...], set[tuple[str, ...]]] = defaultdict(set)
+        self.exact: set[int] = set()  # items matched by identical name and shape
+        self.src_bucket: dict[tuple, list[Item]] = defaultdict(list)
+        self.tgt_bucket: dict[tuple, list[Item]] = defaultdict(list)
+        for i in srcs:
+            self.src_bucket[_bucket(i)].append(i)
+        for i in tgts:
+            self.tgt_bucket[_bucket(i)].append(i)
 
     # --- evidence from accepted matches ---------------------------------------------------
     def _learn(self, s: Item, t: Item) -> None:
@@ -250,9 +270,9 @@ class ScopeMatcher:
     def _role_cands(self, wholes: list[Item], pieces: list[Item], kind: str) -> list[_Cand]:
         """Fused names on the ``wholes`` side against sibling groups on the ``pieces`` side."""
         groups: dict[tuple, dict[str, Item]] = defaultdict(dict)
-        for p, mi, role, template in _module_roles(pieces):
+        for p, mi, role, template in _module_roles(pieces, stacked=kind == "fuse"):
             if role in ROLE_ORDER:
-                groups[(p.rel[:mi], template, p.rel[mi + 1:])][role] = p
+                groups[(p.rel[:mi], template, _param_tail(p.rel[mi + 1:]))][role] = p
         out: list[_Cand] = []
         if not groups:
             return out
@@ -261,7 +281,7 @@ class ScopeMatcher:
             if not roles:
                 continue
             for (_, _, tail), members in groups.items():
-                if tail != w.rel[mi + 1:] or not all(r in members for r in roles):
+                if tail != _param_tail(w.rel[mi + 1:]) or not all(r in members for r in roles):
                     continue
                 parts = [members[r] for r in roles]
                 if any(p.is_bias != w.is_bias for p in parts):
@@ -302,6 +322,7 @@ class ScopeMatcher:
         for s in self.srcs:
             t = tgt_by_rel.get((s.rel, s.shape, s.stacked is None))
             if t is not None and id(t) not in self.used and self._compatible(s, t):
+                self.exact.update((id(s), id(t)))
                 self._accept(_Cand("rename", [s], [t], 1.0, [1.0]), 2.0, 0.99, ["same name and shape"])
         cands = [c for c in self.candidates() if not any(id(i) in self.used for i in c.items())]
         while True:
@@ -326,6 +347,7 @@ class ScopeMatcher:
                 if set(map(id, o.items())) & used:
                     o.alive = False
         self._leftovers()
+        self._swaps()
         self._coherence()
         return self.matches
 
@@ -364,7 +386,12 @@ class ScopeMatcher:
         else:
             ev.append(f"names differ ({sim:.2f})")
         if unique:
-            ev.append("the only candidates of this shape on both sides")
+            ns, nt = (len(self.src_bucket[_bucket(c.srcs[0])]), len(self.tgt_bucket[_bucket(c.tgts[0])]))
+            if ns == 1 and nt == 1:
+                ev.append("the only candidates of this shape on both sides")
+            else:
+                ev.append(f"the last pair of this shape left by earlier matches ({ns} checkpoint, {nt} model tensors "
+                          "of this shape and dtype in this block)")
             conf = 0.95 if sim >= 0.15 else 0.75
         elif runner is None:
             conf = 0.9 if sim >= 0.15 else 0.6
@@ -375,6 +402,44 @@ class ScopeMatcher:
         if c.kind in ("split", "fuse") and runner is None:
             conf = max(conf, 0.85)
         return round(conf, 2), ev
+
+    def _fit(self, s: Item, t: Item) -> float:
+        """Name evidence for ``s -> t``: the names, and whether the modules enclosing their own
+        modules are known to correspond (``vector_in`` ~ ``text_embedder`` from other matches)."""
+        outer = any((a, b) in self.corr for a in ancestors(s.rel)[1:] for b in ancestors(t.rel)[1:])
+        return self.sim(s.rel, t.rel) + (0.25 if outer else 0.0)
+
+    def _swaps(self) -> None:
+        """Two renames among same-shaped, same-dtype tensors of this block whose evidence fits as
+        well swapped (``a -> x, b -> y`` vs ``a -> y, b -> x``, within :data:`EQUAL_FIT`): names,
+        enclosing modules and the module's other parameters cannot tell them apart, so both are
+        marked uncertain with the alternative."""
+        plain = [m for m in self.matches if m.kind == "rename" and not m.transpose and m.srcs[0].stacked is None
+                 and m.tgts[0].stacked is None and id(m.srcs[0]) not in self.exact]
+        by_bucket: dict[tuple, list[Match]] = defaultdict(list)
+        for m in plain:
+            by_bucket[_bucket(m.srcs[0])].append(m)
+        # a module's weight matched by shape elsewhere settles where its bias goes
+        modules: dict[tuple, set[tuple]] = defaultdict(set)
+        for m in self.matches:
+            if len(m.srcs) == 1 and len(m.tgts) == 1:
+                modules[(m.srcs[0].rel[:-1], m.tgts[0].rel[:-1])].add(_bucket(m.srcs[0]))
+
+        def fit(s: Item, t: Item) -> float:
+            sibling = modules.get((s.rel[:-1], t.rel[:-1]), set()) - {_bucket(s)}
+            return self._fit(s, t) + (0.5 if sibling else 0.0)
+
+        for ms in by_bucket.values():
+            for a, b in itertools.combinations(ms, 2):
+                (sa, ta), (sb, tb) = (a.srcs[0], a.tgts[0]), (b.srcs[0], b.tgts[0])
+                kept = fit(sa, ta) + fit(sb, tb)
+                swapped = fit(sa, tb) + fit(sb, ta)
+                if swapped < kept - EQUAL_FIT:
+                    continue
+                for m, s, t in ((a, sa, tb), (b, sb, ta)):
+                    m.confidence = min(m.confidence, AMBIGUOUS_CONFIDENCE)
+                    m.evidence.append(f"{s.name()} -> {t.name()} fits as well (same shape, dtype and block; name "
+                                      f"evidence {kept:.2f} as matched, {swapped:.2f} swapped)")
 
     def _accept(self, c: _Cand, score: float, conf: float, evidence: list[str]) -> None:
         for i in c.items():
@@ -527,10 +592,4 @@ def match_trees(src: Tree, tgt: Tree) -> MatchResult:
     return result
 
 
-def covered(items: list[Item], matches: list[Match]) -> int:
-    """Keys (not families) of ``items`` that some match uses."""
-    used = {id(i) for m in matches for i in m.srcs + m.tgts}
-    return sum(i.count for i in items if id(i) in used)
-
-
-__all__ = ["Item", "Match", "MatchResult", "ScopePair", "match_trees", "covered", "fmt", "numel", "transposed"]
+__all__ = ["Item", "Match", "MatchResult", "ScopePair", "match_trees", "fmt", "numel", "transposed"]

@@ -1,17 +1,30 @@
 """Matches -> typed rules with evidence: renames, splits/fuses, stacks, transposes, drops, ties,
-casts; plus the questions shapes cannot answer (rotary row order, fused TP layout...)."""
+casts; plus the questions shapes cannot answer (:mod:`.questions`)."""
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._rules import Cast, Drop, Fuse, Rename, Split, Stack, Tie, Transpose, Unstack
+from .._rules import Cast, Deinterleave, Drop, Fuse, Rename, Split, Stack, Tie, Transpose, Unstack
 from ..sources._base import dtype_name
-from .match import Item, Match, MatchResult, fmt, item_role
+from .config import FP8_SCALE_SUFFIX, NO_CONFIG, Facts
+from .match import Item, Match, MatchResult, fmt
 from .names import canon_tokens
+from .questions import (
+    Question,
+    deinterleave_rule,
+    dequant_question,
+    head_norm_question,
+    hint_questions,
+    merge_questions,
+    model_dim,
+    offset_question,
+    rotary_direction,
+    rotary_question,
+    tp_question,
+)
 from .segments import Family, Tree
 
 
@@ -29,16 +42,6 @@ class Proposed:
     keys: int = 0
     questions: list[Question] = field(default_factory=list)
     match: Match | None = None
-
-
-@dataclass
-class Question:
-    """A value-level choice the draft cannot see in shapes."""
-
-    about: list[str]
-    question: str
-    suggestion: list[str]  # commented-out code lines
-    before: bool = False  # the suggestion goes before the proposal's rules (else after)
 
 
 def _tdims(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -69,96 +72,31 @@ def match_rules(m: Match) -> tuple[str, list[Any]]:
         return kind, rules
     if m.kind == "split":
         dsts = [t.pattern() for t in m.tgts]
-        rules = [Split(src=s0.pattern(), dsts=dsts, dim=m.dim)]
+        # parts transposed afterwards: their sizes along the split dim are the model's sizes along
+        # the swapped dim, so they are given here rather than read from the model
+        sizes = [t.shape[model_dim(m.dim, len(s0.shape))] for t in m.tgts] if m.transpose else None
+        rules = [Split(src=s0.pattern(), dsts=dsts, dim=m.dim, sizes=sizes)]
         if m.transpose:
             rules += _transpose_rules(dsts, t0.shape)
         return "split", rules
     dst = t0.pattern()
-    rules = [Fuse(srcs=[s.pattern() for s in m.srcs], dst=dst, dim=m.dim)]
+    srcs = [s.pattern() for s in m.srcs]
+    rules = []
+    for s in m.srcs:  # per-expert parts are stacked first, then fused
+        if s.stacked is not None:
+            stacked = s.pattern().replace(".{" + s.stacked.capname + "}", "")
+            rules.append(Stack(src=s.pattern(), dst=stacked, over=s.stacked.capname, dim=0))
+            srcs[m.srcs.index(s)] = stacked
+    kind = "stack_fuse" if rules else "fuse"
+    rules.append(Fuse(srcs=srcs, dst=dst, dim=m.dim))
     if m.transpose:
         rules += _transpose_rules([dst], t0.shape)
-    return "fuse", rules
+    return kind, rules
 
 
 def _short(item: Item) -> str:
     mi = item.module_index()
     return item.rel[mi] if mi >= 0 else item.name()
-
-
-# --- value-level questions ----------------------------------------------------------------------
-
-def _style(seg: str) -> str | None:
-    low = seg.lower()
-    if low in ("wq", "wk", "wqkv"):
-        return "meta"
-    if low in ("q_proj", "k_proj", "qkv_proj"):
-        return "hf"
-    return None
-
-
-_STYLE_NAMES = {"hf": "HF-style (q_proj, k_proj)", "meta": "Meta-style (wq, wk)"}
-
-
-def _rotary_question(m: Match) -> Question | None:
-    seen = {(_style(s.rel[s.module_index()]), _style(t.rel[t.module_index()])) for s in m.srcs for t in m.tgts}
-    styles = {(a, b) for a, b in seen if a and b and a != b}
-    if not styles:
-        return None
-    qk = ("#q", "#k")
-    if m.kind == "fuse":  # permute the parts before they are fused
-        hit = [s for s in m.srcs if item_role(s) in qk]
-    else:
-        hit = [t for t in m.tgts if item_role(t) in qk]
-    a, b = sorted(styles)[0]
-    to = "interleaved" if b == "meta" else "half"
-    lines = []
-    for it in hit:
-        heads = "N_KV_HEADS" if item_role(it) == "#k" else "N_HEADS"
-        lines.append(f'sdadapt.rotary("{it.pattern()}", heads={heads}, to="{to}"),')
-    return Question(
-        about=[it.pattern() for it in hit] or [t.pattern() for t in m.tgts],
-        question=(
-            f"rotary row order: {_STYLE_NAMES[a]} q/k projections become {_STYLE_NAMES[b]} ones. HF transformers "
-            "keeps each head's rows in 'half' order, Meta's code rotates interleaved pairs; shapes cannot show "
-            "which one your model's code expects"
-        ),
-        suggestion=lines,
-        before=m.kind == "fuse",
-    )
-
-
-_VALUE_HINTS = [
-    (re.compile(r"adaLN_modulation"), re.compile(r"norm_out"),
-     "chunk order: BFL's final adaLN_modulation yields (shift, scale), diffusers' norm_out expects "
-     "(scale, shift); if so, split the tensor in halves and fuse them swapped"),
-]
-
-
-def _hint_questions(m: Match) -> list[Question]:
-    out = []
-    for s in m.srcs:
-        for t in m.tgts:
-            for rs, rt, text in _VALUE_HINTS:
-                if rs.search(s.pattern()) and rt.search(t.pattern()):
-                    out.append(Question(about=[t.pattern()], question=text, suggestion=[]))
-    return out
-
-
-def _tp_question(m: Match) -> Question | None:
-    if m.kind != "fuse":
-        return None
-    t = m.tgts[0]
-    if not canon_tokens(t.rel) & {"#qkv", "#gate_up", "#kv"}:
-        return None
-    return Question(
-        about=[t.pattern()],
-        question=(
-            "tensor-parallel layout of a fused tensor: under ColwiseParallel each rank gets a contiguous "
-            "slice, which mixes the parts unless the rows are interleaved per rank ([q_r; k_r; v_r]); "
-            "decide from your model's parallel plan"
-        ),
-        suggestion=[f'sdadapt.interleave("{t.pattern()}", sizes={[s.shape[m.dim] for s in m.srcs]}),'],
-    )
 
 
 # --- all proposals ------------------------------------------------------------------------------
@@ -173,10 +111,17 @@ class Proposals:
     unchanged: int  # target keys that already line up (same name, shape, no transpose)
 
 
-def build_proposals(result: MatchResult, src: Tree, tgt: Tree, strip: str | None) -> Proposals:
+def build_proposals(result: MatchResult, src: Tree, tgt: Tree, strip: str | None,
+                    facts: Facts = NO_CONFIG) -> Proposals:
     props: list[Proposed] = []
     questions: list[Question] = []
     unchanged = 0
+    # per-head q/k norms follow the rotary row order of their block's projections
+    rotary_in: dict[str, tuple[str, str]] = {}
+    for m in result.matches:
+        direction = rotary_direction(m)
+        if direction is not None:
+            rotary_in.setdefault(m.scope, direction)
     section_of = {}
     for p in result.pairs:
         section_of[f"{p.src.label()} -> {p.tgt.label()}"] = p.evidence
@@ -187,16 +132,22 @@ def build_proposals(result: MatchResult, src: Tree, tgt: Tree, strip: str | None
     for m in sorted(result.matches, key=lambda m: (m.scope, m.tgts[0].pattern())):
         kind, rules = match_rules(m)
         tkeys = sum(t.count for t in m.tgts)
-        if kind == "same":
+        ev = list(m.evidence)
+        first = deinterleave_rule(m, facts)
+        if first is not None:
+            rules = first[0] + rules
+            ev.append(first[1])
+        if kind == "same" and not rules:
             unchanged += tkeys
         else:
-            ev = list(m.evidence)
             props.append(Proposed(kind=kind, rules=rules, sources=[s.pattern() for s in m.srcs],
                                   targets=[t.pattern() for t in m.tgts], confidence=m.confidence, evidence=ev,
                                   section=m.scope, keys=tkeys, match=m))
-        qs = [q for q in (_rotary_question(m), *_hint_questions(m), _tp_question(m)) if q is not None]
+        direction = rotary_in.get(m.scope)
+        qs = [q for q in (rotary_question(m, facts), head_norm_question(m, direction) if direction else None,
+                          offset_question(m, facts), *hint_questions(m), tp_question(m)) if q is not None]
         questions += qs
-        if qs and kind != "same":
+        if qs and (kind != "same" or rules):
             props[-1].questions += qs
         t = m.tgts[0]
         if len(t.shape) >= 2 and not t.buffer and not t.is_bias and "#emb" not in canon_tokens(t.rel):
@@ -262,6 +213,14 @@ def build_proposals(result: MatchResult, src: Tree, tgt: Tree, strip: str | None
             wants[dtype_name(m.srcs[0].dtype)].add(dtype_name(t.dtype))
     for (a, b), ms in sorted(by_pair.items()):
         n = sum(t.count for m in ms for t in m.tgts)
+        if a.startswith("float8") and facts.quantization == "fp8":
+            q = dequant_question(facts, sorted({s.pattern() for m in ms for s in m.srcs}), b)
+            questions.append(q)
+            props.append(Proposed(kind="dequant", rules=[], sources=q.about, targets=[], confidence=0.9,
+                                  evidence=[f"{n} model tensors are {b}, the checkpoint stores them as {a} with "
+                                            f"'{FP8_SCALE_SUFFIX}' block scales beside them"],
+                                  section="dequant", keys=n, questions=[q]))
+            continue
         ev = [f"{n} model tensors are {b}, the checkpoint stores them as {a}"]
         if wants[a] == {b}:
             casts = [Cast(keys="**", dtype=b, from_dtype=a)]
@@ -275,7 +234,7 @@ def build_proposals(result: MatchResult, src: Tree, tgt: Tree, strip: str | None
         p.keys for p in props if p.kind == "tie"
     )
     total = sum(f.count for f in tgt.families if not f.buffer)
-    return Proposals(items=props, questions=_dedupe(questions), strip=strip, matched_target_keys=matched,
+    return Proposals(items=props, questions=merge_questions(questions), strip=strip, matched_target_keys=matched,
                      target_keys=total, unchanged=unchanged)
 
 
@@ -294,7 +253,9 @@ def _merge_params(props: list[Proposed], src: Tree) -> list[Proposed]:
     for p in props:
         m = p.match
         key: tuple | None = None
-        if m is not None and p.kind in _MERGEABLE and not m.transpose:
+        if m is not None and p.kind in _MERGEABLE and not m.transpose and not any(
+            isinstance(r, Deinterleave) for r in p.rules
+        ):
             items = m.srcs + m.tgts
             last = {i.family.segs[-1] for i in items}
             if len(last) == 1 and all(len(i.family.segs) >= 2 for i in items):
@@ -337,22 +298,9 @@ def _merge_params(props: list[Proposed], src: Tree) -> list[Proposed]:
         merged = Proposed(kind=kind, rules=rules, sources=srcs, targets=dsts,
                           confidence=min(p.confidence for p in ps), evidence=evidence, section=first.section,
                           keys=sum(p.keys for p in ps), match=first.match)
-        for p in ps:
-            merged.questions += [q for q in p.questions if q.question not in {x.question for x in merged.questions}]
+        merged.questions = merge_questions([q for p in ps for q in p.questions])
         out.append(merged)
     return out
-
-
-def _dedupe(qs: list[Question]) -> list[Question]:
-    seen: dict[str, Question] = {}
-    for q in qs:
-        prev = seen.get(q.question)
-        if prev is None:
-            seen[q.question] = Question(about=list(q.about), question=q.question, suggestion=list(q.suggestion))
-        else:
-            prev.about += [a for a in q.about if a not in prev.about]
-            prev.suggestion += [s for s in q.suggestion if s not in prev.suggestion]
-    return list(seen.values())
 
 
 def family_label(f: Family) -> str:

@@ -14,9 +14,12 @@ EPILOG = """\
 T is a checkpoint path, or module:function / path/to/file.py:function returning the model
 (build it on the meta device: only shapes and dtypes are used). The adapter module goes to
 -o FILE (then the summary and the remaining diff are printed), or to stdout without -o (the
-summary then goes to stderr). Rules on weak evidence are marked UNCERTAIN; choices shapes
-cannot show (rotary row order, per-rank layout of fused tensors) are DECIDE comments with the
-rule to enable. Exit status: 0 when the drafted adapter lines everything up, 1 when problems
+summary then goes to stderr). SRC's config.json, when present, gives head counts, the family
+and quantization. Rules on weak evidence, or among same-shaped tensors the evidence cannot tell
+apart, are marked UNCERTAIN with the alternative; choices shapes cannot show (rotary row order,
+Gemma's 1 + w norms, FP8 dequantisation, per-rank layout of fused tensors) are DECIDE comments
+with the rule to enable. A line-up is names, not numbers: check values with `sdadapt verify`;
+docs/writing-adapters.md walks through it. Exit status: 0 when the drafted adapter lines everything up, 1 when problems
 remain or the two look unrelated, 2 for usage errors (bad arguments, unreadable checkpoint,
 a target that cannot be imported or built)."""
 

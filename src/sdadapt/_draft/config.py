@@ -1,0 +1,120 @@
+"""What a checkpoint's ``config.json`` tells the draft that shapes cannot: head counts (for
+rotary rules), the family (``model_type``: Gemma's ``1 + w`` norms, GPT-OSS's gate/up rows that
+alternate) and quantization (FP8 block scales need dequantisation, never a plain cast).
+
+The file is read from the checkpoint's folder (the folder itself, or a file's folder); a
+checkpoint without one gives :data:`NO_CONFIG`, and the draft then asks instead of filling in.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .._registry import config_folder
+
+log = logging.getLogger(__name__)
+
+GEMMA_TYPES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
+"""Families whose RMSNorm computes ``x_hat * (1 + w)`` and stores ``w``."""
+INTERLEAVED_GATE_UP_TYPES = frozenset({"gpt_oss"})
+"""Families whose fused expert ``gate_up`` tensors alternate gate and up element by element along
+the fused dim (gate = ``[..., ::2]``, up = ``[..., 1::2]``)."""
+
+
+@dataclass(frozen=True)
+class Facts:
+    """The ``config.json`` fields the draft uses; ``None`` where the file or the field is absent."""
+
+    path: str | None = None
+    model_type: str | None = None
+    heads: int | None = None
+    kv_heads: int | None = None
+    head_dim: int | None = None
+    quantization: str | None = None
+    block: tuple[int, int] | None = None  # FP8 weight_block_size
+
+    @property
+    def norm_offset(self) -> bool:
+        """Norm weights are stored as ``w`` for a norm that multiplies by ``1 + w``."""
+        return self.model_type in GEMMA_TYPES
+
+    @property
+    def interleaved_gate_up(self) -> bool:
+        return self.model_type in INTERLEAVED_GATE_UP_TYPES
+
+    def heads_of(self, role: str) -> int | None:
+        """Head count of a q (``"#q"``) or k (``"#k"``) projection."""
+        return self.heads if role == "#q" else self.kv_heads
+
+    def describe(self) -> str:
+        if self.path is None:
+            return "no config.json beside the checkpoint"
+        bits = [f"model_type {self.model_type!r}"]
+        if self.heads:
+            bits.append(f"{self.heads} heads, {self.kv_heads} kv heads" + (f", head_dim {self.head_dim}" if self.head_dim else ""))
+        if self.quantization:
+            bits.append(f"quantization {self.quantization!r}")
+        return f"{self.path}: " + ", ".join(bits)
+
+
+NO_CONFIG = Facts()
+
+FP8_SCALE_SUFFIX = "_scale_inv"
+"""Key suffix of FP8 block scales stored beside their weight (``w.weight`` -> ``w.weight_scale_inv``)."""
+
+
+def _quantization(cfg: dict[str, Any], keys: list[str]) -> str | None:
+    qc = cfg.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method"):
+        return str(qc["quant_method"])
+    if any(k.endswith(FP8_SCALE_SUFFIX) for k in keys):
+        return "fp8"
+    return None
+
+
+def _int(cfg: dict[str, Any], *names: str) -> int | None:
+    for n in names:
+        v = cfg.get(n)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def read_facts(source: str | os.PathLike[str] | None, keys: list[str]) -> Facts:
+    """The facts of the ``config.json`` beside ``source`` (quantization also from key names)."""
+    folder = config_folder(source) if source is not None else None
+    path = os.path.join(folder, "config.json") if folder else None
+    if path is None or not os.path.isfile(path):
+        return Facts(quantization=_quantization({}, keys))
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        log.warning("draft: cannot read %s (%s); drafting from shapes alone", path, e)
+        return Facts(quantization=_quantization({}, keys))
+    if not isinstance(cfg, dict):
+        return Facts(quantization=_quantization({}, keys))
+    text = cfg.get("text_config")
+    if isinstance(text, dict) and "num_attention_heads" not in cfg:
+        cfg = {**text, "quantization_config": cfg.get("quantization_config")}
+    heads = _int(cfg, "num_attention_heads", "n_heads")
+    kv = _int(cfg, "num_key_value_heads", "n_kv_heads") or heads
+    qc = cfg.get("quantization_config")
+    block = None
+    if isinstance(qc, dict) and isinstance(qc.get("weight_block_size"), list) and len(qc["weight_block_size"]) == 2:
+        block = (int(qc["weight_block_size"][0]), int(qc["weight_block_size"][1]))
+    facts = Facts(
+        path=path,
+        model_type=str(cfg.get("model_type")) if cfg.get("model_type") else None,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=_int(cfg, "head_dim"),
+        quantization=_quantization(cfg, keys),
+        block=block,
+    )
+    log.info("draft: %s", facts.describe())
+    return facts

@@ -1,0 +1,224 @@
+"""Value-level facts a draft cannot read from shapes: each becomes a :class:`Question` (a
+``DECIDE`` in the drafted module, with the rules to enable) or, where ``config.json`` settles it,
+a rule with that evidence.
+
+- rotary row order between HF-style and Meta-style q/k projections: the rule goes on every tensor
+  whose rows follow the heads (weights, biases) and on per-head q/k norm weights, with head counts
+  from ``config.json``;
+- Gemma's norms store ``w`` for ``x_hat * (1 + w)``;
+- FP8 weights with block scales need dequantisation (never a plain cast from float8);
+- fused gate/up tensors whose parts alternate element by element (GPT-OSS) are de-interleaved
+  before they are split;
+- the per-TP-rank layout of fused tensors, and known chunk-order differences.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from .._rules import Deinterleave
+from .config import FP8_SCALE_SUFFIX, Facts
+from .match import Item, Match, item_role
+from .names import canon_tokens
+
+
+@dataclass
+class Question:
+    """A value-level choice the draft cannot see in shapes."""
+
+    about: list[str]
+    question: str
+    suggestion: list[str]  # commented-out code lines
+    before: bool = False  # the suggestion goes before the proposal's rules (else after)
+
+
+def merge_questions(qs: list[Question]) -> list[Question]:
+    """One question per text, with the keys and suggested rules of all its occurrences."""
+    seen: dict[str, Question] = {}
+    for q in qs:
+        prev = seen.get(q.question)
+        if prev is None:
+            seen[q.question] = Question(about=list(q.about), question=q.question, suggestion=list(q.suggestion),
+                                        before=q.before)
+        else:
+            prev.about += [a for a in q.about if a not in prev.about]
+            prev.suggestion += [s for s in q.suggestion if s not in prev.suggestion]
+    return list(seen.values())
+
+
+# --- rotary row order ---------------------------------------------------------------------------
+
+def _style(seg: str) -> str | None:
+    low = seg.lower()
+    if low in ("wq", "wk", "wqkv"):
+        return "meta"
+    if low in ("q_proj", "k_proj", "qkv_proj"):
+        return "hf"
+    return None
+
+
+_STYLE_NAMES = {"hf": "HF-style (q_proj, k_proj)", "meta": "Meta-style (wq, wk)"}
+ROTARY_QUESTION = (
+    "rotary row order: {a} q/k projections become {b} ones. HF transformers keeps each head's rows in "
+    "'half' order, Meta's code rotates interleaved pairs; shapes cannot show which one your model's code "
+    "expects. The rule applies to every tensor whose rows follow the heads: weights, biases and per-head "
+    "q/k norm weights"
+)
+
+
+def _heads(facts: Facts, role: str | None) -> str:
+    n = facts.heads_of(role or "")
+    if n:
+        return str(n)
+    return "N_KV_HEADS" if role == "#k" else "N_HEADS"
+
+
+def rotary_direction(m: Match) -> tuple[str, str] | None:
+    """``(from_style, to_style)`` when ``m`` maps q/k projections between HF and Meta names."""
+    seen = {(_style(s.rel[s.module_index()]), _style(t.rel[t.module_index()])) for s in m.srcs for t in m.tgts}
+    styles = sorted((a, b) for a, b in seen if a and b and a != b)
+    return styles[0] if styles else None
+
+
+def _rotary_text(direction: tuple[str, str]) -> str:
+    a, b = direction
+    return ROTARY_QUESTION.format(a=_STYLE_NAMES[a], b=_STYLE_NAMES[b])
+
+
+def _to(direction: tuple[str, str]) -> str:
+    return "interleaved" if direction[1] == "meta" else "half"
+
+
+def rotary_question(m: Match, facts: Facts) -> Question | None:
+    direction = rotary_direction(m)
+    if direction is None:
+        return None
+    qk = ("#q", "#k")
+    hit = [s for s in m.srcs if item_role(s) in qk] if m.kind == "fuse" else [t for t in m.tgts if item_role(t) in qk]
+    lines = [f'sdadapt.rotary("{it.pattern()}", heads={_heads(facts, item_role(it))}, to="{_to(direction)}"),'
+             for it in hit]
+    return Question(about=[it.pattern() for it in hit] or [t.pattern() for t in m.tgts], question=_rotary_text(direction),
+                    suggestion=lines, before=m.kind == "fuse")
+
+
+def is_norm(i: Item) -> bool:
+    """A norm's weight: 1-D, not a bias, "norm" in its module's name (``input_layernorm``, ``q_norm``)."""
+    return len(i.shape) == 1 and not i.is_bias and any("norm" in seg.lower() for seg in i.rel[:-1] or i.rel)
+
+
+def is_head_norm(t: Item) -> bool:
+    """A per-head q or k norm weight (``q_norm.weight`` [head_dim])."""
+    return is_norm(t) and item_role(t) in ("#q", "#k")
+
+
+def head_norm_question(m: Match, direction: tuple[str, str]) -> Question | None:
+    """Per-head q/k norms scale each row of a head: they follow the rows' rotary order."""
+    hit = [t for t in m.tgts if is_head_norm(t)]
+    if not hit or m.kind != "rename":
+        return None
+    return Question(about=[t.pattern() for t in hit], question=_rotary_text(direction),
+                    suggestion=[f'sdadapt.rotary("{t.pattern()}", heads=1, to="{_to(direction)}"),' for t in hit])
+
+
+# --- norms that store an offset -----------------------------------------------------------------
+
+def _rule_available(name: str) -> bool:
+    import sdadapt  # noqa: PLC0415 - the public constructors, imported once the package is complete
+
+    return callable(getattr(sdadapt, name, None))
+
+
+def offset_question(m: Match, facts: Facts) -> Question | None:
+    """Gemma's RMSNorm computes ``x_hat * (1 + w)`` and stores ``w``."""
+    if not facts.norm_offset or m.kind != "rename":
+        return None
+    hit = [t for t, s in zip(m.tgts, m.srcs, strict=False) if is_norm(s) and len(t.shape) == 1]
+    if not hit:
+        return None
+    need = [] if _rule_available("affine") else ["(sdadapt.affine is required for this and is not in this sdadapt)"]
+    return Question(
+        about=[t.pattern() for t in hit],
+        question=(f"norm offset: config.json says model_type {facts.model_type!r}, whose RMSNorm multiplies by "
+                  "(1 + w) and stores w; if your model's norm multiplies by its weight, add 1 to every norm weight"),
+        suggestion=need + [f'sdadapt.affine("{t.pattern()}", shift=1.0),' for t in hit],
+    )
+
+
+# --- quantized weights --------------------------------------------------------------------------
+
+def dequant_question(facts: Facts, weights: list[str], dtype: str) -> Question:
+    """FP8 weights with ``*_scale_inv`` block scales: dequantise them, never cast them."""
+    block = facts.block or (128, 128)
+    need = [] if _rule_available("dequant_fp8") else [
+        "(sdadapt.dequant_fp8 is required: a plain cast would drop the scales; it is not in this sdadapt)"]
+    return Question(
+        about=weights,
+        question=(f"quantized weights: {len(weights)} float8 weight patterns come with '{FP8_SCALE_SUFFIX}' block "
+                  f"scales ({facts.describe()}); they must be dequantised (value = float(w) * scale[i // {block[0]}, "
+                  f"j // {block[1]}]); a cast from float8 would load values without their scales"),
+        suggestion=need + [f'sdadapt.dequant_fp8("**.weight", block=({block[0]}, {block[1]}), dtype="{dtype}"),'],
+        before=True,
+    )
+
+
+# --- fused parts that alternate -------------------------------------------------------------------
+
+def model_dim(dim: int, ndim: int) -> int:
+    """The model-side dim of source dim ``dim`` when the last two dims are swapped."""
+    return {ndim - 1: ndim - 2, ndim - 2: ndim - 1}.get(dim, dim)
+
+
+def deinterleave_rule(m: Match, facts: Facts) -> tuple[list[Any], str] | None:
+    """For a split of a fused gate/up tensor whose parts alternate element by element along the
+    split dim (``config.json`` names such a family): the rule that makes the parts contiguous
+    first (one row per part and "rank": ``tp`` = the part size), and its evidence."""
+    if m.kind != "split" or not facts.interleaved_gate_up or len(m.tgts) != 2:
+        return None
+    w = m.srcs[0]
+    toks = canon_tokens(w.rel) | set(w.rel[-1].lower().split("_"))
+    if not ({"#gate_up"} & toks or {"gate", "up"} <= toks):
+        return None
+    sizes = [t.shape[model_dim(m.dim, len(w.shape)) if m.transpose else m.dim] for t in m.tgts]
+    if sizes[0] != sizes[1]:
+        return None
+    rule = Deinterleave(keys=w.pattern(), sizes=sizes, tp=sizes[0], dim=m.dim)
+    return [rule], (f"config.json says model_type {facts.model_type!r}: gate and up alternate along dim {m.dim} "
+                    f"({sizes[0]} each), so they are de-interleaved before the split")
+
+
+# --- other value-level hints --------------------------------------------------------------------
+
+_VALUE_HINTS = [
+    (re.compile(r"adaLN_modulation"), re.compile(r"norm_out"),
+     "chunk order: BFL's final adaLN_modulation yields (shift, scale), diffusers' norm_out expects "
+     "(scale, shift); if so, split the tensor in halves and fuse them swapped"),
+]
+
+
+def hint_questions(m: Match) -> list[Question]:
+    out = []
+    for s in m.srcs:
+        for t in m.tgts:
+            for rs, rt, text in _VALUE_HINTS:
+                if rs.search(s.pattern()) and rt.search(t.pattern()):
+                    out.append(Question(about=[t.pattern()], question=text, suggestion=[]))
+    return out
+
+
+def tp_question(m: Match) -> Question | None:
+    if m.kind != "fuse":
+        return None
+    t = m.tgts[0]
+    if not canon_tokens(t.rel) & {"#qkv", "#gate_up", "#kv"}:
+        return None
+    return Question(
+        about=[t.pattern()],
+        question=(
+            "tensor-parallel layout of a fused tensor: under ColwiseParallel each rank gets a contiguous "
+            "slice, which mixes the parts unless the rows are interleaved per rank ([q_r; k_r; v_r]); "
+            "decide from your model's parallel plan"
+        ),
+        suggestion=[f'sdadapt.interleave("{t.pattern()}", sizes={[s.shape[m.dim] for s in m.srcs]}),'],
+    )
