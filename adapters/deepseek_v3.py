@@ -28,7 +28,8 @@ Model::
     layers.{i}.moe.router.gate.weight [E, dim], layers.{i}.moe.expert_bias [E]
     layers.{i}.moe.experts.w1|w3 [E, hidden, dim], layers.{i}.moe.experts.w2 [E, dim, hidden]
     layers.{i}.moe.shared_experts.w1|w2|w3.weight
-    with mtp="map": mtp.{j}.<the block names above>, mtp.{j}.tok_embeddings|enorm|hnorm|eh_proj|norm|output.weight
+    with mtp="map": mtp.{j}.block.<the layers.{i}. names above>,
+                    mtp.{j}.tok_embeddings|enorm|hnorm|eh_proj|norm|output.weight
 
 Rotary layout: the model keeps DeepSeek's own *interleaved* rotary rows (each rotary pair is two
 adjacent rows, rotated as one complex number), as torchtitan's DeepSeek-V3 does. The released
@@ -40,7 +41,8 @@ into its per-head no-rope and rope row groups, the rope groups are permuted, and
 fused back (so a TP shard of whole heads reads only its own heads' rows).
 
 MTP layers: ``mtp="drop"`` (default) ignores them on purpose (they are reported as dropped);
-``mtp="map"`` maps MTP layer ``j`` to ``mtp.{j}.``. Either needs ``n_layers`` (the config's
+``mtp="map"`` maps MTP layer ``j`` to ``mtp.{j}.`` (its decoder block under ``mtp.{j}.block.``,
+apart from its own tensors, so that the two sets of names stay disjoint both ways). Either needs ``n_layers`` (the config's
 ``num_hidden_layers``) to tell the MTP layers from the model's own. ``adapter.inverse()`` exports
 back to the HF layout (dropped MTP layers are not written).
 
@@ -141,7 +143,7 @@ def moe_block_rules(experts: Literal["per_expert", "stacked"], n_experts: int | 
 def mtp_rules(mtp: Literal["drop", "map"], n_layers: int, mtp_layers: int) -> list[Any]:
     """MTP layers ``n_layers + j``: their decoder blocks were renamed to ``layers.{n_layers + j}.``
     by the block rules (which come first, so that every key is taken by one rule only); here
-    they are dropped, or moved to ``mtp.{j}.``, with their extra tensors."""
+    they are dropped, or moved to ``mtp.{j}.block.``, with their extra tensors (to ``mtp.{j}.``)."""
     rules: list[Any] = []
     for j in range(mtp_layers):
         hf, block = f"model.layers.{n_layers + j}.", f"layers.{n_layers + j}."
@@ -149,7 +151,7 @@ def mtp_rules(mtp: Literal["drop", "map"], n_layers: int, mtp_layers: int) -> li
             rules.append(sdadapt.drop(block + "**"))
             rules += [sdadapt.drop(hf + src) for src in MTP_EXTRAS]
         else:
-            rules.append(sdadapt.rename(block + "{rest:*}", f"mtp.{j}.{{rest}}"))
+            rules.append(sdadapt.rename(block + "{rest:*}", f"mtp.{j}.block.{{rest}}"))
             rules += [sdadapt.rename(hf + src, f"mtp.{j}.{dst}") for src, dst in MTP_EXTRAS.items()]
     return rules
 
