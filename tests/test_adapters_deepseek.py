@@ -171,7 +171,7 @@ def _run_cases(root: str, mesh: Any, group: Any) -> dict[str, dict]:
     results: dict[str, dict] = {}
     for case in torch.load(os.path.join(root, "cases.pt"), weights_only=False):
         model = target_model(case, mesh)
-        adapter = sdadapt.get_adapter(case["adapter"], source=case["path"])
+        adapter = sdadapt.get_adapter(case["adapter"], source=case["path"], **case.get("options", {}))
         rep = sdadapt.load(model, case["path"], adapter, process_group=group)
         with torch.no_grad():
             out = model(case["tokens"])
