@@ -46,7 +46,10 @@ apart from its own tensors, so that the two sets of names stay disjoint both way
 ``num_hidden_layers``) to tell the MTP layers from the model's own. ``adapter.inverse()`` exports
 back to the HF layout (dropped MTP layers are not written).
 
-Quantized releases (FP8 block scales ``*_scale_inv``) go through ``_common.dequant_rules``.
+FP8 releases (DeepSeek-V3/R1, V3.1 with UE8M0 scales: ``quantization_config`` with
+``weight_block_size``, ``*_scale_inv`` keys) are dequantised while loading and re-quantized with
+the same blocks by ``adapter.inverse()``: see ``_common.dequant_rules``. The MTP layer's FP8
+weights are dequantised only when it is mapped (a dropped layer is never read).
 """
 
 from __future__ import annotations
@@ -56,13 +59,14 @@ from typing import Any, Literal
 from sdadapt.adapters._common import (
     HF,
     META,
-    checkpoint_keys,
+    Quantization,
+    checkpoint_schema,
     dequant_rules,
     experts_layout,
     mlp_rules,
     moe_rules,
     positive,
-    quantization_of,
+    quantization_options,
     read_config,
     tied_from,
     top_level_rules,
@@ -171,7 +175,9 @@ def build(
     qk_rope_head_dim: int | None = None,
     kv_lora_rank: int | None = None,
     tie_embeddings: bool = False,
-    quantization: str | None = None,
+    quantization: Quantization = None,
+    scale_format: Literal["float32", "ue8m0"] | None = None,
+    dtype: str = "bfloat16",
 ) -> Adapter:
     """The adapter from an HF DeepSeek-V3 checkpoint to the torchtitan-style layout.
 
@@ -184,7 +190,8 @@ def build(
     rows are in HF's "half" order and are permuted to interleaved, which needs ``n_heads``,
     ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``kv_lora_rank``. ``tie_embeddings``: the
     checkpoint has no ``lm_head.weight``. ``quantization``: the checkpoint's
-    ``quantization_config.quant_method`` (``None``: plain weights).
+    ``quantization_config`` (``None``: plain weights); an FP8 release is dequantised to
+    ``dtype``, its scales read as ``scale_format`` (default: the config's ``scale_fmt``).
     """
     k = first_k_dense_replace
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
@@ -196,7 +203,7 @@ def build(
             "the deepseek_v3 adapter needs n_layers=... (num_hidden_layers) to tell the MTP layers from the model's; "
             "pass it, or give the checkpoint folder (its config.json supplies it)"
         )
-    rules: list[Any] = dequant_rules(quantization, "deepseek_v3")
+    rules: list[Any] = dequant_rules(quantization, "deepseek_v3", scale_format=scale_format, dtype=dtype)
     rules += top_level_rules(tie_embeddings)
     rules += attention_rules(q_lora, rope_interleave)
     if not rope_interleave:
@@ -229,7 +236,7 @@ def _layer_index(key: str) -> int | None:
 
 def options_from(cfg: dict[str, Any], keys: list[str]) -> dict[str, Any]:
     """Options from an HF ``config.json`` and the checkpoint's key names (key names win where
-    they tell: q_lora, dense layers, expert layout, MTP layers present, tying, quantization)."""
+    they tell: q_lora, dense layers, expert layout, MTP layers present, tying)."""
     opts: dict[str, Any] = {}
     for name, cfg_name in (("n_layers", "num_hidden_layers"), ("n_experts", "n_routed_experts"),
                            ("n_heads", "num_attention_heads"), ("qk_nope_head_dim", "qk_nope_head_dim"),
@@ -257,12 +264,11 @@ def options_from(cfg: dict[str, Any], keys: list[str]) -> dict[str, Any]:
     layout = experts_layout(keys)
     if layout is not None:
         opts["experts"] = layout
-    quantization = quantization_of(cfg, keys)
-    if quantization is not None:
-        opts["quantization"] = quantization
     return opts
 
 
 def options_from_config(folder: str, source: str | None = None) -> dict[str, Any]:
-    """Options from the checkpoint's ``config.json`` (HF) and its key names (headers only)."""
-    return options_from(read_config(folder, ("config.json",)), checkpoint_keys(source or folder))
+    """Options from the checkpoint's ``config.json`` (HF) and its headers: key names, and the
+    quantization with the stored dtype of FP8 scales."""
+    cfg, schema = read_config(folder, ("config.json",)), checkpoint_schema(source or folder)
+    return options_from(cfg, list(schema)) | quantization_options(cfg, schema)
