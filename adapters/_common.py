@@ -186,7 +186,12 @@ def quantization_options(cfg: dict[str, Any], schema: dict[str, Any]) -> dict[st
 
 
 def dequant_rules(
-    quantization: Quantization, adapter: str, *, scale_format: str | None = None, dtype: str = "bfloat16"
+    quantization: Quantization,
+    adapter: str,
+    *,
+    scale_format: str | None = None,
+    dtype: str = "bfloat16",
+    keep: tuple[str, ...] = (),
 ) -> list[Any]:
     """The rules that turn a quantized checkpoint's weights into plain ones, placed before an
     adapter's renames (they act on the checkpoint's own key names); ``[]`` for plain weights.
@@ -196,7 +201,8 @@ def dequant_rules(
     ``sdadapt.dequant_rules``' FP8 rule: block size from ``weight_block_size``, UE8M0 scales from
     ``scale_fmt``, ``modules_to_not_convert`` excluded; ``scale_format`` (``"float32"`` /
     ``"ue8m0"``, from the stored scales) overrides how the scales are read; ``dtype`` is the
-    values' dtype. Other methods (MXFP4 is GPT-OSS's) are refused before anything is planned."""
+    values' dtype; ``keep``: patterns of further weights the family's releases keep unquantized.
+    Other methods (MXFP4 is GPT-OSS's) are refused before anything is planned."""
     if quantization is None:
         return []
     qc = dict(quantization) if isinstance(quantization, dict) else {"quant_method": quantization}
@@ -214,9 +220,10 @@ def dequant_rules(
             "quantization={'quant_method': 'fp8', 'weight_block_size': [128, 128]}"
         )
     (rule,) = sdadapt.dequant_rules({"quantization_config": qc}, dtype=dtype)
-    if scale_format is not None and scale_format != rule.scale_format:
-        rule = sdadapt.dequant_fp8(rule.keys, rule.block, exclude=list(rule.exclude), scale_suffix=rule.scale_suffix,
-                                   scale_format=scale_format, dtype=dtype)  # fmt: skip
+    fmt = scale_format or rule.scale_format
+    if fmt != rule.scale_format or keep:
+        rule = sdadapt.dequant_fp8(rule.keys, rule.block, exclude=[*rule.exclude, *keep], scale_suffix=rule.scale_suffix,
+                                   scale_format=fmt, dtype=dtype)  # fmt: skip
     return [rule]
 
 

@@ -95,6 +95,12 @@ MTP_EXTRAS = {
 """The tensors of an MTP layer besides its decoder block: checkpoint suffix -> model suffix."""
 
 
+FP8_KEEP = ("**.eh_proj.weight",)
+"""Weights the FP8 releases keep in bf16 beyond ``sdadapt.dequant_rules``' defaults (embeddings,
+heads, routers): the MTP layer's ``eh_proj`` (vLLM's DeepSeek MTP layer reads it as a plain,
+unquantized linear layer, with no scale)."""
+
+
 def attention_rules(q_lora: bool, rope_interleave: bool) -> list[Any]:
     """MLA projections and the block's two norms, renamed (rows kept in the checkpoint's order).
     ``rope_interleave=False``: q (``wq``/``wq_b``) and ``wkv_a`` are left to
@@ -203,7 +209,7 @@ def build(
             "the deepseek_v3 adapter needs n_layers=... (num_hidden_layers) to tell the MTP layers from the model's; "
             "pass it, or give the checkpoint folder (its config.json supplies it)"
         )
-    rules: list[Any] = dequant_rules(quantization, "deepseek_v3", scale_format=scale_format, dtype=dtype)
+    rules: list[Any] = dequant_rules(quantization, "deepseek_v3", scale_format=scale_format, dtype=dtype, keep=FP8_KEEP)
     rules += top_level_rules(tie_embeddings)
     rules += attention_rules(q_lora, rope_interleave)
     if not rope_interleave:

@@ -37,7 +37,8 @@ transformers = pytest.importorskip("transformers", reason="the test extra instal
 
 BLOCK = (20, 10)
 E4M3_MAX = 448.0
-NOT_QUANTIZED = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "shared_head.head.weight")
+NOT_QUANTIZED = ("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight", "shared_head.head.weight", "eh_proj.weight")
+"""2-D weights the releases keep in bf16: embeddings, heads, routers, DeepSeek's MTP ``eh_proj``."""
 VOCAB, SEQ, DIM = 40, 7, 32
 
 
