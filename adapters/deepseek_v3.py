@@ -252,7 +252,7 @@ def options_from(cfg: dict[str, Any], keys: list[str]) -> dict[str, Any]:
             opts[name] = cfg[cfg_name]
     if keys:
         opts["q_lora"] = any(key.endswith("self_attn.q_a_proj.weight") for key in keys)
-        dense = {_layer_index(key) for key in keys if key.endswith(".mlp.gate_proj.weight") and ".shared_experts." not in key}
+        dense = {_layer_index(key) for key in keys if key.endswith(".mlp.gate_proj.weight")}
         opts["first_k_dense_replace"] = max((i for i in dense if i is not None), default=-1) + 1
         if "n_layers" in opts:
             indices = {i for i in map(_layer_index, keys) if i is not None}
