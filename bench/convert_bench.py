@@ -94,7 +94,8 @@ def main() -> None:
         base_rss, _, _ = run_child([sys.executable, "-c", "import torch, sdadapt, sdadapt.export"])
         py = [sys.executable, "-m", "sdadapt", "convert", "--no-progress"]
         cases = [
-            ("safetensors, fuse q/k/v (2GB shards)", [src, os.path.join(args.workdir, "hf"), "--to", "safetensors", "--adapter", adapter_path]),
+            ("safetensors, fuse q/k/v (2GB shards)",
+             [src, os.path.join(args.workdir, "hf"), "--to", "safetensors", "--adapter", adapter_path]),
             ("torch, --verify", [src, os.path.join(args.workdir, "out.pt"), "--to", "torch", "--verify"]),
             ("dcp", [src, os.path.join(args.workdir, "dcp"), "--to", "dcp"]),
         ]

@@ -76,7 +76,7 @@ def flux(double: int = 2_000, single: int = 4_000, h: int = 16, hd: int = 8, m: 
     src: dict[str, TensorInfo] = {}
     tgt: dict[str, TensorInfo] = {}
     for p in ("weight", "bias"):
-        def w(*shape: int) -> TensorInfo:
+        def w(*shape: int, p: str = p) -> TensorInfo:
             return t(*shape) if p == "weight" else t(shape[0])
 
         src.update({f"img_in.{p}": w(h, 4), f"txt_in.{p}": w(h, 12), f"time_in.in_layer.{p}": w(h, 256),

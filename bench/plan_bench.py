@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import sdadapt  # noqa: E402
-from sdadapt._io_engine import EngineConfig, IOEngine, Job, TensorLocation  # noqa: E402
-from sdadapt.sources._base import Source, TensorInfo  # noqa: E402
+from sdadapt._engine import EngineConfig, IOEngine, Job  # noqa: E402
+from sdadapt.sources._base import Source, TensorInfo, TensorLocation  # noqa: E402
 
 
 def deepseek_v3_schema() -> dict[str, TensorInfo]:

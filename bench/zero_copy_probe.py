@@ -35,6 +35,7 @@ import mmap
 import os
 import threading
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -155,7 +156,8 @@ def _huge(nbytes: int, register: bool) -> tuple[mmap.mmap, torch.Tensor]:
     return mm, t
 
 
-def m_pread(path: str, nbytes: int, gpu: torch.Tensor | None, threads: int, chunk: int, depth: int = 2, pinned: bool = True, huge: bool = False, lag: int = 0) -> None:
+def m_pread(path: str, nbytes: int, gpu: torch.Tensor | None, threads: int, chunk: int, depth: int = 2, pinned: bool = True,
+            huge: bool = False, lag: int = 0) -> None:
     """``pread`` each chunk into one of ``depth`` buffers of the thread (pinned, or pageable and
     reused, or with ``huge`` huge-page memory, registered with CUDA when copying to the GPU),
     then (with ``gpu``) copy it to the GPU without waiting; with ``lag`` L, a chunk's copy is
@@ -376,7 +378,8 @@ def main() -> None:
             dist.all_gather_object(got, {"s": dt, "ok": ok, "err": err, **stats})
             if rank == 0:
                 worst = max(g["s"] for g in got)
-                row = {"method": name, "repeat": r, "slowest_s": round(worst, 3), "gib_s_per_rank": round(nbytes / (1 << 30) / worst, 2), "ranks": got}
+                row = {"method": name, "repeat": r, "slowest_s": round(worst, 3),
+                       "gib_s_per_rank": round(nbytes / (1 << 30) / worst, 2), "ranks": got}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             if err:
@@ -387,25 +390,25 @@ def main() -> None:
         for cm in [float(x) for x in a.chunks_mb.split(",")]:
             c = int(cm * MiB)
             if "pread" in methods:
-                timed(f"pread T{th} C{cm:g}", lambda: m_pread(path, nbytes, None, th, c), nogpu=True)
+                timed(f"pread T{th} C{cm:g}", partial(m_pread, path, nbytes, None, th, c), nogpu=True)
             if "pread-pageable" in methods:
-                timed(f"pread-pageable T{th} C{cm:g}", lambda: m_pread(path, nbytes, None, th, c, pinned=False), nogpu=True)
+                timed(f"pread-pageable T{th} C{cm:g}", partial(m_pread, path, nbytes, None, th, c, pinned=False), nogpu=True)
             if "pread-huge" in methods:
-                timed(f"pread-huge T{th} C{cm:g}", lambda: m_pread(path, nbytes, None, th, c, pinned=False, huge=True), nogpu=True)
+                timed(f"pread-huge T{th} C{cm:g}", partial(m_pread, path, nbytes, None, th, c, pinned=False, huge=True), nogpu=True)
             if "pread+h2d-huge" in methods:
                 for dp in [int(x) for x in a.depths.split(",")]:
-                    timed(f"pread+h2d-huge T{th} C{cm:g} D{dp}", lambda dp=dp: m_pread(path, nbytes, gpu, th, c, depth=dp, huge=True))
+                    timed(f"pread+h2d-huge T{th} C{cm:g} D{dp}", partial(m_pread, path, nbytes, gpu, th, c, depth=dp, huge=True))
             if "pread+h2d" in methods:
                 for lag in [int(x) for x in a.lags.split(",")]:
                     for dp in sorted({max(int(x), lag + 2) for x in a.depths.split(",")}):
-                        timed(f"pread+h2d T{th} C{cm:g} D{dp} L{lag}", lambda dp=dp, lag=lag: m_pread(path, nbytes, gpu, th, c, depth=dp, lag=lag))
+                        timed(f"pread+h2d T{th} C{cm:g} D{dp} L{lag}", partial(m_pread, path, nbytes, gpu, th, c, depth=dp, lag=lag))
             if "h2d" in methods:
-                timed(f"h2d T{th} C{cm:g}", lambda: m_h2d(nbytes, gpu, th, c), check_file=False)
+                timed(f"h2d T{th} C{cm:g}", partial(m_h2d, nbytes, gpu, th, c), check_file=False)
             if "register" in methods:
                 for fl in [int(x) for x in a.flags.split(",")]:
-                    timed(f"register f{fl} T{th} C{cm:g}", lambda st, fl=fl: m_register(path, nbytes, gpu, th, c, fl, st), stats=True)
+                    timed(f"register f{fl} T{th} C{cm:g}", partial(m_register, path, nbytes, gpu, th, c, fl), stats=True)
             if "pageable" in methods:
-                timed(f"pageable T{th} C{cm:g}", lambda: m_pageable(path, nbytes, gpu, th, c))
+                timed(f"pageable T{th} C{cm:g}", partial(m_pageable, path, nbytes, gpu, th, c))
     if rank == 0:
         print("\n| method | best slowest-rank s | GiB/s per rank |\n|---|---|---|")
         best: dict = {}

@@ -140,7 +140,7 @@ def qkv_adapter(dim: int = 128) -> sdadapt.Adapter:
     the TP degree from the model's placements (1 on an unparallelised model: plain [q; k; v])."""
     return sdadapt.Adapter(
         [
-            sdadapt.fuse(["layers.{i}.attn.%s_proj.{p}" % n for n in "qkv"], "layers.{i}.attn.qkv.{p}"),
+            sdadapt.fuse([f"layers.{{i}}.attn.{n}_proj.{{p}}" for n in "qkv"], "layers.{i}.attn.qkv.{p}"),
             sdadapt.interleave("layers.{i}.attn.qkv.{p}", sizes=[dim, dim, dim]),
         ],
         name="split-qkv",
@@ -153,7 +153,7 @@ def write_checkpoint(path: str, cfg: Config, seed: int = 0) -> None:
     sd = {}
     for key, t in Transformer(cfg).state_dict().items():
         if ".attn.qkv." in key:
-            for name, part in zip(("q_proj", "k_proj", "v_proj"), t.chunk(3)):
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), t.chunk(3), strict=True):
                 sd[key.replace(".qkv.", f".{name}.")] = part.clone()
         else:
             sd[key] = t

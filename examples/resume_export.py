@@ -23,7 +23,6 @@ sys.path.insert(0, HERE)
 import pipeline  # noqa: E402 - examples/pipeline.py: the model, its checkpoint, its adapter
 
 import sdadapt  # noqa: E402
-from sdadapt._export import convert  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,21 +68,21 @@ def main(argv: list[str] | None = None) -> int:
     extra: dict = {"step": 0}
     print(sdadapt.load_state(state_dir, model2, opt2, extra=extra))
     assert extra["step"] == 1
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True))
 
     # 5. Export in the checkpoint's own layout (through adapter.inverse()) and load it back.
     out = os.path.join(folder, "export")
     print(sdadapt.export(model, out, adapter, format="safetensors", checksums=True).format_text())
     model3 = pipeline.build_model()
     sdadapt.load(model3, out, adapter, init_buffers=pipeline.Transformer.init_buffers, verify=True)
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model3.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model3.state_dict().values(), strict=True))
 
     # 6. Convert the pretrained file offline to a DCP folder in the model's layout; a DCP
     #    folder is a source like any other (no adapter needed now). Offline there is no model
     #    to read a TP degree from, so this adapter only fuses (the layout of an unsharded model).
     fuse_only = sdadapt.Adapter([adapter.rules[0]], name="fuse-qkv")
     dcp_dir = os.path.join(folder, "pretrained-dcp")
-    print(convert(ckpt, dcp_dir, fuse_only, "dcp", verify=True).format_text())
+    print(sdadapt.convert(ckpt, dcp_dir, fuse_only, "dcp", verify=True).format_text())
     model4 = pipeline.build_model()
     print(sdadapt.load(model4, dcp_dir, init_buffers=pipeline.Transformer.init_buffers))
     print(f"example finished; files in {folder}")

@@ -1,23 +1,34 @@
 # Sourced by scripts/demo.sh and scripts/test.sh: make .venv (Python >= 3.10) with torch and
-# sdadapt[test] installed, and set $PY to its python. Needs nothing but python3 on PATH
-# (or PYTHON=/path/to/python). Re-installs sdadapt only when pyproject.toml changed.
+# sdadapt installed, and set $PY to its python. Needs nothing but python3 on PATH (or
+# PYTHON=/path/to/python). SDADAPT_EXTRA names the extra to install with sdadapt ("test" for
+# the suite and its linters; empty for the demo). Each step says what it does; pip shows its
+# own progress. sdadapt is re-installed only when pyproject.toml or the extra changed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=.venv/bin/python
+extra="${SDADAPT_EXTRA:-}"
+step() { echo "[setup] $*" >&2; }
 if [ ! -x "$PY" ]; then
-    echo "creating .venv" >&2
+    step "creating .venv with ${PYTHON:-python3}"
     "${PYTHON:-python3}" -m venv .venv
 fi
-PIP=("$PY" -m pip install -q --disable-pip-version-check)
+PIP=("$PY" -m pip install --disable-pip-version-check --progress-bar on)
 if ! "$PY" -c 'import sys, torch; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
-    echo "installing torch 2.13.0 into .venv" >&2
+    step "installing torch 2.13.0 into .venv (first run only: about 1.5 minutes on a fast connection)"
     "${PIP[@]}" torch==2.13.0
 fi
-stamp=.venv/.sdadapt-installed
+spec=.
+checks="import sdadapt"
+if [ -n "$extra" ]; then
+    spec=".[$extra]"
+    [ "$extra" = test ] && checks="import sdadapt, pytest, hypothesis, mypy"
+fi
+stamp=".venv/.sdadapt-installed${extra:+-$extra}"
 want="$("$PY" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$PY" -c 'import sdadapt, pytest, hypothesis' 2>/dev/null; then
-    echo "installing sdadapt (editable) with its test dependencies into .venv" >&2
-    "${PIP[@]}" -e '.[test]'
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$PY" -c "$checks" 2>/dev/null; then
+    step "installing sdadapt (editable) ${extra:+with its $extra dependencies }into .venv"
+    "${PIP[@]}" -e "$spec"
     echo "$want" > "$stamp"
+    step "done installing"
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# Install what is missing into .venv, then run the test suite (extra arguments go to pytest):
-#   bash scripts/test.sh                     # everything
-#   bash scripts/test.sh tests/test_cli.py   # one file
-source "$(dirname "$0")/_setup.sh"
+# Install what is missing into .venv (sdadapt[test]: pytest, hypothesis, reference models,
+# ruff, mypy), check lint and types, then run the test suite (extra arguments go to pytest):
+#   bash scripts/test.sh                     # lint, types, everything
+#   bash scripts/test.sh tests/test_cli.py   # lint, types, one file
+SDADAPT_EXTRA=test source "$(dirname "$0")/_setup.sh"
+echo "[test] ruff check (lint and import order)" >&2
+"$PY" -m ruff check .
+echo "[test] mypy (types, configured in pyproject.toml)" >&2
+"$PY" -m mypy
 set +e
 "$PY" -m pytest -q "$@"
 rc=$?

@@ -1,11 +1,15 @@
-"""bench/load_bench.py at a tiny size on 2 gloo ranks: every path runs and loads the right
-tensors (no timing asserts: figures live in bench/RESULTS.md), and a size that cannot fit is
-refused before anything is written."""
+"""bench/load_bench.py (the ``bench/loadbench`` package) at a tiny size on 2 gloo ranks: every path
+runs in its own fresh process group and loads the right tensors, into a meta model and into a
+materialised one (no timing asserts: figures live in bench/RESULTS.md); a size that cannot fit is
+refused before anything is written; bench/RESULTS.md cites exactly the raw runs kept in
+bench/results/."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,40 +27,81 @@ def _env() -> dict[str, str]:
     return env
 
 
-def test_every_path_loads_the_same_tensors(tmp_path):
+@pytest.fixture
+def loadbench():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import loadbench.checkpoint
+        import loadbench.models
+        import loadbench.shapes
+
+        yield loadbench
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_every_path_first_load_in_a_fresh_process_meta_and_materialized(tmp_path):
     out = tmp_path / "res"
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--preset", "tiny", "--nproc", "2", "--backend", "gloo", "--repeat", "1",
+         "--paths", "sdadapt,sdadapt-fused,sdadapt-torchsave,rank0-broadcast,hf-reader", "--tp-paths", "sdadapt",
+         "--materialized-paths", "sdadapt,hf-reader", "--no-references",
          "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--discussion", "materialized", "--discussion-timeout", "10",
          "--timeout", "150"],
-        env=_env(), capture_output=True, text=True, timeout=240,
+        env=_env(), capture_output=True, text=True, timeout=420,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(Path(f"{out}.json").read_text())
-    rows = {(r["layout"], r["path"]): r for r in res["rows"]}
-    want = [("fsdp", p) for p in ("sdadapt", "sdadapt-fused", "sdadapt-torchsave", "rank0-broadcast", "hf-reader", "dcp-native")]
-    want += [("tp", "sdadapt"), ("tp", "hf-reader")]
+    rows = {(r["layout"], r["path"], r["flow"]): r for r in res["rows"]}
+    want = [("fsdp", p, "meta") for p in ("sdadapt", "sdadapt-fused", "sdadapt-torchsave", "rank0-broadcast", "hf-reader")]
+    want += [("tp", "sdadapt", "meta"), ("fsdp", "sdadapt", "materialized"), ("fsdp", "hf-reader", "materialized")]
     for key in want:
         row = rows[key]
         assert row["ok"], (key, row.get("error"))
-        assert row["check"].startswith("= source") or row["check"].startswith("= sdadapt"), row["check"]
+        assert row["check"].startswith("= source"), row["check"]
+        assert row["first_s"] > 0 and row["wall_s"] == row["first_s"]
+        assert row["repeats"] == 1 and len(row["steady_all_s"]) == 1 and row["steady_s"] > 0
         assert len(row["per_rank"]) == 2
         for pr in row["per_rank"]:
-            assert pr["wall_s"] > 0 and pr["local_gib"] > 0
-            assert pr["rss_peak_gib"] > 0
-    # sdadapt reads its shards' bytes and no more (rename-only: exactly the local shards)
-    for pr in rows[("fsdp", "sdadapt")]["per_rank"]:
-        assert pr["bytes_read_gib"] == pytest.approx(pr["local_gib"], rel=1e-9)
+            assert pr["wall_s"] > 0 and pr["local_gib"] > 0 and pr["rss_peak_gib"] > 0
+            assert pr["steady"]["rss_peak_gib"] > 0
+    # every row's first load was the first of its own processes: no process served two rows
+    pids = [r["pid"] for g in res["groups"] if g["job"] for r in g["ranks"] if r is not None]
+    assert len(pids) == len(set(pids)) == 2 * len(want)
+    for g in res["groups"]:
+        for r in g["ranks"]:
+            if r is not None:
+                assert [x["phase"] for x in r["runs"]][:1] == ["first"]
+                assert "sdadapt" in r["imported"]
+    # sdadapt reads its shards' bytes and no more (rename-only: exactly the local shards), in both flows
+    for flow in ("meta", "materialized"):
+        for pr in rows[("fsdp", "sdadapt", flow)]["per_rank"]:
+            assert pr["bytes_read_gib"] == pytest.approx(pr["local_gib"], rel=1e-9)
     # the discussion's path gives a row whatever happens to it: loaded, failed or hung
-    disc = rows[("fsdp", "torchsave-broadcast")]
-    assert disc["ok"] or "hang" in disc["error"] or disc["error"]
+    disc = rows[("fsdp", "torchsave-broadcast", "meta")]
+    assert disc["ok"] or disc["error"]
     md = Path(f"{out}.md").read_text()
-    assert "| sdadapt | fsdp |" in md and "| hf-reader | tp |" in md and "torchsave-broadcast" in md
+    assert "| sdadapt | fsdp | meta | **" in md and "| hf-reader | fsdp | materialized | **" in md
+    assert "fresh process group" in md and "torchsave-broadcast" in md
     # nothing is left behind without --keep
     assert not any((tmp_path / "ckpt").glob("sdadapt-bench-*"))
 
 
-def test_refuses_a_size_that_cannot_fit(tmp_path):
+def test_materialize_with_values_fills_every_parameter(loadbench):
+    import torch
+
+    shape = loadbench.shapes.PRESETS["tiny"]
+    model, _ = loadbench.models.build_model(shape, "titan")
+    loadbench.models.materialize_with_values(model, torch.device("cpu"), seed=3)
+    for name, p in model.named_parameters():
+        assert p.device.type == "cpu" and p.dtype == torch.bfloat16, name
+        if p.dim() == 1:
+            assert torch.equal(p, torch.ones_like(p)), name
+        else:
+            assert 0.01 < p.float().std().item() < 0.03, name
+
+
+def test_refuses_a_size_that_cannot_fit(tmp_path, loadbench):
     folder = tmp_path / "ckpt"
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--preset", "8b", "--layers", "4000", "--nproc", "2", "--backend", "gloo",
@@ -66,10 +111,20 @@ def test_refuses_a_size_that_cannot_fit(tmp_path):
     assert proc.returncode == 2
     assert "needs" in proc.stderr and "Nothing was written" in proc.stderr
     assert not folder.exists() or not any(folder.iterdir())
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
-        import load_bench
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
-    with pytest.raises(load_bench.BenchError, match="RAM"):
-        load_bench.check_fits(tmp_path, load_bench.PRESETS["2g"], ["safetensors"], 2, assume_ram_gib=1.0)
+    with pytest.raises(loadbench.common.BenchError, match="RAM"):
+        loadbench.checkpoint.check_fits(tmp_path, loadbench.shapes.PRESETS["2g"], ["safetensors"], 2, assume_ram_gib=1.0)
+    # issue 12's CPU case: a 1.92 GiB bf16 checkpoint
+    assert round(loadbench.shapes.PRESETS["1.9g"].nbytes() / (1 << 30), 2) == 1.92
+
+
+def test_results_md_cites_exactly_the_kept_runs():
+    """Every `bench/results/...` citation in bench/RESULTS.md names at least one kept file, and
+    every file kept under bench/results/ is cited."""
+    results = ROOT / "bench" / "results"
+    kept = sorted(str(p.relative_to(ROOT)) for p in results.rglob("*") if p.is_file())
+    cited = re.findall(r"`(bench/results/[^`\s]+)`", (ROOT / "bench" / "RESULTS.md").read_text())
+    assert cited
+    for c in cited:
+        assert fnmatch.filter(kept, c), f"bench/RESULTS.md cites {c}, which matches no file"
+    for f in kept:
+        assert any(fnmatch.fnmatch(f, c) for c in cited), f"{f} is not cited by bench/RESULTS.md"

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import sdadapt
-from sdadapt._resolve import ResolveError, resolve_adapter, resolve_target
+from sdadapt import ResolveError, resolve_adapter, resolve_target
 from sdadapt.cli import main
 
 MODEL_PY = """
@@ -76,7 +76,7 @@ def _split(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in sd.items():
         if ".qkv." in k:
-            for n, part in zip("qkv", v.chunk(3)):
+            for n, part in zip("qkv", v.chunk(3), strict=True):
                 out[k.replace(".qkv.", f".{n}.")] = part.clone()
         else:
             out[k] = v

@@ -9,7 +9,7 @@ import torch
 from models import TinyTransformer, split_qkv
 
 import sdadapt
-from sdadapt._export import ExportError, convert
+from sdadapt import ExportError, convert
 from sdadapt.cli import main
 
 QKV = sdadapt.Adapter(

@@ -1,9 +1,12 @@
 """The bad-checkpoint corpus (tests/corpus.py) through single-process, 2- and 4-process loads.
 
 For every case and every rank: the exact SdadaptError subclass, a message naming the file (and
-the key where there is one), the load failing within BOUND_S seconds, and the model unchanged:
-a model on meta stays (or is put back) on meta; a model holding values keeps them bit for bit,
-in the same storage. Pickles that would run code leave no marker file.
+the key where there is one), the load failing within BOUND_S seconds, and the model as the
+load transaction promises (sdadapt._transaction): a model on meta stays (or is put back) on
+meta; a model holding values keeps them bit for bit, in the same storage, when the failure is
+found before writing or the load was staged (``stage=True``, the ``/staged`` cases); a failure
+after in-place writing began says "partly overwritten" and leaves the model marked (its forward
+raises). Pickles that would run code leave no marker file.
 
 On top of the static corpus, faults injected on ONE rank while reading (the others read
 fine): an I/O error, a file that grows while being read, a file truncated after planning,
@@ -32,7 +35,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import sdadapt
-from sdadapt import _io_engine as io_engine
+from sdadapt._engine import syscalls
+from sdadapt._transaction import is_marked
 from sdadapt.errors import LoadError, SourceError
 
 BOUND_S = 20.0  # generous on a shared 2-core machine; a hang would be the launch timeout
@@ -74,6 +78,8 @@ def _make(mesh: Any, meta: bool) -> nn.Module:
 
 
 def _attempt(model: nn.Module, path: str, **kw: Any) -> dict[str, Any]:
+    """Load and describe the outcome: ``unchanged`` (bit for bit, or back on meta), ``marked``
+    (a failed in-place load left it partly overwritten: its forward raises ModelError)."""
     meta = _all_meta(model)
     snap = None if meta else _snapshot(model)
     t0 = time.perf_counter()
@@ -86,14 +92,28 @@ def _attempt(model: nn.Module, path: str, **kw: Any) -> dict[str, Any]:
         out = {"error": f"UNHANDLED {type(e).__name__}", "message": str(e)}
     out["seconds"] = time.perf_counter() - t0
     out["unchanged"] = _all_meta(model) if meta else _unchanged(model, snap)  # type: ignore[arg-type]
+    out["marked"] = _forward_refused(model)
     return out
+
+
+def _forward_refused(model: nn.Module) -> bool:
+    """Whether a failed load marked the model partly overwritten (its forward then raises
+    ModelError; tests/test_transaction_dist.py runs that forward)."""
+    return is_marked(model)
+
+
+def _modes(both: bool, phase: str) -> list[str]:
+    """meta: a meta-initialised model; real: one holding values (in place); staged: the same
+    with stage=True."""
+    return ["meta", "real", "staged"] if (both or phase == "read") else ["meta"]
 
 
 def _run_corpus(cases: list[dict[str, Any]], mesh: Any, both: bool) -> dict[str, dict[str, Any]]:
     out = {}
     for c in cases:
-        for meta in (True, False) if (both or c["phase"] == "read") else (True,):
-            out[f"{c['name']}/{'meta' if meta else 'real'}"] = _attempt(_make(mesh, meta), c["path"], **c["load_kwargs"])
+        for mode in _modes(both, c["phase"]):
+            kw = dict(c["load_kwargs"], **({"stage": True} if mode == "staged" else {}))
+            out[f"{c['name']}/{mode}"] = _attempt(_make(mesh, mode == "meta"), c["path"], **kw)
     return out
 
 
@@ -109,85 +129,94 @@ def _fresh(src: str, folder: str, name: str) -> str:
 
 
 def _one_rank_faults(good: dict[str, str], scratch: str, mesh: Any) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for tag in ("meta", "real", "staged"):
+        out |= _faults_in_mode(tag, good, scratch, mesh)
+    return out
+
+
+def _faults_in_mode(tag: str, good: dict[str, str], scratch: str, mesh: Any) -> dict[str, dict[str, Any]]:
+    """The faults on one rank for one kind of model (``meta``, ``real``: values, in place,
+    ``staged``: values, stage=True)."""
     rank = dist.get_rank()
     out: dict[str, dict[str, Any]] = {}
-    real_pread = io_engine._preadv_into
-    for meta in (True, False):
-        tag = "meta" if meta else "real"
+    real_pread = syscalls.preadv_into
+    meta = tag == "meta"
+    kw: dict[str, Any] = {"stage": True} if tag == "staged" else {}
 
-        # 1. an I/O error on rank 1 in the middle of its reads
-        path = _fresh(good["st"], scratch, f"eio_{tag}.safetensors")
+    # 1. an I/O error on rank 1 in the middle of its reads
+    path = _fresh(good["st"], scratch, f"eio_{tag}.safetensors")
 
-        def eio(*a: Any, **k: Any) -> int:
-            raise OSError(5, "Input/output error (injected)")
+    def eio(*a: Any, **k: Any) -> int:
+        raise OSError(5, "Input/output error (injected)")
 
-        io_engine._preadv_into = eio if rank == 1 else real_pread
-        try:
-            out[f"eio_rank1/{tag}"] = _attempt(_make(mesh, meta), path) | {"path": path}
-            # the same with share_reads: rank 1's replicas must not wait for its blocks
-            out[f"eio_rank1_shared/{tag}"] = _attempt(_make(mesh, meta), path, share_reads=True) | {"path": path}
-        finally:
-            io_engine._preadv_into = real_pread
+    syscalls.preadv_into = eio if rank == 1 else real_pread
+    try:
+        out[f"eio_rank1/{tag}"] = _attempt(_make(mesh, meta), path, **kw) | {"path": path}
+        # the same with share_reads: rank 1's replicas must not wait for its blocks
+        out[f"eio_rank1_shared/{tag}"] = _attempt(_make(mesh, meta), path, share_reads=True, **kw) | {"path": path}
+    finally:
+        syscalls.preadv_into = real_pread
 
-        # 2. the file grows (is being written) while rank 1 reads it
-        path = _fresh(good["st"], scratch, f"grow_{tag}.safetensors")
-        grown = []
+    # 2. the file grows (is being written) while rank 1 reads it
+    path = _fresh(good["st"], scratch, f"grow_{tag}.safetensors")
+    grown = []
 
-        def grow(fd: int, mem: Any, pos: int, offset: int, nbytes: int) -> int:
-            if not grown:
-                with open(path, "ab") as f:
-                    f.write(b"\0" * 64)
-                grown.append(True)
-            return real_pread(fd, mem, pos, offset, nbytes)
+    def grow(fd: int, mem: Any, pos: int, offset: int, nbytes: int) -> int:
+        if not grown:
+            with open(path, "ab") as f:
+                f.write(b"\0" * 64)
+            grown.append(True)
+        return real_pread(fd, mem, pos, offset, nbytes)
 
-        io_engine._preadv_into = grow if rank == 1 else real_pread
-        try:
-            out[f"grows_while_read/{tag}"] = _attempt(_make(mesh, meta), path) | {"path": path}
-        finally:
-            io_engine._preadv_into = real_pread
+    syscalls.preadv_into = grow if rank == 1 else real_pread
+    try:
+        out[f"grows_while_read/{tag}"] = _attempt(_make(mesh, meta), path, **kw) | {"path": path}
+    finally:
+        syscalls.preadv_into = real_pread
 
-        # 3. truncated by rank 1 after planning (its buffer hook runs after planning, before reading)
-        path = _fresh(good["st"], scratch, f"trunc_{tag}.safetensors")
+    # 3. truncated by rank 1 after planning (its buffer hook runs after planning, before reading)
+    path = _fresh(good["st"], scratch, f"trunc_{tag}.safetensors")
 
-        def truncate(_model: nn.Module) -> None:
-            if rank == 1:
-                with open(path, "r+b") as f:
-                    f.truncate(os.path.getsize(path) - 100)
+    def truncate(_model: nn.Module) -> None:
+        if rank == 1:
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) - 100)
 
-        from sdadapt import _commit as commit_mod
+    from sdadapt._transaction import Transaction
 
-        real_staging = commit_mod.staging_like
+    real_check = Transaction.check_files
 
-        def staging_then_truncate(wanted: Any) -> Any:  # a model with values has no hook: truncate here
-            truncate(None)  # type: ignore[arg-type]
-            return real_staging(wanted)
+    def truncate_then_check(self: Transaction) -> None:  # a model with values has no hook: truncate here
+        truncate(None)  # type: ignore[arg-type]
+        real_check(self)
 
-        commit_mod.staging_like = real_staging if meta else staging_then_truncate
-        try:
-            res = _attempt(_make(mesh, meta), path, **({"init_buffers": truncate} if meta else {}))
-        finally:
-            commit_mod.staging_like = real_staging
-        out[f"truncated_after_plan/{tag}"] = res | {"path": path}
+    Transaction.check_files = real_check if meta else truncate_then_check  # type: ignore[method-assign]
+    try:
+        res = _attempt(_make(mesh, meta), path, **({"init_buffers": truncate} if meta else kw))
+    finally:
+        Transaction.check_files = real_check  # type: ignore[method-assign]
+    out[f"truncated_after_plan/{tag}"] = res | {"path": path}
 
-        # 4. a DCP read (through Source.read, not direct file reads) raising on rank 1
-        from sdadapt.sources._dcp_dir import DCPSource
+    # 4. a DCP read (through Source.read, not direct file reads) raising on rank 1
+    from sdadapt.sources._dcp_dir import DCPSource
 
-        real_read = DCPSource.read
+    real_read = DCPSource.read
 
-        def bad_read(self: DCPSource, key: str, box: Any) -> torch.Tensor:
-            if key == KEY:
-                raise RuntimeError("injected failure reading the DCP data file")
-            return real_read(self, key, box)
+    def bad_read(self: DCPSource, key: str, box: Any) -> torch.Tensor:
+        if key == KEY:
+            raise RuntimeError("injected failure reading the DCP data file")
+        return real_read(self, key, box)
 
-        real_locate = DCPSource.locate_region  # rank 1 reads through Source.read, not the raw chunks
+    real_locate = DCPSource.locate_region  # rank 1 reads through Source.read, not the raw chunks
 
-        DCPSource.read = bad_read if rank == 1 else real_read  # type: ignore[method-assign]
-        DCPSource.locate_region = (lambda self, key, box: None) if rank == 1 else real_locate  # type: ignore[method-assign]
-        try:
-            out[f"dcp_read_raises_rank1/{tag}"] = _attempt(_make(mesh, meta), good["dcp"]) | {"path": good["dcp"]}
-        finally:
-            DCPSource.read = real_read  # type: ignore[method-assign]
-            DCPSource.locate_region = real_locate  # type: ignore[method-assign]
+    DCPSource.read = bad_read if rank == 1 else real_read  # type: ignore[method-assign]
+    DCPSource.locate_region = (lambda self, key, box: None) if rank == 1 else real_locate  # type: ignore[method-assign]
+    try:
+        out[f"dcp_read_raises_rank1/{tag}"] = _attempt(_make(mesh, meta), good["dcp"], **kw) | {"path": good["dcp"]}
+    finally:
+        DCPSource.read = real_read  # type: ignore[method-assign]
+        DCPSource.locate_region = real_locate  # type: ignore[method-assign]
     return out
 
 
@@ -249,9 +278,19 @@ def _problems(case: Any, got: dict[str, Any], rank: int, label: str) -> list[str
     out = [f"{where}: message lacks {m}: {got['message'][:800]}" for m in case.check_message(got["message"])]
     if got["seconds"] > BOUND_S:
         out.append(f"{where}: took {got['seconds']:.1f} s")
-    if not got["unchanged"]:
-        out.append(f"{where}: the model changed")
+    out += _state_problems(got, label, where)
     return out
+
+
+def _state_problems(got: dict[str, Any], label: str, where: str) -> list[str]:
+    """The model after a failed load: unchanged, or (``/real``: written in place) partly
+    overwritten, said so in the error and marked; never changed silently."""
+    in_place = label.endswith("/real")
+    if in_place and got["marked"] and "partly overwritten" in got["message"]:
+        return []  # (possibly still unchanged: the read may have failed before its first write)
+    if got["unchanged"] and not got["marked"]:
+        return []
+    return [f"{where}: the model changed (marked: {got['marked']}): {got.get('message', '')[:400]}"]
 
 
 def test_corpus_covers_every_kind(corpus: Any) -> None:
@@ -269,22 +308,30 @@ def test_corpus_single_process(corpus: Any) -> None:
     cases, _ = corpus
     problems: list[str] = []
     for c in cases:
-        for meta in (True, False):
-            got = _attempt(_make(None, meta), c.path, **c.load_kwargs)
-            problems += _problems(c, got, 0, f"{c.name}/{'meta' if meta else 'real'}")
+        for mode in _modes(True, c.phase):
+            kw = dict(c.load_kwargs, **({"stage": True} if mode == "staged" else {}))
+            got = _attempt(_make(None, mode == "meta"), c.path, **kw)
+            problems += _problems(c, got, 0, f"{c.name}/{mode}")
     for c in cases:
         if c.marker:
             assert not os.path.exists(c.marker), f"{c.name}: code from the checkpoint ran"
     assert not problems, "\n".join(problems)
 
 
-def test_stage_false_says_partly_overwritten(corpus: Any) -> None:
-    """Opting out of staging saves memory; a read failure then says the model was partly written."""
+def test_in_place_failure_says_partly_overwritten(corpus: Any) -> None:
+    """By default a model with values is written in place; a read failure then says the model
+    was partly written and marks it; stage=True keeps it bit for bit."""
     cases, _ = corpus
     case = next(c for c in cases if c.name == "st_flip_data_verify")
     model = _make(None, False)
     with pytest.raises(LoadError, match="partly overwritten"):
-        sdadapt.load(model, case.path, verify=True, stage=False)
+        sdadapt.load(model, case.path, verify=True)
+    assert _forward_refused(model)
+    model = _make(None, False)
+    snap = _snapshot(model)
+    with pytest.raises(LoadError, match="Nothing was kept"):
+        sdadapt.load(model, case.path, verify=True, stage=True)
+    assert _unchanged(model, snap) and not _forward_refused(model)
 
 
 def test_verify_accepts_good_and_checks_only_what_is_read(corpus: Any, tmp_path: Any) -> None:
@@ -362,14 +409,14 @@ def test_faults_on_one_rank(dist_results: dict[int, Any], world: int) -> None:
             path = os.path.join(got["path"], "__0_0.distcp") if kind.startswith("dcp") else got["path"]
             if path not in msg:
                 problems.append(f"{where}: message does not name {path}: {msg[:600]}")
-            if kind in ("eio_rank1", "eio_rank1_shared", "dcp_read_raises_rank1") and ("rank(s) 1" not in msg or repr(KEY) not in msg and "key '" not in msg):
+            names_key = repr(KEY) in msg or "key '" in msg
+            if kind in ("eio_rank1", "eio_rank1_shared", "dcp_read_raises_rank1") and ("rank(s) 1" not in msg or not names_key):
                 problems.append(f"{where}: message does not name rank 1 and a key: {msg[:600]}")
             if kind == "grows_while_read" and "size changed" not in msg:
                 problems.append(f"{where}: {msg[:600]}")
             if got["seconds"] > BOUND_S:
                 problems.append(f"{where}: took {got['seconds']:.1f} s")
-            if not got["unchanged"]:
-                problems.append(f"{where}: the model changed")
+            problems += _state_problems(got, label, where)
     assert not problems, "\n".join(problems)
     for r in results:
         assert r["good"] == {"pt": True, "st": True, "hf": True, "dcp": True}
@@ -403,7 +450,7 @@ def test_export_and_save_state_checksums_then_verify(tmp_path: Any, fmt: str) ->
     model = _make(None, False)
     snap = _snapshot(model)
     with pytest.raises(LoadError, match="checksum mismatch") as e:
-        sdadapt.load(model, dst, verify=True)
+        sdadapt.load(model, dst, verify=True, stage=True)
     assert repr(KEY) in str(e.value) and _unchanged(model, snap)
     if fmt == "dcp":  # save_state: the sidecar keys are the folder's full names (model.*)
         folder = str(tmp_path / "state")

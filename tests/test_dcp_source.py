@@ -127,7 +127,7 @@ def test_engine_reads_raw_chunks_bit_exact(sharded):
     contiguous and strided destinations, direct, staged and strided-copy paths) equal the
     saved tensors, with every byte read from the raw chunks (no Source.read fallback)."""
     from sdadapt import _nodes as N
-    from sdadapt._io_engine import EngineConfig, IOEngine, Job
+    from sdadapt._engine import EngineConfig, IOEngine, Job
 
     full = _tensors()
     rnd = random.Random(3)
@@ -150,7 +150,7 @@ def test_engine_reads_raw_chunks_bit_exact(sharded):
                     want.append(ref)
             engine = IOEngine(src, cfg)
             engine.run(jobs)
-            for job, ref in zip(jobs, want):
+            for job, ref in zip(jobs, want, strict=True):
                 assert torch.equal(job.dest, ref), (job.key, job.box)
             nbytes = sum(r.numel() * r.element_size() for r in want)
             assert engine.stats.bytes_read == nbytes
@@ -201,6 +201,13 @@ def test_subtree(tmp_path):
     src = open_source(folder, subtree="model")
     assert set(src.schema) == set(sd)
     assert torch.equal(src.read("w", ((1, 4), (0, 7))), sd["w"][1:4])
+    # declared capabilities: the checkpoint's own names, every file it reads, chunk locations
+    assert src.stored_key("w") == "model.w"
+    data = sorted(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".distcp"))
+    assert src.files() == [os.path.join(folder, ".metadata"), *data]
+    assert src.locate("w") is None  # stored in chunks: located by region
+    (cb, loc), = src.locate_region("w", ((1, 4), (0, 7)))
+    assert cb == ((0, 13), (0, 7)) and loc.path in data
     with pytest.raises(sdadapt.SourceError, match="subtree 'nope'"):
         open_source(folder, subtree="nope")
 

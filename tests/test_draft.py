@@ -1,4 +1,4 @@
-"""``sdadapt draft`` (issue 7): a first adapter inferred from a checkpoint's and a model's headers.
+"""``sdadapt draft``: a first adapter inferred from a checkpoint's and a model's headers.
 
 Acceptance: on the shipped families' own layouts, built with the real libraries at tiny
 configs (HF Llama -> Meta layout, plain and fused; HF Mixtral per-expert and stacked ->

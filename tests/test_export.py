@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import sdadapt
-from sdadapt._export import ExportError
+from sdadapt._export import ExportError, convert
 
 QKV = sdadapt.Adapter(
     [sdadapt.fuse([f"layers.{{i}}.attn.{n}_proj.{{p}}" for n in "qkv"], "layers.{i}.attn.qkv.{p}")], name="split-qkv"
@@ -213,3 +213,24 @@ def test_hf_export_opens_with_from_pretrained(tmp_path):
     cfg.save_pretrained(dst)
     back = transformers.LlamaForCausalLM.from_pretrained(dst)
     _assert_same(model, back)
+
+
+def test_convert_refuses_a_source_that_changes_while_read(tmp_path):
+    """convert runs the load transaction's file check: a source file modified during the
+    conversion fails it, naming the file, and nothing is left at the destination."""
+    src = tmp_path / "src.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in _model().state_dict().items()}, str(src))
+    dst = tmp_path / "out"
+
+    def touch(key: str, nbytes: int) -> None:  # another writer updates the file meanwhile
+        st = os.stat(src)
+        os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+
+    with pytest.raises(sdadapt.SourceError, match="changed while it was being converted") as e:
+        convert(src, dst, progress=touch)
+    assert str(src) in str(e.value)
+    assert sorted(os.listdir(tmp_path)) == ["src.safetensors"]
+    convert(src, dst)  # unchanged: converts
+    assert sorted(os.listdir(dst)) == ["model.safetensors"]

@@ -229,7 +229,8 @@ def test_fuzz_hf_index(index: Any, raw_tail: bytes) -> None:
 # --------------------------------------------------------------------------------------------
 KINDS = ["rename", "fuse", "split", "cast", "drop", "tie", "transpose", "rotary", "stack", "unstack", "pad", "trim",
          "interleave", "deinterleave", "strip_prefix", "add_prefix", "nope"]
-patterns = st.sampled_from(["layers.0.w", "layers.1.w", "layers.0.b", "e.{e}.w", "layers.{i}.w", "w", "b", "layers.{i}.w", "layers.{i}.b", "**", "*", "{x:int}", "layers.{i:int}.*", "q", "k", "v",
+patterns = st.sampled_from(["layers.0.w", "layers.1.w", "layers.0.b", "e.{e}.w", "layers.{i}.w", "w", "b", "layers.{i}.w",
+                            "layers.{i}.b", "**", "*", "{x:int}", "layers.{i:int}.*", "q", "k", "v",
                             "qkv", "e.{e}.w", "experts.w", "{", "}", "a..b", "", "layers.{i}.{i}"]) | st.text(max_size=8)
 fields = {
     "src": patterns, "dst": patterns, "srcs": st.lists(patterns, max_size=3), "dsts": st.lists(patterns, max_size=3),

@@ -1,18 +1,20 @@
-"""The I/O engine (sdadapt._io_engine) without processes: every path bit-exact against the
+"""The I/O engine (sdadapt._engine) without processes: every path bit-exact against the
 recipe's own ``read`` (the simple reader's path), coalescing, bounded staging, exact byte
 counts, and errors that name the key and the file."""
 
 from __future__ import annotations
 
+import functools
 import os
 import random
+from dataclasses import dataclass, field
 
 import pytest
 import torch
 from checkpoints import random_state_dict, write_hf_sharded, write_safetensors, write_torch_save
 
 from sdadapt import _nodes as N
-from sdadapt._io_engine import EngineConfig, IOEngine, Job, box_spans, default_threads, route
+from sdadapt._engine import EngineConfig, IOEngine, Job, box_spans, default_threads
 from sdadapt.errors import LoadError
 from sdadapt.sources import open_source
 
@@ -55,20 +57,15 @@ def _recipes(src) -> dict[str, N.Node]:
     out["a32"] = N.Cast(leaf["a"], torch.float32)
     out["c_mid"] = N.Narrow(leaf["c"], 0, 10, 40)
     out["b_cast_cat"] = N.Cast(N.Concat((leaf["b"], N.Narrow(leaf["b"], 0, 4, 6)), 0), torch.float64)
-    for name in ("Transpose", "Stack", "Select", "UnitPermute", "Pad"):
-        cls = getattr(N, name, None)
-        if cls is None:
-            continue
-        if name == "Transpose":
-            out["cT"] = cls(leaf["c"], 0, 1)
-        elif name == "Stack":
-            out["kv_stack"] = cls((leaf["k"], leaf["v"]), 0)
-        elif name == "Select":
-            out["b_sel"] = cls(leaf["b"], 1, 3)
-        elif name == "UnitPermute":
-            out["q_perm"] = cls(leaf["q"], 0, 4, (0, 2, 1, 3))
-        elif name == "Pad":
-            out["a_pad"] = cls(leaf["a"], 0, 40, 0.0)
+    out["b_int_back"] = N.Cast(N.Cast(leaf["b"], torch.int32), torch.float32)  # truncates
+    out["c_bf16_f32"] = N.Cast(N.Cast(leaf["c"], torch.bfloat16), torch.float32)  # rounds
+    out["cT"] = N.Transpose(leaf["c"], 0, 1)
+    out["kv_stack"] = N.Stack((leaf["k"], leaf["v"]), 0)
+    out["b_sel"] = N.Select(leaf["b"], 1, 3)
+    out["q_perm"] = N.UnitPermute(leaf["q"], 0, 4, (0, 2, 1, 3))
+    out["a_pad"] = N.Pad(leaf["a"], 0, 40, 0.0)
+    out["a_pad_half"] = N.Pad(N.Cast(leaf["a"], torch.float16), 1, 23, 0.1)
+    out["qkv_tp2"] = N.Interleave(N.Concat((leaf["q"], leaf["k"], leaf["v"]), 0), 0, (24, 8, 8), 2)
     return out
 
 
@@ -106,15 +103,16 @@ def test_engine_bit_exact_every_path(sources, fmt):
             for key, node in recipes.items():
                 for _ in range(3):
                     box = _random_box(node.shape, rng)
-                    want = node.read(box, ref_io).clone()
-                    dest = torch.full(want.shape, 7, dtype=node.dtype) if node.dtype != torch.bool else torch.zeros(want.shape, dtype=torch.bool)
+                    want = node.full(ref_io)[tuple(slice(a, b) for a, b in box)]
+                    assert torch.equal(node.read(box, ref_io), want), (key, box)
+                    dest = torch.full(want.shape, 7, dtype=node.dtype)
                     if rng.random() < 0.3 and dest.dim() == 2:  # a non-contiguous destination (TP-like column slice)
                         dest = torch.full((want.shape[0], want.shape[1] + 3), 7, dtype=node.dtype)[:, 1 : 1 + want.shape[1]]
                     jobs.append(Job(key, node, box, dest))
                     expected.append((key, box, want))
             engine = IOEngine(src, cfg)
             stats = engine.run(jobs)
-            for job, (key, box, want) in zip(jobs, expected):
+            for job, (key, box, want) in zip(jobs, expected, strict=True):
                 assert torch.equal(job.dest, want), (fmt, cname, key, box)
             assert stats.bytes_read > 0
             assert stats.staging_bytes <= max(cfg.staging_bytes, cfg.chunk())
@@ -243,19 +241,91 @@ def test_torch_save_locations_are_file_offsets(sources):
                 assert raw == bytes(t.contiguous().reshape(-1).view(torch.uint8).tolist()), key
 
 
-def test_route_covers_every_element(sources):
-    """Routing writes every element of the destination exactly once per piece set."""
+def test_steps_cover_every_element(sources):
+    """A recipe's steps write every element of the destination exactly once."""
     _, paths = sources
     rng = random.Random(11)
     with open_source(paths["safetensors"]) as src:
         for key, node in _recipes(src).items():
             box = _random_box(node.shape, rng)
             dest = torch.zeros([b - a for a, b in box], dtype=torch.float64)
-            actions: list = []
-            route(node, box, dest, actions)
-            for act in actions:
-                act.dest.add_(1)
+            for step in node.steps(box, dest):
+                step.dest.add_(1)
             assert torch.equal(dest, torch.ones_like(dest)), key
+
+
+def test_engine_knows_no_node_kinds(sources):
+    """Pure data movement becomes pieces read straight from the file; only the unit permutation
+    and the lossy casts are computations (no node goes through Source.read whole)."""
+    _, paths = sources
+    with open_source(paths["safetensors"]) as src:
+        recipes = _recipes(src)
+        kinds = {}
+        for key, node in recipes.items():
+            dest = torch.empty(node.shape, dtype=node.dtype)
+            kinds[key] = {type(s).__name__ for s in node.steps(N.full_box(node.shape), dest)}
+        assert kinds["qkv_tp2"] == kinds["kv_stack"] == kinds["cT"] == kinds["b_cast_cat"] == {"Piece"}
+        assert kinds["a_pad"] == {"Piece", "Fill"}
+        assert kinds["q_perm"] == kinds["b_int_back"] == kinds["c_bf16_f32"] == {"Compute"}
+        assert kinds["a_pad_half"] == {"Piece", "Fill"}  # bf16 -> f16 into an f16 destination: copy_ is the cast
+
+
+@dataclass(frozen=True, eq=False)
+class _BlockScaled(N.Node):
+    """A node kind written outside sdadapt with only shape, dtype, produce, full and describe:
+    ``weight * scale[i // b0, j // b1]`` in float32, computed over block-aligned reads of both
+    inputs (what a dequantisation node does)."""
+
+    weight: N.Node
+    scale: N.Node
+    block: tuple[int, int]
+    shape: tuple[int, ...] = field(init=False)
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", self.weight.shape)
+
+    def produce(self, box, dest, out):
+        out.append(N.Compute(self, box, dest, functools.partial(self._dequant, box)))
+
+    def _dequant(self, box, io):
+        (b0, b1), ((r0, r1), (c0, c1)) = self.block, box
+        rows, cols = (r0 // b0, -(-r1 // b0)), (c0 // b1, -(-c1 // b1))  # the scale tiles the box touches
+        wide = ((rows[0] * b0, min(self.shape[0], rows[1] * b0)), (cols[0] * b1, min(self.shape[1], cols[1] * b1)))
+        w = self.weight.read(wide, io).float()
+        s = self.scale.read((rows, cols), io).repeat_interleave(b0, 0).repeat_interleave(b1, 1)
+        v = w * s[: w.shape[0], : w.shape[1]]
+        return v[r0 - wide[0][0] : r1 - wide[0][0], c0 - wide[1][0] : c1 - wide[1][0]]
+
+    def full(self, io):
+        w, s = self.weight.full(io).float(), self.scale.full(io)
+        i = torch.arange(self.shape[0]) // self.block[0]
+        j = torch.arange(self.shape[1]) // self.block[1]
+        return w * s[i][:, j]
+
+    def describe(self):
+        return f"block_scaled({self.weight.describe()}, {self.scale.describe()})"
+
+
+def test_a_new_computing_node_needs_only_produce(tmp_path):
+    """A node that computes over widened reads of two inputs plugs into the region path and
+    the engine without either knowing it: bit-exact against its own ``full``."""
+    sd = {"w": torch.randn(37, 19).to(torch.bfloat16), "w_scale": torch.rand(5, 3) + 0.5}
+    path = write_safetensors(tmp_path / "q.safetensors", sd)
+    node = _BlockScaled(N.Leaf("w", (37, 19), torch.bfloat16), N.Leaf("w_scale", (5, 3), torch.float32), (8, 7))
+    assert node.leaves() == ["w", "w_scale"]
+    rng = random.Random(5)
+    with open_source(path) as src:
+        full = node.full(_Plain(src))
+        boxes = [_random_box(node.shape, rng) for _ in range(12)] + [N.full_box(node.shape)]
+        for box in boxes:
+            assert torch.equal(node.read(box, _Plain(src)), full[tuple(slice(a, b) for a, b in box)]), box
+        for cfg in CONFIGS.values():
+            jobs = [Job("w", node, box, torch.zeros([b - a for a, b in box])) for box in boxes]
+            stats = IOEngine(src, cfg).run(jobs)
+            assert stats.computed >= len(jobs)
+            for job in jobs:
+                assert torch.equal(job.dest, full[tuple(slice(a, b) for a, b in job.box)]), job.box
 
 
 def test_error_names_key_and_file_on_truncated_file(tmp_path):
@@ -280,17 +350,23 @@ def test_error_from_a_computed_node_names_key(sources):
     _, paths = sources
 
     class Boom(N.Node):
+        """A computation that fails, written as a new node kind would be."""
+
         shape = (3,)
         dtype = torch.float32
 
-        def read(self, box, io):
+        def produce(self, box, dest, out):
+            out.append(N.Compute(self, box, dest, self._boom))
+
+        def _boom(self, io):
+            io.read("a", ((0, 1), (0, 1)))
             raise ValueError("boom")
 
-        def leaves(self):
-            return ["a"]
+        def children(self):
+            return (N.Leaf("a", (37, 19), torch.bfloat16),)
 
     with open_source(paths["safetensors"]) as src:
-        with pytest.raises(LoadError, match=r"key 'target.w'.*boom"):
+        with pytest.raises(LoadError, match=r"key 'target.w' \(from .*m.safetensors\).*boom"):
             IOEngine(src, EngineConfig(threads=2)).run([Job("target.w", Boom(), ((0, 3),), torch.empty(3))])
 
 
@@ -323,16 +399,32 @@ def test_config_from_environment(monkeypatch):
 
 
 def test_populate_keeps_values_and_fresh_memory_reads_right(tmp_path):
-    from sdadapt._io_engine import _populate
+    from sdadapt._engine.syscalls import populate
 
     t = torch.arange(1 << 20, dtype=torch.int32)  # 4 MiB with values: faulting in must not change them
     want = t.clone()
-    _populate(t)
+    populate(t)
     assert torch.equal(t, want)
     # a direct read into fresh memory large enough to be populated first
     sd = {"big": torch.randn(1024, 1024)}  # 4 MiB
     path = write_safetensors(tmp_path / "p.safetensors", sd)
     with open_source(path) as src:
         dest = torch.empty(1024, 1024)
-        stats = IOEngine(src, EngineConfig(threads=1)).run([Job("big", N.Leaf("big", (1024, 1024), torch.float32), ((0, 1024), (0, 1024)), dest)])
+        job = Job("big", N.Leaf("big", (1024, 1024), torch.float32), ((0, 1024), (0, 1024)), dest)
+        stats = IOEngine(src, EngineConfig(threads=1)).run([job])
         assert stats.direct_bytes == 4 << 20 and torch.equal(dest, sd["big"])
+
+
+def test_lossy_cast_chain_is_applied(tmp_path):
+    """f32 -> int32 -> f32 truncates: the engine must compute the inner cast, not let ``copy_``
+    convert f32 straight into the f32 destination."""
+    t = torch.tensor([[1.75, -2.5, 3.25], [0.5, -0.75, 9.9]], dtype=torch.float32)
+    path = write_safetensors(tmp_path / "c.safetensors", {"w": t})
+    with open_source(path) as src:
+        node = N.Cast(N.Cast(N.Leaf("w", (2, 3), torch.float32), torch.int32), torch.float32)
+        want = node.full(_Plain(src))
+        assert torch.equal(want, t.to(torch.int32).to(torch.float32))
+        for cfg in CONFIGS.values():
+            dest = torch.full((2, 3), 7.0)
+            IOEngine(src, cfg).run([Job("w", node, ((0, 2), (0, 3)), dest)])
+            assert torch.equal(dest, want)

@@ -146,7 +146,7 @@ def test_fuse_declared_sizes_checked():
 
 
 def test_fuse_and_split_must_be_invertible():
-    # the inverse would need {p}, which the fused key no longer carries
+    # the inverse would need {p}, which the fused key does not carry
     with pytest.raises(AdapterError, match=r"\{p\}"):
         sdadapt.fuse(["a.{i}.q.{p}", "a.{i}.k.{p}"], "a.{i}.qkv")
     with pytest.raises(AdapterError, match=r"\{p\}"):

@@ -246,6 +246,41 @@ def test_hf_sharded_follows_index(tmp_path):
     assert isinstance(src2, HFShardedSource) and set(src2.schema) == set(sd)
 
 
+def test_declared_capabilities(tmp_path):
+    """Every source declares its files, key names and byte locations through the base class;
+    a verifying wrapper delegates files and names but hands out no locations (every byte it
+    serves is checked)."""
+    from sdadapt._integrity import VerifyingSource, read_checksums, write_checksums
+
+    sd = random_state_dict(SPEC, seed=5)
+    st = str(write_safetensors(tmp_path / "m.safetensors", sd))
+    pt = str(write_torch_save(tmp_path / "m.pt", sd))
+    hf = str(write_hf_sharded(tmp_path / "hf", sd, max_shard_bytes=200))
+    shards = sorted(os.path.join(hf, f) for f in os.listdir(hf) if f.endswith(".safetensors"))
+    want_files = {st: [st], pt: [pt], hf: [os.path.join(hf, "model.safetensors.index.json"), *shards]}
+    for path, files in want_files.items():
+        with open_source(path) as src:
+            assert src.files() == files, path
+            for key, info in src.schema.items():
+                assert src.stored_key(key) == key
+                loc = src.locate(key)
+                if loc is None:
+                    assert src.locate_region(key, full_box(info.shape)) is None
+                    continue
+                box = tuple((0, max(1, n // 2)) if n else (0, 0) for n in info.shape)
+                assert src.locate_region(key, box) == [(full_box(info.shape), loc)], (path, key)
+    write_checksums(st)
+    with open_source(st) as inner:
+        sidecar, entries = read_checksums(inner)
+        verifying = VerifyingSource(inner, sidecar, entries, list(inner.schema))
+        assert verifying.files() == [st]
+        key = next(iter(inner.schema))
+        assert inner.locate(key) is not None
+        assert verifying.locate(key) is None
+        assert verifying.locate_region(key, full_box(inner.schema[key].shape)) is None
+        assert verifying.stored_key(key) == key
+
+
 def test_hf_sharded_index_subset_of_shard(tmp_path):
     # a shard may hold tensors the index does not list: only the index's keys are the schema
     folder = tmp_path / "hf"

@@ -15,10 +15,17 @@ import torch
 
 from ._adapter import Adapter
 from ._diff import diff
+from ._draft import Draft, draft
+from ._engine import EngineConfig
+from ._export import ExportReport, convert, export
+from ._integrity import write_checksums
 from ._load import LoadReport, load, plan_load
 from ._plan import Plan, build_plan
+from ._quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX, MX_SCALES_SUFFIX
+from ._quant_rules import DequantFP8, DequantMXFP4, QuantizeFP8, QuantizeMXFP4, dequant_rules
 from ._registry import get_adapter, list_adapters
 from ._report import Report
+from ._resolve import resolve_adapter, resolve_target
 from ._rules import (
     AddPrefix,
     Cast,
@@ -38,7 +45,24 @@ from ._rules import (
     Trim,
     Unstack,
 )
-from .errors import AdapterError, LoadError, ModelError, PlanError, RemoteRankError, SdadaptError, SourceError
+from ._rules.base import dtype_str as _dtype_str
+from ._shrink import ShrinkReport, shrink
+from ._state import StateLoadReport, load_state, save_state
+from ._verify import VerifyReport, verify
+from .errors import (
+    AdapterError,
+    ExportError,
+    LoadError,
+    ModelError,
+    PlanError,
+    RemoteRankError,
+    ResolveError,
+    SdadaptError,
+    ShrinkError,
+    SourceError,
+    StateError,
+    VerifyError,
+)
 from .sources import Source, TensorInfo, open_source
 
 __version__ = "0.1.0"
@@ -130,70 +154,126 @@ def add_prefix(prefix: str, keys: str = "**") -> AddPrefix:
     return AddPrefix(prefix=prefix, keys=keys)
 
 
+def dequant_fp8(
+    keys: str = "**.weight",
+    block: tuple[int, int] = (128, 128),
+    *,
+    exclude: list[str] | None = None,
+    scale_suffix: str = FP8_SCALE_SUFFIX,
+    scale_format: Literal["float32", "ue8m0"] = "float32",
+    dtype: str | torch.dtype = "bfloat16",
+) -> DequantFP8:
+    """FP8 e4m3 weights matching ``keys`` (not ``exclude``) with ``block`` scales at
+    ``key + scale_suffix`` (float32, or ``"ue8m0"`` exponent bytes) -> values in ``dtype``."""
+    return DequantFP8(
+        keys=keys,
+        block=block,
+        exclude=exclude or [],
+        scale_suffix=scale_suffix,
+        scale_format=scale_format,
+        dtype=_dtype_str(dtype),
+    )
+
+
+def dequant_mxfp4(
+    keys: str,
+    *,
+    blocks_suffix: str = MX_BLOCKS_SUFFIX,
+    scales_suffix: str = MX_SCALES_SUFFIX,
+    dtype: str | torch.dtype = "bfloat16",
+) -> DequantMXFP4:
+    """MXFP4 ``<name>_blocks`` + ``<name>_scales`` -> ``<name>`` (values ``[..., G * 32]``) for names matching ``keys``."""
+    return DequantMXFP4(keys=keys, blocks_suffix=blocks_suffix, scales_suffix=scales_suffix, dtype=_dtype_str(dtype))
+
+
 __all__ = [
+    # loading, planning, reporting
+    "LoadReport",
+    "Plan",
+    "Report",
+    "build_plan",
+    "diff",
+    "load",
+    "plan_load",
+    # training state, export, integrity
+    "ExportReport",
+    "StateLoadReport",
+    "convert",
+    "export",
+    "load_state",
+    "save_state",
+    "write_checksums",
+    # checking and trimming checkpoints
+    "ShrinkReport",
+    "VerifyReport",
+    "shrink",
+    "verify",
+    # sources and engine settings
+    "EngineConfig",
+    "Source",
+    "TensorInfo",
+    "open_source",
+    # adapters: the registry, spec resolution, drafting
     "Adapter",
-    "AdapterError",
+    "Draft",
+    "draft",
+    "get_adapter",
+    "list_adapters",
+    "resolve_adapter",
+    "resolve_target",
+    # rules and their constructors
+    "AddPrefix",
     "Cast",
+    "Deinterleave",
     "Drop",
     "Fuse",
-    "LoadError",
-    "LoadReport",
-    "ModelError",
-    "Plan",
-    "PlanError",
-    "RemoteRankError",
-    "Rename",
-    "Report",
-    "Rule",
-    "SdadaptError",
-    "Source",
-    "SourceError",
-    "Split",
-    "TensorInfo",
-    "Tie",
-    "build_plan",
-    "cast",
-    "diff",
-    "drop",
-    "fuse",
-    "load",
-    "open_source",
-    "plan_load",
-    "rename",
-    "split",
-    "tie",
-    # layout rules and the adapter registry
-    "AddPrefix",
-    "Deinterleave",
     "Interleave",
     "Pad",
+    "Rename",
     "Rotary",
+    "Rule",
+    "Split",
     "Stack",
     "StripPrefix",
+    "Tie",
     "Transpose",
     "Trim",
     "Unstack",
     "add_prefix",
+    "cast",
     "deinterleave",
-    "get_adapter",
+    "drop",
+    "fuse",
     "interleave",
-    "list_adapters",
     "pad",
+    "rename",
     "rotary",
+    "split",
     "stack",
     "strip_prefix",
+    "tie",
     "transpose",
     "trim",
     "unstack",
+    # quantized sources
+    "DequantFP8",
+    "DequantMXFP4",
+    "QuantizeFP8",
+    "QuantizeMXFP4",
+    "dequant_fp8",
+    "dequant_mxfp4",
+    "dequant_rules",
+    # errors
+    "AdapterError",
+    "ExportError",
+    "LoadError",
+    "ModelError",
+    "PlanError",
+    "RemoteRankError",
+    "ResolveError",
+    "SdadaptError",
+    "ShrinkError",
+    "SourceError",
+    "StateError",
+    "VerifyError",
 ]
-
-# --- issue 4: training state, export (appended) ---
-from ._export import export  # noqa: E402
-from ._state import StateError, StateLoadReport, load_state, save_state  # noqa: E402
-
-__all__ += ["StateError", "StateLoadReport", "export", "load_state", "save_state"]
-
-# --- issue 7: sdadapt draft (appended) ---
-from ._draft import Draft, draft  # noqa: E402
-
-__all__ += ["Draft", "draft"]

@@ -65,7 +65,7 @@ def collective_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where a small tensor for a collective on ``group`` must live (as ``all_gather_object``
     decides: the current GPU for NCCL, else the CPU)."""
     try:
-        return dist.distributed_c10d._get_object_coll_device(group)  # type: ignore[attr-defined]
+        return torch.device(dist.distributed_c10d._get_object_coll_device(group))
     except Exception:  # noqa: BLE001 - older/newer torch: decide from the backend's name
         backend = str(dist.get_backend(group))
         if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():

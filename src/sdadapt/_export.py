@@ -13,7 +13,10 @@ source, written, and its pages are handed back to the kernel. Never the whole mo
 
 Atomicity: everything is written into ``dst + ".tmp-<id>"`` beside ``dst`` and renamed into
 place at the end; an existing ``dst`` is an error unless ``overwrite=True``; on any failure
-(a full disk...) the temporary output is removed and ``dst`` is left as it was.
+(a full disk...) the temporary output is removed and ``dst`` is left as it was. Both run the
+steps of the load transaction (:mod:`sdadapt._transaction`): ``export`` plans and agrees on
+every rank before anything is written; ``convert`` fingerprints the source's files and
+refuses to commit an output read from a file that changed meanwhile.
 """
 
 from __future__ import annotations
@@ -38,24 +41,21 @@ from torch.distributed.tensor import DTensor
 
 from . import _integrity as integrity
 from ._adapter import Adapter
-from ._distributed import agree, is_distributed, rank_and_world
+from ._distributed import is_distributed, rank_and_world
 from ._materialize import has_meta
 from ._nodes import Box, Node, full_box
 from ._plan import PlanContext
 from ._target import model_state_dict
+from ._transaction import Transaction
 from ._writers import make_writer
 from ._writers.base import FORMATS
-from .errors import RemoteRankError, SdadaptError
+from .errors import ExportError, RemoteRankError, SdadaptError
 from .sources import Source, open_source
 from .sources._base import TensorInfo, slices
 
 log = logging.getLogger(__name__)
 
 Progress = Callable[[str, int], None]  # (key, bytes) after each tensor is written
-
-
-class ExportError(SdadaptError):
-    """Writing the output failed or is not possible as asked; nothing is left at ``dst``."""
 
 
 class ExportReport(BaseModel):
@@ -188,11 +188,6 @@ class PageReleaser:
                 self._refresh()
 
 
-def _source_files(source: Source) -> list[str]:
-    files = {source.file_of(k) for k in source.schema}
-    return [f for f in files if os.path.isfile(f)]
-
-
 # ------------------------------------------------------------------------------ output
 def _check_dst(dst: str, overwrite: bool) -> None:
     if os.path.lexists(dst) and not overwrite:
@@ -303,9 +298,9 @@ def export(
     t0 = time.perf_counter()
     dst = os.fspath(dst)
     rank, world = rank_and_world(process_group)
-    error: SdadaptError | None = None
-    outputs: dict[str, Node] = {}
-    try:
+    txn = Transaction(None, process_group, dst)
+
+    def prepare() -> tuple[dict[str, torch.Tensor], dict[str, Node]]:
         if format not in FORMATS:
             raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
         if has_meta(model):
@@ -315,10 +310,9 @@ def export(
         sd = model_state_dict(model)
         schema = {k: TensorInfo(tuple(t.shape), t.dtype) for k, t in sd.items()}
         inverse = adapter.inverse() if adapter is not None else None
-        outputs, _ = plan_outputs(schema, inverse, what=f"export to {dst}")
-    except SdadaptError as e:
-        error = e
-    agree(error, process_group)
+        return sd, plan_outputs(schema, inverse, what=f"export to {dst}")[0]
+
+    sd, outputs = txn.prepare(prepare)  # planned on every rank; any rank's error is every rank's
 
     def fetch(key: str) -> torch.Tensor:
         t = sd[key]
@@ -401,11 +395,13 @@ def convert(
         raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
     _check_dst(dst, overwrite)
     source = open_source(src, subtree=subtree)
+    txn = Transaction(None, None, source.path)
     try:
+        txn.add_source(source)  # the source's files must not change while they are converted
         outputs, skipped = plan_outputs(source.schema, adapter, non_tensor=source.non_tensor, what=f"convert {source.path}")
         if skipped:
             log.warning("convert: %d non-tensor entries are not written: %s", len(skipped), ", ".join(skipped[:8]))
-        release = PageReleaser(_source_files(source))
+        release = PageReleaser(source.files())
         io = _CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
         written = [0]
 
@@ -419,13 +415,13 @@ def convert(
 
         def check(tmp: str) -> None:
             io.flush()
-            _verify(tmp, dst, outputs, source, release, progress)
+            if verify:
+                _verify(tmp, dst, outputs, source, release, progress)
+            txn.files_unchanged("while it was being converted")
 
-        files = _write(
-            dst, format, outputs, produce, max_shard_size=max_shard_size, overwrite=overwrite, check=check if verify else None
-        )
+        files = _write(dst, format, outputs, produce, max_shard_size=max_shard_size, overwrite=overwrite, check=check)
     finally:
-        source.close()
+        txn.close()
     return ExportReport(
         dst=dst,
         format=format,
@@ -441,7 +437,7 @@ def convert(
 def _verify(tmp: str, dst: str, outputs: dict[str, Node], source: Source, release: PageReleaser, progress: Progress | None) -> None:
     result = open_source(tmp)
     try:
-        release_out = PageReleaser(_source_files(result))
+        release_out = PageReleaser(result.files())
         missing = sorted(set(outputs) - set(result.schema))
         extra = sorted(set(result.schema) - set(outputs))
         if missing or extra:

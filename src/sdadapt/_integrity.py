@@ -1,11 +1,12 @@
 """Integrity: files unchanged while we read them, per-block checksums, NaN/Inf checks.
 
-Three independent checks, used by :func:`sdadapt.load`:
+Three independent checks, run by the load transaction (:mod:`sdadapt._transaction`):
 
 - **Fingerprints** (always on). The size, mtime and inode of every file a source reads from are
   taken when it is opened, and compared again right before the first byte of tensor data is
   read (every rank, agreed) and once more after the read. A checkpoint that is being written,
-  replaced or truncated while we load it is refused, and the model rolled back.
+  replaced or truncated while we load it is refused (before writing: the model is untouched;
+  after: as the transaction's roll-back policy says).
 - **Checksums** (``load(..., verify=True)``). A sidecar file ``sdadapt.checksums.json`` (written
   by :func:`write_checksums`, by ``export`` and by ``save_state``) records, for each tensor, a
   BLAKE2b-128 digest of every *block* of its bytes. A block is a run of whole rows along dim 0
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 
 from ._nodes import Box
+from ._writers.base import tensor_bytes
 from .errors import SourceError
 from .sources._base import Source, TensorInfo, dtype_name, read_json_file
 
@@ -51,32 +53,6 @@ MAX_CHECKSUMS_BYTES = 256 << 20  # refuse larger sidecars: a header must not mak
 
 
 # --- fingerprints ---------------------------------------------------------------------------
-
-
-def source_files(source: Source) -> list[str]:
-    """Every file a source reads tensor data or headers from (index and metadata included)."""
-    from .sources._hf_sharded import HFShardedSource
-    from .sources._safetensors_file import SafetensorsFile
-    from .sources._torch_save import TorchSaveFile
-
-    inner = getattr(source, "inner", None)
-    if isinstance(inner, Source):
-        return source_files(inner)
-    if isinstance(source, HFShardedSource):
-        return [source.index_path, *sorted(sf.path for sf in source._files.values())]
-    if isinstance(source, (SafetensorsFile, TorchSaveFile)):
-        return [source.path]
-    try:
-        from .sources._dcp_dir import METADATA_NAME, DCPSource
-    except ImportError:  # pragma: no cover
-        DCPSource = None  # type: ignore[assignment,misc]  # noqa: N806
-    if DCPSource is not None and isinstance(source, DCPSource):
-        names = sorted({info.relative_path for info in source.metadata.storage_data.values()})
-        return [os.path.join(source.path, METADATA_NAME), *(os.path.join(source.path, n) for n in names)]
-    files = getattr(source, "files", None)
-    if callable(files):
-        return list(files())
-    return [source.path] if os.path.isfile(source.path) else []
 
 
 Fingerprint = dict[str, tuple[int, int, int, int]]
@@ -109,7 +85,7 @@ def check_unchanged(before: Fingerprint, when: str) -> None:
             )
             raise SourceError(
                 f"the file changed {when}: {what}. It is being written or replaced; load again once "
-                "it is complete (nothing was kept from this load)",
+                "it is complete",
                 path=p,
             )
 
@@ -128,8 +104,7 @@ def _digest(t: torch.Tensor) -> str:
     t = t.detach().contiguous().reshape(-1)
     if t.numel() == 0:
         return hashlib.blake2b(b"", digest_size=16).hexdigest()
-    data = t.view(torch.uint8).numpy() if t.dtype != torch.uint8 else t.numpy()
-    return hashlib.blake2b(memoryview(data), digest_size=16).hexdigest()
+    return hashlib.blake2b(tensor_bytes(t), digest_size=16).hexdigest()
 
 
 def _row_box(info: TensorInfo, lo: int, hi: int) -> Box:
@@ -175,8 +150,7 @@ def write_checksums(path: str | os.PathLike[str], *, block_bytes: int = DEFAULT_
         data = compute_checksums(source, block_bytes=block_bytes)
     finally:
         source.close()
-    if getattr(source, "_prefix", ""):
-        data["tensors"] = {source._prefix + k: v for k, v in data["tensors"].items()}  # type: ignore[attr-defined]
+    data["tensors"] = {source.stored_key(k): v for k, v in data["tensors"].items()}
     out = checksums_path(p)
     if os.path.isdir(p) and not os.path.isdir(os.path.dirname(out) or "."):
         raise SourceError("cannot write checksums: folder missing", path=p)
@@ -212,10 +186,9 @@ def read_checksums(source: Source) -> tuple[str, dict[str, dict[str, Any]]]:
     tensors = data.get("tensors")
     if not isinstance(tensors, dict):
         raise SourceError("checksums file has no 'tensors' object", path=path)
-    prefix = getattr(source, "_prefix", "") or ""
     out = {}
     for key in source.schema:
-        entry = tensors.get(prefix + key)
+        entry = tensors.get(source.stored_key(key))
         if entry is not None:
             out[key] = entry
     return path, out
@@ -229,9 +202,11 @@ class _Expect:
 
 class VerifyingSource(Source):
     """Wraps a source: before a region is handed out, every block (run of rows) it touches is
-    read whole and checked against the recorded digest, once per load. Reads go through
-    ``Source.read`` (the I/O engine's direct file reads are bypassed: verification is a slower,
-    careful mode)."""
+    read whole and checked against the recorded digest, once per load.
+
+    It delegates the inner source's files, key names and messages, but declares no byte
+    locations: the I/O engine's direct file reads would hand out bytes this wrapper never
+    checked, so every read goes through :meth:`read` (verification is a slower, careful mode)."""
 
     def __init__(self, inner: Source, sidecar: str, entries: Mapping[str, Mapping[str, Any]], keys: Iterable[str]):
         self.inner = inner
@@ -278,8 +253,19 @@ class VerifyingSource(Source):
             raise bad
         return _Expect(k, blocks)
 
-    def locate(self, key: str) -> None:  # the I/O engine asks; None = read through read()
+    def locate(self, key: str) -> None:
+        """No byte locations (see the class docstring): every region is read and checked."""
         return None
+
+    def locate_region(self, key: str, box: Box) -> None:
+        """No byte locations, whatever the inner source stores (see the class docstring)."""
+        return None
+
+    def files(self) -> list[str]:
+        return self.inner.files()
+
+    def stored_key(self, key: str) -> str:
+        return self.inner.stored_key(key)
 
     def _verify(self, key: str, box: Box) -> None:
         exp = self._expect.get(key)

@@ -5,26 +5,22 @@ from __future__ import annotations
 import logging
 import os
 import time
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 
-from . import _commit as commit
 from . import _integrity as integrity
 from ._adapter import Adapter
-from ._distributed import agree, rank_and_world
-from ._materialize import InitFn, check_buffers, choose_device, has_meta, materialize
+from ._distributed import rank_and_world
+from ._materialize import InitFn, check_buffers
 from ._plan import Plan, build_plan
-from ._reader import AdaptedLoadPlanner, AdaptedStorageReader
 from ._report import Report
 from ._target import local_nbytes, model_state_dict, schema_of
-from .errors import ModelError, PlanError, SdadaptError
+from ._transaction import Part, Transaction
+from .errors import PlanError
 from .sources import Source, open_source
 
 log = logging.getLogger("sdadapt")
@@ -134,7 +130,7 @@ def load(
     process_group: dist.ProcessGroup | None = None,
     verify: bool = False,
     check_finite: bool = False,
-    stage: bool | None = None,
+    stage: bool = False,
     share_reads: bool = False,
 ) -> LoadReport:
     """Load checkpoint ``src`` into ``model`` through ``adapter``; every rank reads only its shards.
@@ -146,15 +142,21 @@ def load(
     anything is read or changed; ``allow_missing``/``allow_unexpected`` take key patterns that
     are fine to leave out. ``subtree`` picks a nested dict of a ``torch.save`` file.
 
-    Never a half-loaded model: a failure while reading (on any rank) raises :class:`LoadError`
-    on every rank, and the model is as it was: a model that was on the meta device is put back
-    on meta; a model that already held values is loaded into staging shards first and only
-    then committed (``stage=None``: stage exactly then; ``stage=False`` writes in place and saves
-    the memory of one copy of this rank's shards, but a failure then leaves those parameters
-    partly overwritten, which the error says). The checkpoint's files must not change while
-    they are read (size, mtime and inode are checked before and after). ``verify=True`` checks
-    every region read against ``sdadapt.checksums.json`` (see :mod:`sdadapt._integrity`);
-    ``check_finite=True`` refuses NaN/Inf values, naming each key.
+    Never a silently half-loaded model (:mod:`sdadapt._transaction`). Everything that can be
+    checked before writing (the plan, the files' fingerprints, the buffer hooks) is agreed on
+    every rank first: such a failure raises on every rank and leaves the model as it was. The
+    checkpoint's files must not change while they are read (size, mtime and inode are checked
+    before and after). A failure while reading (on any rank) raises :class:`LoadError` on every
+    rank; then a model that was on the meta device is put back on meta, and a model that
+    already held values (``to_empty`` + ``init_weights()``) is, by default, partly overwritten,
+    since the read writes into its shards in place (no second copy of them: the extra memory
+    is the I/O engine's bounded staging). The error says so and how many keys this rank was
+    writing, and the model is marked: its forward raises :class:`ModelError` until a load into
+    it succeeds. ``stage=True`` reads into a full second copy of this rank's shards and copies
+    it in only once every rank succeeded, so a failure leaves the model bit for bit as it was.
+    ``verify=True`` checks every region read against ``sdadapt.checksums.json`` (see
+    :mod:`sdadapt._integrity`); ``check_finite=True`` refuses NaN/Inf values, naming each key
+    (both are found while or after reading: with ``stage=True`` the model keeps its values).
 
     ``share_reads=True``: ranks that hold the same shard (mesh dims where a parameter is
     ``Replicate``: HSDP's replicate dim, TP-replicated norms) each read a part of it and
@@ -164,13 +166,13 @@ def load(
     """
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
-    error: SdadaptError | None = None
-    source = plan = None
+    txn = Transaction(model, process_group, _describe(src))
     planned: dict[str, torch.Tensor] = {}
-    files: integrity.Fingerprint = {}
-    try:
+
+    def prepare() -> Plan:
+        nonlocal planned
         source, plan, planned = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected)
-        files = integrity.fingerprint(integrity.source_files(source))
+        txn.add_source(source)
         if not plan.report.ok:
             if strict:
                 raise PlanError(plan.report)
@@ -179,70 +181,25 @@ def load(
         if verify:
             sidecar, sums = integrity.read_checksums(source)
             leaves = sorted({k for node in plan.recipes.values() for k in node.leaves()})
-            source = integrity.VerifyingSource(source, sidecar, sums, leaves)
-    except SdadaptError as e:
-        error = e
-        if source is not None:
-            source.close()
-    agree(error, process_group)  # every rank raises if any failed; nothing was changed
-    assert source is not None and plan is not None
+            txn.sources[-1] = integrity.VerifyingSource(source, sidecar, sums, leaves)
+        return plan
+
+    plan = txn.prepare(prepare)  # every rank raises if any failed; nothing was changed
     phases = _Phases(t0)
     phases.mark("plan")
-
-    materialized, error = False, None
-    was_meta = has_meta(model)  # a failed load puts such a model back on meta
-    try:  # a hook failing on one rank must stop the others before they enter dcp.load
-        materialized = materialize(model, choose_device(model, device), init_buffers)
-    except Exception as e:  # noqa: BLE001 - user hooks can raise anything; re-raised below
-        error = e if isinstance(e, SdadaptError) else ModelError(f"materialising the model failed: {type(e).__name__}: {e}")
-        error.__cause__ = e
     # every rank's hook has run (a hook may touch the files) before any rank checks them
-    commit.agree_or_roll_back(error, process_group, source, model, was_meta)
+    materialized = txn.materialize(device, init_buffers)
     phases.mark("materialize")
     # materialising gave the parameters new tensors; otherwise the planned state dict is current
     state_dict = model_state_dict(model) if materialized else planned
     del planned
     wanted = {k: v for k, v in state_dict.items() if k in plan.recipes}
-    staged = commit.staging_like(wanted) if (stage if stage is not None else not was_meta) else None
-    error = None
-    try:  # files unchanged since planning: every rank checks before the first byte is written
-        integrity.check_unchanged(files, "after planning, before reading")
-    except SdadaptError as e:
-        error = e
-    commit.agree_or_roll_back(error, process_group, source, model, was_meta)
-    reader = AdaptedStorageReader(plan, source, share_reads=share_reads)
+    part = Part("model", plan, txn.sources[-1], wanted, share_reads=share_reads)
     phases.mark("prepare")
-    log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), _describe(src), " (staged)" if staged else "")
-    read_errors: list[str] = []
-    target = staged if staged is not None else wanted
-    try:  # each rank reads its own items: the read plan is local (our reader's metadata is the
-        # target schema, every rank has it), so DCP's plan exchange is skipped (no_dist); the
-        # outcome is agreed below, in the one collective of the checks after reading
-        with warnings.catch_warnings():  # no_dist=True warns that it assumes one process: we mean it
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(target, storage_reader=reader, planner=AdaptedLoadPlanner(), process_group=process_group, no_dist=True)
-    except CheckpointException as e:  # a BaseException: turn it into ours
-        read_errors = commit.read_errors(e)
-    except Exception as e:  # noqa: BLE001 - named and agreed on below
-        read_errors = [f"{type(e).__name__}: {e}"]
-    finally:
-        source.close()
-    phases.mark("dcp_load")
-    # every rank: check (files unchanged, finite values), then agree: the same verdict everywhere
-    failure = commit.after_read_checks(
-        files, target, plan, source, check_finite, process_group, read_errors=read_errors, what=_describe(src)
-    )
-    phases.mark("check")
-    if failure is not None:
-        commit.roll_back(model, was_meta)
-        if staged is None and not was_meta:
-            failure.args = (failure.args[0] + "\nThe model's parameters were partly overwritten (stage=False); load again.",)
-        raise failure
-    if staged is not None:
-        commit.commit_staged(staged, wanted)
-        del staged, target
-    commit.copy_back_if_detached(model, wanted)
-    phases.mark("commit")
+    log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), _describe(src), " (staged)" if stage else "")
+    txn.run([part], stage=stage, check_finite=check_finite, mark=phases.mark)
+    reader = part.reader
+    assert reader is not None
     timings = dict(phases.seconds)
     timings["engine"] = reader.stats.seconds  # inside dcp_load: first task to last byte
     timings["engine_plan"] = reader.stats.plan_seconds  # of which planning (reads start meanwhile)

@@ -79,9 +79,9 @@ def materialize(model: nn.Module, device: torch.device, init_buffers: InitFn | N
     model.to_empty(device=device)
     if init_buffers is not None:
         init_buffers(model)
-    elif callable(getattr(model, "init_weights", None)):
+    elif callable(init_weights := getattr(model, "init_weights", None)):
         with torch.no_grad():
-            model.init_weights()
+            init_weights()
     return True
 
 

@@ -1,18 +1,46 @@
 """Recipes: small expression trees that say how a target tensor is made from source tensors.
 
-A plan maps every target key to one :class:`Node`. Each node knows its global ``shape`` and
-``dtype`` and answers two questions:
+A plan maps every target key to one :class:`Node`. A box is a tuple of ``(start, stop)`` pairs,
+one per dimension, in global coordinates. Every node has a global ``shape`` and ``dtype`` and
+answers, in exactly one place each:
 
-- ``read(box, io)``: the values of the region ``box`` of its output, reading from the source
-  only the regions of its inputs that this box needs (the lazy path, used per rank/shard);
-- ``full(io)``: the whole output computed eagerly with plain torch ops on full tensors (the
-  reference the lazy path is checked against).
+- ``produce(box, dest, out)``: **how region** ``box`` **of its output is made**, as steps
+  appended to ``out`` that, once run, leave ``dest`` (a tensor of the box's shape, any dtype)
+  holding ``output[box].to(dest.dtype)``. Three kinds of step:
 
-A box is a tuple of ``(start, stop)`` pairs, one per dimension, in global coordinates.
+  - :class:`Piece`: region ``box`` of source tensor ``key`` is copied into a view of ``dest``
+    (``copy_`` converts the dtype);
+  - :class:`Fill`: a view of ``dest`` is set to one value;
+  - :class:`Compute`: a function of a :class:`SourceIO` returns the values (in the node's dtype)
+    that go into a view of ``dest``; it reads what it needs through its children's ``read``.
+
+  A node that only moves data (concat, narrow, transpose, stack...) maps the box to boxes of its
+  children and recurses with views of ``dest`` (:func:`emit`), so a whole recipe becomes pieces
+  that go straight into the destination. A cast recurses only when ``copy_`` into ``dest``
+  computes exactly the cast (``dest`` has the cast's dtype, or the cast changes nothing);
+  otherwise it is a computation, so a lossy chain (f32 -> int32 -> f32) truncates.
+- ``full(io)``: the whole output computed eagerly with plain torch ops on full tensors, written
+  independently of ``produce``: the reference the region path is tested against.
+- ``describe()``: a one-line text form for reports.
+
+Derived from those, never written per node: ``read(box, io)`` (allocate the box, run its steps
+against a :class:`SourceIO`; one piece that fills the whole box is returned as read, so a plain
+leaf of a mapped file costs no copy), ``steps(box, dest)`` (what the I/O engine plans from:
+it reads pieces straight from files and runs fills and computations), ``children()`` (the
+dataclass fields that hold nodes) and ``leaves()``.
+
+A new node kind is one dataclass here or in its own module: ``shape``, ``dtype``, ``produce``,
+``full`` and ``describe``. A node that computes over widened reads of several inputs (a
+dequantisation reading a block-aligned box of a weight and the matching box of its scales)
+appends one :class:`Compute` whose function calls ``child.read(wider_box, io)`` for each input
+and narrows the result to ``box``; the engine runs it as it is, on its threads.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,10 +56,12 @@ class SourceIO(Protocol):
 
 
 def full_box(shape: tuple[int, ...]) -> Box:
+    """The box that covers a whole tensor of ``shape``."""
     return tuple((0, n) for n in shape)
 
 
 def box_shape(box: Box) -> tuple[int, ...]:
+    """The shape of the region ``box``."""
     return tuple(b - a for a, b in box)
 
 
@@ -39,21 +69,116 @@ def _with_dim(box: Box, dim: int, span: tuple[int, int]) -> Box:
     return box[:dim] + (span,) + box[dim + 1 :]
 
 
+def _with_dim_shape(shape: tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:
+    return shape[:dim] + (size,) + shape[dim + 1 :]
+
+
+# --- steps: what producing a region takes ------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class Piece:
+    """Region ``box`` of source tensor ``key`` goes into ``dest`` (same shape; ``copy_``
+    converts the dtype)."""
+
+    key: str
+    box: Box
+    dest: torch.Tensor
+
+    def run(self, io: SourceIO) -> None:
+        self.dest.copy_(io.read(self.key, self.box))
+
+
+@dataclass(frozen=True, eq=False)
+class Fill:
+    """``dest`` is set to ``value`` (already rounded to the producing node's dtype)."""
+
+    dest: torch.Tensor
+    value: bool | int | float
+
+    def run(self, io: SourceIO) -> None:
+        self.dest.fill_(self.value)
+
+
+@dataclass(frozen=True, eq=False)
+class Compute:
+    """``fn(io)`` returns region ``box`` of ``node``'s output (its dtype), copied into ``dest``."""
+
+    node: Node
+    box: Box
+    dest: torch.Tensor
+    fn: Callable[[SourceIO], torch.Tensor]
+
+    def run(self, io: SourceIO) -> None:
+        self.dest.copy_(self.fn(io))
+
+
+Step = Piece | Fill | Compute
+
+
+def emit(node: Node, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+    """Append the steps that produce region ``box`` of ``node`` into ``dest``; an empty box
+    needs none. Nodes call this for their children."""
+    if any(a >= b for a, b in box):
+        return
+    node.produce(box, dest, out)
+
+
+def _covers(view: torch.Tensor, whole: torch.Tensor) -> bool:
+    """``view`` is all of ``whole`` (same memory, shape and strides)."""
+    return view.data_ptr() == whole.data_ptr() and view.shape == whole.shape and view.stride() == whole.stride()
+
+
 class Node:
+    """A recipe node; see the module docstring for the protocol."""
+
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+        """Append the steps that leave ``dest`` holding ``output[box].to(dest.dtype)``."""
         raise NotImplementedError
 
     def full(self, io: SourceIO) -> torch.Tensor:
-        raise NotImplementedError
-
-    def leaves(self) -> list[str]:
+        """The whole output, computed eagerly (the reference)."""
         raise NotImplementedError
 
     def describe(self) -> str:
+        """A one-line text form of the recipe."""
         raise NotImplementedError
+
+    def children(self) -> tuple[Node, ...]:
+        """The input nodes: every dataclass field that holds a node or a tuple of nodes."""
+        if not dataclasses.is_dataclass(self):
+            return ()
+        kids: list[Node] = []
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Node):
+                kids.append(v)
+            elif isinstance(v, tuple) and v and all(isinstance(p, Node) for p in v):
+                kids.extend(v)
+        return tuple(kids)
+
+    def leaves(self) -> list[str]:
+        """The source keys this recipe reads, in order (repeats kept)."""
+        return [k for c in self.children() for k in c.leaves()]
+
+    def steps(self, box: Box, dest: torch.Tensor) -> list[Step]:
+        """The steps that produce region ``box`` into ``dest``."""
+        out: list[Step] = []
+        emit(self, box, dest, out)
+        return out
+
+    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
+        """Region ``box`` of the output, reading from ``io`` only what the box needs."""
+        out = torch.empty(box_shape(box), dtype=self.dtype)
+        steps = self.steps(box, out)
+        if len(steps) == 1 and isinstance(steps[0], Piece) and _covers(steps[0].dest, out):
+            return io.read(steps[0].key, steps[0].box).to(self.dtype)
+        for step in steps:
+            step.run(io)
+        return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,8 +189,8 @@ class Leaf(Node):
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
-        return io.read(self.key, box)
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+        out.append(Piece(self.key, box, dest))
 
     def full(self, io: SourceIO) -> torch.Tensor:
         return io.read(self.key, full_box(self.shape)).clone()
@@ -79,6 +204,8 @@ class Leaf(Node):
 
 @dataclass(frozen=True, eq=False)
 class Cast(Node):
+    """The input converted to ``dtype``."""
+
     child: Node
     dtype: torch.dtype
     shape: tuple[int, ...] = field(init=False)
@@ -86,14 +213,17 @@ class Cast(Node):
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", self.child.shape)
 
-    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+        if dest.dtype == self.dtype or self.child.dtype == self.dtype:
+            emit(self.child, box, dest, out)  # copy_ into dest is exactly this cast
+        else:
+            out.append(Compute(self, box, dest, functools.partial(self._cast, box)))
+
+    def _cast(self, box: Box, io: SourceIO) -> torch.Tensor:
         return self.child.read(box, io).to(self.dtype)
 
     def full(self, io: SourceIO) -> torch.Tensor:
         return self.child.full(io).to(self.dtype)
-
-    def leaves(self) -> list[str]:
-        return self.child.leaves()
 
     def describe(self) -> str:
         return f"cast({self.child.describe()}, {str(self.dtype).removeprefix('torch.')})"
@@ -114,25 +244,19 @@ class Concat(Node):
         object.__setattr__(self, "shape", _with_dim_shape(first.shape, self.dim, size))
         object.__setattr__(self, "dtype", first.dtype)
 
-    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
-        lo, hi = box[self.dim]
-        if lo >= hi:
-            return torch.empty(box_shape(box), dtype=self.dtype)
-        pieces = []
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+        d = self.dim
+        lo, hi = box[d]
         offset = 0
         for part in self.parts:
-            n = part.shape[self.dim]
+            n = part.shape[d]
             a, b = max(lo, offset), min(hi, offset + n)
             if a < b:
-                pieces.append(part.read(_with_dim(box, self.dim, (a - offset, b - offset)), io))
+                emit(part, _with_dim(box, d, (a - offset, b - offset)), dest.narrow(d, a - lo, b - a), out)
             offset += n
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
 
     def full(self, io: SourceIO) -> torch.Tensor:
         return torch.cat([p.full(io) for p in self.parts], dim=self.dim)
-
-    def leaves(self) -> list[str]:
-        return [k for p in self.parts for k in p.leaves()]
 
     def describe(self) -> str:
         return f"cat([{', '.join(p.describe() for p in self.parts)}], dim={self.dim})"
@@ -153,22 +277,15 @@ class Narrow(Node):
         object.__setattr__(self, "shape", _with_dim_shape(self.child.shape, self.dim, self.length))
         object.__setattr__(self, "dtype", self.child.dtype)
 
-    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         a, b = box[self.dim]
-        return self.child.read(_with_dim(box, self.dim, (a + self.start, b + self.start)), io)
+        emit(self.child, _with_dim(box, self.dim, (a + self.start, b + self.start)), dest, out)
 
     def full(self, io: SourceIO) -> torch.Tensor:
         return self.child.full(io).narrow(self.dim, self.start, self.length)
 
-    def leaves(self) -> list[str]:
-        return self.child.leaves()
-
     def describe(self) -> str:
         return f"{self.child.describe()}[{self.dim}: {self.start}:{self.start + self.length}]"
-
-
-def _with_dim_shape(shape: tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:
-    return shape[:dim] + (size,) + shape[dim + 1 :]
 
 
 # --- layout nodes (transpose, unit permutation, stack/select, pad, per-rank interleave) ---------
@@ -191,16 +308,13 @@ class Transpose(Node):
         object.__setattr__(self, "shape", tuple(s))
         object.__setattr__(self, "dtype", self.child.dtype)
 
-    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         b = list(box)
         b[self.dim0], b[self.dim1] = b[self.dim1], b[self.dim0]
-        return self.child.read(tuple(b), io).transpose(self.dim0, self.dim1)
+        emit(self.child, tuple(b), dest.transpose(self.dim0, self.dim1), out)
 
     def full(self, io: SourceIO) -> torch.Tensor:
         return self.child.full(io).transpose(self.dim0, self.dim1).contiguous()
-
-    def leaves(self) -> list[str]:
-        return self.child.leaves()
 
     def describe(self) -> str:
         return f"transpose({self.child.describe()}, {self.dim0}, {self.dim1})"
@@ -211,9 +325,10 @@ class UnitPermute(Node):
     """Along ``dim``, the input is cut in aligned units of ``unit`` rows (a head); inside every
     unit, output row ``j`` is input row ``perm[j]`` (rotary layouts).
 
-    ``read`` expands the box to whole units, reads them, permutes, then narrows: a shard that
-    cuts a unit is never permuted as if it were whole. ``full`` permutes with ``view`` +
-    ``index_select`` on the whole tensor. ``label`` names the transform in ``describe()``.
+    A region is a computation: the box is widened to whole units, read, permuted, then
+    narrowed, so a shard that cuts a unit is never permuted as if it were whole. ``full``
+    permutes with ``view`` + ``index_select`` on the whole tensor. ``label`` names the
+    transform in ``describe()``.
     """
 
     child: Node
@@ -232,18 +347,17 @@ class UnitPermute(Node):
         object.__setattr__(self, "shape", self.child.shape)
         object.__setattr__(self, "dtype", self.child.dtype)
 
-    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+        out.append(Compute(self, box, dest, functools.partial(self._permuted, box)))
+
+    def _permuted(self, box: Box, io: SourceIO) -> torch.Tensor:
         a, b = box[self.dim]
-        if a >= b:
-            return torch.empty(box_shape(box), dtype=self.dtype)
         u0, u1 = a // self.unit, -(-b // self.unit)
         lo = u0 * self.unit
         whole = self.child.read(_with_dim(box, self.dim, (lo, u1 * self.unit)), io)
-        n = u1 - u0
         idx = torch.tensor(self.perm, dtype=torch.long)
-        idx = (idx.unsqueeze(0) + self.unit * torch.arange(n).unsqueeze(1)).reshape(-1)
-        idx = idx[a - lo : b - lo]  # only the rows the box wants
-        return whole.index_select(self.dim, idx)
+        idx = (idx.unsqueeze(0) + self.unit * torch.arange(u1 - u0).unsqueeze(1)).reshape(-1)
+        return whole.index_select(self.dim, idx[a - lo : b - lo])  # only the rows the box wants
 
     def full(self, io: SourceIO) -> torch.Tensor:
         t = self.child.full(io)
@@ -252,9 +366,6 @@ class UnitPermute(Node):
         v = t.reshape(t.shape[:d] + (units, self.unit) + t.shape[d + 1 :])
         v = v.index_select(d + 1, torch.tensor(self.perm, dtype=torch.long))
         return v.reshape(t.shape)
-
-    def leaves(self) -> list[str]:
-        return self.child.leaves()
 
     def describe(self) -> str:
         return f"{self.label}({self.child.describe()})"
@@ -274,18 +385,14 @@ class Stack(Node):
         object.__setattr__(self, "shape", first[: self.dim] + (len(self.parts),) + first[self.dim :])
         object.__setattr__(self, "dtype", self.parts[0].dtype)
 
-    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         a, b = box[self.dim]
-        if a >= b:
-            return torch.empty(box_shape(box), dtype=self.dtype)
         inner = box[: self.dim] + box[self.dim + 1 :]
-        return torch.stack([self.parts[e].read(inner, io) for e in range(a, b)], dim=self.dim)
+        for e in range(a, b):
+            emit(self.parts[e], inner, dest.select(self.dim, e - a), out)
 
     def full(self, io: SourceIO) -> torch.Tensor:
         return torch.stack([p.full(io) for p in self.parts], dim=self.dim)
-
-    def leaves(self) -> list[str]:
-        return [k for p in self.parts for k in p.leaves()]
 
     def describe(self) -> str:
         if len(self.parts) > 3:
@@ -310,15 +417,12 @@ class Select(Node):
         object.__setattr__(self, "shape", s[: self.dim] + s[self.dim + 1 :])
         object.__setattr__(self, "dtype", self.child.dtype)
 
-    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         outer = box[: self.dim] + ((self.index, self.index + 1),) + box[self.dim :]
-        return self.child.read(outer, io).select(self.dim, 0)
+        emit(self.child, outer, dest.unsqueeze(self.dim), out)
 
     def full(self, io: SourceIO) -> torch.Tensor:
         return self.child.full(io).select(self.dim, self.index)
-
-    def leaves(self) -> list[str]:
-        return self.child.leaves()
 
     def describe(self) -> str:
         return f"{self.child.describe()}[{self.dim}: {self.index}]"
@@ -341,18 +445,17 @@ class Pad(Node):
         object.__setattr__(self, "shape", _with_dim_shape(self.child.shape, self.dim, self.size))
         object.__setattr__(self, "dtype", self.child.dtype)
 
-    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
-        a, b = box[self.dim]
-        n = self.child.shape[self.dim]
-        pieces = []
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+        d = self.dim
+        a, b = box[d]
+        n = self.child.shape[d]
         if a < min(b, n):
-            pieces.append(self.child.read(_with_dim(box, self.dim, (a, min(b, n))), io))
+            emit(self.child, _with_dim(box, d, (a, min(b, n))), dest.narrow(d, 0, min(b, n) - a), out)
         if b > max(a, n):
-            pad_shape = box_shape(_with_dim(box, self.dim, (max(a, n), b)))
-            pieces.append(torch.full(pad_shape, self.value, dtype=self.dtype))
-        if not pieces:
-            return torch.empty(box_shape(box), dtype=self.dtype)
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
+            # the value as the output holds it (bool goes through uint8, as in full())
+            held = torch.full((), self.value, dtype=torch.uint8 if self.dtype == torch.bool else self.dtype)
+            value = held.to(self.dtype).item()
+            out.append(Fill(dest.narrow(d, max(a, n) - a, b - max(a, n)), value))
 
     def full(self, io: SourceIO) -> torch.Tensor:
         t = self.child.full(io)
@@ -361,9 +464,6 @@ class Pad(Node):
         if t.dtype == torch.bool:  # constant_pad_nd does not take bool
             return torch.nn.functional.pad(t.to(torch.uint8), spec, value=self.value).to(torch.bool)
         return torch.nn.functional.pad(t, spec, value=self.value)
-
-    def leaves(self) -> list[str]:
-        return self.child.leaves()
 
     def describe(self) -> str:
         return f"pad({self.child.describe()}, dim={self.dim}, size={self.size})"
@@ -376,8 +476,8 @@ class Interleave(Node):
     ``ColwiseParallel`` shard of rank ``r`` holds ``[p0_r; p1_r; ...]``. ``inverse=True``
     maps that layout back to contiguous parts.
 
-    A box maps to several boxes (one per block it touches): ``read`` reads exactly the box's
-    volume. ``full`` uses ``view``/``cat`` on whole parts.
+    A box maps to several boxes (one per block it touches), each a piece: exactly the box's
+    volume is read. ``full`` uses ``view``/``cat`` on whole parts.
     """
 
     child: Node
@@ -400,7 +500,7 @@ class Interleave(Node):
         out = 0
         starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         for r in range(self.tp):
-            for s, start in zip(self.sizes, starts):
+            for s, start in zip(self.sizes, starts, strict=True):
                 blk = s // self.tp
                 if blk:
                     # contiguous position start + r*blk  <->  interleaved position out
@@ -408,16 +508,13 @@ class Interleave(Node):
                 out += blk
         object.__setattr__(self, "segments", tuple(sorted(segs)))
 
-    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
-        a, b = box[self.dim]
-        pieces = []
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+        d = self.dim
+        a, b = box[d]
         for out0, in0, n in self.segments:
             lo, hi = max(a, out0), min(b, out0 + n)
             if lo < hi:
-                pieces.append(self.child.read(_with_dim(box, self.dim, (in0 + lo - out0, in0 + hi - out0)), io))
-        if not pieces:
-            return torch.empty(box_shape(box), dtype=self.dtype)
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.dim)
+                emit(self.child, _with_dim(box, d, (in0 + lo - out0, in0 + hi - out0)), dest.narrow(d, lo - a, hi - lo), out)
 
     def full(self, io: SourceIO) -> torch.Tensor:
         t = self.child.full(io)
@@ -430,9 +527,6 @@ class Interleave(Node):
         v = t.reshape(t.shape[:d] + (tp, t.shape[d] // tp) + rest)
         parts = v.split([s // tp for s in self.sizes], dim=d + 1)
         return torch.cat([p.reshape(p.shape[:d] + (-1,) + rest) for p in parts], dim=d)
-
-    def leaves(self) -> list[str]:
-        return self.child.leaves()
 
     def describe(self) -> str:
         name = "deinterleave" if self.inverse else "interleave"

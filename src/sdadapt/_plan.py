@@ -70,6 +70,12 @@ class PlanContext:
         self.mark(index)
         return node
 
+    def absorb(self, key: str, index: int) -> Node:
+        """Remove ``key``, folded into another key's recipe by value rule ``index`` (a
+        quantization scale). Not a move: later rules may match its name without ambiguity."""
+        self.mark(index)
+        return self.env.pop(key)
+
     def put(self, key: str, node: Node, index: int, origin: str | list[str]) -> None:
         if key in self.env:
             self.issue(index, key, f"would overwrite {key!r}, which already exists; the rules collide")
@@ -172,6 +178,10 @@ def build_plan(
     source_name: str = "checkpoint",
     target_name: str = "model",
 ) -> Plan:
+    """Apply ``adapter``'s rules to the ``source`` schema and line the result up with ``target``
+    (both ``key -> TensorInfo``, headers only): a recipe per target key that matches, and a
+    :class:`Report` of every key that does not. Deterministic, so every rank gets the same plan.
+    ``allow_missing`` / ``allow_unexpected`` are key patterns whose mismatches are tolerated."""
     adapter = adapter or Adapter([], name="identity")
     ctx = PlanContext(source, non_tensor or [], target, adapter)
     collisions = ctx.unwrap_keys()

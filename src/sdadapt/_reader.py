@@ -28,8 +28,8 @@ from torch.futures import Future
 
 from . import _share as share
 from ._distributed import is_distributed
-from ._io_engine import EngineConfig, EngineStats, IOEngine, Job
-from ._nodes import Box, box_shape
+from ._engine import CountingIO, EngineConfig, EngineStats, IOEngine, Job
+from ._nodes import box_shape
 from ._plan import Plan
 from .errors import LoadError
 from .sources._base import Source
@@ -92,25 +92,10 @@ def _renamed(item: ReadItem, fqn: str) -> ReadItem:
     )
 
 
-class CountingIO:
-    """Source reads with a byte count (what this rank copied out of the checkpoint)."""
-
-    def __init__(self, source: Source):
-        self.source = source
-        self.bytes_read = 0
-        self.reads = 0
-
-    def read(self, key: str, box: Box) -> torch.Tensor:
-        t = self.source.read(key, box)
-        self.bytes_read += t.numel() * t.element_size()
-        self.reads += 1
-        return t
-
-
 class AdaptedStorageReader(StorageReader):
     """Serves a :class:`~sdadapt._plan.Plan` to ``dcp.load``.
 
-    Reads go through :class:`~sdadapt._io_engine.IOEngine` (parallel, coalesced, straight into
+    Reads go through :class:`~sdadapt._engine.IOEngine` (parallel, coalesced, straight into
     CPU shards or through bounded pinned staging to GPU shards). ``engine="simple"`` (or the
     environment variable ``SDADAPT_IO=simple``) reads item by item on one thread instead: the
     reference the engine is measured and tested against (it reads every item itself:
@@ -170,19 +155,23 @@ class AdaptedStorageReader(StorageReader):
             return self._read_engine(plan, planner)
         return self._read_simple(plan, planner)
 
+    def _job(self, item: ReadItem, planner: LoadPlanner) -> Job:
+        """The read item as a job: its recipe, its box in global target coordinates, its
+        destination shard (checked to have the box's shape)."""
+        if item.type != LoadItemType.TENSOR:
+            raise LoadError(f"key {item.dest_index.fqn!r}: only tensors can be loaded, got {item.type}")
+        key = item.storage_index.fqn
+        box = tuple((o, o + n) for o, n in zip(item.storage_offsets, item.lengths, strict=True))
+        dest = planner.resolve_tensor(item).detach()
+        if tuple(dest.shape) != box_shape(box):
+            raise LoadError(f"key {key!r}: destination shard {list(dest.shape)} != region {list(box)}")
+        return Job(key, self.plan.recipes[key], box, dest)
+
     def _read_engine(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         start = time.perf_counter()
-        jobs = []
-        for item in plan.items:
-            if item.type != LoadItemType.TENSOR:
-                raise LoadError(f"key {item.dest_index.fqn!r}: only tensors can be loaded, got {item.type}")
-            key = item.storage_index.fqn
-            box = tuple((o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
-            dest = planner.resolve_tensor(item).detach()
-            if tuple(dest.shape) != box_shape(box):
-                raise LoadError(f"key {key!r}: destination shard {list(dest.shape)} != region {list(box)}")
-            jobs.append(Job(key, self.plan.recipes[key], box, dest))
-        to_read, shares = jobs, []
+        jobs = [self._job(item, planner) for item in plan.items]
+        to_read: list[Job] = jobs
+        shares: list[share.Share] = []
         if self.share_reads and is_distributed():
             targets = [_target_of(planner, item) for item in plan.items]
             to_read, shares = share.split(jobs, targets)
@@ -195,7 +184,7 @@ class AdaptedStorageReader(StorageReader):
         finally:
             self.io.bytes_read += engine.stats.bytes_read
             self.io.reads += engine.stats.syscalls
-            _accumulate(self.stats, engine.stats)
+            self.stats.add(engine.stats)
         if shares:
             share.exchange(shares, failed=failure is not None)
             self.shared_bytes += sum(j.dest.numel() * j.dest.element_size() for j in jobs) - sum(
@@ -203,7 +192,7 @@ class AdaptedStorageReader(StorageReader):
             )
         if failure is not None:
             raise failure
-        for item, job in zip(plan.items, jobs):
+        for item, job in zip(plan.items, jobs, strict=True):
             planner.commit_tensor(item, job.dest)
             self.items_read += 1
         self.seconds += time.perf_counter() - start
@@ -226,20 +215,14 @@ class AdaptedStorageReader(StorageReader):
     def _read_simple(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         start = time.perf_counter()
         for item in plan.items:
-            if item.type != LoadItemType.TENSOR:
-                raise LoadError(f"key {item.dest_index.fqn!r}: only tensors can be loaded, got {item.type}")
-            key = item.storage_index.fqn
-            box = tuple((o, o + n) for o, n in zip(item.storage_offsets, item.lengths))
+            job = self._job(item, planner)
             try:
-                value = self.plan.recipes[key].read(box, self.io)
+                value = job.node.read(job.box, self.io)
             except Exception as e:  # noqa: BLE001 - name the key and file, keep the cause
-                files = sorted({self.source.file_of(k) for k in self.plan.recipes[key].leaves()})
-                raise LoadError(f"key {key!r} (from {', '.join(files)}): reading {list(box)} failed: {e}") from e
-            dest = planner.resolve_tensor(item).detach()
-            if tuple(dest.shape) != box_shape(box):
-                raise LoadError(f"key {key!r}: destination shard {list(dest.shape)} != region {list(box)}")
-            dest.copy_(value)
-            planner.commit_tensor(item, dest)
+                files = sorted({self.source.file_of(k) for k in job.node.leaves()})
+                raise LoadError(f"key {job.key!r} (from {', '.join(files)}): reading {list(job.box)} failed: {e}") from e
+            job.dest.copy_(value)
+            planner.commit_tensor(item, job.dest)
             self.items_read += 1
         self.seconds += time.perf_counter() - start
         log.debug("read %d items, %d bytes", self.items_read, self.io.bytes_read)
@@ -252,15 +235,8 @@ class AdaptedStorageReader(StorageReader):
         return False
 
 
-def _target_of(planner: LoadPlanner, item: object) -> torch.Tensor | None:
+def _target_of(planner: LoadPlanner, item: ReadItem) -> torch.Tensor | None:
     """The state-dict tensor (a DTensor, or not) that a read item's destination belongs to."""
-    sd = getattr(planner, "state_dict", None)
-    return sd.get(item.dest_index.fqn) if isinstance(sd, dict) else None  # type: ignore[attr-defined]
-
-
-def _accumulate(total: EngineStats, one: EngineStats) -> None:
-    for name in ("bytes_read", "syscalls", "tasks", "direct_bytes", "staged_bytes", "coalesced", "computed", "seconds", "plan_seconds"):
-        setattr(total, name, getattr(total, name) + getattr(one, name))
-    total.threads = max(total.threads, one.threads)
-    total.staging_buffers = max(total.staging_buffers, one.staging_buffers)
-    total.staging_bytes = max(total.staging_bytes, one.staging_bytes)
+    if not isinstance(planner, DefaultLoadPlanner):
+        return None
+    return planner.state_dict.get(item.dest_index.fqn)

@@ -98,7 +98,7 @@ def get_adapter(name: str, source: str | os.PathLike[str] | None = None, **optio
     from_config: dict[str, Any] = {}
     folder = config_folder(source) if source is not None else None
     reader = getattr(mod, "options_from_config", None)
-    if folder is not None and callable(reader):
+    if source is not None and folder is not None and callable(reader):
         try:
             # a reader with a second parameter also gets the checkpoint path itself (a file in a
             # folder of several files: its key names tell what the config files cannot)

@@ -13,6 +13,7 @@ from collections import defaultdict
 from pydantic import BaseModel, computed_field
 
 from ._keyruns import compress
+from ._quant_rules import quant_hint
 
 _INDEX = re.compile(r"\.\d+(?=[.,\])\[]|$)")  # ".3." in a recipe -> ".{i}."
 
@@ -32,6 +33,13 @@ class RuleIssue(BaseModel):
 
 
 class Report(BaseModel):
+    """How a checkpoint lines up with a model under an adapter (from headers alone).
+
+    ``missing`` / ``unexpected`` list target keys nothing produces and source keys nothing
+    consumes; ``shape_mismatch`` / ``dtype_mismatch`` the keys that differ; ``rule_issues`` and
+    ``unused_rules`` what the adapter's rules could not do or never matched. ``ok`` is true when
+    none of these (``problems``) remain; ``format()`` prints it as ``sdadapt diff`` does."""
+
     source: str
     target: str
     adapter: str | None = None
@@ -125,7 +133,7 @@ class Report(BaseModel):
             for mm in items:  # one row per run of keys with the same numbers and the same recipe shape
                 groups[(mm.model, mm.checkpoint, _INDEX.sub(".{i}", mm.recipe))].append(mm)
             rows = [
-                f"{k}: model {want}, checkpoint gives {got} (from {recipe}){hint}"
+                f"{k}: model {want}, checkpoint gives {got} (from {recipe})" + ("" if got.startswith("float8") else hint)
                 for (want, got, recipe), ms in groups.items()
                 for k in compress([m.key for m in ms])
             ]
@@ -148,6 +156,9 @@ class Report(BaseModel):
             lines.append(
                 f"allowed: {len(self.allowed_missing)} missing and {len(self.allowed_unexpected)} unexpected key(s)"
             )
+        quant = quant_hint(self)
+        if quant:
+            lines.append(quant)
         lines.append("OK: checkpoint and model line up" if self.ok else f"NOT OK: {self.problems} problem(s)")
         return "\n".join(lines)
 

@@ -28,15 +28,11 @@ from typing import Any
 from torch import nn
 
 from ._adapter import Adapter
-from .errors import SdadaptError
+from .errors import ResolveError, SdadaptError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ResolveError", "load_object", "resolve_adapter", "resolve_target", "split_spec"]
-
-
-class ResolveError(SdadaptError):
-    """A ``module:attr`` / ``file.py:attr`` / adapter-name spec cannot be imported or used."""
 
 
 def split_spec(spec: str) -> tuple[str, str] | None:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ._distributed import any_rank
-from ._io_engine import Job
+from ._engine import Job
 
 
 @dataclass
@@ -56,7 +56,7 @@ def split(jobs: Sequence[Job], targets: Sequence[torch.Tensor | None]) -> tuple[
     mine: list[Job] = []
     shares: list[Share] = []
     groups: dict[tuple[int, int], tuple[dist.ProcessGroup, list[int], int]] = {}
-    for job, target in zip(jobs, targets):
+    for job, target in zip(jobs, targets, strict=True):
         dim = replica_dim(target) if target is not None else None
         if dim is None or not job.box or not job.dest.is_contiguous():
             mine.append(job)
@@ -87,7 +87,7 @@ def exchange(shares: Sequence[Share], failed: bool) -> None:
         dist.broadcast(sh.dest.narrow(0, s, e - s), src=src, group=sh.group, async_op=True)
         for sh in shares
         if id(sh.group) in ok
-        for (s, e), src in zip(sh.parts, sh.ranks)
+        for (s, e), src in zip(sh.parts, sh.ranks, strict=True)
         if e > s
     ]
     for w in works:

@@ -8,17 +8,12 @@ adapter the model had been loaded with (a record only: the DCP data are in the m
 
 ``load_state(src, model, optimizer, extra, adapter=None)`` restores all of it, on any mesh
 (DCP's chunks are intersected with each rank's shards), and through ``adapter`` after a
-refactor. Optimizer state follows its parameter: every per-parameter state of one name
-(``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``...) is planned like the parameters, by
-applying the same adapter to ``{param fqn: state tensor}``, so the ``exp_avg`` of a fused
-``wqkv`` is fused the way the weight is. Scalar state (Adam's 0-d ``step``) is carried as is,
-taken from the first source parameter of the target parameter's recipe. Hyperparameters
-(``lr``, ``betas``...) come from the checkpoint's param groups, matched by position.
+refactor. Optimizer state follows its parameter (:mod:`sdadapt._optim_state`).
 
 Everything is decided from the checkpoint's metadata, identically on every rank, before any
 tensor is read: missing or unexpected keys, an optimizer of another kind, optimizer state for
 parameters the model lacks, missing extras. On a problem every rank raises and the model and
-optimizer are left as they were.
+optimizer are left as they were. The read is one load transaction (:mod:`sdadapt._transaction`).
 """
 
 from __future__ import annotations
@@ -35,23 +30,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from pydantic import BaseModel
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ._adapter import Adapter
-from ._commit import copy_back_if_detached
 from ._distributed import agree, is_distributed, rank_and_world
-from ._materialize import InitFn, check_buffers, choose_device, has_meta, materialize
-from ._nodes import Box, Leaf, Node, full_box
+from ._materialize import InitFn, check_buffers, has_meta
+from ._nodes import Box, full_box
+from ._optim_state import OptimPlan, init_state, plan_optimizer
 from ._plan import Plan, build_plan
-from ._reader import AdaptedStorageReader
-from ._report import Mismatch, Report
+from ._report import Report
 from ._safe_planner import SafeLoadPlanner
 from ._target import model_state_dict, schema_of
-from .errors import LoadError, PlanError, SdadaptError, SourceError
-from .sources._base import Source, TensorInfo
+from ._transaction import Part, Transaction
+from .errors import LoadError, PlanError, SdadaptError, SourceError, StateError
+from .sources._base import Source
 from .sources._dcp_dir import SDADAPT_JSON, DCPSource
 
 log = logging.getLogger(__name__)
@@ -59,10 +54,6 @@ log = logging.getLogger(__name__)
 STATE_FORMAT = 1
 MODEL_KEY = "model"
 OPTIM_KEY = "optim"
-
-
-class StateError(SdadaptError):
-    """Saving or restoring training state is not possible as asked (nothing was changed)."""
 
 
 class StateLoadReport(BaseModel):
@@ -226,15 +217,6 @@ class _Namespace(Source):
         return self.base.file_of(self.fmt.format(key))
 
 
-class _OptimPlan:
-    """The optimizer part of a restore: one plan per state name, plus param-group values."""
-
-    def __init__(self) -> None:
-        self.plans: dict[str, Plan] = {}  # state name -> plan over param fqns
-        self.objects: dict[tuple[str, str], str] = {}  # (fqn, name) -> stored key (non-tensor state)
-        self.hyper: list[dict[str, Any]] = []  # per group: hyperparameters to set
-
-
 def _detect_keys(full: DCPSource) -> tuple[str, str | None]:
     rec = full.record or {}
     if "model_key" in rec:
@@ -243,144 +225,6 @@ def _detect_keys(full: DCPSource) -> tuple[str, str | None]:
     model_key = MODEL_KEY if any(k.startswith(MODEL_KEY + ".") for k in keys) else ""
     optim_key = next((o for o in (OPTIM_KEY, "optimizer") if any(k.startswith(o + ".state.") for k in keys)), None)
     return model_key, optim_key
-
-
-def _under(keys: list[str], prefix: str) -> list[str]:
-    return [k for k in keys if k.startswith(prefix)]
-
-
-def _merge(into: Report, other: Report, fmt: str) -> None:
-    """Add ``other``'s problems to ``into`` with keys renamed by ``fmt`` (``optim.state.{}.exp_avg``)."""
-    into.missing += [fmt.format(k) for k in other.missing]
-    into.unexpected += [fmt.format(k) for k in other.unexpected]
-    into.non_tensor += [fmt.format(k) for k in other.non_tensor]
-    into.shape_mismatch += [m.model_copy(update={"key": fmt.format(m.key)}) for m in other.shape_mismatch]
-    into.dtype_mismatch += [m.model_copy(update={"key": fmt.format(m.key)}) for m in other.dtype_mismatch]
-    seen = {(i.index, i.key, i.message) for i in into.rule_issues}
-    for it in other.rule_issues:
-        if (it.index, it.key, it.message) not in seen:
-            into.rule_issues.append(it.model_copy(update={"key": fmt.format(it.key) if it.key else None}))
-    into.allowed_missing += [fmt.format(k) for k in other.allowed_missing]
-    into.allowed_unexpected += [fmt.format(k) for k in other.allowed_unexpected]
-    into.matched += other.matched
-    into.target_keys += other.target_keys
-
-
-def _plan_optimizer(
-    full: DCPSource,
-    optim_key: str,
-    optim_sd: dict[str, Any],
-    model_plan: Plan,
-    adapter: Adapter | None,
-    report: Report,
-    optimizer: torch.optim.Optimizer,
-    allow_missing: list[str] | None,
-    allow_unexpected: list[str] | None,
-) -> _OptimPlan:
-    out = _OptimPlan()
-    sprefix = f"{optim_key}.state."
-    # what the checkpoint holds: state name -> {param fqn: info}; non-tensor state separately
-    src: dict[str, dict[str, TensorInfo]] = {}
-    src_obj: dict[str, set[str]] = {}
-    for k in _under(list(full.schema), sprefix):
-        fqn, name = k[len(sprefix) :].rsplit(".", 1)
-        src.setdefault(name, {})[fqn] = full.schema[k]
-    for k in _under(full.non_tensor, sprefix):
-        fqn, name = k[len(sprefix) :].rsplit(".", 1)
-        src_obj.setdefault(name, set()).add(fqn)
-    # what the optimizer holds
-    tgt: dict[str, dict[str, TensorInfo]] = {}
-    tgt_obj: dict[str, set[str]] = {}
-    for fqn, st in optim_sd["state"].items():
-        for name, v in st.items():
-            if isinstance(v, torch.Tensor):
-                tgt.setdefault(name, {})[fqn] = schema_of({fqn: v})[fqn]
-            else:
-                tgt_obj.setdefault(name, set()).add(fqn)
-    kind = type(optimizer).__name__
-    have, want = sorted({*src, *src_obj}), sorted({*tgt, *tgt_obj})
-    if have != want:
-        raise StateError(
-            f"{full.path}: the checkpoint's optimizer state holds {have or 'nothing'} per parameter, "
-            f"but this {kind} holds {want or 'nothing'}: an optimizer of another kind (or other "
-            "settings, e.g. momentum) than the one saved. Build the optimizer the checkpoint was "
-            "saved with, or load the model alone (optimizer=None)"
-        )
-    # param groups: hyperparameters by position
-    gprefix = f"{optim_key}.param_groups."
-    saved_groups: dict[int, dict[str, str]] = {}
-    for k in _under(full.non_tensor, gprefix) + _under(list(full.schema), gprefix):
-        idx, name = k[len(gprefix) :].split(".", 1)
-        if name != "params":
-            saved_groups.setdefault(int(idx), {})[name] = k
-    groups = optim_sd["param_groups"]
-    if len(saved_groups) != len(groups):
-        raise StateError(
-            f"{full.path}: the checkpoint's optimizer has {len(saved_groups)} param group(s), this "
-            f"{kind} has {len(groups)}; build the optimizer with the same groups"
-        )
-    for i, g in enumerate(groups):
-        names = sorted(n for n in g if n != "params")
-        saved = saved_groups.get(i, {})
-        if sorted(saved) != names:
-            only_ckpt = sorted(set(saved) - set(names))
-            only_opt = sorted(set(names) - set(saved))
-            raise StateError(
-                f"{full.path}: param group {i}: the checkpoint has hyperparameters {only_ckpt} that this "
-                f"{kind} lacks, and lacks {only_opt}: an optimizer of another kind than the one saved"
-            )
-        out.hyper.append({n: saved[n] for n in names})
-    # per state name: tensors follow the parameters' rules; scalars follow the recipe's first leaf
-    for name, want_infos in tgt.items():
-        fmt = f"{sprefix}{{}}.{name}"
-        have_infos = src.get(name, {})
-        if want_infos and all(len(i.shape) == 0 for i in want_infos.values()):
-            recipes: dict[str, Node] = {}
-            used: set[str] = set()
-            sub = Report(source=full.path, target=kind)
-            for fqn, info in want_infos.items():
-                node = model_plan.recipes.get(fqn)
-                leaves = node.leaves() if node is not None else [fqn]
-                first = next((leaf for leaf in leaves if leaf in have_infos), None)
-                if first is None:
-                    sub.missing.append(fqn)
-                    continue
-                used.update(leaf for leaf in leaves if leaf in have_infos)
-                got = have_infos[first]
-                if tuple(got.shape) != tuple(info.shape) or got.dtype != info.dtype:
-                    sub.dtype_mismatch.append(
-                        Mismatch(key=fqn, model=f"{info.dtype} {list(info.shape)}", checkpoint=f"{got.dtype} {list(got.shape)}", recipe=first)
-                    )
-                    continue
-                recipes[fqn] = Leaf(first, got.shape, got.dtype)
-            sub.unexpected += sorted(set(have_infos) - used)
-            sub.matched = len(recipes)
-            sub.target_keys = len(want_infos)
-            out.plans[name] = Plan(recipes=recipes, report=sub, target=want_infos)
-        else:
-            plan = build_plan(
-                have_infos,
-                want_infos,
-                adapter,
-                allow_missing=allow_missing,
-                allow_unexpected=allow_unexpected,
-                source_name=full.path,
-                target_name=kind,
-            )
-            out.plans[name] = plan
-        _merge(report, out.plans[name].report, fmt)
-        report.source_keys += len(have_infos)
-    for name, fqns in tgt_obj.items():
-        have_fqns = src_obj.get(name, set())
-        for fqn in fqns:
-            node = model_plan.recipes.get(fqn)
-            leaves = node.leaves() if node is not None else [fqn]
-            first = next((leaf for leaf in leaves if leaf in have_fqns), None)
-            if first is None:
-                report.missing.append(f"{sprefix}{fqn}.{name}")
-            else:
-                out.objects[(fqn, name)] = f"{sprefix}{first}.{name}"
-    return out
 
 
 def load_state(
@@ -395,6 +239,7 @@ def load_state(
     device: torch.device | str | None = None,
     init_buffers: InitFn | None = None,
     process_group: dist.ProcessGroup | None = None,
+    stage: bool = False,
 ) -> StateLoadReport:
     """Restore model (+ optimizer, + ``extra``) from the DCP folder ``src``; every rank calls it.
 
@@ -405,23 +250,34 @@ def load_state(
     optimizer), an optimizer of another kind, or a missing extra raises on every rank before
     anything changes; ``allow_missing``/``allow_unexpected`` take key patterns to tolerate. A
     meta-device model is materialised (only without an optimizer: build the optimizer on
-    real parameters).
+    real parameters). An optimizer that has taken no step yet is given its state first (every
+    moment the checkpoint holds is restored, whether or not gradients exist).
+
+    One load transaction, as :func:`sdadapt.load` (:mod:`sdadapt._transaction`): planned and
+    agreed on every rank, the folder's files fingerprinted, the extras and the optimizer's
+    non-tensor values read before any tensor is written; then the optimizer's state, then the
+    model. A failure while reading raises :class:`LoadError` on every rank: an optimizer that
+    held no state gets none back, a meta model goes back to meta, and otherwise what was
+    written in place is marked (the model's forward and the optimizer's ``step`` raise
+    :class:`ModelError` until a load succeeds); ``stage=True`` reads into staging copies and
+    leaves model and optimizer bit for bit as they were.
     """
     t0 = time.perf_counter()
     src = os.fspath(src)
     rank, world = rank_and_world(process_group)
     extra = extra if extra is not None else {}
-    error: SdadaptError | None = None
-    had_state = optimizer is not None and bool(optimizer.state)
-    full = plan = oplan = report = None
-    model_sd: dict[str, Any] = {}
-    optim_sd: dict[str, Any] = {}
-    model_key = ""
-    try:
+    txn = Transaction(model, process_group, src)
+    if optimizer is not None:
+        txn.add_optimizer(optimizer, was_empty=not optimizer.state)
+
+    def prepare() -> _Restore:
         if not os.path.isdir(src):
             raise SourceError("no such DCP checkpoint folder", path=src)
         full = DCPSource(src, subtree="")
+        txn.add_source(full)
+        r = _Restore(full)
         model_key, optim_key = _detect_keys(full)
+        r.model_fmt = f"{model_key}.{{}}" if model_key else "{}"
         mprefix = f"{model_key}." if model_key else ""
         reserved = [p + "." for p in (optim_key, *extra) if p]
         if model_key:
@@ -435,13 +291,15 @@ def load_state(
         if optimizer is not None:
             if optim_key is None:
                 raise StateError(f"{src}: the checkpoint holds no optimizer state; pass optimizer=None to load the model")
-            model_sd, optim_sd = _get_state(model, optimizer)
-            model_sd = {k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
+            r.optim_prefix = f"{optim_key}.state."
+            init_state(optimizer)
+            model_sd, r.optim_sd = _get_state(model, optimizer)
+            r.model_sd = {k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
         else:
-            model_sd = model_state_dict(model)
-        plan = build_plan(
+            r.model_sd = model_state_dict(model)
+        r.plan = build_plan(
             mschema,
-            schema_of(model_sd),
+            schema_of(r.model_sd),
             adapter,
             non_tensor=mnon,
             allow_missing=allow_missing,
@@ -449,71 +307,64 @@ def load_state(
             source_name=src,
             target_name=type(model).__name__,
         )
-        report = plan.report.model_copy(deep=True)
+        r.report = r.plan.report.model_copy(deep=True)
         if optimizer is not None:
             assert optim_key is not None
-            oplan = _plan_optimizer(
-                full, optim_key, optim_sd, plan, adapter, report, optimizer, allow_missing, allow_unexpected
-            )
+            r.oplan = plan_optimizer(full, optim_key, r.optim_sd, r.plan, adapter, r.report, optimizer, allow_missing, allow_unexpected)
+        stored = list(full.schema) + full.non_tensor
         for name in extra:
-            stored = list(full.schema) + full.non_tensor
             if name not in stored and not any(k.startswith(name + ".") for k in stored):
                 raise StateError(
                     f"{src}: the checkpoint has no entry {name!r} for extra state; it holds "
                     f"{sorted({k.split('.', 1)[0] for k in stored})}"
                 )
-        if not report.ok:
-            raise PlanError(report)
+        if not r.report.ok:
+            raise PlanError(r.report)
         if optimizer is None:
             check_buffers(model, init_buffers)
-    except SdadaptError as e:
-        error = e
-    try:
-        agree(error, process_group)
-    except SdadaptError:
-        if optimizer is not None and not had_state:
-            optimizer.state.clear()  # undo the lazy state get_state_dict created
-        raise
-    assert full is not None and plan is not None and report is not None
+        if r.oplan is not None:  # small values, read before any tensor is written
+            r.objects = {fk: full.read_object(key) for fk, key in r.oplan.objects.items()}
+            r.hyper = [
+                {n: full.read_object(k) if k in full.non_tensor else full.read(k, full_box(full.schema[k].shape)) for n, k in h.items()}
+                for h in r.oplan.hyper
+            ]
+        return r
 
-    if optimizer is None and materialize(model, choose_device(model, device), init_buffers):
-        model_sd = model_state_dict(model)
-    mfmt = f"{model_key}.{{}}" if model_key else "{}"
-    n_model = _load_plan(plan, {k: model_sd[k] for k in plan.recipes}, _Namespace(full, mfmt), process_group)
-    n_optim = 0
-    if optimizer is not None:
-        assert oplan is not None
-        sprefix = f"{_detect_keys(full)[1]}.state."
-        for name, p in oplan.plans.items():
-            wanted = {fqn: optim_sd["state"][fqn][name] for fqn in p.recipes}
-            n_optim += _load_plan(p, wanted, _Namespace(full, f"{sprefix}{{}}.{name}"), process_group)
-        for (fqn, name), key in oplan.objects.items():
-            optim_sd["state"][fqn][name] = full.read_object(key)
-        for g, hyper in zip(optim_sd["param_groups"], oplan.hyper):
-            for name, key in hyper.items():
-                g[name] = full.read_object(key) if key in full.non_tensor else full.read(key, full_box(full.schema[key].shape))
-        set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    else:
-        copy_back_if_detached(model, model_sd)
-    if extra:
-        try:
-            dcp.load(
-                extra,
-                storage_reader=FileSystemReader(src),
-                planner=SafeLoadPlanner(allow_partial_load=True),
-                process_group=process_group,
-                no_dist=not is_distributed(),
-            )
-        except CheckpointException as e:
-            raise LoadError(f"restoring extra state {sorted(extra)} from {src} failed: {e}") from None
+    r = txn.prepare(prepare)
+    full, plan, report = r.full, r.plan, r.report
+    assert plan is not None and report is not None  # set by prepare, which returned
+    loaded_extra = _read_extras(txn, src, extra, process_group)
+    if optimizer is None and txn.materialize(device, init_buffers):
+        r.model_sd = model_state_dict(model)
+    parts: list[Part] = []
+    if r.oplan is not None:  # the optimizer first: a failure there leaves the model untouched
+        for name, p in r.oplan.plans.items():
+            wanted = {fqn: r.optim_sd["state"][fqn][name] for fqn in p.recipes}
+            parts.append(Part(f"optimizer {name}", p, _Namespace(full, f"{r.optim_prefix}{{}}.{name}"), wanted, of_model=False))
+    parts.append(Part("model", plan, _Namespace(full, r.model_fmt), {k: r.model_sd[k] for k in plan.recipes}))
+
+    def finish() -> None:
+        if optimizer is not None:
+            for (fqn, name), value in r.objects.items():
+                r.optim_sd["state"][fqn][name] = value
+            for g, hyper in zip(r.optim_sd["param_groups"], r.hyper, strict=True):
+                g.update(hyper)
+            set_state_dict(model, optimizer, model_state_dict=r.model_sd, optim_state_dict=r.optim_sd)
+        for name, value in loaded_extra.items():
+            if isinstance(extra[name], Stateful):
+                extra[name].load_state_dict(value)
+            else:
+                extra[name] = value
+
+    txn.run(parts, stage=stage, finish=finish)
     rep = StateLoadReport(
         rank=rank,
         world_size=world,
         source=src,
-        model_keys=n_model,
-        optimizer_keys=n_optim,
-        optimizer_state_names=sorted(oplan.plans) if oplan is not None else [],
-        param_groups=len(oplan.hyper) if oplan is not None else 0,
+        model_keys=len(plan.recipes),
+        optimizer_keys=sum(len(p.targets) for p in parts if not p.of_model),
+        optimizer_state_names=sorted(r.oplan.plans) if r.oplan is not None else [],
+        param_groups=len(r.oplan.hyper) if r.oplan is not None else 0,
         extra=sorted(extra),
         saved_with=full.record,
         seconds=time.perf_counter() - t0,
@@ -523,13 +374,41 @@ def load_state(
     return rep
 
 
-def _load_plan(plan: Plan, wanted: dict[str, torch.Tensor], source: Source, group: dist.ProcessGroup | None) -> int:
-    reader = AdaptedStorageReader(plan, source)
+class _Restore:
+    """What :func:`load_state` planned, and the values it read before writing any tensor."""
+
+    def __init__(self, full: DCPSource):
+        self.full = full
+        self.model_fmt = "{}"
+        self.optim_prefix = ""
+        self.model_sd: dict[str, Any] = {}
+        self.optim_sd: dict[str, Any] = {}
+        self.plan: Plan | None = None
+        self.oplan: OptimPlan | None = None
+        self.report: Report | None = None
+        self.objects: dict[tuple[str, str], Any] = {}
+        self.hyper: list[dict[str, Any]] = []
+
+
+def _read_extras(txn: Transaction, src: str, extra: dict[str, Any], group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """Collective: the ``extra`` entries as stored, read before anything is changed; they are
+    handed to the user's objects only when the whole restore commits."""
+    if not extra:
+        return {}
+    loaded = {name: (v.state_dict() if isinstance(v, Stateful) else v) for name, v in extra.items()}
+    error: SdadaptError | None = None
     try:
-        dcp.load(wanted, storage_reader=reader, planner=DefaultLoadPlanner(), process_group=group, no_dist=not is_distributed())
-    except CheckpointException as e:  # a BaseException: turn it into ours
-        raise LoadError(f"reading {source.path} failed: {e}") from None
-    return len(wanted)
+        dcp.load(
+            loaded,
+            storage_reader=FileSystemReader(src),
+            planner=SafeLoadPlanner(allow_partial_load=True),
+            process_group=group,
+            no_dist=not is_distributed(),
+        )
+    except CheckpointException as e:
+        error = LoadError(f"restoring extra state {sorted(extra)} from {src} failed: {e}")
+    txn.agree(error)
+    return loaded
 
 
 __all__ = ["StateError", "StateLoadReport", "load_state", "save_state"]

@@ -30,7 +30,7 @@ def _renames_nothing(model: nn.Module) -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
     rewriting: tuple[type, ...] = (FullyShardedDataParallel, DistributedDataParallel)
-    # torch.compile's wrapper exists only once dynamo is imported (importing it costs ~0.5 s)
+    # torch.compile's wrapper exists only once dynamo is imported (importing it is slow)
     dynamo = sys.modules.get("torch._dynamo.eval_frame")
     if dynamo is not None:
         rewriting += (dynamo.OptimizedModule,)
@@ -57,7 +57,7 @@ def mesh_dims(t: DTensor) -> tuple[MeshDim, ...]:
     dims = []
     for i, p in enumerate(t.placements):
         strided = isinstance(p, _StridedShard)
-        shard = p.dim if (strided or isinstance(p, Shard)) else None
+        shard = p.dim if isinstance(p, (Shard, _StridedShard)) else None
         dims.append(MeshDim(names[i], t.device_mesh.size(i), str(p), shard, strided))
     return tuple(dims)
 

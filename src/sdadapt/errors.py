@@ -58,3 +58,23 @@ class LoadError(SdadaptError):
 
 class RemoteRankError(SdadaptError):
     """Another rank failed; this rank stops too instead of hanging in a collective."""
+
+
+class StateError(SdadaptError):
+    """Saving or restoring training state is not possible as asked (nothing was changed)."""
+
+
+class ExportError(SdadaptError):
+    """Writing the output failed or is not possible as asked; nothing is left at ``dst``."""
+
+
+class ResolveError(SdadaptError):
+    """A ``module:attr`` / ``file.py:attr`` / adapter-name spec cannot be imported or used."""
+
+
+class ShrinkError(SdadaptError):
+    """The checkpoint cannot be shrunk as asked (too few layers, no layer keys, a split scale)."""
+
+
+class VerifyError(SdadaptError):
+    """A verification cannot run (no reference class, no vocabulary size, outputs of different shapes)."""

@@ -105,8 +105,8 @@ def transposed_concat(kind: str, whole: tuple[int, ...], parts: list[tuple[int, 
     swapped: a split whose parts are each transposed (``Conv1D`` c_attn -> Linear q/k/v), or a
     fuse whose result is transposed."""
     if kind == "split":
-        tparts = [transposed(p) for p in parts]
-        return None if any(t is None for t in tparts) else concat_dim(whole, tparts)  # type: ignore[misc]
+        tparts = [t for t in (transposed(p) for p in parts) if t is not None]
+        return None if len(tparts) != len(parts) else concat_dim(whole, tparts)
     tw = transposed(whole)
     return None if tw is None else concat_dim(tw, parts)
 
@@ -183,7 +183,8 @@ class ScopeMatcher:
 
     # --- evidence from accepted matches ---------------------------------------------------
     def _learn(self, s: Item, t: Item) -> None:
-        for a, b in zip(ancestors(s.rel), ancestors(t.rel)):
+        # innermost first: pair enclosing modules level by level, as deep as the shallower key goes
+        for a, b in zip(ancestors(s.rel), ancestors(t.rel), strict=False):
             self.corr.add((a, b))
             self.src_has[a].add(b)
             self.tgt_has[b].add(a)
@@ -234,9 +235,9 @@ class ScopeMatcher:
                     log.info("draft: %d x %d tensors of shape %s; matching them by exact name only", len(ss), len(ts), shape)
                     names = {t.rel: t for t in ts}
                     for s in ss:
-                        t = names.get(s.rel)
-                        if t is not None and self._compatible(s, t):
-                            cands.append(_Cand("rename", [s], [t], base + 0.5, [1.0], transpose=tr))
+                        same = names.get(s.rel)
+                        if same is not None and self._compatible(s, same):
+                            cands.append(_Cand("rename", [s], [same], base + 0.5, [1.0], transpose=tr))
                     continue
                 for s in ss:
                     for t in ts:

@@ -100,8 +100,8 @@ _STYLE_NAMES = {"hf": "HF-style (q_proj, k_proj)", "meta": "Meta-style (wq, wk)"
 
 
 def _rotary_question(m: Match) -> Question | None:
-    styles = {(_style(s.rel[s.module_index()]), _style(t.rel[t.module_index()])) for s in m.srcs for t in m.tgts}
-    styles = {(a, b) for a, b in styles if a and b and a != b}
+    seen = {(_style(s.rel[s.module_index()]), _style(t.rel[t.module_index()])) for s in m.srcs for t in m.tgts}
+    styles = {(a, b) for a, b in seen if a and b and a != b}
     if not styles:
         return None
     qk = ("#q", "#k")
@@ -264,12 +264,12 @@ def build_proposals(result: MatchResult, src: Tree, tgt: Tree, strip: str | None
         n = sum(t.count for m in ms for t in m.tgts)
         ev = [f"{n} model tensors are {b}, the checkpoint stores them as {a}"]
         if wants[a] == {b}:
-            rules: list[Any] = [Cast(keys="**", dtype=b, from_dtype=a)]
+            casts = [Cast(keys="**", dtype=b, from_dtype=a)]
             targets = ["**"]
         else:
             targets = sorted({t.pattern() for m in ms for t in m.tgts if t.dtype != m.srcs[0].dtype})
-            rules = [Cast(keys=k, dtype=b, from_dtype=a) for k in targets]
-        props.append(Proposed(kind="cast", rules=rules, sources=[], targets=targets, confidence=0.8, evidence=ev,
+            casts = [Cast(keys=k, dtype=b, from_dtype=a) for k in targets]
+        props.append(Proposed(kind="cast", rules=list(casts), sources=[], targets=targets, confidence=0.8, evidence=ev,
                               section="casts", keys=n))
     matched = sum(t.count for m in result.matches for t in m.tgts) + sum(
         p.keys for p in props if p.kind == "tie"

@@ -198,17 +198,17 @@ def build_tree(schema: dict[str, TensorInfo]) -> Tree:
             continue
         keep = [j for j, p in enumerate(nums) if p in pos]
         for k, v in members:
-            segs = list(skel)
+            named = list(skel)
             for j, p in enumerate(nums):
-                segs[p] = IDX if p in pos else str(v[j])
-            groups[tuple(segs)].append(k)
+                named[p] = IDX if p in pos else str(v[j])
+            groups[tuple(named)].append(k)
             idxvals[k] = tuple(v[j] for j in keep)
     root = Scope(path=(), parent=None, depth=0)
     families: list[Family] = []
-    for segs, members in groups.items():
-        shapes = Counter((tuple(schema[k].shape), schema[k].dtype) for k in members)
+    for segs, keys in groups.items():
+        shapes = Counter((tuple(schema[k].shape), schema[k].dtype) for k in keys)
         (shape, dtype), n = shapes.most_common(1)[0]
-        fam = Family(segs=segs, keys=members, shape=shape, dtype=dtype, regular=n == len(members),
+        fam = Family(segs=segs, keys=keys, shape=shape, dtype=dtype, regular=n == len(keys),
                      buffer=is_buffer_like(segs, shape))
         idx_at = [p for p, s in enumerate(segs) if s == IDX]
         scope = root
@@ -218,10 +218,10 @@ def build_tree(schema: dict[str, TensorInfo]) -> Tree:
             if child is None:
                 child = Scope(path=path, parent=scope, depth=d + 1)
                 scope.children[path[len(scope.path):]] = child
-            for k in members:
-                v = idxvals[k]
-                child.values.add(v[d])
-                child.instances.add(v[: d + 1])
+            for k in keys:
+                vals = idxvals[k]
+                child.values.add(vals[d])
+                child.instances.add(vals[: d + 1])
             scope = child
         fam.scope = scope
         scope.families.append(fam)

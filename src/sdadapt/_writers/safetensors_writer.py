@@ -48,7 +48,7 @@ class SafetensorsWriter(Writer):
             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
         )
         weight_map: dict[str, str] = {}
-        for name, keys in zip(names, shards):
+        for name, keys in zip(names, shards, strict=True):
             header: dict[str, object] = {"__metadata__": {"format": "pt"}}
             offset = 0
             for key in keys:

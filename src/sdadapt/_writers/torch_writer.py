@@ -13,6 +13,7 @@ import os
 import struct
 import zipfile
 import zlib
+from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -31,7 +32,8 @@ class TorchSaveWriter(Writer):
         with torch.serialization.skip_data(materialize_fake_tensors=True):
             torch.save(fake, self.path)
         del fake
-        reader = torch._C.PyTorchFileReader(self.path)
+        # typed as Any: torch's stubs do not declare PyTorchFileReader.get_record_offset
+        reader: Any = torch._C.PyTorchFileReader(self.path)
         stored = sum(1 for r in reader.get_all_records() if r.startswith("data/"))
         if stored != len(entries):
             raise SdadaptError(f"{self.path}: torch.save laid out {stored} storages for {len(entries)} tensors")

@@ -6,6 +6,8 @@ import argparse
 import json
 from typing import Any
 
+from ..errors import ResolveError
+
 NAME = "diff"
 HELP = "compare a checkpoint (through an adapter) with a model or another checkpoint; reads headers only"
 
@@ -20,8 +22,6 @@ usage errors (bad arguments, unreadable checkpoint, import failures)."""
 def parse_options(items: list[str] | None) -> dict[str, Any]:
     """``["tp=2", "name=x", "bias=true"]`` -> ``{"tp": 2, "name": "x", "bias": True}`` (JSON values
     where they parse, strings otherwise)."""
-    from .._resolve import ResolveError
-
     out: dict[str, Any] = {}
     for item in items or []:
         key, sep, value = item.partition("=")
@@ -61,8 +61,6 @@ def run(args: argparse.Namespace) -> int:
     from ..sources import open_source
 
     if args.adapter_option and not args.adapter:
-        from .._resolve import ResolveError
-
         raise ResolveError("--adapter-option needs --adapter")
     target: Any = resolve_target(args.target, **parse_options(args.target_option))
     adapter = resolve_adapter(args.adapter, source=args.src, **parse_options(args.adapter_option)) if args.adapter else None

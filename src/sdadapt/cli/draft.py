@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._draft import draft
-    from .._resolve import ResolveError, resolve_target
+    from .._resolve import resolve_target
+    from ..errors import ResolveError
     from ..sources import open_source
     from .diff import parse_options
 

@@ -38,11 +38,12 @@ class Inventory(BaseModel):
         header = ("keys", "n", "shape", "dtype", "bytes")
         table = [(r.keys, str(r.count), "[" + ", ".join(map(str, r.shape)) + "]", r.dtype, human(r.bytes)) for r in self.rows]
         widths = [max(len(h), *(len(t[i]) for t in table)) if table else len(h) for i, h in enumerate(header)]
-        fmt = "  ".join(["{:<%d}" % widths[0], "{:>%d}" % widths[1], "{:<%d}" % widths[2], "{:<%d}" % widths[3], "{:>%d}" % widths[4]])
+        fmt = "  ".join(f"{{:{align}{w}}}" for align, w in zip("<><<>", widths, strict=True))
         lines.append(fmt.format(*header).rstrip())
         lines += [fmt.format(*t).rstrip() for t in table]
         by_dtype = ", ".join(f"{d} {human(b)}" for d, b in sorted(self.dtypes.items()))
-        lines.append(f"total: {self.tensors} tensors in {len(self.rows)} rows, {human(self.bytes)}" + (f" ({by_dtype})" if by_dtype else ""))
+        total = f"total: {self.tensors} tensors in {len(self.rows)} rows, {human(self.bytes)}"
+        lines.append(total + (f" ({by_dtype})" if by_dtype else ""))
         if self.non_tensor:
             from .._keyruns import compress
 
@@ -83,7 +84,7 @@ def _matcher(pattern: str) -> tuple[re.Pattern[str], list[set[int]]]:
 def _member(key: str, matcher: tuple[re.Pattern[str], list[set[int]]]) -> bool:
     regex, sets = matcher
     m = regex.match(key)
-    return m is not None and all(int(g) in s for g, s in zip(m.groups(), sets))
+    return m is not None and all(int(g) in s for g, s in zip(m.groups(), sets, strict=True))
 
 
 def inventory(schema: dict, *, source: str = "", kind: str = "", non_tensor: list[str] | None = None) -> Inventory:
@@ -108,7 +109,8 @@ def inventory(schema: dict, *, source: str = "", kind: str = "", non_tensor: lis
             remaining = [k for k in remaining if k not in taken]
             nbytes = sum(schema[k].nbytes for k in members)
             dtypes[dtype] += nbytes
-            rows.append((min(order[k] for k in members), InventoryRow(keys=pattern, count=len(members), shape=list(shape), dtype=dtype, bytes=nbytes)))
+            row = InventoryRow(keys=pattern, count=len(members), shape=list(shape), dtype=dtype, bytes=nbytes)
+            rows.append((min(order[k] for k in members), row))
         for k in remaining:
             dtypes[dtype] += schema[k].nbytes
             rows.append((order[k], InventoryRow(keys=k, count=1, shape=list(shape), dtype=dtype, bytes=schema[k].nbytes)))

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .._nodes import Box
+from .._nodes import Box, full_box
 from ..errors import SourceError
 
 
@@ -86,6 +86,17 @@ class Source(abc.ABC):
     ``non_tensor`` lists keys whose values are not tensors (ints, strings...).
     ``read(key, box)`` returns that region; it may be a view of mapped file memory, so
     copy it before the source is closed.
+
+    Beyond ``read``, a source declares what it can do by overriding these methods (the
+    defaults say "nothing more"); nobody probes a source for other attributes, and a source
+    that wraps another delegates each of them explicitly:
+
+    - :meth:`locate`: the file and byte offset of a tensor stored contiguously;
+    - :meth:`locate_region`: the same for storage in chunks (by default the whole tensor, from
+      :meth:`locate`);
+    - :meth:`files`: every file it reads, for integrity checks (fingerprints);
+    - :meth:`file_of`: the file that holds a key, for messages;
+    - :meth:`stored_key`: the name the checkpoint itself gives a key (checksums are keyed by it).
     """
 
     path: str
@@ -99,11 +110,28 @@ class Source(abc.ABC):
         """The file that holds ``key`` (for error messages)."""
         return self.path
 
+    def files(self) -> list[str]:
+        """Every file the source reads tensor data or headers from (index and metadata files
+        included), for fingerprints. Default: ``path`` when it is a file."""
+        return [self.path] if os.path.isfile(self.path) else []
+
+    def stored_key(self, key: str) -> str:
+        """The name the checkpoint itself gives ``key`` (a DCP subtree adds its prefix)."""
+        return key
+
     def locate(self, key: str) -> TensorLocation | None:
         """Where ``key``'s bytes are, if the source can prove they lie contiguously (row-major)
-        in one file: the I/O engine then reads them with ``pread``. ``None`` (the default):
+        in one file: the I/O engine then reads them with ``preadv``. ``None`` (the default):
         read through :meth:`read`."""
         return None
+
+    def locate_region(self, key: str, box: Box) -> list[tuple[Box, TensorLocation]] | None:
+        """The stored tensors that hold region ``box`` of ``key``: (its box in ``key``'s global
+        coordinates, where its bytes are), one per stored chunk the box intersects; ``None``
+        when they cannot all be located (read through :meth:`read`). Default: the whole
+        tensor, from :meth:`locate`."""
+        loc = self.locate(key)
+        return None if loc is None else [(full_box(loc.shape), loc)]
 
     @property
     def kind(self) -> str:

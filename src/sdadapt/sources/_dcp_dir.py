@@ -10,13 +10,13 @@ reading; we only plan it.
 
 Fast path: ``FileSystemWriter`` stores each tensor chunk with ``torch.save`` into its byte range
 of a ``.distcp`` file (an embedded zip archive whose one storage record holds the raw bytes,
-uncompressed). :meth:`DCPSource.locate_chunks` finds those bytes from the zip's own structures
+uncompressed). :meth:`DCPSource.locate_region` finds those bytes from the zip's own structures
 (central directory, local header, and the pickled tensor record, read with a restricted
 unpickler) and checks them: one storage record, stored uncompressed, the dtype and shape
 of ``.metadata``, contiguous strides, the data inside the item's byte range. Chunks that pass
 are read by the I/O engine with ``preadv`` (and by :meth:`DCPSource.read` from a mapping of
 the file); any other chunk (a transform extension, a non-contiguous save, a format we do not
-recognise) goes through ``FileSystemReader`` as before.
+recognise) goes through ``FileSystemReader``.
 
 The ``.metadata`` pickle is read with a restricted unpickler (DCP's metadata classes, torch
 dtypes and sizes, paths): a checkpoint cannot run code when its schema is read.
@@ -252,7 +252,7 @@ def locate_item(fd: int, offset: int, length: int, dtype: torch.dtype, shape: tu
         or not isinstance(storage_offset, int)
         or storage_offset < 0
         or storage_offset + numel > snumel
-        or any(s != e for s, e, n in zip(stride, expect_stride, shape) if n > 1)
+        or any(s != e for s, e, n in zip(stride, expect_stride, shape, strict=False) if n > 1)
         or len(stride) != len(shape)
     ):
         raise ValueError("record does not match .metadata")
@@ -266,6 +266,11 @@ def locate_item(fd: int, offset: int, length: int, dtype: torch.dtype, shape: tu
     if start + info.file_size > length:
         raise ValueError("storage outside the item")
     return offset + start + storage_offset * dtype.itemsize
+
+
+# what locating a chunk's raw bytes may raise on a record we do not recognise (then: read it
+# through DCP's reader)
+_UNLOCATABLE = (ValueError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, struct.error, TypeError, IndexError, KeyError)
 
 
 def logger_debug(path: str, key: str, idx: int, e: BaseException) -> None:
@@ -337,7 +342,7 @@ class DCPSource(Source):
         self._fds: dict[str, int] = {}
         self._maps: dict[str, torch.Tensor] = {}
         self._mms: list[mmap.mmap] = []
-        self._located: dict[tuple[str, int], Any] = {}  # (key, chunk index) -> TensorLocation | None
+        self._located: dict[tuple[str, int], TensorLocation | None] = {}  # (key, chunk index) -> location
 
     # -- raw chunk locations (see the module docstring) -------------------------------------
     def _fd(self, name: str) -> int:
@@ -346,7 +351,7 @@ class DCPSource(Source):
             fd = self._fds[name] = os.open(os.path.join(self.path, name), os.O_RDONLY)
         return fd
 
-    def _locate_chunk(self, key: str, idx: int) -> Any:
+    def _locate_chunk(self, key: str, idx: int) -> TensorLocation | None:
         k = (key, idx)
         if k in self._located:
             return self._located[k]
@@ -363,7 +368,7 @@ class DCPSource(Source):
                 fd = self._fd(info.relative_path)
             offset = locate_item(fd, info.offset, info.length, dtype, shape)
             loc = TensorLocation(os.path.join(self.path, info.relative_path), offset, shape, dtype)
-        except (ValueError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, EOFError, struct.error, TypeError, IndexError, KeyError) as e:
+        except _UNLOCATABLE as e:
             logger_debug(self.path, key, idx, e)
         self._located[k] = loc
         return loc
@@ -372,12 +377,12 @@ class DCPSource(Source):
         """(chunk index, chunk box) of the stored chunks that intersect ``box``."""
         out = []
         for idx, c in enumerate(self._entries[key].chunks):
-            cb = tuple((o, o + n) for o, n in zip(c.offsets, c.sizes))
-            if not box or all(max(a, o) < min(b, e) for (a, b), (o, e) in zip(box, cb)):
+            cb = tuple((o, o + n) for o, n in zip(c.offsets, c.sizes, strict=True))
+            if not box or all(max(a, o) < min(b, e) for (a, b), (o, e) in zip(box, cb, strict=True)):
                 out.append((idx, cb))
         return out
 
-    def locate_region(self, key: str, box: Box) -> list[tuple[Box, Any]] | None:
+    def locate_region(self, key: str, box: Box) -> list[tuple[Box, TensorLocation]] | None:
         """The stored chunks of ``key`` that intersect ``box``, each as (chunk box in global
         coordinates, :class:`~sdadapt.sources._base.TensorLocation` of its raw bytes), for the I/O
         engine's direct reads; ``None`` when any of them cannot be located (read through
@@ -392,7 +397,7 @@ class DCPSource(Source):
             out.append((cb, loc))
         return out
 
-    def _mapped(self, loc: Any, box: Box) -> torch.Tensor:
+    def _mapped(self, loc: TensorLocation, box: Box) -> torch.Tensor:
         """Region ``box`` (chunk coordinates) of a located chunk, out of a read-only mapping of
         its file: a view when the chunk's bytes are aligned for its dtype, else a copy of the
         rows the box spans (items are packed back to back, so many are unaligned)."""
@@ -423,7 +428,7 @@ class DCPSource(Source):
     def chunks_of(self, key: str) -> list[Box]:
         """The boxes the tensor ``key`` was saved in (one per saving shard)."""
         return [
-            tuple((o, o + n) for o, n in zip(c.offsets, c.sizes)) for c in self._entries[key].chunks
+            tuple((o, o + n) for o, n in zip(c.offsets, c.sizes, strict=True)) for c in self._entries[key].chunks
         ]
 
     def read(self, key: str, box: Box) -> torch.Tensor:
@@ -437,12 +442,12 @@ class DCPSource(Source):
         if located is not None:
             covered = 0
             for cb, loc in located:
-                lo = [max(a, o) for (a, _), (o, _) in zip(box, cb)]
-                hi = [min(b, e) for (_, b), (_, e) in zip(box, cb)]
-                src = self._mapped(loc, tuple((x - o, y - o) for x, y, (o, _) in zip(lo, hi, cb)))
+                lo = [max(a, o) for (a, _), (o, _) in zip(box, cb, strict=True)]
+                hi = [min(b, e) for (_, b), (_, e) in zip(box, cb, strict=True)]
+                src = self._mapped(loc, tuple((x - o, y - o) for x, y, (o, _) in zip(lo, hi, cb, strict=True)))
                 if len(located) == 1 and tuple(src.shape) == tuple(out.shape):
                     return src  # inside one chunk: the mapping's view (or rows copied once)
-                out[tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, box))].copy_(src)
+                out[tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, box, strict=True))].copy_(src)
                 covered += src.numel()
             if covered >= out.numel():
                 return out
@@ -451,20 +456,20 @@ class DCPSource(Source):
         views: dict[int, torch.Tensor] = {}
         covered = 0
         for idx, chunk in enumerate(md.chunks):
-            lo = [max(a, o) for (a, _), o in zip(box, chunk.offsets)]
-            hi = [min(b, o + n) for (_, b), o, n in zip(box, chunk.offsets, chunk.sizes)]
-            if any(x >= y for x, y in zip(lo, hi)) and box:
+            lo = [max(a, o) for (a, _), o in zip(box, chunk.offsets, strict=True)]
+            hi = [min(b, o + n) for (_, b), o, n in zip(box, chunk.offsets, chunk.sizes, strict=True)]
+            if any(x >= y for x, y in zip(lo, hi, strict=True)) and box:
                 continue
-            lengths = [y - x for x, y in zip(lo, hi)]
+            lengths = [y - x for x, y in zip(lo, hi, strict=True)]
             item = ReadItem(
                 type=LoadItemType.TENSOR,
                 dest_index=MetadataIndex(fqn, [a for a, _ in box]),
-                dest_offsets=torch.Size([x - a for x, (a, _) in zip(lo, box)]),
+                dest_offsets=torch.Size([x - a for x, (a, _) in zip(lo, box, strict=True)]),
                 storage_index=MetadataIndex(fqn, chunk.offsets, idx),
-                storage_offsets=torch.Size([x - o for x, o in zip(lo, chunk.offsets)]),
+                storage_offsets=torch.Size([x - o for x, o in zip(lo, chunk.offsets, strict=True)]),
                 lengths=torch.Size(lengths),
             )
-            views[id(item)] = out[tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, box))]
+            views[id(item)] = out[tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, box, strict=True))]
             items.append(item)
             n = 1
             for v in lengths:
@@ -513,6 +518,13 @@ class DCPSource(Source):
             self._fds.clear()
             self._maps.clear()
             self._mms.clear()  # unmapped once no view refers to them
+
+    def files(self) -> list[str]:
+        names = sorted({info.relative_path for info in self.metadata.storage_data.values()})
+        return [os.path.join(self.path, METADATA_NAME), *(os.path.join(self.path, n) for n in names)]
+
+    def stored_key(self, key: str) -> str:
+        return self._prefix + key
 
     def file_of(self, key: str) -> str:
         md = self._entries.get(key)

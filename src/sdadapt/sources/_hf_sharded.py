@@ -74,6 +74,9 @@ class HFShardedSource(Source):
         sf = self._key_file.get(key)
         return sf.locate(key) if sf is not None else None
 
+    def files(self) -> list[str]:
+        return [self.index_path, *sorted(sf.path for sf in self._files.values())]
+
     def file_of(self, key: str) -> str:
         sf = self._key_file.get(key)
         return sf.path if sf is not None else self.index_path

@@ -7,6 +7,7 @@ the mapping, so a region read touches only the pages it needs.
 
 from __future__ import annotations
 
+import itertools
 import json
 import mmap
 import os
@@ -111,7 +112,7 @@ def read_header(path: str) -> tuple[dict[str, tuple[TensorInfo, int, int]], dict
         entries[key] = (info, begin, end)
         spans.append((begin, end, key))
     spans.sort()
-    for (b0, e0, k0), (b1, e1, k1) in zip(spans, spans[1:]):
+    for (_, e0, k0), (b1, _, k1) in itertools.pairwise(spans):
         if b1 < e0:
             raise SourceError(f"tensors {k0!r} and {k1!r} overlap in the data area (corrupt header)", path=path)
     return entries, metadata, data_start

@@ -1,0 +1,138 @@
+"""The synthetic checkpoint on disk: refuse a size that cannot fit, write it once in every format
+asked for (HF sharded safetensors, one ``torch.save`` file, a DCP folder), warm or drop the page
+cache."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from .common import BenchError, GiB, MiB, meminfo
+from .references import parallel_read
+from .shapes import Shape
+
+
+def check_fits(folder: Path, shape: Shape, formats: list[str], nproc: int, assume_ram_gib: float | None) -> dict[str, float]:
+    """Refuse (before writing anything) a checkpoint that cannot fit the disk or the memory."""
+    size = shape.nbytes()
+    need_disk = int(size * len(formats) * 1.01) + 64 * MiB
+    probe = folder
+    while not probe.exists():
+        probe = probe.parent
+    free_disk = shutil.disk_usage(probe).free
+    # writing holds the whole state dict once; the rank-0 baseline holds it again next to its
+    # shard; every rank holds its shard (and, on GPU runs, nothing more on the host)
+    need_ram = int(size * 2.2) + nproc * 512 * MiB
+    ram = assume_ram_gib * GiB if assume_ram_gib else meminfo().get("MemAvailable", 0)
+    facts = {"checkpoint_gib": size / GiB, "disk_need_gib": need_disk / GiB, "disk_free_gib": free_disk / GiB,
+             "ram_need_gib": need_ram / GiB, "ram_available_gib": ram / GiB}
+    if need_disk > free_disk:
+        raise BenchError(
+            f"a {size / GiB:.1f} GiB checkpoint in {len(formats)} formats needs {need_disk / GiB:.1f} GiB of disk, "
+            f"but {probe} has {free_disk / GiB:.1f} GiB free; choose a smaller --preset/--layers, fewer --formats, "
+            "or another --dir. Nothing was written."
+        )
+    if need_ram > ram:
+        raise BenchError(
+            f"a {size / GiB:.1f} GiB checkpoint needs about {need_ram / GiB:.1f} GiB of RAM here (written from "
+            f"memory; the rank-0 baseline holds it all), but {ram / GiB:.1f} GiB is available; choose a smaller "
+            "size, or pass --assume-ram-gib on machines whose memory grows on demand. Nothing was written."
+        )
+    return facts
+
+
+def stamp(shape: Shape, shard_gb: float, formats: list[str]) -> str:
+    """A name for a checkpoint folder written with these settings (``--keep`` reuses it)."""
+    return hashlib.sha1(json.dumps([asdict(shape), shard_gb, sorted(formats), 2]).encode()).hexdigest()[:12]
+
+
+def write_checkpoint(folder: Path, shape: Shape, shard_gb: float, formats: list[str], seed: int = 0) -> dict[str, str]:
+    """Write the checkpoint in each format under ``folder``; return format -> path."""
+    import torch
+
+    dtype = getattr(torch, shape.dtype)
+    paths = {"safetensors": str(folder / "hf"), "torch.save": str(folder / "model.pt"), "dcp": str(folder / "dcp")}
+    # a pool of random values; each tensor is a window of it at its own offset (cheap, and no
+    # two tensors alike)
+    pool_n = 32 * MiB + 7
+    if torch.cuda.is_available():
+        pool = torch.randn(pool_n, generator=torch.Generator("cuda").manual_seed(seed), device="cuda").to(dtype).cpu()
+    else:
+        pool = torch.empty(pool_n, dtype=dtype).normal_(generator=torch.Generator().manual_seed(seed))
+    sd: dict[str, torch.Tensor] = {}
+    for idx, (k, s) in enumerate(shape.hf_keys()):
+        n = 1
+        for d in s:
+            n *= d
+        t = torch.empty(n, dtype=dtype)
+        start = (idx * 1_000_003) % pool_n
+        pos = 0
+        while pos < n:
+            take = min(n - pos, pool_n - start)
+            t[pos : pos + take] = pool[start : start + take]
+            pos += take
+            start = 0
+        sd[k] = t.view(s)
+    if "safetensors" in formats:
+        _write_hf_shards(paths["safetensors"], sd, shard_gb, shape.nbytes())
+    if "torch.save" in formats:
+        torch.save(sd, paths["torch.save"])
+    if "dcp" in formats:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(paths["dcp"], thread_count=4))
+    del sd
+    return {f: paths[f] for f in formats}
+
+
+def _write_hf_shards(folder: str, sd: dict, shard_gb: float, total: int) -> None:
+    """HF sharded safetensors of at most ``shard_gb`` GB each, with ``model.safetensors.index.json``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    limit = int(shard_gb * 1e9)
+    shards: list[dict] = [{}]
+    used = 0
+    for k, t in sd.items():
+        nb = t.numel() * t.element_size()
+        if shards[-1] and used + nb > limit:
+            shards.append({})
+            used = 0
+        shards[-1][k] = t
+        used += nb
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(folder, name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+
+
+def warm_cache(paths: list[str], threads: int = 8) -> float:
+    """Read every file once (page cache); returns GiB/s of that first pass."""
+    files = []
+    for p in paths:
+        if os.path.isdir(p):
+            files += [os.path.join(p, f) for f in sorted(os.listdir(p))]
+        else:
+            files.append(p)
+    total = sum(os.path.getsize(f) for f in files)
+    start = time.perf_counter()
+    parallel_read([(f, 0, os.path.getsize(f)) for f in files], threads)
+    return total / GiB / max(1e-9, time.perf_counter() - start)
+
+
+def drop_caches() -> None:
+    """Empty the page cache (root only): the next reads come from the disk."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+    except OSError as e:
+        raise BenchError(f"--cold needs to drop the page cache, which this machine does not allow ({e})") from None

@@ -1,0 +1,224 @@
+"""The command line of ``bench/load_bench.py`` and the run as a whole: write the checkpoint once,
+start a fresh process group per job, then one for the references, and write PREFIX.json and
+PREFIX.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import check_fits, drop_caches, stamp, warm_cache, write_checkpoint
+from .common import BenchError, GiB
+from .launch import MALLOC_MODES, launch_group
+from .paths import ALL_PATHS, DISCUSSION_PATHS, LIBRARIES, MATERIALIZED_PATHS, TP_PATHS, Job
+from .report import machine, markdown, summarize
+from .shapes import PRESETS, Shape
+
+BENCH = Path(__file__).resolve().parent.parent
+ROOT = BENCH.parent
+ENTRY = BENCH / "load_bench.py"
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """The options of ``bench/load_bench.py``."""
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="2g")
+    for f in ("layers", "hidden", "intermediate", "heads", "kv_heads", "vocab"):
+        ap.add_argument(f"--{f.replace('_', '-')}", type=int, help=f"override the preset's {f}")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--shard-gb", type=float, default=5.0, help="HF shard size (GB), like save_pretrained's max_shard_size")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--backend", default=None, help="gloo (CPU) or nccl (GPU); default: nccl when CUDA is available")
+    ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp folder)")
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoint (and reuse one written with the same settings)")
+    ap.add_argument("--paths", default=",".join(ALL_PATHS), help="comma list of FSDP paths, model on meta")
+    ap.add_argument("--tp-paths", default=",".join(TP_PATHS), help="comma list of TP paths ('' for none)")
+    ap.add_argument("--hsdp-paths", default="", help="comma list of paths on an HSDP mesh of replicas only, "
+                    "e.g. sdadapt,sdadapt-shared (share_reads=True),hf-reader ('' for none)")
+    ap.add_argument("--materialized-paths", default=",".join(MATERIALIZED_PATHS),
+                    help="comma list of FSDP paths loaded into a materialised model (to_empty + values) ('' for none)")
+    ap.add_argument("--discussion", default="materialized,meta", help="torchsave-broadcast variants to run ('' for none)")
+    ap.add_argument("--discussion-timeout", type=float, default=300.0)
+    ap.add_argument("--timeout", type=float, default=3000.0, help="timeout of each path's process group (s)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed steady-state loads after the first load (default 3)")
+    ap.add_argument("--malloc", choices=sorted(MALLOC_MODES), default="default",
+                    help="glibc memory reuse between loads in the workers (see MALLOC_MODES); default: glibc's own")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="untimed loads between the first load and the steady-state repeats (default 0)")
+    ap.add_argument("--assume-ram-gib", type=float, default=None,
+                    help="RAM to plan with (machines whose memory grows on demand report too little)")
+    ap.add_argument("--no-references", action="store_true")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before every load (root only)")
+    ap.add_argument("--no-verify", action="store_true", help="skip the bit-exact checks (tuning runs only)")
+    ap.add_argument("--out", default=str(BENCH / "out" / "load_bench"), help="output prefix: writes PREFIX.json and PREFIX.md")
+    return ap
+
+
+def _split(s: str) -> list[str]:
+    return [p for p in s.split(",") if p]
+
+
+def _jobs(args: argparse.Namespace) -> list[Job]:
+    jobs = [Job("fsdp", p) for p in _split(args.paths)]
+    jobs += [Job("tp", p) for p in _split(args.tp_paths)]
+    jobs += [Job("hsdp", p) for p in _split(args.hsdp_paths)]
+    jobs += [Job("fsdp", p, "materialized") for p in _split(args.materialized_paths)]
+    for v in _split(args.discussion):
+        if v not in DISCUSSION_PATHS:
+            raise BenchError(f"--discussion takes {', '.join(DISCUSSION_PATHS)}, not {v!r}")
+        jobs.append(Job("fsdp", DISCUSSION_PATHS[v]))
+    known = set(ALL_PATHS) | {"sdadapt-shared"} | set(DISCUSSION_PATHS.values())
+    unknown = sorted({j.path for j in jobs} - known)
+    if unknown:
+        raise BenchError(f"unknown path(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return jobs
+
+
+def _formats(jobs: list[Job]) -> list[str]:
+    paths = {j.path for j in jobs}
+    formats = ["safetensors"]
+    if "sdadapt-torchsave" in paths or paths & set(DISCUSSION_PATHS.values()):
+        formats.append("torch.save")
+    if paths & {"sdadapt-dcp", "dcp-native"}:
+        formats.append("dcp")
+    return formats
+
+
+def _refs_text(groups: list[dict[str, Any]], warm: float, cold: bool) -> dict[str, str]:
+    refs: dict[str, str] = {}
+    ranks = next((g["ranks"] for g in groups if g["tag"] == "references"), None)
+    if ranks and all(r is not None and r.get("refs") for r in ranks):
+        threads = ranks[0]["refs"].get("page_cache_read_threads")
+        refs["page-cache read (GiB/s per rank, all ranks at once)"] = \
+            "/".join(f"{r['refs']['page_cache_read_gibps']:.1f}" for r in ranks) + f" with {threads} threads each"
+        if ranks[0]["refs"].get("pinned_pipeline_gibps"):
+            refs["pread into pinned buffers + host-to-GPU copy, overlapped (GiB/s per rank, all at once)"] = \
+                "/".join(f"{r['refs']['pinned_pipeline_gibps']:.1f}" for r in ranks) + f" with {threads} threads each"
+        if ranks[0]["refs"].get("pinned_h2d_gibps"):
+            refs["pinned host-to-GPU (GiB/s per rank, all at once)"] = "/".join(f"{r['refs']['pinned_h2d_gibps']:.1f}" for r in ranks)
+    if not cold:
+        refs["first read of all files after writing (8 threads)"] = f"{warm:.1f} GiB/s"
+    return refs
+
+
+def main(argv: list[str] | None = None, description: str = "") -> int:
+    """Run the benchmark (or, with ``--worker``, one worker process); returns the exit status."""
+    args = parser(description).parse_args(argv)
+    if args.worker:
+        from .worker import main as worker_main
+
+        worker_main(args.worker)
+        return 0
+
+    import torch
+
+    shape = PRESETS[args.preset]
+    shape = Shape(**{**asdict(shape), **{k: v for k, v in vars(args).items() if k in asdict(shape) and v is not None}})
+    backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and torch.cuda.device_count() < args.nproc:
+        raise BenchError(f"--backend nccl needs {args.nproc} GPUs, found {torch.cuda.device_count()}")
+    if str(ROOT / "src") not in sys.path:  # the workers get it on PYTHONPATH; this process checks imports
+        sys.path.insert(0, str(ROOT / "src"))
+    jobs = _jobs(args)
+    if any(j.path == "sdadapt-dcp" for j in jobs):
+        try:
+            import sdadapt.sources._dcp_dir  # noqa: F401
+        except ImportError:
+            print("sdadapt-dcp: the DCP source (sdadapt.sources._dcp_dir) is not available here; skipped", file=sys.stderr)
+            jobs = [j for j in jobs if j.path != "sdadapt-dcp"]
+    formats = _formats(jobs)
+    base = Path(args.dir) if args.dir else Path(tempfile.gettempdir())
+    folder = base / f"sdadapt-bench-{stamp(shape, args.shard_gb, formats)}"
+    reuse = args.keep and (folder / "DONE").exists()
+    facts = {} if reuse else check_fits(base, shape, formats, args.nproc, args.assume_ram_gib)
+    created = False
+    try:
+        t0 = time.perf_counter()
+        if reuse:
+            files = json.loads((folder / "DONE").read_text())
+            print(f"reusing {folder}", file=sys.stderr)
+        else:
+            if folder.exists():
+                shutil.rmtree(folder)
+            folder.mkdir(parents=True)
+            created = True
+            files = write_checkpoint(folder, shape, args.shard_gb, formats)
+            (folder / "DONE").write_text(json.dumps(files))
+            os.sync()  # no write-back of the new files during the timed loads
+        write_s = time.perf_counter() - t0
+        if args.cold:
+            drop_caches()  # refuses here, before any worker starts, where it is not allowed
+            warm = 0.0
+        else:
+            warm = warm_cache(list(files.values()))
+        print(f"checkpoint {shape.nbytes() / GiB:.2f} GiB x {len(files)} formats ready in {write_s:.1f} s; "
+              f"cache warmed at {warm:.1f} GiB/s", file=sys.stderr)
+        result = _run_groups(args, jobs, shape, backend, files, facts, formats, warm)
+        out_prefix = Path(args.out)
+        out_prefix.parent.mkdir(parents=True, exist_ok=True)
+        Path(f"{out_prefix}.json").write_text(json.dumps(result, indent=1, default=str))
+        md = markdown(result)
+        Path(f"{out_prefix}.md").write_text(md)
+        print(md)
+        rows = result["rows"]
+        return 0 if all(r.get("ok") for r in rows if r["path"] not in DISCUSSION_PATHS.values()) else 1
+    finally:
+        if (created or reuse) and not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_groups(args: argparse.Namespace, jobs: list[Job], shape: Shape, backend: str, files: dict[str, str],
+                facts: dict[str, float], formats: list[str], warm: float) -> dict[str, Any]:
+    """One fresh process group per job, then one for the references; the result as a dict."""
+    work = Path(tempfile.mkdtemp(prefix="sdadapt-bench-run-"))
+    common = {"shape": asdict(shape), "backend": backend, "files": files, "cold": args.cold,
+              "verify": not args.no_verify, "malloc": args.malloc}
+    pythonpath = [str(ROOT / "src")]
+    the_machine = machine()  # the load average before the workers start
+    groups = []
+    for job in jobs:
+        discussion = job.path in DISCUSSION_PATHS.values()
+        timeout = args.discussion_timeout if discussion else args.timeout
+        cfg = {**common, "job": asdict(job), "out": str(work / job.tag), "repeat": 0 if discussion else args.repeat,
+               "warmup": 0 if discussion else args.warmup}
+        if discussion:
+            cfg.update(pg_timeout=int(timeout) + 60, dump_after=max(1.0, timeout * 0.6))
+        g = launch_group(cfg, args.nproc, timeout, job.tag, ENTRY, pythonpath)
+        g.update(job=asdict(job), timeout=timeout)
+        groups.append(g)
+        print(f"{job.tag}: group done in {g['seconds']:.1f} s" + (" (hung, killed)" if g["hung"] else ""), file=sys.stderr)
+    if not args.no_references and not args.cold:
+        cfg = {**common, "job": None, "references": True, "out": str(work / "references")}
+        g = launch_group(cfg, args.nproc, args.timeout, "references", ENTRY, pythonpath)
+        g.update(job=None, timeout=args.timeout)
+        groups.append(g)
+    rows = summarize(groups)
+    loads = [run["load_avg"] for g in groups for r in g["ranks"] if r for run in r["runs"] if "load_avg" in run]
+    shutil.rmtree(work, ignore_errors=True)
+    return {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "machine": the_machine,
+        "load_avg_during": [min(loads), max(loads)] if loads else None,
+        "shape": asdict(shape),
+        "checkpoint": {"gib": shape.nbytes() / GiB, "formats": formats, "shard_gb": args.shard_gb, **facts},
+        "nproc": args.nproc,
+        "backend": backend,
+        "libraries": LIBRARIES,
+        "first_load": "one fresh process group per row; the row's first load is the first load of its processes",
+        "repeat": args.repeat,
+        "warmup": args.warmup,
+        "malloc": args.malloc,
+        "cache": "cold (dropped before every load)" if args.cold else "warm",
+        "refs": _refs_text(groups, warm, args.cold),
+        "rows": rows,
+        "groups": groups,
+    }

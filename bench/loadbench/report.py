@@ -1,0 +1,164 @@
+"""From the ranks' raw results to one row per job (first load, steady repeats, memory, check)
+and a markdown table."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from typing import Any
+
+from .common import GiB, meminfo
+
+_MEMORY_KEYS = ("rss_anon_extra_gib", "rss_file_extra_gib", "rss_shmem_extra_gib", "rss_peak_gib", "gpu_extra_gib")
+
+
+def _failure(g: dict[str, Any]) -> str:
+    done = [r for r in g["ranks"] if r is not None]
+    if g["hung"]:
+        return f"hang: no result within {g['timeout']:.0f} s, killed"
+    fatal = "; ".join(r["fatal"].splitlines()[0] for r in done if "fatal" in r)
+    return fatal or f"crash (exit codes {g['rc']})"
+
+
+def _memory(runs: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Peak of each memory figure over ``runs`` (None where not measured, e.g. GPU on CPU runs)."""
+    out: dict[str, float | None] = {}
+    for k in _MEMORY_KEYS:
+        vals = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = max(vals) if vals else None
+    return out
+
+
+def summarize(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per job: ``first_s`` (slowest rank's first load in its fresh process group; also
+    ``wall_s``), ``steady_s`` (median over the steady repeats of the slowest rank), per-rank
+    figures of the first load with the steady repeats' memory peaks beside them."""
+    rows = []
+    for g in groups:
+        job = g.get("job")
+        if not job:
+            continue
+        row: dict[str, Any] = {"path": job["path"], "layout": job["layout"], "flow": job["flow"]}
+        by_rank = [(r or {}).get("runs", []) for r in g["ranks"]]
+        found = [next((x for x in runs if x["phase"] == "first"), None) for runs in by_rank]
+        firsts = [f for f in found if f is not None]
+        if len(firsts) < len(found):
+            rows.append({**row, "ok": False, "error": _failure(g)})
+            continue
+        if not all(f["ok"] for f in firsts):
+            errs = [f.get("error") for f in firsts if not f["ok"] and f.get("error")]
+            rows.append({**row, "ok": False, "error": errs[0] if errs else "another rank failed"})
+            continue
+        steadies = [[x for x in runs if x["phase"] == "steady"] for runs in by_rank]
+        reps = min(len(s) for s in steadies)
+        bad = [s[i] for s in steadies for i in range(reps) if not s[i]["ok"]]
+        if bad:
+            row["steady_error"] = bad[0].get("error", "another rank failed")
+            reps = 0
+        walls = [max(s[i]["wall"] for s in steadies) for i in range(reps)]
+        row.update(ok=True, first_s=max(f["wall"] for f in firsts), steady_s=statistics.median(walls) if walls else None,
+                   steady_all_s=walls, repeats=reps)
+        row["wall_s"] = row["first_s"]
+        row["per_rank"] = []
+        for rk, (f, s) in enumerate(zip(firsts, steadies, strict=True)):
+            pr: dict[str, Any] = {
+                "rank": rk,
+                "wall_s": f["wall"],
+                "steady_wall_s": statistics.median(y["wall"] for y in s[:reps]) if reps else None,
+                "bytes_read_gib": f["bytes_read"] / GiB if "bytes_read" in f else None,
+                "rchar_gib": f.get("rchar_gib"),
+                "local_gib": f["local_bytes"] / GiB,
+                "import_s": (g["ranks"][rk] or {}).get("import_s"),
+                **_memory([f]),
+                "steady": _memory(s[:reps]) if reps else None,
+            }
+            pr["gibps"] = pr["local_gib"] / pr["wall_s"]
+            if f.get("phases"):
+                pr["phases"] = f["phases"]
+            row["per_rank"].append(pr)
+        row["check"] = f"{firsts[0].get('check', '?')} ({sum(f.get('checked', 0) for f in firsts)} shards)"
+        rows.append(row)
+    return rows
+
+
+def _span(vals: list[float | None], fmt: str = "{:.2f}") -> str:
+    """``lo-hi`` over the ranks (one figure when they agree); ``-`` when none was measured."""
+    vs = [v for v in vals if v is not None]
+    if not vs:
+        return "-"
+    lo, hi = fmt.format(min(vs)), fmt.format(max(vs))
+    return lo if lo == hi else f"{lo}-{hi}"
+
+
+def how_line(result: dict[str, Any]) -> str:
+    """How the figures were taken, in one paragraph (printed above the table)."""
+    return (f"Each row ran in its own fresh process group: {result['nproc']} new Python processes started for that row "
+            f"alone, which imported {', '.join(result['libraries'])} before anything was timed, built and parallelised the "
+            "model (untimed; `materialized`: `to_empty` + values in every parameter, untimed), then timed the first load "
+            f"of the process (**first load**, the headline); then {result.get('warmup', 0)} untimed warm-up load(s) and "
+            f"{result['repeat']} timed steady-state load(s) in the same processes, each into a newly prepared model. "
+            "Wall = slowest rank. Extra RSS / GPU memory = peak over the load's start, per rank.")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The run as markdown: what was measured and how, the references, the table, sdadapt's split."""
+    rows = result["rows"]
+    m, sh = result["machine"], result["shape"]
+    lines = [
+        f"Checkpoint: {result['checkpoint']['gib']:.2f} GiB {sh['dtype']} ({sh['layers']} layers, hidden {sh['hidden']}, "
+        f"vocab {sh['vocab']}); {result['nproc']} ranks, {result['backend']}; {m['torch']} on {m['host']} ({m['cpus']} CPUs"
+        + (f", {m['gpus']}" if m.get("gpus") else "") + f"; load average {m.get('load_avg', '?')} at the start"
+        + (", {:.1f}-{:.1f} after the loads".format(*result["load_avg_during"]) if result.get("load_avg_during") else "") + "); "
+        f"{result.get('cache', 'warm')} page cache"
+        + (f"; worker memory: {result['malloc']} (see MALLOC_MODES)." if result.get("malloc", "default") != "default" else "."),
+        how_line(result),
+    ]
+    if result.get("refs"):
+        lines.append("References measured in the same run: " + "; ".join(f"{k} {v}" for k, v in result["refs"].items()) + ".")
+    hdr = ("| path | layout | model before load | first load s | x sdadapt | steady s, median | steady repeats s | "
+           "GiB/s per rank (first) | bytes read / rank GiB | extra RSS anon / file per rank GiB, first load | "
+           "extra RSS anon per rank GiB, steady | peak RSS rank 0 GiB | extra GPU GiB per rank | check |")
+    lines += ["", hdr, "|" + "|".join(["---"] * (hdr.count("|") - 1)) + "|"]
+    base = {(r["layout"], r["flow"]): r["first_s"] for r in rows if r.get("ok") and r["path"] == "sdadapt"}
+    for r in rows:
+        if not r.get("ok"):
+            err = str(r.get("error", ""))[:160].replace("|", "/").replace("\n", " ")
+            lines.append(f"| {r['path']} | {r['layout']} | {r['flow']} | FAILED | | | | | | | | | | {err} |")
+            continue
+        pr = r["per_rank"]
+        b = _span([p["bytes_read_gib"] if p["bytes_read_gib"] is not None else p["rchar_gib"] for p in pr])
+        if pr[0]["bytes_read_gib"] is None:
+            b += " (read())"
+        key = (r["layout"], r["flow"])
+        rel = f"{r['first_s'] / base[key]:.2f}" if key in base else "-"
+        steady = f"{r['steady_s']:.3f}" if r["steady_s"] is not None else r.get("steady_error", "-")[:60].replace("|", "/")
+        reps = " ".join(f"{w:.3f}" for w in r["steady_all_s"])
+        st_anon = _span([(p["steady"] or {}).get("rss_anon_extra_gib") for p in pr])
+        lines.append(
+            f"| {r['path']} | {r['layout']} | {r['flow']} | **{r['first_s']:.3f}** | {rel} | {steady} | {reps} | "
+            f"{_span([p['gibps'] for p in pr])} | {b} | "
+            f"{_span([p['rss_anon_extra_gib'] for p in pr])} / {_span([p['rss_file_extra_gib'] for p in pr])} | {st_anon} | "
+            f"{pr[0]['rss_peak_gib']:.2f} | {_span([p['gpu_extra_gib'] for p in pr])} | {r.get('check', '')} |"
+        )
+    split = [r for r in rows if r.get("ok") and r["per_rank"][0].get("phases")]
+    if split:
+        names = list(split[0]["per_rank"][0]["phases"])
+        lines += ["", "sdadapt's own split of the first load (`LoadReport.phase_seconds`, seconds, slowest rank; `dcp_load` "
+                  "contains `engine`, the engine's planning and reading, which overlap):", "",
+                  "| path | layout | model before load | " + " | ".join(names) + " |", "|" + "|".join(["---"] * (len(names) + 3)) + "|"]
+        for r in split:
+            vals = [max(p["phases"].get(n, 0.0) for p in r["per_rank"]) for n in names]
+            lines.append(f"| {r['path']} | {r['layout']} | {r['flow']} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def machine() -> dict[str, Any]:
+    """Host, CPUs, RAM, torch version, GPUs and the load average now."""
+    import torch
+
+    m = {"host": platform.node(), "cpus": len(os.sched_getaffinity(0)), "torch": f"torch {torch.__version__}",
+         "ram_gib": round(meminfo().get("MemTotal", 0) / GiB, 1), "load_avg": round(os.getloadavg()[0], 2)}
+    if torch.cuda.is_available():
+        m["gpus"] = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    return m

@@ -1,0 +1,150 @@
+"""One worker process: one rank of a fresh process group started for one job (or for the
+references). It imports the libraries, initialises the process group, then loads: the first
+load of the process (the headline figure), ``warmup`` untimed loads, ``repeat`` timed
+steady-state loads. Each load gets its own model, prepared untimed. Results go to
+``<out>/rank<N>.json`` after every load, so that a killed group still leaves what it did."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import drop_caches
+from .common import GiB
+from .memory import RssSampler, rchar
+from .paths import Job, import_libraries, local_of, model_sd, prepare, timed_load, verify_against_source
+from .references import measure_references
+from .shapes import Shape
+
+
+def main(config_path: str) -> None:
+    """Run the worker described by the JSON file ``config_path``; ends the process."""
+    t_start = time.perf_counter()
+    imported = import_libraries()
+    import_s = time.perf_counter() - t_start
+    import torch
+    import torch.distributed as dist
+
+    cfg = json.loads(Path(config_path).read_text())
+    backend = cfg["backend"]
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if cfg.get("dump_after"):  # a hang leaves its stacks in the log
+        import faulthandler
+
+        faulthandler.dump_traceback_later(cfg["dump_after"], exit=False)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.get("pg_timeout", 600)),
+                            device_id=dev if backend == "nccl" else None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {"rank": rank, "world": world, "pid": os.getpid(), "imported": imported,
+                           "import_s": import_s, "runs": [], "refs": {}}
+    try:
+        if cfg.get("job"):
+            _run_job(cfg, Job(**cfg["job"]), Shape(**cfg["shape"]), dev, rank, out)
+        if cfg.get("references"):
+            out["refs"] = measure_references(cfg["files"], dev, rank, world)
+    except BaseException as e:  # noqa: BLE001 - reported in the results
+        import traceback
+
+        out["fatal"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+    _save(cfg, rank, out)
+    try:
+        dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # torch 2.13 + gloo can abort at interpreter exit after destroy_process_group
+
+
+def _save(cfg: dict[str, Any], rank: int, out: dict[str, Any]) -> None:
+    Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(out, indent=1))
+
+
+def _run_job(cfg: dict[str, Any], job: Job, shape: Shape, dev: Any, rank: int, out: dict[str, Any]) -> None:
+    """The first load, the untimed warm-ups, the steady repeats; stops at the first load that
+    failed on any rank (the ranks agree on it, so none waits for another)."""
+    import torch
+    import torch.distributed as dist
+
+    loads = [("first", 0)] + [("warmup", i) for i in range(int(cfg.get("warmup", 0)))]
+    loads += [("steady", i) for i in range(int(cfg.get("repeat", 0)))]
+    for phase, i in loads:
+        run = _measure_one(cfg, job, shape, dev, phase)
+        run["repeat"] = i
+        if phase != "warmup":
+            out["runs"].append(run)
+            _save(cfg, rank, out)  # partial results survive a kill
+        flag = torch.tensor([0 if run["ok"] else 1], device=dev)
+        dist.all_reduce(flag)
+        if flag.item():
+            if run["ok"]:
+                run["note"] = "another rank failed"
+            return
+
+
+def _measure_one(cfg: dict[str, Any], job: Job, shape: Shape, dev: Any, phase: str) -> dict[str, Any]:
+    """Prepare the model (untimed), then time one load and sample its memory; the first load is
+    checked bit-exactly against the source afterwards (untimed)."""
+    import torch
+    import torch.distributed as dist
+
+    run: dict[str, Any] = {"path": job.path, "layout": job.layout, "flow": job.flow, "phase": phase}
+    model = None
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        model = prepare(job, shape, dev)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats(dev)
+        gpu0 = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+        if cfg.get("cold"):
+            if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+                drop_caches()
+            dist.barrier()
+        rchar0 = rchar()
+        with RssSampler() as sampler:
+            facts = timed_load(model, job, cfg["files"], dev)
+        run.update(facts)
+        run.update(sampler.result())
+        run["load_avg"] = os.getloadavg()[0]
+        run["rchar_gib"] = (rchar() - rchar0) / GiB
+        if dev.type == "cuda":
+            now = torch.cuda.memory_allocated(dev)
+            run["gpu_extra_gib"] = (torch.cuda.max_memory_allocated(dev) - now) / GiB
+            run["gpu_model_gib"] = now / GiB
+            run["gpu_grown_gib"] = (now - gpu0) / GiB
+        sd = model_sd(model)
+        run["local_bytes"] = run.get("local_bytes") or sum(
+            local_of(t)[0].numel() * local_of(t)[0].element_size() for t in sd.values()
+        )
+        del sd
+        if phase == "first" and cfg.get("verify", True):
+            run["checked"] = verify_against_source(model, job.path, cfg["files"])
+            run["check"] = "= source"
+        elif phase == "first":
+            run["checked"], run["check"] = 0, "not checked (--no-verify)"
+        run["ok"] = True
+    except BaseException as e:  # noqa: BLE001 - a failing path is a result
+        import traceback
+
+        run["ok"] = False
+        run["error"] = f"{type(e).__name__}: {e}"[:2000]
+        run["traceback"] = traceback.format_exc()[-3000:]
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+    finally:
+        model = None  # free this load's model before the next one is built
+        gc.collect()
+    return run

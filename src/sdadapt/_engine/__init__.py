@@ -1,0 +1,43 @@
+"""The I/O engine behind :class:`~sdadapt._reader.AdaptedStorageReader`.
+
+``dcp.load`` gives a rank its ``ReadItem``s (a target key, a box of it in global coordinates, a
+destination shard). The engine turns all of them into file reads at once and runs those reads
+on a thread pool:
+
+1. **Steps** (:mod:`sdadapt._nodes`). Each job's recipe says how its box is produced into the
+   destination: pieces ("source tensor ``key``, region ``box``, goes into this view of the
+   destination"), fills, and computations. The engine knows no node kinds; it plans pieces
+   and runs fills and computations as they are.
+2. **Locating** (:mod:`.planner`). A source declares where a region's bytes are
+   (``Source.locate_region``): one contiguous row-major tensor in a file (safetensors always;
+   ``torch.save`` zip files when the storages line up with the zip records), or one per stored
+   chunk (DCP folders: the raw bytes of each chunk inside its ``torch.save`` record, see
+   :mod:`sdadapt.sources._dcp_dir`); the box is cut at the chunk boundaries. A box becomes byte
+   spans of that file (:mod:`.geometry`): one span when it covers whole rows (FSDP's dim-0
+   shards), one per row otherwise (TP's column shards; rows shorter than ``min_span_bytes``
+   are instead copied out of the source's mapping in one strided copy). Storage without
+   locations is read through ``Source.read``.
+3. **Tasks** (:mod:`.tasks`). A CPU destination that is contiguous and of the source dtype is
+   read *straight into* with ``preadv`` (:mod:`.syscalls`; no copy, no staging), in chunks so
+   that several threads share a large tensor. Otherwise the bytes go into a buffer from a
+   bounded staging pool (:mod:`.staging`; pinned when the destination is on a GPU), then
+   ``copy_`` moves them (``non_blocking`` on a per-thread CUDA stream, so the next read
+   overlaps the host-to-device copy). Small staged reads that are adjacent in one file are
+   **coalesced** into one read.
+4. **Threads** (:mod:`.workers`). A pool sized to the machine (:func:`default_threads`),
+   started before planning (:mod:`.engine`): each task is queued as soon as it is made, so the
+   first bytes are read while later jobs are still being planned. ``preadv`` and ``copy_``
+   release the GIL, so threads read in parallel; Python runs per task (a chunk of megabytes),
+   never per element. Each thread cycles through ``depth`` staging buffers of its own.
+
+Errors name the target key, the source key and the file. Bytes read are counted exactly
+(what was copied out of the checkpoint, including any gap a coalesced read spans).
+"""
+
+from .config import EngineConfig, default_threads
+from .engine import EngineStats, IOEngine
+from .geometry import box_spans
+from .tasks import Job
+from .workers import CountingIO
+
+__all__ = ["CountingIO", "EngineConfig", "EngineStats", "IOEngine", "Job", "box_spans", "default_threads"]

@@ -1,0 +1,74 @@
+"""The engine's knobs: thread count, staging memory, read sizes, and their environment variables."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+MiB = 1 << 20
+
+
+def default_threads() -> int:
+    """Threads for one rank: ``SDADAPT_IO_THREADS``, else this process's CPUs divided by the
+    ranks on this host (``LOCAL_WORLD_SIZE``), between 1 and 32. From 8 CPUs per rank on, a
+    quarter of them is left to the rest of the process (its main thread, NCCL's and CUDA's
+    threads), which the reads would otherwise compete with (bench/RESULTS.md measures it)."""
+    env = os.environ.get("SDADAPT_IO_THREADS")
+    if env:
+        return max(1, int(env))
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    per_rank = max(1, cpus // local)
+    if per_rank >= 8:
+        per_rank = per_rank * 3 // 4
+    return min(32, per_rank)
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of the engine; the defaults suit most machines.
+
+    ``staging_bytes`` bounds the staging memory of one load on one rank (pinned when loading to
+    a GPU); ``depth`` is how many staging buffers each thread cycles through (a read into one
+    overlaps the host-to-device copies out of the others); ``chunk_bytes`` is the largest single
+    read (default: staging / (depth x threads), 1 to 32 MiB); ``coalesce_gap`` is how many
+    unwanted bytes a coalesced read may span between two wanted regions (counted as read);
+    ``direct_min_bytes`` is the size from which a CPU destination is read into directly rather
+    than through staging (and coalescing); a region made of several runs shorter than
+    ``min_span_bytes`` each (a column slice) is copied out of the source's mapping in one
+    strided copy instead of one read per run. Environment: ``SDADAPT_IO_THREADS``,
+    ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``, ``SDADAPT_IO_DEPTH``.
+    """
+
+    threads: int = field(default_factory=default_threads)
+    staging_bytes: int = 256 * MiB
+    chunk_bytes: int | None = None
+    coalesce_gap: int = 0
+    direct_min_bytes: int = 256 * 1024
+    min_span_bytes: int = 64 * 1024
+    depth: int = 2
+
+    def __post_init__(self) -> None:
+        if self.depth < 1:
+            raise ValueError(f"EngineConfig.depth must be at least 1 (staging buffers per thread), got {self.depth}")
+
+    def chunk(self) -> int:
+        """The largest single read, in bytes (also the size of one staging buffer)."""
+        if self.chunk_bytes is not None:
+            return max(4096, self.chunk_bytes)
+        return max(MiB, min(32 * MiB, self.staging_bytes // (self.depth * max(1, self.threads))))
+
+    @classmethod
+    def from_env(cls) -> EngineConfig:
+        """The defaults, overridden by the ``SDADAPT_IO_*`` environment variables."""
+        cfg = cls()
+        if os.environ.get("SDADAPT_IO_STAGING_MB"):
+            cfg.staging_bytes = int(float(os.environ["SDADAPT_IO_STAGING_MB"]) * MiB)
+        if os.environ.get("SDADAPT_IO_CHUNK_MB"):
+            cfg.chunk_bytes = int(float(os.environ["SDADAPT_IO_CHUNK_MB"]) * MiB)
+        if os.environ.get("SDADAPT_IO_DEPTH"):
+            cfg.depth = max(1, int(os.environ["SDADAPT_IO_DEPTH"]))
+        return cfg

@@ -1,0 +1,134 @@
+"""One run of the engine: start the threads, plan while they read, collect the counts."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..sources._base import Source
+from .config import EngineConfig
+from .planner import Planner
+from .staging import StagingPool
+from .syscalls import open_for
+from .tasks import Job, Task, task_path
+from .workers import Shared, Worker
+
+
+@dataclass
+class EngineStats:
+    """What one or more runs did: bytes, system calls, tasks, where the bytes went, time."""
+
+    bytes_read: int = 0
+    syscalls: int = 0
+    tasks: int = 0
+    direct_bytes: int = 0
+    staged_bytes: int = 0
+    coalesced: int = 0  # staged pieces that shared a read with another
+    computed: int = 0  # pieces read through Source.read, and computation steps
+    staging_buffers: int = 0
+    staging_bytes: int = 0
+    threads: int = 0
+    seconds: float = 0.0  # the whole run
+    plan_seconds: float = 0.0  # of which turning jobs into tasks
+
+    _PEAKS: ClassVar[tuple[str, ...]] = ("threads", "staging_buffers", "staging_bytes")
+
+    def add(self, other: EngineStats) -> None:
+        """Accumulate ``other`` (another run): counts and times add up, peaks take the maximum."""
+        for f in dataclasses.fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            setattr(self, f.name, max(mine, theirs) if f.name in self._PEAKS else mine + theirs)
+
+
+def _estimate_tasks(jobs: Sequence[Job], chunk: int) -> int:
+    """About how many tasks the jobs make (for sizing the thread pool before planning)."""
+    return sum(max(1, -(-j.dest.numel() * j.dest.element_size() // chunk)) for j in jobs)
+
+
+class IOEngine:
+    """Runs a rank's reads for one ``dcp.load``; see :mod:`sdadapt._engine`."""
+
+    def __init__(self, source: Source, config: EngineConfig | None = None):
+        self.source = source
+        self.config = config or EngineConfig.from_env()
+        self.stats = EngineStats()
+
+    def plan(self, jobs: Sequence[Job], emit: Callable[[Task], None] | None = None) -> list[Task]:
+        """Turn jobs into tasks. With ``emit``, each task is handed to it as soon as it is made
+        (so that reading starts while planning goes on) and the list returned is empty;
+        staged pieces under half a chunk, coalesced across all jobs, come last."""
+        tasks: list[Task] = []
+        planner = Planner(self.source, self.config)
+        planner.plan(jobs, emit or tasks.append)
+        self.stats.coalesced += planner.coalesced
+        return tasks
+
+    def run(self, jobs: Sequence[Job]) -> EngineStats:
+        """Plan and read ``jobs``; the threads start on the first tasks while planning goes on."""
+        start = time.perf_counter()
+        cfg = self.config
+        chunk = cfg.chunk()
+        cuda_devices = {j.dest.device for j in jobs if j.dest.device.type == "cuda"}
+        device = next(iter(cuda_devices)) if cuda_devices and torch.cuda.is_available() else None
+        threads = max(1, min(cfg.threads, _estimate_tasks(jobs, chunk)))
+        pool = StagingPool(max(1, cfg.staging_bytes // chunk), chunk, device is not None)  # buffers made on first use
+        shared = Shared(self.source, queue.SimpleQueue(), {}, pool, chunk, device)
+        workers = [Worker(shared, cfg.depth) for _ in range(threads)]
+        pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
+        for th in pool_threads:
+            th.start()
+        count = 0
+
+        def push(task: Task) -> None:
+            nonlocal count
+            if shared.failed.is_set():
+                return  # a thread failed: the load fails, reading on is no use
+            path = task_path(task)
+            if path is not None and path not in shared.fds:
+                shared.fds[path] = open_for(path, task.where.target)  # opened before any thread sees the task
+            shared.work.put(task)
+            count += 1
+
+        planned = start
+        gc_was_on = gc.isenabled()
+        gc.disable()  # a full collection would hold the GIL, and with it every thread, mid-read
+        try:
+            self.plan(jobs, push)
+        except BaseException as e:  # noqa: BLE001 - stop the threads, then raise
+            shared.errors.insert(0, e)
+            shared.failed.set()
+        finally:
+            planned = time.perf_counter()
+            for _ in pool_threads:
+                shared.work.put(None)
+            for th in pool_threads:
+                th.join()
+            if gc_was_on:
+                gc.enable()
+            for fd in shared.fds.values():
+                os.close(fd)
+        st = self.stats
+        for w in workers:
+            st.bytes_read += w.nbytes + w.counter.bytes_read
+            st.syscalls += w.calls
+            st.direct_bytes += w.direct
+            st.staged_bytes += w.staged
+            st.computed += w.computed
+        st.tasks += count
+        st.threads = threads
+        st.staging_buffers = max(st.staging_buffers, pool.allocated)
+        st.staging_bytes = max(st.staging_bytes, pool.allocated * pool.size)
+        st.plan_seconds += planned - start
+        st.seconds += time.perf_counter() - start
+        if shared.errors:
+            raise shared.errors[0]
+        return st

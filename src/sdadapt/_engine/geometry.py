@@ -1,0 +1,93 @@
+"""Byte geometry of boxes in row-major tensors: contiguous runs, and cutting reads into chunks."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .._nodes import Box, box_shape
+
+
+def box_spans(shape: Sequence[int], itemsize: int, box: Box) -> tuple[list[int], int]:
+    """Byte offsets (relative to the tensor's start) of the contiguous runs of ``box`` in a
+    row-major tensor of ``shape``, in box order, and the length of each run in bytes."""
+    nd = len(shape)
+    if nd == 0:
+        return [0], itemsize
+    strides = [1] * nd
+    for i in range(nd - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    # k: the outermost dim such that every dim after it is covered whole
+    k = nd - 1
+    while k > 0 and box[k] == (0, shape[k]):
+        k -= 1
+    run = (box[k][1] - box[k][0]) * strides[k] * itemsize
+    start = box[k][0] * strides[k]
+    if k == 0:
+        return [start * itemsize], run
+    # offsets of every index combination of dims 0..k-1
+    offs = torch.zeros((), dtype=torch.int64)
+    for d in range(k):
+        a, b = box[d]
+        idx = torch.arange(a, b, dtype=torch.int64) * strides[d]
+        offs = (offs.unsqueeze(-1) + idx).reshape(-1)
+    return ((offs + start) * itemsize).tolist(), run
+
+
+def split_segments(segments: list[tuple[int, int]], chunk: int) -> list[list[tuple[int, int]]]:
+    """Cut a packed list of (file offset, nbytes) segments into groups of at most ``chunk``
+    bytes (splitting spans)."""
+    groups: list[list[tuple[int, int]]] = []
+    cur: list[tuple[int, int]] = []
+    size = 0
+    for off, n in segments:
+        while n > 0:
+            take = min(n, chunk - size)
+            cur.append((off, take))
+            size += take
+            off += take
+            n -= take
+            if size == chunk:
+                groups.append(cur)
+                cur, size = [], 0
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def split_box(box: Box, itemsize: int, chunk: int) -> list[tuple[Box, tuple[slice, ...]]]:
+    """Sub-boxes of ``box`` of at most ``chunk`` bytes (where one element row allows), with the
+    slices of the box-shaped destination that each fills."""
+    shape = box_shape(box)
+    nd = len(shape)
+    total = itemsize
+    for s in shape:
+        total *= s
+    if total <= chunk or nd == 0:
+        return [(box, tuple(slice(None) for _ in shape))]
+    # slab[d] = bytes of one index of dim d (all later dims whole)
+    slab = [itemsize] * nd
+    for d in range(nd - 2, -1, -1):
+        slab[d] = slab[d + 1] * shape[d + 1]
+    d = 0
+    while d < nd - 1 and slab[d] > chunk:
+        d += 1
+    per = max(1, chunk // slab[d])
+    out = []
+
+    def rec(prefix: tuple[int, ...]) -> None:
+        i = len(prefix)
+        if i == d:
+            for s in range(0, shape[d], per):
+                e = min(shape[d], s + per)
+                sub = tuple((box[j][0] + prefix[j], box[j][0] + prefix[j] + 1) for j in range(d))
+                sub += ((box[d][0] + s, box[d][0] + e),) + box[d + 1 :]
+                sl = tuple(slice(p, p + 1) for p in prefix) + (slice(s, e),)
+                out.append((sub, sl))
+            return
+        for p in range(shape[i]):
+            rec(prefix + (p,))
+
+    rec(())
+    return out

@@ -1,0 +1,197 @@
+"""Planning: jobs -> steps (from each recipe's ``produce``) -> located byte ranges -> tasks.
+
+A piece of a source tensor whose bytes the source can locate in a file (``locate_region``) is
+cut into reads: straight into a contiguous CPU destination of the source dtype (large enough),
+else through staging; small staged reads adjacent in one file are coalesced at the end. Runs
+shorter than ``min_span_bytes`` (a column slice) are one strided copy out of the source's
+mapping instead. Pieces of storage without locations, fills and computations become one task
+each.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .._nodes import Box, Compute, Piece, box_shape
+from ..sources._base import Source, TensorLocation
+from .config import EngineConfig
+from .geometry import box_spans, split_box, split_segments
+from .tasks import ComputeTask, Delivery, DirectRead, FillTask, Job, SourceRead, StagedRead, Task, Where
+
+
+@dataclass
+class _Small:
+    """A single-span staged read under half a chunk, waiting to be coalesced."""
+
+    path: str
+    offset: int
+    nbytes: int
+    dest: torch.Tensor
+    box: Box
+    where: Where
+    dtype: torch.dtype
+
+
+@dataclass
+class _Part:
+    """A piece's share of one located tensor (or stored chunk): ``box`` in the located
+    tensor's coordinates, its destination view, the located tensor's origin in the source
+    tensor (``()`` for storage without locations, ``loc`` then ``None``)."""
+
+    loc: TensorLocation | None
+    box: Box
+    dest: torch.Tensor
+    origin: tuple[int, ...]
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor (same memory)."""
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if t.dtype != torch.uint8 else flat
+
+
+class Planner:
+    """Turns jobs into tasks for one run; counts coalesced pieces in ``coalesced``."""
+
+    def __init__(self, source: Source, config: EngineConfig):
+        self.source = source
+        self.config = config
+        self.coalesced = 0
+        self._files: dict[str, bool] = {}
+        self._whole: dict[str, TensorLocation] = {}  # keys stored whole in one located tensor
+
+    def _is_file(self, path: str) -> bool:
+        ok = self._files.get(path)
+        if ok is None:
+            ok = self._files[path] = os.path.isfile(path)
+        return ok
+
+    def _file_of(self, key: str) -> str:
+        try:
+            return self.source.file_of(key)
+        except Exception:  # noqa: BLE001 - only for a message
+            return self.source.path
+
+    def plan(self, jobs: Sequence[Job], push: Callable[[Task], None]) -> None:
+        """Hand every task to ``push`` as soon as it is made; staged pieces under half a chunk,
+        coalesced across all jobs, come last."""
+        small: list[_Small] = []
+        for job in jobs:
+            for step in job.node.steps(job.box, job.dest):
+                if isinstance(step, Piece):
+                    self._plan_piece(job.key, step, push, small)
+                elif isinstance(step, Compute):
+                    files = sorted({self._file_of(k) for k in step.node.leaves()})
+                    push(ComputeTask(step, Where(job.key, None, ", ".join(files), step.box)))
+                else:
+                    push(FillTask(step, Where(job.key, None, None, job.box)))
+        for task in self._coalesce(small):
+            push(task)
+
+    def _parts(self, piece: Piece) -> list[_Part]:
+        """Where the piece's bytes are: one part per located tensor or stored chunk the box
+        intersects, or one unlocated part when the source cannot locate all of them in files."""
+        whole = self._whole.get(piece.key)
+        if whole is not None:
+            return [_Part(whole, piece.box, piece.dest, ())]
+        located = self.source.locate_region(piece.key, piece.box)
+        if located is None or not all(self._is_file(loc.path) for _, loc in located):
+            return [_Part(None, piece.box, piece.dest, ())]
+        info = self.source.schema.get(piece.key)
+        if len(located) == 1 and info is not None and located[0][1].shape == info.shape:
+            whole = self._whole[piece.key] = located[0][1]  # the whole tensor in one place: any box lies in it
+            return [_Part(whole, piece.box, piece.dest, ())]
+        parts = []
+        for cb, loc in located:
+            lo = [max(a, o) for (a, _), (o, _) in zip(piece.box, cb, strict=True)]
+            hi = [min(b, e) for (_, b), (_, e) in zip(piece.box, cb, strict=True)]
+            if any(x >= y for x, y in zip(lo, hi, strict=True)):
+                continue
+            inside = all(x == a and y == b for x, y, (a, b) in zip(lo, hi, piece.box, strict=True))
+            dest = piece.dest if inside else piece.dest[tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, piece.box, strict=True))]
+            origin = tuple(o for o, _ in cb)
+            box = tuple((x - o, y - o) for x, y, o in zip(lo, hi, origin, strict=True))
+            parts.append(_Part(loc, box, dest, origin))
+        return parts
+
+    def _plan_piece(self, target: str, piece: Piece, push: Callable[[Task], None], small: list[_Small]) -> None:
+        for part in self._parts(piece):
+            where = Where(target, piece.key, part.loc.path if part.loc else self._file_of(piece.key), piece.box)
+            if part.loc is None:
+                # unknown storage: one read per piece (a sub-box read could cost the source a
+                # whole stored chunk each time, e.g. DCP files)
+                push(SourceRead(piece, where))
+            else:
+                self._plan_located(part, part.loc, piece.key, where, push, small)
+
+    def _plan_located(
+        self,
+        part: _Part,
+        loc: TensorLocation,
+        key: str,
+        where: Where,
+        push: Callable[[Task], None],
+        small: list[_Small],
+    ) -> None:
+        cfg = self.config
+        chunk = cfg.chunk()
+        itemsize = loc.dtype.itemsize
+        box, dest, origin = part.box, part.dest, part.origin
+        starts, run = box_spans(loc.shape, itemsize, box)
+        if len(starts) > 1 and run < cfg.min_span_bytes:
+            # many short rows (a column slice): one strided copy out of the mapped file
+            # beats a read call per row (Source.read takes global coordinates)
+            shifted = any(origin)
+            for sub, sl in split_box(box, itemsize, chunk):
+                glob = tuple((a + o, b + o) for (a, b), o in zip(sub, origin, strict=True)) if shifted else sub
+                push(SourceRead(Piece(key, glob, dest[sl]), where))
+            return
+        direct = (
+            dest.device.type == "cpu"
+            and dest.dtype == loc.dtype
+            and dest.is_contiguous()
+            and dest.numel() * itemsize >= cfg.direct_min_bytes
+        )
+        if direct:
+            segs = [(loc.offset + s, run) for s in starts]
+            mem = _bytes_view(dest)
+            pos = 0
+            for group in split_segments(segs, chunk):
+                n = sum(g[1] for g in group)
+                push(DirectRead(loc.path, group, mem[pos : pos + n], where))
+                pos += n
+            return
+        for sub, sl in split_box(box, itemsize, chunk):
+            starts, run = box_spans(loc.shape, itemsize, sub)
+            d = dest[sl]
+            if len(starts) == 1 and run < chunk // 2:
+                small.append(_Small(loc.path, loc.offset + starts[0], run, d, sub, where, loc.dtype))
+            else:
+                segs = [(loc.offset + s, run) for s in starts]
+                push(StagedRead(loc.path, segs, [Delivery(0, len(segs) * run, loc.dtype, box_shape(sub), d, where)], where))
+
+    def _coalesce(self, small: list[_Small]) -> list[StagedRead]:
+        """Merge single-span staged pieces that are adjacent in one file into shared reads."""
+        gap = self.config.coalesce_gap
+        chunk = self.config.chunk()
+        out: list[StagedRead] = []
+        small.sort(key=lambda s: (s.path, s.offset))
+        cur: StagedRead | None = None
+        cur_end = 0
+        for s in small:
+            end = s.offset + s.nbytes
+            if cur is not None and cur.path == s.path and 0 <= s.offset - cur_end <= gap and end - cur.segments[0][0] <= chunk:
+                start = cur.segments[0][0]
+                cur.segments = [(start, end - start)]
+                cur.deliveries.append(Delivery(s.offset - start, s.nbytes, s.dtype, box_shape(s.box), s.dest, s.where))
+                cur_end = end
+                continue
+            cur = StagedRead(s.path, [(s.offset, s.nbytes)], [Delivery(0, s.nbytes, s.dtype, box_shape(s.box), s.dest, s.where)], s.where)
+            cur_end = end
+            out.append(cur)
+        self.coalesced += sum(len(t.deliveries) for t in out if len(t.deliveries) > 1)
+        return out

@@ -1,0 +1,107 @@
+"""What the engine is asked (jobs) and what its threads do (tasks): one small dataclass per
+kind of task, run by :class:`~sdadapt._engine.workers.Worker` according to its type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .._nodes import Box, Compute, Fill, Node, Piece
+from ..errors import LoadError
+
+
+@dataclass
+class Job:
+    """One ReadItem: fill ``dest`` with region ``box`` of target ``key`` made by ``node``."""
+
+    key: str
+    node: Node
+    box: Box
+    dest: torch.Tensor
+
+
+@dataclass
+class Where:
+    """What a task is about, for error messages: target key, source key, file(s), region."""
+
+    target: str
+    source_key: str | None
+    path: str | None
+    box: Box
+
+    def error(self, e: Exception) -> LoadError:
+        """``e`` as a :class:`LoadError` naming the target key, the source key and the file."""
+        if isinstance(e, LoadError):
+            return e
+        src = f"source key {self.source_key!r} in {self.path}" if self.source_key else f"from {self.path}"
+        err = LoadError(f"key {self.target!r} ({src}): reading {list(self.box)} failed: {type(e).__name__}: {e}")
+        err.__cause__ = e
+        return err
+
+
+@dataclass
+class Delivery:
+    """``staging[offset : offset + nbytes]`` viewed as ``dtype``/``shape`` goes into ``dest``."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    dest: torch.Tensor
+    where: Where
+
+
+@dataclass
+class DirectRead:
+    """File ``path``'s ``segments`` (offset, nbytes), packed in order, read straight into
+    ``dest`` (the contiguous destination's bytes, a uint8 view)."""
+
+    path: str
+    segments: list[tuple[int, int]]
+    dest: torch.Tensor
+    where: Where
+
+
+@dataclass
+class StagedRead:
+    """File ``path``'s ``segments`` read into a staging buffer, then copied out by ``deliveries``
+    (several when small adjacent reads were coalesced into one)."""
+
+    path: str
+    segments: list[tuple[int, int]]
+    deliveries: list[Delivery]
+    where: Where
+
+
+@dataclass
+class SourceRead:
+    """A piece read through ``Source.read`` (storage without byte locations, or a strided copy
+    out of the source's mapping) and copied into its destination."""
+
+    piece: Piece
+    where: Where
+
+
+@dataclass
+class ComputeTask:
+    """A computation step of a recipe, run against the thread's counting ``SourceIO``."""
+
+    step: Compute
+    where: Where
+
+
+@dataclass
+class FillTask:
+    """A fill step of a recipe."""
+
+    step: Fill
+    where: Where
+
+
+Task = DirectRead | StagedRead | SourceRead | ComputeTask | FillTask
+
+
+def task_path(task: Task) -> str | None:
+    """The file a task reads with ``preadv`` (opened before any thread sees the task), if any."""
+    return task.path if isinstance(task, (DirectRead, StagedRead)) else None

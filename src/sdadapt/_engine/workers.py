@@ -1,0 +1,168 @@
+"""The engine's I/O threads: each takes tasks off a shared queue and runs them by type."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._nodes import Box
+from ..sources._base import Source
+from . import syscalls
+from .staging import StagingPool
+from .tasks import ComputeTask, DirectRead, FillTask, SourceRead, StagedRead, Task
+
+
+class CountingIO:
+    """A ``SourceIO`` over ``source`` that counts the bytes and reads it hands out (one per
+    thread: no shared counter, no lock)."""
+
+    def __init__(self, source: Source):
+        self.source = source
+        self.bytes_read = 0
+        self.reads = 0
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        t = self.source.read(key, box)
+        self.bytes_read += t.numel() * t.element_size()
+        self.reads += 1
+        return t
+
+
+@dataclass
+class Shared:
+    """What the worker threads of one run share."""
+
+    source: Source
+    work: queue.SimpleQueue[Task | None]  # None: no more tasks
+    fds: dict[str, int]
+    pool: StagingPool
+    chunk: int
+    device: torch.device | None
+    errors: list[BaseException] = field(default_factory=list)
+    failed: threading.Event = field(default_factory=threading.Event)
+
+
+class Worker:
+    """One I/O thread: takes tasks until none are left (or one failed anywhere).
+
+    Staged reads cycle through a small ring of this thread's own staging buffers (taken from
+    the shared bounded pool, given back at the end): a buffer is reused once the host-to-device
+    copy out of it has finished (its event), so the next read overlaps the copy. On a GPU the
+    thread's own stream is current for the whole run."""
+
+    def __init__(self, shared: Shared, depth: int = 2):
+        self.shared = shared
+        self.depth = depth  # staging buffers of this thread
+        self.counter = CountingIO(shared.source)
+        self.nbytes = self.calls = self.direct = self.staged = self.computed = 0
+        self.ring: list[list[Any]] = []  # [buffer, event or None]
+        self.turn = 0
+        self.stream: Any = None
+
+    def run(self) -> None:
+        """The thread's body: errors are collected in ``shared`` and re-raised by the engine."""
+        sh = self.shared
+        try:
+            if sh.device is not None:
+                with torch.cuda.device(sh.device):
+                    self.stream = torch.cuda.Stream(sh.device)
+                    self.stream.wait_stream(torch.cuda.current_stream(sh.device))  # destinations were made there
+                    with torch.cuda.stream(self.stream):
+                        self._loop()
+                    self.stream.synchronize()
+            else:
+                self._loop()
+        except BaseException as e:  # noqa: BLE001 - re-raised by IOEngine.run
+            sh.errors.append(e)
+            sh.failed.set()
+        finally:
+            for buf, _ in self.ring:
+                sh.pool.put(buf)
+
+    def _loop(self) -> None:
+        sh = self.shared
+        while True:
+            task = sh.work.get()
+            if task is None or sh.failed.is_set():
+                return
+            try:
+                self._run(task)
+            except Exception as e:  # noqa: BLE001 - named and re-raised by run()
+                sh.errors.append(task.where.error(e))
+                sh.failed.set()
+
+    def _run(self, task: Task) -> None:
+        match task:
+            case DirectRead():
+                self._direct(task)
+            case StagedRead():
+                self._staged(task)
+            case SourceRead():
+                self._source_read(task)
+            case ComputeTask():
+                task.step.run(self.counter)
+                self.computed += 1
+            case FillTask():
+                task.step.run(self.counter)
+
+    def _buffer(self) -> torch.Tensor:
+        """A staging buffer free to write: a new one while the ring is short, else the oldest
+        once its copy has finished."""
+        pool = self.shared.pool
+        if len(self.ring) < self.depth:
+            buf = pool.try_get() if self.ring else pool.get()
+            if buf is not None:
+                self.ring.append([buf, None])
+                self.turn = len(self.ring) - 1
+                return buf
+        self.turn = (self.turn + 1) % len(self.ring)
+        slot = self.ring[self.turn]
+        if slot[1] is not None:
+            slot[1].synchronize()
+        return slot[0]
+
+    def _copied(self) -> None:
+        """Mark the current buffer in use until the copies just queued on the stream finish."""
+        if self.stream is not None:
+            slot = self.ring[self.turn]
+            if slot[1] is None:
+                slot[1] = torch.cuda.Event()
+            slot[1].record(self.stream)
+
+    def _read_into(self, path: str, segments: list[tuple[int, int]], mem: torch.Tensor) -> int:
+        fd = self.shared.fds[path]
+        pos = 0
+        for off, n in segments:
+            self.calls += syscalls.preadv_into(fd, mem, pos, off, n)
+            pos += n
+        self.nbytes += pos
+        return pos
+
+    def _direct(self, task: DirectRead) -> None:
+        syscalls.populate(task.dest)
+        self.direct += self._read_into(task.path, task.segments, task.dest)
+
+    def _staged(self, task: StagedRead) -> None:
+        buf = self._buffer()
+        self.staged += self._read_into(task.path, task.segments, buf)
+        non_blocking = self.stream is not None
+        for dl in task.deliveries:
+            dl.dest.copy_(buf[dl.offset : dl.offset + dl.nbytes].view(dl.dtype).view(dl.shape), non_blocking=non_blocking)
+        self._copied()
+
+    def _source_read(self, task: SourceRead) -> None:
+        piece = task.piece
+        value = self.counter.read(piece.key, piece.box)
+        self.computed += 1
+        nb = value.numel() * value.element_size()
+        if self.stream is not None and piece.dest.device.type == "cuda" and nb <= self.shared.chunk:
+            stage = self._buffer()[:nb].view(value.dtype).view(value.shape)
+            stage.copy_(value)
+            piece.dest.copy_(stage, non_blocking=True)
+            self._copied()
+        else:
+            piece.dest.copy_(value)

@@ -1,0 +1,199 @@
+"""Quantized weight formats as pure functions on tensors (no I/O, no plan).
+
+- **FP8 block scaling** (DeepSeek-V3/R1, Kimi-K2, Qwen3-FP8): a ``float8_e4m3fn`` weight
+  ``[..., R, C]`` and a scale ``scale_inv`` of shape ``[..., ceil(R / b0), ceil(C / b1)]``;
+  value ``[i, j] = float(w[i, j]) * scale_inv[i // b0, j // b1]``. The scale is stored as
+  ``float32`` (``scale_format="float32"``) or, for power-of-two scales (UE8M0, DeepSeek-V3.1+),
+  as one biased exponent byte per block (``scale_format="ue8m0"``: ``uint8`` or
+  ``float8_e8m0fnu``, value ``2 ** (byte - 127)``).
+- **MXFP4** (GPT-OSS, OCP microscaling): ``blocks`` ``uint8 [..., G, 16]`` hold 32 e2m1 values
+  per block, two per byte, the low nibble first (element ``2k`` is ``byte[k] & 0xF``, element
+  ``2k + 1`` is ``byte[k] >> 4``, as transformers' ``integrations/mxfp4.py`` unpacks them);
+  ``scales`` ``uint8 [..., G]`` are e8m0 exponents (bias 127). The values are
+  ``[..., G * 32]``: the packed dim is the last one (the projection's input dim).
+
+Dequantising multiplies in float32 and then casts to the target dtype, element by element, so a
+region computed on its own equals the same region of the whole tensor bit for bit.
+
+Quantising is the inverse used for export. Its scale choice makes quantise(dequantise(q)) give
+back ``q`` and the scale whenever the dequantised values are exact in the dtype they were held
+in: FP8 float32 scales are ``amax / 448`` (or the float32 neighbour of it that reproduces the
+block's float32 values exactly, when one does); UE8M0 scales are the smallest power of two ``2**k``
+with ``amax / 2**k <= 464`` (what still rounds to e4m3's largest value, 448); MXFP4 scales
+follow the OCP rule ``2 ** (floor(log2(amax)) - 2)``. An all-zero block gets scale 1.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+ScaleFormat = Literal["float32", "ue8m0"]
+
+FP8_SCALE_SUFFIX = "_scale_inv"  # key of a weight's FP8 scale = weight key + this
+MX_BLOCKS_SUFFIX, MX_SCALES_SUFFIX = "_blocks", "_scales"  # MXFP4 <name>_blocks + <name>_scales
+FP8_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+MX_BLOCK = 32  # values per MXFP4 block
+MX_BYTES = MX_BLOCK // 2  # bytes per MXFP4 block
+SCALE_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "float32": (torch.float32,),
+    "ue8m0": (torch.uint8, torch.float8_e8m0fnu),
+}
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# e2m1 magnitudes 0..7 and the midpoints between neighbours; a value on a midpoint rounds to the
+# even code (IEEE round-half-to-even), so it moves up only past midpoints after an odd code.
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# --- scales ---------------------------------------------------------------------------------------
+
+
+def decode_e8m0(raw: torch.Tensor) -> torch.Tensor:
+    """Biased exponent bytes (``uint8`` or ``float8_e8m0fnu``) -> float32 ``2 ** (byte - 127)``
+    (byte 255 is NaN)."""
+    if raw.dtype == torch.uint8:
+        raw = raw.view(torch.float8_e8m0fnu)
+    return raw.to(torch.float32)
+
+
+def encode_e8m0(exponent: torch.Tensor) -> torch.Tensor:
+    """Integer exponents ``k`` -> ``uint8`` bytes ``k + 127``, clamped to the finite range."""
+    return (exponent + 127).clamp(0, 254).to(torch.uint8)
+
+
+def scale_values(raw: torch.Tensor, fmt: ScaleFormat) -> torch.Tensor:
+    """Stored FP8 scales -> float32 multipliers."""
+    return raw.to(torch.float32) if fmt == "float32" else decode_e8m0(raw)
+
+
+def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+    """The scale grid of an FP8 weight of ``shape`` with ``block`` ``(b0, b1)`` over its last two dims."""
+    return tuple(shape[:-2]) + (cdiv(shape[-2], block[0]), cdiv(shape[-1], block[1]))
+
+
+# --- FP8 ------------------------------------------------------------------------------------------
+
+
+def dequantize_fp8(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], fmt: ScaleFormat, dtype: torch.dtype
+) -> torch.Tensor:
+    """Whole-tensor dequantisation: pad to whole blocks, view ``[..., nr, b0, nc, b1]``, scale, unpad."""
+    rows, cols = weight.shape[-2:]
+    b0, b1 = block
+    nr, nc = cdiv(rows, b0), cdiv(cols, b1)
+    w = F.pad(weight.to(torch.float32), (0, nc * b1 - cols, 0, nr * b0 - rows))
+    lead = tuple(weight.shape[:-2])
+    v = w.reshape(lead + (nr, b0, nc, b1)) * scale_values(scale, fmt).reshape(lead + (nr, 1, nc, 1))
+    return v.reshape(lead + (nr * b0, nc * b1))[..., :rows, :cols].to(dtype)
+
+
+def dequantize_fp8_region(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    offset: tuple[int, int],
+    fmt: ScaleFormat,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """Dequantise a region of an FP8 weight that starts ``offset`` = ``(row % b0, col % b1)``
+    inside its first block; ``scale`` holds exactly the scale rows/cols the region touches.
+
+    The region is placed in a float32 buffer aligned to those tiles and scaled through a
+    ``[..., nr, b0, nc, b1]`` view, so the scales are broadcast, never expanded to the weight's size."""
+    rows, cols = weight.shape[-2:]
+    (b0, b1), (r, c) = block, offset
+    s = scale_values(scale, fmt)
+    lead, (nr, nc) = tuple(weight.shape[:-2]), tuple(s.shape[-2:])
+    buf = torch.empty(lead + (nr * b0, nc * b1), dtype=torch.float32)  # the margin is scaled, then dropped
+    region = buf[..., r : r + rows, c : c + cols]
+    region.copy_(weight)
+    buf.view(lead + (nr, b0, nc, b1)).mul_(s.reshape(lead + (nr, 1, nc, 1)))
+    return region.to(dtype)
+
+
+def _fp8_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``x`` as float32 ``[..., nr, b0, nc, b1]`` (zero-padded), and the original shape."""
+    rows, cols = x.shape[-2:]
+    b0, b1 = block
+    nr, nc = cdiv(rows, b0), cdiv(cols, b1)
+    w = F.pad(x.to(torch.float32), (0, nc * b1 - cols, 0, nr * b0 - rows))
+    return w.reshape(tuple(x.shape[:-2]) + (nr, b0, nc, b1)), tuple(x.shape)
+
+
+def _fp8_values(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (blocks / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+
+
+def _exact_fp32_scale(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per block, ``scale`` or one of its float32 neighbours, the first that reproduces the
+    block's float32 values exactly (values dequantised from FP8 with float32 scales: their
+    ``amax / 448`` can miss the original scale by one unit in the last place); ``scale`` where
+    none does (values that never were FP8)."""
+    chosen, found = scale.clone(), torch.zeros(scale.shape, dtype=torch.bool)
+    for cand in (scale, torch.nextafter(scale, torch.zeros_like(scale)), torch.nextafter(scale, 2 * scale)):
+        back = _fp8_values(blocks, cand).to(torch.float32) * cand[..., :, None, :, None]
+        ok = (back == blocks).all(dim=-1).all(dim=-2) & ~found
+        chosen, found = torch.where(ok, cand, chosen), found | ok
+    return chosen
+
+
+def quantize_fp8(x: torch.Tensor, block: tuple[int, int], fmt: ScaleFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., R, C]`` -> (``float8_e4m3fn`` weight, stored scale) with ``block`` scale tiles."""
+    blocks, shape = _fp8_blocks(x, block)
+    amax = blocks.abs().amax(dim=(-3, -1))  # [..., nr, nc]
+    if fmt == "float32":
+        stored = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        if x.dtype == torch.float32:
+            stored = _exact_fp32_scale(blocks, stored)
+        mult = stored
+    else:
+        mant, exp = torch.frexp(amax)  # amax = mant * 2**exp, mant in [0.5, 1)
+        # smallest k with amax <= 464 * 2**k; 464 = 0.90625 * 2**9
+        k = torch.where(mant <= 0.90625, exp - 9, exp - 8)
+        stored = encode_e8m0(torch.where(amax > 0, k, torch.zeros_like(k)))
+        mult = decode_e8m0(stored)
+    q = _fp8_values(blocks, mult)
+    rows, cols = shape[-2:]
+    q = q.reshape(shape[:-2] + (blocks.shape[-4] * block[0], blocks.shape[-2] * block[1]))[..., :rows, :cols]
+    return q, stored
+
+
+# --- MXFP4 ----------------------------------------------------------------------------------------
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``blocks [..., G, 16]`` + ``scales [..., G]`` -> values ``[..., G * 32]`` in ``dtype``.
+
+    One table lookup per byte (byte -> its low-nibble and high-nibble values, in that order)."""
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1)  # [256, 2]: byte & 0xF, byte >> 4
+    v = F.embedding(blocks.to(torch.int64), pairs).reshape(tuple(blocks.shape[:-1]) + (MX_BLOCK,))
+    v.mul_(decode_e8m0(scales).unsqueeze(-1))
+    return v.reshape(tuple(blocks.shape[:-2]) + (blocks.shape[-2] * MX_BLOCK,)).to(dtype)
+
+
+def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
+    """Round float32 values to e2m1 codes (``uint8`` 0..15, sign in bit 3), saturating at +-6."""
+    a = y.abs()
+    code = torch.zeros(y.shape, dtype=torch.uint8)
+    for c, m in enumerate(_FP4_MIDPOINTS):
+        code += (a > m) if c % 2 == 0 else (a >= m)
+    return code | (torch.signbit(y).to(torch.uint8) << 3)
+
+
+def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., C]`` (``C`` a multiple of 32) -> (``blocks uint8 [..., C/32, 16]``, ``scales uint8 [..., C/32]``)."""
+    lead, cols = tuple(x.shape[:-1]), x.shape[-1]
+    xb = x.to(torch.float32).reshape(lead + (cols // MX_BLOCK, MX_BLOCK))
+    amax = xb.abs().amax(dim=-1)
+    _, exp = torch.frexp(amax)  # floor(log2(amax)) = exp - 1; e2m1's largest exponent is 2
+    scales = encode_e8m0(torch.where(amax > 0, exp - 3, torch.zeros_like(exp)))
+    code = e2m1_codes(xb / decode_e8m0(scales).unsqueeze(-1))
+    return code[..., 0::2] | (code[..., 1::2] << 4), scales

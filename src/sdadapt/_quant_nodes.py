@@ -1,0 +1,181 @@
+"""Recipe nodes for quantized sources: dequantise on load, re-quantize on export.
+
+Each node produces a region as one :class:`~sdadapt._nodes.Compute` step whose function is
+the private method ``_region(box, io)``: it reads through the child nodes only the bytes that
+region needs (for FP8 the weight region itself and the scale rows/cols its blocks touch; for
+MXFP4 the whole 32-value blocks it touches and their scale bytes), then computes. ``full(io)``
+is a separate eager implementation on whole tensors (the reference the region path is tested
+against). The formats themselves are in :mod:`sdadapt._quant`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from . import _quant as Q
+from ._nodes import Box, Compute, Node, SourceIO, Step
+
+Part = Literal["values", "scales"]
+
+
+class _Computed(Node):
+    """A node whose every region is one computation, :meth:`_region`."""
+
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+        out.append(Compute(self, box, dest, functools.partial(self._region, box)))
+
+    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, eq=False)
+class DequantFP8(_Computed):
+    """An FP8 e4m3 ``weight`` times its block ``scale`` (``block`` over the last two dims), in ``dtype``."""
+
+    weight: Node
+    scale: Node
+    block: tuple[int, int]
+    scale_format: Q.ScaleFormat
+    dtype: torch.dtype
+    shape: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.weight.shape))
+
+    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+        (r0, r1), (c0, c1) = box[-2:]
+        b0, b1 = self.block
+        scale_box = box[:-2] + ((r0 // b0, Q.cdiv(r1, b0)), (c0 // b1, Q.cdiv(c1, b1)))
+        return Q.dequantize_fp8_region(
+            self.weight.read(box, io),
+            self.scale.read(scale_box, io),
+            self.block,
+            (r0 % b0, c0 % b1),
+            self.scale_format,
+            self.dtype,
+        )
+
+    def full(self, io: SourceIO) -> torch.Tensor:
+        return Q.dequantize_fp8(self.weight.full(io), self.scale.full(io), self.block, self.scale_format, self.dtype)
+
+    def describe(self) -> str:
+        b0, b1 = self.block
+        return f"dequant_fp8({self.weight.describe()}, {self.scale.describe()}, block=[{b0}, {b1}], {self.scale_format})"
+
+
+@dataclass(frozen=True, eq=False)
+class DequantMXFP4(_Computed):
+    """MXFP4 ``blocks [..., G, 16]`` and e8m0 ``scales [..., G]`` as values ``[..., G * 32]`` in ``dtype``."""
+
+    blocks: Node
+    scales: Node
+    dtype: torch.dtype
+    shape: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = tuple(self.blocks.shape)
+        object.__setattr__(self, "shape", s[:-2] + (s[-2] * Q.MX_BLOCK,))
+
+    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+        c0, c1 = box[-1]
+        g0, g1 = c0 // Q.MX_BLOCK, Q.cdiv(c1, Q.MX_BLOCK)
+        lead = box[:-1]
+        values = Q.dequantize_mxfp4(
+            self.blocks.read(lead + ((g0, g1), (0, Q.MX_BYTES)), io),
+            self.scales.read(lead + ((g0, g1),), io),
+            self.dtype,
+        )
+        return values[..., c0 - g0 * Q.MX_BLOCK : c1 - g0 * Q.MX_BLOCK]
+
+    def full(self, io: SourceIO) -> torch.Tensor:
+        blocks = self.blocks.full(io)
+        lut = torch.tensor(Q.FP4_VALUES, dtype=torch.float32)
+        *lead, groups, nbytes = blocks.shape
+        out = torch.empty((*lead, groups, 2 * nbytes), dtype=torch.float32)
+        out[..., 0::2] = lut[(blocks & 0x0F).long()]
+        out[..., 1::2] = lut[(blocks >> 4).long()]
+        out *= Q.decode_e8m0(self.scales.full(io))[..., None]
+        return out.flatten(-2).to(self.dtype)
+
+    def describe(self) -> str:
+        return f"dequant_mxfp4({self.blocks.describe()}, {self.scales.describe()})"
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizeFP8(_Computed):
+    """One part of ``child`` quantized to FP8 with ``block`` scale tiles: the e4m3 weight
+    (``part="values"``) or its stored scale grid (``part="scales"``). A region is computed from
+    the whole blocks it touches."""
+
+    child: Node
+    block: tuple[int, int]
+    scale_format: Q.ScaleFormat
+    part: Part
+    shape: tuple[int, ...] = field(init=False)
+    dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.part == "values":
+            shape, dtype = tuple(self.child.shape), Q.FP8_DTYPE
+        else:
+            shape, dtype = Q.fp8_scale_shape(tuple(self.child.shape), self.block), Q.SCALE_DTYPES[self.scale_format][0]
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", dtype)
+
+    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+        rows, cols = self.child.shape[-2:]
+        b0, b1 = self.block
+        (a0, a1), (c0, c1) = box[-2:]
+        if self.part == "values":  # widen to whole blocks, quantize, narrow
+            r_lo, c_lo = a0 // b0 * b0, c0 // b1 * b1
+            src = box[:-2] + ((r_lo, min(rows, Q.cdiv(a1, b0) * b0)), (c_lo, min(cols, Q.cdiv(c1, b1) * b1)))
+            q, _ = Q.quantize_fp8(self.child.read(src, io), self.block, self.scale_format)
+            return q[..., a0 - r_lo : a1 - r_lo, c0 - c_lo : c1 - c_lo]
+        src = box[:-2] + ((a0 * b0, min(rows, a1 * b0)), (c0 * b1, min(cols, c1 * b1)))
+        return Q.quantize_fp8(self.child.read(src, io), self.block, self.scale_format)[1]
+
+    def full(self, io: SourceIO) -> torch.Tensor:
+        q, scale = Q.quantize_fp8(self.child.full(io), self.block, self.scale_format)
+        return q if self.part == "values" else scale
+
+    def describe(self) -> str:
+        b0, b1 = self.block
+        return f"quantize_fp8({self.child.describe()}, block=[{b0}, {b1}], {self.scale_format}).{self.part}"
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizeMXFP4(_Computed):
+    """One part of ``child [..., C]`` (``C`` a multiple of 32) quantized to MXFP4: the packed
+    ``blocks [..., C/32, 16]`` (``part="values"``) or the e8m0 ``scales [..., C/32]``."""
+
+    child: Node
+    part: Part
+    shape: tuple[int, ...] = field(init=False)
+    dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = tuple(self.child.shape)
+        groups = (s[-1] // Q.MX_BLOCK,)
+        shape = s[:-1] + groups + ((Q.MX_BYTES,) if self.part == "values" else ())
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", torch.uint8)
+
+    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+        lead = box[: len(self.child.shape) - 1]
+        g0, g1 = box[len(lead)]
+        blocks, scales = Q.quantize_mxfp4(self.child.read(lead + ((g0 * Q.MX_BLOCK, g1 * Q.MX_BLOCK),), io))
+        if self.part == "scales":
+            return scales
+        k0, k1 = box[-1]
+        return blocks[..., k0:k1]
+
+    def full(self, io: SourceIO) -> torch.Tensor:
+        blocks, scales = Q.quantize_mxfp4(self.child.full(io))
+        return blocks if self.part == "values" else scales
+
+    def describe(self) -> str:
+        return f"quantize_mxfp4({self.child.describe()}).{self.part}"

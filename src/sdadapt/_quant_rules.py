@@ -1,0 +1,336 @@
+"""The ``dequant`` rule family: quantized checkpoints (FP8 block scales, UE8M0, MXFP4) as rules.
+
+- :class:`DequantFP8` (``sdadapt.dequant_fp8``): every key matching ``keys`` (and no
+  ``exclude`` pattern) with two or more dims is an FP8 e4m3 weight with a scale beside it at
+  ``key + scale_suffix``; the weight becomes its dequantised value in ``dtype`` and the scale
+  key is folded into its recipe. Inverse: :class:`QuantizeFP8`.
+- :class:`DequantMXFP4` (``sdadapt.dequant_mxfp4``): every ``<name>_blocks`` +
+  ``<name>_scales`` pair whose ``<name>`` matches ``keys`` becomes ``<name>`` ``[..., G * 32]``.
+  Inverse: :class:`QuantizeMXFP4`.
+
+Both are value rules: they apply in order and take no part in the one-rule-per-key check, so a
+later rename may match the scale keys' names without being reported as ambiguous. Put them
+first (they act on the checkpoint's own key names); :func:`dequant_rules` builds them from a
+release's ``config.json``.
+
+Strict: a matched key that is not stored in the format (a bf16 embedding matched by
+``**.weight``) is a plan problem naming ``exclude=``, because the inverse re-quantizes every key
+the rule matches; so are a missing or misshapen scale. A scale no rule consumes shows up as an
+unexpected key, and a quantized weight loaded without these rules as a dtype or shape mismatch;
+:func:`quant_hint` turns either into a hint naming the rule that fixes it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+
+import torch
+from pydantic import Field, field_validator
+
+from . import _quant as Q
+from . import _quant_nodes as QN
+from ._patterns import compile_pattern, matches_any
+from ._rules import RuleBase, parse_dtype
+from ._rules.base import dtype_str
+from .errors import AdapterError
+from .sources._base import dtype_name
+
+if TYPE_CHECKING:
+    from ._plan import PlanContext
+    from ._report import Report
+    from .sources._base import TensorInfo
+
+FP8_EXCLUDE = ["**embed_tokens.weight", "lm_head.weight", "**.mlp.gate.weight", "**.shared_head.head.weight"]
+"""Matrices that FP8 releases keep in bf16: embeddings, the output head (and DeepSeek's MTP copy
+of it) and MoE routers (norms and biases are 1-D and never matched)."""
+
+
+def _block(v: object) -> tuple[int, int]:
+    if not isinstance(v, (list, tuple)) or len(v) != 2 or not all(isinstance(b, int) and b > 0 for b in v):
+        raise ValueError(f"block must be two positive integers [rows, cols], got {v!r}")
+    return (int(v[0]), int(v[1]))
+
+
+class _QuantRule(RuleBase):
+    """What every rule of the family has: the keys it acts on and the dtype of the values."""
+
+    moves_keys: ClassVar[bool] = False
+    keys: str
+    dtype: str = "bfloat16"
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _check_dtype(cls, v: object) -> str:
+        return dtype_str(v)
+
+    def input_patterns(self) -> list[str]:
+        return [self.keys]
+
+    def _fields(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"kind"})
+
+
+class _FP8Fields(_QuantRule):
+    """What FP8 dequantisation and re-quantization share: which keys, the block, the scale."""
+
+    keys: str = "**.weight"
+    exclude: list[str] = []
+    block: tuple[int, int]
+    scale_suffix: str = Field(default=Q.FP8_SCALE_SUFFIX, min_length=1)
+    scale_format: Q.ScaleFormat = "float32"
+
+    @field_validator("block", mode="before")
+    @classmethod
+    def _check_block(cls, v: object) -> tuple[int, int]:
+        return _block(v)
+
+    def _targets(self, ctx: PlanContext) -> list[str]:
+        """Keys this rule acts on: matching ``keys``, not ``exclude``, with two or more dims."""
+        pat = compile_pattern(self.keys)
+        return [
+            k
+            for k in ctx.keys()
+            if pat.match(k) is not None and not matches_any(self.exclude, k) and len(ctx.get(k).shape) >= 2
+        ]
+
+
+class DequantFP8(_FP8Fields):
+    """FP8 e4m3 weights with block scales ``key + scale_suffix`` -> values in ``dtype``:
+    ``DequantFP8(keys="model.layers.**.weight", block=[128, 128])``."""
+
+    kind: Literal["dequant_fp8"] = "dequant_fp8"
+
+    def apply(self, ctx: PlanContext, index: int) -> None:
+        targets = self._targets(ctx)
+        scales = {k + self.scale_suffix for k in targets if ctx.get(k).dtype == Q.FP8_DTYPE}
+        to = parse_dtype(self.dtype)
+        for key in targets:
+            if key in scales:
+                continue  # a float32 scale matched by a broad pattern is an input, not a weight
+            node = ctx.get(key)
+            skey = key + self.scale_suffix
+            problem = self._problem(ctx, key, skey)
+            if problem:
+                ctx.issue(index, key, problem)
+                continue
+            scale = ctx.absorb(skey, index)
+            ctx.replace(key, QN.DequantFP8(node, scale, self.block, self.scale_format, to))
+
+    def _problem(self, ctx: PlanContext, key: str, skey: str) -> str | None:
+        node = ctx.get(key)
+        if node.dtype != Q.FP8_DTYPE:
+            return (
+                f"is stored as {dtype_name(node.dtype)}, not float8_e4m3fn; add it to exclude=[...] of this "
+                "rule (its inverse re-quantizes every key it matches)"
+            )
+        if not ctx.has(skey):
+            return f"has no scale {skey!r}; the release stores it under another name? set scale_suffix="
+        scale = ctx.get(skey)
+        want = Q.fp8_scale_shape(tuple(node.shape), self.block)
+        if tuple(scale.shape) != want:
+            return (
+                f"scale {skey!r} has shape {list(scale.shape)}, but block={list(self.block)} over "
+                f"{list(node.shape)} needs {list(want)}; check block= (config.json weight_block_size)"
+            )
+        if scale.dtype not in Q.SCALE_DTYPES[self.scale_format]:
+            other = "ue8m0" if self.scale_format == "float32" else "float32"
+            return (
+                f"scale {skey!r} is {dtype_name(scale.dtype)}, not what scale_format={self.scale_format!r} "
+                f"stores ({', '.join(dtype_name(d) for d in Q.SCALE_DTYPES[self.scale_format])}); "
+                f"scale_format={other!r}?"
+            )
+        return None
+
+    def inverse(self) -> list[Any]:
+        return [QuantizeFP8(**self._fields())]
+
+
+class QuantizeFP8(_FP8Fields):
+    """The inverse of :class:`DequantFP8`: matched tensors become FP8 e4m3 weights with a scale
+    grid ``key + scale_suffix`` (same block geometry and scale format)."""
+
+    kind: Literal["quantize_fp8"] = "quantize_fp8"
+
+    def apply(self, ctx: PlanContext, index: int) -> None:
+        for key in self._targets(ctx):
+            node = ctx.get(key)
+            skey = key + self.scale_suffix
+            if not node.dtype.is_floating_point:
+                ctx.issue(index, key, f"is {dtype_name(node.dtype)}; only floating tensors can be quantized")
+                continue
+            if ctx.has(skey):
+                ctx.issue(index, key, f"{skey!r} exists already; the scale would overwrite it")
+                continue
+            ctx.mark(index)
+            ctx.replace(key, QN.QuantizeFP8(node, self.block, self.scale_format, "values"))
+            ctx.put(skey, QN.QuantizeFP8(node, self.block, self.scale_format, "scales"), index, origin=key)
+
+    def inverse(self) -> list[Any]:
+        return [DequantFP8(**self._fields())]
+
+
+class _MXFP4Fields(_QuantRule):
+    """What MXFP4 dequantisation and re-quantization share: the suffixes of the packed pair."""
+
+    blocks_suffix: str = Field(default=Q.MX_BLOCKS_SUFFIX, min_length=1)
+    scales_suffix: str = Field(default=Q.MX_SCALES_SUFFIX, min_length=1)
+
+
+class DequantMXFP4(_MXFP4Fields):
+    """``<name>_blocks`` (uint8 ``[..., G, 16]``) + ``<name>_scales`` (uint8 ``[..., G]``) ->
+    ``<name>`` ``[..., G * 32]`` in ``dtype``, for each ``<name>`` matching ``keys``:
+    ``DequantMXFP4(keys="model.layers.{i}.mlp.experts.{proj}")``. The packed dim (32 values per
+    block) is the last one, as the format defines it; a transpose rule after it gives another
+    orientation."""
+
+    kind: Literal["dequant_mxfp4"] = "dequant_mxfp4"
+
+    def apply(self, ctx: PlanContext, index: int) -> None:
+        pat = compile_pattern(self.keys)
+        to = parse_dtype(self.dtype)
+        for bkey in ctx.keys():
+            if not bkey.endswith(self.blocks_suffix):
+                continue
+            name = bkey[: -len(self.blocks_suffix)]
+            if pat.match(name) is None:
+                continue
+            skey = name + self.scales_suffix
+            problem = self._problem(ctx, name, bkey, skey)
+            if problem:
+                ctx.issue(index, name, problem)
+                continue
+            blocks, scales = ctx.absorb(bkey, index), ctx.absorb(skey, index)
+            ctx.put(name, QN.DequantMXFP4(blocks, scales, to), index, origin=[bkey, skey])
+
+    def _problem(self, ctx: PlanContext, name: str, bkey: str, skey: str) -> str | None:
+        blocks = ctx.get(bkey)
+        if blocks.dtype != torch.uint8 or len(blocks.shape) < 2 or blocks.shape[-1] != Q.MX_BYTES:
+            return f"{bkey!r} is {dtype_name(blocks.dtype)} {list(blocks.shape)}; MXFP4 blocks are uint8 [..., G, 16]"
+        if not ctx.has(skey):
+            return f"has blocks {bkey!r} but no scales {skey!r}; set scales_suffix="
+        scales = ctx.get(skey)
+        if scales.dtype != torch.uint8 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+            return (
+                f"scales {skey!r} are {dtype_name(scales.dtype)} {list(scales.shape)}; blocks "
+                f"{list(blocks.shape)} need uint8 {list(blocks.shape[:-1])}"
+            )
+        if ctx.has(name):
+            return f"{name!r} exists already beside its blocks; the dequantised value would overwrite it"
+        return None
+
+    def inverse(self) -> list[Any]:
+        return [QuantizeMXFP4(**self._fields())]
+
+
+class QuantizeMXFP4(_MXFP4Fields):
+    """The inverse of :class:`DequantMXFP4`: each key matching ``keys`` (two or more dims, the
+    last a multiple of 32) becomes ``<key>_blocks`` + ``<key>_scales``. ``keys`` must name the
+    packed tensors only (GPT-OSS: ``**.mlp.experts.{proj}_proj``, not the ``_bias`` beside them)."""
+
+    kind: Literal["quantize_mxfp4"] = "quantize_mxfp4"
+
+    def apply(self, ctx: PlanContext, index: int) -> None:
+        pat = compile_pattern(self.keys)
+        for key in ctx.keys():
+            if pat.match(key) is None:
+                continue
+            node = ctx.get(key)
+            if not node.dtype.is_floating_point or len(node.shape) < 2 or node.shape[-1] % Q.MX_BLOCK:
+                ctx.issue(index, key, f"{dtype_name(node.dtype)} {list(node.shape)}: MXFP4 needs a floating tensor "
+                          f"whose last dim is a multiple of {Q.MX_BLOCK}")  # fmt: skip
+                continue
+            ctx.absorb(key, index)
+            ctx.put(key + self.blocks_suffix, QN.QuantizeMXFP4(node, "values"), index, origin=key)
+            ctx.put(key + self.scales_suffix, QN.QuantizeMXFP4(node, "scales"), index, origin=key)
+
+    def inverse(self) -> list[Any]:
+        return [DequantMXFP4(**self._fields())]
+
+
+QuantRule = Annotated[DequantFP8 | QuantizeFP8 | DequantMXFP4 | QuantizeMXFP4, Field(discriminator="kind")]
+
+
+# --- config.json ----------------------------------------------------------------------------------
+
+
+def dequant_rules(
+    config: Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype = "bfloat16",
+    schema: Mapping[str, TensorInfo] | None = None,
+    fp8_keys: str = "**.weight",
+    fp8_exclude: list[str] | None = None,
+    mxfp4_keys: str = "**.mlp.experts.{proj}_proj",
+) -> list[DequantFP8 | DequantMXFP4]:
+    """The rules to put first in an adapter for a release described by ``config`` (a
+    ``config.json`` dict, file or folder): none for an unquantized release; one
+    :class:`DequantFP8` for ``quant_method: fp8`` (``weight_block_size``; ``scale_fmt: ue8m0``
+    means exponent-byte scales; ``modules_to_not_convert`` extends ``fp8_exclude``, which
+    defaults to :data:`FP8_EXCLUDE`); one :class:`DequantMXFP4` for ``quant_method: mxfp4``.
+
+    ``scale_fmt: ue8m0`` says the scales are powers of two, not how they are stored: some
+    releases (DeepSeek-V3.1) keep them as float32, others as exponent bytes. Given the
+    checkpoint's ``schema`` (``source.schema``), the stored dtype of the scales decides;
+    without it, exponent bytes are assumed and a float32 release is a plan problem that says
+    ``scale_format='float32'``
+    (``mxfp4_keys``: GPT-OSS's expert projections ``gate_up_proj`` and ``down_proj``)."""
+    cfg = _read_config(config)
+    qc = cfg.get("quantization_config")
+    if not qc:
+        return []
+    method = qc.get("quant_method")
+    if method == "fp8":
+        block = qc.get("weight_block_size")
+        if block is None:
+            raise AdapterError("quantization_config has quant_method 'fp8' but no weight_block_size; per-tensor FP8 "
+                               "is not supported: give sdadapt.dequant_fp8(block=[rows, cols]) yourself")  # fmt: skip
+        fmt: Q.ScaleFormat = "ue8m0" if qc.get("scale_fmt") == "ue8m0" else "float32"
+        stored = {i.dtype for k, i in (schema or {}).items() if k.endswith(Q.FP8_SCALE_SUFFIX)}
+        if fmt == "ue8m0" and stored == {torch.float32}:
+            fmt = "float32"  # power-of-two values, stored as float32
+        exclude = list(FP8_EXCLUDE if fp8_exclude is None else fp8_exclude)
+        exclude += [f"**{m}.weight" for m in qc.get("modules_to_not_convert") or []]
+        return [DequantFP8(keys=fp8_keys, exclude=exclude, block=block, scale_format=fmt, dtype=dtype_str(dtype))]
+    if method == "mxfp4":
+        return [DequantMXFP4(keys=mxfp4_keys, dtype=dtype_str(dtype))]
+    raise AdapterError(f"quantization_config.quant_method {method!r} is not supported; sdadapt reads 'fp8' "
+                       "(block scales) and 'mxfp4'")  # fmt: skip
+
+
+def _read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, Any]:
+    if isinstance(config, Mapping):
+        return config
+    path = os.fspath(config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise AdapterError(f"cannot read the release's config {path!r}: {e}") from None
+    if not isinstance(data, dict):
+        raise AdapterError(f"{path!r} is not a JSON object")
+    return data
+
+
+# --- report hint ----------------------------------------------------------------------------------
+
+_SCALE_SUFFIXES = (Q.FP8_SCALE_SUFFIX, "weight_scale", Q.MX_BLOCKS_SUFFIX, Q.MX_SCALES_SUFFIX)
+
+
+def quant_hint(report: Report) -> str | None:
+    """A hint line when a report's problems look like a quantized checkpoint read without its
+    dequant rule: unexpected scale/packed keys, or FP8/uint8 data where the model wants floats."""
+    fp8 = [m for m in report.dtype_mismatch if m.checkpoint.startswith("float8")]
+    packed = [k for k in report.unexpected if k.endswith(_SCALE_SUFFIXES)]
+    packed += [m.key for m in report.dtype_mismatch if m.checkpoint == "uint8"]
+    if not fp8 and not packed:
+        return None
+    return (
+        "hint: the checkpoint is quantized (FP8 scales / MXFP4 blocks); put sdadapt.dequant_rules(config.json) "
+        "first in the adapter, or sdadapt.dequant_fp8(keys=..., block=[128, 128]) / sdadapt.dequant_mxfp4(keys=...); "
+        "a cast rule is not enough (the values would miss their scales)"
+    )

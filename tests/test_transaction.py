@@ -1,0 +1,121 @@
+"""The load transaction in one process: the cost of loading into a model that holds values
+(no second copy by default, a full one with ``stage=True``) and the mark a failed in-place
+load leaves (its text, the forward refusing, a later successful load clearing it)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import sdadapt
+from sdadapt._engine import syscalls
+from sdadapt._transaction import PARTLY_LOADED, is_marked
+
+LAYERS, DIM = 8, 2048  # 8 x 16 MiB float32 = 128 MiB
+MiB = 1 << 20
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(DIM, DIM, bias=False) for _ in range(LAYERS)])
+
+
+_PEAK = textwrap.dedent(
+    """
+    import sys, threading, time, torch
+    from torch import nn
+    import sdadapt
+    torch.manual_seed(1)
+    model = nn.Sequential(*[nn.Linear({dim}, {dim}, bias=False) for _ in range({layers})])
+
+    def anon():  # anonymous resident memory: allocations, not the page cache of mapped files
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+
+    base = anon()
+    peak, done = [base], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], anon())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    sdadapt.load(model, sys.argv[1], stage=sys.argv[2] == "staged")
+    peak[0] = max(peak[0], anon())
+    done.set()
+    thread.join()
+    print(peak[0] - base)
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, torch.Tensor]]:
+    path = str(tmp_path_factory.mktemp("txn") / "m.safetensors")
+    sd = {k: v.contiguous() for k, v in _model(0).state_dict().items()}
+    save_file(sd, path)
+    return path, sd
+
+
+def _extra_peak(path: str, mode: str) -> int:
+    code = _PEAK.format(dim=DIM, layers=LAYERS)
+    out = subprocess.run([sys.executable, "-c", code, path, mode], capture_output=True, text=True, check=True, timeout=300)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def test_in_place_by_default_costs_no_second_copy(checkpoint: Any) -> None:
+    """Peak extra anonymous RSS of the load itself (fresh process, model already holding values,
+    sampled every millisecond): by default far below the shards' size; with stage=True at
+    least one more copy of them (the staging shards live until the commit)."""
+    path, _ = checkpoint
+    model_bytes = LAYERS * DIM * DIM * 4
+    in_place = _extra_peak(path, "in_place")
+    staged = _extra_peak(path, "staged")
+    assert in_place < 32 * MiB, f"in place: +{in_place / MiB:.0f} MiB for a {model_bytes / MiB:.0f} MiB model"
+    assert staged >= 0.9 * model_bytes, f"staged: +{staged / MiB:.0f} MiB (the measurement must see the copy)"
+
+
+def test_failed_in_place_load_marks_until_a_load_succeeds(checkpoint: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, sd = checkpoint
+    model = _model(1)
+    x = torch.randn(2, DIM)
+    calls = {"n": 0}
+    real = syscalls.preadv_into
+
+    def fail_later(*a: Any, **k: Any) -> int:  # the first reads land, then the disk fails
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise OSError(5, "Input/output error (injected)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(syscalls, "preadv_into", fail_later)
+    with pytest.raises(sdadapt.LoadError, match="partly overwritten") as e:
+        sdadapt.load(model, path)
+    assert f"{LAYERS} model key(s)" in str(e.value) and path in str(e.value)
+    assert is_marked(model)
+    with pytest.raises(sdadapt.ModelError) as fwd:
+        model(x)
+    assert str(fwd.value) == PARTLY_LOADED
+    # staged, the same fault changes nothing (and the earlier mark stays)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls["n"] = 0
+    with pytest.raises(sdadapt.LoadError, match="Nothing was kept"):
+        sdadapt.load(model, path, stage=True)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and is_marked(model)
+    monkeypatch.setattr(syscalls, "preadv_into", real)
+    sdadapt.load(model, path)
+    assert not is_marked(model)
+    assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())
+    ref = _model(2)
+    ref.load_state_dict(sd)
+    assert torch.equal(model(x), ref(x))  # the forward runs again, on the checkpoint's values
