@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 import sdadapt
+from sdadapt._quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX
 from sdadapt.errors import AdapterError
 
 HF = "model.layers.{i}."
@@ -146,7 +147,7 @@ def experts_layout(keys: list[str]) -> str | None:
 
 
 # --- quantized sources --------------------------------------------------------------------------
-QUANT_KEY_SUFFIXES = {"fp8": ("_scale_inv",), "mxfp4": ("_blocks",)}
+QUANT_KEY_SUFFIXES = {"fp8": (FP8_SCALE_SUFFIX,), "mxfp4": (MX_BLOCKS_SUFFIX,)}
 """Key-name suffixes that mark a quantized checkpoint when its ``config.json`` is not at hand."""
 
 Quantization = dict[str, Any] | str | None
@@ -177,7 +178,7 @@ def quantization_options(cfg: dict[str, Any], schema: dict[str, Any]) -> dict[st
     if quantization is None:
         return opts
     opts["quantization"] = quantization
-    stored = {info.dtype for key, info in schema.items() if key.endswith("_scale_inv")}
+    stored = {info.dtype for key, info in schema.items() if key.endswith(FP8_SCALE_SUFFIX)}
     if stored == {torch.float32}:
         opts["scale_format"] = "float32"
     elif stored and stored <= {torch.uint8, torch.float8_e8m0fnu}:
@@ -189,7 +190,7 @@ def dequant_rules(
     quantization: Quantization,
     adapter: str,
     *,
-    scale_format: str | None = None,
+    scale_format: Literal["float32", "ue8m0"] | None = None,
     dtype: str = "bfloat16",
     keep: tuple[str, ...] = (),
 ) -> list[Any]:
@@ -220,6 +221,7 @@ def dequant_rules(
             "quantization={'quant_method': 'fp8', 'weight_block_size': [128, 128]}"
         )
     (rule,) = sdadapt.dequant_rules({"quantization_config": qc}, dtype=dtype)
+    assert isinstance(rule, sdadapt.DequantFP8), rule  # quant_method fp8 gives the FP8 rule
     fmt = scale_format or rule.scale_format
     if fmt != rule.scale_format or keep:
         rule = sdadapt.dequant_fp8(rule.keys, rule.block, exclude=[*rule.exclude, *keep], scale_suffix=rule.scale_suffix,

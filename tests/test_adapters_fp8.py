@@ -6,15 +6,17 @@ every 2-D weight except embeddings, ``lm_head`` and routers quantized here with 
 ``quantization_config`` (``quant_method: fp8``, ``weight_block_size``). The blocks are
 ``BLOCK`` = 20 x 10, which divides none of the weights' shapes: the last row and column tiles
 are partial, TP and FSDP shards cut tiles (two ranks share one scale tile) and some shards are
-smaller than a tile. Scales are float32 (``amax / 448``) or UE8M0 (powers of two stored as
-biased exponent bytes, ``scale_fmt: ue8m0``), as DeepSeek-V3.1 and later ship them.
+smaller than a tile. Scales are float32 (``amax / 448``) or UE8M0 (``2**ceil(log2(amax / 448))``,
+DeepGEMM's rule, stored as biased exponent bytes, ``scale_fmt: ue8m0``).
 
 The oracle is independent of sdadapt: the test dequantises the same file with plain torch
 (``float(w) * scale_inv[i // b0, j // b1]``), loads the result into transformers
 (``from_pretrained`` of a plain copy) and takes its logits. Each adapter must pick the FP8
 variant by itself (``sdadapt.get_adapter(name, source=...)``), load into the reference model on
 a 2x2 FSDP2+TP mesh and on 3 ranks with uneven shards, give those logits, and export through
-``adapter.inverse()`` the release's bytes (FP8 weights and scales) unchanged.
+``adapter.inverse()`` the release's bytes (FP8 weights and scales) unchanged. One limit is
+inherent to UE8M0: a tile whose largest code is 224 holds the same values as 448 at half the
+scale, so its bytes cannot be recovered from values; those weights must come back value-exact.
 """
 
 from __future__ import annotations
@@ -75,6 +77,13 @@ def dequantize(q: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
     scale = torch.exp2(stored.float() - 127) if stored.dtype == torch.uint8 else stored
     full = scale.repeat_interleave(BLOCK[0], dim=0).repeat_interleave(BLOCK[1], dim=1)
     return q.float() * full[: q.shape[0], : q.shape[1]]
+
+
+def ambiguous(q: torch.Tensor) -> bool:
+    """Whether a UE8M0 weight has a tile whose largest code is 224: 224 at scale ``2**k`` and 448
+    at ``2**(k-1)`` hold the same values, so its bytes cannot be told from its values (the
+    exporter, seeing only values, picks ``2**(k-1)``; a power-of-two release has both kinds)."""
+    return bool((_tiles(q.float(), *BLOCK).abs().amax(dim=(1, 3)) == 224).any())
 
 
 def write_release(hf: Any, path: str, *, ue8m0: bool, extra: Callable | None = None) -> dict[str, torch.Tensor]:
@@ -142,8 +151,11 @@ def _write_cases(root: str) -> list[dict]:
         path = os.path.join(root, name)
         values = write_release(hf, path, ue8m0=ue8m0, extra=extra)
         expected = reference_logits(hf, {k: v for k, v in values.items() if not k.startswith(skip)}, path, tokens)
+        release = load_file(os.path.join(path, "model.safetensors"))
+        unsure = [k for k, v in release.items() if ue8m0 and v.dtype == torch.float8_e4m3fn and not k.startswith(skip) and ambiguous(v)]
         cases.append(dict(name=name, path=path, family=family, adapter=family, spec=spec, tokens=tokens, expected=expected,
-                          options={"dtype": "float32"}, export_unexpected=[], export_skip=skip))  # fmt: skip
+                          options={"dtype": "float32"}, export_unexpected=[], export_skip=skip,
+                          ambiguous=unsure))  # fmt: skip
 
     torch.manual_seed(40)
     cfg = Qwen3Config(**qwen, tie_word_embeddings=False)
@@ -177,8 +189,21 @@ def _cases(root: str) -> list[dict]:
 
 
 def test_fp8_releases_load_and_export(cases_root: str) -> None:
+    """Logits on both meshes; the export gives the release's bytes, except for UE8M0 weights with
+    an ambiguous tile (see :func:`ambiguous`): those give the same values."""
+    cases = _cases(cases_root)
     results = run_distributed(load_all, 4, cases_root, timeout=300)
-    check_results(results, [c["name"] for c in _cases(cases_root)])
+    may_differ = {c["name"]: [*c["ambiguous"], *(k + "_scale_inv" for k in c["ambiguous"])] for c in cases}
+    check_results(results, [c["name"] for c in cases], may_differ=may_differ)
+    ue8m0 = next(c for c in cases if "ue8m0" in c["name"])
+    assert ue8m0["ambiguous"], "no ambiguous tile: the case no longer covers them"
+    release = load_file(os.path.join(ue8m0["path"], "model.safetensors"))
+    for result in results:
+        for by_case in result.values():
+            exported = by_case[ue8m0["name"]]["differ_bytes"]
+            for key in ue8m0["ambiguous"]:
+                weight, scale = exported[key].view(torch.float8_e4m3fn), exported[key + "_scale_inv"]  # uint8 scales
+                assert torch.equal(dequantize(weight, scale), dequantize(release[key], release[key + "_scale_inv"])), key
 
 
 def test_adapters_pick_the_fp8_variant(cases_root: str) -> None:
@@ -186,8 +211,9 @@ def test_adapters_pick_the_fp8_variant(cases_root: str) -> None:
     for case in _cases(cases_root):
         adapter = sdadapt.get_adapter(case["adapter"], source=case["path"], **case["options"])
         (rule,) = [r for r in adapter.rules if isinstance(r, sdadapt.DequantFP8)]
-        assert list(rule.block) == list(BLOCK) and rule.dtype == torch.float32, rule
+        assert list(rule.block) == list(BLOCK) and rule.dtype == "float32", rule
         assert rule.scale_format == ("ue8m0" if "ue8m0" in case["name"] else "float32"), rule
+        assert ("**.eh_proj.weight" in rule.exclude) == (case["adapter"] == "deepseek_v3"), rule
         rep = sdadapt.diff(target_model(case, None), case["path"], adapter)
         assert rep.ok, rep.format()
 
