@@ -1,6 +1,7 @@
 """Helpers shared by the shipped adapters: config and key-name readers, option checks, and the
 rule groups that several families have in common (HF decoder blocks -> Meta/torchtitan names,
-Meta rotary attention, stacked MoE experts, embeddings/output, quantized sources).
+Meta rotary attention, stacked MoE experts, embeddings/output, quantized sources: FP8 block
+scaling through ``sdadapt.dequant_rules``).
 
 HF side: ``model.layers.{i}.`` (:data:`HF`); model side: ``layers.{i}.`` (:data:`META`).
 """
@@ -9,9 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Literal
+
+import torch
 
 import sdadapt
+from sdadapt._quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX
 from sdadapt.errors import AdapterError
 
 HF = "model.layers.{i}."
@@ -41,6 +45,17 @@ def checkpoint_keys(path: str) -> list[str]:
 
     ``path`` may be a checkpoint file, a folder sdadapt opens as one checkpoint, or a folder
     holding exactly one checkpoint file (``.safetensors``, ``.pt``, ``.pth``, ``.bin``, ``.ckpt``)."""
+    schema, non_tensor = _headers(path)
+    return list(schema) + non_tensor
+
+
+def checkpoint_schema(path: str) -> dict[str, Any]:
+    """Shapes and dtypes (``TensorInfo``) of the tensors of the checkpoint at ``path`` (headers
+    only, found as in :func:`checkpoint_keys`), or ``{}`` when there is none."""
+    return _headers(path)[0]
+
+
+def _headers(path: str) -> tuple[dict[str, Any], list[str]]:
     candidates = [path]
     if os.path.isdir(path):
         files = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".pt", ".pth", ".bin", ".ckpt")))
@@ -49,10 +64,10 @@ def checkpoint_keys(path: str) -> list[str]:
     for candidate in candidates:
         try:
             with sdadapt.open_source(candidate) as src:
-                return list(src.schema) + list(src.non_tensor)
+                return dict(src.schema), list(src.non_tensor)
         except sdadapt.SdadaptError:
             continue
-    return []
+    return {}, []
 
 
 # --- checking options ---------------------------------------------------------------------------
@@ -132,37 +147,86 @@ def experts_layout(keys: list[str]) -> str | None:
 
 
 # --- quantized sources --------------------------------------------------------------------------
-QUANT_KEY_SUFFIXES = {"fp8": ("_scale_inv",), "mxfp4": ("_blocks",)}
+QUANT_KEY_SUFFIXES = {"fp8": (FP8_SCALE_SUFFIX,), "mxfp4": (MX_BLOCKS_SUFFIX,)}
 """Key-name suffixes that mark a quantized checkpoint when its ``config.json`` is not at hand."""
 
+Quantization = dict[str, Any] | str | None
+"""An adapter's ``quantization`` option: the checkpoint's ``quantization_config`` (as its
+``config.json`` holds it), a bare ``quant_method`` when only the key names told, or ``None``."""
 
-def quantization_of(cfg: dict[str, Any], keys: list[str]) -> str | None:
-    """The quantization of a checkpoint: ``quantization_config.quant_method`` of its
-    ``config.json`` (``"fp8"``, ``"mxfp4"``, ...), else what its key names show (FP8 block
+
+def quantization_of(cfg: dict[str, Any], keys: list[str]) -> Quantization:
+    """The quantization of a checkpoint: the ``quantization_config`` of its ``config.json``
+    (``quant_method`` ``"fp8"``, ``"mxfp4"``, ...), else the method its key names show (FP8 block
     scales ``*_scale_inv``, MXFP4 ``*_blocks``), else ``None`` (plain weights)."""
     qc = cfg.get("quantization_config")
     if isinstance(qc, dict) and qc.get("quant_method"):
-        return str(qc["quant_method"])
+        return dict(qc)
     for method, suffixes in QUANT_KEY_SUFFIXES.items():
         if any(k.endswith(suffixes) for k in keys):
             return method
     return None
 
 
-def dequant_rules(quantization: str | None, adapter: str) -> list[Any]:
+def quantization_options(cfg: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    """The ``quantization`` option of a checkpoint (see :func:`quantization_of`) and, for FP8,
+    ``scale_format`` as its ``schema`` (:func:`checkpoint_schema`) stores the scales:
+    ``"float32"`` or ``"ue8m0"`` (exponent bytes). DeepSeek-V3.1 says ``scale_fmt: ue8m0`` yet
+    stores float32 powers of two: the stored dtype decides how they are read."""
+    opts: dict[str, Any] = {}
+    quantization = quantization_of(cfg, list(schema))
+    if quantization is None:
+        return opts
+    opts["quantization"] = quantization
+    stored = {info.dtype for key, info in schema.items() if key.endswith(FP8_SCALE_SUFFIX)}
+    if stored == {torch.float32}:
+        opts["scale_format"] = "float32"
+    elif stored and stored <= {torch.uint8, torch.float8_e8m0fnu}:
+        opts["scale_format"] = "ue8m0"
+    return opts
+
+
+def dequant_rules(
+    quantization: Quantization,
+    adapter: str,
+    *,
+    scale_format: Literal["float32", "ue8m0"] | None = None,
+    dtype: str = "bfloat16",
+    keep: tuple[str, ...] = (),
+) -> list[Any]:
     """The rules that turn a quantized checkpoint's weights into plain ones, placed before an
     adapter's renames (they act on the checkpoint's own key names); ``[]`` for plain weights.
 
     Every adapter that accepts quantized releases asks here, so the quantized variants are
-    chosen in this one place. No quantized format is supported yet: a quantized checkpoint is
-    refused before anything is planned or read."""
+    chosen in this one place. FP8 block scaling (``quant_method: fp8``) gives
+    ``sdadapt.dequant_rules``' FP8 rule: block size from ``weight_block_size``, UE8M0 scales from
+    ``scale_fmt``, ``modules_to_not_convert`` excluded; ``scale_format`` (``"float32"`` /
+    ``"ue8m0"``, from the stored scales) overrides how the scales are read; ``dtype`` is the
+    values' dtype; ``keep``: patterns of further weights the family's releases keep unquantized.
+    Other methods (MXFP4 is GPT-OSS's) are refused before anything is planned."""
     if quantization is None:
         return []
-    raise AdapterError(
-        f"the {adapter} adapter: {quantization.upper()} checkpoints need the dequant rules: not supported yet "
-        f"(config.json quantization_config / key names say quant_method {quantization!r}); "
-        "load a bf16 / fp32 release of the model instead"
-    )
+    qc = dict(quantization) if isinstance(quantization, dict) else {"quant_method": quantization}
+    method = str(qc.get("quant_method"))
+    if method != "fp8":
+        raise AdapterError(
+            f"the {adapter} adapter: {method.upper()} checkpoints need the dequant rules: not supported by this adapter "
+            f"(config.json quantization_config / key names say quant_method {method!r}); it reads plain and FP8 "
+            "(block-scaled) releases"
+        )
+    if not qc.get("weight_block_size"):
+        raise AdapterError(
+            f"the {adapter} adapter: an FP8 checkpoint needs its block size (config.json "
+            "quantization_config.weight_block_size); give the checkpoint folder with its config.json, or pass "
+            "quantization={'quant_method': 'fp8', 'weight_block_size': [128, 128]}"
+        )
+    (rule,) = sdadapt.dequant_rules({"quantization_config": qc}, dtype=dtype)
+    assert isinstance(rule, sdadapt.DequantFP8), rule  # quant_method fp8 gives the FP8 rule
+    fmt = scale_format or rule.scale_format
+    if fmt != rule.scale_format or keep:
+        rule = sdadapt.dequant_fp8(rule.keys, rule.block, exclude=[*rule.exclude, *keep], scale_suffix=rule.scale_suffix,
+                                   scale_format=fmt, dtype=dtype)  # fmt: skip
+    return [rule]
 
 
 # --- rule groups ---------------------------------------------------------------------------------

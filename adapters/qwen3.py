@@ -22,22 +22,24 @@ included) apply rotary in HF's "half" order, so q and k keep their rows, and the
 ``output.weight``), so any TP/FSDP sharding loads without widening reads.
 ``adapter.inverse()`` exports back to the HF layout.
 
-Quantized releases (``quantization_config`` in ``config.json``, or FP8 ``*_scale_inv`` keys)
-are recognised and refused for now: see ``_common.dequant_rules``.
+FP8 releases (Qwen3-*-FP8: ``quantization_config`` in ``config.json`` with
+``weight_block_size``, ``*_scale_inv`` keys beside the weights) are dequantised while loading,
+and re-quantized with the same blocks by ``adapter.inverse()``: see ``_common.dequant_rules``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from sdadapt.adapters._common import (
     HF,
     META,
+    Quantization,
     block_rules,
-    checkpoint_keys,
+    checkpoint_schema,
     dequant_rules,
     mlp_rules,
-    quantization_of,
+    quantization_options,
     read_config,
     tied_from,
     top_level_rules,
@@ -59,15 +61,24 @@ def attention_rules(attention_bias: bool) -> list[Any]:
     ]
 
 
-def build(*, tie_embeddings: bool = False, attention_bias: bool = False, quantization: str | None = None) -> Adapter:
+def build(
+    *,
+    tie_embeddings: bool = False,
+    attention_bias: bool = False,
+    quantization: Quantization = None,
+    scale_format: Literal["float32", "ue8m0"] | None = None,
+    dtype: str = "bfloat16",
+) -> Adapter:
     """The adapter from an HF Qwen3 checkpoint to the torchtitan-style layout.
 
     ``tie_embeddings``: the checkpoint has no ``lm_head.weight`` (``tie_word_embeddings``);
     ``output.weight`` is filled from the embeddings. ``attention_bias``: the checkpoint's q/k/v/o
     projections have biases (``attention_bias`` of the config). ``quantization``: the
-    checkpoint's ``quantization_config.quant_method`` (``None``: plain weights).
+    checkpoint's ``quantization_config`` (``None``: plain weights); an FP8 release is
+    dequantised to ``dtype``, its scales read as ``scale_format`` (default: the config's
+    ``scale_fmt``). See ``_common.dequant_rules``.
     """
-    rules: list[Any] = dequant_rules(quantization, "qwen3")
+    rules: list[Any] = dequant_rules(quantization, "qwen3", scale_format=scale_format, dtype=dtype)
     rules += top_level_rules(tie_embeddings)
     rules += attention_rules(attention_bias)
     rules += mlp_rules()
@@ -77,7 +88,7 @@ def build(*, tie_embeddings: bool = False, attention_bias: bool = False, quantiz
 
 def dense_options(cfg: dict[str, Any], keys: list[str]) -> dict[str, Any]:
     """The options every Qwen3-family adapter reads from ``config.json`` and the checkpoint's key
-    names: ``tie_embeddings``, ``attention_bias`` and ``quantization`` (key names win when known)."""
+    names: ``tie_embeddings`` and ``attention_bias`` (key names win when known)."""
     opts: dict[str, Any] = {}
     tied = tied_from(cfg, keys)
     if tied is not None:
@@ -86,12 +97,11 @@ def dense_options(cfg: dict[str, Any], keys: list[str]) -> dict[str, Any]:
         opts["attention_bias"] = any(k.endswith("self_attn.q_proj.bias") for k in keys)
     elif "attention_bias" in cfg:
         opts["attention_bias"] = bool(cfg["attention_bias"])
-    quantization = quantization_of(cfg, keys)
-    if quantization is not None:
-        opts["quantization"] = quantization
     return opts
 
 
 def options_from_config(folder: str, source: str | None = None) -> dict[str, Any]:
-    """Options from the checkpoint's ``config.json`` (HF) and its key names (headers only)."""
-    return dense_options(read_config(folder, ("config.json",)), checkpoint_keys(source or folder))
+    """Options from the checkpoint's ``config.json`` (HF) and its headers: key names, and the
+    quantization with the stored dtype of FP8 scales."""
+    cfg, schema = read_config(folder, ("config.json",)), checkpoint_schema(source or folder)
+    return dense_options(cfg, list(schema)) | quantization_options(cfg, schema)

@@ -34,11 +34,13 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from sdadapt.adapters._common import (
-    checkpoint_keys,
+    Quantization,
+    checkpoint_schema,
     dequant_rules,
     experts_layout,
     mlp_rules,
     moe_rules,
+    quantization_options,
     read_config,
     top_level_rules,
 )
@@ -63,17 +65,20 @@ def build(
     dense_layers: Sequence[int] = (),
     tie_embeddings: bool = False,
     attention_bias: bool = False,
-    quantization: str | None = None,
+    quantization: Quantization = None,
+    scale_format: Literal["float32", "ue8m0"] | None = None,
+    dtype: str = "bfloat16",
 ) -> Adapter:
     """The adapter from an HF Qwen3-MoE checkpoint to the stacked-experts layout.
 
     ``experts`` says how the checkpoint stores the experts (see the module doc). ``n_experts``
     (the config's ``num_experts``): the checkpoint must hold exactly that many experts per
     per-expert layer. ``dense_layers``: indices of the layers with a dense MLP instead of
-    experts. ``tie_embeddings``, ``attention_bias`` and ``quantization`` as in ``qwen3``.
+    experts. ``tie_embeddings``, ``attention_bias``, ``quantization``, ``scale_format`` and
+    ``dtype`` as in ``qwen3``.
     """
     dense = _layer_indices(dense_layers)
-    rules: list[Any] = dequant_rules(quantization, "qwen3_moe")
+    rules: list[Any] = dequant_rules(quantization, "qwen3_moe", scale_format=scale_format, dtype=dtype)
     rules += top_level_rules(tie_embeddings)
     rules += attention_rules(attention_bias)
     rules += moe_rules(experts, block="mlp.", names=EXPERT_NAMES, n_experts=n_experts, adapter="qwen3_moe")
@@ -112,10 +117,11 @@ def dense_layers_from(cfg: dict[str, Any], keys: list[str]) -> list[int] | None:
 
 
 def options_from_config(folder: str, source: str | None = None) -> dict[str, Any]:
-    """Options from ``config.json`` and from the checkpoint's key names (headers only)."""
+    """Options from ``config.json`` and from the checkpoint's headers (key names; quantization)."""
     cfg = read_config(folder, ("config.json",))
-    keys = checkpoint_keys(source or folder)
-    opts = dense_options(cfg, keys)
+    schema = checkpoint_schema(source or folder)
+    keys = list(schema)
+    opts = dense_options(cfg, keys) | quantization_options(cfg, schema)
     n_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     if n_experts is not None:
         opts["n_experts"] = n_experts

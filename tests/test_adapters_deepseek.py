@@ -1,0 +1,391 @@
+"""The ``deepseek_v3`` adapter, proven against transformers' own ``DeepseekV3ForCausalLM``.
+
+Tiny models are built from configs (no downloads), every weight perturbed (norm scales near 1
+but not 1, the router's ``e_score_correction_bias`` non-zero) so that a wrong name, row order or
+expert order changes the logits. Three checkpoints cover the layouts:
+
+- low-rank q (``q_lora_rank``), DeepSeek's interleaved rotary rows (``rope_interleave: true``),
+  one dense layer, ``save_pretrained``'s per-expert keys, plus a multi-token-prediction layer
+  ``model.layers.{num_hidden_layers}`` as the releases ship it (dropped by default), sharded;
+- one ``q_proj``, HF "half" rotary rows (``rope_interleave: false``: the adapter permutes the
+  rope rows of q and ``wkv_a`` to interleaved), two dense layers, tied embeddings, one file;
+- transformers 5.x fused 3-D experts (``mlp.experts.gate_up_proj``), every layer MoE, sharded.
+
+Each is loaded with ``sdadapt.load`` through ``sdadapt.get_adapter("deepseek_v3", source=...)``
+(options from ``config.json`` and key names) into :class:`reference_models.DeepSeekV3` on a 2x2
+FSDP2+TP gloo mesh and on 3 ranks with uneven FSDP shards (one 4-rank launch); the logits must
+equal transformers' and the export through ``adapter.inverse()`` must give the checkpoint's
+tensors byte for byte (the dropped MTP layer aside). :func:`load_all` serves the FP8 tests too.
+
+Single-process tests: options read from each checkpoint; the MTP layer mapped to ``mtp.0.``
+(values and export); wrong options fail while planning, naming rule and keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+from checkpoints import write_hf_sharded
+from dist_helper import run_distributed
+from test_adapters_qwen import _checkpoint, _perturb, _same_bytes
+
+import sdadapt
+
+transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
+
+L, H, DIM, FFN, MOE_FFN, E, VOCAB, SEQ = 3, 4, 32, 48, 24, 4, 40, 7
+Q_RANK, KV_RANK, NOPE, ROPE, V_DIM = 24, 16, 16, 8, 12
+TOL = dict(rtol=1e-5, atol=2e-5)
+MESHES = (("fsdp2+tp-2x2", range(4)), ("fsdp-3-uneven", range(3)))
+
+
+def hf_config(**kw: Any) -> Any:
+    """A tiny ``DeepseekV3Config``: 4 routed experts in 2 groups (1 chosen), top-2, one shared."""
+    from transformers import DeepseekV3Config
+
+    base = dict(vocab_size=VOCAB, hidden_size=DIM, intermediate_size=FFN, moe_intermediate_size=MOE_FFN,
+                num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=H, n_shared_experts=1,
+                n_routed_experts=E, kv_lora_rank=KV_RANK, q_lora_rank=Q_RANK, qk_rope_head_dim=ROPE,
+                v_head_dim=V_DIM, qk_nope_head_dim=NOPE, n_group=2, topk_group=1, num_experts_per_tok=2,
+                first_k_dense_replace=1, rms_norm_eps=1e-6)  # fmt: skip
+    return DeepseekV3Config(**{**base, **kw})
+
+
+def hf_model(cfg: Any, seed: int) -> Any:
+    """``DeepseekV3ForCausalLM(cfg)`` with perturbed weights and a non-zero routing bias."""
+    from transformers import DeepseekV3ForCausalLM
+
+    torch.manual_seed(seed)
+    hf = DeepseekV3ForCausalLM(cfg).eval()
+    _perturb(hf, seed)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    with torch.no_grad():
+        for name, buf in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.3 * torch.randn(buf.shape, generator=gen))
+    return hf
+
+
+def spec_of(cfg: Any) -> dict[str, Any]:
+    """The :class:`reference_models.DeepSeekV3` config matching an HF config."""
+    return dict(dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=cfg.num_attention_heads,
+                vocab_size=cfg.vocab_size, hidden_dim=cfg.intermediate_size, norm_eps=cfg.rms_norm_eps,
+                rope_theta=cfg.rope_parameters["rope_theta"], q_lora_rank=cfg.q_lora_rank or 0,
+                kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+                qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+                n_dense_layers=cfg.first_k_dense_replace, n_experts=cfg.n_routed_experts,
+                top_k=cfg.num_experts_per_tok, n_groups=cfg.n_group, topk_groups=cfg.topk_group,
+                norm_topk=cfg.norm_topk_prob, route_scale=cfg.routed_scaling_factor,
+                moe_hidden_dim=cfg.moe_intermediate_size, n_shared_experts=cfg.n_shared_experts)  # fmt: skip
+
+
+def mtp_layer(sd: dict[str, torch.Tensor], n_layers: int, seed: int) -> dict[str, torch.Tensor]:
+    """A multi-token-prediction layer ``model.layers.{n_layers}`` shaped as the releases ship it:
+    the last (MoE) block's tensors with new values, plus embed_tokens, enorm, hnorm, eh_proj and
+    shared_head.norm|head. transformers does not build it, so the test writes it."""
+    gen = torch.Generator().manual_seed(seed)
+    last, mtp = f"model.layers.{n_layers - 1}.", f"model.layers.{n_layers}."
+    shapes = {mtp + k[len(last) :]: v.shape for k, v in sd.items() if k.startswith(last)}
+    shapes.update({mtp + "embed_tokens.weight": (VOCAB, DIM), mtp + "enorm.weight": (DIM,), mtp + "hnorm.weight": (DIM,),
+                   mtp + "eh_proj.weight": (DIM, 2 * DIM), mtp + "shared_head.norm.weight": (DIM,),
+                   mtp + "shared_head.head.weight": (VOCAB, DIM)})  # fmt: skip
+    return {k: torch.randn(s, generator=gen) for k, s in shapes.items()}
+
+
+def case_of(name: str, hf: Any, path: str, tokens: torch.Tensor, **extra: Any) -> dict[str, Any]:
+    """A case for :func:`load_all`: the checkpoint, the reference model's spec and the logits."""
+    with torch.no_grad():
+        expected = hf(tokens).logits.float()
+    tied = hf.config.tie_word_embeddings
+    case = dict(name=name, path=path, family="deepseek_v3", spec=spec_of(hf.config), tokens=tokens, expected=expected,
+                export_unexpected=["output.weight"] if tied else [], export_skip=())  # fmt: skip
+    return {**case, **extra}
+
+
+# ----------------------------------------------------------------------------------------------
+# checkpoints + expected logits, written once by the parent process
+# ----------------------------------------------------------------------------------------------
+def _write_cases(root: str) -> list[dict]:
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1))
+    cases: list[dict] = []
+
+    # low-rank q, interleaved rotary rows, one dense layer; per-expert keys + an MTP layer, sharded
+    hf = hf_model(hf_config(), 30)
+    path = os.path.join(root, "dsv3_q_lora_mtp")
+    hf.save_pretrained(path)
+    sd = load_single(path)
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in sd
+    write_hf_sharded(path, {**sd, **mtp_layer(sd, L, 31)}, max_shard_bytes=40_000)
+    os.remove(os.path.join(path, "model.safetensors"))
+    cases.append(case_of("dsv3_q_lora_mtp", hf, path, tokens, export_skip=(f"model.layers.{L}.",)))
+
+    # one q_proj, HF "half" rotary rows, two dense layers, tied embeddings, one file
+    hf = hf_model(hf_config(q_lora_rank=None, rope_interleave=False, first_k_dense_replace=2, tie_word_embeddings=True), 32)
+    path = os.path.join(root, "dsv3_wq_half_tied")
+    hf.save_pretrained(path)
+    assert "lm_head.weight" not in load_single(path)
+    cases.append(case_of("dsv3_wq_half_tied", hf, path, tokens))
+
+    # fused 3-D experts (transformers 5.x state dict), every layer MoE, sharded with an index
+    cfg = hf_config(first_k_dense_replace=0)
+    hf = hf_model(cfg, 33)
+    path = os.path.join(root, "dsv3_stacked")
+    sd = hf.state_dict()
+    assert sd["model.layers.0.mlp.experts.gate_up_proj"].shape == (E, 2 * MOE_FFN, DIM)
+    write_hf_sharded(path, sd, max_shard_bytes=40_000)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        f.write(cfg.to_json_string())
+    cases.append(case_of("dsv3_stacked", hf, path, tokens))
+    return cases
+
+
+def load_single(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+# ----------------------------------------------------------------------------------------------
+# workers: load, compare logits, export (shared with the FP8 tests)
+# ----------------------------------------------------------------------------------------------
+def target_model(case: dict, mesh: Any | None) -> torch.nn.Module:
+    """The reference model of ``case["family"]`` on the meta device, parallelised on ``mesh``."""
+    from reference_deepseek import DeepSeekV3, parallelize_deepseek
+    from reference_models import Qwen3, parallelize_meta_llama
+
+    cls, parallelize = (DeepSeekV3, parallelize_deepseek) if case["family"] == "deepseek_v3" else (Qwen3, parallelize_meta_llama)
+    with torch.device("meta"):
+        model = cls(case["spec"]).eval()
+    return model if mesh is None else parallelize(model, mesh)
+
+
+def _run_cases(root: str, mesh: Any, group: Any) -> dict[str, dict]:
+    from checkpoints import DictIO
+    from torch.distributed.tensor import DTensor
+
+    from sdadapt._target import model_state_dict, schema_of
+
+    results: dict[str, dict] = {}
+    for case in torch.load(os.path.join(root, "cases.pt"), weights_only=False):
+        model = target_model(case, mesh)
+        adapter = sdadapt.get_adapter(case["adapter"], source=case["path"], **case.get("options", {}))
+        rep = sdadapt.load(model, case["path"], adapter, process_group=group)
+        with torch.no_grad():
+            out = model(case["tokens"])
+        out = out.full_tensor() if isinstance(out, DTensor) else out
+        sd = model_state_dict(model)
+        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in sd.items()}
+        original = {k: v for k, v in _checkpoint(case["path"]).items() if not k.startswith(tuple(case["export_skip"]))}
+        plan = sdadapt.build_plan(
+            schema_of(sd),
+            {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in original.items()},
+            adapter.inverse(),
+            allow_unexpected=case["export_unexpected"],
+        )
+        exported = {k: node.full(DictIO(full)) for k, node in plan.recipes.items()}
+        differ = {k: v for k, v in exported.items() if not _same_bytes(v, original[k])}
+        # differing tensors go back as bytes: float8 tensors do not survive the pickle to the parent
+        results[case["name"]] = dict(
+            keys=rep.keys_loaded, target_keys=len(sd), err=(out - case["expected"]).abs().max().item(),
+            close=torch.allclose(out, case["expected"], **TOL), export_report=plan.report.format(),
+            export_ok=plan.report.ok, exported=sorted(plan.recipes), original=sorted(original),
+            differ=sorted(differ), differ_bytes={k: v.contiguous().view(torch.uint8) for k, v in differ.items()},
+        )  # fmt: skip
+        del model
+    return results
+
+
+def load_all(root: str) -> dict[str, dict[str, dict]]:
+    """Worker on 4 ranks: every case of ``root/cases.pt`` on a 2x2 (fsdp, tp) mesh, then on a
+    3-rank FSDP mesh of ranks 0-2 (uneven shards; rank 3 waits)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    out = {MESHES[0][0]: _run_cases(root, init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp")), None)}
+    mesh3 = DeviceMesh("cpu", torch.arange(3), mesh_dim_names=("fsdp",))  # every rank takes part in creating it
+    if dist.get_rank() < 3:
+        out[MESHES[1][0]] = _run_cases(root, mesh3, mesh3.get_group())
+    dist.barrier()
+    return out
+
+
+def check_results(results: list[dict], names: list[str], may_differ: dict[str, list[str]] | None = None) -> None:
+    """Every case on every rank of both meshes: all keys, logits, byte-exact export (but for the
+    keys ``may_differ[name]`` lists, which must differ; the caller checks their values)."""
+    for mesh, ranks in MESHES:
+        for name in names:
+            for rank in ranks:
+                r = results[rank][mesh][name]
+                where = f"{name} on {mesh}, rank {rank}"
+                assert r["keys"] == r["target_keys"], (where, r)
+                assert r["close"], f"{where}: logits differ from transformers' by {r['err']:.3g}"
+                assert r["export_ok"], f"{where}: export report\n{r['export_report']}"
+                assert r["exported"] == r["original"], where
+                expected = sorted((may_differ or {}).get(name, []))
+                assert r["differ"] == expected, f"{where}: exported tensors differ from the checkpoint: {r['differ']}"
+    assert MESHES[1][0] not in results[3]
+
+
+@pytest.fixture(scope="module")
+def cases_root(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = str(tmp_path_factory.mktemp("adapters_deepseek"))
+    cases = [{**c, "adapter": "deepseek_v3"} for c in _write_cases(root)]
+    torch.save(cases, os.path.join(root, "cases.pt"))
+    return root
+
+
+def _case(root: str, name: str) -> dict:
+    return next(c for c in torch.load(os.path.join(root, "cases.pt"), weights_only=False) if c["name"] == name)
+
+
+def test_deepseek_v3_loads_real_checkpoints(cases_root: str) -> None:
+    results = run_distributed(load_all, 4, cases_root, timeout=300)
+    check_results(results, [c["name"] for c in torch.load(os.path.join(cases_root, "cases.pt"), weights_only=False)])
+
+
+# ----------------------------------------------------------------------------------------------
+# single process: options, MTP mapped, wrong options (planning only), CLI
+# ----------------------------------------------------------------------------------------------
+def _opts(case: dict) -> dict:
+    from sdadapt.adapters.deepseek_v3 import options_from_config
+
+    from sdadapt._registry import config_folder
+
+    return options_from_config(config_folder(case["path"]), case["path"])
+
+
+def test_options_from_checkpoints(cases_root: str) -> None:
+    """What the adapter reads from config.json and key names (headers only, sharded too)."""
+    dims = dict(n_layers=L, n_experts=E, n_heads=H, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, kv_lora_rank=KV_RANK)
+    assert _opts(_case(cases_root, "dsv3_q_lora_mtp")) == dict(
+        dims, rope_interleave=True, q_lora=True, first_k_dense_replace=1, mtp_layers=1, tie_embeddings=False
+    )
+    assert _opts(_case(cases_root, "dsv3_wq_half_tied")) == dict(
+        dims, rope_interleave=False, q_lora=False, first_k_dense_replace=2, mtp_layers=0, tie_embeddings=True
+    )
+    assert _opts(_case(cases_root, "dsv3_stacked")) == dict(
+        dims, rope_interleave=True, q_lora=True, first_k_dense_replace=0, mtp_layers=0, tie_embeddings=False,
+        experts="stacked",
+    )  # fmt: skip
+    # without key names: config.json alone (DeepSeek-V3's num_nextn_predict_layers: 1)
+    from sdadapt.adapters.deepseek_v3 import options_from
+
+    cfg = json.loads(hf_config(first_k_dense_replace=3).to_json_string())
+    opts = options_from(cfg, [])
+    assert (opts["q_lora"], opts["first_k_dense_replace"], opts["mtp_layers"]) == (True, 3, 1)
+
+
+def test_mtp_layer_mapped(cases_root: str) -> None:
+    """``mtp="map"``: the MTP layer's block becomes ``mtp.0.block.*``, its extras ``mtp.0.*``, with the checkpoint's
+    values (experts stacked), and the inverse writes every tensor back byte for byte."""
+    from checkpoints import DictIO
+
+    case = _case(cases_root, "dsv3_q_lora_mtp")
+    original = _checkpoint(case["path"])
+    model_schema = {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in target_model(case, None).state_dict().items()}
+    last, mtp = f"layers.{L - 1}.", "mtp.0."
+    target = dict(model_schema)
+    target.update({mtp + "block." + k[len(last) :]: v for k, v in model_schema.items() if k.startswith(last)})
+    for name, shape in (("tok_embeddings", (VOCAB, DIM)), ("enorm", (DIM,)), ("hnorm", (DIM,)), ("eh_proj", (DIM, 2 * DIM)),
+                        ("norm", (DIM,)), ("output", (VOCAB, DIM))):  # fmt: skip
+        target[f"{mtp}{name}.weight"] = sdadapt.TensorInfo(shape, torch.float32)
+    source = {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in original.items()}
+
+    adapter = sdadapt.get_adapter("deepseek_v3", source=case["path"], mtp="map")
+    plan = sdadapt.build_plan(source, target, adapter)
+    assert plan.report.ok, plan.report.format()
+    io = DictIO(original)
+    values = {k: node.full(io) for k, node in plan.recipes.items()}
+    hf = f"model.layers.{L}."
+    assert torch.equal(values[mtp + "output.weight"], original[hf + "shared_head.head.weight"])
+    assert torch.equal(values[mtp + "block.attention.wq_a.weight"], original[hf + "self_attn.q_a_proj.weight"])
+    assert torch.equal(values[mtp + "block.moe.expert_bias"], original[hf + "mlp.gate.e_score_correction_bias"])
+    assert torch.equal(values[mtp + "block.moe.experts.w2"][3], original[hf + "mlp.experts.3.down_proj.weight"])
+
+    back = sdadapt.build_plan({k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in values.items()}, source, adapter.inverse())
+    assert back.report.ok, back.report.format()
+    out = DictIO(values)
+    assert [k for k, node in back.recipes.items() if not _same_bytes(node.full(out), original[k])] == []
+
+    # the default drops it, and says so
+    rep = sdadapt.diff(target_model(case, None), case["path"], sdadapt.get_adapter("deepseek_v3", source=case["path"]))
+    assert rep.ok, rep.format()
+    assert f"model.layers.{L}.enorm.weight" in rep.dropped and f"layers.{L}.moe.experts.w1" in rep.dropped
+
+
+def _plan_error(case: dict, adapter: sdadapt.Adapter) -> str:
+    model = target_model(case, None)
+    with pytest.raises(sdadapt.PlanError) as info:
+        sdadapt.load(model, case["path"], adapter)
+    assert all(p.is_meta for p in model.parameters()), "the model was changed although planning failed"
+    return str(info.value)
+
+
+def test_wrong_options_fail_while_planning(cases_root: str) -> None:
+    mtp_case, half, stacked = (_case(cases_root, n) for n in ("dsv3_q_lora_mtp", "dsv3_wq_half_tied", "dsv3_stacked"))
+    get = sdadapt.get_adapter
+
+    # low-rank q expected, one q_proj in the checkpoint: rules and keys named
+    msg = _plan_error(half, get("deepseek_v3", source=half["path"], q_lora=True))
+    assert "rename(src='model.layers.{i}.self_attn.q_a_proj.weight', dst='layers.{i}.attention.wq_a.weight')" in msg, msg
+
+    # fewer dense layers than the checkpoint's: layer 1's MLP passes unrenamed and the model's is missing
+    msg = _plan_error(half, get("deepseek_v3", source=half["path"], first_k_dense_replace=1))
+    assert "model.layers.1.mlp.gate_proj.weight" in msg and "layers.1.feed_forward.w1.weight" in msg, msg
+
+    # an expert count that differs from the checkpoint's
+    msg = _plan_error(mtp_case, get("deepseek_v3", source=mtp_case["path"], n_experts=5))
+    assert "found 4 entries (e=0..3) but count=5" in msg, msg
+
+    # the MTP layer not declared: its block and extras are unexpected, nothing read
+    adapter = get("deepseek_v3", source=mtp_case["path"], mtp_layers=0)
+    msg = _plan_error(mtp_case, adapter)
+    assert f"layers.{L}.attention.wq_a.weight" in msg, msg
+    unexpected = sdadapt.diff(target_model(mtp_case, None), mtp_case["path"], adapter).unexpected
+    assert len(unexpected) == 23 and f"model.layers.{L}.enorm.weight" in unexpected, unexpected
+
+    # fused experts read as per-expert
+    msg = _plan_error(stacked, get("deepseek_v3", source=stacked["path"], experts="per_expert"))
+    assert "model.layers.{0..2}.mlp.experts.gate_up_proj" in msg and "layers.{0..2}.moe.experts.w1" in msg, msg
+
+    # options that cannot make an adapter
+    with pytest.raises(sdadapt.AdapterError, match="needs n_layers=..."):
+        get("deepseek_v3", mtp_layers=1)
+    with pytest.raises(sdadapt.AdapterError, match="rope_interleave=False needs n_heads, qk_nope_head_dim"):
+        get("deepseek_v3", rope_interleave=False)
+    with pytest.raises(sdadapt.AdapterError, match="mtp must be 'drop' or 'map'"):
+        get("deepseek_v3", mtp="keep")
+    with pytest.raises(sdadapt.AdapterError, match="first_k_dense_replace must be a non-negative integer"):
+        get("deepseek_v3", first_k_dense_replace=-1)
+
+
+def test_half_rotary_rows_are_permuted(cases_root: str) -> None:
+    """The rope rows of q and ``wkv_a`` are permuted half -> interleaved per head, the others
+    kept: loaded values against a plain-torch permutation of the checkpoint's tensors."""
+    case = _case(cases_root, "dsv3_wq_half_tied")
+    model = target_model(case, None)
+    sdadapt.load(model, case["path"], sdadapt.get_adapter("deepseek_v3", source=case["path"]))
+    sd = load_single(case["path"])
+    perm = torch.cat([torch.arange(0, ROPE, 2), torch.arange(1, ROPE, 2)]).argsort()  # interleaved row r <- half row perm[r]
+    q = sd["model.layers.0.self_attn.q_proj.weight"].reshape(H, NOPE + ROPE, DIM)
+    want_q = torch.cat([q[:, :NOPE], q[:, NOPE:][:, perm]], dim=1).reshape(-1, DIM)
+    kv = sd["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
+    want_kv = torch.cat([kv[:KV_RANK], kv[KV_RANK:][perm]])
+    attn = model.layers[0].attention
+    assert torch.equal(attn.wq.weight.detach(), want_q) and torch.equal(attn.wkv_a.weight.detach(), want_kv)
+    assert not torch.equal(want_q, sd["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_cli_lists_deepseek_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from sdadapt.cli import main
+
+    assert main(["adapters"]) == 0
+    assert "deepseek_v3  " in capsys.readouterr().out
+    assert main(["adapters", "deepseek_v3"]) == 0
+    text = capsys.readouterr().out
+    for option in ("q_lora", "first_k_dense_replace", "experts", "n_experts", "mtp_layers", "mtp ", "rope_interleave"):
+        assert option in text, text
