@@ -104,7 +104,8 @@ class Worker:
             case SourceRead():
                 self._source_read(task)
             case ComputeTask():
-                task.step.run(self.counter)
+                step = task.step
+                step.run(self.counter, self.to_device if step.on_device and step.dest.device.type != "cpu" else None)
                 self.computed += 1
             case FillTask():
                 task.step.run(self.counter)
@@ -154,15 +155,31 @@ class Worker:
             dl.dest.copy_(buf[dl.offset : dl.offset + dl.nbytes].view(dl.dtype).view(dl.shape), non_blocking=non_blocking)
         self._copied()
 
+    def _upload(self, value: torch.Tensor, dest: torch.Tensor) -> None:
+        """Copy the host tensor ``value`` into ``dest`` (same shape and dtype, on a device):
+        through one of this thread's staging buffers when it fits one (pinned on a GPU, so the
+        copy is queued on the thread's stream without waiting), else directly."""
+        nb = value.numel() * value.element_size()
+        if nb > self.shared.chunk:
+            dest.copy_(value)
+            return
+        stage = self._buffer()[:nb].view(value.dtype).view(value.shape)
+        stage.copy_(value)
+        dest.copy_(stage, non_blocking=self.stream is not None)
+        self._copied()
+
+    def to_device(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``value`` (a host tensor a computation read) as a new tensor on ``device``, copied
+        through :meth:`_upload`: the ``move`` of :meth:`~sdadapt._nodes.Compute.run`."""
+        out = torch.empty(value.shape, dtype=value.dtype, device=device)
+        self._upload(value, out)
+        return out
+
     def _source_read(self, task: SourceRead) -> None:
         piece = task.piece
         value = self.counter.read(piece.key, piece.box)
         self.computed += 1
-        nb = value.numel() * value.element_size()
-        if self.stream is not None and piece.dest.device.type == "cuda" and nb <= self.shared.chunk:
-            stage = self._buffer()[:nb].view(value.dtype).view(value.shape)
-            stage.copy_(value)
-            piece.dest.copy_(stage, non_blocking=True)
-            self._copied()
+        if self.stream is not None and piece.dest.device.type == "cuda":
+            self._upload(value, piece.dest)
         else:
             piece.dest.copy_(value)
