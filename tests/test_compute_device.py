@@ -89,15 +89,24 @@ def test_device_path_equals_host_path_and_full(tmp_path, kind, chunk, depth):
         assert worker.shared.pool.allocated <= depth  # the inputs went through this thread's ring only
 
 
-def test_to_device_stages_what_fits_and_copies_the_rest(tmp_path):
+def test_to_device_stages_in_slices_that_fit_and_copies_the_rest(tmp_path, monkeypatch):
     path = write_safetensors(tmp_path / "t.safetensors", {"t": torch.arange(12.0)})
     with open_source(path) as src:
         worker = _worker(src, 64, 1)
-        small = torch.arange(10, dtype=torch.int32)[::2]  # 20 bytes, not contiguous: staged
-        large = torch.randn(40)  # 160 bytes: copied directly
-        for value in (small, large):
+        staged: list[int] = []
+        copied = worker._copied
+        monkeypatch.setattr(worker, "_copied", lambda: (staged.append(1), copied()))
+        cases = [
+            (torch.arange(10, dtype=torch.int32)[::2], 1),  # 20 bytes, not contiguous: one staged copy
+            (torch.randn(40, 3)[:, 1], 3),  # 160 bytes: staged in slices of 16 entries
+            (torch.randn(5, 7, 3).transpose(0, 1), 7),  # 7 rows of 60 bytes: one row per slice
+            (torch.randn(2, 20), 0),  # a row of 80 bytes fits no buffer: copied directly
+        ]
+        for value, copies in cases:
+            staged.clear()
             out = worker.to_device(value, torch.device("cpu"))
             assert torch.equal(out, value) and out.data_ptr() != value.data_ptr()
+            assert len(staged) == copies, (value.shape, staged)
         assert worker.shared.pool.allocated == 1
 
 

@@ -156,12 +156,18 @@ class Worker:
         self._copied()
 
     def _upload(self, value: torch.Tensor, dest: torch.Tensor) -> None:
-        """Copy the host tensor ``value`` into ``dest`` (same shape and dtype, on a device):
-        through one of this thread's staging buffers when it fits one (pinned on a GPU, so the
-        copy is queued on the thread's stream without waiting), else directly."""
+        """Copy the host tensor ``value`` into ``dest`` (same shape and dtype, on a device)
+        through this thread's staging buffers (pinned on a GPU, so each copy is queued on the
+        thread's stream without waiting): whole, or in slices along dim 0 that fit a buffer;
+        directly where one entry of dim 0 does not fit."""
         nb = value.numel() * value.element_size()
         if nb > self.shared.chunk:
-            dest.copy_(value)
+            rows = self.shared.chunk // max(1, nb // value.shape[0]) if value.dim() else 0
+            if rows == 0:
+                dest.copy_(value)
+                return
+            for r in range(0, value.shape[0], rows):
+                self._upload(value[r : r + rows], dest[r : r + rows])
             return
         stage = self._buffer()[:nb].view(value.dtype).view(value.shape)
         stage.copy_(value)
