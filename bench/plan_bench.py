@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import sdadapt  # noqa: E402
 from sdadapt._engine import EngineConfig, IOEngine, Job  # noqa: E402
+from sdadapt._patterns import compile_pattern  # noqa: E402
 from sdadapt.sources._base import Source, TensorInfo, TensorLocation  # noqa: E402
 
 LAYERS, DENSE, EXPERTS = 61, 3, 256
@@ -118,9 +119,9 @@ def native_target(src: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
             continue
         dtype = info.dtype if info.dtype == torch.float32 else bf16  # the router's bias stays float32
         for a, b in RENAMES:
-            caps = _match(a, k)
+            caps = compile_pattern(a).match(k)
             if caps is not None:
-                out[b.format(**caps)] = TensorInfo(info.shape, dtype)
+                out[compile_pattern(b).format(caps)] = TensorInfo(info.shape, dtype)
                 break
         else:
             raise KeyError(k)
@@ -129,17 +130,6 @@ def native_target(src: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
             o, i = src[f"model.layers.{n}.mlp.experts.0.{hf}.weight"].shape
             out[f"layers.{n}.moe.experts.{w}"] = TensorInfo((EXPERTS, o, i), bf16)
     return out
-
-
-def _match(pattern: str, key: str) -> dict[str, str] | None:
-    """``{i}`` of a RENAMES pattern, if ``key`` matches it."""
-    head, _, tail = pattern.partition("{i}")
-    if not tail:
-        return {} if key == pattern else None
-    if not (key.startswith(head) and key.endswith(tail)):
-        return None
-    i = key[len(head) : len(key) - len(tail)]
-    return {"i": i} if i.isdigit() else None
 
 
 def rename_adapter() -> sdadapt.Adapter:
