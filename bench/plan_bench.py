@@ -1,21 +1,29 @@
-"""Planning cost for a DeepSeek-V3-sized schema (~100k keys), without starting processes.
+"""Planning cost of a DeepSeek-V3-shaped FP8 release (~92k keys), without starting processes.
 
-    python bench/plan_bench.py [--ranks 64] [--rank 0]
+    python bench/plan_bench.py [--ranks 64] [--rank 0] [--adapter stack|rename]
 
-Builds the source schema of a DeepSeek-V3-shaped HF checkpoint (61 layers, 256 routed experts
-of 3 FP8 weights each, each with its ``weight_scale_inv``; attention, norms, shared experts) and
-a target schema with torchtitan-style names, then times, as one rank of ``--ranks`` would:
+Builds the source schema of a DeepSeek-V3-shaped HF checkpoint (61 layers, the first 3 dense,
+256 routed experts of 3 FP8 weights each, each with its ``weight_scale_inv``; MLA attention,
+norms, shared experts) and, as one rank of ``--ranks`` would, times:
 
-1. ``build_plan`` (validation + recipes) with a rename adapter;
-2. the rank's ReadItems: FSDP-style dim-0 shards of every tensor, computed here from the rank
-   coordinates (what DCP would hand this rank);
-3. the I/O engine's planning of those items (routing, byte spans, chunking, coalescing) against
-   a simulated file layout, with meta-device destinations: no data is read.
+1. ``build_plan`` (validation + recipes). ``--adapter stack`` (the default): the native layout
+   (torchtitan's DeepSeek-V3 names; bf16 target) through an adapter written here with the rules
+   a ``deepseek_v3`` adapter needs: ``dequant_rules`` from the release's ``quantization_config``
+   (FP8 128x128 blocks), the per-expert keys stacked into ``moe.experts.w1|w2|w3 [256, ...]``,
+   renames. ``--adapter rename``: HF keys renamed only, FP8 kept (the planning floor);
+2. the rank's ReadItems: FSDP-style dim-0 shards of every target tensor, computed here from the
+   rank coordinates (what DCP would hand this rank);
+3. the I/O engine's planning of those items (recipes to steps, routing, byte spans, chunking,
+   coalescing) against a simulated file layout, with meta-device destinations: no data is read.
+
+It prints each time and the peak RSS growth over the whole (the schemas are built before it is
+measured from).
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 from pathlib import Path
@@ -26,11 +34,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import sdadapt  # noqa: E402
 from sdadapt._engine import EngineConfig, IOEngine, Job  # noqa: E402
+from sdadapt._patterns import compile_pattern  # noqa: E402
 from sdadapt.sources._base import Source, TensorInfo, TensorLocation  # noqa: E402
+
+LAYERS, DENSE, EXPERTS = 61, 3, 256
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
 
 
 def deepseek_v3_schema() -> dict[str, TensorInfo]:
-    h, inter, moe, vocab, layers, experts = 7168, 18432, 2048, 129280, 61, 256
+    h, inter, moe, vocab, layers, experts = 7168, 18432, 2048, 129280, LAYERS, EXPERTS
     fp8, bf16, f32 = torch.float8_e4m3fn, torch.bfloat16, torch.float32
     s: dict[str, TensorInfo] = {"model.embed_tokens.weight": TensorInfo((vocab, h), bf16)}
 
@@ -49,7 +61,7 @@ def deepseek_v3_schema() -> dict[str, TensorInfo]:
         w(p + "self_attn.o_proj", h, 128 * 128)
         s[p + "input_layernorm.weight"] = TensorInfo((h,), bf16)
         s[p + "post_attention_layernorm.weight"] = TensorInfo((h,), bf16)
-        if n < 3:
+        if n < DENSE:
             for m, (o, i) in {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}.items():
                 w(p + f"mlp.{m}", o, i)
             continue
@@ -65,12 +77,84 @@ def deepseek_v3_schema() -> dict[str, TensorInfo]:
     return s
 
 
-def target_name(k: str) -> str:
-    if k.startswith("model.embed_tokens."):
-        return "tok_embeddings." + k.removeprefix("model.embed_tokens.")
-    if k.startswith("model.layers."):
-        return k.removeprefix("model.")
-    return {"model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}[k]
+# HF name -> native name, in the family of torchtitan's DeepSeek-V3 (MLA with q_lora_rank)
+RENAMES = [
+    ("model.embed_tokens.weight", "tok_embeddings.weight"),
+    ("model.norm.weight", "norm.weight"),
+    ("lm_head.weight", "output.weight"),
+    ("model.layers.{i}.self_attn.q_a_proj.weight", "layers.{i}.attention.wq_a.weight"),
+    ("model.layers.{i}.self_attn.q_a_layernorm.weight", "layers.{i}.attention.q_norm.weight"),
+    ("model.layers.{i}.self_attn.q_b_proj.weight", "layers.{i}.attention.wq_b.weight"),
+    ("model.layers.{i}.self_attn.kv_a_proj_with_mqa.weight", "layers.{i}.attention.wkv_a.weight"),
+    ("model.layers.{i}.self_attn.kv_a_layernorm.weight", "layers.{i}.attention.kv_norm.weight"),
+    ("model.layers.{i}.self_attn.kv_b_proj.weight", "layers.{i}.attention.wkv_b.weight"),
+    ("model.layers.{i}.self_attn.o_proj.weight", "layers.{i}.attention.wo.weight"),
+    ("model.layers.{i}.input_layernorm.weight", "layers.{i}.attention_norm.weight"),
+    ("model.layers.{i}.post_attention_layernorm.weight", "layers.{i}.ffn_norm.weight"),
+    ("model.layers.{i}.mlp.gate.weight", "layers.{i}.moe.router.gate.weight"),
+    ("model.layers.{i}.mlp.gate.e_score_correction_bias", "layers.{i}.moe.expert_bias"),
+]
+PROJ = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+RENAMES += [(f"model.layers.{{i}}.mlp.{hf}.weight", f"layers.{{i}}.feed_forward.{w}.weight") for hf, w in PROJ.items()]
+RENAMES += [(f"model.layers.{{i}}.mlp.shared_experts.{hf}.weight", f"layers.{{i}}.moe.shared_experts.{w}.weight")
+            for hf, w in PROJ.items()]
+
+
+def stacking_adapter() -> sdadapt.Adapter:
+    """What a ``deepseek_v3`` adapter does to an FP8 release: dequantise (the rules come from
+    the release's config), stack the routed experts, rename the rest."""
+    rules: list = sdadapt.dequant_rules({"quantization_config": QUANTIZATION_CONFIG})
+    rules += [sdadapt.stack(f"model.layers.{{i}}.mlp.experts.{{e}}.{hf}.weight", f"layers.{{i}}.moe.experts.{w}",
+                            count=EXPERTS) for hf, w in PROJ.items()]
+    rules += [sdadapt.rename(a, b) for a, b in RENAMES]
+    return sdadapt.Adapter(rules, name="deepseek-v3-fp8-inline")
+
+
+def native_target(src: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    """The bf16 model's schema in native names: what a meta-initialised DeepSeek-V3 reports."""
+    bf16 = torch.bfloat16
+    out: dict[str, TensorInfo] = {}
+    for k, info in src.items():
+        if k.endswith("_scale_inv") or ".mlp.experts." in k:
+            continue
+        dtype = info.dtype if info.dtype == torch.float32 else bf16  # the router's bias stays float32
+        for a, b in RENAMES:
+            caps = compile_pattern(a).match(k)
+            if caps is not None:
+                out[compile_pattern(b).format(caps)] = TensorInfo(info.shape, dtype)
+                break
+        else:
+            raise KeyError(k)
+    for n in range(DENSE, LAYERS):
+        for hf, w in PROJ.items():
+            o, i = src[f"model.layers.{n}.mlp.experts.0.{hf}.weight"].shape
+            out[f"layers.{n}.moe.experts.{w}"] = TensorInfo((EXPERTS, o, i), bf16)
+    return out
+
+
+def rename_adapter() -> sdadapt.Adapter:
+    return sdadapt.Adapter(
+        [sdadapt.rename(a, b) for a, b in [("model.embed_tokens.weight", "tok_embeddings.weight"),
+                                           ("model.norm.weight", "norm.weight"), ("lm_head.weight", "output.weight")]]
+        + [sdadapt.rename("model.layers.{i}.{rest:*}", "layers.{i}.{rest}")],
+        name="dsv3-rename",
+    )
+
+
+def renamed_target(src: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
+    def name(k: str) -> str:
+        if k.startswith("model.embed_tokens."):
+            return "tok_embeddings." + k.removeprefix("model.embed_tokens.")
+        if k.startswith("model.layers."):
+            return k.removeprefix("model.")
+        return {"model.norm.weight": "norm.weight", "lm_head.weight": "output.weight"}[k]
+
+    return {name(k): v for k, v in src.items()}
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 class FakeSource(Source):
@@ -99,23 +183,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=64)
     ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--adapter", choices=["stack", "rename"], default="stack")
     args = ap.parse_args()
     t = time.perf_counter()
     src_schema = deepseek_v3_schema()
+    stacked = args.adapter == "stack"
+    target = native_target(src_schema) if stacked else renamed_target(src_schema)
+    adapter = stacking_adapter() if stacked else rename_adapter()
     t_schema = time.perf_counter() - t
-    target = {target_name(k): v for k, v in src_schema.items()}
-    adapter = sdadapt.Adapter(
-        [sdadapt.rename(a, b) for a, b in [("model.embed_tokens.weight", "tok_embeddings.weight"),
-                                           ("model.norm.weight", "norm.weight"), ("lm_head.weight", "output.weight")]]
-        + [sdadapt.rename("model.layers.{i}.{rest:*}", "layers.{i}.{rest}")],
-        name="dsv3-rename",
-    )
-    t = time.perf_counter()
+    rss0 = _rss()
+    clock = _Clock()
     plan = sdadapt.build_plan(src_schema, target, adapter)
-    t_plan = time.perf_counter() - t
+    t_plan = clock.lap()
     assert plan.report.ok, plan.report.format()[:2000]
     # this rank's ReadItems: dim-0 FSDP shards (DTensor's even split, last shards may be short)
-    t = time.perf_counter()
     jobs = []
     for k, info in target.items():
         n = info.shape[0] if info.shape else 1
@@ -126,16 +207,36 @@ def main() -> None:
         box = ((lo, hi),) + tuple((0, d) for d in info.shape[1:])
         dest = torch.empty((hi - lo,) + tuple(info.shape[1:]), dtype=info.dtype, device="meta")
         jobs.append(Job(k, plan.recipes[k], box, dest))
-    t_items = time.perf_counter() - t
-    t = time.perf_counter()
+    t_items = clock.lap()
     tasks = IOEngine(FakeSource(src_schema), EngineConfig(threads=16)).plan(jobs)
-    t_engine = time.perf_counter() - t
+    t_engine = clock.lap()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     total = sum(i.nbytes for i in src_schema.values())
-    print(f"schema: {len(src_schema)} keys, {total / 2**30:.0f} GiB (built in {t_schema:.2f} s)")
-    print(f"build_plan (validation + recipes, rename adapter): {t_plan:.2f} s")
-    print(f"rank {args.rank}/{args.ranks}: {len(jobs)} read items computed in {t_items:.2f} s; "
-          f"engine planning (routes, spans, chunks, coalescing) {t_engine:.2f} s -> {len(tasks)} read tasks")
-    print(f"total per rank: {t_plan + t_items + t_engine:.2f} s (target: under 5 s)")
+    print(f"schema: {len(src_schema)} source keys, {total / 2**30:.0f} GiB; {len(target)} target keys "
+          f"(schemas and adapter built in {t_schema:.2f} s)")
+    print("times: wall s / CPU s of this process (on a shared machine the CPU time is what an idle one takes)")
+    print(f"build_plan (validation + recipes, {adapter.name}, {len(adapter.rules)} rules): {_fmt(t_plan)}")
+    print(f"rank {args.rank}/{args.ranks}: {len(jobs)} read items: {_fmt(t_items)}; "
+          f"engine planning (steps, routes, spans, chunks, coalescing) -> {len(tasks)} tasks: {_fmt(t_engine)}")
+    tot = (t_plan[0] + t_items[0] + t_engine[0], t_plan[1] + t_items[1] + t_engine[1])
+    print(f"total per rank: {_fmt(tot)} (target: under 5 s); peak RSS growth {peak / 2**20:.0f} MiB")
+
+
+class _Clock:
+    """Wall and CPU time since the last lap."""
+
+    def __init__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def lap(self) -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = (wall - self.wall, cpu - self.cpu)
+        self.wall, self.cpu = wall, cpu
+        return out
+
+
+def _fmt(t: tuple[float, float]) -> str:
+    return f"{t[0]:.2f} / {t[1]:.2f}"
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """bench/load_bench.py (the ``bench/loadbench`` package) at a tiny size on 2 gloo ranks: every path
 runs in its own fresh process group and loads the right tensors, into a meta model and into a
-materialised one (no timing asserts: figures live in bench/RESULTS.md); a size that cannot fit is
-refused before anything is written; bench/RESULTS.md cites exactly the raw runs kept in
-bench/results/."""
+materialised one, the FP8 twin through sdadapt and through torch's quantized HF reader (no
+timing asserts: figures live in bench/RESULTS.md); a size that cannot fit is refused before
+anything is written; bench/RESULTS.md cites exactly the raw runs kept in bench/results/."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_every_path_first_load_in_a_fresh_process_meta_and_materialized(tmp_path
     out = tmp_path / "res"
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--preset", "tiny", "--nproc", "2", "--backend", "gloo", "--repeat", "1",
-         "--paths", "sdadapt,sdadapt-fused,sdadapt-torchsave,rank0-broadcast,hf-reader", "--tp-paths", "sdadapt",
+         "--paths", "sdadapt,sdadapt-fused,sdadapt-torchsave,sdadapt-fp8,rank0-broadcast,hf-reader,hf-fp8-reader", "--tp-paths", "sdadapt",
          "--materialized-paths", "sdadapt,hf-reader", "--no-references",
          "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--discussion", "materialized", "--discussion-timeout", "10",
          "--timeout", "150"],
@@ -53,12 +53,14 @@ def test_every_path_first_load_in_a_fresh_process_meta_and_materialized(tmp_path
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(Path(f"{out}.json").read_text())
     rows = {(r["layout"], r["path"], r["flow"]): r for r in res["rows"]}
-    want = [("fsdp", p, "meta") for p in ("sdadapt", "sdadapt-fused", "sdadapt-torchsave", "rank0-broadcast", "hf-reader")]
+    fp8 = ("sdadapt-fp8", "hf-fp8-reader")
+    want = [("fsdp", p, "meta") for p in ("sdadapt", "sdadapt-fused", "sdadapt-torchsave", "rank0-broadcast", "hf-reader", *fp8)]
     want += [("tp", "sdadapt", "meta"), ("fsdp", "sdadapt", "materialized"), ("fsdp", "hf-reader", "materialized")]
     for key in want:
         row = rows[key]
         assert row["ok"], (key, row.get("error"))
-        assert row["check"].startswith("= source"), row["check"]
+        # the FP8 twin's paths against the whole-tensor dequantisation of that file, bit for bit
+        assert row["check"].startswith("= eager dequant of the FP8 file" if key[1] in fp8 else "= source"), row["check"]
         assert row["first_s"] > 0 and row["wall_s"] == row["first_s"]
         assert row["repeats"] == 1 and len(row["steady_all_s"]) == 1 and row["steady_s"] > 0
         assert len(row["per_rank"]) == 2
@@ -77,6 +79,9 @@ def test_every_path_first_load_in_a_fresh_process_meta_and_materialized(tmp_path
     for flow in ("meta", "materialized"):
         for pr in rows[("fsdp", "sdadapt", flow)]["per_rank"]:
             assert pr["bytes_read_gib"] == pytest.approx(pr["local_gib"], rel=1e-9)
+    # the FP8 twin moves about half the bytes: e4m3 weights and their scale tiles, bf16 embeddings
+    for pr in rows[("fsdp", "sdadapt-fp8", "meta")]["per_rank"]:
+        assert 0.5 * pr["local_gib"] < pr["bytes_read_gib"] < 0.6 * pr["local_gib"]
     # the discussion's path gives a row whatever happens to it: loaded, failed or hung
     disc = rows[("fsdp", "torchsave-broadcast", "meta")]
     assert disc["ok"] or disc["error"]

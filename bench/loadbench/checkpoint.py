@@ -1,6 +1,7 @@
 """The synthetic checkpoint on disk: refuse a size that cannot fit, write it once in every format
-asked for (HF sharded safetensors, one ``torch.save`` file, a DCP folder), warm or drop the page
-cache."""
+asked for (HF sharded safetensors, one ``torch.save`` file, a DCP folder, and the FP8 twin: the
+same values quantized to e4m3 with float32 128x128 block scales, as an FP8 release ships them),
+warm or drop the page cache."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 from .common import BenchError, GiB, MiB, meminfo
 from .references import parallel_read
-from .shapes import Shape
+from .shapes import FP8_QUANTIZATION_CONFIG, Shape
 
 
 def check_fits(folder: Path, shape: Shape, formats: list[str], nproc: int, assume_ram_gib: float | None) -> dict[str, float]:
@@ -56,7 +57,8 @@ def write_checkpoint(folder: Path, shape: Shape, shard_gb: float, formats: list[
     import torch
 
     dtype = getattr(torch, shape.dtype)
-    paths = {"safetensors": str(folder / "hf"), "torch.save": str(folder / "model.pt"), "dcp": str(folder / "dcp")}
+    paths = {"safetensors": str(folder / "hf"), "torch.save": str(folder / "model.pt"), "dcp": str(folder / "dcp"),
+             "safetensors-fp8": str(folder / "hf-fp8")}
     # a pool of random values; each tensor is a window of it at its own offset (cheap, and no
     # two tensors alike)
     pool_n = 32 * MiB + 7
@@ -86,8 +88,33 @@ def write_checkpoint(folder: Path, shape: Shape, shard_gb: float, formats: list[
         import torch.distributed.checkpoint as dcp
 
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(paths["dcp"], thread_count=4))
+    if "safetensors-fp8" in formats:
+        _write_fp8_twin(paths["safetensors-fp8"], sd, shape, shard_gb)
     del sd
     return {f: paths[f] for f in formats}
+
+
+def _write_fp8_twin(folder: str, sd: dict, shape: Shape, shard_gb: float) -> None:
+    """The FP8 release of ``sd``: :meth:`Shape.fp8_keys` as ``float8_e4m3fn`` + float32
+    ``weight_scale_inv`` (sdadapt's quantizer, on the GPU when there is one), the rest as is,
+    ``config.json`` with its ``quantization_config``."""
+    import torch
+
+    from sdadapt import _quant as Q
+
+    block = tuple(FP8_QUANTIZATION_CONFIG["weight_block_size"])
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    quantized = set(shape.fp8_keys())
+    twin: dict[str, torch.Tensor] = {}
+    for k, t in sd.items():
+        if k in quantized:
+            w, s = Q.quantize_fp8(t.to(dev), block, "float32")  # type: ignore[arg-type]
+            twin[k], twin[k + Q.FP8_SCALE_SUFFIX] = w.contiguous().cpu(), s.contiguous().cpu()
+        else:
+            twin[k] = t
+    _write_hf_shards(folder, twin, shard_gb, sum(t.numel() * t.element_size() for t in twin.values()))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"model_type": "llama", "torch_dtype": shape.dtype, "quantization_config": FP8_QUANTIZATION_CONFIG}, f)
 
 
 def _write_hf_shards(folder: str, sd: dict, shard_gb: float, total: int) -> None:

@@ -5,7 +5,11 @@
   (``share_reads=True``);
 - ``rank0-broadcast``: rank 0 ``safetensors.torch.load_file`` + ``set_model_state_dict(
   full_state_dict=True, broadcast_from_rank0=True)``;
+- ``sdadapt-fp8``: the FP8 twin (e4m3 + float32 128x128 ``weight_scale_inv``) through
+  ``sdadapt.dequant_rules`` + the rename adapter, dequantised on load into the same bf16 model;
 - ``hf-reader``: ``dcp.load`` + ``HuggingFaceStorageReader(thread_count=8)`` (names 1:1);
+- ``hf-fp8-reader``: ``dcp.load`` of the FP8 twin + torch's ``QuantizedHuggingFaceStorageReader(
+  thread_count=8, target_dtype=bfloat16, block_size=128)`` (names 1:1);
 - ``dcp-native``: ``dcp.load`` of the DCP folder (names 1:1; a reference for resumes);
 - ``torchsave-broadcast`` / ``-meta``: ``BroadcastingTorchSaveReader`` + ``DynamicMetaLoadPlanner``
   (the user discussion's path), model materialised without values first / left on meta.
@@ -27,7 +31,9 @@ from .common import BenchError
 from .models import build_model, materialize_with_values, parallelize
 from .shapes import Shape, adapter_for
 
-ALL_PATHS = ["sdadapt", "sdadapt-fused", "sdadapt-torchsave", "sdadapt-dcp", "rank0-broadcast", "hf-reader", "dcp-native"]
+ALL_PATHS = ["sdadapt", "sdadapt-fused", "sdadapt-torchsave", "sdadapt-dcp", "sdadapt-fp8", "rank0-broadcast", "hf-reader",
+             "hf-fp8-reader", "dcp-native"]
+FP8_PATHS = ("sdadapt-fp8", "hf-fp8-reader")  # they read the FP8 twin
 TP_PATHS = ["sdadapt", "hf-reader"]
 MATERIALIZED_PATHS = ["sdadapt", "hf-reader"]
 DISCUSSION_PATHS = {"materialized": "torchsave-broadcast", "meta": "torchsave-broadcast-meta"}
@@ -61,9 +67,12 @@ class Job:
 
 
 def import_libraries() -> list[str]:
-    """Import :data:`LIBRARIES`; returns their names."""
+    """Import :data:`LIBRARIES`; returns their names. sdadapt imports its public names on first
+    use, so every one of them is touched here: the timed loads then measure loading, not imports."""
     for name in LIBRARIES:
-        importlib.import_module(name)
+        mod = importlib.import_module(name)
+        for public in getattr(mod, "__all__", []) if name == "sdadapt" else []:
+            getattr(mod, public)
     return list(LIBRARIES)
 
 
@@ -72,6 +81,20 @@ def naming_of(path: str) -> str:
     if path == "sdadapt-fused":
         return "fused"
     return "titan" if path.startswith("sdadapt") else "hf"
+
+
+def source_format(path: str) -> str:
+    """The checkpoint format a path reads: ``safetensors-fp8`` (the FP8 twin), ``torch.save``,
+    ``dcp`` or ``safetensors``."""
+    if path in FP8_PATHS:
+        return "safetensors-fp8"
+    return {"sdadapt-torchsave": "torch.save", "sdadapt-dcp": "dcp", "dcp-native": "dcp"}.get(path, "safetensors")
+
+
+def adapter_of(path: str, files: dict[str, str]) -> Any:
+    """The sdadapt adapter that maps what ``path`` reads to the model it loads into (with the
+    dequant rules for the FP8 twin); also the eager reference's recipe."""
+    return adapter_for(naming_of(path), files["safetensors-fp8"] if path in FP8_PATHS else None)
 
 
 def prepare(job: Job, shape: Shape, dev: Any, seed: int = 1) -> Any:
@@ -118,8 +141,7 @@ def timed_load(model: Any, job: Job, files: dict[str, str], dev: Any) -> dict[st
     dist.barrier()
     t0 = time.perf_counter()
     if path.startswith("sdadapt"):
-        src = {"sdadapt-torchsave": files.get("torch.save"), "sdadapt-dcp": files.get("dcp")}.get(path, files.get("safetensors"))
-        rep = sdadapt.load(model, src, adapter_for(naming_of(path)), share_reads=path == "sdadapt-shared")
+        rep = sdadapt.load(model, files[source_format(path)], adapter_of(path, files), share_reads=path == "sdadapt-shared")
         facts.update(bytes_read=rep.bytes_read, plan_seconds=rep.plan_seconds, read_seconds=rep.read_seconds,
                      phases=rep.phase_seconds, local_bytes=rep.local_bytes)
     elif path == "rank0-broadcast":
@@ -143,6 +165,14 @@ def timed_load(model: Any, job: Job, files: dict[str, str], dev: Any) -> dict[st
         if meta:
             model.to_empty(device=dev)
         dcp.load(model_sd(model), storage_reader=HuggingFaceStorageReader(files["safetensors"], thread_count=8))
+    elif path == "hf-fp8-reader":
+        from torch.distributed.checkpoint import QuantizedHuggingFaceStorageReader
+
+        if meta:
+            model.to_empty(device=dev)
+        reader = QuantizedHuggingFaceStorageReader(files["safetensors-fp8"], thread_count=8, target_dtype=torch.bfloat16,
+                                                   block_size=128)
+        dcp.load(model_sd(model), storage_reader=reader)
     elif path == "dcp-native":
         if meta:
             model.to_empty(device=dev)
@@ -165,16 +195,17 @@ def timed_load(model: Any, job: Job, files: dict[str, str], dev: Any) -> dict[st
 
 
 def verify_against_source(model: Any, path: str, files: dict[str, str]) -> int:
-    """Every local shard equals the recipe applied eagerly to the full source tensors (bit-exact);
-    returns the number of shards checked."""
+    """Every local shard equals the recipe applied eagerly to the full source tensors (bit-exact):
+    for the FP8 twin, the whole-tensor dequantisation ``float(w) * scale_inv`` in float32, rounded
+    once to bf16, which is what each FP8 path computes; returns the number of shards checked."""
     import torch
 
     import sdadapt
     from sdadapt._target import model_state_dict, schema_of
 
-    src = sdadapt.open_source(files["safetensors"])
+    src = sdadapt.open_source(files["safetensors-fp8" if path in FP8_PATHS else "safetensors"])
     try:
-        plan = sdadapt.build_plan(src.schema, schema_of(model_state_dict(model)), adapter_for(naming_of(path)))
+        plan = sdadapt.build_plan(src.schema, schema_of(model_state_dict(model)), adapter_of(path, files))
         checked = 0
         for k, t in model_sd(model).items():
             local, off = local_of(t)

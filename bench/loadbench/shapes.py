@@ -42,6 +42,11 @@ class Shape:
         out += [("model.norm.weight", (h,)), ("lm_head.weight", (self.vocab, h))]
         return out
 
+    def fp8_keys(self) -> list[str]:
+        """The keys the FP8 twin stores as e4m3 + ``weight_scale_inv``: the layers' matrices
+        (embeddings, the output head and norms stay bf16, as in real FP8 releases)."""
+        return [k for k, s in self.hf_keys() if k.startswith("model.layers.") and len(s) == 2]
+
     def itemsize(self) -> int:
         return {"bfloat16": 2, "float16": 2, "float32": 4}[self.dtype]
 
@@ -67,6 +72,9 @@ PRESETS = {
     "tiny": Shape(layers=2, hidden=64, intermediate=160, heads=4, kv_heads=2, vocab=96),
 }
 
+# the FP8 twin's block scaling, as DeepSeek-V3 and Qwen3-FP8 releases ship it
+FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
+
 # HF name -> torchtitan-style name (the rename-only adapter's job)
 RENAMES = [
     ("model.embed_tokens.weight", "tok_embeddings.weight"),
@@ -86,11 +94,17 @@ RENAMES = [
 _FUSED_SOURCES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
-def adapter_for(naming: str) -> Any:
+def adapter_for(naming: str, release: str | None = None) -> Any:
     """The adapter from the HF checkpoint to a model named ``naming``: ``hf`` (none: names 1:1),
-    ``titan`` (rename only) or ``fused`` (q/k/v -> ``wqkv``, gate/up -> ``w13``, the rest renamed)."""
+    ``titan`` (rename only) or ``fused`` (q/k/v -> ``wqkv``, gate/up -> ``w13``, the rest renamed).
+    ``release``: the folder of a quantized release, whose ``config.json`` gives the dequant rules
+    put first (``sdadapt.dequant_rules``)."""
     import sdadapt
 
+    if release is not None:
+        inner = adapter_for(naming)
+        rules = sdadapt.dequant_rules(release) + (list(inner.rules) if inner is not None else [])
+        return sdadapt.Adapter(rules, name=f"fp8-{inner.name if inner is not None else 'hf'}")
     if naming == "hf":
         return None
     if naming == "titan":

@@ -13,6 +13,9 @@ answers, in exactly one place each:
   - :class:`Fill`: a view of ``dest`` is set to one value;
   - :class:`Compute`: a function of a :class:`SourceIO` returns the values (in the node's dtype)
     that go into a view of ``dest``; it reads what it needs through its children's ``read``.
+    A computation that can run on the destination's device (a dequantisation) is given as its
+    host reads (``inputs``) and its arithmetic (``kernel``) apart, so that the engine can copy
+    the raw inputs to a GPU and compute there.
 
   A node that only moves data (concat, narrow, transpose, stack...) maps the box to boxes of its
   children and recurses with views of ``dest`` (:func:`emit`), so a whole recipe becomes pieces
@@ -33,7 +36,9 @@ A new node kind is one dataclass here or in its own module: ``shape``, ``dtype``
 ``full`` and ``describe``. A node that computes over widened reads of several inputs (a
 dequantisation reading a block-aligned box of a weight and the matching box of its scales)
 appends one :class:`Compute` whose function calls ``child.read(wider_box, io)`` for each input
-and narrows the result to ``box``; the engine runs it as it is, on its threads.
+and narrows the result to ``box``; the engine runs it as it is, on its threads. Given as
+``inputs`` + ``kernel``, it also runs on the destination's device (the engine decides: when the
+destination is not on the CPU); the CPU path is ``kernel(*inputs(io))`` either way.
 """
 
 from __future__ import annotations
@@ -100,17 +105,50 @@ class Fill:
         self.dest.fill_(self.value)
 
 
+Move = Callable[[torch.Tensor, torch.device], torch.Tensor]
+"""Copies a host tensor onto a device (the engine's worker: through its staging and stream)."""
+
+
 @dataclass(frozen=True, eq=False)
 class Compute:
-    """``fn(io)`` returns region ``box`` of ``node``'s output (its dtype), copied into ``dest``."""
+    """Region ``box`` of ``node``'s output (its dtype), copied into ``dest``. Two forms:
+
+    - ``fn(io)`` reads and computes on the host;
+    - ``inputs(io)`` reads the host tensors the region needs (through the node's children) and
+      ``kernel(*inputs)`` is the arithmetic on them: plain tensor ops that give the same bits on
+      any device and allocate on their inputs' device. This form says the computation can run
+      on the destination's device: given a ``move``, :meth:`run` copies the inputs to
+      ``dest.device`` first (on a GPU: raw, often smaller, bytes cross PCIe and the arithmetic
+      runs there), then runs the kernel there.
+    """
 
     node: Node
     box: Box
     dest: torch.Tensor
-    fn: Callable[[SourceIO], torch.Tensor]
+    fn: Callable[[SourceIO], torch.Tensor] | None = None
+    inputs: Callable[[SourceIO], tuple[torch.Tensor, ...]] | None = None
+    kernel: Callable[..., torch.Tensor] | None = None
 
-    def run(self, io: SourceIO) -> None:
-        self.dest.copy_(self.fn(io))
+    def __post_init__(self) -> None:
+        if (self.fn is None) == (self.inputs is None or self.kernel is None):
+            raise ValueError("Compute takes either fn, or inputs and kernel")
+
+    @property
+    def on_device(self) -> bool:
+        """The kernel may run on the destination's device (the ``inputs``/``kernel`` form)."""
+        return self.kernel is not None
+
+    def run(self, io: SourceIO, move: Move | None = None) -> None:
+        """Compute the region into ``dest``; with ``move`` (and the ``inputs``/``kernel`` form),
+        the inputs are moved to ``dest.device`` and the kernel runs there."""
+        if self.fn is not None:
+            self.dest.copy_(self.fn(io))
+            return
+        assert self.inputs is not None and self.kernel is not None
+        args = self.inputs(io)
+        if move is not None:
+            args = tuple(move(a, self.dest.device) for a in args)
+        self.dest.copy_(self.kernel(*args))
 
 
 Step = Piece | Fill | Compute

@@ -13,7 +13,8 @@
   ``[..., G * 32]``: the packed dim is the last one (the projection's input dim).
 
 Dequantising multiplies in float32 and then casts to the target dtype, element by element, so a
-region computed on its own equals the same region of the whole tensor bit for bit.
+region computed on its own equals the same region of the whole tensor bit for bit, and the
+dequantising functions give the same bits on any device (they allocate on their inputs' device).
 
 Quantising is the inverse used for export. Its scale choice makes quantise(dequantise(q)) give
 back ``q`` and the scale whenever the dequantised values are exact in the dtype they were held
@@ -111,7 +112,7 @@ def dequantize_fp8_region(
     (b0, b1), (r, c) = block, offset
     s = scale_values(scale, fmt)
     lead, (nr, nc) = tuple(weight.shape[:-2]), tuple(s.shape[-2:])
-    buf = torch.empty(lead + (nr * b0, nc * b1), dtype=torch.float32)  # the margin is scaled, then dropped
+    buf = torch.empty(lead + (nr * b0, nc * b1), dtype=torch.float32, device=weight.device)  # margin scaled, then dropped
     region = buf[..., r : r + rows, c : c + cols]
     region.copy_(weight)
     buf.view(lead + (nr, b0, nc, b1)).mul_(s.reshape(lead + (nr, 1, nc, 1)))
@@ -172,7 +173,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     """``blocks [..., G, 16]`` + ``scales [..., G]`` -> values ``[..., G * 32]`` in ``dtype``.
 
     One table lookup per byte (byte -> its low-nibble and high-nibble values, in that order)."""
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32)
+    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
     pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1)  # [256, 2]: byte & 0xF, byte >> 4
     v = F.embedding(blocks.to(torch.int64), pairs).reshape(tuple(blocks.shape[:-1]) + (MX_BLOCK,))
     v.mul_(decode_e8m0(scales).unsqueeze(-1))

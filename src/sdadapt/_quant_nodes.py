@@ -1,9 +1,12 @@
 """Recipe nodes for quantized sources: dequantise on load, re-quantize on export.
 
-Each node produces a region as one :class:`~sdadapt._nodes.Compute` step whose function is
-the private method ``_region(box, io)``: it reads through the child nodes only the bytes that
-region needs (for FP8 the weight region itself and the scale rows/cols its blocks touch; for
-MXFP4 the whole 32-value blocks it touches and their scale bytes), then computes. ``full(io)``
+Each node produces a region as one :class:`~sdadapt._nodes.Compute` step that reads through
+the child nodes only the bytes that region needs (for FP8 the weight region itself and the
+scale rows/cols its blocks touch; for MXFP4 the whole 32-value blocks it touches and their
+scale bytes), then computes. Dequantisation gives the step as its reads (``_inputs(box, io)``,
+raw bytes on the host) and its arithmetic (``_kernel(box, *inputs)``) apart, so that on a GPU
+the engine copies the raw, smaller, inputs and dequantises there; re-quantization (export,
+whose destinations are on the host) is one host function, ``_region(box, io)``. ``full(io)``
 is a separate eager implementation on whole tensors (the reference the region path is tested
 against). The formats themselves are in :mod:`sdadapt._quant`.
 """
@@ -23,7 +26,7 @@ Part = Literal["values", "scales"]
 
 
 class _Computed(Node):
-    """A node whose every region is one computation, :meth:`_region`."""
+    """A node whose every region is one host computation, :meth:`_region`."""
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         out.append(Compute(self, box, dest, functools.partial(self._region, box)))
@@ -32,8 +35,22 @@ class _Computed(Node):
         raise NotImplementedError
 
 
+class _Dequant(Node):
+    """A node whose every region is one computation that may run on the destination's device:
+    :meth:`_inputs` reads the raw region on the host, :meth:`_kernel` dequantises it."""
+
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+        out.append(Compute(self, box, dest, inputs=functools.partial(self._inputs, box), kernel=functools.partial(self._kernel, box)))
+
+    def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _kernel(self, box: Box, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True, eq=False)
-class DequantFP8(_Computed):
+class DequantFP8(_Dequant):
     """An FP8 e4m3 ``weight`` times its block ``scale`` (``block`` over the last two dims), in ``dtype``."""
 
     weight: Node
@@ -46,18 +63,16 @@ class DequantFP8(_Computed):
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.weight.shape))
 
-    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+    def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
         (r0, r1), (c0, c1) = box[-2:]
         b0, b1 = self.block
         scale_box = box[:-2] + ((r0 // b0, Q.cdiv(r1, b0)), (c0 // b1, Q.cdiv(c1, b1)))
-        return Q.dequantize_fp8_region(
-            self.weight.read(box, io),
-            self.scale.read(scale_box, io),
-            self.block,
-            (r0 % b0, c0 % b1),
-            self.scale_format,
-            self.dtype,
-        )
+        return self.weight.read(box, io), self.scale.read(scale_box, io)
+
+    def _kernel(self, box: Box, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        (r0, _), (c0, _) = box[-2:]
+        offset = (r0 % self.block[0], c0 % self.block[1])
+        return Q.dequantize_fp8_region(weight, scale, self.block, offset, self.scale_format, self.dtype)
 
     def full(self, io: SourceIO) -> torch.Tensor:
         return Q.dequantize_fp8(self.weight.full(io), self.scale.full(io), self.block, self.scale_format, self.dtype)
@@ -68,7 +83,7 @@ class DequantFP8(_Computed):
 
 
 @dataclass(frozen=True, eq=False)
-class DequantMXFP4(_Computed):
+class DequantMXFP4(_Dequant):
     """MXFP4 ``blocks [..., G, 16]`` and e8m0 ``scales [..., G]`` as values ``[..., G * 32]`` in ``dtype``."""
 
     blocks: Node
@@ -80,16 +95,16 @@ class DequantMXFP4(_Computed):
         s = tuple(self.blocks.shape)
         object.__setattr__(self, "shape", s[:-2] + (s[-2] * Q.MX_BLOCK,))
 
-    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+    def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
         c0, c1 = box[-1]
         g0, g1 = c0 // Q.MX_BLOCK, Q.cdiv(c1, Q.MX_BLOCK)
         lead = box[:-1]
-        values = Q.dequantize_mxfp4(
-            self.blocks.read(lead + ((g0, g1), (0, Q.MX_BYTES)), io),
-            self.scales.read(lead + ((g0, g1),), io),
-            self.dtype,
-        )
-        return values[..., c0 - g0 * Q.MX_BLOCK : c1 - g0 * Q.MX_BLOCK]
+        return self.blocks.read(lead + ((g0, g1), (0, Q.MX_BYTES)), io), self.scales.read(lead + ((g0, g1),), io)
+
+    def _kernel(self, box: Box, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        c0, c1 = box[-1]
+        skip = c0 // Q.MX_BLOCK * Q.MX_BLOCK
+        return Q.dequantize_mxfp4(blocks, scales, self.dtype)[..., c0 - skip : c1 - skip]
 
     def full(self, io: SourceIO) -> torch.Tensor:
         blocks = self.blocks.full(io)

@@ -7,7 +7,10 @@ on a thread pool:
 1. **Steps** (:mod:`sdadapt._nodes`). Each job's recipe says how its box is produced into the
    destination: pieces ("source tensor ``key``, region ``box``, goes into this view of the
    destination"), fills, and computations. The engine knows no node kinds; it plans pieces
-   and runs fills and computations as they are.
+   and runs fills and computations as they are. A computation that says it can run on the
+   destination's device (given as host reads + a kernel, as dequantisation is) runs there when
+   the destination is on a GPU: the thread copies its raw inputs through its staging buffers and
+   stream (:meth:`~.workers.Worker.to_device`), then runs the kernel on the GPU.
 2. **Locating** (:mod:`.planner`). A source declares where a region's bytes are
    (``Source.locate_region``): one contiguous row-major tensor in a file (safetensors always;
    ``torch.save`` zip files when the storages line up with the zip records), or one per stored

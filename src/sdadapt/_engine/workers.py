@@ -104,7 +104,8 @@ class Worker:
             case SourceRead():
                 self._source_read(task)
             case ComputeTask():
-                task.step.run(self.counter)
+                step = task.step
+                step.run(self.counter, self.to_device if step.on_device and step.dest.device.type != "cpu" else None)
                 self.computed += 1
             case FillTask():
                 task.step.run(self.counter)
@@ -154,15 +155,37 @@ class Worker:
             dl.dest.copy_(buf[dl.offset : dl.offset + dl.nbytes].view(dl.dtype).view(dl.shape), non_blocking=non_blocking)
         self._copied()
 
+    def _upload(self, value: torch.Tensor, dest: torch.Tensor) -> None:
+        """Copy the host tensor ``value`` into ``dest`` (same shape and dtype, on a device)
+        through this thread's staging buffers (pinned on a GPU, so each copy is queued on the
+        thread's stream without waiting): whole, or in slices along dim 0 that fit a buffer;
+        directly where one entry of dim 0 does not fit."""
+        nb = value.numel() * value.element_size()
+        if nb > self.shared.chunk:
+            rows = self.shared.chunk // max(1, nb // value.shape[0]) if value.dim() else 0
+            if rows == 0:
+                dest.copy_(value)
+                return
+            for r in range(0, value.shape[0], rows):
+                self._upload(value[r : r + rows], dest[r : r + rows])
+            return
+        stage = self._buffer()[:nb].view(value.dtype).view(value.shape)
+        stage.copy_(value)
+        dest.copy_(stage, non_blocking=self.stream is not None)
+        self._copied()
+
+    def to_device(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``value`` (a host tensor a computation read) as a new tensor on ``device``, copied
+        through :meth:`_upload`: the ``move`` of :meth:`~sdadapt._nodes.Compute.run`."""
+        out = torch.empty(value.shape, dtype=value.dtype, device=device)
+        self._upload(value, out)
+        return out
+
     def _source_read(self, task: SourceRead) -> None:
         piece = task.piece
         value = self.counter.read(piece.key, piece.box)
         self.computed += 1
-        nb = value.numel() * value.element_size()
-        if self.stream is not None and piece.dest.device.type == "cuda" and nb <= self.shared.chunk:
-            stage = self._buffer()[:nb].view(value.dtype).view(value.shape)
-            stage.copy_(value)
-            piece.dest.copy_(stage, non_blocking=True)
-            self._copied()
+        if self.stream is not None and piece.dest.device.type == "cuda":
+            self._upload(value, piece.dest)
         else:
             piece.dest.copy_(value)
