@@ -8,6 +8,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
+from ._lora import MergeLora
 from ._quant_rules import QuantRule
 from ._rules import Rule
 from .errors import AdapterError
@@ -22,7 +23,7 @@ class Adapter(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    rules: list[Rule | QuantRule] = []
+    rules: list[Rule | QuantRule | MergeLora] = []
     name: str = "custom"
     description: str = ""
 

@@ -15,6 +15,7 @@ from torch import nn
 from . import _integrity as integrity
 from ._adapter import Adapter
 from ._distributed import rank_and_world
+from ._lora import open_peft_lora
 from ._materialize import InitFn, check_buffers
 from ._plan import Plan, build_plan
 from ._report import Report
@@ -82,9 +83,10 @@ def plan_load(
     subtree: str | None = None,
     allow_missing: list[str] | None = None,
     allow_unexpected: list[str] | None = None,
+    lora: str | os.PathLike[str] | None = None,
 ) -> tuple[Source, Plan]:
     """Open the source and plan against the model (headers only; nothing is read or changed)."""
-    source, plan, _ = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected)
+    source, plan, _ = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected, lora)
     return source, plan
 
 
@@ -95,11 +97,18 @@ def _plan_load(
     subtree: str | None,
     allow_missing: list[str] | None,
     allow_unexpected: list[str] | None,
+    lora: str | os.PathLike[str] | None = None,
 ) -> tuple[Source, Plan, dict[str, torch.Tensor]]:
-    """:func:`plan_load`, also returning the model's state dict it planned against."""
+    """:func:`plan_load`, also returning the model's state dict it planned against. With
+    ``lora``, the PEFT adapter's tensors join the source and its merge rule goes first
+    (:mod:`sdadapt._lora`)."""
     source = open_source(src, subtree=subtree)
     state_dict = model_state_dict(model)
     try:
+        if lora is not None:
+            peft = open_peft_lora(lora)
+            source = peft.join(source)
+            adapter = Adapter([peft.rule, *(adapter.rules if adapter else [])], name=adapter.name if adapter else "lora")
         plan = build_plan(
             source.schema,
             schema_of(state_dict),
@@ -132,6 +141,7 @@ def load(
     check_finite: bool = False,
     stage: bool = False,
     share_reads: bool = False,
+    lora: str | os.PathLike[str] | None = None,
 ) -> LoadReport:
     """Load checkpoint ``src`` into ``model`` through ``adapter``; every rank reads only its shards.
 
@@ -163,6 +173,11 @@ def load(
     broadcast it to the others over the process group (:mod:`sdadapt._share`), instead of all
     reading all of it; for fast interconnects (NVLink) where the page cache, not the network,
     is the limit. ``LoadReport.bytes_shared`` is what this rank received that way.
+
+    ``lora="path/to/peft_adapter"`` merges a PEFT LoRA adapter (the folder
+    ``PeftModel.save_pretrained`` writes) into the base weights as they are read, before
+    ``adapter``'s rules: each rank computes ``W[box] + s * B[rows] @ A[:, cols]`` for its own
+    shards only (:mod:`sdadapt._lora`).
     """
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
@@ -171,7 +186,7 @@ def load(
 
     def prepare() -> Plan:
         nonlocal planned
-        source, plan, planned = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected)
+        source, plan, planned = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected, lora)
         txn.add_source(source)
         if not plan.report.ok:
             if strict:
