@@ -293,4 +293,3 @@ def open_peft_lora(path: str | os.PathLike[str]) -> PeftLora:
         raise AdapterError(f"lora={folder!r}: no {WEIGHTS_NAME}{hint}")
     source = SafetensorsFile(weights)
     return PeftLora(folder, source, rule)
-
