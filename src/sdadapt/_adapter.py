@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ._lora import MergeLora
 from ._quant_rules import QuantRule
@@ -23,7 +23,7 @@ class Adapter(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    rules: list[Rule | QuantRule | MergeLora] = []
+    rules: list[Annotated[Rule | QuantRule | MergeLora, Field(discriminator="kind")]] = []
     name: str = "custom"
     description: str = ""
 
