@@ -296,3 +296,32 @@ def test_joined_source_delegates_and_refuses_ambiguous_keys(llama_case: dict) ->
     with pytest.raises(SourceError, match="starts with the namespace 'model.'"):
         JoinedSource(base, {"model.": lora})
     joined.close()
+
+
+def test_per_expert_lora_merges_then_stacks() -> None:
+    """LoRA pairs on per-expert weights merge in the checkpoint's key space, then a stack rule
+    makes ``[E, out, in]`` of the merged values; regions of the stack read only their experts'
+    and rows' parts of each pair."""
+    gen = torch.Generator().manual_seed(9)
+    E, out, inp, r = 3, 6, 5, 2
+    tensors: dict[str, torch.Tensor] = {}
+    for e in range(E):
+        tensors[f"experts.{e}.w1.weight"] = torch.randn(out, inp, generator=gen)
+        tensors[f"{LORA_NAMESPACE}base_model.model.experts.{e}.w1.lora_A.weight"] = torch.randn(r, inp, generator=gen)
+        tensors[f"{LORA_NAMESPACE}base_model.model.experts.{e}.w1.lora_B.weight"] = torch.randn(out, r, generator=gen)
+    schema = {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    adapter = sdadapt.Adapter([MergeLora(alpha=4), sdadapt.stack("experts.{e}.w1.weight", "w1")])
+    plan = sdadapt.build_plan(schema, {"w1": sdadapt.TensorInfo((E, out, inp), torch.float32)}, adapter)
+    assert plan.report.ok, plan.report.format()
+    node = plan.recipes["w1"]
+    expected = torch.stack([
+        tensors[f"experts.{e}.w1.weight"]
+        + 2.0 * (tensors[f"{LORA_NAMESPACE}base_model.model.experts.{e}.w1.lora_B.weight"].double()
+                 @ tensors[f"{LORA_NAMESPACE}base_model.model.experts.{e}.w1.lora_A.weight"].double()).float()
+        for e in range(E)
+    ])  # fmt: skip
+    torch.testing.assert_close(node.full(DictIO(tensors)), expected, rtol=1e-6, atol=1e-6)
+    io = DictIO(tensors)
+    assert torch.equal(node.read(((1, 3), (2, 5), (0, 4)), io), node.full(DictIO(tensors))[1:3, 2:5, 0:4])
+    b_reads = sorted((k, box) for k, box in io.reads if k.endswith("lora_B.weight"))
+    assert b_reads == [(f"{LORA_NAMESPACE}base_model.model.experts.{e}.w1.lora_B.weight", ((2, 5), (0, r))) for e in (1, 2)]
