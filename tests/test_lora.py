@@ -215,6 +215,7 @@ def _meta_llama_hf() -> torch.nn.Module:
         ({"lora_bias": True}, "lora_bias=True"),
         ({"peft_type": "IA3"}, "peft_type is 'IA3'"),
         ({"lora_alpha": "eight"}, "lora_alpha must be a number"),
+        ({"alpha_pattern": {"(": 2}}, "alpha_pattern key '(' is not a regular expression"),
     ],
 )
 def test_unsupported_peft_features_are_clear_errors(llama_case: dict, tmp_path: Any, config: dict, says: str) -> None:

@@ -59,7 +59,9 @@ _PAIR = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])\.weight")
 _MERGEABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ROWS_PER_CHUNK_ELEMENTS = 1 << 22  # float64 temporaries of a region are computed this many elements at a time
 
-# config fields whose non-default values change what a merge means; each with what to do instead
+_NOT_PLAIN = "this LoRA variant is not a plain W + s * B @ A; merge with peft's merge_and_unload()"
+# config fields whose non-default values change what a merge means (refused rather than merged
+# wrongly); each with what to do instead
 _UNSUPPORTED: dict[str, str] = {
     "use_dora": "DoRA rescales each merged column by a magnitude vector; merge it with peft's merge_and_unload()",
     "lora_bias": "LoRA biases add to the layers' biases; merge with peft's merge_and_unload()",
@@ -71,10 +73,11 @@ _UNSUPPORTED: dict[str, str] = {
     "megatron_config": "Megatron-parallel LoRA layers are not supported",
     "alora_invocation_tokens": "activated LoRA applies only after its invocation tokens; it cannot be merged",
     "arrow_config": "Arrow routes between several LoRAs per token; it cannot be merged into one weight",
+    "use_bdlora": _NOT_PLAIN,
+    "kasa_config": _NOT_PLAIN,
+    "velora_config": _NOT_PLAIN,
+    "monteclora_config": _NOT_PLAIN,
 }
-# further variants whose merged value sdadapt does not reproduce (refused rather than merged wrongly)
-for _name in ("use_bdlora", "kasa_config", "velora_config", "monteclora_config"):
-    _UNSUPPORTED[_name] = "this LoRA variant is not a plain W + s * B @ A; merge with peft's merge_and_unload()"
 
 
 # --- the node ------------------------------------------------------------------------------------
@@ -261,6 +264,11 @@ def lora_rule(config: Mapping[str, Any], *, where: str = CONFIG_NAME) -> MergeLo
     alpha = config.get("lora_alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise AdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    for pat in config.get("alpha_pattern") or {}:
+        try:
+            re.compile(pat)
+        except (re.error, TypeError) as e:
+            raise AdapterError(f"{where}: alpha_pattern key {pat!r} is not a regular expression: {e}") from None
     try:
         return MergeLora(
             alpha=float(alpha),
