@@ -8,7 +8,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, SerializeAsAny, ValidationError, field_validator, model_validator
 
-from . import _quant_rules  # noqa: F401 - registers the quantization rule kinds
+from . import (
+    _lora,  # noqa: F401 - registers the merge_lora rule kind
+    _quant_rules,  # noqa: F401 - registers the quantization rule kinds
+)
 from ._rules import RuleBase, rule_from_data
 from .errors import AdapterError
 

@@ -16,6 +16,7 @@ from . import _integrity as integrity
 from ._adapter import Adapter
 from ._constructors import cast
 from ._distributed import rank_and_world
+from ._lora import open_peft_lora
 from ._materialize import InitFn, check_buffers
 from ._plan import PipelineStage, Plan, build_plan, vacant_modules
 from ._report import Report
@@ -84,10 +85,11 @@ def plan_load(
     allow_missing: list[str] | None = None,
     allow_unexpected: list[str] | None = None,
     pipeline_stage: bool = False,
+    lora: str | os.PathLike[str] | None = None,
 ) -> tuple[Source, Plan]:
     """Open the source and plan against the model (headers only; nothing is read or changed);
-    ``pipeline_stage`` as in :func:`load`."""
-    source, plan, _ = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage)
+    ``pipeline_stage`` and ``lora`` as in :func:`load`."""
+    source, plan, _ = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage, lora)
     return source, plan
 
 
@@ -99,12 +101,19 @@ def _plan_load(
     allow_missing: list[str] | None,
     allow_unexpected: list[str] | None,
     pipeline_stage: bool = False,
+    lora: str | os.PathLike[str] | None = None,
 ) -> tuple[Source, Plan, dict[str, torch.Tensor]]:
-    """:func:`plan_load`, also returning the model's state dict it planned against."""
+    """:func:`plan_load`, also returning the model's state dict it planned against. With
+    ``lora``, the PEFT adapter's tensors join the source and its merge rule goes first
+    (:mod:`sdadapt._lora`)."""
     source = open_source(src, subtree=subtree)
     state_dict = model_state_dict(model)
     stage = PipelineStage.of(state_dict, vacant_modules(model)) if pipeline_stage else None
     try:
+        if lora is not None:
+            peft = open_peft_lora(lora)
+            source = peft.join(source)
+            adapter = Adapter([peft.rule, *(adapter.rules if adapter else [])], name=adapter.name if adapter else "lora")
         plan = build_plan(
             source.schema,
             schema_of(state_dict),
@@ -140,6 +149,7 @@ def load(
     share_reads: bool = False,
     pipeline_stage: bool = False,
     dtype: str | torch.dtype | None = None,
+    lora: str | os.PathLike[str] | None = None,
 ) -> LoadReport:
     """Load checkpoint ``src`` into ``model`` through ``adapter``; every rank reads only its shards.
 
@@ -188,6 +198,11 @@ def load(
     release into a float32 model); a dtype (``torch.bfloat16``) converts every tensor to that one.
     Either is the rule ``sdadapt.cast("**", dtype)`` run after ``adapter``'s, so conversions
     stay explicit: without it a dtype mismatch is a plan problem.
+
+    ``lora="path/to/peft_adapter"`` merges a PEFT LoRA adapter (the folder
+    ``PeftModel.save_pretrained`` writes) into the base weights as they are read, before
+    ``adapter``'s rules: each rank computes ``W[box] + s * B[rows] @ A[:, cols]`` for its own
+    shards only (:mod:`sdadapt._lora`).
     """
     if dtype is not None:
         to_dtype = Adapter([cast("**", dtype)], name=f"dtype={dtype}")
@@ -200,7 +215,7 @@ def load(
     def prepare() -> Plan:
         nonlocal planned
         source, plan, planned = _plan_load(
-            model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage
+            model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage, lora
         )
         txn.add_source(source)
         if not plan.report.ok:
