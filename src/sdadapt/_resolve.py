@@ -32,7 +32,7 @@ from .errors import ResolveError, SdadaptError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ResolveError", "load_object", "resolve_adapter", "resolve_target", "split_spec"]
+__all__ = ["ResolveError", "adapter_or_none", "load_object", "resolve_adapter", "resolve_target", "split_spec"]
 
 
 def split_spec(spec: str) -> tuple[str, str] | None:
@@ -200,3 +200,17 @@ def resolve_adapter(
             "file.py:ATTR naming an Adapter"
         ) from None
     return registry.get_adapter(text, source=source, **options)
+
+
+def adapter_or_none(adapter: Adapter | str | os.PathLike[str] | None, source: object = None) -> Adapter | None:
+    """The ``adapter`` argument of ``load``, ``load_state``, ``export``, ``export_iter``,
+    ``diff``, ``draft`` and ``convert``: ``None`` stays ``None``, an :class:`Adapter` is used as
+    is, and a string is resolved by :func:`resolve_adapter` (a shipped name, ``file.py:ATTR``,
+    ``module:ATTR`` or a ``.json`` file). ``source`` is the checkpoint (a path or an open
+    :class:`~sdadapt.sources.Source`): a shipped adapter reads the options it needs from the
+    config files of its folder."""
+    if adapter is None:
+        return None
+    path = getattr(source, "path", source)
+    where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    return resolve_adapter(adapter, source=where)
