@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -174,12 +175,30 @@ def test_diff_with_adapters(work, capsys):
         (["diff", "good.pt", "-t", "cli_models:build", "-O", "x=1"], "--adapter-option needs --adapter"),
         (["diff", "bad.pt", "-s", "nomodel", "-t", "cli_models:build"], "subtree 'nomodel'"),
         (["inspect", "nope.pt"], "nope.pt: no such file"),
+        (["diff", "good.pt", "-t", "cli_models.py"], "give cli_models.py:FUNCTION naming the function that returns the model"),
+        (["diff", "good.pt", "-t", "cli_models.py"], "(it defines Block, Net, build, cpu_model, make_adapter)"),
+        (["diff", "good.pt", "-t", "cli_models"], "'cli_models' is a module, not a checkpoint: give cli_models:FUNCTION"),
+        (["diff", "good.pt", "-t", "cli_models.build"], "did you mean cli_models:build (module:function)?"),
+        (["diff", "good.pt", "-t", "cli_models:biuld"], "no attribute 'biuld'; did you mean cli_models:build?"),
+        (["diff", "good.pt", "-t", "cli_models.py:cpu_modle"], "did you mean cli_models.py:cpu_model?"),
+        (["diff", "Qwen/Qwen2.5-0.5B", "-t", "good.pt"], "Hub ids are not (yet) sources"),
+        (["inspect", "meta-llama/Llama-3.1-8B"], "looks like a Hugging Face Hub id"),
     ],
 )
 def test_usage_errors_exit_2(work, capsys, argv, message):
     rc, out, err = _run(capsys, *argv)
     assert rc == 2, out + err
     assert message in err and err.startswith(f"sdadapt {argv[0]}: error: ")
+
+
+def test_diff_all_lists_every_row(work, capsys):
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima"]
+    torch.save({f"extra.{w}": torch.zeros(1) for w in words}, work / "odd.pt")
+    rc, out, _ = _run(capsys, "diff", "odd.pt", "-t", "good.pt")
+    assert rc == 1 and "more rows (--all lists every row)" in out
+    rc, out, _ = _run(capsys, "diff", "odd.pt", "-t", "good.pt", "--all")
+    assert rc == 1 and "more rows" not in out
+    assert all(f"extra.{w}" in out for w in words)
 
 
 def test_bad_arguments_exit_2(work, capsys):
@@ -254,3 +273,40 @@ def test_python_dash_m(work):
     )
     assert r.returncode == 0, r.stderr
     assert "OK: checkpoint and model line up" in r.stdout
+
+
+def _subcommands() -> list[str]:
+    from sdadapt.cli import _command_modules
+
+    return [m.NAME for m in _command_modules()]
+
+
+@pytest.mark.parametrize("argv", [["--help"], *[[name, "--help"] for name in _subcommands()], ["diff"], ["bogus"]])
+def test_help_and_usage_errors_are_fast_and_import_no_torch(argv):
+    """``--help``, every ``SUB --help`` and usage errors answer without importing torch (the
+    real guarantee) and quickly (the bound is generous for a loaded 2-core machine; on an idle
+    one they take about 0.2 s)."""
+    probe = (
+        "import sys, time\n"
+        "t = time.perf_counter()\n"
+        "from sdadapt.cli import main\n"
+        "try:\n"
+        f"    main({argv!r})\n"
+        "except SystemExit as e:\n"
+        "    code = e.code\n"
+        "heavy = sorted(m for m in ('torch', 'pydantic', 'numpy', 'safetensors') if m in sys.modules)\n"
+        "print('HEAVY', heavy, 'CODE', code, file=sys.stderr)\n"
+    )
+    start = time.perf_counter()
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    took = time.perf_counter() - start
+    assert "HEAVY [] CODE" in r.stderr, r.stderr
+    expected = "CODE 0" if argv[-1] == "--help" else "CODE 2"
+    assert expected in r.stderr, r.stderr
+    assert took < 2.0, f"{argv}: {took:.2f} s"
+    if argv[-1] == "--help":
+        assert "usage: sdadapt" in r.stdout
+    start = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "sdadapt", *argv], capture_output=True, text=True, timeout=60)
+    assert time.perf_counter() - start < 2.0
+    assert r.returncode == (0 if argv[-1] == "--help" else 2)

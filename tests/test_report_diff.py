@@ -106,7 +106,9 @@ def test_runs_compressed_in_report(tmp_path):
 def test_report_row_limit_and_json():
     r = Report(source="s", target="t", missing=[f"k{i}.x" for i in range(30)] + [f"a{i}.b" for i in range(30)])
     text = r.format(max_rows=5)
-    assert "  ... and 55 more rows" in text
+    assert "  ... and 55 more rows (--all lists every row)" in text
+    every = r.format(max_rows=None)
+    assert "more rows" not in every and all(f"k{i}.x" in every for i in range(30))
     again = Report.model_validate_json(r.model_dump_json())
     assert again == r and again.problems == 60 and not again.ok
 
@@ -116,10 +118,48 @@ def test_dtype_and_rule_problems_grouped():
     tgt = {f"l.{i}.w": TensorInfo((2,), torch.float32) for i in range(4)}
     report = sdadapt.build_plan(src, tgt, sdadapt.Adapter([sdadapt.drop("nothing")])).report
     text = report.format()
-    assert "dtype mismatch (4):" in text
+    assert 'dtype mismatch (4), all fixed by sdadapt.cast("**", "model") if the conversion is intended:' in text
     [row] = [line for line in text.splitlines() if line.startswith("  l.{0..3}.w: ")]
-    assert "model float32, checkpoint gives bfloat16 (from l." in row and "add a cast rule" in row
+    assert "model float32, checkpoint gives bfloat16 (from l." in row
     assert "rules that matched nothing (1):\n  #0 drop(keys='nothing')" in text
+
+
+def test_dtype_only_mismatch_names_the_one_rule_that_fixes_it():
+    """Mixed model dtypes (float32 norms, bfloat16 weights) from a float32 checkpoint: the root
+    cause comes first, as one line, and the rule it names makes the plan line up."""
+    src = {f"l.{i}.{n}": TensorInfo((2,), torch.float32) for i in range(12) for n in ("w", "norm")}
+    tgt = {k: TensorInfo((2,), torch.bfloat16 if k.endswith(".w") else torch.float32) for k in src}
+    text = sdadapt.build_plan(src, tgt).report.format()
+    lines = text.splitlines()
+    assert lines[3] == (
+        'root cause: only dtypes differ: the checkpoint gives float32 where the model holds bfloat16 (12 keys); '
+        'the one rule that fixes it: sdadapt.cast("**", "model") (or sdadapt.load(..., dtype="model"))'
+    )
+    assert sum("root cause" in line for line in lines) == 1
+    fixed = sdadapt.build_plan(src, tgt, sdadapt.Adapter([sdadapt.cast("**", "model")]))
+    assert fixed.report.ok, fixed.report.format()
+    assert {k: n.dtype for k, n in fixed.recipes.items()} == {k: i.dtype for k, i in tgt.items()}
+    assert sdadapt.Adapter.from_json(sdadapt.Adapter([sdadapt.cast("**", "model")]).to_json()).rules[0].dtype == "model"
+
+
+def test_prefix_root_cause_first():
+    tgt = {f"layers.{i}.w": TensorInfo((2,), torch.float32) for i in range(10)}
+    src = {f"model.{k}": v for k, v in tgt.items()}
+    lines = sdadapt.build_plan(src, tgt).report.format().splitlines()
+    assert lines[3] == (
+        "root cause: 10 of the checkpoint's keys carry the prefix 'model.' that the other side lacks; "
+        "add sdadapt.strip_prefix('model.') to the adapter"
+    )
+    lines = sdadapt.build_plan(tgt, src).report.format().splitlines()
+    assert "add sdadapt.add_prefix('model.')" in lines[3]
+    assert sdadapt.build_plan(src, tgt, sdadapt.Adapter([sdadapt.strip_prefix("model.")])).report.ok
+
+
+def test_an_ok_report_says_names_are_not_numbers():
+    tgt = {"w": TensorInfo((2,), torch.float32)}
+    text = sdadapt.build_plan(tgt, tgt).report.format()
+    assert "not values" in text and "sdadapt verify" in text
+    assert text.endswith("OK: checkpoint and model line up")
 
 
 @pytest.mark.parametrize(

@@ -5,50 +5,80 @@
 Data flow: source headers -> SourceSchema; model -> TargetSchema; Adapter + schemas -> Plan +
 Report (strict: raise on every rank, nothing read); ``dcp.load`` with a reader that presents
 the target schema and reads, per shard, only the source regions the recipe needs.
+
+The names below are imported when first used (module ``__getattr__``), so that ``import
+sdadapt`` (and with it the command line's ``--help``) does not import torch; type checkers see
+them through the ``TYPE_CHECKING`` imports.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import importlib
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    from ._adapter import Adapter
+    from ._constructors import (
+        add_prefix,
+        affine,
+        cast,
+        deinterleave,
+        dequant_fp8,
+        dequant_mxfp4,
+        drop,
+        fuse,
+        interleave,
+        pad,
+        rename,
+        rotary,
+        split,
+        stack,
+        strip_prefix,
+        tie,
+        transpose,
+        trim,
+        unstack,
+    )
+    from ._diff import diff
+    from ._draft import Draft, draft
+    from ._engine import EngineConfig
+    from ._export import ExportReport, convert, export, export_iter
+    from ._integrity import write_checksums
+    from ._load import LoadReport, load, plan_load
+    from ._nodes import Compute, Node, emit
+    from ._plan import Plan, build_plan
+    from ._quant_rules import DequantFP8, DequantMXFP4, QuantizeFP8, QuantizeMXFP4, dequant_rules
+    from ._registry import get_adapter, list_adapters
+    from ._report import Report
+    from ._resolve import resolve_adapter, resolve_target
+    from ._rules import (
+        AddPrefix,
+        Affine,
+        Cast,
+        Deinterleave,
+        Drop,
+        Fuse,
+        Interleave,
+        Pad,
+        Rename,
+        Rotary,
+        Rule,
+        RuleBase,
+        Split,
+        Stack,
+        StripPrefix,
+        Tie,
+        Transpose,
+        Trim,
+        Unstack,
+        ValueRule,
+        register_rule,
+    )
+    from ._shrink import ShrinkReport, shrink
+    from ._state import StateLoadReport, load_state, save_state
+    from ._verify import VerifyReport, verify
+    from .sources import Source, TensorInfo, open_source
 
-from ._adapter import Adapter
-from ._diff import diff
-from ._draft import Draft, draft
-from ._engine import EngineConfig
-from ._export import ExportReport, convert, export
-from ._integrity import write_checksums
-from ._load import LoadReport, load, plan_load
-from ._plan import Plan, build_plan
-from ._quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX, MX_SCALES_SUFFIX
-from ._quant_rules import DequantFP8, DequantMXFP4, QuantizeFP8, QuantizeMXFP4, dequant_rules
-from ._registry import get_adapter, list_adapters
-from ._report import Report
-from ._resolve import resolve_adapter, resolve_target
-from ._rules import (
-    AddPrefix,
-    Cast,
-    Deinterleave,
-    Drop,
-    Fuse,
-    Interleave,
-    Pad,
-    Rename,
-    Rotary,
-    Rule,
-    Split,
-    Stack,
-    StripPrefix,
-    Tie,
-    Transpose,
-    Trim,
-    Unstack,
-)
-from ._rules.base import dtype_str as _dtype_str
-from ._shrink import ShrinkReport, shrink
-from ._state import StateLoadReport, load_state, save_state
-from ._verify import VerifyReport, verify
 from .errors import (
     AdapterError,
     ExportError,
@@ -63,127 +93,52 @@ from .errors import (
     StateError,
     VerifyError,
 )
-from .sources import Source, TensorInfo, open_source
 
 __version__ = "0.1.0"
 
-
-def rename(src: str, dst: str) -> Rename:
-    """``src`` keys become ``dst`` keys; ``{name}`` captures carry over (``layers.{i}.wq``)."""
-    return Rename(src=src, dst=dst)
-
-
-def fuse(srcs: list[str], dst: str, dim: int = 0, sizes: list[int] | None = None) -> Fuse:
-    """Concatenate ``srcs`` along ``dim`` into ``dst`` (q, k, v -> qkv)."""
-    return Fuse(srcs=srcs, dst=dst, dim=dim, sizes=sizes)
-
-
-def split(src: str, dsts: list[str], dim: int = 0, sizes: list[int] | None = None) -> Split:
-    """Cut ``src`` along ``dim`` into ``dsts``; sizes default to the target's, else equal."""
-    return Split(src=src, dsts=dsts, dim=dim, sizes=sizes)
-
-
-def cast(keys: str, dtype: str | torch.dtype, from_dtype: str | torch.dtype | None = None) -> Cast:
-    """Convert tensors matching ``keys`` to ``dtype`` (only those stored as ``from_dtype``, if given)."""
-    return Cast(keys=keys, dtype=dtype, from_dtype=from_dtype)  # type: ignore[arg-type]
-
-
-def drop(keys: str) -> Drop:
-    """Ignore source keys matching ``keys`` on purpose."""
-    return Drop(keys=keys)
-
-
-def tie(dst: str, src: str) -> Tie:
-    """Fill ``dst`` from ``src`` when the checkpoint lacks ``dst`` (tied embeddings)."""
-    return Tie(dst=dst, src=src)
-
-
-def transpose(keys: str, dim0: int = 0, dim1: int = 1) -> Transpose:
-    """Swap dims ``dim0`` and ``dim1`` of tensors matching ``keys`` (GPT-2 ``Conv1D`` <-> ``nn.Linear``)."""
-    return Transpose(keys=keys, dim0=dim0, dim1=dim1)
+_RULE_CLASSES = (
+    "AddPrefix Affine Cast Deinterleave Drop Fuse Interleave Pad Rename Rotary Rule RuleBase Split Stack StripPrefix "
+    "Tie Transpose Trim Unstack ValueRule register_rule"
+)
+_CONSTRUCTORS = (
+    "add_prefix affine cast deinterleave dequant_fp8 dequant_mxfp4 drop fuse interleave pad rename rotary split stack "
+    "strip_prefix tie transpose trim unstack"
+)
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(["Adapter"], "_adapter"),
+    **dict.fromkeys(_CONSTRUCTORS.split(), "_constructors"),
+    **dict.fromkeys(["diff"], "_diff"),
+    **dict.fromkeys(["Draft", "draft"], "_draft"),
+    **dict.fromkeys(["EngineConfig"], "_engine"),
+    **dict.fromkeys(["ExportReport", "convert", "export", "export_iter"], "_export"),
+    **dict.fromkeys(["write_checksums"], "_integrity"),
+    **dict.fromkeys(["LoadReport", "load", "plan_load"], "_load"),
+    **dict.fromkeys(["Compute", "Node", "emit"], "_nodes"),
+    **dict.fromkeys(["Plan", "build_plan"], "_plan"),
+    **dict.fromkeys(["DequantFP8", "DequantMXFP4", "QuantizeFP8", "QuantizeMXFP4", "dequant_rules"], "_quant_rules"),
+    **dict.fromkeys(["get_adapter", "list_adapters"], "_registry"),
+    **dict.fromkeys(["Report"], "_report"),
+    **dict.fromkeys(["resolve_adapter", "resolve_target"], "_resolve"),
+    **dict.fromkeys(_RULE_CLASSES.split(), "_rules"),
+    **dict.fromkeys(["ShrinkReport", "shrink"], "_shrink"),
+    **dict.fromkeys(["StateLoadReport", "load_state", "save_state"], "_state"),
+    **dict.fromkeys(["VerifyReport", "verify"], "_verify"),
+    **dict.fromkeys(["Source", "TensorInfo", "open_source"], "sources"),
+}
 
 
-def rotary(keys: str, heads: int, to: Literal["interleaved", "half"] = "interleaved", dim: int = 0) -> Rotary:
-    """Reorder the rows inside each of ``heads`` heads between rotary layouts: ``to="interleaved"``
-    from HF transformers' half split to Meta's pairs, ``to="half"`` the other way (GQA: one rule
-    for k with the kv head count)."""
-    return Rotary(keys=keys, heads=heads, to=to, dim=dim)
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first use and cache the name in this module."""
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'sdadapt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{where}", __name__), name)
+    globals()[name] = value
+    return value
 
 
-def stack(src: str, dst: str, over: str = "e", dim: int = 0, count: int | None = None) -> Stack:
-    """Keys matching ``src`` that differ in capture ``over`` (0..E-1) become one ``[E, ...]`` tensor ``dst``."""
-    return Stack(src=src, dst=dst, over=over, dim=dim, count=count)
-
-
-def unstack(src: str, dst: str, over: str = "e", dim: int = 0, count: int | None = None) -> Unstack:
-    """One tensor ``src`` becomes one key ``dst`` per entry along ``dim`` (``dst`` captures ``over``)."""
-    return Unstack(src=src, dst=dst, over=over, dim=dim, count=count)
-
-
-def pad(
-    keys: str, dim: int = 0, size: int | None = None, multiple_of: int | None = None, value: float = 0.0
-) -> Pad:
-    """Extend along ``dim`` with ``value`` to ``size``, the next multiple of ``multiple_of``, or the model's size."""
-    return Pad(keys=keys, dim=dim, size=size, multiple_of=multiple_of, value=value)
-
-
-def trim(keys: str, dim: int = 0, size: int | None = None) -> Trim:
-    """Keep the first ``size`` entries along ``dim`` (``size`` omitted: the model's size for that key)."""
-    return Trim(keys=keys, dim=dim, size=size)
-
-
-def interleave(keys: str, sizes: list[int], tp: int | None = None, dim: int = 0) -> Interleave:
-    """Lay fused ``[p0; p1; ...]`` (``sizes``) out per TP rank so each ``ColwiseParallel`` shard holds
-    ``[p0_r; p1_r; ...]``; ``tp`` omitted: the model's TP degree for that key."""
-    return Interleave(keys=keys, sizes=sizes, tp=tp, dim=dim)
-
-
-def deinterleave(keys: str, sizes: list[int], tp: int | None = None, dim: int = 0) -> Deinterleave:
-    """The inverse of :func:`interleave` (``tp`` omitted: the source's TP degree for that key)."""
-    return Deinterleave(keys=keys, sizes=sizes, tp=tp, dim=dim)
-
-
-def strip_prefix(prefix: str, optional: bool = False) -> StripPrefix:
-    """Remove ``prefix`` (e.g. ``"model."``) from keys that start with it. ``_orig_mod.``,
-    ``_checkpoint_wrapped_module.`` and ``_fsdp_wrapped_module.`` need no rule: planning removes them."""
-    return StripPrefix(prefix=prefix, optional=optional)
-
-
-def add_prefix(prefix: str, keys: str = "**") -> AddPrefix:
-    """Put ``prefix`` in front of keys matching ``keys`` (the inverse of :func:`strip_prefix`)."""
-    return AddPrefix(prefix=prefix, keys=keys)
-
-
-def dequant_fp8(
-    keys: str = "**.weight",
-    block: tuple[int, int] = (128, 128),
-    *,
-    exclude: list[str] | None = None,
-    scale_suffix: str = FP8_SCALE_SUFFIX,
-    scale_format: Literal["float32", "ue8m0"] = "float32",
-    dtype: str | torch.dtype = "bfloat16",
-) -> DequantFP8:
-    """FP8 e4m3 weights matching ``keys`` (not ``exclude``) with ``block`` scales at
-    ``key + scale_suffix`` (float32, or ``"ue8m0"`` exponent bytes) -> values in ``dtype``."""
-    return DequantFP8(
-        keys=keys,
-        block=block,
-        exclude=exclude or [],
-        scale_suffix=scale_suffix,
-        scale_format=scale_format,
-        dtype=_dtype_str(dtype),
-    )
-
-
-def dequant_mxfp4(
-    keys: str,
-    *,
-    blocks_suffix: str = MX_BLOCKS_SUFFIX,
-    scales_suffix: str = MX_SCALES_SUFFIX,
-    dtype: str | torch.dtype = "bfloat16",
-) -> DequantMXFP4:
-    """MXFP4 ``<name>_blocks`` + ``<name>_scales`` -> ``<name>`` (values ``[..., G * 32]``) for names matching ``keys``."""
-    return DequantMXFP4(keys=keys, blocks_suffix=blocks_suffix, scales_suffix=scales_suffix, dtype=_dtype_str(dtype))
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 
 __all__ = [
@@ -200,6 +155,7 @@ __all__ = [
     "StateLoadReport",
     "convert",
     "export",
+    "export_iter",
     "load_state",
     "save_state",
     "write_checksums",
@@ -223,6 +179,7 @@ __all__ = [
     "resolve_target",
     # rules and their constructors
     "AddPrefix",
+    "Affine",
     "Cast",
     "Deinterleave",
     "Drop",
@@ -240,6 +197,7 @@ __all__ = [
     "Trim",
     "Unstack",
     "add_prefix",
+    "affine",
     "cast",
     "deinterleave",
     "drop",
@@ -263,6 +221,13 @@ __all__ = [
     "dequant_fp8",
     "dequant_mxfp4",
     "dequant_rules",
+    # rules of one's own: the rule protocol, the registry, and the node building blocks
+    "Compute",
+    "Node",
+    "RuleBase",
+    "ValueRule",
+    "emit",
+    "register_rule",
     # errors
     "AdapterError",
     "ExportError",

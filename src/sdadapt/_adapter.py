@@ -6,11 +6,14 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, SerializeAsAny, ValidationError, field_validator, model_validator
 
-from ._quant_rules import QuantRule
-from ._rules import Rule
+from ._quant_rules import QUANT_RULES
+from ._rules import RuleBase, rule_from_data
 from .errors import AdapterError
+
+# importing _quant_rules registers the quantized rule kinds, so that adapters read them back from JSON
+BUILTIN_QUANT_RULES = QUANT_RULES
 
 
 class Adapter(BaseModel):
@@ -22,9 +25,23 @@ class Adapter(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    rules: list[Rule | QuantRule] = []
+    rules: list[SerializeAsAny[RuleBase]] = []
     name: str = "custom"
     description: str = ""
+
+    @field_validator("rules", mode="before")
+    @classmethod
+    def _rules(cls, v: Any) -> Any:
+        # each rule by its ``kind`` from the registry (built-in and registered user rules)
+        if not isinstance(v, list | tuple):
+            return v
+        out = []
+        for i, r in enumerate(v):
+            try:
+                out.append(rule_from_data(r))
+            except AdapterError as e:
+                raise AdapterError(f"invalid adapter rule #{i}: {e}") from None
+        return out
 
     def __init__(self, rules: Iterable[Any] | None = None, /, **data: Any):
         if rules is not None:
@@ -50,6 +67,12 @@ class Adapter(BaseModel):
                     )
                 seen[p] = i
         return self
+
+    def for_optimizer_state(self, name: str) -> Adapter:
+        """The adapter that maps optimizer state ``name`` (``exp_avg``...) of the parameters
+        this adapter maps (see :meth:`RuleBase.for_optimizer_state`)."""
+        rules = [r2 for r in self.rules for r2 in r.for_optimizer_state(name)]
+        return Adapter(rules, name=f"{self.name}[{name}]", description=self.description)
 
     def inverse(self) -> Adapter:
         """The adapter from the model's layout back to the checkpoint's."""

@@ -14,6 +14,7 @@ from torch import nn
 
 from . import _integrity as integrity
 from ._adapter import Adapter
+from ._constructors import cast
 from ._distributed import rank_and_world
 from ._materialize import InitFn, check_buffers
 from ._plan import Plan, build_plan
@@ -132,6 +133,7 @@ def load(
     check_finite: bool = False,
     stage: bool = False,
     share_reads: bool = False,
+    dtype: str | torch.dtype | None = None,
 ) -> LoadReport:
     """Load checkpoint ``src`` into ``model`` through ``adapter``; every rank reads only its shards.
 
@@ -163,7 +165,15 @@ def load(
     broadcast it to the others over the process group (:mod:`sdadapt._share`), instead of all
     reading all of it; for fast interconnects (NVLink) where the page cache, not the network,
     is the limit. ``LoadReport.bytes_shared`` is what this rank received that way.
+
+    ``dtype="model"`` converts every tensor to the dtype the model holds for it (a bfloat16
+    release into a float32 model); a dtype (``torch.bfloat16``) converts every tensor to that one.
+    Either is the rule ``sdadapt.cast("**", dtype)`` run after ``adapter``'s, so conversions
+    stay explicit: without it a dtype mismatch is a plan problem.
     """
+    if dtype is not None:
+        to_dtype = Adapter([cast("**", dtype)], name=f"dtype={dtype}")
+        adapter = to_dtype if adapter is None else adapter + to_dtype
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
     txn = Transaction(model, process_group, _describe(src))

@@ -3,7 +3,9 @@ and giving an optimizer that has taken no step the state tensors to restore into
 
 Every per-parameter state of one name (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``...) is
 planned like the parameters, by applying the same adapter to ``{param fqn: state tensor}``, so
-the ``exp_avg`` of a fused ``wqkv`` is fused the way the weight is. Scalar state (Adam's 0-d
+the ``exp_avg`` of a fused ``wqkv`` is fused the way the weight is; a rule that changes values
+says what it does to each kind of state (``Adapter.for_optimizer_state``: an affine rule scales
+moments as the gradient, never shifts them). Scalar state (Adam's 0-d
 ``step``) is carried as is, taken from the first source parameter of the target parameter's
 recipe. Hyperparameters (``lr``, ``betas``...) come from the checkpoint's param groups, matched
 by position.
@@ -150,7 +152,7 @@ def plan_optimizer(
             plan = build_plan(
                 have_infos,
                 want_infos,
-                adapter,
+                adapter.for_optimizer_state(name) if adapter is not None else None,
                 allow_missing=allow_missing,
                 allow_unexpected=allow_unexpected,
                 source_name=full.path,

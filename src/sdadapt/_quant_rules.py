@@ -33,7 +33,7 @@ from pydantic import Field, field_validator
 from . import _quant as Q
 from . import _quant_nodes as QN
 from ._patterns import compile_pattern, matches_any
-from ._rules import RuleBase, parse_dtype
+from ._rules import RuleBase, parse_dtype, register_rule
 from ._rules.base import dtype_str
 from .errors import AdapterError
 from .sources._base import dtype_name
@@ -251,6 +251,9 @@ class QuantizeMXFP4(_MXFP4Fields):
 
 
 QuantRule = Annotated[DequantFP8 | QuantizeFP8 | DequantMXFP4 | QuantizeMXFP4, Field(discriminator="kind")]
+QUANT_RULES: tuple[type[RuleBase], ...] = (DequantFP8, QuantizeFP8, DequantMXFP4, QuantizeMXFP4)
+for _cls in QUANT_RULES:  # an adapter's JSON reads these kinds back through the rule registry
+    register_rule(_cls)
 
 
 # --- config.json ----------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from pydantic import BaseModel, computed_field
 
@@ -16,6 +16,16 @@ from ._keyruns import compress
 from ._quant_rules import quant_hint
 
 _INDEX = re.compile(r"\.\d+(?=[.,\])\[]|$)")  # ".3." in a recipe -> ".{i}."
+
+CAST_FIX = 'sdadapt.cast("**", "model")'
+"""The one rule that fixes any dtype-only mismatch: each tensor to the model's dtype for it."""
+
+NOT_NUMBERS = (
+    "note: this compares names, shapes and dtypes only, not values: a wrong row order inside "
+    "heads, an interleaved fused tensor or a missing (1 + w) still lines up. Check the numbers "
+    "with `sdadapt verify SRC --model M --adapter A` (logits against a reference)"
+)
+"""What a key mapping does not show, and where the numerical check is."""
 
 
 class Mismatch(BaseModel):
@@ -93,7 +103,55 @@ class Report(BaseModel):
                 out[m] = near[0]
         return out
 
-    def format(self, max_rows: int = 8) -> str:
+    def _prefix_cause(self) -> str | None:
+        """A prefix that the checkpoint's keys carry and the model's lack (or the other way),
+        if it explains at least half of the missing keys."""
+        missing = set(self.missing)
+        for extra, lacking, rule, whose in (
+            (self.unexpected, missing, "strip_prefix", "checkpoint's"),
+            (sorted(missing), set(self.unexpected), "add_prefix", "model's"),
+        ):
+            counts: Counter[str] = Counter()
+            for key in extra:
+                parts = key.split(".")
+                for k in range(1, min(3, len(parts))):
+                    prefix = ".".join(parts[:k]) + "."
+                    if key[len(prefix) :] in lacking:
+                        counts[prefix] += 1
+            if counts:
+                prefix, n = counts.most_common(1)[0]
+                if 2 * n >= len(self.missing):
+                    return (
+                        f"{n} of the {whose} keys carry the prefix {prefix!r} that the other side lacks; "
+                        f"add sdadapt.{rule}({prefix!r}) to the adapter"
+                    )
+        return None
+
+    def root_cause(self) -> str | None:
+        """One line naming the likeliest single cause of the problems, with its fix, if one
+        explains them: dtypes only, a key prefix, or a wrong adapter or checkpoint."""
+        if self.dtype_mismatch and self.problems == len(self.dtype_mismatch):
+            pairs = Counter((m.checkpoint, m.model) for m in self.dtype_mismatch)
+            what = ", ".join(f"{got} where the model holds {want} ({n} keys)" for (got, want), n in pairs.most_common(3))
+            more = f" and {len(pairs) - 3} more pairs" if len(pairs) > 3 else ""
+            return (
+                f"only dtypes differ: the checkpoint gives {what}{more}; the one rule that fixes it: "
+                f'{CAST_FIX} (or sdadapt.load(..., dtype="model"))'
+            )
+        if self.missing and self.unexpected:
+            cause = self._prefix_cause()
+            if cause:
+                return cause
+        if self.mostly_unmatched and (self.unexpected or self.rule_issues):
+            return (
+                f"most model keys are unmatched ({self.matched} of {self.target_keys}); is this the right "
+                "adapter for this checkpoint?"
+            )
+        return None
+
+    def format(self, max_rows: int | None = 8) -> str:
+        """The report as text: a root cause first when one explains the problems, then each
+        kind of problem with at most ``max_rows`` rows (``None``: every row)."""
         lines = [f"source {self.source}", f"target {self.target}"]
         if self.adapter:
             lines.append(f"adapter {self.adapter}")
@@ -101,17 +159,18 @@ class Report(BaseModel):
             f"{self.matched} of {self.target_keys} model keys matched "
             f"({self.source_keys} checkpoint keys); {self.problems} problem(s)"
         )
-        if self.mostly_unmatched and (self.unexpected or self.rule_issues):
-            lines.append("hint: most model keys are unmatched; is this the right adapter for this checkpoint?")
+        cause = self.root_cause()
+        if cause:
+            lines.append(f"root cause: {cause}")
 
-        def section(title: str, rows: list[str], count: int) -> None:
+        def section(title: str, rows: list[str], count: int, note: str = "") -> None:
             if not rows:
                 return
-            lines.append(f"{title} ({count}):")
-            for r in rows[:max_rows]:
-                lines.append(f"  {r}")
-            if len(rows) > max_rows:
-                lines.append(f"  ... and {len(rows) - max_rows} more rows")
+            lines.append(f"{title} ({count}){note}:")
+            shown = rows if max_rows is None else rows[:max_rows]
+            lines.extend(f"  {r}" for r in shown)
+            if len(rows) > len(shown):
+                lines.append(f"  ... and {len(rows) - len(shown)} more rows (--all lists every row)")
 
         hints = self.suggestions()
         section(
@@ -125,19 +184,19 @@ class Report(BaseModel):
             len(self.unexpected),
         )
         section("not tensors (drop them, or pick a subtree)", compress(self.non_tensor), len(self.non_tensor))
-        for title, items, hint in (
+        for title, items, note in (
             ("shape mismatch", self.shape_mismatch, ""),
-            ("dtype mismatch", self.dtype_mismatch, "; add a cast rule if the conversion is intended"),
+            ("dtype mismatch", self.dtype_mismatch, f", all fixed by {CAST_FIX} if the conversion is intended"),
         ):
             groups: dict[tuple[str, str, str], list[Mismatch]] = defaultdict(list)
             for mm in items:  # one row per run of keys with the same numbers and the same recipe shape
                 groups[(mm.model, mm.checkpoint, _INDEX.sub(".{i}", mm.recipe))].append(mm)
             rows = [
-                f"{k}: model {want}, checkpoint gives {got} (from {recipe})" + ("" if got.startswith("float8") else hint)
+                f"{k}: model {want}, checkpoint gives {got} (from {recipe})"
                 for (want, got, recipe), ms in groups.items()
                 for k in compress([m.key for m in ms])
             ]
-            section(title, rows, len(items))
+            section(title, rows, len(items), note)
         issue_groups: dict[tuple[int, str, str], list[str]] = defaultdict(list)
         for it in self.rule_issues:
             issue_groups[(it.index, it.rule, it.message)].append(it.key or "")
@@ -159,6 +218,8 @@ class Report(BaseModel):
         quant = quant_hint(self)
         if quant:
             lines.append(quant)
+        if self.matched:
+            lines.append(NOT_NUMBERS)
         lines.append("OK: checkpoint and model line up" if self.ok else f"NOT OK: {self.problems} problem(s)")
         return "\n".join(lines)
 

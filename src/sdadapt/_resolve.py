@@ -16,19 +16,24 @@ Failures raise :class:`ResolveError` (an :class:`~sdadapt.SdadaptError`; the CLI
 
 from __future__ import annotations
 
+import ast
+import difflib
 import hashlib
 import importlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-
-from ._adapter import Adapter
 from .errors import ResolveError, SdadaptError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ._adapter import Adapter
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +117,68 @@ def load_object(spec: str) -> Any:
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            have = sorted(n for n in dir(module) if not n.startswith("_"))[:20]
-            raise ResolveError(f"{where} has no attribute {attr!r} (it has {have})") from None
+            have = sorted(n for n in dir(obj) if not n.startswith("_"))
+            near = difflib.get_close_matches(part, have, n=1, cutoff=0.6)
+            hint = f"; did you mean {where}:{attr.replace(part, near[0])}?" if near else ""
+            raise ResolveError(f"{where} has no attribute {attr!r}{hint} (it has {have[:20]})") from None
     return obj
+
+
+def _top_level_names(path: str) -> list[str]:
+    """The functions and classes a Python file defines at top level (read, not run)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    kinds = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+    return [n.name for n in tree.body if isinstance(n, kinds) and not n.name.startswith("_")]
+
+
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _is_module(name: str) -> bool:
+    """``name`` is an importable module (looked up, its top-level package only imported)."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        if importlib.util.find_spec(name.split(".")[0]) is None:
+            return False
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def _spec_without_function(text: str) -> str | None:
+    """Why ``text`` (no ``:function``) is not a target, when it names Python code: a ``.py``
+    file or a dotted module path. ``None`` for anything that may be a checkpoint path."""
+    if text.endswith(".py") and os.path.isfile(text):
+        names = _top_level_names(text)
+        example = names[0] if names else "build_model"
+        listed = f" (it defines {', '.join(names[:12])})" if names else ""
+        return (
+            f"{text} is a Python file, not a checkpoint: give {text}:FUNCTION naming the function that "
+            f"returns the model, e.g. {text}:{example}{listed}"
+        )
+    from .sources import FILE_SUFFIXES
+
+    if os.path.exists(text) or not _DOTTED.fullmatch(text) or text.lower().endswith(FILE_SUFFIXES):
+        return None
+    if _is_module(text):
+        return (
+            f"{text!r} is a module, not a checkpoint: give {text}:FUNCTION naming the function that returns "
+            f"the model (module:function, or path/to/file.py:function)"
+        )
+    module, _, attr = text.rpartition(".")
+    if module and _is_module(module):
+        return f"{text!r} is no checkpoint path or module; did you mean {module}:{attr} (module:function)?"
+    return None
 
 
 def _call(spec: str, fn: Any, options: dict[str, Any]) -> Any:
@@ -151,12 +215,17 @@ def resolve_target(spec: str | os.PathLike[str] | nn.Module, **options: Any) -> 
     (called with ``**options``) / ``module:MODEL`` naming an ``nn.Module``. Anything else is
     returned as a path, so that opening it reports the missing file.
     """
+    from torch import nn
+
     if isinstance(spec, nn.Module):
         return spec
     text = os.fspath(spec)
-    if os.path.exists(text):
-        return text
     if split_spec(text) is None:
+        why = _spec_without_function(text)
+        if why:
+            raise ResolveError(why)
+        return text
+    if os.path.exists(text):
         return text
     model = _made(text, load_object(text), nn.Module, options, "a model", "nn.Module")
     log.info("target %s: %s", text, type(model).__name__)
@@ -170,6 +239,8 @@ def resolve_adapter(
     file, or ``module:ATTR`` / ``file.py:ATTR`` (an Adapter, or a function returning one,
     called with ``**options``). ``source`` (the checkpoint) lets a shipped adapter read the
     options not given here from the checkpoint folder's config files."""
+    from ._adapter import Adapter
+
     if isinstance(spec, Adapter):
         if options:
             raise ResolveError(f"adapter {spec.name!r} is ready-made; it takes no options ({sorted(options)})")

@@ -65,6 +65,14 @@ class RuleBase(BaseModel):
         """The rules that undo this one (for export), in the order they run."""
         raise NotImplementedError
 
+    def for_optimizer_state(self, name: str) -> list[RuleBase]:
+        """The rules that map optimizer state ``name`` (``exp_avg``, ``exp_avg_sq``...) of the
+        parameters this rule maps, when training state is resumed through the adapter. Keys,
+        layouts and dtypes follow the parameter's, so by default the rule itself; a rule that
+        changes values (:class:`.values.Affine`) says how each kind of moment changes, or
+        raises :class:`~sdadapt.AdapterError` for state it cannot map."""
+        return [self]
+
     def key_after(self, key: str) -> str | None:
         """The name ``key`` has once this rule has run: ``None`` if the rule takes it into
         something else (fuse, split, stack, drop...), else its (possibly new) name. Value rules
@@ -79,11 +87,29 @@ class RuleBase(BaseModel):
         return f"{getattr(self, 'kind', type(self).__name__)}({fields})"
 
 
-def matching(ctx: PlanContext, keys: str) -> Iterator[tuple[str, Node]]:
-    """``(key, node)`` for each key present when the rule starts that matches the pattern ``keys``."""
-    pat = compile_pattern(keys)
+Keys = str | list[str]
+"""The ``keys`` of a value rule: one pattern, or several (a weight and its bias) that the rule
+treats alike."""
+
+
+def key_patterns(keys: Keys) -> list[str]:
+    """``keys`` as a list of patterns."""
+    return [keys] if isinstance(keys, str) else list(keys)
+
+
+def check_keys(keys: Keys) -> Keys:
+    """``keys`` if it names at least one pattern (a validator of rules' ``keys`` fields)."""
+    if not isinstance(keys, str) and not keys:
+        raise AdapterError("keys must be a pattern or a non-empty list of patterns")
+    return keys
+
+
+def matching(ctx: PlanContext, keys: Keys) -> Iterator[tuple[str, Node]]:
+    """``(key, node)`` for each key present when the rule starts that matches ``keys`` (one
+    pattern or a list of them), in the working set's order."""
+    pats = [compile_pattern(k) for k in key_patterns(keys)]
     for key in ctx.keys():
-        if pat.match(key) is not None:
+        if any(p.match(key) is not None for p in pats):
             yield key, ctx.get(key)
 
 
@@ -105,7 +131,7 @@ def dim_of(ctx: PlanContext, index: int, key: str, node: Node, dim: int, what: s
     return dim % nd
 
 
-def matching_dim(ctx: PlanContext, index: int, keys: str, dim: int) -> Iterator[tuple[str, Node, int]]:
+def matching_dim(ctx: PlanContext, index: int, keys: Keys, dim: int) -> Iterator[tuple[str, Node, int]]:
     """:func:`matching` with ``dim`` made non-negative for each key; a key for which ``dim`` is
     out of range is reported as an issue of rule ``index`` and skipped."""
     for key, node in matching(ctx, keys):

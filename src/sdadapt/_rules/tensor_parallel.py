@@ -12,7 +12,7 @@ from pydantic import Field, model_validator
 from .. import _nodes as N
 from .._nodes import Node
 from ..errors import AdapterError
-from .base import RuleBase, matching_dim, target_info
+from .base import Keys, RuleBase, check_keys, key_patterns, matching_dim, target_info
 
 if TYPE_CHECKING:
     from .._plan import PlanContext
@@ -60,7 +60,9 @@ def tp_degree(info: TensorInfo, dim: int) -> int | str:
 class Interleave(RuleBase):
     """Lay a fused tensor ``[part0; part1; ...]`` (``sizes`` along ``dim``, e.g. q, k, v rows)
     out per TP rank: ``[p0_r0; p1_r0; ...; p0_r1; ...]``, so that a ``ColwiseParallel`` shard on
-    TP rank ``r`` holds ``[q_r; k_r; v_r]`` as the layer's code expects.
+    TP rank ``r`` holds ``[q_r; k_r; v_r]`` as the layer's code expects. ``keys`` is one pattern
+    or a list (a fused weight and its bias: a 1-D bias has only dim 0, laid out like the
+    weight's rows).
 
     ``tp`` omitted: the TP degree of the target's placements for that key (see
     :func:`tp_degree`; a plain target tensor means 1, nothing moves). Every size must divide by
@@ -68,7 +70,7 @@ class Interleave(RuleBase):
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["interleave"] = "interleave"
-    keys: str
+    keys: Keys
     sizes: list[int]
     tp: int | None = Field(default=None, gt=0)
     dim: int = 0
@@ -77,6 +79,7 @@ class Interleave(RuleBase):
 
     @model_validator(mode="after")
     def _check(self) -> Interleave:
+        check_keys(self.keys)
         if not self.sizes or any(s < 0 for s in self.sizes):
             raise AdapterError(f"{self.kind} of {self.keys!r}: sizes must be a non-empty list of sizes >= 0, got {self.sizes}")
         if self.tp is not None and any(s % self.tp for s in self.sizes):
@@ -84,7 +87,7 @@ class Interleave(RuleBase):
         return self
 
     def input_patterns(self) -> list[str]:
-        return [self.keys]
+        return key_patterns(self.keys)
 
     def _degree(self, ctx: PlanContext, key: str, node: Node, d: int, index: int) -> int | str:
         if self.tp is not None:
@@ -121,7 +124,11 @@ class Deinterleave(Interleave):
     """The inverse of :class:`Interleave`: a per-TP-rank layout ``[p0_r0; p1_r0; ...; p0_r1; ...]``
     back to contiguous parts ``[part0; part1; ...]``. ``tp`` omitted: the TP degree of the
     *source's* placements (a parallelised model's state dict being exported), else a plan
-    issue asking for ``tp=`` (the degree the checkpoint was saved with)."""
+    issue asking for ``tp=`` (the degree the checkpoint was saved with).
+
+    Parts that alternate row by row (GPT-OSS stores gate and up rows as ``g0, u0, g1, u1...``
+    along the last dim) are this layout with one row per block: ``deinterleave(keys, sizes=[F,
+    F], tp=F, dim=-1)`` gives contiguous ``[gate; up]``, which a split then cuts in two."""
 
     kind: Literal["deinterleave"] = "deinterleave"  # type: ignore[assignment]
     backward: ClassVar[bool] = True

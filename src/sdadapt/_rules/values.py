@@ -1,10 +1,11 @@
 """Value rules: they keep each matched key and replace its node (cast, transpose, rotary row
-order, pad/trim). They apply in order; rules that read the target (pad, trim) look a key up
+order, affine ``w * scale + shift``, pad/trim). They apply in order; rules that read the target (pad, trim) look a key up
 under the name it will have after the later key-moving rules (:func:`.base.final_key`).
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -13,15 +14,33 @@ from .. import _nodes as N
 from .._nodes import Cast as CastNode
 from .._nodes import Narrow
 from ..errors import AdapterError
-from .base import RuleBase, dim_of, dtype_str, matching, matching_dim, parse_dtype, target_size
+from .base import (
+    Keys,
+    RuleBase,
+    check_keys,
+    dim_of,
+    dtype_str,
+    key_patterns,
+    matching,
+    matching_dim,
+    parse_dtype,
+    target_info,
+    target_size,
+)
 
 if TYPE_CHECKING:
     from .._plan import PlanContext
 
 
+MODEL_DTYPE = "model"
+"""``Cast(dtype="model")``: each tensor goes to the dtype the model holds under its final key."""
+
+
 class Cast(RuleBase):
     """Convert matched tensors to ``dtype`` (optionally only those stored as ``from_dtype``).
-    Dtype changes are never silent: without a cast rule a dtype mismatch is a problem."""
+    Dtype changes are never silent: without a cast rule a dtype mismatch is a problem.
+    ``dtype="model"`` converts each tensor to the dtype the model holds for it (looked up under
+    the key's final name), the one rule that fixes any dtype-only mismatch."""
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["cast"] = "cast"
@@ -32,17 +51,32 @@ class Cast(RuleBase):
     @field_validator("dtype", "from_dtype", mode="before")
     @classmethod
     def _norm(cls, v: object) -> str | None:
-        return None if v is None else dtype_str(v)
+        if v is None:
+            return None
+        return MODEL_DTYPE if v == MODEL_DTYPE else dtype_str(v)
+
+    @field_validator("from_dtype")
+    @classmethod
+    def _from_concrete(cls, v: str | None) -> str | None:
+        if v == MODEL_DTYPE:
+            raise AdapterError('cast: from_dtype names a dtype; "model" applies to dtype only')
+        return v
 
     def input_patterns(self) -> list[str]:
         return [self.keys]
 
     def apply(self, ctx: PlanContext, index: int) -> None:
-        to = parse_dtype(self.dtype)
         only = parse_dtype(self.from_dtype) if self.from_dtype else None
         for key, node in matching(ctx, self.keys):
             if only is not None and node.dtype != only:
                 continue
+            if self.dtype == MODEL_DTYPE:
+                info = target_info(ctx, key, index)
+                if info is None:
+                    continue  # the model does not hold this key: the report says so
+                to = info.dtype
+            else:
+                to = parse_dtype(self.dtype)
             ctx.mark(index)
             if node.dtype != to:
                 ctx.replace(key, CastNode(node, to))
@@ -53,6 +87,8 @@ class Cast(RuleBase):
                 f"{self.label()} cannot be inverted: it does not say which dtype it converts from; "
                 "give from_dtype=..."
             )
+        if self.dtype == MODEL_DTYPE:
+            return [Cast(keys=self.keys, dtype=self.from_dtype)]
         return [Cast(keys=self.keys, dtype=self.from_dtype, from_dtype=self.dtype)]
 
 
@@ -96,45 +132,134 @@ def rotary_perm(head_dim: int, to: str) -> tuple[int, ...]:
 
 
 class Rotary(RuleBase):
-    """Reorder the rows inside each head of a q or k projection between rotary layouts.
+    """Reorder the rows inside each head between rotary layouts, for every tensor ``keys``
+    matches (one pattern, or a list: q/k weights, their biases, per-head q/k norm weights).
 
     ``to="interleaved"``: from HF transformers' "half" layout (``rotate_half``: the first half of
     each head's rows are the real parts) to Meta's interleaved pairs; ``to="half"``: the other
-    way. ``heads`` is the head count of the matched keys (GQA: give k its own rule with the kv
-    head count). Rows along ``dim`` must divide into ``heads`` heads of even size. A region
-    that cuts a head is read as whole heads, permuted, then narrowed."""
+    way. The unit permuted is one head along ``dim``: ``head_dim`` rows when given, else the
+    rows of the tensor divided by ``heads`` (GQA: give k its own rule with the kv head count, or
+    give ``head_dim``, which q and k share). A 1-D tensor has only dim 0: a bias ``[heads *
+    head_dim]`` is cut in heads like the weight's rows, and a per-head norm weight
+    ``[head_dim]`` (one head, shared by all) is a single unit; ``head_dim=`` covers all three
+    in one rule, since ``heads`` would cut the norm weight wrongly. A region that cuts a head is
+    read as whole heads, permuted, then narrowed."""
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["rotary"] = "rotary"
-    keys: str
-    heads: int = Field(gt=0)
+    keys: Keys
+    heads: int | None = Field(default=None, gt=0)
     to: Literal["interleaved", "half"] = "interleaved"
     dim: int = 0
+    head_dim: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Rotary:
+        check_keys(self.keys)
+        if self.heads is None and self.head_dim is None:
+            raise AdapterError(f"rotary of {self.keys!r}: give heads= (heads of the matched tensors) or head_dim=")
+        if self.head_dim is not None and self.head_dim % 2:
+            raise AdapterError(f"rotary of {self.keys!r}: head_dim={self.head_dim} is odd; rotary needs an even head_dim")
+        return self
 
     def input_patterns(self) -> list[str]:
-        return [self.keys]
+        return key_patterns(self.keys)
+
+    def _unit(self, rows: int, d: int) -> int | str:
+        """Rows of one head along dim ``d`` (of ``rows``), or why the tensor cannot be cut in heads."""
+        if self.head_dim is not None:
+            if rows % self.head_dim:
+                return f"{rows} rows along dim {d} do not divide into heads of head_dim={self.head_dim}"
+            return self.head_dim
+        assert self.heads is not None
+        if rows % self.heads:
+            return f"{rows} rows along dim {d} do not divide into heads={self.heads}; give head_dim= for per-head norm weights"
+        if (rows // self.heads) % 2:
+            return f"head_dim {rows // self.heads} (= {rows} rows / heads={self.heads}) is odd; rotary needs an even head_dim"
+        return rows // self.heads
 
     def apply(self, ctx: PlanContext, index: int) -> None:
         for key, node, d in matching_dim(ctx, index, self.keys, self.dim):
-            rows = node.shape[d]
-            if rows % self.heads:
-                ctx.issue(index, key, f"{rows} rows along dim {d} do not divide into heads={self.heads}")
-                continue
-            hd = rows // self.heads
-            if hd % 2:
-                ctx.issue(
-                    index,
-                    key,
-                    f"head_dim {hd} (= {rows} rows / heads={self.heads}) is odd; rotary needs an even head_dim",
-                )
+            hd = self._unit(node.shape[d], d)
+            if isinstance(hd, str):
+                ctx.issue(index, key, hd)
                 continue
             ctx.mark(index)
-            label = f"rotary_{self.to}[heads={self.heads}, dim={d}]"
+            label = f"rotary_{self.to}[head_dim={hd}, dim={d}]"
             ctx.replace(key, N.UnitPermute(node, d, hd, rotary_perm(hd, self.to), label))
 
     def inverse(self) -> list[RuleBase]:
         other: Literal["interleaved", "half"] = "half" if self.to == "interleaved" else "interleaved"
-        return [Rotary(keys=self.keys, heads=self.heads, to=other, dim=self.dim)]
+        return [Rotary(keys=self.keys, heads=self.heads, to=other, dim=self.dim, head_dim=self.head_dim)]
+
+
+GRADIENT_MOMENTS = frozenset({"exp_avg", "momentum_buffer", "grad_avg"})
+"""Optimizer state that averages gradients (Adam(W)'s ``exp_avg``, SGD's ``momentum_buffer``,
+centred RMSprop's ``grad_avg``): it scales as the gradient does."""
+SQUARED_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum"})
+"""Optimizer state that averages squared gradients (Adam(W)'s ``exp_avg_sq`` and AMSGrad's
+``max_exp_avg_sq``, RMSprop's ``square_avg``, Adagrad's ``sum``): it scales as its square."""
+
+
+class Affine(RuleBase):
+    """``w * scale + shift`` for every tensor ``keys`` matches (one pattern or a list): Gemma's
+    norms store ``w`` and compute with ``1 + w``, so a model that multiplies by its weight
+    directly loads them with ``affine("**norm.weight", shift=1.0)``. ``invert=True`` computes
+    ``(w - shift) / scale`` instead (what :meth:`inverse` gives, exact where ``1 / scale`` is
+    not). Floating tensors only; the arithmetic runs in float32 (float64 for float64 tensors)
+    and the result is rounded once to the tensor's dtype.
+
+    Resuming optimizer state (:func:`sdadapt.load_state`): a model that holds ``p = w * scale +
+    shift`` and computes what the checkpoint's model computed from ``w`` has gradients
+    ``dL/dp = dL/dw / scale``. So the shift never applies to moments; gradient averages
+    (:data:`GRADIENT_MOMENTS`) are divided by ``scale`` and squared ones
+    (:data:`SQUARED_MOMENTS`) by ``scale ** 2`` (multiplied, with ``invert``). Other optimizer
+    state is refused by name, since its scaling is not known."""
+
+    moves_keys: ClassVar[bool] = False
+    kind: Literal["affine"] = "affine"
+    keys: Keys
+    scale: float = 1.0
+    shift: float = 0.0
+    invert: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> Affine:
+        check_keys(self.keys)
+        if self.scale == 0 or not math.isfinite(self.scale) or not math.isfinite(self.shift):
+            raise AdapterError(f"affine of {self.keys!r}: scale must be finite and non-zero, shift finite")
+        return self
+
+    def input_patterns(self) -> list[str]:
+        return key_patterns(self.keys)
+
+    def apply(self, ctx: PlanContext, index: int) -> None:
+        for key, node in matching(ctx, self.keys):
+            if not node.dtype.is_floating_point:
+                ctx.issue(index, key, f"affine needs a floating tensor; {key!r} is {node.dtype}: cast it first")
+                continue
+            ctx.mark(index)
+            if self.scale != 1.0 or self.shift != 0.0:
+                ctx.replace(key, N.Affine(node, self.scale, self.shift, self.invert))
+
+    def inverse(self) -> list[RuleBase]:
+        return [Affine(keys=self.keys, scale=self.scale, shift=self.shift, invert=not self.invert)]
+
+    def for_optimizer_state(self, name: str) -> list[RuleBase]:
+        if name in GRADIENT_MOMENTS:
+            power = 1
+        elif name in SQUARED_MOMENTS:
+            power = 2
+        else:
+            raise AdapterError(
+                f"{self.label()}: cannot tell how optimizer state {name!r} changes under w * scale + shift "
+                f"(known: {', '.join(sorted(GRADIENT_MOMENTS | SQUARED_MOMENTS))}); load the model alone "
+                "(optimizer=None) or map the state with a rule of your own"
+            )
+        factor = self.scale**power
+        if self.scale == 1.0:
+            return []
+        return [Affine(keys=self.keys, scale=factor, invert=not self.invert)]
 
 
 class Pad(RuleBase):

@@ -52,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-subtree", metavar="S", help="nested dict of a torch.save target checkpoint")
     parser.add_argument("--allow-missing", action="append", default=[], metavar="PAT", help="key pattern the model may lack values for")
     parser.add_argument("--allow-unexpected", action="append", default=[], metavar="PAT", help="checkpoint key pattern to ignore")
+    parser.add_argument("--all", action="store_true", help="list every row of each section (text mode)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
@@ -74,5 +75,5 @@ def run(args: argparse.Namespace) -> int:
         allow_missing=args.allow_missing or None,
         allow_unexpected=args.allow_unexpected or None,
     )
-    print(report.model_dump_json(indent=2) if args.json else report.format())
+    print(report.model_dump_json(indent=2) if args.json else report.format(max_rows=None if args.all else 8))
     return 0 if report.ok else 1

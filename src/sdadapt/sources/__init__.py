@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 from ..errors import SourceError
 from ._base import Source, TensorInfo, dtype_name
@@ -24,6 +25,12 @@ def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = 
         return path
     p = os.fspath(path)
     if not os.path.exists(p):
+        if _looks_like_hub_id(p):
+            raise SourceError(
+                "looks like a Hugging Face Hub id, not a local path (none exists here); Hub ids are not "
+                f"(yet) sources: download it first (e.g. `hf download {p} --local-dir DIR`) and pass the folder",
+                path=p,
+            )
         raise SourceError("no such file or folder", path=p)
     if os.path.isdir(p):
         if os.path.isfile(os.path.join(p, INDEX_NAME)):
@@ -47,6 +54,20 @@ def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = 
     if p.endswith(".safetensors"):
         return SafetensorsFile(_flat_only(p, subtree))
     return TorchSaveFile(p, subtree=subtree)
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+FILE_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".json", ".py", ".ckpt", ".distcp")
+"""Endings of file names (checkpoints, indexes, code) that mark a path, not a Hub id or a module."""
+
+
+def _looks_like_hub_id(p: str) -> bool:
+    """``org/name`` (one slash, Hub-legal characters), not a file name, under no existing folder."""
+    return (
+        _HUB_ID.fullmatch(p) is not None
+        and not p.lower().endswith(FILE_SUFFIXES)
+        and not os.path.isdir(p.split("/")[0])
+    )
 
 
 def _flat_only(path: str, subtree: str | None) -> str:

@@ -1,0 +1,165 @@
+"""The public rule constructors (``sdadapt.rename(...)``, ``sdadapt.fuse(...)``...): typed
+functions that build the rule models of :mod:`sdadapt._rules`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from ._quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX, MX_SCALES_SUFFIX
+from ._quant_rules import DequantFP8, DequantMXFP4
+from ._rules import (
+    AddPrefix,
+    Affine,
+    Cast,
+    Deinterleave,
+    Drop,
+    Fuse,
+    Interleave,
+    Pad,
+    Rename,
+    Rotary,
+    Split,
+    Stack,
+    StripPrefix,
+    Tie,
+    Transpose,
+    Trim,
+    Unstack,
+)
+from ._rules.base import dtype_str as _dtype_str
+
+
+def rename(src: str, dst: str) -> Rename:
+    """``src`` keys become ``dst`` keys; ``{name}`` captures carry over (``layers.{i}.wq``)."""
+    return Rename(src=src, dst=dst)
+
+
+def fuse(srcs: list[str], dst: str, dim: int = 0, sizes: list[int] | None = None) -> Fuse:
+    """Concatenate ``srcs`` along ``dim`` into ``dst`` (q, k, v -> qkv)."""
+    return Fuse(srcs=srcs, dst=dst, dim=dim, sizes=sizes)
+
+
+def split(src: str, dsts: list[str], dim: int = 0, sizes: list[int] | None = None) -> Split:
+    """Cut ``src`` along ``dim`` into ``dsts``; sizes default to the target's, else equal."""
+    return Split(src=src, dsts=dsts, dim=dim, sizes=sizes)
+
+
+def cast(keys: str, dtype: str | torch.dtype, from_dtype: str | torch.dtype | None = None) -> Cast:
+    """Convert tensors matching ``keys`` to ``dtype`` (only those stored as ``from_dtype``, if given);
+    ``dtype="model"``: to the dtype the model holds for each tensor."""
+    return Cast(keys=keys, dtype=dtype, from_dtype=from_dtype)  # type: ignore[arg-type]
+
+
+def drop(keys: str) -> Drop:
+    """Ignore source keys matching ``keys`` on purpose."""
+    return Drop(keys=keys)
+
+
+def tie(dst: str, src: str) -> Tie:
+    """Fill ``dst`` from ``src`` when the checkpoint lacks ``dst`` (tied embeddings)."""
+    return Tie(dst=dst, src=src)
+
+
+def transpose(keys: str, dim0: int = 0, dim1: int = 1) -> Transpose:
+    """Swap dims ``dim0`` and ``dim1`` of tensors matching ``keys`` (GPT-2 ``Conv1D`` <-> ``nn.Linear``)."""
+    return Transpose(keys=keys, dim0=dim0, dim1=dim1)
+
+
+def rotary(
+    keys: str | list[str],
+    heads: int | None = None,
+    to: Literal["interleaved", "half"] = "interleaved",
+    dim: int = 0,
+    *,
+    head_dim: int | None = None,
+) -> Rotary:
+    """Reorder the rows inside each head between rotary layouts: ``to="interleaved"`` from HF
+    transformers' half split to Meta's pairs, ``to="half"`` the other way. ``keys``: one pattern
+    or several (weight, bias, per-head norm weight). A head is ``head_dim`` rows, or the rows
+    divided by ``heads`` (GQA: one rule for k with the kv head count); per-head norm weights
+    ``[head_dim]`` need ``head_dim=``."""
+    return Rotary(keys=keys, heads=heads, to=to, dim=dim, head_dim=head_dim)
+
+
+def affine(keys: str | list[str], scale: float = 1.0, shift: float = 0.0) -> Affine:
+    """``w * scale + shift`` for tensors matching ``keys`` (Gemma's ``1 + w`` norms:
+    ``affine("**norm.weight", shift=1.0)``); the inverse computes ``(w - shift) / scale``."""
+    return Affine(keys=keys, scale=scale, shift=shift)
+
+
+def stack(src: str, dst: str, over: str = "e", dim: int = 0, count: int | None = None) -> Stack:
+    """Keys matching ``src`` that differ in capture ``over`` (0..E-1) become one ``[E, ...]`` tensor ``dst``."""
+    return Stack(src=src, dst=dst, over=over, dim=dim, count=count)
+
+
+def unstack(src: str, dst: str, over: str = "e", dim: int = 0, count: int | None = None) -> Unstack:
+    """One tensor ``src`` becomes one key ``dst`` per entry along ``dim`` (``dst`` captures ``over``)."""
+    return Unstack(src=src, dst=dst, over=over, dim=dim, count=count)
+
+
+def pad(
+    keys: str, dim: int = 0, size: int | None = None, multiple_of: int | None = None, value: float = 0.0
+) -> Pad:
+    """Extend along ``dim`` with ``value`` to ``size``, the next multiple of ``multiple_of``, or the model's size."""
+    return Pad(keys=keys, dim=dim, size=size, multiple_of=multiple_of, value=value)
+
+
+def trim(keys: str, dim: int = 0, size: int | None = None) -> Trim:
+    """Keep the first ``size`` entries along ``dim`` (``size`` omitted: the model's size for that key)."""
+    return Trim(keys=keys, dim=dim, size=size)
+
+
+def interleave(keys: str | list[str], sizes: list[int], tp: int | None = None, dim: int = 0) -> Interleave:
+    """Lay fused ``[p0; p1; ...]`` (``sizes``) out per TP rank so each ``ColwiseParallel`` shard holds
+    ``[p0_r; p1_r; ...]``; ``tp`` omitted: the model's TP degree for that key."""
+    return Interleave(keys=keys, sizes=sizes, tp=tp, dim=dim)
+
+
+def deinterleave(keys: str | list[str], sizes: list[int], tp: int | None = None, dim: int = 0) -> Deinterleave:
+    """The inverse of :func:`interleave` (``tp`` omitted: the source's TP degree for that key)."""
+    return Deinterleave(keys=keys, sizes=sizes, tp=tp, dim=dim)
+
+
+def strip_prefix(prefix: str, optional: bool = False) -> StripPrefix:
+    """Remove ``prefix`` (e.g. ``"model."``) from keys that start with it. ``_orig_mod.``,
+    ``_checkpoint_wrapped_module.`` and ``_fsdp_wrapped_module.`` need no rule: planning removes them."""
+    return StripPrefix(prefix=prefix, optional=optional)
+
+
+def add_prefix(prefix: str, keys: str = "**") -> AddPrefix:
+    """Put ``prefix`` in front of keys matching ``keys`` (the inverse of :func:`strip_prefix`)."""
+    return AddPrefix(prefix=prefix, keys=keys)
+
+
+def dequant_fp8(
+    keys: str = "**.weight",
+    block: tuple[int, int] = (128, 128),
+    *,
+    exclude: list[str] | None = None,
+    scale_suffix: str = FP8_SCALE_SUFFIX,
+    scale_format: Literal["float32", "ue8m0"] = "float32",
+    dtype: str | torch.dtype = "bfloat16",
+) -> DequantFP8:
+    """FP8 e4m3 weights matching ``keys`` (not ``exclude``) with ``block`` scales at
+    ``key + scale_suffix`` (float32, or ``"ue8m0"`` exponent bytes) -> values in ``dtype``."""
+    return DequantFP8(
+        keys=keys,
+        block=block,
+        exclude=exclude or [],
+        scale_suffix=scale_suffix,
+        scale_format=scale_format,
+        dtype=_dtype_str(dtype),
+    )
+
+
+def dequant_mxfp4(
+    keys: str,
+    *,
+    blocks_suffix: str = MX_BLOCKS_SUFFIX,
+    scales_suffix: str = MX_SCALES_SUFFIX,
+    dtype: str | torch.dtype = "bfloat16",
+) -> DequantMXFP4:
+    """MXFP4 ``<name>_blocks`` + ``<name>_scales`` -> ``<name>`` (values ``[..., G * 32]``) for names matching ``keys``."""
+    return DequantMXFP4(keys=keys, blocks_suffix=blocks_suffix, scales_suffix=scales_suffix, dtype=_dtype_str(dtype))
