@@ -9,6 +9,7 @@ from torch import nn
 from ._adapter import Adapter
 from ._plan import build_plan
 from ._report import Report
+from ._resolve import adapter_or_none
 from ._target import model_state_dict, schema_of
 from .sources import Source, TensorInfo, open_source
 
@@ -28,13 +29,17 @@ def target_schema(target: Target, *, subtree: str | None = None) -> tuple[dict[s
 def diff(
     target: Target,
     src: str | os.PathLike[str] | Source,
-    adapter: Adapter | None = None,
+    adapter: Adapter | str | None = None,
     *,
     subtree: str | None = None,
     allow_missing: list[str] | None = None,
     allow_unexpected: list[str] | None = None,
 ) -> Report:
-    """Compare checkpoint ``src`` (through ``adapter``) with ``target``; reads headers only."""
+    """Compare checkpoint ``src`` (through ``adapter``) with ``target``; reads headers only.
+    ``adapter`` is an :class:`Adapter` or a string resolved by :func:`sdadapt.resolve_adapter`
+    (a shipped name with options read from ``src``'s folder, ``file.py:ATTR``, ``module:ATTR``,
+    ``.json``)."""
+    adapter = adapter_or_none(adapter, src)
     schema, name = target_schema(target)
     source = open_source(src, subtree=subtree)
     try:

@@ -446,7 +446,7 @@ def _follow(
 def convert(
     src: str | os.PathLike[str] | Source,
     dst: str | os.PathLike[str],
-    adapter: Adapter | None = None,
+    adapter: Adapter | str | None = None,
     format: str = "safetensors",  # noqa: A002
     *,
     max_shard_size: int | str = "5GB",
@@ -459,9 +459,13 @@ def convert(
     destination layout), one tensor at a time in one process. ``verify=True`` reads the result
     back (before it is renamed into place) and compares every tensor with the source
     (bit-exact); a difference is an error and leaves nothing at ``dst``. Non-tensor entries are skipped
-    (listed in the report)."""
+    (listed in the report). ``adapter`` may be a name, ``file.py:ATTR``, ``module:ATTR`` or
+    ``.json`` (resolved by :func:`sdadapt.resolve_adapter`, options read from ``src``'s folder);
+    ``src`` may be a Hub id ``hf://org/name[@revision]``. ``progress(key, nbytes)`` is called
+    after each tensor is written, then after each is verified."""
     t0 = time.perf_counter()
     dst = os.fspath(dst)
+    adapter = adapter_or_none(adapter, src)
     if format not in FORMATS:
         raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
     _check_dst(dst, overwrite)

@@ -19,6 +19,7 @@ from ._distributed import rank_and_world
 from ._materialize import InitFn, check_buffers
 from ._plan import Plan, build_plan
 from ._report import Report
+from ._resolve import adapter_or_none
 from ._target import local_nbytes, model_state_dict, schema_of
 from ._transaction import Part, Transaction
 from .errors import PlanError
@@ -78,13 +79,14 @@ def _describe(src: Any) -> str:
 def plan_load(
     model: nn.Module,
     src: str | os.PathLike[str] | Source,
-    adapter: Adapter | None = None,
+    adapter: Adapter | str | None = None,
     *,
     subtree: str | None = None,
     allow_missing: list[str] | None = None,
     allow_unexpected: list[str] | None = None,
 ) -> tuple[Source, Plan]:
     """Open the source and plan against the model (headers only; nothing is read or changed)."""
+    adapter = adapter_or_none(adapter, src)
     source, plan, _ = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected)
     return source, plan
 
@@ -120,7 +122,7 @@ def _plan_load(
 def load(
     model: nn.Module,
     src: str | os.PathLike[str] | Source,
-    adapter: Adapter | None = None,
+    adapter: Adapter | str | None = None,
     *,
     strict: bool = True,
     subtree: str | None = None,
@@ -143,6 +145,13 @@ def load(
     unexpected or mismatched key raises :class:`~sdadapt.PlanError` on every rank before
     anything is read or changed; ``allow_missing``/``allow_unexpected`` take key patterns that
     are fine to leave out. ``subtree`` picks a nested dict of a ``torch.save`` file.
+
+    ``src`` is a path (see :func:`sdadapt.open_source`) or a Hugging Face Hub id
+    ``"hf://org/name[@revision]"`` (``sdadapt[hub]``: one process per node downloads the config,
+    the index and its shards into the Hub cache; the others wait). ``adapter`` is an
+    :class:`Adapter` or a string resolved like the CLI's ``--adapter`` by
+    :func:`sdadapt.resolve_adapter`: a shipped name (``"llama"``, its options read from the
+    checkpoint folder's config), ``file.py:ATTR``, ``module:ATTR`` or a ``.json`` file.
 
     Never a silently half-loaded model (:mod:`sdadapt._transaction`). Everything that can be
     checked before writing (the plan, the files' fingerprints, the buffer hooks) is agreed on
@@ -171,6 +180,7 @@ def load(
     Either is the rule ``sdadapt.cast("**", dtype)`` run after ``adapter``'s, so conversions
     stay explicit: without it a dtype mismatch is a plan problem.
     """
+    adapter = adapter_or_none(adapter, src)
     if dtype is not None:
         to_dtype = Adapter([cast("**", dtype)], name=f"dtype={dtype}")
         adapter = to_dtype if adapter is None else adapter + to_dtype

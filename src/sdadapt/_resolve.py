@@ -237,8 +237,8 @@ def resolve_adapter(
 ) -> Adapter:
     """The adapter ``spec`` names: an :class:`Adapter`, a shipped adapter name, a ``.json``
     file, or ``module:ATTR`` / ``file.py:ATTR`` (an Adapter, or a function returning one,
-    called with ``**options``). ``source`` (the checkpoint) lets a shipped adapter read the
-    options not given here from the checkpoint folder's config files."""
+    called with ``**options``). ``source`` (the checkpoint: a path or an ``hf://`` Hub id) lets
+    a shipped adapter read the options not given here from the checkpoint folder's config files."""
     from ._adapter import Adapter
 
     if isinstance(spec, Adapter):
@@ -270,6 +270,10 @@ def resolve_adapter(
             f"adapter {text!r}: no adapters are shipped by name in this version; give a .json file or "
             "file.py:ATTR naming an Adapter"
         ) from None
+    if source is not None:
+        from .sources import local_path
+
+        source = local_path(source)  # a Hub id: the snapshot folder, whose config the adapter reads
     return registry.get_adapter(text, source=source, **options)
 
 
