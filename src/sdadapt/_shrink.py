@@ -31,7 +31,7 @@ from ._export import PageReleaser, _check_dst, _write
 from ._nodes import Leaf, Node, full_box
 from ._progress import progress_bar
 from .errors import ShrinkError
-from .sources import open_source
+from .sources import local_path, open_source
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def shrink(
     with ``config.json`` rewritten and the folder's other small files copied. ``progress``:
     a tqdm bar on stderr (``None``: only on a terminal). See the module docstring."""
     t0 = time.perf_counter()
-    src, dst = os.fspath(src), os.fspath(dst)
+    src, dst = local_path(src), os.fspath(dst)  # a Hub id (hf://...): its snapshot folder
     _check_dst(dst, overwrite)
     source = open_source(src)
     try:

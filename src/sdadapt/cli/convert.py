@@ -10,7 +10,8 @@ NAME = "convert"
 HELP = "rewrite a checkpoint in another layout (adapter) and format, tensor by tensor, in one process"
 
 EPILOG = """\
-SRC is a torch.save file, a .safetensors file, an HF sharded folder or a DCP folder. The
+SRC is a torch.save file, a .safetensors file, an HF sharded folder, a DCP folder or a Hub id
+(hf://org/name[@revision], read through the Hub cache; needs sdadapt[hub]). The
 adapter (a shipped name, a .json file, or module:ATTR / file.py:ATTR) maps SRC's layout to
 DST's, as for loading. DST must not exist (unless --overwrite); the output is written beside
 it and renamed into place when complete. Memory stays at about the largest tensor (twice it
@@ -21,7 +22,7 @@ Exit status: 0 done, 2 usage or input errors."""
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("src", metavar="SRC", help="checkpoint to read")
+    parser.add_argument("src", metavar="SRC", help="checkpoint to read (a path, or hf://org/name[@rev])")
     parser.add_argument("dst", metavar="DST", help="file (torch) or folder (safetensors, dcp) to write")
     parser.add_argument("--to", dest="fmt", required=True, choices=["safetensors", "torch", "dcp"], help="output format")
     parser.add_argument("--adapter", "-a", metavar="A", help="adapter name, .json file, or module:ATTR")

@@ -24,7 +24,10 @@ a target that cannot be imported or built)."""
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("src", metavar="SRC", help="checkpoint: torch.save file, .safetensors, HF sharded folder, DCP folder")
+    parser.add_argument(
+        "src", metavar="SRC",
+        help="checkpoint: torch.save file, .safetensors, HF sharded folder, DCP folder, or hf://org/name[@rev]",
+    )
     parser.add_argument("--target", "-t", required=True, metavar="T", help="model (module:function) or checkpoint")
     parser.add_argument(
         "--target-option", action="append", default=[], metavar="KEY=VALUE",
