@@ -89,7 +89,7 @@ def save_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict[str, Stateful | Any] | None = None,
-    adapter: Adapter | None = None,
+    adapter: Adapter | str | None = None,
     *,
     overwrite: bool = False,
     process_group: dist.ProcessGroup | None = None,
@@ -107,6 +107,7 @@ def save_state(
     non-empty ``dst`` is an error unless ``overwrite=True``. Returns ``dst``.
     """
     dst = os.fspath(dst)
+    adapter = adapter_or_none(adapter)
     rank, world = rank_and_world(process_group)
     extra = dict(extra or {})
     error: SdadaptError | None = None
