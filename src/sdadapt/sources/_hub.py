@@ -85,8 +85,11 @@ def _downloads_here() -> bool:
 
 
 def _import_hub(text: str) -> Any:
-    try:
+    try:  # the package loads its submodules lazily: name the ones used here
         import huggingface_hub
+        import huggingface_hub.constants
+        import huggingface_hub.errors
+        import huggingface_hub.utils
     except ImportError:
         raise SourceError(
             f"Hub ids need the huggingface_hub package: {EXTRA} (or download the files and pass the folder)",
