@@ -105,3 +105,16 @@ def test_export_convert_and_state_by_name(folder, tmp_path_factory):
     json_path.write_text(sdadapt.Adapter([sdadapt.rename("0.wq", "b.wq")]).to_json())
     sdadapt.load_state(out / "dcp", refactored, adapter=str(json_path))
     assert torch.equal(refactored["b"].wq, model["0"].wq)
+
+
+def test_draft_starts_from_a_named_adapter(folder):
+    d = sdadapt.draft(_flat_model(), folder, "tiny")
+    assert d.report.ok  # nothing left to propose after the given adapter
+    assert d.adapter.rules == sdadapt.get_adapter("tiny", heads=2, dim=8).rules
+    namespace: dict = {}
+    exec(d.module, namespace)  # the written module builds the same adapter
+    assert namespace["ADAPTER"].rules == d.adapter.rules
+    # the CLI's --adapter does the same
+    from sdadapt.cli import main
+
+    assert main(["draft", str(folder), "--target", "test_adapter_by_name:_flat_model", "--adapter", "tiny"]) == 0
