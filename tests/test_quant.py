@@ -447,7 +447,7 @@ def test_unconsumed_scale_and_undequantised_weight_are_plan_errors(tmp_path):
     assert {"layers.0.w1.weight_scale_inv", "layers.0.w2.weight_scale_inv"} <= set(rep.unexpected)
     assert {m.key for m in rep.dtype_mismatch} == {"layers.0.w1.weight", "layers.0.w2.weight"}
     text = str(rep)
-    assert "hint: the checkpoint is quantized" in text and "sdadapt.dequant_rules(config.json)" in text
+    assert "root cause: the checkpoint is quantized" in text and "sdadapt.dequant_rules(config.json)" in text
     assert "add a cast rule" not in text  # a cast would load FP8 values without their scales
     with pytest.raises(PlanError, match="dequant_fp8"):
         sdadapt.load(Tiny(), os.path.join(str(tmp_path), "bad.safetensors"), no_dequant)
@@ -459,7 +459,7 @@ def test_excluded_weight_leaves_its_scale_unconsumed(tmp_path):
     rep = _report(tmp_path, release_tensors("float32"), sdadapt.Adapter(rules))
     assert rep.unexpected == ["layers.0.w2.weight_scale_inv"]
     assert [m.key for m in rep.dtype_mismatch] == ["layers.0.w2.weight"]
-    assert "hint: the checkpoint is quantized" in str(rep)
+    assert "root cause: the checkpoint is quantized" in str(rep)
 
 
 def test_matched_unquantized_matrix_is_a_plan_error(tmp_path):
@@ -473,7 +473,7 @@ def test_mxfp4_blocks_without_rule_or_scales(tmp_path):
     rules = [r for r in fp8_adapter("float32").rules if r.kind != "dequant_mxfp4"]
     rep = _report(tmp_path, t, sdadapt.Adapter(rules))
     assert "layers.0.mlp.experts_blocks" in rep.unexpected and "layers.0.mlp.experts" in rep.missing
-    assert "hint: the checkpoint is quantized" in str(rep)
+    assert "root cause: the checkpoint is quantized" in str(rep)
     del t["model.layers.0.mlp.experts_scales"]
     rep = _report(tmp_path, t, fp8_adapter("float32"))
     assert "but no scales 'model.layers.0.mlp.experts_scales'" in _issues(rep)

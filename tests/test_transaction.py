@@ -32,7 +32,7 @@ _PEAK = textwrap.dedent(
     import sys, threading, time, torch
     from torch import nn
     import sdadapt
-    load = sdadapt.load  # public names import their module on first use: not the load's memory
+    load = sdadapt.load  # sdadapt imports its modules on first use: do it before measuring
     torch.manual_seed(1)
     model = nn.Sequential(*[nn.Linear({dim}, {dim}, bias=False) for _ in range({layers})])
 

@@ -101,8 +101,8 @@ _RULE_CLASSES = (
     "Tie Transpose Trim Unstack ValueRule register_rule"
 )
 _CONSTRUCTORS = (
-    "add_prefix affine cast deinterleave dequant_fp8 dequant_mxfp4 drop fuse interleave pad rename rotary split stack "
-    "strip_prefix tie transpose trim unstack"
+    "add_prefix affine cast deinterleave dequant_fp8 dequant_mxfp4 drop fuse interleave pad rename rotary split "
+    "stack strip_prefix tie transpose trim unstack"
 )
 _LAZY: dict[str, str] = {
     **dict.fromkeys(["Adapter"], "_adapter"),

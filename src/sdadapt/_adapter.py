@@ -8,12 +8,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, SerializeAsAny, ValidationError, field_validator, model_validator
 
-from ._quant_rules import QUANT_RULES
+from . import _quant_rules  # noqa: F401 - registers the quantization rule kinds
 from ._rules import RuleBase, rule_from_data
 from .errors import AdapterError
-
-# importing _quant_rules registers the quantized rule kinds, so that adapters read them back from JSON
-BUILTIN_QUANT_RULES = QUANT_RULES
 
 
 class Adapter(BaseModel):

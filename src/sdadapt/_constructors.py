@@ -28,7 +28,7 @@ from ._rules import (
     Trim,
     Unstack,
 )
-from ._rules.base import dtype_str as _dtype_str
+from ._rules.base import dtype_str
 
 
 def rename(src: str, dst: str) -> Rename:
@@ -150,7 +150,7 @@ def dequant_fp8(
         exclude=exclude or [],
         scale_suffix=scale_suffix,
         scale_format=scale_format,
-        dtype=_dtype_str(dtype),
+        dtype=dtype_str(dtype),
     )
 
 
@@ -162,4 +162,4 @@ def dequant_mxfp4(
     dtype: str | torch.dtype = "bfloat16",
 ) -> DequantMXFP4:
     """MXFP4 ``<name>_blocks`` + ``<name>_scales`` -> ``<name>`` (values ``[..., G * 32]``) for names matching ``keys``."""
-    return DequantMXFP4(keys=keys, blocks_suffix=blocks_suffix, scales_suffix=scales_suffix, dtype=_dtype_str(dtype))
+    return DequantMXFP4(keys=keys, blocks_suffix=blocks_suffix, scales_suffix=scales_suffix, dtype=dtype_str(dtype))

@@ -129,7 +129,11 @@ class Report(BaseModel):
 
     def root_cause(self) -> str | None:
         """One line naming the likeliest single cause of the problems, with its fix, if one
-        explains them: dtypes only, a key prefix, or a wrong adapter or checkpoint."""
+        explains them: a quantized checkpoint read without its dequant rule, dtypes only, a key
+        prefix, or a wrong adapter or checkpoint."""
+        quant = quant_hint(self)
+        if quant:
+            return quant.removeprefix("hint: ")
         if self.dtype_mismatch and self.problems == len(self.dtype_mismatch):
             pairs = Counter((m.checkpoint, m.model) for m in self.dtype_mismatch)
             what = ", ".join(f"{got} where the model holds {want} ({n} keys)" for (got, want), n in pairs.most_common(3))
@@ -186,7 +190,7 @@ class Report(BaseModel):
         section("not tensors (drop them, or pick a subtree)", compress(self.non_tensor), len(self.non_tensor))
         for title, items, note in (
             ("shape mismatch", self.shape_mismatch, ""),
-            ("dtype mismatch", self.dtype_mismatch, f", all fixed by {CAST_FIX} if the conversion is intended"),
+            ("dtype mismatch", self.dtype_mismatch, "" if quant_hint(self) else f", all fixed by {CAST_FIX} if the conversion is intended"),
         ):
             groups: dict[tuple[str, str, str], list[Mismatch]] = defaultdict(list)
             for mm in items:  # one row per run of keys with the same numbers and the same recipe shape
@@ -215,9 +219,6 @@ class Report(BaseModel):
             lines.append(
                 f"allowed: {len(self.allowed_missing)} missing and {len(self.allowed_unexpected)} unexpected key(s)"
             )
-        quant = quant_hint(self)
-        if quant:
-            lines.append(quant)
         if self.matched:
             lines.append(NOT_NUMBERS)
         lines.append("OK: checkpoint and model line up" if self.ok else f"NOT OK: {self.problems} problem(s)")
