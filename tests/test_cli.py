@@ -181,7 +181,7 @@ def test_diff_with_adapters(work, capsys):
         (["diff", "good.pt", "-t", "cli_models.build"], "did you mean cli_models:build (module:function)?"),
         (["diff", "good.pt", "-t", "cli_models:biuld"], "no attribute 'biuld'; did you mean cli_models:build?"),
         (["diff", "good.pt", "-t", "cli_models.py:cpu_modle"], "did you mean cli_models.py:cpu_model?"),
-        (["diff", "Qwen/Qwen2.5-0.5B", "-t", "good.pt"], "Hub ids are not (yet) sources"),
+        (["diff", "Qwen/Qwen2.5-0.5B", "-t", "good.pt"], "write hf://Qwen/Qwen2.5-0.5B"),
         (["inspect", "meta-llama/Llama-3.1-8B"], "looks like a Hugging Face Hub id"),
     ],
 )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import os
+import sys
 
 import pytest
 import torch
@@ -41,7 +43,7 @@ def test_cli_convert_with_adapter_and_verify(ckpt, capsys, fmt):
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "verified" in out and "29 tensors" in out
-    assert "write [" in err and "verify [" in err and "100.0%" in err  # progress on stderr
+    assert err == ""  # stderr is not a terminal here: no progress bar
     got = _read_all(dst)
     assert got.keys() == ref.state_dict().keys()
     assert all(torch.equal(got[k], v) for k, v in ref.state_dict().items())
@@ -51,11 +53,30 @@ def test_cli_convert_without_adapter_skips_non_tensors(ckpt, capsys):
     folder, ref = ckpt
     rc = main(["convert", str(folder / "ck.pt"), str(folder / "flat.pt"), "--to", "torch", "--no-progress"])
     out, err = capsys.readouterr()
-    assert rc == 0 and "write [" not in err  # --no-progress
+    assert rc == 0 and "B/s" not in err  # --no-progress
     assert "not written (not tensors): step" in out
     got = _read_all(folder / "flat.pt")
     want = {f"model.{k}": v for k, v in split_qkv(ref.state_dict()).items()}
     assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_cli_progress_bars_on_a_terminal_only(ckpt, monkeypatch):
+    folder, _ = ckpt
+    argv = ["convert", str(folder / "ck.pt"), "", "--to", "torch", "--subtree", "model", "--verify"]
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    assert main([*argv[:2], str(folder / "a.pt"), *argv[3:]]) == 0
+    shown = term.getvalue()
+    assert "write" in shown and "verify" in shown and "B/s" in shown  # tqdm's bars, one per pass
+    term = _Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    assert main([*argv[:2], str(folder / "b.pt"), *argv[3:], "--no-progress"]) == 0
+    assert term.getvalue() == ""
 
 
 def test_cli_existing_destination_and_bad_size(ckpt, capsys):

@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from ._diff import diff
     from ._draft import Draft, draft
     from ._engine import EngineConfig
-    from ._export import ExportReport, convert, export
+    from ._export import ExportReport, convert, export, export_iter
     from ._integrity import write_checksums
     from ._load import LoadReport, load, plan_load
     from ._nodes import Compute, Node, emit
@@ -110,7 +110,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(["diff"], "_diff"),
     **dict.fromkeys(["Draft", "draft"], "_draft"),
     **dict.fromkeys(["EngineConfig"], "_engine"),
-    **dict.fromkeys(["ExportReport", "convert", "export"], "_export"),
+    **dict.fromkeys(["ExportReport", "convert", "export", "export_iter"], "_export"),
     **dict.fromkeys(["write_checksums"], "_integrity"),
     **dict.fromkeys(["LoadReport", "load", "plan_load"], "_load"),
     **dict.fromkeys(["Compute", "Node", "emit"], "_nodes"),
@@ -155,6 +155,7 @@ __all__ = [
     "StateLoadReport",
     "convert",
     "export",
+    "export_iter",
     "load_state",
     "save_state",
     "write_checksums",

@@ -9,6 +9,7 @@ from torch import nn
 from ._adapter import Adapter
 from ._plan import PipelineStage, build_plan, vacant_modules
 from ._report import Report
+from ._resolve import adapter_or_none
 from ._target import model_state_dict, schema_of
 from .sources import Source, TensorInfo, open_source
 
@@ -28,7 +29,7 @@ def target_schema(target: Target, *, subtree: str | None = None) -> tuple[dict[s
 def diff(
     target: Target,
     src: str | os.PathLike[str] | Source,
-    adapter: Adapter | None = None,
+    adapter: Adapter | str | None = None,
     *,
     subtree: str | None = None,
     allow_missing: list[str] | None = None,
@@ -38,7 +39,12 @@ def diff(
     """Compare checkpoint ``src`` (through ``adapter``) with ``target``; reads headers only.
     ``pipeline_stage=True``: ``target`` is one pipeline stage, and the checkpoint keys of the
     other stages are allowed (see :func:`sdadapt.load`; a schema or checkpoint target has no
-    ``None`` module slots, so only the index rule applies to it)."""
+    ``None`` module slots, so only the index rule applies to it).
+
+    ``adapter`` is an :class:`Adapter` or a string resolved by :func:`sdadapt.resolve_adapter`
+    (a shipped name with options read from ``src``'s folder, ``file.py:ATTR``, ``module:ATTR``,
+    ``.json``)."""
+    adapter = adapter_or_none(adapter, src)
     schema, name = target_schema(target)
     stage = None
     if pipeline_stage:

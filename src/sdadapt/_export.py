@@ -30,7 +30,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -45,6 +45,7 @@ from ._distributed import is_distributed, rank_and_world
 from ._materialize import has_meta
 from ._nodes import Box, Node, full_box
 from ._plan import PlanContext
+from ._resolve import adapter_or_none
 from ._target import model_state_dict
 from ._transaction import Transaction
 from ._writers import make_writer
@@ -270,13 +271,84 @@ def _write(
 
 
 # ------------------------------------------------------------------------------ export
+class _ModelStream:
+    """``model``'s weights in the checkpoint's layout (through ``adapter.inverse()``), one output
+    at a time: :meth:`produce` gathers the DTensors an output needs (``full_tensor()``: a
+    collective, so every rank produces the same keys in the same order) and keeps a gathered
+    leaf only while a later output still needs it. Planning runs as the first step of a load
+    transaction: an error on any rank (and ``check``'s, run first) is every rank's error."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        adapter: Adapter | None,
+        process_group: dist.ProcessGroup | None,
+        what: str,
+        check: Callable[[], None] | None = None,
+    ):
+        txn = Transaction(None, process_group, what)
+
+        def prepare() -> tuple[dict[str, torch.Tensor], dict[str, Node]]:
+            if check is not None:
+                check()
+            if has_meta(model):
+                raise ExportError("the model has tensors on the meta device; load or initialise it before exporting")
+            sd = model_state_dict(model)
+            schema = {k: TensorInfo(tuple(t.shape), t.dtype) for k, t in sd.items()}
+            inverse = adapter.inverse() if adapter is not None else None
+            return sd, plan_outputs(schema, inverse, what=what)[0]
+
+        self.state, self.outputs = txn.prepare(prepare)
+        self.io = _CachedIO(self.outputs, self._fetch, lambda t: None)
+
+    def _fetch(self, key: str) -> torch.Tensor:
+        t = self.state[key]
+        t = t.full_tensor() if isinstance(t, DTensor) else t.detach()
+        return t.cpu()
+
+    def produce(self, key: str) -> torch.Tensor:
+        """Output ``key`` (collective when the model holds DTensors); the previous output's
+        leaves are dropped first."""
+        return self.io.produce(self.outputs[key])
+
+    def close(self) -> None:
+        """Drop every gathered tensor still held."""
+        self.io.flush()
+        self.io.cache.clear()
+
+
+def export_iter(
+    model: nn.Module,
+    adapter: Adapter | str | None = None,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every weight of ``model`` in the checkpoint's layout, one at a
+    time, without writing files (to push weights to an inference engine, for instance).
+
+    ``adapter`` is the checkpoint->model adapter you load with (an :class:`Adapter` or a name
+    resolved as by :func:`sdadapt.resolve_adapter`); its inverse rules are applied. Every rank
+    iterates: each tensor is gathered whole (``full_tensor()``) on every rank, so all ranks must
+    consume the same sequence to the end (or close the generator on every rank). Memory: the
+    tensor last yielded (plus leaves a later output still needs, e.g. the parts of a split); the
+    generator drops its own references to an output when the next one is asked for, so a
+    consumer that does not keep them holds about one tensor. Tensors are on the CPU."""
+    adapter = adapter_or_none(adapter, None)
+    stream = _ModelStream(model, adapter, process_group, "export_iter")
+    try:
+        for key in list(stream.outputs):
+            yield key, stream.produce(key)
+    finally:
+        stream.close()
+
+
 _KEY, _DONE, _ABORT = "key", "done", "abort"
 
 
 def export(
     model: nn.Module,
     dst: str | os.PathLike[str],
-    adapter: Adapter | None = None,
+    adapter: Adapter | str | None = None,
     format: str = "safetensors",  # noqa: A002 - the user-facing name
     *,
     max_shard_size: int | str = "5GB",
@@ -286,40 +358,30 @@ def export(
 ) -> ExportReport:
     """Write ``model``'s weights to ``dst`` through ``adapter.inverse()``; every rank calls it.
 
-    ``adapter`` is the checkpoint->model adapter you load with (see the module docstring);
+    ``adapter`` is the checkpoint->model adapter you load with (see the module docstring; an
+    :class:`Adapter` or a name resolved as by :func:`sdadapt.resolve_adapter`);
     ``format`` is ``"safetensors"`` (a folder: ``model.safetensors``, or shards of at most
     ``max_shard_size`` plus ``model.safetensors.index.json``), ``"torch"`` (one ``torch.save``
-    file of a flat dict) or ``"dcp"`` (a DCP folder). Each tensor is gathered whole on every
-    rank, one at a time, and rank 0 writes; the output appears at ``dst`` atomically.
+    file of a flat dict) or ``"dcp"`` (a DCP folder). The tensors come from the stream
+    :func:`export_iter` iterates, in the order the writer asks for them (rank 0 tells the other
+    ranks which key is next); rank 0 writes; the output appears at ``dst`` atomically.
     ``checksums=True`` also writes ``sdadapt.checksums.json`` (beside a torch file:
     ``<file>.sdadapt.checksums.json``), computed from the tensors as they are written, for
     ``load(..., verify=True)``.
     """
     t0 = time.perf_counter()
     dst = os.fspath(dst)
+    adapter = adapter_or_none(adapter, None)
     rank, world = rank_and_world(process_group)
-    txn = Transaction(None, process_group, dst)
 
-    def prepare() -> tuple[dict[str, torch.Tensor], dict[str, Node]]:
+    def check() -> None:
         if format not in FORMATS:
             raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
-        if has_meta(model):
-            raise ExportError("the model has tensors on the meta device; load or initialise it before exporting")
         if rank == 0:
             _check_dst(dst, overwrite)
-        sd = model_state_dict(model)
-        schema = {k: TensorInfo(tuple(t.shape), t.dtype) for k, t in sd.items()}
-        inverse = adapter.inverse() if adapter is not None else None
-        return sd, plan_outputs(schema, inverse, what=f"export to {dst}")[0]
 
-    sd, outputs = txn.prepare(prepare)  # planned on every rank; any rank's error is every rank's
-
-    def fetch(key: str) -> torch.Tensor:
-        t = sd[key]
-        t = t.full_tensor() if isinstance(t, DTensor) else t.detach()
-        return t.cpu()
-
-    io = _CachedIO(outputs, fetch, lambda t: None)
+    stream = _ModelStream(model, adapter, process_group, f"export to {dst}", check)
+    outputs = stream.outputs
     src0 = dist.get_global_rank(process_group, 0) if is_distributed() and process_group is not None else 0
     written = [0]
     sums: dict[str, Any] = {}
@@ -327,38 +389,29 @@ def export(
     def produce(key: str) -> torch.Tensor:
         if world > 1:
             dist.broadcast_object_list([(_KEY, key)], src=src0, group=process_group)
-        t = io.produce(outputs[key])
+        t = stream.produce(key)
         written[0] += t.numel() * t.element_size()
         if checksums:  # from the tensor in hand: no read-back (sdadapt.checksums.json, verify=True)
             sums[key] = integrity.tensor_checksums(TensorInfo(tuple(t.shape), t.dtype), lambda box: t[slices(box)])
         return t
 
     files: list[str] = []
-    if rank == 0:
-        try:
-            files = _write(dst, format, outputs, produce, max_shard_size=max_shard_size, overwrite=overwrite)
-            if checksums:
-                integrity.write_checksums_data(dst, sums)
-        except BaseException as e:
+    try:
+        if rank == 0:
+            try:
+                files = _write(dst, format, outputs, produce, max_shard_size=max_shard_size, overwrite=overwrite)
+                if checksums:
+                    integrity.write_checksums_data(dst, sums)
+            except BaseException as e:
+                if world > 1:
+                    dist.broadcast_object_list([(_ABORT, f"{type(e).__name__}: {e}")], src=src0, group=process_group)
+                raise
             if world > 1:
-                dist.broadcast_object_list([(_ABORT, f"{type(e).__name__}: {e}")], src=src0, group=process_group)
-            raise
-        if world > 1:
-            dist.broadcast_object_list([(_DONE, files)], src=src0, group=process_group)
-    else:
-        while True:
-            msg: list[Any] = [None]
-            dist.broadcast_object_list(msg, src=src0, group=process_group)
-            kind, value = msg[0]
-            if kind == _KEY:
-                t = io.produce(outputs[value])
-                written[0] += t.numel() * t.element_size()
-                del t
-            elif kind == _DONE:
-                files = value
-                break
-            else:
-                raise RemoteRankError(f"rank 0 failed while writing {dst}, so this rank stops too:\n{value}")
+                dist.broadcast_object_list([(_DONE, files)], src=src0, group=process_group)
+        else:
+            files = _follow(stream, written, process_group, src0, dst)
+    finally:
+        stream.close()
     rep = ExportReport(
         dst=dst,
         format=format,
@@ -371,11 +424,29 @@ def export(
     return rep
 
 
+def _follow(
+    stream: _ModelStream, written: list[int], group: dist.ProcessGroup | None, src0: int, dst: str
+) -> list[str]:
+    """A rank other than 0 of :func:`export`: produce the keys rank 0 names, until it is done."""
+    while True:
+        msg: list[Any] = [None]
+        dist.broadcast_object_list(msg, src=src0, group=group)
+        kind, value = msg[0]
+        if kind == _KEY:
+            t = stream.produce(value)
+            written[0] += t.numel() * t.element_size()
+            del t
+        elif kind == _DONE:
+            return list(value)
+        else:
+            raise RemoteRankError(f"rank 0 failed while writing {dst}, so this rank stops too:\n{value}")
+
+
 # ------------------------------------------------------------------------------ convert
 def convert(
     src: str | os.PathLike[str] | Source,
     dst: str | os.PathLike[str],
-    adapter: Adapter | None = None,
+    adapter: Adapter | str | None = None,
     format: str = "safetensors",  # noqa: A002
     *,
     max_shard_size: int | str = "5GB",
@@ -388,9 +459,13 @@ def convert(
     destination layout), one tensor at a time in one process. ``verify=True`` reads the result
     back (before it is renamed into place) and compares every tensor with the source
     (bit-exact); a difference is an error and leaves nothing at ``dst``. Non-tensor entries are skipped
-    (listed in the report)."""
+    (listed in the report). ``adapter`` may be a name, ``file.py:ATTR``, ``module:ATTR`` or
+    ``.json`` (resolved by :func:`sdadapt.resolve_adapter`, options read from ``src``'s folder);
+    ``src`` may be a Hub id ``hf://org/name[@revision]``. ``progress(key, nbytes)`` is called
+    after each tensor is written, then after each is verified."""
     t0 = time.perf_counter()
     dst = os.fspath(dst)
+    adapter = adapter_or_none(adapter, src)
     if format not in FORMATS:
         raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
     _check_dst(dst, overwrite)
@@ -459,4 +534,4 @@ def _verify(tmp: str, dst: str, outputs: dict[str, Node], source: Source, releas
         result.close()
 
 
-__all__ = ["ExportError", "ExportReport", "PageReleaser", "convert", "export", "plan_outputs"]
+__all__ = ["ExportError", "ExportReport", "PageReleaser", "convert", "export", "export_iter", "plan_outputs"]

@@ -20,6 +20,7 @@ from ._lora import open_peft_lora
 from ._materialize import InitFn, check_buffers
 from ._plan import PipelineStage, Plan, build_plan, vacant_modules
 from ._report import Report
+from ._resolve import adapter_or_none
 from ._target import local_nbytes, model_state_dict, schema_of
 from ._transaction import Part, Transaction
 from .errors import PlanError
@@ -79,7 +80,7 @@ def _describe(src: Any) -> str:
 def plan_load(
     model: nn.Module,
     src: str | os.PathLike[str] | Source,
-    adapter: Adapter | None = None,
+    adapter: Adapter | str | None = None,
     *,
     subtree: str | None = None,
     allow_missing: list[str] | None = None,
@@ -89,6 +90,7 @@ def plan_load(
 ) -> tuple[Source, Plan]:
     """Open the source and plan against the model (headers only; nothing is read or changed);
     ``pipeline_stage`` and ``lora`` as in :func:`load`."""
+    adapter = adapter_or_none(adapter, src)
     source, plan, _ = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage, lora)
     return source, plan
 
@@ -134,7 +136,7 @@ def _plan_load(
 def load(
     model: nn.Module,
     src: str | os.PathLike[str] | Source,
-    adapter: Adapter | None = None,
+    adapter: Adapter | str | None = None,
     *,
     strict: bool = True,
     subtree: str | None = None,
@@ -159,6 +161,13 @@ def load(
     unexpected or mismatched key raises :class:`~sdadapt.PlanError` on every rank before
     anything is read or changed; ``allow_missing``/``allow_unexpected`` take key patterns that
     are fine to leave out. ``subtree`` picks a nested dict of a ``torch.save`` file.
+
+    ``src`` is a path (see :func:`sdadapt.open_source`) or a Hugging Face Hub id
+    ``"hf://org/name[@revision]"`` (``sdadapt[hub]``: one process per node downloads the config,
+    the index and its shards into the Hub cache; the others wait). ``adapter`` is an
+    :class:`Adapter` or a string resolved like the CLI's ``--adapter`` by
+    :func:`sdadapt.resolve_adapter`: a shipped name (``"llama"``, its options read from the
+    checkpoint folder's config), ``file.py:ATTR``, ``module:ATTR`` or a ``.json`` file.
 
     Never a silently half-loaded model (:mod:`sdadapt._transaction`). Everything that can be
     checked before writing (the plan, the files' fingerprints, the buffer hooks) is agreed on
@@ -204,6 +213,7 @@ def load(
     ``adapter``'s rules: each rank computes ``W[box] + s * B[rows] @ A[:, cols]`` for its own
     shards only (:mod:`sdadapt._lora`).
     """
+    adapter = adapter_or_none(adapter, src)
     if dtype is not None:
         to_dtype = Adapter([cast("**", dtype)], name=f"dtype={dtype}")
         adapter = to_dtype if adapter is None else adapter + to_dtype

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ResolveError", "load_object", "resolve_adapter", "resolve_target", "split_spec"]
+__all__ = ["ResolveError", "adapter_or_none", "load_object", "resolve_adapter", "resolve_target", "split_spec"]
 
 
 def split_spec(spec: str) -> tuple[str, str] | None:
@@ -237,8 +237,8 @@ def resolve_adapter(
 ) -> Adapter:
     """The adapter ``spec`` names: an :class:`Adapter`, a shipped adapter name, a ``.json``
     file, or ``module:ATTR`` / ``file.py:ATTR`` (an Adapter, or a function returning one,
-    called with ``**options``). ``source`` (the checkpoint) lets a shipped adapter read the
-    options not given here from the checkpoint folder's config files."""
+    called with ``**options``). ``source`` (the checkpoint: a path or an ``hf://`` Hub id) lets
+    a shipped adapter read the options not given here from the checkpoint folder's config files."""
     from ._adapter import Adapter
 
     if isinstance(spec, Adapter):
@@ -270,4 +270,22 @@ def resolve_adapter(
             f"adapter {text!r}: no adapters are shipped by name in this version; give a .json file or "
             "file.py:ATTR naming an Adapter"
         ) from None
+    if source is not None:
+        from .sources import local_path
+
+        source = local_path(source)  # a Hub id: the snapshot folder, whose config the adapter reads
     return registry.get_adapter(text, source=source, **options)
+
+
+def adapter_or_none(adapter: Adapter | str | os.PathLike[str] | None, source: object = None) -> Adapter | None:
+    """The ``adapter`` argument of ``load``, ``load_state``, ``export``, ``export_iter``,
+    ``diff``, ``draft`` and ``convert``: ``None`` stays ``None``, an :class:`Adapter` is used as
+    is, and a string is resolved by :func:`resolve_adapter` (a shipped name, ``file.py:ATTR``,
+    ``module:ATTR`` or a ``.json`` file). ``source`` is the checkpoint (a path or an open
+    :class:`~sdadapt.sources.Source`): a shipped adapter reads the options it needs from the
+    config files of its folder."""
+    if adapter is None:
+        return None
+    path = getattr(source, "path", source)
+    where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    return resolve_adapter(adapter, source=where)

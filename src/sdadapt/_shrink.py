@@ -22,7 +22,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 import time
 from typing import Any
 
@@ -30,8 +29,9 @@ from pydantic import BaseModel
 
 from ._export import PageReleaser, _check_dst, _write
 from ._nodes import Leaf, Node, full_box
+from ._progress import progress_bar
 from .errors import ShrinkError
-from .sources import open_source
+from .sources import local_path, open_source
 
 log = logging.getLogger(__name__)
 
@@ -131,15 +131,6 @@ def _select(keys: list[str], layers: int, pattern: str) -> tuple[list[str], int]
     return kept, before
 
 
-def _progress_bar(total: int, enabled: bool | None) -> Any:
-    """A tqdm bar on stderr, shown only on a terminal, with logging on (not ``logging.disable``d),
-    unless ``enabled`` says otherwise (``False``: never)."""
-    from tqdm.auto import tqdm
-
-    show = enabled is not False and sys.stderr.isatty() and log.isEnabledFor(logging.WARNING)
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="shrink", disable=not show, leave=False)
-
-
 def _side_files(folder: str | None, dst_tmp: str, config: dict[str, Any] | None, layers: int) -> None:
     if config is not None:
         with open(os.path.join(dst_tmp, "config.json"), "w", encoding="utf-8") as f:
@@ -173,7 +164,7 @@ def shrink(
     with ``config.json`` rewritten and the folder's other small files copied. ``progress``:
     a tqdm bar on stderr (``None``: only on a terminal). See the module docstring."""
     t0 = time.perf_counter()
-    src, dst = os.fspath(src), os.fspath(dst)
+    src, dst = local_path(src), os.fspath(dst)  # a Hub id (hf://...): its snapshot folder
     _check_dst(dst, overwrite)
     source = open_source(src)
     try:
@@ -192,7 +183,7 @@ def shrink(
         outputs: dict[str, Node] = {k: Leaf(k, tuple(source.schema[k].shape), source.schema[k].dtype) for k in kept}
         total = sum(source.schema[k].nbytes for k in kept)
         release = PageReleaser(source.files())
-        bar = _progress_bar(total, progress)
+        bar = progress_bar(total, "shrink", enabled=progress)
         pending: list[Any] = []
 
         def produce(key: str) -> Any:

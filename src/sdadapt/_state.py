@@ -42,6 +42,7 @@ from ._nodes import Box, full_box
 from ._optim_state import OptimPlan, init_state, plan_optimizer
 from ._plan import Plan, build_plan
 from ._report import Report
+from ._resolve import adapter_or_none
 from ._safe_planner import SafeLoadPlanner
 from ._target import model_state_dict, schema_of
 from ._transaction import Part, Transaction
@@ -88,7 +89,7 @@ def save_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict[str, Stateful | Any] | None = None,
-    adapter: Adapter | None = None,
+    adapter: Adapter | str | None = None,
     *,
     overwrite: bool = False,
     process_group: dist.ProcessGroup | None = None,
@@ -106,6 +107,7 @@ def save_state(
     non-empty ``dst`` is an error unless ``overwrite=True``. Returns ``dst``.
     """
     dst = os.fspath(dst)
+    adapter = adapter_or_none(adapter)
     rank, world = rank_and_world(process_group)
     extra = dict(extra or {})
     error: SdadaptError | None = None
@@ -232,7 +234,7 @@ def load_state(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict[str, Stateful | Any] | None = None,
-    adapter: Adapter | None = None,
+    adapter: Adapter | str | None = None,
     *,
     allow_missing: list[str] | None = None,
     allow_unexpected: list[str] | None = None,
@@ -244,7 +246,9 @@ def load_state(
     """Restore model (+ optimizer, + ``extra``) from the DCP folder ``src``; every rank calls it.
 
     Works on any mesh (FSDP2, TP, HSDP, uneven shards), and through ``adapter`` (checkpoint
-    layout -> model layout) after a refactor; optimizer state follows the parameters' rules.
+    layout -> model layout) after a refactor (an :class:`Adapter`, or a name, ``file.py:ATTR``,
+    ``module:ATTR`` or ``.json`` resolved by :func:`sdadapt.resolve_adapter`); optimizer state
+    follows the parameters' rules.
     ``extra`` entries are restored in place: ``Stateful`` objects through ``load_state_dict``,
     plain values by replacing ``extra[name]``. Strict: any missing or unexpected key (model or
     optimizer), an optimizer of another kind, or a missing extra raises on every rank before
@@ -264,6 +268,7 @@ def load_state(
     """
     t0 = time.perf_counter()
     src = os.fspath(src)
+    adapter = adapter_or_none(adapter, src)
     rank, world = rank_and_world(process_group)
     extra = extra if extra is not None else {}
     txn = Transaction(model, process_group, src)

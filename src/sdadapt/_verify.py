@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .errors import VerifyError
+from .sources import local_path
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ def verify(
 def reference_from_checkpoint(src: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn.Module:
     """The transformers model named by ``architectures`` in the ``config.json`` beside ``src``
     (a folder, or a file in one), loaded with its own ``from_pretrained`` (local files only)."""
-    path = os.fspath(src)
+    path = local_path(src)  # a Hub id (hf://...): its snapshot folder
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     config_path = os.path.join(folder, "config.json")
     try:

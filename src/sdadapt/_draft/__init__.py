@@ -27,8 +27,10 @@ from pydantic import BaseModel, ConfigDict
 
 from .._adapter import Adapter
 from .._diff import Target, target_schema
+from .._export import plan_outputs
 from .._plan import build_plan
 from .._report import Report
+from .._resolve import adapter_or_none
 from .._rules import StripPrefix
 from ..sources import Source, TensorInfo, open_source
 from .config import FP8_SCALE_SUFFIX, NO_CONFIG, read_facts
@@ -146,19 +148,28 @@ def _source_schema(src: Any, subtree: str | None) -> tuple[dict[str, TensorInfo]
 def draft(
     target: Target,
     src: str | os.PathLike[str] | Source | dict[str, TensorInfo],
+    adapter: Adapter | str | None = None,
     *,
     subtree: str | None = None,
 ) -> Draft:
     """Propose an adapter from checkpoint ``src`` to ``target`` (a model, a checkpoint path or a
-    schema), reading headers only. See :class:`Draft`."""
+    schema), reading headers only. See :class:`Draft`.
+
+    ``adapter`` (an :class:`Adapter`, or a name, ``file.py:ATTR``, ``module:ATTR`` or ``.json``
+    resolved by :func:`sdadapt.resolve_adapter`) is a start: the checkpoint is taken as that
+    adapter maps it (rules that need the model, such as ``pad`` to the model's size, cannot be
+    applied here), the proposals cover what remains, and the drafted adapter runs its rules first."""
     tschema, tname = target_schema(target)
     sschema, non_tensor, sname = _source_schema(src, subtree)
+    given = adapter_or_none(adapter, None if isinstance(src, dict) else src)
+    original, original_non_tensor = sschema, non_tensor
+    if given is not None:
+        outputs, non_tensor = plan_outputs(sschema, given, non_tensor=non_tensor, what=f"draft from {sname}")
+        sschema = {k: TensorInfo(tuple(n.shape), n.dtype) for k, n in outputs.items()}
     facts = NO_CONFIG if isinstance(src, dict) else read_facts(sname, list(sschema))
     scales = {k for k in sschema if k.endswith(FP8_SCALE_SUFFIX) and k[: -len(FP8_SCALE_SUFFIX)] in sschema}
     if scales:  # FP8 block scales belong to their weights (a dequantisation reads them), not to the mapping
-        sschema_all, sschema = sschema, {k: v for k, v in sschema.items() if k not in scales}
-    else:
-        sschema_all = sschema
+        sschema = {k: v for k, v in sschema.items() if k not in scales}
     rules_before: list[Any] = []
     strip = _common_prefix(list(sschema))
     if strip.count(".") >= 2 and not any(k.startswith(strip) for k in tschema):  # model.diffusion_model.
@@ -216,8 +227,12 @@ def draft(
             elif name.startswith("(top level)"):
                 title = "top level"
             sections.append((title, entries))
+    if given is not None:
+        note = comment(f"the adapter given to draft ({given.name}); the proposals below come after it")
+        sections.insert(0, (f"given: {given.name}", [(note, [rule_code(r) for r in given.rules])]))
+        rules = [*given.rules, *rules]
     adapter = Adapter(rules, name="draft", description=f"drafted from {sname} for {tname}")
-    report = build_plan(sschema_all, tschema, adapter, non_tensor=non_tensor, source_name=sname,
+    report = build_plan(original, tschema, adapter, non_tensor=original_non_tensor, source_name=sname,
                         target_name=tname).report
     questions = [Question(about=q.about, question=q.question, suggestion=q.suggestion) for q in props.questions] if related else []
     module = render_module(

@@ -37,7 +37,10 @@ def parse_options(items: list[str] | None) -> dict[str, Any]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("src", metavar="SRC", help="checkpoint: torch.save file, .safetensors, HF sharded folder, DCP folder")
+    parser.add_argument(
+        "src", metavar="SRC",
+        help="checkpoint: torch.save file, .safetensors, HF sharded folder, DCP folder, or hf://org/name[@rev]",
+    )
     parser.add_argument("--target", "-t", required=True, metavar="T", help="model (module:function) or checkpoint")
     parser.add_argument("--adapter", "-a", metavar="A", help="adapter name, .json file, or module:ATTR")
     parser.add_argument(

@@ -27,7 +27,10 @@ a target that cannot be imported or built)."""
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("src", metavar="SRC", help="checkpoint: torch.save file, .safetensors, HF sharded folder, DCP folder")
+    parser.add_argument(
+        "src", metavar="SRC",
+        help="checkpoint: torch.save file, .safetensors, HF sharded folder, DCP folder, or hf://org/name[@rev]",
+    )
     parser.add_argument("--target", "-t", required=True, metavar="T", help="model (module:function) or checkpoint")
     parser.add_argument(
         "--target-option", action="append", default=[], metavar="KEY=VALUE",
@@ -35,6 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--subtree", "-s", metavar="S", help="nested dict of a torch.save SRC to use, e.g. model")
     parser.add_argument("--target-subtree", metavar="S", help="nested dict of a torch.save target checkpoint")
+    parser.add_argument("--adapter", "-a", metavar="A", help="start from this adapter (name, .json, module:ATTR)")
+    parser.add_argument(
+        "--adapter-option", "-O", action="append", default=[], metavar="KEY=VALUE",
+        help="option passed to an adapter function or shipped adapter (repeatable)",
+    )
     parser.add_argument("--output", "-o", metavar="FILE", help="write the adapter module here (refuses to overwrite)")
     parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     parser.add_argument("--json", action="store_true", help="print the draft (proposals, questions, report) as JSON")
@@ -42,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._draft import draft
-    from .._resolve import resolve_target
+    from .._resolve import resolve_adapter, resolve_target
     from ..errors import ResolveError
     from ..sources import open_source
     from .diff import parse_options
@@ -52,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     target: Any = resolve_target(args.target, **parse_options(args.target_option))
     if isinstance(target, str) and args.target_subtree:
         target = open_source(target, subtree=args.target_subtree)
-    d = draft(target, args.src, subtree=args.subtree)
+    adapter = resolve_adapter(args.adapter, source=args.src, **parse_options(args.adapter_option)) if args.adapter else None
+    d = draft(target, args.src, adapter, subtree=args.subtree)
     if args.json:
         print(d.model_dump_json(indent=2))
     elif args.output:

@@ -9,7 +9,10 @@ HELP = "list a checkpoint's tensors (keys, shapes, dtypes, bytes) with runs of k
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("src", metavar="SRC", help="checkpoint: torch.save file, .safetensors, HF sharded folder, DCP folder")
+    parser.add_argument(
+        "src", metavar="SRC",
+        help="checkpoint: torch.save file, .safetensors, HF sharded folder, DCP folder, or hf://org/name[@rev]",
+    )
     parser.add_argument("--subtree", "-s", metavar="S", help="nested dict of a torch.save file to list, e.g. model")
     parser.add_argument("--json", action="store_true", help="print the inventory as JSON")
 

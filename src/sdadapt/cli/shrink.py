@@ -20,7 +20,7 @@ a terminal. Exit status: 0 done, 2 usage or input errors."""
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("src", metavar="SRC", help="HF checkpoint folder or .safetensors file")
+    parser.add_argument("src", metavar="SRC", help="HF checkpoint folder, .safetensors file, or hf://org/name[@rev]")
     parser.add_argument("dst", metavar="DST", help="folder to write (must not exist unless --overwrite)")
     parser.add_argument("--layers", "-n", type=int, required=True, metavar="N", help="number of leading layers to keep")
     parser.add_argument("--pattern", default="layers.{i}.", metavar="P", help="where keys carry the layer index (default 'layers.{i}.')")

@@ -29,7 +29,7 @@ errors."""
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("src", metavar="SRC", help="checkpoint to load")
+    parser.add_argument("src", metavar="SRC", help="checkpoint to load (a path, or hf://org/name[@rev])")
     parser.add_argument("--model", "-m", required=True, metavar="M", help="module:function returning the model")
     parser.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE", help="keyword argument for M (repeatable)")
     parser.add_argument("--adapter", "-a", metavar="A", help="adapter name, .json file, or module:ATTR")

@@ -8,10 +8,21 @@ import re
 from ..errors import SourceError
 from ._base import Source, TensorInfo, dtype_name
 from ._hf_sharded import INDEX_NAME, HFShardedSource
+from ._hub import PREFIX as HUB_PREFIX
+from ._hub import hub_folder, is_hub_id
 from ._safetensors_file import SafetensorsFile
 from ._torch_save import TorchSaveFile
 
-__all__ = ["Source", "TensorInfo", "dtype_name", "open_source", "SafetensorsFile", "HFShardedSource", "TorchSaveFile"]
+__all__ = [
+    "Source",
+    "TensorInfo",
+    "dtype_name",
+    "local_path",
+    "open_source",
+    "SafetensorsFile",
+    "HFShardedSource",
+    "TorchSaveFile",
+]
 
 
 def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = None) -> Source:
@@ -19,16 +30,18 @@ def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = 
 
     - a ``.safetensors`` file; a folder with ``model.safetensors.index.json`` (HF sharded) or a
       single ``model.safetensors``; an ``*.index.json`` file;
-    - a ``torch.save`` zip file (any other file); ``subtree="model"`` selects a nested dict.
+    - a ``torch.save`` zip file (any other file); ``subtree="model"`` selects a nested dict;
+    - a Hugging Face Hub id ``hf://org/name[@revision]``: the files a load needs, from the Hub
+      cache (downloaded if missing; see :mod:`sdadapt.sources._hub`; needs ``sdadapt[hub]``).
     """
     if isinstance(path, Source):
         return path
-    p = os.fspath(path)
+    p = local_path(path)
     if not os.path.exists(p):
         if _looks_like_hub_id(p):
             raise SourceError(
-                "looks like a Hugging Face Hub id, not a local path (none exists here); Hub ids are not "
-                f"(yet) sources: download it first (e.g. `hf download {p} --local-dir DIR`) and pass the folder",
+                "looks like a Hugging Face Hub id, not a local path (none exists here); to read it from the "
+                f"Hub write {HUB_PREFIX}{p} (needs `pip install 'sdadapt[hub]'`), or pass a local folder",
                 path=p,
             )
         raise SourceError("no such file or folder", path=p)
@@ -54,6 +67,13 @@ def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = 
     if p.endswith(".safetensors"):
         return SafetensorsFile(_flat_only(p, subtree))
     return TorchSaveFile(p, subtree=subtree)
+
+
+def local_path(path: str | os.PathLike[str]) -> str:
+    """``path`` as a string; for a Hub id (``hf://org/name[@revision]``), the local snapshot
+    folder holding the files a load needs (fetched into the Hub cache if missing)."""
+    p = os.fspath(path)
+    return hub_folder(p) if is_hub_id(p) else p
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")

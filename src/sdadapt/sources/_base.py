@@ -153,7 +153,8 @@ class Source(abc.ABC):
 def member_path(folder: str, name: object, *, what: str, path: str, key: str | None = None, subdirs: bool = True) -> str:
     """``folder/name``, if ``name`` is a plain relative name that stays inside ``folder``: no
     ``..``, no absolute path, no NUL byte, no symlink leading out (and no ``/`` at all unless
-    ``subdirs``). Otherwise a SourceError: ``what`` says who named it ("index names shard")."""
+    ``subdirs``); in a Hub cache snapshot, links into the repository's ``blobs`` are its files.
+    Otherwise a SourceError: ``what`` says who named it ("index names shard")."""
     plain = isinstance(name, str) and bool(name) and "\x00" not in name and not os.path.isabs(name)
     if plain:
         parts = name.replace("\\", "/").split("/")  # type: ignore[union-attr]
@@ -167,7 +168,7 @@ def member_path(folder: str, name: object, *, what: str, path: str, key: str | N
         )
     full = os.path.join(folder, name)  # type: ignore[arg-type]
     real, real_folder = os.path.realpath(full), os.path.realpath(folder)
-    if os.path.commonpath([real, real_folder]) != real_folder:
+    if not _inside(real, real_folder) and not _inside(real, _hub_blobs(real_folder)):
         raise SourceError(
             f"{what} {name!r}, which resolves to {real} outside the checkpoint folder (a symlink?); "
             "refusing to read it",
@@ -175,3 +176,18 @@ def member_path(folder: str, name: object, *, what: str, path: str, key: str | N
             key=key,
         )
     return full
+
+
+def _inside(path: str, folder: str | None) -> bool:
+    return folder is not None and os.path.commonpath([path, folder]) == folder
+
+
+def _hub_blobs(folder: str) -> str | None:
+    """The ``blobs`` folder a Hugging Face Hub cache snapshot (``models--org--name/snapshots/<rev>``)
+    links its files into, or ``None`` for any other folder."""
+    snapshots = os.path.dirname(folder)
+    repo = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) != "snapshots" or "--" not in os.path.basename(repo):
+        return None
+    return os.path.join(repo, "blobs")
+
