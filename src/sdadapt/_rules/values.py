@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from .. import _nodes as N
 from .._nodes import Cast as CastNode
 from .._nodes import Narrow
+from .._value_nodes import Affine as AffineNode
 from ..errors import AdapterError
 from .base import (
     Keys,
@@ -240,7 +241,7 @@ class Affine(RuleBase):
                 continue
             ctx.mark(index)
             if self.scale != 1.0 or self.shift != 0.0:
-                ctx.replace(key, N.Affine(node, self.scale, self.shift, self.invert))
+                ctx.replace(key, AffineNode(node, self.scale, self.shift, self.invert))
 
     def inverse(self) -> list[RuleBase]:
         return [Affine(keys=self.keys, scale=self.scale, shift=self.shift, invert=not self.invert)]
