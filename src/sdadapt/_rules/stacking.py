@@ -32,7 +32,22 @@ def check_over(src: str, dst: str, over: str, what: str) -> None:
             raise AdapterError(f"{what}: pattern {dst!r} may not contain '*' or '**'; name the capture instead")
 
 
-class Stack(RuleBase):
+class _Stacking(RuleBase):
+    """The fields of :class:`Stack` and :class:`Unstack`: the pattern ``src`` they read, the
+    pattern ``dst`` they write, the capture ``over`` that indexes the entries of dim ``dim``, and
+    the number of entries ``count`` if it is fixed."""
+
+    src: str
+    dst: str
+    over: str = "e"
+    dim: int = 0
+    count: int | None = Field(default=None, gt=0)
+
+    def input_patterns(self) -> list[str]:
+        return [self.src]
+
+
+class Stack(_Stacking):
     """All keys matching ``src`` that differ only in the capture ``over`` become one tensor
     ``dst`` with a new dim ``dim`` of size E (MoE experts:
     ``Stack(src="layers.{i}.block_sparse_moe.experts.{e}.w1.weight", dst="layers.{i}.moe.experts.w1")``).
@@ -40,19 +55,11 @@ class Stack(RuleBase):
     and dtypes."""
 
     kind: Literal["stack"] = "stack"
-    src: str
-    dst: str
-    over: str = "e"
-    dim: int = 0
-    count: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> Stack:
         check_over(self.src, self.dst, self.over, f"stack into {self.dst!r}")
         return self
-
-    def input_patterns(self) -> list[str]:
-        return [self.src]
 
     def apply(self, ctx: PlanContext, index: int) -> None:
         pat, out = compile_pattern(self.src), compile_pattern(self.dst)
@@ -105,24 +112,16 @@ class Stack(RuleBase):
         return [Unstack(src=typed_like(self.dst, self.src), dst=self.src, over=self.over, dim=self.dim, count=self.count)]
 
 
-class Unstack(RuleBase):
+class Unstack(_Stacking):
     """One tensor ``src`` becomes E keys ``dst`` (which captures ``over``), one per entry along
     ``dim``: ``Unstack(src="layers.{i}.moe.experts.w1", dst="layers.{i}.experts.{e}.w1.weight")``."""
 
     kind: Literal["unstack"] = "unstack"
-    src: str
-    dst: str
-    over: str = "e"
-    dim: int = 0
-    count: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> Unstack:
         check_over(self.dst, self.src, self.over, f"unstack of {self.src!r}")
         return self
-
-    def input_patterns(self) -> list[str]:
-        return [self.src]
 
     def apply(self, ctx: PlanContext, index: int) -> None:
         pat, out = compile_pattern(self.src), compile_pattern(self.dst)
