@@ -48,16 +48,16 @@ def _fp8_node(tmp_path, fmt: str, block: tuple[int, int]):
     x = torch.randn(3, 45, 70, generator=g) * torch.exp2(torch.randint(-6, 6, (3, 45, 70), generator=g).float())
     w, s = Q.quantize_fp8(x, block, fmt)  # type: ignore[arg-type]
     path = write_safetensors(tmp_path / "fp8.safetensors", {"w": w, "w_scale_inv": s})
-    node = QN.DequantFP8(N.Leaf("w", tuple(w.shape), w.dtype), N.Leaf("w_scale_inv", tuple(s.shape), s.dtype),
-                         block, fmt, torch.bfloat16)  # type: ignore[arg-type]
+    node = QN.DequantFP8(N.Leaf("w", tuple(w.shape), w.dtype), N.Leaf("w_scale_inv", tuple(s.shape), s.dtype), block, fmt, torch.bfloat16)  # type: ignore[arg-type]
     return node, path
 
 
 def _mxfp4_node(tmp_path):
     blocks, scales = Q.quantize_mxfp4(torch.randn(2, 5, 4 * Q.MX_BLOCK, generator=torch.Generator().manual_seed(4)))
     path = write_safetensors(tmp_path / "mx.safetensors", {"e_blocks": blocks, "e_scales": scales})
-    node = QN.DequantMXFP4(N.Leaf("e_blocks", tuple(blocks.shape), blocks.dtype),
-                           N.Leaf("e_scales", tuple(scales.shape), scales.dtype), torch.bfloat16)
+    node = QN.DequantMXFP4(
+        N.Leaf("e_blocks", tuple(blocks.shape), blocks.dtype), N.Leaf("e_scales", tuple(scales.shape), scales.dtype), torch.bfloat16
+    )
     return node, path
 
 
@@ -71,8 +71,10 @@ def test_device_path_equals_host_path_and_full(tmp_path, kind, chunk, depth):
         b0, b1 = blk.split("x")
         node, path = _fp8_node(tmp_path, fmt, (int(b0), int(b1)))
     rng = random.Random(kind)
+    staged = 0
     with open_source(path) as src:
         worker = _worker(src, chunk, depth)
+        _open_all(worker, src)
         full = node.full(worker.counter)
         for box in _boxes(node.shape, rng, 15):
             want = full[tuple(slice(a, b) for a, b in box)]
@@ -84,10 +86,22 @@ def test_device_path_equals_host_path_and_full(tmp_path, kind, chunk, depth):
                 step.run(worker.counter)
             for step in moved_steps:
                 assert isinstance(step, N.Compute)
-                step.run(worker.counter, worker.to_device)
+                worker.inputs.held = None
+                step.run(worker.inputs, worker.to_device)
+                staged += worker.inputs.held is not None
             assert torch.equal(_bits(host), _bits(want)), box
             assert torch.equal(_bits(moved), _bits(want)), box
         assert worker.shared.pool.allocated <= depth  # the inputs went through this thread's ring only
+        if chunk > 4096:
+            assert staged >= 3  # the whole tensor, a corner and the last element at least: read with preadv
+
+
+def _open_all(worker: Worker, src) -> None:
+    """Open the source's files for the worker's ``preadv`` reads (the engine does it when planning)."""
+    import os
+
+    for f in src.files():
+        worker.shared.fds[f] = os.open(f, os.O_RDONLY)
 
 
 def test_to_device_stages_in_slices_that_fit_and_copies_the_rest(tmp_path, monkeypatch):
@@ -105,7 +119,7 @@ def test_to_device_stages_in_slices_that_fit_and_copies_the_rest(tmp_path, monke
         ]
         for value, copies in cases:
             staged.clear()
-            out = worker.to_device(value, torch.device("cpu"))
+            (out,) = worker.to_device((value,), torch.device("cpu"))
             assert torch.equal(out, value) and out.data_ptr() != value.data_ptr()
             assert len(staged) == copies, (value.shape, staged)
         assert worker.shared.pool.allocated == 1
@@ -141,9 +155,87 @@ def test_engine_dequantises_on_the_gpu_bit_identical_to_the_cpu(tmp_path, kind):
         full = node.full(CountingIO(src))
         boxes = _boxes(node.shape, rng, 20)
         for cfg in (EngineConfig(threads=4), EngineConfig(threads=2, chunk_bytes=4096, depth=1)):
-            jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16, device="cuda"))
-                    for box in boxes]
+            jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16, device="cuda")) for box in boxes]
             stats = IOEngine(src, cfg).run(jobs)
             assert stats.computed >= len(jobs)
             for job in jobs:
                 assert torch.equal(_bits(job.dest.cpu()), _bits(full[tuple(slice(a, b) for a, b in job.box)])), job.box
+
+
+@pytest.mark.parametrize("kind", ["fp8-float32-16x32", "fp8-ue8m0-7x9", "mxfp4"])
+def test_bands_tile_the_region_on_block_rows(tmp_path, kind):
+    """A dequantisation region cut into bands: disjoint, covering it, never cut along the last
+    dim, FP8 row cuts on whole scale blocks, and each band within the budget unless it cannot
+    be cut further (one index of every dim but the last; for FP8 rows, one block)."""
+    if kind == "mxfp4":
+        node, _ = _mxfp4_node(tmp_path)
+    else:
+        _, fmt, blk = kind.split("-")
+        node, _ = _fp8_node(tmp_path, fmt, tuple(int(b) for b in blk.split("x")))
+    per_value = 0.5 if kind == "mxfp4" else 1
+    b0 = getattr(node, "block", (1, 1))[0]
+    rng = random.Random(kind)
+    for box in _boxes(node.shape, rng, 40):
+        for max_bytes in (1, 16, 100, 700, 1 << 20):
+            bands = node.bands(box, max_bytes)
+            cover = torch.zeros(N.box_shape(box), dtype=torch.int32)
+            for band in bands:
+                assert band[-1] == box[-1]
+                cover[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(band, box, strict=True))] += 1
+                size = per_value
+                for a, b in band:
+                    size *= b - a
+                if kind != "mxfp4":
+                    r0, r1 = band[-2]
+                    assert r0 == box[-2][0] or r0 % b0 == 0, (box, band)
+                    atomic = all(b - a == 1 for a, b in band[:-2]) and r1 - r0 <= b0
+                else:
+                    atomic = all(b - a == 1 for a, b in band[:-1])
+                assert size <= max_bytes or atomic, (box, max_bytes, band)
+            assert bool((cover == 1).all()), (box, max_bytes)
+
+
+@pytest.mark.parametrize("chunk, min_span", [(4096, 64 * 1024), (4096, 1), (1 << 20, 1)])
+def test_engine_computes_bands_from_staged_reads_with_exact_bytes(tmp_path, chunk, min_span):
+    """On CPU destinations, the engine cuts each region into bands of at most a chunk of weight
+    bytes, reads a band's weight with ``preadv`` into staging where its runs are long enough,
+    and gives the bits of the eager reference, reading exactly the bands' weight bytes plus the
+    scale tiles each band touches."""
+    from sdadapt._engine import CountingIO, EngineConfig, IOEngine, Job
+    from sdadapt._engine.geometry import box_spans
+
+    node, path = _fp8_node(tmp_path, "float32", (16, 32))
+    b0, b1 = node.block
+    cfg = EngineConfig(threads=2, chunk_bytes=chunk, min_span_bytes=min_span)
+    rng = random.Random(chunk + min_span)
+    with open_source(path) as src:
+        full = node.full(CountingIO(src))
+        boxes = _boxes(node.shape, rng, 20)
+        jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16)) for box in boxes]
+        want_bytes = want_staged = tasks = 0
+        for box in boxes:
+            for band in node.bands(box, cfg.chunk()):
+                tasks += 1
+                n = 1
+                for a, b in band:
+                    n *= b - a
+                (r0, r1), (c0, c1) = band[-2:]
+                tiles = (Q.cdiv(r1, b0) - r0 // b0) * (Q.cdiv(c1, b1) - c0 // b1)
+                scale_bytes = 4 * tiles * (band[0][1] - band[0][0])
+                want_bytes += n + scale_bytes
+                scale_box = band[:1] + ((r0 // b0, Q.cdiv(r1, b0)), (c0 // b1, Q.cdiv(c1, b1)))
+                # the first input that can be staged is: the weight, else the scale tiles
+                for box_, shape, size, nbytes in ((band, node.shape, 1, n), (scale_box, node.scale.shape, 4, scale_bytes)):
+                    starts, run = box_spans(shape, size, box_)
+                    if nbytes <= cfg.chunk() and (len(starts) == 1 or run >= min_span):
+                        want_staged += nbytes
+                        break
+        stats = IOEngine(src, cfg).run(jobs)
+        for job in jobs:
+            assert torch.equal(_bits(job.dest), _bits(full[tuple(slice(a, b) for a, b in job.box)])), job.box
+        assert stats.tasks == tasks
+        assert tasks > len(jobs) if chunk == 4096 else tasks == len(jobs)  # banded only when over a chunk
+        assert stats.bytes_read == want_bytes
+        assert stats.staged_bytes == want_staged
+        if min_span == 1:
+            assert stats.staged_bytes > stats.bytes_read // 2  # every band's weight

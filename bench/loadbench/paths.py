@@ -204,6 +204,9 @@ def verify_against_source(model: Any, path: str, files: dict[str, str]) -> int:
     from sdadapt._target import model_state_dict, schema_of
 
     src = sdadapt.open_source(files["safetensors-fp8" if path in FP8_PATHS else "safetensors"])
+    threads = torch.get_num_threads()  # 1 (OMP_NUM_THREADS) while timing; the check is untimed
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     try:
         plan = sdadapt.build_plan(src.schema, schema_of(model_state_dict(model)), adapter_of(path, files))
         checked = 0
@@ -216,4 +219,5 @@ def verify_against_source(model: Any, path: str, files: dict[str, str]) -> int:
             checked += 1
         return checked
     finally:
+        torch.set_num_threads(threads)
         src.close()

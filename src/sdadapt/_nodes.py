@@ -105,8 +105,8 @@ class Fill:
         self.dest.fill_(self.value)
 
 
-Move = Callable[[torch.Tensor, torch.device], torch.Tensor]
-"""Copies a host tensor onto a device (the engine's worker: through its staging and stream)."""
+Move = Callable[[tuple[torch.Tensor, ...], torch.device], tuple[torch.Tensor, ...]]
+"""Copies host tensors onto a device (the engine's worker: through its staging and stream)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,7 +147,7 @@ class Compute:
         assert self.inputs is not None and self.kernel is not None
         args = self.inputs(io)
         if move is not None:
-            args = tuple(move(a, self.dest.device) for a in args)
+            args = move(args, self.dest.device)
         self.dest.copy_(self.kernel(*args))
 
 
@@ -184,6 +184,12 @@ class Node:
     def describe(self) -> str:
         """A one-line text form of the recipe."""
         raise NotImplementedError
+
+    def bands(self, box: Box, max_bytes: int) -> list[Box]:
+        """Sub-boxes that tile ``box``, each produced on its own and reading at most about
+        ``max_bytes`` of source bytes where the node can cut it so (the engine spreads them over
+        its threads). Default: ``[box]``, for nodes whose steps already are reads of that size."""
+        return [box]
 
     def children(self) -> tuple[Node, ...]:
         """The input nodes: every dataclass field that holds a node or a tuple of nodes."""

@@ -5,7 +5,9 @@ the child nodes only the bytes that region needs (for FP8 the weight region itse
 scale rows/cols its blocks touch; for MXFP4 the whole 32-value blocks it touches and their
 scale bytes), then computes. Dequantisation gives the step as its reads (``_inputs(box, io)``,
 raw bytes on the host) and its arithmetic (``_kernel(box, *inputs)``) apart, so that on a GPU
-the engine copies the raw, smaller, inputs and dequantises there; re-quantization (export,
+the engine copies the raw, smaller, inputs and dequantises there; a large region is cut into
+bands of whole blocks (``bands``) that the engine's threads compute apart, each band's weight
+bytes read with ``preadv`` into a staging buffer. Re-quantization (export,
 whose destinations are on the host) is one host function, ``_region(box, io)``. ``full(io)``
 is a separate eager implementation on whole tensors (the reference the region path is tested
 against). The formats themselves are in :mod:`sdadapt._quant`.
@@ -35,12 +37,47 @@ class _Computed(Node):
         raise NotImplementedError
 
 
+def _bands(box: Box, value_bytes: float, max_bytes: int, align: dict[int, int], first: int = 0) -> list[Box]:
+    """``box`` cut along its outermost dims from ``first`` on (never the last) into bands of at
+    most about ``max_bytes`` of input (``value_bytes`` per value), cuts on multiples of
+    ``align[dim]`` (absolute coordinates); bands of a dim cut as finely as it allows that are
+    still too large are cut along the next dim."""
+    n = value_bytes
+    for a, b in box:
+        n *= b - a
+    dim = next((d for d in range(first, len(box) - 1) if box[d][1] - box[d][0] > 1), None)
+    if n <= max_bytes or dim is None:
+        return [box]
+    lo, hi = box[dim]
+    step = max(1, int(max_bytes // (n / (hi - lo))))
+    unit = align.get(dim, 1)
+    step = max(unit, step // unit * unit)
+    out: list[Box] = []
+    while lo < hi:
+        end = min(hi, (lo // step + 1) * step)
+        out += _bands(box[:dim] + ((lo, end),) + box[dim + 1 :], value_bytes, max_bytes, align, dim + 1)
+        lo = end
+    return out
+
+
 class _Dequant(Node):
     """A node whose every region is one computation that may run on the destination's device:
-    :meth:`_inputs` reads the raw region on the host, :meth:`_kernel` dequantises it."""
+    :meth:`_inputs` reads the raw region on the host, :meth:`_kernel` dequantises it. Large
+    regions are cut into bands of whole scale blocks (:meth:`bands`), computed apart."""
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         out.append(Compute(self, box, dest, inputs=functools.partial(self._inputs, box), kernel=functools.partial(self._kernel, box)))
+
+    def bands(self, box: Box, max_bytes: int) -> list[Box]:
+        return _bands(box, self._value_bytes(), max_bytes, self._align(len(box)))
+
+    def _value_bytes(self) -> float:
+        """Stored bytes per value (the scales are left out: a small fraction)."""
+        raise NotImplementedError
+
+    def _align(self, ndim: int) -> dict[int, int]:
+        """Dims whose cuts fall on block boundaries, and the block size there."""
+        return {}
 
     def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -62,6 +99,12 @@ class DequantFP8(_Dequant):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.weight.shape))
+
+    def _value_bytes(self) -> float:
+        return self.weight.dtype.itemsize
+
+    def _align(self, ndim: int) -> dict[int, int]:
+        return {ndim - 2: self.block[0]}  # bands of whole scale rows
 
     def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
         (r0, r1), (c0, c1) = box[-2:]
@@ -94,6 +137,9 @@ class DequantMXFP4(_Dequant):
     def __post_init__(self) -> None:
         s = tuple(self.blocks.shape)
         object.__setattr__(self, "shape", s[:-2] + (s[-2] * Q.MX_BLOCK,))
+
+    def _value_bytes(self) -> float:
+        return 0.5  # two e2m1 values per byte; the last dim (the packed one) is never cut
 
     def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
         c0, c1 = box[-1]

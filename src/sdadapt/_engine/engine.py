@@ -19,7 +19,7 @@ from .config import EngineConfig
 from .planner import Planner
 from .staging import StagingPool
 from .syscalls import open_for
-from .tasks import Job, Task, task_path
+from .tasks import Job, Task, task_paths
 from .workers import Shared, Worker
 
 
@@ -81,7 +81,7 @@ class IOEngine:
         device = next(iter(cuda_devices)) if cuda_devices and torch.cuda.is_available() else None
         threads = max(1, min(cfg.threads, _estimate_tasks(jobs, chunk)))
         pool = StagingPool(max(1, cfg.staging_bytes // chunk), chunk, device is not None)  # buffers made on first use
-        shared = Shared(self.source, queue.SimpleQueue(), {}, pool, chunk, device)
+        shared = Shared(self.source, queue.SimpleQueue(), {}, pool, chunk, device, cfg.min_span_bytes)
         workers = [Worker(shared, cfg.depth) for _ in range(threads)]
         pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
         for th in pool_threads:
@@ -92,9 +92,9 @@ class IOEngine:
             nonlocal count
             if shared.failed.is_set():
                 return  # a thread failed: the load fails, reading on is no use
-            path = task_path(task)
-            if path is not None and path not in shared.fds:
-                shared.fds[path] = open_for(path, task.where.target)  # opened before any thread sees the task
+            for path in task_paths(task):
+                if path not in shared.fds:
+                    shared.fds[path] = open_for(path, task.where.target)  # opened before any thread sees the task
             shared.work.put(task)
             count += 1
 

@@ -4,8 +4,8 @@ A piece of a source tensor whose bytes the source can locate in a file (``locate
 cut into reads: straight into a contiguous CPU destination of the source dtype (large enough),
 else through staging; small staged reads adjacent in one file are coalesced at the end. Runs
 shorter than ``min_span_bytes`` (a column slice) are one strided copy out of the source's
-mapping instead. Pieces of storage without locations, fills and computations become one task
-each.
+mapping instead. Pieces of storage without locations and fills become one task each; a computation
+becomes one task per band its node cuts it into (:meth:`~sdadapt._nodes.Node.bands`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._nodes import Box, Compute, Piece, box_shape
+from .._nodes import Box, Compute, Piece, Step, box_shape, emit
 from ..sources._base import Source, TensorLocation
 from .config import EngineConfig
 from .geometry import box_spans, split_box, split_segments
@@ -86,11 +86,27 @@ class Planner:
                     self._plan_piece(job.key, step, push, small)
                 elif isinstance(step, Compute):
                     files = sorted({self._file_of(k) for k in step.node.leaves()})
-                    push(ComputeTask(step, Where(job.key, None, ", ".join(files), step.box)))
+                    opened = tuple(f for f in files if self._is_file(f))
+                    for band in self._bands(step):
+                        push(ComputeTask(band, Where(job.key, None, ", ".join(files), band.box), opened))
                 else:
                     push(FillTask(step, Where(job.key, None, None, job.box)))
         for task in self._coalesce(small):
             push(task)
+
+    def _bands(self, step: Compute) -> list[Compute]:
+        """``step`` cut into the bands its node offers for reads of at most a chunk (so that the
+        threads share a large computation, and each band's input fits a staging buffer)."""
+        boxes = step.node.bands(step.box, self.config.chunk())
+        if len(boxes) <= 1:
+            return [step]
+        out: list[Step] = []
+        for sub in boxes:
+            sl = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(sub, step.box, strict=True))
+            emit(step.node, sub, step.dest[sl], out)
+        if not all(isinstance(s, Compute) for s in out):
+            raise TypeError(f"{step.node.describe()}: a band must be produced as computations, got {out}")
+        return [s for s in out if isinstance(s, Compute)]
 
     def _parts(self, piece: Piece) -> list[_Part]:
         """Where the piece's bytes are: one part per located tensor or stored chunk the box

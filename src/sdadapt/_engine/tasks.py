@@ -85,10 +85,13 @@ class SourceRead:
 
 @dataclass
 class ComputeTask:
-    """A computation step of a recipe, run against the thread's counting ``SourceIO``."""
+    """A computation step of a recipe, run against the thread's ``SourceIO``; ``files``: the
+    files its leaves are in (opened before any thread sees the task, so that the thread may
+    read its inputs with ``preadv``)."""
 
     step: Compute
     where: Where
+    files: tuple[str, ...] = ()
 
 
 @dataclass
@@ -102,6 +105,8 @@ class FillTask:
 Task = DirectRead | StagedRead | SourceRead | ComputeTask | FillTask
 
 
-def task_path(task: Task) -> str | None:
-    """The file a task reads with ``preadv`` (opened before any thread sees the task), if any."""
-    return task.path if isinstance(task, (DirectRead, StagedRead)) else None
+def task_paths(task: Task) -> tuple[str, ...]:
+    """The files a task may read with ``preadv`` (opened before any thread sees the task)."""
+    if isinstance(task, (DirectRead, StagedRead)):
+        return (task.path,)
+    return task.files if isinstance(task, ComputeTask) else ()

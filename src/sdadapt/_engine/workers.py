@@ -9,9 +9,10 @@ from typing import Any
 
 import torch
 
-from .._nodes import Box
+from .._nodes import Box, box_shape
 from ..sources._base import Source
 from . import syscalls
+from .geometry import box_spans
 from .staging import StagingPool
 from .tasks import ComputeTask, DirectRead, FillTask, SourceRead, StagedRead, Task
 
@@ -32,6 +33,27 @@ class CountingIO:
         return t
 
 
+class StagingIO:
+    """The ``SourceIO`` a worker hands a computation's ``inputs``: its first read that the
+    source locates in one opened file, in runs no shorter than ``min_span`` and fitting one
+    staging buffer, is read with ``preadv`` into one of the thread's staging buffers (pinned on
+    a GPU, so the copy to the device starts from there); every other read goes through the
+    source (:class:`CountingIO`). One staged input per computation: its buffer stays untouched
+    until the worker has copied it (:meth:`Worker.to_device`) or the kernel has run on it."""
+
+    def __init__(self, worker: Worker):
+        self.worker = worker
+        self.held: tuple[torch.Tensor, int] | None = None  # the staged input, its ring slot
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        if self.held is None:
+            staged = self.worker.stage(key, box)
+            if staged is not None:
+                self.held = staged
+                return staged[0]
+        return self.worker.counter.read(key, box)
+
+
 @dataclass
 class Shared:
     """What the worker threads of one run share."""
@@ -42,6 +64,7 @@ class Shared:
     pool: StagingPool
     chunk: int
     device: torch.device | None
+    min_span: int = 64 * 1024  # shortest run a computation's input is read in with preadv
     errors: list[BaseException] = field(default_factory=list)
     failed: threading.Event = field(default_factory=threading.Event)
 
@@ -58,6 +81,7 @@ class Worker:
         self.shared = shared
         self.depth = depth  # staging buffers of this thread
         self.counter = CountingIO(shared.source)
+        self.inputs = StagingIO(self)
         self.nbytes = self.calls = self.direct = self.staged = self.computed = 0
         self.ring: list[list[Any]] = []  # [buffer, event or None]
         self.turn = 0
@@ -104,9 +128,7 @@ class Worker:
             case SourceRead():
                 self._source_read(task)
             case ComputeTask():
-                step = task.step
-                step.run(self.counter, self.to_device if step.on_device and step.dest.device.type != "cpu" else None)
-                self.computed += 1
+                self._compute(task)
             case FillTask():
                 task.step.run(self.counter)
 
@@ -126,10 +148,11 @@ class Worker:
             slot[1].synchronize()
         return slot[0]
 
-    def _copied(self) -> None:
-        """Mark the current buffer in use until the copies just queued on the stream finish."""
+    def _copied(self, turn: int | None = None) -> None:
+        """Mark the current buffer (or ring slot ``turn``) in use until the copies just queued
+        on the stream finish."""
         if self.stream is not None:
-            slot = self.ring[self.turn]
+            slot = self.ring[self.turn if turn is None else turn]
             if slot[1] is None:
                 slot[1] = torch.cuda.Event()
             slot[1].record(self.stream)
@@ -174,12 +197,59 @@ class Worker:
         dest.copy_(stage, non_blocking=self.stream is not None)
         self._copied()
 
-    def to_device(self, value: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``value`` (a host tensor a computation read) as a new tensor on ``device``, copied
-        through :meth:`_upload`: the ``move`` of :meth:`~sdadapt._nodes.Compute.run`."""
-        out = torch.empty(value.shape, dtype=value.dtype, device=device)
-        self._upload(value, out)
-        return out
+    def _compute(self, task: ComputeTask) -> None:
+        """A computation: inputs of the ``inputs``/``kernel`` form through :class:`StagingIO`
+        (moved to the destination's device first when that is a GPU), others through the source."""
+        step = task.step
+        if not step.on_device:
+            step.run(self.counter)
+        else:
+            self.inputs.held = None
+            try:
+                step.run(self.inputs, self.to_device if step.dest.device.type != "cpu" else None)
+            finally:
+                self.inputs.held = None
+        self.computed += 1
+
+    def stage(self, key: str, box: Box) -> tuple[torch.Tensor, int] | None:
+        """Region ``box`` of source tensor ``key`` read with ``preadv`` into a staging buffer of
+        this thread, and the buffer's ring slot; ``None`` when its bytes are not in one opened
+        file in runs of at least ``min_span`` (or do not fit a buffer)."""
+        sh = self.shared
+        located = sh.source.locate_region(key, box)
+        if not located or len(located) != 1:
+            return None
+        chunk_box, loc = located[0]
+        if loc.path not in sh.fds or any(a < o or b > e for (a, b), (o, e) in zip(box, chunk_box, strict=True)):
+            return None
+        local = tuple((a - o, b - o) for (a, b), (o, _) in zip(box, chunk_box, strict=True))
+        starts, run = box_spans(loc.shape, loc.dtype.itemsize, local)
+        if len(starts) * run > sh.chunk or (len(starts) > 1 and run < sh.min_span):
+            return None
+        buf = self._buffer()
+        n = self._read_into(loc.path, [(loc.offset + s, run) for s in starts], buf)
+        self.staged += n
+        return buf[:n].view(loc.dtype).view(box_shape(box)), self.turn
+
+    def to_device(self, values: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``values`` (host tensors a computation read) as new tensors on ``device``: the
+        ``move`` of :meth:`~sdadapt._nodes.Compute.run`. What lies in the staged input's buffer
+        is copied straight out of it (first, so that its buffer is marked in use before any
+        other is taken); the rest through :meth:`_upload`."""
+        out: list[torch.Tensor | None] = [None] * len(values)
+        held = self.inputs.held
+        if held is not None:
+            ptr = held[0].untyped_storage().data_ptr()
+            for i, v in enumerate(values):
+                if v.device.type == "cpu" and v.untyped_storage().data_ptr() == ptr:
+                    out[i] = moved = torch.empty(v.shape, dtype=v.dtype, device=device)
+                    moved.copy_(v, non_blocking=self.stream is not None)
+            self._copied(held[1])
+        for i, v in enumerate(values):
+            if out[i] is None:
+                out[i] = dest = torch.empty(v.shape, dtype=v.dtype, device=device)
+                self._upload(v, dest)
+        return tuple(t for t in out if t is not None)
 
     def _source_read(self, task: SourceRead) -> None:
         piece = task.piece
