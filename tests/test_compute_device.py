@@ -32,8 +32,13 @@ def _worker(src, chunk: int, depth: int) -> Worker:
     return Worker(shared, depth)
 
 
-def _boxes(shape: tuple[int, ...], rng: random.Random, n: int) -> list[N.Box]:
+def _boxes(shape: tuple[int, ...], rng: random.Random, n: int, block: tuple[int, int] | None = None) -> list[N.Box]:
+    """The whole tensor, its first and last element, ``n`` random boxes, and with ``block``
+    boxes of whole blocks (dequantised straight into the destination)."""
     out = [N.full_box(shape), tuple((0, 1) for _ in shape), tuple((s - 1, s) for s in shape)]
+    if block is not None:
+        (b0, b1), lead = block, tuple((0, s) for s in shape[:-2])
+        out += [lead + ((0, b0), (0, b1)), lead + ((b0, 2 * b0), (0, 2 * b1)), ((1, 2),) * len(lead) + ((0, 2 * b0), (b1, 2 * b1))]
     for _ in range(n):
         box = []
         for s in shape:
@@ -76,7 +81,7 @@ def test_device_path_equals_host_path_and_full(tmp_path, kind, chunk, depth):
         worker = _worker(src, chunk, depth)
         _open_all(worker, src)
         full = node.full(worker.counter)
-        for box in _boxes(node.shape, rng, 15):
+        for box in _boxes(node.shape, rng, 15, getattr(node, "block", None)):
             want = full[tuple(slice(a, b) for a, b in box)]
             host = torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16)
             moved = torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16)
@@ -86,9 +91,9 @@ def test_device_path_equals_host_path_and_full(tmp_path, kind, chunk, depth):
                 step.run(worker.counter)
             for step in moved_steps:
                 assert isinstance(step, N.Compute)
-                worker.inputs.held = None
+                worker.inputs.begin()
                 step.run(worker.inputs, worker.to_device)
-                staged += worker.inputs.held is not None
+                staged += worker.inputs.buffer is not None
             assert torch.equal(_bits(host), _bits(want)), box
             assert torch.equal(_bits(moved), _bits(want)), box
         assert worker.shared.pool.allocated <= depth  # the inputs went through this thread's ring only
@@ -153,7 +158,7 @@ def test_engine_dequantises_on_the_gpu_bit_identical_to_the_cpu(tmp_path, kind):
     rng = random.Random(kind)
     with open_source(path) as src:
         full = node.full(CountingIO(src))
-        boxes = _boxes(node.shape, rng, 20)
+        boxes = _boxes(node.shape, rng, 20, getattr(node, "block", None))
         for cfg in (EngineConfig(threads=4), EngineConfig(threads=2, chunk_bytes=4096, depth=1)):
             jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16, device="cuda")) for box in boxes]
             stats = IOEngine(src, cfg).run(jobs)
@@ -210,7 +215,7 @@ def test_engine_computes_bands_from_staged_reads_with_exact_bytes(tmp_path, chun
     rng = random.Random(chunk + min_span)
     with open_source(path) as src:
         full = node.full(CountingIO(src))
-        boxes = _boxes(node.shape, rng, 20)
+        boxes = _boxes(node.shape, rng, 20, node.block)
         jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16)) for box in boxes]
         want_bytes = want_staged = tasks = 0
         for box in boxes:
@@ -224,12 +229,15 @@ def test_engine_computes_bands_from_staged_reads_with_exact_bytes(tmp_path, chun
                 scale_bytes = 4 * tiles * (band[0][1] - band[0][0])
                 want_bytes += n + scale_bytes
                 scale_box = band[:1] + ((r0 // b0, Q.cdiv(r1, b0)), (c0 // b1, Q.cdiv(c1, b1)))
-                # the first input that can be staged is: the weight, else the scale tiles
+                # the weight, then the scale tiles, go one after the other into one buffer while
+                # they fit (each input on a multiple of 64 bytes), where their runs are long enough
+                pos = 0
                 for box_, shape, size, nbytes in ((band, node.shape, 1, n), (scale_box, node.scale.shape, 4, scale_bytes)):
                     starts, run = box_spans(shape, size, box_)
-                    if nbytes <= cfg.chunk() and (len(starts) == 1 or run >= min_span):
+                    start = -(-pos // 64) * 64
+                    if start + nbytes <= cfg.chunk() and (len(starts) == 1 or run >= min_span):
                         want_staged += nbytes
-                        break
+                        pos = start + nbytes
         stats = IOEngine(src, cfg).run(jobs)
         for job in jobs:
             assert torch.equal(_bits(job.dest), _bits(full[tuple(slice(a, b) for a, b in job.box)])), job.box
@@ -239,3 +247,25 @@ def test_engine_computes_bands_from_staged_reads_with_exact_bytes(tmp_path, chun
         assert stats.staged_bytes == want_staged
         if min_span == 1:
             assert stats.staged_bytes > stats.bytes_read // 2  # every band's weight
+
+
+@pytest.mark.parametrize("fmt", ["float32", "ue8m0"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_whole_blocks_dequantise_straight_into_the_destination(fmt, dtype):
+    """A region of whole blocks is dequantised into the destination in one multiplication, with
+    the bits of the whole-tensor dequantisation; anything else is declined, untouched."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 48, 64, generator=g) * torch.exp2(torch.randint(-9, 9, (2, 48, 64), generator=g).float())
+    w, s = Q.quantize_fp8(x, (16, 32), fmt)  # type: ignore[arg-type]
+    want = Q.dequantize_fp8(w, s, (16, 32), fmt, dtype)  # type: ignore[arg-type]
+    wide = torch.full((2, 48, 96), 7.0, dtype=dtype)
+    permuted = torch.zeros(64, 2, 48, dtype=dtype).permute(1, 2, 0)
+    for dest in (torch.empty(2, 48, 64, dtype=dtype), wide[..., 16:80], permuted):  # contiguous, column slice, strided
+        assert Q.dequantize_fp8_into(dest, w, s, (16, 32), fmt)  # type: ignore[arg-type]
+        assert torch.equal(_bits(dest), _bits(want))
+    assert bool((wide[..., :16] == 7).all() and (wide[..., 80:] == 7).all())
+    part = torch.full((2, 40, 64), 7.0, dtype=dtype)
+    assert not Q.dequantize_fp8_into(part, w[:, :40], s, (16, 32), fmt)  # type: ignore[arg-type]  # 40 rows: not whole blocks
+    ints = torch.zeros(2, 48, 64, dtype=torch.int32)
+    assert not Q.dequantize_fp8_into(ints, w, s, (16, 32), fmt)  # type: ignore[arg-type]
+    assert bool((part == 7).all() and (ints == 0).all())

@@ -38,7 +38,7 @@ dequantisation reading a block-aligned box of a weight and the matching box of i
 appends one :class:`Compute` whose function calls ``child.read(wider_box, io)`` for each input
 and narrows the result to ``box``; the engine runs it as it is, on its threads. Given as
 ``inputs`` + ``kernel``, it also runs on the destination's device (the engine decides: when the
-destination is not on the CPU); the CPU path is ``kernel(*inputs(io))`` either way.
+destination is not on the CPU); the CPU path is ``kernel(dest, *inputs(io))`` either way.
 """
 
 from __future__ import annotations
@@ -115,8 +115,9 @@ class Compute:
 
     - ``fn(io)`` reads and computes on the host;
     - ``inputs(io)`` reads the host tensors the region needs (through the node's children) and
-      ``kernel(*inputs)`` is the arithmetic on them: plain tensor ops that give the same bits on
-      any device and allocate on their inputs' device. This form says the computation can run
+      ``kernel(dest, *inputs)`` is the arithmetic on them, written into ``dest`` (it may write
+      there directly, sparing a temporary): plain tensor ops that give the same bits on any
+      device and allocate on their inputs' device. This form says the computation can run
       on the destination's device: given a ``move``, :meth:`run` copies the inputs to
       ``dest.device`` first (on a GPU: raw, often smaller, bytes cross PCIe and the arithmetic
       runs there), then runs the kernel there.
@@ -127,7 +128,7 @@ class Compute:
     dest: torch.Tensor
     fn: Callable[[SourceIO], torch.Tensor] | None = None
     inputs: Callable[[SourceIO], tuple[torch.Tensor, ...]] | None = None
-    kernel: Callable[..., torch.Tensor] | None = None
+    kernel: Callable[..., None] | None = None
 
     def __post_init__(self) -> None:
         if (self.fn is None) == (self.inputs is None or self.kernel is None):
@@ -148,7 +149,7 @@ class Compute:
         args = self.inputs(io)
         if move is not None:
             args = move(args, self.dest.device)
-        self.dest.copy_(self.kernel(*args))
+        self.kernel(self.dest, *args)
 
 
 Step = Piece | Fill | Compute

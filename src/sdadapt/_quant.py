@@ -119,6 +119,29 @@ def dequantize_fp8_region(
     return region.to(dtype)
 
 
+# e4m3 values are exact in these dtypes: a product computed from them in float32 and rounded once
+# to the destination is the reference's ``(float(w) * scale).to(dtype)``
+_FP8_EXACT = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def dequantize_fp8_into(dest: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], fmt: ScaleFormat) -> bool:
+    """Dequantise ``weight``, a region of whole blocks (``scale`` holds exactly its tiles), straight
+    into ``dest`` (same shape, the target dtype): one conversion of the weight to ``dest``'s dtype
+    (exact) and one multiplication computed in float32 and rounded once into ``dest``, the bits of
+    :func:`dequantize_fp8`. Returns ``False``, touching nothing, where the region is not whole
+    blocks or ``dest``'s dtype is not one e4m3 converts to exactly (any strides of ``dest`` take
+    the block view: it only splits dims)."""
+    rows, cols = weight.shape[-2:]
+    b0, b1 = block
+    if rows % b0 or cols % b1 or dest.dtype not in _FP8_EXACT:
+        return False
+    lead, nr, nc = tuple(weight.shape[:-2]), rows // b0, cols // b1
+    out = dest.view(lead + (nr, b0, nc, b1))
+    w = weight.to(dest.dtype).view(lead + (nr, b0, nc, b1))
+    torch.mul(w, scale_values(scale, fmt).view(lead + (nr, 1, nc, 1)), out=out)
+    return True
+
+
 def _fp8_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, tuple[int, ...]]:
     """``x`` as float32 ``[..., nr, b0, nc, b1]`` (zero-padded), and the original shape."""
     rows, cols = x.shape[-2:]

@@ -4,7 +4,7 @@ Each node produces a region as one :class:`~sdadapt._nodes.Compute` step that re
 the child nodes only the bytes that region needs (for FP8 the weight region itself and the
 scale rows/cols its blocks touch; for MXFP4 the whole 32-value blocks it touches and their
 scale bytes), then computes. Dequantisation gives the step as its reads (``_inputs(box, io)``,
-raw bytes on the host) and its arithmetic (``_kernel(box, *inputs)``) apart, so that on a GPU
+raw bytes on the host) and its arithmetic (``_kernel(box, dest, *inputs)``) apart, so that on a GPU
 the engine copies the raw, smaller, inputs and dequantises there; a large region is cut into
 bands of whole blocks (``bands``) that the engine's threads compute apart, each band's weight
 bytes read with ``preadv`` into a staging buffer. Re-quantization (export,
@@ -82,7 +82,7 @@ class _Dequant(Node):
     def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def _kernel(self, box: Box, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    def _kernel(self, box: Box, dest: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
         raise NotImplementedError
 
 
@@ -112,10 +112,12 @@ class DequantFP8(_Dequant):
         scale_box = box[:-2] + ((r0 // b0, Q.cdiv(r1, b0)), (c0 // b1, Q.cdiv(c1, b1)))
         return self.weight.read(box, io), self.scale.read(scale_box, io)
 
-    def _kernel(self, box: Box, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def _kernel(self, box: Box, dest: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
         (r0, _), (c0, _) = box[-2:]
         offset = (r0 % self.block[0], c0 % self.block[1])
-        return Q.dequantize_fp8_region(weight, scale, self.block, offset, self.scale_format, self.dtype)
+        if offset == (0, 0) and dest.dtype == self.dtype and Q.dequantize_fp8_into(dest, weight, scale, self.block, self.scale_format):
+            return
+        dest.copy_(Q.dequantize_fp8_region(weight, scale, self.block, offset, self.scale_format, self.dtype))
 
     def full(self, io: SourceIO) -> torch.Tensor:
         return Q.dequantize_fp8(self.weight.full(io), self.scale.full(io), self.block, self.scale_format, self.dtype)
@@ -147,10 +149,10 @@ class DequantMXFP4(_Dequant):
         lead = box[:-1]
         return self.blocks.read(lead + ((g0, g1), (0, Q.MX_BYTES)), io), self.scales.read(lead + ((g0, g1),), io)
 
-    def _kernel(self, box: Box, blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    def _kernel(self, box: Box, dest: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> None:
         c0, c1 = box[-1]
         skip = c0 // Q.MX_BLOCK * Q.MX_BLOCK
-        return Q.dequantize_mxfp4(blocks, scales, self.dtype)[..., c0 - skip : c1 - skip]
+        dest.copy_(Q.dequantize_mxfp4(blocks, scales, self.dtype)[..., c0 - skip : c1 - skip])
 
     def full(self, io: SourceIO) -> torch.Tensor:
         blocks = self.blocks.full(io)

@@ -34,24 +34,45 @@ class CountingIO:
 
 
 class StagingIO:
-    """The ``SourceIO`` a worker hands a computation's ``inputs``: its first read that the
-    source locates in one opened file, in runs no shorter than ``min_span`` and fitting one
-    staging buffer, is read with ``preadv`` into one of the thread's staging buffers (pinned on
-    a GPU, so the copy to the device starts from there); every other read goes through the
-    source (:class:`CountingIO`). One staged input per computation: its buffer stays untouched
-    until the worker has copied it (:meth:`Worker.to_device`) or the kernel has run on it."""
+    """The ``SourceIO`` a worker hands a computation's ``inputs``: reads that the source
+    locates in one opened file, in runs no shorter than ``min_span``, are read with ``preadv``
+    one after the other into one staging buffer of the thread (pinned on a GPU, so that the
+    copies to the device start from there) while they fit; every other read goes through the
+    source (:class:`CountingIO`). The buffer stays untouched until the worker has copied what
+    it holds (:meth:`Worker.to_device`) or the kernel has run on it."""
+
+    _ALIGN = 64  # each input starts on a multiple of this in the buffer (any dtype's alignment)
 
     def __init__(self, worker: Worker):
         self.worker = worker
-        self.held: tuple[torch.Tensor, int] | None = None  # the staged input, its ring slot
+        self.slot: int | None = None  # the ring slot of the buffer in use, once one is
+        self.pos = 0
+
+    def begin(self) -> None:
+        """A new computation: nothing staged yet."""
+        self.slot, self.pos = None, 0
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """The buffer this computation's inputs were staged in, if any."""
+        return None if self.slot is None else self.worker.ring[self.slot][0]
 
     def read(self, key: str, box: Box) -> torch.Tensor:
-        if self.held is None:
-            staged = self.worker.stage(key, box)
-            if staged is not None:
-                self.held = staged
-                return staged[0]
-        return self.worker.counter.read(key, box)
+        w = self.worker
+        located = w.locate(key, box)
+        if located is not None:
+            path, segments, dtype = located
+            n = sum(size for _, size in segments)
+            start = -(-self.pos // self._ALIGN) * self._ALIGN
+            if (start if self.slot is not None else 0) + n <= w.shared.chunk:
+                if self.slot is None:
+                    w._buffer()
+                    self.slot, start = w.turn, 0
+                mem = w.ring[self.slot][0][start : start + n]
+                w.staged += w._read_into(path, segments, mem)
+                self.pos = start + n
+                return mem.view(dtype).view(box_shape(box))
+        return w.counter.read(key, box)
 
 
 @dataclass
@@ -204,17 +225,17 @@ class Worker:
         if not step.on_device:
             step.run(self.counter)
         else:
-            self.inputs.held = None
+            self.inputs.begin()
             try:
                 step.run(self.inputs, self.to_device if step.dest.device.type != "cpu" else None)
             finally:
-                self.inputs.held = None
+                self.inputs.begin()
         self.computed += 1
 
-    def stage(self, key: str, box: Box) -> tuple[torch.Tensor, int] | None:
-        """Region ``box`` of source tensor ``key`` read with ``preadv`` into a staging buffer of
-        this thread, and the buffer's ring slot; ``None`` when its bytes are not in one opened
-        file in runs of at least ``min_span`` (or do not fit a buffer)."""
+    def locate(self, key: str, box: Box) -> tuple[str, list[tuple[int, int]], torch.dtype] | None:
+        """Where region ``box`` of source tensor ``key`` is: an opened file, its (offset, nbytes)
+        runs in order, the stored dtype; ``None`` when its bytes are not all in one opened
+        file, or lie in several runs shorter than ``min_span``."""
         sh = self.shared
         located = sh.source.locate_region(key, box)
         if not located or len(located) != 1:
@@ -224,27 +245,27 @@ class Worker:
             return None
         local = tuple((a - o, b - o) for (a, b), (o, _) in zip(box, chunk_box, strict=True))
         starts, run = box_spans(loc.shape, loc.dtype.itemsize, local)
-        if len(starts) * run > sh.chunk or (len(starts) > 1 and run < sh.min_span):
+        if len(starts) > 1 and run < sh.min_span:
             return None
-        buf = self._buffer()
-        n = self._read_into(loc.path, [(loc.offset + s, run) for s in starts], buf)
-        self.staged += n
-        return buf[:n].view(loc.dtype).view(box_shape(box)), self.turn
+        return loc.path, [(loc.offset + s, run) for s in starts], loc.dtype
 
     def to_device(self, values: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
         """``values`` (host tensors a computation read) as new tensors on ``device``: the
-        ``move`` of :meth:`~sdadapt._nodes.Compute.run`. What lies in the staged input's buffer
-        is copied straight out of it (first, so that its buffer is marked in use before any
-        other is taken); the rest through :meth:`_upload`."""
+        ``move`` of :meth:`~sdadapt._nodes.Compute.run`. What :class:`StagingIO` staged crosses
+        in one copy of its buffer's used bytes (first, so that the buffer is marked in use before
+        any other is taken), each value a view of that; the rest through :meth:`_upload`."""
         out: list[torch.Tensor | None] = [None] * len(values)
-        held = self.inputs.held
-        if held is not None:
-            ptr = held[0].untyped_storage().data_ptr()
+        staged, used = self.inputs.buffer, self.inputs.pos
+        if staged is not None:
+            raw = torch.empty(used, dtype=torch.uint8, device=device)
+            raw.copy_(staged[:used], non_blocking=self.stream is not None)
+            self._copied(self.inputs.slot)
+            base = staged.data_ptr()
             for i, v in enumerate(values):
-                if v.device.type == "cpu" and v.untyped_storage().data_ptr() == ptr:
-                    out[i] = moved = torch.empty(v.shape, dtype=v.dtype, device=device)
-                    moved.copy_(v, non_blocking=self.stream is not None)
-            self._copied(held[1])
+                at = v.data_ptr() - base
+                inside = 0 <= at and at % v.element_size() == 0 and at + v.numel() * v.element_size() <= used
+                if v.device.type == "cpu" and v.is_contiguous() and inside:
+                    out[i] = raw[at : at + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
         for i, v in enumerate(values):
             if out[i] is None:
                 out[i] = dest = torch.empty(v.shape, dtype=v.dtype, device=device)
