@@ -126,8 +126,8 @@ _FP8_EXACT = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 def dequantize_fp8_into(dest: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], fmt: ScaleFormat) -> bool:
     """Dequantise ``weight``, a region of whole blocks (``scale`` holds exactly its tiles), straight
-    into ``dest`` (same shape, the target dtype): one conversion of the weight to ``dest``'s dtype
-    (exact) and one multiplication computed in float32 and rounded once into ``dest``, the bits of
+    into ``dest`` (same shape, the target dtype), with no temporary: the weight converted into
+    ``dest`` (exact), then multiplied in place in float32 and rounded once, the bits of
     :func:`dequantize_fp8`. Returns ``False``, touching nothing, where the region is not whole
     blocks or ``dest``'s dtype is not one e4m3 converts to exactly (any strides of ``dest`` take
     the block view: it only splits dims)."""
@@ -137,8 +137,8 @@ def dequantize_fp8_into(dest: torch.Tensor, weight: torch.Tensor, scale: torch.T
         return False
     lead, nr, nc = tuple(weight.shape[:-2]), rows // b0, cols // b1
     out = dest.view(lead + (nr, b0, nc, b1))
-    w = weight.to(dest.dtype).view(lead + (nr, b0, nc, b1))
-    torch.mul(w, scale_values(scale, fmt).view(lead + (nr, 1, nc, 1)), out=out)
+    out.copy_(weight.view(lead + (nr, b0, nc, b1)))
+    out.mul_(scale_values(scale, fmt).view(lead + (nr, 1, nc, 1)))  # in float32 (the scale's), rounded once
     return True
 
 

@@ -107,6 +107,7 @@ class Worker:
         self.ring: list[list[Any]] = []  # [buffer, event or None]
         self.turn = 0
         self.stream: Any = None
+        self.landing: torch.Tensor | None = None  # see _landing
 
     def run(self) -> None:
         """The thread's body: errors are collected in ``shared`` and re-raised by the engine."""
@@ -249,6 +250,15 @@ class Worker:
             return None
         return loc.path, [(loc.offset + s, run) for s in starts], loc.dtype
 
+    def _landing(self, device: torch.device) -> torch.Tensor:
+        """This thread's buffer of a chunk on ``device`` that staged inputs are copied into:
+        reused by every computation, since each one's copy and kernel are queued on the
+        thread's one stream in order (the next copy into it starts after the last kernel
+        reading it)."""
+        if self.landing is None or self.landing.device != device:
+            self.landing = torch.empty(self.shared.chunk, dtype=torch.uint8, device=device)
+        return self.landing
+
     def to_device(self, values: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
         """``values`` (host tensors a computation read) as new tensors on ``device``: the
         ``move`` of :meth:`~sdadapt._nodes.Compute.run`. What :class:`StagingIO` staged crosses
@@ -257,7 +267,7 @@ class Worker:
         out: list[torch.Tensor | None] = [None] * len(values)
         staged, used = self.inputs.buffer, self.inputs.pos
         if staged is not None:
-            raw = torch.empty(used, dtype=torch.uint8, device=device)
+            raw = self._landing(device)[:used]
             raw.copy_(staged[:used], non_blocking=self.stream is not None)
             self._copied(self.inputs.slot)
             base = staged.data_ptr()
