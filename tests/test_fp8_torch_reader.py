@@ -17,8 +17,9 @@ The same folder is loaded three ways into bf16 tensors under the release's own (
   ``repeat_interleave`` and cut to the weight's shape, then ``.to(bfloat16)``, which is the
   format's definition ``value[i, j] = float(w[i, j]) * scale_inv[i // b, j // b]``.
 
-All three agree bit for bit for every block size tried, ragged tiles included (torch's reader
-takes square blocks only, ``block_size=b``; sdadapt's rule also takes ``[b0, b1]``).
+All three agree bit for bit for every block size tried, ragged tiles included, and so do both
+loaders into DTensors sharded unevenly over 3 gloo ranks (shards cut tiles). torch's reader
+takes square blocks only (``block_size=b``); sdadapt's rule also takes ``[b0, b1]``.
 
 An MXFP4 expert tensor (GPT-OSS layout) is compared the same way: torch's reader presents it
 under the ``_blocks`` key, sdadapt under the name without it. There torch's reader is wrong
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -194,6 +196,74 @@ def test_fp8_block_tiles_are_not_all_one_scale(tmp_path):
     for key, value in release.items():
         if key.endswith(SCALE):
             assert value.dtype == torch.float32 and value.unique().numel() > 1, key
+
+
+# --- the same release into DTensor shards (3 gloo ranks) -----------------------------------------
+
+ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")  # cut along columns; the other projections along rows
+
+
+def _placement(key: str) -> list[Any]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    if not is_projection(key):
+        return [Replicate()]
+    return [Shard(1)] if key.endswith(ROW_PARALLEL) else [Shard(0)]
+
+
+def _nan_shard(shape: torch.Size, mesh: Any, key: str) -> Any:
+    """A bf16 DTensor of ``shape`` placed as :func:`_placement` says, NaN until loaded."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(torch.full(shape, float("nan"), dtype=torch.bfloat16), mesh, _placement(key))
+
+
+def _sharded_loads(folder: str, blocks: list[int]) -> dict[int, list[str]]:
+    """On each rank: both loaders into DTensors sharded over 3 ranks (uneven: 200 rows are
+    67/67/66, 136 columns 46/46/44, so shards cut tiles and ranks share them); returns, per
+    block size, the keys whose gathered values differ from the eager reference, per loader."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    out: dict[int, list[str]] = {}
+    for block in blocks:
+        path = os.path.join(folder, str(block))
+        if dist.get_rank() == 0:
+            write_fp8_release(path, block)
+        dist.barrier()
+        release = {}
+        with open(os.path.join(path, "model.safetensors.index.json")) as f:
+            for key, file in json.load(f)["weight_map"].items():
+                with safe_open(os.path.join(path, file), framework="pt") as sf:
+                    release[key] = sf.get_tensor(key)
+        want = eager_values(release, block)
+
+        theirs = {k: _nan_shard(want[k].shape, mesh, k) for k in want}
+        assert QuantizedReader is not None
+        dcp.load(theirs, storage_reader=QuantizedReader(path, target_dtype=torch.bfloat16, block_size=block))
+        model = Named({k: tuple(v.shape) for k, v in want.items()})
+        for key in want:
+            *owner, leaf = key.split(".")
+            setattr(model.get_submodule(".".join(owner)), leaf, nn.Parameter(_nan_shard(want[key].shape, mesh, key)))
+        sdadapt.load(model, path, sdadapt.Adapter(sdadapt.dequant_rules(path), name="fp8-release"))
+        ours = dict(model.state_dict())
+        bad = []
+        for key, value in want.items():
+            for who, got in (("torch", theirs[key]), ("sdadapt", ours[key])):
+                if not torch.equal(got.full_tensor().view(torch.int16), value.view(torch.int16)):
+                    bad.append(f"{who}: {key}")
+        out[block] = bad
+    return out
+
+
+def test_fp8_release_into_uneven_shards_torch_reader_sdadapt_and_eager_agree(tmp_path):
+    """Regions: each rank's shard, read by each loader, gathered and compared with the eager
+    reference (a region that cuts a tile must use that tile's scale, at its offset)."""
+    from dist_helper import run_distributed
+
+    results = run_distributed(_sharded_loads, 3, str(tmp_path), [128, 48], timeout=240)
+    assert results == [{128: [], 48: []}] * 3, results
 
 
 # --- MXFP4 (GPT-OSS experts) ----------------------------------------------------------------------
