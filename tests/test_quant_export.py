@@ -292,3 +292,23 @@ def test_scale_dtype_problems_name_the_setting_that_reads_them(tmp_path):
            "scale_dtype='float8_e8m0fnu'?" in text  # fmt: skip
     with pytest.raises(AdapterError, match="scale_dtype='uint8' is not a storage of scale_format='float32'"):
         sdadapt.dequant_fp8(block=BLOCK, scale_format="float32", scale_dtype=torch.uint8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("storage", ["F8_E8M0", "F32"])
+def test_pow2_scales_dequantise_on_the_gpu(tmp_path, storage):
+    """The device path copies the raw scales (``float8_e8m0fnu`` or float32 powers of two) to
+    the GPU and dequantises there: the same bits as the loop reference."""
+    if storage == "F8_E8M0":
+        release, w1, w2 = e8m0_release(seed=17)
+        rules = [sdadapt.dequant_fp8(block=BLOCK, scale_format="ue8m0")]
+    else:
+        (c1, k1), (c2, k2) = pow2_by_hand((R, C), seed=18), pow2_by_hand((C, R), seed=19)
+        w1, w2 = (c1, float32_pow2(k1)), (c2, float32_pow2(k2))
+        release = release_of(w1, w2)
+        rules = [sdadapt.dequant_fp8(block=BLOCK, scale_format="ue8m0_float32")]
+    src = write_by_hand(str(tmp_path / "release.safetensors"), release)
+    with torch.device("cuda"):
+        model = Net()
+    sdadapt.load(model, src, sdadapt.Adapter([*rules, sdadapt.rename("model.{rest:*}", "{rest}")]))
+    check_values({k: v.cpu() for k, v in model.state_dict().items()}, w1, w2, "ue8m0" if storage == "F8_E8M0" else "ue8m0_float32")
