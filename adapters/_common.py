@@ -171,8 +171,8 @@ def quantization_of(cfg: dict[str, Any], keys: list[str]) -> Quantization:
 def quantization_options(cfg: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
     """The ``quantization`` option of a checkpoint (see :func:`quantization_of`) and, for FP8,
     ``scale_format`` as its ``schema`` (:func:`checkpoint_schema`) stores the scales:
-    ``"float32"`` or ``"ue8m0"`` (exponent bytes). DeepSeek-V3.1 says ``scale_fmt: ue8m0`` yet
-    stores float32 powers of two: the stored dtype decides how they are read."""
+    ``"float32"``, ``"ue8m0"`` (exponent bytes) or, for DeepSeek-V3.1's ``scale_fmt: ue8m0``
+    with float32 scales, ``"ue8m0_float32"`` (powers of two, which export keeps so)."""
     opts: dict[str, Any] = {}
     quantization = quantization_of(cfg, list(schema))
     if quantization is None:
@@ -180,7 +180,8 @@ def quantization_options(cfg: dict[str, Any], schema: dict[str, Any]) -> dict[st
     opts["quantization"] = quantization
     stored = {info.dtype for key, info in schema.items() if key.endswith(FP8_SCALE_SUFFIX)}
     if stored == {torch.float32}:
-        opts["scale_format"] = "float32"
+        pow2 = isinstance(quantization, dict) and quantization.get("scale_fmt") == "ue8m0"
+        opts["scale_format"] = "ue8m0_float32" if pow2 else "float32"
     elif stored and stored <= {torch.uint8, torch.float8_e8m0fnu}:
         opts["scale_format"] = "ue8m0"
     return opts
@@ -190,7 +191,7 @@ def dequant_rules(
     quantization: Quantization,
     adapter: str,
     *,
-    scale_format: Literal["float32", "ue8m0"] | None = None,
+    scale_format: Literal["float32", "ue8m0", "ue8m0_float32"] | None = None,
     dtype: str = "bfloat16",
     keep: tuple[str, ...] = (),
 ) -> list[Any]:

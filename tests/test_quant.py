@@ -33,17 +33,20 @@ FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.
 
 
 def ref_dequant_fp8(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int], fmt: str, dtype: torch.dtype) -> torch.Tensor:
-    """Element by element: float(w[i, j]) * scale[i // b0, j // b1], rounded once to float32."""
+    """Element by element: float(w[i, j]) * scale[i // b0, j // b1], rounded once to float32;
+    the scale is the stored float32, or ``2 ** (byte - 127)`` of an exponent byte (``fmt="ue8m0"``)."""
     b0, b1 = block
     lead = w.shape[:-2]
     wf = w.float().reshape(-1, *w.shape[-2:])
     sf = s.reshape(-1, *s.shape[-2:])
+    if fmt == "ue8m0":
+        sf = sf.view(torch.uint8)  # float8_e8m0fnu scales: their exponent bytes
     out = torch.empty(wf.shape, dtype=torch.float32)
     for n in range(wf.shape[0]):
         for i in range(wf.shape[1]):
             for j in range(wf.shape[2]):
                 raw = sf[n, i // b0, j // b1]
-                scale = float(raw) if fmt == "float32" else 2.0 ** (int(raw) - 127)
+                scale = 2.0 ** (int(raw) - 127) if fmt == "ue8m0" else float(raw)
                 out[n, i, j] = float(wf[n, i, j]) * scale  # exact in float64, one rounding to float32
     return out.reshape(*lead, *w.shape[-2:]).to(dtype)
 
@@ -90,12 +93,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 # --- formats ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", ["float32", "ue8m0"])
+@pytest.mark.parametrize("fmt", ["float32", "ue8m0", "ue8m0_float32"])
 @pytest.mark.parametrize("block", [(4, 8), (5, 3), (16, 16), (1, 7)])
 def test_fp8_dequant_matches_loop_reference(fmt, block):
     w, s = fp8_release((2, 13, 21), block, fmt, seed=1)
     assert s.shape == (2, -(-13 // block[0]), -(-21 // block[1]))
-    assert s.dtype == (torch.float32 if fmt == "float32" else torch.uint8)
+    assert s.dtype == (torch.uint8 if fmt == "ue8m0" else torch.float32)
     for dtype in (torch.float32, torch.bfloat16):
         want = ref_dequant_fp8(w, s, block, fmt, dtype)
         assert torch.equal(bits(Q.dequantize_fp8(w, s, block, fmt, dtype)), bits(want))
@@ -141,7 +144,10 @@ def test_ue8m0_decode_encode():
     assert torch.equal(Q.encode_e8m0(torch.tensor([-200, -127, 0, 5, 300])), torch.tensor([0, 0, 127, 132, 254], dtype=torch.uint8))
 
 
-@pytest.mark.parametrize("fmt,dtype", [("ue8m0", torch.bfloat16), ("ue8m0", torch.float32), ("float32", torch.float32)])
+@pytest.mark.parametrize(
+    "fmt,dtype",
+    [("ue8m0", torch.bfloat16), ("ue8m0", torch.float32), ("float32", torch.float32), ("ue8m0_float32", torch.bfloat16)],
+)
 def test_fp8_requantize_gives_back_the_bytes(fmt, dtype):
     w, s = fp8_release((300, 517), (7, 16), fmt, seed=6)
     w2, s2 = Q.quantize_fp8(Q.dequantize_fp8(w, s, (7, 16), fmt, dtype), (7, 16), fmt)  # type: ignore[arg-type]
@@ -181,7 +187,7 @@ def fp8_case(draw):
     lead = draw(st.sampled_from([(), (2,), (3,)]))
     rows, cols = draw(st.integers(1, 40)), draw(st.integers(1, 40))
     block = (draw(st.integers(1, 17)), draw(st.integers(1, 17)))
-    fmt = draw(st.sampled_from(["float32", "ue8m0"]))
+    fmt = draw(st.sampled_from(["float32", "ue8m0", "ue8m0_float32"]))
     shape = (*lead, rows, cols)
     return shape, block, fmt, draw(_box(shape)), draw(st.integers(0, 2**16))
 
@@ -301,11 +307,14 @@ class Tiny(nn.Module):
 
 
 def fp8_adapter(fmt: str) -> sdadapt.Adapter:
+    """``"ue8m0_float32"``: a ``scale_fmt: ue8m0`` config whose release stores float32 scales
+    (the release's schema tells ``dequant_rules``)."""
     config = {"quantization_config": {"quant_method": "fp8", "weight_block_size": list(BLOCK), "fmt": "e4m3",
-                                      "activation_scheme": "dynamic", **({"scale_fmt": "ue8m0"} if fmt == "ue8m0" else {})}}  # fmt: skip
+                                      "activation_scheme": "dynamic", **({"scale_fmt": "ue8m0"} if "ue8m0" in fmt else {})}}  # fmt: skip
+    schema = {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in release_tensors(fmt).items()}
     return sdadapt.Adapter(
         [
-            *sdadapt.dequant_rules(config),
+            *sdadapt.dequant_rules(config, schema=schema if fmt == "ue8m0_float32" else None),
             sdadapt.dequant_mxfp4("model.layers.{i}.mlp.experts"),
             sdadapt.rename("model.{rest:*}", "{rest}"),  # also matches the scales' names: no ambiguity
         ],
@@ -348,7 +357,7 @@ def write_release(folder: str, fmt: str) -> str:
     return path
 
 
-@pytest.mark.parametrize("fmt", ["float32", "ue8m0"])
+@pytest.mark.parametrize("fmt", ["float32", "ue8m0", "ue8m0_float32"])
 def test_load_fp8_and_mxfp4_release(tmp_path, fmt):
     path = write_release(str(tmp_path), fmt)
     with torch.device("meta"):
@@ -363,7 +372,7 @@ def test_load_fp8_and_mxfp4_release(tmp_path, fmt):
     assert recipe.startswith("dequant_fp8(model.layers.0.w1.weight, model.layers.0.w1.weight_scale_inv")
 
 
-@pytest.mark.parametrize("fmt,dtype", [("ue8m0", torch.bfloat16), ("float32", torch.float32)])
+@pytest.mark.parametrize("fmt,dtype", [("ue8m0", torch.bfloat16), ("float32", torch.float32), ("ue8m0_float32", torch.bfloat16)])
 def test_export_round_trip_gives_the_same_bytes(tmp_path, fmt, dtype):
     """Load a release, export it unchanged: every tensor (FP8 weights, scales, MXFP4 blocks and
     scales, bf16 tensors) comes back byte for byte, when the model's dtype holds the values exactly."""
@@ -495,9 +504,11 @@ def test_dequant_rules_from_config(tmp_path):
     # DeepSeek-V3.1 style: ue8m0 in the config, power-of-two scales stored as float32
     schema = {"a.weight_scale_inv": sdadapt.TensorInfo((2, 2), torch.float32)}
     (r,) = sdadapt.dequant_rules(cfg, schema=schema)
-    assert r.scale_format == "float32"
-    schema = {"a.weight_scale_inv": sdadapt.TensorInfo((2, 2), torch.uint8)}
-    assert sdadapt.dequant_rules(cfg, schema=schema)[0].scale_format == "ue8m0"
+    assert (r.scale_format, r.scale_dtype) == ("ue8m0_float32", None)
+    for stored in (torch.uint8, torch.float8_e8m0fnu):  # exponent bytes: export keeps their dtype
+        schema = {"a.weight_scale_inv": sdadapt.TensorInfo((2, 2), stored)}
+        (r,) = sdadapt.dequant_rules(cfg, schema=schema)
+        assert (r.scale_format, r.scale_dtype) == ("ue8m0", str(stored).removeprefix("torch."))
     (r,) = sdadapt.dequant_rules({"quantization_config": {"quant_method": "mxfp4"}})
     assert r.kind == "dequant_mxfp4"
     with pytest.raises(AdapterError, match="awq"):

@@ -139,17 +139,20 @@ def dequant_fp8(
     *,
     exclude: list[str] | None = None,
     scale_suffix: str = FP8_SCALE_SUFFIX,
-    scale_format: Literal["float32", "ue8m0"] = "float32",
+    scale_format: Literal["float32", "ue8m0", "ue8m0_float32"] = "float32",
+    scale_dtype: str | torch.dtype | None = None,
     dtype: str | torch.dtype = "bfloat16",
 ) -> DequantFP8:
     """FP8 e4m3 weights matching ``keys`` (not ``exclude``) with ``block`` scales at
-    ``key + scale_suffix`` (float32, or ``"ue8m0"`` exponent bytes) -> values in ``dtype``."""
+    ``key + scale_suffix`` (float32, ``"ue8m0"`` exponent bytes, or ``"ue8m0_float32"``
+    powers of two stored as float32; ``scale_dtype`` pins the stored dtype) -> values in ``dtype``."""
     return DequantFP8(
         keys=keys,
         block=block,
         exclude=exclude or [],
         scale_suffix=scale_suffix,
         scale_format=scale_format,
+        scale_dtype=None if scale_dtype is None else dtype_str(scale_dtype),
         dtype=dtype_str(dtype),
     )
 

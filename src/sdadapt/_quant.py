@@ -5,7 +5,9 @@
   value ``[i, j] = float(w[i, j]) * scale_inv[i // b0, j // b1]``. The scale is stored as
   ``float32`` (``scale_format="float32"``) or, for power-of-two scales (UE8M0, DeepSeek-V3.1+),
   as one biased exponent byte per block (``scale_format="ue8m0"``: ``uint8`` or
-  ``float8_e8m0fnu``, value ``2 ** (byte - 127)``).
+  ``float8_e8m0fnu``, value ``2 ** (byte - 127)``). DeepSeek-V3.1 stores its power-of-two
+  scales as float32 ``2.0 ** k`` (``scale_format="ue8m0_float32"``): read as float32, chosen
+  on export as UE8M0 ones are.
 - **MXFP4** (GPT-OSS, OCP microscaling): ``blocks`` ``uint8 [..., G, 16]`` hold 32 e2m1 values
   per block, two per byte, the low nibble first (element ``2k`` is ``byte[k] & 0xF``, element
   ``2k + 1`` is ``byte[k] >> 4``, as transformers' ``integrations/mxfp4.py`` unpacks them);
@@ -19,8 +21,10 @@ dequantising functions give the same bits on any device (they allocate on their 
 Quantising is the inverse used for export. Its scale choice makes quantise(dequantise(q)) give
 back ``q`` and the scale whenever the dequantised values are exact in the dtype they were held
 in: FP8 float32 scales are ``amax / 448`` (or the float32 neighbour of it that reproduces the
-block's float32 values exactly, when one does); UE8M0 scales are the smallest power of two ``2**k``
-with ``amax / 2**k <= 464`` (what still rounds to e4m3's largest value, 448); MXFP4 scales
+block's float32 values exactly, when one does); UE8M0 scales (either storage) are the smallest
+power of two ``2**k`` with ``amax / 2**k <= 464`` (what still rounds to e4m3's largest value,
+448), so a block whose largest code was 224 or less comes back with its codes doubled and ``k``
+one lower (the same values; see docs/quantized.md); MXFP4 scales
 follow the OCP rule ``2 ** (floor(log2(amax)) - 2)``. An all-zero block gets scale 1.
 """
 
@@ -31,7 +35,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-ScaleFormat = Literal["float32", "ue8m0"]
+ScaleFormat = Literal["float32", "ue8m0", "ue8m0_float32"]
 
 FP8_SCALE_SUFFIX = "_scale_inv"  # key of a weight's FP8 scale = weight key + this
 MX_BLOCKS_SUFFIX, MX_SCALES_SUFFIX = "_blocks", "_scales"  # MXFP4 <name>_blocks + <name>_scales
@@ -42,7 +46,9 @@ MX_BYTES = MX_BLOCK // 2  # bytes per MXFP4 block
 SCALE_DTYPES: dict[str, tuple[torch.dtype, ...]] = {
     "float32": (torch.float32,),
     "ue8m0": (torch.uint8, torch.float8_e8m0fnu),
+    "ue8m0_float32": (torch.float32,),
 }
+"""The dtypes each scale format may be stored in; the first is what export writes unless told."""
 FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # e2m1 magnitudes 0..7 and the midpoints between neighbours; a value on a midpoint rounds to the
 # even code (IEEE round-half-to-even), so it moves up only past midpoints after an odd code.
@@ -71,7 +77,17 @@ def encode_e8m0(exponent: torch.Tensor) -> torch.Tensor:
 
 def scale_values(raw: torch.Tensor, fmt: ScaleFormat) -> torch.Tensor:
     """Stored FP8 scales -> float32 multipliers."""
-    return raw.to(torch.float32) if fmt == "float32" else decode_e8m0(raw)
+    return decode_e8m0(raw) if fmt == "ue8m0" else raw.to(torch.float32)
+
+
+def store_scales(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scales as :func:`quantize_fp8` gives them, in the storage ``dtype`` (one of the format's
+    :data:`SCALE_DTYPES`): UE8M0 exponent bytes become ``float8_e8m0fnu`` by reinterpretation."""
+    if stored.dtype == dtype:
+        return stored
+    if stored.dtype == torch.uint8 and dtype == torch.float8_e8m0fnu:
+        return stored.view(dtype)
+    raise ValueError(f"FP8 scales of dtype {stored.dtype} cannot be stored as {dtype}")
 
 
 def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
@@ -168,8 +184,18 @@ def _exact_fp32_scale(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return chosen
 
 
+def _pow2_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
+    """Per block, the exponent byte of the smallest ``2**k`` with ``amax / 2**k <= 464`` (byte
+    127, scale 1, for an all-zero block)."""
+    mant, exp = torch.frexp(amax)  # amax = mant * 2**exp, mant in [0.5, 1)
+    k = torch.where(mant <= 0.90625, exp - 9, exp - 8)  # 464 = 0.90625 * 2**9
+    return encode_e8m0(torch.where(amax > 0, k, torch.zeros_like(k)))
+
+
 def quantize_fp8(x: torch.Tensor, block: tuple[int, int], fmt: ScaleFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., R, C]`` -> (``float8_e4m3fn`` weight, stored scale) with ``block`` scale tiles."""
+    """``x [..., R, C]`` -> (``float8_e4m3fn`` weight, stored scale) with ``block`` scale tiles;
+    the scale is float32 (``"float32"``, ``"ue8m0_float32"``: ``2.0 ** k``) or ``uint8`` exponent
+    bytes (``"ue8m0"``; :func:`store_scales` gives ``float8_e8m0fnu``)."""
     blocks, shape = _fp8_blocks(x, block)
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., nr, nc]
     if fmt == "float32":
@@ -178,11 +204,9 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int], fmt: ScaleFormat) -> t
             stored = _exact_fp32_scale(blocks, stored)
         mult = stored
     else:
-        mant, exp = torch.frexp(amax)  # amax = mant * 2**exp, mant in [0.5, 1)
-        # smallest k with amax <= 464 * 2**k; 464 = 0.90625 * 2**9
-        k = torch.where(mant <= 0.90625, exp - 9, exp - 8)
-        stored = encode_e8m0(torch.where(amax > 0, k, torch.zeros_like(k)))
-        mult = decode_e8m0(stored)
+        raw = _pow2_scale_bytes(amax)
+        mult = decode_e8m0(raw)
+        stored = mult if fmt == "ue8m0_float32" else raw  # float32 2**k, or its exponent byte
     q = _fp8_values(blocks, mult)
     rows, cols = shape[-2:]
     q = q.reshape(shape[:-2] + (blocks.shape[-4] * block[0], blocks.shape[-2] * block[1]))[..., :rows, :cols]

@@ -171,13 +171,15 @@ class DequantMXFP4(_Dequant):
 @dataclass(frozen=True, eq=False)
 class QuantizeFP8(_Computed):
     """One part of ``child`` quantized to FP8 with ``block`` scale tiles: the e4m3 weight
-    (``part="values"``) or its stored scale grid (``part="scales"``). A region is computed from
-    the whole blocks it touches."""
+    (``part="values"``) or its stored scale grid (``part="scales"``, in ``scale_dtype``, by
+    default the format's first storage dtype). A region is computed from the whole blocks it
+    touches."""
 
     child: Node
     block: tuple[int, int]
     scale_format: Q.ScaleFormat
     part: Part
+    scale_dtype: torch.dtype | None = None
     shape: tuple[int, ...] = field(init=False)
     dtype: torch.dtype = field(init=False)
 
@@ -185,7 +187,8 @@ class QuantizeFP8(_Computed):
         if self.part == "values":
             shape, dtype = tuple(self.child.shape), Q.FP8_DTYPE
         else:
-            shape, dtype = Q.fp8_scale_shape(tuple(self.child.shape), self.block), Q.SCALE_DTYPES[self.scale_format][0]
+            shape = Q.fp8_scale_shape(tuple(self.child.shape), self.block)
+            dtype = self.scale_dtype or Q.SCALE_DTYPES[self.scale_format][0]
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", dtype)
 
@@ -199,11 +202,11 @@ class QuantizeFP8(_Computed):
             q, _ = Q.quantize_fp8(self.child.read(src, io), self.block, self.scale_format)
             return q[..., a0 - r_lo : a1 - r_lo, c0 - c_lo : c1 - c_lo]
         src = box[:-2] + ((a0 * b0, min(rows, a1 * b0)), (c0 * b1, min(cols, c1 * b1)))
-        return Q.quantize_fp8(self.child.read(src, io), self.block, self.scale_format)[1]
+        return Q.store_scales(Q.quantize_fp8(self.child.read(src, io), self.block, self.scale_format)[1], self.dtype)
 
     def full(self, io: SourceIO) -> torch.Tensor:
         q, scale = Q.quantize_fp8(self.child.full(io), self.block, self.scale_format)
-        return q if self.part == "values" else scale
+        return q if self.part == "values" else Q.store_scales(scale, self.dtype)
 
     def describe(self) -> str:
         b0, b1 = self.block

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from . import _quant as Q
 from . import _quant_nodes as QN
@@ -74,18 +74,42 @@ class _QuantRule(RuleBase):
 
 
 class _FP8Fields(_QuantRule):
-    """What FP8 dequantisation and re-quantization share: which keys, the block, the scale."""
+    """What FP8 dequantisation and re-quantization share: which keys, the block, the scale.
+
+    ``scale_dtype``: the one dtype the scales are stored in, when the format allows several
+    (``"ue8m0"``: ``uint8`` or ``float8_e8m0fnu``); loading then requires it and export writes
+    it. ``None``: loading accepts any of the format's dtypes and export writes the first."""
 
     keys: str = "**.weight"
     exclude: list[str] = []
     block: tuple[int, int]
     scale_suffix: str = Field(default=Q.FP8_SCALE_SUFFIX, min_length=1)
     scale_format: Q.ScaleFormat = "float32"
+    scale_dtype: str | None = None
 
     @field_validator("block", mode="before")
     @classmethod
     def _check_block(cls, v: object) -> tuple[int, int]:
         return _block(v)
+
+    @field_validator("scale_dtype", mode="before")
+    @classmethod
+    def _check_scale_dtype(cls, v: object) -> str | None:
+        return None if v is None else dtype_str(v)
+
+    @model_validator(mode="after")
+    def _scale_dtype_fits_format(self) -> _FP8Fields:
+        allowed = Q.SCALE_DTYPES[self.scale_format]
+        if self.scale_dtype is not None and parse_dtype(self.scale_dtype) not in allowed:
+            raise ValueError(
+                f"scale_dtype={self.scale_dtype!r} is not a storage of scale_format={self.scale_format!r} "
+                f"(one of {', '.join(dtype_name(d) for d in allowed)})"
+            )
+        return self
+
+    def _scale_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The dtypes the scales may be stored in; export writes the first."""
+        return (parse_dtype(self.scale_dtype),) if self.scale_dtype else Q.SCALE_DTYPES[self.scale_format]
 
     def _targets(self, ctx: PlanContext) -> list[str]:
         """Keys this rule acts on: matching ``keys``, not ``exclude``, with two or more dims."""
@@ -135,14 +159,24 @@ class DequantFP8(_FP8Fields):
                 f"scale {skey!r} has shape {list(scale.shape)}, but block={list(self.block)} over "
                 f"{list(node.shape)} needs {list(want)}; check block= (config.json weight_block_size)"
             )
-        if scale.dtype not in Q.SCALE_DTYPES[self.scale_format]:
-            other = "ue8m0" if self.scale_format == "float32" else "float32"
+        allowed = self._scale_dtypes()
+        if scale.dtype not in allowed:
+            what = f"scale_format={self.scale_format!r}" + (f", scale_dtype={self.scale_dtype!r}" if self.scale_dtype else "")
             return (
-                f"scale {skey!r} is {dtype_name(scale.dtype)}, not what scale_format={self.scale_format!r} "
-                f"stores ({', '.join(dtype_name(d) for d in Q.SCALE_DTYPES[self.scale_format])}); "
-                f"scale_format={other!r}?"
+                f"scale {skey!r} is {dtype_name(scale.dtype)}, not what {what} stores "
+                f"({', '.join(dtype_name(d) for d in allowed)}); {self._fix_hint(scale.dtype)}"
             )
         return None
+
+    def _fix_hint(self, stored: torch.dtype) -> str:
+        """The setting that reads scales stored as ``stored``, keeping power-of-two scales so."""
+        if stored in Q.SCALE_DTYPES[self.scale_format]:
+            return f"scale_dtype={dtype_name(stored)!r}?"
+        if stored in Q.SCALE_DTYPES["ue8m0"]:
+            return "scale_format='ue8m0'?"
+        if self.scale_format == "ue8m0":
+            return "scale_format='ue8m0_float32'? (power-of-two scales stored as float32)"
+        return "scale_format='float32'?"
 
     def inverse(self) -> list[Any]:
         return [QuantizeFP8(**self._fields())]
@@ -165,8 +199,9 @@ class QuantizeFP8(_FP8Fields):
                 ctx.issue(index, key, f"{skey!r} exists already; the scale would overwrite it")
                 continue
             ctx.mark(index)
+            scales = QN.QuantizeFP8(node, self.block, self.scale_format, "scales", self._scale_dtypes()[0])
             ctx.replace(key, QN.QuantizeFP8(node, self.block, self.scale_format, "values"))
-            ctx.put(skey, QN.QuantizeFP8(node, self.block, self.scale_format, "scales"), index, origin=key)
+            ctx.put(skey, scales, index, origin=key)
 
     def inverse(self) -> list[Any]:
         return [DequantFP8(**self._fields())]
@@ -274,10 +309,11 @@ def dequant_rules(
     defaults to :data:`FP8_EXCLUDE`); one :class:`DequantMXFP4` for ``quant_method: mxfp4``.
 
     ``scale_fmt: ue8m0`` says the scales are powers of two, not how they are stored: some
-    releases (DeepSeek-V3.1) keep them as float32, others as exponent bytes. Given the
-    checkpoint's ``schema`` (``source.schema``), the stored dtype of the scales decides;
-    without it, exponent bytes are assumed and a float32 release is a plan problem that says
-    ``scale_format='float32'``
+    releases (DeepSeek-V3.1) keep them as float32 (``scale_format="ue8m0_float32"``), others
+    as exponent bytes (``uint8`` or ``float8_e8m0fnu``, kept as ``scale_dtype`` so that export
+    writes the same dtype). Given the checkpoint's ``schema`` (``source.schema``), the stored
+    dtype of the scales decides; without it, exponent bytes are assumed and a float32 release
+    is a plan problem that says ``scale_format='ue8m0_float32'``
     (``mxfp4_keys``: GPT-OSS's expert projections ``gate_up_proj`` and ``down_proj``)."""
     cfg = _read_config(config)
     qc = cfg.get("quantization_config")
@@ -289,17 +325,30 @@ def dequant_rules(
         if block is None:
             raise AdapterError("quantization_config has quant_method 'fp8' but no weight_block_size; per-tensor FP8 "
                                "is not supported: give sdadapt.dequant_fp8(block=[rows, cols]) yourself")  # fmt: skip
-        fmt: Q.ScaleFormat = "ue8m0" if qc.get("scale_fmt") == "ue8m0" else "float32"
-        stored = {i.dtype for k, i in (schema or {}).items() if k.endswith(Q.FP8_SCALE_SUFFIX)}
-        if fmt == "ue8m0" and stored == {torch.float32}:
-            fmt = "float32"  # power-of-two values, stored as float32
+        fmt, scale_dtype = _fp8_scale_storage(qc, schema)
         exclude = list(FP8_EXCLUDE if fp8_exclude is None else fp8_exclude)
         exclude += [f"**{m}.weight" for m in qc.get("modules_to_not_convert") or []]
-        return [DequantFP8(keys=fp8_keys, exclude=exclude, block=block, scale_format=fmt, dtype=dtype_str(dtype))]
+        return [DequantFP8(keys=fp8_keys, exclude=exclude, block=block, scale_format=fmt, scale_dtype=scale_dtype,
+                           dtype=dtype_str(dtype))]  # fmt: skip
     if method == "mxfp4":
         return [DequantMXFP4(keys=mxfp4_keys, dtype=dtype_str(dtype))]
     raise AdapterError(f"quantization_config.quant_method {method!r} is not supported; sdadapt reads 'fp8' "
                        "(block scales) and 'mxfp4'")  # fmt: skip
+
+
+def _fp8_scale_storage(qc: Mapping[str, Any], schema: Mapping[str, TensorInfo] | None) -> tuple[Q.ScaleFormat, str | None]:
+    """``(scale_format, scale_dtype)`` of an FP8 release: ``scale_fmt: ue8m0`` means power-of-two
+    scales, and the stored dtype of the ``*_scale_inv`` tensors (when ``schema`` shows one) says
+    how they are kept: float32 ``2.0 ** k`` (``"ue8m0_float32"``) or exponent bytes, whose dtype
+    export then keeps."""
+    if qc.get("scale_fmt") != "ue8m0":
+        return "float32", None
+    stored = {i.dtype for k, i in (schema or {}).items() if k.endswith(Q.FP8_SCALE_SUFFIX)}
+    if stored == {torch.float32}:
+        return "ue8m0_float32", None
+    if len(stored) == 1 and stored <= set(Q.SCALE_DTYPES["ue8m0"]):
+        return "ue8m0", dtype_name(stored.pop())
+    return "ue8m0", None
 
 
 def _read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, Any]:
