@@ -26,9 +26,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _worker(src, chunk: int, depth: int) -> Worker:
-    """A CPU worker whose staging buffers hold ``chunk`` bytes (inputs larger than that are
-    copied without staging), ``depth`` of them per thread."""
-    shared = Shared(src, queue.SimpleQueue(), {}, StagingPool(4, chunk, pin=False), chunk, None)
+    """A CPU worker whose staging buffers and band buffer hold ``chunk`` bytes (inputs larger
+    than that are copied without staging), ``depth`` staging buffers per thread."""
+    shared = Shared(src, queue.SimpleQueue(), {}, StagingPool(4, chunk, pin=False), chunk, None, StagingPool(1, chunk, pin=False))
     return Worker(shared, depth)
 
 
@@ -97,7 +97,8 @@ def test_device_path_equals_host_path_and_full(tmp_path, kind, chunk, depth):
                 staged += worker.inputs.buffer is not None
             assert torch.equal(_bits(host), _bits(want)), box
             assert torch.equal(_bits(moved), _bits(want)), box
-        assert worker.shared.pool.allocated <= depth  # the inputs went through this thread's ring only
+        assert worker.shared.pool.allocated <= depth  # unstaged inputs went through this thread's ring only
+        assert worker.shared.bands.allocated == 1  # staged inputs through its one band buffer
         if chunk > 4096:
             assert staged >= 3  # the whole tensor, a corner and the last element at least: read with preadv
 
@@ -212,7 +213,7 @@ def test_engine_computes_bands_from_staged_reads_with_exact_bytes(tmp_path, chun
 
     node, path = _fp8_node(tmp_path, "float32", (16, 32))
     b0, b1 = node.block
-    cfg = EngineConfig(threads=2, chunk_bytes=chunk, min_span_bytes=min_span)
+    cfg = EngineConfig(threads=2, chunk_bytes=chunk, min_span_bytes=min_span, band_bytes=chunk)
     rng = random.Random(chunk + min_span)
     with open_source(path) as src:
         full = node.full(CountingIO(src))
@@ -220,7 +221,7 @@ def test_engine_computes_bands_from_staged_reads_with_exact_bytes(tmp_path, chun
         jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16)) for box in boxes]
         want_bytes = want_staged = tasks = 0
         for box in boxes:
-            for band in node.bands(box, cfg.chunk()):
+            for band in node.bands(box, cfg.band_bytes):
                 tasks += 1
                 n = 1
                 for a, b in band:
@@ -236,7 +237,7 @@ def test_engine_computes_bands_from_staged_reads_with_exact_bytes(tmp_path, chun
                 for box_, shape, size, nbytes in ((band, node.shape, 1, n), (scale_box, node.scale.shape, 4, scale_bytes)):
                     starts, run = box_spans(shape, size, box_)
                     start = -(-pos // 64) * 64
-                    if start + nbytes <= cfg.chunk() and (len(starts) == 1 or run >= min_span):
+                    if start + nbytes <= cfg.band_bytes and (len(starts) == 1 or run >= min_span):
                         want_staged += nbytes
                         pos = start + nbytes
         stats = IOEngine(src, cfg).run(jobs)
@@ -270,3 +271,21 @@ def test_whole_blocks_dequantise_straight_into_the_destination(fmt, dtype):
     ints = torch.zeros(2, 48, 64, dtype=torch.int32)
     assert not Q.dequantize_fp8_into(ints, w, s, (16, 32), fmt)  # type: ignore[arg-type]
     assert bool((part == 7).all() and (ints == 0).all())
+
+
+def test_one_band_buffer_shared_by_three_threads_computes_everything(tmp_path):
+    """Staging memory for one band buffer only: the thread that takes it computes every band
+    while the others wait for it (they take it once it is given back); nothing hangs, the bits
+    are the reference's."""
+    from sdadapt._engine import CountingIO, EngineConfig, IOEngine, Job
+
+    node, path = _fp8_node(tmp_path, "float32", (16, 32))
+    cfg = EngineConfig(threads=3, staging_bytes=4096, chunk_bytes=4096, band_bytes=4096)
+    with open_source(path) as src:
+        full = node.full(CountingIO(src))
+        jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16))
+                for box in _boxes(node.shape, random.Random(9), 10, node.block)]
+        stats = IOEngine(src, cfg).run(jobs)
+        assert stats.threads == 3 and stats.tasks > len(jobs)
+        for job in jobs:
+            assert torch.equal(_bits(job.dest), _bits(full[tuple(slice(a, b) for a, b in job.box)])), job.box

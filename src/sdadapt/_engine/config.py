@@ -39,8 +39,13 @@ class EngineConfig:
     ``direct_min_bytes`` is the size from which a CPU destination is read into directly rather
     than through staging (and coalescing); a region made of several runs shorter than
     ``min_span_bytes`` each (a column slice) is copied out of the source's mapping in one
-    strided copy instead of one read per run. Environment: ``SDADAPT_IO_THREADS``,
-    ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``, ``SDADAPT_IO_DEPTH``.
+    strided copy instead of one read per run. ``band_bytes`` is the largest input of one
+    computation (a dequantisation is cut into bands of whole blocks of about that size): each
+    thread that computes reads its bands into one buffer of that size, from a second pool bounded
+    by ``staging_bytes`` too (allocated only by loads that compute; its bound is also how many
+    threads compute at once: fewer, larger computations keep per-task costs low). Environment:
+    ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
+    ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``.
     """
 
     threads: int = field(default_factory=default_threads)
@@ -50,10 +55,13 @@ class EngineConfig:
     direct_min_bytes: int = 256 * 1024
     min_span_bytes: int = 64 * 1024
     depth: int = 2
+    band_bytes: int = 32 * MiB
 
     def __post_init__(self) -> None:
         if self.depth < 1:
             raise ValueError(f"EngineConfig.depth must be at least 1 (staging buffers per thread), got {self.depth}")
+        if self.band_bytes < 1:
+            raise ValueError(f"EngineConfig.band_bytes must be positive, got {self.band_bytes}")
 
     def chunk(self) -> int:
         """The largest single read, in bytes (also the size of one staging buffer)."""
@@ -71,4 +79,6 @@ class EngineConfig:
             cfg.chunk_bytes = int(float(os.environ["SDADAPT_IO_CHUNK_MB"]) * MiB)
         if os.environ.get("SDADAPT_IO_DEPTH"):
             cfg.depth = max(1, int(os.environ["SDADAPT_IO_DEPTH"]))
+        if os.environ.get("SDADAPT_IO_BAND_MB"):
+            cfg.band_bytes = max(4096, int(float(os.environ["SDADAPT_IO_BAND_MB"]) * MiB))
         return cfg

@@ -81,7 +81,8 @@ class IOEngine:
         device = next(iter(cuda_devices)) if cuda_devices and torch.cuda.is_available() else None
         threads = max(1, min(cfg.threads, _estimate_tasks(jobs, chunk)))
         pool = StagingPool(max(1, cfg.staging_bytes // chunk), chunk, device is not None)  # buffers made on first use
-        shared = Shared(self.source, queue.SimpleQueue(), {}, pool, chunk, device, cfg.min_span_bytes)
+        bands = StagingPool(max(1, cfg.staging_bytes // cfg.band_bytes), cfg.band_bytes, device is not None)
+        shared = Shared(self.source, queue.SimpleQueue(), {}, pool, chunk, device, bands, cfg.min_span_bytes)
         workers = [Worker(shared, cfg.depth) for _ in range(threads)]
         pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
         for th in pool_threads:
@@ -125,8 +126,8 @@ class IOEngine:
             st.computed += w.computed
         st.tasks += count
         st.threads = threads
-        st.staging_buffers = max(st.staging_buffers, pool.allocated)
-        st.staging_bytes = max(st.staging_bytes, pool.allocated * pool.size)
+        st.staging_buffers = max(st.staging_buffers, pool.allocated + bands.allocated)
+        st.staging_bytes = max(st.staging_bytes, pool.allocated * pool.size + bands.allocated * bands.size)
         st.plan_seconds += planned - start
         st.seconds += time.perf_counter() - start
         if shared.errors:

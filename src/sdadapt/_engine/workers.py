@@ -36,26 +36,21 @@ class CountingIO:
 class StagingIO:
     """The ``SourceIO`` a worker hands a computation's ``inputs``: reads that the source
     locates in one opened file, in runs no shorter than ``min_span``, are read with ``preadv``
-    one after the other into one staging buffer of the thread (pinned on a GPU, so that the
-    copies to the device start from there) while they fit; every other read goes through the
-    source (:class:`CountingIO`). The buffer stays untouched until the worker has copied what
-    it holds (:meth:`Worker.to_device`) or the kernel has run on it."""
+    one after the other into the thread's band buffer (pinned on a GPU, so that the copies to
+    the device start from there) while they fit; every other read goes through the source
+    (:class:`CountingIO`). The buffer stays untouched until the worker has copied what it holds
+    (:meth:`Worker.to_device`) or the kernel has run on it."""
 
     _ALIGN = 64  # each input starts on a multiple of this in the buffer (any dtype's alignment)
 
     def __init__(self, worker: Worker):
         self.worker = worker
-        self.slot: int | None = None  # the ring slot of the buffer in use, once one is
+        self.buffer: torch.Tensor | None = None  # the band buffer, once an input is staged in it
         self.pos = 0
 
     def begin(self) -> None:
         """A new computation: nothing staged yet."""
-        self.slot, self.pos = None, 0
-
-    @property
-    def buffer(self) -> torch.Tensor | None:
-        """The buffer this computation's inputs were staged in, if any."""
-        return None if self.slot is None else self.worker.ring[self.slot][0]
+        self.buffer, self.pos = None, 0
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         w = self.worker
@@ -63,12 +58,11 @@ class StagingIO:
         if located is not None:
             path, segments, dtype = located
             n = sum(size for _, size in segments)
-            start = -(-self.pos // self._ALIGN) * self._ALIGN
-            if (start if self.slot is not None else 0) + n <= w.shared.chunk:
-                if self.slot is None:
-                    w._buffer()
-                    self.slot, start = w.turn, 0
-                mem = w.ring[self.slot][0][start : start + n]
+            start = -(-self.pos // self._ALIGN) * self._ALIGN if self.buffer is not None else 0
+            if start + n <= w.shared.bands.size:
+                if self.buffer is None:
+                    self.buffer = w.band_buffer()
+                mem = self.buffer[start : start + n]
                 w.staged += w._read_into(path, segments, mem)
                 self.pos = start + n
                 return mem.view(dtype).view(box_shape(box))
@@ -85,6 +79,7 @@ class Shared:
     pool: StagingPool
     chunk: int
     device: torch.device | None
+    bands: StagingPool  # one buffer per thread that computes, taken on its first computation
     min_span: int = 64 * 1024  # shortest run a computation's input is read in with preadv
     errors: list[BaseException] = field(default_factory=list)
     failed: threading.Event = field(default_factory=threading.Event)
@@ -106,6 +101,7 @@ class Worker:
         self.nbytes = self.calls = self.direct = self.staged = self.computed = 0
         self.ring: list[list[Any]] = []  # [buffer, event or None]
         self.turn = 0
+        self.band: list[Any] | None = None  # [buffer, event or None]: see band_buffer
         self.stream: Any = None
         self.landing: torch.Tensor | None = None  # see _landing
 
@@ -128,6 +124,8 @@ class Worker:
         finally:
             for buf, _ in self.ring:
                 sh.pool.put(buf)
+            if self.band is not None:
+                sh.bands.put(self.band[0])
 
     def _loop(self) -> None:
         sh = self.shared
@@ -170,11 +168,22 @@ class Worker:
             slot[1].synchronize()
         return slot[0]
 
-    def _copied(self, turn: int | None = None) -> None:
-        """Mark the current buffer (or ring slot ``turn``) in use until the copies just queued
-        on the stream finish."""
+    def band_buffer(self) -> torch.Tensor:
+        """This thread's buffer for a computation's inputs (a band of at most ``bands.size``
+        bytes): taken from the bounded pool on the first computation, which therefore also
+        bounds how many threads compute at once, and kept; reused once the copy out of it
+        has finished."""
+        if self.band is None:
+            self.band = [self.shared.bands.get(), None]
+        elif self.band[1] is not None:
+            self.band[1].synchronize()
+        return self.band[0]
+
+    def _copied(self, slot: list[Any] | None = None) -> None:
+        """Mark the current ring buffer (or ``slot``, a [buffer, event]) in use until the
+        copies just queued on the stream finish."""
         if self.stream is not None:
-            slot = self.ring[self.turn if turn is None else turn]
+            slot = self.ring[self.turn] if slot is None else slot
             if slot[1] is None:
                 slot[1] = torch.cuda.Event()
             slot[1].record(self.stream)
@@ -251,12 +260,12 @@ class Worker:
         return loc.path, [(loc.offset + s, run) for s in starts], loc.dtype
 
     def _landing(self, device: torch.device) -> torch.Tensor:
-        """This thread's buffer of a chunk on ``device`` that staged inputs are copied into:
+        """This thread's buffer of a band on ``device`` that staged inputs are copied into:
         reused by every computation, since each one's copy and kernel are queued on the
         thread's one stream in order (the next copy into it starts after the last kernel
         reading it)."""
         if self.landing is None or self.landing.device != device:
-            self.landing = torch.empty(self.shared.chunk, dtype=torch.uint8, device=device)
+            self.landing = torch.empty(self.shared.bands.size, dtype=torch.uint8, device=device)
         return self.landing
 
     def to_device(self, values: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -269,7 +278,7 @@ class Worker:
         if staged is not None:
             raw = self._landing(device)[:used]
             raw.copy_(staged[:used], non_blocking=self.stream is not None)
-            self._copied(self.inputs.slot)
+            self._copied(self.band)
             base = staged.data_ptr()
             for i, v in enumerate(values):
                 at = v.data_ptr() - base
