@@ -237,7 +237,7 @@ def test_engine_computes_bands_from_staged_reads_with_exact_bytes(tmp_path, chun
                 for box_, shape, size, nbytes in ((band, node.shape, 1, n), (scale_box, node.scale.shape, 4, scale_bytes)):
                     starts, run = box_spans(shape, size, box_)
                     start = -(-pos // 64) * 64
-                    if start + nbytes <= cfg.band_bytes and (len(starts) == 1 or run >= min_span):
+                    if start + nbytes <= cfg.band_buffer_bytes() and (len(starts) == 1 or run >= min_span):
                         want_staged += nbytes
                         pos = start + nbytes
         stats = IOEngine(src, cfg).run(jobs)

@@ -69,6 +69,12 @@ class EngineConfig:
             return max(4096, self.chunk_bytes)
         return max(MiB, min(32 * MiB, self.staging_bytes // (self.depth * max(1, self.threads))))
 
+    def band_buffer_bytes(self) -> int:
+        """The size of a band buffer: a band's largest input (``band_bytes``) and room for its
+        other inputs, the scales: at most a sixteenth of it (MXFP4's byte per 16-byte block),
+        each input starting on a multiple of 64 bytes."""
+        return self.band_bytes + self.band_bytes // 16 + 128
+
     @classmethod
     def from_env(cls) -> EngineConfig:
         """The defaults, overridden by the ``SDADAPT_IO_*`` environment variables."""

@@ -81,7 +81,7 @@ class IOEngine:
         device = next(iter(cuda_devices)) if cuda_devices and torch.cuda.is_available() else None
         threads = max(1, min(cfg.threads, _estimate_tasks(jobs, chunk)))
         pool = StagingPool(max(1, cfg.staging_bytes // chunk), chunk, device is not None)  # buffers made on first use
-        bands = StagingPool(max(1, cfg.staging_bytes // cfg.band_bytes), cfg.band_bytes, device is not None)
+        bands = StagingPool(max(1, cfg.staging_bytes // cfg.band_bytes), cfg.band_buffer_bytes(), device is not None)
         shared = Shared(self.source, queue.SimpleQueue(), {}, pool, chunk, device, bands, cfg.min_span_bytes)
         workers = [Worker(shared, cfg.depth) for _ in range(threads)]
         pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
