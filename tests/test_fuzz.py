@@ -37,7 +37,8 @@ FUZZ = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
 )
 
-DTYPES = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "U16", "U32", "U64"]
+DTYPES = ["F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "F8_E8M0", "U16", "U32",
+          "U64"]  # fmt: skip
 
 # any JSON value, deep and wide enough to hit odd types everywhere
 json_values = st.recursive(
@@ -107,6 +108,13 @@ mutations = st.lists(
     ),
     max_size=3,
 )
+
+
+def test_fuzzed_dtypes_are_the_readers_dtypes() -> None:
+    """The fuzzers draw every dtype name the safetensors reader accepts, and only those."""
+    from sdadapt.sources._safetensors_file import DTYPES as KNOWN
+
+    assert sorted(DTYPES) == sorted(KNOWN)
 
 
 @FUZZ

@@ -13,7 +13,9 @@ of a ``.distcp`` file (an embedded zip archive whose one storage record holds th
 uncompressed). :meth:`DCPSource.locate_region` finds those bytes from the zip's own structures
 (central directory, local header, and the pickled tensor record, read with a restricted
 unpickler) and checks them: one storage record, stored uncompressed, the dtype and shape
-of ``.metadata``, contiguous strides, the data inside the item's byte range. Chunks that pass
+of ``.metadata`` (a typed storage, or for the dtypes without one, such as the float8 kinds and
+``float8_e8m0fnu``, a byte storage with the dtype in the tensor record), contiguous strides, the
+data inside the item's byte range. Chunks that pass
 are read by the I/O engine with ``preadv`` (and by :meth:`DCPSource.read` from a mapping of
 the file); any other chunk (a transform extension, a non-contiguous save, a format we do not
 recognise) goes through ``FileSystemReader``.
@@ -181,24 +183,42 @@ class _FileView(io.RawIOBase):
 
 
 class _Rebuild:
+    """The arguments of ``_rebuild_tensor_v2``: (storage, storage_offset, size, stride, ...),
+    the storage typed with the tensor's dtype."""
+
     def __init__(self, *args: Any):
         self.args = args
 
 
+class _RebuildV3(_Rebuild):
+    """The arguments of ``_rebuild_tensor_v3``, which ``torch.save`` writes for the dtypes that
+    have no typed storage class (float8 kinds, ``float8_e8m0fnu``, uint16/32/64): an untyped
+    (byte) storage, and the tensor's dtype as the seventh argument."""
+
+
+_UNTYPED = "untyped"
+"""The storage dtype of a ``torch.storage.UntypedStorage`` record: its numel counts bytes."""
+
+
 class _TensorRecordUnpickler(pickle.Unpickler):
     """Reads a ``torch.save`` data.pkl of one plain tensor without building it: returns the
-    arguments of ``_rebuild_tensor_v2`` and the storage's (dtype, record key, numel)."""
+    arguments of ``_rebuild_tensor_v2`` / ``_v3`` and the storage's (dtype, record key, numel)."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
             return _Rebuild
+        if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):
+            return _RebuildV3
+        if (module, name) == ("torch.storage", "UntypedStorage"):
+            return _UNTYPED
         if (module, name) == ("collections", "OrderedDict"):
             return dict
-        if module == "torch" and name.endswith("Storage") and "." not in name:
+        if module == "torch" and "." not in name:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                dtype = getattr(getattr(torch, name, None), "dtype", None)
-            if isinstance(dtype, torch.dtype):
+                found = getattr(torch, name, None)
+                dtype = found if isinstance(found, torch.dtype) else getattr(found, "dtype", None)
+            if isinstance(dtype, torch.dtype) and (found is dtype or name.endswith("Storage")):
                 return dtype
         raise pickle.UnpicklingError(f"{module}.{name}: not a plain tensor record")
 
@@ -206,9 +226,24 @@ class _TensorRecordUnpickler(pickle.Unpickler):
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise pickle.UnpicklingError("unexpected persistent id")
         _, dtype, key, _location, numel = pid
-        if not isinstance(dtype, torch.dtype) or not isinstance(key, str) or not isinstance(numel, int):
+        if not isinstance(dtype, torch.dtype) and dtype != _UNTYPED:
+            raise pickle.UnpicklingError("unexpected storage record")
+        if not isinstance(key, str) or not isinstance(numel, int):
             raise pickle.UnpicklingError("unexpected storage record")
         return ("storage", dtype, key, numel)
+
+
+def _storage_bytes(rec: _Rebuild, dtype: torch.dtype) -> int:
+    """Size in bytes of the storage of a tensor record of ``dtype``; ``ValueError`` unless the
+    record holds ``dtype`` (a v2 storage typed so, or a v3 untyped storage with that dtype)."""
+    _, sdtype, _, snumel = rec.args[0]
+    if isinstance(rec, _RebuildV3):
+        if len(rec.args) < 7 or rec.args[6] != dtype or sdtype != _UNTYPED or any(rec.args[7:8]):
+            raise ValueError("record does not match .metadata")
+        return snumel
+    if sdtype != dtype:
+        raise ValueError("record does not match .metadata")
+    return snumel * dtype.itemsize
 
 
 def locate_item(fd: int, offset: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> int:
@@ -233,7 +268,8 @@ def locate_item(fd: int, offset: int, length: int, dtype: torch.dtype, shape: tu
     storage, storage_offset, size, stride = rec.args[:4]
     if not (isinstance(storage, tuple) and storage[0] == "storage"):
         raise ValueError("no storage")
-    _, sdtype, skey, snumel = storage
+    skey = storage[2]
+    nbytes = _storage_bytes(rec, dtype)
     numel = 1
     for n in shape:
         numel *= n
@@ -243,15 +279,14 @@ def locate_item(fd: int, offset: int, length: int, dtype: torch.dtype, shape: tu
         acc *= n
     expect_stride.reverse()
     if (
-        sdtype != dtype
-        or tuple(size) != tuple(shape)
+        tuple(size) != tuple(shape)
         or info.filename != f"{root}data/{skey}"
         or info.compress_type != zipfile.ZIP_STORED
         or info.file_size != info.compress_size
-        or info.file_size != snumel * dtype.itemsize
+        or info.file_size != nbytes
         or not isinstance(storage_offset, int)
         or storage_offset < 0
-        or storage_offset + numel > snumel
+        or (storage_offset + numel) * dtype.itemsize > nbytes
         or any(s != e for s, e, n in zip(stride, expect_stride, shape, strict=False) if n > 1)
         or len(stride) != len(shape)
     ):
