@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Literal
-
-import torch
+from typing import Any
 
 import sdadapt
-from sdadapt._quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX
+from sdadapt._quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX, SCALE_DTYPES, ScaleFormat
+from sdadapt._rules.base import dtype_str
 from sdadapt.errors import AdapterError
+from sdadapt.sources._base import dtype_name
 
 HF = "model.layers.{i}."
 META = "layers.{i}."
@@ -172,18 +172,22 @@ def quantization_options(cfg: dict[str, Any], schema: dict[str, Any]) -> dict[st
     """The ``quantization`` option of a checkpoint (see :func:`quantization_of`) and, for FP8,
     ``scale_format`` as its ``schema`` (:func:`checkpoint_schema`) stores the scales:
     ``"float32"``, ``"ue8m0"`` (exponent bytes) or, for DeepSeek-V3.1's ``scale_fmt: ue8m0``
-    with float32 scales, ``"ue8m0_float32"`` (powers of two, which export keeps so)."""
+    with float32 scales, ``"ue8m0_float32"`` (powers of two, which export keeps so). Exponent
+    bytes also give ``scale_dtype``, the one dtype they are stored in (``uint8`` or
+    ``float8_e8m0fnu``), so that export writes the release's dtype name back."""
     opts: dict[str, Any] = {}
     quantization = quantization_of(cfg, list(schema))
     if quantization is None:
         return opts
     opts["quantization"] = quantization
     stored = {info.dtype for key, info in schema.items() if key.endswith(FP8_SCALE_SUFFIX)}
-    if stored == {torch.float32}:
+    if stored and stored <= set(SCALE_DTYPES["float32"]):
         pow2 = isinstance(quantization, dict) and quantization.get("scale_fmt") == "ue8m0"
         opts["scale_format"] = "ue8m0_float32" if pow2 else "float32"
-    elif stored and stored <= {torch.uint8, torch.float8_e8m0fnu}:
+    elif stored and stored <= set(SCALE_DTYPES["ue8m0"]):
         opts["scale_format"] = "ue8m0"
+        if len(stored) == 1:
+            opts["scale_dtype"] = dtype_name(stored.pop())
     return opts
 
 
@@ -191,7 +195,8 @@ def dequant_rules(
     quantization: Quantization,
     adapter: str,
     *,
-    scale_format: Literal["float32", "ue8m0", "ue8m0_float32"] | None = None,
+    scale_format: ScaleFormat | None = None,
+    scale_dtype: str | None = None,
     dtype: str = "bfloat16",
     keep: tuple[str, ...] = (),
 ) -> list[Any]:
@@ -201,10 +206,12 @@ def dequant_rules(
     Every adapter that accepts quantized releases asks here, so the quantized variants are
     chosen in this one place. FP8 block scaling (``quant_method: fp8``) gives
     ``sdadapt.dequant_rules``' FP8 rule: block size from ``weight_block_size``, UE8M0 scales from
-    ``scale_fmt``, ``modules_to_not_convert`` excluded; ``scale_format`` (``"float32"`` /
-    ``"ue8m0"``, from the stored scales) overrides how the scales are read; ``dtype`` is the
-    values' dtype; ``keep``: patterns of further weights the family's releases keep unquantized.
-    Other methods (MXFP4 is GPT-OSS's) are refused before anything is planned."""
+    ``scale_fmt``, ``modules_to_not_convert`` excluded; ``scale_format`` (``"float32"``,
+    ``"ue8m0"`` or ``"ue8m0_float32"``, from the stored scales) overrides how the scales are
+    read; ``scale_dtype`` pins the dtype they are stored in and export writes (``None``: loading
+    accepts any of the format's dtypes and export writes ``uint8`` for ``"ue8m0"``); ``dtype`` is
+    the values' dtype; ``keep``: patterns of further weights the family's releases keep
+    unquantized. Other methods (MXFP4 is GPT-OSS's) are refused before anything is planned."""
     if quantization is None:
         return []
     qc = dict(quantization) if isinstance(quantization, dict) else {"quant_method": quantization}
@@ -224,10 +231,26 @@ def dequant_rules(
     (rule,) = sdadapt.dequant_rules({"quantization_config": qc}, dtype=dtype)
     assert isinstance(rule, sdadapt.DequantFP8), rule  # quant_method fp8 gives the FP8 rule
     fmt = scale_format or rule.scale_format
-    if fmt != rule.scale_format or keep:
-        rule = sdadapt.dequant_fp8(rule.keys, rule.block, exclude=[*rule.exclude, *keep], scale_suffix=rule.scale_suffix,
-                                   scale_format=fmt, dtype=dtype)  # fmt: skip
+    rule = sdadapt.dequant_fp8(rule.keys, rule.block, exclude=[*rule.exclude, *keep], scale_suffix=rule.scale_suffix,
+                               scale_format=fmt, scale_dtype=_scale_dtype_of(fmt, scale_dtype, adapter),
+                               dtype=dtype)  # fmt: skip
     return [rule]
+
+
+def _scale_dtype_of(fmt: ScaleFormat, scale_dtype: str | None, adapter: str) -> str | None:
+    """``scale_dtype`` as a dtype name, or an :class:`AdapterError` naming both options unless it
+    is a dtype that stores ``fmt``'s scales."""
+    if scale_dtype is None:
+        return None
+    allowed = [dtype_name(d) for d in SCALE_DTYPES.get(fmt, ())]
+    name = dtype_str(scale_dtype)
+    if name not in allowed:
+        raise AdapterError(
+            f"the {adapter} adapter: scale_dtype={scale_dtype!r} does not store scale_format={fmt!r} scales "
+            f"(those are stored as {' or '.join(allowed) or 'nothing known'}); pass a scale_dtype that fits, or "
+            "scale_dtype=None"
+        )
+    return name
 
 
 # --- rule groups ---------------------------------------------------------------------------------

@@ -49,7 +49,14 @@ back to the HF layout (dropped MTP layers are not written).
 FP8 releases (DeepSeek-V3/R1, V3.1 with UE8M0 scales: ``quantization_config`` with
 ``weight_block_size``, ``*_scale_inv`` keys) are dequantised while loading and re-quantized with
 the same blocks by ``adapter.inverse()``: see ``_common.dequant_rules``. The MTP layer's FP8
-weights are dequantised only when it is mapped (a dropped layer is never read).
+weights are dequantised only when it is mapped (a dropped layer is never read). Given the
+checkpoint (``sdadapt.get_adapter("deepseek_v3", source=...)``), the adapter reads how the
+scales are stored from its headers: float32 powers of two (V3.1's ``scale_fmt: ue8m0`` with
+``F32`` scales) are written back as float32 powers of two, exponent bytes in their stored
+dtype (``scale_dtype``: ``F8_E8M0`` stays ``F8_E8M0``). Built without it
+(``build(quantization=...)``), exponent-byte scales are written as ``uint8`` (the same bytes)
+unless ``scale_dtype`` is passed, and V3.1's float32 scales need
+``scale_format="ue8m0_float32"``.
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ from sdadapt.adapters._common import (
 
 import sdadapt
 from sdadapt import Adapter
+from sdadapt._quant import ScaleFormat
 from sdadapt.errors import AdapterError
 
 SUMMARY = (
@@ -182,7 +190,8 @@ def build(
     kv_lora_rank: int | None = None,
     tie_embeddings: bool = False,
     quantization: Quantization = None,
-    scale_format: Literal["float32", "ue8m0"] | None = None,
+    scale_format: ScaleFormat | None = None,
+    scale_dtype: str | None = None,
     dtype: str = "bfloat16",
 ) -> Adapter:
     """The adapter from an HF DeepSeek-V3 checkpoint to the torchtitan-style layout.
@@ -197,7 +206,8 @@ def build(
     ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``kv_lora_rank``. ``tie_embeddings``: the
     checkpoint has no ``lm_head.weight``. ``quantization``: the checkpoint's
     ``quantization_config`` (``None``: plain weights); an FP8 release is dequantised to
-    ``dtype``, its scales read as ``scale_format`` (default: the config's ``scale_fmt``).
+    ``dtype``, its scales read as ``scale_format`` (default: the config's ``scale_fmt``) and,
+    when ``scale_dtype`` is given, required in that dtype, which export writes back.
     """
     k = first_k_dense_replace
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
@@ -209,7 +219,9 @@ def build(
             "the deepseek_v3 adapter needs n_layers=... (num_hidden_layers) to tell the MTP layers from the model's; "
             "pass it, or give the checkpoint folder (its config.json supplies it)"
         )
-    rules: list[Any] = dequant_rules(quantization, "deepseek_v3", scale_format=scale_format, dtype=dtype, keep=FP8_KEEP)
+    rules: list[Any] = dequant_rules(
+        quantization, "deepseek_v3", scale_format=scale_format, scale_dtype=scale_dtype, dtype=dtype, keep=FP8_KEEP
+    )
     rules += top_level_rules(tie_embeddings)
     rules += attention_rules(q_lora, rope_interleave)
     if not rope_interleave:

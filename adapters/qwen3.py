@@ -25,11 +25,16 @@ included) apply rotary in HF's "half" order, so q and k keep their rows, and the
 FP8 releases (Qwen3-*-FP8: ``quantization_config`` in ``config.json`` with
 ``weight_block_size``, ``*_scale_inv`` keys beside the weights) are dequantised while loading,
 and re-quantized with the same blocks by ``adapter.inverse()``: see ``_common.dequant_rules``.
+Given the checkpoint (``sdadapt.get_adapter("qwen3", source=...)``), the adapter reads how the
+scales are stored from its headers (``scale_format``, and ``scale_dtype`` for exponent bytes),
+so the export writes the release's scale dtype (``F8_E8M0`` stays ``F8_E8M0``); built without
+it (``build(quantization=...)``), exponent-byte scales are written as ``uint8`` (the same
+bytes) unless ``scale_dtype`` is passed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from sdadapt.adapters._common import (
     HF,
@@ -47,6 +52,7 @@ from sdadapt.adapters._common import (
 
 import sdadapt
 from sdadapt import Adapter
+from sdadapt._quant import ScaleFormat
 
 SUMMARY = "HF transformers Qwen3 -> torchtitan-style layout (wq/wk/wv/wo + q_norm/k_norm, w1/w2/w3; HF rotary order kept; tied)"
 
@@ -66,7 +72,8 @@ def build(
     tie_embeddings: bool = False,
     attention_bias: bool = False,
     quantization: Quantization = None,
-    scale_format: Literal["float32", "ue8m0"] | None = None,
+    scale_format: ScaleFormat | None = None,
+    scale_dtype: str | None = None,
     dtype: str = "bfloat16",
 ) -> Adapter:
     """The adapter from an HF Qwen3 checkpoint to the torchtitan-style layout.
@@ -76,9 +83,10 @@ def build(
     projections have biases (``attention_bias`` of the config). ``quantization``: the
     checkpoint's ``quantization_config`` (``None``: plain weights); an FP8 release is
     dequantised to ``dtype``, its scales read as ``scale_format`` (default: the config's
-    ``scale_fmt``). See ``_common.dequant_rules``.
+    ``scale_fmt``) and, when ``scale_dtype`` is given, required in that dtype, which export
+    writes back. See ``_common.dequant_rules``.
     """
-    rules: list[Any] = dequant_rules(quantization, "qwen3", scale_format=scale_format, dtype=dtype)
+    rules: list[Any] = dequant_rules(quantization, "qwen3", scale_format=scale_format, scale_dtype=scale_dtype, dtype=dtype)
     rules += top_level_rules(tie_embeddings)
     rules += attention_rules(attention_bias)
     rules += mlp_rules()

@@ -47,6 +47,7 @@ from sdadapt.adapters._common import (
 from sdadapt.adapters.qwen3 import attention_rules, dense_options
 
 from sdadapt import Adapter
+from sdadapt._quant import ScaleFormat
 from sdadapt.errors import AdapterError
 
 SUMMARY = (
@@ -66,7 +67,8 @@ def build(
     tie_embeddings: bool = False,
     attention_bias: bool = False,
     quantization: Quantization = None,
-    scale_format: Literal["float32", "ue8m0"] | None = None,
+    scale_format: ScaleFormat | None = None,
+    scale_dtype: str | None = None,
     dtype: str = "bfloat16",
 ) -> Adapter:
     """The adapter from an HF Qwen3-MoE checkpoint to the stacked-experts layout.
@@ -74,11 +76,12 @@ def build(
     ``experts`` says how the checkpoint stores the experts (see the module doc). ``n_experts``
     (the config's ``num_experts``): the checkpoint must hold exactly that many experts per
     per-expert layer. ``dense_layers``: indices of the layers with a dense MLP instead of
-    experts. ``tie_embeddings``, ``attention_bias``, ``quantization``, ``scale_format`` and
-    ``dtype`` as in ``qwen3``.
+    experts. ``tie_embeddings``, ``attention_bias``, ``quantization``, ``scale_format``,
+    ``scale_dtype`` and ``dtype`` as in ``qwen3`` (FP8 scales keep their stored dtype on
+    export when the adapter is given the checkpoint; see the ``qwen3`` module doc).
     """
     dense = _layer_indices(dense_layers)
-    rules: list[Any] = dequant_rules(quantization, "qwen3_moe", scale_format=scale_format, dtype=dtype)
+    rules: list[Any] = dequant_rules(quantization, "qwen3_moe", scale_format=scale_format, scale_dtype=scale_dtype, dtype=dtype)
     rules += top_level_rules(tie_embeddings)
     rules += attention_rules(attention_bias)
     rules += moe_rules(experts, block="mlp.", names=EXPERT_NAMES, n_experts=n_experts, adapter="qwen3_moe")
