@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from ._quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX, MX_SCALES_SUFFIX
+from ._quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX, MX_SCALES_SUFFIX, ScaleFormat
 from ._quant_rules import DequantFP8, DequantMXFP4
 from ._rules import (
     AddPrefix,
@@ -139,7 +139,7 @@ def dequant_fp8(
     *,
     exclude: list[str] | None = None,
     scale_suffix: str = FP8_SCALE_SUFFIX,
-    scale_format: Literal["float32", "ue8m0", "ue8m0_float32"] = "float32",
+    scale_format: ScaleFormat = "float32",
     scale_dtype: str | torch.dtype | None = None,
     dtype: str | torch.dtype = "bfloat16",
 ) -> DequantFP8:
