@@ -17,7 +17,9 @@ the policy says:
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -105,17 +107,29 @@ def _attempt(fn: Any) -> dict[str, Any]:
     return {"error": None, "message": ""}
 
 
-def _faulty_namespace(rank: int, part: str) -> Any:
-    """``_Namespace.read`` raising on rank 1 for the entries of ``part`` ("exp_avg": the
-    optimizer's; "model": the model's)."""
-    real = state_mod._Namespace.read
+@contextlib.contextmanager
+def _faulty_namespace(rank: int, part: str) -> Iterator[None]:
+    """While open, reading the entries of ``part`` ("exp_avg": the optimizer's; "model": the
+    model's) raises on rank 1, whichever way the engine reads them: the byte locations it
+    reads with ``preadv`` (``_Namespace.locate_region``) or ``_Namespace.read``."""
+    ns = state_mod._Namespace
+    real = {name: getattr(ns, name) for name in ("read", "locate_region")}
 
-    def read(self: Any, key: str, box: Any) -> torch.Tensor:
-        if rank == 1 and (part in self.fmt if part != "model" else self.fmt.startswith("model.")):
-            raise RuntimeError(f"injected read failure in the {part} part")
-        return real(self, key, box)
+    def faulty(name: str) -> Any:
+        def method(self: Any, key: str, box: Any) -> Any:
+            if rank == 1 and (part in self.fmt if part != "model" else self.fmt.startswith("model.")):
+                raise RuntimeError(f"injected read failure in the {part} part")
+            return real[name](self, key, box)
 
-    return real, read
+        return method
+
+    for name in real:
+        setattr(ns, name, faulty(name))
+    try:
+        yield
+    finally:
+        for name, method in real.items():
+            setattr(ns, name, method)
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,12 +157,8 @@ def worker(folder: str) -> dict[str, Any]:
         m = _fsdp_model(1)
         o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
         before = _snapshot(m)
-        real, bad = _faulty_namespace(rank, "exp_avg")
-        state_mod._Namespace.read = bad  # type: ignore[method-assign]
-        try:
+        with _faulty_namespace(rank, "exp_avg"):
             got = _attempt(lambda m=m, o=o, stage=stage: sdadapt.load_state(ck, m, o, stage=stage))
-        finally:
-            state_mod._Namespace.read = real  # type: ignore[method-assign]
         got |= {
             "model_unchanged": _same(_snapshot(m), before),
             "model_marked": is_marked(m),
@@ -163,12 +173,8 @@ def worker(folder: str) -> dict[str, Any]:
         o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
         _train(m, o, 1)
         before = _snapshot(m, o)
-        real, bad = _faulty_namespace(rank, "exp_avg")
-        state_mod._Namespace.read = bad  # type: ignore[method-assign]
-        try:
+        with _faulty_namespace(rank, "exp_avg"):
             got = _attempt(lambda m=m, o=o, stage=stage: sdadapt.load_state(ck, m, o, stage=stage))
-        finally:
-            state_mod._Namespace.read = real  # type: ignore[method-assign]
         after = _snapshot(m, o)
         got |= {
             "model_unchanged": all(torch.equal(after[k], v) for k, v in before.items() if k.startswith("model.")),
@@ -192,12 +198,8 @@ def worker(folder: str) -> dict[str, Any]:
     # 3. fault in the model part of load_state (after the optimizer was read)
     m = _fsdp_model(1)
     o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-    real, bad = _faulty_namespace(rank, "model")
-    state_mod._Namespace.read = bad  # type: ignore[method-assign]
-    try:
+    with _faulty_namespace(rank, "model"):
         got = _attempt(lambda: sdadapt.load_state(ck, m, o))
-    finally:
-        state_mod._Namespace.read = real  # type: ignore[method-assign]
     got |= {"forward_error": _forward_error(m), "optim_empty": len(o.state) == 0}
     sdadapt.load_state(ck, m, o)
     got |= {"then_exact": _same(_snapshot(m, o), saved), "then_forward_error": _forward_error(m)}

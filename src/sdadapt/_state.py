@@ -47,7 +47,7 @@ from ._safe_planner import SafeLoadPlanner
 from ._target import model_state_dict, schema_of
 from ._transaction import Part, Transaction
 from .errors import LoadError, PlanError, SdadaptError, SourceError, StateError
-from .sources._base import Source
+from .sources._base import Source, TensorLocation
 from .sources._dcp_dir import SDADAPT_JSON, DCPSource
 
 log = logging.getLogger(__name__)
@@ -203,20 +203,45 @@ def _version() -> str:
 
 # --------------------------------------------------------------------------------- load
 class _Namespace(Source):
-    """A view of a DCP checkpoint where key ``k`` means the stored entry ``fmt.format(k)``."""
+    """A view of a DCP checkpoint where key ``k`` means the stored entry ``fmt.format(k)``.
+
+    Every capability of :class:`Source` is forwarded through that mapping, byte locations
+    included, so the I/O engine reads a resume load's regions with ``preadv`` straight from the
+    ``.distcp`` files instead of through :meth:`read`."""
 
     def __init__(self, base: DCPSource, fmt: str):
         self.base = base
         self.fmt = fmt
         self.path = base.path
-        self.schema = {}
+        head, tail = fmt.split("{}")
+        self.schema = {
+            k[len(head) : len(k) - len(tail)]: info
+            for k, info in base.schema.items()
+            if len(k) > len(head) + len(tail) and k.startswith(head) and k.endswith(tail)
+        }
         self.non_tensor = []
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         return self.base.read(self.fmt.format(key), box)
 
+    def locate(self, key: str) -> TensorLocation | None:
+        return self.base.locate(self.fmt.format(key))
+
+    def locate_region(self, key: str, box: Box) -> list[tuple[Box, TensorLocation]] | None:
+        return self.base.locate_region(self.fmt.format(key), box)
+
     def file_of(self, key: str) -> str:
         return self.base.file_of(self.fmt.format(key))
+
+    def files(self) -> list[str]:
+        return self.base.files()
+
+    def stored_key(self, key: str) -> str:
+        return self.base.stored_key(self.fmt.format(key))
+
+    @property
+    def kind(self) -> str:
+        return self.base.kind
 
 
 def _detect_keys(full: DCPSource) -> tuple[str, str | None]:
