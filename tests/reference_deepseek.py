@@ -18,10 +18,10 @@ from reference_models import (
     apply_rotary_emb,
     causal_attention,
     precompute_freqs_cis,
+    vocab_parallel_plan,
 )
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
@@ -130,10 +130,7 @@ def parallelize_deepseek(model: DeepSeekV3, mesh: DeviceMesh) -> DeepSeekV3:
     the latent projections, norms, router and routed experts by FSDP only. Then FSDP2."""
     names = mesh.mesh_dim_names or ()
     if "tp" in names and mesh["tp"].size() > 1:
-        plan: dict = {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate()),
-        }
+        plan = vocab_parallel_plan()
         for i, layer in enumerate(model.layers):
             p = f"layers.{i}."
             q = "wq" if hasattr(layer.attention, "wq") else "wq_b"
@@ -144,5 +141,3 @@ def parallelize_deepseek(model: DeepSeekV3, mesh: DeviceMesh) -> DeepSeekV3:
         parallelize_module(model, mesh["tp"], plan)
     _fsdp(model, model.layers, mesh)
     return model
-
-

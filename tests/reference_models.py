@@ -19,11 +19,11 @@
 
 Written from the published model definitions (Meta's llama ``model.py``, nanoGPT ``model.py``,
 the Qwen3 equations of HF's ``modeling_qwen3``/``modeling_qwen3_moe``, OpenAI's ``gpt_oss/torch/model.py``),
-so they are independent
-of sdadapt and of transformers' code. Head counts are derived from the local width of each
-projection output, so the same code runs unsharded and under tensor parallelism
-(``ColwiseParallel`` q/k/v, ``RowwiseParallel`` output), where each rank holds whole heads.
-``parallelize_*`` apply TP over mesh dim ``"tp"`` and FSDP2 over ``"fsdp"``, as present.
+so they are independent of sdadapt and of transformers' code; the decoders share one frame,
+:class:`DecoderLM`. Head counts are derived from the local width of each projection output, so
+the same code runs unsharded and under tensor parallelism (``ColwiseParallel`` q/k/v,
+``RowwiseParallel`` output), where each rank holds whole heads. ``parallelize_*`` apply TP over
+mesh dim ``"tp"`` and FSDP2 over ``"fsdp"``, as present.
 """
 
 from __future__ import annotations
@@ -201,10 +201,9 @@ class MetaBlock(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """The frame the decoder reference models share: ``tok_embeddings``, ``layers`` (one
-    ``block(cfg, i)`` each), final ``norm`` and an untied ``output``. ``forward`` calls every
-    block as ``block(h, *self.rotary(seqlen))``: each family supplies its rotary tables.
-    ``output`` is always its own parameter (a tied checkpoint fills it from ``tok_embeddings``)."""
+    """The decoders' frame: ``tok_embeddings``, ``layers`` (``block(cfg, i)`` each), ``norm``, ``output`` (always
+    its own parameter: a tied checkpoint fills it from ``tok_embeddings``). ``forward`` calls each block as
+    ``block(h, *self.rotary(seqlen))``: each family supplies its rotary tables."""
 
     def __init__(self, cfg: dict, block: Callable[[dict, int], nn.Module]):
         super().__init__()
@@ -286,9 +285,7 @@ class Qwen3Block(nn.Module):
     def __init__(self, cfg: dict, layer: int):
         super().__init__()
         dim, eps = cfg["dim"], cfg["norm_eps"]
-        self.attention = Qwen3Attention(
-            dim, cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"], eps, cfg.get("attention_bias", False)
-        )
+        self.attention = Qwen3Attention(dim, cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"], eps, cfg.get("attention_bias", False))
         self.attention_norm = RMSNorm(dim, eps)
         self.ffn_norm = RMSNorm(dim, eps)
         if cfg.get("n_experts") and layer not in cfg.get("dense_layers", ()):
@@ -314,16 +311,21 @@ class Qwen3(DecoderLM):
         return rope_half(self.cfg["head_dim"], seqlen, self.cfg["rope_theta"])
 
 
+def vocab_parallel_plan() -> dict:
+    """The decoders' TP plan for ``tok_embeddings`` and ``output``: vocab-sharded, outputs replicated."""
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    }
+
+
 def parallelize_meta_llama(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """TP (vocab-sharded embedding/output, colwise q/k/v and w1/w3, rowwise wo/w2) + FSDP2;
     MoE experts and norms are sharded by FSDP only. Serves :class:`MetaLlama`, :class:`Qwen3`
     and :class:`GptOss` (same module names)."""
     names = mesh.mesh_dim_names or ()
     if "tp" in names and mesh["tp"].size() > 1:
-        plan: dict = {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate()),
-        }
+        plan = vocab_parallel_plan()
         for i, layer in enumerate(model.layers):
             p = f"layers.{i}."
             attn = layer.attention
@@ -557,8 +559,9 @@ class NanoGPT(nn.Module):
     """nanoGPT's GPT: ``transformer.{wte,wpe,h.{i},ln_f}`` and ``lm_head`` (its own parameter
     here; a tied checkpoint fills it from ``transformer.wte``)."""
 
-    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
-                 eps: float = 1e-5, split_qkv: bool = False):
+    def __init__(
+        self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, eps: float = 1e-5, split_qkv: bool = False
+    ):
         super().__init__()
         self.transformer = nn.ModuleDict(
             dict(
