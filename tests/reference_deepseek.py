@@ -3,13 +3,14 @@
 (``attention.wq`` or ``wq_a``/``q_norm``/``wq_b``, ``wkv_a``, ``kv_norm``, ``wkv_b``, ``wo``) with
 interleaved rotary rows, dense first layers, and MoE layers with a sigmoid group-limited router,
 ``moe.expert_bias``, stacked experts and ``moe.shared_experts``. Shared pieces (norms, rotary,
-attention, feed-forward, FSDP) come from :mod:`reference_models`."""
+attention, feed-forward, the model frame, FSDP) come from :mod:`reference_models`."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from reference_models import (
+    DecoderLM,
     FeedForward,
     GroupedExperts,
     RMSNorm,
@@ -17,10 +18,10 @@ from reference_models import (
     apply_rotary_emb,
     causal_attention,
     precompute_freqs_cis,
+    vocab_parallel_plan,
 )
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
@@ -109,7 +110,7 @@ class DeepSeekBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class DeepSeekV3(nn.Module):
+class DeepSeekV3(DecoderLM):
     """DeepSeek-V3 in torchtitan's names (the equations of DeepSeek's ``inference/model.py``).
     ``cfg``: dim, n_layers, n_heads, vocab_size, hidden_dim, norm_eps, rope_theta, q_lora_rank
     (0: one ``wq``), kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, n_dense_layers,
@@ -117,19 +118,10 @@ class DeepSeekV3(nn.Module):
     n_shared_experts. Default rotary only (no YaRN)."""
 
     def __init__(self, cfg: dict):
-        super().__init__()
-        self.cfg = dict(cfg)
-        self.tok_embeddings = nn.Embedding(cfg["vocab_size"], cfg["dim"])
-        self.layers = nn.ModuleList([DeepSeekBlock(cfg, i) for i in range(cfg["n_layers"])])
-        self.norm = RMSNorm(cfg["dim"], cfg["norm_eps"])
-        self.output = nn.Linear(cfg["dim"], cfg["vocab_size"], bias=False)
+        super().__init__(cfg, DeepSeekBlock)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        freqs_cis = precompute_freqs_cis(self.cfg["qk_rope_head_dim"], tokens.shape[1], self.cfg["rope_theta"])
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, freqs_cis)
-        return self.output(self.norm(h)).float()
+    def rotary(self, seqlen: int) -> tuple[torch.Tensor, ...]:
+        return (precompute_freqs_cis(self.cfg["qk_rope_head_dim"], seqlen, self.cfg["rope_theta"]),)
 
 
 def parallelize_deepseek(model: DeepSeekV3, mesh: DeviceMesh) -> DeepSeekV3:
@@ -138,10 +130,7 @@ def parallelize_deepseek(model: DeepSeekV3, mesh: DeviceMesh) -> DeepSeekV3:
     the latent projections, norms, router and routed experts by FSDP only. Then FSDP2."""
     names = mesh.mesh_dim_names or ()
     if "tp" in names and mesh["tp"].size() > 1:
-        plan: dict = {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate()),
-        }
+        plan = vocab_parallel_plan()
         for i, layer in enumerate(model.layers):
             p = f"layers.{i}."
             q = "wq" if hasattr(layer.attention, "wq") else "wq_b"
@@ -152,5 +141,3 @@ def parallelize_deepseek(model: DeepSeekV3, mesh: DeviceMesh) -> DeepSeekV3:
         parallelize_module(model, mesh["tp"], plan)
     _fsdp(model, model.layers, mesh)
     return model
-
-

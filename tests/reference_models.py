@@ -19,16 +19,17 @@
 
 Written from the published model definitions (Meta's llama ``model.py``, nanoGPT ``model.py``,
 the Qwen3 equations of HF's ``modeling_qwen3``/``modeling_qwen3_moe``, OpenAI's ``gpt_oss/torch/model.py``),
-so they are independent
-of sdadapt and of transformers' code. Head counts are derived from the local width of each
-projection output, so the same code runs unsharded and under tensor parallelism
-(``ColwiseParallel`` q/k/v, ``RowwiseParallel`` output), where each rank holds whole heads.
-``parallelize_*`` apply TP over mesh dim ``"tp"`` and FSDP2 over ``"fsdp"``, as present.
+so they are independent of sdadapt and of transformers' code; the decoders share one frame,
+:class:`DecoderLM`. Head counts are derived from the local width of each projection output, so
+the same code runs unsharded and under tensor parallelism (``ColwiseParallel`` q/k/v,
+``RowwiseParallel`` output), where each rank holds whole heads. ``parallelize_*`` apply TP over
+mesh dim ``"tp"`` and FSDP2 over ``"fsdp"``, as present.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -199,26 +200,41 @@ class MetaBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class MetaLlama(nn.Module):
-    """Meta's reference Llama layout. ``cfg``: dim, n_layers, n_heads, n_kv_heads, vocab_size,
-    hidden_dim, norm_eps, rope_theta; optional fused_qkv, fused_w13, n_experts + top_k (MoE).
-    ``output`` is always its own parameter (a tied checkpoint fills it from ``tok_embeddings``)."""
+class DecoderLM(nn.Module):
+    """The decoders' frame: ``tok_embeddings``, ``layers`` (``block(cfg, i)`` each), ``norm``, ``output`` (always
+    its own parameter: a tied checkpoint fills it from ``tok_embeddings``). ``forward`` calls each block as
+    ``block(h, *self.rotary(seqlen))``: each family supplies its rotary tables."""
 
-    def __init__(self, cfg: dict):
+    def __init__(self, cfg: dict, block: Callable[[dict, int], nn.Module]):
         super().__init__()
         self.cfg = dict(cfg)
         self.tok_embeddings = nn.Embedding(cfg["vocab_size"], cfg["dim"])
-        self.layers = nn.ModuleList([MetaBlock(cfg) for _ in range(cfg["n_layers"])])
+        self.layers = nn.ModuleList([block(cfg, i) for i in range(cfg["n_layers"])])
         self.norm = RMSNorm(cfg["dim"], cfg["norm_eps"])
         self.output = nn.Linear(cfg["dim"], cfg["vocab_size"], bias=False)
 
+    def rotary(self, seqlen: int) -> tuple[torch.Tensor, ...]:
+        """The rotary tables every block takes after the hidden states."""
+        raise NotImplementedError
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        cfg = self.cfg
-        freqs_cis = precompute_freqs_cis(cfg["dim"] // cfg["n_heads"], tokens.shape[1], cfg["rope_theta"])
+        tables = self.rotary(tokens.shape[1])
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, freqs_cis)
+            h = layer(h, *tables)
         return self.output(self.norm(h)).float()
+
+
+class MetaLlama(DecoderLM):
+    """Meta's reference Llama layout. ``cfg``: dim, n_layers, n_heads, n_kv_heads, vocab_size,
+    hidden_dim, norm_eps, rope_theta; optional fused_qkv, fused_w13, n_experts + top_k (MoE)."""
+
+    def __init__(self, cfg: dict):
+        super().__init__(cfg, lambda block_cfg, _layer: MetaBlock(block_cfg))
+
+    def rotary(self, seqlen: int) -> tuple[torch.Tensor, ...]:
+        cfg = self.cfg
+        return (precompute_freqs_cis(cfg["dim"] // cfg["n_heads"], seqlen, cfg["rope_theta"]),)
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,9 +285,7 @@ class Qwen3Block(nn.Module):
     def __init__(self, cfg: dict, layer: int):
         super().__init__()
         dim, eps = cfg["dim"], cfg["norm_eps"]
-        self.attention = Qwen3Attention(
-            dim, cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"], eps, cfg.get("attention_bias", False)
-        )
+        self.attention = Qwen3Attention(dim, cfg["n_heads"], cfg["n_kv_heads"], cfg["head_dim"], eps, cfg.get("attention_bias", False))
         self.attention_norm = RMSNorm(dim, eps)
         self.ffn_norm = RMSNorm(dim, eps)
         if cfg.get("n_experts") and layer not in cfg.get("dense_layers", ()):
@@ -285,26 +299,24 @@ class Qwen3Block(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class Qwen3(nn.Module):
+class Qwen3(DecoderLM):
     """Qwen3 in torchtitan's names. ``cfg``: dim, n_layers, n_heads, n_kv_heads, head_dim,
     vocab_size, hidden_dim, norm_eps, rope_theta; optional attention_bias; MoE: n_experts, top_k,
-    moe_hidden_dim, norm_topk, dense_layers (indices with a dense ``feed_forward``).
-    ``output`` is always its own parameter (a tied checkpoint fills it from ``tok_embeddings``)."""
+    moe_hidden_dim, norm_topk, dense_layers (indices with a dense ``feed_forward``)."""
 
     def __init__(self, cfg: dict):
-        super().__init__()
-        self.cfg = dict(cfg)
-        self.tok_embeddings = nn.Embedding(cfg["vocab_size"], cfg["dim"])
-        self.layers = nn.ModuleList([Qwen3Block(cfg, i) for i in range(cfg["n_layers"])])
-        self.norm = RMSNorm(cfg["dim"], cfg["norm_eps"])
-        self.output = nn.Linear(cfg["dim"], cfg["vocab_size"], bias=False)
+        super().__init__(cfg, Qwen3Block)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        cos, sin = rope_half(self.cfg["head_dim"], tokens.shape[1], self.cfg["rope_theta"])
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.output(self.norm(h)).float()
+    def rotary(self, seqlen: int) -> tuple[torch.Tensor, ...]:
+        return rope_half(self.cfg["head_dim"], seqlen, self.cfg["rope_theta"])
+
+
+def vocab_parallel_plan() -> dict:
+    """The decoders' TP plan for ``tok_embeddings`` and ``output``: vocab-sharded, outputs replicated."""
+    return {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        "output": ColwiseParallel(output_layouts=Replicate()),
+    }
 
 
 def parallelize_meta_llama(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
@@ -313,10 +325,7 @@ def parallelize_meta_llama(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     and :class:`GptOss` (same module names)."""
     names = mesh.mesh_dim_names or ()
     if "tp" in names and mesh["tp"].size() > 1:
-        plan: dict = {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Replicate()),
-        }
+        plan = vocab_parallel_plan()
         for i, layer in enumerate(model.layers):
             p = f"layers.{i}."
             attn = layer.attention
@@ -465,25 +474,16 @@ class GptOssBlock(nn.Module):
         return h + self.moe(self.ffn_norm(h))
 
 
-class GptOss(nn.Module):
+class GptOss(DecoderLM):
     """GPT-OSS in torchtitan's names. ``cfg``: dim, n_layers, n_heads, n_kv_heads, head_dim,
     vocab_size, hidden_dim (F), n_experts, top_k, norm_eps, sliding_window, swiglu_alpha,
     swiglu_limit, rope (rope_theta, factor, beta_fast, beta_slow, original_max_position_embeddings)."""
 
     def __init__(self, cfg: dict):
-        super().__init__()
-        self.cfg = dict(cfg)
-        self.tok_embeddings = nn.Embedding(cfg["vocab_size"], cfg["dim"])
-        self.layers = nn.ModuleList([GptOssBlock(cfg, i) for i in range(cfg["n_layers"])])
-        self.norm = RMSNorm(cfg["dim"], cfg["norm_eps"])
-        self.output = nn.Linear(cfg["dim"], cfg["vocab_size"], bias=False)
+        super().__init__(cfg, GptOssBlock)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        cos, sin = rope_yarn(self.cfg["head_dim"], tokens.shape[1], self.cfg["rope"])
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        return self.output(self.norm(h)).float()
+    def rotary(self, seqlen: int) -> tuple[torch.Tensor, ...]:
+        return rope_yarn(self.cfg["head_dim"], seqlen, self.cfg["rope"])
 
 
 def parallelize_gpt_oss(model: GptOss, mesh: DeviceMesh) -> nn.Module:
@@ -559,8 +559,9 @@ class NanoGPT(nn.Module):
     """nanoGPT's GPT: ``transformer.{wte,wpe,h.{i},ln_f}`` and ``lm_head`` (its own parameter
     here; a tied checkpoint fills it from ``transformer.wte``)."""
 
-    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int,
-                 eps: float = 1e-5, split_qkv: bool = False):
+    def __init__(
+        self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int, eps: float = 1e-5, split_qkv: bool = False
+    ):
         super().__init__()
         self.transformer = nn.ModuleDict(
             dict(

@@ -29,9 +29,10 @@ from typing import Any
 
 import pytest
 import torch
+from adapter_check import case_named, cases_fixture, check_results, checkpoint_tensors, load_cases, load_on_meshes, plan_error, same_bytes
 from checkpoints import write_hf_sharded
 from dist_helper import run_distributed
-from test_adapters_qwen import _checkpoint, _perturb, _same_bytes
+from test_adapters_qwen import _perturb
 
 import sdadapt
 
@@ -39,8 +40,6 @@ transformers = pytest.importorskip("transformers", reason="the test extra instal
 
 L, H, DIM, FFN, MOE_FFN, E, VOCAB, SEQ = 3, 4, 32, 48, 24, 4, 40, 7
 Q_RANK, KV_RANK, NOPE, ROPE, V_DIM = 24, 16, 16, 8, 12
-TOL = dict(rtol=1e-5, atol=2e-5)
-MESHES = (("fsdp2+tp-2x2", range(4)), ("fsdp-3-uneven", range(3)))
 
 
 def hf_config(**kw: Any) -> Any:
@@ -101,8 +100,8 @@ def case_of(name: str, hf: Any, path: str, tokens: torch.Tensor, **extra: Any) -
     with torch.no_grad():
         expected = hf(tokens).logits.float()
     tied = hf.config.tie_word_embeddings
-    case = dict(name=name, path=path, family="deepseek_v3", spec=spec_of(hf.config), tokens=tokens, expected=expected,
-                export_unexpected=["output.weight"] if tied else [], export_skip=())  # fmt: skip
+    case = dict(name=name, path=path, family="deepseek_v3", adapter="deepseek_v3", spec=spec_of(hf.config), tokens=tokens,
+                expected=expected, export_unexpected=["output.weight"] if tied else [], export_skip=())  # fmt: skip
     return {**case, **extra}
 
 
@@ -117,7 +116,7 @@ def _write_cases(root: str) -> list[dict]:
     hf = hf_model(hf_config(), 30)
     path = os.path.join(root, "dsv3_q_lora_mtp")
     hf.save_pretrained(path)
-    sd = load_single(path)
+    sd = checkpoint_tensors(path)
     assert "model.layers.1.mlp.experts.3.up_proj.weight" in sd
     write_hf_sharded(path, {**sd, **mtp_layer(sd, L, 31)}, max_shard_bytes=40_000)
     os.remove(os.path.join(path, "model.safetensors"))
@@ -127,7 +126,7 @@ def _write_cases(root: str) -> list[dict]:
     hf = hf_model(hf_config(q_lora_rank=None, rope_interleave=False, first_k_dense_replace=2, tie_word_embeddings=True), 32)
     path = os.path.join(root, "dsv3_wq_half_tied")
     hf.save_pretrained(path)
-    assert "lm_head.weight" not in load_single(path)
+    assert "lm_head.weight" not in checkpoint_tensors(path)
     cases.append(case_of("dsv3_wq_half_tied", hf, path, tokens))
 
     # fused 3-D experts (transformers 5.x state dict), every layer MoE, sharded with an index
@@ -143,14 +142,8 @@ def _write_cases(root: str) -> list[dict]:
     return cases
 
 
-def load_single(path: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(os.path.join(path, "model.safetensors"))
-
-
 # ----------------------------------------------------------------------------------------------
-# workers: load, compare logits, export (shared with the FP8 tests)
+# the launched check: every case on both meshes (tests/adapter_check.py; shared with the FP8 tests)
 # ----------------------------------------------------------------------------------------------
 def target_model(case: dict, mesh: Any | None) -> torch.nn.Module:
     """The reference model of ``case["family"]`` on the meta device, parallelised on ``mesh``."""
@@ -163,88 +156,18 @@ def target_model(case: dict, mesh: Any | None) -> torch.nn.Module:
     return model if mesh is None else parallelize(model, mesh)
 
 
-def _run_cases(root: str, mesh: Any, group: Any) -> dict[str, dict]:
-    from checkpoints import DictIO
-    from torch.distributed.tensor import DTensor
-
-    from sdadapt._target import model_state_dict, schema_of
-
-    results: dict[str, dict] = {}
-    for case in torch.load(os.path.join(root, "cases.pt"), weights_only=False):
-        model = target_model(case, mesh)
-        adapter = sdadapt.get_adapter(case["adapter"], source=case["path"], **case.get("options", {}))
-        rep = sdadapt.load(model, case["path"], adapter, process_group=group)
-        with torch.no_grad():
-            out = model(case["tokens"])
-        out = out.full_tensor() if isinstance(out, DTensor) else out
-        sd = model_state_dict(model)
-        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in sd.items()}
-        original = {k: v for k, v in _checkpoint(case["path"]).items() if not k.startswith(tuple(case["export_skip"]))}
-        plan = sdadapt.build_plan(
-            schema_of(sd),
-            {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in original.items()},
-            adapter.inverse(),
-            allow_unexpected=case["export_unexpected"],
-        )
-        exported = {k: node.full(DictIO(full)) for k, node in plan.recipes.items()}
-        differ = {k: v for k, v in exported.items() if not _same_bytes(v, original[k])}
-        # differing tensors go back as bytes: float8 tensors do not survive the pickle to the parent
-        results[case["name"]] = dict(
-            keys=rep.keys_loaded, target_keys=len(sd), err=(out - case["expected"]).abs().max().item(),
-            close=torch.allclose(out, case["expected"], **TOL), export_report=plan.report.format(),
-            export_ok=plan.report.ok, exported=sorted(plan.recipes), original=sorted(original),
-            differ=sorted(differ), differ_bytes={k: v.contiguous().view(torch.uint8) for k, v in differ.items()},
-        )  # fmt: skip
-        del model
-    return results
-
-
 def load_all(root: str) -> dict[str, dict[str, dict]]:
-    """Worker on 4 ranks: every case of ``root/cases.pt`` on a 2x2 (fsdp, tp) mesh, then on a
-    3-rank FSDP mesh of ranks 0-2 (uneven shards; rank 3 waits)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    out = {MESHES[0][0]: _run_cases(root, init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp")), None)}
-    mesh3 = DeviceMesh("cpu", torch.arange(3), mesh_dim_names=("fsdp",))  # every rank takes part in creating it
-    if dist.get_rank() < 3:
-        out[MESHES[1][0]] = _run_cases(root, mesh3, mesh3.get_group())
-    dist.barrier()
-    return out
+    """Worker on 4 ranks: every case of ``root/cases.pt`` loaded into :func:`target_model` on both
+    meshes of :func:`adapter_check.load_on_meshes`; :func:`adapter_check.check_results` checks them."""
+    return load_on_meshes(root, target_model)
 
 
-def check_results(results: list[dict], names: list[str], may_differ: dict[str, list[str]] | None = None) -> None:
-    """Every case on every rank of both meshes: all keys, logits, byte-exact export (but for the
-    keys ``may_differ[name]`` lists, which must differ; the caller checks their values)."""
-    for mesh, ranks in MESHES:
-        for name in names:
-            for rank in ranks:
-                r = results[rank][mesh][name]
-                where = f"{name} on {mesh}, rank {rank}"
-                assert r["keys"] == r["target_keys"], (where, r)
-                assert r["close"], f"{where}: logits differ from transformers' by {r['err']:.3g}"
-                assert r["export_ok"], f"{where}: export report\n{r['export_report']}"
-                assert r["exported"] == r["original"], where
-                expected = sorted((may_differ or {}).get(name, []))
-                assert r["differ"] == expected, f"{where}: exported tensors differ from the checkpoint: {r['differ']}"
-    assert MESHES[1][0] not in results[3]
-
-
-@pytest.fixture(scope="module")
-def cases_root(tmp_path_factory: pytest.TempPathFactory) -> str:
-    root = str(tmp_path_factory.mktemp("adapters_deepseek"))
-    cases = [{**c, "adapter": "deepseek_v3"} for c in _write_cases(root)]
-    torch.save(cases, os.path.join(root, "cases.pt"))
-    return root
-
-
-def _case(root: str, name: str) -> dict:
-    return next(c for c in torch.load(os.path.join(root, "cases.pt"), weights_only=False) if c["name"] == name)
+cases_root = cases_fixture("adapters_deepseek", _write_cases)
 
 
 def test_deepseek_v3_loads_real_checkpoints(cases_root: str) -> None:
     results = run_distributed(load_all, 4, cases_root, timeout=300)
-    check_results(results, [c["name"] for c in torch.load(os.path.join(cases_root, "cases.pt"), weights_only=False)])
+    check_results(results, [c["name"] for c in load_cases(cases_root)])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,13 +184,13 @@ def _opts(case: dict) -> dict:
 def test_options_from_checkpoints(cases_root: str) -> None:
     """What the adapter reads from config.json and key names (headers only, sharded too)."""
     dims = dict(n_layers=L, n_experts=E, n_heads=H, qk_nope_head_dim=NOPE, qk_rope_head_dim=ROPE, kv_lora_rank=KV_RANK)
-    assert _opts(_case(cases_root, "dsv3_q_lora_mtp")) == dict(
+    assert _opts(case_named(cases_root, "dsv3_q_lora_mtp")) == dict(
         dims, rope_interleave=True, q_lora=True, first_k_dense_replace=1, mtp_layers=1, tie_embeddings=False
     )
-    assert _opts(_case(cases_root, "dsv3_wq_half_tied")) == dict(
+    assert _opts(case_named(cases_root, "dsv3_wq_half_tied")) == dict(
         dims, rope_interleave=False, q_lora=False, first_k_dense_replace=2, mtp_layers=0, tie_embeddings=True
     )
-    assert _opts(_case(cases_root, "dsv3_stacked")) == dict(
+    assert _opts(case_named(cases_root, "dsv3_stacked")) == dict(
         dims, rope_interleave=True, q_lora=True, first_k_dense_replace=0, mtp_layers=0, tie_embeddings=False,
         experts="stacked",
     )  # fmt: skip
@@ -284,8 +207,8 @@ def test_mtp_layer_mapped(cases_root: str) -> None:
     values (experts stacked), and the inverse writes every tensor back byte for byte."""
     from checkpoints import DictIO
 
-    case = _case(cases_root, "dsv3_q_lora_mtp")
-    original = _checkpoint(case["path"])
+    case = case_named(cases_root, "dsv3_q_lora_mtp")
+    original = checkpoint_tensors(case["path"])
     model_schema = {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in target_model(case, None).state_dict().items()}
     last, mtp = f"layers.{L - 1}.", "mtp.0."
     target = dict(model_schema)
@@ -309,7 +232,7 @@ def test_mtp_layer_mapped(cases_root: str) -> None:
     back = sdadapt.build_plan({k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in values.items()}, source, adapter.inverse())
     assert back.report.ok, back.report.format()
     out = DictIO(values)
-    assert [k for k, node in back.recipes.items() if not _same_bytes(node.full(out), original[k])] == []
+    assert [k for k, node in back.recipes.items() if not same_bytes(node.full(out), original[k])] == []
 
     # the default drops it, and says so
     rep = sdadapt.diff(target_model(case, None), case["path"], sdadapt.get_adapter("deepseek_v3", source=case["path"]))
@@ -318,15 +241,11 @@ def test_mtp_layer_mapped(cases_root: str) -> None:
 
 
 def _plan_error(case: dict, adapter: sdadapt.Adapter) -> str:
-    model = target_model(case, None)
-    with pytest.raises(sdadapt.PlanError) as info:
-        sdadapt.load(model, case["path"], adapter)
-    assert all(p.is_meta for p in model.parameters()), "the model was changed although planning failed"
-    return str(info.value)
+    return plan_error(target_model(case, None), case["path"], adapter)
 
 
 def test_wrong_options_fail_while_planning(cases_root: str) -> None:
-    mtp_case, half, stacked = (_case(cases_root, n) for n in ("dsv3_q_lora_mtp", "dsv3_wq_half_tied", "dsv3_stacked"))
+    mtp_case, half, stacked = (case_named(cases_root, n) for n in ("dsv3_q_lora_mtp", "dsv3_wq_half_tied", "dsv3_stacked"))
     get = sdadapt.get_adapter
 
     # low-rank q expected, one q_proj in the checkpoint: rules and keys named
@@ -366,10 +285,10 @@ def test_wrong_options_fail_while_planning(cases_root: str) -> None:
 def test_half_rotary_rows_are_permuted(cases_root: str) -> None:
     """The rope rows of q and ``wkv_a`` are permuted half -> interleaved per head, the others
     kept: loaded values against a plain-torch permutation of the checkpoint's tensors."""
-    case = _case(cases_root, "dsv3_wq_half_tied")
+    case = case_named(cases_root, "dsv3_wq_half_tied")
     model = target_model(case, None)
     sdadapt.load(model, case["path"], sdadapt.get_adapter("deepseek_v3", source=case["path"]))
-    sd = load_single(case["path"])
+    sd = checkpoint_tensors(case["path"])
     perm = torch.cat([torch.arange(0, ROPE, 2), torch.arange(1, ROPE, 2)]).argsort()  # interleaved row r <- half row perm[r]
     q = sd["model.layers.0.self_attn.q_proj.weight"].reshape(H, NOPE + ROPE, DIM)
     want_q = torch.cat([q[:, :NOPE], q[:, NOPE:][:, perm]], dim=1).reshape(-1, DIM)

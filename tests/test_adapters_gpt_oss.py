@@ -30,8 +30,8 @@ from typing import Any
 
 import pytest
 import torch
-from dist_helper import run_distributed
-from safetensors.torch import load_file, save_file
+from adapter_check import TOL, case_named, cases_fixture, check_on_meshes, checkpoint_tensors, plan_error
+from safetensors.torch import save_file
 
 import sdadapt
 from sdadapt._quant import quantize_mxfp4
@@ -39,8 +39,6 @@ from sdadapt._quant import quantize_mxfp4
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
 
 L, H, KV, HEAD_DIM, DIM, F, E, TOP_K, VOCAB, SEQ, WINDOW = 3, 4, 2, 8, 32, 32, 4, 2, 40, 7, 3
-TOL = dict(rtol=1e-5, atol=2e-5)
-MESHES = (("fsdp2+tp-2x2", range(4)), ("fsdp-3-uneven", range(3)))
 TO_FP32 = sdadapt.cast("**", "float32", from_dtype="bfloat16")
 
 
@@ -66,16 +64,6 @@ def _hf_model(seed: int) -> Any:
             noise = torch.randn(p.shape, generator=gen)
             p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else (1.0 if name.endswith("sinks") else 0.2) * noise)
     return hf
-
-
-def _checkpoint(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint folder: the shards its index names, or its one file."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if not os.path.exists(index):
-        return load_file(os.path.join(path, "model.safetensors"))
-    with open(index) as f:
-        files = sorted(set(json.load(f)["weight_map"].values()))
-    return {k: v for name in files for k, v in load_file(os.path.join(path, name)).items()}
 
 
 def _write_mxfp4(hf: Any, path: str) -> None:
@@ -120,7 +108,7 @@ def _write_cases(root: str) -> list[dict]:
     path = os.path.join(root, "bf16")
     hf.to(torch.bfloat16).save_pretrained(path, max_shard_size="40KB")
     assert os.path.exists(os.path.join(path, "model.safetensors.index.json")), "save_pretrained did not shard"
-    assert _checkpoint(path)["model.layers.0.mlp.experts.down_proj"].shape == (E, F, DIM)
+    assert checkpoint_tensors(path)["model.layers.0.mlp.experts.down_proj"].shape == (E, F, DIM)
     cases.append(dict(name="bf16", path=path, options={}, extra=[TO_FP32], spec=spec, tokens=tokens, expected=expected))
 
     # MXFP4: the released layout; transformers dequantises the file itself for the expected logits
@@ -140,86 +128,21 @@ def _adapter(case: dict) -> sdadapt.Adapter:
 
 
 # ----------------------------------------------------------------------------------------------
-# workers: load, compare logits, export
+# the launched check: every case on both meshes (tests/adapter_check.py)
 # ----------------------------------------------------------------------------------------------
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-def _run_cases(root: str, mesh: Any, group: Any) -> dict[str, dict]:
-    from checkpoints import DictIO
+def _target(case: dict, mesh: Any) -> torch.nn.Module:
     from reference_models import GptOss, parallelize_gpt_oss
-    from torch.distributed.tensor import DTensor
 
-    from sdadapt._target import model_state_dict, schema_of
-
-    results: dict[str, dict] = {}
-    for case in torch.load(os.path.join(root, "cases.pt"), weights_only=False):
-        with torch.device("meta"):
-            model = GptOss(case["spec"]).eval()
-        parallelize_gpt_oss(model, mesh)
-        adapter = _adapter(case)
-        rep = sdadapt.load(model, case["path"], adapter, process_group=group)
-        with torch.no_grad():
-            out = model(case["tokens"])
-        out = out.full_tensor() if isinstance(out, DTensor) else out
-        sd = model_state_dict(model)
-        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in sd.items()}
-        original = _checkpoint(case["path"])
-        plan = sdadapt.build_plan(
-            schema_of(sd), {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in original.items()}, adapter.inverse()
-        )
-        io = DictIO(full)
-        results[case["name"]] = dict(
-            keys=rep.keys_loaded, target_keys=len(sd), err=(out - case["expected"]).abs().max().item(),
-            close=torch.allclose(out, case["expected"], **TOL), export_report=plan.report.format(),
-            export_ok=plan.report.ok, exported=sorted(plan.recipes), original=sorted(original),
-            differ=[k for k, node in plan.recipes.items() if not _same_bytes(node.full(io), original[k])],
-        )  # fmt: skip
-        del model
-    return results
+    with torch.device("meta"):
+        model = GptOss(case["spec"]).eval()
+    return parallelize_gpt_oss(model, mesh)
 
 
-def _load_all(root: str) -> dict[str, dict[str, dict]]:
-    """Worker on 4 ranks: every case on a 2x2 (fsdp, tp) mesh, then on a 3-rank FSDP mesh of
-    ranks 0-2 (uneven shards: 2, 2 and 0 experts; rank 3 waits)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    out = {MESHES[0][0]: _run_cases(root, init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp")), None)}
-    mesh3 = DeviceMesh("cpu", torch.arange(3), mesh_dim_names=("fsdp",))  # every rank takes part in creating it
-    if dist.get_rank() < 3:
-        out[MESHES[1][0]] = _run_cases(root, mesh3, mesh3.get_group())
-    dist.barrier()
-    return out
-
-
-@pytest.fixture(scope="module")
-def cases_root(tmp_path_factory: pytest.TempPathFactory) -> str:
-    root = str(tmp_path_factory.mktemp("adapters_gpt_oss"))
-    torch.save(_write_cases(root), os.path.join(root, "cases.pt"))
-    return root
-
-
-def _case(root: str, name: str) -> dict:
-    return next(c for c in torch.load(os.path.join(root, "cases.pt"), weights_only=False) if c["name"] == name)
+cases_root = cases_fixture("adapters_gpt_oss", _write_cases)
 
 
 def test_gpt_oss_adapter_loads_real_checkpoints(cases_root: str) -> None:
-    results = run_distributed(_load_all, 4, cases_root, timeout=300)
-    for mesh, ranks in MESHES:
-        for name in ("bf16", "mxfp4"):
-            for rank in ranks:
-                r = results[rank][mesh][name]
-                where = f"{name} on {mesh}, rank {rank}"
-                assert r["keys"] == r["target_keys"], (where, r)
-                assert r["close"], f"{where}: logits differ from transformers' by {r['err']:.3g}"
-                assert r["export_ok"], f"{where}: export report\n{r['export_report']}"
-                assert r["exported"] == r["original"], where
-                assert r["differ"] == [], f"{where}: exported tensors differ from the checkpoint: {r['differ']}"
-    assert MESHES[1][0] not in results[3]
+    check_on_meshes(cases_root, _target, _adapter)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,11 +156,7 @@ def _meta_model(case: dict, **spec: Any) -> torch.nn.Module:
 
 
 def _plan_error(case: dict, adapter: sdadapt.Adapter) -> str:
-    model = _meta_model(case)
-    with pytest.raises(sdadapt.PlanError) as info:
-        sdadapt.load(model, case["path"], adapter)
-    assert all(p.is_meta for p in model.parameters()), "the model was changed although planning failed"
-    return str(info.value)
+    return plan_error(_meta_model(case), case["path"], adapter)
 
 
 def test_reference_model_matches_transformers_on_one_process(cases_root: str) -> None:
@@ -245,13 +164,13 @@ def test_reference_model_matches_transformers_on_one_process(cases_root: str) ->
     equal transformers' own dequantisation of the blocks, de-interleaved (gate even, up odd)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    case = _case(cases_root, "mxfp4")
+    case = case_named(cases_root, "mxfp4")
     model = _meta_model(case)
     model.to_empty(device="cpu")
     sdadapt.load(model, case["path"], _adapter(case))
     with torch.no_grad():
         torch.testing.assert_close(model(case["tokens"]), case["expected"], **TOL)
-    ckpt = _checkpoint(case["path"])
+    ckpt = checkpoint_tensors(case["path"])
     prefix = "model.layers.1.mlp.experts."
     gate_up = convert_moe_packed_tensors(ckpt[prefix + "gate_up_proj_blocks"], ckpt[prefix + "gate_up_proj_scales"],
                                          dtype=torch.float32)  # fmt: skip
@@ -270,7 +189,7 @@ def test_options_from_checkpoints(cases_root: str) -> None:
     from sdadapt._registry import config_folder
 
     def opts(case: str) -> dict:
-        path = _case(cases_root, case)["path"]
+        path = case_named(cases_root, case)["path"]
         return options_from_config(config_folder(path), path)
 
     assert opts("bf16") == dict(intermediate_size=F, attention_bias=True, tie_embeddings=False)
@@ -279,7 +198,7 @@ def test_options_from_checkpoints(cases_root: str) -> None:
 
 def test_key_names_alone_pick_mxfp4(tmp_path: Any, cases_root: str) -> None:
     """Without ``quantization_config`` the ``*_blocks`` keys say MXFP4; the plan lines up."""
-    case = _case(cases_root, "mxfp4")
+    case = case_named(cases_root, "mxfp4")
     folder = tmp_path / "no_quant_config"
     folder.mkdir()
     cfg = json.loads(open(os.path.join(case["path"], "config.json")).read())
@@ -291,7 +210,7 @@ def test_key_names_alone_pick_mxfp4(tmp_path: Any, cases_root: str) -> None:
 
 
 def test_wrong_format_or_options_fail_while_planning(cases_root: str) -> None:
-    bf16, mxfp4 = _case(cases_root, "bf16"), _case(cases_root, "mxfp4")
+    bf16, mxfp4 = case_named(cases_root, "bf16"), case_named(cases_root, "mxfp4")
 
     # the MXFP4 release read as plain weights: blocks and scales unexpected, experts missing, a hint
     msg = _plan_error(mxfp4, sdadapt.get_adapter("gpt_oss", source=mxfp4["path"], quantization=None))

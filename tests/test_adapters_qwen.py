@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_helper import run_distributed
+from adapter_check import TOL, case_named, cases_fixture, check_on_meshes, plan_error
 from safetensors.torch import load_file, save_file
 
 import sdadapt
@@ -34,8 +34,6 @@ import sdadapt
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
 
 L, H, KV, HEAD_DIM, DIM, FFN, MOE_FFN, E, VOCAB, SEQ = 3, 4, 2, 16, 32, 48, 24, 4, 40, 7
-TOL = dict(rtol=1e-5, atol=2e-5)
-MESHES = (("fsdp2+tp-2x2", range(4)), ("fsdp-3-uneven", range(3)))
 
 
 def _perturb(model: torch.nn.Module, seed: int) -> None:
@@ -45,16 +43,6 @@ def _perturb(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             p.copy_(1.0 + 0.1 * noise if name.endswith("norm.weight") else 0.2 * noise)
-
-
-def _checkpoint(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint folder: the shards its index names, or its one file."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if not os.path.exists(index):
-        return load_file(os.path.join(path, "model.safetensors"))
-    with open(index) as f:
-        files = sorted(set(json.load(f)["weight_map"].values()))
-    return {k: v for name in files for k, v in load_file(os.path.join(path, name)).items()}
 
 
 def _save_sharded(sd: dict[str, torch.Tensor], path: str, parts: int) -> None:
@@ -142,7 +130,7 @@ def _write_cases(root: str) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------
-# workers: load, compare logits, export
+# the launched check: every case on both meshes (tests/adapter_check.py)
 # ----------------------------------------------------------------------------------------------
 def _target(case: dict, mesh: Any) -> torch.nn.Module:
     from reference_models import Qwen3, parallelize_meta_llama
@@ -152,94 +140,16 @@ def _target(case: dict, mesh: Any) -> torch.nn.Module:
     return parallelize_meta_llama(model, mesh)
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
-
-
-def _run_cases(root: str, mesh: Any, group: Any) -> dict[str, dict]:
-    from checkpoints import DictIO
-    from torch.distributed.tensor import DTensor
-
-    from sdadapt._target import model_state_dict, schema_of
-
-    results: dict[str, dict] = {}
-    for case in torch.load(os.path.join(root, "cases.pt"), weights_only=False):
-        model = _target(case, mesh)
-        adapter = sdadapt.get_adapter(case["adapter"], source=case["path"])
-        rep = sdadapt.load(model, case["path"], adapter, process_group=group)
-        with torch.no_grad():
-            out = model(case["tokens"])
-        out = out.full_tensor() if isinstance(out, DTensor) else out
-        sd = model_state_dict(model)
-        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in sd.items()}
-        original = _checkpoint(case["path"])
-        plan = sdadapt.build_plan(
-            schema_of(sd),
-            {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in original.items()},
-            adapter.inverse(),
-            allow_unexpected=case["export_unexpected"],
-        )
-        io = DictIO(full)
-        results[case["name"]] = dict(
-            keys=rep.keys_loaded, target_keys=len(sd), err=(out - case["expected"]).abs().max().item(),
-            close=torch.allclose(out, case["expected"], **TOL), export_report=plan.report.format(),
-            export_ok=plan.report.ok, exported=sorted(plan.recipes), original=sorted(original),
-            differ=[k for k, node in plan.recipes.items() if not _same_bytes(node.full(io), original[k])],
-        )  # fmt: skip
-        del model
-    return results
-
-
-def _load_all(root: str) -> dict[str, dict[str, dict]]:
-    """Worker on 4 ranks: every case on a 2x2 (fsdp, tp) mesh, then on a 3-rank FSDP mesh of
-    ranks 0-2 (uneven shards; rank 3 waits)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    out = {MESHES[0][0]: _run_cases(root, init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp")), None)}
-    mesh3 = DeviceMesh("cpu", torch.arange(3), mesh_dim_names=("fsdp",))  # every rank takes part in creating it
-    if dist.get_rank() < 3:
-        out[MESHES[1][0]] = _run_cases(root, mesh3, mesh3.get_group())
-    dist.barrier()
-    return out
-
-
-@pytest.fixture(scope="module")
-def cases_root(tmp_path_factory: pytest.TempPathFactory) -> str:
-    root = str(tmp_path_factory.mktemp("adapters_qwen"))
-    torch.save(_write_cases(root), os.path.join(root, "cases.pt"))
-    return root
-
-
-def _case(root: str, name: str) -> dict:
-    return next(c for c in torch.load(os.path.join(root, "cases.pt"), weights_only=False) if c["name"] == name)
+cases_root = cases_fixture("adapters_qwen", _write_cases)
 
 
 def test_qwen_adapters_load_real_checkpoints(cases_root: str) -> None:
-    results = run_distributed(_load_all, 4, cases_root, timeout=300)
-    names = [c["name"] for c in torch.load(os.path.join(cases_root, "cases.pt"), weights_only=False)]
-    for mesh, ranks in MESHES:
-        for name in names:
-            for rank in ranks:
-                r = results[rank][mesh][name]
-                where = f"{name} on {mesh}, rank {rank}"
-                assert r["keys"] == r["target_keys"], (where, r)
-                assert r["close"], f"{where}: logits differ from transformers' by {r['err']:.3g}"
-                assert r["export_ok"], f"{where}: export report\n{r['export_report']}"
-                assert r["exported"] == r["original"], where
-                assert r["differ"] == [], f"{where}: exported tensors differ from the checkpoint: {r['differ']}"
-    assert MESHES[1][0] not in results[3]
+    check_on_meshes(cases_root, _target)
 
 
 # ----------------------------------------------------------------------------------------------
 # single process: options, wrong adapters and options (planning only), quantized configs, CLI
 # ----------------------------------------------------------------------------------------------
-class _NoMesh:
-    mesh_dim_names: tuple = ()
-
-
 def _meta_model(case: dict, **spec: Any) -> torch.nn.Module:
     from reference_models import Qwen3
 
@@ -248,11 +158,7 @@ def _meta_model(case: dict, **spec: Any) -> torch.nn.Module:
 
 
 def _plan_error(case: dict, adapter: sdadapt.Adapter) -> str:
-    model = _meta_model(case)
-    with pytest.raises(sdadapt.PlanError) as info:
-        sdadapt.load(model, case["path"], adapter)
-    assert all(p.is_meta for p in model.parameters()), "the model was changed although planning failed"
-    return str(info.value)
+    return plan_error(_meta_model(case), case["path"], adapter)
 
 
 def test_options_from_checkpoints(cases_root: str) -> None:
@@ -260,15 +166,13 @@ def test_options_from_checkpoints(cases_root: str) -> None:
     from sdadapt._registry import config_folder
 
     def opts(name: str, case: str) -> dict:
-        path = _case(cases_root, case)["path"]
+        path = case_named(cases_root, case)["path"]
         mod = __import__(f"sdadapt.adapters.{name}", fromlist=["options_from_config"])
         return mod.options_from_config(config_folder(path), path)
 
     assert opts("qwen3", "qwen3_sharded_bias") == dict(tie_embeddings=False, attention_bias=True)
     assert opts("qwen3", "qwen3_tied") == dict(tie_embeddings=True, attention_bias=False)
-    assert opts("qwen3_moe", "qwen3_moe_per_expert") == dict(
-        tie_embeddings=False, attention_bias=False, n_experts=E, dense_layers=[1]
-    )
+    assert opts("qwen3_moe", "qwen3_moe_per_expert") == dict(tie_embeddings=False, attention_bias=False, n_experts=E, dense_layers=[1])
     assert opts("qwen3_moe", "qwen3_moe_stacked_tied") == dict(
         tie_embeddings=True, attention_bias=False, n_experts=E, dense_layers=[0, 2], experts="stacked"
     )
@@ -286,8 +190,8 @@ def test_dense_layers_from_config_alone() -> None:
 
 
 def test_wrong_adapter_or_options_fail_while_planning(cases_root: str) -> None:
-    dense, tied = _case(cases_root, "qwen3_sharded_bias"), _case(cases_root, "qwen3_tied")
-    per_expert, stacked = _case(cases_root, "qwen3_moe_per_expert"), _case(cases_root, "qwen3_moe_stacked_tied")
+    dense, tied = case_named(cases_root, "qwen3_sharded_bias"), case_named(cases_root, "qwen3_tied")
+    per_expert, stacked = case_named(cases_root, "qwen3_moe_per_expert"), case_named(cases_root, "qwen3_moe_stacked_tied")
 
     # the dense adapter on an MoE checkpoint: the experts are unexpected, the model's moe.* missing
     rep = sdadapt.diff(_meta_model(per_expert), per_expert["path"], sdadapt.get_adapter("qwen3", source=per_expert["path"]))
@@ -335,7 +239,7 @@ def test_bf16_release_loads_without_casts(tmp_path: Any, cases_root: str) -> Non
     and an fp32 model is a dtype mismatch named per key, never a silent cast."""
     from transformers import Qwen3MoeForCausalLM
 
-    case = _case(cases_root, "qwen3_moe_per_expert")
+    case = case_named(cases_root, "qwen3_moe_per_expert")
     hf = Qwen3MoeForCausalLM.from_pretrained(case["path"], dtype=torch.bfloat16).eval()
     path = str(tmp_path / "bf16")
     hf.save_pretrained(path)
@@ -387,6 +291,6 @@ def test_cli_lists_qwen_adapters_and_options(cases_root: str, capsys: pytest.Cap
                  "tie_embeddings  default False", "attention_bias  default False", "quantization    default None"):  # fmt: skip
         assert line in text, text
     # a diff with the options from config.json and key names: the sharded checkpoint lines up
-    case = _case(cases_root, "qwen3_moe_stacked_tied")
+    case = case_named(cases_root, "qwen3_moe_stacked_tied")
     rep = sdadapt.diff(_meta_model(case), case["path"], sdadapt.get_adapter("qwen3_moe", source=case["path"]))
     assert rep.ok, rep.format()

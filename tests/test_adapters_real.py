@@ -20,12 +20,11 @@ nothing read and the model left on the meta device.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import pytest
 import torch
-from dist_helper import run_distributed
+from adapter_check import case_named, cases_fixture, check_on_meshes, plan_error
 from safetensors.torch import load_file, save_file
 
 import sdadapt
@@ -40,7 +39,6 @@ FLUX_CFG = dict(
     joint_attention_dim=12, pooled_projection_dim=10, guidance_embeds=True, axes_dims_rope=(2, 2, 4),
 )  # fmt: skip
 FLUX_SCHNELL_CFG = {**FLUX_CFG, "guidance_embeds": False, "num_layers": 1, "num_single_layers": 1}
-TOL = dict(rtol=1e-5, atol=2e-5)
 
 
 def _spread(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
@@ -283,95 +281,19 @@ def _build_target(case: dict, mesh: Any) -> torch.nn.Module:
     return parallelize(model, mesh, TP_PLAN_FORWARD)
 
 
-def _original(path: str) -> dict[str, torch.Tensor]:
-    if os.path.isdir(path):
-        return load_file(os.path.join(path, "model.safetensors"))
-    if path.endswith(".safetensors"):
-        return load_file(path)
-    return torch.load(path, weights_only=True)
+def _forward(model: torch.nn.Module, case: dict) -> torch.Tensor:
+    """The model on the case's inputs: keyword tensors for Flux, tokens for the others."""
+    if case["target"] == "flux":
+        return model(**case["inputs"], return_dict=False)[0]
+    return model(case["inputs"])
 
 
-def _run_cases(root: str, mesh: Any, group: Any) -> dict[str, dict]:
-    """Every case on ``mesh``; returns per case the output error and the export check."""
-    from checkpoints import DictIO
-    from torch.distributed.tensor import DTensor
-
-    from sdadapt._target import model_state_dict, schema_of
-
-    cases = torch.load(os.path.join(root, "cases.pt"), weights_only=False)
-    results: dict[str, dict] = {}
-    for case in cases:
-        t0 = time.perf_counter()
-        model = _build_target(case, mesh)
-        adapter = sdadapt.get_adapter(case["adapter"], source=case["path"], **case.get("options", {}))
-        rep = sdadapt.load(model, case["path"], adapter, process_group=group)
-        with torch.no_grad():
-            if case["target"] == "flux":
-                out = model(**case["inputs"], return_dict=False)[0]
-            else:
-                out = model(case["inputs"])
-        out = out.full_tensor() if isinstance(out, DTensor) else out
-        err = (out.float() - case["expected"]).abs().max().item()
-        close = torch.allclose(out.float(), case["expected"], **TOL)
-
-        # export: the loaded model's state dict (sharded schema, gathered values) through the inverse
-        sd = model_state_dict(model)
-        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in sd.items()}
-        original = _original(case["path"])
-        plan = sdadapt.build_plan(
-            schema_of(sd),
-            {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in original.items()},
-            adapter.inverse(),
-            allow_unexpected=case.get("export_unexpected", []),
-            allow_missing=case.get("export_missing", []),
-        )
-        io = DictIO(full)
-        differ = [k for k, node in plan.recipes.items() if not torch.equal(node.full(io), original[k])]
-        results[case["name"]] = dict(
-            err=err, close=close, keys=rep.keys_loaded, target_keys=len(sd), export_ok=plan.report.ok,
-            export_report=plan.report.format(), exported=len(plan.recipes), differ=differ,
-            expected_exported=len(original) - len(plan.report.allowed_missing), seconds=time.perf_counter() - t0,
-        )  # fmt: skip
-        del model
-    return results
-
-
-def _load_all(root: str) -> dict[str, dict[str, dict]]:
-    """Worker on 4 ranks: every case on a 2x2 (fsdp, tp) mesh, then on a 3-rank FSDP mesh of
-    ranks 0-2 (uneven shards; rank 3 waits). One launch for both: process start is the cost."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    assert dist.get_world_size() == 4
-    out = {"fsdp2+tp-2x2": _run_cases(root, init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp")), None)}
-    mesh3 = DeviceMesh("cpu", torch.arange(3), mesh_dim_names=("fsdp",))  # every rank takes part in creating it
-    if dist.get_rank() < 3:
-        out["fsdp-3-uneven"] = _run_cases(root, mesh3, mesh3.get_group())
-    dist.barrier()
-    return out
-
-
-@pytest.fixture(scope="module")
-def cases_root(tmp_path_factory: pytest.TempPathFactory) -> str:
-    root = str(tmp_path_factory.mktemp("adapters_real"))
-    torch.save(_write_cases(root), os.path.join(root, "cases.pt"))
-    return root
+cases_root = cases_fixture("adapters_real", _write_cases)
 
 
 def test_adapters_load_real_checkpoints(cases_root: str) -> None:
-    results = run_distributed(_load_all, 4, cases_root, timeout=300)
-    names = [c["name"] for c in torch.load(os.path.join(cases_root, "cases.pt"), weights_only=False)]
-    for mesh, ranks in (("fsdp2+tp-2x2", range(4)), ("fsdp-3-uneven", range(3))):
-        for name in names:
-            for rank in ranks:
-                r = results[rank][mesh][name]
-                where = f"{name} on {mesh}, rank {rank}"
-                assert r["keys"] == r["target_keys"], (where, r)
-                assert r["close"], f"{where}: outputs differ from the original model's by {r['err']:.3g}"
-                assert r["export_ok"], f"{where}: export report\n{r['export_report']}"
-                assert r["exported"] == r["expected_exported"], (where, r["exported"], r["expected_exported"])
-                assert r["differ"] == [], f"{where}: exported tensors differ from the checkpoint: {r['differ']}"
-    assert "fsdp-3-uneven" not in results[3]
+    """Every case on both meshes (tests/adapter_check.py): outputs, keys, byte-exact export."""
+    check_on_meshes(cases_root, _build_target, forward=_forward)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,16 +303,12 @@ class _NoMesh:
     mesh_dim_names: tuple = ()
 
 
-def _case(root: str, name: str) -> dict:
-    return next(c for c in torch.load(os.path.join(root, "cases.pt"), weights_only=False) if c["name"] == name)
-
-
 def _meta_model(case: dict) -> torch.nn.Module:
     return _build_target(case, _NoMesh())
 
 
 def test_wrong_adapter_diff_is_short(cases_root: str) -> None:
-    llama, gpt2 = _case(cases_root, "llama"), _case(cases_root, "gpt2")
+    llama, gpt2 = case_named(cases_root, "llama"), case_named(cases_root, "gpt2")
     adapter = sdadapt.get_adapter("gpt2", source=llama["path"])
     for target in (_meta_model(llama), _meta_model(gpt2)):
         rep = sdadapt.diff(target, llama["path"], adapter)
@@ -408,16 +326,12 @@ def test_wrong_adapter_diff_is_short(cases_root: str) -> None:
 
 
 def _plan_error(case: dict, adapter: sdadapt.Adapter) -> str:
-    model = _meta_model(case)
-    with pytest.raises(sdadapt.PlanError) as info:
-        sdadapt.load(model, case["path"], adapter)
-    assert all(p.is_meta for p in model.parameters()), "the model was changed although planning failed"
-    return str(info.value)
+    return plan_error(_meta_model(case), case["path"], adapter)
 
 
 def test_bad_options_fail_while_planning(cases_root: str) -> None:
-    llama, fused = _case(cases_root, "llama"), _case(cases_root, "llama_tied_fused")
-    mixtral, flux = _case(cases_root, "mixtral_per_expert"), _case(cases_root, "flux_dev")
+    llama, fused = case_named(cases_root, "llama"), case_named(cases_root, "llama_tied_fused")
+    mixtral, flux = case_named(cases_root, "mixtral_per_expert"), case_named(cases_root, "flux_dev")
 
     # head counts that do not divide the rows
     msg = _plan_error(llama, sdadapt.get_adapter("llama", source=llama["path"], n_heads=3, n_kv_heads=1))
@@ -460,7 +374,7 @@ def test_options_from_checkpoints(cases_root: str) -> None:
     from sdadapt._registry import config_folder
 
     def opts(name: str, case: str) -> dict:
-        path = _case(cases_root, case)["path"]
+        path = case_named(cases_root, case)["path"]
         mod = __import__(f"sdadapt.adapters.{name}", fromlist=["options_from_config"])
         return mod.options_from_config(config_folder(path), path)
 
