@@ -170,14 +170,29 @@ class Worker:
 
     def band_buffer(self) -> torch.Tensor:
         """This thread's buffer for a computation's inputs (a band of at most ``bands.size``
-        bytes): taken from the bounded pool on the first computation, which therefore also
-        bounds how many threads compute at once, and kept; reused once the copy out of it
-        has finished."""
+        bytes), reused once the copy out of it has finished; taken from the bounded pool on the
+        first computation and kept, so the pool also bounds how many threads compute at once.
+        Before waiting for one, the thread gives its staging buffers back (once their copies
+        are done): a thread that holds a band buffer may wait for a staging buffer, so one that
+        waits for a band buffer must hold none (no cycle)."""
         if self.band is None:
-            self.band = [self.shared.bands.get(), None]
+            buf = self.shared.bands.try_get()
+            if buf is None:
+                self._give_back_ring()
+                buf = self.shared.bands.get()
+            self.band = [buf, None]
         elif self.band[1] is not None:
             self.band[1].synchronize()
         return self.band[0]
+
+    def _give_back_ring(self) -> None:
+        """Return this thread's staging buffers to the pool, each once its copy has finished."""
+        for buf, event in self.ring:
+            if event is not None:
+                event.synchronize()
+            self.shared.pool.put(buf)
+        self.ring.clear()
+        self.turn = 0
 
     def _copied(self, slot: list[Any] | None = None) -> None:
         """Mark the current ring buffer (or ``slot``, a [buffer, event]) in use until the
