@@ -9,6 +9,12 @@ moments as the gradient, never shifts them). Scalar state (Adam's 0-d
 ``step``) is carried as is, taken from the first source parameter of the target parameter's
 recipe. Hyperparameters (``lr``, ``betas``...) come from the checkpoint's param groups, matched
 by position.
+
+A pipeline stage (``load_state(..., pipeline_stage=True)``) holds the optimizer of its own
+parameters only: the checkpoint's state of other stages' parameters is set aside by the model's
+:class:`~sdadapt._plan.PipelineStage` (tensor state planned with it, as the parameters are) and,
+for scalar state, by the source keys the model plan gave to other stages
+(``Plan.other_stage_sources``), so a refactor's renames are followed there too.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 
 from ._adapter import Adapter
 from ._nodes import Leaf, Node
-from ._plan import Plan, build_plan
+from ._plan import PipelineStage, Plan, build_plan
 from ._report import Mismatch, Report
 from ._target import schema_of
 from .errors import StateError
@@ -34,7 +40,6 @@ class OptimPlan:
         self.plans: dict[str, Plan] = {}  # state name -> plan over param fqns
         self.objects: dict[tuple[str, str], str] = {}  # (fqn, name) -> stored key (non-tensor state)
         self.hyper: list[dict[str, Any]] = []  # per group: hyperparameters to set
-
 
 
 def _under(keys: list[str], prefix: str) -> list[str]:
@@ -68,7 +73,11 @@ def plan_optimizer(
     optimizer: torch.optim.Optimizer,
     allow_missing: list[str] | None,
     allow_unexpected: list[str] | None,
+    pipeline_stage: PipelineStage | None = None,
 ) -> OptimPlan:
+    """Plan the optimizer's state from the checkpoint's entries under ``optim_key``, following
+    ``model_plan``'s recipes; problems are added to ``report``. ``pipeline_stage``: the model is
+    one pipeline stage, and the state of other stages' parameters is allowed and not read."""
     out = OptimPlan()
     sprefix = f"{optim_key}.state."
     # what the checkpoint holds: state name -> {param fqn: info}; non-tensor state separately
@@ -144,10 +153,13 @@ def plan_optimizer(
                     sub.dtype_mismatch.append(Mismatch(key=fqn, model=model, checkpoint=ckpt, recipe=first))
                     continue
                 recipes[fqn] = Leaf(first, got.shape, got.dtype)
-            sub.unexpected += sorted(set(have_infos) - used)
+            unused = set(have_infos) - used
+            elsewhere = sorted(unused & model_plan.other_stage_sources)  # empty unless a pipeline stage
+            sub.allowed_unexpected += elsewhere
+            sub.unexpected += sorted(unused - model_plan.other_stage_sources)
             sub.matched = len(recipes)
             sub.target_keys = len(want_infos)
-            out.plans[name] = Plan(recipes=recipes, report=sub, target=want_infos)
+            out.plans[name] = Plan(recipes=recipes, report=sub, target=want_infos, other_stages=elsewhere)
         else:
             plan = build_plan(
                 have_infos,
@@ -157,6 +169,7 @@ def plan_optimizer(
                 allow_unexpected=allow_unexpected,
                 source_name=full.path,
                 target_name=kind,
+                pipeline_stage=pipeline_stage,
             )
             out.plans[name] = plan
         _merge(report, out.plans[name].report, fmt)

@@ -242,6 +242,7 @@ class Plan:
     target: dict[str, TensorInfo]
     skipped: list[str] = field(default_factory=list)  # allowed-missing target keys (left as they are)
     other_stages: list[str] = field(default_factory=list)  # keys of other pipeline stages (not read)
+    other_stage_sources: set[str] = field(default_factory=set)  # the source keys those are made from
 
 
 def build_plan(
@@ -262,7 +263,8 @@ def build_plan(
     ``allow_missing`` / ``allow_unexpected`` are key patterns whose mismatches are tolerated.
     ``pipeline_stage``: the target is one pipeline stage; the adapted keys that belong to other
     stages (:meth:`PipelineStage.elsewhere`) are listed in ``Plan.other_stages`` and in the
-    report's ``allowed_unexpected``, and are not read."""
+    report's ``allowed_unexpected``, and are not read; the source keys they are made from are
+    ``Plan.other_stage_sources``."""
     adapter = adapter or Adapter([], name="identity")
     ctx = PlanContext(source, non_tensor or [], target, adapter)
     collisions = ctx.unwrap_keys()
@@ -305,15 +307,17 @@ def build_plan(
         else:
             recipes[key] = node
     other_stages: list[str] = []
+    other_stage_sources: set[str] = set()
     for key in ctx.env:
         if key in target:
             continue
         if pipeline_stage is not None and pipeline_stage.elsewhere(key):
             other_stages.append(key)
+            other_stage_sources.update(ctx.env[key].leaves())
             report.allowed_unexpected.append(key)
         else:
             (report.allowed_unexpected if matches_any(allow_unexpected, key) else report.unexpected).append(key)
     for key in sorted(ctx.non_tensor):
         (report.allowed_unexpected if matches_any(allow_unexpected, key) else report.non_tensor).append(key)
     report.matched = len(recipes)
-    return Plan(recipes=recipes, report=report, target=target, skipped=skipped, other_stages=other_stages)
+    return Plan(recipes, report, target, skipped=skipped, other_stages=other_stages, other_stage_sources=other_stage_sources)

@@ -40,7 +40,7 @@ from ._distributed import agree, is_distributed, rank_and_world
 from ._materialize import InitFn, check_buffers, has_meta
 from ._nodes import Box, full_box
 from ._optim_state import OptimPlan, init_state, plan_optimizer
-from ._plan import Plan, build_plan
+from ._plan import PipelineStage, Plan, build_plan, vacant_modules
 from ._report import Report
 from ._resolve import adapter_or_none
 from ._safe_planner import SafeLoadPlanner
@@ -67,6 +67,7 @@ class StateLoadReport(BaseModel):
     optimizer_keys: int  # per-parameter optimizer state tensors restored
     optimizer_state_names: list[str]  # e.g. ["exp_avg", "exp_avg_sq", "step"]
     param_groups: int
+    bytes_read: int  # from the checkpoint's files, model and optimizer tensors together
     extra: list[str]
     saved_with: dict[str, Any] | None  # the checkpoint's sdadapt.json, if any
     seconds: float
@@ -115,8 +116,7 @@ def save_state(
         for name in extra:
             if not isinstance(name, str) or not name or "." in name or name in (MODEL_KEY, OPTIM_KEY):
                 raise StateError(
-                    f"extra entry name {name!r}: use a non-empty name without dots, other than "
-                    f"{MODEL_KEY!r} and {OPTIM_KEY!r}"
+                    f"extra entry name {name!r}: use a non-empty name without dots, other than {MODEL_KEY!r} and {OPTIM_KEY!r}"
                 )
         if rank == 0 and os.path.isdir(dst) and os.listdir(dst) and not overwrite:
             raise StateError(f"{dst} exists and is not empty; pass overwrite=True or choose a new folder")
@@ -267,6 +267,7 @@ def load_state(
     init_buffers: InitFn | None = None,
     process_group: dist.ProcessGroup | None = None,
     stage: bool = False,
+    pipeline_stage: bool = False,
 ) -> StateLoadReport:
     """Restore model (+ optimizer, + ``extra``) from the DCP folder ``src``; every rank calls it.
 
@@ -290,6 +291,17 @@ def load_state(
     written in place is marked (the model's forward and the optimizer's ``step`` raise
     :class:`ModelError` until a load succeeds); ``stage=True`` reads into staging copies and
     leaves model and optimizer bit for bit as they were.
+
+    ``pipeline_stage=True``: ``model`` is one pipeline stage and ``optimizer`` is built on its
+    parameters only (torchtitan's pipeline parallelism: each rank holds one stage and its own
+    optimizer), and the checkpoint may have been saved by the whole model or by another split
+    into stages. The checkpoint's keys of other stages are neither unexpected nor read, decided
+    as in :func:`sdadapt.load` (an adapted key the stage lacks whose index-generalised name is
+    that of a key the stage holds, or that lies under a module the stage sets to ``None``), and
+    so is the optimizer state of those keys' parameters (``exp_avg``, ``step``...). Both are
+    listed in the report's ``allowed_unexpected``. Keys of the stage's own parameters, and their
+    optimizer state, that the checkpoint lacks are still missing. Param groups are matched by
+    position, as without it: build each stage's optimizer with the groups the checkpoint's has.
     """
     t0 = time.perf_counter()
     src = os.fspath(src)
@@ -327,6 +339,7 @@ def load_state(
             r.model_sd = {k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
         else:
             r.model_sd = model_state_dict(model)
+        pstage = PipelineStage.of(r.model_sd, vacant_modules(model)) if pipeline_stage else None
         r.plan = build_plan(
             mschema,
             schema_of(r.model_sd),
@@ -336,17 +349,19 @@ def load_state(
             allow_unexpected=allow_unexpected,
             source_name=src,
             target_name=type(model).__name__,
+            pipeline_stage=pstage,
         )
         r.report = r.plan.report.model_copy(deep=True)
         if optimizer is not None:
             assert optim_key is not None
-            r.oplan = plan_optimizer(full, optim_key, r.optim_sd, r.plan, adapter, r.report, optimizer, allow_missing, allow_unexpected)
+            r.oplan = plan_optimizer(
+                full, optim_key, r.optim_sd, r.plan, adapter, r.report, optimizer, allow_missing, allow_unexpected, pstage
+            )
         stored = list(full.schema) + full.non_tensor
         for name in extra:
             if name not in stored and not any(k.startswith(name + ".") for k in stored):
                 raise StateError(
-                    f"{src}: the checkpoint has no entry {name!r} for extra state; it holds "
-                    f"{sorted({k.split('.', 1)[0] for k in stored})}"
+                    f"{src}: the checkpoint has no entry {name!r} for extra state; it holds {sorted({k.split('.', 1)[0] for k in stored})}"
                 )
         if not r.report.ok:
             raise PlanError(r.report)
@@ -395,6 +410,7 @@ def load_state(
         optimizer_keys=sum(len(p.targets) for p in parts if not p.of_model),
         optimizer_state_names=sorted(r.oplan.plans) if r.oplan is not None else [],
         param_groups=len(r.oplan.hyper) if r.oplan is not None else 0,
+        bytes_read=sum(p.reader.io.bytes_read for p in parts if p.reader is not None),
         extra=sorted(extra),
         saved_with=full.record,
         seconds=time.perf_counter() - t0,
