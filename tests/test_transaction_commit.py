@@ -151,3 +151,72 @@ def test_extra_failure_puts_a_meta_model_back_on_meta(saved: Any) -> None:
         sdadapt.load_state(ck, model, None, {"counter": Counter(fail=True)}, device="cpu")
     assert "back on the meta device" in str(e.value)
     assert all(t.is_meta for t in model.state_dict().values()) and not is_marked(model)
+
+
+def _failing_copy_in(of_model: bool, keep: int = 0) -> Any:
+    """A ``copy_staged_in`` that raises for the parts of the model (``of_model``) or of the
+    optimizer, after copying ``keep`` of their shards in."""
+    real = txn_mod.copy_staged_in
+
+    def copy_in(part: txn_mod.Part) -> None:
+        if part.of_model != of_model:
+            return real(part)
+        assert part.staged is not None
+        for k in list(part.staged)[:keep]:
+            txn_mod.local(part.targets[k]).copy_(txn_mod.local(part.staged[k]))
+        raise MemoryError("injected: no memory for the copy")
+
+    return copy_in
+
+
+def test_copy_in_failure_in_the_optimizer_part_leaves_the_model_alone(saved: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Staged: the optimizer's parts are copied in before the model's, so a failure there has
+    not touched the model (bit for bit, not marked); the optimizer, which held state, is marked."""
+    ck, _ = saved
+    model, opt = _new(1, trained=True)
+    before = _snapshot(model)
+    monkeypatch.setattr(txn_mod, "copy_staged_in", _failing_copy_in(of_model=False))
+    with pytest.raises(sdadapt.LoadError) as e:
+        sdadapt.load_state(ck, model, opt, stage=True)
+    msg = str(e.value)
+    assert "copying the staged shards in failed: MemoryError: injected" in msg and "The model was not changed" in msg, msg
+    assert _same(_snapshot(model), before) and not is_marked(model) and _forward_error(model) is None
+    assert is_marked(opt) and _step_error(opt) == txn_mod.COMMIT_FAILED.format(what="optimizer")
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, torch.Tensor]]:
+    torch.manual_seed(7)
+    sd = {k: v.contiguous() for k, v in TinyTransformer(vocab=VOCAB).state_dict().items()}
+    path = str(tmp_path_factory.mktemp("commit") / "model.safetensors")
+    save_file(sd, path)
+    return path, sd
+
+
+def test_load_copy_in_failure_marks_the_model_until_a_load_succeeds(weights: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, sd = weights
+    model, _ = _new(1, trained=False)
+    monkeypatch.setattr(txn_mod, "copy_staged_in", _failing_copy_in(of_model=True, keep=3))
+    with pytest.raises(sdadapt.LoadError, match="committing the load of .* failed on rank\\(s\\) 0") as e:
+        sdadapt.load(model, path, stage=True)
+    assert "copying the staged shards in failed" in str(e.value) and "done before it: nothing" in str(e.value)
+    assert is_marked(model) and _forward_error(model) == txn_mod.COMMIT_FAILED.format(what="model")
+    monkeypatch.undo()
+    sdadapt.load(model, path, stage=True)
+    assert not is_marked(model) and _forward_error(model) is None
+    assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())
+
+
+def test_load_copy_back_failure_puts_a_meta_model_back_on_meta(weights: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    path, _ = weights
+    with torch.device("meta"):
+        model = TinyTransformer(vocab=VOCAB)
+
+    def fail(*_: Any) -> None:
+        raise RuntimeError("injected: copy-back failed")
+
+    monkeypatch.setattr(txn_mod, "copy_back_if_detached", fail)
+    with pytest.raises(sdadapt.LoadError, match="copying detached tensors back into the model failed: RuntimeError") as e:
+        sdadapt.load(model, path, device="cpu")
+    assert "back on the meta device" in str(e.value)
+    assert all(t.is_meta for t in model.state_dict().values()) and not is_marked(model)

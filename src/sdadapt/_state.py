@@ -23,6 +23,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,8 +116,7 @@ def save_state(
         for name in extra:
             if not isinstance(name, str) or not name or "." in name or name in (MODEL_KEY, OPTIM_KEY):
                 raise StateError(
-                    f"extra entry name {name!r}: use a non-empty name without dots, other than "
-                    f"{MODEL_KEY!r} and {OPTIM_KEY!r}"
+                    f"extra entry name {name!r}: use a non-empty name without dots, other than {MODEL_KEY!r} and {OPTIM_KEY!r}"
                 )
         if rank == 0 and os.path.isdir(dst) and os.listdir(dst) and not overwrite:
             raise StateError(f"{dst} exists and is not empty; pass overwrite=True or choose a new folder")
@@ -289,7 +289,9 @@ def load_state(
     held no state gets none back, a meta model goes back to meta, and otherwise what was
     written in place is marked (the model's forward and the optimizer's ``step`` raise
     :class:`ModelError` until a load succeeds); ``stage=True`` reads into staging copies and
-    leaves model and optimizer bit for bit as they were.
+    leaves model and optimizer bit for bit as they were. A failure while committing (setting the
+    optimizer state, restoring an extra) is a :class:`LoadError` on every rank naming the step,
+    and marks what the commit had changed, staged or not (:mod:`sdadapt._transaction`).
     """
     t0 = time.perf_counter()
     src = os.fspath(src)
@@ -345,8 +347,7 @@ def load_state(
         for name in extra:
             if name not in stored and not any(k.startswith(name + ".") for k in stored):
                 raise StateError(
-                    f"{src}: the checkpoint has no entry {name!r} for extra state; it holds "
-                    f"{sorted({k.split('.', 1)[0] for k in stored})}"
+                    f"{src}: the checkpoint has no entry {name!r} for extra state; it holds {sorted({k.split('.', 1)[0] for k in stored})}"
                 )
         if not r.report.ok:
             raise PlanError(r.report)
@@ -373,19 +374,26 @@ def load_state(
             parts.append(Part(f"optimizer {name}", p, _Namespace(full, f"{r.optim_prefix}{{}}.{name}"), wanted, of_model=False))
     parts.append(Part("model", plan, _Namespace(full, r.model_fmt), {k: r.model_sd[k] for k in plan.recipes}))
 
-    def finish() -> None:
-        if optimizer is not None:
-            for (fqn, name), value in r.objects.items():
-                r.optim_sd["state"][fqn][name] = value
-            for g, hyper in zip(r.optim_sd["param_groups"], r.hyper, strict=True):
-                g.update(hyper)
-            set_state_dict(model, optimizer, model_state_dict=r.model_sd, optim_state_dict=r.optim_sd)
-        for name, value in loaded_extra.items():
-            if isinstance(extra[name], Stateful):
-                extra[name].load_state_dict(value)
-            else:
-                extra[name] = value
+    def set_optimizer_state() -> None:
+        assert optimizer is not None
+        for (fqn, name), value in r.objects.items():
+            r.optim_sd["state"][fqn][name] = value
+        for g, hyper in zip(r.optim_sd["param_groups"], r.hyper, strict=True):
+            g.update(hyper)
+        set_state_dict(model, optimizer, model_state_dict=r.model_sd, optim_state_dict=r.optim_sd)
 
+    def restore_extra(name: str) -> Callable[[], None]:
+        def restore() -> None:
+            if isinstance(extra[name], Stateful):
+                extra[name].load_state_dict(loaded_extra[name])
+            else:
+                extra[name] = loaded_extra[name]
+
+        return restore
+
+    # the commit's finishing steps, named for the LoadError should one fail (see _transaction)
+    finish = [("setting the optimizer state", set_optimizer_state)] if optimizer is not None else []
+    finish += [(f"restoring extra state {name!r}", restore_extra(name)) for name in loaded_extra]
     txn.run(parts, stage=stage, finish=finish)
     rep = StateLoadReport(
         rank=rank,
