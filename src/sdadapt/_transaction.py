@@ -18,8 +18,8 @@ old values, so every rank raises :class:`LoadError` saying so (how many keys thi
 writing), and the model is *marked*: its forward raises :class:`ModelError` (and a restored
 optimizer's ``step`` too) until a load into it succeeds. An optimizer that held no state before
 the load gets none back. With staging, nothing is written before every rank succeeded, so a
-failure leaves model and optimizer bit for bit as they were, at the cost of a second copy of the
-staged shards. Staging is not the default because that copy is one more model's worth of memory
+failure reading or checking leaves model and optimizer bit for bit as they were, at the cost of a
+second copy of the staged shards. Staging is not the default because that copy is one more model's worth of memory
 exactly where memory is tightest (at the scale of the largest models, an out-of-memory error)
 and the copy costs as much time again, to protect against failures that the checks before
 writing already make rare.
@@ -58,6 +58,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from . import _integrity as integrity
+from ._commit import COPY_BACK, COPY_IN, CommitProgress, CommitStep, ParamGroups, param_groups_of, restore_param_groups, touching_optimizer
 from ._distributed import agree, any_rank, gather_if_any, is_distributed
 from ._materialize import InitFn, choose_device, has_meta, materialize
 from ._plan import Plan
@@ -75,12 +76,6 @@ COMMIT_FAILED = (
     "a sdadapt load failed while committing, after it had begun changing this {what}: it holds part of "
     "the checkpoint's state and not the rest; load into it again"
 )
-COPY_IN = "copying the staged shards in"
-COPY_BACK = "copying detached tensors back into the model"
-
-# A named step of a commit: (what it does, for the error message; the step).
-CommitStep = tuple[str, Callable[[], None]]
-
 # model or optimizer -> the hook that refuses to run it (see mark_unusable)
 _marks: weakref.WeakKeyDictionary[Any, RemovableHandle] = weakref.WeakKeyDictionary()
 
@@ -273,7 +268,7 @@ class Transaction:
         """The commit's steps in order, each recording in ``progress`` what it begins to change."""
         steps: list[CommitStep] = [(COPY_IN, lambda: self._copy_in(parts, progress))] if stage else []
         for name, step in finish:
-            steps.append((name, _touching_optimizer(step, progress, self.optimizer is not None)))
+            steps.append((name, touching_optimizer(step, progress, self.optimizer is not None)))
         if self.model is not None and any(p.of_model for p in parts):
             steps.append((COPY_BACK, lambda: self._copy_back(parts, progress)))
         return steps
@@ -410,40 +405,7 @@ def is_marked(obj: nn.Module | torch.optim.Optimizer) -> bool:
     return obj in _marks
 
 
-# ---------------------------------------------------------------------------- commit helpers
-@dataclass
-class CommitProgress:
-    """How far this rank's commit got: whether it had begun changing the model or the
-    optimizer, the steps it finished, and its failure (``"<step> failed: <error>"``)."""
-
-    model: bool = False
-    optimizer: bool = False
-    done: list[str] = field(default_factory=list)
-    error: str | None = None
-
-    def run(self, steps: list[CommitStep]) -> BaseException | None:
-        """Run ``steps`` in order up to the first that raises; return what it raised."""
-        for name, step in steps:
-            try:
-                step()
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - any step's failure is agreed, then re-raised as LoadError
-                self.error = f"{name} failed: {type(e).__name__}: {e}"
-                log.debug("rank-local commit failure in %r", name, exc_info=True)
-                return e
-            self.done.append(name)
-        return None
-
-
-def _touching_optimizer(step: Callable[[], None], progress: CommitProgress, has_optimizer: bool) -> Callable[[], None]:
-    """``step`` (a caller's finishing step), first recording that it may change the optimizer."""
-
-    def run() -> None:
-        progress.optimizer = progress.optimizer or has_optimizer
-        step()
-
-    return run
-
-
+# ---------------------------------------------------------------------------- helpers
 def copy_staged_in(part: Part) -> None:
     """Copy ``part``'s staging shards into its targets (this rank's own shards)."""
     assert part.staged is not None
@@ -452,25 +414,6 @@ def copy_staged_in(part: Part) -> None:
             local(part.targets[k]).copy_(local(s))
 
 
-# an optimizer's param groups list and a copy of each group's entries, taken before a commit
-ParamGroups = tuple[list[dict[str, Any]], list[dict[str, Any]]]
-
-
-def param_groups_of(optimizer: torch.optim.Optimizer) -> ParamGroups:
-    return optimizer.param_groups, [dict(g) for g in optimizer.param_groups]
-
-
-def restore_param_groups(optimizer: torch.optim.Optimizer, saved: ParamGroups) -> None:
-    """Give ``optimizer`` back the param group objects and entries of ``saved``
-    (``load_state_dict`` replaces them with the checkpoint's)."""
-    groups, entries = saved
-    for group, before in zip(groups, entries, strict=True):
-        group.clear()
-        group.update(before)
-    optimizer.param_groups = groups
-
-
-# ---------------------------------------------------------------------------- helpers
 def staging_like(wanted: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Empty shards laid out like ``wanted`` (same DTensor mesh, placements, global shape)."""
     out: dict[str, torch.Tensor] = {}
