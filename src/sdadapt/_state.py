@@ -116,7 +116,8 @@ def save_state(
         for name in extra:
             if not isinstance(name, str) or not name or "." in name or name in (MODEL_KEY, OPTIM_KEY):
                 raise StateError(
-                    f"extra entry name {name!r}: use a non-empty name without dots, other than {MODEL_KEY!r} and {OPTIM_KEY!r}"
+                    f"extra entry name {name!r}: use a non-empty name without dots, other than "
+                    f"{MODEL_KEY!r} and {OPTIM_KEY!r}"
                 )
         if rank == 0 and os.path.isdir(dst) and os.listdir(dst) and not overwrite:
             raise StateError(f"{dst} exists and is not empty; pass overwrite=True or choose a new folder")
@@ -347,7 +348,8 @@ def load_state(
         for name in extra:
             if name not in stored and not any(k.startswith(name + ".") for k in stored):
                 raise StateError(
-                    f"{src}: the checkpoint has no entry {name!r} for extra state; it holds {sorted({k.split('.', 1)[0] for k in stored})}"
+                    f"{src}: the checkpoint has no entry {name!r} for extra state; it holds "
+                    f"{sorted({k.split('.', 1)[0] for k in stored})}"
                 )
         if not r.report.ok:
             raise PlanError(r.report)
