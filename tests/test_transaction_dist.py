@@ -12,7 +12,11 @@ the policy says:
   successful load, which clears the mark and gives the checkpoint's values bit-exactly;
 - ``stage=True``: the model keeps its values bit for bit and is not marked;
 - a failure found before writing (a file changed after planning): unchanged, not marked;
-- an optimizer that has taken no step, with gradients present, gets every moment restored.
+- an optimizer that has taken no step, with gradients present, gets every moment restored;
+- a failure while committing (setting the optimizer state, restoring an extra, the staged
+  copy-in) on rank 1 only: ``LoadError`` naming the step on every rank, and the model and
+  optimizer marked on every rank as soon as the commit had changed them on any rank (a
+  successful load clears the marks, bit-exactly); a fresh optimizer gets no state back.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 import sdadapt
 from sdadapt import _state as state_mod
+from sdadapt import _transaction as txn_mod
 from sdadapt._engine import syscalls
 from sdadapt._transaction import Transaction, is_marked
 
@@ -333,3 +338,136 @@ def test_file_changed_before_writing_leaves_model_untouched(results: list[dict[s
         assert got["error"] in ({"SourceError"} if rank == 1 else {"SourceError", "RemoteRankError"}), (rank, got)
         assert "changed after planning" in got["message"], got["message"]
         assert got["unchanged"] and not got["marked"], (rank, got)
+
+
+# --------------------------------------------------------------------------------------------
+# failures while committing: a second launched group
+# --------------------------------------------------------------------------------------------
+class Counter:
+    """A ``Stateful`` extra whose ``load_state_dict`` fails when ``fail``."""
+
+    def __init__(self, n: int = 0, fail: bool = False):
+        self.n, self.fail = n, fail
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if self.fail:
+            raise ValueError("injected: this counter refuses its state")
+        self.n = sd["n"]
+
+
+def _step_error(opt: torch.optim.Optimizer) -> str | None:
+    try:
+        opt.step()
+    except sdadapt.ModelError as e:
+        return str(e)
+    return None
+
+
+@contextlib.contextmanager
+def _patched(module: Any, name: str, replacement: Any) -> Iterator[None]:
+    real = getattr(module, name)
+    setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(module, name, real)
+
+
+def _trained_pair(seed: int, steps: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    m = _fsdp_model(seed)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    _train(m, o, steps)
+    return m, o
+
+
+def commit_worker(folder: str) -> dict[str, Any]:
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    ck = os.path.join(folder, "state")
+    model, opt = _trained_pair(0, 2)
+    sdadapt.save_state(ck, model, opt, {"counter": Counter(5)})
+    saved = _snapshot(model, opt)
+
+    def set_state_dict_failing(*a: Any, **k: Any) -> None:
+        raise RuntimeError("injected: set_state_dict failed on rank 1")
+
+    # 1. setting the optimizer state fails on rank 1 only (in place and staged)
+    for stage in (False, True):
+        m, o = _trained_pair(1, 1)
+        with _patched(state_mod, "set_state_dict", set_state_dict_failing if rank == 1 else state_mod.set_state_dict):
+            got = _attempt(lambda m=m, o=o, stage=stage: sdadapt.load_state(ck, m, o, {"counter": Counter()}, stage=stage))
+        got |= {"model_marked": is_marked(m), "optim_marked": is_marked(o)}
+        got |= {"forward_error": _forward_error(m), "step_error": _step_error(o)}
+        counter = Counter()
+        sdadapt.load_state(ck, m, o, {"counter": counter})
+        got |= {"then_exact": _same(_snapshot(m, o), saved), "then_marked": is_marked(m) or is_marked(o), "counter": counter.n}
+        got["then_forward_error"] = _forward_error(m)
+        out[f"set_state/{'staged' if stage else 'in_place'}"] = got
+
+    # 2. the staged copy-in fails on rank 1 in the optimizer's part: rank 0 has copied its model
+    # shards in, rank 1 has not; the model is one model, so both ranks mark it
+    m, o = _trained_pair(1, 1)
+    before = _snapshot(m)
+    real_copy_in = txn_mod.copy_staged_in
+
+    def copy_in_failing(part: txn_mod.Part) -> None:
+        if rank == 1 and not part.of_model:
+            raise MemoryError("injected: no memory for the copy on rank 1")
+        real_copy_in(part)
+
+    with _patched(txn_mod, "copy_staged_in", copy_in_failing):
+        got = _attempt(lambda: sdadapt.load_state(ck, m, o, stage=True))
+    got |= {"model_unchanged": _same(_snapshot(m), before), "model_marked": is_marked(m), "optim_marked": is_marked(o)}
+    out["copy_in"] = got
+
+    # 3. restoring an extra fails on rank 1 only, the optimizer fresh: it gets no state back
+    m = _fsdp_model(1)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    groups = [dict(g) for g in o.param_groups]
+    got = _attempt(lambda: sdadapt.load_state(ck, m, o, {"counter": Counter(fail=rank == 1)}, stage=True))
+    got |= {"model_marked": is_marked(m), "optim_marked": is_marked(o), "optim_empty": len(o.state) == 0}
+    got |= {"groups_kept": o.param_groups == groups, "forward_error": _forward_error(m)}
+    out["extra"] = got
+    return out
+
+
+@pytest.fixture(scope="module")
+def commit_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return run_distributed(commit_worker, WORLD, str(tmp_path_factory.mktemp("commit")), timeout=240)
+
+
+def test_commit_failure_on_one_rank_is_a_load_error_everywhere_and_marks(commit_results: list[dict[str, Any]]) -> None:
+    marked = txn_mod.COMMIT_FAILED
+    for mode in ("in_place", "staged"):
+        messages = set()
+        for rank, r in enumerate(commit_results):
+            got = r[f"set_state/{mode}"]
+            assert got["error"] == "LoadError", (rank, mode, got)
+            assert "failed on rank(s) 1:" in got["message"], got["message"]
+            assert "rank 1: setting the optimizer state failed: RuntimeError: injected" in got["message"], got["message"]
+            assert got["model_marked"] and got["optim_marked"], (rank, mode, got)
+            assert got["forward_error"] == marked.format(what="model"), (rank, mode, got)
+            assert got["step_error"] == marked.format(what="optimizer"), (rank, mode, got)
+            assert got["then_exact"] and not got["then_marked"] and got["counter"] == 5, (rank, mode, got)
+            assert got["then_forward_error"] is None, (rank, mode, got)
+            messages.add(got["message"])
+        assert len(messages) == 1, messages  # the same agreed error on every rank
+
+
+def test_commit_copy_in_failure_on_one_rank_marks_the_model_on_every_rank(commit_results: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(commit_results):
+        got = r["copy_in"]
+        assert got["error"] == "LoadError" and "rank 1: copying the staged shards in failed: MemoryError" in got["message"], got
+        assert got["model_marked"] and got["optim_marked"], (rank, got)
+        assert got["model_unchanged"] == (rank == 1), (rank, got)  # rank 0 had committed its shards
+
+
+def test_commit_extra_failure_on_one_rank_gives_a_fresh_optimizer_no_state(commit_results: list[dict[str, Any]]) -> None:
+    for rank, r in enumerate(commit_results):
+        got = r["extra"]
+        assert got["error"] == "LoadError" and "rank 1: restoring extra state 'counter' failed: ValueError" in got["message"], got
+        assert got["model_marked"] and got["forward_error"] is not None, (rank, got)
+        assert got["optim_empty"] and got["groups_kept"] and not got["optim_marked"], (rank, got)

@@ -23,6 +23,7 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -290,7 +291,9 @@ def load_state(
     held no state gets none back, a meta model goes back to meta, and otherwise what was
     written in place is marked (the model's forward and the optimizer's ``step`` raise
     :class:`ModelError` until a load succeeds); ``stage=True`` reads into staging copies and
-    leaves model and optimizer bit for bit as they were.
+    leaves model and optimizer bit for bit as they were. A failure while committing (setting the
+    optimizer state, restoring an extra) is a :class:`LoadError` on every rank naming the step,
+    and marks what the commit had changed, staged or not (:mod:`sdadapt._transaction`).
 
     ``pipeline_stage=True``: ``model`` is one pipeline stage and ``optimizer`` is built on its
     parameters only (torchtitan's pipeline parallelism: each rank holds one stage and its own
@@ -388,19 +391,26 @@ def load_state(
             parts.append(Part(f"optimizer {name}", p, _Namespace(full, f"{r.optim_prefix}{{}}.{name}"), wanted, of_model=False))
     parts.append(Part("model", plan, _Namespace(full, r.model_fmt), {k: r.model_sd[k] for k in plan.recipes}))
 
-    def finish() -> None:
-        if optimizer is not None:
-            for (fqn, name), value in r.objects.items():
-                r.optim_sd["state"][fqn][name] = value
-            for g, hyper in zip(r.optim_sd["param_groups"], r.hyper, strict=True):
-                g.update(hyper)
-            set_state_dict(model, optimizer, model_state_dict=r.model_sd, optim_state_dict=r.optim_sd)
-        for name, value in loaded_extra.items():
-            if isinstance(extra[name], Stateful):
-                extra[name].load_state_dict(value)
-            else:
-                extra[name] = value
+    def set_optimizer_state() -> None:
+        assert optimizer is not None
+        for (fqn, name), value in r.objects.items():
+            r.optim_sd["state"][fqn][name] = value
+        for g, hyper in zip(r.optim_sd["param_groups"], r.hyper, strict=True):
+            g.update(hyper)
+        set_state_dict(model, optimizer, model_state_dict=r.model_sd, optim_state_dict=r.optim_sd)
 
+    def restore_extra(name: str) -> Callable[[], None]:
+        def restore() -> None:
+            if isinstance(extra[name], Stateful):
+                extra[name].load_state_dict(loaded_extra[name])
+            else:
+                extra[name] = loaded_extra[name]
+
+        return restore
+
+    # the commit's finishing steps, named for the LoadError should one fail (see _transaction)
+    finish = [("setting the optimizer state", set_optimizer_state)] if optimizer is not None else []
+    finish += [(f"restoring extra state {name!r}", restore_extra(name)) for name in loaded_extra]
     txn.run(parts, stage=stage, finish=finish)
     rep = StateLoadReport(
         rank=rank,

@@ -9,8 +9,8 @@ Steps, in order, each agreed on every rank (one rank's failure is every rank's e
 3. **read** every part (one ``dcp.load`` each) into its targets: the model's own shards, or
    staging shards laid out like them (``stage=True``);
 4. **check** after reading (read errors from every rank, files unchanged, ``check_finite``);
-5. **commit** (copy staged shards in, tensors DCP wrote into copies back into the model) or
-   **roll back**.
+5. **commit** (copy staged shards in, run the caller's finishing steps such as setting the
+   optimizer state, copy tensors DCP wrote into copies back into the model) or **roll back**.
 
 Roll-back policy: a model that was on the meta device is put back on meta. A model that already
 held values is written in place unless staged: a failure after writing began cannot restore its
@@ -18,11 +18,25 @@ old values, so every rank raises :class:`LoadError` saying so (how many keys thi
 writing), and the model is *marked*: its forward raises :class:`ModelError` (and a restored
 optimizer's ``step`` too) until a load into it succeeds. An optimizer that held no state before
 the load gets none back. With staging, nothing is written before every rank succeeded, so a
-failure leaves model and optimizer bit for bit as they were, at the cost of a second copy of the
-staged shards. Staging is not the default because that copy is one more model's worth of memory
+failure reading or checking leaves model and optimizer bit for bit as they were, at the cost of a
+second copy of the staged shards. Staging is not the default because that copy is one more model's worth of memory
 exactly where memory is tightest (at the scale of the largest models, an out-of-memory error)
 and the copy costs as much time again, to protect against failures that the checks before
 writing already make rare.
+
+A failure *while committing* (a step of the commit raising on any rank, after every read and
+check passed) is agreed too: every rank raises :class:`LoadError` naming the failing ranks and
+step. By then the commit cannot be undone, staged or not: without staging the reads wrote in
+place; with it the staged shards of the parts the commit reached were copied in (optimizer
+parts first, then the model), and the finishing steps run only once the model is committed.
+So, over all ranks (a model's shards are one model: a rank whose own shards are untouched is
+marked when another rank's were changed), the model is marked when any of its tensors were
+written, and the optimizer when its state tensors were written or a finishing step began
+(setting its state may have changed its param groups too), with a mark whose message says the
+load failed while committing. An optimizer that held no state before the load gets none back,
+its param groups as they were, and is not marked. A model that was on the meta device goes
+back to meta, as after any other failure: the values it was given are the checkpoint's but the
+rest of the restore (optimizer, extras) is not, and a meta model cannot run by mistake.
 """
 
 from __future__ import annotations
@@ -30,7 +44,7 @@ from __future__ import annotations
 import logging
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -44,6 +58,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from . import _integrity as integrity
+from ._commit import COPY_BACK, COPY_IN, CommitProgress, CommitStep, ParamGroups, param_groups_of, restore_param_groups, touching_optimizer
 from ._distributed import agree, any_rank, gather_if_any, is_distributed
 from ._materialize import InitFn, choose_device, has_meta, materialize
 from ._plan import Plan
@@ -57,7 +72,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 PARTLY_LOADED = "a failed sdadapt.load left this model partly overwritten; load again or pass stage=True"
-
+COMMIT_FAILED = (
+    "a sdadapt load failed while committing, after it had begun changing this {what}: it holds part of "
+    "the checkpoint's state and not the rest; load into it again"
+)
 # model or optimizer -> the hook that refuses to run it (see mark_unusable)
 _marks: weakref.WeakKeyDictionary[Any, RemovableHandle] = weakref.WeakKeyDictionary()
 
@@ -169,13 +187,14 @@ class Transaction:
         *,
         stage: bool,
         check_finite: bool = False,
-        finish: Callable[[], None] | None = None,
+        finish: Sequence[CommitStep] = (),
         mark: Callable[[str], None] = lambda phase: None,
     ) -> None:
         """Collective: check the files, read every part in order (into staging shards when
-        ``stage``), check, then commit (and call ``finish``) or roll back and raise
-        :class:`LoadError`. ``mark(phase)`` is called at the end of the phases ``dcp_load``,
-        ``check`` and ``commit`` (for timing)."""
+        ``stage``), check, then commit (copy the staged shards in, run the ``finish`` steps in
+        order, copy detached tensors back) or roll back; a failure reading, checking or
+        committing on any rank raises :class:`LoadError` on every rank. ``mark(phase)`` is
+        called at the end of the phases ``dcp_load``, ``check`` and ``commit`` (for timing)."""
         self.check_files()
         for part in parts:
             part.staged = staging_like(part.targets) if stage else None
@@ -200,20 +219,106 @@ class Transaction:
             self._undo(partly_written=partly)
             failure.args = (failure.args[0] + "\n" + (self._overwritten() if partly else "Nothing was kept from this load."),)
             raise failure
-        with torch.no_grad():
-            for part in parts:
-                for k, s in (part.staged or {}).items():
-                    local(part.targets[k]).copy_(local(s))
-                part.staged = None
-        if finish is not None:
-            finish()
-        for p in parts:
-            if p.of_model and self.model is not None:
-                copy_back_if_detached(self.model, p.targets)
+        self._commit(parts, stage, finish)
         for obj in (self.model, self.optimizer):
             if obj is not None:
                 clear_mark(obj)
         mark("commit")
+
+    # ------------------------------------------------------------------ commit
+    def _commit(self, parts: list[Part], stage: bool, finish: Sequence[CommitStep]) -> None:
+        """Collective: run the commit's steps on this rank, stopping at the first that raises,
+        then agree; if a step failed on any rank, undo what can be undone, mark what cannot
+        (see the module's docstring) and raise :class:`LoadError` on every rank."""
+        groups = param_groups_of(self.optimizer) if self.optimizer is not None and self.optimizer_was_empty else None
+        progress = CommitProgress(
+            model=not stage and any(p.of_model for p in parts),  # the reads wrote in place
+            optimizer=not stage and any(not p.of_model for p in parts),
+        )
+        cause = progress.run(self._commit_steps(parts, stage, finish, progress))
+        for part in parts:
+            part.staged = None
+        mine = (progress.error, progress.done, progress.model, progress.optimizer)
+        # Cannot hang: every rank reaches this gather exactly once, right after its own commit
+        # attempt, whether a step raised or not (progress.run catches it; the failing rank only
+        # skips its remaining steps). No step sdadapt runs before it communicates: the copy-in
+        # writes this rank's own shards, set_state_dict on sharded state without
+        # full_state_dict / broadcast_from_rank0 works on local shards, the copy-back for FSDP2 /
+        # TP / plain modules finds nothing detached. (A caller's step that ran a collective of
+        # its own could wait for a rank that failed before it.) Nobody failing: one one-element
+        # all-reduce.
+        gathered = gather_if_any(mine, progress.error is not None, self.group) if is_distributed() else [mine]
+        failed = {r: g for r, g in enumerate(gathered) if g is not None and g[0] is not None}
+        if not failed:
+            return
+        model_changed = any(g[2] for g in gathered if g is not None)
+        optimizer_changed = any(g[3] for g in gathered if g is not None)
+        state = self._undo_commit(model_changed, optimizer_changed, groups)
+        lines = [f"  rank {r}: {err} (done before it: {', '.join(done) or 'nothing'})" for r, (err, done, _, _) in sorted(failed.items())]
+        error = LoadError(
+            f"committing the load of {self.what} failed on rank(s) {', '.join(map(str, sorted(failed)))}:\n"
+            + "\n".join(lines)
+            + "\n"
+            + state
+        )
+        error.failures = {r: g[0] for r, g in failed.items()}  # type: ignore[attr-defined]
+        raise error from cause
+
+    def _commit_steps(self, parts: list[Part], stage: bool, finish: Sequence[CommitStep], progress: CommitProgress) -> list[CommitStep]:
+        """The commit's steps in order, each recording in ``progress`` what it begins to change."""
+        steps: list[CommitStep] = [(COPY_IN, lambda: self._copy_in(parts, progress))] if stage else []
+        for name, step in finish:
+            steps.append((name, touching_optimizer(step, progress, self.optimizer is not None)))
+        if self.model is not None and any(p.of_model for p in parts):
+            steps.append((COPY_BACK, lambda: self._copy_back(parts, progress)))
+        return steps
+
+    def _copy_in(self, parts: list[Part], progress: CommitProgress) -> None:
+        for part in parts:
+            if part.of_model:
+                progress.model = True
+            else:
+                progress.optimizer = True
+            copy_staged_in(part)
+            part.staged = None
+
+    def _copy_back(self, parts: list[Part], progress: CommitProgress) -> None:
+        assert self.model is not None
+        progress.model = True
+        for p in parts:
+            if p.of_model:
+                copy_back_if_detached(self.model, p.targets)
+
+    def _undo_commit(self, model_changed: bool, optimizer_changed: bool, groups: ParamGroups | None) -> str:
+        """After a failed commit (agreed over all ranks): give a fresh optimizer no state and its
+        own param groups back, a meta model back to meta; mark what else was changed. Returns
+        the sentences that say so."""
+        said: list[str] = []
+        if self.model is not None and self.was_meta:
+            self.model.to_empty(device="meta")
+            log.info("commit failed: the model is back on the meta device")
+            said.append("The model is back on the meta device.")
+        elif self.model is not None and model_changed:
+            mark_unusable(self.model, COMMIT_FAILED.format(what="model"))
+            said.append(
+                "The model holds the checkpoint's values (in whole or in part) without the rest of the restored state: "
+                "the model's forward raises ModelError until a load into it succeeds."
+            )
+        elif self.model is not None:
+            said.append("The model was not changed.")
+        if self.optimizer is not None and groups is not None:
+            self.optimizer.state.clear()
+            restore_param_groups(self.optimizer, groups)
+            said.append("The optimizer held no state before the load and holds none now, its param groups as they were.")
+        elif self.optimizer is not None and optimizer_changed:
+            mark_unusable(self.optimizer, COMMIT_FAILED.format(what="optimizer"))
+            said.append(
+                "The optimizer holds part of the checkpoint's state: the optimizer's step raises ModelError until a load into it succeeds."
+            )
+        elif self.optimizer is not None:
+            said.append("The optimizer was not changed.")
+        said.append("stage=True does not guard this step (it fails while committing); remove the cause and load again.")
+        return " ".join(said)
 
     def _read(self, part: Part) -> list[str]:
         """``dcp.load`` of one part on this rank alone: the read plan is local (the reader's
@@ -270,20 +375,23 @@ class Transaction:
 
 
 # ---------------------------------------------------------------------------- marks
-def _refuse(*_: Any) -> None:
-    raise ModelError(PARTLY_LOADED)
+def _refusing(reason: str) -> Callable[..., None]:
+    def refuse(*_: Any) -> None:
+        raise ModelError(reason)
+
+    return refuse
 
 
-def mark_unusable(obj: nn.Module | torch.optim.Optimizer) -> None:
+def mark_unusable(obj: nn.Module | torch.optim.Optimizer, reason: str = PARTLY_LOADED) -> None:
     """Make ``obj``'s forward (a module) or ``step`` (an optimizer) raise :class:`ModelError`
-    until :func:`clear_mark`: a partly overwritten model must not train or infer silently."""
-    if obj in _marks:
-        return
+    with ``reason`` until :func:`clear_mark`: a partly overwritten model must not train or infer
+    silently. A mark already there is replaced (the latest failure says what holds now)."""
+    clear_mark(obj)
     if isinstance(obj, nn.Module):
-        _marks[obj] = obj.register_forward_pre_hook(_refuse, prepend=True)
+        _marks[obj] = obj.register_forward_pre_hook(_refusing(reason), prepend=True)
     else:
-        _marks[obj] = obj.register_step_pre_hook(_refuse)
-    log.warning("%s is marked unusable: %s", type(obj).__name__, PARTLY_LOADED)
+        _marks[obj] = obj.register_step_pre_hook(_refusing(reason))
+    log.warning("%s is marked unusable: %s", type(obj).__name__, reason)
 
 
 def clear_mark(obj: nn.Module | torch.optim.Optimizer) -> None:
@@ -298,6 +406,14 @@ def is_marked(obj: nn.Module | torch.optim.Optimizer) -> bool:
 
 
 # ---------------------------------------------------------------------------- helpers
+def copy_staged_in(part: Part) -> None:
+    """Copy ``part``'s staging shards into its targets (this rank's own shards)."""
+    assert part.staged is not None
+    with torch.no_grad():
+        for k, s in part.staged.items():
+            local(part.targets[k]).copy_(local(s))
+
+
 def staging_like(wanted: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Empty shards laid out like ``wanted`` (same DTensor mesh, placements, global shape)."""
     out: dict[str, torch.Tensor] = {}
