@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import weakref
 
 import pytest
@@ -43,6 +44,10 @@ def _stream(model: torch.nn.Module, ckpt: str) -> dict:
             if t.dtype != want.dtype or not torch.equal(t, want):
                 differ.append(key)
             refs.append(weakref.ref(_base(t)))
+            # torch's own reference cycles (e.g. pytree flattening's recursive helper, under
+            # DTensor's gathers) can keep an earlier tensor until Python's cycle collector runs;
+            # what counts is what is still referenced once that garbage is gone
+            gc.collect()
             most_alive = max(most_alive, len({id(r()) for r in refs if r() is not None}))
             del t, want
     return {"keys": keys, "differ": differ, "most_alive": most_alive}
