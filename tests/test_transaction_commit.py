@@ -13,40 +13,13 @@ import pytest
 import torch
 from models import TinyTransformer
 from safetensors.torch import save_file
+from test_transaction_dist import VOCAB, Counter, _forward_error, _step_error, _train  # helpers shared with the 2-rank tests
 from torch import nn
 
 import sdadapt
 from sdadapt import _state as state_mod
 from sdadapt import _transaction as txn_mod
 from sdadapt._transaction import is_marked
-
-VOCAB = 37
-
-
-class Counter:
-    """A ``Stateful`` extra whose ``load_state_dict`` can be made to fail."""
-
-    def __init__(self, n: int = 0, fail: bool = False):
-        self.n, self.fail = n, fail
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"n": self.n}
-
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        if self.fail:
-            raise ValueError("injected: this counter refuses its state")
-        self.n = sd["n"]
-
-
-def _tokens() -> torch.Tensor:
-    return torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(3))
-
-
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
-    for _ in range(steps):
-        model(_tokens()).sum().backward()
-        opt.step()
-        opt.zero_grad()
 
 
 def _new(seed: int, trained: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -73,22 +46,6 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     if a.keys() != b.keys():
         return False
     return all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
-
-
-def _forward_error(model: nn.Module) -> str | None:
-    try:
-        model(_tokens())
-    except sdadapt.ModelError as e:
-        return str(e)
-    return None
-
-
-def _step_error(opt: torch.optim.Optimizer) -> str | None:
-    try:
-        opt.step()
-    except sdadapt.ModelError as e:
-        return str(e)
-    return None
 
 
 @pytest.fixture(scope="module")
