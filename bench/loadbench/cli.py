@@ -59,6 +59,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--no-references", action="store_true")
     ap.add_argument("--cold", action="store_true", help="drop the page cache before every load (root only)")
     ap.add_argument("--no-verify", action="store_true", help="skip the bit-exact checks (tuning runs only)")
+    ap.add_argument("--rss-interval-ms", type=float, default=3.0,
+                    help="how often a thread samples RSS during a load (0: no sampling thread; peaks from VmHWM "
+                         "and the end of the load only), to see what the sampling costs the load")
     ap.add_argument("--out", default=str(BENCH / "out" / "load_bench"), help="output prefix: writes PREFIX.json and PREFIX.md")
     return ap
 
@@ -183,7 +186,7 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], shape: Shape, backend
     """One fresh process group per job, then one for the references; the result as a dict."""
     work = Path(tempfile.mkdtemp(prefix="sdadapt-bench-run-"))
     common = {"shape": asdict(shape), "backend": backend, "files": files, "cold": args.cold,
-              "verify": not args.no_verify, "malloc": args.malloc}
+              "verify": not args.no_verify, "malloc": args.malloc, "rss_interval": args.rss_interval_ms / 1000}
     pythonpath = [str(ROOT / "src")]
     the_machine = machine()  # the load average before the workers start
     groups = []
@@ -219,6 +222,7 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], shape: Shape, backend
         "repeat": args.repeat,
         "warmup": args.warmup,
         "malloc": args.malloc,
+        "rss_interval_ms": args.rss_interval_ms,
         "cache": "cold (dropped before every load)" if args.cold else "warm",
         "refs": _refs_text(groups, warm, args.cold),
         "rows": rows,

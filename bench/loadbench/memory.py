@@ -32,8 +32,9 @@ def rchar() -> int:
 
 
 class RssSampler:
-    """Peaks of RssAnon / RssFile / RssShmem over a region, sampled every ``interval`` s, and
-    VmHWM (reset at the start through /proc/self/clear_refs where the kernel allows)."""
+    """Peaks of RssAnon / RssFile / RssShmem over a region, sampled every ``interval`` s by a
+    thread (``0``: no thread, only the region's start and end), and VmHWM (reset at the start
+    through /proc/self/clear_refs where the kernel allows)."""
 
     def __init__(self, interval: float = 0.003):
         self.interval = interval
@@ -52,7 +53,8 @@ class RssSampler:
             pass
         self.start = proc_status()
         self.peak = dict(self.start)
-        self._thread.start()
+        if self.interval > 0:
+            self._thread.start()
         return self
 
     def _run(self) -> None:
@@ -66,7 +68,8 @@ class RssSampler:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
         self._take()
 
     def result(self) -> dict[str, float]:

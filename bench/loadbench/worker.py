@@ -114,7 +114,7 @@ def _measure_one(cfg: dict[str, Any], job: Job, shape: Shape, dev: Any, phase: s
                 drop_caches()
             dist.barrier()
         rchar0 = rchar()
-        with RssSampler() as sampler:
+        with RssSampler(cfg.get("rss_interval", 0.003)) as sampler:
             facts = timed_load(model, job, cfg["files"], dev)
         run.update(facts)
         run.update(sampler.result())
