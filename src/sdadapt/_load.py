@@ -16,6 +16,7 @@ from . import _integrity as integrity
 from ._adapter import Adapter
 from ._constructors import cast
 from ._distributed import rank_and_world
+from ._gc import without_gc
 from ._lora import open_peft_lora
 from ._materialize import InitFn, check_buffers
 from ._plan import PipelineStage, Plan, build_plan, vacant_modules
@@ -133,6 +134,7 @@ def _plan_load(
     return source, plan, state_dict
 
 
+@without_gc  # no full collection stalls the load: see sdadapt._gc
 def load(
     model: nn.Module,
     src: str | os.PathLike[str] | Source,

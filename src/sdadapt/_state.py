@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from ._adapter import Adapter
 from ._distributed import agree, is_distributed, rank_and_world
+from ._gc import without_gc
 from ._materialize import InitFn, check_buffers, has_meta
 from ._nodes import Box, full_box
 from ._optim_state import OptimPlan, init_state, plan_optimizer
@@ -255,6 +256,7 @@ def _detect_keys(full: DCPSource) -> tuple[str, str | None]:
     return model_key, optim_key
 
 
+@without_gc  # no full collection stalls the load: see sdadapt._gc
 def load_state(
     src: str | os.PathLike[str],
     model: nn.Module,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import queue
 import threading
@@ -14,6 +13,7 @@ from typing import ClassVar
 
 import torch
 
+from .._gc import gc_paused
 from ..sources._base import Source
 from .config import EngineConfig
 from .planner import Planner
@@ -100,23 +100,20 @@ class IOEngine:
             count += 1
 
         planned = start
-        gc_was_on = gc.isenabled()
-        gc.disable()  # a full collection would hold the GIL, and with it every thread, mid-read
-        try:
-            self.plan(jobs, push)
-        except BaseException as e:  # noqa: BLE001 - stop the threads, then raise
-            shared.errors.insert(0, e)
-            shared.failed.set()
-        finally:
-            planned = time.perf_counter()
-            for _ in pool_threads:
-                shared.work.put(None)
-            for th in pool_threads:
-                th.join()
-            if gc_was_on:
-                gc.enable()
-            for fd in shared.fds.values():
-                os.close(fd)
+        with gc_paused():  # a full collection would hold the GIL, and with it every thread, mid-read
+            try:
+                self.plan(jobs, push)
+            except BaseException as e:  # noqa: BLE001 - stop the threads, then raise
+                shared.errors.insert(0, e)
+                shared.failed.set()
+            finally:
+                planned = time.perf_counter()
+                for _ in pool_threads:
+                    shared.work.put(None)
+                for th in pool_threads:
+                    th.join()
+                for fd in shared.fds.values():
+                    os.close(fd)
         st = self.stats
         for w in workers:
             st.bytes_read += w.nbytes + w.counter.bytes_read
