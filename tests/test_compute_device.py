@@ -67,15 +67,20 @@ def _mxfp4_node(tmp_path):
     return node, path
 
 
+def _node_of(kind: str, tmp_path):
+    """The dequantisation node and file a test kind names: ``"mxfp4"``, or
+    ``"fp8-<scale format>-<rows>x<cols>"`` (the block)."""
+    if kind == "mxfp4":
+        return _mxfp4_node(tmp_path)
+    _, fmt, blk = kind.split("-")
+    b0, b1 = blk.split("x")
+    return _fp8_node(tmp_path, fmt, (int(b0), int(b1)))
+
+
 @pytest.mark.parametrize("chunk, depth", [(1 << 20, 2), (512, 1)])  # all staged; large inputs unstaged, one buffer
 @pytest.mark.parametrize("kind", ["fp8-float32-16x32", "fp8-ue8m0-7x9", "mxfp4"])
 def test_device_path_equals_host_path_and_full(tmp_path, kind, chunk, depth):
-    if kind == "mxfp4":
-        node, path = _mxfp4_node(tmp_path)
-    else:
-        _, fmt, blk = kind.split("-")
-        b0, b1 = blk.split("x")
-        node, path = _fp8_node(tmp_path, fmt, (int(b0), int(b1)))
+    node, path = _node_of(kind, tmp_path)
     rng = random.Random(kind)
     staged = 0
     with open_source(path) as src:
@@ -151,12 +156,7 @@ def test_engine_dequantises_on_the_gpu_bit_identical_to_the_cpu(tmp_path, kind):
     GPU) gives the bits of the eager CPU reference, with buffers small enough to slice inputs."""
     from sdadapt._engine import CountingIO, EngineConfig, IOEngine, Job
 
-    if kind == "mxfp4":
-        node, path = _mxfp4_node(tmp_path)
-    else:
-        _, fmt, blk = kind.split("-")
-        b0, b1 = blk.split("x")
-        node, path = _fp8_node(tmp_path, fmt, (int(b0), int(b1)))
+    node, path = _node_of(kind, tmp_path)
     rng = random.Random(kind)
     with open_source(path) as src:
         full = node.full(CountingIO(src))
@@ -174,11 +174,7 @@ def test_bands_tile_the_region_on_block_rows(tmp_path, kind):
     """A dequantisation region cut into bands: disjoint, covering it, never cut along the last
     dim, FP8 row cuts on whole scale blocks, and each band within the budget unless it cannot
     be cut further (one index of every dim but the last; for FP8 rows, one block)."""
-    if kind == "mxfp4":
-        node, _ = _mxfp4_node(tmp_path)
-    else:
-        _, fmt, blk = kind.split("-")
-        node, _ = _fp8_node(tmp_path, fmt, tuple(int(b) for b in blk.split("x")))
+    node, _ = _node_of(kind, tmp_path)
     per_value = 0.5 if kind == "mxfp4" else 1
     b0 = getattr(node, "block", (1, 1))[0]
     rng = random.Random(kind)
