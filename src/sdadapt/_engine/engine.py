@@ -80,8 +80,9 @@ class IOEngine:
         cuda_devices = {j.dest.device for j in jobs if j.dest.device.type == "cuda"}
         device = next(iter(cuda_devices)) if cuda_devices and torch.cuda.is_available() else None
         threads = max(1, min(cfg.threads, _estimate_tasks(jobs, chunk)))
-        pool = StagingPool(max(1, cfg.staging_bytes // chunk), chunk, device is not None)  # buffers made on first use
-        bands = StagingPool(max(1, cfg.staging_bytes // cfg.band_bytes), cfg.band_buffer_bytes(), device is not None)
+        # Buffers are made on first use; no more than the threads can hold at once.
+        pool = StagingPool(max(1, min(cfg.staging_bytes // chunk, threads * cfg.depth)), chunk, device is not None)
+        bands = StagingPool(max(1, min(cfg.staging_bytes // cfg.band_bytes, threads)), cfg.band_buffer_bytes(), device is not None)
         shared = Shared(self.source, queue.SimpleQueue(), {}, pool, chunk, device, bands, cfg.min_span_bytes)
         workers = [Worker(shared, cfg.depth) for _ in range(threads)]
         pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
@@ -112,6 +113,8 @@ class IOEngine:
                     shared.work.put(None)
                 for th in pool_threads:
                     th.join()
+                pool.close()
+                bands.close()
                 for fd in shared.fds.values():
                     os.close(fd)
         st = self.stats

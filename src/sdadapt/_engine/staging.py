@@ -7,18 +7,36 @@ import threading
 
 import torch
 
+from .pinned import SLABS, Slab, SlabCache
+
+_ALIGN = 4096  # each buffer of a slab starts on a page (any dtype's alignment)
+
 
 class StagingPool:
-    """At most ``count`` staging buffers of ``size`` bytes (pinned for GPU destinations),
-    allocated on first use and shared by the threads of one run."""
+    """At most ``count`` staging buffers of ``size`` bytes, shared by the threads of one run.
 
-    def __init__(self, count: int, size: int, pin: bool):
+    For GPU destinations (``pin``) the buffers are slices of one pinned slab, taken from
+    ``slabs`` on first use and given back by :meth:`close`; otherwise each buffer is allocated
+    on first use."""
+
+    def __init__(self, count: int, size: int, pin: bool, slabs: SlabCache = SLABS):
         self.size = size
         self.pin = pin
         self._free: queue.LifoQueue[torch.Tensor] = queue.LifoQueue()
-        self._left = count
+        self._count = self._left = count
         self._lock = threading.Lock()
+        self._slabs = slabs
+        self._slab: Slab | None = None
         self.allocated = 0
+
+    def _new(self) -> torch.Tensor:
+        if not self.pin:
+            return torch.empty(self.size, dtype=torch.uint8)
+        stride = -(-self.size // _ALIGN) * _ALIGN
+        if self._slab is None:
+            self._slab = self._slabs.get(stride * self._count)
+        at = (self._count - self._left) * stride
+        return self._slab.tensor[at : at + self.size]
 
     def try_get(self) -> torch.Tensor | None:
         """A free buffer, a new one while under the bound, else ``None``."""
@@ -28,9 +46,10 @@ class StagingPool:
             pass
         with self._lock:
             if self._left > 0:
+                buf = self._new()  # counted once made: a failed allocation leaves the bound as it was
                 self._left -= 1
                 self.allocated += 1
-                return torch.empty(self.size, dtype=torch.uint8, pin_memory=self.pin)
+                return buf
         return None
 
     def get(self) -> torch.Tensor:
@@ -40,3 +59,13 @@ class StagingPool:
 
     def put(self, buf: torch.Tensor) -> None:
         self._free.put(buf)
+
+    def close(self) -> None:
+        """The run is over and every copy out of the buffers has finished: the slab goes back
+        to ``slabs`` for the next run."""
+        with self._lock:
+            slab, self._slab = self._slab, None
+            self._left = 0
+            self._free = queue.LifoQueue()  # views of the slab: no longer handed out
+        if slab is not None:
+            self._slabs.put(slab)

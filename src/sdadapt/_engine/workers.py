@@ -113,9 +113,11 @@ class Worker:
                 with torch.cuda.device(sh.device):
                     self.stream = torch.cuda.Stream(sh.device)
                     self.stream.wait_stream(torch.cuda.current_stream(sh.device))  # destinations were made there
-                    with torch.cuda.stream(self.stream):
-                        self._loop()
-                    self.stream.synchronize()
+                    try:
+                        with torch.cuda.stream(self.stream):
+                            self._loop()
+                    finally:
+                        self.stream.synchronize()  # no copy out of a staging buffer outlives the run
             else:
                 self._loop()
         except BaseException as e:  # noqa: BLE001 - re-raised by IOEngine.run

@@ -1,0 +1,118 @@
+"""Pinned host memory for the staging pools: one slab per pool, kept for the next load.
+
+``torch.empty(..., pin_memory=True)`` asks CUDA for each buffer separately (``cudaHostAlloc``,
+rounded up to a power of two), and the driver pins it 4 KiB page by page: on a first load that
+costs more than reading a gigabyte. A slab is instead one anonymous mapping, aligned to 2 MiB
+and advised for transparent huge pages, filled once (which faults it in as huge pages where the
+kernel grants them), then registered with ``cudaHostRegister``: the same pinned memory, with a
+twentieth of the page work. Slabs given back are kept (at most :data:`KEEP`) and handed out
+again, as torch keeps its freed pinned blocks, so later loads in the process pin nothing.
+
+Where any of that is unavailable (not Linux, no ``madvise``, a registration error) the slab is
+a plain ``pin_memory=True`` tensor: the same memory, allocated the slower way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+KEEP = 4  # slabs kept for reuse after their loads, process-wide
+_MADV_HUGEPAGE = 14  # <linux/mman.h>
+
+
+@dataclass(eq=False)  # compared by identity (kept in lists), never by contents
+class Slab:
+    """``tensor`` (uint8, pinned) and what keeps its memory alive and registered."""
+
+    tensor: torch.Tensor
+    mapping: mmap.mmap | None = None  # None: torch allocated it
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel()
+
+    def release(self) -> None:
+        """Unpin and free the memory (the tensor must no longer be used)."""
+        if self.mapping is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            del self.tensor
+            try:
+                self.mapping.close()
+            except BufferError:  # a view of it is still alive somewhere: freed with it
+                pass
+
+
+def _advise_huge(ptr: int, nbytes: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)  # advice only: failure is harmless
+
+
+def register_slab(nbytes: int) -> Slab:
+    """``nbytes`` of pinned memory as one registered huge-page mapping; the torch allocation
+    where registration is not possible."""
+    try:
+        mapping = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        whole = torch.frombuffer(mapping, dtype=torch.uint8)
+        skip = -whole.data_ptr() % HUGE_PAGE
+        tensor = whole[skip : skip + nbytes]
+        del whole
+        _advise_huge(tensor.data_ptr(), nbytes)
+        tensor.zero_()  # faults every page in now (huge pages where granted), not in the driver one by one
+        err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister returned {err}")
+        return Slab(tensor, mapping)
+    except Exception as e:  # noqa: BLE001 - any failure: pin the usual way instead
+        log.debug("pinning %d bytes through torch instead of a registered mapping: %s", nbytes, e)
+        return Slab(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
+
+
+class SlabCache:
+    """Slabs handed out by :meth:`get` and kept by :meth:`put` for the next :meth:`get` (the
+    smallest kept one that is large enough), at most ``keep`` of them; thread-safe."""
+
+    def __init__(self, allocate: Callable[[int], Slab] = register_slab, keep: int = KEEP):
+        self.allocate = allocate
+        self.keep = keep
+        self._kept: list[Slab] = []
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int) -> Slab:
+        with self._lock:
+            fits = [s for s in self._kept if s.nbytes >= nbytes]
+            if fits:
+                slab = min(fits, key=lambda s: s.nbytes)
+                self._kept.remove(slab)
+                return slab
+        return self.allocate(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+
+    def put(self, slab: Slab) -> None:
+        """Keep ``slab`` (no copy out of it may still be pending); over the bound, the smallest
+        kept slab is freed."""
+        with self._lock:
+            self._kept.append(slab)
+            if len(self._kept) <= self.keep:
+                return
+            smallest = min(self._kept, key=lambda s: s.nbytes)
+            self._kept.remove(smallest)
+        smallest.release()
+
+    def clear(self) -> None:
+        """Free every kept slab."""
+        with self._lock:
+            kept, self._kept = self._kept, []
+        for slab in kept:
+            slab.release()
+
+
+SLABS = SlabCache()

@@ -1,0 +1,145 @@
+"""Pinned staging memory: the slab cache (reuse, smallest fit, bound), staging pools carved out
+of one slab and giving it back, and, where CUDA is available, a registered huge-page slab that
+copies to the device like torch's own pinned memory."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from sdadapt._engine.pinned import HUGE_PAGE, Slab, SlabCache, register_slab
+from sdadapt._engine.staging import StagingPool
+
+
+class _PlainSlab(Slab):
+    """A slab of plain (unpinned) memory whose release is recorded in ``freed``."""
+
+    freed: list[int]
+
+    def release(self) -> None:
+        self.freed.append(self.nbytes)
+
+
+class _Counting:
+    """An allocator of plain slabs that counts what it made and what was freed."""
+
+    def __init__(self) -> None:
+        self.made: list[int] = []
+        self.freed: list[int] = []
+
+    def __call__(self, nbytes: int) -> Slab:
+        self.made.append(nbytes)
+        slab = _PlainSlab(torch.empty(nbytes, dtype=torch.uint8))
+        slab.freed = self.freed
+        return slab
+
+
+def test_cache_rounds_to_huge_pages_and_reuses_the_smallest_fit():
+    alloc = _Counting()
+    cache = SlabCache(alloc, keep=4)
+    a, b = cache.get(1), cache.get(3 * HUGE_PAGE + 1)
+    assert (a.nbytes, b.nbytes) == (HUGE_PAGE, 4 * HUGE_PAGE)
+    cache.put(b)
+    cache.put(a)
+    assert cache.get(HUGE_PAGE // 2) is a  # the smallest kept slab that fits
+    assert cache.get(2 * HUGE_PAGE) is b
+    assert cache.get(5 * HUGE_PAGE).nbytes == 5 * HUGE_PAGE  # none kept fits: a new one
+    assert alloc.made == [HUGE_PAGE, 4 * HUGE_PAGE, 5 * HUGE_PAGE]
+
+
+def test_cache_frees_the_smallest_over_its_bound_and_on_clear():
+    alloc = _Counting()
+    cache = SlabCache(alloc, keep=2)
+    slabs = [cache.get(n * HUGE_PAGE) for n in (3, 1, 2)]
+    for s in slabs:
+        cache.put(s)
+    assert alloc.freed == [HUGE_PAGE]
+    cache.clear()
+    assert sorted(alloc.freed) == [HUGE_PAGE, 2 * HUGE_PAGE, 3 * HUGE_PAGE]
+
+
+def test_cache_hands_each_kept_slab_to_one_thread():
+    cache = SlabCache(_Counting(), keep=8)
+    for s in [cache.get(HUGE_PAGE) for _ in range(8)]:
+        cache.put(s)
+    got: list[Slab] = []
+    lock = threading.Lock()
+
+    def take() -> None:
+        s = cache.get(HUGE_PAGE)
+        with lock:
+            got.append(s)
+
+    threads = [threading.Thread(target=take) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(s) for s in got}) == 8
+
+
+def test_pinned_pool_carves_disjoint_page_aligned_buffers_from_one_slab_and_gives_it_back():
+    alloc = _Counting()
+    cache = SlabCache(alloc)
+    size, count = 10_000, 5
+    pool = StagingPool(count, size, pin=True, slabs=cache)
+    bufs = [pool.get() for _ in range(count)]
+    assert pool.try_get() is None  # the bound holds
+    assert len(alloc.made) == 1 and alloc.made[0] >= count * size
+    base = bufs[0].data_ptr() - bufs[0].storage_offset()
+    starts = sorted(b.data_ptr() - base for b in bufs)
+    assert all(b.numel() == size for b in bufs)
+    assert all(s % 4096 == 0 for s in starts)
+    assert all(later - earlier >= size for earlier, later in zip(starts, starts[1:], strict=False))  # no overlap
+    pool.put(bufs[0])
+    assert pool.get() is bufs[0]
+    pool.close()
+    again = StagingPool(count, size, pin=True, slabs=cache)
+    again.get()
+    assert len(alloc.made) == 1  # the next run reuses the slab
+    again.close()
+
+
+def test_a_failed_slab_allocation_leaves_the_pool_bound_as_it_was():
+    alloc = _Counting()
+    failures = [MemoryError("no pinned memory")]
+
+    def flaky(nbytes: int) -> Slab:
+        if failures:
+            raise failures.pop()
+        return alloc(nbytes)
+
+    pool = StagingPool(1, 100, pin=True, slabs=SlabCache(flaky))
+    with pytest.raises(MemoryError):
+        pool.get()
+    assert pool.try_get() is not None and pool.allocated == 1  # the one buffer still exists
+
+
+def test_unpinned_pool_allocates_each_buffer_on_first_use_and_keeps_no_slab():
+    alloc = _Counting()
+    pool = StagingPool(3, 100, pin=False, slabs=SlabCache(alloc))
+    a, b = pool.get(), pool.get()
+    assert a.data_ptr() != b.data_ptr() and pool.allocated == 2
+    pool.close()
+    assert alloc.made == []
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_registered_slab_is_pinned_and_copies_to_the_device():
+    slab = register_slab(3 * HUGE_PAGE)
+    assert slab.mapping is not None  # registered, not the torch fallback
+    t = slab.tensor
+    assert t.is_pinned() and t.numel() == 3 * HUGE_PAGE and t.data_ptr() % HUGE_PAGE == 0
+    t.copy_(torch.arange(t.numel(), dtype=torch.int64).to(torch.uint8))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        dev = torch.empty_like(t, device="cuda")
+        dev.copy_(t, non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(dev.cpu(), t)
+    slab.release()
