@@ -9,6 +9,8 @@ import threading
 import pytest
 import torch
 
+import sdadapt
+from sdadapt._engine import pinned
 from sdadapt._engine.pinned import HUGE_PAGE, Slab, SlabCache, register_slab
 from sdadapt._engine.staging import StagingPool
 
@@ -115,6 +117,16 @@ def test_a_failed_slab_allocation_leaves_the_pool_bound_as_it_was():
     with pytest.raises(MemoryError):
         pool.get()
     assert pool.try_get() is not None and pool.allocated == 1  # the one buffer still exists
+
+
+def test_release_pinned_memory_frees_what_loads_kept(monkeypatch):
+    alloc = _Counting()
+    monkeypatch.setattr(pinned, "SLABS", SlabCache(alloc))
+    for slab in [pinned.SLABS.get(n * HUGE_PAGE) for n in (2, 1)]:
+        pinned.SLABS.put(slab)
+    assert sdadapt.release_pinned_memory() == 3 * HUGE_PAGE
+    assert sorted(alloc.freed) == [HUGE_PAGE, 2 * HUGE_PAGE]
+    assert sdadapt.release_pinned_memory() == 0
 
 
 def test_unpinned_pool_allocates_each_buffer_on_first_use_and_keeps_no_slab():

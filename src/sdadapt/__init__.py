@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     )
     from ._diff import diff
     from ._draft import Draft, draft
-    from ._engine import EngineConfig
+    from ._engine import EngineConfig, release_pinned_memory
     from ._export import ExportReport, convert, export, export_iter
     from ._integrity import write_checksums
     from ._load import LoadReport, load, plan_load
@@ -109,7 +109,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(_CONSTRUCTORS.split(), "_constructors"),
     **dict.fromkeys(["diff"], "_diff"),
     **dict.fromkeys(["Draft", "draft"], "_draft"),
-    **dict.fromkeys(["EngineConfig"], "_engine"),
+    **dict.fromkeys(["EngineConfig", "release_pinned_memory"], "_engine"),
     **dict.fromkeys(["ExportReport", "convert", "export", "export_iter"], "_export"),
     **dict.fromkeys(["write_checksums"], "_integrity"),
     **dict.fromkeys(["LoadReport", "load", "plan_load"], "_load"),
@@ -169,6 +169,7 @@ __all__ = [
     "Source",
     "TensorInfo",
     "open_source",
+    "release_pinned_memory",
     # adapters: the registry, spec resolution, drafting
     "Adapter",
     "Draft",

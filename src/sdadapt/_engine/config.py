@@ -32,9 +32,10 @@ class EngineConfig:
     """Knobs of the engine; the defaults suit most machines.
 
     ``staging_bytes`` bounds the staging memory of one load on one rank (pinned when loading to
-    a GPU, and kept pinned for the next load: :mod:`sdadapt._engine.pinned`); ``depth`` is how many staging buffers each thread cycles through (a read into one
-    overlaps the host-to-device copies out of the others); ``chunk_bytes`` is the largest single
-    read (default: staging / (depth x threads), 1 to 32 MiB); ``coalesce_gap`` is how many
+    a GPU, and kept pinned for the next load: :func:`sdadapt.release_pinned_memory` frees it);
+    ``depth`` is how many staging buffers each thread cycles through (a read into one overlaps
+    the host-to-device copies out of the others); ``chunk_bytes`` is the largest single read
+    (default: staging / (depth x threads), 1 to 32 MiB); ``coalesce_gap`` is how many
     unwanted bytes a coalesced read may span between two wanted regions (counted as read);
     ``direct_min_bytes`` is the size from which a CPU destination is read into directly rather
     than through staging (and coalescing); a region made of several runs shorter than

@@ -107,12 +107,23 @@ class SlabCache:
             self._kept.remove(smallest)
         smallest.release()
 
-    def clear(self) -> None:
-        """Free every kept slab."""
+    def clear(self) -> int:
+        """Free every kept slab; the bytes freed."""
         with self._lock:
             kept, self._kept = self._kept, []
         for slab in kept:
             slab.release()
+        return sum(slab.nbytes for slab in kept)
 
 
 SLABS = SlabCache()
+
+
+def release_pinned_memory() -> int:
+    """Unpin and free the staging memory that loads to a GPU keep for the next load of this
+    process (at most :data:`KEEP` slabs, about ``2 x EngineConfig.staging_bytes`` per load
+    configuration); returns the bytes freed. A later GPU load pins its staging afresh (tens of
+    milliseconds). Call it between loads, never during one."""
+    freed = SLABS.clear()
+    log.debug("released %d bytes of pinned staging memory", freed)
+    return freed
