@@ -135,7 +135,13 @@ def test_bytes_counted_exactly(sources):
             assert IOEngine(src, cfg).run(jobs).bytes_read == want
 
 
-def test_box_spans_match_brute_force():
+@pytest.mark.parametrize("python_max", [0, 256])
+def test_box_spans_match_brute_force(monkeypatch, python_max):
+    """Both ways of listing the runs (tensor ops, and plain ints for a few runs) agree with
+    indexing the tensor."""
+    from sdadapt._engine import geometry
+
+    monkeypatch.setattr(geometry, "_PYTHON_MAX", python_max)
     rng = random.Random(0)
     for _ in range(300):
         nd = rng.randrange(1, 5)

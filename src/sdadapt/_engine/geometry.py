@@ -8,6 +8,8 @@ import torch
 
 from .._nodes import Box, box_shape
 
+_PYTHON_MAX = 256  # up to this many runs, their offsets are computed without torch
+
 
 def box_spans(shape: Sequence[int], itemsize: int, box: Box) -> tuple[list[int], int]:
     """Byte offsets (relative to the tensor's start) of the contiguous runs of ``box`` in a
@@ -26,6 +28,15 @@ def box_spans(shape: Sequence[int], itemsize: int, box: Box) -> tuple[list[int],
     start = box[k][0] * strides[k]
     if k == 0:
         return [start * itemsize], run
+    count = 1
+    for d in range(k):
+        count *= box[d][1] - box[d][0]
+    if count <= _PYTHON_MAX:  # few runs: plain ints beat a handful of tensor ops
+        offs_py = [start]
+        for d in range(k):
+            a, b = box[d]
+            offs_py = [o + i * strides[d] for o in offs_py for i in range(a, b)]
+        return [o * itemsize for o in offs_py], run
     # offsets of every index combination of dims 0..k-1
     offs = torch.zeros((), dtype=torch.int64)
     for d in range(k):
