@@ -92,14 +92,18 @@ def expert_rules(intermediate_size: int, quantization: str | dict[str, Any] | No
     moe = META + "moe.experts."
     gate_up, down = EXPERTS + "gate_up_proj", EXPERTS + "down_proj"
     if _method(quantization) == "mxfp4":
-        rules: list[Any] = [sdadapt.dequant_mxfp4(EXPERTS + "{proj}_proj", dtype=dtype)]
+        # the packed rows are de-interleaved before dequantising (rows are independent in
+        # MXFP4), so that dequantisation still runs on the destination's device
+        rules: list[Any] = [sdadapt.deinterleave([gate_up + "_blocks", gate_up + "_scales"], [f, f], tp=f, dim=1)]
+        rules += [sdadapt.dequant_mxfp4(EXPERTS + "{proj}_proj", dtype=dtype)]
     else:
         rules = [sdadapt.transpose(gate_up, 1, 2), sdadapt.transpose(down, 1, 2)]
-    for key, dsts in ((gate_up, ["w1", "w3"]), (gate_up + "_bias", ["b1", "b3"])):
-        rules += [
-            sdadapt.deinterleave(key, [f, f], tp=f, dim=1),
-            sdadapt.split(key, [moe + d for d in dsts], dim=1),
-        ]
+        rules += [sdadapt.deinterleave(gate_up, [f, f], tp=f, dim=1)]
+    rules += [
+        sdadapt.split(gate_up, [moe + "w1", moe + "w3"], dim=1),
+        sdadapt.deinterleave(gate_up + "_bias", [f, f], tp=f, dim=1),
+        sdadapt.split(gate_up + "_bias", [moe + "b1", moe + "b3"], dim=1),
+    ]
     return rules + [sdadapt.rename(down, moe + "w2"), sdadapt.rename(down + "_bias", moe + "b2")]
 
 

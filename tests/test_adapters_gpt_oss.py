@@ -222,8 +222,8 @@ def test_wrong_format_or_options_fail_while_planning(cases_root: str) -> None:
     adapter = sdadapt.Adapter([*sdadapt.get_adapter("gpt_oss", source=bf16["path"], quantization="mxfp4",
                                                     dtype="float32").rules, TO_FP32])  # fmt: skip
     msg = _plan_error(bf16, adapter)
-    assert "deinterleave(keys='model.layers.{i}.mlp.experts.gate_up_proj'" in msg, msg
-    assert f"sizes [{F}, {F}] add up to {2 * F}, but dim 1 has {DIM}" in msg, msg
+    assert "split(src='model.layers.{i}.mlp.experts.gate_up_proj'" in msg, msg
+    assert f"sizes [{F}, {F}] (taken from the target) add up to {2 * F}, but dim 1 has {DIM}" in msg, msg
 
     # a wrong expert width: the de-interleave sizes do not add up
     msg = _plan_error(mxfp4, sdadapt.get_adapter("gpt_oss", source=mxfp4["path"], dtype="float32", intermediate_size=16))

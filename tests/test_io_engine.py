@@ -8,13 +8,16 @@ import functools
 import os
 import random
 from dataclasses import dataclass, field
+from unittest import mock
 
 import pytest
 import torch
 from checkpoints import random_state_dict, write_hf_sharded, write_safetensors, write_torch_save
 
+from sdadapt import _interleave as interleave_module
 from sdadapt import _nodes as N
 from sdadapt._engine import EngineConfig, IOEngine, Job, box_spans, default_threads
+from sdadapt._interleave import Interleave
 from sdadapt.errors import LoadError
 from sdadapt.sources import open_source
 
@@ -65,7 +68,7 @@ def _recipes(src) -> dict[str, N.Node]:
     out["q_perm"] = N.UnitPermute(leaf["q"], 0, 4, (0, 2, 1, 3))
     out["a_pad"] = N.Pad(leaf["a"], 0, 40, 0.0)
     out["a_pad_half"] = N.Pad(N.Cast(leaf["a"], torch.float16), 1, 23, 0.1)
-    out["qkv_tp2"] = N.Interleave(N.Concat((leaf["q"], leaf["k"], leaf["v"]), 0), 0, (24, 8, 8), 2)
+    out["qkv_tp2"] = Interleave(N.Concat((leaf["q"], leaf["k"], leaf["v"]), 0), 0, (24, 8, 8), 2)
     return out
 
 
@@ -262,15 +265,23 @@ def test_steps_cover_every_element(sources):
 
 def test_engine_knows_no_node_kinds(sources):
     """Pure data movement becomes pieces read straight from the file; only the unit permutation
-    and the lossy casts are computations (no node goes through Source.read whole)."""
+    and the lossy casts are computations (no node goes through Source.read whole), and an
+    interleave whose blocks are too short to be worth a read each (these tiny ones) is one
+    gathering computation."""
     _, paths = sources
     with open_source(paths["safetensors"]) as src:
         recipes = _recipes(src)
         kinds = {}
+
+        def kinds_of(node):
+            return {type(s).__name__ for s in node.steps(N.full_box(node.shape), torch.empty(node.shape, dtype=node.dtype))}
+
         for key, node in recipes.items():
-            dest = torch.empty(node.shape, dtype=node.dtype)
-            kinds[key] = {type(s).__name__ for s in node.steps(N.full_box(node.shape), dest)}
-        assert kinds["qkv_tp2"] == kinds["kv_stack"] == kinds["cT"] == kinds["b_cast_cat"] == {"Piece"}
+            kinds[key] = kinds_of(node)
+        assert kinds["qkv_tp2"] == {"Compute"}
+        with mock.patch.object(interleave_module, "GATHER_BELOW", 0):
+            assert kinds_of(recipes["qkv_tp2"]) == {"Piece"}
+        assert kinds["kv_stack"] == kinds["cT"] == kinds["b_cast_cat"] == {"Piece"}
         assert kinds["a_pad"] == {"Piece", "Fill"}
         assert kinds["q_perm"] == kinds["b_int_back"] == kinds["c_bf16_f32"] == {"Compute"}
         assert kinds["a_pad_half"] == {"Piece", "Fill"}  # bf16 -> f16 into an f16 destination: copy_ is the cast
@@ -434,3 +445,30 @@ def test_lossy_cast_chain_is_applied(tmp_path):
             dest = torch.full((2, 3), 7.0)
             IOEngine(src, cfg).run([Job("w", node, ((0, 2), (0, 3)), dest)])
             assert torch.equal(dest, want)
+
+
+def test_alternating_rows_are_gathered_in_one_task_per_band(tmp_path):
+    """Gate and up rows stored alternating (GPT-OSS) de-interleaved through the engine: each
+    region is one task per part it touches (not a task per row), reads at most twice its
+    bytes, and gives the bits of the whole-tensor reference, whatever the box."""
+    E, F, D = 3, 40, 64
+    t = torch.randn(E, 2 * F, D)
+    path = write_safetensors(tmp_path / "gate_up.safetensors", {"gate_up": t})
+    node = Interleave(N.Leaf("gate_up", (E, 2 * F, D), t.dtype), 1, (F, F), F, inverse=True)
+    want = torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+    rng = random.Random(5)
+    boxes = [((0, E), (0, F), (0, D)), ((0, E), (F, 2 * F), (0, D)), ((1, 2), (F - 3, F + 5), (8, 40))]
+    boxes += [_random_box(node.shape, rng) for _ in range(20)]
+    with open_source(path) as src:
+        for box in boxes:
+            dest = torch.full([b - a for a, b in box], float("nan"))
+            stats = IOEngine(src, EngineConfig(threads=2)).run([Job("w", node, box, dest)])
+            assert torch.equal(dest, want[tuple(slice(a, b) for a, b in box)]), box
+            crosses = box[1][0] < F < box[1][1]  # gate rows and up rows: one band each
+            assert stats.tasks == (2 if crosses else 1), (box, stats.tasks)
+            assert stats.bytes_read <= 2 * dest.numel() * 4, box
+        # a band limit cuts a large region into several computations, each bounded
+        with mock.patch.object(interleave_module, "GATHER_BAND", 8 * E * D * 4):
+            dest = torch.empty(E, F, D)
+            stats = IOEngine(src, EngineConfig(threads=2)).run([Job("w", node, ((0, E), (0, F), (0, D)), dest)])
+            assert torch.equal(dest, want[:, :F]) and stats.tasks == 10

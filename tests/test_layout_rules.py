@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -19,7 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sdadapt
+from sdadapt import _interleave as interleave_module
 from sdadapt import _nodes as N
+from sdadapt._interleave import Interleave
 from sdadapt._plan import build_plan, unwrap_key
 from sdadapt._rules import rotary_perm, tp_degree
 from sdadapt.errors import AdapterError
@@ -180,16 +183,23 @@ def test_interleave_node_reads_exactly_the_box(data):
     shape[dim] = sum(sizes)
     dtype = data.draw(st.sampled_from(DTYPES))
     t = _tensor(shape, dtype, data.draw(st.integers(0, 99)))
-    io = DictIO({"x": t})
-    fwd = N.Interleave(N.Leaf("x", tuple(shape), dtype), dim, tuple(sizes), tp)
-    full = _check_reads(fwd, io, data)
-    assert torch.equal(full, _interleave_ref(t, sizes, tp, dim))
-    # each of tp equal slices along dim is [p0_r; p1_r; ...]
-    for r, local in enumerate(full.chunk(tp, dim) if tp <= full.shape[dim] else []):
-        assert torch.equal(local, torch.cat([p.chunk(tp, dim)[r] for p in t.split(sizes, dim) if p.shape[dim]], dim))
-    io2 = DictIO({"y": full})
-    back = N.Interleave(N.Leaf("y", tuple(shape), dtype), dim, tuple(sizes), tp, inverse=True)
-    assert torch.equal(_check_reads(back, io2, data), t)
+    # blocks read one by one (exactly the box), or gathered from covering reads (these blocks
+    # are all short): at most (number of parts) x the box, in few computations
+    gather = data.draw(st.booleans())
+    parts = sum(1 for s in sizes if s)
+    itemsize = t.element_size()
+    reads = {"exact": not gather, "bound": (lambda box: parts * _volume(box, itemsize)) if gather else None}
+    with mock.patch.object(interleave_module, "GATHER_BELOW", interleave_module.GATHER_BELOW if gather else 0):
+        io = DictIO({"x": t})
+        fwd = Interleave(N.Leaf("x", tuple(shape), dtype), dim, tuple(sizes), tp)
+        full = _check_reads(fwd, io, data, **reads)
+        assert torch.equal(full, _interleave_ref(t, sizes, tp, dim))
+        # each of tp equal slices along dim is [p0_r; p1_r; ...]
+        for r, local in enumerate(full.chunk(tp, dim) if tp <= full.shape[dim] else []):
+            assert torch.equal(local, torch.cat([p.chunk(tp, dim)[r] for p in t.split(sizes, dim) if p.shape[dim]], dim))
+        io2 = DictIO({"y": full})
+        back = Interleave(N.Leaf("y", tuple(shape), dtype), dim, tuple(sizes), tp, inverse=True)
+        assert torch.equal(_check_reads(back, io2, data, **reads), t)
 
 
 # --- rules through build_plan: independent expectations, inverse identity ----------------------

@@ -287,21 +287,29 @@ class Worker:
 
     def to_device(self, values: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
         """``values`` (host tensors a computation read) as new tensors on ``device``: the
-        ``move`` of :meth:`~sdadapt._nodes.Compute.run`. What :class:`StagingIO` staged crosses
-        in one copy of its buffer's used bytes (first, so that the buffer is marked in use before
-        any other is taken), each value a view of that; the rest through :meth:`_upload`."""
+        ``move`` of :meth:`~sdadapt._nodes.Compute.run`. Where some values are views of what
+        :class:`StagingIO` staged, the buffer's used bytes cross in one copy (first, so that the
+        buffer is marked in use before any other is taken), each such value a view of that; the
+        rest (values computed on the host, e.g. rows gathered out of a staged read) through
+        :meth:`_upload`."""
         out: list[torch.Tensor | None] = [None] * len(values)
         staged, used = self.inputs.buffer, self.inputs.pos
+        inside: dict[int, int] = {}  # value index -> its offset in the staged bytes
         if staged is not None:
-            raw = self._landing(device)[:used]
-            raw.copy_(staged[:used], non_blocking=self.stream is not None)
-            self._copied(self.band)
             base = staged.data_ptr()
             for i, v in enumerate(values):
                 at = v.data_ptr() - base
-                inside = 0 <= at and at % v.element_size() == 0 and at + v.numel() * v.element_size() <= used
-                if v.device.type == "cpu" and v.is_contiguous() and inside:
-                    out[i] = raw[at : at + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
+                if v.device.type == "cpu" and v.is_contiguous() and 0 <= at and at % v.element_size() == 0:
+                    if at + v.numel() * v.element_size() <= used:
+                        inside[i] = at
+        if inside:  # staged bytes that no value is a view of (read, then computed on) stay on the host
+            assert staged is not None
+            raw = self._landing(device)[:used]
+            raw.copy_(staged[:used], non_blocking=self.stream is not None)
+            self._copied(self.band)
+            for i, at in inside.items():
+                v = values[i]
+                out[i] = raw[at : at + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
         for i, v in enumerate(values):
             if out[i] is None:
                 out[i] = dest = torch.empty(v.shape, dtype=v.dtype, device=device)
