@@ -18,6 +18,7 @@ from sdadapt import _quant as Q
 from sdadapt import _quant_nodes as QN
 from sdadapt._engine.staging import StagingPool
 from sdadapt._engine.workers import Shared, Worker
+from sdadapt._interleave import Interleave
 from sdadapt.sources import open_source
 
 
@@ -67,18 +68,32 @@ def _mxfp4_node(tmp_path):
     return node, path
 
 
+def _mxfp4_rows_node(tmp_path):
+    """MXFP4 whose rows are stored alternating (GPT-OSS's gate/up), de-interleaved under the
+    dequantisation: its inputs are gathered on the host from covering reads."""
+    blocks, scales = Q.quantize_mxfp4(torch.randn(2, 6, 4 * Q.MX_BLOCK, generator=torch.Generator().manual_seed(5)))
+    path = write_safetensors(tmp_path / "mx_rows.safetensors", {"e_blocks": blocks, "e_scales": scales})
+
+    def rows(key: str, t: torch.Tensor) -> N.Node:
+        return Interleave(N.Leaf(key, tuple(t.shape), t.dtype), 1, (3, 3), 3, inverse=True)
+
+    return QN.DequantMXFP4(rows("e_blocks", blocks), rows("e_scales", scales), torch.bfloat16), path
+
+
 def _node_of(kind: str, tmp_path):
-    """The dequantisation node and file a test kind names: ``"mxfp4"``, or
-    ``"fp8-<scale format>-<rows>x<cols>"`` (the block)."""
+    """The dequantisation node and file a test kind names: ``"mxfp4"``, ``"mxfp4-rows"``
+    (alternating rows), or ``"fp8-<scale format>-<rows>x<cols>"`` (the block)."""
     if kind == "mxfp4":
         return _mxfp4_node(tmp_path)
+    if kind == "mxfp4-rows":
+        return _mxfp4_rows_node(tmp_path)
     _, fmt, blk = kind.split("-")
     b0, b1 = blk.split("x")
     return _fp8_node(tmp_path, fmt, (int(b0), int(b1)))
 
 
 @pytest.mark.parametrize("chunk, depth", [(1 << 20, 2), (512, 1)])  # all staged; large inputs unstaged, one buffer
-@pytest.mark.parametrize("kind", ["fp8-float32-16x32", "fp8-ue8m0-7x9", "mxfp4"])
+@pytest.mark.parametrize("kind", ["fp8-float32-16x32", "fp8-ue8m0-7x9", "mxfp4", "mxfp4-rows"])
 def test_device_path_equals_host_path_and_full(tmp_path, kind, chunk, depth):
     node, path = _node_of(kind, tmp_path)
     rng = random.Random(kind)
@@ -150,7 +165,7 @@ def test_only_computations_given_as_inputs_and_kernel_say_they_run_on_device():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("kind", ["fp8-float32-128x128", "fp8-float32-16x32", "fp8-ue8m0-16x32", "mxfp4"])
+@pytest.mark.parametrize("kind", ["fp8-float32-128x128", "fp8-float32-16x32", "fp8-ue8m0-16x32", "mxfp4", "mxfp4-rows"])
 def test_engine_dequantises_on_the_gpu_bit_identical_to_the_cpu(tmp_path, kind):
     """The engine with CUDA destinations (staging pinned, per-thread streams, the kernel on the
     GPU) gives the bits of the eager CPU reference, with buffers small enough to slice inputs."""
