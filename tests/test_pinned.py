@@ -16,12 +16,14 @@ from sdadapt._engine.staging import StagingPool
 
 
 class _PlainSlab(Slab):
-    """A slab of plain (unpinned) memory whose release is recorded in ``freed``."""
+    """A slab of plain (unpinned) memory whose release is recorded in ``freed`` (and, as a
+    registered slab's does, leaves it without its tensor)."""
 
     freed: list[int]
 
     def release(self) -> None:
         self.freed.append(self.nbytes)
+        del self.tensor
 
 
 class _Counting:

@@ -116,7 +116,7 @@ class Interleave(Node):
         first = min(lo + s for lo, _, s in band)
         last = max(hi + s for _, hi, s in band)
         cover = self.child.read(_with_dim(box, d, (first, last)), io)
-        rows = torch.cat([torch.arange(lo + s - first, hi + s - first) for lo, hi, s in band])
+        rows = torch.tensor([r for lo, hi, s in band for r in range(lo + s - first, hi + s - first)], dtype=torch.int64)
         return cover.index_select(d, rows)
 
     def full(self, io: SourceIO) -> torch.Tensor:

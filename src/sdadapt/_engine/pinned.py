@@ -111,9 +111,10 @@ class SlabCache:
         """Free every kept slab; the bytes freed."""
         with self._lock:
             kept, self._kept = self._kept, []
+        freed = sum(slab.nbytes for slab in kept)
         for slab in kept:
             slab.release()
-        return sum(slab.nbytes for slab in kept)
+        return freed
 
 
 SLABS = SlabCache()
