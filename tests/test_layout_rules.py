@@ -183,13 +183,13 @@ def test_interleave_node_reads_exactly_the_box(data):
     shape[dim] = sum(sizes)
     dtype = data.draw(st.sampled_from(DTYPES))
     t = _tensor(shape, dtype, data.draw(st.integers(0, 99)))
-    # blocks read one by one (exactly the box), or gathered from covering reads (these blocks
-    # are all short): at most (number of parts) x the box, in few computations
+    # blocks read one by one (exactly the box), or gathered from covering reads (every block
+    # here is deemed short): at most (number of parts) x the box, in few computations
     gather = data.draw(st.booleans())
     parts = sum(1 for s in sizes if s)
     itemsize = t.element_size()
     reads = {"exact": not gather, "bound": (lambda box: parts * _volume(box, itemsize)) if gather else None}
-    with mock.patch.object(interleave_module, "GATHER_BELOW", interleave_module.GATHER_BELOW if gather else 0):
+    with mock.patch.object(interleave_module, "GATHER_ROWS", 100 if gather else 0):
         io = DictIO({"x": t})
         fwd = Interleave(N.Leaf("x", tuple(shape), dtype), dim, tuple(sizes), tp)
         full = _check_reads(fwd, io, data, **reads)

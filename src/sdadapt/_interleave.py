@@ -2,11 +2,13 @@
 
 A box of the output maps to one box of the child per block it touches. Where those blocks are
 long, each is its own piece (read straight into the destination, exactly the box's bytes).
-Where they are short (parts that alternate row by row, as GPT-OSS stores gate and up rows),
-a piece per block would be a read, a task and a Python step per row; there the box is instead
-read as one covering region of the child per band of blocks and its rows gathered into place:
-one computation per band, each band's covering read at most (number of parts) x its own bytes
-(a block far from the others starts a new band; a band of one block is a piece again).
+Where they are a row or a few long (parts that alternate row by row, as GPT-OSS stores gate
+and up rows), a piece per block would be a read, a task and a Python step per row; there the
+box is instead read as one covering region of the child per band of blocks, and its rows are
+gathered into place: one computation per band. That reads the other parts' rows in between
+too, at most (number of parts) x the band's own bytes (a block far from the others starts a
+new band; a band of one block is a piece again): the one place where a region reads more than
+its own bytes, traded for a task per row.
 """
 
 from __future__ import annotations
@@ -18,8 +20,11 @@ import torch
 
 from ._nodes import Box, Compute, Node, SourceIO, Step, _with_dim, emit
 
+GATHER_ROWS = 4
 GATHER_BELOW = 64 * 1024
-"""Blocks shorter than this many bytes (on average, over a box) are gathered, not read one by one."""
+"""Blocks of fewer than :data:`GATHER_ROWS` entries along the dim and this many bytes (on
+average, over a box) are gathered, not read one by one. Blocks of whole attention heads (TP's
+fused q/k/v) are longer, and are read exactly."""
 GATHER_BAND = 16 << 20
 """The most bytes of the child one gathering computation reads."""
 
@@ -81,7 +86,8 @@ class Interleave(Node):
         row_bytes = self.child.dtype.itemsize
         for i, (lo, hi) in enumerate(box):
             row_bytes *= 1 if i == d else hi - lo
-        short = (b - a) * row_bytes < GATHER_BELOW * len(touched)
+        n = len(touched)
+        short = b - a < GATHER_ROWS * n and (b - a) * row_bytes < GATHER_BELOW * n
         for band in self._bands(touched, row_bytes) if short else [[seg] for seg in touched]:
             lo, hi = band[0][0], band[-1][1]
             sub, into = _with_dim(box, d, (lo, hi)), dest.narrow(d, lo - a, hi - lo)
