@@ -1,6 +1,7 @@
 """One GPT-OSS MoE layer's experts (MXFP4, gate/up rows alternating) loaded with the shipped
 ``gpt_oss`` expert rules into a plain bf16 module on the CPU: first load in this process, then
-steady repeats, next to the whole-tensor dequantisation of the same bytes (the arithmetic alone).
+steady repeats (torch.distributed.checkpoint and sdadapt's loading modules imported before
+anything is timed), next to the whole-tensor dequantisation of the same bytes (the arithmetic alone).
 
     python bench/gpt_oss_bench.py --experts 4 --intermediate 2880 --hidden 2880
 
@@ -10,6 +11,7 @@ steady repeats, next to the whole-tensor dequantisation of the same bytes (the a
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import tempfile
 import time
@@ -68,6 +70,8 @@ def main() -> None:
         write_layer(os.path.join(tmp, "model.safetensors"), a.experts, a.intermediate, a.hidden)
         adapter = sdadapt.Adapter(gpt_oss.expert_rules(a.intermediate, "mxfp4", "bfloat16"))
         model = Model(a.experts, a.intermediate, a.hidden)
+        importlib.import_module("torch.distributed.checkpoint")  # the libraries, imported before anything is timed
+        assert callable(sdadapt.load)  # sdadapt imports its loading modules on first use
         print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {torch.get_num_threads()} intra-op threads")
         print(f"experts {a.experts}, intermediate {a.intermediate}, hidden {a.hidden}")
         for i in range(1 + a.repeat):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from checkpoints import random_state_dict, write_hf_sharded, write_safetensors, write_torch_save
 
+import sdadapt
 from sdadapt import _interleave as interleave_module
 from sdadapt import _nodes as N
 from sdadapt._engine import EngineConfig, IOEngine, Job, box_spans, default_threads
@@ -471,3 +472,22 @@ def test_alternating_rows_are_gathered_in_one_task_per_band(tmp_path):
             dest = torch.empty(E, F, D)
             stats = IOEngine(src, EngineConfig(threads=2)).run([Job("w", node, ((0, E), (0, F), (0, D)), dest)])
             assert torch.equal(dest, want[:, :F]) and stats.tasks == 10
+
+
+def test_thread_seconds_split_busy_time_into_reads_and_waits(tmp_path):
+    """The engine's threads account their time: reading and waiting for buffers happen while
+    running tasks, so neither exceeds the busy time (nor do both together); a load reports
+    the same split in ``LoadReport.engine_thread_seconds``."""
+    sd = {f"w{i}": torch.randn(64, 256) for i in range(8)}
+    path = write_safetensors(tmp_path / "m.safetensors", sd)
+    with open_source(path) as src:
+        jobs = [Job(k, N.Leaf(k, (64, 256), torch.float32), ((0, 64), (0, 256)), torch.empty(64, 256, dtype=torch.float64)) for k in sd]
+        stats = IOEngine(src, EngineConfig(threads=2, chunk_bytes=4096)).run(jobs)  # staged: converted on copy
+    assert stats.busy_seconds > 0 and stats.read_seconds > 0
+    assert stats.read_seconds + stats.wait_seconds <= stats.busy_seconds + 1e-6
+    model = torch.nn.ModuleDict({k: torch.nn.Linear(256, 64, bias=False) for k in sd})
+    rep = sdadapt.load(model, path, sdadapt.Adapter([sdadapt.rename("w{i}", "w{i}.weight")]))
+    times = rep.engine_thread_seconds
+    assert set(times) == {"busy", "read", "wait"} and times["busy"] > 0
+    assert times["read"] + times["wait"] <= times["busy"] + 1e-5
+    assert all(torch.equal(model[k].weight, sd[k]) for k in sd)

@@ -143,7 +143,8 @@ def timed_load(model: Any, job: Job, files: dict[str, str], dev: Any) -> dict[st
     if path.startswith("sdadapt"):
         rep = sdadapt.load(model, files[source_format(path)], adapter_of(path, files), share_reads=path == "sdadapt-shared")
         facts.update(bytes_read=rep.bytes_read, plan_seconds=rep.plan_seconds, read_seconds=rep.read_seconds,
-                     phases=rep.phase_seconds, local_bytes=rep.local_bytes)
+                     phases={**rep.phase_seconds, **{f"threads_{k}": v for k, v in rep.engine_thread_seconds.items()}},
+                     local_bytes=rep.local_bytes)
     elif path == "rank0-broadcast":
         from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

@@ -145,7 +145,9 @@ def markdown(result: dict[str, Any]) -> str:
     if split:
         names = list(split[0]["per_rank"][0]["phases"])
         lines += ["", "sdadapt's own split of the first load (`LoadReport.phase_seconds`, seconds, slowest rank; `dcp_load` "
-                  "contains `engine`, the engine's planning and reading, which overlap):", "",
+                  "contains `engine`, the engine's planning and reading, which overlap; `threads_*`: "
+                  "`LoadReport.engine_thread_seconds`, summed over the engine's threads: busy running tasks, of which "
+                  "read and wait for buffers):", "",
                   "| path | layout | model before load | " + " | ".join(names) + " |", "|" + "|".join(["---"] * (len(names) + 3)) + "|"]
         for r in split:
             vals = [max(p["phases"].get(n, 0.0) for p in r["per_rank"]) for n in names]

@@ -45,6 +45,10 @@ class LoadReport(BaseModel):
     plan_seconds: float
     read_seconds: float
     phase_seconds: dict[str, float] = {}  # wall time of each step of the load, in order
+    # the engine's threads, their seconds summed: "busy" running tasks, of which "read" (preadv
+    # and Source.read) and "wait" (for a staging or band buffer, or the copy out of it); the
+    # rest of "busy" is copying, computing and Python
+    engine_thread_seconds: dict[str, float] = {}
     materialized: bool
     report: Report
 
@@ -274,6 +278,11 @@ def load(
         plan_seconds=phases.seconds["plan"],
         read_seconds=reader.seconds,
         phase_seconds={k: round(v, 6) for k, v in timings.items()},
+        engine_thread_seconds={
+            "busy": round(reader.stats.busy_seconds, 6),
+            "read": round(reader.stats.read_seconds, 6),
+            "wait": round(reader.stats.wait_seconds, 6),
+        },
         materialized=materialized,
         report=plan.report,
     )

@@ -39,6 +39,11 @@ class EngineStats:
     threads: int = 0
     seconds: float = 0.0  # the whole run
     plan_seconds: float = 0.0  # of which turning jobs into tasks
+    # summed over the threads: running tasks, of which reading (preadv and Source.read) and
+    # waiting for a staging or band buffer (or for the copy out of it to finish)
+    busy_seconds: float = 0.0
+    read_seconds: float = 0.0
+    wait_seconds: float = 0.0
 
     _PEAKS: ClassVar[tuple[str, ...]] = ("threads", "staging_buffers", "staging_bytes")
 
@@ -124,6 +129,9 @@ class IOEngine:
             st.direct_bytes += w.direct
             st.staged_bytes += w.staged
             st.computed += w.computed
+            st.busy_seconds += w.busy
+            st.read_seconds += w.reading + w.counter.seconds
+            st.wait_seconds += w.waiting
         st.tasks += count
         st.threads = threads
         st.staging_buffers = max(st.staging_buffers, pool.allocated + bands.allocated)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,9 +26,12 @@ class CountingIO:
         self.source = source
         self.bytes_read = 0
         self.reads = 0
+        self.seconds = 0.0  # spent in Source.read
 
     def read(self, key: str, box: Box) -> torch.Tensor:
+        start = time.perf_counter()
         t = self.source.read(key, box)
+        self.seconds += time.perf_counter() - start
         self.bytes_read += t.numel() * t.element_size()
         self.reads += 1
         return t
@@ -99,6 +103,7 @@ class Worker:
         self.counter = CountingIO(shared.source)
         self.inputs = StagingIO(self)
         self.nbytes = self.calls = self.direct = self.staged = self.computed = 0
+        self.busy = self.reading = self.waiting = 0.0  # seconds: running tasks; of which in preadv, and waiting for buffers
         self.ring: list[list[Any]] = []  # [buffer, event or None]
         self.turn = 0
         self.band: list[Any] | None = None  # [buffer, event or None]: see band_buffer
@@ -135,11 +140,13 @@ class Worker:
             task = sh.work.get()
             if task is None or sh.failed.is_set():
                 return
+            start = time.perf_counter()
             try:
                 self._run(task)
             except Exception as e:  # noqa: BLE001 - named and re-raised by run()
                 sh.errors.append(task.where.error(e))
                 sh.failed.set()
+            self.busy += time.perf_counter() - start
 
     def _run(self, task: Task) -> None:
         match task:
@@ -158,17 +165,21 @@ class Worker:
         """A staging buffer free to write: a new one while the ring is short, else the oldest
         once its copy has finished."""
         pool = self.shared.pool
-        if len(self.ring) < self.depth:
-            buf = pool.try_get() if self.ring else pool.get()
-            if buf is not None:
-                self.ring.append([buf, None])
-                self.turn = len(self.ring) - 1
-                return buf
-        self.turn = (self.turn + 1) % len(self.ring)
-        slot = self.ring[self.turn]
-        if slot[1] is not None:
-            slot[1].synchronize()
-        return slot[0]
+        start = time.perf_counter()
+        try:
+            if len(self.ring) < self.depth:
+                buf = pool.try_get() if self.ring else pool.get()
+                if buf is not None:
+                    self.ring.append([buf, None])
+                    self.turn = len(self.ring) - 1
+                    return buf
+            self.turn = (self.turn + 1) % len(self.ring)
+            slot = self.ring[self.turn]
+            if slot[1] is not None:
+                slot[1].synchronize()
+            return slot[0]
+        finally:
+            self.waiting += time.perf_counter() - start
 
     def band_buffer(self) -> torch.Tensor:
         """This thread's buffer for a computation's inputs (a band of at most ``bands.size``
@@ -177,6 +188,7 @@ class Worker:
         Before waiting for one, the thread gives its staging buffers back (once their copies
         are done): a thread that holds a band buffer may wait for a staging buffer, so one that
         waits for a band buffer must hold none (no cycle)."""
+        start = time.perf_counter()
         if self.band is None:
             buf = self.shared.bands.try_get()
             if buf is None:
@@ -185,6 +197,7 @@ class Worker:
             self.band = [buf, None]
         elif self.band[1] is not None:
             self.band[1].synchronize()
+        self.waiting += time.perf_counter() - start
         return self.band[0]
 
     def _give_back_ring(self) -> None:
@@ -208,9 +221,11 @@ class Worker:
     def _read_into(self, path: str, segments: list[tuple[int, int]], mem: torch.Tensor) -> int:
         fd = self.shared.fds[path]
         pos = 0
+        start = time.perf_counter()
         for off, n in segments:
             self.calls += syscalls.preadv_into(fd, mem, pos, off, n)
             pos += n
+        self.reading += time.perf_counter() - start
         self.nbytes += pos
         return pos
 
