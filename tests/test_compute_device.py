@@ -176,7 +176,12 @@ def test_engine_dequantises_on_the_gpu_bit_identical_to_the_cpu(tmp_path, kind):
     with open_source(path) as src:
         full = node.full(CountingIO(src))
         boxes = _boxes(node.shape, rng, 20, getattr(node, "block", None))
-        for cfg in (EngineConfig(threads=4), EngineConfig(threads=2, chunk_bytes=4096, depth=1)):
+        configs = (
+            EngineConfig(threads=4),
+            EngineConfig(threads=2, chunk_bytes=4096, depth=1),
+            EngineConfig(threads=3, band_bytes=4096, band_depth=2),  # small bands, two buffers per thread
+        )
+        for cfg in configs:
             jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16, device="cuda")) for box in boxes]
             stats = IOEngine(src, cfg).run(jobs)
             assert stats.computed >= len(jobs)
@@ -335,3 +340,49 @@ def test_staged_reads_and_computations_on_one_buffer_each_never_deadlock(tmp_pat
             for job in jobs:
                 expect = want[slice(*job.box[0])] if job.key == "w" else tensors[job.key]
                 assert torch.equal(_bits(job.dest), _bits(expect)), job.key
+
+
+class _PendingCopy:
+    """Stands for the CUDA event of a copy still in flight until someone waits for it."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+@pytest.mark.parametrize("free", [2, 1])
+def test_band_buffers_cycle_without_waiting_while_the_pool_has_one_free(tmp_path, free):
+    """``band_depth=2``: while the copy out of its band buffer is in flight, a thread takes a
+    second buffer if the pool has one free (reading the next band overlaps the copy) and then
+    cycles, waiting only for the older copy; with no buffer free it waits, never takes one
+    from the pool blockingly. ``band_depth=1`` always waits for its one buffer's copy."""
+    path = write_safetensors(tmp_path / "t.safetensors", {"t": torch.zeros(4)})
+    with open_source(path) as src:
+        shared = Shared(src, queue.SimpleQueue(), {}, StagingPool(2, 64, pin=False), 64, None, StagingPool(free, 64, pin=False))
+        worker = Worker(shared, 1, band_depth=2)
+        a = worker.band_buffer()
+        first = worker.band[1] = _PendingCopy()  # type: ignore[index]
+        b = worker.band_buffer()
+        if free == 2:
+            assert b.data_ptr() != a.data_ptr() and first.waits == 0  # the second buffer, no wait
+            worker.band[1] = _PendingCopy()  # type: ignore[index]
+            assert worker.band_buffer().data_ptr() == a.data_ptr() and first.waits == 1  # back to the first, once copied
+        else:
+            assert b.data_ptr() == a.data_ptr() and first.waits == 1  # none free: wait for the one it has
+        assert shared.bands.allocated == free and len(worker.bands) == free
+
+        single = Worker(Shared(src, queue.SimpleQueue(), {}, StagingPool(2, 64, pin=False), 64, None, StagingPool(2, 64, pin=False)), 1)
+        c = single.band_buffer()
+        pending = single.band[1] = _PendingCopy()  # type: ignore[index]
+        assert single.band_buffer().data_ptr() == c.data_ptr() and pending.waits == 1 and len(single.bands) == 1
+
+
+def test_band_depth_is_checked_and_read_from_the_environment(monkeypatch):
+    from sdadapt._engine import EngineConfig
+
+    with pytest.raises(ValueError, match="band_depth must be at least 1"):
+        EngineConfig(band_depth=0)
+    monkeypatch.setenv("SDADAPT_IO_BAND_DEPTH", "2")
+    assert EngineConfig.from_env().band_depth == 2

@@ -44,9 +44,12 @@ class EngineConfig:
     computation (a dequantisation is cut into bands of whole blocks of about that size): each
     thread that computes reads its bands into one buffer of that size, from a second pool bounded
     by ``staging_bytes`` too (allocated only by loads that compute; its bound is also how many
-    threads compute at once: fewer, larger computations keep per-task costs low). Environment:
-    ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
-    ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``.
+    threads compute at once: fewer, larger computations keep per-task costs low).
+    ``band_depth`` is how many band buffers a computing thread may cycle through (the pool holds
+    that many times more; above 1, reading a band overlaps the copy of the last one to the GPU;
+    1, the default, until measured otherwise). Environment: ``SDADAPT_IO_THREADS``,
+    ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``, ``SDADAPT_IO_DEPTH``,
+    ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``.
     """
 
     threads: int = field(default_factory=default_threads)
@@ -57,12 +60,15 @@ class EngineConfig:
     min_span_bytes: int = 64 * 1024
     depth: int = 2
     band_bytes: int = 32 * MiB
+    band_depth: int = 1
 
     def __post_init__(self) -> None:
         if self.depth < 1:
             raise ValueError(f"EngineConfig.depth must be at least 1 (staging buffers per thread), got {self.depth}")
         if self.band_bytes < 1:
             raise ValueError(f"EngineConfig.band_bytes must be positive, got {self.band_bytes}")
+        if self.band_depth < 1:
+            raise ValueError(f"EngineConfig.band_depth must be at least 1 (band buffers per computing thread), got {self.band_depth}")
 
     def chunk(self) -> int:
         """The largest single read, in bytes (also the size of one staging buffer)."""
@@ -88,4 +94,6 @@ class EngineConfig:
             cfg.depth = max(1, int(os.environ["SDADAPT_IO_DEPTH"]))
         if os.environ.get("SDADAPT_IO_BAND_MB"):
             cfg.band_bytes = max(4096, int(float(os.environ["SDADAPT_IO_BAND_MB"]) * MiB))
+        if os.environ.get("SDADAPT_IO_BAND_DEPTH"):
+            cfg.band_depth = max(1, int(os.environ["SDADAPT_IO_BAND_DEPTH"]))
         return cfg

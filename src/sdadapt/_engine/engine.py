@@ -87,9 +87,10 @@ class IOEngine:
         threads = max(1, min(cfg.threads, _estimate_tasks(jobs, chunk)))
         # Buffers are made on first use; no more than the threads can hold at once.
         pool = StagingPool(max(1, min(cfg.staging_bytes // chunk, threads * cfg.depth)), chunk, device is not None)
-        bands = StagingPool(max(1, min(cfg.staging_bytes // cfg.band_bytes, threads)), cfg.band_buffer_bytes(), device is not None)
+        computing = max(1, min(cfg.staging_bytes // cfg.band_bytes, threads))
+        bands = StagingPool(computing * cfg.band_depth, cfg.band_buffer_bytes(), device is not None)
         shared = Shared(self.source, queue.SimpleQueue(), {}, pool, chunk, device, bands, cfg.min_span_bytes)
-        workers = [Worker(shared, cfg.depth) for _ in range(threads)]
+        workers = [Worker(shared, cfg.depth, cfg.band_depth) for _ in range(threads)]
         pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
         for th in pool_threads:
             th.start()

@@ -97,16 +97,18 @@ class Worker:
     copy out of it has finished (its event), so the next read overlaps the copy. On a GPU the
     thread's own stream is current for the whole run."""
 
-    def __init__(self, shared: Shared, depth: int = 2):
+    def __init__(self, shared: Shared, depth: int = 2, band_depth: int = 1):
         self.shared = shared
         self.depth = depth  # staging buffers of this thread
+        self.band_depth = band_depth  # band buffers of this thread, at most
         self.counter = CountingIO(shared.source)
         self.inputs = StagingIO(self)
         self.nbytes = self.calls = self.direct = self.staged = self.computed = 0
         self.busy = self.reading = self.waiting = 0.0  # seconds: running tasks; of which in preadv, and waiting for buffers
         self.ring: list[list[Any]] = []  # [buffer, event or None]
         self.turn = 0
-        self.band: list[Any] | None = None  # [buffer, event or None]: see band_buffer
+        self.bands: list[list[Any]] = []  # [buffer, event or None] of the band buffers this thread holds
+        self.band: list[Any] | None = None  # the one of them in use: see band_buffer
         self.stream: Any = None
         self.landing: torch.Tensor | None = None  # see _landing
 
@@ -131,8 +133,8 @@ class Worker:
         finally:
             for buf, _ in self.ring:
                 sh.pool.put(buf)
-            if self.band is not None:
-                sh.bands.put(self.band[0])
+            for buf, _ in self.bands:
+                sh.bands.put(buf)
 
     def _loop(self) -> None:
         sh = self.shared
@@ -183,20 +185,32 @@ class Worker:
 
     def band_buffer(self) -> torch.Tensor:
         """This thread's buffer for a computation's inputs (a band of at most ``bands.size``
-        bytes), reused once the copy out of it has finished; taken from the bounded pool on the
-        first computation and kept, so the pool also bounds how many threads compute at once.
-        Before waiting for one, the thread gives its staging buffers back (once their copies
-        are done): a thread that holds a band buffer may wait for a staging buffer, so one that
-        waits for a band buffer must hold none (no cycle)."""
+        bytes), taken from the bounded pool on the first computation and kept, so the pool also
+        bounds how many threads compute at once. With ``band_depth`` above 1 the thread takes
+        more band buffers while the pool has some free (never waiting for one) and cycles
+        through them, so that reading the next band overlaps the copy of the last one to the
+        GPU; otherwise a buffer is reused once the copy out of it has finished. Before waiting
+        for its first, the thread gives its staging buffers back (once their copies are done):
+        a thread that holds a band buffer may wait for a staging buffer, so one that waits for
+        a band buffer must hold none (no cycle)."""
         start = time.perf_counter()
-        if self.band is None:
+        if not self.bands:
             buf = self.shared.bands.try_get()
             if buf is None:
                 self._give_back_ring()
                 buf = self.shared.bands.get()
-            self.band = [buf, None]
-        elif self.band[1] is not None:
-            self.band[1].synchronize()
+            self.bands.append([buf, None])
+            self.band = self.bands[0]
+        else:
+            assert self.band is not None
+            at = next(i for i, slot in enumerate(self.bands) if slot is self.band)
+            if len(self.bands) < self.band_depth and self.band[1] is not None:
+                buf = self.shared.bands.try_get()
+                if buf is not None:
+                    self.bands.append([buf, None])
+            self.band = self.bands[(at + 1) % len(self.bands)]
+            if self.band[1] is not None:
+                self.band[1].synchronize()
         self.waiting += time.perf_counter() - start
         return self.band[0]
 
