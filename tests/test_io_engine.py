@@ -70,6 +70,9 @@ def _recipes(src) -> dict[str, N.Node]:
     out["a_pad"] = N.Pad(leaf["a"], 0, 40, 0.0)
     out["a_pad_half"] = N.Pad(N.Cast(leaf["a"], torch.float16), 1, 23, 0.1)
     out["qkv_tp2"] = Interleave(N.Concat((leaf["q"], leaf["k"], leaf["v"]), 0), 0, (24, 8, 8), 2)
+    # parts alternating row by row (gathered from covering reads), along dim 0 and a middle dim
+    out["c_rows_alt"] = Interleave(leaf["c"], 0, (32, 32), 32, inverse=True)
+    out["b_mid_alt"] = Interleave(leaf["b"], 1, (4, 4), 4, inverse=True)
     return out
 
 
