@@ -133,3 +133,51 @@ def test_results_md_cites_exactly_the_kept_runs():
         assert fnmatch.filter(kept, c), f"bench/RESULTS.md cites {c}, which matches no file"
     for f in kept:
         assert any(fnmatch.fnmatch(f, c) for c in cited), f"{f} is not cited by bench/RESULTS.md"
+
+
+def test_variants_run_each_sdadapt_row_again_under_other_settings_or_another_tree(tmp_path):
+    """``--variant NAME:SETTINGS``: every sdadapt row runs again in its own fresh processes, with
+    the variant's environment (the engine's knobs) or another tree's sdadapt first on the path;
+    the other loaders' rows run once; 'x sdadapt' compares within a variant."""
+    import shutil
+
+    tree = tmp_path / "tree" / "src"
+    shutil.copytree(ROOT / "src", tree, ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "res"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--preset", "tiny", "--nproc", "1", "--backend", "gloo", "--repeat", "0",
+         "--paths", "sdadapt,hf-reader", "--tp-paths", "", "--materialized-paths", "", "--discussion", "", "--no-references",
+         "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--timeout", "150",
+         "--variant", "t1:SDADAPT_IO_THREADS=1,SDADAPT_IO_CHUNK_MB=1", "--variant", f"tree:src={tree}"],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(Path(f"{out}.json").read_text())
+    assert [(r["path"], r["variant"]) for r in res["rows"]] == [("sdadapt", ""), ("sdadapt", "t1"), ("sdadapt", "tree"), ("hf-reader", "")]
+    assert all(r["ok"] and r["check"].startswith("= source") for r in res["rows"])
+    ranks = {g["job"]["variant"] if g["job"]["path"] == "sdadapt" else g["job"]["path"]: g["ranks"][0] for g in res["groups"]}
+    assert ranks["t1"]["sdadapt_env"] == {"SDADAPT_IO_CHUNK_MB": "1", "SDADAPT_IO_THREADS": "1"}
+    assert ranks[""]["sdadapt_env"] == {} and ranks["tree"]["sdadapt_env"] == {}
+    assert Path(ranks["tree"]["sdadapt_file"]).resolve().is_relative_to(tree.resolve())
+    assert Path(ranks[""]["sdadapt_file"]).resolve().is_relative_to((ROOT / "src").resolve())
+    md = Path(f"{out}.md").read_text()
+    assert "| sdadapt @t1 | fsdp | meta | **" in md and "| sdadapt @tree | fsdp | meta | **" in md
+    assert re.search(r"\| sdadapt @t1 \| fsdp \| meta \| \*\*[0-9.]+\*\* \| 1\.00 \|", md)  # its own base
+    assert "`t1`: SDADAPT_IO_THREADS=1, SDADAPT_IO_CHUNK_MB=1" in md
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("nocolon", "NAME:SETTINGS"),
+    ("a b:X=1", "NAME:SETTINGS"),
+    ("a:", "no settings"),
+    ("a:lower=1", "is not ENV=VALUE"),
+    ("a:X", "is not ENV=VALUE"),
+    ("a:src=/nonexistent", "holds no sdadapt package"),
+])
+def test_a_bad_variant_is_refused_with_what_to_give(loadbench, spec, message):
+    import loadbench.cli
+
+    with pytest.raises(loadbench.common.BenchError, match=message):
+        loadbench.cli.variants([spec])
+    with pytest.raises(loadbench.common.BenchError, match="new NAME"):
+        loadbench.cli.variants(["a:X=1", "a:Y=2"])

@@ -7,11 +7,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +63,46 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--rss-interval-ms", type=float, default=3.0,
                     help="how often a thread samples RSS during a load (0: no sampling thread; peaks from VmHWM "
                          "and the end of the load only), to see what the sampling costs the load")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:SETTINGS",
+                    help="also run every sdadapt job under other settings, in its own fresh process group right after "
+                         "the job's own: SETTINGS is a comma list of ENV=VALUE (e.g. SDADAPT_IO_BAND_DEPTH=2) and "
+                         "src=FOLDER (a folder holding another sdadapt package, e.g. another commit's src/ from "
+                         "`git archive`, put first on the workers' path); rows are named PATH @NAME, and 'x sdadapt' "
+                         "compares within a variant (repeatable)")
     ap.add_argument("--out", default=str(BENCH / "out" / "load_bench"), help="output prefix: writes PREFIX.json and PREFIX.md")
     return ap
 
 
 def _split(s: str) -> list[str]:
     return [p for p in s.split(",") if p]
+
+
+_VARIANT_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+_ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")
+
+
+def variants(specs: list[str]) -> dict[str, dict[str, str]]:
+    """``--variant`` values as ``{name: {"src": folder?, ENV: value, ...}}``, checked."""
+    out: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        name, sep, rest = spec.partition(":")
+        if not sep or not _VARIANT_NAME.fullmatch(name) or name in out:
+            raise BenchError(f"--variant {spec!r}: give NAME:SETTINGS with a new NAME of letters, digits, '_', '-', '.'")
+        settings: dict[str, str] = {}
+        for item in _split(rest):
+            key, eq, value = item.partition("=")
+            if not eq or not (key == "src" or _ENV_NAME.fullmatch(key)):
+                raise BenchError(f"--variant {spec!r}: {item!r} is not ENV=VALUE or src=FOLDER")
+            settings[key] = value
+        if not settings:
+            raise BenchError(f"--variant {spec!r}: no settings after {name}:")
+        if "src" in settings:
+            src = Path(settings["src"]).resolve()
+            if not (src / "sdadapt" / "__init__.py").is_file():
+                raise BenchError(f"--variant {spec!r}: {src} holds no sdadapt package (give the folder that holds sdadapt/)")
+            settings["src"] = str(src)
+        out[name] = settings
+    return out
 
 
 def _jobs(args: argparse.Namespace) -> list[Job]:
@@ -83,7 +118,8 @@ def _jobs(args: argparse.Namespace) -> list[Job]:
     unknown = sorted({j.path for j in jobs} - known)
     if unknown:
         raise BenchError(f"unknown path(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    return jobs
+    names = list(variants(args.variant))
+    return [replace(j, variant=v) for j in jobs for v in ["", *(names if j.path.startswith("sdadapt") else [])]]
 
 
 def _formats(jobs: list[Job]) -> list[str]:
@@ -188,6 +224,7 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], shape: Shape, backend
     common = {"shape": asdict(shape), "backend": backend, "files": files, "cold": args.cold,
               "verify": not args.no_verify, "malloc": args.malloc, "rss_interval": args.rss_interval_ms / 1000}
     pythonpath = [str(ROOT / "src")]
+    the_variants = variants(args.variant)
     the_machine = machine()  # the load average before the workers start
     groups = []
     for job in jobs:
@@ -197,7 +234,9 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], shape: Shape, backend
                "warmup": 0 if discussion else args.warmup}
         if discussion:
             cfg.update(pg_timeout=int(timeout) + 60, dump_after=max(1.0, timeout * 0.6))
-        g = launch_group(cfg, args.nproc, timeout, job.tag, ENTRY, pythonpath)
+        settings = dict(the_variants.get(job.variant, {}))
+        src = settings.pop("src", None)
+        g = launch_group(cfg, args.nproc, timeout, job.tag, ENTRY, [src] if src else pythonpath, settings)
         g.update(job=asdict(job), timeout=timeout)
         groups.append(g)
         print(f"{job.tag}: group done in {g['seconds']:.1f} s" + (" (hung, killed)" if g["hung"] else ""), file=sys.stderr)
@@ -223,6 +262,7 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], shape: Shape, backend
         "warmup": args.warmup,
         "malloc": args.malloc,
         "rss_interval_ms": args.rss_interval_ms,
+        "variants": the_variants,
         "cache": "cold (dropped before every load)" if args.cold else "warm",
         "refs": _refs_text(groups, warm, args.cold),
         "rows": rows,

@@ -37,10 +37,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_group(cfg: dict[str, Any], nproc: int, timeout: float, tag: str, entry: Path, pythonpath: list[str]) -> dict[str, Any]:
-    """Run ``entry --worker <config>`` as ``nproc`` fresh ranks of one process group; kill the
-    group after ``timeout`` s (a hang is a result). Returns the tag, exit codes, whether it hung,
-    its seconds, each rank's results (None where a rank wrote none) and the log's tail."""
+def launch_group(cfg: dict[str, Any], nproc: int, timeout: float, tag: str, entry: Path, pythonpath: list[str],
+                 extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``entry --worker <config>`` as ``nproc`` fresh ranks of one process group (``pythonpath``
+    first on their path, ``extra_env`` set); kill the group after ``timeout`` s (a hang is a
+    result). Returns the tag, exit codes, whether it hung, its seconds, each rank's results (None
+    where a rank wrote none) and the log's tail."""
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.json"
@@ -49,6 +51,7 @@ def launch_group(cfg: dict[str, Any], nproc: int, timeout: float, tag: str, entr
     env["PYTHONPATH"] = os.pathsep.join([*pythonpath, env.get("PYTHONPATH", "")])
     env.setdefault("OMP_NUM_THREADS", "1")
     env.update(MALLOC_MODES[cfg.get("malloc", "default")])
+    env.update(extra_env or {})
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
     log_path = out / "log.txt"
     start = time.perf_counter()

@@ -55,15 +55,18 @@ LIBRARIES = [
 
 @dataclass(frozen=True)
 class Job:
-    """One row of the results: a path, on a layout, in a flow."""
+    """One row of the results: a path, on a layout, in a flow, under a variant (``--variant``:
+    other engine settings or another sdadapt tree; ``""``, the run's own)."""
 
     layout: str
     path: str
     flow: str = "meta"
+    variant: str = ""
 
     @property
     def tag(self) -> str:
-        return f"{self.layout}-{self.path}" + ("-materialized" if self.flow == "materialized" else "")
+        return f"{self.layout}-{self.path}" + ("-materialized" if self.flow == "materialized" else "") + \
+            (f"@{self.variant}" if self.variant else "")
 
 
 def import_libraries() -> list[str]:

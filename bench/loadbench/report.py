@@ -39,7 +39,7 @@ def summarize(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
         job = g.get("job")
         if not job:
             continue
-        row: dict[str, Any] = {"path": job["path"], "layout": job["layout"], "flow": job["flow"]}
+        row: dict[str, Any] = {"path": job["path"], "layout": job["layout"], "flow": job["flow"], "variant": job.get("variant", "")}
         by_rank = [(r or {}).get("runs", []) for r in g["ranks"]]
         found = [next((x for x in runs if x["phase"] == "first"), None) for runs in by_rank]
         firsts = [f for f in found if f is not None]
@@ -82,6 +82,11 @@ def summarize(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def _name(row: dict[str, Any]) -> str:
+    """A row's path, with its variant's name where it ran under one."""
+    return row["path"] + (f" @{row['variant']}" if row.get("variant") else "")
+
+
 def _span(vals: list[float | None], fmt: str = "{:.2f}") -> str:
     """``lo-hi`` over the ranks (one figure when they agree); ``-`` when none was measured."""
     vs = [v for v in vals if v is not None]
@@ -120,23 +125,27 @@ def markdown(result: dict[str, Any]) -> str:
            "GiB/s per rank (first) | bytes read / rank GiB | extra RSS anon / file per rank GiB, first load | "
            "extra RSS anon per rank GiB, steady | peak RSS rank 0 GiB | extra GPU GiB per rank | check |")
     lines += ["", hdr, "|" + "|".join(["---"] * (hdr.count("|") - 1)) + "|"]
-    base = {(r["layout"], r["flow"]): r["first_s"] for r in rows if r.get("ok") and r["path"] == "sdadapt"}
+    if result.get("variants"):
+        defs = [f"`{name}`: " + ", ".join(f"{k}={v}" for k, v in settings.items()) for name, settings in result["variants"].items()]
+        lines.append("Variants (rows `PATH @NAME`, each in its own fresh process group after the row without it; "
+                     "'x sdadapt' compares within a variant): " + "; ".join(defs) + ".")
+    base = {(r["layout"], r["flow"], r.get("variant", "")): r["first_s"] for r in rows if r.get("ok") and r["path"] == "sdadapt"}
     for r in rows:
         if not r.get("ok"):
             err = str(r.get("error", ""))[:160].replace("|", "/").replace("\n", " ")
-            lines.append(f"| {r['path']} | {r['layout']} | {r['flow']} | FAILED | | | | | | | | | | {err} |")
+            lines.append(f"| {_name(r)} | {r['layout']} | {r['flow']} | FAILED | | | | | | | | | | {err} |")
             continue
         pr = r["per_rank"]
         b = _span([p["bytes_read_gib"] if p["bytes_read_gib"] is not None else p["rchar_gib"] for p in pr])
         if pr[0]["bytes_read_gib"] is None:
             b += " (read())"
-        key = (r["layout"], r["flow"])
+        key = (r["layout"], r["flow"], r.get("variant", ""))
         rel = f"{r['first_s'] / base[key]:.2f}" if key in base else "-"
         steady = f"{r['steady_s']:.3f}" if r["steady_s"] is not None else r.get("steady_error", "-")[:60].replace("|", "/")
         reps = " ".join(f"{w:.3f}" for w in r["steady_all_s"])
         st_anon = _span([(p["steady"] or {}).get("rss_anon_extra_gib") for p in pr])
         lines.append(
-            f"| {r['path']} | {r['layout']} | {r['flow']} | **{r['first_s']:.3f}** | {rel} | {steady} | {reps} | "
+            f"| {_name(r)} | {r['layout']} | {r['flow']} | **{r['first_s']:.3f}** | {rel} | {steady} | {reps} | "
             f"{_span([p['gibps'] for p in pr])} | {b} | "
             f"{_span([p['rss_anon_extra_gib'] for p in pr])} / {_span([p['rss_file_extra_gib'] for p in pr])} | {st_anon} | "
             f"{pr[0]['rss_peak_gib']:.2f} | {_span([p['gpu_extra_gib'] for p in pr])} | {r.get('check', '')} |"
@@ -151,7 +160,7 @@ def markdown(result: dict[str, Any]) -> str:
                   "| path | layout | model before load | " + " | ".join(names) + " |", "|" + "|".join(["---"] * (len(names) + 3)) + "|"]
         for r in split:
             vals = [max(p["phases"].get(n, 0.0) for p in r["per_rank"]) for n in names]
-            lines.append(f"| {r['path']} | {r['layout']} | {r['flow']} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+            lines.append(f"| {_name(r)} | {r['layout']} | {r['flow']} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -46,8 +46,11 @@ def main(config_path: str) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.get("pg_timeout", 600)),
                             device_id=dev if backend == "nccl" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
+    import sdadapt
+
     out: dict[str, Any] = {"rank": rank, "world": world, "pid": os.getpid(), "imported": imported,
-                           "import_s": import_s, "runs": [], "refs": {}}
+                           "import_s": import_s, "runs": [], "refs": {}, "sdadapt_file": sdadapt.__file__,
+                           "sdadapt_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SDADAPT_")}}
     try:
         if cfg.get("job"):
             _run_job(cfg, Job(**cfg["job"]), Shape(**cfg["shape"]), dev, rank, out)
