@@ -1,15 +1,16 @@
 """Planning cost of a DeepSeek-V3-shaped FP8 release (~92k keys), without starting processes.
 
-    python bench/plan_bench.py [--ranks 64] [--rank 0] [--adapter stack|rename]
+    python bench/plan_bench.py [--ranks 64] [--rank 0] [--adapter shipped|stack|rename]
 
 Builds the source schema of a DeepSeek-V3-shaped HF checkpoint (61 layers, the first 3 dense,
 256 routed experts of 3 FP8 weights each, each with its ``weight_scale_inv``; MLA attention,
 norms, shared experts) and, as one rank of ``--ranks`` would, times:
 
-1. ``build_plan`` (validation + recipes). ``--adapter stack`` (the default): the native layout
-   (torchtitan's DeepSeek-V3 names; bf16 target) through an adapter written here with the rules
-   a ``deepseek_v3`` adapter needs: ``dequant_rules`` from the release's ``quantization_config``
-   (FP8 128x128 blocks), the per-expert keys stacked into ``moe.experts.w1|w2|w3 [256, ...]``,
+1. ``build_plan`` (validation + recipes). ``--adapter shipped`` (the default): the native layout
+   (torchtitan's DeepSeek-V3 names; bf16 target) through the shipped ``deepseek_v3`` adapter,
+   given the release's options (its ``quantization_config``: FP8 128x128 blocks); ``--adapter
+   stack``: the same target through an adapter written here with the few rules that mapping
+   needs: ``dequant_rules``, the per-expert keys stacked into ``moe.experts.w1|w2|w3 [256, ...]``,
    renames. ``--adapter rename``: HF keys renamed only, FP8 kept (the planning floor);
 2. the rank's ReadItems: FSDP-style dim-0 shards of every target tensor, computed here from the
    rank coordinates (what DCP would hand this rank);
@@ -100,6 +101,13 @@ RENAMES += [(f"model.layers.{{i}}.mlp.shared_experts.{hf}.weight", f"layers.{{i}
             for hf, w in PROJ.items()]
 
 
+def shipped_adapter() -> sdadapt.Adapter:
+    """``sdadapt.adapters.deepseek_v3`` with the release's options (what ``get_adapter`` reads
+    from its ``config.json``)."""
+    return sdadapt.get_adapter("deepseek_v3", q_lora=True, first_k_dense_replace=DENSE, n_experts=EXPERTS, n_layers=LAYERS,
+                               quantization=QUANTIZATION_CONFIG)
+
+
 def stacking_adapter() -> sdadapt.Adapter:
     """What a ``deepseek_v3`` adapter does to an FP8 release: dequantise (the rules come from
     the release's config), stack the routed experts, rename the rest."""
@@ -183,13 +191,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ranks", type=int, default=64)
     ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--adapter", choices=["stack", "rename"], default="stack")
+    ap.add_argument("--adapter", choices=["shipped", "stack", "rename"], default="shipped")
     args = ap.parse_args()
     t = time.perf_counter()
     src_schema = deepseek_v3_schema()
-    stacked = args.adapter == "stack"
-    target = native_target(src_schema) if stacked else renamed_target(src_schema)
-    adapter = stacking_adapter() if stacked else rename_adapter()
+    native = args.adapter != "rename"
+    target = native_target(src_schema) if native else renamed_target(src_schema)
+    adapter = {"shipped": shipped_adapter, "stack": stacking_adapter, "rename": rename_adapter}[args.adapter]()
     t_schema = time.perf_counter() - t
     rss0 = _rss()
     clock = _Clock()

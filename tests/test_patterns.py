@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import sdadapt
 from sdadapt._patterns import KeyPattern, check_output_pattern, compile_pattern, matches_any
@@ -136,6 +138,22 @@ def test_matches_any():
     assert matches_any(["a.*", "b.{i}.c"], "b.3.c")
     assert not matches_any(["a.*", "b.{i}.c"], "b.3.d")
     assert not matches_any([], "x")
+
+
+_PIECES = st.sampled_from(["a", "b", "0", "12", "{i}", "{j:int}", "{r:*}", "*", "**"])
+_KEY_SEGMENTS = st.sampled_from(["a", "b", "0", "12", "a0", "x.y"])
+
+
+@given(st.lists(st.lists(_PIECES, min_size=1, max_size=4).map(".".join), max_size=4), st.lists(_KEY_SEGMENTS, min_size=1, max_size=5))
+def test_matches_any_is_any_single_match_even_with_shared_capture_names(texts, segments):
+    """One regex for a list of patterns (their captures anonymous: two patterns may both
+    capture ``{i}``) matches exactly the keys one of them matches."""
+    key = ".".join(segments)
+    try:
+        pats = [compile_pattern(t) for t in texts]
+    except AdapterError:  # a pattern that captures one name twice
+        return
+    assert matches_any(texts, key) == any(p.match(key) is not None for p in pats)
 
 
 def test_inverse_keeps_capture_types():

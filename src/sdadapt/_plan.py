@@ -14,7 +14,7 @@ from torch import nn
 
 from ._adapter import Adapter
 from ._nodes import Leaf, Node
-from ._patterns import KeyPattern, compile_pattern, matches_any
+from ._patterns import compile_pattern, matches_any, union
 from ._report import Mismatch, Report, RuleIssue
 from .sources._base import TensorInfo, dtype_name
 
@@ -209,7 +209,7 @@ class PlanContext:
         for key, i in self.consumed:
             screen = after.get(i)
             if screen is None:
-                screen = after[i] = _union([p for j, pats in later if j > i for p in pats])
+                screen = after[i] = union([p for j, pats in later if j > i for p in pats])
             if screen.match(key) is None:
                 continue
             for j, pats in later:
@@ -220,17 +220,6 @@ class PlanContext:
                         f"also matches this key, which rule #{i} {rules[i].label()} took first; "
                         "make the patterns disjoint",
                     )
-
-
-_NAMED_GROUP = re.compile(r"\(\?P<[A-Za-z_][A-Za-z0-9_]*>")
-
-
-def _union(patterns: list[KeyPattern]) -> re.Pattern[str]:
-    """One regex that matches a key whenever one of ``patterns`` does (their captures made
-    anonymous, so that two patterns may capture the same name); none matches nothing."""
-    if not patterns:
-        return re.compile(r"(?!)")
-    return re.compile("|".join(f"(?:{_NAMED_GROUP.sub('(?:', p.regex.pattern)})" for p in patterns))
 
 
 @dataclass
