@@ -135,10 +135,10 @@ def test_results_md_cites_exactly_the_kept_runs():
         assert any(fnmatch.fnmatch(f, c) for c in cited), f"{f} is not cited by bench/RESULTS.md"
 
 
-def test_variants_run_each_sdadapt_row_again_under_other_settings_or_another_tree(tmp_path):
+def test_a_variant_runs_each_sdadapt_row_again_under_other_settings_and_another_tree(tmp_path):
     """``--variant NAME:SETTINGS``: every sdadapt row runs again in its own fresh processes, with
-    the variant's environment (the engine's knobs) or another tree's sdadapt first on the path;
-    the other loaders' rows run once; 'x sdadapt' compares within a variant."""
+    the variant's environment (the engine's knobs) and another tree's sdadapt first on the path;
+    'x sdadapt' compares within a variant."""
     import shutil
 
     tree = tmp_path / "tree" / "src"
@@ -146,24 +146,33 @@ def test_variants_run_each_sdadapt_row_again_under_other_settings_or_another_tre
     out = tmp_path / "res"
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--preset", "tiny", "--nproc", "1", "--backend", "gloo", "--repeat", "0",
-         "--paths", "sdadapt,hf-reader", "--tp-paths", "", "--materialized-paths", "", "--discussion", "", "--no-references",
+         "--paths", "sdadapt", "--tp-paths", "", "--materialized-paths", "", "--discussion", "", "--no-references",
          "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--timeout", "150",
-         "--variant", "t1:SDADAPT_IO_THREADS=1,SDADAPT_IO_CHUNK_MB=1", "--variant", f"tree:src={tree}"],
+         "--variant", f"v:SDADAPT_IO_THREADS=1,SDADAPT_IO_CHUNK_MB=1,src={tree}"],
         env=_env(), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(Path(f"{out}.json").read_text())
-    assert [(r["path"], r["variant"]) for r in res["rows"]] == [("sdadapt", ""), ("sdadapt", "t1"), ("sdadapt", "tree"), ("hf-reader", "")]
+    assert [(r["path"], r["variant"]) for r in res["rows"]] == [("sdadapt", ""), ("sdadapt", "v")]
     assert all(r["ok"] and r["check"].startswith("= source") for r in res["rows"])
-    ranks = {g["job"]["variant"] if g["job"]["path"] == "sdadapt" else g["job"]["path"]: g["ranks"][0] for g in res["groups"]}
-    assert ranks["t1"]["sdadapt_env"] == {"SDADAPT_IO_CHUNK_MB": "1", "SDADAPT_IO_THREADS": "1"}
-    assert ranks[""]["sdadapt_env"] == {} and ranks["tree"]["sdadapt_env"] == {}
-    assert Path(ranks["tree"]["sdadapt_file"]).resolve().is_relative_to(tree.resolve())
-    assert Path(ranks[""]["sdadapt_file"]).resolve().is_relative_to((ROOT / "src").resolve())
+    own, varied = (g["ranks"][0] for g in res["groups"])
+    assert own["sdadapt_env"] == {} and Path(own["sdadapt_file"]).resolve().is_relative_to((ROOT / "src").resolve())
+    assert varied["sdadapt_env"] == {"SDADAPT_IO_CHUNK_MB": "1", "SDADAPT_IO_THREADS": "1"}
+    assert Path(varied["sdadapt_file"]).resolve().is_relative_to(tree.resolve())
     md = Path(f"{out}.md").read_text()
-    assert "| sdadapt @t1 | fsdp | meta | **" in md and "| sdadapt @tree | fsdp | meta | **" in md
-    assert re.search(r"\| sdadapt @t1 \| fsdp \| meta \| \*\*[0-9.]+\*\* \| 1\.00 \|", md)  # its own base
-    assert "`t1`: SDADAPT_IO_THREADS=1, SDADAPT_IO_CHUNK_MB=1" in md
+    assert re.search(r"\| sdadapt @v \| fsdp \| meta \| \*\*[0-9.]+\*\* \| 1\.00 \|", md)  # its own base
+    assert f"`v`: SDADAPT_IO_THREADS=1, SDADAPT_IO_CHUNK_MB=1, src={tree.resolve()}" in md
+
+
+def test_variants_apply_to_sdadapt_rows_only(loadbench):
+    """The other loaders do not read sdadapt's settings: their rows run once."""
+    import loadbench.cli
+
+    args = loadbench.cli.parser("").parse_args(["--paths", "sdadapt,hf-reader", "--tp-paths", "sdadapt", "--materialized-paths", "",
+                                                "--discussion", "meta", "--variant", "a:X=1", "--variant", "b:Y=2"])
+    assert [j.tag for j in loadbench.cli._jobs(args)] == [
+        "fsdp-sdadapt", "fsdp-sdadapt@a", "fsdp-sdadapt@b", "fsdp-hf-reader", "tp-sdadapt", "tp-sdadapt@a", "tp-sdadapt@b",
+        "fsdp-torchsave-broadcast-meta"]
 
 
 @pytest.mark.parametrize("spec, message", [
