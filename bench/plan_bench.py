@@ -18,7 +18,8 @@ norms, shared experts) and, as one rank of ``--ranks`` would, times:
    coalescing) against a simulated file layout, with meta-device destinations: no data is read.
 
 It prints each time and the peak RSS growth over the whole (the schemas are built before it is
-measured from).
+measured from). The steps run with the cycle collector paused, as ``sdadapt.load`` runs them (a
+full collection would otherwise land in one step or another by chance).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import sdadapt  # noqa: E402
 from sdadapt._engine import EngineConfig, IOEngine, Job  # noqa: E402
+from sdadapt._gc import gc_paused  # noqa: E402
 from sdadapt._patterns import compile_pattern  # noqa: E402
 from sdadapt.sources._base import Source, TensorInfo, TensorLocation  # noqa: E402
 
@@ -200,24 +202,25 @@ def main() -> None:
     adapter = {"shipped": shipped_adapter, "stack": stacking_adapter, "rename": rename_adapter}[args.adapter]()
     t_schema = time.perf_counter() - t
     rss0 = _rss()
-    clock = _Clock()
-    plan = sdadapt.build_plan(src_schema, target, adapter)
-    t_plan = clock.lap()
-    assert plan.report.ok, plan.report.format()[:2000]
-    # this rank's ReadItems: dim-0 FSDP shards (DTensor's even split, last shards may be short)
-    jobs = []
-    for k, info in target.items():
-        n = info.shape[0] if info.shape else 1
-        per = -(-n // args.ranks)
-        lo, hi = min(n, args.rank * per), min(n, (args.rank + 1) * per)
-        if lo >= hi:
-            continue
-        box = ((lo, hi),) + tuple((0, d) for d in info.shape[1:])
-        dest = torch.empty((hi - lo,) + tuple(info.shape[1:]), dtype=info.dtype, device="meta")
-        jobs.append(Job(k, plan.recipes[k], box, dest))
-    t_items = clock.lap()
-    tasks = IOEngine(FakeSource(src_schema), EngineConfig(threads=16)).plan(jobs)
-    t_engine = clock.lap()
+    with gc_paused():  # as in sdadapt.load, which plans with the cycle collector paused
+        clock = _Clock()
+        plan = sdadapt.build_plan(src_schema, target, adapter)
+        t_plan = clock.lap()
+        assert plan.report.ok, plan.report.format()[:2000]
+        # this rank's ReadItems: dim-0 FSDP shards (DTensor's even split, last shards may be short)
+        jobs = []
+        for k, info in target.items():
+            n = info.shape[0] if info.shape else 1
+            per = -(-n // args.ranks)
+            lo, hi = min(n, args.rank * per), min(n, (args.rank + 1) * per)
+            if lo >= hi:
+                continue
+            box = ((lo, hi),) + tuple((0, d) for d in info.shape[1:])
+            dest = torch.empty((hi - lo,) + tuple(info.shape[1:]), dtype=info.dtype, device="meta")
+            jobs.append(Job(k, plan.recipes[k], box, dest))
+        t_items = clock.lap()
+        tasks = IOEngine(FakeSource(src_schema), EngineConfig(threads=16)).plan(jobs)
+        t_engine = clock.lap()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     total = sum(i.nbytes for i in src_schema.values())
     print(f"schema: {len(src_schema)} source keys, {total / 2**30:.0f} GiB; {len(target)} target keys "
