@@ -372,6 +372,53 @@ def test_load_fp8_and_mxfp4_release(tmp_path, fmt):
     assert recipe.startswith("dequant_fp8(model.layers.0.w1.weight, model.layers.0.w1.weight_scale_inv")
 
 
+@pytest.mark.parametrize("fmt", ["float32", "ue8m0"])
+def test_a_float32_model_gets_the_release_dequantised_in_float32(tmp_path, fmt):
+    """``dtype="model"`` into a float32 model (FSDP2's sharded master weights) with the adapter's
+    bfloat16 dequantisation: the cast hands the dequantisation float32 instead, so the model holds
+    ``float(w) * scale`` in float32, not bfloat16 values widened; the recipe has no cast."""
+    path = write_release(str(tmp_path), fmt)
+    with torch.device("meta"):
+        model = Tiny(torch.float32)
+    sdadapt.load(model, path, fp8_adapter(fmt), dtype="model")
+    want = expected_model(fmt, torch.float32)
+    for k, v in model.state_dict().items():
+        assert v.dtype == torch.float32 and torch.equal(bits(v), bits(want[k])), k
+    if fmt == "float32":  # power-of-two scales keep FP8 values exact in bfloat16: no difference to see
+        w1 = want["layers.0.w1.weight"]
+        assert not torch.equal(w1, w1.to(torch.bfloat16).float())
+    adapter = sdadapt.Adapter([*fp8_adapter(fmt).rules, sdadapt.cast("**", "model")])
+    _, plan = sdadapt.plan_load(Tiny(torch.float32), path, adapter)
+    assert plan.report.ok
+    recipe = plan.recipes["layers.0.w1.weight"].describe()
+    assert recipe.startswith("dequant_fp8(") and recipe.endswith(", dtype=float32)"), recipe
+    assert plan.recipes["layers.0.mlp.experts"].describe().endswith(", dtype=float32)")
+    assert plan.recipes["embed_tokens.weight"].describe().startswith("cast(")  # stored bfloat16: widened exactly
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_cast_after_stacking_dequantised_experts_dequantises_into_the_cast_dtype(tmp_path, dtype):
+    """Per-expert FP8 weights dequantised (bfloat16) and stacked into ``[E, R, C]``, then cast:
+    every expert's dequantisation computes in the cast's dtype, through the stack (and a rename);
+    an explicit cast to a dtype works as ``"model"`` does."""
+    tensors, want = {}, []
+    for e in range(3):
+        w, scale = fp8_release((40, 64), BLOCK, "float32", seed=20 + e)
+        tensors[f"e.{e}.weight"], tensors[f"e.{e}.weight_scale_inv"] = w, scale
+        want.append(ref_dequant_fp8(w, scale, BLOCK, "float32", torch.float32))
+    path = write_safetensors(tmp_path / "experts.safetensors", tensors)
+    adapter = sdadapt.Adapter([sdadapt.dequant_fp8("e.*.weight", BLOCK), sdadapt.stack("e.{e}.weight", "stacked", count=3),
+                               sdadapt.rename("stacked", "experts"), sdadapt.cast("experts", dtype)])
+    model = nn.Module()
+    model.experts = nn.Parameter(torch.empty(3, 40, 64, dtype=dtype))
+    sdadapt.load(model, path, adapter)
+    assert torch.equal(bits(model.experts.data), bits(torch.stack(want).to(dtype)))
+    _, plan = sdadapt.plan_load(model, path, adapter)
+    name = str(dtype).removeprefix("torch.")
+    assert plan.recipes["experts"].describe().startswith("stack([dequant_fp8(") and f", dtype={name})" in plan.recipes["experts"].describe()
+    assert "cast(" not in plan.recipes["experts"].describe()
+
+
 @pytest.mark.parametrize("fmt,dtype", [("ue8m0", torch.bfloat16), ("float32", torch.float32), ("ue8m0_float32", torch.bfloat16)])
 def test_export_round_trip_gives_the_same_bytes(tmp_path, fmt, dtype):
     """Load a release, export it unchanged: every tensor (FP8 weights, scales, MXFP4 blocks and

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._nodes import Box, Compute, Node, SourceIO, Step, _with_dim, emit
+from ._nodes import Box, Compute, Node, Rearrangement, SourceIO, Step, _with_dim, emit
 
 GATHER_ROWS = 4
 GATHER_BELOW = 64 * 1024
@@ -30,7 +30,7 @@ GATHER_BAND = 16 << 20
 
 
 @dataclass(frozen=True, eq=False)
-class Interleave(Node):
+class Interleave(Rearrangement):
     """A fused tensor ``[part0; part1; ...]`` (``sizes`` along ``dim``) laid out per TP rank:
     ``[p0_r0; p1_r0; ...; p0_r1; p1_r1; ...]``, each part cut in ``tp`` equal blocks, so a
     ``ColwiseParallel`` shard of rank ``r`` holds ``[p0_r; p1_r; ...]``. ``inverse=True``

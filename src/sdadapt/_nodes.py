@@ -39,6 +39,11 @@ appends one :class:`Compute` whose function calls ``child.read(wider_box, io)`` 
 and narrows the result to ``box``; the engine runs it as it is, on its threads. Given as
 ``inputs`` + ``kernel``, it also runs on the destination's device (the engine decides: when the
 destination is not on the CPU); the CPU path is ``kernel(dest, *inputs(io))`` either way.
+
+A node that computes its values may also produce them in another dtype directly
+(``as_dtype(dtype)``: a dequantisation to float32 instead of bfloat16), so that a cast rule
+after it does not round to the narrower dtype first; nodes that only move data
+(:class:`Rearrangement`) can whenever all their children can.
 """
 
 from __future__ import annotations
@@ -192,6 +197,13 @@ class Node:
         its threads). Default: ``[box]``, for nodes whose steps already are reads of that size."""
         return [box]
 
+    def as_dtype(self, dtype: torch.dtype) -> Node | None:
+        """This recipe producing ``dtype`` itself, where it computes its values and can compute
+        them in ``dtype`` (a dequantisation into float32 rather than into bfloat16 and then
+        widened); ``None`` (the default) where only a cast of its output gives ``dtype``. The
+        cast rule asks for it: casting a narrower result would round the values first."""
+        return None
+
     def children(self) -> tuple[Node, ...]:
         """The input nodes: every dataclass field that holds a node or a tuple of nodes."""
         if not dataclasses.is_dataclass(self):
@@ -224,6 +236,31 @@ class Node:
         for step in steps:
             step.run(io)
         return out
+
+
+class Rearrangement(Node):
+    """A node whose values are its children's, moved (concat, narrow, transpose, stack...): it
+    produces another dtype exactly when all its children do."""
+
+    def as_dtype(self, dtype: torch.dtype) -> Node | None:
+        if not dataclasses.is_dataclass(self):
+            return None
+        changes: dict[str, object] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not f.init:
+                continue
+            if isinstance(v, Node):
+                new = v.as_dtype(dtype)
+                if new is None:
+                    return None
+                changes[f.name] = new
+            elif isinstance(v, tuple) and v and all(isinstance(p, Node) for p in v):
+                parts = tuple(p.as_dtype(dtype) for p in v)
+                if any(p is None for p in parts):
+                    return None
+                changes[f.name] = parts
+        return dataclasses.replace(self, **changes) if changes else None
 
 
 @dataclass(frozen=True, eq=False)
@@ -275,7 +312,7 @@ class Cast(Node):
 
 
 @dataclass(frozen=True, eq=False)
-class Concat(Node):
+class Concat(Rearrangement):
     """Inputs joined along ``dim`` (fuse). Sizes along ``dim`` may differ (GQA q/k/v)."""
 
     parts: tuple[Node, ...]
@@ -308,7 +345,7 @@ class Concat(Node):
 
 
 @dataclass(frozen=True, eq=False)
-class Narrow(Node):
+class Narrow(Rearrangement):
     """Rows ``[start, start + length)`` of the input along ``dim`` (split)."""
 
     child: Node
@@ -337,7 +374,7 @@ class Narrow(Node):
 
 
 @dataclass(frozen=True, eq=False)
-class Transpose(Node):
+class Transpose(Rearrangement):
     """The input with dims ``dim0`` and ``dim1`` swapped (GPT-2 ``Conv1D`` ``[in, out]`` <->
     ``nn.Linear`` ``[out, in]``). A box maps to one box with the two spans swapped."""
 
@@ -366,7 +403,7 @@ class Transpose(Node):
 
 
 @dataclass(frozen=True, eq=False)
-class UnitPermute(Node):
+class UnitPermute(Rearrangement):
     """Along ``dim``, the input is cut in aligned units of ``unit`` rows (a head); inside every
     unit, output row ``j`` is input row ``perm[j]`` (rotary layouts).
 
@@ -417,7 +454,7 @@ class UnitPermute(Node):
 
 
 @dataclass(frozen=True, eq=False)
-class Stack(Node):
+class Stack(Rearrangement):
     """Inputs of one shape stacked along a new dim ``dim`` (MoE experts -> ``[E, ...]``)."""
 
     parts: tuple[Node, ...]
@@ -448,7 +485,7 @@ class Stack(Node):
 
 
 @dataclass(frozen=True, eq=False)
-class Select(Node):
+class Select(Rearrangement):
     """Entry ``index`` of the input along ``dim``, that dim removed (unstack)."""
 
     child: Node

@@ -15,6 +15,7 @@ against). The formats themselves are in :mod:`sdadapt._quant`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Literal
@@ -23,6 +24,7 @@ import torch
 
 from . import _quant as Q
 from ._nodes import Box, Compute, Node, SourceIO, Step
+from .sources._base import dtype_name
 
 Part = Literal["values", "scales"]
 
@@ -70,6 +72,12 @@ class _Dequant(Node):
 
     def bands(self, box: Box, max_bytes: int) -> list[Box]:
         return _bands(box, self._value_bytes(), max_bytes, self._align(len(box)))
+
+    def as_dtype(self, dtype: torch.dtype) -> Node | None:
+        """The same dequantisation, into ``dtype`` (any floating dtype)."""
+        if not dtype.is_floating_point or not dataclasses.is_dataclass(self):
+            return None
+        return dataclasses.replace(self, dtype=dtype)
 
     def _value_bytes(self) -> float:
         """Stored bytes per value (the scales are left out: a small fraction)."""
@@ -124,7 +132,8 @@ class DequantFP8(_Dequant):
 
     def describe(self) -> str:
         b0, b1 = self.block
-        return f"dequant_fp8({self.weight.describe()}, {self.scale.describe()}, block=[{b0}, {b1}], {self.scale_format})"
+        return (f"dequant_fp8({self.weight.describe()}, {self.scale.describe()}, block=[{b0}, {b1}], "
+                f"scale_format={self.scale_format}, dtype={dtype_name(self.dtype)})")
 
 
 @dataclass(frozen=True, eq=False)
@@ -165,7 +174,7 @@ class DequantMXFP4(_Dequant):
         return out.flatten(-2).to(self.dtype)
 
     def describe(self) -> str:
-        return f"dequant_mxfp4({self.blocks.describe()}, {self.scales.describe()})"
+        return f"dequant_mxfp4({self.blocks.describe()}, {self.scales.describe()}, dtype={dtype_name(self.dtype)})"
 
 
 @dataclass(frozen=True, eq=False)

@@ -41,7 +41,10 @@ class Cast(RuleBase):
     """Convert matched tensors to ``dtype`` (optionally only those stored as ``from_dtype``).
     Dtype changes are never silent: without a cast rule a dtype mismatch is a problem.
     ``dtype="model"`` converts each tensor to the dtype the model holds for it (looked up under
-    the key's final name), the one rule that fixes any dtype-only mismatch."""
+    the key's final name), the one rule that fixes any dtype-only mismatch. A recipe that
+    computes its values in a dtype of its choosing (a dequantisation of an FP8 release) is given
+    ``dtype`` to compute in instead, so a float32 model gets the float32 values, not bfloat16
+    ones widened."""
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["cast"] = "cast"
@@ -80,7 +83,7 @@ class Cast(RuleBase):
                 to = parse_dtype(self.dtype)
             ctx.mark(index)
             if node.dtype != to:
-                ctx.replace(key, CastNode(node, to))
+                ctx.replace(key, node.as_dtype(to) or CastNode(node, to))
 
     def inverse(self) -> list[RuleBase]:
         if self.from_dtype is None:
