@@ -133,13 +133,33 @@ def test_dtype_only_mismatch_names_the_one_rule_that_fixes_it():
     lines = text.splitlines()
     assert lines[3] == (
         'root cause: only dtypes differ: the checkpoint gives float32 where the model holds bfloat16 (12 keys); '
-        'the one rule that fixes it: sdadapt.cast("**", "model") (or sdadapt.load(..., dtype="model"))'
+        'the one rule that fixes it: sdadapt.cast("**", "model") (or sdadapt.load(..., dtype="model"); '
+        'sdadapt diff --dtype model)'
     )
     assert sum("root cause" in line for line in lines) == 1
     fixed = sdadapt.build_plan(src, tgt, sdadapt.Adapter([sdadapt.cast("**", "model")]))
     assert fixed.report.ok, fixed.report.format()
     assert {k: n.dtype for k, n in fixed.recipes.items()} == {k: i.dtype for k, i in tgt.items()}
     assert sdadapt.Adapter.from_json(sdadapt.Adapter([sdadapt.cast("**", "model")]).to_json()).rules[0].dtype == "model"
+
+
+def test_diff_takes_the_dtype_that_load_takes(tmp_path, capsys):
+    """``sdadapt.diff(..., dtype="model")`` and ``sdadapt diff --dtype model`` check the plan
+    ``sdadapt.load(..., dtype="model")`` would run: a bfloat16 checkpoint lines up with a
+    float32 model."""
+    from sdadapt.cli import main
+
+    path = write_safetensors(tmp_path / "m.safetensors", {"w": torch.ones(2, 3, dtype=torch.bfloat16)})
+    model = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(2, 3))})
+    assert not sdadapt.diff(model, path).ok
+    report = sdadapt.diff(model, path, dtype="model")
+    assert report.ok and report.adapter == "dtype=model"
+    assert sdadapt.plan_load(model, path, dtype="model")[1].report.ok
+    target = tmp_path / "target.safetensors"
+    write_safetensors(target, {"w": torch.zeros(2, 3)})
+    assert main(["diff", str(path), "--target", str(target)]) == 1
+    assert main(["diff", str(path), "--target", str(target), "--dtype", "model"]) == 0
+    assert "OK: checkpoint and model line up" in capsys.readouterr().out
 
 
 def test_prefix_root_cause_first():

@@ -7,6 +7,7 @@ from typing import Literal
 
 import torch
 
+from ._adapter import Adapter
 from ._quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX, MX_SCALES_SUFFIX, ScaleFormat
 from ._quant_rules import DequantFP8, DequantMXFP4
 from ._rules import (
@@ -50,6 +51,15 @@ def cast(keys: str, dtype: str | torch.dtype, from_dtype: str | torch.dtype | No
     """Convert tensors matching ``keys`` to ``dtype`` (only those stored as ``from_dtype``, if given);
     ``dtype="model"``: to the dtype the model holds for each tensor."""
     return Cast(keys=keys, dtype=dtype, from_dtype=from_dtype)  # type: ignore[arg-type]
+
+
+def with_dtype(adapter: Adapter | None, dtype: str | torch.dtype | None) -> Adapter | None:
+    """``adapter`` followed by ``cast("**", dtype)`` (``dtype=None``: ``adapter`` as it is):
+    what ``load``, ``plan_load`` and ``diff`` run for their ``dtype`` argument."""
+    if dtype is None:
+        return adapter
+    to_dtype = Adapter([cast("**", dtype)], name=f"dtype={dtype}")
+    return to_dtype if adapter is None else adapter + to_dtype
 
 
 def drop(keys: str) -> Drop:

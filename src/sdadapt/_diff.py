@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 
+import torch
 from torch import nn
 
 from ._adapter import Adapter
+from ._constructors import with_dtype
 from ._plan import PipelineStage, build_plan, vacant_modules
 from ._report import Report
 from ._resolve import adapter_or_none
@@ -35,16 +37,18 @@ def diff(
     allow_missing: list[str] | None = None,
     allow_unexpected: list[str] | None = None,
     pipeline_stage: bool = False,
+    dtype: str | torch.dtype | None = None,
 ) -> Report:
     """Compare checkpoint ``src`` (through ``adapter``) with ``target``; reads headers only.
     ``pipeline_stage=True``: ``target`` is one pipeline stage, and the checkpoint keys of the
     other stages are allowed (see :func:`sdadapt.load`; a schema or checkpoint target has no
-    ``None`` module slots, so only the index rule applies to it).
+    ``None`` module slots, so only the index rule applies to it). ``dtype``: as in
+    :func:`sdadapt.load` (``"model"``: every tensor converted to the target's dtype).
 
     ``adapter`` is an :class:`Adapter` or a string resolved by :func:`sdadapt.resolve_adapter`
     (a shipped name with options read from ``src``'s folder, ``file.py:ATTR``, ``module:ATTR``,
     ``.json``)."""
-    adapter = adapter_or_none(adapter, src)
+    adapter = with_dtype(adapter_or_none(adapter, src), dtype)
     schema, name = target_schema(target)
     stage = None
     if pipeline_stage:

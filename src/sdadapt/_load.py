@@ -14,7 +14,7 @@ from torch import nn
 
 from . import _integrity as integrity
 from ._adapter import Adapter
-from ._constructors import cast
+from ._constructors import with_dtype
 from ._distributed import rank_and_world
 from ._gc import without_gc
 from ._lora import open_peft_lora
@@ -92,10 +92,11 @@ def plan_load(
     allow_unexpected: list[str] | None = None,
     pipeline_stage: bool = False,
     lora: str | os.PathLike[str] | None = None,
+    dtype: str | torch.dtype | None = None,
 ) -> tuple[Source, Plan]:
     """Open the source and plan against the model (headers only; nothing is read or changed);
-    ``pipeline_stage`` and ``lora`` as in :func:`load`."""
-    adapter = adapter_or_none(adapter, src)
+    ``pipeline_stage``, ``lora`` and ``dtype`` as in :func:`load`."""
+    adapter = with_dtype(adapter_or_none(adapter, src), dtype)
     source, plan, _ = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage, lora)
     return source, plan
 
@@ -219,10 +220,7 @@ def load(
     ``adapter``'s rules: each rank computes ``W[box] + s * B[rows] @ A[:, cols]`` for its own
     shards only (:mod:`sdadapt._lora`).
     """
-    adapter = adapter_or_none(adapter, src)
-    if dtype is not None:
-        to_dtype = Adapter([cast("**", dtype)], name=f"dtype={dtype}")
-        adapter = to_dtype if adapter is None else adapter + to_dtype
+    adapter = with_dtype(adapter_or_none(adapter, src), dtype)
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
     txn = Transaction(model, process_group, _describe(src))

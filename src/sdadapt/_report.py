@@ -140,7 +140,7 @@ class Report(BaseModel):
             more = f" and {len(pairs) - 3} more pairs" if len(pairs) > 3 else ""
             return (
                 f"only dtypes differ: the checkpoint gives {what}{more}; the one rule that fixes it: "
-                f'{CAST_FIX} (or sdadapt.load(..., dtype="model"))'
+                f'{CAST_FIX} (or sdadapt.load(..., dtype="model"); sdadapt diff --dtype model)'
             )
         if self.missing and self.unexpected:
             cause = self._prefix_cause()

@@ -59,6 +59,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pipeline-stage", action="store_true",
         help="the target is one pipeline stage: checkpoint keys of the other stages' layers and of its None modules are allowed",
     )
+    parser.add_argument(
+        "--dtype", metavar="D",
+        help="convert every tensor to D after the adapter's rules: 'model' (the target's dtype for each "
+             "tensor) or a dtype name, as sdadapt.load(..., dtype=D) does",
+    )
     parser.add_argument("--all", action="store_true", help="list every row of each section (text mode)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -82,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         allow_missing=args.allow_missing or None,
         allow_unexpected=args.allow_unexpected or None,
         pipeline_stage=args.pipeline_stage,
+        dtype=args.dtype,
     )
     print(report.model_dump_json(indent=2) if args.json else report.format(max_rows=None if args.all else 8))
     return 0 if report.ok else 1
