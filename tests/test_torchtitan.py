@@ -219,3 +219,43 @@ def test_plan_errors_before_dcp_load(hf_llama: str) -> None:
         bridge.get_hf_storage_reader(hf_llama)
     with pytest.raises(sdadapt.AdapterError, match="needs an adapter"):
         SdadaptStateDictAdapter(None, hf_llama)
+
+
+def test_a_bf16_release_into_torchtitans_float32_parameters_with_to_dtype(hf_llama: str, tmp_path: Any) -> None:
+    """torchtitan keeps float32 parameters; HF releases are bf16. Without ``to_dtype`` the
+    mismatch is a plan error before ``dcp.load``; with ``to_dtype="model"`` bound by ``using``,
+    torchtitan's load gives what ``sdadapt.load(..., dtype="model")`` gives; the export view
+    is the adapter's inverse, untouched by the conversion."""
+    from reference_models import MetaLlama
+    from safetensors.torch import save_file
+
+    bf16 = tmp_path / "hf_llama_bf16"
+    bf16.mkdir()
+    for name in os.listdir(hf_llama):
+        src = os.path.join(hf_llama, name)
+        if name.endswith(".safetensors"):
+            save_file({k: v.to(torch.bfloat16) for k, v in load_file(src).items()}, str(bf16 / name), metadata={"format": "pt"})
+        else:
+            (bf16 / name).write_bytes(open(src, "rb").read())
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return MetaLlama(dict(dim=DIM, n_layers=L, n_heads=H, n_kv_heads=KV, vocab_size=VOCAB, hidden_dim=FFN,
+                              norm_eps=1e-6, rope_theta=10000.0))  # fmt: skip
+
+    strict = SdadaptStateDictAdapter(None, str(bf16), adapter="llama")
+    strict.to_hf(model().state_dict())
+    with pytest.raises(sdadapt.PlanError, match="only dtypes differ"):
+        strict.get_hf_storage_reader(str(bf16))
+
+    want = model()
+    sdadapt.load(want, str(bf16), "llama", dtype="model")
+    got = model()
+    bridge = SdadaptStateDictAdapter.using("llama", to_dtype="model")(None, str(bf16))
+    assert bridge.to_dtype == "model" and "to_dtype" not in bridge.options
+    StandInCheckpointManager(got, bridge).dcp_load(str(bf16))
+    sd, ref = got.state_dict(), want.state_dict()
+    assert all(sd[k].dtype == torch.float32 and torch.equal(sd[k], ref[k]) for k in ref)
+    assert torch.equal(sd["tok_embeddings.weight"], _hf_tensors(str(bf16))["model.embed_tokens.weight"].float())
+    exported = bridge.to_hf(got.state_dict())
+    assert sorted(exported) == sorted(_hf_tensors(str(bf16)))

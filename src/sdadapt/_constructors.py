@@ -3,7 +3,7 @@ functions that build the rule models of :mod:`sdadapt._rules`."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, overload
 
 import torch
 
@@ -51,6 +51,14 @@ def cast(keys: str, dtype: str | torch.dtype, from_dtype: str | torch.dtype | No
     """Convert tensors matching ``keys`` to ``dtype`` (only those stored as ``from_dtype``, if given);
     ``dtype="model"``: to the dtype the model holds for each tensor."""
     return Cast(keys=keys, dtype=dtype, from_dtype=from_dtype)  # type: ignore[arg-type]
+
+
+@overload
+def with_dtype(adapter: Adapter, dtype: str | torch.dtype | None) -> Adapter: ...
+
+
+@overload
+def with_dtype(adapter: None, dtype: str | torch.dtype | None) -> Adapter | None: ...
 
 
 def with_dtype(adapter: Adapter | None, dtype: str | torch.dtype | None) -> Adapter | None:

@@ -55,6 +55,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ._adapter import Adapter
+from ._constructors import with_dtype
 from ._export import ExportError, _CachedIO, plan_outputs
 from ._nodes import Leaf
 from ._plan import Plan, build_plan
@@ -215,8 +216,13 @@ class SdadaptStateDictAdapter:
     ``module:ATTR``, ``.json``); a shipped name reads the options ``options`` leaves out from the
     ``config.json`` beside the checkpoint being loaded (``hf_assets_path`` for the export).
     ``allow_missing`` / ``allow_unexpected`` are key patterns as for :func:`sdadapt.load`.
-    torchtitan builds the adapter itself from ``(model_config, hf_assets_path)``: bind the other
-    arguments with :meth:`using`. ``model_config`` is kept as ``self.model_config`` and not read.
+    ``to_dtype`` is :func:`sdadapt.load`'s ``dtype``: ``"model"`` converts every tensor to the
+    dtype the model holds (torchtitan keeps float32 parameters and trains in bf16 through
+    FSDP2's mixed precision, while HF releases are bf16 or FP8; an FP8 release is then
+    dequantised straight into float32); without it a dtype mismatch is a plan error, as
+    everywhere in sdadapt. torchtitan builds the adapter itself from ``(model_config,
+    hf_assets_path)``: bind the other arguments with :meth:`using`. ``model_config`` is kept as
+    ``self.model_config`` and not read.
     """
 
     default_adapter: ClassVar[Adapter | str | None] = None
@@ -230,6 +236,7 @@ class SdadaptStateDictAdapter:
         adapter: Adapter | str | None = None,
         allow_missing: list[str] | None = None,
         allow_unexpected: list[str] | None = None,
+        to_dtype: str | torch.dtype | None = None,
         **options: Any,
     ):
         self.model_config = model_config
@@ -241,8 +248,9 @@ class SdadaptStateDictAdapter:
         merged = {**self.default_options, **options}
         self.allow_missing = allow_missing if allow_missing is not None else merged.pop("allow_missing", None)
         self.allow_unexpected = allow_unexpected if allow_unexpected is not None else merged.pop("allow_unexpected", None)
-        merged.pop("allow_missing", None)
-        merged.pop("allow_unexpected", None)
+        self.to_dtype = to_dtype if to_dtype is not None else merged.pop("to_dtype", None)
+        for bound in ("allow_missing", "allow_unexpected", "to_dtype"):
+            merged.pop(bound, None)
         self.options = merged
         self.fqn_to_index_mapping: dict[str, int] | None = _index_mapping(hf_assets_path)
         self._adapters: dict[str | None, Adapter] = {}
@@ -252,7 +260,8 @@ class SdadaptStateDictAdapter:
     @classmethod
     def using(cls, adapter: Adapter | str, **options: Any) -> type[SdadaptStateDictAdapter]:
         """A subclass that torchtitan can build as ``Cls(model_config, hf_assets_path)``, with
-        ``adapter`` and ``options`` (including ``allow_missing=`` / ``allow_unexpected=``) bound."""
+        ``adapter`` and ``options`` (including ``allow_missing=`` / ``allow_unexpected=`` /
+        ``to_dtype=``) bound."""
         name = adapter if isinstance(adapter, str) else adapter.name
         return type(f"SdadaptStateDictAdapter[{name}]", (cls,), {"default_adapter": adapter, "default_options": dict(options)})
 
@@ -310,7 +319,7 @@ class SdadaptStateDictAdapter:
     def _plan(self, hf: HFStateDict, path: str) -> tuple[Plan, Source]:
         """Plan ``hf``'s load from ``path`` now (headers only), so that a plan error is raised
         here, identically on every rank, and not from inside ``dcp.load``."""
-        adapter = self.adapter_for(path)
+        adapter = with_dtype(self.adapter_for(path), self.to_dtype)
         source = open_source(path)
         try:
             plan = build_plan(
