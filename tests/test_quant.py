@@ -396,6 +396,23 @@ def test_a_float32_model_gets_the_release_dequantised_in_float32(tmp_path, fmt):
     assert plan.recipes["embed_tokens.weight"].describe().startswith("cast(")  # stored bfloat16: widened exactly
 
 
+def test_a_float32_model_loaded_with_dtype_model_exports_the_release_bytes(tmp_path):
+    """Dequantised straight into float32, the values still determine the release: exporting
+    them (embeddings and norms cast back to the release's bfloat16) gives every byte back, FP8
+    weights and float32 scales included."""
+    os.makedirs(tmp_path / "src")
+    src = write_release(str(tmp_path / "src"), "float32")
+    model = Tiny(torch.float32)
+    sdadapt.load(model, src, fp8_adapter("float32"), dtype="model")
+    rules = fp8_adapter("float32").rules
+    casts = [sdadapt.cast(k, torch.float32, from_dtype="bfloat16") for k in ("model.embed_tokens.weight", "model.layers.0.norm")]
+    sdadapt.export(model, str(tmp_path / "out"), sdadapt.Adapter(rules[:2] + casts + rules[2:]))
+    original, exported = load_file(src), load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    for k in original:
+        assert exported[k].dtype == original[k].dtype and torch.equal(bits(exported[k]), bits(original[k])), k
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_a_cast_after_stacking_dequantised_experts_dequantises_into_the_cast_dtype(tmp_path, dtype):
     """Per-expert FP8 weights dequantised (bfloat16) and stacked into ``[E, R, C]``, then cast:
