@@ -247,9 +247,9 @@ class Rearrangement(Node):
             return None
         changes: dict[str, object] = {}
         for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
             if not f.init:
-                continue
+                continue  # derived in __post_init__ (shape, dtype)
+            v = getattr(self, f.name)
             if isinstance(v, Node):
                 new = v.as_dtype(dtype)
                 if new is None:
