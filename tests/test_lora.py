@@ -326,3 +326,31 @@ def test_per_expert_lora_merges_then_stacks() -> None:
     assert torch.equal(node.read(((1, 3), (2, 5), (0, 4)), io), node.full(DictIO(tensors))[1:3, 2:5, 0:4])
     b_reads = sorted((k, box) for k, box in io.reads if k.endswith("lora_B.weight"))
     assert b_reads == [(f"{LORA_NAMESPACE}base_model.model.experts.{e}.w1.lora_B.weight", ((2, 5), (0, r))) for e in (1, 2)]
+
+
+def test_a_merge_cast_to_float32_is_rounded_once_into_float32() -> None:
+    """bfloat16 base weights, a float32 model: the cast hands the merge (then the stack) float32
+    to compute in, so each value is ``w + s * B @ A`` rounded once from float64 to float32, not
+    rounded to bfloat16 first."""
+    gen = torch.Generator().manual_seed(11)
+    E, out, inp, r = 2, 6, 5, 2
+    tensors: dict[str, torch.Tensor] = {}
+    for e in range(E):
+        tensors[f"experts.{e}.w1.weight"] = torch.randn(out, inp, generator=gen).to(torch.bfloat16)
+        tensors[f"{LORA_NAMESPACE}base_model.model.experts.{e}.w1.lora_A.weight"] = torch.randn(r, inp, generator=gen)
+        tensors[f"{LORA_NAMESPACE}base_model.model.experts.{e}.w1.lora_B.weight"] = torch.randn(out, r, generator=gen)
+    schema = {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    adapter = sdadapt.Adapter([MergeLora(alpha=4), sdadapt.stack("experts.{e}.w1.weight", "w1"), sdadapt.cast("w1", "model")])
+    plan = sdadapt.build_plan(schema, {"w1": sdadapt.TensorInfo((E, out, inp), torch.float32)}, adapter)
+    assert plan.report.ok, plan.report.format()
+    node = plan.recipes["w1"]
+    assert "cast(" not in node.describe() and "dtype=float32" in node.describe()
+    expected = torch.stack([
+        (tensors[f"experts.{e}.w1.weight"].double()
+         + 2.0 * (tensors[f"{LORA_NAMESPACE}base_model.model.experts.{e}.w1.lora_B.weight"].double()
+                  @ tensors[f"{LORA_NAMESPACE}base_model.model.experts.{e}.w1.lora_A.weight"].double())).float()
+        for e in range(E)
+    ])  # fmt: skip
+    assert torch.equal(node.full(DictIO(tensors)), expected)
+    assert torch.equal(node.read(((0, 2), (1, 6), (2, 5)), DictIO(tensors)), expected[:, 1:6, 2:5])
+    assert not torch.equal(expected, expected.to(torch.bfloat16).float())  # the bf16 detour would differ

@@ -28,6 +28,7 @@ no inverse: exporting a model loaded this way writes the merged weights.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -86,8 +87,8 @@ _UNSUPPORTED: dict[str, str] = {
 @dataclass(frozen=True, eq=False)
 class LoraMerge(Node):
     """``weight + scale * B @ A`` (``weight`` ``[out, in]``, ``a`` ``[r, in]``, ``b`` ``[out, r]``),
-    in ``weight``'s dtype; ``transposed``: ``weight`` is stored ``[in, out]`` (PEFT's
-    ``fan_in_fan_out``, GPT-2's ``Conv1D``) and gets ``(B @ A).T``. A region is one
+    in ``weight``'s dtype (or ``out_dtype``); ``transposed``: ``weight`` is stored ``[in, out]``
+    (PEFT's ``fan_in_fan_out``, GPT-2's ``Conv1D``) and gets ``(B @ A).T``. A region is one
     computation that reads ``weight[box]``, the rows of ``b`` and the columns of ``a`` that the
     box covers, computed in float64 and rounded once."""
 
@@ -96,12 +97,17 @@ class LoraMerge(Node):
     b: Node
     scale: float
     transposed: bool = False
+    out_dtype: torch.dtype | None = None
     shape: tuple[int, ...] = field(init=False)
     dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.weight.shape))
-        object.__setattr__(self, "dtype", self.weight.dtype)
+        object.__setattr__(self, "dtype", self.out_dtype or self.weight.dtype)
+
+    def as_dtype(self, dtype: torch.dtype) -> Node | None:
+        """The same merge, rounded once from float64 to ``dtype`` (any floating dtype)."""
+        return dataclasses.replace(self, out_dtype=dtype) if dtype.is_floating_point else None
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         out.append(Compute(self, box, dest, functools.partial(self._region, box)))
@@ -130,7 +136,8 @@ class LoraMerge(Node):
 
     def describe(self) -> str:
         t = ", transposed" if self.transposed else ""
-        return f"merge_lora({self.weight.describe()}, {self.a.describe()}, {self.b.describe()}, scale={self.scale:g}{t})"
+        to = f", dtype={dtype_name(self.out_dtype)}" if self.out_dtype is not None else ""
+        return f"merge_lora({self.weight.describe()}, {self.a.describe()}, {self.b.describe()}, scale={self.scale:g}{t}{to})"
 
 
 # --- the rule ------------------------------------------------------------------------------------
