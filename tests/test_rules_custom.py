@@ -237,6 +237,23 @@ def test_affine_values_regions_and_inverse(tmp_path, dtype):
         assert torch.equal(back, ((want.to(compute) - shift) / scale).to(dtype))
 
 
+def test_affine_cast_to_float32_computes_in_float32(tmp_path):
+    """Gemma's ``1 + w`` on bf16 norms into a float32 model: the cast has the affine round once
+    to float32 (exact here), instead of rounding ``1 + w`` to bf16 first."""
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(64, generator=g) * 1e-2).to(torch.bfloat16)
+    path = write_safetensors(tmp_path / "n.safetensors", {"n.weight": w})
+    adapter = sdadapt.Adapter([sdadapt.affine("n.weight", shift=1.0), sdadapt.cast("**", "model")])
+    plan = sdadapt.build_plan(sdadapt.open_source(path).schema, {"n.weight": sdadapt.TensorInfo((64,), torch.float32)}, adapter)
+    node = plan.recipes["n.weight"]
+    assert node.dtype == torch.float32 and node.describe() == "n.weight * 1 + 1 as float32"
+    want = w.float() + 1.0
+    assert not torch.equal(want, want.to(torch.bfloat16).float())  # 1 + w in bf16 loses w's low bits
+    with sdadapt.open_source(path) as src:
+        assert torch.equal(node.full(src), want)
+        assert torch.equal(node.read(((3, 40),), src), want[3:40])
+
+
 class _Mem:
     def __init__(self, sd: dict[str, torch.Tensor]) -> None:
         self.sd = sd

@@ -3,24 +3,27 @@ each a computation step of the node protocol in :mod:`sdadapt._nodes`."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from ._nodes import Box, Compute, Node, SourceIO, Step
+from .sources._base import dtype_name
 
 
 @dataclass(frozen=True, eq=False)
 class Affine(Node):
     """The input times ``scale`` plus ``shift`` (``invert``: minus ``shift``, divided by
-    ``scale``), elementwise; computed in float32 (float64 for float64 inputs) and rounded once to
-    the input's floating dtype. A box maps to the same box of the input."""
+    ``scale``), elementwise; computed in float32 (float64 for float64 outputs) and rounded once to
+    the input's floating dtype, or to ``out_dtype``. A box maps to the same box of the input."""
 
     child: Node
     scale: float
     shift: float
     invert: bool = False
+    out_dtype: torch.dtype | None = None
     shape: tuple[int, ...] = field(init=False)
     dtype: torch.dtype = field(init=False)
 
@@ -28,7 +31,12 @@ class Affine(Node):
         if not self.child.dtype.is_floating_point:
             raise ValueError(f"affine needs a floating input, got {self.child.dtype}")
         object.__setattr__(self, "shape", self.child.shape)
-        object.__setattr__(self, "dtype", self.child.dtype)
+        object.__setattr__(self, "dtype", self.out_dtype or self.child.dtype)
+
+    def as_dtype(self, dtype: torch.dtype) -> Node | None:
+        """The same arithmetic, rounded once to ``dtype`` (a bf16 Gemma norm's ``1 + w`` into a
+        float32 model, exactly)."""
+        return dataclasses.replace(self, out_dtype=dtype) if dtype.is_floating_point else None
 
     def _apply(self, t: torch.Tensor) -> torch.Tensor:
         w = t.to(torch.float64 if self.dtype == torch.float64 else torch.float32)
@@ -45,6 +53,7 @@ class Affine(Node):
         return self._apply(self.child.full(io))
 
     def describe(self) -> str:
+        to = f" as {dtype_name(self.out_dtype)}" if self.out_dtype is not None else ""
         if self.invert:
-            return f"({self.child.describe()} - {self.shift:g}) / {self.scale:g}"
-        return f"{self.child.describe()} * {self.scale:g} + {self.shift:g}"
+            return f"({self.child.describe()} - {self.shift:g}) / {self.scale:g}{to}"
+        return f"{self.child.describe()} * {self.scale:g} + {self.shift:g}{to}"

@@ -42,9 +42,9 @@ class Cast(RuleBase):
     Dtype changes are never silent: without a cast rule a dtype mismatch is a problem.
     ``dtype="model"`` converts each tensor to the dtype the model holds for it (looked up under
     the key's final name), the one rule that fixes any dtype-only mismatch. A recipe that
-    computes its values in a dtype of its choosing (a dequantisation of an FP8 release) is given
-    ``dtype`` to compute in instead, so a float32 model gets the float32 values, not bfloat16
-    ones widened."""
+    computes its values (a dequantisation of an FP8 release, a LoRA merge, an affine) is given
+    ``dtype`` to compute in instead (:meth:`~sdadapt._nodes.Node.as_dtype`), so a float32 model
+    gets float32 values, not bfloat16 ones widened."""
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["cast"] = "cast"
