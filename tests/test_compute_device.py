@@ -6,7 +6,6 @@ available, the engine itself is run with GPU destinations against the same refer
 
 from __future__ import annotations
 
-import queue
 import random
 
 import pytest
@@ -16,6 +15,7 @@ from checkpoints import write_safetensors
 import sdadapt._nodes as N
 from sdadapt import _quant as Q
 from sdadapt import _quant_nodes as QN
+from sdadapt._engine.lanes import TaskLanes
 from sdadapt._engine.staging import StagingPool
 from sdadapt._engine.workers import Shared, Worker
 from sdadapt._interleave import Interleave
@@ -29,7 +29,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _worker(src, chunk: int, depth: int) -> Worker:
     """A CPU worker whose staging buffers and band buffer hold ``chunk`` bytes (inputs larger
     than that are copied without staging), ``depth`` staging buffers per thread."""
-    shared = Shared(src, queue.SimpleQueue(), {}, StagingPool(4, chunk, pin=False), chunk, None, StagingPool(1, chunk, pin=False))
+    shared = Shared(src, TaskLanes(), {}, StagingPool(4, chunk, pin=False), chunk, None, StagingPool(1, chunk, pin=False))
     return Worker(shared, depth)
 
 
@@ -360,7 +360,7 @@ def test_band_buffers_cycle_without_waiting_while_the_pool_has_one_free(tmp_path
     from the pool blockingly. ``band_depth=1`` always waits for its one buffer's copy."""
     path = write_safetensors(tmp_path / "t.safetensors", {"t": torch.zeros(4)})
     with open_source(path) as src:
-        shared = Shared(src, queue.SimpleQueue(), {}, StagingPool(2, 64, pin=False), 64, None, StagingPool(free, 64, pin=False))
+        shared = Shared(src, TaskLanes(), {}, StagingPool(2, 64, pin=False), 64, None, StagingPool(free, 64, pin=False))
         worker = Worker(shared, 1, band_depth=2)
         a = worker.band_buffer()
         first = worker.band[1] = _PendingCopy()  # type: ignore[index]
@@ -373,7 +373,7 @@ def test_band_buffers_cycle_without_waiting_while_the_pool_has_one_free(tmp_path
             assert b.data_ptr() == a.data_ptr() and first.waits == 1  # none free: wait for the one it has
         assert shared.bands.allocated == free and len(worker.bands) == free
 
-        single = Worker(Shared(src, queue.SimpleQueue(), {}, StagingPool(2, 64, pin=False), 64, None, StagingPool(2, 64, pin=False)), 1)
+        single = Worker(Shared(src, TaskLanes(), {}, StagingPool(2, 64, pin=False), 64, None, StagingPool(2, 64, pin=False)), 1)
         c = single.band_buffer()
         pending = single.band[1] = _PendingCopy()  # type: ignore[index]
         assert single.band_buffer().data_ptr() == c.data_ptr() and pending.waits == 1 and len(single.bands) == 1

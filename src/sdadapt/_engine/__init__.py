@@ -31,7 +31,9 @@ on a thread pool:
    started before planning (:mod:`.engine`): each task is queued as soon as it is made, so the
    first bytes are read while later jobs are still being planned. ``preadv`` and ``copy_``
    release the GIL, so threads read in parallel; Python runs per task (a chunk of megabytes),
-   never per element. Each thread cycles through ``depth`` staging buffers of its own.
+   never per element. Each thread cycles through ``depth`` staging buffers of its own. Only
+   the threads that hold a band buffer run computations (:mod:`.lanes`); the others run the
+   plain reads beside them.
 
 Errors name the target key, the source key and the file. Bytes read are counted exactly
 (what was copied out of the checkpoint, including any gap a coalesced read spans).

@@ -44,7 +44,8 @@ class EngineConfig:
     computation (a dequantisation is cut into bands of whole blocks of about that size): each
     thread that computes reads its bands into one buffer of that size, from a second pool bounded
     by ``staging_bytes`` too (allocated only by loads that compute; its bound is also how many
-    threads compute at once: fewer, larger computations keep per-task costs low).
+    threads compute: fewer, larger computations keep per-task costs low, and the other threads
+    run the load's plain reads meanwhile, see :mod:`sdadapt._engine.lanes`).
     ``band_depth`` is how many band buffers a computing thread may cycle through (the pool holds
     that many times more; above 1, reading a band overlaps the copy of the last one to the GPU;
     1, the default, until measured otherwise). Environment: ``SDADAPT_IO_THREADS``,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +15,7 @@ import torch
 from .._gc import gc_paused
 from ..sources._base import Source
 from .config import EngineConfig
+from .lanes import TaskLanes
 from .planner import Planner
 from .staging import StagingPool
 from .syscalls import open_for
@@ -87,10 +87,11 @@ class IOEngine:
         threads = max(1, min(cfg.threads, _estimate_tasks(jobs, chunk)))
         # Buffers are made on first use; no more than the threads can hold at once.
         pool = StagingPool(max(1, min(cfg.staging_bytes // chunk, threads * cfg.depth)), chunk, device is not None)
+        # The first `computing` threads each hold a band buffer and are the only ones that compute.
         computing = max(1, min(cfg.staging_bytes // cfg.band_bytes, threads))
         bands = StagingPool(computing * cfg.band_depth, cfg.band_buffer_bytes(), device is not None)
-        shared = Shared(self.source, queue.SimpleQueue(), {}, pool, chunk, device, bands, cfg.min_span_bytes)
-        workers = [Worker(shared, cfg.depth, cfg.band_depth) for _ in range(threads)]
+        shared = Shared(self.source, TaskLanes(), {}, pool, chunk, device, bands, cfg.min_span_bytes)
+        workers = [Worker(shared, cfg.depth, cfg.band_depth, computes=i < computing) for i in range(threads)]
         pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
         for th in pool_threads:
             th.start()
@@ -115,8 +116,7 @@ class IOEngine:
                 shared.failed.set()
             finally:
                 planned = time.perf_counter()
-                for _ in pool_threads:
-                    shared.work.put(None)
+                shared.work.close()
                 for th in pool_threads:
                     th.join()
                 pool.close()

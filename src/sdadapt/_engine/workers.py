@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,6 +13,7 @@ from .._nodes import Box, box_shape
 from ..sources._base import Source
 from . import syscalls
 from .geometry import box_spans
+from .lanes import TaskLanes
 from .staging import StagingPool
 from .tasks import ComputeTask, DirectRead, FillTask, SourceRead, StagedRead, Task
 
@@ -78,12 +78,12 @@ class Shared:
     """What the worker threads of one run share."""
 
     source: Source
-    work: queue.SimpleQueue[Task | None]  # None: no more tasks
+    work: TaskLanes
     fds: dict[str, int]
     pool: StagingPool
     chunk: int
     device: torch.device | None
-    bands: StagingPool  # one buffer per thread that computes, taken on its first computation
+    bands: StagingPool  # at least one buffer per thread that computes, taken on its first computation
     min_span: int = 64 * 1024  # shortest run a computation's input is read in with preadv
     errors: list[BaseException] = field(default_factory=list)
     failed: threading.Event = field(default_factory=threading.Event)
@@ -97,8 +97,9 @@ class Worker:
     copy out of it has finished (its event), so the next read overlaps the copy. On a GPU the
     thread's own stream is current for the whole run."""
 
-    def __init__(self, shared: Shared, depth: int = 2, band_depth: int = 1):
+    def __init__(self, shared: Shared, depth: int = 2, band_depth: int = 1, computes: bool = True):
         self.shared = shared
+        self.computes = computes  # takes computations (see TaskLanes); the band pool holds a buffer for it
         self.depth = depth  # staging buffers of this thread
         self.band_depth = band_depth  # band buffers of this thread, at most
         self.counter = CountingIO(shared.source)
@@ -139,7 +140,7 @@ class Worker:
     def _loop(self) -> None:
         sh = self.shared
         while True:
-            task = sh.work.get()
+            task = sh.work.get(self.computes)
             if task is None or sh.failed.is_set():
                 return
             start = time.perf_counter()
@@ -185,21 +186,14 @@ class Worker:
 
     def band_buffer(self) -> torch.Tensor:
         """This thread's buffer for a computation's inputs (a band of at most ``bands.size``
-        bytes), taken from the bounded pool on the first computation and kept, so the pool also
-        bounds how many threads compute at once. With ``band_depth`` above 1 the thread takes
-        more band buffers while the pool has some free (never waiting for one) and cycles
-        through them, so that reading the next band overlaps the copy of the last one to the
-        GPU; otherwise a buffer is reused once the copy out of it has finished. Before waiting
-        for its first, the thread gives its staging buffers back (once their copies are done):
-        a thread that holds a band buffer may wait for a staging buffer, so one that waits for
-        a band buffer must hold none (no cycle)."""
+        bytes), taken from the pool on the first computation and kept (the pool holds one for
+        every thread that computes, so taking it never waits). With ``band_depth`` above 1 the
+        thread takes more band buffers while the pool has some free (never waiting for one) and
+        cycles through them, so that reading the next band overlaps the copy of the last one to
+        the GPU; otherwise a buffer is reused once the copy out of it has finished."""
         start = time.perf_counter()
         if not self.bands:
-            buf = self.shared.bands.try_get()
-            if buf is None:
-                self._give_back_ring()
-                buf = self.shared.bands.get()
-            self.bands.append([buf, None])
+            self.bands.append([self.shared.bands.get(), None])
             self.band = self.bands[0]
         else:
             assert self.band is not None
@@ -213,15 +207,6 @@ class Worker:
                 self.band[1].synchronize()
         self.waiting += time.perf_counter() - start
         return self.band[0]
-
-    def _give_back_ring(self) -> None:
-        """Return this thread's staging buffers to the pool, each once its copy has finished."""
-        for buf, event in self.ring:
-            if event is not None:
-                event.synchronize()
-            self.shared.pool.put(buf)
-        self.ring.clear()
-        self.turn = 0
 
     def _copied(self, slot: list[Any] | None = None) -> None:
         """Mark the current ring buffer (or ``slot``, a [buffer, event]) in use until the
