@@ -157,3 +157,114 @@ def test_registered_slab_is_pinned_and_copies_to_the_device():
     stream.synchronize()
     assert torch.equal(dev.cpu(), t)
     slab.release()
+
+
+class _Gated(_Counting):
+    """A counting allocator that blocks until ``go`` is set (a slab still being pinned)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+
+    def __call__(self, nbytes: int) -> Slab:
+        assert self.go.wait(10)
+        return super().__call__(nbytes)
+
+
+CPU = torch.device("cpu")
+
+
+def test_prefetched_slab_is_waited_for_and_handed_out_once():
+    """A get for a slab being prefetched waits for it rather than pinning a second one; the
+    smallest slab on its way that fits is the one taken; a prefetch that a kept or pending
+    slab already covers starts nothing."""
+    alloc = _Gated()
+    cache = SlabCache(alloc, keep=4)
+    cache.prefetch(2 * HUGE_PAGE, CPU)
+    cache.prefetch(5 * HUGE_PAGE, CPU)
+    cache.prefetch(HUGE_PAGE, CPU)  # covered by the 2-page one on its way
+    got: dict[str, Slab] = {}
+    taker = threading.Thread(target=lambda: got.setdefault("a", cache.get(HUGE_PAGE + 1)))
+    taker.start()
+    taker.join(0.2)
+    assert taker.is_alive() and alloc.made == []  # waiting for the prefetch, not pinning its own
+    alloc.go.set()
+    taker.join(10)
+    assert got["a"].nbytes == 2 * HUGE_PAGE  # the smallest that fits
+    assert cache.get(4 * HUGE_PAGE).nbytes == 5 * HUGE_PAGE
+    assert sorted(alloc.made) == [2 * HUGE_PAGE, 5 * HUGE_PAGE]
+    cache.put(got["a"])
+    cache.prefetch(HUGE_PAGE, CPU)  # a kept slab fits: nothing pinned
+    assert cache.get(HUGE_PAGE) is got["a"] and len(alloc.made) == 2
+
+
+def test_failed_prefetch_leaves_the_get_to_allocate():
+    made: list[int] = []
+
+    def flaky(nbytes: int) -> Slab:
+        made.append(nbytes)
+        if len(made) == 1:
+            raise RuntimeError("no pinned memory")
+        return Slab(torch.empty(nbytes, dtype=torch.uint8))
+
+    cache = SlabCache(flaky)
+    cache.prefetch(HUGE_PAGE, CPU)
+    slab = cache.get(HUGE_PAGE)  # waits for the failed prefetch, then pins its own
+    assert slab.nbytes == HUGE_PAGE and made == [HUGE_PAGE, HUGE_PAGE]
+
+
+def test_prefetch_is_sized_as_the_run_asks_for(monkeypatch):
+    """prefetch_pinned asks for the slabs a run of the config's threads cuts its pools from:
+    the staging pool's always, the band pool's only for a load that computes."""
+    from sdadapt._engine import EngineConfig, engine
+
+    asked: list[int] = []
+    monkeypatch.setattr(engine.SLABS, "prefetch", lambda nbytes, device: asked.append(nbytes))
+    cfg = EngineConfig(threads=4)
+    engine.prefetch_pinned(CPU, False, cfg)
+    engine.prefetch_pinned(CPU, True, cfg)
+    staging = StagingPool.slab_bytes(cfg.staging_buffers(4), cfg.chunk())
+    bands = StagingPool.slab_bytes(cfg.computing_threads(4) * cfg.band_depth, cfg.band_buffer_bytes())
+    assert asked == [staging, staging, bands]
+    assert staging >= cfg.staging_buffers(4) * cfg.chunk() and bands >= 4 * cfg.band_buffer_bytes()
+
+
+def test_a_gpu_load_prefetches_its_staging_and_bands_only_when_it_computes(monkeypatch):
+    """``sdadapt.load`` into a meta model bound for a GPU starts pinning before it materialises:
+    the staging slab always, the band slab when a recipe dequantises (a node anywhere below the
+    top, as stacked experts hold them). A CPU load prefetches nothing."""
+    from types import SimpleNamespace
+
+    import sdadapt._nodes as N
+    from sdadapt import _load
+    from sdadapt import _quant_nodes as QN
+
+    calls: list[tuple[torch.device, bool]] = []
+    monkeypatch.setattr(_load, "prefetch_pinned", lambda device, computes: calls.append((device, computes)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    w, s = N.Leaf("w", (4, 256, 256), torch.float8_e4m3fn), N.Leaf("s", (4, 2, 2), torch.float32)
+    experts = [QN.DequantFP8(N.Select(w, 0, e), N.Select(s, 0, e), (128, 128), "float32", torch.bfloat16) for e in range(4)]
+    fp8 = SimpleNamespace(recipes={"n": N.Leaf("n", (8,), torch.bfloat16), "experts": N.Stack(tuple(experts), 0)})
+    plain = SimpleNamespace(recipes={"n": N.Leaf("n", (8,), torch.bfloat16)})
+    with torch.device("meta"):
+        model = torch.nn.Linear(2, 2)
+    planned = {"weight": model.weight}
+    _load._prefetch_pinned(model, "cuda:0", planned, fp8)  # type: ignore[arg-type]
+    _load._prefetch_pinned(model, "cuda:0", planned, plain)  # type: ignore[arg-type]
+    _load._prefetch_pinned(torch.nn.Linear(2, 2), None, {"weight": torch.zeros(2)}, fp8)  # type: ignore[arg-type]
+    assert calls == [(torch.device("cuda:0"), True), (torch.device("cuda:0"), False)]
+
+
+@cuda
+def test_slab_prefetched_on_a_background_thread_is_pinned_for_the_device():
+    cache = SlabCache(register_slab)
+    cache.prefetch(2 * HUGE_PAGE, torch.device("cuda", torch.cuda.current_device()))
+    slab = cache.get(2 * HUGE_PAGE)
+    t = slab.tensor
+    assert slab.mapping is not None and t.is_pinned()
+    t.fill_(7)
+    dev = torch.empty_like(t, device="cuda")
+    dev.copy_(t, non_blocking=True)
+    torch.cuda.synchronize()
+    assert bool((dev == 7).all())
+    slab.release()

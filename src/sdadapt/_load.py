@@ -16,9 +16,10 @@ from . import _integrity as integrity
 from ._adapter import Adapter
 from ._constructors import with_dtype
 from ._distributed import rank_and_world
+from ._engine import prefetch_pinned
 from ._gc import without_gc
 from ._lora import open_peft_lora
-from ._materialize import InitFn, check_buffers
+from ._materialize import InitFn, check_buffers, choose_device, has_meta
 from ._plan import PipelineStage, Plan, build_plan, vacant_modules
 from ._report import Report
 from ._resolve import adapter_or_none
@@ -140,6 +141,19 @@ def _plan_load(
 
 
 @without_gc  # no full collection stalls the load: see sdadapt._gc
+def _prefetch_pinned(model: nn.Module, device: torch.device | str | None, planned: dict[str, torch.Tensor], plan: Plan) -> None:
+    """A load into GPU shards starts pinning its staging memory now, while the model is still
+    materialised: the engine's first run then finds it pinned (or nearly)."""
+    if not torch.cuda.is_available():
+        return
+    devices = {t.device for t in planned.values() if t.device.type == "cuda"}
+    if not devices and has_meta(model):
+        devices = {choose_device(model, device)}
+    target = next(iter(devices), None)
+    if target is not None and target.type == "cuda":
+        prefetch_pinned(target, any(node.computes_on_device() for node in plan.recipes.values()))
+
+
 def load(
     model: nn.Module,
     src: str | os.PathLike[str] | Source,
@@ -246,6 +260,7 @@ def load(
     plan = txn.prepare(prepare)  # every rank raises if any failed; nothing was changed
     phases = _Phases(t0)
     phases.mark("plan")
+    _prefetch_pinned(model, device, planned, plan)
     # every rank's hook has run (a hook may touch the files) before any rank checks them
     materialized = txn.materialize(device, init_buffers)
     phases.mark("materialize")

@@ -221,6 +221,11 @@ class Node:
         """The source keys this recipe reads, in order (repeats kept)."""
         return [k for c in self.children() for k in c.leaves()]
 
+    def computes_on_device(self) -> bool:
+        """Some step of this recipe is a :class:`Compute` of the ``inputs``/``kernel`` form (the
+        engine reads its inputs into band buffers, and runs it on the destination's device)."""
+        return any(c.computes_on_device() for c in self.children())
+
     def steps(self, box: Box, dest: torch.Tensor) -> list[Step]:
         """The steps that produce region ``box`` into ``dest``."""
         out: list[Step] = []
@@ -279,6 +284,9 @@ class Leaf(Node):
 
     def leaves(self) -> list[str]:
         return [self.key]
+
+    def computes_on_device(self) -> bool:
+        return False
 
     def describe(self) -> str:
         return self.key

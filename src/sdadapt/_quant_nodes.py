@@ -73,6 +73,9 @@ class _Dequant(Node):
     def bands(self, box: Box, max_bytes: int) -> list[Box]:
         return _bands(box, self._value_bytes(), max_bytes, self._align(len(box)))
 
+    def computes_on_device(self) -> bool:
+        return True
+
     def as_dtype(self, dtype: torch.dtype) -> Node | None:
         """The same dequantisation, into ``dtype`` (any floating dtype)."""
         if not dtype.is_floating_point or not dataclasses.is_dataclass(self):

@@ -40,10 +40,20 @@ Errors name the target key, the source key and the file. Bytes read are counted 
 """
 
 from .config import EngineConfig, default_threads
-from .engine import EngineStats, IOEngine
+from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
 from .pinned import release_pinned_memory
 from .tasks import Job
 from .workers import CountingIO
 
-__all__ = ["CountingIO", "EngineConfig", "EngineStats", "IOEngine", "Job", "box_spans", "default_threads", "release_pinned_memory"]
+__all__ = [
+    "CountingIO",
+    "EngineConfig",
+    "EngineStats",
+    "IOEngine",
+    "Job",
+    "box_spans",
+    "default_threads",
+    "prefetch_pinned",
+    "release_pinned_memory",
+]

@@ -77,6 +77,16 @@ class EngineConfig:
             return max(4096, self.chunk_bytes)
         return max(MiB, min(32 * MiB, self.staging_bytes // (self.depth * max(1, self.threads))))
 
+    def staging_buffers(self, threads: int) -> int:
+        """How many staging buffers a run with ``threads`` threads may hold (each ``chunk()``
+        bytes): what ``staging_bytes`` allows, and no more than the threads can cycle through."""
+        return max(1, min(self.staging_bytes // self.chunk(), threads * self.depth))
+
+    def computing_threads(self, threads: int) -> int:
+        """How many of a run's ``threads`` compute: one band buffer each within ``staging_bytes``
+        (the band pool holds ``band_depth`` times as many buffers)."""
+        return max(1, min(self.staging_bytes // self.band_bytes, threads))
+
     def band_buffer_bytes(self) -> int:
         """The size of a band buffer: a band's largest input (``band_bytes``) and room for its
         other inputs, the scales: at most a sixteenth of it (MXFP4's byte per 16-byte block),

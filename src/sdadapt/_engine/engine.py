@@ -16,6 +16,7 @@ from .._gc import gc_paused
 from ..sources._base import Source
 from .config import EngineConfig
 from .lanes import TaskLanes
+from .pinned import SLABS
 from .planner import Planner
 from .staging import StagingPool
 from .syscalls import open_for
@@ -59,6 +60,18 @@ def _estimate_tasks(jobs: Sequence[Job], chunk: int) -> int:
     return sum(max(1, -(-j.dest.numel() * j.dest.element_size() // chunk)) for j in jobs)
 
 
+def prefetch_pinned(device: torch.device, computes: bool, config: EngineConfig | None = None) -> None:
+    """Start pinning, in the background, the staging memory that a load to ``device`` (a GPU)
+    will pin on its first run (``computes``: its band buffers too), as large as a run of
+    ``config``'s threads asks for; the run then takes it from the cache of kept slabs
+    (:data:`~sdadapt._engine.pinned.SLABS`), waiting only for what is not pinned yet. A load
+    calls it before materialising its model, so that pinning overlaps that."""
+    cfg = config or EngineConfig.from_env()
+    SLABS.prefetch(StagingPool.slab_bytes(cfg.staging_buffers(cfg.threads), cfg.chunk()), device)
+    if computes:
+        SLABS.prefetch(StagingPool.slab_bytes(cfg.computing_threads(cfg.threads) * cfg.band_depth, cfg.band_buffer_bytes()), device)
+
+
 class IOEngine:
     """Runs a rank's reads for one ``dcp.load``; see :mod:`sdadapt._engine`."""
 
@@ -86,9 +99,9 @@ class IOEngine:
         device = next(iter(cuda_devices)) if cuda_devices and torch.cuda.is_available() else None
         threads = max(1, min(cfg.threads, _estimate_tasks(jobs, chunk)))
         # Buffers are made on first use; no more than the threads can hold at once.
-        pool = StagingPool(max(1, min(cfg.staging_bytes // chunk, threads * cfg.depth)), chunk, device is not None)
+        pool = StagingPool(cfg.staging_buffers(threads), chunk, device is not None)
         # The first `computing` threads each hold a band buffer and are the only ones that compute.
-        computing = max(1, min(cfg.staging_bytes // cfg.band_bytes, threads))
+        computing = cfg.computing_threads(threads)
         bands = StagingPool(computing * cfg.band_depth, cfg.band_buffer_bytes(), device is not None)
         shared = Shared(self.source, TaskLanes(), {}, pool, chunk, device, bands, cfg.min_span_bytes)
         workers = [Worker(shared, cfg.depth, cfg.band_depth, computes=i < computing) for i in range(threads)]

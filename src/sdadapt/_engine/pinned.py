@@ -14,6 +14,7 @@ a plain ``pin_memory=True`` tensor: the same memory, allocated the slower way.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -77,35 +78,84 @@ def register_slab(nbytes: int) -> Slab:
         return Slab(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
 
 
+def _rounded(nbytes: int) -> int:
+    return -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+
+
 class SlabCache:
     """Slabs handed out by :meth:`get` and kept by :meth:`put` for the next :meth:`get` (the
-    smallest kept one that is large enough), at most ``keep`` of them; thread-safe."""
+    smallest kept one that is large enough), at most ``keep`` of them; thread-safe.
+    :meth:`prefetch` pins a slab in the background ahead of the :meth:`get` that will want it."""
 
     def __init__(self, allocate: Callable[[int], Slab] = register_slab, keep: int = KEEP):
         self.allocate = allocate
         self.keep = keep
         self._kept: list[Slab] = []
+        self._pending: list[tuple[int, threading.Event]] = []  # (bytes, set once kept) being pinned
         self._lock = threading.Lock()
 
     def get(self, nbytes: int) -> Slab:
+        """The smallest kept slab of at least ``nbytes``; else, once the smallest such slab
+        being prefetched is pinned, that one; else a new slab."""
+        while True:
+            with self._lock:
+                fits = [s for s in self._kept if s.nbytes >= nbytes]
+                if fits:
+                    slab = min(fits, key=lambda s: s.nbytes)
+                    self._kept.remove(slab)
+                    return slab
+                coming = [p for p in self._pending if p[0] >= nbytes]
+                if not coming:
+                    break
+                done = min(coming, key=lambda p: p[0])[1]
+            done.wait()
+        return self.allocate(_rounded(nbytes))
+
+    def prefetch(self, nbytes: int, device: torch.device) -> None:
+        """Start pinning a slab of ``nbytes`` (registered with ``device``'s context) on a
+        background thread, to be kept for the next :meth:`get`; nothing when a large enough
+        slab is kept or already on its way. For a load to start pinning its staging while it
+        still materialises the model."""
+        nbytes = _rounded(nbytes)
         with self._lock:
-            fits = [s for s in self._kept if s.nbytes >= nbytes]
-            if fits:
-                slab = min(fits, key=lambda s: s.nbytes)
-                self._kept.remove(slab)
-                return slab
-        return self.allocate(-(-nbytes // HUGE_PAGE) * HUGE_PAGE)
+            if any(s.nbytes >= nbytes for s in self._kept) or any(n >= nbytes for n, _ in self._pending):
+                return
+            entry = (nbytes, threading.Event())
+            self._pending.append(entry)
+
+        def pin() -> None:
+            slab: Slab | None = None
+            try:
+                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                    slab = self.allocate(nbytes)
+            except Exception as e:  # noqa: BLE001 - the get that wanted it allocates (and raises) itself
+                log.debug("prefetching %d bytes of pinned memory failed: %s", nbytes, e)
+            finally:
+                with self._lock:
+                    self._pending.remove(entry)
+                    evicted = self._keep(slab) if slab is not None else None
+                entry[1].set()
+                if evicted is not None:
+                    evicted.release()
+
+        threading.Thread(target=pin, name="sdadapt-pin", daemon=True).start()
 
     def put(self, slab: Slab) -> None:
         """Keep ``slab`` (no copy out of it may still be pending); over the bound, the smallest
         kept slab is freed."""
         with self._lock:
-            self._kept.append(slab)
-            if len(self._kept) <= self.keep:
-                return
-            smallest = min(self._kept, key=lambda s: s.nbytes)
-            self._kept.remove(smallest)
-        smallest.release()
+            evicted = self._keep(slab)
+        if evicted is not None:
+            evicted.release()
+
+    def _keep(self, slab: Slab) -> Slab | None:
+        """Keep ``slab`` (the lock held); the smallest kept slab, to free, when over the bound."""
+        self._kept.append(slab)
+        if len(self._kept) <= self.keep:
+            return None
+        smallest = min(self._kept, key=lambda s: s.nbytes)
+        self._kept.remove(smallest)
+        return smallest
 
     def clear(self) -> int:
         """Free every kept slab; the bytes freed."""

@@ -12,6 +12,10 @@ from .pinned import SLABS, Slab, SlabCache
 _ALIGN = 4096  # each buffer of a slab starts on a page (any dtype's alignment)
 
 
+def _stride(size: int) -> int:
+    return -(-size // _ALIGN) * _ALIGN
+
+
 class StagingPool:
     """At most ``count`` staging buffers of ``size`` bytes, shared by the threads of one run.
 
@@ -29,12 +33,17 @@ class StagingPool:
         self._slab: Slab | None = None
         self.allocated = 0
 
+    @staticmethod
+    def slab_bytes(count: int, size: int) -> int:
+        """The pinned slab that ``count`` buffers of ``size`` bytes are cut from."""
+        return count * _stride(size)
+
     def _new(self) -> torch.Tensor:
         if not self.pin:
             return torch.empty(self.size, dtype=torch.uint8)
-        stride = -(-self.size // _ALIGN) * _ALIGN
+        stride = _stride(self.size)
         if self._slab is None:
-            self._slab = self._slabs.get(stride * self._count)
+            self._slab = self._slabs.get(self.slab_bytes(self._count, self.size))
         at = (self._count - self._left) * stride
         return self._slab.tensor[at : at + self.size]
 
