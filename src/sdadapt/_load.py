@@ -140,7 +140,6 @@ def _plan_load(
     return source, plan, state_dict
 
 
-@without_gc  # no full collection stalls the load: see sdadapt._gc
 def _prefetch_pinned(model: nn.Module, device: torch.device | str | None, planned: dict[str, torch.Tensor], plan: Plan) -> None:
     """A load into GPU shards starts pinning its staging memory now, while the model is still
     materialised: the engine's first run then finds it pinned (or nearly)."""
@@ -154,6 +153,7 @@ def _prefetch_pinned(model: nn.Module, device: torch.device | str | None, planne
         prefetch_pinned(target, any(node.computes_on_device() for node in plan.recipes.values()))
 
 
+@without_gc  # no full collection stalls the load: see sdadapt._gc
 def load(
     model: nn.Module,
     src: str | os.PathLike[str] | Source,
