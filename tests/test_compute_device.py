@@ -386,3 +386,40 @@ def test_band_depth_is_checked_and_read_from_the_environment(monkeypatch):
         EngineConfig(band_depth=0)
     monkeypatch.setenv("SDADAPT_IO_BAND_DEPTH", "2")
     assert EngineConfig.from_env().band_depth == 2
+
+
+@pytest.mark.parametrize("quant", ["fp8", "mxfp4"])
+def test_an_expert_of_fused_experts_crosses_as_a_view_of_its_staged_read(tmp_path, monkeypatch, quant):
+    """One expert of a fused 3-D expert tensor (``Select`` of the stored tensor, as Qwen3-MoE's
+    and GPT-OSS's fused forms are mapped) is read into the band buffer and copied to the
+    device from there, as a tensor of its own is: nothing is gathered into a host tensor and
+    uploaded apart, and the values equal the whole-tensor reference."""
+    g = torch.Generator().manual_seed(6)
+    if quant == "fp8":
+        w, s = Q.quantize_fp8(torch.randn(3, 32, 48, generator=g), (16, 16), "float32")
+        keys = {"w": w, "w_scale_inv": s}
+    else:
+        w, s = Q.quantize_mxfp4(torch.randn(3, 8, 4 * Q.MX_BLOCK, generator=g))
+        keys = {"w": w, "w_scale_inv": s}
+    path = write_safetensors(tmp_path / "experts.safetensors", keys)
+    lw, ls = N.Leaf("w", tuple(w.shape), w.dtype), N.Leaf("w_scale_inv", tuple(s.shape), s.dtype)
+    uploads: list[int] = []
+    with open_source(path) as src:
+        worker = _worker(src, 1 << 20, 2)
+        _open_all(worker, src)
+        real = worker._upload
+        monkeypatch.setattr(worker, "_upload", lambda value, dest: (uploads.append(1), real(value, dest)))
+        for e in range(3):
+            if quant == "fp8":
+                node: N.Node = QN.DequantFP8(N.Select(lw, 0, e), N.Select(ls, 0, e), (16, 16), "float32", torch.bfloat16)
+            else:
+                node = QN.DequantMXFP4(N.Select(lw, 0, e), N.Select(ls, 0, e), torch.bfloat16)
+            want = node.full(worker.counter)
+            moved = torch.full(node.shape, float("nan"), dtype=torch.bfloat16)
+            (step,) = node.steps(N.full_box(node.shape), moved)
+            assert isinstance(step, N.Compute)
+            worker.inputs.begin()
+            step.run(worker.inputs, worker.to_device)
+            assert worker.inputs.buffer is not None  # read with preadv into the band buffer
+            assert torch.equal(_bits(moved), _bits(want)), e
+    assert uploads == []  # every input crossed in the band buffer's one copy

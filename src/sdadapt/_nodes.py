@@ -288,6 +288,9 @@ class Leaf(Node):
     def computes_on_device(self) -> bool:
         return False
 
+    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
+        return io.read(self.key, box)  # what io hands out, uncopied (a view of a staged read)
+
     def describe(self) -> str:
         return self.key
 
@@ -513,6 +516,12 @@ class Select(Rearrangement):
 
     def full(self, io: SourceIO) -> torch.Tensor:
         return self.child.full(io).select(self.dim, self.index)
+
+    def read(self, box: Box, io: SourceIO) -> torch.Tensor:
+        """The child's region with the entry's index put in, read as the child reads it (an
+        expert of fused 3-D experts stays a view of the staged read: no copy on the host)."""
+        outer = box[: self.dim] + ((self.index, self.index + 1),) + box[self.dim :]
+        return self.child.read(outer, io).select(self.dim, 0)
 
     def describe(self) -> str:
         return f"{self.child.describe()}[{self.dim}: {self.index}]"
