@@ -138,17 +138,19 @@ def test_results_md_cites_exactly_the_kept_runs():
 def test_a_variant_runs_each_sdadapt_row_again_under_other_settings_and_another_tree(tmp_path):
     """``--variant NAME:SETTINGS``: every sdadapt row runs again in its own fresh processes, with
     the variant's environment (the engine's knobs) and another tree's sdadapt first on the path;
-    'x sdadapt' compares within a variant."""
-    import shutil
-
-    tree = tmp_path / "tree" / "src"
-    shutil.copytree(ROOT / "src", tree, ignore=shutil.ignore_patterns("__pycache__"))
+    'x sdadapt' compares within a variant. The other tree is bench/engine_trace.py's overlay,
+    which writes each engine run's timeline for its ``summary``."""
+    trace = ROOT / "bench" / "engine_trace.py"
+    made = subprocess.run([sys.executable, str(trace), "overlay", str(ROOT / "src"), str(tmp_path / "tree")],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    tree, traces = tmp_path / "tree" / "src", tmp_path / "traces"
     out = tmp_path / "res"
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--preset", "tiny", "--nproc", "1", "--backend", "gloo", "--repeat", "0",
          "--paths", "sdadapt", "--tp-paths", "", "--materialized-paths", "", "--discussion", "", "--no-references",
          "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--timeout", "150",
-         "--variant", f"v:SDADAPT_IO_THREADS=1,SDADAPT_IO_CHUNK_MB=1,src={tree}"],
+         "--variant", f"v:SDADAPT_IO_THREADS=1,SDADAPT_IO_CHUNK_MB=1,src={tree},SDADAPT_TRACE={traces}"],
         env=_env(), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -157,11 +159,15 @@ def test_a_variant_runs_each_sdadapt_row_again_under_other_settings_and_another_
     assert all(r["ok"] and r["check"].startswith("= source") for r in res["rows"])
     own, varied = (g["ranks"][0] for g in res["groups"])
     assert own["sdadapt_env"] == {} and Path(own["sdadapt_file"]).resolve().is_relative_to((ROOT / "src").resolve())
-    assert varied["sdadapt_env"] == {"SDADAPT_IO_CHUNK_MB": "1", "SDADAPT_IO_THREADS": "1"}
+    assert varied["sdadapt_env"] == {"SDADAPT_IO_CHUNK_MB": "1", "SDADAPT_IO_THREADS": "1", "SDADAPT_TRACE": str(traces)}
     assert Path(varied["sdadapt_file"]).resolve().is_relative_to(tree.resolve())
     md = Path(f"{out}.md").read_text()
     assert re.search(r"\| sdadapt @v \| fsdp \| meta \| \*\*[0-9.]+\*\* \| 1\.00 \|", md)  # its own base
-    assert f"`v`: SDADAPT_IO_THREADS=1, SDADAPT_IO_CHUNK_MB=1, src={tree.resolve()}" in md
+    assert f"`v`: SDADAPT_IO_THREADS=1, SDADAPT_IO_CHUNK_MB=1, src={tree.resolve()}, SDADAPT_TRACE={traces}" in md
+    assert len(list(traces.glob("trace-*.json"))) == 1  # the variant's one load, traced; the row without it not
+    summary = subprocess.run([sys.executable, str(trace), "summary", str(traces)], capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0, summary.stderr
+    assert "sdadapt-io-0: +" in summary.stdout and "StagedRead:" in summary.stdout and "GiB read per 50 ms" in summary.stdout
 
 
 def test_variants_apply_to_sdadapt_rows_only(loadbench):

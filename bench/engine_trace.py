@@ -1,0 +1,154 @@
+"""A timeline of the I/O engine's threads during real loads, for finding where a load waits.
+
+``overlay SRC OUT`` copies the sdadapt package under SRC (a ``src`` folder) to ``OUT/src`` and
+makes it record, per engine run, when each thread ran each task, read (``preadv``), waited for
+a staging or band buffer, moved inputs to the device, ran a dequantisation kernel, and when a
+pool pinned its slab; each run is written to ``$SDADAPT_TRACE/trace-PID-N.json``. Run it
+through load_bench's variants, then ``summary DIR`` prints, per run, the sums per thread, the
+slow slab allocations and the bytes read per 50 ms::
+
+    python bench/engine_trace.py overlay src .base/trace
+    python bench/load_bench.py --preset 8b ... --paths sdadapt,sdadapt-fp8 --no-verify \\
+        --variant tr:src=.base/trace/src,SDADAPT_TRACE=$OUT/tr
+    python bench/engine_trace.py summary $OUT/tr
+
+The overlay wraps methods by name (``Worker._run``, ``Worker._read_into``, ...): a tree whose
+engine has other names records less. Its cost is a list append per event (a few thousand per
+load), yet timed figures from it are for diagnosis only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import shutil
+
+PATCH = '''"""Timeline recorder written by bench/engine_trace.py (not part of the library)."""
+import json, os, threading, time
+from ._engine import engine as E, pinned as P, staging as S, workers as W
+from . import _nodes as N, _quant_nodes as QN
+
+EVENTS = []  # (thread name, kind, start, end, detail)
+
+
+def _wrap(cls, name, kind, detail=None):
+    f = getattr(cls, name, None)
+    if f is None:
+        return
+    def g(*a, **k):
+        t = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            EVENTS.append((threading.current_thread().name, kind, t, time.perf_counter(), detail(*a, **k) if detail else None))
+    setattr(cls, name, g)
+
+
+_wrap(W.Worker, "_run", "task", lambda self, task: type(task).__name__)
+_wrap(W.Worker, "_read_into", "read", lambda self, path, segments, mem: sum(n for _, n in segments))
+_wrap(W.Worker, "_buffer", "wait_staging")
+_wrap(W.Worker, "band_buffer", "wait_band")
+_wrap(W.Worker, "to_device", "to_device")
+_wrap(W.Worker, "_upload", "upload")
+_wrap(W.StagingIO, "read", "inputs_read")
+_wrap(S.StagingPool, "_new", "pool_new")
+_wrap(P.SlabCache, "get", "slab_get", lambda self, nbytes: nbytes)
+_wrap(N.Compute, "run", "compute")
+_wrap(QN.DequantFP8, "_kernel", "kernel")
+_wrap(E.IOEngine, "plan", "plan")
+_run = E.IOEngine.run
+_count = [0]
+
+
+def _traced_run(self, jobs):
+    EVENTS.clear()
+    t = time.perf_counter()
+    try:
+        return _run(self, jobs)
+    finally:
+        EVENTS.append((threading.current_thread().name, "engine", t, time.perf_counter(), len(jobs)))
+        folder = os.environ.get("SDADAPT_TRACE")
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+            _count[0] += 1
+            with open(os.path.join(folder, f"trace-{os.getpid()}-{_count[0]}.json"), "w") as out:
+                json.dump(EVENTS, out)
+
+
+E.IOEngine.run = _traced_run
+'''
+
+
+def overlay(src: str, out: str) -> None:
+    dest = os.path.join(out, "src")
+    if os.path.exists(dest):
+        shutil.rmtree(dest)
+    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
+    pkg = os.path.join(dest, "sdadapt")
+    with open(os.path.join(pkg, "_tracepatch.py"), "w") as f:
+        f.write(PATCH)
+    with open(os.path.join(pkg, "__init__.py"), "a") as f:
+        f.write("\nfrom . import _tracepatch  # noqa: E402,F401  (bench/engine_trace.py)\n")
+    print(f"traced copy of {src} in {dest}: pass src={dest},SDADAPT_TRACE=FOLDER as a load_bench variant")
+
+
+def summary(folder: str) -> None:
+    for path in sorted(glob.glob(os.path.join(folder, "trace-*.json")), key=os.path.getmtime):
+        events = json.load(open(path))
+        engine = next(e for e in events if e[1] == "engine")
+        t0, t1 = engine[2], engine[3]
+        print(f"== {os.path.basename(path)}: engine {t1 - t0:.3f} s, {len(events)} events")
+        per = collections.defaultdict(lambda: collections.defaultdict(float))
+        first: dict[str, float] = {}
+        last: dict[str, float] = {}
+        for thread, kind, a, b, _ in events:
+            per[thread][kind] += b - a
+            if thread.startswith("sdadapt-io"):
+                first[thread] = min(first.get(thread, b), a)
+                last[thread] = max(last.get(thread, a), b)
+        totals = collections.Counter()
+        for kinds in per.values():
+            totals.update(kinds)
+        print("  summed over threads (s):", {k: round(v, 3) for k, v in sorted(totals.items())})
+        for thread in sorted(first, key=lambda s: int(s.rsplit("-", 1)[1])):
+            d = per[thread]
+            print(f"  {thread}: +{first[thread] - t0:.3f}..+{last[thread] - t0:.3f} task {d['task']:.3f} read {d['read']:.3f} "
+                  f"wait staging {d['wait_staging']:.3f} band {d['wait_band']:.3f} to_device {d['to_device']:.3f} kernel {d['kernel']:.3f}")
+        for thread, kind, a, b, detail in events:
+            if kind == "slab_get" and b - a > 0.002:
+                print(f"  slab of {detail / 2**20:.0f} MiB pinned by {thread} at +{a - t0:.3f} in {b - a:.4f} s")
+        read = collections.Counter()
+        for _, kind, _start, b, detail in events:
+            if kind == "read":
+                read[int((b - t0) / 0.05)] += detail
+        print("  GiB read per 50 ms:", [round(read[i] / 2**30, 2) for i in range(int((t1 - t0) / 0.05) + 1)])
+        tasks = collections.defaultdict(list)
+        for _, kind, a, b, detail in events:
+            if kind == "task":
+                tasks[detail].append(b - a)
+        for name, times in sorted(tasks.items()):
+            times.sort()
+            print(f"  {name}: {len(times)} tasks, {sum(times):.3f} s, median {times[len(times) // 2] * 1e3:.2f} ms, "
+                  f"max {times[-1] * 1e3:.2f} ms")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    o = sub.add_parser("overlay", help="copy SRC's sdadapt with the recorder to OUT/src")
+    o.add_argument("src")
+    o.add_argument("out")
+    s = sub.add_parser("summary", help="summarise the traces in a folder")
+    s.add_argument("folder")
+    a = p.parse_args()
+    if a.cmd == "overlay":
+        overlay(a.src, a.out)
+    else:
+        summary(a.folder)
+
+
+if __name__ == "__main__":
+    main()
