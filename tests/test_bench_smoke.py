@@ -176,7 +176,7 @@ def test_variants_apply_to_sdadapt_rows_only(loadbench):
 
     args = loadbench.cli.parser("").parse_args(["--paths", "sdadapt,hf-reader", "--tp-paths", "sdadapt", "--materialized-paths", "",
                                                 "--discussion", "meta", "--variant", "a:X=1", "--variant", "b:Y=2"])
-    assert [j.tag for j in loadbench.cli._jobs(args)] == [
+    assert [j.tag for j in loadbench.cli._jobs(args, loadbench.cli.variants(args.variant))] == [
         "fsdp-sdadapt", "fsdp-sdadapt@a", "fsdp-sdadapt@b", "fsdp-hf-reader", "tp-sdadapt", "tp-sdadapt@a", "tp-sdadapt@b",
         "fsdp-torchsave-broadcast-meta"]
 

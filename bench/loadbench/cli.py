@@ -105,7 +105,8 @@ def variants(specs: list[str]) -> dict[str, dict[str, str]]:
     return out
 
 
-def _jobs(args: argparse.Namespace) -> list[Job]:
+def _jobs(args: argparse.Namespace, the_variants: dict[str, dict[str, str]]) -> list[Job]:
+    """The rows to run: each path of each layout, and each sdadapt row again per variant."""
     jobs = [Job("fsdp", p) for p in _split(args.paths)]
     jobs += [Job("tp", p) for p in _split(args.tp_paths)]
     jobs += [Job("hsdp", p) for p in _split(args.hsdp_paths)]
@@ -118,7 +119,7 @@ def _jobs(args: argparse.Namespace) -> list[Job]:
     unknown = sorted({j.path for j in jobs} - known)
     if unknown:
         raise BenchError(f"unknown path(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    names = list(variants(args.variant))
+    names = list(the_variants)
     return [replace(j, variant=v) for j in jobs for v in ["", *(names if j.path.startswith("sdadapt") else [])]]
 
 
@@ -169,7 +170,8 @@ def main(argv: list[str] | None = None, description: str = "") -> int:
         raise BenchError(f"--backend nccl needs {args.nproc} GPUs, found {torch.cuda.device_count()}")
     if str(ROOT / "src") not in sys.path:  # the workers get it on PYTHONPATH; this process checks imports
         sys.path.insert(0, str(ROOT / "src"))
-    jobs = _jobs(args)
+    the_variants = variants(args.variant)
+    jobs = _jobs(args, the_variants)
     if any(j.path == "sdadapt-dcp" for j in jobs):
         try:
             import sdadapt.sources._dcp_dir  # noqa: F401
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None, description: str = "") -> int:
             warm = warm_cache(list(files.values()))
         print(f"checkpoint {shape.nbytes() / GiB:.2f} GiB x {len(files)} formats ready in {write_s:.1f} s; "
               f"cache warmed at {warm:.1f} GiB/s", file=sys.stderr)
-        result = _run_groups(args, jobs, shape, backend, files, facts, formats, warm)
+        result = _run_groups(args, jobs, the_variants, shape, backend, files, facts, formats, warm)
         out_prefix = Path(args.out)
         out_prefix.parent.mkdir(parents=True, exist_ok=True)
         Path(f"{out_prefix}.json").write_text(json.dumps(result, indent=1, default=str))
@@ -217,14 +219,13 @@ def main(argv: list[str] | None = None, description: str = "") -> int:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _run_groups(args: argparse.Namespace, jobs: list[Job], shape: Shape, backend: str, files: dict[str, str],
-                facts: dict[str, float], formats: list[str], warm: float) -> dict[str, Any]:
+def _run_groups(args: argparse.Namespace, jobs: list[Job], the_variants: dict[str, dict[str, str]], shape: Shape,
+                backend: str, files: dict[str, str], facts: dict[str, float], formats: list[str], warm: float) -> dict[str, Any]:
     """One fresh process group per job, then one for the references; the result as a dict."""
     work = Path(tempfile.mkdtemp(prefix="sdadapt-bench-run-"))
     common = {"shape": asdict(shape), "backend": backend, "files": files, "cold": args.cold,
               "verify": not args.no_verify, "malloc": args.malloc, "rss_interval": args.rss_interval_ms / 1000}
     pythonpath = [str(ROOT / "src")]
-    the_variants = variants(args.variant)
     the_machine = machine()  # the load average before the workers start
     groups = []
     for job in jobs:

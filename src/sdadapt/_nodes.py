@@ -204,17 +204,23 @@ class Node:
         cast rule asks for it: casting a narrower result would round the values first."""
         return None
 
-    def children(self) -> tuple[Node, ...]:
-        """The input nodes: every dataclass field that holds a node or a tuple of nodes."""
+    def input_fields(self) -> list[tuple[str, Node | tuple[Node, ...]]]:
+        """The dataclass fields given at construction that hold a node or a tuple of nodes,
+        with their values (the fields derived in ``__post_init__`` left out)."""
         if not dataclasses.is_dataclass(self):
-            return ()
-        kids: list[Node] = []
+            return []
+        out: list[tuple[str, Node | tuple[Node, ...]]] = []
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if isinstance(v, Node):
-                kids.append(v)
-            elif isinstance(v, tuple) and v and all(isinstance(p, Node) for p in v):
-                kids.extend(v)
+            if f.init and (isinstance(v, Node) or (isinstance(v, tuple) and v and all(isinstance(p, Node) for p in v))):
+                out.append((f.name, v))
+        return out
+
+    def children(self) -> tuple[Node, ...]:
+        """The input nodes, in field order (see :meth:`input_fields`)."""
+        kids: list[Node] = []
+        for _, v in self.input_fields():
+            kids.extend(v if isinstance(v, tuple) else (v,))
         return tuple(kids)
 
     def leaves(self) -> list[str]:
@@ -248,24 +254,13 @@ class Rearrangement(Node):
     produces another dtype exactly when all its children do."""
 
     def as_dtype(self, dtype: torch.dtype) -> Node | None:
-        if not dataclasses.is_dataclass(self):
-            return None
         changes: dict[str, object] = {}
-        for f in dataclasses.fields(self):
-            if not f.init:
-                continue  # derived in __post_init__ (shape, dtype)
-            v = getattr(self, f.name)
-            if isinstance(v, Node):
-                new = v.as_dtype(dtype)
-                if new is None:
-                    return None
-                changes[f.name] = new
-            elif isinstance(v, tuple) and v and all(isinstance(p, Node) for p in v):
-                parts = tuple(p.as_dtype(dtype) for p in v)
-                if any(p is None for p in parts):
-                    return None
-                changes[f.name] = parts
-        return dataclasses.replace(self, **changes) if changes else None
+        for name, v in self.input_fields():
+            parts = tuple(p.as_dtype(dtype) for p in (v if isinstance(v, tuple) else (v,)))
+            if any(p is None for p in parts):
+                return None
+            changes[name] = parts if isinstance(v, tuple) else parts[0]
+        return dataclasses.replace(self, **changes) if changes and dataclasses.is_dataclass(self) else None
 
 
 @dataclass(frozen=True, eq=False)
