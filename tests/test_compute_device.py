@@ -6,6 +6,7 @@ available, the engine itself is run with GPU destinations against the same refer
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -423,3 +424,23 @@ def test_an_expert_of_fused_experts_crosses_as_a_view_of_its_staged_read(tmp_pat
             assert worker.inputs.buffer is not None  # read with preadv into the band buffer
             assert torch.equal(_bits(moved), _bits(want)), e
     assert uploads == []  # every input crossed in the band buffer's one copy
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int64])
+def test_typed_view_cuts_a_buffer_as_any_dtype(tmp_path, dtype):
+    """``Worker.typed_view`` gives the bytes at an offset of a buffer as a contiguous tensor of
+    the dtype and shape asked for, the same memory as the two-view way, from a buffer that
+    does not start its storage."""
+    path = write_safetensors(tmp_path / "t.safetensors", {"x": torch.zeros(4)})
+    with open_source(path) as src:
+        worker = _worker(src, 1 << 10, 1)
+        storage = torch.arange(1024 + 8, dtype=torch.int64).view(torch.uint8)
+        for start in (0, 8):
+            buf = storage[start : start + 4096]
+            for at, shape in ((0, (4, 8)), (64, (2, 3, 5)), (128, (7,)), (256, ())):
+                got = worker.typed_view(buf, at, dtype, shape)
+                nbytes = dtype.itemsize * math.prod(shape)
+                want = buf[at : at + nbytes].view(dtype).view(shape)
+                assert got.shape == want.shape and got.is_contiguous()
+                assert got.data_ptr() == want.data_ptr()
+                assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))

@@ -205,6 +205,43 @@ def test_large_reads_are_queued_while_planning(tmp_path):
             assert torch.equal(job.dest, sd[job.key])
 
 
+@pytest.mark.parametrize(("env", "want"), [(None, 0.001), ("0.25", 0.00025), ("0", None)])
+def test_threads_run_with_the_configured_switch_interval(tmp_path, monkeypatch, env, want):
+    """While the engine's threads run, Python's thread switch interval is the config's
+    (``SDADAPT_IO_SWITCH_MS``; ``0`` leaves the interpreter's own), and it is set back after
+    the run, also when a task failed."""
+    import sys
+
+    from sdadapt._engine import workers as W
+
+    if env is not None:
+        monkeypatch.setenv("SDADAPT_IO_SWITCH_MS", env)
+    cfg = EngineConfig.from_env()
+    assert cfg.switch_interval == want
+    sd = {f"w{i}": torch.randn(64, 64) for i in range(4)}
+    path = write_safetensors(tmp_path / "m.safetensors", sd)
+    seen: list[float] = []
+    real = W.Worker._run
+
+    def run(self, task):
+        seen.append(sys.getswitchinterval())
+        return real(self, task)
+
+    before = sys.getswitchinterval()
+    monkeypatch.setattr(W.Worker, "_run", run)
+    with open_source(path) as src:
+        jobs = [Job(k, N.Leaf(k, (64, 64), torch.float32), ((0, 64), (0, 64)), torch.empty(64, 64)) for k in sd]
+        IOEngine(src, cfg).run(jobs)
+        assert seen and set(seen) == {before if want is None else want}
+        assert sys.getswitchinterval() == before
+        monkeypatch.setattr(W.Worker, "_run", lambda self, task: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(Exception, match="boom"):
+            IOEngine(src, cfg).run(jobs)
+        assert sys.getswitchinterval() == before
+    with pytest.raises(ValueError, match="switch_interval"):
+        EngineConfig(switch_interval=0)
+
+
 def test_config_rejects_zero_depth():
     with pytest.raises(ValueError, match="depth"):
         EngineConfig(depth=0)

@@ -77,7 +77,9 @@ def encode_e8m0(exponent: torch.Tensor) -> torch.Tensor:
 
 def scale_values(raw: torch.Tensor, fmt: ScaleFormat) -> torch.Tensor:
     """Stored FP8 scales -> float32 multipliers."""
-    return decode_e8m0(raw) if fmt == "ue8m0" else raw.to(torch.float32)
+    if fmt == "ue8m0":
+        return decode_e8m0(raw)
+    return raw if raw.dtype == torch.float32 else raw.to(torch.float32)
 
 
 def store_scales(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

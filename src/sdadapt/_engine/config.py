@@ -48,9 +48,12 @@ class EngineConfig:
     run the load's plain reads meanwhile, see :mod:`sdadapt._engine.lanes`).
     ``band_depth`` is how many band buffers a computing thread may cycle through (the pool holds
     that many times more; above 1, reading a band overlaps the copy of the last one to the GPU;
-    1, the default, until measured otherwise). Environment: ``SDADAPT_IO_THREADS``,
-    ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``, ``SDADAPT_IO_DEPTH``,
-    ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``.
+    1, the default, until measured otherwise). ``switch_interval`` is Python's thread switch
+    interval while the engine's threads run (``sys.setswitchinterval``, set back afterwards;
+    ``None`` leaves it): how long a thread back from a read may wait for the interpreter lock
+    before it asks for it. Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``,
+    ``SDADAPT_IO_CHUNK_MB``, ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``,
+    ``SDADAPT_IO_BAND_DEPTH``, ``SDADAPT_IO_SWITCH_MS`` (``0``: leave the interval as it is).
     """
 
     threads: int = field(default_factory=default_threads)
@@ -62,6 +65,7 @@ class EngineConfig:
     depth: int = 2
     band_bytes: int = 32 * MiB
     band_depth: int = 1
+    switch_interval: float | None = 0.001
 
     def __post_init__(self) -> None:
         if self.depth < 1:
@@ -70,6 +74,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.band_bytes must be positive, got {self.band_bytes}")
         if self.band_depth < 1:
             raise ValueError(f"EngineConfig.band_depth must be at least 1 (band buffers per computing thread), got {self.band_depth}")
+        if self.switch_interval is not None and self.switch_interval <= 0:
+            raise ValueError(f"EngineConfig.switch_interval must be positive seconds or None, got {self.switch_interval}")
 
     def chunk(self) -> int:
         """The largest single read, in bytes (also the size of one staging buffer)."""
@@ -107,4 +113,7 @@ class EngineConfig:
             cfg.band_bytes = max(4096, int(float(os.environ["SDADAPT_IO_BAND_MB"]) * MiB))
         if os.environ.get("SDADAPT_IO_BAND_DEPTH"):
             cfg.band_depth = max(1, int(os.environ["SDADAPT_IO_BAND_DEPTH"]))
+        if os.environ.get("SDADAPT_IO_SWITCH_MS"):
+            ms = float(os.environ["SDADAPT_IO_SWITCH_MS"])
+            cfg.switch_interval = ms / 1000 if ms > 0 else None
         return cfg

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -53,6 +55,24 @@ class EngineStats:
         for f in dataclasses.fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             setattr(self, f.name, max(mine, theirs) if f.name in self._PEAKS else mine + theirs)
+
+
+@contextlib.contextmanager
+def switch_interval(seconds: float | None) -> Iterator[None]:
+    """Python's thread switch interval set to ``seconds`` inside the block (``None``: left as
+    it is), and set back when the block ends. A thread back from a read waits for the
+    interpreter lock until its holder lets go or this interval runs out; with a dozen threads
+    each making a few tensor calls between long reads, the default 5 ms is where reading
+    threads sit idle."""
+    if seconds is None:
+        yield
+        return
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def _estimate_tasks(jobs: Sequence[Job], chunk: int) -> int:
@@ -121,7 +141,8 @@ class IOEngine:
             count += 1
 
         planned = start
-        with gc_paused():  # a full collection would hold the GIL, and with it every thread, mid-read
+        # a full collection would hold the GIL, and with it every thread, mid-read
+        with gc_paused(), switch_interval(cfg.switch_interval):
             try:
                 self.plan(jobs, push)
             except BaseException as e:  # noqa: BLE001 - stop the threads, then raise

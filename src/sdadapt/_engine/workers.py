@@ -66,10 +66,9 @@ class StagingIO:
             if start + n <= w.shared.bands.size:
                 if self.buffer is None:
                     self.buffer = w.band_buffer()
-                mem = self.buffer[start : start + n]
-                w.staged += w._read_into(path, segments, mem)
+                w.staged += w._read_into(path, segments, self.buffer, start)
                 self.pos = start + n
-                return mem.view(dtype).view(box_shape(box))
+                return w.typed_view(self.buffer, start, dtype, box_shape(box))
         return w.counter.read(key, box)
 
 
@@ -112,6 +111,7 @@ class Worker:
         self.band: list[Any] | None = None  # the one of them in use: see band_buffer
         self.stream: Any = None
         self.landing: torch.Tensor | None = None  # see _landing
+        self._typed: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}  # see typed_view
 
     def run(self) -> None:
         """The thread's body: errors are collected in ``shared`` and re-raised by the engine."""
@@ -217,16 +217,35 @@ class Worker:
                 slot[1] = torch.cuda.Event()
             slot[1].record(self.stream)
 
-    def _read_into(self, path: str, segments: list[tuple[int, int]], mem: torch.Tensor) -> int:
+    def _read_into(self, path: str, segments: list[tuple[int, int]], mem: torch.Tensor, pos: int = 0) -> int:
+        """Read the file's ``segments`` one after the other into uint8 ``mem`` from byte ``pos``
+        on; returns the bytes read."""
         fd = self.shared.fds[path]
-        pos = 0
+        first = pos
         start = time.perf_counter()
         for off, n in segments:
             self.calls += syscalls.preadv_into(fd, mem, pos, off, n)
             pos += n
         self.reading += time.perf_counter() - start
-        self.nbytes += pos
-        return pos
+        self.nbytes += pos - first
+        return pos - first
+
+    def typed_view(self, buf: torch.Tensor, at: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """Bytes ``at`` onward of the uint8 buffer ``buf`` (which starts, like ``at``, on a multiple of ``dtype``'s size)
+        as a contiguous ``dtype`` tensor of ``shape``. The thread views each of its buffers as
+        each dtype once and cuts every later view out of that in one ``as_strided`` call: a
+        band's inputs cost a call each, where every tensor call lets the other threads take
+        the interpreter lock."""
+        key = (buf.data_ptr(), buf.device, dtype)
+        whole = self._typed.get(key)
+        if whole is None:
+            usable = buf.numel() // dtype.itemsize * dtype.itemsize
+            whole = self._typed[key] = buf[:usable].view(dtype)
+        strides, step = [], 1
+        for n in reversed(shape):
+            strides.append(step)
+            step *= n
+        return whole.as_strided(shape, strides[::-1], whole.storage_offset() + at // dtype.itemsize)
 
     def _direct(self, task: DirectRead) -> None:
         syscalls.populate(task.dest)
@@ -318,12 +337,12 @@ class Worker:
                         inside[i] = at
         if inside:  # staged bytes that no value is a view of (read, then computed on) stay on the host
             assert staged is not None
-            raw = self._landing(device)[:used]
-            raw.copy_(staged[:used], non_blocking=self.stream is not None)
+            landing = self._landing(device)
+            landing[:used].copy_(staged[:used], non_blocking=self.stream is not None)
             self._copied(self.band)
             for i, at in inside.items():
                 v = values[i]
-                out[i] = raw[at : at + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
+                out[i] = self.typed_view(landing, at, v.dtype, tuple(v.shape))
         for i, v in enumerate(values):
             if out[i] is None:
                 out[i] = dest = torch.empty(v.shape, dtype=v.dtype, device=device)
