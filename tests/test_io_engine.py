@@ -205,11 +205,11 @@ def test_large_reads_are_queued_while_planning(tmp_path):
             assert torch.equal(job.dest, sd[job.key])
 
 
-@pytest.mark.parametrize(("env", "want"), [(None, 0.001), ("0.25", 0.00025), ("0", None)])
+@pytest.mark.parametrize(("env", "want"), [(None, None), ("1", 0.001), ("0.25", 0.00025), ("0", None)])
 def test_threads_run_with_the_configured_switch_interval(tmp_path, monkeypatch, env, want):
     """While the engine's threads run, Python's thread switch interval is the config's
-    (``SDADAPT_IO_SWITCH_MS``; ``0`` leaves the interpreter's own), and it is set back after
-    the run, also when a task failed."""
+    (``SDADAPT_IO_SWITCH_MS``; unset or ``0`` leaves the interpreter's own), and it is set back
+    after the run, also when a task failed."""
     import sys
 
     from sdadapt._engine import workers as W

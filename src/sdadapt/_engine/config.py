@@ -49,9 +49,10 @@ class EngineConfig:
     ``band_depth`` is how many band buffers a computing thread may cycle through (the pool holds
     that many times more; above 1, reading a band overlaps the copy of the last one to the GPU;
     1, the default, until measured otherwise). ``switch_interval`` is Python's thread switch
-    interval while the engine's threads run (``sys.setswitchinterval``, set back afterwards;
-    ``None`` leaves it): how long a thread back from a read may wait for the interpreter lock
-    before it asks for it. Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``,
+    interval while the engine's threads run (``sys.setswitchinterval``, set back afterwards):
+    how long a thread back from a read may wait for the interpreter lock before it asks for
+    it; ``None``, the default, leaves the interpreter's own (5 ms), since 1 ms measured no
+    steady gain on one H200 (bench/RESULTS.md). Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``,
     ``SDADAPT_IO_CHUNK_MB``, ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``,
     ``SDADAPT_IO_BAND_DEPTH``, ``SDADAPT_IO_SWITCH_MS`` (``0``: leave the interval as it is).
     """
@@ -65,7 +66,7 @@ class EngineConfig:
     depth: int = 2
     band_bytes: int = 32 * MiB
     band_depth: int = 1
-    switch_interval: float | None = 0.001
+    switch_interval: float | None = None
 
     def __post_init__(self) -> None:
         if self.depth < 1:

@@ -61,9 +61,7 @@ class EngineStats:
 def switch_interval(seconds: float | None) -> Iterator[None]:
     """Python's thread switch interval set to ``seconds`` inside the block (``None``: left as
     it is), and set back when the block ends. A thread back from a read waits for the
-    interpreter lock until its holder lets go or this interval runs out; with a dozen threads
-    each making a few tensor calls between long reads, the default 5 ms is where reading
-    threads sit idle."""
+    interpreter lock until its holder lets go or this interval runs out."""
     if seconds is None:
         yield
         return
