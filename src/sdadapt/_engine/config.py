@@ -51,10 +51,11 @@ class EngineConfig:
     1, the default, until measured otherwise). ``switch_interval`` is Python's thread switch
     interval while the engine's threads run (``sys.setswitchinterval``, set back afterwards):
     how long a thread back from a read may wait for the interpreter lock before it asks for
-    it; ``None``, the default, leaves the interpreter's own (5 ms), since 1 ms measured no
-    steady gain on one H200 (bench/RESULTS.md). Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``,
-    ``SDADAPT_IO_CHUNK_MB``, ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``,
-    ``SDADAPT_IO_BAND_DEPTH``, ``SDADAPT_IO_SWITCH_MS`` (``0``: leave the interval as it is).
+    it; ``None``, the default, leaves the interpreter's own (5 ms) until a shorter one is
+    measured to help (bench/RESULTS.md). Environment: ``SDADAPT_IO_THREADS``,
+    ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``, ``SDADAPT_IO_DEPTH``,
+    ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``, ``SDADAPT_IO_SWITCH_MS`` (``0``: leave
+    the interval as it is).
     """
 
     threads: int = field(default_factory=default_threads)

@@ -231,11 +231,11 @@ class Worker:
         return pos - first
 
     def typed_view(self, buf: torch.Tensor, at: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """Bytes ``at`` onward of the uint8 buffer ``buf`` (which starts, like ``at``, on a multiple of ``dtype``'s size)
-        as a contiguous ``dtype`` tensor of ``shape``. The thread views each of its buffers as
-        each dtype once and cuts every later view out of that in one ``as_strided`` call: a
-        band's inputs cost a call each, where every tensor call lets the other threads take
-        the interpreter lock."""
+        """Bytes ``at`` onward of the uint8 buffer ``buf`` as a contiguous ``dtype`` tensor of
+        ``shape`` (``buf`` starts, and ``at`` falls, on a multiple of ``dtype``'s size). The
+        thread views each of its buffers as each dtype once and cuts every later view out of
+        that in one ``as_strided`` call: a band's inputs cost a tensor call each, and every
+        tensor call lets the other threads take the interpreter lock."""
         key = (buf.data_ptr(), buf.device, dtype)
         whole = self._typed.get(key)
         if whole is None:
