@@ -125,13 +125,14 @@ def union(patterns: list[KeyPattern]) -> re.Pattern[str]:
 
 
 @functools.lru_cache(maxsize=1024)
-def _union_of(texts: tuple[str, ...]) -> re.Pattern[str]:
+def union_of(texts: tuple[str, ...]) -> re.Pattern[str]:
+    """:func:`union` of the key patterns written as ``texts``, compiled once per tuple."""
     return union([compile_pattern(t) for t in texts])
 
 
 def matches_any(patterns: list[str], key: str) -> bool:
     """``key`` matches one of ``patterns``."""
-    return _union_of(tuple(patterns)).match(key) is not None
+    return union_of(tuple(patterns)).match(key) is not None
 
 
 def capture_kinds(patterns: str | list[str]) -> dict[str, str]:

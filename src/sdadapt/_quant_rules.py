@@ -32,7 +32,7 @@ from pydantic import Field, field_validator, model_validator
 
 from . import _quant as Q
 from . import _quant_nodes as QN
-from ._patterns import compile_pattern, union
+from ._patterns import compile_pattern, union_of
 from ._rules import RuleBase, parse_dtype, register_rule
 from ._rules.base import dtype_str
 from .errors import AdapterError
@@ -113,7 +113,7 @@ class _FP8Fields(_QuantRule):
 
     def _targets(self, ctx: PlanContext) -> list[str]:
         """Keys this rule acts on: matching ``keys``, not ``exclude``, with two or more dims."""
-        take, skip = compile_pattern(self.keys).regex.match, union([compile_pattern(p) for p in self.exclude]).match
+        take, skip = compile_pattern(self.keys).regex.match, union_of(tuple(self.exclude)).match
         return [k for k in ctx.keys() if take(k) is not None and skip(k) is None and len(ctx.get(k).shape) >= 2]
 
 
