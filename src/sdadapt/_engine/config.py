@@ -95,6 +95,11 @@ class EngineConfig:
         (the band pool holds ``band_depth`` times as many buffers)."""
         return max(1, min(self.staging_bytes // self.band_bytes, threads))
 
+    def band_buffers(self, threads: int) -> int:
+        """How many band buffers a run with ``threads`` threads may hold: ``band_depth`` for
+        each thread that computes."""
+        return self.computing_threads(threads) * self.band_depth
+
     def band_buffer_bytes(self) -> int:
         """The size of a band buffer: a band's largest input (``band_bytes``) and room for its
         other inputs, the scales: at most a sixteenth of it (MXFP4's byte per 16-byte block),

@@ -87,7 +87,7 @@ def prefetch_pinned(device: torch.device, computes: bool, config: EngineConfig |
     cfg = config or EngineConfig.from_env()
     SLABS.prefetch(StagingPool.slab_bytes(cfg.staging_buffers(cfg.threads), cfg.chunk()), device)
     if computes:
-        SLABS.prefetch(StagingPool.slab_bytes(cfg.computing_threads(cfg.threads) * cfg.band_depth, cfg.band_buffer_bytes()), device)
+        SLABS.prefetch(StagingPool.slab_bytes(cfg.band_buffers(cfg.threads), cfg.band_buffer_bytes()), device)
 
 
 class IOEngine:
@@ -120,7 +120,7 @@ class IOEngine:
         pool = StagingPool(cfg.staging_buffers(threads), chunk, device is not None)
         # The first `computing` threads each hold a band buffer and are the only ones that compute.
         computing = cfg.computing_threads(threads)
-        bands = StagingPool(computing * cfg.band_depth, cfg.band_buffer_bytes(), device is not None)
+        bands = StagingPool(cfg.band_buffers(threads), cfg.band_buffer_bytes(), device is not None)
         shared = Shared(self.source, TaskLanes(), {}, pool, chunk, device, bands, cfg.min_span_bytes)
         workers = [Worker(shared, cfg.depth, cfg.band_depth, computes=i < computing) for i in range(threads)]
         pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]

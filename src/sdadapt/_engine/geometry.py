@@ -11,6 +11,11 @@ from .._nodes import Box, box_shape
 _PYTHON_MAX = 256  # up to this many runs, their offsets are computed without torch
 
 
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is at least ``n``."""
+    return -(-n // multiple) * multiple
+
+
 def box_spans(shape: Sequence[int], itemsize: int, box: Box) -> tuple[list[int], int]:
     """Byte offsets (relative to the tensor's start) of the contiguous runs of ``box`` in a
     row-major tensor of ``shape``, in box order, and the length of each run in bytes."""

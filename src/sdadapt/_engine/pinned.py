@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .geometry import round_up
+
 log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
@@ -78,10 +80,6 @@ def register_slab(nbytes: int) -> Slab:
         return Slab(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
 
 
-def _rounded(nbytes: int) -> int:
-    return -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-
-
 class SlabCache:
     """Slabs handed out by :meth:`get` and kept by :meth:`put` for the next :meth:`get` (the
     smallest kept one that is large enough), at most ``keep`` of them; thread-safe.
@@ -109,14 +107,14 @@ class SlabCache:
                     break
                 done = min(coming, key=lambda p: p[0])[1]
             done.wait()
-        return self.allocate(_rounded(nbytes))
+        return self.allocate(round_up(nbytes, HUGE_PAGE))
 
     def prefetch(self, nbytes: int, device: torch.device) -> None:
         """Start pinning a slab of ``nbytes`` (registered with ``device``'s context) on a
         background thread, to be kept for the next :meth:`get`; nothing when a large enough
         slab is kept or already on its way. For a load to start pinning its staging while it
         still materialises the model."""
-        nbytes = _rounded(nbytes)
+        nbytes = round_up(nbytes, HUGE_PAGE)
         with self._lock:
             if any(s.nbytes >= nbytes for s in self._kept) or any(n >= nbytes for n, _ in self._pending):
                 return

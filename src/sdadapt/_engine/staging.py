@@ -7,13 +7,10 @@ import threading
 
 import torch
 
+from .geometry import round_up
 from .pinned import SLABS, Slab, SlabCache
 
 _ALIGN = 4096  # each buffer of a slab starts on a page (any dtype's alignment)
-
-
-def _stride(size: int) -> int:
-    return -(-size // _ALIGN) * _ALIGN
 
 
 class StagingPool:
@@ -36,12 +33,12 @@ class StagingPool:
     @staticmethod
     def slab_bytes(count: int, size: int) -> int:
         """The pinned slab that ``count`` buffers of ``size`` bytes are cut from."""
-        return count * _stride(size)
+        return count * round_up(size, _ALIGN)
 
     def _new(self) -> torch.Tensor:
         if not self.pin:
             return torch.empty(self.size, dtype=torch.uint8)
-        stride = _stride(self.size)
+        stride = round_up(self.size, _ALIGN)
         if self._slab is None:
             self._slab = self._slabs.get(self.slab_bytes(self._count, self.size))
         at = (self._count - self._left) * stride

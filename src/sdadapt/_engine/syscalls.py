@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ..errors import LoadError
+from .geometry import round_up
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+
 _populate_ok = [sys.platform.startswith("linux")]
@@ -25,7 +26,7 @@ def populate(mem: torch.Tensor) -> None:
     if not _populate_ok[0]:
         return
     start = mem.data_ptr()
-    lo, hi = -(-start // 4096) * 4096, (start + mem.numel()) // 4096 * 4096
+    lo, hi = round_up(start, 4096), (start + mem.numel()) // 4096 * 4096
     if hi - lo < (1 << 20):
         return
     libc = _libc()

@@ -12,7 +12,7 @@ import torch
 from .._nodes import Box, box_shape
 from ..sources._base import Source
 from . import syscalls
-from .geometry import box_spans
+from .geometry import box_spans, round_up
 from .lanes import TaskLanes
 from .staging import StagingPool
 from .tasks import ComputeTask, DirectRead, FillTask, SourceRead, StagedRead, Task
@@ -62,7 +62,7 @@ class StagingIO:
         if located is not None:
             path, segments, dtype = located
             n = sum(size for _, size in segments)
-            start = -(-self.pos // self._ALIGN) * self._ALIGN if self.buffer is not None else 0
+            start = round_up(self.pos, self._ALIGN) if self.buffer is not None else 0
             if start + n <= w.shared.bands.size:
                 if self.buffer is None:
                     self.buffer = w.band_buffer()
