@@ -2,8 +2,9 @@
 
 ``overlay SRC OUT`` copies the sdadapt package under SRC (a ``src`` folder) to ``OUT/src`` and
 makes it record, per engine run, when each thread ran each task, read (``preadv``), waited for
-a staging or band buffer, moved inputs to the device, ran a dequantisation kernel, and when a
-pool pinned its slab; each run is written to ``$SDADAPT_TRACE/trace-PID-N.json``. Run it
+a staging or band buffer, moved inputs to the device, ran a dequantisation kernel (on a tree
+with a device lane: the lane thread's time per computation and per upload), and when a pool
+pinned its slab; each run is written to ``$SDADAPT_TRACE/trace-PID-N.json``. Run it
 through load_bench's variants, then ``summary DIR`` prints, per run, the sums per thread, the
 slow slab allocations and the bytes read per 50 ms::
 
@@ -43,17 +44,23 @@ def _wrap(cls, name, kind, detail=None):
         try:
             return f(*a, **k)
         finally:
-            EVENTS.append((threading.current_thread().name, kind, t, time.perf_counter(), detail(*a, **k) if detail else None))
+            what = kind(*a, **k) if callable(kind) else kind
+            EVENTS.append((threading.current_thread().name, what, t, time.perf_counter(), detail(*a, **k) if detail else None))
     setattr(cls, name, g)
 
 
 _wrap(W.Worker, "_run", "task", lambda self, task: type(task).__name__)
-_wrap(W.Worker, "_read_into", "read", lambda self, path, segments, mem: sum(n for _, n in segments))
-_wrap(W.Worker, "_buffer", "wait_staging")
+_wrap(W.Worker, "_read_into", "read", lambda self, path, segments, mem, pos=0: sum(n for _, n in segments))
+_wrap(W.Worker, "_buffer", "wait_staging")  # trees before the device lane
 _wrap(W.Worker, "band_buffer", "wait_band")
+_wrap(W.Worker, "_take", lambda self, buffers: "wait_band" if buffers is self.bands else "wait_staging")
 _wrap(W.Worker, "to_device", "to_device")
 _wrap(W.Worker, "_upload", "upload")
 _wrap(W.StagingIO, "read", "inputs_read")
+if hasattr(W, "DeviceLane"):
+    from ._engine import device as D
+    _wrap(D.DeviceLane, "_kernel", "to_device")  # the lane's whole handling of a computation
+    _wrap(D.DeviceLane, "_upload", "lane_upload")
 _wrap(S.StagingPool, "_new", "pool_new")
 _wrap(P.SlabCache, "get", "slab_get", lambda self, nbytes: nbytes)
 _wrap(N.Compute, "run", "compute")
@@ -106,17 +113,18 @@ def summary(folder: str) -> None:
         last: dict[str, float] = {}
         for thread, kind, a, b, _ in events:
             per[thread][kind] += b - a
-            if thread.startswith("sdadapt-io"):
+            if thread.startswith(("sdadapt-io", "sdadapt-device")):
                 first[thread] = min(first.get(thread, b), a)
                 last[thread] = max(last.get(thread, a), b)
         totals = collections.Counter()
         for kinds in per.values():
             totals.update(kinds)
         print("  summed over threads (s):", {k: round(v, 3) for k, v in sorted(totals.items())})
-        for thread in sorted(first, key=lambda s: int(s.rsplit("-", 1)[1])):
+        for thread in sorted(first, key=lambda s: int(s.rsplit("-", 1)[1]) if s[-1].isdigit() else -1):
             d = per[thread]
             print(f"  {thread}: +{first[thread] - t0:.3f}..+{last[thread] - t0:.3f} task {d['task']:.3f} read {d['read']:.3f} "
-                  f"wait staging {d['wait_staging']:.3f} band {d['wait_band']:.3f} to_device {d['to_device']:.3f} kernel {d['kernel']:.3f}")
+                  f"wait staging {d['wait_staging']:.3f} band {d['wait_band']:.3f} to_device {d['to_device']:.3f} kernel {d['kernel']:.3f}"
+                  f" lane uploads {d['lane_upload']:.3f}")
         for thread, kind, a, b, detail in events:
             if kind == "slab_get" and b - a > 0.002:
                 print(f"  slab of {detail / 2**20:.0f} MiB pinned by {thread} at +{a - t0:.3f} in {b - a:.4f} s")

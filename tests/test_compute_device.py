@@ -16,9 +16,12 @@ from checkpoints import write_safetensors
 import sdadapt._nodes as N
 from sdadapt import _quant as Q
 from sdadapt import _quant_nodes as QN
+from sdadapt._engine.device import DeviceLane
 from sdadapt._engine.lanes import TaskLanes
 from sdadapt._engine.staging import StagingPool
-from sdadapt._engine.workers import Shared, Worker
+from sdadapt._engine.tasks import ComputeTask, Delivery, Where
+from sdadapt._engine.views import TypedViews
+from sdadapt._engine.workers import Buffers, Shared, Worker
 from sdadapt._interleave import Interleave
 from sdadapt.sources import open_source
 
@@ -27,11 +30,32 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-def _worker(src, chunk: int, depth: int) -> Worker:
+def _worker(src, chunk: int, depth: int, lane: bool = False) -> Worker:
     """A CPU worker whose staging buffers and band buffer hold ``chunk`` bytes (inputs larger
-    than that are copied without staging), ``depth`` staging buffers per thread."""
-    shared = Shared(src, TaskLanes(), {}, StagingPool(4, chunk, pin=False), chunk, None, StagingPool(1, chunk, pin=False))
+    than that are copied without staging), ``depth`` staging buffers per thread; with
+    ``lane``, a started device lane with the CPU as its device (what a GPU run's readers hand
+    their buffers to), which :func:`_finish` closes."""
+    shared = Shared(src, TaskLanes(), {}, StagingPool(4, chunk, pin=False), chunk, StagingPool(1, chunk, pin=False))
+    if lane:
+        shared.lane = DeviceLane(torch.device("cpu"), chunk, shared.fail, slots=2)
+        shared.lane.start()
     return Worker(shared, depth)
+
+
+def _on_lane(worker: Worker, step: N.Step) -> None:
+    """Run a computation as the engine's reader does: inputs read here, kernel on the lane."""
+    assert isinstance(step, N.Compute)
+    worker._compute(ComputeTask(step, Where("w", None, None, step.box)))
+
+
+def _finish(worker: Worker) -> None:
+    """Close the worker's lane (everything queued done, every buffer given back) and raise
+    what failed."""
+    assert worker.shared.lane is not None
+    worker.shared.lane.close()
+    worker.staging.drain()
+    worker.bands.drain()
+    assert not worker.shared.errors, worker.shared.errors
 
 
 def _boxes(shape: tuple[int, ...], rng: random.Random, n: int, block: tuple[int, int] | None = None) -> list[N.Box]:
@@ -98,13 +122,12 @@ def _node_of(kind: str, tmp_path):
 def test_device_path_equals_host_path_and_full(tmp_path, kind, chunk, depth):
     node, path = _node_of(kind, tmp_path)
     rng = random.Random(kind)
-    staged = 0
     with open_source(path) as src:
-        worker = _worker(src, chunk, depth)
+        worker = _worker(src, chunk, depth, lane=True)
         _open_all(worker, src)
         full = node.full(worker.counter)
+        results = []
         for box in _boxes(node.shape, rng, 15, getattr(node, "block", None)):
-            want = full[tuple(slice(a, b) for a, b in box)]
             host = torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16)
             moved = torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16)
             host_steps, moved_steps = node.steps(box, host), node.steps(box, moved)
@@ -112,16 +135,17 @@ def test_device_path_equals_host_path_and_full(tmp_path, kind, chunk, depth):
             for step in host_steps:
                 step.run(worker.counter)
             for step in moved_steps:
-                assert isinstance(step, N.Compute)
-                worker.inputs.begin()
-                step.run(worker.inputs, worker.to_device)
-                staged += worker.inputs.buffer is not None
+                _on_lane(worker, step)
+            results.append((box, host, moved))
+        _finish(worker)
+        for box, host, moved in results:
+            want = full[tuple(slice(a, b) for a, b in box)]
             assert torch.equal(_bits(host), _bits(want)), box
             assert torch.equal(_bits(moved), _bits(want)), box
         assert worker.shared.pool.allocated <= depth  # unstaged inputs went through this thread's ring only
         assert worker.shared.bands.allocated == 1  # staged inputs through its one band buffer
         if chunk > 4096:
-            assert staged >= 3  # the whole tensor, a corner and the last element at least: read with preadv
+            assert worker.staged > 0  # read with preadv into the band buffer
 
 
 def _open_all(worker: Worker, src) -> None:
@@ -132,24 +156,37 @@ def _open_all(worker: Worker, src) -> None:
         worker.shared.fds[f] = os.open(f, os.O_RDONLY)
 
 
-def test_to_device_stages_in_slices_that_fit_and_copies_the_rest(tmp_path, monkeypatch):
+def test_uploads_stage_in_slices_that_fit_and_copy_the_rest(tmp_path, monkeypatch):
+    """A host value bound for the lane's device crosses through the thread's staging buffers:
+    whole, or in slices along dim 0 that fit one; where one entry of dim 0 does not fit, the
+    lane copies it directly."""
     path = write_safetensors(tmp_path / "t.safetensors", {"t": torch.arange(12.0)})
     with open_source(path) as src:
-        worker = _worker(src, 64, 1)
+        worker = _worker(src, 64, 1, lane=True)
+        lane = worker.shared.lane
+        assert lane is not None
         staged: list[int] = []
-        copied = worker._copied
-        monkeypatch.setattr(worker, "_copied", lambda: (staged.append(1), copied()))
+        direct: list[int] = []
+        upload, call = lane.upload, lane.call
+        monkeypatch.setattr(lane, "upload", lambda buf, dls, release, where: (staged.append(len(dls)), upload(buf, dls, release, where)))
+        monkeypatch.setattr(lane, "call", lambda fn, where: (direct.append(1), call(fn, where)))
         cases = [
-            (torch.arange(10, dtype=torch.int32)[::2], 1),  # 20 bytes, not contiguous: one staged copy
-            (torch.randn(40, 3)[:, 1], 3),  # 160 bytes: staged in slices of 16 entries
-            (torch.randn(5, 7, 3).transpose(0, 1), 7),  # 7 rows of 60 bytes: one row per slice
-            (torch.randn(2, 20), 0),  # a row of 80 bytes fits no buffer: copied directly
+            (torch.arange(10, dtype=torch.int32)[::2], 1, 0),  # 20 bytes, not contiguous: one staged copy
+            (torch.randn(40, 3)[:, 1], 3, 0),  # 160 bytes: staged in slices of 16 entries
+            (torch.randn(5, 7, 3).transpose(0, 1), 7, 0),  # 7 rows of 60 bytes: one row per slice
+            (torch.randn(2, 20), 0, 1),  # a row of 80 bytes fits no buffer: copied directly
         ]
-        for value, copies in cases:
+        outs = []
+        for value, copies, calls in cases:
             staged.clear()
-            (out,) = worker.to_device((value,), torch.device("cpu"))
-            assert torch.equal(out, value) and out.data_ptr() != value.data_ptr()
-            assert len(staged) == copies, (value.shape, staged)
+            direct.clear()
+            out = torch.full(value.shape, -1, dtype=value.dtype)
+            worker._upload(value, out, Where("t", None, None, ()))
+            assert len(staged) == copies and len(direct) == calls, (value.shape, staged, direct)
+            outs.append((value, out))
+        _finish(worker)
+        for value, out in outs:
+            assert torch.equal(out, value)
         assert worker.shared.pool.allocated == 1
 
 
@@ -168,8 +205,9 @@ def test_only_computations_given_as_inputs_and_kernel_say_they_run_on_device():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", ["fp8-float32-128x128", "fp8-float32-16x32", "fp8-ue8m0-16x32", "mxfp4", "mxfp4-rows"])
 def test_engine_dequantises_on_the_gpu_bit_identical_to_the_cpu(tmp_path, kind):
-    """The engine with CUDA destinations (staging pinned, per-thread streams, the kernel on the
-    GPU) gives the bits of the eager CPU reference, with buffers small enough to slice inputs."""
+    """The engine with CUDA destinations (staging pinned, every copy and kernel queued by the
+    device lane) gives the bits of the eager CPU reference, with buffers small enough to slice
+    inputs, and one landing buffer on the device (each copy into it waits for the last kernel)."""
     from sdadapt._engine import CountingIO, EngineConfig, IOEngine, Job
 
     node, path = _node_of(kind, tmp_path)
@@ -181,6 +219,7 @@ def test_engine_dequantises_on_the_gpu_bit_identical_to_the_cpu(tmp_path, kind):
             EngineConfig(threads=4),
             EngineConfig(threads=2, chunk_bytes=4096, depth=1),
             EngineConfig(threads=3, band_bytes=4096, band_depth=2),  # small bands, two buffers per thread
+            EngineConfig(threads=4, band_bytes=4096, landing_buffers=1),
         )
         for cfg in configs:
             jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16, device="cuda")) for box in boxes]
@@ -343,50 +382,46 @@ def test_staged_reads_and_computations_on_one_buffer_each_never_deadlock(tmp_pat
                 assert torch.equal(_bits(job.dest), _bits(expect)), job.key
 
 
-class _PendingCopy:
-    """Stands for the CUDA event of a copy still in flight until someone waits for it."""
-
-    def __init__(self) -> None:
-        self.waits = 0
-
-    def synchronize(self) -> None:
-        self.waits += 1
-
-
 @pytest.mark.parametrize("free", [2, 1])
-def test_band_buffers_cycle_without_waiting_while_the_pool_has_one_free(tmp_path, free):
-    """``band_depth=2``: while the copy out of its band buffer is in flight, a thread takes a
-    second buffer if the pool has one free (reading the next band overlaps the copy) and then
-    cycles, waiting only for the older copy; with no buffer free it waits, never takes one
-    from the pool blockingly. ``band_depth=1`` always waits for its one buffer's copy."""
-    path = write_safetensors(tmp_path / "t.safetensors", {"t": torch.zeros(4)})
-    with open_source(path) as src:
-        shared = Shared(src, TaskLanes(), {}, StagingPool(2, 64, pin=False), 64, None, StagingPool(free, 64, pin=False))
-        worker = Worker(shared, 1, band_depth=2)
-        a = worker.band_buffer()
-        first = worker.band[1] = _PendingCopy()  # type: ignore[index]
-        b = worker.band_buffer()
-        if free == 2:
-            assert b.data_ptr() != a.data_ptr() and first.waits == 0  # the second buffer, no wait
-            worker.band[1] = _PendingCopy()  # type: ignore[index]
-            assert worker.band_buffer().data_ptr() == a.data_ptr() and first.waits == 1  # back to the first, once copied
-        else:
-            assert b.data_ptr() == a.data_ptr() and first.waits == 1  # none free: wait for the one it has
-        assert shared.bands.allocated == free and len(worker.bands) == free
+def test_a_threads_buffers_cycle_taking_from_the_pool_only_while_it_has_one_free(free):
+    """``depth=2``: while its first buffer is out (being copied), a thread takes a second one if
+    the pool has one free, and from then on cycles through the two as they are given back;
+    with none free it waits for its one buffer to come back, never for the pool. ``drain``
+    waits for every buffer, then returns them to the pool."""
+    import threading
 
-        single = Worker(Shared(src, TaskLanes(), {}, StagingPool(2, 64, pin=False), 64, None, StagingPool(2, 64, pin=False)), 1)
-        c = single.band_buffer()
-        pending = single.band[1] = _PendingCopy()  # type: ignore[index]
-        assert single.band_buffer().data_ptr() == c.data_ptr() and pending.waits == 1 and len(single.bands) == 1
+    pool = StagingPool(free, 64, pin=False)
+    bufs = Buffers(pool, 2)
+    a = bufs.take()
+    if free == 2:
+        b = bufs.take()
+        assert b.data_ptr() != a.data_ptr() and bufs.waits == 0  # the second buffer, no wait
+        bufs.give_back(a)
+        assert bufs.take().data_ptr() == a.data_ptr() and bufs.waits == 0
+        bufs.give_back(b)
+        bufs.give_back(a)
+    else:
+        timer = threading.Timer(0.05, bufs.give_back, (a,))  # the copy out of it finishes later
+        timer.start()
+        assert bufs.take().data_ptr() == a.data_ptr() and bufs.waits == 1  # none free: waited for its own
+        timer.join()
+        bufs.give_back(a)
+    assert pool.allocated == free and len(bufs.held) == free
+    bufs.drain()
+    assert bufs.held == [] and pool.try_get() is not None
 
 
-def test_band_depth_is_checked_and_read_from_the_environment(monkeypatch):
+def test_band_depth_and_landing_buffers_are_checked_and_read_from_the_environment(monkeypatch):
     from sdadapt._engine import EngineConfig
 
     with pytest.raises(ValueError, match="band_depth must be at least 1"):
         EngineConfig(band_depth=0)
+    with pytest.raises(ValueError, match="landing_buffers must be at least 1"):
+        EngineConfig(landing_buffers=0)
     monkeypatch.setenv("SDADAPT_IO_BAND_DEPTH", "2")
-    assert EngineConfig.from_env().band_depth == 2
+    monkeypatch.setenv("SDADAPT_IO_LANDING", "3")
+    cfg = EngineConfig.from_env()
+    assert cfg.band_depth == 2 and cfg.landing_buffers == 3
 
 
 @pytest.mark.parametrize("quant", ["fp8", "mxfp4"])
@@ -406,41 +441,88 @@ def test_an_expert_of_fused_experts_crosses_as_a_view_of_its_staged_read(tmp_pat
     lw, ls = N.Leaf("w", tuple(w.shape), w.dtype), N.Leaf("w_scale_inv", tuple(s.shape), s.dtype)
     uploads: list[int] = []
     with open_source(path) as src:
-        worker = _worker(src, 1 << 20, 2)
+        worker = _worker(src, 1 << 20, 2, lane=True)
         _open_all(worker, src)
-        real = worker._upload
-        monkeypatch.setattr(worker, "_upload", lambda value, dest: (uploads.append(1), real(value, dest)))
+        lane = worker.shared.lane
+        assert lane is not None
+        real = lane.compute
+        staged: list[bool] = []
+        def compute(step, args, buf, used, *rest):
+            staged.append(buf is not None)
+            real(step, args, buf, used, *rest)
+
+        monkeypatch.setattr(lane, "compute", compute)
+        upload = lane.upload
+        monkeypatch.setattr(lane, "upload", lambda *a: (uploads.append(1), upload(*a)))
+        results = []
         for e in range(3):
             if quant == "fp8":
                 node: N.Node = QN.DequantFP8(N.Select(lw, 0, e), N.Select(ls, 0, e), (16, 16), "float32", torch.bfloat16)
             else:
                 node = QN.DequantMXFP4(N.Select(lw, 0, e), N.Select(ls, 0, e), torch.bfloat16)
-            want = node.full(worker.counter)
             moved = torch.full(node.shape, float("nan"), dtype=torch.bfloat16)
             (step,) = node.steps(N.full_box(node.shape), moved)
-            assert isinstance(step, N.Compute)
-            worker.inputs.begin()
-            step.run(worker.inputs, worker.to_device)
-            assert worker.inputs.buffer is not None  # read with preadv into the band buffer
-            assert torch.equal(_bits(moved), _bits(want)), e
+            _on_lane(worker, step)
+            results.append((node.full(worker.counter), moved))
+        _finish(worker)
+    assert staged == [True] * 3  # read with preadv into the band buffer
+    for e, (want, moved) in enumerate(results):
+        assert torch.equal(_bits(moved), _bits(want)), e
     assert uploads == []  # every input crossed in the band buffer's one copy
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e4m3fn, torch.bfloat16, torch.float32, torch.int64])
-def test_typed_view_cuts_a_buffer_as_any_dtype(tmp_path, dtype):
-    """``Worker.typed_view`` gives the bytes at an offset of a buffer as a contiguous tensor of
+def test_typed_views_cut_a_buffer_as_any_dtype(dtype):
+    """``TypedViews.cut`` gives the bytes at an offset of a buffer as a contiguous tensor of
     the dtype and shape asked for, the same memory as the two-view way, from a buffer that
     does not start its storage."""
-    path = write_safetensors(tmp_path / "t.safetensors", {"x": torch.zeros(4)})
-    with open_source(path) as src:
-        worker = _worker(src, 1 << 10, 1)
-        storage = torch.arange(1024 + 8, dtype=torch.int64).view(torch.uint8)
-        for start in (0, 8):
-            buf = storage[start : start + 4096]
-            for at, shape in ((0, (4, 8)), (64, (2, 3, 5)), (128, (7,)), (256, ())):
-                got = worker.typed_view(buf, at, dtype, shape)
-                nbytes = dtype.itemsize * math.prod(shape)
-                want = buf[at : at + nbytes].view(dtype).view(shape)
-                assert got.shape == want.shape and got.is_contiguous()
-                assert got.data_ptr() == want.data_ptr()
-                assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    views = TypedViews()
+    storage = torch.arange(1024 + 8, dtype=torch.int64).view(torch.uint8)
+    for start in (0, 8):
+        buf = storage[start : start + 4096]
+        for at, shape in ((0, (4, 8)), (64, (2, 3, 5)), (128, (7,)), (256, ())):
+            got = views.cut(buf, at, dtype, shape)
+            nbytes = dtype.itemsize * math.prod(shape)
+            want = buf[at : at + nbytes].view(dtype).view(shape)
+            assert got.shape == want.shape and got.is_contiguous()
+            assert got.data_ptr() == want.data_ptr()
+            assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+def test_a_failing_kernel_is_reported_by_key_and_every_buffer_still_comes_back(device):
+    """The lane runs what it is given in order; a kernel that raises is reported once, as a
+    load error naming its target key, and the lane skips the rest; every buffer handed to it
+    is released all the same (its reader would wait for it otherwise), including those of the
+    work it skipped."""
+    dev = torch.device(device)
+    errors: list[BaseException] = []
+    lane = DeviceLane(dev, 1024, errors.append, slots=1)
+    lane.start()
+    released: list[str] = []
+    staged = torch.arange(256, dtype=torch.uint8)
+    leaf = N.Leaf("x", (16,), torch.uint8)
+    good = torch.zeros(16, dtype=torch.uint8, device=dev)
+
+    def kernel(dest, x):
+        dest.copy_(x)
+
+    def broken(dest, x):
+        raise RuntimeError("kernel exploded")
+
+    def step(fn, dest):
+        return N.Compute(leaf, ((0, 16),), dest, inputs=lambda io: (), kernel=fn)
+
+    lane.compute(step(kernel, good), (staged[:16],), staged, 16, lambda: released.append("good"), Where("a.weight", None, None, ((0, 16),)))
+    bad = torch.zeros(16, dtype=torch.uint8, device=dev)
+    lane.compute(step(broken, bad), (staged[16:32],), staged, 32, lambda: released.append("bad"), Where("b.weight", None, None, ((0, 16),)))
+    after = torch.zeros(16, dtype=torch.uint8, device=dev)
+    where = Where("c.weight", "c", None, ((0, 16),))
+    lane.upload(staged, [Delivery(0, 16, torch.uint8, (16,), after, where)], lambda: released.append("upload"), where)
+    lane.close()
+    assert sorted(released) == ["bad", "good", "upload"]
+    assert len(errors) == 1 and "b.weight" in str(errors[0]) and "kernel exploded" in str(errors[0])
+    assert torch.equal(good.cpu(), staged[:16]) and bool((after == 0).all())  # the upload after the failure was skipped

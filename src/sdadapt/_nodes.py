@@ -110,10 +110,6 @@ class Fill:
         self.dest.fill_(self.value)
 
 
-Move = Callable[[tuple[torch.Tensor, ...], torch.device], tuple[torch.Tensor, ...]]
-"""Copies host tensors onto a device (the engine's worker: through its staging and stream)."""
-
-
 @dataclass(frozen=True, eq=False)
 class Compute:
     """Region ``box`` of ``node``'s output (its dtype), copied into ``dest``. Two forms:
@@ -123,9 +119,9 @@ class Compute:
       ``kernel(dest, *inputs)`` is the arithmetic on them, written into ``dest`` (it may write
       there directly, sparing a temporary): plain tensor ops that give the same bits on any
       device and allocate on their inputs' device. This form says the computation can run
-      on the destination's device: given a ``move``, :meth:`run` copies the inputs to
-      ``dest.device`` first (on a GPU: raw, often smaller, bytes cross PCIe and the arithmetic
-      runs there), then runs the kernel there.
+      on the destination's device: the engine copies the inputs to ``dest.device`` and runs
+      the kernel there (on a GPU: raw, often smaller, bytes cross PCIe and the arithmetic
+      runs there).
     """
 
     node: Node
@@ -144,17 +140,14 @@ class Compute:
         """The kernel may run on the destination's device (the ``inputs``/``kernel`` form)."""
         return self.kernel is not None
 
-    def run(self, io: SourceIO, move: Move | None = None) -> None:
-        """Compute the region into ``dest``; with ``move`` (and the ``inputs``/``kernel`` form),
-        the inputs are moved to ``dest.device`` and the kernel runs there."""
+    def run(self, io: SourceIO) -> None:
+        """Compute the region into ``dest``, here (the engine runs a kernel on a GPU through
+        its device lane instead: :mod:`sdadapt._engine.device`)."""
         if self.fn is not None:
             self.dest.copy_(self.fn(io))
             return
         assert self.inputs is not None and self.kernel is not None
-        args = self.inputs(io)
-        if move is not None:
-            args = move(args, self.dest.device)
-        self.kernel(self.dest, *args)
+        self.kernel(self.dest, *self.inputs(io))
 
 
 Step = Piece | Fill | Compute

@@ -9,8 +9,8 @@ on a thread pool:
    destination"), fills, and computations. The engine knows no node kinds; it plans pieces
    and runs fills and computations as they are. A computation that says it can run on the
    destination's device (given as host reads + a kernel, as dequantisation is) runs there when
-   the destination is on a GPU: the thread copies its raw inputs through its staging buffers and
-   stream (:meth:`~.workers.Worker.to_device`), then runs the kernel on the GPU.
+   the destination is on a GPU: a thread reads its raw inputs into a pinned band buffer and the
+   run's device lane (:mod:`.device`) copies them to the GPU and runs the kernel there.
 2. **Locating** (:mod:`.planner`). A source declares where a region's bytes are
    (``Source.locate_region``): one contiguous row-major tensor in a file (safetensors always;
    ``torch.save`` zip files when the storages line up with the zip records), or one per stored
@@ -24,16 +24,18 @@ on a thread pool:
    read *straight into* with ``preadv`` (:mod:`.syscalls`; no copy, no staging), in chunks so
    that several threads share a large tensor. Otherwise the bytes go into a buffer from a
    bounded staging pool (:mod:`.staging`; pinned when the destination is on a GPU), then
-   ``copy_`` moves them (``non_blocking`` on a per-thread CUDA stream, so the next read
-   overlaps the host-to-device copy). Small staged reads that are adjacent in one file are
-   **coalesced** into one read.
+   ``copy_`` moves them (on a GPU: queued by the device lane on its copy stream, so the next
+   read overlaps the host-to-device copy). Small staged reads that are adjacent in one file
+   are **coalesced** into one read.
 4. **Threads** (:mod:`.workers`). A pool sized to the machine (:func:`default_threads`),
    started before planning (:mod:`.engine`): each task is queued as soon as it is made, so the
    first bytes are read while later jobs are still being planned. ``preadv`` and ``copy_``
    release the GIL, so threads read in parallel; Python runs per task (a chunk of megabytes),
    never per element. Each thread cycles through ``depth`` staging buffers of its own. Only
    the threads that hold a band buffer run computations (:mod:`.lanes`); the others run the
-   plain reads beside them.
+   plain reads beside them. On a GPU the reading threads make no CUDA calls: one thread of
+   the run, the device lane, makes them all (:mod:`.device`), and hands each buffer back once
+   the copy out of it has finished.
 
 Errors name the target key, the source key and the file. Bytes read are counted exactly
 (what was copied out of the checkpoint, including any gap a coalesced read spans).

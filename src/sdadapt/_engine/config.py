@@ -48,14 +48,17 @@ class EngineConfig:
     run the load's plain reads meanwhile, see :mod:`sdadapt._engine.lanes`).
     ``band_depth`` is how many band buffers a computing thread may cycle through (the pool holds
     that many times more; above 1, reading a band overlaps the copy of the last one to the GPU;
-    1, the default, until measured otherwise). ``switch_interval`` is Python's thread switch
+    1, the default, until measured otherwise). ``landing_buffers`` is how many band-sized
+    buffers a GPU run keeps on the device for the copies of computations' inputs (a ring: a
+    copy into one waits, on the GPU, for the kernel that last read it; see
+    :mod:`sdadapt._engine.device`). ``switch_interval`` is Python's thread switch
     interval while the engine's threads run (``sys.setswitchinterval``, set back afterwards):
     how long a thread back from a read may wait for the interpreter lock before it asks for
     it; ``None``, the default, leaves the interpreter's own (5 ms) until a shorter one is
     measured to help (bench/RESULTS.md). Environment: ``SDADAPT_IO_THREADS``,
     ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``, ``SDADAPT_IO_DEPTH``,
-    ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``, ``SDADAPT_IO_SWITCH_MS`` (``0``: leave
-    the interval as it is).
+    ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``, ``SDADAPT_IO_LANDING``,
+    ``SDADAPT_IO_SWITCH_MS`` (``0``: leave the interval as it is).
     """
 
     threads: int = field(default_factory=default_threads)
@@ -67,6 +70,7 @@ class EngineConfig:
     depth: int = 2
     band_bytes: int = 32 * MiB
     band_depth: int = 1
+    landing_buffers: int = 4
     switch_interval: float | None = None
 
     def __post_init__(self) -> None:
@@ -76,6 +80,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.band_bytes must be positive, got {self.band_bytes}")
         if self.band_depth < 1:
             raise ValueError(f"EngineConfig.band_depth must be at least 1 (band buffers per computing thread), got {self.band_depth}")
+        if self.landing_buffers < 1:
+            raise ValueError(f"EngineConfig.landing_buffers must be at least 1 (band-sized buffers on the GPU), got {self.landing_buffers}")
         if self.switch_interval is not None and self.switch_interval <= 0:
             raise ValueError(f"EngineConfig.switch_interval must be positive seconds or None, got {self.switch_interval}")
 
@@ -120,6 +126,8 @@ class EngineConfig:
             cfg.band_bytes = max(4096, int(float(os.environ["SDADAPT_IO_BAND_MB"]) * MiB))
         if os.environ.get("SDADAPT_IO_BAND_DEPTH"):
             cfg.band_depth = max(1, int(os.environ["SDADAPT_IO_BAND_DEPTH"]))
+        if os.environ.get("SDADAPT_IO_LANDING"):
+            cfg.landing_buffers = max(1, int(os.environ["SDADAPT_IO_LANDING"]))
         if os.environ.get("SDADAPT_IO_SWITCH_MS"):
             ms = float(os.environ["SDADAPT_IO_SWITCH_MS"])
             cfg.switch_interval = ms / 1000 if ms > 0 else None

@@ -17,6 +17,7 @@ import torch
 from .._gc import gc_paused
 from ..sources._base import Source
 from .config import EngineConfig
+from .device import DeviceLane
 from .lanes import TaskLanes
 from .pinned import SLABS
 from .planner import Planner
@@ -121,7 +122,10 @@ class IOEngine:
         # The first `computing` threads each hold a band buffer and are the only ones that compute.
         computing = cfg.computing_threads(threads)
         bands = StagingPool(cfg.band_buffers(threads), cfg.band_buffer_bytes(), device is not None)
-        shared = Shared(self.source, TaskLanes(), {}, pool, chunk, device, bands, cfg.min_span_bytes)
+        shared = Shared(self.source, TaskLanes(), {}, pool, chunk, bands, min_span=cfg.min_span_bytes)
+        if device is not None:
+            shared.lane = DeviceLane(device, bands.size, shared.fail, cfg.landing_buffers)
+            shared.lane.start()
         workers = [Worker(shared, cfg.depth, cfg.band_depth, computes=i < computing) for i in range(threads)]
         pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
         for th in pool_threads:
@@ -151,6 +155,8 @@ class IOEngine:
                 shared.work.close()
                 for th in pool_threads:
                     th.join()
+                if shared.lane is not None:
+                    shared.lane.close()  # every copy and kernel has finished
                 pool.close()
                 bands.close()
                 for fd in shared.fds.values():

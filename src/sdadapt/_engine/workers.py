@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import functools
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from .._nodes import Box, box_shape
 from ..sources._base import Source
 from . import syscalls
+from .device import DeviceLane
 from .geometry import box_spans, round_up
 from .lanes import TaskLanes
 from .staging import StagingPool
-from .tasks import ComputeTask, DirectRead, FillTask, SourceRead, StagedRead, Task
+from .tasks import ComputeTask, Delivery, DirectRead, FillTask, SourceRead, StagedRead, Task, Where
+from .views import TypedViews
 
 
 class CountingIO:
@@ -37,13 +40,54 @@ class CountingIO:
         return t
 
 
+class Buffers:
+    """One thread's share of a bounded pool: up to ``depth`` buffers, taken from the pool as the
+    thread needs them (the first one waiting for the pool, later ones only while it has one
+    free), each handed out again once given back (the copy out of it has finished)."""
+
+    def __init__(self, pool: StagingPool, depth: int):
+        self.pool = pool
+        self.depth = depth
+        self.held: list[torch.Tensor] = []
+        self._back: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self.waits = 0  # takes that waited for a buffer to come back
+
+    def take(self) -> torch.Tensor:
+        """A buffer free to write: one given back, a new one while under ``depth``, else the
+        next one given back (waiting for it)."""
+        try:
+            return self._back.get_nowait()
+        except queue.Empty:
+            pass
+        if len(self.held) < self.depth:
+            buf = self.pool.try_get() if self.held else self.pool.get()
+            if buf is not None:
+                self.held.append(buf)
+                return buf
+        self.waits += 1
+        return self._back.get()
+
+    def give_back(self, buf: torch.Tensor) -> None:
+        """``buf`` may be written again (called from any thread)."""
+        self._back.put(buf)
+
+    def drain(self) -> None:
+        """Wait for every buffer to be given back, then return them all to the pool (for the
+        threads still running)."""
+        for _ in self.held:
+            self._back.get()
+        for buf in self.held:
+            self.pool.put(buf)
+        self.held = []
+
+
 class StagingIO:
     """The ``SourceIO`` a worker hands a computation's ``inputs``: reads that the source
     locates in one opened file, in runs no shorter than ``min_span``, are read with ``preadv``
-    one after the other into the thread's band buffer (pinned on a GPU, so that the copies to
-    the device start from there) while they fit; every other read goes through the source
-    (:class:`CountingIO`). The buffer stays untouched until the worker has copied what it holds
-    (:meth:`Worker.to_device`) or the kernel has run on it."""
+    one after the other into the thread's band buffer (pinned on a GPU, so that the copy to the
+    device starts from there) while they fit; every other read goes through the source
+    (:class:`CountingIO`). The band buffer stays untouched until it is given back: after the
+    kernel on the host, or once the device lane has copied what it holds."""
 
     _ALIGN = 64  # each input starts on a multiple of this in the buffer (any dtype's alignment)
 
@@ -65,10 +109,10 @@ class StagingIO:
             start = round_up(self.pos, self._ALIGN) if self.buffer is not None else 0
             if start + n <= w.shared.bands.size:
                 if self.buffer is None:
-                    self.buffer = w.band_buffer()
+                    self.buffer = w.bands.take()
                 w.staged += w._read_into(path, segments, self.buffer, start)
                 self.pos = start + n
-                return w.typed_view(self.buffer, start, dtype, box_shape(box))
+                return w.views.cut(self.buffer, start, dtype, box_shape(box))
         return w.counter.read(key, box)
 
 
@@ -81,61 +125,48 @@ class Shared:
     fds: dict[str, int]
     pool: StagingPool
     chunk: int
-    device: torch.device | None
     bands: StagingPool  # at least one buffer per thread that computes, taken on its first computation
+    lane: DeviceLane | None = None  # a GPU run's device side: the readers make no device calls
     min_span: int = 64 * 1024  # shortest run a computation's input is read in with preadv
     errors: list[BaseException] = field(default_factory=list)
     failed: threading.Event = field(default_factory=threading.Event)
+
+    def fail(self, e: BaseException) -> None:
+        """Record ``e`` and stop the run."""
+        self.errors.append(e)
+        self.failed.set()
 
 
 class Worker:
     """One I/O thread: takes tasks until none are left (or one failed anywhere).
 
-    Staged reads cycle through a small ring of this thread's own staging buffers (taken from
-    the shared bounded pool, given back at the end): a buffer is reused once the host-to-device
-    copy out of it has finished (its event), so the next read overlaps the copy. On a GPU the
-    thread's own stream is current for the whole run."""
+    Staged reads cycle through ``depth`` staging buffers of this thread (taken from the shared
+    bounded pool), computations through ``band_depth`` band buffers: a buffer is refilled once
+    the copy out of it has finished, so the next read overlaps the copy. On a GPU the thread
+    makes no device calls: it hands each filled buffer to the run's :class:`DeviceLane`, which
+    gives it back once copied."""
 
     def __init__(self, shared: Shared, depth: int = 2, band_depth: int = 1, computes: bool = True):
         self.shared = shared
         self.computes = computes  # takes computations (see TaskLanes); the band pool holds a buffer for it
-        self.depth = depth  # staging buffers of this thread
-        self.band_depth = band_depth  # band buffers of this thread, at most
         self.counter = CountingIO(shared.source)
         self.inputs = StagingIO(self)
+        self.staging = Buffers(shared.pool, depth)
+        self.bands = Buffers(shared.bands, band_depth)
+        self.views = TypedViews()
         self.nbytes = self.calls = self.direct = self.staged = self.computed = 0
         self.busy = self.reading = self.waiting = 0.0  # seconds: running tasks; of which in preadv, and waiting for buffers
-        self.ring: list[list[Any]] = []  # [buffer, event or None]
-        self.turn = 0
-        self.bands: list[list[Any]] = []  # [buffer, event or None] of the band buffers this thread holds
-        self.band: list[Any] | None = None  # the one of them in use: see band_buffer
-        self.stream: Any = None
-        self.landing: torch.Tensor | None = None  # see _landing
-        self._typed: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}  # see typed_view
 
     def run(self) -> None:
         """The thread's body: errors are collected in ``shared`` and re-raised by the engine."""
         sh = self.shared
         try:
-            if sh.device is not None:
-                with torch.cuda.device(sh.device):
-                    self.stream = torch.cuda.Stream(sh.device)
-                    self.stream.wait_stream(torch.cuda.current_stream(sh.device))  # destinations were made there
-                    try:
-                        with torch.cuda.stream(self.stream):
-                            self._loop()
-                    finally:
-                        self.stream.synchronize()  # no copy out of a staging buffer outlives the run
-            else:
-                self._loop()
+            self._loop()
         except BaseException as e:  # noqa: BLE001 - re-raised by IOEngine.run
-            sh.errors.append(e)
-            sh.failed.set()
+            sh.fail(e)
         finally:
-            for buf, _ in self.ring:
-                sh.pool.put(buf)
-            for buf, _ in self.bands:
-                sh.bands.put(buf)
+            self.staging.drain()
+            self.bands.drain()
 
     def _loop(self) -> None:
         sh = self.shared
@@ -147,8 +178,7 @@ class Worker:
             try:
                 self._run(task)
             except Exception as e:  # noqa: BLE001 - named and re-raised by run()
-                sh.errors.append(task.where.error(e))
-                sh.failed.set()
+                sh.fail(task.where.error(e))
             self.busy += time.perf_counter() - start
 
     def _run(self, task: Task) -> None:
@@ -162,60 +192,18 @@ class Worker:
             case ComputeTask():
                 self._compute(task)
             case FillTask():
-                task.step.run(self.counter)
+                self._fill(task)
 
-    def _buffer(self) -> torch.Tensor:
-        """A staging buffer free to write: a new one while the ring is short, else the oldest
-        once its copy has finished."""
-        pool = self.shared.pool
-        start = time.perf_counter()
-        try:
-            if len(self.ring) < self.depth:
-                buf = pool.try_get() if self.ring else pool.get()
-                if buf is not None:
-                    self.ring.append([buf, None])
-                    self.turn = len(self.ring) - 1
-                    return buf
-            self.turn = (self.turn + 1) % len(self.ring)
-            slot = self.ring[self.turn]
-            if slot[1] is not None:
-                slot[1].synchronize()
-            return slot[0]
-        finally:
-            self.waiting += time.perf_counter() - start
+    def _lane_for(self, dest: torch.Tensor) -> DeviceLane | None:
+        """The device lane when ``dest`` is on its device, else ``None`` (a host destination)."""
+        lane = self.shared.lane
+        return lane if lane is not None and dest.device == lane.device else None
 
-    def band_buffer(self) -> torch.Tensor:
-        """This thread's buffer for a computation's inputs (a band of at most ``bands.size``
-        bytes), taken from the pool on the first computation and kept (the pool holds one for
-        every thread that computes, so taking it never waits). With ``band_depth`` above 1 the
-        thread takes more band buffers while the pool has some free (never waiting for one) and
-        cycles through them, so that reading the next band overlaps the copy of the last one to
-        the GPU; otherwise a buffer is reused once the copy out of it has finished."""
+    def _take(self, buffers: Buffers) -> torch.Tensor:
         start = time.perf_counter()
-        if not self.bands:
-            self.bands.append([self.shared.bands.get(), None])
-            self.band = self.bands[0]
-        else:
-            assert self.band is not None
-            at = next(i for i, slot in enumerate(self.bands) if slot is self.band)
-            if len(self.bands) < self.band_depth and self.band[1] is not None:
-                buf = self.shared.bands.try_get()
-                if buf is not None:
-                    self.bands.append([buf, None])
-            self.band = self.bands[(at + 1) % len(self.bands)]
-            if self.band[1] is not None:
-                self.band[1].synchronize()
+        buf = buffers.take()
         self.waiting += time.perf_counter() - start
-        return self.band[0]
-
-    def _copied(self, slot: list[Any] | None = None) -> None:
-        """Mark the current ring buffer (or ``slot``, a [buffer, event]) in use until the
-        copies just queued on the stream finish."""
-        if self.stream is not None:
-            slot = self.ring[self.turn] if slot is None else slot
-            if slot[1] is None:
-                slot[1] = torch.cuda.Event()
-            slot[1].record(self.stream)
+        return buf
 
     def _read_into(self, path: str, segments: list[tuple[int, int]], mem: torch.Tensor, pos: int = 0) -> int:
         """Read the file's ``segments`` one after the other into uint8 ``mem`` from byte ``pos``
@@ -230,67 +218,99 @@ class Worker:
         self.nbytes += pos - first
         return pos - first
 
-    def typed_view(self, buf: torch.Tensor, at: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """Bytes ``at`` onward of the uint8 buffer ``buf`` as a contiguous ``dtype`` tensor of
-        ``shape`` (``buf`` starts, and ``at`` falls, on a multiple of ``dtype``'s size). The
-        thread views each of its buffers as each dtype once and cuts every later view out of
-        that in one ``as_strided`` call: a band's inputs cost a tensor call each, and every
-        tensor call lets the other threads take the interpreter lock."""
-        key = (buf.data_ptr(), buf.device, dtype)
-        whole = self._typed.get(key)
-        if whole is None:
-            usable = buf.numel() // dtype.itemsize * dtype.itemsize
-            whole = self._typed[key] = buf[:usable].view(dtype)
-        strides, step = [], 1
-        for n in reversed(shape):
-            strides.append(step)
-            step *= n
-        return whole.as_strided(shape, strides[::-1], whole.storage_offset() + at // dtype.itemsize)
-
     def _direct(self, task: DirectRead) -> None:
         syscalls.populate(task.dest)
         self.direct += self._read_into(task.path, task.segments, task.dest)
 
-    def _staged(self, task: StagedRead) -> None:
-        buf = self._buffer()
-        self.staged += self._read_into(task.path, task.segments, buf)
-        non_blocking = self.stream is not None
-        for dl in task.deliveries:
-            dl.dest.copy_(buf[dl.offset : dl.offset + dl.nbytes].view(dl.dtype).view(dl.shape), non_blocking=non_blocking)
-        self._copied()
+    def _deliver(self, buf: torch.Tensor, deliveries: list[Delivery], where: Where) -> None:
+        """Copy the deliveries out of staging buffer ``buf`` (through the device lane when their
+        destinations are on its device), then give ``buf`` back once that is done."""
+        lane = self._lane_for(deliveries[0].dest)
+        if lane is not None and all(dl.dest.device == lane.device for dl in deliveries):
+            lane.upload(buf, deliveries, functools.partial(self.staging.give_back, buf), where)
+            return
+        try:
+            for dl in deliveries:
+                dl.dest.copy_(self.views.cut(buf, dl.offset, dl.dtype, dl.shape))
+        finally:
+            self.staging.give_back(buf)
 
-    def _upload(self, value: torch.Tensor, dest: torch.Tensor) -> None:
-        """Copy the host tensor ``value`` into ``dest`` (same shape and dtype, on a device)
-        through this thread's staging buffers (pinned on a GPU, so each copy is queued on the
-        thread's stream without waiting): whole, or in slices along dim 0 that fit a buffer;
-        directly where one entry of dim 0 does not fit."""
+    def _staged(self, task: StagedRead) -> None:
+        buf = self._take(self.staging)
+        try:
+            self.staged += self._read_into(task.path, task.segments, buf)
+        except BaseException:
+            self.staging.give_back(buf)
+            raise
+        self._deliver(buf, task.deliveries, task.where)
+
+    def _upload(self, value: torch.Tensor, dest: torch.Tensor, where: Where) -> None:
+        """Copy the host tensor ``value`` into ``dest`` (same shape and dtype, on the lane's
+        device) through this thread's staging buffers (pinned on a GPU): whole, or in slices
+        along dim 0 that fit a buffer; through the lane directly where one entry of dim 0 does
+        not fit."""
         nb = value.numel() * value.element_size()
         if nb > self.shared.chunk:
             rows = self.shared.chunk // max(1, nb // value.shape[0]) if value.dim() else 0
             if rows == 0:
-                dest.copy_(value)
+                lane = self._lane_for(dest)
+                assert lane is not None
+                lane.call(functools.partial(dest.copy_, value), where)
                 return
             for r in range(0, value.shape[0], rows):
-                self._upload(value[r : r + rows], dest[r : r + rows])
+                self._upload(value[r : r + rows], dest[r : r + rows], where)
             return
-        stage = self._buffer()[:nb].view(value.dtype).view(value.shape)
-        stage.copy_(value)
-        dest.copy_(stage, non_blocking=self.stream is not None)
-        self._copied()
+        buf = self._take(self.staging)
+        shape = tuple(value.shape)
+        try:
+            self.views.cut(buf, 0, value.dtype, shape).copy_(value)
+        except BaseException:
+            self.staging.give_back(buf)
+            raise
+        self._deliver(buf, [Delivery(0, nb, value.dtype, shape, dest, where)], where)
 
     def _compute(self, task: ComputeTask) -> None:
-        """A computation: inputs of the ``inputs``/``kernel`` form through :class:`StagingIO`
-        (moved to the destination's device first when that is a GPU), others through the source."""
+        """A computation: on the lane's device, inputs of the ``inputs``/``kernel`` form read
+        through :class:`StagingIO` and the kernel run by the lane, host results (``fn``)
+        uploaded; on the host, inputs through :class:`StagingIO` too, the kernel run here."""
         step = task.step
+        lane = self._lane_for(step.dest)
         if not step.on_device:
-            step.run(self.counter)
+            if lane is None:
+                step.run(self.counter)
+            else:
+                assert step.fn is not None
+                self._upload(step.fn(self.counter), step.dest, task.where)
+            self.computed += 1
+            return
+        assert step.inputs is not None
+        io = self.inputs
+        io.begin()
+        try:
+            args = step.inputs(io)
+        except BaseException:
+            if io.buffer is not None:
+                self.bands.give_back(io.buffer)
+            raise
+        staged, used = io.buffer, io.pos
+        io.begin()
+        release = functools.partial(self.bands.give_back, staged) if staged is not None else _nothing
+        if lane is not None:
+            lane.compute(step, args, staged, used, release, task.where)
         else:
-            self.inputs.begin()
             try:
-                step.run(self.inputs, self.to_device if step.dest.device.type != "cpu" else None)
+                assert step.kernel is not None
+                step.kernel(step.dest, *args)
             finally:
-                self.inputs.begin()
+                release()
         self.computed += 1
+
+    def _fill(self, task: FillTask) -> None:
+        lane = self._lane_for(task.step.dest)
+        if lane is None:
+            task.step.run(self.counter)
+        else:
+            lane.call(functools.partial(task.step.run, self.counter), task.where)
 
     def locate(self, key: str, box: Box) -> tuple[str, list[tuple[int, int]], torch.dtype] | None:
         """Where region ``box`` of source tensor ``key`` is: an opened file, its (offset, nbytes)
@@ -309,51 +329,15 @@ class Worker:
             return None
         return loc.path, [(loc.offset + s, run) for s in starts], loc.dtype
 
-    def _landing(self, device: torch.device) -> torch.Tensor:
-        """This thread's buffer of a band on ``device`` that staged inputs are copied into:
-        reused by every computation, since each one's copy and kernel are queued on the
-        thread's one stream in order (the next copy into it starts after the last kernel
-        reading it)."""
-        if self.landing is None or self.landing.device != device:
-            self.landing = torch.empty(self.shared.bands.size, dtype=torch.uint8, device=device)
-        return self.landing
-
-    def to_device(self, values: tuple[torch.Tensor, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-        """``values`` (host tensors a computation read) as new tensors on ``device``: the
-        ``move`` of :meth:`~sdadapt._nodes.Compute.run`. Where some values are views of what
-        :class:`StagingIO` staged, the buffer's used bytes cross in one copy (first, so that the
-        buffer is marked in use before any other is taken), each such value a view of that; the
-        rest (values computed on the host, e.g. rows gathered out of a staged read) through
-        :meth:`_upload`."""
-        out: list[torch.Tensor | None] = [None] * len(values)
-        staged, used = self.inputs.buffer, self.inputs.pos
-        inside: dict[int, int] = {}  # value index -> its offset in the staged bytes
-        if staged is not None:
-            base = staged.data_ptr()
-            for i, v in enumerate(values):
-                at = v.data_ptr() - base
-                if v.device.type == "cpu" and v.is_contiguous() and 0 <= at and at % v.element_size() == 0:
-                    if at + v.numel() * v.element_size() <= used:
-                        inside[i] = at
-        if inside:  # staged bytes that no value is a view of (read, then computed on) stay on the host
-            assert staged is not None
-            landing = self._landing(device)
-            landing[:used].copy_(staged[:used], non_blocking=self.stream is not None)
-            self._copied(self.band)
-            for i, at in inside.items():
-                v = values[i]
-                out[i] = self.typed_view(landing, at, v.dtype, tuple(v.shape))
-        for i, v in enumerate(values):
-            if out[i] is None:
-                out[i] = dest = torch.empty(v.shape, dtype=v.dtype, device=device)
-                self._upload(v, dest)
-        return tuple(t for t in out if t is not None)
-
     def _source_read(self, task: SourceRead) -> None:
         piece = task.piece
         value = self.counter.read(piece.key, piece.box)
         self.computed += 1
-        if self.stream is not None and piece.dest.device.type == "cuda":
-            self._upload(value, piece.dest)
+        if self._lane_for(piece.dest) is not None:
+            self._upload(value, piece.dest, task.where)
         else:
             piece.dest.copy_(value)
+
+
+def _nothing() -> None:
+    pass

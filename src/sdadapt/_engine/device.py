@@ -1,0 +1,263 @@
+"""The one thread of a run that makes the device calls, and the one that waits for them.
+
+On a GPU run the readers (:mod:`.workers`) only read: they fill their pinned staging and band
+buffers with ``preadv`` and hand them to the :class:`DeviceLane`. Its thread queues every
+host-to-device copy on one copy stream and every kernel (a dequantisation) on one compute
+stream, behind the copy of the kernel's inputs (an event), so that no two threads call into
+the CUDA driver at once: with each reader issuing its own copies and kernels, the time of each
+call grew with the number of threads issuing them (bench/RESULTS.md). A second thread waits
+for each copy to finish (its event) and only then gives the buffer back to the reader that
+filled it, so a buffer is never refilled while the DMA out of it is pending.
+
+A computation's staged inputs cross in one copy into a landing buffer on the device (a small
+ring of them, each reused once the kernel that last read it has run: an event on the compute
+stream that the copy stream waits for); inputs computed on the host are copied on their own.
+
+The lane also runs on the CPU as its "device" (copies and kernels then happen in order on its
+thread, every event is ``None``): the tests drive it so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._nodes import Compute
+from .tasks import Delivery, Where
+from .views import TypedViews
+
+Release = Callable[[], None]
+
+
+@dataclass
+class _Upload:
+    buf: torch.Tensor
+    deliveries: Sequence[Delivery]
+    release: Release
+    where: Where
+    handed: bool = False  # release queued behind the copy out of buf
+
+
+@dataclass
+class _Kernel:
+    step: Compute
+    args: tuple[torch.Tensor, ...]
+    staged: torch.Tensor | None  # the band buffer holding some of args, or None
+    used: int  # its bytes in use
+    release: Release
+    where: Where
+    handed: bool = False  # release queued behind the copy out of staged
+
+
+@dataclass
+class _Call:
+    fn: Callable[[], object]
+    where: Where
+
+
+@dataclass
+class _Slot:
+    """A landing buffer on the device, and the event of the last kernel that read it."""
+
+    buf: torch.Tensor
+    done: Any = None
+
+
+class DeviceLane:
+    """Runs the device side of one engine run on its own thread: :meth:`upload`,
+    :meth:`compute` and :meth:`call` queue work and return at once; each ``release`` is called,
+    on another thread, once the copy out of its buffer has finished (also when the work failed
+    or was skipped after a failure). Errors go to ``on_error`` as they happen."""
+
+    def __init__(self, device: torch.device, slot_bytes: int, on_error: Callable[[BaseException], None], slots: int = 4):
+        self.device = device
+        self.slot_bytes = slot_bytes
+        self.on_error = on_error
+        self.failed = False
+        self.views = TypedViews()
+        self._cuda = device.type == "cuda"
+        self._slots: list[_Slot] = []
+        self._nslots = max(1, slots)
+        self._turn = 0
+        self._work: queue.SimpleQueue[_Upload | _Kernel | _Call | None] = queue.SimpleQueue()
+        self._done: queue.SimpleQueue[tuple[Any, Release] | None] = queue.SimpleQueue()
+        self._events: list[Any] = []  # recorded events whose copies have finished, to record again
+        self._copy: Any = None
+        self._compute: Any = None
+        self._threads: list[threading.Thread] = []
+
+    # --- called by the engine and the readers ---------------------------------------------------
+
+    def start(self) -> None:
+        """Start both threads; on a GPU the streams first wait for the caller's current stream
+        (where the destinations were made)."""
+        if self._cuda:
+            after = torch.cuda.current_stream(self.device)
+            self._copy = torch.cuda.Stream(self.device)
+            self._compute = torch.cuda.Stream(self.device)
+            self._copy.wait_stream(after)
+            self._compute.wait_stream(after)
+        self._threads = [
+            threading.Thread(target=self._run, name="sdadapt-device", daemon=True),
+            threading.Thread(target=self._release, name="sdadapt-release", daemon=True),
+        ]
+        for th in self._threads:
+            th.start()
+
+    def upload(self, buf: torch.Tensor, deliveries: Sequence[Delivery], release: Release, where: Where) -> None:
+        """Copy each delivery's bytes of host buffer ``buf`` into its destination."""
+        self._work.put(_Upload(buf, deliveries, release, where))
+
+    def compute(
+        self, step: Compute, args: tuple[torch.Tensor, ...], staged: torch.Tensor | None, used: int, release: Release, where: Where
+    ) -> None:
+        """Run ``step``'s kernel on the device with ``args`` (host tensors ``step.inputs`` read;
+        those that are views of the first ``used`` bytes of ``staged`` cross in one copy)."""
+        self._work.put(_Kernel(step, args, staged, used, release, where))
+
+    def call(self, fn: Callable[[], object], where: Where) -> None:
+        """Run ``fn`` (device work with no staged input, e.g. a fill) on the compute stream."""
+        self._work.put(_Call(fn, where))
+
+    def close(self) -> None:
+        """Finish everything queued, wait for the device, stop both threads."""
+        self._work.put(None)
+        for th in self._threads:
+            th.join()
+
+    # --- the device thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            with self._on_device():
+                while (item := self._work.get()) is not None:
+                    self._do(item)
+        finally:
+            try:
+                if self._cuda:
+                    self._copy.synchronize()
+                    self._compute.synchronize()
+            except Exception as e:  # noqa: BLE001 - reported like any other failure
+                self._fail(e)
+            self._done.put(None)
+
+    @contextlib.contextmanager
+    def _on_device(self) -> Iterator[None]:
+        if not self._cuda:
+            yield
+            return
+        with torch.cuda.device(self.device), torch.cuda.stream(self._copy):
+            yield
+
+    def _fail(self, e: BaseException) -> None:
+        self.failed = True
+        self.on_error(e)
+
+    def _do(self, item: _Upload | _Kernel | _Call) -> None:
+        try:
+            if self.failed:
+                return
+            match item:
+                case _Upload():
+                    self._upload(item)
+                case _Kernel():
+                    self._kernel(item)
+                case _Call():
+                    with self._on_compute():
+                        item.fn()
+        except Exception as e:  # noqa: BLE001 - named and reported
+            self._fail(item.where.error(e))
+            if self._cuda:
+                with contextlib.suppress(Exception):
+                    self._copy.synchronize()  # nothing may still be copied out of the buffer
+        finally:
+            if not isinstance(item, _Call) and not item.handed:
+                item.release()
+
+    @contextlib.contextmanager
+    def _on_compute(self) -> Iterator[None]:
+        if not self._cuda:
+            yield
+            return
+        with torch.cuda.stream(self._compute):
+            yield
+
+    def _event(self) -> Any:
+        """An event recorded on the copy stream now (None on the CPU)."""
+        if not self._cuda:
+            return None
+        ev = self._events.pop() if self._events else torch.cuda.Event()
+        ev.record(self._copy)
+        return ev
+
+    def _upload(self, item: _Upload) -> None:
+        cut = self.views.cut
+        for dl in item.deliveries:
+            dl.dest.copy_(cut(item.buf, dl.offset, dl.dtype, dl.shape), non_blocking=self._cuda)
+        self._done.put((self._event(), item.release))
+        item.handed = True
+
+    def _kernel(self, item: _Kernel) -> None:
+        args, staged = item.args, item.staged
+        out: list[torch.Tensor | None] = [None] * len(args)
+        inside: dict[int, int] = {}  # arg index -> its offset in the staged bytes
+        if staged is not None:
+            base = staged.data_ptr()
+            for i, v in enumerate(args):
+                at = v.data_ptr() - base
+                if v.device.type == "cpu" and v.is_contiguous() and 0 <= at and at % v.element_size() == 0:
+                    if at + v.numel() * v.element_size() <= item.used:
+                        inside[i] = at
+        slot: _Slot | None = None
+        if inside:
+            assert staged is not None
+            slot = self._slot()
+            if slot.done is not None:
+                self._copy.wait_event(slot.done)  # the last kernel reading this landing buffer has run
+            slot.buf[: item.used].copy_(staged[: item.used], non_blocking=self._cuda)
+            copied = self._event()
+            self._done.put((copied, item.release))
+            item.handed = True
+            if copied is not None:
+                self._compute.wait_event(copied)
+            for i, at in inside.items():
+                v = args[i]
+                out[i] = self.views.cut(slot.buf, at, v.dtype, tuple(v.shape))
+        with self._on_compute():
+            for i, v in enumerate(args):
+                if out[i] is None:  # computed on the host (e.g. rows gathered out of a read)
+                    out[i] = dest = torch.empty(v.shape, dtype=v.dtype, device=self.device)
+                    dest.copy_(v)
+            assert item.step.kernel is not None
+            item.step.kernel(item.step.dest, *out)
+            if slot is not None and self._cuda:
+                slot.done = slot.done or torch.cuda.Event()
+                slot.done.record(self._compute)
+
+    def _slot(self) -> _Slot:
+        """The next landing buffer of the ring (made on first use)."""
+        if len(self._slots) < self._nslots:
+            self._slots.append(_Slot(torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)))
+            return self._slots[-1]
+        slot = self._slots[self._turn]
+        self._turn = (self._turn + 1) % self._nslots
+        return slot
+
+    # --- the release thread -----------------------------------------------------------------
+
+    def _release(self) -> None:
+        while (entry := self._done.get()) is not None:
+            event, release = entry
+            if event is not None:
+                try:
+                    event.synchronize()
+                except Exception as e:  # noqa: BLE001 - reported; the buffer goes back all the same
+                    self._fail(e)
+                self._events.append(event)
+            release()
