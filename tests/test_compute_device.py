@@ -526,3 +526,33 @@ def test_a_failing_kernel_is_reported_by_key_and_every_buffer_still_comes_back(d
     assert sorted(released) == ["bad", "good", "upload"]
     assert len(errors) == 1 and "b.weight" in str(errors[0]) and "kernel exploded" in str(errors[0])
     assert torch.equal(good.cpu(), staged[:16]) and bool((after == 0).all())  # the upload after the failure was skipped
+
+
+def test_warm_up_runs_each_kind_of_kernel_once_on_a_small_zero_input(tmp_path, monkeypatch):
+    """``warm_kernels`` runs the kernel of the first computing node of each recipe once per
+    kind (``warm_key``: the node type, dtypes and scale format), on a region of at most one
+    block, without reading the checkpoint; recipes that compute nothing are skipped."""
+    from sdadapt._engine import warm_kernels
+
+    fp8_a, _ = _fp8_node(tmp_path, "float32", (16, 32))
+    fp8_b, _ = _fp8_node(tmp_path, "float32", (7, 9))  # same kernels, other block: not warmed again
+    ue8m0, _ = _fp8_node(tmp_path, "ue8m0", (16, 32))
+    mx, _ = _mxfp4_node(tmp_path)
+    stacked = N.Stack((fp8_b, fp8_b), 0)
+    seen: list[tuple[str, tuple[int, ...]]] = []
+    for cls in (QN.DequantFP8, QN.DequantMXFP4):
+        real = cls._kernel
+
+        def kernel(self, box, dest, *args, _real=real):
+            seen.append((type(self).__name__, tuple(dest.shape)))
+            _real(self, box, dest, *args)
+
+        monkeypatch.setattr(cls, "_kernel", kernel)
+    recipes = [N.Leaf("n", (4,), torch.bfloat16), fp8_a, stacked, ue8m0, mx]
+    assert fp8_a.warm_key() == fp8_b.warm_key() != ue8m0.warm_key()
+    assert stacked.device_node() is fp8_b and N.Leaf("n", (4,), torch.bfloat16).device_node() is None
+    th = warm_kernels(torch.device("cpu"), recipes)
+    assert th is not None
+    th.join(timeout=30)
+    assert seen == [("DequantFP8", (1, 16, 32)), ("DequantFP8", (1, 16, 32)), ("DequantMXFP4", (1, 1, 32))]
+    assert warm_kernels(torch.device("cpu"), recipes[:1]) is None

@@ -16,7 +16,7 @@ from . import _integrity as integrity
 from ._adapter import Adapter
 from ._constructors import with_dtype
 from ._distributed import rank_and_world
-from ._engine import prefetch_pinned
+from ._engine import EngineConfig, prefetch_pinned, warm_kernels
 from ._gc import without_gc
 from ._lora import open_peft_lora
 from ._materialize import InitFn, check_buffers, choose_device, has_meta
@@ -140,9 +140,10 @@ def _plan_load(
     return source, plan, state_dict
 
 
-def _prefetch_pinned(model: nn.Module, device: torch.device | str | None, planned: dict[str, torch.Tensor], plan: Plan) -> None:
+def _prepare_device(model: nn.Module, device: torch.device | str | None, planned: dict[str, torch.Tensor], plan: Plan) -> None:
     """A load into GPU shards starts pinning its staging memory now, while the model is still
-    materialised: the engine's first run then finds it pinned (or nearly)."""
+    materialised, and (when its recipes compute on the device) loads their kernels into the
+    GPU: the engine's first run then finds both done (or nearly)."""
     if not torch.cuda.is_available():
         return
     devices = {t.device for t in planned.values() if t.device.type == "cuda"}
@@ -150,7 +151,10 @@ def _prefetch_pinned(model: nn.Module, device: torch.device | str | None, planne
         devices = {choose_device(model, device)}
     target = next(iter(devices), None)
     if target is not None and target.type == "cuda":
-        prefetch_pinned(target, any(node.computes_on_device() for node in plan.recipes.values()))
+        computing = [node for node in plan.recipes.values() if node.computes_on_device()]
+        prefetch_pinned(target, bool(computing))
+        if computing and EngineConfig.from_env().warm_kernels:
+            warm_kernels(target, computing)
 
 
 @without_gc  # no full collection stalls the load: see sdadapt._gc
@@ -260,7 +264,7 @@ def load(
     plan = txn.prepare(prepare)  # every rank raises if any failed; nothing was changed
     phases = _Phases(t0)
     phases.mark("plan")
-    _prefetch_pinned(model, device, planned, plan)
+    _prepare_device(model, device, planned, plan)
     # every rank's hook has run (a hook may touch the files) before any rank checks them
     materialized = txn.materialize(device, init_buffers)
     phases.mark("materialize")

@@ -223,7 +223,25 @@ class Node:
     def computes_on_device(self) -> bool:
         """Some step of this recipe is a :class:`Compute` of the ``inputs``/``kernel`` form (the
         engine reads its inputs into band buffers, and runs it on the destination's device)."""
-        return any(c.computes_on_device() for c in self.children())
+        return self.device_node() is not None
+
+    def device_node(self) -> Node | None:
+        """The first node of this recipe whose own computation runs on the destination's
+        device (see :meth:`computes_on_device`), or ``None``."""
+        for c in self.children():
+            found = c.device_node()
+            if found is not None:
+                return found
+        return None
+
+    def warm_key(self) -> object:
+        """What tells this node's device kernels apart (nodes with equal keys run the same
+        kernels); ``None`` for a node that runs none of its own."""
+        return None
+
+    def warm_up(self, device: torch.device) -> None:
+        """Run this node's own device kernels once, on a small zero input on ``device``, so that
+        the device has them loaded before the load needs them. Nothing by default."""
 
     def steps(self, box: Box, dest: torch.Tensor) -> list[Step]:
         """The steps that produce region ``box`` into ``dest``."""
@@ -273,8 +291,8 @@ class Leaf(Node):
     def leaves(self) -> list[str]:
         return [self.key]
 
-    def computes_on_device(self) -> bool:
-        return False
+    def device_node(self) -> Node | None:
+        return None
 
     def read(self, box: Box, io: SourceIO) -> torch.Tensor:
         return io.read(self.key, box)  # what io hands out, uncopied (a view of a staged read)

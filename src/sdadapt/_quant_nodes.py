@@ -23,7 +23,7 @@ from typing import Literal
 import torch
 
 from . import _quant as Q
-from ._nodes import Box, Compute, Node, SourceIO, Step
+from ._nodes import Box, Compute, Leaf, Node, SourceIO, Step, box_shape
 from .sources._base import dtype_name
 
 Part = Literal["values", "scales"]
@@ -73,8 +73,21 @@ class _Dequant(Node):
     def bands(self, box: Box, max_bytes: int) -> list[Box]:
         return _bands(box, self._value_bytes(), max_bytes, self._align(len(box)))
 
-    def computes_on_device(self) -> bool:
-        return True
+    def device_node(self) -> Node | None:
+        return self
+
+    def warm_key(self) -> object:
+        return (type(self).__name__, self.dtype, tuple(c.dtype for c in self.children()), getattr(self, "scale_format", None))
+
+    def warm_up(self, device: torch.device) -> None:
+        box = self._warm_box()
+        io = _Zeros(_leaf_dtypes(self), device)
+        dest = torch.empty(box_shape(box), dtype=self.dtype, device=device)
+        self._kernel(box, dest, *self._inputs(box, io))
+
+    def _warm_box(self) -> Box:
+        """A small region at the origin, of whole blocks where the tensor has them."""
+        return tuple((0, 1) for _ in self.shape[:-1]) + ((0, min(self.shape[-1], 32)),)
 
     def as_dtype(self, dtype: torch.dtype) -> Node | None:
         """The same dequantisation, into ``dtype`` (any floating dtype)."""
@@ -97,6 +110,28 @@ class _Dequant(Node):
         raise NotImplementedError
 
 
+class _Zeros:
+    """A ``SourceIO`` that hands out zeros on ``device`` in each key's stored dtype (the inputs
+    of a warm-up)."""
+
+    def __init__(self, dtypes: dict[str, torch.dtype], device: torch.device):
+        self.dtypes = dtypes
+        self.device = device
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        return torch.zeros(box_shape(box), dtype=self.dtypes[key], device=self.device)
+
+
+def _leaf_dtypes(node: Node) -> dict[str, torch.dtype]:
+    """The stored dtype of each source key under ``node``."""
+    if isinstance(node, Leaf):
+        return {node.key: node.dtype}
+    out: dict[str, torch.dtype] = {}
+    for c in node.children():
+        out.update(_leaf_dtypes(c))
+    return out
+
+
 @dataclass(frozen=True, eq=False)
 class DequantFP8(_Dequant):
     """An FP8 e4m3 ``weight`` times its block ``scale`` (``block`` over the last two dims), in ``dtype``."""
@@ -116,6 +151,10 @@ class DequantFP8(_Dequant):
 
     def _align(self, ndim: int) -> dict[int, int]:
         return {ndim - 2: self.block[0]}  # bands of whole scale rows
+
+    def _warm_box(self) -> Box:
+        rows, cols = self.shape[-2:]
+        return tuple((0, 1) for _ in self.shape[:-2]) + ((0, min(rows, self.block[0])), (0, min(cols, self.block[1])))
 
     def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
         (r0, r1), (c0, c1) = box[-2:]

@@ -42,6 +42,7 @@ Errors name the target key, the source key and the file. Bytes read are counted 
 """
 
 from .config import EngineConfig, default_threads
+from .device import warm_kernels
 from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
 from .pinned import release_pinned_memory
@@ -58,4 +59,5 @@ __all__ = [
     "default_threads",
     "prefetch_pinned",
     "release_pinned_memory",
+    "warm_kernels",
 ]

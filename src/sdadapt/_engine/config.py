@@ -51,14 +51,16 @@ class EngineConfig:
     1, the default, until measured otherwise). ``landing_buffers`` is how many band-sized
     buffers a GPU run keeps on the device for the copies of computations' inputs (a ring: a
     copy into one waits, on the GPU, for the kernel that last read it; see
-    :mod:`sdadapt._engine.device`). ``switch_interval`` is Python's thread switch
+    :mod:`sdadapt._engine.device`). ``warm_kernels``: a load whose recipes compute on a GPU
+    runs each kind of kernel once on a tiny input while it materialises the model
+    (:func:`sdadapt._engine.device.warm_kernels`). ``switch_interval`` is Python's thread switch
     interval while the engine's threads run (``sys.setswitchinterval``, set back afterwards):
     how long a thread back from a read may wait for the interpreter lock before it asks for
     it; ``None``, the default, leaves the interpreter's own (5 ms) until a shorter one is
     measured to help (bench/RESULTS.md). Environment: ``SDADAPT_IO_THREADS``,
     ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``, ``SDADAPT_IO_DEPTH``,
     ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``, ``SDADAPT_IO_LANDING``,
-    ``SDADAPT_IO_SWITCH_MS`` (``0``: leave the interval as it is).
+    ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS`` (``0``: leave the interval as it is).
     """
 
     threads: int = field(default_factory=default_threads)
@@ -71,6 +73,7 @@ class EngineConfig:
     band_bytes: int = 32 * MiB
     band_depth: int = 1
     landing_buffers: int = 4
+    warm_kernels: bool = True
     switch_interval: float | None = None
 
     def __post_init__(self) -> None:
@@ -128,6 +131,8 @@ class EngineConfig:
             cfg.band_depth = max(1, int(os.environ["SDADAPT_IO_BAND_DEPTH"]))
         if os.environ.get("SDADAPT_IO_LANDING"):
             cfg.landing_buffers = max(1, int(os.environ["SDADAPT_IO_LANDING"]))
+        if os.environ.get("SDADAPT_IO_WARM"):
+            cfg.warm_kernels = os.environ["SDADAPT_IO_WARM"] not in ("0", "false", "no")
         if os.environ.get("SDADAPT_IO_SWITCH_MS"):
             ms = float(os.environ["SDADAPT_IO_SWITCH_MS"])
             cfg.switch_interval = ms / 1000 if ms > 0 else None

@@ -20,19 +20,58 @@ thread, every event is ``None``): the tests drive it so.
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .._nodes import Compute
+from .._nodes import Compute, Node
 from .tasks import Delivery, Where
 from .views import TypedViews
 
+log = logging.getLogger(__name__)
+
 Release = Callable[[], None]
+
+
+def warm_kernels(device: torch.device, recipes: Iterable[Node]) -> threading.Thread | None:
+    """Run, on a background thread and a side stream, each distinct device kernel of
+    ``recipes`` once on a small zero input on ``device`` (the first node of each recipe that
+    computes there, one per :meth:`~sdadapt._nodes.Node.warm_key`). A kernel's first launch
+    in a process loads it into the device; done by the lane in the middle of a load, that
+    would hold up every copy queued behind it. Returns the thread (``None``: nothing to warm);
+    a failure is only logged, since the load itself runs the same kernels and reports its
+    own errors."""
+    nodes: dict[object, Node] = {}
+    for recipe in recipes:
+        node = recipe.device_node()
+        if node is not None:
+            nodes.setdefault(node.warm_key(), node)
+    if not nodes:
+        return None
+
+    def run() -> None:
+        try:
+            if device.type != "cuda":
+                for node in nodes.values():
+                    node.warm_up(device)
+                return
+            with torch.cuda.device(device):
+                stream = torch.cuda.Stream(device)
+                with torch.cuda.stream(stream):
+                    for node in nodes.values():
+                        node.warm_up(device)
+                stream.synchronize()
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.debug("warming the device kernels up failed: %s", e)
+
+    th = threading.Thread(target=run, name="sdadapt-warm", daemon=True)
+    th.start()
+    return th
 
 
 @dataclass

@@ -109,7 +109,7 @@ class StagingIO:
             start = round_up(self.pos, self._ALIGN) if self.buffer is not None else 0
             if start + n <= w.shared.bands.size:
                 if self.buffer is None:
-                    self.buffer = w.bands.take()
+                    self.buffer = w._take(w.bands)
                 w.staged += w._read_into(path, segments, self.buffer, start)
                 self.pos = start + n
                 return w.views.cut(self.buffer, start, dtype, box_shape(box))
