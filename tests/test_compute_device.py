@@ -424,6 +424,21 @@ def test_band_depth_and_landing_buffers_are_checked_and_read_from_the_environmen
     assert cfg.band_depth == 2 and cfg.landing_buffers == 3
 
 
+def test_bands_share_the_staging_memory_out_so_that_every_thread_computes():
+    """By default a band is the staging memory over the threads (4 to 32 MiB): every thread of
+    a run holds a band buffer and computes; ``band_bytes`` set keeps the bound it gives."""
+    from sdadapt._engine import EngineConfig
+
+    MiB = 1 << 20
+    for threads, band in ((12, 256 * MiB // 12), (4, 32 * MiB), (32, 8 * MiB), (1, 32 * MiB)):
+        cfg = EngineConfig(threads=threads)
+        assert cfg.band() == band and cfg.computing_threads(threads) == threads, threads
+    assert EngineConfig(threads=12, staging_bytes=16 * MiB).band() == 4 * MiB  # the floor: 4 of 12 threads compute
+    assert EngineConfig(threads=12, staging_bytes=16 * MiB).computing_threads(12) == 4
+    fixed = EngineConfig(threads=12, band_bytes=32 * MiB)
+    assert fixed.band() == 32 * MiB and fixed.computing_threads(12) == 8
+
+
 @pytest.mark.parametrize("quant", ["fp8", "mxfp4"])
 def test_an_expert_of_fused_experts_crosses_as_a_view_of_its_staged_read(tmp_path, monkeypatch, quant):
     """One expert of a fused 3-D expert tensor (``Select`` of the stored tensor, as Qwen3-MoE's

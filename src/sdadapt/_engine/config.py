@@ -44,8 +44,9 @@ class EngineConfig:
     computation (a dequantisation is cut into bands of whole blocks of about that size): each
     thread that computes reads its bands into one buffer of that size, from a second pool bounded
     by ``staging_bytes`` too (allocated only by loads that compute; its bound is also how many
-    threads compute: fewer, larger computations keep per-task costs low, and the other threads
-    run the load's plain reads meanwhile, see :mod:`sdadapt._engine.lanes`).
+    threads compute, the others running the load's plain reads meanwhile, see
+    :mod:`sdadapt._engine.lanes`). By default (``None``) it is the staging memory shared out
+    over the threads, 4 to 32 MiB, so that every thread computes (:meth:`band`).
     ``band_depth`` is how many band buffers a computing thread may cycle through (the pool holds
     that many times more; above 1, reading a band overlaps the copy of the last one to the GPU;
     1, the default, until measured otherwise). ``landing_buffers`` is how many band-sized
@@ -70,7 +71,7 @@ class EngineConfig:
     direct_min_bytes: int = 256 * 1024
     min_span_bytes: int = 64 * 1024
     depth: int = 2
-    band_bytes: int = 32 * MiB
+    band_bytes: int | None = None
     band_depth: int = 1
     landing_buffers: int = 4
     warm_kernels: bool = True
@@ -79,7 +80,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.depth < 1:
             raise ValueError(f"EngineConfig.depth must be at least 1 (staging buffers per thread), got {self.depth}")
-        if self.band_bytes < 1:
+        if self.band_bytes is not None and self.band_bytes < 1:
             raise ValueError(f"EngineConfig.band_bytes must be positive, got {self.band_bytes}")
         if self.band_depth < 1:
             raise ValueError(f"EngineConfig.band_depth must be at least 1 (band buffers per computing thread), got {self.band_depth}")
@@ -99,10 +100,17 @@ class EngineConfig:
         bytes): what ``staging_bytes`` allows, and no more than the threads can cycle through."""
         return max(1, min(self.staging_bytes // self.chunk(), threads * self.depth))
 
+    def band(self) -> int:
+        """The largest input of one computation, in bytes: ``band_bytes``, or by default the
+        staging memory shared out over the threads (so that every thread computes), 4 to 32 MiB."""
+        if self.band_bytes is not None:
+            return self.band_bytes
+        return max(4 * MiB, min(32 * MiB, self.staging_bytes // max(1, self.threads)))
+
     def computing_threads(self, threads: int) -> int:
         """How many of a run's ``threads`` compute: one band buffer each within ``staging_bytes``
         (the band pool holds ``band_depth`` times as many buffers)."""
-        return max(1, min(self.staging_bytes // self.band_bytes, threads))
+        return max(1, min(self.staging_bytes // self.band(), threads))
 
     def band_buffers(self, threads: int) -> int:
         """How many band buffers a run with ``threads`` threads may hold: ``band_depth`` for
@@ -110,10 +118,11 @@ class EngineConfig:
         return self.computing_threads(threads) * self.band_depth
 
     def band_buffer_bytes(self) -> int:
-        """The size of a band buffer: a band's largest input (``band_bytes``) and room for its
+        """The size of a band buffer: a band's largest input (:meth:`band`) and room for its
         other inputs, the scales: at most a sixteenth of it (MXFP4's byte per 16-byte block),
         each input starting on a multiple of 64 bytes."""
-        return self.band_bytes + self.band_bytes // 16 + 128
+        band = self.band()
+        return band + band // 16 + 128
 
     @classmethod
     def from_env(cls) -> EngineConfig:

@@ -95,9 +95,9 @@ class Planner:
             push(task)
 
     def _bands(self, step: Compute) -> list[Compute]:
-        """``step`` cut into the bands its node offers for inputs of at most ``band_bytes`` (so
+        """``step`` cut into the bands its node offers for inputs of at most ``band()`` bytes (so
         that the threads share a large computation, and each band's input fits a band buffer)."""
-        boxes = step.node.bands(step.box, self.config.band_bytes)
+        boxes = step.node.bands(step.box, self.config.band())
         if len(boxes) <= 1:
             return [step]
         out: list[Step] = []
