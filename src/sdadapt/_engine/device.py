@@ -108,6 +108,21 @@ class _Slot:
     done: Any = None
 
 
+_STREAMS: dict[torch.device, tuple[Any, Any]] = {}
+_STREAMS_LOCK = threading.Lock()
+
+
+def _streams(device: torch.device) -> tuple[Any, Any]:
+    """The copy and compute streams of the lanes on ``device``, made once per process: the
+    caching allocator reuses a freed block only on the stream it was allocated on, so runs on
+    new streams would each leave their landing buffers cached apart."""
+    with _STREAMS_LOCK:
+        pair = _STREAMS.get(device)
+        if pair is None:
+            pair = _STREAMS[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        return pair
+
+
 class DeviceLane:
     """Runs the device side of one engine run on its own thread: :meth:`upload`,
     :meth:`compute` and :meth:`call` queue work and return at once; each ``release`` is called,
@@ -138,8 +153,7 @@ class DeviceLane:
         (where the destinations were made)."""
         if self._cuda:
             after = torch.cuda.current_stream(self.device)
-            self._copy = torch.cuda.Stream(self.device)
-            self._compute = torch.cuda.Stream(self.device)
+            self._copy, self._compute = _streams(self.device)
             self._copy.wait_stream(after)
             self._compute.wait_stream(after)
         self._threads = [
