@@ -54,14 +54,15 @@ class EngineConfig:
     copy into one waits, on the GPU, for the kernel that last read it; see
     :mod:`sdadapt._engine.device`). ``warm_kernels``: a load whose recipes compute on a GPU
     runs each kind of kernel once on a tiny input while it materialises the model
-    (:func:`sdadapt._engine.device.warm_kernels`). ``switch_interval`` is Python's thread switch
-    interval while the engine's threads run (``sys.setswitchinterval``, set back afterwards):
-    how long a thread back from a read may wait for the interpreter lock before it asks for
-    it; ``None``, the default, leaves the interpreter's own (5 ms) until a shorter one is
-    measured to help (bench/RESULTS.md). Environment: ``SDADAPT_IO_THREADS``,
+    (:func:`sdadapt._engine.device.warm_kernels`). ``switch_interval`` is Python's thread
+    switch interval while the engine's threads run (``sys.setswitchinterval``, set back
+    afterwards): how long a thread back from a read may wait for the interpreter lock before
+    it asks for it; ``None``, the default, leaves the interpreter's own (5 ms) until a
+    shorter one is measured to help (bench/RESULTS.md). Environment: ``SDADAPT_IO_THREADS``,
     ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``, ``SDADAPT_IO_DEPTH``,
     ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``, ``SDADAPT_IO_LANDING``,
-    ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS`` (``0``: leave the interval as it is).
+    ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS`` (``0``: leave the
+    interval as it is).
     """
 
     threads: int = field(default_factory=default_threads)
