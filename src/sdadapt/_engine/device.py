@@ -134,7 +134,7 @@ class DeviceLane:
         self.slot_bytes = slot_bytes
         self.on_error = on_error
         self.failed = False
-        self.views = TypedViews()
+        self._views = TypedViews()
         self._cuda = device.type == "cuda"
         self._slots: list[_Slot] = []
         self._nslots = max(1, slots)
@@ -250,7 +250,7 @@ class DeviceLane:
         return ev
 
     def _upload(self, item: _Upload) -> None:
-        cut = self.views.cut
+        cut = self._views.cut
         for dl in item.deliveries:
             dl.dest.copy_(cut(item.buf, dl.offset, dl.dtype, dl.shape), non_blocking=self._cuda)
         self._done.put((self._event(), item.release))
@@ -281,7 +281,7 @@ class DeviceLane:
                 self._compute.wait_event(copied)
             for i, at in inside.items():
                 v = args[i]
-                out[i] = self.views.cut(slot.buf, at, v.dtype, tuple(v.shape))
+                out[i] = self._views.cut(slot.buf, at, v.dtype, tuple(v.shape))
         with self._on_compute():
             for i, v in enumerate(args):
                 if out[i] is None:  # computed on the host (e.g. rows gathered out of a read)
