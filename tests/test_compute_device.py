@@ -462,9 +462,9 @@ def test_an_expert_of_fused_experts_crosses_as_a_view_of_its_staged_read(tmp_pat
         assert lane is not None
         real = lane.compute
         staged: list[bool] = []
-        def compute(step, args, buf, used, *rest):
-            staged.append(buf is not None)
-            real(step, args, buf, used, *rest)
+        def compute(step, args, buf, used, inside, *rest):
+            staged.append(buf is not None and len(inside) == len(args))
+            real(step, args, buf, used, inside, *rest)
 
         monkeypatch.setattr(lane, "compute", compute)
         upload = lane.upload
@@ -531,9 +531,11 @@ def test_a_failing_kernel_is_reported_by_key_and_every_buffer_still_comes_back(d
     def step(fn, dest):
         return N.Compute(leaf, ((0, 16),), dest, inputs=lambda io: (), kernel=fn)
 
-    lane.compute(step(kernel, good), (staged[:16],), staged, 16, lambda: released.append("good"), Where("a.weight", None, None, ((0, 16),)))
+    box = ((0, 16),)
+    where_a, where_b = Where("a.weight", None, None, box), Where("b.weight", None, None, box)
+    lane.compute(step(kernel, good), (staged[:16],), staged, 16, {0: 0}, lambda: released.append("good"), where_a)
     bad = torch.zeros(16, dtype=torch.uint8, device=dev)
-    lane.compute(step(broken, bad), (staged[16:32],), staged, 32, lambda: released.append("bad"), Where("b.weight", None, None, ((0, 16),)))
+    lane.compute(step(broken, bad), (staged[16:32],), staged, 32, {0: 16}, lambda: released.append("bad"), where_b)
     after = torch.zeros(16, dtype=torch.uint8, device=dev)
     where = Where("c.weight", "c", None, ((0, 16),))
     lane.upload(staged, [Delivery(0, 16, torch.uint8, (16,), after, where)], lambda: released.append("upload"), where)
@@ -544,10 +546,11 @@ def test_a_failing_kernel_is_reported_by_key_and_every_buffer_still_comes_back(d
 
 
 def test_warm_up_runs_each_kind_of_kernel_once_on_a_small_zero_input(tmp_path, monkeypatch):
-    """``warm_kernels`` runs the kernel of the first computing node of each recipe once per
-    kind (``warm_key``: the node type, dtypes and scale format), on a region of at most one
-    block, without reading the checkpoint; recipes that compute nothing are skipped."""
-    from sdadapt._engine import warm_kernels
+    """``device_kernels`` keeps the first computing node of each recipe, one per kind
+    (``warm_key``: the node type, dtypes and scale format), skipping recipes that compute
+    nothing; ``warm_kernels`` runs each one's kernel once on a region of at most one block,
+    without reading the checkpoint."""
+    from sdadapt._engine import device_kernels, warm_kernels
 
     fp8_a, _ = _fp8_node(tmp_path, "float32", (16, 32))
     fp8_b, _ = _fp8_node(tmp_path, "float32", (7, 9))  # same kernels, other block: not warmed again
@@ -566,8 +569,10 @@ def test_warm_up_runs_each_kind_of_kernel_once_on_a_small_zero_input(tmp_path, m
     recipes = [N.Leaf("n", (4,), torch.bfloat16), fp8_a, stacked, ue8m0, mx]
     assert fp8_a.warm_key() == fp8_b.warm_key() != ue8m0.warm_key()
     assert stacked.device_node() is fp8_b and N.Leaf("n", (4,), torch.bfloat16).device_node() is None
-    th = warm_kernels(torch.device("cpu"), recipes)
+    kernels = device_kernels(recipes)
+    assert kernels == [fp8_a, ue8m0, mx] and device_kernels(recipes[:1]) == []
+    th = warm_kernels(torch.device("cpu"), kernels)
     assert th is not None
     th.join(timeout=30)
     assert seen == [("DequantFP8", (1, 16, 32)), ("DequantFP8", (1, 16, 32)), ("DequantMXFP4", (1, 1, 32))]
-    assert warm_kernels(torch.device("cpu"), recipes[:1]) is None
+    assert warm_kernels(torch.device("cpu"), []) is None

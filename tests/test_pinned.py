@@ -255,7 +255,7 @@ def test_a_gpu_load_prefetches_its_staging_and_bands_only_when_it_computes(monke
     _load._prepare_device(model, "cuda:0", planned, plain)  # type: ignore[arg-type]
     _load._prepare_device(torch.nn.Linear(2, 2), None, {"weight": torch.zeros(2)}, fp8)  # type: ignore[arg-type]
     assert calls == [(torch.device("cuda:0"), True), (torch.device("cuda:0"), False)]
-    assert warmed == [(torch.device("cuda:0"), 1)]  # the one recipe that dequantises; none for the plain plan
+    assert warmed == [(torch.device("cuda:0"), 1)]  # one kind of kernel (4 experts alike); none for the plain plan
     monkeypatch.setenv("SDADAPT_IO_WARM", "0")
     _load._prepare_device(model, "cuda:0", planned, fp8)  # type: ignore[arg-type]
     assert len(warmed) == 1

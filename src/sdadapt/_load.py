@@ -16,7 +16,7 @@ from . import _integrity as integrity
 from ._adapter import Adapter
 from ._constructors import with_dtype
 from ._distributed import rank_and_world
-from ._engine import EngineConfig, prefetch_pinned, warm_kernels
+from ._engine import EngineConfig, device_kernels, prefetch_pinned, warm_kernels
 from ._gc import without_gc
 from ._lora import open_peft_lora
 from ._materialize import InitFn, check_buffers, choose_device, has_meta
@@ -151,10 +151,10 @@ def _prepare_device(model: nn.Module, device: torch.device | str | None, planned
         devices = {choose_device(model, device)}
     target = next(iter(devices), None)
     if target is not None and target.type == "cuda":
-        computing = [node for node in plan.recipes.values() if node.computes_on_device()]
-        prefetch_pinned(target, bool(computing))
-        if computing and EngineConfig.from_env().warm_kernels:
-            warm_kernels(target, computing)
+        kernels = device_kernels(plan.recipes.values())
+        prefetch_pinned(target, bool(kernels))
+        if kernels and EngineConfig.from_env().warm_kernels:
+            warm_kernels(target, kernels)
 
 
 @without_gc  # no full collection stalls the load: see sdadapt._gc

@@ -220,14 +220,10 @@ class Node:
         """The source keys this recipe reads, in order (repeats kept)."""
         return [k for c in self.children() for k in c.leaves()]
 
-    def computes_on_device(self) -> bool:
-        """Some step of this recipe is a :class:`Compute` of the ``inputs``/``kernel`` form (the
-        engine reads its inputs into band buffers, and runs it on the destination's device)."""
-        return self.device_node() is not None
-
     def device_node(self) -> Node | None:
         """The first node of this recipe whose own computation runs on the destination's
-        device (see :meth:`computes_on_device`), or ``None``."""
+        device (a :class:`Compute` of the ``inputs``/``kernel`` form: the engine reads its
+        inputs into band buffers, and runs its kernel there), or ``None``."""
         for c in self.children():
             found = c.device_node()
             if found is not None:

@@ -42,7 +42,7 @@ Errors name the target key, the source key and the file. Bytes read are counted 
 """
 
 from .config import EngineConfig, default_threads
-from .device import warm_kernels
+from .device import device_kernels, warm_kernels
 from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
 from .pinned import release_pinned_memory
@@ -57,6 +57,7 @@ __all__ = [
     "Job",
     "box_spans",
     "default_threads",
+    "device_kernels",
     "prefetch_pinned",
     "release_pinned_memory",
     "warm_kernels",

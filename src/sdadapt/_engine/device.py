@@ -38,32 +38,38 @@ log = logging.getLogger(__name__)
 Release = Callable[[], None]
 
 
-def warm_kernels(device: torch.device, recipes: Iterable[Node]) -> threading.Thread | None:
-    """Run, on a background thread and a side stream, each distinct device kernel of
-    ``recipes`` once on a small zero input on ``device`` (the first node of each recipe that
-    computes there, one per :meth:`~sdadapt._nodes.Node.warm_key`). A kernel's first launch
-    in a process loads it into the device; done by the lane in the middle of a load, that
-    would hold up every copy queued behind it. Returns the thread (``None``: nothing to warm);
-    a failure is only logged, since the load itself runs the same kernels and reports its
-    own errors."""
+def device_kernels(recipes: Iterable[Node]) -> list[Node]:
+    """One node for each kind of device kernel in ``recipes`` (the first node of a recipe that
+    computes on the destination's device, one per :meth:`~sdadapt._nodes.Node.warm_key`);
+    empty when no recipe computes there."""
     nodes: dict[object, Node] = {}
     for recipe in recipes:
         node = recipe.device_node()
         if node is not None:
             nodes.setdefault(node.warm_key(), node)
+    return list(nodes.values())
+
+
+def warm_kernels(device: torch.device, nodes: Sequence[Node]) -> threading.Thread | None:
+    """Run, on a background thread and a side stream, the device kernels of each of ``nodes``
+    (from :func:`device_kernels`) once on a small zero input on ``device``. A kernel's first
+    launch in a process loads it into the device; done by the lane in the middle of a load,
+    that would hold up every copy queued behind it. Returns the thread (``None``: nothing to
+    warm); a failure is only logged, since the load itself runs the same kernels and reports
+    its own errors."""
     if not nodes:
         return None
 
     def run() -> None:
         try:
             if device.type != "cuda":
-                for node in nodes.values():
+                for node in nodes:
                     node.warm_up(device)
                 return
             with torch.cuda.device(device):
                 stream = torch.cuda.Stream(device)
                 with torch.cuda.stream(stream):
-                    for node in nodes.values():
+                    for node in nodes:
                         node.warm_up(device)
                 stream.synchronize()
         except Exception as e:  # noqa: BLE001 - see the docstring
@@ -89,6 +95,7 @@ class _Kernel:
     args: tuple[torch.Tensor, ...]
     staged: torch.Tensor | None  # the band buffer holding some of args, or None
     used: int  # its bytes in use
+    inside: dict[int, int]  # arg index -> its offset in staged
     release: Release
     where: Where
     handed: bool = False  # release queued behind the copy out of staged
@@ -168,11 +175,20 @@ class DeviceLane:
         self._work.put(_Upload(buf, deliveries, release, where))
 
     def compute(
-        self, step: Compute, args: tuple[torch.Tensor, ...], staged: torch.Tensor | None, used: int, release: Release, where: Where
+        self,
+        step: Compute,
+        args: tuple[torch.Tensor, ...],
+        staged: torch.Tensor | None,
+        used: int,
+        inside: dict[int, int],
+        release: Release,
+        where: Where,
     ) -> None:
-        """Run ``step``'s kernel on the device with ``args`` (host tensors ``step.inputs`` read;
-        those that are views of the first ``used`` bytes of ``staged`` cross in one copy)."""
-        self._work.put(_Kernel(step, args, staged, used, release, where))
+        """Run ``step``'s kernel on the device with ``args`` (host tensors ``step.inputs`` read):
+        the first ``used`` bytes of ``staged`` cross in one copy, and each arg ``i`` of
+        ``inside`` is the view of those bytes at offset ``inside[i]``; the other args are
+        copied apart."""
+        self._work.put(_Kernel(step, args, staged, used, inside, release, where))
 
     def call(self, fn: Callable[[], object], where: Where) -> None:
         """Run ``fn`` (device work with no staged input, e.g. a fill) on the compute stream."""
@@ -257,16 +273,8 @@ class DeviceLane:
         item.handed = True
 
     def _kernel(self, item: _Kernel) -> None:
-        args, staged = item.args, item.staged
+        args, staged, inside = item.args, item.staged, item.inside
         out: list[torch.Tensor | None] = [None] * len(args)
-        inside: dict[int, int] = {}  # arg index -> its offset in the staged bytes
-        if staged is not None:
-            base = staged.data_ptr()
-            for i, v in enumerate(args):
-                at = v.data_ptr() - base
-                if v.device.type == "cpu" and v.is_contiguous() and 0 <= at and at % v.element_size() == 0:
-                    if at + v.numel() * v.element_size() <= item.used:
-                        inside[i] = at
         slot: _Slot | None = None
         if inside:
             assert staged is not None

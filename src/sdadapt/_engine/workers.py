@@ -100,6 +100,20 @@ class StagingIO:
         """A new computation: nothing staged yet."""
         self.buffer, self.pos = None, 0
 
+    def offsets(self, values: tuple[torch.Tensor, ...]) -> dict[int, int]:
+        """Which ``values`` are views of the bytes staged so far: index -> offset in the band
+        buffer (the values a computation's kernel reads there, after the buffer's one copy)."""
+        inside: dict[int, int] = {}
+        if self.buffer is None:
+            return inside
+        base = self.buffer.data_ptr()
+        for i, v in enumerate(values):
+            at = v.data_ptr() - base
+            if v.device.type == "cpu" and v.is_contiguous() and 0 <= at and at % v.element_size() == 0:
+                if at + v.numel() * v.element_size() <= self.pos:
+                    inside[i] = at
+        return inside
+
     def read(self, key: str, box: Box) -> torch.Tensor:
         w = self.worker
         located = w.locate(key, box)
@@ -293,10 +307,11 @@ class Worker:
                 self.bands.give_back(io.buffer)
             raise
         staged, used = io.buffer, io.pos
+        inside = io.offsets(args) if lane is not None else {}
         io.begin()
         release = functools.partial(self.bands.give_back, staged) if staged is not None else _nothing
         if lane is not None:
-            lane.compute(step, args, staged, used, release, task.where)
+            lane.compute(step, args, staged, used, inside, release, task.where)
         else:
             try:
                 assert step.kernel is not None
