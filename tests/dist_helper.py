@@ -39,10 +39,23 @@ class RankFailure:
     mro: list[str]
 
 
+# what a rank reports when another rank's process ended while it waited on it in a collective
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _first_cause(f: RankFailure) -> int:
+    """Sort key: a rank that crashed, then one that raised on its own, before the ranks that only
+    saw a peer go away (they are its consequence, and a long report is cut from its end)."""
+    if f.type_name == "Crash":
+        return 0
+    return 2 if any(s in f.message for s in _PEER_GONE) else 1
+
+
 class WorkerError(AssertionError):
     def __init__(self, failures: list[RankFailure], logs: str):
         self.failures = failures
-        text = "\n".join(f"--- rank {f.rank}: {f.type_name}: {f.message}\n{f.traceback}" for f in failures)
+        ordered = sorted(failures, key=_first_cause)
+        text = "\n".join(f"--- rank {f.rank}: {f.type_name}: {f.message}\n{f.traceback}" for f in ordered)
         super().__init__(f"{len(failures)} rank(s) failed:\n{text}\n--- worker output (tail) ---\n{logs}")
 
 
@@ -62,6 +75,7 @@ def run_distributed(fn: Any, world_size: int, *args: Any, timeout: float = 180.0
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         WORLD_SIZE=str(world_size),
+        SDADAPT_TEST_TIMEOUT=str(timeout),
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join([str(TESTS_DIR), str(SRC_DIR), env.get("PYTHONPATH", "")]),
     )
@@ -121,8 +135,11 @@ def run_distributed(fn: Any, world_size: int, *args: Any, timeout: float = 180.0
 
 def _worker(job: str, rank: int) -> None:
     import datetime
+    import faulthandler
 
     import torch.distributed as dist
+
+    faulthandler.enable()  # a native crash leaves its Python stack in the rank's log
 
     module, qualname, args, kwargs = pickle.loads(Path(job, "job.pkl").read_bytes())
     world = int(os.environ["WORLD_SIZE"])
@@ -133,7 +150,9 @@ def _worker(job: str, rank: int) -> None:
             init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=60),
+            # no shorter than the parent's hang timeout: on a loaded machine a rank can wait long
+            # for a slow peer, and its own timeout would end it and fail every other rank
+            timeout=datetime.timedelta(seconds=float(os.environ.get("SDADAPT_TEST_TIMEOUT", "180"))),
         )
         fn: Any = importlib.import_module(module)
         for part in qualname.split("."):

@@ -47,3 +47,21 @@ def test_discussion_scenario_fsdp_tp_2x2(tmp_path):
     results = run_distributed(_scenario, 4, str(tmp_path), timeout=120)
     assert all(r["keys"] == len(TinyTransformer().state_dict()) for r in results)
     assert all(r["bytes"] <= r["local"] for r in results)
+
+
+def test_worker_error_puts_the_first_cause_first():
+    """The ranks that only saw a peer's process end come last in the report (a long report is cut
+    from its end, and the rank that failed on its own is the one to read)."""
+    from dist_helper import RankFailure, WorkerError
+
+    gone = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:8368"
+    failures = [
+        RankFailure(0, "RuntimeError", gone, "tb0", []),
+        RankFailure(1, "RuntimeError", gone, "tb1", []),
+        RankFailure(2, "ValueError", "rank 2 broke", "tb2", []),
+        RankFailure(3, "Crash", "exit code -11, no result", "", []),
+    ]
+    text = str(WorkerError(failures, ""))
+    order = [text.index(f"--- rank {r}:") for r in (3, 2, 0, 1)]
+    assert order == sorted(order), text
+    assert text.startswith("4 rank(s) failed:")
