@@ -4,9 +4,10 @@
 
 ``fn`` must be a module-level function of an importable module (a test module is fine: the
 tests folder is put on the workers' path). Each worker initialises the default process group
-(gloo, 127.0.0.1), calls ``fn(*args, **kwargs)`` and returns its value; the caller gets the
-list of values by rank. If any rank raises, :class:`WorkerError` carries every rank's
-traceback; if any rank does not finish within ``timeout`` s, all are killed and the call
+(gloo; the ranks meet in a file of the launch's temporary folder), calls ``fn(*args,
+**kwargs)`` and returns its value; the caller gets the list of values by rank. If any rank
+raises, :class:`WorkerError` carries every rank's traceback (the ranks that failed on their
+own first); if any rank does not finish within ``timeout`` s, all are killed and the call
 fails naming the ranks that hung. Process start costs seconds on 2 cores: let one launched
 group run many cases and return a dict of results.
 """
@@ -16,7 +17,6 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -59,21 +59,12 @@ class WorkerError(AssertionError):
         super().__init__(f"{len(failures)} rank(s) failed:\n{text}\n--- worker output (tail) ---\n{logs}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_distributed(fn: Any, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
     job = tempfile.mkdtemp(prefix="sdadapt-dist-")
     with open(os.path.join(job, "job.pkl"), "wb") as f:
         pickle.dump((fn.__module__, fn.__qualname__, args, kwargs), f)
-    port = _free_port()
     env = dict(os.environ)
     env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         WORLD_SIZE=str(world_size),
         SDADAPT_TEST_TIMEOUT=str(timeout),
         OMP_NUM_THREADS="1",
@@ -145,9 +136,11 @@ def _worker(job: str, rank: int) -> None:
     world = int(os.environ["WORLD_SIZE"])
     out: tuple[str, Any]
     try:
+        # the ranks meet in a file of the job's own folder: a TCP store's port, picked free by
+        # the parent, could be taken by another socket before rank 0 binds it
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{os.environ['MASTER_PORT']}",
+            init_method=f"file://{Path(job, 'rendezvous')}",
             rank=rank,
             world_size=world,
             # no shorter than the parent's hang timeout: on a loaded machine a rank can wait long
