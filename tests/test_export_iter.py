@@ -46,9 +46,13 @@ def _stream(model: torch.nn.Module, ckpt: str) -> dict:
             refs.append(weakref.ref(_base(t)))
             # torch's own reference cycles (e.g. pytree flattening's recursive helper, under
             # DTensor's gathers) can keep an earlier tensor until Python's cycle collector runs;
-            # what counts is what is still referenced once that garbage is gone
-            gc.collect()
-            most_alive = max(most_alive, len({id(r()) for r in refs if r() is not None}))
+            # what counts is what is still referenced once that garbage is gone (collected only
+            # when more than one is alive: a collection per tensor costs seconds)
+            alive = len({id(r()) for r in refs if r() is not None})
+            if alive > 1:
+                gc.collect()
+                alive = len({id(r()) for r in refs if r() is not None})
+            most_alive = max(most_alive, alive)
             del t, want
     return {"keys": keys, "differ": differ, "most_alive": most_alive}
 
