@@ -32,6 +32,11 @@ def _base(t: torch.Tensor) -> torch.Tensor:
     return t._base if t._base is not None else t
 
 
+def _alive(refs: list[weakref.ref]) -> int:
+    """How many distinct tensors ``refs`` still reach."""
+    return len({id(r()) for r in refs if r() is not None})
+
+
 def _stream(model: torch.nn.Module, ckpt: str) -> dict:
     """Consume export_iter, comparing each tensor with the checkpoint file and counting how many
     of the tensors yielded so far are still alive while the next one is in hand."""
@@ -48,11 +53,9 @@ def _stream(model: torch.nn.Module, ckpt: str) -> dict:
             # DTensor's gathers) can keep an earlier tensor until Python's cycle collector runs;
             # what counts is what is still referenced once that garbage is gone (collected only
             # when more than one is alive: a collection per tensor costs seconds)
-            alive = len({id(r()) for r in refs if r() is not None})
-            if alive > 1:
+            if _alive(refs) > 1:
                 gc.collect()
-                alive = len({id(r()) for r in refs if r() is not None})
-            most_alive = max(most_alive, alive)
+            most_alive = max(most_alive, _alive(refs))
             del t, want
     return {"keys": keys, "differ": differ, "most_alive": most_alive}
 
