@@ -411,6 +411,38 @@ def test_a_threads_buffers_cycle_taking_from_the_pool_only_while_it_has_one_free
     assert bufs.held == [] and pool.try_get() is not None
 
 
+def test_a_buffer_given_back_with_a_pending_copy_is_handed_out_once_the_copy_has_finished():
+    """A buffer comes back from the device lane with the copy out of it still queued (its
+    ``Copied``); the reader's next ``take`` waits for that copy, and ``drain`` waits for every
+    held buffer's copy before the pool gets them back."""
+    import threading
+
+    class Pending:
+        def __init__(self):
+            self.done = threading.Event()
+            self.waited = 0
+
+        def wait(self):
+            self.done.wait()
+            self.waited += 1
+
+    pool = StagingPool(1, 64, pin=False)
+    bufs = Buffers(pool, 1)
+    a = bufs.take()
+    copy = Pending()
+    bufs.give_back(a, copy)
+    timer = threading.Timer(0.05, copy.done.set)  # the DMA finishes later
+    timer.start()
+    assert bufs.take().data_ptr() == a.data_ptr()
+    assert copy.done.is_set() and copy.waited == 1  # handed out only after the copy finished
+    timer.join()
+    last = Pending()
+    bufs.give_back(a, last)
+    threading.Timer(0.05, last.done.set).start()
+    bufs.drain()
+    assert last.waited == 1 and bufs.held == [] and pool.try_get() is not None
+
+
 def test_band_depth_and_landing_buffers_are_checked_and_read_from_the_environment(monkeypatch):
     from sdadapt._engine import EngineConfig
 
@@ -518,6 +550,16 @@ def test_a_failing_kernel_is_reported_by_key_and_every_buffer_still_comes_back(d
     lane = DeviceLane(dev, 1024, errors.append, slots=1)
     lane.start()
     released: list[str] = []
+    pending = []  # the copies the buffers came back with: waited on, as their readers would
+
+    def back(name):
+        def release(copied):
+            released.append(name)
+            if copied is not None:
+                pending.append(copied)
+
+        return release
+
     staged = torch.arange(256, dtype=torch.uint8)
     leaf = N.Leaf("x", (16,), torch.uint8)
     good = torch.zeros(16, dtype=torch.uint8, device=dev)
@@ -533,13 +575,15 @@ def test_a_failing_kernel_is_reported_by_key_and_every_buffer_still_comes_back(d
 
     box = ((0, 16),)
     where_a, where_b = Where("a.weight", None, None, box), Where("b.weight", None, None, box)
-    lane.compute(step(kernel, good), (staged[:16],), staged, 16, {0: 0}, lambda: released.append("good"), where_a)
+    lane.compute(step(kernel, good), (staged[:16],), staged, 16, {0: 0}, back("good"), where_a)
     bad = torch.zeros(16, dtype=torch.uint8, device=dev)
-    lane.compute(step(broken, bad), (staged[16:32],), staged, 32, {0: 16}, lambda: released.append("bad"), where_b)
+    lane.compute(step(broken, bad), (staged[16:32],), staged, 32, {0: 16}, back("bad"), where_b)
     after = torch.zeros(16, dtype=torch.uint8, device=dev)
     where = Where("c.weight", "c", None, ((0, 16),))
-    lane.upload(staged, [Delivery(0, 16, torch.uint8, (16,), after, where)], lambda: released.append("upload"), where)
+    lane.upload(staged, [Delivery(0, 16, torch.uint8, (16,), after, where)], back("upload"), where)
     lane.close()
+    for copied in pending:
+        copied.wait()
     assert sorted(released) == ["bad", "good", "upload"]
     assert len(errors) == 1 and "b.weight" in str(errors[0]) and "kernel exploded" in str(errors[0])
     assert torch.equal(good.cpu(), staged[:16]) and bool((after == 0).all())  # the upload after the failure was skipped

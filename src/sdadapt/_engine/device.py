@@ -1,20 +1,22 @@
-"""The one thread of a run that makes the device calls, and the one that waits for them.
+"""The one thread of a run that makes the device calls.
 
 On a GPU run the readers (:mod:`.workers`) only read: they fill their pinned staging and band
 buffers with ``preadv`` and hand them to the :class:`DeviceLane`. Its thread queues every
 host-to-device copy on one copy stream and every kernel (a dequantisation) on one compute
 stream, behind the copy of the kernel's inputs (an event), so that no two threads call into
 the CUDA driver at once: with each reader issuing its own copies and kernels, the time of each
-call grew with the number of threads issuing them (bench/RESULTS.md). A second thread waits
-for each copy to finish (its event) and only then gives the buffer back to the reader that
-filled it, so a buffer is never refilled while the DMA out of it is pending.
+call grew with the number of threads issuing them (bench/RESULTS.md). Once a buffer's copy is
+queued, the lane hands the buffer back at once with a :class:`Copied`, the copy's event: the
+reader waits on it (a blocking-sync event: the reader sleeps instead of spinning a core) only
+when it needs that buffer again, so a buffer is never refilled while the DMA out of it is
+pending, and no other thread stands between the GPU and the reader.
 
 A computation's staged inputs cross in one copy into a landing buffer on the device (a small
 ring of them, each reused once the kernel that last read it has run: an event on the compute
 stream that the copy stream waits for); inputs computed on the host are copied on their own.
 
 The lane also runs on the CPU as its "device" (copies and kernels then happen in order on its
-thread, every event is ``None``): the tests drive it so.
+thread, and buffers come back with no event): the tests drive it so.
 """
 
 from __future__ import annotations
@@ -35,7 +37,28 @@ from .views import TypedViews
 
 log = logging.getLogger(__name__)
 
-Release = Callable[[], None]
+
+class Copied:
+    """The queued copy out of a host buffer: :meth:`wait` returns once it has finished."""
+
+    __slots__ = ("event", "lane")
+
+    def __init__(self, event: Any, lane: DeviceLane):
+        self.event = event
+        self.lane = lane
+
+    def wait(self) -> None:
+        """Block until the copy has finished; the event goes back to the lane to be recorded
+        again. A failure is reported to the lane (which fails the load), not raised: the caller
+        may be returning its buffers after a failure already."""
+        try:
+            self.event.synchronize()
+        except Exception as e:  # noqa: BLE001 - reported like any other failure
+            self.lane._fail(e)
+        self.lane._events.append(self.event)
+
+
+Release = Callable[[Copied | None], None]
 
 
 def device_kernels(recipes: Iterable[Node]) -> list[Node]:
@@ -132,9 +155,11 @@ def _streams(device: torch.device) -> tuple[Any, Any]:
 
 class DeviceLane:
     """Runs the device side of one engine run on its own thread: :meth:`upload`,
-    :meth:`compute` and :meth:`call` queue work and return at once; each ``release`` is called,
-    on another thread, once the copy out of its buffer has finished (also when the work failed
-    or was skipped after a failure). Errors go to ``on_error`` as they happen."""
+    :meth:`compute` and :meth:`call` queue work and return at once; each ``release`` is called
+    on the lane's thread once the copy out of its buffer is queued, with the :class:`Copied` to
+    wait on before the buffer is written again (``None``: nothing is pending, as on the CPU or
+    when the work failed or was skipped after a failure). Errors go to ``on_error`` as they
+    happen."""
 
     def __init__(self, device: torch.device, slot_bytes: int, on_error: Callable[[BaseException], None], slots: int = 4):
         self.device = device
@@ -147,28 +172,23 @@ class DeviceLane:
         self._nslots = max(1, slots)
         self._turn = 0
         self._work: queue.SimpleQueue[_Upload | _Kernel | _Call | None] = queue.SimpleQueue()
-        self._done: queue.SimpleQueue[tuple[Any, Release] | None] = queue.SimpleQueue()
-        self._events: list[Any] = []  # recorded events whose copies have finished, to record again
+        self._events: list[Any] = []  # events whose copies have finished, to record again (appended by readers)
         self._copy: Any = None
         self._compute: Any = None
-        self._threads: list[threading.Thread] = []
+        self._thread: threading.Thread | None = None
 
     # --- called by the engine and the readers ---------------------------------------------------
 
     def start(self) -> None:
-        """Start both threads; on a GPU the streams first wait for the caller's current stream
-        (where the destinations were made)."""
+        """Start the lane's thread; on a GPU the streams first wait for the caller's current
+        stream (where the destinations were made)."""
         if self._cuda:
             after = torch.cuda.current_stream(self.device)
             self._copy, self._compute = _streams(self.device)
             self._copy.wait_stream(after)
             self._compute.wait_stream(after)
-        self._threads = [
-            threading.Thread(target=self._run, name="sdadapt-device", daemon=True),
-            threading.Thread(target=self._release, name="sdadapt-release", daemon=True),
-        ]
-        for th in self._threads:
-            th.start()
+        self._thread = threading.Thread(target=self._run, name="sdadapt-device", daemon=True)
+        self._thread.start()
 
     def upload(self, buf: torch.Tensor, deliveries: Sequence[Delivery], release: Release, where: Where) -> None:
         """Copy each delivery's bytes of host buffer ``buf`` into its destination."""
@@ -195,10 +215,10 @@ class DeviceLane:
         self._work.put(_Call(fn, where))
 
     def close(self) -> None:
-        """Finish everything queued, wait for the device, stop both threads."""
+        """Finish everything queued, wait for the device, stop the thread."""
         self._work.put(None)
-        for th in self._threads:
-            th.join()
+        if self._thread is not None:
+            self._thread.join()
 
     # --- the device thread ------------------------------------------------------------------
 
@@ -214,7 +234,6 @@ class DeviceLane:
                     self._compute.synchronize()
             except Exception as e:  # noqa: BLE001 - reported like any other failure
                 self._fail(e)
-            self._done.put(None)
 
     @contextlib.contextmanager
     def _on_device(self) -> Iterator[None]:
@@ -247,7 +266,7 @@ class DeviceLane:
                     self._copy.synchronize()  # nothing may still be copied out of the buffer
         finally:
             if not isinstance(item, _Call) and not item.handed:
-                item.release()
+                item.release(None)
 
     @contextlib.contextmanager
     def _on_compute(self) -> Iterator[None]:
@@ -257,20 +276,20 @@ class DeviceLane:
         with torch.cuda.stream(self._compute):
             yield
 
-    def _event(self) -> Any:
-        """An event recorded on the copy stream now (None on the CPU)."""
+    def _copied(self) -> Copied | None:
+        """The copies queued on the copy stream so far, to wait on (None on the CPU)."""
         if not self._cuda:
             return None
-        ev = self._events.pop() if self._events else torch.cuda.Event()
+        ev = self._events.pop() if self._events else torch.cuda.Event(blocking=True)
         ev.record(self._copy)
-        return ev
+        return Copied(ev, self)
 
     def _upload(self, item: _Upload) -> None:
         cut = self._views.cut
         for dl in item.deliveries:
             dl.dest.copy_(cut(item.buf, dl.offset, dl.dtype, dl.shape), non_blocking=self._cuda)
-        self._done.put((self._event(), item.release))
         item.handed = True
+        item.release(self._copied())
 
     def _kernel(self, item: _Kernel) -> None:
         args, staged, inside = item.args, item.staged, item.inside
@@ -282,11 +301,11 @@ class DeviceLane:
             if slot.done is not None:
                 self._copy.wait_event(slot.done)  # the last kernel reading this landing buffer has run
             slot.buf[: item.used].copy_(staged[: item.used], non_blocking=self._cuda)
-            copied = self._event()
-            self._done.put((copied, item.release))
-            item.handed = True
+            copied = self._copied()
             if copied is not None:
-                self._compute.wait_event(copied)
+                self._compute.wait_event(copied.event)
+            item.handed = True
+            item.release(copied)
             for i, at in inside.items():
                 v = args[i]
                 out[i] = self._views.cut(slot.buf, at, v.dtype, tuple(v.shape))
@@ -309,16 +328,3 @@ class DeviceLane:
         slot = self._slots[self._turn]
         self._turn = (self._turn + 1) % self._nslots
         return slot
-
-    # --- the release thread -----------------------------------------------------------------
-
-    def _release(self) -> None:
-        while (entry := self._done.get()) is not None:
-            event, release = entry
-            if event is not None:
-                try:
-                    event.synchronize()
-                except Exception as e:  # noqa: BLE001 - reported; the buffer goes back all the same
-                    self._fail(e)
-                self._events.append(event)
-            release()

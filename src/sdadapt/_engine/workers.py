@@ -13,7 +13,7 @@ import torch
 from .._nodes import Box, box_shape
 from ..sources._base import Source
 from . import syscalls
-from .device import DeviceLane
+from .device import Copied, DeviceLane
 from .geometry import box_spans, round_up
 from .lanes import TaskLanes
 from .staging import StagingPool
@@ -43,20 +43,21 @@ class CountingIO:
 class Buffers:
     """One thread's share of a bounded pool: up to ``depth`` buffers, taken from the pool as the
     thread needs them (the first one waiting for the pool, later ones only while it has one
-    free), each handed out again once given back (the copy out of it has finished)."""
+    free), each handed out again once given back and the copy out of it has finished (the
+    :class:`~sdadapt._engine.device.Copied` it came back with, waited on here)."""
 
     def __init__(self, pool: StagingPool, depth: int):
         self.pool = pool
         self.depth = depth
         self.held: list[torch.Tensor] = []
-        self._back: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self._back: queue.SimpleQueue[tuple[torch.Tensor, Copied | None]] = queue.SimpleQueue()
         self.waits = 0  # takes that waited for a buffer to come back
 
     def take(self) -> torch.Tensor:
         """A buffer free to write: one given back, a new one while under ``depth``, else the
-        next one given back (waiting for it)."""
+        next one given back (waiting for it), each once its copy has finished."""
         try:
-            return self._back.get_nowait()
+            return self._ready(self._back.get_nowait())
         except queue.Empty:
             pass
         if len(self.held) < self.depth:
@@ -65,17 +66,25 @@ class Buffers:
                 self.held.append(buf)
                 return buf
         self.waits += 1
-        return self._back.get()
+        return self._ready(self._back.get())
 
-    def give_back(self, buf: torch.Tensor) -> None:
-        """``buf`` may be written again (called from any thread)."""
-        self._back.put(buf)
+    @staticmethod
+    def _ready(back: tuple[torch.Tensor, Copied | None]) -> torch.Tensor:
+        buf, copied = back
+        if copied is not None:
+            copied.wait()
+        return buf
+
+    def give_back(self, buf: torch.Tensor, copied: Copied | None = None) -> None:
+        """``buf`` may be written again once ``copied`` (the copy out of it) has finished;
+        ``None``: at once (called from any thread)."""
+        self._back.put((buf, copied))
 
     def drain(self) -> None:
-        """Wait for every buffer to be given back, then return them all to the pool (for the
-        threads still running)."""
+        """Wait for every buffer to be given back and its copy to finish, then return them all
+        to the pool (for the threads still running)."""
         for _ in self.held:
-            self._back.get()
+            self._ready(self._back.get())
         for buf in self.held:
             self.pool.put(buf)
         self.held = []
@@ -175,6 +184,11 @@ class Worker:
         """The thread's body: errors are collected in ``shared`` and re-raised by the engine."""
         sh = self.shared
         try:
+            if sh.lane is not None and sh.lane.device.type == "cuda":
+                # this thread's CUDA calls (pinning a slab, waiting on a copy) go to the load's
+                # device; a thread's current device is otherwise device 0, where they would
+                # open a context of their own
+                torch.cuda.set_device(sh.lane.device)
             self._loop()
         except BaseException as e:  # noqa: BLE001 - re-raised by IOEngine.run
             sh.fail(e)
@@ -354,5 +368,5 @@ class Worker:
             piece.dest.copy_(value)
 
 
-def _nothing() -> None:
-    pass
+def _nothing(copied: Copied | None = None) -> None:
+    """The release of a computation that staged nothing (so nothing is copied out of a buffer)."""
