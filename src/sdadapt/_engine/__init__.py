@@ -24,8 +24,8 @@ on a thread pool:
    read *straight into* with ``preadv`` (:mod:`.syscalls`; no copy, no staging), in chunks so
    that several threads share a large tensor. Otherwise the bytes go into a buffer from a
    bounded staging pool (:mod:`.staging`; pinned when the destination is on a GPU), then
-   ``copy_`` moves them (on a GPU: queued by the device lane on its copy stream, so the next
-   read overlaps the host-to-device copy). Small staged reads that are adjacent in one file
+   ``copy_`` moves them (on a GPU: queued by the device lane, so the next read overlaps the
+   host-to-device copy). Small staged reads that are adjacent in one file
    are **coalesced** into one read.
 4. **Threads** (:mod:`.workers`). A pool sized to the machine (:func:`default_threads`),
    started before planning (:mod:`.engine`): each task is queued as soon as it is made, so the
@@ -34,7 +34,7 @@ on a thread pool:
    never per element. Each thread cycles through ``depth`` staging buffers of its own. Only
    the threads that hold a band buffer run computations (:mod:`.lanes`); the others run the
    plain reads beside them. On a GPU the reading threads make no CUDA calls: one thread of
-   the run, the device lane, makes them all (:mod:`.device`), and hands each buffer back once
+   the run, the device lane, makes them all (:mod:`.device`); a thread refills a buffer once
    the copy out of it has finished.
 
 Errors name the target key, the source key and the file. Bytes read are counted exactly

@@ -1,19 +1,24 @@
 """The one thread of a run that makes the device calls.
 
 On a GPU run the readers (:mod:`.workers`) only read: they fill their pinned staging and band
-buffers with ``preadv`` and hand them to the :class:`DeviceLane`. Its thread queues every
-host-to-device copy on one copy stream and every kernel (a dequantisation) on one compute
-stream, behind the copy of the kernel's inputs (an event), so that no two threads call into
-the CUDA driver at once: with each reader issuing its own copies and kernels, the time of each
-call grew with the number of threads issuing them (bench/RESULTS.md). Once a buffer's copy is
-queued, the lane hands the buffer back at once with a :class:`Copied`, the copy's event: the
-reader waits on it (a blocking-sync event: the reader sleeps instead of spinning a core) only
-when it needs that buffer again, so a buffer is never refilled while the DMA out of it is
-pending, and no other thread stands between the GPU and the reader.
+buffers with ``preadv`` and hand them to the :class:`DeviceLane`. Its thread makes every
+device call of the run (host-to-device copies, kernels such as a dequantisation), so that no
+two threads call into the CUDA driver at once: with each reader issuing its own copies and
+kernels, the time of each call grew with the number of threads issuing them
+(bench/RESULTS.md). Once a buffer's copy is queued, the lane hands the buffer back at once
+with a :class:`Copied`, the copy's event: the reader waits on it (a blocking-sync event: the
+reader sleeps instead of spinning a core) only when it needs that buffer again, so a buffer is
+never refilled while the DMA out of it is pending, and no other thread stands between the GPU
+and the reader.
 
 A computation's staged inputs cross in one copy into a landing buffer on the device (a small
-ring of them, each reused once the kernel that last read it has run: an event on the compute
-stream that the copy stream waits for); inputs computed on the host are copied on their own.
+ring of them); its kernel runs on the same stream right behind that copy. The ring's buffers
+take turns between two streams, each buffer always on the same one: a copy into a landing
+buffer is ordered after the kernel that last read it by its stream alone, while the copy on
+one stream overlaps the kernel on the other. So a computation costs the lane a copy, an event
+and its kernel's calls, and no cross-stream waits (every device call lets the readers take the
+interpreter lock, and the lane then waits to get it back). Inputs computed on the host are
+copied on their own.
 
 The lane also runs on the CPU as its "device" (copies and kernels then happen in order on its
 thread, and buffers come back with no event): the tests drive it so.
@@ -130,22 +135,14 @@ class _Call:
     where: Where
 
 
-@dataclass
-class _Slot:
-    """A landing buffer on the device, and the event of the last kernel that read it."""
-
-    buf: torch.Tensor
-    done: Any = None
-
-
 _STREAMS: dict[torch.device, tuple[Any, Any]] = {}
 _STREAMS_LOCK = threading.Lock()
 
 
 def _streams(device: torch.device) -> tuple[Any, Any]:
-    """The copy and compute streams of the lanes on ``device``, made once per process: the
-    caching allocator reuses a freed block only on the stream it was allocated on, so runs on
-    new streams would each leave their landing buffers cached apart."""
+    """The two streams of the lanes on ``device``, made once per process: the caching
+    allocator reuses a freed block only on the stream it was allocated on, so runs on new
+    streams would each leave their landing buffers cached apart."""
     with _STREAMS_LOCK:
         pair = _STREAMS.get(device)
         if pair is None:
@@ -168,13 +165,14 @@ class DeviceLane:
         self.failed = False
         self._views = TypedViews()
         self._cuda = device.type == "cuda"
-        self._slots: list[_Slot] = []
+        self._slots: list[torch.Tensor] = []  # landing buffer i is used on stream i % 2
         self._nslots = max(1, slots)
         self._turn = 0
         self._work: queue.SimpleQueue[_Upload | _Kernel | _Call | None] = queue.SimpleQueue()
         self._events: list[Any] = []  # events whose copies have finished, to record again (appended by readers)
-        self._copy: Any = None
-        self._compute: Any = None
+        self._streams: tuple[Any, ...] = ()
+        self._current: Any = None  # the stream the lane's thread has made current
+        self._uploads = 0
         self._thread: threading.Thread | None = None
 
     # --- called by the engine and the readers ---------------------------------------------------
@@ -184,9 +182,9 @@ class DeviceLane:
         stream (where the destinations were made)."""
         if self._cuda:
             after = torch.cuda.current_stream(self.device)
-            self._copy, self._compute = _streams(self.device)
-            self._copy.wait_stream(after)
-            self._compute.wait_stream(after)
+            self._streams = _streams(self.device)
+            for stream in self._streams:
+                stream.wait_stream(after)
         self._thread = threading.Thread(target=self._run, name="sdadapt-device", daemon=True)
         self._thread.start()
 
@@ -211,7 +209,7 @@ class DeviceLane:
         self._work.put(_Kernel(step, args, staged, used, inside, release, where))
 
     def call(self, fn: Callable[[], object], where: Where) -> None:
-        """Run ``fn`` (device work with no staged input, e.g. a fill) on the compute stream."""
+        """Run ``fn`` (device work with no staged input, e.g. a fill) on the device."""
         self._work.put(_Call(fn, where))
 
     def close(self) -> None:
@@ -229,9 +227,7 @@ class DeviceLane:
                     self._do(item)
         finally:
             try:
-                if self._cuda:
-                    self._copy.synchronize()
-                    self._compute.synchronize()
+                self._synchronize()
             except Exception as e:  # noqa: BLE001 - reported like any other failure
                 self._fail(e)
 
@@ -240,8 +236,24 @@ class DeviceLane:
         if not self._cuda:
             yield
             return
-        with torch.cuda.device(self.device), torch.cuda.stream(self._copy):
+        with torch.cuda.device(self.device), torch.cuda.stream(self._streams[0]):
+            self._current = self._streams[0]
             yield
+
+    def _synchronize(self) -> None:
+        for stream in self._streams:
+            stream.synchronize()
+
+    def _use(self, i: int) -> Any:
+        """Make stream ``i`` the thread's current one (the device calls that follow go there);
+        returns it (``None`` on the CPU)."""
+        if not self._cuda:
+            return None
+        stream = self._streams[i]
+        if stream is not self._current:
+            torch.cuda.set_stream(stream)
+            self._current = stream
+        return stream
 
     def _fail(self, e: BaseException) -> None:
         self.failed = True
@@ -257,74 +269,59 @@ class DeviceLane:
                 case _Kernel():
                     self._kernel(item)
                 case _Call():
-                    with self._on_compute():
-                        item.fn()
+                    item.fn()
         except Exception as e:  # noqa: BLE001 - named and reported
             self._fail(item.where.error(e))
             if self._cuda:
                 with contextlib.suppress(Exception):
-                    self._copy.synchronize()  # nothing may still be copied out of the buffer
+                    self._synchronize()  # nothing may still be copied out of the buffer
         finally:
             if not isinstance(item, _Call) and not item.handed:
                 item.release(None)
 
-    @contextlib.contextmanager
-    def _on_compute(self) -> Iterator[None]:
-        if not self._cuda:
-            yield
-            return
-        with torch.cuda.stream(self._compute):
-            yield
-
-    def _copied(self) -> Copied | None:
-        """The copies queued on the copy stream so far, to wait on (None on the CPU)."""
-        if not self._cuda:
+    def _copied(self, stream: Any) -> Copied | None:
+        """The copies queued on ``stream`` so far, to wait on (None on the CPU)."""
+        if stream is None:
             return None
         ev = self._events.pop() if self._events else torch.cuda.Event(blocking=True)
-        ev.record(self._copy)
+        ev.record(stream)
         return Copied(ev, self)
 
     def _upload(self, item: _Upload) -> None:
+        stream = self._use(self._uploads % len(self._streams)) if self._cuda else None
+        self._uploads += 1
         cut = self._views.cut
         for dl in item.deliveries:
             dl.dest.copy_(cut(item.buf, dl.offset, dl.dtype, dl.shape), non_blocking=self._cuda)
         item.handed = True
-        item.release(self._copied())
+        item.release(self._copied(stream))
 
     def _kernel(self, item: _Kernel) -> None:
         args, staged, inside = item.args, item.staged, item.inside
         out: list[torch.Tensor | None] = [None] * len(args)
-        slot: _Slot | None = None
         if inside:
             assert staged is not None
-            slot = self._slot()
-            if slot.done is not None:
-                self._copy.wait_event(slot.done)  # the last kernel reading this landing buffer has run
-            slot.buf[: item.used].copy_(staged[: item.used], non_blocking=self._cuda)
-            copied = self._copied()
-            if copied is not None:
-                self._compute.wait_event(copied.event)
+            i = self._slot()
+            slot = self._slots[i]
+            stream = self._use(i % 2) if self._cuda else None  # where this landing buffer is always used
+            slot[: item.used].copy_(staged[: item.used], non_blocking=self._cuda)
             item.handed = True
-            item.release(copied)
-            for i, at in inside.items():
-                v = args[i]
-                out[i] = self._views.cut(slot.buf, at, v.dtype, tuple(v.shape))
-        with self._on_compute():
-            for i, v in enumerate(args):
-                if out[i] is None:  # computed on the host (e.g. rows gathered out of a read)
-                    out[i] = dest = torch.empty(v.shape, dtype=v.dtype, device=self.device)
-                    dest.copy_(v)
-            assert item.step.kernel is not None
-            item.step.kernel(item.step.dest, *out)
-            if slot is not None and self._cuda:
-                slot.done = slot.done or torch.cuda.Event()
-                slot.done.record(self._compute)
+            item.release(self._copied(stream))
+            for k, at in inside.items():
+                v = args[k]
+                out[k] = self._views.cut(slot, at, v.dtype, tuple(v.shape))
+        for k, v in enumerate(args):
+            if out[k] is None:  # computed on the host (e.g. rows gathered out of a read)
+                out[k] = dest = torch.empty(v.shape, dtype=v.dtype, device=self.device)
+                dest.copy_(v)
+        assert item.step.kernel is not None
+        item.step.kernel(item.step.dest, *out)
 
-    def _slot(self) -> _Slot:
-        """The next landing buffer of the ring (made on first use)."""
+    def _slot(self) -> int:
+        """The next landing buffer of the ring (made on first use), by its index."""
         if len(self._slots) < self._nslots:
-            self._slots.append(_Slot(torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device)))
-            return self._slots[-1]
-        slot = self._slots[self._turn]
+            self._slots.append(torch.empty(self.slot_bytes, dtype=torch.uint8, device=self.device))
+            return len(self._slots) - 1
+        i = self._turn
         self._turn = (self._turn + 1) % self._nslots
-        return slot
+        return i
