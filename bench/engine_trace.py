@@ -2,8 +2,9 @@
 
 ``overlay SRC OUT`` copies the sdadapt package under SRC (a ``src`` folder) to ``OUT/src`` and
 makes it record, per engine run, when each thread ran each task, read (``preadv``), waited for
-a staging or band buffer, moved inputs to the device, ran a dequantisation kernel (on a tree
-with a device lane: the lane thread's time per computation and per upload), and when a pool
+a staging or band buffer (and of that, for the copy out of it to finish), moved inputs to the
+device, ran a dequantisation kernel (on a tree with a device lane: the lane thread's time per
+computation, per upload and in all), and when a pool
 pinned its slab; each run is written to ``$SDADAPT_TRACE/trace-PID-N.json``. Run it
 through load_bench's variants, then ``summary DIR`` prints, per run, the sums per thread, the
 slow slab allocations and the bytes read per 50 ms::
@@ -36,7 +37,7 @@ EVENTS = []  # (thread name, kind, start, end, detail)
 
 
 def _wrap(cls, name, kind, detail=None):
-    f = getattr(cls, name, None)
+    f = getattr(cls, name, None) if cls is not None else None
     if f is None:
         return
     def g(*a, **k):
@@ -61,6 +62,8 @@ if hasattr(W, "DeviceLane"):
     from ._engine import device as D
     _wrap(D.DeviceLane, "_kernel", "to_device")  # the lane's whole handling of a computation
     _wrap(D.DeviceLane, "_upload", "lane_upload")
+    _wrap(D.DeviceLane, "_do", "lane_busy")  # each item the lane ran; the rest of its time it waited for work
+    _wrap(getattr(D, "Copied", None), "wait", "copy_wait")  # a reader waiting for the DMA out of its buffer
 _wrap(S.StagingPool, "_new", "pool_new")
 _wrap(P.SlabCache, "get", "slab_get", lambda self, nbytes: nbytes)
 _wrap(N.Compute, "run", "compute")
@@ -124,7 +127,7 @@ def summary(folder: str) -> None:
             d = per[thread]
             print(f"  {thread}: +{first[thread] - t0:.3f}..+{last[thread] - t0:.3f} task {d['task']:.3f} read {d['read']:.3f} "
                   f"wait staging {d['wait_staging']:.3f} band {d['wait_band']:.3f} to_device {d['to_device']:.3f} kernel {d['kernel']:.3f}"
-                  f" lane uploads {d['lane_upload']:.3f}")
+                  f" lane uploads {d['lane_upload']:.3f} lane busy {d['lane_busy']:.3f} copy wait {d['copy_wait']:.3f}")
         for thread, kind, a, b, detail in events:
             if kind == "slab_get" and b - a > 0.002:
                 print(f"  slab of {detail / 2**20:.0f} MiB pinned by {thread} at +{a - t0:.3f} in {b - a:.4f} s")

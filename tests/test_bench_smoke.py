@@ -179,6 +179,11 @@ def test_variants_apply_to_sdadapt_rows_only(loadbench):
     assert [j.tag for j in loadbench.cli._jobs(args, loadbench.cli.variants(args.variant))] == [
         "fsdp-sdadapt", "fsdp-sdadapt@a", "fsdp-sdadapt@b", "fsdp-hf-reader", "tp-sdadapt", "tp-sdadapt@a", "tp-sdadapt@b",
         "fsdp-torchsave-broadcast-meta"]
+    args = loadbench.cli.parser("").parse_args(["--paths", "sdadapt,hf-reader,sdadapt-fp8", "--tp-paths", "", "--materialized-paths", "",
+                                                "--discussion", "", "--variant", "a:X=1", "--variant", "b:Y=2", "--by-variant"])
+    assert [j.tag for j in loadbench.cli._jobs(args, loadbench.cli.variants(args.variant))] == [
+        "fsdp-sdadapt", "fsdp-hf-reader", "fsdp-sdadapt-fp8", "fsdp-sdadapt@a", "fsdp-sdadapt-fp8@a", "fsdp-sdadapt@b",
+        "fsdp-sdadapt-fp8@b"]  # --by-variant: a variant's rows back to back
 
 
 @pytest.mark.parametrize("spec, message", [

@@ -69,6 +69,10 @@ def parser(description: str) -> argparse.ArgumentParser:
                          "src=FOLDER (a folder holding another sdadapt package, e.g. another commit's src/ from "
                          "`git archive`, put first on the workers' path); rows are named PATH @NAME, and 'x sdadapt' "
                          "compares within a variant (repeatable)")
+    ap.add_argument("--by-variant", action="store_true",
+                    help="run the rows variant by variant: each variant's sdadapt rows back to back (the other "
+                         "loaders' rows with the rows without a variant, first), so that 'x sdadapt' compares loads run "
+                         "one after the other rather than minutes apart")
     ap.add_argument("--out", default=str(BENCH / "out" / "load_bench"), help="output prefix: writes PREFIX.json and PREFIX.md")
     return ap
 
@@ -120,6 +124,8 @@ def _jobs(args: argparse.Namespace, the_variants: dict[str, dict[str, str]]) -> 
     if unknown:
         raise BenchError(f"unknown path(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     names = list(the_variants)
+    if getattr(args, "by_variant", False):
+        return [replace(j, variant=v) for v in ["", *names] for j in jobs if not v or j.path.startswith("sdadapt")]
     return [replace(j, variant=v) for j in jobs for v in ["", *(names if j.path.startswith("sdadapt") else [])]]
 
 
