@@ -329,29 +329,6 @@ def test_whole_blocks_dequantise_straight_into_the_destination(fmt, dtype):
     assert bool((part == 7).all() and (ints == 0).all())
 
 
-@pytest.mark.parametrize("fmt", ["float32", "ue8m0"])
-def test_a_whole_block_region_is_planned_with_its_inputs_and_destination_in_block_shapes(tmp_path, fmt):
-    """``DequantFP8.produce`` gives a region of whole blocks (into the node's dtype) inputs read
-    in block shapes, views of the same reads, and a kernel on the destination's block view made
-    at planning; regions off the block grid, or into another dtype, take the general kernel;
-    both give the bits of the whole-tensor dequantisation."""
-    node, path = _fp8_node(tmp_path, fmt, (16, 32))
-    with open_source(path) as src:
-        full = node.full(src)
-        for box, blocked in ((((0, 3), (0, 32), (0, 64)), True), (((1, 2), (0, 45), (32, 70)), False),
-                             (((0, 1), (8, 24), (0, 32)), False)):
-            dest = torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16)
-            [step] = node.steps(box, dest)
-            assert isinstance(step, N.Compute) and step.inputs is not None and step.kernel is not None
-            weight, scale = step.inputs(src)
-            assert (weight.dim() == 5 and scale.shape[-1] == 1) is blocked
-            step.kernel(step.dest, weight, scale)
-            assert torch.equal(_bits(dest), _bits(full[tuple(slice(a, b) for a, b in box)])), box
-        other = QN.DequantFP8(node.weight, node.scale, node.block, node.scale_format, torch.float32)
-        [step] = other.steps(((0, 3), (0, 32), (0, 64)), torch.empty(3, 32, 64, dtype=torch.float16))
-        assert step.inputs is not None and step.inputs(src)[0].dim() == 3  # float16 into a float32 node: general kernel
-
-
 def test_one_band_buffer_shared_by_three_threads_computes_everything(tmp_path):
     """Staging memory for one band buffer only: the thread that takes it computes every band
     while the others wait for it (they take it once it is given back); nothing hangs, the bits

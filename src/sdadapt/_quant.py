@@ -142,38 +142,21 @@ def dequantize_fp8_region(
 _FP8_EXACT = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
-def fp8_block_shapes(shape: tuple[int, ...], block: tuple[int, int], dtype: torch.dtype) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The shapes under which a region of ``shape``, whole ``block`` tiles, is dequantised in
-    place into ``dtype`` (:func:`dequantize_fp8_blocked`): the weight and the destination as
-    ``[..., nr, b0, nc, b1]``, the scales as ``[..., nr, 1, nc, 1]``; ``None`` where the region
-    is not whole blocks or ``dtype`` is not one e4m3 converts to exactly."""
-    rows, cols = shape[-2:]
-    b0, b1 = block
-    if rows % b0 or cols % b1 or dtype not in _FP8_EXACT:
-        return None
-    lead, nr, nc = tuple(shape[:-2]), rows // b0, cols // b1
-    return lead + (nr, b0, nc, b1), lead + (nr, 1, nc, 1)
-
-
-def dequantize_fp8_blocked(out: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
-    """``out = weight * scale`` with no temporary, in the shapes of :func:`fp8_block_shapes`
-    (``scale``: float32 multipliers): the weight converted into ``out`` (exact), then multiplied
-    in place in float32 (the scale's) and rounded once, the bits of :func:`dequantize_fp8`."""
-    out.copy_(weight)
-    out.mul_(scale)
-
-
 def dequantize_fp8_into(dest: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], fmt: ScaleFormat) -> bool:
     """Dequantise ``weight``, a region of whole blocks (``scale`` holds exactly its tiles), straight
-    into ``dest`` (same shape, the target dtype) by :func:`dequantize_fp8_blocked`. Returns
-    ``False``, touching nothing, where the region is not whole blocks or ``dest``'s dtype is not
-    one e4m3 converts to exactly (any strides of ``dest`` take the block view: it only splits
-    dims)."""
-    shapes = fp8_block_shapes(tuple(weight.shape), block, dest.dtype)
-    if shapes is None:
+    into ``dest`` (same shape, the target dtype), with no temporary: the weight converted into
+    ``dest`` (exact), then multiplied in place in float32 and rounded once, the bits of
+    :func:`dequantize_fp8`. Returns ``False``, touching nothing, where the region is not whole
+    blocks or ``dest``'s dtype is not one e4m3 converts to exactly (any strides of ``dest`` take
+    the block view: it only splits dims)."""
+    rows, cols = weight.shape[-2:]
+    b0, b1 = block
+    if rows % b0 or cols % b1 or dest.dtype not in _FP8_EXACT:
         return False
-    values, scales = shapes
-    dequantize_fp8_blocked(dest.view(values), weight.view(values), scale_values(scale, fmt).view(scales))
+    lead, nr, nc = tuple(weight.shape[:-2]), rows // b0, cols // b1
+    out = dest.view(lead + (nr, b0, nc, b1))
+    out.copy_(weight.view(lead + (nr, b0, nc, b1)))
+    out.mul_(scale_values(scale, fmt).view(lead + (nr, 1, nc, 1)))  # in float32 (the scale's), rounded once
     return True
 
 

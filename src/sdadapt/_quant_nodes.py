@@ -27,7 +27,6 @@ from ._nodes import Box, Compute, Leaf, Node, SourceIO, Step, box_shape
 from .sources._base import dtype_name
 
 Part = Literal["values", "scales"]
-Shape = tuple[int, ...]
 
 
 class _Computed(Node):
@@ -159,29 +158,6 @@ class DequantFP8(_Dequant):
     def _warm_box(self) -> Box:
         rows, cols = self.shape[-2:]
         return tuple((0, 1) for _ in self.shape[:-2]) + ((0, min(rows, self.block[0])), (0, min(cols, self.block[1])))
-
-    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
-        """A region of whole blocks into ``dest`` of the node's dtype: its inputs read in the block
-        shapes of :func:`~sdadapt._quant.fp8_block_shapes` and ``dest``'s block view made here,
-        at planning, so that the kernel is two tensor calls (on a GPU, on the device lane, where
-        every call counts); any other region through the general kernel."""
-        (r0, _), (c0, _) = box[-2:]
-        b0, b1 = self.block
-        shapes = Q.fp8_block_shapes(box_shape(box), self.block, dest.dtype) if r0 % b0 == 0 and c0 % b1 == 0 else None
-        if shapes is None or dest.dtype != self.dtype:
-            super().produce(box, dest, out)
-            return
-        values, scales = shapes
-        inputs = functools.partial(self._blocked_inputs, box, values, scales)
-        out.append(Compute(self, box, dest, inputs=inputs, kernel=functools.partial(self._blocked_kernel, dest.view(values))))
-
-    def _blocked_inputs(self, box: Box, values: Shape, scales: Shape, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
-        weight, scale = self._inputs(box, io)
-        return weight.reshape(values), scale.reshape(scales)  # views of staged (contiguous) reads
-
-    def _blocked_kernel(self, blocked: torch.Tensor, dest: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
-        """``dest`` (whose block view is ``blocked``) from whole-block inputs in block shapes."""
-        Q.dequantize_fp8_blocked(blocked, weight, Q.scale_values(scale, self.scale_format))
 
     def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
         (r0, r1), (c0, c1) = box[-2:]
