@@ -162,6 +162,15 @@ def test_fp8_float32_scales_through_bf16_keep_weight_bytes():
     assert ((s2 - s).abs() / s).max() <= 2**-8
 
 
+@pytest.mark.parametrize("fmt", ["float32", "ue8m0", "ue8m0_float32"])
+def test_quantizers_keep_their_input_device(fmt):
+    """Every tensor a quantizer makes is on its input's device (``meta`` stands in for a GPU:
+    a tensor made on the CPU fails to mix with it as it would with a CUDA one)."""
+    for out in (*Q.quantize_fp8(torch.empty(300, 517, device="meta"), (128, 128), fmt),
+                *Q.quantize_mxfp4(torch.empty(4, 64, device="meta"))):
+        assert out.device.type == "meta"
+
+
 def test_mxfp4_requantize_gives_back_the_bytes():
     b, s = mxfp4_release((3, 7), 96, seed=8)
     b2, s2 = Q.quantize_mxfp4(Q.dequantize_mxfp4(b, s, torch.bfloat16))
