@@ -106,6 +106,10 @@ def test_fp8_dequant_matches_loop_reference(fmt, block):
 
 def test_fp8_dequant_matches_transformers():
     fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
+    if not hasattr(fp8, "_dequantize_fp8_weight"):  # a private function: other releases than the test extra's lack it
+        import transformers
+
+        pytest.skip(f"transformers {transformers.__version__} has no _dequantize_fp8_weight (the test extra pins the one that has)")
     w, s = fp8_release((3, 40, 72), (16, 32), "float32", seed=2)
     theirs = fp8._dequantize_fp8_weight(w, s, [16, 32], torch.float32)  # float32: one rounding, as ours
     assert torch.equal(Q.dequantize_fp8(w, s, (16, 32), "float32", torch.float32), theirs)

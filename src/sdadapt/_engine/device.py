@@ -65,7 +65,8 @@ class Copied:
         again. A failure is reported to the lane (which fails the load), not raised: the caller
         may be returning its buffers after a failure already."""
         try:
-            self.event.synchronize()
+            if not self.event.query():  # finished already: no call that lets go of the interpreter lock
+                self.event.synchronize()
         except Exception as e:  # noqa: BLE001 - reported like any other failure
             self.lane._fail(e)
         self.lane._events.append(self.event)
@@ -174,6 +175,7 @@ class DeviceLane:
         self._views = TypedViews()
         self._cuda = device.type == "cuda"
         self._slots: list[torch.Tensor] = []  # landing buffer i is used on stream i % 2
+        self._heads: dict[tuple[int, torch.device, int], torch.Tensor] = {}  # see _head
         self._nslots = max(1, slots)
         self._turn = 0
         self._work: queue.SimpleQueue[_Upload | _Kernel | _Call | None] = queue.SimpleQueue()
@@ -312,7 +314,7 @@ class DeviceLane:
             i = self._slot()
             slot = self._slots[i]
             stream = self._use(i % 2) if self._cuda else None  # where this landing buffer is always used
-            slot[: item.used].copy_(staged[: item.used], non_blocking=self._cuda)
+            self._head(slot, item.used).copy_(self._head(staged, item.used), non_blocking=self._cuda)
             item.handed = True
             item.release(self._copied(stream))
             for k, at in inside.items():
@@ -324,6 +326,16 @@ class DeviceLane:
                 dest.copy_(v)
         assert item.step.kernel is not None
         item.step.kernel(item.step.dest, *out)
+
+    def _head(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        """The first ``n`` bytes of uint8 ``buf``, a view made once per (buffer, length): a
+        load's bands repeat a few lengths, and each tensor call lets the readers take the
+        interpreter lock."""
+        key = (buf.data_ptr(), buf.device, n)
+        view = self._heads.get(key)
+        if view is None:
+            view = self._heads[key] = buf[:n]
+        return view
 
     def _slot(self) -> int:
         """The next landing buffer of the ring (made on first use), by its index."""
