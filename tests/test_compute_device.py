@@ -19,7 +19,7 @@ from sdadapt import _quant_nodes as QN
 from sdadapt._engine.device import DeviceLane
 from sdadapt._engine.lanes import TaskLanes
 from sdadapt._engine.staging import StagingPool
-from sdadapt._engine.tasks import ComputeTask, Delivery, FillTask, Where
+from sdadapt._engine.tasks import ComputeTask, Delivery, Where
 from sdadapt._engine.views import TypedViews
 from sdadapt._engine.workers import Buffers, Shared, Worker
 from sdadapt._interleave import Interleave
@@ -441,86 +441,6 @@ def test_a_buffer_given_back_with_a_pending_copy_is_handed_out_once_the_copy_has
     threading.Timer(0.05, last.done.set).start()
     bufs.drain()
     assert last.waited == 1 and bufs.held == [] and pool.try_get() is not None
-
-
-def test_ready_says_whether_a_take_would_wait():
-    """``ready`` is true while the thread may take a buffer at once: none held yet, one more the
-    pool has free (taken then, so that the next ``take`` gets it), or one back whose copy has
-    finished; false while every buffer it holds is out or its copy is pending."""
-
-    class Pending:
-        def __init__(self):
-            self.finished = False
-            self.waited = 0
-
-        def done(self):
-            return self.finished
-
-        def wait(self):
-            assert self.finished  # never waited on unfinished here: ready() said so first
-            self.waited += 1
-
-    pool = StagingPool(2, 64, pin=False)
-    bufs = Buffers(pool, 2)
-    assert bufs.ready()
-    a = bufs.take()
-    assert bufs.ready() and pool.allocated == 2  # the second buffer, taken by ready()
-    b = bufs.take()
-    assert b.data_ptr() != a.data_ptr() and bufs.waits == 0
-    assert not bufs.ready()  # both out
-    copy = Pending()
-    bufs.give_back(a, copy)
-    assert not bufs.ready()  # back, its copy pending
-    copy.finished = True
-    assert bufs.ready() and bufs.take().data_ptr() == a.data_ptr() and copy.waited == 1 and bufs.waits == 0
-    bufs.give_back(b)
-    assert bufs.ready()
-    bufs.give_back(a)
-    bufs.drain()  # one held back in ready()'s hand, one still queued: both returned
-    assert bufs.held == [] and pool.try_get() is not None and pool.try_get() is not None
-
-
-def test_a_computing_thread_runs_plain_tasks_while_its_band_buffer_is_out(tmp_path):
-    """The lane holds the first computation's kernel (its band buffer not back yet): the one
-    computing thread runs the queued plain tasks meanwhile, and the second computation once its
-    buffer is back, instead of waiting for the buffer with plain work queued."""
-    import threading
-
-    path = write_safetensors(tmp_path / "x.safetensors", {"x": torch.arange(64, dtype=torch.uint8)})
-    with open_source(path) as src:
-        worker = _worker(src, 64, 1, lane=True)
-        _open_all(worker, src)
-        leaf, box = N.Leaf("x", (64,), torch.uint8), ((0, 64),)
-        held = threading.Event()
-        ran: list[str] = []
-
-        def kernel(dest, x):
-            held.wait(5)
-            dest.copy_(x)
-
-        outs = [torch.zeros(64, dtype=torch.uint8) for _ in range(2)]
-        lanes = worker.shared.work
-        for out in outs:
-            step = N.Compute(leaf, box, out, inputs=lambda io: (io.read("x", box),), kernel=kernel)
-            lanes.put(ComputeTask(step, Where("x", None, None, box)))
-        fills = [torch.ones(4) for _ in range(3)]
-        for f in fills:
-            lanes.put(FillTask(N.Fill(f, 0.0), Where("f", None, None, ((0, 4),))))
-        lanes.close()
-        run = worker._run
-
-        def recording(task):
-            ran.append(type(task).__name__)
-            if len(ran) == 4:
-                held.set()  # the lane may go on once the thread has run the plain tasks
-            run(task)
-
-        worker._run = recording  # type: ignore[method-assign]
-        worker.run()
-        _finish(worker)
-        assert ran == ["ComputeTask", "FillTask", "FillTask", "FillTask", "ComputeTask"]
-        assert all(torch.equal(out, torch.arange(64, dtype=torch.uint8)) for out in outs)
-        assert all(torch.equal(f, torch.zeros(4)) for f in fills)
 
 
 def test_band_depth_and_landing_buffers_are_checked_and_read_from_the_environment(monkeypatch):

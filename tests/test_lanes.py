@@ -46,16 +46,6 @@ def test_only_computing_threads_take_computations_and_they_go_first():
     assert lanes.get(computes=True) is None and lanes.get(computes=False) is None
 
 
-def test_plain_first_takes_a_plain_task_before_a_computation_while_one_is_queued():
-    lanes = TaskLanes()
-    band, plain = _compute_task(), _plain_task()
-    lanes.put(band)
-    lanes.put(plain)
-    assert lanes.get(computes=True, plain_first=True) is plain  # its band buffer is out: plain work first
-    assert lanes.get(computes=True, plain_first=True) is band  # no plain task left: the computation
-    lanes.close()
-
-
 def test_closing_drains_queued_tasks_first_and_wakes_every_waiting_thread():
     lanes = TaskLanes()
     band = _compute_task()

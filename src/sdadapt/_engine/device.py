@@ -52,14 +52,6 @@ class Copied:
         self.event = event
         self.lane = lane
 
-    def done(self) -> bool:
-        """Whether the copy has finished (without waiting; a failed query counts as finished:
-        :meth:`wait` then reports the failure)."""
-        try:
-            return bool(self.event.query())
-        except Exception:  # noqa: BLE001 - see the docstring
-            return True
-
     def wait(self) -> None:
         """Block until the copy has finished; the event goes back to the lane to be recorded
         again. A failure is reported to the lane (which fails the load), not raised: the caller

@@ -2,11 +2,10 @@
 
 Only the threads that hold a band buffer (as many as the band pool has buffers, see
 :class:`~sdadapt._engine.config.EngineConfig`) take computations; they take the other tasks too
-once no computation is waiting, or first while their band buffer is still out (being copied
-to the device): they run a plain read instead of waiting for it. The other threads take only
-the other tasks. So no thread ever waits for a band buffer holding a task that another thread
-could run, and the plain reads of a load that also dequantises (a release's bf16 embeddings
-next to its FP8 layers) fill the computing threads' waits instead of coming after them.
+once no computation is waiting. The other threads take only the other tasks. So no thread ever
+waits for a band buffer holding a task that another thread could run, and the plain reads of
+a load that also dequantises (a release's bf16 embeddings next to its FP8 layers) run beside
+the computations instead of after them.
 """
 
 from __future__ import annotations
@@ -44,15 +43,14 @@ class TaskLanes:
             elif self._waiting[0]:
                 self._computing.notify()
 
-    def get(self, computes: bool, plain_first: bool = False) -> Task | None:
+    def get(self, computes: bool) -> Task | None:
         """The next task a thread may run (``computes``: it holds a band buffer, and takes
-        computations first, or plain tasks first with ``plain_first``), waiting for one;
-        ``None`` once the lanes are closed and empty."""
+        computations first), waiting for one; ``None`` once the lanes are closed and empty."""
         band, plain = self._lanes
         cond = self._computing if computes else self._plain
         with cond:
             while True:
-                if computes and band and not (plain_first and plain):
+                if computes and band:
                     return band.popleft()
                 if plain:
                     return plain.popleft()

@@ -51,32 +51,11 @@ class Buffers:
         self.depth = depth
         self.held: list[torch.Tensor] = []
         self._back: queue.SimpleQueue[tuple[torch.Tensor, Copied | None]] = queue.SimpleQueue()
-        self._next: tuple[torch.Tensor, Copied | None] | None = None  # taken off _back (or the pool) by ready()
         self.waits = 0  # takes that waited for a buffer to come back
-
-    def ready(self) -> bool:
-        """Whether :meth:`take` would return without waiting: a buffer is back and the copy
-        out of it has finished, or the thread may take one more from the pool and it has one
-        free (taken now, so that the answer holds)."""
-        if self._next is None:
-            try:
-                self._next = self._back.get_nowait()
-            except queue.Empty:
-                if not self.held:
-                    return True  # the first take waits for the pool only while other threads hold it all
-                if len(self.held) < self.depth and (buf := self.pool.try_get()) is not None:
-                    self.held.append(buf)
-                    self._next = (buf, None)
-                return self._next is not None
-        copied = self._next[1]
-        return copied is None or copied.done()
 
     def take(self) -> torch.Tensor:
         """A buffer free to write: one given back, a new one while under ``depth``, else the
         next one given back (waiting for it), each once its copy has finished."""
-        if self._next is not None:
-            back, self._next = self._next, None
-            return self._ready(back)
         try:
             return self._ready(self._back.get_nowait())
         except queue.Empty:
@@ -104,11 +83,7 @@ class Buffers:
     def drain(self) -> None:
         """Wait for every buffer to be given back and its copy to finish, then return them all
         to the pool (for the threads still running)."""
-        out = len(self.held)
-        if self._next is not None:
-            self._ready(self._next)
-            self._next, out = None, out - 1
-        for _ in range(out):
+        for _ in self.held:
             self._ready(self._back.get())
         for buf in self.held:
             self.pool.put(buf)
@@ -224,9 +199,7 @@ class Worker:
     def _loop(self) -> None:
         sh = self.shared
         while True:
-            # while its band buffer is still out (queued for the lane, or its copy pending), a
-            # computing thread runs a plain task rather than wait for it
-            task = sh.work.get(self.computes, plain_first=self.computes and not self.bands.ready())
+            task = sh.work.get(self.computes)
             if task is None or sh.failed.is_set():
                 return
             start = time.perf_counter()
