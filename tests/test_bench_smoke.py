@@ -201,3 +201,19 @@ def test_a_bad_variant_is_refused_with_what_to_give(loadbench, spec, message):
         loadbench.cli.variants([spec])
     with pytest.raises(loadbench.common.BenchError, match="new NAME"):
         loadbench.cli.variants(["a:X=1", "a:Y=2"])
+
+
+def test_lane_probe_runs_and_checks_its_bits_on_the_cpu(tmp_path):
+    """bench/lane_probe.py with the CPU as its device (no lane: the readers run the kernels): it
+    writes its release, loads it once per band size and thread count and repeat, and checks the
+    first load's bits against the whole-tensor dequantisation."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "lane_probe.py"), "--device", "cpu", "--tensors", "2", "--shape", "256,384",
+         "--threads", "1,2", "--bands", "0,0.25", "--repeat", "1", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env=_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("bits equal the whole-tensor dequantisation") == 1
+    runs = [line for line in proc.stdout.splitlines() if " run " in line]
+    assert len(runs) == 2 * 2 * 2  # bands x threads x (warm-up + 1 repeat)
+    assert any(line.startswith("band 0.2 MiB threads  2 run 1:") for line in runs), runs

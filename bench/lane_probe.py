@@ -1,0 +1,126 @@
+"""What one computation of an FP8 load costs the device lane, by reading-thread count, band
+size and band buffers per thread: is the lane's time per band the CUDA calls' own cost, the
+readers taking the interpreter lock from it, or the wake-up of a reader waiting for the
+buffer it hands back?
+
+Writes an FP8 release of ``--tensors`` e4m3 matrices of ``--shape`` with float32 128x128
+``weight_scale_inv`` (one safetensors file in ``--dir``, kept for the next run, then read once
+to warm the page cache), and loads it through ``IOEngine.run`` into bf16 tensors on the GPU,
+``--repeat`` times (after one untimed run that pins the slabs and loads the kernels) per band
+size and thread count. Per run it prints the engine's seconds and bytes, the lane's items (each
+``DeviceLane._do`` timed: sum and median), of which the kernels (``DequantFP8._kernel``) and
+the copies' events, and the readers' busy, read and wait seconds; the first run's bits are
+checked against the whole-tensor dequantisation. ``SDADAPT_IO_*`` variables apply (e.g.
+``SDADAPT_IO_BAND_DEPTH=2``)::
+
+    python bench/lane_probe.py --tensors 64 --threads 1,4,12 --bands 0,32 --repeat 2   # a CUDA device
+    python bench/lane_probe.py --device cpu --tensors 2 --shape 256,512 --threads 2    # no lane: a check of the script
+
+Figures: bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from sdadapt import _quant as Q
+from sdadapt import _quant_nodes as QN
+from sdadapt._engine import EngineConfig, IOEngine
+from sdadapt._engine import device as D
+from sdadapt._engine.tasks import Job
+from sdadapt._nodes import Leaf, full_box
+from sdadapt.sources import open_source
+
+BLOCK = (128, 128)
+
+
+def _timed(cls: type, name: str) -> list[float]:
+    """Wrap method ``name`` of ``cls`` to record each call's seconds; returns the list it appends to."""
+    times: list[float] = []
+    real = getattr(cls, name)
+
+    def timed(self, *args):
+        t = time.perf_counter()
+        try:
+            return real(self, *args)
+        finally:
+            times.append(time.perf_counter() - t)
+
+    setattr(cls, name, timed)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tensors", type=int, default=24)
+    p.add_argument("--shape", default="4096,14336", help="rows,cols of each matrix (multiples of 128)")
+    p.add_argument("--threads", default="1,12")
+    p.add_argument("--bands", default="0", help="band sizes in MiB to run (0: the default); staging grows to threads x band")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--dir", default=tempfile.gettempdir())
+    p.add_argument("--device", default="cuda", help="cpu: the same runs with no lane (a check of this script)")
+    a = p.parse_args()
+    rows, cols = (int(n) for n in a.shape.split(","))
+    path = os.path.join(a.dir, f"lane_probe_{a.tensors}x{rows}x{cols}.safetensors")
+    dev = torch.device(a.device)
+    if not os.path.exists(path):
+        torch.manual_seed(0)
+        sd = {}
+        for i in range(a.tensors):  # quantized on the device: the CPU would take minutes
+            w, s = Q.quantize_fp8(torch.randn(rows, cols, device=dev), BLOCK, "float32")
+            sd[f"w{i}"], sd[f"w{i}_scale_inv"] = w.cpu(), s.cpu()
+        save_file(sd, path)
+    with open(path, "rb") as f:  # warm the page cache
+        while f.read(64 << 20):
+            pass
+    lane, kernels, copies = _timed(D.DeviceLane, "_do"), _timed(QN.DequantFP8, "_kernel"), _timed(D.DeviceLane, "_copied")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def ms(xs: list[float]) -> str:
+        xs = sorted(xs) or [0.0]
+        return f"{sum(xs):.3f} s, median {xs[len(xs) // 2] * 1e3:.3f} ms"
+
+    with open_source(path) as src:
+        nodes = {f"w{i}": QN.DequantFP8(Leaf(f"w{i}", (rows, cols), Q.FP8_DTYPE),
+                                        Leaf(f"w{i}_scale_inv", (rows // BLOCK[0], cols // BLOCK[1]), torch.float32),
+                                        BLOCK, "float32", torch.bfloat16) for i in range(a.tensors)}
+        dests = {k: torch.empty(rows, cols, dtype=torch.bfloat16, device=dev) for k in nodes}
+        checked = False
+        for band in (float(b) for b in a.bands.split(",")):
+            for threads in (int(t) for t in a.threads.split(",")):
+                cfg = EngineConfig.from_env()
+                cfg.threads = threads
+                if band:
+                    cfg.band_bytes = int(band * 2**20)
+                    cfg.staging_bytes = max(cfg.staging_bytes, cfg.band_bytes * threads)
+                for r in range(a.repeat + 1):  # the first run pins the slabs and loads the kernels
+                    for d in dests.values():
+                        d.fill_(float("nan"))
+                    jobs = [Job(k, n, full_box(n.shape), dests[k]) for k, n in nodes.items()]
+                    for xs in (lane, kernels, copies):
+                        xs.clear()
+                    sync()
+                    t = time.perf_counter()
+                    st = IOEngine(src, cfg).run(jobs)
+                    sync()
+                    wall = time.perf_counter() - t
+                    print(f"band {cfg.band() / 2**20:.1f} MiB threads {threads:2d} run {r}: "
+                          f"engine {wall:.3f} s, {st.bytes_read / 2**30:.2f} GiB; lane {len(lane)} items, "
+                          f"busy {ms(lane)}; in kernels {ms(kernels)}; copies' events {ms(copies)}; readers busy "
+                          f"{st.busy_seconds:.3f} s, read {st.read_seconds:.3f} s, waited {st.wait_seconds:.3f} s"
+                          + (" (warm-up)" if r == 0 else ""), flush=True)
+                    if not checked:
+                        for k, n in nodes.items():
+                            assert torch.equal(dests[k].cpu().view(torch.int16), n.full(src).view(torch.int16)), k
+                        checked = True
+                        print("bits equal the whole-tensor dequantisation", flush=True)
+
+
+if __name__ == "__main__":
+    main()
