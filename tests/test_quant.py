@@ -104,19 +104,27 @@ def test_fp8_dequant_matches_loop_reference(fmt, block):
         assert torch.equal(bits(Q.dequantize_fp8(w, s, block, fmt, dtype)), bits(want))
 
 
-def test_fp8_dequant_matches_transformers():
+def _transformers_fp8_dequant(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``w`` dequantised by transformers' own load-time op (``Fp8Dequantize``, public in every
+    release since 5.x: it derives the block from the scale grid, so whole blocks only), through
+    its pattern path that pairs ``<name>.weight`` with ``<name>.weight_scale_inv``."""
     fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
-    if not hasattr(fp8, "_dequantize_fp8_weight"):  # a private function: other releases than the test extra's lack it
-        import transformers
+    out = fp8.Fp8Dequantize(None).convert({"q.weight": [w], "q.weight_scale_inv": [s]})
+    return out["q.weight"][0]
 
-        pytest.skip(f"transformers {transformers.__version__} has no _dequantize_fp8_weight (the test extra pins the one that has)")
-    w, s = fp8_release((3, 40, 72), (16, 32), "float32", seed=2)
-    theirs = fp8._dequantize_fp8_weight(w, s, [16, 32], torch.float32)  # float32: one rounding, as ours
+
+def test_fp8_dequant_matches_transformers():
+    w, s = fp8_release((3, 48, 96), (16, 32), "float32", seed=2)
+    theirs = _transformers_fp8_dequant(w, s)  # float32 scales: a float32 result, one rounding, as ours
+    assert theirs.dtype == torch.float32
     assert torch.equal(Q.dequantize_fp8(w, s, (16, 32), "float32", torch.float32), theirs)
-    # UE8M0: transformers views the exponent bytes as float8_e8m0fnu
-    w, s = fp8_release((40, 72), (16, 32), "ue8m0", seed=3)
-    theirs = fp8._dequantize_fp8_weight(w, s.view(torch.float8_e8m0fnu), [16, 32], torch.float32)
-    assert torch.equal(Q.dequantize_fp8(w, s, (16, 32), "ue8m0", torch.float32), theirs)
+    # UE8M0 exponent bytes, as uint8 and viewed as float8_e8m0fnu: transformers rounds the
+    # float32 product once to bf16
+    w, s = fp8_release((48, 96), (16, 32), "ue8m0", seed=3)
+    ours = Q.dequantize_fp8(w, s, (16, 32), "ue8m0", torch.bfloat16)
+    for scales in (s, s.view(torch.float8_e8m0fnu)):
+        theirs = _transformers_fp8_dequant(w, scales)
+        assert theirs.dtype == torch.bfloat16 and torch.equal(bits(ours), bits(theirs))
 
 
 def test_mxfp4_dequant_matches_loop_and_transformers():
