@@ -6,7 +6,7 @@ buffer it hands back?
 Writes an FP8 release of ``--tensors`` e4m3 matrices of ``--shape`` with float32 128x128
 ``weight_scale_inv`` (one safetensors file in ``--dir``, kept for the next run, then read once
 to warm the page cache), and loads it through ``IOEngine.run`` into bf16 tensors on the GPU,
-``--repeat`` times (after one untimed run that pins the slabs and loads the kernels) per band
+``--repeat`` times (after one run marked "warm-up" that pins the slabs and loads the kernels) per band
 size and thread count. Per run it prints the engine's seconds and bytes, the lane's items (each
 ``DeviceLane._do`` timed: sum and median), of which the kernels (``DequantFP8._kernel``) and
 the copies' events, and the readers' busy, read and wait seconds; the first run's bits are
@@ -22,6 +22,7 @@ Figures: bench/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import tempfile
 import time
@@ -91,36 +92,32 @@ def main() -> None:
                                         Leaf(f"w{i}_scale_inv", (rows // BLOCK[0], cols // BLOCK[1]), torch.float32),
                                         BLOCK, "float32", torch.bfloat16) for i in range(a.tensors)}
         dests = {k: torch.empty(rows, cols, dtype=torch.bfloat16, device=dev) for k in nodes}
-        checked = False
-        for band in (float(b) for b in a.bands.split(",")):
-            for threads in (int(t) for t in a.threads.split(",")):
-                cfg = EngineConfig.from_env()
-                cfg.threads = threads
-                if band:
-                    cfg.band_bytes = int(band * 2**20)
-                    cfg.staging_bytes = max(cfg.staging_bytes, cfg.band_bytes * threads)
-                for r in range(a.repeat + 1):  # the first run pins the slabs and loads the kernels
-                    for d in dests.values():
-                        d.fill_(float("nan"))
-                    jobs = [Job(k, n, full_box(n.shape), dests[k]) for k, n in nodes.items()]
-                    for xs in (lane, kernels, copies):
-                        xs.clear()
-                    sync()
-                    t = time.perf_counter()
-                    st = IOEngine(src, cfg).run(jobs)
-                    sync()
-                    wall = time.perf_counter() - t
-                    print(f"band {cfg.band() / 2**20:.1f} MiB threads {threads:2d} run {r}: "
-                          f"engine {wall:.3f} s, {st.bytes_read / 2**30:.2f} GiB; lane {len(lane)} items, "
-                          f"busy {ms(lane)}; in kernels {ms(kernels)}; copies' events {ms(copies)}; readers busy "
-                          f"{st.busy_seconds:.3f} s, read {st.read_seconds:.3f} s, waited {st.wait_seconds:.3f} s"
-                          + (" (warm-up)" if r == 0 else ""), flush=True)
-                    if not checked:
-                        for k, n in nodes.items():
-                            assert torch.equal(dests[k].cpu().view(torch.int16), n.full(src).view(torch.int16)), k
-                        checked = True
-                        print("bits equal the whole-tensor dequantisation", flush=True)
-
+        bands, counts = [float(b) for b in a.bands.split(",")], [int(t) for t in a.threads.split(",")]
+        for (band, threads), r in itertools.product(itertools.product(bands, counts), range(a.repeat + 1)):
+            cfg = EngineConfig.from_env()
+            cfg.threads = threads
+            if band:
+                cfg.band_bytes = int(band * 2**20)
+                cfg.staging_bytes = max(cfg.staging_bytes, cfg.band_bytes * threads)
+            for d in dests.values():
+                d.fill_(float("nan"))
+            jobs = [Job(k, n, full_box(n.shape), dests[k]) for k, n in nodes.items()]
+            for xs in (lane, kernels, copies):
+                xs.clear()
+            sync()
+            t = time.perf_counter()
+            st = IOEngine(src, cfg).run(jobs)
+            sync()
+            wall = time.perf_counter() - t
+            print(f"band {cfg.band() / 2**20:.1f} MiB threads {threads:2d} run {r}: "
+                  f"engine {wall:.3f} s, {st.bytes_read / 2**30:.2f} GiB; lane {len(lane)} items, "
+                  f"busy {ms(lane)}; in kernels {ms(kernels)}; copies' events {ms(copies)}; readers busy "
+                  f"{st.busy_seconds:.3f} s, read {st.read_seconds:.3f} s, waited {st.wait_seconds:.3f} s"
+                  + (" (warm-up)" if r == 0 else ""), flush=True)
+            if band == bands[0] and threads == counts[0] and r == 0:  # the bits, once
+                for k, n in nodes.items():
+                    assert torch.equal(dests[k].cpu().view(torch.int16), n.full(src).view(torch.int16)), k
+                print("bits equal the whole-tensor dequantisation", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -536,6 +536,16 @@ def test_typed_views_cut_a_buffer_as_any_dtype(dtype):
             assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
 
 
+def test_typed_views_head_is_the_first_bytes_made_once_per_buffer_and_length():
+    views = TypedViews()
+    a, b = torch.arange(64, dtype=torch.uint8), torch.arange(64, dtype=torch.uint8)
+    first = views.head(a, 16)
+    assert torch.equal(first, a[:16]) and first.data_ptr() == a.data_ptr()
+    assert views.head(a, 16) is first  # the same view again, no new tensor
+    assert views.head(a, 8) is not first and views.head(a, 8).numel() == 8  # another length
+    assert views.head(b, 16) is not first and views.head(b, 16).data_ptr() == b.data_ptr()  # another buffer
+
+
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 

@@ -178,7 +178,7 @@ def _exact_fp32_scale(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     block's float32 values exactly (values dequantised from FP8 with float32 scales: their
     ``amax / 448`` can miss the original scale by one unit in the last place); ``scale`` where
     none does (values that never were FP8)."""
-    chosen, found = scale.clone(), torch.zeros(scale.shape, dtype=torch.bool, device=scale.device)
+    chosen, found = scale.clone(), torch.zeros_like(scale, dtype=torch.bool)
     for cand in (scale, torch.nextafter(scale, torch.zeros_like(scale)), torch.nextafter(scale, 2 * scale)):
         back = _fp8_values(blocks, cand).to(torch.float32) * cand[..., :, None, :, None]
         ok = (back == blocks).all(dim=-1).all(dim=-2) & ~found
@@ -232,7 +232,7 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     """Round float32 values to e2m1 codes (``uint8`` 0..15, sign in bit 3), saturating at +-6."""
     a = y.abs()
-    code = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
+    code = torch.zeros_like(y, dtype=torch.uint8)
     for c, m in enumerate(_FP4_MIDPOINTS):
         code += (a > m) if c % 2 == 0 else (a >= m)
     return code | (torch.signbit(y).to(torch.uint8) << 3)

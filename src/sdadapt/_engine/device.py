@@ -167,7 +167,6 @@ class DeviceLane:
         self._views = TypedViews()
         self._cuda = device.type == "cuda"
         self._slots: list[torch.Tensor] = []  # landing buffer i is used on stream i % 2
-        self._heads: dict[tuple[int, torch.device, int], torch.Tensor] = {}  # see _head
         self._nslots = max(1, slots)
         self._turn = 0
         self._work: queue.SimpleQueue[_Upload | _Kernel | _Call | None] = queue.SimpleQueue()
@@ -306,7 +305,8 @@ class DeviceLane:
             i = self._slot()
             slot = self._slots[i]
             stream = self._use(i % 2) if self._cuda else None  # where this landing buffer is always used
-            self._head(slot, item.used).copy_(self._head(staged, item.used), non_blocking=self._cuda)
+            head = self._views.head
+            head(slot, item.used).copy_(head(staged, item.used), non_blocking=self._cuda)
             item.handed = True
             item.release(self._copied(stream))
             for k, at in inside.items():
@@ -318,16 +318,6 @@ class DeviceLane:
                 dest.copy_(v)
         assert item.step.kernel is not None
         item.step.kernel(item.step.dest, *out)
-
-    def _head(self, buf: torch.Tensor, n: int) -> torch.Tensor:
-        """The first ``n`` bytes of uint8 ``buf``, a view made once per (buffer, length): a
-        load's bands repeat a few lengths, and each tensor call lets the readers take the
-        interpreter lock."""
-        key = (buf.data_ptr(), buf.device, n)
-        view = self._heads.get(key)
-        if view is None:
-            view = self._heads[key] = buf[:n]
-        return view
 
     def _slot(self) -> int:
         """The next landing buffer of the ring (made on first use), by its index."""

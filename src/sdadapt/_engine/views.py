@@ -9,10 +9,21 @@ import torch
 class TypedViews:
     """Cuts views out of uint8 buffers (staging, band and landing buffers). Each buffer is
     viewed as each dtype once; every later view is one ``as_strided`` call on that, since each
-    tensor call lets the other threads take the interpreter lock. One instance per thread."""
+    tensor call lets the other threads take the interpreter lock. A buffer's first bytes
+    (:meth:`head`) are viewed once per length. One instance per thread."""
 
     def __init__(self) -> None:
         self._whole: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+        self._heads: dict[tuple[int, torch.device, int], torch.Tensor] = {}
+
+    def head(self, buf: torch.Tensor, n: int) -> torch.Tensor:
+        """The first ``n`` bytes of uint8 ``buf``, made once per (buffer, length) and handed out
+        again after that with no tensor call (a load's bands repeat a few lengths)."""
+        key = (buf.data_ptr(), buf.device, n)
+        view = self._heads.get(key)
+        if view is None:
+            view = self._heads[key] = buf[:n]
+        return view
 
     def cut(self, buf: torch.Tensor, at: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """Bytes ``at`` onward of ``buf`` as a contiguous ``dtype`` tensor of ``shape`` (``buf``
