@@ -6,8 +6,8 @@ buffer it hands back?
 Writes an FP8 release of ``--tensors`` e4m3 matrices of ``--shape`` with float32 128x128
 ``weight_scale_inv`` (one safetensors file in ``--dir``, kept for the next run, then read once
 to warm the page cache), and loads it through ``IOEngine.run`` into bf16 tensors on the GPU,
-``--repeat`` times (after one run marked "warm-up" that pins the slabs and loads the kernels) per band
-size and thread count. Per run it prints the engine's seconds and bytes, the lane's items (each
+per band size and thread count once marked "warm-up" (it pins the slabs and loads the
+kernels), then ``--repeat`` times. Per run it prints the engine's seconds and bytes, the lane's items (each
 ``DeviceLane._do`` timed: sum and median), of which the kernels (``DequantFP8._kernel``) and
 the copies' events, and the readers' busy, read and wait seconds; the first run's bits are
 checked against the whole-tensor dequantisation. ``SDADAPT_IO_*`` variables apply (e.g.
@@ -118,6 +118,7 @@ def main() -> None:
                 for k, n in nodes.items():
                     assert torch.equal(dests[k].cpu().view(torch.int16), n.full(src).view(torch.int16)), k
                 print("bits equal the whole-tensor dequantisation", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -105,8 +105,8 @@ def test_fp8_dequant_matches_loop_reference(fmt, block):
 
 
 def _transformers_fp8_dequant(w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """``w`` dequantised by transformers' own load-time op (``Fp8Dequantize``, public in every
-    release since 5.x: it derives the block from the scale grid, so whole blocks only), through
+    """``w`` dequantised by transformers' own load-time op (``Fp8Dequantize.convert``, the same
+    in 5.17 and 5.24; it derives the block from the scale grid, so whole blocks only), through
     its pattern path that pairs ``<name>.weight`` with ``<name>.weight_scale_inv``."""
     fp8 = pytest.importorskip("transformers.integrations.finegrained_fp8")
     out = fp8.Fp8Dequantize(None).convert({"q.weight": [w], "q.weight_scale_inv": [s]})
