@@ -2,8 +2,8 @@
 
 ``overlay SRC OUT`` copies the sdadapt package under SRC (a ``src`` folder) to ``OUT/src`` and
 makes it record, per engine run, when each thread ran each task, read (``preadv``), waited for
-a staging or band buffer (and of that, for the copy out of it to finish), moved inputs to the
-device, ran a dequantisation kernel (on a tree with a device lane: the lane thread's time per
+a staging or band buffer (and of that, for the copy out of it to finish; on a tree whose lane
+waits for the copies, the lane's waits and checks), moved inputs to the device, ran a dequantisation kernel (on a tree with a device lane: the lane thread's time per
 computation, per upload and in all), and when a pool
 pinned its slab; each run is written to ``$SDADAPT_TRACE/trace-PID-N.json``. Run it
 through load_bench's variants, then ``summary DIR`` prints, per run, the sums per thread, the
@@ -63,7 +63,8 @@ if hasattr(W, "DeviceLane"):
     _wrap(D.DeviceLane, "_kernel", "to_device")  # the lane's whole handling of a computation
     _wrap(D.DeviceLane, "_upload", "lane_upload")
     _wrap(D.DeviceLane, "_do", "lane_busy")  # each item the lane ran; the rest of its time it waited for work
-    _wrap(getattr(D, "Copied", None), "wait", "copy_wait")  # a reader waiting for the DMA out of its buffer
+    _wrap(getattr(D, "Copied", None), "wait", "copy_wait")  # trees whose readers wait for the DMA out of their buffers
+    _wrap(D.DeviceLane, "_hand_back", lambda self, wait: "copy_wait" if wait else "lane_reap")  # the lane waiting for (checking) copies
 _wrap(S.StagingPool, "_new", "pool_new")
 _wrap(P.SlabCache, "get", "slab_get", lambda self, nbytes: nbytes)
 _wrap(N.Compute, "run", "compute")
@@ -127,7 +128,8 @@ def summary(folder: str) -> None:
             d = per[thread]
             print(f"  {thread}: +{first[thread] - t0:.3f}..+{last[thread] - t0:.3f} task {d['task']:.3f} read {d['read']:.3f} "
                   f"wait staging {d['wait_staging']:.3f} band {d['wait_band']:.3f} to_device {d['to_device']:.3f} kernel {d['kernel']:.3f}"
-                  f" lane uploads {d['lane_upload']:.3f} lane busy {d['lane_busy']:.3f} copy wait {d['copy_wait']:.3f}")
+                  f" lane uploads {d['lane_upload']:.3f} lane busy {d['lane_busy']:.3f} copy wait {d['copy_wait']:.3f}"
+                  f" lane checks {d['lane_reap']:.3f}")
         for thread, kind, a, b, detail in events:
             if kind == "slab_get" and b - a > 0.002:
                 print(f"  slab of {detail / 2**20:.0f} MiB pinned by {thread} at +{a - t0:.3f} in {b - a:.4f} s")

@@ -9,7 +9,8 @@ to warm the page cache), and loads it through ``IOEngine.run`` into bf16 tensors
 per band size and thread count once marked "warm-up" (it pins the slabs and loads the
 kernels), then ``--repeat`` times. Per run it prints the engine's seconds and bytes, the lane's items (each
 ``DeviceLane._do`` timed: sum and median), of which the kernels (``DequantFP8._kernel``) and
-the copies' events, and the readers' busy, read and wait seconds; the first run's bits are
+the copies' events, the lane's checks and waits for finished copies (``_hand_back``, trees
+where the lane waits for them), and the readers' busy, read and wait seconds; the first run's bits are
 checked against the whole-tensor dequantisation. ``SDADAPT_IO_*`` variables apply (e.g.
 ``SDADAPT_IO_BAND_DEPTH=2``)::
 
@@ -46,10 +47,10 @@ def _timed(cls: type, name: str) -> list[float]:
     times: list[float] = []
     real = getattr(cls, name)
 
-    def timed(self, *args):
+    def timed(self, *args, **kwargs):
         t = time.perf_counter()
         try:
-            return real(self, *args)
+            return real(self, *args, **kwargs)
         finally:
             times.append(time.perf_counter() - t)
 
@@ -80,7 +81,11 @@ def main() -> None:
     with open(path, "rb") as f:  # warm the page cache
         while f.read(64 << 20):
             pass
-    lane, kernels, copies = _timed(D.DeviceLane, "_do"), _timed(QN.DequantFP8, "_kernel"), _timed(D.DeviceLane, "_copied")
+    lane, kernels = _timed(D.DeviceLane, "_do"), _timed(QN.DequantFP8, "_kernel")
+    # the events behind the copies: recorded by the lane (and waited for by it, `_hand_back`),
+    # or, in trees before that, handed to the readers to wait on
+    copies = _timed(D.DeviceLane, "_record" if hasattr(D.DeviceLane, "_record") else "_copied")
+    hand_backs = _timed(D.DeviceLane, "_hand_back") if hasattr(D.DeviceLane, "_hand_back") else []
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
     def ms(xs: list[float]) -> str:
@@ -102,7 +107,7 @@ def main() -> None:
             for d in dests.values():
                 d.fill_(float("nan"))
             jobs = [Job(k, n, full_box(n.shape), dests[k]) for k, n in nodes.items()]
-            for xs in (lane, kernels, copies):
+            for xs in (lane, kernels, copies, hand_backs):
                 xs.clear()
             sync()
             t = time.perf_counter()
@@ -111,7 +116,8 @@ def main() -> None:
             wall = time.perf_counter() - t
             print(f"band {cfg.band() / 2**20:.1f} MiB threads {threads:2d} run {r}: "
                   f"engine {wall:.3f} s, {st.bytes_read / 2**30:.2f} GiB; lane {len(lane)} items, "
-                  f"busy {ms(lane)}; in kernels {ms(kernels)}; copies' events {ms(copies)}; readers busy "
+                  f"busy {ms(lane)}; in kernels {ms(kernels)}; copies' events {ms(copies)}; lane's hand-backs "
+                  f"{ms(hand_backs)}; readers busy "
                   f"{st.busy_seconds:.3f} s, read {st.read_seconds:.3f} s, waited {st.wait_seconds:.3f} s"
                   + (" (warm-up)" if r == 0 else ""), flush=True)
             if band == bands[0] and threads == counts[0] and r == 0:  # the bits, once

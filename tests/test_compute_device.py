@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -354,7 +356,6 @@ def test_staged_reads_and_computations_on_one_buffer_each_never_deadlock(tmp_pat
     (Without that, a thread holding the staging buffer and waiting for the band buffer, and
     one holding the band buffer and waiting for the staging buffer, hang within a few runs.)
     Every run finishes within its deadline, with the reference's bits."""
-    import threading
 
     from sdadapt._engine import EngineConfig, IOEngine, Job
 
@@ -388,7 +389,6 @@ def test_a_threads_buffers_cycle_taking_from_the_pool_only_while_it_has_one_free
     the pool has one free, and from then on cycles through the two as they are given back;
     with none free it waits for its one buffer to come back, never for the pool. ``drain``
     waits for every buffer, then returns them to the pool."""
-    import threading
 
     pool = StagingPool(free, 64, pin=False)
     bufs = Buffers(pool, 2)
@@ -411,36 +411,63 @@ def test_a_threads_buffers_cycle_taking_from_the_pool_only_while_it_has_one_free
     assert bufs.held == [] and pool.try_get() is not None
 
 
-def test_a_buffer_given_back_with_a_pending_copy_is_handed_out_once_the_copy_has_finished():
-    """A buffer comes back from the device lane with the copy out of it still queued (its
-    ``Copied``); the reader's next ``take`` waits for that copy, and ``drain`` waits for every
-    held buffer's copy before the pool gets them back."""
-    import threading
+class _FakeCopies(DeviceLane):
+    """A CPU lane whose copies "finish" only when the test says so: each queued copy gets a
+    stand-in event (``query``, ``synchronize``) that passes once ``finish`` is called for it."""
 
-    class Pending:
-        def __init__(self):
-            self.done = threading.Event()
-            self.waited = 0
+    def __init__(self) -> None:
+        super().__init__(torch.device("cpu"), 64, lambda e: None, slots=1)
+        self.events: list[threading.Event] = []
+        self.waited: list[int] = []  # which events the lane blocked on
 
-        def wait(self):
-            self.done.wait()
-            self.waited += 1
+    def _use(self, i):
+        return "stream"
 
-    pool = StagingPool(1, 64, pin=False)
-    bufs = Buffers(pool, 1)
-    a = bufs.take()
-    copy = Pending()
-    bufs.give_back(a, copy)
-    timer = threading.Timer(0.05, copy.done.set)  # the DMA finishes later
-    timer.start()
-    assert bufs.take().data_ptr() == a.data_ptr()
-    assert copy.done.is_set() and copy.waited == 1  # handed out only after the copy finished
-    timer.join()
-    last = Pending()
-    bufs.give_back(a, last)
-    threading.Timer(0.05, last.done.set).start()
-    bufs.drain()
-    assert last.waited == 1 and bufs.held == [] and pool.try_get() is not None
+    def _record(self, stream):
+        lane, done, n = self, threading.Event(), len(self.events)
+        self.events.append(done)
+
+        class Recorded:
+            def query(self):
+                return done.is_set()
+
+            def synchronize(self):
+                lane.waited.append(n)
+                done.wait()
+
+        return Recorded()
+
+
+def test_the_lane_hands_a_buffer_back_only_once_the_copy_out_of_it_has_finished():
+    """The lane itself watches each copy's event and releases the buffer once it has passed:
+    checked after every piece of work, waited for (oldest first) when no work is queued; at
+    the end of the run every buffer is back. The reader never waits on the device."""
+    lane = _FakeCopies()
+    lane.start()
+    released: list[str] = []
+    staged = torch.arange(64, dtype=torch.uint8)
+    where = Where("a.weight", None, None, ((0, 16),))
+    dests = [torch.zeros(16, dtype=torch.uint8) for _ in range(3)]
+    for i, name in enumerate("ab"):
+        lane.upload(staged, [Delivery(16 * i, 16, torch.uint8, (16,), dests[i], where)], lambda n=name: released.append(n), where)
+    deadline = time.monotonic() + 5
+    while lane.waited != [0] and time.monotonic() < deadline:  # no work queued: it waits for the oldest copy
+        time.sleep(0.001)
+    assert lane.waited == [0] and released == []  # both copies queued, neither finished
+    lane.events[1].set()  # the newer copy finishes first: its buffer still waits behind the older one's
+    time.sleep(0.02)
+    assert released == []
+    lane.events[0].set()
+    while len(released) < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert released == ["a", "b"]
+    lane.upload(staged, [Delivery(32, 16, torch.uint8, (16,), dests[2], where)], lambda: released.append("c"), where)
+    while len(lane.events) < 3 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    lane.events[2].set()
+    lane.close()
+    assert released == ["a", "b", "c"]
+    assert [d.tolist() for d in dests] == [staged[16 * i : 16 * i + 16].tolist() for i in range(3)]
 
 
 def test_band_depth_and_landing_buffers_are_checked_and_read_from_the_environment(monkeypatch):
@@ -560,15 +587,9 @@ def test_a_failing_kernel_is_reported_by_key_and_every_buffer_still_comes_back(d
     lane = DeviceLane(dev, 1024, errors.append, slots=1)
     lane.start()
     released: list[str] = []
-    pending = []  # the copies the buffers came back with: waited on, as their readers would
 
     def back(name):
-        def release(copied):
-            released.append(name)
-            if copied is not None:
-                pending.append(copied)
-
-        return release
+        return lambda: released.append(name)
 
     staged = torch.arange(256, dtype=torch.uint8)
     leaf = N.Leaf("x", (16,), torch.uint8)
@@ -592,8 +613,6 @@ def test_a_failing_kernel_is_reported_by_key_and_every_buffer_still_comes_back(d
     where = Where("c.weight", "c", None, ((0, 16),))
     lane.upload(staged, [Delivery(0, 16, torch.uint8, (16,), after, where)], back("upload"), where)
     lane.close()
-    for copied in pending:
-        copied.wait()
     assert sorted(released) == ["bad", "good", "upload"]
     assert len(errors) == 1 and "b.weight" in str(errors[0]) and "kernel exploded" in str(errors[0])
     assert torch.equal(good.cpu(), staged[:16]) and bool((after == 0).all())  # the upload after the failure was skipped

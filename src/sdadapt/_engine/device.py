@@ -2,14 +2,14 @@
 
 On a GPU run the readers (:mod:`.workers`) only read: they fill their pinned staging and band
 buffers with ``preadv`` and hand them to the :class:`DeviceLane`. Its thread makes every
-device call of the run (host-to-device copies, kernels such as a dequantisation), so that no
-two threads call into the CUDA driver at once: with each reader issuing its own copies and
-kernels, the time of each call grew with the number of threads issuing them
-(bench/RESULTS.md). Once a buffer's copy is queued, the lane hands the buffer back at once
-with a :class:`Copied`, the copy's event: the reader waits on it (a blocking-sync event: the
-reader sleeps instead of spinning a core) only when it needs that buffer again, so a buffer is
-never refilled while the DMA out of it is pending, and no other thread stands between the GPU
-and the reader.
+device call of the run (host-to-device copies, kernels such as a dequantisation, and the waits
+for copies to finish), so that no two threads call into the CUDA driver at once: with each
+reader issuing its own copies and kernels, the time of each call grew with the number of
+threads issuing them, and a reader blocked in an event's wait slowed the lane's own calls
+(bench/RESULTS.md). Once a buffer's copy is queued, the lane records an event behind it and
+goes on; it hands the buffer back (calls its ``release``) once the event has passed, which it
+checks after each piece of work, and waits for when it has nothing else to do. So a buffer
+is never refilled while the DMA out of it is pending, and a reader never waits on the device.
 
 A computation's staged inputs cross in one copy into a landing buffer on the device (a small
 ring of them); its kernel runs on the same stream right behind that copy. The ring's buffers
@@ -21,11 +21,12 @@ interpreter lock, and the lane then waits to get it back). Inputs computed on th
 copied on their own.
 
 The lane also runs on the CPU as its "device" (copies and kernels then happen in order on its
-thread, and buffers come back with no event): the tests drive it so.
+thread, and buffers come back as soon as they are copied): the tests drive it so.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import queue
@@ -43,28 +44,7 @@ from .views import TypedViews
 log = logging.getLogger(__name__)
 
 
-class Copied:
-    """The queued copy out of a host buffer: :meth:`wait` returns once it has finished."""
-
-    __slots__ = ("event", "lane")
-
-    def __init__(self, event: Any, lane: DeviceLane):
-        self.event = event
-        self.lane = lane
-
-    def wait(self) -> None:
-        """Block until the copy has finished; the event goes back to the lane to be recorded
-        again. A failure is reported to the lane (which fails the load), not raised: the caller
-        may be returning its buffers after a failure already."""
-        try:
-            if not self.event.query():  # finished already: no call that lets go of the interpreter lock
-                self.event.synchronize()
-        except Exception as e:  # noqa: BLE001 - reported like any other failure
-            self.lane._fail(e)
-        self.lane._events.append(self.event)
-
-
-Release = Callable[[Copied | None], None]
+Release = Callable[[], None]  # the buffer may be written again
 
 
 def device_kernels(recipes: Iterable[Node]) -> list[Node]:
@@ -115,7 +95,7 @@ class _Upload:
     deliveries: Sequence[Delivery]
     release: Release
     where: Where
-    handed: bool = False  # release queued behind the copy out of buf
+    handed: bool = False  # release left to the lane, behind the copy out of buf
 
 
 @dataclass
@@ -127,7 +107,7 @@ class _Kernel:
     inside: dict[int, int]  # arg index -> its offset in staged
     release: Release
     where: Where
-    handed: bool = False  # release queued behind the copy out of staged
+    handed: bool = False  # release left to the lane, behind the copy out of staged
 
 
 @dataclass
@@ -154,10 +134,9 @@ def _streams(device: torch.device) -> tuple[Any, Any]:
 class DeviceLane:
     """Runs the device side of one engine run on its own thread: :meth:`upload`,
     :meth:`compute` and :meth:`call` queue work and return at once; each ``release`` is called
-    on the lane's thread once the copy out of its buffer is queued, with the :class:`Copied` to
-    wait on before the buffer is written again (``None``: nothing is pending, as on the CPU or
-    when the work failed or was skipped after a failure). Errors go to ``on_error`` as they
-    happen."""
+    on the lane's thread once the copy out of its buffer has finished (or at once, where the
+    work failed or was skipped after a failure: nothing was copied), and the buffer may then be
+    written again. Errors go to ``on_error`` as they happen."""
 
     def __init__(self, device: torch.device, slot_bytes: int, on_error: Callable[[BaseException], None], slots: int = 4):
         self.device = device
@@ -170,7 +149,8 @@ class DeviceLane:
         self._nslots = max(1, slots)
         self._turn = 0
         self._work: queue.SimpleQueue[_Upload | _Kernel | _Call | None] = queue.SimpleQueue()
-        self._events: list[Any] = []  # events whose copies have finished, to record again (appended by readers)
+        self._inflight: collections.deque[tuple[Any, Release]] = collections.deque()  # (event, release) per queued copy, oldest first
+        self._events: list[Any] = []  # events passed, to record again
         self._streams: tuple[Any, ...] = ()
         self._current: Any = None  # the stream the lane's thread has made current
         self._uploads = 0
@@ -224,13 +204,51 @@ class DeviceLane:
     def _run(self) -> None:
         try:
             with self._on_device():
-                while (item := self._work.get()) is not None:
+                while (item := self._next()) is not None:
                     self._do(item)
+                    self._hand_back(wait=False)
         finally:
             try:
                 self._synchronize()
             except Exception as e:  # noqa: BLE001 - reported like any other failure
                 self._fail(e)
+            self._release_all()
+
+    def _next(self) -> _Upload | _Kernel | _Call | None:
+        """The next piece of work; while none is queued, the buffers whose copies finish are
+        handed back (waiting for the oldest copy each time), so that their readers go on."""
+        while self._inflight:
+            try:
+                return self._work.get_nowait()
+            except queue.Empty:
+                self._hand_back(wait=True)
+        return self._work.get()
+
+    def _hand_back(self, wait: bool) -> None:
+        """Release the buffers whose copies have finished, oldest first; ``wait``: wait for the
+        oldest one's copy first. A failed wait fails the load (the buffers are then released
+        once the device is idle, at the end of the run)."""
+        try:
+            while self._inflight:
+                event, release = self._inflight[0]
+                if wait:
+                    event.synchronize()
+                    wait = False
+                elif not event.query():
+                    return
+                self._inflight.popleft()
+                self._events.append(event)
+                release()
+        except Exception as e:  # noqa: BLE001 - reported like any other failure
+            self._fail(e)
+            with contextlib.suppress(Exception):
+                self._synchronize()
+            self._release_all()
+
+    def _release_all(self) -> None:
+        """Release every buffer still out (the device is idle: nothing is copied out of them)."""
+        while self._inflight:
+            self._inflight.popleft()[1]()
 
     @contextlib.contextmanager
     def _on_device(self) -> Iterator[None]:
@@ -275,27 +293,35 @@ class DeviceLane:
             self._fail(item.where.error(e))
             if self._cuda:
                 with contextlib.suppress(Exception):
-                    self._synchronize()  # nothing may still be copied out of the buffer
+                    self._synchronize()  # nothing may still be copied out of the buffers
+                self._release_all()
         finally:
             if not isinstance(item, _Call) and not item.handed:
-                item.release(None)
+                item.release()
 
-    def _copied(self, stream: Any) -> Copied | None:
-        """The copies queued on ``stream`` so far, to wait on (None on the CPU)."""
+    def _behind_copy(self, stream: Any, release: Release) -> None:
+        """Release a buffer once the copies queued on ``stream`` so far have finished (at once
+        on the CPU, where they have): an event recorded there, watched by :meth:`_hand_back`.
+        The events are blocking-sync: the lane sleeps, not spins, while it waits for one."""
         if stream is None:
-            return None
+            release()
+            return
+        self._inflight.append((self._record(stream), release))
+
+    def _record(self, stream: Any) -> Any:
+        """An event recorded on ``stream`` (one that has passed, reused, or a new one)."""
         ev = self._events.pop() if self._events else torch.cuda.Event(blocking=True)
         ev.record(stream)
-        return Copied(ev, self)
+        return ev
 
     def _upload(self, item: _Upload) -> None:
-        stream = self._use(self._uploads % len(self._streams)) if self._cuda else None
+        stream = self._use(self._uploads % 2)
         self._uploads += 1
         cut = self._views.cut
         for dl in item.deliveries:
             dl.dest.copy_(cut(item.buf, dl.offset, dl.dtype, dl.shape), non_blocking=self._cuda)
         item.handed = True
-        item.release(self._copied(stream))
+        self._behind_copy(stream, item.release)
 
     def _kernel(self, item: _Kernel) -> None:
         args, staged, inside = item.args, item.staged, item.inside
@@ -304,11 +330,11 @@ class DeviceLane:
             assert staged is not None
             i = self._slot()
             slot = self._slots[i]
-            stream = self._use(i % 2) if self._cuda else None  # where this landing buffer is always used
+            stream = self._use(i % 2)  # where this landing buffer is always used
             head = self._views.head
             head(slot, item.used).copy_(head(staged, item.used), non_blocking=self._cuda)
             item.handed = True
-            item.release(self._copied(stream))
+            self._behind_copy(stream, item.release)
             for k, at in inside.items():
                 v = args[k]
                 out[k] = self._views.cut(slot, at, v.dtype, tuple(v.shape))

@@ -13,7 +13,7 @@ import torch
 from .._nodes import Box, box_shape
 from ..sources._base import Source
 from . import syscalls
-from .device import Copied, DeviceLane
+from .device import DeviceLane
 from .geometry import box_spans, round_up
 from .lanes import TaskLanes
 from .staging import StagingPool
@@ -43,21 +43,21 @@ class CountingIO:
 class Buffers:
     """One thread's share of a bounded pool: up to ``depth`` buffers, taken from the pool as the
     thread needs them (the first one waiting for the pool, later ones only while it has one
-    free), each handed out again once given back and the copy out of it has finished (the
-    :class:`~sdadapt._engine.device.Copied` it came back with, waited on here)."""
+    free), each handed out again once given back (by the device lane: once the copy out of it
+    has finished)."""
 
     def __init__(self, pool: StagingPool, depth: int):
         self.pool = pool
         self.depth = depth
         self.held: list[torch.Tensor] = []
-        self._back: queue.SimpleQueue[tuple[torch.Tensor, Copied | None]] = queue.SimpleQueue()
+        self._back: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self.waits = 0  # takes that waited for a buffer to come back
 
     def take(self) -> torch.Tensor:
         """A buffer free to write: one given back, a new one while under ``depth``, else the
-        next one given back (waiting for it), each once its copy has finished."""
+        next one given back (waiting for it)."""
         try:
-            return self._ready(self._back.get_nowait())
+            return self._back.get_nowait()
         except queue.Empty:
             pass
         if len(self.held) < self.depth:
@@ -66,25 +66,17 @@ class Buffers:
                 self.held.append(buf)
                 return buf
         self.waits += 1
-        return self._ready(self._back.get())
+        return self._back.get()
 
-    @staticmethod
-    def _ready(back: tuple[torch.Tensor, Copied | None]) -> torch.Tensor:
-        buf, copied = back
-        if copied is not None:
-            copied.wait()
-        return buf
-
-    def give_back(self, buf: torch.Tensor, copied: Copied | None = None) -> None:
-        """``buf`` may be written again once ``copied`` (the copy out of it) has finished;
-        ``None``: at once (called from any thread)."""
-        self._back.put((buf, copied))
+    def give_back(self, buf: torch.Tensor) -> None:
+        """``buf`` may be written again (called from any thread)."""
+        self._back.put(buf)
 
     def drain(self) -> None:
-        """Wait for every buffer to be given back and its copy to finish, then return them all
-        to the pool (for the threads still running)."""
+        """Wait for every buffer to be given back, then return them all to the pool (for the
+        threads still running)."""
         for _ in self.held:
-            self._ready(self._back.get())
+            self._back.get()
         for buf in self.held:
             self.pool.put(buf)
         self.held = []
@@ -368,5 +360,5 @@ class Worker:
             piece.dest.copy_(value)
 
 
-def _nothing(copied: Copied | None = None) -> None:
+def _nothing() -> None:
     """The release of a computation that staged nothing (so nothing is copied out of a buffer)."""
