@@ -3,11 +3,11 @@
 ``overlay SRC OUT`` copies the sdadapt package under SRC (a ``src`` folder) to ``OUT/src`` and
 makes it record, per engine run, when each thread ran each task, read (``preadv``), waited for
 a staging or band buffer (and of that, for the copy out of it to finish; on a tree whose lane
-waits for the copies, the lane's waits and checks), moved inputs to the device, ran a dequantisation kernel (on a tree with a device lane: the lane thread's time per
-computation, per upload and in all), and when a pool
-pinned its slab; each run is written to ``$SDADAPT_TRACE/trace-PID-N.json``. Run it
-through load_bench's variants, then ``summary DIR`` prints, per run, the sums per thread, the
-slow slab allocations and the bytes read per 50 ms::
+waits for the copies, the lane's waits and checks), moved inputs to the device, ran a
+dequantisation kernel (on a tree with a device lane: the lane thread's time per computation,
+per upload and in all), and when a pool pinned its slab; each run is written to
+``$SDADAPT_TRACE/trace-PID-N.json``. Run it through load_bench's variants, then ``summary DIR``
+prints, per run, the sums per thread, the slow slab allocations and the bytes read per 50 ms::
 
     python bench/engine_trace.py overlay src .base/trace
     python bench/load_bench.py --preset 8b ... --paths sdadapt,sdadapt-fp8 --no-verify \\

@@ -34,8 +34,8 @@ on a thread pool:
    never per element. Each thread cycles through ``depth`` staging buffers of its own. Only
    the threads that hold a band buffer run computations (:mod:`.lanes`); the others run the
    plain reads beside them. On a GPU the reading threads make no CUDA calls: one thread of
-   the run, the device lane, makes them all (:mod:`.device`); a thread refills a buffer once
-   the copy out of it has finished.
+   the run, the device lane, makes them all (:mod:`.device`), and hands a thread's buffer
+   back for refilling once the copy out of it has finished.
 
 Errors name the target key, the source key and the file. Bytes read are counted exactly
 (what was copied out of the checkpoint, including any gap a coalesced read spans).
