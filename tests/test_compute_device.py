@@ -415,10 +415,12 @@ class _FakeCopies(DeviceLane):
     """A CPU lane whose copies "finish" only when the test says so: each queued copy gets a
     stand-in event (``query``, ``synchronize``) that passes once ``finish`` is called for it."""
 
-    def __init__(self) -> None:
-        super().__init__(torch.device("cpu"), 64, lambda e: None, slots=1)
+    def __init__(self, broken: bool = False) -> None:
+        self.errors: list[BaseException] = []
+        super().__init__(torch.device("cpu"), 64, self.errors.append, slots=1)
         self.events: list[threading.Event] = []
         self.waited: list[int] = []  # which events the lane blocked on
+        self.broken = broken  # every check and wait raises, as on a device that failed
 
     def _use(self, i):
         return "stream"
@@ -429,10 +431,14 @@ class _FakeCopies(DeviceLane):
 
         class Recorded:
             def query(self):
+                if lane.broken:
+                    raise RuntimeError("device lost")
                 return done.is_set()
 
             def synchronize(self):
                 lane.waited.append(n)
+                if lane.broken:
+                    raise RuntimeError("device lost")
                 done.wait()
 
         return Recorded()
@@ -468,6 +474,22 @@ def test_the_lane_hands_a_buffer_back_only_once_the_copy_out_of_it_has_finished(
     lane.close()
     assert released == ["a", "b", "c"]
     assert [d.tolist() for d in dests] == [staged[16 * i : 16 * i + 16].tolist() for i in range(3)]
+
+
+def test_a_failed_wait_for_a_copy_fails_the_load_and_still_gives_every_buffer_back():
+    """A check of a copy's event that raises (a device that failed) is reported once; every
+    buffer out, and those of the work queued after it (skipped), come back all the same."""
+    lane = _FakeCopies(broken=True)
+    lane.start()
+    released: list[int] = []
+    staged = torch.arange(64, dtype=torch.uint8)
+    where = Where("a.weight", None, None, ((0, 16),))
+    for i in range(3):
+        dest = torch.zeros(16, dtype=torch.uint8)
+        lane.upload(staged, [Delivery(16 * i, 16, torch.uint8, (16,), dest, where)], lambda i=i: released.append(i), where)
+    lane.close()
+    assert sorted(released) == [0, 1, 2] and lane.failed
+    assert len(lane.errors) == 1 and "device lost" in str(lane.errors[0])
 
 
 def test_band_depth_and_landing_buffers_are_checked_and_read_from_the_environment(monkeypatch):

@@ -226,8 +226,8 @@ class DeviceLane:
 
     def _hand_back(self, wait: bool) -> None:
         """Release the buffers whose copies have finished, oldest first; ``wait``: wait for the
-        oldest one's copy first. A failed wait fails the load (the buffers are then released
-        once the device is idle, at the end of the run)."""
+        oldest one's copy first. A failed wait or check fails the load; every buffer still out is
+        then released once the device has been synchronised (or has failed to)."""
         try:
             while self._inflight:
                 event, release = self._inflight[0]
