@@ -7,12 +7,12 @@ Writes an FP8 release of ``--tensors`` e4m3 matrices of ``--shape`` with float32
 ``weight_scale_inv`` (one safetensors file in ``--dir``, kept for the next run, then read once
 to warm the page cache), and loads it through ``IOEngine.run`` into bf16 tensors on the GPU,
 per band size and thread count once marked "warm-up" (it pins the slabs and loads the
-kernels), then ``--repeat`` times. Per run it prints the engine's seconds and bytes, the lane's items (each
-``DeviceLane._do`` timed: sum and median), of which the kernels (``DequantFP8._kernel``) and
-the copies' events, the lane's checks and waits for finished copies (``_hand_back``, trees
-where the lane waits for them), and the readers' busy, read and wait seconds; the first run's bits are
-checked against the whole-tensor dequantisation. ``SDADAPT_IO_*`` variables apply (e.g.
-``SDADAPT_IO_BAND_DEPTH=2``)::
+kernels), then ``--repeat`` times. Per run it prints the engine's seconds and bytes, the
+lane's items (each ``DeviceLane._do`` timed: sum and median), of which the kernels
+(``DequantFP8._kernel``) and the copies' events, the lane's checks and waits for finished
+copies (``_hand_back``, trees where the lane waits for them), and the readers' busy, read and
+wait seconds; the first run's bits are checked against the whole-tensor dequantisation.
+``SDADAPT_IO_*`` variables apply (e.g. ``SDADAPT_IO_BAND_DEPTH=2``)::
 
     python bench/lane_probe.py --tensors 64 --threads 1,4,12 --bands 0,32 --repeat 2   # a CUDA device
     python bench/lane_probe.py --device cpu --tensors 2 --shape 256,512 --threads 2    # no lane: a check of the script
