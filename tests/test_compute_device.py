@@ -413,7 +413,8 @@ def test_a_threads_buffers_cycle_taking_from_the_pool_only_while_it_has_one_free
 
 class _FakeCopies(DeviceLane):
     """A CPU lane whose copies "finish" only when the test says so: each queued copy gets a
-    stand-in event (``query``, ``synchronize``) that passes once ``finish`` is called for it."""
+    stand-in event (``query``, ``synchronize``) that passes once the test sets
+    ``events[i]``, the i-th copy's ``threading.Event``."""
 
     def __init__(self, broken: bool = False) -> None:
         self.errors: list[BaseException] = []

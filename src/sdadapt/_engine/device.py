@@ -226,8 +226,7 @@ class DeviceLane:
 
     def _hand_back(self, wait: bool) -> None:
         """Release the buffers whose copies have finished, oldest first; ``wait``: wait for the
-        oldest one's copy first. A failed wait or check fails the load; every buffer still out is
-        then released once the device has been synchronised (or has failed to)."""
+        oldest one's copy first. A failed wait or check fails the load (:meth:`_fail`)."""
         try:
             while self._inflight:
                 event, release = self._inflight[0]
@@ -241,9 +240,6 @@ class DeviceLane:
                 release()
         except Exception as e:  # noqa: BLE001 - reported like any other failure
             self._fail(e)
-            with contextlib.suppress(Exception):
-                self._synchronize()
-            self._release_all()
 
     def _release_all(self) -> None:
         """Release every buffer still out (the device is idle: nothing is copied out of them)."""
@@ -275,8 +271,13 @@ class DeviceLane:
         return stream
 
     def _fail(self, e: BaseException) -> None:
+        """Report ``e`` and stop: the work still queued is skipped, and every buffer out is
+        released once the device has finished with it (or failed to: nothing more runs)."""
         self.failed = True
         self.on_error(e)
+        with contextlib.suppress(Exception):
+            self._synchronize()  # nothing may still be copied out of the buffers
+        self._release_all()
 
     def _do(self, item: _Upload | _Kernel | _Call) -> None:
         try:
@@ -291,10 +292,6 @@ class DeviceLane:
                     item.fn()
         except Exception as e:  # noqa: BLE001 - named and reported
             self._fail(item.where.error(e))
-            if self._cuda:
-                with contextlib.suppress(Exception):
-                    self._synchronize()  # nothing may still be copied out of the buffers
-                self._release_all()
         finally:
             if not isinstance(item, _Call) and not item.handed:
                 item.release()
