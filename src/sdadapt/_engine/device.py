@@ -138,8 +138,11 @@ class DeviceLane:
     work failed or was skipped after a failure: nothing was copied), and the buffer may then be
     written again. Errors go to ``on_error`` as they happen."""
 
-    def __init__(self, device: torch.device, slot_bytes: int, on_error: Callable[[BaseException], None], slots: int = 4):
+    def __init__(
+        self, device: torch.device, slot_bytes: int, on_error: Callable[[BaseException], None], slots: int = 4, poll: float | None = None
+    ):
         self.device = device
+        self.poll = poll  # seconds between checks of the copies while no work is queued; None: wait for the oldest
         self.slot_bytes = slot_bytes
         self.on_error = on_error
         self.failed = False
@@ -216,12 +219,17 @@ class DeviceLane:
 
     def _next(self) -> _Upload | _Kernel | _Call | None:
         """The next piece of work; while none is queued, the buffers whose copies finish are
-        handed back (waiting for the oldest copy each time), so that their readers go on."""
+        handed back, so that their readers go on: with ``poll``, the lane waits for work that
+        long at a time and checks the copies in between (work queued meanwhile is taken at
+        once); without, it waits for the oldest copy each time (work queued meanwhile waits
+        for that copy)."""
         while self._inflight:
             try:
-                return self._work.get_nowait()
+                if self.poll is None:
+                    return self._work.get_nowait()
+                return self._work.get(timeout=self.poll)
             except queue.Empty:
-                self._hand_back(wait=True)
+                self._hand_back(wait=self.poll is None)
         return self._work.get()
 
     def _hand_back(self, wait: bool) -> None:
