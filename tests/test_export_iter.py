@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 
 import pytest
@@ -37,6 +38,27 @@ def _alive(refs: list[weakref.ref]) -> int:
     return len({id(r()) for r in refs if r() is not None})
 
 
+def _settled_alive(refs: list[weakref.ref], patience: float = 2.0) -> int:
+    """:func:`_alive` once references held outside the generator have had time to go.
+
+    Two holders are not the generator's: torch's own reference cycles (e.g. pytree flattening's
+    recursive helper, under DTensor's gathers), which keep an earlier tensor until Python's
+    cycle collector runs, and the process group's backend, whose worker threads can still hold a
+    finished collective's tensors for a moment after the waiting rank has woken up (seen on
+    gloo: an earlier output alive with no Python object referring to it, gone within
+    milliseconds; 4 of 160 ranks' streams on 2 cores). So when more than one
+    tensor is alive: collect (only then: a collection per tensor costs seconds), and give the
+    worker threads up to ``patience`` seconds. A tensor the generator kept stays alive through
+    both."""
+    if _alive(refs) <= 1:
+        return _alive(refs)
+    gc.collect()
+    deadline = time.monotonic() + patience
+    while _alive(refs) > 1 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return _alive(refs)
+
+
 def _stream(model: torch.nn.Module, ckpt: str) -> dict:
     """Consume export_iter, comparing each tensor with the checkpoint file and counting how many
     of the tensors yielded so far are still alive while the next one is in hand."""
@@ -49,13 +71,7 @@ def _stream(model: torch.nn.Module, ckpt: str) -> dict:
             if t.dtype != want.dtype or not torch.equal(t, want):
                 differ.append(key)
             refs.append(weakref.ref(_base(t)))
-            # torch's own reference cycles (e.g. pytree flattening's recursive helper, under
-            # DTensor's gathers) can keep an earlier tensor until Python's cycle collector runs;
-            # what counts is what is still referenced once that garbage is gone (collected only
-            # when more than one is alive: a collection per tensor costs seconds)
-            if _alive(refs) > 1:
-                gc.collect()
-            most_alive = max(most_alive, _alive(refs))
+            most_alive = max(most_alive, _settled_alive(refs))
             del t, want
     return {"keys": keys, "differ": differ, "most_alive": most_alive}
 
