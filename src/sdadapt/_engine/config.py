@@ -61,8 +61,10 @@ class EngineConfig:
     shorter one is measured to help (bench/RESULTS.md). ``lane_poll`` is how the device lane
     waits while copies are pending and no work is queued: for new work, up to that many
     seconds at a time, checking the copies in between; ``None``: for the oldest copy (work
-    queued meanwhile waits until that copy has finished). Environment: ``SDADAPT_IO_THREADS``,
-    ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``, ``SDADAPT_IO_DEPTH``,
+    queued meanwhile waits until that copy has finished), the default: polling was measured
+    to make neither the readers' waits nor the loads shorter (bench/RESULTS.md).
+    Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
+    ``SDADAPT_IO_DEPTH``,
     ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``, ``SDADAPT_IO_LANDING``,
     ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS`` (``0``: leave the
     interval as it is), ``SDADAPT_IO_LANE_POLL_US`` (microseconds; ``0``: wait for the oldest
