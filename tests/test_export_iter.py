@@ -43,20 +43,19 @@ def _settled_alive(refs: list[weakref.ref], patience: float = 2.0) -> int:
 
     Two holders are not the generator's: torch's own reference cycles (e.g. pytree flattening's
     recursive helper, under DTensor's gathers), which keep an earlier tensor until Python's
-    cycle collector runs, and the process group's backend, whose worker threads can still hold a
-    finished collective's tensors for a moment after the waiting rank has woken up (seen on
+    cycle collector runs, and the process group's backend, whose worker threads can still hold
+    a finished collective's tensors for a moment after the waiting rank has woken up (seen on
     gloo: an earlier output alive with no Python object referring to it, gone within
-    milliseconds; 4 of 160 ranks' streams on 2 cores). So when more than one
-    tensor is alive: collect (only then: a collection per tensor costs seconds), and give the
-    worker threads up to ``patience`` seconds. A tensor the generator kept stays alive through
-    both."""
-    if _alive(refs) <= 1:
-        return _alive(refs)
-    gc.collect()
-    deadline = time.monotonic() + patience
-    while _alive(refs) > 1 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    return _alive(refs)
+    milliseconds). So when more than one tensor is alive: collect (only then: a collection per
+    tensor costs seconds), and give the worker threads up to ``patience`` seconds. A tensor the
+    generator kept stays alive through both."""
+    n = _alive(refs)
+    if n > 1:
+        gc.collect()
+        deadline = time.monotonic() + patience
+        while (n := _alive(refs)) > 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    return n
 
 
 def _stream(model: torch.nn.Module, ckpt: str) -> dict:

@@ -64,11 +64,10 @@ class EngineConfig:
     queued meanwhile waits until that copy has finished), the default: polling was measured
     to make neither the readers' waits nor the loads shorter (bench/RESULTS.md).
     Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
-    ``SDADAPT_IO_DEPTH``,
-    ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``, ``SDADAPT_IO_LANDING``,
-    ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS`` (``0``: leave the
-    interval as it is), ``SDADAPT_IO_LANE_POLL_US`` (microseconds; ``0``: wait for the oldest
-    copy).
+    ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``,
+    ``SDADAPT_IO_LANDING``, ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS``
+    (``0``: leave the interval as it is), ``SDADAPT_IO_LANE_POLL_US`` (microseconds; ``0``:
+    wait for the oldest copy).
     """
 
     threads: int = field(default_factory=default_threads)
