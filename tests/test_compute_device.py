@@ -220,13 +220,16 @@ def test_engine_dequantises_on_the_gpu_bit_identical_to_the_cpu(tmp_path, kind):
         configs = (
             EngineConfig(threads=4),
             EngineConfig(threads=2, chunk_bytes=4096, depth=1),
-            EngineConfig(threads=3, band_bytes=4096, band_depth=2),  # small bands, two buffers per thread
-            EngineConfig(threads=4, band_bytes=4096, landing_buffers=1),
+            EngineConfig(threads=4, chunk_bytes=4096, band_bytes=16384),  # gathers of several pieces
+            EngineConfig(threads=3, band_bytes=4096, band_depth=2, gather_inputs=False),  # small bands, two buffers per thread
+            EngineConfig(threads=4, band_bytes=4096, landing_buffers=1, gather_inputs=False),
         )
         for cfg in configs:
             jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16, device="cuda")) for box in boxes]
             stats = IOEngine(src, cfg).run(jobs)
-            assert stats.computed >= len(jobs)
+            assert stats.computed + stats.gathered >= len(jobs)
+            if kind != "mxfp4-rows" and cfg.gather_inputs:
+                assert stats.gathered > 0
             for job in jobs:
                 assert torch.equal(_bits(job.dest.cpu()), _bits(full[tuple(slice(a, b) for a, b in job.box)])), job.box
 
@@ -307,6 +310,102 @@ def test_engine_computes_bands_from_staged_reads_with_exact_bytes(tmp_path, chun
         assert stats.staged_bytes == want_staged
         if min_span == 1:
             assert stats.staged_bytes > stats.bytes_read // 2  # every band's weight
+
+
+@pytest.mark.parametrize("chunk, min_span", [(4096, 1), (4096, 64 * 1024), (1 << 20, 1)])
+@pytest.mark.parametrize("kind", ["fp8-float32-16x32", "fp8-ue8m0-7x9", "mxfp4", "mxfp4-rows"])
+def test_gathered_inputs_give_the_reference_bits_reading_each_byte_once(tmp_path, kind, chunk, min_span):
+    """With a device lane (on the CPU here, as a GPU run has one), a computation whose inputs
+    are stored regions read as they are is planned as a gather: its inputs read in staged reads
+    of at most a chunk from the shared staging pool, delivered into one buffer on the device,
+    the kernel run there after the last piece. The bits are the reference's, the bytes read
+    those of the band path exactly, all of them staged, and no band is computed by a reader;
+    inputs in runs shorter than ``min_span`` (a column slice) or gathered on the host
+    (alternating rows, unless a band's rows are one stored group) are computed the band way."""
+    from sdadapt._engine import CountingIO, EngineConfig, IOEngine, Job
+    from sdadapt._engine.geometry import box_spans
+    from sdadapt._engine.planner import _InputRecorder
+
+    node, path = _node_of(kind, tmp_path)
+    rng = random.Random(f"{kind}{chunk}{min_span}")
+    with open_source(path) as src:
+        full = node.full(CountingIO(src))
+        boxes = _boxes(node.shape, rng, 20, getattr(node, "block", None))
+        stats = {}
+        for gather in (True, False):
+            cfg = EngineConfig(threads=3, chunk_bytes=chunk, band_bytes=4 * chunk, min_span_bytes=min_span, gather_inputs=gather)
+            jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16)) for box in boxes]
+            stats[gather] = IOEngine(src, cfg, cpu_lane=True).run(jobs)
+            for job in jobs:
+                assert torch.equal(_bits(job.dest), _bits(full[tuple(slice(a, b) for a, b in job.box)])), (gather, job.box)
+        bands = [band for box in boxes for band in node.bands(box, 4 * chunk)]
+        want = 0
+        for band in bands:  # gathered where the inputs are stored regions, in one run or runs of at least min_span
+            rec = _InputRecorder(src)
+            (step,) = node.steps(band, torch.empty(N.box_shape(band), dtype=torch.bfloat16))
+            assert step.inputs is not None
+            try:
+                args = step.inputs(rec)
+            except NotImplementedError:  # alternating rows gathered on the host: meta inputs cannot be copied
+                continue
+            if not all(a is r or a._base is r for a, (_, _, r) in zip(args, rec.reads, strict=True)):
+                continue
+            long_runs = []
+            for key, box, _ in rec.reads:
+                starts, run = box_spans(src.schema[key].shape, src.schema[key].dtype.itemsize, box)
+                long_runs.append(len(starts) == 1 or run >= min_span)
+            want += all(long_runs)
+        g, b = stats[True], stats[False]
+        assert g.gathered == want
+        assert b.gathered == 0 and b.computed >= len(bands)
+        assert g.bytes_read == b.bytes_read
+        if g.gathered == len(bands):
+            assert g.computed == 0 and g.staged_bytes == g.bytes_read
+        if kind != "mxfp4-rows" and min_span == 1:
+            assert g.gathered == len(bands) > 0
+        if kind == "mxfp4-rows":
+            assert 0 < g.gathered < len(bands)  # where a band's rows are one stored group, it is read as stored
+
+
+def test_a_gathers_staged_reads_cover_each_input_once_in_pieces_of_at_most_a_chunk():
+    """``_gather_reads`` cuts a gather's inputs (runs in one or two files) into staged reads of
+    at most a chunk, consecutive runs of one file sharing a read; read one after the other
+    into a buffer, each delivery's bytes land at its input's place, every byte once."""
+    from sdadapt._engine.planner import _gather_reads
+    from sdadapt._engine.tasks import Gather
+
+    rng = random.Random(11)
+    dest = torch.empty(1)
+    for _ in range(200):
+        chunk = rng.choice([1, 7, 64, 100, 4096])
+        runs, at = [], 0
+        for _ in range(rng.randint(1, 3)):
+            file = rng.choice(["a", "b"])
+            spans, off = [], rng.randrange(1000)
+            for _ in range(rng.randint(1, 4)):
+                n = rng.randint(1, 300)
+                spans.append((off, n))
+                off += n + rng.randrange(50)
+            at = -(-at // 64) * 64
+            runs.append((file, spans, at))
+            at += sum(n for _, n in spans)
+        gather = Gather(N.Compute(N.Leaf("w", (1,), torch.float32), ((0, 1),), dest, fn=lambda io: dest), at, [])
+        reads = _gather_reads(gather, runs, chunk, Where("w", None, None, ((0, 1),)))
+        placed: dict[int, tuple[str, int]] = {}  # buffer byte -> (file, file offset)
+        for read in reads:
+            size = sum(n for _, n in read.segments)
+            assert 0 < size <= chunk
+            flat = [(read.path, off + i) for off, n in read.segments for i in range(n)]  # the read's bytes in order
+            covered = 0
+            for dl in read.deliveries:
+                assert dl.into is not None and dl.into[0] is gather and dl.offset == covered
+                for i in range(dl.nbytes):
+                    assert dl.into[1] + i not in placed
+                    placed[dl.into[1] + i] = flat[dl.offset + i]
+                covered += dl.nbytes
+            assert covered == size
+        want = {at + i: (file, pos) for file, spans, at in runs for i, pos in enumerate(p for off, n in spans for p in range(off, off + n))}
+        assert placed == want
 
 
 @pytest.mark.parametrize("fmt", ["float32", "ue8m0"])

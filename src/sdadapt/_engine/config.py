@@ -63,11 +63,17 @@ class EngineConfig:
     seconds at a time, checking the copies in between; ``None``: for the oldest copy (work
     queued meanwhile waits until that copy has finished), the default: polling was measured
     to make neither the readers' waits nor the loads shorter (bench/RESULTS.md).
+    ``gather_inputs``: on a GPU, a computation whose inputs lie in the files as they are stored
+    (an FP8 weight's rows and their scales) has them read like a plain load's bytes, in staged
+    reads of ``chunk()`` bytes from the shared staging pool, gathered in a buffer on the device,
+    and computed there once all have crossed (:mod:`sdadapt._engine.device`); its band (of
+    ``band()`` bytes) then bounds that device buffer, about one per thread. ``False``: every
+    computation reads its inputs into a band buffer and crosses in one copy.
     Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
     ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``,
     ``SDADAPT_IO_LANDING``, ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS``
     (``0``: leave the interval as it is), ``SDADAPT_IO_LANE_POLL_US`` (microseconds; ``0``:
-    wait for the oldest copy).
+    wait for the oldest copy), ``SDADAPT_IO_GATHER`` (``0``: no gathering).
     """
 
     threads: int = field(default_factory=default_threads)
@@ -83,6 +89,7 @@ class EngineConfig:
     warm_kernels: bool = True
     switch_interval: float | None = None
     lane_poll: float | None = None
+    gather_inputs: bool = True
 
     def __post_init__(self) -> None:
         if self.depth < 1:
@@ -151,6 +158,8 @@ class EngineConfig:
             cfg.landing_buffers = max(1, int(os.environ["SDADAPT_IO_LANDING"]))
         if os.environ.get("SDADAPT_IO_WARM"):
             cfg.warm_kernels = os.environ["SDADAPT_IO_WARM"] not in ("0", "false", "no")
+        if os.environ.get("SDADAPT_IO_GATHER"):
+            cfg.gather_inputs = os.environ["SDADAPT_IO_GATHER"] not in ("0", "false", "no")
         if os.environ.get("SDADAPT_IO_LANE_POLL_US"):
             us = float(os.environ["SDADAPT_IO_LANE_POLL_US"])
             cfg.lane_poll = us / 1e6 if us > 0 else None

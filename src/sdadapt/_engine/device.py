@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from .._nodes import Compute, Node
-from .tasks import Delivery, Where
+from .tasks import Delivery, Gather, Where
 from .views import TypedViews
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,13 @@ def _streams(device: torch.device) -> tuple[Any, Any]:
         if pair is None:
             pair = _STREAMS[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return pair
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n
 
 
 class DeviceLane:
@@ -320,6 +327,10 @@ class DeviceLane:
         return ev
 
     def _upload(self, item: _Upload) -> None:
+        gather = item.deliveries[0].into
+        if gather is not None:
+            self._gathered(item, gather[0])
+            return
         stream = self._use(self._uploads % 2)
         self._uploads += 1
         cut = self._views.cut
@@ -327,6 +338,34 @@ class DeviceLane:
             dl.dest.copy_(cut(item.buf, dl.offset, dl.dtype, dl.shape), non_blocking=self._cuda)
         item.handed = True
         self._behind_copy(stream, item.release)
+
+    def _gathered(self, item: _Upload, gather: Gather) -> None:
+        """Copy a piece of ``gather``'s inputs into its device buffer (made on its first piece,
+        on the stream all its pieces and its kernel use, so that they run in order and the
+        buffer is reused only behind the kernel); after the last piece, run the kernel on
+        views of the buffer."""
+        if gather.buffer is None:
+            gather.stream = self._uploads % 2
+            self._uploads += 1
+            stream = self._use(gather.stream)
+            gather.buffer = torch.empty(gather.nbytes, dtype=torch.uint8, device=self.device)
+        else:
+            stream = self._use(gather.stream)
+        buf, into = item.buf, gather.buffer
+        for dl in item.deliveries:
+            assert dl.into is not None and dl.into[0] is gather, "a staged read delivers to one gather"
+            at = dl.into[1]
+            into[at : at + dl.nbytes].copy_(buf[dl.offset : dl.offset + dl.nbytes], non_blocking=self._cuda)
+        item.handed = True
+        self._behind_copy(stream, item.release)
+        gather.arrived += 1
+        if gather.arrived < gather.pieces:
+            return
+        args = [into[at : at + _nbytes(dtype, shape)].view(dtype).view(shape) for at, dtype, shape in gather.layout]
+        gather.buffer = None  # freed to the allocator once the kernel has run (stream order)
+        step = gather.step
+        assert step.kernel is not None
+        step.kernel(step.dest, *args)
 
     def _kernel(self, item: _Kernel) -> None:
         args, staged, inside = item.args, item.staged, item.inside

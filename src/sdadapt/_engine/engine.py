@@ -38,6 +38,7 @@ class EngineStats:
     staged_bytes: int = 0
     coalesced: int = 0  # staged pieces that shared a read with another
     computed: int = 0  # pieces read through Source.read, and computation steps
+    gathered: int = 0  # computations whose inputs were gathered on the device (run by the lane, not in computed)
     staging_buffers: int = 0
     staging_bytes: int = 0
     threads: int = 0
@@ -94,19 +95,22 @@ def prefetch_pinned(device: torch.device, computes: bool, config: EngineConfig |
 class IOEngine:
     """Runs a rank's reads for one ``dcp.load``; see :mod:`sdadapt._engine`."""
 
-    def __init__(self, source: Source, config: EngineConfig | None = None):
+    def __init__(self, source: Source, config: EngineConfig | None = None, *, cpu_lane: bool = False):
         self.source = source
         self.config = config or EngineConfig.from_env()
         self.stats = EngineStats()
+        self.cpu_lane = cpu_lane  # tests: CPU destinations go through a device lane on the CPU, as GPU ones do
 
-    def plan(self, jobs: Sequence[Job], emit: Callable[[Task], None] | None = None) -> list[Task]:
+    def plan(self, jobs: Sequence[Job], emit: Callable[[Task], None] | None = None, gather_on: torch.device | None = None) -> list[Task]:
         """Turn jobs into tasks. With ``emit``, each task is handed to it as soon as it is made
         (so that reading starts while planning goes on) and the list returned is empty;
-        staged pieces under half a chunk, coalesced across all jobs, come last."""
+        staged pieces under half a chunk, coalesced across all jobs, come last. ``gather_on``:
+        the device of the run's device lane (computations there may gather their inputs)."""
         tasks: list[Task] = []
-        planner = Planner(self.source, self.config)
+        planner = Planner(self.source, self.config, gather_on)
         planner.plan(jobs, emit or tasks.append)
         self.stats.coalesced += planner.coalesced
+        self.stats.gathered += planner.gathered
         return tasks
 
     def run(self, jobs: Sequence[Job]) -> EngineStats:
@@ -116,12 +120,15 @@ class IOEngine:
         chunk = cfg.chunk()
         cuda_devices = {j.dest.device for j in jobs if j.dest.device.type == "cuda"}
         device = next(iter(cuda_devices)) if cuda_devices and torch.cuda.is_available() else None
+        if device is None and self.cpu_lane:
+            device = torch.device("cpu")
         threads = max(1, min(cfg.threads, _estimate_tasks(jobs, chunk)))
         # Buffers are made on first use; no more than the threads can hold at once.
-        pool = StagingPool(cfg.staging_buffers(threads), chunk, device is not None)
+        pin = device is not None and device.type == "cuda"
+        pool = StagingPool(cfg.staging_buffers(threads), chunk, pin)
         # The first `computing` threads each hold a band buffer and are the only ones that compute.
         computing = cfg.computing_threads(threads)
-        bands = StagingPool(cfg.band_buffers(threads), cfg.band_buffer_bytes(), device is not None)
+        bands = StagingPool(cfg.band_buffers(threads), cfg.band_buffer_bytes(), pin)
         shared = Shared(self.source, TaskLanes(), {}, pool, chunk, bands, min_span=cfg.min_span_bytes)
         if device is not None:
             shared.lane = DeviceLane(device, bands.size, shared.fail, cfg.landing_buffers, cfg.lane_poll)
@@ -146,7 +153,7 @@ class IOEngine:
         # a full collection would hold the GIL, and with it every thread, mid-read
         with gc_paused(), switch_interval(cfg.switch_interval):
             try:
-                self.plan(jobs, push)
+                self.plan(jobs, push, device)
             except BaseException as e:  # noqa: BLE001 - stop the threads, then raise
                 shared.errors.insert(0, e)
                 shared.failed.set()

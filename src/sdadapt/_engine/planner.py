@@ -19,8 +19,9 @@ import torch
 from .._nodes import Box, Compute, Piece, Step, box_shape, emit
 from ..sources._base import Source, TensorLocation
 from .config import EngineConfig
-from .geometry import box_spans, split_box, split_segments
-from .tasks import ComputeTask, Delivery, DirectRead, FillTask, Job, SourceRead, StagedRead, Task, Where
+from .geometry import box_spans, round_up, split_box, split_segments
+from .locate import file_runs
+from .tasks import ComputeTask, Delivery, DirectRead, FillTask, Gather, Job, SourceRead, StagedRead, Task, Where
 
 
 @dataclass
@@ -48,6 +49,76 @@ class _Part:
     origin: tuple[int, ...]
 
 
+_GATHER_ALIGN = 64  # each input of a gather starts on a multiple of this in its device buffer
+
+
+class _InputRecorder:
+    """A ``SourceIO`` that reads nothing: it notes each (key, box) asked for and hands out an
+    empty meta tensor of the stored dtype and the box's shape."""
+
+    def __init__(self, source: Source):
+        self.source = source
+        self.reads: list[tuple[str, Box, torch.Tensor]] = []
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        info = self.source.schema[key]
+        value = torch.empty(box_shape(box), dtype=info.dtype, device="meta")
+        self.reads.append((key, box, value))
+        return value
+
+
+def _as_read(arg: torch.Tensor, read: torch.Tensor) -> bool:
+    """``arg`` holds the bytes of ``read`` as they are: the tensor itself, or a contiguous view
+    of all of it in its dtype (an expert's ``select`` out of a read of fused experts)."""
+    if arg is read:
+        return True
+    return arg._base is read and arg.dtype == read.dtype and arg.numel() == read.numel() and arg.is_contiguous()
+
+
+def _gather_reads(gather: Gather, runs: list[tuple[str, list[tuple[int, int]], int]], chunk: int, where: Where) -> list[StagedRead]:
+    """Staged reads of at most ``chunk`` bytes each for the ``runs`` of a gather's inputs
+    ((file, its (offset, nbytes) runs, offset in the gather's buffer) per input, in order):
+    consecutive runs of one file share a read, each input's bytes in it one delivery."""
+    out: list[StagedRead] = []
+    dest = gather.step.dest
+    path: str | None = None
+    segs: list[tuple[int, int]] = []
+    parts: list[list[int]] = []  # per delivery: [offset in the read, nbytes, offset in the buffer]
+    size = 0
+
+    def flush() -> None:
+        nonlocal segs, parts, size
+        if segs:
+            assert path is not None
+            dls = [Delivery(o, n, torch.uint8, (n,), dest, where, into=(gather, b)) for o, n, b in parts]
+            out.append(StagedRead(path, segs, dls, where))
+        segs, parts, size = [], [], 0
+
+    for file, spans, at in runs:
+        if file != path:
+            flush()
+            path = file
+        first = True
+        for off, n in spans:
+            while n > 0:
+                if size == chunk:
+                    flush()
+                    first = True
+                take = min(n, chunk - size)
+                segs.append((off, take))
+                if first or not parts:
+                    parts.append([size, take, at])
+                    first = False
+                else:
+                    parts[-1][1] += take
+                size += take
+                at += take
+                off += take
+                n -= take
+    flush()
+    return out
+
+
 def _bytes_view(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's bytes as a flat uint8 tensor (same memory)."""
     flat = t.reshape(-1)
@@ -55,12 +126,16 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
 
 
 class Planner:
-    """Turns jobs into tasks for one run; counts coalesced pieces in ``coalesced``."""
+    """Turns jobs into tasks for one run; counts coalesced pieces in ``coalesced``. With
+    ``gather_on`` (the device of the run's device lane), computations on that device gather
+    their inputs there where they can (:meth:`_gather`)."""
 
-    def __init__(self, source: Source, config: EngineConfig):
+    def __init__(self, source: Source, config: EngineConfig, gather_on: torch.device | None = None):
         self.source = source
         self.config = config
+        self.gather_on = gather_on if config.gather_inputs else None
         self.coalesced = 0
+        self.gathered = 0  # computations planned as gathers
         self._files: dict[str, bool] = {}
         self._whole: dict[str, TensorLocation] = {}  # keys stored whole in one located tensor
 
@@ -88,7 +163,9 @@ class Planner:
                     files = sorted({self._file_of(k) for k in step.node.leaves()})
                     opened = tuple(f for f in files if self._is_file(f))
                     for band in self._bands(step):
-                        push(ComputeTask(band, Where(job.key, None, ", ".join(files), band.box), opened))
+                        where = Where(job.key, None, ", ".join(files), band.box)
+                        if not (band.on_device and band.dest.device == self.gather_on and self._gather(band, where, push)):
+                            push(ComputeTask(band, where, opened))
                 else:
                     push(FillTask(step, Where(job.key, None, None, job.box)))
         for task in self._coalesce(small):
@@ -107,6 +184,42 @@ class Planner:
         if not all(isinstance(s, Compute) for s in out):
             raise TypeError(f"{step.node.describe()}: a band must be produced as computations, got {out}")
         return [s for s in out if isinstance(s, Compute)]
+
+    def _gather(self, step: Compute, where: Where, push: Callable[[Task], None]) -> bool:
+        """Plan ``step`` as a :class:`~sdadapt._engine.tasks.Gather`: its inputs read as staged
+        reads of at most a chunk each (from the shared staging pool, as a plain load's reads),
+        delivered one after the other into one buffer on the destination's device, where the
+        lane runs the kernel once the last has crossed. So a reader hands on each piece as it
+        would a plain read's and never waits for a computation's buffer. Only where every input
+        is a region the step reads as it is stored (what ``inputs`` hands the kernel is what it
+        read, or a whole view of it) and lies in one opened file in runs of at least ``min_span_bytes``; returns
+        ``False``, planning nothing, otherwise."""
+        assert step.inputs is not None
+        recorder = _InputRecorder(self.source)
+        try:
+            args = step.inputs(recorder)
+        except Exception:  # noqa: BLE001 - a step that cannot be recorded is read the usual way
+            return False
+        if len(args) != len(recorder.reads) or not all(_as_read(a, r) for a, (_, _, r) in zip(args, recorder.reads, strict=False)):
+            return False
+        runs = []
+        layout: list[tuple[int, torch.dtype, tuple[int, ...]]] = []
+        at = 0
+        for (key, box, value), arg in zip(recorder.reads, args, strict=True):
+            found = file_runs(self.source, key, box, self.config.min_span_bytes, self._is_file)
+            if found is None:
+                return False
+            at = round_up(at, _GATHER_ALIGN)
+            runs.append((found[0], found[1], at))
+            layout.append((at, arg.dtype, tuple(arg.shape)))
+            at += value.numel() * value.element_size()
+        gather = Gather(step, at, layout)
+        tasks = _gather_reads(gather, runs, self.config.chunk(), where)
+        gather.pieces = len(tasks)
+        for task in tasks:
+            push(task)
+        self.gathered += 1
+        return True
 
     def _parts(self, piece: Piece) -> list[_Part]:
         """Where the piece's bytes are: one part per located tensor or stored chunk the box

@@ -40,9 +40,29 @@ class Where:
         return err
 
 
+@dataclass(eq=False)
+class Gather:
+    """A computation whose inputs are gathered on the destination's device: staged reads
+    deliver their bytes into one device buffer of ``nbytes`` (the device lane makes it on the
+    first delivery), each input at its place in ``layout`` (byte offset, dtype, shape, in the
+    order of the kernel's arguments), and once all ``pieces`` deliveries have crossed, the lane
+    runs ``step.kernel(step.dest, *inputs)`` there."""
+
+    step: Compute
+    nbytes: int
+    layout: list[tuple[int, torch.dtype, tuple[int, ...]]]
+    pieces: int = 0
+    # the device lane's bookkeeping
+    arrived: int = 0
+    buffer: torch.Tensor | None = None
+    stream: int = 0
+
+
 @dataclass
 class Delivery:
-    """``staging[offset : offset + nbytes]`` viewed as ``dtype``/``shape`` goes into ``dest``."""
+    """``staging[offset : offset + nbytes]`` viewed as ``dtype``/``shape`` goes into ``dest``;
+    with ``into`` = (gather, at), the bytes go to offset ``at`` of the gather's device buffer
+    instead (``dest`` is then the computation's destination: where the buffer lives)."""
 
     offset: int
     nbytes: int
@@ -50,6 +70,7 @@ class Delivery:
     shape: tuple[int, ...]
     dest: torch.Tensor
     where: Where
+    into: tuple[Gather, int] | None = None
 
 
 @dataclass

@@ -14,8 +14,9 @@ from .._nodes import Box, box_shape
 from ..sources._base import Source
 from . import syscalls
 from .device import DeviceLane
-from .geometry import box_spans, round_up
+from .geometry import round_up
 from .lanes import TaskLanes
+from .locate import Runs, file_runs
 from .staging import StagingPool
 from .tasks import ComputeTask, Delivery, DirectRead, FillTask, SourceRead, StagedRead, Task, Where
 from .views import TypedViews
@@ -251,6 +252,7 @@ class Worker:
             return
         try:
             for dl in deliveries:
+                assert dl.into is None, "a gather's pieces go through the device lane"
                 dl.dest.copy_(self.views.cut(buf, dl.offset, dl.dtype, dl.shape))
         finally:
             self.staging.give_back(buf)
@@ -333,22 +335,11 @@ class Worker:
         else:
             lane.call(functools.partial(task.step.run, self.counter), task.where)
 
-    def locate(self, key: str, box: Box) -> tuple[str, list[tuple[int, int]], torch.dtype] | None:
+    def locate(self, key: str, box: Box) -> Runs | None:
         """Where region ``box`` of source tensor ``key`` is: an opened file, its (offset, nbytes)
-        runs in order, the stored dtype; ``None`` when its bytes are not all in one opened
-        file, or lie in several runs shorter than ``min_span``."""
+        runs in order, the stored dtype (see :func:`~sdadapt._engine.locate.file_runs`)."""
         sh = self.shared
-        located = sh.source.locate_region(key, box)
-        if not located or len(located) != 1:
-            return None
-        chunk_box, loc = located[0]
-        if loc.path not in sh.fds or any(a < o or b > e for (a, b), (o, e) in zip(box, chunk_box, strict=True)):
-            return None
-        local = tuple((a - o, b - o) for (a, b), (o, _) in zip(box, chunk_box, strict=True))
-        starts, run = box_spans(loc.shape, loc.dtype.itemsize, local)
-        if len(starts) > 1 and run < sh.min_span:
-            return None
-        return loc.path, [(loc.offset + s, run) for s in starts], loc.dtype
+        return file_runs(sh.source, key, box, sh.min_span, sh.fds.__contains__)
 
     def _source_read(self, task: SourceRead) -> None:
         piece = task.piece
