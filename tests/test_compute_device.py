@@ -333,7 +333,8 @@ def test_gathered_inputs_give_the_reference_bits_reading_each_byte_once(tmp_path
         boxes = _boxes(node.shape, rng, 20, getattr(node, "block", None))
         stats = {}
         for gather in (True, False):
-            cfg = EngineConfig(threads=3, chunk_bytes=chunk, band_bytes=4 * chunk, min_span_bytes=min_span, gather_inputs=gather)
+            sizes = {"chunk_bytes": chunk, "band_bytes": chunk, "gather_bytes": 4 * chunk}
+            cfg = EngineConfig(threads=3, min_span_bytes=min_span, gather_inputs=gather, **sizes)
             jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16)) for box in boxes]
             stats[gather] = IOEngine(src, cfg, cpu_lane=True).run(jobs)
             for job in jobs:
@@ -623,7 +624,7 @@ def test_a_failed_wait_for_a_copy_fails_the_load_and_still_gives_every_buffer_ba
     assert len(lane.errors) == 1 and "device lost" in str(lane.errors[0])
 
 
-def test_band_depth_landing_buffers_and_lane_poll_are_checked_and_read_from_the_environment(monkeypatch):
+def test_band_depth_landing_buffers_lane_poll_and_gathers_are_checked_and_read_from_the_environment(monkeypatch):
     from sdadapt._engine import EngineConfig
 
     with pytest.raises(ValueError, match="band_depth must be at least 1"):
@@ -639,6 +640,14 @@ def test_band_depth_landing_buffers_and_lane_poll_are_checked_and_read_from_the_
     assert cfg.band_depth == 2 and cfg.landing_buffers == 3 and cfg.lane_poll == pytest.approx(50e-6)
     monkeypatch.setenv("SDADAPT_IO_LANE_POLL_US", "0")
     assert EngineConfig.from_env().lane_poll is None
+    with pytest.raises(ValueError, match="gather_bytes must be positive"):
+        EngineConfig(gather_bytes=0)
+    assert EngineConfig(chunk_bytes=1 << 20).gather_band() == 4 << 20  # four chunks by default
+    assert EngineConfig.from_env().gather_inputs
+    monkeypatch.setenv("SDADAPT_IO_GATHER", "0")
+    monkeypatch.setenv("SDADAPT_IO_GATHER_MB", "8")
+    cfg = EngineConfig.from_env()
+    assert not cfg.gather_inputs and cfg.gather_band() == 8 << 20
 
 
 def test_bands_share_the_staging_memory_out_so_that_every_thread_computes():

@@ -66,14 +66,16 @@ class EngineConfig:
     ``gather_inputs``: on a GPU, a computation whose inputs lie in the files as they are stored
     (an FP8 weight's rows and their scales) has them read like a plain load's bytes, in staged
     reads of ``chunk()`` bytes from the shared staging pool, gathered in a buffer on the device,
-    and computed there once all have crossed (:mod:`sdadapt._engine.device`); its band (of
-    ``band()`` bytes) then bounds that device buffer, about one per thread. ``False``: every
-    computation reads its inputs into a band buffer and crosses in one copy.
+    and computed there once all have crossed (:mod:`sdadapt._engine.device`); it is cut into
+    bands of ``gather_bytes`` (default four chunks: fewer, larger kernels than band buffers
+    allow), the size of that device buffer, of which each thread fills about one at a time.
+    ``False``: every computation reads its inputs into a band buffer and crosses in one copy.
     Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
     ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``,
     ``SDADAPT_IO_LANDING``, ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS``
     (``0``: leave the interval as it is), ``SDADAPT_IO_LANE_POLL_US`` (microseconds; ``0``:
-    wait for the oldest copy), ``SDADAPT_IO_GATHER`` (``0``: no gathering).
+    wait for the oldest copy), ``SDADAPT_IO_GATHER`` (``0``: no gathering),
+    ``SDADAPT_IO_GATHER_MB``.
     """
 
     threads: int = field(default_factory=default_threads)
@@ -90,12 +92,15 @@ class EngineConfig:
     switch_interval: float | None = None
     lane_poll: float | None = None
     gather_inputs: bool = True
+    gather_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.depth < 1:
             raise ValueError(f"EngineConfig.depth must be at least 1 (staging buffers per thread), got {self.depth}")
         if self.band_bytes is not None and self.band_bytes < 1:
             raise ValueError(f"EngineConfig.band_bytes must be positive, got {self.band_bytes}")
+        if self.gather_bytes is not None and self.gather_bytes < 1:
+            raise ValueError(f"EngineConfig.gather_bytes must be positive, got {self.gather_bytes}")
         if self.band_depth < 1:
             raise ValueError(f"EngineConfig.band_depth must be at least 1 (band buffers per computing thread), got {self.band_depth}")
         if self.landing_buffers < 1:
@@ -122,6 +127,11 @@ class EngineConfig:
         if self.band_bytes is not None:
             return self.band_bytes
         return max(4 * MiB, min(32 * MiB, self.staging_bytes // max(1, self.threads)))
+
+    def gather_band(self) -> int:
+        """The largest input of one gathered computation (its buffer on the device), in bytes:
+        ``gather_bytes``, or by default four chunks."""
+        return self.gather_bytes if self.gather_bytes is not None else 4 * self.chunk()
 
     def computing_threads(self, threads: int) -> int:
         """How many of a run's ``threads`` compute: one band buffer each within ``staging_bytes``
@@ -160,6 +170,8 @@ class EngineConfig:
             cfg.warm_kernels = os.environ["SDADAPT_IO_WARM"] not in ("0", "false", "no")
         if os.environ.get("SDADAPT_IO_GATHER"):
             cfg.gather_inputs = os.environ["SDADAPT_IO_GATHER"] not in ("0", "false", "no")
+        if os.environ.get("SDADAPT_IO_GATHER_MB"):
+            cfg.gather_bytes = max(4096, int(float(os.environ["SDADAPT_IO_GATHER_MB"]) * MiB))
         if os.environ.get("SDADAPT_IO_LANE_POLL_US"):
             us = float(os.environ["SDADAPT_IO_LANE_POLL_US"])
             cfg.lane_poll = us / 1e6 if us > 0 else None

@@ -162,19 +162,22 @@ class Planner:
                 elif isinstance(step, Compute):
                     files = sorted({self._file_of(k) for k in step.node.leaves()})
                     opened = tuple(f for f in files if self._is_file(f))
-                    for band in self._bands(step):
-                        where = Where(job.key, None, ", ".join(files), band.box)
-                        if not (band.on_device and band.dest.device == self.gather_on and self._gather(band, where, push)):
-                            push(ComputeTask(band, where, opened))
+                    gathers = step.on_device and step.dest.device == self.gather_on
+                    for part in self._bands(step, self.config.gather_band()) if gathers else [step]:
+                        if gathers and self._gather(part, Where(job.key, None, ", ".join(files), part.box), push):
+                            continue
+                        for band in self._bands(part, self.config.band()):
+                            push(ComputeTask(band, Where(job.key, None, ", ".join(files), band.box), opened))
                 else:
                     push(FillTask(step, Where(job.key, None, None, job.box)))
         for task in self._coalesce(small):
             push(task)
 
-    def _bands(self, step: Compute) -> list[Compute]:
-        """``step`` cut into the bands its node offers for inputs of at most ``band()`` bytes (so
-        that the threads share a large computation, and each band's input fits a band buffer)."""
-        boxes = step.node.bands(step.box, self.config.band())
+    def _bands(self, step: Compute, max_bytes: int) -> list[Compute]:
+        """``step`` cut into the bands its node offers for inputs of at most ``max_bytes`` (so
+        that the threads share a large computation, and each band's input fits a band buffer,
+        ``band()``, or the device buffer of a gather, ``gather_band()``)."""
+        boxes = step.node.bands(step.box, max_bytes)
         if len(boxes) <= 1:
             return [step]
         out: list[Step] = []
