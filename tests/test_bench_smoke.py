@@ -217,3 +217,21 @@ def test_lane_probe_runs_and_checks_its_bits_on_the_cpu(tmp_path):
     runs = [line for line in proc.stdout.splitlines() if " run " in line]
     assert len(runs) == 2 * 2 * 2  # bands x threads x (warm-up + 1 repeat)
     assert any(line.startswith("band 0.2 MiB threads  2 run 1:") for line in runs), runs
+
+
+def test_phase_probe_times_the_steps_of_a_first_and_a_second_load(tmp_path):
+    """bench/phase_probe.py on the CPU (gloo, one rank) at the tiny size: it writes the
+    checkpoint and its FP8 twin, then per path a fresh process loads twice and reports each
+    load's phases and the main thread's time in the wrapped steps."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "phase_probe.py"), "--preset", "tiny", "--dir", str(tmp_path / "ck"),
+         "--paths", "sdadapt,sdadapt-fp8", "--profile", "5"],
+        capture_output=True, text=True, timeout=240, env=_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    for path in ("sdadapt", "sdadapt-fp8"):
+        for load in ("first", "second"):
+            assert re.search(rf"round 0 {path} +{load} +wall [0-9.]+ +plan ", out), out
+    assert out.count("_plan_load") == 4 and out.count("Module.to_empty") == 4  # each load's steps
+    assert out.count("Ordered by: cumulative time") == 2  # the first loads' profiles

@@ -9,8 +9,11 @@ on a thread pool:
    destination"), fills, and computations. The engine knows no node kinds; it plans pieces
    and runs fills and computations as they are. A computation that says it can run on the
    destination's device (given as host reads + a kernel, as dequantisation is) runs there when
-   the destination is on a GPU: a thread reads its raw inputs into a pinned band buffer and the
-   run's device lane (:mod:`.device`) copies them to the GPU and runs the kernel there.
+   the destination is on a GPU: where its inputs are stored regions in long runs (an FP8
+   shard's weight rows and scale tiles), they are planned as staged reads of a chunk each,
+   which the run's device lane (:mod:`.device`) gathers into one buffer on the GPU before it
+   runs the kernel there (a *gather*, :meth:`.planner.Planner._gather`); otherwise a thread
+   reads the raw inputs into a pinned band buffer, which the lane copies in one piece.
 2. **Locating** (:mod:`.planner`). A source declares where a region's bytes are
    (``Source.locate_region``): one contiguous row-major tensor in a file (safetensors always;
    ``torch.save`` zip files when the storages line up with the zip records), or one per stored

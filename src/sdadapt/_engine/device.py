@@ -11,9 +11,13 @@ goes on; it hands the buffer back (calls its ``release``) once the event has pas
 checks after each piece of work, and waits for when it has nothing else to do. So a buffer
 is never refilled while the DMA out of it is pending, and a reader never waits on the device.
 
-A computation's staged inputs cross in one copy into a landing buffer on the device (a small
-ring of them); its kernel runs on the same stream right behind that copy. The ring's buffers
-take turns between two streams, each buffer always on the same one: a copy into a landing
+A gather's inputs (:class:`~sdadapt._engine.tasks.Gather`) come as ordinary staged reads: the
+lane copies each piece into the gather's buffer on the device, made on its first piece, and
+runs the kernel on views of it behind the last piece, all on one stream, so that the buffer
+goes back to the allocator only behind the kernel. A band buffer's inputs (a computation that
+is not gathered) cross in one copy into a landing buffer on the device (a small ring of
+them); its kernel runs on the same stream right behind that copy. The ring's buffers take
+turns between two streams, each buffer always on the same one: a copy into a landing
 buffer is ordered after the kernel that last read it by its stream alone, while the copy on
 one stream overlaps the kernel on the other. So a computation costs the lane a copy, an event
 and its kernel's calls, and no cross-stream waits (every device call lets the readers take the
