@@ -196,8 +196,8 @@ class Planner:
         lane runs the kernel once the last has crossed. So a reader hands on each piece as it
         would a plain read's and never waits for a computation's buffer. Only where every input
         is a region the step reads as it is stored (what ``inputs`` hands the kernel is what it
-        read, or a whole view of it) and lies in one opened file in runs of at least ``min_span_bytes``; returns
-        ``False``, planning nothing, otherwise."""
+        read, or a whole view of it) and lies in one opened file in runs of at least
+        ``min_span_bytes``; returns ``False``, planning nothing, otherwise."""
         assert step.inputs is not None
         recorder = _InputRecorder(self.source)
         try:
@@ -217,6 +217,8 @@ class Planner:
             runs.append((found[0], found[1], at))
             layout.append((at, arg.dtype, tuple(arg.shape)))
             at += value.numel() * value.element_size()
+        if at == 0:
+            return False  # nothing to read: no piece would ever run the kernel
         gather = Gather(step, at, layout)
         tasks = _gather_reads(gather, runs, self.config.chunk(), where)
         gather.pieces = len(tasks)
