@@ -577,37 +577,6 @@ def test_the_lane_hands_a_buffer_back_only_once_the_copy_out_of_it_has_finished(
     assert [d.tolist() for d in dests] == [staged[16 * i : 16 * i + 16].tolist() for i in range(3)]
 
 
-def test_a_polling_lane_takes_new_work_while_a_copy_is_pending_and_never_blocks_on_it():
-    """With ``poll`` the lane waits for work, not for the oldest copy: an upload queued while
-    the first copy is still pending is copied at once, and each buffer comes back once its
-    copy has finished (oldest first), found by the checks between the waits."""
-    lane = _FakeCopies()
-    lane.poll = 0.001
-    lane.start()
-    released: list[str] = []
-    staged = torch.arange(64, dtype=torch.uint8)
-    where = Where("a.weight", None, None, ((0, 16),))
-    dests = [torch.zeros(16, dtype=torch.uint8) for _ in range(2)]
-    deadline = time.monotonic() + 5
-    lane.upload(staged, [Delivery(0, 16, torch.uint8, (16,), dests[0], where)], lambda: released.append("a"), where)
-    while not lane.events and time.monotonic() < deadline:
-        time.sleep(0.001)
-    time.sleep(0.01)  # the lane now polls with the first copy pending
-    lane.upload(staged, [Delivery(16, 16, torch.uint8, (16,), dests[1], where)], lambda: released.append("b"), where)
-    while len(lane.events) < 2 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    assert len(lane.events) == 2 and released == []  # the second copy was made behind the pending first
-    assert dests[1].tolist() == staged[16:32].tolist()
-    lane.events[1].set()
-    time.sleep(0.02)
-    assert released == []  # the newer copy's buffer waits behind the older one's
-    lane.events[0].set()
-    while len(released) < 2 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    lane.close()
-    assert released == ["a", "b"] and lane.waited == [] and not lane.errors
-
-
 def test_a_failed_wait_for_a_copy_fails_the_load_and_still_gives_every_buffer_back():
     """A check of a copy's event that raises (a device that failed) is reported once; every
     buffer out, and those of the work queued after it (skipped), come back all the same."""
@@ -624,7 +593,7 @@ def test_a_failed_wait_for_a_copy_fails_the_load_and_still_gives_every_buffer_ba
     assert len(lane.errors) == 1 and "device lost" in str(lane.errors[0])
 
 
-def test_band_depth_landing_buffers_lane_poll_and_gathers_are_checked_and_read_from_the_environment(monkeypatch):
+def test_band_depth_landing_buffers_and_gathers_are_checked_and_read_from_the_environment(monkeypatch):
     from sdadapt._engine import EngineConfig
 
     with pytest.raises(ValueError, match="band_depth must be at least 1"):
@@ -632,14 +601,9 @@ def test_band_depth_landing_buffers_lane_poll_and_gathers_are_checked_and_read_f
     with pytest.raises(ValueError, match="landing_buffers must be at least 1"):
         EngineConfig(landing_buffers=0)
     monkeypatch.setenv("SDADAPT_IO_BAND_DEPTH", "2")
-    with pytest.raises(ValueError, match="lane_poll must be positive"):
-        EngineConfig(lane_poll=0)
     monkeypatch.setenv("SDADAPT_IO_LANDING", "3")
-    monkeypatch.setenv("SDADAPT_IO_LANE_POLL_US", "50")
     cfg = EngineConfig.from_env()
-    assert cfg.band_depth == 2 and cfg.landing_buffers == 3 and cfg.lane_poll == pytest.approx(50e-6)
-    monkeypatch.setenv("SDADAPT_IO_LANE_POLL_US", "0")
-    assert EngineConfig.from_env().lane_poll is None
+    assert cfg.band_depth == 2 and cfg.landing_buffers == 3
     with pytest.raises(ValueError, match="gather_bytes must be positive"):
         EngineConfig(gather_bytes=0)
     assert EngineConfig(chunk_bytes=1 << 20).gather_band() == 4 << 20  # four chunks by default

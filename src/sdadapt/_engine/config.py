@@ -58,11 +58,7 @@ class EngineConfig:
     switch interval while the engine's threads run (``sys.setswitchinterval``, set back
     afterwards): how long a thread back from a read may wait for the interpreter lock before
     it asks for it; ``None``, the default, leaves the interpreter's own (5 ms) until a
-    shorter one is measured to help (bench/RESULTS.md). ``lane_poll`` is how the device lane
-    waits while copies are pending and no work is queued: for new work, up to that many
-    seconds at a time, checking the copies in between; ``None``: for the oldest copy (work
-    queued meanwhile waits until that copy has finished), the default: polling was measured
-    to make neither the readers' waits nor the loads shorter (bench/RESULTS.md).
+    shorter one is measured to help (bench/RESULTS.md).
     ``gather_inputs``: on a GPU, a computation whose inputs lie in the files as they are stored
     (an FP8 weight's rows and their scales) has them read like a plain load's bytes, in staged
     reads of ``chunk()`` bytes from the shared staging pool, gathered in a buffer on the device,
@@ -73,8 +69,7 @@ class EngineConfig:
     Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
     ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``,
     ``SDADAPT_IO_LANDING``, ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS``
-    (``0``: leave the interval as it is), ``SDADAPT_IO_LANE_POLL_US`` (microseconds; ``0``:
-    wait for the oldest copy), ``SDADAPT_IO_GATHER`` (``0``: no gathering),
+    (``0``: leave the interval as it is), ``SDADAPT_IO_GATHER`` (``0``: no gathering),
     ``SDADAPT_IO_GATHER_MB``.
     """
 
@@ -90,7 +85,6 @@ class EngineConfig:
     landing_buffers: int = 4
     warm_kernels: bool = True
     switch_interval: float | None = None
-    lane_poll: float | None = None
     gather_inputs: bool = True
     gather_bytes: int | None = None
 
@@ -105,8 +99,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.band_depth must be at least 1 (band buffers per computing thread), got {self.band_depth}")
         if self.landing_buffers < 1:
             raise ValueError(f"EngineConfig.landing_buffers must be at least 1 (band-sized buffers on the GPU), got {self.landing_buffers}")
-        if self.lane_poll is not None and self.lane_poll <= 0:
-            raise ValueError(f"EngineConfig.lane_poll must be positive seconds or None, got {self.lane_poll}")
         if self.switch_interval is not None and self.switch_interval <= 0:
             raise ValueError(f"EngineConfig.switch_interval must be positive seconds or None, got {self.switch_interval}")
 
@@ -172,9 +164,6 @@ class EngineConfig:
             cfg.gather_inputs = os.environ["SDADAPT_IO_GATHER"] not in ("0", "false", "no")
         if os.environ.get("SDADAPT_IO_GATHER_MB"):
             cfg.gather_bytes = max(4096, int(float(os.environ["SDADAPT_IO_GATHER_MB"]) * MiB))
-        if os.environ.get("SDADAPT_IO_LANE_POLL_US"):
-            us = float(os.environ["SDADAPT_IO_LANE_POLL_US"])
-            cfg.lane_poll = us / 1e6 if us > 0 else None
         if os.environ.get("SDADAPT_IO_SWITCH_MS"):
             ms = float(os.environ["SDADAPT_IO_SWITCH_MS"])
             cfg.switch_interval = ms / 1000 if ms > 0 else None

@@ -131,7 +131,7 @@ class IOEngine:
         bands = StagingPool(cfg.band_buffers(threads), cfg.band_buffer_bytes(), pin)
         shared = Shared(self.source, TaskLanes(), {}, pool, chunk, bands, min_span=cfg.min_span_bytes)
         if device is not None:
-            shared.lane = DeviceLane(device, bands.size, shared.fail, cfg.landing_buffers, cfg.lane_poll)
+            shared.lane = DeviceLane(device, bands.size, shared.fail, cfg.landing_buffers)
             shared.lane.start()
         workers = [Worker(shared, cfg.depth, cfg.band_depth, computes=i < computing) for i in range(threads)]
         pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
