@@ -362,7 +362,7 @@ class DeviceLane:
         if gather.arrived < gather.pieces:
             return
         args = [into[at : at + _nbytes(dtype, shape)].view(dtype).view(shape) for at, dtype, shape in gather.layout]
-        gather.buffer = None  # freed to the allocator once the kernel has run (stream order)
+        gather.buffer = None  # back to the allocator, which reuses it only for later work on this stream
         step = gather.step
         assert step.kernel is not None
         step.kernel(step.dest, *args)
