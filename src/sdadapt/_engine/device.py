@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -133,13 +134,6 @@ def _streams(device: torch.device) -> tuple[Any, Any]:
         if pair is None:
             pair = _STREAMS[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
         return pair
-
-
-def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    n = dtype.itemsize
-    for s in shape:
-        n *= s
-    return n
 
 
 class DeviceLane:
@@ -361,7 +355,7 @@ class DeviceLane:
         gather.arrived += 1
         if gather.arrived < gather.pieces:
             return
-        args = [into[at : at + _nbytes(dtype, shape)].view(dtype).view(shape) for at, dtype, shape in gather.layout]
+        args = [into[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape) for at, dtype, shape in gather.layout]
         gather.buffer = None  # back to the allocator, which reuses it only for later work on this stream
         step = gather.step
         assert step.kernel is not None

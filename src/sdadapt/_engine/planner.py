@@ -11,6 +11,7 @@ the device of a run's device lane, staged reads of its inputs gathered there (:m
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,44 +80,32 @@ def _as_read(arg: torch.Tensor, read: torch.Tensor) -> bool:
 def _gather_reads(gather: Gather, runs: list[tuple[str, list[tuple[int, int]], int]], chunk: int, where: Where) -> list[StagedRead]:
     """Staged reads of at most ``chunk`` bytes each for the ``runs`` of a gather's inputs
     ((file, its (offset, nbytes) runs, offset in the gather's buffer) per input, in order):
-    consecutive runs of one file share a read, each input's bytes in it one delivery."""
+    consecutive runs of one file share reads (:func:`split_segments`), and the bytes of a read
+    that are contiguous in the gather's buffer too are one delivery."""
     out: list[StagedRead] = []
-    dest = gather.step.dest
-    path: str | None = None
-    segs: list[tuple[int, int]] = []
-    parts: list[list[int]] = []  # per delivery: [offset in the read, nbytes, offset in the buffer]
-    size = 0
-
-    def flush() -> None:
-        nonlocal segs, parts, size
-        if segs:
-            assert path is not None
-            dls = [Delivery(o, n, torch.uint8, (n,), dest, where, into=(gather, b)) for o, n, b in parts]
-            out.append(StagedRead(path, segs, dls, where))
-        segs, parts, size = [], [], 0
-
-    for file, spans, at in runs:
-        if file != path:
-            flush()
-            path = file
-        first = True
-        for off, n in spans:
-            while n > 0:
-                if size == chunk:
-                    flush()
-                    first = True
-                take = min(n, chunk - size)
-                segs.append((off, take))
-                if first or not parts:
-                    parts.append([size, take, at])
-                    first = False
+    for path, inputs in itertools.groupby(runs, key=lambda r: r[0]):
+        spans = []  # (file offset, nbytes, offset in the gather's buffer), in order
+        for _, segments, at in inputs:
+            for off, n in segments:
+                spans.append((off, n, at))
+                at += n
+        i = done = 0  # the span the next piece starts in, and its bytes already placed
+        for piece in split_segments([(off, n) for off, n, _ in spans], chunk):
+            dls: list[Delivery] = []
+            pos = 0
+            for _, n in piece:
+                at = spans[i][2] + done
+                last = dls[-1] if dls else None
+                if last is not None and last.into is not None and last.into[1] + last.nbytes == at:
+                    last.nbytes += n
+                    last.shape = (last.nbytes,)
                 else:
-                    parts[-1][1] += take
-                size += take
-                at += take
-                off += take
-                n -= take
-    flush()
+                    dls.append(Delivery(pos, n, torch.uint8, (n,), gather.step.dest, where, into=(gather, at)))
+                pos += n
+                done += n
+                if done == spans[i][1]:
+                    i, done = i + 1, 0
+            out.append(StagedRead(path, piece, dls, where))
     return out
 
 
@@ -163,12 +152,13 @@ class Planner:
                 elif isinstance(step, Compute):
                     files = sorted({self._file_of(k) for k in step.node.leaves()})
                     opened = tuple(f for f in files if self._is_file(f))
+                    names = ", ".join(files)
                     gathers = step.on_device and step.dest.device == self.gather_on
                     for part in self._bands(step, self.config.gather_band()) if gathers else [step]:
-                        if gathers and self._gather(part, Where(job.key, None, ", ".join(files), part.box), push):
+                        if gathers and self._gather(part, Where(job.key, None, names, part.box), push):
                             continue
                         for band in self._bands(part, self.config.band()):
-                            push(ComputeTask(band, Where(job.key, None, ", ".join(files), band.box), opened))
+                            push(ComputeTask(band, Where(job.key, None, names, band.box), opened))
                 else:
                     push(FillTask(step, Where(job.key, None, None, job.box)))
         for task in self._coalesce(small):
