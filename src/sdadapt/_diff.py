@@ -48,7 +48,7 @@ def diff(
     ``adapter`` is an :class:`Adapter` or a string resolved by :func:`sdadapt.resolve_adapter`
     (a shipped name with options read from ``src``'s folder, ``file.py:ATTR``, ``module:ATTR``,
     ``.json``)."""
-    adapter = with_dtype(adapter_or_none(adapter, src), dtype)
+    adapter = with_dtype(adapter_or_none(adapter, src, target), dtype)
     schema, name = target_schema(target)
     stage = None
     if pipeline_stage:

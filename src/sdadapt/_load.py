@@ -97,7 +97,7 @@ def plan_load(
 ) -> tuple[Source, Plan]:
     """Open the source and plan against the model (headers only; nothing is read or changed);
     ``pipeline_stage``, ``lora`` and ``dtype`` as in :func:`load`."""
-    adapter = with_dtype(adapter_or_none(adapter, src), dtype)
+    adapter = with_dtype(adapter_or_none(adapter, src, model), dtype)
     source, plan, _ = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage, lora)
     return source, plan
 
@@ -238,7 +238,7 @@ def load(
     ``adapter``'s rules: each rank computes ``W[box] + s * B[rows] @ A[:, cols]`` for its own
     shards only (:mod:`sdadapt._lora`).
     """
-    adapter = with_dtype(adapter_or_none(adapter, src), dtype)
+    adapter = with_dtype(adapter_or_none(adapter, src, model), dtype)
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
     txn = Transaction(model, process_group, _describe(src))

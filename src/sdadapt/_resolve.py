@@ -277,15 +277,20 @@ def resolve_adapter(
     return registry.get_adapter(text, source=source, **options)
 
 
-def adapter_or_none(adapter: Adapter | str | os.PathLike[str] | None, source: object = None) -> Adapter | None:
+def adapter_or_none(
+    adapter: Adapter | str | os.PathLike[str] | None, source: object = None, model: object = None
+) -> Adapter | None:
     """The ``adapter`` argument of ``load``, ``load_state``, ``export``, ``export_iter``,
-    ``diff``, ``draft`` and ``convert``: ``None`` stays ``None``, an :class:`Adapter` is used as
-    is, and a string is resolved by :func:`resolve_adapter` (a shipped name, ``file.py:ATTR``,
+    ``diff``, ``draft`` and ``convert``: ``None`` stays ``None`` (for a transformers ``model``
+    and a ``source``: :func:`sdadapt.hf_adapter`), an :class:`Adapter` is used as is, and a
+    string is resolved by :func:`resolve_adapter` (a shipped name, ``file.py:ATTR``,
     ``module:ATTR`` or a ``.json`` file). ``source`` is the checkpoint (a path or an open
     :class:`~sdadapt.sources.Source`): a shipped adapter reads the options it needs from the
     config files of its folder."""
     if adapter is None:
-        return None
+        from ._hf_models import hf_adapter, is_hf_model
+
+        return hf_adapter(model, source) if source is not None and is_hf_model(model) else None  # type: ignore[arg-type]
     path = getattr(source, "path", source)
     where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
     return resolve_adapter(adapter, source=where)
