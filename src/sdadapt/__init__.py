@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from ._draft import Draft, draft
     from ._engine import EngineConfig, release_pinned_memory
     from ._export import ExportReport, convert, export, export_iter
+    from ._hf_models import hf_adapter
     from ._integrity import write_checksums
     from ._load import LoadReport, load, plan_load
     from ._nodes import Compute, Node, emit
@@ -111,6 +112,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(["Draft", "draft"], "_draft"),
     **dict.fromkeys(["EngineConfig", "release_pinned_memory"], "_engine"),
     **dict.fromkeys(["ExportReport", "convert", "export", "export_iter"], "_export"),
+    **dict.fromkeys(["hf_adapter"], "_hf_models"),
     **dict.fromkeys(["write_checksums"], "_integrity"),
     **dict.fromkeys(["LoadReport", "load", "plan_load"], "_load"),
     **dict.fromkeys(["Compute", "Node", "emit"], "_nodes"),
@@ -175,6 +177,7 @@ __all__ = [
     "Draft",
     "draft",
     "get_adapter",
+    "hf_adapter",
     "list_adapters",
     "resolve_adapter",
     "resolve_target",
