@@ -66,7 +66,7 @@ def is_hf_model(model: object) -> bool:
 
 def family(model: nn.Module) -> str:
     cfg = getattr(model, "config", None)
-    return f"{type(model).__name__} (model_type {getattr(cfg, 'model_type', None)!r})"
+    return f"{_class_name(model)} (model_type {getattr(cfg, 'model_type', None)!r})"
 
 
 def hf_adapter(
@@ -135,9 +135,34 @@ def _saved_schema(model: nn.Module, target: dict[str, TensorInfo]) -> dict[str, 
 
     from .sources import TensorInfo
 
+    from transformers.core_model_loading import PrefixChange
+
+    # transformers' own reverse, given the mapping looked up as _conversion_mapping does (it
+    # would look a sharded model up under FSDP2's class name); as save_pretrained does for a
+    # model not made by from_pretrained: no legacy renamings, no PrefixChange
+    legacy = len(_conversion_mapping_legacy())
+    conversions = _conversion_mapping(model)
+    conversions = [t for t in conversions[: len(conversions) - legacy] if not isinstance(t, PrefixChange)]
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in target.items()}
-    saved = revert_weight_conversion(model, meta)
+    saved = revert_weight_conversion(_WithConversions(model, conversions), meta) if conversions else meta
     return {k: TensorInfo(tuple(t.shape), t.dtype) for k, t in saved.items()}
+
+
+class _WithConversions:
+    """``model`` as ``revert_weight_conversion`` sees it, with the conversions it should revert."""
+
+    def __init__(self, model: nn.Module, conversions: list[Any]):
+        self._model = model
+        self._weight_conversions = conversions
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
+def _conversion_mapping_legacy() -> list[Any]:
+    from transformers import conversion_mapping as cm
+
+    return list(cm.get_checkpoint_conversion_mapping("legacy"))
 
 
 # -- the key mapping, as transformers computes it ------------------------------------------------
@@ -154,9 +179,8 @@ class _Group:
 
 def _derive(model: nn.Module, ckpt: dict[str, TensorInfo], target: dict[str, TensorInfo]) -> Adapter:
     from transformers import core_model_loading as cml
-    from transformers.conversion_mapping import get_model_conversion_mapping
 
-    transforms = get_model_conversion_mapping(model, add_legacy=True)
+    transforms = _conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, cml.WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, cml.WeightConverter)]
     base_prefix = getattr(model, "base_model_prefix", "") or None
@@ -199,7 +223,62 @@ def _derive(model: nn.Module, ckpt: dict[str, TensorInfo], target: dict[str, Ten
     rules = _fold(ckpt, outcome, chains)
     rules += _ties(model, target)
     log.debug("derived %d rules for %s from transformers' conversion mapping", len(rules), fam)
-    return Adapter(rules, name=f"hf:{type(model).__name__}", description=f"from transformers' conversion mapping for {fam}")
+    return Adapter(rules, name=f"hf:{_class_name(model)}", description=f"from transformers' conversion mapping for {fam}")
+
+
+def _own_class(module: nn.Module) -> type:
+    """The module's own class: FSDP2's ``fully_shard`` swaps in a subclass ``FSDP<Name>``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def _class_name(module: nn.Module) -> str:
+    return _own_class(module).__name__
+
+
+def _conversion_mapping(model: nn.Module) -> list[Any]:
+    """``transformers.conversion_mapping.get_model_conversion_mapping(model)`` (legacy renamings
+    included, no quantizer), looking each sub-model up by its own class name rather than the
+    name of the class FSDP2 gives a sharded module."""
+    from transformers import conversion_mapping as cm
+    from transformers.modeling_utils import PreTrainedModel
+
+    out: list[Any] = []
+    seen: defaultdict[str, list[str]] = defaultdict(list)
+
+    def claimed(ident: str, name: str) -> bool:
+        return any(s == "" or name.startswith(s + ".") for s in seen[ident])
+
+    for name, sub in model.named_modules():
+        if not isinstance(sub, PreTrainedModel):
+            continue
+        own = _own_class(sub)
+        cls, model_type = own.__name__, sub.config.model_type
+        if own.is_custom_code() and cls not in cm.USER_REGISTERED_MAPPINGS and model_type not in cm.USER_REGISTERED_MAPPINGS:
+            continue
+        if claimed(cls, name):
+            continue
+        conversions = cm.get_checkpoint_conversion_mapping(cls)
+        by_class = conversions is not None
+        if not by_class:
+            if model_type and claimed(model_type, name):
+                continue
+            if model_type is not None:
+                conversions = cm.get_checkpoint_conversion_mapping(model_type)
+        if conversions is None:
+            continue
+        if name != "":
+            scope = name.removeprefix(model.base_model_prefix).removeprefix(".")
+            for t in conversions:
+                t.scope_prefix = scope
+                t.base_model_prefix = model.base_model_prefix
+        out.extend(conversions)
+        seen[cls].append(name)
+        if not by_class and model_type:
+            seen[model_type].append(name)
+    out.extend(_conversion_mapping_legacy())
+    return out
 
 
 def _ignored_unexpected(model: nn.Module) -> re.Pattern[str] | None:
