@@ -88,6 +88,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], dict[str, str], str | None]] = {
     "gpt_oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8}, {}, None),
 }
 FAMILY_NAMES = list(FAMILIES)
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 INPUT = torch.tensor([[3, 17, 42, 5, 88, 61, 7, 29], [1, 2, 3, 4, 5, 6, 7, 8]])
 
 
@@ -141,8 +142,9 @@ def _parallelize(model: Any, family: str, mesh: Any) -> None:
             parallelize_module(layer, mesh["tp"], {k: s for k, s in styles.items() if _has(layer, k)})
 
         def placement(p: torch.nn.Parameter) -> Shard:
-            # experts' stacked and fused [E, 2F, D] / [E, D, F] sharded across their parts
-            return Shard(1) if p.ndim == 3 else Shard(0)
+            # experts' stacked and fused [E, 2F, D] / [E, D, F] sharded across their parts (FSDP2
+            # shards dims other than 0 only evenly)
+            return Shard(1) if p.ndim == 3 and p.shape[1] % dp.size() == 0 else Shard(0)
 
         fully_shard(layer, mesh=dp, shard_placement_fn=placement)
     fully_shard(model, mesh=dp)
@@ -217,6 +219,16 @@ def test_fsdp_tp_2x2(results_2x2: list[dict[str, Any]], family: str) -> None:
         tp = bool(FAMILIES[family][2])
         assert r["logits_equal"] or (tp and r["logits_diff"] < 1e-5), r
         assert r["keys"] > 0
+        _check_layout(family, r["placements"], tp)
+
+
+def _check_layout(family: str, placements: list[str], tp: bool) -> None:
+    """The mesh cut what the test means it to cut: TP shards under FSDP (``_StridedShard``),
+    experts across their fused parts (``Shard(dim=1)``)."""
+    if tp:
+        assert any("_StridedShard" in p for p in placements), placements
+    if family in MOE_FAMILIES:
+        assert any("Shard(dim=1)" in p for p in placements), placements
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -225,3 +237,4 @@ def test_fsdp_3_uneven(results_3: list[dict[str, Any]], family: str) -> None:
         r = res[family]
         assert r["bad"] == [], f"rank {rank}: {r['bad']}"
         assert r["logits_equal"], r  # FSDP gathers the exact parameters: the same computation
+        _check_layout(family, r["placements"], False)
