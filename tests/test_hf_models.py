@@ -31,8 +31,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import sdadapt  # noqa: E402
 from dist_helper import run_distributed  # noqa: E402
+
+import sdadapt  # noqa: E402
 
 COMMON = dict(
     vocab_size=96,
@@ -238,3 +239,129 @@ def test_fsdp_3_uneven(results_3: list[dict[str, Any]], family: str) -> None:
         assert r["bad"] == [], f"rank {rank}: {r['bad']}"
         assert r["logits_equal"], r  # FSDP gathers the exact parameters: the same computation
         _check_layout(family, r["placements"], False)
+
+
+# ----------------------------------------------------------------------------------------------
+# one process: the operations, prefixes and errors, with transformers' own loading as the oracle
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def registered() -> Any:
+    """Register conversion mappings for this test only (transformers keeps them globally)."""
+    from transformers import conversion_mapping as cm
+
+    names: list[str] = []
+
+    def register(name: str, transforms: list[Any]) -> None:
+        cm.register_checkpoint_conversion_mapping(name, transforms, overwrite=True)
+        names.append(name)
+
+    yield register
+    cache = cm._checkpoint_conversion_mapping_cache
+    for name in names:
+        cache.pop(name, None)
+        cm.USER_REGISTERED_MAPPINGS.discard(name)
+
+
+def _tiny_llama(tmp: str, **overrides: Any) -> tuple[Any, str]:
+    cfg = transformers.AutoConfig.for_model("llama", **{**COMMON, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    folder = os.path.join(tmp, "llama")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def _meta(folder: str, cls: Any = None) -> Any:
+    cfg = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg) if cls is None else cls(cfg)
+
+
+def test_operations_match_transformers(tmp_path: Any, registered: Any) -> None:
+    """A checkpoint with an interleaved fused gate|up (``Interleave`` + ``Chunk``), a transposed
+    down projection (``Transpose``) and a fused q|k|v (``Concatenate`` inverse: ``Split`` by the
+    model's sizes): sdadapt's load equals ``from_pretrained`` with the same registered mapping."""
+    from safetensors.torch import load_file, save_file
+    from transformers.core_model_loading import Chunk, Interleave, Split, Transpose, WeightConverter
+
+    _, folder = _tiny_llama(str(tmp_path))
+    path = os.path.join(folder, "model.safetensors")
+    sd = load_file(path)
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("mlp.gate_proj.weight"):
+            up = sd[k.replace("gate_proj", "up_proj")]
+            out[k.replace("gate_proj", "w13")] = torch.stack([v, up], 1).reshape(-1, v.shape[1])  # g0,u0,g1,u1..
+        elif k.endswith("mlp.down_proj.weight"):
+            out[k.replace("down_proj", "down_t")] = v.t().contiguous()
+        elif k.endswith("self_attn.q_proj.weight"):
+            parts = [sd[k.replace("q_proj", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            out[k.replace("q_proj", "qkv")] = torch.cat(parts)
+        elif not k.endswith(("mlp.up_proj.weight", "k_proj.weight", "v_proj.weight")):
+            out[k] = v
+    save_file(out, path, metadata={"format": "pt"})
+    registered(
+        "LlamaForCausalLM",
+        [
+            WeightConverter("mlp.w13.weight", ["mlp.gate_proj.weight", "mlp.up_proj.weight"], [Interleave(dim=0), Chunk(dim=0)]),
+            WeightConverter("mlp.down_t.weight", "mlp.down_proj.weight", [Transpose(0, 1)]),
+            WeightConverter(
+                "self_attn.qkv.weight",
+                ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"],
+                [Split(dim=0)],
+            ),
+        ],
+    )
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model = _meta(folder)
+    adapter = sdadapt.hf_adapter(model, folder)
+    kinds = {r.kind for r in adapter.rules}
+    assert {"deinterleave", "split", "transpose"} <= kinds, adapter.describe()
+    assert sdadapt.hf_adapter(model).rules == adapter.rules  # from the keys save_pretrained writes
+    sdadapt.load(model, folder)
+    want = ref.state_dict()
+    assert [k for k, v in model.state_dict().items() if not torch.equal(v, want[k])] == []
+    assert sorted(want) == sorted(model.state_dict())
+
+
+def test_unmapped_operation_is_named(tmp_path: Any, registered: Any) -> None:
+    from transformers.core_model_loading import PermuteForRope, WeightConverter
+
+    _, folder = _tiny_llama(str(tmp_path))
+    registered("LlamaForCausalLM", [WeightConverter("self_attn.q_proj.weight", "self_attn.q_proj.weight", [PermuteForRope()])])
+    model = _meta(folder)
+    with pytest.raises(sdadapt.AdapterError, match=r"LlamaForCausalLM \(model_type 'llama'\).*PermuteForRope"):
+        sdadapt.load(model, folder)
+    assert all(p.is_meta for p in model.parameters())  # nothing happened to the model
+
+
+def test_base_model_prefix_and_tied_embeddings(tmp_path: Any) -> None:
+    """A ``*ForCausalLM`` with tied embeddings from a base-model checkpoint (no ``model.``
+    prefix, no ``lm_head.weight``), as ``from_pretrained`` loads it; and the base model from a
+    ``*ForCausalLM`` checkpoint (the prefix stripped)."""
+    model, folder = _tiny_llama(str(tmp_path), tie_word_embeddings=True)
+    base = os.path.join(str(tmp_path), "base")
+    model.model.save_pretrained(base)
+    lm = _meta(base)
+    adapter = sdadapt.hf_adapter(lm, base)
+    assert {r.kind for r in adapter.rules} == {"rename", "tie"}, adapter.describe()
+    assert sdadapt.Tie(dst="lm_head.weight", src="model.embed_tokens.weight") in adapter.rules
+    sdadapt.load(lm, base)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(base)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(lm.state_dict()[k], v), k
+    assert torch.equal(lm.lm_head.weight, lm.model.embed_tokens.weight)
+
+    only_base = _meta(folder, transformers.LlamaModel)
+    assert sdadapt.diff(only_base, folder).ok
+    sdadapt.load(only_base, folder)
+    for k, v in only_base.state_dict().items():
+        assert torch.equal(v, model.state_dict()["model." + k]), k
+
+
+def test_not_a_transformers_model() -> None:
+    with pytest.raises(sdadapt.AdapterError, match="PreTrainedModel"):
+        sdadapt.hf_adapter(torch.nn.Linear(2, 2))

@@ -57,6 +57,17 @@ log = logging.getLogger(__name__)
 _DIGITS = re.compile(r"^\d+$")
 
 
+def _transformers() -> tuple[Any, Any] | None:
+    """transformers' ``(conversion_mapping, core_model_loading)`` modules; ``None`` for a
+    transformers without them (before 5.0: no conversion mapping, only the class attribute
+    ``_checkpoint_conversion_mapping``)."""
+    try:
+        from transformers import conversion_mapping, core_model_loading
+    except ImportError:
+        return None
+    return conversion_mapping, core_model_loading
+
+
 def is_hf_model(model: object) -> bool:
     """``model`` is a ``transformers.PreTrainedModel`` (checked without importing transformers:
     a model of that class has imported it already)."""
@@ -131,20 +142,22 @@ def hf_adapter(
 def _saved_schema(model: nn.Module, target: dict[str, TensorInfo]) -> dict[str, TensorInfo]:
     """The keys and shapes ``save_pretrained`` writes: transformers' own reverse conversion
     run on meta tensors of the model's shapes."""
-    from transformers.core_model_loading import revert_weight_conversion
-
     from .sources import TensorInfo
 
-    from transformers.core_model_loading import PrefixChange
+    mods = _transformers()
+    if mods is None:  # transformers 4: the checkpoint holds the model's own names
+        return dict(target)
+    cml = mods[1]
 
     # transformers' own reverse, given the mapping looked up as _conversion_mapping does (it
     # would look a sharded model up under FSDP2's class name); as save_pretrained does for a
     # model not made by from_pretrained: no legacy renamings, no PrefixChange
     legacy = len(_conversion_mapping_legacy())
     conversions = _conversion_mapping(model)
-    conversions = [t for t in conversions[: len(conversions) - legacy] if not isinstance(t, PrefixChange)]
+    conversions = [t for t in conversions[: len(conversions) - legacy] if not isinstance(t, cml.PrefixChange)]
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in target.items()}
-    saved = revert_weight_conversion(_WithConversions(model, conversions), meta) if conversions else meta
+    proxy: Any = _WithConversions(model, conversions)
+    saved = cml.revert_weight_conversion(proxy, meta) if conversions else meta
     return {k: TensorInfo(tuple(t.shape), t.dtype) for k, t in saved.items()}
 
 
@@ -160,9 +173,8 @@ class _WithConversions:
 
 
 def _conversion_mapping_legacy() -> list[Any]:
-    from transformers import conversion_mapping as cm
-
-    return list(cm.get_checkpoint_conversion_mapping("legacy"))
+    mods = _transformers()
+    return [] if mods is None else list(mods[0].get_checkpoint_conversion_mapping("legacy"))
 
 
 # -- the key mapping, as transformers computes it ------------------------------------------------
@@ -178,29 +190,33 @@ class _Group:
 
 
 def _derive(model: nn.Module, ckpt: dict[str, TensorInfo], target: dict[str, TensorInfo]) -> Adapter:
-    from transformers import core_model_loading as cml
-
+    mods = _transformers()
     transforms = _conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, cml.WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, cml.WeightConverter)]
+    renamings = [t for t in transforms if isinstance(t, mods[1].WeightRenaming)] if mods else []
+    converters = [t for t in transforms if isinstance(t, mods[1].WeightConverter)] if mods else []
+    legacy = [(re.compile(k), v) for k, v in (getattr(model, "_checkpoint_conversion_mapping", None) or {}).items()]
     base_prefix = getattr(model, "base_model_prefix", "") or None
     present = dict.fromkeys(target, True)
     ignore = _ignored_unexpected(model)
 
     outcome: dict[str, tuple[Any, ...]] = {}
     groups: dict[tuple[int, str], _Group] = {}
-    for key in sorted(ckpt, key=cml.dot_natural_key):
-        renamed = cml.apply_renamings(key, renamings)
-        conv, pattern = None, None
+    for key in sorted(ckpt, key=_natural):
+        renamed = mods[1].apply_renamings(key, renamings) if mods else key
+        for rx, repl in legacy:  # transformers 4's per-class renamings (regex -> replacement)
+            renamed, n = rx.subn(repl, renamed)
+            if n:
+                break
+        conv, matched = None, ""
         for c in converters:
             out, pattern = c.rename_source_key(renamed)
             if pattern is not None:
-                conv, renamed = c, out
+                conv, renamed, matched = c, out, pattern
                 break
-        renamed, _ = cml.rename_source_key(renamed, [], [], base_prefix, present)
+        renamed = _base_prefix(renamed, base_prefix, present)
         if conv is not None:
             g = groups.setdefault((id(conv), renamed), _Group(conv, renamed))
-            g.members.append((pattern, key))
+            g.members.append((matched, key))
         elif renamed in present:
             outcome[key] = ("keep",) if renamed == key else ("rename", renamed)
         elif ignore is not None and ignore.search(key):
@@ -226,11 +242,28 @@ def _derive(model: nn.Module, ckpt: dict[str, TensorInfo], target: dict[str, Ten
     return Adapter(rules, name=f"hf:{_class_name(model)}", description=f"from transformers' conversion mapping for {fam}")
 
 
-def _own_class(module: nn.Module) -> type:
+def _own_class(module: nn.Module) -> Any:
     """The module's own class: FSDP2's ``fully_shard`` swaps in a subclass ``FSDP<Name>``."""
     from torch.distributed.fsdp import FSDPModule
 
     return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def _natural(key: str) -> tuple[Any, ...]:
+    """Keys in natural order (``layers.2`` before ``layers.10``), as transformers sorts them."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in key.split("."))
+
+
+def _base_prefix(key: str, prefix: str | None, present: dict[str, bool]) -> str:
+    """Add or remove the model's ``base_model_prefix`` as ``from_pretrained`` does: a
+    ``*ForCausalLM`` from a base-model checkpoint, and the other way round."""
+    if prefix is None:
+        return key
+    if key.startswith(prefix + ".") and key[len(prefix) + 1 :] in present:
+        return key[len(prefix) + 1 :]
+    if f"{prefix}.{key}" in present:
+        return f"{prefix}.{key}"
+    return key
 
 
 def _class_name(module: nn.Module) -> str:
@@ -241,9 +274,10 @@ def _conversion_mapping(model: nn.Module) -> list[Any]:
     """``transformers.conversion_mapping.get_model_conversion_mapping(model)`` (legacy renamings
     included, no quantizer), looking each sub-model up by its own class name rather than the
     name of the class FSDP2 gives a sharded module."""
-    from transformers import conversion_mapping as cm
-    from transformers.modeling_utils import PreTrainedModel
-
+    mods = _transformers()
+    if mods is None:
+        return []
+    cm = mods[0]
     out: list[Any] = []
     seen: defaultdict[str, list[str]] = defaultdict(list)
 
@@ -251,7 +285,7 @@ def _conversion_mapping(model: nn.Module) -> list[Any]:
         return any(s == "" or name.startswith(s + ".") for s in seen[ident])
 
     for name, sub in model.named_modules():
-        if not isinstance(sub, PreTrainedModel):
+        if not is_hf_model(sub):
             continue
         own = _own_class(sub)
         cls, model_type = own.__name__, sub.config.model_type
@@ -325,13 +359,13 @@ def _chain(g: _Group, ckpt: dict[str, TensorInfo], target: dict[str, TensorInfo]
             continue
         if "*" in sp:
             rx = _star_regex(sp, fam)
-            entries = []
+            found = []
             for k in keys:
                 m = rx.search(k)
                 if m is None or not m.group(1).isdigit():
                     raise AdapterError(f"{fam}: cannot find the index '*' of {sp!r} in checkpoint key {k!r}")
-                entries.append((int(m.group(1)), k))
-            cur[f"{g.target}@{i}"] = (list(ckpt[keys[0]].shape), sorted(entries))
+                found.append((int(m.group(1)), k))
+            cur[f"{g.target}@{i}"] = (list(ckpt[keys[0]].shape), sorted(found))
         elif len(keys) == 1:
             cur[keys[0]] = (list(ckpt[keys[0]].shape), None)
         else:
@@ -475,10 +509,8 @@ def _json(rules: list[RuleBase]) -> str:
 def _fold(ckpt: dict[str, TensorInfo], outcome: dict[str, tuple[Any, ...]], chains: dict[str, list[RuleBase]]) -> list[RuleBase]:
     """One rule (or chain) per class of checkpoint keys that differ only in digit segments and
     are all treated alike; per key where they are not."""
-    from transformers.core_model_loading import dot_natural_key
-
     classes: dict[str, list[str]] = defaultdict(list)
-    for key in sorted(ckpt, key=dot_natural_key):
+    for key in sorted(ckpt, key=_natural):
         classes[re.sub(r"(?<![^.])\d+(?![^.])", "#", key)].append(key)
     renames: list[RuleBase] = []
     drops: list[RuleBase] = []
