@@ -365,3 +365,18 @@ def test_base_model_prefix_and_tied_embeddings(tmp_path: Any) -> None:
 def test_not_a_transformers_model() -> None:
     with pytest.raises(sdadapt.AdapterError, match="PreTrainedModel"):
         sdadapt.hf_adapter(torch.nn.Linear(2, 2))
+
+
+def test_readme_block_runs(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's section on transformers models runs as written."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = text.split("## transformers models as targets", 1)[1].split("\n## ", 1)[0]
+    (block,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    monkeypatch.chdir(tmp_path)
+    scope: dict[str, Any] = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    assert scope["report"].keys_loaded == len(scope["model"].state_dict())
+    assert [r.kind for r in sdadapt.hf_adapter(scope["model"], "tiny-qwen3-moe").rules] == ["stack", "stack", "stack", "fuse"]
