@@ -198,7 +198,30 @@ def hf_worker(root: str, mesh_shape: tuple[int, ...]) -> dict[str, Any]:
             "placements": placements,
         }
         dist.barrier()
+    if len(mesh_shape) == 1:
+        out["one_rank_unmapped"] = _one_rank_unmapped(root, mesh)
     return out
+
+
+def _one_rank_unmapped(root: str, mesh: Any) -> tuple[str, str, bool]:
+    """Rank 0 alone has a mapping with an operation sdadapt cannot map: every rank raises,
+    none hangs, and the model is left on meta."""
+    import torch.distributed as dist
+    from transformers import conversion_mapping as cm
+    from transformers.core_model_loading import PermuteForRope, WeightConverter
+
+    folder = os.path.join(root, "llama")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+    _parallelize(model, "llama", mesh)
+    if dist.get_rank() == 0:
+        converter = WeightConverter("self_attn.q_proj.weight", "self_attn.q_proj.weight", [PermuteForRope()])
+        cm.register_checkpoint_conversion_mapping("LlamaForCausalLM", [converter], overwrite=True)
+    try:
+        sdadapt.load(model, folder)
+    except sdadapt.SdadaptError as e:
+        return type(e).__name__, str(e), all(p.to_local().is_meta for p in model.parameters())
+    return "", "no error", False
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +253,14 @@ def _check_layout(family: str, placements: list[str], tp: bool) -> None:
         assert any("_StridedShard" in p for p in placements), placements
     if family in MOE_FAMILIES:
         assert any("Shard(dim=1)" in p for p in placements), placements
+
+
+def test_one_rank_failing_to_derive_stops_all(results_3: list[dict[str, Any]]) -> None:
+    kinds = [res["one_rank_unmapped"][0] for res in results_3]
+    assert kinds == ["AdapterError", "RemoteRankError", "RemoteRankError"], results_3
+    for _, message, still_meta in (res["one_rank_unmapped"] for res in results_3):
+        assert "PermuteForRope" in message and "LlamaForCausalLM" in message, message
+        assert still_meta
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

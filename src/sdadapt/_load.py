@@ -238,7 +238,6 @@ def load(
     ``adapter``'s rules: each rank computes ``W[box] + s * B[rows] @ A[:, cols]`` for its own
     shards only (:mod:`sdadapt._lora`).
     """
-    adapter = with_dtype(adapter_or_none(adapter, src, model), dtype)
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
     txn = Transaction(model, process_group, _describe(src))
@@ -246,8 +245,10 @@ def load(
 
     def prepare() -> Plan:
         nonlocal planned
+        # resolved inside the agreed step: a rank failing to resolve or derive it stops them all
+        resolved = with_dtype(adapter_or_none(adapter, src, model), dtype)
         source, plan, planned = _plan_load(
-            model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage, lora
+            model, src, resolved, subtree, allow_missing, allow_unexpected, pipeline_stage, lora
         )
         txn.add_source(source)
         if not plan.report.ok:
