@@ -411,3 +411,23 @@ def test_readme_block_runs(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> No
     exec(compile(block, "README.md", "exec"), scope)
     assert scope["report"].keys_loaded == len(scope["model"].state_dict())
     assert [r.kind for r in sdadapt.hf_adapter(scope["model"], "tiny-qwen3-moe").rules] == ["stack", "stack", "stack", "fuse"]
+
+
+def test_cli_diff_uses_the_derived_adapter(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``sdadapt diff SRC --target file.py:build`` with a transformers model and no adapter."""
+    from sdadapt.cli import main
+
+    cfg = transformers.AutoConfig.for_model("mixtral", **{**COMMON, "num_local_experts": 4})
+    folder = str(tmp_path / "mixtral")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    build = tmp_path / "build.py"
+    build.write_text(
+        "import torch, transformers\n"
+        "def build():\n"
+        f"    cfg = transformers.AutoConfig.from_pretrained({folder!r})\n"
+        "    with torch.device('meta'):\n"
+        "        return transformers.AutoModelForCausalLM.from_config(cfg)\n"
+    )
+    assert main(["diff", folder, "--target", f"{build}:build"]) == 0
+    out = capsys.readouterr().out
+    assert "hf:MixtralForCausalLM" in out and "OK" in out, out
