@@ -431,3 +431,26 @@ def test_cli_diff_uses_the_derived_adapter(tmp_path: Any, capsys: pytest.Capture
     assert main(["diff", folder, "--target", f"{build}:build"]) == 0
     out = capsys.readouterr().out
     assert "hf:MixtralForCausalLM" in out and "OK" in out, out
+
+
+def test_export_back_to_the_hub_layout(tmp_path: Any) -> None:
+    """``export(model, dst, hf_adapter(model))`` writes what ``save_pretrained`` wrote: the
+    per-expert keys and tensors of a Mixtral checkpoint, bit for bit."""
+    from safetensors.torch import load_file
+
+    cfg = transformers.AutoConfig.for_model("mixtral", **{**COMMON, "num_local_experts": 4})
+    torch.manual_seed(0)
+    folder = str(tmp_path / "mixtral")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    model = _meta(folder)
+    adapter = sdadapt.hf_adapter(model)  # from the keys save_pretrained writes
+    sdadapt.load(model, folder, adapter)
+    out = str(tmp_path / "out")
+    sdadapt.export(model, out, adapter)
+    written = {}
+    for name in os.listdir(out):
+        if name.endswith(".safetensors"):
+            written.update(load_file(os.path.join(out, name)))
+    original = load_file(os.path.join(folder, "model.safetensors"))
+    assert sorted(written) == sorted(original)
+    assert [k for k in original if not torch.equal(written[k], original[k])] == []
