@@ -201,7 +201,8 @@ def _derive(model: nn.Module, ckpt: dict[str, TensorInfo], target: dict[str, Ten
 
     outcome: dict[str, tuple[Any, ...]] = {}
     groups: dict[tuple[int, str], _Group] = {}
-    for key in sorted(ckpt, key=_natural):
+    order = sorted(ckpt, key=_natural)
+    for key in order:
         renamed = mods[1].apply_renamings(key, renamings) if mods else key
         for rx, repl in legacy:  # transformers 4's per-class renamings (regex -> replacement)
             renamed, n = rx.subn(repl, renamed)
@@ -230,13 +231,14 @@ def _derive(model: nn.Module, ckpt: dict[str, TensorInfo], target: dict[str, Ten
         rules = _chain(g, ckpt, target, fam)
         sig = _digits(g.target)
         general = _generalise_chain(rules, sig)
+        ident = _json(general) if general is not None else ""
         for _, key in g.members:
-            outcome[key] = ("conv", general is not None and _json(general), id(g))
+            outcome[key] = ("conv", ident, id(g))
         chains[str(id(g))] = rules
         if general is not None:
-            chains[_json(general)] = general
+            chains[ident] = general
 
-    rules = _fold(ckpt, outcome, chains)
+    rules = _fold(order, outcome, chains)
     rules += _ties(model, target)
     log.debug("derived %d rules for %s from transformers' conversion mapping", len(rules), fam)
     return Adapter(rules, name=f"hf:{_class_name(model)}", description=f"from transformers' conversion mapping for {fam}")
@@ -506,11 +508,11 @@ def _json(rules: list[RuleBase]) -> str:
     return "\n".join(r.model_dump_json() for r in rules)
 
 
-def _fold(ckpt: dict[str, TensorInfo], outcome: dict[str, tuple[Any, ...]], chains: dict[str, list[RuleBase]]) -> list[RuleBase]:
-    """One rule (or chain) per class of checkpoint keys that differ only in digit segments and
-    are all treated alike; per key where they are not."""
+def _fold(order: list[str], outcome: dict[str, tuple[Any, ...]], chains: dict[str, list[RuleBase]]) -> list[RuleBase]:
+    """One rule (or chain) per class of checkpoint keys (``order``: all of them, sorted) that
+    differ only in digit segments and are all treated alike; per key where they are not."""
     classes: dict[str, list[str]] = defaultdict(list)
-    for key in sorted(ckpt, key=_natural):
+    for key in order:
         classes[re.sub(r"(?<![^.])\d+(?![^.])", "#", key)].append(key)
     renames: list[RuleBase] = []
     drops: list[RuleBase] = []
