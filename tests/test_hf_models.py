@@ -481,3 +481,32 @@ def test_export_back_to_the_hub_layout(tmp_path: Any) -> None:
     original = load_file(os.path.join(folder, "model.safetensors"))
     assert sorted(written) == sorted(original)
     assert [k for k in original if not torch.equal(written[k], original[k])] == []
+
+
+def test_index_dependent_renames_stay_per_key(tmp_path: Any, registered: Any) -> None:
+    """A renaming that changes a layer index (checkpoint ``layers.{i+1}.mlp`` -> model
+    ``layers.{i}.mlp``) cannot be a pattern: those keys get one rule each, and the load equals
+    ``from_pretrained`` with the same mapping."""
+    from safetensors.torch import load_file, save_file
+    from transformers.core_model_loading import Inkling2IndexOffsetWeightRename
+
+    _, folder = _tiny_llama(str(tmp_path))
+    path = os.path.join(folder, "model.safetensors")
+    sd = load_file(path)
+
+    def shifted(k: str) -> str:
+        parts = k.split(".")
+        if len(parts) > 3 and parts[1] == "layers" and parts[3] == "mlp":
+            parts[2] = str(int(parts[2]) + 1)
+        return ".".join(parts)
+
+    save_file({shifted(k): v for k, v in sd.items()}, path, metadata={"format": "pt"})
+    registered("LlamaForCausalLM", [Inkling2IndexOffsetWeightRename(r"layers\.(\d+)\.mlp\.", r"layers.\1.mlp.", offset=-1)])
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    model = _meta(folder)
+    adapter = sdadapt.hf_adapter(model, folder)
+    renames = [r for r in adapter.rules if r.kind == "rename"]
+    assert len(renames) == 2 * 3 and all("{" not in r.src for r in renames), adapter.describe()
+    sdadapt.load(model, folder)
+    want = ref.state_dict()
+    assert [k for k, v in model.state_dict().items() if not torch.equal(v, want[k])] == []
