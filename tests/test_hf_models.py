@@ -510,3 +510,19 @@ def test_index_dependent_renames_stay_per_key(tmp_path: Any, registered: Any) ->
     sdadapt.load(model, folder)
     want = ref.state_dict()
     assert [k for k, v in model.state_dict().items() if not torch.equal(v, want[k])] == []
+
+
+def test_bf16_release_into_float32_model(tmp_path: Any) -> None:
+    """``dtype="model"`` composes with the derived adapter: a bf16 Qwen3-MoE release into a
+    float32 model (FSDP2's master weights) equals ``from_pretrained(..., dtype=torch.float32)``."""
+    cfg = transformers.AutoConfig.for_model("qwen3_moe", **{**COMMON, "num_experts": 4, **MOE})
+    torch.manual_seed(0)
+    folder = str(tmp_path / "bf16")
+    transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(folder)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = _meta(folder)
+    model.to(torch.float32)
+    assert not sdadapt.diff(model, folder).ok  # bf16 -> float32 is never silent
+    sdadapt.load(model, folder, dtype="model")
+    want = ref.state_dict()
+    assert [k for k, v in model.state_dict().items() if v.dtype != torch.float32 or not torch.equal(v, want[k])] == []
