@@ -91,6 +91,7 @@ from .errors import (
     ShrinkError,
     SourceError,
     StateError,
+    UsageError,
     VerifyError,
 )
 
@@ -241,5 +242,6 @@ __all__ = [
     "ShrinkError",
     "SourceError",
     "StateError",
+    "UsageError",
     "VerifyError",
 ]
