@@ -97,6 +97,9 @@ TARGETS = textwrap.dedent(
     def on_cpu():
         return Net().to_empty(device="cpu")
 
+    def broken():
+        raise ValueError("broken builder")
+
     def needs_values():
         net = Net()
         float(net.fc.weight.detach().sum())  # .item() on meta fails: this builder needs real values
@@ -130,6 +133,17 @@ def test_target_with_real_tensors_is_said(targets, spec, says, capsys):
         assert main(command) == 0
         err = capsys.readouterr().err
         assert err.startswith("note: ") and says in err, err
+
+
+def test_target_that_fails_either_way_raises_its_own_error(targets):
+    with pytest.raises(sdadapt.ResolveError, match="broken builder"):
+        resolve_target_on_meta("nets.py:broken")
+
+
+def test_module_that_needs_values_at_import_is_built_without_meta(targets):
+    Path("eager.py").write_text(TARGETS + "\nSIZE = int(torch.tensor(4).item())  # needs a value at import\n")
+    model, note = resolve_target_on_meta("eager.py:Net")
+    assert not model.fc.weight.is_meta and note and "failed" in note and "importing" in note, note
 
 
 def test_cli_target_on_meta_prints_no_note(targets, capsys):

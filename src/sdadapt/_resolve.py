@@ -257,9 +257,9 @@ def resolve_target_on_meta(spec: str | os.PathLike[str] | nn.Module, **options: 
         with torch.device("meta"):
             target = resolve_target(spec, **options)
     except ResolveError as e:
-        if "calling it failed" not in str(e):
-            raise
-        target = resolve_target(spec, **options)  # a builder that cannot run on meta (reads a file, calls .item()...)
+        # code that cannot run on meta (reads values: .item(), .tolist(), a file...), in the
+        # builder or at its module's import: built as it is written (its own error if it fails so too)
+        target = resolve_target(spec, **options)
         retried = f"building {text} under torch.device('meta') failed ({e}), so it was built without it"
     if isinstance(target, str):
         return target, None
