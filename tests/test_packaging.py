@@ -255,3 +255,14 @@ def test_convert_and_checksums_work_without_numpy(tmp_path):
         timeout=300,
     )
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+
+
+def test_wheel_smoke_imports_only_declared_dependencies():
+    """scripts/wheel_smoke.py runs in a venv holding only the wheel and its dependencies (.ci/run):
+    every third-party module it imports is a declared dependency, none comes from an extra."""
+    declared = {_dist_name(r) for r in _project()["dependencies"]}
+    required, optional = library_imports([ROOT / "scripts" / "wheel_smoke.py"])
+    imported = {**required, **optional}
+    assert {"torch"} <= set(imported)
+    undeclared = {m: where for m, where in imported.items() if not _distributions_of(m) & declared}
+    assert undeclared == {}, f"scripts/wheel_smoke.py imports what the wheel does not declare: {undeclared}"
