@@ -49,6 +49,13 @@ def test_swapped_arguments_are_named_as_swapped(call, signature, tmp_path, monke
     assert list(tmp_path.iterdir()) == []  # nothing was written
 
 
+def test_convert_given_a_model_points_at_export(tmp_path):
+    with pytest.raises(UsageError, match=r"sdadapt.convert: src must be a checkpoint path, not a model \(Linear\).*sdadapt.export"):
+        sdadapt.convert(_model(), str(tmp_path / "out"))
+    with pytest.raises(UsageError, match=r"sdadapt.convert: dst must be a checkpoint path, not a model \(Linear\)"):
+        sdadapt.convert("out", _model())
+
+
 def test_a_model_that_is_not_a_module_is_named():
     with pytest.raises(UsageError, match=r"sdadapt.load: model must be a torch.nn.Module, not the path 'a.pt'"):
         sdadapt.load("a.pt", "b.pt")

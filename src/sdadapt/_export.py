@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _integrity as integrity
 from ._adapter import Adapter
-from ._args import check_model_and_path
+from ._args import check_model_and_path, check_not_a_model
 from ._distributed import is_distributed, rank_and_world
 from ._materialize import has_meta
 from ._nodes import Box, Node, full_box
@@ -470,6 +470,9 @@ def convert(
     ``src`` may be a Hub id ``hf://org/name[@revision]``. ``progress(key, nbytes)`` is called
     after each tensor is written, then after each is verified."""
     t0 = time.perf_counter()
+    call = "sdadapt.convert(src, dst, adapter=None, ...) for a checkpoint, sdadapt.export(model, dst, ...) for a model"
+    check_not_a_model(call, src)
+    check_not_a_model(call, dst, path_arg="dst")
     dst = os.fspath(dst)
     adapter = adapter_or_none(adapter, src)
     if format not in FORMATS:
