@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -214,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     # 0. Processes and devices (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT;
     #    without torchrun, this is one process).
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29531")
+        with socket.socket() as s:  # a free port: several single runs may share the machine
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -51,7 +51,24 @@ def test_missing_path(tmp_path):
 def test_folder_without_checkpoint(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     write_safetensors(tmp_path / "weights.safetensors", SD)  # not named model.safetensors: we do not guess
-    expect_source_error(tmp_path, "holds no checkpoint", "notes.txt", "Pass the checkpoint file itself")
+    expect_source_error(tmp_path, "holds no checkpoint", "pass the checkpoint file itself", str(tmp_path / "weights.safetensors"))
+    (tmp_path / "weights.safetensors").unlink()
+    expect_source_error(tmp_path, "holds no checkpoint", "notes.txt")
+
+
+def test_shards_without_an_index_are_not_told_to_pass_one_file(tmp_path):
+    """One shard of several would load a part of the model: the missing index is named."""
+    for i in range(1, 4):
+        write_safetensors(tmp_path / f"model-0000{i}-of-00003.safetensors", SD)
+    err = expect_source_error(tmp_path, "model.safetensors.index.json", "is missing", "3 weight files",
+                              "model-00001-of-00003.safetensors", "only a part of the model")
+    assert "pass the checkpoint file itself:" not in str(err)
+
+
+def test_folder_with_an_index_of_another_name_points_at_it(tmp_path):
+    write_safetensors(tmp_path / "diffusion_pytorch_model-00001-of-00002.safetensors", SD)
+    (tmp_path / "diffusion_pytorch_model.safetensors.index.json").write_text('{"weight_map": {}}')
+    expect_source_error(tmp_path, "diffusion_pytorch_model.safetensors.index.json", "pass that file")
 
 
 def test_empty_file(tmp_path):

@@ -84,6 +84,12 @@ def _load_hf(case: dict[str, Any], build: Any, **kw: Any) -> torch.nn.Module:
     model = build().eval()
     rep = sdadapt.load(model, case["base"], lora=case["lora"], **kw)
     assert rep.report.ok, rep.report.format()
+    # the report names the LoRA folder, its ranks and the weights the merge changed
+    pairs = {k: v for k, v in load_file(os.path.join(case["lora"], "adapter_model.safetensors")).items() if ".lora_A." in k}
+    assert rep.lora is not None and rep.lora.folder == case["lora"], rep.lora
+    assert rep.lora.pairs == rep.lora.keys == len(pairs), rep.lora
+    assert rep.lora.ranks == sorted({a.shape[0] for a in pairs.values()}), rep.lora
+    assert f"merged LoRA {case['lora']} (r=" in str(rep) and f"into {len(pairs)} model keys" in str(rep)
     return model
 
 

@@ -23,6 +23,10 @@ SRC = ROOT / "src" / "sdadapt"
 ADAPTERS = ROOT / "adapters"
 LIBRARY_FILES = sorted([*SRC.rglob("*.py"), *ADAPTERS.rglob("*.py")])
 IMPORT_ERRORS = {"ImportError", "ModuleNotFoundError"}
+# declared dependencies the library never imports itself, each with what needs it at run time
+RUNTIME_ONLY = {
+    "numpy": "torch's object collectives (all_gather_object, broadcast_object_list, DCP's save planning) unpickle through it",
+}
 
 
 def _project() -> dict:
@@ -97,8 +101,16 @@ def test_required_imports_are_declared_dependencies():
 def test_every_declared_dependency_is_imported():
     required, _ = library_imports()
     imported = set().union(*(_distributions_of(m) for m in required))
-    unused = {_dist_name(r) for r in _project()["dependencies"]} - imported
+    unused = {_dist_name(r) for r in _project()["dependencies"]} - imported - set(RUNTIME_ONLY)
     assert unused == set(), f"declared in [project].dependencies but never imported by the library: {unused}"
+
+
+def test_runtime_only_dependencies_are_declared_and_not_imported():
+    """A run-time-only dependency is declared, and stops being an exception once imported."""
+    declared = {_dist_name(r) for r in _project()["dependencies"]}
+    required, optional = library_imports()
+    assert set(RUNTIME_ONLY) <= declared
+    assert not set(RUNTIME_ONLY) & (set(required) | set(optional))
 
 
 def test_optional_imports_are_declared_extras():
@@ -243,3 +255,14 @@ def test_convert_and_checksums_work_without_numpy(tmp_path):
         timeout=300,
     )
     assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stdout + res.stderr
+
+
+def test_wheel_smoke_imports_only_declared_dependencies():
+    """scripts/wheel_smoke.py runs in a venv holding only the wheel and its dependencies (.ci/run):
+    every third-party module it imports is a declared dependency, none comes from an extra."""
+    declared = {_dist_name(r) for r in _project()["dependencies"]}
+    required, optional = library_imports([ROOT / "scripts" / "wheel_smoke.py"])
+    imported = {**required, **optional}
+    assert {"torch"} <= set(imported)
+    undeclared = {m: where for m, where in imported.items() if not _distributions_of(m) & declared}
+    assert undeclared == {}, f"scripts/wheel_smoke.py imports what the wheel does not declare: {undeclared}"

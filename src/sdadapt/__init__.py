@@ -92,6 +92,7 @@ from .errors import (
     ShrinkError,
     SourceError,
     StateError,
+    UsageError,
     VerifyError,
 )
 
@@ -244,5 +245,6 @@ __all__ = [
     "ShrinkError",
     "SourceError",
     "StateError",
+    "UsageError",
     "VerifyError",
 ]

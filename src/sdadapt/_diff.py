@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ._adapter import Adapter
+from ._args import check_not_a_model
 from ._constructors import with_dtype
 from ._plan import PipelineStage, build_plan, vacant_modules
 from ._report import Report
@@ -48,6 +49,7 @@ def diff(
     ``adapter`` is an :class:`Adapter` or a string resolved by :func:`sdadapt.resolve_adapter`
     (a shipped name with options read from ``src``'s folder, ``file.py:ATTR``, ``module:ATTR``,
     ``.json``)."""
+    check_not_a_model("sdadapt.diff(target, src, adapter=None, ...)", src, other=target)
     adapter = with_dtype(adapter_or_none(adapter, src, target), dtype)
     schema, name = target_schema(target)
     stage = None

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from . import _integrity as integrity
 from ._adapter import Adapter
+from ._args import check_model_and_path, check_not_a_model
 from ._distributed import is_distributed, rank_and_world
 from ._materialize import has_meta
 from ._nodes import Box, Node, full_box
@@ -76,6 +77,9 @@ class ExportReport(BaseModel):
         return f"wrote {self.dst} ({self.format}: {what}, {len(self.files)} file(s)) in {self.seconds:.2f} s" + (
             "; verified" if self.verified else ""
         )
+
+    def __str__(self) -> str:  # print(report): the summary, not the fields
+        return self.format_text()
 
 
 # ------------------------------------------------------------------------------ planning
@@ -333,6 +337,7 @@ def export_iter(
     tensor last yielded (plus leaves a later output still needs, e.g. the parts of a split); the
     generator drops its own references to an output when the next one is asked for, so a
     consumer that does not keep them holds about one tensor. Tensors are on the CPU."""
+    check_model_and_path("sdadapt.export_iter(model, adapter=None, ...)", model, adapter, path_arg="adapter")
     adapter = adapter_or_none(adapter, None)
     stream = _ModelStream(model, adapter, process_group, "export_iter")
     try:
@@ -370,6 +375,7 @@ def export(
     ``load(..., verify=True)``.
     """
     t0 = time.perf_counter()
+    check_model_and_path("sdadapt.export(model, dst, adapter=None, format='safetensors', ...)", model, dst, path_arg="dst")
     dst = os.fspath(dst)
     adapter = adapter_or_none(adapter, None)
     rank, world = rank_and_world(process_group)
@@ -464,6 +470,9 @@ def convert(
     ``src`` may be a Hub id ``hf://org/name[@revision]``. ``progress(key, nbytes)`` is called
     after each tensor is written, then after each is verified."""
     t0 = time.perf_counter()
+    call = "sdadapt.convert(src, dst, adapter=None, ...) for a checkpoint, sdadapt.export(model, dst, ...) for a model"
+    check_not_a_model(call, src)
+    check_not_a_model(call, dst, path_arg="dst")
     dst = os.fspath(dst)
     adapter = adapter_or_none(adapter, src)
     if format not in FORMATS:

@@ -48,6 +48,9 @@ class Inventory(BaseModel):
             lines.append(f"not tensors ({len(self.non_tensor)}): {', '.join(compress(self.non_tensor))}")
         return "\n".join(lines)
 
+    def __str__(self) -> str:  # print(inventory): the table, not the fields
+        return self.format()
+
 
 def human(n: int) -> str:
     size = float(n)

@@ -14,11 +14,12 @@ from torch import nn
 
 from . import _integrity as integrity
 from ._adapter import Adapter
+from ._args import check_model_and_path
 from ._constructors import with_dtype
 from ._distributed import rank_and_world
 from ._engine import EngineConfig, device_kernels, prefetch_pinned, warm_kernels
 from ._gc import without_gc
-from ._lora import open_peft_lora
+from ._lora import LoraMerged, merged_lora, open_peft_lora
 from ._materialize import InitFn, check_buffers, choose_device, has_meta
 from ._plan import PipelineStage, Plan, build_plan, vacant_modules
 from ._report import Report
@@ -52,6 +53,7 @@ class LoadReport(BaseModel):
     engine_thread_seconds: dict[str, float] = {}
     materialized: bool
     report: Report
+    lora: LoraMerged | None = None  # load(..., lora=folder): what the LoRA merge changed
 
     def format(self) -> str:
         return (
@@ -60,6 +62,7 @@ class LoadReport(BaseModel):
             f"local shards"
             + (f" (+{self.bytes_shared / 2**20:.1f} MiB from replicas)" if self.bytes_shared else "")
             + f" in {self.seconds:.2f} s (plan {self.plan_seconds:.2f} s, read {self.read_seconds:.2f} s)"
+            + (f"; {self.lora.format()}" if self.lora is not None else "")
         )
 
     def __str__(self) -> str:
@@ -97,6 +100,7 @@ def plan_load(
 ) -> tuple[Source, Plan]:
     """Open the source and plan against the model (headers only; nothing is read or changed);
     ``pipeline_stage``, ``lora`` and ``dtype`` as in :func:`load`."""
+    check_model_and_path("sdadapt.plan_load(model, src, adapter=None, ...)", model, src)
     adapter = with_dtype(adapter_or_none(adapter, src, model), dtype)
     source, plan, _ = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage, lora)
     return source, plan
@@ -238,6 +242,7 @@ def load(
     ``adapter``'s rules: each rank computes ``W[box] + s * B[rows] @ A[:, cols]`` for its own
     shards only (:mod:`sdadapt._lora`).
     """
+    check_model_and_path("sdadapt.load(model, src, adapter=None, ...)", model, src)
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
     txn = Transaction(model, process_group, _describe(src))
@@ -303,6 +308,7 @@ def load(
         },
         materialized=materialized,
         report=plan.report,
+        lora=merged_lora(lora, plan.recipes) if lora is not None else None,
     )
     log.info("%s", rep.format())
     return rep

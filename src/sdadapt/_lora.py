@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
+from pydantic import BaseModel
 
 from ._nodes import Box, Compute, Node, SourceIO, Step, box_shape
 from ._rules import RuleBase, register_rule
@@ -309,3 +310,36 @@ def open_peft_lora(path: str | os.PathLike[str]) -> PeftLora:
         raise AdapterError(f"lora={folder!r}: no {WEIGHTS_NAME}{hint}")
     source = SafetensorsFile(weights)
     return PeftLora(folder, source, rule)
+
+
+class LoraMerged(BaseModel):
+    """A PEFT LoRA merged by a load: its folder, the ranks of its pairs, how many weights it changed."""
+
+    folder: str
+    keys: int  # model keys whose values include a LoRA delta
+    pairs: int  # lora_A / lora_B pairs merged
+    ranks: list[int]  # the distinct ranks r of those pairs
+
+    def format(self) -> str:
+        ranks = ", ".join(map(str, self.ranks)) or "-"
+        return f"merged LoRA {self.folder} (r={ranks}: {self.pairs} pairs) into {self.keys} model keys"
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def merged_lora(folder: str | os.PathLike[str], recipes: Mapping[str, Node]) -> LoraMerged:
+    """What the plan's ``recipes`` merge from the LoRA folder: the keys holding a
+    :class:`LoraMerge` anywhere in their recipe, and the ranks of the pairs merged."""
+    keys, pairs, ranks = 0, set(), set()
+    for node in recipes.values():
+        found, todo = False, [node]
+        while todo:
+            n = todo.pop()
+            if isinstance(n, LoraMerge):
+                found = True
+                pairs.add(id(n))
+                ranks.add(int(n.a.shape[0]))
+            todo.extend(n.children())
+        keys += found
+    return LoraMerged(folder=os.fspath(folder), keys=keys, pairs=len(pairs), ranks=sorted(ranks))

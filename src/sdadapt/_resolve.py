@@ -232,6 +232,50 @@ def resolve_target(spec: str | os.PathLike[str] | nn.Module, **options: Any) -> 
     return model
 
 
+def _real_tensors(model: nn.Module) -> tuple[int, list[str]]:
+    """Bytes of ``model``'s parameters and buffers that are not on the meta device, and their devices."""
+    seen: dict[int, Any] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if not t.is_meta:
+            seen[id(t)] = t
+    return sum(t.numel() * t.element_size() for t in seen.values()), sorted({str(t.device) for t in seen.values()})
+
+
+def resolve_target_on_meta(spec: str | os.PathLike[str] | nn.Module, **options: Any) -> tuple[nn.Module | str, str | None]:
+    """:func:`resolve_target` for what needs only shapes and dtypes (``sdadapt diff`` and
+    ``draft``'s ``--target``): the function or class is called under ``torch.device("meta")``,
+    so a model built without a device costs no memory and no initialisation. Returns the target
+    and a note for the user when the model holds real tensors all the same (the builder put
+    them on a device itself, or failed on meta and was built again without it), else ``None``."""
+    import torch
+
+    if not isinstance(spec, (str, os.PathLike)) or split_spec(os.fspath(spec)) is None or os.path.exists(os.fspath(spec)):
+        return resolve_target(spec, **options), None
+    text = os.fspath(spec)
+    retried = ""
+    try:
+        with torch.device("meta"):
+            target = resolve_target(spec, **options)
+    except ResolveError as e:
+        # code that cannot run on meta (reads values: .item(), .tolist(), a file...), in the
+        # builder or at its module's import: built as it is written (its own error if it fails so too)
+        target = resolve_target(spec, **options)
+        retried = f"building {text} under torch.device('meta') failed ({e}), so it was built without it"
+    if isinstance(target, str):
+        return target, None
+    nbytes, devices = _real_tensors(target)
+    if not nbytes:
+        log.info("target %s: built on the meta device", text)
+        return target, None
+    from ._inventory import human
+
+    why = retried or f"{text} put its tensors on {', '.join(devices)} although it ran under torch.device('meta')"
+    return target, (
+        f"{why}: the model holds {human(nbytes)} of real tensors, of which only shapes and dtypes are used; "
+        "a builder that creates its tensors on the meta device saves that memory and time"
+    )
+
+
 def resolve_adapter(
     spec: str | os.PathLike[str] | Adapter, *, source: str | os.PathLike[str] | None = None, **options: Any
 ) -> Adapter:

@@ -60,6 +60,9 @@ class ShrinkReport(BaseModel):
             f"in {self.seconds:.2f} s"
         )
 
+    def __str__(self) -> str:  # print(report): the summary, not the fields
+        return self.format_text()
+
 
 def _pattern_regex(pattern: str) -> re.Pattern[str]:
     if pattern.count("{i}") != 1:

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from ._adapter import Adapter
+from ._args import check_model_and_path
 from ._distributed import agree, is_distributed, rank_and_world
 from ._gc import without_gc
 from ._materialize import InitFn, check_buffers, has_meta
@@ -109,6 +110,7 @@ def save_state(
     adapter the model was first loaded with, is recorded in ``sdadapt.json``. An existing
     non-empty ``dst`` is an error unless ``overwrite=True``. Returns ``dst``.
     """
+    check_model_and_path("sdadapt.save_state(dst, model, optimizer=None, extra=None, ...)", model, dst, path_arg="dst")
     dst = os.fspath(dst)
     adapter = adapter_or_none(adapter)
     rank, world = rank_and_world(process_group)
@@ -309,6 +311,7 @@ def load_state(
     position, as without it: build each stage's optimizer with the groups the checkpoint's has.
     """
     t0 = time.perf_counter()
+    check_model_and_path("sdadapt.load_state(src, model, optimizer=None, extra=None, ...)", model, src)
     src = os.fspath(src)
     adapter = adapter_or_none(adapter, src)
     rank, world = rank_and_world(process_group)

@@ -78,3 +78,8 @@ class ShrinkError(SdadaptError):
 
 class VerifyError(SdadaptError):
     """A verification cannot run (no reference class, no vocabulary size, outputs of different shapes)."""
+
+
+class UsageError(SdadaptError, TypeError):
+    """A public function was called with arguments it cannot take as given (a model and a path
+    swapped, for instance); the message shows the call's signature. Also a ``TypeError``."""

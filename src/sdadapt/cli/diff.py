@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 from ..errors import ResolveError
@@ -70,12 +71,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._diff import diff
-    from .._resolve import resolve_adapter, resolve_target
+    from .._resolve import resolve_adapter, resolve_target_on_meta
     from ..sources import open_source
 
     if args.adapter_option and not args.adapter:
         raise ResolveError("--adapter-option needs --adapter")
-    target: Any = resolve_target(args.target, **parse_options(args.target_option))
+    target: Any
+    target, note = resolve_target_on_meta(args.target, **parse_options(args.target_option))
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     adapter = resolve_adapter(args.adapter, source=args.src, **parse_options(args.adapter_option)) if args.adapter else None
     if isinstance(target, str) and args.target_subtree:
         target = open_source(target, subtree=args.target_subtree)

@@ -50,14 +50,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._draft import draft
-    from .._resolve import resolve_adapter, resolve_target
+    from .._resolve import resolve_adapter, resolve_target_on_meta
     from ..errors import ResolveError
     from ..sources import open_source
     from .diff import parse_options
 
     if args.output and os.path.exists(args.output) and not args.force:
         raise ResolveError(f"{args.output} exists; pass --force to overwrite it or choose another -o")
-    target: Any = resolve_target(args.target, **parse_options(args.target_option))
+    target: Any
+    target, note = resolve_target_on_meta(args.target, **parse_options(args.target_option))
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     if isinstance(target, str) and args.target_subtree:
         target = open_source(target, subtree=args.target_subtree)
     adapter = resolve_adapter(args.adapter, source=args.src, **parse_options(args.adapter_option)) if args.adapter else None

@@ -54,12 +54,7 @@ def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = 
             from ._dcp_dir import DCPSource  # noqa: PLC0415 - optional path
 
             return DCPSource(p, subtree=subtree)
-        names = sorted(os.listdir(p))[:8]
-        raise SourceError(
-            f"folder holds no checkpoint sdadapt knows ({INDEX_NAME}, model.safetensors or a DCP "
-            f".metadata); it has {names}. Pass the checkpoint file itself",
-            path=p,
-        )
+        raise SourceError(_no_checkpoint_in(p), path=p)
     if p.endswith(".index.json"):
         return HFShardedSource(os.path.dirname(_flat_only(p, subtree)) or ".", index_path=p)
     if os.path.getsize(p) == 0:
@@ -67,6 +62,31 @@ def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = 
     if p.endswith(".safetensors"):
         return SafetensorsFile(_flat_only(p, subtree))
     return TorchSaveFile(p, subtree=subtree)
+
+
+def _no_checkpoint_in(folder: str) -> str:
+    """Why ``folder`` is no checkpoint sdadapt opens, and what to pass instead. Several weight
+    files without an index are shards: one of them alone would load only a part of the model."""
+    names = sorted(os.listdir(folder))
+    known = f"no checkpoint sdadapt knows (no {INDEX_NAME}, model.safetensors or DCP .metadata)"
+    indexes = [n for n in names if n.endswith(".index.json")]
+    if indexes:
+        return (
+            f"folder holds {known}, but it has the index {indexes[0]}: pass that file "
+            f"({os.path.join(folder, indexes[0])}) to read the shards it lists"
+        )
+    weights = [n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".pth", ".ckpt"))]
+    if len(weights) > 1:
+        shown = ", ".join(weights[:4]) + (f", ... ({len(weights)} files)" if len(weights) > 4 else "")
+        return (
+            f"folder holds {known}; its {len(weights)} weight files ({shown}) look like the shards of one "
+            f"checkpoint, and {INDEX_NAME} (which says which shard holds each key) is missing. Loading one "
+            f"shard would load only a part of the model: copy {INDEX_NAME} from the release the shards "
+            "came with into this folder (or, for a single-file checkpoint, pass that file itself)"
+        )
+    if weights:
+        return f"folder holds {known}; pass the checkpoint file itself: {os.path.join(folder, weights[0])}"
+    return f"folder holds {known}; it has {names[:8]}"
 
 
 def local_path(path: str | os.PathLike[str]) -> str:
