@@ -92,13 +92,20 @@ def rotary(
     dim: int = 0,
     *,
     head_dim: int | None = None,
+    rotary_dim: int | float | None = None,
 ) -> Rotary:
     """Reorder the rows inside each head between rotary layouts: ``to="interleaved"`` from HF
     transformers' half split to Meta's pairs, ``to="half"`` the other way. ``keys``: one pattern
     or several (weight, bias, per-head norm weight). A head is ``head_dim`` rows, or the rows
     divided by ``heads`` (GQA: one rule for k with the kv head count); per-head norm weights
-    ``[head_dim]`` need ``head_dim=``."""
-    return Rotary(keys=keys, heads=heads, to=to, dim=dim, head_dim=head_dim)
+    ``[head_dim]`` need ``head_dim=``. Partial rotary: ``rotary_dim`` rows of each head rotate
+    (an int, or a fraction of the head such as config.json's ``partial_rotary_factor``); only
+    they are reordered.
+
+    Example:
+        >>> sdadapt.rotary("layers.{i}.attention.wq.weight", heads=32, rotary_dim=0.25)  # doctest: +SKIP
+    """
+    return Rotary(keys=keys, heads=heads, to=to, dim=dim, head_dim=head_dim, rotary_dim=rotary_dim)
 
 
 def affine(keys: str | list[str], scale: float = 1.0, shift: float = 0.0) -> Affine:
