@@ -352,3 +352,73 @@ def test_adapter_inverse_and_add():
     both = a + sdadapt.Adapter([sdadapt.cast("**", F32)], name="c")
     assert len(both) == 4 and both.name == "fwd+c"
     assert "#1 fuse" in a.describe()
+
+
+# --- sequential composition (a + b) ----------------------------------------------------------
+
+
+def test_composition_sees_the_previous_parts_outputs():
+    """``a + b``: ``b``'s rules apply to the keys ``a`` produced, even a name ``a`` took and
+    re-created; the same rules in one adapter are refused. Values bit-exact; the inverse is the
+    parts' inverses in reverse and gives the checkpoint back; JSON keeps the parts."""
+    a = sdadapt.Adapter([sdadapt.rename("w", "w_old"), sdadapt.rename("v", "w")], name="a")  # v takes w's name
+    b = sdadapt.Adapter([sdadapt.rename("w", "weight"), sdadapt.split("qkv", ["q", "k"])], name="b")
+    with pytest.raises(AdapterError, match=r"a key may be taken by one rule only \(compose adapters with `a \+ b`"):
+        sdadapt.Adapter([*a.rules, *b.rules])
+    ab = a + b
+    assert ab.stages == [2] and ab.stage_of(1) == 0 and ab.stage_of(2) == 1 and ab.name == "a+b"
+    assert "then, on the keys the rules above produced:\n  #2 rename" in ab.describe()
+    src = {"w": torch.arange(4.0), "v": torch.arange(4.0) + 10, "qkv": torch.arange(12.0).view(6, 2)}
+    io = DictIO(src)
+    tgt = schema({"w_old": ((4,),), "weight": ((4,),), "q": ((3, 2),), "k": ((3, 2),)})
+    p = build_plan(io.schema(), tgt, ab)
+    assert p.report.ok, p.report.format()
+    assert torch.equal(p.recipes["weight"].full(io), src["v"]) and torch.equal(p.recipes["w_old"].full(io), src["w"])
+    assert torch.equal(p.recipes["k"].full(io), src["qkv"][3:])
+    out = {k: n.full(io) for k, n in p.recipes.items()}
+    inv = ab.inverse()
+    assert inv.stages == [2] and inv.parts()[0] == b.inverse().rules and inv.parts()[1] == a.inverse().rules
+    back = build_plan(DictIO(out).schema(), io.schema(), inv)
+    assert back.report.ok, back.report.format()
+    assert all(torch.equal(back.recipes[k].full(DictIO(out)), v) for k, v in src.items())
+    again = sdadapt.Adapter.from_json(ab.to_json())
+    assert again == ab and again.stages == [2]
+    assert ab.for_optimizer_state("exp_avg").stages == [2]
+    # a part that is empty adds no boundary; three parts keep two boundaries
+    assert (sdadapt.Adapter([]) + a).stages == [] and (a + b + a).stages == [2, 4]
+    with pytest.raises(AdapterError, match="stages"):
+        sdadapt.Adapter(a.rules, stages=[5])
+
+
+def test_composition_still_checks_each_part():
+    """Within one part the ambiguity check holds; across parts a key the earlier part took is gone."""
+    a = sdadapt.Adapter([sdadapt.rename("layers.{i}.w", "blocks.{i}.w"), sdadapt.drop("layers.**")])
+    p = build_plan(schema({"layers.0.w": ((2,),), "layers.0.b": ((2,),)}), schema({"blocks.0.w": ((2,),)}), a)
+    assert any("took first" in i.message for i in p.report.rule_issues)
+    split = sdadapt.Adapter([sdadapt.rename("layers.{i}.w", "blocks.{i}.w")]) + sdadapt.Adapter([sdadapt.drop("layers.**")])
+    p = build_plan(schema({"layers.0.w": ((2,),), "layers.0.b": ((2,),)}), schema({"blocks.0.w": ((2,),)}), split)
+    assert p.report.ok and p.report.dropped == ["layers.0.b"], p.report.format()
+
+
+def test_composition_through_the_engine(tmp_path):
+    """A shipped adapter composed with renames onto another naming (what a torchtitan user does),
+    loaded by ``sdadapt.load``: values equal the composed transform applied eagerly."""
+    from torch import nn
+
+    w = {"model.a.weight": torch.randn(6, 4), "model.b.weight": torch.randn(6, 4)}
+    from safetensors.torch import save_file
+
+    save_file(w, str(tmp_path / "m.safetensors"))
+    first = sdadapt.Adapter([sdadapt.strip_prefix("model."), sdadapt.rename("a.weight", "x.weight"),
+                             sdadapt.rename("b.weight", "a.weight")])  # fmt: skip
+    second = sdadapt.Adapter([sdadapt.rename("a.weight", "inner.b.weight"), sdadapt.rename("x.weight", "inner.a.weight")])
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.ModuleDict({"a": nn.Linear(4, 6, bias=False), "b": nn.Linear(4, 6, bias=False)})
+
+    with torch.device("meta"):
+        m = M()
+    sdadapt.load(m, str(tmp_path / "m.safetensors"), first + second)
+    assert torch.equal(m.inner["a"].weight, w["model.a.weight"]) and torch.equal(m.inner["b"].weight, w["model.b.weight"])

@@ -230,14 +230,15 @@ def draft(
     if given is not None:
         note = comment(f"the adapter given to draft ({given.name}); the proposals below come after it")
         sections.insert(0, (f"given: {given.name}", [(note, [rule_code(r) for r in given.rules])]))
-        rules = [*given.rules, *rules]
     adapter = Adapter(rules, name="draft", description=f"drafted from {sname} for {tname}")
+    if given is not None:  # the proposals apply to the keys the given adapter produces
+        adapter = Adapter.composed([*given.parts(), list(rules)], name="draft", description=adapter.description)
     report = build_plan(original, tschema, adapter, non_tensor=original_non_tensor, source_name=sname,
                         target_name=tname).report
     questions = [Question(about=q.about, question=q.question, suggestion=q.suggestion) for q in props.questions] if related else []
     module = render_module(
         source=sname, target=tname, sections=sections,
-        remaining=report.format(), related=related, summary=summary,
+        remaining=report.format(), related=related, summary=summary, stages=adapter.stages,
     )
     return Draft(source=sname, target=tname, related=related, summary=summary, proposals=proposals,
                  questions=questions, adapter=adapter, module=module, report=report)

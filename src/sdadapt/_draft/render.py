@@ -90,6 +90,7 @@ def render_module(
     remaining: str,
     related: bool,
     summary: list[str],
+    stages: list[int] | None = None,
 ) -> str:
     """The module text. ``sections``: (title, [(comment lines, code lines)]); code lines that
     are comments (DECIDE notes, commented-out rules) are written as they are."""
@@ -125,7 +126,10 @@ def render_module(
         out.append("")
     if out[-1] == "":
         out.pop()
-    out += ["    ],", '    name="draft",', f"    description={json.dumps(f'drafted from {source} for {target}')},", ")", ""]
+    out += ["    ],", '    name="draft",']
+    if stages:  # the rules from these indices on apply to the keys the earlier ones produced (a + b)
+        out.append(f"    stages={stages!r},")
+    out += [f"    description={json.dumps(f'drafted from {source} for {target}')},", ")", ""]
     out.append("# What `sdadapt diff` still reports with this adapter:")
     out += [f"#   {line}" if line else "#" for line in remaining.splitlines()]
     return "\n".join(out) + "\n"
