@@ -36,6 +36,18 @@ class Facts:
     head_dim: int | None = None
     quantization: str | None = None
     block: tuple[int, int] | None = None  # FP8 weight_block_size
+    hidden: int | None = None
+    rotary_fraction: float | None = None  # partial rotary: partial_rotary_factor / rotary_pct below 1
+    config: dict[str, Any] | None = None  # the whole config.json (for a reference model built from it)
+
+    @property
+    def head_rows(self) -> int | None:
+        """Rows of one attention head: ``head_dim``, else ``hidden_size / heads``."""
+        if self.head_dim:
+            return self.head_dim
+        if self.hidden and self.heads and self.hidden % self.heads == 0:
+            return self.hidden // self.heads
+        return None
 
     @property
     def norm_offset(self) -> bool:
@@ -56,6 +68,8 @@ class Facts:
         bits = [f"model_type {self.model_type!r}"]
         if self.heads:
             bits.append(f"{self.heads} heads, {self.kv_heads} kv heads" + (f", head_dim {self.head_dim}" if self.head_dim else ""))
+        if self.rotary_fraction:
+            bits.append(f"partial rotary {self.rotary_fraction:g} of each head")
         if self.quantization:
             bits.append(f"quantization {self.quantization!r}")
         return f"{self.path}: " + ", ".join(bits)
@@ -107,8 +121,12 @@ def read_facts(source: str | os.PathLike[str] | None, keys: list[str]) -> Facts:
     block = None
     if isinstance(qc, dict) and isinstance(qc.get("weight_block_size"), list) and len(qc["weight_block_size"]) == 2:
         block = (int(qc["weight_block_size"][0]), int(qc["weight_block_size"][1]))
+    frac = next((cfg[n] for n in ("partial_rotary_factor", "rotary_pct") if isinstance(cfg.get(n), (int, float))), None)
     facts = Facts(
         path=path,
+        hidden=_int(cfg, "hidden_size", "dim", "d_model"),
+        rotary_fraction=float(frac) if frac is not None and 0 < float(frac) < 1 else None,
+        config=cfg,
         model_type=str(cfg.get("model_type")) if cfg.get("model_type") else None,
         heads=heads,
         kv_heads=kv,

@@ -24,10 +24,14 @@ _POSITIONAL = {
     "cast": ("keys", "dtype"),
     "strip_prefix": ("prefix",),
     "add_prefix": ("prefix",),
+    "rotary": ("keys",),
+    "affine": ("keys",),
 }
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "fuse": {"dim": 0, "sizes": None},
-    "split": {"dim": 0, "sizes": None},
+    "fuse": {"dim": 0, "sizes": None, "heads": None},
+    "split": {"dim": 0, "sizes": None, "heads": None},
+    "rotary": {"dim": 0, "heads": None, "head_dim": None, "rotary_dim": None},
+    "affine": {"scale": 1.0, "shift": 0.0, "invert": False},
     "transpose": {"dim0": 0, "dim1": 1},
     "stack": {"over": "e", "dim": 0, "count": None},
     "unstack": {"over": "e", "dim": 0, "count": None},
