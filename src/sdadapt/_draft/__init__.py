@@ -297,7 +297,7 @@ def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, layer
         log.warning("draft: the numerical check could not run: %s", e)
         return None, [f"values unproven: the numerical check could not run ({type(e).__name__}: {str(e).splitlines()[0]})"]
     try:
-        choices = choices_of(props)
+        choices = choices_of(props, facts)
         out = search(exp, base, choices)
     finally:
         exp.close()

@@ -121,7 +121,9 @@ def read_facts(source: str | os.PathLike[str] | None, keys: list[str]) -> Facts:
     block = None
     if isinstance(qc, dict) and isinstance(qc.get("weight_block_size"), list) and len(qc["weight_block_size"]) == 2:
         block = (int(qc["weight_block_size"][0]), int(qc["weight_block_size"][1]))
-    frac = next((cfg[n] for n in ("partial_rotary_factor", "rotary_pct") if isinstance(cfg.get(n), (int, float))), None)
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    frac = next((d[n] for d in (cfg, rope) for n in ("partial_rotary_factor", "rotary_pct")
+                 if isinstance(d.get(n), (int, float))), None)
     facts = Facts(
         path=path,
         hidden=_int(cfg, "hidden_size", "dim", "d_model"),

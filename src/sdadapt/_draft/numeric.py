@@ -41,7 +41,7 @@ from torch import nn
 
 from .._adapter import Adapter
 from .._patterns import compile_pattern
-from .._rules import Rename
+from .._rules import Rename, Split
 from .._verify import _forward, _layer_list, _recording, _rel, default_rtol, random_tokens
 from ..errors import SdadaptError
 from .config import Facts
@@ -68,6 +68,8 @@ class Choice:
     question: Question | None = None
     renames: list[Proposed] = field(default_factory=list)  # a permutation group
     perms: list[tuple[int, ...]] = field(default_factory=list)
+    split: Proposed | None = None  # a split whose source may be fused per head
+    layouts: list[list[Any]] = field(default_factory=list)  # its rules per option
 
 
 @dataclass
@@ -218,10 +220,20 @@ class Experiment:
         return (n + 1, 0.0, f"{n} layer(s) and the logits equal to {max(rel, 1e-12):.0e} of their scale")
 
 
-def choices_of(props: Proposals) -> list[Choice]:
-    """The open choices of a draft: questions with rules (on/off), and renames of one shape in
-    one block that the names may have assigned wrongly (orders)."""
+def choices_of(props: Proposals, facts: Facts) -> list[Choice]:
+    """The open choices of a draft: questions with rules (on/off), renames of one shape in one
+    block that the names may have assigned wrongly (orders), and splits of a fused tensor that
+    may be laid out per head or per kv group (``split(..., heads=)``)."""
     out: list[Choice] = []
+    groups_of = sorted({n for n in (facts.kv_heads, facts.heads) if n and n > 1})
+    for p in props.items:
+        if p.kind != "split" or not p.rules or not isinstance(p.rules[0], Split) or p.rules[0].heads is not None:
+            continue
+        split, rest = p.rules[0], p.rules[1:]
+        layouts = [list(p.rules)] + [[split.model_copy(update={"heads": n}), *rest] for n in groups_of]
+        out.append(Choice(label=f"layout of {p.sources[0]}", options=["parts one after the other"]
+                          + [f"fused per head group ({n} groups: [{n}, parts, rows])" for n in groups_of],
+                          split=p, layouts=layouts))
     by_topic: dict[str, list[Question]] = {}
     for q in props.questions:
         if q.rules and q.topic:
@@ -261,7 +273,9 @@ def adapter_for(base: Base, choices: list[Choice], picks: list[int]) -> Adapter:
     first: list[Any] = []
     last: list[Any] = []
     for c, k in zip(choices, picks, strict=True):
-        if c.question is not None:
+        if c.split is not None:
+            replaced[id(c.split)] = c.layouts[k]
+        elif c.question is not None:
             if k == 1:
                 (first if c.question.before else last).extend(c.question.rules or [])
         else:
@@ -334,7 +348,11 @@ def apply_outcome(props: Proposals, out: Outcome) -> list[str]:
     for c, k in zip(out.choices, out.picks, strict=True):
         if c.label in unsettled_labels:
             continue
-        if c.question is not None:
+        if c.split is not None:
+            if k:
+                c.split.rules = c.layouts[k]
+                c.split.evidence.append(f"{c.options[k]} ({how})")
+        elif c.question is not None:
             answered[c.question.question] = k == 1
             lines.append(f"{c.label.split(':')[0]}: {'needed' if k == 1 else 'not needed'} ({how})")
         else:
@@ -361,7 +379,8 @@ def apply_outcome(props: Proposals, out: Outcome) -> list[str]:
                 p.evidence.append(f"{q.question.split(':')[0]}: enabled ({how})")
         p.questions = kept
     props.questions = [q for q in props.questions if q.question not in answered]
-    unsettled_props = {id(p) for c in out.choices if c.label in unsettled_labels for p in c.renames}
+    unsettled_props = {id(p) for c in out.choices if c.label in unsettled_labels
+                       for p in [*c.renames, *([c.split] if c.split else [])]}
     for p in props.items:
         if id(p) in unsettled_props:
             p.confidence = min(p.confidence, 0.5)

@@ -57,7 +57,7 @@ def _style(seg: str) -> str | None:
     low = seg.lower()
     if low in ("wq", "wk", "wqkv"):
         return "meta"
-    if low in ("q_proj", "k_proj", "qkv_proj"):
+    if low in ("q_proj", "k_proj", "qkv_proj", "query_key_value", "wqkv_proj"):
         return "hf"
     return None
 
