@@ -121,7 +121,8 @@ def read_facts(source: str | os.PathLike[str] | None, keys: list[str]) -> Facts:
     block = None
     if isinstance(qc, dict) and isinstance(qc.get("weight_block_size"), list) and len(qc["weight_block_size"]) == 2:
         block = (int(qc["weight_block_size"][0]), int(qc["weight_block_size"][1]))
-    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    rope_value = cfg.get("rope_parameters")
+    rope: dict[str, Any] = rope_value if isinstance(rope_value, dict) else {}
     frac = next((d[n] for d in (cfg, rope) for n in ("partial_rotary_factor", "rotary_pct")
                  if isinstance(d.get(n), (int, float))), None)
     facts = Facts(
