@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 
 GEMMA_TYPES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
 """Families whose RMSNorm computes ``x_hat * (1 + w)`` and stores ``w``."""
+INTERLEAVED_ROTARY_TYPES = frozenset({"cohere", "cohere2", "glm", "glm4", "glm4_moe", "helium", "gptj", "chatglm"})
+"""Families whose transformers code already rotates interleaved row pairs (``x[..., ::2]``),
+not HF's usual "half" split: a Meta-style target needs no rotary rule for them."""
 INTERLEAVED_GATE_UP_TYPES = frozenset({"gpt_oss"})
 """Families whose fused expert ``gate_up`` tensors alternate gate and up element by element along
 the fused dim (gate = ``[..., ::2]``, up = ``[..., 1::2]``)."""
@@ -53,6 +56,10 @@ class Facts:
     def norm_offset(self) -> bool:
         """Norm weights are stored as ``w`` for a norm that multiplies by ``1 + w``."""
         return self.model_type in GEMMA_TYPES
+
+    @property
+    def interleaved_rotary(self) -> bool:
+        return self.model_type in INTERLEAVED_ROTARY_TYPES
 
     @property
     def interleaved_gate_up(self) -> bool:

@@ -65,7 +65,7 @@ def _style(seg: str) -> str | None:
 _STYLE_NAMES = {"hf": "HF-style (q_proj, k_proj)", "meta": "Meta-style (wq, wk)"}
 ROTARY_QUESTION = (
     "rotary row order: {a} q/k projections become {b} ones. HF transformers keeps each head's rows in "
-    "'half' order, Meta's code rotates interleaved pairs; shapes cannot show which one your model's code "
+    "'half' order in most families, Meta's code rotates interleaved pairs; shapes cannot show which one your model's code "
     "expects. The rule applies to every tensor whose rows follow the heads: weights, biases and per-head "
     "q/k norm weights"
 )
@@ -90,6 +90,9 @@ def _rotary_text(direction: tuple[str, str], facts: Facts = NO_CONFIG) -> str:
     text = ROTARY_QUESTION.format(a=_STYLE_NAMES[a], b=_STYLE_NAMES[b])
     if facts.rotary_fraction:
         text += f"; config.json says only {facts.rotary_fraction:g} of each head rotates (rotary_dim)"
+    if facts.interleaved_rotary:
+        text += (f"; but model_type {facts.model_type!r} is one of the families whose transformers code already "
+                 "rotates interleaved pairs: a Meta-style model then needs no rotary rule")
     return text
 
 
