@@ -170,3 +170,42 @@ def test_numerical_draft_on_untuned_family(family: str, ckpts: dict[str, tuple[P
                     f"{len(plain_wrong)} wrong keys, {len(plain.uncertain)} uncertain, {len(plain.questions)} DECIDE, "
                     f"verify {'PASS' if rep.passed else 'FAIL'}")
     print(ROWS[family])
+
+
+def test_without_reference_the_unproven_rules_are_listed(ckpts: dict[str, tuple[Path, nn.Module]]) -> None:
+    """GPT-NeoX's draft without a reference splits query_key_value as parts one after the other
+    (wrong: it is fused per head); the draft names that split, and the rotary choice, as unproven."""
+    path, _ = ckpts["gpt_neox"]
+    d = sdadapt.draft(_native(path), path)
+    text = "\n".join(d.summary)
+    assert "unproven: layout of gpt_neox.layers.{i}.attention.query_key_value.{p}" in text, text
+    assert "fused per head group (4 groups" in text and "unproven: rotary" in text, text
+    split = next(p for p in d.proposals if p.kind == "split")
+    assert any(e.startswith("unproven: layout of") for e in split.evidence), split.evidence
+
+
+def test_cli_draft_with_reference(ckpts: dict[str, tuple[Path, nn.Module]], tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``sdadapt draft SRC --target T --reference config -o FILE``: the module it writes loads
+    right values as it is; ``--reference`` with a checkpoint as the target is a usage error."""
+    from sdadapt.cli import main
+
+    path, hf = ckpts["phi"]
+    build = tmp_path / "build.py"
+    build.write_text(
+        "import json, sys, torch\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from draft_natives_more import Native2, native2_config\n\n\n"
+        "def build():\n"
+        f"    cfg = json.loads(open({str(path / 'config.json')!r}).read())\n"
+        "    with torch.device('meta'):\n"
+        "        return Native2(native2_config(cfg))\n"
+    )
+    out = tmp_path / "phi_adapter.py"
+    assert main(["draft", str(path), "--target", f"{build}:build", "--reference", "config", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "values checked" in printed and "checked numerically" in out.read_text(), printed
+    adapter = sdadapt.resolve_adapter(f"{out}:ADAPTER")
+    assert sdadapt.verify(_loaded(path, adapter), hf).passed
+    assert main(["draft", str(path), "--target", str(path), "--reference", "config"]) == 2
+    assert "--reference needs the model" in capsys.readouterr().err

@@ -199,8 +199,15 @@ def draft(
         values_checked, experiment_lines = _experiment(target, facts, props, reference, layers, init_buffers,
                                                        strip, given)
     elif related:
+        from .numeric import choices_of
+
         experiment_lines.append("values unproven: no reference to check the mapping numerically (pass "
                                 "reference='config' or --reference config to settle the questions by experiment)")
+        for c in choices_of(props, facts):  # what names and shapes could have got wrong, said per rule
+            alternatives = (f"{len(c.options) - 1} other order(s)" if c.renames else "; ".join(c.options[1:]))
+            experiment_lines.append(f"  unproven: {c.label} (as drafted: {c.options[0]}; alternatives: {alternatives})")
+            for p in [*c.renames, *([c.split] if c.split else [])]:
+                p.evidence.append(f"unproven: {c.label}; a numerical check would settle it")
     summary += experiment_lines
     if related:
         if strip:
