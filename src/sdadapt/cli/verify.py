@@ -131,16 +131,14 @@ def run(args: argparse.Namespace) -> int:
         world = dist.get_world_size() if dist.is_initialized() else 1
         if (args.mesh or args.parity_mesh) and world == 1:
             raise ResolveError("--mesh / --parity-mesh need several processes: launch with torchrun --nproc-per-node N")
-        if args.parity_mesh and not args.mesh:
-            raise ResolveError("--parity-mesh compares with the model on --mesh: give both")
         for flag, spec in (("--mesh", args.mesh), ("--parity-mesh", args.parity_mesh)):
             why = _check_mesh(spec, world, flag) if spec else None
             if why:  # the same on every rank: one line from rank 0, the same exit status everywhere
                 if dist.get_rank() != 0:
                     return 2
                 raise ResolveError(why)
-        if args.mesh and not args.parallelize:
-            raise ResolveError("--mesh needs --parallelize module:function(model, mesh)")
+        if (args.mesh or args.parity_mesh) and not args.parallelize:
+            raise ResolveError("--mesh / --parity-mesh need --parallelize module:function(model, mesh)")
         adapter = resolve_adapter(args.adapter, source=args.src, **parse_options(args.adapter_option)) if args.adapter else None
         model = _loaded_model(args, args.mesh, adapter, None)
         if args.parity_mesh:
