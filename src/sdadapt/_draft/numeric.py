@@ -158,8 +158,9 @@ class Experiment:
         if facts.config is None:
             raise SdadaptError("no config.json beside the checkpoint to build a reference from")
         cfg = shrink_config(facts.config, layers)
-        torch.manual_seed(seed)
-        self.reference = (reference or _hf_reference)(cfg).float().eval()
+        with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
+            torch.manual_seed(seed)
+            self.reference = (reference or _hf_reference)(cfg).float().eval()
         _perturb(self.reference, seed)
         self.folder = tempfile.mkdtemp(prefix="sdadapt-draft-")
         save = getattr(self.reference, "save_pretrained", None)
@@ -351,7 +352,7 @@ def apply_outcome(props: Proposals, out: Outcome) -> list[str]:
         if c.split is not None:
             if k:
                 c.split.rules = c.layouts[k]
-                c.split.evidence.append(f"{c.options[k]} ({how})")
+                c.split.evidence.append(f"{c.options[k]}, by experiment")
         elif c.question is not None:
             answered[c.question.question] = k == 1
             lines.append(f"{c.label.split(':')[0]}: {'needed' if k == 1 else 'not needed'} ({how})")
@@ -376,7 +377,7 @@ def apply_outcome(props: Proposals, out: Outcome) -> list[str]:
                 add = [r.model_copy(update={"keys": moved[r.keys]}) if isinstance(getattr(r, "keys", None), str)
                        and r.keys in moved else r for r in q.rules or []]
                 p.rules = add + p.rules if q.before else p.rules + add
-                p.evidence.append(f"{q.question.split(':')[0]}: enabled ({how})")
+                p.evidence.append(f"{q.question.split(':')[0]}: enabled by experiment")
         p.questions = kept
     props.questions = [q for q in props.questions if q.question not in answered]
     unsettled_props = {id(p) for c in out.choices if c.label in unsettled_labels
@@ -387,6 +388,7 @@ def apply_outcome(props: Proposals, out: Outcome) -> list[str]:
             p.evidence.append("the experiment cannot tell this mapping from its alternative (both agree)")
         else:
             p.confidence = 1.0
-            p.evidence.append(how)
+            if not any(e.startswith(how) for e in p.evidence):
+                p.evidence.append(how)
     lines += [f"not settled by the experiment: {u}" for u in out.unsettled]
     return lines
