@@ -52,9 +52,12 @@ class Attention(nn.Module):
         super().__init__()
         d, h, kv, hd = c["dim"], c["heads"], c["kv_heads"], c["head_dim"]
         self.c = c
-        self.wq = nn.Linear(d, h * hd, bias=c.get("qkv_bias", False))
-        self.wk = nn.Linear(d, kv * hd, bias=c.get("qkv_bias", False))
-        self.wv = nn.Linear(d, kv * hd, bias=c.get("qkv_bias", False))
+        if c.get("fused_qkv"):  # one projection, rows [q; k; v]
+            self.wqkv = nn.Linear(d, (h + 2 * kv) * hd, bias=c.get("qkv_bias", False))
+        else:
+            self.wq = nn.Linear(d, h * hd, bias=c.get("qkv_bias", False))
+            self.wk = nn.Linear(d, kv * hd, bias=c.get("qkv_bias", False))
+            self.wv = nn.Linear(d, kv * hd, bias=c.get("qkv_bias", False))
         self.wo = nn.Linear(h * hd, d, bias=c.get("o_bias", False))
         if c.get("qk_norm") == "full":  # over the whole projection (OLMo2)
             self.q_norm = Norm(c["norm"], h * hd, c["eps"])
@@ -64,7 +67,10 @@ class Attention(nn.Module):
         c = self.c
         b, s, _ = x.shape
         hd = c["head_dim"]
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        if c.get("fused_qkv"):
+            q, k, v = self.wqkv(x).split([c["heads"] * hd, c["kv_heads"] * hd, c["kv_heads"] * hd], -1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
         if c.get("qk_norm") == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.reshape(b, s, -1, hd) for t in (q, k, v))

@@ -209,3 +209,32 @@ def test_cli_draft_with_reference(ckpts: dict[str, tuple[Path, nn.Module]], tmp_
     assert sdadapt.verify(_loaded(path, adapter), hf).passed
     assert main(["draft", str(path), "--target", str(path), "--reference", "config"]) == 2
     assert "--reference needs the model" in capsys.readouterr().err
+
+
+def test_per_head_fused_source_into_a_fused_target(ckpts: dict[str, tuple[Path, nn.Module]]) -> None:
+    """GPT-NeoX's query_key_value ([heads, 3, head_dim], half-order partial rotary) into a target
+    with one contiguous ``wqkv`` [q; k; v] and interleaved rotary: names say "rename as it is";
+    the experiment finds split per head -> rotary on q and k -> fuse. Values equal the eager
+    transform; logits equal transformers'."""
+    path, hf = ckpts["gpt_neox"]
+    cfg = native2_config(json.loads((path / "config.json").read_text()))
+    c = {**cfg, "fused_qkv": True}
+    with torch.device("meta"):
+        target = Native2(c).eval()
+    d = sdadapt.draft(target, path, reference="config")
+    assert d.report.ok and d.report.values_checked and not d.uncertain and not d.questions, d.format()
+    with torch.device("meta"):
+        got = Native2(c).eval()
+    sdadapt.load(got, path, d.adapter)
+    assert sdadapt.verify(got, hf).passed
+    h, hd, rd = c["heads"], c["head_dim"], c["rot_dim"]
+    w = hf.state_dict()["gpt_neox.layers.0.attention.query_key_value.weight"].view(h, 3, hd, -1)
+
+    def meta_rows(t: torch.Tensor) -> torch.Tensor:  # [h, hd, D]: the first rd rows half -> interleaved
+        rot = t[:, :rd].reshape(h, 2, rd // 2, -1).transpose(1, 2).reshape(h, rd, -1)
+        return torch.cat([rot, t[:, rd:]], 1).reshape(h * hd, -1)
+
+    want = torch.cat([meta_rows(w[:, 0]), meta_rows(w[:, 1]), w[:, 2].reshape(h * hd, -1)])
+    assert torch.equal(got.layers[0].attention.wqkv.weight, want)
+    plain = sdadapt.draft(target, path)  # without the reference: the rename is listed as unproven
+    assert any("unproven: layout of gpt_neox.layers.{i}.attention.query_key_value" in s for s in plain.summary), plain.summary

@@ -41,10 +41,11 @@ from torch import nn
 
 from .._adapter import Adapter
 from .._patterns import compile_pattern
-from .._rules import Rename, Split
+from .._rules import Fuse, Rename, Rotary, Split
 from .._verify import _forward, _layer_list, _recording, _rel, default_rtol, random_tokens
 from ..errors import SdadaptError
 from .config import Facts
+from .names import canon_tokens
 from .proposals import Proposals, Proposed
 from .questions import Question
 
@@ -228,6 +229,10 @@ def choices_of(props: Proposals, facts: Facts) -> list[Choice]:
     out: list[Choice] = []
     groups_of = sorted({n for n in (facts.kv_heads, facts.heads) if n and n > 1})
     for p in props.items:
+        fused = _fused_rename_choice(p, facts, groups_of)
+        if fused is not None:
+            out.append(fused)
+            continue
         if p.kind != "split" or not p.rules or not isinstance(p.rules[0], Split) or p.rules[0].heads is not None:
             continue
         split, rest = p.rules[0], p.rules[1:]
@@ -261,6 +266,37 @@ def choices_of(props: Proposals, facts: Facts) -> list[Choice]:
                                    for pm in perms],
                           renames=ps, perms=perms))
     return out
+
+
+def _fused_rename_choice(p: Proposed, facts: Facts, groups_of: list[int]) -> Choice | None:
+    """A fused q/k/v tensor renamed into a fused target: the source may be fused per head group
+    and the target may want Meta's rotary on its q and k rows. The alternatives cut it (as laid
+    out), reorder the q and k parts' rows, and fuse the parts back in the target's order."""
+    m = p.match
+    if p.kind != "rename" or m is None or len(p.rules) != 1 or not isinstance(p.rules[0], Rename) or m.transpose:
+        return None
+    if not ({"#qkv"} <= canon_tokens(m.srcs[0].rel) and {"#qkv"} <= canon_tokens(m.tgts[0].rel)):
+        return None
+    hd, heads, kv = facts.head_rows, facts.heads, facts.kv_heads or facts.heads
+    if not hd or not heads or not kv or m.srcs[0].shape[0] != (heads + 2 * kv) * hd:
+        return None
+    src, dst = p.sources[0], p.targets[0]
+    sizes = [heads * hd, kv * hd, kv * hd]
+    parts = [f"{dst}.__{x}" for x in "qkv"]
+    options, layouts = ["renamed as it is"], [list(p.rules)]
+    for n in [None, *groups_of]:
+        for rotate in (False, True):
+            if n is None and not rotate:
+                continue
+            rules: list[Any] = [Split(src=src, dsts=parts, sizes=sizes, heads=n)]
+            if rotate:
+                rules += [Rotary(keys=parts[0], heads=heads, rotary_dim=facts.rotary_fraction),
+                          Rotary(keys=parts[1], heads=kv, rotary_dim=facts.rotary_fraction)]
+            rules.append(Fuse(srcs=parts, dst=dst))
+            layout = f"fused per head group ({n} groups)" if n else "parts one after the other"
+            options.append(f"{layout}, {'rows of q and k reordered to interleaved rotary' if rotate else 'rows kept'}")
+            layouts.append(rules)
+    return Choice(label=f"layout of {src} -> {dst}", options=options, split=p, layouts=layouts)
 
 
 Base = Callable[[dict[int, list[Any]], list[Any], list[Any]], Adapter]
@@ -353,6 +389,8 @@ def apply_outcome(props: Proposals, out: Outcome) -> list[str]:
             if k:
                 c.split.rules = c.layouts[k]
                 c.split.evidence.append(f"{c.options[k]}, by experiment")
+            if c.split.kind == "rename":  # a fused rename's layout settles the rotary of its q and k rows too
+                c.split.questions = [q for q in c.split.questions if q.topic != "rotary" or q.rules]
         elif c.question is not None:
             answered[c.question.question] = k == 1
             lines.append(f"{c.label.split(':')[0]}: {'needed' if k == 1 else 'not needed'} ({how})")
@@ -379,7 +417,10 @@ def apply_outcome(props: Proposals, out: Outcome) -> list[str]:
                 p.rules = add + p.rules if q.before else p.rules + add
                 p.evidence.append(f"{q.question.split(':')[0]}: enabled by experiment")
         p.questions = kept
-    props.questions = [q for q in props.questions if q.question not in answered]
+    held = {q.question for p in props.items for q in p.questions}
+    owned = {q.question for q in props.questions if q.topic}  # questions that belong to proposals
+    props.questions = [q for q in props.questions if q.question not in answered and (q.question in held or
+                                                                                      q.question not in owned)]
     unsettled_props = {id(p) for c in out.choices if c.label in unsettled_labels
                        for p in [*c.renames, *([c.split] if c.split else [])]}
     for p in props.items:
