@@ -7,7 +7,9 @@ half-split rotary order, separate q/k/v, one tensor per expert, unpadded vocab) 
 eagerly on full tensors here (plain torch ops), bit-exactly, and that its TP-local ``wqkv`` is
 ``[q_r; k_r; v_r]`` (what attention code that splits its local projection expects).
 Head-cutting and uneven shards are part of the cases (20 rotary rows of 5 heads over 2, 4 and
-3 ranks; 3 experts over 2 FSDP ranks; 8 vocab rows over 3 ranks).
+3 ranks; a partial rotary of 3 heads of 8 rows, 4 rotating, over the same; a per-head fused
+query_key_value of 3 heads split into q, k, v of 6 rows; 3 experts over 2 FSDP ranks; 8 vocab
+rows over 3 ranks).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import sdadapt
 
 DIM, HEADS, HD, SIZES, EXPERTS, FFN, VOCAB, PADDED = 8, 5, 4, [12, 6, 6], 3, 6, 7, 8
+P_HEADS, P_HD, P_ROT = 3, 8, 4  # partial rotary: 4 of each head's 8 rows rotate (partial_rotary_factor 0.5)
+NX_HEADS, NX_HD = 3, 2  # a per-head fused query_key_value [heads, 3, head_dim] (GPT-NeoX), split into q, k, v
 
 
 class Block(nn.Module):
@@ -35,6 +39,8 @@ class Block(nn.Module):
         super().__init__()
         self.emb = nn.Embedding(PADDED, DIM)
         self.wq = nn.Linear(DIM, HEADS * HD, bias=False)
+        self.wp = nn.Linear(DIM, P_HEADS * P_HD, bias=False)
+        self.nx = nn.ModuleDict({n: nn.Linear(DIM, NX_HEADS * NX_HD) for n in "qkv"})
         self.wqkv = nn.Linear(DIM, sum(SIZES), bias=False)
         self.experts = nn.Parameter(torch.empty(EXPERTS, FFN, DIM))
 
@@ -44,6 +50,9 @@ ADAPTER = sdadapt.Adapter(
         sdadapt.strip_prefix("model."),
         sdadapt.rename("q_proj.weight", "wq.weight"),
         sdadapt.rotary("wq.weight", heads=HEADS, to="interleaved"),
+        sdadapt.rename("p_proj.weight", "wp.weight"),
+        sdadapt.rotary("wp.weight", heads=P_HEADS, rotary_dim=P_ROT / P_HD),
+        sdadapt.split("query_key_value.{p}", ["nx.q.{p}", "nx.k.{p}", "nx.v.{p}"], heads=NX_HEADS),
         sdadapt.fuse(["q.weight", "k.weight", "v.weight"], "wqkv.weight"),
         sdadapt.interleave("wqkv.weight", SIZES),  # TP degree from the model's placements
         sdadapt.stack("experts.{e}.w", "experts", count=EXPERTS),
@@ -57,6 +66,9 @@ def source_tensors() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     out = {"model.emb.weight": r(VOCAB, DIM), "model._orig_mod.q_proj.weight": r(HEADS * HD, DIM)}
+    out["model.p_proj.weight"] = r(P_HEADS * P_HD, DIM)
+    out["model.query_key_value.weight"] = r(NX_HEADS * 3 * NX_HD, DIM)
+    out["model.query_key_value.bias"] = r(NX_HEADS * 3 * NX_HD)
     for name, n in zip("qkv", SIZES):
         out[f"model.{name}.weight"] = r(n, DIM)
     for e in range(EXPERTS):
@@ -73,14 +85,24 @@ def expected(tp: int) -> dict[str, torch.Tensor]:
     wqkv = torch.cat([p.chunk(tp)[r] for r in range(tp) for p in parts])
     experts = torch.stack([s[f"_orig_mod.model.experts.{e}.w"] for e in range(EXPERTS)])
     emb = torch.cat([s["model.emb.weight"], torch.zeros(PADDED - VOCAB, DIM)])
-    return {"emb.weight": emb, "wq.weight": wq, "wqkv.weight": wqkv, "experts": experts}
+    p = s["model.p_proj.weight"].view(P_HEADS, P_HD, DIM)  # first P_ROT rows of a head: half -> interleaved
+    rot = p[:, :P_ROT].reshape(P_HEADS, 2, P_ROT // 2, DIM).transpose(1, 2).reshape(P_HEADS, P_ROT, DIM)
+    wp = torch.cat([rot, p[:, P_ROT:]], 1).reshape(P_HEADS * P_HD, DIM)
+    nx = {}
+    for p_ in ("weight", "bias"):
+        t = s[f"model.query_key_value.{p_}"]
+        v = t.view(NX_HEADS, 3, NX_HD, *t.shape[1:])
+        for j, n in enumerate("qkv"):
+            nx[f"nx.{n}.{p_}"] = v[:, j].reshape(NX_HEADS * NX_HD, *t.shape[1:])
+    return {"emb.weight": emb, "wq.weight": wq, "wp.weight": wp, "wqkv.weight": wqkv, "experts": experts, **nx}
 
 
 def _build(kind: str) -> tuple[Block, int]:
     world = dist.get_world_size()
     with torch.device("meta"):
         model = Block()
-    tp_plan = {"emb": RowwiseParallel(input_layouts=Replicate()), "wq": ColwiseParallel(), "wqkv": ColwiseParallel()}
+    tp_plan = {"emb": RowwiseParallel(input_layouts=Replicate()), "wq": ColwiseParallel(), "wp": ColwiseParallel(),
+               "wqkv": ColwiseParallel(), **{f"nx.{n}": ColwiseParallel() for n in "qkv"}}
     if kind == "fsdp_tp_2x2":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
         parallelize_module(model, mesh["tp"], tp_plan)
@@ -117,7 +139,7 @@ def _cases(folder: str, kinds: list[str]) -> dict[str, Any]:
             region = want[k][tuple(slice(o, o + n) for o, n in zip(offset, shape))]
             if tuple(v.to_local().shape) != tuple(shape) or not torch.equal(v.to_local(), region):
                 bad.append(k)
-            if k == "wq.weight" and (offset[0] % HD or shape[0] % HD):
+            if (k == "wq.weight" and (offset[0] % HD or shape[0] % HD)) or (k == "wp.weight" and offset[0] % P_HD):
                 cut_heads = True
             for mesh_dim, p in enumerate(v.placements):
                 if p.is_shard() and v.shape[p.dim] % v.device_mesh.size(mesh_dim):

@@ -157,9 +157,70 @@ def test_evidence_is_true_and_ties_are_uncertain(ckpts: dict) -> None:
     assert sorted(rotary[0].suggestion) == sorted([
         'sdadapt.rotary("layers.{i}.attention.wq.weight", heads=4, to="interleaved"),',
         'sdadapt.rotary("layers.{i}.attention.wk.weight", heads=2, to="interleaved"),',
-        'sdadapt.rotary("layers.{i}.attention.q_norm.weight", heads=1, to="interleaved"),',
-        'sdadapt.rotary("layers.{i}.attention.k_norm.weight", heads=1, to="interleaved"),',
+        'sdadapt.rotary("layers.{i}.attention.q_norm.weight", head_dim=8, to="interleaved"),',
+        'sdadapt.rotary("layers.{i}.attention.k_norm.weight", head_dim=8, to="interleaved"),',
     ])  # fmt: skip
+
+
+# --- numerical drafting: the draft settles its own questions against transformers' code ---------
+
+
+@pytest.mark.parametrize("family", NUMERIC)
+def test_numerical_draft_loads_right_values_without_review(family: str, ckpts: dict) -> None:
+    """With ``reference="config"`` the draft needs no review: no UNCERTAIN rule, no question; every
+    rule says it was checked numerically; the drafted adapter as it is loads, key by key, what the
+    reviewed draft (hand truths for the norms, the right DECIDE answers) loads, and logits equal
+    to transformers'. The unreviewed draft without a reference is a wrong load that
+    ``sdadapt.verify`` fails, and the draft says its values are unproven."""
+    path, ref = ckpts[family]
+    d = sdadapt.draft(_native(family, path), path, reference="config")
+    assert d.related and d.report.ok, d.format()
+    assert not d.uncertain and not d.questions, d.format()
+    assert d.report.values_checked and "values checked" in d.format(), d.format()
+    assert all(any(e.startswith("checked numerically") for e in p.evidence) for p in d.proposals), d.format()
+    ns: dict[str, Any] = {}
+    exec(d.module, ns)  # noqa: S102 - the drafted module is what the user loads
+    assert ns["ADAPTER"].to_json() == d.adapter.to_json()
+    got = _native(family, path)
+    sdadapt.load(got, path, d.adapter)
+    plain = sdadapt.draft(_native(family, path), path)
+    assert any("values unproven" in line for line in plain.summary), plain.summary
+    reviewed, plus_one = reviewed_adapter(family, plain)
+    want = _native(family, path)
+    sdadapt.load(want, path, reviewed)
+    _add_one(want, plus_one)
+    wrong_keys = [k for k, v in want.state_dict().items() if not torch.equal(got.state_dict()[k], v)]
+    assert wrong_keys == [], (family, wrong_keys)
+    with torch.no_grad():
+        out = got(tokens(got.c["vocab"]))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # the draft without review or reference: where it loads a wrong value, verify fails it
+    import transformers as T
+
+    unreviewed = _native(family, path)
+    sdadapt.load(unreviewed, path, plain.adapter)
+    differ = [k for k, v in want.state_dict().items() if not torch.equal(unreviewed.state_dict()[k], v)]
+    hf = T.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    rep = sdadapt.verify(unreviewed, hf)
+    assert rep.passed == (not differ), (differ, rep.format())
+    assert rep.passed or rep.first_difference, rep.format()
+    assert family == "qwen3_moe" or differ  # its native target keeps HF's half order: the raw draft is right
+    assert sdadapt.verify(got, hf).passed
+
+
+def test_numerical_draft_that_matches_nothing_stays_open(ckpts: dict) -> None:
+    """A reference that computes something else (a far larger norm epsilon): no candidate agrees,
+    so nothing is claimed: the questions stay, the report says values unchecked."""
+    from sdadapt._draft.numeric import _hf_reference
+
+    path, _ = ckpts["qwen3"]
+    d = sdadapt.draft(_native("qwen3", path), path, reference=lambda cfg: _hf_reference({**cfg, "rms_norm_eps": 10.0}))
+    assert any(line.startswith("values unproven: no candidate agreed") for line in d.summary), d.summary
+    assert any(q.question.startswith("rotary row order") for q in d.questions)
+    assert d.report.values_checked is None and "values unchecked" in d.format()
+    # and a target that is a checkpoint, not a model, cannot be checked: said plainly
+    d2 = sdadapt.draft(sdadapt.open_source(str(path)).schema, path, reference="config")
+    assert any("needs the model itself" in line for line in d2.summary) or not d2.related, d2.summary
 
 
 # --- families checked against their native layout -----------------------------------------------

@@ -99,7 +99,8 @@ def test_rotary_node_reads_whole_heads_only(data):
     dtype = data.draw(st.sampled_from(DTYPES))
     t = _tensor(shape, dtype, data.draw(st.integers(0, 99)))
     io = DictIO({"x": t})
-    node = N.UnitPermute(N.Leaf("x", tuple(shape), dtype), dim, hd, rotary_perm(hd, to))
+    rd = 2 * data.draw(st.integers(1, hd // 2))  # partial rotary: the first rd rows of each head rotate
+    node = N.UnitPermute(N.Leaf("x", tuple(shape), dtype), dim, hd, rotary_perm(hd, to, rd))
 
     def whole_heads(box):
         a, b = box[dim]
@@ -110,11 +111,13 @@ def test_rotary_node_reads_whole_heads_only(data):
 
     full = _check_reads(node, io, data, exact=False, bound=whole_heads)
     # independent: HF's conversion script (Meta -> HF) and its inverse, on dim moved to the front
-    w = t.movedim(dim, 0).reshape(heads * hd, -1)
+    w = t.movedim(dim, 0).reshape(heads, hd, -1)
+    rot, rest = w[:, :rd], w[:, rd:]
     if to == "half":
-        ref = w.view(heads, hd // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+        rot = rot.reshape(heads, rd // 2, 2, -1).transpose(1, 2).reshape(rot.shape)
     else:
-        ref = w.view(heads, 2, hd // 2, -1).transpose(1, 2).reshape(w.shape)
+        rot = rot.reshape(heads, 2, rd // 2, -1).transpose(1, 2).reshape(rot.shape)
+    ref = torch.cat([rot, rest], 1)
     moved = t.movedim(dim, 0).shape
     assert torch.equal(full, ref.reshape(moved).movedim(0, dim))
 
@@ -326,6 +329,59 @@ def test_rotary_matches_meta_and_hf_rope():
         rep, 0
     ).transpose(-1, -2)
     assert not torch.allclose(s_hf, s_wrong)
+
+
+def test_partial_rotary_matches_hf_partial_rope():
+    """Partial rotary (``partial_rotary_factor``): HF rotates the first ``rotary_dim`` rows of each
+    head with rotate_half and passes the rest; Meta's complex RoPE on the same rows of the weights
+    converted by ``rotary(..., rotary_dim=)`` gives the same scores. The fraction and the row
+    count are the same rule; the inverse gives the checkpoint back; whole-head rotary is wrong here."""
+    torch.manual_seed(0)
+    dim, heads, hd, rd, seq = 16, 3, 8, 4, 5
+    wq = torch.randn(heads * hd, dim, dtype=torch.float64)
+    bias = torch.randn(heads * hd, dtype=torch.float64)
+    io = DictIO({"wq": wq, "bq": bias})
+    x = torch.randn(seq, dim, dtype=torch.float64)
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
+    freqs = torch.outer(torch.arange(seq, dtype=torch.float64), inv_freq)  # [seq, rd/2]
+
+    def hf(w, b):  # transformers (Phi, StableLM, GPT-NeoX): rotate_half on q[..., :rd], the rest passes
+        y = (x @ w.T + b).view(seq, heads, hd).transpose(0, 1)
+        rot, rest = y[..., :rd], y[..., rd:]
+        emb = torch.cat([freqs, freqs], -1)
+        half = torch.cat([-rot[..., rd // 2 :], rot[..., : rd // 2]], -1)
+        return torch.cat([rot * emb.cos() + half * emb.sin(), rest], -1)
+
+    def meta(w, b):  # complex RoPE on interleaved pairs of the first rd rows
+        y = (x @ w.T + b).view(seq, heads, hd)
+        pairs = y[..., :rd].reshape(seq, heads, rd // 2, 2)
+        z = torch.view_as_complex(pairs.contiguous()) * torch.polar(torch.ones_like(freqs), freqs)[:, None, :]
+        return torch.cat([torch.view_as_real(z).reshape(seq, heads, rd), y[..., rd:]], -1).transpose(0, 1)
+
+    want = hf(wq, bias) @ hf(wq, bias).transpose(-1, -2)
+    for rotary_dim in (rd, rd / hd):
+        a = sdadapt.Adapter([sdadapt.rotary(["wq", "bq"], heads, rotary_dim=rotary_dim)])
+        plan = build_plan(io.schema(), io.schema(), a)
+        mq, mb = plan.recipes["wq"].full(io), plan.recipes["bq"].full(io)
+        got = meta(mq, mb) @ meta(mq, mb).transpose(-1, -2)
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), rotary_dim
+        assert torch.equal(mq.view(heads, hd, dim)[:, rd:], wq.view(heads, hd, dim)[:, rd:])  # the rest stays
+        back = build_plan(DictIO({"wq": mq, "bq": mb}).schema(), io.schema(), a.inverse())
+        assert torch.equal(back.recipes["wq"].full(DictIO({"wq": mq, "bq": mb})), wq)
+        assert sdadapt.Adapter.from_json(a.to_json()) == a
+        assert "rotary_dim=4" in plan.recipes["wq"].describe()
+    whole = build_plan(io.schema(), io.schema(), sdadapt.Adapter([sdadapt.rotary(["wq", "bq"], heads)]))
+    wm, wb = whole.recipes["wq"].full(io), whole.recipes["bq"].full(io)
+    assert not torch.allclose(meta(wm, wb) @ meta(wm, wb).transpose(-1, -2), want)
+    # rows that do not fit: an issue naming the key, or an error at once
+    bad = build_plan(io.schema(), io.schema(), sdadapt.Adapter([sdadapt.rotary("wq", heads, rotary_dim=0.3)]))
+    assert any("not a whole number" in i.message for i in bad.report.rule_issues), bad.report.format()
+    with pytest.raises(AdapterError, match="even row count"):
+        sdadapt.rotary("wq", heads, rotary_dim=3)
+    with pytest.raises(AdapterError, match=r"in \(0, 1\]"):
+        sdadapt.rotary("wq", heads, rotary_dim=1.5)
+    with pytest.raises(AdapterError, match="at most the head"):
+        sdadapt.rotary("wq", head_dim=4, rotary_dim=8)
 
 
 def test_unstack_and_trim_with_explicit_sizes():

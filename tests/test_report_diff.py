@@ -71,7 +71,11 @@ def test_diff_matching_pair_is_ok(tmp_path):
         report = sdadapt.diff(_meta_model(3), path)
         assert report.ok and report.problems == 0
         assert report.matched == report.target_keys == report.source_keys == len(sd)
-        assert report.format().endswith("OK: checkpoint and model line up")
+        assert report.format().endswith("OK: checkpoint and model line up by names and shapes; values unchecked")
+        assert "note: this compares names" in report.format()
+    checked = report.model_copy(update={"values_checked": "logits equal to 1e-7"}).format()
+    assert checked.endswith("OK: checkpoint and model line up; values checked: logits equal to 1e-7")
+    assert "note: this compares names" not in checked
 
 
 def test_diff_targets_and_adapter(tmp_path):
@@ -179,7 +183,7 @@ def test_an_ok_report_says_names_are_not_numbers():
     tgt = {"w": TensorInfo((2,), torch.float32)}
     text = sdadapt.build_plan(tgt, tgt).report.format()
     assert "not values" in text and "sdadapt verify" in text
-    assert text.endswith("OK: checkpoint and model line up")
+    assert text.endswith("OK: checkpoint and model line up by names and shapes; values unchecked")
 
 
 @pytest.mark.parametrize(

@@ -352,3 +352,126 @@ def test_adapter_inverse_and_add():
     both = a + sdadapt.Adapter([sdadapt.cast("**", F32)], name="c")
     assert len(both) == 4 and both.name == "fwd+c"
     assert "#1 fuse" in a.describe()
+
+
+# --- sequential composition (a + b) ----------------------------------------------------------
+
+
+def test_composition_sees_the_previous_parts_outputs():
+    """``a + b``: ``b``'s rules apply to the keys ``a`` produced, even a name ``a`` took and
+    re-created; the same rules in one adapter are refused. Values bit-exact; the inverse is the
+    parts' inverses in reverse and gives the checkpoint back; JSON keeps the parts."""
+    a = sdadapt.Adapter([sdadapt.rename("w", "w_old"), sdadapt.rename("v", "w")], name="a")  # v takes w's name
+    b = sdadapt.Adapter([sdadapt.rename("w", "weight"), sdadapt.split("qkv", ["q", "k"])], name="b")
+    with pytest.raises(AdapterError, match=r"a key may be taken by one rule only \(compose adapters with `a \+ b`"):
+        sdadapt.Adapter([*a.rules, *b.rules])
+    ab = a + b
+    assert ab.stages == [2] and ab.stage_of(1) == 0 and ab.stage_of(2) == 1 and ab.name == "a+b"
+    assert "then, on the keys the rules above produced:\n  #2 rename" in ab.describe()
+    src = {"w": torch.arange(4.0), "v": torch.arange(4.0) + 10, "qkv": torch.arange(12.0).view(6, 2)}
+    io = DictIO(src)
+    tgt = schema({"w_old": ((4,),), "weight": ((4,),), "q": ((3, 2),), "k": ((3, 2),)})
+    p = build_plan(io.schema(), tgt, ab)
+    assert p.report.ok, p.report.format()
+    assert torch.equal(p.recipes["weight"].full(io), src["v"]) and torch.equal(p.recipes["w_old"].full(io), src["w"])
+    assert torch.equal(p.recipes["k"].full(io), src["qkv"][3:])
+    out = {k: n.full(io) for k, n in p.recipes.items()}
+    inv = ab.inverse()
+    assert inv.stages == [2] and inv.parts()[0] == b.inverse().rules and inv.parts()[1] == a.inverse().rules
+    back = build_plan(DictIO(out).schema(), io.schema(), inv)
+    assert back.report.ok, back.report.format()
+    assert all(torch.equal(back.recipes[k].full(DictIO(out)), v) for k, v in src.items())
+    again = sdadapt.Adapter.from_json(ab.to_json())
+    assert again == ab and again.stages == [2]
+    assert ab.for_optimizer_state("exp_avg").stages == [2]
+    # a part that is empty adds no boundary; three parts keep two boundaries
+    assert (sdadapt.Adapter([]) + a).stages == [] and (a + b + a).stages == [2, 4]
+    with pytest.raises(AdapterError, match="stages"):
+        sdadapt.Adapter(a.rules, stages=[5])
+
+
+def test_composition_still_checks_each_part():
+    """Within one part the ambiguity check holds; across parts a key the earlier part took is gone."""
+    a = sdadapt.Adapter([sdadapt.rename("layers.{i}.w", "blocks.{i}.w"), sdadapt.drop("layers.**")])
+    p = build_plan(schema({"layers.0.w": ((2,),), "layers.0.b": ((2,),)}), schema({"blocks.0.w": ((2,),)}), a)
+    assert any("took first" in i.message for i in p.report.rule_issues)
+    split = sdadapt.Adapter([sdadapt.rename("layers.{i}.w", "blocks.{i}.w")]) + sdadapt.Adapter([sdadapt.drop("layers.**")])
+    p = build_plan(schema({"layers.0.w": ((2,),), "layers.0.b": ((2,),)}), schema({"blocks.0.w": ((2,),)}), split)
+    assert p.report.ok and p.report.dropped == ["layers.0.b"], p.report.format()
+
+
+def test_composition_through_the_engine(tmp_path):
+    """A shipped adapter composed with renames onto another naming (what a torchtitan user does),
+    loaded by ``sdadapt.load``: values equal the composed transform applied eagerly."""
+    from torch import nn
+
+    w = {"model.a.weight": torch.randn(6, 4), "model.b.weight": torch.randn(6, 4)}
+    from safetensors.torch import save_file
+
+    save_file(w, str(tmp_path / "m.safetensors"))
+    first = sdadapt.Adapter([sdadapt.strip_prefix("model."), sdadapt.rename("a.weight", "x.weight"),
+                             sdadapt.rename("b.weight", "a.weight")])  # fmt: skip
+    second = sdadapt.Adapter([sdadapt.rename("a.weight", "inner.b.weight"), sdadapt.rename("x.weight", "inner.a.weight")])
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.ModuleDict({"a": nn.Linear(4, 6, bias=False), "b": nn.Linear(4, 6, bias=False)})
+
+    with torch.device("meta"):
+        m = M()
+    sdadapt.load(m, str(tmp_path / "m.safetensors"), first + second)
+    assert torch.equal(m.inner["a"].weight, w["model.a.weight"]) and torch.equal(m.inner["b"].weight, w["model.b.weight"])
+
+
+# --- per-head fused layouts ------------------------------------------------------------------
+
+
+def test_split_and_fuse_per_head():
+    """``split(..., heads=H)``: GPT-NeoX's ``query_key_value`` ``view(H, 3, head_dim, dim)`` gives
+    q, k, v; Falcon's per-kv-group layout (each group's q heads, then k, then v) with the kv
+    head count; ``fuse(..., heads=H)`` is the inverse; both bit-exact against eager views, every
+    region of the fused tensor too; the contiguous split is different (what a user got wrong)."""
+    heads, hd, dim = 4, 6, 5
+    qkv = torch.randn(heads * 3 * hd, dim)
+    bias = torch.randn(heads * 3 * hd)
+    io = DictIO({"qkv.weight": qkv, "qkv.bias": bias})
+    names = ["q.{p}", "k.{p}", "v.{p}"]
+    a = sdadapt.Adapter([sdadapt.split("qkv.{p}", names, heads=heads)])
+    tgt = schema({f"{n}.{p}": ((heads * hd, dim) if p == "weight" else (heads * hd,),) for n in "qkv" for p in ("weight", "bias")})
+    p = build_plan(io.schema(), tgt, a)
+    assert p.report.ok, p.report.format()
+    view = qkv.view(heads, 3, hd, dim)
+    bview = bias.view(heads, 3, hd)
+    for j, n in enumerate("qkv"):
+        assert torch.equal(p.recipes[f"{n}.weight"].full(io), view[:, j].reshape(heads * hd, dim))
+        assert torch.equal(p.recipes[f"{n}.bias"].full(io), bview[:, j].reshape(heads * hd))
+        for a0, b0 in ((0, 1), (5, 13), (7, 24)):  # regions that cut heads
+            got = p.recipes[f"{n}.weight"].read(((a0, b0), (1, 4)), io)
+            assert torch.equal(got, view[:, j].reshape(heads * hd, dim)[a0:b0, 1:4])
+    contiguous = build_plan(io.schema(), tgt, sdadapt.Adapter([sdadapt.split("qkv.{p}", names)]))
+    assert not torch.equal(contiguous.recipes["k.weight"].full(io), p.recipes["k.weight"].full(io))
+    # fuse(heads=) gives the per-head tensor back; the inverse of the split is that fuse
+    out = {k: n.full(io) for k, n in p.recipes.items()}
+    inv = a.inverse()
+    assert inv.rules[0] == sdadapt.fuse(["q.{p}", "k.{p}", "v.{p}"], "qkv.{p}", heads=heads)
+    back = build_plan(DictIO(out).schema(), io.schema(), inv)
+    assert torch.equal(back.recipes["qkv.weight"].full(DictIO(out)), qkv)
+    assert torch.equal(back.recipes["qkv.bias"].full(DictIO(out)), bias)
+    # grouped (Falcon): 2 kv groups, each [2 q heads; k; v]
+    kv, rep = 2, 2
+    fused = torch.randn(kv * (rep + 2) * hd, dim)
+    g = fused.view(kv, rep + 2, hd, dim)
+    io2 = DictIO({"w": fused})
+    sizes = [kv * rep * hd, kv * hd, kv * hd]
+    p2 = build_plan(io2.schema(), schema({"q": ((sizes[0], dim),), "k": ((sizes[1], dim),), "v": ((sizes[2], dim),)}),
+                    sdadapt.Adapter([sdadapt.split("w", ["q", "k", "v"], heads=kv)]))  # fmt: skip
+    assert torch.equal(p2.recipes["q"].full(io2), g[:, :rep].reshape(-1, dim))
+    assert torch.equal(p2.recipes["k"].full(io2), g[:, rep].reshape(-1, dim))
+    assert torch.equal(p2.recipes["v"].full(io2), g[:, rep + 1].reshape(-1, dim))
+    # parts that do not divide into the heads: an issue naming the key
+    bad = build_plan(io2.schema(), schema({"q": ((sizes[0], dim),), "k": ((sizes[1], dim),), "v": ((sizes[2], dim),)}),
+                     sdadapt.Adapter([sdadapt.split("w", ["q", "k", "v"], heads=5)]))  # fmt: skip
+    assert any(i.key == "w" and "heads=5" in i.message for i in bad.report.rule_issues), bad.report.format()
+    with pytest.raises(AdapterError):
+        sdadapt.split("w", ["q", "k"], heads=0)

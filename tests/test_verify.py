@@ -36,6 +36,30 @@ CFG = {CFG!r}
 def build(fused_qkv=False):
     with torch.device("meta"):
         return MetaLlama({{**CFG, "fused_qkv": fused_qkv}})
+
+
+class Buffered(MetaLlama):
+    # MetaLlama whose logits pass through a non-persistent buffer (a stand-in for a rotary table)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.register_buffer("logit_scale", torch.ones(()), persistent=False)
+
+    def forward(self, tokens):
+        return super().forward(tokens) * self.logit_scale
+
+
+def build_buffered():
+    with torch.device("meta"):
+        return Buffered(CFG)
+
+
+def fill(model):
+    model.logit_scale.fill_(1.0)
+
+
+def fill_wrong(model):
+    model.logit_scale.fill_(1.001)
 """
 
 
@@ -65,7 +89,8 @@ def case(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     no_rotary = sdadapt.Adapter([r for r in wrong.rules if not isinstance(r, Rotary)], name="llama-without-rotary")
     assert len(no_rotary.rules) == len(wrong.rules) - 2
     (root / "no_rotary.json").write_text(no_rotary.to_json())
-    return dict(path=str(path), build=f"{root / 'build.py'}:build", no_rotary=str(root / "no_rotary.json"))
+    return dict(path=str(path), build=f"{root / 'build.py'}:build", no_rotary=str(root / "no_rotary.json"),
+                py=str(root / "build.py"))
 
 
 def _model(fused_qkv: bool = False) -> Any:
@@ -115,6 +140,91 @@ def test_cli_single_process(case: dict[str, str], capsys: pytest.CaptureFixture[
         os.rename(os.path.join(case["path"], "config.moved"), os.path.join(case["path"], "config.json"))
 
 
+def test_cli_verdict_once_and_layers(case: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A FAIL prints its verdict once (stdout), with the layer table and the first difference."""
+    assert main(["verify", case["path"], "--model", case["build"], "--adapter", case["no_rotary"]]) == 1
+    cap = capsys.readouterr()
+    assert cap.out.count("FAIL") == 1 and "FAIL" not in cap.err, (cap.out, cap.err)
+    assert "first difference: layers.0" in cap.out and "layers.0.attention" in cap.out, cap.out
+
+
+def test_cli_init_buffers(case: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A model with a non-persistent buffer: the error names --init-buffers, which then works."""
+    build = f"{case['py']}:build_buffered"
+    assert main(["verify", case["path"], "--model", build, "--adapter", "llama"]) == 2
+    assert "--init-buffers" in capsys.readouterr().err
+    assert main(["verify", case["path"], "--model", build, "--adapter", "llama", "--init-buffers", f"{case['py']}:fill"]) == 0
+    assert capsys.readouterr().out.startswith("PASS")
+    # a buffer 0.1% off is a wrong model: the dtype's tolerance catches it, a fixed atol 1e-3 would not
+    wrong = ["verify", case["path"], "--model", build, "--adapter", "llama", "--init-buffers", f"{case['py']}:fill_wrong"]
+    assert main(wrong) == 1
+    out = capsys.readouterr().out
+    assert "every decoder layer's output agrees" in out, out
+    assert main([*wrong, "--atol", "1e-2"]) == 0
+    assert main(["verify", case["path"], "--model", build, "--adapter", "llama", "--init-buffers", f"{case['py']}:CFG"]) == 2
+    assert "names no function" in capsys.readouterr().err
+
+
+def _swap_norms(model: Any, layer: int) -> None:
+    blk = model.layers[layer]
+    with torch.no_grad():
+        a = blk.attention_norm.weight.clone()
+        blk.attention_norm.weight.copy_(blk.ffn_norm.weight)
+        blk.ffn_norm.weight.copy_(a)
+
+
+def test_verify_fails_subtle_wrong_loads(tmp_path: Path) -> None:
+    """Wrong loads whose logits move by less than 1e-3 (norms near 1, small weights) still FAIL,
+    and the report names the first layer and module that disagree; the right load PASSes."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=96, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(1)
+    hf = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.copy_(1 + 0.003 * torch.randn_like(p) if "norm" in name else 0.02 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    adapter = sdadapt.get_adapter("llama", source=str(tmp_path))
+
+    def loaded() -> Any:
+        m = _model_cfg(dict(CFG, n_layers=3))
+        sdadapt.load(m, str(tmp_path), adapter)
+        return m
+
+    right = verify(loaded(), hf)
+    assert right.passed and right.dtype == "float32" and right.max_abs_diff < 1e-6, right.format()
+    assert len(right.layers) == 3 and all(x.ok for x in right.layers)
+
+    swapped = loaded()
+    _swap_norms(swapped, 2)
+    rep = verify(swapped, hf)
+    assert not rep.passed and rep.max_abs_diff < 1e-3, rep.format()  # a fixed atol of 1e-3 would have passed it
+    assert [x.ok for x in rep.layers] == [True, True, False]
+    assert rep.first_difference and rep.first_difference.startswith("layers.2 "), rep.first_difference
+    assert "layers.2.attention_norm.weight" in rep.first_difference
+    assert "FAIL" in rep.format() and "DIFFERS" in rep.format()
+
+    flipped = loaded()
+    with torch.no_grad():
+        w = flipped.layers[1].feed_forward.w2.weight
+        w.copy_(w.flip(1))  # the down projection reads the hidden features in reverse
+    rep = verify(flipped, hf)
+    assert not rep.passed and [x.ok for x in rep.layers] == [True, False, False], rep.format()
+    assert "layers.1.feed_forward.w2.weight" in (rep.first_difference or ""), rep.first_difference
+    # an explicit tolerance is taken as given
+    assert verify(swapped, hf, atol=1e-2).passed
+    assert not verify(swapped, hf, layers=False).layers
+
+
+def _model_cfg(cfg: dict[str, Any]) -> Any:
+    from reference_models import MetaLlama
+
+    with torch.device("meta"):
+        return MetaLlama(cfg)
+
+
 def _dist_cli(case: dict[str, str]) -> dict[str, int]:
     common = ["verify", case["path"], "--model", case["build"], "--parallelize", "reference_models:parallelize_meta_llama"]
     return {
@@ -125,10 +235,13 @@ def _dist_cli(case: dict[str, str]) -> dict[str, int]:
         # tp=1: fused rows not interleaved for 2 TP ranks; the FSDP copy does not notice, TP does
         "fused_not_interleaved": main([*common, "--adapter", "llama", "-O", "fused_qkv=true", "-O", "tp=1",
                                        "--model-option", "fused_qkv=true", "--mesh", "tp=2", "--parity-mesh", "fsdp=2"]),  # fmt: skip
+        "mesh_too_big": main([*common, "--adapter", "llama", "--mesh", "fsdp=4"]),
+        "parity_too_big": main([*common, "--adapter", "llama", "--mesh", "fsdp=2", "--parity-mesh", "tp=2,fsdp=2"]),
     }
 
 
 def test_cli_under_two_ranks(case: dict[str, str]) -> None:
     results = run_distributed(_dist_cli, 2, case, timeout=300)
     for r in results:
-        assert r == {"fsdp_vs_hf": 0, "tp_vs_hf": 0, "fused_parity": 0, "fused_not_interleaved": 1}, r
+        assert r == {"fsdp_vs_hf": 0, "tp_vs_hf": 0, "fused_parity": 0, "fused_not_interleaved": 1, "mesh_too_big": 2,
+                     "parity_too_big": 2}, r

@@ -37,14 +37,22 @@ def rename(src: str, dst: str) -> Rename:
     return Rename(src=src, dst=dst)
 
 
-def fuse(srcs: list[str], dst: str, dim: int = 0, sizes: list[int] | None = None) -> Fuse:
-    """Concatenate ``srcs`` along ``dim`` into ``dst`` (q, k, v -> qkv)."""
-    return Fuse(srcs=srcs, dst=dst, dim=dim, sizes=sizes)
+def fuse(srcs: list[str], dst: str, dim: int = 0, sizes: list[int] | None = None, *, heads: int | None = None) -> Fuse:
+    """Concatenate ``srcs`` along ``dim`` into ``dst`` (q, k, v -> qkv). ``heads=H``: the fused
+    tensor is laid out per head, ``[H, parts, rows]`` (GPT-NeoX's ``query_key_value``)."""
+    return Fuse(srcs=srcs, dst=dst, dim=dim, sizes=sizes, heads=heads)
 
 
-def split(src: str, dsts: list[str], dim: int = 0, sizes: list[int] | None = None) -> Split:
-    """Cut ``src`` along ``dim`` into ``dsts``; sizes default to the target's, else equal."""
-    return Split(src=src, dsts=dsts, dim=dim, sizes=sizes)
+def split(src: str, dsts: list[str], dim: int = 0, sizes: list[int] | None = None, *, heads: int | None = None) -> Split:
+    """Cut ``src`` along ``dim`` into ``dsts``; sizes default to the target's, else equal.
+    ``heads=H``: ``src`` is laid out per head, ``[H, parts, rows]``: each part is taken from
+    every head's block (GPT-NeoX's ``query_key_value`` -> q, k, v).
+
+    Example:
+        >>> qkv = ["h.{i}.q.weight", "h.{i}.k.weight", "h.{i}.v.weight"]  # doctest: +SKIP
+        >>> sdadapt.split("h.{i}.attn.query_key_value.weight", qkv, heads=8)  # doctest: +SKIP
+    """
+    return Split(src=src, dsts=dsts, dim=dim, sizes=sizes, heads=heads)
 
 
 def cast(keys: str, dtype: str | torch.dtype, from_dtype: str | torch.dtype | None = None) -> Cast:
@@ -92,13 +100,20 @@ def rotary(
     dim: int = 0,
     *,
     head_dim: int | None = None,
+    rotary_dim: int | float | None = None,
 ) -> Rotary:
     """Reorder the rows inside each head between rotary layouts: ``to="interleaved"`` from HF
     transformers' half split to Meta's pairs, ``to="half"`` the other way. ``keys``: one pattern
     or several (weight, bias, per-head norm weight). A head is ``head_dim`` rows, or the rows
     divided by ``heads`` (GQA: one rule for k with the kv head count); per-head norm weights
-    ``[head_dim]`` need ``head_dim=``."""
-    return Rotary(keys=keys, heads=heads, to=to, dim=dim, head_dim=head_dim)
+    ``[head_dim]`` need ``head_dim=``. Partial rotary: ``rotary_dim`` rows of each head rotate
+    (an int, or a fraction of the head such as config.json's ``partial_rotary_factor``); only
+    they are reordered.
+
+    Example:
+        >>> sdadapt.rotary("layers.{i}.attention.wq.weight", heads=32, rotary_dim=0.25)  # doctest: +SKIP
+    """
+    return Rotary(keys=keys, heads=heads, to=to, dim=dim, head_dim=head_dim, rotary_dim=rotary_dim)
 
 
 def affine(keys: str | list[str], scale: float = 1.0, shift: float = 0.0) -> Affine:

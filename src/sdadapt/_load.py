@@ -126,7 +126,8 @@ def _plan_load(
         if lora is not None:
             peft = open_peft_lora(lora)
             source = peft.join(source)
-            adapter = Adapter([peft.rule, *(adapter.rules if adapter else [])], name=adapter.name if adapter else "lora")
+            adapter = Adapter([peft.rule, *(adapter.rules if adapter else [])], name=adapter.name if adapter else "lora",
+                              stages=[s + 1 for s in adapter.stages] if adapter else [])
         plan = build_plan(
             source.schema,
             schema_of(state_dict),

@@ -65,8 +65,8 @@ def check_buffers(model: nn.Module, init_buffers: InitFn | None) -> None:
         raise ModelError(
             f"non-persistent buffers {', '.join(compress(bufs))} are on the meta device and not in "
             "the state dict, so nothing would give them values after materialising. Pass "
-            "init_buffers=fn (called after to_empty, before reading), or give the model an "
-            "init_weights() method that computes them."
+            "init_buffers=fn (called after to_empty, before reading; `--init-buffers module:function` "
+            "on the command line), or give the model an init_weights() method that computes them."
         )
 
 

@@ -198,22 +198,24 @@ class PlanContext:
 
     # --- after all rules -------------------------------------------------------------
     def check_ambiguity(self) -> None:
-        """A key taken by rule i must not also match a later key-moving rule j.
+        """A key taken by rule i must not also match a later key-moving rule j of the same
+        composed part (``a + b``: ``b`` sees ``a``'s outputs, not the keys ``a`` took).
 
         Each key is first tried against one regex for all the rules after its own (one C-level
         match instead of one Python call per rule: a MoE checkpoint has ~10^5 keys); only a key
         that matches is tried rule by rule, to name the rule."""
         rules = self.adapter.rules
+        stage = self.adapter.stage_of
         later = [(j, [compile_pattern(p) for p in r.input_patterns()]) for j, r in enumerate(rules) if r.moves_keys]
         after: dict[int, re.Pattern[str]] = {}
         for key, i in self.consumed:
             screen = after.get(i)
-            if screen is None:
-                screen = after[i] = union([p for j, pats in later if j > i for p in pats])
+            if screen is None:  # later rules of the same composed part: the next part sees only the outputs
+                screen = after[i] = union([p for j, pats in later if j > i and stage(j) == stage(i) for p in pats])
             if screen.match(key) is None:
                 continue
             for j, pats in later:
-                if j > i and any(p.match(key) is not None for p in pats):
+                if j > i and stage(j) == stage(i) and any(p.match(key) is not None for p in pats):
                     self.issue(
                         j,
                         key,

@@ -27,6 +27,9 @@ NOT_NUMBERS = (
 )
 """What a key mapping does not show, and where the numerical check is."""
 
+VERDICT_UNCHECKED = "OK: checkpoint and model line up by names and shapes; values unchecked"
+"""The verdict of a clean report when no numerical check ran: a line-up is not a right load."""
+
 
 class Mismatch(BaseModel):
     key: str
@@ -66,6 +69,7 @@ class Report(BaseModel):
     allowed_missing: list[str] = []
     allowed_unexpected: list[str] = []
     dropped: list[str] = []
+    values_checked: str | None = None  # what numerical check ran on the values, if any (e.g. by draft)
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -219,9 +223,14 @@ class Report(BaseModel):
             lines.append(
                 f"allowed: {len(self.allowed_missing)} missing and {len(self.allowed_unexpected)} unexpected key(s)"
             )
-        if self.matched:
+        if self.matched and not self.values_checked:
             lines.append(NOT_NUMBERS)
-        lines.append("OK: checkpoint and model line up" if self.ok else f"NOT OK: {self.problems} problem(s)")
+        if not self.ok:
+            lines.append(f"NOT OK: {self.problems} problem(s)")
+        elif self.values_checked:
+            lines.append(f"OK: checkpoint and model line up; values checked: {self.values_checked}")
+        else:
+            lines.append(VERDICT_UNCHECKED)
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
+from torch import nn
 
 from .._adapter import Adapter
 from .._diff import Target, target_schema
@@ -151,6 +153,9 @@ def draft(
     adapter: Adapter | str | None = None,
     *,
     subtree: str | None = None,
+    reference: str | Callable[[dict[str, Any]], nn.Module] | None = None,
+    layers: int = 2,
+    init_buffers: Callable[[nn.Module], None] | None = None,
 ) -> Draft:
     """Propose an adapter from checkpoint ``src`` to ``target`` (a model, a checkpoint path or a
     schema), reading headers only. See :class:`Draft`.
@@ -188,6 +193,22 @@ def draft(
     proposals: list[Proposal] = []
     sections: list[tuple[str, list[tuple[list[str], list[str]]]]] = []
     rules: list[Any] = []
+    experiment_lines: list[str] = []
+    values_checked: str | None = None
+    if related and reference is not None:
+        values_checked, experiment_lines = _experiment(target, facts, props, reference, layers, init_buffers,
+                                                       strip, given)
+    elif related:
+        from .numeric import choices_of
+
+        experiment_lines.append("values unproven: no reference to check the mapping numerically (pass "
+                                "reference='config' or --reference config to settle the questions by experiment)")
+        for c in choices_of(props, facts):  # what names and shapes could have got wrong, said per rule
+            alternatives = (f"{len(c.options) - 1} other order(s)" if c.renames else "; ".join(c.options[1:]))
+            experiment_lines.append(f"  unproven: {c.label} (as drafted: {c.options[0]}; alternatives: {alternatives})")
+            for p in [*c.renames, *([c.split] if c.split else [])]:
+                p.evidence.append(f"unproven: {c.label}; a numerical check would settle it")
+    summary += experiment_lines
     if related:
         if strip:
             sp = StripPrefix(prefix=strip)
@@ -198,11 +219,8 @@ def draft(
             sections.append(("prefixes", [(comment(f"every checkpoint key starts with {strip!r}, no model key does"),
                                            [rule_code(sp)])]))
             rules.append(sp)
-        grouped: dict[str, list[Any]] = {}
-        for p in props.items:
-            grouped.setdefault(p.section, []).append(p)
-        first, last = ["drops", "dequant"], ["ties", "casts"]
-        section_names = first + sorted(s for s in grouped if s not in first + last) + last
+        grouped = _grouped(props)
+        section_names = list(grouped)
         pair_evidence = {f"{q.src.label()} -> {q.tgt.label()}": q.evidence for q in result.pairs}
         for name in section_names:
             entries = []
@@ -230,17 +248,73 @@ def draft(
     if given is not None:
         note = comment(f"the adapter given to draft ({given.name}); the proposals below come after it")
         sections.insert(0, (f"given: {given.name}", [(note, [rule_code(r) for r in given.rules])]))
-        rules = [*given.rules, *rules]
     adapter = Adapter(rules, name="draft", description=f"drafted from {sname} for {tname}")
+    if given is not None:  # the proposals apply to the keys the given adapter produces
+        adapter = Adapter.composed([*given.parts(), list(rules)], name="draft", description=adapter.description)
     report = build_plan(original, tschema, adapter, non_tensor=original_non_tensor, source_name=sname,
                         target_name=tname).report
+    if values_checked and report.ok:
+        report = report.model_copy(update={"values_checked": values_checked})
     questions = [Question(about=q.about, question=q.question, suggestion=q.suggestion) for q in props.questions] if related else []
     module = render_module(
         source=sname, target=tname, sections=sections,
-        remaining=report.format(), related=related, summary=summary,
+        remaining=report.format(), related=related, summary=summary, stages=adapter.stages,
     )
     return Draft(source=sname, target=tname, related=related, summary=summary, proposals=proposals,
                  questions=questions, adapter=adapter, module=module, report=report)
+
+
+def _grouped(props: Proposals) -> dict[str, list[Any]]:
+    """The proposals by section, in the drafted adapter's order."""
+    grouped: dict[str, list[Any]] = {}
+    for p in props.items:
+        grouped.setdefault(p.section, []).append(p)
+    first, last = ["drops", "dequant"], ["ties", "casts"]
+    names = first + sorted(s for s in grouped if s not in first + last) + last
+    return {n: grouped[n] for n in names if n in grouped}
+
+
+def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, layers: int, init_buffers: Any,
+                strip: str, given: Adapter | None) -> tuple[str | None, list[str]]:
+    """Run :mod:`.numeric` on the draft's open choices; returns (what was checked, summary lines)."""
+    from .._resolve import load_object
+    from .numeric import Experiment, apply_outcome, choices_of, search
+
+    if not isinstance(target, nn.Module):
+        return None, ["values unproven: the numerical check needs the model itself as the target"]
+    if facts.config is None:
+        return None, ["values unproven: no config.json beside the checkpoint to build the reference from"]
+    ref = None if reference in ("config", "auto", True) else reference
+    if isinstance(ref, str):
+        ref = load_object(ref)
+    items = [p for ps in _grouped(props).values() for p in ps]
+
+    def base(replaced: dict[int, list[Any]], before: list[Any], after: list[Any]) -> Adapter:
+        rules: list[Any] = [StripPrefix(prefix=strip)] if strip else []
+        rules += before
+        for p in items:
+            rules += replaced.get(id(p), p.rules)
+        rules += after
+        mine = Adapter(rules, name="draft-candidate")
+        return mine if given is None else Adapter.composed([*given.parts(), list(mine.rules)], name="draft-candidate")
+
+    try:
+        exp = Experiment(target, facts, ref, layers, 0, init_buffers)
+    except Exception as e:  # noqa: BLE001 - any failure to build the copies leaves the draft unproven, said why
+        log.warning("draft: the numerical check could not run: %s", e)
+        return None, [f"values unproven: the numerical check could not run ({type(e).__name__}: {str(e).splitlines()[0]})"]
+    try:
+        choices = choices_of(props, facts)
+        out = search(exp, base, choices)
+    finally:
+        exp.close()
+    lines = [f"numerical check against {type(exp.reference).__name__} ({layers} layer(s), float32, random weights): "
+             f"{len(choices)} open choice(s), {exp.runs} load(s)"]
+    if not out.ok:
+        lines.append(f"values unproven: no candidate agreed with the reference ({out.detail}); the questions stay open")
+        return None, lines
+    lines += apply_outcome(props, out)
+    return out.detail, lines
 
 
 def _summary(result: Any, props: Proposals, frac: float, related: bool, strip: str) -> list[str]:

@@ -20,6 +20,9 @@ log = logging.getLogger(__name__)
 
 GEMMA_TYPES = frozenset({"gemma", "gemma2", "gemma3", "gemma3_text"})
 """Families whose RMSNorm computes ``x_hat * (1 + w)`` and stores ``w``."""
+INTERLEAVED_ROTARY_TYPES = frozenset({"cohere", "cohere2", "glm", "glm4", "glm4_moe", "helium", "gptj", "chatglm"})
+"""Families whose transformers code already rotates interleaved row pairs (``x[..., ::2]``),
+not HF's usual "half" split: a Meta-style target needs no rotary rule for them."""
 INTERLEAVED_GATE_UP_TYPES = frozenset({"gpt_oss"})
 """Families whose fused expert ``gate_up`` tensors alternate gate and up element by element along
 the fused dim (gate = ``[..., ::2]``, up = ``[..., 1::2]``)."""
@@ -36,11 +39,27 @@ class Facts:
     head_dim: int | None = None
     quantization: str | None = None
     block: tuple[int, int] | None = None  # FP8 weight_block_size
+    hidden: int | None = None
+    rotary_fraction: float | None = None  # partial rotary: partial_rotary_factor / rotary_pct below 1
+    config: dict[str, Any] | None = None  # the whole config.json (for a reference model built from it)
+
+    @property
+    def head_rows(self) -> int | None:
+        """Rows of one attention head: ``head_dim``, else ``hidden_size / heads``."""
+        if self.head_dim:
+            return self.head_dim
+        if self.hidden and self.heads and self.hidden % self.heads == 0:
+            return self.hidden // self.heads
+        return None
 
     @property
     def norm_offset(self) -> bool:
         """Norm weights are stored as ``w`` for a norm that multiplies by ``1 + w``."""
         return self.model_type in GEMMA_TYPES
+
+    @property
+    def interleaved_rotary(self) -> bool:
+        return self.model_type in INTERLEAVED_ROTARY_TYPES
 
     @property
     def interleaved_gate_up(self) -> bool:
@@ -56,6 +75,8 @@ class Facts:
         bits = [f"model_type {self.model_type!r}"]
         if self.heads:
             bits.append(f"{self.heads} heads, {self.kv_heads} kv heads" + (f", head_dim {self.head_dim}" if self.head_dim else ""))
+        if self.rotary_fraction:
+            bits.append(f"partial rotary {self.rotary_fraction:g} of each head")
         if self.quantization:
             bits.append(f"quantization {self.quantization!r}")
         return f"{self.path}: " + ", ".join(bits)
@@ -107,8 +128,15 @@ def read_facts(source: str | os.PathLike[str] | None, keys: list[str]) -> Facts:
     block = None
     if isinstance(qc, dict) and isinstance(qc.get("weight_block_size"), list) and len(qc["weight_block_size"]) == 2:
         block = (int(qc["weight_block_size"][0]), int(qc["weight_block_size"][1]))
+    rope_value = cfg.get("rope_parameters")
+    rope: dict[str, Any] = rope_value if isinstance(rope_value, dict) else {}
+    frac = next((d[n] for d in (cfg, rope) for n in ("partial_rotary_factor", "rotary_pct")
+                 if isinstance(d.get(n), (int, float))), None)
     facts = Facts(
         path=path,
+        hidden=_int(cfg, "hidden_size", "dim", "d_model"),
+        rotary_fraction=float(frac) if frac is not None and 0 < float(frac) < 1 else None,
+        config=cfg,
         model_type=str(cfg.get("model_type")) if cfg.get("model_type") else None,
         heads=heads,
         kv_heads=kv,

@@ -144,7 +144,7 @@ def build_proposals(result: MatchResult, src: Tree, tgt: Tree, strip: str | None
                                   targets=[t.pattern() for t in m.tgts], confidence=m.confidence, evidence=ev,
                                   section=m.scope, keys=tkeys, match=m))
         direction = rotary_in.get(m.scope)
-        qs = [q for q in (rotary_question(m, facts), head_norm_question(m, direction) if direction else None,
+        qs = [q for q in (rotary_question(m, facts), head_norm_question(m, direction, facts) if direction else None,
                           offset_question(m, facts), *hint_questions(m), tp_question(m)) if q is not None]
         questions += qs
         if qs and (kind != "same" or rules):

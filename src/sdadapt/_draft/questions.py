@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from .._rules import Deinterleave
-from .config import FP8_SCALE_SUFFIX, Facts
+from .._rules import Affine, Deinterleave, Rotary
+from .config import FP8_SCALE_SUFFIX, NO_CONFIG, Facts
 from .match import Item, Match, item_role
 from .names import canon_tokens
 
@@ -32,6 +32,8 @@ class Question:
     question: str
     suggestion: list[str]  # commented-out code lines
     before: bool = False  # the suggestion goes before the proposal's rules (else after)
+    rules: list[Any] | None = None  # the suggestion as rule objects (a numerical check may enable them)
+    topic: str = ""  # rotary | offset | ...: questions of one topic are answered together
 
 
 def merge_questions(qs: list[Question]) -> list[Question]:
@@ -41,10 +43,11 @@ def merge_questions(qs: list[Question]) -> list[Question]:
         prev = seen.get(q.question)
         if prev is None:
             seen[q.question] = Question(about=list(q.about), question=q.question, suggestion=list(q.suggestion),
-                                        before=q.before)
+                                        before=q.before, rules=list(q.rules or []), topic=q.topic)
         else:
             prev.about += [a for a in q.about if a not in prev.about]
             prev.suggestion += [s for s in q.suggestion if s not in prev.suggestion]
+            prev.rules = (prev.rules or []) + [r for r in q.rules or [] if r not in (prev.rules or [])]
     return list(seen.values())
 
 
@@ -54,7 +57,7 @@ def _style(seg: str) -> str | None:
     low = seg.lower()
     if low in ("wq", "wk", "wqkv"):
         return "meta"
-    if low in ("q_proj", "k_proj", "qkv_proj"):
+    if low in ("q_proj", "k_proj", "qkv_proj", "query_key_value", "wqkv_proj"):
         return "hf"
     return None
 
@@ -62,7 +65,7 @@ def _style(seg: str) -> str | None:
 _STYLE_NAMES = {"hf": "HF-style (q_proj, k_proj)", "meta": "Meta-style (wq, wk)"}
 ROTARY_QUESTION = (
     "rotary row order: {a} q/k projections become {b} ones. HF transformers keeps each head's rows in "
-    "'half' order, Meta's code rotates interleaved pairs; shapes cannot show which one your model's code "
+    "'half' order in most families, Meta's code rotates interleaved pairs; shapes cannot show which one your model's code "
     "expects. The rule applies to every tensor whose rows follow the heads: weights, biases and per-head "
     "q/k norm weights"
 )
@@ -82,13 +85,28 @@ def rotary_direction(m: Match) -> tuple[str, str] | None:
     return styles[0] if styles else None
 
 
-def _rotary_text(direction: tuple[str, str]) -> str:
+def _rotary_text(direction: tuple[str, str], facts: Facts = NO_CONFIG) -> str:
     a, b = direction
-    return ROTARY_QUESTION.format(a=_STYLE_NAMES[a], b=_STYLE_NAMES[b])
+    text = ROTARY_QUESTION.format(a=_STYLE_NAMES[a], b=_STYLE_NAMES[b])
+    if facts.rotary_fraction:
+        text += f"; config.json says only {facts.rotary_fraction:g} of each head rotates (rotary_dim)"
+    if facts.interleaved_rotary:
+        text += (f"; but model_type {facts.model_type!r} is one of the families whose transformers code already "
+                 "rotates interleaved pairs: a Meta-style model then needs no rotary rule")
+    return text
 
 
-def _to(direction: tuple[str, str]) -> str:
+def _to(direction: tuple[str, str]) -> Literal["interleaved", "half"]:
     return "interleaved" if direction[1] == "meta" else "half"
+
+
+def _rotary_code(rule: Rotary) -> str:
+    args = [f'"{rule.keys}"']
+    args.append(f"head_dim={rule.head_dim}" if rule.head_dim else f"heads={rule.heads}")
+    args.append(f'to="{rule.to}"')
+    if rule.rotary_dim is not None:
+        args.append(f"rotary_dim={rule.rotary_dim!r}")
+    return f"sdadapt.rotary({', '.join(args)}),"
 
 
 def rotary_question(m: Match, facts: Facts) -> Question | None:
@@ -97,10 +115,19 @@ def rotary_question(m: Match, facts: Facts) -> Question | None:
         return None
     qk = ("#q", "#k")
     hit = [s for s in m.srcs if item_role(s) in qk] if m.kind == "fuse" else [t for t in m.tgts if item_role(t) in qk]
-    lines = [f'sdadapt.rotary("{it.pattern()}", heads={_heads(facts, item_role(it))}, to="{_to(direction)}"),'
-             for it in hit]
-    return Question(about=[it.pattern() for it in hit] or [t.pattern() for t in m.tgts], question=_rotary_text(direction),
-                    suggestion=lines, before=m.kind == "fuse")
+    rules, lines = [], []
+    for it in hit:
+        n = facts.heads_of(item_role(it) or "")
+        if n:
+            rule = Rotary(keys=it.pattern(), heads=n, to=_to(direction), rotary_dim=facts.rotary_fraction)
+            rules.append(rule)
+            lines.append(_rotary_code(rule))
+        else:
+            lines.append(f'sdadapt.rotary("{it.pattern()}", heads={_heads(facts, item_role(it))}, to="{_to(direction)}"),')
+    text = _rotary_text(direction, facts)
+    return Question(about=[it.pattern() for it in hit] or [t.pattern() for t in m.tgts], question=text,
+                    suggestion=lines, before=m.kind == "fuse", rules=rules if len(rules) == len(lines) else None,
+                    topic="rotary")
 
 
 def is_norm(i: Item) -> bool:
@@ -109,17 +136,27 @@ def is_norm(i: Item) -> bool:
 
 
 def is_head_norm(t: Item) -> bool:
-    """A per-head q or k norm weight (``q_norm.weight`` [head_dim])."""
+    """A q or k norm weight: per head (``q_norm.weight`` [head_dim]) or over the whole projection
+    ([heads * head_dim], OLMo2)."""
     return is_norm(t) and item_role(t) in ("#q", "#k")
 
 
-def head_norm_question(m: Match, direction: tuple[str, str]) -> Question | None:
-    """Per-head q/k norms scale each row of a head: they follow the rows' rotary order."""
+def head_norm_question(m: Match, direction: tuple[str, str], facts: Facts = NO_CONFIG) -> Question | None:
+    """q/k norms scale each row of a head: they follow the rows' rotary order. Cut by
+    ``head_dim`` (one rule for a per-head norm and one over the whole projection alike)."""
     hit = [t for t in m.tgts if is_head_norm(t)]
     if not hit or m.kind != "rename":
         return None
-    return Question(about=[t.pattern() for t in hit], question=_rotary_text(direction),
-                    suggestion=[f'sdadapt.rotary("{t.pattern()}", heads=1, to="{_to(direction)}"),' for t in hit])
+    rules, lines = [], []
+    for t in hit:
+        hd = facts.head_rows or t.shape[0]
+        if t.shape[0] % hd:
+            hd = t.shape[0]
+        rule = Rotary(keys=t.pattern(), head_dim=hd, to=_to(direction), rotary_dim=facts.rotary_fraction)
+        rules.append(rule)
+        lines.append(_rotary_code(rule))
+    return Question(about=[t.pattern() for t in hit], question=_rotary_text(direction, facts), suggestion=lines,
+                    rules=rules, topic="rotary")
 
 
 # --- norms that store an offset -----------------------------------------------------------------
@@ -143,6 +180,7 @@ def offset_question(m: Match, facts: Facts) -> Question | None:
         question=(f"norm offset: config.json says model_type {facts.model_type!r}, whose RMSNorm multiplies by "
                   "(1 + w) and stores w; if your model's norm multiplies by its weight, add 1 to every norm weight"),
         suggestion=need + [f'sdadapt.affine("{t.pattern()}", shift=1.0),' for t in hit],
+        rules=[Affine(keys=t.pattern(), shift=1.0) for t in hit], topic="offset",
     )
 
 

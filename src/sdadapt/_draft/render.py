@@ -24,10 +24,14 @@ _POSITIONAL = {
     "cast": ("keys", "dtype"),
     "strip_prefix": ("prefix",),
     "add_prefix": ("prefix",),
+    "rotary": ("keys",),
+    "affine": ("keys",),
 }
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "fuse": {"dim": 0, "sizes": None},
-    "split": {"dim": 0, "sizes": None},
+    "fuse": {"dim": 0, "sizes": None, "heads": None},
+    "split": {"dim": 0, "sizes": None, "heads": None},
+    "rotary": {"dim": 0, "heads": None, "head_dim": None, "rotary_dim": None},
+    "affine": {"scale": 1.0, "shift": 0.0, "invert": False},
     "transpose": {"dim0": 0, "dim1": 1},
     "stack": {"over": "e", "dim": 0, "count": None},
     "unstack": {"over": "e", "dim": 0, "count": None},
@@ -90,6 +94,7 @@ def render_module(
     remaining: str,
     related: bool,
     summary: list[str],
+    stages: list[int] | None = None,
 ) -> str:
     """The module text. ``sections``: (title, [(comment lines, code lines)]); code lines that
     are comments (DECIDE notes, commented-out rules) are written as they are."""
@@ -125,7 +130,10 @@ def render_module(
         out.append("")
     if out[-1] == "":
         out.pop()
-    out += ["    ],", '    name="draft",', f"    description={json.dumps(f'drafted from {source} for {target}')},", ")", ""]
+    out += ["    ],", '    name="draft",']
+    if stages:  # the rules from these indices on apply to the keys the earlier ones produced (a + b)
+        out.append(f"    stages={stages!r},")
+    out += [f"    description={json.dumps(f'drafted from {source} for {target}')},", ")", ""]
     out.append("# What `sdadapt diff` still reports with this adapter:")
     out += [f"#   {line}" if line else "#" for line in remaining.splitlines()]
     return "\n".join(out) + "\n"

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from pydantic import field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from .._interleave import Interleave
 from .._nodes import Concat, Narrow, Node
 from .._patterns import check_output_pattern, compile_pattern, typed_like
 from ..errors import AdapterError
@@ -58,13 +59,20 @@ class Rename(RuleBase):
 class Fuse(RuleBase):
     """Concatenate ``srcs`` along ``dim`` into ``dst`` (e.g. q, k, v -> qkv). Parts may differ
     in size along ``dim`` (GQA). ``sizes`` is optional; it lets the inverse split run without
-    a target schema."""
+    a target schema.
+
+    ``heads=H``: the fused tensor is laid out per head, ``[H, parts, rows]`` (GPT-NeoX's,
+    Bloom's and Persimmon's ``query_key_value``: ``view(heads, 3, head_dim, dim)``): each part is
+    cut in ``H`` equal blocks and block ``h`` of every part follows block ``h`` of the previous
+    one. For grouped attention fused per kv group (Falcon: each group's q heads, then its k and
+    v) give the kv head count."""
 
     kind: Literal["fuse"] = "fuse"
     srcs: list[str]
     dst: str
     dim: int = 0
     sizes: list[int] | None = None
+    heads: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> Fuse:
@@ -101,12 +109,20 @@ class Fuse(RuleBase):
                 ctx.issue(index, dst, problem)
                 continue
             dim = self.dim % len(parts[0].shape)
+            sizes = tuple(p.shape[dim] for p in parts)
+            if self.heads is not None and any(n % self.heads for n in sizes):
+                ctx.issue(index, dst, f"parts of {list(sizes)} along dim {dim} do not all divide into heads={self.heads}")
+                continue
             for n in names:
                 ctx.take(n, index)
-            ctx.put(dst, Concat(tuple(parts), dim), index, origin=names)
+            node: Node = Concat(tuple(parts), dim)
+            if self.heads is not None and self.heads > 1:
+                node = Interleave(node, dim, sizes, self.heads)
+            ctx.put(dst, node, index, origin=names)
 
     def inverse(self) -> list[RuleBase]:
-        return [Split(src=typed_like(self.dst, self.srcs), dsts=list(self.srcs), dim=self.dim, sizes=self.sizes)]
+        return [Split(src=typed_like(self.dst, self.srcs), dsts=list(self.srcs), dim=self.dim, sizes=self.sizes,
+                      heads=self.heads)]
 
 
 def concat_problem(parts: list[Node], names: list[str], dim: int, sizes: list[int] | None) -> str | None:
@@ -127,13 +143,18 @@ def concat_problem(parts: list[Node], names: list[str], dim: int, sizes: list[in
 
 class Split(RuleBase):
     """Cut ``src`` along ``dim`` into ``dsts`` (e.g. qkv -> q, k, v). ``sizes`` may be omitted:
-    then they come from the target schema when it has every ``dst``, else equal parts."""
+    then they come from the target schema when it has every ``dst``, else equal parts.
+
+    ``heads=H``: ``src`` is laid out per head, ``[H, parts, rows]`` (GPT-NeoX's
+    ``query_key_value``): part ``p`` is block ``p`` of each of the ``H`` groups, in order;
+    ``sizes`` are then the parts' whole sizes (each divides by ``H``). See :class:`Fuse`."""
 
     kind: Literal["split"] = "split"
     src: str
     dsts: list[str]
     dim: int = 0
     sizes: list[int] | None = None
+    heads: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _check(self) -> Split:
@@ -171,7 +192,12 @@ class Split(RuleBase):
             if isinstance(sizes, str):
                 ctx.issue(index, key, sizes)
                 continue
+            if self.heads is not None and any(n % self.heads for n in sizes):
+                ctx.issue(index, key, f"parts of {sizes} along dim {d} do not all divide into heads={self.heads}")
+                continue
             ctx.take(key, index)
+            if self.heads is not None and self.heads > 1:  # per head -> contiguous parts, then cut
+                node = Interleave(node, d, tuple(sizes), self.heads, inverse=True)
             start = 0
             for dst, size in zip(dsts, sizes, strict=True):
                 ctx.put(dst, Narrow(node, d, start, size), index, origin=key)
@@ -196,7 +222,8 @@ class Split(RuleBase):
         return sizes
 
     def inverse(self) -> list[RuleBase]:
-        return [Fuse(srcs=[typed_like(d, self.src) for d in self.dsts], dst=self.src, dim=self.dim, sizes=self.sizes)]
+        return [Fuse(srcs=[typed_like(d, self.src) for d in self.dsts], dst=self.src, dim=self.dim, sizes=self.sizes,
+                     heads=self.heads)]
 
 
 class Drop(RuleBase):

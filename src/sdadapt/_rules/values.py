@@ -123,16 +123,21 @@ class Transpose(RuleBase):
         return [Transpose(keys=self.keys, dim0=self.dim0, dim1=self.dim1)]
 
 
-def rotary_perm(head_dim: int, to: str) -> tuple[int, ...]:
+def rotary_perm(head_dim: int, to: str, rotary_dim: int | None = None) -> tuple[int, ...]:
     """Row order inside one head: output row ``j`` is input row ``perm[j]``.
 
     ``to="half"`` (Meta -> HF transformers): HF row ``t * head_dim/2 + j`` is Meta row ``2j + t``
     (HF's conversion script: ``w.view(heads, head_dim // 2, 2, dim).transpose(1, 2)``);
-    ``to="interleaved"`` (HF -> Meta) is its inverse."""
-    h = head_dim // 2
+    ``to="interleaved"`` (HF -> Meta) is its inverse. With ``rotary_dim`` (partial rotary, as
+    transformers' ``partial_rotary_factor``) only the first ``rotary_dim`` rows of the head
+    rotate and are reordered; the rest pass through in place."""
+    r = head_dim if rotary_dim is None else rotary_dim
+    h = r // 2
     if to == "half":
-        return tuple(2 * (r % h) + r // h for r in range(head_dim))
-    return tuple((m % 2) * h + m // 2 for m in range(head_dim))
+        rot = [2 * (i % h) + i // h for i in range(r)]
+    else:
+        rot = [(m % 2) * h + m // 2 for m in range(r)]
+    return tuple(rot + list(range(r, head_dim)))
 
 
 class Rotary(RuleBase):
@@ -147,7 +152,11 @@ class Rotary(RuleBase):
     head_dim]`` is cut in heads like the weight's rows, and a per-head norm weight
     ``[head_dim]`` (one head, shared by all) is a single unit; ``head_dim=`` covers all three
     in one rule, since ``heads`` would cut the norm weight wrongly. A region that cuts a head is
-    read as whole heads, permuted, then narrowed."""
+    read as whole heads, permuted, then narrowed.
+
+    Partial rotary (transformers' ``partial_rotary_factor``, GPT-NeoX's ``rotary_pct``): only the
+    first ``rotary_dim`` rows of each head rotate. ``rotary_dim`` is a row count (an int) or a
+    fraction of the head (a float in (0, 1]); the rotating rows are reordered, the others stay."""
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["rotary"] = "rotary"
@@ -156,15 +165,35 @@ class Rotary(RuleBase):
     to: Literal["interleaved", "half"] = "interleaved"
     dim: int = 0
     head_dim: int | None = Field(default=None, gt=0)
+    rotary_dim: int | float | None = None
 
     @model_validator(mode="after")
     def _check(self) -> Rotary:
         check_keys(self.keys)
         if self.heads is None and self.head_dim is None:
             raise AdapterError(f"rotary of {self.keys!r}: give heads= (heads of the matched tensors) or head_dim=")
-        if self.head_dim is not None and self.head_dim % 2:
+        rd = self.rotary_dim
+        if isinstance(rd, float) and not 0.0 < rd <= 1.0:
+            raise AdapterError(f"rotary of {self.keys!r}: rotary_dim={rd} as a fraction of the head must be in (0, 1]")
+        if isinstance(rd, int) and (rd < 2 or rd % 2):
+            raise AdapterError(f"rotary of {self.keys!r}: rotary_dim={rd} must be an even row count >= 2 (or a fraction)")
+        if self.head_dim is not None and rd is None and self.head_dim % 2:
             raise AdapterError(f"rotary of {self.keys!r}: head_dim={self.head_dim} is odd; rotary needs an even head_dim")
+        if self.head_dim is not None and rd is not None and isinstance(self._rotating(self.head_dim), str):
+            raise AdapterError(f"rotary of {self.keys!r}: {self._rotating(self.head_dim)}")
         return self
+
+    def _rotating(self, hd: int) -> int | str:
+        """Rows of a ``hd``-row head that rotate, or why ``rotary_dim`` does not fit it."""
+        rd = self.rotary_dim
+        if rd is None:
+            return hd
+        rows = rd if isinstance(rd, int) else round(rd * hd)
+        if isinstance(rd, float) and abs(rows - rd * hd) > 1e-6:
+            return f"rotary_dim={rd} of head_dim {hd} is {rd * hd:g} rows, not a whole number"
+        if rows > hd or rows < 2 or rows % 2:
+            return f"rotary_dim={rd} gives {rows} rotating rows of head_dim {hd}; they must be even and at most the head"
+        return rows
 
     def input_patterns(self) -> list[str]:
         return key_patterns(self.keys)
@@ -178,23 +207,27 @@ class Rotary(RuleBase):
         assert self.heads is not None
         if rows % self.heads:
             return f"{rows} rows along dim {d} do not divide into heads={self.heads}; give head_dim= for per-head norm weights"
-        if (rows // self.heads) % 2:
+        if (rows // self.heads) % 2 and self.rotary_dim is None:
             return f"head_dim {rows // self.heads} (= {rows} rows / heads={self.heads}) is odd; rotary needs an even head_dim"
         return rows // self.heads
 
     def apply(self, ctx: PlanContext, index: int) -> None:
         for key, node, d in matching_dim(ctx, index, self.keys, self.dim):
             hd = self._unit(node.shape[d], d)
-            if isinstance(hd, str):
-                ctx.issue(index, key, hd)
+            rd = hd if isinstance(hd, str) else self._rotating(hd)
+            if isinstance(rd, str):
+                ctx.issue(index, key, rd)
                 continue
+            assert isinstance(hd, int)
             ctx.mark(index)
-            label = f"rotary_{self.to}[head_dim={hd}, dim={d}]"
-            ctx.replace(key, N.UnitPermute(node, d, hd, rotary_perm(hd, self.to), label))
+            part = f", rotary_dim={rd}" if rd != hd else ""
+            label = f"rotary_{self.to}[head_dim={hd}{part}, dim={d}]"
+            ctx.replace(key, N.UnitPermute(node, d, hd, rotary_perm(hd, self.to, rd), label))
 
     def inverse(self) -> list[RuleBase]:
         other: Literal["interleaved", "half"] = "half" if self.to == "interleaved" else "interleaved"
-        return [Rotary(keys=self.keys, heads=self.heads, to=other, dim=self.dim, head_dim=self.head_dim)]
+        return [Rotary(keys=self.keys, heads=self.heads, to=other, dim=self.dim, head_dim=self.head_dim,
+                       rotary_dim=self.rotary_dim)]
 
 
 GRADIENT_MOMENTS = frozenset({"exp_avg", "momentum_buffer", "grad_avg"})

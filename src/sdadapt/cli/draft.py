@@ -18,8 +18,13 @@ summary then goes to stderr). SRC's config.json, when present, gives head counts
 and quantization. Rules on weak evidence, or among same-shaped tensors the evidence cannot tell
 apart, are marked UNCERTAIN with the alternative; choices shapes cannot show (rotary row order,
 Gemma's 1 + w norms, FP8 dequantisation, per-rank layout of fused tensors) are DECIDE comments
-with the rule to enable. A line-up is names, not numbers: check values with `sdadapt verify`;
-docs/writing-adapters.md walks through it. Exit status: 0 when the drafted adapter lines everything up, 1 when problems
+with the rule to enable. A line-up is names, not numbers: --reference config (the transformers
+class named by SRC's config.json) or --reference module:function (building the checkpoint's
+own model from a config dict) settles those choices by experiment: a copy of the model with
+--layers layers is loaded under each candidate and compared with the reference, layer by layer;
+each rule then says whether it was checked numerically, and what no experiment settles stays
+UNCERTAIN. Without one, check values with `sdadapt verify`; docs/writing-adapters.md walks
+through it. Exit status: 0 when the drafted adapter lines everything up, 1 when problems
 remain or the two look unrelated, 2 for usage errors (bad arguments, unreadable checkpoint,
 a target that cannot be imported or built)."""
 
@@ -43,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--adapter-option", "-O", action="append", default=[], metavar="KEY=VALUE",
         help="option passed to an adapter function or shipped adapter (repeatable)",
     )
+    parser.add_argument("--reference", "-r", metavar="R",
+                        help="settle open choices numerically: 'config' or module:function(config) -> model")
+    parser.add_argument("--layers", type=int, default=2, help="layers of the copies the numerical check runs (default 2)")
+    parser.add_argument("--init-buffers", metavar="FN", help="module:function(model) filling non-persistent buffers")
     parser.add_argument("--output", "-o", metavar="FILE", help="write the adapter module here (refuses to overwrite)")
     parser.add_argument("--force", action="store_true", help="overwrite FILE if it exists")
     parser.add_argument("--json", action="store_true", help="print the draft (proposals, questions, report) as JSON")
@@ -64,7 +73,15 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(target, str) and args.target_subtree:
         target = open_source(target, subtree=args.target_subtree)
     adapter = resolve_adapter(args.adapter, source=args.src, **parse_options(args.adapter_option)) if args.adapter else None
-    d = draft(target, args.src, adapter, subtree=args.subtree)
+    if args.reference and isinstance(target, str):
+        raise ResolveError("--reference needs the model as --target (module:function), not a checkpoint")
+    init_buffers = None
+    if args.init_buffers:
+        from .._resolve import load_object
+
+        init_buffers = load_object(args.init_buffers)
+    d = draft(target, args.src, adapter, subtree=args.subtree, reference=args.reference, layers=args.layers,
+              init_buffers=init_buffers)
     if args.json:
         print(d.model_dump_json(indent=2))
     elif args.output:
