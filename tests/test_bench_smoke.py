@@ -170,6 +170,46 @@ def test_a_variant_runs_each_sdadapt_row_again_under_other_settings_and_another_
     assert "sdadapt-io-0: +" in summary.stdout and "StagedRead:" in summary.stdout and "GiB read per 50 ms" in summary.stdout
 
 
+def test_raw_loaders_and_the_loaders_imports_inside_the_first_load(tmp_path):
+    """``--raw-paths``: a raw loader's row loads every tensor into a dict, checked against the
+    file's bytes; ``--import-in-load``: the workers import only what builds the model, and each
+    loader's own imports are timed inside its first load (sdadapt's, with the modules its call
+    imported)."""
+    out = tmp_path / "res"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--preset", "tiny", "--nproc", "1", "--backend", "gloo", "--repeat", "1",
+         "--paths", "sdadapt", "--tp-paths", "", "--materialized-paths", "", "--discussion", "", "--no-references",
+         "--raw-paths", "safetensors-gpu", "--import-in-load",
+         "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--timeout", "150"],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(Path(f"{out}.json").read_text())
+    rows = {r["path"]: r for r in res["rows"]}
+    assert rows["sdadapt"]["ok"] and rows["sdadapt"]["check"].startswith("= source")
+    raw = rows["safetensors-gpu"]
+    assert raw["ok"] and raw["layout"] == "raw" and raw["check"] == "= file bytes (21 shards)"  # every tensor of the tiny preset
+    for g in res["groups"]:
+        assert "sdadapt" not in g["ranks"][0]["imported"]  # nothing of the loaders before timing
+    first = rows["sdadapt"]["per_rank"][0]
+    assert first["load_import_s"] > 0 and first["modules_imported_by_call"] is not None
+    assert res["import_in_load"] and "inside its timed first load" in Path(f"{out}.md").read_text()
+
+
+def test_raw_paths_are_rows_of_their_own_and_unknown_ones_are_refused(loadbench):
+    import loadbench.cli
+
+    args = loadbench.cli.parser("").parse_args(["--paths", "sdadapt", "--tp-paths", "", "--materialized-paths", "",
+                                                "--discussion", "", "--raw-paths", "instanttensor,safetensors-gpu",
+                                                "--variant", "a:X=1"])
+    assert [j.tag for j in loadbench.cli._jobs(args, loadbench.cli.variants(args.variant))] == [
+        "fsdp-sdadapt", "fsdp-sdadapt@a", "raw-instanttensor", "raw-safetensors-gpu"]
+    args = loadbench.cli.parser("").parse_args(["--paths", "", "--tp-paths", "", "--materialized-paths", "", "--discussion", "",
+                                                "--raw-paths", "sdadapt"])
+    with pytest.raises(loadbench.common.BenchError, match="unknown path"):
+        loadbench.cli._jobs(args, {})
+
+
 def test_variants_apply_to_sdadapt_rows_only(loadbench):
     """The other loaders do not read sdadapt's settings: their rows run once."""
     import loadbench.cli
