@@ -275,3 +275,23 @@ def test_phase_probe_times_the_steps_of_a_first_and_a_second_load(tmp_path):
             assert re.search(rf"round 0 {path} +{load} +wall [0-9.]+ +plan ", out), out
     assert out.count("_plan_load") == 4 and out.count("Module.to_empty") == 4  # each load's steps
     assert out.count("Ordered by: cumulative time") == 2  # the first loads' profiles
+
+
+def test_first_call_probe_counts_the_imports_inside_a_first_load(tmp_path):
+    """bench/first_call_probe.py on the CPU (gloo, world 1) at the tiny size: a child process
+    builds and shards the model, then times ``import sdadapt`` + the adapter + the first
+    ``sdadapt.load`` and a second load; run under ``-X importtime`` it names the modules
+    imported inside that region, among them sdadapt's load machinery and torch's DCP."""
+    res = tmp_path / "probe.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "first_call_probe.py"), "--preset", "tiny", "--dir", str(tmp_path / "ck"),
+         "--runs", "1", "--out", str(res)],
+        capture_output=True, text=True, timeout=240, env=_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.search(r"\| plain 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", proc.stdout), proc.stdout
+    data = json.loads(res.read_text())
+    names = {n for _, _, _, n in data["imports"]}
+    assert {"sdadapt._transaction", "sdadapt._engine", "torch.distributed.checkpoint"} <= names
+    assert data["import_s"] > 0 and data["traced"]["bytes"] > 0
+    assert "sdadapt._load" in data["traced"]["modules_imported_by_load_call"]
