@@ -4,6 +4,8 @@
     python bench/load_bench.py --preset 8b --nproc 2 --backend nccl       # 2 GPUs
     python bench/load_bench.py --preset 8b --nproc 1 --backend nccl --tp-paths '' --materialized-paths '' \
         --discussion '' --paths sdadapt,sdadapt-fp8,hf-reader,hf-fp8-reader    # FP8 vs bf16, one GPU
+    python bench/load_bench.py --preset 8b --nproc 1 --backend nccl --tp-paths '' --materialized-paths '' \
+        --discussion '' --paths sdadapt --raw-paths instanttensor,safetensors-gpu --import-in-load   # raw loaders
 
 One synthetic Llama-shaped checkpoint (HF names, bf16) is written once as HF sharded
 safetensors, one ``torch.save`` file and a DCP folder (a size that cannot fit the disk or RAM
@@ -13,10 +15,13 @@ adapter, rank-0 broadcast, DCP's HF reader, native DCP, the user discussion's
 ``BroadcastingTorchSaveReader``; and the checkpoint's FP8 twin, e4m3 weights with float32
 128x128 block scales, through sdadapt's dequant rules and torch's
 ``QuantizedHuggingFaceStorageReader``) loads it into a model built on meta and parallelised (FSDP2 or
-TP over all ranks), and the main paths also into a model materialised with values first.
+TP over all ranks), and the main paths also into a model materialised with values first. Raw
+loaders (``--raw-paths``: InstantTensor's backends, safetensors' ``safe_open`` on the GPU) load
+every tensor onto the rank's device with no model, as the reference for moving the bytes alone.
 
 The headline is what a job sees: the first load in a fresh process. Each row gets its own new
-process group (libraries imported before timing), whose first load is timed, followed by
+process group (libraries imported before timing; with ``--import-in-load`` only what builds the model, each
+loader's own imports then being part of its first load), whose first load is timed, followed by
 ``--repeat`` steady-state loads in the same processes. Per row and rank: wall time, bytes read,
 extra RSS over the load's start (anonymous and file-backed apart), peak GPU memory; the machine's
 own read rates in a last group. Every first load is checked bit-exactly against the source

@@ -11,6 +11,11 @@ times, all ranks at once (barrier before each, slowest rank reported):
   L more chunks are read): what ``sdadapt.load``'s staged path does.
 - ``register``: ``mmap`` the file read-only; per chunk ``cudaHostRegister`` (flags below) the
   mapped page-cache pages, copy them to the GPU with a DMA, ``cudaHostUnregister``: no CPU copy.
+- ``register-file``: ``mmap`` the file read-only and register it once, in regions of
+  ``--region-mb`` (each thread registers a region, then copies it to the GPU chunk by chunk, so
+  that registering the next region overlaps the DMA of the last), unregistered at the end: what
+  InstantTensor's MMAP backend does (it registers each whole mapped file,
+  ``cudaHostRegisterReadOnly``). Registration and unregistration time are reported apart.
 - ``pageable``: copy from the mapping to the GPU without registering (the driver stages).
 - ``pread-huge`` / ``pread+h2d-huge``: the same with buffers of anonymous memory asked for
   transparent huge pages (registered with ``cudaHostRegister`` for the GPU copy).
@@ -290,6 +295,49 @@ def m_register(path: str, nbytes: int, gpu: torch.Tensor, threads: int, chunk: i
         raise RuntimeError(errs[0])
 
 
+def m_register_file(path: str, nbytes: int, gpu: torch.Tensor, threads: int, chunk: int, flags: int, region: int,
+                    stats: dict) -> None:
+    """The mapped file registered once, region by region, each region copied to the GPU by the
+    thread that registered it; every region unregistered after the last copy."""
+    cudart = torch.cuda.cudart()
+    fd, mm, cpu = _mapped(path, nbytes)
+    base = cpu.data_ptr()
+    regions = _Work(nbytes, region)
+    reg_s = [0.0] * threads
+    registered: list[int] = []
+    errs: list[str] = []
+
+    def body(i: int) -> None:
+        stream = torch.cuda.Stream()
+        for off, n in regions:
+            t0 = time.perf_counter()
+            rc = int(cudart.cudaHostRegister(base + off, n, flags))
+            reg_s[i] += time.perf_counter() - t0
+            if rc != 0:
+                errs.append(f"cudaHostRegister rc={rc} flags={flags}")
+                return
+            registered.append(off)
+            with torch.cuda.stream(stream):
+                for o, m in chunks(n, chunk):
+                    gpu[off + o : off + o + m].copy_(cpu[off + o : off + o + m], non_blocking=True)
+        stream.synchronize()
+
+    try:
+        run_threads(threads, body)
+    finally:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for off in registered:
+            cudart.cudaHostUnregister(base + off)
+        stats["unregister_s"] = round(time.perf_counter() - t0, 3)
+        cpu = None  # the mapping cannot close while a tensor exports it
+        mm.close()
+        os.close(fd)
+    stats["register_thread_s"] = round(sum(reg_s), 3)
+    if errs:
+        raise RuntimeError(errs[0])
+
+
 def m_pageable(path: str, nbytes: int, gpu: torch.Tensor, threads: int, chunk: int) -> None:
     fd, mm, cpu = _mapped(path, nbytes)
     work = _Work(nbytes, chunk)
@@ -328,6 +376,7 @@ def main() -> None:
     ap.add_argument("--depths", default="2", help="staging buffers per thread for pread+h2d, e.g. 2,4")
     ap.add_argument("--methods", default="pread,pread+h2d,register,pageable",
                     help="which to time; also pread-pageable (pread into reused pageable buffers, no GPU) and h2d")
+    ap.add_argument("--region-mb", default="1024", help="register-file: MiB registered at a time, e.g. 256,1024,7680")
     ap.add_argument("--lags", default="0", help="pread+h2d: queue a chunk's copy after reading this many more, e.g. 0,1")
     ap.add_argument("--bind", choices=["none", "gpu"], default="none",
                     help="gpu: run each rank on the CPUs of its GPU's NUMA node")
@@ -407,6 +456,11 @@ def main() -> None:
             if "register" in methods:
                 for fl in [int(x) for x in a.flags.split(",")]:
                     timed(f"register f{fl} T{th} C{cm:g}", partial(m_register, path, nbytes, gpu, th, c, fl), stats=True)
+            if "register-file" in methods:
+                for fl in [int(x) for x in a.flags.split(",")]:
+                    for rm in [float(x) for x in a.region_mb.split(",")]:
+                        timed(f"register-file f{fl} T{th} C{cm:g} R{rm:g}",
+                              partial(m_register_file, path, nbytes, gpu, th, c, fl, int(rm * MiB)), stats=True)
             if "pageable" in methods:
                 timed(f"pageable T{th} C{cm:g}", partial(m_pageable, path, nbytes, gpu, th, c))
     if rank == 0:

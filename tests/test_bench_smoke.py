@@ -170,6 +170,46 @@ def test_a_variant_runs_each_sdadapt_row_again_under_other_settings_and_another_
     assert "sdadapt-io-0: +" in summary.stdout and "StagedRead:" in summary.stdout and "GiB read per 50 ms" in summary.stdout
 
 
+def test_raw_loaders_and_the_loaders_imports_inside_the_first_load(tmp_path):
+    """``--raw-paths``: a raw loader's row loads every tensor into a dict, checked against the
+    file's bytes; ``--import-in-load``: the workers import only what builds the model, and each
+    loader's own imports are timed inside its first load (sdadapt's, with the modules its call
+    imported)."""
+    out = tmp_path / "res"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--preset", "tiny", "--nproc", "1", "--backend", "gloo", "--repeat", "1",
+         "--paths", "sdadapt", "--tp-paths", "", "--materialized-paths", "", "--discussion", "", "--no-references",
+         "--raw-paths", "safetensors-gpu", "--import-in-load",
+         "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--timeout", "150"],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(Path(f"{out}.json").read_text())
+    rows = {r["path"]: r for r in res["rows"]}
+    assert rows["sdadapt"]["ok"] and rows["sdadapt"]["check"].startswith("= source")
+    raw = rows["safetensors-gpu"]
+    assert raw["ok"] and raw["layout"] == "raw" and raw["check"] == "= file bytes (21 shards)"  # every tensor of the tiny preset
+    for g in res["groups"]:
+        assert "sdadapt" not in g["ranks"][0]["imported"]  # nothing of the loaders before timing
+    first = rows["sdadapt"]["per_rank"][0]
+    assert first["load_import_s"] > 0 and first["modules_imported_by_call"] is not None
+    assert res["import_in_load"] and "inside its timed first load" in Path(f"{out}.md").read_text()
+
+
+def test_raw_paths_are_rows_of_their_own_and_unknown_ones_are_refused(loadbench):
+    import loadbench.cli
+
+    args = loadbench.cli.parser("").parse_args(["--paths", "sdadapt", "--tp-paths", "", "--materialized-paths", "",
+                                                "--discussion", "", "--raw-paths", "instanttensor,safetensors-gpu",
+                                                "--variant", "a:X=1"])
+    assert [j.tag for j in loadbench.cli._jobs(args, loadbench.cli.variants(args.variant))] == [
+        "fsdp-sdadapt", "fsdp-sdadapt@a", "raw-instanttensor", "raw-safetensors-gpu"]
+    args = loadbench.cli.parser("").parse_args(["--paths", "", "--tp-paths", "", "--materialized-paths", "", "--discussion", "",
+                                                "--raw-paths", "sdadapt"])
+    with pytest.raises(loadbench.common.BenchError, match="unknown path"):
+        loadbench.cli._jobs(args, {})
+
+
 def test_variants_apply_to_sdadapt_rows_only(loadbench):
     """The other loaders do not read sdadapt's settings: their rows run once."""
     import loadbench.cli
@@ -235,3 +275,23 @@ def test_phase_probe_times_the_steps_of_a_first_and_a_second_load(tmp_path):
             assert re.search(rf"round 0 {path} +{load} +wall [0-9.]+ +plan ", out), out
     assert out.count("_plan_load") == 4 and out.count("Module.to_empty") == 4  # each load's steps
     assert out.count("Ordered by: cumulative time") == 2  # the first loads' profiles
+
+
+def test_first_call_probe_counts_the_imports_inside_a_first_load(tmp_path):
+    """bench/first_call_probe.py on the CPU (gloo, world 1) at the tiny size: a child process
+    builds and shards the model, then times ``import sdadapt`` + the adapter + the first
+    ``sdadapt.load`` and a second load; run under ``-X importtime`` it names the modules
+    imported inside that region, among them sdadapt's load machinery and torch's DCP."""
+    res = tmp_path / "probe.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "first_call_probe.py"), "--preset", "tiny", "--dir", str(tmp_path / "ck"),
+         "--runs", "1", "--out", str(res)],
+        capture_output=True, text=True, timeout=240, env=_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert re.search(r"\| plain 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", proc.stdout), proc.stdout
+    data = json.loads(res.read_text())
+    names = {n for _, _, _, n in data["imports"]}
+    assert {"sdadapt._transaction", "sdadapt._engine", "torch.distributed.checkpoint"} <= names
+    assert data["import_s"] > 0 and data["traced"]["bytes"] > 0
+    assert "sdadapt._load" in data["traced"]["modules_imported_by_load_call"]

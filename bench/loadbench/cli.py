@@ -19,7 +19,7 @@ from typing import Any
 from .checkpoint import check_fits, drop_caches, stamp, warm_cache, write_checkpoint
 from .common import BenchError, GiB
 from .launch import MALLOC_MODES, launch_group
-from .paths import ALL_PATHS, DISCUSSION_PATHS, FP8_PATHS, LIBRARIES, MATERIALIZED_PATHS, TP_PATHS, Job
+from .paths import ALL_PATHS, DISCUSSION_PATHS, FP8_PATHS, LIBRARIES, MATERIALIZED_PATHS, RAW_PATHS, TP_PATHS, USER_LIBRARIES, Job
 from .report import machine, markdown, summarize
 from .shapes import PRESETS, Shape
 
@@ -47,6 +47,12 @@ def parser(description: str) -> argparse.ArgumentParser:
                     "e.g. sdadapt,sdadapt-shared (share_reads=True),hf-reader ('' for none)")
     ap.add_argument("--materialized-paths", default=",".join(MATERIALIZED_PATHS),
                     help="comma list of FSDP paths loaded into a materialised model (to_empty + values) ('' for none)")
+    ap.add_argument("--raw-paths", default="", help="comma list of raw loaders (every tensor to the rank's device as a dict, "
+                    "no model): instanttensor (buffered I/O), instanttensor-mmap, instanttensor-direct, safetensors-gpu "
+                    "('' for none)")
+    ap.add_argument("--import-in-load", action="store_true",
+                    help="import only what a job needs to build and shard its model before timing: each loader's own "
+                         "imports (sdadapt and what it needs, InstantTensor, safetensors, DCP) are part of its first load")
     ap.add_argument("--discussion", default="materialized,meta", help="torchsave-broadcast variants to run ('' for none)")
     ap.add_argument("--discussion-timeout", type=float, default=300.0)
     ap.add_argument("--timeout", type=float, default=3000.0, help="timeout of each path's process group (s)")
@@ -115,12 +121,14 @@ def _jobs(args: argparse.Namespace, the_variants: dict[str, dict[str, str]]) -> 
     jobs += [Job("tp", p) for p in _split(args.tp_paths)]
     jobs += [Job("hsdp", p) for p in _split(args.hsdp_paths)]
     jobs += [Job("fsdp", p, "materialized") for p in _split(args.materialized_paths)]
+    jobs += [Job("raw", p, "none") for p in _split(getattr(args, "raw_paths", ""))]
     for v in _split(args.discussion):
         if v not in DISCUSSION_PATHS:
             raise BenchError(f"--discussion takes {', '.join(DISCUSSION_PATHS)}, not {v!r}")
         jobs.append(Job("fsdp", DISCUSSION_PATHS[v]))
     known = set(ALL_PATHS) | {"sdadapt-shared"} | set(DISCUSSION_PATHS.values())
-    unknown = sorted({j.path for j in jobs} - known)
+    unknown = sorted({j.path for j in jobs if j.layout != "raw"} - known)
+    unknown += sorted({j.path for j in jobs if j.layout == "raw"} - set(RAW_PATHS))
     if unknown:
         raise BenchError(f"unknown path(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     names = list(the_variants)
@@ -230,7 +238,8 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], the_variants: dict[st
     """One fresh process group per job, then one for the references; the result as a dict."""
     work = Path(tempfile.mkdtemp(prefix="sdadapt-bench-run-"))
     common = {"shape": asdict(shape), "backend": backend, "files": files, "cold": args.cold,
-              "verify": not args.no_verify, "malloc": args.malloc, "rss_interval": args.rss_interval_ms / 1000}
+              "verify": not args.no_verify, "malloc": args.malloc, "rss_interval": args.rss_interval_ms / 1000,
+              "import_in_load": args.import_in_load}
     pythonpath = [str(ROOT / "src")]
     the_machine = machine()  # the load average before the workers start
     groups = []
@@ -263,7 +272,8 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], the_variants: dict[st
         "checkpoint": {"gib": shape.nbytes() / GiB, "formats": formats, "shard_gb": args.shard_gb, **facts},
         "nproc": args.nproc,
         "backend": backend,
-        "libraries": LIBRARIES,
+        "libraries": USER_LIBRARIES if args.import_in_load else LIBRARIES,
+        "import_in_load": args.import_in_load,
         "first_load": "one fresh process group per row; the row's first load is the first load of its processes",
         "repeat": args.repeat,
         "warmup": args.warmup,

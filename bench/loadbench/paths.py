@@ -12,7 +12,13 @@
   thread_count=8, target_dtype=bfloat16, block_size=128)`` (names 1:1);
 - ``dcp-native``: ``dcp.load`` of the DCP folder (names 1:1; a reference for resumes);
 - ``torchsave-broadcast`` / ``-meta``: ``BroadcastingTorchSaveReader`` + ``DynamicMetaLoadPlanner``
-  (the user discussion's path), model materialised without values first / left on meta.
+  (the user discussion's path), model materialised without values first / left on meta;
+- raw loaders (:data:`RAW_PATHS`, layout ``raw``, no model): every tensor of the bf16 checkpoint
+  to the rank's device as a dict, the reference for moving the bytes alone: ``instanttensor``
+  (InstantTensor's ``safe_open`` over all shards in one call, buffered I/O: io_uring on the page
+  cache), ``instanttensor-mmap`` (its ``MMAP`` backend), ``instanttensor-direct`` (its default
+  backend for disk files: O_DIRECT io_uring/AIO, which bypasses the page cache), and
+  ``safetensors-gpu`` (``safetensors.safe_open(device="cuda:N")`` + ``get_tensor`` per key).
 
 Two flows: ``meta`` (the model is built on meta and parallelised; whatever the path needs to
 materialise it is timed) and ``materialized`` (the model holds values before the timed load:
@@ -23,6 +29,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +41,9 @@ from .shapes import Shape, adapter_for
 ALL_PATHS = ["sdadapt", "sdadapt-fused", "sdadapt-torchsave", "sdadapt-dcp", "sdadapt-fp8", "rank0-broadcast", "hf-reader",
              "hf-fp8-reader", "dcp-native"]
 FP8_PATHS = ("sdadapt-fp8", "hf-fp8-reader")  # they read the FP8 twin
+# raw loaders -> InstantTensor's backend argument (None: its default; safetensors-gpu: not InstantTensor)
+RAW_PATHS: dict[str, str | None] = {"instanttensor": "BUFFERED", "instanttensor-mmap": "MMAP", "instanttensor-direct": None,
+                                    "safetensors-gpu": None}
 TP_PATHS = ["sdadapt", "hf-reader"]
 MATERIALIZED_PATHS = ["sdadapt", "hf-reader"]
 DISCUSSION_PATHS = {"materialized": "torchsave-broadcast", "meta": "torchsave-broadcast-meta"}
@@ -51,6 +61,10 @@ LIBRARIES = [
     "safetensors.torch",
     "sdadapt",
 ]
+# ``--import-in-load``: only what a job imports to build and shard its model is imported before
+# timing; each loader's own import (sdadapt and what it needs, InstantTensor, safetensors, DCP)
+# then happens inside the timed first load, as a user's first call sees it
+USER_LIBRARIES = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor.parallel"]
 
 
 @dataclass(frozen=True)
@@ -69,14 +83,19 @@ class Job:
             (f"@{self.variant}" if self.variant else "")
 
 
-def import_libraries() -> list[str]:
-    """Import :data:`LIBRARIES`; returns their names. sdadapt imports its public names on first
-    use, so every one of them is touched here: the timed loads then measure loading, not imports."""
-    for name in LIBRARIES:
+def import_libraries(in_load: bool = False, path: str = "") -> list[str]:
+    """Import :data:`LIBRARIES` (and InstantTensor for its rows); returns their names. sdadapt
+    imports its public names on first use, so every one of them is touched here: the timed loads
+    then measure loading, not imports. ``in_load``: only :data:`USER_LIBRARIES` (the loaders'
+    imports are then timed with their first load)."""
+    names = list(USER_LIBRARIES if in_load else LIBRARIES)
+    if path.startswith("instanttensor") and not in_load:
+        names.append("instanttensor")
+    for name in names:
         mod = importlib.import_module(name)
         for public in getattr(mod, "__all__", []) if name == "sdadapt" else []:
             getattr(mod, public)
-    return list(LIBRARIES)
+    return names
 
 
 def naming_of(path: str) -> str:
@@ -102,7 +121,9 @@ def adapter_of(path: str, files: dict[str, str]) -> Any:
 
 def prepare(job: Job, shape: Shape, dev: Any, seed: int = 1) -> Any:
     """The model ``job`` loads into, built on meta and parallelised, with values in the
-    ``materialized`` flow. Untimed."""
+    ``materialized`` flow (``None`` for a raw loader, which loads into a dict). Untimed."""
+    if job.path in RAW_PATHS:
+        return None
     if job.flow not in FLOWS:
         raise BenchError(f"unknown flow {job.flow!r}")
     naming = naming_of(job.path)
@@ -135,16 +156,21 @@ def timed_load(model: Any, job: Job, files: dict[str, str], dev: Any) -> dict[st
     together) to the last byte on the device. Returns facts, ``wall`` among them."""
     import torch
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-
-    import sdadapt
 
     path, meta = job.path, job.flow == "meta"
     facts: dict[str, Any] = {}
     dist.barrier()
     t0 = time.perf_counter()
-    if path.startswith("sdadapt"):
-        rep = sdadapt.load(model, files[source_format(path)], adapter_of(path, files), share_reads=path == "sdadapt-shared")
+    if path in RAW_PATHS:
+        facts["_loaded"] = _raw_load(path, files["safetensors"], dev, facts, t0)
+    elif path.startswith("sdadapt"):
+        import sdadapt  # inside the timing: with --import-in-load, the user's first import is part of the load
+
+        load, adapter = sdadapt.load, adapter_of(path, files)
+        facts["import_s"] = time.perf_counter() - t0  # sdadapt's imports (and building the adapter)
+        known = len(sys.modules)
+        rep = load(model, files[source_format(path)], adapter, share_reads=path == "sdadapt-shared")
+        facts["modules_imported_by_call"] = len(sys.modules) - known
         facts.update(bytes_read=rep.bytes_read, plan_seconds=rep.plan_seconds, read_seconds=rep.read_seconds,
                      phases={**rep.phase_seconds, **{f"threads_{k}": v for k, v in rep.engine_thread_seconds.items()}},
                      local_bytes=rep.local_bytes)
@@ -164,12 +190,14 @@ def timed_load(model: Any, job: Job, files: dict[str, str], dev: Any) -> dict[st
         set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         del sd
     elif path == "hf-reader":
+        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import HuggingFaceStorageReader
 
         if meta:
             model.to_empty(device=dev)
         dcp.load(model_sd(model), storage_reader=HuggingFaceStorageReader(files["safetensors"], thread_count=8))
     elif path == "hf-fp8-reader":
+        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import QuantizedHuggingFaceStorageReader
 
         if meta:
@@ -178,10 +206,13 @@ def timed_load(model: Any, job: Job, files: dict[str, str], dev: Any) -> dict[st
                                                    block_size=128)
         dcp.load(model_sd(model), storage_reader=reader)
     elif path == "dcp-native":
+        import torch.distributed.checkpoint as dcp
+
         if meta:
             model.to_empty(device=dev)
         dcp.load(model_sd(model), checkpoint_id=files["dcp"])
     elif path in DISCUSSION_PATHS.values():
+        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.format_utils import BroadcastingTorchSaveReader, DynamicMetaLoadPlanner
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -196,6 +227,79 @@ def timed_load(model: Any, job: Job, files: dict[str, str], dev: Any) -> dict[st
         torch.cuda.synchronize()
     facts["wall"] = time.perf_counter() - t0
     return facts
+
+
+def shard_files(folder: str) -> list[str]:
+    """The HF sharded checkpoint's files, in order."""
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        return [os.path.join(folder, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+
+
+def _raw_load(path: str, folder: str, dev: Any, facts: dict[str, Any], t0: float) -> dict[str, Any]:
+    """Every tensor of the checkpoint in ``folder`` on ``dev`` (a dict), by raw loader ``path``.
+    InstantTensor reads all shards in one ``safe_open`` (its fastest use: it plans reads across
+    files), with the world's process group when there are several ranks (reads shared over
+    NCCL, as it is meant to run on several GPUs); its yielded tensors own their memory (its
+    default ``copy=True``)."""
+    import torch
+    import torch.distributed as dist
+
+    names = shard_files(folder)
+    out: dict[str, Any] = {}
+    if path == "safetensors-gpu":
+        from safetensors import safe_open
+
+        facts["import_s"] = time.perf_counter() - t0
+        where = f"cuda:{dev.index}" if dev.type == "cuda" else "cpu"
+        for n in names:
+            with safe_open(n, framework="pt", device=where) as f:
+                for k in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    out[k] = f.get_tensor(k)
+        return out
+    if dev.type != "cuda":
+        raise BenchError(f"{path} loads to a GPU only")
+    try:
+        import instanttensor
+    except ImportError as e:
+        raise BenchError(f"{path}: InstantTensor is not installed ({e})") from None
+    facts["import_s"] = time.perf_counter() - t0
+    policy = RAW_PATHS[path]
+    backend = None
+    if policy == "BUFFERED":
+        backend = instanttensor.BackendPolicy.BUFFERED
+    elif policy is not None:
+        backend = getattr(instanttensor.Backend, policy)
+    group = dist.GroupMember.WORLD if dist.get_world_size() > 1 else None
+    with instanttensor.safe_open(names, framework="pt", device=dev.index, backend=backend, process_group=group) as f:
+        facts["backend"] = getattr(getattr(f, "backend", None), "name", str(policy))
+        facts["io"] = {k: getattr(f, k, None) for k in ("chunk_size", "io_depth", "concurrency", "buffer_size")}
+        for k, t in f.tensors():
+            out[k] = t
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out
+
+
+def verify_raw(loaded: dict[str, Any], folder: str) -> int:
+    """Every tensor a raw loader returned equals the file's bytes, and every tensor is there;
+    returns the number of tensors checked."""
+    import torch
+    from safetensors.torch import load_file
+
+    checked = 0
+    for n in shard_files(folder):
+        for k, want in load_file(n).items():
+            got = loaded.get(k)
+            if got is None:
+                raise AssertionError(f"{k}: not loaded")
+            if got.dtype != want.dtype or tuple(got.shape) != tuple(want.shape):
+                raise AssertionError(f"{k}: {got.dtype} {tuple(got.shape)} loaded, {want.dtype} {tuple(want.shape)} stored")
+            if not torch.equal(got.cpu().reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
+                raise AssertionError(f"{k}: loaded bytes differ from the file")
+            checked += 1
+    if checked != len(loaded):
+        raise AssertionError(f"{len(loaded) - checked} tensors loaded that the files do not hold")
+    return checked
 
 
 def verify_against_source(model: Any, path: str, files: dict[str, str]) -> int:

@@ -70,6 +70,10 @@ def summarize(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "rchar_gib": f.get("rchar_gib"),
                 "local_gib": f["local_bytes"] / GiB,
                 "import_s": (g["ranks"][rk] or {}).get("import_s"),
+                "load_import_s": f.get("import_s"),  # the loader's own imports inside the timed first load
+                "modules_imported_by_call": f.get("modules_imported_by_call"),
+                "raw_backend": f.get("backend"),
+                "raw_io": f.get("io"),
                 **_memory([f]),
                 "steady": _memory(s[:reps]) if reps else None,
             }
@@ -96,10 +100,19 @@ def _span(vals: list[float | None], fmt: str = "{:.2f}") -> str:
     return lo if lo == hi else f"{lo}-{hi}"
 
 
+def _modules(pr: list[dict[str, Any]]) -> str:
+    """`` (N)``: the modules sdadapt's load call itself imported (first rank), where counted."""
+    n = pr[0].get("modules_imported_by_call")
+    return f" ({n})" if n is not None else ""
+
+
 def how_line(result: dict[str, Any]) -> str:
     """How the figures were taken, in one paragraph (printed above the table)."""
     return (f"Each row ran in its own fresh process group: {result['nproc']} new Python processes started for that row "
-            f"alone, which imported {', '.join(result['libraries'])} before anything was timed, built and parallelised the "
+            f"alone, which imported {', '.join(result['libraries'])} before anything was timed"
+            + (" (each loader's own imports, sdadapt and what it needs among them, are inside its timed first load: "
+               "column `imports s`)" if result.get("import_in_load") else "")
+            + ", built and parallelised the "
             "model (untimed; `materialized`: `to_empty` + values in every parameter, untimed), then timed the first load "
             f"of the process (**first load**, the headline); then {result.get('warmup', 0)} untimed warm-up load(s) and "
             f"{result['repeat']} timed steady-state load(s) in the same processes, each into a newly prepared model. "
@@ -123,7 +136,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append("References measured in the same run: " + "; ".join(f"{k} {v}" for k, v in result["refs"].items()) + ".")
     hdr = ("| path | layout | model before load | first load s | x sdadapt | steady s, median | steady repeats s | "
            "GiB/s per rank (first) | bytes read / rank GiB | extra RSS anon / file per rank GiB, first load | "
-           "extra RSS anon per rank GiB, steady | peak RSS rank 0 GiB | extra GPU GiB per rank | check |")
+           "extra RSS anon per rank GiB, steady | peak RSS rank 0 GiB | extra GPU GiB per rank | check | "
+           "imports in the first load s (modules the load call imported) |")
     lines += ["", hdr, "|" + "|".join(["---"] * (hdr.count("|") - 1)) + "|"]
     if result.get("variants"):
         defs = [f"`{name}`: " + ", ".join(f"{k}={v}" for k, v in settings.items()) for name, settings in result["variants"].items()]
@@ -133,7 +147,7 @@ def markdown(result: dict[str, Any]) -> str:
     for r in rows:
         if not r.get("ok"):
             err = str(r.get("error", ""))[:160].replace("|", "/").replace("\n", " ")
-            lines.append(f"| {_name(r)} | {r['layout']} | {r['flow']} | FAILED | | | | | | | | | | {err} |")
+            lines.append(f"| {_name(r)} | {r['layout']} | {r['flow']} | FAILED | | | | | | | | | | {err} | |")
             continue
         pr = r["per_rank"]
         b = _span([p["bytes_read_gib"] if p["bytes_read_gib"] is not None else p["rchar_gib"] for p in pr])
@@ -148,7 +162,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {_name(r)} | {r['layout']} | {r['flow']} | **{r['first_s']:.3f}** | {rel} | {steady} | {reps} | "
             f"{_span([p['gibps'] for p in pr])} | {b} | "
             f"{_span([p['rss_anon_extra_gib'] for p in pr])} / {_span([p['rss_file_extra_gib'] for p in pr])} | {st_anon} | "
-            f"{pr[0]['rss_peak_gib']:.2f} | {_span([p['gpu_extra_gib'] for p in pr])} | {r.get('check', '')} |"
+            f"{pr[0]['rss_peak_gib']:.2f} | {_span([p['gpu_extra_gib'] for p in pr])} | {r.get('check', '')} | "
+            f"{_span([p.get('load_import_s') for p in pr], '{:.3f}')}{_modules(pr)} |"
         )
     split = [r for r in rows if r.get("ok") and r["per_rank"][0].get("phases")]
     if split:

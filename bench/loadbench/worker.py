@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import importlib.util
 import json
 import os
 import sys
@@ -18,20 +19,20 @@ from typing import Any
 from .checkpoint import drop_caches
 from .common import GiB
 from .memory import RssSampler, rchar
-from .paths import FP8_PATHS, Job, import_libraries, local_of, model_sd, prepare, timed_load, verify_against_source
+from .paths import FP8_PATHS, RAW_PATHS, Job, import_libraries, local_of, model_sd, prepare, timed_load, verify_against_source, verify_raw
 from .references import measure_references
 from .shapes import Shape
 
 
 def main(config_path: str) -> None:
     """Run the worker described by the JSON file ``config_path``; ends the process."""
+    cfg = json.loads(Path(config_path).read_text())
     t_start = time.perf_counter()
-    imported = import_libraries()
+    imported = import_libraries(bool(cfg.get("import_in_load")), (cfg.get("job") or {}).get("path", ""))
     import_s = time.perf_counter() - t_start
     import torch
     import torch.distributed as dist
 
-    cfg = json.loads(Path(config_path).read_text())
     backend = cfg["backend"]
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if backend == "nccl":
@@ -46,10 +47,10 @@ def main(config_path: str) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=cfg.get("pg_timeout", 600)),
                             device_id=dev if backend == "nccl" else None)
     rank, world = dist.get_rank(), dist.get_world_size()
-    import sdadapt
+    spec = importlib.util.find_spec("sdadapt")  # where it is, without importing it (see --import-in-load)
 
     out: dict[str, Any] = {"rank": rank, "world": world, "pid": os.getpid(), "imported": imported,
-                           "import_s": import_s, "runs": [], "refs": {}, "sdadapt_file": sdadapt.__file__,
+                           "import_s": import_s, "runs": [], "refs": {}, "sdadapt_file": spec.origin if spec else None,
                            "sdadapt_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SDADAPT_")}}
     try:
         if cfg.get("job"):
@@ -119,6 +120,9 @@ def _measure_one(cfg: dict[str, Any], job: Job, shape: Shape, dev: Any, phase: s
         rchar0 = rchar()
         with RssSampler(cfg.get("rss_interval", 0.003)) as sampler:
             facts = timed_load(model, job, cfg["files"], dev)
+        loaded = facts.pop("_loaded", None)
+        if loaded is not None:
+            model = loaded  # a raw loader's dict of tensors
         run.update(facts)
         run.update(sampler.result())
         run["load_avg"] = os.getloadavg()[0]
@@ -128,12 +132,14 @@ def _measure_one(cfg: dict[str, Any], job: Job, shape: Shape, dev: Any, phase: s
             run["gpu_extra_gib"] = (torch.cuda.max_memory_allocated(dev) - now) / GiB
             run["gpu_model_gib"] = now / GiB
             run["gpu_grown_gib"] = (now - gpu0) / GiB
-        sd = model_sd(model)
+        sd = model if isinstance(model, dict) else model_sd(model)
         run["local_bytes"] = run.get("local_bytes") or sum(
             local_of(t)[0].numel() * local_of(t)[0].element_size() for t in sd.values()
         )
         del sd
-        if phase == "first" and cfg.get("verify", True):
+        if phase == "first" and cfg.get("verify", True) and job.path in RAW_PATHS:
+            run["checked"], run["check"] = verify_raw(model, cfg["files"]["safetensors"]), "= file bytes"
+        elif phase == "first" and cfg.get("verify", True):
             run["checked"] = verify_against_source(model, job.path, cfg["files"])
             run["check"] = "= eager dequant of the FP8 file" if job.path in FP8_PATHS else "= source"
         elif phase == "first":
