@@ -62,8 +62,9 @@ from ._plan import Plan, build_plan
 from ._reader import AdaptedStorageReader
 from ._resolve import resolve_adapter
 from ._target import schema_of
+from ._titan_names import native_names, training_state
 from .errors import AdapterError, PlanError, SourceError
-from .sources import INDEX_NAME, Source, open_source
+from .sources import INDEX_NAME, Source, TensorInfo, open_source
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,11 @@ class HFStateDict(dict):
             dict.update(self, {k: self._native[k] for k in self.load_plan[0].recipes})
         else:
             self.view = "export"
-            dict.update(self, apply_adapter(self._bridge.adapter_for(None).inverse(), self._native))
+            adapter = self._bridge.adapter_for(None)
+            names = native_names(schema_of(self._native))
+            if names is not None:  # torchtitan's names -> ours first, then the adapter's inverse
+                adapter = adapter + names
+            dict.update(self, apply_adapter(adapter.inverse(), self._native))
         self._native = {}
 
     def __getitem__(self, key: str) -> Any:
@@ -256,6 +261,7 @@ class SdadaptStateDictAdapter:
         self._adapters: dict[str | None, Adapter] = {}
         self._pending: HFStateDict | None = None
         self._waiting: _BridgeReader | None = None  # a reader asked for before to_hf
+        self._seen: dict[str, TensorInfo] | None = None  # the model's keys (see _model_schema)
 
     @classmethod
     def using(cls, adapter: Adapter | str, **options: Any) -> type[SdadaptStateDictAdapter]:
@@ -282,6 +288,7 @@ class SdadaptStateDictAdapter:
         if skipped:
             log.warning("to_hf: %d non-tensor entries are left out: %s", len(skipped), ", ".join(skipped[:8]))
         hf = HFStateDict(self, tensors)
+        self._seen = schema_of(tensors)
         self._pending = hf
         if self._waiting is not None:
             reader, self._waiting = self._waiting, None
@@ -313,21 +320,65 @@ class SdadaptStateDictAdapter:
                 self._pending = None
             return dict(dict.items(hf_state_dict))
         tensors = {k: v for k, v in hf_state_dict.items() if isinstance(v, torch.Tensor)}
-        return dict(apply_adapter(self.adapter_for(None), tensors))
+        adapter = self.adapter_for(None)
+        model = self._model_schema()
+        if model is not None:
+            try:
+                produced, _ = plan_outputs(schema_of(tensors), adapter, what="from_hf")
+            except ExportError as e:
+                raise AdapterError(str(e)) from e
+            names = native_names(model, produced)
+            if names is not None:
+                adapter = adapter + names
+        return dict(apply_adapter(adapter, tensors))
+
+    def _model_schema(self) -> dict[str, TensorInfo] | None:
+        """The model's keys and shapes: from the state dict ``to_hf`` last saw, else from
+        ``model_config.build()`` on the meta device (a torchtitan model config), else ``None``."""
+        if self._seen is None and callable(getattr(self.model_config, "build", None)):
+            try:
+                with torch.device("meta"):
+                    model = self.model_config.build()
+                self._seen = schema_of(dict(model.state_dict()))
+            except Exception as e:  # noqa: BLE001 - any config: fall back to our documented names
+                log.info("model_config.build() on meta failed (%s: %s): keeping the adapter's names", type(e).__name__, e)
+                self._seen = {}
+        return self._seen or None
+
+    def _with_names(
+        self, adapter: Adapter, source: dict[str, TensorInfo], non_tensor: list[str], model: dict[str, TensorInfo]
+    ) -> tuple[Adapter, list[str]]:
+        """``adapter`` followed by the renames to the model's own names (torchtitan's current
+        ones; none for a model with our documented layout), and the model keys that are
+        torchtitan's training state and that nothing fills (allowed missing)."""
+        try:
+            produced, _ = plan_outputs(source, adapter, non_tensor=non_tensor, what="torchtitan bridge")
+        except ExportError:
+            return adapter, []  # the plan reports what does not apply, with the model's keys
+        names = native_names(model, produced)
+        if names is not None:
+            log.info("torchtitan bridge: %d rules to the model's names after adapter %r", len(names.rules), adapter.name)
+            adapter = adapter + names
+            produced, _ = plan_outputs(source, adapter, non_tensor=non_tensor, what="torchtitan bridge")
+        return adapter, training_state(model, produced)
 
     # ------------------------------------------------------------------ planning
     def _plan(self, hf: HFStateDict, path: str) -> tuple[Plan, Source]:
         """Plan ``hf``'s load from ``path`` now (headers only), so that a plan error is raised
         here, identically on every rank, and not from inside ``dcp.load``."""
-        adapter = with_dtype(self.adapter_for(path), self.to_dtype)
         source = open_source(path)
         try:
+            model = schema_of(hf._native)
+            adapter, state = self._with_names(self.adapter_for(path), source.schema, source.non_tensor, model)
+            if state:
+                log.info("torchtitan bridge: %d keys of training state stay as initialised: %s", len(state), ", ".join(state[:4]))
+            adapter = with_dtype(adapter, self.to_dtype)
             plan = build_plan(
                 source.schema,
-                schema_of(hf._native),
+                model,
                 adapter,
                 non_tensor=source.non_tensor,
-                allow_missing=self.allow_missing,
+                allow_missing=[*(self.allow_missing or []), *state],
                 allow_unexpected=self.allow_unexpected,
                 source_name=path,
                 target_name="torchtitan model",

@@ -1,0 +1,123 @@
+"""torchtitan's parameter names, as an adapter placed after a shipped one.
+
+The shipped adapters produce our documented layout (torchtitan's older names: ``attention.wq``,
+``output``, ``moe.experts.w1`` ...). torchtitan 0.3 renamed several of them
+(``attention.qkv_linear.wq``, ``lm_head``, ``moe.routed_experts.inner_experts.w1_EFD``,
+``moe.expert_bias_E``) and keeps GPT-OSS's gate and up rows interleaved in one tensor
+(``mlp1_weight_EGD``). :func:`native_names` looks at the model's own keys (and, when given, at the
+keys the adapter yields) and returns the rules that take each of our names to the model's,
+only where the model holds the new name and not ours: a model with our documented layout (an
+older torchtitan, a model of one's own) gets no rule at all. Every rule inverts, so the same
+adapter exports back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from ._adapter import Adapter
+from ._constructors import fuse, interleave, rename
+from ._patterns import KeyPattern
+
+__all__ = ["RENAMES", "TRAINING_STATE", "native_names", "training_state"]
+
+_EXPERTS = "layers.{i}.moe.routed_experts.inner_experts."
+
+RENAMES: tuple[tuple[str, str], ...] = (
+    ("layers.{i}.attention.wq.{p}", "layers.{i}.attention.qkv_linear.wq.{p}"),
+    ("layers.{i}.attention.wk.{p}", "layers.{i}.attention.qkv_linear.wk.{p}"),
+    ("layers.{i}.attention.wv.{p}", "layers.{i}.attention.qkv_linear.wv.{p}"),
+    ("output.weight", "lm_head.weight"),
+    ("layers.{i}.moe.experts.w1", _EXPERTS + "w1_EFD"),
+    ("layers.{i}.moe.experts.w2", _EXPERTS + "w2_EDF"),
+    ("layers.{i}.moe.experts.w3", _EXPERTS + "w3_EFD"),
+    ("layers.{i}.moe.expert_bias", "layers.{i}.moe.expert_bias_E"),
+    ("layers.{i}.moe.experts.w2", _EXPERTS + "mlp2_weight_EDF"),
+    ("layers.{i}.moe.experts.b2", _EXPERTS + "mlp2_bias_ED"),
+)
+"""(our name, torchtitan 0.3's name) pairs that differ only by name."""
+
+INTERLEAVED: tuple[tuple[str, str, str], ...] = (
+    ("layers.{i}.moe.experts.w1", "layers.{i}.moe.experts.w3", _EXPERTS + "mlp1_weight_EGD"),
+    ("layers.{i}.moe.experts.b1", "layers.{i}.moe.experts.b3", _EXPERTS + "mlp1_bias_EG"),
+)
+"""(gate, up, torchtitan's name): GPT-OSS's gate and up rows alternate along dim 1 of one tensor."""
+
+TRAINING_STATE: tuple[str, ...] = ("layers.{i}.moe.expert_bias_E",)
+"""Model keys that torchtitan keeps as training state (load-balancing bias, zero at the start)
+and HF checkpoints of most families lack: allowed missing when nothing produces them."""
+
+
+def _shape(info: Any) -> tuple[int, ...]:
+    return tuple(info.shape)
+
+
+def _count(pattern: KeyPattern, model: Mapping[str, Any]) -> int:
+    return sum(1 for k in model if pattern.match(k))
+
+
+def native_names(model: Mapping[str, Any], produced: Collection[str] | None = None) -> Adapter | None:
+    """The rules from our documented layout to the names ``model`` uses, or ``None`` when it
+    uses ours.
+
+    Args:
+        model: the model's state-dict keys, each with something that has a ``shape`` (tensors, or
+            sdadapt's ``TensorInfo``).
+        produced: the keys the adapter before these rules yields; given, a rule is made only for
+            names it yields (so no rule goes unused). ``None``: decided from the model's keys.
+
+    Returns:
+        An :class:`~sdadapt.Adapter` named ``"torchtitan names"`` (renames, and for GPT-OSS experts
+        a fuse + interleave), or ``None``.
+
+    Example:
+        >>> import torch
+        >>> sd = {"lm_head.weight": torch.empty(8, 4), "tok_embeddings.weight": torch.empty(8, 4)}
+        >>> [(r.src, r.dst) for r in native_names(sd).rules]
+        [('output.weight', 'lm_head.weight')]
+    """
+    rules: list[Any] = []
+    for ours_text, theirs_text in RENAMES:
+        ours, theirs = KeyPattern(ours_text), KeyPattern(theirs_text)
+        pairs: list[tuple[str, str]] = []
+        for key in model:
+            caps = theirs.match(key)
+            if caps is None:
+                continue
+            mine = ours.format(caps)
+            if mine in model or (produced is not None and mine not in produced):
+                continue
+            pairs.append((mine, key))
+        if pairs and len(pairs) == _count(theirs, model):
+            rules.append(rename(ours_text, theirs_text))  # every such key: one rule on the pattern
+        else:
+            rules += [rename(mine, key) for mine, key in pairs]
+    for gate_text, up_text, theirs_text in INTERLEAVED:
+        gate, up, theirs = KeyPattern(gate_text), KeyPattern(up_text), KeyPattern(theirs_text)
+        by_size: dict[int, list[tuple[str, str, str]]] = {}
+        for key, info in model.items():
+            caps = theirs.match(key)
+            shape = _shape(info)
+            if caps is None or len(shape) < 2 or shape[1] % 2:
+                continue
+            g, u = gate.format(caps), up.format(caps)
+            if g in model or u in model or (produced is not None and not (g in produced and u in produced)):
+                continue
+            by_size.setdefault(shape[1] // 2, []).append((g, u, key))
+        whole = len(by_size) == 1 and len(next(iter(by_size.values()))) == _count(theirs, model)
+        for f, triples in sorted(by_size.items()):
+            if whole:
+                triples = [(gate_text, up_text, theirs_text)]
+            for g, u, t in triples:
+                rules += [fuse([g, u], t, dim=1), interleave(t, sizes=[f, f], tp=f, dim=1)]
+    if not rules:
+        return None
+    return Adapter(rules, name="torchtitan names", description="our documented layout -> the names torchtitan's model uses")
+
+
+def training_state(model: Mapping[str, Any], produced: Collection[str]) -> list[str]:
+    """Keys of ``model`` that are torchtitan's training state (:data:`TRAINING_STATE`) and that
+    nothing in ``produced`` fills: the loads allow them missing, as torchtitan's own adapters do."""
+    patterns = [KeyPattern(p) for p in TRAINING_STATE]
+    return sorted(k for k in model if k not in produced and any(p.match(k) for p in patterns))
