@@ -20,7 +20,7 @@ from ._adapter import Adapter
 from ._constructors import fuse, interleave, rename
 from ._patterns import KeyPattern
 
-__all__ = ["RENAMES", "TRAINING_STATE", "native_names", "training_state"]
+__all__ = ["RENAMES", "TRAINING_STATE", "native_names", "training_state", "unexported_state"]
 
 _EXPERTS = "layers.{i}.moe.routed_experts.inner_experts."
 
@@ -121,3 +121,20 @@ def training_state(model: Mapping[str, Any], produced: Collection[str]) -> list[
     nothing in ``produced`` fills: the loads allow them missing, as torchtitan's own adapters do."""
     patterns = [KeyPattern(p) for p in TRAINING_STATE]
     return sorted(k for k in model if k not in produced and any(p.match(k) for p in patterns))
+
+
+def unexported_state(model: Collection[str], adapter: Adapter) -> list[str]:
+    """Keys of ``model`` that are torchtitan's training state and that ``adapter`` (the one that
+    loads the model, our names) does not make from the checkpoint: an export leaves them out, as
+    torchtitan's own adapters do (the checkpoint format has no place for them)."""
+    patterns = [KeyPattern(p) for p in TRAINING_STATE]
+    back = [(KeyPattern(t), KeyPattern(o)) for o, t in RENAMES]
+    outputs = [KeyPattern(p) for r in adapter.inverse().rules if r.moves_keys for p in r.input_patterns()]
+    out = []
+    for key in model:
+        if not any(p.match(key) for p in patterns):
+            continue
+        ours = next((o.format(c) for t, o in back if (c := t.match(key)) is not None), key)
+        if not any(p.match(ours) for p in outputs):
+            out.append(key)
+    return sorted(out)

@@ -62,13 +62,13 @@ from ._plan import Plan, build_plan
 from ._reader import AdaptedStorageReader
 from ._resolve import resolve_adapter
 from ._target import schema_of
-from ._titan_names import native_names, training_state
+from ._titan_names import native_names, training_state, unexported_state
 from .errors import AdapterError, PlanError, SourceError
 from .sources import INDEX_NAME, Source, TensorInfo, open_source
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HFStateDict", "SdadaptStateDictAdapter", "apply_adapter"]
+__all__ = ["HFStateDict", "SdadaptStateDictAdapter", "apply_adapter", "torchtitan_names"]
 
 
 def apply_adapter(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -95,6 +95,29 @@ def apply_adapter(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> dict[st
     return out
 
 
+def torchtitan_names(model: torch.nn.Module | dict[str, Any]) -> Adapter | None:
+    """The renames from our documented layout (``attention.wq``, ``output``, ``moe.experts.w1``
+    ...) to the names ``model`` uses, decided from its own state-dict keys; ``None`` when it uses
+    ours (an older torchtitan, a model of one's own). :class:`SdadaptStateDictAdapter` adds them by
+    itself; with :func:`sdadapt.load`, add them after a shipped adapter.
+
+    Args:
+        model: the model, or its state dict (tensors, DTensors or meta tensors).
+
+    Returns:
+        An :class:`~sdadapt.Adapter` (renames; GPT-OSS experts also fuse gate and up and
+        interleave their rows, as torchtitan's ``mlp1_weight_EGD`` holds them), or ``None``.
+
+    Example (a fragment: ``model`` is a torchtitan model)::
+
+        adapter = sdadapt.get_adapter("llama", source="Llama-3-8B/")
+        names = torchtitan_names(model)
+        sdadapt.load(model, "Llama-3-8B/", adapter if names is None else adapter + names)
+    """
+    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    return native_names(schema_of({k: v for k, v in state.items() if isinstance(v, torch.Tensor)}))
+
+
 class HFStateDict(dict):
     """What :meth:`SdadaptStateDictAdapter.to_hf` returns: a ``dict`` whose content is decided
     on first use (see the module docstring). ``view`` is ``None`` until then, ``"load"`` (the
@@ -116,10 +139,15 @@ class HFStateDict(dict):
         else:
             self.view = "export"
             adapter = self._bridge.adapter_for(None)
-            names = native_names(schema_of(self._native))
+            native = self._native
+            left_out = unexported_state(native, adapter)
+            if left_out:
+                log.info("to_hf: %d keys of torchtitan's training state are not exported: %s", len(left_out), ", ".join(left_out[:4]))
+                native = {k: v for k, v in native.items() if k not in left_out}
+            names = native_names(schema_of(native))
             if names is not None:  # torchtitan's names -> ours first, then the adapter's inverse
                 adapter = adapter + names
-            dict.update(self, apply_adapter(adapter.inverse(), self._native))
+            dict.update(self, apply_adapter(adapter.inverse(), native))
         self._native = {}
 
     def __getitem__(self, key: str) -> Any:
