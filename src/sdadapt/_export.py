@@ -41,10 +41,12 @@ from torch.distributed.tensor import DTensor
 
 from . import _integrity as integrity
 from ._adapter import Adapter
+from ._assets import copy_side_files, loaded_from, model_config, write_config
 from ._distributed import is_distributed, rank_and_world
 from ._materialize import has_meta
 from ._nodes import Box, Node, full_box
 from ._plan import PlanContext
+from ._registry import config_folder
 from ._resolve import adapter_or_none
 from ._target import model_state_dict
 from ._transaction import Transaction
@@ -332,8 +334,10 @@ def export_iter(
     consume the same sequence to the end (or close the generator on every rank). Memory: the
     tensor last yielded (plus leaves a later output still needs, e.g. the parts of a split); the
     generator drops its own references to an output when the next one is asked for, so a
-    consumer that does not keep them holds about one tensor. Tensors are on the CPU."""
-    adapter = adapter_or_none(adapter, None)
+    consumer that does not keep them holds about one tensor. Tensors are on the CPU. A shipped
+    adapter's name takes its options from the checkpoint folder ``model`` was loaded from by
+    :func:`sdadapt.load`, else from the model's own config (``model.config``)."""
+    adapter = adapter_or_none(adapter, None, model)
     stream = _ModelStream(model, adapter, process_group, "export_iter")
     try:
         for key in list(stream.outputs):
@@ -355,6 +359,7 @@ def export(
     overwrite: bool = False,
     process_group: dist.ProcessGroup | None = None,
     checksums: bool = False,
+    assets: str | os.PathLike[str] | None = None,
 ) -> ExportReport:
     """Write ``model``'s weights to ``dst`` through ``adapter.inverse()``; every rank calls it.
 
@@ -368,10 +373,22 @@ def export(
     ``checksums=True`` also writes ``sdadapt.checksums.json`` (beside a torch file:
     ``<file>.sdadapt.checksums.json``), computed from the tensors as they are written, for
     ``load(..., verify=True)``.
+
+    A folder (``"safetensors"``, ``"dcp"``) also gets the checkpoint's side files, so that it
+    opens in transformers and with ``--adapter NAME``: ``config.json``, tokenizer and generation
+    files (``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``,
+    ``tokenizer.model``, ``generation_config.json`` ...) copied from ``assets``, else from the
+    checkpoint folder ``model`` was loaded from by :func:`sdadapt.load`; without either, a
+    transformers model's own ``config.json`` (``model.config``) is written. A shipped adapter's
+    name takes its options from the same places.
     """
     t0 = time.perf_counter()
     dst = os.fspath(dst)
-    adapter = adapter_or_none(adapter, None)
+    folder = os.fspath(assets) if assets is not None else loaded_from(model)
+    if folder is not None and not os.path.isdir(folder):
+        raise ExportError(f"assets={folder!r} is not a folder; give the checkpoint folder whose config and tokenizer files to copy")
+    adapter = adapter_or_none(adapter, folder, model)
+    config = model_config(model) if folder is None and hasattr(getattr(model, "config", None), "to_dict") else None
     rank, world = rank_and_world(process_group)
 
     def check() -> None:
@@ -399,7 +416,8 @@ def export(
     try:
         if rank == 0:
             try:
-                files = _write(dst, format, outputs, produce, max_shard_size=max_shard_size, overwrite=overwrite)
+                files = _write(dst, format, outputs, produce, max_shard_size=max_shard_size, overwrite=overwrite,
+                               check=lambda tmp: _side_files(tmp, folder, config))  # fmt: skip
                 if checksums:
                     integrity.write_checksums_data(dst, sums)
             except BaseException as e:
@@ -440,6 +458,19 @@ def _follow(
             return list(value)
         else:
             raise RemoteRankError(f"rank 0 failed while writing {dst}, so this rank stops too:\n{value}")
+
+
+def _side_files(tmp: str, folder: str | None, config: dict[str, Any] | None) -> None:
+    """Into the folder being written (not a single file): ``folder``'s side files (config,
+    tokenizer, generation), or ``config`` as ``config.json``."""
+    if not os.path.isdir(tmp):
+        return
+    if folder is not None:
+        copy_side_files(folder, tmp)
+    elif config is not None:
+        write_config(tmp, config)
+    else:
+        log.warning("%s gets no config.json: pass assets='checkpoint folder' to copy its config and tokenizer files", tmp)
 
 
 # ------------------------------------------------------------------------------ convert
@@ -493,6 +524,7 @@ def convert(
             if verify:
                 _verify(tmp, dst, outputs, source, release, progress)
             txn.files_unchanged("while it was being converted")
+            _side_files(tmp, config_folder(source.path), None)
 
         files = _write(dst, format, outputs, produce, max_shard_size=max_shard_size, overwrite=overwrite, check=check)
     finally:

@@ -14,6 +14,7 @@ from torch import nn
 
 from . import _integrity as integrity
 from ._adapter import Adapter
+from ._assets import remember_source
 from ._constructors import with_dtype
 from ._distributed import rank_and_world
 from ._engine import EngineConfig, device_kernels, prefetch_pinned, warm_kernels
@@ -303,5 +304,6 @@ def load(
         materialized=materialized,
         report=plan.report,
     )
+    remember_source(model, src)  # export / save_state with an adapter name read the same folder
     log.info("%s", rep.format())
     return rep

@@ -110,7 +110,7 @@ def save_state(
     non-empty ``dst`` is an error unless ``overwrite=True``. Returns ``dst``.
     """
     dst = os.fspath(dst)
-    adapter = adapter_or_none(adapter)
+    adapter = adapter_or_none(adapter, None, model)
     rank, world = rank_and_world(process_group)
     extra = dict(extra or {})
     error: SdadaptError | None = None
