@@ -134,9 +134,10 @@ def get_adapter(
     elif source is None and config is not None:
         from_config = options_from_model_config(name, config)
         folder = None
-        for k, v in options.items():
-            if k in from_config and from_config[k] != v:
-                log.warning("adapter %s: option %s=%r overrides %r from the config in %s", name, k, v, from_config[k], folder)
+    for k, v in options.items():
+        if k in from_config and from_config[k] != v:
+            where = folder or "the model's config"
+            log.warning("adapter %s: option %s=%r overrides %r from the config in %s", name, k, v, from_config[k], where)
     sig = inspect.signature(mod.build)
     params = {
         p.name: p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
