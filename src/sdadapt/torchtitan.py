@@ -8,7 +8,17 @@ sdadapt adapter (HF checkpoint layout -> torchtitan's layout, as for :func:`sdad
 
     from sdadapt.torchtitan import SdadaptStateDictAdapter
     LlamaBridge = SdadaptStateDictAdapter.using("llama")        # options from config.json
-    train_spec.state_dict_adapter = LlamaBridge                 # torchtitan builds it itself
+    model_spec.state_dict_adapter = LlamaBridge                 # torchtitan builds it itself
+
+The shipped adapters produce our documented layout (``attention.wq``, ``output``,
+``moe.experts.w1`` ...). The bridge takes them on to the names the model holds, decided from its
+own keys (the state dict ``to_hf`` is given, else ``model_config.build()`` on the meta device):
+torchtitan 0.3's ``attention.qkv_linear.wq``, ``lm_head``,
+``moe.routed_experts.inner_experts.w1_EFD``, ``moe.expert_bias_E`` and GPT-OSS's interleaved
+``mlp1_weight_EGD`` (:mod:`sdadapt._titan_names`); a model with our layout gets no rename.
+torchtitan's training state that the checkpoint does not hold (``moe.expert_bias_E`` of
+families without one) keeps its values on load and is left out of the export, as torchtitan's
+own adapters do. :func:`torchtitan_names` gives the same renames for :func:`sdadapt.load`.
 
 How torchtitan uses it (``CheckpointManager.dcp_load`` with ``from_hf=True``)::
 
