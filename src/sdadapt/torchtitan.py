@@ -265,7 +265,8 @@ class SdadaptStateDictAdapter:
     dequantised straight into float32); without it a dtype mismatch is a plan error, as
     everywhere in sdadapt. torchtitan builds the adapter itself from ``(model_config,
     hf_assets_path)``: bind the other arguments with :meth:`using`. ``model_config`` is kept as
-    ``self.model_config`` and not read.
+    ``self.model_config``; when ``from_hf`` gets a plain dict before any ``to_hf``, a torchtitan
+    config (one with ``build()``) is built on the meta device to learn the model's names.
     """
 
     default_adapter: ClassVar[Adapter | str | None] = None
