@@ -115,6 +115,8 @@ def test_options_from_a_models_own_config() -> None:
     """A model with a transformers-style ``config`` (``to_dict()`` with HF keys) gives the options."""
 
     class Config:
+        model_type = "llama"
+
         def to_dict(self) -> dict[str, Any]:
             return {"num_attention_heads": H, "num_key_value_heads": KV, "hidden_size": DIM, "tie_word_embeddings": True}
 

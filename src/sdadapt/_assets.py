@@ -24,7 +24,9 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WEIGHT_SUFFIXES", "copy_side_files", "loaded_from", "model_config", "remember_source", "write_config"]
+__all__ = [
+    "WEIGHT_SUFFIXES", "copy_side_files", "loaded_from", "model_config", "remember_source", "transformers_config", "write_config",
+]
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".distcp")
 """Weight files: never copied as side files (the writer makes the weights)."""
@@ -80,15 +82,25 @@ def model_config(model: nn.Module) -> dict[str, Any] | None:
     a transformers model's ``config.to_dict()``; for torchtitan's decoders (``model.config`` with
     ``dim`` and ``layers[0].attention``), the keys the shipped adapters read (heads, sizes, tying)."""
     cfg = getattr(model, "config", None)
+    if cfg is None:
+        return None
+    titan = _titan_config(cfg)
+    return titan if titan is not None else transformers_config(model)
+
+
+def transformers_config(model: nn.Module) -> dict[str, Any] | None:
+    """A transformers model's own ``config.json`` content (``model.config.to_dict()``: a config
+    with a ``model_type``), or ``None``."""
+    cfg = getattr(model, "config", None)
     to_dict = getattr(cfg, "to_dict", None)
-    if callable(to_dict):
-        try:
-            data = to_dict()
-        except Exception as e:  # noqa: BLE001 - a foreign config object: no options from it
-            log.info("model.config.to_dict() failed (%s): no options from the model's config", e)
-            return None
-        return data if isinstance(data, dict) else None
-    return _titan_config(cfg) if cfg is not None else None
+    if not callable(to_dict) or not isinstance(getattr(cfg, "model_type", None), str):
+        return None
+    try:
+        data = to_dict()
+    except Exception as e:  # noqa: BLE001 - a foreign config object: no options from it
+        log.info("model.config.to_dict() failed (%s): no options from the model's config", e)
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def _titan_config(cfg: Any) -> dict[str, Any] | None:

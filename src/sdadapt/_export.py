@@ -41,14 +41,15 @@ from torch.distributed.tensor import DTensor
 
 from . import _integrity as integrity
 from ._adapter import Adapter
-from ._assets import copy_side_files, loaded_from, model_config, write_config
+from ._assets import copy_side_files, loaded_from, transformers_config, write_config
 from ._distributed import is_distributed, rank_and_world
 from ._materialize import has_meta
 from ._nodes import Box, Node, full_box
 from ._plan import PlanContext
-from ._registry import config_folder
+from ._registry import adapter_names, config_folder
 from ._resolve import adapter_or_none
 from ._target import model_state_dict
+from ._titan_names import for_export
 from ._transaction import Transaction
 from ._writers import make_writer
 from ._writers.base import FORMATS
@@ -287,6 +288,7 @@ class _ModelStream:
         process_group: dist.ProcessGroup | None,
         what: str,
         check: Callable[[], None] | None = None,
+        native_names: bool = False,
     ):
         txn = Transaction(None, process_group, what)
 
@@ -297,7 +299,11 @@ class _ModelStream:
                 raise ExportError("the model has tensors on the meta device; load or initialise it before exporting")
             sd = model_state_dict(model)
             schema = {k: TensorInfo(tuple(t.shape), t.dtype) for k, t in sd.items()}
-            inverse = adapter.inverse() if adapter is not None else None
+            named = adapter
+            if native_names and adapter is not None:  # a shipped adapter: ours -> the model's own names
+                named, sd = for_export(adapter, sd)
+                schema = {k: schema[k] for k in sd}
+            inverse = named.inverse() if named is not None else None
             return sd, plan_outputs(schema, inverse, what=what)[0]
 
         self.state, self.outputs = txn.prepare(prepare)
@@ -336,9 +342,11 @@ def export_iter(
     generator drops its own references to an output when the next one is asked for, so a
     consumer that does not keep them holds about one tensor. Tensors are on the CPU. A shipped
     adapter's name takes its options from the checkpoint folder ``model`` was loaded from by
-    :func:`sdadapt.load`, else from the model's own config (``model.config``)."""
+    :func:`sdadapt.load`, else from the model's own config (``model.config``), and reaches the
+    names the model holds (torchtitan's current ones: see :func:`sdadapt.torchtitan.torchtitan_names`)."""
+    shipped = isinstance(adapter, str) and adapter in adapter_names()  # our documented layout
     adapter = adapter_or_none(adapter, None, model)
-    stream = _ModelStream(model, adapter, process_group, "export_iter")
+    stream = _ModelStream(model, adapter, process_group, "export_iter", native_names=shipped)
     try:
         for key in list(stream.outputs):
             yield key, stream.produce(key)
@@ -387,8 +395,9 @@ def export(
     folder = os.fspath(assets) if assets is not None else loaded_from(model)
     if folder is not None and not os.path.isdir(folder):
         raise ExportError(f"assets={folder!r} is not a folder; give the checkpoint folder whose config and tokenizer files to copy")
+    shipped = isinstance(adapter, str) and adapter in adapter_names()  # our documented layout
     adapter = adapter_or_none(adapter, folder, model)
-    config = model_config(model) if folder is None and hasattr(getattr(model, "config", None), "to_dict") else None
+    config = transformers_config(model) if folder is None else None
     rank, world = rank_and_world(process_group)
 
     def check() -> None:
@@ -397,7 +406,7 @@ def export(
         if rank == 0:
             _check_dst(dst, overwrite)
 
-    stream = _ModelStream(model, adapter, process_group, f"export to {dst}", check)
+    stream = _ModelStream(model, adapter, process_group, f"export to {dst}", check, native_names=shipped)
     outputs = stream.outputs
     src0 = dist.get_global_rank(process_group, 0) if is_distributed() and process_group is not None else 0
     written = [0]

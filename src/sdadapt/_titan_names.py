@@ -13,6 +13,7 @@ adapter exports back.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -20,7 +21,9 @@ from ._adapter import Adapter
 from ._constructors import fuse, interleave, rename
 from ._patterns import KeyPattern
 
-__all__ = ["RENAMES", "TRAINING_STATE", "native_names", "training_state", "unexported_state"]
+__all__ = ["RENAMES", "TRAINING_STATE", "for_export", "native_names", "training_state", "unexported_state"]
+
+log = logging.getLogger(__name__)
 
 _EXPERTS = "layers.{i}.moe.routed_experts.inner_experts."
 
@@ -138,3 +141,15 @@ def unexported_state(model: Collection[str], adapter: Adapter) -> list[str]:
         if not any(p.match(ours) for p in outputs):
             out.append(key)
     return sorted(out)
+
+
+def for_export(adapter: Adapter, state: dict[str, Any]) -> tuple[Adapter, dict[str, Any]]:
+    """``adapter`` (our documented layout) followed by the renames to the names in ``state`` (a
+    model's state dict: torchtitan's current names), and ``state`` without torchtitan's training
+    state that the checkpoint format has no place for (:func:`unexported_state`)."""
+    left = set(unexported_state(state, adapter))
+    if left:
+        log.info("not exported: %d keys of torchtitan's training state (%s)", len(left), ", ".join(sorted(left)[:4]))
+        state = {k: v for k, v in state.items() if k not in left}
+    names = native_names(state)
+    return (adapter if names is None else adapter + names), state

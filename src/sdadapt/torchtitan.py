@@ -72,7 +72,7 @@ from ._plan import Plan, build_plan
 from ._reader import AdaptedStorageReader
 from ._resolve import resolve_adapter
 from ._target import schema_of
-from ._titan_names import native_names, training_state, unexported_state
+from ._titan_names import for_export, native_names, training_state
 from .errors import AdapterError, PlanError, SourceError
 from .sources import INDEX_NAME, Source, TensorInfo, open_source
 
@@ -148,15 +148,8 @@ class HFStateDict(dict):
             dict.update(self, {k: self._native[k] for k in self.load_plan[0].recipes})
         else:
             self.view = "export"
-            adapter = self._bridge.adapter_for(None)
-            native = self._native
-            left_out = unexported_state(native, adapter)
-            if left_out:
-                log.info("to_hf: %d keys of torchtitan's training state are not exported: %s", len(left_out), ", ".join(left_out[:4]))
-                native = {k: v for k, v in native.items() if k not in left_out}
-            names = native_names(schema_of(native))
-            if names is not None:  # torchtitan's names -> ours first, then the adapter's inverse
-                adapter = adapter + names
+            # the model's names -> ours first, then the adapter's inverse; training state left out
+            adapter, native = for_export(self._bridge.adapter_for(None), self._native)
             dict.update(self, apply_adapter(adapter.inverse(), native))
         self._native = {}
 
