@@ -135,3 +135,16 @@ def test_convert_copies_the_side_files(hf_llama: tuple[str, Any], tmp_path: Any)
     back = str(tmp_path / "back")
     sdadapt.convert(meta, back, sdadapt.get_adapter("llama", source=path).inverse(), verify=True)
     _logits_equal(back, hf)
+
+
+def test_shrink_keeps_the_side_files_and_opens_in_transformers(hf_llama: tuple[str, Any], tmp_path: Any) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path, _ = hf_llama
+    out = str(tmp_path / "one_layer")
+    sdadapt.shrink(path, out, layers=1)
+    for name in SIDE[1:]:
+        with open(os.path.join(path, name), "rb") as a, open(os.path.join(out, name), "rb") as b:
+            assert a.read() == b.read(), f"{name} is not the checkpoint's"
+    # the first layer of the original, as transformers itself builds it from the full checkpoint
+    _logits_equal(out, AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=1).eval())
