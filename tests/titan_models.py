@@ -68,6 +68,14 @@ def qwen3() -> Family:
     return Family("qwen3", hf, Qwen3ForCausalLM, _top(Qwen3Model, layers, eps=1e-6), Qwen3StateDictAdapter)
 
 
+def qwen3_tied() -> Family:
+    """Qwen3 with tied embeddings (the small releases): no ``lm_head.weight`` in the checkpoint."""
+    family = qwen3()
+    family.hf_config.tie_word_embeddings = True
+    family.titan_config.enable_weight_tying = True
+    return family
+
+
 def qwen3_moe() -> Family:
     from torchtitan.models.qwen3 import Qwen3Model, Qwen3StateDictAdapter, _build_qwen3_moe_layers
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -122,7 +130,10 @@ def _gpt_oss_rope() -> Any:
     return CosSinRoPE.Config(dim=64, max_seq_len=64, theta=150000.0)
 
 
-FAMILIES = {"llama3": llama3, "qwen3": qwen3, "qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3, "gpt_oss": gpt_oss}
+FAMILIES = {
+    "llama3": llama3, "qwen3": qwen3, "qwen3_tied": qwen3_tied, "qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3,
+    "gpt_oss": gpt_oss,
+}  # fmt: skip
 
 
 def write_hf(family: Family, root: str, seed: int = 0, shard: str | None = "40KB") -> tuple[str, Any]:

@@ -18,10 +18,11 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from ._adapter import Adapter
-from ._constructors import fuse, interleave, rename
+from ._constructors import fuse, interleave, rename, tie
 from ._patterns import KeyPattern
+from ._rules.keys import Tie
 
-__all__ = ["RENAMES", "TRAINING_STATE", "for_export", "native_names", "training_state", "unexported_state"]
+__all__ = ["RENAMES", "TRAINING_STATE", "for_export", "native_names", "retarget_ties", "training_state", "unexported_state"]
 
 log = logging.getLogger(__name__)
 
@@ -143,13 +144,41 @@ def unexported_state(model: Collection[str], adapter: Adapter) -> list[str]:
     return sorted(out)
 
 
+def _their_name(ours: str) -> list[str]:
+    """The names :data:`RENAMES` gives the literal key ``ours``."""
+    out = []
+    for o, t in RENAMES:
+        caps = KeyPattern(o).match(ours)
+        if caps is not None:
+            out.append(KeyPattern(t).format(caps))
+    return out
+
+
+def retarget_ties(adapter: Adapter, model: Collection[str]) -> Adapter:
+    """``adapter`` with each tie (``output.weight`` filled from the embeddings) aimed at the name
+    ``model`` holds instead (``lm_head.weight``): a tie fills only a key the model has."""
+    rules: list[Any] = []
+    changed = False
+    for r in adapter.rules:
+        if isinstance(r, Tie) and r.dst not in model:
+            theirs = [t for t in _their_name(r.dst) if t in model]
+            if theirs:
+                rules.append(tie(theirs[0], r.src))
+                changed = True
+                continue
+        rules.append(r)
+    return Adapter(rules, name=adapter.name, description=adapter.description) if changed else adapter
+
+
 def for_export(adapter: Adapter, state: dict[str, Any]) -> tuple[Adapter, dict[str, Any]]:
     """``adapter`` (our documented layout) followed by the renames to the names in ``state`` (a
-    model's state dict: torchtitan's current names), and ``state`` without torchtitan's training
-    state that the checkpoint format has no place for (:func:`unexported_state`)."""
-    left = set(unexported_state(state, adapter))
+    model's state dict: torchtitan's current names), and ``state`` without what the checkpoint
+    has no place for: torchtitan's training state (:func:`unexported_state`) and the output a tie
+    fills (a tied checkpoint holds no ``lm_head.weight``; torchtitan's own adapters skip it too)."""
+    tied = {k for r in adapter.rules if isinstance(r, Tie) for k in (r.dst, *_their_name(r.dst))}
+    left = set(unexported_state(state, adapter)) | (tied & set(state))
     if left:
-        log.info("not exported: %d keys of torchtitan's training state (%s)", len(left), ", ".join(sorted(left)[:4]))
+        log.info("not exported: %d keys the checkpoint has no place for (%s)", len(left), ", ".join(sorted(left)[:4]))
         state = {k: v for k, v in state.items() if k not in left}
     names = native_names(state)
     return (adapter if names is None else adapter + names), state

@@ -72,7 +72,7 @@ from ._plan import Plan, build_plan
 from ._reader import AdaptedStorageReader
 from ._resolve import resolve_adapter
 from ._target import schema_of
-from ._titan_names import for_export, native_names, training_state
+from ._titan_names import for_export, native_names, retarget_ties, training_state
 from .errors import AdapterError, PlanError, SourceError
 from .sources import INDEX_NAME, Source, TensorInfo, open_source
 
@@ -355,6 +355,7 @@ class SdadaptStateDictAdapter:
         adapter = self.adapter_for(None)
         model = self._model_schema()
         if model is not None:
+            adapter = retarget_ties(adapter, model)
             try:
                 produced, _ = plan_outputs(schema_of(tensors), adapter, what="from_hf")
             except ExportError as e:
@@ -383,6 +384,7 @@ class SdadaptStateDictAdapter:
         """``adapter`` followed by the renames to the model's own names (torchtitan's current
         ones; none for a model with our documented layout), and the model keys that are
         torchtitan's training state and that nothing fills (allowed missing)."""
+        adapter = retarget_ties(adapter, model)
         try:
             produced, _ = plan_outputs(source, adapter, non_tensor=non_tensor, what="torchtitan bridge")
         except ExportError:
