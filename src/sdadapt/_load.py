@@ -22,9 +22,11 @@ from ._gc import without_gc
 from ._lora import open_peft_lora
 from ._materialize import InitFn, check_buffers, choose_device, has_meta
 from ._plan import PipelineStage, Plan, build_plan, vacant_modules
+from ._registry import adapter_names
 from ._report import Report
 from ._resolve import adapter_or_none
 from ._target import local_nbytes, model_state_dict, schema_of
+from ._titan_names import for_load
 from ._transaction import Part, Transaction
 from .errors import PlanError
 from .sources import Source, open_source
@@ -98,8 +100,10 @@ def plan_load(
 ) -> tuple[Source, Plan]:
     """Open the source and plan against the model (headers only; nothing is read or changed);
     ``pipeline_stage``, ``lora`` and ``dtype`` as in :func:`load`."""
-    adapter = with_dtype(adapter_or_none(adapter, src), dtype)
-    source, plan, _ = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage, lora)
+    shipped = isinstance(adapter, str) and adapter in adapter_names()
+    source, plan, _ = _plan_load(
+        model, src, adapter_or_none(adapter, src), subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype, shipped
+    )
     return source, plan
 
 
@@ -112,14 +116,21 @@ def _plan_load(
     allow_unexpected: list[str] | None,
     pipeline_stage: bool = False,
     lora: str | os.PathLike[str] | None = None,
+    dtype: str | torch.dtype | None = None,
+    shipped: bool = False,
 ) -> tuple[Source, Plan, dict[str, torch.Tensor]]:
     """:func:`plan_load`, also returning the model's state dict it planned against. With
     ``lora``, the PEFT adapter's tensors join the source and its merge rule goes first
-    (:mod:`sdadapt._lora`)."""
+    (:mod:`sdadapt._lora`). ``shipped``: ``adapter`` is a shipped one (our documented layout),
+    aimed at the names the model holds (torchtitan's current ones, :mod:`sdadapt._titan_names`)."""
     source = open_source(src, subtree=subtree)
     state_dict = model_state_dict(model)
     stage = PipelineStage.of(state_dict, vacant_modules(model)) if pipeline_stage else None
     try:
+        if shipped and adapter is not None:
+            adapter, state = for_load(adapter, source.schema, source.non_tensor, schema_of(state_dict))
+            allow_missing = [*(allow_missing or []), *state] if state else allow_missing
+        adapter = with_dtype(adapter, dtype)
         if lora is not None:
             peft = open_peft_lora(lora)
             source = peft.join(source)
@@ -239,7 +250,8 @@ def load(
     ``adapter``'s rules: each rank computes ``W[box] + s * B[rows] @ A[:, cols]`` for its own
     shards only (:mod:`sdadapt._lora`).
     """
-    adapter = with_dtype(adapter_or_none(adapter, src), dtype)
+    shipped = isinstance(adapter, str) and adapter in adapter_names()
+    adapter = adapter_or_none(adapter, src)
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
     txn = Transaction(model, process_group, _describe(src))
@@ -248,7 +260,7 @@ def load(
     def prepare() -> Plan:
         nonlocal planned
         source, plan, planned = _plan_load(
-            model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage, lora
+            model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype, shipped
         )
         txn.add_source(source)
         if not plan.report.ok:

@@ -20,9 +20,12 @@ from typing import Any
 from ._adapter import Adapter
 from ._constructors import fuse, interleave, rename, tie
 from ._patterns import KeyPattern
+from ._plan import PlanContext
 from ._rules.keys import Tie
 
-__all__ = ["RENAMES", "TRAINING_STATE", "for_export", "native_names", "retarget_ties", "training_state", "unexported_state"]
+__all__ = [
+    "RENAMES", "TRAINING_STATE", "for_export", "for_load", "native_names", "retarget_ties", "training_state", "unexported_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -182,3 +185,31 @@ def for_export(adapter: Adapter, state: dict[str, Any]) -> tuple[Adapter, dict[s
         state = {k: v for k, v in state.items() if k not in left}
     names = native_names(state)
     return (adapter if names is None else adapter + names), state
+
+
+def _outputs(schema: Mapping[str, Any], non_tensor: list[str], adapter: Adapter) -> set[str] | None:
+    """The keys ``adapter`` yields from ``schema`` with no target, or ``None`` when it does not
+    apply cleanly (the plan then reports why, against the model's keys)."""
+    ctx = PlanContext(dict(schema), list(non_tensor), None, adapter)
+    for i, rule in enumerate(adapter.rules):
+        rule.apply(ctx, i)
+    return None if ctx.issues else set(ctx.env)
+
+
+def for_load(
+    adapter: Adapter, source: Mapping[str, Any], non_tensor: list[str], model: Mapping[str, Any]
+) -> tuple[Adapter, list[str]]:
+    """``adapter`` (our documented layout) aimed at the names ``model`` holds: ties retargeted
+    (:func:`retarget_ties`), renames for the keys it yields from ``source`` (:func:`native_names`);
+    and the model keys that are torchtitan's training state nothing fills (allowed missing).
+    A model with our layout gets ``adapter`` as it is."""
+    adapter = retarget_ties(adapter, model)
+    produced = _outputs(source, non_tensor, adapter)
+    if produced is None:
+        return adapter, []
+    names = native_names(model, produced)
+    if names is not None:
+        log.info("%d rules to the model's names after adapter %r", len(names.rules), adapter.name)
+        adapter = adapter + names
+        produced = _outputs(source, non_tensor, adapter) or produced
+    return adapter, training_state(model, produced)

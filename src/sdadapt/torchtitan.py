@@ -72,7 +72,7 @@ from ._plan import Plan, build_plan
 from ._reader import AdaptedStorageReader
 from ._resolve import resolve_adapter
 from ._target import schema_of
-from ._titan_names import for_export, native_names, retarget_ties, training_state
+from ._titan_names import for_export, for_load, native_names
 from .errors import AdapterError, PlanError, SourceError
 from .sources import INDEX_NAME, Source, TensorInfo, open_source
 
@@ -355,14 +355,7 @@ class SdadaptStateDictAdapter:
         adapter = self.adapter_for(None)
         model = self._model_schema()
         if model is not None:
-            adapter = retarget_ties(adapter, model)
-            try:
-                produced, _ = plan_outputs(schema_of(tensors), adapter, what="from_hf")
-            except ExportError as e:
-                raise AdapterError(str(e)) from e
-            names = native_names(model, produced)
-            if names is not None:
-                adapter = adapter + names
+            adapter, _ = for_load(adapter, schema_of(tensors), [], model)
         return dict(apply_adapter(adapter, tensors))
 
     def _model_schema(self) -> dict[str, TensorInfo] | None:
@@ -378,24 +371,6 @@ class SdadaptStateDictAdapter:
                 self._seen = {}
         return self._seen or None
 
-    def _with_names(
-        self, adapter: Adapter, source: dict[str, TensorInfo], non_tensor: list[str], model: dict[str, TensorInfo]
-    ) -> tuple[Adapter, list[str]]:
-        """``adapter`` followed by the renames to the model's own names (torchtitan's current
-        ones; none for a model with our documented layout), and the model keys that are
-        torchtitan's training state and that nothing fills (allowed missing)."""
-        adapter = retarget_ties(adapter, model)
-        try:
-            produced, _ = plan_outputs(source, adapter, non_tensor=non_tensor, what="torchtitan bridge")
-        except ExportError:
-            return adapter, []  # the plan reports what does not apply, with the model's keys
-        names = native_names(model, produced)
-        if names is not None:
-            log.info("torchtitan bridge: %d rules to the model's names after adapter %r", len(names.rules), adapter.name)
-            adapter = adapter + names
-            produced, _ = plan_outputs(source, adapter, non_tensor=non_tensor, what="torchtitan bridge")
-        return adapter, training_state(model, produced)
-
     # ------------------------------------------------------------------ planning
     def _plan(self, hf: HFStateDict, path: str) -> tuple[Plan, Source]:
         """Plan ``hf``'s load from ``path`` now (headers only), so that a plan error is raised
@@ -403,7 +378,7 @@ class SdadaptStateDictAdapter:
         source = open_source(path)
         try:
             model = schema_of(hf._native)
-            adapter, state = self._with_names(self.adapter_for(path), source.schema, source.non_tensor, model)
+            adapter, state = for_load(self.adapter_for(path), source.schema, source.non_tensor, model)
             if state:
                 log.info("torchtitan bridge: %d keys of training state stay as initialised: %s", len(state), ", ".join(state[:4]))
             adapter = with_dtype(adapter, self.to_dtype)
