@@ -18,7 +18,8 @@ torchtitan 0.3's ``attention.qkv_linear.wq``, ``lm_head``,
 ``mlp1_weight_EGD`` (:mod:`sdadapt._titan_names`); a model with our layout gets no rename.
 torchtitan's training state that the checkpoint does not hold (``moe.expert_bias_E`` of
 families without one) keeps its values on load and is left out of the export, as torchtitan's
-own adapters do. :func:`torchtitan_names` gives the same renames for :func:`sdadapt.load`.
+own adapters do. :func:`sdadapt.load` and :func:`sdadapt.export` do the same for a shipped
+adapter given by name; :func:`torchtitan_names` gives the renames for an adapter object.
 
 How torchtitan uses it (``CheckpointManager.dcp_load`` with ``from_hf=True``)::
 
@@ -109,7 +110,8 @@ def torchtitan_names(model: torch.nn.Module | dict[str, Any]) -> Adapter | None:
     """The renames from our documented layout (``attention.wq``, ``output``, ``moe.experts.w1``
     ...) to the names ``model`` uses, decided from its own state-dict keys; ``None`` when it uses
     ours (an older torchtitan, a model of one's own). :class:`SdadaptStateDictAdapter` adds them by
-    itself; with :func:`sdadapt.load`, add them after a shipped adapter.
+    itself, as :func:`sdadapt.load` does for an adapter given by name; add them after an adapter
+    object that produces our layout.
 
     Args:
         model: the model, or its state dict (tensors, DTensors or meta tensors).
