@@ -204,7 +204,11 @@ def load(
     the index and its shards into the Hub cache; the others wait). ``adapter`` is an
     :class:`Adapter` or a string resolved like the CLI's ``--adapter`` by
     :func:`sdadapt.resolve_adapter`: a shipped name (``"llama"``, its options read from the
-    checkpoint folder's config), ``file.py:ATTR``, ``module:ATTR`` or a ``.json`` file.
+    checkpoint folder's config), ``file.py:ATTR``, ``module:ATTR`` or a ``.json`` file. A shipped
+    name's layout is taken on to the names the model holds (torchtitan's current ones:
+    ``lm_head``, ``attention.qkv_linear.wq`` ...; see :func:`sdadapt.torchtitan.torchtitan_names`),
+    and torchtitan's training state that the checkpoint lacks (``moe.expert_bias_E``) is allowed
+    missing. The folder loaded from is remembered for :func:`sdadapt.export` and friends.
 
     Never a silently half-loaded model (:mod:`sdadapt._transaction`). Everything that can be
     checked before writing (the plan, the files' fingerprints, the buffer hooks) is agreed on
