@@ -183,9 +183,10 @@ def test_export_by_adapter_name_from_a_torchtitan_model(name: str, tmp_path: Any
 # ---------------------------------------------------------------------------------------- distributed
 def _parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     """TP (when the mesh has ``tp``) + FSDP2 with torch's own ``parallelize_module`` /
-    ``fully_shard``: torchtitan's ``parallelize_*`` functions need its trainer's configs and
-    its spmd backends, so the test places the same modules itself (attention and dense MLP
-    column/row-wise, experts FSDP only)."""
+    ``fully_shard``: torchtitan's ``parallelize_*`` functions build their meshes through
+    ``ParallelDims`` on ``torchtitan.tools.utils.device_type``, which is ``"cuda"`` on a machine
+    without an accelerator, so they do not run on CPU; the test places the modules itself
+    (attention and dense MLP column/row-wise, experts FSDP only)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
