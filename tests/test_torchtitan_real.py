@@ -128,6 +128,7 @@ def test_torchtitan_names_with_sdadapt_load_and_the_documented_layout(tmp_path: 
     sdadapt.load(model, hf_path, sdadapt.get_adapter("llama", source=hf_path) + names)
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
     by_name = _initialised(family, seed=5)
+    assert sdadapt.diff(by_name, hf_path, "llama").ok  # diff says what load will do
     sdadapt.load(by_name, hf_path, "llama")  # a shipped name: aimed at the model's names by itself
     assert all(torch.equal(v, want[k]) for k, v in by_name.state_dict().items())
 
