@@ -95,6 +95,7 @@ def deepseek_v3() -> Family:
     from torchtitan.models.deepseek_v3 import DeepSeekV3Model, DeepSeekV3StateDictAdapter, _build_dsv3_layers
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
+    # routed_scaling_factor 1 and no top-k renormalisation: torchtitan's router as built below
     hf = DeepseekV3Config(hidden_size=DIM, intermediate_size=64, moe_intermediate_size=16, n_routed_experts=4,
                           n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
                           num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
@@ -108,7 +109,7 @@ def deepseek_v3() -> Family:
                                 non_blocking_capacity_factor=None,
                                 rope=ComplexRoPE.Config(dim=8, max_seq_len=64, theta=10000.0))  # fmt: skip
     return Family("deepseek_v3", hf, DeepseekV3ForCausalLM, _top(DeepSeekV3Model, layers, mtp_layers=[]),
-                  DeepSeekV3StateDictAdapter, logits=False)  # fmt: skip
+                  DeepSeekV3StateDictAdapter)  # fmt: skip
 
 
 def gpt_oss() -> Family:
@@ -121,6 +122,7 @@ def gpt_oss() -> Family:
                       tie_word_embeddings=False)  # fmt: skip
     layers = _build_gptoss_layers(dim=DIM, n_layers=LAYERS, hidden_dim=16, num_experts=4, top_k=2, load_balance_coeff=1e-3,
                                   attn_backend="flex", moe_comm_backend="standard", rope=_gpt_oss_rope())  # fmt: skip
+    # no logits: torchtitan's flex attention with sinks needs return_lse, which compiled flex lacks on CPU
     return Family("gpt_oss", hf, GptOssForCausalLM, _top(GptOssModel, layers), GptOssStateDictAdapter, logits=False)
 
 
