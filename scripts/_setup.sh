@@ -27,7 +27,9 @@ stamp=".venv/.sdadapt-installed${extra:+-$extra}"
 want="$("$PY" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$PY" -c "$checks" 2>/dev/null; then
     step "installing sdadapt (editable) ${extra:+with its $extra dependencies }into .venv"
-    "${PIP[@]}" -e "$spec"
+    # the constraint keeps the torch above: a dependency (torchtitan's) may not replace it
+    echo "torch==2.13.0" > .venv/torch-constraint.txt
+    "${PIP[@]}" -c .venv/torch-constraint.txt -e "$spec"
     echo "$want" > "$stamp"
     step "done installing"
 fi

@@ -89,11 +89,14 @@ def test_export_convert_and_state_by_name(folder, tmp_path_factory):
     model = _flat_model()
     sdadapt.load(model, folder, "tiny")
     # export with the adapter the model was loaded with: back to the checkpoint's bytes; a
-    # shipped name needs its options here (there is no checkpoint folder to read them from)
+    # shipped name reads its options from the folder sdadapt.load read
     (out / "tiny.json").write_text(sdadapt.get_adapter("tiny", heads=2, dim=8).to_json())
     sdadapt.export(model, out / "back", str(out / "tiny.json"))
+    sdadapt.export(model, out / "by_name", "tiny")
+    assert load_file(str(out / "by_name" / "model.safetensors")).keys() == {"model.0.q"}
+    # a model never loaded from a folder (and without a config) needs the options given
     with pytest.raises(AdapterError, match="needs option 'heads', 'dim'"):
-        sdadapt.export(model, out / "never", "tiny")
+        sdadapt.export(_flat_model(), out / "never", "tiny")
     sdadapt.convert(folder, out / "conv", "tiny")  # checkpoint layout -> model layout
     assert torch.equal(load_file(str(out / "conv" / "model.safetensors"))["0.wq"].flatten(), META_ROWS)
     back = load_file(str(out / "back" / "model.safetensors"))

@@ -1,6 +1,9 @@
 """sdadapt.torchtitan: the state-dict-adapter bridge, driven the way torchtitan's checkpoint code drives it.
 
-torchtitan cannot be installed here, so :class:`StandInCheckpointManager` repeats the calls of
+The real torchtitan (its model classes and ``CheckpointManager``) drives the bridge in
+tests/test_torchtitan_real.py; this file keeps a stand-in beside it for what the real one does
+not cover here: our documented layout (names of older torchtitan releases), the reader-first
+order, and dtype conversion. :class:`StandInCheckpointManager` repeats the calls of
 ``torchtitan/components/checkpoint.py`` (``CheckpointManager.dcp_load`` with ``from_hf=True``,
 ``CheckpointManager.dcp_save`` with ``to_hf=True`` and ``ModelWrapper.state_dict`` /
 ``load_state_dict``) line for line. The checkpoint is a tiny transformers Llama saved sharded;

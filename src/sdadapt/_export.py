@@ -42,12 +42,15 @@ from torch.distributed.tensor import DTensor
 from . import _integrity as integrity
 from ._adapter import Adapter
 from ._args import check_model_and_path, check_not_a_model
+from ._assets import copy_side_files, loaded_from, transformers_config, write_config
 from ._distributed import is_distributed, rank_and_world
 from ._materialize import has_meta
 from ._nodes import Box, Node, full_box
 from ._plan import PlanContext
+from ._registry import adapter_names, config_folder
 from ._resolve import adapter_or_none
 from ._target import model_state_dict
+from ._titan_names import for_export
 from ._transaction import Transaction
 from ._writers import make_writer
 from ._writers.base import FORMATS
@@ -289,6 +292,7 @@ class _ModelStream:
         process_group: dist.ProcessGroup | None,
         what: str,
         check: Callable[[], None] | None = None,
+        native_names: bool = False,
     ):
         txn = Transaction(None, process_group, what)
 
@@ -299,7 +303,11 @@ class _ModelStream:
                 raise ExportError("the model has tensors on the meta device; load or initialise it before exporting")
             sd = model_state_dict(model)
             schema = {k: TensorInfo(tuple(t.shape), t.dtype) for k, t in sd.items()}
-            inverse = adapter.inverse() if adapter is not None else None
+            named = adapter
+            if native_names and adapter is not None:  # a shipped adapter: ours -> the model's own names
+                named, sd = for_export(adapter, sd)
+                schema = {k: schema[k] for k in sd}
+            inverse = named.inverse() if named is not None else None
             return sd, plan_outputs(schema, inverse, what=what)[0]
 
         self.state, self.outputs = txn.prepare(prepare)
@@ -336,10 +344,14 @@ def export_iter(
     consume the same sequence to the end (or close the generator on every rank). Memory: the
     tensor last yielded (plus leaves a later output still needs, e.g. the parts of a split); the
     generator drops its own references to an output when the next one is asked for, so a
-    consumer that does not keep them holds about one tensor. Tensors are on the CPU."""
+    consumer that does not keep them holds about one tensor. Tensors are on the CPU. A shipped
+    adapter's name takes its options from the checkpoint folder ``model`` was loaded from by
+    :func:`sdadapt.load`, else from the model's own config (``model.config``), and reaches the
+    names the model holds (torchtitan's current ones: see :func:`sdadapt.torchtitan.torchtitan_names`)."""
     check_model_and_path("sdadapt.export_iter(model, adapter=None, ...)", model, adapter, path_arg="adapter")
-    adapter = adapter_or_none(adapter, None)
-    stream = _ModelStream(model, adapter, process_group, "export_iter")
+    shipped = isinstance(adapter, str) and adapter in adapter_names()  # our documented layout
+    adapter = adapter_or_none(adapter, None, model)
+    stream = _ModelStream(model, adapter, process_group, "export_iter", native_names=shipped)
     try:
         for key in list(stream.outputs):
             yield key, stream.produce(key)
@@ -360,6 +372,7 @@ def export(
     overwrite: bool = False,
     process_group: dist.ProcessGroup | None = None,
     checksums: bool = False,
+    assets: str | os.PathLike[str] | None = None,
 ) -> ExportReport:
     """Write ``model``'s weights to ``dst`` through ``adapter.inverse()``; every rank calls it.
 
@@ -373,11 +386,24 @@ def export(
     ``checksums=True`` also writes ``sdadapt.checksums.json`` (beside a torch file:
     ``<file>.sdadapt.checksums.json``), computed from the tensors as they are written, for
     ``load(..., verify=True)``.
+
+    A folder (``"safetensors"``, ``"dcp"``) also gets the checkpoint's side files, so that it
+    opens in transformers and with ``--adapter NAME``: ``config.json``, tokenizer and generation
+    files (``tokenizer.json``, ``tokenizer_config.json``, ``special_tokens_map.json``,
+    ``tokenizer.model``, ``generation_config.json`` ...) copied from ``assets``, else from the
+    checkpoint folder ``model`` was loaded from by :func:`sdadapt.load`; without either, a
+    transformers model's own ``config.json`` (``model.config``) is written. A shipped adapter's
+    name takes its options from the same places.
     """
     t0 = time.perf_counter()
     check_model_and_path("sdadapt.export(model, dst, adapter=None, format='safetensors', ...)", model, dst, path_arg="dst")
     dst = os.fspath(dst)
-    adapter = adapter_or_none(adapter, None)
+    folder = os.fspath(assets) if assets is not None else loaded_from(model)
+    if folder is not None and not os.path.isdir(folder):
+        raise ExportError(f"assets={folder!r} is not a folder; give the checkpoint folder whose config and tokenizer files to copy")
+    shipped = isinstance(adapter, str) and adapter in adapter_names()  # our documented layout
+    adapter = adapter_or_none(adapter, folder, model)
+    config = transformers_config(model) if folder is None else None
     rank, world = rank_and_world(process_group)
 
     def check() -> None:
@@ -386,7 +412,7 @@ def export(
         if rank == 0:
             _check_dst(dst, overwrite)
 
-    stream = _ModelStream(model, adapter, process_group, f"export to {dst}", check)
+    stream = _ModelStream(model, adapter, process_group, f"export to {dst}", check, native_names=shipped)
     outputs = stream.outputs
     src0 = dist.get_global_rank(process_group, 0) if is_distributed() and process_group is not None else 0
     written = [0]
@@ -405,7 +431,8 @@ def export(
     try:
         if rank == 0:
             try:
-                files = _write(dst, format, outputs, produce, max_shard_size=max_shard_size, overwrite=overwrite)
+                files = _write(dst, format, outputs, produce, max_shard_size=max_shard_size, overwrite=overwrite,
+                               check=lambda tmp: _side_files(tmp, folder, config))  # fmt: skip
                 if checksums:
                     integrity.write_checksums_data(dst, sums)
             except BaseException as e:
@@ -446,6 +473,19 @@ def _follow(
             return list(value)
         else:
             raise RemoteRankError(f"rank 0 failed while writing {dst}, so this rank stops too:\n{value}")
+
+
+def _side_files(tmp: str, folder: str | None, config: dict[str, Any] | None) -> None:
+    """Into the folder being written (not a single file): ``folder``'s side files (config,
+    tokenizer, generation), or ``config`` as ``config.json``."""
+    if not os.path.isdir(tmp):
+        return
+    if folder is not None:
+        copy_side_files(folder, tmp)
+    elif config is not None:
+        write_config(tmp, config)
+    else:
+        log.warning("%s gets no config.json: pass assets='checkpoint folder' to copy its config and tokenizer files", tmp)
 
 
 # ------------------------------------------------------------------------------ convert
@@ -502,6 +542,7 @@ def convert(
             if verify:
                 _verify(tmp, dst, outputs, source, release, progress)
             txn.files_unchanged("while it was being converted")
+            _side_files(tmp, config_folder(source.path), None)
 
         files = _write(dst, format, outputs, produce, max_shard_size=max_shard_size, overwrite=overwrite, check=check)
     finally:

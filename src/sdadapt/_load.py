@@ -15,6 +15,7 @@ from torch import nn
 from . import _integrity as integrity
 from ._adapter import Adapter
 from ._args import check_model_and_path
+from ._assets import remember_source
 from ._constructors import with_dtype
 from ._distributed import rank_and_world
 from ._engine import EngineConfig, device_kernels, prefetch_pinned, warm_kernels
@@ -22,9 +23,11 @@ from ._gc import without_gc
 from ._lora import LoraMerged, merged_lora, open_peft_lora
 from ._materialize import InitFn, check_buffers, choose_device, has_meta
 from ._plan import PipelineStage, Plan, build_plan, vacant_modules
+from ._registry import adapter_names
 from ._report import Report
 from ._resolve import adapter_or_none
 from ._target import local_nbytes, model_state_dict, schema_of
+from ._titan_names import for_load
 from ._transaction import Part, Transaction
 from .errors import PlanError
 from .sources import Source, open_source
@@ -101,8 +104,10 @@ def plan_load(
     """Open the source and plan against the model (headers only; nothing is read or changed);
     ``pipeline_stage``, ``lora`` and ``dtype`` as in :func:`load`."""
     check_model_and_path("sdadapt.plan_load(model, src, adapter=None, ...)", model, src)
-    adapter = with_dtype(adapter_or_none(adapter, src, model), dtype)
-    source, plan, _ = _plan_load(model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage, lora)
+    shipped = isinstance(adapter, str) and adapter in adapter_names()
+    source, plan, _ = _plan_load(
+        model, src, adapter_or_none(adapter, src, model), subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype, shipped
+    )
     return source, plan
 
 
@@ -115,14 +120,21 @@ def _plan_load(
     allow_unexpected: list[str] | None,
     pipeline_stage: bool = False,
     lora: str | os.PathLike[str] | None = None,
+    dtype: str | torch.dtype | None = None,
+    shipped: bool = False,
 ) -> tuple[Source, Plan, dict[str, torch.Tensor]]:
     """:func:`plan_load`, also returning the model's state dict it planned against. With
     ``lora``, the PEFT adapter's tensors join the source and its merge rule goes first
-    (:mod:`sdadapt._lora`)."""
+    (:mod:`sdadapt._lora`). ``shipped``: ``adapter`` is a shipped one (our documented layout),
+    aimed at the names the model holds (torchtitan's current ones, :mod:`sdadapt._titan_names`)."""
     source = open_source(src, subtree=subtree)
     state_dict = model_state_dict(model)
     stage = PipelineStage.of(state_dict, vacant_modules(model)) if pipeline_stage else None
     try:
+        if shipped and adapter is not None:
+            adapter, state = for_load(adapter, source.schema, source.non_tensor, schema_of(state_dict))
+            allow_missing = [*(allow_missing or []), *state] if state else allow_missing
+        adapter = with_dtype(adapter, dtype)
         if lora is not None:
             peft = open_peft_lora(lora)
             source = peft.join(source)
@@ -197,7 +209,11 @@ def load(
     the index and its shards into the Hub cache; the others wait). ``adapter`` is an
     :class:`Adapter` or a string resolved like the CLI's ``--adapter`` by
     :func:`sdadapt.resolve_adapter`: a shipped name (``"llama"``, its options read from the
-    checkpoint folder's config), ``file.py:ATTR``, ``module:ATTR`` or a ``.json`` file.
+    checkpoint folder's config), ``file.py:ATTR``, ``module:ATTR`` or a ``.json`` file. A shipped
+    name's layout is taken on to the names the model holds (torchtitan's current ones:
+    ``lm_head``, ``attention.qkv_linear.wq`` ...; see :func:`sdadapt.torchtitan.torchtitan_names`),
+    and torchtitan's training state that the checkpoint lacks (``moe.expert_bias_E``) is allowed
+    missing. The folder loaded from is remembered for :func:`sdadapt.export` and friends.
 
     Never a silently half-loaded model (:mod:`sdadapt._transaction`). Everything that can be
     checked before writing (the plan, the files' fingerprints, the buffer hooks) is agreed on
@@ -244,6 +260,7 @@ def load(
     shards only (:mod:`sdadapt._lora`).
     """
     check_model_and_path("sdadapt.load(model, src, adapter=None, ...)", model, src)
+    shipped = isinstance(adapter, str) and adapter in adapter_names()
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
     txn = Transaction(model, process_group, _describe(src))
@@ -252,9 +269,9 @@ def load(
     def prepare() -> Plan:
         nonlocal planned
         # resolved inside the agreed step: a rank failing to resolve or derive it stops them all
-        resolved = with_dtype(adapter_or_none(adapter, src, model), dtype)
+        resolved = adapter_or_none(adapter, src, model)
         source, plan, planned = _plan_load(
-            model, src, resolved, subtree, allow_missing, allow_unexpected, pipeline_stage, lora
+            model, src, resolved, subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype, shipped
         )
         txn.add_source(source)
         if not plan.report.ok:
@@ -311,5 +328,6 @@ def load(
         report=plan.report,
         lora=merged_lora(lora, plan.recipes) if lora is not None else None,
     )
+    remember_source(model, src)  # export / save_state with an adapter name read the same folder
     log.info("%s", rep.format())
     return rep

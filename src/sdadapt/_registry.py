@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import logging
 import os
 import pkgutil
+import tempfile
 from types import ModuleType
 from typing import Any
 
@@ -91,26 +93,51 @@ def options_of(name: str) -> dict[str, str]:
     return out
 
 
-def get_adapter(name: str, source: str | os.PathLike[str] | None = None, **options: Any) -> Adapter:
+def _read_options(name: str, reader: Any, folder: str, source: str) -> dict[str, Any]:
+    try:
+        # a reader with a second parameter also gets the checkpoint path itself (a file in a
+        # folder of several files: its key names tell what the config files cannot)
+        two = len(inspect.signature(reader).parameters) >= 2
+        return dict(reader(folder, source) if two else reader(folder))
+    except SdadaptError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bad config file: name it
+        raise AdapterError(f"adapter {name!r}: cannot read options from the config in {folder}: {e}") from e
+
+
+def options_from_model_config(name: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The options adapter ``name`` reads from ``config`` (a model's configuration with HF
+    ``config.json`` keys), as its ``options_from_config`` reads them from a folder holding that
+    ``config.json`` and no weights."""
+    reader = getattr(adapter_module(name), "options_from_config", None)
+    if not callable(reader):
+        return {}
+    with tempfile.TemporaryDirectory(prefix="sdadapt-config-") as folder:
+        with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, default=str)
+        return _read_options(name, reader, folder, folder)
+
+
+def get_adapter(
+    name: str, source: str | os.PathLike[str] | None = None, *, config: dict[str, Any] | None = None, **options: Any
+) -> Adapter:
     """The shipped adapter ``name`` built with ``options``; with ``source`` (a checkpoint folder
-    or a file inside one), options the keyword arguments leave out come from its config files."""
+    or a file inside one), options the keyword arguments leave out come from its config files;
+    without one, from ``config`` (a model's configuration with HF ``config.json`` keys, as
+    ``model.config.to_dict()`` gives it) when given."""
     mod = adapter_module(name)
     from_config: dict[str, Any] = {}
     folder = config_folder(source) if source is not None else None
     reader = getattr(mod, "options_from_config", None)
     if source is not None and folder is not None and callable(reader):
-        try:
-            # a reader with a second parameter also gets the checkpoint path itself (a file in a
-            # folder of several files: its key names tell what the config files cannot)
-            two = len(inspect.signature(reader).parameters) >= 2
-            from_config = dict(reader(folder, os.fspath(source)) if two else reader(folder))
-        except SdadaptError:
-            raise
-        except Exception as e:  # noqa: BLE001 - a bad config file: name it
-            raise AdapterError(f"adapter {name!r}: cannot read options from the config in {folder}: {e}") from e
-        for k, v in options.items():
-            if k in from_config and from_config[k] != v:
-                log.warning("adapter %s: option %s=%r overrides %r from the config in %s", name, k, v, from_config[k], folder)
+        from_config = _read_options(name, reader, folder, os.fspath(source))
+    elif source is None and config is not None:
+        from_config = options_from_model_config(name, config)
+        folder = None
+    for k, v in options.items():
+        if k in from_config and from_config[k] != v:
+            where = folder or "the model's config"
+            log.warning("adapter %s: option %s=%r overrides %r from the config in %s", name, k, v, from_config[k], where)
     sig = inspect.signature(mod.build)
     params = {
         p.name: p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
@@ -130,10 +157,16 @@ def get_adapter(name: str, source: str | os.PathLike[str] | None = None, **optio
     merged = {**from_config, **options}
     missing = [p.name for p in params.values() if p.default is p.empty and p.name not in merged]
     if missing:
-        where = f"the config in {folder} does not give it" if folder else "no checkpoint folder was given to read it from"
+        if folder:
+            where = f"the config in {folder} does not give it"
+        elif config is not None:
+            where = "the model's config does not give it"
+        else:
+            where = "no checkpoint folder was given to read it from (nor a model config)"
         raise AdapterError(
-            f"adapter {name!r} needs option {', '.join(map(repr, missing))} and {where}; pass it "
-            f"(get_adapter({name!r}, {missing[0]}=...), or --option {missing[0]}=... on the command line)"
+            f"adapter {name!r} needs option {', '.join(map(repr, missing))} and {where}; pass the adapter built "
+            f"with it, sdadapt.get_adapter({name!r}, {missing[0]}=...), or the checkpoint folder it was loaded from, "
+            f"sdadapt.get_adapter({name!r}, source='ckpt_dir/') (command line: --option {missing[0]}=...)"
         )
     try:
         adapter = mod.build(**merged)

@@ -322,7 +322,7 @@ def resolve_adapter(
 
 
 def adapter_or_none(
-    adapter: Adapter | str | os.PathLike[str] | None, source: object = None, model: object = None
+    adapter: Adapter | str | os.PathLike[str] | None, source: object = None, model: nn.Module | None = None
 ) -> Adapter | None:
     """The ``adapter`` argument of ``load``, ``load_state``, ``export``, ``export_iter``,
     ``diff``, ``draft`` and ``convert``: ``None`` stays ``None`` (for a transformers ``model``
@@ -330,11 +330,22 @@ def adapter_or_none(
     string is resolved by :func:`resolve_adapter` (a shipped name, ``file.py:ATTR``,
     ``module:ATTR`` or a ``.json`` file). ``source`` is the checkpoint (a path or an open
     :class:`~sdadapt.sources.Source`): a shipped adapter reads the options it needs from the
-    config files of its folder."""
+    config files of its folder. Without a source, ``model`` (export, save_state) stands in: the
+    checkpoint folder it was last loaded from by ``sdadapt.load``, else its own configuration
+    (a transformers model's ``config``, torchtitan's model config) gives a shipped adapter's options."""
     if adapter is None:
         from ._hf_models import hf_adapter, is_hf_model
 
         return hf_adapter(model, source) if source is not None and is_hf_model(model) else None  # type: ignore[arg-type]
     path = getattr(source, "path", source)
     where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+    if where is None and model is not None and isinstance(adapter, str):
+        from . import _registry as registry
+        from ._assets import loaded_from, model_config
+
+        where = loaded_from(model)
+        if where is None and adapter in registry.adapter_names():
+            config = model_config(model)
+            if config is not None:
+                return registry.get_adapter(adapter, config=config)
     return resolve_adapter(adapter, source=where)

@@ -112,7 +112,7 @@ def save_state(
     """
     check_model_and_path("sdadapt.save_state(dst, model, optimizer=None, extra=None, ...)", model, dst, path_arg="dst")
     dst = os.fspath(dst)
-    adapter = adapter_or_none(adapter)
+    adapter = adapter_or_none(adapter, None, model)
     rank, world = rank_and_world(process_group)
     extra = dict(extra or {})
     error: SdadaptError | None = None

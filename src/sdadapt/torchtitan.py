@@ -8,7 +8,18 @@ sdadapt adapter (HF checkpoint layout -> torchtitan's layout, as for :func:`sdad
 
     from sdadapt.torchtitan import SdadaptStateDictAdapter
     LlamaBridge = SdadaptStateDictAdapter.using("llama")        # options from config.json
-    train_spec.state_dict_adapter = LlamaBridge                 # torchtitan builds it itself
+    model_spec.state_dict_adapter = LlamaBridge                 # torchtitan builds it itself
+
+The shipped adapters produce our documented layout (``attention.wq``, ``output``,
+``moe.experts.w1`` ...). The bridge takes them on to the names the model holds, decided from its
+own keys (the state dict ``to_hf`` is given, else ``model_config.build()`` on the meta device):
+torchtitan 0.3's ``attention.qkv_linear.wq``, ``lm_head``,
+``moe.routed_experts.inner_experts.w1_EFD``, ``moe.expert_bias_E`` and GPT-OSS's interleaved
+``mlp1_weight_EGD`` (:mod:`sdadapt._titan_names`); a model with our layout gets no rename.
+torchtitan's training state that the checkpoint does not hold (``moe.expert_bias_E`` of
+families without one) keeps its values on load and is left out of the export, as torchtitan's
+own adapters do. :func:`sdadapt.load` and :func:`sdadapt.export` do the same for a shipped
+adapter given by name; :func:`torchtitan_names` gives the renames for an adapter object.
 
 How torchtitan uses it (``CheckpointManager.dcp_load`` with ``from_hf=True``)::
 
@@ -62,12 +73,13 @@ from ._plan import Plan, build_plan
 from ._reader import AdaptedStorageReader
 from ._resolve import resolve_adapter
 from ._target import schema_of
+from ._titan_names import for_export, for_load, native_names
 from .errors import AdapterError, PlanError, SourceError
-from .sources import INDEX_NAME, Source, open_source
+from .sources import INDEX_NAME, Source, TensorInfo, open_source
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HFStateDict", "SdadaptStateDictAdapter", "apply_adapter"]
+__all__ = ["HFStateDict", "SdadaptStateDictAdapter", "apply_adapter", "torchtitan_names"]
 
 
 def apply_adapter(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -94,6 +106,30 @@ def apply_adapter(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> dict[st
     return out
 
 
+def torchtitan_names(model: torch.nn.Module | dict[str, Any]) -> Adapter | None:
+    """The renames from our documented layout (``attention.wq``, ``output``, ``moe.experts.w1``
+    ...) to the names ``model`` uses, decided from its own state-dict keys; ``None`` when it uses
+    ours (an older torchtitan, a model of one's own). :class:`SdadaptStateDictAdapter` adds them by
+    itself, as :func:`sdadapt.load` does for an adapter given by name; add them after an adapter
+    object that produces our layout.
+
+    Args:
+        model: the model, or its state dict (tensors, DTensors or meta tensors).
+
+    Returns:
+        An :class:`~sdadapt.Adapter` (renames; GPT-OSS experts also fuse gate and up and
+        interleave their rows, as torchtitan's ``mlp1_weight_EGD`` holds them), or ``None``.
+
+    Example (a fragment: ``model`` is a torchtitan model)::
+
+        adapter = sdadapt.get_adapter("llama", source="Llama-3-8B/")
+        names = torchtitan_names(model)
+        sdadapt.load(model, "Llama-3-8B/", adapter if names is None else adapter + names)
+    """
+    state = model.state_dict() if isinstance(model, torch.nn.Module) else model
+    return native_names(schema_of({k: v for k, v in state.items() if isinstance(v, torch.Tensor)}))
+
+
 class HFStateDict(dict):
     """What :meth:`SdadaptStateDictAdapter.to_hf` returns: a ``dict`` whose content is decided
     on first use (see the module docstring). ``view`` is ``None`` until then, ``"load"`` (the
@@ -114,7 +150,9 @@ class HFStateDict(dict):
             dict.update(self, {k: self._native[k] for k in self.load_plan[0].recipes})
         else:
             self.view = "export"
-            dict.update(self, apply_adapter(self._bridge.adapter_for(None).inverse(), self._native))
+            # the model's names -> ours first, then the adapter's inverse; training state left out
+            adapter, native = for_export(self._bridge.adapter_for(None), self._native)
+            dict.update(self, apply_adapter(adapter.inverse(), native))
         self._native = {}
 
     def __getitem__(self, key: str) -> Any:
@@ -222,7 +260,8 @@ class SdadaptStateDictAdapter:
     dequantised straight into float32); without it a dtype mismatch is a plan error, as
     everywhere in sdadapt. torchtitan builds the adapter itself from ``(model_config,
     hf_assets_path)``: bind the other arguments with :meth:`using`. ``model_config`` is kept as
-    ``self.model_config`` and not read.
+    ``self.model_config``; when ``from_hf`` gets a plain dict before any ``to_hf``, a torchtitan
+    config (one with ``build()``) is built on the meta device to learn the model's names.
     """
 
     default_adapter: ClassVar[Adapter | str | None] = None
@@ -256,6 +295,7 @@ class SdadaptStateDictAdapter:
         self._adapters: dict[str | None, Adapter] = {}
         self._pending: HFStateDict | None = None
         self._waiting: _BridgeReader | None = None  # a reader asked for before to_hf
+        self._seen: dict[str, TensorInfo] | None = None  # the model's keys (see _model_schema)
 
     @classmethod
     def using(cls, adapter: Adapter | str, **options: Any) -> type[SdadaptStateDictAdapter]:
@@ -282,6 +322,7 @@ class SdadaptStateDictAdapter:
         if skipped:
             log.warning("to_hf: %d non-tensor entries are left out: %s", len(skipped), ", ".join(skipped[:8]))
         hf = HFStateDict(self, tensors)
+        self._seen = schema_of(tensors)
         self._pending = hf
         if self._waiting is not None:
             reader, self._waiting = self._waiting, None
@@ -313,21 +354,42 @@ class SdadaptStateDictAdapter:
                 self._pending = None
             return dict(dict.items(hf_state_dict))
         tensors = {k: v for k, v in hf_state_dict.items() if isinstance(v, torch.Tensor)}
-        return dict(apply_adapter(self.adapter_for(None), tensors))
+        adapter = self.adapter_for(None)
+        model = self._model_schema()
+        if model is not None:
+            adapter, _ = for_load(adapter, schema_of(tensors), [], model)
+        return dict(apply_adapter(adapter, tensors))
+
+    def _model_schema(self) -> dict[str, TensorInfo] | None:
+        """The model's keys and shapes: from the state dict ``to_hf`` last saw, else from
+        ``model_config.build()`` on the meta device (a torchtitan model config), else ``None``."""
+        if self._seen is None and callable(getattr(self.model_config, "build", None)):
+            try:
+                with torch.device("meta"):
+                    model = self.model_config.build()
+                self._seen = schema_of(dict(model.state_dict()))
+            except Exception as e:  # noqa: BLE001 - any config: fall back to our documented names
+                log.info("model_config.build() on meta failed (%s: %s): keeping the adapter's names", type(e).__name__, e)
+                self._seen = {}
+        return self._seen or None
 
     # ------------------------------------------------------------------ planning
     def _plan(self, hf: HFStateDict, path: str) -> tuple[Plan, Source]:
         """Plan ``hf``'s load from ``path`` now (headers only), so that a plan error is raised
         here, identically on every rank, and not from inside ``dcp.load``."""
-        adapter = with_dtype(self.adapter_for(path), self.to_dtype)
         source = open_source(path)
         try:
+            model = schema_of(hf._native)
+            adapter, state = for_load(self.adapter_for(path), source.schema, source.non_tensor, model)
+            if state:
+                log.info("torchtitan bridge: %d keys of training state stay as initialised: %s", len(state), ", ".join(state[:4]))
+            adapter = with_dtype(adapter, self.to_dtype)
             plan = build_plan(
                 source.schema,
-                schema_of(hf._native),
+                model,
                 adapter,
                 non_tensor=source.non_tensor,
-                allow_missing=self.allow_missing,
+                allow_missing=[*(self.allow_missing or []), *state],
                 allow_unexpected=self.allow_unexpected,
                 source_name=path,
                 target_name="torchtitan model",
