@@ -197,7 +197,7 @@ def dequant_rules(
     *,
     scale_format: ScaleFormat | None = None,
     scale_dtype: str | None = None,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     keep: tuple[str, ...] = (),
 ) -> list[Any]:
     """The rules that turn a quantized checkpoint's weights into plain ones, placed before an

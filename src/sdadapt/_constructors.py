@@ -159,11 +159,12 @@ def dequant_fp8(
     scale_suffix: str = FP8_SCALE_SUFFIX,
     scale_format: ScaleFormat = "float32",
     scale_dtype: str | torch.dtype | None = None,
-    dtype: str | torch.dtype = "bfloat16",
+    dtype: str | torch.dtype | None = None,
 ) -> DequantFP8:
     """FP8 e4m3 weights matching ``keys`` (not ``exclude``) with ``block`` scales at
     ``key + scale_suffix`` (float32, ``"ue8m0"`` exponent bytes, or ``"ue8m0_float32"``
-    powers of two stored as float32; ``scale_dtype`` pins the stored dtype) -> values in ``dtype``."""
+    powers of two stored as float32; ``scale_dtype`` pins the stored dtype) -> values in the
+    dtype the model holds for each key (``dtype`` pins one; bfloat16 where there is no model)."""
     return DequantFP8(
         keys=keys,
         block=block,
@@ -171,7 +172,7 @@ def dequant_fp8(
         scale_suffix=scale_suffix,
         scale_format=scale_format,
         scale_dtype=None if scale_dtype is None else dtype_str(scale_dtype),
-        dtype=dtype_str(dtype),
+        dtype=None if dtype is None else dtype_str(dtype),
     )
 
 
@@ -180,7 +181,9 @@ def dequant_mxfp4(
     *,
     blocks_suffix: str = MX_BLOCKS_SUFFIX,
     scales_suffix: str = MX_SCALES_SUFFIX,
-    dtype: str | torch.dtype = "bfloat16",
+    dtype: str | torch.dtype | None = None,
 ) -> DequantMXFP4:
-    """MXFP4 ``<name>_blocks`` + ``<name>_scales`` -> ``<name>`` (values ``[..., G * 32]``) for names matching ``keys``."""
-    return DequantMXFP4(keys=keys, blocks_suffix=blocks_suffix, scales_suffix=scales_suffix, dtype=dtype_str(dtype))
+    """MXFP4 ``<name>_blocks`` + ``<name>_scales`` -> ``<name>`` (values ``[..., G * 32]``) for names
+    matching ``keys``, in the model's dtype for each (``dtype`` pins one)."""
+    return DequantMXFP4(keys=keys, blocks_suffix=blocks_suffix, scales_suffix=scales_suffix,
+                        dtype=None if dtype is None else dtype_str(dtype))

@@ -54,17 +54,30 @@ def _block(v: object) -> tuple[int, int]:
     return (int(v[0]), int(v[1]))
 
 
+VALUES_DTYPE = torch.bfloat16
+"""The dtype of dequantised values where nothing says another: no ``dtype=`` on the rule, and no
+model tensor to take the dtype from (``convert`` to a plain release)."""
+
+
 class _QuantRule(RuleBase):
-    """What every rule of the family has: the keys it acts on and the dtype of the values."""
+    """What every rule of the family has: the keys it acts on and the dtype of the values.
+
+    ``dtype=None`` (the default): the values take the dtype the model holds for each key
+    (float32 master weights get ``float(w) * scale`` in float32, computed so, not widened from
+    bfloat16), or :data:`VALUES_DTYPE` where there is no model; a dtype pins it."""
 
     moves_keys: ClassVar[bool] = False
     keys: str
-    dtype: str = "bfloat16"
+    dtype: str | None = None
 
     @field_validator("dtype", mode="before")
     @classmethod
-    def _check_dtype(cls, v: object) -> str:
-        return dtype_str(v)
+    def _check_dtype(cls, v: object) -> str | None:
+        return None if v is None else dtype_str(v)
+
+    def _values_dtype(self) -> tuple[torch.dtype, bool]:
+        """The dtype the dequantised nodes start with, and whether the target's replaces it."""
+        return (VALUES_DTYPE, True) if self.dtype is None else (parse_dtype(self.dtype), False)
 
     def input_patterns(self) -> list[str]:
         return [self.keys]
@@ -126,7 +139,7 @@ class DequantFP8(_FP8Fields):
     def apply(self, ctx: PlanContext, index: int) -> None:
         targets = self._targets(ctx)
         scales = {k + self.scale_suffix for k in targets if ctx.get(k).dtype == Q.FP8_DTYPE}
-        to = parse_dtype(self.dtype)
+        to, follows = self._values_dtype()
         for key in targets:
             if key in scales:
                 continue  # a float32 scale matched by a broad pattern is an input, not a weight
@@ -137,7 +150,7 @@ class DequantFP8(_FP8Fields):
                 ctx.issue(index, key, problem)
                 continue
             scale = ctx.absorb(skey, index)
-            ctx.replace(key, QN.DequantFP8(node, scale, self.block, self.scale_format, to))
+            ctx.replace(key, QN.DequantFP8(node, scale, self.block, self.scale_format, to, follows))
 
     def _problem(self, ctx: PlanContext, key: str, skey: str) -> str | None:
         node = ctx.get(key)
@@ -165,14 +178,19 @@ class DequantFP8(_FP8Fields):
         return None
 
     def _fix_hint(self, stored: torch.dtype) -> str:
-        """The setting that reads scales stored as ``stored``, keeping power-of-two scales so."""
+        """The setting that reads scales stored as ``stored``, keeping power-of-two scales so;
+        where no setting reads that dtype, says so (never a setting that refuses it too)."""
         if stored in Q.SCALE_DTYPES[self.scale_format]:
             return f"scale_dtype={dtype_name(stored)!r}?"
         if stored in Q.SCALE_DTYPES["ue8m0"]:
             return "scale_format='ue8m0'?"
-        if self.scale_format == "ue8m0":
-            return "scale_format='ue8m0_float32'? (power-of-two scales stored as float32)"
-        return "scale_format='float32'?"
+        if stored in Q.SCALE_DTYPES["float32"]:
+            if self.scale_format == "ue8m0":
+                return "scale_format='ue8m0_float32'? (power-of-two scales stored as float32)"
+            return "scale_format='float32'?"
+        readable = sorted({dtype_name(d) for ds in Q.SCALE_DTYPES.values() for d in ds})
+        return (f"no scale_format of dequant_fp8 reads {dtype_name(stored)} block scales (they are stored as "
+                f"{', '.join(readable)}); is this the release's block scale, or a tensor of another format?")  # fmt: skip
 
     def inverse(self) -> list[Any]:
         return [QuantizeFP8(**self._fields())]
@@ -221,7 +239,7 @@ class DequantMXFP4(_MXFP4Fields):
 
     def apply(self, ctx: PlanContext, index: int) -> None:
         pat = compile_pattern(self.keys)
-        to = parse_dtype(self.dtype)
+        to, follows = self._values_dtype()
         for bkey in ctx.keys():
             if not bkey.endswith(self.blocks_suffix):
                 continue
@@ -234,7 +252,7 @@ class DequantMXFP4(_MXFP4Fields):
                 ctx.issue(index, name, problem)
                 continue
             blocks, scales = ctx.absorb(bkey, index), ctx.absorb(skey, index)
-            ctx.put(name, QN.DequantMXFP4(blocks, scales, to), index, origin=[bkey, skey])
+            ctx.put(name, QN.DequantMXFP4(blocks, scales, to, follows), index, origin=[bkey, skey])
 
     def _problem(self, ctx: PlanContext, name: str, bkey: str, skey: str) -> str | None:
         blocks = ctx.get(bkey)
@@ -292,7 +310,7 @@ for _cls in (DequantFP8, QuantizeFP8, DequantMXFP4, QuantizeMXFP4):
 def dequant_rules(
     config: Mapping[str, Any] | str | os.PathLike[str],
     *,
-    dtype: str | torch.dtype = "bfloat16",
+    dtype: str | torch.dtype | None = None,
     schema: Mapping[str, TensorInfo] | None = None,
     fp8_keys: str = "**.weight",
     fp8_exclude: list[str] | None = None,
@@ -325,11 +343,15 @@ def dequant_rules(
         exclude = list(FP8_EXCLUDE if fp8_exclude is None else fp8_exclude)
         exclude += [f"**{m}.weight" for m in qc.get("modules_to_not_convert") or []]
         return [DequantFP8(keys=fp8_keys, exclude=exclude, block=block, scale_format=fmt, scale_dtype=scale_dtype,
-                           dtype=dtype_str(dtype))]  # fmt: skip
+                           dtype=_dtype_arg(dtype))]  # fmt: skip
     if method == "mxfp4":
-        return [DequantMXFP4(keys=mxfp4_keys, dtype=dtype_str(dtype))]
+        return [DequantMXFP4(keys=mxfp4_keys, dtype=_dtype_arg(dtype))]
     raise AdapterError(f"quantization_config.quant_method {method!r} is not supported; sdadapt reads 'fp8' "
                        "(block scales) and 'mxfp4'")  # fmt: skip
+
+
+def _dtype_arg(dtype: str | torch.dtype | None) -> str | None:
+    return None if dtype is None else dtype_str(dtype)
 
 
 def _fp8_scale_storage(qc: Mapping[str, Any], schema: Mapping[str, TensorInfo] | None) -> tuple[Q.ScaleFormat, str | None]:
@@ -374,8 +396,23 @@ def quant_hint(report: Report) -> str | None:
     fp8 = [m for m in report.dtype_mismatch if m.checkpoint.startswith("float8")]
     packed = [k for k in report.unexpected if k.endswith(_SCALE_SUFFIXES)]
     packed += [m.key for m in report.dtype_mismatch if m.checkpoint == "uint8"]
+    own = [i for i in report.rule_issues if i.rule.startswith("dequant")]
+    if own:  # the adapter has its dequant rule, which could not read these tensors: say what it said
+        first = own[0]
+        more = f" (and {len(own) - 1} more rule problem(s))" if len(own) > 1 else ""
+        return f"hint: the dequant rule #{first.index} cannot read the quantized tensors: {first.key}: {first.message}{more}"
     if not fp8 and not packed:
         return None
+    mx = [k for k in packed if k.endswith((Q.MX_BLOCKS_SUFFIX, Q.MX_SCALES_SUFFIX))]
+    other = [m.key for m in fp8] + [k for k in packed if k not in mx]
+    have = [r for r in report.dequant_rules if r.endswith(" dequant_mxfp4") == bool(mx and not other)]
+    if have:  # the adapter has a rule of the format, yet quantized tensors are left: its keys miss them
+        report_rules, left = have, sorted(set(mx) | set(other))
+        return (
+            f"hint: the adapter's dequant rule(s) {', '.join(report_rules)} left quantized tensors unread "
+            f"({', '.join(left[:3])}{' ...' if len(left) > 3 else ''}); widen the rule's keys= or take them out of "
+            "its exclude=[...] (a cast rule is not enough: the values would miss their scales)"
+        )
     return (
         "hint: the checkpoint is quantized (FP8 scales / MXFP4 blocks); put sdadapt.dequant_rules(config.json) "
         "first in the adapter, or sdadapt.dequant_fp8(keys=..., block=[128, 128]) / sdadapt.dequant_mxfp4(keys=...); "

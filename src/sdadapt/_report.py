@@ -66,6 +66,7 @@ class Report(BaseModel):
     allowed_missing: list[str] = []
     allowed_unexpected: list[str] = []
     dropped: list[str] = []
+    dequant_rules: list[str] = []  # "#i kind" of the adapter's dequantising rules (the quantized-source hint)
 
     @computed_field  # type: ignore[prop-decorator]
     @property
