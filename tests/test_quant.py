@@ -612,8 +612,10 @@ def test_dequant_rules_from_config(tmp_path):
     assert r.kind == "dequant_mxfp4"
     with pytest.raises(AdapterError, match="awq"):
         sdadapt.dequant_rules({"quantization_config": {"quant_method": "awq"}})
+    (r,) = sdadapt.dequant_rules({"quantization_config": {"quant_method": "fp8"}})  # per-tensor FP8
+    assert (r.kind, r.codec, r.strategy) == ("dequant_scaled", "e4m3", "tensor")
     with pytest.raises(AdapterError, match="weight_block_size"):
-        sdadapt.dequant_rules({"quantization_config": {"quant_method": "fp8"}})
+        sdadapt.dequant_rules({"quantization_config": {"quant_method": "fp8", "weight_block_size": 128}})
     with pytest.raises(AdapterError, match="block"):
         sdadapt.dequant_fp8(block=[128])
 

@@ -108,7 +108,7 @@ class _Dequant(Node):
         """Dims whose cuts fall on block boundaries, and the block size there."""
         return {}
 
-    def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
     def _kernel(self, box: Box, dest: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
