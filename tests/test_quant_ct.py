@@ -315,3 +315,53 @@ def test_formats_give_the_same_bits_as_the_loops() -> None:
     assert torch.equal(S.decode_zero_rows(pack_to_int32(zp, 4, packed_dim=0), 4)[:16], zp.float())
     v8 = torch.randint(-128, 128, (5, 12), generator=g, dtype=torch.int8)
     assert torch.equal(S.decode_codes(pack_to_int32(v8, 8), "int8_packed")[:, :12], v8.float())
+
+
+def _export(cases, name: str, dtype: torch.dtype, tmp_path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    folder, _ = cases[name]
+    rules = sdadapt.dequant_rules(folder)
+    casts = [sdadapt.cast(k, dtype, from_dtype="bfloat16") for k in ("model.embed_tokens.weight", "model.layers.0.norm", "lm_head.weight")]
+    renames = [sdadapt.rename("model.layers.{rest:*}", "layers.{rest}"), sdadapt.rename("model.embed_tokens.weight", "embed_tokens.weight")]
+    adapter = sdadapt.Adapter([*rules, *(casts if dtype == torch.float32 else []), *renames])  # invertible renames
+    model = Tiny(dtype)
+    sdadapt.load(model, folder, adapter)
+    sdadapt.export(model, str(tmp_path / name), adapter)
+    return load_file(os.path.join(folder, "model.safetensors")), load_file(str(tmp_path / name / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["fp8_tensor", "fp8_channel", "fp8_block"])
+def test_fp8_export_gives_the_release_bytes_from_a_float32_model(cases, name: str, tmp_path) -> None:
+    """FP8 weights with bf16 scales, held exactly by a float32 model: every weight and scale comes
+    back byte for byte (the activation scales were dropped on load and are not written)."""
+    original, exported = _export(cases, name, torch.float32, tmp_path)
+    assert sorted(exported) == sorted(k for k in original if not k.endswith("input_scale"))
+    for k, v in exported.items():
+        assert v.dtype == original[k].dtype and torch.equal(bits(v), bits(original[k])), k
+
+
+def test_nvfp4_export_gives_the_release_bytes(cases, tmp_path) -> None:
+    """NVFP4 from a float32 model: the global scale is chosen again from the tensor as
+    compressed-tensors chooses it (``448 * 6 / amax``, or the float32 neighbour that reproduces the
+    values), then each group's e4m3 scale: the release's bytes come back, and load to the same values."""
+    original, exported = _export(cases, "nvfp4", torch.float32, tmp_path)
+    assert sorted(exported) == sorted(original)
+    for k, v in exported.items():
+        assert v.dtype == original[k].dtype and torch.equal(bits(v), bits(original[k])), k
+    folder, want = cases["nvfp4"]
+    import shutil
+
+    shutil.copy(os.path.join(folder, "config.json"), tmp_path / "nvfp4" / "config.json")
+    model = Tiny(torch.float32)
+    adapter = adapter_for(str(tmp_path / "nvfp4"))
+    sdadapt.load(model, str(tmp_path / "nvfp4"), sdadapt.Adapter([*adapter.rules, sdadapt.cast("**", "model", from_dtype="bfloat16")]))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want["float32"][k]), k
+
+
+def test_read_only_formats_refuse_to_invert(cases) -> None:
+    for name in ("w4a16", "w4a16_asym", "mxfp8"):
+        (rule,) = sdadapt.dequant_rules(cases[name][0])
+        with pytest.raises(AdapterError, match="cannot be inverted"):
+            rule.inverse()

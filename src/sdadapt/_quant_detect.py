@@ -21,6 +21,7 @@ from . import _quant_scaled as S
 from ._quant_rules import FP8_EXCLUDE
 from ._quant_scaled_rules import ACTIVATION_SCALES, DequantScaled
 from .errors import AdapterError
+from .sources._base import dtype_name
 
 if TYPE_CHECKING:
     from .sources._base import TensorInfo
@@ -71,6 +72,12 @@ def _rules(groups: list[tuple[list[str], dict[str, Any]]], ignore: list[str], ex
             if not mine:
                 continue
             others = sorted(set(_weights(schema)) - set(mine))
+            stored = {schema[k].dtype for m in mine if (k := m + ".weight" + fields.get("scale_suffix", "_scale")) in schema}
+            if len(stored) == 1:  # the one dtype the scales are stored in: required, and what export writes
+                fields = {**fields, "scale_dtype": dtype_name(stored.pop())}
+            shapes = {tuple(schema[k].shape) for m in mine if (k := m + ".weight" + fields.get("scale_suffix", "_scale")) in schema}
+            if fields["strategy"] == "tensor" and len(shapes) == 1 and len(next(iter(shapes))) <= 1:
+                fields = {**fields, "tensor_scale_shape": list(shapes.pop())}
             rules.append(DequantScaled(keys="**.weight", exclude=[m + ".weight" for m in others], dtype=dtype,
                                        drop=drop if not rules else [], **fields))  # fmt: skip
         return rules
@@ -162,7 +169,7 @@ def modelopt_rules(q: C.ModelOptQuant, exclude: list[str], schema: Mapping[str, 
         fields = {"codec": "e2m1", "strategy": "group", "group_size": q.group_size or S.NVFP4_GROUP,
                   "global_suffix": "_scale_2", "global_mode": "multiply"}  # fmt: skip
     elif algo == "FP8":
-        fields = {"codec": "e4m3", "strategy": "tensor"}
+        fields = {"codec": "e4m3", "strategy": "tensor", "tensor_scale_shape": []}
     else:
         raise AdapterError(f"ModelOpt quant_algo {q.quant_algo!r} is not read by sdadapt (it reads NVFP4 and FP8)")
     fields["scale_suffix"] = "_scale"

@@ -218,9 +218,17 @@ class GlobalScaleOf(_Computed):
         return self.full(io)
 
     def full(self, io: SourceIO) -> torch.Tensor:
-        amax = self.child.full(io).abs().amax().to(torch.float32)
+        x = self.child.full(io).to(torch.float32)
+        amax = x.abs().amax()
         top = torch.tensor(S.E4M3_MAX * S.E2M1_MAX, dtype=torch.float32)
         g = torch.where(amax > 0, top / amax if self.mode == "divide" else amax / top, torch.ones_like(amax))
+        # values dequantised from NVFP4 give back amax / 6 only to a unit in the last place of the
+        # original scale: of g and its float32 neighbours, the first that reproduces the values
+        for cand in (g, torch.nextafter(g, torch.zeros_like(g)), torch.nextafter(g, 2 * g)):
+            packed, scales = S.quantize_nvfp4(x, cand, self.mode)
+            back = S.dequantize(packed, "e2m1", scales, (1, S.NVFP4_GROUP), x.shape[-1], torch.float32, glob=cand, mode=self.mode)
+            if torch.equal(back, x):
+                return cand.reshape(self.shape)
         return g.reshape(self.shape)
 
     def describe(self) -> str:

@@ -65,6 +65,7 @@ class _ScaledFields(_QuantRule):
     global_mode: S.GlobalMode = "divide"
     shape_suffix: str | None = None
     drop: list[str] = []
+    tensor_scale_shape: list[int] = Field(default=[1], max_length=1)  # a per-tensor scale as stored: [1] or 0-d []
 
     @field_validator("block", mode="before")
     @classmethod
@@ -225,12 +226,13 @@ class DequantScaled(_ScaledFields):
         return ""
 
     def inverse(self) -> list[Any]:
-        if self.codec == "e4m3" and self.zero_suffix is None and self.global_suffix is None:
+        exponents = self.scale_dtype in ("uint8", "float8_e8m0fnu")
+        if self.codec == "e4m3" and self.zero_suffix is None and self.global_suffix is None and not exponents:
             return [QuantizeScaled(**self._fields())]
         if self.codec == "e2m1" and self.global_suffix is not None:
             return [QuantizeScaled(**self._fields())]
         raise AdapterError(
-            f"{self.label()} cannot be inverted: export re-quantizes FP8 (float scales) and NVFP4; "
+            f"{self.label()} cannot be inverted: export re-quantizes FP8 with float scales and NVFP4; "
             f"{self.codec} with {'zero points' if self.zero_suffix else 'these scales'} is read only. Export the "
             "dequantised values instead (an adapter without this rule)"
         )
@@ -258,7 +260,7 @@ class QuantizeScaled(_ScaledFields):
             if self.codec == "e2m1":
                 glob = SN.GlobalScaleOf(node, self.global_mode)
                 ctx.put(key + str(self.global_suffix), glob, index, origin=key)
-            shape = () if self.strategy == "tensor" else None
+            shape = tuple(self.tensor_scale_shape) if self.strategy == "tensor" else None
             scales = SN.QuantizeScaled(node, self.codec, tile, "scales", sdt, glob, self.global_mode, shape)
             values = SN.QuantizeScaled(node, self.codec, tile, "values", sdt, glob, self.global_mode)
             ctx.mark(index)
