@@ -30,7 +30,7 @@ ct_release = pytest.importorskip("ct_release")
 V, D, F = 10, 64, 160
 FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 CT_FORMATS = ["fp8_tensor", "fp8_channel", "fp8_block", "nvfp4", "w4a16", "w4a16_asym", "w8a16", "mxfp8"]
-HAND_FORMATS = ["modelopt_nvfp4", "modelopt_fp8", "fp8_per_tensor"]
+HAND_FORMATS = ["modelopt_nvfp4", "modelopt_fp8", "fp8_per_tensor", "mxfp8_e8m0"]
 LINEARS = {"model.layers.0.w1": (F, D), "model.layers.0.w2": (D, F)}
 
 
@@ -157,6 +157,12 @@ def hand_case(folder: str, name: str, seed: int = 4) -> dict[str, dict[str, torc
             tensors |= {f"{key}.weight": packed, f"{key}.weight_scale": scale, f"{key}.weight_scale_2": scale_2,
                         f"{key}.input_scale": torch.tensor(0.5, dtype=torch.float32)}  # fmt: skip
             ref = ref_nvfp4_modelopt(packed, scale, scale_2)
+        elif name == "mxfp8_e8m0":  # OCP MXFP8: e4m3 values, one e8m0 exponent per 32, stored as F8_E8M0
+            q = (torch.randn(rows, cols, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+            exps = torch.randint(110, 135, (rows, cols // 32), generator=g, dtype=torch.uint8)
+            tensors |= {f"{key}.weight": q, f"{key}.weight_scale": exps.view(torch.float8_e8m0fnu)}
+            ref = torch.tensor([[float(v) * 2.0 ** (int(exps[i, j // 32]) - 127) for j, v in enumerate(row)]
+                                for i, row in enumerate(q.float().tolist())], dtype=torch.float64).float()  # fmt: skip
         else:
             q = (torch.randn(rows, cols, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
             s = torch.tensor(0.0037, dtype=torch.float32)
@@ -174,6 +180,12 @@ def hand_case(folder: str, name: str, seed: int = 4) -> dict[str, dict[str, torc
     elif name == "modelopt_fp8":
         cfg = {"model_type": "tiny", "quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
                                                              "exclude_modules": ["lm_head"]}}  # fmt: skip
+    elif name == "mxfp8_e8m0":
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+                   "scale_dtype": "torch.float8_e8m0fnu"}  # fmt: skip
+        cfg = {"model_type": "tiny", "quantization_config": {
+            "quant_method": "compressed-tensors", "format": "mxfp8-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}}  # fmt: skip
     else:
         cfg = {"model_type": "tiny", "quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}}
     with open(os.path.join(folder, "config.json"), "w") as f:
@@ -252,6 +264,8 @@ def test_dequant_rules_read_each_config(cases) -> None:
     assert kinds["mxfp8"][:2] == ("e4m3", "group")
     assert kinds["modelopt_nvfp4"] == ("e2m1", "group", "", None, "_scale_2")
     assert kinds["modelopt_fp8"][:2] == kinds["fp8_per_tensor"][:2] == ("e4m3", "tensor")
+    assert kinds["mxfp8_e8m0"][:2] == ("e4m3", "group")
+    assert sdadapt.dequant_rules(cases["mxfp8_e8m0"][0])[0].scale_dtype == "float8_e8m0fnu"
 
 
 def test_unconsumed_scale_is_an_error_and_activation_scales_are_dropped(cases, tmp_path) -> None:
