@@ -379,3 +379,16 @@ def test_read_only_formats_refuse_to_invert(cases) -> None:
         (rule,) = sdadapt.dequant_rules(cases[name][0])
         with pytest.raises(AdapterError, match="cannot be inverted"):
             rule.inverse()
+
+
+@pytest.mark.parametrize("name", CT_FORMATS + HAND_FORMATS)
+def test_kernels_stay_on_the_inputs_device(cases, name: str) -> None:
+    """Each dequantisation's kernel (the warm-up a GPU load runs) allocates on its inputs' device
+    (``meta`` stands in for a GPU: a tensor made on the CPU would fail to mix with it), and its
+    raw inputs are plain reads (what the engine gathers onto the device)."""
+    folder, _ = cases[name]
+    _, plan = sdadapt.plan_load(Tiny(), folder, adapter_for(folder))
+    for key in ("layers.0.w1.weight", "layers.0.w2.weight"):
+        node = plan.recipes[key]
+        assert node.device_node() is node
+        node.warm_up(torch.device("meta"))
