@@ -101,7 +101,10 @@ def _ct_fields(fmt: str, w: C.CTArgs, where: str) -> dict[str, Any] | None:
                            "channel, group or block")  # fmt: skip
     fields: dict[str, Any] = {"strategy": strategy}
     if strategy == "group":
-        fields["group_size"] = w.group_size or (S.NVFP4_GROUP if fmt == "nvfp4-pack-quantized" else S.MX_GROUP)
+        implied = {"nvfp4-pack-quantized": S.NVFP4_GROUP, "mxfp4-pack-quantized": S.MX_GROUP, "mxfp8-quantized": S.MX_GROUP}
+        if w.group_size is None and fmt not in implied:
+            raise AdapterError(f"{where}: weights.strategy 'group' needs weights.group_size")
+        fields["group_size"] = w.group_size or implied[fmt]
     if strategy == "block":
         if not w.block_structure:
             raise AdapterError(f"{where}: weights.strategy 'block' needs weights.block_structure")

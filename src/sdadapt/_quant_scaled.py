@@ -106,19 +106,34 @@ def dequantize_region(
 ) -> torch.Tensor:
     """``codes [..., R, C]`` (float32) whose element ``[0, 0]`` sits at ``offset`` = ``(row % b0,
     col % b1)`` of its first block; ``scale`` (float32 multipliers) and ``zero`` (float32) hold
-    the grid rows/cols the region touches (or one value for the whole tensor) -> values in ``dtype``."""
+    the grid rows/cols the region touches (or one value for the whole tensor) -> values in ``dtype``.
+
+    The grids are broadcast, not expanded to the region's size: along a dim of one grid entry
+    (a tensor's or a channel's scale), and along columns of whole groups through a ``[..., R,
+    C / b1, b1]`` view; rows are gathered per row (a ``[R, nC]`` grid)."""
     rows, cols = codes.shape[-2:]
     (b0, b1), (r, c) = block, offset
+    lead = tuple(codes.shape[:-2])
     ri = torch.div(torch.arange(r, r + rows, device=codes.device), b0, rounding_mode="floor")
-    ci = torch.div(torch.arange(c, c + cols, device=codes.device), b1, rounding_mode="floor")
 
-    def spread(grid: torch.Tensor) -> torch.Tensor:
+    def by_rows(grid: torch.Tensor) -> torch.Tensor:
         grid = grid.reshape(grid.shape if grid.dim() >= 2 else (1, 1))
-        ri_, ci_ = (ri if grid.shape[-2] > 1 else ri * 0), (ci if grid.shape[-1] > 1 else ci * 0)
-        return grid.index_select(-2, ri_).index_select(-1, ci_)
+        return grid.index_select(-2, ri) if grid.shape[-2] > 1 else grid
 
-    v = codes if zero is None else codes - spread(zero)
-    return (v * spread(scale)).to(dtype)
+    s = by_rows(scale)
+    z = None if zero is None else by_rows(zero)
+    grouped = s.shape[-1] > 1 or (z is not None and z.shape[-1] > 1)
+    if grouped and c == 0 and cols % b1 == 0 and s.shape[-1] in (1, cols // b1):
+        v = codes.reshape(lead + (rows, cols // b1, b1))
+        if z is not None:
+            v = v - z.unsqueeze(-1)
+        return (v * s.unsqueeze(-1)).reshape(codes.shape).to(dtype)
+    if grouped:
+        ci = torch.div(torch.arange(c, c + cols, device=codes.device), b1, rounding_mode="floor")
+        s = s.index_select(-1, ci) if s.shape[-1] > 1 else s
+        z = z.index_select(-1, ci) if z is not None and z.shape[-1] > 1 else z
+    v = codes if z is None else codes - z
+    return (v * s).to(dtype)
 
 
 def dequantize(

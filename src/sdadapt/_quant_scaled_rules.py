@@ -26,7 +26,7 @@ from ._nodes import Node
 from ._patterns import compile_pattern, union_of
 from ._quant_rules import _QuantRule
 from ._rules import register_rule
-from ._rules.base import target_info
+from ._rules.base import dtype_str, parse_dtype, target_info
 from .errors import AdapterError
 from .sources._base import dtype_name
 
@@ -71,6 +71,16 @@ class _ScaledFields(_QuantRule):
     @classmethod
     def _check_block(cls, v: object) -> tuple[int, int] | None:
         return _pair(v, "block")
+
+    @field_validator("scale_dtype", mode="before")
+    @classmethod
+    def _check_scale_dtype(cls, v: object) -> str | None:
+        if v is None:
+            return None
+        name = dtype_str(v)
+        if parse_dtype(name) not in S.FLOAT_SCALE_DTYPES + S.E8M0_DTYPES:
+            raise ValueError(f"scale_dtype={name!r} stores no scales (float32, bfloat16, float16, float8_e4m3fn, uint8 or float8_e8m0fnu)")
+        return name
 
     @model_validator(mode="after")
     def _geometry(self) -> _ScaledFields:
@@ -279,9 +289,7 @@ class QuantizeScaled(_ScaledFields):
 
 def _scale_dtype(name: str | None, codec: S.Codec) -> torch.dtype:
     if name is not None:
-        dt = getattr(torch, name)
-        assert isinstance(dt, torch.dtype)
-        return dt
+        return parse_dtype(name)
     return S.STORED["e4m3"] if codec == "e2m1" else torch.float32
 
 
