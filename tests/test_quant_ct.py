@@ -247,8 +247,31 @@ def test_region_reads_equal_the_whole(cases, name: str) -> None:
             whole = node.full(io)
             rows, cols = node.shape
             for box in (((0, rows), (0, cols)), ((3, 17), (5, 37)), ((rows - 9, rows), (cols - 27, cols)), ((7, 8), (33, 34))):
+                before = io.bytes_read
                 got = node.read(box, io)
                 assert torch.equal(bits(got), bits(whole[box[0][0] : box[0][1], box[1][0] : box[1][1]])), (name, key, box)
+                assert io.bytes_read - before == _own_bytes(node, box), (name, key, box)
+
+
+def _own_bytes(node, box) -> int:
+    """What a region must read and nothing more: the codes of its rows and of the whole packs
+    its columns touch; the scale (and zero-point) grid entries it touches, zero points in whole
+    packed words of rows; one global scale."""
+    (r0, r1), (c0, c1) = box
+    unit = S.PER_UNIT[node.codec]
+    b0, b1 = node.block
+    n = (r1 - r0) * (-(-c1 // unit) - c0 // unit) * node.values.dtype.itemsize
+    g0, g1, h0, h1 = r0 // b0, -(-r1 // b0), c0 // b1, -(-c1 // b1)
+    if len(node.scale.shape) < 2:
+        n += node.scale.dtype.itemsize
+    else:
+        n += (g1 - g0) * (h1 - h0) * node.scale.dtype.itemsize
+    if node.zero is not None:
+        per = 32 // S.BITS[node.codec] if node.codec in ("int4", "int8_packed") else 1
+        n += (-(-g1 // per) - g0 // per) * (h1 - h0) * node.zero.dtype.itemsize
+    if node.glob is not None:
+        n += 4
+    return n
 
 
 def test_dequant_rules_read_each_config(cases) -> None:
