@@ -636,3 +636,12 @@ def test_convert_dequantises_offline_and_back(tmp_path):
     assert sorted(back) == sorted(original)
     for k in original:
         assert torch.equal(bits(back[k]), bits(original[k])), k
+
+
+def test_a_cast_after_a_dequantisation_pins_its_dtype(tmp_path):
+    """An explicit cast to float16 after the dequantisation is what the recipe gives: the plan
+    does not hand it the float32 model's dtype instead (a dtype mismatch, reported)."""
+    path = write_release(str(tmp_path), "float32")
+    adapter = sdadapt.Adapter([*fp8_adapter("float32").rules, sdadapt.cast("layers.0.w1.weight", torch.float16)])
+    rep = sdadapt.diff(Tiny(torch.float32), path, adapter)
+    assert [(m.key, m.checkpoint) for m in rep.dtype_mismatch if m.key.startswith("layers.0.w")] == [("layers.0.w1.weight", "float16")]

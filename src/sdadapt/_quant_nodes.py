@@ -98,6 +98,8 @@ class _Dequant(Node):
         """The same dequantisation, into ``dtype`` (any floating dtype)."""
         if not dtype.is_floating_point or not dataclasses.is_dataclass(self):
             return None
+        if hasattr(self, "follows"):  # a dtype asked for (a cast rule, or the target's) is pinned
+            return dataclasses.replace(self, dtype=dtype, follows=False)
         return dataclasses.replace(self, dtype=dtype)
 
     def _value_bytes(self) -> float:
