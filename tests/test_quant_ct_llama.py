@@ -82,3 +82,34 @@ def test_llama_release_by_name_gives_transformers_logits(tmp_path, name: str) ->
         bf16 = MetaLlama(spec).to(torch.bfloat16)
     sdadapt.load(bf16, folder, "llama")
     assert torch.equal(bf16.layers[1].feed_forward.w2.weight.float(), model.layers[1].feed_forward.w2.weight.bfloat16().float())
+
+
+def test_qwen3_adapter_resolves_a_regex_ignore_list(tmp_path) -> None:
+    """A compressed-tensors Qwen3 release whose ``ignore`` holds a regular expression (the k
+    projections stay bf16): the adapter resolves it to the checkpoint's modules from its headers,
+    and the plan lines up with the model, every weight a dequantisation or a plain read."""
+    from reference_models import Qwen3
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=DIM, intermediate_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
+                      num_key_value_heads=KV, head_dim=16, vocab_size=VOCAB, tie_word_embeddings=False)  # fmt: skip
+    hf = Qwen3ForCausalLM(cfg)
+    scheme = ct_release.scheme_of("w4a16_asym", group_size=32)
+    tensors = {}
+    for key, w in hf.state_dict().items():
+        w = w.to(torch.bfloat16)
+        if key.endswith("proj.weight") and "k_proj" not in key:
+            tensors.update({key.removesuffix(".weight") + "." + k: v for k, v in ct_release.compress(w, "w4a16_asym", scheme).items()})
+        else:
+            tensors[key] = w
+    write_safetensors(tmp_path / "model.safetensors", tensors)
+    qc = ct_release.config("w4a16_asym", scheme, ["lm_head", "re:.*self_attn\\.k_proj$"])
+    (tmp_path / "config.json").write_text(json.dumps({**cfg.to_dict(), "quantization_config": qc}))
+    spec = dict(dim=DIM, n_layers=2, n_heads=HEADS, n_kv_heads=KV, head_dim=16, vocab_size=VOCAB, hidden_dim=HIDDEN,
+                norm_eps=1e-6, rope_theta=1e6, attention_bias=False)  # fmt: skip
+    with torch.device("meta"):
+        model = Qwen3(spec).to(torch.bfloat16)
+    _, plan = sdadapt.plan_load(model, str(tmp_path), "qwen3")
+    assert plan.report.ok, plan.report
+    assert plan.recipes["layers.0.attention.wq.weight"].describe().startswith("dequant_scaled(")
+    assert plan.recipes["layers.0.attention.wk.weight"].describe() == "model.layers.0.self_attn.k_proj.weight"
