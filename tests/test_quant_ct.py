@@ -29,7 +29,7 @@ ct_release = pytest.importorskip("ct_release")
 
 V, D, F = 10, 64, 160
 FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
-CT_FORMATS = ["fp8_tensor", "fp8_channel", "fp8_block", "nvfp4", "w4a16", "w4a16_asym", "w8a16", "mxfp8"]
+CT_FORMATS = ["fp8_tensor", "fp8_channel", "fp8_block", "nvfp4", "w4a16", "w4a16_asym", "w8a16", "mxfp8", "mxfp4"]
 HAND_FORMATS = ["modelopt_nvfp4", "modelopt_fp8", "fp8_per_tensor", "mxfp8_e8m0"]
 LINEARS = {"model.layers.0.w1": (F, D), "model.layers.0.w2": (D, F)}
 
@@ -74,7 +74,7 @@ def _ct_float32_reference(stored: dict[str, torch.Tensor], name: str, scheme: An
     args = scheme.weights
     scale = stored["weight_scale"]
     zp, glob = stored.get("weight_zero_point"), stored.get("weight_global_scale")
-    if "weight_packed" in stored and name == "nvfp4":
+    if "weight_packed" in stored and name in ("nvfp4", "mxfp4"):
         m, n = stored["weight_packed"].shape
         codes = unpack_fp4_from_uint8(stored["weight_packed"], m, n * 2, dtype=torch.float32)
     elif "weight_packed" in stored:
@@ -84,7 +84,7 @@ def _ct_float32_reference(stored: dict[str, torch.Tensor], name: str, scheme: An
             zp = unpack_from_int32(zp, args.num_bits, (shape[0], scale.shape[-1]), packed_dim=0)
     else:
         codes = stored["weight"]
-    if name == "mxfp8":
+    if name in ("mxfp8", "mxfp4"):
         scale = decompress_mx_scale(scale)
     return dequantize(codes, scale.float(), zp, args, dtype=torch.float32, global_scale=glob)
 
