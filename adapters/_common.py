@@ -19,6 +19,8 @@ from sdadapt.errors import AdapterError
 from sdadapt.sources._base import dtype_name
 
 HF = "model.layers.{i}."
+HF_QUANT = "hf_quant_config.json"
+"""ModelOpt's quantization file; :func:`read_config` puts its ``quantization`` object under this key."""
 META = "layers.{i}."
 
 
@@ -26,18 +28,32 @@ META = "layers.{i}."
 def read_config(path: str, names: tuple[str, ...] = ("config.json", "params.json")) -> dict[str, Any]:
     """The first of ``names`` found in ``path`` (a folder, or the folder of a file); ``{}`` if none."""
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    found = _first_config(folder, names)
+    hq = os.path.join(folder, HF_QUANT)
+    if "config.json" in names and os.path.isfile(hq):
+        data = _read_json_object(hq)
+        if isinstance(data.get("quantization"), dict):
+            found[HF_QUANT] = data["quantization"]
+    return found
+
+
+def _first_config(folder: str, names: tuple[str, ...]) -> dict[str, Any]:
     for name in names:
         p = os.path.join(folder, name)
         if os.path.isfile(p):
-            try:
-                with open(p) as f:
-                    data = json.load(f)
-            except (OSError, json.JSONDecodeError) as e:
-                raise AdapterError(f"cannot read {p}: {e}; fix the file or pass the options as keyword arguments") from None
-            if not isinstance(data, dict):
-                raise AdapterError(f"{p} is not a JSON object; pass the options as keyword arguments")
-            return data
+            return _read_json_object(p)
     return {}
+
+
+def _read_json_object(p: str) -> dict[str, Any]:
+    try:
+        with open(p, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
+        raise AdapterError(f"cannot read {p}: {e}; fix the file or pass the options as keyword arguments") from None
+    if not isinstance(data, dict):
+        raise AdapterError(f"{p} is not a JSON object; pass the options as keyword arguments")
+    return data
 
 
 def checkpoint_keys(path: str) -> list[str]:
@@ -162,6 +178,8 @@ def quantization_of(cfg: dict[str, Any], keys: list[str]) -> Quantization:
     qc = cfg.get("quantization_config")
     if isinstance(qc, dict) and qc.get("quant_method"):
         return dict(qc)
+    if isinstance(cfg.get(HF_QUANT), dict):  # ModelOpt's hf_quant_config.json, read beside config.json
+        return {"quant_method": "modelopt", **cfg[HF_QUANT]}
     for method, suffixes in QUANT_KEY_SUFFIXES.items():
         if any(k.endswith(suffixes) for k in keys):
             return method
@@ -179,6 +197,8 @@ def quantization_options(cfg: dict[str, Any], schema: dict[str, Any]) -> dict[st
     quantization = quantization_of(cfg, list(schema))
     if quantization is None:
         return opts
+    if isinstance(quantization, dict) and quantization.get("quant_method") == "compressed-tensors" and schema:
+        quantization = _literal_ignore(quantization, schema)
     opts["quantization"] = quantization
     stored = {info.dtype for key, info in schema.items() if key.endswith(FP8_SCALE_SUFFIX)}
     if stored and stored <= set(SCALE_DTYPES["float32"]):
@@ -191,13 +211,24 @@ def quantization_options(cfg: dict[str, Any], schema: dict[str, Any]) -> dict[st
     return opts
 
 
+def _literal_ignore(qc: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
+    """A compressed-tensors config whose ``ignore`` list (regular expressions included) is
+    resolved to the checkpoint's module names, so that the rules need no schema later."""
+    from sdadapt._quant_config import ignored, schema_modules
+
+    ignore = qc.get("ignore")
+    if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
+        return qc  # dequant_rules names the bad field
+    return {**qc, "ignore": [m for m in schema_modules(schema) if m and ignored(m, ignore)]}
+
+
 def dequant_rules(
     quantization: Quantization,
     adapter: str,
     *,
     scale_format: ScaleFormat | None = None,
     scale_dtype: str | None = None,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     keep: tuple[str, ...] = (),
 ) -> list[Any]:
     """The rules that turn a quantized checkpoint's weights into plain ones, placed before an
@@ -210,23 +241,28 @@ def dequant_rules(
     ``"ue8m0"`` or ``"ue8m0_float32"``, from the stored scales) overrides how the scales are
     read; ``scale_dtype`` pins the dtype they are stored in and export writes (``None``: loading
     accepts any of the format's dtypes and export writes ``uint8`` for ``"ue8m0"``); ``dtype`` is
-    the values' dtype; ``keep``: patterns of further weights the family's releases keep
-    unquantized. Other methods (MXFP4 is GPT-OSS's) are refused before anything is planned."""
+    the values' dtype (``None``: the model's); ``keep``: patterns of further weights the family's
+    releases keep unquantized. compressed-tensors, ModelOpt and per-tensor FP8 configs (given as
+    ``quantization_config``) give ``sdadapt.dequant_rules``' rules for them. Other methods (MXFP4
+    is GPT-OSS's) are refused before anything is planned."""
     if quantization is None:
         return []
     qc = dict(quantization) if isinstance(quantization, dict) else {"quant_method": quantization}
     method = str(qc.get("quant_method"))
+    if method == "fp8" and not qc.get("weight_block_size") and not isinstance(quantization, dict):
+        raise AdapterError(
+            f"the {adapter} adapter: an FP8 checkpoint needs its block size (config.json "
+            "quantization_config.weight_block_size); give the checkpoint folder with its config.json, or pass "
+            "quantization={'quant_method': 'fp8', 'weight_block_size': [128, 128]}"
+        )
+    if method in ("compressed-tensors", "modelopt") or (method == "fp8" and not qc.get("weight_block_size")):
+        rules = sdadapt.dequant_rules({"quantization_config": qc}, dtype=dtype)
+        return [r.model_copy(update={"exclude": [*getattr(r, "exclude", []), *keep]}) for r in rules]
     if method != "fp8":
         raise AdapterError(
             f"the {adapter} adapter: {method.upper()} checkpoints need the dequant rules: not supported by this adapter "
             f"(config.json quantization_config / key names say quant_method {method!r}); it reads plain and FP8 "
             "(block-scaled) releases"
-        )
-    if not qc.get("weight_block_size"):
-        raise AdapterError(
-            f"the {adapter} adapter: an FP8 checkpoint needs its block size (config.json "
-            "quantization_config.weight_block_size); give the checkpoint folder with its config.json, or pass "
-            "quantization={'quant_method': 'fp8', 'weight_block_size': [128, 128]}"
         )
     (rule,) = sdadapt.dequant_rules({"quantization_config": qc}, dtype=dtype)
     assert isinstance(rule, sdadapt.DequantFP8), rule  # quant_method fp8 gives the FP8 rule

@@ -192,7 +192,7 @@ def build(
     quantization: Quantization = None,
     scale_format: ScaleFormat | None = None,
     scale_dtype: str | None = None,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
 ) -> Adapter:
     """The adapter from an HF DeepSeek-V3 checkpoint to the torchtitan-style layout.
 
@@ -205,8 +205,8 @@ def build(
     rows are in HF's "half" order and are permuted to interleaved, which needs ``n_heads``,
     ``qk_nope_head_dim``, ``qk_rope_head_dim`` and ``kv_lora_rank``. ``tie_embeddings``: the
     checkpoint has no ``lm_head.weight``. ``quantization``: the checkpoint's
-    ``quantization_config`` (``None``: plain weights); an FP8 release is dequantised to
-    ``dtype``, its scales read as ``scale_format`` (default: the config's ``scale_fmt``) and,
+    ``quantization_config`` (``None``: plain weights); an FP8 release is dequantised to the
+    model's dtype (``dtype`` pins one), its scales read as ``scale_format`` (default: the config's ``scale_fmt``) and,
     when ``scale_dtype`` is given, required in that dtype, which export writes back.
     """
     k = first_k_dense_replace

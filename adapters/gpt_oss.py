@@ -85,8 +85,8 @@ def _method(quantization: str | dict[str, Any] | None) -> str | None:
     )
 
 
-def expert_rules(intermediate_size: int, quantization: str | dict[str, Any] | None, dtype: str) -> list[Any]:
-    """A layer's experts: MXFP4 dequantised (``dtype``) or bf16 transposed to ``[E, out, in]``,
+def expert_rules(intermediate_size: int, quantization: str | dict[str, Any] | None, dtype: str | None) -> list[Any]:
+    """A layer's experts: MXFP4 dequantised (the model's dtype, or ``dtype``) or bf16 transposed to ``[E, out, in]``,
     then gate/up de-interleaved and split, the down projection and the biases renamed."""
     f = positive("intermediate_size", intermediate_size, "gpt_oss")
     moe = META + "moe.experts."
@@ -113,14 +113,14 @@ def build(
     quantization: str | dict[str, Any] | None = None,
     tie_embeddings: bool = False,
     attention_bias: bool = True,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
 ) -> Adapter:
     """The adapter from an HF GPT-OSS checkpoint to the stacked-experts layout.
 
     ``intermediate_size`` (the config's; ``F``): the gate and up rows each expert holds.
     ``quantization``: ``None`` for a bf16/fp32 release, ``"mxfp4"`` (or its
-    ``quantization_config``) for the MXFP4 experts of the released checkpoints, dequantised to
-    ``dtype``. ``tie_embeddings``: the checkpoint has no ``lm_head.weight``.
+    ``quantization_config``) for the MXFP4 experts of the released checkpoints, dequantised to the
+    model's dtype (``dtype`` pins one). ``tie_embeddings``: the checkpoint has no ``lm_head.weight``.
     ``attention_bias``: q/k/v/o carry biases (every released GPT-OSS does).
     """
     rules: list[Any] = top_level_rules(tie_embeddings)

@@ -31,14 +31,17 @@ from typing import Any
 from sdadapt.adapters._common import (
     HF,
     META,
+    Quantization,
     attention_options,
     attention_rules,
-    checkpoint_keys,
+    checkpoint_schema,
+    dequant_rules,
     head_counts,
     head_dim_of,
     mlp_rules,
     need,
     positive,
+    quantization_options,
     read_config,
     top_level_rules,
 )
@@ -60,6 +63,8 @@ def build(
     fused_w13: bool = False,
     tp: int | None = None,
     inv_freq: bool = False,
+    quantization: Quantization = None,
+    dtype: str | None = None,
 ) -> Adapter:
     """The adapter from an HF Llama checkpoint to the Meta layout.
 
@@ -67,10 +72,13 @@ def build(
     ``tie_embeddings``: the checkpoint has no ``lm_head.weight`` (tied); ``output.weight`` is
     filled from the embeddings. ``fused_qkv`` needs ``dim`` or ``head_dim``; ``fused_w13`` needs
     ``hidden_dim`` (the MLP width). ``inv_freq``: the checkpoint holds old
-    ``rotary_emb.inv_freq`` buffers (dropped).
+    ``rotary_emb.inv_freq`` buffers (dropped). ``quantization``: the checkpoint's
+    ``quantization_config`` (``None``: plain weights): FP8 (block or per-tensor),
+    compressed-tensors and ModelOpt releases are dequantised to the model's dtype (``dtype``
+    pins one) by rules placed first (see ``_common.dequant_rules``).
     """
     n_heads, n_kv_heads = head_counts(n_heads, n_kv_heads, "llama")
-    rules: list[Any] = []
+    rules: list[Any] = dequant_rules(quantization, "llama", dtype=dtype)
     if inv_freq:
         rules.append(sdadapt.drop(HF + "self_attn.rotary_emb.inv_freq"))
     rules += top_level_rules(tie_embeddings)
@@ -104,10 +112,11 @@ def build(
 
 
 def options_from_config(folder: str, source: str | None = None) -> dict[str, Any]:
-    """Options from the checkpoint's ``config.json`` (HF) and its key names (headers only)."""
+    """Options from the checkpoint's ``config.json`` (HF) and its headers (key names; quantization)."""
     cfg = read_config(folder, ("config.json",))
-    keys = checkpoint_keys(source or folder)
-    opts = attention_options(cfg, keys)
+    schema = checkpoint_schema(source or folder)
+    keys = list(schema)
+    opts = attention_options(cfg, keys) | {k: v for k, v in quantization_options(cfg, schema).items() if k == "quantization"}
     if "intermediate_size" in cfg:
         opts["hidden_dim"] = cfg["intermediate_size"]
     if any(k.endswith("rotary_emb.inv_freq") for k in keys):

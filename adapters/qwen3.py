@@ -74,7 +74,7 @@ def build(
     quantization: Quantization = None,
     scale_format: ScaleFormat | None = None,
     scale_dtype: str | None = None,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
 ) -> Adapter:
     """The adapter from an HF Qwen3 checkpoint to the torchtitan-style layout.
 
@@ -82,7 +82,7 @@ def build(
     ``output.weight`` is filled from the embeddings. ``attention_bias``: the checkpoint's q/k/v/o
     projections have biases (``attention_bias`` of the config). ``quantization``: the
     checkpoint's ``quantization_config`` (``None``: plain weights); an FP8 release is
-    dequantised to ``dtype``, its scales read as ``scale_format`` (default: the config's
+    dequantised to the model's dtype (``dtype`` pins one), its scales read as ``scale_format`` (default: the config's
     ``scale_fmt``) and, when ``scale_dtype`` is given, required in that dtype, which export
     writes back. See ``_common.dequant_rules``.
     """

@@ -69,7 +69,7 @@ def build(
     quantization: Quantization = None,
     scale_format: ScaleFormat | None = None,
     scale_dtype: str | None = None,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
 ) -> Adapter:
     """The adapter from an HF Qwen3-MoE checkpoint to the stacked-experts layout.
 

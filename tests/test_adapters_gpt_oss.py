@@ -229,8 +229,10 @@ def test_wrong_format_or_options_fail_while_planning(cases_root: str) -> None:
     msg = _plan_error(mxfp4, sdadapt.get_adapter("gpt_oss", source=mxfp4["path"], dtype="float32", intermediate_size=16))
     assert f"sizes [16, 16] add up to 32, but dim 1 has {2 * F}" in msg, msg
 
-    # dequantised to bf16 for an fp32 model: a dtype mismatch per key, never a silent cast
-    rep = sdadapt.diff(_meta_model(mxfp4), mxfp4["path"], sdadapt.get_adapter("gpt_oss", source=mxfp4["path"]))
+    # dequantised values take the fp32 model's dtype with no option; pinned to bf16 (dtype=) for
+    # an fp32 model, a dtype mismatch per key, never a silent cast
+    assert sdadapt.diff(_meta_model(mxfp4), mxfp4["path"], sdadapt.get_adapter("gpt_oss", source=mxfp4["path"])).ok
+    rep = sdadapt.diff(_meta_model(mxfp4), mxfp4["path"], sdadapt.get_adapter("gpt_oss", source=mxfp4["path"], dtype="bfloat16"))
     assert not rep.ok and "layers.{0..2}.moe.experts.w1" in rep.format() and "bfloat16" in rep.format()
 
     with pytest.raises(sdadapt.AdapterError, match="reads bf16 releases and MXFP4 ones .* not quant_method 'fp8'"):
@@ -248,5 +250,5 @@ def test_cli_lists_gpt_oss(capsys: pytest.CaptureFixture[str]) -> None:
     assert "gpt_oss  " in capsys.readouterr().out
     assert main(["adapters", "gpt_oss"]) == 0
     text = capsys.readouterr().out
-    for line in ("intermediate_size  required", "quantization       default None", "dtype              default 'bfloat16'"):
+    for line in ("intermediate_size  required", "quantization       default None", "dtype              default None"):
         assert line in text, text

@@ -549,11 +549,25 @@ def test_unconsumed_scale_and_undequantised_weight_are_plan_errors(tmp_path):
 
 def test_excluded_weight_leaves_its_scale_unconsumed(tmp_path):
     adapter = fp8_adapter("float32")
-    rules = [r.model_copy(update={"exclude": ["**w2.weight"]}) if r.kind == "dequant_fp8" else r for r in adapter.rules]
+    rules = [r.model_copy(update={"exclude": [*r.exclude, "**w2.weight"]}) if r.kind == "dequant_fp8" else r for r in adapter.rules]
     rep = _report(tmp_path, release_tensors("float32"), sdadapt.Adapter(rules))
     assert rep.unexpected == ["layers.0.w2.weight_scale_inv"]
     assert [m.key for m in rep.dtype_mismatch] == ["layers.0.w2.weight"]
-    assert "root cause: the checkpoint is quantized" in str(rep)
+    text = str(rep)  # the adapter has its dequant rule: the cause is that rule's exclude=, not a missing rule
+    assert "root cause: the adapter's dequant rule(s) #0 dequant_fp8 left quantized tensors unread" in text
+    assert "exclude=" in text and "put sdadapt.dequant_rules" not in text
+
+
+def test_a_rule_problem_of_the_dequant_rule_is_the_root_cause(tmp_path):
+    """With the dequant rule in place, a scale it cannot read (stored as float16: no scale_format
+    reads that) is the root cause, and the rule's hint names no setting that would refuse it again."""
+    t = release_tensors("float32")
+    t["model.layers.0.w1.weight_scale_inv"] = t["model.layers.0.w1.weight_scale_inv"].half()
+    rep = _report(tmp_path, t, fp8_adapter("float32"))
+    text = str(rep)
+    assert "root cause: the dequant rule #0 cannot read the quantized tensors: model.layers.0.w1.weight: scale" in text
+    assert "no scale_format of dequant_fp8 reads float16 block scales" in text
+    assert "scale_format='float32'?" not in text and "put sdadapt.dequant_rules" not in text
 
 
 def test_matched_unquantized_matrix_is_a_plan_error(tmp_path):
@@ -579,7 +593,7 @@ def test_mxfp4_blocks_without_rule_or_scales(tmp_path):
 def test_dequant_rules_from_config(tmp_path):
     assert sdadapt.dequant_rules({"model_type": "llama"}) == []
     (r,) = sdadapt.dequant_rules({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
-    assert (r.kind, r.block, r.scale_format, r.dtype) == ("dequant_fp8", (128, 128), "float32", "bfloat16")
+    assert (r.kind, r.block, r.scale_format, r.dtype) == ("dequant_fp8", (128, 128), "float32", None)
     assert "lm_head.weight" in r.exclude
     cfg = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0",
                                    "modules_to_not_convert": ["model.layers.3.mlp.gate"]}}  # fmt: skip
@@ -598,8 +612,10 @@ def test_dequant_rules_from_config(tmp_path):
     assert r.kind == "dequant_mxfp4"
     with pytest.raises(AdapterError, match="awq"):
         sdadapt.dequant_rules({"quantization_config": {"quant_method": "awq"}})
+    (r,) = sdadapt.dequant_rules({"quantization_config": {"quant_method": "fp8"}})  # per-tensor FP8
+    assert (r.kind, r.codec, r.strategy) == ("dequant_scaled", "e4m3", "tensor")
     with pytest.raises(AdapterError, match="weight_block_size"):
-        sdadapt.dequant_rules({"quantization_config": {"quant_method": "fp8"}})
+        sdadapt.dequant_rules({"quantization_config": {"quant_method": "fp8", "weight_block_size": 128}})
     with pytest.raises(AdapterError, match="block"):
         sdadapt.dequant_fp8(block=[128])
 
@@ -620,3 +636,12 @@ def test_convert_dequantises_offline_and_back(tmp_path):
     assert sorted(back) == sorted(original)
     for k in original:
         assert torch.equal(bits(back[k]), bits(original[k])), k
+
+
+def test_a_cast_after_a_dequantisation_pins_its_dtype(tmp_path):
+    """An explicit cast to float16 after the dequantisation is what the recipe gives: the plan
+    does not hand it the float32 model's dtype instead (a dtype mismatch, reported)."""
+    path = write_release(str(tmp_path), "float32")
+    adapter = sdadapt.Adapter([*fp8_adapter("float32").rules, sdadapt.cast("layers.0.w1.weight", torch.float16)])
+    rep = sdadapt.diff(Tiny(torch.float32), path, adapter)
+    assert [(m.key, m.checkpoint) for m in rep.dtype_mismatch if m.key.startswith("layers.0.w")] == [("layers.0.w1.weight", "float16")]

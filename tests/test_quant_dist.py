@@ -29,9 +29,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import sdadapt
 
 
-def _build(kind: str) -> Tiny:
+def _build(kind: str, dtype: torch.dtype) -> Tiny:
     with torch.device("meta"):
-        model = Tiny()
+        model = Tiny(dtype)
     layer = model.layers[0]
     if kind == "fsdp":
         fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",)))
@@ -62,23 +62,30 @@ def _own_bytes(key: str, offset: tuple[int, ...], shape: tuple[int, ...], fmt: s
     if key.endswith("experts"):
         c0, c1 = offset[2], offset[2] + shape[2]
         return shape[0] * shape[1] * (-(-c1 // 32) - c0 // 32) * (16 + 1)  # whole blocks + their scale bytes
-    return vol * 2  # bf16
+    return vol * 2  # bf16 as stored (widened to float32 on the rank)
 
 
-def _cases(folder: str, kinds: list[str], fmts: list[str]) -> dict[str, Any]:
+def _cases(folder: str, kinds: list[str], fmts: list[str], dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> dict[str, Any]:
+    """Each ``fmt`` x ``kind`` x ``dtype``: the model built in ``dtype`` (float32: FSDP2's master
+    weights) and loaded with no ``dtype=`` option: the dequantised values take the model's dtype
+    (the release's bf16 tensors, which have a dtype of their own, are widened by a cast rule that
+    only matches bf16 tensors)."""
     out: dict[str, Any] = {}
-    for fmt in fmts:
+    for fmt, dtype in [(f, d) for f in fmts for d in dtypes]:
         sub = os.path.join(folder, fmt)
         if dist.get_rank() == 0:
             os.makedirs(sub, exist_ok=True)
             write_release(sub, fmt)
         dist.barrier()
         path = os.path.join(sub, "model.safetensors")
-        want = expected_model(fmt)
+        want = expected_model(fmt, dtype)
         total = sum(t.numel() * t.element_size() for t in release_tensors(fmt).values())
         for kind in kinds:
-            model = _build(kind)
-            rep = sdadapt.load(model, path, fp8_adapter(fmt))
+            model = _build(kind, dtype)
+            adapter = fp8_adapter(fmt)
+            if dtype == torch.float32:  # the release's bf16 embedding and norm have a dtype: widened by a rule
+                adapter = sdadapt.Adapter([*adapter.rules, sdadapt.cast("**", "model", from_dtype="bfloat16")])
+            rep = sdadapt.load(model, path, adapter)
             bad, own, small_shard, shared_tile, cut_block, uneven = [], 0, False, False, False, False
             for k, v in model.state_dict().items():
                 if isinstance(v, DTensor):
@@ -87,7 +94,8 @@ def _cases(folder: str, kinds: list[str], fmts: list[str]) -> dict[str, Any]:
                 else:  # left whole on every rank (embedding and norm under TP alone)
                     shape, offset, local, whole = tuple(v.shape), (0,) * v.dim(), v, v
                 region = want[k][tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
-                if tuple(local.shape) != tuple(shape) or not torch.equal(local.view(torch.uint8), region.view(torch.uint8)):
+                same = local.dtype == dtype and tuple(local.shape) == tuple(shape)
+                if not same or not torch.equal(local.view(torch.uint8), region.view(torch.uint8)):
                     bad.append(k)
                 if not torch.equal(whole, want[k]):
                     bad.append(k + " (full)")
@@ -101,7 +109,7 @@ def _cases(folder: str, kinds: list[str], fmts: list[str]) -> dict[str, Any]:
                 for d, p in enumerate(v.placements if isinstance(v, DTensor) else ()):
                     if p.is_shard() and v.shape[p.dim] % v.device_mesh.size(d):
                         uneven = True
-            out[f"{fmt}/{kind}"] = {
+            out[f"{fmt}/{kind}" + ("/float32" if dtype == torch.float32 else "")] = {
                 "bad": bad,
                 "bytes_read": rep.bytes_read,
                 "own": own,
@@ -124,9 +132,11 @@ def _check(results: list[dict[str, Any]], case: str) -> None:
 
 
 def test_quantized_fsdp_tp_2x2(tmp_path):
-    results = run_distributed(_cases, 4, str(tmp_path), ["fsdp_tp_2x2"], ["float32", "ue8m0"], timeout=170)
-    for fmt in ("float32", "ue8m0"):
-        case = f"{fmt}/fsdp_tp_2x2"
+    """bf16 and float32 models (FP8 block with float32 and UE8M0 scales, MXFP4 experts): the
+    float32 model takes ``float(w) * scale`` in float32 with no option."""
+    dtypes = (torch.bfloat16, torch.float32)
+    results = run_distributed(_cases, 4, str(tmp_path), ["fsdp_tp_2x2"], ["float32", "ue8m0"], dtypes, timeout=200)
+    for case in [f"{fmt}/fsdp_tp_2x2{d}" for fmt in ("float32", "ue8m0") for d in ("", "/float32")]:
         _check(results, case)
         assert all(r[case]["small_shard"] for r in results)  # 10-row shards of 16-row tiles
         assert any(r[case]["shared_tile"] for r in results)

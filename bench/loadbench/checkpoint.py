@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .common import BenchError, GiB, MiB, meminfo
 from .references import parallel_read
-from .shapes import FP8_QUANTIZATION_CONFIG, Shape
+from .shapes import CT_QUANTIZATION_CONFIGS, FP8_QUANTIZATION_CONFIG, Shape
 
 
 def check_fits(folder: Path, shape: Shape, formats: list[str], nproc: int, assume_ram_gib: float | None) -> dict[str, float]:
@@ -58,7 +58,8 @@ def write_checkpoint(folder: Path, shape: Shape, shard_gb: float, formats: list[
 
     dtype = getattr(torch, shape.dtype)
     paths = {"safetensors": str(folder / "hf"), "torch.save": str(folder / "model.pt"), "dcp": str(folder / "dcp"),
-             "safetensors-fp8": str(folder / "hf-fp8")}
+             "safetensors-fp8": str(folder / "hf-fp8"), "safetensors-fp8ch": str(folder / "hf-fp8ch"),
+             "safetensors-nvfp4": str(folder / "hf-nvfp4")}
     # a pool of random values; each tensor is a window of it at its own offset (cheap, and no
     # two tensors alike)
     pool_n = 32 * MiB + 7
@@ -90,6 +91,9 @@ def write_checkpoint(folder: Path, shape: Shape, shard_gb: float, formats: list[
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(paths["dcp"], thread_count=4))
     if "safetensors-fp8" in formats:
         _write_fp8_twin(paths["safetensors-fp8"], sd, shape, shard_gb)
+    for fmt in ("safetensors-fp8ch", "safetensors-nvfp4"):
+        if fmt in formats:
+            _write_ct_twin(paths[fmt], sd, shape, shard_gb, fmt.removeprefix("safetensors-"))
     del sd
     return {f: paths[f] for f in formats}
 
@@ -115,6 +119,38 @@ def _write_fp8_twin(folder: str, sd: dict, shape: Shape, shard_gb: float) -> Non
     _write_hf_shards(folder, twin, shard_gb, sum(t.numel() * t.element_size() for t in twin.values()))
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({"model_type": "llama", "torch_dtype": shape.dtype, "quantization_config": FP8_QUANTIZATION_CONFIG}, f)
+
+
+def _write_ct_twin(folder: str, sd: dict, shape: Shape, shard_gb: float, kind: str) -> None:
+    """A compressed-tensors release of ``sd`` (the layout llm-compressor writes): ``kind="fp8ch"``,
+    FP8 per output channel (``FP8_DYNAMIC``: e4m3 ``weight`` + bf16 ``weight_scale [R, 1]``);
+    ``"nvfp4"``, NVFP4 (``weight_packed`` uint8, e4m3 ``weight_scale`` per 16 values,
+    ``weight_global_scale``). The layers' matrices are quantized (sdadapt's quantizers, on the GPU
+    when there is one), the rest kept; ``config.json`` carries the compressed-tensors config."""
+    import torch
+
+    from sdadapt import _quant_scaled as S
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    quantized = set(shape.fp8_keys())
+    twin: dict[str, torch.Tensor] = {}
+    for k, t in sd.items():
+        if k not in quantized:
+            twin[k] = t
+            continue
+        x, base = t.to(dev), k.removesuffix(".weight")
+        if kind == "fp8ch":
+            w, s = S.quantize_fp8_scaled(x, (1, x.shape[-1]), torch.bfloat16)
+            twin[k], twin[base + ".weight_scale"] = w.cpu(), s.cpu()
+        else:
+            amax = x.float().abs().amax()
+            glob = (S.E4M3_MAX * S.E2M1_MAX / amax).reshape(1)
+            packed, s = S.quantize_nvfp4(x, glob, "divide")
+            twin[base + ".weight_packed"], twin[base + ".weight_scale"] = packed.cpu(), s.cpu()
+            twin[base + ".weight_global_scale"] = glob.cpu()
+    _write_hf_shards(folder, twin, shard_gb, sum(t.numel() * t.element_size() for t in twin.values()))
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"model_type": "llama", "torch_dtype": shape.dtype, "quantization_config": CT_QUANTIZATION_CONFIGS[kind]}, f)
 
 
 def _write_hf_shards(folder: str, sd: dict, shard_gb: float, total: int) -> None:

@@ -19,7 +19,17 @@ from typing import Any
 from .checkpoint import check_fits, drop_caches, stamp, warm_cache, write_checkpoint
 from .common import BenchError, GiB
 from .launch import MALLOC_MODES, launch_group
-from .paths import ALL_PATHS, DISCUSSION_PATHS, FP8_PATHS, LIBRARIES, MATERIALIZED_PATHS, RAW_PATHS, TP_PATHS, USER_LIBRARIES, Job
+from .paths import (
+    ALL_PATHS,
+    DISCUSSION_PATHS,
+    LIBRARIES,
+    MATERIALIZED_PATHS,
+    QUANT_FORMATS,
+    RAW_PATHS,
+    TP_PATHS,
+    USER_LIBRARIES,
+    Job,
+)
 from .report import machine, markdown, summarize
 from .shapes import PRESETS, Shape
 
@@ -144,8 +154,7 @@ def _formats(jobs: list[Job]) -> list[str]:
         formats.append("torch.save")
     if paths & {"sdadapt-dcp", "dcp-native"}:
         formats.append("dcp")
-    if paths & set(FP8_PATHS):
-        formats.append("safetensors-fp8")
+    formats += sorted({QUANT_FORMATS[p] for p in paths if p in QUANT_FORMATS})
     return formats
 
 

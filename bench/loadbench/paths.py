@@ -5,6 +5,9 @@
   (``share_reads=True``);
 - ``rank0-broadcast``: rank 0 ``safetensors.torch.load_file`` + ``set_model_state_dict(
   full_state_dict=True, broadcast_from_rank0=True)``;
+- ``sdadapt-fp8ch`` / ``sdadapt-nvfp4``: the compressed-tensors twins (FP8 per output channel with
+  bf16 ``weight_scale``; NVFP4 ``weight_packed`` + e4m3 ``weight_scale`` + ``weight_global_scale``)
+  through ``sdadapt.dequant_rules``;
 - ``sdadapt-fp8``: the FP8 twin (e4m3 + float32 128x128 ``weight_scale_inv``) through
   ``sdadapt.dequant_rules`` + the rename adapter, dequantised on load into the same bf16 model;
 - ``hf-reader``: ``dcp.load`` + ``HuggingFaceStorageReader(thread_count=8)`` (names 1:1);
@@ -38,12 +41,17 @@ from .common import BenchError
 from .models import build_model, materialize_with_values, parallelize
 from .shapes import Shape, adapter_for
 
-ALL_PATHS = ["sdadapt", "sdadapt-fused", "sdadapt-torchsave", "sdadapt-dcp", "sdadapt-fp8", "rank0-broadcast", "hf-reader",
+ALL_PATHS = ["sdadapt", "sdadapt-fused", "sdadapt-torchsave", "sdadapt-dcp", "sdadapt-fp8", "sdadapt-fp8ch", "sdadapt-nvfp4",
+             "rank0-broadcast", "hf-reader",
              "hf-fp8-reader", "dcp-native"]
 FP8_PATHS = ("sdadapt-fp8", "hf-fp8-reader")  # they read the FP8 twin
 # raw loaders -> InstantTensor's backend argument (None: its default; safetensors-gpu: not InstantTensor)
 RAW_PATHS: dict[str, str | None] = {"instanttensor": "BUFFERED", "instanttensor-mmap": "MMAP", "instanttensor-direct": None,
                                     "safetensors-gpu": None}
+QUANT_FORMATS = {"sdadapt-fp8": "safetensors-fp8", "hf-fp8-reader": "safetensors-fp8",
+                 "sdadapt-fp8ch": "safetensors-fp8ch", "sdadapt-nvfp4": "safetensors-nvfp4"}
+"""Paths that read a quantized twin, and which: FP8 block scales, compressed-tensors FP8 per
+channel (``FP8_DYNAMIC``), compressed-tensors NVFP4."""
 TP_PATHS = ["sdadapt", "hf-reader"]
 MATERIALIZED_PATHS = ["sdadapt", "hf-reader"]
 DISCUSSION_PATHS = {"materialized": "torchsave-broadcast", "meta": "torchsave-broadcast-meta"}
@@ -108,15 +116,15 @@ def naming_of(path: str) -> str:
 def source_format(path: str) -> str:
     """The checkpoint format a path reads: ``safetensors-fp8`` (the FP8 twin), ``torch.save``,
     ``dcp`` or ``safetensors``."""
-    if path in FP8_PATHS:
-        return "safetensors-fp8"
+    if path in QUANT_FORMATS:
+        return QUANT_FORMATS[path]
     return {"sdadapt-torchsave": "torch.save", "sdadapt-dcp": "dcp", "dcp-native": "dcp"}.get(path, "safetensors")
 
 
 def adapter_of(path: str, files: dict[str, str]) -> Any:
     """The sdadapt adapter that maps what ``path`` reads to the model it loads into (with the
     dequant rules for the FP8 twin); also the eager reference's recipe."""
-    return adapter_for(naming_of(path), files["safetensors-fp8"] if path in FP8_PATHS else None)
+    return adapter_for(naming_of(path), files[QUANT_FORMATS[path]] if path in QUANT_FORMATS else None)
 
 
 def prepare(job: Job, shape: Shape, dev: Any, seed: int = 1) -> Any:
@@ -311,7 +319,7 @@ def verify_against_source(model: Any, path: str, files: dict[str, str]) -> int:
     import sdadapt
     from sdadapt._target import model_state_dict, schema_of
 
-    src = sdadapt.open_source(files["safetensors-fp8" if path in FP8_PATHS else "safetensors"])
+    src = sdadapt.open_source(files[QUANT_FORMATS.get(path, "safetensors")])
     threads = torch.get_num_threads()  # 1 (OMP_NUM_THREADS) while timing; the check is untimed
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))

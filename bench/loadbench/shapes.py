@@ -75,6 +75,20 @@ PRESETS = {
 # the FP8 twin's block scaling, as DeepSeek-V3 and Qwen3-FP8 releases ship it
 FP8_QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}
 
+
+def _ct_config(fmt: str, weights: dict, inputs: dict | None) -> dict:
+    return {"quant_method": "compressed-tensors", "format": fmt, "ignore": ["lm_head"], "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs}}}
+
+
+# the compressed-tensors twins, as llm-compressor's FP8_DYNAMIC and NVFP4 presets write them
+CT_QUANTIZATION_CONFIGS = {
+    "fp8ch": _ct_config("float-quantized", {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
+                        {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}),
+    "nvfp4": _ct_config("nvfp4-pack-quantized", {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
+                                                 "group_size": 16, "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}, None),
+}
+
 # HF name -> torchtitan-style name (the rename-only adapter's job)
 RENAMES = [
     ("model.embed_tokens.weight", "tok_embeddings.weight"),

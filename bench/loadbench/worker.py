@@ -19,7 +19,19 @@ from typing import Any
 from .checkpoint import drop_caches
 from .common import GiB
 from .memory import RssSampler, rchar
-from .paths import FP8_PATHS, RAW_PATHS, Job, import_libraries, local_of, model_sd, prepare, timed_load, verify_against_source, verify_raw
+from .paths import (
+    FP8_PATHS,
+    QUANT_FORMATS,
+    RAW_PATHS,
+    Job,
+    import_libraries,
+    local_of,
+    model_sd,
+    prepare,
+    timed_load,
+    verify_against_source,
+    verify_raw,
+)
 from .references import measure_references
 from .shapes import Shape
 
@@ -141,7 +153,8 @@ def _measure_one(cfg: dict[str, Any], job: Job, shape: Shape, dev: Any, phase: s
             run["checked"], run["check"] = verify_raw(model, cfg["files"]["safetensors"]), "= file bytes"
         elif phase == "first" and cfg.get("verify", True):
             run["checked"] = verify_against_source(model, job.path, cfg["files"])
-            run["check"] = "= eager dequant of the FP8 file" if job.path in FP8_PATHS else "= source"
+            run["check"] = ("= eager dequant of the FP8 file" if job.path in FP8_PATHS else
+                                "= eager dequant of the quantized file" if job.path in QUANT_FORMATS else "= source")
         elif phase == "first":
             run["checked"], run["check"] = 0, "not checked (--no-verify)"
         run["ok"] = True

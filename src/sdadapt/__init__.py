@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         deinterleave,
         dequant_fp8,
         dequant_mxfp4,
+        dequant_scaled,
         drop,
         fuse,
         interleave,
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from ._nodes import Compute, Node, emit
     from ._plan import Plan, build_plan
     from ._quant_rules import DequantFP8, DequantMXFP4, QuantizeFP8, QuantizeMXFP4, dequant_rules
+    from ._quant_scaled_rules import DequantScaled, QuantizeScaled
     from ._registry import get_adapter, list_adapters
     from ._report import Report
     from ._resolve import resolve_adapter, resolve_target
@@ -103,7 +105,7 @@ _RULE_CLASSES = (
     "Tie Transpose Trim Unstack ValueRule register_rule"
 )
 _CONSTRUCTORS = (
-    "add_prefix affine cast deinterleave dequant_fp8 dequant_mxfp4 drop fuse interleave pad rename rotary split "
+    "add_prefix affine cast deinterleave dequant_fp8 dequant_mxfp4 dequant_scaled drop fuse interleave pad rename rotary split "
     "stack strip_prefix tie transpose trim unstack"
 )
 _LAZY: dict[str, str] = {
@@ -119,6 +121,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(["Compute", "Node", "emit"], "_nodes"),
     **dict.fromkeys(["Plan", "build_plan"], "_plan"),
     **dict.fromkeys(["DequantFP8", "DequantMXFP4", "QuantizeFP8", "QuantizeMXFP4", "dequant_rules"], "_quant_rules"),
+    **dict.fromkeys(["DequantScaled", "QuantizeScaled"], "_quant_scaled_rules"),
     **dict.fromkeys(["get_adapter", "list_adapters"], "_registry"),
     **dict.fromkeys(["Report"], "_report"),
     **dict.fromkeys(["resolve_adapter", "resolve_target"], "_resolve"),
@@ -221,10 +224,13 @@ __all__ = [
     # quantized sources
     "DequantFP8",
     "DequantMXFP4",
+    "DequantScaled",
     "QuantizeFP8",
     "QuantizeMXFP4",
+    "QuantizeScaled",
     "dequant_fp8",
     "dequant_mxfp4",
+    "dequant_scaled",
     "dequant_rules",
     # rules of one's own: the rule protocol, the registry, and the node building blocks
     "Compute",

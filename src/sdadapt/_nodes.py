@@ -197,6 +197,12 @@ class Node:
         cast rule asks for it: casting a narrower result would round the values first."""
         return None
 
+    def follows_target_dtype(self) -> bool:
+        """Whether this recipe's values have no dtype of their own and take the one the target
+        holds (a dequantisation given no ``dtype=``): the plan then asks :meth:`as_dtype` for the
+        target's dtype instead of reporting a mismatch. ``False`` by default."""
+        return False
+
     def input_fields(self) -> list[tuple[str, Node | tuple[Node, ...]]]:
         """The dataclass fields given at construction that hold a node or a tuple of nodes,
         with their values (the fields derived in ``__post_init__`` left out)."""
@@ -268,6 +274,10 @@ class Rearrangement(Node):
                 return None
             changes[name] = parts if isinstance(v, tuple) else parts[0]
         return dataclasses.replace(self, **changes) if changes and dataclasses.is_dataclass(self) else None
+
+    def follows_target_dtype(self) -> bool:
+        kids = self.children()
+        return bool(kids) and all(c.follows_target_dtype() for c in kids)
 
 
 @dataclass(frozen=True, eq=False)

@@ -275,6 +275,7 @@ def build_plan(
         rule_issues=unwrap_issues + ctx.issues,
         unused_rules=[f"#{i} {r.label()}" for i, r in enumerate(adapter.rules) if ctx.matches[i] == 0],
         dropped=sorted(ctx.dropped),
+        dequant_rules=[f"#{i} {k}" for i, r in enumerate(adapter.rules) if (k := str(getattr(r, "kind", ""))).startswith("dequant")],
     )
     recipes: dict[str, Node] = {}
     skipped: list[str] = []
@@ -291,6 +292,8 @@ def build_plan(
             report.shape_mismatch.append(
                 Mismatch(key=key, model=str(list(want.shape)), checkpoint=str(list(node.shape)), recipe=node.describe())
             )
+        elif node.dtype != want.dtype and (adopted := _in_target_dtype(node, want)) is not None:
+            recipes[key] = adopted
         elif node.dtype != want.dtype:
             report.dtype_mismatch.append(
                 Mismatch(key=key, model=dtype_name(want.dtype), checkpoint=dtype_name(node.dtype), recipe=node.describe())
@@ -312,3 +315,11 @@ def build_plan(
         (report.allowed_unexpected if matches_any(allow_unexpected, key) else report.non_tensor).append(key)
     report.matched = len(recipes)
     return Plan(recipes, report, target, skipped=skipped, other_stages=other_stages, other_stage_sources=other_stage_sources)
+
+
+def _in_target_dtype(node: Node, want: TensorInfo) -> Node | None:
+    """``node`` producing the target's dtype itself, where its values have no dtype of their
+    own (a dequantisation given no ``dtype=``, :meth:`Node.follows_target_dtype`), else ``None``."""
+    if not node.follows_target_dtype() or not want.dtype.is_floating_point:
+        return None
+    return node.as_dtype(want.dtype)

@@ -89,10 +89,17 @@ class _Dequant(Node):
         """A small region at the origin, of whole blocks where the tensor has them."""
         return tuple((0, 1) for _ in self.shape[:-1]) + ((0, min(self.shape[-1], 32)),)
 
+    def follows_target_dtype(self) -> bool:
+        """A dequantisation's values have no checkpoint dtype: unless its rule pinned one
+        (``dtype=``), it computes in the dtype the target holds."""
+        return bool(getattr(self, "follows", False))
+
     def as_dtype(self, dtype: torch.dtype) -> Node | None:
         """The same dequantisation, into ``dtype`` (any floating dtype)."""
         if not dtype.is_floating_point or not dataclasses.is_dataclass(self):
             return None
+        if hasattr(self, "follows"):  # a dtype asked for (a cast rule, or the target's) is pinned
+            return dataclasses.replace(self, dtype=dtype, follows=False)
         return dataclasses.replace(self, dtype=dtype)
 
     def _value_bytes(self) -> float:
@@ -103,7 +110,7 @@ class _Dequant(Node):
         """Dims whose cuts fall on block boundaries, and the block size there."""
         return {}
 
-    def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
     def _kernel(self, box: Box, dest: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
@@ -141,6 +148,7 @@ class DequantFP8(_Dequant):
     block: tuple[int, int]
     scale_format: Q.ScaleFormat
     dtype: torch.dtype
+    follows: bool = False  # no dtype= on the rule: the target's dtype replaces ``dtype``
     shape: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -188,6 +196,7 @@ class DequantMXFP4(_Dequant):
     blocks: Node
     scales: Node
     dtype: torch.dtype
+    follows: bool = False  # no dtype= on the rule: the target's dtype replaces ``dtype``
     shape: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:

@@ -54,17 +54,30 @@ def _block(v: object) -> tuple[int, int]:
     return (int(v[0]), int(v[1]))
 
 
+VALUES_DTYPE = torch.bfloat16
+"""The dtype of dequantised values where nothing says another: no ``dtype=`` on the rule, and no
+model tensor to take the dtype from (``convert`` to a plain release)."""
+
+
 class _QuantRule(RuleBase):
-    """What every rule of the family has: the keys it acts on and the dtype of the values."""
+    """What every rule of the family has: the keys it acts on and the dtype of the values.
+
+    ``dtype=None`` (the default): the values take the dtype the model holds for each key
+    (float32 master weights get ``float(w) * scale`` in float32, computed so, not widened from
+    bfloat16), or :data:`VALUES_DTYPE` where there is no model; a dtype pins it."""
 
     moves_keys: ClassVar[bool] = False
     keys: str
-    dtype: str = "bfloat16"
+    dtype: str | None = None
 
     @field_validator("dtype", mode="before")
     @classmethod
-    def _check_dtype(cls, v: object) -> str:
-        return dtype_str(v)
+    def _check_dtype(cls, v: object) -> str | None:
+        return None if v is None else dtype_str(v)
+
+    def _values_dtype(self) -> tuple[torch.dtype, bool]:
+        """The dtype the dequantised nodes start with, and whether the target's replaces it."""
+        return (VALUES_DTYPE, True) if self.dtype is None else (parse_dtype(self.dtype), False)
 
     def input_patterns(self) -> list[str]:
         return [self.keys]
@@ -126,7 +139,7 @@ class DequantFP8(_FP8Fields):
     def apply(self, ctx: PlanContext, index: int) -> None:
         targets = self._targets(ctx)
         scales = {k + self.scale_suffix for k in targets if ctx.get(k).dtype == Q.FP8_DTYPE}
-        to = parse_dtype(self.dtype)
+        to, follows = self._values_dtype()
         for key in targets:
             if key in scales:
                 continue  # a float32 scale matched by a broad pattern is an input, not a weight
@@ -137,7 +150,7 @@ class DequantFP8(_FP8Fields):
                 ctx.issue(index, key, problem)
                 continue
             scale = ctx.absorb(skey, index)
-            ctx.replace(key, QN.DequantFP8(node, scale, self.block, self.scale_format, to))
+            ctx.replace(key, QN.DequantFP8(node, scale, self.block, self.scale_format, to, follows))
 
     def _problem(self, ctx: PlanContext, key: str, skey: str) -> str | None:
         node = ctx.get(key)
@@ -165,14 +178,19 @@ class DequantFP8(_FP8Fields):
         return None
 
     def _fix_hint(self, stored: torch.dtype) -> str:
-        """The setting that reads scales stored as ``stored``, keeping power-of-two scales so."""
+        """The setting that reads scales stored as ``stored``, keeping power-of-two scales so;
+        where no setting reads that dtype, says so (never a setting that refuses it too)."""
         if stored in Q.SCALE_DTYPES[self.scale_format]:
             return f"scale_dtype={dtype_name(stored)!r}?"
         if stored in Q.SCALE_DTYPES["ue8m0"]:
             return "scale_format='ue8m0'?"
-        if self.scale_format == "ue8m0":
-            return "scale_format='ue8m0_float32'? (power-of-two scales stored as float32)"
-        return "scale_format='float32'?"
+        if stored in Q.SCALE_DTYPES["float32"]:
+            if self.scale_format == "ue8m0":
+                return "scale_format='ue8m0_float32'? (power-of-two scales stored as float32)"
+            return "scale_format='float32'?"
+        readable = sorted({dtype_name(d) for ds in Q.SCALE_DTYPES.values() for d in ds})
+        return (f"no scale_format of dequant_fp8 reads {dtype_name(stored)} block scales (they are stored as "
+                f"{', '.join(readable)}); is this the release's block scale, or a tensor of another format?")  # fmt: skip
 
     def inverse(self) -> list[Any]:
         return [QuantizeFP8(**self._fields())]
@@ -221,7 +239,7 @@ class DequantMXFP4(_MXFP4Fields):
 
     def apply(self, ctx: PlanContext, index: int) -> None:
         pat = compile_pattern(self.keys)
-        to = parse_dtype(self.dtype)
+        to, follows = self._values_dtype()
         for bkey in ctx.keys():
             if not bkey.endswith(self.blocks_suffix):
                 continue
@@ -234,7 +252,7 @@ class DequantMXFP4(_MXFP4Fields):
                 ctx.issue(index, name, problem)
                 continue
             blocks, scales = ctx.absorb(bkey, index), ctx.absorb(skey, index)
-            ctx.put(name, QN.DequantMXFP4(blocks, scales, to), index, origin=[bkey, skey])
+            ctx.put(name, QN.DequantMXFP4(blocks, scales, to, follows), index, origin=[bkey, skey])
 
     def _problem(self, ctx: PlanContext, name: str, bkey: str, skey: str) -> str | None:
         blocks = ctx.get(bkey)
@@ -292,44 +310,95 @@ for _cls in (DequantFP8, QuantizeFP8, DequantMXFP4, QuantizeMXFP4):
 def dequant_rules(
     config: Mapping[str, Any] | str | os.PathLike[str],
     *,
-    dtype: str | torch.dtype = "bfloat16",
+    dtype: str | torch.dtype | None = None,
     schema: Mapping[str, TensorInfo] | None = None,
     fp8_keys: str = "**.weight",
     fp8_exclude: list[str] | None = None,
     mxfp4_keys: str = "**.mlp.experts.{proj}_proj",
-) -> list[DequantFP8 | DequantMXFP4]:
+) -> list[RuleBase]:
     """The rules to put first in an adapter for a release described by ``config`` (a
-    ``config.json`` dict, file or folder): none for an unquantized release; one
-    :class:`DequantFP8` for ``quant_method: fp8`` (``weight_block_size``; ``scale_fmt: ue8m0``
-    means exponent-byte scales; ``modules_to_not_convert`` extends ``fp8_exclude``, which
-    defaults to :data:`FP8_EXCLUDE`); one :class:`DequantMXFP4` for ``quant_method: mxfp4``.
+    ``config.json`` dict, file or release folder): none for an unquantized release, else the
+    rules that dequantise what its ``quantization_config`` (or ModelOpt's
+    ``hf_quant_config.json`` beside it) describes:
+
+    - ``quant_method: fp8`` with ``weight_block_size``: one :class:`DequantFP8` (``scale_fmt:
+      ue8m0`` means power-of-two scales; ``modules_to_not_convert`` extends ``fp8_exclude``,
+      which defaults to :data:`FP8_EXCLUDE`); without it, per-tensor (or per-channel) FP8 as a
+      :class:`~sdadapt._quant_scaled_rules.DequantScaled`;
+    - ``quant_method: mxfp4``: one :class:`DequantMXFP4` (``mxfp4_keys``);
+    - ``compressed-tensors``: one ``DequantScaled`` per quantized config group (``format``,
+      ``weights``, ``targets``, ``ignore``); activation and KV-cache scales are dropped on purpose;
+    - ``modelopt`` (NVFP4, FP8): one ``DequantScaled``.
+
+    Args:
+        config: the ``config.json`` dict, its path, or the release folder. A folder's checkpoint
+            headers are read (when ``schema`` is not given) to resolve targets and exclusions to
+            its keys, and how FP8 block scales are stored.
+        dtype: the dequantised values' dtype; ``None``: the model's dtype for each key.
+        schema: the checkpoint's ``key -> TensorInfo`` (``source.schema``).
+        fp8_keys, fp8_exclude, mxfp4_keys: the keys of the FP8 block and MXFP4 rules.
+
+    Returns:
+        The rules, to put first in an adapter (they act on the checkpoint's own key names).
+
+    Example::
+
+        rules = sdadapt.dequant_rules("path/to/release")
+        adapter = sdadapt.Adapter([*rules, sdadapt.strip_prefix("model.")])
 
     ``scale_fmt: ue8m0`` says the scales are powers of two, not how they are stored: some
     releases (DeepSeek-V3.1) keep them as float32 (``scale_format="ue8m0_float32"``), others
     as exponent bytes (``uint8`` or ``float8_e8m0fnu``, kept as ``scale_dtype`` so that export
-    writes the same dtype). Given the checkpoint's ``schema`` (``source.schema``), the stored
-    dtype of the scales decides; without it, exponent bytes are assumed and a float32 release
-    is a plan problem that says ``scale_format='ue8m0_float32'``
-    (``mxfp4_keys``: GPT-OSS's expert projections ``gate_up_proj`` and ``down_proj``)."""
-    cfg = _read_config(config)
+    writes the same dtype). Given the checkpoint's ``schema``, the stored dtype of the scales
+    decides; without it, exponent bytes are assumed and a float32 release is a plan problem
+    that says ``scale_format='ue8m0_float32'``. A config field of the wrong type is an
+    :class:`~sdadapt.AdapterError` naming the file and the field."""
+    from . import _quant_config as C
+    from . import _quant_detect as D
+
+    cfg, where, folder = _read_config(config)
+    if schema is None and folder is not None:
+        schema = _headers(folder)
     qc = cfg.get("quantization_config")
+    to = _dtype_arg(dtype)
     if not qc:
+        hf_quant = os.path.join(folder, "hf_quant_config.json") if folder else None
+        if hf_quant and os.path.isfile(hf_quant):
+            q = C.validate(C.HFQuantConfig, _read_json(hf_quant), hf_quant).quantization
+            return list(D.modelopt_rules(q, q.exclude_modules or [], schema, to))
         return []
-    method = qc.get("quant_method")
-    if method == "fp8":
-        block = qc.get("weight_block_size")
-        if block is None:
-            raise AdapterError("quantization_config has quant_method 'fp8' but no weight_block_size; per-tensor FP8 "
-                               "is not supported: give sdadapt.dequant_fp8(block=[rows, cols]) yourself")  # fmt: skip
-        fmt, scale_dtype = _fp8_scale_storage(qc, schema)
-        exclude = list(FP8_EXCLUDE if fp8_exclude is None else fp8_exclude)
-        exclude += [f"**{m}.weight" for m in qc.get("modules_to_not_convert") or []]
-        return [DequantFP8(keys=fp8_keys, exclude=exclude, block=block, scale_format=fmt, scale_dtype=scale_dtype,
-                           dtype=dtype_str(dtype))]  # fmt: skip
-    if method == "mxfp4":
-        return [DequantMXFP4(keys=mxfp4_keys, dtype=dtype_str(dtype))]
-    raise AdapterError(f"quantization_config.quant_method {method!r} is not supported; sdadapt reads 'fp8' "
-                       "(block scales) and 'mxfp4'")  # fmt: skip
+    parsed = C.parse(qc, where)
+    if isinstance(parsed, C.CompressedTensorsConfig):
+        return list(D.compressed_tensors_rules(parsed, schema, to))
+    if isinstance(parsed, C.ModelOptConfig):
+        return list(D.modelopt_rules(parsed, parsed.exclude_modules or parsed.ignore or [], schema, to))
+    if isinstance(parsed, C.MXFP4Config):
+        return [DequantMXFP4(keys=mxfp4_keys, dtype=to)]
+    assert isinstance(parsed, C.FP8Config)
+    exclude = list(FP8_EXCLUDE if fp8_exclude is None else fp8_exclude)
+    if parsed.weight_block_size is None:
+        return list(D.per_tensor_fp8_rules(parsed, schema, to, exclude))
+    fmt, scale_dtype = _fp8_scale_storage(qc, schema)
+    exclude += [f"**{m}.weight" for m in parsed.modules_to_not_convert or []]
+    b0, b1 = parsed.weight_block_size
+    return [DequantFP8(keys=fp8_keys, exclude=exclude, block=(b0, b1), scale_format=fmt,
+                       scale_dtype=scale_dtype, dtype=to)]  # fmt: skip
+
+
+def _headers(folder: str) -> dict[str, TensorInfo] | None:
+    """The checkpoint's schema in ``folder`` (headers only), or ``None`` when none opens."""
+    from .errors import SdadaptError
+    from .sources import open_source
+
+    try:
+        with open_source(folder) as src:
+            return dict(src.schema)
+    except SdadaptError:
+        return None
+
+
+def _dtype_arg(dtype: str | torch.dtype | None) -> str | None:
+    return None if dtype is None else dtype_str(dtype)
 
 
 def _fp8_scale_storage(qc: Mapping[str, Any], schema: Mapping[str, TensorInfo] | None) -> tuple[Q.ScaleFormat, str | None]:
@@ -347,25 +416,32 @@ def _fp8_scale_storage(qc: Mapping[str, Any], schema: Mapping[str, TensorInfo] |
     return "ue8m0", None
 
 
-def _read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> Mapping[str, Any]:
-    if isinstance(config, Mapping):
-        return config
-    path = os.fspath(config)
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
+def _read_json(path: str) -> object:
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
         raise AdapterError(f"cannot read the release's config {path!r}: {e}") from None
+
+
+def _read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> tuple[Mapping[str, Any], str, str | None]:
+    """``(config dict, the name errors give it, the release folder or None)``."""
+    if isinstance(config, Mapping):
+        return config, "config.json", None
+    path = os.fspath(config)
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    data = _read_json(path)
     if not isinstance(data, dict):
         raise AdapterError(f"{path!r} is not a JSON object")
-    return data
+    return data, path, folder
 
 
 # --- report hint ----------------------------------------------------------------------------------
 
-_SCALE_SUFFIXES = (Q.FP8_SCALE_SUFFIX, "weight_scale", Q.MX_BLOCKS_SUFFIX, Q.MX_SCALES_SUFFIX)
+_SCALE_SUFFIXES = (Q.FP8_SCALE_SUFFIX, "weight_scale", Q.MX_BLOCKS_SUFFIX, Q.MX_SCALES_SUFFIX, "weight_packed",
+                   "weight_zero_point", "weight_global_scale", "weight_scale_2", "weight_shape", "input_scale")
 
 
 def quant_hint(report: Report) -> str | None:
@@ -373,11 +449,31 @@ def quant_hint(report: Report) -> str | None:
     dequant rule: unexpected scale/packed keys, or FP8/uint8 data where the model wants floats."""
     fp8 = [m for m in report.dtype_mismatch if m.checkpoint.startswith("float8")]
     packed = [k for k in report.unexpected if k.endswith(_SCALE_SUFFIXES)]
-    packed += [m.key for m in report.dtype_mismatch if m.checkpoint == "uint8"]
+    packed += [m.key for m in report.dtype_mismatch if m.checkpoint in ("uint8", "int32", "int8")]
+    own = [i for i in report.rule_issues if i.rule.startswith("dequant")]
+    if own:  # the adapter has its dequant rule, which could not read these tensors: say what it said
+        first = own[0]
+        more = f" (and {len(own) - 1} more rule problem(s))" if len(own) > 1 else ""
+        return f"hint: the dequant rule #{first.index} cannot read the quantized tensors: {first.key}: {first.message}{more}"
     if not fp8 and not packed:
         return None
+    mx = [k for k in packed if k.endswith((Q.MX_BLOCKS_SUFFIX, Q.MX_SCALES_SUFFIX))]
+    other = [m.key for m in fp8] + [k for k in packed if k not in mx]
+    have = [r for r in report.dequant_rules if r.endswith(" dequant_mxfp4") == bool(mx and not other)]
+    if have:  # the adapter has a rule of the format, yet quantized tensors are left: its keys miss them
+        report_rules, left = have, sorted(set(mx) | set(other))
+        return (
+            f"hint: the adapter's dequant rule(s) {', '.join(report_rules)} left quantized tensors unread "
+            f"({', '.join(left[:3])}{' ...' if len(left) > 3 else ''}); widen the rule's keys= or take them out of "
+            "its exclude=[...] (a cast rule is not enough: the values would miss their scales)"
+        )
     return (
-        "hint: the checkpoint is quantized (FP8 scales / MXFP4 blocks); put sdadapt.dequant_rules(config.json) "
-        "first in the adapter, or sdadapt.dequant_fp8(keys=..., block=[128, 128]) / sdadapt.dequant_mxfp4(keys=...); "
+        "hint: the checkpoint is quantized (FP8 scales, packed or MXFP4 blocks); put sdadapt.dequant_rules(config.json) "
+        "first in the adapter, or sdadapt.dequant_fp8(keys=..., block=[128, 128]) / sdadapt.dequant_mxfp4(keys=...) / "
+        "sdadapt.dequant_scaled(...); "
         "a cast rule is not enough (the values would miss their scales)"
     )
+
+
+# the scaled formats' rule kinds register with this module, so that adapters read them from JSON
+from . import _quant_scaled_rules as _scaled_rules  # noqa: E402,F401

@@ -70,6 +70,7 @@ class Report(BaseModel):
     allowed_unexpected: list[str] = []
     dropped: list[str] = []
     values_checked: str | None = None  # what numerical check ran on the values, if any (e.g. by draft)
+    dequant_rules: list[str] = []  # "#i kind" of the adapter's dequantising rules (the quantized-source hint)
 
     @computed_field  # type: ignore[prop-decorator]
     @property

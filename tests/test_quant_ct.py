@@ -1,0 +1,417 @@
+"""Releases written by compressed-tensors (FP8 per tensor / per channel / block, NVFP4, int4 and
+int8 pack-quantized with and without zero points, MXFP8), ModelOpt NVFP4 / FP8 and per-tensor
+FP8 written by hand from the published layouts: ``sdadapt.dequant_rules`` reads each config, and
+the loaded values equal the format's own reference decompression.
+
+References: compressed-tensors' own decompressors for a bf16 model (its arithmetic: the product
+of an exact code and a bf16 scale rounded once, or float32 arithmetic for NVFP4's two scales);
+for a float32 model, compressed-tensors' ``dequantize`` on its own unpacked codes with the scales
+given as float32 (the same formula computed in float32, not a bf16 result widened). ModelOpt and
+per-tensor FP8: element-by-element loops over the stored bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+from checkpoints import write_safetensors
+from torch import nn
+
+import sdadapt
+from sdadapt import _quant_scaled as S
+from sdadapt.errors import AdapterError
+
+ct_release = pytest.importorskip("ct_release")
+
+V, D, F = 10, 64, 160
+FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+CT_FORMATS = ["fp8_tensor", "fp8_channel", "fp8_block", "nvfp4", "w4a16", "w4a16_asym", "w8a16", "mxfp8", "mxfp4"]
+HAND_FORMATS = ["modelopt_nvfp4", "modelopt_fp8", "fp8_per_tensor", "mxfp8_e8m0"]
+LINEARS = {"model.layers.0.w1": (F, D), "model.layers.0.w2": (D, F)}
+
+
+class Layer(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(D, F, bias=False, dtype=dtype)  # [160, 64]
+        self.w2 = nn.Linear(F, D, bias=False, dtype=dtype)  # [64, 160]
+        self.norm = nn.Parameter(torch.ones(D, dtype=dtype))
+
+
+class Tiny(nn.Module):
+    def __init__(self, dtype: torch.dtype = torch.bfloat16) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(V, D, dtype=dtype)
+        self.layers = nn.ModuleList([Layer(dtype)])
+        self.lm_head = nn.Linear(D, V, bias=False, dtype=dtype)
+
+
+def _scheme(name: str) -> Any:
+    group = 32 if name in ("w4a16", "w4a16_asym", "w8a16") else None
+    return ct_release.scheme_of(name, group_size=group, block=[64, 64] if name == "fp8_block" else None)
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {k: (torch.randn(shape, generator=g) * 0.1).to(torch.bfloat16) for k, shape in LINEARS.items()}
+    out["model.embed_tokens.weight"] = torch.randn(V, D, generator=g).to(torch.bfloat16)
+    out["model.layers.0.norm"] = torch.randn(D, generator=g).to(torch.bfloat16)
+    out["lm_head.weight"] = torch.randn(V, D, generator=g).to(torch.bfloat16)
+    return out
+
+
+def _ct_float32_reference(stored: dict[str, torch.Tensor], name: str, scheme: Any) -> torch.Tensor:
+    """compressed-tensors' ``dequantize`` on its own unpacked codes, scales given as float32."""
+    from compressed_tensors.compressors.mx_utils import decompress_mx_scale
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    args = scheme.weights
+    scale = stored["weight_scale"]
+    zp, glob = stored.get("weight_zero_point"), stored.get("weight_global_scale")
+    if "weight_packed" in stored and name in ("nvfp4", "mxfp4"):
+        m, n = stored["weight_packed"].shape
+        codes = unpack_fp4_from_uint8(stored["weight_packed"], m, n * 2, dtype=torch.float32)
+    elif "weight_packed" in stored:
+        shape = torch.Size(stored["weight_shape"].tolist())
+        codes = unpack_from_int32(stored["weight_packed"], args.num_bits, shape)
+        if zp is not None:
+            zp = unpack_from_int32(zp, args.num_bits, (shape[0], scale.shape[-1]), packed_dim=0)
+    else:
+        codes = stored["weight"]
+    if name in ("mxfp8", "mxfp4"):
+        scale = decompress_mx_scale(scale)
+    return dequantize(codes, scale.float(), zp, args, dtype=torch.float32, global_scale=glob)
+
+
+def ct_case(folder: str, name: str, seed: int = 3) -> dict[str, dict[str, torch.Tensor]]:
+    """Write a compressed-tensors release of ``Tiny`` into ``folder``; returns the references
+    (model key -> values) for bf16 and float32 models."""
+    scheme = _scheme(name)
+    plain = _weights(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    want: dict[str, dict[str, torch.Tensor]] = {"bfloat16": {}, "float32": {}}
+    for key, w in plain.items():
+        mkey = key.removeprefix("model.")
+        if key in LINEARS:
+            stored = ct_release.compress(w, name, scheme)
+            want["bfloat16"][mkey + ".weight"] = ct_release.decompress(stored, name, scheme).to(torch.bfloat16)
+            want["float32"][mkey + ".weight"] = _ct_float32_reference(stored, name, scheme)
+            tensors.update({f"{key}.{k}": v for k, v in stored.items()})
+            if name.startswith("fp8"):  # static FP8 stores its activation scale beside the weight
+                tensors[f"{key}.input_scale"] = torch.tensor([0.02], dtype=torch.bfloat16)
+        else:
+            tensors[key] = w
+            want["bfloat16"][mkey] = w
+            want["float32"][mkey] = w.float()
+    write_safetensors(os.path.join(folder, "model.safetensors"), tensors)
+    cfg = {"model_type": "tiny", "quantization_config": ct_release.config(name, scheme, ["lm_head"])}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return want
+
+
+# --- ModelOpt and per-tensor FP8, by hand from the published layouts ------------------------------
+
+
+def _e2m1_pack(codes: torch.Tensor) -> torch.Tensor:
+    return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+
+
+def ref_nvfp4_modelopt(packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """Element by element: e2m1 value (low nibble first) * float(e4m3 scale of its 16) * scale_2."""
+    rows, half = packed.shape
+    out = torch.empty(rows, half * 2, dtype=torch.float32)
+    s2 = float(scale_2)
+    for i in range(rows):
+        for k in range(half):
+            byte = int(packed[i, k])
+            for j, nib in ((2 * k, byte & 15), (2 * k + 1, byte >> 4)):
+                s = torch.tensor(float(scale[i, j // 16]), dtype=torch.float32) * torch.tensor(s2, dtype=torch.float32)
+                out[i, j] = torch.tensor(FP4[nib], dtype=torch.float32) * s
+    return out
+
+
+def hand_case(folder: str, name: str, seed: int = 4) -> dict[str, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    plain = _weights(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    want: dict[str, dict[str, torch.Tensor]] = {"bfloat16": {}, "float32": {}}
+    for key, w in plain.items():
+        mkey = key.removeprefix("model.")
+        if key not in LINEARS:
+            tensors[key] = w
+            want["bfloat16"][mkey], want["float32"][mkey] = w, w.float()
+            continue
+        rows, cols = w.shape
+        if name == "modelopt_nvfp4":
+            codes = torch.randint(0, 16, (rows, cols), generator=g, dtype=torch.uint8)
+            packed = _e2m1_pack(codes)
+            scale = (torch.rand(rows, cols // 16, generator=g) * 400 + 1).to(torch.float8_e4m3fn)
+            scale_2 = torch.tensor(0.00123, dtype=torch.float32)
+            tensors |= {f"{key}.weight": packed, f"{key}.weight_scale": scale, f"{key}.weight_scale_2": scale_2,
+                        f"{key}.input_scale": torch.tensor(0.5, dtype=torch.float32)}  # fmt: skip
+            ref = ref_nvfp4_modelopt(packed, scale, scale_2)
+        elif name == "mxfp8_e8m0":  # OCP MXFP8: e4m3 values, one e8m0 exponent per 32, stored as F8_E8M0
+            q = (torch.randn(rows, cols, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+            exps = torch.randint(110, 135, (rows, cols // 32), generator=g, dtype=torch.uint8)
+            tensors |= {f"{key}.weight": q, f"{key}.weight_scale": exps.view(torch.float8_e8m0fnu)}
+            ref = torch.tensor([[float(v) * 2.0 ** (int(exps[i, j // 32]) - 127) for j, v in enumerate(row)]
+                                for i, row in enumerate(q.float().tolist())], dtype=torch.float64).float()  # fmt: skip
+        else:
+            q = (torch.randn(rows, cols, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+            s = torch.tensor(0.0037, dtype=torch.float32)
+            suffix = "_scale" if name == "modelopt_fp8" else "_scale_inv"
+            tensors |= {f"{key}.weight": q, f"{key}.weight{suffix}": s, f"{key}.input_scale": torch.tensor(0.5)}
+            ref = torch.tensor([[float(v) * float(s) for v in row] for row in q.float().tolist()], dtype=torch.float64).float()
+        want["float32"][mkey + ".weight"], want["bfloat16"][mkey + ".weight"] = ref, ref.to(torch.bfloat16)
+    write_safetensors(os.path.join(folder, "model.safetensors"), tensors)
+    if name == "modelopt_nvfp4":
+        hq = {"producer": {"name": "modelopt", "version": "0.29.0"},
+              "quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}}  # fmt: skip
+        with open(os.path.join(folder, "hf_quant_config.json"), "w") as f:
+            json.dump(hq, f)
+        cfg: dict[str, Any] = {"model_type": "tiny"}
+    elif name == "modelopt_fp8":
+        cfg = {"model_type": "tiny", "quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
+                                                             "exclude_modules": ["lm_head"]}}  # fmt: skip
+    elif name == "mxfp8_e8m0":
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": 32,
+                   "scale_dtype": "torch.float8_e8m0fnu"}  # fmt: skip
+        cfg = {"model_type": "tiny", "quantization_config": {
+            "quant_method": "compressed-tensors", "format": "mxfp8-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}}  # fmt: skip
+    else:
+        cfg = {"model_type": "tiny", "quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}}
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return want
+
+
+def write_case(folder: str, name: str) -> dict[str, dict[str, torch.Tensor]]:
+    os.makedirs(folder, exist_ok=True)
+    return hand_case(folder, name) if name in HAND_FORMATS else ct_case(folder, name)
+
+
+def adapter_for(folder: str) -> sdadapt.Adapter:
+    return sdadapt.Adapter([*sdadapt.dequant_rules(folder), sdadapt.rename("model.{rest:*}", "{rest}")], name="tiny")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+# --- tests ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, dict]]:
+    root = tmp_path_factory.mktemp("quant_ct")
+    return {n: (str(root / n), write_case(str(root / n), n)) for n in CT_FORMATS + HAND_FORMATS}
+
+
+@pytest.mark.parametrize("name", CT_FORMATS + HAND_FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_release_loads_with_the_reference_values(cases, name: str, dtype: torch.dtype) -> None:
+    folder, want = cases[name]
+    adapter = adapter_for(folder)
+    if dtype == torch.float32:  # the release's bf16 embedding, norm and head are widened by a rule
+        adapter = sdadapt.Adapter([*adapter.rules, sdadapt.cast("**", "model", from_dtype="bfloat16")])
+    with torch.device("meta"):
+        model = Tiny(dtype)
+    rep = sdadapt.load(model, folder, adapter)
+    ref = want[str(dtype).removeprefix("torch.")]
+    for k, v in model.state_dict().items():
+        assert v.dtype == dtype and torch.equal(bits(v), bits(ref[k])), (name, k, (v.float() - ref[k].float()).abs().max())
+    if name.startswith("fp8") or name.startswith("modelopt"):  # activation scales dropped on purpose, and said so
+        assert "model.layers.0.w1.input_scale" in rep.report.dropped
+
+
+@pytest.mark.parametrize("name", CT_FORMATS + HAND_FORMATS)
+def test_region_reads_equal_the_whole(cases, name: str) -> None:
+    """Every region of every dequantised weight (cut inside packs, groups and blocks) equals the
+    same region of the whole tensor, and reads only its own rows' bytes."""
+    folder, _ = cases[name]
+    _, plan = sdadapt.plan_load(Tiny(), folder, adapter_for(folder))
+    with sdadapt.open_source(folder) as src:
+        from checkpoints import DictIO
+
+        io = DictIO({k: src.read(k, tuple((0, n) for n in i.shape)).clone() for k, i in src.schema.items()})
+        for key in ("layers.0.w1.weight", "layers.0.w2.weight"):
+            node = plan.recipes[key]
+            whole = node.full(io)
+            rows, cols = node.shape
+            for box in (((0, rows), (0, cols)), ((3, 17), (5, 37)), ((rows - 9, rows), (cols - 27, cols)), ((7, 8), (33, 34))):
+                before = io.bytes_read
+                got = node.read(box, io)
+                assert torch.equal(bits(got), bits(whole[box[0][0] : box[0][1], box[1][0] : box[1][1]])), (name, key, box)
+                assert io.bytes_read - before == _own_bytes(node, box), (name, key, box)
+
+
+def _own_bytes(node, box) -> int:
+    """What a region must read and nothing more: the codes of its rows and of the whole packs
+    its columns touch; the scale (and zero-point) grid entries it touches, zero points in whole
+    packed words of rows; one global scale."""
+    (r0, r1), (c0, c1) = box
+    unit = S.PER_UNIT[node.codec]
+    b0, b1 = node.block
+    n = (r1 - r0) * (-(-c1 // unit) - c0 // unit) * node.values.dtype.itemsize
+    g0, g1, h0, h1 = r0 // b0, -(-r1 // b0), c0 // b1, -(-c1 // b1)
+    if len(node.scale.shape) < 2:
+        n += node.scale.dtype.itemsize
+    else:
+        n += (g1 - g0) * (h1 - h0) * node.scale.dtype.itemsize
+    if node.zero is not None:
+        per = 32 // S.BITS[node.codec] if node.codec in ("int4", "int8_packed") else 1
+        n += (-(-g1 // per) - g0 // per) * (h1 - h0) * node.zero.dtype.itemsize
+    if node.glob is not None:
+        n += 4
+    return n
+
+
+def test_dequant_rules_read_each_config(cases) -> None:
+    kinds = {}
+    for name in CT_FORMATS + HAND_FORMATS:
+        (rule,) = sdadapt.dequant_rules(cases[name][0])
+        kinds[name] = (rule.codec, rule.strategy, rule.values_suffix, rule.zero_suffix, rule.global_suffix)
+    assert kinds["fp8_channel"] == ("e4m3", "channel", "", None, None)
+    assert kinds["fp8_block"][:2] == ("e4m3", "block")
+    assert kinds["nvfp4"] == ("e2m1", "group", "_packed", None, "_global_scale")
+    assert kinds["w4a16_asym"] == ("int4", "group", "_packed", "_zero_point", None)
+    assert kinds["w8a16"][0] == "int8_packed"
+    assert kinds["mxfp8"][:2] == ("e4m3", "group")
+    assert kinds["modelopt_nvfp4"] == ("e2m1", "group", "", None, "_scale_2")
+    assert kinds["modelopt_fp8"][:2] == kinds["fp8_per_tensor"][:2] == ("e4m3", "tensor")
+    assert kinds["mxfp8_e8m0"][:2] == ("e4m3", "group")
+    assert sdadapt.dequant_rules(cases["mxfp8_e8m0"][0])[0].scale_dtype == "float8_e8m0fnu"
+
+
+def test_unconsumed_scale_is_an_error_and_activation_scales_are_dropped(cases, tmp_path) -> None:
+    folder, _ = cases["fp8_channel"]
+    rules = [r.model_copy(update={"drop": []}) for r in sdadapt.dequant_rules(folder)]
+    rep = sdadapt.diff(Tiny(), folder, sdadapt.Adapter([*rules, sdadapt.rename("model.{rest:*}", "{rest}")]))
+    assert "layers.0.w1.input_scale" in rep.unexpected and not rep.ok
+    rep = sdadapt.diff(Tiny(), folder, adapter_for(folder))
+    assert rep.ok and "model.layers.0.w1.input_scale" in rep.dropped
+    # a rule that leaves the zero points out: they stay unexpected, never silently ignored
+    folder, _ = cases["w4a16_asym"]
+    rules = [r.model_copy(update={"zero_suffix": None}) for r in sdadapt.dequant_rules(folder)]
+    rep = sdadapt.diff(Tiny(), folder, sdadapt.Adapter([*rules, sdadapt.rename("model.{rest:*}", "{rest}")]))
+    assert {"layers.0.w1.weight_zero_point", "layers.0.w2.weight_zero_point"} <= set(rep.unexpected)
+    assert "root cause" in str(rep) and "dequant" in str(rep)
+
+
+def test_scale_of_the_wrong_shape_is_a_plan_problem(cases, tmp_path) -> None:
+    folder, _ = cases["w4a16"]
+    with sdadapt.open_source(folder) as src:
+        tensors = {k: src.read(k, tuple((0, n) for n in i.shape)).clone() for k, i in src.schema.items()}
+    tensors["model.layers.0.w1.weight_scale"] = tensors["model.layers.0.w1.weight_scale"][:, :1].clone()
+    os.makedirs(tmp_path / "bad")
+    write_safetensors(tmp_path / "bad" / "model.safetensors", tensors)
+    with open(os.path.join(folder, "config.json")) as f:
+        (tmp_path / "bad" / "config.json").write_text(f.read())
+    rep = sdadapt.diff(Tiny(), str(tmp_path / "bad"), adapter_for(str(tmp_path / "bad")))
+    text = str(rep)
+    assert "scale 'model.layers.0.w1.weight_scale' has shape [160, 1], but strategy='group', group_size=32" in text
+
+
+def test_bad_quantization_config_names_the_file_and_field(tmp_path) -> None:
+    for qc, field in (
+        ({"quant_method": "compressed-tensors", "config_groups": {"g": {"targets": "Linear"}}}, "config_groups.g.targets"),
+        ({"quant_method": "compressed-tensors",
+          "config_groups": {"g": {"targets": ["Linear"], "weights": {"num_bits": "4", "type": "int"}}}},
+         "config_groups.g.weights.num_bits"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, "weight_block_size"),
+        ({"quant_method": "modelopt", "quant_algo": 4}, "quant_algo"),
+    ):
+        (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
+        with pytest.raises(AdapterError, match=rf"config.json: quantization_config.{field}"):
+            sdadapt.dequant_rules(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": ["fp8"]}))
+    with pytest.raises(AdapterError, match="must be a JSON object"):
+        sdadapt.dequant_rules(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
+    with pytest.raises(AdapterError, match="'awq' is not supported"):
+        sdadapt.dequant_rules(str(tmp_path))
+
+
+def test_formats_give_the_same_bits_as_the_loops() -> None:
+    """The format functions against loops over stored bytes (int4 words, zero points packed by rows)."""
+    g = torch.Generator().manual_seed(9)
+    vals = torch.randint(-8, 8, (16, 24), generator=g, dtype=torch.int8)
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    packed = pack_to_int32(vals, 4)
+    assert torch.equal(S.decode_codes(packed, "int4")[:, :24], vals.float())
+    zp = torch.randint(-8, 8, (16, 3), generator=g, dtype=torch.int8)
+    assert torch.equal(S.decode_zero_rows(pack_to_int32(zp, 4, packed_dim=0), 4)[:16], zp.float())
+    v8 = torch.randint(-128, 128, (5, 12), generator=g, dtype=torch.int8)
+    assert torch.equal(S.decode_codes(pack_to_int32(v8, 8), "int8_packed")[:, :12], v8.float())
+
+
+def _export(cases, name: str, dtype: torch.dtype, tmp_path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    folder, _ = cases[name]
+    rules = sdadapt.dequant_rules(folder)
+    casts = [sdadapt.cast(k, dtype, from_dtype="bfloat16") for k in ("model.embed_tokens.weight", "model.layers.0.norm", "lm_head.weight")]
+    renames = [sdadapt.rename("model.layers.{rest:*}", "layers.{rest}"), sdadapt.rename("model.embed_tokens.weight", "embed_tokens.weight")]
+    adapter = sdadapt.Adapter([*rules, *(casts if dtype == torch.float32 else []), *renames])  # invertible renames
+    model = Tiny(dtype)
+    sdadapt.load(model, folder, adapter)
+    sdadapt.export(model, str(tmp_path / name), adapter)
+    return load_file(os.path.join(folder, "model.safetensors")), load_file(str(tmp_path / name / "model.safetensors"))
+
+
+@pytest.mark.parametrize("name", ["fp8_tensor", "fp8_channel", "fp8_block"])
+def test_fp8_export_gives_the_release_bytes_from_a_float32_model(cases, name: str, tmp_path) -> None:
+    """FP8 weights with bf16 scales, held exactly by a float32 model: every weight and scale comes
+    back byte for byte (the activation scales were dropped on load and are not written)."""
+    original, exported = _export(cases, name, torch.float32, tmp_path)
+    assert sorted(exported) == sorted(k for k in original if not k.endswith("input_scale"))
+    for k, v in exported.items():
+        assert v.dtype == original[k].dtype and torch.equal(bits(v), bits(original[k])), k
+
+
+def test_nvfp4_export_gives_the_release_bytes(cases, tmp_path) -> None:
+    """NVFP4 from a float32 model: the global scale is chosen again from the tensor as
+    compressed-tensors chooses it (``448 * 6 / amax``, or the float32 neighbour that reproduces the
+    values), then each group's e4m3 scale: the release's bytes come back, and load to the same values."""
+    original, exported = _export(cases, "nvfp4", torch.float32, tmp_path)
+    assert sorted(exported) == sorted(original)
+    for k, v in exported.items():
+        assert v.dtype == original[k].dtype and torch.equal(bits(v), bits(original[k])), k
+    folder, want = cases["nvfp4"]
+    import shutil
+
+    shutil.copy(os.path.join(folder, "config.json"), tmp_path / "nvfp4" / "config.json")
+    model = Tiny(torch.float32)
+    adapter = adapter_for(str(tmp_path / "nvfp4"))
+    sdadapt.load(model, str(tmp_path / "nvfp4"), sdadapt.Adapter([*adapter.rules, sdadapt.cast("**", "model", from_dtype="bfloat16")]))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want["float32"][k]), k
+
+
+def test_read_only_formats_refuse_to_invert(cases) -> None:
+    for name in ("w4a16", "w4a16_asym", "mxfp8"):
+        (rule,) = sdadapt.dequant_rules(cases[name][0])
+        with pytest.raises(AdapterError, match="cannot be inverted"):
+            rule.inverse()
+
+
+@pytest.mark.parametrize("name", CT_FORMATS + HAND_FORMATS)
+def test_kernels_stay_on_the_inputs_device(cases, name: str) -> None:
+    """Each dequantisation's kernel (the warm-up a GPU load runs) allocates on its inputs' device
+    (``meta`` stands in for a GPU: a tensor made on the CPU would fail to mix with it), and its
+    raw inputs are plain reads (what the engine gathers onto the device)."""
+    folder, _ = cases[name]
+    _, plan = sdadapt.plan_load(Tiny(), folder, adapter_for(folder))
+    for key in ("layers.0.w1.weight", "layers.0.w2.weight"):
+        node = plan.recipes[key]
+        assert node.device_node() is node
+        node.warm_up(torch.device("meta"))
