@@ -72,8 +72,13 @@ def test_llama_release_by_name_gives_transformers_logits(tmp_path, name: str) ->
     folder, tokens, want, spec = _release(str(tmp_path), name)
     with torch.device("meta"):
         model = MetaLlama(spec)  # float32, as FSDP2 keeps master weights
-    rep = sdadapt.load(model, folder, "llama", dtype="model")
+    rep = sdadapt.load(model, folder, "llama")  # no dtype option: FSDP2's float32 master weights just load
     assert "model.layers.0.self_attn.q_proj.weight_scale" not in rep.report.unexpected
+    # the dequantised weights are computed in float32; what the release stores as bf16 (embeddings,
+    # norms, head) is widened exactly, and the report says so
+    assert {"tok_embeddings.weight", "norm.weight", "output.weight"} <= set(rep.report.widened)
+    assert "layers.0.attention.wq.weight" not in rep.report.widened
+    assert "widened exactly" in rep.report.format()
     with torch.no_grad():
         got = model(tokens)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -10,9 +10,11 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from ._adapter import Adapter
+from ._nodes import Cast as CastNode
 from ._nodes import Leaf, Node
 from ._patterns import compile_pattern, matches_any, union
 from ._report import Mismatch, Report, RuleIssue
@@ -294,6 +296,9 @@ def build_plan(
             )
         elif node.dtype != want.dtype and (adopted := _in_target_dtype(node, want)) is not None:
             recipes[key] = adopted
+        elif node.dtype != want.dtype and report.dequant_rules and widens_exactly(node.dtype, want.dtype) and _as_stored(node):
+            recipes[key] = CastNode(node, want.dtype)
+            report.widened.append(key)
         elif node.dtype != want.dtype:
             report.dtype_mismatch.append(
                 Mismatch(key=key, model=dtype_name(want.dtype), checkpoint=dtype_name(node.dtype), recipe=node.describe())
@@ -315,6 +320,30 @@ def build_plan(
         (report.allowed_unexpected if matches_any(allow_unexpected, key) else report.non_tensor).append(key)
     report.matched = len(recipes)
     return Plan(recipes, report, target, skipped=skipped, other_stages=other_stages, other_stage_sources=other_stage_sources)
+
+
+_EXACT_WIDENINGS = {
+    (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float64), (torch.float16, torch.float64), (torch.float32, torch.float64),
+}
+
+
+def widens_exactly(stored: torch.dtype, want: torch.dtype) -> bool:
+    """Whether every value of ``stored`` is a value of ``want`` (bfloat16 or float16 into float32).
+    In a quantized release, the tensors stored unquantized (embeddings, norms, head) are widened so
+    into a float32 model (FSDP2's master weights) beside the dequantised ones, which take the
+    model's dtype: the release then loads with no ``dtype`` option. A narrowing, and the result of
+    an explicit cast rule, stay problems."""
+    return (stored, want) in _EXACT_WIDENINGS
+
+
+def _as_stored(node: Node) -> bool:
+    """Whether ``node``'s values are stored tensors in their stored dtype, rearranged at most (no
+    cast, no computation such as a dequantisation given a dtype)."""
+    if isinstance(node, Leaf):
+        return True
+    kids = node.children()
+    return not isinstance(node, CastNode) and bool(kids) and all(k.dtype == node.dtype and _as_stored(k) for k in kids)
 
 
 def _in_target_dtype(node: Node, want: TensorInfo) -> Node | None:

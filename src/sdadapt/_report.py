@@ -69,6 +69,7 @@ class Report(BaseModel):
     allowed_missing: list[str] = []
     allowed_unexpected: list[str] = []
     dropped: list[str] = []
+    widened: list[str] = []  # keys of a quantized release stored unquantized, widened exactly to the model's dtype
     values_checked: str | None = None  # what numerical check ran on the values, if any (e.g. by draft)
     dequant_rules: list[str] = []  # "#i kind" of the adapter's dequantising rules (the quantized-source hint)
 
@@ -220,6 +221,8 @@ class Report(BaseModel):
         section("rules that matched nothing", self.unused_rules, len(self.unused_rules))
         if self.dropped:
             lines.append(f"dropped by rules: {len(self.dropped)} key(s)")
+        if self.widened:
+            lines.append(f"widened exactly to the model's dtype (stored unquantized in a quantized release): {len(self.widened)} key(s)")
         if self.allowed_missing or self.allowed_unexpected:
             lines.append(
                 f"allowed: {len(self.allowed_missing)} missing and {len(self.allowed_unexpected)} unexpected key(s)"
