@@ -8,7 +8,6 @@ HF side: ``model.layers.{i}.`` (:data:`HF`); model side: ``layers.{i}.`` (:data:
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -17,6 +16,7 @@ from sdadapt._quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX, SCALE_DTYPES, Sca
 from sdadapt._rules.base import dtype_str
 from sdadapt.errors import AdapterError
 from sdadapt.sources._base import dtype_name
+from sdadapt.sources._json import HFConfig, read_json_dict
 
 HF = "model.layers.{i}."
 META = "layers.{i}."
@@ -24,19 +24,14 @@ META = "layers.{i}."
 
 # --- reading a checkpoint folder ----------------------------------------------------------------
 def read_config(path: str, names: tuple[str, ...] = ("config.json", "params.json")) -> dict[str, Any]:
-    """The first of ``names`` found in ``path`` (a folder, or the folder of a file); ``{}`` if none."""
+    """The first of ``names`` found in ``path`` (a folder, or the folder of a file); ``{}`` if none.
+    Read by :func:`sdadapt.sources._json.read_json`: the fields adapters use are type-checked,
+    and a broken file is a :class:`~sdadapt.SourceError` naming it and the field."""
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     for name in names:
         p = os.path.join(folder, name)
         if os.path.isfile(p):
-            try:
-                with open(p) as f:
-                    data = json.load(f)
-            except (OSError, json.JSONDecodeError) as e:
-                raise AdapterError(f"cannot read {p}: {e}; fix the file or pass the options as keyword arguments") from None
-            if not isinstance(data, dict):
-                raise AdapterError(f"{p} is not a JSON object; pass the options as keyword arguments")
-            return data
+            return read_json_dict(p, HFConfig, what=name)
     return {}
 
 

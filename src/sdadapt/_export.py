@@ -281,7 +281,7 @@ class _ModelStream:
     def __init__(
         self,
         model: nn.Module,
-        adapter: Adapter | None,
+        spec: Adapter | str | None,
         process_group: dist.ProcessGroup | None,
         what: str,
         check: Callable[[], None] | None = None,
@@ -291,6 +291,7 @@ class _ModelStream:
         def prepare() -> tuple[dict[str, torch.Tensor], dict[str, Node]]:
             if check is not None:
                 check()
+            adapter = adapter_or_none(spec, None)
             if has_meta(model):
                 raise ExportError("the model has tensors on the meta device; load or initialise it before exporting")
             sd = model_state_dict(model)
@@ -333,7 +334,6 @@ def export_iter(
     tensor last yielded (plus leaves a later output still needs, e.g. the parts of a split); the
     generator drops its own references to an output when the next one is asked for, so a
     consumer that does not keep them holds about one tensor. Tensors are on the CPU."""
-    adapter = adapter_or_none(adapter, None)
     stream = _ModelStream(model, adapter, process_group, "export_iter")
     try:
         for key in list(stream.outputs):
@@ -371,7 +371,6 @@ def export(
     """
     t0 = time.perf_counter()
     dst = os.fspath(dst)
-    adapter = adapter_or_none(adapter, None)
     rank, world = rank_and_world(process_group)
 
     def check() -> None:

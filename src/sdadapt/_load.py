@@ -238,16 +238,17 @@ def load(
     ``adapter``'s rules: each rank computes ``W[box] + s * B[rows] @ A[:, cols]`` for its own
     shards only (:mod:`sdadapt._lora`).
     """
-    adapter = with_dtype(adapter_or_none(adapter, src), dtype)
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
     txn = Transaction(model, process_group, _describe(src))
+    local = txn.resolve(src)  # a Hub id: its snapshot folder, fetched and agreed on every rank
     planned: dict[str, torch.Tensor] = {}
 
     def prepare() -> Plan:
         nonlocal planned
+        adapted = with_dtype(adapter_or_none(adapter, local), dtype)
         source, plan, planned = _plan_load(
-            model, src, adapter, subtree, allow_missing, allow_unexpected, pipeline_stage, lora
+            model, local, adapted, subtree, allow_missing, allow_unexpected, pipeline_stage, lora
         )
         txn.add_source(source)
         if not plan.report.ok:

@@ -207,6 +207,8 @@ class PlanContext:
         later = [(j, [compile_pattern(p) for p in r.input_patterns()]) for j, r in enumerate(rules) if r.moves_keys]
         after: dict[int, re.Pattern[str]] = {}
         for key, i in self.consumed:
+            if getattr(rules[i], "shadows", False):
+                continue  # taken first on purpose (Drop(shadows=True))
             screen = after.get(i)
             if screen is None:
                 screen = after[i] = union([p for j, pats in later if j > i for p in pats])
