@@ -130,7 +130,7 @@ def _plan_load(
             non_tensor=source.non_tensor,
             allow_missing=allow_missing,
             allow_unexpected=allow_unexpected,
-            source_name=_describe(src),
+            source_name=_describe(src) + (f" + LoRA {os.fspath(lora)}" if lora is not None else ""),
             target_name=type(model).__name__,
             pipeline_stage=stage,
         )
