@@ -171,6 +171,7 @@ def _hub_cases(root: str, sd: dict[str, torch.Tensor], add: Any) -> None:
         add(DoorCase(name, "hub", "load", "SourceError", file or spec, path=spec, adapter=adapter, fragments=fragments))
 
     hub("hub_rev_dotdot", "hf://org/tiny@../../x", ("cannot contain '..'",))
+    hub("hub_rev_reads_outside", "hf://org/tiny@../../../outside", ("cannot contain '..'",))  # root/outside holds a checkpoint
     hub("hub_rev_dotdot_inside", "hf://org/tiny@refs/../main", ("cannot contain '..'",))
     hub("hub_rev_trailing_slash", "hf://org/tiny@main/", ("'/'",))
     hub("hub_rev_empty", "hf://org/tiny@", ("1-256 characters",))
@@ -198,9 +199,9 @@ def _hub_cases(root: str, sd: dict[str, torch.Tensor], add: Any) -> None:
 
 
 def _config_cases(root: str, sd: dict[str, torch.Tensor], add: Any) -> None:
-    def case(name: str, config: bytes, fragments: tuple[str, ...], adapter: str = "llama") -> None:
+    def case(name: str, config: bytes, fragments: tuple[str, ...], adapter: str = "llama", error: str = "SourceError") -> None:
         folder = _folder_with_config(os.path.join(root, "config"), name, config, sd)
-        add(DoorCase(name, "config", "load", "SourceError", os.path.join(folder, "config.json"), path=folder,
+        add(DoorCase(name, "config", "load", error, os.path.join(folder, "config.json"), path=folder,
                      adapter=adapter, fragments=fragments))  # fmt: skip
 
     case("config_not_utf8", b'{"num_attention_heads": "\xe9"}', ("not UTF-8",))
@@ -215,6 +216,10 @@ def _config_cases(root: str, sd: dict[str, torch.Tensor], add: Any) -> None:
     case("config_layers_nan", b'{"num_hidden_layers": NaN}', ("field num_hidden_layers",))
     case("config_quant_list", _j({"quantization_config": ["fp8"]}), ("field quantization_config",))
     case("config_quant_string", _j({"quantization_config": "fp8"}), ("field quantization_config",), adapter="qwen3")
+    case("config_quant_block_string", _j({"quantization_config": {"quant_method": "fp8", "weight_block_size": "128"}}),
+         ("block must be two positive integers",), adapter="qwen3", error="AdapterError")  # fmt: skip
+    case("config_quant_method_unknown", _j({"quantization_config": {"quant_method": "gguf"}}), ("gguf",),
+         adapter="deepseek_v3", error="AdapterError")  # fmt: skip
     case("config_architectures_dict", _j({"architectures": {"a": 1}}), ("field architectures",))
     case("config_too_large", b'{"pad": "' + b"x" * (17 << 20) + b'"}', ("exceeds the limit",))
 

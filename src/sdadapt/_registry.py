@@ -104,6 +104,8 @@ def get_adapter(name: str, source: str | os.PathLike[str] | None = None, **optio
             # folder of several files: its key names tell what the config files cannot)
             two = len(inspect.signature(reader).parameters) >= 2
             from_config = dict(reader(folder, os.fspath(source)) if two else reader(folder))
+        except AdapterError as e:
+            raise AdapterError(f"{e} (reading the options in {_config_file(folder) or folder})") from None
         except SdadaptError:
             raise
         except Exception as e:  # noqa: BLE001 - a bad config file: name it
@@ -137,6 +139,12 @@ def get_adapter(name: str, source: str | os.PathLike[str] | None = None, **optio
         )
     try:
         adapter = mod.build(**merged)
+    except AdapterError as e:
+        given = [k for k in from_config if k not in options]
+        config = _config_file(folder)
+        if not given or config is None:
+            raise
+        raise AdapterError(f"{e} (options {', '.join(given)} were read from {config})") from None
     except SdadaptError:
         raise
     except Exception as e:  # noqa: BLE001 - a bad option value: name the options
@@ -146,6 +154,15 @@ def get_adapter(name: str, source: str | os.PathLike[str] | None = None, **optio
         raise AdapterError(f"adapter module {mod.__name__}: build() returned a {type(adapter).__name__}, not an Adapter")
     log.info("adapter %s: %d rules, options %s", name, len(adapter.rules), merged)
     return adapter
+
+
+def _config_file(folder: str | None) -> str | None:
+    """The config file shipped adapters read options from in ``folder`` (``config.json``, else
+    ``params.json``), or ``None``."""
+    for name in ("config.json", "params.json"):
+        if folder and os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    return None
 
 
 def list_adapters() -> list[tuple[str, str]]:
