@@ -51,6 +51,7 @@ from ._transaction import Part, Transaction
 from .errors import LoadError, PlanError, SdadaptError, SourceError, StateError
 from .sources._base import Source, TensorLocation
 from .sources._dcp_dir import SDADAPT_JSON, DCPSource
+from .sources._hub import is_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -318,6 +319,8 @@ def load_state(
         txn.add_optimizer(optimizer, was_empty=not optimizer.state)
 
     def prepare() -> _Restore:
+        if is_hub_id(src):
+            raise SourceError("load_state reads a DCP folder that save_state wrote, not a Hub id", path=src)
         adapter = adapter_or_none(spec, src)
         if not os.path.isdir(src):
             raise SourceError("no such DCP checkpoint folder", path=src)
