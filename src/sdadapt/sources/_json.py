@@ -178,11 +178,14 @@ def field_name(loc: tuple[Any, ...]) -> str:
     return "".join(parts) or "(the whole value)"
 
 
-def validate(value: Any, model: type[M], path: str, what: str) -> M:
+def validate(value: Any, model: type[M], path: str, what: str, *, at: tuple[str | int, ...] = ()) -> M:
     """``value`` (parsed JSON) checked against ``model``: a :class:`SourceError` naming the file
-    and the first fields that are wrong (at most three), with what each must hold."""
+    and the first fields that are wrong (at most three), with what each must hold. ``at``: where
+    ``value`` sits in the file, prefixed to the field names (``("quantization_config",)`` for a
+    model of that object alone: ``field quantization_config.weight_block_size``)."""
     if not isinstance(value, dict):
-        raise SourceError(f"{what} must be a JSON object, not {type(value).__name__}", path=path)
+        where = f"field {field_name(at)}" if at else what
+        raise SourceError(f"{where} must be a JSON object, not {type(value).__name__}", path=path)
     try:
         return model.model_validate(value)
     except ValidationError as e:
@@ -190,7 +193,7 @@ def validate(value: Any, model: type[M], path: str, what: str) -> M:
         for err in e.errors()[:3]:
             got = repr(err.get("input"))
             got = got if len(got) <= 60 else got[:57] + "..."
-            rows.append(f"field {field_name(tuple(err['loc']))}: {err['msg']} (got {got})")
+            rows.append(f"field {field_name((*at, *err['loc']))}: {err['msg']} (got {got})")
         more = f" (and {e.error_count() - 3} more)" if e.error_count() > 3 else ""
         raise SourceError(f"{what}: " + "; ".join(rows) + more, path=path) from None
 
