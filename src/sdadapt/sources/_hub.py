@@ -127,6 +127,7 @@ def hub_folder(text: str, agree_fn: Callable[[BaseException | None], None] | Non
         return folder
     error: BaseException | None = None
     try:
+        parse_hub_id(text)  # on every rank: a malformed id is every rank's own error, not a remote one
         if text not in _resolved and _guarded(text, _downloads_here):
             _resolved[text] = _guarded(text, lambda: _resolve(text, local_only=False))
     except SourceError as e:
