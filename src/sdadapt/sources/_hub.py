@@ -14,6 +14,12 @@ waiting). Every process of the default process group must open the same Hub sour
 
 Each id is resolved once per process: later opens reuse the folder (the load, then the adapter's
 options, then the read all name the same files).
+
+Nothing is read before the id is checked: the repository id by the Hub's rules, the revision as
+a git ref name or a 40-hex commit (so ``@../../x`` cannot walk out of the cache). Every file a
+load reads from the snapshot (config, index, shards) must resolve, symlinks followed, inside
+the repository's folder of the cache. Whatever the Hub client raises becomes a
+:class:`~sdadapt.errors.SourceError` naming the id.
 """
 
 from __future__ import annotations
