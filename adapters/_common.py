@@ -8,7 +8,6 @@ HF side: ``model.layers.{i}.`` (:data:`HF`); model side: ``layers.{i}.`` (:data:
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -17,6 +16,7 @@ from sdadapt._quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX, SCALE_DTYPES, Sca
 from sdadapt._rules.base import dtype_str
 from sdadapt.errors import AdapterError
 from sdadapt.sources._base import dtype_name
+from sdadapt.sources._json import HFConfig, QuantConfigFile, read_json_dict
 
 HF = "model.layers.{i}."
 HF_QUANT = "hf_quant_config.json"
@@ -26,12 +26,14 @@ META = "layers.{i}."
 
 # --- reading a checkpoint folder ----------------------------------------------------------------
 def read_config(path: str, names: tuple[str, ...] = ("config.json", "params.json")) -> dict[str, Any]:
-    """The first of ``names`` found in ``path`` (a folder, or the folder of a file); ``{}`` if none."""
+    """The first of ``names`` found in ``path`` (a folder, or the folder of a file); ``{}`` if none.
+    Read by :func:`sdadapt.sources._json.read_json`: the fields adapters use are type-checked,
+    and a broken file is a :class:`~sdadapt.SourceError` naming it and the field."""
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     found = _first_config(folder, names)
     hq = os.path.join(folder, HF_QUANT)
     if "config.json" in names and os.path.isfile(hq):
-        data = _read_json_object(hq)
+        data = read_json_dict(hq, QuantConfigFile, what=HF_QUANT)
         if isinstance(data.get("quantization"), dict):
             found[HF_QUANT] = data["quantization"]
     return found
@@ -41,19 +43,8 @@ def _first_config(folder: str, names: tuple[str, ...]) -> dict[str, Any]:
     for name in names:
         p = os.path.join(folder, name)
         if os.path.isfile(p):
-            return _read_json_object(p)
+            return read_json_dict(p, HFConfig, what=name)
     return {}
-
-
-def _read_json_object(p: str) -> dict[str, Any]:
-    try:
-        with open(p, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
-        raise AdapterError(f"cannot read {p}: {e}; fix the file or pass the options as keyword arguments") from None
-    if not isinstance(data, dict):
-        raise AdapterError(f"{p} is not a JSON object; pass the options as keyword arguments")
-    return data
 
 
 def checkpoint_keys(path: str) -> list[str]:

@@ -165,13 +165,20 @@ def mtp_rules(mtp: Literal["drop", "map"], n_layers: int, mtp_layers: int) -> li
     rules: list[Any] = []
     for j in range(mtp_layers):
         hf, block = f"model.layers.{n_layers + j}.", f"layers.{n_layers + j}."
-        if mtp == "drop":
-            rules.append(sdadapt.drop(block + "**"))
-            rules += [sdadapt.drop(hf + src) for src in MTP_EXTRAS]
-        else:
-            rules.append(sdadapt.rename(block + "{rest:*}", f"mtp.{j}.block.{{rest}}"))
-            rules += [sdadapt.rename(hf + src, f"mtp.{j}.{dst}") for src, dst in MTP_EXTRAS.items()]
+        if mtp == "drop":  # the whole layer, whatever it holds (scales too): see mtp_drop_rules
+            continue
+        rules.append(sdadapt.rename(block + "{rest:*}", f"mtp.{j}.block.{{rest}}"))
+        rules += [sdadapt.rename(hf + src, f"mtp.{j}.{dst}") for src, dst in MTP_EXTRAS.items()]
     return rules
+
+
+def mtp_drop_rules(n_layers: int, mtp_layers: int) -> list[Any]:
+    """``mtp="drop"``: every key under ``model.layers.{n}.`` for the MTP layers
+    ``n_layers .. n_layers + mtp_layers - 1`` is dropped, whatever the layer holds (its decoder
+    block, its FP8 scales, and the embedding and head that some releases strip from it). These
+    rules come first, before the dequantisation and renaming rules, so no other rule sees an MTP
+    key."""
+    return [sdadapt.drop(f"model.layers.{n_layers + j}.**", shadows=True) for j in range(mtp_layers)]
 
 
 def build(
@@ -219,7 +226,10 @@ def build(
             "the deepseek_v3 adapter needs n_layers=... (num_hidden_layers) to tell the MTP layers from the model's; "
             "pass it, or give the checkpoint folder (its config.json supplies it)"
         )
-    rules: list[Any] = dequant_rules(
+    rules: list[Any] = []
+    if mtp_layers and mtp == "drop":
+        rules += mtp_drop_rules(positive("n_layers", n_layers, "deepseek_v3"), positive("mtp_layers", mtp_layers, "deepseek_v3"))
+    rules += dequant_rules(
         quantization, "deepseek_v3", scale_format=scale_format, scale_dtype=scale_dtype, dtype=dtype, keep=FP8_KEEP
     )
     rules += top_level_rules(tie_embeddings)

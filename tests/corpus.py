@@ -17,6 +17,9 @@ when (``phase="open"``: while planning, before the model is touched; ``phase="re
 or right after reading, so the load must roll back), and which file (and key) the message
 names. Files are written with the reference writers (torch.save, safetensors, dcp.save) and
 then damaged by hand; sdadapt only writes the checksum sidecars.
+
+The newer doors (Hub ids and caches, config.json, LoRA folders, quantized scales and blocks, the
+shrink / convert / verify commands) have a corpus of their own: :mod:`corpus_doors`.
 """
 
 from __future__ import annotations

@@ -237,7 +237,29 @@ def test_mtp_layer_mapped(cases_root: str) -> None:
     # the default drops it, and says so
     rep = sdadapt.diff(target_model(case, None), case["path"], sdadapt.get_adapter("deepseek_v3", source=case["path"]))
     assert rep.ok, rep.format()
-    assert f"model.layers.{L}.enorm.weight" in rep.dropped and f"layers.{L}.moe.experts.w1" in rep.dropped
+    assert f"model.layers.{L}.enorm.weight" in rep.dropped and f"model.layers.{L}.mlp.experts.3.down_proj.weight" in rep.dropped
+
+
+def test_mtp_layer_dropped_whole_when_stripped(cases_root: str, tmp_path: Any) -> None:
+    """``mtp="drop"`` drops the MTP layer as a layer: a release whose MTP layer lacks the
+    duplicated ``embed_tokens`` and ``shared_head.head`` (derivatives strip them) loads, with the
+    same values as the full release, and every key of the layer is reported dropped."""
+    import shutil
+
+    case = case_named(cases_root, "dsv3_q_lora_mtp")
+    sd = checkpoint_tensors(case["path"])
+    hf = f"model.layers.{L}."
+    stripped = {k: v for k, v in sd.items() if k not in (hf + "embed_tokens.weight", hf + "shared_head.head.weight")}
+    assert len(stripped) == len(sd) - 2
+    path = str(tmp_path / "stripped")
+    write_hf_sharded(path, stripped, max_shard_bytes=40_000)
+    shutil.copy(os.path.join(case["path"], "config.json"), path)
+    full, lean = target_model(case, None), target_model(case, None)
+    sdadapt.load(full, case["path"], "deepseek_v3")
+    rep = sdadapt.load(lean, path, "deepseek_v3")
+    dropped = [k for k in stripped if k.startswith(hf)]
+    assert sorted(rep.report.dropped) == sorted(dropped)
+    assert all(torch.equal(v, full.state_dict()[k]) for k, v in lean.state_dict().items())
 
 
 def _plan_error(case: dict, adapter: sdadapt.Adapter) -> str:

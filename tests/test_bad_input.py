@@ -100,7 +100,10 @@ def test_index_names_path_outside_folder(tmp_path, name):
     if name == "ABS":
         name = str(tmp_path / "outside.safetensors")
     folder = _hf(tmp_path, {"x": "a.safetensors", "y": name})
-    expect_source_error(folder, "not a plain file name inside the folder", key="y")
+    if isinstance(name, str):
+        expect_source_error(folder, "not a plain file name inside the folder", key="y")
+    else:  # not a file name at all: the index's field is named
+        expect_source_error(folder, "field weight_map.y: Input should be a valid string")
 
 
 def test_index_shard_symlink_leading_out(tmp_path):
@@ -124,10 +127,12 @@ def test_index_symlink_inside_folder_is_fine(tmp_path):
     "raw, fragment",
     [
         ('{"weight_map": ', "not valid JSON"),
-        ('{"metadata": {}}', "no 'weight_map' object"),
-        ('{"weight_map": ["a.safetensors"]}', "no 'weight_map' object"),
-        ("[1, 2]", "no 'weight_map' object"),
-        (b"\xff\xfe", "not valid JSON"),
+        ('{"metadata": {}}', "field weight_map: Field required"),
+        ('{"weight_map": ["a.safetensors"]}', "field weight_map: Input should be a valid dictionary"),
+        ('{"weight_map": {"x": 3}}', "field weight_map.x: Input should be a valid string"),
+        ("[1, 2]", "index must be a JSON object"),
+        (b"\xff\xfe", "not UTF-8"),
+        (b"[" * 100 + b"]" * 100, "nests 100 levels deep"),
     ],
 )
 def test_corrupt_index(tmp_path, raw, fragment):

@@ -1,4 +1,5 @@
-"""Fuzzing (hypothesis): hostile safetensors headers, HF index files and adapter JSON give
+"""Fuzzing (hypothesis): hostile safetensors headers, HF index files, adapter JSON, config.json and
+adapter_config.json files, raw JSON bytes and Hub ids give
 sdadapt errors or work, never an unhandled exception (struct.error, KeyError, TypeError,
 RecursionError, ValueError...).
 
@@ -315,3 +316,147 @@ def test_fuzz_adapter_json(adapter: Any, text_tail: str) -> None:
         Adapter.from_json(a.to_json())
     except SdadaptError:
         pass
+
+
+# --------------------------------------------------------------------------------------------
+# JSON configs: config.json through the shipped adapters, adapter_config.json through a LoRA
+# load, raw bytes through the one JSON reader, Hub ids
+# --------------------------------------------------------------------------------------------
+CONFIG_FIELDS = ["num_hidden_layers", "num_attention_heads", "num_key_value_heads", "hidden_size", "head_dim",
+                 "intermediate_size", "vocab_size", "tie_word_embeddings", "attention_bias", "num_local_experts",
+                 "num_experts", "n_routed_experts", "first_k_dense_replace", "num_nextn_predict_layers", "q_lora_rank",
+                 "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "rope_interleave", "decoder_sparse_step",
+                 "mlp_only_layers", "architectures", "model_type", "quantization_config", "text_config", "n_layers",
+                 "n_heads", "dim"]  # fmt: skip
+quant_configs = st.fixed_dictionaries(
+    {"quant_method": st.sampled_from(["fp8", "mxfp4", "compressed-tensors", "x"]) | json_values},
+    optional={"weight_block_size": st.lists(small_ints, max_size=3) | json_values, "scale_fmt": st.sampled_from(["ue8m0", "x"]),
+              "modules_to_not_convert": st.lists(st.text(max_size=6), max_size=3) | json_values},
+) | json_values  # fmt: skip
+config_values = {n: small_ints | json_values for n in CONFIG_FIELDS} | {"quantization_config": quant_configs}
+configs = st.fixed_dictionaries({}, optional=config_values) | json_values
+# damage applied to the encoded JSON: none, a byte flipped, cut, not UTF-8, deep nesting, a BOM
+damage = st.sampled_from(["none", "flip", "cut", "latin1", "deep", "bom"])
+ADAPTER_NAMES = ["llama", "qwen3", "qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "gpt2"]
+
+
+def _damaged(data: bytes, how: str, at: int) -> bytes:
+    if how == "flip" and data:
+        i = at % len(data)
+        return data[:i] + bytes([data[i] ^ 0x80]) + data[i + 1 :]
+    if how == "cut":
+        return data[: at % (len(data) + 1)]
+    if how == "latin1":
+        return data.replace(b'"', b'"\xe9', 1)
+    if how == "deep":
+        return b"[" * (64 + at % 4000) + data + b"]" * (64 + at % 4000)
+    if how == "bom":
+        return b"\xef\xbb\xbf" + data
+    return data
+
+
+@FUZZ
+@given(config=configs, how=damage, at=st.integers(0, 1 << 16), name=st.sampled_from(ADAPTER_NAMES))
+def test_fuzz_config_json(config: Any, how: str, at: int, name: str) -> None:
+    """A shipped adapter reading options from a hostile config.json beside a small checkpoint:
+    an adapter, or an SdadaptError naming config.json when the file itself is at fault."""
+    import sdadapt
+
+    with tempfile.TemporaryDirectory() as d:
+        write_safetensors(os.path.join(d, "model.safetensors"), {"model.layers.0.mlp.gate_proj.weight": torch.ones(2, 2)})
+        with open(os.path.join(d, "config.json"), "wb") as f:
+            f.write(_damaged(json.dumps(config).encode(), how, at))
+        try:
+            sdadapt.get_adapter(name, d)
+            event("adapter built")
+        except SdadaptError as e:
+            event(f"refused: {type(e).__name__}")
+        from sdadapt._shrink import shrink_config
+        from sdadapt.sources._json import HFConfig, read_json_dict
+
+        try:
+            shrink_config(read_json_dict(os.path.join(d, "config.json"), HFConfig, what="config.json"), 1)
+        except SdadaptError as e:
+            assert "config.json" in str(e)
+
+
+peft_configs = st.fixed_dictionaries(
+    {"lora_alpha": st.integers(-4, 64) | st.floats(allow_nan=True) | json_values},
+    optional={"r": small_ints | json_values, "alpha_pattern": st.dictionaries(st.text(max_size=4), json_values, max_size=3)
+              | json_values, "peft_type": st.sampled_from(["LORA", "IA3"]) | json_values, "bias": json_values,
+              "use_rslora": json_values, "fan_in_fan_out": json_values, "use_dora": json_values,
+              "target_modules": json_values},
+) | json_values  # fmt: skip
+
+
+@FUZZ
+@given(config=peft_configs, how=damage, at=st.integers(0, 1 << 16), rank=st.integers(0, 3))
+def test_fuzz_peft_config(config: Any, how: str, at: int, rank: int) -> None:
+    """A LoRA folder with a hostile adapter_config.json (and a pair of rank ``rank``) merged into
+    a small checkpoint: a plan, or an SdadaptError."""
+    from torch import nn
+
+    import sdadapt
+
+    with tempfile.TemporaryDirectory() as d:
+        base = os.path.join(d, "model.safetensors")
+        write_safetensors(base, {"0.weight": torch.ones(4, 6), "0.bias": torch.zeros(4)})
+        lora = os.path.join(d, "lora")
+        os.mkdir(lora)
+        write_safetensors(os.path.join(lora, "adapter_model.safetensors"), {
+            "base_model.model.0.lora_A.weight": torch.ones(rank, 6), "base_model.model.0.lora_B.weight": torch.ones(4, rank)})  # fmt: skip
+        with open(os.path.join(lora, "adapter_config.json"), "wb") as f:
+            f.write(_damaged(json.dumps(config).encode(), how, at))
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(6, 4))
+        try:
+            sdadapt.load(model, base, lora=lora)
+            event("merged")
+        except SdadaptError as e:
+            event(f"refused: {type(e).__name__}")
+
+
+@FUZZ
+@given(data=st.binary(max_size=64) | json_values.map(lambda v: json.dumps(v).encode()), how=damage, at=st.integers(0, 1 << 16))
+def test_fuzz_json_reader(data: bytes, how: str, at: int) -> None:
+    """Any bytes through the one JSON reader: a value, or a SourceError naming the file."""
+    from sdadapt.errors import SourceError
+    from sdadapt.sources._json import HFConfig, PeftConfig, ShardIndex, read_json
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "f.json")
+        with open(path, "wb") as f:
+            f.write(_damaged(data, how, at))
+        for model in (None, HFConfig, ShardIndex, PeftConfig):
+            try:
+                read_json(path, model, what="file")
+            except SourceError as e:
+                assert path in str(e)
+
+
+hub_ids = st.text(max_size=40) | st.builds(
+    lambda repo, rev: f"{repo}@{rev}" if rev is not None else repo,
+    st.sampled_from(["org/tiny", "org/ti--ny", "o/t.git", "-o/t", "org/a/b", "org"]) | st.text(max_size=12),
+    st.none() | st.sampled_from(["main", "v1", "../../x", "a/../b", "refs/pr/1", "a//b", "/a", "a/", ".a", "a.lock", "@", "a@{1}",
+                                 "a b", "0" * 40, "~1", ""]) | st.text(max_size=16),
+)  # fmt: skip
+
+
+@FUZZ
+@given(text=hub_ids)
+def test_fuzz_hub_ids(text: str) -> None:
+    """A Hub id is parsed or refused with a SourceError; one that parses never names a path
+    that leaves the cache's ``refs`` / ``snapshots`` folders."""
+    from sdadapt.errors import SourceError
+    from sdadapt.sources._hub import parse_hub_id
+
+    try:
+        repo, rev = parse_hub_id("hf://" + text)
+    except SourceError:
+        event("refused")
+        return
+    event("parsed")
+    assert repo.count("/") == 1 and ".." not in repo
+    for sub in ("refs", "snapshots"):
+        where = os.path.normpath(os.path.join("/cache/models--x", sub, rev or "main"))
+        assert where.startswith(f"/cache/models--x/{sub}/"), (text, where)

@@ -246,3 +246,100 @@ def test_a_failed_download_is_every_ranks_error(tmp_path, monkeypatch):
     r0, r1 = run_distributed(_dist_missing, 2, "hf://org/absent", timeout=120)
     assert r0["error"] == "SourceError" and "org/absent is not in the local Hub cache" in r0["message"]
     assert r1["error"] == "RemoteRankError" and "org/absent" in r1["message"]
+
+
+# ------------------------------------------------------------------ ids, revisions, the cache's bounds
+@pytest.mark.parametrize(
+    "spec, says",
+    [
+        ("hf://org/tiny@../../x", "cannot contain '..'"),
+        ("hf://org/tiny@refs/../main", "cannot contain '..'"),
+        ("hf://org/tiny@main/", "cannot start or end with '/'"),
+        ("hf://org/tiny@a//b", "contain '//'"),
+        ("hf://org/tiny@", "1-256 characters"),
+        ("hf://org/tiny@main.lock", "'.lock'"),
+        ("hf://org/tiny@.x", "start with '.'"),
+        ("hf://org/tiny@a~1", "~^:?*["),
+        ("hf://org/tiny@a\\b", "~^:?*["),
+        ("hf://org/tiny@x@{1}", "'@{'"),
+        ("hf://org/ti--ny", "not a Hub repository id"),
+        ("hf://org/tiny.git", "not a Hub repository id"),
+        ("hf://.org/tiny", "not a Hub repository id"),
+        ("hf://org/" + "x" * 97, "not a Hub repository id"),
+        ("hf://org/a/b", "not a Hub repository id"),
+    ],
+)
+def test_ids_and_revisions_are_checked_before_anything_is_read(monkeypatch, spec, says):
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # nothing may even import the client
+    with pytest.raises(SourceError) as e:
+        sdadapt.open_source(spec)
+    assert says in str(e.value) and spec in str(e.value)
+
+
+@pytest.mark.parametrize("revision", ["main", "v1.0", "refs/pr/1", "release/2024-01", COMMIT, "feature_x"])
+def test_ref_names_and_commits_pass(revision):
+    from sdadapt.sources._hub import parse_hub_id
+
+    assert parse_hub_id(f"hf://{REPO}@{revision}") == (REPO, revision)
+
+
+def child_escape(cache: str) -> dict:
+    """A revision walking out of the snapshots to a folder that holds a checkpoint, and a shard
+    symlinked out of the cache: both refused, nothing read."""
+    out = {}
+    for spec in (f"hf://{REPO}@../../../outside", "hf://org/leak"):
+        try:
+            sdadapt.open_source(spec)
+            out[spec] = None
+        except SourceError as e:
+            out[spec] = str(e)
+    return out
+
+
+def test_nothing_is_read_outside_the_cache(tmp_path):
+    make_cache(tmp_path / "hub", shards=1)
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    save_file(_reference(), str(outside / "model.safetensors"))
+    leak = tmp_path / "hub" / "models--org--leak"
+    snap = leak / "snapshots" / COMMIT
+    snap.mkdir(parents=True)
+    (leak / "blobs").mkdir()
+    (leak / "refs").mkdir()
+    (leak / "refs" / "main").write_text(COMMIT)
+    (snap / "model.safetensors").symlink_to(outside / "model.safetensors")
+    got = _run_child("child_escape", _env(tmp_path / "hub"), str(tmp_path / "hub"))
+    assert "cannot contain '..'" in got[f"hf://{REPO}@../../../outside"]
+    assert "outside the repository's cache folder" in got["hf://org/leak"]
+
+
+def _dist_bad_ids(specs: list[str]) -> dict:
+    out = {}
+    for spec in specs:
+        model = TinyTransformer()
+        try:
+            sdadapt.load(model, spec, "discussion")
+            out[spec] = None
+        except sdadapt.SdadaptError as e:
+            out[spec] = type(e).__name__
+        except Exception as e:  # noqa: BLE001 - reported as a failure
+            out[spec] = f"UNHANDLED {type(e).__name__}"
+    # the group is still healthy: a good id loads
+    sdadapt.load(TinyTransformer(), f"hf://{REPO}", "discussion")
+    return out
+
+
+def test_bad_ids_fail_on_every_rank_without_a_hang(tmp_path, monkeypatch):
+    """Ids the Hub client itself would refuse (HFValidationError) or trip over (a directory for a
+    ref file) on the downloading rank only: every rank raises an sdadapt error, none waits."""
+    make_cache(tmp_path / "hub")
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "dir").mkdir()
+    for k in [k for k in os.environ if k.startswith("HF_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    specs = ["hf://org/ti--ny", "hf://org/tiny@dir", "hf://org/tiny@main/", "hf://org/tiny@../../x", "hf://org/absent"]
+    r0, r1 = run_distributed(_dist_bad_ids, 2, specs, timeout=240)
+    for spec in specs:
+        assert r0[spec] == "SourceError", (spec, r0[spec])
+        assert r1[spec] in ("SourceError", "RemoteRankError"), (spec, r1[spec])

@@ -220,7 +220,8 @@ def _meta_llama_hf() -> torch.nn.Module:
         ({"modules_to_save": ["lm_head"]}, "modules_to_save=['lm_head'] is not supported"),
         ({"lora_bias": True}, "lora_bias=True"),
         ({"peft_type": "IA3"}, "peft_type is 'IA3'"),
-        ({"lora_alpha": "eight"}, "lora_alpha must be a number"),
+        ({"lora_alpha": "eight"}, "field lora_alpha: Input should be a valid number"),
+        ({"alpha_pattern": ["v_proj", 3]}, "field alpha_pattern: Input should be a valid dictionary"),
         ({"alpha_pattern": {"(": 2}}, "alpha_pattern key '(' is not a regular expression"),
     ],
 )

@@ -120,3 +120,76 @@ def test_failed_in_place_load_marks_until_a_load_succeeds(checkpoint: Any, monke
     ref = _model(2)
     ref.load_state_dict(sd)
     assert torch.equal(model(x), ref(x))  # the forward runs again, on the checkpoint's values
+
+
+def test_overwritten_message_always_has_a_subject() -> None:
+    """The sentence after a failed in-place read names what raises, and says nothing raises
+    when only a fresh optimizer (its state cleared again) was written."""
+    from types import SimpleNamespace
+
+    from sdadapt._transaction import Transaction
+
+    txn = Transaction(None, None, "ckpt")
+    model_part = SimpleNamespace(targets={"a": 0, "b": 0}, of_model=True)
+    optim_part = SimpleNamespace(targets={"a": 0}, of_model=False)
+    for written, was_empty, says, lacks in (
+        ([optim_part], True, "its state was cleared again", "raises ModelError"),
+        ([optim_part], False, "The optimizer's step raises ModelError", "model's forward"),
+        ([model_part], False, "The model's forward raises ModelError", "optimizer"),
+        ([model_part, optim_part], True, "2 model key(s) and 1 optimizer state tensor(s)", "optimizer's step"),
+    ):
+        txn.written, txn.optimizer_was_empty = written, was_empty  # type: ignore[assignment]
+        msg = txn._overwritten()
+        assert says in msg and lacks not in msg, msg
+        assert "; raise" not in msg and " raise ModelError" not in msg, msg
+
+
+def test_load_state_report_names_the_stored_keys(tmp_path: Any) -> None:
+    """A load_state mismatch names, as the source of each value, the key the checkpoint stores
+    (``model.0.weight``, ``optim.state.0.weight.exp_avg``), not the parameter's name."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sdadapt.save_state(str(tmp_path / "s"), model, opt)
+    other = nn.Sequential(nn.Linear(4, 5))
+    with pytest.raises(sdadapt.PlanError) as e:
+        sdadapt.load_state(str(tmp_path / "s"), other, torch.optim.Adam(other.parameters()))
+    rows = {m.key: m.recipe for m in e.value.report.shape_mismatch}
+    assert rows["0.weight"] == "model.0.weight", rows
+    assert rows["optim.state.0.weight.exp_avg"] == "optim.state.0.weight.exp_avg", rows
+
+
+def _prepare_raising_on_rank_1() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from sdadapt._transaction import Transaction
+
+    out: dict[str, Any] = {}
+    for exc in (ZeroDivisionError("division by zero"), RecursionError("deep"), IsADirectoryError(21, "Is a directory", "/x/refs/main")):
+        txn = Transaction(None, None, "ckpt.safetensors")
+
+        def step(exc: BaseException = exc) -> int:
+            if dist.get_rank() == 1:
+                raise exc
+            return 1
+
+        try:
+            txn.prepare(step)
+            out[type(exc).__name__] = None
+        except sdadapt.SdadaptError as e:
+            out[type(exc).__name__] = (type(e).__name__, str(e))
+    return out
+
+
+def test_a_foreign_exception_while_preparing_is_every_ranks_error() -> None:
+    """Whatever one rank raises while preparing (here only rank 1), every rank raises one of our
+    errors naming the file, and none waits."""
+    from dist_helper import run_distributed
+
+    r0, r1 = run_distributed(_prepare_raising_on_rank_1, 2, timeout=120)
+    for name in ("ZeroDivisionError", "RecursionError", "IsADirectoryError"):
+        assert r0[name][0] == "RemoteRankError" and name in r0[name][1], r0
+        assert r1[name][0] == "SourceError" and name in r1[name][1], r1
+    assert "/x/refs/main" in r1["IsADirectoryError"][1] and "ckpt.safetensors" in r1["ZeroDivisionError"][1]

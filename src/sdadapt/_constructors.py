@@ -80,9 +80,12 @@ def with_dtype(adapter: Adapter | None, dtype: str | torch.dtype | None) -> Adap
     return to_dtype if adapter is None else adapter + to_dtype
 
 
-def drop(keys: str) -> Drop:
-    """Ignore source keys matching ``keys`` on purpose."""
-    return Drop(keys=keys)
+def drop(keys: str, *, shadows: bool = False) -> Drop:
+    """Ignore source keys matching ``keys`` on purpose. ``shadows=True``: the drop takes its
+    keys before later rules that match them too, on purpose (a whole layer dropped first,
+    whatever it holds: ``drop("model.layers.61.**", shadows=True)``), so those rules are not
+    reported as ambiguous."""
+    return Drop(keys=keys, shadows=shadows or None)
 
 
 def tie(dst: str, src: str) -> Tie:

@@ -288,17 +288,19 @@ class _ModelStream:
     def __init__(
         self,
         model: nn.Module,
-        adapter: Adapter | None,
+        spec: Adapter | str | None,
         process_group: dist.ProcessGroup | None,
         what: str,
         check: Callable[[], None] | None = None,
         native_names: bool = False,
+        folder: str | None = None,
     ):
         txn = Transaction(None, process_group, what)
 
         def prepare() -> tuple[dict[str, torch.Tensor], dict[str, Node]]:
             if check is not None:
                 check()
+            adapter = adapter_or_none(spec, folder, model)  # a shipped name's options: folder, else the model's config
             if has_meta(model):
                 raise ExportError("the model has tensors on the meta device; load or initialise it before exporting")
             sd = model_state_dict(model)
@@ -350,7 +352,6 @@ def export_iter(
     names the model holds (torchtitan's current ones: see :func:`sdadapt.torchtitan.torchtitan_names`)."""
     check_model_and_path("sdadapt.export_iter(model, adapter=None, ...)", model, adapter, path_arg="adapter")
     shipped = isinstance(adapter, str) and adapter in adapter_names()  # our documented layout
-    adapter = adapter_or_none(adapter, None, model)
     stream = _ModelStream(model, adapter, process_group, "export_iter", native_names=shipped)
     try:
         for key in list(stream.outputs):
@@ -399,20 +400,19 @@ def export(
     check_model_and_path("sdadapt.export(model, dst, adapter=None, format='safetensors', ...)", model, dst, path_arg="dst")
     dst = os.fspath(dst)
     folder = os.fspath(assets) if assets is not None else loaded_from(model)
-    if folder is not None and not os.path.isdir(folder):
-        raise ExportError(f"assets={folder!r} is not a folder; give the checkpoint folder whose config and tokenizer files to copy")
     shipped = isinstance(adapter, str) and adapter in adapter_names()  # our documented layout
-    adapter = adapter_or_none(adapter, folder, model)
     config = transformers_config(model) if folder is None else None
     rank, world = rank_and_world(process_group)
 
     def check() -> None:
+        if folder is not None and not os.path.isdir(folder):
+            raise ExportError(f"assets={folder!r} is not a folder; give the checkpoint folder whose config and tokenizer files to copy")
         if format not in FORMATS:
             raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
         if rank == 0:
             _check_dst(dst, overwrite)
 
-    stream = _ModelStream(model, adapter, process_group, f"export to {dst}", check, native_names=shipped)
+    stream = _ModelStream(model, adapter, process_group, f"export to {dst}", check, native_names=shipped, folder=folder)
     outputs = stream.outputs
     src0 = dist.get_global_rank(process_group, 0) if is_distributed() and process_group is not None else 0
     written = [0]

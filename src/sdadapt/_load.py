@@ -147,7 +147,7 @@ def _plan_load(
             non_tensor=source.non_tensor,
             allow_missing=allow_missing,
             allow_unexpected=allow_unexpected,
-            source_name=_describe(src),
+            source_name=_describe(src) + (f" + LoRA {os.fspath(lora)}" if lora is not None else ""),
             target_name=type(model).__name__,
             pipeline_stage=stage,
         )
@@ -264,14 +264,15 @@ def load(
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
     txn = Transaction(model, process_group, _describe(src))
+    local = txn.resolve(src)  # a Hub id: its snapshot folder, fetched and agreed on every rank
     planned: dict[str, torch.Tensor] = {}
 
     def prepare() -> Plan:
         nonlocal planned
         # resolved inside the agreed step: a rank failing to resolve or derive it stops them all
-        resolved = adapter_or_none(adapter, src, model)
+        resolved = adapter_or_none(adapter, local, model)
         source, plan, planned = _plan_load(
-            model, src, resolved, subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype, shipped
+            model, local, resolved, subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype, shipped
         )
         txn.add_source(source)
         if not plan.report.ok:

@@ -42,10 +42,11 @@ from pydantic import BaseModel
 
 from ._nodes import Box, Compute, Node, SourceIO, Step, box_shape
 from ._rules import RuleBase, register_rule
-from .errors import AdapterError
+from .errors import AdapterError, SourceError
 from .sources import SafetensorsFile, Source
-from .sources._base import dtype_name, read_json_file
+from .sources._base import dtype_name
 from .sources._joined import JoinedSource
+from .sources._json import PeftConfig, read_json, validate
 
 if TYPE_CHECKING:
     from ._plan import PlanContext
@@ -230,6 +231,8 @@ class MergeLora(RuleBase):
                     "(dequantise first: sdadapt merges before the adapter's rules)")  # fmt: skip
         out, inp = (w.shape[1], w.shape[0]) if self.fan_in_fan_out else tuple(w.shape)
         r = a.shape[0]
+        if r == 0:
+            return "A has no rows: a LoRA of rank 0 changes nothing and has no scale (alpha / r); re-save the adapter"
         if tuple(a.shape) != (r, inp) or tuple(b.shape) != (out, r):
             layout = "[in, out] (fan_in_fan_out)" if self.fan_in_fan_out else "[out, in]"
             return (f"the weight {list(w.shape)} is {layout}, so A must be [r, {inp}] and B [{out}, r]; got "
@@ -260,30 +263,26 @@ class PeftLora:
 def lora_rule(config: Mapping[str, Any], *, where: str = CONFIG_NAME) -> MergeLora:
     """The :class:`MergeLora` rule for a PEFT ``adapter_config.json`` dict; an
     :class:`AdapterError` naming the field for what a plain merge cannot express."""
-    peft_type = config.get("peft_type", "LORA")
-    if peft_type != "LORA":
-        raise AdapterError(f"{where}: peft_type is {peft_type!r}; sdadapt merges LoRA adapters ('LORA') only")
-    bias = config.get("bias", "none")
-    if bias != "none":
-        raise AdapterError(f"{where}: bias={bias!r} trains the base layers' biases too; only bias='none' is "
+    try:
+        cfg = validate(dict(config), PeftConfig, where, "PEFT adapter config")
+    except SourceError as e:
+        raise AdapterError(str(e)) from None
+    if cfg.peft_type != "LORA":
+        raise AdapterError(f"{where}: peft_type is {cfg.peft_type!r}; sdadapt merges LoRA adapters ('LORA') only")
+    if cfg.bias != "none":
+        raise AdapterError(f"{where}: bias={cfg.bias!r} trains the base layers' biases too; only bias='none' is "
                            "supported (merge with peft's merge_and_unload())")  # fmt: skip
     for name, why in _UNSUPPORTED.items():
         if config.get(name):
             raise AdapterError(f"{where}: {name}={config[name]!r} is not supported: {why}")
-    alpha = config.get("lora_alpha")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise AdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}")
-    for pat in config.get("alpha_pattern") or {}:
+    for pat in cfg.alpha_pattern:
         try:
             re.compile(pat)
-        except (re.error, TypeError) as e:
+        except re.error as e:
             raise AdapterError(f"{where}: alpha_pattern key {pat!r} is not a regular expression: {e}") from None
     try:
         return MergeLora(
-            alpha=float(alpha),
-            alpha_pattern=dict(config.get("alpha_pattern") or {}),
-            rslora=bool(config.get("use_rslora", False)),
-            fan_in_fan_out=bool(config.get("fan_in_fan_out", False)),
+            alpha=cfg.lora_alpha, alpha_pattern=cfg.alpha_pattern, rslora=cfg.use_rslora, fan_in_fan_out=cfg.fan_in_fan_out
         )
     except AdapterError as e:
         raise AdapterError(f"{where}: {e}") from None
@@ -299,7 +298,7 @@ def open_peft_lora(path: str | os.PathLike[str]) -> PeftLora:
     config_path = os.path.join(folder, CONFIG_NAME)
     if not os.path.isfile(config_path):
         raise AdapterError(f"lora={folder!r}: no {CONFIG_NAME} in the folder")
-    config = read_json_file(config_path, _CONFIG_LIMIT, "PEFT adapter config")
+    config = read_json(config_path, None, what="PEFT adapter config", limit=_CONFIG_LIMIT)
     if not isinstance(config, dict):
         raise AdapterError(f"{config_path}: not a JSON object")
     rule = lora_rule(config, where=config_path)
@@ -309,6 +308,15 @@ def open_peft_lora(path: str | os.PathLike[str]) -> PeftLora:
             os.path.join(folder, "adapter_model.bin")) else ""  # fmt: skip
         raise AdapterError(f"lora={folder!r}: no {WEIGHTS_NAME}{hint}")
     source = SafetensorsFile(weights)
+    empty = sorted(k for k, info in source.schema.items() if k.endswith(".lora_A.weight") and info.shape[:1] == (0,))
+    if empty:
+        source.close()
+        raise SourceError(
+            f"the LoRA pair has rank 0 (lora_A has no rows), so it changes nothing and has no scale (alpha / r); "
+            f"{len(empty)} such pair(s). Re-save the adapter",
+            path=weights,
+            key=empty[0],
+        )
     return PeftLora(folder, source, rule)
 
 

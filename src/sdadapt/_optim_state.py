@@ -19,6 +19,8 @@ for scalar state, by the source keys the model plan gave to other stages
 
 from __future__ import annotations
 
+import re
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -46,13 +48,24 @@ def _under(keys: list[str], prefix: str) -> list[str]:
     return [k for k in keys if k.startswith(prefix)]
 
 
-def _merge(into: Report, other: Report, fmt: str) -> None:
+_TOKEN = re.compile(r"[A-Za-z0-9_.:/-]+")
+
+
+def stored_names(m: Mismatch, fmt: str, leaves: Collection[str], key: bool = True) -> Mismatch:
+    """Mismatch ``m`` with the checkpoint keys its recipe reads (those of ``leaves`` it names)
+    written as stored (``fmt``: ``optim.state.{}.exp_avg``, ``model.{}``), and its key too
+    when ``key``."""
+    recipe = _TOKEN.sub(lambda x: fmt.format(x.group(0)) if x.group(0) in leaves else x.group(0), m.recipe)
+    return m.model_copy(update={"key": fmt.format(m.key) if key else m.key, "recipe": recipe})
+
+
+def _merge(into: Report, other: Report, fmt: str, leaves: Collection[str]) -> None:
     """Add ``other``'s problems to ``into`` with keys renamed by ``fmt`` (``optim.state.{}.exp_avg``)."""
     into.missing += [fmt.format(k) for k in other.missing]
     into.unexpected += [fmt.format(k) for k in other.unexpected]
     into.non_tensor += [fmt.format(k) for k in other.non_tensor]
-    into.shape_mismatch += [m.model_copy(update={"key": fmt.format(m.key)}) for m in other.shape_mismatch]
-    into.dtype_mismatch += [m.model_copy(update={"key": fmt.format(m.key)}) for m in other.dtype_mismatch]
+    into.shape_mismatch += [stored_names(m, fmt, leaves) for m in other.shape_mismatch]
+    into.dtype_mismatch += [stored_names(m, fmt, leaves) for m in other.dtype_mismatch]
     seen = {(i.index, i.key, i.message) for i in into.rule_issues}
     for it in other.rule_issues:
         if (it.index, it.key, it.message) not in seen:
@@ -172,7 +185,7 @@ def plan_optimizer(
                 pipeline_stage=pipeline_stage,
             )
             out.plans[name] = plan
-        _merge(report, out.plans[name].report, fmt)
+        _merge(report, out.plans[name].report, fmt, have_infos.keys())
         report.source_keys += len(have_infos)
     for name, fqns in tgt_obj.items():
         have_fqns = src_obj.get(name, set())

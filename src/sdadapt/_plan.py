@@ -211,6 +211,8 @@ class PlanContext:
         later = [(j, [compile_pattern(p) for p in r.input_patterns()]) for j, r in enumerate(rules) if r.moves_keys]
         after: dict[int, re.Pattern[str]] = {}
         for key, i in self.consumed:
+            if getattr(rules[i], "shadows", False):
+                continue  # taken first on purpose (Drop(shadows=True))
             screen = after.get(i)
             if screen is None:  # later rules of the same composed part: the next part sees only the outputs
                 screen = after[i] = union([p for j, pats in later if j > i and stage(j) == stage(i) for p in pats])

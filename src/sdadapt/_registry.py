@@ -99,6 +99,8 @@ def _read_options(name: str, reader: Any, folder: str, source: str) -> dict[str,
         # folder of several files: its key names tell what the config files cannot)
         two = len(inspect.signature(reader).parameters) >= 2
         return dict(reader(folder, source) if two else reader(folder))
+    except AdapterError as e:
+        raise AdapterError(f"{e} (reading the options in {_config_file(folder) or folder})") from None
     except SdadaptError:
         raise
     except Exception as e:  # noqa: BLE001 - a bad config file: name it
@@ -170,6 +172,12 @@ def get_adapter(
         )
     try:
         adapter = mod.build(**merged)
+    except AdapterError as e:
+        given = [k for k in from_config if k not in options]
+        config_path = _config_file(folder)
+        if not given or config_path is None:
+            raise
+        raise AdapterError(f"{e} (options {', '.join(given)} were read from {config_path})") from None
     except SdadaptError:
         raise
     except Exception as e:  # noqa: BLE001 - a bad option value: name the options
@@ -179,6 +187,15 @@ def get_adapter(
         raise AdapterError(f"adapter module {mod.__name__}: build() returned a {type(adapter).__name__}, not an Adapter")
     log.info("adapter %s: %d rules, options %s", name, len(adapter.rules), merged)
     return adapter
+
+
+def _config_file(folder: str | None) -> str | None:
+    """The config file shipped adapters read options from in ``folder`` (``config.json``, else
+    ``params.json``), or ``None``."""
+    for name in ("config.json", "params.json"):
+        if folder and os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    return None
 
 
 def list_adapters() -> list[tuple[str, str]]:

@@ -28,7 +28,7 @@ import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from .errors import ResolveError, SdadaptError
+from .errors import AdapterError, ResolveError, SdadaptError
 
 if TYPE_CHECKING:
     from torch import nn
@@ -298,7 +298,10 @@ def resolve_adapter(
                 data = f.read()
         except OSError as e:
             raise ResolveError(f"{text}: cannot read adapter JSON: {e.strerror or e}") from None
-        return Adapter.from_json(data)
+        try:
+            return Adapter.from_json(data)
+        except AdapterError as e:
+            raise AdapterError(f"{text}: {e}") from None
     if split_spec(text) is not None:
         return _made(text, load_object(text), Adapter, options, "an Adapter", "sdadapt.Adapter")
     if text.endswith(".py") or os.path.sep in text or os.path.exists(text):

@@ -32,6 +32,7 @@ from ._nodes import Leaf, Node, full_box
 from ._progress import progress_bar
 from .errors import ShrinkError
 from .sources import local_path, open_source
+from .sources._json import HFConfig, read_json_dict
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +178,7 @@ def shrink(
         config = None
         config_path = os.path.join(folder, "config.json")
         if os.path.isfile(config_path):
-            with open(config_path, encoding="utf-8") as f:
-                config = json.load(f)
+            config = read_json_dict(config_path, HFConfig, what="config.json")
         keys = list(source.schema)
         kept, before = _select(keys, layers, pattern)
         # read in file order: sequential reads of each shard

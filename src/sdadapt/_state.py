@@ -42,7 +42,7 @@ from ._distributed import agree, is_distributed, rank_and_world
 from ._gc import without_gc
 from ._materialize import InitFn, check_buffers, has_meta
 from ._nodes import Box, full_box
-from ._optim_state import OptimPlan, init_state, plan_optimizer
+from ._optim_state import OptimPlan, init_state, plan_optimizer, stored_names
 from ._plan import PipelineStage, Plan, build_plan, vacant_modules
 from ._report import Report
 from ._resolve import adapter_or_none
@@ -52,6 +52,7 @@ from ._transaction import Part, Transaction
 from .errors import LoadError, PlanError, SdadaptError, SourceError, StateError
 from .sources._base import Source, TensorLocation
 from .sources._dcp_dir import SDADAPT_JSON, DCPSource
+from .sources._hub import is_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -313,7 +314,7 @@ def load_state(
     t0 = time.perf_counter()
     check_model_and_path("sdadapt.load_state(src, model, optimizer=None, extra=None, ...)", model, src)
     src = os.fspath(src)
-    adapter = adapter_or_none(adapter, src)
+    spec = adapter
     rank, world = rank_and_world(process_group)
     extra = extra if extra is not None else {}
     txn = Transaction(model, process_group, src)
@@ -321,6 +322,9 @@ def load_state(
         txn.add_optimizer(optimizer, was_empty=not optimizer.state)
 
     def prepare() -> _Restore:
+        if is_hub_id(src):
+            raise SourceError("load_state reads a DCP folder that save_state wrote, not a Hub id", path=src)
+        adapter = adapter_or_none(spec, src)
         if not os.path.isdir(src):
             raise SourceError("no such DCP checkpoint folder", path=src)
         full = DCPSource(src, subtree="")
@@ -360,6 +364,9 @@ def load_state(
             pipeline_stage=pstage,
         )
         r.report = r.plan.report.model_copy(deep=True)
+        if model_key:  # the checkpoint keys a mismatched value is made from, as the folder stores them
+            r.report.shape_mismatch = [stored_names(m, r.model_fmt, mschema, key=False) for m in r.report.shape_mismatch]
+            r.report.dtype_mismatch = [stored_names(m, r.model_fmt, mschema, key=False) for m in r.report.dtype_mismatch]
         if optimizer is not None:
             assert optim_key is not None
             r.oplan = plan_optimizer(

@@ -42,6 +42,7 @@ rest of the restore (optimizer, extras) is not, and a meta model cannot run by m
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -64,8 +65,9 @@ from ._materialize import InitFn, choose_device, has_meta, materialize
 from ._plan import Plan
 from ._reader import AdaptedLoadPlanner, AdaptedStorageReader
 from ._target import model_state_dict
-from .errors import LoadError, ModelError, SdadaptError
+from .errors import LoadError, ModelError, SdadaptError, SourceError
 from .sources import Source
+from .sources._hub import hub_folder, is_hub_id
 
 log = logging.getLogger(__name__)
 
@@ -132,15 +134,33 @@ class Transaction:
 
     def prepare(self, step: Callable[[], T]) -> T:
         """Collective: run ``step`` (planning: headers only, nothing changed) on every rank; if it
-        raises an :class:`SdadaptError` on any rank, every rank raises (see :meth:`agree`)."""
+        raises on any rank, every rank raises (see :meth:`agree`). Whatever ``step`` raises is
+        caught: an :class:`SdadaptError` as it is, any other exception (a bug, or input a check
+        missed) as a :class:`SourceError` naming the file it was about (or the source), so that no
+        rank leaves while the others wait. ``step`` must not run collectives of its own (a rank
+        failing before one would leave the others in it): Hub ids are resolved first, by
+        :meth:`resolve`."""
         error: SdadaptError | None = None
         out: Any = None
         try:
             out = step()
         except SdadaptError as e:
             error = e
+        except Exception as e:  # noqa: BLE001 - every failure must be agreed, whatever its type
+            error = foreign_error(e, self.what, "preparing")
         self.agree(error)
         return out
+
+    def resolve(self, src: T) -> T | str:
+        """Collective: ``src`` with a Hub id (``hf://...``) replaced by its local snapshot folder
+        (downloaded by one process per node, agreed on every rank: see
+        :func:`sdadapt.sources._hub.hub_folder`); anything else as it is."""
+        if not isinstance(src, str) or not is_hub_id(src):
+            return src
+        hub_id: str = src
+        if is_distributed():
+            return hub_folder(hub_id, agree_fn=self.agree)
+        return self.prepare(lambda: hub_folder(hub_id))
 
     def agree(self, error: BaseException | None) -> None:
         """Collective: if any rank failed, close the sources, undo what this load changed, raise."""
@@ -343,14 +363,19 @@ class Transaction:
         optim = sum(len(p.targets) for p in self.written if not p.of_model)
         what = [f"{model} model key(s)"] if model else []
         if optim:
-            what.append(f"{optim} optimizer state tensor(s)" + (" (the optimizer's state was cleared)" if self.optimizer_was_empty else ""))
-        stops = (("the model's forward", model), ("the optimizer's step", optim and not self.optimizer_was_empty))
-        unusable = [name for name, hit in stops if hit]
-        return (
-            f"The load wrote in place (stage=True was not given): this rank had begun writing {' and '.join(what)}, so they are "
-            f"partly overwritten; {' and '.join(unusable)} raise ModelError until a load into them succeeds. "
-            "Load again, or pass stage=True to keep the old values when a load fails."
-        )
+            what.append(f"{optim} optimizer state tensor(s)")
+        said = [
+            f"The load wrote in place (stage=True was not given): this rank had begun writing {' and '.join(what)}, "
+            "so they are partly overwritten."
+        ]
+        if model:
+            said.append("The model's forward raises ModelError until a load into it succeeds.")
+        if optim and self.optimizer_was_empty:
+            said.append("The optimizer held no state before the load, and its state was cleared again.")
+        elif optim:
+            said.append("The optimizer's step raises ModelError until a load into it succeeds.")
+        said.append("Load again, or pass stage=True to keep the old values when a load fails.")
+        return " ".join(said)
 
     def _undo(self, partly_written: bool) -> None:
         """Put back what can be put back: a meta model to meta, a fresh optimizer to no state;
@@ -372,6 +397,19 @@ class Transaction:
         for s in self.sources:
             s.close()
         self.sources = []
+
+
+def foreign_error(e: BaseException, what: str, doing: str) -> SourceError:
+    """An exception that is not sdadapt's, raised while ``doing`` the load of ``what``, as a
+    :class:`SourceError` naming the file it was about (an ``OSError``'s file name) or ``what``."""
+    path = getattr(e, "filename", None)
+    err = SourceError(
+        f"{doing} the load of {what} failed: {type(e).__name__}: {e}; a file it reads is malformed in a way "
+        "sdadapt does not check yet (please report it)",
+        path=os.fspath(path) if isinstance(path, (str, os.PathLike)) else what,
+    )
+    err.__cause__ = e
+    return err
 
 
 # ---------------------------------------------------------------------------- marks

@@ -23,7 +23,6 @@ come from a seeded generator, so every rank uses the same ones; DTensor outputs 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Iterator
@@ -35,8 +34,9 @@ from pydantic import BaseModel
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .errors import VerifyError
+from .errors import SourceError, VerifyError
 from .sources import local_path
+from .sources._json import HFConfig, read_json
 
 log = logging.getLogger(__name__)
 
@@ -388,16 +388,13 @@ def reference_from_checkpoint(src: str | os.PathLike[str], dtype: torch.dtype = 
     path = local_path(src)  # a Hub id (hf://...): its snapshot folder
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     config_path = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_path):
+        raise VerifyError(f"{config_path}: no config.json names the reference model; give --reference module:function")
     try:
-        with open(config_path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise VerifyError(
-            f"{config_path}: cannot read the checkpoint's config ({e}); give a reference model with "
-            "--reference module:function"
-        ) from None
-    names = config.get("architectures") if isinstance(config, dict) else None
-    if not isinstance(names, list) or not names or not isinstance(names[0], str):
+        names = read_json(config_path, HFConfig, what="config.json").architectures
+    except SourceError as e:
+        raise VerifyError(f"{e}; fix it, or give a reference model with --reference module:function") from None
+    if not names:
         raise VerifyError(f"{config_path} names no model class ('architectures'); give --reference module:function")
     try:
         import transformers

@@ -52,7 +52,6 @@ torchtitan's ``dcp.load`` raises DCP's ``CheckpointException``.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -76,6 +75,7 @@ from ._target import schema_of
 from ._titan_names import for_export, for_load, native_names
 from .errors import AdapterError, PlanError, SourceError
 from .sources import INDEX_NAME, Source, TensorInfo, open_source
+from .sources._json import INDEX_LIMIT, ShardIndex, read_json
 
 log = logging.getLogger(__name__)
 
@@ -413,11 +413,7 @@ def _index_mapping(hf_assets_path: str | None) -> dict[str, int] | None:
     if not os.path.isfile(path):
         log.info("%s not found: an HF export is written as one file", path)
         return None
-    try:
-        with open(path, encoding="utf-8") as f:
-            weight_map = json.load(f)["weight_map"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise SourceError(f"cannot read the weight map: {e}", path=path) from None
+    weight_map = read_json(path, ShardIndex, what="index", limit=INDEX_LIMIT).weight_map
     out: dict[str, int] = {}
     for key, fname in weight_map.items():
         m = re.search(r"\d+", str(fname))

@@ -8,13 +8,14 @@ checkpoint without one gives :data:`NO_CONFIG`, and the draft then asks instead 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from .._registry import config_folder
+from ..errors import SourceError
+from ..sources._json import read_json
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +113,9 @@ def read_facts(source: str | os.PathLike[str] | None, keys: list[str]) -> Facts:
     if path is None or not os.path.isfile(path):
         return Facts(quantization=_quantization({}, keys))
     try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        log.warning("draft: cannot read %s (%s); drafting from shapes alone", path, e)
+        cfg = read_json(path, None, what="config.json")
+    except SourceError as e:
+        log.warning("draft: %s; drafting from shapes alone", e)
         return Facts(quantization=_quantization({}, keys))
     if not isinstance(cfg, dict):
         return Facts(quantization=_quantization({}, keys))
@@ -126,8 +126,9 @@ def read_facts(source: str | os.PathLike[str] | None, keys: list[str]) -> Facts:
     kv = _int(cfg, "num_key_value_heads", "n_kv_heads") or heads
     qc = cfg.get("quantization_config")
     block = None
-    if isinstance(qc, dict) and isinstance(qc.get("weight_block_size"), list) and len(qc["weight_block_size"]) == 2:
-        block = (int(qc["weight_block_size"][0]), int(qc["weight_block_size"][1]))
+    size = qc.get("weight_block_size") if isinstance(qc, dict) else None
+    if isinstance(size, list) and len(size) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in size):
+        block = (size[0], size[1])
     rope_value = cfg.get("rope_parameters")
     rope: dict[str, Any] = rope_value if isinstance(rope_value, dict) else {}
     frac = next((d[n] for d in (cfg, rope) for n in ("partial_rotary_factor", "rotary_pct")

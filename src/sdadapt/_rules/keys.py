@@ -227,10 +227,13 @@ class Split(RuleBase):
 
 
 class Drop(RuleBase):
-    """Source keys deliberately ignored (rotary caches, optimizer entries...)."""
+    """Source keys deliberately ignored (rotary caches, optimizer entries...). ``shadows=True``:
+    the drop is meant to take its keys before later rules that match them too (a whole layer
+    dropped first, whatever it holds); those later rules are then not ambiguous."""
 
     kind: Literal["drop"] = "drop"
     keys: str
+    shadows: bool | None = None  # None: False (and the label stays drop(keys=...))
 
     def input_patterns(self) -> list[str]:
         return [self.keys]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -12,22 +11,14 @@ import torch
 
 from .._nodes import Box, full_box
 from ..errors import SourceError
+from ._json import read_json
 
 
-def read_json_file(path: str, limit: int, what: str, hint: str = "") -> Any:
-    """The JSON value in the file ``path`` (an index, a checksums file...), refused before it is
-    parsed when it is larger than ``limit`` bytes. Every failure is a :class:`SourceError`
-    naming ``what`` and the file (``hint`` follows the size error)."""
-    try:
-        size = os.path.getsize(path)
-        if size > limit:
-            raise SourceError(f"{what} of {size} bytes exceeds the limit of {limit} bytes{hint}", path=path)
-        with open(path, "rb") as f:
-            return json.load(f)
-    except OSError as e:
-        raise SourceError(f"cannot read {what}: {e.strerror or e}", path=path) from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise SourceError(f"corrupt {what} (not valid JSON: {e})", path=path) from None
+def read_json_file(path: str, limit: int, what: str) -> Any:
+    """The JSON value in the file ``path`` (a checksums file...), refused before it is parsed
+    when it is larger than ``limit`` bytes, not UTF-8 or nested too deep: see
+    :func:`sdadapt.sources._json.read_json`, whose :class:`SourceError` names ``what`` and the file."""
+    return read_json(path, None, what=what, limit=limit)
 
 
 @dataclass(frozen=True)

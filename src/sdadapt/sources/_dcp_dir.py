@@ -31,7 +31,6 @@ its ``sdadapt.json`` is present the model subtree is chosen by default).
 from __future__ import annotations
 
 import io
-import json
 import mmap
 import os
 import pickle
@@ -49,6 +48,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from .._nodes import Box, box_shape
 from ..errors import SourceError
 from ._base import Source, TensorInfo, TensorLocation, member_path, slices
+from ._json import read_json
 
 METADATA_NAME = ".metadata"
 SDADAPT_JSON = "sdadapt.json"
@@ -138,11 +138,7 @@ def read_sdadapt_json(folder: str) -> dict[str, Any] | None:
     path = os.path.join(folder, SDADAPT_JSON)
     if not os.path.isfile(path):
         return None
-    try:
-        with open(path, "rb") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise SourceError(f"cannot read the sdadapt record: {e}", path=path) from None
+    data = read_json(path, None, what="the sdadapt record")
     if not isinstance(data, dict):
         raise SourceError("the sdadapt record is not a JSON object", path=path)
     return data

@@ -11,11 +11,12 @@ import torch
 
 from .._nodes import Box
 from ..errors import SourceError
-from ._base import Source, TensorLocation, member_path, read_json_file
+from ._base import Source, TensorLocation, member_path
+from ._json import INDEX_LIMIT, ShardIndex, read_json
 from ._safetensors_file import SafetensorsFile
 
 INDEX_NAME = "model.safetensors.index.json"
-MAX_INDEX_BYTES = 64 * 1024 * 1024  # real indexes are KBs to a few MBs; refuse to parse more
+MAX_INDEX_BYTES = INDEX_LIMIT  # real indexes are KBs to a few MBs; refuse to parse more
 
 
 def _safe_member(folder: str, name: object, index_path: str, key: str | None = None) -> str:
@@ -34,14 +35,11 @@ class HFShardedSource(Source):
         self.path = folder
         index_path = index_path or os.path.join(folder, INDEX_NAME)
         self.index_path = index_path
-        index = read_json_file(index_path, MAX_INDEX_BYTES, "index", " (not an HF index?)")
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict):
-            raise SourceError("index has no 'weight_map' object", path=index_path)
+        weight_map = read_json(index_path, ShardIndex, what="index", limit=MAX_INDEX_BYTES).weight_map
         self._files: dict[str, SafetensorsFile] = {}
         self._key_file: dict[str, SafetensorsFile] = {}
         for key, name in weight_map.items():
-            sf = self._files.get(name) if isinstance(name, str) else None
+            sf = self._files.get(name)
             if sf is None:
                 sf = self._files[name] = SafetensorsFile(_safe_member(folder, name, index_path, key))
             self._key_file[key] = sf

@@ -14,29 +14,46 @@ waiting). Every process of the default process group must open the same Hub sour
 
 Each id is resolved once per process: later opens reuse the folder (the load, then the adapter's
 options, then the read all name the same files).
+
+Nothing is read before the id is checked: the repository id by the Hub's rules, the revision as
+a git ref name or a 40-hex commit (so ``@../../x`` cannot walk out of the cache). Every file a
+load reads from the snapshot (config, index, shards) must resolve, symlinks followed, inside
+the repository's folder of the cache. Whatever the Hub client raises becomes a
+:class:`~sdadapt.errors.SourceError` naming the id.
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from .._distributed import agree, is_distributed
 from .._progress import show_progress
-from ..errors import SourceError
+from ..errors import SdadaptError, SourceError
+from ._base import member_path
 from ._hf_sharded import INDEX_NAME
+from ._json import INDEX_LIMIT, ShardIndex, read_json
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 PREFIX = "hf://"
 EXTRA = "pip install 'sdadapt[hub]'"
 _SIDE_FILES = ("config.json", "params.json")
 _SINGLE = "model.safetensors"
-_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?:@(?P<rev>[^\s@]+))?")
+_ID = re.compile(r"(?P<repo>[^@]*)(?:@(?P<rev>.*))?", re.DOTALL)
+# huggingface_hub's repo id rules (validate_repo_id), ASCII only and with the namespace required:
+# 1-96 characters of letters, digits, "-", "_", "."; starting and ending with a letter or digit
+# (or "_"); no "--" or ".."; not ending in ".git"
+_PART = r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
+_REPO = re.compile(rf"{_PART}/{_PART}")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
+_MAX_REVISION = 256
 _resolved: dict[str, str] = {}
 
 
@@ -45,36 +62,108 @@ def is_hub_id(text: object) -> bool:
     return isinstance(text, str) and text.startswith(PREFIX)
 
 
+def check_repo_id(repo: str, text: str) -> None:
+    """A :class:`SourceError` unless ``repo`` is ``namespace/name`` by the Hub's rules."""
+    bad = _REPO.fullmatch(repo) is None or "--" in repo or ".." in repo or repo.endswith(".git")
+    if bad:
+        raise SourceError(
+            f"{repo!r} is not a Hub repository id: give namespace/name, each part 1-96 letters, digits, '-', '_' "
+            "or '.', starting and ending with a letter or digit, with no '--' or '..' and no '.git' ending",
+            path=text,
+        )
+
+
+def check_revision(revision: str, text: str) -> None:
+    """A :class:`SourceError` unless ``revision`` is a 40-hex commit or a git ref name
+    (``git check-ref-format``'s rules: no ``..``, no component starting with ``.`` or ending in
+    ``.lock``, no ``//``, no leading or trailing ``/``, no ``@{``, no control characters, spaces
+    or ``~^:?*[\\``, not ``@``). Such a name never leaves the cache's ``refs`` and ``snapshots``."""
+    if _COMMIT.fullmatch(revision):
+        return
+    parts = revision.split("/")
+    why = None
+    if not revision or len(revision) > _MAX_REVISION:
+        why = f"it must be 1-{_MAX_REVISION} characters"
+    elif ".." in revision:
+        why = "a ref name cannot contain '..'"
+    elif _REF_FORBIDDEN.search(revision):
+        why = "a ref name cannot contain spaces, control characters or any of ~^:?*[\\"
+    elif "@{" in revision or revision == "@":
+        why = "a ref name cannot contain '@{' or be '@'"
+    elif any(not p for p in parts):
+        why = "a ref name cannot start or end with '/' or contain '//'"
+    elif any(p.startswith(".") or p.endswith(".lock") for p in parts) or revision.endswith("."):
+        why = "no part of a ref name can start with '.' or end with '.lock' or '.'"
+    if why is not None:
+        raise SourceError(
+            f"revision {revision!r} is neither a 40-hex commit nor a git ref name ({why}); give a branch, a tag or a "
+            "commit",
+            path=text,
+        )
+
+
 def parse_hub_id(text: str) -> tuple[str, str | None]:
-    """``"hf://org/name@rev"`` -> ``("org/name", "rev")``; no ``@rev`` -> revision ``None`` (main)."""
+    """``"hf://org/name@rev"`` -> ``("org/name", "rev")``; no ``@rev`` -> revision ``None`` (main).
+    Both are checked (:func:`check_repo_id`, :func:`check_revision`) before anything is read."""
     m = _ID.fullmatch(text[len(PREFIX) :]) if is_hub_id(text) else None
-    if m is None:
+    if m is None or "/" not in m.group("repo"):
         raise SourceError(f"not a Hub id: give hf://org/name or hf://org/name@revision (got {text!r})", path=text)
-    return m.group("repo"), m.group("rev")
+    repo, rev = m.group("repo"), m.group("rev")
+    check_repo_id(repo, text)
+    if rev is not None:
+        check_revision(rev, text)
+    return repo, rev
 
 
-def hub_folder(text: str) -> str:
+def hub_folder(text: str, agree_fn: Callable[[BaseException | None], None] | None = None) -> str:
     """The local snapshot folder of Hub id ``text`` holding the files a load needs (downloaded
-    into the Hub cache if missing). Collective when ``torch.distributed`` is initialised."""
-    if text in _resolved:
-        return _resolved[text]
+    into the Hub cache if missing).
+
+    Collective when ``torch.distributed`` is initialised: every rank calls ``agree_fn`` (default
+    :func:`sdadapt._distributed.agree`) exactly twice, whatever fails where: after the
+    downloading process fetched (the others wait there), then after every process found the
+    files in its cache. Any failure on any rank becomes every rank's error (a
+    :class:`SourceError` naming the id on the failing rank), so no rank is left waiting."""
+    agree_fn = agree_fn or agree
+    if not is_distributed():
+        folder = _resolved.get(text)
+        if folder is None:
+            folder = _guarded(text, lambda: _resolve(text, local_only=False))
+            _resolved[text] = folder
+        return folder
+    error: BaseException | None = None
+    try:
+        parse_hub_id(text)  # on every rank: a malformed id is every rank's own error, not a remote one
+        if text not in _resolved and _guarded(text, _downloads_here):
+            _resolved[text] = _guarded(text, lambda: _resolve(text, local_only=False))
+    except SourceError as e:
+        error = e
+    agree_fn(error)  # the others wait here until the downloads are complete (or failed)
+    folder, error = _resolved.get(text), None
+    if folder is None:
+        try:
+            folder = _resolved[text] = _guarded(text, lambda: _resolve(text, local_only=True))
+        except SourceError as e:
+            error = e
+    agree_fn(error)
+    assert folder is not None
+    return folder
+
+
+def _guarded(text: str, step: Callable[[], T]) -> T:
+    """``step()``, any exception of it turned into a :class:`SourceError` naming ``text``."""
+    try:
+        return step()
+    except SdadaptError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the Hub client raises many kinds; all become ours
+        raise SourceError(f"resolving the Hub id failed: {type(e).__name__}: {e}", path=text) from e
+
+
+def _resolve(text: str, *, local_only: bool) -> str:
     repo, revision = parse_hub_id(text)
     hub = _import_hub(text)
-    if is_distributed():
-        downloads = _downloads_here()
-        folder, error = None, None
-        if downloads:
-            try:
-                folder = _fetch(hub, text, repo, revision, local_only=False)
-            except Exception as e:  # noqa: BLE001 - any failure here must reach the waiting ranks
-                error = e
-        agree(error)  # the others wait here until the downloads are complete (or failed)
-        if folder is None:
-            folder = _fetch(hub, text, repo, revision, local_only=True)
-    else:
-        folder = _fetch(hub, text, repo, revision, local_only=False)
-    _resolved[text] = folder
-    return folder
+    return _fetch(hub, text, repo, revision, local_only=local_only)
 
 
 def _downloads_here() -> bool:
@@ -99,21 +188,22 @@ def _import_hub(text: str) -> Any:
 
 
 def _fetch(hub: Any, text: str, repo: str, revision: str | None, *, local_only: bool) -> str:
-    """Download (or, ``local_only``, find in the cache) the files a load of ``repo`` needs."""
+    """Download (or, ``local_only``, find in the cache) the files a load of ``repo`` needs; every
+    file must resolve inside the repository's cache folder (symlinks followed)."""
     folder = _snapshot(hub, text, repo, revision, [*_SIDE_FILES, INDEX_NAME], local_only)
+    root = _inside_cache(hub, text, repo, folder)
     index = os.path.join(folder, INDEX_NAME)
     if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-            shards = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise SourceError(f"{INDEX_NAME} of {repo} cannot be read: {e}", path=text) from None
+        _contained(root, index, text)
+        shards = sorted(set(read_json(index, ShardIndex, what=INDEX_NAME, limit=INDEX_LIMIT).weight_map.values()))
+        for name in shards:  # plain names inside the snapshot, before any is downloaded
+            member_path(folder, name, what="index names shard", path=index)
         needed = [INDEX_NAME, *shards]
     else:
         needed = [_SINGLE]
     folder = _snapshot(hub, text, repo, revision, [*_SIDE_FILES, *needed], local_only)
-    missing = [n for n in needed if not isinstance(n, str) or not os.path.isfile(os.path.join(folder, n))]
+    root = _inside_cache(hub, text, repo, folder)
+    missing = [n for n in needed if not os.path.isfile(os.path.join(folder, n))]
     if missing:
         where = "the local cache" if local_only or hub.constants.HF_HUB_OFFLINE else repo
         raise SourceError(
@@ -121,8 +211,36 @@ def _fetch(hub: Any, text: str, repo: str, revision: str | None, *, local_only: 
             f"shards, or {_SINGLE}",
             path=text,
         )
+    for name in [*needed, *_SIDE_FILES]:
+        full = os.path.join(folder, name)
+        if os.path.lexists(full):
+            _contained(root, full, text)
     log.info("%s: %d file(s) in %s", text, len(needed), folder)
     return folder
+
+
+def _inside_cache(hub: Any, text: str, repo: str, folder: str) -> str:
+    """The real path of ``repo``'s folder in the Hub cache, after checking that the snapshot
+    ``folder`` lies inside it (symlinks resolved)."""
+    root = os.path.realpath(os.path.join(str(hub.constants.HF_HUB_CACHE), "models--" + repo.replace("/", "--")))
+    real = os.path.realpath(folder)
+    if os.path.commonpath([real, root]) != root:
+        raise SourceError(
+            f"the snapshot folder {folder} resolves to {real}, outside the repository's cache folder {root}; "
+            "refusing to read it",
+            path=text,
+        )
+    return root
+
+
+def _contained(root: str, path: str, text: str) -> None:
+    real = os.path.realpath(path)
+    if os.path.commonpath([real, root]) != root:
+        raise SourceError(
+            f"{path} resolves to {real}, outside the repository's cache folder {root} (a symlink leading out); "
+            "refusing to read it",
+            path=text,
+        )
 
 
 def _snapshot(hub: Any, text: str, repo: str, revision: str | None, names: list[str], local_only: bool) -> str:
