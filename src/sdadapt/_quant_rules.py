@@ -22,7 +22,6 @@ unexpected key, and a quantized weight loaded without these rules as a dtype or 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -37,6 +36,7 @@ from ._rules import RuleBase, parse_dtype, register_rule
 from ._rules.base import dtype_str
 from .errors import AdapterError
 from .sources._base import dtype_name
+from .sources._json import read_json
 
 if TYPE_CHECKING:
     from ._plan import PlanContext
@@ -417,11 +417,9 @@ def _fp8_scale_storage(qc: Mapping[str, Any], schema: Mapping[str, TensorInfo] |
 
 
 def _read_json(path: str) -> object:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, UnicodeDecodeError, RecursionError, json.JSONDecodeError) as e:
-        raise AdapterError(f"cannot read the release's config {path!r}: {e}") from None
+    """The release's JSON file ``path``, read within the size and nesting limits of
+    :mod:`sdadapt.sources._json` (a broken file is a ``SourceError`` naming it)."""
+    return read_json(path, what=os.path.basename(path))
 
 
 def _read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> tuple[Mapping[str, Any], str, str | None]:

@@ -243,16 +243,25 @@ def _contained(root: str, path: str, text: str) -> None:
         )
 
 
+def _not_cached(hub: Any) -> tuple[type[BaseException], ...]:
+    """The Hub client's errors for "not in the cache and not to be downloaded": 1.x raises
+    ``OfflineModeIsEnabled`` where an offline lookup of a revision needs the network."""
+    offline = getattr(hub.errors, "OfflineModeIsEnabled", None)
+    return (hub.errors.LocalEntryNotFoundError, *((offline,) if isinstance(offline, type) else ()))
+
+
 def _snapshot(hub: Any, text: str, repo: str, revision: str | None, names: list[str], local_only: bool) -> str:
     patterns = [glob.escape(n) for n in names]
     quiet = not show_progress() and not hub.utils.are_progress_bars_disabled()
     if quiet:  # the Hub's own tqdm bars only on a terminal
         hub.utils.disable_progress_bars()
     try:
+        # offline, ask for the cache alone: some Hub clients (1.x) still list a commit's files online
+        local_only = local_only or bool(hub.constants.HF_HUB_OFFLINE)
         return str(
             hub.snapshot_download(repo, revision=revision, allow_patterns=patterns, local_files_only=local_only)
         )
-    except hub.errors.LocalEntryNotFoundError as e:
+    except _not_cached(hub) as e:
         offline = " (HF_HUB_OFFLINE is set)" if hub.constants.HF_HUB_OFFLINE else ""
         raise SourceError(
             f"{repo}{'@' + revision if revision else ''} is not in the local Hub cache "
