@@ -17,7 +17,8 @@ wait seconds; the first run's bits are checked against the whole-tensor dequanti
     python bench/lane_probe.py --tensors 64 --threads 1,4,12 --bands 0,32 --repeat 2   # a CUDA device
     python bench/lane_probe.py --device cpu --tensors 2 --shape 256,512 --threads 2    # no lane: a check of the script
 
-Figures: bench/RESULTS.md.
+Its runs so far are in the git history of bench/RESULTS.md and bench/results/ (the FP8
+load's tuning on one H200); bench/RESULTS.md keeps only current figures.
 """
 
 from __future__ import annotations

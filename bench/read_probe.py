@@ -19,7 +19,8 @@ busy, read and wait seconds. ``SDADAPT_IO_*`` variables apply to the engine's ru
 
     python bench/read_probe.py --tensors 64 --threads 12 --chunks 10.667,21.333 --repeat 2
 
-Figures: bench/RESULTS.md.
+Its runs so far are in the git history of bench/RESULTS.md and bench/results/ (the FP8
+load's tuning on one H200); bench/RESULTS.md keeps only current figures.
 """
 
 from __future__ import annotations
