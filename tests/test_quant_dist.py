@@ -82,10 +82,10 @@ def _cases(folder: str, kinds: list[str], fmts: list[str], dtypes: tuple[torch.d
         total = sum(t.numel() * t.element_size() for t in release_tensors(fmt).values())
         for kind in kinds:
             model = _build(kind, dtype)
-            adapter = fp8_adapter(fmt)
-            if dtype == torch.float32:  # the release's bf16 embedding and norm have a dtype: widened by a rule
-                adapter = sdadapt.Adapter([*adapter.rules, sdadapt.cast("**", "model", from_dtype="bfloat16")])
+            adapter = fp8_adapter(fmt)  # no cast: the release's bf16 embedding and norm widen exactly
             rep = sdadapt.load(model, path, adapter)
+            if dtype == torch.float32:
+                assert rep.report.widened, "a float32 model: the release's bf16 tensors are widened"
             bad, own, small_shard, shared_tile, cut_block, uneven = [], 0, False, False, False, False
             for k, v in model.state_dict().items():
                 if isinstance(v, DTensor):
