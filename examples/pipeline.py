@@ -9,7 +9,7 @@
 CPU (gloo) or GPU (nccl, one GPU per process) is picked from ``torch.cuda.is_available()``.
 The "pretrained" checkpoint is one ``torch.save`` file in another layout than the model (q, k
 and v saved apart; the model fuses them); the script writes it if ``--ckpt`` does not exist.
-The order of the steps matters; README.md ("The pipeline, step by step") says why.
+The order of the steps matters; docs/pipeline.md says why.
 """
 
 from __future__ import annotations

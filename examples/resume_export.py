@@ -4,8 +4,8 @@ parallelised model under torchrun).
 
     python examples/resume_export.py [--dir DIR]
 
-README.md ("Adapters shipped by name", "Drafting an adapter", "Resume and export") walks
-through the same steps.
+docs/adapters.md (the adapters shipped by name, ``sdadapt draft``) and
+docs/resume-and-export.md walk through the same steps.
 """
 
 from __future__ import annotations

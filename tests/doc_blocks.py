@@ -158,8 +158,8 @@ def _fp8_release(folder: str) -> dict[str, Any]:
 
 
 def _after_quick_start(ns: dict[str, Any]) -> None:
-    """'Resume and export' continues the Quick start (its model, loaded, and its adapter) with
-    the optimizer and scheduler a training script has."""
+    """docs/resume-and-export.md continues the README's Quick start (its model, loaded, and its
+    adapter) with the optimizer and scheduler a training script has."""
     import torch
 
     (quick,) = [b for b in blocks("README.md") if b.heading == "Quick start" and b.lang == "python"]
@@ -195,10 +195,10 @@ def _examples_folder(ns: dict[str, Any]) -> None:
 
 SETUPS: dict[tuple[str, str], Callable[[dict[str, Any]], None]] = {
     ("README.md", "The CLI"): _examples_folder,  # its first line writes pretrained.pt
-    ("README.md", "Drafting an adapter: `sdadapt draft`"): _pipeline_checkpoint,
-    ("README.md", "Adapters shipped by name"): lambda ns: ns.update(folder=_hf_llama("hf_llama_dir")),
-    ("README.md", "Resume and export"): _after_quick_start,
-    ("README.md", "Pipeline stages and expert parallel"): _pipeline_stage,
+    ("docs/adapters.md", "Drafting an adapter: `sdadapt draft`"): _pipeline_checkpoint,
+    ("docs/adapters.md", "Adapters shipped by name"): lambda ns: ns.update(folder=_hf_llama("hf_llama_dir")),
+    ("docs/resume-and-export.md", "Resume and export"): _after_quick_start,
+    ("docs/pipeline.md", "Pipeline stages and expert parallel"): _pipeline_stage,
     ("docs/quantized.md", "Quantized releases: the `dequant` rules"): lambda ns: ns.update(_fp8_release("path/to/release")),
     ("docs/rules.md", "Quantized checkpoints: the dequant rules"): lambda ns: ns.update(release=_fp8_release("path/to/release")),
 }

@@ -5,10 +5,10 @@ buffers with ``preadv`` and hand them to the :class:`DeviceLane`. Its thread mak
 device call of the run (host-to-device copies, kernels such as a dequantisation, and the waits
 for copies to finish), so that no two threads call into the CUDA driver at once: with each
 reader issuing its own copies and kernels, the time of each call grew with the number of
-threads issuing them, and a reader blocked in an event's wait slowed the lane's own calls
-(bench/RESULTS.md). Once a buffer's copy is queued, the lane records an event behind it and
-goes on; it hands the buffer back (calls its ``release``) once the event has passed, which it
-checks after each piece of work, and waits for when it has nothing else to do. So a buffer
+threads issuing them, and a reader blocked in an event's wait slowed the lane's own calls.
+Once a buffer's copy is queued, the lane records an event behind it and goes on; it hands the
+buffer back (calls its ``release``) once the event has passed, which it checks after each piece
+of work, and waits for when it has nothing else to do. So a buffer
 is never refilled while the DMA out of it is pending, and a reader never waits on the device.
 
 A gather's inputs (:class:`~sdadapt._engine.tasks.Gather`) come as ordinary staged reads: the
@@ -225,7 +225,7 @@ class DeviceLane:
         """The next piece of work; while none is queued, the lane waits for the oldest pending
         copy and hands its buffer back, so that its reader goes on (work queued meanwhile waits
         for that copy: waiting for new work instead, checking the copies in between, was
-        measured to shorten neither the readers' waits nor the loads, bench/RESULTS.md)."""
+        measured to shorten neither the readers' waits nor the loads)."""
         while self._inflight:
             try:
                 return self._work.get_nowait()
