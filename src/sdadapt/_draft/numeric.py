@@ -86,7 +86,13 @@ class Outcome:
 
 def _hf_reference(config: dict[str, Any]) -> nn.Module:
     """The transformers class named by ``architectures`` in ``config``, built from it (random)."""
-    import transformers
+    try:
+        import transformers
+    except ImportError:
+        raise SdadaptError(
+            "reference='config' builds the checkpoint's model with transformers, which is not installed: "
+            "pip install 'sdadapt[models]', or give reference= a function building the model"
+        ) from None
 
     names = config.get("architectures") or []
     cls = getattr(transformers, names[0], None) if names else None
@@ -168,7 +174,13 @@ class Experiment:
         if callable(save):
             save(self.folder)
         else:
-            from safetensors.torch import save_file
+            try:
+                from safetensors.torch import save_file
+            except ImportError:
+                raise SdadaptError(
+                    "a reference model without save_pretrained is written with safetensors, which is not "
+                    "installed: pip install safetensors"
+                ) from None
 
             state = {k: v.contiguous() for k, v in self.reference.state_dict().items()}
             save_file(state, os.path.join(self.folder, "model.safetensors"))
