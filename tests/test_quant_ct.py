@@ -415,3 +415,63 @@ def test_kernels_stay_on_the_inputs_device(cases, name: str) -> None:
         node = plan.recipes[key]
         assert node.device_node() is node
         node.warm_up(torch.device("meta"))
+
+
+def _band_gathers(src, node, band: tuple, min_span: int) -> bool:
+    """Whether the planner may gather ``band``: what its ``inputs`` hand the kernel is what it
+    read, and each read lies in one run or in runs of at least ``min_span`` bytes."""
+    from sdadapt._engine.geometry import box_spans
+    from sdadapt._engine.planner import _as_read, _InputRecorder
+
+    rec = _InputRecorder(src)
+    (step,) = node.steps(band, torch.empty([b - a for a, b in band], dtype=torch.bfloat16))
+    args = step.inputs(rec)
+    if len(args) != len(rec.reads) or not all(_as_read(a, r) for a, (_, _, r) in zip(args, rec.reads, strict=True)):
+        return False
+    for key, box, _ in rec.reads:
+        starts, run = box_spans(src.schema[key].shape, src.schema[key].dtype.itemsize, box)
+        if len(starts) > 1 and run < min_span:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("name", CT_FORMATS + HAND_FORMATS)
+def test_shards_gather_their_inputs_on_the_device_lane(cases, name: str) -> None:
+    """With a device lane (the CPU standing in for a GPU), every band of an FSDP dim-0 shard of a
+    dequantised weight gathers its inputs (codes or packed words: one run of whole rows; scales,
+    zero points and the global scale: their grid rows) instead of going through a reader's band
+    buffer; a column slice (runs shorter than ``min_span_bytes``) takes the band path. Gathered,
+    band path and the eager whole-tensor dequantisation give the same bits, from the same bytes."""
+    from sdadapt._engine import EngineConfig, IOEngine, Job
+
+    folder, _ = cases[name]
+    _, plan = sdadapt.plan_load(Tiny(), folder, adapter_for(folder))
+    with sdadapt.open_source(folder) as src:
+        from checkpoints import DictIO
+
+        io = DictIO({k: src.read(k, tuple((0, n) for n in i.shape)).clone() for k, i in src.schema.items()})
+        jobs_of: list[tuple[object, tuple]] = []
+        for key in ("layers.0.w1.weight", "layers.0.w2.weight"):
+            node = plan.recipes[key]
+            rows, cols = node.shape
+            unit = 32 // S.BITS[node.codec] * node.block[0] if node.zero is not None else node.block[0] if node.block[0] < rows else 1
+            cut = max(unit, rows // 4 // unit * unit)
+            for r0 in range(0, rows, cut):  # four ranks' dim-0 shards, on whole blocks / packed zero words
+                jobs_of.append((node, ((r0, min(rows, r0 + cut)), (0, cols))))
+            jobs_of.append((node, ((0, rows), (0, cols // 2))))  # a column slice (a TP row-wise shard)
+        stats = {}
+        for gather in (True, False):
+            cfg = EngineConfig(threads=3, chunk_bytes=1024, band_bytes=2048, gather_bytes=2048, min_span_bytes=4096, gather_inputs=gather)
+            jobs = [Job("w", node, box, torch.full([b - a for a, b in box], float("nan"), dtype=torch.bfloat16)) for node, box in jobs_of]
+            stats[gather] = IOEngine(src, cfg, cpu_lane=True).run(jobs)
+            for job in jobs:
+                whole = job.node.full(io)
+                (r0, r1), (c0, c1) = job.box
+                assert torch.equal(bits(job.dest), bits(whole[r0:r1, c0:c1])), (name, gather, job.box)
+        bands = [(node, band, box[1] == (0, node.shape[1])) for node, box in jobs_of for band in node.bands(box, 2048)]
+        g, b = stats[True], stats[False]
+        assert [_band_gathers(src, n, band, 4096) for n, band, _ in bands] == [whole for _, _, whole in bands], name
+        assert g.gathered == sum(whole for _, _, whole in bands) > 0, (name, g.gathered, len(bands))
+        assert b.gathered == 0 and b.computed == len(bands)
+        assert g.computed == len(bands) - g.gathered  # the column slices
+        assert g.bytes_read == b.bytes_read
