@@ -475,3 +475,35 @@ def test_shards_gather_their_inputs_on_the_device_lane(cases, name: str) -> None
         assert b.gathered == 0 and b.computed == len(bands)
         assert g.computed == len(bands) - g.gathered  # the column slices
         assert g.bytes_read == b.bytes_read
+
+
+# what moves data between the host and a device: a table made from host data waits for the
+# stream on a GPU, a value read back waits for the device
+_HOST_CALLS = {"tensor", "as_tensor", "from_numpy", "item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__"}
+
+
+@pytest.mark.parametrize("name", CT_FORMATS + HAND_FORMATS)
+def test_kernels_do_no_host_work(cases, name: str) -> None:
+    """A dequantisation's kernel (run per band on the device lane) neither copies host data to
+    the device nor reads a value back: either waits for everything queued on the GPU's stream,
+    and the lane queues no further copy meanwhile. The e2m1 table is made once per device."""
+    from torch.overrides import TorchFunctionMode
+
+    class Calls(TorchFunctionMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    folder, _ = cases[name]
+    _, plan = sdadapt.plan_load(Tiny(), folder, adapter_for(folder))
+    node = plan.recipes["layers.0.w1.weight"]
+    node.warm_up(torch.device("meta"))  # the first call may make per-device tables
+    calls = Calls()
+    with calls:
+        node.warm_up(torch.device("meta"))
+    assert "copy_" in calls.names  # the mode sees the kernel's calls
+    assert not _HOST_CALLS & set(calls.names), (name, sorted(_HOST_CALLS & set(calls.names)))

@@ -218,13 +218,34 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int], fmt: ScaleFormat) -> t
 # --- MXFP4 ----------------------------------------------------------------------------------------
 
 
+_FP4_PAIRS: dict[torch.device, torch.Tensor] = {}
+
+
+def fp4_pairs(device: torch.device) -> torch.Tensor:
+    """float32 ``[256, 2]`` on ``device``: byte -> the e2m1 values of its low and high nibble.
+
+    Made once per device with device ops (no host data: copying a table from the host would
+    wait for everything queued on the stream, once per band on a GPU), then kept."""
+    pairs = _FP4_PAIRS.get(device)
+    if pairs is not None:
+        return pairs
+    with torch.inference_mode(False), torch.no_grad():
+        code = torch.arange(16, dtype=torch.int32, device=device)
+        e, m = (code >> 1) & 3, (code & 1).to(torch.float32)
+        mag = torch.where(e == 0, m * 0.5, (m + 2.0) * torch.exp2((e - 2).to(torch.float32)))
+        lut = torch.where((code & 8) != 0, -mag, mag)  # code 8 is -0.0
+        pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1).contiguous()  # byte & 0xF, byte >> 4
+        if device.type == "cuda":  # later use may be on another stream: the table must be there
+            torch.cuda.current_stream(device).synchronize()
+    _FP4_PAIRS[device] = pairs
+    return pairs
+
+
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``blocks [..., G, 16]`` + ``scales [..., G]`` -> values ``[..., G * 32]`` in ``dtype``.
 
     One table lookup per byte (byte -> its low-nibble and high-nibble values, in that order)."""
-    lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=blocks.device)
-    pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1)  # [256, 2]: byte & 0xF, byte >> 4
-    v = F.embedding(blocks.to(torch.int64), pairs).reshape(tuple(blocks.shape[:-1]) + (MX_BLOCK,))
+    v = F.embedding(blocks.to(torch.int64), fp4_pairs(blocks.device)).reshape(tuple(blocks.shape[:-1]) + (MX_BLOCK,))
     v.mul_(decode_e8m0(scales).unsqueeze(-1))
     return v.reshape(tuple(blocks.shape[:-2]) + (blocks.shape[-2] * MX_BLOCK,)).to(dtype)
 

@@ -32,7 +32,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ._quant import E4M3_MAX, FP4_VALUES, FP8_DTYPE, decode_e8m0, e2m1_codes
+from ._quant import E4M3_MAX, FP8_DTYPE, decode_e8m0, e2m1_codes, fp4_pairs
 
 Codec = Literal["e4m3", "int8", "e2m1", "int4", "int8_packed"]
 Strategy = Literal["tensor", "channel", "group", "block"]
@@ -68,9 +68,7 @@ def decode_codes(raw: torch.Tensor, codec: Codec) -> torch.Tensor:
     if codec in ("e4m3", "int8"):
         return raw.to(torch.float32)
     if codec == "e2m1":
-        lut = torch.tensor(FP4_VALUES, dtype=torch.float32, device=raw.device)
-        pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1)  # byte -> (low, high)
-        return F.embedding(raw.to(torch.int64), pairs).flatten(-2)
+        return F.embedding(raw.to(torch.int64), fp4_pairs(raw.device)).flatten(-2)  # byte -> (low, high)
     raw = torch.empty(raw.shape, dtype=raw.dtype, device=raw.device).copy_(raw) if raw.dim() and raw.stride(-1) != 1 else raw
     b = raw.contiguous().view(torch.uint8)  # little-endian words: element i at bits i * num_bits
     if codec == "int8_packed":
