@@ -505,5 +505,52 @@ def test_kernels_do_no_host_work(cases, name: str) -> None:
     calls = Calls()
     with calls:
         node.warm_up(torch.device("meta"))
-    assert "copy_" in calls.names  # the mode sees the kernel's calls
+    assert {"copy_", "mul_"} & set(calls.names)  # the mode sees the kernel's writes
     assert not _HOST_CALLS & set(calls.names), (name, sorted(_HOST_CALLS & set(calls.names)))
+
+
+_INTO = {"fp8_tensor", "fp8_channel", "nvfp4", "mxfp8", "mxfp4", "modelopt_nvfp4", "modelopt_fp8", "fp8_per_tensor", "mxfp8_e8m0"}
+
+
+@pytest.mark.parametrize("name", CT_FORMATS + HAND_FORMATS)
+def test_kernels_write_into_the_destination_with_the_same_bits(cases, name: str, monkeypatch) -> None:
+    """Where a region is whole column groups of one-row (or one whole-tensor) scales and the codes
+    are exact in the target's dtype (e4m3, e2m1; bf16, fp16, float32), the kernel converts the
+    codes straight into the destination and scales them in place (no float32 temporary): the
+    same bits as the general path and the eager whole-tensor dequantisation, for every region,
+    cut or not; the other formats (zero points, packed ints, 2-D blocks) keep the general path."""
+    import random
+
+    from checkpoints import DictIO
+
+    took: list[bool] = []
+    real = S.dequantize_into
+
+    def spy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        took.append(real(*args, **kwargs))
+        return took[-1]
+
+    monkeypatch.setattr(S, "dequantize_into", spy)
+    folder, _ = cases[name]
+    _, plan = sdadapt.plan_load(Tiny(), folder, adapter_for(folder))
+    rng = random.Random(name)
+    with sdadapt.open_source(folder) as src:
+        io = DictIO({k: src.read(k, tuple((0, n) for n in i.shape)).clone() for k, i in src.schema.items()})
+        for key in ("layers.0.w1.weight", "layers.0.w2.weight"):
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                node = plan.recipes[key].as_dtype(dtype)
+                whole = node.full(io)
+                rows, cols = node.shape
+                boxes = [((0, rows), (0, cols)), ((5, 9), (0, cols))]
+                for _ in range(12):
+                    r0, c0 = rng.randrange(rows), rng.randrange(cols)
+                    boxes.append(((r0, rng.randrange(r0 + 1, rows + 1)), (c0, rng.randrange(c0 + 1, cols + 1))))
+                for box in boxes:
+                    took.clear()
+                    (r0, r1), (c0, c1) = box
+                    dest = torch.full((r1 - r0, c1 - c0), float("nan"), dtype=dtype)
+                    (step,) = node.steps(box, dest)
+                    step.run(io)
+                    assert torch.equal(bits(dest), bits(whole[r0:r1, c0:c1])), (name, key, dtype, box)
+                    if box[1] == (0, cols):  # whole rows: the fast path wherever the format has it
+                        assert any(took) == (name in _INTO), (name, key, dtype, box, took)

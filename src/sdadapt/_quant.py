@@ -218,15 +218,16 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int], fmt: ScaleFormat) -> t
 # --- MXFP4 ----------------------------------------------------------------------------------------
 
 
-_FP4_PAIRS: dict[torch.device, torch.Tensor] = {}
+_FP4_PAIRS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def fp4_pairs(device: torch.device) -> torch.Tensor:
-    """float32 ``[256, 2]`` on ``device``: byte -> the e2m1 values of its low and high nibble.
+def fp4_pairs(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[256, 2]`` in ``dtype`` (one e2m1 values convert to exactly) on ``device``: byte -> the
+    e2m1 values of its low and high nibble.
 
-    Made once per device with device ops (no host data: copying a table from the host would
-    wait for everything queued on the stream, once per band on a GPU), then kept."""
-    pairs = _FP4_PAIRS.get(device)
+    Made once per device and dtype with device ops (no host data: copying a table from the host
+    would wait for everything queued on the stream, once per band on a GPU), then kept."""
+    pairs = _FP4_PAIRS.get((device, dtype))
     if pairs is not None:
         return pairs
     with torch.inference_mode(False), torch.no_grad():
@@ -234,10 +235,10 @@ def fp4_pairs(device: torch.device) -> torch.Tensor:
         e, m = (code >> 1) & 3, (code & 1).to(torch.float32)
         mag = torch.where(e == 0, m * 0.5, (m + 2.0) * torch.exp2((e - 2).to(torch.float32)))
         lut = torch.where((code & 8) != 0, -mag, mag)  # code 8 is -0.0
-        pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1).contiguous()  # byte & 0xF, byte >> 4
+        pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1).to(dtype).contiguous()  # byte & 0xF, byte >> 4
         if device.type == "cuda":  # later use may be on another stream: the table must be there
             torch.cuda.current_stream(device).synchronize()
-    _FP4_PAIRS[device] = pairs
+    _FP4_PAIRS[(device, dtype)] = pairs
     return pairs
 
 

@@ -134,6 +134,45 @@ def dequantize_region(
     return (v * s).to(dtype)
 
 
+_INTO_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # every e4m3, e2m1 and int8 code is exact in these
+
+
+def dequantize_into(
+    dest: torch.Tensor, raw: torch.Tensor, codec: Codec, scale: torch.Tensor, block: tuple[int, int], c0: int
+) -> bool:
+    """Dequantise stored values ``raw`` (rows ``[..., R, P]``, from column ``c0``) straight into
+    ``dest`` with no float32 temporary, where the region allows it: the codes converted into
+    ``dest`` (exact), then multiplied in place by ``scale`` (float32 multipliers, one per row and
+    column group ``[..., R, C / b1]``, per row ``[..., R, 1]``, or one for the tensor), which
+    computes in float32 and rounds once: the bits of :func:`dequantize_region`. Returns ``False``,
+    touching nothing, for zero points' codecs, a dtype the codes are not exact in, column groups
+    the region cuts, row blocks taller than one row, or (e2m1) half a byte or a strided ``dest``."""
+    rows, cols = dest.shape[-2:]
+    b1 = block[1]
+    one = scale.numel() == 1
+    if codec not in ("e4m3", "int8", "e2m1") or dest.dtype not in _INTO_DTYPES:
+        return False
+    if not one and (scale.dim() < 2 or scale.shape[-2] != rows or block[0] != 1):
+        return False
+    groups = 1 if one else scale.shape[-1]
+    if groups > 1 and (c0 % b1 or cols != groups * b1):
+        return False
+    if codec == "e2m1":
+        if c0 % 2 or raw.shape[-1] * 2 != cols or not dest.is_contiguous():
+            return False
+        idx = raw.reshape(-1).to(torch.int32)
+        torch.index_select(fp4_pairs(raw.device, dest.dtype), 0, idx, out=dest.view(-1, 2))
+    else:
+        dest.copy_(raw)
+    # a multiplier of at least one dim takes part in type promotion: the product is float32
+    s = scale.reshape((1, 1)) if one else scale
+    if groups > 1:
+        dest.unflatten(-1, (groups, b1)).mul_(s.unsqueeze(-1))
+    else:
+        dest.mul_(s)
+    return True
+
+
 def dequantize(
     raw: torch.Tensor,
     codec: Codec,

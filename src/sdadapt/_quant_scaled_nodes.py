@@ -83,6 +83,10 @@ class DequantScaled(_Dequant):
         raw, scale, rest = inputs[0], inputs[1], list(inputs[2:])
         zero = rest.pop(0) if self.zero is not None else None
         glob = rest.pop(0) if self.glob is not None else None
+        if zero is None and dest.dtype == self.dtype:
+            s = S.scale_multipliers(scale, glob, self.mode)
+            if (self._per_tensor() or b0 == 1) and S.dequantize_into(dest, raw, self.codec, s, self.block, c0):
+                return
         unit = S.PER_UNIT[self.codec]
         skip = c0 // unit * unit
         codes = S.decode_codes(raw, self.codec)[..., c0 - skip : c1 - skip]
