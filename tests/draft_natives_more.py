@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import draft_natives
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -110,42 +111,22 @@ class FeedForward(nn.Module):
         return self.w2(h * self.w3(x) if self.gated else h)
 
 
-class MoE(nn.Module):
+class MoE(draft_natives.MoE):
     """Softmax router, top-k (optionally renormalised), stacked SwiGLU experts; optionally a
     shared expert scaled by ``sigmoid(shared_gate(x))`` (Qwen2-MoE)."""
 
     def __init__(self, c: dict[str, Any]):
-        super().__init__()
-        self.c = c
-        e, d, f = c["experts"], c["dim"], c["moe_hidden"]
-        self.router = nn.Module()
-        self.router.gate = nn.Linear(d, e, bias=False)
-        self.experts = nn.Module()
-        self.experts.w1 = nn.Parameter(torch.empty(e, f, d))
-        self.experts.w2 = nn.Parameter(torch.empty(e, d, f))
-        self.experts.w3 = nn.Parameter(torch.empty(e, f, d))
+        super().__init__(c)
         if c.get("shared_hidden"):
             self.shared_experts = FeedForward({**c, "mlp_bias": False, "gated": True, "act": "silu"}, c["shared_hidden"])
-            self.shared_gate = nn.Linear(d, 1, bias=False)
+            self.shared_gate = nn.Linear(c["dim"], 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        probs = self.router.gate(flat).float().softmax(-1)
-        w, idx = probs.topk(self.c["top_k"], dim=-1)
-        if self.c.get("norm_topk"):
-            w = w / w.sum(-1, keepdim=True)
-        out = torch.zeros_like(flat)
-        ex = self.experts
-        for j in range(self.c["top_k"]):
-            for e in range(self.c["experts"]):
-                sel = idx[:, j] == e
-                if sel.any():
-                    t = flat[sel]
-                    y = (F.silu(t @ ex.w1[e].T) * (t @ ex.w3[e].T)) @ ex.w2[e].T
-                    out[sel] += w[sel, j, None].to(y.dtype) * y
+        out = super().forward(x)
         if hasattr(self, "shared_experts"):
-            out = out + torch.sigmoid(self.shared_gate(flat)) * self.shared_experts(flat)
-        return out.reshape(x.shape)
+            flat = x.reshape(-1, x.shape[-1])
+            out = out + (torch.sigmoid(self.shared_gate(flat)) * self.shared_experts(flat)).reshape(x.shape)
+        return out
 
 
 class Block(nn.Module):

@@ -9,13 +9,12 @@ from torch import nn
 
 from ._adapter import Adapter
 from ._args import check_not_a_model
-from ._constructors import with_dtype
 from ._plan import PipelineStage, build_plan, vacant_modules
-from ._registry import adapter_names
+from ._registry import is_shipped
 from ._report import Report
 from ._resolve import adapter_or_none
 from ._target import model_state_dict, schema_of
-from ._titan_names import for_load
+from ._titan_names import for_plan
 from .sources import Source, TensorInfo, open_source
 
 Target = nn.Module | str | os.PathLike[str] | Source | dict[str, TensorInfo]
@@ -52,7 +51,7 @@ def diff(
     (a shipped name with options read from ``src``'s folder, ``file.py:ATTR``, ``module:ATTR``,
     ``.json``)."""
     check_not_a_model("sdadapt.diff(target, src, adapter=None, ...)", src, other=target)
-    shipped = isinstance(adapter, str) and adapter in adapter_names()  # aimed at the target's names, as load does
+    shipped = is_shipped(adapter)  # aimed at the target's names, as load does
     resolved = adapter_or_none(adapter, src, target if isinstance(target, nn.Module) else None)
     schema, name = target_schema(target)
     stage = None
@@ -60,10 +59,7 @@ def diff(
         stage = PipelineStage.of(schema, vacant_modules(target) if isinstance(target, nn.Module) else ())
     source = open_source(src, subtree=subtree)
     try:
-        if shipped and resolved is not None:
-            resolved, state = for_load(resolved, source.schema, source.non_tensor, schema)
-            allow_missing = [*(allow_missing or []), *state] if state else allow_missing
-        adapter = with_dtype(resolved, dtype)
+        adapter, allow_missing = for_plan(resolved, shipped, source.schema, source.non_tensor, schema, allow_missing, dtype)
         return build_plan(
             source.schema,
             schema,

@@ -47,7 +47,7 @@ from ._distributed import is_distributed, rank_and_world
 from ._materialize import has_meta
 from ._nodes import Box, Node, full_box
 from ._plan import PlanContext
-from ._registry import adapter_names, config_folder
+from ._registry import config_folder, is_shipped
 from ._resolve import adapter_or_none
 from ._target import model_state_dict
 from ._titan_names import for_export
@@ -351,7 +351,7 @@ def export_iter(
     :func:`sdadapt.load`, else from the model's own config (``model.config``), and reaches the
     names the model holds (torchtitan's current ones: see :func:`sdadapt.torchtitan.torchtitan_names`)."""
     check_model_and_path("sdadapt.export_iter(model, adapter=None, ...)", model, adapter, path_arg="adapter")
-    shipped = isinstance(adapter, str) and adapter in adapter_names()  # our documented layout
+    shipped = is_shipped(adapter)  # our documented layout
     stream = _ModelStream(model, adapter, process_group, "export_iter", native_names=shipped)
     try:
         for key in list(stream.outputs):
@@ -400,7 +400,7 @@ def export(
     check_model_and_path("sdadapt.export(model, dst, adapter=None, format='safetensors', ...)", model, dst, path_arg="dst")
     dst = os.fspath(dst)
     folder = os.fspath(assets) if assets is not None else loaded_from(model)
-    shipped = isinstance(adapter, str) and adapter in adapter_names()  # our documented layout
+    shipped = is_shipped(adapter)  # our documented layout
     config = transformers_config(model) if folder is None else None
     rank, world = rank_and_world(process_group)
 

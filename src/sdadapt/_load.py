@@ -16,18 +16,17 @@ from . import _integrity as integrity
 from ._adapter import Adapter
 from ._args import check_model_and_path
 from ._assets import remember_source
-from ._constructors import with_dtype
 from ._distributed import rank_and_world
 from ._engine import EngineConfig, device_kernels, prefetch_pinned, warm_kernels
 from ._gc import without_gc
 from ._lora import LoraMerged, merged_lora, open_peft_lora
 from ._materialize import InitFn, check_buffers, choose_device, has_meta
 from ._plan import PipelineStage, Plan, build_plan, vacant_modules
-from ._registry import adapter_names
+from ._registry import is_shipped
 from ._report import Report
 from ._resolve import adapter_or_none
 from ._target import local_nbytes, model_state_dict, schema_of
-from ._titan_names import for_load
+from ._titan_names import for_plan
 from ._transaction import Part, Transaction
 from .errors import PlanError
 from .sources import Source, open_source
@@ -104,7 +103,7 @@ def plan_load(
     """Open the source and plan against the model (headers only; nothing is read or changed);
     ``pipeline_stage``, ``lora`` and ``dtype`` as in :func:`load`."""
     check_model_and_path("sdadapt.plan_load(model, src, adapter=None, ...)", model, src)
-    shipped = isinstance(adapter, str) and adapter in adapter_names()
+    shipped = is_shipped(adapter)
     source, plan, _ = _plan_load(
         model, src, adapter_or_none(adapter, src, model), subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype, shipped
     )
@@ -131,10 +130,9 @@ def _plan_load(
     state_dict = model_state_dict(model)
     stage = PipelineStage.of(state_dict, vacant_modules(model)) if pipeline_stage else None
     try:
-        if shipped and adapter is not None:
-            adapter, state = for_load(adapter, source.schema, source.non_tensor, schema_of(state_dict))
-            allow_missing = [*(allow_missing or []), *state] if state else allow_missing
-        adapter = with_dtype(adapter, dtype)
+        adapter, allow_missing = for_plan(
+            adapter, shipped, source.schema, source.non_tensor, schema_of(state_dict), allow_missing, dtype
+        )
         if lora is not None:
             peft = open_peft_lora(lora)
             source = peft.join(source)
@@ -260,7 +258,7 @@ def load(
     shards only (:mod:`sdadapt._lora`).
     """
     check_model_and_path("sdadapt.load(model, src, adapter=None, ...)", model, src)
-    shipped = isinstance(adapter, str) and adapter in adapter_names()
+    shipped = is_shipped(adapter)
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
     txn = Transaction(model, process_group, _describe(src))

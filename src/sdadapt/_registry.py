@@ -55,6 +55,12 @@ def adapter_names() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
 
 
+def is_shipped(adapter: object) -> bool:
+    """Whether ``adapter`` names a shipped adapter (our documented layout, which load, diff and
+    export aim at the names the model holds)."""
+    return isinstance(adapter, str) and adapter in adapter_names()
+
+
 def adapter_module(name: str) -> ModuleType:
     """Import ``sdadapt.adapters.<name>`` and check that it is an adapter module."""
     if not isinstance(name, str) or not name.isidentifier():

@@ -17,8 +17,10 @@ import logging
 from collections.abc import Collection, Mapping
 from typing import Any
 
+import torch
+
 from ._adapter import Adapter
-from ._constructors import fuse, interleave, rename, tie
+from ._constructors import fuse, interleave, rename, tie, with_dtype
 from ._patterns import KeyPattern
 from ._plan import PlanContext
 from ._rules.keys import Tie
@@ -194,6 +196,24 @@ def _outputs(schema: Mapping[str, Any], non_tensor: list[str], adapter: Adapter)
     for i, rule in enumerate(adapter.rules):
         rule.apply(ctx, i)
     return None if ctx.issues else set(ctx.env)
+
+
+def for_plan(
+    adapter: Adapter | None,
+    shipped: bool,
+    source: Mapping[str, Any],
+    non_tensor: list[str],
+    model: Mapping[str, Any],
+    allow_missing: list[str] | None,
+    dtype: str | torch.dtype | None,
+) -> tuple[Adapter | None, list[str] | None]:
+    """What ``load``, ``plan_load`` and ``diff`` plan with: a ``shipped`` adapter aimed at the
+    model's names (:func:`for_load`, its training state added to ``allow_missing``), then
+    ``dtype``'s cast (:func:`sdadapt.with_dtype`). Returns ``(adapter, allow_missing)``."""
+    if shipped and adapter is not None:
+        adapter, state = for_load(adapter, source, non_tensor, model)
+        allow_missing = [*(allow_missing or []), *state] if state else allow_missing
+    return with_dtype(adapter, dtype), allow_missing
 
 
 def for_load(

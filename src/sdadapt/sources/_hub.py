@@ -223,21 +223,16 @@ def _inside_cache(hub: Any, text: str, repo: str, folder: str) -> str:
     """The real path of ``repo``'s folder in the Hub cache, after checking that the snapshot
     ``folder`` lies inside it (symlinks resolved)."""
     root = os.path.realpath(os.path.join(str(hub.constants.HF_HUB_CACHE), "models--" + repo.replace("/", "--")))
-    real = os.path.realpath(folder)
-    if os.path.commonpath([real, root]) != root:
-        raise SourceError(
-            f"the snapshot folder {folder} resolves to {real}, outside the repository's cache folder {root}; "
-            "refusing to read it",
-            path=text,
-        )
+    _contained(root, folder, text, what="the snapshot folder ")
     return root
 
 
-def _contained(root: str, path: str, text: str) -> None:
+def _contained(root: str, path: str, text: str, what: str = "") -> None:
+    """A :class:`SourceError` unless ``path`` (symlinks resolved) lies inside ``root``."""
     real = os.path.realpath(path)
     if os.path.commonpath([real, root]) != root:
         raise SourceError(
-            f"{path} resolves to {real}, outside the repository's cache folder {root} (a symlink leading out); "
+            f"{what}{path} resolves to {real}, outside the repository's cache folder {root} (a symlink leading out); "
             "refusing to read it",
             path=text,
         )
