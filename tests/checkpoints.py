@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -125,3 +125,12 @@ class DictIO:
         from sdadapt.sources._base import TensorInfo
 
         return {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in self.tensors.items()}
+
+
+def read_safetensors_folder(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``.safetensors`` files in folder ``path`` (an HF release or an export)."""
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            out.update(load_file(os.path.join(path, name)))
+    return out

@@ -17,35 +17,21 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helper import run_distributed
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import sdadapt
 
 pytest.importorskip("compressed_tensors")
 
 from test_quant_ct import CT_FORMATS, HAND_FORMATS, Tiny, adapter_for, write_case  # noqa: E402
+from test_quant_dist import parallelize_tiny  # noqa: E402
 
 
 def _build(kind: str, dtype: torch.dtype) -> Tiny:
     with torch.device("meta"):
         model = Tiny(dtype)
-    layer = model.layers[0]
-    if kind == "fsdp":
-        fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",)))
-        return model
-    if kind == "fsdp_tp_2x2":
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
-        tp = mesh["tp"]
-    else:
-        tp = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
-    parallelize_module(layer, tp, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-    if kind == "fsdp_tp_2x2":
-        fully_shard(model, mesh=mesh["fsdp"])
-    return model
+    return parallelize_tiny(model, kind)
 
 
 def _cases(folder: str, kinds: list[str], names: list[str], dtypes: list[torch.dtype]) -> dict[str, Any]:

@@ -29,9 +29,10 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import sdadapt
 
 
-def _build(kind: str, dtype: torch.dtype) -> Tiny:
-    with torch.device("meta"):
-        model = Tiny(dtype)
+def parallelize_tiny(model: nn.Module, kind: str, *, shard_experts: bool = False) -> nn.Module:
+    """``model`` (a tiny test model on meta whose ``layers[0]`` has ``w1`` / ``w2``) sharded by
+    ``kind``: ``fsdp``, ``tp`` (w1 column-, w2 row-parallel; with ``shard_experts`` the stacked
+    ``mlp.experts`` along dim 2 too) or ``fsdp_tp_2x2``."""
     layer = model.layers[0]
     if kind == "fsdp":
         fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",)))
@@ -42,10 +43,17 @@ def _build(kind: str, dtype: torch.dtype) -> Tiny:
     else:
         tp = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     parallelize_module(layer, tp, {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
-    layer.mlp.experts = nn.Parameter(distribute_tensor(layer.mlp.experts.data, tp, [Shard(2)]))
+    if shard_experts:
+        layer.mlp.experts = nn.Parameter(distribute_tensor(layer.mlp.experts.data, tp, [Shard(2)]))
     if kind == "fsdp_tp_2x2":
         fully_shard(model, mesh=mesh["fsdp"])
     return model
+
+
+def _build(kind: str, dtype: torch.dtype) -> Tiny:
+    with torch.device("meta"):
+        model = Tiny(dtype)
+    return parallelize_tiny(model, kind, shard_experts=True)
 
 
 def _own_bytes(key: str, offset: tuple[int, ...], shape: tuple[int, ...], fmt: str) -> int:

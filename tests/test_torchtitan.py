@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from checkpoints import read_safetensors_folder
 from dist_helper import run_distributed
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
@@ -101,14 +102,6 @@ def _write_hf_llama(root: str) -> str:
     return path
 
 
-def _hf_tensors(path: str) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, name)))
-    return out
-
-
 def _meta_llama(mesh: Any, init_seed: int) -> torch.nn.Module:
     """torchtitan's order: meta init, parallelise, ``to_empty``, ``init_weights`` (here: random)."""
     from reference_models import MetaLlama, parallelize_meta_llama
@@ -167,7 +160,7 @@ def hf_llama(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_bridge_matches_sdadapt_load_and_exports_hf_layout(hf_llama: str, tmp_path: Any) -> None:
     results = run_distributed(_dist_cases, 2, hf_llama, str(tmp_path), timeout=300)
-    original = _hf_tensors(hf_llama)
+    original = read_safetensors_folder(hf_llama)
     with open(os.path.join(hf_llama, "model.safetensors.index.json")) as f:
         original_map = json.load(f)["weight_map"]
     for r in results:
@@ -177,7 +170,7 @@ def test_bridge_matches_sdadapt_load_and_exports_hf_layout(hf_llama: str, tmp_pa
             assert res["differ_reader_first"] == [], f"{mesh_name}: reader-first order differs in {res['differ_reader_first']}"
     for mesh_name in ("fsdp", "tp"):
         out = results[0][mesh_name]["export"]
-        exported = _hf_tensors(out)
+        exported = read_safetensors_folder(out)
         assert sorted(exported) == sorted(original), f"{mesh_name}: exported keys differ from the HF checkpoint's"
         wrong = sorted(k for k in original if exported[k].dtype != original[k].dtype or not torch.equal(exported[k], original[k]))
         assert wrong == [], f"{mesh_name}: exported tensors differ from the HF checkpoint in {wrong}"
@@ -195,7 +188,7 @@ def test_views_and_eager_from_hf(hf_llama: str) -> None:
                            norm_eps=1e-6, rope_theta=10000.0))  # fmt: skip
     sdadapt.load(model, hf_llama, sdadapt.get_adapter("llama", source=hf_llama))
     bridge = SdadaptStateDictAdapter(None, hf_llama, adapter="llama")
-    original = _hf_tensors(hf_llama)
+    original = read_safetensors_folder(hf_llama)
     assert bridge.fqn_to_index_mapping is not None and set(bridge.fqn_to_index_mapping) == set(original)
 
     # export view: HF names and layout, bit-exact
@@ -259,6 +252,6 @@ def test_a_bf16_release_into_torchtitans_float32_parameters_with_to_dtype(hf_lla
     StandInCheckpointManager(got, bridge).dcp_load(str(bf16))
     sd, ref = got.state_dict(), want.state_dict()
     assert all(sd[k].dtype == torch.float32 and torch.equal(sd[k], ref[k]) for k in ref)
-    assert torch.equal(sd["tok_embeddings.weight"], _hf_tensors(str(bf16))["model.embed_tokens.weight"].float())
+    assert torch.equal(sd["tok_embeddings.weight"], read_safetensors_folder(str(bf16))["model.embed_tokens.weight"].float())
     exported = bridge.to_hf(got.state_dict())
-    assert sorted(exported) == sorted(_hf_tensors(str(bf16)))
+    assert sorted(exported) == sorted(read_safetensors_folder(str(bf16)))

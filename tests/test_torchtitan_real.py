@@ -22,20 +22,12 @@ import torch
 pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install torchtitan triton: the test extra)")
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
+from checkpoints import read_safetensors_folder  # noqa: E402
 from dist_helper import run_distributed  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 from titan_models import FAMILIES, VOCAB, titan_logits, titan_model, write_hf  # noqa: E402
 
 import sdadapt  # noqa: E402
 from sdadapt.torchtitan import SdadaptStateDictAdapter  # noqa: E402
-
-
-def _hf_tensors(path: str) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(os.listdir(path)):
-        if name.endswith(".safetensors"):
-            out.update(load_file(os.path.join(path, name)))
-    return out
 
 
 def _initialised(family: Any, seed: int) -> torch.nn.Module:
@@ -82,7 +74,7 @@ def _manager(model: torch.nn.Module, bridge: Any, hf_path: str, folder: str) -> 
 def test_checkpoint_manager_loads_and_exports_each_family(name: str, tmp_path: Any) -> None:
     family = FAMILIES[name]()
     hf_path, hf_model = write_hf(family, str(tmp_path))
-    original = _hf_tensors(hf_path)
+    original = read_safetensors_folder(hf_path)
     want = _titans_own_load(family, hf_path)
     if name == "gpt_oss":
         for i in range(2):
@@ -105,7 +97,7 @@ def test_checkpoint_manager_loads_and_exports_each_family(name: str, tmp_path: A
             torch.testing.assert_close(titan_logits(model, tokens), hf_model(tokens).logits, rtol=0, atol=1e-3)
 
     manager.save(curr_step=1, last_step=True)  # last_save_in_hf: the adapter's inverse, HF's sharding
-    exported = _hf_tensors(str(tmp_path / "ckpt" / "step-1"))
+    exported = read_safetensors_folder(str(tmp_path / "ckpt" / "step-1"))
     assert sorted(exported) == sorted(original)
     wrong = [k for k in original if not torch.equal(exported[k], original[k])]
     assert wrong == [], f"{name}: the HF export differs from the checkpoint in {wrong}"
@@ -145,7 +137,7 @@ def test_from_hf_of_a_plain_dict_uses_the_model_configs_names(tmp_path: Any) -> 
     family = FAMILIES["qwen3"]()
     hf_path, _ = write_hf(family, str(tmp_path))
     bridge = SdadaptStateDictAdapter.using("qwen3")(family.titan_config, hf_path)
-    native = bridge.from_hf(_hf_tensors(hf_path))
+    native = bridge.from_hf(read_safetensors_folder(hf_path))
     want = _titans_own_load(family, hf_path)
     assert sorted(native) == sorted(want)
     assert all(torch.equal(native[k], want[k]) for k in want)
@@ -167,14 +159,14 @@ def test_export_by_adapter_name_from_a_torchtitan_model(name: str, tmp_path: Any
     else:  # by name: aimed at torchtitan's names, its expert_bias_E (no checkpoint holds it) left as initialised
         report = sdadapt.load(model, hf_path, family.name)
         assert sorted(report.report.allowed_missing) == ["layers.0.moe.expert_bias_E", "layers.1.moe.expert_bias_E"]
-    original = _hf_tensors(hf_path)
+    original = read_safetensors_folder(hf_path)
     if name == "llama3":  # qwen3_moe needs options its model config does not hold (from the folder below)
         streamed = dict(sdadapt.export_iter(model, family.name))
         assert sorted(streamed) == sorted(original)
         assert all(torch.equal(streamed[k], original[k]) for k in original)
     out = str(tmp_path / "exported")
     sdadapt.export(model, out, family.name, assets=hf_path)
-    assert sorted(_hf_tensors(out)) == sorted(original)
+    assert sorted(read_safetensors_folder(out)) == sorted(original)
     reopened = AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -225,7 +217,7 @@ def _dist_cases(paths: dict[str, str], shape: tuple[int, ...], root: str) -> dic
         want = _titans_own_load(family, hf_path)
         if name == "gpt_oss":  # experts torchtitan 0.3.0's own adapter does not map: the checkpoint's values
             for i in range(2):
-                want.update(_gpt_oss_experts(_hf_tensors(hf_path), i))
+                want.update(_gpt_oss_experts(read_safetensors_folder(hf_path), i))
         model = _parallelize(titan_model(family), mesh)
         model.to_empty(device="cpu")
         torch.manual_seed(7)
@@ -254,6 +246,6 @@ def test_checkpoint_manager_on_fsdp_tp_and_uneven_meshes(world: int, shape: tupl
         for name, r in res.items():
             assert r["differ"] == [], f"rank {rank}, {name}: differs from torchtitan's own load in {r['differ']}"
     for name, hf_path in paths.items():
-        original, exported = _hf_tensors(hf_path), _hf_tensors(results[0][name]["export"])
+        original, exported = read_safetensors_folder(hf_path), read_safetensors_folder(results[0][name]["export"])
         assert sorted(exported) == sorted(original)
         assert [k for k in original if not torch.equal(exported[k], original[k])] == []
