@@ -81,7 +81,7 @@ from sdadapt.adapters._common import (
 
 import sdadapt
 from sdadapt import Adapter
-from sdadapt._quant import ScaleFormat
+from sdadapt._recipes.quant import ScaleFormat
 from sdadapt.errors import AdapterError
 
 SUMMARY = (

@@ -47,7 +47,7 @@ from sdadapt.adapters._common import (
 from sdadapt.adapters.qwen3 import attention_rules, dense_options
 
 from sdadapt import Adapter
-from sdadapt._quant import ScaleFormat
+from sdadapt._recipes.quant import ScaleFormat
 from sdadapt.errors import AdapterError
 
 SUMMARY = (

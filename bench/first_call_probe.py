@@ -13,8 +13,8 @@ first load pays, with the probe's overhead), and once plain, for the times. Prin
 first load, the import time inside it, the modules that cost most, the second load.
 
 ``-X importtime`` times what ``import`` statements import; a module imported through
-``importlib.import_module`` (sdadapt's public names resolve so: ``sdadapt._load``,
-``sdadapt._adapter``, ...) gets no line of its own, so its own top-level code is missing from
+``importlib.import_module`` (sdadapt's public names resolve so: ``sdadapt._transaction.load``,
+``sdadapt._plan.adapter``, ...) gets no line of its own, so its own top-level code is missing from
 the sum, while everything it imports is in it.
 """
 

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from sdadapt._quant import dequantize_fp8_into
+from sdadapt._recipes.quant import dequantize_fp8_into
 
 MiB = 1 << 20
 

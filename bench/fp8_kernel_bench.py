@@ -1,5 +1,5 @@
 """GPU time of ways to dequantise one FP8 band (4096 x 4096 e4m3, float32 128x128 scales) into
-bf16, all bit-exact against ``sdadapt._quant.dequantize_fp8``, and the host-to-device copy rate
+bf16, all bit-exact against ``sdadapt._recipes.quant.dequantize_fp8``, and the host-to-device copy rate
 out of pinned memory: the GPU side of an FP8 load, apart from reading the files.
 
     python bench/fp8_kernel_bench.py        # needs a CUDA device
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sdadapt import _quant as Q
+from sdadapt._recipes import quant as Q
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from sdadapt.adapters import gpt_oss
 
 import sdadapt
-from sdadapt._quant import dequantize_mxfp4, quantize_mxfp4
+from sdadapt._recipes.quant import dequantize_mxfp4, quantize_mxfp4
 
 PREFIX = "model.layers.0.mlp.experts."
 

@@ -31,23 +31,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # (module, attribute) of each step timed; a function is replaced wherever sdadapt holds it
 STEPS = [
-    ("sdadapt._load", "_plan_load"),
+    ("sdadapt._transaction.load", "_plan_load"),
     ("sdadapt.sources", "open_source"),
-    ("sdadapt._target", "model_state_dict"),
-    ("sdadapt._plan", "build_plan"),
-    ("sdadapt._load", "_prepare_device"),
-    ("sdadapt._materialize", "_reserve"),
-    ("sdadapt._materialize", "has_meta"),
+    ("sdadapt._plan.target", "model_state_dict"),
+    ("sdadapt._plan.plan", "build_plan"),
+    ("sdadapt._transaction.load", "_prepare_device"),
+    ("sdadapt._transaction.materialize", "_reserve"),
+    ("sdadapt._transaction.materialize", "has_meta"),
     ("torch.nn.modules.module", "Module.to_empty"),
-    ("sdadapt._transaction", "Transaction.check_files"),
-    ("sdadapt._transaction", "Transaction._read"),
+    ("sdadapt._transaction.transaction", "Transaction.check_files"),
+    ("sdadapt._transaction.transaction", "Transaction._read"),
     ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
-    ("sdadapt._reader", "AdaptedStorageReader.read_metadata"),
-    ("sdadapt._reader", "AdaptedStorageReader.prepare_local_plan"),
-    ("sdadapt._reader", "AdaptedStorageReader.read_data"),
+    ("sdadapt._engine.reader", "AdaptedStorageReader.read_metadata"),
+    ("sdadapt._engine.reader", "AdaptedStorageReader.prepare_local_plan"),
+    ("sdadapt._engine.reader", "AdaptedStorageReader.read_data"),
     ("sdadapt._engine.engine", "IOEngine.run"),
-    ("sdadapt._transaction", "after_read_checks"),
-    ("sdadapt._transaction", "Transaction._commit"),
+    ("sdadapt._transaction.transaction", "after_read_checks"),
+    ("sdadapt._transaction.transaction", "Transaction._commit"),
 ]
 
 TOTALS: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])

@@ -81,7 +81,7 @@ def timed_reads(spent: list[float]) -> None:
     """Append to ``spent`` the seconds of each load transaction's read phase (``Transaction.run``:
     read every part, check, commit), the part of ``load_state`` after planning and the
     optimizer's state initialisation."""
-    from sdadapt import _transaction
+    from sdadapt._transaction import transaction as _transaction
 
     run = _transaction.Transaction.run
 

@@ -124,7 +124,7 @@ def _export_check(model: torch.nn.Module, case: dict, adapter: sdadapt.Adapter) 
     from checkpoints import DictIO
     from torch.distributed.tensor import DTensor
 
-    from sdadapt._target import model_state_dict, schema_of
+    from sdadapt._plan.target import model_state_dict, schema_of
 
     sd = model_state_dict(model)
     full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in sd.items()}

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import sdadapt
-from sdadapt import _registry as registry
+from sdadapt._plan import registry as registry
 from sdadapt.errors import AdapterError, ResolveError
 
 # the checkpoint keeps ``model.0.q`` (HF rotary rows), the model holds ``0.wq`` (Meta rows)

@@ -176,7 +176,7 @@ def test_deepseek_v3_loads_real_checkpoints(cases_root: str) -> None:
 def _opts(case: dict) -> dict:
     from sdadapt.adapters.deepseek_v3 import options_from_config
 
-    from sdadapt._registry import config_folder
+    from sdadapt._plan.registry import config_folder
 
     return options_from_config(config_folder(case["path"]), case["path"])
 

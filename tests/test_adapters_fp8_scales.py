@@ -32,8 +32,8 @@ import torch.distributed.checkpoint as dcp
 from test_quant_export import raw, read_by_hand, write_by_hand
 
 import sdadapt
-from sdadapt._quant import ScaleFormat
-from sdadapt._registry import adapter_module
+from sdadapt._plan.registry import adapter_module
+from sdadapt._recipes.quant import ScaleFormat
 from sdadapt.errors import AdapterError
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")

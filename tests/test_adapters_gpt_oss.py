@@ -34,7 +34,7 @@ from adapter_check import TOL, case_named, cases_fixture, check_on_meshes, check
 from safetensors.torch import save_file
 
 import sdadapt
-from sdadapt._quant import quantize_mxfp4
+from sdadapt._recipes.quant import quantize_mxfp4
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
 
@@ -186,7 +186,7 @@ def test_options_from_checkpoints(cases_root: str) -> None:
     """What the adapter reads from config.json and key names (headers only, sharded too)."""
     from sdadapt.adapters.gpt_oss import options_from_config
 
-    from sdadapt._registry import config_folder
+    from sdadapt._plan.registry import config_folder
 
     def opts(case: str) -> dict:
         path = case_named(cases_root, case)["path"]

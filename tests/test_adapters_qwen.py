@@ -163,7 +163,7 @@ def _plan_error(case: dict, adapter: sdadapt.Adapter) -> str:
 
 def test_options_from_checkpoints(cases_root: str) -> None:
     """What each adapter reads from config.json and key names (headers only, sharded too)."""
-    from sdadapt._registry import config_folder
+    from sdadapt._plan.registry import config_folder
 
     def opts(name: str, case: str) -> dict:
         path = case_named(cases_root, case)["path"]

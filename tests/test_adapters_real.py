@@ -371,7 +371,7 @@ def test_adapter_options_are_checked() -> None:
 
 def test_options_from_checkpoints(cases_root: str) -> None:
     """What each adapter reads from a checkpoint's config.json and key names (headers only)."""
-    from sdadapt._registry import config_folder
+    from sdadapt._plan.registry import config_folder
 
     def opts(name: str, case: str) -> dict:
         path = case_named(cases_root, case)["path"]

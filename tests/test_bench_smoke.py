@@ -292,6 +292,6 @@ def test_first_call_probe_counts_the_imports_inside_a_first_load(tmp_path):
     assert re.search(r"\| plain 1 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", proc.stdout), proc.stdout
     data = json.loads(res.read_text())
     names = {n for _, _, _, n in data["imports"]}
-    assert {"sdadapt._transaction", "sdadapt._engine", "torch.distributed.checkpoint"} <= names
+    assert {"sdadapt._transaction.transaction", "sdadapt._engine", "torch.distributed.checkpoint"} <= names
     assert data["import_s"] > 0 and data["traced"]["bytes"] > 0
-    assert "sdadapt._load" in data["traced"]["modules_imported_by_load_call"]
+    assert "sdadapt._transaction.load" in data["traced"]["modules_imported_by_load_call"]

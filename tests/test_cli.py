@@ -1,5 +1,5 @@
 """The ``sdadapt`` CLI: ``diff`` and ``inspect`` (in-process through ``cli.main``), and the
-spec resolution of :mod:`sdadapt._resolve`."""
+spec resolution of :mod:`sdadapt._plan.resolve`."""
 
 from __future__ import annotations
 
@@ -257,7 +257,7 @@ def test_resolve_api(work):
 
 
 def test_resolve_shipped_adapter_by_name():
-    from sdadapt import _registry as registry
+    from sdadapt._plan import registry as registry
 
     names = [n for n, _ in registry.list_adapters()]
     assert "discussion" in names

@@ -15,16 +15,16 @@ import pytest
 import torch
 from checkpoints import write_safetensors
 
-import sdadapt._nodes as N
-from sdadapt import _quant as Q
-from sdadapt import _quant_nodes as QN
+import sdadapt._recipes.nodes as N
 from sdadapt._engine.device import DeviceLane
 from sdadapt._engine.lanes import TaskLanes
 from sdadapt._engine.staging import StagingPool
 from sdadapt._engine.tasks import ComputeTask, Delivery, Where
 from sdadapt._engine.views import TypedViews
 from sdadapt._engine.workers import Buffers, Shared, Worker
-from sdadapt._interleave import Interleave
+from sdadapt._recipes import quant as Q
+from sdadapt._recipes import quant_nodes as QN
+from sdadapt._recipes.interleave import Interleave
 from sdadapt.sources import open_source
 
 

@@ -2,7 +2,7 @@
 
 For every case and every rank: the exact SdadaptError subclass, a message naming the file (and
 the key where there is one), the load failing within BOUND_S seconds, and the model as the
-load transaction promises (sdadapt._transaction): a model on meta stays (or is put back) on
+load transaction promises (sdadapt._transaction.transaction): a model on meta stays (or is put back) on
 meta; a model holding values keeps them bit for bit, in the same storage, when the failure is
 found before writing or the load was staged (``stage=True``, the ``/staged`` cases); a failure
 after in-place writing began says "partly overwritten" and leaves the model marked (its forward
@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 import sdadapt
 from sdadapt._engine import syscalls
-from sdadapt._transaction import is_marked
+from sdadapt._transaction.transaction import is_marked
 from sdadapt.errors import LoadError, SourceError
 
 BOUND_S = 20.0  # generous on a shared 2-core machine; a hang would be the launch timeout
@@ -183,7 +183,7 @@ def _faults_in_mode(tag: str, good: dict[str, str], scratch: str, mesh: Any) -> 
             with open(path, "r+b") as f:
                 f.truncate(os.path.getsize(path) - 100)
 
-    from sdadapt._transaction import Transaction
+    from sdadapt._transaction.transaction import Transaction
 
     real_check = Transaction.check_files
 
@@ -267,7 +267,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], dict[st
         "hf": os.path.join(folder, "good", "hf"),
         "dcp": os.path.join(folder, "good", "dcp"),
     }
-    sdadapt._integrity.write_checksums(good["st"])
+    sdadapt._transaction.integrity.write_checksums(good["st"])
     return cases, good
 
 

@@ -29,7 +29,7 @@ from test_corpus import BOUND_S, _all_meta, _make, _snapshot, _state_problems, _
 from torch import nn
 
 import sdadapt
-from sdadapt._transaction import is_marked
+from sdadapt._transaction.transaction import is_marked
 
 TIMEOUT_S = 400.0
 

@@ -126,8 +126,8 @@ def test_engine_reads_raw_chunks_bit_exact(sharded):
     """The I/O engine over a chunked DCP source: random regions (across chunk boundaries,
     contiguous and strided destinations, direct, staged and strided-copy paths) equal the
     saved tensors, with every byte read from the raw chunks (no Source.read fallback)."""
-    from sdadapt import _nodes as N
     from sdadapt._engine import EngineConfig, IOEngine, Job
+    from sdadapt._recipes import nodes as N
 
     full = _tensors()
     rnd = random.Random(3)

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import sdadapt
-from sdadapt._reader import AdaptedLoadPlanner
+from sdadapt._engine.reader import AdaptedLoadPlanner
 
 # Model sizes: vocab 37, ffn 40, dim 16 give uneven shards over 2, 3 and 4 ranks; "tiny" has a
 # vocab of 3, so FSDP over 4 ranks leaves one rank with an empty shard of the embedding.

@@ -23,7 +23,7 @@ import torch
 import sdadapt
 from sdadapt import TensorInfo, build_plan
 from sdadapt._draft.segments import build_tree
-from sdadapt._target import schema_of
+from sdadapt._plan.target import schema_of
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
 diffusers = pytest.importorskip("diffusers", reason="the test extra installs diffusers")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import sdadapt
-from sdadapt._resolve import adapter_or_none
+from sdadapt._plan.resolve import adapter_or_none
 
 DIM, L, H, KV, FFN, VOCAB = 32, 2, 4, 2, 64, 96
 SIDE = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -41,7 +41,7 @@ from safetensors import safe_open
 from torch import nn
 
 import sdadapt
-from sdadapt import _quant as Q
+from sdadapt._recipes import quant as Q
 
 QuantizedReader = getattr(dcp, "QuantizedHuggingFaceStorageReader", None)
 pytestmark = [

@@ -261,7 +261,7 @@ def _typed_rule(cls: Any) -> st.SearchStrategy[dict[str, Any]]:
 
 
 def _rule_classes() -> list[Any]:
-    from sdadapt import _rules as R
+    from sdadapt import rules as R
 
     out, todo = [], list(R.RuleBase.__subclasses__())
     while todo:
@@ -371,7 +371,7 @@ def test_fuzz_config_json(config: Any, how: str, at: int, name: str) -> None:
             event("adapter built")
         except SdadaptError as e:
             event(f"refused: {type(e).__name__}")
-        from sdadapt._shrink import shrink_config
+        from sdadapt._transaction.shrink import shrink_config
         from sdadapt.sources._json import HFConfig, read_json_dict
 
         try:

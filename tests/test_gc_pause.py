@@ -1,4 +1,4 @@
-"""The cycle collector is paused for the length of a load (sdadapt._gc) and turned back on after
+"""The cycle collector is paused for the length of a load (sdadapt._base.gc) and turned back on after
 it, also when the load fails; pauses nest."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 import sdadapt
-from sdadapt import _load
-from sdadapt._gc import gc_paused
+from sdadapt._base.gc import gc_paused
+from sdadapt._transaction import load as _load
 
 
 def test_pauses_nest_and_restore_the_collector_even_on_errors():

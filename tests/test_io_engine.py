@@ -15,10 +15,10 @@ import torch
 from checkpoints import random_state_dict, write_hf_sharded, write_safetensors, write_torch_save
 
 import sdadapt
-from sdadapt import _interleave as interleave_module
-from sdadapt import _nodes as N
 from sdadapt._engine import EngineConfig, IOEngine, Job, box_spans, default_threads
-from sdadapt._interleave import Interleave
+from sdadapt._recipes import interleave as interleave_module
+from sdadapt._recipes import nodes as N
+from sdadapt._recipes.interleave import Interleave
 from sdadapt.errors import LoadError
 from sdadapt.sources import open_source
 

@@ -10,13 +10,13 @@ import threading
 import torch
 from checkpoints import write_safetensors
 
-import sdadapt._nodes as N
-from sdadapt import _quant as Q
-from sdadapt import _quant_nodes as QN
+import sdadapt._recipes.nodes as N
 from sdadapt._engine import EngineConfig, IOEngine, Job
 from sdadapt._engine import workers as W
 from sdadapt._engine.lanes import TaskLanes, uses_band
 from sdadapt._engine.tasks import ComputeTask, FillTask, Where
+from sdadapt._recipes import quant as Q
+from sdadapt._recipes import quant_nodes as QN
 from sdadapt.sources import open_source
 
 WHERE = Where("t", "t", "file", ((0, 2),))

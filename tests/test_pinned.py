@@ -235,9 +235,9 @@ def test_a_gpu_load_prefetches_its_staging_and_bands_only_when_it_computes(monke
     top, as stacked experts hold them). A CPU load prefetches nothing."""
     from types import SimpleNamespace
 
-    import sdadapt._nodes as N
-    from sdadapt import _load
-    from sdadapt import _quant_nodes as QN
+    import sdadapt._recipes.nodes as N
+    from sdadapt._recipes import quant_nodes as QN
+    from sdadapt._transaction import load as _load
 
     calls: list[tuple[torch.device, bool]] = []
     warmed: list[tuple[torch.device, int]] = []

@@ -94,7 +94,9 @@ def test_every_error_is_public_and_an_sdadapt_error():
 
 
 def test_errors_keep_their_names_in_private_modules():
-    from sdadapt import _export, _resolve, _state
+    from sdadapt._plan import resolve as _resolve
+    from sdadapt._transaction import export as _export
+    from sdadapt._transaction import state as _state
 
     assert _export.ExportError is sdadapt.ExportError
     assert _resolve.ResolveError is sdadapt.ResolveError

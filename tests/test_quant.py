@@ -20,10 +20,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 import sdadapt
-from sdadapt import _quant as Q
-from sdadapt import _quant_nodes as QN
-from sdadapt._export import convert
-from sdadapt._nodes import Leaf
+from sdadapt._recipes import quant as Q
+from sdadapt._recipes import quant_nodes as QN
+from sdadapt._recipes.nodes import Leaf
+from sdadapt._transaction.export import convert
 from sdadapt.errors import AdapterError, PlanError
 
 FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]

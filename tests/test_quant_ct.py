@@ -22,7 +22,7 @@ from checkpoints import write_safetensors
 from torch import nn
 
 import sdadapt
-from sdadapt import _quant_scaled as S
+from sdadapt._recipes import quant_scaled as S
 from sdadapt.errors import AdapterError
 
 ct_release = pytest.importorskip("ct_release")

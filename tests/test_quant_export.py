@@ -18,7 +18,7 @@ from test_quant import ref_dequant_fp8
 from torch import nn
 
 import sdadapt
-from sdadapt import _quant as Q
+from sdadapt._recipes import quant as Q
 from sdadapt.errors import AdapterError
 from sdadapt.sources._hf_sharded import HFShardedSource
 from sdadapt.sources._safetensors_file import SafetensorsFile

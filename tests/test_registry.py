@@ -15,8 +15,8 @@ import torch
 from checkpoints import DictIO
 
 import sdadapt
-from sdadapt import _registry as registry
-from sdadapt._plan import build_plan
+from sdadapt._plan import registry as registry
+from sdadapt._plan.plan import build_plan
 from sdadapt.cli import main
 from sdadapt.errors import AdapterError
 
@@ -52,7 +52,7 @@ def test_options_from_config_folder_and_file(fake, tmp_path, caplog):
         a = sdadapt.get_adapter("tiny", source)
         assert a.rules[1].heads == 4
     # explicit options override the config, with a warning naming both values
-    with caplog.at_level(logging.WARNING, logger="sdadapt._registry"):
+    with caplog.at_level(logging.WARNING, logger="sdadapt._plan.registry"):
         a = sdadapt.get_adapter("tiny", tmp_path, heads=8)
     assert a.rules[1].heads == 8
     assert "heads=8 overrides 4" in caplog.text

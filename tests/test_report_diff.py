@@ -8,8 +8,8 @@ from checkpoints import write_hf_sharded, write_safetensors, write_torch_save
 from torch import nn
 
 import sdadapt
-from sdadapt._keyruns import compress
-from sdadapt._report import Report
+from sdadapt._base.keyruns import compress
+from sdadapt._plan.report import Report
 from sdadapt.sources._base import TensorInfo
 
 

@@ -7,9 +7,9 @@ import torch
 from checkpoints import DictIO
 
 import sdadapt
-from sdadapt._nodes import Cast as CastNode
-from sdadapt._nodes import Concat, Leaf, Narrow
-from sdadapt._plan import build_plan
+from sdadapt._plan.plan import build_plan
+from sdadapt._recipes.nodes import Cast as CastNode
+from sdadapt._recipes.nodes import Concat, Leaf, Narrow
 from sdadapt.errors import AdapterError
 from sdadapt.sources._base import TensorInfo
 

@@ -14,7 +14,7 @@ import torch
 from checkpoints import write_hf_sharded
 from safetensors import safe_open
 
-from sdadapt._shrink import layer_index, shrink, shrink_config
+from sdadapt._transaction.shrink import layer_index, shrink, shrink_config
 from sdadapt.cli import main
 from sdadapt.errors import ShrinkError
 

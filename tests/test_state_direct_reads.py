@@ -23,9 +23,9 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import sdadapt
-from sdadapt import _transaction
 from sdadapt._engine.engine import EngineStats
-from sdadapt._state import _Namespace
+from sdadapt._transaction import transaction as _transaction
+from sdadapt._transaction.state import _Namespace
 from sdadapt.sources._dcp_dir import DCPSource
 
 VOCAB = 600

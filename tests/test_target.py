@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from sdadapt._target import _renames_nothing, model_state_dict
+from sdadapt._plan.target import _renames_nothing, model_state_dict
 
 
 class Block(nn.Module):
@@ -65,7 +65,7 @@ def test_same_as_get_model_state_dict(make, fast):
 def test_reserve_asks_once_for_the_large_tensors(monkeypatch):
     """One allocation as large as the model's > 1 MiB local tensors (rounded like the caching
     allocator), only on CUDA, and not under allocator settings that would strand it."""
-    from sdadapt import _materialize as materialize
+    from sdadapt._transaction import materialize as materialize
 
     with torch.device("meta"):
         model = nn.Sequential(nn.Linear(4096, 4096, bias=False), nn.Linear(4096, 2001, bias=True), nn.Linear(10, 10))

@@ -1,4 +1,4 @@
-"""sdadapt._titan_names: which renames to torchtitan's current names a model's keys call for.
+"""sdadapt._plan.titan_names: which renames to torchtitan's current names a model's keys call for.
 (tests/test_torchtitan_real.py runs them against torchtitan's own model classes.)"""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 import sdadapt
-from sdadapt._titan_names import for_export, native_names, retarget_ties, training_state, unexported_state
+from sdadapt._plan.titan_names import for_export, native_names, retarget_ties, training_state, unexported_state
 from sdadapt.torchtitan import apply_adapter
 
 

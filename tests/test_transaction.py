@@ -16,7 +16,7 @@ from torch import nn
 
 import sdadapt
 from sdadapt._engine import syscalls
-from sdadapt._transaction import PARTLY_LOADED, is_marked
+from sdadapt._transaction.transaction import PARTLY_LOADED, is_marked
 
 LAYERS, DIM = 8, 2048  # 8 x 16 MiB float32 = 128 MiB
 MiB = 1 << 20
@@ -127,7 +127,7 @@ def test_overwritten_message_always_has_a_subject() -> None:
     when only a fresh optimizer (its state cleared again) was written."""
     from types import SimpleNamespace
 
-    from sdadapt._transaction import Transaction
+    from sdadapt._transaction.transaction import Transaction
 
     txn = Transaction(None, None, "ckpt")
     model_part = SimpleNamespace(targets={"a": 0, "b": 0}, of_model=True)
@@ -164,7 +164,7 @@ def test_load_state_report_names_the_stored_keys(tmp_path: Any) -> None:
 def _prepare_raising_on_rank_1() -> dict[str, Any]:
     import torch.distributed as dist
 
-    from sdadapt._transaction import Transaction
+    from sdadapt._transaction.transaction import Transaction
 
     out: dict[str, Any] = {}
     for exc in (ZeroDivisionError("division by zero"), RecursionError("deep"), IsADirectoryError(21, "Is a directory", "/x/refs/main")):

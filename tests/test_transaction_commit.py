@@ -17,9 +17,9 @@ from test_transaction_dist import VOCAB, Counter, _forward_error, _step_error, _
 from torch import nn
 
 import sdadapt
-from sdadapt import _state as state_mod
-from sdadapt import _transaction as txn_mod
-from sdadapt._transaction import is_marked
+from sdadapt._transaction import state as state_mod
+from sdadapt._transaction import transaction as txn_mod
+from sdadapt._transaction.transaction import is_marked
 
 
 def _new(seed: int, trained: bool) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -1,4 +1,4 @@
-"""The load transaction (sdadapt._transaction) on real gloo processes: faults injected on ONE
+"""The load transaction (sdadapt._transaction.transaction) on real gloo processes: faults injected on ONE
 rank, in the optimizer part and in the model part of ``load_state`` and in ``load`` into a
 model that holds values (torchtitan's flow: meta init -> FSDP2 -> ``to_empty`` ->
 ``init_weights()`` -> load). Every rank must raise; the model and optimizer must be exactly as
@@ -36,10 +36,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import sdadapt
-from sdadapt import _state as state_mod
-from sdadapt import _transaction as txn_mod
 from sdadapt._engine import syscalls
-from sdadapt._transaction import Transaction, is_marked
+from sdadapt._transaction import state as state_mod
+from sdadapt._transaction import transaction as txn_mod
+from sdadapt._transaction.transaction import Transaction, is_marked
 
 WORLD = 2
 VOCAB = 37

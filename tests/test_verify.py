@@ -17,10 +17,10 @@ import torch
 from dist_helper import TESTS_DIR, run_distributed
 
 import sdadapt
-from sdadapt._rules import Rotary
-from sdadapt._verify import compare_logits, reference_from_checkpoint, verify
+from sdadapt._transaction.verify import compare_logits, reference_from_checkpoint, verify
 from sdadapt.cli import main
 from sdadapt.errors import VerifyError
+from sdadapt.rules import Rotary
 
 CFG = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, hidden_dim=64, norm_eps=1e-6, rope_theta=10000.0)
 

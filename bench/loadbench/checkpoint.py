@@ -104,7 +104,7 @@ def _write_fp8_twin(folder: str, sd: dict, shape: Shape, shard_gb: float) -> Non
     ``config.json`` with its ``quantization_config``."""
     import torch
 
-    from sdadapt import _quant as Q
+    from sdadapt._recipes import quant as Q
 
     block = tuple(FP8_QUANTIZATION_CONFIG["weight_block_size"])
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -129,7 +129,7 @@ def _write_ct_twin(folder: str, sd: dict, shape: Shape, shard_gb: float, kind: s
     when there is one), the rest kept; ``config.json`` carries the compressed-tensors config."""
     import torch
 
-    from sdadapt import _quant_scaled as S
+    from sdadapt._recipes import quant_scaled as S
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     quantized = set(shape.fp8_keys())

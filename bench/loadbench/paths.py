@@ -317,7 +317,7 @@ def verify_against_source(model: Any, path: str, files: dict[str, str]) -> int:
     import torch
 
     import sdadapt
-    from sdadapt._target import model_state_dict, schema_of
+    from sdadapt._plan.target import model_state_dict, schema_of
 
     src = sdadapt.open_source(files[QUANT_FORMATS.get(path, "safetensors")])
     threads = torch.get_num_threads()  # 1 (OMP_NUM_THREADS) while timing; the check is untimed

@@ -17,44 +17,23 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._adapter import Adapter
-    from ._constructors import (
-        add_prefix,
-        affine,
-        cast,
-        deinterleave,
-        dequant_fp8,
-        dequant_mxfp4,
-        dequant_scaled,
-        drop,
-        fuse,
-        interleave,
-        pad,
-        rename,
-        rotary,
-        split,
-        stack,
-        strip_prefix,
-        tie,
-        transpose,
-        trim,
-        unstack,
-    )
-    from ._diff import diff
     from ._draft import Draft, draft
     from ._engine import EngineConfig, release_pinned_memory
-    from ._export import ExportReport, convert, export, export_iter
-    from ._hf_models import hf_adapter
-    from ._integrity import write_checksums
-    from ._load import LoadReport, load, plan_load
-    from ._nodes import Compute, Node, emit
-    from ._plan import Plan, build_plan
-    from ._quant_rules import DequantFP8, DequantMXFP4, QuantizeFP8, QuantizeMXFP4, dequant_rules
-    from ._quant_scaled_rules import DequantScaled, QuantizeScaled
-    from ._registry import get_adapter, list_adapters
-    from ._report import Report
-    from ._resolve import resolve_adapter, resolve_target
-    from ._rules import (
+    from ._plan.adapter import Adapter
+    from ._plan.hf_models import hf_adapter
+    from ._plan.plan import Plan, build_plan
+    from ._plan.registry import get_adapter, list_adapters
+    from ._plan.report import Report
+    from ._plan.resolve import resolve_adapter, resolve_target
+    from ._recipes.nodes import Compute, Node, emit
+    from ._transaction.diff import diff
+    from ._transaction.export import ExportReport, convert, export, export_iter
+    from ._transaction.integrity import write_checksums
+    from ._transaction.load import LoadReport, load, plan_load
+    from ._transaction.shrink import ShrinkReport, shrink
+    from ._transaction.state import StateLoadReport, load_state, save_state
+    from ._transaction.verify import VerifyReport, verify
+    from .rules import (
         AddPrefix,
         Affine,
         Cast,
@@ -77,9 +56,30 @@ if TYPE_CHECKING:
         ValueRule,
         register_rule,
     )
-    from ._shrink import ShrinkReport, shrink
-    from ._state import StateLoadReport, load_state, save_state
-    from ._verify import VerifyReport, verify
+    from .rules.dequant import DequantFP8, DequantMXFP4, QuantizeFP8, QuantizeMXFP4, dequant_rules
+    from .rules.dequant_scaled import DequantScaled, QuantizeScaled
+    from .rules.functions import (
+        add_prefix,
+        affine,
+        cast,
+        deinterleave,
+        dequant_fp8,
+        dequant_mxfp4,
+        dequant_scaled,
+        drop,
+        fuse,
+        interleave,
+        pad,
+        rename,
+        rotary,
+        split,
+        stack,
+        strip_prefix,
+        tie,
+        transpose,
+        trim,
+        unstack,
+    )
     from .sources import Source, TensorInfo, open_source
 
 from .errors import (
@@ -109,26 +109,26 @@ _CONSTRUCTORS = (
     "stack strip_prefix tie transpose trim unstack"
 )
 _LAZY: dict[str, str] = {
-    **dict.fromkeys(["Adapter"], "_adapter"),
-    **dict.fromkeys(_CONSTRUCTORS.split(), "_constructors"),
-    **dict.fromkeys(["diff"], "_diff"),
+    **dict.fromkeys(["Adapter"], "_plan.adapter"),
+    **dict.fromkeys(_CONSTRUCTORS.split(), "rules.functions"),
+    **dict.fromkeys(["diff"], "_transaction.diff"),
     **dict.fromkeys(["Draft", "draft"], "_draft"),
     **dict.fromkeys(["EngineConfig", "release_pinned_memory"], "_engine"),
-    **dict.fromkeys(["ExportReport", "convert", "export", "export_iter"], "_export"),
-    **dict.fromkeys(["hf_adapter"], "_hf_models"),
-    **dict.fromkeys(["write_checksums"], "_integrity"),
-    **dict.fromkeys(["LoadReport", "load", "plan_load"], "_load"),
-    **dict.fromkeys(["Compute", "Node", "emit"], "_nodes"),
-    **dict.fromkeys(["Plan", "build_plan"], "_plan"),
-    **dict.fromkeys(["DequantFP8", "DequantMXFP4", "QuantizeFP8", "QuantizeMXFP4", "dequant_rules"], "_quant_rules"),
-    **dict.fromkeys(["DequantScaled", "QuantizeScaled"], "_quant_scaled_rules"),
-    **dict.fromkeys(["get_adapter", "list_adapters"], "_registry"),
-    **dict.fromkeys(["Report"], "_report"),
-    **dict.fromkeys(["resolve_adapter", "resolve_target"], "_resolve"),
-    **dict.fromkeys(_RULE_CLASSES.split(), "_rules"),
-    **dict.fromkeys(["ShrinkReport", "shrink"], "_shrink"),
-    **dict.fromkeys(["StateLoadReport", "load_state", "save_state"], "_state"),
-    **dict.fromkeys(["VerifyReport", "verify"], "_verify"),
+    **dict.fromkeys(["ExportReport", "convert", "export", "export_iter"], "_transaction.export"),
+    **dict.fromkeys(["hf_adapter"], "_plan.hf_models"),
+    **dict.fromkeys(["write_checksums"], "_transaction.integrity"),
+    **dict.fromkeys(["LoadReport", "load", "plan_load"], "_transaction.load"),
+    **dict.fromkeys(["Compute", "Node", "emit"], "_recipes.nodes"),
+    **dict.fromkeys(["Plan", "build_plan"], "_plan.plan"),
+    **dict.fromkeys(["DequantFP8", "DequantMXFP4", "QuantizeFP8", "QuantizeMXFP4", "dequant_rules"], "rules.dequant"),
+    **dict.fromkeys(["DequantScaled", "QuantizeScaled"], "rules.dequant_scaled"),
+    **dict.fromkeys(["get_adapter", "list_adapters"], "_plan.registry"),
+    **dict.fromkeys(["Report"], "_plan.report"),
+    **dict.fromkeys(["resolve_adapter", "resolve_target"], "_plan.resolve"),
+    **dict.fromkeys(_RULE_CLASSES.split(), "rules"),
+    **dict.fromkeys(["ShrinkReport", "shrink"], "_transaction.shrink"),
+    **dict.fromkeys(["StateLoadReport", "load_state", "save_state"], "_transaction.state"),
+    **dict.fromkeys(["VerifyReport", "verify"], "_transaction.verify"),
     **dict.fromkeys(["Source", "TensorInfo", "open_source"], "sources"),
 }
 

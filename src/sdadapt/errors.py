@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._report import Report
+    from ._plan.report import Report
 
 
 class SdadaptError(Exception):

@@ -15,7 +15,7 @@ The shipped adapters produce our documented layout (``attention.wq``, ``output``
 own keys (the state dict ``to_hf`` is given, else ``model_config.build()`` on the meta device):
 torchtitan 0.3's ``attention.qkv_linear.wq``, ``lm_head``,
 ``moe.routed_experts.inner_experts.w1_EFD``, ``moe.expert_bias_E`` and GPT-OSS's interleaved
-``mlp1_weight_EGD`` (:mod:`sdadapt._titan_names`); a model with our layout gets no rename.
+``mlp1_weight_EGD`` (:mod:`sdadapt._plan.titan_names`); a model with our layout gets no rename.
 torchtitan's training state that the checkpoint does not hold (``moe.expert_bias_E`` of
 families without one) keeps its values on load and is left out of the export, as torchtitan's
 own adapters do. :func:`sdadapt.load` and :func:`sdadapt.export` do the same for a shipped
@@ -33,7 +33,7 @@ and for the HF export (``dcp_save`` with ``to_hf=True``) ``to_hf(model_sd)`` fol
 The load is lazy: ``to_hf`` returns an :class:`HFStateDict`, which becomes whichever view the
 next step needs. Once ``get_hf_storage_reader`` has been called for it (before or after
 ``to_hf``, as torchtitan's callers differ), it holds the model's own tensors under the model's
-keys, and the reader is sdadapt's :class:`~sdadapt._reader.AdaptedStorageReader`: ``dcp.load``
+keys, and the reader is sdadapt's :class:`~sdadapt._engine.reader.AdaptedStorageReader`: ``dcp.load``
 writes each rank's shards directly, reading only the source regions they need (rotary
 permutes, fusions, TP interleaving included), and ``from_hf`` hands the same tensors back.
 The plan is checked on headers (strict: a missing, unexpected or mismatched key raises
@@ -64,16 +64,16 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
-from ._adapter import Adapter
-from ._constructors import with_dtype
-from ._export import ExportError, _CachedIO, plan_outputs
-from ._nodes import Leaf
-from ._plan import Plan, build_plan
-from ._reader import AdaptedStorageReader
-from ._resolve import resolve_adapter
-from ._target import schema_of
-from ._titan_names import for_export, for_load, native_names
+from ._engine.reader import AdaptedStorageReader
+from ._plan.adapter import Adapter
+from ._plan.plan import Plan, build_plan
+from ._plan.resolve import resolve_adapter
+from ._plan.target import schema_of
+from ._plan.titan_names import for_export, for_load, native_names
+from ._recipes.nodes import Leaf
+from ._transaction.export import ExportError, _CachedIO, plan_outputs
 from .errors import AdapterError, PlanError, SourceError
+from .rules.functions import with_dtype
 from .sources import INDEX_NAME, Source, TensorInfo, open_source
 from .sources._json import INDEX_LIMIT, ShardIndex, read_json
 

@@ -27,13 +27,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
-from .._adapter import Adapter
-from .._diff import Target, target_schema
-from .._export import plan_outputs
-from .._plan import build_plan
-from .._report import Report
-from .._resolve import adapter_or_none
-from .._rules import StripPrefix
+from .._plan.adapter import Adapter
+from .._plan.plan import build_plan
+from .._plan.report import Report
+from .._plan.resolve import adapter_or_none
+from .._transaction.diff import Target, target_schema
+from .._transaction.export import plan_outputs
+from ..rules import StripPrefix
 from ..sources import Source, TensorInfo, open_source
 from .config import FP8_SCALE_SUFFIX, NO_CONFIG, read_facts
 from .match import match_trees
@@ -277,7 +277,7 @@ def _grouped(props: Proposals) -> dict[str, list[Any]]:
 def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, layers: int, init_buffers: Any,
                 strip: str, given: Adapter | None) -> tuple[str | None, list[str]]:
     """Run :mod:`.numeric` on the draft's open choices; returns (what was checked, summary lines)."""
-    from .._resolve import load_object
+    from .._plan.resolve import load_object
     from .numeric import Experiment, apply_outcome, choices_of, search
 
     if not isinstance(target, nn.Module):

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .._registry import config_folder
+from .._plan.registry import config_folder
 from ..errors import SourceError
 from ..sources._json import read_json
 

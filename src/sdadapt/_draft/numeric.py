@@ -39,11 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._adapter import Adapter
-from .._patterns import compile_pattern
-from .._rules import Fuse, Rename, Rotary, Split
-from .._verify import _forward, _layer_list, _recording, _rel, default_rtol, random_tokens
+from .._plan.adapter import Adapter
+from .._transaction.verify import _forward, _layer_list, _recording, _rel, default_rtol, random_tokens
 from ..errors import SdadaptError
+from ..rules import Fuse, Rename, Rotary, Split
+from ..rules.patterns import compile_pattern
 from .config import Facts
 from .names import canon_tokens
 from .proposals import Proposals, Proposed

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .._rules import Affine, Deinterleave, Rotary
+from ..rules import Affine, Deinterleave, Rotary
 from .config import FP8_SCALE_SUFFIX, NO_CONFIG, Facts
 from .match import Item, Match, item_role
 from .names import canon_tokens

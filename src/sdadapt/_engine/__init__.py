@@ -1,10 +1,10 @@
-"""The I/O engine behind :class:`~sdadapt._reader.AdaptedStorageReader`.
+"""The I/O engine behind :class:`~sdadapt._engine.reader.AdaptedStorageReader`.
 
 ``dcp.load`` gives a rank its ``ReadItem``s (a target key, a box of it in global coordinates, a
 destination shard). The engine turns all of them into file reads at once and runs those reads
 on a thread pool:
 
-1. **Steps** (:mod:`sdadapt._nodes`). Each job's recipe says how its box is produced into the
+1. **Steps** (:mod:`sdadapt._recipes.nodes`). Each job's recipe says how its box is produced into the
    destination: pieces ("source tensor ``key``, region ``box``, goes into this view of the
    destination"), fills, and computations. The engine knows no node kinds; it plans pieces
    and runs fills and computations as they are. A computation that says it can run on the

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from .._nodes import Compute, Node
+from .._recipes.nodes import Compute, Node
 from .tasks import Delivery, Gather, Where
 from .views import TypedViews
 
@@ -54,7 +54,7 @@ Release = Callable[[], None]  # the buffer may be written again
 
 def device_kernels(recipes: Iterable[Node]) -> list[Node]:
     """One node for each kind of device kernel in ``recipes`` (the first node of a recipe that
-    computes on the destination's device, one per :meth:`~sdadapt._nodes.Node.warm_key`);
+    computes on the destination's device, one per :meth:`~sdadapt._recipes.nodes.Node.warm_key`);
     empty when no recipe computes there."""
     nodes: dict[object, Node] = {}
     for recipe in recipes:

@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from .._gc import gc_paused
+from .._base.gc import gc_paused
 from ..sources._base import Source
 from .config import EngineConfig
 from .device import DeviceLane

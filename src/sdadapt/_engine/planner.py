@@ -5,7 +5,7 @@ cut into reads: straight into a contiguous CPU destination of the source dtype (
 else through staging; small staged reads adjacent in one file are coalesced at the end. Runs
 shorter than ``min_span_bytes`` (a column slice) are one strided copy out of the source's
 mapping instead. Pieces of storage without locations and fills become one task each; a computation
-becomes one task per band its node cuts it into (:meth:`~sdadapt._nodes.Node.bands`), or, on
+becomes one task per band its node cuts it into (:meth:`~sdadapt._recipes.nodes.Node.bands`), or, on
 the device of a run's device lane, staged reads of its inputs gathered there (:meth:`Planner._gather`).
 """
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._nodes import Box, Compute, Piece, Step, box_shape, emit
+from .._recipes.nodes import Box, Compute, Piece, Step, box_shape, emit
 from ..sources._base import Source, TensorLocation
 from .config import EngineConfig
 from .geometry import box_spans, round_up, split_box, split_segments

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._nodes import Box, Compute, Fill, Node, Piece
+from .._recipes.nodes import Box, Compute, Fill, Node, Piece
 from ..errors import LoadError
 
 

@@ -14,7 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import _registry as registry
+    from .._plan import registry as registry
 
     if args.name is None:
         rows = registry.list_adapters()

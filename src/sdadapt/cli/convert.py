@@ -40,15 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _adapter(args: argparse.Namespace) -> Any:
     if not args.adapter:
         return None
-    from .._resolve import resolve_adapter
+    from .._plan.resolve import resolve_adapter
     from .diff import parse_options
 
     return resolve_adapter(args.adapter, source=args.src, **parse_options(args.adapter_option))
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._export import convert, plan_outputs
-    from .._progress import progress_bar, show_progress
+    from .._base.progress import progress_bar, show_progress
+    from .._transaction.export import convert, plan_outputs
     from ..sources import open_source
 
     adapter = _adapter(args)

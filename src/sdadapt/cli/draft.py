@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._draft import draft
-    from .._resolve import resolve_adapter, resolve_target_on_meta
+    from .._plan.resolve import resolve_adapter, resolve_target_on_meta
     from ..errors import ResolveError
     from ..sources import open_source
     from .diff import parse_options
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         raise ResolveError("--reference needs the model as --target (module:function), not a checkpoint")
     init_buffers = None
     if args.init_buffers:
-        from .._resolve import load_object
+        from .._plan.resolve import load_object
 
         init_buffers = load_object(args.init_buffers)
     d = draft(target, args.src, adapter, subtree=args.subtree, reference=args.reference, layers=args.layers,

@@ -18,8 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._inventory import inventory
     from ..sources import open_source
+    from ..sources._inventory import inventory
 
     with open_source(args.src, subtree=args.subtree) as src:
         inv = inventory(src.schema, source=src.path, kind=src.kind, non_tensor=src.non_tensor)

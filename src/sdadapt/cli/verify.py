@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _mesh_dims(spec: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """``fsdp=2,tp=2`` -> ``(("fsdp", "tp"), (2, 2))``; a usage error for anything else."""
-    from .._resolve import ResolveError
+    from .._plan.resolve import ResolveError
 
     names, sizes = [], []
     for part in spec.split(","):
@@ -98,7 +98,7 @@ def _loaded_model(args: argparse.Namespace, mesh_spec: str | None, adapter: Any,
 
     import sdadapt
 
-    from .._resolve import ResolveError, load_object, resolve_target
+    from .._plan.resolve import ResolveError, load_object, resolve_target
     from .diff import parse_options
 
     init_buffers = load_object(args.init_buffers) if args.init_buffers else None
@@ -119,8 +119,8 @@ def _loaded_model(args: argparse.Namespace, mesh_spec: str | None, adapter: Any,
 def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from .._resolve import ResolveError, resolve_adapter, resolve_target
-    from .._verify import reference_from_checkpoint, verify
+    from .._plan.resolve import ResolveError, resolve_adapter, resolve_target
+    from .._transaction.verify import reference_from_checkpoint, verify
     from .diff import parse_options
 
     started = False

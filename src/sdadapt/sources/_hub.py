@@ -31,8 +31,8 @@ import re
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from .._distributed import agree, is_distributed
-from .._progress import show_progress
+from .._base.distributed import agree, is_distributed
+from .._base.progress import show_progress
 from ..errors import SdadaptError, SourceError
 from ._base import member_path
 from ._hf_sharded import INDEX_NAME
@@ -120,7 +120,7 @@ def hub_folder(text: str, agree_fn: Callable[[BaseException | None], None] | Non
     into the Hub cache if missing).
 
     Collective when ``torch.distributed`` is initialised: every rank calls ``agree_fn`` (default
-    :func:`sdadapt._distributed.agree`) exactly twice, whatever fails where: after the
+    :func:`sdadapt._base.distributed.agree`) exactly twice, whatever fails where: after the
     downloading process fetched (the others wait there), then after every process found the
     files in its cache. Any failure on any rank becomes every rank's error (a
     :class:`SourceError` naming the id on the failing rank), so no rank is left waiting."""

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .._nodes import Box
+from .._recipes.nodes import Box
 from ..errors import SourceError
 from ._base import Source, TensorInfo, TensorLocation, slices
 

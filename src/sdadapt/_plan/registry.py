@@ -1,0 +1,215 @@
+"""Shipped adapters, addressable by name: ``sdadapt.get_adapter("llama", "ckpt_dir/")``.
+
+Each adapter is a module ``sdadapt.adapters.<name>`` that exposes
+
+- ``SUMMARY: str``: one line for ``sdadapt adapters``;
+- ``build(**options) -> Adapter``: the adapter from the checkpoint's layout to the model's
+  (``.inverse()`` gives the other direction). Options are keyword parameters (head counts,
+  ``tied=...``); a required option is a parameter without a default;
+- optionally ``options_from_config(folder: str) -> dict``: options read from the checkpoint
+  folder's ``config.json`` / ``params.json`` (``{}`` when it has none); a reader that takes a
+  second parameter, ``options_from_config(folder, source)``, also gets the checkpoint path as
+  given (to read its key names from headers).
+
+:func:`get_adapter` merges options: the config's first, explicit keyword arguments over them
+(an explicit value that differs from the config's is logged). It checks the merged options
+against ``build``'s signature before calling it: an unknown or missing option raises
+:class:`~sdadapt.AdapterError` naming it; ``build`` itself raises for inconsistent values.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import logging
+import os
+import pkgutil
+import tempfile
+from types import ModuleType
+from typing import Any
+
+from ..errors import AdapterError, SdadaptError
+from .adapter import Adapter
+
+log = logging.getLogger(__name__)
+
+PACKAGE = "sdadapt.adapters"
+"""Where adapters live (tests may point this at another package)."""
+
+
+def _package() -> ModuleType | None:
+    try:
+        return importlib.import_module(PACKAGE)
+    except ModuleNotFoundError as e:
+        if e.name == PACKAGE:
+            return None
+        raise
+
+
+def adapter_names() -> list[str]:
+    """Names of the shipped adapter modules (no import of the modules themselves)."""
+    pkg = _package()
+    if pkg is None:
+        return []
+    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
+
+
+def is_shipped(adapter: object) -> bool:
+    """Whether ``adapter`` names a shipped adapter (our documented layout, which load, diff and
+    export aim at the names the model holds)."""
+    return isinstance(adapter, str) and adapter in adapter_names()
+
+
+def adapter_module(name: str) -> ModuleType:
+    """Import ``sdadapt.adapters.<name>`` and check that it is an adapter module."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise AdapterError(f"adapter name {name!r} is not a module name; shipped adapters: {', '.join(adapter_names()) or 'none'}")
+    full = f"{PACKAGE}.{name}"
+    try:
+        mod = importlib.import_module(full)
+    except ModuleNotFoundError as e:
+        if e.name in (PACKAGE, full):
+            raise AdapterError(
+                f"no adapter named {name!r}; shipped adapters: {', '.join(adapter_names()) or 'none'} "
+                "(a file of your own: --adapter my_adapters.py:ADAPTER)"
+            ) from None
+        raise AdapterError(f"adapter {name!r} needs the package {e.name!r}, which is not installed") from e
+    if not callable(getattr(mod, "build", None)) or not isinstance(getattr(mod, "SUMMARY", None), str):
+        raise AdapterError(f"module {full} is not an adapter: it needs SUMMARY (str) and build(**options)")
+    return mod
+
+
+def config_folder(source: str | os.PathLike[str]) -> str | None:
+    """The folder whose config files describe ``source`` (the folder itself, or a file's folder)."""
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        return path
+    if os.path.isfile(path):
+        return os.path.dirname(os.path.abspath(path))
+    return None
+
+
+def options_of(name: str) -> dict[str, str]:
+    """``option -> "required"`` or ``"default <value>"`` from the adapter's ``build`` signature."""
+    out = {}
+    for p in inspect.signature(adapter_module(name).build).parameters.values():
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
+            out[p.name] = "required" if p.default is p.empty else f"default {p.default!r}"
+    return out
+
+
+def _read_options(name: str, reader: Any, folder: str, source: str) -> dict[str, Any]:
+    try:
+        # a reader with a second parameter also gets the checkpoint path itself (a file in a
+        # folder of several files: its key names tell what the config files cannot)
+        two = len(inspect.signature(reader).parameters) >= 2
+        return dict(reader(folder, source) if two else reader(folder))
+    except AdapterError as e:
+        raise AdapterError(f"{e} (reading the options in {_config_file(folder) or folder})") from None
+    except SdadaptError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bad config file: name it
+        raise AdapterError(f"adapter {name!r}: cannot read options from the config in {folder}: {e}") from e
+
+
+def options_from_model_config(name: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The options adapter ``name`` reads from ``config`` (a model's configuration with HF
+    ``config.json`` keys), as its ``options_from_config`` reads them from a folder holding that
+    ``config.json`` and no weights."""
+    reader = getattr(adapter_module(name), "options_from_config", None)
+    if not callable(reader):
+        return {}
+    with tempfile.TemporaryDirectory(prefix="sdadapt-config-") as folder:
+        with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(config, f, default=str)
+        return _read_options(name, reader, folder, folder)
+
+
+def get_adapter(
+    name: str, source: str | os.PathLike[str] | None = None, *, config: dict[str, Any] | None = None, **options: Any
+) -> Adapter:
+    """The shipped adapter ``name`` built with ``options``; with ``source`` (a checkpoint folder
+    or a file inside one), options the keyword arguments leave out come from its config files;
+    without one, from ``config`` (a model's configuration with HF ``config.json`` keys, as
+    ``model.config.to_dict()`` gives it) when given."""
+    mod = adapter_module(name)
+    from_config: dict[str, Any] = {}
+    folder = config_folder(source) if source is not None else None
+    reader = getattr(mod, "options_from_config", None)
+    if source is not None and folder is not None and callable(reader):
+        from_config = _read_options(name, reader, folder, os.fspath(source))
+    elif source is None and config is not None:
+        from_config = options_from_model_config(name, config)
+        folder = None
+    for k, v in options.items():
+        if k in from_config and from_config[k] != v:
+            where = folder or "the model's config"
+            log.warning("adapter %s: option %s=%r overrides %r from the config in %s", name, k, v, from_config[k], where)
+    sig = inspect.signature(mod.build)
+    params = {
+        p.name: p for p in sig.parameters.values() if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
+    if not takes_any:
+        unknown = sorted(set(options) - set(params))
+        if unknown:
+            raise AdapterError(
+                f"adapter {name!r} has no option {', '.join(map(repr, unknown))}; its options: "
+                f"{', '.join(params) or 'none'}"
+            )
+        ignored = sorted(set(from_config) - set(params))
+        if ignored:
+            log.debug("adapter %s: config options %s are not build options; ignored", name, ignored)
+        from_config = {k: v for k, v in from_config.items() if k in params}
+    merged = {**from_config, **options}
+    missing = [p.name for p in params.values() if p.default is p.empty and p.name not in merged]
+    if missing:
+        if folder:
+            where = f"the config in {folder} does not give it"
+        elif config is not None:
+            where = "the model's config does not give it"
+        else:
+            where = "no checkpoint folder was given to read it from (nor a model config)"
+        raise AdapterError(
+            f"adapter {name!r} needs option {', '.join(map(repr, missing))} and {where}; pass the adapter built "
+            f"with it, sdadapt.get_adapter({name!r}, {missing[0]}=...), or the checkpoint folder it was loaded from, "
+            f"sdadapt.get_adapter({name!r}, source='ckpt_dir/') (command line: --option {missing[0]}=...)"
+        )
+    try:
+        adapter = mod.build(**merged)
+    except AdapterError as e:
+        given = [k for k in from_config if k not in options]
+        config_path = _config_file(folder)
+        if not given or config_path is None:
+            raise
+        raise AdapterError(f"{e} (options {', '.join(given)} were read from {config_path})") from None
+    except SdadaptError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bad option value: name the options
+        shown = ", ".join(f"{k}={v!r}" for k, v in merged.items())
+        raise AdapterError(f"adapter {name!r} cannot be built with {shown}: {type(e).__name__}: {e}") from e
+    if not isinstance(adapter, Adapter):
+        raise AdapterError(f"adapter module {mod.__name__}: build() returned a {type(adapter).__name__}, not an Adapter")
+    log.info("adapter %s: %d rules, options %s", name, len(adapter.rules), merged)
+    return adapter
+
+
+def _config_file(folder: str | None) -> str | None:
+    """The config file shipped adapters read options from in ``folder`` (``config.json``, else
+    ``params.json``), or ``None``."""
+    for name in ("config.json", "params.json"):
+        if folder and os.path.isfile(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    return None
+
+
+def list_adapters() -> list[tuple[str, str]]:
+    """``(name, SUMMARY)`` of every shipped adapter; one that cannot be imported says why."""
+    out = []
+    for name in adapter_names():
+        try:
+            out.append((name, adapter_module(name).SUMMARY))
+        except SdadaptError as e:
+            out.append((name, f"(unavailable: {e})"))
+    return out

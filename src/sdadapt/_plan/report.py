@@ -1,0 +1,241 @@
+"""The Report: everything that does not line up between a checkpoint and a model.
+
+Pydantic models, so a report serialises (``report.model_dump_json()``) and prints
+(``print(report)``) with runs of keys compressed and nearest-name suggestions.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections import Counter, defaultdict
+
+from pydantic import BaseModel, computed_field
+
+from .._base.keyruns import compress
+from ..rules.dequant import quant_hint
+
+_INDEX = re.compile(r"\.\d+(?=[.,\])\[]|$)")  # ".3." in a recipe -> ".{i}."
+
+CAST_FIX = 'sdadapt.cast("**", "model")'
+"""The one rule that fixes any dtype-only mismatch: each tensor to the model's dtype for it."""
+
+NOT_NUMBERS = (
+    "note: this compares names, shapes and dtypes only, not values: a wrong row order inside "
+    "heads, an interleaved fused tensor or a missing (1 + w) still lines up. Check the numbers "
+    "with `sdadapt verify SRC --model M --adapter A` (logits against a reference)"
+)
+"""What a key mapping does not show, and where the numerical check is."""
+
+VERDICT_UNCHECKED = "OK: checkpoint and model line up by names and shapes; values unchecked"
+"""The verdict of a clean report when no numerical check ran: a line-up is not a right load."""
+
+
+class Mismatch(BaseModel):
+    key: str
+    model: str  # what the model wants (shape or dtype)
+    checkpoint: str  # what the checkpoint + adapter give
+    recipe: str  # how the value is made, e.g. "cat([q, k, v], dim=0)"
+
+
+class RuleIssue(BaseModel):
+    rule: str
+    index: int
+    key: str | None = None
+    message: str
+
+
+class Report(BaseModel):
+    """How a checkpoint lines up with a model under an adapter (from headers alone).
+
+    ``missing`` / ``unexpected`` list target keys nothing produces and source keys nothing
+    consumes; ``shape_mismatch`` / ``dtype_mismatch`` the keys that differ; ``rule_issues`` and
+    ``unused_rules`` what the adapter's rules could not do or never matched. ``ok`` is true when
+    none of these (``problems``) remain; ``format()`` prints it as ``sdadapt diff`` does."""
+
+    source: str
+    target: str
+    adapter: str | None = None
+    source_keys: int = 0
+    target_keys: int = 0
+    matched: int = 0
+    missing: list[str] = []
+    unexpected: list[str] = []
+    shape_mismatch: list[Mismatch] = []
+    dtype_mismatch: list[Mismatch] = []
+    rule_issues: list[RuleIssue] = []
+    unused_rules: list[str] = []
+    non_tensor: list[str] = []
+    allowed_missing: list[str] = []
+    allowed_unexpected: list[str] = []
+    dropped: list[str] = []
+    widened: list[str] = []  # keys of a quantized release stored unquantized, widened exactly to the model's dtype
+    values_checked: str | None = None  # what numerical check ran on the values, if any (e.g. by draft)
+    dequant_rules: list[str] = []  # "#i kind" of the adapter's dequantising rules (the quantized-source hint)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def problems(self) -> int:
+        return (
+            len(self.missing)
+            + len(self.unexpected)
+            + len(self.shape_mismatch)
+            + len(self.dtype_mismatch)
+            + len(self.rule_issues)
+            + len(self.unused_rules)
+            + len(self.non_tensor)
+        )
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def ok(self) -> bool:
+        return self.problems == 0
+
+    @property
+    def mostly_unmatched(self) -> bool:
+        """Fewer than half of the model's keys matched: a wrong adapter or checkpoint, not typos."""
+        return bool(self.target_keys) and 2 * self.matched < self.target_keys
+
+    def suggestions(self) -> dict[str, str]:
+        """Compressed missing key -> the closest compressed unexpected key, for near misses only
+        (a misspelling); none when most keys are unmatched, where names are no guide."""
+        if not self.missing or not self.unexpected or self.mostly_unmatched:
+            return {}
+        pool = compress(self.unexpected)
+        out = {}
+        for m in compress(self.missing):
+            near = difflib.get_close_matches(m, pool, n=1, cutoff=0.75)
+            if near:
+                out[m] = near[0]
+        return out
+
+    def _prefix_cause(self) -> str | None:
+        """A prefix that the checkpoint's keys carry and the model's lack (or the other way),
+        if it explains at least half of the missing keys."""
+        missing = set(self.missing)
+        for extra, lacking, rule, whose in (
+            (self.unexpected, missing, "strip_prefix", "checkpoint's"),
+            (sorted(missing), set(self.unexpected), "add_prefix", "model's"),
+        ):
+            counts: Counter[str] = Counter()
+            for key in extra:
+                parts = key.split(".")
+                for k in range(1, min(3, len(parts))):
+                    prefix = ".".join(parts[:k]) + "."
+                    if key[len(prefix) :] in lacking:
+                        counts[prefix] += 1
+            if counts:
+                prefix, n = counts.most_common(1)[0]
+                if 2 * n >= len(self.missing):
+                    return (
+                        f"{n} of the {whose} keys carry the prefix {prefix!r} that the other side lacks; "
+                        f"add sdadapt.{rule}({prefix!r}) to the adapter"
+                    )
+        return None
+
+    def root_cause(self) -> str | None:
+        """One line naming the likeliest single cause of the problems, with its fix, if one
+        explains them: a quantized checkpoint read without its dequant rule, dtypes only, a key
+        prefix, or a wrong adapter or checkpoint."""
+        quant = quant_hint(self)
+        if quant:
+            return quant.removeprefix("hint: ")
+        if self.dtype_mismatch and self.problems == len(self.dtype_mismatch):
+            pairs = Counter((m.checkpoint, m.model) for m in self.dtype_mismatch)
+            what = ", ".join(f"{got} where the model holds {want} ({n} keys)" for (got, want), n in pairs.most_common(3))
+            more = f" and {len(pairs) - 3} more pairs" if len(pairs) > 3 else ""
+            return (
+                f"only dtypes differ: the checkpoint gives {what}{more}; the one rule that fixes it: "
+                f'{CAST_FIX} (or sdadapt.load(..., dtype="model"); sdadapt diff --dtype model)'
+            )
+        if self.missing and self.unexpected:
+            cause = self._prefix_cause()
+            if cause:
+                return cause
+        if self.mostly_unmatched and (self.unexpected or self.rule_issues):
+            return (
+                f"most model keys are unmatched ({self.matched} of {self.target_keys}); is this the right "
+                "adapter for this checkpoint?"
+            )
+        return None
+
+    def format(self, max_rows: int | None = 8) -> str:
+        """The report as text: a root cause first when one explains the problems, then each
+        kind of problem with at most ``max_rows`` rows (``None``: every row)."""
+        lines = [f"source {self.source}", f"target {self.target}"]
+        if self.adapter:
+            lines.append(f"adapter {self.adapter}")
+        lines.append(
+            f"{self.matched} of {self.target_keys} model keys matched "
+            f"({self.source_keys} checkpoint keys); {self.problems} problem(s)"
+        )
+        cause = self.root_cause()
+        if cause:
+            lines.append(f"root cause: {cause}")
+
+        def section(title: str, rows: list[str], count: int, note: str = "") -> None:
+            if not rows:
+                return
+            lines.append(f"{title} ({count}){note}:")
+            shown = rows if max_rows is None else rows[:max_rows]
+            lines.extend(f"  {r}" for r in shown)
+            if len(rows) > len(shown):
+                lines.append(f"  ... and {len(rows) - len(shown)} more rows (--all lists every row)")
+
+        hints = self.suggestions()
+        section(
+            "missing: the model has these, the checkpoint + adapter do not give them",
+            [m + (f"    <- did you mean {hints[m]}?" if m in hints else "") for m in compress(self.missing)],
+            len(self.missing),
+        )
+        section(
+            "unexpected: the checkpoint has these, the model does not (drop them or map them)",
+            compress(self.unexpected),
+            len(self.unexpected),
+        )
+        section("not tensors (drop them, or pick a subtree)", compress(self.non_tensor), len(self.non_tensor))
+        for title, items, note in (
+            ("shape mismatch", self.shape_mismatch, ""),
+            ("dtype mismatch", self.dtype_mismatch, "" if quant_hint(self) else f", all fixed by {CAST_FIX} if the conversion is intended"),
+        ):
+            groups: dict[tuple[str, str, str], list[Mismatch]] = defaultdict(list)
+            for mm in items:  # one row per run of keys with the same numbers and the same recipe shape
+                groups[(mm.model, mm.checkpoint, _INDEX.sub(".{i}", mm.recipe))].append(mm)
+            rows = [
+                f"{k}: model {want}, checkpoint gives {got} (from {recipe})"
+                for (want, got, recipe), ms in groups.items()
+                for k in compress([m.key for m in ms])
+            ]
+            section(title, rows, len(items), note)
+        issue_groups: dict[tuple[int, str, str], list[str]] = defaultdict(list)
+        for it in self.rule_issues:
+            issue_groups[(it.index, it.rule, it.message)].append(it.key or "")
+        section(
+            "rule problems",
+            [
+                f"#{i} {rule}: " + (f"{', '.join(compress([k for k in ks if k]))}: " if any(ks) else "") + msg
+                for (i, rule, msg), ks in issue_groups.items()
+            ],
+            len(self.rule_issues),
+        )
+        section("rules that matched nothing", self.unused_rules, len(self.unused_rules))
+        if self.dropped:
+            lines.append(f"dropped by rules: {len(self.dropped)} key(s)")
+        if self.widened:
+            lines.append(f"widened exactly to the model's dtype (stored unquantized in a quantized release): {len(self.widened)} key(s)")
+        if self.allowed_missing or self.allowed_unexpected:
+            lines.append(
+                f"allowed: {len(self.allowed_missing)} missing and {len(self.allowed_unexpected)} unexpected key(s)"
+            )
+        if self.matched and not self.values_checked:
+            lines.append(NOT_NUMBERS)
+        if not self.ok:
+            lines.append(f"NOT OK: {self.problems} problem(s)")
+        elif self.values_checked:
+            lines.append(f"OK: checkpoint and model line up; values checked: {self.values_checked}")
+        else:
+            lines.append(VERDICT_UNCHECKED)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()

@@ -1,0 +1,59 @@
+"""Value nodes: elementwise arithmetic on one input (a box maps to the same box of the input),
+each a computation step of the node protocol in :mod:`sdadapt._recipes.nodes`."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sources._base import dtype_name
+from .nodes import Box, Compute, Node, SourceIO, Step
+
+
+@dataclass(frozen=True, eq=False)
+class Affine(Node):
+    """The input times ``scale`` plus ``shift`` (``invert``: minus ``shift``, divided by
+    ``scale``), elementwise; computed in float32 (float64 for float64 outputs) and rounded once to
+    the input's floating dtype, or to ``out_dtype``. A box maps to the same box of the input."""
+
+    child: Node
+    scale: float
+    shift: float
+    invert: bool = False
+    out_dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = field(init=False)
+    dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.child.dtype.is_floating_point:
+            raise ValueError(f"affine needs a floating input, got {self.child.dtype}")
+        object.__setattr__(self, "shape", self.child.shape)
+        object.__setattr__(self, "dtype", self.out_dtype or self.child.dtype)
+
+    def as_dtype(self, dtype: torch.dtype) -> Node | None:
+        """The same arithmetic, rounded once to ``dtype`` (a bf16 Gemma norm's ``1 + w`` into a
+        float32 model, exactly)."""
+        return dataclasses.replace(self, out_dtype=dtype) if dtype.is_floating_point else None
+
+    def _apply(self, t: torch.Tensor) -> torch.Tensor:
+        w = t.to(torch.float64 if self.dtype == torch.float64 else torch.float32)
+        w = (w - self.shift) / self.scale if self.invert else w * self.scale + self.shift
+        return w.to(self.dtype)
+
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+        out.append(Compute(self, box, dest, functools.partial(self._region, box)))
+
+    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+        return self._apply(self.child.read(box, io))
+
+    def full(self, io: SourceIO) -> torch.Tensor:
+        return self._apply(self.child.full(io))
+
+    def describe(self) -> str:
+        to = f" as {dtype_name(self.out_dtype)}" if self.out_dtype is not None else ""
+        if self.invert:
+            return f"({self.child.describe()} - {self.shift:g}) / {self.scale:g}{to}"
+        return f"{self.child.describe()} * {self.scale:g} + {self.shift:g}{to}"

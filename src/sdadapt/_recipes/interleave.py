@@ -1,0 +1,142 @@
+"""The interleave node: parts of a fused tensor laid out per TP rank, or the other way back.
+
+A box of the output maps to one box of the child per block it touches. Where those blocks are
+long, each is its own piece (read straight into the destination, exactly the box's bytes).
+Where they are a row or a few long (parts that alternate row by row, as GPT-OSS stores gate
+and up rows), a piece per block would be a read, a task and a Python step per row; there the
+box is instead read as one covering region of the child per band of blocks, and its rows are
+gathered into place: one computation per band. That reads the other parts' rows in between
+too, at most (number of parts) x the band's own bytes (a block far from the others starts a
+new band; a band of one block is a piece again): the one place where a region reads more than
+its own bytes, traded for a task per row.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from .nodes import Box, Compute, Node, Rearrangement, SourceIO, Step, _with_dim, emit
+
+GATHER_ROWS = 4
+GATHER_BELOW = 64 * 1024
+"""Blocks of fewer than :data:`GATHER_ROWS` entries along the dim and this many bytes (on
+average, over a box) are gathered, not read one by one. Blocks of whole attention heads (TP's
+fused q/k/v) are longer, and are read exactly."""
+GATHER_BAND = 16 << 20
+"""The most bytes of the child one gathering computation reads."""
+
+
+@dataclass(frozen=True, eq=False)
+class Interleave(Rearrangement):
+    """A fused tensor ``[part0; part1; ...]`` (``sizes`` along ``dim``) laid out per TP rank:
+    ``[p0_r0; p1_r0; ...; p0_r1; p1_r1; ...]``, each part cut in ``tp`` equal blocks, so a
+    ``ColwiseParallel`` shard of rank ``r`` holds ``[p0_r; p1_r; ...]``. ``inverse=True``
+    maps that layout back to contiguous parts.
+
+    A box maps to several boxes (one per block it touches), each a piece: exactly the box's
+    volume is read; short blocks are gathered from covering reads instead (module docstring).
+    ``full`` uses ``view``/``cat`` on whole parts.
+    """
+
+    child: Node
+    dim: int
+    sizes: tuple[int, ...]
+    tp: int
+    inverse: bool = False
+    shape: tuple[int, ...] = field(init=False)
+    dtype: torch.dtype = field(init=False)
+    segments: tuple[tuple[int, int, int], ...] = field(init=False, repr=False)  # (out_start, in_start, length)
+
+    def __post_init__(self) -> None:
+        if sum(self.sizes) != self.child.shape[self.dim]:
+            raise ValueError(f"sizes {self.sizes} do not add up to {self.child.shape[self.dim]}")
+        if self.tp <= 0 or any(s % self.tp for s in self.sizes):
+            raise ValueError(f"sizes {self.sizes} do not divide by tp={self.tp}")
+        object.__setattr__(self, "shape", self.child.shape)
+        object.__setattr__(self, "dtype", self.child.dtype)
+        segs = []
+        out = 0
+        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        for r in range(self.tp):
+            for s, start in zip(self.sizes, starts, strict=True):
+                blk = s // self.tp
+                if blk:
+                    # contiguous position start + r*blk  <->  interleaved position out
+                    segs.append((start + r * blk, out, blk) if self.inverse else (out, start + r * blk, blk))
+                out += blk
+        object.__setattr__(self, "segments", tuple(sorted(segs)))
+
+    def _touched(self, a: int, b: int) -> list[tuple[int, int, int]]:
+        """The output rows ``[lo, hi)`` of each block that ``[a, b)`` touches, in order, with
+        the shift from an output row to its child row."""
+        out = []
+        for out0, in0, n in self.segments:
+            lo, hi = max(a, out0), min(b, out0 + n)
+            if lo < hi:
+                out.append((lo, hi, in0 - out0))
+        return out
+
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+        d = self.dim
+        a, b = box[d]
+        touched = self._touched(a, b)
+        row_bytes = self.child.dtype.itemsize
+        for i, (lo, hi) in enumerate(box):
+            row_bytes *= 1 if i == d else hi - lo
+        n = len(touched)
+        short = b - a < GATHER_ROWS * n and (b - a) * row_bytes < GATHER_BELOW * n
+        for band in self._bands(touched, row_bytes) if short else [[seg] for seg in touched]:
+            lo, hi = band[0][0], band[-1][1]
+            sub, into = _with_dim(box, d, (lo, hi)), dest.narrow(d, lo - a, hi - lo)
+            if len(band) == 1:
+                emit(self.child, _with_dim(box, d, (lo + band[0][2], hi + band[0][2])), into, out)
+            else:
+                out.append(Compute(self, sub, into, fn=functools.partial(self._gather, sub, tuple(band))))
+
+    def _bands(self, touched: list[tuple[int, int, int]], row_bytes: int) -> list[list[tuple[int, int, int]]]:
+        """``touched`` in runs, each gathered from one covering read: a run grows while its
+        covering child rows stay within (number of parts) x its own rows and
+        :data:`GATHER_BAND` bytes."""
+        parts = sum(1 for s in self.sizes if s)
+        bands: list[list[tuple[int, int, int]]] = []
+        first = last = rows = 0
+        for lo, hi, shift in touched:
+            if bands:
+                f, l_ = min(first, lo + shift), max(last, hi + shift)
+                n = rows + hi - lo
+                if l_ - f <= parts * n and (l_ - f) * row_bytes <= GATHER_BAND:
+                    bands[-1].append((lo, hi, shift))
+                    first, last, rows = f, l_, n
+                    continue
+            bands.append([(lo, hi, shift)])
+            first, last, rows = lo + shift, hi + shift, hi - lo
+        return bands
+
+    def _gather(self, box: Box, band: tuple[tuple[int, int, int], ...], io: SourceIO) -> torch.Tensor:
+        """Region ``box`` (the output rows of ``band``'s blocks): the child's rows that cover
+        them, read at once, then each block's rows picked out."""
+        d = self.dim
+        first = min(lo + s for lo, _, s in band)
+        last = max(hi + s for _, hi, s in band)
+        cover = self.child.read(_with_dim(box, d, (first, last)), io)
+        rows = torch.tensor([r for lo, hi, s in band for r in range(lo + s - first, hi + s - first)], dtype=torch.int64)
+        return cover.index_select(d, rows)
+
+    def full(self, io: SourceIO) -> torch.Tensor:
+        t = self.child.full(io)
+        d, tp = self.dim, self.tp
+        rest = t.shape[d + 1 :]
+        if not self.inverse:
+            parts = t.split(list(self.sizes), dim=d)
+            blocks = [p.reshape(p.shape[:d] + (tp, p.shape[d] // tp) + rest) for p in parts]
+            return torch.cat(blocks, dim=d + 1).reshape(t.shape)
+        v = t.reshape(t.shape[:d] + (tp, t.shape[d] // tp) + rest)
+        parts = v.split([s // tp for s in self.sizes], dim=d + 1)
+        return torch.cat([p.reshape(p.shape[:d] + (-1,) + rest) for p in parts], dim=d)
+
+    def describe(self) -> str:
+        name = "deinterleave" if self.inverse else "interleave"
+        return f"{name}({self.child.describe()}, sizes={list(self.sizes)}, tp={self.tp}, dim={self.dim})"

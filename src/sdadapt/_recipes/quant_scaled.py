@@ -1,0 +1,237 @@
+"""Scaled quantized formats as pure functions on tensors (no I/O, no plan): the codes of a weight
+times a grid of scales, optionally less zero points and with a per-tensor second scale.
+
+One arithmetic serves the formats other tools write:
+
+- **compressed-tensors** (``quant_method: compressed-tensors``, written by llm-compressor):
+  ``float-quantized`` / ``naive-quantized`` FP8 (``weight`` e4m3 and ``weight_scale`` per tensor,
+  per output channel ``[R, 1]``, per group ``[R, C/g]`` or per block ``[ceil(R/b0), ceil(C/b1)]``)
+  and ``int-quantized`` int8; ``pack-quantized`` int4 / int8 (``weight_packed`` int32 holding
+  32 / num_bits values per word, element ``i`` at bits ``i * num_bits``, stored with the offset
+  ``2 ** (num_bits - 1)``; zero points packed the same way along dim 0); ``nvfp4-pack-quantized``
+  (``weight_packed`` uint8, two e2m1 values per byte, low nibble first; ``weight_scale`` e4m3 per
+  16 values; ``weight_global_scale`` float32, which divides the scales); ``mxfp8-quantized``
+  (e4m3 values, one e8m0 exponent byte per 32).
+- **NVIDIA ModelOpt**: NVFP4 (``weight`` uint8 as above, ``weight_scale`` e4m3 per 16 values,
+  ``weight_scale_2`` float32, which multiplies the scales) and per-tensor FP8.
+
+The value of element ``[i, j]`` is ``(code[i, j] - zero[i // b0, j // b1]) * s[i // b0, j // b1]``
+with ``s = float(scale) / global`` (compressed-tensors) or ``float(scale) * global`` (ModelOpt),
+computed in float32 and rounded once to the target's dtype. That is compressed-tensors' own
+``dequantize`` where its scale is float32 or the product is exact (e4m3 or int codes times a bf16
+scale: a bf16 target gets the same bits as its bf16 arithmetic); a float32 target gets the exact
+float32 product, not a bf16 one widened. Codes decode exactly (e4m3, e2m1 and small integers are
+exact in float32), so a region computed on its own equals the same region of the whole tensor.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from .quant import E4M3_MAX, FP8_DTYPE, decode_e8m0, e2m1_codes, fp4_pairs
+
+Codec = Literal["e4m3", "int8", "e2m1", "int4", "int8_packed"]
+Strategy = Literal["tensor", "channel", "group", "block"]
+GlobalMode = Literal["divide", "multiply"]
+
+PER_UNIT: dict[str, int] = {"e4m3": 1, "int8": 1, "e2m1": 2, "int4": 8, "int8_packed": 4}
+"""Values per stored element along the last dim."""
+STORED: dict[str, torch.dtype] = {
+    "e4m3": FP8_DTYPE,
+    "int8": torch.int8,
+    "e2m1": torch.uint8,
+    "int4": torch.int32,
+    "int8_packed": torch.int32,
+}
+"""The dtype each codec's values are stored in."""
+BITS: dict[str, int] = {"e4m3": 8, "int8": 8, "e2m1": 4, "int4": 4, "int8_packed": 8}
+E8M0_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
+FLOAT_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8_DTYPE)
+NVFP4_GROUP = 16
+MX_GROUP = 32
+E2M1_MAX = 6.0
+
+if sys.byteorder != "little":  # pragma: no cover - the packed int32 words are read as bytes
+    raise ImportError("sdadapt reads packed int32 quantized weights on little-endian hosts only")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def decode_codes(raw: torch.Tensor, codec: Codec) -> torch.Tensor:
+    """Stored values ``[..., P]`` -> float32 codes ``[..., P * PER_UNIT[codec]]`` (exact)."""
+    if codec in ("e4m3", "int8"):
+        return raw.to(torch.float32)
+    if codec == "e2m1":
+        return F.embedding(raw.to(torch.int64), fp4_pairs(raw.device)).flatten(-2)  # byte -> (low, high)
+    raw = torch.empty(raw.shape, dtype=raw.dtype, device=raw.device).copy_(raw) if raw.dim() and raw.stride(-1) != 1 else raw
+    b = raw.contiguous().view(torch.uint8)  # little-endian words: element i at bits i * num_bits
+    if codec == "int8_packed":
+        return b.to(torch.float32) - 128.0
+    lo, hi = (b & 0x0F).to(torch.float32), (b >> 4).to(torch.float32)
+    return torch.stack([lo, hi], dim=-1).flatten(-2) - 8.0
+
+
+def decode_zero_rows(raw: torch.Tensor, bits: int) -> torch.Tensor:
+    """Zero points packed along dim -2 in int32 words (compressed-tensors ``pack_to_int32(...,
+    packed_dim=0)``) -> float32 ``[..., words * 32 / bits, G]``."""
+    codec: Codec = "int4" if bits == 4 else "int8_packed"
+    return decode_codes(raw.transpose(-1, -2), codec).transpose(-1, -2)
+
+
+def scale_multipliers(scale: torch.Tensor, glob: torch.Tensor | None, mode: GlobalMode) -> torch.Tensor:
+    """Stored scales (any float dtype, or e8m0 exponent bytes) -> float32 multipliers, divided
+    (compressed-tensors' global scale) or multiplied (ModelOpt's ``weight_scale_2``) by ``glob``."""
+    s = decode_e8m0(scale) if scale.dtype in E8M0_DTYPES else scale.to(torch.float32)
+    if glob is None:
+        return s
+    g = glob.to(torch.float32).reshape(())
+    return s / g if mode == "divide" else s * g
+
+
+def dequantize_region(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    offset: tuple[int, int],
+    zero: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``codes [..., R, C]`` (float32) whose element ``[0, 0]`` sits at ``offset`` = ``(row % b0,
+    col % b1)`` of its first block; ``scale`` (float32 multipliers) and ``zero`` (float32) hold
+    the grid rows/cols the region touches (or one value for the whole tensor) -> values in ``dtype``.
+
+    The grids are broadcast, not expanded to the region's size: along a dim of one grid entry
+    (a tensor's or a channel's scale), and along columns of whole groups through a ``[..., R,
+    C / b1, b1]`` view; rows are gathered per row (a ``[R, nC]`` grid)."""
+    rows, cols = codes.shape[-2:]
+    (b0, b1), (r, c) = block, offset
+    lead = tuple(codes.shape[:-2])
+    ri = torch.div(torch.arange(r, r + rows, device=codes.device), b0, rounding_mode="floor")
+
+    def by_rows(grid: torch.Tensor) -> torch.Tensor:
+        grid = grid.reshape(grid.shape if grid.dim() >= 2 else (1, 1))
+        return grid.index_select(-2, ri) if grid.shape[-2] > 1 else grid
+
+    s = by_rows(scale)
+    z = None if zero is None else by_rows(zero)
+    grouped = s.shape[-1] > 1 or (z is not None and z.shape[-1] > 1)
+    if grouped and c == 0 and cols % b1 == 0 and s.shape[-1] in (1, cols // b1):
+        v = codes.reshape(lead + (rows, cols // b1, b1))
+        if z is not None:
+            v = v - z.unsqueeze(-1)
+        return (v * s.unsqueeze(-1)).reshape(codes.shape).to(dtype)
+    if grouped:
+        ci = torch.div(torch.arange(c, c + cols, device=codes.device), b1, rounding_mode="floor")
+        s = s.index_select(-1, ci) if s.shape[-1] > 1 else s
+        z = z.index_select(-1, ci) if z is not None and z.shape[-1] > 1 else z
+    v = codes if z is None else codes - z
+    return (v * s).to(dtype)
+
+
+_INTO_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # every e4m3, e2m1 and int8 code is exact in these
+
+
+def dequantize_into(
+    dest: torch.Tensor, raw: torch.Tensor, codec: Codec, scale: torch.Tensor, block: tuple[int, int], c0: int
+) -> bool:
+    """Dequantise stored values ``raw`` (rows ``[..., R, P]``, from column ``c0``) straight into
+    ``dest`` with no float32 temporary, where the region allows it: the codes converted into
+    ``dest`` (exact), then multiplied in place by ``scale`` (float32 multipliers, one per row and
+    column group ``[..., R, C / b1]``, per row ``[..., R, 1]``, or one for the tensor), which
+    computes in float32 and rounds once: the bits of :func:`dequantize_region`. Returns ``False``,
+    touching nothing, for zero points' codecs, a dtype the codes are not exact in, column groups
+    the region cuts, row blocks taller than one row, or (e2m1) half a byte or a strided ``dest``."""
+    rows, cols = dest.shape[-2:]
+    b1 = block[1]
+    one = scale.numel() == 1
+    if codec not in ("e4m3", "int8", "e2m1") or dest.dtype not in _INTO_DTYPES:
+        return False
+    if not one and (scale.dim() < 2 or scale.shape[-2] != rows or block[0] != 1):
+        return False
+    groups = 1 if one else scale.shape[-1]
+    if groups > 1 and (c0 % b1 or cols != groups * b1):
+        return False
+    if codec == "e2m1":
+        if c0 % 2 or raw.shape[-1] * 2 != cols or not dest.is_contiguous():
+            return False
+        idx = raw.reshape(-1).to(torch.int32)
+        torch.index_select(fp4_pairs(raw.device, dest.dtype), 0, idx, out=dest.view(-1, 2))
+    else:
+        dest.copy_(raw)
+    # a multiplier of at least one dim takes part in type promotion: the product is float32
+    s = scale.reshape((1, 1)) if one else scale
+    if groups > 1:
+        dest.unflatten(-1, (groups, b1)).mul_(s.unsqueeze(-1))
+    else:
+        dest.mul_(s)
+    return True
+
+
+def dequantize(
+    raw: torch.Tensor,
+    codec: Codec,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    cols: int,
+    dtype: torch.dtype,
+    zero: torch.Tensor | None = None,
+    glob: torch.Tensor | None = None,
+    mode: GlobalMode = "divide",
+) -> torch.Tensor:
+    """Whole-tensor dequantisation (``zero`` as stored: packed along rows for packed codecs)."""
+    codes = decode_codes(raw, codec)[..., :cols]
+    z = None
+    if zero is not None:
+        z = decode_zero_rows(zero, BITS[codec])[..., : scale.shape[-2], :] if codec in ("int4", "int8_packed") else zero.float()
+    return dequantize_region(codes, scale_multipliers(scale, glob, mode), block, (0, 0), z, dtype)
+
+
+# --- quantizing (export) --------------------------------------------------------------------------
+
+
+def _grid_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Per block of ``x [..., R, C]`` (zero-padded to whole blocks) the largest magnitude."""
+    rows, cols = x.shape[-2:]
+    b0, b1 = block
+    nr, nc = cdiv(rows, b0), cdiv(cols, b1)
+    w = F.pad(x.abs().to(torch.float32), (0, nc * b1 - cols, 0, nr * b0 - rows))
+    return w.reshape(tuple(x.shape[:-2]) + (nr, b0, nc, b1)).amax(dim=(-3, -1))
+
+
+def quantize_fp8_scaled(x: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., R, C]`` -> (e4m3 codes, scales ``[..., nR, nC]`` in ``scale_dtype``) with the
+    scale ``amax / 448`` of each block (all-zero blocks: 1), as compressed-tensors' min-max
+    observer chooses it. Values dequantised from such codes give their scales back exactly
+    whenever some code of the block is +-448 (the largest value of a block quantizes to 448)."""
+    amax = _grid_amax(x, block)
+    stored = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).to(scale_dtype)
+    s = stored.to(torch.float32)
+    codes = (x.to(torch.float32) / _spread(s, x.shape, block)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    return codes, stored
+
+
+def quantize_nvfp4(
+    x: torch.Tensor, glob: torch.Tensor, mode: GlobalMode
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., R, C]`` (``C`` a multiple of 16) -> (packed e2m1 ``uint8 [..., R, C/2]``, e4m3
+    scales ``[..., R, C/16]``) under the stored per-tensor ``glob``: each group's scale is
+    ``amax / 6`` expressed against the global scale and rounded to e4m3."""
+    amax = _grid_amax(x, (1, NVFP4_GROUP))
+    g = glob.to(torch.float32).reshape(())
+    want = amax / E2M1_MAX
+    stored = (want * g if mode == "divide" else want / g).clamp(max=E4M3_MAX).to(FP8_DTYPE)
+    s = scale_multipliers(stored, glob, mode)
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    code = e2m1_codes(x.to(torch.float32) / _spread(s, x.shape, (1, NVFP4_GROUP)))
+    return code[..., 0::2] | (code[..., 1::2] << 4), stored
+
+
+def _spread(s: torch.Tensor, shape: torch.Size | tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
+    rows, cols = shape[-2:]
+    return s.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]

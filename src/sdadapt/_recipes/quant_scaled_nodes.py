@@ -1,0 +1,239 @@
+"""Recipe nodes for the scaled formats of :mod:`sdadapt._recipes.quant_scaled` (compressed-tensors,
+ModelOpt, MXFP8, per-tensor and per-channel FP8): dequantise on load, re-quantize on export.
+
+:class:`DequantScaled` reads, for a region, the stored values of exactly its rows and of the
+whole packs its columns touch (two e2m1 values per byte, eight int4 or four int8 per int32 word),
+and from the scales, zero points and global scale only the grid entries the region touches (a
+per-tensor scale is one value). Its reads (``_inputs``) and its arithmetic (``_kernel``) are given
+apart, so that on a GPU the engine copies the raw bytes and dequantises there, in the target's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sources._base import dtype_name
+from . import quant_scaled as S
+from .nodes import Box, Node, SourceIO, box_shape, full_box
+from .quant_nodes import _Computed, _Dequant
+
+
+@dataclass(frozen=True, eq=False)
+class DequantScaled(_Dequant):
+    """``values`` (codes of ``codec``, packed along the last dim) times ``scale`` per ``block``
+    of the ``[..., R, cols]`` output, less ``zero`` (packed along rows for packed codecs), with
+    the per-tensor ``glob`` dividing or multiplying the scales (``mode``), in ``dtype``. A scale
+    of one element is the whole tensor's."""
+
+    values: Node
+    scale: Node
+    zero: Node | None
+    glob: Node | None
+    codec: S.Codec
+    block: tuple[int, int]
+    cols: int
+    mode: S.GlobalMode
+    dtype: torch.dtype
+    follows: bool = False  # no dtype= on the rule: the target's dtype replaces ``dtype``
+    shape: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.values.shape[:-1]) + (self.cols,))
+
+    def children(self) -> tuple[Node, ...]:
+        return tuple(n for n in (self.values, self.scale, self.zero, self.glob) if n is not None)
+
+    def _value_bytes(self) -> float:
+        return self.values.dtype.itemsize / S.PER_UNIT[self.codec]
+
+    def _align(self, ndim: int) -> dict[int, int]:
+        unit = 32 // S.BITS[self.codec] if self.zero is not None and self.codec in ("int4", "int8_packed") else 1
+        return {ndim - 2: max(self.block[0] if self.block[0] < self.shape[-2] else 1, unit)}
+
+    def warm_key(self) -> object:
+        return (super().warm_key(), self.codec, self.mode, self.zero is not None, self.glob is not None)
+
+    def _per_tensor(self) -> bool:
+        return len(self.scale.shape) < 2 or (self.scale.shape[-2:] == (1, 1) and self.block == tuple(self.shape[-2:]))
+
+    def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, ...]:
+        (r0, r1), (c0, c1) = box[-2:]
+        unit = S.PER_UNIT[self.codec]
+        b0, b1 = self.block
+        lead = box[:-2]
+        out = [self.values.read(lead + ((r0, r1), (c0 // unit, S.cdiv(c1, unit))), io)]
+        grid = lead + ((r0 // b0, S.cdiv(r1, b0)), (c0 // b1, S.cdiv(c1, b1)))
+        out.append(self.scale.read(full_box(tuple(self.scale.shape)) if self._per_tensor() else grid, io))
+        if self.zero is not None:
+            if self.codec in ("int4", "int8_packed"):
+                per = 32 // S.BITS[self.codec]
+                (g0, g1), cols = grid[-2], grid[-1]
+                out.append(self.zero.read(lead + ((g0 // per, S.cdiv(g1, per)), cols), io))
+            else:
+                out.append(self.zero.read(grid, io))
+        if self.glob is not None:
+            out.append(self.glob.read(full_box(tuple(self.glob.shape)), io))
+        return tuple(out)
+
+    def _kernel(self, box: Box, dest: torch.Tensor, *inputs: torch.Tensor) -> None:
+        (r0, _), (c0, c1) = box[-2:]
+        b0, b1 = self.block
+        raw, scale, rest = inputs[0], inputs[1], list(inputs[2:])
+        zero = rest.pop(0) if self.zero is not None else None
+        glob = rest.pop(0) if self.glob is not None else None
+        if zero is None and dest.dtype == self.dtype:
+            s = S.scale_multipliers(scale, glob, self.mode)
+            if (self._per_tensor() or b0 == 1) and S.dequantize_into(dest, raw, self.codec, s, self.block, c0):
+                return
+        unit = S.PER_UNIT[self.codec]
+        skip = c0 // unit * unit
+        codes = S.decode_codes(raw, self.codec)[..., c0 - skip : c1 - skip]
+        z = None
+        if zero is not None:
+            if self.codec in ("int4", "int8_packed"):
+                per = 32 // S.BITS[self.codec]
+                g0, g1 = r0 // b0, r0 // b0 + scale.shape[-2]
+                z = S.decode_zero_rows(zero, S.BITS[self.codec])[..., g0 - g0 // per * per : g1 - g0 // per * per, :]
+            else:
+                z = zero.to(torch.float32)
+        s = S.scale_multipliers(scale, glob, self.mode)
+        dest.copy_(S.dequantize_region(codes, s, self.block, (r0 % b0, c0 % b1), z, self.dtype))
+
+    def full(self, io: SourceIO) -> torch.Tensor:
+        zero = None if self.zero is None else self.zero.full(io)
+        glob = None if self.glob is None else self.glob.full(io)
+        return S.dequantize(self.values.full(io), self.codec, self.scale.full(io), self.block, self.cols, self.dtype,
+                            zero, glob, self.mode)  # fmt: skip
+
+    def describe(self) -> str:
+        extra = "".join(f", {n.describe()}" for n in (self.zero, self.glob) if n is not None)
+        b0, b1 = self.block
+        return (f"dequant_scaled({self.values.describe()}, {self.scale.describe()}{extra}, {self.codec}, block=[{b0}, {b1}], "
+                f"dtype={dtype_name(self.dtype)})")  # fmt: skip
+
+
+@dataclass(frozen=True, eq=False)
+class QuantizeScaled(_Computed):
+    """One part of ``child [..., R, C]`` re-quantized in a scaled format: the codes
+    (``part="values"``: e4m3, or packed e2m1 for NVFP4) or the scales (``part="scales"``, in
+    ``scale_dtype``), with ``block`` scale tiles; NVFP4 needs the stored global scale ``glob``."""
+
+    child: Node
+    codec: S.Codec
+    block: tuple[int, int]
+    part: str
+    scale_dtype: torch.dtype
+    glob: Node | None = None
+    mode: S.GlobalMode = "divide"
+    scale_shape: tuple[int, ...] | None = None  # the stored scale's shape (a per-tensor scale's 0-d or [1])
+    shape: tuple[int, ...] = field(init=False)
+    dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = tuple(self.child.shape)
+        if self.part == "values":
+            shape, dtype = s[:-1] + (S.cdiv(s[-1], S.PER_UNIT[self.codec]),), S.STORED[self.codec]
+        else:
+            grid = s[:-2] + (S.cdiv(s[-2], self.block[0]), S.cdiv(s[-1], self.block[1]))
+            shape, dtype = self.scale_shape if self.scale_shape is not None else grid, self.scale_dtype
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", dtype)
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.child,) if self.glob is None else (self.child, self.glob)
+
+    def _quantize(self, x: torch.Tensor, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.codec == "e2m1":
+            assert self.glob is not None
+            return S.quantize_nvfp4(x, self.glob.full(io), self.mode)
+        return S.quantize_fp8_scaled(x, self.block, self.scale_dtype)
+
+    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+        rows, cols = self.child.shape[-2:]
+        b0, b1 = self.block
+        if self.part == "values":
+            (a0, a1), (p0, p1) = box[-2:]
+            unit = S.PER_UNIT[self.codec]
+            c0, c1 = p0 * unit, min(cols, p1 * unit)
+            r_lo, c_lo = a0 // b0 * b0, c0 // b1 * b1
+            src = box[:-2] + ((r_lo, min(rows, S.cdiv(a1, b0) * b0)), (c_lo, min(cols, S.cdiv(c1, b1) * b1)))
+            q, _ = self._quantize(self.child.read(src, io), io)
+            return q[..., a0 - r_lo : a1 - r_lo, (c0 - c_lo) // unit : (c0 - c_lo) // unit + p1 - p0]
+        if self.scale_shape is not None and len(self.scale_shape) < 2:  # one scale for the whole tensor
+            return self._quantize(self.child.full(io), io)[1].reshape(self.shape)
+        (g0, g1), (h0, h1) = box[-2:]
+        src = box[:-2] + ((g0 * b0, min(rows, g1 * b0)), (h0 * b1, min(cols, h1 * b1)))
+        return self._quantize(self.child.read(src, io), io)[1].reshape(box_shape(box))
+
+    def full(self, io: SourceIO) -> torch.Tensor:
+        q, s = self._quantize(self.child.full(io), io)
+        return q if self.part == "values" else s.reshape(self.shape)
+
+    def describe(self) -> str:
+        b0, b1 = self.block
+        return f"quantize_scaled({self.child.describe()}, {self.codec}, block=[{b0}, {b1}]).{self.part}"
+
+
+@dataclass(frozen=True, eq=False)
+class ShapeOf(_Computed):
+    """The shape of ``child`` as a 1-D int64 tensor (compressed-tensors' ``weight_shape``)."""
+
+    child: Node
+    shape: tuple[int, ...] = field(init=False)
+    dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", (len(self.child.shape),))
+        object.__setattr__(self, "dtype", torch.int64)
+
+    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+        (a, b), = box
+        return torch.tensor(self.child.shape, dtype=torch.int64)[a:b]
+
+    def full(self, io: SourceIO) -> torch.Tensor:
+        return torch.tensor(self.child.shape, dtype=torch.int64)
+
+    def leaves(self) -> list[str]:
+        return []
+
+    def describe(self) -> str:
+        return f"shape_of({self.child.describe()})"
+
+
+@dataclass(frozen=True, eq=False)
+class GlobalScaleOf(_Computed):
+    """NVFP4's per-tensor second scale of ``child``, as the release's tool chooses it from the
+    tensor's largest magnitude: compressed-tensors' ``weight_global_scale = 448 * 6 / amax``
+    (``mode="divide"``, shape ``[1]``), ModelOpt's ``weight_scale_2 = amax / (448 * 6)``
+    (``"multiply"``, 0-d)."""
+
+    child: Node
+    mode: S.GlobalMode
+    shape: tuple[int, ...] = field(init=False)
+    dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", (1,) if self.mode == "divide" else ())
+        object.__setattr__(self, "dtype", torch.float32)
+
+    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+        return self.full(io)
+
+    def full(self, io: SourceIO) -> torch.Tensor:
+        x = self.child.full(io).to(torch.float32)
+        amax = x.abs().amax()
+        top = torch.tensor(S.E4M3_MAX * S.E2M1_MAX, dtype=torch.float32)
+        g = torch.where(amax > 0, top / amax if self.mode == "divide" else amax / top, torch.ones_like(amax))
+        # values dequantised from NVFP4 give back amax / 6 only to a unit in the last place of the
+        # original scale: of g and its float32 neighbours, the first that reproduces the values
+        for cand in (g, torch.nextafter(g, torch.zeros_like(g)), torch.nextafter(g, 2 * g)):
+            packed, scales = S.quantize_nvfp4(x, cand, self.mode)
+            back = S.dequantize(packed, "e2m1", scales, (1, S.NVFP4_GROUP), x.shape[-1], torch.float32, glob=cand, mode=self.mode)
+            if torch.equal(back, x):
+                return cand.reshape(self.shape)
+        return g.reshape(self.shape)
+
+    def describe(self) -> str:
+        return f"global_scale_of({self.child.describe()}, {self.mode})"

@@ -1,0 +1,75 @@
+"""``sdadapt.diff``: the report of a plan, without loading anything."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from .._plan.adapter import Adapter
+from .._plan.plan import PipelineStage, build_plan, vacant_modules
+from .._plan.registry import is_shipped
+from .._plan.report import Report
+from .._plan.resolve import adapter_or_none
+from .._plan.target import model_state_dict, schema_of
+from .._plan.titan_names import for_plan
+from ..sources import Source, TensorInfo, open_source
+from .args import check_not_a_model
+
+Target = nn.Module | str | os.PathLike[str] | Source | dict[str, TensorInfo]
+
+
+def target_schema(target: Target, *, subtree: str | None = None) -> tuple[dict[str, TensorInfo], str]:
+    """Schema and display name of a model, a checkpoint path/source, or a ready schema."""
+    if isinstance(target, nn.Module):
+        return schema_of(model_state_dict(target)), type(target).__name__
+    if isinstance(target, dict):
+        return target, "schema"
+    with open_source(target, subtree=subtree) as s:
+        return dict(s.schema), s.path
+
+
+def diff(
+    target: Target,
+    src: str | os.PathLike[str] | Source,
+    adapter: Adapter | str | None = None,
+    *,
+    subtree: str | None = None,
+    allow_missing: list[str] | None = None,
+    allow_unexpected: list[str] | None = None,
+    pipeline_stage: bool = False,
+    dtype: str | torch.dtype | None = None,
+) -> Report:
+    """Compare checkpoint ``src`` (through ``adapter``) with ``target``; reads headers only.
+    ``pipeline_stage=True``: ``target`` is one pipeline stage, and the checkpoint keys of the
+    other stages are allowed (see :func:`sdadapt.load`; a schema or checkpoint target has no
+    ``None`` module slots, so only the index rule applies to it). ``dtype``: as in
+    :func:`sdadapt.load` (``"model"``: every tensor converted to the target's dtype).
+
+    ``adapter`` is an :class:`Adapter` or a string resolved by :func:`sdadapt.resolve_adapter`
+    (a shipped name with options read from ``src``'s folder, ``file.py:ATTR``, ``module:ATTR``,
+    ``.json``)."""
+    check_not_a_model("sdadapt.diff(target, src, adapter=None, ...)", src, other=target)
+    shipped = is_shipped(adapter)  # aimed at the target's names, as load does
+    resolved = adapter_or_none(adapter, src, target if isinstance(target, nn.Module) else None)
+    schema, name = target_schema(target)
+    stage = None
+    if pipeline_stage:
+        stage = PipelineStage.of(schema, vacant_modules(target) if isinstance(target, nn.Module) else ())
+    source = open_source(src, subtree=subtree)
+    try:
+        adapter, allow_missing = for_plan(resolved, shipped, source.schema, source.non_tensor, schema, allow_missing, dtype)
+        return build_plan(
+            source.schema,
+            schema,
+            adapter,
+            non_tensor=source.non_tensor,
+            allow_missing=allow_missing,
+            allow_unexpected=allow_unexpected,
+            source_name=source.path,
+            target_name=name,
+            pipeline_stage=stage,
+        ).report
+    finally:
+        source.close()

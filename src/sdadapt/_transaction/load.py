@@ -1,0 +1,332 @@
+"""``sdadapt.load``: validate on headers, materialise, then one ``dcp.load`` of the adapted view."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+from torch import nn
+
+from .._base.distributed import rank_and_world
+from .._base.gc import without_gc
+from .._engine import EngineConfig, device_kernels, prefetch_pinned, warm_kernels
+from .._plan.adapter import Adapter
+from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
+from .._plan.registry import is_shipped
+from .._plan.report import Report
+from .._plan.resolve import adapter_or_none
+from .._plan.target import local_nbytes, model_state_dict, schema_of
+from .._plan.titan_names import for_plan
+from ..errors import PlanError
+from ..rules.lora import LoraMerged, merged_lora, open_peft_lora
+from ..sources import Source, open_source
+from ..sources._assets import remember_source
+from . import integrity as integrity
+from .args import check_model_and_path
+from .materialize import InitFn, check_buffers, choose_device, has_meta
+from .transaction import Part, Transaction
+
+log = logging.getLogger("sdadapt")
+
+
+class LoadReport(BaseModel):
+    """What one rank did: keys and bytes it read, and how long each phase took."""
+
+    rank: int
+    world_size: int
+    source: str
+    keys_loaded: int
+    items_read: int
+    bytes_read: int
+    bytes_shared: int = 0  # received from replicas (share_reads=True) instead of read
+    local_bytes: int  # bytes of this rank's destination shards
+    seconds: float
+    plan_seconds: float
+    read_seconds: float
+    phase_seconds: dict[str, float] = {}  # wall time of each step of the load, in order
+    # the engine's threads, their seconds summed: "busy" running tasks, of which "read" (preadv
+    # and Source.read) and "wait" (for a staging or band buffer, or the copy out of it); the
+    # rest of "busy" is copying, computing and Python
+    engine_thread_seconds: dict[str, float] = {}
+    materialized: bool
+    report: Report
+    lora: LoraMerged | None = None  # load(..., lora=folder): what the LoRA merge changed
+
+    def format(self) -> str:
+        return (
+            f"rank {self.rank}/{self.world_size}: loaded {self.keys_loaded} keys ({self.items_read} shard "
+            f"regions), read {self.bytes_read / 2**20:.1f} MiB for {self.local_bytes / 2**20:.1f} MiB of "
+            f"local shards"
+            + (f" (+{self.bytes_shared / 2**20:.1f} MiB from replicas)" if self.bytes_shared else "")
+            + f" in {self.seconds:.2f} s (plan {self.plan_seconds:.2f} s, read {self.read_seconds:.2f} s)"
+            + (f"; {self.lora.format()}" if self.lora is not None else "")
+        )
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+class _Phases:
+    """Wall time between consecutive marks (for ``LoadReport.phase_seconds``)."""
+
+    def __init__(self, start: float):
+        self.last = start
+        self.seconds: dict[str, float] = {}
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = now - self.last
+        self.last = now
+
+
+def _describe(src: Any) -> str:
+    return src.path if isinstance(src, Source) else os.fspath(src)
+
+
+def plan_load(
+    model: nn.Module,
+    src: str | os.PathLike[str] | Source,
+    adapter: Adapter | str | None = None,
+    *,
+    subtree: str | None = None,
+    allow_missing: list[str] | None = None,
+    allow_unexpected: list[str] | None = None,
+    pipeline_stage: bool = False,
+    lora: str | os.PathLike[str] | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> tuple[Source, Plan]:
+    """Open the source and plan against the model (headers only; nothing is read or changed);
+    ``pipeline_stage``, ``lora`` and ``dtype`` as in :func:`load`."""
+    check_model_and_path("sdadapt.plan_load(model, src, adapter=None, ...)", model, src)
+    shipped = is_shipped(adapter)
+    source, plan, _ = _plan_load(
+        model, src, adapter_or_none(adapter, src, model), subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype, shipped
+    )
+    return source, plan
+
+
+def _plan_load(
+    model: nn.Module,
+    src: str | os.PathLike[str] | Source,
+    adapter: Adapter | None,
+    subtree: str | None,
+    allow_missing: list[str] | None,
+    allow_unexpected: list[str] | None,
+    pipeline_stage: bool = False,
+    lora: str | os.PathLike[str] | None = None,
+    dtype: str | torch.dtype | None = None,
+    shipped: bool = False,
+) -> tuple[Source, Plan, dict[str, torch.Tensor]]:
+    """:func:`plan_load`, also returning the model's state dict it planned against. With
+    ``lora``, the PEFT adapter's tensors join the source and its merge rule goes first
+    (:mod:`sdadapt.rules.lora`). ``shipped``: ``adapter`` is a shipped one (our documented layout),
+    aimed at the names the model holds (torchtitan's current ones, :mod:`sdadapt._plan.titan_names`)."""
+    source = open_source(src, subtree=subtree)
+    state_dict = model_state_dict(model)
+    stage = PipelineStage.of(state_dict, vacant_modules(model)) if pipeline_stage else None
+    try:
+        adapter, allow_missing = for_plan(
+            adapter, shipped, source.schema, source.non_tensor, schema_of(state_dict), allow_missing, dtype
+        )
+        if lora is not None:
+            peft = open_peft_lora(lora)
+            source = peft.join(source)
+            adapter = Adapter([peft.rule, *(adapter.rules if adapter else [])], name=adapter.name if adapter else "lora",
+                              stages=[s + 1 for s in adapter.stages] if adapter else [])
+        plan = build_plan(
+            source.schema,
+            schema_of(state_dict),
+            adapter,
+            non_tensor=source.non_tensor,
+            allow_missing=allow_missing,
+            allow_unexpected=allow_unexpected,
+            source_name=_describe(src) + (f" + LoRA {os.fspath(lora)}" if lora is not None else ""),
+            target_name=type(model).__name__,
+            pipeline_stage=stage,
+        )
+    except BaseException:
+        source.close()
+        raise
+    return source, plan, state_dict
+
+
+def _prepare_device(model: nn.Module, device: torch.device | str | None, planned: dict[str, torch.Tensor], plan: Plan) -> None:
+    """A load into GPU shards starts pinning its staging memory now, while the model is still
+    materialised, and (when its recipes compute on the device) loads their kernels into the
+    GPU: the engine's first run then finds both done (or nearly)."""
+    if not torch.cuda.is_available():
+        return
+    devices = {t.device for t in planned.values() if t.device.type == "cuda"}
+    if not devices and has_meta(model):
+        devices = {choose_device(model, device)}
+    target = next(iter(devices), None)
+    if target is not None and target.type == "cuda":
+        kernels = device_kernels(plan.recipes.values())
+        prefetch_pinned(target, bool(kernels))
+        if kernels and EngineConfig.from_env().warm_kernels:
+            warm_kernels(target, kernels)
+
+
+@without_gc  # no full collection stalls the load: see sdadapt._base.gc
+def load(
+    model: nn.Module,
+    src: str | os.PathLike[str] | Source,
+    adapter: Adapter | str | None = None,
+    *,
+    strict: bool = True,
+    subtree: str | None = None,
+    allow_missing: list[str] | None = None,
+    allow_unexpected: list[str] | None = None,
+    device: torch.device | str | None = None,
+    init_buffers: InitFn | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    verify: bool = False,
+    check_finite: bool = False,
+    stage: bool = False,
+    share_reads: bool = False,
+    pipeline_stage: bool = False,
+    dtype: str | torch.dtype | None = None,
+    lora: str | os.PathLike[str] | None = None,
+) -> LoadReport:
+    """Load checkpoint ``src`` into ``model`` through ``adapter``; every rank reads only its shards.
+
+    Call on every rank (a collective when a process group is initialised). ``model`` may be on
+    the meta device and parallelised (TP, FSDP2, HSDP); it is materialised on ``device`` (default:
+    its mesh's device, else CPU) once the plan is valid. With ``strict=True`` any missing,
+    unexpected or mismatched key raises :class:`~sdadapt.PlanError` on every rank before
+    anything is read or changed; ``allow_missing``/``allow_unexpected`` take key patterns that
+    are fine to leave out. ``subtree`` picks a nested dict of a ``torch.save`` file.
+
+    ``src`` is a path (see :func:`sdadapt.open_source`) or a Hugging Face Hub id
+    ``"hf://org/name[@revision]"`` (``sdadapt[hub]``: one process per node downloads the config,
+    the index and its shards into the Hub cache; the others wait). ``adapter`` is an
+    :class:`Adapter` or a string resolved like the CLI's ``--adapter`` by
+    :func:`sdadapt.resolve_adapter`: a shipped name (``"llama"``, its options read from the
+    checkpoint folder's config), ``file.py:ATTR``, ``module:ATTR`` or a ``.json`` file. A shipped
+    name's layout is taken on to the names the model holds (torchtitan's current ones:
+    ``lm_head``, ``attention.qkv_linear.wq`` ...; see :func:`sdadapt.torchtitan.torchtitan_names`),
+    and torchtitan's training state that the checkpoint lacks (``moe.expert_bias_E``) is allowed
+    missing. The folder loaded from is remembered for :func:`sdadapt.export` and friends.
+
+    Never a silently half-loaded model (:mod:`sdadapt._transaction.transaction`). Everything that can be
+    checked before writing (the plan, the files' fingerprints, the buffer hooks) is agreed on
+    every rank first: such a failure raises on every rank and leaves the model as it was. The
+    checkpoint's files must not change while they are read (size, mtime and inode are checked
+    before and after). A failure while reading (on any rank) raises :class:`LoadError` on every
+    rank; then a model that was on the meta device is put back on meta, and a model that
+    already held values (``to_empty`` + ``init_weights()``) is, by default, partly overwritten,
+    since the read writes into its shards in place (no second copy of them: the extra memory
+    is the I/O engine's bounded staging). The error says so and how many keys this rank was
+    writing, and the model is marked: its forward raises :class:`ModelError` until a load into
+    it succeeds. ``stage=True`` reads into a full second copy of this rank's shards and copies
+    it in only once every rank succeeded, so a failure leaves the model bit for bit as it was.
+    ``verify=True`` checks every region read against ``sdadapt.checksums.json`` (see
+    :mod:`sdadapt._transaction.integrity`); ``check_finite=True`` refuses NaN/Inf values, naming each key
+    (both are found while or after reading: with ``stage=True`` the model keeps its values).
+
+    ``share_reads=True``: ranks that hold the same shard (mesh dims where a parameter is
+    ``Replicate``: HSDP's replicate dim, TP-replicated norms) each read a part of it and
+    broadcast it to the others over the process group (:mod:`sdadapt._engine.share`), instead of all
+    reading all of it; for fast interconnects (NVLink) where the page cache, not the network,
+    is the limit. ``LoadReport.bytes_shared`` is what this rank received that way.
+
+    ``pipeline_stage=True``: ``model`` is one pipeline stage, a subset of a whole model's
+    layers (as ``torch.distributed.pipelining``'s manual split or torchtitan's pipeline split
+    leave it: the kept layers under their original indices in a ``ModuleDict``, the other
+    stages' top-level modules set to ``None``). The checkpoint's keys that belong to other stages are
+    then neither unexpected nor read: an adapted key the stage lacks belongs to another stage
+    when its index-generalised name (``layers.{i}.attention.wq.weight``) is that of a key the
+    stage holds, or when it lies under a module the stage sets to ``None``
+    (``tok_embeddings``, ``norm``, ``output``). They are listed in the report's
+    ``allowed_unexpected``. Keys of the stage's own layers that the checkpoint lacks are still
+    missing, and a checkpoint key that matches neither is still unexpected (so are the keys
+    of a top-level module deleted with ``del``, which leaves no trace: set it to ``None``).
+
+    ``dtype="model"`` converts every tensor to the dtype the model holds for it (a bfloat16
+    release into a float32 model); a dtype (``torch.bfloat16``) converts every tensor to that one.
+    Either is the rule ``sdadapt.cast("**", dtype)`` run after ``adapter``'s, so conversions
+    stay explicit: without it a dtype mismatch is a plan problem.
+
+    ``lora="path/to/peft_adapter"`` merges a PEFT LoRA adapter (the folder
+    ``PeftModel.save_pretrained`` writes) into the base weights as they are read, before
+    ``adapter``'s rules: each rank computes ``W[box] + s * B[rows] @ A[:, cols]`` for its own
+    shards only (:mod:`sdadapt.rules.lora`).
+    """
+    check_model_and_path("sdadapt.load(model, src, adapter=None, ...)", model, src)
+    shipped = is_shipped(adapter)
+    t0 = time.perf_counter()
+    rank, world = rank_and_world(process_group)
+    txn = Transaction(model, process_group, _describe(src))
+    local = txn.resolve(src)  # a Hub id: its snapshot folder, fetched and agreed on every rank
+    planned: dict[str, torch.Tensor] = {}
+
+    def prepare() -> Plan:
+        nonlocal planned
+        # resolved inside the agreed step: a rank failing to resolve or derive it stops them all
+        resolved = adapter_or_none(adapter, local, model)
+        source, plan, planned = _plan_load(
+            model, local, resolved, subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype, shipped
+        )
+        txn.add_source(source)
+        if not plan.report.ok:
+            if strict:
+                raise PlanError(plan.report)
+            log.warning("loading with problems (strict=False):\n%s", plan.report.format())
+        check_buffers(model, init_buffers)
+        if verify:
+            sidecar, sums = integrity.read_checksums(source)
+            leaves = sorted({k for node in plan.recipes.values() for k in node.leaves()})
+            txn.sources[-1] = integrity.VerifyingSource(source, sidecar, sums, leaves)
+        return plan
+
+    plan = txn.prepare(prepare)  # every rank raises if any failed; nothing was changed
+    phases = _Phases(t0)
+    phases.mark("plan")
+    _prepare_device(model, device, planned, plan)
+    # every rank's hook has run (a hook may touch the files) before any rank checks them
+    materialized = txn.materialize(device, init_buffers)
+    phases.mark("materialize")
+    # materialising gave the parameters new tensors; otherwise the planned state dict is current
+    state_dict = model_state_dict(model) if materialized else planned
+    del planned
+    wanted = {k: v for k, v in state_dict.items() if k in plan.recipes}
+    part = Part("model", plan, txn.sources[-1], wanted, share_reads=share_reads)
+    phases.mark("prepare")
+    log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), _describe(src), " (staged)" if stage else "")
+    txn.run([part], stage=stage, check_finite=check_finite, mark=phases.mark)
+    reader = part.reader
+    assert reader is not None
+    timings = dict(phases.seconds)
+    timings["engine"] = reader.stats.seconds  # inside dcp_load: first task to last byte
+    timings["engine_plan"] = reader.stats.plan_seconds  # of which planning (reads start meanwhile)
+
+    rep = LoadReport(
+        rank=rank,
+        world_size=world,
+        source=_describe(src),
+        keys_loaded=len(wanted),
+        items_read=reader.items_read,
+        bytes_read=reader.io.bytes_read,
+        bytes_shared=reader.shared_bytes,
+        local_bytes=sum(local_nbytes(t) for t in wanted.values()),
+        seconds=time.perf_counter() - t0,
+        plan_seconds=phases.seconds["plan"],
+        read_seconds=reader.seconds,
+        phase_seconds={k: round(v, 6) for k, v in timings.items()},
+        engine_thread_seconds={
+            "busy": round(reader.stats.busy_seconds, 6),
+            "read": round(reader.stats.read_seconds, 6),
+            "wait": round(reader.stats.wait_seconds, 6),
+        },
+        materialized=materialized,
+        report=plan.report,
+        lora=merged_lora(lora, plan.recipes) if lora is not None else None,
+    )
+    remember_source(model, src)  # export / save_state with an adapter name read the same folder
+    log.info("%s", rep.format())
+    return rep

@@ -1,0 +1,112 @@
+"""Turning a meta-device model into real (uninitialised) memory, and its buffers into values.
+
+``to_empty`` gives parameters and buffers memory but no values. Parameters are then filled
+by the load; non-persistent buffers (rotary ``inv_freq``/``freqs_cis``...) are not in the state
+dict, so something must compute them: the ``init_buffers`` callback, or the model's own
+``init_weights()`` (torchtitan's convention). We check this before touching the model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .._plan.target import is_meta
+from ..errors import ModelError
+
+InitFn = Callable[[nn.Module], None]
+
+log = logging.getLogger(__name__)
+
+_SMALL = 1 << 20  # the CUDA caching allocator serves requests up to 1 MiB from a pool of its own
+
+
+def has_meta(model: nn.Module) -> bool:
+    return any(is_meta(t) for t in (*model.parameters(), *model.buffers()))
+
+
+def meta_non_persistent_buffers(model: nn.Module) -> list[str]:
+    out = []
+    for mod_name, mod in model.named_modules():
+        for name in getattr(mod, "_non_persistent_buffers_set", ()):
+            buf = mod._buffers.get(name)
+            if buf is not None and is_meta(buf):
+                out.append(f"{mod_name}.{name}" if mod_name else name)
+    return out
+
+
+def choose_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    for p in model.parameters():
+        if isinstance(p, DTensor):
+            kind = p.device_mesh.device_type
+            if kind == "cpu":
+                return torch.device("cpu")
+            mod = getattr(torch, kind, None)
+            index = mod.current_device() if mod is not None and hasattr(mod, "current_device") else 0
+            return torch.device(kind, index)
+    return torch.device("cpu")
+
+
+def check_buffers(model: nn.Module, init_buffers: InitFn | None) -> None:
+    """Raise (before any change) if materialising would leave buffers without values."""
+    if init_buffers is not None or callable(getattr(model, "init_weights", None)):
+        return
+    bufs = meta_non_persistent_buffers(model)
+    if bufs:
+        from .._base.keyruns import compress
+
+        raise ModelError(
+            f"non-persistent buffers {', '.join(compress(bufs))} are on the meta device and not in "
+            "the state dict, so nothing would give them values after materialising. Pass "
+            "init_buffers=fn (called after to_empty, before reading; `--init-buffers module:function` "
+            "on the command line), or give the model an init_weights() method that computes them."
+        )
+
+
+def materialize(model: nn.Module, device: torch.device, init_buffers: InitFn | None) -> bool:
+    """``to_empty`` on ``device`` if anything is on meta, then run the buffer hook. Returns
+    whether the model was materialised."""
+    if not has_meta(model):
+        return False
+    _reserve(model, device)
+    model.to_empty(device=device)
+    if init_buffers is not None:
+        init_buffers(model)
+    elif callable(init_weights := getattr(model, "init_weights", None)):
+        with torch.no_grad():
+            init_weights()
+    return True
+
+
+def _reserve(model: nn.Module, device: torch.device) -> None:
+    """Ask the GPU driver once for all the memory ``to_empty`` is about to take.
+
+    One allocation as large as the model's large (> 1 MiB) local tensors, freed at once: PyTorch's
+    caching allocator keeps that segment and cuts the parameters out of it, instead of one
+    ``cudaMalloc`` per parameter. Skipped where that could strand the memory instead (allocator
+    settings ``max_split_size_mb`` or ``expandable_segments``, which change how cached blocks are
+    reused), when it does not fit, or with ``SDADAPT_RESERVE=0``."""
+    if device.type != "cuda" or os.environ.get("SDADAPT_RESERVE", "1") == "0":
+        return
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    if "max_split_size" in conf or "expandable_segments" in conf:
+        return
+    total = 0
+    for t in (*model.parameters(), *model.buffers()):
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        n = local.numel() * local.element_size()
+        if local.is_meta and n > _SMALL:
+            total += -(-n // 512) * 512  # the allocator's block rounding
+    if total < 64 * _SMALL:
+        return
+    try:
+        torch.empty(total, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError:
+        log.debug("not reserving %d bytes on %s at once: they do not fit in one piece", total, device)

@@ -1,0 +1,482 @@
+"""Training state: ``save_state`` / ``load_state`` of model + optimizer (+ user entries) with DCP.
+
+``save_state(dst, model, optimizer, extra={"step": 7, "sched": scheduler})`` is ``dcp.save`` of
+``{"model": model_sd, "optim": optim_sd, **extra}`` (from ``get_state_dict``; ``Stateful``
+extras are saved through their ``state_dict()``), plus ``sdadapt.json`` beside it: the sdadapt
+and torch versions, where model and optimizer live in the checkpoint, the extra names, and the
+adapter the model had been loaded with (a record only: the DCP data are in the model's layout).
+
+``load_state(src, model, optimizer, extra, adapter=None)`` restores all of it, on any mesh
+(DCP's chunks are intersected with each rank's shards), and through ``adapter`` after a
+refactor. Optimizer state follows its parameter (:mod:`sdadapt._transaction.optim_state`).
+
+Everything is decided from the checkpoint's metadata, identically on every rank, before any
+tensor is read: missing or unexpected keys, an optimizer of another kind, optimizer state for
+parameters the model lacks, missing extras. On a problem every rank raises and the model and
+optimizer are left as they were. The read is one load transaction (:mod:`sdadapt._transaction.transaction`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from pydantic import BaseModel
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .._base.distributed import agree, is_distributed, rank_and_world
+from .._base.gc import without_gc
+from .._engine.safe_planner import SafeLoadPlanner
+from .._plan.adapter import Adapter
+from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
+from .._plan.report import Report
+from .._plan.resolve import adapter_or_none
+from .._plan.target import model_state_dict, schema_of
+from .._recipes.nodes import Box, full_box
+from ..errors import LoadError, PlanError, SdadaptError, SourceError, StateError
+from ..sources._base import Source, TensorLocation
+from ..sources._dcp_dir import SDADAPT_JSON, DCPSource
+from ..sources._hub import is_hub_id
+from .args import check_model_and_path
+from .materialize import InitFn, check_buffers, has_meta
+from .optim_state import OptimPlan, init_state, plan_optimizer, stored_names
+from .transaction import Part, Transaction
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+MODEL_KEY = "model"
+OPTIM_KEY = "optim"
+
+
+class StateLoadReport(BaseModel):
+    """What :func:`load_state` restored on this rank."""
+
+    rank: int
+    world_size: int
+    source: str
+    model_keys: int
+    optimizer_keys: int  # per-parameter optimizer state tensors restored
+    optimizer_state_names: list[str]  # e.g. ["exp_avg", "exp_avg_sq", "step"]
+    param_groups: int
+    bytes_read: int  # from the checkpoint's files, model and optimizer tensors together
+    extra: list[str]
+    saved_with: dict[str, Any] | None  # the checkpoint's sdadapt.json, if any
+    seconds: float
+    report: Report  # the model and optimizer plans, merged (optimizer keys prefixed)
+
+    def format(self) -> str:
+        return (
+            f"rank {self.rank}/{self.world_size}: restored {self.model_keys} model tensors, "
+            f"{self.optimizer_keys} optimizer tensors ({', '.join(self.optimizer_state_names) or 'none'}), "
+            f"{self.param_groups} param group(s), extras {self.extra} in {self.seconds:.2f} s"
+        )
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+# --------------------------------------------------------------------------------- save
+def save_state(
+    dst: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Stateful | Any] | None = None,
+    adapter: Adapter | str | None = None,
+    *,
+    overwrite: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+    checksums: bool = False,
+) -> str:
+    """Save model (+ optimizer, + ``extra`` entries) to the DCP folder ``dst``; every rank calls it.
+
+    ``checksums=True`` also writes ``sdadapt.checksums.json`` (for ``load(..., verify=True)``):
+    the ranks read the saved tensors back, each a share of the keys, so it costs one read of
+    the checkpoint spread over the ranks.
+
+    ``extra`` maps names to ``Stateful`` objects (LR scheduler, dataloader: saved through
+    ``state_dict()``) or plain values (``{"step": 7}``). ``adapter``, the checkpoint->model
+    adapter the model was first loaded with, is recorded in ``sdadapt.json``. An existing
+    non-empty ``dst`` is an error unless ``overwrite=True``. Returns ``dst``.
+    """
+    check_model_and_path("sdadapt.save_state(dst, model, optimizer=None, extra=None, ...)", model, dst, path_arg="dst")
+    dst = os.fspath(dst)
+    adapter = adapter_or_none(adapter, None, model)
+    rank, world = rank_and_world(process_group)
+    extra = dict(extra or {})
+    error: SdadaptError | None = None
+    try:
+        for name in extra:
+            if not isinstance(name, str) or not name or "." in name or name in (MODEL_KEY, OPTIM_KEY):
+                raise StateError(
+                    f"extra entry name {name!r}: use a non-empty name without dots, other than {MODEL_KEY!r} and {OPTIM_KEY!r}"
+                )
+        if rank == 0 and os.path.isdir(dst) and os.listdir(dst) and not overwrite:
+            raise StateError(f"{dst} exists and is not empty; pass overwrite=True or choose a new folder")
+        if rank == 0 and os.path.exists(dst) and not os.path.isdir(dst):
+            raise StateError(f"{dst} exists and is not a folder")
+        if has_meta(model):
+            raise StateError("the model still has tensors on the meta device; there is nothing to save")
+    except SdadaptError as e:
+        error = e
+    agree(error, process_group)
+    if optimizer is not None:
+        model_sd, optim_sd = _get_state(model, optimizer)
+        state: dict[str, Any] = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
+    else:
+        state = {MODEL_KEY: model_state_dict(model)}
+    state.update(extra)
+    if rank == 0 and overwrite and os.path.isfile(os.path.join(dst, ".metadata")):
+        os.remove(os.path.join(dst, ".metadata"))  # a crash mid-save must not look complete
+    if is_distributed():
+        dist.barrier(group=process_group)
+    try:
+        dcp.save(state, checkpoint_id=dst, process_group=process_group, no_dist=not is_distributed())
+    except CheckpointException as e:
+        raise StateError(f"saving to {dst} failed: {e}") from None
+    if rank == 0:
+        record = {
+            "format": STATE_FORMAT,
+            "sdadapt_version": _version(),
+            "torch_version": torch.__version__,
+            "world_size": world,
+            "model_key": MODEL_KEY,
+            "optim_key": OPTIM_KEY if optimizer is not None else None,
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "extra": sorted(extra),
+            "adapter": json.loads(adapter.to_json()) if adapter is not None else None,
+        }
+        tmp = os.path.join(dst, f".{SDADAPT_JSON}.{uuid.uuid4().hex[:8]}")
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=2)
+        os.replace(tmp, os.path.join(dst, SDADAPT_JSON))
+    if is_distributed():
+        dist.barrier(group=process_group)
+    if checksums:
+        _write_checksums(dst, rank, world, process_group)
+    log.info("rank %d: saved state to %s", rank, dst)
+    return dst
+
+
+def _write_checksums(dst: str, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
+    from . import integrity as integrity
+
+    error: SdadaptError | None = None
+    mine: dict[str, Any] = {}
+    try:
+        mine = integrity.checksums_of_saved(dst, rank, world)
+    except SdadaptError as e:
+        error = e
+    agree(error, group)
+    parts: list[Any] = [mine]
+    if is_distributed():
+        parts = [None] * world
+        dist.all_gather_object(parts, mine, group=group)
+    if rank == 0:
+        integrity.write_checksums_data(dst, {k: v for p in parts for k, v in p.items()})
+    if is_distributed():
+        dist.barrier(group=group)
+
+
+def _get_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:
+    try:
+        return get_state_dict(model, optimizer)
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise StateError(
+            f"cannot take the state of {type(optimizer).__name__} with {type(model).__name__} "
+            f"({type(e).__name__}: {e}); is the optimizer built on this model's parameters?"
+        ) from e
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+# --------------------------------------------------------------------------------- load
+class _Namespace(Source):
+    """A view of a DCP checkpoint where key ``k`` means the stored entry ``fmt.format(k)``.
+
+    Every capability of :class:`Source` is forwarded through that mapping, byte locations
+    included, so the I/O engine reads a resume load's regions with ``preadv`` straight from the
+    ``.distcp`` files instead of through :meth:`read`."""
+
+    def __init__(self, base: DCPSource, fmt: str):
+        self.base = base
+        self.fmt = fmt
+        self.path = base.path
+        head, tail = fmt.split("{}")
+        self.schema = {
+            k[len(head) : len(k) - len(tail)]: info
+            for k, info in base.schema.items()
+            if len(k) > len(head) + len(tail) and k.startswith(head) and k.endswith(tail)
+        }
+        self.non_tensor = []
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        return self.base.read(self.fmt.format(key), box)
+
+    def locate(self, key: str) -> TensorLocation | None:
+        return self.base.locate(self.fmt.format(key))
+
+    def locate_region(self, key: str, box: Box) -> list[tuple[Box, TensorLocation]] | None:
+        return self.base.locate_region(self.fmt.format(key), box)
+
+    def file_of(self, key: str) -> str:
+        return self.base.file_of(self.fmt.format(key))
+
+    def files(self) -> list[str]:
+        return self.base.files()
+
+    def stored_key(self, key: str) -> str:
+        return self.base.stored_key(self.fmt.format(key))
+
+    @property
+    def kind(self) -> str:
+        return self.base.kind
+
+
+def _detect_keys(full: DCPSource) -> tuple[str, str | None]:
+    rec = full.record or {}
+    if "model_key" in rec:
+        return rec.get("model_key") or "", rec.get("optim_key")
+    keys = list(full.schema) + full.non_tensor
+    model_key = MODEL_KEY if any(k.startswith(MODEL_KEY + ".") for k in keys) else ""
+    optim_key = next((o for o in (OPTIM_KEY, "optimizer") if any(k.startswith(o + ".state.") for k in keys)), None)
+    return model_key, optim_key
+
+
+@without_gc  # no full collection stalls the load: see sdadapt._base.gc
+def load_state(
+    src: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Stateful | Any] | None = None,
+    adapter: Adapter | str | None = None,
+    *,
+    allow_missing: list[str] | None = None,
+    allow_unexpected: list[str] | None = None,
+    device: torch.device | str | None = None,
+    init_buffers: InitFn | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    stage: bool = False,
+    pipeline_stage: bool = False,
+) -> StateLoadReport:
+    """Restore model (+ optimizer, + ``extra``) from the DCP folder ``src``; every rank calls it.
+
+    Works on any mesh (FSDP2, TP, HSDP, uneven shards), and through ``adapter`` (checkpoint
+    layout -> model layout) after a refactor (an :class:`Adapter`, or a name, ``file.py:ATTR``,
+    ``module:ATTR`` or ``.json`` resolved by :func:`sdadapt.resolve_adapter`); optimizer state
+    follows the parameters' rules.
+    ``extra`` entries are restored in place: ``Stateful`` objects through ``load_state_dict``,
+    plain values by replacing ``extra[name]``. Strict: any missing or unexpected key (model or
+    optimizer), an optimizer of another kind, or a missing extra raises on every rank before
+    anything changes; ``allow_missing``/``allow_unexpected`` take key patterns to tolerate. A
+    meta-device model is materialised (only without an optimizer: build the optimizer on
+    real parameters). An optimizer that has taken no step yet is given its state first (every
+    moment the checkpoint holds is restored, whether or not gradients exist).
+
+    One load transaction, as :func:`sdadapt.load` (:mod:`sdadapt._transaction.transaction`): planned and
+    agreed on every rank, the folder's files fingerprinted, the extras and the optimizer's
+    non-tensor values read before any tensor is written; then the optimizer's state, then the
+    model. A failure while reading raises :class:`LoadError` on every rank: an optimizer that
+    held no state gets none back, a meta model goes back to meta, and otherwise what was
+    written in place is marked (the model's forward and the optimizer's ``step`` raise
+    :class:`ModelError` until a load succeeds); ``stage=True`` reads into staging copies and
+    leaves model and optimizer bit for bit as they were. A failure while committing (setting the
+    optimizer state, restoring an extra) is a :class:`LoadError` on every rank naming the step,
+    and marks what the commit had changed, staged or not (:mod:`sdadapt._transaction.transaction`).
+
+    ``pipeline_stage=True``: ``model`` is one pipeline stage and ``optimizer`` is built on its
+    parameters only (torchtitan's pipeline parallelism: each rank holds one stage and its own
+    optimizer), and the checkpoint may have been saved by the whole model or by another split
+    into stages. The checkpoint's keys of other stages are neither unexpected nor read, decided
+    as in :func:`sdadapt.load` (an adapted key the stage lacks whose index-generalised name is
+    that of a key the stage holds, or that lies under a module the stage sets to ``None``), and
+    so is the optimizer state of those keys' parameters (``exp_avg``, ``step``...). Both are
+    listed in the report's ``allowed_unexpected``. Keys of the stage's own parameters, and their
+    optimizer state, that the checkpoint lacks are still missing. Param groups are matched by
+    position, as without it: build each stage's optimizer with the groups the checkpoint's has.
+    """
+    t0 = time.perf_counter()
+    check_model_and_path("sdadapt.load_state(src, model, optimizer=None, extra=None, ...)", model, src)
+    src = os.fspath(src)
+    spec = adapter
+    rank, world = rank_and_world(process_group)
+    extra = extra if extra is not None else {}
+    txn = Transaction(model, process_group, src)
+    if optimizer is not None:
+        txn.add_optimizer(optimizer, was_empty=not optimizer.state)
+
+    def prepare() -> _Restore:
+        if is_hub_id(src):
+            raise SourceError("load_state reads a DCP folder that save_state wrote, not a Hub id", path=src)
+        adapter = adapter_or_none(spec, src)
+        if not os.path.isdir(src):
+            raise SourceError("no such DCP checkpoint folder", path=src)
+        full = DCPSource(src, subtree="")
+        txn.add_source(full)
+        r = _Restore(full)
+        model_key, optim_key = _detect_keys(full)
+        r.model_fmt = f"{model_key}.{{}}" if model_key else "{}"
+        mprefix = f"{model_key}." if model_key else ""
+        reserved = [p + "." for p in (optim_key, *extra) if p]
+        if model_key:
+            mschema = {k[len(mprefix) :]: i for k, i in full.schema.items() if k.startswith(mprefix)}
+            mnon = [k[len(mprefix) :] for k in full.non_tensor if k.startswith(mprefix)]
+        else:
+            mschema = {k: i for k, i in full.schema.items() if not any(k.startswith(r) for r in reserved)}
+            mnon = [k for k in full.non_tensor if not any(k.startswith(r) for r in reserved) and k not in extra]
+        if optimizer is not None and has_meta(model):
+            raise StateError("the model is on the meta device: materialise it and build the optimizer on its parameters first")
+        if optimizer is not None:
+            if optim_key is None:
+                raise StateError(f"{src}: the checkpoint holds no optimizer state; pass optimizer=None to load the model")
+            r.optim_prefix = f"{optim_key}.state."
+            init_state(optimizer)
+            model_sd, r.optim_sd = _get_state(model, optimizer)
+            r.model_sd = {k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
+        else:
+            r.model_sd = model_state_dict(model)
+        pstage = PipelineStage.of(r.model_sd, vacant_modules(model)) if pipeline_stage else None
+        r.plan = build_plan(
+            mschema,
+            schema_of(r.model_sd),
+            adapter,
+            non_tensor=mnon,
+            allow_missing=allow_missing,
+            allow_unexpected=allow_unexpected,
+            source_name=src,
+            target_name=type(model).__name__,
+            pipeline_stage=pstage,
+        )
+        r.report = r.plan.report.model_copy(deep=True)
+        if model_key:  # the checkpoint keys a mismatched value is made from, as the folder stores them
+            r.report.shape_mismatch = [stored_names(m, r.model_fmt, mschema, key=False) for m in r.report.shape_mismatch]
+            r.report.dtype_mismatch = [stored_names(m, r.model_fmt, mschema, key=False) for m in r.report.dtype_mismatch]
+        if optimizer is not None:
+            assert optim_key is not None
+            r.oplan = plan_optimizer(
+                full, optim_key, r.optim_sd, r.plan, adapter, r.report, optimizer, allow_missing, allow_unexpected, pstage
+            )
+        stored = list(full.schema) + full.non_tensor
+        for name in extra:
+            if name not in stored and not any(k.startswith(name + ".") for k in stored):
+                raise StateError(
+                    f"{src}: the checkpoint has no entry {name!r} for extra state; it holds {sorted({k.split('.', 1)[0] for k in stored})}"
+                )
+        if not r.report.ok:
+            raise PlanError(r.report)
+        if optimizer is None:
+            check_buffers(model, init_buffers)
+        if r.oplan is not None:  # small values, read before any tensor is written
+            r.objects = {fk: full.read_object(key) for fk, key in r.oplan.objects.items()}
+            r.hyper = [
+                {n: full.read_object(k) if k in full.non_tensor else full.read(k, full_box(full.schema[k].shape)) for n, k in h.items()}
+                for h in r.oplan.hyper
+            ]
+        return r
+
+    r = txn.prepare(prepare)
+    full, plan, report = r.full, r.plan, r.report
+    assert plan is not None and report is not None  # set by prepare, which returned
+    loaded_extra = _read_extras(txn, src, extra, process_group)
+    if optimizer is None and txn.materialize(device, init_buffers):
+        r.model_sd = model_state_dict(model)
+    parts: list[Part] = []
+    if r.oplan is not None:  # the optimizer first: a failure there leaves the model untouched
+        for name, p in r.oplan.plans.items():
+            wanted = {fqn: r.optim_sd["state"][fqn][name] for fqn in p.recipes}
+            parts.append(Part(f"optimizer {name}", p, _Namespace(full, f"{r.optim_prefix}{{}}.{name}"), wanted, of_model=False))
+    parts.append(Part("model", plan, _Namespace(full, r.model_fmt), {k: r.model_sd[k] for k in plan.recipes}))
+
+    def set_optimizer_state() -> None:
+        assert optimizer is not None
+        for (fqn, name), value in r.objects.items():
+            r.optim_sd["state"][fqn][name] = value
+        for g, hyper in zip(r.optim_sd["param_groups"], r.hyper, strict=True):
+            g.update(hyper)
+        set_state_dict(model, optimizer, model_state_dict=r.model_sd, optim_state_dict=r.optim_sd)
+
+    def restore_extra(name: str) -> Callable[[], None]:
+        def restore() -> None:
+            if isinstance(extra[name], Stateful):
+                extra[name].load_state_dict(loaded_extra[name])
+            else:
+                extra[name] = loaded_extra[name]
+
+        return restore
+
+    # the commit's finishing steps, named for the LoadError should one fail (see _transaction)
+    finish = [("setting the optimizer state", set_optimizer_state)] if optimizer is not None else []
+    finish += [(f"restoring extra state {name!r}", restore_extra(name)) for name in loaded_extra]
+    txn.run(parts, stage=stage, finish=finish)
+    rep = StateLoadReport(
+        rank=rank,
+        world_size=world,
+        source=src,
+        model_keys=len(plan.recipes),
+        optimizer_keys=sum(len(p.targets) for p in parts if not p.of_model),
+        optimizer_state_names=sorted(r.oplan.plans) if r.oplan is not None else [],
+        param_groups=len(r.oplan.hyper) if r.oplan is not None else 0,
+        bytes_read=sum(p.reader.io.bytes_read for p in parts if p.reader is not None),
+        extra=sorted(extra),
+        saved_with=full.record,
+        seconds=time.perf_counter() - t0,
+        report=report,
+    )
+    log.info("%s", rep.format())
+    return rep
+
+
+class _Restore:
+    """What :func:`load_state` planned, and the values it read before writing any tensor."""
+
+    def __init__(self, full: DCPSource):
+        self.full = full
+        self.model_fmt = "{}"
+        self.optim_prefix = ""
+        self.model_sd: dict[str, Any] = {}
+        self.optim_sd: dict[str, Any] = {}
+        self.plan: Plan | None = None
+        self.oplan: OptimPlan | None = None
+        self.report: Report | None = None
+        self.objects: dict[tuple[str, str], Any] = {}
+        self.hyper: list[dict[str, Any]] = []
+
+
+def _read_extras(txn: Transaction, src: str, extra: dict[str, Any], group: dist.ProcessGroup | None) -> dict[str, Any]:
+    """Collective: the ``extra`` entries as stored, read before anything is changed; they are
+    handed to the user's objects only when the whole restore commits."""
+    if not extra:
+        return {}
+    loaded = {name: (v.state_dict() if isinstance(v, Stateful) else v) for name, v in extra.items()}
+    error: SdadaptError | None = None
+    try:
+        dcp.load(
+            loaded,
+            storage_reader=FileSystemReader(src),
+            planner=SafeLoadPlanner(allow_partial_load=True),
+            process_group=group,
+            no_dist=not is_distributed(),
+        )
+    except CheckpointException as e:
+        error = LoadError(f"restoring extra state {sorted(extra)} from {src} failed: {e}")
+    txn.agree(error)
+    return loaded
+
+
+__all__ = ["StateError", "StateLoadReport", "load_state", "save_state"]

@@ -1,0 +1,558 @@
+"""One load transaction, shared by ``load``, ``load_state`` and ``export``/``convert``.
+
+Steps, in order, each agreed on every rank (one rank's failure is every rank's error):
+
+1. **prepare**: plan from headers, fingerprint every file the sources read (size, mtime, inode),
+   run the buffer hooks; any failure here leaves the model untouched (a model this load put on a
+   device goes back to meta);
+2. **check files** right before the first byte is written;
+3. **read** every part (one ``dcp.load`` each) into its targets: the model's own shards, or
+   staging shards laid out like them (``stage=True``);
+4. **check** after reading (read errors from every rank, files unchanged, ``check_finite``);
+5. **commit** (copy staged shards in, run the caller's finishing steps such as setting the
+   optimizer state, copy tensors DCP wrote into copies back into the model) or **roll back**.
+
+Roll-back policy: a model that was on the meta device is put back on meta. A model that already
+held values is written in place unless staged: a failure after writing began cannot restore its
+old values, so every rank raises :class:`LoadError` saying so (how many keys this rank was
+writing), and the model is *marked*: its forward raises :class:`ModelError` (and a restored
+optimizer's ``step`` too) until a load into it succeeds. An optimizer that held no state before
+the load gets none back. With staging, nothing is written before every rank succeeded, so a
+failure reading or checking leaves model and optimizer bit for bit as they were, at the cost of a
+second copy of the staged shards. Staging is not the default because that copy is one more model's worth of memory
+exactly where memory is tightest (at the scale of the largest models, an out-of-memory error)
+and the copy costs as much time again, to protect against failures that the checks before
+writing already make rare.
+
+A failure *while committing* (a step of the commit raising on any rank, after every read and
+check passed) is agreed too: every rank raises :class:`LoadError` naming the failing ranks and
+step. By then the commit cannot be undone, staged or not: without staging the reads wrote in
+place; with it the staged shards of the parts the commit reached were copied in (optimizer
+parts first, then the model), and the finishing steps run only once the model is committed.
+So, over all ranks (a model's shards are one model: a rank whose own shards are untouched is
+marked when another rank's were changed), the model is marked when any of its tensors were
+written, and the optimizer when its state tensors were written or a finishing step began
+(setting its state may have changed its param groups too), with a mark whose message says the
+load failed while committing. An optimizer that held no state before the load gets none back,
+its param groups as they were, and is not marked. A model that was on the meta device goes
+back to meta, as after any other failure: the values it was given are the checkpoint's but the
+rest of the restore (optimizer, extras) is not, and a meta model cannot run by mistake.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils.hooks import RemovableHandle
+
+from .._base.distributed import agree, any_rank, gather_if_any, is_distributed
+from .._engine.reader import AdaptedLoadPlanner, AdaptedStorageReader
+from .._plan.plan import Plan
+from .._plan.target import model_state_dict
+from ..errors import LoadError, ModelError, SdadaptError, SourceError
+from ..sources import Source
+from ..sources._hub import hub_folder, is_hub_id
+from . import integrity as integrity
+from .commit import (
+    COPY_BACK,
+    COPY_IN,
+    CommitProgress,
+    CommitStep,
+    ParamGroups,
+    param_groups_of,
+    restore_param_groups,
+    touching_optimizer,
+)
+from .materialize import InitFn, choose_device, has_meta, materialize
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+PARTLY_LOADED = "a failed sdadapt.load left this model partly overwritten; load again or pass stage=True"
+COMMIT_FAILED = (
+    "a sdadapt load failed while committing, after it had begun changing this {what}: it holds part of "
+    "the checkpoint's state and not the rest; load into it again"
+)
+# model or optimizer -> the hook that refuses to run it (see mark_unusable)
+_marks: weakref.WeakKeyDictionary[Any, RemovableHandle] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class Part:
+    """One ``dcp.load`` of a transaction: ``plan`` read from ``source`` into ``targets``.
+
+    ``of_model``: the targets are the model's tensors (else the optimizer's state)."""
+
+    name: str
+    plan: Plan
+    source: Source
+    targets: dict[str, torch.Tensor]
+    of_model: bool = True
+    share_reads: bool = False
+    reader: AdaptedStorageReader | None = field(default=None, init=False)
+    staged: dict[str, torch.Tensor] | None = field(default=None, init=False)  # stage=True: read here
+
+    @property
+    def into(self) -> dict[str, torch.Tensor]:
+        """Where the read writes: the staging shards, else the targets themselves."""
+        return self.staged if self.staged is not None else self.targets
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class Transaction:
+    """The state of one load on this rank; every method marked *collective* is called by every
+    rank at the same point."""
+
+    def __init__(self, model: nn.Module | None, group: dist.ProcessGroup | None, what: str):
+        self.model = model
+        self.group = group
+        self.what = what
+        self.was_meta = model is not None and has_meta(model)
+        self.files: integrity.Fingerprint = {}
+        self.sources: list[Source] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer_was_empty = False
+        self.written: list[Part] = []  # parts this rank began writing into
+
+    # ------------------------------------------------------------------ prepare
+    def add_source(self, source: Source) -> None:
+        """Fingerprint the files of ``source`` (closed with the transaction)."""
+        self.sources.append(source)
+        self.files.update(integrity.fingerprint(source.files()))
+
+    def add_optimizer(self, optimizer: torch.optim.Optimizer, was_empty: bool) -> None:
+        """The optimizer whose state the parts write; ``was_empty``: it held no state before."""
+        self.optimizer, self.optimizer_was_empty = optimizer, was_empty
+
+    def prepare(self, step: Callable[[], T]) -> T:
+        """Collective: run ``step`` (planning: headers only, nothing changed) on every rank; if it
+        raises on any rank, every rank raises (see :meth:`agree`). Whatever ``step`` raises is
+        caught: an :class:`SdadaptError` as it is, any other exception (a bug, or input a check
+        missed) as a :class:`SourceError` naming the file it was about (or the source), so that no
+        rank leaves while the others wait. ``step`` must not run collectives of its own (a rank
+        failing before one would leave the others in it): Hub ids are resolved first, by
+        :meth:`resolve`."""
+        error: SdadaptError | None = None
+        out: Any = None
+        try:
+            out = step()
+        except SdadaptError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - every failure must be agreed, whatever its type
+            error = foreign_error(e, self.what, "preparing")
+        self.agree(error)
+        return out
+
+    def resolve(self, src: T) -> T | str:
+        """Collective: ``src`` with a Hub id (``hf://...``) replaced by its local snapshot folder
+        (downloaded by one process per node, agreed on every rank: see
+        :func:`sdadapt.sources._hub.hub_folder`); anything else as it is."""
+        if not isinstance(src, str) or not is_hub_id(src):
+            return src
+        hub_id: str = src
+        if is_distributed():
+            return hub_folder(hub_id, agree_fn=self.agree)
+        return self.prepare(lambda: hub_folder(hub_id))
+
+    def agree(self, error: BaseException | None) -> None:
+        """Collective: if any rank failed, close the sources, undo what this load changed, raise."""
+        try:
+            agree(error, self.group)
+        except SdadaptError:
+            self.close()
+            self._undo(partly_written=False)
+            raise
+
+    def materialize(self, device: torch.device | str | None, init_buffers: InitFn | None) -> bool:
+        """Collective: ``to_empty`` a meta model and run its buffer hook, on every rank; a hook
+        failing on one rank stops the others before any reads."""
+        assert self.model is not None
+        error: SdadaptError | None = None
+        materialized = False
+        try:
+            materialized = materialize(self.model, choose_device(self.model, device), init_buffers)
+        except Exception as e:  # noqa: BLE001 - user hooks can raise anything; re-raised below
+            error = e if isinstance(e, SdadaptError) else ModelError(f"materialising the model failed: {type(e).__name__}: {e}")
+            error.__cause__ = e
+        self.agree(error)
+        return materialized
+
+    def check_files(self) -> None:
+        """Collective: the files are unchanged since planning (every rank checks; a hook may have
+        touched them), before the first byte is written."""
+        error: SdadaptError | None = None
+        try:
+            self.files_unchanged("after planning, before reading")
+        except SdadaptError as e:
+            error = e
+        self.agree(error)
+
+    def files_unchanged(self, when: str) -> None:
+        """This rank alone: raise :class:`SourceError` naming the first fingerprinted file that
+        changed (``when`` says since when, for the message)."""
+        integrity.check_unchanged(self.files, when)
+
+    # ------------------------------------------------------------------ read, check, commit
+    def run(
+        self,
+        parts: list[Part],
+        *,
+        stage: bool,
+        check_finite: bool = False,
+        finish: Sequence[CommitStep] = (),
+        mark: Callable[[str], None] = lambda phase: None,
+    ) -> None:
+        """Collective: check the files, read every part in order (into staging shards when
+        ``stage``), check, then commit (copy the staged shards in, run the ``finish`` steps in
+        order, copy detached tensors back) or roll back; a failure reading, checking or
+        committing on any rank raises :class:`LoadError` on every rank. ``mark(phase)`` is
+        called at the end of the phases ``dcp_load``, ``check`` and ``commit`` (for timing)."""
+        self.check_files()
+        for part in parts:
+            part.staged = staging_like(part.targets) if stage else None
+        errors: list[str] = []
+        for i, part in enumerate(parts):
+            errors = self._read(part)
+            if i == len(parts) - 1:
+                break
+            # before the next part, every rank learns whether this one failed anywhere (one
+            # one-element all-reduce): a failure in the optimizer's part leaves the model unwritten
+            if any_rank(bool(errors), self.group) if is_distributed() else errors:
+                break  # the failing ranks' errors are gathered in the checks below
+        self.close()
+        mark("dcp_load")
+        loaded = {f"{p.name}:{k}": v for p in parts for k, v in p.into.items()}
+        failure = after_read_checks(self.files, loaded, parts, check_finite, self.group, errors, self.what)
+        mark("check")
+        if failure is not None:
+            for part in parts:
+                part.staged = None
+            partly = not stage and not self.was_meta and bool(self.written)
+            self._undo(partly_written=partly)
+            failure.args = (failure.args[0] + "\n" + (self._overwritten() if partly else "Nothing was kept from this load."),)
+            raise failure
+        self._commit(parts, stage, finish)
+        for obj in (self.model, self.optimizer):
+            if obj is not None:
+                clear_mark(obj)
+        mark("commit")
+
+    # ------------------------------------------------------------------ commit
+    def _commit(self, parts: list[Part], stage: bool, finish: Sequence[CommitStep]) -> None:
+        """Collective: run the commit's steps on this rank, stopping at the first that raises,
+        then agree; if a step failed on any rank, undo what can be undone, mark what cannot
+        (see the module's docstring) and raise :class:`LoadError` on every rank."""
+        groups = param_groups_of(self.optimizer) if self.optimizer is not None and self.optimizer_was_empty else None
+        progress = CommitProgress(
+            model=not stage and any(p.of_model for p in parts),  # the reads wrote in place
+            optimizer=not stage and any(not p.of_model for p in parts),
+        )
+        cause = progress.run(self._commit_steps(parts, stage, finish, progress))
+        for part in parts:
+            part.staged = None
+        mine = (progress.error, progress.done, progress.model, progress.optimizer)
+        # Cannot hang: every rank reaches this gather exactly once, right after its own commit
+        # attempt, whether a step raised or not (progress.run catches it; the failing rank only
+        # skips its remaining steps). No step sdadapt runs before it communicates: the copy-in
+        # writes this rank's own shards, set_state_dict on sharded state without
+        # full_state_dict / broadcast_from_rank0 works on local shards, the copy-back for FSDP2 /
+        # TP / plain modules finds nothing detached. (A caller's step that ran a collective of
+        # its own could wait for a rank that failed before it.) Nobody failing: one one-element
+        # all-reduce.
+        gathered = gather_if_any(mine, progress.error is not None, self.group) if is_distributed() else [mine]
+        failed = {r: g for r, g in enumerate(gathered) if g is not None and g[0] is not None}
+        if not failed:
+            return
+        model_changed = any(g[2] for g in gathered if g is not None)
+        optimizer_changed = any(g[3] for g in gathered if g is not None)
+        state = self._undo_commit(model_changed, optimizer_changed, groups)
+        lines = [f"  rank {r}: {err} (done before it: {', '.join(done) or 'nothing'})" for r, (err, done, _, _) in sorted(failed.items())]
+        error = LoadError(
+            f"committing the load of {self.what} failed on rank(s) {', '.join(map(str, sorted(failed)))}:\n"
+            + "\n".join(lines)
+            + "\n"
+            + state
+        )
+        error.failures = {r: g[0] for r, g in failed.items()}  # type: ignore[attr-defined]
+        raise error from cause
+
+    def _commit_steps(self, parts: list[Part], stage: bool, finish: Sequence[CommitStep], progress: CommitProgress) -> list[CommitStep]:
+        """The commit's steps in order, each recording in ``progress`` what it begins to change."""
+        steps: list[CommitStep] = [(COPY_IN, lambda: self._copy_in(parts, progress))] if stage else []
+        for name, step in finish:
+            steps.append((name, touching_optimizer(step, progress, self.optimizer is not None)))
+        if self.model is not None and any(p.of_model for p in parts):
+            steps.append((COPY_BACK, lambda: self._copy_back(parts, progress)))
+        return steps
+
+    def _copy_in(self, parts: list[Part], progress: CommitProgress) -> None:
+        for part in parts:
+            if part.of_model:
+                progress.model = True
+            else:
+                progress.optimizer = True
+            copy_staged_in(part)
+            part.staged = None
+
+    def _copy_back(self, parts: list[Part], progress: CommitProgress) -> None:
+        assert self.model is not None
+        progress.model = True
+        for p in parts:
+            if p.of_model:
+                copy_back_if_detached(self.model, p.targets)
+
+    def _undo_commit(self, model_changed: bool, optimizer_changed: bool, groups: ParamGroups | None) -> str:
+        """After a failed commit (agreed over all ranks): give a fresh optimizer no state and its
+        own param groups back, a meta model back to meta; mark what else was changed. Returns
+        the sentences that say so."""
+        said: list[str] = []
+        if self.model is not None and self.was_meta:
+            self.model.to_empty(device="meta")
+            log.info("commit failed: the model is back on the meta device")
+            said.append("The model is back on the meta device.")
+        elif self.model is not None and model_changed:
+            mark_unusable(self.model, COMMIT_FAILED.format(what="model"))
+            said.append(
+                "The model holds the checkpoint's values (in whole or in part) without the rest of the restored state: "
+                "the model's forward raises ModelError until a load into it succeeds."
+            )
+        elif self.model is not None:
+            said.append("The model was not changed.")
+        if self.optimizer is not None and groups is not None:
+            self.optimizer.state.clear()
+            restore_param_groups(self.optimizer, groups)
+            said.append("The optimizer held no state before the load and holds none now, its param groups as they were.")
+        elif self.optimizer is not None and optimizer_changed:
+            mark_unusable(self.optimizer, COMMIT_FAILED.format(what="optimizer"))
+            said.append(
+                "The optimizer holds part of the checkpoint's state: the optimizer's step raises ModelError until a load into it succeeds."
+            )
+        elif self.optimizer is not None:
+            said.append("The optimizer was not changed.")
+        said.append("stage=True does not guard this step (it fails while committing); remove the cause and load again.")
+        return " ".join(said)
+
+    def _read(self, part: Part) -> list[str]:
+        """``dcp.load`` of one part on this rank alone: the read plan is local (the reader's
+        metadata is the target schema, which every rank has), so DCP's plan exchange is skipped
+        (``no_dist``); the outcome is agreed in the checks after reading. Returns this rank's
+        read errors, one line each."""
+        part.reader = AdaptedStorageReader(part.plan, part.source, share_reads=part.share_reads)
+        self.written.append(part)
+        log.debug("reading %d keys of %s from %s", len(part.into), part.name, self.what)
+        try:
+            with warnings.catch_warnings():  # no_dist=True warns that it assumes one process: we mean it
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(part.into, storage_reader=part.reader, planner=AdaptedLoadPlanner(), process_group=self.group, no_dist=True)
+        except CheckpointException as e:  # a BaseException: turn it into ours
+            return read_errors(e)
+        except Exception as e:  # noqa: BLE001 - named and agreed on after reading
+            return [f"{type(e).__name__}: {e}"]
+        return []
+
+    def _overwritten(self) -> str:
+        model = sum(len(p.targets) for p in self.written if p.of_model)
+        optim = sum(len(p.targets) for p in self.written if not p.of_model)
+        what = [f"{model} model key(s)"] if model else []
+        if optim:
+            what.append(f"{optim} optimizer state tensor(s)")
+        said = [
+            f"The load wrote in place (stage=True was not given): this rank had begun writing {' and '.join(what)}, "
+            "so they are partly overwritten."
+        ]
+        if model:
+            said.append("The model's forward raises ModelError until a load into it succeeds.")
+        if optim and self.optimizer_was_empty:
+            said.append("The optimizer held no state before the load, and its state was cleared again.")
+        elif optim:
+            said.append("The optimizer's step raises ModelError until a load into it succeeds.")
+        said.append("Load again, or pass stage=True to keep the old values when a load fails.")
+        return " ".join(said)
+
+    def _undo(self, partly_written: bool) -> None:
+        """Put back what can be put back: a meta model to meta, a fresh optimizer to no state;
+        mark what was partly overwritten."""
+        if self.optimizer is not None and self.optimizer_was_empty:
+            self.optimizer.state.clear()
+        if self.model is not None and self.was_meta:
+            self.model.to_empty(device="meta")
+            log.info("load failed: the model is back on the meta device")
+            return
+        if not partly_written:
+            return
+        if self.model is not None and any(p.of_model for p in self.written):
+            mark_unusable(self.model)
+        if self.optimizer is not None and not self.optimizer_was_empty and any(not p.of_model for p in self.written):
+            mark_unusable(self.optimizer)
+
+    def close(self) -> None:
+        for s in self.sources:
+            s.close()
+        self.sources = []
+
+
+def foreign_error(e: BaseException, what: str, doing: str) -> SourceError:
+    """An exception that is not sdadapt's, raised while ``doing`` the load of ``what``, as a
+    :class:`SourceError` naming the file it was about (an ``OSError``'s file name) or ``what``."""
+    path = getattr(e, "filename", None)
+    err = SourceError(
+        f"{doing} the load of {what} failed: {type(e).__name__}: {e}; a file it reads is malformed in a way "
+        "sdadapt does not check yet (please report it)",
+        path=os.fspath(path) if isinstance(path, (str, os.PathLike)) else what,
+    )
+    err.__cause__ = e
+    return err
+
+
+# ---------------------------------------------------------------------------- marks
+def _refusing(reason: str) -> Callable[..., None]:
+    def refuse(*_: Any) -> None:
+        raise ModelError(reason)
+
+    return refuse
+
+
+def mark_unusable(obj: nn.Module | torch.optim.Optimizer, reason: str = PARTLY_LOADED) -> None:
+    """Make ``obj``'s forward (a module) or ``step`` (an optimizer) raise :class:`ModelError`
+    with ``reason`` until :func:`clear_mark`: a partly overwritten model must not train or infer
+    silently. A mark already there is replaced (the latest failure says what holds now)."""
+    clear_mark(obj)
+    if isinstance(obj, nn.Module):
+        _marks[obj] = obj.register_forward_pre_hook(_refusing(reason), prepend=True)
+    else:
+        _marks[obj] = obj.register_step_pre_hook(_refusing(reason))
+    log.warning("%s is marked unusable: %s", type(obj).__name__, reason)
+
+
+def clear_mark(obj: nn.Module | torch.optim.Optimizer) -> None:
+    handle = _marks.pop(obj, None)
+    if handle is not None:
+        handle.remove()
+
+
+def is_marked(obj: nn.Module | torch.optim.Optimizer) -> bool:
+    """Whether a failed load left ``obj`` partly overwritten (see :func:`mark_unusable`)."""
+    return obj in _marks
+
+
+# ---------------------------------------------------------------------------- helpers
+def copy_staged_in(part: Part) -> None:
+    """Copy ``part``'s staging shards into its targets (this rank's own shards)."""
+    assert part.staged is not None
+    with torch.no_grad():
+        for k, s in part.staged.items():
+            local(part.targets[k]).copy_(local(s))
+
+
+def staging_like(wanted: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Empty shards laid out like ``wanted`` (same DTensor mesh, placements, global shape)."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in wanted.items():
+        if isinstance(v, DTensor):
+            out[k] = DTensor.from_local(
+                torch.empty_like(v._local_tensor), v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride()
+            )
+        else:
+            out[k] = torch.empty_like(v.detach())
+    return out
+
+
+def read_errors(e: CheckpointException) -> list[str]:
+    """This rank's own read errors out of DCP's exception (file, key), one line each."""
+    failures = [(p[0] if isinstance(p, tuple) else p) for _, p in sorted((getattr(e, "failures", {}) or {}).items())]
+    return [f"{type(exc).__name__}: {exc}" for exc in failures] or [str(e)]
+
+
+def after_read_checks(
+    files: integrity.Fingerprint,
+    loaded: dict[str, torch.Tensor],
+    parts: list[Part],
+    check_finite: bool,
+    group: dist.ProcessGroup | None,
+    errors: list[str],
+    what: str,
+) -> LoadError | None:
+    """One collective after reading: each rank's read errors, files unchanged during the read,
+    and (``check_finite``) no NaN/Inf. The same verdict on every rank: a read failure on any
+    rank is a :class:`LoadError` everywhere that names the failing ranks and their errors (its
+    ``failures`` maps rank -> message). ``loaded`` keys are ``"<part>:<key>"``."""
+    problems: list[str] = []
+    try:
+        integrity.check_unchanged(files, "while it was being read")
+    except SdadaptError as e:
+        problems.append(str(e))
+    bad: dict[str, tuple[int, int]] = integrity.nonfinite_counts(loaded) if check_finite and not errors else {}
+    mine = (errors, problems, bad)
+    gathered: list[Any] = [mine]
+    if is_distributed():
+        gathered = [g or ([], [], {}) for g in gather_if_any(mine, bool(errors or problems or bad), group)]
+    failed = {r: "\n".join(errs) for r, (errs, _, _) in enumerate(gathered) if errs}
+    if failed:
+        lines = [f"  rank {r}: {m}" for r, m in sorted(failed.items())]
+        err = LoadError(f"reading {what} failed on rank(s) {', '.join(map(str, sorted(failed)))}:\n" + "\n".join(lines))
+        err.failures = failed  # type: ignore[attr-defined]
+        return err
+    all_problems = [f"rank {r}: {p}" for r, (_, ps, _) in enumerate(gathered) for p in ps]
+    counts: dict[str, list[int]] = {}
+    for _, _, b in gathered:
+        for k, (n, i) in b.items():
+            c = counts.setdefault(k, [0, 0])
+            c[0] += n
+            c[1] += i
+    if counts:
+        by_name = {p.name: p for p in parts}
+        rows = []
+        for k in sorted(counts):
+            name, key = k.split(":", 1)
+            part = by_name[name]
+            files_of = sorted({part.source.file_of(leaf) for leaf in part.plan.recipes[key].leaves()})
+            label = key if part.of_model and name == "model" else f"{name} {key}"
+            rows.append(f"  {label}: {counts[k][0]} NaN, {counts[k][1]} Inf (from {', '.join(files_of)})")
+        all_problems.append(
+            f"non-finite values (check_finite=True) in {len(counts)} key(s):\n"
+            + "\n".join(rows)
+            + "\nThe checkpoint holds NaN/Inf there; use another checkpoint, or load without check_finite"
+        )
+    if not all_problems:
+        return None
+    return LoadError("the load was refused:\n" + "\n".join(all_problems))
+
+
+def copy_back_if_detached(model: nn.Module, loaded: dict[str, torch.Tensor]) -> None:
+    """DCP wrote into the state dict's tensors. They are the model's own (sharded) tensors for
+    plain modules, TP and FSDP2; if some are copies (other wrappers), copy them back.
+
+    Cheap check first: when every loaded tensor's memory is that of one of the model's own
+    parameters or buffers, nothing is detached (no second ``get_model_state_dict``)."""
+    own = {local(t).data_ptr() for t in (*model.parameters(), *model.buffers())}
+    if all(local(v).data_ptr() in own or local(v).numel() == 0 for v in loaded.values()):
+        return
+    current = model_state_dict(model)
+    detached: dict[str, Any] = {k: v for k, v in loaded.items() if not _same_storage(current.get(k), v)}
+    if detached:
+        log.debug("copying %d detached tensors back into the model", len(detached))
+        set_model_state_dict(model, detached, options=StateDictOptions(strict=False))
+
+
+def _same_storage(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    if a is None:
+        return False
+    la, lb = local(a), local(b)
+    return la.data_ptr() == lb.data_ptr() or la.numel() == 0

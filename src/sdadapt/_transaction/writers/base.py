@@ -1,0 +1,82 @@
+"""What writers share: the pull interface, size parsing, raw byte writes."""
+
+from __future__ import annotations
+
+import abc
+import ctypes
+import re
+from collections.abc import Callable
+from typing import BinaryIO
+
+import torch
+
+from ...errors import SdadaptError
+from ...sources._base import TensorInfo
+
+Produce = Callable[[str], torch.Tensor]
+FORMATS = ("safetensors", "torch", "dcp")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """``5GB`` -> 5e9 (decimal, as HF counts), ``512MiB`` -> 512 * 2**20, ints as bytes."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*", str(size).lower())
+        if not m or m.group(2) not in _UNITS:
+            raise SdadaptError(f"shard size {size!r}: give bytes or a number with a unit such as 5GB, 500MB, 2GiB")
+        n = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if n <= 0:
+        raise SdadaptError(f"shard size {size!r} must be positive")
+    return n
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes in C order (little-endian hosts): a view of its memory when it is a
+    contiguous CPU tensor, else of a contiguous CPU copy. Made through ctypes rather than
+    ``Tensor.numpy()``, so numpy is not needed; the view keeps that memory alive."""
+    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    if not flat.numel():
+        return memoryview(b"")
+    buf = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())
+    vars(buf)["owner"] = flat  # from_address holds no reference to the memory it maps
+    return memoryview(buf).cast("B")
+
+
+def write_bytes(f: BinaryIO, data: memoryview | bytes) -> None:
+    """Every byte of tensor data goes through here (tests simulate a full disk by patching it)."""
+    f.write(data)
+
+
+def check_produced(key: str, t: torch.Tensor, info: TensorInfo) -> None:
+    if tuple(t.shape) != tuple(info.shape) or t.dtype != info.dtype:
+        raise SdadaptError(
+            f"key {key!r}: produced {t.dtype} {list(t.shape)}, but the plan said {info.dtype} {list(info.shape)}"
+        )
+
+
+class Writer(abc.ABC):
+    """Writes ``entries`` to ``path`` (a file or folder that does not exist yet)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    @abc.abstractmethod
+    def write(self, entries: dict[str, TensorInfo], produce: Produce) -> None:
+        """Write every entry; ``produce(key)`` returns that tensor (called once per key)."""
+
+
+def make_writer(fmt: str, path: str, max_shard_size: int | str = "5GB") -> Writer:
+    from .dcp_writer import DCPWriter
+    from .safetensors_writer import SafetensorsWriter
+    from .torch_writer import TorchSaveWriter
+
+    if fmt == "safetensors":
+        return SafetensorsWriter(path, parse_size(max_shard_size))
+    if fmt == "torch":
+        return TorchSaveWriter(path)
+    if fmt == "dcp":
+        return DCPWriter(path)
+    raise SdadaptError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")

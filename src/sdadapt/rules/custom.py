@@ -1,0 +1,121 @@
+"""The registry of rule kinds, and :class:`ValueRule`: the open door for rules of one's own.
+
+An adapter's JSON names each rule by its ``kind``; :func:`rule_from_data` finds the class
+registered for that kind. Built-in rules are registered by :mod:`sdadapt.rules`; a user's rule
+class is registered with the :func:`register_rule` decorator and is then planned, loaded
+(through its nodes' region mapping, on any mesh), inverted and serialised like a built-in one:
+
+    @sdadapt.register_rule
+    class Negate(sdadapt.ValueRule):
+        kind: Literal["negate"] = "negate"
+
+        def transform(self, key, node):
+            return NegateNode(node)   # a Node: shape, dtype, produce, full, describe
+
+        def inverse(self):
+            return [Negate(keys=self.keys)]
+
+A rule that moves keys subclasses :class:`RuleBase` directly and implements ``apply`` with the
+plan context (``ctx.keys()``, ``ctx.get``, ``ctx.take``, ``ctx.put``, ``ctx.replace``,
+``ctx.mark``, ``ctx.issue``), as the built-in rules of :mod:`.keys` do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+
+from pydantic import field_validator
+
+from ..errors import AdapterError
+from .base import Keys, RuleBase, check_keys, key_patterns, matching
+
+if TYPE_CHECKING:
+    from .._plan.plan import PlanContext
+    from .._recipes.nodes import Node
+
+R = TypeVar("R", bound=type[RuleBase])
+
+_KINDS: dict[str, type[RuleBase]] = {}
+
+
+def _kind_of(cls: type[RuleBase]) -> str:
+    field = cls.model_fields.get("kind")
+    kind = None if field is None else field.default
+    if not isinstance(kind, str) or not kind:
+        raise AdapterError(
+            f"rule class {cls.__qualname__} needs a kind field with a default, e.g. "
+            'kind: Literal["my_rule"] = "my_rule"'
+        )
+    return kind
+
+
+def register_rule(cls: R) -> R:
+    """Register a rule class (a :class:`RuleBase` subclass with a ``kind`` literal field) so that
+    adapters holding it read back from JSON; use it as a class decorator. Registering a kind
+    that another class holds is an error (the same class again, e.g. its module re-imported,
+    replaces the entry)."""
+    if not (isinstance(cls, type) and issubclass(cls, RuleBase)):
+        raise AdapterError(f"register_rule takes a subclass of sdadapt.RuleBase, got {cls!r}")
+    kind = _kind_of(cls)
+    have = _KINDS.get(kind)
+    if have is not None and (have.__module__, have.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise AdapterError(
+            f"rule kind {kind!r} is taken by {have.__module__}.{have.__qualname__}; give "
+            f"{cls.__qualname__} another kind"
+        )
+    _KINDS[kind] = cls
+    return cls
+
+
+def registered_rules() -> dict[str, type[RuleBase]]:
+    """``kind -> class`` of every registered rule (built-in ones first)."""
+    return dict(_KINDS)
+
+
+def rule_from_data(data: Any) -> RuleBase:
+    """A rule from its JSON form (a dict with a ``kind``), or the rule itself if already one."""
+    if isinstance(data, RuleBase):
+        return data
+    if not isinstance(data, dict):
+        raise AdapterError(f"an adapter rule must be a rule object or a dict with a 'kind', got {type(data).__name__}")
+    kind = data.get("kind")
+    cls = _KINDS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise AdapterError(
+            f"unknown rule kind {kind!r}; known kinds: {', '.join(sorted(_KINDS))}. A rule of your own "
+            "must be registered (@sdadapt.register_rule) before its adapter is read"
+        )
+    return cls(**data)
+
+
+class ValueRule(RuleBase):
+    """A value rule of one's own: for each key ``keys`` matches (one pattern or a list),
+    :meth:`transform` returns the node that replaces the key's node. The node carries the
+    shape, dtype and region mapping (see :class:`sdadapt.Node`); the subclass adds its
+    ``kind`` literal, its own fields, :meth:`transform` and :meth:`inverse`, and is registered
+    with :func:`register_rule`."""
+
+    moves_keys: ClassVar[bool] = False
+    keys: Keys
+
+    @field_validator("keys")
+    @classmethod
+    def _keys(cls, v: Keys) -> Keys:
+        return check_keys(v)
+
+    def input_patterns(self) -> list[str]:
+        return key_patterns(self.keys)
+
+    def transform(self, key: str, node: Node) -> Node | str:
+        """The node that replaces ``node`` under ``key``, or a message saying why this key
+        cannot be transformed (reported as a plan problem of this rule, nothing read)."""
+        raise NotImplementedError
+
+    def apply(self, ctx: PlanContext, index: int) -> None:
+        for key, node in matching(ctx, self.keys):
+            made = self.transform(key, node)
+            if isinstance(made, str):
+                ctx.issue(index, key, made)
+                continue
+            ctx.mark(index)
+            ctx.replace(key, made)

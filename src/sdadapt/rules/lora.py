@@ -1,0 +1,353 @@
+"""LoRA merge on load: an HF PEFT adapter folded into the base weights, per region.
+
+``sdadapt.load(model, base, adapter, lora="path/to/peft_adapter")`` reads a PEFT folder
+(``adapter_config.json`` + ``adapter_model.safetensors``) and:
+
+1. joins its tensors to the base checkpoint as a second source, under the namespace
+   :data:`LORA_NAMESPACE` (:class:`~sdadapt.sources._joined.JoinedSource`): the pair of
+   ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``lora_B.weight`` ``[out, r]``
+   becomes two more keys of the plan, read lazily like any other;
+2. puts a :class:`MergeLora` rule before the adapter's own rules. It acts in the checkpoint's
+   key space: ``<module>.weight`` becomes a :class:`LoraMerge` node over the weight and the pair,
+   so the base adapter's rules (fuse q/k/v, interleave for TP, stack experts, rotary order...)
+   then move the merged values as they would move the stored ones.
+
+Region ``box`` of a merged weight is ``W[box] + s * B[rows of box] @ A[:, cols of box]`` with
+``s = alpha / r`` (``alpha / sqrt(r)`` for rsLoRA), so a rank reads only the rows of ``B`` and
+the columns of ``A`` its shard needs. The product and the sum are computed in float64 and
+rounded once to the weight's dtype: products of float32/bf16 numbers are exact in float64, so
+the value of an element does not depend on the shape of the block it was computed in (BLAS
+may sum a block's products in another order), and ``read(box) == full()[box]``.
+
+Strict, like the rest of a load: a LoRA pair whose weight the checkpoint lacks, half a pair,
+shapes that do not agree, or a tensor that is not a ``lora_A``/``lora_B`` weight are plan
+problems naming the key; PEFT features that are not a plain low-rank sum (DoRA, LoRA biases,
+``modules_to_save``, trainable tokens, ...) are refused while the config is read. A merge has
+no inverse: exporting a model loaded this way writes the merged weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+from pydantic import BaseModel
+
+from .._recipes.nodes import Box, Compute, Node, SourceIO, Step, box_shape
+from ..errors import AdapterError, SourceError
+from ..sources import SafetensorsFile, Source
+from ..sources._base import dtype_name
+from ..sources._joined import JoinedSource
+from ..sources._json import PeftConfig, read_json, validate
+from . import RuleBase, register_rule
+
+if TYPE_CHECKING:
+    from .._plan.plan import PlanContext
+
+LORA_NAMESPACE = "lora:"
+"""The prefix a PEFT adapter's tensor keys get in the joined source (no checkpoint key has it)."""
+PEFT_PREFIX = "base_model.model."
+"""What PEFT puts before a module name of the base model in ``adapter_model.safetensors``."""
+CONFIG_NAME = "adapter_config.json"
+WEIGHTS_NAME = "adapter_model.safetensors"
+_CONFIG_LIMIT = 16 << 20
+_PAIR = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])\.weight")
+_MERGEABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_ROWS_PER_CHUNK_ELEMENTS = 1 << 22  # float64 temporaries of a region are computed this many elements at a time
+
+_NOT_PLAIN = "this LoRA variant is not a plain W + s * B @ A; merge with peft's merge_and_unload()"
+# config fields whose non-default values change what a merge means (refused rather than merged
+# wrongly); each with what to do instead
+_UNSUPPORTED: dict[str, str] = {
+    "use_dora": "DoRA rescales each merged column by a magnitude vector; merge it with peft's merge_and_unload()",
+    "lora_bias": "LoRA biases add to the layers' biases; merge with peft's merge_and_unload()",
+    "modules_to_save": "the adapter replaces whole modules; merge with peft's merge_and_unload() and load that",
+    "trainable_token_indices": "trainable tokens replace embedding rows; merge with peft's merge_and_unload()",
+    "layer_replication": "the adapter duplicates layers; merge with peft's merge_and_unload()",
+    "target_parameters": "LoRA on nn.Parameter targets is not supported; merge with peft's merge_and_unload()",
+    "use_qalora": "QA-LoRA pools inputs before A; merge with peft's merge_and_unload()",
+    "megatron_config": "Megatron-parallel LoRA layers are not supported",
+    "alora_invocation_tokens": "activated LoRA applies only after its invocation tokens; it cannot be merged",
+    "arrow_config": "Arrow routes between several LoRAs per token; it cannot be merged into one weight",
+    "use_bdlora": _NOT_PLAIN,
+    "kasa_config": _NOT_PLAIN,
+    "velora_config": _NOT_PLAIN,
+    "monteclora_config": _NOT_PLAIN,
+}
+
+
+# --- the node ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class LoraMerge(Node):
+    """``weight + scale * B @ A`` (``weight`` ``[out, in]``, ``a`` ``[r, in]``, ``b`` ``[out, r]``),
+    in ``weight``'s dtype (or ``out_dtype``); ``transposed``: ``weight`` is stored ``[in, out]``
+    (PEFT's ``fan_in_fan_out``, GPT-2's ``Conv1D``) and gets ``(B @ A).T``. A region is one
+    computation that reads ``weight[box]``, the rows of ``b`` and the columns of ``a`` that the
+    box covers, computed in float64 and rounded once."""
+
+    weight: Node
+    a: Node
+    b: Node
+    scale: float
+    transposed: bool = False
+    out_dtype: torch.dtype | None = None
+    shape: tuple[int, ...] = field(init=False)
+    dtype: torch.dtype = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.weight.shape))
+        object.__setattr__(self, "dtype", self.out_dtype or self.weight.dtype)
+
+    def as_dtype(self, dtype: torch.dtype) -> Node | None:
+        """The same merge, rounded once from float64 to ``dtype`` (any floating dtype)."""
+        return dataclasses.replace(self, out_dtype=dtype) if dtype.is_floating_point else None
+
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+        out.append(Compute(self, box, dest, functools.partial(self._region, box)))
+
+    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+        rank = self.a.shape[0]
+        (r0, r1), (c0, c1) = box
+        out = torch.empty(box_shape(box), dtype=self.dtype)
+        step = max(1, _ROWS_PER_CHUNK_ELEMENTS // max(1, c1 - c0))
+        for lo in range(r0, r1, step):
+            hi = min(r1, lo + step)
+            rows, cols = (lo, hi), (c0, c1)
+            if self.transposed:  # weight [in, out]: box rows are A's columns, box cols are B's rows
+                delta = (self.b.read((cols, (0, rank)), io).double() @ self.a.read(((0, rank), rows), io).double()).T
+            else:
+                delta = self.b.read((rows, (0, rank)), io).double() @ self.a.read(((0, rank), cols), io).double()
+            merged = self.weight.read((rows, cols), io).double() + self.scale * delta
+            out[lo - r0 : hi - r0] = merged.to(self.dtype)
+        return out
+
+    def full(self, io: SourceIO) -> torch.Tensor:
+        delta = self.b.full(io).double() @ self.a.full(io).double()
+        if self.transposed:
+            delta = delta.T
+        return (self.weight.full(io).double() + self.scale * delta).to(self.dtype)
+
+    def describe(self) -> str:
+        t = ", transposed" if self.transposed else ""
+        to = f", dtype={dtype_name(self.out_dtype)}" if self.out_dtype is not None else ""
+        return f"merge_lora({self.weight.describe()}, {self.a.describe()}, {self.b.describe()}, scale={self.scale:g}{t}{to})"
+
+
+# --- the rule ------------------------------------------------------------------------------------
+
+
+def lora_scale(alpha: float, r: int, rslora: bool) -> float:
+    """PEFT's scaling of ``B @ A``: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA."""
+    return alpha / math.sqrt(r) if rslora else alpha / r
+
+
+def pattern_key(patterns: Mapping[str, Any], module: str) -> str | None:
+    """The first key of ``patterns`` (PEFT's ``rank_pattern`` / ``alpha_pattern``) that matches
+    ``module``'s name or a dotted suffix of it, as PEFT matches them; ``None`` if none does."""
+    for pat in patterns:
+        if re.match(rf"(.*\.)?({pat})$", module):
+            return pat
+    return None
+
+
+@register_rule
+class MergeLora(RuleBase):
+    """Merge the LoRA pairs found under ``namespace`` + ``module_prefix`` into the weights they
+    target: ``<module>.weight`` becomes ``W + s * B @ A``. ``alpha`` (``lora_alpha``),
+    ``alpha_pattern``, ``rslora`` and ``fan_in_fan_out`` are the PEFT config's; each pair's
+    rank is the rows of its ``A``. A value rule: put it first, it acts in the checkpoint's key
+    space. Built by :func:`open_peft_lora` from ``adapter_config.json``."""
+
+    kind: Literal["merge_lora"] = "merge_lora"
+    moves_keys: ClassVar[bool] = False
+    namespace: str = LORA_NAMESPACE
+    module_prefix: str = PEFT_PREFIX
+    alpha: float
+    alpha_pattern: dict[str, float] = {}
+    rslora: bool = False
+    fan_in_fan_out: bool = False
+
+    def input_patterns(self) -> list[str]:
+        return [self.namespace + "**"]
+
+    def inverse(self) -> list[RuleBase]:
+        return []  # the merged weights are exported as they are; the pair is not recovered
+
+    def apply(self, ctx: PlanContext, index: int) -> None:
+        pairs: dict[str, dict[str, str]] = {}
+        start = self.namespace + self.module_prefix
+        for key in ctx.keys():
+            if not key.startswith(self.namespace):
+                continue
+            name = key[len(self.namespace) :]
+            m = _PAIR.fullmatch(key[len(start) :]) if key.startswith(start) else None
+            if m is None:
+                ctx.issue(index, name, f"is not a LoRA weight '{self.module_prefix}<module>.lora_A.weight' / "
+                          "'.lora_B.weight'; sdadapt merges plain lora_A/lora_B pairs only (no DoRA magnitudes, "
+                          "embedding LoRA or LoRA biases)")  # fmt: skip
+                continue
+            pairs.setdefault(m["module"], {})[m["which"]] = key
+        for module, pair in pairs.items():
+            self._merge(ctx, index, module, pair)
+
+    def _merge(self, ctx: PlanContext, index: int, module: str, pair: dict[str, str]) -> None:
+        ns = len(self.namespace)
+        if len(pair) != 2:
+            have = next(iter(pair.values()))
+            other = "B" if "A" in pair else "A"
+            ctx.issue(index, have[ns:], f"has no lora_{other} partner; the adapter file is incomplete")
+            return
+        akey, bkey = pair["A"], pair["B"]
+        target = module + ".weight"
+        if not ctx.has(target):
+            ctx.issue(index, akey[ns:], f"targets {target!r}, which the checkpoint does not have; is this adapter "
+                      "for another base model (or another module_prefix)?")  # fmt: skip
+            return
+        w, a, b = ctx.get(target), ctx.get(akey), ctx.get(bkey)
+        problem = self._problem(w, a, b)
+        if problem:
+            ctx.issue(index, akey[ns:], f"cannot merge into {target!r}: {problem}")
+            return
+        alpha_key = pattern_key(self.alpha_pattern, module)
+        alpha = self.alpha if alpha_key is None else self.alpha_pattern[alpha_key]
+        scale = lora_scale(alpha, a.shape[0], self.rslora)
+        merged = LoraMerge(w, ctx.absorb(akey, index), ctx.absorb(bkey, index), scale, self.fan_in_fan_out)
+        ctx.replace(target, merged)
+
+    def _problem(self, w: Node, a: Node, b: Node) -> str | None:
+        if len(w.shape) != 2 or len(a.shape) != 2 or len(b.shape) != 2:
+            return f"weight {list(w.shape)}, A {list(a.shape)}, B {list(b.shape)}: LoRA merges into 2-d weights only"
+        if w.dtype not in _MERGEABLE:
+            return (f"the weight is stored as {dtype_name(w.dtype)}; a LoRA merges into float weights only "
+                    "(dequantise first: sdadapt merges before the adapter's rules)")  # fmt: skip
+        out, inp = (w.shape[1], w.shape[0]) if self.fan_in_fan_out else tuple(w.shape)
+        r = a.shape[0]
+        if r == 0:
+            return "A has no rows: a LoRA of rank 0 changes nothing and has no scale (alpha / r); re-save the adapter"
+        if tuple(a.shape) != (r, inp) or tuple(b.shape) != (out, r):
+            layout = "[in, out] (fan_in_fan_out)" if self.fan_in_fan_out else "[out, in]"
+            return (f"the weight {list(w.shape)} is {layout}, so A must be [r, {inp}] and B [{out}, r]; got "
+                    f"A {list(a.shape)}, B {list(b.shape)}")  # fmt: skip
+        return None
+
+
+# --- a PEFT folder -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeftLora:
+    """An opened PEFT LoRA folder: its tensors (``source``) and the rule that merges them."""
+
+    path: str
+    source: Source
+    rule: MergeLora
+
+    def join(self, base: Source) -> JoinedSource:
+        """``base`` with this adapter's tensors under :data:`LORA_NAMESPACE` (owns both)."""
+        try:
+            return JoinedSource(base, {self.rule.namespace: self.source})
+        except BaseException:
+            self.source.close()
+            raise
+
+
+def lora_rule(config: Mapping[str, Any], *, where: str = CONFIG_NAME) -> MergeLora:
+    """The :class:`MergeLora` rule for a PEFT ``adapter_config.json`` dict; an
+    :class:`AdapterError` naming the field for what a plain merge cannot express."""
+    try:
+        cfg = validate(dict(config), PeftConfig, where, "PEFT adapter config")
+    except SourceError as e:
+        raise AdapterError(str(e)) from None
+    if cfg.peft_type != "LORA":
+        raise AdapterError(f"{where}: peft_type is {cfg.peft_type!r}; sdadapt merges LoRA adapters ('LORA') only")
+    if cfg.bias != "none":
+        raise AdapterError(f"{where}: bias={cfg.bias!r} trains the base layers' biases too; only bias='none' is "
+                           "supported (merge with peft's merge_and_unload())")  # fmt: skip
+    for name, why in _UNSUPPORTED.items():
+        if config.get(name):
+            raise AdapterError(f"{where}: {name}={config[name]!r} is not supported: {why}")
+    for pat in cfg.alpha_pattern:
+        try:
+            re.compile(pat)
+        except re.error as e:
+            raise AdapterError(f"{where}: alpha_pattern key {pat!r} is not a regular expression: {e}") from None
+    try:
+        return MergeLora(
+            alpha=cfg.lora_alpha, alpha_pattern=cfg.alpha_pattern, rslora=cfg.use_rslora, fan_in_fan_out=cfg.fan_in_fan_out
+        )
+    except AdapterError as e:
+        raise AdapterError(f"{where}: {e}") from None
+
+
+def open_peft_lora(path: str | os.PathLike[str]) -> PeftLora:
+    """Open a PEFT LoRA folder (what ``PeftModel.save_pretrained`` writes): read
+    ``adapter_config.json`` and the header of ``adapter_model.safetensors``; nothing else."""
+    folder = os.fspath(path)
+    if not os.path.isdir(folder):
+        raise AdapterError(f"lora={folder!r}: not a folder; pass the folder PeftModel.save_pretrained wrote "
+                           f"({CONFIG_NAME} + {WEIGHTS_NAME})")  # fmt: skip
+    config_path = os.path.join(folder, CONFIG_NAME)
+    if not os.path.isfile(config_path):
+        raise AdapterError(f"lora={folder!r}: no {CONFIG_NAME} in the folder")
+    config = read_json(config_path, None, what="PEFT adapter config", limit=_CONFIG_LIMIT)
+    if not isinstance(config, dict):
+        raise AdapterError(f"{config_path}: not a JSON object")
+    rule = lora_rule(config, where=config_path)
+    weights = os.path.join(folder, WEIGHTS_NAME)
+    if not os.path.isfile(weights):
+        hint = " (it holds adapter_model.bin: re-save it with safe_serialization=True)" if os.path.isfile(
+            os.path.join(folder, "adapter_model.bin")) else ""  # fmt: skip
+        raise AdapterError(f"lora={folder!r}: no {WEIGHTS_NAME}{hint}")
+    source = SafetensorsFile(weights)
+    empty = sorted(k for k, info in source.schema.items() if k.endswith(".lora_A.weight") and info.shape[:1] == (0,))
+    if empty:
+        source.close()
+        raise SourceError(
+            f"the LoRA pair has rank 0 (lora_A has no rows), so it changes nothing and has no scale (alpha / r); "
+            f"{len(empty)} such pair(s). Re-save the adapter",
+            path=weights,
+            key=empty[0],
+        )
+    return PeftLora(folder, source, rule)
+
+
+class LoraMerged(BaseModel):
+    """A PEFT LoRA merged by a load: its folder, the ranks of its pairs, how many weights it changed."""
+
+    folder: str
+    keys: int  # model keys whose values include a LoRA delta
+    pairs: int  # lora_A / lora_B pairs merged
+    ranks: list[int]  # the distinct ranks r of those pairs
+
+    def format(self) -> str:
+        ranks = ", ".join(map(str, self.ranks)) or "-"
+        return f"merged LoRA {self.folder} (r={ranks}: {self.pairs} pairs) into {self.keys} model keys"
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def merged_lora(folder: str | os.PathLike[str], recipes: Mapping[str, Node]) -> LoraMerged:
+    """What the plan's ``recipes`` merge from the LoRA folder: the keys holding a
+    :class:`LoraMerge` anywhere in their recipe, and the ranks of the pairs merged."""
+    keys, pairs, ranks = 0, set(), set()
+    for node in recipes.values():
+        found, todo = False, [node]
+        while todo:
+            n = todo.pop()
+            if isinstance(n, LoraMerge):
+                found = True
+                pairs.add(id(n))
+                ranks.add(int(n.a.shape[0]))
+            todo.extend(n.children())
+        keys += found
+    return LoraMerged(folder=os.fspath(folder), keys=keys, pairs=len(pairs), ranks=sorted(ranks))

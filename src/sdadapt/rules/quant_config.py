@@ -1,0 +1,166 @@
+"""A release's quantization config -> the dequant rules that read it.
+
+``quantization_config`` of ``config.json`` (or ModelOpt's ``hf_quant_config.json``) is validated
+through the pydantic models here, with strict types: a field of the wrong type is an
+:class:`~sdadapt.AdapterError` naming the file and the field, never a foreign exception.
+Fields the models do not name are allowed (releases carry many) and ignored.
+
+Methods read:
+
+- ``fp8`` (DeepSeek/Qwen block scales: :class:`~sdadapt.DequantFP8`; without
+  ``weight_block_size``, per-tensor FP8 as Mistral-family releases store it);
+- ``mxfp4`` (GPT-OSS: :class:`~sdadapt.DequantMXFP4`);
+- ``compressed-tensors``: each config group's ``format`` and ``weights`` (``float-quantized``,
+  ``naive-quantized``, ``int-quantized``, ``pack-quantized``, ``nvfp4-pack-quantized``,
+  ``mxfp4-pack-quantized``, ``mxfp8-quantized``) with its ``targets`` and the ``ignore`` list;
+- ``modelopt`` (NVFP4, FP8), from ``quantization_config`` or ``hf_quant_config.json``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import AdapterError
+
+if TYPE_CHECKING:
+    from ..sources._base import TensorInfo
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, frozen=True)
+
+
+class FP8Config(_Model):
+    """``quant_method: fp8`` (transformers' fine-grained FP8, and per-tensor FP8)."""
+
+    quant_method: Literal["fp8"]
+    weight_block_size: list[int] | None = Field(default=None, min_length=2, max_length=2)
+    scale_fmt: str | None = None
+    modules_to_not_convert: list[str] | None = None
+    activation_scheme: str | None = None
+
+
+class MXFP4Config(_Model):
+    quant_method: Literal["mxfp4"]
+    modules_to_not_convert: list[str] | None = None
+
+
+class CTArgs(_Model):
+    """compressed-tensors ``QuantizationArgs`` (the fields that say how weights are stored)."""
+
+    num_bits: int = Field(gt=0, le=8)
+    type: Literal["int", "float"]
+    symmetric: bool = True
+    strategy: Literal["tensor", "channel", "group", "block", "token", "tensor_group", "attn_head"] | None = None
+    group_size: int | None = Field(default=None, gt=0)
+    block_structure: list[int] | None = Field(default=None, min_length=2, max_length=2)
+    scale_dtype: str | None = None
+
+
+class CTGroup(_Model):
+    targets: list[str] = Field(min_length=1)
+    weights: CTArgs | None = None
+    input_activations: CTArgs | None = None
+    output_activations: CTArgs | None = None
+    format: str | None = None
+
+
+class CompressedTensorsConfig(_Model):
+    quant_method: Literal["compressed-tensors"]
+    format: str | None = None
+    config_groups: dict[str, CTGroup] = {}
+    ignore: list[str] = []
+    kv_cache_scheme: dict[str, Any] | None = None
+
+
+class ModelOptQuant(_Model):
+    quant_algo: str | None = None
+    group_size: int | None = Field(default=None, gt=0)
+    exclude_modules: list[str] | None = None
+    kv_cache_quant_algo: str | None = None
+
+
+class ModelOptConfig(ModelOptQuant):
+    """``quant_method: modelopt`` in ``config.json`` (the fields of ``hf_quant_config.json``'s
+    ``quantization`` inlined; ``ignore`` is another name some releases use for the exclusions)."""
+
+    quant_method: Literal["modelopt"]
+    ignore: list[str] | None = None
+
+
+class HFQuantConfig(_Model):
+    """ModelOpt's ``hf_quant_config.json``: ``{"producer": {...}, "quantization": {...}}``."""
+
+    quantization: ModelOptQuant
+
+
+METHODS: dict[str, type[_Model]] = {
+    "fp8": FP8Config,
+    "mxfp4": MXFP4Config,
+    "compressed-tensors": CompressedTensorsConfig,
+    "modelopt": ModelOptConfig,
+}
+
+
+def parse(qc: object, where: str) -> _Model:
+    """``quantization_config`` (a dict) -> its model; an :class:`AdapterError` naming ``where``
+    (the file) and the field that is wrong, or the method that is not read."""
+    if not isinstance(qc, Mapping):
+        raise AdapterError(f"{where}: quantization_config must be a JSON object, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    model = METHODS.get(method) if isinstance(method, str) else None
+    if model is None:
+        raise AdapterError(
+            f"{where}: quantization_config.quant_method {method!r} is not supported; sdadapt reads "
+            f"{', '.join(repr(m) for m in METHODS)}"
+        )
+    return validate(model, qc, f"{where}: quantization_config")
+
+
+def validate(model: type[_Model], data: object, where: str) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "(the object)"
+        raise AdapterError(f"{where}.{field}: {err['msg']} (got {err.get('input')!r:.80}); fix the release's config") from None
+
+
+# --- compressed-tensors targets -------------------------------------------------------------------
+
+
+def module_of(key: str) -> str:
+    """``model.layers.0.mlp.down_proj.weight_packed`` -> ``model.layers.0.mlp.down_proj``."""
+    return key.rsplit(".", 1)[0] if "." in key else ""
+
+
+def matches_target(module: str, target: str) -> bool:
+    """compressed-tensors' matching of a module name: ``re:<regex>`` (a full match of the
+    name), an exact name, or a module class name (``Linear``: every quantized module, the
+    stored dtypes tell which)."""
+    if target.startswith("re:"):
+        try:
+            return re.fullmatch(target[3:], module) is not None
+        except re.error as e:
+            raise AdapterError(f"config.json: quantization_config target {target!r} is not a valid regex: {e}") from None
+    if target[:1].isupper() and "." not in target:
+        return True  # a class name: the checkpoint's stored dtypes decide
+    return module == target or module.endswith("." + target)
+
+
+def ignored(module: str, ignore: list[str]) -> bool:
+    return any(matches_target(module, t) and not (t[:1].isupper() and "." not in t) for t in ignore)
+
+
+def modelopt_excluded(module: str, patterns: list[str]) -> bool:
+    """ModelOpt's ``exclude_modules`` are shell-style wildcards over module names."""
+    return any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(module + ".weight", p) for p in patterns)
+
+
+def schema_modules(schema: Mapping[str, TensorInfo] | None) -> list[str]:
+    return sorted({module_of(k) for k in schema or {}})

@@ -1,0 +1,195 @@
+"""The dequant rules for the formats other tools write, built from a validated quantization config
+(:mod:`sdadapt.rules.quant_config`): compressed-tensors (one rule per config group), NVIDIA ModelOpt,
+and per-tensor FP8 (``quant_method: fp8`` without ``weight_block_size``).
+
+Given the checkpoint's schema (its headers), a config group's ``targets`` and the ``ignore``
+list are resolved against the checkpoint's module names, and a module whose weight is stored as
+plain floats is left alone (``targets: ["Linear"]`` does not say which 2-D weights are linear
+layers; the stored dtypes do); each rule then excludes exactly the weights it must not touch.
+Without the schema, ``targets`` of module classes match every 2-D ``*.weight`` but the matrices
+releases keep unquantized (:data:`~sdadapt.rules.dequant.FP8_EXCLUDE`) and the ``ignore`` names;
+a regular-expression ``ignore`` or target then needs the schema.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .._recipes import quant_scaled as S
+from ..errors import AdapterError
+from ..sources._base import dtype_name
+from . import quant_config as C
+from .dequant import FP8_EXCLUDE
+from .dequant_scaled import ACTIVATION_SCALES, DequantScaled
+
+if TYPE_CHECKING:
+    from ..sources._base import TensorInfo
+
+KV_SCALES = ["**.k_scale", "**.v_scale"]
+"""KV-cache scales (compressed-tensors' ``kv_cache_scheme``, ModelOpt's FP8 KV cache): activations
+too, dropped on purpose."""
+
+
+def _stored_quantized(schema: Mapping[str, TensorInfo], module: str, fields: dict[str, Any]) -> bool:
+    """Whether ``module``'s weight is stored in the codec of ``fields`` (so a rule may take it)."""
+    key = module + ".weight" + fields.get("values_suffix", "")
+    info = schema.get(key)
+    return info is not None and len(info.shape) >= 2 and info.dtype == S.STORED[fields["codec"]]
+
+
+def _weights(schema: Mapping[str, TensorInfo]) -> list[str]:
+    """Modules with a 2-D (or more) weight, stored plain or packed."""
+    out = set()
+    for k, info in schema.items():
+        for suffix in (".weight", ".weight_packed"):
+            if k.endswith(suffix) and len(info.shape) >= 2:
+                out.add(k[: -len(suffix)])
+    return sorted(out)
+
+
+def _resolve(groups: list[tuple[list[str], dict[str, Any]]], ignore: list[str], excluded: Any,
+             schema: Mapping[str, TensorInfo]) -> list[list[str]]:  # fmt: skip
+    """Per group, the modules it takes: not ignored, stored in its codec, first group whose
+    targets match."""
+    taken: list[list[str]] = [[] for _ in groups]
+    for module in _weights(schema):
+        if excluded(module, ignore):
+            continue
+        for i, (targets, fields) in enumerate(groups):
+            if any(C.matches_target(module, t) for t in targets) and _stored_quantized(schema, module, fields):
+                taken[i].append(module)
+                break
+    return taken
+
+
+def _rules(groups: list[tuple[list[str], dict[str, Any]]], ignore: list[str], excluded: Any, to_pattern: Any,
+           schema: Mapping[str, TensorInfo] | None, dtype: str | None, drop: list[str]) -> list[DequantScaled]:  # fmt: skip
+    rules: list[DequantScaled] = []
+    if schema:
+        taken = _resolve(groups, ignore, excluded, schema)
+        for (_, fields), mine in zip(groups, taken, strict=True):
+            if not mine:
+                continue
+            others = sorted(set(_weights(schema)) - set(mine))
+            stored = {schema[k].dtype for m in mine if (k := m + ".weight" + fields.get("scale_suffix", "_scale")) in schema}
+            if len(stored) == 1:  # the one dtype the scales are stored in: required, and what export writes
+                fields = {**fields, "scale_dtype": dtype_name(stored.pop())}
+            shapes = {tuple(schema[k].shape) for m in mine if (k := m + ".weight" + fields.get("scale_suffix", "_scale")) in schema}
+            if fields["strategy"] == "tensor" and len(shapes) == 1 and len(next(iter(shapes))) <= 1:
+                fields = {**fields, "tensor_scale_shape": list(shapes.pop())}
+            rules.append(DequantScaled(keys="**.weight", exclude=[m + ".weight" for m in others], dtype=dtype,
+                                       drop=drop if not rules else [], **fields))  # fmt: skip
+        return rules
+    for targets, fields in groups:
+        if any(t.startswith("re:") for t in targets) and len(groups) > 1:
+            raise AdapterError("config.json: quantization_config has several config groups with regular-expression "
+                               "targets; give the release folder (or schema=) so that they are resolved to its keys")  # fmt: skip
+        exclude = list(FP8_EXCLUDE) + [to_pattern(m) for m in ignore]
+        rules.append(DequantScaled(keys="**.weight", exclude=exclude, dtype=dtype, drop=drop if not rules else [], **fields))
+    return rules
+
+
+def _ct_fields(fmt: str, w: C.CTArgs, where: str) -> dict[str, Any] | None:
+    """The rule fields of one compressed-tensors config group (``None``: stored unquantized)."""
+    if fmt == "dense":
+        return None
+    strategy = w.strategy or "tensor"
+    strategy = "group" if strategy == "tensor_group" else strategy
+    if strategy not in ("tensor", "channel", "group", "block"):
+        raise AdapterError(f"{where}: weights.strategy {w.strategy!r} is an activation strategy; weights use tensor, "
+                           "channel, group or block")  # fmt: skip
+    fields: dict[str, Any] = {"strategy": strategy}
+    if strategy == "group":
+        implied = {"nvfp4-pack-quantized": S.NVFP4_GROUP, "mxfp4-pack-quantized": S.MX_GROUP, "mxfp8-quantized": S.MX_GROUP}
+        if w.group_size is None and fmt not in implied:
+            raise AdapterError(f"{where}: weights.strategy 'group' needs weights.group_size")
+        fields["group_size"] = w.group_size or implied[fmt]
+    if strategy == "block":
+        if not w.block_structure:
+            raise AdapterError(f"{where}: weights.strategy 'block' needs weights.block_structure")
+        fields["block"] = w.block_structure
+    kind = (fmt, w.type, w.num_bits)
+    if fmt in ("float-quantized", "naive-quantized", "mxfp8-quantized") and kind[1:] == ("float", 8):
+        fields["codec"] = "e4m3"
+    elif fmt in ("int-quantized", "naive-quantized") and kind[1:] == ("int", 8):
+        fields["codec"] = "int8"
+    elif fmt == "pack-quantized" and w.type == "int" and w.num_bits in (4, 8):
+        fields.update(codec="int4" if w.num_bits == 4 else "int8_packed", values_suffix="_packed", shape_suffix="_shape")
+    elif fmt in ("nvfp4-pack-quantized", "mxfp4-pack-quantized") and kind[1:] == ("float", 4):
+        fields.update(codec="e2m1", values_suffix="_packed")
+        if fmt == "nvfp4-pack-quantized":
+            fields.update(global_suffix="_global_scale", global_mode="divide")
+    else:
+        raise AdapterError(f"{where}: format {fmt!r} with {w.type} {w.num_bits}-bit weights is not read by sdadapt "
+                           "(it reads float-/int-/naive-quantized 8-bit, pack-quantized int4/int8, nvfp4-pack-quantized, "
+                           "mxfp4-pack-quantized and mxfp8-quantized)")  # fmt: skip
+    if not w.symmetric and fields["codec"] in ("int8", "int4", "int8_packed"):
+        fields["zero_suffix"] = "_zero_point"
+    fields["scale_suffix"] = "_scale"
+    return fields
+
+
+def _ct_pattern(name: str) -> str:
+    if name.startswith("re:"):
+        raise AdapterError(f"config.json: quantization_config.ignore {name!r} is a regular expression; give the release "
+                           "folder (or schema=) so that it is resolved to the checkpoint's keys")  # fmt: skip
+    return f"**{name}.weight" if not name.startswith("**") else name + ".weight"
+
+
+def compressed_tensors_rules(qc: C.CompressedTensorsConfig, schema: Mapping[str, TensorInfo] | None,
+                             dtype: str | None) -> list[DequantScaled]:  # fmt: skip
+    """One :class:`DequantScaled` per quantized config group of a compressed-tensors release."""
+    groups = []
+    for name, group in qc.config_groups.items():
+        if group.weights is None:
+            continue  # activations only: nothing stored
+        fmt = group.format or qc.format
+        if fmt is None:
+            raise AdapterError(f"config.json: quantization_config.config_groups.{name} has no format (nor has the config)")
+        fields = _ct_fields(fmt, group.weights, f"config.json: quantization_config.config_groups.{name}")
+        if fields is not None:
+            groups.append((group.targets, fields))
+    drop = ACTIVATION_SCALES + (KV_SCALES if qc.kv_cache_scheme else [])
+    return _rules(groups, qc.ignore, C.ignored, _ct_pattern, schema, dtype, drop)
+
+
+def _glob_pattern(name: str) -> str:
+    if any(c in name for c in "?["):
+        raise AdapterError(f"quantization exclude_modules {name!r} uses wildcards sdadapt cannot translate; give the "
+                           "release folder (or schema=) so that it is resolved to the checkpoint's keys")  # fmt: skip
+    pat = name.replace("*", "**")
+    return pat if pat.endswith(".weight") else pat + ".weight"
+
+
+def modelopt_rules(q: C.ModelOptQuant, exclude: list[str], schema: Mapping[str, TensorInfo] | None,
+                   dtype: str | None) -> list[DequantScaled]:  # fmt: skip
+    """ModelOpt NVFP4 (``weight`` uint8, ``weight_scale`` e4m3 per 16, ``weight_scale_2``) or FP8
+    (``weight`` e4m3, ``weight_scale`` per tensor)."""
+    algo = (q.quant_algo or "").upper()
+    fields: dict[str, Any]
+    if algo == "NVFP4":
+        fields = {"codec": "e2m1", "strategy": "group", "group_size": q.group_size or S.NVFP4_GROUP,
+                  "global_suffix": "_scale_2", "global_mode": "multiply"}  # fmt: skip
+    elif algo == "FP8":
+        fields = {"codec": "e4m3", "strategy": "tensor", "tensor_scale_shape": []}
+    else:
+        raise AdapterError(f"ModelOpt quant_algo {q.quant_algo!r} is not read by sdadapt (it reads NVFP4 and FP8)")
+    fields["scale_suffix"] = "_scale"
+    drop = ACTIVATION_SCALES + KV_SCALES
+    return _rules([(["Linear"], fields)], exclude, C.modelopt_excluded, _glob_pattern, schema, dtype, drop)
+
+
+def per_tensor_fp8_rules(qc: C.FP8Config, schema: Mapping[str, TensorInfo] | None, dtype: str | None,
+                         exclude: list[str]) -> list[DequantScaled]:  # fmt: skip
+    """``quant_method: fp8`` without ``weight_block_size``: one scale per tensor (or per output
+    channel, where the stored scales say so), under ``weight_scale_inv`` or ``weight_scale``."""
+    scales = {k: i for k, i in (schema or {}).items() if k.endswith((".weight_scale_inv", ".weight_scale"))}
+    suffix = "_scale_inv" if any(k.endswith("_scale_inv") for k in scales) else "_scale"
+    channel = bool(scales) and all(len(i.shape) == 2 and i.shape[-1] == 1 and i.shape[-2] > 1 for i in scales.values())
+    fields: dict[str, Any] = {"codec": "e4m3", "strategy": "channel" if channel else "tensor", "scale_suffix": suffix}
+    names = [m for m in qc.modules_to_not_convert or []]
+    drop = ACTIVATION_SCALES + ["**.activation_scale"] + KV_SCALES
+    return _rules([(["Linear"], fields)], names, C.ignored, _ct_pattern, schema, dtype, drop) if schema else [
+        DequantScaled(keys="**.weight", exclude=exclude + [_ct_pattern(m) for m in names], dtype=dtype, drop=drop, **fields)
+    ]

@@ -1,0 +1,145 @@
+"""Stacking rules: per-index keys (MoE experts ``experts.{e}.w1``) <-> one tensor with a new dim."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field, model_validator
+
+from .._recipes import nodes as N
+from ..errors import AdapterError
+from .base import RuleBase, dim_of
+from .patterns import compile_pattern, typed_like
+
+if TYPE_CHECKING:
+    from .._plan.plan import PlanContext
+
+
+def check_over(src: str, dst: str, over: str, what: str) -> None:
+    """``src`` captures ``over`` and ``dst`` uses every other capture of ``src`` and not ``over``."""
+    s, d = set(compile_pattern(src).names), set(compile_pattern(dst).names)
+    if over not in s:
+        raise AdapterError(f"{what}: pattern {src!r} must capture {{{over}}} (the index to stack over)")
+    if over in d:
+        raise AdapterError(f"{what}: pattern {dst!r} must not use {{{over}}}: that index becomes a dim")
+    if d != s - {over}:
+        raise AdapterError(
+            f"{what}: patterns {src!r} and {dst!r} must share every capture except {{{over}}}; "
+            f"got {sorted(s)} and {sorted(d)}"
+        )
+    for m in ("*", "**"):
+        if m in dst.replace("{", " ").replace("}", " ").split("."):
+            raise AdapterError(f"{what}: pattern {dst!r} may not contain '*' or '**'; name the capture instead")
+
+
+class _Stacking(RuleBase):
+    """The fields of :class:`Stack` and :class:`Unstack`: the pattern ``src`` they read, the
+    pattern ``dst`` they write, the capture ``over`` that indexes the entries of dim ``dim``, and
+    the number of entries ``count`` if it is fixed."""
+
+    src: str
+    dst: str
+    over: str = "e"
+    dim: int = 0
+    count: int | None = Field(default=None, gt=0)
+
+    def input_patterns(self) -> list[str]:
+        return [self.src]
+
+
+class Stack(_Stacking):
+    """All keys matching ``src`` that differ only in the capture ``over`` become one tensor
+    ``dst`` with a new dim ``dim`` of size E (MoE experts:
+    ``Stack(src="layers.{i}.block_sparse_moe.experts.{e}.w1.weight", dst="layers.{i}.moe.experts.w1")``).
+    The ``over`` values must be the integers 0..E-1 (``count`` E, if given) with equal shapes
+    and dtypes."""
+
+    kind: Literal["stack"] = "stack"
+
+    @model_validator(mode="after")
+    def _check(self) -> Stack:
+        check_over(self.src, self.dst, self.over, f"stack into {self.dst!r}")
+        return self
+
+    def apply(self, ctx: PlanContext, index: int) -> None:
+        pat, out = compile_pattern(self.src), compile_pattern(self.dst)
+        groups: dict[str, list[tuple[str, str]]] = {}
+        for key in ctx.keys():
+            caps = pat.match(key)
+            if caps is not None:
+                groups.setdefault(out.format(caps), []).append((caps[self.over], key))
+        for dst, members in groups.items():
+            bad = [k for e, k in members if not e.isdigit()]
+            if bad:
+                ctx.issue(index, dst, f"{{{self.over}}} must be an integer, got {', '.join(map(repr, bad))}")
+                continue
+            members.sort(key=lambda m: int(m[0]))
+            idx = [int(e) for e, _ in members]
+            if idx != list(range(len(idx))):
+                missing = sorted(set(range(max(idx) + 1)) - set(idx))
+                dup = sorted({i for i in idx if idx.count(i) > 1})
+                ctx.issue(
+                    index,
+                    dst,
+                    f"{{{self.over}}} must run 0..E-1; found {len(idx)} keys"
+                    + (f", missing {self.over}={missing}" if missing else "")
+                    + (f", repeated {self.over}={dup}" if dup else ""),
+                )
+                continue
+            if self.count is not None and len(idx) != self.count:
+                ctx.issue(index, dst, f"found {len(idx)} entries ({self.over}=0..{len(idx) - 1}) but count={self.count}")
+                continue
+            parts = [ctx.get(k) for _, k in members]
+            odd = [(k, p) for (_, k), p in zip(members, parts, strict=True) if p.shape != parts[0].shape or p.dtype != parts[0].dtype]
+            if odd:
+                k, p = odd[0]
+                ctx.issue(
+                    index,
+                    dst,
+                    f"entries differ: {members[0][1]!r} is {list(parts[0].shape)} {parts[0].dtype}, "
+                    f"{k!r} is {list(p.shape)} {p.dtype}",
+                )
+                continue
+            nd = len(parts[0].shape)
+            if not -(nd + 1) <= self.dim <= nd:
+                ctx.issue(index, dst, f"dim {self.dim} is out of range for stacking tensors of shape {list(parts[0].shape)}")
+                continue
+            for _, k in members:
+                ctx.take(k, index)
+            ctx.put(dst, N.Stack(tuple(parts), self.dim % (nd + 1)), index, origin=[k for _, k in members])
+
+    def inverse(self) -> list[RuleBase]:
+        return [Unstack(src=typed_like(self.dst, self.src), dst=self.src, over=self.over, dim=self.dim, count=self.count)]
+
+
+class Unstack(_Stacking):
+    """One tensor ``src`` becomes E keys ``dst`` (which captures ``over``), one per entry along
+    ``dim``: ``Unstack(src="layers.{i}.moe.experts.w1", dst="layers.{i}.experts.{e}.w1.weight")``."""
+
+    kind: Literal["unstack"] = "unstack"
+
+    @model_validator(mode="after")
+    def _check(self) -> Unstack:
+        check_over(self.dst, self.src, self.over, f"unstack of {self.src!r}")
+        return self
+
+    def apply(self, ctx: PlanContext, index: int) -> None:
+        pat, out = compile_pattern(self.src), compile_pattern(self.dst)
+        for key in ctx.keys():
+            caps = pat.match(key)
+            if caps is None:
+                continue
+            node = ctx.get(key)
+            d = dim_of(ctx, index, key, node, self.dim)
+            if d is None:
+                continue
+            n = node.shape[d]
+            if self.count is not None and n != self.count:
+                ctx.issue(index, key, f"has {n} entries along dim {d} but count={self.count}")
+                continue
+            ctx.take(key, index)
+            for e in range(n):
+                ctx.put(out.format({**caps, self.over: str(e)}), N.Select(node, d, e), index, origin=key)
+
+    def inverse(self) -> list[RuleBase]:
+        return [Stack(src=typed_like(self.dst, self.src), dst=self.src, over=self.over, dim=self.dim, count=self.count)]

@@ -1,0 +1,145 @@
+"""Tensor-parallel layout rules: :class:`Interleave` lays fused parts out per TP rank (so a
+``ColwiseParallel`` shard holds ``[q_r; k_r; v_r]``), :class:`Deinterleave` undoes it, and
+:func:`tp_degree` reads the TP degree from a tensor's placements.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from .._recipes import nodes as N
+from .._recipes.interleave import Interleave as InterleaveNode
+from .._recipes.nodes import Node
+from ..errors import AdapterError
+from .base import Keys, RuleBase, check_keys, key_patterns, matching_dim, target_info
+
+if TYPE_CHECKING:
+    from .._plan.plan import PlanContext
+    from ..sources._base import TensorInfo
+
+
+TP_MESH_NAMES = frozenset({"tp", "tensor", "tensor_parallel", "model_parallel", "mp"})
+DP_MESH_NAMES = frozenset(
+    {"dp", "ddp", "fsdp", "hsdp", "replicate", "shard", "data", "data_parallel", "dp_shard", "dp_replicate",
+     "dp_shard_cp", "dp_cp", "cp", "ep", "pp"}
+)  # fmt: skip
+
+
+def tp_degree(info: TensorInfo, dim: int) -> int | str:
+    """How many tensor-parallel ranks split ``dim`` of a target tensor: the product of the sizes
+    of the mesh dims that shard ``dim`` and are named like TP (:data:`TP_MESH_NAMES`). Mesh dims
+    named like data parallel (:data:`DP_MESH_NAMES`, ``dp*``, ``*fsdp*``) or ``_StridedShard``
+    (FSDP2 over TP) do not count. Returns a message when a sharding mesh dim is unnamed or
+    unknown: the caller should ask for ``tp=``."""
+    if info.mesh is None:
+        if info.placements is None:
+            return 1  # a plain tensor: no TP
+        return f"the model's placements {info.placements} are not described in detail; pass tp="
+    nd = len(info.shape)
+    tp = 1
+    for i, md in enumerate(info.mesh):
+        if md.shard_dim is None or md.shard_dim % nd != dim or md.size == 1:
+            continue
+        name = (md.name or "").lower()
+        if name in TP_MESH_NAMES:
+            tp *= md.size
+        elif md.strided or name in DP_MESH_NAMES or name.startswith("dp") or "fsdp" in name:
+            continue
+        else:
+            label = f"mesh dim {i} ({md.name!r}, size {md.size}, {md.placement})" if md.name else (
+                f"unnamed mesh dim {i} (size {md.size}, {md.placement})"
+            )
+            return (
+                f"cannot tell whether {label} is tensor or data parallel; name the mesh dims "
+                f"(mesh_dim_names=('dp', 'tp')) or pass tp="
+            )
+    return tp
+
+
+class Interleave(RuleBase):
+    """Lay a fused tensor ``[part0; part1; ...]`` (``sizes`` along ``dim``, e.g. q, k, v rows)
+    out per TP rank: ``[p0_r0; p1_r0; ...; p0_r1; ...]``, so that a ``ColwiseParallel`` shard on
+    TP rank ``r`` holds ``[q_r; k_r; v_r]`` as the layer's code expects. ``keys`` is one pattern
+    or a list (a fused weight and its bias: a 1-D bias has only dim 0, laid out like the
+    weight's rows).
+
+    ``tp`` omitted: the TP degree of the target's placements for that key (see
+    :func:`tp_degree`; a plain target tensor means 1, nothing moves). Every size must divide by
+    the degree. The inverse is :class:`Deinterleave`."""
+
+    moves_keys: ClassVar[bool] = False
+    kind: Literal["interleave"] = "interleave"
+    keys: Keys
+    sizes: list[int]
+    tp: int | None = Field(default=None, gt=0)
+    dim: int = 0
+
+    backward: ClassVar[bool] = False
+
+    @model_validator(mode="after")
+    def _check(self) -> Interleave:
+        check_keys(self.keys)
+        if not self.sizes or any(s < 0 for s in self.sizes):
+            raise AdapterError(f"{self.kind} of {self.keys!r}: sizes must be a non-empty list of sizes >= 0, got {self.sizes}")
+        if self.tp is not None and any(s % self.tp for s in self.sizes):
+            raise AdapterError(f"{self.kind} of {self.keys!r}: sizes {self.sizes} do not all divide by tp={self.tp}")
+        return self
+
+    def input_patterns(self) -> list[str]:
+        return key_patterns(self.keys)
+
+    def _degree(self, ctx: PlanContext, key: str, node: Node, d: int, index: int) -> int | str:
+        if self.tp is not None:
+            return self.tp
+        if ctx.target is None:
+            return "there is no model to read the TP degree from; pass tp="
+        info = target_info(ctx, key, index)
+        if info is None:
+            return "the model has no such key to read the TP degree from; pass tp="
+        return tp_degree(info, d)
+
+    def apply(self, ctx: PlanContext, index: int) -> None:
+        for key, node, d in matching_dim(ctx, index, self.keys, self.dim):
+            n = node.shape[d]
+            if sum(self.sizes) != n:
+                ctx.issue(index, key, f"sizes {self.sizes} add up to {sum(self.sizes)}, but dim {d} has {n}")
+                continue
+            tp = self._degree(ctx, key, node, d, index)
+            if isinstance(tp, str):
+                ctx.issue(index, key, tp)
+                continue
+            if any(s % tp for s in self.sizes):
+                ctx.issue(index, key, f"sizes {self.sizes} do not all divide by the TP degree {tp}")
+                continue
+            ctx.mark(index)
+            if tp > 1 and len(self.sizes) > 1:
+                ctx.replace(key, InterleaveNode(node, d, tuple(self.sizes), tp, self.backward))
+
+    def inverse(self) -> list[RuleBase]:
+        return [Deinterleave(keys=self.keys, sizes=list(self.sizes), tp=self.tp, dim=self.dim)]
+
+
+class Deinterleave(Interleave):
+    """The inverse of :class:`Interleave`: a per-TP-rank layout ``[p0_r0; p1_r0; ...; p0_r1; ...]``
+    back to contiguous parts ``[part0; part1; ...]``. ``tp`` omitted: the TP degree of the
+    *source's* placements (a parallelised model's state dict being exported), else a plan
+    issue asking for ``tp=`` (the degree the checkpoint was saved with).
+
+    Parts that alternate row by row (GPT-OSS stores gate and up rows as ``g0, u0, g1, u1...``
+    along the last dim) are this layout with one row per block: ``deinterleave(keys, sizes=[F,
+    F], tp=F, dim=-1)`` gives contiguous ``[gate; up]``, which a split then cuts in two."""
+
+    kind: Literal["deinterleave"] = "deinterleave"  # type: ignore[assignment]
+    backward: ClassVar[bool] = True
+
+    def _degree(self, ctx: PlanContext, key: str, node: Node, d: int, index: int) -> int | str:
+        if self.tp is not None:
+            return self.tp
+        if isinstance(node, N.Leaf) and node.key in ctx.source:
+            return tp_degree(ctx.source[node.key], d)
+        return "the checkpoint's TP degree is not known here; pass tp= (the TP degree it was saved with)"
+
+    def inverse(self) -> list[RuleBase]:
+        return [Interleave(keys=self.keys, sizes=list(self.sizes), tp=self.tp, dim=self.dim)]
