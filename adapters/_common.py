@@ -14,7 +14,7 @@ from typing import Any
 import sdadapt
 from sdadapt._recipes.quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX, SCALE_DTYPES, ScaleFormat
 from sdadapt.errors import AdapterError
-from sdadapt.rules.base import dtype_str
+from sdadapt.rules._base import dtype_str
 from sdadapt.sources._base import dtype_name
 from sdadapt.sources._json import HFConfig, QuantConfigFile, read_json_dict
 
@@ -205,7 +205,7 @@ def quantization_options(cfg: dict[str, Any], schema: dict[str, Any]) -> dict[st
 def _literal_ignore(qc: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
     """A compressed-tensors config whose ``ignore`` list (regular expressions included) is
     resolved to the checkpoint's module names, so that the rules need no schema later."""
-    from sdadapt.rules.quant_config import ignored, schema_modules
+    from sdadapt.rules._quant_config import ignored, schema_modules
 
     ignore = qc.get("ignore")
     if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import sdadapt  # noqa: E402
 from sdadapt._base.gc import gc_paused  # noqa: E402
 from sdadapt._engine import EngineConfig, IOEngine, Job  # noqa: E402
-from sdadapt.rules.patterns import compile_pattern  # noqa: E402
+from sdadapt.rules._patterns import compile_pattern  # noqa: E402
 from sdadapt.sources._base import Source, TensorInfo, TensorLocation  # noqa: E402
 
 LAYERS, DENSE, EXPERTS = 61, 3, 256

@@ -32,7 +32,7 @@ from corpus import KEY, good_state_dict
 from safetensors.torch import save_file
 
 import sdadapt
-from sdadapt.rules.dequant import DequantFP8, DequantMXFP4
+from sdadapt.rules._dequant import DequantFP8, DequantMXFP4
 
 COMMIT = hashlib.sha1(b"doors-v1").hexdigest()
 INDEX = "model.safetensors.index.json"

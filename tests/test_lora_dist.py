@@ -68,7 +68,7 @@ def _run(root: str) -> dict[str, dict[str, Any]]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from sdadapt.rules.lora import LORA_NAMESPACE
+    from sdadapt.rules._lora import LORA_NAMESPACE
     from sdadapt.sources._joined import JoinedSource
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))

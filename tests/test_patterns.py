@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import sdadapt
 from sdadapt.errors import AdapterError
-from sdadapt.rules.patterns import KeyPattern, check_output_pattern, compile_pattern, matches_any
+from sdadapt.rules._patterns import KeyPattern, check_output_pattern, compile_pattern, matches_any
 
 
 @pytest.mark.parametrize(
@@ -158,12 +158,12 @@ def test_matches_any_is_any_single_match_even_with_shared_capture_names(texts, s
 
 def test_inverse_keeps_capture_types():
     """An output placeholder takes its input capture's type, so the inverse matches the same keys."""
-    from sdadapt.rules.patterns import typed_like
+    from sdadapt.rules._patterns import typed_like
 
     assert typed_like("transformer.h.{i}.{rest}", "h.{i:int}.{rest:*}") == "transformer.h.{i:int}.{rest:*}"
     inv = sdadapt.Adapter([sdadapt.rename("h.{i}.{rest:*}", "transformer.h.{i}.{rest}")]).inverse()
     assert inv.rules[0].src == "transformer.h.{i}.{rest:*}"
-    from sdadapt.rules.patterns import compile_pattern
+    from sdadapt.rules._patterns import compile_pattern
 
     assert compile_pattern(inv.rules[0].src).match("transformer.h.3.attn.c_attn.weight") == {
         "i": "3",

@@ -17,7 +17,7 @@ import sdadapt.errors
 SRC = Path(sdadapt.__file__).parent
 ADAPTERS = Path(__file__).resolve().parents[1] / "adapters"
 # sdadapt.torchtitan is public: torchtitan users import its state-dict adapter bridge by module
-PUBLIC_MODULES = {"sdadapt", "sdadapt.errors", "sdadapt.sources", "sdadapt.cli", "sdadapt.adapters", "sdadapt.torchtitan"}
+PUBLIC_MODULES = {"sdadapt", "sdadapt.errors", "sdadapt.sources", "sdadapt.rules", "sdadapt.cli", "sdadapt.adapters", "sdadapt.torchtitan"}
 
 
 def _own_doc(obj: object) -> str:

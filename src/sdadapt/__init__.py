@@ -56,9 +56,9 @@ if TYPE_CHECKING:
         ValueRule,
         register_rule,
     )
-    from .rules.dequant import DequantFP8, DequantMXFP4, QuantizeFP8, QuantizeMXFP4, dequant_rules
-    from .rules.dequant_scaled import DequantScaled, QuantizeScaled
-    from .rules.functions import (
+    from .rules._dequant import DequantFP8, DequantMXFP4, QuantizeFP8, QuantizeMXFP4, dequant_rules
+    from .rules._dequant_scaled import DequantScaled, QuantizeScaled
+    from .rules._functions import (
         add_prefix,
         affine,
         cast,
@@ -110,7 +110,7 @@ _CONSTRUCTORS = (
 )
 _LAZY: dict[str, str] = {
     **dict.fromkeys(["Adapter"], "_plan.adapter"),
-    **dict.fromkeys(_CONSTRUCTORS.split(), "rules.functions"),
+    **dict.fromkeys(_CONSTRUCTORS.split(), "rules._functions"),
     **dict.fromkeys(["diff"], "_transaction.diff"),
     **dict.fromkeys(["Draft", "draft"], "_draft"),
     **dict.fromkeys(["EngineConfig", "release_pinned_memory"], "_engine"),
@@ -120,8 +120,8 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(["LoadReport", "load", "plan_load"], "_transaction.load"),
     **dict.fromkeys(["Compute", "Node", "emit"], "_recipes.nodes"),
     **dict.fromkeys(["Plan", "build_plan"], "_plan.plan"),
-    **dict.fromkeys(["DequantFP8", "DequantMXFP4", "QuantizeFP8", "QuantizeMXFP4", "dequant_rules"], "rules.dequant"),
-    **dict.fromkeys(["DequantScaled", "QuantizeScaled"], "rules.dequant_scaled"),
+    **dict.fromkeys(["DequantFP8", "DequantMXFP4", "QuantizeFP8", "QuantizeMXFP4", "dequant_rules"], "rules._dequant"),
+    **dict.fromkeys(["DequantScaled", "QuantizeScaled"], "rules._dequant_scaled"),
     **dict.fromkeys(["get_adapter", "list_adapters"], "_plan.registry"),
     **dict.fromkeys(["Report"], "_plan.report"),
     **dict.fromkeys(["resolve_adapter", "resolve_target"], "_plan.resolve"),

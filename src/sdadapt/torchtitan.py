@@ -73,7 +73,7 @@ from ._plan.titan_names import for_export, for_load, native_names
 from ._recipes.nodes import Leaf
 from ._transaction.export import ExportError, _CachedIO, plan_outputs
 from .errors import AdapterError, PlanError, SourceError
-from .rules.functions import with_dtype
+from .rules._functions import with_dtype
 from .sources import INDEX_NAME, Source, TensorInfo, open_source
 from .sources._json import INDEX_LIMIT, ShardIndex, read_json
 

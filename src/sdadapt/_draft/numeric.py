@@ -43,7 +43,7 @@ from .._plan.adapter import Adapter
 from .._transaction.verify import _forward, _layer_list, _recording, _rel, default_rtol, random_tokens
 from ..errors import SdadaptError
 from ..rules import Fuse, Rename, Rotary, Split
-from ..rules.patterns import compile_pattern
+from ..rules._patterns import compile_pattern
 from .config import Facts
 from .names import canon_tokens
 from .proposals import Proposals, Proposed

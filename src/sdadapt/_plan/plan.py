@@ -15,7 +15,7 @@ from torch import nn
 
 from .._recipes.nodes import Cast as CastNode
 from .._recipes.nodes import Leaf, Node
-from ..rules.patterns import compile_pattern, matches_any, union
+from ..rules._patterns import compile_pattern, matches_any, union
 from ..sources._base import TensorInfo, dtype_name
 from .adapter import Adapter
 from .report import Mismatch, Report, RuleIssue

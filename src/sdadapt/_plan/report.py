@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 from pydantic import BaseModel, computed_field
 
 from .._base.keyruns import compress
-from ..rules.dequant import quant_hint
+from ..rules._dequant import quant_hint
 
 _INDEX = re.compile(r"\.\d+(?=[.,\])\[]|$)")  # ".3." in a recipe -> ".{i}."
 

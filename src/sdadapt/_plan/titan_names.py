@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from ..rules.functions import fuse, interleave, rename, tie, with_dtype
-from ..rules.keys import Tie
-from ..rules.patterns import KeyPattern
+from ..rules._functions import fuse, interleave, rename, tie, with_dtype
+from ..rules._keys import Tie
+from ..rules._patterns import KeyPattern
 from .adapter import Adapter
 from .plan import PlanContext
 

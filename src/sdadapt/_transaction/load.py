@@ -23,7 +23,7 @@ from .._plan.resolve import adapter_or_none
 from .._plan.target import local_nbytes, model_state_dict, schema_of
 from .._plan.titan_names import for_plan
 from ..errors import PlanError
-from ..rules.lora import LoraMerged, merged_lora, open_peft_lora
+from ..rules._lora import LoraMerged, merged_lora, open_peft_lora
 from ..sources import Source, open_source
 from ..sources._assets import remember_source
 from . import integrity as integrity
@@ -124,7 +124,7 @@ def _plan_load(
 ) -> tuple[Source, Plan, dict[str, torch.Tensor]]:
     """:func:`plan_load`, also returning the model's state dict it planned against. With
     ``lora``, the PEFT adapter's tensors join the source and its merge rule goes first
-    (:mod:`sdadapt.rules.lora`). ``shipped``: ``adapter`` is a shipped one (our documented layout),
+    (:mod:`sdadapt.rules._lora`). ``shipped``: ``adapter`` is a shipped one (our documented layout),
     aimed at the names the model holds (torchtitan's current ones, :mod:`sdadapt._plan.titan_names`)."""
     source = open_source(src, subtree=subtree)
     state_dict = model_state_dict(model)
@@ -255,7 +255,7 @@ def load(
     ``lora="path/to/peft_adapter"`` merges a PEFT LoRA adapter (the folder
     ``PeftModel.save_pretrained`` writes) into the base weights as they are read, before
     ``adapter``'s rules: each rank computes ``W[box] + s * B[rows] @ A[:, cols]`` for its own
-    shards only (:mod:`sdadapt.rules.lora`).
+    shards only (:mod:`sdadapt.rules._lora`).
     """
     check_model_and_path("sdadapt.load(model, src, adapter=None, ...)", model, src)
     shipped = is_shipped(adapter)

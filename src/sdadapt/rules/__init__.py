@@ -1,7 +1,7 @@
 """Typed rules: the steps an :class:`~sdadapt.Adapter` applies to a checkpoint's keys.
 
 A rule is plain data (a pydantic model, serialisable to JSON). Applied to a plan's working
-set of ``key -> Node`` it matches whole keys with :mod:`sdadapt.rules.patterns` and replaces the
+set of ``key -> Node`` it matches whole keys with :mod:`sdadapt.rules._patterns` and replaces the
 matched entries with new nodes, so that shapes, dtypes and region mappings follow from the
 nodes (see :mod:`sdadapt._recipes.nodes`). Each rule also states its inverse, so one adapter serves
 both loading and exporting.
@@ -40,12 +40,12 @@ from typing import Annotated
 
 from pydantic import Field
 
-from .base import Keys, RuleBase, final_key, parse_dtype, target_info
-from .custom import ValueRule, register_rule, registered_rules, rule_from_data
-from .keys import AddPrefix, Drop, Fuse, Rename, Split, StripPrefix, Tie
-from .stacking import Stack, Unstack
-from .tensor_parallel import DP_MESH_NAMES, TP_MESH_NAMES, Deinterleave, Interleave, tp_degree
-from .values import Affine, Cast, Pad, Rotary, Transpose, Trim, rotary_perm
+from ._base import Keys, RuleBase, final_key, parse_dtype, target_info
+from ._custom import ValueRule, register_rule, registered_rules, rule_from_data
+from ._keys import AddPrefix, Drop, Fuse, Rename, Split, StripPrefix, Tie
+from ._stacking import Stack, Unstack
+from ._tensor_parallel import DP_MESH_NAMES, TP_MESH_NAMES, Deinterleave, Interleave, tp_degree
+from ._values import Affine, Cast, Pad, Rotary, Transpose, Trim, rotary_perm
 
 BUILTIN_RULES: tuple[type[RuleBase], ...] = (
     Rename, Fuse, Split, Cast, Drop, Tie, Transpose, Rotary, Affine, Stack, Unstack, Pad, Trim, Interleave,

@@ -62,7 +62,7 @@ class ShardIndex(_Lenient):
 
 
 class PeftConfig(_Lenient):
-    """The fields of a PEFT ``adapter_config.json`` that decide a LoRA merge (see ``sdadapt.rules.lora``)."""
+    """The fields of a PEFT ``adapter_config.json`` that decide a LoRA merge (see ``sdadapt.rules._lora``)."""
 
     peft_type: str = "LORA"
     bias: str = "none"

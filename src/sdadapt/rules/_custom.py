@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from pydantic import field_validator
 
 from ..errors import AdapterError
-from .base import Keys, RuleBase, check_keys, key_patterns, matching
+from ._base import Keys, RuleBase, check_keys, key_patterns, matching
 
 if TYPE_CHECKING:
     from .._plan.plan import PlanContext

@@ -13,7 +13,7 @@ from .._recipes import nodes as N
 from .._recipes.interleave import Interleave as InterleaveNode
 from .._recipes.nodes import Node
 from ..errors import AdapterError
-from .base import Keys, RuleBase, check_keys, key_patterns, matching_dim, target_info
+from ._base import Keys, RuleBase, check_keys, key_patterns, matching_dim, target_info
 
 if TYPE_CHECKING:
     from .._plan.plan import PlanContext

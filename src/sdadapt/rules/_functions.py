@@ -29,9 +29,9 @@ from . import (
     Trim,
     Unstack,
 )
-from .base import dtype_str
-from .dequant import DequantFP8, DequantMXFP4
-from .dequant_scaled import DequantScaled
+from ._base import dtype_str
+from ._dequant import DequantFP8, DequantMXFP4
+from ._dequant_scaled import DequantScaled
 
 
 def rename(src: str, dst: str) -> Rename:

@@ -1,5 +1,5 @@
 """The dequant rules for the formats other tools write, built from a validated quantization config
-(:mod:`sdadapt.rules.quant_config`): compressed-tensors (one rule per config group), NVIDIA ModelOpt,
+(:mod:`sdadapt.rules._quant_config`): compressed-tensors (one rule per config group), NVIDIA ModelOpt,
 and per-tensor FP8 (``quant_method: fp8`` without ``weight_block_size``).
 
 Given the checkpoint's schema (its headers), a config group's ``targets`` and the ``ignore``
@@ -7,7 +7,7 @@ list are resolved against the checkpoint's module names, and a module whose weig
 plain floats is left alone (``targets: ["Linear"]`` does not say which 2-D weights are linear
 layers; the stored dtypes do); each rule then excludes exactly the weights it must not touch.
 Without the schema, ``targets`` of module classes match every 2-D ``*.weight`` but the matrices
-releases keep unquantized (:data:`~sdadapt.rules.dequant.FP8_EXCLUDE`) and the ``ignore`` names;
+releases keep unquantized (:data:`~sdadapt.rules._dequant.FP8_EXCLUDE`) and the ``ignore`` names;
 a regular-expression ``ignore`` or target then needs the schema.
 """
 
@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from .._recipes import quant_scaled as S
 from ..errors import AdapterError
 from ..sources._base import dtype_name
-from . import quant_config as C
-from .dequant import FP8_EXCLUDE
-from .dequant_scaled import ACTIVATION_SCALES, DequantScaled
+from . import _quant_config as C
+from ._dequant import FP8_EXCLUDE
+from ._dequant_scaled import ACTIVATION_SCALES, DequantScaled
 
 if TYPE_CHECKING:
     from ..sources._base import TensorInfo

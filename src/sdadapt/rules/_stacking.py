@@ -8,8 +8,8 @@ from pydantic import Field, model_validator
 
 from .._recipes import nodes as N
 from ..errors import AdapterError
-from .base import RuleBase, dim_of
-from .patterns import compile_pattern, typed_like
+from ._base import RuleBase, dim_of
+from ._patterns import compile_pattern, typed_like
 
 if TYPE_CHECKING:
     from .._plan.plan import PlanContext

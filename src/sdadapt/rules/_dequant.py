@@ -35,8 +35,8 @@ from ..errors import AdapterError
 from ..sources._base import dtype_name
 from ..sources._json import read_json
 from . import RuleBase, parse_dtype, register_rule
-from .base import dtype_str
-from .patterns import compile_pattern, union_of
+from ._base import dtype_str
+from ._patterns import compile_pattern, union_of
 
 if TYPE_CHECKING:
     from .._plan.plan import PlanContext
@@ -324,7 +324,7 @@ def dequant_rules(
     - ``quant_method: fp8`` with ``weight_block_size``: one :class:`DequantFP8` (``scale_fmt:
       ue8m0`` means power-of-two scales; ``modules_to_not_convert`` extends ``fp8_exclude``,
       which defaults to :data:`FP8_EXCLUDE`); without it, per-tensor (or per-channel) FP8 as a
-      :class:`~sdadapt.rules.dequant_scaled.DequantScaled`;
+      :class:`~sdadapt.rules._dequant_scaled.DequantScaled`;
     - ``quant_method: mxfp4``: one :class:`DequantMXFP4` (``mxfp4_keys``);
     - ``compressed-tensors``: one ``DequantScaled`` per quantized config group (``format``,
       ``weights``, ``targets``, ``ignore``); activation and KV-cache scales are dropped on purpose;
@@ -353,8 +353,8 @@ def dequant_rules(
     decides; without it, exponent bytes are assumed and a float32 release is a plan problem
     that says ``scale_format='ue8m0_float32'``. A config field of the wrong type is an
     :class:`~sdadapt.AdapterError` naming the file and the field."""
-    from . import quant_config as C
-    from . import quant_detect as D
+    from . import _quant_config as C
+    from . import _quant_detect as D
 
     cfg, where, folder = _read_config(config)
     if schema is None and folder is not None:
@@ -474,4 +474,4 @@ def quant_hint(report: Report) -> str | None:
 
 
 # the scaled formats' rule kinds register with this module, so that adapters read them from JSON
-from . import dequant_scaled as _scaled_rules  # noqa: E402,F401
+from . import _dequant_scaled as _scaled_rules  # noqa: E402,F401

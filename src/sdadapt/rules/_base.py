@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .._recipes.nodes import Node
 from ..errors import AdapterError
-from .patterns import compile_pattern
+from ._patterns import compile_pattern
 
 if TYPE_CHECKING:
     from .._plan.plan import PlanContext

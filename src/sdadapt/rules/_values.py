@@ -15,7 +15,7 @@ from .._recipes.arithmetic import Affine as AffineNode
 from .._recipes.nodes import Cast as CastNode
 from .._recipes.nodes import Narrow
 from ..errors import AdapterError
-from .base import (
+from ._base import (
     Keys,
     RuleBase,
     check_keys,

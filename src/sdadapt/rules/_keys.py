@@ -15,8 +15,8 @@ from pydantic import Field, field_validator, model_validator
 from .._recipes.interleave import Interleave
 from .._recipes.nodes import Concat, Narrow, Node
 from ..errors import AdapterError
-from .base import RuleBase, move
-from .patterns import check_output_pattern, compile_pattern, typed_like
+from ._base import RuleBase, move
+from ._patterns import check_output_pattern, compile_pattern, typed_like
 
 if TYPE_CHECKING:
     from .._plan.plan import PlanContext

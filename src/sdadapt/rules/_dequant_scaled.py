@@ -26,9 +26,9 @@ from .._recipes.nodes import Node
 from ..errors import AdapterError
 from ..sources._base import dtype_name
 from . import register_rule
-from .base import dtype_str, parse_dtype, target_info
-from .dequant import _QuantRule
-from .patterns import compile_pattern, union_of
+from ._base import dtype_str, parse_dtype, target_info
+from ._dequant import _QuantRule
+from ._patterns import compile_pattern, union_of
 
 if TYPE_CHECKING:
     from .._plan.plan import PlanContext
