@@ -31,7 +31,10 @@ import shutil
 PATCH = '''"""Timeline recorder written by bench/engine_trace.py (not part of the library)."""
 import json, os, threading, time
 from ._engine import engine as E, pinned as P, staging as S, workers as W
-from . import _nodes as N, _quant_nodes as QN
+try:  # the layer packages; older trees kept these modules at the top
+    from ._recipes import nodes as N, quant_nodes as QN
+except ImportError:
+    from . import _nodes as N, _quant_nodes as QN
 
 EVENTS = []  # (thread name, kind, start, end, detail)
 

@@ -32,12 +32,13 @@ import time
 import torch
 from safetensors.torch import save_file
 
+from sdadapt._base.regions import full_box
 from sdadapt._engine import EngineConfig, IOEngine
 from sdadapt._engine import device as D
 from sdadapt._engine.tasks import Job
 from sdadapt._recipes import quant as Q
 from sdadapt._recipes import quant_nodes as QN
-from sdadapt._recipes.nodes import Leaf, full_box
+from sdadapt._recipes.nodes import Leaf
 from sdadapt.sources import open_source
 
 BLOCK = (128, 128)

@@ -23,7 +23,8 @@ from checkpoints import DictIO
 from safetensors.torch import load_file, save_file
 
 import sdadapt
-from sdadapt._recipes.nodes import Leaf, full_box
+from sdadapt._base.regions import full_box
+from sdadapt._recipes.nodes import Leaf
 from sdadapt.errors import AdapterError, PlanError, SourceError
 from sdadapt.rules._lora import LORA_NAMESPACE, LoraMerge, MergeLora
 from sdadapt.sources import SafetensorsFile

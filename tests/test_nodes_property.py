@@ -34,9 +34,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sdadapt
+from sdadapt._base.regions import box_shape, full_box
 from sdadapt._engine import EngineConfig, IOEngine, Job
 from sdadapt._plan.plan import build_plan
-from sdadapt._recipes.nodes import box_shape, full_box
 from sdadapt.sources import open_source
 from sdadapt.sources._base import TensorInfo
 

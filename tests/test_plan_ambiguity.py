@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 import sdadapt
-from sdadapt._plan.plan import build_plan, unwrap_key
+from sdadapt._plan.plan import build_plan
+from sdadapt.rules._base import unwrap_key
 from sdadapt.sources._base import TensorInfo
 
 

@@ -17,7 +17,7 @@ from checkpoints import (
 )
 
 import sdadapt
-from sdadapt._recipes.nodes import full_box
+from sdadapt._base.regions import full_box
 from sdadapt.errors import SourceError
 from sdadapt.sources import HFShardedSource, SafetensorsFile, TorchSaveFile, open_source
 

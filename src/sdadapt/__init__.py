@@ -56,7 +56,7 @@ if TYPE_CHECKING:
         ValueRule,
         register_rule,
     )
-    from .rules._dequant import DequantFP8, DequantMXFP4, QuantizeFP8, QuantizeMXFP4, dequant_rules
+    from .rules._dequant import DequantFP8, DequantMXFP4, QuantizeFP8, QuantizeMXFP4
     from .rules._dequant_scaled import DequantScaled, QuantizeScaled
     from .rules._functions import (
         add_prefix,
@@ -80,8 +80,10 @@ if TYPE_CHECKING:
         trim,
         unstack,
     )
+    from .rules._quant_detect import dequant_rules
     from .sources import Source, TensorInfo, open_source
 
+from ._base.version import VERSION as __version__  # noqa: F401 - the package version
 from .errors import (
     AdapterError,
     ExportError,
@@ -97,8 +99,6 @@ from .errors import (
     UsageError,
     VerifyError,
 )
-
-__version__ = "0.1.0"
 
 _RULE_CLASSES = (
     "AddPrefix Affine Cast Deinterleave Drop Fuse Interleave Pad Rename Rotary Rule RuleBase Split Stack StripPrefix "
@@ -120,7 +120,8 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(["LoadReport", "load", "plan_load"], "_transaction.load"),
     **dict.fromkeys(["Compute", "Node", "emit"], "_recipes.nodes"),
     **dict.fromkeys(["Plan", "build_plan"], "_plan.plan"),
-    **dict.fromkeys(["DequantFP8", "DequantMXFP4", "QuantizeFP8", "QuantizeMXFP4", "dequant_rules"], "rules._dequant"),
+    **dict.fromkeys(["DequantFP8", "DequantMXFP4", "QuantizeFP8", "QuantizeMXFP4"], "rules._dequant"),
+    **dict.fromkeys(["dequant_rules"], "rules._quant_detect"),
     **dict.fromkeys(["DequantScaled", "QuantizeScaled"], "rules._dequant_scaled"),
     **dict.fromkeys(["get_adapter", "list_adapters"], "_plan.registry"),
     **dict.fromkeys(["Report"], "_plan.report"),

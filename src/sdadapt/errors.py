@@ -7,10 +7,7 @@ All derive from :class:`SdadaptError`, an ordinary ``Exception`` (unlike DCP's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ._plan.report import Report
+from typing import Any
 
 
 class SdadaptError(Exception):
@@ -37,9 +34,13 @@ class AdapterError(SdadaptError):
 
 
 class PlanError(SdadaptError):
-    """The source does not line up with the target; ``.report`` says how. Nothing was read."""
+    """The source does not line up with the target; ``.report`` (a :class:`sdadapt.Report`) says
+    how. Nothing was read. (This module is the lowest layer of the package, so it names the
+    report's type in words rather than importing it.)"""
 
-    def __init__(self, report: Report):
+    report: Any
+
+    def __init__(self, report: Any):
         self.report = report
         super().__init__(
             "checkpoint does not match the model; nothing was loaded.\n"

@@ -65,7 +65,7 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ._engine.reader import AdaptedStorageReader
-from ._plan.adapter import Adapter
+from ._plan.adapter import Adapter, with_dtype
 from ._plan.plan import Plan, build_plan
 from ._plan.resolve import resolve_adapter
 from ._plan.target import schema_of
@@ -73,7 +73,6 @@ from ._plan.titan_names import for_export, for_load, native_names
 from ._recipes.nodes import Leaf
 from ._transaction.export import ExportError, _CachedIO, plan_outputs
 from .errors import AdapterError, PlanError, SourceError
-from .rules._functions import with_dtype
 from .sources import INDEX_NAME, Source, TensorInfo, open_source
 from .sources._json import INDEX_LIMIT, ShardIndex, read_json
 

@@ -207,11 +207,11 @@ class Experiment:
     def score(self, adapter: Adapter) -> tuple[int, float, str]:
         """``(layers that agree, -log10 of the first difference, what differs)``; all layers and
         the logits agreeing gives ``(layers + 1, 0, "")``."""
-        import sdadapt
+        from .._transaction.load import load
 
         self.runs += 1
         try:
-            sdadapt.load(self.model, self.folder, adapter, init_buffers=self.init_buffers)
+            load(self.model, self.folder, adapter, init_buffers=self.init_buffers)
         except SdadaptError as e:
             return (-1, -99.0, f"does not load: {str(e).splitlines()[0]}")
         got: list[tuple[str, torch.Tensor | None]] = []

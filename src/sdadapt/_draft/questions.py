@@ -161,12 +161,6 @@ def head_norm_question(m: Match, direction: tuple[str, str], facts: Facts = NO_C
 
 # --- norms that store an offset -----------------------------------------------------------------
 
-def _rule_available(name: str) -> bool:
-    import sdadapt  # noqa: PLC0415 - the public constructors, imported once the package is complete
-
-    return callable(getattr(sdadapt, name, None))
-
-
 def offset_question(m: Match, facts: Facts) -> Question | None:
     """Gemma's RMSNorm computes ``x_hat * (1 + w)`` and stores ``w``."""
     if not facts.norm_offset or m.kind != "rename":
@@ -174,12 +168,11 @@ def offset_question(m: Match, facts: Facts) -> Question | None:
     hit = [t for t, s in zip(m.tgts, m.srcs, strict=False) if is_norm(s) and len(t.shape) == 1]
     if not hit:
         return None
-    need = [] if _rule_available("affine") else ["(sdadapt.affine is required for this and is not in this sdadapt)"]
     return Question(
         about=[t.pattern() for t in hit],
         question=(f"norm offset: config.json says model_type {facts.model_type!r}, whose RMSNorm multiplies by "
                   "(1 + w) and stores w; if your model's norm multiplies by its weight, add 1 to every norm weight"),
-        suggestion=need + [f'sdadapt.affine("{t.pattern()}", shift=1.0),' for t in hit],
+        suggestion=[f'sdadapt.affine("{t.pattern()}", shift=1.0),' for t in hit],
         rules=[Affine(keys=t.pattern(), shift=1.0) for t in hit], topic="offset",
     )
 
@@ -189,14 +182,12 @@ def offset_question(m: Match, facts: Facts) -> Question | None:
 def dequant_question(facts: Facts, weights: list[str], dtype: str) -> Question:
     """FP8 weights with ``*_scale_inv`` block scales: dequantise them, never cast them."""
     block = facts.block or (128, 128)
-    need = [] if _rule_available("dequant_fp8") else [
-        "(sdadapt.dequant_fp8 is required: a plain cast would drop the scales; it is not in this sdadapt)"]
     return Question(
         about=weights,
         question=(f"quantized weights: {len(weights)} float8 weight patterns come with '{FP8_SCALE_SUFFIX}' block "
                   f"scales ({facts.describe()}); they must be dequantised (value = float(w) * scale[i // {block[0]}, "
                   f"j // {block[1]}]); a cast from float8 would load values without their scales"),
-        suggestion=need + [f'sdadapt.dequant_fp8("**.weight", block=({block[0]}, {block[1]}), dtype="{dtype}"),'],
+        suggestion=[f'sdadapt.dequant_fp8("**.weight", block=({block[0]}, {block[1]}), dtype="{dtype}"),'],
         before=True,
     )
 

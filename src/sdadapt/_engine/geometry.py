@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .._recipes.nodes import Box, box_shape
+from .._base.regions import Box, box_shape
 
 _PYTHON_MAX = 256  # up to this many runs, their offsets are computed without torch
 

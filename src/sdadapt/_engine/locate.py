@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from .._recipes.nodes import Box
+from .._base.regions import Box
 from ..sources._base import Source
 from .geometry import box_spans
 

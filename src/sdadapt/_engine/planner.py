@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._recipes.nodes import Box, Compute, Piece, Step, box_shape, emit
+from .._base.regions import Box, box_shape
+from .._recipes.nodes import Compute, Piece, Step, emit
 from ..sources._base import Source, TensorLocation
 from .config import EngineConfig
 from .geometry import box_spans, round_up, split_box, split_segments

@@ -27,12 +27,15 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from .._base.distributed import is_distributed
+from .._base.regions import box_shape
 from .._plan.plan import Plan
-from .._recipes.nodes import box_shape
 from ..errors import LoadError
 from ..sources._base import Source
-from . import CountingIO, EngineConfig, EngineStats, IOEngine, Job
-from . import share as share
+from . import share
+from .config import EngineConfig
+from .engine import EngineStats, IOEngine
+from .tasks import Job
+from .workers import CountingIO
 
 log = logging.getLogger(__name__)
 

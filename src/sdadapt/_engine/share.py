@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._base.distributed import any_rank
-from . import Job
+from .tasks import Job
 
 
 @dataclass

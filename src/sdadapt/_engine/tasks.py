@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .._recipes.nodes import Box, Compute, Fill, Node, Piece
+from .._base.regions import Box
+from .._recipes.nodes import Compute, Fill, Node, Piece
 from ..errors import LoadError
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._recipes.nodes import Box, box_shape
+from .._base.regions import Box, box_shape
 from ..sources._base import Source
 from . import syscalls
 from .device import DeviceLane

@@ -5,12 +5,14 @@ from __future__ import annotations
 import bisect
 import json
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, overload
 
+import torch
 from pydantic import BaseModel, ConfigDict, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from ..errors import AdapterError
 from ..rules import RuleBase, rule_from_data
+from ..rules._functions import cast
 
 
 class Adapter(BaseModel):
@@ -140,3 +142,20 @@ class Adapter(BaseModel):
                 lines.append("  then, on the keys the rules above produced:")
             lines.append(f"  #{i} {r.label()}")
         return "\n".join(lines)
+
+
+@overload
+def with_dtype(adapter: Adapter, dtype: str | torch.dtype | None) -> Adapter: ...
+
+
+@overload
+def with_dtype(adapter: None, dtype: str | torch.dtype | None) -> Adapter | None: ...
+
+
+def with_dtype(adapter: Adapter | None, dtype: str | torch.dtype | None) -> Adapter | None:
+    """``adapter`` followed by ``cast("**", dtype)`` (``dtype=None``: ``adapter`` as it is):
+    what ``load``, ``plan_load`` and ``diff`` run for their ``dtype`` argument."""
+    if dtype is None:
+        return adapter
+    to_dtype = Adapter([cast("**", dtype)], name=f"dtype={dtype}")
+    return to_dtype if adapter is None else adapter + to_dtype

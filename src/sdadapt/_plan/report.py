@@ -13,7 +13,8 @@ from collections import Counter, defaultdict
 from pydantic import BaseModel, computed_field
 
 from .._base.keyruns import compress
-from ..rules._dequant import quant_hint
+from .._recipes import quant as Q
+from ..rules._base import RuleIssue
 
 _INDEX = re.compile(r"\.\d+(?=[.,\])\[]|$)")  # ".3." in a recipe -> ".{i}."
 
@@ -36,13 +37,6 @@ class Mismatch(BaseModel):
     model: str  # what the model wants (shape or dtype)
     checkpoint: str  # what the checkpoint + adapter give
     recipe: str  # how the value is made, e.g. "cat([q, k, v], dim=0)"
-
-
-class RuleIssue(BaseModel):
-    rule: str
-    index: int
-    key: str | None = None
-    message: str
 
 
 class Report(BaseModel):
@@ -239,3 +233,40 @@ class Report(BaseModel):
 
     def __str__(self) -> str:
         return self.format()
+
+
+# --- the hint for quantized checkpoints read without their dequant rule ---
+
+_SCALE_SUFFIXES = (Q.FP8_SCALE_SUFFIX, "weight_scale", Q.MX_BLOCKS_SUFFIX, Q.MX_SCALES_SUFFIX, "weight_packed",
+                   "weight_zero_point", "weight_global_scale", "weight_scale_2", "weight_shape", "input_scale")
+
+
+def quant_hint(report: Report) -> str | None:
+    """A hint line when a report's problems look like a quantized checkpoint read without its
+    dequant rule: unexpected scale/packed keys, or FP8/uint8 data where the model wants floats."""
+    fp8 = [m for m in report.dtype_mismatch if m.checkpoint.startswith("float8")]
+    packed = [k for k in report.unexpected if k.endswith(_SCALE_SUFFIXES)]
+    packed += [m.key for m in report.dtype_mismatch if m.checkpoint in ("uint8", "int32", "int8")]
+    own = [i for i in report.rule_issues if i.rule.startswith("dequant")]
+    if own:  # the adapter has its dequant rule, which could not read these tensors: say what it said
+        first = own[0]
+        more = f" (and {len(own) - 1} more rule problem(s))" if len(own) > 1 else ""
+        return f"hint: the dequant rule #{first.index} cannot read the quantized tensors: {first.key}: {first.message}{more}"
+    if not fp8 and not packed:
+        return None
+    mx = [k for k in packed if k.endswith((Q.MX_BLOCKS_SUFFIX, Q.MX_SCALES_SUFFIX))]
+    other = [m.key for m in fp8] + [k for k in packed if k not in mx]
+    have = [r for r in report.dequant_rules if r.endswith(" dequant_mxfp4") == bool(mx and not other)]
+    if have:  # the adapter has a rule of the format, yet quantized tensors are left: its keys miss them
+        report_rules, left = have, sorted(set(mx) | set(other))
+        return (
+            f"hint: the adapter's dequant rule(s) {', '.join(report_rules)} left quantized tensors unread "
+            f"({', '.join(left[:3])}{' ...' if len(left) > 3 else ''}); widen the rule's keys= or take them out of "
+            "its exclude=[...] (a cast rule is not enough: the values would miss their scales)"
+        )
+    return (
+        "hint: the checkpoint is quantized (FP8 scales, packed or MXFP4 blocks); put sdadapt.dequant_rules(config.json) "
+        "first in the adapter, or sdadapt.dequant_fp8(keys=..., block=[128, 128]) / sdadapt.dequant_mxfp4(keys=...) / "
+        "sdadapt.dequant_scaled(...); "
+        "a cast rule is not enough (the values would miss their scales)"
+    )

@@ -344,7 +344,7 @@ def adapter_or_none(
     where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
     if where is None and model is not None and isinstance(adapter, str):
         from ..sources._assets import loaded_from, model_config
-        from . import registry as registry
+        from . import registry
 
         where = loaded_from(model)
         if where is None and adapter in registry.adapter_names():

@@ -19,11 +19,11 @@ from typing import Any
 
 import torch
 
-from ..rules._functions import fuse, interleave, rename, tie, with_dtype
+from ..rules._base import PlanContext
+from ..rules._functions import fuse, interleave, rename, tie
 from ..rules._keys import Tie
 from ..rules._patterns import KeyPattern
-from .adapter import Adapter
-from .plan import PlanContext
+from .adapter import Adapter, with_dtype
 
 __all__ = [
     "RENAMES", "TRAINING_STATE", "for_export", "for_load", "native_names", "retarget_ties", "training_state", "unexported_state",
@@ -192,7 +192,7 @@ def for_export(adapter: Adapter, state: dict[str, Any]) -> tuple[Adapter, dict[s
 def _outputs(schema: Mapping[str, Any], non_tensor: list[str], adapter: Adapter) -> set[str] | None:
     """The keys ``adapter`` yields from ``schema`` with no target, or ``None`` when it does not
     apply cleanly (the plan then reports why, against the model's keys)."""
-    ctx = PlanContext(dict(schema), list(non_tensor), None, adapter)
+    ctx = PlanContext(dict(schema), list(non_tensor), None, adapter.rules, adapter.stage_of)
     for i, rule in enumerate(adapter.rules):
         rule.apply(ctx, i)
     return None if ctx.issues else set(ctx.env)

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._base.regions import Box
 from ..sources._base import dtype_name
-from .nodes import Box, Compute, Node, SourceIO, Step
+from .nodes import Compute, Node, SourceIO, Step
 
 
 @dataclass(frozen=True, eq=False)

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .nodes import Box, Compute, Node, Rearrangement, SourceIO, Step, _with_dim, emit
+from .._base.regions import Box
+from .nodes import Compute, Node, Rearrangement, SourceIO, Step, _with_dim, emit
 
 GATHER_ROWS = 4
 GATHER_BELOW = 64 * 1024

@@ -56,23 +56,13 @@ from typing import Protocol
 
 import torch
 
-Box = tuple[tuple[int, int], ...]
+from .._base.regions import Box, box_shape, full_box
 
 
 class SourceIO(Protocol):
     """Where leaves get their bytes: ``read(key, box)`` returns that region of a source tensor."""
 
     def read(self, key: str, box: Box) -> torch.Tensor: ...
-
-
-def full_box(shape: tuple[int, ...]) -> Box:
-    """The box that covers a whole tensor of ``shape``."""
-    return tuple((0, n) for n in shape)
-
-
-def box_shape(box: Box) -> tuple[int, ...]:
-    """The shape of the region ``box``."""
-    return tuple(b - a for a, b in box)
 
 
 def _with_dim(box: Box, dim: int, span: tuple[int, int]) -> Box:

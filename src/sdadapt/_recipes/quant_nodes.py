@@ -22,9 +22,10 @@ from typing import Literal
 
 import torch
 
+from .._base.regions import Box, box_shape
 from ..sources._base import dtype_name
 from . import quant as Q
-from .nodes import Box, Compute, Leaf, Node, SourceIO, Step, box_shape
+from .nodes import Compute, Leaf, Node, SourceIO, Step
 
 Part = Literal["values", "scales"]
 

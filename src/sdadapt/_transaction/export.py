@@ -40,18 +40,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._base.distributed import is_distributed, rank_and_world
+from .._base.regions import Box, full_box
 from .._plan.adapter import Adapter
-from .._plan.plan import PlanContext
 from .._plan.registry import config_folder, is_shipped
 from .._plan.resolve import adapter_or_none
 from .._plan.target import model_state_dict
 from .._plan.titan_names import for_export
-from .._recipes.nodes import Box, Node, full_box
+from .._recipes.nodes import Node
 from ..errors import ExportError, RemoteRankError, SdadaptError
+from ..rules._base import PlanContext
 from ..sources import Source, open_source
 from ..sources._assets import copy_side_files, loaded_from, transformers_config, write_config
 from ..sources._base import TensorInfo, slices
-from . import integrity as integrity
+from . import integrity
 from .args import check_model_and_path, check_not_a_model
 from .materialize import has_meta
 from .transaction import Transaction
@@ -92,7 +93,7 @@ def plan_outputs(
     """Apply ``adapter`` to ``schema`` with no target: every key it yields is an output.
     Returns ``(outputs in write order, non-tensor keys left over)``."""
     adapter = adapter or Adapter([], name="identity")
-    ctx = PlanContext(schema, non_tensor or [], None, adapter)
+    ctx = PlanContext(schema, non_tensor or [], None, adapter.rules, adapter.stage_of)
     for i, rule in enumerate(adapter.rules):
         rule.apply(ctx, i)
     ctx.check_ambiguity()

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .._recipes.nodes import Box
+from .._base.regions import Box
 from ..errors import SourceError
 from ..sources._base import Source, TensorInfo, dtype_name, read_json_file
 from .writers.base import tensor_bytes

@@ -26,7 +26,7 @@ from ..errors import PlanError
 from ..rules._lora import LoraMerged, merged_lora, open_peft_lora
 from ..sources import Source, open_source
 from ..sources._assets import remember_source
-from . import integrity as integrity
+from . import integrity
 from .args import check_model_and_path
 from .materialize import InitFn, check_buffers, choose_device, has_meta
 from .transaction import Part, Transaction

@@ -28,7 +28,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from .._base.progress import progress_bar
-from .._recipes.nodes import Leaf, Node, full_box
+from .._base.regions import full_box
+from .._recipes.nodes import Leaf, Node
 from ..errors import ShrinkError
 from ..sources import local_path, open_source
 from ..sources._json import HFConfig, read_json_dict

@@ -38,13 +38,14 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .._base.distributed import agree, is_distributed, rank_and_world
 from .._base.gc import without_gc
+from .._base.regions import Box, full_box
+from .._base.version import VERSION
 from .._engine.safe_planner import SafeLoadPlanner
 from .._plan.adapter import Adapter
 from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
 from .._plan.target import model_state_dict, schema_of
-from .._recipes.nodes import Box, full_box
 from ..errors import LoadError, PlanError, SdadaptError, SourceError, StateError
 from ..sources._base import Source, TensorLocation
 from ..sources._dcp_dir import SDADAPT_JSON, DCPSource
@@ -171,7 +172,7 @@ def save_state(
 
 
 def _write_checksums(dst: str, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
-    from . import integrity as integrity
+    from . import integrity
 
     error: SdadaptError | None = None
     mine: dict[str, Any] = {}
@@ -201,9 +202,7 @@ def _get_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict
 
 
 def _version() -> str:
-    from .. import __version__
-
-    return __version__
+    return VERSION
 
 
 # --------------------------------------------------------------------------------- load

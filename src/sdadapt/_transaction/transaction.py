@@ -65,7 +65,7 @@ from .._plan.target import model_state_dict
 from ..errors import LoadError, ModelError, SdadaptError, SourceError
 from ..sources import Source
 from ..sources._hub import hub_folder, is_hub_id
-from . import integrity as integrity
+from . import integrity
 from .commit import (
     COPY_BACK,
     COPY_IN,

@@ -1,20 +1,23 @@
-"""What every rule shares: the :class:`RuleBase` protocol, dtype names, and the helpers rules
-use to find, move and size the keys of a plan's working set."""
+"""What every rule shares: the :class:`RuleBase` protocol, dtype names, the helpers rules use to
+find, move and size keys, and the working set they act on while a plan is built
+(:class:`PlanContext`: current key -> recipe node, with the bookkeeping the report needs).
+
+Also here: the wrapper segments that module wrappers add to keys, removed before any rule runs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .._recipes.nodes import Node
+from .._recipes.nodes import Leaf, Node
 from ..errors import AdapterError
-from ._patterns import compile_pattern
+from ._patterns import compile_pattern, union
 
 if TYPE_CHECKING:
-    from .._plan.plan import PlanContext
     from ..sources._base import TensorInfo
 
 
@@ -147,7 +150,7 @@ def final_key(ctx: PlanContext, key: str, index: int) -> str | None:
     trim, interleave) look the key up under this name, so they work before renames too (as in
     an inverted adapter)."""
     k = key
-    for rule in ctx.adapter.rules[index + 1 :]:
+    for rule in ctx.rules[index + 1 :]:
         after = rule.key_after(k)
         if after is None:
             return None
@@ -169,3 +172,175 @@ def target_size(ctx: PlanContext, key: str, index: int, d: int, nd: int) -> int 
     if info is None or len(info.shape) != nd:
         return None
     return info.shape[d]
+
+
+WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+"""Key segments that module wrappers add (torch.compile, activation checkpointing, FSDP1) and
+that ``get_model_state_dict`` leaves out: :func:`build_plan` removes them from every source key,
+wherever they appear, before the adapter's rules run."""
+
+
+_MAY_WRAP = re.compile("|".join(WRAPPER_SEGMENTS))
+
+
+def unwrap_key(key: str) -> str:
+    """``"_orig_mod.layers.0._checkpoint_wrapped_module.w"`` -> ``"layers.0.w"``."""
+    if _MAY_WRAP.search(key) is None:  # the common case, in one C-level scan
+        return key
+    parts = key.split(".")
+    kept = [p for p in parts if p not in WRAPPER_SEGMENTS]
+    return ".".join(kept) if kept and len(kept) != len(parts) else key
+
+
+
+class RuleIssue(BaseModel):
+    rule: str
+    index: int
+    key: str | None = None
+    message: str
+
+
+
+class PlanContext:
+    """The working set rules act on: current key -> Node, plus bookkeeping for the report."""
+
+    def __init__(
+        self,
+        schema: dict[str, TensorInfo],
+        non_tensor: list[str],
+        target: dict[str, TensorInfo] | None,
+        rules: Sequence[RuleBase],
+        stage_of: Callable[[int], int],
+    ):
+        self.env: dict[str, Node] = {k: Leaf(k, i.shape, i.dtype) for k, i in schema.items()}
+        self.source = schema  # the source's TensorInfo by original key (leaves keep that key)
+        self.non_tensor: set[str] = set(non_tensor)
+        self.target = target
+        self.rules = rules
+        self.stage_of = stage_of  # which composed part (``a + b``) rule ``index`` belongs to
+        self.born: dict[str, int] = dict.fromkeys(self.env, -1)
+        self.taken: dict[str, Node] = {}
+        self.consumed: list[tuple[str, int]] = []  # (key, index of the rule that took it)
+        self.matches = [0] * len(rules)
+        self.issues: list[RuleIssue] = []
+        self.dropped: list[str] = []
+
+    # --- used by rules -------------------------------------------------------------
+    def keys(self, include_non_tensor: bool = False) -> list[str]:
+        ks = list(self.env)
+        return ks + sorted(self.non_tensor) if include_non_tensor else ks
+
+    def has(self, key: str) -> bool:
+        return key in self.env
+
+    def get(self, key: str) -> Node:
+        return self.env[key]
+
+    def mark(self, index: int) -> None:
+        self.matches[index] += 1
+
+    def take(self, key: str, index: int) -> Node:
+        node = self.env.pop(key)
+        self.taken[key] = node
+        self.consumed.append((key, index))
+        self.mark(index)
+        return node
+
+    def absorb(self, key: str, index: int) -> Node:
+        """Remove ``key``, folded into another key's recipe by value rule ``index`` (a
+        quantization scale). Not a move: later rules may match its name without ambiguity."""
+        self.mark(index)
+        return self.env.pop(key)
+
+    def put(self, key: str, node: Node, index: int, origin: str | list[str]) -> None:
+        if key in self.env:
+            self.issue(index, key, f"would overwrite {key!r}, which already exists; the rules collide")
+            return
+        self.env[key] = node
+        self.born[key] = index
+
+    def replace(self, key: str, node: Node) -> None:
+        self.env[key] = node
+
+    def drop(self, key: str, index: int) -> None:
+        if key in self.non_tensor:
+            self.non_tensor.discard(key)
+        else:
+            self.env.pop(key)
+        self.dropped.append(key)
+        self.consumed.append((key, index))
+        self.mark(index)
+
+    def issue(self, index: int, key: str | None, message: str) -> None:
+        self.issues.append(
+            RuleIssue(rule=self.rules[index].label(), index=index, key=key, message=message)
+        )
+        self.mark(index)
+
+    def unwrap_keys(self) -> list[tuple[str, str, str]]:
+        """Remove wrapper segments (:data:`WRAPPER_SEGMENTS`) from every key, before any rule.
+
+        Leaves keep reading their original key. When two keys become one, the key that was
+        already clean (else the first) takes the name and the other keeps its original name;
+        returns those collisions as ``(kept_key, winner_key, clean_name)``. A rule may then
+        drop or rename the kept key; if none does, the plan reports the collision."""
+        winner: dict[str, str] = {}
+        keys = [*self.env, *sorted(self.non_tensor)]
+        clean = {key: unwrap_key(key) for key in keys}
+        for key, new in clean.items():
+            if new not in winner or key == new:
+                winner[new] = key
+        renamed: dict[str, str] = {}
+        collisions: list[tuple[str, str, str]] = []
+        for key, new in clean.items():
+            if winner[new] == key:
+                renamed[key] = new
+            else:
+                renamed[key] = key
+                collisions.append((key, winner[new], new))
+        self.env = {renamed[k]: v for k, v in self.env.items()}
+        self.born = dict.fromkeys(self.env, -1)
+        self.non_tensor = {renamed[k] for k in self.non_tensor}
+        return collisions
+
+    def collision_issues(self, collisions: list[tuple[str, str, str]]) -> list[RuleIssue]:
+        return [
+            RuleIssue(
+                rule="auto-unwrap",
+                index=-1,
+                key=key,
+                message=f"{key!r} and {other!r} both become {new!r} once the wrapper segments "
+                f"{', '.join(WRAPPER_SEGMENTS)} are removed; drop or rename {key!r}",
+            )
+            for key, other, new in collisions
+            if key in self.env or key in self.non_tensor
+        ]
+
+    # --- after all rules -------------------------------------------------------------
+    def check_ambiguity(self) -> None:
+        """A key taken by rule i must not also match a later key-moving rule j of the same
+        composed part (``a + b``: ``b`` sees ``a``'s outputs, not the keys ``a`` took).
+
+        Each key is first tried against one regex for all the rules after its own (one C-level
+        match instead of one Python call per rule: a MoE checkpoint has ~10^5 keys); only a key
+        that matches is tried rule by rule, to name the rule."""
+        rules = self.rules
+        stage = self.stage_of
+        later = [(j, [compile_pattern(p) for p in r.input_patterns()]) for j, r in enumerate(rules) if r.moves_keys]
+        after: dict[int, re.Pattern[str]] = {}
+        for key, i in self.consumed:
+            if getattr(rules[i], "shadows", False):
+                continue  # taken first on purpose (Drop(shadows=True))
+            screen = after.get(i)
+            if screen is None:  # later rules of the same composed part: the next part sees only the outputs
+                screen = after[i] = union([p for j, pats in later if j > i and stage(j) == stage(i) for p in pats])
+            if screen.match(key) is None:
+                continue
+            for j, pats in later:
+                if j > i and stage(j) == stage(i) and any(p.match(key) is not None for p in pats):
+                    self.issue(
+                        j,
+                        key,
+                        f"also matches this key, which rule #{i} {rules[i].label()} took first; "
+                        "make the patterns disjoint",
+                    )

@@ -30,8 +30,8 @@ from ..errors import AdapterError
 from ._base import Keys, RuleBase, check_keys, key_patterns, matching
 
 if TYPE_CHECKING:
-    from .._plan.plan import PlanContext
     from .._recipes.nodes import Node
+    from ._base import PlanContext
 
 R = TypeVar("R", bound=type[RuleBase])
 

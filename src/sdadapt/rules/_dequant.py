@@ -22,8 +22,6 @@ unexpected key, and a quantized weight loaded without these rules as a dtype or 
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
@@ -31,17 +29,13 @@ from pydantic import Field, field_validator, model_validator
 
 from .._recipes import quant as Q
 from .._recipes import quant_nodes as QN
-from ..errors import AdapterError
 from ..sources._base import dtype_name
-from ..sources._json import read_json
-from . import RuleBase, parse_dtype, register_rule
-from ._base import dtype_str
+from ._base import RuleBase, dtype_str, parse_dtype
+from ._custom import register_rule
 from ._patterns import compile_pattern, union_of
 
 if TYPE_CHECKING:
-    from .._plan.plan import PlanContext
-    from .._plan.report import Report
-    from ..sources._base import TensorInfo
+    from ._base import PlanContext
 
 FP8_EXCLUDE = ["**embed_tokens.weight", "lm_head.weight", "**.mlp.gate.weight", "**.shared_head.head.weight"]
 """Matrices that FP8 releases keep in bf16: embeddings, the output head (and DeepSeek's MTP copy
@@ -305,173 +299,3 @@ for _cls in (DequantFP8, QuantizeFP8, DequantMXFP4, QuantizeMXFP4):
 
 
 # --- config.json ----------------------------------------------------------------------------------
-
-
-def dequant_rules(
-    config: Mapping[str, Any] | str | os.PathLike[str],
-    *,
-    dtype: str | torch.dtype | None = None,
-    schema: Mapping[str, TensorInfo] | None = None,
-    fp8_keys: str = "**.weight",
-    fp8_exclude: list[str] | None = None,
-    mxfp4_keys: str = "**.mlp.experts.{proj}_proj",
-) -> list[RuleBase]:
-    """The rules to put first in an adapter for a release described by ``config`` (a
-    ``config.json`` dict, file or release folder): none for an unquantized release, else the
-    rules that dequantise what its ``quantization_config`` (or ModelOpt's
-    ``hf_quant_config.json`` beside it) describes:
-
-    - ``quant_method: fp8`` with ``weight_block_size``: one :class:`DequantFP8` (``scale_fmt:
-      ue8m0`` means power-of-two scales; ``modules_to_not_convert`` extends ``fp8_exclude``,
-      which defaults to :data:`FP8_EXCLUDE`); without it, per-tensor (or per-channel) FP8 as a
-      :class:`~sdadapt.rules._dequant_scaled.DequantScaled`;
-    - ``quant_method: mxfp4``: one :class:`DequantMXFP4` (``mxfp4_keys``);
-    - ``compressed-tensors``: one ``DequantScaled`` per quantized config group (``format``,
-      ``weights``, ``targets``, ``ignore``); activation and KV-cache scales are dropped on purpose;
-    - ``modelopt`` (NVFP4, FP8): one ``DequantScaled``.
-
-    Args:
-        config: the ``config.json`` dict, its path, or the release folder. A folder's checkpoint
-            headers are read (when ``schema`` is not given) to resolve targets and exclusions to
-            its keys, and how FP8 block scales are stored.
-        dtype: the dequantised values' dtype; ``None``: the model's dtype for each key.
-        schema: the checkpoint's ``key -> TensorInfo`` (``source.schema``).
-        fp8_keys, fp8_exclude, mxfp4_keys: the keys of the FP8 block and MXFP4 rules.
-
-    Returns:
-        The rules, to put first in an adapter (they act on the checkpoint's own key names).
-
-    Example::
-
-        rules = sdadapt.dequant_rules("path/to/release")
-        adapter = sdadapt.Adapter([*rules, sdadapt.strip_prefix("model.")])
-
-    ``scale_fmt: ue8m0`` says the scales are powers of two, not how they are stored: some
-    releases (DeepSeek-V3.1) keep them as float32 (``scale_format="ue8m0_float32"``), others
-    as exponent bytes (``uint8`` or ``float8_e8m0fnu``, kept as ``scale_dtype`` so that export
-    writes the same dtype). Given the checkpoint's ``schema``, the stored dtype of the scales
-    decides; without it, exponent bytes are assumed and a float32 release is a plan problem
-    that says ``scale_format='ue8m0_float32'``. A config field of the wrong type is an
-    :class:`~sdadapt.AdapterError` naming the file and the field."""
-    from . import _quant_config as C
-    from . import _quant_detect as D
-
-    cfg, where, folder = _read_config(config)
-    if schema is None and folder is not None:
-        schema = _headers(folder)
-    qc = cfg.get("quantization_config")
-    to = _dtype_arg(dtype)
-    if not qc:
-        hf_quant = os.path.join(folder, "hf_quant_config.json") if folder else None
-        if hf_quant and os.path.isfile(hf_quant):
-            q = C.validate(C.HFQuantConfig, _read_json(hf_quant), hf_quant).quantization
-            return list(D.modelopt_rules(q, q.exclude_modules or [], schema, to))
-        return []
-    parsed = C.parse(qc, where)
-    if isinstance(parsed, C.CompressedTensorsConfig):
-        return list(D.compressed_tensors_rules(parsed, schema, to))
-    if isinstance(parsed, C.ModelOptConfig):
-        return list(D.modelopt_rules(parsed, parsed.exclude_modules or parsed.ignore or [], schema, to))
-    if isinstance(parsed, C.MXFP4Config):
-        return [DequantMXFP4(keys=mxfp4_keys, dtype=to)]
-    assert isinstance(parsed, C.FP8Config)
-    exclude = list(FP8_EXCLUDE if fp8_exclude is None else fp8_exclude)
-    if parsed.weight_block_size is None:
-        return list(D.per_tensor_fp8_rules(parsed, schema, to, exclude))
-    fmt, scale_dtype = _fp8_scale_storage(qc, schema)
-    exclude += [f"**{m}.weight" for m in parsed.modules_to_not_convert or []]
-    b0, b1 = parsed.weight_block_size
-    return [DequantFP8(keys=fp8_keys, exclude=exclude, block=(b0, b1), scale_format=fmt,
-                       scale_dtype=scale_dtype, dtype=to)]  # fmt: skip
-
-
-def _headers(folder: str) -> dict[str, TensorInfo] | None:
-    """The checkpoint's schema in ``folder`` (headers only), or ``None`` when none opens."""
-    from ..errors import SdadaptError
-    from ..sources import open_source
-
-    try:
-        with open_source(folder) as src:
-            return dict(src.schema)
-    except SdadaptError:
-        return None
-
-
-def _dtype_arg(dtype: str | torch.dtype | None) -> str | None:
-    return None if dtype is None else dtype_str(dtype)
-
-
-def _fp8_scale_storage(qc: Mapping[str, Any], schema: Mapping[str, TensorInfo] | None) -> tuple[Q.ScaleFormat, str | None]:
-    """``(scale_format, scale_dtype)`` of an FP8 release: ``scale_fmt: ue8m0`` means power-of-two
-    scales, and the stored dtype of the ``*_scale_inv`` tensors (when ``schema`` shows one) says
-    how they are kept: float32 ``2.0 ** k`` (``"ue8m0_float32"``) or exponent bytes, whose dtype
-    export then keeps."""
-    if qc.get("scale_fmt") != "ue8m0":
-        return "float32", None
-    stored = {i.dtype for k, i in (schema or {}).items() if k.endswith(Q.FP8_SCALE_SUFFIX)}
-    if stored == {torch.float32}:
-        return "ue8m0_float32", None
-    if len(stored) == 1 and stored <= set(Q.SCALE_DTYPES["ue8m0"]):
-        return "ue8m0", dtype_name(stored.pop())
-    return "ue8m0", None
-
-
-def _read_json(path: str) -> object:
-    """The release's JSON file ``path``, read within the size and nesting limits of
-    :mod:`sdadapt.sources._json` (a broken file is a ``SourceError`` naming it)."""
-    return read_json(path, what=os.path.basename(path))
-
-
-def _read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> tuple[Mapping[str, Any], str, str | None]:
-    """``(config dict, the name errors give it, the release folder or None)``."""
-    if isinstance(config, Mapping):
-        return config, "config.json", None
-    path = os.fspath(config)
-    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    data = _read_json(path)
-    if not isinstance(data, dict):
-        raise AdapterError(f"{path!r} is not a JSON object")
-    return data, path, folder
-
-
-# --- report hint ----------------------------------------------------------------------------------
-
-_SCALE_SUFFIXES = (Q.FP8_SCALE_SUFFIX, "weight_scale", Q.MX_BLOCKS_SUFFIX, Q.MX_SCALES_SUFFIX, "weight_packed",
-                   "weight_zero_point", "weight_global_scale", "weight_scale_2", "weight_shape", "input_scale")
-
-
-def quant_hint(report: Report) -> str | None:
-    """A hint line when a report's problems look like a quantized checkpoint read without its
-    dequant rule: unexpected scale/packed keys, or FP8/uint8 data where the model wants floats."""
-    fp8 = [m for m in report.dtype_mismatch if m.checkpoint.startswith("float8")]
-    packed = [k for k in report.unexpected if k.endswith(_SCALE_SUFFIXES)]
-    packed += [m.key for m in report.dtype_mismatch if m.checkpoint in ("uint8", "int32", "int8")]
-    own = [i for i in report.rule_issues if i.rule.startswith("dequant")]
-    if own:  # the adapter has its dequant rule, which could not read these tensors: say what it said
-        first = own[0]
-        more = f" (and {len(own) - 1} more rule problem(s))" if len(own) > 1 else ""
-        return f"hint: the dequant rule #{first.index} cannot read the quantized tensors: {first.key}: {first.message}{more}"
-    if not fp8 and not packed:
-        return None
-    mx = [k for k in packed if k.endswith((Q.MX_BLOCKS_SUFFIX, Q.MX_SCALES_SUFFIX))]
-    other = [m.key for m in fp8] + [k for k in packed if k not in mx]
-    have = [r for r in report.dequant_rules if r.endswith(" dequant_mxfp4") == bool(mx and not other)]
-    if have:  # the adapter has a rule of the format, yet quantized tensors are left: its keys miss them
-        report_rules, left = have, sorted(set(mx) | set(other))
-        return (
-            f"hint: the adapter's dequant rule(s) {', '.join(report_rules)} left quantized tensors unread "
-            f"({', '.join(left[:3])}{' ...' if len(left) > 3 else ''}); widen the rule's keys= or take them out of "
-            "its exclude=[...] (a cast rule is not enough: the values would miss their scales)"
-        )
-    return (
-        "hint: the checkpoint is quantized (FP8 scales, packed or MXFP4 blocks); put sdadapt.dequant_rules(config.json) "
-        "first in the adapter, or sdadapt.dequant_fp8(keys=..., block=[128, 128]) / sdadapt.dequant_mxfp4(keys=...) / "
-        "sdadapt.dequant_scaled(...); "
-        "a cast rule is not enough (the values would miss their scales)"
-    )
-
-
-# the scaled formats' rule kinds register with this module, so that adapters read them from JSON
-from . import _dequant_scaled as _scaled_rules  # noqa: E402,F401

@@ -25,13 +25,13 @@ from .._recipes import quant_scaled_nodes as SN
 from .._recipes.nodes import Node
 from ..errors import AdapterError
 from ..sources._base import dtype_name
-from . import register_rule
 from ._base import dtype_str, parse_dtype, target_info
+from ._custom import register_rule
 from ._dequant import _QuantRule
 from ._patterns import compile_pattern, union_of
 
 if TYPE_CHECKING:
-    from .._plan.plan import PlanContext
+    from ._base import PlanContext
 
 log = logging.getLogger(__name__)
 

@@ -3,35 +3,19 @@ functions that build the rule models of :mod:`sdadapt.rules`."""
 
 from __future__ import annotations
 
-from typing import Literal, overload
+from typing import Literal
 
 import torch
 
-from .._plan.adapter import Adapter
 from .._recipes.quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX, MX_SCALES_SUFFIX, ScaleFormat
 from .._recipes.quant_scaled import Codec, GlobalMode, Strategy
-from . import (
-    AddPrefix,
-    Affine,
-    Cast,
-    Deinterleave,
-    Drop,
-    Fuse,
-    Interleave,
-    Pad,
-    Rename,
-    Rotary,
-    Split,
-    Stack,
-    StripPrefix,
-    Tie,
-    Transpose,
-    Trim,
-    Unstack,
-)
 from ._base import dtype_str
 from ._dequant import DequantFP8, DequantMXFP4
 from ._dequant_scaled import DequantScaled
+from ._keys import AddPrefix, Drop, Fuse, Rename, Split, StripPrefix, Tie
+from ._stacking import Stack, Unstack
+from ._tensor_parallel import Deinterleave, Interleave
+from ._values import Affine, Cast, Pad, Rotary, Transpose, Trim
 
 
 def rename(src: str, dst: str) -> Rename:
@@ -61,23 +45,6 @@ def cast(keys: str, dtype: str | torch.dtype, from_dtype: str | torch.dtype | No
     """Convert tensors matching ``keys`` to ``dtype`` (only those stored as ``from_dtype``, if given);
     ``dtype="model"``: to the dtype the model holds for each tensor."""
     return Cast(keys=keys, dtype=dtype, from_dtype=from_dtype)  # type: ignore[arg-type]
-
-
-@overload
-def with_dtype(adapter: Adapter, dtype: str | torch.dtype | None) -> Adapter: ...
-
-
-@overload
-def with_dtype(adapter: None, dtype: str | torch.dtype | None) -> Adapter | None: ...
-
-
-def with_dtype(adapter: Adapter | None, dtype: str | torch.dtype | None) -> Adapter | None:
-    """``adapter`` followed by ``cast("**", dtype)`` (``dtype=None``: ``adapter`` as it is):
-    what ``load``, ``plan_load`` and ``diff`` run for their ``dtype`` argument."""
-    if dtype is None:
-        return adapter
-    to_dtype = Adapter([cast("**", dtype)], name=f"dtype={dtype}")
-    return to_dtype if adapter is None else adapter + to_dtype
 
 
 def drop(keys: str, *, shadows: bool = False) -> Drop:

@@ -19,7 +19,7 @@ from ._base import RuleBase, move
 from ._patterns import check_output_pattern, compile_pattern, typed_like
 
 if TYPE_CHECKING:
-    from .._plan.plan import PlanContext
+    from ._base import PlanContext
 
 
 class Rename(RuleBase):

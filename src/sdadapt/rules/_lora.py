@@ -40,16 +40,18 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from pydantic import BaseModel
 
-from .._recipes.nodes import Box, Compute, Node, SourceIO, Step, box_shape
+from .._base.regions import Box, box_shape
+from .._recipes.nodes import Compute, Node, SourceIO, Step
 from ..errors import AdapterError, SourceError
 from ..sources import SafetensorsFile, Source
 from ..sources._base import dtype_name
 from ..sources._joined import JoinedSource
 from ..sources._json import PeftConfig, read_json, validate
-from . import RuleBase, register_rule
+from ._base import RuleBase
+from ._custom import register_rule
 
 if TYPE_CHECKING:
-    from .._plan.plan import PlanContext
+    from ._base import PlanContext
 
 LORA_NAMESPACE = "lora:"
 """The prefix a PEFT adapter's tensor keys get in the joined source (no checkpoint key has it)."""

@@ -13,14 +13,20 @@ a regular-expression ``ignore`` or target then needs the schema.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from .._recipes import quant as Q
 from .._recipes import quant_scaled as S
 from ..errors import AdapterError
 from ..sources._base import dtype_name
+from ..sources._json import read_json
 from . import _quant_config as C
-from ._dequant import FP8_EXCLUDE
+from ._base import RuleBase, dtype_str
+from ._dequant import FP8_EXCLUDE, DequantFP8, DequantMXFP4
 from ._dequant_scaled import ACTIVATION_SCALES, DequantScaled
 
 if TYPE_CHECKING:
@@ -193,3 +199,135 @@ def per_tensor_fp8_rules(qc: C.FP8Config, schema: Mapping[str, TensorInfo] | Non
     return _rules([(["Linear"], fields)], names, C.ignored, _ct_pattern, schema, dtype, drop) if schema else [
         DequantScaled(keys="**.weight", exclude=exclude + [_ct_pattern(m) for m in names], dtype=dtype, drop=drop, **fields)
     ]
+
+
+# --- the entry point: a release folder or config -> its dequant rules ---
+
+def dequant_rules(
+    config: Mapping[str, Any] | str | os.PathLike[str],
+    *,
+    dtype: str | torch.dtype | None = None,
+    schema: Mapping[str, TensorInfo] | None = None,
+    fp8_keys: str = "**.weight",
+    fp8_exclude: list[str] | None = None,
+    mxfp4_keys: str = "**.mlp.experts.{proj}_proj",
+) -> list[RuleBase]:
+    """The rules to put first in an adapter for a release described by ``config`` (a
+    ``config.json`` dict, file or release folder): none for an unquantized release, else the
+    rules that dequantise what its ``quantization_config`` (or ModelOpt's
+    ``hf_quant_config.json`` beside it) describes:
+
+    - ``quant_method: fp8`` with ``weight_block_size``: one :class:`DequantFP8` (``scale_fmt:
+      ue8m0`` means power-of-two scales; ``modules_to_not_convert`` extends ``fp8_exclude``,
+      which defaults to :data:`FP8_EXCLUDE`); without it, per-tensor (or per-channel) FP8 as a
+      :class:`~sdadapt.rules._dequant_scaled.DequantScaled`;
+    - ``quant_method: mxfp4``: one :class:`DequantMXFP4` (``mxfp4_keys``);
+    - ``compressed-tensors``: one ``DequantScaled`` per quantized config group (``format``,
+      ``weights``, ``targets``, ``ignore``); activation and KV-cache scales are dropped on purpose;
+    - ``modelopt`` (NVFP4, FP8): one ``DequantScaled``.
+
+    Args:
+        config: the ``config.json`` dict, its path, or the release folder. A folder's checkpoint
+            headers are read (when ``schema`` is not given) to resolve targets and exclusions to
+            its keys, and how FP8 block scales are stored.
+        dtype: the dequantised values' dtype; ``None``: the model's dtype for each key.
+        schema: the checkpoint's ``key -> TensorInfo`` (``source.schema``).
+        fp8_keys, fp8_exclude, mxfp4_keys: the keys of the FP8 block and MXFP4 rules.
+
+    Returns:
+        The rules, to put first in an adapter (they act on the checkpoint's own key names).
+
+    Example::
+
+        rules = sdadapt.dequant_rules("path/to/release")
+        adapter = sdadapt.Adapter([*rules, sdadapt.strip_prefix("model.")])
+
+    ``scale_fmt: ue8m0`` says the scales are powers of two, not how they are stored: some
+    releases (DeepSeek-V3.1) keep them as float32 (``scale_format="ue8m0_float32"``), others
+    as exponent bytes (``uint8`` or ``float8_e8m0fnu``, kept as ``scale_dtype`` so that export
+    writes the same dtype). Given the checkpoint's ``schema``, the stored dtype of the scales
+    decides; without it, exponent bytes are assumed and a float32 release is a plan problem
+    that says ``scale_format='ue8m0_float32'``. A config field of the wrong type is an
+    :class:`~sdadapt.AdapterError` naming the file and the field."""
+
+    cfg, where, folder = _read_config(config)
+    if schema is None and folder is not None:
+        schema = _headers(folder)
+    qc = cfg.get("quantization_config")
+    to = _dtype_arg(dtype)
+    if not qc:
+        hf_quant = os.path.join(folder, "hf_quant_config.json") if folder else None
+        if hf_quant and os.path.isfile(hf_quant):
+            q = C.validate(C.HFQuantConfig, _read_json(hf_quant), hf_quant).quantization
+            return list(modelopt_rules(q, q.exclude_modules or [], schema, to))
+        return []
+    parsed = C.parse(qc, where)
+    if isinstance(parsed, C.CompressedTensorsConfig):
+        return list(compressed_tensors_rules(parsed, schema, to))
+    if isinstance(parsed, C.ModelOptConfig):
+        return list(modelopt_rules(parsed, parsed.exclude_modules or parsed.ignore or [], schema, to))
+    if isinstance(parsed, C.MXFP4Config):
+        return [DequantMXFP4(keys=mxfp4_keys, dtype=to)]
+    assert isinstance(parsed, C.FP8Config)
+    exclude = list(FP8_EXCLUDE if fp8_exclude is None else fp8_exclude)
+    if parsed.weight_block_size is None:
+        return list(per_tensor_fp8_rules(parsed, schema, to, exclude))
+    fmt, scale_dtype = _fp8_scale_storage(qc, schema)
+    exclude += [f"**{m}.weight" for m in parsed.modules_to_not_convert or []]
+    b0, b1 = parsed.weight_block_size
+    return [DequantFP8(keys=fp8_keys, exclude=exclude, block=(b0, b1), scale_format=fmt,
+                       scale_dtype=scale_dtype, dtype=to)]  # fmt: skip
+
+
+def _headers(folder: str) -> dict[str, TensorInfo] | None:
+    """The checkpoint's schema in ``folder`` (headers only), or ``None`` when none opens."""
+    from ..errors import SdadaptError
+    from ..sources import open_source
+
+    try:
+        with open_source(folder) as src:
+            return dict(src.schema)
+    except SdadaptError:
+        return None
+
+
+def _dtype_arg(dtype: str | torch.dtype | None) -> str | None:
+    return None if dtype is None else dtype_str(dtype)
+
+
+def _fp8_scale_storage(qc: Mapping[str, Any], schema: Mapping[str, TensorInfo] | None) -> tuple[Q.ScaleFormat, str | None]:
+    """``(scale_format, scale_dtype)`` of an FP8 release: ``scale_fmt: ue8m0`` means power-of-two
+    scales, and the stored dtype of the ``*_scale_inv`` tensors (when ``schema`` shows one) says
+    how they are kept: float32 ``2.0 ** k`` (``"ue8m0_float32"``) or exponent bytes, whose dtype
+    export then keeps."""
+    if qc.get("scale_fmt") != "ue8m0":
+        return "float32", None
+    stored = {i.dtype for k, i in (schema or {}).items() if k.endswith(Q.FP8_SCALE_SUFFIX)}
+    if stored == {torch.float32}:
+        return "ue8m0_float32", None
+    if len(stored) == 1 and stored <= set(Q.SCALE_DTYPES["ue8m0"]):
+        return "ue8m0", dtype_name(stored.pop())
+    return "ue8m0", None
+
+
+def _read_json(path: str) -> object:
+    """The release's JSON file ``path``, read within the size and nesting limits of
+    :mod:`sdadapt.sources._json` (a broken file is a ``SourceError`` naming it)."""
+    return read_json(path, what=os.path.basename(path))
+
+
+def _read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> tuple[Mapping[str, Any], str, str | None]:
+    """``(config dict, the name errors give it, the release folder or None)``."""
+    if isinstance(config, Mapping):
+        return config, "config.json", None
+    path = os.fspath(config)
+    folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise AdapterError(f"{path!r} is not a JSON object")
+    return data, path, folder
+
+
+# the scaled formats' rule kinds register with this module, so that adapters read them from JSON

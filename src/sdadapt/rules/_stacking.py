@@ -12,7 +12,7 @@ from ._base import RuleBase, dim_of
 from ._patterns import compile_pattern, typed_like
 
 if TYPE_CHECKING:
-    from .._plan.plan import PlanContext
+    from ._base import PlanContext
 
 
 def check_over(src: str, dst: str, over: str, what: str) -> None:

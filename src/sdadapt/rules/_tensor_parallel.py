@@ -16,8 +16,8 @@ from ..errors import AdapterError
 from ._base import Keys, RuleBase, check_keys, key_patterns, matching_dim, target_info
 
 if TYPE_CHECKING:
-    from .._plan.plan import PlanContext
     from ..sources._base import TensorInfo
+    from ._base import PlanContext
 
 
 TP_MESH_NAMES = frozenset({"tp", "tensor", "tensor_parallel", "model_parallel", "mp"})

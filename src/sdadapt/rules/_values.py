@@ -30,7 +30,7 @@ from ._base import (
 )
 
 if TYPE_CHECKING:
-    from .._plan.plan import PlanContext
+    from ._base import PlanContext
 
 
 MODEL_DTYPE = "model"

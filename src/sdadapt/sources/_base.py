@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .._recipes.nodes import Box, full_box
+from .._base.regions import Box, full_box
 from ..errors import SourceError
 from ._json import read_json
 

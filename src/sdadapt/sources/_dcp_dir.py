@@ -45,7 +45,7 @@ from torch.distributed.checkpoint import FileSystemReader, Metadata
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from .._recipes.nodes import Box, box_shape
+from .._base.regions import Box, box_shape
 from ..errors import SourceError
 from ._base import Source, TensorInfo, TensorLocation, member_path, slices
 from ._json import read_json

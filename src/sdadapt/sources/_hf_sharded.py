@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from .._recipes.nodes import Box
+from .._base.regions import Box
 from ..errors import SourceError
 from ._base import Source, TensorLocation, member_path
 from ._json import INDEX_LIMIT, ShardIndex, read_json

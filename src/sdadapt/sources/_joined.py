@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._recipes.nodes import Box
+from .._base.regions import Box
 from ..errors import SourceError
 from ._base import Source, TensorLocation
 

@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from .._recipes.nodes import Box
+from .._base.regions import Box
 from ..errors import SourceError
 from ._base import Source, TensorInfo, TensorLocation, slices
 

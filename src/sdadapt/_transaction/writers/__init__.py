@@ -9,34 +9,33 @@ So memory stays at about one tensor, whatever the size of the checkpoint.
 - :class:`TorchSaveWriter`: one ``torch.save`` zip file (readable with ``mmap=True``);
 - :class:`DCPWriter`: a torch.distributed.checkpoint folder, through ``dcp.save``.
 
-The writer classes are imported on first use (module ``__getattr__``): a load imports this
-package for :func:`~sdadapt._transaction.writers.base.tensor_bytes` only, and the DCP writer alone would
-import ``torch.distributed.checkpoint``'s saving side with it.
+:func:`make_writer` imports a writer's module when it is asked for that format: a load imports
+this package for :func:`~sdadapt._transaction.writers.base.tensor_bytes` only, and the DCP writer
+would import ``torch.distributed.checkpoint``'s saving side with it.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
-
-from .base import Produce, Writer, make_writer, parse_size
-
-if TYPE_CHECKING:
-    from .dcp_writer import DCPWriter
-    from .safetensors_writer import SafetensorsWriter
-    from .torch_writer import TorchSaveWriter
-
-_LAZY = {"DCPWriter": "dcp_writer", "SafetensorsWriter": "safetensors_writer", "TorchSaveWriter": "torch_writer"}
+from ...errors import SdadaptError
+from .base import FORMATS, Produce, Writer, parse_size
 
 
-def __getattr__(name: str) -> Any:
-    """Import a writer's module on first use of its class."""
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{where}", __name__), name)
-    globals()[name] = value
-    return value
+def make_writer(fmt: str, path: str, max_shard_size: int | str = "5GB") -> Writer:
+    """The writer of format ``fmt`` (one of :data:`FORMATS`) for ``path``; only that writer's
+    module is imported."""
+    if fmt == "safetensors":
+        from .safetensors_writer import SafetensorsWriter
+
+        return SafetensorsWriter(path, parse_size(max_shard_size))
+    if fmt == "torch":
+        from .torch_writer import TorchSaveWriter
+
+        return TorchSaveWriter(path)
+    if fmt == "dcp":
+        from .dcp_writer import DCPWriter
+
+        return DCPWriter(path)
+    raise SdadaptError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
-__all__ = ["DCPWriter", "Produce", "SafetensorsWriter", "TorchSaveWriter", "Writer", "make_writer", "parse_size"]
+__all__ = ["FORMATS", "Produce", "Writer", "make_writer", "parse_size"]

@@ -66,17 +66,3 @@ class Writer(abc.ABC):
     @abc.abstractmethod
     def write(self, entries: dict[str, TensorInfo], produce: Produce) -> None:
         """Write every entry; ``produce(key)`` returns that tensor (called once per key)."""
-
-
-def make_writer(fmt: str, path: str, max_shard_size: int | str = "5GB") -> Writer:
-    from .dcp_writer import DCPWriter
-    from .safetensors_writer import SafetensorsWriter
-    from .torch_writer import TorchSaveWriter
-
-    if fmt == "safetensors":
-        return SafetensorsWriter(path, parse_size(max_shard_size))
-    if fmt == "torch":
-        return TorchSaveWriter(path)
-    if fmt == "dcp":
-        return DCPWriter(path)
-    raise SdadaptError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
