@@ -182,7 +182,7 @@ def _write_dcp(folder: str, sd: dict[str, torch.Tensor]) -> str:
 
 
 def _checksums(path: str) -> None:
-    from sdadapt._transaction.integrity import write_checksums
+    from sdadapt.sources._integrity import write_checksums
 
     write_checksums(path)
 

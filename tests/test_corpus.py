@@ -267,7 +267,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], dict[st
         "hf": os.path.join(folder, "good", "hf"),
         "dcp": os.path.join(folder, "good", "dcp"),
     }
-    sdadapt._transaction.integrity.write_checksums(good["st"])
+    sdadapt.sources._integrity.write_checksums(good["st"])
     return cases, good
 
 

@@ -250,7 +250,7 @@ def test_declared_capabilities(tmp_path):
     """Every source declares its files, key names and byte locations through the base class;
     a verifying wrapper delegates files and names but hands out no locations (every byte it
     serves is checked)."""
-    from sdadapt._transaction.integrity import VerifyingSource, read_checksums, write_checksums
+    from sdadapt.sources._integrity import VerifyingSource, read_checksums, write_checksums
 
     sd = random_state_dict(SPEC, seed=5)
     st = str(write_safetensors(tmp_path / "m.safetensors", sd))

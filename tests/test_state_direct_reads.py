@@ -25,8 +25,8 @@ from torch.distributed.tensor import DTensor
 import sdadapt
 from sdadapt._engine.engine import EngineStats
 from sdadapt._transaction import transaction as _transaction
-from sdadapt._transaction.state import _Namespace
 from sdadapt.sources._dcp_dir import DCPSource
+from sdadapt.sources._namespaced import NamespacedSource
 
 VOCAB = 600
 
@@ -122,7 +122,7 @@ def test_namespace_forwards_locations_files_and_names(tmp_path):
     dst = str(tmp_path / "ck")
     sdadapt.save_state(dst, *saved)
     with DCPSource(dst, subtree="") as full:
-        view = _Namespace(full, "optim.state.{}.exp_avg")
+        view = NamespacedSource(full, "optim.state.{}.exp_avg")
         stored = "optim.state.head.weight.exp_avg"
         box = ((0, 7), (0, 128))
         assert view.stored_key("head.weight") == stored

@@ -40,6 +40,7 @@ from sdadapt._engine import syscalls
 from sdadapt._transaction import state as state_mod
 from sdadapt._transaction import transaction as txn_mod
 from sdadapt._transaction.transaction import Transaction, is_marked
+from sdadapt.sources._namespaced import NamespacedSource
 
 WORLD = 2
 VOCAB = 37
@@ -116,8 +117,8 @@ def _attempt(fn: Any) -> dict[str, Any]:
 def _faulty_namespace(rank: int, part: str) -> Iterator[None]:
     """While open, reading the entries of ``part`` ("exp_avg": the optimizer's; "model": the
     model's) raises on rank 1, whichever way the engine reads them: the byte locations it
-    reads with ``preadv`` (``_Namespace.locate_region``) or ``_Namespace.read``."""
-    ns = state_mod._Namespace
+    reads with ``preadv`` (``NamespacedSource.locate_region``) or ``NamespacedSource.read``."""
+    ns = NamespacedSource
     real = {name: getattr(ns, name) for name in ("read", "locate_region")}
 
     def faulty(name: str) -> Any:

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from ._recipes.nodes import Compute, Node, emit
     from ._transaction.diff import diff
     from ._transaction.export import ExportReport, convert, export, export_iter
-    from ._transaction.integrity import write_checksums
     from ._transaction.load import LoadReport, load, plan_load
     from ._transaction.shrink import ShrinkReport, shrink
     from ._transaction.state import StateLoadReport, load_state, save_state
@@ -82,6 +81,7 @@ if TYPE_CHECKING:
     )
     from .rules._quant_detect import dequant_rules
     from .sources import Source, TensorInfo, open_source
+    from .sources._integrity import write_checksums
 
 from ._base.version import VERSION as __version__  # noqa: F401 - the package version
 from .errors import (
@@ -116,7 +116,7 @@ _LAZY: dict[str, str] = {
     **dict.fromkeys(["EngineConfig", "release_pinned_memory"], "_engine"),
     **dict.fromkeys(["ExportReport", "convert", "export", "export_iter"], "_transaction.export"),
     **dict.fromkeys(["hf_adapter"], "_plan.hf_models"),
-    **dict.fromkeys(["write_checksums"], "_transaction.integrity"),
+    **dict.fromkeys(["write_checksums"], "sources._integrity"),
     **dict.fromkeys(["LoadReport", "load", "plan_load"], "_transaction.load"),
     **dict.fromkeys(["Compute", "Node", "emit"], "_recipes.nodes"),
     **dict.fromkeys(["Plan", "build_plan"], "_plan.plan"),

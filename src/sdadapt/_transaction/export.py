@@ -50,9 +50,9 @@ from .._recipes.nodes import Node
 from ..errors import ExportError, RemoteRankError, SdadaptError
 from ..rules._base import PlanContext
 from ..sources import Source, open_source
+from ..sources import _integrity as integrity
 from ..sources._assets import copy_side_files, loaded_from, transformers_config, write_config
 from ..sources._base import TensorInfo, slices
-from . import integrity
 from .args import check_model_and_path, check_not_a_model
 from .materialize import has_meta
 from .transaction import Transaction

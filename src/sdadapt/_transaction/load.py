@@ -25,8 +25,8 @@ from .._plan.titan_names import for_plan
 from ..errors import PlanError
 from ..rules._lora import LoraMerged, merged_lora, open_peft_lora
 from ..sources import Source, open_source
+from ..sources import _integrity as integrity
 from ..sources._assets import remember_source
-from . import integrity
 from .args import check_model_and_path
 from .materialize import InitFn, check_buffers, choose_device, has_meta
 from .transaction import Part, Transaction
@@ -226,7 +226,7 @@ def load(
     it succeeds. ``stage=True`` reads into a full second copy of this rank's shards and copies
     it in only once every rank succeeded, so a failure leaves the model bit for bit as it was.
     ``verify=True`` checks every region read against ``sdadapt.checksums.json`` (see
-    :mod:`sdadapt._transaction.integrity`); ``check_finite=True`` refuses NaN/Inf values, naming each key
+    :mod:`sdadapt.sources._integrity`); ``check_finite=True`` refuses NaN/Inf values, naming each key
     (both are found while or after reading: with ``stage=True`` the model keeps its values).
 
     ``share_reads=True``: ranks that hold the same shard (mesh dims where a parameter is

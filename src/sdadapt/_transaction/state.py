@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .._base.distributed import agree, is_distributed, rank_and_world
 from .._base.gc import without_gc
-from .._base.regions import Box, full_box
+from .._base.regions import full_box
 from .._base.version import VERSION
 from .._engine.safe_planner import SafeLoadPlanner
 from .._plan.adapter import Adapter
@@ -47,9 +47,9 @@ from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
 from .._plan.target import model_state_dict, schema_of
 from ..errors import LoadError, PlanError, SdadaptError, SourceError, StateError
-from ..sources._base import Source, TensorLocation
 from ..sources._dcp_dir import SDADAPT_JSON, DCPSource
 from ..sources._hub import is_hub_id
+from ..sources._namespaced import NamespacedSource
 from .args import check_model_and_path
 from .materialize import InitFn, check_buffers, has_meta
 from .optim_state import OptimPlan, init_state, plan_optimizer, stored_names
@@ -172,7 +172,7 @@ def save_state(
 
 
 def _write_checksums(dst: str, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
-    from . import integrity
+    from ..sources import _integrity as integrity
 
     error: SdadaptError | None = None
     mine: dict[str, Any] = {}
@@ -206,48 +206,6 @@ def _version() -> str:
 
 
 # --------------------------------------------------------------------------------- load
-class _Namespace(Source):
-    """A view of a DCP checkpoint where key ``k`` means the stored entry ``fmt.format(k)``.
-
-    Every capability of :class:`Source` is forwarded through that mapping, byte locations
-    included, so the I/O engine reads a resume load's regions with ``preadv`` straight from the
-    ``.distcp`` files instead of through :meth:`read`."""
-
-    def __init__(self, base: DCPSource, fmt: str):
-        self.base = base
-        self.fmt = fmt
-        self.path = base.path
-        head, tail = fmt.split("{}")
-        self.schema = {
-            k[len(head) : len(k) - len(tail)]: info
-            for k, info in base.schema.items()
-            if len(k) > len(head) + len(tail) and k.startswith(head) and k.endswith(tail)
-        }
-        self.non_tensor = []
-
-    def read(self, key: str, box: Box) -> torch.Tensor:
-        return self.base.read(self.fmt.format(key), box)
-
-    def locate(self, key: str) -> TensorLocation | None:
-        return self.base.locate(self.fmt.format(key))
-
-    def locate_region(self, key: str, box: Box) -> list[tuple[Box, TensorLocation]] | None:
-        return self.base.locate_region(self.fmt.format(key), box)
-
-    def file_of(self, key: str) -> str:
-        return self.base.file_of(self.fmt.format(key))
-
-    def files(self) -> list[str]:
-        return self.base.files()
-
-    def stored_key(self, key: str) -> str:
-        return self.base.stored_key(self.fmt.format(key))
-
-    @property
-    def kind(self) -> str:
-        return self.base.kind
-
-
 def _detect_keys(full: DCPSource) -> tuple[str, str | None]:
     rec = full.record or {}
     if "model_key" in rec:
@@ -399,8 +357,8 @@ def load_state(
     if r.oplan is not None:  # the optimizer first: a failure there leaves the model untouched
         for name, p in r.oplan.plans.items():
             wanted = {fqn: r.optim_sd["state"][fqn][name] for fqn in p.recipes}
-            parts.append(Part(f"optimizer {name}", p, _Namespace(full, f"{r.optim_prefix}{{}}.{name}"), wanted, of_model=False))
-    parts.append(Part("model", plan, _Namespace(full, r.model_fmt), {k: r.model_sd[k] for k in plan.recipes}))
+            parts.append(Part(f"optimizer {name}", p, NamespacedSource(full, f"{r.optim_prefix}{{}}.{name}"), wanted, of_model=False))
+    parts.append(Part("model", plan, NamespacedSource(full, r.model_fmt), {k: r.model_sd[k] for k in plan.recipes}))
 
     def set_optimizer_state() -> None:
         assert optimizer is not None

@@ -64,8 +64,8 @@ from .._plan.plan import Plan
 from .._plan.target import model_state_dict
 from ..errors import LoadError, ModelError, SdadaptError, SourceError
 from ..sources import Source
+from ..sources import _integrity as integrity
 from ..sources._hub import hub_folder, is_hub_id
-from . import integrity
 from .commit import (
     COPY_BACK,
     COPY_IN,

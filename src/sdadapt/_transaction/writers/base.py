@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import abc
-import ctypes
 import re
 from collections.abc import Callable
 from typing import BinaryIO
@@ -31,18 +30,6 @@ def parse_size(size: int | str) -> int:
     if n <= 0:
         raise SdadaptError(f"shard size {size!r} must be positive")
     return n
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes in C order (little-endian hosts): a view of its memory when it is a
-    contiguous CPU tensor, else of a contiguous CPU copy. Made through ctypes rather than
-    ``Tensor.numpy()``, so numpy is not needed; the view keeps that memory alive."""
-    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    if not flat.numel():
-        return memoryview(b"")
-    buf = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr())
-    vars(buf)["owner"] = flat  # from_address holds no reference to the memory it maps
-    return memoryview(buf).cast("B")
 
 
 def write_bytes(f: BinaryIO, data: memoryview | bytes) -> None:

@@ -10,11 +10,12 @@ import json
 import os
 import struct
 
+from ..._base.tensor_bytes import tensor_bytes
 from ...errors import SdadaptError
 from ...sources._base import TensorInfo
 from ...sources._hf_sharded import INDEX_NAME
 from ...sources._safetensors_file import DTYPE_NAMES
-from .base import Produce, Writer, check_produced, tensor_bytes, write_bytes
+from .base import Produce, Writer, check_produced, write_bytes
 
 
 class SafetensorsWriter(Writer):

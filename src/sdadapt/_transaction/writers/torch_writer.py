@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..._base.tensor_bytes import tensor_bytes
 from ...errors import SdadaptError
 from ...sources._base import TensorInfo
-from .base import Produce, Writer, check_produced, tensor_bytes, write_bytes
+from .base import Produce, Writer, check_produced, write_bytes
 
 
 class TorchSaveWriter(Writer):

@@ -39,9 +39,9 @@ from typing import Any
 import torch
 
 from .._base.regions import Box
+from .._base.tensor_bytes import tensor_bytes
 from ..errors import SourceError
-from ..sources._base import Source, TensorInfo, dtype_name, read_json_file
-from .writers.base import tensor_bytes
+from ._base import Source, TensorInfo, dtype_name, read_json_file
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def write_checksums(path: str | os.PathLike[str], *, block_bytes: int = DEFAULT_
     sidecar. Run it once where the checkpoint was written (or right after downloading it from a
     source you trust); ``load(..., verify=True)`` then checks every region it reads.
     Returns the sidecar's path. DCP folders are keyed by their full names (``model.w``)."""
-    from ..sources import open_source
+    from . import open_source
 
     p = os.fspath(path)
     source = open_source(p, subtree=subtree)
@@ -176,7 +176,7 @@ def read_checksums(source: Source) -> tuple[str, dict[str, dict[str, Any]]]:
     if path is None:
         raise SourceError(
             f"verify=True, but there is no {CHECKSUMS_NAME} beside the checkpoint. Write one where the "
-            "checkpoint was made (sdadapt._transaction.integrity.write_checksums(path); export and save_state write "
+            "checkpoint was made (sdadapt.sources._integrity.write_checksums(path); export and save_state write "
             "it), or load without verify",
             path=source.path,
         )
@@ -340,7 +340,7 @@ def write_checksums_data(path: str, tensors: Mapping[str, Any]) -> str:
 
 def checksums_of_saved(path: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
     """This rank's share (every ``world``-th key) of the checksums of a saved checkpoint, read back."""
-    from ..sources import open_source
+    from . import open_source
 
     source = open_source(path, subtree="")
     try:
