@@ -29,6 +29,11 @@ from typing import TYPE_CHECKING
 from ._base.lazy import attach
 
 if TYPE_CHECKING:
+    from . import errors as errors
+    from . import reports as reports
+    from . import rules as rules
+    from . import sources as sources
+    from . import torchtitan as torchtitan
     from ._draft import draft as draft
     from ._engine import (
         EngineConfig as EngineConfig,
@@ -198,4 +203,7 @@ _MOVED: dict[str, str] = {
 }
 """Names that left the top level -> how they are spelled now (the error an old name raises says it)."""
 
-__getattr__, __dir__, __all__ = attach(__name__, _PUBLIC, _MOVED)
+_SUBMODULES = ("errors", "reports", "rules", "sources", "torchtitan")
+"""The public modules, reachable as ``sdadapt.rules`` ... after a plain ``import sdadapt``."""
+
+__getattr__, __dir__, __all__ = attach(__name__, _PUBLIC, _MOVED, _SUBMODULES)

@@ -37,7 +37,7 @@ keys, and the reader is sdadapt's :class:`~sdadapt._engine.reader.AdaptedStorage
 writes each rank's shards directly, reading only the source regions they need (rotary
 permutes, fusions, TP interleaving included), and ``from_hf`` hands the same tensors back.
 The plan is checked on headers (strict: a missing, unexpected or mismatched key raises
-:class:`~sdadapt.PlanError` on every rank before ``dcp.load`` starts). Otherwise (the export,
+:class:`~sdadapt.errors.PlanError` on every rank before ``dcp.load`` starts). Otherwise (the export,
 or any caller that reads it without asking for our reader) it holds the checkpoint layout:
 the adapter's inverse applied to the model's tensors. A key that is only renamed keeps its
 tensor (a DTensor stays sharded); one that needs a whole tensor (rotary order, fused or
@@ -87,7 +87,7 @@ def apply_adapter(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> dict[st
 
     A key that is only renamed keeps its tensor (a DTensor stays sharded); any other output is
     computed from whole tensors (a DTensor input is gathered with ``full_tensor()``, a
-    collective: call on every rank). Raises :class:`~sdadapt.AdapterError` if the adapter does
+    collective: call on every rank). Raises :class:`~sdadapt.errors.AdapterError` if the adapter does
     not apply cleanly to these keys."""
     try:
         outputs, _ = plan_outputs(schema_of(tensors), adapter, what=f"adapter {adapter.name!r} on {len(tensors)} tensors")

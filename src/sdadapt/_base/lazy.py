@@ -18,7 +18,10 @@ from typing import Any
 
 
 def attach(
-    package: str, table: Mapping[str, str], moved: Mapping[str, str] | None = None
+    package: str,
+    table: Mapping[str, str],
+    moved: Mapping[str, str] | None = None,
+    submodules: tuple[str, ...] = (),
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]], list[str]]:
     """``__getattr__``, ``__dir__`` and ``__all__`` for module ``package``.
 
@@ -27,6 +30,8 @@ def attach(
         table: public name -> the module that defines it, relative to ``package`` (``"._plan.adapter"``)
             or absolute (``"sdadapt.errors"``).
         moved: old name -> its new spelling, for names the module no longer shows.
+        submodules: public submodules reachable as attributes without their own import
+            (``sdadapt.errors.PlanError`` after ``import sdadapt``); not in ``__all__``.
 
     Returns:
         ``(__getattr__, __dir__, __all__)`` to assign in the module; ``__all__`` is the table's names
@@ -36,6 +41,8 @@ def attach(
 
     def __getattr__(name: str) -> Any:
         where = table.get(name)
+        if where is None and name in submodules:
+            return importlib.import_module(f"{package}.{name}")  # importing sets the attribute
         if where is None:
             if name in moved:
                 raise AttributeError(
@@ -48,6 +55,6 @@ def attach(
         return value
 
     def __dir__() -> list[str]:
-        return sorted({*vars(sys.modules[package]), *table})
+        return sorted({*vars(sys.modules[package]), *table, *submodules})
 
     return __getattr__, __dir__, list(table)

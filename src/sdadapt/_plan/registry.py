@@ -14,7 +14,7 @@ Each adapter is a module ``sdadapt.adapters.<name>`` that exposes
 :func:`get_adapter` merges options: the config's first, explicit keyword arguments over them
 (an explicit value that differs from the config's is logged). It checks the merged options
 against ``build``'s signature before calling it: an unknown or missing option raises
-:class:`~sdadapt.AdapterError` naming it; ``build`` itself raises for inconsistent values.
+:class:`~sdadapt.errors.AdapterError` naming it; ``build`` itself raises for inconsistent values.
 """
 
 from __future__ import annotations

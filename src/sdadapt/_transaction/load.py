@@ -155,7 +155,9 @@ def _plan_load(
     return source, plan, state_dict
 
 
-def _prepare_device(model: nn.Module, device: torch.device | str | None, planned: dict[str, torch.Tensor], plan: Plan) -> None:
+def _prepare_device(
+    model: nn.Module, device: torch.device | str | None, planned: dict[str, torch.Tensor], plan: Plan, engine: EngineConfig | None
+) -> None:
     """A load into GPU shards starts pinning its staging memory now, while the model is still
     materialised, and (when its recipes compute on the device) loads their kernels into the
     GPU: the engine's first run then finds both done (or nearly)."""
@@ -167,8 +169,8 @@ def _prepare_device(model: nn.Module, device: torch.device | str | None, planned
     target = next(iter(devices), None)
     if target is not None and target.type == "cuda":
         kernels = device_kernels(plan.recipes.values())
-        prefetch_pinned(target, bool(kernels))
-        if kernels and EngineConfig.from_env().warm_kernels:
+        prefetch_pinned(target, bool(kernels), engine)
+        if kernels and (engine or EngineConfig.from_env()).warm_kernels:
             warm_kernels(target, kernels)
 
 
@@ -192,17 +194,18 @@ def load(
     pipeline_stage: bool = False,
     dtype: str | torch.dtype | None = None,
     lora: str | os.PathLike[str] | None = None,
+    engine: EngineConfig | None = None,
 ) -> LoadReport:
     """Load checkpoint ``src`` into ``model`` through ``adapter``; every rank reads only its shards.
 
     Call on every rank (a collective when a process group is initialised). ``model`` may be on
     the meta device and parallelised (TP, FSDP2, HSDP); it is materialised on ``device`` (default:
     its mesh's device, else CPU) once the plan is valid. With ``strict=True`` any missing,
-    unexpected or mismatched key raises :class:`~sdadapt.PlanError` on every rank before
+    unexpected or mismatched key raises :class:`~sdadapt.errors.PlanError` on every rank before
     anything is read or changed; ``allow_missing``/``allow_unexpected`` take key patterns that
     are fine to leave out. ``subtree`` picks a nested dict of a ``torch.save`` file.
 
-    ``src`` is a path (see :func:`sdadapt.open_source`) or a Hugging Face Hub id
+    ``src`` is a path (see :func:`sdadapt.sources.open_source`) or a Hugging Face Hub id
     ``"hf://org/name[@revision]"`` (``sdadapt[hub]``: one process per node downloads the config,
     the index and its shards into the Hub cache; the others wait). ``adapter`` is an
     :class:`Adapter` or a string resolved like the CLI's ``--adapter`` by
@@ -262,6 +265,7 @@ def load(
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
     txn = Transaction(model, process_group, _describe(src))
+    txn.engine = engine
     local = txn.resolve(src)  # a Hub id: its snapshot folder, fetched and agreed on every rank
     planned: dict[str, torch.Tensor] = {}
 
@@ -287,7 +291,7 @@ def load(
     plan = txn.prepare(prepare)  # every rank raises if any failed; nothing was changed
     phases = _Phases(t0)
     phases.mark("plan")
-    _prepare_device(model, device, planned, plan)
+    _prepare_device(model, device, planned, plan, engine)
     # every rank's hook has run (a hook may touch the files) before any rank checks them
     materialized = txn.materialize(device, init_buffers)
     phases.mark("materialize")

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .._base.distributed import agree, is_distributed, rank_and_world
 from .._base.gc import without_gc
+from .._engine import EngineConfig
 from .._engine.safe_planner import SafeLoadPlanner
 from .._plan.adapter import Adapter
 from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
@@ -274,6 +275,7 @@ def load_state(
     process_group: dist.ProcessGroup | None = None,
     stage: bool = False,
     pipeline_stage: bool = False,
+    engine: EngineConfig | None = None,
 ) -> StateLoadReport:
     """Restore model (+ optimizer, + ``extra``) from the DCP folder ``src``; every rank calls it.
 
@@ -318,6 +320,7 @@ def load_state(
     rank, world = rank_and_world(process_group)
     extra = extra if extra is not None else {}
     txn = Transaction(model, process_group, src)
+    txn.engine = engine
     if optimizer is not None:
         txn.add_optimizer(optimizer, was_empty=not optimizer.state)
 

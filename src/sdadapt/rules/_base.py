@@ -70,7 +70,7 @@ class RuleBase(BaseModel):
         parameters this rule maps, when training state is resumed through the adapter. Keys,
         layouts and dtypes follow the parameter's, so by default the rule itself; a rule that
         changes values (:class:`.values.Affine`) says how each kind of moment changes, or
-        raises :class:`~sdadapt.AdapterError` for state it cannot map."""
+        raises :class:`~sdadapt.errors.AdapterError` for state it cannot map."""
         return [self]
 
     def key_after(self, key: str) -> str | None:

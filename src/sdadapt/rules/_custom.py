@@ -5,8 +5,8 @@ registered for that kind. Built-in rules are registered by :mod:`sdadapt.rules`;
 class is registered with the :func:`register_rule` decorator and is then planned, loaded
 (through its nodes' region mapping, on any mesh), inverted and serialised like a built-in one:
 
-    @sdadapt.register_rule
-    class Negate(sdadapt.ValueRule):
+    @sdadapt.rules.register_rule
+    class Negate(sdadapt.rules.ValueRule):
         kind: Literal["negate"] = "negate"
 
         def transform(self, key, node):
@@ -55,7 +55,7 @@ def register_rule(cls: R) -> R:
     that another class holds is an error (the same class again, e.g. its module re-imported,
     replaces the entry)."""
     if not (isinstance(cls, type) and issubclass(cls, RuleBase)):
-        raise AdapterError(f"register_rule takes a subclass of sdadapt.RuleBase, got {cls!r}")
+        raise AdapterError(f"register_rule takes a subclass of sdadapt.rules.RuleBase, got {cls!r}")
     kind = _kind_of(cls)
     have = _KINDS.get(kind)
     if have is not None and (have.__module__, have.__qualname__) != (cls.__module__, cls.__qualname__):
@@ -83,7 +83,7 @@ def rule_from_data(data: Any) -> RuleBase:
     if cls is None:
         raise AdapterError(
             f"unknown rule kind {kind!r}; known kinds: {', '.join(sorted(_KINDS))}. A rule of your own "
-            "must be registered (@sdadapt.register_rule) before its adapter is read"
+            "must be registered (@sdadapt.rules.register_rule) before its adapter is read"
         )
     return cls(**data)
 
@@ -91,7 +91,7 @@ def rule_from_data(data: Any) -> RuleBase:
 class ValueRule(RuleBase):
     """A value rule of one's own: for each key ``keys`` matches (one pattern or a list),
     :meth:`transform` returns the node that replaces the key's node. The node carries the
-    shape, dtype and region mapping (see :class:`sdadapt.Node`); the subclass adds its
+    shape, dtype and region mapping (see :class:`sdadapt.rules.Node`); the subclass adds its
     ``kind`` literal, its own fields, :meth:`transform` and :meth:`inverse`, and is registered
     with :func:`register_rule`."""
 

@@ -2,14 +2,14 @@
 
 ``quantization_config`` of ``config.json`` (or ModelOpt's ``hf_quant_config.json``) is validated
 through the pydantic models here, with strict types: a field of the wrong type is an
-:class:`~sdadapt.AdapterError` naming the file and the field, never a foreign exception.
+:class:`~sdadapt.errors.AdapterError` naming the file and the field, never a foreign exception.
 Fields the models do not name are allowed (releases carry many) and ignored.
 
 Methods read:
 
-- ``fp8`` (DeepSeek/Qwen block scales: :class:`~sdadapt.DequantFP8`; without
+- ``fp8`` (DeepSeek/Qwen block scales: :class:`~sdadapt.rules.DequantFP8`; without
   ``weight_block_size``, per-tensor FP8 as Mistral-family releases store it);
-- ``mxfp4`` (GPT-OSS: :class:`~sdadapt.DequantMXFP4`);
+- ``mxfp4`` (GPT-OSS: :class:`~sdadapt.rules.DequantMXFP4`);
 - ``compressed-tensors``: each config group's ``format`` and ``weights`` (``float-quantized``,
   ``naive-quantized``, ``int-quantized``, ``pack-quantized``, ``nvfp4-pack-quantized``,
   ``mxfp4-pack-quantized``, ``mxfp8-quantized``) with its ``targets`` and the ``ignore`` list;
