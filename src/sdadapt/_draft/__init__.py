@@ -163,7 +163,29 @@ def draft(
     ``adapter`` (an :class:`Adapter`, or a name, ``file.py:ATTR``, ``module:ATTR`` or ``.json``
     resolved by :func:`sdadapt.resolve_adapter`) is a start: the checkpoint is taken as that
     adapter maps it (rules that need the model, such as ``pad`` to the model's size, cannot be
-    applied here), the proposals cover what remains, and the drafted adapter runs its rules first."""
+    applied here), the proposals cover what remains, and the drafted adapter runs its rules first.
+
+    Args:
+        target: a model, a checkpoint path, or a schema (``{key: TensorInfo}``).
+        src: the checkpoint path, :class:`~sdadapt.sources.Source` or schema.
+        adapter: an adapter (or spec string) to start from.
+        subtree: the nested dict of a ``torch.save`` file or DCP folder to read.
+        reference: settles the draft's open questions numerically, on a model of ``layers``
+            layers built from the checkpoint's ``config.json`` (the target must be a model):
+            ``"config"`` (transformers builds the checkpoint's own class), or ``module:ATTR`` /
+            a callable taking the config dict and returning that model.
+        layers: how many layers the numeric check builds.
+        init_buffers: ``fn(model)`` that fills non-persistent buffers of the numeric check.
+
+    Returns:
+        The :class:`~sdadapt.reports.Draft`: proposals, questions, the adapter, its module's source.
+
+    Example::
+
+        d = sdadapt.draft(model, "ckpt/model.safetensors")
+        print(d)
+        open("my_adapter.py", "w").write(d.module)
+    """
     tschema, tname = target_schema(target)
     sschema, non_tensor, sname = _source_schema(src, subtree)
     given = adapter_or_none(adapter, None if isinstance(src, dict) else src)

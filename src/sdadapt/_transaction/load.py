@@ -101,7 +101,29 @@ def plan_load(
     dtype: str | torch.dtype | None = None,
 ) -> tuple[Source, Plan]:
     """Open the source and plan against the model (headers only; nothing is read or changed);
-    ``pipeline_stage``, ``lora`` and ``dtype`` as in :func:`load`."""
+    ``pipeline_stage``, ``lora`` and ``dtype`` as in :func:`load`.
+
+    Args:
+        model: the model to plan against (its state dict's shapes and dtypes; meta is fine).
+        src: the checkpoint path, Hub id or :class:`~sdadapt.sources.Source`.
+        adapter: an :class:`Adapter` or a spec string, as in :func:`load`.
+        subtree: the nested dict of a ``torch.save`` file or DCP folder to read.
+        allow_missing: key patterns of the model that the checkpoint may lack.
+        allow_unexpected: key patterns of the checkpoint that the model may lack.
+        pipeline_stage: ``model`` is one pipeline stage.
+        lora: a PEFT LoRA adapter folder to merge.
+        dtype: ``"model"`` or a dtype to convert every tensor to.
+
+    Returns:
+        ``(source, plan)``: the open :class:`~sdadapt.sources.Source` (close it when done) and
+        the :class:`~sdadapt.reports.Plan`, whose ``report`` says what lines up.
+
+    Example::
+
+        source, plan = sdadapt.plan_load(model, "ckpt/", "llama")
+        with source:
+            print(plan.report.format())
+    """
     check_model_and_path("sdadapt.plan_load(model, src, adapter=None, ...)", model, src)
     shipped = is_shipped(adapter)
     source, plan, _ = _plan_load(
@@ -259,6 +281,46 @@ def load(
     ``PeftModel.save_pretrained`` writes) into the base weights as they are read, before
     ``adapter``'s rules: each rank computes ``W[box] + s * B[rows] @ A[:, cols]`` for its own
     shards only (:mod:`sdadapt.rules._lora`).
+
+    Args:
+        model: the model to fill, on the meta device or materialised, parallelised or not.
+        src: the checkpoint: a path :func:`sdadapt.sources.open_source` opens, a Hub id
+            ``"hf://org/name[@revision]"``, or an open :class:`~sdadapt.sources.Source`.
+        adapter: an :class:`Adapter`, a shipped adapter's name, ``file.py:ATTR``, ``module:ATTR``
+            or a ``.json`` file; ``None``: the checkpoint's keys are the model's.
+        strict: raise :class:`~sdadapt.errors.PlanError` on any planning problem (else log it
+            and load what lines up).
+        subtree: the nested dict of a ``torch.save`` file or DCP folder to read.
+        allow_missing: key patterns of the model that the checkpoint may lack.
+        allow_unexpected: key patterns of the checkpoint that the model may lack.
+        device: where a meta model is materialised (default: its mesh's device, else CPU).
+        init_buffers: ``fn(model)`` that fills non-persistent buffers after materialising.
+        process_group: the group the ranks agree over (default: the world, when initialised).
+        verify: check every region read against ``sdadapt.checksums.json``.
+        check_finite: refuse NaN/Inf values, naming each key.
+        stage: read into a second copy and copy in only once every rank succeeded.
+        share_reads: ranks holding the same shard each read a part and broadcast it.
+        pipeline_stage: ``model`` is one pipeline stage; other stages' keys are allowed.
+        dtype: ``"model"`` or a dtype: convert every tensor (a ``cast`` rule after ``adapter``'s).
+        lora: a PEFT LoRA adapter folder merged into the base weights as they are read.
+        engine: the I/O engine's settings for this call (:class:`EngineConfig`); ``None``: the
+            defaults, overridden by the ``SDADAPT_IO_*`` environment variables.
+
+    Returns:
+        This rank's :class:`~sdadapt.reports.LoadReport`: keys and bytes read, the time of each
+        phase, and the plan's :class:`~sdadapt.reports.Report`.
+
+    Raises:
+        PlanError: the checkpoint does not line up with the model (on every rank, nothing read).
+        LoadError: a read failed on some rank (raised on every rank; see above for the model's state).
+
+    Example::
+
+        with torch.device("meta"):
+            model = build_model()
+        fully_shard(model)
+        report = sdadapt.load(model, "path/to/llama", "llama")
+        print(report)
     """
     check_model_and_path("sdadapt.load(model, src, adapter=None, ...)", model, src)
     shipped = is_shipped(adapter)

@@ -111,6 +111,23 @@ def save_state(
     ``state_dict()``) or plain values (``{"step": 7}``). ``adapter``, the checkpoint->model
     adapter the model was first loaded with, is recorded in ``sdadapt.json``. An existing
     non-empty ``dst`` is an error unless ``overwrite=True``. Returns ``dst``.
+
+    Args:
+        dst: the DCP folder to write.
+        model: the model whose state is saved.
+        optimizer: its optimizer, saved too.
+        extra: ``name -> Stateful or value`` entries to save beside them.
+        adapter: the checkpoint->model adapter the model was first loaded with (recorded).
+        overwrite: replace a non-empty ``dst``.
+        process_group: the group the ranks save over.
+        checksums: also write ``sdadapt.checksums.json``.
+
+    Returns:
+        ``dst``, as a string.
+
+    Example::
+
+        sdadapt.save_state("ckpt/step_100", model, optimizer, extra={"step": 100, "sched": scheduler})
     """
     check_model_and_path("sdadapt.save_state(dst, model, optimizer=None, extra=None, ...)", model, dst, path_arg="dst")
     dst = os.fspath(dst)
@@ -312,6 +329,31 @@ def load_state(
     listed in the report's ``allowed_unexpected``. Keys of the stage's own parameters, and their
     optimizer state, that the checkpoint lacks are still missing. Param groups are matched by
     position, as without it: build each stage's optimizer with the groups the checkpoint's has.
+
+    Args:
+        src: the DCP folder :func:`save_state` wrote.
+        model: the model to restore (meta only without an optimizer).
+        optimizer: its optimizer, restored too.
+        extra: ``name -> Stateful or value`` entries saved beside them.
+        adapter: the adapter from the checkpoint's layout to the model's (after a refactor).
+        allow_missing: key patterns the checkpoint may lack.
+        allow_unexpected: key patterns the model may lack.
+        device: where a meta model is materialised.
+        init_buffers: ``fn(model)`` that fills non-persistent buffers after materialising.
+        process_group: the group the ranks agree over.
+        stage: read into staging copies; a failure leaves model and optimizer as they were.
+        pipeline_stage: ``model`` is one pipeline stage and ``optimizer`` holds its parameters.
+        engine: the I/O engine's settings for this call (:class:`~sdadapt.EngineConfig`);
+            ``None``: the defaults and the ``SDADAPT_IO_*`` environment variables.
+
+    Returns:
+        This rank's :class:`~sdadapt.reports.StateLoadReport`.
+
+    Example::
+
+        sdadapt.save_state("ckpt/step_100", model, optimizer, extra={"step": 100})
+        extra = {"step": 0}
+        sdadapt.load_state("ckpt/step_100", model, optimizer, extra=extra)
     """
     t0 = time.perf_counter()
     check_model_and_path("sdadapt.load_state(src, model, optimizer=None, extra=None, ...)", model, src)
