@@ -78,7 +78,8 @@ def test_face_is_small_and_from_one_table():
 
 def test_rules_are_functions_at_the_top_level():
     """No rule class is on the face; each rule function builds the class sdadapt.rules shows."""
-    classes = [n for n in sdadapt.__all__ if isinstance(getattr(sdadapt, n), type) and issubclass(getattr(sdadapt, n), sdadapt.rules.RuleBase)]
+    objects = {n: getattr(sdadapt, n) for n in sdadapt.__all__}
+    classes = [n for n, o in objects.items() if isinstance(o, type) and issubclass(o, sdadapt.rules.RuleBase)]
     assert classes == []
     for cls_name, fn_name in sdadapt._RULE_FUNCTION.items():
         assert fn_name in sdadapt.__all__ and cls_name in sdadapt.rules.__all__
@@ -249,8 +250,11 @@ def _takes_arguments(obj: object) -> bool:
     return any(p.name not in ("self", "cls") for p in params)
 
 
+SECTION = re.compile(r"^\s*(Args|Arguments|Attributes|Returns|Yields|Raises|Example|Examples)(?: \([^)]*\))?::?\s*$", re.M)
+
+
 def _sections(doc: str) -> set[str]:
-    return {m.group(1) for m in re.finditer(r"^\s*(Args|Arguments|Attributes|Returns|Yields|Raises|Example|Examples)::?\s*$", doc, re.M)}
+    return {m.group(1) for m in SECTION.finditer(doc)}
 
 
 @pytest.mark.parametrize(("module", "name", "obj"), _documented(), ids=[f"{m}.{n}" for m, n, _ in _documented()])

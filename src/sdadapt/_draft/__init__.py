@@ -72,7 +72,25 @@ class Question(BaseModel):
 
 
 class Draft(BaseModel):
-    """The result of :func:`draft`: proposals, questions, the adapter module and the remaining diff."""
+    """The result of :func:`draft`: proposals, questions, the adapter module and the remaining diff.
+
+    Attributes:
+        source: the checkpoint.
+        target: the target.
+        related: whether the two share enough to propose a mapping.
+        summary: lines that sum the draft up.
+        proposals: the proposed rules, each with its evidence (``uncertain`` ones flagged).
+        questions: what the headers cannot settle, with suggested rules.
+        adapter: the drafted :class:`~sdadapt.Adapter`.
+        module: the source of a Python module defining it (``ADAPTER``), to edit and keep.
+        report: the :class:`Report` of the drafted adapter.
+
+    Example::
+
+        d = sdadapt.draft(model, "ckpt/model.safetensors")
+        print(d)
+        assert d.report.ok or d.questions
+    """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 

@@ -64,7 +64,23 @@ Progress = Callable[[str, int], None]  # (key, bytes) after each tensor is writt
 
 
 class ExportReport(BaseModel):
-    """What was written."""
+    """What was written.
+
+    Attributes:
+        dst: what was written.
+        format: ``"safetensors"``, ``"torch"`` or ``"dcp"``.
+        tensors: tensors written.
+        bytes: bytes written.
+        files: the files written.
+        skipped_non_tensor: non-tensor entries left out.
+        verified: whether the result was read back and compared (``convert(verify=True)``).
+        seconds: the whole call.
+
+    Example::
+
+        report = sdadapt.export(model, "out/", "llama")
+        print(report.files)
+    """
 
     dst: str
     format: str

@@ -35,7 +35,31 @@ log = logging.getLogger("sdadapt")
 
 
 class LoadReport(BaseModel):
-    """What one rank did: keys and bytes it read, and how long each phase took."""
+    """What one rank did: keys and bytes it read, and how long each phase took.
+
+    Attributes:
+        rank: this rank.
+        world_size: the ranks that loaded.
+        source: the checkpoint.
+        keys_loaded: the keys written on this rank.
+        items_read: the reads DCP asked this rank for.
+        bytes_read: the bytes read from the files.
+        bytes_shared: the bytes received from replicas (``share_reads=True``).
+        local_bytes: the bytes of this rank's destination shards.
+        seconds: the whole call.
+        plan_seconds: planning.
+        read_seconds: reading.
+        phase_seconds: each phase's wall time, in order.
+        engine_thread_seconds: the engine threads' busy, read and wait seconds, summed.
+        materialized: whether the model was materialised from meta.
+        report: the plan's :class:`Report`.
+        lora: what a LoRA merge changed (``lora=``), else ``None``.
+
+    Example::
+
+        report = sdadapt.load(model, "ckpt/", "llama")
+        print(report)  # keys, bytes and time of each phase
+    """
 
     rank: int
     world_size: int

@@ -43,7 +43,23 @@ _SKIP_FILES = ("config.json", "model.safetensors.index.json", ".metadata")
 
 
 class ShrinkReport(BaseModel):
-    """What :func:`shrink` wrote."""
+    """What :func:`shrink` wrote.
+
+    Attributes:
+        dst: the folder written.
+        layers: layers kept.
+        layers_before: layers the source had.
+        tensors: tensors written.
+        tensors_dropped: tensors left out.
+        bytes: bytes written.
+        files: the files written.
+        seconds: the whole call.
+
+    Example::
+
+        report = sdadapt.shrink("llama-8b/", "llama-2-layers/", layers=2)
+        print(report)
+    """
 
     dst: str
     layers: int

@@ -63,7 +63,27 @@ OPTIM_KEY = "optim"
 
 
 class StateLoadReport(BaseModel):
-    """What :func:`load_state` restored on this rank."""
+    """What :func:`load_state` restored on this rank.
+
+    Attributes:
+        rank: this rank.
+        world_size: the ranks that loaded.
+        source: the DCP folder.
+        model_keys: model keys restored.
+        optimizer_keys: parameters whose optimizer state was restored.
+        optimizer_state_names: the optimizer's state names (``exp_avg``, ``step`` ...).
+        param_groups: param groups restored.
+        bytes_read: bytes read on this rank.
+        extra: the extra entries restored.
+        saved_with: what ``sdadapt.json`` says saved it.
+        seconds: the whole call.
+        report: the model plan's :class:`Report`.
+
+    Example::
+
+        report = sdadapt.load_state("ckpt/step_100", model, optimizer)
+        print(report)
+    """
 
     rank: int
     world_size: int
