@@ -179,7 +179,7 @@ def draft(
     schema), reading headers only. See :class:`Draft`.
 
     ``adapter`` (an :class:`Adapter`, or a name, ``file.py:ATTR``, ``module:ATTR`` or ``.json``
-    resolved by :func:`sdadapt.resolve_adapter`) is a start: the checkpoint is taken as that
+    resolved like the CLI's ``--adapter``) is a start: the checkpoint is taken as that
     adapter maps it (rules that need the model, such as ``pad`` to the model's size, cannot be
     applied here), the proposals cover what remains, and the drafted adapter runs its rules first.
 

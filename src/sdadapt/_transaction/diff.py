@@ -47,7 +47,7 @@ def diff(
     ``None`` module slots, so only the index rule applies to it). ``dtype``: as in
     :func:`sdadapt.load` (``"model"``: every tensor converted to the target's dtype).
 
-    ``adapter`` is an :class:`Adapter` or a string resolved by :func:`sdadapt.resolve_adapter`
+    ``adapter`` is an :class:`Adapter` or a string resolved like the CLI's ``--adapter``
     (a shipped name with options read from ``src``'s folder, ``file.py:ATTR``, ``module:ATTR``,
     ``.json``).
 

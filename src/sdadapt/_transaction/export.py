@@ -357,7 +357,7 @@ def export_iter(
     time, without writing files (to push weights to an inference engine, for instance).
 
     ``adapter`` is the checkpoint->model adapter you load with (an :class:`Adapter` or a name
-    resolved as by :func:`sdadapt.resolve_adapter`); its inverse rules are applied. Every rank
+    resolved like the CLI's ``--adapter``); its inverse rules are applied. Every rank
     iterates: each tensor is gathered whole (``full_tensor()``) on every rank, so all ranks must
     consume the same sequence to the end (or close the generator on every rank). Memory: the
     tensor last yielded (plus leaves a later output still needs, e.g. the parts of a split); the
@@ -408,7 +408,7 @@ def export(
     """Write ``model``'s weights to ``dst`` through ``adapter.inverse()``; every rank calls it.
 
     ``adapter`` is the checkpoint->model adapter you load with (see the module docstring; an
-    :class:`Adapter` or a name resolved as by :func:`sdadapt.resolve_adapter`);
+    :class:`Adapter` or a name resolved like the CLI's ``--adapter``);
     ``format`` is ``"safetensors"`` (a folder: ``model.safetensors``, or shards of at most
     ``max_shard_size`` plus ``model.safetensors.index.json``), ``"torch"`` (one ``torch.save``
     file of a flat dict) or ``"dcp"`` (a DCP folder). The tensors come from the stream
@@ -556,7 +556,7 @@ def convert(
     back (before it is renamed into place) and compares every tensor with the source
     (bit-exact); a difference is an error and leaves nothing at ``dst``. Non-tensor entries are skipped
     (listed in the report). ``adapter`` may be a name, ``file.py:ATTR``, ``module:ATTR`` or
-    ``.json`` (resolved by :func:`sdadapt.resolve_adapter`, options read from ``src``'s folder);
+    ``.json`` (resolved like the CLI's ``--adapter``, options read from ``src``'s folder);
     ``src`` may be a Hub id ``hf://org/name[@revision]``. ``progress(key, nbytes)`` is called
     after each tensor is written, then after each is verified.
 

@@ -254,8 +254,7 @@ def load(
     ``src`` is a path (see :func:`sdadapt.sources.open_source`) or a Hugging Face Hub id
     ``"hf://org/name[@revision]"`` (``sdadapt[hub]``: one process per node downloads the config,
     the index and its shards into the Hub cache; the others wait). ``adapter`` is an
-    :class:`Adapter` or a string resolved like the CLI's ``--adapter`` by
-    :func:`sdadapt.resolve_adapter`: a shipped name (``"llama"``, its options read from the
+    :class:`Adapter` or a string resolved like the CLI's ``--adapter``: a shipped name (``"llama"``, its options read from the
     checkpoint folder's config), ``file.py:ATTR``, ``module:ATTR`` or a ``.json`` file. A shipped
     name's layout is taken on to the names the model holds (torchtitan's current ones:
     ``lm_head``, ``attention.qkv_linear.wq`` ...; see :func:`sdadapt.torchtitan.torchtitan_names`),

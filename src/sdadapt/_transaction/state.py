@@ -318,7 +318,7 @@ def load_state(
 
     Works on any mesh (FSDP2, TP, HSDP, uneven shards), and through ``adapter`` (checkpoint
     layout -> model layout) after a refactor (an :class:`Adapter`, or a name, ``file.py:ATTR``,
-    ``module:ATTR`` or ``.json`` resolved by :func:`sdadapt.resolve_adapter`); optimizer state
+    ``module:ATTR`` or ``.json`` resolved like the CLI's ``--adapter``); optimizer state
     follows the parameters' rules.
     ``extra`` entries are restored in place: ``Stateful`` objects through ``load_state_dict``,
     plain values by replacing ``extra[name]``. Strict: any missing or unexpected key (model or
