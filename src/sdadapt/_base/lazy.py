@@ -5,12 +5,14 @@ it shows and the private module each lives in, and one table of the names it no 
 with their new spelling. :func:`attach` turns them into the module's ``__getattr__``,
 ``__dir__`` and ``__all__``: a name's module is imported when the name is first used (so that
 ``import sdadapt`` does not import torch), and an old name raises an :class:`AttributeError`
-that says how it is spelled now. Type checkers read the same names from the module's
+that says how it is spelled now (an :class:`ImportError` saying the same in a ``from sdadapt
+import ...`` statement, which would otherwise report only "cannot import name"). Type checkers read the same names from the module's
 ``TYPE_CHECKING`` imports, which a test compares with the table.
 """
 
 from __future__ import annotations
 
+import dis
 import importlib
 import sys
 from collections.abc import Callable, Mapping
@@ -45,9 +47,11 @@ def attach(
             return importlib.import_module(f"{package}.{name}")  # importing sets the attribute
         if where is None:
             if name in moved:
-                raise AttributeError(
-                    f"module {package!r} has no attribute {name!r}: it is spelled {moved[name]} now"
-                )
+                if _importing_from(sys._getframe(1)):
+                    # ``from sdadapt import Rename`` would turn an AttributeError into a bare
+                    # "cannot import name" and drop the new spelling: say it in the ImportError
+                    raise ImportError(f"cannot import name {name!r} from {package!r}: it is spelled {moved[name]} now", name=package)
+                raise AttributeError(f"module {package!r} has no attribute {name!r}: it is spelled {moved[name]} now")
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
         module = importlib.import_module(where, package) if where.startswith(".") else importlib.import_module(where)
         value = getattr(module, name)
@@ -58,3 +62,15 @@ def attach(
         return sorted({*vars(sys.modules[package]), *table, *submodules})
 
     return __getattr__, __dir__, list(table)
+
+
+_IMPORT_FROM = dis.opmap["IMPORT_FROM"]
+
+
+def _importing_from(frame: Any) -> bool:
+    """Whether ``frame`` is running a ``from module import name`` statement right now (the
+    instruction it stopped at is ``IMPORT_FROM``); ``False`` when that cannot be told."""
+    try:
+        return bool(frame.f_code.co_code[frame.f_lasti] == _IMPORT_FROM)
+    except (AttributeError, IndexError, TypeError):
+        return False
