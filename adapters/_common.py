@@ -12,11 +12,17 @@ import os
 from typing import Any
 
 import sdadapt
-from sdadapt._recipes.quant import FP8_SCALE_SUFFIX, MX_BLOCKS_SUFFIX, SCALE_DTYPES, ScaleFormat
 from sdadapt.errors import AdapterError
-from sdadapt.rules._base import dtype_str
-from sdadapt.sources._base import dtype_name
-from sdadapt.sources._json import HFConfig, QuantConfigFile, read_json_dict
+from sdadapt.rules import (
+    FP8_SCALE_SUFFIX,
+    MX_BLOCKS_SUFFIX,
+    SCALE_DTYPES,
+    DequantFP8,
+    ScaleFormat,
+    ignored_modules,
+    parse_dtype,
+)
+from sdadapt.sources import dtype_name, open_source, read_config_file
 
 HF = "model.layers.{i}."
 HF_QUANT = "hf_quant_config.json"
@@ -27,13 +33,13 @@ META = "layers.{i}."
 # --- reading a checkpoint folder ----------------------------------------------------------------
 def read_config(path: str, names: tuple[str, ...] = ("config.json", "params.json")) -> dict[str, Any]:
     """The first of ``names`` found in ``path`` (a folder, or the folder of a file); ``{}`` if none.
-    Read by :func:`sdadapt.sources._json.read_json`: the fields adapters use are type-checked,
-    and a broken file is a :class:`~sdadapt.SourceError` naming it and the field."""
+    Read by :func:`sdadapt.sources.read_config_file`: the fields adapters use are type-checked,
+    and a broken file is a :class:`~sdadapt.errors.SourceError` naming it and the field."""
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     found = _first_config(folder, names)
     hq = os.path.join(folder, HF_QUANT)
     if "config.json" in names and os.path.isfile(hq):
-        data = read_json_dict(hq, QuantConfigFile, what=HF_QUANT)
+        data = read_config_file(hq)
         if isinstance(data.get("quantization"), dict):
             found[HF_QUANT] = data["quantization"]
     return found
@@ -43,7 +49,7 @@ def _first_config(folder: str, names: tuple[str, ...]) -> dict[str, Any]:
     for name in names:
         p = os.path.join(folder, name)
         if os.path.isfile(p):
-            return read_json_dict(p, HFConfig, what=name)
+            return read_config_file(p)
     return {}
 
 
@@ -70,7 +76,7 @@ def _headers(path: str) -> tuple[dict[str, Any], list[str]]:
             candidates.append(os.path.join(path, files[0]))
     for candidate in candidates:
         try:
-            with sdadapt.open_source(candidate) as src:
+            with open_source(candidate) as src:
                 return dict(src.schema), list(src.non_tensor)
         except sdadapt.SdadaptError:
             continue
@@ -205,12 +211,10 @@ def quantization_options(cfg: dict[str, Any], schema: dict[str, Any]) -> dict[st
 def _literal_ignore(qc: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
     """A compressed-tensors config whose ``ignore`` list (regular expressions included) is
     resolved to the checkpoint's module names, so that the rules need no schema later."""
-    from sdadapt.rules._quant_config import ignored, schema_modules
-
     ignore = qc.get("ignore")
     if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
         return qc  # dequant_rules names the bad field
-    return {**qc, "ignore": [m for m in schema_modules(schema) if m and ignored(m, ignore)]}
+    return {**qc, "ignore": ignored_modules(ignore, schema)}
 
 
 def dequant_rules(
@@ -256,7 +260,7 @@ def dequant_rules(
             "(block-scaled) releases"
         )
     (rule,) = sdadapt.dequant_rules({"quantization_config": qc}, dtype=dtype)
-    assert isinstance(rule, sdadapt.DequantFP8), rule  # quant_method fp8 gives the FP8 rule
+    assert isinstance(rule, DequantFP8), rule  # quant_method fp8 gives the FP8 rule
     fmt = scale_format or rule.scale_format
     rule = sdadapt.dequant_fp8(rule.keys, rule.block, exclude=[*rule.exclude, *keep], scale_suffix=rule.scale_suffix,
                                scale_format=fmt, scale_dtype=_scale_dtype_of(fmt, scale_dtype, adapter),
@@ -270,7 +274,7 @@ def _scale_dtype_of(fmt: ScaleFormat, scale_dtype: str | None, adapter: str) -> 
     if scale_dtype is None:
         return None
     allowed = [dtype_name(d) for d in SCALE_DTYPES.get(fmt, ())]
-    name = dtype_str(scale_dtype)
+    name = dtype_name(parse_dtype(str(scale_dtype)))
     if name not in allowed:
         raise AdapterError(
             f"the {adapter} adapter: scale_dtype={scale_dtype!r} does not store scale_format={fmt!r} scales "
@@ -309,9 +313,7 @@ def block_rules(bias: bool = False) -> list[Any]:
     return rules
 
 
-def attention_rules(
-    *, n_heads: int, n_kv_heads: int, head_dim: int | None, fused_qkv: bool, tp: int | None, adapter: str
-) -> list[Any]:
+def attention_rules(*, n_heads: int, n_kv_heads: int, head_dim: int | None, fused_qkv: bool, tp: int | None, adapter: str) -> list[Any]:
     """HF Llama-family attention + norms -> Meta names, Meta rotary order, optional fused wqkv."""
     rules: list[Any] = [
         *block_rules(),
@@ -342,9 +344,7 @@ def mlp_rules(hf: str = HF, meta: str = META) -> list[Any]:
     ]
 
 
-def moe_rules(
-    experts: str, *, block: str, names: tuple[str, str, str], n_experts: int | None, adapter: str
-) -> list[Any]:
+def moe_rules(experts: str, *, block: str, names: tuple[str, str, str], n_experts: int | None, adapter: str) -> list[Any]:
     """Router and experts of an HF MoE block -> ``moe.router.gate.weight`` ``[E, dim]`` and stacked
     ``moe.experts.w1|w3`` ``[E, hidden, dim]`` (gate, up), ``moe.experts.w2`` ``[E, dim, hidden]``.
 
@@ -362,9 +362,7 @@ def moe_rules(
         src = HF + block
         rules: list[Any] = [sdadapt.rename(src + "gate.weight", moe + "router.gate.weight")]
         for w, name in zip(("w1", "w2", "w3"), names, strict=True):
-            rules.append(
-                sdadapt.stack(src + "experts.{e}." + name + ".weight", moe + "experts." + w, over="e", dim=0, count=n_experts)
-            )
+            rules.append(sdadapt.stack(src + "experts.{e}." + name + ".weight", moe + "experts." + w, over="e", dim=0, count=n_experts))
         return rules
     if experts == "stacked":
         return [

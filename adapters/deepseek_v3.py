@@ -81,8 +81,8 @@ from sdadapt.adapters._common import (
 
 import sdadapt
 from sdadapt import Adapter
-from sdadapt._recipes.quant import ScaleFormat
 from sdadapt.errors import AdapterError
+from sdadapt.rules import ScaleFormat
 
 SUMMARY = (
     "HF transformers DeepSeek-V3 -> torchtitan-style MLA (wq or wq_a/q_norm/wq_b, wkv_a/kv_norm/wkv_b, wo; "

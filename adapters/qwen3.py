@@ -52,7 +52,7 @@ from sdadapt.adapters._common import (
 
 import sdadapt
 from sdadapt import Adapter
-from sdadapt._recipes.quant import ScaleFormat
+from sdadapt.rules import ScaleFormat
 
 SUMMARY = "HF transformers Qwen3 -> torchtitan-style layout (wq/wk/wv/wo + q_norm/k_norm, w1/w2/w3; HF rotary order kept; tied)"
 

@@ -47,8 +47,8 @@ from sdadapt.adapters._common import (
 from sdadapt.adapters.qwen3 import attention_rules, dense_options
 
 from sdadapt import Adapter
-from sdadapt._recipes.quant import ScaleFormat
 from sdadapt.errors import AdapterError
+from sdadapt.rules import ScaleFormat
 
 SUMMARY = (
     "HF transformers Qwen3-MoE (per-expert or stacked gate_up_proj) -> torchtitan-style MoE with stacked experts [E, ...]; "

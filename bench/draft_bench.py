@@ -25,7 +25,7 @@ import time
 import torch
 
 import sdadapt
-from sdadapt import TensorInfo
+from sdadapt.sources import TensorInfo
 
 F32 = torch.float32
 

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import sdadapt  # noqa: E402
 from sdadapt._base.gc import gc_paused  # noqa: E402
 from sdadapt._engine import EngineConfig, IOEngine, Job  # noqa: E402
+from sdadapt._plan.plan import build_plan
 from sdadapt.rules._patterns import compile_pattern  # noqa: E402
 from sdadapt.sources._base import Source, TensorInfo, TensorLocation  # noqa: E402
 
@@ -204,7 +205,7 @@ def main() -> None:
     rss0 = _rss()
     with gc_paused():  # as in sdadapt.load, which plans with the cycle collector paused
         clock = _Clock()
-        plan = sdadapt.build_plan(src_schema, target, adapter)
+        plan = build_plan(src_schema, target, adapter)
         t_plan = clock.lap()
         assert plan.report.ok, plan.report.format()[:2000]
         # this rank's ReadItems: dim-0 FSDP shards (DTensor's even split, last shards may be short)

@@ -37,6 +37,7 @@ from dist_helper import run_distributed
 from safetensors.torch import load_file
 
 import sdadapt
+from sdadapt._plan.plan import build_plan
 
 MESHES = (("fsdp2+tp-2x2", range(4)), ("fsdp-3-uneven", range(3)))
 """The meshes every case loads on, with the ranks that take part."""
@@ -98,9 +99,9 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def plan_error(model: torch.nn.Module, path: str, adapter: sdadapt.Adapter) -> str:
-    """The :class:`sdadapt.PlanError` that loading ``path`` into the meta ``model`` raises; the
+    """The :class:`sdadapt.errors.PlanError` that loading ``path`` into the meta ``model`` raises; the
     model must still be on the meta device (nothing read)."""
-    with pytest.raises(sdadapt.PlanError) as info:
+    with pytest.raises(sdadapt.errors.PlanError) as info:
         sdadapt.load(model, path, adapter)
     assert all(p.is_meta for p in model.parameters()), "the model was changed although planning failed"
     return str(info.value)
@@ -130,9 +131,9 @@ def _export_check(model: torch.nn.Module, case: dict, adapter: sdadapt.Adapter) 
     full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in sd.items()}
     skip = tuple(case.get("export_skip", ()))
     original = {k: v for k, v in checkpoint_tensors(case["path"]).items() if not k.startswith(skip)}
-    plan = sdadapt.build_plan(
+    plan = build_plan(
         schema_of(sd),
-        {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in original.items()},
+        {k: sdadapt.sources.TensorInfo(tuple(v.shape), v.dtype) for k, v in original.items()},
         adapter.inverse(),
         allow_unexpected=case.get("export_unexpected", []),
         allow_missing=case.get("export_missing", []),

@@ -35,6 +35,7 @@ from dist_helper import run_distributed
 from test_adapters_qwen import _perturb
 
 import sdadapt
+from sdadapt._plan.plan import build_plan
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
 
@@ -209,17 +210,17 @@ def test_mtp_layer_mapped(cases_root: str) -> None:
 
     case = case_named(cases_root, "dsv3_q_lora_mtp")
     original = checkpoint_tensors(case["path"])
-    model_schema = {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in target_model(case, None).state_dict().items()}
+    model_schema = {k: sdadapt.sources.TensorInfo(tuple(v.shape), v.dtype) for k, v in target_model(case, None).state_dict().items()}
     last, mtp = f"layers.{L - 1}.", "mtp.0."
     target = dict(model_schema)
     target.update({mtp + "block." + k[len(last) :]: v for k, v in model_schema.items() if k.startswith(last)})
     for name, shape in (("tok_embeddings", (VOCAB, DIM)), ("enorm", (DIM,)), ("hnorm", (DIM,)), ("eh_proj", (DIM, 2 * DIM)),
                         ("norm", (DIM,)), ("output", (VOCAB, DIM))):  # fmt: skip
-        target[f"{mtp}{name}.weight"] = sdadapt.TensorInfo(shape, torch.float32)
-    source = {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in original.items()}
+        target[f"{mtp}{name}.weight"] = sdadapt.sources.TensorInfo(shape, torch.float32)
+    source = {k: sdadapt.sources.TensorInfo(tuple(v.shape), v.dtype) for k, v in original.items()}
 
     adapter = sdadapt.get_adapter("deepseek_v3", source=case["path"], mtp="map")
-    plan = sdadapt.build_plan(source, target, adapter)
+    plan = build_plan(source, target, adapter)
     assert plan.report.ok, plan.report.format()
     io = DictIO(original)
     values = {k: node.full(io) for k, node in plan.recipes.items()}
@@ -229,7 +230,7 @@ def test_mtp_layer_mapped(cases_root: str) -> None:
     assert torch.equal(values[mtp + "block.moe.expert_bias"], original[hf + "mlp.gate.e_score_correction_bias"])
     assert torch.equal(values[mtp + "block.moe.experts.w2"][3], original[hf + "mlp.experts.3.down_proj.weight"])
 
-    back = sdadapt.build_plan({k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in values.items()}, source, adapter.inverse())
+    back = build_plan({k: sdadapt.sources.TensorInfo(tuple(v.shape), v.dtype) for k, v in values.items()}, source, adapter.inverse())
     assert back.report.ok, back.report.format()
     out = DictIO(values)
     assert [k for k, node in back.recipes.items() if not same_bytes(node.full(out), original[k])] == []
@@ -294,13 +295,13 @@ def test_wrong_options_fail_while_planning(cases_root: str) -> None:
     assert "model.layers.{0..2}.mlp.experts.gate_up_proj" in msg and "layers.{0..2}.moe.experts.w1" in msg, msg
 
     # options that cannot make an adapter
-    with pytest.raises(sdadapt.AdapterError, match="needs n_layers=..."):
+    with pytest.raises(sdadapt.errors.AdapterError, match="needs n_layers=..."):
         get("deepseek_v3", mtp_layers=1)
-    with pytest.raises(sdadapt.AdapterError, match="rope_interleave=False needs n_heads, qk_nope_head_dim"):
+    with pytest.raises(sdadapt.errors.AdapterError, match="rope_interleave=False needs n_heads, qk_nope_head_dim"):
         get("deepseek_v3", rope_interleave=False)
-    with pytest.raises(sdadapt.AdapterError, match="mtp must be 'drop' or 'map'"):
+    with pytest.raises(sdadapt.errors.AdapterError, match="mtp must be 'drop' or 'map'"):
         get("deepseek_v3", mtp="keep")
-    with pytest.raises(sdadapt.AdapterError, match="first_k_dense_replace must be a non-negative integer"):
+    with pytest.raises(sdadapt.errors.AdapterError, match="first_k_dense_replace must be a non-negative integer"):
         get("deepseek_v3", first_k_dense_replace=-1)
 
 

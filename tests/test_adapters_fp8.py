@@ -210,7 +210,7 @@ def test_adapters_pick_the_fp8_variant(cases_root: str) -> None:
     """From config.json alone: block size and scale format; the plan checks every scale."""
     for case in _cases(cases_root):
         adapter = sdadapt.get_adapter(case["adapter"], source=case["path"], **case["options"])
-        (rule,) = [r for r in adapter.rules if isinstance(r, sdadapt.DequantFP8)]
+        (rule,) = [r for r in adapter.rules if isinstance(r, sdadapt.rules.DequantFP8)]
         assert list(rule.block) == list(BLOCK) and rule.dtype == "float32", rule
         assert rule.scale_format == ("ue8m0" if "ue8m0" in case["name"] else "float32"), rule
         assert ("**.eh_proj.weight" in rule.exclude) == (case["adapter"] == "deepseek_v3"), rule

@@ -35,6 +35,7 @@ import sdadapt
 from sdadapt._plan.registry import adapter_module
 from sdadapt._recipes.quant import ScaleFormat
 from sdadapt.errors import AdapterError
+from sdadapt.rules import DequantFP8
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
 
@@ -165,7 +166,7 @@ def test_adapter_keeps_the_stored_scale_format_and_dtype(tmp_path, hf_states, fa
     assert scales and {release[k].dtype for k in scales} == {STORAGES[storage]}
 
     adapter = sdadapt.get_adapter(family, source=folder, dtype="float32")
-    (rule,) = [r for r in adapter.rules if isinstance(r, sdadapt.DequantFP8)]
+    (rule,) = [r for r in adapter.rules if isinstance(r, DequantFP8)]
     assert (rule.scale_format, rule.scale_dtype, tuple(rule.block)) == (*WANT_RULE[storage], BLOCK)
 
     model, reference = model_of(family, spec), model_of(family, spec)
@@ -201,10 +202,10 @@ def test_scale_options_are_checked_and_typed(hf_states) -> None:
     for family in ("deepseek_v3", "qwen3", "qwen3_moe"):
         build = adapter_module(family).build
         assert typing.get_type_hints(build)["scale_format"] == ScaleFormat | None, family
-        (rule,) = [r for r in build(quantization=quantization, scale_format="ue8m0_float32").rules if isinstance(r, sdadapt.DequantFP8)]
+        (rule,) = [r for r in build(quantization=quantization, scale_format="ue8m0_float32").rules if isinstance(r, DequantFP8)]
         assert (rule.scale_format, rule.scale_dtype) == ("ue8m0_float32", None)
         (rule,) = [r for r in build(quantization=quantization, scale_dtype=torch.float8_e8m0fnu).rules
-                   if isinstance(r, sdadapt.DequantFP8)]  # fmt: skip
+                   if isinstance(r, DequantFP8)]  # fmt: skip
         assert (rule.scale_format, rule.scale_dtype) == ("ue8m0", "float8_e8m0fnu")
         with pytest.raises(AdapterError, match=rf"the {family} adapter: scale_dtype='float8_e8m0fnu' does not store "
                                                r"scale_format='ue8m0_float32' scales \(those are stored as float32\)"):  # fmt: skip
@@ -237,7 +238,7 @@ def test_dcp_checkpoint_with_e8m0_scales_loads_bit_exact_from_raw_bytes(tmp_path
         dcp.save(saved, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
     monkeypatch.setattr(FileSystemReader, "read_data", lambda *a, **kw: pytest.fail("FileSystemReader read data"))
 
-    with sdadapt.open_source(str(tmp_path / "ck")) as src:
+    with sdadapt.sources.open_source(str(tmp_path / "ck")) as src:
         assert {key: src.schema[key].dtype for key in saved} == {key: t.dtype for key, t in saved.items()}
         for key, t in saved.items():
             assert src.locate_region(key, tuple((0, n) for n in t.shape)) is not None, key

@@ -235,11 +235,11 @@ def test_wrong_format_or_options_fail_while_planning(cases_root: str) -> None:
     rep = sdadapt.diff(_meta_model(mxfp4), mxfp4["path"], sdadapt.get_adapter("gpt_oss", source=mxfp4["path"], dtype="bfloat16"))
     assert not rep.ok and "layers.{0..2}.moe.experts.w1" in rep.format() and "bfloat16" in rep.format()
 
-    with pytest.raises(sdadapt.AdapterError, match="reads bf16 releases and MXFP4 ones .* not quant_method 'fp8'"):
+    with pytest.raises(sdadapt.errors.AdapterError, match="reads bf16 releases and MXFP4 ones .* not quant_method 'fp8'"):
         sdadapt.get_adapter("gpt_oss", intermediate_size=F, quantization={"quant_method": "fp8"})
-    with pytest.raises(sdadapt.AdapterError, match="needs option 'intermediate_size'"):
+    with pytest.raises(sdadapt.errors.AdapterError, match="needs option 'intermediate_size'"):
         sdadapt.get_adapter("gpt_oss")
-    with pytest.raises(sdadapt.AdapterError, match="intermediate_size must be a positive integer"):
+    with pytest.raises(sdadapt.errors.AdapterError, match="intermediate_size must be a positive integer"):
         sdadapt.get_adapter("gpt_oss", intermediate_size=0)
 
 

@@ -266,13 +266,13 @@ def test_quantized_configs_are_refused(tmp_path: Any) -> None:
         str(folder / "model.safetensors"),
     )
     for name in ("qwen3", "qwen3_moe"):
-        with pytest.raises(sdadapt.AdapterError, match=f"the {name} adapter: an FP8 checkpoint needs its block size"):
+        with pytest.raises(sdadapt.errors.AdapterError, match=f"the {name} adapter: an FP8 checkpoint needs its block size"):
             sdadapt.get_adapter(name, source=str(folder))
-    with pytest.raises(sdadapt.AdapterError, match="MXFP4 checkpoints need the dequant rules: not supported by this adapter"):
+    with pytest.raises(sdadapt.errors.AdapterError, match="MXFP4 checkpoints need the dequant rules: not supported by this adapter"):
         sdadapt.get_adapter("qwen3_moe", quantization="mxfp4")
-    with pytest.raises(sdadapt.AdapterError, match="experts must be 'per_expert' or 'stacked'"):
+    with pytest.raises(sdadapt.errors.AdapterError, match="experts must be 'per_expert' or 'stacked'"):
         sdadapt.get_adapter("qwen3_moe", experts="fused")
-    with pytest.raises(sdadapt.AdapterError, match="dense_layers must be non-negative integers"):
+    with pytest.raises(sdadapt.errors.AdapterError, match="dense_layers must be non-negative integers"):
         sdadapt.get_adapter("qwen3_moe", dense_layers=[-1])
 
 

@@ -356,13 +356,13 @@ def test_bad_options_fail_while_planning(cases_root: str) -> None:
 
 
 def test_adapter_options_are_checked() -> None:
-    with pytest.raises(sdadapt.AdapterError, match="needs option 'n_heads'"):
+    with pytest.raises(sdadapt.errors.AdapterError, match="needs option 'n_heads'"):
         sdadapt.get_adapter("llama")
-    with pytest.raises(sdadapt.AdapterError, match="n_heads 4 is not a multiple of n_kv_heads 3"):
+    with pytest.raises(sdadapt.errors.AdapterError, match="n_heads 4 is not a multiple of n_kv_heads 3"):
         sdadapt.get_adapter("llama", n_heads=4, n_kv_heads=3)
-    with pytest.raises(sdadapt.AdapterError, match="needs hidden_dim"):
+    with pytest.raises(sdadapt.errors.AdapterError, match="needs hidden_dim"):
         sdadapt.get_adapter("llama", n_heads=4, fused_w13=True)
-    with pytest.raises(sdadapt.AdapterError, match="experts must be 'per_expert' or 'stacked'"):
+    with pytest.raises(sdadapt.errors.AdapterError, match="experts must be 'per_expert' or 'stacked'"):
         sdadapt.get_adapter("mixtral", n_heads=4, experts="fused")
     names = dict(sdadapt.list_adapters())
     assert {"llama", "mixtral", "gpt2", "flux", "discussion"} <= set(names)

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 import sdadapt
-from sdadapt import ResolveError, resolve_adapter, resolve_target
+from sdadapt._plan.resolve import resolve_adapter, resolve_target
 from sdadapt.cli import main
+from sdadapt.errors import ResolveError
 
 MODEL_PY = """
 import torch
@@ -117,7 +118,7 @@ def test_diff_names_misspelt_extra_and_wrong_shape(work, capsys):
         assert "NOT OK: 4 problem(s)" in out  # 1 missing, 2 unexpected, 1 shape
     rc, out, _ = _run(capsys, "diff", "bad.pt", "-s", "model", "-t", "cli_models:build", "--json")
     assert rc == 1
-    rep = sdadapt.Report.model_validate_json(out)
+    rep = sdadapt.reports.Report.model_validate_json(out)
     assert rep.missing == ["blocks.1.qkv.weight"]
     assert sorted(rep.unexpected) == ["blocks.0.extra.weight", "blocks.1.qkv.wieght"]
     assert [m.key for m in rep.shape_mismatch] == ["blocks.2.out.weight"]

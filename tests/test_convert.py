@@ -11,8 +11,9 @@ import torch
 from models import TinyTransformer, split_qkv
 
 import sdadapt
-from sdadapt import ExportError, convert
+from sdadapt import convert
 from sdadapt.cli import main
+from sdadapt.errors import ExportError
 
 QKV = sdadapt.Adapter(
     [sdadapt.fuse([f"layers.{{i}}.attn.{n}_proj.{{p}}" for n in "qkv"], "layers.{i}.attn.qkv.{p}")], name="split-qkv"
@@ -30,7 +31,7 @@ def ckpt(tmp_path):
 
 
 def _read_all(path):
-    with sdadapt.open_source(path) as src:
+    with sdadapt.sources.open_source(path) as src:
         return {k: src.read(k, tuple((0, n) for n in i.shape)).clone() for k, i in src.schema.items()}
 
 

@@ -232,7 +232,7 @@ def _good_load(good: dict[str, str], mesh: Any) -> dict[str, Any]:
         model = _make(mesh, True)
         try:  # a failed load puts the model back on meta; the same model then loads fine
             sdadapt.load(model, good[name], check_finite=True, init_buffers=_fail_once)
-        except sdadapt.ModelError:
+        except sdadapt.errors.ModelError:
             assert _all_meta(model)
         sdadapt.load(model, good[name], verify=name in ("st",), check_finite=True)
         out[name] = all(

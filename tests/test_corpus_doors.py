@@ -1,7 +1,7 @@
 """The hostile corpus of the newer doors (tests/corpus_doors.py) on 1 process and on 2 gloo ranks.
 
 For every case and every rank: one of sdadapt's errors (the case's exact class; on a rank that
-only hears of another rank's failure, :class:`~sdadapt.RemoteRankError` quoting it), a message
+only hears of another rank's failure, :class:`~sdadapt.errors.RemoteRankError` quoting it), a message
 naming the file (or the ``hf://`` id), within ``BOUND_S`` seconds, and the model as the load
 transaction promises: a meta model stays on meta, a model holding values keeps them bit for bit
 (or, after a failure while reading in place, says "partly overwritten" and is marked). CLI cases

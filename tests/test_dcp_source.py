@@ -178,7 +178,7 @@ def test_raw_chunk_fallbacks(tmp_path, monkeypatch):
     assert src.locate_region("w", ((0, 6), (0, 3))) is None
     try:
         got = src.read("w", ((0, 6), (0, 3)))
-    except sdadapt.SourceError as e:
+    except sdadapt.errors.SourceError as e:
         assert "corrupt" in str(e)
     else:
         assert torch.equal(got, sd["w"])
@@ -208,24 +208,24 @@ def test_subtree(tmp_path):
     assert src.locate("w") is None  # stored in chunks: located by region
     (cb, loc), = src.locate_region("w", ((1, 4), (0, 7)))
     assert cb == ((0, 13), (0, 7)) and loc.path in data
-    with pytest.raises(sdadapt.SourceError, match="subtree 'nope'"):
+    with pytest.raises(sdadapt.errors.SourceError, match="subtree 'nope'"):
         open_source(folder, subtree="nope")
 
 
 def test_interrupted_save_without_metadata(tmp_path):
     folder = _save_single(tmp_path / "ck", _tensors())
     os.remove(os.path.join(folder, ".metadata"))
-    with pytest.raises(sdadapt.SourceError, match="no .metadata.*interrupted") as e:
+    with pytest.raises(sdadapt.errors.SourceError, match="no .metadata.*interrupted") as e:
         open_source(folder)
     assert folder in str(e.value)
-    with pytest.raises(sdadapt.SourceError, match="no .metadata"):
+    with pytest.raises(sdadapt.errors.SourceError, match="no .metadata"):
         sdadapt.load(TinyTransformer(), folder)
 
 
 def test_missing_data_file(tmp_path):
     folder = _save_single(tmp_path / "ck", _tensors())
     os.remove(os.path.join(folder, "__0_0.distcp"))
-    with pytest.raises(sdadapt.SourceError, match=r"__0_0\.distcp.*missing"):
+    with pytest.raises(sdadapt.errors.SourceError, match=r"__0_0\.distcp.*missing"):
         open_source(folder)
 
 
@@ -234,7 +234,7 @@ def test_truncated_data_file(tmp_path):
     path = os.path.join(folder, "__0_0.distcp")
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 3)
-    with pytest.raises(sdadapt.SourceError, match="corrupt or truncated") as e:  # found at open (item past the end)
+    with pytest.raises(sdadapt.errors.SourceError, match="corrupt or truncated") as e:  # found at open (item past the end)
         src = open_source(folder)
         for k, info in src.schema.items():
             src.read(k, tuple((0, n) for n in info.shape))
@@ -250,9 +250,9 @@ def test_metadata_cannot_run_code(tmp_path):
     folder = _save_single(tmp_path / "ck", _tensors())
     with open(os.path.join(folder, ".metadata"), "wb") as f:
         pickle.dump(_Evil(), f)
-    with pytest.raises(sdadapt.SourceError, match="refusing to read DCP metadata"):
+    with pytest.raises(sdadapt.errors.SourceError, match="refusing to read DCP metadata"):
         open_source(folder)
     with open(os.path.join(folder, ".metadata"), "wb") as f:
         f.write(b"\x80\x04garbage")
-    with pytest.raises(sdadapt.SourceError, match="metadata"):
+    with pytest.raises(sdadapt.errors.SourceError, match="metadata"):
         open_source(folder)

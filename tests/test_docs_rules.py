@@ -1,7 +1,7 @@
 """docs/rules.md: every JSON example reads as an adapter and plans, both ways.
 
 Each ```json block of the page is read with ``sdadapt.Adapter.from_json`` and planned (headers
-only, ``sdadapt.build_plan``) from the tiny checkpoint schema of :data:`CASES` (by the
+only, ``build_plan``) from the tiny checkpoint schema of :data:`CASES` (by the
 adapter's ``name``) to the model schema there; the plan must have no problem and a recipe for
 every model key, and the adapter's inverse must plan the model back to the checkpoint. An
 example without a case here fails, so a new example gets checked too.
@@ -17,7 +17,8 @@ import pytest
 import torch
 
 import sdadapt
-from sdadapt import TensorInfo
+from sdadapt._plan.plan import build_plan
+from sdadapt.sources import TensorInfo
 
 RULES_MD = Path(__file__).resolve().parent.parent / "docs" / "rules.md"
 BF16, F32, U8, FP8 = torch.bfloat16, torch.float32, torch.uint8, torch.float8_e4m3fn
@@ -103,10 +104,10 @@ def test_json_example_parses_and_plans_both_ways(text: str) -> None:
     adapter = sdadapt.Adapter.from_json(text)
     assert sdadapt.Adapter.from_json(adapter.to_json()) == adapter
     ckpt, model = CASES[adapter.name]()
-    plan = sdadapt.build_plan(ckpt, model, adapter)
+    plan = build_plan(ckpt, model, adapter)
     assert plan.report.ok, plan.report.format()
     assert sorted(plan.recipes) == sorted(model)
-    back = sdadapt.build_plan(model, ckpt, adapter.inverse())
+    back = build_plan(model, ckpt, adapter.inverse())
     assert back.report.ok, back.report.format()
     assert sorted(back.recipes) == sorted(ckpt)
     quant = {r.kind for r in adapter.rules} & {"dequant_fp8", "dequant_mxfp4", "quantize_fp8", "quantize_mxfp4"}

@@ -21,9 +21,10 @@ import pytest
 import torch
 
 import sdadapt
-from sdadapt import TensorInfo, build_plan
 from sdadapt._draft.segments import build_tree
+from sdadapt._plan.plan import build_plan
 from sdadapt._plan.target import schema_of
+from sdadapt.sources import TensorInfo
 
 transformers = pytest.importorskip("transformers", reason="the test extra installs transformers")
 diffusers = pytest.importorskip("diffusers", reason="the test extra installs diffusers")
@@ -43,7 +44,7 @@ def meta_schema(model_fn: Any, *args: Any, **kw: Any) -> dict[str, TensorInfo]:
 
 
 def source_schema(path: str) -> dict[str, TensorInfo]:
-    with sdadapt.open_source(path) as s:
+    with sdadapt.sources.open_source(path) as s:
         return dict(s.schema)
 
 
@@ -327,7 +328,7 @@ def test_bad_input(ckpts: dict[str, str], tmp_path: Path, capsys: Any) -> None:
         assert main(["draft", path, "--target", ckpts["llama0"]]) == 2
         draft_err = capsys.readouterr().err
         assert draft_err.replace("sdadapt draft", "sdadapt diff") == diff_err
-        with pytest.raises(sdadapt.SourceError):
+        with pytest.raises(sdadapt.errors.SourceError):
             sdadapt.draft(ckpts["llama0"], path)
     # a target that cannot be imported: the import error, exit 2
     broken = tmp_path / "broken.py"

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 import sdadapt
-from sdadapt import TensorInfo
+from sdadapt.sources import TensorInfo
 
 pytest.importorskip("transformers", reason="the test extra installs transformers")
 
@@ -219,7 +219,7 @@ def test_numerical_draft_that_matches_nothing_stays_open(ckpts: dict) -> None:
     assert any(q.question.startswith("rotary row order") for q in d.questions)
     assert d.report.values_checked is None and "values unchecked" in d.format()
     # and a target that is a checkpoint, not a model, cannot be checked: said plainly
-    d2 = sdadapt.draft(sdadapt.open_source(str(path)).schema, path, reference="config")
+    d2 = sdadapt.draft(sdadapt.sources.open_source(str(path)).schema, path, reference="config")
     assert any("needs the model itself" in line for line in d2.summary) or not d2.related, d2.summary
 
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 import sdadapt
+from sdadapt._plan.resolve import resolve_adapter
 
 pytest.importorskip("transformers", reason="the test extra installs transformers")
 
@@ -205,7 +206,7 @@ def test_cli_draft_with_reference(ckpts: dict[str, tuple[Path, nn.Module]], tmp_
     assert main(["draft", str(path), "--target", f"{build}:build", "--reference", "config", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "values checked" in printed and "checked numerically" in out.read_text(), printed
-    adapter = sdadapt.resolve_adapter(f"{out}:ADAPTER")
+    adapter = resolve_adapter(f"{out}:ADAPTER")
     assert sdadapt.verify(_loaded(path, adapter), hf).passed
     assert main(["draft", str(path), "--target", str(path), "--reference", "config"]) == 2
     assert "--reference needs the model" in capsys.readouterr().err

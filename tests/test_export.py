@@ -41,7 +41,7 @@ def test_round_trip_through_inverse_adapter(tmp_path, fmt):
     model = _model()
     dst = str(tmp_path / "out")
     rep = sdadapt.export(model, dst, QKV, fmt, max_shard_size=4000)
-    src = sdadapt.open_source(dst)
+    src = sdadapt.sources.open_source(dst)
     want = split_qkv(model.state_dict())  # the checkpoint layout: q/k/v split
     assert set(src.schema) == set(want)
     for k, v in want.items():
@@ -228,7 +228,7 @@ def test_convert_refuses_a_source_that_changes_while_read(tmp_path):
         st = os.stat(src)
         os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
 
-    with pytest.raises(sdadapt.SourceError, match="changed while it was being converted") as e:
+    with pytest.raises(sdadapt.errors.SourceError, match="changed while it was being converted") as e:
         convert(src, dst, progress=touch)
     assert str(src) in str(e.value)
     assert sorted(os.listdir(tmp_path)) == ["src.safetensors"]

@@ -105,7 +105,7 @@ def test_export_with_assets_and_save_state_by_name(hf_llama: tuple[str, Any], tm
 
 
 def test_a_name_without_any_source_says_what_to_pass() -> None:
-    with pytest.raises(sdadapt.AdapterError) as e:
+    with pytest.raises(sdadapt.errors.AdapterError) as e:
         list(sdadapt.export_iter(_meta_llama(), "llama"))
     msg = str(e.value)
     assert "n_heads" in msg and "sdadapt.get_adapter('llama', n_heads=...)" in msg and "source=" in msg

@@ -103,7 +103,7 @@ def test_stream_by_adapter_name_and_identity(tmp_path):
 def test_stream_of_a_meta_model_fails_before_yielding():
     with torch.device("meta"):
         model = TinyTransformer()
-    with pytest.raises(sdadapt.ExportError, match="meta device"):
+    with pytest.raises(sdadapt.errors.ExportError, match="meta device"):
         next(sdadapt.export_iter(model))
 
 

@@ -12,7 +12,7 @@ from pydantic import BaseModel
 from torch import nn
 
 import sdadapt
-from sdadapt._plan.resolve import resolve_target_on_meta
+from sdadapt._plan.resolve import resolve_target, resolve_target_on_meta
 from sdadapt._transaction.export import ExportReport
 from sdadapt._transaction.shrink import ShrinkReport
 from sdadapt.cli import main
@@ -77,14 +77,14 @@ def test_every_public_report_has_a_readable_str():
     """A public pydantic result with a text form (``format`` / ``format_text``) prints that form,
     not its fields."""
     found = []
-    for name in sdadapt.__all__:
-        obj = getattr(sdadapt, name)
+    for name in sdadapt.reports.__all__:
+        obj = getattr(sdadapt.reports, name)
         if not (isinstance(obj, type) and issubclass(obj, BaseModel)):
             continue
         if not any(callable(vars(obj).get(m)) for m in ("format", "format_text")):
             continue
         found.append(name)
-        assert obj.__str__ is not BaseModel.__str__, f"sdadapt.{name} prints its pydantic fields"
+        assert obj.__str__ is not BaseModel.__str__, f"sdadapt.reports.{name} prints its pydantic fields"
     assert {"ExportReport", "LoadReport", "StateLoadReport", "Report", "ShrinkReport"} <= set(found), found
 
 
@@ -127,7 +127,7 @@ def test_target_is_built_on_meta(targets):
     model, note = resolve_target_on_meta("nets.py:Net", dim=8)
     assert note is None and all(p.is_meta for p in model.parameters()) and model.fc.weight.shape == (8, 8)
     # the Python function keeps building as the function does
-    assert not sdadapt.resolve_target("nets.py:Net").fc.weight.is_meta
+    assert not resolve_target("nets.py:Net").fc.weight.is_meta
     assert resolve_target_on_meta("ck.pt") == ("ck.pt", None)
 
 
@@ -143,7 +143,7 @@ def test_target_with_real_tensors_is_said(targets, spec, says, capsys):
 
 
 def test_target_that_fails_either_way_raises_its_own_error(targets):
-    with pytest.raises(sdadapt.ResolveError, match="broken builder"):
+    with pytest.raises(sdadapt.errors.ResolveError, match="broken builder"):
         resolve_target_on_meta("nets.py:broken")
 
 

@@ -26,7 +26,8 @@ from checkpoints import INDEX_NAME, write_safetensors
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from sdadapt import Adapter, build_plan
+from sdadapt import Adapter
+from sdadapt._plan.plan import build_plan
 from sdadapt.errors import SdadaptError
 from sdadapt.sources import TensorInfo, open_source
 

@@ -49,6 +49,6 @@ def test_load_plans_and_reads_with_the_collector_paused(tmp_path, monkeypatch):
     sdadapt.load(model, str(path))
     assert seen == [False] and gc.isenabled()
     save_file({"weight": torch.randn(3, 4)}, str(path))  # bias missing: a plan error
-    with pytest.raises(sdadapt.PlanError, match="bias"):
+    with pytest.raises(sdadapt.errors.PlanError, match="bias"):
         sdadapt.load(model, str(path))
     assert seen == [False, False] and gc.isenabled()

@@ -391,7 +391,7 @@ def test_unmapped_operation_is_named(tmp_path: Any, registered: Any) -> None:
     _, folder = _tiny_llama(str(tmp_path))
     registered("LlamaForCausalLM", [WeightConverter("self_attn.q_proj.weight", "self_attn.q_proj.weight", [PermuteForRope()])])
     model = _meta(folder)
-    with pytest.raises(sdadapt.AdapterError, match=r"LlamaForCausalLM \(model_type 'llama'\).*PermuteForRope"):
+    with pytest.raises(sdadapt.errors.AdapterError, match=r"LlamaForCausalLM \(model_type 'llama'\).*PermuteForRope"):
         sdadapt.load(model, folder)
     assert all(p.is_meta for p in model.parameters())  # nothing happened to the model
 
@@ -406,7 +406,7 @@ def test_base_model_prefix_and_tied_embeddings(tmp_path: Any) -> None:
     lm = _meta(base)
     adapter = sdadapt.hf_adapter(lm, base)
     assert {r.kind for r in adapter.rules} == {"rename", "tie"}, adapter.describe()
-    assert sdadapt.Tie(dst="lm_head.weight", src="model.embed_tokens.weight") in adapter.rules
+    assert sdadapt.rules.Tie(dst="lm_head.weight", src="model.embed_tokens.weight") in adapter.rules
     sdadapt.load(lm, base)
     ref = transformers.AutoModelForCausalLM.from_pretrained(base)
     for k, v in ref.state_dict().items():
@@ -421,7 +421,7 @@ def test_base_model_prefix_and_tied_embeddings(tmp_path: Any) -> None:
 
 
 def test_not_a_transformers_model() -> None:
-    with pytest.raises(sdadapt.AdapterError, match="PreTrainedModel"):
+    with pytest.raises(sdadapt.errors.AdapterError, match="PreTrainedModel"):
         sdadapt.hf_adapter(torch.nn.Linear(2, 2))
 
 

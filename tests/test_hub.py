@@ -128,7 +128,7 @@ def child_load(spec: str) -> dict:
 
 def child_error(spec: str) -> dict:
     try:
-        sdadapt.open_source(spec)
+        sdadapt.sources.open_source(spec)
     except SourceError as e:
         return {"error": str(e)}
     return {"error": None}
@@ -196,12 +196,12 @@ def test_cli_commands_take_hub_ids(tmp_path):
 def test_hub_id_message_and_missing_package(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SourceError, match="write hf://Qwen/Qwen3-8B"):
-        sdadapt.open_source("Qwen/Qwen3-8B")
+        sdadapt.sources.open_source("Qwen/Qwen3-8B")
     with pytest.raises(SourceError, match="hf://org/name or hf://org/name@revision"):
-        sdadapt.open_source("hf://just-a-name")
+        sdadapt.sources.open_source("hf://just-a-name")
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import fails as if not installed
     with pytest.raises(SourceError, match=r"pip install 'sdadapt\[hub\]'"):
-        sdadapt.open_source("hf://org/not-installed")
+        sdadapt.sources.open_source("hf://org/not-installed")
 
 
 # ------------------------------------------------------------------ several ranks
@@ -232,7 +232,7 @@ def test_one_process_per_node_downloads_the_others_wait(tmp_path, monkeypatch):
 
 def _dist_missing(spec: str) -> dict:
     try:
-        sdadapt.open_source(spec)
+        sdadapt.sources.open_source(spec)
     except sdadapt.SdadaptError as e:
         return {"error": type(e).__name__, "message": str(e)}
     return {"error": None}
@@ -273,7 +273,7 @@ def test_a_failed_download_is_every_ranks_error(tmp_path, monkeypatch):
 def test_ids_and_revisions_are_checked_before_anything_is_read(monkeypatch, spec, says):
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # nothing may even import the client
     with pytest.raises(SourceError) as e:
-        sdadapt.open_source(spec)
+        sdadapt.sources.open_source(spec)
     assert says in str(e.value) and spec in str(e.value)
 
 
@@ -290,7 +290,7 @@ def child_escape(cache: str) -> dict:
     out = {}
     for spec in (f"hf://{REPO}@../../../outside", "hf://org/leak"):
         try:
-            sdadapt.open_source(spec)
+            sdadapt.sources.open_source(spec)
             out[spec] = None
         except SourceError as e:
             out[spec] = str(e)

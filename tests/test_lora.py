@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 import sdadapt
 from sdadapt._base.regions import full_box
+from sdadapt._plan.plan import build_plan
 from sdadapt._recipes.nodes import Leaf
 from sdadapt.errors import AdapterError, PlanError, SourceError
 from sdadapt.rules._lora import LORA_NAMESPACE, LoraMerge, MergeLora
@@ -318,9 +319,9 @@ def test_per_expert_lora_merges_then_stacks() -> None:
         tensors[f"experts.{e}.w1.weight"] = torch.randn(out, inp, generator=gen)
         tensors[f"{LORA_NAMESPACE}base_model.model.experts.{e}.w1.lora_A.weight"] = torch.randn(r, inp, generator=gen)
         tensors[f"{LORA_NAMESPACE}base_model.model.experts.{e}.w1.lora_B.weight"] = torch.randn(out, r, generator=gen)
-    schema = {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    schema = {k: sdadapt.sources.TensorInfo(tuple(v.shape), v.dtype) for k, v in tensors.items()}
     adapter = sdadapt.Adapter([MergeLora(alpha=4), sdadapt.stack("experts.{e}.w1.weight", "w1")])
-    plan = sdadapt.build_plan(schema, {"w1": sdadapt.TensorInfo((E, out, inp), torch.float32)}, adapter)
+    plan = build_plan(schema, {"w1": sdadapt.sources.TensorInfo((E, out, inp), torch.float32)}, adapter)
     assert plan.report.ok, plan.report.format()
     node = plan.recipes["w1"]
     expected = torch.stack([
@@ -347,9 +348,9 @@ def test_a_merge_cast_to_float32_is_rounded_once_into_float32() -> None:
         tensors[f"experts.{e}.w1.weight"] = torch.randn(out, inp, generator=gen).to(torch.bfloat16)
         tensors[f"{LORA_NAMESPACE}base_model.model.experts.{e}.w1.lora_A.weight"] = torch.randn(r, inp, generator=gen)
         tensors[f"{LORA_NAMESPACE}base_model.model.experts.{e}.w1.lora_B.weight"] = torch.randn(out, r, generator=gen)
-    schema = {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    schema = {k: sdadapt.sources.TensorInfo(tuple(v.shape), v.dtype) for k, v in tensors.items()}
     adapter = sdadapt.Adapter([MergeLora(alpha=4), sdadapt.stack("experts.{e}.w1.weight", "w1"), sdadapt.cast("w1", "model")])
-    plan = sdadapt.build_plan(schema, {"w1": sdadapt.TensorInfo((E, out, inp), torch.float32)}, adapter)
+    plan = build_plan(schema, {"w1": sdadapt.sources.TensorInfo((E, out, inp), torch.float32)}, adapter)
     assert plan.report.ok, plan.report.format()
     node = plan.recipes["w1"]
     assert "cast(" not in node.describe() and "dtype=float32" in node.describe()

@@ -332,7 +332,7 @@ def fp8_adapter(fmt: str) -> sdadapt.Adapter:
     (the release's schema tells ``dequant_rules``)."""
     config = {"quantization_config": {"quant_method": "fp8", "weight_block_size": list(BLOCK), "fmt": "e4m3",
                                       "activation_scheme": "dynamic", **({"scale_fmt": "ue8m0"} if "ue8m0" in fmt else {})}}  # fmt: skip
-    schema = {k: sdadapt.TensorInfo(tuple(v.shape), v.dtype) for k, v in release_tensors(fmt).items()}
+    schema = {k: sdadapt.sources.TensorInfo(tuple(v.shape), v.dtype) for k, v in release_tensors(fmt).items()}
     return sdadapt.Adapter(
         [
             *sdadapt.dequant_rules(config, schema=schema if fmt == "ue8m0_float32" else None),
@@ -601,11 +601,11 @@ def test_dequant_rules_from_config(tmp_path):
     (r,) = sdadapt.dequant_rules(str(tmp_path))
     assert r.scale_format == "ue8m0" and "**model.layers.3.mlp.gate.weight" in r.exclude
     # DeepSeek-V3.1 style: ue8m0 in the config, power-of-two scales stored as float32
-    schema = {"a.weight_scale_inv": sdadapt.TensorInfo((2, 2), torch.float32)}
+    schema = {"a.weight_scale_inv": sdadapt.sources.TensorInfo((2, 2), torch.float32)}
     (r,) = sdadapt.dequant_rules(cfg, schema=schema)
     assert (r.scale_format, r.scale_dtype) == ("ue8m0_float32", None)
     for stored in (torch.uint8, torch.float8_e8m0fnu):  # exponent bytes: export keeps their dtype
-        schema = {"a.weight_scale_inv": sdadapt.TensorInfo((2, 2), stored)}
+        schema = {"a.weight_scale_inv": sdadapt.sources.TensorInfo((2, 2), stored)}
         (r,) = sdadapt.dequant_rules(cfg, schema=schema)
         assert (r.scale_format, r.scale_dtype) == ("ue8m0", str(stored).removeprefix("torch."))
     (r,) = sdadapt.dequant_rules({"quantization_config": {"quant_method": "mxfp4"}})

@@ -238,7 +238,7 @@ def test_region_reads_equal_the_whole(cases, name: str) -> None:
     same region of the whole tensor, and reads only its own rows' bytes."""
     folder, _ = cases[name]
     _, plan = sdadapt.plan_load(Tiny(), folder, adapter_for(folder))
-    with sdadapt.open_source(folder) as src:
+    with sdadapt.sources.open_source(folder) as src:
         from checkpoints import DictIO
 
         io = DictIO({k: src.read(k, tuple((0, n) for n in i.shape)).clone() for k, i in src.schema.items()})
@@ -308,7 +308,7 @@ def test_unconsumed_scale_is_an_error_and_activation_scales_are_dropped(cases, t
 
 def test_scale_of_the_wrong_shape_is_a_plan_problem(cases, tmp_path) -> None:
     folder, _ = cases["w4a16"]
-    with sdadapt.open_source(folder) as src:
+    with sdadapt.sources.open_source(folder) as src:
         tensors = {k: src.read(k, tuple((0, n) for n in i.shape)).clone() for k, i in src.schema.items()}
     tensors["model.layers.0.w1.weight_scale"] = tensors["model.layers.0.w1.weight_scale"][:, :1].clone()
     os.makedirs(tmp_path / "bad")
@@ -446,7 +446,7 @@ def test_shards_gather_their_inputs_on_the_device_lane(cases, name: str) -> None
 
     folder, _ = cases[name]
     _, plan = sdadapt.plan_load(Tiny(), folder, adapter_for(folder))
-    with sdadapt.open_source(folder) as src:
+    with sdadapt.sources.open_source(folder) as src:
         from checkpoints import DictIO
 
         io = DictIO({k: src.read(k, tuple((0, n) for n in i.shape)).clone() for k, i in src.schema.items()})
@@ -534,7 +534,7 @@ def test_kernels_write_into_the_destination_with_the_same_bits(cases, name: str,
     folder, _ = cases[name]
     _, plan = sdadapt.plan_load(Tiny(), folder, adapter_for(folder))
     rng = random.Random(name)
-    with sdadapt.open_source(folder) as src:
+    with sdadapt.sources.open_source(folder) as src:
         io = DictIO({k: src.read(k, tuple((0, n) for n in i.shape)).clone() for k, i in src.schema.items()})
         for key in ("layers.0.w1.weight", "layers.0.w2.weight"):
             for dtype in (torch.bfloat16, torch.float16, torch.float32):

@@ -140,9 +140,9 @@ def check_values(state: dict[str, torch.Tensor], w1, w2, fmt: str) -> None:
         assert torch.equal(state[key].view(torch.int16), want.view(torch.int16)), key
 
 
-def schema_of(release: dict[str, Raw]) -> dict[str, sdadapt.TensorInfo]:
+def schema_of(release: dict[str, Raw]) -> dict[str, sdadapt.sources.TensorInfo]:
     dtypes = {v: k for k, v in NAMES.items()}
-    return {k: sdadapt.TensorInfo(tuple(shape), dtypes[dt]) for k, (dt, shape, _) in release.items()}
+    return {k: sdadapt.sources.TensorInfo(tuple(shape), dtypes[dt]) for k, (dt, shape, _) in release.items()}
 
 
 # --- 1. power-of-two scales stored as float32 (DeepSeek-V3.1) -------------------------------------
@@ -191,7 +191,7 @@ def test_safetensors_sources_read_f8_e8m0(tmp_path):
     data = bytes([0, 1, 100, 126, 127, 128, 200, 254, 255, 3, 77, 129])
     path = write_by_hand(str(tmp_path / "s.safetensors"), {"a": ("F8_E8M0", [3, 4], data), "b": ("U8", [2], b"\x05\x06")})
     sf = SafetensorsFile(path)
-    assert sf.schema["a"] == sdadapt.TensorInfo((3, 4), torch.float8_e8m0fnu)
+    assert sf.schema["a"] == sdadapt.sources.TensorInfo((3, 4), torch.float8_e8m0fnu)
     got = sf.read("a", ((1, 3), (1, 4)))
     assert got.dtype == torch.float8_e8m0fnu
     assert got.view(torch.uint8).flatten().tolist() == [data[i * 4 + j] for i in (1, 2) for j in (1, 2, 3)]
@@ -213,7 +213,7 @@ def e8m0_release(seed: int) -> tuple[dict[str, Raw], tuple, tuple]:
 def test_fp8_release_with_f8_e8m0_scales_loads_and_exports_that_dtype(tmp_path):
     release, w1, w2 = e8m0_release(seed=7)
     assert release["model.w1.weight_scale_inv"][0] == "F8_E8M0"
-    with sdadapt.open_source(write_by_hand(str(tmp_path / "header.safetensors"), release)) as source:
+    with sdadapt.sources.open_source(write_by_hand(str(tmp_path / "header.safetensors"), release)) as source:
         (rule,) = sdadapt.dequant_rules(config("ue8m0"), schema=source.schema)
     assert (rule.scale_format, rule.scale_dtype) == ("ue8m0", "float8_e8m0fnu")
     state, exported = load_and_export(tmp_path, release, [rule])

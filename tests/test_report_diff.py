@@ -9,6 +9,7 @@ from torch import nn
 
 import sdadapt
 from sdadapt._base.keyruns import compress
+from sdadapt._plan.plan import build_plan
 from sdadapt._plan.report import Report
 from sdadapt.sources._base import TensorInfo
 
@@ -120,7 +121,7 @@ def test_report_row_limit_and_json():
 def test_dtype_and_rule_problems_grouped():
     src = {f"l.{i}.w": TensorInfo((2,), torch.bfloat16) for i in range(4)}
     tgt = {f"l.{i}.w": TensorInfo((2,), torch.float32) for i in range(4)}
-    report = sdadapt.build_plan(src, tgt, sdadapt.Adapter([sdadapt.drop("nothing")])).report
+    report = build_plan(src, tgt, sdadapt.Adapter([sdadapt.drop("nothing")])).report
     text = report.format()
     assert 'dtype mismatch (4), all fixed by sdadapt.cast("**", "model") if the conversion is intended:' in text
     [row] = [line for line in text.splitlines() if line.startswith("  l.{0..3}.w: ")]
@@ -133,7 +134,7 @@ def test_dtype_only_mismatch_names_the_one_rule_that_fixes_it():
     cause comes first, as one line, and the rule it names makes the plan line up."""
     src = {f"l.{i}.{n}": TensorInfo((2,), torch.float32) for i in range(12) for n in ("w", "norm")}
     tgt = {k: TensorInfo((2,), torch.bfloat16 if k.endswith(".w") else torch.float32) for k in src}
-    text = sdadapt.build_plan(src, tgt).report.format()
+    text = build_plan(src, tgt).report.format()
     lines = text.splitlines()
     assert lines[3] == (
         'root cause: only dtypes differ: the checkpoint gives float32 where the model holds bfloat16 (12 keys); '
@@ -141,7 +142,7 @@ def test_dtype_only_mismatch_names_the_one_rule_that_fixes_it():
         'sdadapt diff --dtype model)'
     )
     assert sum("root cause" in line for line in lines) == 1
-    fixed = sdadapt.build_plan(src, tgt, sdadapt.Adapter([sdadapt.cast("**", "model")]))
+    fixed = build_plan(src, tgt, sdadapt.Adapter([sdadapt.cast("**", "model")]))
     assert fixed.report.ok, fixed.report.format()
     assert {k: n.dtype for k, n in fixed.recipes.items()} == {k: i.dtype for k, i in tgt.items()}
     assert sdadapt.Adapter.from_json(sdadapt.Adapter([sdadapt.cast("**", "model")]).to_json()).rules[0].dtype == "model"
@@ -169,19 +170,19 @@ def test_diff_takes_the_dtype_that_load_takes(tmp_path, capsys):
 def test_prefix_root_cause_first():
     tgt = {f"layers.{i}.w": TensorInfo((2,), torch.float32) for i in range(10)}
     src = {f"model.{k}": v for k, v in tgt.items()}
-    lines = sdadapt.build_plan(src, tgt).report.format().splitlines()
+    lines = build_plan(src, tgt).report.format().splitlines()
     assert lines[3] == (
         "root cause: 10 of the checkpoint's keys carry the prefix 'model.' that the other side lacks; "
         "add sdadapt.strip_prefix('model.') to the adapter"
     )
-    lines = sdadapt.build_plan(tgt, src).report.format().splitlines()
+    lines = build_plan(tgt, src).report.format().splitlines()
     assert "add sdadapt.add_prefix('model.')" in lines[3]
-    assert sdadapt.build_plan(src, tgt, sdadapt.Adapter([sdadapt.strip_prefix("model.")])).report.ok
+    assert build_plan(src, tgt, sdadapt.Adapter([sdadapt.strip_prefix("model.")])).report.ok
 
 
 def test_an_ok_report_says_names_are_not_numbers():
     tgt = {"w": TensorInfo((2,), torch.float32)}
-    text = sdadapt.build_plan(tgt, tgt).report.format()
+    text = build_plan(tgt, tgt).report.format()
     assert "not values" in text and "sdadapt verify" in text
     assert text.endswith("OK: checkpoint and model line up by names and shapes; values unchecked")
 

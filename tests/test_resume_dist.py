@@ -337,14 +337,14 @@ def test_single_process_state_round_trip_and_record(tmp_path):
     record = json.loads((tmp_path / "ck" / "sdadapt.json").read_text())
     assert record["model_key"] == "model" and record["optim_key"] == "optim" and record["extra"] == ["sched", "step"]
     assert sdadapt.Adapter(**record["adapter"]) == QKV
-    with pytest.raises(sdadapt.StateError, match="not empty"):
+    with pytest.raises(sdadapt.errors.StateError, match="not empty"):
         sdadapt.save_state(dst, model, opt)
 
     model2 = TinyTransformer(vocab=VOCAB)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
     sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
     before = {k: v.clone() for k, v in model2.state_dict().items()}
-    with pytest.raises(sdadapt.StateError, match="no entry 'loader'"):
+    with pytest.raises(sdadapt.errors.StateError, match="no entry 'loader'"):
         sdadapt.load_state(dst, model2, opt2, {"loader": Counter()})
     assert all(torch.equal(v, before[k]) for k, v in model2.state_dict().items()) and len(opt2.state) == 0
     extra = {"sched": sched2, "step": 0}
@@ -387,5 +387,5 @@ def test_extras_are_never_unpickled_as_arbitrary_objects(tmp_path):
     plain = _Holder({"lr": 0.0, "n": []})  # DCP loads into the leaves the current state has
     sdadapt.load_state(dst, TinyTransformer(vocab=VOCAB), None, {"plain": plain})
     assert plain.value == {"lr": 0.5, "n": [1, 2]}
-    with pytest.raises(sdadapt.LoadError, match="refusing to unpickle non-tensor entry 'evil"):
+    with pytest.raises(sdadapt.errors.LoadError, match="refusing to unpickle non-tensor entry 'evil"):
         sdadapt.load_state(dst, TinyTransformer(vocab=VOCAB), None, {"evil": _Holder(None)})

@@ -326,7 +326,7 @@ def test_adapter_json_and_errors():
         description="d",
     )
     b = sdadapt.Adapter.from_json(a.to_json())
-    assert b == a and [type(r) for r in b.rules] == [sdadapt.Fuse, sdadapt.Cast, sdadapt.Drop, sdadapt.Tie]
+    assert b == a and [type(r) for r in b.rules] == [sdadapt.rules.Fuse, sdadapt.rules.Cast, sdadapt.rules.Drop, sdadapt.rules.Tie]
     with pytest.raises(AdapterError, match="not valid JSON"):
         sdadapt.Adapter.from_json("{")
     with pytest.raises(AdapterError, match="must be an object"):

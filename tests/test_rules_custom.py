@@ -4,8 +4,8 @@
   inverse, its effect on optimizer moments, refusals;
 - ``rotary`` over several keys (weight, bias, per-head norm weight with ``head_dim=``) and
   ``interleave`` over a weight and its bias;
-- user rule kinds: a :class:`sdadapt.ValueRule` and a key-moving :class:`sdadapt.RuleBase`
-  subclass defined here, registered with :func:`sdadapt.register_rule`, round-tripped through
+- user rule kinds: a :class:`sdadapt.rules.ValueRule` and a key-moving :class:`sdadapt.rules.RuleBase`
+  subclass defined here, registered with :func:`sdadapt.rules.register_rule`, round-tripped through
   JSON and loaded (through the engine) on a 2-rank gloo FSDP2 mesh, bit-exactly.
 """
 
@@ -24,16 +24,18 @@ from dist_helper import run_distributed
 from torch import nn
 
 import sdadapt
+from sdadapt._plan.plan import build_plan
 from sdadapt.errors import AdapterError
+from sdadapt.sources import TensorInfo
 
 # --- a user's node and rules (what the guide shows) ----------------------------------------------
 
 
 @dataclass(frozen=True, eq=False)
-class NegNode(sdadapt.Node):
+class NegNode(sdadapt.rules.Node):
     """``-child`` (``factor`` times it when given): a user node with produce, full, describe."""
 
-    child: sdadapt.Node
+    child: sdadapt.rules.Node
     factor: float = -1.0
     shape: tuple[int, ...] = field(init=False)
     dtype: torch.dtype = field(init=False)
@@ -43,7 +45,7 @@ class NegNode(sdadapt.Node):
         object.__setattr__(self, "dtype", self.child.dtype)
 
     def produce(self, box, dest, out):
-        out.append(sdadapt.Compute(self, box, dest, functools.partial(self._region, box)))
+        out.append(sdadapt.rules.Compute(self, box, dest, functools.partial(self._region, box)))
 
     def _region(self, box, io):
         return self.child.read(box, io) * self.factor
@@ -55,8 +57,8 @@ class NegNode(sdadapt.Node):
         return f"{self.factor:g} * {self.child.describe()}"
 
 
-@sdadapt.register_rule
-class Negate(sdadapt.ValueRule):
+@sdadapt.rules.register_rule
+class Negate(sdadapt.rules.ValueRule):
     """Negate the matched tensors (its own inverse)."""
 
     kind: Literal["test_negate"] = "test_negate"
@@ -70,8 +72,8 @@ class Negate(sdadapt.ValueRule):
         return [Negate(keys=self.keys)]
 
 
-@sdadapt.register_rule
-class ScaleInto(sdadapt.RuleBase):
+@sdadapt.rules.register_rule
+class ScaleInto(sdadapt.rules.RuleBase):
     """Key ``src`` becomes key ``dst``, multiplied by ``factor`` (a key-moving user rule)."""
 
     kind: Literal["test_scale_into"] = "test_scale_into"
@@ -181,7 +183,7 @@ def test_user_rules_plan_load_and_round_trip_json(tmp_path):
     exported = tmp_path / "back.safetensors"
     sdadapt.convert(path, str(tmp_path / "model.safetensors"), adapter, "safetensors")
     sdadapt.convert(str(tmp_path / "model.safetensors"), str(exported), adapter.inverse(), "safetensors")
-    with sdadapt.open_source(exported) as src:
+    with sdadapt.sources.open_source(exported) as src:
         for k, v in sd.items():
             assert torch.equal(src.read(k, tuple((0, n) for n in v.shape)), v), k
 
@@ -191,22 +193,22 @@ def test_unregistered_and_clashing_kinds_are_refused():
     with pytest.raises(AdapterError, match=r"rule #0: unknown rule kind 'test_nobody'.*register_rule"):
         sdadapt.Adapter.from_json(data)
 
-    class Other(sdadapt.ValueRule):
+    class Other(sdadapt.rules.ValueRule):
         kind: Literal["test_negate"] = "test_negate"
 
     with pytest.raises(AdapterError, match="taken by .*Negate"):
-        sdadapt.register_rule(Other)
+        sdadapt.rules.register_rule(Other)
 
-    class NoKind(sdadapt.ValueRule):
+    class NoKind(sdadapt.rules.ValueRule):
         pass
 
     with pytest.raises(AdapterError, match="needs a kind field"):
-        sdadapt.register_rule(NoKind)
+        sdadapt.rules.register_rule(NoKind)
 
 
 def test_user_value_rule_reports_what_it_cannot_do(tmp_path):
     path = write_safetensors(tmp_path / "i.safetensors", {"w_neg.weight": torch.arange(5 * DIM).reshape(5, DIM)})
-    report = sdadapt.diff({"w_neg.weight": sdadapt.TensorInfo((5, DIM), torch.int64)}, path, sdadapt.Adapter([Negate(keys="w_neg.weight")]))
+    report = sdadapt.diff({"w_neg.weight": TensorInfo((5, DIM), torch.int64)}, path, sdadapt.Adapter([Negate(keys="w_neg.weight")]))
     assert not report.ok
     assert "negate wants a floating tensor" in report.format()
 
@@ -222,17 +224,17 @@ def test_affine_values_regions_and_inverse(tmp_path, dtype):
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     for scale, shift in ((1.0, 1.0), (0.5, -0.25), (3.0, 0.0)):
         adapter = sdadapt.Adapter([sdadapt.affine("n.weight", scale=scale, shift=shift)])
-        model = {"n.weight": sdadapt.TensorInfo((7, 5), dtype)}
-        plan = sdadapt.build_plan(sdadapt.open_source(path).schema, model, adapter)
+        model = {"n.weight": TensorInfo((7, 5), dtype)}
+        plan = build_plan(sdadapt.sources.open_source(path).schema, model, adapter)
         node = plan.recipes["n.weight"]
         want = (w.to(compute) * scale + shift).to(dtype)
-        with sdadapt.open_source(path) as src:
+        with sdadapt.sources.open_source(path) as src:
             assert torch.equal(node.full(src), want)
             box = ((2, 6), (1, 4))
             assert torch.equal(node.read(box, src), want[2:6, 1:4])
         inv = adapter.inverse()
         assert inv.rules[0].invert and sdadapt.Adapter.from_json(inv.to_json()) == inv
-        plan_back = sdadapt.build_plan({"n.weight": sdadapt.TensorInfo((7, 5), dtype)}, model, inv)
+        plan_back = build_plan({"n.weight": TensorInfo((7, 5), dtype)}, model, inv)
         back = plan_back.recipes["n.weight"].full(_Mem({"n.weight": want}))
         assert torch.equal(back, ((want.to(compute) - shift) / scale).to(dtype))
 
@@ -244,12 +246,12 @@ def test_affine_cast_to_float32_computes_in_float32(tmp_path):
     w = (torch.randn(64, generator=g) * 1e-2).to(torch.bfloat16)
     path = write_safetensors(tmp_path / "n.safetensors", {"n.weight": w})
     adapter = sdadapt.Adapter([sdadapt.affine("n.weight", shift=1.0), sdadapt.cast("**", "model")])
-    plan = sdadapt.build_plan(sdadapt.open_source(path).schema, {"n.weight": sdadapt.TensorInfo((64,), torch.float32)}, adapter)
+    plan = build_plan(sdadapt.sources.open_source(path).schema, {"n.weight": TensorInfo((64,), torch.float32)}, adapter)
     node = plan.recipes["n.weight"]
     assert node.dtype == torch.float32 and node.describe() == "n.weight * 1 + 1 as float32"
     want = w.float() + 1.0
     assert not torch.equal(want, want.to(torch.bfloat16).float())  # 1 + w in bf16 loses w's low bits
-    with sdadapt.open_source(path) as src:
+    with sdadapt.sources.open_source(path) as src:
         assert torch.equal(node.full(src), want)
         assert torch.equal(node.read(((3, 40),), src), want[3:40])
 
@@ -265,8 +267,8 @@ class _Mem:
 def test_affine_refusals():
     with pytest.raises(AdapterError, match="non-zero"):
         sdadapt.affine("w", scale=0.0)
-    report = sdadapt.build_plan(
-        {"w": sdadapt.TensorInfo((3,), torch.int32)}, {"w": sdadapt.TensorInfo((3,), torch.int32)},
+    report = build_plan(
+        {"w": TensorInfo((3,), torch.int32)}, {"w": TensorInfo((3,), torch.int32)},
         sdadapt.Adapter([sdadapt.affine("w", shift=1.0)]),
     ).report
     assert [i.message for i in report.rule_issues] == ["affine needs a floating tensor; 'w' is torch.int32: cast it first"]
@@ -277,9 +279,9 @@ def test_affine_on_optimizer_moments():
     ``dL/dp = dL/dw / s``: moments drop the shift and scale as the gradient (squared)."""
     rule = sdadapt.affine("w", scale=4.0, shift=1.0)
     adapter = sdadapt.Adapter([sdadapt.rename("v", "w"), rule])
-    assert adapter.for_optimizer_state("exp_avg").rules[1:] == [sdadapt.Affine(keys="w", scale=4.0, invert=True)]
-    assert adapter.for_optimizer_state("exp_avg_sq").rules[1:] == [sdadapt.Affine(keys="w", scale=16.0, invert=True)]
-    assert adapter.inverse().for_optimizer_state("exp_avg_sq").rules[0] == sdadapt.Affine(keys="w", scale=16.0)
+    assert adapter.for_optimizer_state("exp_avg").rules[1:] == [sdadapt.rules.Affine(keys="w", scale=4.0, invert=True)]
+    assert adapter.for_optimizer_state("exp_avg_sq").rules[1:] == [sdadapt.rules.Affine(keys="w", scale=16.0, invert=True)]
+    assert adapter.inverse().for_optimizer_state("exp_avg_sq").rules[0] == sdadapt.rules.Affine(keys="w", scale=16.0)
     only_shift = sdadapt.Adapter([sdadapt.affine("w", shift=1.0)])
     assert only_shift.for_optimizer_state("momentum_buffer").rules == []
     with pytest.raises(AdapterError, match="optimizer state 'ema'"):
@@ -299,17 +301,17 @@ def test_affine_on_optimizer_moments():
 
 
 def test_rotary_needs_head_dim_for_norm_weights():
-    schema = {"q.weight": sdadapt.TensorInfo((8, 4), torch.float32), "q_norm.weight": sdadapt.TensorInfo((4,), torch.float32)}
+    schema = {"q.weight": TensorInfo((8, 4), torch.float32), "q_norm.weight": TensorInfo((4,), torch.float32)}
     norm = torch.arange(4.0)
     io = _Mem({"q_norm.weight": norm, "q.weight": torch.zeros(8, 4)})
     # heads=2 cuts the [4] norm weight in two "heads" of 2 rows (it divides, so nothing can tell);
     # head_dim=4 permutes it as one head, as the weight's heads are
-    by_heads = sdadapt.build_plan(schema, schema, sdadapt.Adapter([sdadapt.rotary(["q.weight", "q_norm.weight"], heads=2)]))
-    plan = sdadapt.build_plan(schema, schema, sdadapt.Adapter([sdadapt.rotary(["q.weight", "q_norm.weight"], head_dim=4)]))
+    by_heads = build_plan(schema, schema, sdadapt.Adapter([sdadapt.rotary(["q.weight", "q_norm.weight"], heads=2)]))
+    plan = build_plan(schema, schema, sdadapt.Adapter([sdadapt.rotary(["q.weight", "q_norm.weight"], head_dim=4)]))
     assert not torch.equal(by_heads.recipes["q_norm.weight"].full(io), _half_to_interleaved(norm, 4))
     assert torch.equal(plan.recipes["q_norm.weight"].full(io), _half_to_interleaved(norm, 4))
-    odd = sdadapt.build_plan(
-        {"b": sdadapt.TensorInfo((9,), torch.float32)}, {"b": sdadapt.TensorInfo((9,), torch.float32)},
+    odd = build_plan(
+        {"b": TensorInfo((9,), torch.float32)}, {"b": TensorInfo((9,), torch.float32)},
         sdadapt.Adapter([sdadapt.rotary("b", head_dim=4)]),
     ).report
     assert "9 rows along dim 0 do not divide into heads of head_dim=4" in odd.format()
@@ -319,8 +321,8 @@ def test_interleave_weight_and_bias_alike():
     sizes = [4, 2, 2]
     w = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
     b = torch.arange(8, dtype=torch.float32)
-    schema = {"qkv.weight": sdadapt.TensorInfo((8, 3), torch.float32), "qkv.bias": sdadapt.TensorInfo((8,), torch.float32)}
-    plan = sdadapt.build_plan(schema, schema, sdadapt.Adapter([sdadapt.interleave(["qkv.weight", "qkv.bias"], sizes, tp=2)]))
+    schema = {"qkv.weight": TensorInfo((8, 3), torch.float32), "qkv.bias": TensorInfo((8,), torch.float32)}
+    plan = build_plan(schema, schema, sdadapt.Adapter([sdadapt.interleave(["qkv.weight", "qkv.bias"], sizes, tp=2)]))
     io = _Mem({"qkv.weight": w, "qkv.bias": b})
     order = [0, 1, 4, 6, 2, 3, 5, 7]  # [q_r0; k_r0; v_r0; q_r1; k_r1; v_r1]
     assert torch.equal(plan.recipes["qkv.weight"].full(io), w[order])
@@ -331,8 +333,8 @@ def test_deinterleave_alternating_rows():
     """GPT-OSS gate/up alternate along the last dim: deinterleave with one row per block."""
     f = 3
     t = torch.arange(2 * 4 * 2 * f, dtype=torch.float32).reshape(2, 4, 2 * f)
-    schema = {"gate_up": sdadapt.TensorInfo(tuple(t.shape), torch.float32)}
-    plan = sdadapt.build_plan(schema, schema, sdadapt.Adapter([sdadapt.deinterleave("gate_up", [f, f], tp=f, dim=-1)]))
+    schema = {"gate_up": TensorInfo(tuple(t.shape), torch.float32)}
+    plan = build_plan(schema, schema, sdadapt.Adapter([sdadapt.deinterleave("gate_up", [f, f], tp=f, dim=-1)]))
     got = plan.recipes["gate_up"].full(_Mem({"gate_up": t}))
     assert torch.equal(got, torch.cat([t[..., ::2], t[..., 1::2]], dim=-1))
 
@@ -425,7 +427,7 @@ def test_load_dtype_model_casts_every_tensor_to_the_models_dtype(tmp_path):
     path = write_safetensors(tmp_path / "bf16.safetensors", sd)
     model = Small()
     model.q_norm.to(torch.bfloat16)  # mixed: one module already holds bfloat16
-    with pytest.raises(sdadapt.PlanError, match=r'root cause: only dtypes differ.*sdadapt.cast\("\*\*", "model"\)'):
+    with pytest.raises(sdadapt.errors.PlanError, match=r'root cause: only dtypes differ.*sdadapt.cast\("\*\*", "model"\)'):
         sdadapt.load(model, path)
     sdadapt.load(model, path, dtype="model")
     for k, v in model.state_dict().items():

@@ -211,9 +211,9 @@ def test_plan_errors_before_dcp_load(hf_llama: str) -> None:
                            norm_eps=1e-6, rope_theta=10000.0))  # fmt: skip
     bridge = SdadaptStateDictAdapter(None, hf_llama, adapter="llama")
     bridge.to_hf(model.state_dict())  # torchtitan's order: to_hf, then the reader (which plans)
-    with pytest.raises(sdadapt.PlanError, match="layers.2"):
+    with pytest.raises(sdadapt.errors.PlanError, match="layers.2"):
         bridge.get_hf_storage_reader(hf_llama)
-    with pytest.raises(sdadapt.AdapterError, match="needs an adapter"):
+    with pytest.raises(sdadapt.errors.AdapterError, match="needs an adapter"):
         SdadaptStateDictAdapter(None, hf_llama)
 
 
@@ -241,7 +241,7 @@ def test_a_bf16_release_into_torchtitans_float32_parameters_with_to_dtype(hf_lla
 
     strict = SdadaptStateDictAdapter(None, str(bf16), adapter="llama")
     strict.to_hf(model().state_dict())
-    with pytest.raises(sdadapt.PlanError, match="only dtypes differ"):
+    with pytest.raises(sdadapt.errors.PlanError, match="only dtypes differ"):
         strict.get_hf_storage_reader(str(bf16))
 
     want = model()

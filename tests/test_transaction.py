@@ -100,17 +100,17 @@ def test_failed_in_place_load_marks_until_a_load_succeeds(checkpoint: Any, monke
         return real(*a, **k)
 
     monkeypatch.setattr(syscalls, "preadv_into", fail_later)
-    with pytest.raises(sdadapt.LoadError, match="partly overwritten") as e:
+    with pytest.raises(sdadapt.errors.LoadError, match="partly overwritten") as e:
         sdadapt.load(model, path)
     assert f"{LAYERS} model key(s)" in str(e.value) and path in str(e.value)
     assert is_marked(model)
-    with pytest.raises(sdadapt.ModelError) as fwd:
+    with pytest.raises(sdadapt.errors.ModelError) as fwd:
         model(x)
     assert str(fwd.value) == PARTLY_LOADED
     # staged, the same fault changes nothing (and the earlier mark stays)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     calls["n"] = 0
-    with pytest.raises(sdadapt.LoadError, match="Nothing was kept"):
+    with pytest.raises(sdadapt.errors.LoadError, match="Nothing was kept"):
         sdadapt.load(model, path, stage=True)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and is_marked(model)
     monkeypatch.setattr(syscalls, "preadv_into", real)
@@ -154,7 +154,7 @@ def test_load_state_report_names_the_stored_keys(tmp_path: Any) -> None:
     opt.step()
     sdadapt.save_state(str(tmp_path / "s"), model, opt)
     other = nn.Sequential(nn.Linear(4, 5))
-    with pytest.raises(sdadapt.PlanError) as e:
+    with pytest.raises(sdadapt.errors.PlanError) as e:
         sdadapt.load_state(str(tmp_path / "s"), other, torch.optim.Adam(other.parameters()))
     rows = {m.key: m.recipe for m in e.value.report.shape_mismatch}
     assert rows["0.weight"] == "model.0.weight", rows

@@ -68,7 +68,7 @@ def test_optimizer_state_failure_marks_model_and_optimizer(saved: Any, monkeypat
     ck, want = saved
     model, opt = _new(1, trained=True)
     monkeypatch.setattr(state_mod, "set_state_dict", _raise_on_set_state_dict)
-    with pytest.raises(sdadapt.LoadError) as e:
+    with pytest.raises(sdadapt.errors.LoadError) as e:
         sdadapt.load_state(ck, model, opt, {"counter": Counter()}, stage=stage)
     msg = str(e.value)
     assert "setting the optimizer state failed: RuntimeError: injected: set_state_dict failed" in msg, msg
@@ -90,7 +90,7 @@ def test_extra_failure_with_fresh_optimizer_gives_it_no_state(saved: Any) -> Non
     ck, _ = saved
     model, opt = _new(1, trained=False)
     groups = [dict(g) for g in opt.param_groups]
-    with pytest.raises(sdadapt.LoadError) as e:
+    with pytest.raises(sdadapt.errors.LoadError) as e:
         sdadapt.load_state(ck, model, opt, {"counter": Counter(fail=True)}, stage=True)
     msg = str(e.value)
     assert "restoring extra state 'counter' failed: ValueError: injected" in msg, msg
@@ -104,7 +104,7 @@ def test_extra_failure_puts_a_meta_model_back_on_meta(saved: Any) -> None:
     ck, _ = saved
     with torch.device("meta"):
         model = TinyTransformer(vocab=VOCAB)
-    with pytest.raises(sdadapt.LoadError, match="restoring extra state 'counter' failed") as e:
+    with pytest.raises(sdadapt.errors.LoadError, match="restoring extra state 'counter' failed") as e:
         sdadapt.load_state(ck, model, None, {"counter": Counter(fail=True)}, device="cpu")
     assert "back on the meta device" in str(e.value)
     assert all(t.is_meta for t in model.state_dict().values()) and not is_marked(model)
@@ -133,7 +133,7 @@ def test_copy_in_failure_in_the_optimizer_part_leaves_the_model_alone(saved: Any
     model, opt = _new(1, trained=True)
     before = _snapshot(model)
     monkeypatch.setattr(txn_mod, "copy_staged_in", _failing_copy_in(of_model=False))
-    with pytest.raises(sdadapt.LoadError) as e:
+    with pytest.raises(sdadapt.errors.LoadError) as e:
         sdadapt.load_state(ck, model, opt, stage=True)
     msg = str(e.value)
     assert "copying the staged shards in failed: MemoryError: injected" in msg and "The model was not changed" in msg, msg
@@ -154,7 +154,7 @@ def test_load_copy_in_failure_marks_the_model_until_a_load_succeeds(weights: Any
     path, sd = weights
     model, _ = _new(1, trained=False)
     monkeypatch.setattr(txn_mod, "copy_staged_in", _failing_copy_in(of_model=True, keep=3))
-    with pytest.raises(sdadapt.LoadError, match="committing the load of .* failed on rank\\(s\\) 0") as e:
+    with pytest.raises(sdadapt.errors.LoadError, match="committing the load of .* failed on rank\\(s\\) 0") as e:
         sdadapt.load(model, path, stage=True)
     assert "copying the staged shards in failed" in str(e.value) and "done before it: nothing" in str(e.value)
     assert is_marked(model) and _forward_error(model) == txn_mod.COMMIT_FAILED.format(what="model")
@@ -173,7 +173,7 @@ def test_load_copy_back_failure_puts_a_meta_model_back_on_meta(weights: Any, mon
         raise RuntimeError("injected: copy-back failed")
 
     monkeypatch.setattr(txn_mod, "copy_back_if_detached", fail)
-    with pytest.raises(sdadapt.LoadError, match="copying detached tensors back into the model failed: RuntimeError") as e:
+    with pytest.raises(sdadapt.errors.LoadError, match="copying detached tensors back into the model failed: RuntimeError") as e:
         sdadapt.load(model, path, device="cpu")
     assert "back on the meta device" in str(e.value)
     assert all(t.is_meta for t in model.state_dict().values()) and not is_marked(model)

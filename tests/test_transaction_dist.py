@@ -100,7 +100,7 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
 def _forward_error(model: nn.Module) -> str | None:
     try:
         model(_tokens())
-    except sdadapt.ModelError as e:
+    except sdadapt.errors.ModelError as e:
         return str(e)
     return None
 
@@ -191,7 +191,7 @@ def worker(folder: str) -> dict[str, Any]:
         try:
             o.step()
             got["step_error"] = None
-        except sdadapt.ModelError as e:
+        except sdadapt.errors.ModelError as e:
             got["step_error"] = str(e)
         out[f"optim_fault_trained/{'staged' if stage else 'in_place'}"] = got
         if not stage:  # a successful restore clears the marks and gives the saved state exactly
@@ -362,7 +362,7 @@ class Counter:
 def _step_error(opt: torch.optim.Optimizer) -> str | None:
     try:
         opt.step()
-    except sdadapt.ModelError as e:
+    except sdadapt.errors.ModelError as e:
         return str(e)
     return None
 

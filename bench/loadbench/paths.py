@@ -317,14 +317,15 @@ def verify_against_source(model: Any, path: str, files: dict[str, str]) -> int:
     import torch
 
     import sdadapt
+    from sdadapt._plan.plan import build_plan
     from sdadapt._plan.target import model_state_dict, schema_of
 
-    src = sdadapt.open_source(files[QUANT_FORMATS.get(path, "safetensors")])
+    src = sdadapt.sources.open_source(files[QUANT_FORMATS.get(path, "safetensors")])
     threads = torch.get_num_threads()  # 1 (OMP_NUM_THREADS) while timing; the check is untimed
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     try:
-        plan = sdadapt.build_plan(src.schema, schema_of(model_state_dict(model)), adapter_of(path, files))
+        plan = build_plan(src.schema, schema_of(model_state_dict(model)), adapter_of(path, files))
         checked = 0
         for k, t in model_sd(model).items():
             local, off = local_of(t)

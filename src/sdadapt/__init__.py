@@ -2,256 +2,208 @@
 
     report = sdadapt.load(model, "ckpt.pt", sdadapt.Adapter([sdadapt.fuse([...], "...")]))
 
-Data flow: source headers -> SourceSchema; model -> TargetSchema; Adapter + schemas -> Plan +
-Report (strict: raise on every rank, nothing read); ``dcp.load`` with a reader that presents
+Data flow: source headers -> source schema; model -> target schema; Adapter + schemas -> plan +
+report (strict: raise on every rank, nothing read); ``dcp.load`` with a reader that presents
 the target schema and reads, per shard, only the source regions the recipe needs.
 
-The names below are imported when first used (module ``__getattr__``), so that ``import
-sdadapt`` (and with it the command line's ``--help``) does not import torch; type checkers see
-them through the ``TYPE_CHECKING`` imports.
+The top level holds what a user calls: the functions that load, plan, check, export and trim
+checkpoints, the adapter and its registry, one function per built-in rule, the engine's
+settings and the root of the errors. The rest lives in public modules, one idea each:
+:mod:`sdadapt.rules` (the rule classes, for ``isinstance`` and JSON, and what a rule of one's
+own is built from), :mod:`sdadapt.sources` (opening checkpoints, their schema),
+:mod:`sdadapt.reports` (what the functions return), :mod:`sdadapt.errors` (every error),
+:mod:`sdadapt.torchtitan` (torchtitan's state-dict adapter bridge).
+
+:data:`_PUBLIC` is the one table of the top level: ``__all__`` is its names, and a name's
+module is imported when the name is first used, so that ``import sdadapt`` (and with it the
+command line's ``--help``) does not import torch. :data:`_MOVED` says where each name that left
+the top level went; using one raises an :class:`AttributeError` naming the new spelling. Type
+checkers see the names through the ``TYPE_CHECKING`` imports, which a test keeps equal to the
+table.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._base.lazy import attach
 
 if TYPE_CHECKING:
-    from ._draft import Draft, draft
-    from ._engine import EngineConfig, release_pinned_memory
-    from ._plan.adapter import Adapter
-    from ._plan.hf_models import hf_adapter
-    from ._plan.plan import Plan, build_plan
-    from ._plan.registry import get_adapter, list_adapters
-    from ._plan.report import Report
-    from ._plan.resolve import resolve_adapter, resolve_target
-    from ._recipes.nodes import Compute, Node, emit
-    from ._transaction.diff import diff
-    from ._transaction.export import ExportReport, convert, export, export_iter
-    from ._transaction.load import LoadReport, load, plan_load
-    from ._transaction.shrink import ShrinkReport, shrink
-    from ._transaction.state import StateLoadReport, load_state, save_state
-    from ._transaction.verify import VerifyReport, verify
-    from .rules import (
-        AddPrefix,
-        Affine,
-        Cast,
-        Deinterleave,
-        Drop,
-        Fuse,
-        Interleave,
-        Pad,
-        Rename,
-        Rotary,
-        Rule,
-        RuleBase,
-        Split,
-        Stack,
-        StripPrefix,
-        Tie,
-        Transpose,
-        Trim,
-        Unstack,
-        ValueRule,
-        register_rule,
+    from . import errors as errors
+    from . import reports as reports
+    from . import rules as rules
+    from . import sources as sources
+    from . import torchtitan as torchtitan
+    from ._draft import draft as draft
+    from ._engine import (
+        EngineConfig as EngineConfig,
     )
-    from .rules._dequant import DequantFP8, DequantMXFP4, QuantizeFP8, QuantizeMXFP4
-    from .rules._dequant_scaled import DequantScaled, QuantizeScaled
+    from ._engine import (
+        release_pinned_memory as release_pinned_memory,
+    )
+    from ._plan.adapter import Adapter as Adapter
+    from ._plan.hf_models import hf_adapter as hf_adapter
+    from ._plan.registry import (
+        get_adapter as get_adapter,
+    )
+    from ._plan.registry import (
+        list_adapters as list_adapters,
+    )
+    from ._transaction.diff import diff as diff
+    from ._transaction.export import (
+        convert as convert,
+    )
+    from ._transaction.export import (
+        export as export,
+    )
+    from ._transaction.export import (
+        export_iter as export_iter,
+    )
+    from ._transaction.load import (
+        load as load,
+    )
+    from ._transaction.load import (
+        plan_load as plan_load,
+    )
+    from ._transaction.shrink import shrink as shrink
+    from ._transaction.state import (
+        load_state as load_state,
+    )
+    from ._transaction.state import (
+        save_state as save_state,
+    )
+    from ._transaction.verify import verify as verify
+    from .errors import SdadaptError as SdadaptError
     from .rules._functions import (
-        add_prefix,
-        affine,
-        cast,
-        deinterleave,
-        dequant_fp8,
-        dequant_mxfp4,
-        dequant_scaled,
-        drop,
-        fuse,
-        interleave,
-        pad,
-        rename,
-        rotary,
-        split,
-        stack,
-        strip_prefix,
-        tie,
-        transpose,
-        trim,
-        unstack,
+        add_prefix as add_prefix,
     )
-    from .rules._quant_detect import dequant_rules
-    from .sources import Source, TensorInfo, open_source
-    from .sources._integrity import write_checksums
+    from .rules._functions import (
+        affine as affine,
+    )
+    from .rules._functions import (
+        cast as cast,
+    )
+    from .rules._functions import (
+        deinterleave as deinterleave,
+    )
+    from .rules._functions import (
+        dequant_fp8 as dequant_fp8,
+    )
+    from .rules._functions import (
+        dequant_mxfp4 as dequant_mxfp4,
+    )
+    from .rules._functions import (
+        dequant_scaled as dequant_scaled,
+    )
+    from .rules._functions import (
+        drop as drop,
+    )
+    from .rules._functions import (
+        fuse as fuse,
+    )
+    from .rules._functions import (
+        interleave as interleave,
+    )
+    from .rules._functions import (
+        pad as pad,
+    )
+    from .rules._functions import (
+        rename as rename,
+    )
+    from .rules._functions import (
+        rotary as rotary,
+    )
+    from .rules._functions import (
+        split as split,
+    )
+    from .rules._functions import (
+        stack as stack,
+    )
+    from .rules._functions import (
+        strip_prefix as strip_prefix,
+    )
+    from .rules._functions import (
+        tie as tie,
+    )
+    from .rules._functions import (
+        transpose as transpose,
+    )
+    from .rules._functions import (
+        trim as trim,
+    )
+    from .rules._functions import (
+        unstack as unstack,
+    )
+    from .rules._quant_detect import dequant_rules as dequant_rules
+    from .sources._integrity import write_checksums as write_checksums
 
-from ._base.version import VERSION as __version__  # noqa: F401 - the package version
-from .errors import (
-    AdapterError,
-    ExportError,
-    LoadError,
-    ModelError,
-    PlanError,
-    RemoteRankError,
-    ResolveError,
-    SdadaptError,
-    ShrinkError,
-    SourceError,
-    StateError,
-    UsageError,
-    VerifyError,
-)
+from ._base.version import VERSION as __version__  # noqa: E402,F401 - the package version
 
-_RULE_CLASSES = (
-    "AddPrefix Affine Cast Deinterleave Drop Fuse Interleave Pad Rename Rotary Rule RuleBase Split Stack StripPrefix "
-    "Tie Transpose Trim Unstack ValueRule register_rule"
-)
-_CONSTRUCTORS = (
-    "add_prefix affine cast deinterleave dequant_fp8 dequant_mxfp4 dequant_scaled drop fuse interleave pad rename rotary split "
-    "stack strip_prefix tie transpose trim unstack"
-)
-_LAZY: dict[str, str] = {
-    **dict.fromkeys(["Adapter"], "_plan.adapter"),
-    **dict.fromkeys(_CONSTRUCTORS.split(), "rules._functions"),
-    **dict.fromkeys(["diff"], "_transaction.diff"),
-    **dict.fromkeys(["Draft", "draft"], "_draft"),
-    **dict.fromkeys(["EngineConfig", "release_pinned_memory"], "_engine"),
-    **dict.fromkeys(["ExportReport", "convert", "export", "export_iter"], "_transaction.export"),
-    **dict.fromkeys(["hf_adapter"], "_plan.hf_models"),
-    **dict.fromkeys(["write_checksums"], "sources._integrity"),
-    **dict.fromkeys(["LoadReport", "load", "plan_load"], "_transaction.load"),
-    **dict.fromkeys(["Compute", "Node", "emit"], "_recipes.nodes"),
-    **dict.fromkeys(["Plan", "build_plan"], "_plan.plan"),
-    **dict.fromkeys(["DequantFP8", "DequantMXFP4", "QuantizeFP8", "QuantizeMXFP4"], "rules._dequant"),
-    **dict.fromkeys(["dequant_rules"], "rules._quant_detect"),
-    **dict.fromkeys(["DequantScaled", "QuantizeScaled"], "rules._dequant_scaled"),
-    **dict.fromkeys(["get_adapter", "list_adapters"], "_plan.registry"),
-    **dict.fromkeys(["Report"], "_plan.report"),
-    **dict.fromkeys(["resolve_adapter", "resolve_target"], "_plan.resolve"),
-    **dict.fromkeys(_RULE_CLASSES.split(), "rules"),
-    **dict.fromkeys(["ShrinkReport", "shrink"], "_transaction.shrink"),
-    **dict.fromkeys(["StateLoadReport", "load_state", "save_state"], "_transaction.state"),
-    **dict.fromkeys(["VerifyReport", "verify"], "_transaction.verify"),
-    **dict.fromkeys(["Source", "TensorInfo", "open_source"], "sources"),
+_PUBLIC: dict[str, str] = {
+    # loading and planning
+    "load": "._transaction.load",
+    "plan_load": "._transaction.load",
+    "diff": "._transaction.diff",
+    # training state, export, integrity
+    "load_state": "._transaction.state",
+    "save_state": "._transaction.state",
+    "export": "._transaction.export",
+    "export_iter": "._transaction.export",
+    "convert": "._transaction.export",
+    "write_checksums": ".sources._integrity",
+    # checking and trimming checkpoints
+    "verify": "._transaction.verify",
+    "shrink": "._transaction.shrink",
+    # adapters: the class, the registry, drafting one
+    "Adapter": "._plan.adapter",
+    "get_adapter": "._plan.registry",
+    "list_adapters": "._plan.registry",
+    "hf_adapter": "._plan.hf_models",
+    "draft": "._draft",
+    # rules, one function each (their classes: sdadapt.rules)
+    **dict.fromkeys(
+        "rename fuse split drop tie strip_prefix add_prefix cast transpose rotary affine pad trim stack unstack "
+        "interleave deinterleave dequant_fp8 dequant_mxfp4 dequant_scaled".split(),
+        ".rules._functions",
+    ),
+    "dequant_rules": ".rules._quant_detect",
+    # the engine's settings
+    "EngineConfig": "._engine",
+    "release_pinned_memory": "._engine",
+    # the root of every error sdadapt raises (all of them: sdadapt.errors)
+    "SdadaptError": ".errors",
 }
 
+_RULE_FUNCTION = {
+    "Rename": "rename", "Fuse": "fuse", "Split": "split", "Drop": "drop", "Tie": "tie", "StripPrefix": "strip_prefix",
+    "AddPrefix": "add_prefix", "Cast": "cast", "Transpose": "transpose", "Rotary": "rotary", "Affine": "affine",
+    "Pad": "pad", "Trim": "trim", "Stack": "stack", "Unstack": "unstack", "Interleave": "interleave",
+    "Deinterleave": "deinterleave", "DequantFP8": "dequant_fp8", "DequantMXFP4": "dequant_mxfp4",
+    "DequantScaled": "dequant_scaled",
+}  # fmt: skip
+_MOVED: dict[str, str] = {
+    **{cls: f"sdadapt.{fn}(...) (the class: sdadapt.rules.{cls})" for cls, fn in _RULE_FUNCTION.items()},
+    **{
+        n: f"sdadapt.rules.{n}"
+        for n in "QuantizeFP8 QuantizeMXFP4 QuantizeScaled Rule RuleBase ValueRule register_rule Node Compute emit".split()
+    },
+    **{
+        n: f"sdadapt.errors.{n}"
+        for n in (
+            "AdapterError ExportError LoadError ModelError PlanError RemoteRankError ResolveError ShrinkError "
+            "SourceError StateError UsageError VerifyError"
+        ).split()
+    },
+    **{n: f"sdadapt.sources.{n}" for n in ("Source", "TensorInfo", "open_source")},
+    **{n: f"sdadapt.reports.{n}" for n in "Report LoadReport StateLoadReport ExportReport VerifyReport ShrinkReport Plan Draft".split()},
+    "build_plan": "sdadapt.plan_load(model, src, adapter) (plans against a model, headers only; returns the source and the plan)",
+    "resolve_adapter": "sdadapt.get_adapter(name, **options) for a shipped adapter, or the spec string itself passed "
+    "as adapter= to sdadapt.load / export / diff (it is resolved there)",
+    "resolve_target": "the model built in Python and passed to sdadapt.load (the CLI resolves 'file.py:ATTR' specs itself)",
+}
+"""Names that left the top level -> how they are spelled now (the error an old name raises says it)."""
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first use and cache the name in this module."""
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module 'sdadapt' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{where}", __name__), name)
-    globals()[name] = value
-    return value
+_SUBMODULES = ("errors", "reports", "rules", "sources", "torchtitan")
+"""The public modules, reachable as ``sdadapt.rules`` ... after a plain ``import sdadapt``."""
 
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
-
-
-__all__ = [
-    # loading, planning, reporting
-    "LoadReport",
-    "Plan",
-    "Report",
-    "build_plan",
-    "diff",
-    "load",
-    "plan_load",
-    # training state, export, integrity
-    "ExportReport",
-    "StateLoadReport",
-    "convert",
-    "export",
-    "export_iter",
-    "load_state",
-    "save_state",
-    "write_checksums",
-    # checking and trimming checkpoints
-    "ShrinkReport",
-    "VerifyReport",
-    "shrink",
-    "verify",
-    # sources and engine settings
-    "EngineConfig",
-    "Source",
-    "TensorInfo",
-    "open_source",
-    "release_pinned_memory",
-    # adapters: the registry, spec resolution, drafting
-    "Adapter",
-    "Draft",
-    "draft",
-    "get_adapter",
-    "hf_adapter",
-    "list_adapters",
-    "resolve_adapter",
-    "resolve_target",
-    # rules and their constructors
-    "AddPrefix",
-    "Affine",
-    "Cast",
-    "Deinterleave",
-    "Drop",
-    "Fuse",
-    "Interleave",
-    "Pad",
-    "Rename",
-    "Rotary",
-    "Rule",
-    "Split",
-    "Stack",
-    "StripPrefix",
-    "Tie",
-    "Transpose",
-    "Trim",
-    "Unstack",
-    "add_prefix",
-    "affine",
-    "cast",
-    "deinterleave",
-    "drop",
-    "fuse",
-    "interleave",
-    "pad",
-    "rename",
-    "rotary",
-    "split",
-    "stack",
-    "strip_prefix",
-    "tie",
-    "transpose",
-    "trim",
-    "unstack",
-    # quantized sources
-    "DequantFP8",
-    "DequantMXFP4",
-    "DequantScaled",
-    "QuantizeFP8",
-    "QuantizeMXFP4",
-    "QuantizeScaled",
-    "dequant_fp8",
-    "dequant_mxfp4",
-    "dequant_scaled",
-    "dequant_rules",
-    # rules of one's own: the rule protocol, the registry, and the node building blocks
-    "Compute",
-    "Node",
-    "RuleBase",
-    "ValueRule",
-    "emit",
-    "register_rule",
-    # errors
-    "AdapterError",
-    "ExportError",
-    "LoadError",
-    "ModelError",
-    "PlanError",
-    "RemoteRankError",
-    "ResolveError",
-    "SdadaptError",
-    "ShrinkError",
-    "SourceError",
-    "StateError",
-    "UsageError",
-    "VerifyError",
-]
+__getattr__, __dir__, __all__ = attach(__name__, _PUBLIC, _MOVED, _SUBMODULES)

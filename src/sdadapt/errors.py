@@ -11,7 +11,24 @@ from typing import Any
 
 
 class SdadaptError(Exception):
-    """Base class of all sdadapt errors."""
+    """Base class of all sdadapt errors.
+
+    Every error sdadapt raises is one of its subclasses in :mod:`sdadapt.errors`
+    (``PlanError``, ``SourceError``, ``LoadError`` ...), each naming the key or file and what to
+    do; catch this one to handle them all.
+
+    Args:
+        *args: the message, as for ``Exception``.
+
+    Example::
+
+        try:
+            sdadapt.load(model, "ckpt/", "llama")
+        except sdadapt.errors.PlanError as e:
+            print(e.report.format())
+        except sdadapt.SdadaptError as e:
+            print(f"not loaded: {e}")
+    """
 
 
 class SourceError(SdadaptError):

@@ -37,7 +37,7 @@ keys, and the reader is sdadapt's :class:`~sdadapt._engine.reader.AdaptedStorage
 writes each rank's shards directly, reading only the source regions they need (rotary
 permutes, fusions, TP interleaving included), and ``from_hf`` hands the same tensors back.
 The plan is checked on headers (strict: a missing, unexpected or mismatched key raises
-:class:`~sdadapt.PlanError` on every rank before ``dcp.load`` starts). Otherwise (the export,
+:class:`~sdadapt.errors.PlanError` on every rank before ``dcp.load`` starts). Otherwise (the export,
 or any caller that reads it without asking for our reader) it holds the checkpoint layout:
 the adapter's inverse applied to the model's tensors. A key that is only renamed keeps its
 tensor (a DTensor stays sharded); one that needs a whole tensor (rotary order, fused or
@@ -86,8 +86,23 @@ def apply_adapter(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> dict[st
 
     A key that is only renamed keeps its tensor (a DTensor stays sharded); any other output is
     computed from whole tensors (a DTensor input is gathered with ``full_tensor()``, a
-    collective: call on every rank). Raises :class:`~sdadapt.AdapterError` if the adapter does
-    not apply cleanly to these keys."""
+    collective: call on every rank). Raises :class:`~sdadapt.errors.AdapterError` if the adapter does
+    not apply cleanly to these keys.
+
+    Args:
+        adapter: the adapter.
+        tensors: ``key -> tensor`` (DTensors allowed).
+
+    Returns:
+        A new ``key -> tensor`` dict in the adapter's output layout.
+
+    Raises:
+        AdapterError: the adapter does not apply cleanly to these keys.
+
+    Example::
+
+        hf = apply_adapter(sdadapt.get_adapter("llama", n_heads=32, n_kv_heads=8).inverse(), model.state_dict())
+    """
     try:
         outputs, _ = plan_outputs(schema_of(tensors), adapter, what=f"adapter {adapter.name!r} on {len(tensors)} tensors")
     except ExportError as e:  # planning without a target reports as an export: here it is the adapter
@@ -132,7 +147,16 @@ def torchtitan_names(model: torch.nn.Module | dict[str, Any]) -> Adapter | None:
 class HFStateDict(dict):
     """What :meth:`SdadaptStateDictAdapter.to_hf` returns: a ``dict`` whose content is decided
     on first use (see the module docstring). ``view`` is ``None`` until then, ``"load"`` (the
-    model's keys and tensors, filled by our reader) or ``"export"`` (checkpoint keys and layout)."""
+    model's keys and tensors, filled by our reader) or ``"export"`` (checkpoint keys and layout).
+
+    Args:
+        bridge: the :class:`SdadaptStateDictAdapter` that made it.
+        native: the model's state dict it stands for.
+
+    Example::
+
+        hf = bridge.to_hf(model.state_dict())  # torchtitan passes it to dcp.load or save
+    """
 
     def __init__(self, bridge: SdadaptStateDictAdapter, native: dict[str, torch.Tensor]):
         super().__init__()
@@ -261,6 +285,21 @@ class SdadaptStateDictAdapter:
     hf_assets_path)``: bind the other arguments with :meth:`using`. ``model_config`` is kept as
     ``self.model_config``; when ``from_hf`` gets a plain dict before any ``to_hf``, a torchtitan
     config (one with ``build()``) is built on the meta device to learn the model's names.
+
+    Args:
+        model_config: torchtitan's model config (kept as ``self.model_config``).
+        hf_assets_path: the HF checkpoint folder (config.json, index).
+        adapter: an :class:`~sdadapt.Adapter` or a spec string.
+        allow_missing: key patterns the checkpoint may lack.
+        allow_unexpected: key patterns the model may lack.
+        to_dtype: ``"model"`` or a dtype, as :func:`sdadapt.load`'s ``dtype``.
+        **options: a shipped adapter's options.
+
+    Example::
+
+        from sdadapt.torchtitan import SdadaptStateDictAdapter
+
+        spec.state_dict_adapter = SdadaptStateDictAdapter.using("llama", to_dtype="model")
     """
 
     default_adapter: ClassVar[Adapter | str | None] = None

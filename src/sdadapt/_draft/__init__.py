@@ -72,7 +72,25 @@ class Question(BaseModel):
 
 
 class Draft(BaseModel):
-    """The result of :func:`draft`: proposals, questions, the adapter module and the remaining diff."""
+    """The result of :func:`draft`: proposals, questions, the adapter module and the remaining diff.
+
+    Attributes:
+        source: the checkpoint.
+        target: the target.
+        related: whether the two share enough to propose a mapping.
+        summary: lines that sum the draft up.
+        proposals: the proposed rules, each with its evidence (``uncertain`` ones flagged).
+        questions: what the headers cannot settle, with suggested rules.
+        adapter: the drafted :class:`~sdadapt.Adapter`.
+        module: the source of a Python module defining it (``ADAPTER``), to edit and keep.
+        report: the :class:`Report` of the drafted adapter.
+
+    Example::
+
+        d = sdadapt.draft(model, "ckpt/model.safetensors")
+        print(d)
+        assert d.report.ok or d.questions
+    """
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -161,9 +179,31 @@ def draft(
     schema), reading headers only. See :class:`Draft`.
 
     ``adapter`` (an :class:`Adapter`, or a name, ``file.py:ATTR``, ``module:ATTR`` or ``.json``
-    resolved by :func:`sdadapt.resolve_adapter`) is a start: the checkpoint is taken as that
+    resolved like the CLI's ``--adapter``) is a start: the checkpoint is taken as that
     adapter maps it (rules that need the model, such as ``pad`` to the model's size, cannot be
-    applied here), the proposals cover what remains, and the drafted adapter runs its rules first."""
+    applied here), the proposals cover what remains, and the drafted adapter runs its rules first.
+
+    Args:
+        target: a model, a checkpoint path, or a schema (``{key: TensorInfo}``).
+        src: the checkpoint path, :class:`~sdadapt.sources.Source` or schema.
+        adapter: an adapter (or spec string) to start from.
+        subtree: the nested dict of a ``torch.save`` file or DCP folder to read.
+        reference: settles the draft's open questions numerically, on a model of ``layers``
+            layers built from the checkpoint's ``config.json`` (the target must be a model):
+            ``"config"`` (transformers builds the checkpoint's own class), or ``module:ATTR`` /
+            a callable taking the config dict and returning that model.
+        layers: how many layers the numeric check builds.
+        init_buffers: ``fn(model)`` that fills non-persistent buffers of the numeric check.
+
+    Returns:
+        The :class:`~sdadapt.reports.Draft`: proposals, questions, the adapter, its module's source.
+
+    Example::
+
+        d = sdadapt.draft(model, "ckpt/model.safetensors")
+        print(d)
+        open("my_adapter.py", "w").write(d.module)
+    """
     tschema, tname = target_schema(target)
     sschema, non_tensor, sname = _source_schema(src, subtree)
     given = adapter_or_none(adapter, None if isinstance(src, dict) else src)

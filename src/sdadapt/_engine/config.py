@@ -71,6 +71,30 @@ class EngineConfig:
     ``SDADAPT_IO_LANDING``, ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS``
     (``0``: leave the interval as it is), ``SDADAPT_IO_GATHER`` (``0``: no gathering),
     ``SDADAPT_IO_GATHER_MB``.
+
+    Args:
+        threads: reading threads per rank.
+        staging_bytes: the bound on staging memory of one load on one rank.
+        chunk_bytes: the largest single read (``None``: derived from the staging memory).
+        coalesce_gap: unwanted bytes a coalesced read may span.
+        direct_min_bytes: the size from which a CPU destination is read into directly.
+        min_span_bytes: the run length below which a region is copied out in one strided copy.
+        depth: staging buffers each thread cycles through.
+        band_bytes: the largest input of one computation (``None``: derived).
+        band_depth: band buffers per computing thread.
+        landing_buffers: band-sized buffers a GPU run keeps on the device.
+        warm_kernels: warm a GPU load's kernels up while the model materialises.
+        switch_interval: Python's thread switch interval while the engine runs (``None``: leave it).
+        gather_inputs: on a GPU, gather a computation's stored inputs on the device.
+        gather_bytes: the largest gathered input (``None``: four chunks).
+
+    Raises:
+        ValueError: a field out of range (``depth=0``).
+
+    Example::
+
+        cfg = sdadapt.EngineConfig(threads=8, staging_bytes=512 << 20)
+        sdadapt.load(model, "ckpt/", "llama", engine=cfg)
     """
 
     threads: int = field(default_factory=default_threads)

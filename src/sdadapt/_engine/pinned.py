@@ -172,7 +172,16 @@ def release_pinned_memory() -> int:
     """Unpin and free the staging memory that loads to a GPU keep for the next load of this
     process (at most :data:`KEEP` slabs, about ``2 x EngineConfig.staging_bytes`` per load
     configuration); returns the bytes freed. A later GPU load pins its staging afresh (tens of
-    milliseconds). Call it between loads, never during one."""
+    milliseconds). Call it between loads, never during one.
+
+    Returns:
+        The bytes freed.
+
+    Example::
+
+        sdadapt.load(model, "ckpt/", device="cuda")
+        sdadapt.release_pinned_memory()
+    """
     freed = SLABS.clear()
     log.debug("released %d bytes of pinned staging memory", freed)
     return freed

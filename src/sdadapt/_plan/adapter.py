@@ -26,6 +26,21 @@ class Adapter(BaseModel):
     only (two rules matching the same key are an error, since which one was meant is unclear);
     across a ``+`` a rule of ``b`` may take a name a rule of ``a`` took and re-created.
     ``stages`` holds the index of the first rule of each composed part after the first.
+
+    Args:
+        rules: the rules, in order (built by ``sdadapt.rename(...)`` and friends, or rule classes
+            of one's own registered with :func:`sdadapt.rules.register_rule`).
+        name: a name for messages and the registry.
+        description: free text, kept in the JSON.
+        stages: set by ``+``; leave it out.
+
+    Example::
+
+        adapter = sdadapt.Adapter(
+            [sdadapt.strip_prefix("model."), sdadapt.rename("layers.{i}.mlp.up_proj.weight", "layers.{i}.w3.weight")],
+            name="mymodel",
+        )
+        assert sdadapt.Adapter.from_json(adapter.to_json()) == adapter
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")

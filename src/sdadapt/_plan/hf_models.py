@@ -14,17 +14,17 @@ then at most one converter, then the base-model prefix) on the checkpoint's keys
 translates each converter's operations into our typed rules, so the load reads each rank's
 shards lazily like any other adapter:
 
-- ``MergeModulelist(dim)`` -> :class:`~sdadapt.Stack` over the index the ``*`` of the
+- ``MergeModulelist(dim)`` -> :class:`~sdadapt.rules.Stack` over the index the ``*`` of the
   converter's source pattern matched;
-- ``Concatenate(dim)`` -> :class:`~sdadapt.Fuse`; ``Chunk(dim)`` / ``Split(dim)`` ->
-  :class:`~sdadapt.Split` (equal parts, or the model's sizes);
-- ``Transpose(dim0, dim1)`` -> :class:`~sdadapt.Transpose` (with ``check_dims``: only where the
+- ``Concatenate(dim)`` -> :class:`~sdadapt.rules.Fuse`; ``Chunk(dim)`` / ``Split(dim)`` ->
+  :class:`~sdadapt.rules.Split` (equal parts, or the model's sizes);
+- ``Transpose(dim0, dim1)`` -> :class:`~sdadapt.rules.Transpose` (with ``check_dims``: only where the
   checkpoint's shape differs from the model's);
-- ``Interleave(dim)`` -> :class:`~sdadapt.Deinterleave` / :class:`~sdadapt.Interleave` of two
+- ``Interleave(dim)`` -> :class:`~sdadapt.rules.Deinterleave` / :class:`~sdadapt.rules.Interleave` of two
   parts alternating row by row.
 
 Any other operation, used by a converter that matches a checkpoint key, is an
-:class:`~sdadapt.AdapterError` naming the operation and the model family. Concrete key names are
+:class:`~sdadapt.errors.AdapterError` naming the operation and the model family. Concrete key names are
 folded back into patterns: every all-digit segment (layer, expert index) becomes a capture when
 every checkpoint key of that shape is treated alike, else the rules stay per key.
 
@@ -102,10 +102,10 @@ def hf_adapter(
     Args:
         model: a ``transformers.PreTrainedModel`` (on the meta device and parallelised is fine:
             only its state dict's names and shapes are used).
-        src: the checkpoint whose keys are mapped (a path, a :class:`~sdadapt.Source` or a
+        src: the checkpoint whose keys are mapped (a path, a :class:`~sdadapt.sources.Source` or a
             schema ``{key: TensorInfo}``). ``None``: the keys ``model.save_pretrained`` would
             write (transformers' ``revert_weight_conversion`` of the model's own keys).
-        subtree: as in :func:`sdadapt.open_source`.
+        subtree: as in :func:`sdadapt.sources.open_source`.
 
     Returns:
         An :class:`Adapter` named after the model class.

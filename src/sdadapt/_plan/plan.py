@@ -70,7 +70,22 @@ class PipelineStage:
 
 @dataclass
 class Plan:
-    """What to load: ``recipes[target_key]`` makes that tensor from source regions."""
+    """What to load: ``recipes[target_key]`` makes that tensor from source regions.
+
+    Attributes:
+        recipes: ``target key -> node`` that makes it.
+        report: the :class:`Report` of the plan.
+        target: ``key -> TensorInfo`` of the target.
+        skipped: allowed-missing target keys, left as they are.
+        other_stages: keys of other pipeline stages (not read).
+        other_stage_sources: the source keys those are made from.
+
+    Example::
+
+        source, plan = sdadapt.plan_load(model, "ckpt/", "llama")
+        with source:
+            print(plan.recipes["layers.0.attention.wqkv.weight"].describe())
+    """
 
     recipes: dict[str, Node]
     report: Report

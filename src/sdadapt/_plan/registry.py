@@ -14,7 +14,7 @@ Each adapter is a module ``sdadapt.adapters.<name>`` that exposes
 :func:`get_adapter` merges options: the config's first, explicit keyword arguments over them
 (an explicit value that differs from the config's is logged). It checks the merged options
 against ``build``'s signature before calling it: an unknown or missing option raises
-:class:`~sdadapt.AdapterError` naming it; ``build`` itself raises for inconsistent values.
+:class:`~sdadapt.errors.AdapterError` naming it; ``build`` itself raises for inconsistent values.
 """
 
 from __future__ import annotations
@@ -132,7 +132,25 @@ def get_adapter(
     """The shipped adapter ``name`` built with ``options``; with ``source`` (a checkpoint folder
     or a file inside one), options the keyword arguments leave out come from its config files;
     without one, from ``config`` (a model's configuration with HF ``config.json`` keys, as
-    ``model.config.to_dict()`` gives it) when given."""
+    ``model.config.to_dict()`` gives it) when given.
+
+    Args:
+        name: a shipped adapter's name (``sdadapt.list_adapters()``).
+        source: a checkpoint folder or file whose config files supply the options left out.
+        config: a model's configuration with HF ``config.json`` keys, used without ``source``.
+        **options: the adapter's options (``n_heads=32``, ``tp=2``, ...).
+
+    Returns:
+        The :class:`Adapter`.
+
+    Raises:
+        AdapterError: no such adapter, or an option it needs is missing or wrong.
+
+    Example::
+
+        adapter = sdadapt.get_adapter("llama", "path/to/llama")
+        adapter = sdadapt.get_adapter("gpt2", prefix="")
+    """
     mod = adapter_module(name)
     from_config: dict[str, Any] = {}
     folder = config_folder(source) if source is not None else None
@@ -205,7 +223,16 @@ def _config_file(folder: str | None) -> str | None:
 
 
 def list_adapters() -> list[tuple[str, str]]:
-    """``(name, SUMMARY)`` of every shipped adapter; one that cannot be imported says why."""
+    """``(name, SUMMARY)`` of every shipped adapter; one that cannot be imported says why.
+
+    Returns:
+        ``[(name, summary), ...]`` sorted by name.
+
+    Example::
+
+        for name, summary in sdadapt.list_adapters():
+            print(f"{name:12} {summary}")
+    """
     out = []
     for name in adapter_names():
         try:

@@ -45,7 +45,35 @@ class Report(BaseModel):
     ``missing`` / ``unexpected`` list target keys nothing produces and source keys nothing
     consumes; ``shape_mismatch`` / ``dtype_mismatch`` the keys that differ; ``rule_issues`` and
     ``unused_rules`` what the adapter's rules could not do or never matched. ``ok`` is true when
-    none of these (``problems``) remain; ``format()`` prints it as ``sdadapt diff`` does."""
+    none of these (``problems``) remain; ``format()`` prints it as ``sdadapt diff`` does.
+
+    Attributes:
+        source: the checkpoint, as named in messages.
+        target: the model or target, as named in messages.
+        adapter: the adapter's name.
+        source_keys: how many keys the checkpoint holds.
+        target_keys: how many keys the target holds.
+        matched: how many target keys the plan produces.
+        missing: target keys nothing produces.
+        unexpected: checkpoint keys nothing consumes.
+        shape_mismatch: keys produced with another shape.
+        dtype_mismatch: keys produced with another dtype.
+        rule_issues: what rules could not do.
+        unused_rules: rules that matched nothing.
+        non_tensor: checkpoint keys that hold no tensor.
+        allowed_missing: missing keys an ``allow_missing`` pattern allowed.
+        allowed_unexpected: unexpected keys allowed (patterns, other pipeline stages).
+        dropped: checkpoint keys a ``drop`` rule took.
+        widened: keys of a quantized release stored unquantized, widened to the model's dtype.
+        values_checked: what numerical check ran on the values, if any.
+        dequant_rules: the adapter's dequantising rules, for the quantized-source hint.
+
+    Example::
+
+        report = sdadapt.diff(model, "ckpt/", "llama")
+        if not report.ok:
+            print(report.format())
+    """
 
     source: str
     target: str

@@ -112,6 +112,18 @@ class Compute:
       on the destination's device: the engine copies the inputs to ``dest.device`` and runs
       the kernel there (on a GPU: raw, often smaller, bytes cross PCIe and the arithmetic
       runs there).
+
+    Args:
+        node: the node whose region this is.
+        box: the region, ``((start, stop), ...)`` per dim of the node's output.
+        dest: where the region's values go.
+        fn: ``fn(io) -> tensor``: the host form.
+        inputs: ``inputs(io) -> tuple of tensors``: the device form's reads.
+        kernel: ``kernel(dest, *inputs)``: the device form's arithmetic.
+
+    Example::
+
+        out.append(sdadapt.rules.Compute(self, box, dest, lambda io: -self.child.read(box, io)))
     """
 
     node: Node
@@ -145,7 +157,22 @@ Step = Piece | Fill | Compute
 
 def emit(node: Node, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
     """Append the steps that produce region ``box`` of ``node`` into ``dest``; an empty box
-    needs none. Nodes call this for their children."""
+    needs none. Nodes call this for their children.
+
+    Args:
+        node: the child node.
+        box: the region of its output.
+        dest: where it goes (a view of the parent's destination).
+        out: the step list the parent's ``produce`` appends to.
+
+    Returns:
+        Nothing: the steps are appended to ``out``.
+
+    Example::
+
+        def produce(self, box, dest, out):  # a node that passes its child through
+            sdadapt.rules.emit(self.child, box, dest, out)
+    """
     if any(a >= b for a, b in box):
         return
     node.produce(box, dest, out)
@@ -157,7 +184,35 @@ def _covers(view: torch.Tensor, whole: torch.Tensor) -> bool:
 
 
 class Node:
-    """A recipe node; see the module docstring for the protocol."""
+    """A recipe node; see the module docstring for the protocol.
+
+    A rule of one's own returns one from ``transform`` (value rules) or puts one under a key
+    (``ctx.put``); the node says its output's shape and dtype, how a region of it is produced
+    (``produce``: steps appended to ``out``, see :class:`Compute` and :func:`emit`), its whole
+    value computed eagerly (``full``, the reference the loads are tested against) and a text
+    form (``describe``).
+
+    Attributes:
+        shape: the output's global shape.
+        dtype: the output's dtype.
+
+    Example::
+
+        @dataclass(frozen=True)
+        class NegNode(sdadapt.rules.Node):
+            shape: tuple[int, ...]
+            dtype: torch.dtype
+            child: sdadapt.rules.Node
+
+            def produce(self, box, dest, out):
+                out.append(sdadapt.rules.Compute(self, box, dest, lambda io: -self.child.read(box, io)))
+
+            def full(self, io):
+                return -self.child.full(io)
+
+            def describe(self):
+                return f"-({self.child.describe()})"
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype

@@ -47,9 +47,30 @@ def diff(
     ``None`` module slots, so only the index rule applies to it). ``dtype``: as in
     :func:`sdadapt.load` (``"model"``: every tensor converted to the target's dtype).
 
-    ``adapter`` is an :class:`Adapter` or a string resolved by :func:`sdadapt.resolve_adapter`
+    ``adapter`` is an :class:`Adapter` or a string resolved like the CLI's ``--adapter``
     (a shipped name with options read from ``src``'s folder, ``file.py:ATTR``, ``module:ATTR``,
-    ``.json``)."""
+    ``.json``).
+
+    Args:
+        target: what to compare with: a model, a checkpoint path, or a schema
+            (``{key: TensorInfo}``).
+        src: the checkpoint path, Hub id or :class:`~sdadapt.sources.Source`.
+        adapter: an :class:`Adapter` or a spec string, as in :func:`sdadapt.load`.
+        subtree: the nested dict of a ``torch.save`` file or DCP folder to read.
+        allow_missing: key patterns of the target that the checkpoint may lack.
+        allow_unexpected: key patterns of the checkpoint that the target may lack.
+        pipeline_stage: ``target`` is one pipeline stage.
+        dtype: ``"model"`` or a dtype to convert every tensor to.
+
+    Returns:
+        The plan's :class:`~sdadapt.reports.Report`: missing, unexpected and mismatched keys
+        (``report.ok`` when everything lines up; ``print(report)`` shows it).
+
+    Example::
+
+        report = sdadapt.diff(model, "ckpt/model.safetensors", "llama")
+        assert report.ok, report.format()
+    """
     check_not_a_model("sdadapt.diff(target, src, adapter=None, ...)", src, other=target)
     shipped = is_shipped(adapter)  # aimed at the target's names, as load does
     resolved = adapter_or_none(adapter, src, target if isinstance(target, nn.Module) else None)

@@ -65,7 +65,23 @@ Progress = Callable[[str, int], None]  # (key, bytes) after each tensor is writt
 
 
 class ExportReport(BaseModel):
-    """What was written."""
+    """What was written.
+
+    Attributes:
+        dst: what was written.
+        format: ``"safetensors"``, ``"torch"`` or ``"dcp"``.
+        tensors: tensors written.
+        bytes: bytes written.
+        files: the files written.
+        skipped_non_tensor: non-tensor entries left out.
+        verified: whether the result was read back and compared (``convert(verify=True)``).
+        seconds: the whole call.
+
+    Example::
+
+        report = sdadapt.export(model, "out/", "llama")
+        print(report.files)
+    """
 
     dst: str
     format: str
@@ -342,7 +358,7 @@ def export_iter(
     time, without writing files (to push weights to an inference engine, for instance).
 
     ``adapter`` is the checkpoint->model adapter you load with (an :class:`Adapter` or a name
-    resolved as by :func:`sdadapt.resolve_adapter`); its inverse rules are applied. Every rank
+    resolved like the CLI's ``--adapter``); its inverse rules are applied. Every rank
     iterates: each tensor is gathered whole (``full_tensor()``) on every rank, so all ranks must
     consume the same sequence to the end (or close the generator on every rank). Memory: the
     tensor last yielded (plus leaves a later output still needs, e.g. the parts of a split); the
@@ -350,7 +366,21 @@ def export_iter(
     consumer that does not keep them holds about one tensor. Tensors are on the CPU. A shipped
     adapter's name takes its options from the checkpoint folder ``model`` was loaded from by
     :func:`sdadapt.load`, else from the model's own config (``model.config``), and reaches the
-    names the model holds (torchtitan's current ones: see :func:`sdadapt.torchtitan.torchtitan_names`)."""
+    names the model holds (torchtitan's current ones: see :func:`sdadapt.torchtitan.torchtitan_names`).
+
+    Args:
+        model: the loaded model (every rank iterates).
+        adapter: the checkpoint->model adapter you load with, or a spec string.
+        process_group: the group the tensors are gathered over.
+
+    Yields:
+        ``(name, tensor)`` in the checkpoint's layout, whole, on the CPU.
+
+    Example::
+
+        for name, tensor in sdadapt.export_iter(model, "llama"):
+            engine.update_weight(name, tensor)
+    """
     check_model_and_path("sdadapt.export_iter(model, adapter=None, ...)", model, adapter, path_arg="adapter")
     shipped = is_shipped(adapter)  # our documented layout
     stream = _ModelStream(model, adapter, process_group, "export_iter", native_names=shipped)
@@ -379,7 +409,7 @@ def export(
     """Write ``model``'s weights to ``dst`` through ``adapter.inverse()``; every rank calls it.
 
     ``adapter`` is the checkpoint->model adapter you load with (see the module docstring; an
-    :class:`Adapter` or a name resolved as by :func:`sdadapt.resolve_adapter`);
+    :class:`Adapter` or a name resolved like the CLI's ``--adapter``);
     ``format`` is ``"safetensors"`` (a folder: ``model.safetensors``, or shards of at most
     ``max_shard_size`` plus ``model.safetensors.index.json``), ``"torch"`` (one ``torch.save``
     file of a flat dict) or ``"dcp"`` (a DCP folder). The tensors come from the stream
@@ -396,6 +426,26 @@ def export(
     checkpoint folder ``model`` was loaded from by :func:`sdadapt.load`; without either, a
     transformers model's own ``config.json`` (``model.config``) is written. A shipped adapter's
     name takes its options from the same places.
+
+    Args:
+        model: the loaded model (every rank calls it).
+        dst: the folder (``"safetensors"``, ``"dcp"``) or file (``"torch"``) to write.
+        adapter: the checkpoint->model adapter you load with, or a spec string; ``None``: the
+            model's own keys.
+        format: ``"safetensors"``, ``"torch"`` or ``"dcp"``.
+        max_shard_size: the largest safetensors shard (``"5GB"`` or bytes).
+        overwrite: replace an existing ``dst``.
+        process_group: the group the ranks export over.
+        checksums: also write ``sdadapt.checksums.json``.
+        assets: a folder whose config, tokenizer and generation files are copied beside the weights.
+
+    Returns:
+        The :class:`~sdadapt.reports.ExportReport`: the files written, keys and bytes.
+
+    Example::
+
+        report = sdadapt.load(model, "path/to/llama", "llama")
+        sdadapt.export(model, "out/llama-hf", "llama")  # the HF layout again, with its config
     """
     t0 = time.perf_counter()
     check_model_and_path("sdadapt.export(model, dst, adapter=None, format='safetensors', ...)", model, dst, path_arg="dst")
@@ -507,9 +557,28 @@ def convert(
     back (before it is renamed into place) and compares every tensor with the source
     (bit-exact); a difference is an error and leaves nothing at ``dst``. Non-tensor entries are skipped
     (listed in the report). ``adapter`` may be a name, ``file.py:ATTR``, ``module:ATTR`` or
-    ``.json`` (resolved by :func:`sdadapt.resolve_adapter`, options read from ``src``'s folder);
+    ``.json`` (resolved like the CLI's ``--adapter``, options read from ``src``'s folder);
     ``src`` may be a Hub id ``hf://org/name[@revision]``. ``progress(key, nbytes)`` is called
-    after each tensor is written, then after each is verified."""
+    after each tensor is written, then after each is verified.
+
+    Args:
+        src: the checkpoint path, Hub id or :class:`~sdadapt.sources.Source`.
+        dst: the folder (``"safetensors"``, ``"dcp"``) or file (``"torch"``) to write.
+        adapter: the source->destination adapter, or a spec string; ``None``: keys unchanged.
+        format: ``"safetensors"``, ``"torch"`` or ``"dcp"``.
+        max_shard_size: the largest safetensors shard.
+        subtree: the nested dict of a ``torch.save`` file or DCP folder to read.
+        overwrite: replace an existing ``dst``.
+        verify: read the result back and compare every tensor with the source.
+        progress: ``progress(key, nbytes)`` after each tensor.
+
+    Returns:
+        The :class:`~sdadapt.reports.ExportReport`.
+
+    Example::
+
+        sdadapt.convert("release/model.pt", "release-st", format="safetensors", verify=True)
+    """
     t0 = time.perf_counter()
     call = "sdadapt.convert(src, dst, adapter=None, ...) for a checkpoint, sdadapt.export(model, dst, ...) for a model"
     check_not_a_model(call, src)

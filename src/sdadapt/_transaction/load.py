@@ -35,7 +35,31 @@ log = logging.getLogger("sdadapt")
 
 
 class LoadReport(BaseModel):
-    """What one rank did: keys and bytes it read, and how long each phase took."""
+    """What one rank did: keys and bytes it read, and how long each phase took.
+
+    Attributes:
+        rank: this rank.
+        world_size: the ranks that loaded.
+        source: the checkpoint.
+        keys_loaded: the keys written on this rank.
+        items_read: the reads DCP asked this rank for.
+        bytes_read: the bytes read from the files.
+        bytes_shared: the bytes received from replicas (``share_reads=True``).
+        local_bytes: the bytes of this rank's destination shards.
+        seconds: the whole call.
+        plan_seconds: planning.
+        read_seconds: reading.
+        phase_seconds: each phase's wall time, in order.
+        engine_thread_seconds: the engine threads' busy, read and wait seconds, summed.
+        materialized: whether the model was materialised from meta.
+        report: the plan's :class:`Report`.
+        lora: what a LoRA merge changed (``lora=``), else ``None``.
+
+    Example::
+
+        report = sdadapt.load(model, "ckpt/", "llama")
+        print(report)  # keys, bytes and time of each phase
+    """
 
     rank: int
     world_size: int
@@ -101,7 +125,29 @@ def plan_load(
     dtype: str | torch.dtype | None = None,
 ) -> tuple[Source, Plan]:
     """Open the source and plan against the model (headers only; nothing is read or changed);
-    ``pipeline_stage``, ``lora`` and ``dtype`` as in :func:`load`."""
+    ``pipeline_stage``, ``lora`` and ``dtype`` as in :func:`load`.
+
+    Args:
+        model: the model to plan against (its state dict's shapes and dtypes; meta is fine).
+        src: the checkpoint path, Hub id or :class:`~sdadapt.sources.Source`.
+        adapter: an :class:`Adapter` or a spec string, as in :func:`load`.
+        subtree: the nested dict of a ``torch.save`` file or DCP folder to read.
+        allow_missing: key patterns of the model that the checkpoint may lack.
+        allow_unexpected: key patterns of the checkpoint that the model may lack.
+        pipeline_stage: ``model`` is one pipeline stage.
+        lora: a PEFT LoRA adapter folder to merge.
+        dtype: ``"model"`` or a dtype to convert every tensor to.
+
+    Returns:
+        ``(source, plan)``: the open :class:`~sdadapt.sources.Source` (close it when done) and
+        the :class:`~sdadapt.reports.Plan`, whose ``report`` says what lines up.
+
+    Example::
+
+        source, plan = sdadapt.plan_load(model, "ckpt/", "llama")
+        with source:
+            print(plan.report.format())
+    """
     check_model_and_path("sdadapt.plan_load(model, src, adapter=None, ...)", model, src)
     shipped = is_shipped(adapter)
     source, plan, _ = _plan_load(
@@ -155,7 +201,9 @@ def _plan_load(
     return source, plan, state_dict
 
 
-def _prepare_device(model: nn.Module, device: torch.device | str | None, planned: dict[str, torch.Tensor], plan: Plan) -> None:
+def _prepare_device(
+    model: nn.Module, device: torch.device | str | None, planned: dict[str, torch.Tensor], plan: Plan, engine: EngineConfig | None
+) -> None:
     """A load into GPU shards starts pinning its staging memory now, while the model is still
     materialised, and (when its recipes compute on the device) loads their kernels into the
     GPU: the engine's first run then finds both done (or nearly)."""
@@ -167,8 +215,8 @@ def _prepare_device(model: nn.Module, device: torch.device | str | None, planned
     target = next(iter(devices), None)
     if target is not None and target.type == "cuda":
         kernels = device_kernels(plan.recipes.values())
-        prefetch_pinned(target, bool(kernels))
-        if kernels and EngineConfig.from_env().warm_kernels:
+        prefetch_pinned(target, bool(kernels), engine)
+        if kernels and (engine or EngineConfig.from_env()).warm_kernels:
             warm_kernels(target, kernels)
 
 
@@ -192,21 +240,21 @@ def load(
     pipeline_stage: bool = False,
     dtype: str | torch.dtype | None = None,
     lora: str | os.PathLike[str] | None = None,
+    engine: EngineConfig | None = None,
 ) -> LoadReport:
     """Load checkpoint ``src`` into ``model`` through ``adapter``; every rank reads only its shards.
 
     Call on every rank (a collective when a process group is initialised). ``model`` may be on
     the meta device and parallelised (TP, FSDP2, HSDP); it is materialised on ``device`` (default:
     its mesh's device, else CPU) once the plan is valid. With ``strict=True`` any missing,
-    unexpected or mismatched key raises :class:`~sdadapt.PlanError` on every rank before
+    unexpected or mismatched key raises :class:`~sdadapt.errors.PlanError` on every rank before
     anything is read or changed; ``allow_missing``/``allow_unexpected`` take key patterns that
     are fine to leave out. ``subtree`` picks a nested dict of a ``torch.save`` file.
 
-    ``src`` is a path (see :func:`sdadapt.open_source`) or a Hugging Face Hub id
+    ``src`` is a path (see :func:`sdadapt.sources.open_source`) or a Hugging Face Hub id
     ``"hf://org/name[@revision]"`` (``sdadapt[hub]``: one process per node downloads the config,
     the index and its shards into the Hub cache; the others wait). ``adapter`` is an
-    :class:`Adapter` or a string resolved like the CLI's ``--adapter`` by
-    :func:`sdadapt.resolve_adapter`: a shipped name (``"llama"``, its options read from the
+    :class:`Adapter` or a string resolved like the CLI's ``--adapter``: a shipped name (``"llama"``, its options read from the
     checkpoint folder's config), ``file.py:ATTR``, ``module:ATTR`` or a ``.json`` file. A shipped
     name's layout is taken on to the names the model holds (torchtitan's current ones:
     ``lm_head``, ``attention.qkv_linear.wq`` ...; see :func:`sdadapt.torchtitan.torchtitan_names`),
@@ -256,12 +304,53 @@ def load(
     ``PeftModel.save_pretrained`` writes) into the base weights as they are read, before
     ``adapter``'s rules: each rank computes ``W[box] + s * B[rows] @ A[:, cols]`` for its own
     shards only (:mod:`sdadapt.rules._lora`).
+
+    Args:
+        model: the model to fill, on the meta device or materialised, parallelised or not.
+        src: the checkpoint: a path :func:`sdadapt.sources.open_source` opens, a Hub id
+            ``"hf://org/name[@revision]"``, or an open :class:`~sdadapt.sources.Source`.
+        adapter: an :class:`Adapter`, a shipped adapter's name, ``file.py:ATTR``, ``module:ATTR``
+            or a ``.json`` file; ``None``: the checkpoint's keys are the model's.
+        strict: raise :class:`~sdadapt.errors.PlanError` on any planning problem (else log it
+            and load what lines up).
+        subtree: the nested dict of a ``torch.save`` file or DCP folder to read.
+        allow_missing: key patterns of the model that the checkpoint may lack.
+        allow_unexpected: key patterns of the checkpoint that the model may lack.
+        device: where a meta model is materialised (default: its mesh's device, else CPU).
+        init_buffers: ``fn(model)`` that fills non-persistent buffers after materialising.
+        process_group: the group the ranks agree over (default: the world, when initialised).
+        verify: check every region read against ``sdadapt.checksums.json``.
+        check_finite: refuse NaN/Inf values, naming each key.
+        stage: read into a second copy and copy in only once every rank succeeded.
+        share_reads: ranks holding the same shard each read a part and broadcast it.
+        pipeline_stage: ``model`` is one pipeline stage; other stages' keys are allowed.
+        dtype: ``"model"`` or a dtype: convert every tensor (a ``cast`` rule after ``adapter``'s).
+        lora: a PEFT LoRA adapter folder merged into the base weights as they are read.
+        engine: the I/O engine's settings for this call (:class:`EngineConfig`); ``None``: the
+            defaults, overridden by the ``SDADAPT_IO_*`` environment variables.
+
+    Returns:
+        This rank's :class:`~sdadapt.reports.LoadReport`: keys and bytes read, the time of each
+        phase, and the plan's :class:`~sdadapt.reports.Report`.
+
+    Raises:
+        PlanError: the checkpoint does not line up with the model (on every rank, nothing read).
+        LoadError: a read failed on some rank (raised on every rank; see above for the model's state).
+
+    Example::
+
+        with torch.device("meta"):
+            model = build_model()
+        fully_shard(model)
+        report = sdadapt.load(model, "path/to/llama", "llama")
+        print(report)
     """
     check_model_and_path("sdadapt.load(model, src, adapter=None, ...)", model, src)
     shipped = is_shipped(adapter)
     t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
     txn = Transaction(model, process_group, _describe(src))
+    txn.engine = engine
     local = txn.resolve(src)  # a Hub id: its snapshot folder, fetched and agreed on every rank
     planned: dict[str, torch.Tensor] = {}
 
@@ -287,7 +376,7 @@ def load(
     plan = txn.prepare(prepare)  # every rank raises if any failed; nothing was changed
     phases = _Phases(t0)
     phases.mark("plan")
-    _prepare_device(model, device, planned, plan)
+    _prepare_device(model, device, planned, plan, engine)
     # every rank's hook has run (a hook may touch the files) before any rank checks them
     materialized = txn.materialize(device, init_buffers)
     phases.mark("materialize")

@@ -44,7 +44,23 @@ _SKIP_FILES = ("config.json", "model.safetensors.index.json", ".metadata")
 
 
 class ShrinkReport(BaseModel):
-    """What :func:`shrink` wrote."""
+    """What :func:`shrink` wrote.
+
+    Attributes:
+        dst: the folder written.
+        layers: layers kept.
+        layers_before: layers the source had.
+        tensors: tensors written.
+        tensors_dropped: tensors left out.
+        bytes: bytes written.
+        files: the files written.
+        seconds: the whole call.
+
+    Example::
+
+        report = sdadapt.shrink("llama-8b/", "llama-2-layers/", layers=2)
+        print(report)
+    """
 
     dst: str
     layers: int
@@ -167,7 +183,24 @@ def shrink(
     a ``.safetensors`` file) to the folder ``dst`` as HF safetensors (shards of at most
     ``max_shard_size`` plus ``model.safetensors.index.json``, or one ``model.safetensors``),
     with ``config.json`` rewritten and the folder's other small files copied. ``progress``:
-    a tqdm bar on stderr (``None``: only on a terminal). See the module docstring."""
+    a tqdm bar on stderr (``None``: only on a terminal). See the module docstring.
+
+    Args:
+        src: the HF checkpoint folder or ``.safetensors`` file.
+        dst: the folder to write.
+        layers: how many layers to keep.
+        pattern: the key prefix of one layer, ``{i}`` the layer index.
+        max_shard_size: the largest shard written.
+        overwrite: replace an existing ``dst``.
+        progress: show a progress bar (``None``: only on a terminal).
+
+    Returns:
+        The :class:`~sdadapt.reports.ShrinkReport`: layers, keys and bytes kept.
+
+    Example::
+
+        sdadapt.shrink("path/to/llama-8b", "llama-2-layers", layers=2)
+    """
     t0 = time.perf_counter()
     src, dst = local_path(src), os.fspath(dst)  # a Hub id (hf://...): its snapshot folder
     _check_dst(dst, overwrite)

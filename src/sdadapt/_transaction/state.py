@@ -40,6 +40,7 @@ from .._base.distributed import agree, is_distributed, rank_and_world
 from .._base.gc import without_gc
 from .._base.regions import full_box
 from .._base.version import VERSION
+from .._engine import EngineConfig
 from .._engine.safe_planner import SafeLoadPlanner
 from .._plan.adapter import Adapter
 from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
@@ -63,7 +64,27 @@ OPTIM_KEY = "optim"
 
 
 class StateLoadReport(BaseModel):
-    """What :func:`load_state` restored on this rank."""
+    """What :func:`load_state` restored on this rank.
+
+    Attributes:
+        rank: this rank.
+        world_size: the ranks that loaded.
+        source: the DCP folder.
+        model_keys: model keys restored.
+        optimizer_keys: parameters whose optimizer state was restored.
+        optimizer_state_names: the optimizer's state names (``exp_avg``, ``step`` ...).
+        param_groups: param groups restored.
+        bytes_read: bytes read on this rank.
+        extra: the extra entries restored.
+        saved_with: what ``sdadapt.json`` says saved it.
+        seconds: the whole call.
+        report: the model plan's :class:`Report`.
+
+    Example::
+
+        report = sdadapt.load_state("ckpt/step_100", model, optimizer)
+        print(report)
+    """
 
     rank: int
     world_size: int
@@ -111,6 +132,23 @@ def save_state(
     ``state_dict()``) or plain values (``{"step": 7}``). ``adapter``, the checkpoint->model
     adapter the model was first loaded with, is recorded in ``sdadapt.json``. An existing
     non-empty ``dst`` is an error unless ``overwrite=True``. Returns ``dst``.
+
+    Args:
+        dst: the DCP folder to write.
+        model: the model whose state is saved.
+        optimizer: its optimizer, saved too.
+        extra: ``name -> Stateful or value`` entries to save beside them.
+        adapter: the checkpoint->model adapter the model was first loaded with (recorded).
+        overwrite: replace a non-empty ``dst``.
+        process_group: the group the ranks save over.
+        checksums: also write ``sdadapt.checksums.json``.
+
+    Returns:
+        ``dst``, as a string.
+
+    Example::
+
+        sdadapt.save_state("ckpt/step_100", model, optimizer, extra={"step": 100, "sched": scheduler})
     """
     check_model_and_path("sdadapt.save_state(dst, model, optimizer=None, extra=None, ...)", model, dst, path_arg="dst")
     dst = os.fspath(dst)
@@ -231,12 +269,13 @@ def load_state(
     process_group: dist.ProcessGroup | None = None,
     stage: bool = False,
     pipeline_stage: bool = False,
+    engine: EngineConfig | None = None,
 ) -> StateLoadReport:
     """Restore model (+ optimizer, + ``extra``) from the DCP folder ``src``; every rank calls it.
 
     Works on any mesh (FSDP2, TP, HSDP, uneven shards), and through ``adapter`` (checkpoint
     layout -> model layout) after a refactor (an :class:`Adapter`, or a name, ``file.py:ATTR``,
-    ``module:ATTR`` or ``.json`` resolved by :func:`sdadapt.resolve_adapter`); optimizer state
+    ``module:ATTR`` or ``.json`` resolved like the CLI's ``--adapter``); optimizer state
     follows the parameters' rules.
     ``extra`` entries are restored in place: ``Stateful`` objects through ``load_state_dict``,
     plain values by replacing ``extra[name]``. Strict: any missing or unexpected key (model or
@@ -267,6 +306,31 @@ def load_state(
     listed in the report's ``allowed_unexpected``. Keys of the stage's own parameters, and their
     optimizer state, that the checkpoint lacks are still missing. Param groups are matched by
     position, as without it: build each stage's optimizer with the groups the checkpoint's has.
+
+    Args:
+        src: the DCP folder :func:`save_state` wrote.
+        model: the model to restore (meta only without an optimizer).
+        optimizer: its optimizer, restored too.
+        extra: ``name -> Stateful or value`` entries saved beside them.
+        adapter: the adapter from the checkpoint's layout to the model's (after a refactor).
+        allow_missing: key patterns the checkpoint may lack.
+        allow_unexpected: key patterns the model may lack.
+        device: where a meta model is materialised.
+        init_buffers: ``fn(model)`` that fills non-persistent buffers after materialising.
+        process_group: the group the ranks agree over.
+        stage: read into staging copies; a failure leaves model and optimizer as they were.
+        pipeline_stage: ``model`` is one pipeline stage and ``optimizer`` holds its parameters.
+        engine: the I/O engine's settings for this call (:class:`~sdadapt.EngineConfig`);
+            ``None``: the defaults and the ``SDADAPT_IO_*`` environment variables.
+
+    Returns:
+        This rank's :class:`~sdadapt.reports.StateLoadReport`.
+
+    Example::
+
+        sdadapt.save_state("ckpt/step_100", model, optimizer, extra={"step": 100})
+        extra = {"step": 0}
+        sdadapt.load_state("ckpt/step_100", model, optimizer, extra=extra)
     """
     t0 = time.perf_counter()
     check_model_and_path("sdadapt.load_state(src, model, optimizer=None, extra=None, ...)", model, src)
@@ -275,6 +339,7 @@ def load_state(
     rank, world = rank_and_world(process_group)
     extra = extra if extra is not None else {}
     txn = Transaction(model, process_group, src)
+    txn.engine = engine
     if optimizer is not None:
         txn.add_optimizer(optimizer, was_empty=not optimizer.state)
 

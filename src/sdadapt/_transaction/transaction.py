@@ -59,6 +59,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from .._base.distributed import agree, any_rank, gather_if_any, is_distributed
+from .._engine import EngineConfig
 from .._engine.reader import AdaptedLoadPlanner, AdaptedStorageReader
 from .._plan.plan import Plan
 from .._plan.target import model_state_dict
@@ -130,6 +131,7 @@ class Transaction:
         self.optimizer: torch.optim.Optimizer | None = None
         self.optimizer_was_empty = False
         self.written: list[Part] = []  # parts this rank began writing into
+        self.engine: EngineConfig | None = None  # the I/O engine's settings; None: from the environment
 
     # ------------------------------------------------------------------ prepare
     def add_source(self, source: Source) -> None:
@@ -354,7 +356,7 @@ class Transaction:
         metadata is the target schema, which every rank has), so DCP's plan exchange is skipped
         (``no_dist``); the outcome is agreed in the checks after reading. Returns this rank's
         read errors, one line each."""
-        part.reader = AdaptedStorageReader(part.plan, part.source, share_reads=part.share_reads)
+        part.reader = AdaptedStorageReader(part.plan, part.source, config=self.engine, share_reads=part.share_reads)
         self.written.append(part)
         log.debug("reading %d keys of %s from %s", len(part.into), part.name, self.what)
         try:

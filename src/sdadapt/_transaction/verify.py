@@ -66,7 +66,28 @@ class VerifyReport(BaseModel):
     |logit| (``tolerance`` says which). ``layers`` compares each decoder layer's output (empty
     when the two models' layer lists could not be paired); ``first_difference`` names the first
     layer that disagrees and, inside it, the first module whose output matches nothing of the
-    reference, with its parameters."""
+    reference, with its parameters.
+
+    Attributes:
+        passed: the logits agree within tolerance.
+        max_abs_diff: the largest |logit difference|.
+        kl: the mean KL divergence.
+        atol: the absolute tolerance used.
+        kl_max: the KL bound used.
+        rtol: the relative tolerance.
+        dtype: the least precise parameter dtype.
+        tolerance: where ``atol`` came from.
+        model: the model's label.
+        reference: the reference's label.
+        tokens: the tokens' shape.
+        layers: the per-layer comparison.
+        first_difference: the first layer and module that disagree, if any.
+
+    Example::
+
+        report = sdadapt.verify(model, reference)
+        assert report.passed, str(report)
+    """
 
     passed: bool
     max_abs_diff: float

@@ -36,16 +36,41 @@ rule's ``key_after``.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from pydantic import Field
 
-from ._base import Keys, RuleBase, final_key, parse_dtype, target_info
-from ._custom import ValueRule, register_rule, registered_rules, rule_from_data
-from ._keys import AddPrefix, Drop, Fuse, Rename, Split, StripPrefix, Tie
-from ._stacking import Stack, Unstack
-from ._tensor_parallel import DP_MESH_NAMES, TP_MESH_NAMES, Deinterleave, Interleave, tp_degree
-from ._values import Affine, Cast, Pad, Rotary, Transpose, Trim, rotary_perm
+from .._base.lazy import attach
+from ._base import Keys as Keys
+from ._base import RuleBase as RuleBase
+from ._base import final_key as final_key
+from ._base import parse_dtype as parse_dtype
+from ._base import target_info as target_info
+from ._custom import ValueRule as ValueRule
+from ._custom import register_rule as register_rule
+from ._custom import registered_rules as registered_rules
+from ._custom import rule_from_data as rule_from_data
+from ._keys import AddPrefix as AddPrefix
+from ._keys import Drop as Drop
+from ._keys import Fuse as Fuse
+from ._keys import Rename as Rename
+from ._keys import Split as Split
+from ._keys import StripPrefix as StripPrefix
+from ._keys import Tie as Tie
+from ._stacking import Stack as Stack
+from ._stacking import Unstack as Unstack
+from ._tensor_parallel import DP_MESH_NAMES as DP_MESH_NAMES
+from ._tensor_parallel import TP_MESH_NAMES as TP_MESH_NAMES
+from ._tensor_parallel import Deinterleave as Deinterleave
+from ._tensor_parallel import Interleave as Interleave
+from ._tensor_parallel import tp_degree as tp_degree
+from ._values import Affine as Affine
+from ._values import Cast as Cast
+from ._values import Pad as Pad
+from ._values import Rotary as Rotary
+from ._values import Transpose as Transpose
+from ._values import Trim as Trim
+from ._values import rotary_perm as rotary_perm
 
 BUILTIN_RULES: tuple[type[RuleBase], ...] = (
     Rename, Fuse, Split, Cast, Drop, Tie, Transpose, Rotary, Affine, Stack, Unstack, Pad, Trim, Interleave,
@@ -55,44 +80,93 @@ for _cls in BUILTIN_RULES:
     register_rule(_cls)
 
 Rule = Annotated[
-    Rename | Fuse | Split | Cast | Drop | Tie | Transpose | Rotary | Affine | Stack | Unstack | Pad | Trim
-    | Interleave | Deinterleave | StripPrefix | AddPrefix,
+    Rename
+    | Fuse
+    | Split
+    | Cast
+    | Drop
+    | Tie
+    | Transpose
+    | Rotary
+    | Affine
+    | Stack
+    | Unstack
+    | Pad
+    | Trim
+    | Interleave
+    | Deinterleave
+    | StripPrefix
+    | AddPrefix,
     Field(discriminator="kind"),
 ]
 Rule.__doc__ = """The built-in rules: the union of their classes, told apart by the ``kind`` field.
 Adapters hold any registered rule (see :func:`register_rule`)."""
 
-__all__ = [
-    "BUILTIN_RULES",
-    "DP_MESH_NAMES",
-    "TP_MESH_NAMES",
-    "AddPrefix",
-    "Affine",
-    "Cast",
-    "Deinterleave",
-    "Drop",
-    "Fuse",
-    "Interleave",
-    "Keys",
-    "Pad",
-    "Rename",
-    "Rotary",
-    "Rule",
-    "RuleBase",
-    "Split",
-    "Stack",
-    "StripPrefix",
-    "Tie",
-    "Transpose",
-    "Trim",
-    "Unstack",
-    "ValueRule",
-    "final_key",
-    "parse_dtype",
-    "register_rule",
-    "registered_rules",
-    "rotary_perm",
-    "rule_from_data",
-    "target_info",
-    "tp_degree",
-]
+# The public names: the rule classes (for ``isinstance`` and JSON; build them with the functions
+# of ``sdadapt``), the rule protocol and registry, and what a rule of one's own builds its nodes
+# from. The other names imported above serve the rule modules and the plan.
+_EAGER = (
+    "AddPrefix Affine Cast Deinterleave Drop Fuse Interleave Pad Rename Rotary Split Stack StripPrefix Tie Transpose "
+    "Trim Unstack Rule RuleBase ValueRule register_rule registered_rules rule_from_data Keys parse_dtype"
+).split()
+_PUBLIC: dict[str, str] = {
+    **dict.fromkeys(_EAGER, __name__),
+    # quantized formats: imported on first use (they import the quantized kernels)
+    **dict.fromkeys(["DequantFP8", "QuantizeFP8", "DequantMXFP4", "QuantizeMXFP4"], "._dequant"),
+    **dict.fromkeys(["DequantScaled", "QuantizeScaled"], "._dequant_scaled"),
+    **dict.fromkeys(["ScaleFormat", "SCALE_DTYPES", "FP8_SCALE_SUFFIX", "MX_BLOCKS_SUFFIX"], "sdadapt._recipes.quant"),
+    "ignored_modules": "._quant_config",
+    # a rule of one's own: the node it puts under a key, and the steps a node produces
+    **dict.fromkeys(["Node", "Compute", "emit"], "sdadapt._recipes.nodes"),
+}
+"""The one table of :mod:`sdadapt.rules`' public names -> the module that defines each."""
+_LAZY = {name: where for name, where in _PUBLIC.items() if where != __name__}
+
+if TYPE_CHECKING:
+    from .._recipes.nodes import (
+        Compute as Compute,
+    )
+    from .._recipes.nodes import (
+        Node as Node,
+    )
+    from .._recipes.nodes import (
+        emit as emit,
+    )
+    from .._recipes.quant import (
+        FP8_SCALE_SUFFIX as FP8_SCALE_SUFFIX,
+    )
+    from .._recipes.quant import (
+        MX_BLOCKS_SUFFIX as MX_BLOCKS_SUFFIX,
+    )
+    from .._recipes.quant import (
+        SCALE_DTYPES as SCALE_DTYPES,
+    )
+    from .._recipes.quant import (
+        ScaleFormat as ScaleFormat,
+    )
+    from ._dequant import (
+        DequantFP8 as DequantFP8,
+    )
+    from ._dequant import (
+        DequantMXFP4 as DequantMXFP4,
+    )
+    from ._dequant import (
+        QuantizeFP8 as QuantizeFP8,
+    )
+    from ._dequant import (
+        QuantizeMXFP4 as QuantizeMXFP4,
+    )
+    from ._dequant_scaled import (
+        DequantScaled as DequantScaled,
+    )
+    from ._dequant_scaled import (
+        QuantizeScaled as QuantizeScaled,
+    )
+    from ._quant_config import ignored_modules as ignored_modules
+
+__getattr__, _lazy_dir, _ = attach(__name__, _LAZY)
+__all__ = list(_PUBLIC)
+
+
+def __dir__() -> list[str]:
+    return sorted({*_lazy_dir(), *_PUBLIC})

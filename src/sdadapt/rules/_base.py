@@ -22,7 +22,21 @@ if TYPE_CHECKING:
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    """``"bfloat16"``, ``"torch.bfloat16"`` or ``torch.bfloat16`` -> ``torch.bfloat16``."""
+    """``"bfloat16"``, ``"torch.bfloat16"`` or ``torch.bfloat16`` -> ``torch.bfloat16``.
+
+    Args:
+        name: a dtype name (``"bfloat16"``, ``"torch.bfloat16"``) or a ``torch.dtype``.
+
+    Returns:
+        The ``torch.dtype``.
+
+    Raises:
+        AdapterError: no torch dtype has that name.
+
+    Example::
+
+        assert sdadapt.rules.parse_dtype("bfloat16") is torch.bfloat16
+    """
     if isinstance(name, torch.dtype):
         return name
     dt = getattr(torch, str(name).removeprefix("torch."), None)
@@ -43,7 +57,28 @@ class RuleBase(BaseModel):
 
     ``moves_keys``: a key-moving rule (rename, fuse, ...) takes the keys it matches away, and a
     key may be taken by one such rule only; a value rule (cast, pad, ...) keeps the key and
-    replaces its node."""
+    replaces its node.
+
+    Args:
+        **fields: the subclass's own fields (pydantic), with ``kind`` its JSON name.
+
+    Example::
+
+        @sdadapt.rules.register_rule
+        class DropAll(sdadapt.rules.RuleBase):
+            kind: Literal["drop_all"] = "drop_all"
+            moves_keys: ClassVar[bool] = True
+
+            def input_patterns(self) -> list[str]:
+                return ["**"]
+
+            def apply(self, ctx, index) -> None:
+                for key in list(ctx.keys()):
+                    ctx.take(key, index)
+
+            def inverse(self) -> list[RuleBase]:
+                return []
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -73,7 +108,7 @@ class RuleBase(BaseModel):
         parameters this rule maps, when training state is resumed through the adapter. Keys,
         layouts and dtypes follow the parameter's, so by default the rule itself; a rule that
         changes values (:class:`.values.Affine`) says how each kind of moment changes, or
-        raises :class:`~sdadapt.AdapterError` for state it cannot map."""
+        raises :class:`~sdadapt.errors.AdapterError` for state it cannot map."""
         return [self]
 
     def key_after(self, key: str) -> str | None:

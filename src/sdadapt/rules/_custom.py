@@ -5,8 +5,8 @@ registered for that kind. Built-in rules are registered by :mod:`sdadapt.rules`;
 class is registered with the :func:`register_rule` decorator and is then planned, loaded
 (through its nodes' region mapping, on any mesh), inverted and serialised like a built-in one:
 
-    @sdadapt.register_rule
-    class Negate(sdadapt.ValueRule):
+    @sdadapt.rules.register_rule
+    class Negate(sdadapt.rules.ValueRule):
         kind: Literal["negate"] = "negate"
 
         def transform(self, key, node):
@@ -53,9 +53,26 @@ def register_rule(cls: R) -> R:
     """Register a rule class (a :class:`RuleBase` subclass with a ``kind`` literal field) so that
     adapters holding it read back from JSON; use it as a class decorator. Registering a kind
     that another class holds is an error (the same class again, e.g. its module re-imported,
-    replaces the entry)."""
+    replaces the entry).
+
+    Args:
+        cls: the rule class.
+
+    Returns:
+        ``cls`` itself (so it works as a decorator).
+
+    Raises:
+        AdapterError: ``cls`` is no :class:`RuleBase` subclass with a ``kind``, or another class
+            holds its kind.
+
+    Example::
+
+        @sdadapt.rules.register_rule
+        class Negate(sdadapt.rules.ValueRule):
+            kind: Literal["negate"] = "negate"
+    """
     if not (isinstance(cls, type) and issubclass(cls, RuleBase)):
-        raise AdapterError(f"register_rule takes a subclass of sdadapt.RuleBase, got {cls!r}")
+        raise AdapterError(f"register_rule takes a subclass of sdadapt.rules.RuleBase, got {cls!r}")
     kind = _kind_of(cls)
     have = _KINDS.get(kind)
     if have is not None and (have.__module__, have.__qualname__) != (cls.__module__, cls.__qualname__):
@@ -68,12 +85,35 @@ def register_rule(cls: R) -> R:
 
 
 def registered_rules() -> dict[str, type[RuleBase]]:
-    """``kind -> class`` of every registered rule (built-in ones first)."""
+    """``kind -> class`` of every registered rule (built-in ones first).
+
+    Returns:
+        A new dict ``{kind: class}``.
+
+    Example::
+
+        assert sdadapt.rules.registered_rules()["rename"] is sdadapt.rules.Rename
+    """
     return dict(_KINDS)
 
 
 def rule_from_data(data: Any) -> RuleBase:
-    """A rule from its JSON form (a dict with a ``kind``), or the rule itself if already one."""
+    """A rule from its JSON form (a dict with a ``kind``), or the rule itself if already one.
+
+    Args:
+        data: a dict such as ``{"kind": "rename", "src": "a", "dst": "b"}``, or a rule.
+
+    Returns:
+        The rule, an instance of the class registered for its ``kind``.
+
+    Raises:
+        AdapterError: an unknown ``kind`` (its class must be registered first) or a bad field.
+
+    Example::
+
+        rule = sdadapt.rules.rule_from_data({"kind": "rename", "src": "a", "dst": "b"})
+        assert rule == sdadapt.rename("a", "b")
+    """
     if isinstance(data, RuleBase):
         return data
     if not isinstance(data, dict):
@@ -83,7 +123,7 @@ def rule_from_data(data: Any) -> RuleBase:
     if cls is None:
         raise AdapterError(
             f"unknown rule kind {kind!r}; known kinds: {', '.join(sorted(_KINDS))}. A rule of your own "
-            "must be registered (@sdadapt.register_rule) before its adapter is read"
+            "must be registered (@sdadapt.rules.register_rule) before its adapter is read"
         )
     return cls(**data)
 
@@ -91,9 +131,25 @@ def rule_from_data(data: Any) -> RuleBase:
 class ValueRule(RuleBase):
     """A value rule of one's own: for each key ``keys`` matches (one pattern or a list),
     :meth:`transform` returns the node that replaces the key's node. The node carries the
-    shape, dtype and region mapping (see :class:`sdadapt.Node`); the subclass adds its
+    shape, dtype and region mapping (see :class:`sdadapt.rules.Node`); the subclass adds its
     ``kind`` literal, its own fields, :meth:`transform` and :meth:`inverse`, and is registered
-    with :func:`register_rule`."""
+    with :func:`register_rule`.
+
+    Args:
+        keys: one key pattern or a list; the subclass adds its own fields.
+
+    Example::
+
+        @sdadapt.rules.register_rule
+        class Negate(sdadapt.rules.ValueRule):
+            kind: Literal["negate"] = "negate"
+
+            def transform(self, key, node):
+                return NegNode(node.shape, node.dtype, node)  # a sdadapt.rules.Node subclass
+
+            def inverse(self):
+                return [Negate(keys=self.keys)]
+    """
 
     moves_keys: ClassVar[bool] = False
     keys: Keys

@@ -126,7 +126,25 @@ class _FP8Fields(_QuantRule):
 
 class DequantFP8(_FP8Fields):
     """FP8 e4m3 weights with block scales ``key + scale_suffix`` -> values in ``dtype``:
-    ``DequantFP8(keys="model.layers.**.weight", block=[128, 128])``."""
+    ``DequantFP8(keys="model.layers.**.weight", block=[128, 128])``.
+
+    Built by :func:`sdadapt.dequant_fp8`, whose arguments are these fields.
+
+    Args:
+        keys: the weights' key pattern.
+        dtype: the values' dtype (``None``: the model's for each key).
+        exclude: key patterns left alone (unquantized weights).
+        block: the scale block, ``(rows, cols)``.
+        scale_suffix: a scale's key is the weight's key + this.
+        scale_format: ``"float32"``, ``"ue8m0"`` or ``"ue8m0_float32"``.
+        scale_dtype: the dtype the scales are stored in (``None``: any of the format's).
+
+    Example::
+
+        rule = sdadapt.dequant_fp8(block=(128, 128))
+        assert isinstance(rule, sdadapt.rules.DequantFP8)
+        assert isinstance(rule.inverse(), sdadapt.rules.QuantizeFP8)
+    """
 
     kind: Literal["dequant_fp8"] = "dequant_fp8"
 
@@ -192,7 +210,16 @@ class DequantFP8(_FP8Fields):
 
 class QuantizeFP8(_FP8Fields):
     """The inverse of :class:`DequantFP8`: matched tensors become FP8 e4m3 weights with a scale
-    grid ``key + scale_suffix`` (same block geometry and scale format)."""
+    grid ``key + scale_suffix`` (same block geometry and scale format).
+
+    Args:
+        **fields: the fields of :class:`DequantFP8` (the rule this one inverts), with the same meaning.
+
+    Example::
+
+        rule = sdadapt.rules.DequantFP8(keys="**.weight", block=[128, 128]).inverse()
+        assert isinstance(rule, sdadapt.rules.QuantizeFP8)
+    """
 
     kind: Literal["quantize_fp8"] = "quantize_fp8"
 
@@ -227,7 +254,21 @@ class DequantMXFP4(_MXFP4Fields):
     ``<name>`` ``[..., G * 32]`` in ``dtype``, for each ``<name>`` matching ``keys``:
     ``DequantMXFP4(keys="model.layers.{i}.mlp.experts.{proj}")``. The packed dim (32 values per
     block) is the last one, as the format defines it; a transpose rule after it gives another
-    orientation."""
+    orientation.
+
+    Built by :func:`sdadapt.dequant_mxfp4`, whose arguments are these fields.
+
+    Args:
+        keys: the dequantised keys' pattern (without the suffixes).
+        dtype: the values' dtype (``None``: the model's for each key).
+        blocks_suffix: the packed values' key is ``key + blocks_suffix``.
+        scales_suffix: the scales' key is ``key + scales_suffix``.
+
+    Example::
+
+        rule = sdadapt.dequant_mxfp4("**.mlp.experts.{proj}_proj")
+        assert isinstance(rule.inverse(), sdadapt.rules.QuantizeMXFP4)
+    """
 
     kind: Literal["dequant_mxfp4"] = "dequant_mxfp4"
 
@@ -271,7 +312,16 @@ class DequantMXFP4(_MXFP4Fields):
 class QuantizeMXFP4(_MXFP4Fields):
     """The inverse of :class:`DequantMXFP4`: each key matching ``keys`` (two or more dims, the
     last a multiple of 32) becomes ``<key>_blocks`` + ``<key>_scales``. ``keys`` must name the
-    packed tensors only (GPT-OSS: ``**.mlp.experts.{proj}_proj``, not the ``_bias`` beside them)."""
+    packed tensors only (GPT-OSS: ``**.mlp.experts.{proj}_proj``, not the ``_bias`` beside them).
+
+    Args:
+        **fields: the fields of :class:`DequantMXFP4` (the rule this one inverts), with the same meaning.
+
+    Example::
+
+        rule = sdadapt.rules.DequantMXFP4(keys="**.weight").inverse()
+        assert isinstance(rule, sdadapt.rules.QuantizeMXFP4)
+    """
 
     kind: Literal["quantize_mxfp4"] = "quantize_mxfp4"
 
@@ -296,6 +346,3 @@ class QuantizeMXFP4(_MXFP4Fields):
 # adapters read these kinds from JSON through the rule registry
 for _cls in (DequantFP8, QuantizeFP8, DequantMXFP4, QuantizeMXFP4):
     register_rule(_cls)
-
-
-# --- config.json ----------------------------------------------------------------------------------

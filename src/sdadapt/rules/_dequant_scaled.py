@@ -122,7 +122,38 @@ class _ScaledFields(_QuantRule):
 
 class DequantScaled(_ScaledFields):
     """Codes times scales -> values: ``DequantScaled(codec="e4m3", strategy="channel")`` reads
-    compressed-tensors' FP8-dynamic releases (``weight`` + ``weight_scale [R, 1]``)."""
+    compressed-tensors' FP8-dynamic releases (``weight`` + ``weight_scale [R, 1]``).
+
+    Built by :func:`sdadapt.dequant_scaled`, whose arguments are these fields.
+
+    Args:
+        keys: the weights' keys (the dequantised keys); ``exclude``: patterns left alone.
+        dtype: the values' dtype, or ``None`` for the model's.
+        exclude: key patterns left alone.
+        codec: ``"e4m3"``, ``"int8"``, ``"e2m1"`` (two per byte), ``"int4"`` or ``"int8_packed"``
+            (in int32 words, compressed-tensors' ``pack-quantized``).
+        strategy: one scale per ``"tensor"``, output ``"channel"``, ``"group"`` of
+            ``group_size`` values along a row, or ``"block"`` of ``block`` rows x cols.
+        group_size: the values per scale along a row (``strategy="group"``).
+        block: the scale block ``[rows, cols]`` (``strategy="block"``).
+        values_suffix: the stored values' key is ``key + values_suffix`` (``"_packed"``).
+        scale_suffix: the keys beside it (``key +
+            suffix``) of the scales, zero points, per-tensor second scale (``global_mode``:
+            ``"divide"`` as compressed-tensors, ``"multiply"`` as ModelOpt's ``weight_scale_2``)
+            and compressed-tensors' ``weight_shape``.
+        scale_dtype: the dtype the scales are stored in (``None``: as stored).
+        zero_suffix: the zero points' key suffix (asymmetric int codes), or ``None``.
+        global_suffix: the per-tensor second scale's key suffix, or ``None``.
+        global_mode: ``"divide"`` (compressed-tensors) or ``"multiply"`` (ModelOpt's ``weight_scale_2``).
+        shape_suffix: compressed-tensors' ``weight_shape`` key suffix, or ``None``.
+        drop: key patterns dropped on purpose (activation scales such as ``**.input_scale``).
+        tensor_scale_shape: the shape of a per-tensor scale (``[1]``, or ``[]`` as some releases store it).
+
+    Example::
+
+        rule = sdadapt.dequant_scaled(codec="e4m3", strategy="channel")
+        assert isinstance(rule, sdadapt.rules.DequantScaled)
+    """
 
     kind: Literal["dequant_scaled"] = "dequant_scaled"
 
@@ -252,7 +283,16 @@ class QuantizeScaled(_ScaledFields):
     """The inverse of :class:`DequantScaled` for FP8 (float scales, any strategy) and NVFP4:
     each matched floating tensor becomes its codes and scales with the same keys and geometry
     (scales in ``scale_dtype``, by default float32, e4m3 for NVFP4, whose global scale is chosen
-    again from the tensor's largest magnitude as the release's tool does: :class:`GlobalScaleOf`)."""
+    again from the tensor's largest magnitude as the release's tool does: :class:`GlobalScaleOf`).
+
+    Args:
+        **fields: the fields of :class:`DequantScaled` (the rule this one inverts), with the same meaning.
+
+    Example::
+
+        rule = sdadapt.rules.DequantScaled(keys="**.weight", codec="e4m3").inverse()
+        assert isinstance(rule, sdadapt.rules.QuantizeScaled)
+    """
 
     kind: Literal["quantize_scaled"] = "quantize_scaled"
 

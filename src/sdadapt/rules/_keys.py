@@ -24,7 +24,20 @@ if TYPE_CHECKING:
 
 class Rename(RuleBase):
     """``src`` keys become ``dst`` keys: ``Rename(src="model.layers.{i}.mlp.up_proj.weight",
-    dst="layers.{i}.feed_forward.w3.weight")``."""
+    dst="layers.{i}.feed_forward.w3.weight")``.
+
+    Built by :func:`sdadapt.rename`, whose arguments are these fields.
+
+    Args:
+        src: the checkpoint's key pattern (``{name}`` captures one dot-free part, ``**`` any run).
+        dst: the new key pattern, using ``src``'s captures.
+
+    Example::
+
+        rule = sdadapt.rename("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.attention.wq.weight")
+        assert isinstance(rule, sdadapt.rules.Rename)
+        assert rule.kind == "rename"  # its JSON: rule.model_dump_json()
+    """
 
     kind: Literal["rename"] = "rename"
     src: str
@@ -65,7 +78,24 @@ class Fuse(RuleBase):
     Bloom's and Persimmon's ``query_key_value``: ``view(heads, 3, head_dim, dim)``): each part is
     cut in ``H`` equal blocks and block ``h`` of every part follows block ``h`` of the previous
     one. For grouped attention fused per kv group (Falcon: each group's q heads, then its k and
-    v) give the kv head count."""
+    v) give the kv head count.
+
+    Built by :func:`sdadapt.fuse`, whose arguments are these fields.
+
+    Args:
+        srcs: the key patterns of the parts, in order.
+        dst: the fused key pattern.
+        dim: the dim to concatenate along.
+        sizes: the parts' sizes along ``dim`` (needed only where the target does not tell them).
+        heads: lay the fused tensor out per head, ``[H, parts, rows]``.
+
+    Example::
+
+        qkv = [f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv"]
+        rule = sdadapt.fuse(qkv, "layers.{i}.attention.wqkv.weight")
+        assert isinstance(rule, sdadapt.rules.Fuse)
+        assert rule.kind == "fuse"  # its JSON: rule.model_dump_json()
+    """
 
     kind: Literal["fuse"] = "fuse"
     srcs: list[str]
@@ -147,7 +177,25 @@ class Split(RuleBase):
 
     ``heads=H``: ``src`` is laid out per head, ``[H, parts, rows]`` (GPT-NeoX's
     ``query_key_value``): part ``p`` is block ``p`` of each of the ``H`` groups, in order;
-    ``sizes`` are then the parts' whole sizes (each divides by ``H``). See :class:`Fuse`."""
+    ``sizes`` are then the parts' whole sizes (each divides by ``H``). See :class:`Fuse`.
+
+    Built by :func:`sdadapt.split`, whose arguments are these fields.
+
+    Args:
+        src: the fused key pattern.
+        dsts: the key patterns of the parts, in order.
+        dim: the dim to cut along.
+        sizes: the parts' sizes along ``dim``; default: the target's, else equal parts.
+        heads: ``src`` is laid out per head, ``[H, parts, rows]``: each part is taken from
+            every head's block (GPT-NeoX's ``query_key_value`` -> q, k, v).
+
+    Example::
+
+        qkv = ["h.{i}.q.weight", "h.{i}.k.weight", "h.{i}.v.weight"]
+        rule = sdadapt.split("h.{i}.attn.query_key_value.weight", qkv, heads=8)
+        assert isinstance(rule, sdadapt.rules.Split)
+        assert rule.kind == "split"  # its JSON: rule.model_dump_json()
+    """
 
     kind: Literal["split"] = "split"
     src: str
@@ -229,7 +277,20 @@ class Split(RuleBase):
 class Drop(RuleBase):
     """Source keys deliberately ignored (rotary caches, optimizer entries...). ``shadows=True``:
     the drop is meant to take its keys before later rules that match them too (a whole layer
-    dropped first, whatever it holds); those later rules are then not ambiguous."""
+    dropped first, whatever it holds); those later rules are then not ambiguous.
+
+    Built by :func:`sdadapt.drop`, whose arguments are these fields.
+
+    Args:
+        keys: the key pattern of the source keys to ignore.
+        shadows: take the keys before later rules that match them too.
+
+    Example::
+
+        rule = sdadapt.drop("**.rotary_emb.inv_freq")
+        assert isinstance(rule, sdadapt.rules.Drop)
+        assert rule.kind == "drop"  # its JSON: rule.model_dump_json()
+    """
 
     kind: Literal["drop"] = "drop"
     keys: str
@@ -250,7 +311,20 @@ class Drop(RuleBase):
 
 class Tie(RuleBase):
     """Fill ``dst`` from ``src`` when the checkpoint lacks ``dst`` (tied embeddings:
-    ``Tie(dst="output.weight", src="tok_embeddings.weight")``). ``src`` stays too."""
+    ``Tie(dst="output.weight", src="tok_embeddings.weight")``). ``src`` stays too.
+
+    Built by :func:`sdadapt.tie`, whose arguments are these fields.
+
+    Args:
+        dst: the key to fill (``output.weight``).
+        src: the key it is filled from (``tok_embeddings.weight``).
+
+    Example::
+
+        rule = sdadapt.tie("output.weight", "tok_embeddings.weight")
+        assert isinstance(rule, sdadapt.rules.Tie)
+        assert rule.kind == "tie"  # its JSON: rule.model_dump_json()
+    """
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["tie"] = "tie"
@@ -297,7 +371,20 @@ class StripPrefix(RuleBase):
     Wrapper segments (``_orig_mod.`` of torch.compile, ``_checkpoint_wrapped_module.`` of
     activation checkpointing, ``_fsdp_wrapped_module.`` of FSDP1) need no rule: planning removes
     them from every key, wherever they appear, before any rule runs; two keys that become one
-    are reported with both names."""
+    are reported with both names.
+
+    Built by :func:`sdadapt.strip_prefix`, whose arguments are these fields.
+
+    Args:
+        prefix: the prefix to remove.
+        optional: keys without it are fine (else they are reported).
+
+    Example::
+
+        rule = sdadapt.strip_prefix("model.")
+        assert isinstance(rule, sdadapt.rules.StripPrefix)
+        assert rule.kind == "strip_prefix"  # its JSON: rule.model_dump_json()
+    """
 
     kind: Literal["strip_prefix"] = "strip_prefix"
     prefix: str
@@ -326,7 +413,20 @@ class StripPrefix(RuleBase):
 
 class AddPrefix(RuleBase):
     """Put ``prefix`` in front of the keys matching ``keys`` (default: every key present when
-    it runs). The inverse of :class:`StripPrefix`."""
+    it runs). The inverse of :class:`StripPrefix`.
+
+    Built by :func:`sdadapt.add_prefix`, whose arguments are these fields.
+
+    Args:
+        prefix: the prefix to add.
+        keys: the key pattern of the keys that get it.
+
+    Example::
+
+        rule = sdadapt.add_prefix("model.")
+        assert isinstance(rule, sdadapt.rules.AddPrefix)
+        assert rule.kind == "add_prefix"  # its JSON: rule.model_dump_json()
+    """
 
     kind: Literal["add_prefix"] = "add_prefix"
     prefix: str

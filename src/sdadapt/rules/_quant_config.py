@@ -2,14 +2,14 @@
 
 ``quantization_config`` of ``config.json`` (or ModelOpt's ``hf_quant_config.json``) is validated
 through the pydantic models here, with strict types: a field of the wrong type is an
-:class:`~sdadapt.AdapterError` naming the file and the field, never a foreign exception.
+:class:`~sdadapt.errors.AdapterError` naming the file and the field, never a foreign exception.
 Fields the models do not name are allowed (releases carry many) and ignored.
 
 Methods read:
 
-- ``fp8`` (DeepSeek/Qwen block scales: :class:`~sdadapt.DequantFP8`; without
+- ``fp8`` (DeepSeek/Qwen block scales: :class:`~sdadapt.rules.DequantFP8`; without
   ``weight_block_size``, per-tensor FP8 as Mistral-family releases store it);
-- ``mxfp4`` (GPT-OSS: :class:`~sdadapt.DequantMXFP4`);
+- ``mxfp4`` (GPT-OSS: :class:`~sdadapt.rules.DequantMXFP4`);
 - ``compressed-tensors``: each config group's ``format`` and ``weights`` (``float-quantized``,
   ``naive-quantized``, ``int-quantized``, ``pack-quantized``, ``nvfp4-pack-quantized``,
   ``mxfp4-pack-quantized``, ``mxfp8-quantized``) with its ``targets`` and the ``ignore`` list;
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -164,3 +164,30 @@ def modelopt_excluded(module: str, patterns: list[str]) -> bool:
 
 def schema_modules(schema: Mapping[str, TensorInfo] | None) -> list[str]:
     return sorted({module_of(k) for k in schema or {}})
+
+
+def ignored_modules(ignore: list[str], keys: Iterable[str]) -> list[str]:
+    """The modules among a checkpoint's keys that a compressed-tensors ``ignore`` list names.
+
+    compressed-tensors' ``ignore`` holds module names and ``re:<regex>`` patterns (matched in
+    full); resolving them against the checkpoint's own keys once gives a literal list that
+    :func:`sdadapt.dequant_rules` reads later without the checkpoint at hand. Class names
+    (``Linear``) in the list are skipped: they name every module of a class, which key names do
+    not tell.
+
+    Args:
+        ignore: the ``quantization_config.ignore`` list of a ``config.json``.
+        keys: the checkpoint's key names (``source.schema``).
+
+    Returns:
+        The sorted module names (``model.layers.0.mlp.gate``) the list ignores.
+
+    Raises:
+        AdapterError: a ``re:`` pattern is no valid regular expression.
+
+    Example::
+
+        qc = cfg["quantization_config"]
+        qc = {**qc, "ignore": sdadapt.rules.ignored_modules(qc["ignore"], src.schema)}
+    """
+    return [m for m in sorted({module_of(k) for k in keys}) if m and ignored(m, ignore)]

@@ -248,7 +248,7 @@ def dequant_rules(
     writes the same dtype). Given the checkpoint's ``schema``, the stored dtype of the scales
     decides; without it, exponent bytes are assumed and a float32 release is a plan problem
     that says ``scale_format='ue8m0_float32'``. A config field of the wrong type is an
-    :class:`~sdadapt.AdapterError` naming the file and the field."""
+    :class:`~sdadapt.errors.AdapterError` naming the file and the field."""
 
     cfg, where, folder = _read_config(config)
     if schema is None and folder is not None:

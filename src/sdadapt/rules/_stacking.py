@@ -52,7 +52,23 @@ class Stack(_Stacking):
     ``dst`` with a new dim ``dim`` of size E (MoE experts:
     ``Stack(src="layers.{i}.block_sparse_moe.experts.{e}.w1.weight", dst="layers.{i}.moe.experts.w1")``).
     The ``over`` values must be the integers 0..E-1 (``count`` E, if given) with equal shapes
-    and dtypes."""
+    and dtypes.
+
+    Built by :func:`sdadapt.stack`, whose arguments are these fields.
+
+    Args:
+        src: the per-entry key pattern, with capture ``over`` (``experts.{e}.w1.weight``).
+        dst: the stacked key pattern.
+        over: the capture that numbers the entries.
+        dim: the new dim the entries are stacked along.
+        count: how many entries (default: as many as the checkpoint holds, 0..E-1).
+
+    Example::
+
+        rule = sdadapt.stack("layers.{i}.experts.{e}.w1.weight", "layers.{i}.moe.experts.w1")
+        assert isinstance(rule, sdadapt.rules.Stack)
+        assert rule.kind == "stack"  # its JSON: rule.model_dump_json()
+    """
 
     kind: Literal["stack"] = "stack"
 
@@ -114,7 +130,23 @@ class Stack(_Stacking):
 
 class Unstack(_Stacking):
     """One tensor ``src`` becomes E keys ``dst`` (which captures ``over``), one per entry along
-    ``dim``: ``Unstack(src="layers.{i}.moe.experts.w1", dst="layers.{i}.experts.{e}.w1.weight")``."""
+    ``dim``: ``Unstack(src="layers.{i}.moe.experts.w1", dst="layers.{i}.experts.{e}.w1.weight")``.
+
+    Built by :func:`sdadapt.unstack`, whose arguments are these fields.
+
+    Args:
+        src: the stacked key pattern.
+        dst: the per-entry key pattern, with capture ``over``.
+        over: the capture that numbers the entries.
+        dim: the dim the entries lie along.
+        count: how many entries (default: the size of ``dim``).
+
+    Example::
+
+        rule = sdadapt.unstack("layers.{i}.moe.experts.w1", "layers.{i}.experts.{e}.w1.weight")
+        assert isinstance(rule, sdadapt.rules.Unstack)
+        assert rule.kind == "unstack"  # its JSON: rule.model_dump_json()
+    """
 
     kind: Literal["unstack"] = "unstack"
 

@@ -67,7 +67,22 @@ class Interleave(RuleBase):
 
     ``tp`` omitted: the TP degree of the target's placements for that key (see
     :func:`tp_degree`; a plain target tensor means 1, nothing moves). Every size must divide by
-    the degree. The inverse is :class:`Deinterleave`."""
+    the degree. The inverse is :class:`Deinterleave`.
+
+    Built by :func:`sdadapt.interleave`, whose arguments are these fields.
+
+    Args:
+        keys: one key pattern or several (weight and bias).
+        sizes: the fused parts' sizes along ``dim``.
+        tp: the TP degree (default: the model's for that key).
+        dim: the fused dim.
+
+    Example::
+
+        rule = sdadapt.interleave("layers.{i}.feed_forward.w13.weight", sizes=[hidden, hidden])
+        assert isinstance(rule, sdadapt.rules.Interleave)
+        assert rule.kind == "interleave"  # its JSON: rule.model_dump_json()
+    """
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["interleave"] = "interleave"
@@ -129,7 +144,22 @@ class Deinterleave(Interleave):
 
     Parts that alternate row by row (GPT-OSS stores gate and up rows as ``g0, u0, g1, u1...``
     along the last dim) are this layout with one row per block: ``deinterleave(keys, sizes=[F,
-    F], tp=F, dim=-1)`` gives contiguous ``[gate; up]``, which a split then cuts in two."""
+    F], tp=F, dim=-1)`` gives contiguous ``[gate; up]``, which a split then cuts in two.
+
+    Built by :func:`sdadapt.deinterleave`, whose arguments are these fields.
+
+    Args:
+        keys: one key pattern or several.
+        sizes: the fused parts' sizes along ``dim``.
+        tp: the TP degree the source was laid out for (default: the source's for that key).
+        dim: the fused dim.
+
+    Example::
+
+        rule = sdadapt.deinterleave("layers.{i}.feed_forward.w13.weight", sizes=[hidden, hidden], tp=4)
+        assert isinstance(rule, sdadapt.rules.Deinterleave)
+        assert rule.kind == "deinterleave"  # its JSON: rule.model_dump_json()
+    """
 
     kind: Literal["deinterleave"] = "deinterleave"  # type: ignore[assignment]
     backward: ClassVar[bool] = True

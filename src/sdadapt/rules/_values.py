@@ -44,7 +44,22 @@ class Cast(RuleBase):
     the key's final name), the one rule that fixes any dtype-only mismatch. A recipe that
     computes its values (a dequantisation of an FP8 release, a LoRA merge, an affine) is given
     ``dtype`` to compute in instead (:meth:`~sdadapt._recipes.nodes.Node.as_dtype`), so a float32 model
-    gets float32 values, not bfloat16 ones widened."""
+    gets float32 values, not bfloat16 ones widened.
+
+    Built by :func:`sdadapt.cast`, whose arguments are these fields.
+
+    Args:
+        keys: the key pattern.
+        dtype: the dtype to convert to (``"bfloat16"``, ``torch.float32``), or ``"model"``: the
+            dtype the model holds for each key.
+        from_dtype: the dtype the inverse (export) converts back to.
+
+    Example::
+
+        rule = sdadapt.cast("**", "model")
+        assert isinstance(rule, sdadapt.rules.Cast)
+        assert rule.kind == "cast"  # its JSON: rule.model_dump_json()
+    """
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["cast"] = "cast"
@@ -98,7 +113,21 @@ class Cast(RuleBase):
 
 class Transpose(RuleBase):
     """Swap dims ``dim0`` and ``dim1`` of matched tensors, keeping their keys (GPT-2 ``Conv1D``
-    ``[in, out]`` <-> ``nn.Linear`` ``[out, in]``). Its own inverse."""
+    ``[in, out]`` <-> ``nn.Linear`` ``[out, in]``). Its own inverse.
+
+    Built by :func:`sdadapt.transpose`, whose arguments are these fields.
+
+    Args:
+        keys: the key pattern.
+        dim0: one dim to swap.
+        dim1: the other.
+
+    Example::
+
+        rule = sdadapt.transpose("h.{i}.attn.c_attn.weight")
+        assert isinstance(rule, sdadapt.rules.Transpose)
+        assert rule.kind == "transpose"  # its JSON: rule.model_dump_json()
+    """
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["transpose"] = "transpose"
@@ -156,7 +185,27 @@ class Rotary(RuleBase):
 
     Partial rotary (transformers' ``partial_rotary_factor``, GPT-NeoX's ``rotary_pct``): only the
     first ``rotary_dim`` rows of each head rotate. ``rotary_dim`` is a row count (an int) or a
-    fraction of the head (a float in (0, 1]); the rotating rows are reordered, the others stay."""
+    fraction of the head (a float in (0, 1]); the rotating rows are reordered, the others stay.
+
+    Built by :func:`sdadapt.rotary`, whose arguments are these fields.
+
+    Args:
+        keys: one pattern or several (weight, bias, per-head norm weight).
+        heads: the head count; a head is the rows divided by ``heads`` (GQA: one rule for k
+            with the kv head count).
+        to: ``"interleaved"`` (Meta's pairs) or ``"half"`` (HF's halves).
+        dim: the dim that holds the heads' rows.
+        head_dim: the rows of one head, instead of ``heads``; per-head norm weights
+            ``[head_dim]`` need it.
+        rotary_dim: partial rotary: the rows of each head that rotate (an int, or a fraction of
+            the head such as config.json's ``partial_rotary_factor``); only they are reordered.
+
+    Example::
+
+        rule = sdadapt.rotary("layers.{i}.attention.wq.weight", heads=32, rotary_dim=0.25)
+        assert isinstance(rule, sdadapt.rules.Rotary)
+        assert rule.kind == "rotary"  # its JSON: rule.model_dump_json()
+    """
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["rotary"] = "rotary"
@@ -251,7 +300,22 @@ class Affine(RuleBase):
     ``dL/dp = dL/dw / scale``. So the shift never applies to moments; gradient averages
     (:data:`GRADIENT_MOMENTS`) are divided by ``scale`` and squared ones
     (:data:`SQUARED_MOMENTS`) by ``scale ** 2`` (multiplied, with ``invert``). Other optimizer
-    state is refused by name, since its scaling is not known."""
+    state is refused by name, since its scaling is not known.
+
+    Built by :func:`sdadapt.affine`, whose arguments are these fields.
+
+    Args:
+        keys: one key pattern or several.
+        scale: the factor.
+        shift: the offset added after scaling.
+        invert: ``True`` in the inverse rule: computes ``(w - shift) / scale``.
+
+    Example::
+
+        rule = sdadapt.affine("**norm.weight", shift=1.0)
+        assert isinstance(rule, sdadapt.rules.Affine)
+        assert rule.kind == "affine"  # its JSON: rule.model_dump_json()
+    """
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["affine"] = "affine"
@@ -303,7 +367,23 @@ class Pad(RuleBase):
     """Extend matched tensors along ``dim`` with ``value`` up to ``size``, or to the next multiple
     of ``multiple_of``, or (neither given) to the target's size for that key (vocab padded for
     TP). The inverse is :class:`Trim` to the target's size: exporting needs a target (or a
-    ``Trim`` with an explicit ``size``), since one rule may match tensors of several sizes."""
+    ``Trim`` with an explicit ``size``), since one rule may match tensors of several sizes.
+
+    Built by :func:`sdadapt.pad`, whose arguments are these fields.
+
+    Args:
+        keys: the key pattern.
+        dim: the dim to extend.
+        size: the size to reach.
+        multiple_of: reach the next multiple of this instead.
+        value: the fill value.
+
+    Example::
+
+        rule = sdadapt.pad("embed_tokens.weight", multiple_of=64)
+        assert isinstance(rule, sdadapt.rules.Pad)
+        assert rule.kind == "pad"  # its JSON: rule.model_dump_json()
+    """
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["pad"] = "pad"
@@ -350,7 +430,21 @@ class Pad(RuleBase):
 
 class Trim(RuleBase):
     """Keep the first ``size`` entries of matched tensors along ``dim`` (``size`` omitted: the
-    target's size for that key; a plan without that key in its target reports it)."""
+    target's size for that key; a plan without that key in its target reports it).
+
+    Built by :func:`sdadapt.trim`, whose arguments are these fields.
+
+    Args:
+        keys: the key pattern.
+        dim: the dim to cut.
+        size: the entries to keep (default: the model's size for that key).
+
+    Example::
+
+        rule = sdadapt.trim("embed_tokens.weight", size=32000)
+        assert isinstance(rule, sdadapt.rules.Trim)
+        assert rule.kind == "trim"  # its JSON: rule.model_dump_json()
+    """
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["trim"] = "trim"

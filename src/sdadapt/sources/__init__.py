@@ -4,35 +4,52 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Any
 
 from ..errors import SourceError
 from ._base import Source, TensorInfo, dtype_name
 from ._hf_sharded import INDEX_NAME, HFShardedSource
 from ._hub import PREFIX as HUB_PREFIX
 from ._hub import hub_folder, is_hub_id
+from ._json import HFConfig, QuantConfigFile, read_json_dict
 from ._safetensors_file import SafetensorsFile
 from ._torch_save import TorchSaveFile
 
-__all__ = [
-    "Source",
-    "TensorInfo",
-    "dtype_name",
-    "local_path",
-    "open_source",
-    "SafetensorsFile",
-    "HFShardedSource",
-    "TorchSaveFile",
-]
+__all__ = ["Source", "TensorInfo", "dtype_name", "open_source", "read_config_file"]
+"""The public names. ``SafetensorsFile``, ``HFShardedSource`` and ``TorchSaveFile`` (what
+:func:`open_source` returns) and ``local_path`` stay importable from here for sdadapt's own
+modules; users open checkpoints with :func:`open_source` and use the :class:`Source` protocol."""
 
 
 def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = None) -> Source:
-    """Open a checkpoint by path and read its schema (headers only).
+    """Open a checkpoint by path and read its schema (headers only; no tensor is read).
 
-    - a ``.safetensors`` file; a folder with ``model.safetensors.index.json`` (HF sharded) or a
-      single ``model.safetensors``; an ``*.index.json`` file;
-    - a ``torch.save`` zip file (any other file); ``subtree="model"`` selects a nested dict;
-    - a Hugging Face Hub id ``hf://org/name[@revision]``: the files a load needs, from the Hub
-      cache (downloaded if missing; see :mod:`sdadapt.sources._hub`; needs ``sdadapt[hub]``).
+    Args:
+        path: what to open:
+
+            - a ``.safetensors`` file; a folder with ``model.safetensors.index.json`` (HF
+              sharded) or a single ``model.safetensors``; an ``*.index.json`` file;
+            - a DCP folder (``.metadata`` and ``*.distcp`` files);
+            - a ``torch.save`` zip file (any other file);
+            - a Hugging Face Hub id ``hf://org/name[@revision]``: the files a load needs, from
+              the Hub cache (downloaded if missing; needs ``sdadapt[hub]``);
+            - a :class:`Source`, returned as it is.
+        subtree: the nested dict of a ``torch.save`` file or DCP folder to read
+            (``"model"``); safetensors keys are flat and refuse it.
+
+    Returns:
+        The open :class:`Source`: ``source.schema`` maps each key to its :class:`TensorInfo`;
+        use it as a context manager (or call ``close()``) to release its files.
+
+    Raises:
+        SourceError: the path does not exist, holds no checkpoint sdadapt knows (the message
+            says what to pass instead), or its headers are broken.
+
+    Example::
+
+        with sdadapt.sources.open_source("ckpt/model.safetensors") as src:
+            for key, info in src.schema.items():
+                print(key, info.shape, info.dtype)
     """
     if isinstance(path, Source):
         return path
@@ -87,6 +104,35 @@ def _no_checkpoint_in(folder: str) -> str:
     if weights:
         return f"folder holds {known}; pass the checkpoint file itself: {os.path.join(folder, weights[0])}"
     return f"folder holds {known}; it has {names[:8]}"
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a release's JSON config file (``config.json``, Meta's ``params.json``, ModelOpt's
+    ``hf_quant_config.json``) as a dict, with the fields adapters use type-checked.
+
+    The file is size- and depth-limited before it is parsed; the fields adapters read (head
+    counts, sizes, ``quantization_config``; ``quantization`` for ``hf_quant_config.json``)
+    must have their types, the others are returned unchecked.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The file's JSON object, every field included.
+
+    Raises:
+        SourceError: naming the file and the field: too large, not JSON, not an object, or a
+            field of the wrong type (``num_attention_heads: "32"``).
+
+    Example::
+
+        cfg = sdadapt.sources.read_config_file("release/config.json")
+        heads = cfg.get("num_attention_heads")
+    """
+    p = os.fspath(path)
+    name = os.path.basename(p)
+    model = QuantConfigFile if name == "hf_quant_config.json" else HFConfig
+    return read_json_dict(p, model, what=name)
 
 
 def local_path(path: str | os.PathLike[str]) -> str:

@@ -37,7 +37,19 @@ class MeshDim:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """Global shape and dtype of one tensor (of a source or of a target)."""
+    """Global shape and dtype of one tensor (of a source or of a target).
+
+    Args:
+        shape: the global shape.
+        dtype: the ``torch.dtype``.
+        placements: a target DTensor's placements, as text (targets only).
+        mesh: the same, structured (targets only).
+
+    Example::
+
+        info = sdadapt.sources.TensorInfo((4096, 4096), torch.bfloat16)
+        report = sdadapt.diff({"w.weight": info}, "ckpt/model.safetensors")
+    """
 
     shape: tuple[int, ...]
     dtype: torch.dtype
@@ -53,6 +65,18 @@ class TensorInfo:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The name sdadapt writes for a dtype (in rules, reports and JSON).
+
+    Args:
+        dtype: a ``torch.dtype``.
+
+    Returns:
+        Its name without the ``torch.`` prefix.
+
+    Example::
+
+        assert sdadapt.sources.dtype_name(torch.bfloat16) == "bfloat16"
+    """
     return str(dtype).removeprefix("torch.")
 
 
@@ -88,6 +112,17 @@ class Source(abc.ABC):
     - :meth:`files`: every file it reads, for integrity checks (fingerprints);
     - :meth:`file_of`: the file that holds a key, for messages;
     - :meth:`stored_key`: the name the checkpoint itself gives a key (checksums are keyed by it).
+
+    Attributes:
+        path: the checkpoint's path.
+        schema: ``key -> TensorInfo`` of every tensor.
+        non_tensor: keys whose values are not tensors.
+
+    Example::
+
+        with sdadapt.sources.open_source("ckpt/model.safetensors") as src:
+            info = src.schema["embed.weight"]
+            first_rows = src.read("embed.weight", ((0, 2), (0, info.shape[1]))).clone()
     """
 
     path: str

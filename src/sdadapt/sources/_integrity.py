@@ -141,7 +141,21 @@ def write_checksums(path: str | os.PathLike[str], *, block_bytes: int = DEFAULT_
     """Compute the checksums of checkpoint ``path`` (any format sdadapt reads) and write the
     sidecar. Run it once where the checkpoint was written (or right after downloading it from a
     source you trust); ``load(..., verify=True)`` then checks every region it reads.
-    Returns the sidecar's path. DCP folders are keyed by their full names (``model.w``)."""
+    Returns the sidecar's path. DCP folders are keyed by their full names (``model.w``).
+
+    Args:
+        path: the checkpoint (file or folder).
+        block_bytes: the size of the blocks each checksum covers.
+        subtree: the nested dict of a ``torch.save`` file or DCP folder.
+
+    Returns:
+        The sidecar's path.
+
+    Example::
+
+        sdadapt.write_checksums("ckpt/")
+        sdadapt.load(model, "ckpt/", verify=True)
+    """
     from . import open_source
 
     p = os.fspath(path)

@@ -1,0 +1,44 @@
+"""What sdadapt's functions return: reports, the plan, the draft of an adapter.
+
+Each is a plain object to read, print (``str(report)``) or serialise (the pydantic ones:
+``report.model_dump_json()``); import them from here to annotate code that keeps one:
+
+- :class:`LoadReport` from :func:`sdadapt.load`; its ``plan`` field is a :class:`Report`;
+- :class:`Plan` (with its :class:`Report`) from :func:`sdadapt.plan_load` and :func:`sdadapt.diff`;
+- :class:`StateLoadReport` from :func:`sdadapt.load_state`;
+- :class:`ExportReport` from :func:`sdadapt.export` and :func:`sdadapt.convert`;
+- :class:`VerifyReport` from :func:`sdadapt.verify`;
+- :class:`ShrinkReport` from :func:`sdadapt.shrink`;
+- :class:`Draft` from :func:`sdadapt.draft`.
+
+Imported lazily from the modules that build them, from one table (:data:`_PUBLIC`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ._base.lazy import attach
+
+if TYPE_CHECKING:
+    from ._draft import Draft as Draft
+    from ._plan.plan import Plan as Plan
+    from ._plan.report import Report as Report
+    from ._transaction.export import ExportReport as ExportReport
+    from ._transaction.load import LoadReport as LoadReport
+    from ._transaction.shrink import ShrinkReport as ShrinkReport
+    from ._transaction.state import StateLoadReport as StateLoadReport
+    from ._transaction.verify import VerifyReport as VerifyReport
+
+_PUBLIC: dict[str, str] = {
+    "Report": "sdadapt._plan.report",
+    "Plan": "sdadapt._plan.plan",
+    "LoadReport": "sdadapt._transaction.load",
+    "StateLoadReport": "sdadapt._transaction.state",
+    "ExportReport": "sdadapt._transaction.export",
+    "VerifyReport": "sdadapt._transaction.verify",
+    "ShrinkReport": "sdadapt._transaction.shrink",
+    "Draft": "sdadapt._draft",
+}
+
+__getattr__, __dir__, __all__ = attach(__name__, _PUBLIC)

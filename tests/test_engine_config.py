@@ -1,0 +1,64 @@
+"""``engine=EngineConfig(...)``: the settings a load's I/O engine runs with, per call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import sdadapt
+from sdadapt._engine import reader
+
+
+@pytest.fixture
+def seen(monkeypatch):
+    """The configs the I/O engine was built with during the test."""
+    configs: list[object] = []
+    real = reader.IOEngine
+
+    def spy(source, config=None, **kw):
+        configs.append(config)
+        return real(source, config, **kw)
+
+    monkeypatch.setattr(reader, "IOEngine", spy)
+    return configs
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+
+
+def test_load_runs_the_engine_with_the_given_config(tmp_path, seen):
+    src = _model()
+    torch.save(src.state_dict(), tmp_path / "ck.pt")
+    cfg = sdadapt.EngineConfig(threads=1, staging_bytes=1 << 20, chunk_bytes=4096, coalesce_gap=0)
+    model = _model().apply(lambda m: [nn.init.zeros_(p) for p in m.parameters(recurse=False)])
+    report = sdadapt.load(model, tmp_path / "ck.pt", engine=cfg)
+    assert seen == [cfg]
+    assert report.keys_loaded == 4
+    for k, v in src.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v)
+
+
+def test_load_without_a_config_reads_the_environment(tmp_path, seen, monkeypatch):
+    torch.save(_model().state_dict(), tmp_path / "ck.pt")
+    monkeypatch.setenv("SDADAPT_IO_THREADS", "1")
+    sdadapt.load(_model(), tmp_path / "ck.pt")
+    assert seen == [None]  # the engine builds EngineConfig.from_env() itself
+
+
+def test_load_state_runs_the_engine_with_the_given_config(tmp_path, seen):
+    src = _model()
+    sdadapt.save_state(str(tmp_path / "s"), src)
+    cfg = sdadapt.EngineConfig(threads=2, staging_bytes=2 << 20)
+    model = _model().apply(lambda m: [nn.init.zeros_(p) for p in m.parameters(recurse=False)])
+    sdadapt.load_state(src=str(tmp_path / "s"), model=model, engine=cfg)
+    assert seen == [cfg]
+    for k, v in src.state_dict().items():
+        assert torch.equal(model.state_dict()[k], v)
+
+
+def test_a_bad_config_fails_when_built():
+    with pytest.raises(ValueError, match="depth must be at least 1"):
+        sdadapt.EngineConfig(depth=0)
