@@ -16,8 +16,9 @@ import torch
 from checkpoints import write_safetensors
 
 import sdadapt._recipes.nodes as N
-from sdadapt._engine.device import DeviceLane
+from sdadapt._engine.device import DeviceLane, device_step
 from sdadapt._engine.lanes import TaskLanes
+from sdadapt._engine.planner import bands_of
 from sdadapt._engine.staging import StagingPool
 from sdadapt._engine.tasks import ComputeTask, Delivery, Where
 from sdadapt._engine.views import TypedViews
@@ -26,6 +27,13 @@ from sdadapt._recipes import quant as Q
 from sdadapt._recipes import quant_nodes as QN
 from sdadapt._recipes.interleave import Interleave
 from sdadapt.sources import open_source
+
+
+def _bands(node: N.Node, box: tuple, max_bytes: int) -> list:
+    """The bands the engine cuts ``node``'s computation of ``box`` into."""
+    (step,) = node.steps(box, torch.empty(N.box_shape(box), dtype=node.dtype))
+    assert isinstance(step, N.Compute)
+    return bands_of(step, max_bytes)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -201,7 +209,7 @@ def test_only_computations_given_as_inputs_and_kernel_say_they_run_on_device():
     with pytest.raises(ValueError, match="either fn, or inputs and kernel"):
         N.Compute(leaf, N.full_box((4, 6)), dest)
     with pytest.raises(ValueError, match="either fn, or inputs and kernel"):
-        N.Compute(leaf, N.full_box((4, 6)), dest, fn=lambda io: dest, inputs=lambda io: (), kernel=lambda: dest)
+        N.Compute(leaf, N.full_box((4, 6)), dest, fn=lambda io: dest, kernel=N.Kernel(lambda dest: None, "k", ((0, 1), (0, 1))))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -245,7 +253,7 @@ def test_bands_tile_the_region_on_block_rows(tmp_path, kind):
     rng = random.Random(kind)
     for box in _boxes(node.shape, rng, 40):
         for max_bytes in (1, 16, 100, 700, 1 << 20):
-            bands = node.bands(box, max_bytes)
+            bands = _bands(node, box, max_bytes)
             cover = torch.zeros(N.box_shape(box), dtype=torch.int32)
             for band in bands:
                 assert band[-1] == box[-1]
@@ -282,7 +290,7 @@ def test_engine_computes_bands_from_staged_reads_with_exact_bytes(tmp_path, chun
         jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16)) for box in boxes]
         want_bytes = want_staged = tasks = 0
         for box in boxes:
-            for band in node.bands(box, cfg.band_bytes):
+            for band in _bands(node, box, cfg.band_bytes):
                 tasks += 1
                 n = 1
                 for a, b in band:
@@ -324,7 +332,6 @@ def test_gathered_inputs_give_the_reference_bits_reading_each_byte_once(tmp_path
     (alternating rows, unless a band's rows are one stored group) are computed the band way."""
     from sdadapt._engine import CountingIO, EngineConfig, IOEngine, Job
     from sdadapt._engine.geometry import box_spans
-    from sdadapt._engine.planner import _InputRecorder
 
     node, path = _node_of(kind, tmp_path)
     rng = random.Random(f"{kind}{chunk}{min_span}")
@@ -339,20 +346,15 @@ def test_gathered_inputs_give_the_reference_bits_reading_each_byte_once(tmp_path
             stats[gather] = IOEngine(src, cfg, cpu_lane=True).run(jobs)
             for job in jobs:
                 assert torch.equal(_bits(job.dest), _bits(full[tuple(slice(a, b) for a, b in job.box)])), (gather, job.box)
-        bands = [band for box in boxes for band in node.bands(box, 4 * chunk)]
+        bands = [band for box in boxes for band in _bands(node, box, 4 * chunk)]
         want = 0
         for band in bands:  # gathered where the inputs are stored regions, in one run or runs of at least min_span
-            rec = _InputRecorder(src)
             (step,) = node.steps(band, torch.empty(N.box_shape(band), dtype=torch.bfloat16))
-            assert step.inputs is not None
-            try:
-                args = step.inputs(rec)
-            except NotImplementedError:  # alternating rows gathered on the host: meta inputs cannot be copied
-                continue
-            if not all(a is r or a._base is r for a, (_, _, r) in zip(args, rec.reads, strict=True)):
+            reads = [i.read for i in step.inputs]
+            if not all(reads):  # an input computed on the host (alternating rows gathered)
                 continue
             long_runs = []
-            for key, box, _ in rec.reads:
+            for key, box in ((r.key, r.box) for r in reads if r is not None):
                 starts, run = box_spans(src.schema[key].shape, src.schema[key].dtype.itemsize, box)
                 long_runs.append(len(starts) == 1 or run >= min_span)
             want += all(long_runs)
@@ -733,7 +735,7 @@ def test_a_failing_kernel_is_reported_by_key_and_every_buffer_still_comes_back(d
         raise RuntimeError("kernel exploded")
 
     def step(fn, dest):
-        return N.Compute(leaf, ((0, 16),), dest, inputs=lambda io: (), kernel=fn)
+        return N.Compute(leaf, ((0, 16),), dest, kernel=N.Kernel(fn, "test", ((0, 16),)))
 
     box = ((0, 16),)
     where_a, where_b = Where("a.weight", None, None, box), Where("b.weight", None, None, box)
@@ -751,7 +753,7 @@ def test_a_failing_kernel_is_reported_by_key_and_every_buffer_still_comes_back(d
 
 def test_warm_up_runs_each_kind_of_kernel_once_on_a_small_zero_input(tmp_path, monkeypatch):
     """``device_kernels`` keeps the first computing node of each recipe, one per kind
-    (``warm_key``: the node type, dtypes and scale format), skipping recipes that compute
+    (``Kernel.kind``: the node type, dtypes and scale format), skipping recipes that compute
     nothing; ``warm_kernels`` runs each one's kernel once on a region of at most one block,
     without reading the checkpoint."""
     from sdadapt._engine import device_kernels, warm_kernels
@@ -771,8 +773,14 @@ def test_warm_up_runs_each_kind_of_kernel_once_on_a_small_zero_input(tmp_path, m
 
         monkeypatch.setattr(cls, "_kernel", kernel)
     recipes = [N.Leaf("n", (4,), torch.bfloat16), fp8_a, stacked, ue8m0, mx]
-    assert fp8_a.warm_key() == fp8_b.warm_key() != ue8m0.warm_key()
-    assert stacked.device_node() is fp8_b and N.Leaf("n", (4,), torch.bfloat16).device_node() is None
+    def kind(node: N.Node) -> object:
+        step = device_step(node)
+        assert step is not None and step.kernel is not None
+        return step.kernel.kind
+
+    assert kind(fp8_a) == kind(fp8_b) != kind(ue8m0)
+    step = device_step(stacked)
+    assert step is not None and step.node is fp8_b and device_step(N.Leaf("n", (4,), torch.bfloat16)) is None
     kernels = device_kernels(recipes)
     assert kernels == [fp8_a, ue8m0, mx] and device_kernels(recipes[:1]) == []
     th = warm_kernels(torch.device("cpu"), kernels)

@@ -24,7 +24,7 @@ WHERE = Where("t", "t", "file", ((0, 2),))
 
 def _compute_task() -> ComputeTask:
     node = N.Leaf("w", (2,), torch.float32)
-    step = N.Compute(node, ((0, 2),), torch.empty(2), inputs=lambda io: (), kernel=lambda dest: None)
+    step = N.Compute(node, ((0, 2),), torch.empty(2), kernel=N.Kernel(lambda dest: None, "none", ((0, 2),)))
     return ComputeTask(step, WHERE)
 
 

@@ -45,7 +45,7 @@ Errors name the target key, the source key and the file. Bytes read are counted 
 """
 
 from .config import EngineConfig, default_threads
-from .device import device_kernels, warm_kernels
+from .device import device_kernels, device_step, warm_kernels, warm_up
 from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
 from .pinned import release_pinned_memory
@@ -61,7 +61,9 @@ __all__ = [
     "box_spans",
     "default_threads",
     "device_kernels",
+    "device_step",
     "prefetch_pinned",
     "release_pinned_memory",
     "warm_kernels",
+    "warm_up",
 ]

@@ -11,7 +11,7 @@ import torch
 
 from .._base.regions import Box
 from ..sources._base import dtype_name
-from .nodes import Compute, Node, SourceIO, Step
+from .nodes import Compute, Input, Node, SourceIO, Step
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,7 +45,7 @@ class Affine(Node):
         return w.to(self.dtype)
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
-        out.append(Compute(self, box, dest, functools.partial(self._region, box)))
+        out.append(Compute(self, box, dest, functools.partial(self._region, box), (Input(self.child, box),)))
 
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
         return self._apply(self.child.read(box, io))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._base.regions import Box
-from .nodes import Compute, Node, Rearrangement, SourceIO, Step, _with_dim, emit
+from .nodes import Compute, Input, Node, Read, Rearrangement, SourceIO, Step, _with_dim, emit
 
 GATHER_ROWS = 4
 GATHER_BELOW = 64 * 1024
@@ -95,7 +95,15 @@ class Interleave(Rearrangement):
             if len(band) == 1:
                 emit(self.child, _with_dim(box, d, (lo + band[0][2], hi + band[0][2])), into, out)
             else:
-                out.append(Compute(self, sub, into, fn=functools.partial(self._gather, sub, tuple(band))))
+                cover = _with_dim(box, d, (min(lo + s for lo, _, s in band), max(hi + s for _, hi, s in band)))
+                out.append(Compute(self, sub, into, functools.partial(self._gather, sub, tuple(band)), (Input(self.child, cover),)))
+
+    def source_region(self, box: Box) -> Read | None:
+        touched = self._touched(*box[self.dim])
+        if len(touched) != 1:
+            return None
+        lo, hi, shift = touched[0]
+        return self.child.source_region(_with_dim(box, self.dim, (lo + shift, hi + shift)))
 
     def _bands(self, touched: list[tuple[int, int, int]], row_bytes: int) -> list[list[tuple[int, int, int]]]:
         """``touched`` in runs, each gathered from one covering read: a run grows while its

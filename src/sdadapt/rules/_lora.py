@@ -41,7 +41,7 @@ import torch
 from pydantic import BaseModel
 
 from .._base.regions import Box, box_shape
-from .._recipes.nodes import Compute, Node, SourceIO, Step
+from .._recipes.nodes import Compute, Input, Node, SourceIO, Step
 from ..errors import AdapterError, SourceError
 from ..sources import SafetensorsFile, Source
 from ..sources._base import dtype_name
@@ -114,7 +114,16 @@ class LoraMerge(Node):
         return dataclasses.replace(self, out_dtype=dtype) if dtype.is_floating_point else None
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
-        out.append(Compute(self, box, dest, functools.partial(self._region, box)))
+        out.append(Compute(self, box, dest, functools.partial(self._region, box), self._inputs(box)))
+
+    def _inputs(self, box: Box) -> tuple[Input, ...]:
+        """``weight[box]``, and the rows of ``b`` and the columns of ``a`` it covers (read in
+        chunks of rows by :meth:`_region`)."""
+        rank = self.a.shape[0]
+        (r0, r1), (c0, c1) = box
+        if self.transposed:  # weight [in, out]: box rows are A's columns, box cols are B's rows
+            return Input(self.weight, box), Input(self.a, ((0, rank), (r0, r1))), Input(self.b, ((c0, c1), (0, rank)))
+        return Input(self.weight, box), Input(self.a, ((0, rank), (c0, c1))), Input(self.b, ((r0, r1), (0, rank)))
 
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
         rank = self.a.shape[0]
