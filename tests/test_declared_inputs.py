@@ -28,9 +28,9 @@ from sdadapt._recipes import quant as Q
 from sdadapt._recipes import quant_nodes as QN
 from sdadapt._recipes import quant_scaled as S
 from sdadapt._recipes import quant_scaled_nodes as QS
-from sdadapt._recipes.arithmetic import Affine
-from sdadapt._recipes.interleave import Interleave
-from sdadapt.rules._lora import LoraMerge
+from sdadapt._recipes.arithmetic import AffineMapped
+from sdadapt._recipes.interleave import Interleaved
+from sdadapt.rules._lora import MergedLora
 from sdadapt.sources import open_source
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -64,34 +64,36 @@ def _nodes(t: dict[str, torch.Tensor]) -> dict[str, N.Node]:
     L = lambda key: _leaf(t, key)  # noqa: E731
     x, w = L("x"), L("w")
     return {
-        "cast": N.Cast(L("xi"), torch.float32),
-        "permute": N.UnitPermute(x, 1, 4, (2, 0, 3, 1)),
-        "affine": Affine(x, 2.0, 1.0, out_dtype=torch.bfloat16),
-        "interleave-rows": Interleave(N.Select(x, 0, 1), 0, (6, 6), 6),
-        "dequant-fp8": QN.DequantFP8(L("fp8"), L("fp8_s"), (4, 32), "float32", torch.bfloat16),
-        "dequant-fp8-expert": QN.DequantFP8(N.Select(L("fp8"), 0, 1), N.Select(L("fp8_s"), 0, 1), (4, 32), "float32", torch.float32),
-        "dequant-mxfp4": QN.DequantMXFP4(L("mx_b"), L("mx_s"), torch.bfloat16),
-        "dequant-mxfp4-narrow": QN.DequantMXFP4(N.Narrow(L("mx_b"), 1, 4, 8), N.Narrow(L("mx_s"), 1, 4, 8), torch.bfloat16),
-        "dequant-mxfp4-rows": QN.DequantMXFP4(
-            Interleave(L("mx_b"), 1, (6, 6), 6, inverse=True), Interleave(L("mx_s"), 1, (6, 6), 6, inverse=True), torch.bfloat16
+        "cast": N.Converted(L("xi"), torch.float32),
+        "permute": N.UnitPermuted(x, 1, 4, (2, 0, 3, 1)),
+        "affine": AffineMapped(x, 2.0, 1.0, out_dtype=torch.bfloat16),
+        "interleave-rows": Interleaved(N.Selected(x, 0, 1), 0, (6, 6), 6),
+        "dequant-fp8": QN.DequantizedFP8(L("fp8"), L("fp8_s"), (4, 32), "float32", torch.bfloat16),
+        "dequant-fp8-expert": QN.DequantizedFP8(
+            N.Selected(L("fp8"), 0, 1), N.Selected(L("fp8_s"), 0, 1), (4, 32), "float32", torch.float32
         ),
-        "dequant-ct": QS.DequantScaled(L("ct"), L("ct_s"), None, None, "e4m3", (1, 64), 64, "divide", torch.bfloat16),
-        "dequant-ct-concat": QS.DequantScaled(
-            N.Concat((N.Narrow(L("ct"), 1, 0, 6), N.Narrow(L("ct"), 1, 6, 6)), 1), L("ct_s"), None, None, "e4m3", (1, 64), 64,
+        "dequant-mxfp4": QN.DequantizedMXFP4(L("mx_b"), L("mx_s"), torch.bfloat16),
+        "dequant-mxfp4-narrow": QN.DequantizedMXFP4(N.Narrowed(L("mx_b"), 1, 4, 8), N.Narrowed(L("mx_s"), 1, 4, 8), torch.bfloat16),
+        "dequant-mxfp4-rows": QN.DequantizedMXFP4(
+            Interleaved(L("mx_b"), 1, (6, 6), 6, inverse=True), Interleaved(L("mx_s"), 1, (6, 6), 6, inverse=True), torch.bfloat16
+        ),
+        "dequant-ct": QS.DequantizedScaled(L("ct"), L("ct_s"), None, None, "e4m3", (1, 64), 64, "divide", torch.bfloat16),
+        "dequant-ct-concat": QS.DequantizedScaled(
+            N.Concatenated((N.Narrowed(L("ct"), 1, 0, 6), N.Narrowed(L("ct"), 1, 6, 6)), 1), L("ct_s"), None, None, "e4m3", (1, 64), 64,
             "divide", torch.bfloat16,
         ),  # fmt: skip
-        "dequant-nvfp4": QS.DequantScaled(
-            N.Cast(L("nv"), torch.uint8), L("nv_s"), None, L("nv_g"), "e2m1", (1, S.NVFP4_GROUP), 64, "divide", torch.bfloat16
+        "dequant-nvfp4": QS.DequantizedScaled(
+            N.Converted(L("nv"), torch.uint8), L("nv_s"), None, L("nv_g"), "e2m1", (1, S.NVFP4_GROUP), 64, "divide", torch.bfloat16
         ),
-        "quantize-fp8-values": QN.QuantizeFP8(x, (4, 32), "float32", "values"),
-        "quantize-fp8-scales": QN.QuantizeFP8(x, (4, 32), "float32", "scales"),
-        "quantize-mxfp4": QN.QuantizeMXFP4(x, "values"),
-        "quantize-ct": QS.QuantizeScaled(x, "e4m3", (1, 64), "values", torch.float32),
-        "quantize-nvfp4-scales": QS.QuantizeScaled(x, "e2m1", (1, S.NVFP4_GROUP), "scales", torch.float8_e4m3fn, L("nv_g")),
+        "quantize-fp8-values": QN.QuantizedFP8(x, (4, 32), "float32", "values"),
+        "quantize-fp8-scales": QN.QuantizedFP8(x, (4, 32), "float32", "scales"),
+        "quantize-mxfp4": QN.QuantizedMXFP4(x, "values"),
+        "quantize-ct": QS.QuantizedScaled(x, "e4m3", (1, 64), "values", torch.float32),
+        "quantize-nvfp4-scales": QS.QuantizedScaled(x, "e2m1", (1, S.NVFP4_GROUP), "scales", torch.float8_e4m3fn, L("nv_g")),
         "shape-of": QS.ShapeOf(x),
-        "global-scale-of": QS.GlobalScaleOf(N.Select(x, 0, 0), "divide"),
-        "lora": LoraMerge(w, L("a"), L("b"), 0.5),
-        "lora-transposed": LoraMerge(N.Transpose(w, 0, 1), L("a"), L("b"), 0.5, transposed=True),
+        "global-scale-of": QS.GlobalScaleOf(N.Selected(x, 0, 0), "divide"),
+        "lora": MergedLora(w, L("a"), L("b"), 0.5),
+        "lora-transposed": MergedLora(N.Transposed(w, 0, 1), L("a"), L("b"), 0.5, transposed=True),
     }
 
 
@@ -196,7 +198,7 @@ def test_planner_gathers_from_the_declared_inputs_without_reading(tmp_path, monk
     with open_source(str(path)) as src:
         cfg = EngineConfig(threads=1, min_span_bytes=1, gather_bytes=1 << 20, chunk_bytes=1 << 20)
         planner = Planner(src, cfg, gather_on=torch.device("cpu"))
-        for cls in (N.Node, N.Leaf, N.Select):
+        for cls in (N.Node, N.Leaf, N.Selected):
             monkeypatch.setattr(cls, "read", no_reads)
             monkeypatch.setattr(cls, "full", no_reads)
         monkeypatch.setattr(type(src), "read", no_reads)

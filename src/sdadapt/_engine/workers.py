@@ -15,7 +15,7 @@ from ..sources._base import Source
 from . import syscalls
 from .device import DeviceLane
 from .geometry import round_up
-from .lanes import TaskLanes
+from .lanes import TaskQueues
 from .locate import Runs, file_runs
 from .staging import StagingPool
 from .tasks import ComputeTask, Delivery, DirectRead, FillTask, SourceRead, StagedRead, Task, Where
@@ -128,7 +128,7 @@ class Shared:
     """What the worker threads of one run share."""
 
     source: Source
-    work: TaskLanes
+    work: TaskQueues
     fds: dict[str, int]
     pool: StagingPool
     chunk: int
@@ -155,7 +155,7 @@ class Worker:
 
     def __init__(self, shared: Shared, depth: int = 2, band_depth: int = 1, computes: bool = True):
         self.shared = shared
-        self.computes = computes  # takes computations (see TaskLanes); the band pool holds a buffer for it
+        self.computes = computes  # takes computations (see TaskQueues); the band pool holds a buffer for it
         self.counter = CountingIO(shared.source)
         self.inputs = StagingIO(self)
         self.staging = Buffers(shared.pool, depth)

@@ -15,7 +15,7 @@ from .nodes import Compute, Input, Node, SourceIO, Step
 
 
 @dataclass(frozen=True, eq=False)
-class Affine(Node):
+class AffineMapped(Node):
     """The input times ``scale`` plus ``shift`` (``invert``: minus ``shift``, divided by
     ``scale``), elementwise; computed in float32 (float64 for float64 outputs) and rounded once to
     the input's floating dtype, or to ``out_dtype``. A box maps to the same box of the input."""

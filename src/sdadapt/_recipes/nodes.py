@@ -305,7 +305,7 @@ class Leaf(Node):
 
 
 @dataclass(frozen=True, eq=False)
-class Cast(Node):
+class Converted(Node):
     """The input converted to ``dtype``."""
 
     child: Node
@@ -335,7 +335,7 @@ class Cast(Node):
 
 
 @dataclass(frozen=True, eq=False)
-class Concat(Rearrangement):
+class Concatenated(Rearrangement):
     """Inputs joined along ``dim`` (fuse). Sizes along ``dim`` may differ (GQA q/k/v)."""
 
     parts: tuple[Node, ...]
@@ -378,7 +378,7 @@ class Concat(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class Narrow(Rearrangement):
+class Narrowed(Rearrangement):
     """Rows ``[start, start + length)`` of the input along ``dim`` (split)."""
 
     child: Node
@@ -411,7 +411,7 @@ class Narrow(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class Transpose(Rearrangement):
+class Transposed(Rearrangement):
     """The input with dims ``dim0`` and ``dim1`` swapped (GPT-2 ``Conv1D`` ``[in, out]`` <->
     ``nn.Linear`` ``[out, in]``). A box maps to one box with the two spans swapped."""
 
@@ -440,7 +440,7 @@ class Transpose(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class UnitPermute(Rearrangement):
+class UnitPermuted(Rearrangement):
     """Along ``dim``, the input is cut in aligned units of ``unit`` rows (a head); inside every
     unit, output row ``j`` is input row ``perm[j]`` (rotary layouts). A region is a computation
     on the box widened to whole units, so a shard that cuts a unit is never permuted as if it
@@ -490,7 +490,7 @@ class UnitPermute(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class Stack(Rearrangement):
+class Stacked(Rearrangement):
     """Inputs of one shape stacked along a new dim ``dim`` (MoE experts -> ``[E, ...]``)."""
 
     parts: tuple[Node, ...]
@@ -521,7 +521,7 @@ class Stack(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class Select(Rearrangement):
+class Selected(Rearrangement):
     """Entry ``index`` of the input along ``dim``, that dim removed (unstack)."""
 
     child: Node
@@ -557,7 +557,7 @@ class Select(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class Pad(Node):
+class Padded(Node):
     """The input extended along ``dim`` to ``size`` with ``value`` (vocab padded for TP)."""
 
     child: Node

@@ -92,7 +92,7 @@ class _Dequant(Node):
 
 
 @dataclass(frozen=True, eq=False)
-class DequantFP8(_Dequant):
+class DequantizedFP8(_Dequant):
     """An FP8 e4m3 ``weight`` times its block ``scale`` (``block`` over the last two dims), in ``dtype``."""
 
     weight: Node
@@ -142,7 +142,7 @@ class DequantFP8(_Dequant):
 
 
 @dataclass(frozen=True, eq=False)
-class DequantMXFP4(_Dequant):
+class DequantizedMXFP4(_Dequant):
     """MXFP4 ``blocks [..., G, 16]`` and e8m0 ``scales [..., G]`` as values ``[..., G * 32]`` in ``dtype``."""
 
     blocks: Node
@@ -184,7 +184,7 @@ class DequantMXFP4(_Dequant):
 
 
 @dataclass(frozen=True, eq=False)
-class QuantizeFP8(_Computed):
+class QuantizedFP8(_Computed):
     """One part of ``child`` quantized to FP8 with ``block`` scale tiles: the e4m3 weight
     (``part="values"``) or its stored scale grid (``part="scales"``, in ``scale_dtype``, by
     default the format's first storage dtype). A region is computed from the whole blocks it
@@ -237,7 +237,7 @@ class QuantizeFP8(_Computed):
 
 
 @dataclass(frozen=True, eq=False)
-class QuantizeMXFP4(_Computed):
+class QuantizedMXFP4(_Computed):
     """One part of ``child [..., C]`` (``C`` a multiple of 32) quantized to MXFP4: the packed
     ``blocks [..., C/32, 16]`` (``part="values"``) or the e8m0 ``scales [..., C/32]``."""
 

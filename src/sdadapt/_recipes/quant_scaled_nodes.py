@@ -1,7 +1,7 @@
 """Recipe nodes for the scaled formats of :mod:`sdadapt._recipes.quant_scaled` (compressed-tensors,
 ModelOpt, MXFP8, per-tensor and per-channel FP8): dequantise on load, re-quantize on export.
 
-:class:`DequantScaled` reads, for a region, the stored values of exactly its rows and of the
+:class:`DequantizedScaled` reads, for a region, the stored values of exactly its rows and of the
 whole packs its columns touch (two e2m1 values per byte, eight int4 or four int8 per int32 word),
 and from the scales, zero points and global scale only the grid entries the region touches (a
 per-tensor scale is one value). Its inputs (``_inputs``, declared regions) and its arithmetic
@@ -23,7 +23,7 @@ from .quant_nodes import _Computed, _Dequant
 
 
 @dataclass(frozen=True, eq=False)
-class DequantScaled(_Dequant):
+class DequantizedScaled(_Dequant):
     """``values`` (codes of ``codec``, packed along the last dim) times ``scale`` per ``block``
     of the ``[..., R, cols]`` output, less ``zero`` (packed along rows for packed codecs), with
     the per-tensor ``glob`` dividing or multiplying the scales (``mode``), in ``dtype``. A scale
@@ -117,7 +117,7 @@ class DequantScaled(_Dequant):
 
 
 @dataclass(frozen=True, eq=False)
-class QuantizeScaled(_Computed):
+class QuantizedScaled(_Computed):
     """One part of ``child [..., R, C]`` re-quantized in a scaled format: the codes
     (``part="values"``: e4m3, or packed e2m1 for NVFP4) or the scales (``part="scales"``, in
     ``scale_dtype``), with ``block`` scale tiles; NVFP4 needs the stored global scale ``glob``."""
