@@ -60,12 +60,13 @@ def device_step(recipe: Node) -> Compute | None:
     todo = [recipe]
     while todo:
         node = todo.pop()
-        if all(n > 0 for n in node.shape):
+        kids = node.children()
+        if kids and all(n > 0 for n in node.shape):  # a node without inputs computes nothing
             box = tuple((0, 1) for _ in node.shape)
             for step in node.steps(box, torch.empty(box_shape(box), dtype=node.dtype)):
                 if isinstance(step, Compute) and step.kernel is not None:
                     return step
-        todo.extend(reversed(node.children()))
+        todo.extend(reversed(kids))
     return None
 
 

@@ -84,8 +84,8 @@ class Buffers:
 
 
 class StagingIO:
-    """The ``SourceIO`` a worker hands a computation's ``inputs``: reads that the source
-    locates in one opened file, in runs no shorter than ``min_span``, are read with ``preadv``
+    """The ``SourceIO`` a worker reads a computation's declared inputs through: reads that the
+    source locates in one opened file, in runs no shorter than ``min_span``, are read with ``preadv``
     one after the other into the thread's band buffer (pinned on a GPU, so that the copy to the
     device starts from there) while they fit; every other read goes through the source
     (:class:`CountingIO`). The band buffer stays untouched until it is given back: after the
