@@ -71,7 +71,7 @@ if hasattr(W, "DeviceLane"):
 _wrap(S.StagingPool, "_new", "pool_new")
 _wrap(P.SlabCache, "get", "slab_get", lambda self, nbytes: nbytes)
 _wrap(N.Compute, "run", "compute")
-_wrap(QN.DequantFP8, "_kernel", "kernel")
+_wrap(QN.DequantizedFP8, "_kernel", "kernel")
 _wrap(E.IOEngine, "plan", "plan")
 _run = E.IOEngine.run
 _count = [0]

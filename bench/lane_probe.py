@@ -83,7 +83,7 @@ def main() -> None:
     with open(path, "rb") as f:  # warm the page cache
         while f.read(64 << 20):
             pass
-    lane, kernels = _timed(D.DeviceLane, "_do"), _timed(QN.DequantFP8, "_kernel")
+    lane, kernels = _timed(D.DeviceLane, "_do"), _timed(QN.DequantizedFP8, "_kernel")
     # the events behind the copies: recorded by the lane (and waited for by it, `_hand_back`),
     # or, in trees before that, handed to the readers to wait on
     copies = _timed(D.DeviceLane, "_record" if hasattr(D.DeviceLane, "_record") else "_copied")
@@ -95,7 +95,7 @@ def main() -> None:
         return f"{sum(xs):.3f} s, median {xs[len(xs) // 2] * 1e3:.3f} ms"
 
     with open_source(path) as src:
-        nodes = {f"w{i}": QN.DequantFP8(Leaf(f"w{i}", (rows, cols), Q.FP8_DTYPE),
+        nodes = {f"w{i}": QN.DequantizedFP8(Leaf(f"w{i}", (rows, cols), Q.FP8_DTYPE),
                                         Leaf(f"w{i}_scale_inv", (rows // BLOCK[0], cols // BLOCK[1]), torch.float32),
                                         BLOCK, "float32", torch.bfloat16) for i in range(a.tensors)}
         dests = {k: torch.empty(rows, cols, dtype=torch.bfloat16, device=dev) for k in nodes}

@@ -134,13 +134,13 @@ def main() -> None:
         w = {f"w{i}": Leaf(f"w{i}", (rows, cols), Q.FP8_DTYPE) for i in range(a.tensors)}
         nodes = {
             "plain": w,
-            "dequant": {k: QN.DequantFP8(n, Leaf(f"{k}_scale_inv", (rows // BLOCK[0], cols // BLOCK[1]), torch.float32),
+            "dequant": {k: QN.DequantizedFP8(n, Leaf(f"{k}_scale_inv", (rows // BLOCK[0], cols // BLOCK[1]), torch.float32),
                                          BLOCK, "float32", torch.bfloat16) for k, n in w.items()},
         }
         nodes["no-kernel"] = nodes["dequant"]
-        real_kernel = QN.DequantFP8._kernel
+        real_kernel = QN.DequantizedFP8._kernel
         for name, by_key in nodes.items():
-            QN.DequantFP8._kernel = (lambda self, box, dest, w, s: None) if name == "no-kernel" else real_kernel  # type: ignore[method-assign]
+            QN.DequantizedFP8._kernel = (lambda self, box, dest, w, s: None) if name == "no-kernel" else real_kernel  # type: ignore[method-assign]
             dests = {k: torch.empty(rows, cols, dtype=n.dtype, device="cuda") for k, n in by_key.items()}
             for r in range(a.repeat + 1):
                 cfg = EngineConfig.from_env()

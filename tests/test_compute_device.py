@@ -16,16 +16,24 @@ import torch
 from checkpoints import write_safetensors
 
 import sdadapt._recipes.nodes as N
-from sdadapt._engine.device import DeviceLane
-from sdadapt._engine.lanes import TaskLanes
+from sdadapt._engine.device import DeviceLane, device_step
+from sdadapt._engine.lanes import TaskQueues
+from sdadapt._engine.planner import bands_of
 from sdadapt._engine.staging import StagingPool
 from sdadapt._engine.tasks import ComputeTask, Delivery, Where
 from sdadapt._engine.views import TypedViews
 from sdadapt._engine.workers import Buffers, Shared, Worker
 from sdadapt._recipes import quant as Q
 from sdadapt._recipes import quant_nodes as QN
-from sdadapt._recipes.interleave import Interleave
+from sdadapt._recipes.interleave import Interleaved
 from sdadapt.sources import open_source
+
+
+def _bands(node: N.Node, box: tuple, max_bytes: int) -> list:
+    """The bands the engine cuts ``node``'s computation of ``box`` into."""
+    (step,) = node.steps(box, torch.empty(N.box_shape(box), dtype=node.dtype))
+    assert isinstance(step, N.Compute)
+    return bands_of(step, max_bytes)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -37,7 +45,7 @@ def _worker(src, chunk: int, depth: int, lane: bool = False) -> Worker:
     than that are copied without staging), ``depth`` staging buffers per thread; with
     ``lane``, a started device lane with the CPU as its device (what a GPU run's readers hand
     their buffers to), which :func:`_finish` closes."""
-    shared = Shared(src, TaskLanes(), {}, StagingPool(4, chunk, pin=False), chunk, StagingPool(1, chunk, pin=False))
+    shared = Shared(src, TaskQueues(), {}, StagingPool(4, chunk, pin=False), chunk, StagingPool(1, chunk, pin=False))
     if lane:
         shared.lane = DeviceLane(torch.device("cpu"), chunk, shared.fail, slots=2)
         shared.lane.start()
@@ -82,14 +90,15 @@ def _fp8_node(tmp_path, fmt: str, block: tuple[int, int]):
     x = torch.randn(3, 45, 70, generator=g) * torch.exp2(torch.randint(-6, 6, (3, 45, 70), generator=g).float())
     w, s = Q.quantize_fp8(x, block, fmt)  # type: ignore[arg-type]
     path = write_safetensors(tmp_path / "fp8.safetensors", {"w": w, "w_scale_inv": s})
-    node = QN.DequantFP8(N.Leaf("w", tuple(w.shape), w.dtype), N.Leaf("w_scale_inv", tuple(s.shape), s.dtype), block, fmt, torch.bfloat16)  # type: ignore[arg-type]
+    w_leaf, s_leaf = N.Leaf("w", tuple(w.shape), w.dtype), N.Leaf("w_scale_inv", tuple(s.shape), s.dtype)
+    node = QN.DequantizedFP8(w_leaf, s_leaf, block, fmt, torch.bfloat16)  # type: ignore[arg-type]
     return node, path
 
 
 def _mxfp4_node(tmp_path):
     blocks, scales = Q.quantize_mxfp4(torch.randn(2, 5, 4 * Q.MX_BLOCK, generator=torch.Generator().manual_seed(4)))
     path = write_safetensors(tmp_path / "mx.safetensors", {"e_blocks": blocks, "e_scales": scales})
-    node = QN.DequantMXFP4(
+    node = QN.DequantizedMXFP4(
         N.Leaf("e_blocks", tuple(blocks.shape), blocks.dtype), N.Leaf("e_scales", tuple(scales.shape), scales.dtype), torch.bfloat16
     )
     return node, path
@@ -102,9 +111,9 @@ def _mxfp4_rows_node(tmp_path):
     path = write_safetensors(tmp_path / "mx_rows.safetensors", {"e_blocks": blocks, "e_scales": scales})
 
     def rows(key: str, t: torch.Tensor) -> N.Node:
-        return Interleave(N.Leaf(key, tuple(t.shape), t.dtype), 1, (3, 3), 3, inverse=True)
+        return Interleaved(N.Leaf(key, tuple(t.shape), t.dtype), 1, (3, 3), 3, inverse=True)
 
-    return QN.DequantMXFP4(rows("e_blocks", blocks), rows("e_scales", scales), torch.bfloat16), path
+    return QN.DequantizedMXFP4(rows("e_blocks", blocks), rows("e_scales", scales), torch.bfloat16), path
 
 
 def _node_of(kind: str, tmp_path):
@@ -195,13 +204,13 @@ def test_uploads_stage_in_slices_that_fit_and_copy_the_rest(tmp_path, monkeypatc
 def test_only_computations_given_as_inputs_and_kernel_say_they_run_on_device():
     leaf = N.Leaf("a", (4, 6), torch.float32)
     dest = torch.empty(4, 6, dtype=torch.int32)
-    cast = N.Cast(leaf, torch.float16).steps(N.full_box((4, 6)), dest)
-    perm = N.UnitPermute(leaf, 0, 2, (1, 0)).steps(N.full_box((4, 6)), dest)
+    cast = N.Converted(leaf, torch.float16).steps(N.full_box((4, 6)), dest)
+    perm = N.UnitPermuted(leaf, 0, 2, (1, 0)).steps(N.full_box((4, 6)), dest)
     assert [s.on_device for s in cast + perm if isinstance(s, N.Compute)] == [False, False]
     with pytest.raises(ValueError, match="either fn, or inputs and kernel"):
         N.Compute(leaf, N.full_box((4, 6)), dest)
     with pytest.raises(ValueError, match="either fn, or inputs and kernel"):
-        N.Compute(leaf, N.full_box((4, 6)), dest, fn=lambda io: dest, inputs=lambda io: (), kernel=lambda: dest)
+        N.Compute(leaf, N.full_box((4, 6)), dest, fn=lambda io: dest, kernel=N.Kernel(lambda dest: None, "k", ((0, 1), (0, 1))))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -245,7 +254,7 @@ def test_bands_tile_the_region_on_block_rows(tmp_path, kind):
     rng = random.Random(kind)
     for box in _boxes(node.shape, rng, 40):
         for max_bytes in (1, 16, 100, 700, 1 << 20):
-            bands = node.bands(box, max_bytes)
+            bands = _bands(node, box, max_bytes)
             cover = torch.zeros(N.box_shape(box), dtype=torch.int32)
             for band in bands:
                 assert band[-1] == box[-1]
@@ -282,7 +291,7 @@ def test_engine_computes_bands_from_staged_reads_with_exact_bytes(tmp_path, chun
         jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16)) for box in boxes]
         want_bytes = want_staged = tasks = 0
         for box in boxes:
-            for band in node.bands(box, cfg.band_bytes):
+            for band in _bands(node, box, cfg.band_bytes):
                 tasks += 1
                 n = 1
                 for a, b in band:
@@ -324,7 +333,6 @@ def test_gathered_inputs_give_the_reference_bits_reading_each_byte_once(tmp_path
     (alternating rows, unless a band's rows are one stored group) are computed the band way."""
     from sdadapt._engine import CountingIO, EngineConfig, IOEngine, Job
     from sdadapt._engine.geometry import box_spans
-    from sdadapt._engine.planner import _InputRecorder
 
     node, path = _node_of(kind, tmp_path)
     rng = random.Random(f"{kind}{chunk}{min_span}")
@@ -339,20 +347,15 @@ def test_gathered_inputs_give_the_reference_bits_reading_each_byte_once(tmp_path
             stats[gather] = IOEngine(src, cfg, cpu_lane=True).run(jobs)
             for job in jobs:
                 assert torch.equal(_bits(job.dest), _bits(full[tuple(slice(a, b) for a, b in job.box)])), (gather, job.box)
-        bands = [band for box in boxes for band in node.bands(box, 4 * chunk)]
+        bands = [band for box in boxes for band in _bands(node, box, 4 * chunk)]
         want = 0
         for band in bands:  # gathered where the inputs are stored regions, in one run or runs of at least min_span
-            rec = _InputRecorder(src)
             (step,) = node.steps(band, torch.empty(N.box_shape(band), dtype=torch.bfloat16))
-            assert step.inputs is not None
-            try:
-                args = step.inputs(rec)
-            except NotImplementedError:  # alternating rows gathered on the host: meta inputs cannot be copied
-                continue
-            if not all(a is r or a._base is r for a, (_, _, r) in zip(args, rec.reads, strict=True)):
+            reads = [i.read for i in step.inputs]
+            if not all(reads):  # an input computed on the host (alternating rows gathered)
                 continue
             long_runs = []
-            for key, box, _ in rec.reads:
+            for key, box in ((r.key, r.box) for r in reads if r is not None):
                 starts, run = box_spans(src.schema[key].shape, src.schema[key].dtype.itemsize, box)
                 long_runs.append(len(starts) == 1 or run >= min_span)
             want += all(long_runs)
@@ -463,7 +466,7 @@ def test_staged_reads_and_computations_on_one_buffer_each_never_deadlock(tmp_pat
     tensors = {"w": w, "w_scale_inv": s, **{f"p{i}": torch.randn(8, 100) for i in range(200)}}
     path = write_safetensors(tmp_path / "both.safetensors", tensors)
     scale = N.Leaf("w_scale_inv", tuple(s.shape), s.dtype)
-    node = QN.DequantFP8(N.Leaf("w", (64, 64), w.dtype), scale, (16, 32), "float32", torch.bfloat16)
+    node = QN.DequantizedFP8(N.Leaf("w", (64, 64), w.dtype), scale, (16, 32), "float32", torch.bfloat16)
     want = Q.dequantize_fp8(w, s, (16, 32), "float32", torch.bfloat16)
     cfg = EngineConfig(threads=3, staging_bytes=4096, chunk_bytes=4096, band_bytes=4096)
     with open_source(path) as src:
@@ -662,9 +665,9 @@ def test_an_expert_of_fused_experts_crosses_as_a_view_of_its_staged_read(tmp_pat
         results = []
         for e in range(3):
             if quant == "fp8":
-                node: N.Node = QN.DequantFP8(N.Select(lw, 0, e), N.Select(ls, 0, e), (16, 16), "float32", torch.bfloat16)
+                node: N.Node = QN.DequantizedFP8(N.Selected(lw, 0, e), N.Selected(ls, 0, e), (16, 16), "float32", torch.bfloat16)
             else:
-                node = QN.DequantMXFP4(N.Select(lw, 0, e), N.Select(ls, 0, e), torch.bfloat16)
+                node = QN.DequantizedMXFP4(N.Selected(lw, 0, e), N.Selected(ls, 0, e), torch.bfloat16)
             moved = torch.full(node.shape, float("nan"), dtype=torch.bfloat16)
             (step,) = node.steps(N.full_box(node.shape), moved)
             _on_lane(worker, step)
@@ -733,7 +736,7 @@ def test_a_failing_kernel_is_reported_by_key_and_every_buffer_still_comes_back(d
         raise RuntimeError("kernel exploded")
 
     def step(fn, dest):
-        return N.Compute(leaf, ((0, 16),), dest, inputs=lambda io: (), kernel=fn)
+        return N.Compute(leaf, ((0, 16),), dest, kernel=N.Kernel(fn, "test", ((0, 16),)))
 
     box = ((0, 16),)
     where_a, where_b = Where("a.weight", None, None, box), Where("b.weight", None, None, box)
@@ -751,7 +754,7 @@ def test_a_failing_kernel_is_reported_by_key_and_every_buffer_still_comes_back(d
 
 def test_warm_up_runs_each_kind_of_kernel_once_on_a_small_zero_input(tmp_path, monkeypatch):
     """``device_kernels`` keeps the first computing node of each recipe, one per kind
-    (``warm_key``: the node type, dtypes and scale format), skipping recipes that compute
+    (``Kernel.kind``: the node type, dtypes and scale format), skipping recipes that compute
     nothing; ``warm_kernels`` runs each one's kernel once on a region of at most one block,
     without reading the checkpoint."""
     from sdadapt._engine import device_kernels, warm_kernels
@@ -760,9 +763,9 @@ def test_warm_up_runs_each_kind_of_kernel_once_on_a_small_zero_input(tmp_path, m
     fp8_b, _ = _fp8_node(tmp_path, "float32", (7, 9))  # same kernels, other block: not warmed again
     ue8m0, _ = _fp8_node(tmp_path, "ue8m0", (16, 32))
     mx, _ = _mxfp4_node(tmp_path)
-    stacked = N.Stack((fp8_b, fp8_b), 0)
+    stacked = N.Stacked((fp8_b, fp8_b), 0)
     seen: list[tuple[str, tuple[int, ...]]] = []
-    for cls in (QN.DequantFP8, QN.DequantMXFP4):
+    for cls in (QN.DequantizedFP8, QN.DequantizedMXFP4):
         real = cls._kernel
 
         def kernel(self, box, dest, *args, _real=real):
@@ -771,12 +774,18 @@ def test_warm_up_runs_each_kind_of_kernel_once_on_a_small_zero_input(tmp_path, m
 
         monkeypatch.setattr(cls, "_kernel", kernel)
     recipes = [N.Leaf("n", (4,), torch.bfloat16), fp8_a, stacked, ue8m0, mx]
-    assert fp8_a.warm_key() == fp8_b.warm_key() != ue8m0.warm_key()
-    assert stacked.device_node() is fp8_b and N.Leaf("n", (4,), torch.bfloat16).device_node() is None
+    def kind(node: N.Node) -> object:
+        step = device_step(node)
+        assert step is not None and step.kernel is not None
+        return step.kernel.kind
+
+    assert kind(fp8_a) == kind(fp8_b) != kind(ue8m0)
+    step = device_step(stacked)
+    assert step is not None and step.node is fp8_b and device_step(N.Leaf("n", (4,), torch.bfloat16)) is None
     kernels = device_kernels(recipes)
     assert kernels == [fp8_a, ue8m0, mx] and device_kernels(recipes[:1]) == []
     th = warm_kernels(torch.device("cpu"), kernels)
     assert th is not None
     th.join(timeout=30)
-    assert seen == [("DequantFP8", (1, 16, 32)), ("DequantFP8", (1, 16, 32)), ("DequantMXFP4", (1, 1, 32))]
+    assert seen == [("DequantizedFP8", (1, 16, 32)), ("DequantizedFP8", (1, 16, 32)), ("DequantizedMXFP4", (1, 1, 32))]
     assert warm_kernels(torch.device("cpu"), []) is None

@@ -18,7 +18,7 @@ import sdadapt
 from sdadapt._engine import EngineConfig, IOEngine, Job, box_spans, default_threads
 from sdadapt._recipes import interleave as interleave_module
 from sdadapt._recipes import nodes as N
-from sdadapt._recipes.interleave import Interleave
+from sdadapt._recipes.interleave import Interleaved
 from sdadapt.errors import LoadError
 from sdadapt.sources import open_source
 
@@ -56,23 +56,23 @@ def _random_box(shape: tuple[int, ...], rng: random.Random) -> tuple[tuple[int, 
 def _recipes(src) -> dict[str, N.Node]:
     leaf = {k: N.Leaf(k, i.shape, i.dtype) for k, i in src.schema.items()}
     out: dict[str, N.Node] = dict(leaf)
-    out["qkv"] = N.Concat((leaf["q"], leaf["k"], leaf["v"]), 0)
-    out["kv_cols"] = N.Concat((leaf["k"], leaf["v"]), 1)
-    out["a32"] = N.Cast(leaf["a"], torch.float32)
-    out["c_mid"] = N.Narrow(leaf["c"], 0, 10, 40)
-    out["b_cast_cat"] = N.Cast(N.Concat((leaf["b"], N.Narrow(leaf["b"], 0, 4, 6)), 0), torch.float64)
-    out["b_int_back"] = N.Cast(N.Cast(leaf["b"], torch.int32), torch.float32)  # truncates
-    out["c_bf16_f32"] = N.Cast(N.Cast(leaf["c"], torch.bfloat16), torch.float32)  # rounds
-    out["cT"] = N.Transpose(leaf["c"], 0, 1)
-    out["kv_stack"] = N.Stack((leaf["k"], leaf["v"]), 0)
-    out["b_sel"] = N.Select(leaf["b"], 1, 3)
-    out["q_perm"] = N.UnitPermute(leaf["q"], 0, 4, (0, 2, 1, 3))
-    out["a_pad"] = N.Pad(leaf["a"], 0, 40, 0.0)
-    out["a_pad_half"] = N.Pad(N.Cast(leaf["a"], torch.float16), 1, 23, 0.1)
-    out["qkv_tp2"] = Interleave(N.Concat((leaf["q"], leaf["k"], leaf["v"]), 0), 0, (24, 8, 8), 2)
-    # parts alternating row by row (gathered from covering reads), along dim 0 and a middle dim
-    out["c_rows_alt"] = Interleave(leaf["c"], 0, (32, 32), 32, inverse=True)
-    out["b_mid_alt"] = Interleave(leaf["b"], 1, (4, 4), 4, inverse=True)
+    out["qkv"] = N.Concatenated((leaf["q"], leaf["k"], leaf["v"]), 0)
+    out["kv_cols"] = N.Concatenated((leaf["k"], leaf["v"]), 1)
+    out["a32"] = N.Converted(leaf["a"], torch.float32)
+    out["c_mid"] = N.Narrowed(leaf["c"], 0, 10, 40)
+    out["b_cast_cat"] = N.Converted(N.Concatenated((leaf["b"], N.Narrowed(leaf["b"], 0, 4, 6)), 0), torch.float64)
+    out["b_int_back"] = N.Converted(N.Converted(leaf["b"], torch.int32), torch.float32)  # truncates
+    out["c_bf16_f32"] = N.Converted(N.Converted(leaf["c"], torch.bfloat16), torch.float32)  # rounds
+    out["cT"] = N.Transposed(leaf["c"], 0, 1)
+    out["kv_stack"] = N.Stacked((leaf["k"], leaf["v"]), 0)
+    out["b_sel"] = N.Selected(leaf["b"], 1, 3)
+    out["q_perm"] = N.UnitPermuted(leaf["q"], 0, 4, (0, 2, 1, 3))
+    out["a_pad"] = N.Padded(leaf["a"], 0, 40, 0.0)
+    out["a_pad_half"] = N.Padded(N.Converted(leaf["a"], torch.float16), 1, 23, 0.1)
+    out["qkv_tp2"] = Interleaved(N.Concatenated((leaf["q"], leaf["k"], leaf["v"]), 0), 0, (24, 8, 8), 2)
+    # parts alternating row by row (picked out of covering reads), along dim 0 and a middle dim
+    out["c_rows_alt"] = Interleaved(leaf["c"], 0, (32, 32), 32, inverse=True)
+    out["b_mid_alt"] = Interleaved(leaf["b"], 1, (4, 4), 4, inverse=True)
     return out
 
 
@@ -307,7 +307,7 @@ def test_steps_cover_every_element(sources):
 def test_engine_knows_no_node_kinds(sources):
     """Pure data movement becomes pieces read straight from the file; only the unit permutation
     and the lossy casts are computations (no node goes through Source.read whole), and an
-    interleave whose blocks are deemed too short to be worth a read each is one gathering
+    interleave whose blocks are deemed too short to be worth a read each is one picking
     computation."""
     _, paths = sources
     with open_source(paths["safetensors"]) as src:
@@ -320,7 +320,7 @@ def test_engine_knows_no_node_kinds(sources):
         for key, node in recipes.items():
             kinds[key] = kinds_of(node)
         assert kinds["qkv_tp2"] == kinds["kv_stack"] == kinds["cT"] == kinds["b_cast_cat"] == {"Piece"}
-        with mock.patch.object(interleave_module, "GATHER_ROWS", 100):  # blocks of 12, 4 and 4 rows: "short" now
+        with mock.patch.object(interleave_module, "PICK_ROWS", 100):  # blocks of 12, 4 and 4 rows: "short" now
             assert kinds_of(recipes["qkv_tp2"]) == {"Compute"}
         assert kinds["a_pad"] == {"Piece", "Fill"}
         assert kinds["q_perm"] == kinds["b_int_back"] == kinds["c_bf16_f32"] == {"Compute"}
@@ -478,7 +478,7 @@ def test_lossy_cast_chain_is_applied(tmp_path):
     t = torch.tensor([[1.75, -2.5, 3.25], [0.5, -0.75, 9.9]], dtype=torch.float32)
     path = write_safetensors(tmp_path / "c.safetensors", {"w": t})
     with open_source(path) as src:
-        node = N.Cast(N.Cast(N.Leaf("w", (2, 3), torch.float32), torch.int32), torch.float32)
+        node = N.Converted(N.Converted(N.Leaf("w", (2, 3), torch.float32), torch.int32), torch.float32)
         want = node.full(_Plain(src))
         assert torch.equal(want, t.to(torch.int32).to(torch.float32))
         for cfg in CONFIGS.values():
@@ -487,14 +487,14 @@ def test_lossy_cast_chain_is_applied(tmp_path):
             assert torch.equal(dest, want)
 
 
-def test_alternating_rows_are_gathered_in_one_task_per_band(tmp_path):
+def test_alternating_rows_are_picked_in_one_task_per_cluster(tmp_path):
     """Gate and up rows stored alternating (GPT-OSS) de-interleaved through the engine: each
     region is one task per part it touches (not a task per row), reads at most twice its
     bytes, and gives the bits of the whole-tensor reference, whatever the box."""
     E, F, D = 3, 40, 64
     t = torch.randn(E, 2 * F, D)
     path = write_safetensors(tmp_path / "gate_up.safetensors", {"gate_up": t})
-    node = Interleave(N.Leaf("gate_up", (E, 2 * F, D), t.dtype), 1, (F, F), F, inverse=True)
+    node = Interleaved(N.Leaf("gate_up", (E, 2 * F, D), t.dtype), 1, (F, F), F, inverse=True)
     want = torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
     rng = random.Random(5)
     boxes = [((0, E), (0, F), (0, D)), ((0, E), (F, 2 * F), (0, D)), ((1, 2), (F - 3, F + 5), (8, 40))]
@@ -504,11 +504,11 @@ def test_alternating_rows_are_gathered_in_one_task_per_band(tmp_path):
             dest = torch.full([b - a for a, b in box], float("nan"))
             stats = IOEngine(src, EngineConfig(threads=2)).run([Job("w", node, box, dest)])
             assert torch.equal(dest, want[tuple(slice(a, b) for a, b in box)]), box
-            crosses = box[1][0] < F < box[1][1]  # gate rows and up rows: one band each
+            crosses = box[1][0] < F < box[1][1]  # gate rows and up rows: one cluster each
             assert stats.tasks == (2 if crosses else 1), (box, stats.tasks)
             assert stats.bytes_read <= 2 * dest.numel() * 4, box
-        # a band limit cuts a large region into several computations, each bounded
-        with mock.patch.object(interleave_module, "GATHER_BAND", 8 * E * D * 4):
+        # a cover limit cuts a large region into several computations, each bounded
+        with mock.patch.object(interleave_module, "PICK_COVER_BYTES", 8 * E * D * 4):
             dest = torch.empty(E, F, D)
             stats = IOEngine(src, EngineConfig(threads=2)).run([Job("w", node, ((0, E), (0, F), (0, D)), dest)])
             assert torch.equal(dest, want[:, :F]) and stats.tasks == 10

@@ -13,7 +13,7 @@ from checkpoints import write_safetensors
 import sdadapt._recipes.nodes as N
 from sdadapt._engine import EngineConfig, IOEngine, Job
 from sdadapt._engine import workers as W
-from sdadapt._engine.lanes import TaskLanes, uses_band
+from sdadapt._engine.lanes import TaskQueues, uses_band
 from sdadapt._engine.tasks import ComputeTask, FillTask, Where
 from sdadapt._recipes import quant as Q
 from sdadapt._recipes import quant_nodes as QN
@@ -24,7 +24,7 @@ WHERE = Where("t", "t", "file", ((0, 2),))
 
 def _compute_task() -> ComputeTask:
     node = N.Leaf("w", (2,), torch.float32)
-    step = N.Compute(node, ((0, 2),), torch.empty(2), inputs=lambda io: (), kernel=lambda dest: None)
+    step = N.Compute(node, ((0, 2),), torch.empty(2), kernel=N.Kernel(lambda dest: None, "none", ((0, 2),)))
     return ComputeTask(step, WHERE)
 
 
@@ -33,7 +33,7 @@ def _plain_task() -> FillTask:
 
 
 def test_only_computing_threads_take_computations_and_they_go_first():
-    lanes = TaskLanes()
+    lanes = TaskQueues()
     band, plain = _compute_task(), _plain_task()
     assert uses_band(band) and not uses_band(plain)
     lanes.put(plain)
@@ -47,7 +47,7 @@ def test_only_computing_threads_take_computations_and_they_go_first():
 
 
 def test_closing_drains_queued_tasks_first_and_wakes_every_waiting_thread():
-    lanes = TaskLanes()
+    lanes = TaskQueues()
     band = _compute_task()
     lanes.put(band)
     got: dict[str, object] = {}
@@ -67,7 +67,7 @@ def test_closing_drains_queued_tasks_first_and_wakes_every_waiting_thread():
 
 
 def test_a_queued_task_wakes_a_thread_that_can_run_it():
-    lanes = TaskLanes()
+    lanes = TaskQueues()
     got: dict[str, object] = {}
     ready = threading.Barrier(3)
 
@@ -98,7 +98,8 @@ def test_engine_runs_computations_on_computing_threads_only(tmp_path, monkeypatc
     w, s = Q.quantize_fp8(torch.randn(128, 64, generator=g), block, "float32")
     plain = {f"p{i}": torch.randn(32, 64, generator=g).to(torch.bfloat16) for i in range(6)}
     path = write_safetensors(tmp_path / "m.safetensors", {"w": w, "w_scale_inv": s, **plain})
-    node = QN.DequantFP8(N.Leaf("w", (128, 64), w.dtype), N.Leaf("w_scale_inv", tuple(s.shape), s.dtype), block, "float32", torch.bfloat16)
+    scale = N.Leaf("w_scale_inv", tuple(s.shape), s.dtype)
+    node = QN.DequantizedFP8(N.Leaf("w", (128, 64), w.dtype), scale, block, "float32", torch.bfloat16)
     want = Q.dequantize_fp8(w, s, block, "float32", torch.bfloat16)
     ran: list[tuple[bool, str]] = []  # (the thread computes, the task's kind)
     lock = threading.Lock()

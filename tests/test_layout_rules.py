@@ -23,7 +23,7 @@ import sdadapt
 from sdadapt._plan.plan import build_plan
 from sdadapt._recipes import interleave as interleave_module
 from sdadapt._recipes import nodes as N
-from sdadapt._recipes.interleave import Interleave
+from sdadapt._recipes.interleave import Interleaved
 from sdadapt.errors import AdapterError
 from sdadapt.rules import rotary_perm, tp_degree
 from sdadapt.rules._base import unwrap_key
@@ -82,7 +82,7 @@ def test_transpose_node(data):
     dtype = data.draw(st.sampled_from(DTYPES))
     t = _tensor(shape, dtype, data.draw(st.integers(0, 99)))
     io = DictIO({"x": t})
-    node = N.Transpose(N.Leaf("x", tuple(shape), dtype), d0, d1)
+    node = N.Transposed(N.Leaf("x", tuple(shape), dtype), d0, d1)
     full = _check_reads(node, io, data)
     assert torch.equal(full, t.transpose(d0, d1))
 
@@ -101,7 +101,7 @@ def test_rotary_node_reads_whole_heads_only(data):
     t = _tensor(shape, dtype, data.draw(st.integers(0, 99)))
     io = DictIO({"x": t})
     rd = 2 * data.draw(st.integers(1, hd // 2))  # partial rotary: the first rd rows of each head rotate
-    node = N.UnitPermute(N.Leaf("x", tuple(shape), dtype), dim, hd, rotary_perm(hd, to, rd))
+    node = N.UnitPermuted(N.Leaf("x", tuple(shape), dtype), dim, hd, rotary_perm(hd, to, rd))
 
     def whole_heads(box):
         a, b = box[dim]
@@ -134,13 +134,13 @@ def test_stack_and_select_nodes(data):
     seed = data.draw(st.integers(0, 99))
     parts = {f"e{i}": _tensor(shape, dtype, seed + i) for i in range(e)}
     io = DictIO(parts)
-    node = N.Stack(tuple(N.Leaf(k, shape, dtype) for k in parts), dim)
+    node = N.Stacked(tuple(N.Leaf(k, shape, dtype) for k in parts), dim)
     full = _check_reads(node, io, data)
     assert torch.equal(full, torch.stack(list(parts.values()), dim))
     # select (unstack) of a stacked source tensor
     io2 = DictIO({"s": full})
     for i in range(e):
-        sel = N.Select(N.Leaf("s", tuple(full.shape), dtype), dim, i)
+        sel = N.Selected(N.Leaf("s", tuple(full.shape), dtype), dim, i)
         assert torch.equal(_check_reads(sel, io2, data), parts[f"e{i}"])
 
 
@@ -155,7 +155,7 @@ def test_pad_node_reads_only_real_rows(data):
     dtype = data.draw(st.sampled_from(DTYPES))
     t = _tensor(shape, dtype, data.draw(st.integers(0, 99)))
     io = DictIO({"x": t})
-    node = N.Pad(N.Leaf("x", tuple(shape), dtype), dim, size, value)
+    node = N.Padded(N.Leaf("x", tuple(shape), dtype), dim, size, value)
     n = shape[dim]
 
     def real(box):
@@ -187,22 +187,22 @@ def test_interleave_node_reads_exactly_the_box(data):
     shape[dim] = sum(sizes)
     dtype = data.draw(st.sampled_from(DTYPES))
     t = _tensor(shape, dtype, data.draw(st.integers(0, 99)))
-    # blocks read one by one (exactly the box), or gathered from covering reads (every block
+    # blocks read one by one (exactly the box), or picked out of covering reads (every block
     # here is deemed short): at most (number of parts) x the box, in few computations
-    gather = data.draw(st.booleans())
+    pick = data.draw(st.booleans())
     parts = sum(1 for s in sizes if s)
     itemsize = t.element_size()
-    reads = {"exact": not gather, "bound": (lambda box: parts * _volume(box, itemsize)) if gather else None}
-    with mock.patch.object(interleave_module, "GATHER_ROWS", 100 if gather else 0):
+    reads = {"exact": not pick, "bound": (lambda box: parts * _volume(box, itemsize)) if pick else None}
+    with mock.patch.object(interleave_module, "PICK_ROWS", 100 if pick else 0):
         io = DictIO({"x": t})
-        fwd = Interleave(N.Leaf("x", tuple(shape), dtype), dim, tuple(sizes), tp)
+        fwd = Interleaved(N.Leaf("x", tuple(shape), dtype), dim, tuple(sizes), tp)
         full = _check_reads(fwd, io, data, **reads)
         assert torch.equal(full, _interleave_ref(t, sizes, tp, dim))
         # each of tp equal slices along dim is [p0_r; p1_r; ...]
         for r, local in enumerate(full.chunk(tp, dim) if tp <= full.shape[dim] else []):
             assert torch.equal(local, torch.cat([p.chunk(tp, dim)[r] for p in t.split(sizes, dim) if p.shape[dim]], dim))
         io2 = DictIO({"y": full})
-        back = Interleave(N.Leaf("y", tuple(shape), dtype), dim, tuple(sizes), tp, inverse=True)
+        back = Interleaved(N.Leaf("y", tuple(shape), dtype), dim, tuple(sizes), tp, inverse=True)
         assert torch.equal(_check_reads(back, io2, data, **reads), t)
 
 

@@ -3,7 +3,7 @@
 The reference is peft's own ``merge_and_unload()`` on a tiny transformers model whose LoRA
 ``B`` matrices are random (peft initialises them to zero, which would merge nothing). Checked
 here: merged weights and logits equal peft's (plain, rsLoRA with an ``alpha_pattern``, GPT-2's
-``Conv1D`` with ``fan_in_fan_out``); a region of a :class:`LoraMerge` equals the same region of
+``Conv1D`` with ``fan_in_fan_out``); a region of a :class:`MergedLora` equals the same region of
 its eager ``full()`` bit for bit and reads only the box's rows of ``B`` and columns of ``A``;
 every unsupported PEFT feature and every mismatched LoRA key fails while planning, naming the
 field or key, with the model left on the meta device. The 2x2 FSDP2+TP load is in
@@ -27,7 +27,7 @@ from sdadapt._base.regions import full_box
 from sdadapt._plan.plan import build_plan
 from sdadapt._recipes.nodes import Leaf
 from sdadapt.errors import AdapterError, PlanError, SourceError
-from sdadapt.rules._lora import LORA_NAMESPACE, LoraMerge, MergeLora
+from sdadapt.rules._lora import LORA_NAMESPACE, MergedLora, MergeLora
 from sdadapt.sources import SafetensorsFile
 from sdadapt.sources._joined import JoinedSource
 
@@ -152,7 +152,7 @@ def test_region_equals_full_and_reads_only_its_rows_and_cols(dtype: torch.dtype,
     w_shape = (inp, out) if transposed else (out, inp)
     tensors = {"w": torch.randn(w_shape, generator=gen).to(dtype), "a": torch.randn(r, inp, generator=gen),
                "b": torch.randn(out, r, generator=gen)}  # fmt: skip
-    node = LoraMerge(Leaf("w", w_shape, dtype), Leaf("a", (r, inp), torch.float32), Leaf("b", (out, r), torch.float32),
+    node = MergedLora(Leaf("w", w_shape, dtype), Leaf("a", (r, inp), torch.float32), Leaf("b", (out, r), torch.float32),
                      scale=1.7, transposed=transposed)  # fmt: skip
     whole = node.full(DictIO(tensors))
     delta = tensors["b"].double() @ tensors["a"].double()
@@ -177,7 +177,7 @@ def test_region_is_computed_in_bounded_chunks(monkeypatch: pytest.MonkeyPatch) -
     gen = torch.Generator().manual_seed(8)
     tensors = {"w": torch.randn(20, 7, generator=gen), "a": torch.randn(3, 7, generator=gen),
                "b": torch.randn(20, 3, generator=gen)}  # fmt: skip
-    node = LoraMerge(Leaf("w", (20, 7), torch.float32), Leaf("a", (3, 7), torch.float32),
+    node = MergedLora(Leaf("w", (20, 7), torch.float32), Leaf("a", (3, 7), torch.float32),
                      Leaf("b", (20, 3), torch.float32), scale=0.5)  # fmt: skip
     io = DictIO(tensors)
     assert torch.equal(node.read(((1, 19), (2, 6)), io), node.full(DictIO(tensors))[1:19, 2:6])

@@ -216,7 +216,7 @@ def fp8_case(draw):
 def _fp8_node(shape, block, fmt, seed, dtype=torch.bfloat16):
     w, s = fp8_release(shape, block, fmt, seed)
     io = DictIO({"w": w, "s": s})
-    node = QN.DequantFP8(Leaf("w", tuple(w.shape), w.dtype), Leaf("s", tuple(s.shape), s.dtype), block, fmt, dtype)
+    node = QN.DequantizedFP8(Leaf("w", tuple(w.shape), w.dtype), Leaf("s", tuple(s.shape), s.dtype), block, fmt, dtype)
     return node, io, w, s
 
 
@@ -254,7 +254,7 @@ def test_mxfp4_region_read_equals_full_and_reads_whole_blocks_only(case):
     lead, groups, box, seed = case
     b, s = mxfp4_release(lead, groups * 32, seed)
     io = DictIO({"b": b, "s": s})
-    node = QN.DequantMXFP4(Leaf("b", tuple(b.shape), b.dtype), Leaf("s", tuple(s.shape), s.dtype), torch.bfloat16)
+    node = QN.DequantizedMXFP4(Leaf("b", tuple(b.shape), b.dtype), Leaf("s", tuple(s.shape), s.dtype), torch.bfloat16)
     full = node.full(io)
     assert torch.equal(bits(full), bits(ref_dequant_mxfp4(b, s, torch.bfloat16)))
     io.bytes_read = 0
@@ -275,7 +275,7 @@ def test_quantize_fp8_region_equals_full(case, part):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g).to(torch.bfloat16)
     io = DictIO({"x": x})
-    node = QN.QuantizeFP8(Leaf("x", shape, x.dtype), block, fmt, part)
+    node = QN.QuantizedFP8(Leaf("x", shape, x.dtype), block, fmt, part)
     full = node.full(io)
     box = tuple((0, n) for n in node.shape)
     box = box[:-2] + ((box[-2][1] // 3, box[-2][1]), (0, max(1, box[-1][1] // 2)))  # cuts blocks
@@ -286,7 +286,7 @@ def test_quantize_mxfp4_region_equals_full():
     x = torch.randn(3, 5, 96).to(torch.bfloat16)
     io = DictIO({"x": x})
     for part in ("values", "scales"):
-        node = QN.QuantizeMXFP4(Leaf("x", tuple(x.shape), x.dtype), part)  # type: ignore[arg-type]
+        node = QN.QuantizedMXFP4(Leaf("x", tuple(x.shape), x.dtype), part)  # type: ignore[arg-type]
         full = node.full(io)
         for box in [((1, 3), (2, 5), (1, 3), (3, 11)), ((0, 3), (0, 5), (2, 3), (0, 16))]:
             box = box[: len(node.shape)]

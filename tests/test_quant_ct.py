@@ -22,6 +22,8 @@ from checkpoints import write_safetensors
 from torch import nn
 
 import sdadapt
+from sdadapt._engine import device_step, warm_up
+from sdadapt._engine.planner import bands_of
 from sdadapt._recipes import quant_scaled as S
 from sdadapt.errors import AdapterError
 
@@ -413,22 +415,27 @@ def test_kernels_stay_on_the_inputs_device(cases, name: str) -> None:
     _, plan = sdadapt.plan_load(Tiny(), folder, adapter_for(folder))
     for key in ("layers.0.w1.weight", "layers.0.w2.weight"):
         node = plan.recipes[key]
-        assert node.device_node() is node
-        node.warm_up(torch.device("meta"))
+        step = device_step(node)
+        assert step is not None and step.node is node
+        warm_up(node, torch.device("meta"))
+
+
+def _bands(node, box: tuple, max_bytes: int) -> list:
+    """The bands the engine cuts ``node``'s computation of ``box`` into."""
+    (step,) = node.steps(box, torch.empty([b - a for a, b in box], dtype=node.dtype))
+    return bands_of(step, max_bytes)
 
 
 def _band_gathers(src, node, band: tuple, min_span: int) -> bool:
-    """Whether the planner may gather ``band``: what its ``inputs`` hand the kernel is what it
-    read, and each read lies in one run or in runs of at least ``min_span`` bytes."""
+    """Whether the planner may gather ``band``: every input the step declares is a stored region
+    taken as it is, and each lies in one run or in runs of at least ``min_span`` bytes."""
     from sdadapt._engine.geometry import box_spans
-    from sdadapt._engine.planner import _as_read, _InputRecorder
 
-    rec = _InputRecorder(src)
     (step,) = node.steps(band, torch.empty([b - a for a, b in band], dtype=torch.bfloat16))
-    args = step.inputs(rec)
-    if len(args) != len(rec.reads) or not all(_as_read(a, r) for a, (_, _, r) in zip(args, rec.reads, strict=True)):
+    reads = [i.read for i in step.inputs]
+    if not all(reads):
         return False
-    for key, box, _ in rec.reads:
+    for key, box in ((r.key, r.box) for r in reads if r is not None):
         starts, run = box_spans(src.schema[key].shape, src.schema[key].dtype.itemsize, box)
         if len(starts) > 1 and run < min_span:
             return False
@@ -468,7 +475,7 @@ def test_shards_gather_their_inputs_on_the_device_lane(cases, name: str) -> None
                 whole = job.node.full(io)
                 (r0, r1), (c0, c1) = job.box
                 assert torch.equal(bits(job.dest), bits(whole[r0:r1, c0:c1])), (name, gather, job.box)
-        bands = [(node, band, box[1] == (0, node.shape[1])) for node, box in jobs_of for band in node.bands(box, 2048)]
+        bands = [(node, band, box[1] == (0, node.shape[1])) for node, box in jobs_of for band in _bands(node, box, 2048)]
         g, b = stats[True], stats[False]
         assert [_band_gathers(src, n, band, 4096) for n, band, _ in bands] == [whole for _, _, whole in bands], name
         assert g.gathered == sum(whole for _, _, whole in bands) > 0, (name, g.gathered, len(bands))
@@ -501,10 +508,10 @@ def test_kernels_do_no_host_work(cases, name: str) -> None:
     folder, _ = cases[name]
     _, plan = sdadapt.plan_load(Tiny(), folder, adapter_for(folder))
     node = plan.recipes["layers.0.w1.weight"]
-    node.warm_up(torch.device("meta"))  # the first call may make per-device tables
+    warm_up(node, torch.device("meta"))  # the first call may make per-device tables
     calls = Calls()
     with calls:
-        node.warm_up(torch.device("meta"))
+        warm_up(node, torch.device("meta"))
     assert {"copy_", "mul_"} & set(calls.names)  # the mode sees the kernel's writes
     assert not _HOST_CALLS & set(calls.names), (name, sorted(_HOST_CALLS & set(calls.names)))
 

@@ -8,8 +8,7 @@ from checkpoints import DictIO
 
 import sdadapt
 from sdadapt._plan.plan import build_plan
-from sdadapt._recipes.nodes import Cast as CastNode
-from sdadapt._recipes.nodes import Concat, Leaf, Narrow
+from sdadapt._recipes.nodes import Concatenated, Converted, Leaf, Narrowed
 from sdadapt.errors import AdapterError
 from sdadapt.sources._base import TensorInfo
 
@@ -93,7 +92,7 @@ def test_fuse_unequal_sizes_values():
     p = plan(GQA_SRC, {"l.0.qkv.weight": ((12, 4),)}, [GQA_FUSE])
     assert p.report.ok, p.report.format()
     node = p.recipes["l.0.qkv.weight"]
-    assert isinstance(node, Concat) and node.leaves() == ["l.0.q.weight", "l.0.k.weight", "l.0.v.weight"]
+    assert isinstance(node, Concatenated) and node.leaves() == ["l.0.q.weight", "l.0.k.weight", "l.0.v.weight"]
     q, k, v = torch.randn(8, 4), torch.randn(2, 4), torch.randn(2, 4)
     io = DictIO({"l.0.q.weight": q, "l.0.k.weight": k, "l.0.v.weight": v})
     assert torch.equal(node.full(io), torch.cat([q, k, v]))
@@ -160,7 +159,7 @@ def test_split_sizes_from_target_schema():
     rule = sdadapt.split("l.{i}.qkv.{p}", ["l.{i}.q.{p}", "l.{i}.k.{p}", "l.{i}.v.{p}"])
     p = plan({"l.0.qkv.weight": ((12, 4),)}, GQA_SRC, [rule])
     assert p.report.ok, p.report.format()
-    got = {k: (n.start, n.length) for k, n in p.recipes.items() if isinstance(n, Narrow)}
+    got = {k: (n.start, n.length) for k, n in p.recipes.items() if isinstance(n, Narrowed)}
     assert got == {"l.0.q.weight": (0, 8), "l.0.k.weight": (8, 2), "l.0.v.weight": (10, 2)}
     qkv = torch.randn(12, 4)
     io = DictIO({"l.0.qkv.weight": qkv})
@@ -208,7 +207,7 @@ def test_dtype_change_without_cast_is_a_mismatch():
 def test_cast_rule():
     p = plan({"w": ((2, 2), BF16), "n": ((2,), F32)}, {"w": ((2, 2), F32), "n": ((2,), F32)}, [sdadapt.cast("**", F32)])
     assert p.report.ok
-    assert isinstance(p.recipes["w"], CastNode) and isinstance(p.recipes["n"], Leaf)
+    assert isinstance(p.recipes["w"], Converted) and isinstance(p.recipes["n"], Leaf)
     w = torch.randn(2, 2).to(BF16)
     got = p.recipes["w"].full(DictIO({"w": w}))
     assert got.dtype == F32 and torch.equal(got, w.float())
@@ -218,7 +217,7 @@ def test_cast_from_dtype_only_touches_that_dtype():
     rule = sdadapt.cast("**", "bfloat16", from_dtype="float16")
     p = plan({"a": ((2,), torch.float16), "b": ((2,), F32)}, {"a": ((2,), BF16), "b": ((2,), F32)}, [rule])
     assert p.report.ok
-    assert isinstance(p.recipes["a"], CastNode) and isinstance(p.recipes["b"], Leaf)
+    assert isinstance(p.recipes["a"], Converted) and isinstance(p.recipes["b"], Leaf)
     assert rule.inverse() == [sdadapt.cast("**", "float16", from_dtype="bfloat16")]
     with pytest.raises(AdapterError, match="from_dtype"):
         sdadapt.cast("**", F32).inverse()

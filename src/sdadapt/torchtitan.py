@@ -115,7 +115,7 @@ def apply_adapter(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> dict[st
     io = _CachedIO(outputs, fetch, lambda t: None)
     out: dict[str, torch.Tensor] = {}
     for key, node in outputs.items():
-        out[key] = tensors[node.key] if isinstance(node, Leaf) else io.produce(node).contiguous()
+        out[key] = tensors[node.key] if isinstance(node, Leaf) else io.whole(node).contiguous()
     io.flush()
     return out
 

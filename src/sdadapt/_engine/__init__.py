@@ -7,9 +7,10 @@ on a thread pool:
 1. **Steps** (:mod:`sdadapt._recipes.nodes`). Each job's recipe says how its box is produced into the
    destination: pieces ("source tensor ``key``, region ``box``, goes into this view of the
    destination"), fills, and computations. The engine knows no node kinds; it plans pieces
-   and runs fills and computations as they are. A computation that says it can run on the
-   destination's device (given as host reads + a kernel, as dequantisation is) runs there when
-   the destination is on a GPU: where its inputs are stored regions in long runs (an FP8
+   and runs fills and computations as they are, from what each computation declares: the
+   regions it reads (its inputs), how it may be cut in bands, its device kernel. A computation
+   with a kernel (a dequantisation) runs on the destination's device when the destination is
+   on a GPU: where its declared inputs are stored regions in long runs (an FP8
    shard's weight rows and scale tiles), they are planned as staged reads of a chunk each,
    which the run's device lane (:mod:`.device`) gathers into one buffer on the GPU before it
    runs the kernel there (a *gather*, :meth:`.planner.Planner._gather`); otherwise a thread
@@ -45,7 +46,7 @@ Errors name the target key, the source key and the file. Bytes read are counted 
 """
 
 from .config import EngineConfig, default_threads
-from .device import device_kernels, warm_kernels
+from .device import device_kernels, device_step, warm_kernels, warm_up
 from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
 from .pinned import release_pinned_memory
@@ -61,7 +62,9 @@ __all__ = [
     "box_spans",
     "default_threads",
     "device_kernels",
+    "device_step",
     "prefetch_pinned",
     "release_pinned_memory",
     "warm_kernels",
+    "warm_up",
 ]

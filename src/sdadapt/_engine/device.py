@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from .._base.regions import Box, box_shape, full_box
 from .._recipes.nodes import Compute, Node
 from .tasks import Delivery, Gather, Where
 from .views import TypedViews
@@ -52,16 +53,74 @@ log = logging.getLogger(__name__)
 Release = Callable[[], None]  # the buffer may be written again
 
 
+def device_step(recipe: Node) -> Compute | None:
+    """The first computation of ``recipe`` that may run on the destination's device (a
+    :class:`~sdadapt._recipes.nodes.Kernel`), from the recipe's nodes in order (each planned
+    over one element at its origin), or ``None``."""
+    todo = [recipe]
+    while todo:
+        node = todo.pop()
+        kids = node.children()
+        if kids and all(n > 0 for n in node.shape):  # a node without inputs computes nothing
+            box = tuple((0, 1) for _ in node.shape)
+            for step in node.steps(box, torch.empty(box_shape(box), dtype=node.dtype)):
+                if isinstance(step, Compute) and step.kernel is not None:
+                    return step
+        todo.extend(reversed(kids))
+    return None
+
+
 def device_kernels(recipes: Iterable[Node]) -> list[Node]:
-    """One node for each kind of device kernel in ``recipes`` (the first node of a recipe that
-    computes on the destination's device, one per :meth:`~sdadapt._recipes.nodes.Node.warm_key`);
-    empty when no recipe computes there."""
+    """One node for each kind of device kernel in ``recipes`` (the node of a recipe's first
+    computation that may run on the destination's device, :func:`device_step`, one per
+    :attr:`~sdadapt._recipes.nodes.Kernel.kind`); empty when no recipe computes there."""
     nodes: dict[object, Node] = {}
     for recipe in recipes:
-        node = recipe.device_node()
-        if node is not None:
-            nodes.setdefault(node.warm_key(), node)
+        step = device_step(recipe)
+        if step is not None and step.kernel is not None:
+            nodes.setdefault(step.kernel.kind, step.node)
     return list(nodes.values())
+
+
+class _Zeros:
+    """A ``SourceIO`` that hands out zeros on ``device`` in each key's stored dtype (the inputs
+    of a warm-up)."""
+
+    def __init__(self, dtypes: dict[str, torch.dtype], device: torch.device):
+        self.dtypes = dtypes
+        self.device = device
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        return torch.zeros(box_shape(box), dtype=self.dtypes[key], device=self.device)
+
+
+def _leaf_dtypes(node: Node) -> dict[str, torch.dtype]:
+    """The stored dtype of each source key under ``node`` (a node without children is a
+    stored region: its :meth:`~sdadapt._recipes.nodes.Node.source_region` names it)."""
+    out: dict[str, torch.dtype] = {}
+    todo = [node]
+    while todo:
+        n = todo.pop()
+        kids = n.children()
+        read = None if kids else n.source_region(full_box(n.shape))
+        if read is not None:
+            out[read.key] = read.dtype
+        todo.extend(kids)
+    return out
+
+
+def warm_up(node: Node, device: torch.device) -> None:
+    """Run the device kernel of ``node``'s computation (:func:`device_step`) once on ``device``,
+    over its kernel's small ``sample`` region, from zeros in its leaves' dtypes."""
+    first = device_step(node)
+    if first is None or first.kernel is None:
+        return
+    sample = first.kernel.sample
+    dest = torch.empty(box_shape(sample), dtype=first.node.dtype, device=device)
+    io = _Zeros(_leaf_dtypes(first.node), device)
+    for step in first.node.steps(sample, dest):
+        if isinstance(step, Compute) and step.kernel is not None:
+            step.kernel.run(step.dest, *(i.value(io) for i in step.inputs))
 
 
 def warm_kernels(device: torch.device, nodes: Sequence[Node]) -> threading.Thread | None:
@@ -78,13 +137,13 @@ def warm_kernels(device: torch.device, nodes: Sequence[Node]) -> threading.Threa
         try:
             if device.type != "cuda":
                 for node in nodes:
-                    node.warm_up(device)
+                    warm_up(node, device)
                 return
             with torch.cuda.device(device):
                 stream = torch.cuda.Stream(device)
                 with torch.cuda.stream(stream):
                     for node in nodes:
-                        node.warm_up(device)
+                        warm_up(node, device)
                 stream.synchronize()
         except Exception as e:  # noqa: BLE001 - see the docstring
             log.debug("warming the device kernels up failed: %s", e)
@@ -190,7 +249,7 @@ class DeviceLane:
         release: Release,
         where: Where,
     ) -> None:
-        """Run ``step``'s kernel on the device with ``args`` (host tensors ``step.inputs`` read):
+        """Run ``step``'s kernel on the device with ``args`` (host tensors: its inputs' values):
         the first ``used`` bytes of ``staged`` cross in one copy, and each arg ``i`` of
         ``inside`` is the view of those bytes at offset ``inside[i]``; the other args are
         copied apart."""
@@ -359,7 +418,7 @@ class DeviceLane:
         gather.buffer = None  # back to the allocator, which reuses it only for later work on this stream
         step = gather.step
         assert step.kernel is not None
-        step.kernel(step.dest, *args)
+        step.kernel.run(step.dest, *args)
 
     def _kernel(self, item: _Kernel) -> None:
         args, staged, inside = item.args, item.staged, item.inside
@@ -381,7 +440,7 @@ class DeviceLane:
                 out[k] = dest = torch.empty(v.shape, dtype=v.dtype, device=self.device)
                 dest.copy_(v)
         assert item.step.kernel is not None
-        item.step.kernel(item.step.dest, *out)
+        item.step.kernel.run(item.step.dest, *out)
 
     def _slot(self) -> int:
         """The next landing buffer of the ring (made on first use), by its index."""

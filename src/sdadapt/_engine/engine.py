@@ -18,7 +18,7 @@ from .._base.gc import gc_paused
 from ..sources._base import Source
 from .config import EngineConfig
 from .device import DeviceLane
-from .lanes import TaskLanes
+from .lanes import TaskQueues
 from .pinned import SLABS
 from .planner import Planner
 from .staging import StagingPool
@@ -129,7 +129,7 @@ class IOEngine:
         # The first `computing` threads each hold a band buffer and are the only ones that compute.
         computing = cfg.computing_threads(threads)
         bands = StagingPool(cfg.band_buffers(threads), cfg.band_buffer_bytes(), pin)
-        shared = Shared(self.source, TaskLanes(), {}, pool, chunk, bands, min_span=cfg.min_span_bytes)
+        shared = Shared(self.source, TaskQueues(), {}, pool, chunk, bands, min_span=cfg.min_span_bytes)
         if device is not None:
             shared.lane = DeviceLane(device, bands.size, shared.fail, cfg.landing_buffers)
             shared.lane.start()

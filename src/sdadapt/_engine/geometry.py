@@ -107,3 +107,26 @@ def split_box(box: Box, itemsize: int, chunk: int) -> list[tuple[Box, tuple[slic
 
     rec(())
     return out
+
+
+def band_boxes(box: Box, value_bytes: float, max_bytes: int, align: dict[int, int], first: int = 0) -> list[Box]:
+    """``box`` cut along its outermost dims from ``first`` on (never the last) into bands of at
+    most about ``max_bytes`` of input (``value_bytes`` per value), cuts on multiples of
+    ``align[dim]`` (absolute coordinates); bands of a dim cut as finely as it allows that are
+    still too large are cut along the next dim."""
+    n = value_bytes
+    for a, b in box:
+        n *= b - a
+    dim = next((d for d in range(first, len(box) - 1) if box[d][1] - box[d][0] > 1), None)
+    if n <= max_bytes or dim is None:
+        return [box]
+    lo, hi = box[dim]
+    step = max(1, int(max_bytes // (n / (hi - lo))))
+    unit = align.get(dim, 1)
+    step = max(unit, step // unit * unit)
+    out: list[Box] = []
+    while lo < hi:
+        end = min(hi, (lo // step + 1) * step)
+        out += band_boxes(box[:dim] + ((lo, end),) + box[dim + 1 :], value_bytes, max_bytes, align, dim + 1)
+        lo = end
+    return out

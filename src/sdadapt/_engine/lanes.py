@@ -1,4 +1,4 @@
-"""Which thread takes which task: two lanes, computations that use a band buffer and the rest.
+"""Which thread takes which task: two queues, computations that use a band buffer and the rest.
 
 Only the threads that hold a band buffer (as many as the band pool has buffers, see
 :class:`~sdadapt._engine.config.EngineConfig`) take computations; they take the other tasks too
@@ -22,14 +22,14 @@ def uses_band(task: Task) -> bool:
     return isinstance(task, ComputeTask) and task.step.on_device
 
 
-class TaskLanes:
+class TaskQueues:
     """The tasks of one run, queued as the planner makes them, until :meth:`close`."""
 
     def __init__(self) -> None:
         lock = threading.Lock()
-        self._computing = threading.Condition(lock)  # threads that may take either lane wait here
+        self._computing = threading.Condition(lock)  # threads that may take either queue wait here
         self._plain = threading.Condition(lock)  # threads that take only plain tasks wait here
-        self._lanes: tuple[deque[Task], deque[Task]] = (deque(), deque())  # (band, plain)
+        self._queues: tuple[deque[Task], deque[Task]] = (deque(), deque())  # (band, plain)
         self._waiting = [0, 0]  # threads waiting on (_computing, _plain)
         self._closed = False
 
@@ -37,7 +37,7 @@ class TaskLanes:
         """Queue ``task`` and wake one thread that can run it."""
         band = uses_band(task)
         with self._computing:
-            self._lanes[0 if band else 1].append(task)
+            self._queues[0 if band else 1].append(task)
             if not band and self._waiting[1]:
                 self._plain.notify()
             elif self._waiting[0]:
@@ -45,8 +45,8 @@ class TaskLanes:
 
     def get(self, computes: bool) -> Task | None:
         """The next task a thread may run (``computes``: it holds a band buffer, and takes
-        computations first), waiting for one; ``None`` once the lanes are closed and empty."""
-        band, plain = self._lanes
+        computations first), waiting for one; ``None`` once the queues are closed and empty."""
+        band, plain = self._queues
         cond = self._computing if computes else self._plain
         with cond:
             while True:

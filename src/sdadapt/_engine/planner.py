@@ -5,13 +5,15 @@ cut into reads: straight into a contiguous CPU destination of the source dtype (
 else through staging; small staged reads adjacent in one file are coalesced at the end. Runs
 shorter than ``min_span_bytes`` (a column slice) are one strided copy out of the source's
 mapping instead. Pieces of storage without locations and fills become one task each; a computation
-becomes one task per band its node cuts it into (:meth:`~sdadapt._recipes.nodes.Node.bands`), or, on
-the device of a run's device lane, staged reads of its inputs gathered there (:meth:`Planner._gather`).
+becomes one task per band its declared :class:`~sdadapt._recipes.nodes.Bands` cut it into (:func:`bands_of`),
+or, on the device of a run's device lane, staged reads of its declared inputs gathered there
+(:meth:`Planner._gather`).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,7 +24,7 @@ from .._base.regions import Box, box_shape
 from .._recipes.nodes import Compute, Piece, Step, emit
 from ..sources._base import Source, TensorLocation
 from .config import EngineConfig
-from .geometry import box_spans, round_up, split_box, split_segments
+from .geometry import band_boxes, box_spans, round_up, split_box, split_segments
 from .locate import file_runs
 from .tasks import ComputeTask, Delivery, DirectRead, FillTask, Gather, Job, SourceRead, StagedRead, Task, Where
 
@@ -55,27 +57,13 @@ class _Part:
 _GATHER_ALIGN = 64  # each input of a gather starts on a multiple of this in its device buffer
 
 
-class _InputRecorder:
-    """A ``SourceIO`` that reads nothing: it notes each (key, box) asked for and hands out an
-    empty meta tensor of the stored dtype and the box's shape."""
-
-    def __init__(self, source: Source):
-        self.source = source
-        self.reads: list[tuple[str, Box, torch.Tensor]] = []
-
-    def read(self, key: str, box: Box) -> torch.Tensor:
-        info = self.source.schema[key]
-        value = torch.empty(box_shape(box), dtype=info.dtype, device="meta")
-        self.reads.append((key, box, value))
-        return value
-
-
-def _as_read(arg: torch.Tensor, read: torch.Tensor) -> bool:
-    """``arg`` holds the bytes of ``read`` as they are: the tensor itself, or a contiguous view
-    of all of it in its dtype (an expert's ``select`` out of a read of fused experts)."""
-    if arg is read:
-        return True
-    return arg._base is read and arg.dtype == read.dtype and arg.numel() == read.numel() and arg.is_contiguous()
+def bands_of(step: Compute, max_bytes: int) -> list[Box]:
+    """The bands of ``step``'s region for inputs of at most about ``max_bytes`` each, as its
+    :class:`~sdadapt._recipes.nodes.Bands` allows (``[step.box]`` for a computation that declares
+    none)."""
+    if step.bands is None:
+        return [step.box]
+    return band_boxes(step.box, step.bands.value_bytes, max_bytes, dict(step.bands.align))
 
 
 def _gather_reads(gather: Gather, runs: list[tuple[str, list[tuple[int, int]], int]], chunk: int, where: Where) -> list[StagedRead]:
@@ -166,10 +154,10 @@ class Planner:
             push(task)
 
     def _bands(self, step: Compute, max_bytes: int) -> list[Compute]:
-        """``step`` cut into the bands its node offers for inputs of at most ``max_bytes`` (so
+        """``step`` cut into bands for inputs of at most ``max_bytes`` (:func:`bands_of`; so
         that the threads share a large computation, and each band's input fits a band buffer,
         ``band()``, or the device buffer of a gather, ``gather_band()``)."""
-        boxes = step.node.bands(step.box, max_bytes)
+        boxes = bands_of(step, max_bytes)
         if len(boxes) <= 1:
             return [step]
         out: list[Step] = []
@@ -186,28 +174,22 @@ class Planner:
         delivered one after the other into one buffer on the destination's device, where the
         lane runs the kernel once the last has crossed. So a reader hands on each piece as it
         would a plain read's and never waits for a computation's buffer. Only where every input
-        is a region the step reads as it is stored (what ``inputs`` hands the kernel is what it
-        read, or a whole view of it) and lies in one opened file in runs of at least
-        ``min_span_bytes``; returns ``False``, planning nothing, otherwise."""
-        assert step.inputs is not None
-        recorder = _InputRecorder(self.source)
-        try:
-            args = step.inputs(recorder)
-        except Exception:  # noqa: BLE001 - a step that cannot be recorded is read the usual way
-            return False
-        if len(args) != len(recorder.reads) or not all(_as_read(a, r) for a, (_, _, r) in zip(args, recorder.reads, strict=False)):
-            return False
+        the step declares is a stored region (:attr:`~sdadapt._recipes.nodes.Input.read`) that
+        lies in one opened file in runs of at least ``min_span_bytes``;
+        returns ``False``, planning nothing, otherwise."""
         runs = []
         layout: list[tuple[int, torch.dtype, tuple[int, ...]]] = []
         at = 0
-        for (key, box, value), arg in zip(recorder.reads, args, strict=True):
-            found = file_runs(self.source, key, box, self.config.min_span_bytes, self._is_file)
+        for read in (i.read for i in step.inputs):
+            if read is None:
+                return False
+            found = file_runs(self.source, read.key, read.box, self.config.min_span_bytes, self._is_file)
             if found is None:
                 return False
             at = round_up(at, _GATHER_ALIGN)
             runs.append((found[0], found[1], at))
-            layout.append((at, arg.dtype, tuple(arg.shape)))
-            at += value.numel() * value.element_size()
+            layout.append((at, read.dtype, read.shape))
+            at += math.prod(box_shape(read.box)) * read.dtype.itemsize
         if at == 0:
             return False  # nothing to read: no piece would ever run the kernel
         gather = Gather(step, at, layout)

@@ -47,7 +47,7 @@ class Gather:
     deliver their bytes into one device buffer of ``nbytes`` (the device lane makes it on the
     first delivery), each input at its place in ``layout`` (byte offset, dtype, shape, in the
     order of the kernel's arguments), and once all ``pieces`` deliveries have crossed, the lane
-    runs ``step.kernel(step.dest, *inputs)`` there."""
+    runs ``step.kernel.run(step.dest, *inputs)`` there."""
 
     step: Compute
     nbytes: int

@@ -15,7 +15,7 @@ from ..sources._base import Source
 from . import syscalls
 from .device import DeviceLane
 from .geometry import round_up
-from .lanes import TaskLanes
+from .lanes import TaskQueues
 from .locate import Runs, file_runs
 from .staging import StagingPool
 from .tasks import ComputeTask, Delivery, DirectRead, FillTask, SourceRead, StagedRead, Task, Where
@@ -84,8 +84,8 @@ class Buffers:
 
 
 class StagingIO:
-    """The ``SourceIO`` a worker hands a computation's ``inputs``: reads that the source
-    locates in one opened file, in runs no shorter than ``min_span``, are read with ``preadv``
+    """The ``SourceIO`` a worker reads a computation's declared inputs through: reads that the
+    source locates in one opened file, in runs no shorter than ``min_span``, are read with ``preadv``
     one after the other into the thread's band buffer (pinned on a GPU, so that the copy to the
     device starts from there) while they fit; every other read goes through the source
     (:class:`CountingIO`). The band buffer stays untouched until it is given back: after the
@@ -102,21 +102,12 @@ class StagingIO:
         """A new computation: nothing staged yet."""
         self.buffer, self.pos = None, 0
 
-    def offsets(self, values: tuple[torch.Tensor, ...]) -> dict[int, int]:
-        """Which ``values`` are views of the bytes staged so far: index -> offset in the band
-        buffer (the values a computation's kernel reads there, after the buffer's one copy)."""
-        inside: dict[int, int] = {}
-        if self.buffer is None:
-            return inside
-        base = self.buffer.data_ptr()
-        for i, v in enumerate(values):
-            at = v.data_ptr() - base
-            if v.device.type == "cpu" and v.is_contiguous() and 0 <= at and at % v.element_size() == 0:
-                if at + v.numel() * v.element_size() <= self.pos:
-                    inside[i] = at
-        return inside
-
     def read(self, key: str, box: Box) -> torch.Tensor:
+        return self.stage(key, box)[0]
+
+    def stage(self, key: str, box: Box) -> tuple[torch.Tensor, int | None]:
+        """Region ``box`` of ``key`` and where it was staged: its offset in the band buffer, or
+        ``None`` where it was read through the source."""
         w = self.worker
         located = w.locate(key, box)
         if located is not None:
@@ -128,8 +119,8 @@ class StagingIO:
                     self.buffer = w._take(w.bands)
                 w.staged += w._read_into(path, segments, self.buffer, start)
                 self.pos = start + n
-                return w.views.cut(self.buffer, start, dtype, box_shape(box))
-        return w.counter.read(key, box)
+                return w.views.cut(self.buffer, start, dtype, box_shape(box)), start
+        return w.counter.read(key, box), None
 
 
 @dataclass
@@ -137,7 +128,7 @@ class Shared:
     """What the worker threads of one run share."""
 
     source: Source
-    work: TaskLanes
+    work: TaskQueues
     fds: dict[str, int]
     pool: StagingPool
     chunk: int
@@ -164,7 +155,7 @@ class Worker:
 
     def __init__(self, shared: Shared, depth: int = 2, band_depth: int = 1, computes: bool = True):
         self.shared = shared
-        self.computes = computes  # takes computations (see TaskLanes); the band pool holds a buffer for it
+        self.computes = computes  # takes computations (see TaskQueues); the band pool holds a buffer for it
         self.counter = CountingIO(shared.source)
         self.inputs = StagingIO(self)
         self.staging = Buffers(shared.pool, depth)
@@ -292,9 +283,10 @@ class Worker:
         self._deliver(buf, [Delivery(0, nb, value.dtype, shape, dest, where)], where)
 
     def _compute(self, task: ComputeTask) -> None:
-        """A computation: on the lane's device, inputs of the ``inputs``/``kernel`` form read
-        through :class:`StagingIO` and the kernel run by the lane, host results (``fn``)
-        uploaded; on the host, inputs through :class:`StagingIO` too, the kernel run here."""
+        """A computation: on the lane's device, the declared inputs of a kernel read through
+        :class:`StagingIO` (a stored region straight into the band buffer, where it fits) and
+        the kernel run by the lane, host results (``fn``) uploaded; on the host, inputs through
+        :class:`StagingIO` too, the kernel run here."""
         step = task.step
         lane = self._lane_for(step.dest)
         if not step.on_device:
@@ -305,25 +297,32 @@ class Worker:
                 self._upload(step.fn(self.counter), step.dest, task.where)
             self.computed += 1
             return
-        assert step.inputs is not None
+        assert step.kernel is not None
         io = self.inputs
         io.begin()
+        args: list[torch.Tensor] = []
+        inside: dict[int, int] = {}  # arg index -> its offset in the band buffer
         try:
-            args = step.inputs(io)
+            for i, inp in enumerate(step.inputs):
+                if inp.read is None:
+                    args.append(inp.value(io))
+                    continue
+                value, at = io.stage(inp.read.key, inp.read.box)
+                args.append(value.view(inp.read.shape) if at is not None else value.reshape(inp.read.shape))
+                if at is not None and lane is not None:
+                    inside[i] = at
         except BaseException:
             if io.buffer is not None:
                 self.bands.give_back(io.buffer)
             raise
         staged, used = io.buffer, io.pos
-        inside = io.offsets(args) if lane is not None else {}
         io.begin()
         release = functools.partial(self.bands.give_back, staged) if staged is not None else _nothing
         if lane is not None:
-            lane.compute(step, args, staged, used, inside, release, task.where)
+            lane.compute(step, tuple(args), staged, used, inside, release, task.where)
         else:
             try:
-                assert step.kernel is not None
-                step.kernel(step.dest, *args)
+                step.kernel.run(step.dest, *args)
             finally:
                 release()
         self.computed += 1

@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .._recipes.nodes import Cast as CastNode
-from .._recipes.nodes import Leaf, Node
+from .._recipes.nodes import Converted, Leaf, Node
 from ..rules._base import PlanContext, unwrap_key
 from ..rules._patterns import matches_any
 from ..sources._base import TensorInfo, dtype_name
@@ -154,7 +153,7 @@ def build_plan(
         elif node.dtype != want.dtype and (adopted := _in_target_dtype(node, want)) is not None:
             recipes[key] = adopted
         elif node.dtype != want.dtype and report.dequant_rules and widens_exactly(node.dtype, want.dtype) and _as_stored(node):
-            recipes[key] = CastNode(node, want.dtype)
+            recipes[key] = Converted(node, want.dtype)
             report.widened.append(key)
         elif node.dtype != want.dtype:
             report.dtype_mismatch.append(
@@ -200,7 +199,7 @@ def _as_stored(node: Node) -> bool:
     if isinstance(node, Leaf):
         return True
     kids = node.children()
-    return not isinstance(node, CastNode) and bool(kids) and all(k.dtype == node.dtype and _as_stored(k) for k in kids)
+    return not isinstance(node, Converted) and bool(kids) and all(k.dtype == node.dtype and _as_stored(k) for k in kids)
 
 
 def _in_target_dtype(node: Node, want: TensorInfo) -> Node | None:

@@ -11,11 +11,11 @@ import torch
 
 from .._base.regions import Box
 from ..sources._base import dtype_name
-from .nodes import Compute, Node, SourceIO, Step
+from .nodes import Compute, Input, Node, SourceIO, Step
 
 
 @dataclass(frozen=True, eq=False)
-class Affine(Node):
+class AffineMapped(Node):
     """The input times ``scale`` plus ``shift`` (``invert``: minus ``shift``, divided by
     ``scale``), elementwise; computed in float32 (float64 for float64 outputs) and rounded once to
     the input's floating dtype, or to ``out_dtype``. A box maps to the same box of the input."""
@@ -45,7 +45,7 @@ class Affine(Node):
         return w.to(self.dtype)
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
-        out.append(Compute(self, box, dest, functools.partial(self._region, box)))
+        out.append(Compute(self, box, dest, functools.partial(self._region, box), (Input(self.child, box),)))
 
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
         return self._apply(self.child.read(box, io))

@@ -4,11 +4,11 @@ A box of the output maps to one box of the child per block it touches. Where tho
 long, each is its own piece (read straight into the destination, exactly the box's bytes).
 Where they are a row or a few long (parts that alternate row by row, as GPT-OSS stores gate
 and up rows), a piece per block would be a read, a task and a Python step per row; there the
-box is instead read as one covering region of the child per band of blocks, and its rows are
-gathered into place: one computation per band. That reads the other parts' rows in between
-too, at most (number of parts) x the band's own bytes (a block far from the others starts a
-new band; a band of one block is a piece again): the one place where a region reads more than
-its own bytes, traded for a task per row.
+box is instead read as one covering region of the child per cluster of blocks, and its rows are
+picked into place: one computation per cluster. That reads the other parts' rows in between
+too, at most (number of parts) x the cluster's own bytes (a block far from the others starts a
+new cluster; a cluster of one block is a piece again): the one place where a region reads more
+than its own bytes, traded for a task per row.
 """
 
 from __future__ import annotations
@@ -19,26 +19,26 @@ from dataclasses import dataclass, field
 import torch
 
 from .._base.regions import Box
-from .nodes import Compute, Node, Rearrangement, SourceIO, Step, _with_dim, emit
+from .nodes import Compute, Input, Node, Read, Rearrangement, SourceIO, Step, _with_dim, emit
 
-GATHER_ROWS = 4
-GATHER_BELOW = 64 * 1024
-"""Blocks of fewer than :data:`GATHER_ROWS` entries along the dim and this many bytes (on
-average, over a box) are gathered, not read one by one. Blocks of whole attention heads (TP's
-fused q/k/v) are longer, and are read exactly."""
-GATHER_BAND = 16 << 20
-"""The most bytes of the child one gathering computation reads."""
+PICK_ROWS = 4
+PICK_BELOW = 64 * 1024
+"""Blocks of fewer than :data:`PICK_ROWS` entries along the dim and this many bytes (on
+average, over a box) are picked out of covering reads, not read one by one. Blocks of whole
+attention heads (TP's fused q/k/v) are longer, and are read exactly."""
+PICK_COVER_BYTES = 16 << 20
+"""The most bytes of the child one picking computation reads."""
 
 
 @dataclass(frozen=True, eq=False)
-class Interleave(Rearrangement):
+class Interleaved(Rearrangement):
     """A fused tensor ``[part0; part1; ...]`` (``sizes`` along ``dim``) laid out per TP rank:
     ``[p0_r0; p1_r0; ...; p0_r1; p1_r1; ...]``, each part cut in ``tp`` equal blocks, so a
     ``ColwiseParallel`` shard of rank ``r`` holds ``[p0_r; p1_r; ...]``. ``inverse=True``
     maps that layout back to contiguous parts.
 
     A box maps to several boxes (one per block it touches), each a piece: exactly the box's
-    volume is read; short blocks are gathered from covering reads instead (module docstring).
+    volume is read; short blocks are picked out of covering reads instead (module docstring).
     ``full`` uses ``view``/``cat`` on whole parts.
     """
 
@@ -88,42 +88,50 @@ class Interleave(Rearrangement):
         for i, (lo, hi) in enumerate(box):
             row_bytes *= 1 if i == d else hi - lo
         n = len(touched)
-        short = b - a < GATHER_ROWS * n and (b - a) * row_bytes < GATHER_BELOW * n
-        for band in self._bands(touched, row_bytes) if short else [[seg] for seg in touched]:
-            lo, hi = band[0][0], band[-1][1]
+        short = b - a < PICK_ROWS * n and (b - a) * row_bytes < PICK_BELOW * n
+        for cluster in self._clusters(touched, row_bytes) if short else [[seg] for seg in touched]:
+            lo, hi = cluster[0][0], cluster[-1][1]
             sub, into = _with_dim(box, d, (lo, hi)), dest.narrow(d, lo - a, hi - lo)
-            if len(band) == 1:
-                emit(self.child, _with_dim(box, d, (lo + band[0][2], hi + band[0][2])), into, out)
+            if len(cluster) == 1:
+                emit(self.child, _with_dim(box, d, (lo + cluster[0][2], hi + cluster[0][2])), into, out)
             else:
-                out.append(Compute(self, sub, into, fn=functools.partial(self._gather, sub, tuple(band))))
+                cover = _with_dim(box, d, (min(x + s for x, _, s in cluster), max(y + s for _, y, s in cluster)))
+                out.append(Compute(self, sub, into, functools.partial(self._pick, sub, tuple(cluster)), (Input(self.child, cover),)))
 
-    def _bands(self, touched: list[tuple[int, int, int]], row_bytes: int) -> list[list[tuple[int, int, int]]]:
-        """``touched`` in runs, each gathered from one covering read: a run grows while its
-        covering child rows stay within (number of parts) x its own rows and
-        :data:`GATHER_BAND` bytes."""
+    def source_region(self, box: Box) -> Read | None:
+        touched = self._touched(*box[self.dim])
+        if len(touched) != 1:
+            return None
+        lo, hi, shift = touched[0]
+        return self.child.source_region(_with_dim(box, self.dim, (lo + shift, hi + shift)))
+
+    def _clusters(self, touched: list[tuple[int, int, int]], row_bytes: int) -> list[list[tuple[int, int, int]]]:
+        """``touched`` in clusters, each picked from one covering read: a cluster grows while
+        its covering child rows stay within (number of parts) x its own rows and
+        :data:`PICK_COVER_BYTES` bytes."""
         parts = sum(1 for s in self.sizes if s)
-        bands: list[list[tuple[int, int, int]]] = []
+        clusters: list[list[tuple[int, int, int]]] = []
         first = last = rows = 0
         for lo, hi, shift in touched:
-            if bands:
+            if clusters:
                 f, l_ = min(first, lo + shift), max(last, hi + shift)
                 n = rows + hi - lo
-                if l_ - f <= parts * n and (l_ - f) * row_bytes <= GATHER_BAND:
-                    bands[-1].append((lo, hi, shift))
+                if l_ - f <= parts * n and (l_ - f) * row_bytes <= PICK_COVER_BYTES:
+                    clusters[-1].append((lo, hi, shift))
                     first, last, rows = f, l_, n
                     continue
-            bands.append([(lo, hi, shift)])
+            clusters.append([(lo, hi, shift)])
             first, last, rows = lo + shift, hi + shift, hi - lo
-        return bands
+        return clusters
 
-    def _gather(self, box: Box, band: tuple[tuple[int, int, int], ...], io: SourceIO) -> torch.Tensor:
-        """Region ``box`` (the output rows of ``band``'s blocks): the child's rows that cover
+    def _pick(self, box: Box, cluster: tuple[tuple[int, int, int], ...], io: SourceIO) -> torch.Tensor:
+        """Region ``box`` (the output rows of ``cluster``'s blocks): the child's rows that cover
         them, read at once, then each block's rows picked out."""
         d = self.dim
-        first = min(lo + s for lo, _, s in band)
-        last = max(hi + s for _, hi, s in band)
+        first = min(lo + s for lo, _, s in cluster)
+        last = max(hi + s for _, hi, s in cluster)
         cover = self.child.read(_with_dim(box, d, (first, last)), io)
-        rows = torch.tensor([r for lo, hi, s in band for r in range(lo + s - first, hi + s - first)], dtype=torch.int64)
+        rows = torch.tensor([r for lo, hi, s in cluster for r in range(lo + s - first, hi + s - first)], dtype=torch.int64)
         return cover.index_select(d, rows)
 
     def full(self, io: SourceIO) -> torch.Tensor:

@@ -1,49 +1,29 @@
 """Recipes: small expression trees that say how a target tensor is made from source tensors.
 
-A plan maps every target key to one :class:`Node`. A box is a tuple of ``(start, stop)`` pairs,
-one per dimension, in global coordinates. Every node has a global ``shape`` and ``dtype`` and
-answers, in exactly one place each:
+A plan maps every target key to one :class:`Node`; a box is a tuple of ``(start, stop)`` pairs in
+global coordinates. A node kind is a dataclass with a global ``shape`` and ``dtype`` and:
 
-- ``produce(box, dest, out)``: **how region** ``box`` **of its output is made**, as steps
-  appended to ``out`` that, once run, leave ``dest`` (a tensor of the box's shape, any dtype)
-  holding ``output[box].to(dest.dtype)``. Three kinds of step:
-
-  - :class:`Piece`: region ``box`` of source tensor ``key`` is copied into a view of ``dest``
-    (``copy_`` converts the dtype);
-  - :class:`Fill`: a view of ``dest`` is set to one value;
-  - :class:`Compute`: a function of a :class:`SourceIO` returns the values (in the node's dtype)
-    that go into a view of ``dest``; it reads what it needs through its children's ``read``.
-    A computation that can run on the destination's device (a dequantisation) is given as its
-    host reads (``inputs``) and its arithmetic (``kernel``) apart, so that the engine can copy
-    the raw inputs to a GPU and compute there.
-
-  A node that only moves data (concat, narrow, transpose, stack...) maps the box to boxes of its
-  children and recurses with views of ``dest`` (:func:`emit`), so a whole recipe becomes pieces
-  that go straight into the destination. A cast recurses only when ``copy_`` into ``dest``
-  computes exactly the cast (``dest`` has the cast's dtype, or the cast changes nothing);
-  otherwise it is a computation, so a lossy chain (f32 -> int32 -> f32) truncates.
-- ``full(io)``: the whole output computed eagerly with plain torch ops on full tensors, written
-  independently of ``produce``: the reference the region path is tested against.
+- ``produce(box, dest, out)``: the steps that leave ``dest`` (the box's shape, any dtype) holding
+  ``output[box].to(dest.dtype)``: a :class:`Piece` (a region of a source tensor copied into a view
+  of ``dest``), a :class:`Fill` (a view set to one value) or a :class:`Compute` (values computed
+  from the regions of the node's children that it declares as its ``inputs``: a host function
+  ``fn(io)``, or a :class:`Kernel` on the inputs' values that may run on the destination's
+  device). A node that only moves data (concat, narrow, transpose, stack...) maps the box to
+  boxes of its children and recurses with views of ``dest`` (:func:`emit`). A cast recurses only
+  where ``copy_`` computes exactly the cast, so a lossy chain (f32 -> int32 -> f32) truncates.
+- ``full(io)``: the whole output computed eagerly on full tensors, written independently of
+  ``produce``: the reference the region path is tested against.
 - ``describe()``: a one-line text form for reports.
+- ``source_region(box)``, where it applies: the region as one stored region of a source tensor
+  (:class:`Read`), for a leaf and the nodes that narrow or select one.
 
-Derived from those, never written per node: ``read(box, io)`` (allocate the box, run its steps
-against a :class:`SourceIO`; one piece that fills the whole box is returned as read, so a plain
-leaf of a mapped file costs no copy), ``steps(box, dest)`` (what the I/O engine plans from:
-it reads pieces straight from files and runs fills and computations), ``children()`` (the
-dataclass fields that hold nodes) and ``leaves()``.
-
-A new node kind is one dataclass here or in its own module: ``shape``, ``dtype``, ``produce``,
-``full`` and ``describe``. A node that computes over widened reads of several inputs (a
-dequantisation reading a block-aligned box of a weight and the matching box of its scales)
-appends one :class:`Compute` whose function calls ``child.read(wider_box, io)`` for each input
-and narrows the result to ``box``; the engine runs it as it is, on its threads. Given as
-``inputs`` + ``kernel``, it also runs on the destination's device (the engine decides: when the
-destination is not on the CPU); the CPU path is ``kernel(dest, *inputs(io))`` either way.
-
-A node that computes its values may also produce them in another dtype directly
-(``as_dtype(dtype)``: a dequantisation to float32 instead of bfloat16), so that a cast rule
-after it does not round to the narrower dtype first; nodes that only move data
-(:class:`Rearrangement`) can whenever all their children can.
+Derived, never written per node: ``read(box, io)`` (run the box's steps into a new tensor; one
+piece filling the whole box is returned as read, uncopied), ``steps``, ``children`` and ``leaves``.
+Nothing in a node is specific to the engine, which plans from the steps alone: how a computation
+may be cut in bands (:class:`Bands`) and its device kernel (:class:`Kernel`) are data of the
+:class:`Compute`. A node that computes its values may also produce them in another dtype directly
+(``as_dtype``: a dequantisation to float32 rather than bfloat16 and widened); nodes that only move
+data (:class:`Rearrangement`) can whenever all their children can.
 """
 
 from __future__ import annotations
@@ -100,26 +80,73 @@ class Fill:
         self.dest.fill_(self.value)
 
 
+@dataclass(frozen=True)
+class Read:
+    """Region ``box`` of source tensor ``key`` as stored (``dtype``), viewed as ``shape`` (the box's
+    shape, less the dims a selection drops)."""
+
+    key: str
+    box: Box
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class Input:
+    """Region ``box`` of ``node`` (a child of the computing node), one value a computation works
+    on; ``read``: that region as a stored region (:meth:`Node.source_region`), or ``None``."""
+
+    node: Node
+    box: Box
+    read: Read | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "read", self.node.source_region(self.box))
+
+    def value(self, io: SourceIO) -> torch.Tensor:
+        """The region's values, read from ``io``."""
+        return self.node.read(self.box, io)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """Arithmetic that may run on the destination's device: ``run(dest, *values)`` writes ``dest``
+    from the inputs' values with plain tensor ops (the same bits on any device, allocating on the
+    inputs' device). Equal ``kind``: the same device kernels; ``sample``: a small region at the
+    node's origin, of whole blocks, that runs them all (what a warm-up computes)."""
+
+    run: Callable[..., None]
+    kind: object
+    sample: Box
+
+
+@dataclass(frozen=True)
+class Bands:
+    """How a computation's region may be cut into bands (sub-regions computed apart): about
+    ``value_bytes`` of input per output value; cuts along dim ``d`` (never the last) fall on
+    multiples of ``align``'s ``(d, size)`` (absolute coordinates; other dims: anywhere)."""
+
+    value_bytes: float
+    align: tuple[tuple[int, int], ...] = ()
+
+
 @dataclass(frozen=True, eq=False)
 class Compute:
-    """Region ``box`` of ``node``'s output (its dtype), copied into ``dest``. Two forms:
-
-    - ``fn(io)`` reads and computes on the host;
-    - ``inputs(io)`` reads the host tensors the region needs (through the node's children) and
-      ``kernel(dest, *inputs)`` is the arithmetic on them, written into ``dest`` (it may write
-      there directly, sparing a temporary): plain tensor ops that give the same bits on any
-      device and allocate on their inputs' device. This form says the computation can run
-      on the destination's device: the engine copies the inputs to ``dest.device`` and runs
-      the kernel there (on a GPU: raw, often smaller, bytes cross PCIe and the arithmetic
-      runs there).
+    """Region ``box`` of ``node``'s output (its dtype), copied into ``dest``, computed from the
+    regions of ``node``'s children that ``inputs`` declares. Either ``fn(io)`` reads them through
+    the children's ``read`` and computes on the host, or ``kernel`` computes from their values
+    (:class:`Kernel`): the engine may then read the inputs, copy them to ``dest.device`` and run
+    it there (raw, often smaller, bytes cross PCIe). ``bands``: how the engine may cut the region
+    (:class:`Bands`); ``None``: it is computed whole.
 
     Args:
         node: the node whose region this is.
         box: the region, ``((start, stop), ...)`` per dim of the node's output.
         dest: where the region's values go.
         fn: ``fn(io) -> tensor``: the host form.
-        inputs: ``inputs(io) -> tuple of tensors``: the device form's reads.
-        kernel: ``kernel(dest, *inputs)``: the device form's arithmetic.
+        inputs: the children's regions it reads (:class:`Input`).
+        kernel: the arithmetic on the inputs' values (:class:`Kernel`), for the device form.
+        bands: how the engine may cut the region into bands (:class:`Bands`).
 
     Example::
 
@@ -130,16 +157,17 @@ class Compute:
     box: Box
     dest: torch.Tensor
     fn: Callable[[SourceIO], torch.Tensor] | None = None
-    inputs: Callable[[SourceIO], tuple[torch.Tensor, ...]] | None = None
-    kernel: Callable[..., None] | None = None
+    inputs: tuple[Input, ...] = ()
+    kernel: Kernel | None = None
+    bands: Bands | None = None
 
     def __post_init__(self) -> None:
-        if (self.fn is None) == (self.inputs is None or self.kernel is None):
+        if (self.fn is None) == (self.kernel is None):
             raise ValueError("Compute takes either fn, or inputs and kernel")
 
     @property
     def on_device(self) -> bool:
-        """The kernel may run on the destination's device (the ``inputs``/``kernel`` form)."""
+        """The kernel may run on the destination's device (the ``kernel`` form)."""
         return self.kernel is not None
 
     def run(self, io: SourceIO) -> None:
@@ -148,8 +176,8 @@ class Compute:
         if self.fn is not None:
             self.dest.copy_(self.fn(io))
             return
-        assert self.inputs is not None and self.kernel is not None
-        self.kernel(self.dest, *self.inputs(io))
+        assert self.kernel is not None
+        self.kernel.run(self.dest, *(i.value(io) for i in self.inputs))
 
 
 Step = Piece | Fill | Compute
@@ -229,11 +257,11 @@ class Node:
         """A one-line text form of the recipe."""
         raise NotImplementedError
 
-    def bands(self, box: Box, max_bytes: int) -> list[Box]:
-        """Sub-boxes that tile ``box``, each produced on its own and reading at most about
-        ``max_bytes`` of source bytes where the node can cut it so (the engine spreads them over
-        its threads). Default: ``[box]``, for nodes whose steps already are reads of that size."""
-        return [box]
+    def source_region(self, box: Box) -> Read | None:
+        """Region ``box`` of the output as one stored region of a source tensor (a leaf, a narrow
+        or selection of one...), whose bytes ``read`` hands out as they are; ``None`` (default)
+        where the values are computed or come from several regions."""
+        return None
 
     def as_dtype(self, dtype: torch.dtype) -> Node | None:
         """This recipe producing ``dtype`` itself, where it computes its values and can compute
@@ -270,25 +298,6 @@ class Node:
     def leaves(self) -> list[str]:
         """The source keys this recipe reads, in order (repeats kept)."""
         return [k for c in self.children() for k in c.leaves()]
-
-    def device_node(self) -> Node | None:
-        """The first node of this recipe whose own computation runs on the destination's
-        device (a :class:`Compute` of the ``inputs``/``kernel`` form: the engine reads its
-        inputs into band buffers, and runs its kernel there), or ``None``."""
-        for c in self.children():
-            found = c.device_node()
-            if found is not None:
-                return found
-        return None
-
-    def warm_key(self) -> object:
-        """What tells this node's device kernels apart (nodes with equal keys run the same
-        kernels); ``None`` for a node that runs none of its own."""
-        return None
-
-    def warm_up(self, device: torch.device) -> None:
-        """Run this node's own device kernels once, on a small zero input on ``device``, so that
-        the device has them loaded before the load needs them. Nothing by default."""
 
     def steps(self, box: Box, dest: torch.Tensor) -> list[Step]:
         """The steps that produce region ``box`` into ``dest``."""
@@ -342,8 +351,8 @@ class Leaf(Node):
     def leaves(self) -> list[str]:
         return [self.key]
 
-    def device_node(self) -> Node | None:
-        return None
+    def source_region(self, box: Box) -> Read | None:
+        return Read(self.key, box, self.dtype, box_shape(box))
 
     def read(self, box: Box, io: SourceIO) -> torch.Tensor:
         return io.read(self.key, box)  # what io hands out, uncopied (a view of a staged read)
@@ -353,7 +362,7 @@ class Leaf(Node):
 
 
 @dataclass(frozen=True, eq=False)
-class Cast(Node):
+class Converted(Node):
     """The input converted to ``dtype``."""
 
     child: Node
@@ -367,7 +376,10 @@ class Cast(Node):
         if dest.dtype == self.dtype or self.child.dtype == self.dtype:
             emit(self.child, box, dest, out)  # copy_ into dest is exactly this cast
         else:
-            out.append(Compute(self, box, dest, functools.partial(self._cast, box)))
+            out.append(Compute(self, box, dest, functools.partial(self._cast, box), (Input(self.child, box),)))
+
+    def source_region(self, box: Box) -> Read | None:
+        return self.child.source_region(box) if self.child.dtype == self.dtype else None
 
     def _cast(self, box: Box, io: SourceIO) -> torch.Tensor:
         return self.child.read(box, io).to(self.dtype)
@@ -380,7 +392,7 @@ class Cast(Node):
 
 
 @dataclass(frozen=True, eq=False)
-class Concat(Rearrangement):
+class Concatenated(Rearrangement):
     """Inputs joined along ``dim`` (fuse). Sizes along ``dim`` may differ (GQA q/k/v)."""
 
     parts: tuple[Node, ...]
@@ -405,6 +417,16 @@ class Concat(Rearrangement):
                 emit(part, _with_dim(box, d, (a - offset, b - offset)), dest.narrow(d, a - lo, b - a), out)
             offset += n
 
+    def source_region(self, box: Box) -> Read | None:
+        d = self.dim
+        offset = 0
+        for part in self.parts:
+            n = part.shape[d]
+            if offset <= box[d][0] and box[d][1] <= offset + n:
+                return part.source_region(_with_dim(box, d, (box[d][0] - offset, box[d][1] - offset)))
+            offset += n
+        return None
+
     def full(self, io: SourceIO) -> torch.Tensor:
         return torch.cat([p.full(io) for p in self.parts], dim=self.dim)
 
@@ -413,7 +435,7 @@ class Concat(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class Narrow(Rearrangement):
+class Narrowed(Rearrangement):
     """Rows ``[start, start + length)`` of the input along ``dim`` (split)."""
 
     child: Node
@@ -431,6 +453,10 @@ class Narrow(Rearrangement):
         a, b = box[self.dim]
         emit(self.child, _with_dim(box, self.dim, (a + self.start, b + self.start)), dest, out)
 
+    def source_region(self, box: Box) -> Read | None:
+        a, b = box[self.dim]
+        return self.child.source_region(_with_dim(box, self.dim, (a + self.start, b + self.start)))
+
     def full(self, io: SourceIO) -> torch.Tensor:
         return self.child.full(io).narrow(self.dim, self.start, self.length)
 
@@ -442,7 +468,7 @@ class Narrow(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class Transpose(Rearrangement):
+class Transposed(Rearrangement):
     """The input with dims ``dim0`` and ``dim1`` swapped (GPT-2 ``Conv1D`` ``[in, out]`` <->
     ``nn.Linear`` ``[out, in]``). A box maps to one box with the two spans swapped."""
 
@@ -471,15 +497,11 @@ class Transpose(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class UnitPermute(Rearrangement):
+class UnitPermuted(Rearrangement):
     """Along ``dim``, the input is cut in aligned units of ``unit`` rows (a head); inside every
-    unit, output row ``j`` is input row ``perm[j]`` (rotary layouts).
-
-    A region is a computation: the box is widened to whole units, read, permuted, then
-    narrowed, so a shard that cuts a unit is never permuted as if it were whole. ``full``
-    permutes with ``view`` + ``index_select`` on the whole tensor. ``label`` names the
-    transform in ``describe()``.
-    """
+    unit, output row ``j`` is input row ``perm[j]`` (rotary layouts). A region is a computation
+    on the box widened to whole units, so a shard that cuts a unit is never permuted as if it
+    were whole. ``label`` names the transform in ``describe()``."""
 
     child: Node
     dim: int
@@ -498,15 +520,18 @@ class UnitPermute(Rearrangement):
         object.__setattr__(self, "dtype", self.child.dtype)
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
-        out.append(Compute(self, box, dest, functools.partial(self._permuted, box)))
+        out.append(Compute(self, box, dest, functools.partial(self._permuted, box), (Input(self.child, self._units(box)),)))
+
+    def _units(self, box: Box) -> Box:
+        """``box`` widened along ``dim`` to whole units."""
+        a, b = box[self.dim]
+        return _with_dim(box, self.dim, (a // self.unit * self.unit, -(-b // self.unit) * self.unit))
 
     def _permuted(self, box: Box, io: SourceIO) -> torch.Tensor:
-        a, b = box[self.dim]
-        u0, u1 = a // self.unit, -(-b // self.unit)
-        lo = u0 * self.unit
-        whole = self.child.read(_with_dim(box, self.dim, (lo, u1 * self.unit)), io)
+        (a, b), (lo, hi) = box[self.dim], self._units(box)[self.dim]
+        whole = self.child.read(self._units(box), io)
         idx = torch.tensor(self.perm, dtype=torch.long)
-        idx = (idx.unsqueeze(0) + self.unit * torch.arange(u1 - u0).unsqueeze(1)).reshape(-1)
+        idx = (idx.unsqueeze(0) + self.unit * torch.arange((hi - lo) // self.unit).unsqueeze(1)).reshape(-1)
         return whole.index_select(self.dim, idx[a - lo : b - lo])  # only the rows the box wants
 
     def full(self, io: SourceIO) -> torch.Tensor:
@@ -522,7 +547,7 @@ class UnitPermute(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class Stack(Rearrangement):
+class Stacked(Rearrangement):
     """Inputs of one shape stacked along a new dim ``dim`` (MoE experts -> ``[E, ...]``)."""
 
     parts: tuple[Node, ...]
@@ -553,7 +578,7 @@ class Stack(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class Select(Rearrangement):
+class Selected(Rearrangement):
     """Entry ``index`` of the input along ``dim``, that dim removed (unstack)."""
 
     child: Node
@@ -574,6 +599,10 @@ class Select(Rearrangement):
     def full(self, io: SourceIO) -> torch.Tensor:
         return self.child.full(io).select(self.dim, self.index)
 
+    def source_region(self, box: Box) -> Read | None:
+        inner = self.child.source_region(box[: self.dim] + ((self.index, self.index + 1),) + box[self.dim :])
+        return None if inner is None else dataclasses.replace(inner, shape=box_shape(box))
+
     def read(self, box: Box, io: SourceIO) -> torch.Tensor:
         """The child's region with the entry's index put in, read as the child reads it (an
         expert of fused 3-D experts stays a view of the staged read: no copy on the host)."""
@@ -585,7 +614,7 @@ class Select(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class Pad(Node):
+class Padded(Node):
     """The input extended along ``dim`` to ``size`` with ``value`` (vocab padded for TP)."""
 
     child: Node
@@ -612,6 +641,9 @@ class Pad(Node):
             held = torch.full((), self.value, dtype=torch.uint8 if self.dtype == torch.bool else self.dtype)
             value = held.to(self.dtype).item()
             out.append(Fill(dest.narrow(d, max(a, n) - a, b - max(a, n)), value))
+
+    def source_region(self, box: Box) -> Read | None:
+        return self.child.source_region(box) if box[self.dim][1] <= self.child.shape[self.dim] else None
 
     def full(self, io: SourceIO) -> torch.Tensor:
         t = self.child.full(io)

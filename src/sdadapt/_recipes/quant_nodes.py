@@ -1,16 +1,17 @@
 """Recipe nodes for quantized sources: dequantise on load, re-quantize on export.
 
-Each node produces a region as one :class:`~sdadapt._recipes.nodes.Compute` step that reads through
-the child nodes only the bytes that region needs (for FP8 the weight region itself and the
-scale rows/cols its blocks touch; for MXFP4 the whole 32-value blocks it touches and their
-scale bytes), then computes. Dequantisation gives the step as its reads (``_inputs(box, io)``,
-raw bytes on the host) and its arithmetic (``_kernel(box, dest, *inputs)``) apart, so that on a GPU
-the engine copies the raw, smaller, inputs and dequantises there; a large region is cut into
-bands of whole blocks (``bands``) that the engine's threads compute apart, each band's weight
-bytes read with ``preadv`` into a staging buffer. Re-quantization (export,
-whose destinations are on the host) is one host function, ``_region(box, io)``. ``full(io)``
-is a separate eager implementation on whole tensors (the reference the region path is tested
-against). The formats themselves are in :mod:`sdadapt._recipes.quant`.
+Each node produces a region as one :class:`~sdadapt._recipes.nodes.Compute` step that declares
+the regions of its children it reads, only what that region needs (for FP8 the weight region
+itself and the scale rows/cols its blocks touch; for MXFP4 the whole 32-value blocks it touches
+and their scale bytes). A dequantisation's step is those inputs (``_inputs(box)``, raw bytes)
+and its arithmetic on them (``_kernel(box, dest, *values)``, a
+:class:`~sdadapt._recipes.nodes.Kernel`), so that on a GPU the engine copies the raw, smaller,
+inputs and dequantises there; it also says how the region may be cut into bands of whole
+blocks (:class:`~sdadapt._recipes.nodes.Bands`), which the engine's threads compute apart.
+Re-quantization (export, whose destinations are on the host) is one host function,
+``_region(box, io)``. ``full(io)`` is a separate eager implementation on whole tensors (the
+reference the region path is tested against). The formats themselves are in
+:mod:`sdadapt._recipes.quant`.
 """
 
 from __future__ import annotations
@@ -22,71 +23,43 @@ from typing import Literal
 
 import torch
 
-from .._base.regions import Box, box_shape
+from .._base.regions import Box
 from ..sources._base import dtype_name
 from . import quant as Q
-from .nodes import Compute, Leaf, Node, SourceIO, Step
+from .nodes import Bands, Compute, Input, Kernel, Node, SourceIO, Step
 
 Part = Literal["values", "scales"]
 
 
 class _Computed(Node):
-    """A node whose every region is one host computation, :meth:`_region`."""
+    """A node whose every region is one host computation, :meth:`_region`, of the children's
+    regions :meth:`_inputs` declares."""
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
-        out.append(Compute(self, box, dest, functools.partial(self._region, box)))
+        out.append(Compute(self, box, dest, functools.partial(self._region, box), self._inputs(box)))
+
+    def _inputs(self, box: Box) -> tuple[Input, ...]:
+        raise NotImplementedError
 
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
         raise NotImplementedError
 
 
-def _bands(box: Box, value_bytes: float, max_bytes: int, align: dict[int, int], first: int = 0) -> list[Box]:
-    """``box`` cut along its outermost dims from ``first`` on (never the last) into bands of at
-    most about ``max_bytes`` of input (``value_bytes`` per value), cuts on multiples of
-    ``align[dim]`` (absolute coordinates); bands of a dim cut as finely as it allows that are
-    still too large are cut along the next dim."""
-    n = value_bytes
-    for a, b in box:
-        n *= b - a
-    dim = next((d for d in range(first, len(box) - 1) if box[d][1] - box[d][0] > 1), None)
-    if n <= max_bytes or dim is None:
-        return [box]
-    lo, hi = box[dim]
-    step = max(1, int(max_bytes // (n / (hi - lo))))
-    unit = align.get(dim, 1)
-    step = max(unit, step // unit * unit)
-    out: list[Box] = []
-    while lo < hi:
-        end = min(hi, (lo // step + 1) * step)
-        out += _bands(box[:dim] + ((lo, end),) + box[dim + 1 :], value_bytes, max_bytes, align, dim + 1)
-        lo = end
-    return out
-
-
 class _Dequant(Node):
     """A node whose every region is one computation that may run on the destination's device:
-    :meth:`_inputs` reads the raw region on the host, :meth:`_kernel` dequantises it. Large
-    regions are cut into bands of whole scale blocks (:meth:`bands`), computed apart."""
+    :meth:`_inputs` declares the raw regions it reads, :meth:`_kernel` dequantises their values.
+    The engine may cut a large region into bands of whole scale blocks (:class:`Bands`)."""
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
-        out.append(Compute(self, box, dest, inputs=functools.partial(self._inputs, box), kernel=functools.partial(self._kernel, box)))
+        kernel = Kernel(functools.partial(self._kernel, box), self._kind(), self._sample())
+        bands = Bands(self._value_bytes(), tuple(sorted(self._align(len(box)).items())))
+        out.append(Compute(self, box, dest, inputs=self._inputs(box), kernel=kernel, bands=bands))
 
-    def bands(self, box: Box, max_bytes: int) -> list[Box]:
-        return _bands(box, self._value_bytes(), max_bytes, self._align(len(box)))
-
-    def device_node(self) -> Node | None:
-        return self
-
-    def warm_key(self) -> object:
+    def _kind(self) -> object:
+        """What tells this node's device kernels apart (equal kinds run the same kernels)."""
         return (type(self).__name__, self.dtype, tuple(c.dtype for c in self.children()))
 
-    def warm_up(self, device: torch.device) -> None:
-        box = self._warm_box()
-        io = _Zeros(_leaf_dtypes(self), device)
-        dest = torch.empty(box_shape(box), dtype=self.dtype, device=device)
-        self._kernel(box, dest, *self._inputs(box, io))
-
-    def _warm_box(self) -> Box:
+    def _sample(self) -> Box:
         """A small region at the origin, of whole blocks where the tensor has them."""
         return tuple((0, 1) for _ in self.shape[:-1]) + ((0, min(self.shape[-1], 32)),)
 
@@ -111,37 +84,15 @@ class _Dequant(Node):
         """Dims whose cuts fall on block boundaries, and the block size there."""
         return {}
 
-    def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, ...]:
+    def _inputs(self, box: Box) -> tuple[Input, ...]:
         raise NotImplementedError
 
     def _kernel(self, box: Box, dest: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
         raise NotImplementedError
 
 
-class _Zeros:
-    """A ``SourceIO`` that hands out zeros on ``device`` in each key's stored dtype (the inputs
-    of a warm-up)."""
-
-    def __init__(self, dtypes: dict[str, torch.dtype], device: torch.device):
-        self.dtypes = dtypes
-        self.device = device
-
-    def read(self, key: str, box: Box) -> torch.Tensor:
-        return torch.zeros(box_shape(box), dtype=self.dtypes[key], device=self.device)
-
-
-def _leaf_dtypes(node: Node) -> dict[str, torch.dtype]:
-    """The stored dtype of each source key under ``node``."""
-    if isinstance(node, Leaf):
-        return {node.key: node.dtype}
-    out: dict[str, torch.dtype] = {}
-    for c in node.children():
-        out.update(_leaf_dtypes(c))
-    return out
-
-
 @dataclass(frozen=True, eq=False)
-class DequantFP8(_Dequant):
+class DequantizedFP8(_Dequant):
     """An FP8 e4m3 ``weight`` times its block ``scale`` (``block`` over the last two dims), in ``dtype``."""
 
     weight: Node
@@ -161,18 +112,18 @@ class DequantFP8(_Dequant):
     def _align(self, ndim: int) -> dict[int, int]:
         return {ndim - 2: self.block[0]}  # bands of whole scale rows
 
-    def warm_key(self) -> object:
-        return (super().warm_key(), self.scale_format)  # UE8M0 scales decode with a kernel of their own
+    def _kind(self) -> object:
+        return (super()._kind(), self.scale_format)  # UE8M0 scales decode with a kernel of their own
 
-    def _warm_box(self) -> Box:
+    def _sample(self) -> Box:
         rows, cols = self.shape[-2:]
         return tuple((0, 1) for _ in self.shape[:-2]) + ((0, min(rows, self.block[0])), (0, min(cols, self.block[1])))
 
-    def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(self, box: Box) -> tuple[Input, ...]:
         (r0, r1), (c0, c1) = box[-2:]
         b0, b1 = self.block
         scale_box = box[:-2] + ((r0 // b0, Q.cdiv(r1, b0)), (c0 // b1, Q.cdiv(c1, b1)))
-        return self.weight.read(box, io), self.scale.read(scale_box, io)
+        return Input(self.weight, box), Input(self.scale, scale_box)
 
     def _kernel(self, box: Box, dest: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> None:
         (r0, _), (c0, _) = box[-2:]
@@ -191,7 +142,7 @@ class DequantFP8(_Dequant):
 
 
 @dataclass(frozen=True, eq=False)
-class DequantMXFP4(_Dequant):
+class DequantizedMXFP4(_Dequant):
     """MXFP4 ``blocks [..., G, 16]`` and e8m0 ``scales [..., G]`` as values ``[..., G * 32]`` in ``dtype``."""
 
     blocks: Node
@@ -207,11 +158,11 @@ class DequantMXFP4(_Dequant):
     def _value_bytes(self) -> float:
         return 0.5  # two e2m1 values per byte; the last dim (the packed one) is never cut
 
-    def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(self, box: Box) -> tuple[Input, ...]:
         c0, c1 = box[-1]
         g0, g1 = c0 // Q.MX_BLOCK, Q.cdiv(c1, Q.MX_BLOCK)
         lead = box[:-1]
-        return self.blocks.read(lead + ((g0, g1), (0, Q.MX_BYTES)), io), self.scales.read(lead + ((g0, g1),), io)
+        return Input(self.blocks, lead + ((g0, g1), (0, Q.MX_BYTES))), Input(self.scales, lead + ((g0, g1),))
 
     def _kernel(self, box: Box, dest: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor) -> None:
         c0, c1 = box[-1]
@@ -233,7 +184,7 @@ class DequantMXFP4(_Dequant):
 
 
 @dataclass(frozen=True, eq=False)
-class QuantizeFP8(_Computed):
+class QuantizedFP8(_Computed):
     """One part of ``child`` quantized to FP8 with ``block`` scale tiles: the e4m3 weight
     (``part="values"``) or its stored scale grid (``part="scales"``, in ``scale_dtype``, by
     default the format's first storage dtype). A region is computed from the whole blocks it
@@ -256,17 +207,25 @@ class QuantizeFP8(_Computed):
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", dtype)
 
-    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+    def _inputs(self, box: Box) -> tuple[Input, ...]:
+        """The whole blocks of ``child`` that ``box`` (of the values, or of the scale grid) touches."""
         rows, cols = self.child.shape[-2:]
         b0, b1 = self.block
         (a0, a1), (c0, c1) = box[-2:]
-        if self.part == "values":  # widen to whole blocks, quantize, narrow
-            r_lo, c_lo = a0 // b0 * b0, c0 // b1 * b1
-            src = box[:-2] + ((r_lo, min(rows, Q.cdiv(a1, b0) * b0)), (c_lo, min(cols, Q.cdiv(c1, b1) * b1)))
-            q, _ = Q.quantize_fp8(self.child.read(src, io), self.block, self.scale_format)
+        if self.part == "values":
+            wide = ((a0 // b0 * b0, min(rows, Q.cdiv(a1, b0) * b0)), (c0 // b1 * b1, min(cols, Q.cdiv(c1, b1) * b1)))
+        else:
+            wide = ((a0 * b0, min(rows, a1 * b0)), (c0 * b1, min(cols, c1 * b1)))
+        return (Input(self.child, box[:-2] + wide),)
+
+    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+        (src,) = self._inputs(box)
+        q, scale = Q.quantize_fp8(src.value(io), self.block, self.scale_format)
+        if self.part == "values":  # quantized whole blocks, narrowed
+            (a0, a1), (c0, c1) = box[-2:]
+            (r_lo, _), (c_lo, _) = src.box[-2:]
             return q[..., a0 - r_lo : a1 - r_lo, c0 - c_lo : c1 - c_lo]
-        src = box[:-2] + ((a0 * b0, min(rows, a1 * b0)), (c0 * b1, min(cols, c1 * b1)))
-        return Q.store_scales(Q.quantize_fp8(self.child.read(src, io), self.block, self.scale_format)[1], self.dtype)
+        return Q.store_scales(scale, self.dtype)
 
     def full(self, io: SourceIO) -> torch.Tensor:
         q, scale = Q.quantize_fp8(self.child.full(io), self.block, self.scale_format)
@@ -278,7 +237,7 @@ class QuantizeFP8(_Computed):
 
 
 @dataclass(frozen=True, eq=False)
-class QuantizeMXFP4(_Computed):
+class QuantizedMXFP4(_Computed):
     """One part of ``child [..., C]`` (``C`` a multiple of 32) quantized to MXFP4: the packed
     ``blocks [..., C/32, 16]`` (``part="values"``) or the e8m0 ``scales [..., C/32]``."""
 
@@ -294,10 +253,14 @@ class QuantizeMXFP4(_Computed):
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", torch.uint8)
 
-    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+    def _inputs(self, box: Box) -> tuple[Input, ...]:
         lead = box[: len(self.child.shape) - 1]
         g0, g1 = box[len(lead)]
-        blocks, scales = Q.quantize_mxfp4(self.child.read(lead + ((g0 * Q.MX_BLOCK, g1 * Q.MX_BLOCK),), io))
+        return (Input(self.child, lead + ((g0 * Q.MX_BLOCK, g1 * Q.MX_BLOCK),)),)
+
+    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+        (src,) = self._inputs(box)
+        blocks, scales = Q.quantize_mxfp4(src.value(io))
         if self.part == "scales":
             return scales
         k0, k1 = box[-1]

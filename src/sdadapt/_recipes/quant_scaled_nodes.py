@@ -1,11 +1,12 @@
 """Recipe nodes for the scaled formats of :mod:`sdadapt._recipes.quant_scaled` (compressed-tensors,
 ModelOpt, MXFP8, per-tensor and per-channel FP8): dequantise on load, re-quantize on export.
 
-:class:`DequantScaled` reads, for a region, the stored values of exactly its rows and of the
+:class:`DequantizedScaled` reads, for a region, the stored values of exactly its rows and of the
 whole packs its columns touch (two e2m1 values per byte, eight int4 or four int8 per int32 word),
 and from the scales, zero points and global scale only the grid entries the region touches (a
-per-tensor scale is one value). Its reads (``_inputs``) and its arithmetic (``_kernel``) are given
-apart, so that on a GPU the engine copies the raw bytes and dequantises there, in the target's dtype.
+per-tensor scale is one value). Its inputs (``_inputs``, declared regions) and its arithmetic
+(``_kernel``) are given apart, so that on a GPU the engine copies the raw bytes and dequantises
+there, in the target's dtype.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import torch
 from .._base.regions import Box, box_shape, full_box
 from ..sources._base import dtype_name
 from . import quant_scaled as S
-from .nodes import Node, SourceIO
+from .nodes import Input, Node, SourceIO
 from .quant_nodes import _Computed, _Dequant
 
 
 @dataclass(frozen=True, eq=False)
-class DequantScaled(_Dequant):
+class DequantizedScaled(_Dequant):
     """``values`` (codes of ``codec``, packed along the last dim) times ``scale`` per ``block``
     of the ``[..., R, cols]`` output, less ``zero`` (packed along rows for packed codecs), with
     the per-tensor ``glob`` dividing or multiplying the scales (``mode``), in ``dtype``. A scale
@@ -53,29 +54,29 @@ class DequantScaled(_Dequant):
         unit = 32 // S.BITS[self.codec] if self.zero is not None and self.codec in ("int4", "int8_packed") else 1
         return {ndim - 2: max(self.block[0] if self.block[0] < self.shape[-2] else 1, unit)}
 
-    def warm_key(self) -> object:
-        return (super().warm_key(), self.codec, self.mode, self.zero is not None, self.glob is not None)
+    def _kind(self) -> object:
+        return (super()._kind(), self.codec, self.mode, self.zero is not None, self.glob is not None)
 
     def _per_tensor(self) -> bool:
         return len(self.scale.shape) < 2 or (self.scale.shape[-2:] == (1, 1) and self.block == tuple(self.shape[-2:]))
 
-    def _inputs(self, box: Box, io: SourceIO) -> tuple[torch.Tensor, ...]:
+    def _inputs(self, box: Box) -> tuple[Input, ...]:
         (r0, r1), (c0, c1) = box[-2:]
         unit = S.PER_UNIT[self.codec]
         b0, b1 = self.block
         lead = box[:-2]
-        out = [self.values.read(lead + ((r0, r1), (c0 // unit, S.cdiv(c1, unit))), io)]
+        out = [Input(self.values, lead + ((r0, r1), (c0 // unit, S.cdiv(c1, unit))))]
         grid = lead + ((r0 // b0, S.cdiv(r1, b0)), (c0 // b1, S.cdiv(c1, b1)))
-        out.append(self.scale.read(full_box(tuple(self.scale.shape)) if self._per_tensor() else grid, io))
+        out.append(Input(self.scale, full_box(tuple(self.scale.shape)) if self._per_tensor() else grid))
         if self.zero is not None:
             if self.codec in ("int4", "int8_packed"):
                 per = 32 // S.BITS[self.codec]
                 (g0, g1), cols = grid[-2], grid[-1]
-                out.append(self.zero.read(lead + ((g0 // per, S.cdiv(g1, per)), cols), io))
+                out.append(Input(self.zero, lead + ((g0 // per, S.cdiv(g1, per)), cols)))
             else:
-                out.append(self.zero.read(grid, io))
+                out.append(Input(self.zero, grid))
         if self.glob is not None:
-            out.append(self.glob.read(full_box(tuple(self.glob.shape)), io))
+            out.append(Input(self.glob, full_box(tuple(self.glob.shape))))
         return tuple(out)
 
     def _kernel(self, box: Box, dest: torch.Tensor, *inputs: torch.Tensor) -> None:
@@ -116,7 +117,7 @@ class DequantScaled(_Dequant):
 
 
 @dataclass(frozen=True, eq=False)
-class QuantizeScaled(_Computed):
+class QuantizedScaled(_Computed):
     """One part of ``child [..., R, C]`` re-quantized in a scaled format: the codes
     (``part="values"``: e4m3, or packed e2m1 for NVFP4) or the scales (``part="scales"``, in
     ``scale_dtype``), with ``block`` scale tiles; NVFP4 needs the stored global scale ``glob``."""
@@ -148,24 +149,42 @@ class QuantizeScaled(_Computed):
     def _quantize(self, x: torch.Tensor, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
         if self.codec == "e2m1":
             assert self.glob is not None
-            return S.quantize_nvfp4(x, self.glob.full(io), self.mode)
+            return S.quantize_nvfp4(x, self.glob.read(full_box(tuple(self.glob.shape)), io), self.mode)
         return S.quantize_fp8_scaled(x, self.block, self.scale_dtype)
 
-    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+    def _source_box(self, box: Box) -> Box:
+        """The region of ``child`` that region ``box`` is quantized from: the whole blocks it
+        touches (all of ``child`` for a per-tensor scale)."""
         rows, cols = self.child.shape[-2:]
         b0, b1 = self.block
         if self.part == "values":
             (a0, a1), (p0, p1) = box[-2:]
             unit = S.PER_UNIT[self.codec]
             c0, c1 = p0 * unit, min(cols, p1 * unit)
-            r_lo, c_lo = a0 // b0 * b0, c0 // b1 * b1
-            src = box[:-2] + ((r_lo, min(rows, S.cdiv(a1, b0) * b0)), (c_lo, min(cols, S.cdiv(c1, b1) * b1)))
+            return box[:-2] + ((a0 // b0 * b0, min(rows, S.cdiv(a1, b0) * b0)), (c0 // b1 * b1, min(cols, S.cdiv(c1, b1) * b1)))
+        if self._per_tensor():
+            return full_box(tuple(self.child.shape))
+        (g0, g1), (h0, h1) = box[-2:]
+        return box[:-2] + ((g0 * b0, min(rows, g1 * b0)), (h0 * b1, min(cols, h1 * b1)))
+
+    def _per_tensor(self) -> bool:
+        return self.part != "values" and self.scale_shape is not None and len(self.scale_shape) < 2
+
+    def _inputs(self, box: Box) -> tuple[Input, ...]:
+        src = (Input(self.child, self._source_box(box)),)
+        return src if self.glob is None else src + (Input(self.glob, full_box(tuple(self.glob.shape))),)
+
+    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
+        src = self._source_box(box)
+        if self.part == "values":
+            (a0, a1), (p0, p1) = box[-2:]
+            unit = S.PER_UNIT[self.codec]
+            c0 = p0 * unit
+            (r_lo, _), (c_lo, _) = src[-2:]
             q, _ = self._quantize(self.child.read(src, io), io)
             return q[..., a0 - r_lo : a1 - r_lo, (c0 - c_lo) // unit : (c0 - c_lo) // unit + p1 - p0]
-        if self.scale_shape is not None and len(self.scale_shape) < 2:  # one scale for the whole tensor
-            return self._quantize(self.child.full(io), io)[1].reshape(self.shape)
-        (g0, g1), (h0, h1) = box[-2:]
-        src = box[:-2] + ((g0 * b0, min(rows, g1 * b0)), (h0 * b1, min(cols, h1 * b1)))
+        if self._per_tensor():  # one scale for the whole tensor
+            return self._quantize(self.child.read(src, io), io)[1].reshape(self.shape)
         return self._quantize(self.child.read(src, io), io)[1].reshape(box_shape(box))
 
     def full(self, io: SourceIO) -> torch.Tensor:
@@ -188,6 +207,9 @@ class ShapeOf(_Computed):
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", (len(self.child.shape),))
         object.__setattr__(self, "dtype", torch.int64)
+
+    def _inputs(self, box: Box) -> tuple[Input, ...]:
+        return ()  # the shape only: nothing is read
 
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
         (a, b), = box
@@ -219,11 +241,18 @@ class GlobalScaleOf(_Computed):
         object.__setattr__(self, "shape", (1,) if self.mode == "divide" else ())
         object.__setattr__(self, "dtype", torch.float32)
 
+    def _inputs(self, box: Box) -> tuple[Input, ...]:
+        return (Input(self.child, full_box(tuple(self.child.shape))),)
+
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
-        return self.full(io)
+        return self._of(self.child.read(full_box(tuple(self.child.shape)), io))
 
     def full(self, io: SourceIO) -> torch.Tensor:
-        x = self.child.full(io).to(torch.float32)
+        return self._of(self.child.full(io))
+
+    def _of(self, child: torch.Tensor) -> torch.Tensor:
+        """The global scale of ``child``'s values."""
+        x = child.to(torch.float32)
         amax = x.abs().amax()
         top = torch.tensor(S.E4M3_MAX * S.E2M1_MAX, dtype=torch.float32)
         g = torch.where(amax > 0, top / amax if self.mode == "divide" else amax / top, torch.ones_like(amax))

@@ -6,7 +6,7 @@ layout -> model layout, as for :func:`sdadapt.load`); export writes through
 :func:`convert` (and ``sdadapt convert``) applies its adapter as given: source layout ->
 destination layout.
 
-Memory: outputs are produced one at a time. For a model, each DTensor the current output
+Memory: outputs are pulled one at a time. For a model, each DTensor the current output
 needs is gathered whole (``full_tensor()``, on every rank, in the same order) and dropped once
 no later output needs it; rank 0 writes. For a checkpoint, each tensor is read from the mapped
 source, written, and its pages are handed back to the kernel. Never the whole model at once.
@@ -150,7 +150,8 @@ class _CachedIO:
             t = self.cache[key] = self.fetch(key)
         return t[slices(box)]
 
-    def produce(self, node: Node) -> torch.Tensor:
+    def whole(self, node: Node) -> torch.Tensor:
+        """All of ``node``'s output (the leaves the previous output alone used released first)."""
         self.flush()
         out = node.read(full_box(tuple(node.shape)), self)
         for leaf in set(node.leaves()):
@@ -267,7 +268,7 @@ def _write(
     dst: str,
     fmt: str,
     outputs: dict[str, Node],
-    produce: Callable[[str], torch.Tensor],
+    pull: Callable[[str], torch.Tensor],
     *,
     max_shard_size: int | str,
     overwrite: bool,
@@ -278,7 +279,7 @@ def _write(
     tmp = f"{dst.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"
     writer = make_writer(fmt, tmp, max_shard_size)
     try:
-        writer.write(_entries(outputs), produce)
+        writer.write(_entries(outputs), pull)
         if check is not None:
             check(tmp)
         files = _files(tmp) if os.path.isdir(tmp) else [os.path.basename(dst)]
@@ -297,8 +298,8 @@ def _write(
 # ------------------------------------------------------------------------------ export
 class _ModelStream:
     """``model``'s weights in the checkpoint's layout (through ``adapter.inverse()``), one output
-    at a time: :meth:`produce` gathers the DTensors an output needs (``full_tensor()``: a
-    collective, so every rank produces the same keys in the same order) and keeps a gathered
+    at a time: :meth:`pull` gathers the DTensors an output needs (``full_tensor()``: a
+    collective, so every rank pulls the same keys in the same order) and keeps a gathered
     leaf only while a later output still needs it. Planning runs as the first step of a load
     transaction: an error on any rank (and ``check``'s, run first) is every rank's error."""
 
@@ -337,10 +338,10 @@ class _ModelStream:
         t = t.full_tensor() if isinstance(t, DTensor) else t.detach()
         return t.cpu()
 
-    def produce(self, key: str) -> torch.Tensor:
+    def pull(self, key: str) -> torch.Tensor:
         """Output ``key`` (collective when the model holds DTensors); the previous output's
         leaves are dropped first."""
-        return self.io.produce(self.outputs[key])
+        return self.io.whole(self.outputs[key])
 
     def close(self) -> None:
         """Drop every gathered tensor still held."""
@@ -386,7 +387,7 @@ def export_iter(
     stream = _ModelStream(model, adapter, process_group, "export_iter", native_names=shipped)
     try:
         for key in list(stream.outputs):
-            yield key, stream.produce(key)
+            yield key, stream.pull(key)
     finally:
         stream.close()
 
@@ -469,10 +470,10 @@ def export(
     written = [0]
     sums: dict[str, Any] = {}
 
-    def produce(key: str) -> torch.Tensor:
+    def pull(key: str) -> torch.Tensor:
         if world > 1:
             dist.broadcast_object_list([(_KEY, key)], src=src0, group=process_group)
-        t = stream.produce(key)
+        t = stream.pull(key)
         written[0] += t.numel() * t.element_size()
         if checksums:  # from the tensor in hand: no read-back (sdadapt.checksums.json, verify=True)
             sums[key] = integrity.tensor_checksums(TensorInfo(tuple(t.shape), t.dtype), lambda box: t[slices(box)])
@@ -482,7 +483,7 @@ def export(
     try:
         if rank == 0:
             try:
-                files = _write(dst, format, outputs, produce, max_shard_size=max_shard_size, overwrite=overwrite,
+                files = _write(dst, format, outputs, pull, max_shard_size=max_shard_size, overwrite=overwrite,
                                check=lambda tmp: _side_files(tmp, folder, config))  # fmt: skip
                 if checksums:
                     integrity.write_checksums_data(dst, sums)
@@ -511,13 +512,13 @@ def export(
 def _follow(
     stream: _ModelStream, written: list[int], group: dist.ProcessGroup | None, src0: int, dst: str
 ) -> list[str]:
-    """A rank other than 0 of :func:`export`: produce the keys rank 0 names, until it is done."""
+    """A rank other than 0 of :func:`export`: pull the keys rank 0 names, until it is done."""
     while True:
         msg: list[Any] = [None]
         dist.broadcast_object_list(msg, src=src0, group=group)
         kind, value = msg[0]
         if kind == _KEY:
-            t = stream.produce(value)
+            t = stream.pull(value)
             written[0] += t.numel() * t.element_size()
             del t
         elif kind == _DONE:
@@ -599,8 +600,8 @@ def convert(
         io = _CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
         written = [0]
 
-        def produce(key: str) -> torch.Tensor:
-            t = io.produce(outputs[key])
+        def pull(key: str) -> torch.Tensor:
+            t = io.whole(outputs[key])
             n = t.numel() * t.element_size()
             written[0] += n
             if progress is not None:
@@ -614,7 +615,7 @@ def convert(
             txn.files_unchanged("while it was being converted")
             _side_files(tmp, config_folder(source.path), None)
 
-        files = _write(dst, format, outputs, produce, max_shard_size=max_shard_size, overwrite=overwrite, check=check)
+        files = _write(dst, format, outputs, pull, max_shard_size=max_shard_size, overwrite=overwrite, check=check)
     finally:
         txn.close()
     return ExportReport(
@@ -639,7 +640,7 @@ def _verify(tmp: str, dst: str, outputs: dict[str, Node], source: Source, releas
             raise ExportError(f"verify {dst}: missing {missing[:8]}, unexpected {extra[:8]}")
         io = _CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
         for key, node in outputs.items():
-            want = io.produce(node)
+            want = io.whole(node)
             got = result.read(key, full_box(result.schema[key].shape))
             same = got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape) and torch.equal(got, want)
             nbytes = got.numel() * got.element_size()

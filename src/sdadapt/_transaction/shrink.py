@@ -223,7 +223,7 @@ def shrink(
         bar = progress_bar(total, "shrink", enabled=progress)
         pending: list[Any] = []
 
-        def produce(key: str) -> Any:
+        def pull(key: str) -> Any:
             while pending:  # the writer has written the previous tensor: hand its pages back
                 release(pending.pop())
             t = source.read(key, full_box(tuple(source.schema[key].shape)))
@@ -236,7 +236,7 @@ def shrink(
                 dst,
                 "safetensors",
                 outputs,
-                produce,
+                pull,
                 max_shard_size=max_shard_size,
                 overwrite=overwrite,
                 check=lambda tmp: _side_files(folder if os.path.isdir(src) else None, tmp, config, layers),

@@ -162,7 +162,7 @@ class DequantFP8(_FP8Fields):
                 ctx.issue(index, key, problem)
                 continue
             scale = ctx.absorb(skey, index)
-            ctx.replace(key, QN.DequantFP8(node, scale, self.block, self.scale_format, to, follows))
+            ctx.replace(key, QN.DequantizedFP8(node, scale, self.block, self.scale_format, to, follows))
 
     def _problem(self, ctx: PlanContext, key: str, skey: str) -> str | None:
         node = ctx.get(key)
@@ -234,8 +234,8 @@ class QuantizeFP8(_FP8Fields):
                 ctx.issue(index, key, f"{skey!r} exists already; the scale would overwrite it")
                 continue
             ctx.mark(index)
-            scales = QN.QuantizeFP8(node, self.block, self.scale_format, "scales", self._scale_dtypes()[0])
-            ctx.replace(key, QN.QuantizeFP8(node, self.block, self.scale_format, "values"))
+            scales = QN.QuantizedFP8(node, self.block, self.scale_format, "scales", self._scale_dtypes()[0])
+            ctx.replace(key, QN.QuantizedFP8(node, self.block, self.scale_format, "values"))
             ctx.put(skey, scales, index, origin=key)
 
     def inverse(self) -> list[Any]:
@@ -287,7 +287,7 @@ class DequantMXFP4(_MXFP4Fields):
                 ctx.issue(index, name, problem)
                 continue
             blocks, scales = ctx.absorb(bkey, index), ctx.absorb(skey, index)
-            ctx.put(name, QN.DequantMXFP4(blocks, scales, to, follows), index, origin=[bkey, skey])
+            ctx.put(name, QN.DequantizedMXFP4(blocks, scales, to, follows), index, origin=[bkey, skey])
 
     def _problem(self, ctx: PlanContext, name: str, bkey: str, skey: str) -> str | None:
         blocks = ctx.get(bkey)
@@ -336,8 +336,8 @@ class QuantizeMXFP4(_MXFP4Fields):
                           f"whose last dim is a multiple of {Q.MX_BLOCK}")  # fmt: skip
                 continue
             ctx.absorb(key, index)
-            ctx.put(key + self.blocks_suffix, QN.QuantizeMXFP4(node, "values"), index, origin=key)
-            ctx.put(key + self.scales_suffix, QN.QuantizeMXFP4(node, "scales"), index, origin=key)
+            ctx.put(key + self.blocks_suffix, QN.QuantizedMXFP4(node, "values"), index, origin=key)
+            ctx.put(key + self.scales_suffix, QN.QuantizedMXFP4(node, "scales"), index, origin=key)
 
     def inverse(self) -> list[Any]:
         return [DequantMXFP4(**self._fields())]

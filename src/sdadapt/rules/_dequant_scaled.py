@@ -182,7 +182,7 @@ class DequantScaled(_ScaledFields):
             if self.shape_suffix and ctx.has(name + self.shape_suffix):
                 ctx.absorb(name + self.shape_suffix, index)
             rows = values.shape[-2]
-            node = SN.DequantScaled(values, scale, zero, glob, self.codec, self.tile(rows, cols), cols, self.global_mode, to, follows)
+            node = SN.DequantizedScaled(values, scale, zero, glob, self.codec, self.tile(rows, cols), cols, self.global_mode, to, follows)
             if self.values_suffix:
                 ctx.put(name, node, index, origin=vkey)
             else:
@@ -311,8 +311,8 @@ class QuantizeScaled(_ScaledFields):
                 glob = SN.GlobalScaleOf(node, self.global_mode)
                 ctx.put(key + str(self.global_suffix), glob, index, origin=key)
             shape = tuple(self.tensor_scale_shape) if self.strategy == "tensor" else None
-            scales = SN.QuantizeScaled(node, self.codec, tile, "scales", sdt, glob, self.global_mode, shape)
-            values = SN.QuantizeScaled(node, self.codec, tile, "values", sdt, glob, self.global_mode)
+            scales = SN.QuantizedScaled(node, self.codec, tile, "scales", sdt, glob, self.global_mode, shape)
+            values = SN.QuantizedScaled(node, self.codec, tile, "values", sdt, glob, self.global_mode)
             ctx.mark(index)
             if self.values_suffix:
                 ctx.absorb(key, index)

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .._recipes.interleave import Interleave
-from .._recipes.nodes import Concat, Narrow, Node
+from .._recipes.interleave import Interleaved
+from .._recipes.nodes import Concatenated, Narrowed, Node
 from ..errors import AdapterError
 from ._base import RuleBase, move
 from ._patterns import check_output_pattern, compile_pattern, typed_like
@@ -145,9 +145,9 @@ class Fuse(RuleBase):
                 continue
             for n in names:
                 ctx.take(n, index)
-            node: Node = Concat(tuple(parts), dim)
+            node: Node = Concatenated(tuple(parts), dim)
             if self.heads is not None and self.heads > 1:
-                node = Interleave(node, dim, sizes, self.heads)
+                node = Interleaved(node, dim, sizes, self.heads)
             ctx.put(dst, node, index, origin=names)
 
     def inverse(self) -> list[RuleBase]:
@@ -245,10 +245,10 @@ class Split(RuleBase):
                 continue
             ctx.take(key, index)
             if self.heads is not None and self.heads > 1:  # per head -> contiguous parts, then cut
-                node = Interleave(node, d, tuple(sizes), self.heads, inverse=True)
+                node = Interleaved(node, d, tuple(sizes), self.heads, inverse=True)
             start = 0
             for dst, size in zip(dsts, sizes, strict=True):
-                ctx.put(dst, Narrow(node, d, start, size), index, origin=key)
+                ctx.put(dst, Narrowed(node, d, start, size), index, origin=key)
                 start += size
 
     def _sizes(self, ctx: PlanContext, dsts: list[str], d: int, total: int) -> list[int] | str:

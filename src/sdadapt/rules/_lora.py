@@ -8,7 +8,7 @@
    ``base_model.model.<module>.lora_A.weight`` ``[r, in]`` and ``lora_B.weight`` ``[out, r]``
    becomes two more keys of the plan, read lazily like any other;
 2. puts a :class:`MergeLora` rule before the adapter's own rules. It acts in the checkpoint's
-   key space: ``<module>.weight`` becomes a :class:`LoraMerge` node over the weight and the pair,
+   key space: ``<module>.weight`` becomes a :class:`MergedLora` node over the weight and the pair,
    so the base adapter's rules (fuse q/k/v, interleave for TP, stack experts, rotary order...)
    then move the merged values as they would move the stored ones.
 
@@ -41,7 +41,7 @@ import torch
 from pydantic import BaseModel
 
 from .._base.regions import Box, box_shape
-from .._recipes.nodes import Compute, Node, SourceIO, Step
+from .._recipes.nodes import Compute, Input, Node, SourceIO, Step
 from ..errors import AdapterError, SourceError
 from ..sources import SafetensorsFile, Source
 from ..sources._base import dtype_name
@@ -89,7 +89,7 @@ _UNSUPPORTED: dict[str, str] = {
 
 
 @dataclass(frozen=True, eq=False)
-class LoraMerge(Node):
+class MergedLora(Node):
     """``weight + scale * B @ A`` (``weight`` ``[out, in]``, ``a`` ``[r, in]``, ``b`` ``[out, r]``),
     in ``weight``'s dtype (or ``out_dtype``); ``transposed``: ``weight`` is stored ``[in, out]``
     (PEFT's ``fan_in_fan_out``, GPT-2's ``Conv1D``) and gets ``(B @ A).T``. A region is one
@@ -114,7 +114,16 @@ class LoraMerge(Node):
         return dataclasses.replace(self, out_dtype=dtype) if dtype.is_floating_point else None
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
-        out.append(Compute(self, box, dest, functools.partial(self._region, box)))
+        out.append(Compute(self, box, dest, functools.partial(self._region, box), self._inputs(box)))
+
+    def _inputs(self, box: Box) -> tuple[Input, ...]:
+        """``weight[box]``, and the rows of ``b`` and the columns of ``a`` it covers (read in
+        chunks of rows by :meth:`_region`)."""
+        rank = self.a.shape[0]
+        (r0, r1), (c0, c1) = box
+        if self.transposed:  # weight [in, out]: box rows are A's columns, box cols are B's rows
+            return Input(self.weight, box), Input(self.a, ((0, rank), (r0, r1))), Input(self.b, ((c0, c1), (0, rank)))
+        return Input(self.weight, box), Input(self.a, ((0, rank), (c0, c1))), Input(self.b, ((r0, r1), (0, rank)))
 
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
         rank = self.a.shape[0]
@@ -222,7 +231,7 @@ class MergeLora(RuleBase):
         alpha_key = pattern_key(self.alpha_pattern, module)
         alpha = self.alpha if alpha_key is None else self.alpha_pattern[alpha_key]
         scale = lora_scale(alpha, a.shape[0], self.rslora)
-        merged = LoraMerge(w, ctx.absorb(akey, index), ctx.absorb(bkey, index), scale, self.fan_in_fan_out)
+        merged = MergedLora(w, ctx.absorb(akey, index), ctx.absorb(bkey, index), scale, self.fan_in_fan_out)
         ctx.replace(target, merged)
 
     def _problem(self, w: Node, a: Node, b: Node) -> str | None:
@@ -340,13 +349,13 @@ class LoraMerged(BaseModel):
 
 def merged_lora(folder: str | os.PathLike[str], recipes: Mapping[str, Node]) -> LoraMerged:
     """What the plan's ``recipes`` merge from the LoRA folder: the keys holding a
-    :class:`LoraMerge` anywhere in their recipe, and the ranks of the pairs merged."""
+    :class:`MergedLora` anywhere in their recipe, and the ranks of the pairs merged."""
     keys, pairs, ranks = 0, set(), set()
     for node in recipes.values():
         found, todo = False, [node]
         while todo:
             n = todo.pop()
-            if isinstance(n, LoraMerge):
+            if isinstance(n, MergedLora):
                 found = True
                 pairs.add(id(n))
                 ranks.add(int(n.a.shape[0]))

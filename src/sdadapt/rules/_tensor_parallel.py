@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from .._recipes import nodes as N
-from .._recipes.interleave import Interleave as InterleaveNode
+from .._recipes.interleave import Interleaved
 from .._recipes.nodes import Node
 from ..errors import AdapterError
 from ._base import Keys, RuleBase, check_keys, key_patterns, matching_dim, target_info
@@ -130,7 +130,7 @@ class Interleave(RuleBase):
                 continue
             ctx.mark(index)
             if tp > 1 and len(self.sizes) > 1:
-                ctx.replace(key, InterleaveNode(node, d, tuple(self.sizes), tp, self.backward))
+                ctx.replace(key, Interleaved(node, d, tuple(self.sizes), tp, self.backward))
 
     def inverse(self) -> list[RuleBase]:
         return [Deinterleave(keys=self.keys, sizes=list(self.sizes), tp=self.tp, dim=self.dim)]

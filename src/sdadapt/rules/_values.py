@@ -11,9 +11,8 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from .._recipes import nodes as N
-from .._recipes.arithmetic import Affine as AffineNode
-from .._recipes.nodes import Cast as CastNode
-from .._recipes.nodes import Narrow
+from .._recipes.arithmetic import AffineMapped
+from .._recipes.nodes import Converted, Narrowed
 from ..errors import AdapterError
 from ._base import (
     Keys,
@@ -98,7 +97,7 @@ class Cast(RuleBase):
                 to = parse_dtype(self.dtype)
             ctx.mark(index)
             if node.dtype != to:
-                ctx.replace(key, node.as_dtype(to) or CastNode(node, to))
+                ctx.replace(key, node.as_dtype(to) or Converted(node, to))
 
     def inverse(self) -> list[RuleBase]:
         if self.from_dtype is None:
@@ -146,7 +145,7 @@ class Transpose(RuleBase):
                 continue
             ctx.mark(index)
             if d0 != d1:
-                ctx.replace(key, N.Transpose(node, d0, d1))
+                ctx.replace(key, N.Transposed(node, d0, d1))
 
     def inverse(self) -> list[RuleBase]:
         return [Transpose(keys=self.keys, dim0=self.dim0, dim1=self.dim1)]
@@ -271,7 +270,7 @@ class Rotary(RuleBase):
             ctx.mark(index)
             part = f", rotary_dim={rd}" if rd != hd else ""
             label = f"rotary_{self.to}[head_dim={hd}{part}, dim={d}]"
-            ctx.replace(key, N.UnitPermute(node, d, hd, rotary_perm(hd, self.to, rd), label))
+            ctx.replace(key, N.UnitPermuted(node, d, hd, rotary_perm(hd, self.to, rd), label))
 
     def inverse(self) -> list[RuleBase]:
         other: Literal["interleaved", "half"] = "half" if self.to == "interleaved" else "interleaved"
@@ -341,7 +340,7 @@ class Affine(RuleBase):
                 continue
             ctx.mark(index)
             if self.scale != 1.0 or self.shift != 0.0:
-                ctx.replace(key, AffineNode(node, self.scale, self.shift, self.invert))
+                ctx.replace(key, AffineMapped(node, self.scale, self.shift, self.invert))
 
     def inverse(self) -> list[RuleBase]:
         return [Affine(keys=self.keys, scale=self.scale, shift=self.shift, invert=not self.invert)]
@@ -414,7 +413,7 @@ class Pad(RuleBase):
                 continue
             ctx.mark(index)
             if want > n:
-                ctx.replace(key, N.Pad(node, d, want, self.value))
+                ctx.replace(key, N.Padded(node, d, want, self.value))
 
     def _size(self, ctx: PlanContext, key: str, index: int, n: int, d: int, nd: int) -> int | None:
         """The padded size along dim ``d`` (now ``n``): declared, rounded up, or the target's."""
@@ -467,7 +466,7 @@ class Trim(RuleBase):
                 continue
             ctx.mark(index)
             if want < n:
-                ctx.replace(key, Narrow(node, d, 0, want))
+                ctx.replace(key, Narrowed(node, d, 0, want))
 
     def inverse(self) -> list[RuleBase]:
         return [Pad(keys=self.keys, dim=self.dim)]

@@ -1,7 +1,7 @@
 """Checkpoint writers that stream: they ask for one tensor at a time and write it out.
 
 Every writer gets the full list of entries (key -> shape, dtype) up front, then pulls each
-tensor through ``produce(key)`` in an order of its choosing, writes its bytes, and drops it.
+tensor through ``pull(key)`` in an order of its choosing, writes its bytes, and drops it.
 So memory stays at about one tensor, whatever the size of the checkpoint.
 
 - :class:`SafetensorsWriter`: HF layout, ``model.safetensors`` or size-bounded shards +
@@ -17,7 +17,7 @@ would import ``torch.distributed.checkpoint``'s saving side with it.
 from __future__ import annotations
 
 from ...errors import SdadaptError
-from .base import FORMATS, Produce, Writer, parse_size
+from .base import FORMATS, Pull, Writer, parse_size
 
 
 def make_writer(fmt: str, path: str, max_shard_size: int | str = "5GB") -> Writer:
@@ -38,4 +38,4 @@ def make_writer(fmt: str, path: str, max_shard_size: int | str = "5GB") -> Write
     raise SdadaptError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
-__all__ = ["FORMATS", "Produce", "Writer", "make_writer", "parse_size"]
+__all__ = ["FORMATS", "Pull", "Writer", "make_writer", "parse_size"]

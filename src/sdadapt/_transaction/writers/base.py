@@ -12,7 +12,7 @@ import torch
 from ...errors import SdadaptError
 from ...sources._base import TensorInfo
 
-Produce = Callable[[str], torch.Tensor]
+Pull = Callable[[str], torch.Tensor]  # pull(key): the tensor of output key, made when the writer asks
 FORMATS = ("safetensors", "torch", "dcp")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -37,10 +37,10 @@ def write_bytes(f: BinaryIO, data: memoryview | bytes) -> None:
     f.write(data)
 
 
-def check_produced(key: str, t: torch.Tensor, info: TensorInfo) -> None:
+def check_pulled(key: str, t: torch.Tensor, info: TensorInfo) -> None:
     if tuple(t.shape) != tuple(info.shape) or t.dtype != info.dtype:
         raise SdadaptError(
-            f"key {key!r}: produced {t.dtype} {list(t.shape)}, but the plan said {info.dtype} {list(info.shape)}"
+            f"key {key!r}: pulled {t.dtype} {list(t.shape)}, but the plan said {info.dtype} {list(info.shape)}"
         )
 
 
@@ -51,5 +51,5 @@ class Writer(abc.ABC):
         self.path = path
 
     @abc.abstractmethod
-    def write(self, entries: dict[str, TensorInfo], produce: Produce) -> None:
-        """Write every entry; ``produce(key)`` returns that tensor (called once per key)."""
+    def write(self, entries: dict[str, TensorInfo], pull: Pull) -> None:
+        """Write every entry; ``pull(key)`` returns that tensor (called once per key)."""

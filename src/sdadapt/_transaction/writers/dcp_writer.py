@@ -1,7 +1,7 @@
 """A DCP folder written by ``dcp.save`` in one process, tensor by tensor.
 
 The state dict handed to ``dcp.save`` holds fake tensors (shapes and dtypes only); our save
-planner's ``resolve_data`` produces each real tensor when DCP's ``FileSystemWriter`` asks for
+planner's ``resolve_data`` pulls each real tensor when DCP's ``FileSystemWriter`` asks for
 it, and DCP writes it. The folder is an ordinary DCP checkpoint (``.metadata`` + ``.distcp``).
 """
 
@@ -17,28 +17,28 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from ...sources._base import TensorInfo
-from .base import Produce, Writer, check_produced
+from .base import Pull, Writer, check_pulled
 
 
 class _LazyPlanner(DefaultSavePlanner):
-    def __init__(self, entries: dict[str, TensorInfo], produce: Produce):
+    def __init__(self, entries: dict[str, TensorInfo], pull: Pull):
         super().__init__(flatten_state_dict=False)
         self.entries = entries
-        self.produce = produce
+        self.pull = pull
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         if write_item.type == WriteItemType.BYTE_IO:
             return super().resolve_data(write_item)
         key = write_item.index.fqn
-        t = self.produce(key)
-        check_produced(key, t, self.entries[key])
+        t = self.pull(key)
+        check_pulled(key, t, self.entries[key])
         return t
 
 
 class DCPWriter(Writer):
     """``path`` is the folder to write (one ``.distcp`` file plus ``.metadata``)."""
 
-    def write(self, entries: dict[str, TensorInfo], produce: Produce) -> None:
+    def write(self, entries: dict[str, TensorInfo], pull: Pull) -> None:
         with FakeTensorMode():
             fake = {k: torch.empty(i.shape, dtype=i.dtype) for k, i in entries.items()}
         with warnings.catch_warnings():
@@ -46,6 +46,6 @@ class DCPWriter(Writer):
             dcp.save(
                 fake,
                 storage_writer=FileSystemWriter(self.path, thread_count=1, sync_files=True),
-                planner=_LazyPlanner(entries, produce),
+                planner=_LazyPlanner(entries, pull),
                 no_dist=True,
             )

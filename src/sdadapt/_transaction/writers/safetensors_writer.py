@@ -15,7 +15,7 @@ from ...errors import SdadaptError
 from ...sources._base import TensorInfo
 from ...sources._hf_sharded import INDEX_NAME
 from ...sources._safetensors_file import DTYPE_NAMES
-from .base import Produce, Writer, check_produced, write_bytes
+from .base import Pull, Writer, check_pulled, write_bytes
 
 
 class SafetensorsWriter(Writer):
@@ -37,7 +37,7 @@ class SafetensorsWriter(Writer):
             used += info.nbytes
         return out
 
-    def write(self, entries: dict[str, TensorInfo], produce: Produce) -> None:
+    def write(self, entries: dict[str, TensorInfo], pull: Pull) -> None:
         for key, info in entries.items():
             if info.dtype not in DTYPE_NAMES:
                 raise SdadaptError(f"key {key!r}: safetensors cannot store {info.dtype}; export as torch or dcp")
@@ -62,8 +62,8 @@ class SafetensorsWriter(Writer):
             with open(os.path.join(self.path, name), "wb") as f:
                 write_bytes(f, struct.pack("<Q", len(raw)) + raw)
                 for key in keys:
-                    t = produce(key)
-                    check_produced(key, t, entries[key])
+                    t = pull(key)
+                    check_pulled(key, t, entries[key])
                     write_bytes(f, tensor_bytes(t))
                     del t
         if len(shards) > 1:

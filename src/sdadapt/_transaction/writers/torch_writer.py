@@ -21,13 +21,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ..._base.tensor_bytes import tensor_bytes
 from ...errors import SdadaptError
 from ...sources._base import TensorInfo
-from .base import Produce, Writer, check_produced, write_bytes
+from .base import Pull, Writer, check_pulled, write_bytes
 
 
 class TorchSaveWriter(Writer):
     """``path`` is the file to write: a flat ``{key: tensor}`` dict."""
 
-    def write(self, entries: dict[str, TensorInfo], produce: Produce) -> None:
+    def write(self, entries: dict[str, TensorInfo], pull: Pull) -> None:
         with FakeTensorMode():
             fake = {k: torch.empty(i.shape, dtype=i.dtype) for k, i in entries.items()}
         with torch.serialization.skip_data(materialize_fake_tensors=True):
@@ -43,8 +43,8 @@ class TorchSaveWriter(Writer):
         crcs: dict[str, int] = {}
         with open(self.path, "r+b") as f:
             for i, (key, info) in enumerate(entries.items()):
-                t = produce(key)
-                check_produced(key, t, info)
+                t = pull(key)
+                check_pulled(key, t, info)
                 data = tensor_bytes(t)
                 if len(data) != info.nbytes:
                     raise SdadaptError(f"key {key!r}: {len(data)} bytes, expected {info.nbytes}")
