@@ -15,6 +15,7 @@ import pytest
 import torch
 from checkpoints import write_safetensors
 
+import sdadapt._recipes.moves as MV
 import sdadapt._recipes.nodes as N
 from sdadapt._engine.device import DeviceLane, device_step
 from sdadapt._engine.lanes import TaskQueues
@@ -205,7 +206,7 @@ def test_only_computations_given_as_inputs_and_kernel_say_they_run_on_device():
     leaf = N.Leaf("a", (4, 6), torch.float32)
     dest = torch.empty(4, 6, dtype=torch.int32)
     cast = N.Converted(leaf, torch.float16).steps(N.full_box((4, 6)), dest)
-    perm = N.UnitPermuted(leaf, 0, 2, (1, 0)).steps(N.full_box((4, 6)), dest)
+    perm = MV.UnitPermuted(leaf, 0, 2, (1, 0)).steps(N.full_box((4, 6)), dest)
     assert [s.on_device for s in cast + perm if isinstance(s, N.Compute)] == [False, False]
     with pytest.raises(ValueError, match="either fn, or inputs and kernel"):
         N.Compute(leaf, N.full_box((4, 6)), dest)
@@ -665,9 +666,9 @@ def test_an_expert_of_fused_experts_crosses_as_a_view_of_its_staged_read(tmp_pat
         results = []
         for e in range(3):
             if quant == "fp8":
-                node: N.Node = QN.DequantizedFP8(N.Selected(lw, 0, e), N.Selected(ls, 0, e), (16, 16), "float32", torch.bfloat16)
+                node: N.Node = QN.DequantizedFP8(MV.Selected(lw, 0, e), MV.Selected(ls, 0, e), (16, 16), "float32", torch.bfloat16)
             else:
-                node = QN.DequantizedMXFP4(N.Selected(lw, 0, e), N.Selected(ls, 0, e), torch.bfloat16)
+                node = QN.DequantizedMXFP4(MV.Selected(lw, 0, e), MV.Selected(ls, 0, e), torch.bfloat16)
             moved = torch.full(node.shape, float("nan"), dtype=torch.bfloat16)
             (step,) = node.steps(N.full_box(node.shape), moved)
             _on_lane(worker, step)
@@ -763,7 +764,7 @@ def test_warm_up_runs_each_kind_of_kernel_once_on_a_small_zero_input(tmp_path, m
     fp8_b, _ = _fp8_node(tmp_path, "float32", (7, 9))  # same kernels, other block: not warmed again
     ue8m0, _ = _fp8_node(tmp_path, "ue8m0", (16, 32))
     mx, _ = _mxfp4_node(tmp_path)
-    stacked = N.Stacked((fp8_b, fp8_b), 0)
+    stacked = MV.Stacked((fp8_b, fp8_b), 0)
     seen: list[tuple[str, tuple[int, ...]]] = []
     for cls in (QN.DequantizedFP8, QN.DequantizedMXFP4):
         real = cls._kernel

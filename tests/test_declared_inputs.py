@@ -19,6 +19,7 @@ from checkpoints import DictIO, write_safetensors
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import sdadapt._recipes.moves as MV
 import sdadapt._recipes.nodes as N
 from sdadapt._base.regions import box_shape, full_box
 from sdadapt._engine import EngineConfig
@@ -65,21 +66,21 @@ def _nodes(t: dict[str, torch.Tensor]) -> dict[str, N.Node]:
     x, w = L("x"), L("w")
     return {
         "cast": N.Converted(L("xi"), torch.float32),
-        "permute": N.UnitPermuted(x, 1, 4, (2, 0, 3, 1)),
+        "permute": MV.UnitPermuted(x, 1, 4, (2, 0, 3, 1)),
         "affine": AffineMapped(x, 2.0, 1.0, out_dtype=torch.bfloat16),
-        "interleave-rows": Interleaved(N.Selected(x, 0, 1), 0, (6, 6), 6),
+        "interleave-rows": Interleaved(MV.Selected(x, 0, 1), 0, (6, 6), 6),
         "dequant-fp8": QN.DequantizedFP8(L("fp8"), L("fp8_s"), (4, 32), "float32", torch.bfloat16),
         "dequant-fp8-expert": QN.DequantizedFP8(
-            N.Selected(L("fp8"), 0, 1), N.Selected(L("fp8_s"), 0, 1), (4, 32), "float32", torch.float32
+            MV.Selected(L("fp8"), 0, 1), MV.Selected(L("fp8_s"), 0, 1), (4, 32), "float32", torch.float32
         ),
         "dequant-mxfp4": QN.DequantizedMXFP4(L("mx_b"), L("mx_s"), torch.bfloat16),
-        "dequant-mxfp4-narrow": QN.DequantizedMXFP4(N.Narrowed(L("mx_b"), 1, 4, 8), N.Narrowed(L("mx_s"), 1, 4, 8), torch.bfloat16),
+        "dequant-mxfp4-narrow": QN.DequantizedMXFP4(MV.Narrowed(L("mx_b"), 1, 4, 8), MV.Narrowed(L("mx_s"), 1, 4, 8), torch.bfloat16),
         "dequant-mxfp4-rows": QN.DequantizedMXFP4(
             Interleaved(L("mx_b"), 1, (6, 6), 6, inverse=True), Interleaved(L("mx_s"), 1, (6, 6), 6, inverse=True), torch.bfloat16
         ),
         "dequant-ct": QS.DequantizedScaled(L("ct"), L("ct_s"), None, None, "e4m3", (1, 64), 64, "divide", torch.bfloat16),
         "dequant-ct-concat": QS.DequantizedScaled(
-            N.Concatenated((N.Narrowed(L("ct"), 1, 0, 6), N.Narrowed(L("ct"), 1, 6, 6)), 1), L("ct_s"), None, None, "e4m3", (1, 64), 64,
+            MV.Concatenated((MV.Narrowed(L("ct"), 1, 0, 6), MV.Narrowed(L("ct"), 1, 6, 6)), 1), L("ct_s"), None, None, "e4m3", (1, 64), 64,
             "divide", torch.bfloat16,
         ),  # fmt: skip
         "dequant-nvfp4": QS.DequantizedScaled(
@@ -91,9 +92,9 @@ def _nodes(t: dict[str, torch.Tensor]) -> dict[str, N.Node]:
         "quantize-ct": QS.QuantizedScaled(x, "e4m3", (1, 64), "values", torch.float32),
         "quantize-nvfp4-scales": QS.QuantizedScaled(x, "e2m1", (1, S.NVFP4_GROUP), "scales", torch.float8_e4m3fn, L("nv_g")),
         "shape-of": QS.ShapeOf(x),
-        "global-scale-of": QS.GlobalScaleOf(N.Selected(x, 0, 0), "divide"),
+        "global-scale-of": QS.GlobalScaleOf(MV.Selected(x, 0, 0), "divide"),
         "lora": MergedLora(w, L("a"), L("b"), 0.5),
-        "lora-transposed": MergedLora(N.Transposed(w, 0, 1), L("a"), L("b"), 0.5, transposed=True),
+        "lora-transposed": MergedLora(MV.Transposed(w, 0, 1), L("a"), L("b"), 0.5, transposed=True),
     }
 
 
@@ -198,7 +199,7 @@ def test_planner_gathers_from_the_declared_inputs_without_reading(tmp_path, monk
     with open_source(str(path)) as src:
         cfg = EngineConfig(threads=1, min_span_bytes=1, gather_bytes=1 << 20, chunk_bytes=1 << 20)
         planner = Planner(src, cfg, gather_on=torch.device("cpu"))
-        for cls in (N.Node, N.Leaf, N.Selected):
+        for cls in (N.Node, N.Leaf, MV.Selected):
             monkeypatch.setattr(cls, "read", no_reads)
             monkeypatch.setattr(cls, "full", no_reads)
         monkeypatch.setattr(type(src), "read", no_reads)

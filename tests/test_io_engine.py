@@ -17,6 +17,7 @@ from checkpoints import random_state_dict, write_hf_sharded, write_safetensors, 
 import sdadapt
 from sdadapt._engine import EngineConfig, IOEngine, Job, box_spans, default_threads
 from sdadapt._recipes import interleave as interleave_module
+from sdadapt._recipes import moves as MV
 from sdadapt._recipes import nodes as N
 from sdadapt._recipes.interleave import Interleaved
 from sdadapt.errors import LoadError
@@ -56,20 +57,20 @@ def _random_box(shape: tuple[int, ...], rng: random.Random) -> tuple[tuple[int, 
 def _recipes(src) -> dict[str, N.Node]:
     leaf = {k: N.Leaf(k, i.shape, i.dtype) for k, i in src.schema.items()}
     out: dict[str, N.Node] = dict(leaf)
-    out["qkv"] = N.Concatenated((leaf["q"], leaf["k"], leaf["v"]), 0)
-    out["kv_cols"] = N.Concatenated((leaf["k"], leaf["v"]), 1)
+    out["qkv"] = MV.Concatenated((leaf["q"], leaf["k"], leaf["v"]), 0)
+    out["kv_cols"] = MV.Concatenated((leaf["k"], leaf["v"]), 1)
     out["a32"] = N.Converted(leaf["a"], torch.float32)
-    out["c_mid"] = N.Narrowed(leaf["c"], 0, 10, 40)
-    out["b_cast_cat"] = N.Converted(N.Concatenated((leaf["b"], N.Narrowed(leaf["b"], 0, 4, 6)), 0), torch.float64)
+    out["c_mid"] = MV.Narrowed(leaf["c"], 0, 10, 40)
+    out["b_cast_cat"] = N.Converted(MV.Concatenated((leaf["b"], MV.Narrowed(leaf["b"], 0, 4, 6)), 0), torch.float64)
     out["b_int_back"] = N.Converted(N.Converted(leaf["b"], torch.int32), torch.float32)  # truncates
     out["c_bf16_f32"] = N.Converted(N.Converted(leaf["c"], torch.bfloat16), torch.float32)  # rounds
-    out["cT"] = N.Transposed(leaf["c"], 0, 1)
-    out["kv_stack"] = N.Stacked((leaf["k"], leaf["v"]), 0)
-    out["b_sel"] = N.Selected(leaf["b"], 1, 3)
-    out["q_perm"] = N.UnitPermuted(leaf["q"], 0, 4, (0, 2, 1, 3))
-    out["a_pad"] = N.Padded(leaf["a"], 0, 40, 0.0)
-    out["a_pad_half"] = N.Padded(N.Converted(leaf["a"], torch.float16), 1, 23, 0.1)
-    out["qkv_tp2"] = Interleaved(N.Concatenated((leaf["q"], leaf["k"], leaf["v"]), 0), 0, (24, 8, 8), 2)
+    out["cT"] = MV.Transposed(leaf["c"], 0, 1)
+    out["kv_stack"] = MV.Stacked((leaf["k"], leaf["v"]), 0)
+    out["b_sel"] = MV.Selected(leaf["b"], 1, 3)
+    out["q_perm"] = MV.UnitPermuted(leaf["q"], 0, 4, (0, 2, 1, 3))
+    out["a_pad"] = MV.Padded(leaf["a"], 0, 40, 0.0)
+    out["a_pad_half"] = MV.Padded(N.Converted(leaf["a"], torch.float16), 1, 23, 0.1)
+    out["qkv_tp2"] = Interleaved(MV.Concatenated((leaf["q"], leaf["k"], leaf["v"]), 0), 0, (24, 8, 8), 2)
     # parts alternating row by row (picked out of covering reads), along dim 0 and a middle dim
     out["c_rows_alt"] = Interleaved(leaf["c"], 0, (32, 32), 32, inverse=True)
     out["b_mid_alt"] = Interleaved(leaf["b"], 1, (4, 4), 4, inverse=True)

@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import sdadapt
 from sdadapt._plan.plan import build_plan
 from sdadapt._recipes import interleave as interleave_module
+from sdadapt._recipes import moves as MV
 from sdadapt._recipes import nodes as N
 from sdadapt._recipes.interleave import Interleaved
 from sdadapt.errors import AdapterError
@@ -82,7 +83,7 @@ def test_transpose_node(data):
     dtype = data.draw(st.sampled_from(DTYPES))
     t = _tensor(shape, dtype, data.draw(st.integers(0, 99)))
     io = DictIO({"x": t})
-    node = N.Transposed(N.Leaf("x", tuple(shape), dtype), d0, d1)
+    node = MV.Transposed(N.Leaf("x", tuple(shape), dtype), d0, d1)
     full = _check_reads(node, io, data)
     assert torch.equal(full, t.transpose(d0, d1))
 
@@ -101,7 +102,7 @@ def test_rotary_node_reads_whole_heads_only(data):
     t = _tensor(shape, dtype, data.draw(st.integers(0, 99)))
     io = DictIO({"x": t})
     rd = 2 * data.draw(st.integers(1, hd // 2))  # partial rotary: the first rd rows of each head rotate
-    node = N.UnitPermuted(N.Leaf("x", tuple(shape), dtype), dim, hd, rotary_perm(hd, to, rd))
+    node = MV.UnitPermuted(N.Leaf("x", tuple(shape), dtype), dim, hd, rotary_perm(hd, to, rd))
 
     def whole_heads(box):
         a, b = box[dim]
@@ -134,13 +135,13 @@ def test_stack_and_select_nodes(data):
     seed = data.draw(st.integers(0, 99))
     parts = {f"e{i}": _tensor(shape, dtype, seed + i) for i in range(e)}
     io = DictIO(parts)
-    node = N.Stacked(tuple(N.Leaf(k, shape, dtype) for k in parts), dim)
+    node = MV.Stacked(tuple(N.Leaf(k, shape, dtype) for k in parts), dim)
     full = _check_reads(node, io, data)
     assert torch.equal(full, torch.stack(list(parts.values()), dim))
     # select (unstack) of a stacked source tensor
     io2 = DictIO({"s": full})
     for i in range(e):
-        sel = N.Selected(N.Leaf("s", tuple(full.shape), dtype), dim, i)
+        sel = MV.Selected(N.Leaf("s", tuple(full.shape), dtype), dim, i)
         assert torch.equal(_check_reads(sel, io2, data), parts[f"e{i}"])
 
 
@@ -155,7 +156,7 @@ def test_pad_node_reads_only_real_rows(data):
     dtype = data.draw(st.sampled_from(DTYPES))
     t = _tensor(shape, dtype, data.draw(st.integers(0, 99)))
     io = DictIO({"x": t})
-    node = N.Padded(N.Leaf("x", tuple(shape), dtype), dim, size, value)
+    node = MV.Padded(N.Leaf("x", tuple(shape), dtype), dim, size, value)
     n = shape[dim]
 
     def real(box):

@@ -235,6 +235,7 @@ def test_a_gpu_load_prefetches_its_staging_and_bands_only_when_it_computes(monke
     top, as stacked experts hold them). A CPU load prefetches nothing."""
     from types import SimpleNamespace
 
+    import sdadapt._recipes.moves as MV
     import sdadapt._recipes.nodes as N
     from sdadapt._recipes import quant_nodes as QN
     from sdadapt._transaction import load as _load
@@ -245,8 +246,8 @@ def test_a_gpu_load_prefetches_its_staging_and_bands_only_when_it_computes(monke
     monkeypatch.setattr(_load, "warm_kernels", lambda device, recipes: warmed.append((device, len(recipes))))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     w, s = N.Leaf("w", (4, 256, 256), torch.float8_e4m3fn), N.Leaf("s", (4, 2, 2), torch.float32)
-    experts = [QN.DequantizedFP8(N.Selected(w, 0, e), N.Selected(s, 0, e), (128, 128), "float32", torch.bfloat16) for e in range(4)]
-    fp8 = SimpleNamespace(recipes={"n": N.Leaf("n", (8,), torch.bfloat16), "experts": N.Stacked(tuple(experts), 0)})
+    experts = [QN.DequantizedFP8(MV.Selected(w, 0, e), MV.Selected(s, 0, e), (128, 128), "float32", torch.bfloat16) for e in range(4)]
+    fp8 = SimpleNamespace(recipes={"n": N.Leaf("n", (8,), torch.bfloat16), "experts": MV.Stacked(tuple(experts), 0)})
     plain = SimpleNamespace(recipes={"n": N.Leaf("n", (8,), torch.bfloat16)})
     with torch.device("meta"):
         model = torch.nn.Linear(2, 2)

@@ -8,7 +8,8 @@ from checkpoints import DictIO
 
 import sdadapt
 from sdadapt._plan.plan import build_plan
-from sdadapt._recipes.nodes import Concatenated, Converted, Leaf, Narrowed
+from sdadapt._recipes.moves import Concatenated, Narrowed
+from sdadapt._recipes.nodes import Converted, Leaf
 from sdadapt.errors import AdapterError
 from sdadapt.sources._base import TensorInfo
 

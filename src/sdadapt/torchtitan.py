@@ -71,8 +71,8 @@ from ._plan.resolve import resolve_adapter
 from ._plan.target import schema_of
 from ._plan.titan_names import for_export, for_load, native_names
 from ._recipes.nodes import Leaf
-from ._transaction.export import ExportError, _CachedIO, plan_outputs
-from .errors import AdapterError, PlanError, SourceError
+from ._transaction.writing import CachedIO, plan_outputs
+from .errors import AdapterError, ExportError, PlanError, SourceError
 from .sources import INDEX_NAME, Source, TensorInfo, open_source
 from .sources._json import INDEX_LIMIT, ShardIndex, read_json
 
@@ -112,7 +112,7 @@ def apply_adapter(adapter: Adapter, tensors: dict[str, torch.Tensor]) -> dict[st
         t = tensors[key]
         return t.full_tensor() if isinstance(t, DTensor) else t.detach()
 
-    io = _CachedIO(outputs, fetch, lambda t: None)
+    io = CachedIO(outputs, fetch, lambda t: None)
     out: dict[str, torch.Tensor] = {}
     for key, node in outputs.items():
         out[key] = tensors[node.key] if isinstance(node, Leaf) else io.whole(node).contiguous()

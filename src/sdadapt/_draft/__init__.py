@@ -32,7 +32,7 @@ from .._plan.plan import build_plan
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
 from .._transaction.diff import Target, target_schema
-from .._transaction.export import plan_outputs
+from .._transaction.writing import plan_outputs
 from ..rules import StripPrefix
 from ..sources import Source, TensorInfo, open_source
 from .config import FP8_SCALE_SUFFIX, NO_CONFIG, read_facts

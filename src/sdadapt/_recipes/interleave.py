@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._base.regions import Box
-from .nodes import Compute, Input, Node, Read, Rearrangement, SourceIO, Step, _with_dim, emit
+from .nodes import Compute, Input, Node, Read, Rearrangement, SourceIO, Step, emit, with_dim
 
 PICK_ROWS = 4
 PICK_BELOW = 64 * 1024
@@ -91,11 +91,11 @@ class Interleaved(Rearrangement):
         short = b - a < PICK_ROWS * n and (b - a) * row_bytes < PICK_BELOW * n
         for cluster in self._clusters(touched, row_bytes) if short else [[seg] for seg in touched]:
             lo, hi = cluster[0][0], cluster[-1][1]
-            sub, into = _with_dim(box, d, (lo, hi)), dest.narrow(d, lo - a, hi - lo)
+            sub, into = with_dim(box, d, (lo, hi)), dest.narrow(d, lo - a, hi - lo)
             if len(cluster) == 1:
-                emit(self.child, _with_dim(box, d, (lo + cluster[0][2], hi + cluster[0][2])), into, out)
+                emit(self.child, with_dim(box, d, (lo + cluster[0][2], hi + cluster[0][2])), into, out)
             else:
-                cover = _with_dim(box, d, (min(x + s for x, _, s in cluster), max(y + s for _, y, s in cluster)))
+                cover = with_dim(box, d, (min(x + s for x, _, s in cluster), max(y + s for _, y, s in cluster)))
                 out.append(Compute(self, sub, into, functools.partial(self._pick, sub, tuple(cluster)), (Input(self.child, cover),)))
 
     def source_region(self, box: Box) -> Read | None:
@@ -103,7 +103,7 @@ class Interleaved(Rearrangement):
         if len(touched) != 1:
             return None
         lo, hi, shift = touched[0]
-        return self.child.source_region(_with_dim(box, self.dim, (lo + shift, hi + shift)))
+        return self.child.source_region(with_dim(box, self.dim, (lo + shift, hi + shift)))
 
     def _clusters(self, touched: list[tuple[int, int, int]], row_bytes: int) -> list[list[tuple[int, int, int]]]:
         """``touched`` in clusters, each picked from one covering read: a cluster grows while
@@ -130,7 +130,7 @@ class Interleaved(Rearrangement):
         d = self.dim
         first = min(lo + s for lo, _, s in cluster)
         last = max(hi + s for _, hi, s in cluster)
-        cover = self.child.read(_with_dim(box, d, (first, last)), io)
+        cover = self.child.read(with_dim(box, d, (first, last)), io)
         rows = torch.tensor([r for lo, hi, s in cluster for r in range(lo + s - first, hi + s - first)], dtype=torch.int64)
         return cover.index_select(d, rows)
 

@@ -21,15 +21,9 @@ refuses to commit an output read from a file that changed meanwhile.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import logging
 import os
-import shutil
-import sys
 import time
-import uuid
-from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,15 +34,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._base.distributed import is_distributed, rank_and_world
-from .._base.regions import Box, full_box
+from .._base.regions import full_box
 from .._plan.adapter import Adapter
 from .._plan.registry import config_folder, is_shipped
 from .._plan.resolve import adapter_or_none
 from .._plan.target import model_state_dict
 from .._plan.titan_names import for_export
 from .._recipes.nodes import Node
-from ..errors import ExportError, RemoteRankError, SdadaptError
-from ..rules._base import PlanContext
+from ..errors import ExportError, RemoteRankError
 from ..sources import Source, open_source
 from ..sources import _integrity as integrity
 from ..sources._assets import copy_side_files, loaded_from, transformers_config, write_config
@@ -56,8 +49,8 @@ from ..sources._base import TensorInfo, slices
 from .args import check_model_and_path, check_not_a_model
 from .materialize import has_meta
 from .transaction import Transaction
-from .writers import make_writer
 from .writers.base import FORMATS
+from .writing import CachedIO, PageReleaser, check_destination, plan_outputs, write_folder
 
 log = logging.getLogger(__name__)
 
@@ -103,199 +96,6 @@ class ExportReport(BaseModel):
 
 
 # ------------------------------------------------------------------------------ planning
-def plan_outputs(
-    schema: dict[str, TensorInfo], adapter: Adapter | None, *, non_tensor: list[str] | None = None, what: str = "export"
-) -> tuple[dict[str, Node], list[str]]:
-    """Apply ``adapter`` to ``schema`` with no target: every key it yields is an output.
-    Returns ``(outputs in write order, non-tensor keys left over)``."""
-    adapter = adapter or Adapter([], name="identity")
-    ctx = PlanContext(schema, non_tensor or [], None, adapter.rules, adapter.stage_of)
-    for i, rule in enumerate(adapter.rules):
-        rule.apply(ctx, i)
-    ctx.check_ambiguity()
-    if ctx.issues:
-        rows = "\n".join(f"  #{it.index} {it.rule}: {it.key or ''}: {it.message}" for it in ctx.issues[:20])
-        raise ExportError(f"{what}: adapter {adapter.name!r} does not apply cleanly:\n{rows}")
-    unused = [f"#{i} {r.label()}" for i, r in enumerate(adapter.rules) if ctx.matches[i] == 0]
-    if unused:
-        log.warning("%s: rules that matched nothing: %s", what, ", ".join(unused))
-    order = {k: i for i, k in enumerate(schema)}
-    outputs = sorted(ctx.env.items(), key=lambda kv: min((order.get(leaf, 0) for leaf in kv[1].leaves()), default=0))
-    return dict(outputs), sorted(ctx.non_tensor)
-
-
-def _entries(outputs: dict[str, Node]) -> dict[str, TensorInfo]:
-    return {k: TensorInfo(tuple(n.shape), n.dtype) for k, n in outputs.items()}
-
-
-# ------------------------------------------------------------------------------ reading
-class _CachedIO:
-    """Whole leaves, fetched once and kept until no later output needs them.
-
-    Outputs are computed with ``node.read(full box)``, the lazy path: a plain leaf comes back
-    as the fetched tensor itself (for a mapped source, a view of the file: no copy), a concat
-    allocates only its result. Leaves no later output needs are released when the next output
-    is asked for (the writer has written the previous one by then) or at :meth:`flush`."""
-
-    def __init__(self, outputs: dict[str, Node], fetch: Callable[[str], torch.Tensor], release: Callable[[torch.Tensor], None]):
-        self.uses = Counter(leaf for n in outputs.values() for leaf in set(n.leaves()))
-        self.fetch = fetch
-        self.release = release
-        self.cache: dict[str, torch.Tensor] = {}
-        self.pending: list[torch.Tensor] = []
-
-    def read(self, key: str, box: Box) -> torch.Tensor:
-        t = self.cache.get(key)
-        if t is None:
-            t = self.cache[key] = self.fetch(key)
-        return t[slices(box)]
-
-    def whole(self, node: Node) -> torch.Tensor:
-        """All of ``node``'s output (the leaves the previous output alone used released first)."""
-        self.flush()
-        out = node.read(full_box(tuple(node.shape)), self)
-        for leaf in set(node.leaves()):
-            self.uses[leaf] -= 1
-            if self.uses[leaf] <= 0 and leaf in self.cache:
-                self.pending.append(self.cache.pop(leaf))
-        return out
-
-    def flush(self) -> None:
-        while self.pending:
-            self.release(self.pending.pop())
-
-
-_MADV_DONTNEED = 4
-
-
-class PageReleaser:
-    """Hands the pages of mapped source files back to the kernel once a tensor is used, so the
-    process's RSS does not grow with every tensor read from an ``mmap`` (Linux; elsewhere a
-    no-op). Only ranges inside a mapping of one of ``files`` are touched."""
-
-    def __init__(self, files: list[str]):
-        self.files = {os.path.realpath(f) for f in files}
-        self.ranges: list[tuple[int, int]] = []
-        self.page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-        self.libc = None
-        if sys.platform.startswith("linux"):
-            try:
-                self.libc = ctypes.CDLL(None, use_errno=True)
-                self.libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            except (OSError, AttributeError):
-                self.libc = None
-
-    def _refresh(self) -> None:
-        self.ranges = []
-        try:
-            with open("/proc/self/maps") as f:
-                for line in f:
-                    parts = line.split(None, 5)
-                    if len(parts) == 6 and os.path.realpath(parts[5].strip()) in self.files:
-                        a, b = (int(x, 16) for x in parts[0].split("-"))
-                        self.ranges.append((a, b))
-        except OSError:
-            pass
-
-    def __call__(self, t: torch.Tensor) -> None:
-        if self.libc is None or not self.files or t.device.type != "cpu" or t.numel() == 0:
-            return
-        start = t.data_ptr()
-        end = start + t.numel() * t.element_size()
-        a = (start + self.page - 1) // self.page * self.page
-        b = end // self.page * self.page
-        if b <= a:
-            return
-        for attempt in range(2):
-            if any(lo <= a and b <= hi for lo, hi in self.ranges):
-                self.libc.madvise(a, b - a, _MADV_DONTNEED)
-                return
-            if attempt == 0:
-                self._refresh()
-
-
-# ------------------------------------------------------------------------------ output
-def _check_dst(dst: str, overwrite: bool) -> None:
-    if os.path.lexists(dst) and not overwrite:
-        raise ExportError(f"{dst} exists; pass overwrite=True (--overwrite) or choose another destination")
-    parent = os.path.dirname(os.path.abspath(dst))
-    if not os.path.isdir(parent):
-        raise ExportError(f"{dst}: the folder {parent} does not exist")
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.remove(path)
-
-
-def _commit(tmp: str, dst: str, overwrite: bool) -> None:
-    old = None
-    if os.path.lexists(dst):
-        if not overwrite:
-            raise ExportError(f"{dst} appeared while writing; the output is left at {tmp}")
-        old = f"{dst}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(dst, old)
-    os.rename(tmp, dst)
-    if old is not None:
-        _remove(old)
-
-
-def _files(path: str) -> list[str]:
-    if os.path.isdir(path):
-        return sorted(n for n in os.listdir(path))
-    return [os.path.basename(path)]
-
-
-def _root_cause(e: BaseException) -> BaseException:
-    """DCP wraps failures in ``CheckpointException.failures`` ({rank: (exception, traceback)})."""
-    for v in getattr(e, "failures", {}).values():
-        inner = v[0] if isinstance(v, tuple) and v else v
-        if isinstance(inner, BaseException):
-            return inner
-    return e
-
-
-def _describe_failure(dst: str, e: BaseException) -> str:
-    e = _root_cause(e)
-    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-        return f"writing {dst} failed: the disk is full ({e}); nothing was left at {dst}"
-    return f"writing {dst} failed ({type(e).__name__}: {e}); nothing was left at {dst}"
-
-
-def _write(
-    dst: str,
-    fmt: str,
-    outputs: dict[str, Node],
-    pull: Callable[[str], torch.Tensor],
-    *,
-    max_shard_size: int | str,
-    overwrite: bool,
-    check: Callable[[str], None] | None = None,
-) -> list[str]:
-    """Write into a temporary path beside ``dst``, run ``check(tmp)``, then rename. Returns the
-    files written."""
-    tmp = f"{dst.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"
-    writer = make_writer(fmt, tmp, max_shard_size)
-    try:
-        writer.write(_entries(outputs), pull)
-        if check is not None:
-            check(tmp)
-        files = _files(tmp) if os.path.isdir(tmp) else [os.path.basename(dst)]
-        _commit(tmp, dst, overwrite)
-    except SdadaptError:
-        _remove(tmp)
-        raise
-    except BaseException as e:  # noqa: BLE001 - a CheckpointException (BaseException) too
-        _remove(tmp)
-        if isinstance(e, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise ExportError(_describe_failure(dst, e)) from e
-    return files
-
-
-# ------------------------------------------------------------------------------ export
 class _ModelStream:
     """``model``'s weights in the checkpoint's layout (through ``adapter.inverse()``), one output
     at a time: :meth:`pull` gathers the DTensors an output needs (``full_tensor()``: a
@@ -331,7 +131,7 @@ class _ModelStream:
             return sd, plan_outputs(schema, inverse, what=what)[0]
 
         self.state, self.outputs = txn.prepare(prepare)
-        self.io = _CachedIO(self.outputs, self._fetch, lambda t: None)
+        self.io = CachedIO(self.outputs, self._fetch, lambda t: None)
 
     def _fetch(self, key: str) -> torch.Tensor:
         t = self.state[key]
@@ -462,7 +262,7 @@ def export(
         if format not in FORMATS:
             raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
         if rank == 0:
-            _check_dst(dst, overwrite)
+            check_destination(dst, overwrite)
 
     stream = _ModelStream(model, adapter, process_group, f"export to {dst}", check, native_names=shipped, folder=folder)
     outputs = stream.outputs
@@ -483,7 +283,7 @@ def export(
     try:
         if rank == 0:
             try:
-                files = _write(dst, format, outputs, pull, max_shard_size=max_shard_size, overwrite=overwrite,
+                files = write_folder(dst, format, outputs, pull, max_shard_size=max_shard_size, overwrite=overwrite,
                                check=lambda tmp: _side_files(tmp, folder, config))  # fmt: skip
                 if checksums:
                     integrity.write_checksums_data(dst, sums)
@@ -588,7 +388,7 @@ def convert(
     adapter = adapter_or_none(adapter, src)
     if format not in FORMATS:
         raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
-    _check_dst(dst, overwrite)
+    check_destination(dst, overwrite)
     source = open_source(src, subtree=subtree)
     txn = Transaction(None, None, source.path)
     try:
@@ -597,7 +397,7 @@ def convert(
         if skipped:
             log.warning("convert: %d non-tensor entries are not written: %s", len(skipped), ", ".join(skipped[:8]))
         release = PageReleaser(source.files())
-        io = _CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
+        io = CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
         written = [0]
 
         def pull(key: str) -> torch.Tensor:
@@ -615,7 +415,7 @@ def convert(
             txn.files_unchanged("while it was being converted")
             _side_files(tmp, config_folder(source.path), None)
 
-        files = _write(dst, format, outputs, pull, max_shard_size=max_shard_size, overwrite=overwrite, check=check)
+        files = write_folder(dst, format, outputs, pull, max_shard_size=max_shard_size, overwrite=overwrite, check=check)
     finally:
         txn.close()
     return ExportReport(
@@ -638,7 +438,7 @@ def _verify(tmp: str, dst: str, outputs: dict[str, Node], source: Source, releas
         extra = sorted(set(result.schema) - set(outputs))
         if missing or extra:
             raise ExportError(f"verify {dst}: missing {missing[:8]}, unexpected {extra[:8]}")
-        io = _CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
+        io = CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
         for key, node in outputs.items():
             want = io.whole(node)
             got = result.read(key, full_box(result.schema[key].shape))

@@ -33,7 +33,7 @@ from .._recipes.nodes import Leaf, Node
 from ..errors import ShrinkError
 from ..sources import local_path, open_source
 from ..sources._json import HFConfig, read_json_dict
-from .export import PageReleaser, _check_dst, _write
+from .writing import PageReleaser, check_destination, write_folder
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def shrink(
     """
     t0 = time.perf_counter()
     src, dst = local_path(src), os.fspath(dst)  # a Hub id (hf://...): its snapshot folder
-    _check_dst(dst, overwrite)
+    check_destination(dst, overwrite)
     source = open_source(src)
     try:
         if source.kind not in ("HFShardedSource", "SafetensorsFile"):
@@ -232,7 +232,7 @@ def shrink(
             return t
 
         try:
-            files = _write(
+            files = write_folder(
                 dst,
                 "safetensors",
                 outputs,

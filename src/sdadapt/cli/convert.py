@@ -48,7 +48,8 @@ def _adapter(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from .._base.progress import progress_bar, show_progress
-    from .._transaction.export import convert, plan_outputs
+    from .._transaction.export import convert
+    from .._transaction.writing import plan_outputs
     from ..sources import open_source
 
     adapter = _adapter(args)

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from .._recipes.interleave import Interleaved
-from .._recipes.nodes import Concatenated, Narrowed, Node
+from .._recipes.moves import Concatenated, Narrowed
+from .._recipes.nodes import Node
 from ..errors import AdapterError
 from ._base import RuleBase, move
 from ._patterns import check_output_pattern, compile_pattern, typed_like

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
 
-from .._recipes import nodes as N
+from .._recipes import moves as MV
 from ..errors import AdapterError
 from ._base import RuleBase, dim_of
 from ._patterns import compile_pattern, typed_like
@@ -122,7 +122,7 @@ class Stack(_Stacking):
                 continue
             for _, k in members:
                 ctx.take(k, index)
-            ctx.put(dst, N.Stacked(tuple(parts), self.dim % (nd + 1)), index, origin=[k for _, k in members])
+            ctx.put(dst, MV.Stacked(tuple(parts), self.dim % (nd + 1)), index, origin=[k for _, k in members])
 
     def inverse(self) -> list[RuleBase]:
         return [Unstack(src=typed_like(self.dst, self.src), dst=self.src, over=self.over, dim=self.dim, count=self.count)]
@@ -171,7 +171,7 @@ class Unstack(_Stacking):
                 continue
             ctx.take(key, index)
             for e in range(n):
-                ctx.put(out.format({**caps, self.over: str(e)}), N.Selected(node, d, e), index, origin=key)
+                ctx.put(out.format({**caps, self.over: str(e)}), MV.Selected(node, d, e), index, origin=key)
 
     def inverse(self) -> list[RuleBase]:
         return [Stack(src=typed_like(self.dst, self.src), dst=self.src, over=self.over, dim=self.dim, count=self.count)]

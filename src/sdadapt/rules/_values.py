@@ -10,9 +10,10 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .._recipes import nodes as N
+from .._recipes import moves as MV
 from .._recipes.arithmetic import AffineMapped
-from .._recipes.nodes import Converted, Narrowed
+from .._recipes.moves import Narrowed
+from .._recipes.nodes import Converted
 from ..errors import AdapterError
 from ._base import (
     Keys,
@@ -145,7 +146,7 @@ class Transpose(RuleBase):
                 continue
             ctx.mark(index)
             if d0 != d1:
-                ctx.replace(key, N.Transposed(node, d0, d1))
+                ctx.replace(key, MV.Transposed(node, d0, d1))
 
     def inverse(self) -> list[RuleBase]:
         return [Transpose(keys=self.keys, dim0=self.dim0, dim1=self.dim1)]
@@ -270,7 +271,7 @@ class Rotary(RuleBase):
             ctx.mark(index)
             part = f", rotary_dim={rd}" if rd != hd else ""
             label = f"rotary_{self.to}[head_dim={hd}{part}, dim={d}]"
-            ctx.replace(key, N.UnitPermuted(node, d, hd, rotary_perm(hd, self.to, rd), label))
+            ctx.replace(key, MV.UnitPermuted(node, d, hd, rotary_perm(hd, self.to, rd), label))
 
     def inverse(self) -> list[RuleBase]:
         other: Literal["interleaved", "half"] = "half" if self.to == "interleaved" else "interleaved"
@@ -413,7 +414,7 @@ class Pad(RuleBase):
                 continue
             ctx.mark(index)
             if want > n:
-                ctx.replace(key, N.Padded(node, d, want, self.value))
+                ctx.replace(key, MV.Padded(node, d, want, self.value))
 
     def _size(self, ctx: PlanContext, key: str, index: int, n: int, d: int, nd: int) -> int | None:
         """The padded size along dim ``d`` (now ``n``): declared, rounded up, or the target's."""
