@@ -116,9 +116,12 @@ class DequantScaled(_Dequant):
 
 @dataclass(frozen=True, eq=False)
 class QuantizeScaled(_Computed):
-    """One part of ``child [..., R, C]`` re-quantized in a scaled format: the codes
-    (``part="values"``: e4m3, or packed e2m1 for NVFP4) or the scales (``part="scales"``, in
-    ``scale_dtype``), with ``block`` scale tiles; NVFP4 needs the stored global scale ``glob``."""
+    """One part of ``child [..., R, C]`` re-quantized in a scaled format (:func:`S.quantize`): the
+    stored codes (``part="values"``: e4m3 or int8, e2m1 two per byte, int4 / int8 packed in int32
+    words), the scales (``part="scales"``, in ``scale_dtype``: float, or e8m0 exponent bytes) or
+    the zero points (``part="zeros"``, with ``zero``: int8, or packed along rows in int32 words),
+    with ``block`` scale tiles; NVFP4 needs the stored global scale ``glob``. A region is computed
+    from the whole tiles it touches (and, for packed zero points, the whole words of tile rows)."""
 
     child: Node
     codec: S.Codec
@@ -128,15 +131,20 @@ class QuantizeScaled(_Computed):
     glob: Node | None = None
     mode: S.GlobalMode = "divide"
     scale_shape: tuple[int, ...] | None = None  # the stored scale's shape (a per-tensor scale's 0-d or [1])
+    zero: bool = False
     shape: tuple[int, ...] = field(init=False)
     dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         s = tuple(self.child.shape)
+        grid = s[:-2] + (S.cdiv(s[-2], self.block[0]), S.cdiv(s[-1], self.block[1]))
         if self.part == "values":
             shape, dtype = s[:-1] + (S.cdiv(s[-1], S.PER_UNIT[self.codec]),), S.STORED[self.codec]
+        elif self.part == "zeros":
+            packed = self.codec in ("int4", "int8_packed")
+            rows = S.cdiv(grid[-2], 32 // S.BITS[self.codec]) if packed else grid[-2]
+            shape, dtype = grid[:-2] + (rows, grid[-1]), torch.int32 if packed else torch.int8
         else:
-            grid = s[:-2] + (S.cdiv(s[-2], self.block[0]), S.cdiv(s[-1], self.block[1]))
             shape, dtype = self.scale_shape if self.scale_shape is not None else grid, self.scale_dtype
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", dtype)
@@ -144,11 +152,9 @@ class QuantizeScaled(_Computed):
     def children(self) -> tuple[Node, ...]:
         return (self.child,) if self.glob is None else (self.child, self.glob)
 
-    def _quantize(self, x: torch.Tensor, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.codec == "e2m1":
-            assert self.glob is not None
-            return S.quantize_nvfp4(x, self.glob.full(io), self.mode)
-        return S.quantize_fp8_scaled(x, self.block, self.scale_dtype)
+    def _quantize(self, x: torch.Tensor, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        glob = None if self.glob is None else self.glob.full(io)
+        return S.quantize(x, self.codec, self.block, self.scale_dtype, self.zero, glob, self.mode)
 
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
         rows, cols = self.child.shape[-2:]
@@ -159,16 +165,24 @@ class QuantizeScaled(_Computed):
             c0, c1 = p0 * unit, min(cols, p1 * unit)
             r_lo, c_lo = a0 // b0 * b0, c0 // b1 * b1
             src = box[:-2] + ((r_lo, min(rows, S.cdiv(a1, b0) * b0)), (c_lo, min(cols, S.cdiv(c1, b1) * b1)))
-            q, _ = self._quantize(self.child.read(src, io), io)
+            q = self._quantize(self.child.read(src, io), io)[0]
             return q[..., a0 - r_lo : a1 - r_lo, (c0 - c_lo) // unit : (c0 - c_lo) // unit + p1 - p0]
-        if self.scale_shape is not None and len(self.scale_shape) < 2:  # one scale for the whole tensor
+        if self.part == "scales" and self.scale_shape is not None and len(self.scale_shape) < 2:  # one scale for the whole tensor
             return self._quantize(self.child.full(io), io)[1].reshape(self.shape)
         (g0, g1), (h0, h1) = box[-2:]
-        src = box[:-2] + ((g0 * b0, min(rows, g1 * b0)), (h0 * b1, min(cols, h1 * b1)))
-        return self._quantize(self.child.read(src, io), io)[1].reshape(box_shape(box))
+        per = 32 // S.BITS[self.codec] if self.part == "zeros" and self.codec in ("int4", "int8_packed") else 1
+        t0, t1 = g0 * per, min(S.cdiv(rows, b0), g1 * per)  # the tile rows of these (packed) rows
+        src = box[:-2] + ((t0 * b0, min(rows, t1 * b0)), (h0 * b1, min(cols, h1 * b1)))
+        _, scales, zeros = self._quantize(self.child.read(src, io), io)
+        out = scales if self.part == "scales" else zeros
+        assert out is not None
+        return out.reshape(box_shape(box))
 
     def full(self, io: SourceIO) -> torch.Tensor:
-        q, s = self._quantize(self.child.full(io), io)
+        q, s, z = self._quantize(self.child.full(io), io)
+        if self.part == "zeros":
+            assert z is not None
+            return z
         return q if self.part == "values" else s.reshape(self.shape)
 
     def describe(self) -> str:
