@@ -295,13 +295,15 @@ def quantize_mx(x: torch.Tensor, block: tuple[int, int], codec: Codec, scale_dty
 def quantize_nvfp4(
     x: torch.Tensor, glob: torch.Tensor, mode: GlobalMode
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., R, C]`` (``C`` a multiple of 16) -> (packed e2m1 ``uint8 [..., R, C/2]``, e4m3
-    scales ``[..., R, C/16]``) under the stored per-tensor ``glob``: each group's scale is
-    ``amax / 6`` expressed against the global scale and rounded to e4m3."""
+    """``x [..., R, C]`` -> (packed e2m1 ``uint8 [..., R, C/2]``, e4m3 scales ``[..., R, C/16]``)
+    under the stored per-tensor ``glob``: each group's scale is ``amax / 6`` expressed against the
+    global scale, in each tool's float32 arithmetic (compressed-tensors: ``glob * (amax / 6)``;
+    ModelOpt: ``amax / (6 * glob)``), and rounded to e4m3; the codes round half to even, keeping
+    the sign of -0.0."""
     amax = _grid_amax(x, (1, NVFP4_GROUP))
     g = glob.to(torch.float32).reshape(())
-    want = amax / E2M1_MAX
-    stored = (want * g if mode == "divide" else want / g).clamp(max=E4M3_MAX).to(FP8_DTYPE)
+    want = g * (amax / E2M1_MAX) if mode == "divide" else amax / (E2M1_MAX * g)
+    stored = want.clamp(max=E4M3_MAX).to(FP8_DTYPE)
     s = scale_multipliers(stored, glob, mode)
     s = torch.where(s > 0, s, torch.ones_like(s))
     return _pack_e2m1(e2m1_codes(x.to(torch.float32) / _spread(s, x.shape, (1, NVFP4_GROUP)))), stored
