@@ -238,3 +238,50 @@ def test_int_quantizer_takes_the_release_pair_among_candidates() -> None:
     ct_scale = noise.abs().amax(-1) / 7.5
     ct_err = ((noise / ct_scale[:, None]).round().clamp(-8, 7) * ct_scale[:, None] - noise).abs().amax(-1)
     assert bool((err <= ct_err).all())  # no worse than compressed-tensors' own choice
+
+
+@pytest.mark.parametrize(
+    "codec,block,scale_dtype,zero",
+    [
+        ("int4", (1, 32), torch.bfloat16, False),
+        ("int4", (1, 32), torch.bfloat16, True),
+        ("int8_packed", (1, 16), torch.float32, True),
+        ("int8", (1, 70), torch.bfloat16, True),  # one scale per row, zero points int8
+        ("int4", (4, 16), torch.float16, True),  # 2-D blocks: zero points packed over block rows
+        ("e4m3", (1, 32), torch.uint8, False),  # MXFP8
+        ("e4m3", (1, 32), torch.float8_e8m0fnu, False),
+        ("e2m1", (1, 32), torch.uint8, False),  # MXFP4
+        ("e2m1", (1, 16), torch.float8_e4m3fn, False),  # NVFP4 (with its global scale)
+    ],
+)
+def test_quantize_regions_equal_the_whole(codec, block, scale_dtype, zero) -> None:
+    """Every region of each part (codes cut inside packs and groups, scales and zero points cut
+    inside packed words of rows), over stacked experts ``[2, 21, 70]``, equals the same region of
+    the whole tensor's quantization: what a rank writes of its shard on export."""
+    import random
+
+    from checkpoints import DictIO
+
+    from sdadapt import _quant_scaled_nodes as SN
+    from sdadapt._nodes import Leaf
+
+    x = (torch.randn(2, 21, 70, generator=torch.Generator().manual_seed(3)) * 0.1).to(torch.bfloat16)
+    io = DictIO({"x": x})
+    leaf = Leaf("x", tuple(x.shape), x.dtype)
+    glob = SN.GlobalScaleOf(leaf, "divide") if scale_dtype == torch.float8_e4m3fn else None
+    parts = ["values", "scales"] + (["zeros"] if zero else [])
+    rng = random.Random(f"{codec}{block}{zero}")
+    for part in parts:
+        node = SN.QuantizeScaled(leaf, codec, block, part, scale_dtype, glob, "divide", None, zero)
+        whole = node.full(io)
+        assert tuple(whole.shape) == node.shape and whole.dtype == node.dtype, part
+        boxes = [tuple((0, n) for n in node.shape)]
+        for _ in range(8):
+            box = []
+            for n in node.shape:
+                a = rng.randrange(n)
+                box.append((a, rng.randrange(a + 1, n + 1)))
+            boxes.append(tuple(box))
+        for box in boxes:
+            got = node.read(box, io)
+            assert _same_bytes(got, whole[tuple(slice(a, b) for a, b in box)]), (part, box)

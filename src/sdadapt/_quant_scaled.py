@@ -390,7 +390,7 @@ def pack_int_codes(q: torch.Tensor, codec: Codec) -> torch.Tensor:
     u = F.pad((q + (1 << (bits - 1))).to(torch.int32), (0, -q.shape[-1] % unit)).to(torch.uint8)
     if bits == 4:
         u = u[..., 0::2] | (u[..., 1::2] << 4)
-    return u.contiguous().view(torch.int32)
+    return u.reshape(-1).view(torch.int32).reshape(tuple(u.shape[:-1]) + (u.shape[-1] // 4,))  # flat: any strides of size-1 dims
 
 
 def _pack_e2m1(code: torch.Tensor) -> torch.Tensor:
