@@ -285,3 +285,25 @@ def test_quantize_regions_equal_the_whole(codec, block, scale_dtype, zero) -> No
         for box in boxes:
             got = node.read(box, io)
             assert _same_bytes(got, whole[tuple(slice(a, b) for a, b in box)]), (part, box)
+
+
+@pytest.mark.parametrize("name", ["w4a16", "mxfp8", "mxfp4"])
+def test_all_zero_groups_come_back_with_scale_one(name: str) -> None:
+    """A group of zeros: compressed-tensors writes a small epsilon scale (exponent 0 for the MX
+    formats), export writes scale 1 (exponent 127); codes and every other group's bytes are the
+    release's, and the values are the same."""
+    scheme = _scheme(name)
+    w = (torch.randn(4, 64, generator=torch.Generator().manual_seed(2)) * 0.1).to(torch.bfloat16)
+    w[1, 32:] = 0
+    stored = ct_release.compress(w, name, scheme)
+    values = ct_release.decompress(stored, name, scheme)
+    codec = {"w4a16": "int4", "mxfp8": "e4m3", "mxfp4": "e2m1"}[name]
+    q, s, _ = S.quantize(values, codec, (1, 32), stored["weight_scale"].dtype)
+    packed = stored["weight_packed"] if "weight_packed" in stored else stored["weight"]
+    assert _same_bytes(q, packed)
+    zero = torch.zeros_like(s, dtype=torch.bool)
+    zero[1, 1] = True
+    assert _same_bytes(s[~zero], stored["weight_scale"][~zero])
+    assert s[1, 1].item() == (127 if codec != "int4" else 1.0) and stored["weight_scale"][1, 1].item() not in (1.0, 127)
+    back = S.dequantize(q, codec, s, (1, 32), 64, torch.bfloat16)
+    assert torch.equal(back, values)
