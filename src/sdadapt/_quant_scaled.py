@@ -328,10 +328,11 @@ def quantize_int(
     points. Where none is (values that never were so quantized), the pair closest to ``x``
     (largest absolute error; the first on ties)."""
     qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    xb = _blocked(x, block)
-    lo = xb.amin(dim=(-3, -1)).clamp(max=0)
-    hi = xb.amax(dim=(-3, -1)).clamp(min=0)
-    cands: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (stored scale, zero)
+    xb = _blocked(x, block)  # [..., nR, b0, nC, b1]
+    grid = xb.shape[:-3] + xb.shape[-2:-1]  # [..., nR, nC]
+    flat = xb.transpose(-3, -2).reshape(-1, block[0] * block[1])  # one row per block
+    lo, hi = flat.amin(-1).clamp(max=0), flat.amax(-1).clamp(min=0)
+    cands: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (stored scale, zero) per block
     if zero:
         for span in (qmax - qmin, qmax - qmin - 1):
             for stored in _neighbours(_stored_scale((hi - lo) / span, scale_dtype)):
@@ -341,28 +342,27 @@ def quantize_int(
         amax = torch.maximum(-lo, hi)
         cands = [(s, None) for n in (qmax, qmax + 1) for s in _neighbours(_stored_scale(amax / n, scale_dtype))]
         cands.append((_stored_scale(amax / (qmax + 0.5), scale_dtype), None))
-    best: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+    best_s, best_z = cands[0][0].clone(), None if cands[0][1] is None else cands[0][1].clone()
+    best_q = torch.empty_like(flat)
+    score = torch.full_like(lo, float("inf"))
+    todo = torch.arange(flat.shape[0], device=flat.device)  # blocks no candidate has reproduced yet
     for stored, z in cands:
-        sb = stored.to(torch.float32)[..., :, None, :, None]
-        zb = None if z is None else z[..., :, None, :, None]
-        q = torch.round(xb / sb if zb is None else xb / sb + zb).clamp(qmin, qmax)
-        back = (q if zb is None else q - zb) * sb
-        exact = (back.to(x.dtype).to(torch.float32) == xb).all(dim=-1).all(dim=-2)
-        score = torch.where(exact, -1.0, (back - xb).abs().amax(dim=(-3, -1)))  # exact first, then the closest
-        if best is None:
-            best = (stored, q, z, score)
-            continue
-        take = score < best[3]
-        b_z = best[2]
-        best = (
-            torch.where(take, stored, best[0]),
-            torch.where(take[..., :, None, :, None], q, best[1]),
-            None if z is None or b_z is None else torch.where(take, z, b_z),
-            torch.where(take, score, best[3]),
-        )
-    assert best is not None
-    stored, q, z, _ = best
-    return _unblock(q, x.shape).to(torch.int32), stored, None if z is None else z.to(torch.int32)
+        if todo.numel() == 0:
+            break
+        xs, s = flat[todo], stored[todo].to(torch.float32).unsqueeze(-1)
+        zs = None if z is None else z[todo].unsqueeze(-1)
+        q = torch.round(xs / s if zs is None else xs / s + zs).clamp(qmin, qmax)
+        back = (q if zs is None else q - zs) * s
+        exact = (back.to(x.dtype).to(torch.float32) == xs).all(-1)
+        new = torch.where(exact, -1.0, (back - xs).abs().amax(-1))  # exact first, then the closest
+        take = new < score[todo]
+        idx = todo[take]
+        best_s[idx], best_q[idx], score[idx] = stored[idx], q[take], new[take]
+        if best_z is not None and z is not None:
+            best_z[idx] = z[idx]
+        todo = todo[~exact]
+    q = best_q.reshape(grid + block).transpose(-3, -2)  # back to [..., nR, b0, nC, b1]
+    return _unblock(q, x.shape).to(torch.int32), best_s.reshape(grid), None if best_z is None else best_z.reshape(grid).to(torch.int32)
 
 
 def _neighbours(s: torch.Tensor) -> tuple[torch.Tensor, ...]:
