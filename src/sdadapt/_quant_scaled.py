@@ -22,6 +22,10 @@ computed in float32 and rounded once to the target's dtype. That is compressed-t
 scale: a bf16 target gets the same bits as its bf16 arithmetic); a float32 target gets the exact
 float32 product, not a bf16 one widened. Codes decode exactly (e4m3, e2m1 and small integers are
 exact in float32), so a region computed on its own equals the same region of the whole tensor.
+
+:func:`quantize` is the inverse (export): codes, scales and zero points in the same format and
+geometry, each scale chosen per block as the format's tool chooses it, or so that values
+dequantised from a release give back its bytes (see each function).
 """
 
 from __future__ import annotations
