@@ -22,6 +22,7 @@ PRESETS = {
     "w4a16": ("W4A16", "pack-quantized"),
     "w4a16_asym": ("W4A16_ASYM", "pack-quantized"),
     "w8a16": ("W8A16", "pack-quantized"),
+    "w8a8": ("W8A8", "int-quantized"),
     "mxfp8": ("MXFP8", "mxfp8-quantized"),
     "mxfp4": ("MXFP4", "mxfp4-pack-quantized"),
 }

@@ -356,14 +356,19 @@ def test_formats_give_the_same_bits_as_the_loops() -> None:
     assert torch.equal(S.decode_codes(pack_to_int32(v8, 8), "int8_packed")[:, :12], v8.float())
 
 
+def export_adapter(folder: str, dtype: torch.dtype) -> sdadapt.Adapter:
+    """The release's rules, with casts and renames that invert (export writes the release's names)."""
+    rules = sdadapt.dequant_rules(folder)
+    casts = [sdadapt.cast(k, dtype, from_dtype="bfloat16") for k in ("model.embed_tokens.weight", "model.layers.0.norm", "lm_head.weight")]
+    renames = [sdadapt.rename("model.layers.{rest:*}", "layers.{rest}"), sdadapt.rename("model.embed_tokens.weight", "embed_tokens.weight")]
+    return sdadapt.Adapter([*rules, *(casts if dtype == torch.float32 else []), *renames])
+
+
 def _export(cases, name: str, dtype: torch.dtype, tmp_path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     from safetensors.torch import load_file
 
     folder, _ = cases[name]
-    rules = sdadapt.dequant_rules(folder)
-    casts = [sdadapt.cast(k, dtype, from_dtype="bfloat16") for k in ("model.embed_tokens.weight", "model.layers.0.norm", "lm_head.weight")]
-    renames = [sdadapt.rename("model.layers.{rest:*}", "layers.{rest}"), sdadapt.rename("model.embed_tokens.weight", "embed_tokens.weight")]
-    adapter = sdadapt.Adapter([*rules, *(casts if dtype == torch.float32 else []), *renames])  # invertible renames
+    adapter = export_adapter(folder, dtype)
     model = Tiny(dtype)
     sdadapt.load(model, folder, adapter)
     sdadapt.export(model, str(tmp_path / name), adapter)
@@ -399,11 +404,14 @@ def test_nvfp4_export_gives_the_release_bytes(cases, tmp_path) -> None:
         assert torch.equal(v, want["float32"][k]), k
 
 
-def test_read_only_formats_refuse_to_invert(cases) -> None:
-    for name in ("w4a16", "w4a16_asym", "mxfp8"):
+def test_every_format_read_inverts_to_its_own_format(cases) -> None:
+    """Each release's rule inverts to a quantizer of the same keys, codec, geometry and scale
+    dtype (``test_quant_ct_export`` checks the bytes that come back); inverting that gives the rule."""
+    for name in CT_FORMATS + HAND_FORMATS:
         (rule,) = sdadapt.dequant_rules(cases[name][0])
-        with pytest.raises(AdapterError, match="cannot be inverted"):
-            rule.inverse()
+        (inv,) = rule.inverse()
+        assert inv.kind == "quantize_scaled" and inv.model_dump(exclude={"kind"}) == rule.model_dump(exclude={"kind"}), name
+        assert inv.inverse()[0] == rule, name
 
 
 @pytest.mark.parametrize("name", CT_FORMATS + HAND_FORMATS)

@@ -5,7 +5,9 @@ The releases and the model are those of ``test_quant_ct`` (w1 ``[160, 64]`` colu
 (54/53/53 rows of w1 and columns of w2: shards cut int4 words, e2m1 bytes, 16- and 32-value
 groups, and rows of the 64-row FP8 blocks, so each TP shard of w1 is smaller than a block) and
 FSDP alone (uneven). Every rank checks its shard bit-exactly against the format's reference and
-that it read less than the whole release. One launched group runs every format.
+that it read less than the whole release. The 2x2 float32 models are exported back (each rank
+re-quantizing its shards' regions: packs, groups and packed zero-point words cut by TP), with the
+bytes of the same release exported from a model of one process. One launched group runs every format.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sdadapt
 
 pytest.importorskip("compressed_tensors")
 
-from test_quant_ct import CT_FORMATS, HAND_FORMATS, Tiny, adapter_for, write_case  # noqa: E402
+from test_quant_ct import CT_FORMATS, HAND_FORMATS, Tiny, adapter_for, export_adapter, write_case  # noqa: E402
 from test_quant_dist import parallelize_tiny  # noqa: E402
 
 
@@ -65,6 +67,8 @@ def _cases(folder: str, kinds: list[str], names: list[str], dtypes: list[torch.d
                     if k.endswith("w2.weight") and 0 not in shape and offset[1] % 16:
                         cut = True  # a shard that starts inside a pack / group
                 out[f"{name}/{kind}/{dtype}"] = {"bad": bad, "bytes_read": rep.bytes_read, "total": total, "cut": cut}
+                if kind == "fsdp_tp_2x2" and dtype == torch.float32:  # each rank re-quantizes its shards' regions
+                    sdadapt.export(model, os.path.join(folder, f"{name}.export"), export_adapter(sub, dtype))
                 dist.barrier()
     return out
 
@@ -86,6 +90,24 @@ def test_scaled_formats_fsdp_tp_2x2(tmp_path):
     for name in ALL:
         for dtype in dtypes:
             _check(results, f"{name}/fsdp_tp_2x2/{dtype}")
+        _check_export(str(tmp_path), name)
+
+
+def _check_export(folder: str, name: str) -> None:
+    """The export of the sharded float32 model has the bytes of the same release loaded into a
+    model of one process and exported (here, in the test's process)."""
+    from safetensors.torch import load_file
+
+    release, whole = os.path.join(folder, name), os.path.join(folder, f"{name}.whole")
+    model, adapter = Tiny(torch.float32), export_adapter(release, torch.float32)
+    sdadapt.load(model, release, adapter)
+    sdadapt.export(model, whole, adapter)
+    a = load_file(os.path.join(folder, f"{name}.export", "model.safetensors"))
+    b = load_file(os.path.join(whole, "model.safetensors"))
+    assert sorted(a) == sorted(b), name
+    for k, v in a.items():
+        same = v.dtype == b[k].dtype and v.shape == b[k].shape
+        assert same and torch.equal(v.reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), (name, k)
 
 
 def test_scaled_formats_three_uneven_ranks(tmp_path):

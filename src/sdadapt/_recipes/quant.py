@@ -186,7 +186,7 @@ def _exact_fp32_scale(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return chosen
 
 
-def _pow2_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
+def pow2_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
     """Per block, the exponent byte of the smallest ``2**k`` with ``amax / 2**k <= 464`` (byte
     127, scale 1, for an all-zero block)."""
     mant, exp = torch.frexp(amax)  # amax = mant * 2**exp, mant in [0.5, 1)
@@ -206,7 +206,7 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int], fmt: ScaleFormat) -> t
             stored = _exact_fp32_scale(blocks, stored)
         mult = stored
     else:
-        raw = _pow2_scale_bytes(amax)
+        raw = pow2_scale_bytes(amax)
         mult = decode_e8m0(raw)
         stored = mult if fmt == "ue8m0_float32" else raw  # float32 2**k, or its exponent byte
     q = _fp8_values(blocks, mult)

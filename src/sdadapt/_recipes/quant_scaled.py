@@ -22,6 +22,10 @@ computed in float32 and rounded once to the target's dtype. That is compressed-t
 scale: a bf16 target gets the same bits as its bf16 arithmetic); a float32 target gets the exact
 float32 product, not a bf16 one widened. Codes decode exactly (e4m3, e2m1 and small integers are
 exact in float32), so a region computed on its own equals the same region of the whole tensor.
+
+:func:`quantize` is the inverse (export): codes, scales and zero points in the same format and
+geometry, each scale chosen per block as the format's tool chooses it, or so that values
+dequantised from a release give back its bytes (see each function).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .quant import E4M3_MAX, FP8_DTYPE, decode_e8m0, e2m1_codes, fp4_pairs
+from .quant import E4M3_MAX, FP8_DTYPE, decode_e8m0, e2m1_codes, encode_e8m0, fp4_pairs, pow2_scale_bytes
 
 Codec = Literal["e4m3", "int8", "e2m1", "int4", "int8_packed"]
 Strategy = Literal["tensor", "channel", "group", "block"]
@@ -195,13 +199,70 @@ def dequantize(
 # --- quantizing (export) --------------------------------------------------------------------------
 
 
-def _grid_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """Per block of ``x [..., R, C]`` (zero-padded to whole blocks) the largest magnitude."""
+def _blocked(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``x [..., R, C]`` as float32 ``[..., nR, b0, nC, b1]``, zero-padded to whole blocks."""
     rows, cols = x.shape[-2:]
     b0, b1 = block
     nr, nc = cdiv(rows, b0), cdiv(cols, b1)
-    w = F.pad(x.abs().to(torch.float32), (0, nc * b1 - cols, 0, nr * b0 - rows))
-    return w.reshape(tuple(x.shape[:-2]) + (nr, b0, nc, b1)).amax(dim=(-3, -1))
+    w = F.pad(x.to(torch.float32), (0, nc * b1 - cols, 0, nr * b0 - rows))
+    return w.reshape(tuple(x.shape[:-2]) + (nr, b0, nc, b1))
+
+
+def _grid_amax(x: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """Per block of ``x [..., R, C]`` (zero-padded to whole blocks) the largest magnitude."""
+    return _blocked(x.abs(), block).amax(dim=(-3, -1))
+
+
+def _unblock(v: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """The inverse of :func:`_blocked`: ``[..., nR, b0, nC, b1]`` -> ``[..., R, C]`` of ``shape``."""
+    nr, b0, nc, b1 = v.shape[-4:]
+    rows, cols = shape[-2:]
+    return v.reshape(tuple(v.shape[:-4]) + (nr * b0, nc * b1))[..., :rows, :cols]
+
+
+def quantize_problem(codec: Codec, scale_dtype: torch.dtype, zero: bool, glob: bool) -> str | None:
+    """Why values cannot be re-quantized in ``codec`` with these scales (``None``: they can)."""
+    e8m0 = scale_dtype in E8M0_DTYPES
+    if codec in ("e4m3", "e2m1") and zero:
+        return f"{codec} has no zero points"
+    if codec == "e2m1" and not glob and not e8m0:
+        return "e2m1 codes need a global scale (NVFP4) or e8m0 scales (MXFP4)"
+    if codec == "e2m1" and glob and e8m0:
+        return "NVFP4's group scales are e4m3, not e8m0 exponents"
+    if codec == "e4m3" and glob:
+        return "e4m3 codes take no global scale"
+    if codec in ("int8", "int4", "int8_packed") and (e8m0 or glob):
+        return f"{codec} codes take float scales only"
+    return None
+
+
+def quantize(
+    x: torch.Tensor,
+    codec: Codec,
+    block: tuple[int, int],
+    scale_dtype: torch.dtype,
+    zero: bool = False,
+    glob: torch.Tensor | None = None,
+    mode: GlobalMode = "divide",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x [..., R, C]`` -> (stored values ``[..., R, ceil(C / PER_UNIT)]``, scales ``[..., nR, nC]``
+    in ``scale_dtype``, zero points as stored or ``None``): the inverse of :func:`dequantize`
+    (see :func:`quantize_problem` for the combinations it takes). Scale choice per format:
+    :func:`quantize_fp8_scaled` (FP8, float scales), :func:`quantize_nvfp4`, :func:`quantize_mx`
+    (e8m0 exponents) and :func:`quantize_int`."""
+    if glob is not None and codec == "e2m1":
+        packed, scales = quantize_nvfp4(x, glob, mode)
+        return packed, scales, None
+    if scale_dtype in E8M0_DTYPES:
+        values, scales = quantize_mx(x, block, codec, scale_dtype)
+        return values, scales, None
+    if codec == "e4m3":
+        values, scales = quantize_fp8_scaled(x, block, scale_dtype)
+        return values, scales, None
+    codes, scales, zeros = quantize_int(x, block, BITS[codec], scale_dtype, zero)
+    if zeros is not None:
+        zeros = zeros.to(torch.int8) if codec == "int8" else pack_int_codes(zeros.transpose(-1, -2), codec).transpose(-1, -2).contiguous()
+    return pack_int_codes(codes, codec), scales, zeros
 
 
 def quantize_fp8_scaled(x: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,20 +277,130 @@ def quantize_fp8_scaled(x: torch.Tensor, block: tuple[int, int], scale_dtype: to
     return codes, stored
 
 
+def quantize_mx(x: torch.Tensor, block: tuple[int, int], codec: Codec, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., R, C]`` -> (e4m3 codes, or e2m1 codes two per byte, and one e8m0 exponent per
+    block in ``scale_dtype``: ``uint8`` or ``float8_e8m0fnu``). MXFP8 takes the smallest ``2**k``
+    with ``amax / 2**k <= 464`` (what still rounds to 448, as UE8M0 FP8 block scales); MXFP4 the
+    OCP rule ``2 ** (floor(log2(amax)) - 2)``. Both give back the exponent and codes of values
+    dequantised from compressed-tensors' MX formats, except a block whose largest e4m3 code was
+    224, which comes back doubled with the exponent one lower (the same values). An all-zero
+    block gets exponent 127 (scale 1)."""
+    amax = _grid_amax(x, block)
+    if codec == "e4m3":
+        raw = pow2_scale_bytes(amax)
+    else:
+        _, exp = torch.frexp(amax)  # floor(log2(amax)) = exp - 1; e2m1's largest exponent is 2
+        raw = encode_e8m0(torch.where(amax > 0, exp - 3, torch.zeros_like(exp)))
+    y = x.to(torch.float32) / _spread(decode_e8m0(raw), x.shape, block)
+    values = y.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE) if codec == "e4m3" else _pack_e2m1(e2m1_codes(y))
+    return values, raw.view(scale_dtype) if scale_dtype != torch.uint8 else raw
+
+
 def quantize_nvfp4(
     x: torch.Tensor, glob: torch.Tensor, mode: GlobalMode
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., R, C]`` (``C`` a multiple of 16) -> (packed e2m1 ``uint8 [..., R, C/2]``, e4m3
-    scales ``[..., R, C/16]``) under the stored per-tensor ``glob``: each group's scale is
-    ``amax / 6`` expressed against the global scale and rounded to e4m3."""
+    """``x [..., R, C]`` -> (packed e2m1 ``uint8 [..., R, C/2]``, e4m3 scales ``[..., R, C/16]``)
+    under the stored per-tensor ``glob``: each group's scale is ``amax / 6`` expressed against the
+    global scale, in each tool's float32 arithmetic (compressed-tensors: ``glob * (amax / 6)``;
+    ModelOpt: ``amax / (6 * glob)``), and rounded to e4m3; the codes round half to even, keeping
+    the sign of -0.0."""
     amax = _grid_amax(x, (1, NVFP4_GROUP))
     g = glob.to(torch.float32).reshape(())
-    want = amax / E2M1_MAX
-    stored = (want * g if mode == "divide" else want / g).clamp(max=E4M3_MAX).to(FP8_DTYPE)
+    want = g * (amax / E2M1_MAX) if mode == "divide" else amax / (E2M1_MAX * g)
+    stored = want.clamp(max=E4M3_MAX).to(FP8_DTYPE)
     s = scale_multipliers(stored, glob, mode)
     s = torch.where(s > 0, s, torch.ones_like(s))
-    code = e2m1_codes(x.to(torch.float32) / _spread(s, x.shape, (1, NVFP4_GROUP)))
-    return code[..., 0::2] | (code[..., 1::2] << 4), stored
+    return _pack_e2m1(e2m1_codes(x.to(torch.float32) / _spread(s, x.shape, (1, NVFP4_GROUP)))), stored
+
+
+def quantize_int(
+    x: torch.Tensor, block: tuple[int, int], bits: int, scale_dtype: torch.dtype, zero: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``x [..., R, C]`` -> (integer codes ``[..., R, C]`` in ``[-2**(bits-1), 2**(bits-1) - 1]``
+    as int32, scales ``[..., nR, nC]`` in ``scale_dtype``, integer zero points ``[..., nR, nC]`` or
+    ``None``), the value of a code being ``(code - zero) * scale`` computed in float32.
+
+    Per block, a few candidate (scale, zero point) pairs are tried, each scale with its two
+    neighbours in ``scale_dtype`` (values rounded to a bf16 model's dtype give a scale back only to
+    one unit in its last place). Symmetric: the largest magnitude over ``2**(bits-1) - 1`` or over
+    ``2**(bits-1)`` (the block's largest code, positive or negative), then compressed-tensors' own
+    ``amax / (2**(bits-1) - 0.5)``. Asymmetric, over the range ``lo <= 0 <= hi``: ``(hi - lo) /
+    (2**bits - 1)`` (compressed-tensors' choice) or ``/ (2**bits - 2)``, each with the zero point
+    ``round(-2**(bits-1) - lo / scale)`` that puts the lowest value on the lowest code, or one
+    above. The first pair whose values ``(code - zero) * scale``, rounded to ``x``'s dtype, are
+    ``x`` is taken: values dequantised from a release give back its codes, scales and zero
+    points. Where none is (values that never were so quantized), the pair closest to ``x``
+    (largest absolute error; the first on ties)."""
+    qmin, qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    xb = _blocked(x, block)  # [..., nR, b0, nC, b1]
+    grid = xb.shape[:-3] + xb.shape[-2:-1]  # [..., nR, nC]
+    flat = xb.transpose(-3, -2).reshape(-1, block[0] * block[1])  # one row per block
+    lo, hi = flat.amin(-1).clamp(max=0), flat.amax(-1).clamp(min=0)
+    cands: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (stored scale, zero) per block
+    if zero:
+        for span in (qmax - qmin, qmax - qmin - 1):
+            for stored in _neighbours(_stored_scale((hi - lo) / span, scale_dtype)):
+                z0 = torch.round(qmin - lo / stored.to(torch.float32))
+                cands += [(stored, (z0 + dz).clamp(qmin, qmax)) for dz in (0, 1)]
+    else:
+        amax = torch.maximum(-lo, hi)
+        cands = [(s, None) for n in (qmax, qmax + 1) for s in _neighbours(_stored_scale(amax / n, scale_dtype))]
+        cands.append((_stored_scale(amax / (qmax + 0.5), scale_dtype), None))
+    best_s, best_z = cands[0][0].clone(), None if cands[0][1] is None else cands[0][1].clone()
+    best_q = torch.empty_like(flat)
+    score = torch.full_like(lo, float("inf"))
+    todo = torch.arange(flat.shape[0], device=flat.device)  # blocks no candidate has reproduced yet
+    for stored, z in cands:
+        if todo.numel() == 0:
+            break
+        xs, s = flat[todo], stored[todo].to(torch.float32).unsqueeze(-1)
+        zs = None if z is None else z[todo].unsqueeze(-1)
+        q = torch.round(xs / s if zs is None else xs / s + zs).clamp(qmin, qmax)
+        back = (q if zs is None else q - zs) * s
+        exact = (back.to(x.dtype).to(torch.float32) == xs).all(-1)
+        new = torch.where(exact, -1.0, (back - xs).abs().amax(-1))  # exact first, then the closest
+        take = new < score[todo]
+        idx = todo[take]
+        best_s[idx], best_q[idx], score[idx] = stored[idx], q[take], new[take]
+        if best_z is not None and z is not None:
+            best_z[idx] = z[idx]
+        todo = todo[~exact]
+    q = best_q.reshape(grid + block).transpose(-3, -2)  # back to [..., nR, b0, nC, b1]
+    return _unblock(q, x.shape).to(torch.int32), best_s.reshape(grid), None if best_z is None else best_z.reshape(grid).to(torch.int32)
+
+
+def _neighbours(s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``s`` and, in a dtype with them, its two neighbours: values rounded to a narrow dtype (a
+    bf16 model's) give back a scale only to one unit in its last place."""
+    if s.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return (s,)
+    return (s, torch.nextafter(s, torch.zeros_like(s)), torch.nextafter(s, torch.full_like(s, float("inf"))))
+
+
+def _stored_scale(s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Scales in their storage ``dtype``; 1 where a block is all zero (or its scale underflows)."""
+    stored = s.to(dtype)
+    return torch.where(stored.to(torch.float32) > 0, stored, torch.ones_like(stored))
+
+
+def pack_int_codes(q: torch.Tensor, codec: Codec) -> torch.Tensor:
+    """Integer codes ``[..., C]`` -> stored values: ``int8`` as is; ``int4`` / ``int8_packed``
+    offset by ``2 ** (bits - 1)`` and packed into little-endian int32 words along the last dim
+    (element ``i`` at bits ``i * bits``, the last word padded with zero bits), as
+    compressed-tensors' ``pack_to_int32`` writes them."""
+    if codec == "int8":
+        return q.to(torch.int8)
+    bits, unit = BITS[codec], PER_UNIT[codec]
+    u = F.pad((q + (1 << (bits - 1))).to(torch.int32), (0, -q.shape[-1] % unit)).to(torch.uint8)
+    if bits == 4:
+        u = u[..., 0::2] | (u[..., 1::2] << 4)
+    return u.reshape(-1).view(torch.int32).reshape(tuple(u.shape[:-1]) + (u.shape[-1] // 4,))  # flat: any strides of size-1 dims
+
+
+def _pack_e2m1(code: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes ``[..., C]`` -> bytes ``[..., ceil(C / 2)]``, low nibble first."""
+    code = F.pad(code, (0, code.shape[-1] % 2))
+    return code[..., 0::2] | (code[..., 1::2] << 4)
 
 
 def _spread(s: torch.Tensor, shape: torch.Size | tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:

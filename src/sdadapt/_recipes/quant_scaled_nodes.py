@@ -118,9 +118,12 @@ class DequantizedScaled(_Dequant):
 
 @dataclass(frozen=True, eq=False)
 class QuantizedScaled(_Computed):
-    """One part of ``child [..., R, C]`` re-quantized in a scaled format: the codes
-    (``part="values"``: e4m3, or packed e2m1 for NVFP4) or the scales (``part="scales"``, in
-    ``scale_dtype``), with ``block`` scale tiles; NVFP4 needs the stored global scale ``glob``."""
+    """One part of ``child [..., R, C]`` re-quantized in a scaled format (:func:`S.quantize`): the
+    stored codes (``part="values"``: e4m3 or int8, e2m1 two per byte, int4 / int8 packed in int32
+    words), the scales (``part="scales"``, in ``scale_dtype``: float, or e8m0 exponent bytes) or
+    the zero points (``part="zeros"``, with ``zero``: int8, or packed along rows in int32 words),
+    with ``block`` scale tiles; NVFP4 needs the stored global scale ``glob``. A region is computed
+    from the whole tiles it touches (and, for packed zero points, the whole words of tile rows)."""
 
     child: Node
     codec: S.Codec
@@ -130,15 +133,20 @@ class QuantizedScaled(_Computed):
     glob: Node | None = None
     mode: S.GlobalMode = "divide"
     scale_shape: tuple[int, ...] | None = None  # the stored scale's shape (a per-tensor scale's 0-d or [1])
+    zero: bool = False
     shape: tuple[int, ...] = field(init=False)
     dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         s = tuple(self.child.shape)
+        grid = s[:-2] + (S.cdiv(s[-2], self.block[0]), S.cdiv(s[-1], self.block[1]))
         if self.part == "values":
             shape, dtype = s[:-1] + (S.cdiv(s[-1], S.PER_UNIT[self.codec]),), S.STORED[self.codec]
+        elif self.part == "zeros":
+            packed = self.codec in ("int4", "int8_packed")
+            rows = S.cdiv(grid[-2], 32 // S.BITS[self.codec]) if packed else grid[-2]
+            shape, dtype = grid[:-2] + (rows, grid[-1]), torch.int32 if packed else torch.int8
         else:
-            grid = s[:-2] + (S.cdiv(s[-2], self.block[0]), S.cdiv(s[-1], self.block[1]))
             shape, dtype = self.scale_shape if self.scale_shape is not None else grid, self.scale_dtype
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dtype", dtype)
@@ -146,15 +154,14 @@ class QuantizedScaled(_Computed):
     def children(self) -> tuple[Node, ...]:
         return (self.child,) if self.glob is None else (self.child, self.glob)
 
-    def _quantize(self, x: torch.Tensor, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.codec == "e2m1":
-            assert self.glob is not None
-            return S.quantize_nvfp4(x, self.glob.read(full_box(tuple(self.glob.shape)), io), self.mode)
-        return S.quantize_fp8_scaled(x, self.block, self.scale_dtype)
+    def _quantize(self, x: torch.Tensor, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        glob = None if self.glob is None else self.glob.read(full_box(tuple(self.glob.shape)), io)
+        return S.quantize(x, self.codec, self.block, self.scale_dtype, self.zero, glob, self.mode)
 
     def _source_box(self, box: Box) -> Box:
         """The region of ``child`` that region ``box`` is quantized from: the whole blocks it
-        touches (all of ``child`` for a per-tensor scale)."""
+        touches (the whole tile rows of packed zero points; all of ``child`` for a per-tensor
+        scale)."""
         rows, cols = self.child.shape[-2:]
         b0, b1 = self.block
         if self.part == "values":
@@ -165,10 +172,12 @@ class QuantizedScaled(_Computed):
         if self._per_tensor():
             return full_box(tuple(self.child.shape))
         (g0, g1), (h0, h1) = box[-2:]
-        return box[:-2] + ((g0 * b0, min(rows, g1 * b0)), (h0 * b1, min(cols, h1 * b1)))
+        per = 32 // S.BITS[self.codec] if self.part == "zeros" and self.codec in ("int4", "int8_packed") else 1
+        t0, t1 = g0 * per, min(S.cdiv(rows, b0), g1 * per)  # the tile rows of these (packed) rows
+        return box[:-2] + ((t0 * b0, min(rows, t1 * b0)), (h0 * b1, min(cols, h1 * b1)))
 
     def _per_tensor(self) -> bool:
-        return self.part != "values" and self.scale_shape is not None and len(self.scale_shape) < 2
+        return self.part == "scales" and self.scale_shape is not None and len(self.scale_shape) < 2
 
     def _inputs(self, box: Box) -> tuple[Input, ...]:
         src = (Input(self.child, self._source_box(box)),)
@@ -181,14 +190,20 @@ class QuantizedScaled(_Computed):
             unit = S.PER_UNIT[self.codec]
             c0 = p0 * unit
             (r_lo, _), (c_lo, _) = src[-2:]
-            q, _ = self._quantize(self.child.read(src, io), io)
+            q = self._quantize(self.child.read(src, io), io)[0]
             return q[..., a0 - r_lo : a1 - r_lo, (c0 - c_lo) // unit : (c0 - c_lo) // unit + p1 - p0]
+        _, scales, zeros = self._quantize(self.child.read(src, io), io)
         if self._per_tensor():  # one scale for the whole tensor
-            return self._quantize(self.child.read(src, io), io)[1].reshape(self.shape)
-        return self._quantize(self.child.read(src, io), io)[1].reshape(box_shape(box))
+            return scales.reshape(self.shape)
+        out = scales if self.part == "scales" else zeros
+        assert out is not None
+        return out.reshape(box_shape(box))
 
     def full(self, io: SourceIO) -> torch.Tensor:
-        q, s = self._quantize(self.child.full(io), io)
+        q, s, z = self._quantize(self.child.full(io), io)
+        if self.part == "zeros":
+            assert z is not None
+            return z
         return q if self.part == "values" else s.reshape(self.shape)
 
     def describe(self) -> str:

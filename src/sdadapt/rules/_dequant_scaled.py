@@ -9,7 +9,7 @@ dequantised ``key``. Keys matching ``drop`` (activation scales such as ``**.inpu
 a loader of weights has no use for them) are dropped on purpose and listed in the report's
 dropped keys. Strict: a scale, zero point or global scale of the wrong shape or dtype, or a
 missing one, is a plan problem naming both keys; a scale no rule consumes stays an unexpected
-key. Inverse: :class:`QuantizeScaled`, for the FP8 codecs with float scales and for NVFP4.
+key. Inverse: :class:`QuantizeScaled`, in the same format and geometry.
 """
 
 from __future__ import annotations
@@ -267,23 +267,22 @@ class DequantScaled(_ScaledFields):
         return ""
 
     def inverse(self) -> list[Any]:
-        exponents = self.scale_dtype in ("uint8", "float8_e8m0fnu")
-        if self.codec == "e4m3" and self.zero_suffix is None and self.global_suffix is None and not exponents:
-            return [QuantizeScaled(**self._fields())]
-        if self.codec == "e2m1" and self.global_suffix is not None:
-            return [QuantizeScaled(**self._fields())]
-        raise AdapterError(
-            f"{self.label()} cannot be inverted: export re-quantizes FP8 with float scales and NVFP4; "
-            f"{self.codec} with {'zero points' if self.zero_suffix else 'these scales'} is read only. Export the "
-            "dequantised values instead (an adapter without this rule)"
-        )
+        problem = S.quantize_problem(self.codec, _scale_dtype(self.scale_dtype, self.codec), self.zero_suffix is not None,
+                                     self.global_suffix is not None)  # fmt: skip
+        if problem is not None:
+            raise AdapterError(f"{self.label()} cannot be inverted: {problem}; export the dequantised values instead "
+                               "(an adapter without this rule)")  # fmt: skip
+        return [QuantizeScaled(**self._fields())]
 
 
 class QuantizeScaled(_ScaledFields):
-    """The inverse of :class:`DequantScaled` for FP8 (float scales, any strategy) and NVFP4:
-    each matched floating tensor becomes its codes and scales with the same keys and geometry
-    (scales in ``scale_dtype``, by default float32, e4m3 for NVFP4, whose global scale is chosen
-    again from the tensor's largest magnitude as the release's tool does: :class:`GlobalScaleOf`).
+    """The inverse of :class:`DequantScaled`: each matched floating tensor becomes its codes,
+    scales and (with ``zero_suffix``) zero points with the same keys, geometry, packing and
+    dtypes (scales in ``scale_dtype``, by default float32, e4m3 for NVFP4, whose global scale is
+    chosen again from the tensor's largest magnitude as the release's tool does:
+    :class:`GlobalScaleOf`; e8m0 exponent bytes for the MX formats). FP8 and NVFP4 with float
+    scales, MXFP8 / MXFP4 with e8m0 scales, and int8 / int4 codes (packed or not) with float
+    scales and optional zero points; how each scale is chosen is in :func:`S.quantize`.
 
     Args:
         **fields: the fields of :class:`DequantScaled` (the rule this one inverts), with the same meaning.
@@ -299,20 +298,25 @@ class QuantizeScaled(_ScaledFields):
     def apply(self, ctx: PlanContext, index: int) -> None:
         take, skip = compile_pattern(self.keys).regex.match, union_of(tuple(self.exclude)).match
         sdt = _scale_dtype(self.scale_dtype, self.codec)
+        problem = S.quantize_problem(self.codec, sdt, self.zero_suffix is not None, self.global_suffix is not None)
         for key in [k for k in ctx.keys() if take(k) is not None and skip(k) is None and len(ctx.get(k).shape) >= 2]:
             node = ctx.get(key)
+            if problem is not None:
+                ctx.issue(index, key, f"cannot be quantized: {problem}")
+                continue
             if not node.dtype.is_floating_point:
                 ctx.issue(index, key, f"is {dtype_name(node.dtype)}; only floating tensors can be quantized")
                 continue
             rows, cols = node.shape[-2:]
             tile = self.tile(rows, cols)
             glob: Node | None = None
-            if self.codec == "e2m1":
+            if self.global_suffix is not None:
                 glob = SN.GlobalScaleOf(node, self.global_mode)
                 ctx.put(key + str(self.global_suffix), glob, index, origin=key)
             shape = tuple(self.tensor_scale_shape) if self.strategy == "tensor" else None
-            scales = SN.QuantizedScaled(node, self.codec, tile, "scales", sdt, glob, self.global_mode, shape)
-            values = SN.QuantizedScaled(node, self.codec, tile, "values", sdt, glob, self.global_mode)
+            zero = self.zero_suffix is not None
+            scales = SN.QuantizedScaled(node, self.codec, tile, "scales", sdt, glob, self.global_mode, shape, zero)
+            values = SN.QuantizedScaled(node, self.codec, tile, "values", sdt, glob, self.global_mode, None, zero)
             ctx.mark(index)
             if self.values_suffix:
                 ctx.absorb(key, index)
@@ -320,6 +324,9 @@ class QuantizeScaled(_ScaledFields):
             else:
                 ctx.replace(key, values)
             ctx.put(key + self.scale_suffix, scales, index, origin=key)
+            if self.zero_suffix is not None:
+                zeros = SN.QuantizedScaled(node, self.codec, tile, "zeros", sdt, glob, self.global_mode, None, zero)
+                ctx.put(key + self.zero_suffix, zeros, index, origin=key)
             if self.shape_suffix:
                 ctx.put(key + self.shape_suffix, SN.ShapeOf(node), index, origin=key)
 

@@ -439,6 +439,7 @@ def dequant_scaled(
     exclude: list[str] | None = None,
     values_suffix: str = "",
     scale_suffix: str = "_scale",
+    scale_dtype: str | torch.dtype | None = None,
     zero_suffix: str | None = None,
     global_suffix: str | None = None,
     global_mode: GlobalMode = "divide",
@@ -460,6 +461,9 @@ def dequant_scaled(
             suffix``) of the scales, zero points, per-tensor second scale (``global_mode``:
             ``"divide"`` as compressed-tensors, ``"multiply"`` as ModelOpt's ``weight_scale_2``)
             and compressed-tensors' ``weight_shape``.
+        scale_dtype: the one dtype the scales must be stored in, and the one export writes
+            (``"uint8"`` or ``"float8_e8m0fnu"``: e8m0 exponents, as MXFP8 / MXFP4 store them);
+            ``None``: any scale dtype loads, and export writes float32 (e4m3 for NVFP4).
         drop: key patterns dropped on purpose (activation scales such as ``**.input_scale``).
         dtype: the values' dtype, or ``None`` for the model's.
 
@@ -472,5 +476,6 @@ def dequant_scaled(
     """
     return DequantScaled(keys=keys, codec=codec, strategy=strategy, group_size=group_size, block=block,
                          exclude=exclude or [], values_suffix=values_suffix, scale_suffix=scale_suffix,
-                         zero_suffix=zero_suffix, global_suffix=global_suffix, global_mode=global_mode,
+                         scale_dtype=None if scale_dtype is None else dtype_str(scale_dtype), zero_suffix=zero_suffix,
+                         global_suffix=global_suffix, global_mode=global_mode,
                          shape_suffix=shape_suffix, drop=drop or [], dtype=None if dtype is None else dtype_str(dtype))  # fmt: skip

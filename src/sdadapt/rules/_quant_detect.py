@@ -130,6 +130,9 @@ def _ct_fields(fmt: str, w: C.CTArgs, where: str) -> dict[str, Any] | None:
         raise AdapterError(f"{where}: format {fmt!r} with {w.type} {w.num_bits}-bit weights is not read by sdadapt "
                            "(it reads float-/int-/naive-quantized 8-bit, pack-quantized int4/int8, nvfp4-pack-quantized, "
                            "mxfp4-pack-quantized and mxfp8-quantized)")  # fmt: skip
+    if fmt in ("mxfp8-quantized", "mxfp4-pack-quantized"):  # e8m0 exponents: the config's dtype, else uint8 as written
+        stored = (w.scale_dtype or "").removeprefix("torch.")
+        fields["scale_dtype"] = stored if stored in ("uint8", "float8_e8m0fnu") else "uint8"
     if not w.symmetric and fields["codec"] in ("int8", "int4", "int8_packed"):
         fields["zero_suffix"] = "_zero_point"
     fields["scale_suffix"] = "_scale"
