@@ -6,7 +6,7 @@
 
 Every source kind (``torch.save``, safetensors, HF sharded, DCP) gets: truncations at several
 points, flipped bytes in headers and in data (data flips are only detectable with checksums, so
-those cases load with ``verify=True`` against a sidecar written from the good file), headers
+those cases load with ``checksums=True`` against a sidecar written from the good file), headers
 whose length or offsets point past the end or overlap, index/metadata entries naming missing
 files or paths outside the folder (``../``, absolute, symlinks leading out), duplicate keys,
 pickles that would import or call code (they must not run: each would create a marker file),

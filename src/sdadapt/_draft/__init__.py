@@ -31,6 +31,7 @@ from .._plan.adapter import Adapter
 from .._plan.plan import build_plan
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
+from .._transaction.args import check_not_a_model
 from .._transaction.diff import Target, target_schema
 from .._transaction.export import plan_outputs
 from ..rules import StripPrefix
@@ -164,6 +165,7 @@ def draft(
     resolved by :func:`sdadapt.resolve_adapter`) is a start: the checkpoint is taken as that
     adapter maps it (rules that need the model, such as ``pad`` to the model's size, cannot be
     applied here), the proposals cover what remains, and the drafted adapter runs its rules first."""
+    check_not_a_model("sdadapt.draft(target, src, adapter=None, ...)", src, other=target)
     tschema, tname = target_schema(target)
     sschema, non_tensor, sname = _source_schema(src, subtree)
     given = adapter_or_none(adapter, None if isinstance(src, dict) else src)
