@@ -72,7 +72,7 @@ def test_cli_progress_bars_on_a_terminal_only(ckpt, monkeypatch):
     monkeypatch.setattr(sys, "stderr", term)
     assert main([*argv[:2], str(folder / "a.pt"), *argv[3:]]) == 0
     shown = term.getvalue()
-    assert "write" in shown and "verify" in shown and "B/s" in shown  # tqdm's bars, one per pass
+    assert "write" in shown and "read back" in shown and "B/s" in shown  # tqdm's bars, one per pass
     term = _Terminal()
     monkeypatch.setattr(sys, "stderr", term)
     assert main([*argv[:2], str(folder / "b.pt"), *argv[3:], "--no-progress"]) == 0
@@ -89,7 +89,7 @@ def test_cli_existing_destination_and_bad_size(ckpt, capsys):
     assert sorted(os.listdir(folder)) == ["ck.pt", "qkv.json", "taken"]
 
 
-def test_verify_catches_a_wrong_output_and_leaves_nothing(ckpt, monkeypatch):
+def test_read_back_catches_a_wrong_output_and_leaves_nothing(ckpt, monkeypatch):
     folder, _ = ckpt
     import sdadapt._transaction.writers.safetensors_writer as sw
     from sdadapt._transaction.writers.base import tensor_bytes
