@@ -112,7 +112,7 @@ def _run_corpus(cases: list[dict[str, Any]], mesh: Any, both: bool) -> dict[str,
     out = {}
     for c in cases:
         for mode in _modes(both, c["phase"]):
-            kw = dict(c["load_kwargs"], **({"stage": True} if mode == "staged" else {}))
+            kw = dict(c["load_kwargs"], **({"atomic": True} if mode == "staged" else {}))
             out[f"{c['name']}/{mode}"] = _attempt(_make(mesh, mode == "meta"), c["path"], **kw)
     return out
 
@@ -142,7 +142,7 @@ def _faults_in_mode(tag: str, good: dict[str, str], scratch: str, mesh: Any) -> 
     out: dict[str, dict[str, Any]] = {}
     real_pread = syscalls.preadv_into
     meta = tag == "meta"
-    kw: dict[str, Any] = {"stage": True} if tag == "staged" else {}
+    kw: dict[str, Any] = {"atomic": True} if tag == "staged" else {}
 
     # 1. an I/O error on rank 1 in the middle of its reads
     path = _fresh(good["st"], scratch, f"eio_{tag}.safetensors")
@@ -309,7 +309,7 @@ def test_corpus_single_process(corpus: Any) -> None:
     problems: list[str] = []
     for c in cases:
         for mode in _modes(True, c.phase):
-            kw = dict(c.load_kwargs, **({"stage": True} if mode == "staged" else {}))
+            kw = dict(c.load_kwargs, **({"atomic": True} if mode == "staged" else {}))
             got = _attempt(_make(None, mode == "meta"), c.path, **kw)
             problems += _problems(c, got, 0, f"{c.name}/{mode}")
     for c in cases:
