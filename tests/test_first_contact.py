@@ -78,8 +78,10 @@ def test_model_first_then_checkpoint_runs(tmp_path):
          "call sdadapt.load_state(..., atomic=True)"),
         (lambda m: sdadapt.convert("ckpt.pt", "out", verify=True), "sdadapt.convert: the keyword verify= is now read_back=",
          "call sdadapt.convert(..., read_back=True)"),
+        (lambda m: sdadapt.convert("ckpt.pt", "out", progress=print), "sdadapt.convert: the keyword progress= is now on_progress=",
+         "call sdadapt.convert(..., on_progress=<built-in function print>)"),
     ],
-    ids=["load-stage", "load-verify", "load_state-stage", "convert-verify"],
+    ids=["load-stage", "load-verify", "load_state-stage", "convert-verify", "convert-progress"],
 )
 def test_renamed_keywords_name_the_new_one(call, start, new, tmp_path, monkeypatch):
     """An old keyword is refused with a UsageError naming the new keyword, before anything is

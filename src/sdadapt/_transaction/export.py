@@ -492,7 +492,10 @@ def _side_files(tmp: str, folder: str | None, config: dict[str, Any] | None) -> 
 # ------------------------------------------------------------------------------ convert
 @renamed_keywords(
     "sdadapt.convert",
-    {"verify": ("read_back", "read the output back and compare every tensor; sdadapt.verify compares a model's outputs with a reference")},
+    {
+        "verify": ("read_back", "read the output back and compare every tensor; sdadapt.verify compares a model's outputs"),
+        "progress": ("on_progress", "a function called (key, nbytes) after each tensor; progress= is a bool, as shrink takes it"),
+    },
 )
 def convert(
     src: str | os.PathLike[str] | Source,
@@ -504,7 +507,7 @@ def convert(
     subtree: str | None = None,
     overwrite: bool = False,
     read_back: bool = False,
-    progress: Progress | None = None,
+    on_progress: Progress | None = None,
 ) -> ExportReport:
     """Rewrite checkpoint ``src`` as ``dst`` in ``format``, applying ``adapter`` (source layout ->
     destination layout), one tensor at a time in one process. ``read_back=True`` reads the result
@@ -512,7 +515,7 @@ def convert(
     (bit-exact); a difference is an error and leaves nothing at ``dst``. Non-tensor entries are skipped
     (listed in the report). ``adapter`` may be a name, ``file.py:ATTR``, ``module:ATTR`` or
     ``.json`` (resolved by :func:`sdadapt.resolve_adapter`, options read from ``src``'s folder);
-    ``src`` may be a Hub id ``hf://org/name[@revision]``. ``progress(key, nbytes)`` is called
+    ``src`` may be a Hub id ``hf://org/name[@revision]``. ``on_progress(key, nbytes)`` is called
     after each tensor is written, then after each is read back."""
     t0 = time.perf_counter()
     call = "sdadapt.convert(src, dst, adapter=None, ...) for a checkpoint, sdadapt.export(model, dst, ...) for a model"
@@ -538,14 +541,14 @@ def convert(
             t = io.produce(outputs[key])
             n = t.numel() * t.element_size()
             written[0] += n
-            if progress is not None:
-                progress(key, n)
+            if on_progress is not None:
+                on_progress(key, n)
             return t
 
         def check(tmp: str) -> None:
             io.flush()
             if read_back:
-                _read_back(tmp, dst, outputs, source, release, progress)
+                _read_back(tmp, dst, outputs, source, release, on_progress)
             txn.files_unchanged("while it was being converted")
             _side_files(tmp, config_folder(source.path), None)
 

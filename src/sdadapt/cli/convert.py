@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
             subtree=args.subtree,
             overwrite=args.overwrite,
             read_back=args.read_back,
-            progress=progress,
+            on_progress=progress,
         )
     finally:
         if progress is not None:
