@@ -7,7 +7,7 @@ Writes a torch.save checkpoint of ``--gib`` GiB (float32; 6 layers of split q/k/
 ``python -m sdadapt convert``:
 
 1. torch.save -> HF safetensors shards (2GB), fusing q/k/v into qkv (a 288 MiB output built by concatenation);
-2. torch.save -> torch.save, no adapter, with --verify (every tensor read back and compared);
+2. torch.save -> torch.save, no adapter, with --read-back (every tensor read back and compared);
 3. torch.save -> DCP, no adapter.
 
 For each, the child's peak RSS (``ru_maxrss``) is compared with the largest tensor (input or
@@ -96,7 +96,7 @@ def main() -> None:
         cases = [
             ("safetensors, fuse q/k/v (2GB shards)",
              [src, os.path.join(args.workdir, "hf"), "--to", "safetensors", "--adapter", adapter_path]),
-            ("torch, --verify", [src, os.path.join(args.workdir, "out.pt"), "--to", "torch", "--verify"]),
+            ("torch, --read-back", [src, os.path.join(args.workdir, "out.pt"), "--to", "torch", "--read-back"]),
             ("dcp", [src, os.path.join(args.workdir, "dcp"), "--to", "dcp"]),
         ]
         size = os.path.getsize(src)

@@ -73,7 +73,7 @@ def save(args: argparse.Namespace) -> dict:
     for p in model.parameters():
         p.grad = torch.full_like(p, 1e-3)
     opt.step()
-    sdadapt.save_state(args.ckpt, model, opt, extra={"step": 1})
+    sdadapt.save_state(model, args.ckpt, opt, extra={"step": 1})
     return {}
 
 
@@ -106,7 +106,7 @@ def load(args: argparse.Namespace) -> dict:
     for _ in range(2):
         barrier()
         t0 = time.perf_counter()
-        sdadapt.load_state(args.ckpt, model, opt, {"step": 0})
+        sdadapt.load_state(model, args.ckpt, opt, {"step": 0})
         times.append(time.perf_counter() - t0)
     want = build(args.layers, args.dim, seed=0)
     bad = [k for k, v in model.state_dict().items() if not torch.equal(_full(v), want.state_dict()[k])]

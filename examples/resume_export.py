@@ -59,14 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     model(tokens[:, :-1], tokens[:, 1:]).backward()
     opt.step()
     state_dir = os.path.join(folder, "step1")
-    sdadapt.save_state(state_dir, model, opt, extra={"step": 1}, adapter=adapter)
+    sdadapt.save_state(model, state_dir, opt, extra={"step": 1}, adapter=adapter)
 
     model2 = pipeline.build_model()
     model2 = model2.to_empty(device="cpu")
     model2.init_buffers()
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
     extra: dict = {"step": 0}
-    print(sdadapt.load_state(state_dir, model2, opt2, extra=extra))
+    print(sdadapt.load_state(model2, state_dir, opt2, extra=extra))
     assert extra["step"] == 1
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True))
 
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     out = os.path.join(folder, "export")
     print(sdadapt.export(model, out, adapter, format="safetensors", checksums=True).format_text())
     model3 = pipeline.build_model()
-    sdadapt.load(model3, out, adapter, init_buffers=pipeline.Transformer.init_buffers, verify=True)
+    sdadapt.load(model3, out, adapter, init_buffers=pipeline.Transformer.init_buffers, checksums=True)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model3.state_dict().values(), strict=True))
 
     # 6. Convert the pretrained file offline to a DCP folder in the model's layout; a DCP
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     #    to read a TP degree from, so this adapter only fuses (the layout of an unsharded model).
     fuse_only = sdadapt.Adapter([adapter.rules[0]], name="fuse-qkv")
     dcp_dir = os.path.join(folder, "pretrained-dcp")
-    print(sdadapt.convert(ckpt, dcp_dir, fuse_only, "dcp", verify=True).format_text())
+    print(sdadapt.convert(ckpt, dcp_dir, fuse_only, "dcp", read_back=True).format_text())
     model4 = pipeline.build_model()
     print(sdadapt.load(model4, dcp_dir, init_buffers=pipeline.Transformer.init_buffers))
     print(f"example finished; files in {folder}")

@@ -177,11 +177,11 @@ def _worker(rank: int, folder: str) -> int:
             opt.step()
             opt.zero_grad()
         dst = os.path.join(folder, "state")
-        sdadapt.save_state(dst, model, opt, extra={"step": 2})
+        sdadapt.save_state(model, dst, opt, extra={"step": 2})
         fresh = _sharded(mesh, meta=False)
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
         extra = {"step": 0}
-        sdadapt.load_state(dst, fresh, fresh_opt, extra=extra)
+        sdadapt.load_state(fresh, dst, fresh_opt, extra=extra)
         assert extra["step"] == 2, extra
         _same(_full(fresh), _full(model), "load_state: model")
         for p, q in zip(model.parameters(), fresh.parameters(), strict=True):

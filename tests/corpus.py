@@ -6,7 +6,7 @@
 
 Every source kind (``torch.save``, safetensors, HF sharded, DCP) gets: truncations at several
 points, flipped bytes in headers and in data (data flips are only detectable with checksums, so
-those cases load with ``verify=True`` against a sidecar written from the good file), headers
+those cases load with ``checksums=True`` against a sidecar written from the good file), headers
 whose length or offsets point past the end or overlap, index/metadata entries naming missing
 files or paths outside the folder (``../``, absolute, symlinks leading out), duplicate keys,
 pickles that would import or call code (they must not run: each would create a marker file),
@@ -225,7 +225,7 @@ def build_corpus(folder: str) -> list[Case]:
     raw = bytearray(_bytes(src))
     raw[off] ^= 0x40
     _write(src, bytes(raw))
-    add(Case("pt_flip_data_verify", "torch_save", src, LoadError, "read", src, KEY, ("checksum mismatch",), {"verify": True}))
+    add(Case("pt_flip_data_verify", "torch_save", src, LoadError, "read", src, KEY, ("checksum mismatch",), {"checksums": True}))
     # pickles that would run code: each would create its marker file
     for name, payload in (
         ("mkdir", lambda m: _Reduce(os.mkdir, m)),
@@ -308,9 +308,9 @@ def build_corpus(folder: str) -> list[Case]:
     raw = bytearray(_bytes(src))
     raw[_safetensors_data_offset(src, KEY) + 7] ^= 0x01
     _write(src, bytes(raw))
-    add(Case("st_flip_data_verify", "safetensors", src, LoadError, "read", src, KEY, ("checksum mismatch",), {"verify": True}))
+    add(Case("st_flip_data_verify", "safetensors", src, LoadError, "read", src, KEY, ("checksum mismatch",), {"checksums": True}))
     src = write_safetensors(j("st_nochecksums", "m.safetensors"), sd)
-    add(Case("st_verify_without_checksums", "safetensors", src, SourceError, "open", src, fragments=("sdadapt.checksums.json",), load_kwargs={"verify": True}))
+    add(Case("st_verify_without_checksums", "safetensors", src, SourceError, "open", src, fragments=("sdadapt.checksums.json",), load_kwargs={"checksums": True}))
     bad = dict(sd)
     bad[KEY] = sd[KEY].clone()
     bad[KEY][11, 7] = float("inf")
@@ -363,7 +363,7 @@ def build_corpus(folder: str) -> list[Case]:
     raw = bytearray(_bytes(shard))
     raw[_safetensors_data_offset(shard, KEY) + 1] ^= 0x10
     _write(shard, bytes(raw))
-    add(Case("hf_flip_data_verify", "hf_sharded", f, LoadError, "read", shard, KEY, ("checksum mismatch",), {"verify": True}))
+    add(Case("hf_flip_data_verify", "hf_sharded", f, LoadError, "read", shard, KEY, ("checksum mismatch",), {"checksums": True}))
 
     # ---------------- DCP ----------------
     good_dcp = _write_dcp(j("good", "dcp"), sd)
@@ -411,7 +411,7 @@ def build_corpus(folder: str) -> list[Case]:
     at = item_off + item.find(sd[KEY].numpy().tobytes()[:16]) + 2
     assert at > item_off + 2
     flipped(datafile, os.path.join(f, dname), at, 0x20)
-    add(Case("dcp_flip_data_verify", "dcp", f, LoadError, "read", os.path.join(f, dname), KEY, ("checksum mismatch",), {"verify": True}))
+    add(Case("dcp_flip_data_verify", "dcp", f, LoadError, "read", os.path.join(f, dname), KEY, ("checksum mismatch",), {"checksums": True}))
     names = [c.name for c in cases]
     assert len(names) == len(set(names)), "duplicate case names"
     return cases

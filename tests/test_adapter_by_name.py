@@ -102,11 +102,11 @@ def test_export_convert_and_state_by_name(folder, tmp_path_factory):
     back = load_file(str(out / "back" / "model.safetensors"))
     assert back.keys() == {"model.0.q"} and torch.equal(back["model.0.q"], W)
     # by name in a DCP save/resume after a refactor: a JSON adapter renames on the way in
-    sdadapt.save_state(out / "dcp", model)
+    sdadapt.save_state(model, out / "dcp")
     refactored = nn.ModuleDict({"b": _Block()})
     json_path = out / "refactor.json"
     json_path.write_text(sdadapt.Adapter([sdadapt.rename("0.wq", "b.wq")]).to_json())
-    sdadapt.load_state(out / "dcp", refactored, adapter=str(json_path))
+    sdadapt.load_state(refactored, out / "dcp", adapter=str(json_path))
     assert torch.equal(refactored["b"].wq, model["0"].wq)
 
 

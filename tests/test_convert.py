@@ -1,4 +1,4 @@
-"""`sdadapt convert`: formats, adapter, --verify, --subtree, progress, bad input (one process)."""
+"""`sdadapt convert`: formats, adapter, --read-back, --subtree, progress, bad input (one process)."""
 
 from __future__ import annotations
 
@@ -40,10 +40,10 @@ def test_cli_convert_with_adapter_and_verify(ckpt, capsys, fmt):
     folder, ref = ckpt
     dst = folder / f"out-{fmt}"
     rc = main(["convert", str(folder / "ck.pt"), str(dst), "--to", fmt, "--adapter", str(folder / "qkv.json"),
-               "--subtree", "model", "--verify", "--shard-size", "3KB"])
+               "--subtree", "model", "--read-back", "--shard-size", "3KB"])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert "verified" in out and "29 tensors" in out
+    assert "read back and compared" in out and "29 tensors" in out
     assert err == ""  # stderr is not a terminal here: no progress bar
     got = _read_all(dst)
     assert got.keys() == ref.state_dict().keys()
@@ -68,12 +68,12 @@ class _Terminal(io.StringIO):
 
 def test_cli_progress_bars_on_a_terminal_only(ckpt, monkeypatch):
     folder, _ = ckpt
-    argv = ["convert", str(folder / "ck.pt"), "", "--to", "torch", "--subtree", "model", "--verify"]
+    argv = ["convert", str(folder / "ck.pt"), "", "--to", "torch", "--subtree", "model", "--read-back"]
     term = _Terminal()
     monkeypatch.setattr(sys, "stderr", term)
     assert main([*argv[:2], str(folder / "a.pt"), *argv[3:]]) == 0
     shown = term.getvalue()
-    assert "write" in shown and "verify" in shown and "B/s" in shown  # tqdm's bars, one per pass
+    assert "write" in shown and "read back" in shown and "B/s" in shown  # tqdm's bars, one per pass
     term = _Terminal()
     monkeypatch.setattr(sys, "stderr", term)
     assert main([*argv[:2], str(folder / "b.pt"), *argv[3:], "--no-progress"]) == 0
@@ -90,7 +90,7 @@ def test_cli_existing_destination_and_bad_size(ckpt, capsys):
     assert sorted(os.listdir(folder)) == ["ck.pt", "qkv.json", "taken"]
 
 
-def test_verify_catches_a_wrong_output_and_leaves_nothing(ckpt, monkeypatch):
+def test_read_back_catches_a_wrong_output_and_leaves_nothing(ckpt, monkeypatch):
     folder, _ = ckpt
     import sdadapt._transaction.writers.safetensors_writer as sw
     from sdadapt._base.tensor_bytes import tensor_bytes
@@ -101,7 +101,7 @@ def test_verify_catches_a_wrong_output_and_leaves_nothing(ckpt, monkeypatch):
 
     monkeypatch.setattr(sw, "tensor_bytes", corrupt)
     with pytest.raises(ExportError, match="differs from the source"):
-        convert(folder / "ck.pt", folder / "bad", QKV, "safetensors", subtree="model", verify=True)
+        convert(folder / "ck.pt", folder / "bad", QKV, "safetensors", subtree="model", read_back=True)
     assert sorted(os.listdir(folder)) == ["ck.pt", "qkv.json"]
 
 

@@ -4,7 +4,7 @@ For every case and every rank: the exact SdadaptError subclass, a message naming
 the key where there is one), the load failing within BOUND_S seconds, and the model as the
 load transaction promises (sdadapt._transaction.transaction): a model on meta stays (or is put back) on
 meta; a model holding values keeps them bit for bit, in the same storage, when the failure is
-found before writing or the load was staged (``stage=True``, the ``/staged`` cases); a failure
+found before writing or the load was staged (``atomic=True``, the ``/staged`` cases); a failure
 after in-place writing began says "partly overwritten" and leaves the model marked (its forward
 raises). Pickles that would run code leave no marker file.
 
@@ -104,7 +104,7 @@ def _forward_refused(model: nn.Module) -> bool:
 
 def _modes(both: bool, phase: str) -> list[str]:
     """meta: a meta-initialised model; real: one holding values (in place); staged: the same
-    with stage=True."""
+    with atomic=True."""
     return ["meta", "real", "staged"] if (both or phase == "read") else ["meta"]
 
 
@@ -112,7 +112,7 @@ def _run_corpus(cases: list[dict[str, Any]], mesh: Any, both: bool) -> dict[str,
     out = {}
     for c in cases:
         for mode in _modes(both, c["phase"]):
-            kw = dict(c["load_kwargs"], **({"stage": True} if mode == "staged" else {}))
+            kw = dict(c["load_kwargs"], **({"atomic": True} if mode == "staged" else {}))
             out[f"{c['name']}/{mode}"] = _attempt(_make(mesh, mode == "meta"), c["path"], **kw)
     return out
 
@@ -137,12 +137,12 @@ def _one_rank_faults(good: dict[str, str], scratch: str, mesh: Any) -> dict[str,
 
 def _faults_in_mode(tag: str, good: dict[str, str], scratch: str, mesh: Any) -> dict[str, dict[str, Any]]:
     """The faults on one rank for one kind of model (``meta``, ``real``: values, in place,
-    ``staged``: values, stage=True)."""
+    ``staged``: values, atomic=True)."""
     rank = dist.get_rank()
     out: dict[str, dict[str, Any]] = {}
     real_pread = syscalls.preadv_into
     meta = tag == "meta"
-    kw: dict[str, Any] = {"stage": True} if tag == "staged" else {}
+    kw: dict[str, Any] = {"atomic": True} if tag == "staged" else {}
 
     # 1. an I/O error on rank 1 in the middle of its reads
     path = _fresh(good["st"], scratch, f"eio_{tag}.safetensors")
@@ -234,7 +234,7 @@ def _good_load(good: dict[str, str], mesh: Any) -> dict[str, Any]:
             sdadapt.load(model, good[name], check_finite=True, init_buffers=_fail_once)
         except sdadapt.errors.ModelError:
             assert _all_meta(model)
-        sdadapt.load(model, good[name], verify=name in ("st",), check_finite=True)
+        sdadapt.load(model, good[name], checksums=name in ("st",), check_finite=True)
         out[name] = all(
             torch.equal(v.full_tensor() if isinstance(v, DTensor) else v, sd[k]) for k, v in model.state_dict().items()
         )
@@ -309,7 +309,7 @@ def test_corpus_single_process(corpus: Any) -> None:
     problems: list[str] = []
     for c in cases:
         for mode in _modes(True, c.phase):
-            kw = dict(c.load_kwargs, **({"stage": True} if mode == "staged" else {}))
+            kw = dict(c.load_kwargs, **({"atomic": True} if mode == "staged" else {}))
             got = _attempt(_make(None, mode == "meta"), c.path, **kw)
             problems += _problems(c, got, 0, f"{c.name}/{mode}")
     for c in cases:
@@ -320,17 +320,17 @@ def test_corpus_single_process(corpus: Any) -> None:
 
 def test_in_place_failure_says_partly_overwritten(corpus: Any) -> None:
     """By default a model with values is written in place; a read failure then says the model
-    was partly written and marks it; stage=True keeps it bit for bit."""
+    was partly written and marks it; atomic=True keeps it bit for bit."""
     cases, _ = corpus
     case = next(c for c in cases if c.name == "st_flip_data_verify")
     model = _make(None, False)
     with pytest.raises(LoadError, match="partly overwritten"):
-        sdadapt.load(model, case.path, verify=True)
+        sdadapt.load(model, case.path, checksums=True)
     assert _forward_refused(model)
     model = _make(None, False)
     snap = _snapshot(model)
     with pytest.raises(LoadError, match="Nothing was kept"):
-        sdadapt.load(model, case.path, verify=True, stage=True)
+        sdadapt.load(model, case.path, checksums=True, atomic=True)
     assert _unchanged(model, snap) and not _forward_refused(model)
 
 
@@ -338,7 +338,7 @@ def test_verify_accepts_good_and_checks_only_what_is_read(corpus: Any, tmp_path:
     _, good = corpus
     sd = good_state_dict()
     model = _make(None, True)
-    sdadapt.load(model, good["st"], verify=True)
+    sdadapt.load(model, good["st"], checksums=True)
     assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())
     # a checksums file that does not describe this checkpoint (shape differs) is refused before reading
     import json
@@ -351,7 +351,7 @@ def test_verify_accepts_good_and_checks_only_what_is_read(corpus: Any, tmp_path:
     model = _make(None, False)
     snap = _snapshot(model)
     with pytest.raises(SourceError, match="checksums file records") as e:
-        sdadapt.load(model, other, verify=True)
+        sdadapt.load(model, other, checksums=True)
     assert _unchanged(model, snap) and str(other) in str(e.value)
     assert repr(KEY) in str(e.value)
 
@@ -424,7 +424,7 @@ def test_faults_on_one_rank(dist_results: dict[int, Any], world: int) -> None:
 
 @pytest.mark.parametrize("fmt", ["safetensors", "torch", "dcp"])
 def test_export_and_save_state_checksums_then_verify(tmp_path: Any, fmt: str) -> None:
-    """export(checksums=True) / save_state(checksums=True) write the sidecar; load(verify=True)
+    """export(checksums=True) / save_state(checksums=True) write the sidecar; load(checksums=True)
     accepts the output, and names the key when a data byte is then flipped."""
     sd = good_state_dict()
     src = _make(None, False)
@@ -432,7 +432,7 @@ def test_export_and_save_state_checksums_then_verify(tmp_path: Any, fmt: str) ->
     dst = str(tmp_path / ("out.pt" if fmt == "torch" else "out"))
     sdadapt.export(src, dst, format=fmt, checksums=True)
     model = _make(None, True)
-    sdadapt.load(model, dst, verify=True)
+    sdadapt.load(model, dst, checksums=True)
     assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())
     # flip one data byte of KEY where the file stores it
     from sdadapt.sources import open_source
@@ -450,11 +450,11 @@ def test_export_and_save_state_checksums_then_verify(tmp_path: Any, fmt: str) ->
     model = _make(None, False)
     snap = _snapshot(model)
     with pytest.raises(LoadError, match="checksum mismatch") as e:
-        sdadapt.load(model, dst, verify=True, stage=True)
+        sdadapt.load(model, dst, checksums=True, atomic=True)
     assert repr(KEY) in str(e.value) and _unchanged(model, snap)
     if fmt == "dcp":  # save_state: the sidecar keys are the folder's full names (model.*)
         folder = str(tmp_path / "state")
-        sdadapt.save_state(folder, src, torch.optim.SGD(src.parameters(), lr=0.1), checksums=True)
+        sdadapt.save_state(src, folder, torch.optim.SGD(src.parameters(), lr=0.1), checksums=True)
         model = _make(None, True)
-        sdadapt.load(model, folder, verify=True)
+        sdadapt.load(model, folder, checksums=True)
         assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())

@@ -83,4 +83,4 @@ def test_resume_export_example(tmp_path):
     assert "example finished" in out
     assert "OK: checkpoint and model line up" in out  # the drafted adapter
     assert "restored 29 model tensors" in out and "extras ['step']" in out
-    assert "; verified" in out  # convert --verify
+    assert "; read back and compared" in out  # convert --read-back

@@ -229,7 +229,7 @@ def test_convert_refuses_a_source_that_changes_while_read(tmp_path):
         os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
 
     with pytest.raises(sdadapt.errors.SourceError, match="changed while it was being converted") as e:
-        convert(src, dst, progress=touch)
+        convert(src, dst, on_progress=touch)
     assert str(src) in str(e.value)
     assert sorted(os.listdir(tmp_path)) == ["src.safetensors"]
     convert(src, dst)  # unchanged: converts

@@ -101,7 +101,7 @@ def test_export_with_assets_and_save_state_by_name(hf_llama: tuple[str, Any], tm
     sdadapt.export(fresh, out, "llama", assets=path)
     assert all(os.path.isfile(os.path.join(out, n)) for n in SIDE)
     _logits_equal(out, hf)
-    sdadapt.save_state(str(tmp_path / "state"), model, adapter="llama")  # the name resolves from the load's folder
+    sdadapt.save_state(model, str(tmp_path / "state"), adapter="llama")  # the name resolves from the load's folder
 
 
 def test_a_name_without_any_source_says_what_to_pass() -> None:
@@ -133,7 +133,7 @@ def test_convert_copies_the_side_files(hf_llama: tuple[str, Any], tmp_path: Any)
     sdadapt.convert(path, meta, "llama")  # HF -> our layout: the folder keeps config and tokenizer
     assert all(os.path.isfile(os.path.join(meta, n)) for n in SIDE)
     back = str(tmp_path / "back")
-    sdadapt.convert(meta, back, sdadapt.get_adapter("llama", source=path).inverse(), verify=True)
+    sdadapt.convert(meta, back, sdadapt.get_adapter("llama", source=path).inverse(), read_back=True)
     _logits_equal(back, hf)
 
 

@@ -30,12 +30,16 @@ def _model() -> nn.Module:
         (lambda m: sdadapt.load("ckpt_dir", m), "sdadapt.load(model, src"),
         (lambda m: sdadapt.load("ckpt_dir", m, "llama"), "sdadapt.load(model, src"),
         (lambda m: sdadapt.plan_load("ckpt_dir", m), "sdadapt.plan_load(model, src"),
-        (lambda m: sdadapt.save_state(m, "ckpt/step1"), "sdadapt.save_state(dst, model"),
-        (lambda m: sdadapt.load_state(m, "ckpt/step1"), "sdadapt.load_state(src, model"),
+        (lambda m: sdadapt.save_state("ckpt/step1", m), "sdadapt.save_state(model, dst"),
+        (lambda m: sdadapt.save_state("ckpt/step1", m, torch.optim.SGD(m.parameters(), lr=0.1)), "sdadapt.save_state(model, dst"),
+        (lambda m: sdadapt.load_state("ckpt/step1", m), "sdadapt.load_state(model, src"),
+        (lambda m: sdadapt.load_state("ckpt/step1", m, None, {"step": 0}), "sdadapt.load_state(model, src"),
         (lambda m: sdadapt.export("hf_out", m), "sdadapt.export(model, dst"),
         (lambda m: sdadapt.diff("ckpt_dir", m), "sdadapt.diff(target, src"),
+        (lambda m: sdadapt.draft("ckpt_dir", m), "sdadapt.draft(target, src"),
     ],
-    ids=["load", "load-adapter", "plan_load", "save_state", "load_state", "export", "diff"],
+    ids=["load", "load-adapter", "plan_load", "save_state", "save_state-optimizer", "load_state", "load_state-extra",
+         "export", "diff", "draft"],
 )
 def test_swapped_arguments_are_named_as_swapped(call, signature, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -44,9 +48,69 @@ def test_swapped_arguments_are_named_as_swapped(call, signature, tmp_path, monke
         call(model)
     msg = str(info.value)
     assert "the arguments are swapped" in msg and signature in msg and "a model (Linear)" in msg, msg
+    assert ("the model comes first, then the checkpoint" in msg) == ("(model, " in signature), msg
     assert isinstance(info.value, TypeError) and isinstance(info.value, sdadapt.SdadaptError)
     assert "n_heads" not in msg  # not the adapter's complaint about the wrong folder
     assert list(tmp_path.iterdir()) == []  # nothing was written
+
+
+def test_model_first_then_checkpoint_runs(tmp_path):
+    """The new order works: save_state(model, dst) then load_state(model, src), bit-exact."""
+    torch.manual_seed(0)
+    model = _model()
+    dst = str(tmp_path / "ck")
+    assert sdadapt.save_state(model, dst, extra={"step": 3}) == dst
+    other = _model()
+    extra = {"step": 0}
+    rep = sdadapt.load_state(other, dst, None, extra)
+    assert rep.model_keys == 2 and extra["step"] == 3
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize(
+    "call, start, new",
+    [
+        (lambda m: sdadapt.load(m, "ckpt_dir", stage=True), "sdadapt.load: the keyword stage= is now atomic=",
+         "call sdadapt.load(..., atomic=True)"),
+        (lambda m: sdadapt.load(m, "ckpt_dir", verify=True), "sdadapt.load: the keyword verify= is now checksums=",
+         "call sdadapt.load(..., checksums=True)"),
+        (lambda m: sdadapt.load_state(m, "ckpt/step1", stage=True), "sdadapt.load_state: the keyword stage= is now atomic=",
+         "call sdadapt.load_state(..., atomic=True)"),
+        (lambda m: sdadapt.convert("ckpt.pt", "out", verify=True), "sdadapt.convert: the keyword verify= is now read_back=",
+         "call sdadapt.convert(..., read_back=True)"),
+        (lambda m: sdadapt.convert("ckpt.pt", "out", progress=print), "sdadapt.convert: the keyword progress= is now on_progress=",
+         "call sdadapt.convert(..., on_progress=<built-in function print>)"),
+    ],
+    ids=["load-stage", "load-verify", "load_state-stage", "convert-verify", "convert-progress"],
+)
+def test_renamed_keywords_name_the_new_one(call, start, new, tmp_path, monkeypatch):
+    """An old keyword is refused with a UsageError naming the new keyword, before anything is
+    opened (the paths do not exist: reaching them would be a SourceError) or written."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError) as info:
+        call(_model())
+    msg = str(info.value)
+    assert msg.startswith(start) and new in msg, msg
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_renamed_keywords_keep_the_signature():
+    import inspect
+
+    load = inspect.signature(sdadapt.load).parameters
+    assert list(load)[:2] == ["model", "src"] and "atomic" in load and "checksums" in load
+    assert "stage" not in load and "verify" not in load
+    assert list(inspect.signature(sdadapt.load_state).parameters)[:2] == ["model", "src"]
+    assert list(inspect.signature(sdadapt.save_state).parameters)[:2] == ["model", "dst"]
+    assert "read_back" in inspect.signature(sdadapt.convert).parameters
+    assert sdadapt.load.__doc__ and "atomic=True" in sdadapt.load.__doc__
+
+
+def test_convert_cli_old_verify_flag_names_read_back(tmp_path, capsys):
+    code = main(["convert", str(tmp_path / "missing.pt"), str(tmp_path / "out"), "--to", "torch", "--verify"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--verify is now --read-back" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_convert_given_a_model_points_at_export(tmp_path):

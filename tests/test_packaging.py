@@ -234,14 +234,14 @@ import torch
 from sdadapt.cli import main
 src, dst = sys.argv[1], sys.argv[2]
 torch.save({"a": torch.arange(12, dtype=torch.bfloat16).reshape(3, 4), "b": torch.ones(2)}, src)
-code = main(["convert", src, dst, "--to", "safetensors", "--verify"])
+code = main(["convert", src, dst, "--to", "safetensors", "--read-back"])
 assert code == 0, code
 import sdadapt
 sdadapt.write_checksums(dst)
 model = torch.nn.Module()
 model.a = torch.nn.Parameter(torch.zeros(3, 4, dtype=torch.bfloat16))
 model.register_buffer("b", torch.zeros(2))
-sdadapt.load(model, dst, verify=True)
+sdadapt.load(model, dst, checksums=True)
 assert torch.equal(model.a, torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)) and torch.equal(model.b, torch.ones(2))
 print("ok")
 """

@@ -101,7 +101,7 @@ def saved_whole(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str
     opt = adamw(whole)
     take_step(whole, opt, seed=1)
     dst = str(tmp_path_factory.mktemp("ppstate") / "whole")
-    sdadapt.save_state(dst, whole, opt, extra={"step": 1})
+    sdadapt.save_state(whole, dst, opt, extra={"step": 1})
     return dst, params_of(whole), moments_of(whole, opt)
 
 
@@ -114,7 +114,7 @@ def test_two_stages_resume_their_own_state_from_a_whole_checkpoint(saved_whole: 
         model = stage_model(layers)
         opt = adamw(model)
         extra = {"step": 0}
-        rep = sdadapt.load_state(dst, model, opt, extra, pipeline_stage=True)
+        rep = sdadapt.load_state(model, dst, opt, extra, pipeline_stage=True)
         assert differences(model, opt, params, moments) == [], layers
         assert rep.report.unexpected == [] and rep.report.missing == []
         assert set(rep.report.allowed_unexpected) == others_allowed(model, set(params)), layers
@@ -129,12 +129,12 @@ def test_resumed_stages_continue_as_the_whole_model(saved_whole: tuple[str, Any,
     dst, _, _ = saved_whole
     whole = stage_model((0, 1, 2, 3), seed=3)
     whole_opt = adamw(whole)
-    sdadapt.load_state(dst, whole, whole_opt)
+    sdadapt.load_state(whole, dst, whole_opt)
     take_step(whole, whole_opt, seed=2)
     for layers in ((0,), (1, 2), (3,)):
         model = stage_model(layers)
         opt = adamw(model)
-        sdadapt.load_state(dst, model, opt, pipeline_stage=True)
+        sdadapt.load_state(model, dst, opt, pipeline_stage=True)
         take_step(model, opt, seed=2)
         assert differences(model, opt, params_of(whole), moments_of(whole, whole_opt)) == [], layers
 
@@ -143,7 +143,7 @@ def test_without_the_argument_other_stages_keys_and_state_are_unexpected(saved_w
     dst, params, _ = saved_whole
     model = stage_model((2, 3))
     with pytest.raises(PlanError) as err:
-        sdadapt.load_state(dst, model, adamw(model))
+        sdadapt.load_state(model, dst, adamw(model))
     assert set(err.value.report.unexpected) == others_allowed(model, set(params))
 
 
@@ -155,21 +155,21 @@ def test_a_missing_key_of_the_stage_is_an_error_naming_it(tmp_path: Any) -> None
     whole_opt = adamw(whole)
     take_step(whole, whole_opt, seed=1)
     dst = str(tmp_path / "ck")
-    sdadapt.save_state(dst, whole, whole_opt)
+    sdadapt.save_state(whole, dst, whole_opt)
 
     model = stage_model((0, 1))
     opt = adamw(model)
     before = params_of(model)
     key = "layers.1.feed_forward.w3.weight"
     with pytest.raises(PlanError, match=key.replace(".", r"\.")) as err:
-        sdadapt.load_state(dst, model, opt, pipeline_stage=True)
+        sdadapt.load_state(model, dst, opt, pipeline_stage=True)
     assert sorted(err.value.report.missing) == sorted([key] + [f"optim.state.{key}.{n}" for n in MOMENTS])
     assert err.value.report.unexpected == []
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
     other = stage_model((2, 3))
     other_opt = adamw(other)
-    sdadapt.load_state(dst, other, other_opt, pipeline_stage=True)
+    sdadapt.load_state(other, dst, other_opt, pipeline_stage=True)
     assert differences(other, other_opt, params_of(whole), moments_of(whole, whole_opt)) == []
 
 
@@ -183,7 +183,7 @@ def test_stage_resumes_through_a_refactor(saved_whole: tuple[str, Any, Any]) -> 
     for layers in ((0, 1), (2, 3)):
         model = stage_model(layers, {**CFG, "fused_qkv": True})
         opt = adamw(model)
-        rep = sdadapt.load_state(dst, model, opt, adapter=adapter, pipeline_stage=True)
+        rep = sdadapt.load_state(model, dst, opt, adapter=adapter, pipeline_stage=True)
         assert rep.report.unexpected == []
         got = moments_of(model, opt)
         for i in layers:
@@ -208,12 +208,12 @@ def _save_stages_then_resume_another_split(folder: str) -> dict[str, Any]:
     opt = adamw(model)
     take_step(model, opt, seed=1)
     dst = os.path.join(folder, "stages")
-    sdadapt.save_state(dst, model, opt)
+    sdadapt.save_state(model, dst, opt)
     saved = (params_of(model), moments_of(model, opt))
 
     resumed = stage_model(((0,), (1, 2, 3))[rank])
     resumed_opt = adamw(resumed)
-    rep = sdadapt.load_state(dst, resumed, resumed_opt, pipeline_stage=True)
+    rep = sdadapt.load_state(resumed, dst, resumed_opt, pipeline_stage=True)
     return {
         "saved": saved,
         "resumed": (params_of(resumed), moments_of(resumed, resumed_opt)),
@@ -241,6 +241,6 @@ def test_stages_saved_on_two_ranks_resume_into_other_splits(tmp_path: Any) -> No
     for i in range(4):
         model = stage_model((i,))
         opt = adamw(model)
-        rep = sdadapt.load_state(os.path.join(str(tmp_path), "stages"), model, opt, pipeline_stage=True)
+        rep = sdadapt.load_state(model, os.path.join(str(tmp_path), "stages"), opt, pipeline_stage=True)
         assert differences(model, opt, params, moments) == [], i
         assert rep.bytes_read == nbytes(model, opt)

@@ -184,7 +184,7 @@ def _train_and_save(folder: str) -> dict:
             train_step(model, opt, step, dp)
             counter.n += 1
         ckpt = os.path.join(folder, kind)
-        sdadapt.save_state(ckpt, model, opt, extra={"step": STEPS, "data": counter}, adapter=QKV if kind == "plain" else None)
+        sdadapt.save_state(model, ckpt, opt, extra={"step": STEPS, "data": counter}, adapter=QKV if kind == "plain" else None)
         ref = full_state(model, opt)
         if dist.get_rank() == 0:
             torch.save(ref, os.path.join(folder, f"{kind}.ref.pt"))
@@ -203,7 +203,7 @@ def _resume(folder: str, mesh_shape: tuple[int, ...], names: tuple[str, ...]) ->
         ref = torch.load(os.path.join(folder, f"{kind}.ref.pt"))
         model, opt, dp = make("plain", mesh_shape, names, seed=2)  # always the fused model
         extra = {"step": 0, "data": Counter()}
-        rep = sdadapt.load_state(os.path.join(folder, kind), model, opt, extra, adapter=QKV if kind == "split" else None)
+        rep = sdadapt.load_state(model, os.path.join(folder, kind), opt, extra, adapter=QKV if kind == "split" else None)
         got = full_state(model, opt)
         want = fused(ref) if kind == "split" else ref
         results[kind] = {
@@ -270,7 +270,7 @@ def _bad_inputs(folder: str) -> dict:
 
     def attempt(name, opt, path, adapter=None):
         try:
-            sdadapt.load_state(path, model, opt, adapter=adapter)
+            sdadapt.load_state(model, path, opt, adapter=adapter)
             out[name] = "no error"
         except sdadapt.SdadaptError as e:
             out[name] = (type(e).__name__, str(e).splitlines()[0][:500])
@@ -333,22 +333,22 @@ def test_single_process_state_round_trip_and_record(tmp_path):
         opt.zero_grad()
         sched.step()
     dst = str(tmp_path / "ck")
-    sdadapt.save_state(dst, model, opt, {"sched": sched, "step": 2}, adapter=QKV)
+    sdadapt.save_state(model, dst, opt, {"sched": sched, "step": 2}, adapter=QKV)
     record = json.loads((tmp_path / "ck" / "sdadapt.json").read_text())
     assert record["model_key"] == "model" and record["optim_key"] == "optim" and record["extra"] == ["sched", "step"]
     assert sdadapt.Adapter(**record["adapter"]) == QKV
     with pytest.raises(sdadapt.errors.StateError, match="not empty"):
-        sdadapt.save_state(dst, model, opt)
+        sdadapt.save_state(model, dst, opt)
 
     model2 = TinyTransformer(vocab=VOCAB)
     opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
     sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
     before = {k: v.clone() for k, v in model2.state_dict().items()}
     with pytest.raises(sdadapt.errors.StateError, match="no entry 'loader'"):
-        sdadapt.load_state(dst, model2, opt2, {"loader": Counter()})
+        sdadapt.load_state(model2, dst, opt2, {"loader": Counter()})
     assert all(torch.equal(v, before[k]) for k, v in model2.state_dict().items()) and len(opt2.state) == 0
     extra = {"sched": sched2, "step": 0}
-    rep = sdadapt.load_state(dst, model2, opt2, extra)
+    rep = sdadapt.load_state(model2, dst, opt2, extra)
     assert extra["step"] == 2 and sched2.state_dict() == sched.state_dict()
     assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 2.5e-3
     assert rep.saved_with is not None and rep.optimizer_state_names == ["exp_avg", "exp_avg_sq", "step"]
@@ -383,9 +383,9 @@ def test_extras_are_never_unpickled_as_arbitrary_objects(tmp_path):
     anything but tensors and plain data, naming the entry."""
     model = TinyTransformer(vocab=VOCAB)
     dst = str(tmp_path / "ck")
-    sdadapt.save_state(dst, model, None, {"evil": _Holder(_Payload()), "plain": _Holder({"lr": 0.5, "n": [1, 2]})})
+    sdadapt.save_state(model, dst, None, {"evil": _Holder(_Payload()), "plain": _Holder({"lr": 0.5, "n": [1, 2]})})
     plain = _Holder({"lr": 0.0, "n": []})  # DCP loads into the leaves the current state has
-    sdadapt.load_state(dst, TinyTransformer(vocab=VOCAB), None, {"plain": plain})
+    sdadapt.load_state(TinyTransformer(vocab=VOCAB), dst, None, {"plain": plain})
     assert plain.value == {"lr": 0.5, "n": [1, 2]}
     with pytest.raises(sdadapt.errors.LoadError, match="refusing to unpickle non-tensor entry 'evil"):
-        sdadapt.load_state(dst, TinyTransformer(vocab=VOCAB), None, {"evil": _Holder(None)})
+        sdadapt.load_state(TinyTransformer(vocab=VOCAB), dst, None, {"evil": _Holder(None)})

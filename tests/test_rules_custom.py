@@ -409,12 +409,12 @@ def test_resume_through_affine_scales_moments_like_gradients(tmp_path):
     stored = _Stored()
     direct = _Direct(stored.w.detach() * 4.0 + 1.0)
     stored_opt, direct_opt = _adam_step(stored, x), _adam_step(direct, x)
-    sdadapt.save_state(str(tmp_path / "ck"), stored, stored_opt)
+    sdadapt.save_state(stored, str(tmp_path / "ck"), stored_opt)
 
     adapter = sdadapt.Adapter([sdadapt.rename("w", "p"), sdadapt.affine("p", scale=4.0, shift=1.0)])
     resumed = _Direct()
     opt = torch.optim.Adam(resumed.parameters(), lr=1e-2, foreach=False)
-    sdadapt.load_state(str(tmp_path / "ck"), resumed, opt, adapter=adapter)
+    sdadapt.load_state(resumed, str(tmp_path / "ck"), opt, adapter=adapter)
     assert torch.equal(resumed.p.detach(), stored.w.detach() * 4.0 + 1.0)
     got, want = opt.state_dict()["state"][0], direct_opt.state_dict()["state"][0]
     assert torch.equal(got["exp_avg"], want["exp_avg"])

@@ -250,7 +250,7 @@ def test_declared_capabilities(tmp_path):
     """Every source declares its files, key names and byte locations through the base class;
     a verifying wrapper delegates files and names but hands out no locations (every byte it
     serves is checked)."""
-    from sdadapt.sources._integrity import VerifyingSource, read_checksums, write_checksums
+    from sdadapt.sources._integrity import ChecksummedSource, read_checksums, write_checksums
 
     sd = random_state_dict(SPEC, seed=5)
     st = str(write_safetensors(tmp_path / "m.safetensors", sd))
@@ -272,7 +272,7 @@ def test_declared_capabilities(tmp_path):
     write_checksums(st)
     with open_source(st) as inner:
         sidecar, entries = read_checksums(inner)
-        verifying = VerifyingSource(inner, sidecar, entries, list(inner.schema))
+        verifying = ChecksummedSource(inner, sidecar, entries, list(inner.schema))
         assert verifying.files() == [st]
         key = next(iter(inner.schema))
         assert inner.locate(key) is not None

@@ -104,11 +104,11 @@ def test_single_process_resume_reads_every_part_from_the_files(tmp_path):
     saved = build(seed=0)
     train(*saved)
     dst = str(tmp_path / "ck")
-    sdadapt.save_state(dst, *saved, extra={"step": 2})
+    sdadapt.save_state(saved[0], dst, *saved[1:], extra={"step": 2})
 
     model, opt = build(seed=1)
     with recorded_parts() as seen:
-        rep = sdadapt.load_state(dst, model, opt, {"step": 0})
+        rep = sdadapt.load_state(model, dst, opt, {"step": 0})
     assert sorted(seen) == ["model", "optimizer exp_avg", "optimizer exp_avg_sq", "optimizer step"]
     assert check_read_from_files(seen) == []
     assert seen["model"][0].direct_bytes > 0 and seen["optimizer exp_avg"][0].direct_bytes > 0
@@ -120,7 +120,7 @@ def test_namespace_forwards_locations_files_and_names(tmp_path):
     saved = build(seed=0)
     train(*saved, steps=1)
     dst = str(tmp_path / "ck")
-    sdadapt.save_state(dst, *saved)
+    sdadapt.save_state(saved[0], dst, *saved[1:])
     with DCPSource(dst, subtree="") as full:
         view = NamespacedSource(full, "optim.state.{}.exp_avg")
         stored = "optim.state.head.weight.exp_avg"
@@ -139,7 +139,7 @@ def _save_then_resume_sharded(folder: str) -> dict[str, Any]:
     saved = build(seed=0)
     train(*saved)
     dst = os.path.join(folder, "ck")
-    sdadapt.save_state(dst, *saved)
+    sdadapt.save_state(saved[0], dst, *saved[1:])
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
     model, _ = build(seed=1)
     for layer in model.layers:
@@ -147,7 +147,7 @@ def _save_then_resume_sharded(folder: str) -> dict[str, Any]:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with recorded_parts() as seen:
-        sdadapt.load_state(dst, model, opt)
+        sdadapt.load_state(model, dst, opt)
     sharded = {name: (st.bytes_read, want) for name, (st, want) in seen.items()}
     return {"bad_reads": check_read_from_files(seen), "bad_values": same_state((model, opt), saved), "bytes": sharded}
 

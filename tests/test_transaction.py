@@ -1,5 +1,5 @@
 """The load transaction in one process: the cost of loading into a model that holds values
-(no second copy by default, a full one with ``stage=True``) and the mark a failed in-place
+(no second copy by default, a full one with ``atomic=True``) and the mark a failed in-place
 load leaves (its text, the forward refusing, a later successful load clearing it)."""
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ _PEAK = textwrap.dedent(
 
     thread = threading.Thread(target=sample)
     thread.start()
-    load(model, sys.argv[1], stage=sys.argv[2] == "staged")
+    load(model, sys.argv[1], atomic=sys.argv[2] == "staged")
     peak[0] = max(peak[0], anon())
     done.set()
     thread.join()
@@ -76,7 +76,7 @@ def _extra_peak(path: str, mode: str) -> int:
 
 def test_in_place_by_default_costs_no_second_copy(checkpoint: Any) -> None:
     """Peak extra anonymous RSS of the load itself (fresh process, model already holding values,
-    sampled every millisecond): by default far below the shards' size; with stage=True at
+    sampled every millisecond): by default far below the shards' size; with atomic=True at
     least one more copy of them (the staging shards live until the commit)."""
     path, _ = checkpoint
     model_bytes = LAYERS * DIM * DIM * 4
@@ -111,7 +111,7 @@ def test_failed_in_place_load_marks_until_a_load_succeeds(checkpoint: Any, monke
     before = {k: v.clone() for k, v in model.state_dict().items()}
     calls["n"] = 0
     with pytest.raises(sdadapt.errors.LoadError, match="Nothing was kept"):
-        sdadapt.load(model, path, stage=True)
+        sdadapt.load(model, path, atomic=True)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and is_marked(model)
     monkeypatch.setattr(syscalls, "preadv_into", real)
     sdadapt.load(model, path)
@@ -152,10 +152,10 @@ def test_load_state_report_names_the_stored_keys(tmp_path: Any) -> None:
     opt = torch.optim.Adam(model.parameters())
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    sdadapt.save_state(str(tmp_path / "s"), model, opt)
+    sdadapt.save_state(model, str(tmp_path / "s"), opt)
     other = nn.Sequential(nn.Linear(4, 5))
     with pytest.raises(sdadapt.errors.PlanError) as e:
-        sdadapt.load_state(str(tmp_path / "s"), other, torch.optim.Adam(other.parameters()))
+        sdadapt.load_state(other, str(tmp_path / "s"), torch.optim.Adam(other.parameters()))
     rows = {m.key: m.recipe for m in e.value.report.shape_mismatch}
     assert rows["0.weight"] == "model.0.weight", rows
     assert rows["optim.state.0.weight.exp_avg"] == "optim.state.0.weight.exp_avg", rows

@@ -53,7 +53,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Any]
     model, opt = _new(0, trained=False)
     _train(model, opt, 2)
     ck = str(tmp_path_factory.mktemp("commit") / "state")
-    sdadapt.save_state(ck, model, opt, {"counter": Counter(5)})
+    sdadapt.save_state(model, ck, opt, {"counter": Counter(5)})
     return ck, _snapshot(model, opt)
 
 
@@ -69,7 +69,7 @@ def test_optimizer_state_failure_marks_model_and_optimizer(saved: Any, monkeypat
     model, opt = _new(1, trained=True)
     monkeypatch.setattr(state_mod, "set_state_dict", _raise_on_set_state_dict)
     with pytest.raises(sdadapt.errors.LoadError) as e:
-        sdadapt.load_state(ck, model, opt, {"counter": Counter()}, stage=stage)
+        sdadapt.load_state(model, ck, opt, {"counter": Counter()}, atomic=stage)
     msg = str(e.value)
     assert "setting the optimizer state failed: RuntimeError: injected: set_state_dict failed" in msg, msg
     assert "the model's forward raises ModelError" in msg and "the optimizer's step raises ModelError" in msg, msg
@@ -78,7 +78,7 @@ def test_optimizer_state_failure_marks_model_and_optimizer(saved: Any, monkeypat
     assert _step_error(opt) == txn_mod.COMMIT_FAILED.format(what="optimizer")
     monkeypatch.undo()
     counter = Counter()
-    sdadapt.load_state(ck, model, opt, {"counter": counter})
+    sdadapt.load_state(model, ck, opt, {"counter": counter})
     assert not is_marked(model) and not is_marked(opt) and counter.n == 5
     assert _same(_snapshot(model, opt), want)
     assert _forward_error(model) is None
@@ -91,7 +91,7 @@ def test_extra_failure_with_fresh_optimizer_gives_it_no_state(saved: Any) -> Non
     model, opt = _new(1, trained=False)
     groups = [dict(g) for g in opt.param_groups]
     with pytest.raises(sdadapt.errors.LoadError) as e:
-        sdadapt.load_state(ck, model, opt, {"counter": Counter(fail=True)}, stage=True)
+        sdadapt.load_state(model, ck, opt, {"counter": Counter(fail=True)}, atomic=True)
     msg = str(e.value)
     assert "restoring extra state 'counter' failed: ValueError: injected" in msg, msg
     assert "setting the optimizer state" in msg  # the steps done before the failure
@@ -105,7 +105,7 @@ def test_extra_failure_puts_a_meta_model_back_on_meta(saved: Any) -> None:
     with torch.device("meta"):
         model = TinyTransformer(vocab=VOCAB)
     with pytest.raises(sdadapt.errors.LoadError, match="restoring extra state 'counter' failed") as e:
-        sdadapt.load_state(ck, model, None, {"counter": Counter(fail=True)}, device="cpu")
+        sdadapt.load_state(model, ck, None, {"counter": Counter(fail=True)}, device="cpu")
     assert "back on the meta device" in str(e.value)
     assert all(t.is_meta for t in model.state_dict().values()) and not is_marked(model)
 
@@ -134,7 +134,7 @@ def test_copy_in_failure_in_the_optimizer_part_leaves_the_model_alone(saved: Any
     before = _snapshot(model)
     monkeypatch.setattr(txn_mod, "copy_staged_in", _failing_copy_in(of_model=False))
     with pytest.raises(sdadapt.errors.LoadError) as e:
-        sdadapt.load_state(ck, model, opt, stage=True)
+        sdadapt.load_state(model, ck, opt, atomic=True)
     msg = str(e.value)
     assert "copying the staged shards in failed: MemoryError: injected" in msg and "The model was not changed" in msg, msg
     assert _same(_snapshot(model), before) and not is_marked(model) and _forward_error(model) is None
@@ -155,11 +155,11 @@ def test_load_copy_in_failure_marks_the_model_until_a_load_succeeds(weights: Any
     model, _ = _new(1, trained=False)
     monkeypatch.setattr(txn_mod, "copy_staged_in", _failing_copy_in(of_model=True, keep=3))
     with pytest.raises(sdadapt.errors.LoadError, match="committing the load of .* failed on rank\\(s\\) 0") as e:
-        sdadapt.load(model, path, stage=True)
+        sdadapt.load(model, path, atomic=True)
     assert "copying the staged shards in failed" in str(e.value) and "done before it: nothing" in str(e.value)
     assert is_marked(model) and _forward_error(model) == txn_mod.COMMIT_FAILED.format(what="model")
     monkeypatch.undo()
-    sdadapt.load(model, path, stage=True)
+    sdadapt.load(model, path, atomic=True)
     assert not is_marked(model) and _forward_error(model) is None
     assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())
 

@@ -6,11 +6,11 @@ the policy says:
 
 - a failure in the optimizer part (read before the model) leaves the model bit for bit as it
   was and not marked; an optimizer that held no state gets none back; one that held state is
-  marked (its ``step`` raises) unless ``stage=True``, which keeps it bit for bit;
+  marked (its ``step`` raises) unless ``atomic=True``, which keeps it bit for bit;
 - a failure after in-place writing of the model began: ``LoadError`` "partly overwritten" on
   every rank, with this rank's key count, and the forward raises ``ModelError`` until a
   successful load, which clears the mark and gives the checkpoint's values bit-exactly;
-- ``stage=True``: the model keeps its values bit for bit and is not marked;
+- ``atomic=True``: the model keeps its values bit for bit and is not marked;
 - a failure found before writing (a file changed after planning): unchanged, not marked;
 - an optimizer that has taken no step, with gradients present, gets every moment restored;
 - a failure while committing (setting the optimizer state, restoring an extra, the staged
@@ -148,7 +148,7 @@ def worker(folder: str) -> dict[str, Any]:
     model, opt = _fsdp_model(0), None
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     _train(model, opt, 2)
-    sdadapt.save_state(ck, model, opt)
+    sdadapt.save_state(model, ck, opt)
     saved = _snapshot(model, opt)
     st = os.path.join(folder, "model.safetensors")
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
@@ -164,7 +164,7 @@ def worker(folder: str) -> dict[str, Any]:
         o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
         before = _snapshot(m)
         with _faulty_namespace(rank, "exp_avg"):
-            got = _attempt(lambda m=m, o=o, stage=stage: sdadapt.load_state(ck, m, o, stage=stage))
+            got = _attempt(lambda m=m, o=o, stage=stage: sdadapt.load_state(m, ck, o, atomic=stage))
         got |= {
             "model_unchanged": _same(_snapshot(m), before),
             "model_marked": is_marked(m),
@@ -180,7 +180,7 @@ def worker(folder: str) -> dict[str, Any]:
         _train(m, o, 1)
         before = _snapshot(m, o)
         with _faulty_namespace(rank, "exp_avg"):
-            got = _attempt(lambda m=m, o=o, stage=stage: sdadapt.load_state(ck, m, o, stage=stage))
+            got = _attempt(lambda m=m, o=o, stage=stage: sdadapt.load_state(m, ck, o, atomic=stage))
         after = _snapshot(m, o)
         got |= {
             "model_unchanged": all(torch.equal(after[k], v) for k, v in before.items() if k.startswith("model.")),
@@ -195,7 +195,7 @@ def worker(folder: str) -> dict[str, Any]:
             got["step_error"] = str(e)
         out[f"optim_fault_trained/{'staged' if stage else 'in_place'}"] = got
         if not stage:  # a successful restore clears the marks and gives the saved state exactly
-            sdadapt.load_state(ck, m, o)
+            sdadapt.load_state(m, ck, o)
             out["optim_fault_trained/then_ok"] = {
                 "exact": _same(_snapshot(m, o), saved),
                 "marked": is_marked(m) or is_marked(o),
@@ -205,9 +205,9 @@ def worker(folder: str) -> dict[str, Any]:
     m = _fsdp_model(1)
     o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
     with _faulty_namespace(rank, "model"):
-        got = _attempt(lambda: sdadapt.load_state(ck, m, o))
+        got = _attempt(lambda: sdadapt.load_state(m, ck, o))
     got |= {"forward_error": _forward_error(m), "optim_empty": len(o.state) == 0}
-    sdadapt.load_state(ck, m, o)
+    sdadapt.load_state(m, ck, o)
     got |= {"then_exact": _same(_snapshot(m, o), saved), "then_forward_error": _forward_error(m)}
     out["model_fault_state"] = got
 
@@ -216,7 +216,7 @@ def worker(folder: str) -> dict[str, Any]:
     o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
     m(_tokens()).sum().backward()
     grads = {n: _local(p.grad).clone() for n, p in m.named_parameters()}
-    rep = sdadapt.load_state(ck, m, o)
+    rep = sdadapt.load_state(m, ck, o)
     out["fresh_with_grads"] = {
         "exact": _same(_snapshot(m, o), saved),
         "names": rep.optimizer_state_names,
@@ -237,7 +237,7 @@ def worker(folder: str) -> dict[str, Any]:
         before = _snapshot(m)
         syscalls.preadv_into = eio if rank == 1 else real_pread
         try:
-            got = _attempt(lambda m=m, stage=stage: sdadapt.load(m, st, stage=stage))
+            got = _attempt(lambda m=m, stage=stage: sdadapt.load(m, st, atomic=stage))
         finally:
             syscalls.preadv_into = real_pread
         got |= {"unchanged": _same(_snapshot(m), before), "forward_error": _forward_error(m), "marked": is_marked(m)}
@@ -271,6 +271,28 @@ def worker(folder: str) -> dict[str, Any]:
         Transaction.check_files = real_check  # type: ignore[method-assign]
     got |= {"unchanged": _same(_snapshot(m), before), "marked": is_marked(m)}
     out["changed_before_write"] = got
+
+    # 7. the old argument order and the renamed keywords, on every rank: a UsageError naming the
+    # new call before anything is read or written; the group then goes on (no rank is left in a
+    # collective), and a correct load_state gives the saved state exactly
+    m = _fsdp_model(3)
+    o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    before = _snapshot(m)
+    fresh = os.path.join(folder, "never_written")
+    old = {
+        "load_state": lambda: sdadapt.load_state(ck, m, o),
+        "save_state": lambda: sdadapt.save_state(fresh, m, o),
+        "load_stage": lambda: sdadapt.load(m, st, stage=True),
+        "load_verify": lambda: sdadapt.load(m, st, verify=True),
+        "load_state_stage": lambda: sdadapt.load_state(m, ck, o, stage=True),
+    }
+    for name, call in old.items():
+        out[f"old/{name}"] = _attempt(call)
+    dist.barrier()  # every rank got here: none is waiting in a collective of the refused calls
+    got = {"unchanged": _same(_snapshot(m), before), "optim_empty": len(o.state) == 0, "not_written": not os.path.exists(fresh)}
+    sdadapt.load_state(m, ck, o)
+    got["then_exact"] = _same(_snapshot(m, o), saved)
+    out["old/after"] = got
     return out
 
 
@@ -307,9 +329,27 @@ def test_model_fault_in_load_state_marks_model_until_a_load_succeeds(results: li
         got = r["model_fault_state"]
         assert got["error"] == "LoadError" and "rank(s) 1" in got["message"], (rank, got)
         assert "partly overwritten" in got["message"] and "model key(s)" in got["message"], got["message"]
-        assert got["forward_error"] is not None and "stage=True" in got["forward_error"], (rank, got)
+        assert got["forward_error"] is not None and "atomic=True" in got["forward_error"], (rank, got)
         assert got["optim_empty"], (rank, got)  # it held no state before: none is left
         assert got["then_exact"] and got["then_forward_error"] is None, (rank, got)
+
+
+def test_old_argument_order_and_renamed_keywords_fail_on_every_rank(results: list[dict[str, Any]]) -> None:
+    want = {
+        "load_state": "sdadapt.load_state: the arguments are swapped",
+        "save_state": "sdadapt.save_state: the arguments are swapped",
+        "load_stage": "sdadapt.load: the keyword stage= is now atomic=",
+        "load_verify": "sdadapt.load: the keyword verify= is now checksums=",
+        "load_state_stage": "sdadapt.load_state: the keyword stage= is now atomic=",
+    }
+    new = {"load_state": "call sdadapt.load_state(model, src,", "save_state": "call sdadapt.save_state(model, dst,"}
+    for rank, r in enumerate(results):
+        for name, start in want.items():
+            got = r[f"old/{name}"]
+            assert got["error"] == "UsageError" and got["message"].startswith(start), (rank, name, got)
+            assert new.get(name, "call sdadapt.") in got["message"], (rank, name, got)
+        assert r["old/after"] == {"unchanged": True, "optim_empty": True, "not_written": True, "then_exact": True}, rank
+    assert results[0]["old/load_state"] == results[1]["old/load_state"]  # the same error on every rank
 
 
 def test_fresh_optimizer_with_grads_restores_every_moment(results: list[dict[str, Any]]) -> None:
@@ -389,7 +429,7 @@ def commit_worker(folder: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     ck = os.path.join(folder, "state")
     model, opt = _trained_pair(0, 2)
-    sdadapt.save_state(ck, model, opt, {"counter": Counter(5)})
+    sdadapt.save_state(model, ck, opt, {"counter": Counter(5)})
     saved = _snapshot(model, opt)
 
     def set_state_dict_failing(*a: Any, **k: Any) -> None:
@@ -399,11 +439,11 @@ def commit_worker(folder: str) -> dict[str, Any]:
     for stage in (False, True):
         m, o = _trained_pair(1, 1)
         with _patched(state_mod, "set_state_dict", set_state_dict_failing if rank == 1 else state_mod.set_state_dict):
-            got = _attempt(lambda m=m, o=o, stage=stage: sdadapt.load_state(ck, m, o, {"counter": Counter()}, stage=stage))
+            got = _attempt(lambda m=m, o=o, stage=stage: sdadapt.load_state(m, ck, o, {"counter": Counter()}, atomic=stage))
         got |= {"model_marked": is_marked(m), "optim_marked": is_marked(o)}
         got |= {"forward_error": _forward_error(m), "step_error": _step_error(o)}
         counter = Counter()
-        sdadapt.load_state(ck, m, o, {"counter": counter})
+        sdadapt.load_state(m, ck, o, {"counter": counter})
         got |= {"then_exact": _same(_snapshot(m, o), saved), "then_marked": is_marked(m) or is_marked(o), "counter": counter.n}
         got["then_forward_error"] = _forward_error(m)
         out[f"set_state/{'staged' if stage else 'in_place'}"] = got
@@ -420,7 +460,7 @@ def commit_worker(folder: str) -> dict[str, Any]:
         real_copy_in(part)
 
     with _patched(txn_mod, "copy_staged_in", copy_in_failing):
-        got = _attempt(lambda: sdadapt.load_state(ck, m, o, stage=True))
+        got = _attempt(lambda: sdadapt.load_state(m, ck, o, atomic=True))
     got |= {"model_unchanged": _same(_snapshot(m), before), "model_marked": is_marked(m), "optim_marked": is_marked(o)}
     out["copy_in"] = got
 
@@ -428,7 +468,7 @@ def commit_worker(folder: str) -> dict[str, Any]:
     m = _fsdp_model(1)
     o = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
     groups = [dict(g) for g in o.param_groups]
-    got = _attempt(lambda: sdadapt.load_state(ck, m, o, {"counter": Counter(fail=rank == 1)}, stage=True))
+    got = _attempt(lambda: sdadapt.load_state(m, ck, o, {"counter": Counter(fail=rank == 1)}, atomic=True))
     got |= {"model_marked": is_marked(m), "optim_marked": is_marked(o), "optim_empty": len(o.state) == 0}
     got |= {"groups_kept": o.param_groups == groups, "forward_error": _forward_error(m)}
     out["extra"] = got

@@ -31,6 +31,7 @@ from .._plan.adapter import Adapter
 from .._plan.plan import build_plan
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
+from .._transaction.args import check_not_a_model
 from .._transaction.diff import Target, target_schema
 from .._transaction.writing import plan_outputs
 from ..rules import StripPrefix
@@ -204,6 +205,7 @@ def draft(
         print(d)
         open("my_adapter.py", "w").write(d.module)
     """
+    check_not_a_model("sdadapt.draft(target, src, adapter=None, ...)", src, other=target)
     tschema, tname = target_schema(target)
     sschema, non_tensor, sname = _source_schema(src, subtree)
     given = adapter_or_none(adapter, None if isinstance(src, dict) else src)

@@ -46,7 +46,7 @@ from ..sources import Source, open_source
 from ..sources import _integrity as integrity
 from ..sources._assets import copy_side_files, loaded_from, transformers_config, write_config
 from ..sources._base import TensorInfo, slices
-from .args import check_model_and_path, check_not_a_model
+from .args import check_model_and_path, check_not_a_model, renamed_keywords
 from .materialize import has_meta
 from .transaction import Transaction
 from .writers.base import FORMATS
@@ -67,7 +67,7 @@ class ExportReport(BaseModel):
         bytes: bytes written.
         files: the files written.
         skipped_non_tensor: non-tensor entries left out.
-        verified: whether the result was read back and compared (``convert(verify=True)``).
+        read_back: whether the result was read back and compared (``convert(read_back=True)``).
         seconds: the whole call.
 
     Example::
@@ -82,13 +82,13 @@ class ExportReport(BaseModel):
     bytes: int
     files: list[str]
     skipped_non_tensor: list[str] = []
-    verified: bool = False
+    read_back: bool = False  # convert(read_back=True): the output was read back and compared
     seconds: float
 
     def format_text(self) -> str:
         what = f"{self.tensors} tensors, {self.bytes / 2**20:.1f} MiB"
         return f"wrote {self.dst} ({self.format}: {what}, {len(self.files)} file(s)) in {self.seconds:.2f} s" + (
-            "; verified" if self.verified else ""
+            "; read back and compared" if self.read_back else ""
         )
 
     def __str__(self) -> str:  # print(report): the summary, not the fields
@@ -218,7 +218,7 @@ def export(
     ranks which key is next); rank 0 writes; the output appears at ``dst`` atomically.
     ``checksums=True`` also writes ``sdadapt.checksums.json`` (beside a torch file:
     ``<file>.sdadapt.checksums.json``), computed from the tensors as they are written, for
-    ``load(..., verify=True)``.
+    ``load(..., checksums=True)``.
 
     A folder (``"safetensors"``, ``"dcp"``) also gets the checkpoint's side files, so that it
     opens in transformers and with ``--adapter NAME``: ``config.json``, tokenizer and generation
@@ -275,7 +275,7 @@ def export(
             dist.broadcast_object_list([(_KEY, key)], src=src0, group=process_group)
         t = stream.pull(key)
         written[0] += t.numel() * t.element_size()
-        if checksums:  # from the tensor in hand: no read-back (sdadapt.checksums.json, verify=True)
+        if checksums:  # from the tensor in hand: no read-back (sdadapt.checksums.json, for load(checksums=True))
             sums[key] = integrity.tensor_checksums(TensorInfo(tuple(t.shape), t.dtype), lambda box: t[slices(box)])
         return t
 
@@ -341,6 +341,13 @@ def _side_files(tmp: str, folder: str | None, config: dict[str, Any] | None) -> 
 
 
 # ------------------------------------------------------------------------------ convert
+@renamed_keywords(
+    "sdadapt.convert",
+    {
+        "verify": ("read_back", "read the output back and compare every tensor; sdadapt.verify compares a model's outputs"),
+        "progress": ("on_progress", "a function called (key, nbytes) after each tensor; progress= is a bool, as shrink takes it"),
+    },
+)
 def convert(
     src: str | os.PathLike[str] | Source,
     dst: str | os.PathLike[str],
@@ -350,17 +357,17 @@ def convert(
     max_shard_size: int | str = "5GB",
     subtree: str | None = None,
     overwrite: bool = False,
-    verify: bool = False,
-    progress: Progress | None = None,
+    read_back: bool = False,
+    on_progress: Progress | None = None,
 ) -> ExportReport:
     """Rewrite checkpoint ``src`` as ``dst`` in ``format``, applying ``adapter`` (source layout ->
-    destination layout), one tensor at a time in one process. ``verify=True`` reads the result
+    destination layout), one tensor at a time in one process. ``read_back=True`` reads the result
     back (before it is renamed into place) and compares every tensor with the source
     (bit-exact); a difference is an error and leaves nothing at ``dst``. Non-tensor entries are skipped
     (listed in the report). ``adapter`` may be a name, ``file.py:ATTR``, ``module:ATTR`` or
     ``.json`` (resolved like the CLI's ``--adapter``, options read from ``src``'s folder);
-    ``src`` may be a Hub id ``hf://org/name[@revision]``. ``progress(key, nbytes)`` is called
-    after each tensor is written, then after each is verified.
+    ``src`` may be a Hub id ``hf://org/name[@revision]``. ``on_progress(key, nbytes)`` is called
+    after each tensor is written, then after each is read back.
 
     Args:
         src: the checkpoint path, Hub id or :class:`~sdadapt.sources.Source`.
@@ -370,15 +377,15 @@ def convert(
         max_shard_size: the largest safetensors shard.
         subtree: the nested dict of a ``torch.save`` file or DCP folder to read.
         overwrite: replace an existing ``dst``.
-        verify: read the result back and compare every tensor with the source.
-        progress: ``progress(key, nbytes)`` after each tensor.
+        read_back: read the result back and compare every tensor with the source.
+        on_progress: ``on_progress(key, nbytes)`` after each tensor.
 
     Returns:
         The :class:`~sdadapt.reports.ExportReport`.
 
     Example::
 
-        sdadapt.convert("release/model.pt", "release-st", format="safetensors", verify=True)
+        sdadapt.convert("release/model.pt", "release-st", format="safetensors", read_back=True)
     """
     t0 = time.perf_counter()
     call = "sdadapt.convert(src, dst, adapter=None, ...) for a checkpoint, sdadapt.export(model, dst, ...) for a model"
@@ -404,14 +411,14 @@ def convert(
             t = io.whole(outputs[key])
             n = t.numel() * t.element_size()
             written[0] += n
-            if progress is not None:
-                progress(key, n)
+            if on_progress is not None:
+                on_progress(key, n)
             return t
 
         def check(tmp: str) -> None:
             io.flush()
-            if verify:
-                _verify(tmp, dst, outputs, source, release, progress)
+            if read_back:
+                _read_back(tmp, dst, outputs, source, release, on_progress)
             txn.files_unchanged("while it was being converted")
             _side_files(tmp, config_folder(source.path), None)
 
@@ -425,19 +432,19 @@ def convert(
         bytes=written[0],
         files=files,
         skipped_non_tensor=skipped,
-        verified=verify,
+        read_back=read_back,
         seconds=time.perf_counter() - t0,
     )
 
 
-def _verify(tmp: str, dst: str, outputs: dict[str, Node], source: Source, release: PageReleaser, progress: Progress | None) -> None:
+def _read_back(tmp: str, dst: str, outputs: dict[str, Node], source: Source, release: PageReleaser, progress: Progress | None) -> None:
     result = open_source(tmp)
     try:
         release_out = PageReleaser(result.files())
         missing = sorted(set(outputs) - set(result.schema))
         extra = sorted(set(result.schema) - set(outputs))
         if missing or extra:
-            raise ExportError(f"verify {dst}: missing {missing[:8]}, unexpected {extra[:8]}")
+            raise ExportError(f"reading {dst} back: missing {missing[:8]}, unexpected {extra[:8]}")
         io = CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
         for key, node in outputs.items():
             want = io.whole(node)
@@ -447,7 +454,7 @@ def _verify(tmp: str, dst: str, outputs: dict[str, Node], source: Source, releas
             release_out(got)
             io.flush()
             if not same:
-                raise ExportError(f"verify {dst}: key {key!r} differs from the source; the output is wrong")
+                raise ExportError(f"reading {dst} back: key {key!r} differs from the source; the output is wrong")
             if progress is not None:
                 progress(key, nbytes)
             del want, got

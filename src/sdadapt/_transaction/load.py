@@ -27,9 +27,9 @@ from ..rules._lora import LoraMerged, merged_lora, open_peft_lora
 from ..sources import Source, open_source
 from ..sources import _integrity as integrity
 from ..sources._assets import remember_source
-from .args import check_model_and_path
+from .args import check_model_and_path, renamed_keywords
 from .materialize import InitFn, check_buffers, choose_device, has_meta
-from .transaction import Part, Transaction
+from .transaction import ATOMIC_WHY, Part, Transaction
 
 log = logging.getLogger("sdadapt")
 
@@ -220,6 +220,7 @@ def _prepare_device(
             warm_kernels(target, kernels)
 
 
+@renamed_keywords("sdadapt.load", {"stage": ("atomic", ATOMIC_WHY), "verify": ("checksums", integrity.CHECKSUMS_WHY)})
 @without_gc  # no full collection stalls the load: see sdadapt._base.gc
 def load(
     model: nn.Module,
@@ -233,9 +234,9 @@ def load(
     device: torch.device | str | None = None,
     init_buffers: InitFn | None = None,
     process_group: dist.ProcessGroup | None = None,
-    verify: bool = False,
+    checksums: bool = False,
     check_finite: bool = False,
-    stage: bool = False,
+    atomic: bool = False,
     share_reads: bool = False,
     pipeline_stage: bool = False,
     dtype: str | torch.dtype | None = None,
@@ -271,11 +272,12 @@ def load(
     since the read writes into its shards in place (no second copy of them: the extra memory
     is the I/O engine's bounded staging). The error says so and how many keys this rank was
     writing, and the model is marked: its forward raises :class:`ModelError` until a load into
-    it succeeds. ``stage=True`` reads into a full second copy of this rank's shards and copies
+    it succeeds. ``atomic=True`` reads into a full second copy of this rank's shards and copies
     it in only once every rank succeeded, so a failure leaves the model bit for bit as it was.
-    ``verify=True`` checks every region read against ``sdadapt.checksums.json`` (see
-    :mod:`sdadapt.sources._integrity`); ``check_finite=True`` refuses NaN/Inf values, naming each key
-    (both are found while or after reading: with ``stage=True`` the model keeps its values).
+    ``checksums=True`` checks every region read against ``sdadapt.checksums.json``, which
+    ``save_state`` and ``export`` write with the same keyword (see
+    :mod:`sdadapt.sources._integrity`); ``check_finite=True`` refuses NaN/Inf values, naming
+    each key (both are found while or after reading: with ``atomic=True`` the model keeps its values).
 
     ``share_reads=True``: ranks that hold the same shard (mesh dims where a parameter is
     ``Replicate``: HSDP's replicate dim, TP-replicated norms) each read a part of it and
@@ -319,9 +321,9 @@ def load(
         device: where a meta model is materialised (default: its mesh's device, else CPU).
         init_buffers: ``fn(model)`` that fills non-persistent buffers after materialising.
         process_group: the group the ranks agree over (default: the world, when initialised).
-        verify: check every region read against ``sdadapt.checksums.json``.
+        checksums: check every region read against ``sdadapt.checksums.json``.
         check_finite: refuse NaN/Inf values, naming each key.
-        stage: read into a second copy and copy in only once every rank succeeded.
+        atomic: read into a second copy and copy in only once every rank succeeded.
         share_reads: ranks holding the same shard each read a part and broadcast it.
         pipeline_stage: ``model`` is one pipeline stage; other stages' keys are allowed.
         dtype: ``"model"`` or a dtype: convert every tensor (a ``cast`` rule after ``adapter``'s).
@@ -367,10 +369,10 @@ def load(
                 raise PlanError(plan.report)
             log.warning("loading with problems (strict=False):\n%s", plan.report.format())
         check_buffers(model, init_buffers)
-        if verify:
+        if checksums:
             sidecar, sums = integrity.read_checksums(source)
             leaves = sorted({k for node in plan.recipes.values() for k in node.leaves()})
-            txn.sources[-1] = integrity.VerifyingSource(source, sidecar, sums, leaves)
+            txn.sources[-1] = integrity.ChecksummedSource(source, sidecar, sums, leaves)
         return plan
 
     plan = txn.prepare(prepare)  # every rank raises if any failed; nothing was changed
@@ -386,8 +388,8 @@ def load(
     wanted = {k: v for k, v in state_dict.items() if k in plan.recipes}
     part = Part("model", plan, txn.sources[-1], wanted, share_reads=share_reads)
     phases.mark("prepare")
-    log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), _describe(src), " (staged)" if stage else "")
-    txn.run([part], stage=stage, check_finite=check_finite, mark=phases.mark)
+    log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), _describe(src), " (atomic)" if atomic else "")
+    txn.run([part], atomic=atomic, check_finite=check_finite, mark=phases.mark)
     reader = part.reader
     assert reader is not None
     timings = dict(phases.seconds)

@@ -1,12 +1,12 @@
 """Training state: ``save_state`` / ``load_state`` of model + optimizer (+ user entries) with DCP.
 
-``save_state(dst, model, optimizer, extra={"step": 7, "sched": scheduler})`` is ``dcp.save`` of
+``save_state(model, dst, optimizer, extra={"step": 7, "sched": scheduler})`` is ``dcp.save`` of
 ``{"model": model_sd, "optim": optim_sd, **extra}`` (from ``get_state_dict``; ``Stateful``
 extras are saved through their ``state_dict()``), plus ``sdadapt.json`` beside it: the sdadapt
 and torch versions, where model and optimizer live in the checkpoint, the extra names, and the
 adapter the model had been loaded with (a record only: the DCP data are in the model's layout).
 
-``load_state(src, model, optimizer, extra, adapter=None)`` restores all of it, on any mesh
+``load_state(model, src, optimizer, extra, adapter=None)`` restores all of it, on any mesh
 (DCP's chunks are intersected with each rank's shards), and through ``adapter`` after a
 refactor. Optimizer state follows its parameter (:mod:`sdadapt._transaction.optim_state`).
 
@@ -51,10 +51,10 @@ from ..errors import LoadError, PlanError, SdadaptError, SourceError, StateError
 from ..sources._dcp_dir import SDADAPT_JSON, DCPSource
 from ..sources._hub import is_hub_id
 from ..sources._namespaced import NamespacedSource
-from .args import check_model_and_path
+from .args import check_model_and_path, renamed_keywords
 from .materialize import InitFn, check_buffers, has_meta
 from .optim_state import OptimPlan, init_state, plan_optimizer, stored_names
-from .transaction import Part, Transaction
+from .transaction import ATOMIC_WHY, Part, Transaction
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class StateLoadReport(BaseModel):
 
     Example::
 
-        report = sdadapt.load_state("ckpt/step_100", model, optimizer)
+        report = sdadapt.load_state(model, "ckpt/step_100", optimizer)
         print(report)
     """
 
@@ -112,8 +112,8 @@ class StateLoadReport(BaseModel):
 
 # --------------------------------------------------------------------------------- save
 def save_state(
-    dst: str | os.PathLike[str],
     model: nn.Module,
+    dst: str | os.PathLike[str],
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict[str, Stateful | Any] | None = None,
     adapter: Adapter | str | None = None,
@@ -124,7 +124,7 @@ def save_state(
 ) -> str:
     """Save model (+ optimizer, + ``extra`` entries) to the DCP folder ``dst``; every rank calls it.
 
-    ``checksums=True`` also writes ``sdadapt.checksums.json`` (for ``load(..., verify=True)``):
+    ``checksums=True`` also writes ``sdadapt.checksums.json`` (for ``load(..., checksums=True)``):
     the ranks read the saved tensors back, each a share of the keys, so it costs one read of
     the checkpoint spread over the ranks.
 
@@ -134,8 +134,8 @@ def save_state(
     non-empty ``dst`` is an error unless ``overwrite=True``. Returns ``dst``.
 
     Args:
-        dst: the DCP folder to write.
         model: the model whose state is saved.
+        dst: the DCP folder to write.
         optimizer: its optimizer, saved too.
         extra: ``name -> Stateful or value`` entries to save beside them.
         adapter: the checkpoint->model adapter the model was first loaded with (recorded).
@@ -148,9 +148,9 @@ def save_state(
 
     Example::
 
-        sdadapt.save_state("ckpt/step_100", model, optimizer, extra={"step": 100, "sched": scheduler})
+        sdadapt.save_state(model, "ckpt/step_100", optimizer, extra={"step": 100, "sched": scheduler})
     """
-    check_model_and_path("sdadapt.save_state(dst, model, optimizer=None, extra=None, ...)", model, dst, path_arg="dst")
+    check_model_and_path("sdadapt.save_state(model, dst, optimizer=None, extra=None, ...)", model, dst, path_arg="dst")
     dst = os.fspath(dst)
     adapter = adapter_or_none(adapter, None, model)
     rank, world = rank_and_world(process_group)
@@ -254,10 +254,11 @@ def _detect_keys(full: DCPSource) -> tuple[str, str | None]:
     return model_key, optim_key
 
 
+@renamed_keywords("sdadapt.load_state", {"stage": ("atomic", ATOMIC_WHY)})
 @without_gc  # no full collection stalls the load: see sdadapt._base.gc
 def load_state(
-    src: str | os.PathLike[str],
     model: nn.Module,
+    src: str | os.PathLike[str],
     optimizer: torch.optim.Optimizer | None = None,
     extra: dict[str, Stateful | Any] | None = None,
     adapter: Adapter | str | None = None,
@@ -267,7 +268,7 @@ def load_state(
     device: torch.device | str | None = None,
     init_buffers: InitFn | None = None,
     process_group: dist.ProcessGroup | None = None,
-    stage: bool = False,
+    atomic: bool = False,
     pipeline_stage: bool = False,
     engine: EngineConfig | None = None,
 ) -> StateLoadReport:
@@ -291,10 +292,10 @@ def load_state(
     model. A failure while reading raises :class:`LoadError` on every rank: an optimizer that
     held no state gets none back, a meta model goes back to meta, and otherwise what was
     written in place is marked (the model's forward and the optimizer's ``step`` raise
-    :class:`ModelError` until a load succeeds); ``stage=True`` reads into staging copies and
+    :class:`ModelError` until a load succeeds); ``atomic=True`` reads into a staged copy and
     leaves model and optimizer bit for bit as they were. A failure while committing (setting the
     optimizer state, restoring an extra) is a :class:`LoadError` on every rank naming the step,
-    and marks what the commit had changed, staged or not (:mod:`sdadapt._transaction.transaction`).
+    and marks what the commit had changed, atomic or not (:mod:`sdadapt._transaction.transaction`).
 
     ``pipeline_stage=True``: ``model`` is one pipeline stage and ``optimizer`` is built on its
     parameters only (torchtitan's pipeline parallelism: each rank holds one stage and its own
@@ -308,8 +309,8 @@ def load_state(
     position, as without it: build each stage's optimizer with the groups the checkpoint's has.
 
     Args:
-        src: the DCP folder :func:`save_state` wrote.
         model: the model to restore (meta only without an optimizer).
+        src: the DCP folder :func:`save_state` wrote.
         optimizer: its optimizer, restored too.
         extra: ``name -> Stateful or value`` entries saved beside them.
         adapter: the adapter from the checkpoint's layout to the model's (after a refactor).
@@ -318,7 +319,7 @@ def load_state(
         device: where a meta model is materialised.
         init_buffers: ``fn(model)`` that fills non-persistent buffers after materialising.
         process_group: the group the ranks agree over.
-        stage: read into staging copies; a failure leaves model and optimizer as they were.
+        atomic: read into staging copies; a failure leaves model and optimizer as they were.
         pipeline_stage: ``model`` is one pipeline stage and ``optimizer`` holds its parameters.
         engine: the I/O engine's settings for this call (:class:`~sdadapt.EngineConfig`);
             ``None``: the defaults and the ``SDADAPT_IO_*`` environment variables.
@@ -328,12 +329,12 @@ def load_state(
 
     Example::
 
-        sdadapt.save_state("ckpt/step_100", model, optimizer, extra={"step": 100})
+        sdadapt.save_state(model, "ckpt/step_100", optimizer, extra={"step": 100})
         extra = {"step": 0}
-        sdadapt.load_state("ckpt/step_100", model, optimizer, extra=extra)
+        sdadapt.load_state(model, "ckpt/step_100", optimizer, extra=extra)
     """
     t0 = time.perf_counter()
-    check_model_and_path("sdadapt.load_state(src, model, optimizer=None, extra=None, ...)", model, src)
+    check_model_and_path("sdadapt.load_state(model, src, optimizer=None, extra=None, ...)", model, src)
     src = os.fspath(src)
     spec = adapter
     rank, world = rank_and_world(process_group)
@@ -445,7 +446,7 @@ def load_state(
     # the commit's finishing steps, named for the LoadError should one fail (see _transaction)
     finish = [("setting the optimizer state", set_optimizer_state)] if optimizer is not None else []
     finish += [(f"restoring extra state {name!r}", restore_extra(name)) for name in loaded_extra]
-    txn.run(parts, stage=stage, finish=finish)
+    txn.run(parts, atomic=atomic, finish=finish)
     rep = StateLoadReport(
         rank=rank,
         world_size=world,

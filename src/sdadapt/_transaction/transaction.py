@@ -7,7 +7,7 @@ Steps, in order, each agreed on every rank (one rank's failure is every rank's e
    device goes back to meta);
 2. **check files** right before the first byte is written;
 3. **read** every part (one ``dcp.load`` each) into its targets: the model's own shards, or
-   staging shards laid out like them (``stage=True``);
+   a staged copy laid out like them (``atomic=True``);
 4. **check** after reading (read errors from every rank, files unchanged, ``check_finite``);
 5. **commit** (copy staged shards in, run the caller's finishing steps such as setting the
    optimizer state, copy tensors DCP wrote into copies back into the model) or **roll back**.
@@ -83,7 +83,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-PARTLY_LOADED = "a failed sdadapt.load left this model partly overwritten; load again or pass stage=True"
+PARTLY_LOADED = "a failed sdadapt.load left this model partly overwritten; load again or pass atomic=True"
+# why load / load_state call it ``atomic`` (shown when the old keyword ``stage`` is passed): "stage" is
+# a pipeline stage only (``pipeline_stage=True``)
+ATOMIC_WHY = "read into a staged copy, copied in once every rank succeeded; 'stage' means a pipeline stage"
 COMMIT_FAILED = (
     "a sdadapt load failed while committing, after it had begun changing this {what}: it holds part of "
     "the checkpoint's state and not the rest; load into it again"
@@ -105,7 +108,7 @@ class Part:
     of_model: bool = True
     share_reads: bool = False
     reader: AdaptedStorageReader | None = field(default=None, init=False)
-    staged: dict[str, torch.Tensor] | None = field(default=None, init=False)  # stage=True: read here
+    staged: dict[str, torch.Tensor] | None = field(default=None, init=False)  # atomic=True: read here
 
     @property
     def into(self) -> dict[str, torch.Tensor]:
@@ -216,19 +219,19 @@ class Transaction:
         self,
         parts: list[Part],
         *,
-        stage: bool,
+        atomic: bool,
         check_finite: bool = False,
         finish: Sequence[CommitStep] = (),
         mark: Callable[[str], None] = lambda phase: None,
     ) -> None:
-        """Collective: check the files, read every part in order (into staging shards when
-        ``stage``), check, then commit (copy the staged shards in, run the ``finish`` steps in
+        """Collective: check the files, read every part in order (into a staged copy when
+        ``atomic``), check, then commit (copy the staged shards in, run the ``finish`` steps in
         order, copy detached tensors back) or roll back; a failure reading, checking or
         committing on any rank raises :class:`LoadError` on every rank. ``mark(phase)`` is
         called at the end of the phases ``dcp_load``, ``check`` and ``commit`` (for timing)."""
         self.check_files()
         for part in parts:
-            part.staged = staging_like(part.targets) if stage else None
+            part.staged = staging_like(part.targets) if atomic else None
         errors: list[str] = []
         for i, part in enumerate(parts):
             errors = self._read(part)
@@ -246,27 +249,27 @@ class Transaction:
         if failure is not None:
             for part in parts:
                 part.staged = None
-            partly = not stage and not self.was_meta and bool(self.written)
+            partly = not atomic and not self.was_meta and bool(self.written)
             self._undo(partly_written=partly)
             failure.args = (failure.args[0] + "\n" + (self._overwritten() if partly else "Nothing was kept from this load."),)
             raise failure
-        self._commit(parts, stage, finish)
+        self._commit(parts, atomic, finish)
         for obj in (self.model, self.optimizer):
             if obj is not None:
                 clear_mark(obj)
         mark("commit")
 
     # ------------------------------------------------------------------ commit
-    def _commit(self, parts: list[Part], stage: bool, finish: Sequence[CommitStep]) -> None:
+    def _commit(self, parts: list[Part], atomic: bool, finish: Sequence[CommitStep]) -> None:
         """Collective: run the commit's steps on this rank, stopping at the first that raises,
         then agree; if a step failed on any rank, undo what can be undone, mark what cannot
         (see the module's docstring) and raise :class:`LoadError` on every rank."""
         groups = param_groups_of(self.optimizer) if self.optimizer is not None and self.optimizer_was_empty else None
         progress = CommitProgress(
-            model=not stage and any(p.of_model for p in parts),  # the reads wrote in place
-            optimizer=not stage and any(not p.of_model for p in parts),
+            model=not atomic and any(p.of_model for p in parts),  # the reads wrote in place
+            optimizer=not atomic and any(not p.of_model for p in parts),
         )
-        cause = progress.run(self._commit_steps(parts, stage, finish, progress))
+        cause = progress.run(self._commit_steps(parts, atomic, finish, progress))
         for part in parts:
             part.staged = None
         mine = (progress.error, progress.done, progress.model, progress.optimizer)
@@ -295,9 +298,9 @@ class Transaction:
         error.failures = {r: g[0] for r, g in failed.items()}  # type: ignore[attr-defined]
         raise error from cause
 
-    def _commit_steps(self, parts: list[Part], stage: bool, finish: Sequence[CommitStep], progress: CommitProgress) -> list[CommitStep]:
+    def _commit_steps(self, parts: list[Part], atomic: bool, finish: Sequence[CommitStep], progress: CommitProgress) -> list[CommitStep]:
         """The commit's steps in order, each recording in ``progress`` what it begins to change."""
-        steps: list[CommitStep] = [(COPY_IN, lambda: self._copy_in(parts, progress))] if stage else []
+        steps: list[CommitStep] = [(COPY_IN, lambda: self._copy_in(parts, progress))] if atomic else []
         for name, step in finish:
             steps.append((name, touching_optimizer(step, progress, self.optimizer is not None)))
         if self.model is not None and any(p.of_model for p in parts):
@@ -348,7 +351,7 @@ class Transaction:
             )
         elif self.optimizer is not None:
             said.append("The optimizer was not changed.")
-        said.append("stage=True does not guard this step (it fails while committing); remove the cause and load again.")
+        said.append("atomic=True does not guard this step (it fails while committing); remove the cause and load again.")
         return " ".join(said)
 
     def _read(self, part: Part) -> list[str]:
@@ -376,7 +379,7 @@ class Transaction:
         if optim:
             what.append(f"{optim} optimizer state tensor(s)")
         said = [
-            f"The load wrote in place (stage=True was not given): this rank had begun writing {' and '.join(what)}, "
+            f"The load wrote in place (atomic=True was not given): this rank had begun writing {' and '.join(what)}, "
             "so they are partly overwritten."
         ]
         if model:
@@ -385,7 +388,7 @@ class Transaction:
             said.append("The optimizer held no state before the load, and its state was cleared again.")
         elif optim:
             said.append("The optimizer's step raises ModelError until a load into it succeeds.")
-        said.append("Load again, or pass stage=True to keep the old values when a load fails.")
+        said.append("Load again, or pass atomic=True to keep the old values when a load fails.")
         return " ".join(said)
 
     def _undo(self, partly_written: bool) -> None:

@@ -15,7 +15,7 @@ SRC is a torch.save file, a .safetensors file, an HF sharded folder, a DCP folde
 adapter (a shipped name, a .json file, or module:ATTR / file.py:ATTR) maps SRC's layout to
 DST's, as for loading. DST must not exist (unless --overwrite); the output is written beside
 it and renamed into place when complete. Memory stays at about the largest tensor (twice it
-where a rule concatenates). --verify reads DST back and compares every tensor with SRC.
+where a rule concatenates). --read-back reads DST back and compares every tensor with SRC.
 Exit status: 0 done, 2 usage or input errors."""
 
 
@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard (default 5GB)")
     parser.add_argument("--subtree", "-s", metavar="S", help="nested dict of a torch.save file to convert, e.g. model")
-    parser.add_argument("--verify", action="store_true", help="read the result back and compare every tensor")
+    parser.add_argument("--read-back", action="store_true", help="read the result back and compare every tensor")
+    # the old name of --read-back, refused with the new one ("verify" is the `sdadapt verify` command)
+    parser.add_argument("--verify", dest="old_verify", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (one is drawn on stderr only when it is a terminal)")
 
@@ -52,6 +54,13 @@ def run(args: argparse.Namespace) -> int:
     from .._transaction.writing import plan_outputs
     from ..sources import open_source
 
+    if args.old_verify:
+        from ..errors import UsageError
+
+        raise UsageError(
+            "--verify is now --read-back (read the result back and compare every tensor); "
+            "`sdadapt verify` compares a loaded model's outputs with a reference"
+        )
     adapter = _adapter(args)
     progress = None
     if not args.no_progress and show_progress():
@@ -59,8 +68,8 @@ def run(args: argparse.Namespace) -> int:
             outputs, _ = plan_outputs(source.schema, adapter, non_tensor=source.non_tensor, what="convert")
             total = sum(n.dtype.itemsize * math.prod(n.shape) for n in outputs.values())
         bars = [progress_bar(total, "write")]
-        if args.verify:
-            bars.append(progress_bar(total, "verify"))
+        if args.read_back:
+            bars.append(progress_bar(total, "read back"))
         done = [0]
 
         def progress(key: str, nbytes: int) -> None:
@@ -76,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
             max_shard_size=args.shard_size,
             subtree=args.subtree,
             overwrite=args.overwrite,
-            verify=args.verify,
-            progress=progress,
+            read_back=args.read_back,
+            on_progress=progress,
         )
     finally:
         if progress is not None:

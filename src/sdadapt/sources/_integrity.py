@@ -7,14 +7,14 @@ Three independent checks, run by the load transaction (:mod:`sdadapt._transactio
   read (every rank, agreed) and once more after the read. A checkpoint that is being written,
   replaced or truncated while we load it is refused (before writing: the model is untouched;
   after: as the transaction's roll-back policy says).
-- **Checksums** (``load(..., verify=True)``). A sidecar file ``sdadapt.checksums.json`` (written
+- **Checksums** (``load(..., checksums=True)``). A sidecar file ``sdadapt.checksums.json`` (written
   by :func:`write_checksums`, by ``export`` and by ``save_state``) records, for each tensor, a
   BLAKE2b-128 digest of every *block* of its bytes. A block is a run of whole rows along dim 0
   (``rows_per_block`` rows, about ``DEFAULT_BLOCK_BYTES``; a 0-d tensor is one block). Why
   blocks of rows and not one digest per tensor: a rank reads only its own region; FSDP shards
   are row ranges, so with row blocks a rank checks what it reads at the cost of at most two
   partial blocks per tensor, instead of reading every tensor whole. (A column shard (TP) spans
-  every row, so verifying it reads the whole tensor: verification costs I/O, which is why it
+  every row, so checking it reads the whole tensor: the check costs I/O, which is why it
   is optional.) Each block is checked once per load, on the bytes as stored in the checkpoint
   (before any cast or permutation), and the data handed to the load is read after its blocks
   were checked, from the same open file, whose fingerprint is checked after the read too.
@@ -49,6 +49,11 @@ CHECKSUMS_NAME = "sdadapt.checksums.json"
 FORMAT = 1
 ALGORITHM = "blake2b-128"
 DEFAULT_BLOCK_BYTES = 4 << 20
+# why load calls it ``checksums`` (shown when the old keyword ``verify`` is passed)
+CHECKSUMS_WHY = (
+    "check every region read against sdadapt.checksums.json, the file save_state(checksums=True) and "
+    "export(checksums=True) write; sdadapt.verify compares a loaded model's outputs with a reference"
+)
 MAX_CHECKSUMS_BYTES = 256 << 20  # refuse larger sidecars: a header must not make us allocate without bound
 
 
@@ -140,7 +145,7 @@ def checksums_path(path: str) -> str:
 def write_checksums(path: str | os.PathLike[str], *, block_bytes: int = DEFAULT_BLOCK_BYTES, subtree: str | None = None) -> str:
     """Compute the checksums of checkpoint ``path`` (any format sdadapt reads) and write the
     sidecar. Run it once where the checkpoint was written (or right after downloading it from a
-    source you trust); ``load(..., verify=True)`` then checks every region it reads.
+    source you trust); ``load(..., checksums=True)`` then checks every region it reads.
     Returns the sidecar's path. DCP folders are keyed by their full names (``model.w``).
 
     Args:
@@ -154,7 +159,7 @@ def write_checksums(path: str | os.PathLike[str], *, block_bytes: int = DEFAULT_
     Example::
 
         sdadapt.write_checksums("ckpt/")
-        sdadapt.load(model, "ckpt/", verify=True)
+        sdadapt.load(model, "ckpt/", checksums=True)
     """
     from . import open_source
 
@@ -189,9 +194,9 @@ def read_checksums(source: Source) -> tuple[str, dict[str, dict[str, Any]]]:
     path = _find_sidecar(source)
     if path is None:
         raise SourceError(
-            f"verify=True, but there is no {CHECKSUMS_NAME} beside the checkpoint. Write one where the "
-            "checkpoint was made (sdadapt.sources._integrity.write_checksums(path); export and save_state write "
-            "it), or load without verify",
+            f"checksums=True, but there is no {CHECKSUMS_NAME} beside the checkpoint. Write one where the "
+            "checkpoint was made (sdadapt.write_checksums(path); export and save_state write it with "
+            "checksums=True), or load without checksums=True",
             path=source.path,
         )
     data = read_json_file(path, MAX_CHECKSUMS_BYTES, "checksums file")
@@ -214,13 +219,13 @@ class _Expect:
     blocks: list[str]
 
 
-class VerifyingSource(Source):
+class ChecksummedSource(Source):
     """Wraps a source: before a region is handed out, every block (run of rows) it touches is
     read whole and checked against the recorded digest, once per load.
 
     It delegates the inner source's files, key names and messages, but declares no byte
     locations: the I/O engine's direct file reads would hand out bytes this wrapper never
-    checked, so every read goes through :meth:`read` (verification is a slower, careful mode)."""
+    checked, so every read goes through :meth:`read` (the checksum check is a slower, careful mode)."""
 
     def __init__(self, inner: Source, sidecar: str, entries: Mapping[str, Mapping[str, Any]], keys: Iterable[str]):
         self.inner = inner
@@ -229,19 +234,19 @@ class VerifyingSource(Source):
         self.non_tensor = inner.non_tensor
         self.sidecar = sidecar
         self._expect: dict[str, _Expect] = {}
-        self._verified: dict[str, set[int]] = {}
+        self._checked: dict[str, set[int]] = {}
         for key in keys:
             info = inner.schema[key]
             entry = entries.get(key)
             if entry is None:
                 raise SourceError(
-                    f"verify=True, but {sidecar} records no checksum for this tensor (written for another "
+                    f"checksums=True, but {sidecar} records no checksum for this tensor (written for another "
                     "checkpoint?); write the checksums again where the checkpoint was made",
                     path=inner.file_of(key),
                     key=key,
                 )
             self._expect[key] = self._check_entry(key, info, entry)
-            self._verified[key] = set()
+            self._checked[key] = set()
 
     def _check_entry(self, key: str, info: TensorInfo, entry: Mapping[str, Any]) -> _Expect:
         bad = SourceError(
@@ -281,12 +286,12 @@ class VerifyingSource(Source):
     def stored_key(self, key: str) -> str:
         return self.inner.stored_key(key)
 
-    def _verify(self, key: str, box: Box) -> None:
+    def _check(self, key: str, box: Box) -> None:
         exp = self._expect.get(key)
         if exp is None:
             return
         info = self.inner.schema[key]
-        done = self._verified[key]
+        done = self._checked[key]
         if not info.shape:
             todo = [0] if 0 not in done else []
         else:
@@ -312,7 +317,7 @@ class VerifyingSource(Source):
             done.add(b)
 
     def read(self, key: str, box: Box) -> torch.Tensor:
-        self._verify(key, box)
+        self._check(key, box)
         return self.inner.read(key, box)
 
     def file_of(self, key: str) -> str:
