@@ -50,10 +50,10 @@ def test_load_without_a_config_reads_the_environment(tmp_path, seen, monkeypatch
 
 def test_load_state_runs_the_engine_with_the_given_config(tmp_path, seen):
     src = _model()
-    sdadapt.save_state(str(tmp_path / "s"), src)
+    sdadapt.save_state(src, str(tmp_path / "s"))
     cfg = sdadapt.EngineConfig(threads=2, staging_bytes=2 << 20)
     model = _model().apply(lambda m: [nn.init.zeros_(p) for p in m.parameters(recurse=False)])
-    sdadapt.load_state(src=str(tmp_path / "s"), model=model, engine=cfg)
+    sdadapt.load_state(model, str(tmp_path / "s"), engine=cfg)
     assert seen == [cfg]
     for k, v in src.state_dict().items():
         assert torch.equal(model.state_dict()[k], v)
