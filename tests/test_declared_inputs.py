@@ -31,7 +31,7 @@ from sdadapt._recipes import quant_scaled as S
 from sdadapt._recipes import quant_scaled_nodes as QS
 from sdadapt._recipes.arithmetic import AffineMapped
 from sdadapt._recipes.interleave import Interleaved
-from sdadapt.rules._lora import MergedLora
+from sdadapt._recipes.lora import MergedLora
 from sdadapt.sources import open_source
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

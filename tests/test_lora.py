@@ -25,9 +25,10 @@ from safetensors.torch import load_file, save_file
 import sdadapt
 from sdadapt._base.regions import full_box
 from sdadapt._plan.plan import build_plan
+from sdadapt._recipes.lora import MergedLora
 from sdadapt._recipes.nodes import Leaf
 from sdadapt.errors import AdapterError, PlanError, SourceError
-from sdadapt.rules._lora import LORA_NAMESPACE, MergedLora, MergeLora
+from sdadapt.rules._lora import LORA_NAMESPACE, MergeLora
 from sdadapt.sources import SafetensorsFile
 from sdadapt.sources._joined import JoinedSource
 
@@ -171,7 +172,7 @@ def test_region_equals_full_and_reads_only_its_rows_and_cols(dtype: torch.dtype,
 
 
 def test_region_is_computed_in_bounded_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import sdadapt.rules._lora as lora_mod
+    import sdadapt._recipes.lora as lora_mod
 
     monkeypatch.setattr(lora_mod, "_ROWS_PER_CHUNK_ELEMENTS", 16)  # 16 elements: a few rows per chunk
     gen = torch.Generator().manual_seed(8)

@@ -12,12 +12,9 @@
    so the base adapter's rules (fuse q/k/v, interleave for TP, stack experts, rotary order...)
    then move the merged values as they would move the stored ones.
 
-Region ``box`` of a merged weight is ``W[box] + s * B[rows of box] @ A[:, cols of box]`` with
-``s = alpha / r`` (``alpha / sqrt(r)`` for rsLoRA), so a rank reads only the rows of ``B`` and
-the columns of ``A`` its shard needs. The product and the sum are computed in float64 and
-rounded once to the weight's dtype: products of float32/bf16 numbers are exact in float64, so
-the value of an element does not depend on the shape of the block it was computed in (BLAS
-may sum a block's products in another order), and ``read(box) == full()[box]``.
+The merged value is ``W + s * B @ A`` with ``s = alpha / r`` (``alpha / sqrt(r)`` for rsLoRA),
+computed per region by the node :class:`~sdadapt._recipes.lora.MergedLora`; the folder is read by
+:mod:`sdadapt.sources._peft`.
 
 Strict, like the rest of a load: a LoRA pair whose weight the checkpoint lacks, half a pair,
 shapes that do not agree, or a tensor that is not a ``lora_A``/``lora_B`` weight are plan
@@ -28,25 +25,24 @@ no inverse: exporting a model loaded this way writes the merged weights.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 from pydantic import BaseModel
 
-from .._base.regions import Box, box_shape
-from .._recipes.nodes import Compute, Input, Node, SourceIO, Step
+from .._recipes.lora import MergedLora
+from .._recipes.nodes import Node
 from ..errors import AdapterError, SourceError
-from ..sources import SafetensorsFile, Source
+from ..sources import Source
 from ..sources._base import dtype_name
 from ..sources._joined import JoinedSource
-from ..sources._json import PeftConfig, read_json, validate
+from ..sources._json import PeftConfig, validate
+from ..sources._peft import CONFIG_NAME, open_peft_weights, read_peft_config
 from ._base import RuleBase
 from ._custom import register_rule
 
@@ -57,12 +53,8 @@ LORA_NAMESPACE = "lora:"
 """The prefix a PEFT adapter's tensor keys get in the joined source (no checkpoint key has it)."""
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a module name of the base model in ``adapter_model.safetensors``."""
-CONFIG_NAME = "adapter_config.json"
-WEIGHTS_NAME = "adapter_model.safetensors"
-_CONFIG_LIMIT = 16 << 20
 _PAIR = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])\.weight")
 _MERGEABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_ROWS_PER_CHUNK_ELEMENTS = 1 << 22  # float64 temporaries of a region are computed this many elements at a time
 
 _NOT_PLAIN = "this LoRA variant is not a plain W + s * B @ A; merge with peft's merge_and_unload()"
 # config fields whose non-default values change what a merge means (refused rather than merged
@@ -83,74 +75,6 @@ _UNSUPPORTED: dict[str, str] = {
     "velora_config": _NOT_PLAIN,
     "monteclora_config": _NOT_PLAIN,
 }
-
-
-# --- the node ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, eq=False)
-class MergedLora(Node):
-    """``weight + scale * B @ A`` (``weight`` ``[out, in]``, ``a`` ``[r, in]``, ``b`` ``[out, r]``),
-    in ``weight``'s dtype (or ``out_dtype``); ``transposed``: ``weight`` is stored ``[in, out]``
-    (PEFT's ``fan_in_fan_out``, GPT-2's ``Conv1D``) and gets ``(B @ A).T``. A region is one
-    computation that reads ``weight[box]``, the rows of ``b`` and the columns of ``a`` that the
-    box covers, computed in float64 and rounded once."""
-
-    weight: Node
-    a: Node
-    b: Node
-    scale: float
-    transposed: bool = False
-    out_dtype: torch.dtype | None = None
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(self.weight.shape))
-        object.__setattr__(self, "dtype", self.out_dtype or self.weight.dtype)
-
-    def as_dtype(self, dtype: torch.dtype) -> Node | None:
-        """The same merge, rounded once from float64 to ``dtype`` (any floating dtype)."""
-        return dataclasses.replace(self, out_dtype=dtype) if dtype.is_floating_point else None
-
-    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
-        out.append(Compute(self, box, dest, functools.partial(self._region, box), self._inputs(box)))
-
-    def _inputs(self, box: Box) -> tuple[Input, ...]:
-        """``weight[box]``, and the rows of ``b`` and the columns of ``a`` it covers (read in
-        chunks of rows by :meth:`_region`)."""
-        rank = self.a.shape[0]
-        (r0, r1), (c0, c1) = box
-        if self.transposed:  # weight [in, out]: box rows are A's columns, box cols are B's rows
-            return Input(self.weight, box), Input(self.a, ((0, rank), (r0, r1))), Input(self.b, ((c0, c1), (0, rank)))
-        return Input(self.weight, box), Input(self.a, ((0, rank), (c0, c1))), Input(self.b, ((r0, r1), (0, rank)))
-
-    def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
-        rank = self.a.shape[0]
-        (r0, r1), (c0, c1) = box
-        out = torch.empty(box_shape(box), dtype=self.dtype)
-        step = max(1, _ROWS_PER_CHUNK_ELEMENTS // max(1, c1 - c0))
-        for lo in range(r0, r1, step):
-            hi = min(r1, lo + step)
-            rows, cols = (lo, hi), (c0, c1)
-            if self.transposed:  # weight [in, out]: box rows are A's columns, box cols are B's rows
-                delta = (self.b.read((cols, (0, rank)), io).double() @ self.a.read(((0, rank), rows), io).double()).T
-            else:
-                delta = self.b.read((rows, (0, rank)), io).double() @ self.a.read(((0, rank), cols), io).double()
-            merged = self.weight.read((rows, cols), io).double() + self.scale * delta
-            out[lo - r0 : hi - r0] = merged.to(self.dtype)
-        return out
-
-    def full(self, io: SourceIO) -> torch.Tensor:
-        delta = self.b.full(io).double() @ self.a.full(io).double()
-        if self.transposed:
-            delta = delta.T
-        return (self.weight.full(io).double() + self.scale * delta).to(self.dtype)
-
-    def describe(self) -> str:
-        t = ", transposed" if self.transposed else ""
-        to = f", dtype={dtype_name(self.out_dtype)}" if self.out_dtype is not None else ""
-        return f"merge_lora({self.weight.describe()}, {self.a.describe()}, {self.b.describe()}, scale={self.scale:g}{t}{to})"
 
 
 # --- the rule ------------------------------------------------------------------------------------
@@ -302,33 +226,9 @@ def lora_rule(config: Mapping[str, Any], *, where: str = CONFIG_NAME) -> MergeLo
 def open_peft_lora(path: str | os.PathLike[str]) -> PeftLora:
     """Open a PEFT LoRA folder (what ``PeftModel.save_pretrained`` writes): read
     ``adapter_config.json`` and the header of ``adapter_model.safetensors``; nothing else."""
-    folder = os.fspath(path)
-    if not os.path.isdir(folder):
-        raise AdapterError(f"lora={folder!r}: not a folder; pass the folder PeftModel.save_pretrained wrote "
-                           f"({CONFIG_NAME} + {WEIGHTS_NAME})")  # fmt: skip
-    config_path = os.path.join(folder, CONFIG_NAME)
-    if not os.path.isfile(config_path):
-        raise AdapterError(f"lora={folder!r}: no {CONFIG_NAME} in the folder")
-    config = read_json(config_path, None, what="PEFT adapter config", limit=_CONFIG_LIMIT)
-    if not isinstance(config, dict):
-        raise AdapterError(f"{config_path}: not a JSON object")
+    config_path, config = read_peft_config(path)
     rule = lora_rule(config, where=config_path)
-    weights = os.path.join(folder, WEIGHTS_NAME)
-    if not os.path.isfile(weights):
-        hint = " (it holds adapter_model.bin: re-save it with safe_serialization=True)" if os.path.isfile(
-            os.path.join(folder, "adapter_model.bin")) else ""  # fmt: skip
-        raise AdapterError(f"lora={folder!r}: no {WEIGHTS_NAME}{hint}")
-    source = SafetensorsFile(weights)
-    empty = sorted(k for k, info in source.schema.items() if k.endswith(".lora_A.weight") and info.shape[:1] == (0,))
-    if empty:
-        source.close()
-        raise SourceError(
-            f"the LoRA pair has rank 0 (lora_A has no rows), so it changes nothing and has no scale (alpha / r); "
-            f"{len(empty)} such pair(s). Re-save the adapter",
-            path=weights,
-            key=empty[0],
-        )
-    return PeftLora(folder, source, rule)
+    return PeftLora(os.fspath(path), open_peft_weights(path), rule)
 
 
 class LoraMerged(BaseModel):
