@@ -131,13 +131,7 @@ class DequantFP8(_FP8Fields):
     Built by :func:`sdadapt.dequant_fp8`, whose arguments are these fields.
 
     Args:
-        keys: the weights' key pattern.
-        dtype: the values' dtype (``None``: the model's for each key).
-        exclude: key patterns left alone (unquantized weights).
-        block: the scale block, ``(rows, cols)``.
-        scale_suffix: a scale's key is the weight's key + this.
-        scale_format: ``"float32"``, ``"ue8m0"`` or ``"ue8m0_float32"``.
-        scale_dtype: the dtype the scales are stored in (``None``: any of the format's).
+        **fields: the arguments of :func:`sdadapt.dequant_fp8`, with the same names and meaning.
 
     Example::
 
@@ -259,10 +253,7 @@ class DequantMXFP4(_MXFP4Fields):
     Built by :func:`sdadapt.dequant_mxfp4`, whose arguments are these fields.
 
     Args:
-        keys: the dequantised keys' pattern (without the suffixes).
-        dtype: the values' dtype (``None``: the model's for each key).
-        blocks_suffix: the packed values' key is ``key + blocks_suffix``.
-        scales_suffix: the scales' key is ``key + scales_suffix``.
+        **fields: the arguments of :func:`sdadapt.dequant_mxfp4`, with the same names and meaning.
 
     Example::
 

@@ -127,26 +127,7 @@ class DequantScaled(_ScaledFields):
     Built by :func:`sdadapt.dequant_scaled`, whose arguments are these fields.
 
     Args:
-        keys: the weights' keys (the dequantised keys); ``exclude``: patterns left alone.
-        dtype: the values' dtype, or ``None`` for the model's.
-        exclude: key patterns left alone.
-        codec: ``"e4m3"``, ``"int8"``, ``"e2m1"`` (two per byte), ``"int4"`` or ``"int8_packed"``
-            (in int32 words, compressed-tensors' ``pack-quantized``).
-        strategy: one scale per ``"tensor"``, output ``"channel"``, ``"group"`` of
-            ``group_size`` values along a row, or ``"block"`` of ``block`` rows x cols.
-        group_size: the values per scale along a row (``strategy="group"``).
-        block: the scale block ``[rows, cols]`` (``strategy="block"``).
-        values_suffix: the stored values' key is ``key + values_suffix`` (``"_packed"``).
-        scale_suffix: the keys beside it (``key +
-            suffix``) of the scales, zero points, per-tensor second scale (``global_mode``:
-            ``"divide"`` as compressed-tensors, ``"multiply"`` as ModelOpt's ``weight_scale_2``)
-            and compressed-tensors' ``weight_shape``.
-        scale_dtype: the dtype the scales are stored in (``None``: as stored).
-        zero_suffix: the zero points' key suffix (asymmetric int codes), or ``None``.
-        global_suffix: the per-tensor second scale's key suffix, or ``None``.
-        global_mode: ``"divide"`` (compressed-tensors) or ``"multiply"`` (ModelOpt's ``weight_scale_2``).
-        shape_suffix: compressed-tensors' ``weight_shape`` key suffix, or ``None``.
-        drop: key patterns dropped on purpose (activation scales such as ``**.input_scale``).
+        **fields: the arguments of :func:`sdadapt.dequant_scaled`, with the same names and meaning.
         tensor_scale_shape: the shape of a per-tensor scale (``[1]``, or ``[]`` as some releases store it).
 
     Example::

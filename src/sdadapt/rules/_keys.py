@@ -30,8 +30,7 @@ class Rename(RuleBase):
     Built by :func:`sdadapt.rename`, whose arguments are these fields.
 
     Args:
-        src: the checkpoint's key pattern (``{name}`` captures one dot-free part, ``**`` any run).
-        dst: the new key pattern, using ``src``'s captures.
+        **fields: the arguments of :func:`sdadapt.rename`, with the same names and meaning.
 
     Example::
 
@@ -84,11 +83,7 @@ class Fuse(RuleBase):
     Built by :func:`sdadapt.fuse`, whose arguments are these fields.
 
     Args:
-        srcs: the key patterns of the parts, in order.
-        dst: the fused key pattern.
-        dim: the dim to concatenate along.
-        sizes: the parts' sizes along ``dim`` (needed only where the target does not tell them).
-        heads: lay the fused tensor out per head, ``[H, parts, rows]``.
+        **fields: the arguments of :func:`sdadapt.fuse`, with the same names and meaning.
 
     Example::
 
@@ -183,12 +178,7 @@ class Split(RuleBase):
     Built by :func:`sdadapt.split`, whose arguments are these fields.
 
     Args:
-        src: the fused key pattern.
-        dsts: the key patterns of the parts, in order.
-        dim: the dim to cut along.
-        sizes: the parts' sizes along ``dim``; default: the target's, else equal parts.
-        heads: ``src`` is laid out per head, ``[H, parts, rows]``: each part is taken from
-            every head's block (GPT-NeoX's ``query_key_value`` -> q, k, v).
+        **fields: the arguments of :func:`sdadapt.split`, with the same names and meaning.
 
     Example::
 
@@ -283,8 +273,7 @@ class Drop(RuleBase):
     Built by :func:`sdadapt.drop`, whose arguments are these fields.
 
     Args:
-        keys: the key pattern of the source keys to ignore.
-        shadows: take the keys before later rules that match them too.
+        **fields: the arguments of :func:`sdadapt.drop`, with the same names and meaning.
 
     Example::
 
@@ -317,8 +306,7 @@ class Tie(RuleBase):
     Built by :func:`sdadapt.tie`, whose arguments are these fields.
 
     Args:
-        dst: the key to fill (``output.weight``).
-        src: the key it is filled from (``tok_embeddings.weight``).
+        **fields: the arguments of :func:`sdadapt.tie`, with the same names and meaning.
 
     Example::
 
@@ -377,8 +365,7 @@ class StripPrefix(RuleBase):
     Built by :func:`sdadapt.strip_prefix`, whose arguments are these fields.
 
     Args:
-        prefix: the prefix to remove.
-        optional: keys without it are fine (else they are reported).
+        **fields: the arguments of :func:`sdadapt.strip_prefix`, with the same names and meaning.
 
     Example::
 
@@ -419,8 +406,7 @@ class AddPrefix(RuleBase):
     Built by :func:`sdadapt.add_prefix`, whose arguments are these fields.
 
     Args:
-        prefix: the prefix to add.
-        keys: the key pattern of the keys that get it.
+        **fields: the arguments of :func:`sdadapt.add_prefix`, with the same names and meaning.
 
     Example::
 

@@ -57,11 +57,7 @@ class Stack(_Stacking):
     Built by :func:`sdadapt.stack`, whose arguments are these fields.
 
     Args:
-        src: the per-entry key pattern, with capture ``over`` (``experts.{e}.w1.weight``).
-        dst: the stacked key pattern.
-        over: the capture that numbers the entries.
-        dim: the new dim the entries are stacked along.
-        count: how many entries (default: as many as the checkpoint holds, 0..E-1).
+        **fields: the arguments of :func:`sdadapt.stack`, with the same names and meaning.
 
     Example::
 
@@ -135,11 +131,7 @@ class Unstack(_Stacking):
     Built by :func:`sdadapt.unstack`, whose arguments are these fields.
 
     Args:
-        src: the stacked key pattern.
-        dst: the per-entry key pattern, with capture ``over``.
-        over: the capture that numbers the entries.
-        dim: the dim the entries lie along.
-        count: how many entries (default: the size of ``dim``).
+        **fields: the arguments of :func:`sdadapt.unstack`, with the same names and meaning.
 
     Example::
 

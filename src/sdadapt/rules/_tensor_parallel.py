@@ -72,10 +72,7 @@ class Interleave(RuleBase):
     Built by :func:`sdadapt.interleave`, whose arguments are these fields.
 
     Args:
-        keys: one key pattern or several (weight and bias).
-        sizes: the fused parts' sizes along ``dim``.
-        tp: the TP degree (default: the model's for that key).
-        dim: the fused dim.
+        **fields: the arguments of :func:`sdadapt.interleave`, with the same names and meaning.
 
     Example::
 
@@ -149,10 +146,7 @@ class Deinterleave(Interleave):
     Built by :func:`sdadapt.deinterleave`, whose arguments are these fields.
 
     Args:
-        keys: one key pattern or several.
-        sizes: the fused parts' sizes along ``dim``.
-        tp: the TP degree the source was laid out for (default: the source's for that key).
-        dim: the fused dim.
+        **fields: the arguments of :func:`sdadapt.deinterleave`, with the same names and meaning.
 
     Example::
 

@@ -49,10 +49,7 @@ class Cast(RuleBase):
     Built by :func:`sdadapt.cast`, whose arguments are these fields.
 
     Args:
-        keys: the key pattern.
-        dtype: the dtype to convert to (``"bfloat16"``, ``torch.float32``), or ``"model"``: the
-            dtype the model holds for each key.
-        from_dtype: the dtype the inverse (export) converts back to.
+        **fields: the arguments of :func:`sdadapt.cast`, with the same names and meaning.
 
     Example::
 
@@ -118,9 +115,7 @@ class Transpose(RuleBase):
     Built by :func:`sdadapt.transpose`, whose arguments are these fields.
 
     Args:
-        keys: the key pattern.
-        dim0: one dim to swap.
-        dim1: the other.
+        **fields: the arguments of :func:`sdadapt.transpose`, with the same names and meaning.
 
     Example::
 
@@ -190,15 +185,7 @@ class Rotary(RuleBase):
     Built by :func:`sdadapt.rotary`, whose arguments are these fields.
 
     Args:
-        keys: one pattern or several (weight, bias, per-head norm weight).
-        heads: the head count; a head is the rows divided by ``heads`` (GQA: one rule for k
-            with the kv head count).
-        to: ``"interleaved"`` (Meta's pairs) or ``"half"`` (HF's halves).
-        dim: the dim that holds the heads' rows.
-        head_dim: the rows of one head, instead of ``heads``; per-head norm weights
-            ``[head_dim]`` need it.
-        rotary_dim: partial rotary: the rows of each head that rotate (an int, or a fraction of
-            the head such as config.json's ``partial_rotary_factor``); only they are reordered.
+        **fields: the arguments of :func:`sdadapt.rotary`, with the same names and meaning.
 
     Example::
 
@@ -305,9 +292,7 @@ class Affine(RuleBase):
     Built by :func:`sdadapt.affine`, whose arguments are these fields.
 
     Args:
-        keys: one key pattern or several.
-        scale: the factor.
-        shift: the offset added after scaling.
+        **fields: the arguments of :func:`sdadapt.affine`, with the same names and meaning.
         invert: ``True`` in the inverse rule: computes ``(w - shift) / scale``.
 
     Example::
@@ -372,11 +357,7 @@ class Pad(RuleBase):
     Built by :func:`sdadapt.pad`, whose arguments are these fields.
 
     Args:
-        keys: the key pattern.
-        dim: the dim to extend.
-        size: the size to reach.
-        multiple_of: reach the next multiple of this instead.
-        value: the fill value.
+        **fields: the arguments of :func:`sdadapt.pad`, with the same names and meaning.
 
     Example::
 
@@ -435,9 +416,7 @@ class Trim(RuleBase):
     Built by :func:`sdadapt.trim`, whose arguments are these fields.
 
     Args:
-        keys: the key pattern.
-        dim: the dim to cut.
-        size: the entries to keep (default: the model's size for that key).
+        **fields: the arguments of :func:`sdadapt.trim`, with the same names and meaning.
 
     Example::
 
