@@ -242,7 +242,7 @@ def test_a_gpu_load_prefetches_its_staging_and_bands_only_when_it_computes(monke
 
     calls: list[tuple[torch.device, bool]] = []
     warmed: list[tuple[torch.device, int]] = []
-    monkeypatch.setattr(_load, "prefetch_pinned", lambda device, computes: calls.append((device, computes)))
+    monkeypatch.setattr(_load, "prefetch_pinned", lambda device, computes, engine: calls.append((device, computes)))
     monkeypatch.setattr(_load, "warm_kernels", lambda device, recipes: warmed.append((device, len(recipes))))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     w, s = N.Leaf("w", (4, 256, 256), torch.float8_e4m3fn), N.Leaf("s", (4, 2, 2), torch.float32)
@@ -252,13 +252,13 @@ def test_a_gpu_load_prefetches_its_staging_and_bands_only_when_it_computes(monke
     with torch.device("meta"):
         model = torch.nn.Linear(2, 2)
     planned = {"weight": model.weight}
-    _load._prepare_device(model, "cuda:0", planned, fp8)  # type: ignore[arg-type]
-    _load._prepare_device(model, "cuda:0", planned, plain)  # type: ignore[arg-type]
-    _load._prepare_device(torch.nn.Linear(2, 2), None, {"weight": torch.zeros(2)}, fp8)  # type: ignore[arg-type]
+    _load._prepare_device(model, "cuda:0", planned, fp8, None)  # type: ignore[arg-type]
+    _load._prepare_device(model, "cuda:0", planned, plain, None)  # type: ignore[arg-type]
+    _load._prepare_device(torch.nn.Linear(2, 2), None, {"weight": torch.zeros(2)}, fp8, None)  # type: ignore[arg-type]
     assert calls == [(torch.device("cuda:0"), True), (torch.device("cuda:0"), False)]
     assert warmed == [(torch.device("cuda:0"), 1)]  # one kind of kernel (4 experts alike); none for the plain plan
     monkeypatch.setenv("SDADAPT_IO_WARM", "0")
-    _load._prepare_device(model, "cuda:0", planned, fp8)  # type: ignore[arg-type]
+    _load._prepare_device(model, "cuda:0", planned, fp8, None)  # type: ignore[arg-type]
     assert len(warmed) == 1
 
 
