@@ -51,7 +51,7 @@ class AdapterError(SdadaptError):
 
 
 class PlanError(SdadaptError):
-    """The source does not line up with the target; ``.report`` (a :class:`sdadapt.Report`) says
+    """The source does not line up with the target; ``.report`` (a :class:`sdadapt.reports.Report`) says
     how. Nothing was read. (This module is the lowest layer of the package, so it names the
     report's type in words rather than importing it.)"""
 
