@@ -9,9 +9,9 @@ So memory stays at about one tensor, whatever the size of the checkpoint.
 - :class:`TorchSaveWriter`: one ``torch.save`` zip file (readable with ``mmap=True``);
 - :class:`DCPWriter`: a torch.distributed.checkpoint folder, through ``dcp.save``.
 
-:func:`make_writer` imports a writer's module when it is asked for that format: a load imports
-this package for :func:`~sdadapt._transaction.writers.base.tensor_bytes` only, and the DCP writer
-would import ``torch.distributed.checkpoint``'s saving side with it.
+:func:`make_writer` imports a writer's module only when it is asked for that format: the DCP
+writer imports ``torch.distributed.checkpoint``'s saving side, which an export to safetensors
+does not need.
 """
 
 from __future__ import annotations
