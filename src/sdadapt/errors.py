@@ -25,9 +25,9 @@ class SdadaptError(Exception):
         try:
             sdadapt.load(model, "ckpt/", "llama")
         except sdadapt.errors.PlanError as e:
-            print(e.report.format())
+            raise SystemExit(e.report.format())  # what does not line up, key by key
         except sdadapt.SdadaptError as e:
-            print(f"not loaded: {e}")
+            raise SystemExit(f"not loaded: {e}")
     """
 
 

@@ -89,7 +89,7 @@ class Draft(BaseModel):
     Example::
 
         d = sdadapt.draft(model, "ckpt/model.safetensors")
-        print(d)
+        summary = str(d)
         assert d.report.ok or d.questions
     """
 
@@ -202,7 +202,7 @@ def draft(
     Example::
 
         d = sdadapt.draft(model, "ckpt/model.safetensors")
-        print(d)
+        summary = str(d)
         open("my_adapter.py", "w").write(d.module)
     """
     check_not_a_model("sdadapt.draft(target, src, adapter=None, ...)", src, other=target)

@@ -116,7 +116,7 @@ def hf_adapter(
 
     Example:
         >>> adapter = sdadapt.hf_adapter(model, "path/to/Qwen3-30B-A3B")  # doctest: +SKIP
-        >>> print(adapter.describe())  # doctest: +SKIP
+        >>> text = adapter.describe()  # doctest: +SKIP
     """
     if not is_hf_model(model):
         raise AdapterError(

@@ -83,7 +83,7 @@ class Plan:
 
         source, plan = sdadapt.plan_load(model, "ckpt/", "llama")
         with source:
-            print(plan.recipes["layers.0.attention.wqkv.weight"].describe())
+            text = plan.recipes["layers.0.attention.wqkv.weight"].describe()
     """
 
     recipes: dict[str, Node]

@@ -230,8 +230,7 @@ def list_adapters() -> list[tuple[str, str]]:
 
     Example::
 
-        for name, summary in sdadapt.list_adapters():
-            print(f"{name:12} {summary}")
+        summaries = dict(sdadapt.list_adapters())  # name -> one line
     """
     out = []
     for name in adapter_names():

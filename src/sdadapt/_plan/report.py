@@ -1,7 +1,7 @@
 """The Report: everything that does not line up between a checkpoint and a model.
 
 Pydantic models, so a report serialises (``report.model_dump_json()``) and prints
-(``print(report)``) with runs of keys compressed and nearest-name suggestions.
+(``str(report)``) with runs of keys compressed and nearest-name suggestions.
 """
 
 from __future__ import annotations
@@ -71,8 +71,7 @@ class Report(BaseModel):
     Example::
 
         report = sdadapt.diff(model, "ckpt/", "llama")
-        if not report.ok:
-            print(report.format())
+        assert report.ok, report.format()
     """
 
     source: str

@@ -64,7 +64,7 @@ def diff(
 
     Returns:
         The plan's :class:`~sdadapt.reports.Report`: missing, unexpected and mismatched keys
-        (``report.ok`` when everything lines up; ``print(report)`` shows it).
+        (``report.ok`` when everything lines up; ``str(report)`` is its text).
 
     Example::
 

@@ -73,7 +73,7 @@ class ExportReport(BaseModel):
     Example::
 
         report = sdadapt.export(model, "out/", "llama")
-        print(report.files)
+        written = report.files
     """
 
     dst: str
@@ -91,7 +91,7 @@ class ExportReport(BaseModel):
             "; read back and compared" if self.read_back else ""
         )
 
-    def __str__(self) -> str:  # print(report): the summary, not the fields
+    def __str__(self) -> str:  # str(report): the summary, not the fields
         return self.format_text()
 
 

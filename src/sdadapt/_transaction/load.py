@@ -58,7 +58,7 @@ class LoadReport(BaseModel):
     Example::
 
         report = sdadapt.load(model, "ckpt/", "llama")
-        print(report)  # keys, bytes and time of each phase
+        summary = str(report)  # keys, bytes and time of each phase
     """
 
     rank: int
@@ -146,7 +146,7 @@ def plan_load(
 
         source, plan = sdadapt.plan_load(model, "ckpt/", "llama")
         with source:
-            print(plan.report.format())
+            assert plan.report.ok, plan.report.format()
     """
     check_model_and_path("sdadapt.plan_load(model, src, adapter=None, ...)", model, src)
     shipped = is_shipped(adapter)
@@ -345,7 +345,7 @@ def load(
             model = build_model()
         fully_shard(model)
         report = sdadapt.load(model, "path/to/llama", "llama")
-        print(report)
+        summary = str(report)
     """
     check_model_and_path("sdadapt.load(model, src, adapter=None, ...)", model, src)
     shipped = is_shipped(adapter)

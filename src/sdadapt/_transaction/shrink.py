@@ -59,7 +59,7 @@ class ShrinkReport(BaseModel):
     Example::
 
         report = sdadapt.shrink("llama-8b/", "llama-2-layers/", layers=2)
-        print(report)
+        summary = str(report)
     """
 
     dst: str
@@ -78,7 +78,7 @@ class ShrinkReport(BaseModel):
             f"in {self.seconds:.2f} s"
         )
 
-    def __str__(self) -> str:  # print(report): the summary, not the fields
+    def __str__(self) -> str:  # str(report): the summary, not the fields
         return self.format_text()
 
 

@@ -83,7 +83,7 @@ class StateLoadReport(BaseModel):
     Example::
 
         report = sdadapt.load_state(model, "ckpt/step_100", optimizer)
-        print(report)
+        summary = str(report)
     """
 
     rank: int

@@ -350,8 +350,8 @@ def verify(
 
     Example:
         >>> rep = sdadapt.verify(model, reference_from_checkpoint("ckpt"))  # doctest: +SKIP
-        >>> print(rep)  # doctest: +SKIP
-        FAIL  MetaLlama vs LlamaForCausalLM: max|logit diff| 3.9e-04 (tolerance 4.1e-05, ...)
+        >>> str(rep)  # doctest: +SKIP
+        'FAIL  MetaLlama vs LlamaForCausalLM: max|logit diff| 3.9e-04 (tolerance 4.1e-05, ...)'
     """
     if tokens is None:
         vocab = vocab_size or _vocab_size(reference, model)

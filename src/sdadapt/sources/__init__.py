@@ -48,8 +48,7 @@ def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = 
     Example::
 
         with sdadapt.sources.open_source("ckpt/model.safetensors") as src:
-            for key, info in src.schema.items():
-                print(key, info.shape, info.dtype)
+            shapes = {key: (info.shape, info.dtype) for key, info in src.schema.items()}
     """
     if isinstance(path, Source):
         return path

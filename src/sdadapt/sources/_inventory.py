@@ -48,7 +48,7 @@ class Inventory(BaseModel):
             lines.append(f"not tensors ({len(self.non_tensor)}): {', '.join(compress(self.non_tensor))}")
         return "\n".join(lines)
 
-    def __str__(self) -> str:  # print(inventory): the table, not the fields
+    def __str__(self) -> str:  # str(inventory): the table, not the fields
         return self.format()
 
 
