@@ -128,8 +128,6 @@ class DequantFP8(_FP8Fields):
     """FP8 e4m3 weights with block scales ``key + scale_suffix`` -> values in ``dtype``:
     ``DequantFP8(keys="model.layers.**.weight", block=[128, 128])``.
 
-    Built by :func:`sdadapt.dequant_fp8`, whose arguments are these fields.
-
     Args:
         **fields: the arguments of :func:`sdadapt.dequant_fp8`, with the same names and meaning.
 
@@ -249,8 +247,6 @@ class DequantMXFP4(_MXFP4Fields):
     ``DequantMXFP4(keys="model.layers.{i}.mlp.experts.{proj}")``. The packed dim (32 values per
     block) is the last one, as the format defines it; a transpose rule after it gives another
     orientation.
-
-    Built by :func:`sdadapt.dequant_mxfp4`, whose arguments are these fields.
 
     Args:
         **fields: the arguments of :func:`sdadapt.dequant_mxfp4`, with the same names and meaning.

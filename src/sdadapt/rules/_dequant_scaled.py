@@ -124,8 +124,6 @@ class DequantScaled(_ScaledFields):
     """Codes times scales -> values: ``DequantScaled(codec="e4m3", strategy="channel")`` reads
     compressed-tensors' FP8-dynamic releases (``weight`` + ``weight_scale [R, 1]``).
 
-    Built by :func:`sdadapt.dequant_scaled`, whose arguments are these fields.
-
     Args:
         **fields: the arguments of :func:`sdadapt.dequant_scaled`, with the same names and meaning.
         tensor_scale_shape: the shape of a per-tensor scale (``[1]``, or ``[]`` as some releases store it).

@@ -27,8 +27,6 @@ class Rename(RuleBase):
     """``src`` keys become ``dst`` keys: ``Rename(src="model.layers.{i}.mlp.up_proj.weight",
     dst="layers.{i}.feed_forward.w3.weight")``.
 
-    Built by :func:`sdadapt.rename`, whose arguments are these fields.
-
     Args:
         **fields: the arguments of :func:`sdadapt.rename`, with the same names and meaning.
 
@@ -79,8 +77,6 @@ class Fuse(RuleBase):
     cut in ``H`` equal blocks and block ``h`` of every part follows block ``h`` of the previous
     one. For grouped attention fused per kv group (Falcon: each group's q heads, then its k and
     v) give the kv head count.
-
-    Built by :func:`sdadapt.fuse`, whose arguments are these fields.
 
     Args:
         **fields: the arguments of :func:`sdadapt.fuse`, with the same names and meaning.
@@ -175,8 +171,6 @@ class Split(RuleBase):
     ``query_key_value``): part ``p`` is block ``p`` of each of the ``H`` groups, in order;
     ``sizes`` are then the parts' whole sizes (each divides by ``H``). See :class:`Fuse`.
 
-    Built by :func:`sdadapt.split`, whose arguments are these fields.
-
     Args:
         **fields: the arguments of :func:`sdadapt.split`, with the same names and meaning.
 
@@ -270,8 +264,6 @@ class Drop(RuleBase):
     the drop is meant to take its keys before later rules that match them too (a whole layer
     dropped first, whatever it holds); those later rules are then not ambiguous.
 
-    Built by :func:`sdadapt.drop`, whose arguments are these fields.
-
     Args:
         **fields: the arguments of :func:`sdadapt.drop`, with the same names and meaning.
 
@@ -302,8 +294,6 @@ class Drop(RuleBase):
 class Tie(RuleBase):
     """Fill ``dst`` from ``src`` when the checkpoint lacks ``dst`` (tied embeddings:
     ``Tie(dst="output.weight", src="tok_embeddings.weight")``). ``src`` stays too.
-
-    Built by :func:`sdadapt.tie`, whose arguments are these fields.
 
     Args:
         **fields: the arguments of :func:`sdadapt.tie`, with the same names and meaning.
@@ -362,8 +352,6 @@ class StripPrefix(RuleBase):
     them from every key, wherever they appear, before any rule runs; two keys that become one
     are reported with both names.
 
-    Built by :func:`sdadapt.strip_prefix`, whose arguments are these fields.
-
     Args:
         **fields: the arguments of :func:`sdadapt.strip_prefix`, with the same names and meaning.
 
@@ -402,8 +390,6 @@ class StripPrefix(RuleBase):
 class AddPrefix(RuleBase):
     """Put ``prefix`` in front of the keys matching ``keys`` (default: every key present when
     it runs). The inverse of :class:`StripPrefix`.
-
-    Built by :func:`sdadapt.add_prefix`, whose arguments are these fields.
 
     Args:
         **fields: the arguments of :func:`sdadapt.add_prefix`, with the same names and meaning.

@@ -54,8 +54,6 @@ class Stack(_Stacking):
     The ``over`` values must be the integers 0..E-1 (``count`` E, if given) with equal shapes
     and dtypes.
 
-    Built by :func:`sdadapt.stack`, whose arguments are these fields.
-
     Args:
         **fields: the arguments of :func:`sdadapt.stack`, with the same names and meaning.
 
@@ -127,8 +125,6 @@ class Stack(_Stacking):
 class Unstack(_Stacking):
     """One tensor ``src`` becomes E keys ``dst`` (which captures ``over``), one per entry along
     ``dim``: ``Unstack(src="layers.{i}.moe.experts.w1", dst="layers.{i}.experts.{e}.w1.weight")``.
-
-    Built by :func:`sdadapt.unstack`, whose arguments are these fields.
 
     Args:
         **fields: the arguments of :func:`sdadapt.unstack`, with the same names and meaning.

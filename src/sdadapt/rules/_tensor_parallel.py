@@ -69,8 +69,6 @@ class Interleave(RuleBase):
     :func:`tp_degree`; a plain target tensor means 1, nothing moves). Every size must divide by
     the degree. The inverse is :class:`Deinterleave`.
 
-    Built by :func:`sdadapt.interleave`, whose arguments are these fields.
-
     Args:
         **fields: the arguments of :func:`sdadapt.interleave`, with the same names and meaning.
 
@@ -142,8 +140,6 @@ class Deinterleave(Interleave):
     Parts that alternate row by row (GPT-OSS stores gate and up rows as ``g0, u0, g1, u1...``
     along the last dim) are this layout with one row per block: ``deinterleave(keys, sizes=[F,
     F], tp=F, dim=-1)`` gives contiguous ``[gate; up]``, which a split then cuts in two.
-
-    Built by :func:`sdadapt.deinterleave`, whose arguments are these fields.
 
     Args:
         **fields: the arguments of :func:`sdadapt.deinterleave`, with the same names and meaning.

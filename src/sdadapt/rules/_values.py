@@ -46,8 +46,6 @@ class Cast(RuleBase):
     ``dtype`` to compute in instead (:meth:`~sdadapt._recipes.nodes.Node.as_dtype`), so a float32 model
     gets float32 values, not bfloat16 ones widened.
 
-    Built by :func:`sdadapt.cast`, whose arguments are these fields.
-
     Args:
         **fields: the arguments of :func:`sdadapt.cast`, with the same names and meaning.
 
@@ -111,8 +109,6 @@ class Cast(RuleBase):
 class Transpose(RuleBase):
     """Swap dims ``dim0`` and ``dim1`` of matched tensors, keeping their keys (GPT-2 ``Conv1D``
     ``[in, out]`` <-> ``nn.Linear`` ``[out, in]``). Its own inverse.
-
-    Built by :func:`sdadapt.transpose`, whose arguments are these fields.
 
     Args:
         **fields: the arguments of :func:`sdadapt.transpose`, with the same names and meaning.
@@ -181,8 +177,6 @@ class Rotary(RuleBase):
     Partial rotary (transformers' ``partial_rotary_factor``, GPT-NeoX's ``rotary_pct``): only the
     first ``rotary_dim`` rows of each head rotate. ``rotary_dim`` is a row count (an int) or a
     fraction of the head (a float in (0, 1]); the rotating rows are reordered, the others stay.
-
-    Built by :func:`sdadapt.rotary`, whose arguments are these fields.
 
     Args:
         **fields: the arguments of :func:`sdadapt.rotary`, with the same names and meaning.
@@ -289,8 +283,6 @@ class Affine(RuleBase):
     (:data:`SQUARED_MOMENTS`) by ``scale ** 2`` (multiplied, with ``invert``). Other optimizer
     state is refused by name, since its scaling is not known.
 
-    Built by :func:`sdadapt.affine`, whose arguments are these fields.
-
     Args:
         **fields: the arguments of :func:`sdadapt.affine`, with the same names and meaning.
         invert: ``True`` in the inverse rule: computes ``(w - shift) / scale``.
@@ -354,8 +346,6 @@ class Pad(RuleBase):
     TP). The inverse is :class:`Trim` to the target's size: exporting needs a target (or a
     ``Trim`` with an explicit ``size``), since one rule may match tensors of several sizes.
 
-    Built by :func:`sdadapt.pad`, whose arguments are these fields.
-
     Args:
         **fields: the arguments of :func:`sdadapt.pad`, with the same names and meaning.
 
@@ -412,8 +402,6 @@ class Pad(RuleBase):
 class Trim(RuleBase):
     """Keep the first ``size`` entries of matched tensors along ``dim`` (``size`` omitted: the
     target's size for that key; a plan without that key in its target reports it).
-
-    Built by :func:`sdadapt.trim`, whose arguments are these fields.
 
     Args:
         **fields: the arguments of :func:`sdadapt.trim`, with the same names and meaning.
