@@ -17,6 +17,7 @@ Failures raise :class:`ResolveError` (an :class:`~sdadapt.SdadaptError`; the CLI
 from __future__ import annotations
 
 import ast
+import contextlib
 import difflib
 import hashlib
 import importlib
@@ -25,6 +26,7 @@ import logging
 import os
 import re
 import sys
+from collections.abc import Iterator
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -66,30 +68,34 @@ def _import_file(path: str) -> ModuleType:
         raise ResolveError(f"{path}: cannot be imported as a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    # the file's own folder first, so it can import its neighbours (as `python file.py` would)
-    folder = os.path.dirname(full)
-    added = folder not in sys.path
-    if added:
-        sys.path.insert(0, folder)
     try:
-        spec.loader.exec_module(module)
+        # the file's own folder first, so it can import its neighbours (as `python file.py` would)
+        with _importable_from(os.path.dirname(full)):
+            spec.loader.exec_module(module)
     except (Exception, SystemExit) as e:  # SystemExit: a script that parses argv at import
         sys.modules.pop(name, None)
         raise ResolveError(f"{path}: importing it failed: {type(e).__name__}: {e}") from e
-    finally:
-        if added and folder in sys.path:
-            sys.path.remove(folder)
     return module
 
 
-def _import_module(name: str) -> ModuleType:
-    # like `python -m`, let modules of the current folder be found (console scripts lack it)
-    cwd = os.getcwd()
-    added = cwd not in sys.path and "" not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
+@contextlib.contextmanager
+def _importable_from(folder: str) -> Iterator[None]:
+    """Modules in ``folder`` can be imported while this is open (``folder`` first on
+    ``sys.path``, unless it is there already, or is the current folder and ``""`` is)."""
+    there = folder in sys.path or (folder == os.getcwd() and "" in sys.path)
+    if not there:
+        sys.path.insert(0, folder)
     try:
-        return importlib.import_module(name)
+        yield
+    finally:
+        if not there and folder in sys.path:
+            sys.path.remove(folder)
+
+
+def _import_module(name: str) -> ModuleType:
+    try:  # like `python -m`, modules of the current folder are found (console scripts lack it)
+        with _importable_from(os.getcwd()):
+            return importlib.import_module(name)
     except ModuleNotFoundError as e:
         if e.name and (name == e.name or name.startswith(e.name + ".")):
             raise ResolveError(
@@ -99,9 +105,6 @@ def _import_module(name: str) -> ModuleType:
         raise ResolveError(f"importing {name!r} failed: {type(e).__name__}: {e}") from e
     except Exception as e:  # noqa: BLE001 - any import-time failure becomes a usage error
         raise ResolveError(f"importing {name!r} failed: {type(e).__name__}: {e}") from e
-    finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
 
 
 def load_object(spec: str) -> Any:
@@ -140,19 +143,13 @@ _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 def _is_module(name: str) -> bool:
     """``name`` is an importable module (looked up, its top-level package only imported)."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path and "" not in sys.path
-    if added:
-        sys.path.insert(0, cwd)
     try:
-        if importlib.util.find_spec(name.split(".")[0]) is None:
-            return False
-        return importlib.util.find_spec(name) is not None
+        with _importable_from(os.getcwd()):
+            if importlib.util.find_spec(name.split(".")[0]) is None:
+                return False
+            return importlib.util.find_spec(name) is not None
     except (ImportError, ValueError):
         return False
-    finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
 
 
 def _spec_without_function(text: str) -> str | None:
