@@ -27,6 +27,7 @@ from .writers import make_writer
 
 log = logging.getLogger(__name__)
 
+
 def plan_outputs(
     schema: dict[str, TensorInfo], adapter: Adapter | None, *, non_tensor: list[str] | None = None, what: str = "export"
 ) -> tuple[dict[str, Node], list[str]]:
