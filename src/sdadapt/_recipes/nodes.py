@@ -45,7 +45,6 @@ class SourceIO(Protocol):
     def read(self, key: str, box: Box) -> torch.Tensor: ...
 
 
-
 def with_dim(box: Box, dim: int, span: tuple[int, int]) -> Box:
     """``box`` with dimension ``dim`` replaced by ``span``."""
     return box[:dim] + (span,) + box[dim + 1 :]

@@ -403,6 +403,8 @@ def verify(
     )  # fmt: skip
     log.info("%s", rep.format())  # the verdict is the return value; the CLI prints it
     return rep
+
+
 def reference_from_checkpoint(src: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> nn.Module:
     """The transformers model named by ``architectures`` in the ``config.json`` beside ``src``
     (a folder, or a file in one), loaded with its own ``from_pretrained`` (local files only)."""

@@ -227,13 +227,11 @@ def unwrap_key(key: str) -> str:
     return ".".join(kept) if kept and len(kept) != len(parts) else key
 
 
-
 class RuleIssue(BaseModel):
     rule: str
     index: int
     key: str | None = None
     message: str
-
 
 
 class PlanContext:

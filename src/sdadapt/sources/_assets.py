@@ -123,4 +123,3 @@ def _titan_config(cfg: Any) -> dict[str, Any] | None:
     if isinstance(getattr(cfg, "enable_weight_tying", None), bool):
         out["tie_word_embeddings"] = cfg.enable_weight_tying
     return out
-

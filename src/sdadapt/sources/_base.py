@@ -216,4 +216,3 @@ def _hub_blobs(folder: str) -> str | None:
     if os.path.basename(snapshots) != "snapshots" or "--" not in os.path.basename(repo):
         return None
     return os.path.join(repo, "blobs")
-
