@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -86,3 +88,30 @@ def test_reserve_asks_once_for_the_large_tensors(monkeypatch):
                 m.setenv(k, v)
             materialize._reserve(model, torch.device("cuda", 0))
         assert asked == [], env
+
+
+def test_reservation_asks_on_a_thread_and_never_raises(monkeypatch):
+    """Started before the plan: the same one allocation, made on a thread (joined by wait());
+    nothing for a CPU device or a model already materialised; a bad device= is left to
+    materialising (which reports it on every rank), not raised here."""
+    from sdadapt._transaction import materialize as materialize
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4096, 4096, bias=False), nn.Linear(4096, 2001, bias=True))
+    real = nn.Linear(4096, 4096)
+    threads: list[str] = []
+
+    def empty(n: int, **kw: object) -> None:
+        threads.append(threading.current_thread().name)
+        asked.append(n)
+
+    asked: list[int] = []
+    monkeypatch.setattr(materialize.torch, "empty", empty)
+    monkeypatch.setattr(materialize.torch.cuda, "current_stream", lambda device=None: None)  # a CPU-only build has none
+    materialize.Reservation(model, "cuda:0").wait()
+    assert asked == [4096 * 4096 * 4 + 2001 * 4096 * 4] and threads == ["sdadapt-reserve"]
+    asked.clear()
+    materialize.Reservation(model, "cpu").wait()
+    materialize.Reservation(real, "cuda:0").wait()  # nothing on meta
+    materialize.Reservation(model, "no-such-device").wait()
+    assert asked == []

@@ -28,7 +28,7 @@ from ..sources import Source, open_source
 from ..sources import _integrity as integrity
 from ..sources._assets import remember_source
 from .args import check_model_and_path, renamed_keywords
-from .materialize import InitFn, check_buffers, choose_device, has_meta
+from .materialize import InitFn, Reservation, check_buffers, choose_device, has_meta
 from .transaction import ATOMIC_WHY, Part, Transaction
 
 log = logging.getLogger("sdadapt")
@@ -355,6 +355,8 @@ def load(
     txn.engine = engine
     local = txn.resolve(src)  # a Hub id: its snapshot folder, fetched and agreed on every rank
     planned: dict[str, torch.Tensor] = {}
+    # a meta model's GPU memory is asked for while the plan is made (nothing of the model changes)
+    reserved = Reservation(model, device)
 
     def prepare() -> Plan:
         nonlocal planned
@@ -375,12 +377,16 @@ def load(
             txn.sources[-1] = integrity.ChecksummedSource(source, sidecar, sums, leaves)
         return plan
 
-    plan = txn.prepare(prepare)  # every rank raises if any failed; nothing was changed
+    try:
+        plan = txn.prepare(prepare)  # every rank raises if any failed; nothing was changed
+    except BaseException:
+        reserved.wait()
+        raise
     phases = _Phases(t0)
     phases.mark("plan")
     _prepare_device(model, device, planned, plan, engine)
     # every rank's hook has run (a hook may touch the files) before any rank checks them
-    materialized = txn.materialize(device, init_buffers)
+    materialized = txn.materialize(device, init_buffers, reserved)
     phases.mark("materialize")
     # materialising gave the parameters new tensors; otherwise the planned state dict is current
     state_dict = model_state_dict(model) if materialized else planned

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 
 import torch
@@ -70,12 +71,16 @@ def check_buffers(model: nn.Module, init_buffers: InitFn | None) -> None:
         )
 
 
-def materialize(model: nn.Module, device: torch.device, init_buffers: InitFn | None) -> bool:
+def materialize(model: nn.Module, device: torch.device, init_buffers: InitFn | None, reserved: Reservation | None = None) -> bool:
     """``to_empty`` on ``device`` if anything is on meta, then run the buffer hook. Returns
-    whether the model was materialised."""
+    whether the model was materialised. ``reserved``: the model's memory, asked for earlier
+    (:class:`Reservation`); else it is asked for now."""
     if not has_meta(model):
         return False
-    _reserve(model, device)
+    if reserved is not None:
+        reserved.wait()
+    else:
+        _reserve(model, device)
     model.to_empty(device=device)
     if init_buffers is not None:
         init_buffers(model)
@@ -85,28 +90,74 @@ def materialize(model: nn.Module, device: torch.device, init_buffers: InitFn | N
     return True
 
 
-def _reserve(model: nn.Module, device: torch.device) -> None:
-    """Ask the GPU driver once for all the memory ``to_empty`` is about to take.
-
-    One allocation as large as the model's large (> 1 MiB) local tensors, freed at once: PyTorch's
-    caching allocator keeps that segment and cuts the parameters out of it, instead of one
-    ``cudaMalloc`` per parameter. Skipped where that could strand the memory instead (allocator
-    settings ``max_split_size_mb`` or ``expandable_segments``, which change how cached blocks are
-    reused), when it does not fit, or with ``SDADAPT_RESERVE=0``."""
+def _reserve_bytes(model: nn.Module, device: torch.device) -> int:
+    """How much :func:`_reserve` asks for: the model's large (> 1 MiB) local tensors on meta,
+    rounded as the allocator rounds blocks; 0 where it is skipped (not a GPU, allocator settings
+    ``max_split_size_mb`` or ``expandable_segments``, which change how cached blocks are reused
+    so that the memory could be stranded instead, under 64 MiB, or ``SDADAPT_RESERVE=0``)."""
     if device.type != "cuda" or os.environ.get("SDADAPT_RESERVE", "1") == "0":
-        return
+        return 0
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
     if "max_split_size" in conf or "expandable_segments" in conf:
-        return
+        return 0
     total = 0
     for t in (*model.parameters(), *model.buffers()):
         local = t._local_tensor if isinstance(t, DTensor) else t
         n = local.numel() * local.element_size()
         if local.is_meta and n > _SMALL:
-            total += -(-n // 512) * 512  # the allocator's block rounding
-    if total < 64 * _SMALL:
+            total += -(-n // 512) * 512
+    return total if total >= 64 * _SMALL else 0
+
+
+def _reserve(model: nn.Module, device: torch.device, total: int | None = None) -> None:
+    """Ask the GPU driver once for all the memory ``to_empty`` is about to take (``total`` bytes,
+    by default :func:`_reserve_bytes`): one allocation, freed at once. PyTorch's caching allocator
+    keeps that segment and cuts the parameters out of it, instead of one ``cudaMalloc`` per
+    parameter. Skipped when it does not fit."""
+    if total is None:
+        total = _reserve_bytes(model, device)
+    if not total:
         return
     try:
         torch.empty(total, dtype=torch.uint8, device=device)
     except torch.OutOfMemoryError:
         log.debug("not reserving %d bytes on %s at once: they do not fit in one piece", total, device)
+
+
+class Reservation:
+    """:func:`_reserve` on a thread of its own, started before a load plans: the driver maps the
+    model's memory (a wait that grows with the model) while the plan is made.
+    The allocation is made on the stream current where the reservation is started, so that
+    ``to_empty`` there reuses the cached segment. A load whose plan fails leaves the segment in
+    the caching allocator, free for the process's next allocations.
+
+    Args:
+        model: the model about to be materialised.
+        device: where it will be (``sdadapt.load``'s ``device=``: ``None`` for its mesh's device).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device | str | None):
+        self._thread: threading.Thread | None = None
+        try:
+            where = choose_device(model, device)
+            total = _reserve_bytes(model, where) if where.type == "cuda" and has_meta(model) else 0
+            stream = torch.cuda.current_stream(where) if total else None
+        except Exception:  # noqa: BLE001 - a bad device= is reported by materialising, agreed on every rank
+            return
+        if total:
+            self._thread = threading.Thread(target=self._run, args=(model, where, total, stream), name="sdadapt-reserve", daemon=True)
+            self._thread.start()
+
+    @staticmethod
+    def _run(model: nn.Module, device: torch.device, total: int, stream: torch.cuda.Stream) -> None:
+        try:
+            with torch.cuda.stream(stream):
+                _reserve(model, device, total)
+        except Exception as e:  # noqa: BLE001 - only an optimisation: materialising asks again
+            log.debug("reserving the model's memory on %s failed: %s", device, e)
+
+    def wait(self) -> None:
+        """Return once the reservation has been made (or given up)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

@@ -77,7 +77,7 @@ from .commit import (
     restore_param_groups,
     touching_optimizer,
 )
-from .materialize import InitFn, choose_device, has_meta, materialize
+from .materialize import InitFn, Reservation, choose_device, has_meta, materialize
 
 log = logging.getLogger(__name__)
 
@@ -185,14 +185,15 @@ class Transaction:
             self._undo(partly_written=False)
             raise
 
-    def materialize(self, device: torch.device | str | None, init_buffers: InitFn | None) -> bool:
+    def materialize(self, device: torch.device | str | None, init_buffers: InitFn | None, reserved: Reservation | None = None) -> bool:
         """Collective: ``to_empty`` a meta model and run its buffer hook, on every rank; a hook
-        failing on one rank stops the others before any reads."""
+        failing on one rank stops the others before any reads. ``reserved``: the model's memory,
+        asked for while the load planned (see :func:`materialize`)."""
         assert self.model is not None
         error: SdadaptError | None = None
         materialized = False
         try:
-            materialized = materialize(self.model, choose_device(self.model, device), init_buffers)
+            materialized = materialize(self.model, choose_device(self.model, device), init_buffers, reserved)
         except Exception as e:  # noqa: BLE001 - user hooks can raise anything; re-raised below
             error = e if isinstance(e, SdadaptError) else ModelError(f"materialising the model failed: {type(e).__name__}: {e}")
             error.__cause__ = e
