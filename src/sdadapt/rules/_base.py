@@ -80,7 +80,7 @@ class RuleBase(BaseModel):
                 return []
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
     moves_keys: ClassVar[bool] = True
 
