@@ -119,7 +119,7 @@ def test_kinds_imported_on_use_are_the_built_in_kinds_outside_the_rules_package_
     that registers it, in ``_IMPORTED_ON_USE`` (else an adapter's JSON holding it would not read back)."""
     for info in pkgutil.iter_modules(sdadapt.rules.__path__, "sdadapt.rules."):
         importlib.import_module(info.name)
-    built_in = {k: c for k, c in sdadapt.rules.registered_rules().items() if c.__module__.startswith("sdadapt.")}
+    built_in = {k: c for k, c in sdadapt.rules.registered_rules().items() if c.__module__.startswith("sdadapt.rules.")}
     eager = {cls.model_fields["kind"].default for cls in sdadapt.rules.BUILTIN_RULES}
     assert set(built_in) == eager | set(_custom._IMPORTED_ON_USE)
     for kind, module in _custom._IMPORTED_ON_USE.items():
