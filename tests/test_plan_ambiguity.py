@@ -1,5 +1,6 @@
 """The ambiguity check of planning (a key taken by one key-moving rule must match no later one)
-screens each key with one regex for all later rules: the same verdicts as trying every rule,
+screens each key with one regex for all the rules of its part, which names the last rule
+matching it: the same verdicts as trying every rule,
 with later rules that capture the same names, literal patterns, ``**`` and typed captures; and
 wrapper segments are still removed before the rules run."""
 
@@ -50,3 +51,18 @@ def test_unwrap_key_removes_wrapper_segments_anywhere_and_leaves_the_rest():
     assert unwrap_key("layers.0.w") == "layers.0.w"
     assert unwrap_key("layers.my_orig_mod_x.w") == "layers.my_orig_mod_x.w"  # a segment, not a substring
     assert unwrap_key("_orig_mod") == "_orig_mod"  # nothing would be left
+
+
+def test_latest_match_names_the_last_rule_whose_patterns_match():
+    """The screen's one regex gives what trying each rule's patterns one by one gives: the largest
+    index matching (several patterns per rule, the same capture names, ``**``, typed captures)."""
+    from sdadapt.rules._patterns import compile_pattern, latest_match
+
+    texts = [["m.layers.{i}.a", "m.layers.{i}.b"], ["m.{j:int}.x"], ["m.layers.1.{rest:*}"], ["**.b"], ["m.norm"], ["*"]]
+    indexed = [(j * 2, [compile_pattern(t) for t in ts]) for j, ts in enumerate(texts)]  # indices need not be dense
+    latest = latest_match(indexed)
+    keys = ["m.layers.0.a", "m.layers.0.b", "m.layers.1.a", "m.layers.1.c", "m.7.x", "m.x.x", "m.norm", "norm", "q.b", ""]
+    for key in keys:
+        want = max((j for j, pats in indexed if any(p.match(key) is not None for p in pats)), default=-1)
+        assert latest(key) == want, key
+    assert latest_match([])("anything") == -1

@@ -87,15 +87,6 @@ if TYPE_CHECKING:
         deinterleave as deinterleave,
     )
     from .rules._functions import (
-        dequant_fp8 as dequant_fp8,
-    )
-    from .rules._functions import (
-        dequant_mxfp4 as dequant_mxfp4,
-    )
-    from .rules._functions import (
-        dequant_scaled as dequant_scaled,
-    )
-    from .rules._functions import (
         drop as drop,
     )
     from .rules._functions import (
@@ -135,6 +126,15 @@ if TYPE_CHECKING:
         unstack as unstack,
     )
     from .rules._quant_detect import dequant_rules as dequant_rules
+    from .rules._quant_functions import (
+        dequant_fp8 as dequant_fp8,
+    )
+    from .rules._quant_functions import (
+        dequant_mxfp4 as dequant_mxfp4,
+    )
+    from .rules._quant_functions import (
+        dequant_scaled as dequant_scaled,
+    )
     from .sources._integrity import write_checksums as write_checksums
 
 from ._base.version import VERSION as __version__  # noqa: E402,F401 - the package version
@@ -163,9 +163,11 @@ _PUBLIC: dict[str, str] = {
     # rules, one function each (their classes: sdadapt.rules)
     **dict.fromkeys(
         "rename fuse split drop tie strip_prefix add_prefix cast transpose rotary affine pad trim stack unstack "
-        "interleave deinterleave dequant_fp8 dequant_mxfp4 dequant_scaled".split(),
+        "interleave deinterleave".split(),
         ".rules._functions",
     ),
+    # the quantized formats' rules: their own module, so that a plain adapter never imports their kernels
+    **dict.fromkeys("dequant_fp8 dequant_mxfp4 dequant_scaled".split(), ".rules._quant_functions"),
     "dequant_rules": ".rules._quant_detect",
     # the engine's settings
     "EngineConfig": "._engine",

@@ -43,7 +43,7 @@ class Adapter(BaseModel):
         assert sdadapt.Adapter.from_json(adapter.to_json()) == adapter
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
     rules: list[SerializeAsAny[RuleBase]] = []
     name: str = "custom"

@@ -13,7 +13,6 @@ from collections import Counter, defaultdict
 from pydantic import BaseModel, computed_field
 
 from .._base.keyruns import compress
-from .._recipes import quant as Q
 from ..rules._base import RuleIssue
 
 _INDEX = re.compile(r"\.\d+(?=[.,\])\[]|$)")  # ".3." in a recipe -> ".{i}."
@@ -264,15 +263,15 @@ class Report(BaseModel):
 
 # --- the hint for quantized checkpoints read without their dequant rule ---
 
-_SCALE_SUFFIXES = (Q.FP8_SCALE_SUFFIX, "weight_scale", Q.MX_BLOCKS_SUFFIX, Q.MX_SCALES_SUFFIX, "weight_packed",
-                   "weight_zero_point", "weight_global_scale", "weight_scale_2", "weight_shape", "input_scale")
-
-
 def quant_hint(report: Report) -> str | None:
     """A hint line when a report's problems look like a quantized checkpoint read without its
     dequant rule: unexpected scale/packed keys, or FP8/uint8 data where the model wants floats."""
+    from .._recipes import quant as Q  # the quantized formats' module: only for a report being read
+
+    scale_suffixes = (Q.FP8_SCALE_SUFFIX, "weight_scale", Q.MX_BLOCKS_SUFFIX, Q.MX_SCALES_SUFFIX, "weight_packed",
+                      "weight_zero_point", "weight_global_scale", "weight_scale_2", "weight_shape", "input_scale")
     fp8 = [m for m in report.dtype_mismatch if m.checkpoint.startswith("float8")]
-    packed = [k for k in report.unexpected if k.endswith(_SCALE_SUFFIXES)]
+    packed = [k for k in report.unexpected if k.endswith(scale_suffixes)]
     packed += [m.key for m in report.dtype_mismatch if m.checkpoint in ("uint8", "int32", "int8")]
     own = [i for i in report.rule_issues if i.rule.startswith("dequant")]
     if own:  # the adapter has its dequant rule, which could not read these tensors: say what it said

@@ -23,10 +23,10 @@ from .._plan.resolve import adapter_or_none
 from .._plan.target import local_nbytes, model_state_dict, schema_of
 from .._plan.titan_names import for_plan
 from ..errors import PlanError
-from ..rules._lora import LoraMerged, merged_lora, open_peft_lora
 from ..sources import Source, open_source
 from ..sources import _integrity as integrity
 from ..sources._assets import remember_source
+from ..sources._peft import LoraMerged
 from .args import check_model_and_path, renamed_keywords
 from .materialize import InitFn, Reservation, check_buffers, choose_device, has_meta
 from .transaction import ATOMIC_WHY, Part, Transaction
@@ -180,6 +180,8 @@ def _plan_load(
             adapter, shipped, source.schema, source.non_tensor, schema_of(state_dict), allow_missing, dtype
         )
         if lora is not None:
+            from ..rules._lora import open_peft_lora  # imported only by a load that merges a LoRA
+
             peft = open_peft_lora(lora)
             source = peft.join(source)
             adapter = Adapter([peft.rule, *(adapter.rules if adapter else [])], name=adapter.name if adapter else "lora",
@@ -402,6 +404,11 @@ def load(
     timings["engine"] = reader.stats.seconds  # inside dcp_load: first task to last byte
     timings["engine_plan"] = reader.stats.plan_seconds  # of which planning (reads start meanwhile)
 
+    merged = None
+    if lora is not None:
+        from ..rules._lora import merged_lora
+
+        merged = merged_lora(lora, plan.recipes)
     rep = LoadReport(
         rank=rank,
         world_size=world,
@@ -422,7 +429,7 @@ def load(
         },
         materialized=materialized,
         report=plan.report,
-        lora=merged_lora(lora, plan.recipes) if lora is not None else None,
+        lora=merged,
     )
     remember_source(model, src)  # export / save_state with an adapter name read the same folder
     log.info("%s", rep.format())

@@ -48,8 +48,8 @@ from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
 from .._plan.target import model_state_dict, schema_of
 from ..errors import LoadError, PlanError, SdadaptError, SourceError, StateError
+from ..sources._base import is_hub_id
 from ..sources._dcp_dir import SDADAPT_JSON, DCPSource
-from ..sources._hub import is_hub_id
 from ..sources._namespaced import NamespacedSource
 from .args import check_model_and_path, renamed_keywords
 from .materialize import InitFn, check_buffers, has_meta

@@ -66,7 +66,7 @@ from .._plan.target import model_state_dict
 from ..errors import LoadError, ModelError, SdadaptError, SourceError
 from ..sources import Source
 from ..sources import _integrity as integrity
-from ..sources._hub import hub_folder, is_hub_id
+from ..sources._base import is_hub_id
 from .commit import (
     COPY_BACK,
     COPY_IN,
@@ -171,6 +171,8 @@ class Transaction:
         :func:`sdadapt.sources._hub.hub_folder`); anything else as it is."""
         if not isinstance(src, str) or not is_hub_id(src):
             return src
+        from ..sources._hub import hub_folder  # imported only for a Hub id
+
         hub_id: str = src
         if is_distributed():
             return hub_folder(hub_id, agree_fn=self.agree)

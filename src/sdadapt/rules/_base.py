@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .._recipes.nodes import Leaf, Node
 from ..errors import AdapterError
-from ._patterns import compile_pattern, union
+from ._patterns import compile_pattern, latest_match
 
 if TYPE_CHECKING:
     from ..sources._base import TensorInfo
@@ -80,7 +80,7 @@ class RuleBase(BaseModel):
                 return []
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", defer_build=True)
 
     moves_keys: ClassVar[bool] = True
 
@@ -354,20 +354,21 @@ class PlanContext:
         """A key taken by rule i must not also match a later key-moving rule j of the same
         composed part (``a + b``: ``b`` sees ``a``'s outputs, not the keys ``a`` took).
 
-        Each key is first tried against one regex for all the rules after its own (one C-level
-        match instead of one Python call per rule: a MoE checkpoint has ~10^5 keys); only a key
-        that matches is tried rule by rule, to name the rule."""
+        Each key is first tried against one regex for all the rules of its part, which names the
+        last rule matching it (one C-level match instead of one Python call per rule: a MoE
+        checkpoint has ~10^5 keys); only a key that a rule after its own matches is tried rule
+        by rule, to name the rules."""
         rules = self.rules
         stage = self.stage_of
         later = [(j, [compile_pattern(p) for p in r.input_patterns()]) for j, r in enumerate(rules) if r.moves_keys]
-        after: dict[int, re.Pattern[str]] = {}
+        latest: dict[int, Callable[[str], int]] = {}
         for key, i in self.consumed:
             if getattr(rules[i], "shadows", False):
                 continue  # taken first on purpose (Drop(shadows=True))
-            screen = after.get(i)
-            if screen is None:  # later rules of the same composed part: the next part sees only the outputs
-                screen = after[i] = union([p for j, pats in later if j > i and stage(j) == stage(i) for p in pats])
-            if screen.match(key) is None:
+            screen = latest.get(stage(i))
+            if screen is None:  # the rules of the same composed part: the next part sees only the outputs
+                screen = latest[stage(i)] = latest_match([(j, pats) for j, pats in later if stage(j) == stage(i)])
+            if screen(key) <= i:
                 continue
             for j, pats in later:
                 if j > i and stage(j) == stage(i) and any(p.match(key) is not None for p in pats):

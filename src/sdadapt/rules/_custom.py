@@ -1,7 +1,9 @@
 """The registry of rule kinds, and :class:`ValueRule`: the open door for rules of one's own.
 
 An adapter's JSON names each rule by its ``kind``; :func:`rule_from_data` finds the class
-registered for that kind. Built-in rules are registered by :mod:`sdadapt.rules`; a user's rule
+registered for that kind. Built-in rules are registered by :mod:`sdadapt.rules`, except those
+whose module is imported when a kind of theirs is first asked for (:data:`_IMPORTED_ON_USE`: the
+quantized formats, which import their kernels, and the LoRA merge); a user's rule
 class is registered with the :func:`register_rule` decorator and is then planned, loaded
 (through its nodes' region mapping, on any mesh), inverted and serialised like a built-in one:
 
@@ -22,6 +24,7 @@ plan context (``ctx.keys()``, ``ctx.get``, ``ctx.take``, ``ctx.put``, ``ctx.repl
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pydantic import field_validator
@@ -36,6 +39,20 @@ if TYPE_CHECKING:
 R = TypeVar("R", bound=type[RuleBase])
 
 _KINDS: dict[str, type[RuleBase]] = {}
+_IMPORTED_ON_USE: dict[str, str] = {
+    **dict.fromkeys(["dequant_fp8", "quantize_fp8", "dequant_mxfp4", "quantize_mxfp4"], "sdadapt.rules._dequant"),
+    **dict.fromkeys(["dequant_scaled", "quantize_scaled"], "sdadapt.rules._dequant_scaled"),
+    "merge_lora": "sdadapt.rules._lora",
+}
+"""Built-in kinds -> the module that registers them when imported; imported the first time one of
+its kinds is asked for, so that an adapter of plain rules does not import it."""
+
+
+def _import_kind(kind: str) -> None:
+    """Import the module of built-in kind ``kind`` (it registers its rules), if it has one."""
+    module = _IMPORTED_ON_USE.get(kind)
+    if module is not None:
+        importlib.import_module(module)
 
 
 def _kind_of(cls: type[RuleBase]) -> str:
@@ -74,6 +91,8 @@ def register_rule(cls: R) -> R:
     if not (isinstance(cls, type) and issubclass(cls, RuleBase)):
         raise AdapterError(f"register_rule takes a subclass of sdadapt.rules.RuleBase, got {cls!r}")
     kind = _kind_of(cls)
+    if _IMPORTED_ON_USE.get(kind, cls.__module__) != cls.__module__:
+        _import_kind(kind)  # the built-in class holds the kind: the check below names it
     have = _KINDS.get(kind)
     if have is not None and (have.__module__, have.__qualname__) != (cls.__module__, cls.__qualname__):
         raise AdapterError(
@@ -94,7 +113,10 @@ def registered_rules() -> dict[str, type[RuleBase]]:
 
         assert sdadapt.rules.registered_rules()["rename"] is sdadapt.rules.Rename
     """
-    return dict(_KINDS)
+    for kind in _IMPORTED_ON_USE:
+        _import_kind(kind)
+    built_in = {k: c for k, c in _KINDS.items() if c.__module__.startswith("sdadapt.")}
+    return {**built_in, **{k: c for k, c in _KINDS.items() if k not in built_in}}
 
 
 def rule_from_data(data: Any) -> RuleBase:
@@ -119,10 +141,12 @@ def rule_from_data(data: Any) -> RuleBase:
     if not isinstance(data, dict):
         raise AdapterError(f"an adapter rule must be a rule object or a dict with a 'kind', got {type(data).__name__}")
     kind = data.get("kind")
+    if isinstance(kind, str) and kind not in _KINDS:
+        _import_kind(kind)
     cls = _KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise AdapterError(
-            f"unknown rule kind {kind!r}; known kinds: {', '.join(sorted(_KINDS))}. A rule of your own "
+            f"unknown rule kind {kind!r}; known kinds: {', '.join(sorted({*_KINDS, *_IMPORTED_ON_USE}))}. A rule of your own "
             "must be registered (@sdadapt.rules.register_rule) before its adapter is read"
         )
     return cls(**data)

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel
 
 from .._recipes.lora import MergedLora
 from .._recipes.nodes import Node
@@ -42,7 +41,7 @@ from ..sources import Source
 from ..sources._base import dtype_name
 from ..sources._joined import JoinedSource
 from ..sources._json import PeftConfig, validate
-from ..sources._peft import CONFIG_NAME, open_peft_weights, read_peft_config
+from ..sources._peft import CONFIG_NAME, LoraMerged, open_peft_weights, read_peft_config
 from ._base import RuleBase
 from ._custom import register_rule
 
@@ -229,22 +228,6 @@ def open_peft_lora(path: str | os.PathLike[str]) -> PeftLora:
     config_path, config = read_peft_config(path)
     rule = lora_rule(config, where=config_path)
     return PeftLora(os.fspath(path), open_peft_weights(path), rule)
-
-
-class LoraMerged(BaseModel):
-    """A PEFT LoRA merged by a load: its folder, the ranks of its pairs, how many weights it changed."""
-
-    folder: str
-    keys: int  # model keys whose values include a LoRA delta
-    pairs: int  # lora_A / lora_B pairs merged
-    ranks: list[int]  # the distinct ranks r of those pairs
-
-    def format(self) -> str:
-        ranks = ", ".join(map(str, self.ranks)) or "-"
-        return f"merged LoRA {self.folder} (r={ranks}: {self.pairs} pairs) into {self.keys} model keys"
-
-    def __str__(self) -> str:
-        return self.format()
 
 
 def merged_lora(folder: str | os.PathLike[str], recipes: Mapping[str, Node]) -> LoraMerged:

@@ -7,10 +7,8 @@ import re
 from typing import Any
 
 from ..errors import SourceError
-from ._base import Source, TensorInfo, dtype_name
+from ._base import HUB_PREFIX, Source, TensorInfo, dtype_name, is_hub_id
 from ._hf_sharded import INDEX_NAME, HFShardedSource
-from ._hub import PREFIX as HUB_PREFIX
-from ._hub import hub_folder, is_hub_id
 from ._json import HFConfig, QuantConfigFile, read_json_dict
 from ._safetensors_file import SafetensorsFile
 from ._torch_save import TorchSaveFile
@@ -138,7 +136,11 @@ def local_path(path: str | os.PathLike[str]) -> str:
     """``path`` as a string; for a Hub id (``hf://org/name[@revision]``), the local snapshot
     folder holding the files a load needs (fetched into the Hub cache if missing)."""
     p = os.fspath(path)
-    return hub_folder(p) if is_hub_id(p) else p
+    if not is_hub_id(p):
+        return p
+    from ._hub import hub_folder  # imported only for a Hub id
+
+    return hub_folder(p)
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")

@@ -13,6 +13,15 @@ from .._base.regions import Box, full_box
 from ..errors import SourceError
 from ._json import read_json
 
+HUB_PREFIX = "hf://"
+"""What a Hugging Face Hub id starts with (``hf://org/name[@revision]``); :mod:`._hub`, imported
+only to resolve one, turns it into a local folder."""
+
+
+def is_hub_id(text: object) -> bool:
+    """``text`` is a string starting with ``hf://``."""
+    return isinstance(text, str) and text.startswith(HUB_PREFIX)
+
 
 def read_json_file(path: str, limit: int, what: str) -> Any:
     """The JSON value in the file ``path`` (a checksums file...), refused before it is parsed

@@ -34,14 +34,13 @@ from typing import Any, TypeVar
 from .._base.distributed import agree, is_distributed
 from .._base.progress import show_progress
 from ..errors import SdadaptError, SourceError
-from ._base import member_path
+from ._base import HUB_PREFIX, is_hub_id, member_path
 from ._hf_sharded import INDEX_NAME
 from ._json import INDEX_LIMIT, ShardIndex, read_json
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-PREFIX = "hf://"
 EXTRA = "pip install 'sdadapt[hub]'"
 _SIDE_FILES = ("config.json", "params.json")
 _SINGLE = "model.safetensors"
@@ -55,11 +54,6 @@ _COMMIT = re.compile(r"[0-9a-f]{40}")
 _REF_FORBIDDEN = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
 _MAX_REVISION = 256
 _resolved: dict[str, str] = {}
-
-
-def is_hub_id(text: object) -> bool:
-    """``text`` is a string starting with ``hf://``."""
-    return isinstance(text, str) and text.startswith(PREFIX)
 
 
 def check_repo_id(repo: str, text: str) -> None:
@@ -105,7 +99,7 @@ def check_revision(revision: str, text: str) -> None:
 def parse_hub_id(text: str) -> tuple[str, str | None]:
     """``"hf://org/name@rev"`` -> ``("org/name", "rev")``; no ``@rev`` -> revision ``None`` (main).
     Both are checked (:func:`check_repo_id`, :func:`check_revision`) before anything is read."""
-    m = _ID.fullmatch(text[len(PREFIX) :]) if is_hub_id(text) else None
+    m = _ID.fullmatch(text[len(HUB_PREFIX) :]) if is_hub_id(text) else None
     if m is None or "/" not in m.group("repo"):
         raise SourceError(f"not a Hub id: give hf://org/name or hf://org/name@revision (got {text!r})", path=text)
     repo, rev = m.group("repo"), m.group("rev")

@@ -51,7 +51,7 @@ _BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte but the bra
 class _Lenient(BaseModel):
     """A JSON object some of whose fields sdadapt reads: those strictly typed, the rest kept."""
 
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", defer_build=True)
 
 
 class ShardIndex(_Lenient):

@@ -1,11 +1,13 @@
 """A PEFT LoRA folder as ``PeftModel.save_pretrained`` writes it: ``adapter_config.json`` and
-``adapter_model.safetensors``. What the config means (the merge rule) is in
-:mod:`sdadapt.rules._lora`."""
+``adapter_model.safetensors``; and :class:`LoraMerged`, what merging one changed (a load
+report's ``lora``). What the config means (the merge rule) is in :mod:`sdadapt.rules._lora`."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
+
+from pydantic import BaseModel
 
 from ..errors import AdapterError, SourceError
 from ._json import read_json
@@ -52,3 +54,19 @@ def open_peft_weights(path: str | os.PathLike[str]) -> SafetensorsFile:
             key=empty[0],
         )
     return source
+
+
+class LoraMerged(BaseModel):
+    """A PEFT LoRA merged by a load: its folder, the ranks of its pairs, how many weights it changed."""
+
+    folder: str
+    keys: int  # model keys whose values include a LoRA delta
+    pairs: int  # lora_A / lora_B pairs merged
+    ranks: list[int]  # the distinct ranks r of those pairs
+
+    def format(self) -> str:
+        ranks = ", ".join(map(str, self.ranks)) or "-"
+        return f"merged LoRA {self.folder} (r={ranks}: {self.pairs} pairs) into {self.keys} model keys"
+
+    def __str__(self) -> str:
+        return self.format()
