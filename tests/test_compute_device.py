@@ -157,15 +157,15 @@ def test_device_path_equals_host_path_and_full(tmp_path, kind, chunk, depth):
         assert worker.shared.pool.allocated <= depth  # unstaged inputs went through this thread's ring only
         assert worker.shared.bands.allocated == 1  # staged inputs through its one band buffer
         if chunk > 4096:
-            assert worker.staged > 0  # read straight into the band buffer
+            assert worker.staged > 0  # read with preadv into the band buffer
 
 
 def _open_all(worker: Worker, src) -> None:
-    """Open the source's files for the worker's reads (the engine does it when planning)."""
-    from sdadapt._engine.syscalls import OpenFile
+    """Open the source's files for the worker's ``preadv`` reads (the engine does it when planning)."""
+    import os
 
     for f in src.files():
-        worker.shared.files[f] = OpenFile(f, "test")
+        worker.shared.fds[f] = os.open(f, os.O_RDONLY)
 
 
 def test_uploads_stage_in_slices_that_fit_and_copy_the_rest(tmp_path, monkeypatch):
