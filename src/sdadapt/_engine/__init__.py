@@ -25,8 +25,7 @@ on a thread pool:
    are instead copied out of the source's mapping in one strided copy). Storage without
    locations is read through ``Source.read``.
 3. **Tasks** (:mod:`.tasks`). A CPU destination that is contiguous and of the source dtype is
-   read *straight into* (:mod:`.syscalls`: on Linux a copy out of the file's read-only mapping,
-   its pages mapped first in one ``madvise`` call; elsewhere ``preadv``; no staging), in chunks so
+   read *straight into* with ``preadv`` (:mod:`.syscalls`; no copy, no staging), in chunks so
    that several threads share a large tensor. Otherwise the bytes go into a buffer from a
    bounded staging pool (:mod:`.staging`; pinned when the destination is on a GPU), then
    ``copy_`` moves them (on a GPU: queued by the device lane, so the next read overlaps the
@@ -34,8 +33,7 @@ on a thread pool:
    are **coalesced** into one read.
 4. **Threads** (:mod:`.workers`). A pool sized to the machine (:func:`default_threads`),
    started before planning (:mod:`.engine`): each task is queued as soon as it is made, so the
-   first bytes are read while later jobs are still being planned. The copies out of mappings
-   (``ctypes.memmove``), ``preadv`` and ``copy_``
+   first bytes are read while later jobs are still being planned. ``preadv`` and ``copy_``
    release the GIL, so threads read in parallel; Python runs per task (a chunk of megabytes),
    never per element. Each thread cycles through ``depth`` staging buffers of its own. Only
    the threads that hold a band buffer run computations (:mod:`.lanes`); the others run the
