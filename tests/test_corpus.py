@@ -140,7 +140,7 @@ def _faults_in_mode(tag: str, good: dict[str, str], scratch: str, mesh: Any) -> 
     ``staged``: values, atomic=True)."""
     rank = dist.get_rank()
     out: dict[str, dict[str, Any]] = {}
-    real_read = syscalls.OpenFile.read_into
+    real_pread = syscalls.preadv_into
     meta = tag == "meta"
     kw: dict[str, Any] = {"atomic": True} if tag == "staged" else {}
 
@@ -150,30 +150,30 @@ def _faults_in_mode(tag: str, good: dict[str, str], scratch: str, mesh: Any) -> 
     def eio(*a: Any, **k: Any) -> int:
         raise OSError(5, "Input/output error (injected)")
 
-    syscalls.OpenFile.read_into = eio if rank == 1 else real_read  # type: ignore[method-assign]
+    syscalls.preadv_into = eio if rank == 1 else real_pread
     try:
         out[f"eio_rank1/{tag}"] = _attempt(_make(mesh, meta), path, **kw) | {"path": path}
         # the same with share_reads: rank 1's replicas must not wait for its blocks
         out[f"eio_rank1_shared/{tag}"] = _attempt(_make(mesh, meta), path, share_reads=True, **kw) | {"path": path}
     finally:
-        syscalls.OpenFile.read_into = real_read  # type: ignore[method-assign]
+        syscalls.preadv_into = real_pread
 
     # 2. the file grows (is being written) while rank 1 reads it
     path = _fresh(good["st"], scratch, f"grow_{tag}.safetensors")
     grown = []
 
-    def grow(opened: Any, mem: Any, pos: int, offset: int, nbytes: int) -> int:
+    def grow(fd: int, mem: Any, pos: int, offset: int, nbytes: int) -> int:
         if not grown:
             with open(path, "ab") as f:
                 f.write(b"\0" * 64)
             grown.append(True)
-        return real_read(opened, mem, pos, offset, nbytes)
+        return real_pread(fd, mem, pos, offset, nbytes)
 
-    syscalls.OpenFile.read_into = grow if rank == 1 else real_read  # type: ignore[method-assign]
+    syscalls.preadv_into = grow if rank == 1 else real_pread
     try:
         out[f"grows_while_read/{tag}"] = _attempt(_make(mesh, meta), path, **kw) | {"path": path}
     finally:
-        syscalls.OpenFile.read_into = real_read  # type: ignore[method-assign]
+        syscalls.preadv_into = real_pread
 
     # 3. truncated by rank 1 after planning (its buffer hook runs after planning, before reading)
     path = _fresh(good["st"], scratch, f"trunc_{tag}.safetensors")

@@ -7,8 +7,6 @@ from __future__ import annotations
 import functools
 import os
 import random
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from unittest import mock
 
@@ -45,12 +43,12 @@ CONFIGS = {
     "staged-depth-3": EngineConfig(
         threads=2, direct_min_bytes=1 << 40, chunk_bytes=4096, staging_bytes=6 * 4096, min_span_bytes=0, depth=3
     ),
-    # the same reads with preadv calls instead of copies out of the files' mappings (the default on Linux)
-    "pread": EngineConfig(threads=3, read_with="pread"),
-    "pread-direct": EngineConfig(threads=2, direct_min_bytes=0, chunk_bytes=4096, min_span_bytes=0, read_with="pread"),
-    "pread-staged": EngineConfig(
-        threads=3, direct_min_bytes=1 << 40, chunk_bytes=4096, staging_bytes=3 * 4096, min_span_bytes=0, read_with="pread"
+    # copies out of the files' mappings instead of preadv: direct and staged
+    "mmap-direct": EngineConfig(threads=2, direct_min_bytes=0, chunk_bytes=4096, min_span_bytes=0, read_with="mmap"),
+    "mmap-staged": EngineConfig(
+        threads=3, direct_min_bytes=1 << 40, chunk_bytes=4096, staging_bytes=3 * 4096, min_span_bytes=0, read_with="mmap"
     ),
+    "mmap-populate": EngineConfig(threads=2, read_with="mmap-populate"),
 }
 
 
@@ -404,8 +402,8 @@ def test_error_names_key_and_file_on_truncated_file(tmp_path):
         for cfg in (
             EngineConfig(threads=2, direct_min_bytes=0),
             EngineConfig(threads=2, direct_min_bytes=1 << 40),
-            EngineConfig(threads=2, direct_min_bytes=0, read_with="pread"),
-            EngineConfig(threads=2, direct_min_bytes=1 << 40, read_with="pread"),
+            EngineConfig(threads=2, direct_min_bytes=0, read_with="mmap"),
+            EngineConfig(threads=2, direct_min_bytes=1 << 40, read_with="mmap"),
         ):
             # whole rows: read calls, direct and staged, preadv or the mapping; each must name the key and the file
             jobs = [Job("model.y", N.Leaf("y", (64, 64), torch.float32), ((0, 64), (0, 64)), torch.empty(64, 64))]
@@ -470,39 +468,11 @@ def test_config_from_environment(monkeypatch):
 
 
 def test_read_mode_from_environment_is_checked(monkeypatch):
-    assert EngineConfig().read_with == ("mmap" if sys.platform.startswith("linux") else "pread")
-    monkeypatch.setenv("SDADAPT_IO_READ", "pread")
-    assert EngineConfig.from_env().read_with == "pread"
+    monkeypatch.setenv("SDADAPT_IO_READ", "mmap")
+    assert EngineConfig.from_env().read_with == "mmap"
     monkeypatch.setenv("SDADAPT_IO_READ", "mmapp")
-    with pytest.raises(ValueError, match="read_with must be one of mmap, pread"):
+    with pytest.raises(ValueError, match="read_with must be one of pread, mmap, mmap-populate"):
         EngineConfig.from_env()
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mapped reads are Linux only")
-def test_a_mapped_file_shortened_after_it_was_opened_is_an_error_not_a_signal(tmp_path):
-    # the file is mapped whole when opened; a later truncation must be found when the pages are
-    # populated, before the copy touches them (a touch past the end would be SIGBUS: a subprocess)
-    code = f"""
-import os, torch
-from sdadapt._engine.syscalls import OpenFile
-path = {str(tmp_path / "f.bin")!r}
-with open(path, "wb") as f:
-    f.write(bytes(range(256)) * 64)
-f = OpenFile(path, "model.w", "mmap")
-assert f.mapped
-mem = torch.empty(16384, dtype=torch.uint8)
-f.read_into(mem, 0, 0, 8192)
-assert bytes(mem[:256].tolist()) == bytes(range(256))
-os.truncate(path, 4096)
-try:
-    f.read_into(mem, 0, 8192, 8192)
-except OSError as e:
-    assert "truncated" in str(e), e
-    print("raised")
-f.close()
-"""
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip() == "raised", (out.returncode, out.stdout, out.stderr)
 
 
 def test_populate_keeps_values_and_fresh_memory_reads_right(tmp_path):

@@ -91,7 +91,7 @@ def test_failed_in_place_load_marks_until_a_load_succeeds(checkpoint: Any, monke
     model = _model(1)
     x = torch.randn(2, DIM)
     calls = {"n": 0}
-    real = syscalls.OpenFile.read_into
+    real = syscalls.preadv_into
 
     def fail_later(*a: Any, **k: Any) -> int:  # the first reads land, then the disk fails
         calls["n"] += 1
@@ -99,7 +99,7 @@ def test_failed_in_place_load_marks_until_a_load_succeeds(checkpoint: Any, monke
             raise OSError(5, "Input/output error (injected)")
         return real(*a, **k)
 
-    monkeypatch.setattr(syscalls.OpenFile, "read_into", fail_later)
+    monkeypatch.setattr(syscalls, "preadv_into", fail_later)
     with pytest.raises(sdadapt.errors.LoadError, match="partly overwritten") as e:
         sdadapt.load(model, path)
     assert f"{LAYERS} model key(s)" in str(e.value) and path in str(e.value)
@@ -113,7 +113,7 @@ def test_failed_in_place_load_marks_until_a_load_succeeds(checkpoint: Any, monke
     with pytest.raises(sdadapt.errors.LoadError, match="Nothing was kept"):
         sdadapt.load(model, path, atomic=True)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()) and is_marked(model)
-    monkeypatch.setattr(syscalls.OpenFile, "read_into", real)
+    monkeypatch.setattr(syscalls, "preadv_into", real)
     sdadapt.load(model, path)
     assert not is_marked(model)
     assert all(torch.equal(v, sd[k]) for k, v in model.state_dict().items())

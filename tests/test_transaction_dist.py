@@ -225,7 +225,7 @@ def worker(folder: str) -> dict[str, Any]:
     }
 
     # 5. load into a materialised model (to_empty + init_weights), I/O error on rank 1
-    real_read = syscalls.OpenFile.read_into
+    real_pread = syscalls.preadv_into
 
     def eio(*a: Any, **k: Any) -> int:
         raise OSError(5, "Input/output error (injected)")
@@ -235,11 +235,11 @@ def worker(folder: str) -> dict[str, Any]:
         m.to_empty(device="cpu")
         m.init_weights()
         before = _snapshot(m)
-        syscalls.OpenFile.read_into = eio if rank == 1 else real_read  # type: ignore[method-assign]
+        syscalls.preadv_into = eio if rank == 1 else real_pread
         try:
             got = _attempt(lambda m=m, stage=stage: sdadapt.load(m, st, atomic=stage))
         finally:
-            syscalls.OpenFile.read_into = real_read  # type: ignore[method-assign]
+            syscalls.preadv_into = real_pread
         got |= {"unchanged": _same(_snapshot(m), before), "forward_error": _forward_error(m), "marked": is_marked(m)}
         if not stage:
             # a failed plan does not clear the mark; a successful load does, bit-exactly

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -68,11 +67,11 @@ class EngineConfig:
     bands of ``gather_bytes`` (default four chunks: fewer, larger kernels than band buffers
     allow), the size of that device buffer, of which each thread fills about one at a time.
     ``False``: every computation reads its inputs into a band buffer and crosses in one copy.
-    ``read_with`` is how a thread reads a file's bytes into memory: ``"mmap"`` (the default on
-    Linux: a copy out of the file's read-only mapping, each read's pages mapped first in one
-    ``madvise`` call, which also reports a file shortened during the load; faster than
-    ``preadv`` from a warm page cache, bench/RESULTS.md) or ``"pread"`` (``preadv`` calls; the
-    only way elsewhere, and where the kernel cannot populate a mapping, before Linux 5.14).
+    ``read_with`` is how a thread reads a file's bytes into memory: ``"pread"`` (``preadv``
+    calls) or ``"mmap"`` (a copy out of the file's read-only mapping: no system call per read,
+    the pages mapped by faults as the copy touches them; ``"mmap-populate"`` maps each read's
+    pages in one ``madvise`` call first). A mapped file that another process shortens during
+    the load ends the process (``SIGBUS``) where ``preadv`` would report an error.
     Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_READ``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
     ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``,
     ``SDADAPT_IO_LANDING``, ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS``
@@ -94,7 +93,7 @@ class EngineConfig:
         switch_interval: Python's thread switch interval while the engine runs (``None``: leave it).
         gather_inputs: on a GPU, gather a computation's stored inputs on the device.
         gather_bytes: the largest gathered input (``None``: four chunks).
-        read_with: ``"mmap"`` or ``"pread"``: how files are read.
+        read_with: ``"pread"``, ``"mmap"`` or ``"mmap-populate"``: how files are read.
 
     Raises:
         ValueError: a field out of range (``depth=0``).
@@ -119,9 +118,9 @@ class EngineConfig:
     switch_interval: float | None = None
     gather_inputs: bool = True
     gather_bytes: int | None = None
-    read_with: str = field(default_factory=lambda: "mmap" if sys.platform.startswith("linux") else "pread")
+    read_with: str = "pread"
 
-    READ_MODES: ClassVar[tuple[str, ...]] = ("mmap", "pread")
+    READ_MODES: ClassVar[tuple[str, ...]] = ("pread", "mmap", "mmap-populate")
 
     def __post_init__(self) -> None:
         if self.depth < 1:

@@ -5,7 +5,6 @@ with errors that name the key (:class:`OpenFile`: one file of a run, read either
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import os
 import sys
@@ -16,7 +15,7 @@ import torch
 from ..errors import LoadError
 from .geometry import round_up
 
-_MADV_POPULATE_READ = 22  # Linux 5.14+, as the next
+_MADV_POPULATE_READ = 22  # Linux 5.14+
 _MADV_POPULATE_WRITE = 23
 _PROT_READ, _MAP_SHARED = 1, 1
 _MAP_FAILED = ctypes.c_void_p(-1).value
@@ -65,44 +64,33 @@ def preadv_into(fd: int, mem: torch.Tensor, pos: int, offset: int, nbytes: int) 
     return calls
 
 
-_populate_read_ok = [sys.platform.startswith("linux")]
-
-
-def copy_mapped(base: int, size: int, mem: torch.Tensor, pos: int, offset: int, nbytes: int) -> bool:
+def copy_mapped(base: int, size: int, mem: torch.Tensor, pos: int, offset: int, nbytes: int, populate_first: bool) -> int:
     """Copy ``nbytes`` at byte ``offset`` of a file mapped read-only at address ``base`` (``size``
-    bytes long) into the uint8 CPU tensor ``mem`` at ``pos``. The region's pages are mapped first
-    in one ``madvise(MADV_POPULATE_READ)`` call (rather than one fault per few pages inside the
-    copy), which also finds a file shortened since it was mapped: an :class:`OSError` saying it
-    is truncated, where touching the pages would end the process (``SIGBUS``). ``ctypes.memmove``
-    releases the GIL, so threads copy in parallel. Returns ``False``, having copied nothing, where
-    the kernel cannot populate (before Linux 5.14): the caller reads with ``preadv`` instead."""
+    bytes long) into the uint8 CPU tensor ``mem`` at ``pos``; returns 1 (one copy).
+    ``ctypes.memmove`` releases the GIL, so threads copy in parallel; ``populate_first`` maps
+    the region's pages in one ``madvise(MADV_POPULATE_READ)`` call before the copy instead of
+    one fault per few pages inside it. A region past the file's end is an :class:`OSError`."""
     if offset + nbytes > size:
         raise OSError(f"unexpected end of file at byte {size} (wanted {offset + nbytes - size} more bytes); the file is truncated")
     if nbytes <= 0:
-        return True
-    if not _populate_read_ok[0]:
-        return False
-    lo = (base + offset) // 4096 * 4096
-    if _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(base + offset + nbytes - lo), _MADV_POPULATE_READ) != 0:
-        err = ctypes.get_errno()
-        if err == errno.EFAULT:
-            raise OSError(f"the file ends before byte {offset + nbytes} (it was shortened during the load); the file is truncated")
-        if err in (errno.EINVAL, errno.ENOSYS):
-            _populate_read_ok[0] = False  # an older kernel: read with preadv from now on
-            return False
-        raise OSError(err, f"cannot map the pages of bytes {offset}-{offset + nbytes}: {os.strerror(err)}")
+        return 0
+    if populate_first:
+        lo = (base + offset) // 4096 * 4096
+        _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(base + offset + nbytes - lo), _MADV_POPULATE_READ)
     ctypes.memmove(mem.data_ptr() + pos, base + offset, nbytes)
-    return True
+    return 1
 
 
 class OpenFile:
     """One file a run reads: its descriptor and, when the run copies out of mappings
-    (``EngineConfig.read_with="mmap"``), its read-only shared mapping (:func:`copy_mapped`).
+    (``EngineConfig.read_with``), its read-only shared mapping. A mapped file that another
+    process shortens while the run copies out of it ends the process (``SIGBUS``); ``preadv``
+    reports an error there instead, which is why it stays the choice where files may change.
 
     Args:
         path: the file.
         target: the target key it is opened for (named by the error when it cannot be).
-        mode: ``"pread"`` or ``"mmap"`` (see ``EngineConfig.read_with``).
+        mode: ``"pread"``, ``"mmap"`` or ``"mmap-populate"`` (see ``EngineConfig.read_with``).
 
     Raises:
         LoadError: the file cannot be opened or mapped.
@@ -112,6 +100,7 @@ class OpenFile:
         self.path = path
         self.base = 0
         self.size = 0
+        self.populate = mode == "mmap-populate"
         try:
             self.fd = os.open(path, os.O_RDONLY)
         except OSError as e:
@@ -138,8 +127,8 @@ class OpenFile:
     def read_into(self, mem: torch.Tensor, pos: int, offset: int, nbytes: int) -> int:
         """Read ``nbytes`` at file ``offset`` into the uint8 CPU tensor ``mem`` at ``pos``;
         returns the number of calls it took."""
-        if self.base and copy_mapped(self.base, self.size, mem, pos, offset, nbytes):
-            return 1
+        if self.base:
+            return copy_mapped(self.base, self.size, mem, pos, offset, nbytes, self.populate)
         return preadv_into(self.fd, mem, pos, offset, nbytes)
 
     def close(self) -> None:
