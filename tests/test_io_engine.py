@@ -43,12 +43,6 @@ CONFIGS = {
     "staged-depth-3": EngineConfig(
         threads=2, direct_min_bytes=1 << 40, chunk_bytes=4096, staging_bytes=6 * 4096, min_span_bytes=0, depth=3
     ),
-    # copies out of the files' mappings instead of preadv: direct and staged
-    "mmap-direct": EngineConfig(threads=2, direct_min_bytes=0, chunk_bytes=4096, min_span_bytes=0, read_with="mmap"),
-    "mmap-staged": EngineConfig(
-        threads=3, direct_min_bytes=1 << 40, chunk_bytes=4096, staging_bytes=3 * 4096, min_span_bytes=0, read_with="mmap"
-    ),
-    "mmap-populate": EngineConfig(threads=2, read_with="mmap-populate"),
 }
 
 
@@ -399,13 +393,8 @@ def test_error_names_key_and_file_on_truncated_file(tmp_path):
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) - 100)  # y's tail is gone
     try:
-        for cfg in (
-            EngineConfig(threads=2, direct_min_bytes=0),
-            EngineConfig(threads=2, direct_min_bytes=1 << 40),
-            EngineConfig(threads=2, direct_min_bytes=0, read_with="mmap"),
-            EngineConfig(threads=2, direct_min_bytes=1 << 40, read_with="mmap"),
-        ):
-            # whole rows: read calls, direct and staged, preadv or the mapping; each must name the key and the file
+        for cfg in (EngineConfig(threads=2, direct_min_bytes=0), EngineConfig(threads=2, direct_min_bytes=1 << 40)):
+            # whole rows: read calls, direct and staged; both must name the key and the file
             jobs = [Job("model.y", N.Leaf("y", (64, 64), torch.float32), ((0, 64), (0, 64)), torch.empty(64, 64))]
             with pytest.raises(LoadError) as ei:
                 IOEngine(src, cfg).run(jobs)
@@ -465,14 +454,6 @@ def test_config_from_environment(monkeypatch):
     assert cfg.chunk() == 4 << 20  # staging / (depth x threads)
     monkeypatch.setenv("SDADAPT_IO_CHUNK_MB", "0.5")
     assert EngineConfig.from_env().chunk() == 1 << 19
-
-
-def test_read_mode_from_environment_is_checked(monkeypatch):
-    monkeypatch.setenv("SDADAPT_IO_READ", "mmap")
-    assert EngineConfig.from_env().read_with == "mmap"
-    monkeypatch.setenv("SDADAPT_IO_READ", "mmapp")
-    with pytest.raises(ValueError, match="read_with must be one of pread, mmap, mmap-populate"):
-        EngineConfig.from_env()
 
 
 def test_populate_keeps_values_and_fresh_memory_reads_right(tmp_path):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 MiB = 1 << 20
 
@@ -67,12 +66,7 @@ class EngineConfig:
     bands of ``gather_bytes`` (default four chunks: fewer, larger kernels than band buffers
     allow), the size of that device buffer, of which each thread fills about one at a time.
     ``False``: every computation reads its inputs into a band buffer and crosses in one copy.
-    ``read_with`` is how a thread reads a file's bytes into memory: ``"pread"`` (``preadv``
-    calls) or ``"mmap"`` (a copy out of the file's read-only mapping: no system call per read,
-    the pages mapped by faults as the copy touches them; ``"mmap-populate"`` maps each read's
-    pages in one ``madvise`` call first). A mapped file that another process shortens during
-    the load ends the process (``SIGBUS``) where ``preadv`` would report an error.
-    Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_READ``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
+    Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
     ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``,
     ``SDADAPT_IO_LANDING``, ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS``
     (``0``: leave the interval as it is), ``SDADAPT_IO_GATHER`` (``0``: no gathering),
@@ -93,7 +87,6 @@ class EngineConfig:
         switch_interval: Python's thread switch interval while the engine runs (``None``: leave it).
         gather_inputs: on a GPU, gather a computation's stored inputs on the device.
         gather_bytes: the largest gathered input (``None``: four chunks).
-        read_with: ``"pread"``, ``"mmap"`` or ``"mmap-populate"``: how files are read.
 
     Raises:
         ValueError: a field out of range (``depth=0``).
@@ -118,9 +111,6 @@ class EngineConfig:
     switch_interval: float | None = None
     gather_inputs: bool = True
     gather_bytes: int | None = None
-    read_with: str = "pread"
-
-    READ_MODES: ClassVar[tuple[str, ...]] = ("pread", "mmap", "mmap-populate")
 
     def __post_init__(self) -> None:
         if self.depth < 1:
@@ -133,8 +123,6 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.band_depth must be at least 1 (band buffers per computing thread), got {self.band_depth}")
         if self.landing_buffers < 1:
             raise ValueError(f"EngineConfig.landing_buffers must be at least 1 (band-sized buffers on the GPU), got {self.landing_buffers}")
-        if self.read_with not in self.READ_MODES:
-            raise ValueError(f"EngineConfig.read_with must be one of {', '.join(self.READ_MODES)}, got {self.read_with!r}")
         if self.switch_interval is not None and self.switch_interval <= 0:
             raise ValueError(f"EngineConfig.switch_interval must be positive seconds or None, got {self.switch_interval}")
 
@@ -200,9 +188,6 @@ class EngineConfig:
             cfg.gather_inputs = os.environ["SDADAPT_IO_GATHER"] not in ("0", "false", "no")
         if os.environ.get("SDADAPT_IO_GATHER_MB"):
             cfg.gather_bytes = max(4096, int(float(os.environ["SDADAPT_IO_GATHER_MB"]) * MiB))
-        if os.environ.get("SDADAPT_IO_READ"):
-            cfg.read_with = os.environ["SDADAPT_IO_READ"]
-            cfg.__post_init__()
         if os.environ.get("SDADAPT_IO_SWITCH_MS"):
             ms = float(os.environ["SDADAPT_IO_SWITCH_MS"])
             cfg.switch_interval = ms / 1000 if ms > 0 else None

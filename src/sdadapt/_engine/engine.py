@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import sys
 import threading
 import time
@@ -21,7 +22,7 @@ from .lanes import TaskQueues
 from .pinned import SLABS
 from .planner import Planner
 from .staging import StagingPool
-from .syscalls import OpenFile
+from .syscalls import open_for
 from .tasks import Job, Task, task_paths
 from .workers import Shared, Worker
 
@@ -143,8 +144,8 @@ class IOEngine:
             if shared.failed.is_set():
                 return  # a thread failed: the load fails, reading on is no use
             for path in task_paths(task):
-                if path not in shared.files:  # opened before any thread sees the task
-                    shared.files[path] = OpenFile(path, task.where.target, cfg.read_with)
+                if path not in shared.fds:
+                    shared.fds[path] = open_for(path, task.where.target)  # opened before any thread sees the task
             shared.work.put(task)
             count += 1
 
@@ -165,8 +166,8 @@ class IOEngine:
                     shared.lane.close()  # every copy and kernel has finished
                 pool.close()
                 bands.close()
-                for f in shared.files.values():
-                    f.close()
+                for fd in shared.fds.values():
+                    os.close(fd)
         st = self.stats
         for w in workers:
             st.bytes_read += w.nbytes + w.counter.bytes_read

@@ -129,7 +129,7 @@ class Shared:
 
     source: Source
     work: TaskQueues
-    files: dict[str, syscalls.OpenFile]
+    fds: dict[str, int]
     pool: StagingPool
     chunk: int
     bands: StagingPool  # at least one buffer per thread that computes, taken on its first computation
@@ -220,11 +220,11 @@ class Worker:
     def _read_into(self, path: str, segments: list[tuple[int, int]], mem: torch.Tensor, pos: int = 0) -> int:
         """Read the file's ``segments`` one after the other into uint8 ``mem`` from byte ``pos``
         on; returns the bytes read."""
-        f = self.shared.files[path]
+        fd = self.shared.fds[path]
         first = pos
         start = time.perf_counter()
         for off, n in segments:
-            self.calls += f.read_into(mem, pos, off, n)
+            self.calls += syscalls.preadv_into(fd, mem, pos, off, n)
             pos += n
         self.reading += time.perf_counter() - start
         self.nbytes += pos - first
@@ -338,7 +338,7 @@ class Worker:
         """Where region ``box`` of source tensor ``key`` is: an opened file, its (offset, nbytes)
         runs in order, the stored dtype (see :func:`~sdadapt._engine.locate.file_runs`)."""
         sh = self.shared
-        return file_runs(sh.source, key, box, sh.min_span, sh.files.__contains__)
+        return file_runs(sh.source, key, box, sh.min_span, sh.fds.__contains__)
 
     def _source_read(self, task: SourceRead) -> None:
         piece = task.piece
