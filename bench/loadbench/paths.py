@@ -364,7 +364,7 @@ def verify_against_source(model: Any, path: str, files: dict[str, str], device: 
         if ref is None:
             return checked, ""
         if skipped:
-            return checked, f"not against {ref.name}, which does not compute in {'/'.join(sorted(skipped))}"
+            return checked, f"not against {ref.name}: a reference for bf16 models, not {'/'.join(sorted(skipped))}"
         if not by_format:
             raise AssertionError(f"no weight of {folder} was checked against {ref.name}")
         return checked, f"{by_format} weights also = {ref.name}"

@@ -200,8 +200,9 @@ class FormatReference:
 
     def applies_to(self, dtype: Any) -> bool:
         """Whether the reference gives a model of ``dtype`` its values: compressed-tensors
-        computes in its scales' dtype (bf16 here), so only for a bf16 model; the formulas in
-        float32 for any."""
+        computes in its scales' dtype, which is a bf16 model's arithmetic (sdadapt computes in
+        float32 and rounds once, the same bits for a bf16 target only), so only for a bf16 model;
+        the formulas in float32 for any."""
         import torch
 
         return self.kind != "ct" or dtype == torch.bfloat16
