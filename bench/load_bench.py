@@ -5,6 +5,9 @@
     python bench/load_bench.py --preset 8b --nproc 1 --backend nccl --tp-paths '' --materialized-paths '' \
         --discussion '' --paths sdadapt,sdadapt-fp8,hf-reader,hf-fp8-reader    # FP8 vs bf16, one GPU
     python bench/load_bench.py --preset 8b --nproc 1 --backend nccl --tp-paths '' --materialized-paths '' \
+        --discussion '' --paths sdadapt,sdadapt-fp8ch,sdadapt-nvfp4,sdadapt-fp8tensor,sdadapt-int8ch,sdadapt-w4a16,\
+sdadapt-w4a16asym,sdadapt-mxfp8,sdadapt-fp8static,sdadapt-nvfp4modelopt    # every quantized format vs bf16
+    python bench/load_bench.py --preset 8b --nproc 1 --backend nccl --tp-paths '' --materialized-paths '' \
         --discussion '' --paths sdadapt --raw-paths instanttensor,safetensors-gpu --import-in-load   # raw loaders
 
 One synthetic Llama-shaped checkpoint (HF names, bf16) is written once as HF sharded
@@ -12,10 +15,16 @@ safetensors, one ``torch.save`` file and a DCP folder (a size that cannot fit th
 is refused before anything is written; whatever was written is removed at the end unless
 ``--keep``). Then every path (``loadbench.paths``: sdadapt from each source and with a fused
 adapter, rank-0 broadcast, DCP's HF reader, native DCP, the user discussion's
-``BroadcastingTorchSaveReader``; and the checkpoint's FP8 twin, e4m3 weights with float32
+``BroadcastingTorchSaveReader``; the checkpoint's FP8 twin, e4m3 weights with float32
 128x128 block scales, through sdadapt's dequant rules and torch's
-``QuantizedHuggingFaceStorageReader``) loads it into a model built on meta and parallelised (FSDP2 or
-TP over all ranks), and the main paths also into a model materialised with values first. Raw
+``QuantizedHuggingFaceStorageReader``; and one quantized twin per format other tools write, each
+in its tool's layout and read by ``sdadapt.dequant_rules(folder)``: ``sdadapt-fp8ch`` /
+``-fp8tensor`` / ``-int8ch`` / ``-w4a16`` / ``-w4a16asym`` / ``-mxfp8`` / ``-nvfp4``
+(compressed-tensors FP8 per channel and per tensor, int8 per channel, int4 in groups of 128
+without and with zero points, MXFP8, NVFP4), ``sdadapt-fp8static`` (``quant_method: fp8``, one
+scale per tensor) and ``sdadapt-nvfp4modelopt`` (ModelOpt NVFP4); ``loadbench.twins``) loads it
+into a model built on meta and parallelised (FSDP2 or TP over all ranks), and the main paths also
+into a model materialised with values first. Raw
 loaders (``--raw-paths``: InstantTensor's backends, safetensors' ``safe_open`` on the GPU) load
 every tensor onto the rank's device with no model, as the reference for moving the bytes alone.
 
@@ -25,7 +34,9 @@ loader's own imports then being part of its first load), whose first load is tim
 ``--repeat`` steady-state loads in the same processes. Per row and rank: wall time, bytes read,
 extra RSS over the load's start (anonymous and file-backed apart), peak GPU memory; the machine's
 own read rates in a last group. Every first load is checked bit-exactly against the source
-(the FP8 paths against the whole-tensor dequantisation of the FP8 file, rounded once to bf16).
+(the quantized paths against the whole-tensor dequantisation of their file, rounded once to bf16,
+and their quantized weights also against the format's own reference: compressed-tensors'
+decompressors, or the published formula).
 JSON and a markdown table out. The code is the ``loadbench`` package beside this file.
 """
 

@@ -1,7 +1,8 @@
 """bench/load_bench.py (the ``bench/loadbench`` package) at a tiny size on 2 gloo ranks: every path
 runs in its own fresh process group and loads the right tensors, into a meta model and into a
-materialised one, the FP8 twin through sdadapt and through torch's quantized HF reader (no
-timing asserts: figures live in bench/RESULTS.md); a size that cannot fit is refused before
+materialised one, the FP8 twin through sdadapt and through torch's quantized HF reader, every
+other quantized twin (each in its tool's layout) through sdadapt against its format's own
+reference (no timing asserts: figures live in bench/RESULTS.md); a size that cannot fit is refused before
 anything is written; bench/RESULTS.md cites exactly the raw runs kept in bench/results/."""
 
 from __future__ import annotations
@@ -295,3 +296,142 @@ def test_first_call_probe_counts_the_imports_inside_a_first_load(tmp_path):
     assert {"sdadapt._transaction.transaction", "sdadapt._engine", "torch.distributed.checkpoint"} <= names
     assert data["import_s"] > 0 and data["traced"]["bytes"] > 0
     assert "sdadapt._transaction.load" in data["traced"]["modules_imported_by_load_call"]
+
+
+QUANT_TWIN_PATHS = ["sdadapt-fp8ch", "sdadapt-nvfp4", "sdadapt-fp8tensor", "sdadapt-int8ch", "sdadapt-w4a16",
+                    "sdadapt-w4a16asym", "sdadapt-mxfp8", "sdadapt-fp8static", "sdadapt-nvfp4modelopt"]
+REFERENCE_OF = {"sdadapt-fp8static": "float(w) * scale per tensor", "sdadapt-nvfp4modelopt": "the ModelOpt NVFP4 formula"}
+
+
+def test_every_quantized_twin_loads_in_a_fresh_process_and_equals_its_format_reference(tmp_path):
+    """Each quantized twin (compressed-tensors FP8 per channel / per tensor, NVFP4, int8, int4
+    with and without zero points, MXFP8; per-tensor ``quant_method: fp8``; ModelOpt NVFP4) loads
+    through ``sdadapt.dequant_rules`` into the bf16 FSDP2 model on 2 ranks, every shard equal to
+    the whole-tensor dequantisation of its file and, for the quantized weights, to the format's
+    own reference decompression; each moves fewer bytes than the bf16 shards it fills."""
+    out = tmp_path / "res"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH), "--preset", "tiny", "--nproc", "2", "--backend", "gloo", "--repeat", "0",
+         "--paths", ",".join(QUANT_TWIN_PATHS), "--tp-paths", "", "--materialized-paths", "", "--discussion", "",
+         "--no-references", "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--timeout", "150"],
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(Path(f"{out}.json").read_text())
+    assert [r["path"] for r in res["rows"]] == QUANT_TWIN_PATHS
+    assert sorted(res["checkpoint"]["formats"]) == sorted(["safetensors"] + [f"safetensors-{p[8:]}" for p in QUANT_TWIN_PATHS])
+    for row in res["rows"]:
+        assert row["ok"], (row["path"], row.get("error"))
+        ref = REFERENCE_OF.get(row["path"], "compressed-tensors' decompression")
+        # 2 layers x 7 matrices on each rank, 21 shards each
+        assert row["check"] == f"= eager dequant of the quantized file; 14 weights also = {ref} (42 shards)", row["check"]
+        for pr in row["per_rank"]:
+            assert 0 < pr["bytes_read_gib"] < pr["local_gib"], (row["path"], pr)
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory):
+    """Every quantized twin of the tiny preset, written once in this process (on the CPU)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import loadbench.checkpoint
+        import loadbench.models
+        import loadbench.twins
+
+        formats = ["safetensors"] + [f"safetensors-{t}" for t in loadbench.twins.TWINS]
+        folder = tmp_path_factory.mktemp("twins")
+        files = loadbench.checkpoint.write_checkpoint(folder, loadbench.shapes.PRESETS["tiny"], 5.0, formats)
+        yield loadbench, files
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def _stored(folder: str) -> dict:
+    from safetensors.torch import load_file
+
+    out: dict = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def test_each_twin_has_its_tools_layout_and_config(twins):
+    import torch
+
+    lb, files = twins
+    shape = lb.shapes.PRESETS["tiny"]
+    down, h, i = "model.layers.1.mlp.down_proj.", shape.hidden, shape.intermediate  # down_proj: [h, i]
+    e4m3 = torch.float8_e4m3fn
+    layouts = {  # field -> (dtype, shape) of the down projection in each twin
+        "fp8tensor": {"weight": (e4m3, [h, i]), "weight_scale": (torch.bfloat16, [1]), "input_scale": (torch.bfloat16, [1])},
+        "int8ch": {"weight": (torch.int8, [h, i]), "weight_scale": (torch.bfloat16, [h, 1])},
+        "w4a16": {"weight_packed": (torch.int32, [h, i // 8]), "weight_scale": (torch.bfloat16, [h, i // 32]),
+                  "weight_shape": (torch.int64, [2])},
+        "w4a16asym": {"weight_packed": (torch.int32, [h, i // 8]), "weight_scale": (torch.bfloat16, [h, i // 32]),
+                      "weight_zero_point": (torch.int32, [h // 8, i // 32]), "weight_shape": (torch.int64, [2])},
+        "mxfp8": {"weight": (e4m3, [h, i]), "weight_scale": (torch.uint8, [h, i // 32])},
+        "fp8static": {"weight": (e4m3, [h, i]), "weight_scale_inv": (torch.float32, []), "input_scale": (torch.float32, [])},
+        "nvfp4modelopt": {"weight": (torch.uint8, [h, i // 2]), "weight_scale": (e4m3, [h, i // 16]),
+                          "weight_scale_2": (torch.float32, []), "input_scale": (torch.float32, [])},
+    }  # fmt: skip
+    assert sorted(layouts) == sorted(lb.twins.TWINS)
+    for twin, fields in layouts.items():
+        folder = files[f"safetensors-{twin}"]
+        stored = _stored(folder)
+        got = {k.removeprefix(down): (v.dtype, list(v.shape)) for k, v in stored.items() if k.startswith(down)}
+        assert got == fields, twin
+        for plain in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"):  # kept as they were
+            assert stored[plain].dtype == torch.bfloat16, (twin, plain)
+        cfg = json.loads(Path(folder, "config.json").read_text())
+        qc = cfg.get("quantization_config")
+        if twin in lb.twins.CT_WRITTEN:
+            assert qc["quant_method"] == "compressed-tensors" and qc["format"] == lb.twins.CT_WRITTEN[twin][1]
+            assert qc["ignore"] == ["lm_head"] and qc["quantization_status"] == "compressed"
+        elif twin == "fp8static":
+            assert qc == {"quant_method": "fp8", "activation_scheme": "static", "modules_to_not_convert": ["lm_head"]}
+        else:  # ModelOpt: hf_quant_config.json beside a config without quantization_config
+            assert qc is None
+            hq = json.loads(Path(folder, "hf_quant_config.json").read_text())["quantization"]
+            assert hq == {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"]}
+    w4 = json.loads(Path(files["safetensors-w4a16asym"], "config.json").read_text())["quantization_config"]
+    weights = w4["config_groups"]["group_0"]["weights"]  # the tiny widths (64, 160) take groups of 32, not 128
+    assert (weights["num_bits"], weights["strategy"], weights["group_size"], weights["symmetric"]) == (4, "group", 32, False)
+    assert lb.twins.group_for([4096, 14336], 128) == 128 and lb.twins.group_for([64, 160], 128) == 32
+
+
+def test_each_twin_is_recognised_and_its_reference_uses_every_scale(twins):
+    """``sdadapt.dequant_rules(folder)`` alone reads each twin (one rule of its codec, no extra
+    rules); a single-process load equals the format's reference, and the reference moves when a
+    scale, zero point or second scale is changed (it uses every one of them)."""
+    import torch
+
+    import sdadapt
+
+    lb, files = twins
+    kinds = {"fp8tensor": ("e4m3", "tensor", None, None), "int8ch": ("int8", "channel", None, None),
+             "w4a16": ("int4", "group", None, None), "w4a16asym": ("int4", "group", "_zero_point", None),
+             "mxfp8": ("e4m3", "group", None, None), "fp8static": ("e4m3", "tensor", None, None),
+             "nvfp4modelopt": ("e2m1", "group", None, "_scale_2")}  # fmt: skip
+    shape = lb.shapes.PRESETS["tiny"]
+    down = "model.layers.1.mlp.down_proj."
+    for twin, kind in kinds.items():
+        folder = files[f"safetensors-{twin}"]
+        (rule,) = sdadapt.dequant_rules(folder)
+        assert (rule.codec, rule.strategy, rule.zero_suffix, rule.global_suffix) == kind, twin
+        model, _ = lb.models.build_model(shape, "titan")
+        rep = sdadapt.load(model, folder, lb.shapes.adapter_for("titan", folder))
+        # the activation scales that static FP8 and ModelOpt store are dropped on purpose, and said so
+        static = twin in ("fp8tensor", "fp8static", "nvfp4modelopt")
+        assert (f"{down}input_scale" in rep.report.dropped) == static, (twin, rep.report.dropped)
+        ref = lb.twins.FormatReference(folder)
+        stored = {k.removeprefix(down): v for k, v in _stored(folder).items() if k.startswith(down) and "input" not in k}
+        want = ref.dequantize(stored, torch.bfloat16)
+        got = model.state_dict()["layers.1.feed_forward.w2.weight"]
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), twin
+        for field in ("weight_scale", "weight_scale_inv", "weight_zero_point", "weight_scale_2"):
+            if field not in stored:
+                continue
+            bent = dict(stored)
+            v = stored[field]
+            bent[field] = (v + 1) if v.dtype in (torch.int32, torch.uint8) else (v.float() * 2).to(v.dtype)
+            assert not torch.equal(ref.dequantize(bent, torch.bfloat16), want), (twin, field)

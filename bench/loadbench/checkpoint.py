@@ -1,7 +1,8 @@
 """The synthetic checkpoint on disk: refuse a size that cannot fit, write it once in every format
-asked for (HF sharded safetensors, one ``torch.save`` file, a DCP folder, and the FP8 twin: the
-same values quantized to e4m3 with float32 128x128 block scales, as an FP8 release ships them),
-warm or drop the page cache."""
+asked for (HF sharded safetensors, one ``torch.save`` file, a DCP folder, and the quantized twins:
+the same values quantized as each release ships them, here the FP8 twin with float32 128x128
+block scales and compressed-tensors' FP8 per channel and NVFP4, the other formats in
+:mod:`loadbench.twins`), warm or drop the page cache."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from .common import BenchError, GiB, MiB, meminfo
 from .references import parallel_read
 from .shapes import CT_QUANTIZATION_CONFIGS, FP8_QUANTIZATION_CONFIG, Shape
+from .twins import TWINS, write_twin
 
 
 def check_fits(folder: Path, shape: Shape, formats: list[str], nproc: int, assume_ram_gib: float | None) -> dict[str, float]:
@@ -59,7 +61,7 @@ def write_checkpoint(folder: Path, shape: Shape, shard_gb: float, formats: list[
     dtype = getattr(torch, shape.dtype)
     paths = {"safetensors": str(folder / "hf"), "torch.save": str(folder / "model.pt"), "dcp": str(folder / "dcp"),
              "safetensors-fp8": str(folder / "hf-fp8"), "safetensors-fp8ch": str(folder / "hf-fp8ch"),
-             "safetensors-nvfp4": str(folder / "hf-nvfp4")}
+             "safetensors-nvfp4": str(folder / "hf-nvfp4"), **{f"safetensors-{t}": str(folder / f"hf-{t}") for t in TWINS}}
     # a pool of random values; each tensor is a window of it at its own offset (cheap, and no
     # two tensors alike)
     pool_n = 32 * MiB + 7
@@ -94,6 +96,10 @@ def write_checkpoint(folder: Path, shape: Shape, shard_gb: float, formats: list[
     for fmt in ("safetensors-fp8ch", "safetensors-nvfp4"):
         if fmt in formats:
             _write_ct_twin(paths[fmt], sd, shape, shard_gb, fmt.removeprefix("safetensors-"))
+    for twin in TWINS:
+        if f"safetensors-{twin}" in formats:
+            write_twin(paths[f"safetensors-{twin}"], sd, set(shape.fp8_keys()), shape.dtype, twin,
+                       lambda folder, tensors, total: _write_hf_shards(folder, tensors, shard_gb, total))
     del sd
     return {f: paths[f] for f in formats}
 

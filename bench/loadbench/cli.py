@@ -51,7 +51,9 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--backend", default=None, help="gloo (CPU) or nccl (GPU); default: nccl when CUDA is available")
     ap.add_argument("--dir", default=None, help="where to write the checkpoint (default: a temp folder)")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoint (and reuse one written with the same settings)")
-    ap.add_argument("--paths", default=",".join(ALL_PATHS), help="comma list of FSDP paths, model on meta")
+    ap.add_argument("--paths", default=",".join(ALL_PATHS),
+                    help="comma list of FSDP paths, model on meta; the quantized twins' paths are "
+                         f"{', '.join(p for p in QUANT_FORMATS if p.startswith('sdadapt'))} and hf-fp8-reader")
     ap.add_argument("--tp-paths", default=",".join(TP_PATHS), help="comma list of TP paths ('' for none)")
     ap.add_argument("--hsdp-paths", default="", help="comma list of paths on an HSDP mesh of replicas only, "
                     "e.g. sdadapt,sdadapt-shared (share_reads=True),hf-reader ('' for none)")

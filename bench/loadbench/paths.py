@@ -8,6 +8,14 @@
 - ``sdadapt-fp8ch`` / ``sdadapt-nvfp4``: the compressed-tensors twins (FP8 per output channel with
   bf16 ``weight_scale``; NVFP4 ``weight_packed`` + e4m3 ``weight_scale`` + ``weight_global_scale``)
   through ``sdadapt.dequant_rules``;
+- :data:`QUANT_TWIN_PATHS`, the twins of :mod:`loadbench.twins`, each in the layout its tool
+  writes: ``sdadapt-fp8tensor`` (compressed-tensors FP8, one scale per tensor),
+  ``sdadapt-int8ch`` (compressed-tensors ``int-quantized`` int8 per channel),
+  ``sdadapt-w4a16`` / ``sdadapt-w4a16asym`` (compressed-tensors ``pack-quantized`` int4, scales
+  per group of 128, the second with zero points), ``sdadapt-mxfp8`` (e4m3 + one e8m0 exponent per
+  32), ``sdadapt-fp8static`` (``quant_method: fp8``, one ``weight_scale_inv`` per tensor),
+  ``sdadapt-nvfp4modelopt`` (ModelOpt NVFP4, ``hf_quant_config.json``), through
+  ``sdadapt.dequant_rules`` + the rename adapter;
 - ``sdadapt-fp8``: the FP8 twin (e4m3 + float32 128x128 ``weight_scale_inv``) through
   ``sdadapt.dequant_rules`` + the rename adapter, dequantised on load into the same bf16 model;
 - ``hf-reader``: ``dcp.load`` + ``HuggingFaceStorageReader(thread_count=8)`` (names 1:1);
@@ -40,18 +48,23 @@ from typing import Any
 from .common import BenchError
 from .models import build_model, materialize_with_values, parallelize
 from .shapes import Shape, adapter_for
+from .twins import TWINS, FormatReference
 
+QUANT_TWIN_PATHS = [f"sdadapt-{t}" for t in TWINS]
+"""The paths of ``twins``' quantized twins, one per format."""
 ALL_PATHS = ["sdadapt", "sdadapt-fused", "sdadapt-torchsave", "sdadapt-dcp", "sdadapt-fp8", "sdadapt-fp8ch", "sdadapt-nvfp4",
-             "rank0-broadcast", "hf-reader",
-             "hf-fp8-reader", "dcp-native"]
+             *QUANT_TWIN_PATHS, "rank0-broadcast", "hf-reader", "hf-fp8-reader", "dcp-native"]
 FP8_PATHS = ("sdadapt-fp8", "hf-fp8-reader")  # they read the FP8 twin
 # raw loaders -> InstantTensor's backend argument (None: its default; safetensors-gpu: not InstantTensor)
 RAW_PATHS: dict[str, str | None] = {"instanttensor": "BUFFERED", "instanttensor-mmap": "MMAP", "instanttensor-direct": None,
                                     "safetensors-gpu": None}
 QUANT_FORMATS = {"sdadapt-fp8": "safetensors-fp8", "hf-fp8-reader": "safetensors-fp8",
-                 "sdadapt-fp8ch": "safetensors-fp8ch", "sdadapt-nvfp4": "safetensors-nvfp4"}
+                 "sdadapt-fp8ch": "safetensors-fp8ch", "sdadapt-nvfp4": "safetensors-nvfp4",
+                 **{f"sdadapt-{t}": f"safetensors-{t}" for t in TWINS}}
 """Paths that read a quantized twin, and which: FP8 block scales, compressed-tensors FP8 per
-channel (``FP8_DYNAMIC``), compressed-tensors NVFP4."""
+channel (``FP8_DYNAMIC``), compressed-tensors NVFP4, and each twin of :mod:`loadbench.twins`
+(compressed-tensors FP8 per tensor, int8 per channel, int4 W4A16 with and without zero points,
+MXFP8; per-tensor FP8 ``quant_method: fp8``; ModelOpt NVFP4)."""
 TP_PATHS = ["sdadapt", "hf-reader"]
 MATERIALIZED_PATHS = ["sdadapt", "hf-reader"]
 DISCUSSION_PATHS = {"materialized": "torchsave-broadcast", "meta": "torchsave-broadcast-meta"}
@@ -310,31 +323,72 @@ def verify_raw(loaded: dict[str, Any], folder: str) -> int:
     return checked
 
 
-def verify_against_source(model: Any, path: str, files: dict[str, str]) -> int:
+def verify_against_source(model: Any, path: str, files: dict[str, str], device: Any = None) -> tuple[int, str]:
     """Every local shard equals the recipe applied eagerly to the full source tensors (bit-exact):
-    for the FP8 twin, the whole-tensor dequantisation ``float(w) * scale_inv`` in float32, rounded
-    once to bf16, which is what each FP8 path computes; returns the number of shards checked."""
+    for a quantized twin, the whole-tensor dequantisation that each path computes (FP8 block:
+    ``float(w) * scale_inv`` in float32, rounded once to bf16). A quantized twin's dequantised
+    weights are checked again against the format's own reference (:class:`FormatReference`:
+    compressed-tensors' decompressors, or the published formula), computed on ``device`` (the
+    rank's; the CPU when ``None``). Returns (shards checked, what the quantized weights were also
+    checked against, ``""`` for none)."""
     import torch
 
     import sdadapt
     from sdadapt._plan.plan import build_plan
     from sdadapt._plan.target import model_state_dict, schema_of
 
-    src = sdadapt.sources.open_source(files[QUANT_FORMATS.get(path, "safetensors")])
+    folder = files[QUANT_FORMATS.get(path, "safetensors")]
+    src = sdadapt.sources.open_source(folder)
     threads = torch.get_num_threads()  # 1 (OMP_NUM_THREADS) while timing; the check is untimed
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     try:
         plan = build_plan(src.schema, schema_of(model_state_dict(model)), adapter_of(path, files))
-        checked = 0
+        ref = FormatReference(folder) if path in QUANT_FORMATS else None
+        checked, by_format, skipped = 0, 0, set()
         for k, t in model_sd(model).items():
             local, off = local_of(t)
-            full = plan.recipes[k].full(src)
-            want = full[tuple(slice(o, o + n) for o, n in zip(off, local.shape, strict=True))]
-            if not torch.equal(local.cpu().view(torch.int16), want.view(torch.int16)):
+            node = plan.recipes[k]
+            region = tuple(slice(o, o + n) for o, n in zip(off, local.shape, strict=True))
+            if not torch.equal(_bits(local), _bits(node.full(src)[region])):
                 raise AssertionError(f"{k}: loaded shard differs from the source")
             checked += 1
-        return checked
+            if ref is not None and not ref.applies_to(local.dtype):
+                skipped.add(str(local.dtype).removeprefix("torch."))
+            elif ref is not None:
+                want = ref.dequantize(_stored_weight(src, node.leaves(), device), local.dtype)
+                if want is not None:
+                    if not torch.equal(_bits(local), _bits(want.cpu()[region])):
+                        raise AssertionError(f"{k}: loaded shard differs from {ref.name}")
+                    by_format += 1
+        if ref is None:
+            return checked, ""
+        if skipped:
+            return checked, f"not against {ref.name}: a reference for bf16 models, not {'/'.join(sorted(skipped))}"
+        if not by_format:
+            raise AssertionError(f"no weight of {folder} was checked against {ref.name}")
+        return checked, f"{by_format} weights also = {ref.name}"
     finally:
         torch.set_num_threads(threads)
         src.close()
+
+
+def _bits(t: Any) -> Any:
+    import torch
+
+    return t.cpu().contiguous().view(torch.uint8)
+
+
+def _stored_weight(src: Any, leaves: list[str], device: Any) -> dict[str, Any]:
+    """The stored ``weight*`` tensors of the module whose keys ``leaves`` are, by field name
+    (``weight``, ``weight_packed``, ``weight_scale``, ...), whole, on ``device``."""
+    bases = {leaf.rpartition(".")[0] for leaf in leaves if leaf.rpartition(".")[2].startswith("weight")}
+    if len(bases) != 1:
+        raise AssertionError(f"one module's weight expected, read from {sorted(leaves)}")
+    base = bases.pop()
+    out = {}
+    for key, info in src.schema.items():
+        module, _, field = key.rpartition(".")
+        if module == base and field.startswith("weight"):
+            out[field] = src.read(key, tuple((0, n) for n in info.shape)).clone().to(device or "cpu")
+    return out

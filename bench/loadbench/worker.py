@@ -152,9 +152,10 @@ def _measure_one(cfg: dict[str, Any], job: Job, shape: Shape, dev: Any, phase: s
         if phase == "first" and cfg.get("verify", True) and job.path in RAW_PATHS:
             run["checked"], run["check"] = verify_raw(model, cfg["files"]["safetensors"]), "= file bytes"
         elif phase == "first" and cfg.get("verify", True):
-            run["checked"] = verify_against_source(model, job.path, cfg["files"])
+            run["checked"], also = verify_against_source(model, job.path, cfg["files"], dev)
             run["check"] = ("= eager dequant of the FP8 file" if job.path in FP8_PATHS else
-                                "= eager dequant of the quantized file" if job.path in QUANT_FORMATS else "= source")
+                            "= eager dequant of the quantized file" if job.path in QUANT_FORMATS else "= source")
+            run["check"] += f"; {also}" if also else ""
         elif phase == "first":
             run["checked"], run["check"] = 0, "not checked (--no-verify)"
         run["ok"] = True
