@@ -153,7 +153,7 @@ class Reservation:
         try:
             with torch.cuda.stream(stream):
                 _reserve(model, device, total)
-        except Exception as e:  # noqa: BLE001 - only an optimisation: materialising asks again
+        except Exception as e:  # noqa: BLE001 - only an optimisation: to_empty then allocates per tensor
             log.debug("reserving the model's memory on %s failed: %s", device, e)
 
     def wait(self) -> None:
