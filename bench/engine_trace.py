@@ -4,8 +4,9 @@
 makes it record, per engine run, when each thread ran each task, read (``preadv``), waited for
 a staging or band buffer (and of that, for the copy out of it to finish; on a tree whose lane
 waits for the copies, the lane's waits and checks), moved inputs to the device, ran a
-dequantisation kernel (on a tree with a device lane: the lane thread's time per computation,
-per upload and in all), and when a pool pinned its slab; each run is written to
+dequantisation kernel (block FP8 and the scaled formats; on a tree with a device lane: the
+lane thread's time per computation, per upload, per gathered piece and in all), and when a pool
+pinned its slab; each run is written to
 ``$SDADAPT_TRACE/trace-PID-N.json``. Run it through load_bench's variants, then ``summary DIR``
 prints, per run, the sums per thread, the slow slab allocations and the bytes read per 50 ms::
 
@@ -35,6 +36,10 @@ try:  # the layer packages; older trees kept these modules at the top
     from ._recipes import nodes as N, quant_nodes as QN
 except ImportError:
     from . import _nodes as N, _quant_nodes as QN
+try:  # the scaled formats (compressed-tensors, NVFP4, MXFP8, ModelOpt): trees that have them
+    from ._recipes import quant_scaled_nodes as QSN
+except ImportError:
+    QSN = None
 
 EVENTS = []  # (thread name, kind, start, end, detail)
 
@@ -65,6 +70,7 @@ if hasattr(W, "DeviceLane"):
     from ._engine import device as D
     _wrap(D.DeviceLane, "_kernel", "to_device")  # the lane's whole handling of a computation
     _wrap(D.DeviceLane, "_upload", "lane_upload")
+    _wrap(D.DeviceLane, "_gathered", "lane_gather")  # a piece of a gather copied; the last one also launches its kernel
     _wrap(D.DeviceLane, "_do", "lane_busy")  # each item the lane ran; the rest of its time it waited for work
     _wrap(getattr(D, "Copied", None), "wait", "copy_wait")  # trees whose readers wait for the DMA out of their buffers
     _wrap(D.DeviceLane, "_hand_back", lambda self, wait: "copy_wait" if wait else "lane_reap")  # the lane waiting for (checking) copies
@@ -72,6 +78,7 @@ _wrap(S.StagingPool, "_new", "pool_new")
 _wrap(P.SlabCache, "get", "slab_get", lambda self, nbytes: nbytes)
 _wrap(N.Compute, "run", "compute")
 _wrap(QN.DequantizedFP8, "_kernel", "kernel")
+_wrap(getattr(QSN, "DequantizedScaled", None), "_kernel", "kernel")
 _wrap(E.IOEngine, "plan", "plan")
 _run = E.IOEngine.run
 _count = [0]
@@ -132,7 +139,7 @@ def summary(folder: str) -> None:
             print(f"  {thread}: +{first[thread] - t0:.3f}..+{last[thread] - t0:.3f} task {d['task']:.3f} read {d['read']:.3f} "
                   f"wait staging {d['wait_staging']:.3f} band {d['wait_band']:.3f} to_device {d['to_device']:.3f} kernel {d['kernel']:.3f}"
                   f" lane uploads {d['lane_upload']:.3f} lane busy {d['lane_busy']:.3f} copy wait {d['copy_wait']:.3f}"
-                  f" lane checks {d['lane_reap']:.3f}")
+                  f" lane gathers {d['lane_gather']:.3f} lane checks {d['lane_reap']:.3f}")
         for thread, kind, a, b, detail in events:
             if kind == "slab_get" and b - a > 0.002:
                 print(f"  slab of {detail / 2**20:.0f} MiB pinned by {thread} at +{a - t0:.3f} in {b - a:.4f} s")
