@@ -11,6 +11,8 @@ steady cost). The child runs twice: once under ``python -X importtime``, whose l
 two markers are every module imported inside the timed region (summed: the import time the
 first load pays, with the probe's overhead), and once plain, for the times. Prints a table: the
 first load, the import time inside it, the modules that cost most, the second load.
+``--preimport torch.distributed.checkpoint`` imports that before timing, as a trainer that
+checkpoints has (torchtitan's does): what sdadapt itself then adds.
 
 ``-X importtime`` times what ``import`` statements import; a module imported through
 ``importlib.import_module`` (sdadapt's public names resolve so: ``sdadapt._transaction.load``,
@@ -21,6 +23,7 @@ the sum, while everything it imports is in it.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -54,6 +57,8 @@ def child(args: argparse.Namespace) -> None:
         torch.cuda.set_device(dev)
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=300),
                             device_id=dev if cuda else None)
+    for name in args.preimport or []:  # what the job imported for its own needs (a trainer's checkpointing)
+        importlib.import_module(name)
     before = set(sys.modules)
     model, blocks = build_model(_shape(args.preset), "titan")
     parallelize(model, blocks, "titan", "fsdp", dev.type)
@@ -121,6 +126,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2, help="plain (timed) child runs")
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--preimport", action="append", metavar="MODULE",
+                    help="import MODULE before timing, as the job would for its own needs (e.g. "
+                         "torch.distributed.checkpoint, which torchtitan's trainer imports for its checkpointing); repeatable")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--hf", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=29511, help=argparse.SUPPRESS)
@@ -141,6 +149,7 @@ def main() -> None:
     hf = json.loads((folder / "DONE").read_text())["safetensors"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH.parent / "src"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-X", "importtime", __file__, "--child", "--hf", hf, "--preset", args.preset, "--device", args.device]
+    cmd += [f"--preimport={m}" for m in args.preimport or []]
     traced = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if traced.returncode != 0:
         sys.exit(f"child failed:\n{traced.stderr[-4000:]}")
