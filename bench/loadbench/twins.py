@@ -11,14 +11,22 @@ Twins (``safetensors-<fmt>``, read by the path ``sdadapt-<fmt>``):
   static ``input_scale``), ``int8ch`` (``W8A8``, ``int-quantized``: int8 ``weight`` + bf16
   ``weight_scale [R, 1]``), ``w4a16`` (``W4A16``, ``pack-quantized``: int32 ``weight_packed``,
   8 int4 per word, bf16 ``weight_scale`` per group of 128 and ``weight_shape``), ``w4a16asym``
-  (``W4A16_ASYM``: the same with int4 ``weight_zero_point`` packed along rows) and ``mxfp8``
-  (``MXFP8``, ``mxfp8-quantized``: e4m3 ``weight`` + one uint8 e8m0 exponent per 32 values);
+  (``W4A16_ASYM``: the same with int4 ``weight_zero_point`` packed along rows), ``mxfp8``
+  (``MXFP8``, ``mxfp8-quantized``: e4m3 ``weight`` + one uint8 e8m0 exponent per 32 values),
+  ``fp8block`` (``FP8_BLOCK``, ``float-quantized``, ``strategy: block``: e4m3 ``weight`` + one
+  bf16 ``weight_scale`` per 128x128 block, partial blocks at the edges), ``w8a16`` (``W8A16``,
+  ``pack-quantized``: int32 ``weight_packed``, 4 int8 per word, bf16 ``weight_scale`` per group
+  of 128 and ``weight_shape``) and ``mxfp8e8m0`` (``MXFP8`` whose exponents are stored as
+  ``F8_E8M0``, ``torch.float8_e8m0fnu``, and the config's ``scale_dtype`` says so: the
+  package's compressor writes the exponents, their bytes are stored in that dtype);
 - written by hand from the published layout with sdadapt's quantizers, as sdadapt's tests write
   them: ``fp8static`` (``quant_method: fp8`` without ``weight_block_size``, ``activation_scheme:
   static``: e4m3 ``weight``, one float32 ``weight_scale_inv`` per tensor and ``input_scale``, the
   per-tensor FP8 of Mistral-family releases) and ``nvfp4modelopt`` (NVIDIA ModelOpt NVFP4,
   ``hf_quant_config.json``: uint8 ``weight`` two e2m1 per byte, e4m3 ``weight_scale`` per 16
-  values, float32 ``weight_scale_2`` which multiplies them, ``input_scale``).
+  values, float32 ``weight_scale_2`` which multiplies them, ``input_scale``) and ``fp8modelopt``
+  (NVIDIA ModelOpt FP8, ``quantization_config: {quant_method: modelopt, quant_algo: FP8}``: e4m3
+  ``weight``, one float32 ``weight_scale`` per tensor, ``input_scale``).
 
 The layers' matrices (:meth:`Shape.fp8_keys`) are quantized, on the GPU when there is one; the
 embeddings, norms and ``lm_head`` stay as they are (``lm_head`` in the config's ignore list). A
@@ -196,8 +204,9 @@ def write_twin(folder: str, sd: dict[str, Any], quantized: set[str], dtype: str,
 class FormatReference:
     """The dequantisation of one quantized release's weights by its format's own reference, from
     the folder's configs: compressed-tensors' decompressors (``quant_method:
-    compressed-tensors``); for ModelOpt NVFP4, block FP8 and per-tensor FP8 (no package writes
-    them here) the published formula over whole tensors, in float32, rounded once.
+    compressed-tensors``, with ``F8_E8M0`` exponents given as the integers it reads); for
+    ModelOpt NVFP4, block FP8 and per-tensor FP8 (``quant_method: fp8``, ModelOpt FP8; no package
+    writes them here) the published formula over whole tensors, in float32, rounded once.
 
     ``name`` says which; :meth:`dequantize` gives the weight of one module from its stored
     tensors (``weight*`` fields, by field name), or ``None`` for a weight stored unquantized."""
