@@ -6,7 +6,8 @@
         --discussion '' --paths sdadapt,sdadapt-fp8,hf-reader,hf-fp8-reader    # FP8 vs bf16, one GPU
     python bench/load_bench.py --preset 8b --nproc 1 --backend nccl --tp-paths '' --materialized-paths '' \
         --discussion '' --paths sdadapt,sdadapt-fp8ch,sdadapt-nvfp4,sdadapt-fp8tensor,sdadapt-int8ch,sdadapt-w4a16,\
-sdadapt-w4a16asym,sdadapt-mxfp8,sdadapt-fp8static,sdadapt-nvfp4modelopt    # every quantized format vs bf16
+sdadapt-w4a16asym,sdadapt-mxfp8,sdadapt-fp8block,sdadapt-w8a16,sdadapt-mxfp8e8m0,sdadapt-fp8static,\
+sdadapt-nvfp4modelopt,sdadapt-fp8modelopt    # every quantized format vs bf16
     python bench/load_bench.py --preset 8b --nproc 1 --backend nccl --tp-paths '' --materialized-paths '' \
         --discussion '' --paths sdadapt --raw-paths instanttensor,safetensors-gpu --import-in-load   # raw loaders
 
@@ -19,10 +20,12 @@ adapter, rank-0 broadcast, DCP's HF reader, native DCP, the user discussion's
 128x128 block scales, through sdadapt's dequant rules and torch's
 ``QuantizedHuggingFaceStorageReader``; and one quantized twin per format other tools write, each
 in its tool's layout and read by ``sdadapt.dequant_rules(folder)``: ``sdadapt-fp8ch`` /
-``-fp8tensor`` / ``-int8ch`` / ``-w4a16`` / ``-w4a16asym`` / ``-mxfp8`` / ``-nvfp4``
-(compressed-tensors FP8 per channel and per tensor, int8 per channel, int4 in groups of 128
-without and with zero points, MXFP8, NVFP4), ``sdadapt-fp8static`` (``quant_method: fp8``, one
-scale per tensor) and ``sdadapt-nvfp4modelopt`` (ModelOpt NVFP4); ``loadbench.twins``) loads it
+``-fp8tensor`` / ``-fp8block`` / ``-int8ch`` / ``-w4a16`` / ``-w4a16asym`` / ``-w8a16`` /
+``-mxfp8`` / ``-mxfp8e8m0`` / ``-nvfp4`` (compressed-tensors FP8 per channel, per tensor and in
+128x128 blocks, int8 per channel, int4 in groups of 128 without and with zero points, packed int8
+in groups of 128, MXFP8 with U8 and with F8_E8M0 exponents, NVFP4), ``sdadapt-fp8static``
+(``quant_method: fp8``, one scale per tensor), ``sdadapt-nvfp4modelopt`` and
+``sdadapt-fp8modelopt`` (ModelOpt NVFP4 and FP8); ``loadbench.twins``) loads it
 into a model built on meta and parallelised (FSDP2 or TP over all ranks), and the main paths also
 into a model materialised with values first. Raw
 loaders (``--raw-paths``: InstantTensor's backends, safetensors' ``safe_open`` on the GPU) load

@@ -299,13 +299,16 @@ def test_first_call_probe_counts_the_imports_inside_a_first_load(tmp_path):
 
 
 QUANT_TWIN_PATHS = ["sdadapt-fp8ch", "sdadapt-nvfp4", "sdadapt-fp8tensor", "sdadapt-int8ch", "sdadapt-w4a16",
-                    "sdadapt-w4a16asym", "sdadapt-mxfp8", "sdadapt-fp8static", "sdadapt-nvfp4modelopt"]
-REFERENCE_OF = {"sdadapt-fp8static": "float(w) * scale per tensor", "sdadapt-nvfp4modelopt": "the ModelOpt NVFP4 formula"}
+                    "sdadapt-w4a16asym", "sdadapt-mxfp8", "sdadapt-fp8block", "sdadapt-w8a16", "sdadapt-mxfp8e8m0",
+                    "sdadapt-fp8static", "sdadapt-nvfp4modelopt", "sdadapt-fp8modelopt"]
+REFERENCE_OF = {"sdadapt-fp8static": "float(w) * scale per tensor", "sdadapt-nvfp4modelopt": "the ModelOpt NVFP4 formula",
+                "sdadapt-fp8modelopt": "float(w) * scale per tensor"}
 
 
 def test_every_quantized_twin_loads_in_a_fresh_process_and_equals_its_format_reference(tmp_path):
-    """Each quantized twin (compressed-tensors FP8 per channel / per tensor, NVFP4, int8, int4
-    with and without zero points, MXFP8; per-tensor ``quant_method: fp8``; ModelOpt NVFP4) loads
+    """Each quantized twin (compressed-tensors FP8 per channel / per tensor / in 128x128 blocks,
+    NVFP4, int8, int4 with and without zero points, packed int8, MXFP8 with U8 and F8_E8M0
+    exponents; per-tensor ``quant_method: fp8``; ModelOpt NVFP4 and FP8) loads
     through ``sdadapt.dequant_rules`` into the bf16 FSDP2 model on 2 ranks, every shard equal to
     the whole-tensor dequantisation of its file and, for the quantized weights, to the format's
     own reference decompression; each moves fewer bytes than the bf16 shards it fills."""
@@ -370,9 +373,15 @@ def test_each_twin_has_its_tools_layout_and_config(twins):
         "w4a16asym": {"weight_packed": (torch.int32, [h, i // 8]), "weight_scale": (torch.bfloat16, [h, i // 32]),
                       "weight_zero_point": (torch.int32, [h // 8, i // 32]), "weight_shape": (torch.int64, [2])},
         "mxfp8": {"weight": (e4m3, [h, i]), "weight_scale": (torch.uint8, [h, i // 32])},
+        # blocks of 128x128, the tiny matrices' edges in partial blocks
+        "fp8block": {"weight": (e4m3, [h, i]), "weight_scale": (torch.bfloat16, [-(-h // 128), -(-i // 128)])},
+        "w8a16": {"weight_packed": (torch.int32, [h, i // 4]), "weight_scale": (torch.bfloat16, [h, i // 32]),
+                  "weight_shape": (torch.int64, [2])},
+        "mxfp8e8m0": {"weight": (e4m3, [h, i]), "weight_scale": (torch.float8_e8m0fnu, [h, i // 32])},
         "fp8static": {"weight": (e4m3, [h, i]), "weight_scale_inv": (torch.float32, []), "input_scale": (torch.float32, [])},
         "nvfp4modelopt": {"weight": (torch.uint8, [h, i // 2]), "weight_scale": (e4m3, [h, i // 16]),
                           "weight_scale_2": (torch.float32, []), "input_scale": (torch.float32, [])},
+        "fp8modelopt": {"weight": (e4m3, [h, i]), "weight_scale": (torch.float32, []), "input_scale": (torch.float32, [])},
     }  # fmt: skip
     assert sorted(layouts) == sorted(lb.twins.TWINS)
     for twin, fields in layouts.items():
@@ -389,6 +398,9 @@ def test_each_twin_has_its_tools_layout_and_config(twins):
             assert qc["ignore"] == ["lm_head"] and qc["quantization_status"] == "compressed"
         elif twin == "fp8static":
             assert qc == {"quant_method": "fp8", "activation_scheme": "static", "modules_to_not_convert": ["lm_head"]}
+        elif twin == "fp8modelopt":
+            assert qc == {"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": ["lm_head"]}
+            assert not Path(folder, "hf_quant_config.json").exists()
         else:  # ModelOpt: hf_quant_config.json beside a config without quantization_config
             assert qc is None
             hq = json.loads(Path(folder, "hf_quant_config.json").read_text())["quantization"]
@@ -396,6 +408,18 @@ def test_each_twin_has_its_tools_layout_and_config(twins):
     w4 = json.loads(Path(files["safetensors-w4a16asym"], "config.json").read_text())["quantization_config"]
     weights = w4["config_groups"]["group_0"]["weights"]  # the tiny widths (64, 160) take groups of 32, not 128
     assert (weights["num_bits"], weights["strategy"], weights["group_size"], weights["symmetric"]) == (4, "group", 32, False)
+    w8 = json.loads(Path(files["safetensors-w8a16"], "config.json").read_text())["quantization_config"]
+    weights = w8["config_groups"]["group_0"]["weights"]
+    assert (weights["num_bits"], weights["type"], weights["group_size"], weights["symmetric"]) == (8, "int", 32, True)
+    block = json.loads(Path(files["safetensors-fp8block"], "config.json").read_text())["quantization_config"]
+    weights = block["config_groups"]["group_0"]["weights"]
+    assert (weights["strategy"], weights["block_structure"], weights["type"]) == ("block", [128, 128], "float")
+    mx = json.loads(Path(files["safetensors-mxfp8e8m0"], "config.json").read_text())["quantization_config"]
+    assert mx["config_groups"]["group_0"]["weights"]["scale_dtype"] == "torch.float8_e8m0fnu"
+    # the same exponent bytes as the package's MXFP8 twin, stored as F8_E8M0 rather than U8
+    u8, e8 = _stored(files["safetensors-mxfp8"]), _stored(files["safetensors-mxfp8e8m0"])
+    assert torch.equal(u8[down + "weight_scale"], e8[down + "weight_scale"].view(torch.uint8))
+    assert torch.equal(u8[down + "weight"].view(torch.uint8), e8[down + "weight"].view(torch.uint8))
     assert lb.twins.group_for([4096, 14336], 128) == 128 and lb.twins.group_for([64, 160], 128) == 32
 
 
@@ -411,17 +435,23 @@ def test_each_twin_is_recognised_and_its_reference_uses_every_scale(twins):
     kinds = {"fp8tensor": ("e4m3", "tensor", None, None), "int8ch": ("int8", "channel", None, None),
              "w4a16": ("int4", "group", None, None), "w4a16asym": ("int4", "group", "_zero_point", None),
              "mxfp8": ("e4m3", "group", None, None), "fp8static": ("e4m3", "tensor", None, None),
-             "nvfp4modelopt": ("e2m1", "group", None, "_scale_2")}  # fmt: skip
+             "nvfp4modelopt": ("e2m1", "group", None, "_scale_2"), "fp8block": ("e4m3", "block", None, None),
+             "w8a16": ("int8_packed", "group", None, None), "mxfp8e8m0": ("e4m3", "group", None, None),
+             "fp8modelopt": ("e4m3", "tensor", None, None)}  # fmt: skip
     shape = lb.shapes.PRESETS["tiny"]
     down = "model.layers.1.mlp.down_proj."
     for twin, kind in kinds.items():
         folder = files[f"safetensors-{twin}"]
         (rule,) = sdadapt.dequant_rules(folder)
         assert (rule.codec, rule.strategy, rule.zero_suffix, rule.global_suffix) == kind, twin
+        if twin in ("mxfp8", "mxfp8e8m0"):  # the exponents' stored dtype, from the config and the headers
+            assert rule.scale_dtype == ("uint8" if twin == "mxfp8" else "float8_e8m0fnu"), (twin, rule.scale_dtype)
+        if twin == "fp8block":
+            assert list(rule.block) == [128, 128], rule.block
         model, _ = lb.models.build_model(shape, "titan")
         rep = sdadapt.load(model, folder, lb.shapes.adapter_for("titan", folder))
         # the activation scales that static FP8 and ModelOpt store are dropped on purpose, and said so
-        static = twin in ("fp8tensor", "fp8static", "nvfp4modelopt")
+        static = twin in ("fp8tensor", "fp8static", "nvfp4modelopt", "fp8modelopt")
         assert (f"{down}input_scale" in rep.report.dropped) == static, (twin, rep.report.dropped)
         ref = lb.twins.FormatReference(folder)
         stored = {k.removeprefix(down): v for k, v in _stored(folder).items() if k.startswith(down) and "input" not in k}

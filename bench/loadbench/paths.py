@@ -13,8 +13,11 @@
   ``sdadapt-int8ch`` (compressed-tensors ``int-quantized`` int8 per channel),
   ``sdadapt-w4a16`` / ``sdadapt-w4a16asym`` (compressed-tensors ``pack-quantized`` int4, scales
   per group of 128, the second with zero points), ``sdadapt-mxfp8`` (e4m3 + one e8m0 exponent per
-  32), ``sdadapt-fp8static`` (``quant_method: fp8``, one ``weight_scale_inv`` per tensor),
-  ``sdadapt-nvfp4modelopt`` (ModelOpt NVFP4, ``hf_quant_config.json``), through
+  32), ``sdadapt-fp8block`` (compressed-tensors FP8 in 128x128 blocks), ``sdadapt-w8a16``
+  (compressed-tensors ``pack-quantized`` int8, scales per group of 128), ``sdadapt-mxfp8e8m0``
+  (MXFP8 with its exponents stored as ``F8_E8M0``), ``sdadapt-fp8static`` (``quant_method: fp8``,
+  one ``weight_scale_inv`` per tensor), ``sdadapt-nvfp4modelopt`` (ModelOpt NVFP4,
+  ``hf_quant_config.json``), ``sdadapt-fp8modelopt`` (ModelOpt FP8, one ``weight_scale`` per tensor), through
   ``sdadapt.dequant_rules`` + the rename adapter;
 - ``sdadapt-fp8``: the FP8 twin (e4m3 + float32 128x128 ``weight_scale_inv``) through
   ``sdadapt.dequant_rules`` + the rename adapter, dequantised on load into the same bf16 model;
@@ -63,8 +66,9 @@ QUANT_FORMATS = {"sdadapt-fp8": "safetensors-fp8", "hf-fp8-reader": "safetensors
                  **{f"sdadapt-{t}": f"safetensors-{t}" for t in TWINS}}
 """Paths that read a quantized twin, and which: FP8 block scales, compressed-tensors FP8 per
 channel (``FP8_DYNAMIC``), compressed-tensors NVFP4, and each twin of :mod:`loadbench.twins`
-(compressed-tensors FP8 per tensor, int8 per channel, int4 W4A16 with and without zero points,
-MXFP8; per-tensor FP8 ``quant_method: fp8``; ModelOpt NVFP4)."""
+(compressed-tensors FP8 per tensor and in 128x128 blocks, int8 per channel, int4 W4A16 with and
+without zero points, packed int8 W8A16, MXFP8 with U8 and F8_E8M0 exponents; per-tensor FP8
+``quant_method: fp8``; ModelOpt NVFP4 and FP8)."""
 TP_PATHS = ["sdadapt", "hf-reader"]
 MATERIALIZED_PATHS = ["sdadapt", "hf-reader"]
 DISCUSSION_PATHS = {"materialized": "torchsave-broadcast", "meta": "torchsave-broadcast-meta"}

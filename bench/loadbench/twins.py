@@ -11,14 +11,22 @@ Twins (``safetensors-<fmt>``, read by the path ``sdadapt-<fmt>``):
   static ``input_scale``), ``int8ch`` (``W8A8``, ``int-quantized``: int8 ``weight`` + bf16
   ``weight_scale [R, 1]``), ``w4a16`` (``W4A16``, ``pack-quantized``: int32 ``weight_packed``,
   8 int4 per word, bf16 ``weight_scale`` per group of 128 and ``weight_shape``), ``w4a16asym``
-  (``W4A16_ASYM``: the same with int4 ``weight_zero_point`` packed along rows) and ``mxfp8``
-  (``MXFP8``, ``mxfp8-quantized``: e4m3 ``weight`` + one uint8 e8m0 exponent per 32 values);
+  (``W4A16_ASYM``: the same with int4 ``weight_zero_point`` packed along rows), ``mxfp8``
+  (``MXFP8``, ``mxfp8-quantized``: e4m3 ``weight`` + one uint8 e8m0 exponent per 32 values),
+  ``fp8block`` (``FP8_BLOCK``, ``float-quantized``, ``strategy: block``: e4m3 ``weight`` + one
+  bf16 ``weight_scale`` per 128x128 block, partial blocks at the edges), ``w8a16`` (``W8A16``,
+  ``pack-quantized``: int32 ``weight_packed``, 4 int8 per word, bf16 ``weight_scale`` per group
+  of 128 and ``weight_shape``) and ``mxfp8e8m0`` (``MXFP8`` whose exponents are stored as
+  ``F8_E8M0``, ``torch.float8_e8m0fnu``, and the config's ``scale_dtype`` says so: the
+  package's compressor writes the exponents, their bytes are stored in that dtype);
 - written by hand from the published layout with sdadapt's quantizers, as sdadapt's tests write
   them: ``fp8static`` (``quant_method: fp8`` without ``weight_block_size``, ``activation_scheme:
   static``: e4m3 ``weight``, one float32 ``weight_scale_inv`` per tensor and ``input_scale``, the
   per-tensor FP8 of Mistral-family releases) and ``nvfp4modelopt`` (NVIDIA ModelOpt NVFP4,
   ``hf_quant_config.json``: uint8 ``weight`` two e2m1 per byte, e4m3 ``weight_scale`` per 16
-  values, float32 ``weight_scale_2`` which multiplies them, ``input_scale``).
+  values, float32 ``weight_scale_2`` which multiplies them, ``input_scale``) and ``fp8modelopt``
+  (NVIDIA ModelOpt FP8, ``quantization_config: {quant_method: modelopt, quant_algo: FP8}``: e4m3
+  ``weight``, one float32 ``weight_scale`` per tensor, ``input_scale``).
 
 The layers' matrices (:meth:`Shape.fp8_keys`) are quantized, on the GPU when there is one; the
 embeddings, norms and ``lm_head`` stay as they are (``lm_head`` in the config's ignore list). A
@@ -36,9 +44,14 @@ from .common import BenchError
 
 CT_WRITTEN = {"fp8tensor": ("FP8", "float-quantized"), "int8ch": ("W8A8", "int-quantized"),
               "w4a16": ("W4A16", "pack-quantized"), "w4a16asym": ("W4A16_ASYM", "pack-quantized"),
-              "mxfp8": ("MXFP8", "mxfp8-quantized")}  # fmt: skip
+              "mxfp8": ("MXFP8", "mxfp8-quantized"), "fp8block": ("FP8_BLOCK", "float-quantized"),
+              "w8a16": ("W8A16", "pack-quantized"), "mxfp8e8m0": ("MXFP8", "mxfp8-quantized")}  # fmt: skip
 """Twin -> (compressed-tensors preset, format) of the twins the package writes."""
-HAND_WRITTEN = ("fp8static", "nvfp4modelopt")
+GROUPED = ("w4a16", "w4a16asym", "w8a16")
+"""The ``pack-quantized`` twins, whose group of 128 is halved until it divides the model's widths."""
+E8M0_STORED = ("mxfp8e8m0",)
+"""MXFP8 twins whose exponents are stored as ``F8_E8M0`` (``torch.float8_e8m0fnu``), not ``U8``."""
+HAND_WRITTEN = ("fp8static", "nvfp4modelopt", "fp8modelopt")
 TWINS = (*CT_WRITTEN, *HAND_WRITTEN)
 """Every twin of this module, as ``safetensors-<twin>``."""
 INT4_GROUP = 128
@@ -67,13 +80,19 @@ def ct_scheme(kind: str, widths: list[int]) -> Any:
     """The compressed-tensors ``QuantizationScheme`` of twin ``kind`` for a model whose quantized
     matrices have these column counts (an int4 group halved until it divides them)."""
     _ct()
+    import torch
     from compressed_tensors.quantization import preset_name_to_scheme
 
     preset, _ = CT_WRITTEN[kind]
     scheme = preset_name_to_scheme(preset, ["Linear"])
     w = scheme.weights
-    if kind.startswith("w4a16"):
+    if kind in GROUPED:
         scheme = scheme.model_copy(update={"weights": w.model_copy(update={"group_size": group_for(widths, INT4_GROUP)})})
+    elif kind in E8M0_STORED:  # the config says the exponents' stored dtype, for weights and activations
+        e8m0 = {"scale_dtype": torch.float8_e8m0fnu}
+        acts = scheme.input_activations
+        scheme = scheme.model_copy(update={"weights": w.model_copy(update=e8m0),
+                                           "input_activations": acts.model_copy(update=e8m0) if acts else None})  # fmt: skip
     elif w.group_size and any(c % w.group_size for c in widths):
         raise BenchError(f"{kind}: its groups of {w.group_size} values do not divide the model's widths {sorted(set(widths))}")
     return scheme
@@ -91,22 +110,38 @@ def _extremes(w: Any, scheme: Any) -> tuple[Any, Any]:
     if strategy == "group":
         x = w.reshape(rows, cols // a.group_size, a.group_size)
         return x.amin(-1), x.amax(-1)
+    if strategy == "block":  # partial blocks at the edges, padded with zeros as the observer sees them
+        import torch
+
+        b0, b1 = a.block_structure
+        x = torch.nn.functional.pad(w, (0, -cols % b1, 0, -rows % b0))
+        x = x.reshape(x.shape[0] // b0, b0, x.shape[1] // b1, b1)
+        return x.amin(dim=(1, 3)), x.amax(dim=(1, 3))
     raise BenchError(f"no min-max for strategy {strategy!r}")
 
 
 def ct_compress(w: Any, kind: str, scheme: Any) -> dict[str, Any]:
     """``w`` (a float weight ``[R, C]``) quantized and compressed by compressed-tensors: the
-    tensors its format stores for one module (``weight`` or ``weight_packed``, ``weight_scale``, ...)."""
+    tensors its format stores for one module (``weight`` or ``weight_packed``, ``weight_scale``, ...).
+
+    An ``F8_E8M0`` MXFP8 twin is compressed as the package's MXFP8 (its uint8 exponents) and its
+    exponent bytes stored as ``float8_e8m0fnu``: the package's own conversion to that dtype
+    (``.to``) would convert the exponents' values, not keep their bits."""
+    import torch
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization.utils import calculate_qparams
 
     _, fmt = CT_WRITTEN[kind]
+    if kind in E8M0_STORED:
+        scheme = scheme.model_copy(update={"weights": scheme.weights.model_copy(update={"scale_dtype": torch.uint8})})
     mn, mx = _extremes(w.float(), scheme)
     scale, zp = calculate_qparams(mn, mx, scheme.weights)
     sd = {"weight": w, "weight_scale": scale.to(w.dtype)}
     if not scheme.weights.symmetric:
         sd["weight_zero_point"] = zp
     out = BaseCompressor.load_from_registry(fmt).compress(sd, scheme)
+    if kind in E8M0_STORED:
+        out["weight_scale"] = out["weight_scale"].view(torch.float8_e8m0fnu)
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -133,9 +168,10 @@ def write_twin(folder: str, sd: dict[str, Any], quantized: set[str], dtype: str,
             stored = ct_compress(x, kind, scheme)
             if kind == "fp8tensor":  # static FP8 stores its activation scale beside the weight
                 stored["input_scale"] = torch.tensor([0.02], dtype=x.dtype)
-        elif kind == "fp8static":
+        elif kind in ("fp8static", "fp8modelopt"):  # one float32 scale amax / 448 per tensor
             w, s = S.quantize_fp8_scaled(x, tuple(x.shape), torch.float32)  # type: ignore[arg-type]
-            stored = {"weight": w, "weight_scale_inv": s.reshape(()), "input_scale": torch.tensor(0.5)}
+            field = "weight_scale_inv" if kind == "fp8static" else "weight_scale"
+            stored = {"weight": w, field: s.reshape(()), "input_scale": torch.tensor(0.5)}
         else:  # ModelOpt NVFP4: weight_scale_2 = amax / (6 * 448) multiplies the e4m3 group scales
             glob = (x.float().abs().amax() / (S.E2M1_MAX * S.E4M3_MAX)).reshape(())
             packed, s = S.quantize_nvfp4(x, glob, "multiply")
@@ -151,6 +187,8 @@ def write_twin(folder: str, sd: dict[str, Any], quantized: set[str], dtype: str,
         cfg["quantization_config"] = qc.model_dump(mode="json")
     elif kind == "fp8static":
         cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static", "modules_to_not_convert": ["lm_head"]}
+    elif kind == "fp8modelopt":  # ModelOpt FP8 as the HF export writes it: its algorithm in config.json
+        cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "FP8", "exclude_modules": ["lm_head"]}
     else:
         hq = {"producer": {"name": "modelopt", "version": "0.29.0"},
               "quantization": {"quant_algo": "NVFP4", "group_size": S.NVFP4_GROUP, "exclude_modules": ["lm_head"]}}  # fmt: skip
@@ -166,8 +204,9 @@ def write_twin(folder: str, sd: dict[str, Any], quantized: set[str], dtype: str,
 class FormatReference:
     """The dequantisation of one quantized release's weights by its format's own reference, from
     the folder's configs: compressed-tensors' decompressors (``quant_method:
-    compressed-tensors``); for ModelOpt NVFP4, block FP8 and per-tensor FP8 (no package writes
-    them here) the published formula over whole tensors, in float32, rounded once.
+    compressed-tensors``, with ``F8_E8M0`` exponents given as the integers it reads); for
+    ModelOpt NVFP4, block FP8 and per-tensor FP8 (``quant_method: fp8``, ModelOpt FP8; no package
+    writes them here) the published formula over whole tensors, in float32, rounded once.
 
     ``name`` says which; :meth:`dequantize` gives the weight of one module from its stored
     tensors (``weight*`` fields, by field name), or ``None`` for a weight stored unquantized."""
@@ -193,7 +232,7 @@ class FormatReference:
             self.kind, self.name = "fp8block", "float(w) * scale_inv per block"
             b0, b1 = qc["weight_block_size"]
             self.block = (int(b0), int(b1))
-        elif qc.get("quant_method") == "fp8":
+        elif qc.get("quant_method") == "fp8" or (qc.get("quant_method") == "modelopt" and qc.get("quant_algo") == "FP8"):
             self.kind, self.name = "fp8tensor", "float(w) * scale per tensor"
         else:
             raise BenchError(f"{folder}: no reference decompression for its quantization config")
@@ -216,8 +255,11 @@ class FormatReference:
                 return None
             from compressed_tensors.compressors import BaseCompressor
 
+            stored = dict(stored)
+            if stored["weight_scale"].dtype == torch.float8_e8m0fnu:  # its MX decompression reads exponents as integers
+                stored["weight_scale"] = stored["weight_scale"].view(torch.uint8)
             # its arithmetic is the scales' dtype (bf16 here): a reference for a bf16 model only
-            return BaseCompressor.load_from_registry(self.format).decompress(dict(stored), self.scheme)["weight"].to(dtype)
+            return BaseCompressor.load_from_registry(self.format).decompress(stored, self.scheme)["weight"].to(dtype)
         w = stored["weight"]
         if self.kind == "modelopt":
             if "weight_scale_2" not in stored:
