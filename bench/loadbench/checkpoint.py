@@ -17,7 +17,7 @@ from pathlib import Path
 from .common import BenchError, GiB, MiB, meminfo
 from .references import parallel_read
 from .shapes import CT_QUANTIZATION_CONFIGS, FP8_QUANTIZATION_CONFIG, Shape
-from .twins import TWINS, write_twin
+from .twins import TWINS, nbytes, quantized_twin, write_twin
 
 
 def check_fits(folder: Path, shape: Shape, formats: list[str], nproc: int, assume_ram_gib: float | None) -> dict[str, float]:
@@ -113,16 +113,13 @@ def _write_fp8_twin(folder: str, sd: dict, shape: Shape, shard_gb: float) -> Non
     from sdadapt._recipes import quant as Q
 
     block = tuple(FP8_QUANTIZATION_CONFIG["weight_block_size"])
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    quantized = set(shape.fp8_keys())
-    twin: dict[str, torch.Tensor] = {}
-    for k, t in sd.items():
-        if k in quantized:
-            w, s = Q.quantize_fp8(t.to(dev), block, "float32")  # type: ignore[arg-type]
-            twin[k], twin[k + Q.FP8_SCALE_SUFFIX] = w.contiguous().cpu(), s.contiguous().cpu()
-        else:
-            twin[k] = t
-    _write_hf_shards(folder, twin, shard_gb, sum(t.numel() * t.element_size() for t in twin.values()))
+
+    def stored_of(x: torch.Tensor) -> dict[str, torch.Tensor]:
+        w, s = Q.quantize_fp8(x, block, "float32")  # type: ignore[arg-type]
+        return {"weight": w, "weight" + Q.FP8_SCALE_SUFFIX: s}
+
+    twin = quantized_twin(sd, set(shape.fp8_keys()), stored_of)
+    _write_hf_shards(folder, twin, shard_gb, nbytes(twin))
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({"model_type": "llama", "torch_dtype": shape.dtype, "quantization_config": FP8_QUANTIZATION_CONFIG}, f)
 
@@ -137,24 +134,16 @@ def _write_ct_twin(folder: str, sd: dict, shape: Shape, shard_gb: float, kind: s
 
     from sdadapt._recipes import quant_scaled as S
 
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    quantized = set(shape.fp8_keys())
-    twin: dict[str, torch.Tensor] = {}
-    for k, t in sd.items():
-        if k not in quantized:
-            twin[k] = t
-            continue
-        x, base = t.to(dev), k.removesuffix(".weight")
+    def stored_of(x: torch.Tensor) -> dict[str, torch.Tensor]:
         if kind == "fp8ch":
             w, s = S.quantize_fp8_scaled(x, (1, x.shape[-1]), torch.bfloat16)
-            twin[k], twin[base + ".weight_scale"] = w.cpu(), s.cpu()
-        else:
-            amax = x.float().abs().amax()
-            glob = (S.E4M3_MAX * S.E2M1_MAX / amax).reshape(1)
-            packed, s = S.quantize_nvfp4(x, glob, "divide")
-            twin[base + ".weight_packed"], twin[base + ".weight_scale"] = packed.cpu(), s.cpu()
-            twin[base + ".weight_global_scale"] = glob.cpu()
-    _write_hf_shards(folder, twin, shard_gb, sum(t.numel() * t.element_size() for t in twin.values()))
+            return {"weight": w, "weight_scale": s}
+        glob = (S.E4M3_MAX * S.E2M1_MAX / x.float().abs().amax()).reshape(1)
+        packed, s = S.quantize_nvfp4(x, glob, "divide")
+        return {"weight_packed": packed, "weight_scale": s, "weight_global_scale": glob}
+
+    twin = quantized_twin(sd, set(shape.fp8_keys()), stored_of)
+    _write_hf_shards(folder, twin, shard_gb, nbytes(twin))
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({"model_type": "llama", "torch_dtype": shape.dtype, "quantization_config": CT_QUANTIZATION_CONFIGS[kind]}, f)
 

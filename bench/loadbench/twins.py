@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from .common import BenchError
@@ -145,6 +146,28 @@ def ct_compress(w: Any, kind: str, scheme: Any) -> dict[str, Any]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def quantized_twin(sd: dict[str, Any], quantized: set[str], stored_of: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+    """``sd`` with each key of ``quantized`` (a ``....weight``) replaced by what its format stores
+    for it: ``stored_of(x)`` gets the tensor (on the GPU when there is one) and names the stored
+    tensors relative to the key's module (``weight``, ``weight_scale``, ...); the rest as is."""
+    import torch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    twin: dict[str, Any] = {}
+    for k, t in sd.items():
+        if k not in quantized:
+            twin[k] = t
+            continue
+        base = k.removesuffix(".weight")
+        twin.update({f"{base}.{name}": v.contiguous().cpu() for name, v in stored_of(t.to(dev)).items()})
+    return twin
+
+
+def nbytes(tensors: dict[str, Any]) -> int:
+    """The bytes of ``tensors``' values."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def write_twin(folder: str, sd: dict[str, Any], quantized: set[str], dtype: str, kind: str, write_shards: Any) -> None:
     """The twin ``kind`` of ``sd`` in ``folder``: the keys in ``quantized`` in its format, the
     rest as is, sharded by ``write_shards(folder, tensors, total_bytes)``, with its
@@ -155,29 +178,26 @@ def write_twin(folder: str, sd: dict[str, Any], quantized: set[str], dtype: str,
 
     if kind not in TWINS:
         raise BenchError(f"unknown quantized twin {kind!r} (known: {', '.join(TWINS)})")
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
     widths = sorted({int(sd[k].shape[-1]) for k in quantized})
     scheme = ct_scheme(kind, widths) if kind in CT_WRITTEN else None
-    twin: dict[str, torch.Tensor] = {}
-    for k, t in sd.items():
-        if k not in quantized:
-            twin[k] = t
-            continue
-        x, base = t.to(dev), k.removesuffix(".weight")
+
+    def stored_of(x: torch.Tensor) -> dict[str, torch.Tensor]:
         if scheme is not None:
             stored = ct_compress(x, kind, scheme)
             if kind == "fp8tensor":  # static FP8 stores its activation scale beside the weight
                 stored["input_scale"] = torch.tensor([0.02], dtype=x.dtype)
-        elif kind in ("fp8static", "fp8modelopt"):  # one float32 scale amax / 448 per tensor
+            return stored
+        if kind in ("fp8static", "fp8modelopt"):  # one float32 scale amax / 448 per tensor
             w, s = S.quantize_fp8_scaled(x, tuple(x.shape), torch.float32)  # type: ignore[arg-type]
             field = "weight_scale_inv" if kind == "fp8static" else "weight_scale"
-            stored = {"weight": w, field: s.reshape(()), "input_scale": torch.tensor(0.5)}
-        else:  # ModelOpt NVFP4: weight_scale_2 = amax / (6 * 448) multiplies the e4m3 group scales
-            glob = (x.float().abs().amax() / (S.E2M1_MAX * S.E4M3_MAX)).reshape(())
-            packed, s = S.quantize_nvfp4(x, glob, "multiply")
-            stored = {"weight": packed, "weight_scale": s, "weight_scale_2": glob, "input_scale": torch.tensor(0.5)}
-        twin.update({f"{base}.{name}": v.cpu() for name, v in stored.items()})
-    write_shards(folder, twin, sum(t.numel() * t.element_size() for t in twin.values()))
+            return {"weight": w, field: s.reshape(()), "input_scale": torch.tensor(0.5)}
+        # ModelOpt NVFP4: weight_scale_2 = amax / (6 * 448) multiplies the e4m3 group scales
+        glob = (x.float().abs().amax() / (S.E2M1_MAX * S.E4M3_MAX)).reshape(())
+        packed, s = S.quantize_nvfp4(x, glob, "multiply")
+        return {"weight": packed, "weight_scale": s, "weight_scale_2": glob, "input_scale": torch.tensor(0.5)}
+
+    twin = quantized_twin(sd, quantized, stored_of)
+    write_shards(folder, twin, nbytes(twin))
     cfg: dict[str, Any] = {"model_type": "llama", "torch_dtype": dtype}
     if scheme is not None:
         from compressed_tensors.quantization import QuantizationConfig
