@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._plan.registry import config_folder
+from .._recipes.quant import FP8_SCALE_SUFFIX
 from ..errors import SourceError
 from ..sources._json import read_json
 
@@ -84,9 +85,6 @@ class Facts:
 
 
 NO_CONFIG = Facts()
-
-FP8_SCALE_SUFFIX = "_scale_inv"
-"""Key suffix of FP8 block scales stored beside their weight (``w.weight`` -> ``w.weight_scale_inv``)."""
 
 
 def _quantization(cfg: dict[str, Any], keys: list[str]) -> str | None:
