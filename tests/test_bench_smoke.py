@@ -465,3 +465,21 @@ def test_each_twin_is_recognised_and_its_reference_uses_every_scale(twins):
             v = stored[field]
             bent[field] = (v + 1) if v.dtype in (torch.int32, torch.uint8) else (v.float() * 2).to(v.dtype)
             assert not torch.equal(ref.dequantize(bent, torch.bfloat16), want), (twin, field)
+
+
+def test_the_disk_estimate_knows_every_quantized_twin_and_is_near_what_is_written(twins):
+    """``check_fits`` counts each format at about its written size (a quantized twin is smaller
+    than the bf16 checkpoint), so a run can keep several twins on a disk that would not hold as
+    many bf16 copies; every quantized format the bench reads has an entry."""
+    lb, files = twins
+    import loadbench.paths
+
+    assert set(loadbench.paths.QUANT_FORMATS.values()) == set(lb.checkpoint.QUANTIZED_BYTES_PER_VALUE)
+    shape = lb.shapes.PRESETS["tiny"]
+    for fmt, folder in files.items():
+        written = sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
+        estimate = lb.checkpoint.format_nbytes(shape, fmt)
+        # the tiny preset's headers are a tenth of its bytes; the estimate counts tensors only
+        assert 0.8 * written < estimate <= written, (fmt, estimate, written)
+        if fmt != "safetensors":
+            assert estimate < 0.65 * lb.checkpoint.format_nbytes(shape, "safetensors"), fmt

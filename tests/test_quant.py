@@ -645,3 +645,16 @@ def test_a_cast_after_a_dequantisation_pins_its_dtype(tmp_path):
     adapter = sdadapt.Adapter([*fp8_adapter("float32").rules, sdadapt.cast("layers.0.w1.weight", torch.float16)])
     rep = sdadapt.diff(Tiny(torch.float32), path, adapter)
     assert [(m.key, m.checkpoint) for m in rep.dtype_mismatch if m.key.startswith("layers.0.w")] == [("layers.0.w1.weight", "float16")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fp4_pairs_is_the_published_e2m1_table_for_each_byte(dtype):
+    """Byte ``b`` -> (value of ``b & 0xF``, value of ``b >> 4``), the OCP e2m1 values; the table
+    is made once per device and dtype and handed out again."""
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    pairs = Q.fp4_pairs(torch.device("cpu"), dtype)
+    assert pairs.shape == (256, 2) and pairs.dtype == dtype
+    want = torch.tensor([[e2m1[b & 0xF], e2m1[b >> 4]] for b in range(256)], dtype=dtype)
+    assert torch.equal(pairs.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                       want.view(torch.int16 if dtype != torch.float32 else torch.int32))  # -0.0 included
+    assert Q.fp4_pairs(torch.device("cpu"), dtype) is pairs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -20,10 +21,32 @@ from .shapes import CT_QUANTIZATION_CONFIGS, FP8_QUANTIZATION_CONFIG, Shape
 from .twins import TWINS, nbytes, quantized_twin, write_twin
 
 
+QUANTIZED_BYTES_PER_VALUE = {
+    "safetensors-fp8": 1 + 4 / (128 * 128), "safetensors-fp8ch": 1.01, "safetensors-nvfp4": 0.5 + 1 / 16,
+    "safetensors-fp8tensor": 1.0, "safetensors-int8ch": 1.01, "safetensors-w4a16": 0.5 + 2 / 128,
+    "safetensors-w4a16asym": 0.5 + 2.5 / 128, "safetensors-mxfp8": 1 + 1 / 32, "safetensors-fp8block": 1 + 2 / (128 * 128),
+    "safetensors-w8a16": 1 + 2 / 128, "safetensors-mxfp8e8m0": 1 + 1 / 32, "safetensors-fp8static": 1.0,
+    "safetensors-nvfp4modelopt": 0.5 + 1 / 16, "safetensors-fp8modelopt": 1.0,
+}  # fmt: skip
+"""Bytes stored per quantized value (values and their scales, zero points) of each quantized twin."""
+
+
+def format_nbytes(shape: Shape, fmt: str) -> int:
+    """About how many bytes ``fmt`` stores for ``shape``: the whole checkpoint, or for a quantized
+    twin its quantized matrices at their bytes per value and the other tensors as they are."""
+    size = shape.nbytes()
+    per_value = QUANTIZED_BYTES_PER_VALUE.get(fmt)
+    if per_value is None:
+        return size
+    sizes = dict(shape.hf_keys())
+    values = sum(math.prod(sizes[k]) for k in shape.fp8_keys())
+    return int(size - values * shape.itemsize() + values * per_value)
+
+
 def check_fits(folder: Path, shape: Shape, formats: list[str], nproc: int, assume_ram_gib: float | None) -> dict[str, float]:
     """Refuse (before writing anything) a checkpoint that cannot fit the disk or the memory."""
     size = shape.nbytes()
-    need_disk = int(size * len(formats) * 1.01) + 64 * MiB
+    need_disk = int(sum(format_nbytes(shape, f) for f in formats) * 1.05) + 64 * MiB  # headers, rounding
     probe = folder
     while not probe.exists():
         probe = probe.parent

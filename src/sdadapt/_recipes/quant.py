@@ -225,19 +225,23 @@ def fp4_pairs(device: torch.device, dtype: torch.dtype = torch.float32) -> torch
     """``[256, 2]`` in ``dtype`` (one e2m1 values convert to exactly) on ``device``: byte -> the
     e2m1 values of its low and high nibble.
 
-    Made once per device and dtype with device ops (no host data: copying a table from the host
-    would wait for everything queued on the stream, once per band on a GPU), then kept."""
+    Made once per device and dtype, then kept: computed on the host and copied to the device in
+    one copy. (Computed with device ops instead, each of the dozen kernels that takes is loaded
+    into the device on its first launch in the process, which costs far more than the copy; a
+    copy from the host does wait for the work queued on the current stream, once.)"""
     pairs = _FP4_PAIRS.get((device, dtype))
     if pairs is not None:
         return pairs
     with torch.inference_mode(False), torch.no_grad():
-        code = torch.arange(16, dtype=torch.int32, device=device)
+        code = torch.arange(16, dtype=torch.int32)
         e, m = (code >> 1) & 3, (code & 1).to(torch.float32)
         mag = torch.where(e == 0, m * 0.5, (m + 2.0) * torch.exp2((e - 2).to(torch.float32)))
         lut = torch.where((code & 8) != 0, -mag, mag)  # code 8 is -0.0
         pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1).to(dtype).contiguous()  # byte & 0xF, byte >> 4
-        if device.type == "cuda":  # later use may be on another stream: the table must be there
-            torch.cuda.current_stream(device).synchronize()
+        if torch.device(device).type != "cpu":
+            pairs = pairs.to(device)
+            if pairs.device.type == "cuda":  # later use may be on another stream: the table must be there
+                torch.cuda.current_stream(pairs.device).synchronize()
     _FP4_PAIRS[(device, dtype)] = pairs
     return pairs
 
