@@ -20,7 +20,6 @@ from .references import parallel_read
 from .shapes import CT_QUANTIZATION_CONFIGS, FP8_QUANTIZATION_CONFIG, Shape
 from .twins import TWINS, nbytes, quantized_twin, write_twin
 
-
 QUANTIZED_BYTES_PER_VALUE = {
     "safetensors-fp8": 1 + 4 / (128 * 128), "safetensors-fp8ch": 1.01, "safetensors-nvfp4": 0.5 + 1 / 16,
     "safetensors-fp8tensor": 1.0, "safetensors-int8ch": 1.01, "safetensors-w4a16": 0.5 + 2 / 128,
