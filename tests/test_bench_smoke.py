@@ -483,3 +483,25 @@ def test_the_disk_estimate_knows_every_quantized_twin_and_is_near_what_is_writte
         assert 0.8 * written < estimate <= written, (fmt, estimate, written)
         if fmt != "safetensors":
             assert estimate < 0.65 * lb.checkpoint.format_nbytes(shape, "safetensors"), fmt
+
+
+def test_first_kernel_probe_times_each_op_twice_on_the_cpu():
+    """bench/first_kernel_probe.py runs on the CPU too: two timed calls of every op, and the
+    e2m1 table of ``fp4_pairs`` equals the one built with device ops."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "first_kernel_probe.py"), "--device", "cpu", "--rows", "64", "--cols", "64"],
+        capture_output=True, text=True, timeout=120, env=_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    timed = [line for line in proc.stdout.splitlines() if ": call " in line]
+    assert len(timed) == 2 * 10 and timed[-1].startswith("NVFP4 dequantize_into: call 2 ")
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import first_kernel_probe
+        import torch
+
+        from sdadapt._recipes.quant import fp4_pairs
+
+        assert torch.equal(first_kernel_probe._e2m1_table_on_device(torch.device("cpu")), fp4_pairs(torch.device("cpu")))
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
