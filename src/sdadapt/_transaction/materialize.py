@@ -140,7 +140,7 @@ class Reservation:
         self._thread: threading.Thread | None = None
         try:
             where = choose_device(model, device)
-            total = _reserve_bytes(model, where) if where.type == "cuda" and has_meta(model) else 0
+            total = _reserve_bytes(model, where)  # 0 off a GPU, and for a model with nothing on meta
             stream = torch.cuda.current_stream(where) if total else None
         except Exception:  # noqa: BLE001 - a bad device= is reported by materialising, agreed on every rank
             return

@@ -116,13 +116,18 @@ def check_output_pattern(inp: str | list[str], out: str) -> None:
 _NAMED_GROUP = re.compile(r"\(\?P<[A-Za-z_][A-Za-z0-9_]*>")
 
 
+def _anonymous(pattern: KeyPattern) -> str:
+    """``pattern``'s regex with its captures made anonymous (two patterns may capture one name)."""
+    return _NAMED_GROUP.sub("(?:", pattern.regex.pattern)
+
+
 def union(patterns: list[KeyPattern]) -> re.Pattern[str]:
     """One regex that matches a key whenever one of ``patterns`` does (their captures made
     anonymous, so that two patterns may capture the same name); none matches nothing. One
     C-level match instead of a Python call per pattern: a MoE checkpoint has ~10^5 keys."""
     if not patterns:
         return re.compile(r"(?!)")
-    return re.compile("|".join(f"(?:{_NAMED_GROUP.sub('(?:', p.regex.pattern)})" for p in patterns))
+    return re.compile("|".join(f"(?:{_anonymous(p)})" for p in patterns))
 
 
 def latest_match(indexed: list[tuple[int, list[KeyPattern]]]) -> Callable[[str], int]:
@@ -136,7 +141,7 @@ def latest_match(indexed: list[tuple[int, list[KeyPattern]]]) -> Callable[[str],
         for p in pats:
             name = f"_{len(parts)}"
             owner[name] = j
-            parts.append(f"(?P<{name}>{_NAMED_GROUP.sub('(?:', p.regex.pattern)})")
+            parts.append(f"(?P<{name}>{_anonymous(p)})")
     regex = re.compile("|".join(parts) if parts else r"(?!)")
 
     def latest(key: str) -> int:
