@@ -362,7 +362,7 @@ def verify_against_source(model: Any, path: str, files: dict[str, str], device: 
             if ref is not None and not ref.applies_to(local.dtype):
                 skipped.add(str(local.dtype).removeprefix("torch."))
             elif ref is not None:
-                want = ref.dequantize(_stored_weight(src, node.leaves(), device), local.dtype)
+                want = ref.dequantize(_stored_weight(src, io, node.leaves()), local.dtype)
                 if want is not None:
                     if not torch.equal(_bits(local), _bits(want.cpu()[region])):
                         raise AssertionError(f"{k}: loaded shard differs from {ref.name}")
@@ -395,9 +395,9 @@ def _bits(t: Any) -> Any:
     return t.cpu().contiguous().view(torch.uint8)
 
 
-def _stored_weight(src: Any, leaves: list[str], device: Any) -> dict[str, Any]:
-    """The stored ``weight*`` tensors of the module whose keys ``leaves`` are, by field name
-    (``weight``, ``weight_packed``, ``weight_scale``, ...), whole, on ``device``."""
+def _stored_weight(src: Any, io: Any, leaves: list[str]) -> dict[str, Any]:
+    """The stored ``weight*`` tensors of ``src``'s module whose keys ``leaves`` are, by field name
+    (``weight``, ``weight_packed``, ``weight_scale``, ...), whole, as ``io`` reads them."""
     bases = {leaf.rpartition(".")[0] for leaf in leaves if leaf.rpartition(".")[2].startswith("weight")}
     if len(bases) != 1:
         raise AssertionError(f"one module's weight expected, read from {sorted(leaves)}")
@@ -406,5 +406,5 @@ def _stored_weight(src: Any, leaves: list[str], device: Any) -> dict[str, Any]:
     for key, info in src.schema.items():
         module, _, field = key.rpartition(".")
         if module == base and field.startswith("weight"):
-            out[field] = src.read(key, tuple((0, n) for n in info.shape)).clone().to(device or "cpu")
+            out[field] = io.read(key, tuple((0, n) for n in info.shape)).clone()
     return out
