@@ -1,10 +1,15 @@
 """Where the fixed phases of a load go (everything but the engine's reads): each path's first
 load in a fresh process, then a second one in the same process into a newly built model, with
 the main thread's time in the steps of planning, materialising and DCP's own work summed by
-step. One rank, the load_bench model (FSDP2 over one rank) and checkpoint::
+step. One rank, the load_bench model (FSDP2 over one rank) and checkpoint, any of load_bench's
+sdadapt paths (its quantized twins are written as the paths need them)::
 
     python bench/phase_probe.py --preset 8b --dir /tmp/ck --paths sdadapt,sdadapt-fp8
     python bench/phase_probe.py ... --profile 30   # also the first load's 30 costliest calls, by cumulative and own time (cProfile)
+    SDADAPT_IO_THREADS=8 python bench/phase_probe.py --preset 8b --dir /tmp/ck --paths sdadapt-nvfp4 --loads 3
+
+The ``SDADAPT_IO_*`` settings of the environment reach every child process (an engine knob
+tried on the first load and on later ones).
 
 The steps are wrapped by name where the library looks them up; a step inside another is
 counted in both. Figures from it are for diagnosis: the wrappers cost microseconds a call,
@@ -91,14 +96,18 @@ def install() -> None:
                     setattr(m, last, wrapped)
 
 
+_LOADS = ("first", "second")
+
+
 def child(args: argparse.Namespace) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29600 + os.getpid() % 300))
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint  # noqa: F401 - imported before timing, as a job has it
+    from loadbench.checkpoint import checkpoint_paths
     from loadbench.models import build_model, parallelize
-    from loadbench.paths import adapter_of
+    from loadbench.paths import adapter_of, source_format
     from loadbench.shapes import PRESETS
 
     import sdadapt
@@ -110,11 +119,11 @@ def child(args: argparse.Namespace) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1, **({"device_id": dev} if cuda else {}))
     install()
     shape = PRESETS[args.preset]
-    files = {"safetensors": os.path.join(args.dir, "hf"), "safetensors-fp8": os.path.join(args.dir, "hf-fp8")}
-    src = files["safetensors-fp8" if args.path.endswith("fp8") else "safetensors"]
+    files = checkpoint_paths(pathlib.Path(args.dir))
+    src = files[source_format(args.path)]
     adapter = adapter_of(args.path, files)
     out = []
-    for n in range(2):
+    for n in range(args.loads):
         model, blocks = build_model(shape, "titan")
         parallelize(model, blocks, "titan", "fsdp", dev.type)
         TOTALS.clear()
@@ -130,7 +139,7 @@ def child(args: argparse.Namespace) -> None:
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t
-        row = {"path": args.path, "load": "first" if n == 0 else "second", "wall": round(wall, 4),
+        row = {"path": args.path, "load": _LOADS[n] if n < len(_LOADS) else f"#{n + 1}", "wall": round(wall, 4),
                "phases": rep.phase_seconds, "steps": {k: [round(v[0], 4), v[1]] for k, v in TOTALS.items()}}
         if prof is not None:
             s = io.StringIO()
@@ -150,23 +159,28 @@ def main() -> None:
     p.add_argument("--paths", default="sdadapt,sdadapt-fp8")
     p.add_argument("--rounds", type=int, default=1, help="fresh processes per path, interleaved")
     p.add_argument("--profile", type=int, default=0, help="print the first load's N costliest calls")
+    p.add_argument("--loads", type=int, default=2, help="loads per process, each into a newly built model (default 2)")
     p.add_argument("--path", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.path:
         child(args)
         return
-    from loadbench.checkpoint import warm_cache, write_checkpoint
+    from loadbench.checkpoint import checkpoint_paths, warm_cache, write_checkpoint
+    from loadbench.paths import source_format
     from loadbench.shapes import PRESETS
 
     folder = pathlib.Path(args.dir)
-    if not (folder / "hf-fp8" / "config.json").exists() or not (folder / "hf").exists():
+    paths = args.paths.split(",")
+    where = checkpoint_paths(folder)
+    missing = sorted({f for f in map(source_format, paths) if not os.path.exists(where[f])})
+    if missing:  # the same values in every format (one seed), so a format is written only once
         folder.mkdir(parents=True, exist_ok=True)
-        write_checkpoint(folder, PRESETS[args.preset], 5.0, ["safetensors", "safetensors-fp8"])
+        write_checkpoint(folder, PRESETS[args.preset], 5.0, missing)
     for r in range(args.rounds):
-        for path in args.paths.split(","):
-            rate = warm_cache([str(folder / "hf"), str(folder / "hf-fp8")])
+        for path in paths:
+            rate = warm_cache([where[source_format(path)]])
             cmd = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--dir", args.dir, "--path", path]
-            cmd += ["--profile", str(args.profile)]
+            cmd += ["--profile", str(args.profile), "--loads", str(args.loads)]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             rows = [json.loads(line[7:]) for line in res.stdout.splitlines() if line.startswith("PHASES ")]
             if res.returncode or not rows:

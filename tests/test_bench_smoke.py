@@ -263,9 +263,12 @@ def test_lane_probe_runs_and_checks_its_bits_on_the_cpu(tmp_path):
 def test_phase_probe_times_the_steps_of_a_first_and_a_second_load(tmp_path):
     """bench/phase_probe.py on the CPU (gloo, one rank) at the tiny size: it writes the
     checkpoint and its FP8 twin, then per path a fresh process loads twice and reports each
-    load's phases and the main thread's time in the wrapped steps."""
+    load's phases and the main thread's time in the wrapped steps. A second call with another
+    twin and ``--loads 3`` writes only that twin (the bf16 files stay as they are) and reports a
+    third load in the same process."""
+    ck = tmp_path / "ck"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "phase_probe.py"), "--preset", "tiny", "--dir", str(tmp_path / "ck"),
+        [sys.executable, str(ROOT / "bench" / "phase_probe.py"), "--preset", "tiny", "--dir", str(ck),
          "--paths", "sdadapt,sdadapt-fp8", "--profile", "5"],
         capture_output=True, text=True, timeout=240, env=_env(),
     )  # fmt: skip
@@ -276,6 +279,17 @@ def test_phase_probe_times_the_steps_of_a_first_and_a_second_load(tmp_path):
             assert re.search(rf"round 0 {path} +{load} +wall [0-9.]+ +plan ", out), out
     assert out.count("_plan_load") == 4 and out.count("Module.to_empty") == 4  # each load's steps
     assert out.count("Ordered by: cumulative time") == 2  # the first loads' profiles
+    bf16 = {p.name: p.stat().st_mtime_ns for p in (ck / "hf").iterdir()}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "phase_probe.py"), "--preset", "tiny", "--dir", str(ck),
+         "--paths", "sdadapt-nvfp4", "--loads", "3"],
+        capture_output=True, text=True, timeout=240, env=_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for load in ("first", "second", "#3"):
+        assert re.search(rf"round 0 sdadapt-nvfp4 +{load} +wall [0-9.]+ +plan ", proc.stdout), proc.stdout
+    assert (ck / "hf-nvfp4" / "config.json").is_file()
+    assert {p.name: p.stat().st_mtime_ns for p in (ck / "hf").iterdir()} == bf16
 
 
 def test_first_call_probe_counts_the_imports_inside_a_first_load(tmp_path):

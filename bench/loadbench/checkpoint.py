@@ -76,14 +76,19 @@ def stamp(shape: Shape, shard_gb: float, formats: list[str]) -> str:
     return hashlib.sha1(json.dumps([asdict(shape), shard_gb, sorted(formats), 2]).encode()).hexdigest()[:12]
 
 
+def checkpoint_paths(folder: Path) -> dict[str, str]:
+    """Where each format of the checkpoint lies under ``folder`` (format -> path)."""
+    return {"safetensors": str(folder / "hf"), "torch.save": str(folder / "model.pt"), "dcp": str(folder / "dcp"),
+            "safetensors-fp8": str(folder / "hf-fp8"), "safetensors-fp8ch": str(folder / "hf-fp8ch"),
+            "safetensors-nvfp4": str(folder / "hf-nvfp4"), **{f"safetensors-{t}": str(folder / f"hf-{t}") for t in TWINS}}
+
+
 def write_checkpoint(folder: Path, shape: Shape, shard_gb: float, formats: list[str], seed: int = 0) -> dict[str, str]:
     """Write the checkpoint in each format under ``folder``; return format -> path."""
     import torch
 
     dtype = getattr(torch, shape.dtype)
-    paths = {"safetensors": str(folder / "hf"), "torch.save": str(folder / "model.pt"), "dcp": str(folder / "dcp"),
-             "safetensors-fp8": str(folder / "hf-fp8"), "safetensors-fp8ch": str(folder / "hf-fp8ch"),
-             "safetensors-nvfp4": str(folder / "hf-nvfp4"), **{f"safetensors-{t}": str(folder / f"hf-{t}") for t in TWINS}}
+    paths = checkpoint_paths(folder)
     # a pool of random values; each tensor is a window of it at its own offset (cheap, and no
     # two tensors alike)
     pool_n = 32 * MiB + 7
