@@ -1,8 +1,9 @@
 """Where the fixed phases of a load go (everything but the engine's reads): each path's first
-load in a fresh process, then a second one in the same process into a newly built model, with
-the main thread's time in the steps of planning, materialising and DCP's own work summed by
-step. One rank, the load_bench model (FSDP2 over one rank) and checkpoint, any of load_bench's
-sdadapt paths (its quantized twins are written as the paths need them)::
+load in a fresh process, then more in the same process, each into a newly built model (``--loads``:
+how many in all, default 2), with the main thread's time in the steps of planning, materialising
+and DCP's own work summed by step. One rank, the load_bench model (FSDP2 over one rank) and
+checkpoint, any of load_bench's sdadapt paths (its quantized twins are written as the paths need
+them)::
 
     python bench/phase_probe.py --preset 8b --dir /tmp/ck --paths sdadapt,sdadapt-fp8
     python bench/phase_probe.py ... --profile 30   # also the first load's 30 costliest calls, by cumulative and own time (cProfile)

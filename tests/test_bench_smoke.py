@@ -267,12 +267,14 @@ def test_phase_probe_times_the_steps_of_a_first_and_a_second_load(tmp_path):
     twin and ``--loads 3`` writes only that twin (the bf16 files stay as they are) and reports a
     third load in the same process."""
     ck = tmp_path / "ck"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "phase_probe.py"), "--preset", "tiny", "--dir", str(ck),
-         "--paths", "sdadapt,sdadapt-fp8", "--profile", "5"],
-        capture_output=True, text=True, timeout=240, env=_env(),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+
+    def probe(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, str(ROOT / "bench" / "phase_probe.py"), "--preset", "tiny", "--dir", str(ck), *args]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    proc = probe("--paths", "sdadapt,sdadapt-fp8", "--profile", "5")
     out = proc.stdout
     for path in ("sdadapt", "sdadapt-fp8"):
         for load in ("first", "second"):
@@ -280,12 +282,7 @@ def test_phase_probe_times_the_steps_of_a_first_and_a_second_load(tmp_path):
     assert out.count("_plan_load") == 4 and out.count("Module.to_empty") == 4  # each load's steps
     assert out.count("Ordered by: cumulative time") == 2  # the first loads' profiles
     bf16 = {p.name: p.stat().st_mtime_ns for p in (ck / "hf").iterdir()}
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "phase_probe.py"), "--preset", "tiny", "--dir", str(ck),
-         "--paths", "sdadapt-nvfp4", "--loads", "3"],
-        capture_output=True, text=True, timeout=240, env=_env(),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    proc = probe("--paths", "sdadapt-nvfp4", "--loads", "3")
     for load in ("first", "second", "#3"):
         assert re.search(rf"round 0 sdadapt-nvfp4 +{load} +wall [0-9.]+ +plan ", proc.stdout), proc.stdout
     assert (ck / "hf-nvfp4" / "config.json").is_file()
