@@ -496,6 +496,29 @@ def test_the_disk_estimate_knows_every_quantized_twin_and_is_near_what_is_writte
             assert estimate < 0.65 * lb.checkpoint.format_nbytes(shape, "safetensors"), fmt
 
 
+def test_gil_probe_prints_a_row_per_interval_and_sets_the_interval_back():
+    """bench/gil_probe.py: one table row per switch interval asked for, each with the calls per
+    second alone and beside a Python loop (positive), and the interval set back afterwards."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gil_probe.py"), "--intervals", "5,1", "--seconds", "0.05"],
+        capture_output=True, text=True, timeout=120, env=_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| [0-9.]+ \|", line)]
+    assert [r.split("|")[1].strip() for r in rows] == ["5", "1"], proc.stdout
+    for r in rows:
+        idle, busy, speed = (float(c) for c in r.strip("|").split("|")[1:])
+        assert idle > 0 and busy > 0 and speed > 0
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gil_probe
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    before = sys.getswitchinterval()
+    row = gil_probe.measure(0.002, 0.02)
+    assert sys.getswitchinterval() == before and row["interval_ms"] == 2.0
+
+
 def test_first_kernel_probe_times_each_op_twice_on_the_cpu():
     """bench/first_kernel_probe.py runs on the CPU too: two timed calls of every op, and the
     e2m1 table of ``fp4_pairs`` equals the one built with device ops."""
