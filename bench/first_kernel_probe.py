@@ -8,8 +8,9 @@ up on a thread while the model materialises (``EngineConfig.warm_kernels``); a w
 than that still holds up the first load. This times, in one fresh process, each op of the NVFP4
 path (:func:`sdadapt._recipes.quant_scaled.dequantize_into`) and of per-row FP8 twice (first
 launch, then again), each bracketed by a device synchronisation; and the e2m1 table built with
-device ops (a dozen kernels) against :func:`sdadapt._recipes.quant.fp4_pairs`, which builds it on
-the host and copies it. Prints one line per op and call.
+device ops (a dozen kernels, :func:`sdadapt._recipes.quant.e2m1_pair_table` on the device)
+against :func:`sdadapt._recipes.quant.fp4_pairs`, which builds it on the host and copies it.
+Prints one line per op and call.
 """
 
 from __future__ import annotations
@@ -18,15 +19,6 @@ import argparse
 import time
 
 import torch
-
-
-def _e2m1_table_on_device(device: torch.device) -> torch.Tensor:
-    """The ``[256, 2]`` e2m1 byte table computed with device ops."""
-    code = torch.arange(16, dtype=torch.int32, device=device)
-    e, m = (code >> 1) & 3, (code & 1).to(torch.float32)
-    mag = torch.where(e == 0, m * 0.5, (m + 2.0) * torch.exp2((e - 2).to(torch.float32)))
-    lut = torch.where((code & 8) != 0, -mag, mag)
-    return torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1).contiguous()
 
 
 def main() -> None:
@@ -43,7 +35,7 @@ def main() -> None:
     print(f"device init {time.perf_counter() - t:.3f} s")
 
     from sdadapt._recipes import quant_scaled as S
-    from sdadapt._recipes.quant import fp4_pairs
+    from sdadapt._recipes.quant import e2m1_pair_table, fp4_pairs
 
     R, C = a.rows, a.cols
     raw = torch.randint(0, 255, (R, C // 2), dtype=torch.uint8, device=dev)
@@ -61,7 +53,7 @@ def main() -> None:
             sync()
             print(f"{name}: call {call} {1000 * (time.perf_counter() - t):.1f} ms")
 
-    timed("e2m1 table with device ops", lambda: _e2m1_table_on_device(dev))
+    timed("e2m1 table with device ops", lambda: e2m1_pair_table(dev))
     timed("fp4_pairs (host table, one copy)", lambda: fp4_pairs(dev, torch.bfloat16))
     idx = raw.reshape(-1).to(torch.int32)
     timed("uint8 -> int32", lambda: raw.reshape(-1).to(torch.int32))

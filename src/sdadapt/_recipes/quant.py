@@ -221,9 +221,18 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int], fmt: ScaleFormat) -> t
 _FP4_PAIRS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
+def e2m1_pair_table(device: torch.device) -> torch.Tensor:
+    """``[256, 2]`` float32, computed with ops on ``device``: byte -> the e2m1 values of its low
+    and high nibble (code 8 is -0.0)."""
+    code = torch.arange(16, dtype=torch.int32, device=device)
+    e, m = (code >> 1) & 3, (code & 1).to(torch.float32)
+    mag = torch.where(e == 0, m * 0.5, (m + 2.0) * torch.exp2((e - 2).to(torch.float32)))
+    lut = torch.where((code & 8) != 0, -mag, mag)
+    return torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1).contiguous()  # byte & 0xF, byte >> 4
+
+
 def fp4_pairs(device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``[256, 2]`` in ``dtype`` (one e2m1 values convert to exactly) on ``device``: byte -> the
-    e2m1 values of its low and high nibble.
+    """:func:`e2m1_pair_table` in ``dtype`` (one e2m1 values convert to exactly) on ``device``.
 
     Made once per device and dtype, then kept: computed on the host and copied to the device in
     one copy. (Computed with device ops instead, each of the dozen kernels that takes is loaded
@@ -233,15 +242,9 @@ def fp4_pairs(device: torch.device, dtype: torch.dtype = torch.float32) -> torch
     if pairs is not None:
         return pairs
     with torch.inference_mode(False), torch.no_grad():
-        code = torch.arange(16, dtype=torch.int32)
-        e, m = (code >> 1) & 3, (code & 1).to(torch.float32)
-        mag = torch.where(e == 0, m * 0.5, (m + 2.0) * torch.exp2((e - 2).to(torch.float32)))
-        lut = torch.where((code & 8) != 0, -mag, mag)  # code 8 is -0.0
-        pairs = torch.stack([lut.repeat(16), lut.repeat_interleave(16)], dim=-1).to(dtype).contiguous()  # byte & 0xF, byte >> 4
-        if torch.device(device).type != "cpu":
-            pairs = pairs.to(device)
-            if pairs.device.type == "cuda":  # later use may be on another stream: the table must be there
-                torch.cuda.current_stream(pairs.device).synchronize()
+        pairs = e2m1_pair_table(torch.device("cpu")).to(dtype).to(device)
+        if pairs.device.type == "cuda":  # later use may be on another stream: the table must be there
+            torch.cuda.current_stream(pairs.device).synchronize()
     _FP4_PAIRS[(device, dtype)] = pairs
     return pairs
 
