@@ -7,12 +7,14 @@ anything is written; bench/RESULTS.md cites exactly the raw runs kept in bench/r
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,17 +30,24 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture
-def loadbench():
+@contextlib.contextmanager
+def _bench_importable() -> Iterator[None]:
+    """The bench's modules (``loadbench``, the probes) importable inside the block."""
     sys.path.insert(0, str(ROOT / "bench"))
     try:
+        yield
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+@pytest.fixture
+def loadbench():
+    with _bench_importable():
         import loadbench.checkpoint
         import loadbench.models
         import loadbench.shapes
 
         yield loadbench
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
 
 
 def test_every_path_first_load_in_a_fresh_process_meta_and_materialized(tmp_path):
@@ -346,8 +355,7 @@ def test_every_quantized_twin_loads_in_a_fresh_process_and_equals_its_format_ref
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory):
     """Every quantized twin of the tiny preset, written once in this process (on the CPU)."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
+    with _bench_importable():
         import loadbench.checkpoint
         import loadbench.models
         import loadbench.twins
@@ -356,8 +364,6 @@ def twins(tmp_path_factory):
         folder = tmp_path_factory.mktemp("twins")
         files = loadbench.checkpoint.write_checkpoint(folder, loadbench.shapes.PRESETS["tiny"], 5.0, formats)
         yield loadbench, files
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
 
 
 def _stored(folder: str) -> dict:
@@ -509,11 +515,8 @@ def test_gil_probe_prints_a_row_per_interval_and_sets_the_interval_back():
     for r in rows:
         idle, busy, speed = (float(c) for c in r.strip("|").split("|")[1:])
         assert idle > 0 and busy > 0 and speed > 0
-    sys.path.insert(0, str(ROOT / "bench"))
-    try:
+    with _bench_importable():
         import gil_probe
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
     before = sys.getswitchinterval()
     row = gil_probe.measure(0.002, 0.02)
     assert sys.getswitchinterval() == before and row["interval_ms"] == 2.0
