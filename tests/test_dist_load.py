@@ -8,8 +8,8 @@ returns per-case facts; the parametrised tests below check them. For every case:
   bf16 round trip for the cast case);
 - every rank's local shard equals the slice of the reference at the offset DTensor itself
   computes (``compute_local_shape_and_global_offset``), uneven and ``_StridedShard`` included;
-- a forward pass matches the unsharded reference model (meshes whose TP plan is
-  forward-correct, see ``models.TP_PLAN_FORWARD``);
+- a forward pass matches the unsharded reference model, and a backward pass gives every
+  parameter a gradient (meshes whose TP plan is forward-correct, see ``models.TP_PLAN_FORWARD``);
 - ``LoadReport.bytes_read`` is at most the rank's shard bytes (scaled by source/target dtype
   size for casts), and summed over a pure FSDP mesh it is exactly the checkpoint's size.
 """
@@ -236,6 +236,17 @@ def _forward_diff(model: torch.nn.Module, config: str, expected: dict[str, torch
     return float((got - want).abs().max())
 
 
+def _untrained(model: torch.nn.Module, config: str) -> list[str]:
+    """The parameters that get no gradient from a backward pass through the loaded model, or
+    are no longer trainable ``nn.Parameter``s (materialising a meta model must keep both)."""
+    tokens = torch.randint(0, CONFIGS[config]["vocab"], (2, 5), generator=torch.Generator().manual_seed(3))
+    out = model(tokens)
+    (out.full_tensor() if isinstance(out, DTensor) else out).sum().backward()
+    bad = [n for n, p in model.named_parameters() if not isinstance(p, torch.nn.Parameter) or not p.requires_grad or p.grad is None]
+    model.zero_grad(set_to_none=True)
+    return bad
+
+
 def _run_cases(folder: str, cases: list[tuple[str, str, str]]) -> dict[str, dict[str, Any]]:
     """On every rank: for each (mesh kind, config, source kind), build, load, check."""
     meshes: dict[str, Any] = {}
@@ -255,6 +266,7 @@ def _run_cases(folder: str, cases: list[tuple[str, str, str]]) -> dict[str, dict
             materialized=rep.materialized,
             on_meta=any(p.is_meta or (isinstance(p, DTensor) and p.to_local().is_meta) for p in model.parameters()),
             forward_diff=_forward_diff(model, config, expected) if MESHES[mesh_kind][3] else None,
+            untrained=_untrained(model, config) if MESHES[mesh_kind][3] else [],
             plans_agree=_plans_agree(model),
         )
         out[case_id(world, mesh_kind, config, source)] = facts
@@ -304,6 +316,7 @@ def test_load_bit_exact(world: int, mesh: str, config: str, source: str, folder:
         assert f["materialized"] == (mesh != "plain_cpu"), (rank, f["materialized"])
         if f["forward_diff"] is not None:
             assert f["forward_diff"] <= 1e-5, f"rank {rank}: forward differs by {f['forward_diff']}"
+        assert f["untrained"] == [], f"rank {rank}: no gradient after loading for {f['untrained']}"
     # the mesh really is what the case claims
     placements = set().union(*(f["placements"] for f in per_rank))
     if mesh.startswith("plain"):

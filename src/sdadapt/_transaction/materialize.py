@@ -81,13 +81,27 @@ def materialize(model: nn.Module, device: torch.device, init_buffers: InitFn | N
         reserved.wait()
     else:
         _reserve(model, device)
-    model.to_empty(device=device)
+    model._apply(lambda t: _empty_like(t, device))  # Module.to_empty, with a faster DTensor step
     if init_buffers is not None:
         init_buffers(model)
     elif callable(init_weights := getattr(model, "init_weights", None)):
         with torch.no_grad():
             init_weights()
     return True
+
+
+def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """What ``Module.to_empty(device=device)`` makes of ``t``: uninitialised memory of its
+    shape, strides and dtype on ``device``. A DTensor gets its local tensor that way and keeps
+    its spec (mesh, placements, global shape): ``torch.empty_like`` on a DTensor reaches the
+    same result through DTensor's operator dispatch, which costs several times more for each of
+    a model's hundreds of parameters. ``t`` is a leaf (a parameter or a buffer), so building the
+    DTensor from its parts leaves no autograd history to keep."""
+    if isinstance(t, DTensor) and t.device_mesh.device_type == device.type:
+        local = t._local_tensor
+        fresh = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device=device)
+        return DTensor(fresh, t._spec, requires_grad=False)
+    return torch.empty_like(t, device=device)
 
 
 def _reserve_bytes(model: nn.Module, device: torch.device) -> int:
