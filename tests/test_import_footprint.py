@@ -124,3 +124,28 @@ def test_kinds_imported_on_use_are_the_built_in_kinds_outside_the_rules_package_
     assert set(built_in) == eager | set(_custom._IMPORTED_ON_USE)
     for kind, module in _custom._IMPORTED_ON_USE.items():
         assert built_in[kind].__module__ == module, kind
+
+
+def test_compressed_tensors_and_modelopt_releases_do_not_import_the_fp8_block_and_mxfp4_rules():
+    """The rules of the formats other tools write (``DequantScaled``) come without the module of the
+    FP8 block and MXFP4 rules; a block-scaled FP8 release still gets its ``DequantFP8``."""
+    child = textwrap.dedent(
+        """
+        import json, sys
+        import sdadapt
+
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}
+        ct = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+              "config_groups": {"g": {"targets": ["Linear"], "weights": weights}}}
+        modelopt = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+        kinds = [type(r).__name__ for qc in (ct, modelopt) for r in sdadapt.dequant_rules({"quantization_config": qc})]
+        before = "sdadapt.rules._dequant" in sys.modules
+        fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+        kinds += [type(r).__name__ for r in sdadapt.dequant_rules({"quantization_config": fp8})]
+        print(json.dumps({"kinds": kinds, "before": before}))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"kinds": ["DequantScaled", "DequantScaled", "DequantFP8"], "before": False}, result

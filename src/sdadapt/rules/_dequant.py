@@ -22,7 +22,7 @@ unexpected key, and a quantized weight loaded without these rules as a dtype or 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import Field, field_validator, model_validator
@@ -30,16 +30,13 @@ from pydantic import Field, field_validator, model_validator
 from .._recipes import quant as Q
 from .._recipes import quant_nodes as QN
 from ..sources._base import dtype_name
-from ._base import RuleBase, dtype_str, parse_dtype
+from ._base import dtype_str, parse_dtype
 from ._custom import register_rule
 from ._patterns import compile_pattern, union_of
+from ._quant_rule import QuantRule
 
 if TYPE_CHECKING:
     from ._base import PlanContext
-
-FP8_EXCLUDE = ["**embed_tokens.weight", "lm_head.weight", "**.mlp.gate.weight", "**.shared_head.head.weight"]
-"""Matrices that FP8 releases keep in bf16: embeddings, the output head (and DeepSeek's MTP copy
-of it) and MoE routers (norms and biases are 1-D and never matched)."""
 
 
 def _block(v: object) -> tuple[int, int]:
@@ -48,39 +45,7 @@ def _block(v: object) -> tuple[int, int]:
     return (int(v[0]), int(v[1]))
 
 
-VALUES_DTYPE = torch.bfloat16
-"""The dtype of dequantised values where nothing says another: no ``dtype=`` on the rule, and no
-model tensor to take the dtype from (``convert`` to a plain release)."""
-
-
-class _QuantRule(RuleBase):
-    """What every rule of the family has: the keys it acts on and the dtype of the values.
-
-    ``dtype=None`` (the default): the values take the dtype the model holds for each key
-    (float32 master weights get ``float(w) * scale`` in float32, computed so, not widened from
-    bfloat16), or :data:`VALUES_DTYPE` where there is no model; a dtype pins it."""
-
-    moves_keys: ClassVar[bool] = False
-    keys: str
-    dtype: str | None = None
-
-    @field_validator("dtype", mode="before")
-    @classmethod
-    def _check_dtype(cls, v: object) -> str | None:
-        return None if v is None else dtype_str(v)
-
-    def _values_dtype(self) -> tuple[torch.dtype, bool]:
-        """The dtype the dequantised nodes start with, and whether the target's replaces it."""
-        return (VALUES_DTYPE, True) if self.dtype is None else (parse_dtype(self.dtype), False)
-
-    def input_patterns(self) -> list[str]:
-        return [self.keys]
-
-    def _fields(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"kind"})
-
-
-class _FP8Fields(_QuantRule):
+class _FP8Fields(QuantRule):
     """What FP8 dequantisation and re-quantization share: which keys, the block, the scale.
 
     ``scale_dtype``: the one dtype the scales are stored in, when the format allows several
@@ -234,7 +199,7 @@ class QuantizeFP8(_FP8Fields):
         return [DequantFP8(**self._fields())]
 
 
-class _MXFP4Fields(_QuantRule):
+class _MXFP4Fields(QuantRule):
     """What MXFP4 dequantisation and re-quantization share: the suffixes of the packed pair."""
 
     blocks_suffix: str = Field(default=Q.MX_BLOCKS_SUFFIX, min_length=1)

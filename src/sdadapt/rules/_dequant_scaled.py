@@ -27,8 +27,8 @@ from ..errors import AdapterError
 from ..sources._base import dtype_name
 from ._base import dtype_str, parse_dtype, target_info
 from ._custom import register_rule
-from ._dequant import _QuantRule
 from ._patterns import compile_pattern, union_of
+from ._quant_rule import QuantRule
 
 if TYPE_CHECKING:
     from ._base import PlanContext
@@ -48,7 +48,7 @@ def _pair(v: object, what: str) -> tuple[int, int] | None:
     return (int(v[0]), int(v[1]))
 
 
-class _ScaledFields(_QuantRule):
+class _ScaledFields(QuantRule):
     """What dequantising and re-quantizing a scaled format share."""
 
     keys: str = "**.weight"

@@ -7,7 +7,7 @@ list are resolved against the checkpoint's module names, and a module whose weig
 plain floats is left alone (``targets: ["Linear"]`` does not say which 2-D weights are linear
 layers; the stored dtypes do); each rule then excludes exactly the weights it must not touch.
 Without the schema, ``targets`` of module classes match every 2-D ``*.weight`` but the matrices
-releases keep unquantized (:data:`~sdadapt.rules._dequant.FP8_EXCLUDE`) and the ``ignore`` names;
+releases keep unquantized (:data:`FP8_EXCLUDE`) and the ``ignore`` names;
 a regular-expression ``ignore`` or target then needs the schema.
 """
 
@@ -26,12 +26,18 @@ from ..sources._base import dtype_name
 from ..sources._json import read_json
 from . import _quant_config as C
 from ._base import RuleBase, dtype_str
-from ._dequant import FP8_EXCLUDE, DequantFP8, DequantMXFP4
 from ._dequant_scaled import ACTIVATION_SCALES, DequantScaled
 
 if TYPE_CHECKING:
     from ..sources._base import TensorInfo
 
+# The FP8 block and MXFP4 rules (``sdadapt.rules._dequant``) are imported by the releases that
+# use them only: compressed-tensors and ModelOpt releases, the common ones, do not pay for
+# their kernels' modules.
+
+FP8_EXCLUDE = ["**embed_tokens.weight", "lm_head.weight", "**.mlp.gate.weight", "**.shared_head.head.weight"]
+"""Matrices that FP8 releases keep in bf16: embeddings, the output head (and DeepSeek's MTP copy
+of it) and MoE routers (norms and biases are 1-D and never matched)."""
 KV_SCALES = ["**.k_scale", "**.v_scale"]
 """KV-cache scales (compressed-tensors' ``kv_cache_scheme``, ModelOpt's FP8 KV cache): activations
 too, dropped on purpose."""
@@ -270,6 +276,8 @@ def dequant_rules(
     if isinstance(parsed, C.ModelOptConfig):
         return list(modelopt_rules(parsed, parsed.exclude_modules or parsed.ignore or [], schema, to))
     if isinstance(parsed, C.MXFP4Config):
+        from ._dequant import DequantMXFP4
+
         return [DequantMXFP4(keys=mxfp4_keys, dtype=to)]
     assert isinstance(parsed, C.FP8Config)
     exclude = list(FP8_EXCLUDE if fp8_exclude is None else fp8_exclude)
@@ -278,6 +286,8 @@ def dequant_rules(
     fmt, scale_dtype = _fp8_scale_storage(qc, schema)
     exclude += [f"**{m}.weight" for m in parsed.modules_to_not_convert or []]
     b0, b1 = parsed.weight_block_size
+    from ._dequant import DequantFP8
+
     return [DequantFP8(keys=fp8_keys, exclude=exclude, block=(b0, b1), scale_format=fmt,
                        scale_dtype=scale_dtype, dtype=to)]  # fmt: skip
 
