@@ -44,7 +44,7 @@ STEPS = [
     ("sdadapt._transaction.load", "_prepare_device"),
     ("sdadapt._transaction.materialize", "_reserve"),
     ("sdadapt._transaction.materialize", "has_meta"),
-    ("torch.nn.modules.module", "Module.to_empty"),
+    ("sdadapt._transaction.materialize", "materialize"),
     ("sdadapt._transaction.transaction", "Transaction.check_files"),
     ("sdadapt._transaction.transaction", "Transaction._read"),
     ("torch.distributed.checkpoint.state_dict_loader", "_load_state_dict"),
