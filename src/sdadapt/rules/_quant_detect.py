@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 FP8_EXCLUDE = ["**embed_tokens.weight", "lm_head.weight", "**.mlp.gate.weight", "**.shared_head.head.weight"]
 """Matrices that FP8 releases keep in bf16: embeddings, the output head (and DeepSeek's MTP copy
 of it) and MoE routers (norms and biases are 1-D and never matched)."""
+
 KV_SCALES = ["**.k_scale", "**.v_scale"]
 """KV-cache scales (compressed-tensors' ``kv_cache_scheme``, ModelOpt's FP8 KV cache): activations
 too, dropped on purpose."""
