@@ -524,9 +524,8 @@ def test_gil_probe_prints_a_row_per_interval_and_sets_the_interval_back():
 
 
 def test_first_kernel_probe_times_each_op_twice_on_the_cpu():
-    """bench/first_kernel_probe.py runs on the CPU too: two timed calls of every op, and the
-    e2m1 table of ``fp4_pairs`` equals the one built with ops where it is used (the probe's
-    device-op form)."""
+    """bench/first_kernel_probe.py runs on the CPU too: two timed calls of every op (the e2m1
+    table it times is checked against the published values in ``test_quant``)."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "first_kernel_probe.py"), "--device", "cpu", "--rows", "64", "--cols", "64"],
         capture_output=True, text=True, timeout=120, env=_env(),
@@ -534,8 +533,3 @@ def test_first_kernel_probe_times_each_op_twice_on_the_cpu():
     assert proc.returncode == 0, proc.stderr
     timed = [line for line in proc.stdout.splitlines() if ": call " in line]
     assert len(timed) == 2 * 10 and timed[-1].startswith("NVFP4 dequantize_into: call 2 ")
-    import torch
-
-    from sdadapt._recipes.quant import e2m1_pair_table, fp4_pairs
-
-    assert torch.equal(e2m1_pair_table(torch.device("cpu")), fp4_pairs(torch.device("cpu")))

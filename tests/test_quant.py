@@ -649,8 +649,9 @@ def test_a_cast_after_a_dequantisation_pins_its_dtype(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fp4_pairs_is_the_published_e2m1_table_for_each_byte(dtype):
-    """Byte ``b`` -> (value of ``b & 0xF``, value of ``b >> 4``), the OCP e2m1 values; the table
-    is made once per device and dtype and handed out again."""
+    """Byte ``b`` -> (value of ``b & 0xF``, value of ``b >> 4``), the OCP e2m1 values, both for
+    the table ``fp4_pairs`` hands out (made once per device and dtype, then handed out again)
+    and for ``e2m1_pair_table``, the float32 form computed with ops where it is called."""
     e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
     pairs = Q.fp4_pairs(torch.device("cpu"), dtype)
     assert pairs.shape == (256, 2) and pairs.dtype == dtype
@@ -658,3 +659,5 @@ def test_fp4_pairs_is_the_published_e2m1_table_for_each_byte(dtype):
     assert torch.equal(pairs.view(torch.int16 if dtype != torch.float32 else torch.int32),
                        want.view(torch.int16 if dtype != torch.float32 else torch.int32))  # -0.0 included
     assert Q.fp4_pairs(torch.device("cpu"), dtype) is pairs
+    as_bits = Q.e2m1_pair_table(torch.device("cpu")).view(torch.int32)
+    assert torch.equal(as_bits, want.to(torch.float32).view(torch.int32))  # -0.0 included

@@ -44,15 +44,14 @@ def schema_of(state_dict: dict[str, torch.Tensor]) -> dict[str, TensorInfo]:
     """The :class:`TensorInfo` of every tensor of ``state_dict``. A model's parameters share a
     few (mesh, placements) pairs, so each pair's placements and mesh dims are worked out once."""
     out = {}
+    # keyed by the mesh's id: ``state_dict`` keeps every tensor, and so its mesh, alive meanwhile
     layouts: dict[tuple[int, tuple[object, ...]], tuple[str, tuple[MeshDim, ...]]] = {}
-    meshes = []  # keeps each mesh alive while its id is a key of ``layouts``
     for k, t in state_dict.items():
         placements: str | None = None
         mesh: tuple[MeshDim, ...] | None = None
         if isinstance(t, DTensor):
             key = (id(t.device_mesh), tuple(t.placements))
             if (layout := layouts.get(key)) is None:
-                meshes.append(t.device_mesh)
                 layout = layouts[key] = (str(key[1]), mesh_dims(t))
             placements, mesh = layout
         out[k] = TensorInfo(tuple(t.shape), t.dtype, placements, mesh)
