@@ -5,6 +5,7 @@ copies to the device like torch's own pinned memory."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -198,6 +199,20 @@ def test_prefetched_slab_is_waited_for_and_handed_out_once():
     assert cache.get(HUGE_PAGE) is got["a"] and len(alloc.made) == 2
 
 
+def test_prefetches_are_pinned_one_at_a_time_in_the_order_asked():
+    """A second prefetch waits for the first to be pinned (it would share the memory bandwidth
+    and the driver with it, delaying the one a load needs first); both end up kept."""
+    alloc = _Gated()
+    cache = SlabCache(alloc, keep=4)
+    cache.prefetch(3 * HUGE_PAGE, CPU)
+    cache.prefetch(5 * HUGE_PAGE, CPU)
+    time.sleep(0.2)
+    assert alloc.made == [] and sum(t.name == "sdadapt-pin" for t in threading.enumerate()) == 1
+    alloc.go.set()
+    assert cache.get(4 * HUGE_PAGE).nbytes == 5 * HUGE_PAGE
+    assert alloc.made == [3 * HUGE_PAGE, 5 * HUGE_PAGE] and cache.get(HUGE_PAGE).nbytes == 3 * HUGE_PAGE
+
+
 def test_failed_prefetch_leaves_the_get_to_allocate():
     made: list[int] = []
 
@@ -229,10 +244,11 @@ def test_prefetch_is_sized_as_the_run_asks_for(monkeypatch):
     assert staging >= cfg.staging_buffers(4) * cfg.chunk() and bands >= 4 * cfg.band_buffer_bytes()
 
 
-def test_a_gpu_load_prefetches_its_staging_and_bands_only_when_it_computes(monkeypatch):
-    """``sdadapt.load`` into a meta model bound for a GPU starts pinning before it materialises:
-    the staging slab always, the band slab when a recipe dequantises (a node anywhere below the
-    top, as stacked experts hold them). A CPU load prefetches nothing."""
+def test_a_gpu_load_prefetches_bands_only_for_computations_it_cannot_gather(monkeypatch):
+    """Once planned, a GPU load pins band buffers only where a computation may use them: not for
+    a dequantisation whose inputs are stored regions (gathered on the device; a node anywhere
+    below the top, as stacked experts hold them), but when gathering is off; it warms one
+    kernel per kind. A plan that computes nothing, or a load off GPUs, does neither."""
     from types import SimpleNamespace
 
     import sdadapt._recipes.moves as MV
@@ -242,24 +258,50 @@ def test_a_gpu_load_prefetches_its_staging_and_bands_only_when_it_computes(monke
 
     calls: list[tuple[torch.device, bool]] = []
     warmed: list[tuple[torch.device, int]] = []
-    monkeypatch.setattr(_load, "prefetch_pinned", lambda device, computes, engine: calls.append((device, computes)))
+    monkeypatch.setattr(_load, "prefetch_pinned", lambda device, bands, engine: calls.append((device, bands)))
     monkeypatch.setattr(_load, "warm_kernels", lambda device, recipes: warmed.append((device, len(recipes))))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     w, s = N.Leaf("w", (4, 256, 256), torch.float8_e4m3fn), N.Leaf("s", (4, 2, 2), torch.float32)
     experts = [QN.DequantizedFP8(MV.Selected(w, 0, e), MV.Selected(s, 0, e), (128, 128), "float32", torch.bfloat16) for e in range(4)]
     fp8 = SimpleNamespace(recipes={"n": N.Leaf("n", (8,), torch.bfloat16), "experts": MV.Stacked(tuple(experts), 0)})
     plain = SimpleNamespace(recipes={"n": N.Leaf("n", (8,), torch.bfloat16)})
+    gpu = torch.device("cuda:0")
+    _load._prepare_device(gpu, {}, fp8, None)  # type: ignore[arg-type]
+    _load._prepare_device(gpu, {}, plain, None)  # type: ignore[arg-type]
+    _load._prepare_device(None, {}, fp8, None)  # type: ignore[arg-type]
+    assert calls == [] and warmed == [(gpu, 1)]  # one kind of kernel (4 experts alike), inputs gathered
+    monkeypatch.setenv("SDADAPT_IO_GATHER", "0")
+    monkeypatch.setenv("SDADAPT_IO_WARM", "0")
+    _load._prepare_device(gpu, {}, fp8, None)  # type: ignore[arg-type]
+    assert calls == [(gpu, True)] and len(warmed) == 1
+
+
+def test_a_gpu_load_pins_its_staging_before_it_plans(tmp_path, monkeypatch):
+    """``sdadapt.load`` into a meta model bound for a GPU asks for its staging slab before it
+    plans (so a plan that fails has asked already); a load into a model on the CPU does not."""
+    from safetensors.torch import save_file
+
+    import sdadapt
+    from sdadapt._transaction import load as _load
+    from sdadapt.errors import PlanError
+
+    save_file({"other.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
+    events: list[object] = []
+    monkeypatch.setattr(_load, "prefetch_pinned", lambda device, bands, engine: events.append((device, bands)))
+    real = _load._plan_load
+    monkeypatch.setattr(_load, "_plan_load", lambda *a, **k: (events.append("plan"), real(*a, **k))[1])
+    with pytest.raises(PlanError):
+        sdadapt.load(torch.nn.Linear(2, 2), str(tmp_path))
+    assert events == ["plan"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with torch.device("meta"):
         model = torch.nn.Linear(2, 2)
-    planned = {"weight": model.weight}
-    _load._prepare_device(model, "cuda:0", planned, fp8, None)  # type: ignore[arg-type]
-    _load._prepare_device(model, "cuda:0", planned, plain, None)  # type: ignore[arg-type]
-    _load._prepare_device(torch.nn.Linear(2, 2), None, {"weight": torch.zeros(2)}, fp8, None)  # type: ignore[arg-type]
-    assert calls == [(torch.device("cuda:0"), True), (torch.device("cuda:0"), False)]
-    assert warmed == [(torch.device("cuda:0"), 1)]  # one kind of kernel (4 experts alike); none for the plain plan
-    monkeypatch.setenv("SDADAPT_IO_WARM", "0")
-    _load._prepare_device(model, "cuda:0", planned, fp8, None)  # type: ignore[arg-type]
-    assert len(warmed) == 1
+    assert _load._gpu_target(model, "cuda:0", model.parameters()) == torch.device("cuda:0")
+    assert _load._gpu_target(model, "cpu", model.parameters()) is None
+    assert _load._gpu_target(torch.nn.Linear(2, 2), None, []) is None  # nothing on meta or a GPU
+    events.clear()
+    with pytest.raises(PlanError):
+        sdadapt.load(model, str(tmp_path), device="cuda:0")
+    assert events == [(torch.device("cuda:0"), False), "plan"]
 
 
 @cuda

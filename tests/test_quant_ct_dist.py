@@ -23,6 +23,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import sdadapt
+from sdadapt._engine import device_work
+from sdadapt._plan.target import model_state_dict
 
 pytest.importorskip("compressed_tensors")
 
@@ -51,6 +53,10 @@ def _cases(folder: str, kinds: list[str], names: list[str], dtypes: list[torch.d
                 adapter = adapter_for(sub)
                 if dtype == torch.float32:
                     adapter = sdadapt.Adapter([*adapter.rules, sdadapt.cast("**", "model", from_dtype="bfloat16")])
+                if dtype == dtypes[0]:  # would a GPU load pin band buffers (computations it cannot gather)?
+                    source, plan = sdadapt.plan_load(model, sub, adapter)
+                    source.close()
+                    out[f"{name}/{kind}/bands"] = device_work(plan.recipes, model_state_dict(model), gather=True)[1]
                 rep = sdadapt.load(model, sub, adapter)
                 want = wants[str(dtype).removeprefix("torch.")]
                 bad, cut = [], False
@@ -90,6 +96,8 @@ def test_scaled_formats_fsdp_tp_2x2(tmp_path):
     for name in ALL:
         for dtype in dtypes:
             _check(results, f"{name}/fsdp_tp_2x2/{dtype}")
+        # w2's TP shards hold part of each row: its inputs lie in runs too short to gather
+        assert all(res[f"{name}/fsdp_tp_2x2/bands"] for res in results), name
         _check_export(str(tmp_path), name)
 
 
@@ -116,3 +124,5 @@ def test_scaled_formats_three_uneven_ranks(tmp_path):
         _check(results, f"{name}/tp/torch.float32", sharded=False)  # embedding and head stay whole under TP alone
         _check(results, f"{name}/fsdp/torch.float32")
         assert any(r[f"{name}/tp/torch.float32"]["cut"] for r in results), name
+        # FSDP shards whole rows: every computation gathers, no band buffer is pinned for it
+        assert all(r[f"{name}/tp/bands"] and not r[f"{name}/fsdp/bands"] for r in results), name

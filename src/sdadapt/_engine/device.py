@@ -36,11 +36,12 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from .._base.regions import Box, box_shape, full_box
 from .._recipes.nodes import Compute, Node
@@ -74,12 +75,35 @@ def device_kernels(recipes: Iterable[Node]) -> list[Node]:
     """One node for each kind of device kernel in ``recipes`` (the node of a recipe's first
     computation that may run on the destination's device, :func:`device_step`, one per
     :attr:`~sdadapt._recipes.nodes.Kernel.kind`); empty when no recipe computes there."""
+    return device_work({str(i): r for i, r in enumerate(recipes)}, {}, gather=True)[0]
+
+
+def device_work(recipes: Mapping[str, Node], dests: Mapping[str, torch.Tensor], gather: bool) -> tuple[list[Node], bool]:
+    """What a load of ``recipes`` (per target key) into ``dests`` (the target tensors, by key)
+    computes on its GPU: one node per kind of device kernel (as :func:`device_kernels`), and
+    whether a computation may read its inputs into band buffers rather than gather them on the
+    device (``gather``: ``EngineConfig.gather_inputs``; see
+    :meth:`~sdadapt._engine.planner.Planner._gather`): every one when gathering is off, else
+    one with an input that is not a stored region, or whose target shard holds only part of
+    each row (columns split across ranks: its inputs lie in the file in runs a row's share
+    long, often shorter than the planner gathers)."""
     nodes: dict[object, Node] = {}
-    for recipe in recipes:
+    bands = False
+    for key, recipe in recipes.items():
         step = device_step(recipe)
-        if step is not None and step.kernel is not None:
-            nodes.setdefault(step.kernel.kind, step.node)
-    return list(nodes.values())
+        if step is None or step.kernel is None:
+            continue
+        nodes.setdefault(step.kernel.kind, step.node)
+        if not bands:
+            bands = not gather or _splits_rows(dests.get(key)) or any(i.read is None for i in step.inputs)
+    return list(nodes.values()), bands
+
+
+def _splits_rows(dest: torch.Tensor | None) -> bool:
+    """``dest`` is a DTensor sharded along its last dim (each rank holds part of every row)."""
+    if not isinstance(dest, DTensor) or dest.dim() == 0:
+        return False
+    return any(isinstance(p, Shard) and p.dim in (-1, dest.dim() - 1) for p in dest.placements)
 
 
 class _Zeros:

@@ -80,15 +80,18 @@ def _estimate_tasks(jobs: Sequence[Job], chunk: int) -> int:
     return sum(max(1, -(-j.dest.numel() * j.dest.element_size() // chunk)) for j in jobs)
 
 
-def prefetch_pinned(device: torch.device, computes: bool, config: EngineConfig | None = None) -> None:
+def prefetch_pinned(device: torch.device, bands: bool, config: EngineConfig | None = None) -> None:
     """Start pinning, in the background, the staging memory that a load to ``device`` (a GPU)
-    will pin on its first run (``computes``: its band buffers too), as large as a run of
-    ``config``'s threads asks for; the run then takes it from the cache of kept slabs
+    will pin on its first run (``bands``: its band buffers too, after the staging), as large as
+    a run of ``config``'s threads asks for; the run then takes it from the cache of kept slabs
     (:data:`~sdadapt._engine.pinned.SLABS`), waiting only for what is not pinned yet. A load
-    calls it before materialising its model, so that pinning overlaps that."""
+    calls it as it starts (the staging, pinned while the plan is made and the model
+    materialised) and once planned (the band buffers, where its computations may use them:
+    :func:`~sdadapt._engine.device.device_work`); what is pinned or on its way already is not
+    asked for again."""
     cfg = config or EngineConfig.from_env()
     SLABS.prefetch(StagingPool.slab_bytes(cfg.staging_buffers(cfg.threads), cfg.chunk()), device)
-    if computes:
+    if bands:
         SLABS.prefetch(StagingPool.slab_bytes(cfg.band_buffers(cfg.threads), cfg.band_buffer_bytes()), device)
 
 

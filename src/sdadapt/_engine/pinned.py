@@ -90,6 +90,8 @@ class SlabCache:
         self.keep = keep
         self._kept: list[Slab] = []
         self._pending: list[tuple[int, threading.Event]] = []  # (bytes, set once kept) being pinned
+        self._queued: list[tuple[tuple[int, threading.Event], torch.device]] = []  # prefetches not started, in order
+        self._pinning = False  # a thread is pinning the queued prefetches
         self._lock = threading.Lock()
 
     def get(self, nbytes: int) -> Slab:
@@ -113,30 +115,47 @@ class SlabCache:
         """Start pinning a slab of ``nbytes`` (registered with ``device``'s context) on a
         background thread, to be kept for the next :meth:`get`; nothing when a large enough
         slab is kept or already on its way. For a load to start pinning its staging while it
-        still materialises the model."""
+        still plans and materialises the model. Prefetches are pinned one at a time, in the
+        order asked for: the first one a load asks for (its staging) is ready soonest, rather
+        than sharing the memory bandwidth and the driver with the next."""
         nbytes = round_up(nbytes, HUGE_PAGE)
         with self._lock:
             if any(s.nbytes >= nbytes for s in self._kept) or any(n >= nbytes for n, _ in self._pending):
                 return
             entry = (nbytes, threading.Event())
             self._pending.append(entry)
+            self._queued.append((entry, device))
+            if self._pinning:
+                return
+            self._pinning = True
+        threading.Thread(target=self._pin_queued, name="sdadapt-pin", daemon=True).start()
 
-        def pin() -> None:
-            slab: Slab | None = None
-            try:
-                with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                    slab = self.allocate(nbytes)
-            except Exception as e:  # noqa: BLE001 - the get that wanted it allocates (and raises) itself
-                log.debug("prefetching %d bytes of pinned memory failed: %s", nbytes, e)
-            finally:
-                with self._lock:
-                    self._pending.remove(entry)
-                    evicted = self._keep(slab) if slab is not None else None
-                entry[1].set()
-                if evicted is not None:
-                    evicted.release()
+    def _pin_queued(self) -> None:
+        """Pin the queued prefetches in order, until none is left."""
+        while True:
+            with self._lock:
+                if not self._queued:
+                    self._pinning = False
+                    return
+                entry, device = self._queued.pop(0)
+            self._pin(entry, device)
 
-        threading.Thread(target=pin, name="sdadapt-pin", daemon=True).start()
+    def _pin(self, entry: tuple[int, threading.Event], device: torch.device) -> None:
+        """Pin the slab of ``entry`` and keep it; a failure is only logged (the get that wanted
+        it then allocates, and raises, itself)."""
+        slab: Slab | None = None
+        try:
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+                slab = self.allocate(entry[0])
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.debug("prefetching %d bytes of pinned memory failed: %s", entry[0], e)
+        finally:
+            with self._lock:
+                self._pending.remove(entry)
+                evicted = self._keep(slab) if slab is not None else None
+            entry[1].set()
+            if evicted is not None:
+                evicted.release()
 
     def put(self, slab: Slab) -> None:
         """Keep ``slab`` (no copy out of it may still be pending); over the bound, the smallest

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -14,7 +16,7 @@ from torch import nn
 
 from .._base.distributed import rank_and_world
 from .._base.gc import without_gc
-from .._engine import EngineConfig, device_kernels, prefetch_pinned, warm_kernels
+from .._engine import EngineConfig, device_work, prefetch_pinned, warm_kernels
 from .._plan.adapter import Adapter
 from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
 from .._plan.registry import is_shipped
@@ -203,23 +205,34 @@ def _plan_load(
     return source, plan, state_dict
 
 
-def _prepare_device(
-    model: nn.Module, device: torch.device | str | None, planned: dict[str, torch.Tensor], plan: Plan, engine: EngineConfig | None
-) -> None:
-    """A load into GPU shards starts pinning its staging memory now, while the model is still
-    materialised, and (when its recipes compute on the device) loads their kernels into the
-    GPU: the engine's first run then finds both done (or nearly)."""
+def _gpu_target(model: nn.Module, device: torch.device | str | None, tensors: Iterable[torch.Tensor]) -> torch.device | None:
+    """The GPU a load into ``model`` reads to: the device of the first of ``tensors`` (the
+    model's) on a GPU, else, for a model with tensors on meta, the device it is materialised on
+    (``device``, or its mesh's); ``None`` for a load that stays off GPUs."""
     if not torch.cuda.is_available():
+        return None
+    target = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    if target is None and has_meta(model):
+        try:
+            target = choose_device(model, device)
+        except Exception:  # noqa: BLE001 - a bad device= is reported by materialising, agreed on every rank
+            return None
+    return target if target is not None and target.type == "cuda" else None
+
+
+def _prepare_device(target: torch.device | None, planned: dict[str, torch.Tensor], plan: Plan, engine: EngineConfig | None) -> None:
+    """Once planned, a load into GPU shards (``target``) starts pinning its band buffers where
+    its computations may use them, and (when its recipes compute on the device) loads their
+    kernels into the GPU, while the model is materialised: the engine's first run then finds
+    both done (or nearly). Its staging is pinned from the start of the load."""
+    if target is None:
         return
-    devices = {t.device for t in planned.values() if t.device.type == "cuda"}
-    if not devices and has_meta(model):
-        devices = {choose_device(model, device)}
-    target = next(iter(devices), None)
-    if target is not None and target.type == "cuda":
-        kernels = device_kernels(plan.recipes.values())
-        prefetch_pinned(target, bool(kernels), engine)
-        if kernels and (engine or EngineConfig.from_env()).warm_kernels:
-            warm_kernels(target, kernels)
+    cfg = engine or EngineConfig.from_env()
+    kernels, bands = device_work(plan.recipes, planned, cfg.gather_inputs)
+    if bands:
+        prefetch_pinned(target, True, cfg)
+    if kernels and cfg.warm_kernels:
+        warm_kernels(target, kernels)
 
 
 @renamed_keywords("sdadapt.load", {"stage": ("atomic", ATOMIC_WHY), "verify": ("checksums", integrity.CHECKSUMS_WHY)})
@@ -359,6 +372,9 @@ def load(
     planned: dict[str, torch.Tensor] = {}
     # a meta model's GPU memory is asked for while the plan is made (nothing of the model changes)
     reserved = Reservation(model, device)
+    target = _gpu_target(model, device, itertools.chain(model.parameters(), model.buffers()))
+    if target is not None:  # pinned while the plan is made (kept for the next load if it fails)
+        prefetch_pinned(target, False, engine)
 
     def prepare() -> Plan:
         nonlocal planned
@@ -386,7 +402,7 @@ def load(
         raise
     phases = _Phases(t0)
     phases.mark("plan")
-    _prepare_device(model, device, planned, plan, engine)
+    _prepare_device(target, planned, plan, engine)
     # every rank's hook has run (a hook may touch the files) before any rank checks them
     materialized = txn.materialize(device, init_buffers, reserved)
     phases.mark("materialize")
