@@ -533,3 +533,29 @@ def test_first_kernel_probe_times_each_op_twice_on_the_cpu():
     assert proc.returncode == 0, proc.stderr
     timed = [line for line in proc.stdout.splitlines() if ": call " in line]
     assert len(timed) == 2 * 10 and timed[-1].startswith("NVFP4 dequantize_into: call 2 ")
+
+
+def test_gpu_timeline_overlay_profiles_the_first_two_engine_runs_and_summarises_them(tmp_path):
+    """bench/gpu_timeline.py: the overlay's sdadapt writes one profile per engine run, for the
+    first two runs of a process only, each with its ``ENGINE_RUN`` span; ``summary`` reads them
+    (on the CPU: no GPU work)."""
+    tool = ROOT / "bench" / "gpu_timeline.py"
+    made = subprocess.run([sys.executable, str(tool), "overlay", str(ROOT / "src"), str(tmp_path / "tree")],
+                          capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr
+    script = (
+        "import torch, sdadapt\n"
+        "from safetensors.torch import save_file\n"
+        f"save_file({{'weight': torch.ones(4, 4), 'bias': torch.ones(4)}}, {str(tmp_path / 'model.safetensors')!r})\n"
+        "for _ in range(3):\n"
+        "    m = torch.nn.Linear(4, 4)\n"
+        f"    sdadapt.load(m, {str(tmp_path)!r})\n"
+        "    assert torch.equal(m.weight, torch.ones(4, 4))\n"
+    )
+    env = dict(_env(), PYTHONPATH=str(tmp_path / "tree" / "src"), SDADAPT_GPU_TIMELINE=str(tmp_path / "tl"))
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(p.name.rsplit("-", 1)[1] for p in (tmp_path / "tl").iterdir()) == ["0.json", "1.json"]
+    out = subprocess.run([sys.executable, str(tool), "summary", str(tmp_path / "tl")], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("== timeline-") == 2 and "GPU work: none" in out.stdout and "GPU busy 0.000 s" in out.stdout
