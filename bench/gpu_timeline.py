@@ -124,7 +124,8 @@ def summarize(path: str) -> list[str]:
     kernels = [(e["ts"], e["ts"] + e["dur"]) for e in gpu if e["cat"] == "kernel"]
     lines = [f"== {os.path.basename(path)}: engine {(t1 - t0) / 1e6:.3f} s"]
     lines.append(f"  GPU work: {_sums(gpu) or 'none'}")
-    lines.append(f"  GPU busy {_union(copies + kernels) / 1e6:.3f} s: copies {_union(copies) / 1e6:.3f} s, kernels {_union(kernels) / 1e6:.3f} s")
+    busy, copying, computing = (_union(spans) / 1e6 for spans in (copies + kernels, copies, kernels))
+    lines.append(f"  GPU busy {busy:.3f} s: copies {copying:.3f} s, kernels {computing:.3f} s")
     if gpu:
         lines.append(f"  first GPU work at +{(min(e['ts'] for e in gpu) - t0) / 1e3:.1f} ms, "
                      f"last ends at +{(max(e['ts'] + e['dur'] for e in gpu) - t0) / 1e3:.1f} ms")

@@ -243,6 +243,41 @@ def test_threads_run_with_the_configured_switch_interval(tmp_path, monkeypatch, 
         EngineConfig(switch_interval=0)
 
 
+@pytest.mark.parametrize(("env", "want"), [(None, None), ("0.5", 0.0005), ("0", None)])
+def test_planning_runs_with_the_configured_plan_switch_interval(tmp_path, monkeypatch, env, want):
+    """While the engine plans, the switch interval is ``plan_switch_interval``
+    (``SDADAPT_IO_PLAN_SWITCH_MS``; unset or ``0``: the run's own); afterwards the run's again.
+    The run reports when its first task finished, after it started and before it ended."""
+    import sys
+
+    from sdadapt._engine import planner as P
+
+    monkeypatch.setenv("SDADAPT_IO_SWITCH_MS", "2")
+    if env is not None:
+        monkeypatch.setenv("SDADAPT_IO_PLAN_SWITCH_MS", env)
+    cfg = EngineConfig.from_env()
+    assert cfg.plan_switch_interval == want
+    sd = {f"w{i}": torch.randn(64, 64) for i in range(4)}
+    path = write_safetensors(tmp_path / "m.safetensors", sd)
+    seen: list[float] = []
+    real = P.Planner.plan
+
+    def plan(self, jobs, push):
+        seen.append(sys.getswitchinterval())
+        real(self, jobs, push)
+        seen.append(sys.getswitchinterval())
+
+    before = sys.getswitchinterval()
+    monkeypatch.setattr(P.Planner, "plan", plan)
+    with open_source(path) as src:
+        jobs = [Job(k, N.Leaf(k, (64, 64), torch.float32), ((0, 64), (0, 64)), torch.empty(64, 64)) for k in sd]
+        stats = IOEngine(src, cfg).run(jobs)
+    assert seen == [0.002 if want is None else want] * 2 and sys.getswitchinterval() == before
+    assert 0 < stats.first_task_seconds <= stats.seconds
+    with pytest.raises(ValueError, match="plan_switch_interval"):
+        EngineConfig(plan_switch_interval=-1)
+
+
 def test_config_rejects_zero_depth():
     with pytest.raises(ValueError, match="depth"):
         EngineConfig(depth=0)

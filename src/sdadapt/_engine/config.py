@@ -58,7 +58,10 @@ class EngineConfig:
     switch interval while the engine's threads run (``sys.setswitchinterval``, set back
     afterwards): how long a thread back from a read may wait for the interpreter lock before
     it asks for it; ``None``, the default, leaves the interpreter's own (5 ms) until a
-    shorter one is measured to help (bench/RESULTS.md).
+    shorter one is measured to help (bench/RESULTS.md). ``plan_switch_interval`` is the
+    interval while the engine plans (the threads read meanwhile, and each of them waits for the
+    lock that the planning thread holds, ``LoadReport.phase_seconds["engine_first_task"]``
+    shows how long the first task took); ``None``, the default, leaves ``switch_interval``.
     ``gather_inputs``: on a GPU, a computation whose inputs lie in the files as they are stored
     (an FP8 weight's rows and their scales) has them read like a plain load's bytes, in staged
     reads of ``chunk()`` bytes from the shared staging pool, gathered in a buffer on the device,
@@ -69,8 +72,8 @@ class EngineConfig:
     Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
     ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``,
     ``SDADAPT_IO_LANDING``, ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS``
-    (``0``: leave the interval as it is), ``SDADAPT_IO_GATHER`` (``0``: no gathering),
-    ``SDADAPT_IO_GATHER_MB``.
+    (``0``: leave the interval as it is), ``SDADAPT_IO_PLAN_SWITCH_MS`` (likewise, while the
+    engine plans), ``SDADAPT_IO_GATHER`` (``0``: no gathering), ``SDADAPT_IO_GATHER_MB``.
 
     Args:
         threads: reading threads per rank.
@@ -85,6 +88,7 @@ class EngineConfig:
         landing_buffers: band-sized buffers a GPU run keeps on the device.
         warm_kernels: warm a GPU load's kernels up while the model materialises.
         switch_interval: Python's thread switch interval while the engine runs (``None``: leave it).
+        plan_switch_interval: the interval while the engine plans (``None``: ``switch_interval``).
         gather_inputs: on a GPU, gather a computation's stored inputs on the device.
         gather_bytes: the largest gathered input (``None``: four chunks).
 
@@ -109,6 +113,7 @@ class EngineConfig:
     landing_buffers: int = 4
     warm_kernels: bool = True
     switch_interval: float | None = None
+    plan_switch_interval: float | None = None
     gather_inputs: bool = True
     gather_bytes: int | None = None
 
@@ -123,8 +128,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.band_depth must be at least 1 (band buffers per computing thread), got {self.band_depth}")
         if self.landing_buffers < 1:
             raise ValueError(f"EngineConfig.landing_buffers must be at least 1 (band-sized buffers on the GPU), got {self.landing_buffers}")
-        if self.switch_interval is not None and self.switch_interval <= 0:
-            raise ValueError(f"EngineConfig.switch_interval must be positive seconds or None, got {self.switch_interval}")
+        for name in ("switch_interval", "plan_switch_interval"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"EngineConfig.{name} must be positive seconds or None, got {value}")
 
     def chunk(self) -> int:
         """The largest single read, in bytes (also the size of one staging buffer)."""
@@ -188,7 +195,8 @@ class EngineConfig:
             cfg.gather_inputs = os.environ["SDADAPT_IO_GATHER"] not in ("0", "false", "no")
         if os.environ.get("SDADAPT_IO_GATHER_MB"):
             cfg.gather_bytes = max(4096, int(float(os.environ["SDADAPT_IO_GATHER_MB"]) * MiB))
-        if os.environ.get("SDADAPT_IO_SWITCH_MS"):
-            ms = float(os.environ["SDADAPT_IO_SWITCH_MS"])
-            cfg.switch_interval = ms / 1000 if ms > 0 else None
+        for var, name in (("SDADAPT_IO_SWITCH_MS", "switch_interval"), ("SDADAPT_IO_PLAN_SWITCH_MS", "plan_switch_interval")):
+            if os.environ.get(var):
+                ms = float(os.environ[var])
+                setattr(cfg, name, ms / 1000 if ms > 0 else None)
         return cfg

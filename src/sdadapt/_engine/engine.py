@@ -44,6 +44,7 @@ class EngineStats:
     threads: int = 0
     seconds: float = 0.0  # the whole run
     plan_seconds: float = 0.0  # of which turning jobs into tasks
+    first_task_seconds: float = 0.0  # from the start to the first task done (its bytes read and handed on)
     # summed over the threads: running tasks, of which reading (preadv and Source.read) and
     # waiting for a staging or band buffer (or for the copy out of it to finish)
     busy_seconds: float = 0.0
@@ -156,7 +157,8 @@ class IOEngine:
         # a full collection would hold the GIL, and with it every thread, mid-read
         with gc_paused(), switch_interval(cfg.switch_interval):
             try:
-                self.plan(jobs, push, device)
+                with switch_interval(cfg.plan_switch_interval):
+                    self.plan(jobs, push, device)
             except BaseException as e:  # noqa: BLE001 - stop the threads, then raise
                 shared.errors.insert(0, e)
                 shared.failed.set()
@@ -186,6 +188,7 @@ class IOEngine:
         st.staging_buffers = max(st.staging_buffers, pool.allocated + bands.allocated)
         st.staging_bytes = max(st.staging_bytes, pool.allocated * pool.size + bands.allocated * bands.size)
         st.plan_seconds += planned - start
+        st.first_task_seconds += (shared.first_done or planned) - start
         st.seconds += time.perf_counter() - start
         if shared.errors:
             raise shared.errors[0]

@@ -137,6 +137,7 @@ class Shared:
     min_span: int = 64 * 1024  # shortest run a computation's input is read in with preadv
     errors: list[BaseException] = field(default_factory=list)
     failed: threading.Event = field(default_factory=threading.Event)
+    first_done: float | None = None  # when the run's first task finished (``time.perf_counter``)
 
     def fail(self, e: BaseException) -> None:
         """Record ``e`` and stop the run."""
@@ -191,7 +192,10 @@ class Worker:
                 self._run(task)
             except Exception as e:  # noqa: BLE001 - named and re-raised by run()
                 sh.fail(task.where.error(e))
-            self.busy += time.perf_counter() - start
+            end = time.perf_counter()
+            self.busy += end - start
+            if sh.first_done is None:  # unlocked: two threads finishing together may both set it, moments apart
+                sh.first_done = end
 
     def _run(self, task: Task) -> None:
         match task:

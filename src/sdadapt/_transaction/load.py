@@ -419,6 +419,7 @@ def load(
     timings = dict(phases.seconds)
     timings["engine"] = reader.stats.seconds  # inside dcp_load: first task to last byte
     timings["engine_plan"] = reader.stats.plan_seconds  # of which planning (reads start meanwhile)
+    timings["engine_first_task"] = reader.stats.first_task_seconds  # until the first task's bytes were handed on
 
     merged = None
     if lora is not None:
