@@ -22,12 +22,12 @@ load), yet timed figures from it are for diagnosis only.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import json
 import os
-import shutil
+
+from loadbench.overlay import overlay_main, write_overlay
 
 PATCH = '''"""Timeline recorder written by bench/engine_trace.py (not part of the library)."""
 import json, os, threading, time
@@ -104,15 +104,7 @@ E.IOEngine.run = _traced_run
 
 
 def overlay(src: str, out: str) -> None:
-    dest = os.path.join(out, "src")
-    if os.path.exists(dest):
-        shutil.rmtree(dest)
-    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    pkg = os.path.join(dest, "sdadapt")
-    with open(os.path.join(pkg, "_tracepatch.py"), "w") as f:
-        f.write(PATCH)
-    with open(os.path.join(pkg, "__init__.py"), "a") as f:
-        f.write("\nfrom . import _tracepatch  # noqa: E402,F401  (bench/engine_trace.py)\n")
+    dest = write_overlay(src, out, "_tracepatch", PATCH, "bench/engine_trace.py")
     print(f"traced copy of {src} in {dest}: pass src={dest},SDADAPT_TRACE=FOLDER as a load_bench variant")
 
 
@@ -159,18 +151,7 @@ def summary(folder: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    o = sub.add_parser("overlay", help="copy SRC's sdadapt with the recorder to OUT/src")
-    o.add_argument("src")
-    o.add_argument("out")
-    s = sub.add_parser("summary", help="summarise the traces in a folder")
-    s.add_argument("folder")
-    a = p.parse_args()
-    if a.cmd == "overlay":
-        overlay(a.src, a.out)
-    else:
-        summary(a.folder)
+    overlay_main(__doc__, overlay, summary)
 
 
 if __name__ == "__main__":

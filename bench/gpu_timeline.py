@@ -22,13 +22,13 @@ first load's imports), so timed figures of the profiled rows are for diagnosis o
 
 from __future__ import annotations
 
-import argparse
 import collections
 import glob
 import json
 import os
-import shutil
 from typing import Any
+
+from loadbench.overlay import overlay_main, write_overlay
 
 PATCH = '''"""GPU timeline recorder written by bench/gpu_timeline.py (not part of the library)."""
 import itertools, os
@@ -75,15 +75,7 @@ _E.IOEngine.run = _profiled_run
 
 
 def overlay(src: str, out: str) -> None:
-    dest = os.path.join(out, "src")
-    if os.path.exists(dest):
-        shutil.rmtree(dest)
-    shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
-    pkg = os.path.join(dest, "sdadapt")
-    with open(os.path.join(pkg, "_gpu_timeline.py"), "w") as f:
-        f.write(PATCH)
-    with open(os.path.join(pkg, "__init__.py"), "a") as f:
-        f.write("\nfrom . import _gpu_timeline  # noqa: E402,F401  (bench/gpu_timeline.py)\n")
+    dest = write_overlay(src, out, "_gpu_timeline", PATCH, "bench/gpu_timeline.py")
     print(f"profiled copy of {src} in {dest}: pass src={dest},SDADAPT_GPU_TIMELINE=FOLDER as a load_bench variant")
 
 
@@ -156,18 +148,7 @@ def summary(folder: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    o = sub.add_parser("overlay", help="copy SRC's sdadapt with the profiler to OUT/src")
-    o.add_argument("src")
-    o.add_argument("out")
-    s = sub.add_parser("summary", help="summarise the timelines in a folder")
-    s.add_argument("folder")
-    a = p.parse_args()
-    if a.cmd == "overlay":
-        overlay(a.src, a.out)
-    else:
-        summary(a.folder)
+    overlay_main(__doc__, overlay, summary)
 
 
 if __name__ == "__main__":

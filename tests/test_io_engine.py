@@ -206,6 +206,13 @@ def test_large_reads_are_queued_while_planning(tmp_path):
             assert torch.equal(job.dest, sd[job.key])
 
 
+def _four_matrices(tmp_path) -> tuple[str, list[Job]]:
+    """A file of four 64x64 float32 matrices and a job reading each whole."""
+    sd = {f"w{i}": torch.randn(64, 64) for i in range(4)}
+    path = write_safetensors(tmp_path / "m.safetensors", sd)
+    return path, [Job(k, N.Leaf(k, (64, 64), torch.float32), ((0, 64), (0, 64)), torch.empty(64, 64)) for k in sd]
+
+
 @pytest.mark.parametrize(("env", "want"), [(None, None), ("1", 0.001), ("0.25", 0.00025), ("0", None)])
 def test_threads_run_with_the_configured_switch_interval(tmp_path, monkeypatch, env, want):
     """While the engine's threads run, Python's thread switch interval is the config's
@@ -219,8 +226,7 @@ def test_threads_run_with_the_configured_switch_interval(tmp_path, monkeypatch, 
         monkeypatch.setenv("SDADAPT_IO_SWITCH_MS", env)
     cfg = EngineConfig.from_env()
     assert cfg.switch_interval == want
-    sd = {f"w{i}": torch.randn(64, 64) for i in range(4)}
-    path = write_safetensors(tmp_path / "m.safetensors", sd)
+    path, jobs = _four_matrices(tmp_path)
     seen: list[float] = []
     real = W.Worker._run
 
@@ -231,7 +237,6 @@ def test_threads_run_with_the_configured_switch_interval(tmp_path, monkeypatch, 
     before = sys.getswitchinterval()
     monkeypatch.setattr(W.Worker, "_run", run)
     with open_source(path) as src:
-        jobs = [Job(k, N.Leaf(k, (64, 64), torch.float32), ((0, 64), (0, 64)), torch.empty(64, 64)) for k in sd]
         IOEngine(src, cfg).run(jobs)
         assert seen and set(seen) == {before if want is None else want}
         assert sys.getswitchinterval() == before
@@ -257,8 +262,7 @@ def test_planning_runs_with_the_configured_plan_switch_interval(tmp_path, monkey
         monkeypatch.setenv("SDADAPT_IO_PLAN_SWITCH_MS", env)
     cfg = EngineConfig.from_env()
     assert cfg.plan_switch_interval == want
-    sd = {f"w{i}": torch.randn(64, 64) for i in range(4)}
-    path = write_safetensors(tmp_path / "m.safetensors", sd)
+    path, jobs = _four_matrices(tmp_path)
     seen: list[float] = []
     real = P.Planner.plan
 
@@ -270,7 +274,6 @@ def test_planning_runs_with_the_configured_plan_switch_interval(tmp_path, monkey
     before = sys.getswitchinterval()
     monkeypatch.setattr(P.Planner, "plan", plan)
     with open_source(path) as src:
-        jobs = [Job(k, N.Leaf(k, (64, 64), torch.float32), ((0, 64), (0, 64)), torch.empty(64, 64)) for k in sd]
         stats = IOEngine(src, cfg).run(jobs)
     assert seen == [0.002 if want is None else want] * 2 and sys.getswitchinterval() == before
     assert 0 < stats.first_task_seconds <= stats.seconds
