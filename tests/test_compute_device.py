@@ -754,11 +754,14 @@ def test_a_failing_kernel_is_reported_by_key_and_every_buffer_still_comes_back(d
 
 
 def test_warm_up_runs_each_kind_of_kernel_once_on_a_small_zero_input(tmp_path, monkeypatch):
-    """``device_kernels`` keeps the first computing node of each recipe, one per kind
+    """``device_work`` keeps the first computing node of each recipe, one per kind
     (``Kernel.kind``: the node type, dtypes and scale format), skipping recipes that compute
     nothing; ``warm_kernels`` runs each one's kernel once on a region of at most one block,
     without reading the checkpoint."""
-    from sdadapt._engine import device_kernels, warm_kernels
+    from sdadapt._engine import device_work, warm_kernels
+
+    def device_kernels(recipes: list[N.Node]) -> list[N.Node]:
+        return device_work({str(i): r for i, r in enumerate(recipes)}, {}, gather=True)[0]
 
     fp8_a, _ = _fp8_node(tmp_path, "float32", (16, 32))
     fp8_b, _ = _fp8_node(tmp_path, "float32", (7, 9))  # same kernels, other block: not warmed again

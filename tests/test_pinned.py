@@ -230,7 +230,7 @@ def test_failed_prefetch_leaves_the_get_to_allocate():
 
 def test_prefetch_is_sized_as_the_run_asks_for(monkeypatch):
     """prefetch_pinned asks for the slabs a run of the config's threads cuts its pools from:
-    the staging pool's always, the band pool's only for a load that computes."""
+    the staging pool's always, the band pool's only when asked for (``bands``)."""
     from sdadapt._engine import EngineConfig, engine
 
     asked: list[int] = []
@@ -295,9 +295,9 @@ def test_a_gpu_load_pins_its_staging_before_it_plans(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with torch.device("meta"):
         model = torch.nn.Linear(2, 2)
-    assert _load._gpu_target(model, "cuda:0", model.parameters()) == torch.device("cuda:0")
-    assert _load._gpu_target(model, "cpu", model.parameters()) is None
-    assert _load._gpu_target(torch.nn.Linear(2, 2), None, []) is None  # nothing on meta or a GPU
+    assert _load._gpu_target(model, "cuda:0") == torch.device("cuda:0")
+    assert _load._gpu_target(model, "cpu") is None
+    assert _load._gpu_target(torch.nn.Linear(2, 2), None) is None  # nothing on meta or a GPU
     events.clear()
     with pytest.raises(PlanError):
         sdadapt.load(model, str(tmp_path), device="cuda:0")

@@ -46,7 +46,7 @@ Errors name the target key, the source key and the file. Bytes read are counted 
 """
 
 from .config import EngineConfig, default_threads
-from .device import device_kernels, device_step, device_work, warm_kernels, warm_up
+from .device import device_step, device_work, warm_kernels, warm_up
 from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
 from .pinned import release_pinned_memory
@@ -61,7 +61,6 @@ __all__ = [
     "Job",
     "box_spans",
     "default_threads",
-    "device_kernels",
     "device_step",
     "device_work",
     "prefetch_pinned",

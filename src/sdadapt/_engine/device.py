@@ -36,7 +36,7 @@ import logging
 import math
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,16 +71,11 @@ def device_step(recipe: Node) -> Compute | None:
     return None
 
 
-def device_kernels(recipes: Iterable[Node]) -> list[Node]:
-    """One node for each kind of device kernel in ``recipes`` (the node of a recipe's first
-    computation that may run on the destination's device, :func:`device_step`, one per
-    :attr:`~sdadapt._recipes.nodes.Kernel.kind`); empty when no recipe computes there."""
-    return device_work({str(i): r for i, r in enumerate(recipes)}, {}, gather=True)[0]
-
-
 def device_work(recipes: Mapping[str, Node], dests: Mapping[str, torch.Tensor], gather: bool) -> tuple[list[Node], bool]:
     """What a load of ``recipes`` (per target key) into ``dests`` (the target tensors, by key)
-    computes on its GPU: one node per kind of device kernel (as :func:`device_kernels`), and
+    computes on its GPU: one node per kind of device kernel (the node of a recipe's first
+    computation that may run there, :func:`device_step`, one per
+    :attr:`~sdadapt._recipes.nodes.Kernel.kind`; empty when no recipe computes there), and
     whether a computation may read its inputs into band buffers rather than gather them on the
     device (``gather``: ``EngineConfig.gather_inputs``; see
     :meth:`~sdadapt._engine.planner.Planner._gather`): every one when gathering is off, else
@@ -149,7 +144,7 @@ def warm_up(node: Node, device: torch.device) -> None:
 
 def warm_kernels(device: torch.device, nodes: Sequence[Node]) -> threading.Thread | None:
     """Run, on a background thread and a side stream, the device kernels of each of ``nodes``
-    (from :func:`device_kernels`) once on a small zero input on ``device``. A kernel's first
+    (from :func:`device_work`) once on a small zero input on ``device``. A kernel's first
     launch in a process loads it into the device; done by the lane in the middle of a load,
     that would hold up every copy queued behind it. Returns the thread (``None``: nothing to
     warm); a failure is only logged, since the load itself runs the same kernels and reports

@@ -14,6 +14,7 @@ a plain ``pin_memory=True`` tensor: the same memory, allocated the slower way.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import logging
@@ -90,7 +91,7 @@ class SlabCache:
         self.keep = keep
         self._kept: list[Slab] = []
         self._pending: list[tuple[int, threading.Event]] = []  # (bytes, set once kept) being pinned
-        self._queued: list[tuple[tuple[int, threading.Event], torch.device]] = []  # prefetches not started, in order
+        self._queued: collections.deque[tuple[tuple[int, threading.Event], torch.device]] = collections.deque()  # not started, in order
         self._pinning = False  # a thread is pinning the queued prefetches
         self._lock = threading.Lock()
 
@@ -137,7 +138,7 @@ class SlabCache:
                 if not self._queued:
                     self._pinning = False
                     return
-                entry, device = self._queued.pop(0)
+                entry, device = self._queued.popleft()
             self._pin(entry, device)
 
     def _pin(self, entry: tuple[int, threading.Event], device: torch.device) -> None:

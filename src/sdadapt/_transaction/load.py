@@ -6,7 +6,6 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -205,12 +204,13 @@ def _plan_load(
     return source, plan, state_dict
 
 
-def _gpu_target(model: nn.Module, device: torch.device | str | None, tensors: Iterable[torch.Tensor]) -> torch.device | None:
-    """The GPU a load into ``model`` reads to: the device of the first of ``tensors`` (the
-    model's) on a GPU, else, for a model with tensors on meta, the device it is materialised on
-    (``device``, or its mesh's); ``None`` for a load that stays off GPUs."""
+def _gpu_target(model: nn.Module, device: torch.device | str | None) -> torch.device | None:
+    """The GPU a load into ``model`` reads to: the device of its first parameter or buffer on a
+    GPU, else, for a model with tensors on meta, the device it is materialised on (``device``,
+    or its mesh's); ``None`` for a load that stays off GPUs."""
     if not torch.cuda.is_available():
         return None
+    tensors = itertools.chain(model.parameters(), model.buffers())
     target = next((t.device for t in tensors if t.device.type == "cuda"), None)
     if target is None and has_meta(model):
         try:
@@ -372,7 +372,7 @@ def load(
     planned: dict[str, torch.Tensor] = {}
     # a meta model's GPU memory is asked for while the plan is made (nothing of the model changes)
     reserved = Reservation(model, device)
-    target = _gpu_target(model, device, itertools.chain(model.parameters(), model.buffers()))
+    target = _gpu_target(model, device)
     if target is not None:  # pinned while the plan is made (kept for the next load if it fails)
         prefetch_pinned(target, False, engine)
 
