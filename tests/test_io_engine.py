@@ -570,3 +570,30 @@ def test_thread_seconds_split_busy_time_into_reads_and_waits(tmp_path):
     assert set(times) == {"busy", "read", "wait"} and times["busy"] > 0
     assert times["read"] + times["wait"] <= times["busy"] + 1e-5
     assert all(torch.equal(model[k].weight, sd[k]) for k in sd)
+
+
+def test_device_lane_accounts_its_thread_time(tmp_path):
+    """A run with a device lane (on the CPU here, as a GPU run has one) times the lane's thread:
+    its CPU time, its waits for work and for copies are parts of its run, and a load reports
+    them beside the readers' (``lane*`` keys of ``engine_thread_seconds``); a run without a lane
+    counts none."""
+    from sdadapt._transaction.load import _thread_seconds
+
+    sd = {f"w{i}": torch.randn(64, 256) for i in range(8)}
+    path = write_safetensors(tmp_path / "m.safetensors", sd)
+    with open_source(path) as src:
+        def jobs() -> list[Job]:
+            return [Job(k, N.Leaf(k, (64, 256), torch.float32), ((0, 64), (0, 256)), torch.empty(64, 256)) for k in sd]
+
+        cfg = EngineConfig(threads=2, chunk_bytes=4096)
+        laned = IOEngine(src, cfg, cpu_lane=True).run(lane_jobs := jobs())
+        plain = IOEngine(src, cfg).run(jobs())
+    assert all(torch.equal(j.dest, sd[j.key]) for j in lane_jobs)
+    assert laned.lane_seconds > 0 and laned.lane_cpu_seconds > 0
+    assert laned.lane_cpu_seconds <= laned.lane_seconds + 0.01  # the clocks' granularity
+    assert laned.lane_idle_seconds + laned.lane_copy_wait_seconds <= laned.lane_seconds
+    assert plain.lane_seconds == plain.lane_cpu_seconds == plain.lane_idle_seconds == 0
+    times = _thread_seconds(laned)
+    assert set(times) == {"busy", "read", "wait", "lane", "lane_cpu", "lane_idle", "lane_copy_wait"}
+    assert times["lane"] == round(laned.lane_seconds, 6)
+    assert set(_thread_seconds(plain)) == {"busy", "read", "wait"}

@@ -36,6 +36,7 @@ import logging
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -173,6 +174,20 @@ def warm_kernels(device: torch.device, nodes: Sequence[Node]) -> threading.Threa
 
 
 @dataclass
+class LaneTimes:
+    """Where a lane's thread spent one run, in seconds: ``wall`` from its start to its end,
+    ``cpu`` the thread's CPU time (Python and the driver's calls), ``idle`` waiting for work
+    (the readers had handed on nothing), ``copy_wait`` waiting for a copy to finish before a
+    buffer could go back. What ``wall`` holds beyond the three is mostly the thread waiting to
+    take the interpreter lock back after a device call let it go."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+    idle: float = 0.0
+    copy_wait: float = 0.0
+
+
+@dataclass
 class _Upload:
     buf: torch.Tensor
     deliveries: Sequence[Delivery]
@@ -240,6 +255,7 @@ class DeviceLane:
         self._current: Any = None  # the stream the lane's thread has made current
         self._uploads = 0
         self._thread: threading.Thread | None = None
+        self.times = LaneTimes()  # complete once close() has returned
 
     # --- called by the engine and the readers ---------------------------------------------------
 
@@ -287,6 +303,7 @@ class DeviceLane:
     # --- the device thread ------------------------------------------------------------------
 
     def _run(self) -> None:
+        start, cpu = time.perf_counter(), time.thread_time()
         try:
             with self._on_device():
                 while (item := self._next()) is not None:
@@ -294,10 +311,14 @@ class DeviceLane:
                     self._hand_back(wait=False)
         finally:
             try:
+                t = time.perf_counter()
                 self._synchronize()
+                self.times.copy_wait += time.perf_counter() - t
             except Exception as e:  # noqa: BLE001 - reported like any other failure
                 self._fail(e)
             self._release_all()
+            self.times.wall = time.perf_counter() - start
+            self.times.cpu = time.thread_time() - cpu
 
     def _next(self) -> _Upload | _Kernel | _Call | None:
         """The next piece of work; while none is queued, the lane waits for the oldest pending
@@ -308,8 +329,16 @@ class DeviceLane:
             try:
                 return self._work.get_nowait()
             except queue.Empty:
+                t = time.perf_counter()
                 self._hand_back(wait=True)
-        return self._work.get()
+                self.times.copy_wait += time.perf_counter() - t
+        try:
+            return self._work.get_nowait()
+        except queue.Empty:
+            t = time.perf_counter()
+            item = self._work.get()
+            self.times.idle += time.perf_counter() - t
+            return item
 
     def _hand_back(self, wait: bool) -> None:
         """Release the buffers whose copies have finished, oldest first; ``wait``: wait for the

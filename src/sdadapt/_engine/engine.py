@@ -50,6 +50,12 @@ class EngineStats:
     busy_seconds: float = 0.0
     read_seconds: float = 0.0
     wait_seconds: float = 0.0
+    # the device lane's thread (GPU runs; :class:`~sdadapt._engine.device.LaneTimes`): its run,
+    # of which CPU time, waiting for work, and waiting for copies to finish
+    lane_seconds: float = 0.0
+    lane_cpu_seconds: float = 0.0
+    lane_idle_seconds: float = 0.0
+    lane_copy_wait_seconds: float = 0.0
 
     _PEAKS: ClassVar[tuple[str, ...]] = ("threads", "staging_buffers", "staging_bytes")
 
@@ -183,6 +189,12 @@ class IOEngine:
             st.busy_seconds += w.busy
             st.read_seconds += w.reading + w.counter.seconds
             st.wait_seconds += w.waiting
+        if shared.lane is not None:
+            lt = shared.lane.times
+            st.lane_seconds += lt.wall
+            st.lane_cpu_seconds += lt.cpu
+            st.lane_idle_seconds += lt.idle
+            st.lane_copy_wait_seconds += lt.copy_wait
         st.tasks += count
         st.threads = threads
         st.staging_buffers = max(st.staging_buffers, pool.allocated + bands.allocated)

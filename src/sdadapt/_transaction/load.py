@@ -15,7 +15,7 @@ from torch import nn
 
 from .._base.distributed import rank_and_world
 from .._base.gc import without_gc
-from .._engine import EngineConfig, device_work, prefetch_pinned, warm_kernels
+from .._engine import EngineConfig, EngineStats, device_work, prefetch_pinned, warm_kernels
 from .._plan.adapter import Adapter
 from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
 from .._plan.registry import is_shipped
@@ -51,7 +51,9 @@ class LoadReport(BaseModel):
         plan_seconds: planning.
         read_seconds: reading.
         phase_seconds: each phase's wall time, in order.
-        engine_thread_seconds: the engine threads' busy, read and wait seconds, summed.
+        engine_thread_seconds: the engine threads' busy, read and wait seconds, summed; a GPU
+            load adds its device lane's thread: ``lane`` (its run), of which ``lane_cpu`` (CPU
+            time), ``lane_idle`` (waiting for work) and ``lane_copy_wait`` (waiting for copies).
         materialized: whether the model was materialised from meta.
         report: the plan's :class:`Report`.
         lora: what a LoRA merge changed (``lora=``), else ``None``.
@@ -107,6 +109,15 @@ class _Phases:
         now = time.perf_counter()
         self.seconds[name] = now - self.last
         self.last = now
+
+
+def _thread_seconds(st: EngineStats) -> dict[str, float]:
+    """``LoadReport.engine_thread_seconds`` of a load whose engine runs counted ``st``."""
+    out = {"busy": st.busy_seconds, "read": st.read_seconds, "wait": st.wait_seconds}
+    if st.lane_seconds:
+        out.update(lane=st.lane_seconds, lane_cpu=st.lane_cpu_seconds, lane_idle=st.lane_idle_seconds,
+                   lane_copy_wait=st.lane_copy_wait_seconds)
+    return {k: round(v, 6) for k, v in out.items()}
 
 
 def _describe(src: Any) -> str:
@@ -439,11 +450,7 @@ def load(
         plan_seconds=phases.seconds["plan"],
         read_seconds=reader.seconds,
         phase_seconds={k: round(v, 6) for k, v in timings.items()},
-        engine_thread_seconds={
-            "busy": round(reader.stats.busy_seconds, 6),
-            "read": round(reader.stats.read_seconds, 6),
-            "wait": round(reader.stats.wait_seconds, 6),
-        },
+        engine_thread_seconds=_thread_seconds(reader.stats),
         materialized=materialized,
         report=plan.report,
         lora=merged,
