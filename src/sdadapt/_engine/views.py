@@ -38,3 +38,11 @@ class TypedViews:
             strides.append(step)
             step *= n
         return whole.as_strided(shape, strides[::-1], whole.storage_offset() + at // dtype.itemsize)
+
+    def forget(self, buf: torch.Tensor) -> None:
+        """Drop the views made of ``buf`` (it is about to be freed: a later buffer at the same
+        address must not be given them)."""
+        ptr = buf.data_ptr()
+        for cache in (self._whole, self._heads):
+            for key in [k for k in cache if k[0] == ptr and k[1] == buf.device]:
+                del cache[key]

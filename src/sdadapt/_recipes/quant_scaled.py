@@ -94,7 +94,9 @@ def scale_multipliers(scale: torch.Tensor, glob: torch.Tensor | None, mode: Glob
     s = decode_e8m0(scale) if scale.dtype in E8M0_DTYPES else scale.to(torch.float32)
     if glob is None:
         return s
-    g = glob.to(torch.float32).reshape(())
+    # a float32 global scale of one element divides as it is (every tensor call on a GPU load's
+    # device lane lets the readers take the interpreter lock: none is made that is not needed)
+    g = glob if glob.dtype == torch.float32 and glob.dim() <= s.dim() and glob.numel() == 1 else glob.to(torch.float32).reshape(())
     return s / g if mode == "divide" else s * g
 
 
@@ -171,7 +173,7 @@ def dequantize_into(
     # a multiplier of at least one dim takes part in type promotion: the product is float32
     s = scale.reshape((1, 1)) if one else scale
     if groups > 1:
-        dest.unflatten(-1, (groups, b1)).mul_(s.unsqueeze(-1))
+        dest.view(dest.shape[:-1] + (groups, b1)).mul_(s.unsqueeze(-1))
     else:
         dest.mul_(s)
     return True
