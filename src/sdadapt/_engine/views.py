@@ -42,7 +42,8 @@ class TypedViews:
     def forget(self, buf: torch.Tensor) -> None:
         """Drop the views made of ``buf`` (it is about to be freed: a later buffer at the same
         address must not be given them)."""
-        ptr = buf.data_ptr()
-        for cache in (self._whole, self._heads):
-            for key in [k for k in cache if k[0] == ptr and k[1] == buf.device]:
-                del cache[key]
+        ptr, dev = buf.data_ptr(), buf.device
+        for key in [k for k in self._whole if k[:2] == (ptr, dev)]:
+            del self._whole[key]
+        for head in [k for k in self._heads if k[:2] == (ptr, dev)]:
+            del self._heads[head]
