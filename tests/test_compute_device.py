@@ -708,37 +708,6 @@ def test_typed_views_head_is_the_first_bytes_made_once_per_buffer_and_length():
     assert views.head(b, 16) is not first and views.head(b, 16).data_ptr() == b.data_ptr()  # another buffer
 
 
-def test_typed_views_forget_a_buffer():
-    """After ``forget``, nothing made of a buffer is kept (a later buffer at the same address
-    gets views of itself, not of the one freed); other buffers' views stay."""
-    views = TypedViews()
-    a, b = torch.arange(64, dtype=torch.uint8), torch.arange(64, dtype=torch.uint8)
-    for buf in (a, b):
-        views.cut(buf, 8, torch.int32, (2,))
-        views.head(buf, 16)
-    views.forget(a)
-    kept = [k[0] for cache in (views._whole, views._heads) for k in cache]
-    assert a.data_ptr() not in kept and kept.count(b.data_ptr()) == 2
-    assert torch.equal(views.cut(a, 8, torch.int32, (2,)), a[8:16].view(torch.int32))
-
-
-def test_the_lane_reuses_gather_buffers_per_stream():
-    """A gather takes the smallest free buffer of its stream that holds it; a buffer goes back
-    to its stream's free ones once its kernel is queued; where none fits, the largest free one
-    too small gives way to a new buffer, so that a stream keeps no more buffers than it had
-    gathers in flight."""
-    lane = DeviceLane(torch.device("cpu"), 1024, lambda e: None)
-    small, large = lane._gather_buffer(0, 100), lane._gather_buffer(0, 300)
-    assert small.numel() == 100 and large.numel() == 300 and lane._gather_free == ([], [])
-    lane._gather_free[0].extend([large, small])
-    assert lane._gather_buffer(0, 80) is small  # the smallest that fits
-    assert lane._gather_buffer(1, 80) is not large and lane._gather_free[0] == [large]  # another stream's are not shared
-    lane._views.cut(large, 0, torch.float32, (4,))
-    bigger = lane._gather_buffer(0, 400)
-    assert bigger.numel() == 400 and lane._gather_free[0] == []  # the one too small is dropped ...
-    assert lane._views._whole == {}  # ... with its views
-
-
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 

@@ -12,12 +12,9 @@ of work, and waits for when it has nothing else to do. So a buffer
 is never refilled while the DMA out of it is pending, and a reader never waits on the device.
 
 A gather's inputs (:class:`~sdadapt._engine.tasks.Gather`) come as ordinary staged reads: the
-lane copies each piece into a device buffer it takes for the gather on its first piece, and
-runs the kernel on views of it behind the last piece, all on one stream; the buffer then goes
-back to that stream's free buffers, where a later gather on the same stream takes it (its
-copies queue behind the kernel that read it). The lane keeps these buffers for the run, so
-that a gather costs no allocation, and its inputs' views are one call each
-(:class:`~sdadapt._engine.views.TypedViews`). A band buffer's inputs (a computation that
+lane copies each piece into the gather's buffer on the device, made on its first piece, and
+runs the kernel on views of it behind the last piece, all on one stream, so that the buffer
+goes back to the allocator only behind the kernel. A band buffer's inputs (a computation that
 is not gathered) cross in one copy into a landing buffer on the device (a small ring of
 them); its kernel runs on the same stream right behind that copy. The ring's buffers take
 turns between two streams, each buffer always on the same one: a copy into a landing
@@ -36,6 +33,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import math
 import queue
 import threading
 import time
@@ -256,7 +254,6 @@ class DeviceLane:
         self._streams: tuple[Any, ...] = ()
         self._current: Any = None  # the stream the lane's thread has made current
         self._uploads = 0
-        self._gather_free: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # per stream, see _gather_buffer
         self._thread: threading.Thread | None = None
         self.times = LaneTimes()  # complete once close() has returned
 
@@ -452,7 +449,7 @@ class DeviceLane:
             gather.stream = self._uploads % 2
             self._uploads += 1
             stream = self._use(gather.stream)
-            gather.buffer = self._gather_buffer(gather.stream, gather.nbytes)
+            gather.buffer = torch.empty(gather.nbytes, dtype=torch.uint8, device=self.device)
         else:
             stream = self._use(gather.stream)
         buf, into = item.buf, gather.buffer
@@ -465,27 +462,11 @@ class DeviceLane:
         gather.arrived += 1
         if gather.arrived < gather.pieces:
             return
-        cut = self._views.cut
-        args = [cut(into, at, dtype, shape) for at, dtype, shape in gather.layout]
-        gather.buffer = None
+        args = [into[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape) for at, dtype, shape in gather.layout]
+        gather.buffer = None  # back to the allocator, which reuses it only for later work on this stream
         step = gather.step
         assert step.kernel is not None
         step.kernel.run(step.dest, *args)
-        self._gather_free[gather.stream].append(into)  # free behind the kernel, on its stream
-
-    def _gather_buffer(self, stream: int, nbytes: int) -> torch.Tensor:
-        """A device buffer of at least ``nbytes`` for a gather on stream ``stream``: the
-        smallest of that stream's free ones that is large enough, else a new one (the largest
-        free one too small is dropped for it, so that the buffers kept stay as many as the
-        gathers a stream ever had in flight at once)."""
-        free = self._gather_free[stream]
-        sizes = [b.numel() for b in free]
-        fits = [i for i, n in enumerate(sizes) if n >= nbytes]
-        if fits:
-            return free.pop(min(fits, key=sizes.__getitem__))
-        if free:
-            self._views.forget(free.pop(max(range(len(free)), key=sizes.__getitem__)))
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _kernel(self, item: _Kernel) -> None:
         args, staged, inside = item.args, item.staged, item.inside

@@ -38,12 +38,3 @@ class TypedViews:
             strides.append(step)
             step *= n
         return whole.as_strided(shape, strides[::-1], whole.storage_offset() + at // dtype.itemsize)
-
-    def forget(self, buf: torch.Tensor) -> None:
-        """Drop the views made of ``buf`` (it is about to be freed: a later buffer at the same
-        address must not be given them)."""
-        ptr, dev = buf.data_ptr(), buf.device
-        for key in [k for k in self._whole if k[:2] == (ptr, dev)]:
-            del self._whole[key]
-        for head in [k for k in self._heads if k[:2] == (ptr, dev)]:
-            del self._heads[head]
