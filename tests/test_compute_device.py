@@ -6,7 +6,6 @@ available, the engine itself is run with GPU destinations against the same refer
 
 from __future__ import annotations
 
-import functools
 import math
 import random
 import threading
@@ -707,43 +706,6 @@ def test_typed_views_head_is_the_first_bytes_made_once_per_buffer_and_length():
     assert views.head(a, 16) is first  # the same view again, no new tensor
     assert views.head(a, 8) is not first and views.head(a, 8).numel() == 8  # another length
     assert views.head(b, 16) is not first and views.head(b, 16).data_ptr() == b.data_ptr()  # another buffer
-
-
-class _FakeEvent:
-    """Stands in for a CUDA event: passed once ``done``; ``synchronize`` waits (sets it)."""
-
-    def __init__(self, name: str, done: bool):
-        self.name, self.done, self.waited = name, done, False
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.waited = self.done = True
-
-
-def test_the_lane_hands_back_each_streams_finished_copies():
-    """Copies on one stream finish in order, the two streams' apart: a buffer whose copy has
-    finished goes back even while an older copy on the other stream (held up behind a kernel
-    there) is pending, never before an older copy of its own stream; waiting, the lane waits
-    for the oldest pending copy of either stream."""
-    lane = DeviceLane(torch.device("cpu"), 64, lambda e: None)
-    s0, s1 = object(), object()
-    lane._streams = (s0, s1)
-    events = {"a": _FakeEvent("a", False), "b": _FakeEvent("b", True), "c": _FakeEvent("c", True), "d": _FakeEvent("d", False)}
-    order = iter(events.values())
-    lane._record = lambda stream: next(order)  # type: ignore[method-assign]
-    back: list[str] = []
-    for name, stream in (("a", s0), ("b", s1), ("c", s0), ("d", s1)):
-        lane._behind_copy(stream, functools.partial(back.append, name))
-    lane._hand_back(wait=False)
-    assert back == ["b"]  # c waits behind a (same stream); b's stream had nothing older pending
-    lane._hand_back(wait=True)
-    assert events["a"].waited and not events["d"].waited  # the oldest pending copy: a, then c follows it
-    assert back == ["b", "a", "c"]
-    events["d"].done = True
-    lane._hand_back(wait=False)
-    assert back == ["b", "a", "c", "d"] and not lane._inflight[0] and not lane._inflight[1]
 
 
 _CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -8,8 +8,7 @@ reader issuing its own copies and kernels, the time of each call grew with the n
 threads issuing them, and a reader blocked in an event's wait slowed the lane's own calls.
 Once a buffer's copy is queued, the lane records an event behind it and goes on; it hands the
 buffer back (calls its ``release``) once the event has passed, which it checks after each piece
-of work (each stream's copies in order, the two streams apart), and waits for when it has
-nothing else to do. So a buffer
+of work, and waits for when it has nothing else to do. So a buffer
 is never refilled while the DMA out of it is pending, and a reader never waits on the device.
 
 A gather's inputs (:class:`~sdadapt._engine.tasks.Gather`) come as ordinary staged reads: the
@@ -250,10 +249,7 @@ class DeviceLane:
         self._nslots = max(1, slots)
         self._turn = 0
         self._work: queue.SimpleQueue[_Upload | _Kernel | _Call | None] = queue.SimpleQueue()
-        # (event, release, order) per queued copy, oldest first, one queue per stream: a
-        # stream's copies finish in order, the two streams' apart
-        self._inflight: tuple[collections.deque[tuple[Any, Release, int]], ...] = (collections.deque(), collections.deque())
-        self._recorded = 0
+        self._inflight: collections.deque[tuple[Any, Release]] = collections.deque()  # (event, release) per queued copy, oldest first
         self._events: list[Any] = []  # events passed, to record again
         self._streams: tuple[Any, ...] = ()
         self._current: Any = None  # the stream the lane's thread has made current
@@ -329,7 +325,7 @@ class DeviceLane:
         copy and hands its buffer back, so that its reader goes on (work queued meanwhile waits
         for that copy: waiting for new work instead, checking the copies in between, was
         measured to shorten neither the readers' waits nor the loads)."""
-        while self._inflight[0] or self._inflight[1]:
+        while self._inflight:
             try:
                 return self._work.get_nowait()
             except queue.Empty:
@@ -345,31 +341,26 @@ class DeviceLane:
             return item
 
     def _hand_back(self, wait: bool) -> None:
-        """Release the buffers whose copies have finished, each stream's oldest first (a copy
-        held up behind a kernel on one stream does not hold back the buffers the other stream
-        has copied); ``wait``: wait for the oldest pending copy first. A failed wait or check
-        fails the load (:meth:`_fail`)."""
+        """Release the buffers whose copies have finished, oldest first; ``wait``: wait for the
+        oldest one's copy first. A failed wait or check fails the load (:meth:`_fail`)."""
         try:
-            if wait:
-                heads = [q[0] for q in self._inflight if q]
-                if heads:
-                    min(heads, key=lambda h: h[2])[0].synchronize()
-            for q in self._inflight:
-                while q:
-                    event, release, _ = q[0]
-                    if not event.query():
-                        break
-                    q.popleft()
-                    self._events.append(event)
-                    release()
+            while self._inflight:
+                event, release = self._inflight[0]
+                if wait:
+                    event.synchronize()
+                    wait = False
+                elif not event.query():
+                    return
+                self._inflight.popleft()
+                self._events.append(event)
+                release()
         except Exception as e:  # noqa: BLE001 - reported like any other failure
             self._fail(e)
 
     def _release_all(self) -> None:
         """Release every buffer still out (the device is idle: nothing is copied out of them)."""
-        for q in self._inflight:
-            while q:
-                q.popleft()[1]()
+        while self._inflight:
+            self._inflight.popleft()[1]()
 
     @contextlib.contextmanager
     def _on_device(self) -> Iterator[None]:
@@ -428,8 +419,7 @@ class DeviceLane:
         if stream is None:
             release()
             return
-        self._recorded += 1
-        self._inflight[0 if stream is self._streams[0] else 1].append((self._record(stream), release, self._recorded))
+        self._inflight.append((self._record(stream), release))
 
     def _record(self, stream: Any) -> Any:
         """An event recorded on ``stream`` (one that has passed, reused, or a new one)."""
