@@ -559,3 +559,26 @@ def test_gpu_timeline_overlay_profiles_the_first_two_engine_runs_and_summarises_
     out = subprocess.run([sys.executable, str(tool), "summary", str(tmp_path / "tl")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("== timeline-") == 2 and "GPU work: none" in out.stdout and "GPU busy 0.000 s" in out.stdout
+
+
+def test_thread_profile_summarises_a_py_spy_profile_per_thread(tmp_path):
+    """bench/thread_profile.py: of a py-spy raw profile, only the threads named as asked count;
+    each table gives the samples and their share, paths shortened to the package's."""
+    raw = tmp_path / "raw.txt"
+    raw.write_text(
+        "thread (11): sdadapt-device;Thread.run (threading.py:1010);DeviceLane._run (/x/site-packages/sdadapt/_engine/device.py:310);"
+        "DeviceLane._gathered (/x/site-packages/sdadapt/_engine/device.py:459) 30\n"
+        "thread (11): sdadapt-device;Thread.run (threading.py:1010);DeviceLane._run (/x/site-packages/sdadapt/_engine/device.py:310);"
+        "dequantize_into (/x/src/sdadapt/_recipes/quant_scaled.py:168);"
+        "Tensor.to (/usr/lib/python3.12/site-packages/torch/_tensor.py:9) 10\n"
+        "thread (12): sdadapt-io-3;Worker._loop (/x/src/sdadapt/_engine/workers.py:187) 50\n"
+        "thread (13): MainThread 5\n"
+    )
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "thread_profile.py"), str(raw), "--top", "5"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("threads named sdadapt-device*: 40 samples") and "'sdadapt-io': 50" in lines[0]
+    assert "     30  75.0%  DeviceLane._gathered (sdadapt/_engine/device.py:459)" in lines
+    assert "     40 100.0%  DeviceLane._run (sdadapt/_engine/device.py:310)" in lines
+    assert "     10  25.0%  dequantize_into (sdadapt/_recipes/quant_scaled.py:168)  ->  Tensor.to (torch/_tensor.py:9)" in lines
