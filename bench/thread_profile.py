@@ -12,8 +12,8 @@ per line is the time that line waited (for the interpreter lock, a condition, a 
     py-spy record --threads --nonblocking --idle --rate 500 --format raw -o all.txt -- python your_load.py
     python bench/thread_profile.py active.txt --thread sdadapt-device --top 30
 
-``--nonblocking`` matters: py-spy otherwise stops the process for every sample, which slowed an
-8B NVFP4 load on the H200 about threefold. The device lane's time split without a profiler is in
+``--nonblocking`` matters: py-spy otherwise stops the process for every sample (so recorded, and
+with ``--native``, an 8B NVFP4 load on the H200 ran about three times slower). The device lane's time split without a profiler is in
 ``LoadReport.engine_thread_seconds`` (``lane*`` keys).
 """
 

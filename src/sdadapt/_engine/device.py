@@ -178,8 +178,9 @@ class LaneTimes:
     """Where a lane's thread spent one run, in seconds: ``wall`` from its start to its end,
     ``cpu`` the thread's CPU time (Python and the driver's calls), ``idle`` waiting for work
     (the readers had handed on nothing), ``copy_wait`` waiting for a copy to finish before a
-    buffer could go back. What ``wall`` holds beyond the three is mostly the thread waiting to
-    take the interpreter lock back after a device call let it go."""
+    buffer could go back. What ``wall`` holds beyond the three the thread spent neither running
+    nor in those waits: waiting to take the interpreter lock back after a tensor call let it go,
+    or inside a driver call that blocks."""
 
     wall: float = 0.0
     cpu: float = 0.0
