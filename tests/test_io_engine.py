@@ -213,6 +213,25 @@ def _four_matrices(tmp_path) -> tuple[str, list[Job]]:
     return path, [Job(k, N.Leaf(k, (64, 64), torch.float32), ((0, 64), (0, 64)), torch.empty(64, 64)) for k in sd]
 
 
+def _intervals_inside(monkeypatch, cls: type, name: str) -> list[float]:
+    """Wrap method ``name`` of ``cls`` so that each call records Python's switch interval as
+    it starts and as it returns; returns the list the records go to."""
+    import sys
+
+    seen: list[float] = []
+    real = getattr(cls, name)
+
+    def wrapped(self, *args):
+        seen.append(sys.getswitchinterval())
+        try:
+            return real(self, *args)
+        finally:
+            seen.append(sys.getswitchinterval())
+
+    monkeypatch.setattr(cls, name, wrapped)
+    return seen
+
+
 @pytest.mark.parametrize(("env", "want"), [(None, None), ("1", 0.001), ("0.25", 0.00025), ("0", None)])
 def test_threads_run_with_the_configured_switch_interval(tmp_path, monkeypatch, env, want):
     """While the engine's threads run, Python's thread switch interval is the config's
@@ -227,15 +246,8 @@ def test_threads_run_with_the_configured_switch_interval(tmp_path, monkeypatch, 
     cfg = EngineConfig.from_env()
     assert cfg.switch_interval == want
     path, jobs = _four_matrices(tmp_path)
-    seen: list[float] = []
-    real = W.Worker._run
-
-    def run(self, task):
-        seen.append(sys.getswitchinterval())
-        return real(self, task)
-
     before = sys.getswitchinterval()
-    monkeypatch.setattr(W.Worker, "_run", run)
+    seen = _intervals_inside(monkeypatch, W.Worker, "_run")
     with open_source(path) as src:
         IOEngine(src, cfg).run(jobs)
         assert seen and set(seen) == {before if want is None else want}
@@ -263,16 +275,8 @@ def test_planning_runs_with_the_configured_plan_switch_interval(tmp_path, monkey
     cfg = EngineConfig.from_env()
     assert cfg.plan_switch_interval == want
     path, jobs = _four_matrices(tmp_path)
-    seen: list[float] = []
-    real = P.Planner.plan
-
-    def plan(self, jobs, push):
-        seen.append(sys.getswitchinterval())
-        real(self, jobs, push)
-        seen.append(sys.getswitchinterval())
-
     before = sys.getswitchinterval()
-    monkeypatch.setattr(P.Planner, "plan", plan)
+    seen = _intervals_inside(monkeypatch, P.Planner, "plan")
     with open_source(path) as src:
         stats = IOEngine(src, cfg).run(jobs)
     assert seen == [0.002 if want is None else want] * 2 and sys.getswitchinterval() == before
