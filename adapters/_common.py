@@ -238,7 +238,8 @@ def dequant_rules(
     accepts any of the format's dtypes and export writes ``uint8`` for ``"ue8m0"``); ``dtype`` is
     the values' dtype (``None``: the model's); ``keep``: patterns of further weights the family's
     releases keep unquantized. compressed-tensors, ModelOpt and per-tensor FP8 configs (given as
-    ``quantization_config``) give ``sdadapt.dequant_rules``' rules for them. Other methods (MXFP4
+    ``quantization_config``) give ``sdadapt.dequant_rules``' rules for them, and so does MXFP8
+    (``quant_method: mxfp8``, its exponents' dtype from ``scale_dtype``). Other methods (MXFP4
     is GPT-OSS's) are refused before anything is planned."""
     if quantization is None:
         return []
@@ -250,9 +251,12 @@ def dequant_rules(
             "quantization_config.weight_block_size); give the checkpoint folder with its config.json, or pass "
             "quantization={'quant_method': 'fp8', 'weight_block_size': [128, 128]}"
         )
-    if method in ("compressed-tensors", "modelopt") or (method == "fp8" and not qc.get("weight_block_size")):
+    if method in ("compressed-tensors", "modelopt", "mxfp8") or (method == "fp8" and not qc.get("weight_block_size")):
         rules = sdadapt.dequant_rules({"quantization_config": qc}, dtype=dtype)
-        return [r.model_copy(update={"exclude": [*getattr(r, "exclude", []), *keep]}) for r in rules]
+        update: dict[str, Any] = {}
+        if method == "mxfp8" and scale_dtype is not None:  # the exponents' stored dtype, which export writes back
+            update["scale_dtype"] = _scale_dtype_of("ue8m0", scale_dtype, adapter)
+        return [r.model_copy(update={**update, "exclude": [*getattr(r, "exclude", []), *keep]}) for r in rules]
     if method != "fp8":
         raise AdapterError(
             f"the {adapter} adapter: {method.upper()} checkpoints need the dequant rules: not supported by this adapter "

@@ -64,6 +64,7 @@ def build(
     tp: int | None = None,
     inv_freq: bool = False,
     quantization: Quantization = None,
+    scale_dtype: str | None = None,
     dtype: str | None = None,
 ) -> Adapter:
     """The adapter from an HF Llama checkpoint to the Meta layout.
@@ -75,10 +76,12 @@ def build(
     ``rotary_emb.inv_freq`` buffers (dropped). ``quantization``: the checkpoint's
     ``quantization_config`` (``None``: plain weights): FP8 (block or per-tensor),
     compressed-tensors and ModelOpt releases are dequantised to the model's dtype (``dtype``
-    pins one) by rules placed first (see ``_common.dequant_rules``).
+    pins one) by rules placed first (see ``_common.dequant_rules``). ``scale_dtype``: the dtype
+    the release stores its e8m0 exponents in (``uint8`` or ``float8_e8m0fnu``; MXFP8 and UE8M0
+    FP8), which loading requires and export writes back.
     """
     n_heads, n_kv_heads = head_counts(n_heads, n_kv_heads, "llama")
-    rules: list[Any] = dequant_rules(quantization, "llama", dtype=dtype)
+    rules: list[Any] = dequant_rules(quantization, "llama", scale_dtype=scale_dtype, dtype=dtype)
     if inv_freq:
         rules.append(sdadapt.drop(HF + "self_attn.rotary_emb.inv_freq"))
     rules += top_level_rules(tie_embeddings)
@@ -116,7 +119,9 @@ def options_from_config(folder: str, source: str | None = None) -> dict[str, Any
     cfg = read_config(folder, ("config.json",))
     schema = checkpoint_schema(source or folder)
     keys = list(schema)
-    opts = attention_options(cfg, keys) | {k: v for k, v in quantization_options(cfg, schema).items() if k == "quantization"}
+    quant = quantization_options(cfg, schema)
+    mxfp8 = isinstance(quant.get("quantization"), dict) and quant["quantization"].get("quant_method") == "mxfp8"
+    opts = attention_options(cfg, keys) | {k: v for k, v in quant.items() if k == "quantization" or (mxfp8 and k == "scale_dtype")}
     if "intermediate_size" in cfg:
         opts["hidden_dim"] = cfg["intermediate_size"]
     if any(k.endswith("rotary_emb.inv_freq") for k in keys):

@@ -32,7 +32,7 @@ ct_release = pytest.importorskip("ct_release")
 V, D, F = 10, 64, 160
 FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 CT_FORMATS = ["fp8_tensor", "fp8_channel", "fp8_block", "nvfp4", "w4a16", "w4a16_asym", "w8a16", "mxfp8", "mxfp4"]
-HAND_FORMATS = ["modelopt_nvfp4", "modelopt_fp8", "fp8_per_tensor", "mxfp8_e8m0"]
+HAND_FORMATS = ["modelopt_nvfp4", "modelopt_fp8", "fp8_per_tensor", "mxfp8_e8m0", "mxfp8_method", "mxfp8_method_e8m0"]
 LINEARS = {"model.layers.0.w1": (F, D), "model.layers.0.w2": (D, F)}
 
 
@@ -165,6 +165,12 @@ def hand_case(folder: str, name: str, seed: int = 4) -> dict[str, dict[str, torc
             tensors |= {f"{key}.weight": q, f"{key}.weight_scale": exps.view(torch.float8_e8m0fnu)}
             ref = torch.tensor([[float(v) * 2.0 ** (int(exps[i, j // 32]) - 127) for j, v in enumerate(row)]
                                 for i, row in enumerate(q.float().tolist())], dtype=torch.float64).float()  # fmt: skip
+        elif name.startswith("mxfp8_method"):  # quant_method mxfp8: e4m3 weight, e8m0 weight_scale_inv per 32
+            q, s = mxfp8_method_release(w, "ocp" if name == "mxfp8_method" else "transformers")
+            tensors |= {f"{key}.weight": q, f"{key}.weight_scale_inv": s}
+            want["bfloat16"][mkey + ".weight"] = transformers_mxfp8_dequant(q, s, torch.bfloat16)
+            want["float32"][mkey + ".weight"] = transformers_mxfp8_dequant(q, s, torch.float32)
+            continue
         else:
             q = (torch.randn(rows, cols, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
             s = torch.tensor(0.0037, dtype=torch.float32)
@@ -188,11 +194,48 @@ def hand_case(folder: str, name: str, seed: int = 4) -> dict[str, dict[str, torc
         cfg = {"model_type": "tiny", "quantization_config": {
             "quant_method": "compressed-tensors", "format": "mxfp8-quantized", "ignore": ["lm_head"],
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}}  # fmt: skip
+    elif name.startswith("mxfp8_method"):
+        cfg = {"model_type": "tiny", "quantization_config": {"quant_method": "mxfp8", "weight_block_size": [1, 32],
+                                                             "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
+                                                             "modules_to_not_convert": ["lm_head"]}}  # fmt: skip
     else:
         cfg = {"model_type": "tiny", "quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(cfg, f)
     return want
+
+
+def mxfp8_method_release(w: torch.Tensor, rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [..., R, C]`` as a ``quant_method: mxfp8`` release stores it: e4m3 codes and one e8m0
+    exponent per 32 values of a row. ``rule="transformers"``: transformers' own quantizer
+    (``Fp8Quantize`` with ``scale_fmt: ue8m0``, block ``[1, 32]``: the scale ``2 ** ceil(log2(amax /
+    448))``), exponents stored as ``F8_E8M0`` as it writes them. ``rule="ocp"``: the OCP MX rule
+    (shared exponent ``floor(log2(amax)) - 8``, codes saturated at 448), exponents as ``U8``
+    (SGLang's layout)."""
+    if rule == "transformers":
+        from transformers.integrations.finegrained_fp8 import Fp8Quantize
+        from transformers.utils.quantization_config import FineGrainedFP8Config
+
+        config = FineGrainedFP8Config(quant_method="mxfp8", weight_block_size=(1, 32), scale_fmt="ue8m0")
+        out = Fp8Quantize(type("Quantizer", (), {"quantization_config": config})()).convert({"m.weight": w})
+        return out["m.weight"], out["m.weight_scale_inv"]
+    x = w.float().reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
+    _, exp = torch.frexp(x.abs().amax(-1))  # floor(log2(amax)) = exp - 1
+    shared = (exp - 1 - 8).clamp(-127, 127)
+    q = (x / torch.exp2(shared.float()).unsqueeze(-1)).clamp(-448, 448).reshape(w.shape).to(torch.float8_e4m3fn)
+    return q, (shared + 127).to(torch.uint8)
+
+
+def transformers_mxfp8_dequant(q: torch.Tensor, s: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q`` times its e8m0 scales, by transformers' own load-time op (``Fp8Dequantize``, which
+    takes the block from the scale grid and rounds the float32 product once to the dtype of the
+    parameter it loads into: a ``[R, C]`` linear of ``dtype`` here)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    with torch.device("meta"):
+        layer = nn.Linear(q.shape[-1], q.shape[-2], bias=False, dtype=dtype)
+    out = Fp8Dequantize(None).convert({"weight": [q], "weight_scale_inv": [s]}, full_layer_name="weight", model=layer)
+    return out["weight"]
 
 
 def write_case(folder: str, name: str) -> dict[str, dict[str, torch.Tensor]]:
@@ -524,7 +567,8 @@ def test_kernels_do_no_host_work(cases, name: str) -> None:
     assert not _HOST_CALLS & set(calls.names), (name, sorted(_HOST_CALLS & set(calls.names)))
 
 
-_INTO = {"fp8_tensor", "fp8_channel", "nvfp4", "mxfp8", "mxfp4", "modelopt_nvfp4", "modelopt_fp8", "fp8_per_tensor", "mxfp8_e8m0"}
+_INTO = {"fp8_tensor", "fp8_channel", "nvfp4", "mxfp8", "mxfp4", "modelopt_nvfp4", "modelopt_fp8", "fp8_per_tensor", "mxfp8_e8m0",
+         "mxfp8_method", "mxfp8_method_e8m0"}
 
 
 @pytest.mark.parametrize("name", CT_FORMATS + HAND_FORMATS)

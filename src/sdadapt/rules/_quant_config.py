@@ -10,6 +10,8 @@ Methods read:
 - ``fp8`` (DeepSeek/Qwen block scales: :class:`~sdadapt.rules.DequantFP8`; without
   ``weight_block_size``, per-tensor FP8 as Mistral-family releases store it);
 - ``mxfp4`` (GPT-OSS: :class:`~sdadapt.rules.DequantMXFP4`);
+- ``mxfp8`` (the layout SGLang's loader and transformers' fine-grained FP8 read: ``weight`` e4m3,
+  ``weight_scale_inv`` one e8m0 exponent per 32 values, ``weight_block_size: [1, 32]``);
 - ``compressed-tensors``: each config group's ``format`` and ``weights`` (``float-quantized``,
   ``naive-quantized``, ``int-quantized``, ``pack-quantized``, ``nvfp4-pack-quantized``,
   ``mxfp4-pack-quantized``, ``mxfp8-quantized``) with its ``targets`` and the ``ignore`` list;
@@ -42,6 +44,19 @@ class FP8Config(_Model):
     weight_block_size: list[int] | None = Field(default=None, min_length=2, max_length=2)
     scale_fmt: str | None = None
     modules_to_not_convert: list[str] | None = None
+    activation_scheme: str | None = None
+
+
+class MXFP8Config(_Model):
+    """``quant_method: mxfp8``: e4m3 weights, one e8m0 exponent (``U8`` or ``F8_E8M0``) per
+    ``weight_block_size`` = ``[1, 32]`` values under ``<module>.weight_scale_inv``.
+    ``ignored_layers`` is another name some releases give ``modules_to_not_convert``."""
+
+    quant_method: Literal["mxfp8"]
+    weight_block_size: list[int] = Field(default=[1, 32], min_length=2, max_length=2)
+    scale_fmt: Literal["ue8m0"] | None = None
+    modules_to_not_convert: list[str] | None = None
+    ignored_layers: list[str] | None = None
     activation_scheme: str | None = None
 
 
@@ -102,6 +117,7 @@ class HFQuantConfig(_Model):
 METHODS: dict[str, type[_Model]] = {
     "fp8": FP8Config,
     "mxfp4": MXFP4Config,
+    "mxfp8": MXFP8Config,
     "compressed-tensors": CompressedTensorsConfig,
     "modelopt": ModelOptConfig,
 }

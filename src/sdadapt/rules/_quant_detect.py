@@ -1,6 +1,6 @@
 """The dequant rules for the formats other tools write, built from a validated quantization config
 (:mod:`sdadapt.rules._quant_config`): compressed-tensors (one rule per config group), NVIDIA ModelOpt,
-and per-tensor FP8 (``quant_method: fp8`` without ``weight_block_size``).
+per-tensor FP8 (``quant_method: fp8`` without ``weight_block_size``) and MXFP8 (``quant_method: mxfp8``).
 
 Given the checkpoint's schema (its headers), a config group's ``targets`` and the ``ignore``
 list are resolved against the checkpoint's module names, and a module whose weight is stored as
@@ -211,6 +211,26 @@ def per_tensor_fp8_rules(qc: C.FP8Config, schema: Mapping[str, TensorInfo] | Non
     ]
 
 
+def mxfp8_rules(qc: C.MXFP8Config, schema: Mapping[str, TensorInfo] | None, dtype: str | None,
+                exclude: list[str]) -> list[DequantScaled]:  # fmt: skip
+    """``quant_method: mxfp8``: ``<module>.weight`` e4m3 and ``<module>.weight_scale_inv``, one e8m0
+    exponent per ``weight_block_size`` (``[1, 32]``: 32 values of a row), stored as ``U8`` or
+    ``F8_E8M0``. ``modules_to_not_convert`` (or ``ignored_layers``) names the modules kept as
+    they are. Given the schema, the exponents' stored dtype is kept for export; without it,
+    ``uint8`` is assumed (a release storing ``F8_E8M0`` then needs the folder or ``schema=``)."""
+    b0, b1 = qc.weight_block_size
+    if b0 <= 0 or b1 <= 0:
+        raise AdapterError(f"config.json: quantization_config.weight_block_size {qc.weight_block_size} must be two "
+                           "positive integers ([1, 32] for MXFP8)")  # fmt: skip
+    fields: dict[str, Any] = {"codec": "e4m3", "scale_suffix": "_scale_inv", "scale_dtype": "uint8"}
+    fields |= {"strategy": "group", "group_size": b1} if b0 == 1 else {"strategy": "block", "block": [b0, b1]}
+    names = list(qc.modules_to_not_convert or []) + list(qc.ignored_layers or [])
+    drop = ACTIVATION_SCALES + ["**.activation_scale"] + KV_SCALES
+    if schema:
+        return _rules([(["Linear"], fields)], names, C.ignored, _ct_pattern, schema, dtype, drop)
+    return [DequantScaled(keys="**.weight", exclude=exclude + [_ct_pattern(m) for m in names], dtype=dtype, drop=drop, **fields)]
+
+
 # --- the entry point: a release folder or config -> its dequant rules ---
 
 def dequant_rules(
@@ -232,6 +252,8 @@ def dequant_rules(
       which defaults to :data:`FP8_EXCLUDE`); without it, per-tensor (or per-channel) FP8 as a
       :class:`~sdadapt.rules._dequant_scaled.DequantScaled`;
     - ``quant_method: mxfp4``: one :class:`DequantMXFP4` (``mxfp4_keys``);
+    - ``quant_method: mxfp8``: one ``DequantScaled`` (e4m3 ``weight``, e8m0 ``weight_scale_inv``
+      per 32 values as ``U8`` or ``F8_E8M0``; ``modules_to_not_convert`` left alone);
     - ``compressed-tensors``: one ``DequantScaled`` per quantized config group (``format``,
       ``weights``, ``targets``, ``ignore``); activation and KV-cache scales are dropped on purpose;
     - ``modelopt`` (NVFP4, FP8): one ``DequantScaled``.
@@ -280,6 +302,8 @@ def dequant_rules(
         from ._dequant import DequantMXFP4
 
         return [DequantMXFP4(keys=mxfp4_keys, dtype=to)]
+    if isinstance(parsed, C.MXFP8Config):
+        return list(mxfp8_rules(parsed, schema, to, list(FP8_EXCLUDE if fp8_exclude is None else fp8_exclude)))
     assert isinstance(parsed, C.FP8Config)
     exclude = list(FP8_EXCLUDE if fp8_exclude is None else fp8_exclude)
     if parsed.weight_block_size is None:
