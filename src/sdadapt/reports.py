@@ -3,8 +3,9 @@
 Each is a plain object to read, print (``str(report)``) or serialise (the pydantic ones:
 ``report.model_dump_json()``); import them from here to annotate code that keeps one:
 
-- :class:`LoadReport` from :func:`sdadapt.load`; its ``plan`` field is a :class:`Report`;
-- :class:`Plan` (with its :class:`Report`) from :func:`sdadapt.plan_load` and :func:`sdadapt.diff`;
+- :class:`LoadReport` from :func:`sdadapt.load`; its ``report`` field is the plan's :class:`Report`;
+- :class:`Plan` (with its :class:`Report`) from :func:`sdadapt.plan_load`, and the :class:`Report`
+  alone from :func:`sdadapt.diff`;
 - :class:`StateLoadReport` from :func:`sdadapt.load_state`;
 - :class:`ExportReport` from :func:`sdadapt.export` and :func:`sdadapt.convert`;
 - :class:`VerifyReport` from :func:`sdadapt.verify`;

@@ -209,7 +209,7 @@ def for_plan(
 ) -> tuple[Adapter | None, list[str] | None]:
     """What ``load``, ``plan_load`` and ``diff`` plan with: a ``shipped`` adapter aimed at the
     model's names (:func:`for_load`, its training state added to ``allow_missing``), then
-    ``dtype``'s cast (:func:`sdadapt.with_dtype`). Returns ``(adapter, allow_missing)``."""
+    ``dtype``'s cast (:func:`~sdadapt._plan.adapter.with_dtype`). Returns ``(adapter, allow_missing)``."""
     if shipped and adapter is not None:
         adapter, state = for_load(adapter, source, non_tensor, model)
         allow_missing = [*(allow_missing or []), *state] if state else allow_missing

@@ -16,14 +16,14 @@ Two kinds of rules:
 
 Modules, one family each:
 
-- :mod:`.base`: :class:`RuleBase` (the protocol every rule implements) and the helpers rules
+- :mod:`._base`: :class:`RuleBase` (the protocol every rule implements) and the helpers rules
   share (matching keys, moving them, reading the target's size under a key's final name);
-- :mod:`.keys`: rename, fuse/split, drop, tie, strip_prefix/add_prefix;
-- :mod:`.values`: cast, transpose, rotary (row order inside heads), affine, pad/trim;
-- :mod:`.stacking`: stack/unstack (per-expert keys <-> one tensor);
-- :mod:`.tensor_parallel`: interleave/deinterleave (fused parts laid out per TP rank) and
+- :mod:`._keys`: rename, fuse/split, drop, tie, strip_prefix/add_prefix;
+- :mod:`._values`: cast, transpose, rotary (row order inside heads), affine, pad/trim;
+- :mod:`._stacking`: stack/unstack (per-expert keys <-> one tensor);
+- :mod:`._tensor_parallel`: interleave/deinterleave (fused parts laid out per TP rank) and
   :func:`tp_degree`;
-- :mod:`.custom`: :func:`register_rule` (the registry of rule kinds an adapter's JSON is read
+- :mod:`._custom`: :func:`register_rule` (the registry of rule kinds an adapter's JSON is read
   with) and :class:`ValueRule`, the short way to write a value rule of one's own.
 
 Adding a rule kind, built in or a user's: a :class:`RuleBase` subclass with a ``kind`` literal,

@@ -107,7 +107,7 @@ class RuleBase(BaseModel):
         """The rules that map optimizer state ``name`` (``exp_avg``, ``exp_avg_sq``...) of the
         parameters this rule maps, when training state is resumed through the adapter. Keys,
         layouts and dtypes follow the parameter's, so by default the rule itself; a rule that
-        changes values (:class:`.values.Affine`) says how each kind of moment changes, or
+        changes values (:class:`._values.Affine`) says how each kind of moment changes, or
         raises :class:`~sdadapt.errors.AdapterError` for state it cannot map."""
         return [self]
 
@@ -211,7 +211,7 @@ def target_size(ctx: PlanContext, key: str, index: int, d: int, nd: int) -> int 
 
 WRAPPER_SEGMENTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 """Key segments that module wrappers add (torch.compile, activation checkpointing, FSDP1) and
-that ``get_model_state_dict`` leaves out: :func:`build_plan` removes them from every source key,
+that ``get_model_state_dict`` leaves out: :func:`~sdadapt._plan.plan.build_plan` removes them from every source key,
 wherever they appear, before the adapter's rules run."""
 
 

@@ -19,7 +19,7 @@ class is registered with the :func:`register_rule` decorator and is then planned
 
 A rule that moves keys subclasses :class:`RuleBase` directly and implements ``apply`` with the
 plan context (``ctx.keys()``, ``ctx.get``, ``ctx.take``, ``ctx.put``, ``ctx.replace``,
-``ctx.mark``, ``ctx.issue``), as the built-in rules of :mod:`.keys` do.
+``ctx.mark``, ``ctx.issue``), as the built-in rules of :mod:`._keys` do.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Strict: a matched key that is not stored in the format (a bf16 embedding matched
 ``**.weight``) is a plan problem naming ``exclude=``, because the inverse re-quantizes every key
 the rule matches; so are a missing or misshapen scale. A scale no rule consumes shows up as an
 unexpected key, and a quantized weight loaded without these rules as a dtype or shape mismatch;
-:func:`quant_hint` turns either into a hint naming the rule that fixes it.
+:func:`~sdadapt._plan.report.quant_hint` turns either into a hint naming the rule that fixes it.
 """
 
 from __future__ import annotations

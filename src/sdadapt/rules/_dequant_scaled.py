@@ -259,7 +259,7 @@ class QuantizeScaled(_ScaledFields):
     scales and (with ``zero_suffix``) zero points with the same keys, geometry, packing and
     dtypes (scales in ``scale_dtype``, by default float32, e4m3 for NVFP4, whose global scale is
     chosen again from the tensor's largest magnitude as the release's tool does:
-    :class:`GlobalScaleOf`; e8m0 exponent bytes for the MX formats). FP8 and NVFP4 with float
+    :class:`~sdadapt._recipes.quant_scaled_nodes.GlobalScaleOf`; e8m0 exponent bytes for the MX formats). FP8 and NVFP4 with float
     scales, MXFP8 / MXFP4 with e8m0 scales, and int8 / int4 codes (packed or not) with float
     scales and optional zero points; how each scale is chosen is in :func:`S.quantize`.
 

@@ -1,6 +1,6 @@
 """Value rules: they keep each matched key and replace its node (cast, transpose, rotary row
 order, affine ``w * scale + shift``, pad/trim). They apply in order; rules that read the target (pad, trim) look a key up
-under the name it will have after the later key-moving rules (:func:`.base.final_key`).
+under the name it will have after the later key-moving rules (:func:`._base.final_key`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,13 @@
-"""What every checkpoint source offers: a schema read from headers, and region reads."""
+"""The :class:`Source` protocol (a schema read from headers, region reads, byte locations) and
+what the source formats and the layers above share with it:
+
+- the schema records :class:`TensorInfo` and :class:`MeshDim` (targets use them too), and
+  :class:`TensorLocation` (where a tensor's bytes lie in a file);
+- :func:`dtype_name` (the dtype names rules, reports and JSON write) and :func:`slices` (a box
+  as index slices);
+- :func:`member_path` (a file named by a checkpoint, kept inside its folder),
+  :func:`read_json_file` and the Hub id test :func:`is_hub_id`.
+"""
 
 from __future__ import annotations
 
