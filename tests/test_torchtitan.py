@@ -217,9 +217,9 @@ def test_plan_errors_before_dcp_load(hf_llama: str) -> None:
         SdadaptStateDictAdapter(None, hf_llama)
 
 
-def test_a_bf16_release_into_torchtitans_float32_parameters_with_to_dtype(hf_llama: str, tmp_path: Any) -> None:
-    """torchtitan keeps float32 parameters; HF releases are bf16. Without ``to_dtype`` the
-    mismatch is a plan error before ``dcp.load``; with ``to_dtype="model"`` bound by ``using``,
+def test_a_bf16_release_into_torchtitans_float32_parameters_with_dtype(hf_llama: str, tmp_path: Any) -> None:
+    """torchtitan keeps float32 parameters; HF releases are bf16. Without ``dtype`` the
+    mismatch is a plan error before ``dcp.load``; with ``dtype="model"`` bound by ``using``,
     torchtitan's load gives what ``sdadapt.load(..., dtype="model")`` gives; the export view
     is the adapter's inverse, untouched by the conversion."""
     from reference_models import MetaLlama
@@ -247,8 +247,13 @@ def test_a_bf16_release_into_torchtitans_float32_parameters_with_to_dtype(hf_lla
     want = model()
     sdadapt.load(want, str(bf16), "llama", dtype="model")
     got = model()
-    bridge = SdadaptStateDictAdapter.using("llama", to_dtype="model")(None, str(bf16))
-    assert bridge.to_dtype == "model" and "to_dtype" not in bridge.options
+    bridge = SdadaptStateDictAdapter.using("llama", dtype="model")(None, str(bf16))
+    assert bridge.dtype == "model" and "dtype" not in bridge.options
+    # the bridge's old keyword is refused by name, bound or passed, with the one the others use
+    for call in (lambda: SdadaptStateDictAdapter.using("llama", to_dtype="model"),
+                 lambda: SdadaptStateDictAdapter(None, str(bf16), adapter="llama", to_dtype="model")):  # fmt: skip
+        with pytest.raises(sdadapt.errors.UsageError, match=r"to_dtype= is now dtype= .*dtype='model'"):
+            call()
     StandInCheckpointManager(got, bridge).dcp_load(str(bf16))
     sd, ref = got.state_dict(), want.state_dict()
     assert all(sd[k].dtype == torch.float32 and torch.equal(sd[k], ref[k]) for k in ref)

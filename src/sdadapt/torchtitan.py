@@ -71,12 +71,15 @@ from ._plan.resolve import resolve_adapter
 from ._plan.target import schema_of
 from ._plan.titan_names import for_export, for_load, native_names
 from ._recipes.nodes import Leaf
+from ._transaction.args import renamed_keywords
 from ._transaction.writing import CachedIO, plan_outputs
 from .errors import AdapterError, ExportError, PlanError, SourceError
 from .sources import INDEX_NAME, Source, TensorInfo, open_source
 from .sources._json import INDEX_LIMIT, ShardIndex, read_json
 
 log = logging.getLogger(__name__)
+
+DTYPE_WHY = "'model' or a dtype every tensor is converted to, as sdadapt.load(..., dtype=) and the CLI's --dtype"
 
 __all__ = ["HFStateDict", "SdadaptStateDictAdapter", "apply_adapter", "torchtitan_names"]
 
@@ -277,7 +280,7 @@ class SdadaptStateDictAdapter:
     ``module:ATTR``, ``.json``); a shipped name reads the options ``options`` leaves out from the
     ``config.json`` beside the checkpoint being loaded (``hf_assets_path`` for the export).
     ``allow_missing`` / ``allow_unexpected`` are key patterns as for :func:`sdadapt.load`.
-    ``to_dtype`` is :func:`sdadapt.load`'s ``dtype``: ``"model"`` converts every tensor to the
+    ``dtype`` is :func:`sdadapt.load`'s ``dtype``: ``"model"`` converts every tensor to the
     dtype the model holds (torchtitan keeps float32 parameters and trains in bf16 through
     FSDP2's mixed precision, while HF releases are bf16 or FP8; an FP8 release is then
     dequantised straight into float32); without it a dtype mismatch is a plan error, as
@@ -292,19 +295,21 @@ class SdadaptStateDictAdapter:
         adapter: an :class:`~sdadapt.Adapter` or a spec string.
         allow_missing: key patterns the checkpoint may lack.
         allow_unexpected: key patterns the model may lack.
-        to_dtype: ``"model"`` or a dtype, as :func:`sdadapt.load`'s ``dtype``.
-        **options: a shipped adapter's options.
+        dtype: ``"model"`` or a dtype, as :func:`sdadapt.load`'s ``dtype`` (the old name
+            ``to_dtype=`` is refused with a :class:`~sdadapt.errors.UsageError` naming it).
+        **options: a shipped adapter's options (``dtype`` is the bridge's own, above).
 
     Example::
 
         from sdadapt.torchtitan import SdadaptStateDictAdapter
 
-        spec.state_dict_adapter = SdadaptStateDictAdapter.using("llama", to_dtype="model")
+        spec.state_dict_adapter = SdadaptStateDictAdapter.using("llama", dtype="model")
     """
 
     default_adapter: ClassVar[Adapter | str | None] = None
     default_options: ClassVar[dict[str, Any]] = {}
 
+    @renamed_keywords("SdadaptStateDictAdapter", {"to_dtype": ("dtype", DTYPE_WHY)})
     def __init__(
         self,
         model_config: Any = None,
@@ -313,7 +318,7 @@ class SdadaptStateDictAdapter:
         adapter: Adapter | str | None = None,
         allow_missing: list[str] | None = None,
         allow_unexpected: list[str] | None = None,
-        to_dtype: str | torch.dtype | None = None,
+        dtype: str | torch.dtype | None = None,
         **options: Any,
     ):
         self.model_config = model_config
@@ -325,8 +330,8 @@ class SdadaptStateDictAdapter:
         merged = {**self.default_options, **options}
         self.allow_missing = allow_missing if allow_missing is not None else merged.pop("allow_missing", None)
         self.allow_unexpected = allow_unexpected if allow_unexpected is not None else merged.pop("allow_unexpected", None)
-        self.to_dtype = to_dtype if to_dtype is not None else merged.pop("to_dtype", None)
-        for bound in ("allow_missing", "allow_unexpected", "to_dtype"):
+        self.dtype = dtype if dtype is not None else merged.pop("dtype", None)
+        for bound in ("allow_missing", "allow_unexpected", "dtype"):
             merged.pop(bound, None)
         self.options = merged
         self.fqn_to_index_mapping: dict[str, int] | None = _index_mapping(hf_assets_path)
@@ -336,10 +341,11 @@ class SdadaptStateDictAdapter:
         self._seen: dict[str, TensorInfo] | None = None  # the model's keys (see _model_schema)
 
     @classmethod
+    @renamed_keywords("SdadaptStateDictAdapter.using", {"to_dtype": ("dtype", DTYPE_WHY)})
     def using(cls, adapter: Adapter | str, **options: Any) -> type[SdadaptStateDictAdapter]:
         """A subclass that torchtitan can build as ``Cls(model_config, hf_assets_path)``, with
         ``adapter`` and ``options`` (including ``allow_missing=`` / ``allow_unexpected=`` /
-        ``to_dtype=``) bound."""
+        ``dtype=``) bound."""
         name = adapter if isinstance(adapter, str) else adapter.name
         return type(f"SdadaptStateDictAdapter[{name}]", (cls,), {"default_adapter": adapter, "default_options": dict(options)})
 
@@ -421,7 +427,7 @@ class SdadaptStateDictAdapter:
             adapter, state = for_load(self.adapter_for(path), source.schema, source.non_tensor, model)
             if state:
                 log.info("torchtitan bridge: %d keys of training state stay as initialised: %s", len(state), ", ".join(state[:4]))
-            adapter = with_dtype(adapter, self.to_dtype)
+            adapter = with_dtype(adapter, self.dtype)
             plan = build_plan(
                 source.schema,
                 model,
