@@ -65,6 +65,7 @@ if TYPE_CHECKING:
     from ._transaction.load import (
         plan_load as plan_load,
     )
+    from ._transaction.refit import refit_plan as refit_plan
     from ._transaction.shrink import shrink as shrink
     from ._transaction.state import (
         load_state as load_state,
@@ -150,6 +151,7 @@ _PUBLIC: dict[str, str] = {
     "export": "._transaction.export",
     "export_iter": "._transaction.export",
     "convert": "._transaction.export",
+    "refit_plan": "._transaction.refit",
     "write_checksums": ".sources._integrity",
     # checking and trimming checkpoints
     "verify": "._transaction.verify",

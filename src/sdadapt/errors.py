@@ -86,6 +86,18 @@ class ExportError(SdadaptError):
     """Writing the output failed or is not possible as asked; nothing is left at ``dst``."""
 
 
+class RefitError(SdadaptError):
+    """A refit (:func:`sdadapt.refit_plan`) cannot be planned or did not complete: shapes that do
+    not line up, a bucket too small for one row, a rank that left or timed out. Raised on every
+    rank. ``updated`` / ``not_updated``: this rank's engine tensors that a failed run did and
+    did not finish writing (empty when planning failed: nothing was written)."""
+
+    def __init__(self, message: str, *, updated: list[str] | None = None, not_updated: list[str] | None = None):
+        self.updated = list(updated or [])
+        self.not_updated = list(not_updated or [])
+        super().__init__(message)
+
+
 class ResolveError(SdadaptError):
     """A ``module:attr`` / ``file.py:attr`` / adapter-name spec cannot be imported or used."""
 

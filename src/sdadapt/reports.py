@@ -10,6 +10,7 @@ Each is a plain object to read, print (``str(report)``) or serialise (the pydant
 - :class:`ExportReport` from :func:`sdadapt.export` and :func:`sdadapt.convert`;
 - :class:`VerifyReport` from :func:`sdadapt.verify`;
 - :class:`ShrinkReport` from :func:`sdadapt.shrink`;
+- :class:`Refit` from :func:`sdadapt.refit_plan`, and the :class:`RefitReport` of each of its runs;
 - :class:`Draft` from :func:`sdadapt.draft`.
 
 Imported lazily from the modules that build them, from one table (:data:`_PUBLIC`).
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
     from ._plan.report import Report as Report
     from ._transaction.export import ExportReport as ExportReport
     from ._transaction.load import LoadReport as LoadReport
+    from ._transaction.refit import Refit as Refit
+    from ._transaction.refit import RefitReport as RefitReport
     from ._transaction.shrink import ShrinkReport as ShrinkReport
     from ._transaction.state import StateLoadReport as StateLoadReport
     from ._transaction.verify import VerifyReport as VerifyReport
@@ -39,6 +42,8 @@ _PUBLIC: dict[str, str] = {
     "ExportReport": "sdadapt._transaction.export",
     "VerifyReport": "sdadapt._transaction.verify",
     "ShrinkReport": "sdadapt._transaction.shrink",
+    "Refit": "sdadapt._transaction.refit",
+    "RefitReport": "sdadapt._transaction.refit",
     "Draft": "sdadapt._draft",
 }
 

@@ -1,0 +1,52 @@
+"""What the vLLM layouts share: where each vLLM parameter's shard lies on its TP (or EP) rank.
+
+vLLM's parallel layers hold plain tensors, each rank its shard: a column-parallel layer
+(``QKVParallelLinear``, ``MergedColumnParallelLinear``, ``VocabParallelEmbedding``,
+``ParallelLMHead``) rows ``[r * n, (r + 1) * n)`` of its whole weight, a row-parallel one
+(``RowParallelLinear``) those columns, ``FusedMoE`` ``w13_weight`` / ``w2_weight`` their
+intermediate dim (or, with expert parallelism, a contiguous run of experts); every other weight
+is whole on each rank. :class:`ShardLayout` gives :func:`sdadapt.refit_plan` each one's global
+shape and box, from the tensor the rank holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sdadapt.errors import AdapterError
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """``layout(key, tensor) -> (global shape, box)`` of one rank of ``size``: ``dims`` lists
+    ``(key suffix, dim)`` of the sharded weights (the first suffix that ends the key counts);
+    any other key is whole."""
+
+    dims: tuple[tuple[str, int], ...]
+    size: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise AdapterError(f"rank {self.rank} is not a rank of a group of {self.size}")
+
+    def dim_of(self, key: str) -> int | None:
+        """The dim ``key`` is sharded along, or ``None`` (whole on every rank)."""
+        return next((d for suffix, d in self.dims if key.endswith(suffix)), None)
+
+    def __call__(self, key: str, tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
+        shape = tuple(tensor.shape)
+        d = self.dim_of(key)
+        if d is None:
+            return shape, tuple((0, n) for n in shape)
+        n = shape[d]
+        whole = shape[:d] + (n * self.size,) + shape[d + 1 :]
+        box = tuple((0, m) for m in shape)
+        return whole, box[:d] + ((self.rank * n, (self.rank + 1) * n),) + box[d + 1 :]
+
+
+def divides(what: str, n: int, by: int, adapter: str) -> None:
+    if by < 1 or n % by:
+        raise AdapterError(f"the {adapter} adapter: {what} {n} does not divide by {by}; vLLM splits it evenly over the ranks")

@@ -1,0 +1,87 @@
+"""HF transformers Qwen3-MoE -> vLLM's Qwen3-MoE (``Qwen3MoeForCausalLM`` of
+``vllm/model_executor/models/qwen3_moe.py``), laid out for tensor (or expert) parallelism.
+
+vLLM's parameters on each rank ``r`` of ``tp``: attention, embeddings and head as in
+``vllm_llama`` (``qkv_proj`` per TP rank, ``o_proj`` by columns, the vocabulary padded to 64),
+plus ``self_attn.q_norm.weight`` / ``k_norm.weight`` (whole), and in each MoE layer::
+
+    model.layers.{i}.mlp.gate.weight               ReplicatedLinear router: [E, dim], whole
+    model.layers.{i}.mlp.experts.w13_weight        FusedMoE: [E, 2 * I / tp, dim], per expert [gate_r; up_r]
+    model.layers.{i}.mlp.experts.w2_weight         FusedMoE: [E, dim, I / tp] (columns of each expert's down)
+
+With ``expert_parallel=True`` (vLLM's ``enable_expert_parallel``) the experts are not cut: rank
+``r`` holds experts ``[r * E / tp, (r + 1) * E / tp)`` whole (``w13_weight`` ``[E / tp, 2 * I,
+dim]``, ``w2_weight`` ``[E / tp, dim, I]``). Dense layers (``mlp_only_layers``) keep
+``mlp.gate_up_proj`` / ``mlp.down_proj`` as in Llama.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sdadapt.adapters._vllm import ShardLayout, divides
+from sdadapt.adapters.vllm_llama import HF, attention_rules, vocab_rules
+
+import sdadapt
+from sdadapt import Adapter
+
+SUMMARY = "HF transformers Qwen3-MoE -> vLLM's TP/EP layout (qkv_proj; FusedMoE w13_weight, w2_weight); for refit"
+
+EXPERTS = HF + "mlp.experts."
+
+
+def build(
+    *,
+    n_heads: int,
+    n_kv_heads: int | None = None,
+    head_dim: int,
+    moe_hidden_dim: int,
+    hidden_dim: int | None = None,
+    n_experts: int | None = None,
+    tp: int = 1,
+    expert_parallel: bool = False,
+    tie_embeddings: bool = False,
+) -> Adapter:
+    """The adapter from an HF Qwen3-MoE state dict (per-expert weights) to vLLM's parameters.
+
+    ``moe_hidden_dim``: each expert's width ``I`` (``moe_intermediate_size``); ``hidden_dim``:
+    the dense layers' (``intermediate_size``), needed only when some layers are dense;
+    ``n_experts``: checked against the experts found. ``tp``: the TP degree; with
+    ``expert_parallel`` the experts are spread over the ``tp`` ranks whole instead of cut.
+    """
+    n_kv_heads = n_kv_heads or n_heads
+    ep = tp if expert_parallel else 1
+    etp = 1 if expert_parallel else tp
+    if n_experts is not None:
+        divides("n_experts", n_experts, ep, "vllm_qwen3_moe")
+    divides("moe_hidden_dim", moe_hidden_dim, etp, "vllm_qwen3_moe")
+    i = moe_hidden_dim
+    w13 = EXPERTS + "w13_weight"
+    rules: list[Any] = attention_rules(n_heads, n_kv_heads, head_dim, tp, "vllm_qwen3_moe")
+    rules += [
+        sdadapt.stack(EXPERTS + "{e}.gate_proj.weight", EXPERTS + "w1_stacked", over="e", count=n_experts),
+        sdadapt.stack(EXPERTS + "{e}.up_proj.weight", EXPERTS + "w3_stacked", over="e", count=n_experts),
+        sdadapt.stack(EXPERTS + "{e}.down_proj.weight", EXPERTS + "w2_weight", over="e", count=n_experts),
+        sdadapt.fuse([EXPERTS + "w1_stacked", EXPERTS + "w3_stacked"], w13, dim=1, sizes=[i, i]),
+        sdadapt.interleave(w13, sizes=[i, i], tp=etp, dim=1),
+    ]
+    if hidden_dim is not None:
+        divides("hidden_dim", hidden_dim, tp, "vllm_qwen3_moe")
+        gate_up = HF + "mlp.gate_up_proj.weight"
+        rules += [
+            sdadapt.fuse([HF + "mlp.gate_proj.weight", HF + "mlp.up_proj.weight"], gate_up, sizes=[hidden_dim, hidden_dim]),
+            sdadapt.interleave(gate_up, sizes=[hidden_dim, hidden_dim], tp=tp),
+        ]
+    rules += vocab_rules(tie_embeddings, tp)
+    mode = "EP" if expert_parallel else "TP"
+    return Adapter(rules, name="vllm_qwen3_moe", description=f"HF Qwen3-MoE -> vLLM {mode}={tp}")
+
+
+def layout(tp: int, rank: int, expert_parallel: bool = False) -> ShardLayout:
+    """Where rank ``rank`` of ``tp``'s vLLM Qwen3-MoE parameters lie in the whole tensors the
+    adapter makes, for ``sdadapt.refit_plan(..., engine_layout=layout(tp, rank))``."""
+    experts = (("experts.w13_weight", 0), ("experts.w2_weight", 0)) if expert_parallel else (
+        ("experts.w13_weight", 1), ("experts.w2_weight", 2))  # fmt: skip
+    from sdadapt.adapters.vllm_llama import SHARDED
+
+    return ShardLayout(experts + SHARDED, tp, rank)

@@ -1,0 +1,585 @@
+"""Refit: the training model's shards -> an inference engine's shards, every training step.
+
+:func:`refit_plan` is called once on every rank of a process group; it returns a :class:`Refit`
+whose :meth:`Refit.run` moves the bytes, as often as wanted. A rank may hold trainer shards,
+engine shards or both (colocated). The engine's tensors are the target of an ordinary plan (the
+adapter maps the trainer's keys onto the engine's), and each engine rank asks, through its
+tensors' recipes, only for the regions of trainer tensors its own shards are made of. Those
+regions go from the ranks that hold them (``refit_schedule``): pieces straight into views of the
+engine tensors, computations' inputs staged until the computation runs on the receiving rank.
+A cast to a narrower dtype happens on the sending side (the same bits, fewer bytes). Nothing is
+gathered whole unless an engine rank holds it whole.
+
+Transport: point-to-point sends and receives of the group's backend (gloo on the CPU, NCCL on
+GPUs), in rounds; in one round a rank sends and receives at most ``bucket_bytes`` (one buffer of
+at most that size per rank, allocated for the run and released after it). Delta mode reads the
+trainer tensors' version counters (``tensor._version``: every in-place change, an optimizer's
+step included, bumps it) and moves only the engine tensors made from a changed one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .._base.distributed import agree, any_rank, collective_device, is_distributed, rank_and_world
+from .._base.regions import Box, box_shape, full_box
+from .._plan.adapter import Adapter, with_dtype
+from .._plan.plan import build_plan
+from .._plan.target import model_state_dict
+from .._recipes.nodes import Compute, Fill, Node, Piece, Step
+from ..errors import RefitError, SdadaptError
+from ..sources._base import TensorInfo, dtype_name
+from .refit_schedule import Held, Request, Transfer, rounds_of, transfers_of
+
+log = logging.getLogger(__name__)
+
+EngineLayout = Callable[[str, torch.Tensor], tuple[tuple[int, ...], Box]]
+"""``layout(key, local_tensor) -> (global shape, box)``: where an engine rank's plain tensor lies
+in the whole tensor (``sdadapt.adapters.vllm_llama.layout(tp, rank)`` gives vLLM's)."""
+
+
+class RefitReport(BaseModel):
+    """What one :meth:`Refit.run` did on this rank.
+
+    Attributes:
+        rank: this rank in the refit's group.
+        updated: the engine tensors of this rank written by the run.
+        unchanged: those left as they were (delta mode: made only from unchanged trainer tensors).
+        bytes_sent: bytes this rank sent to other ranks.
+        bytes_received: bytes it received from other ranks.
+        bytes_local: bytes copied from its own trainer shards into its own engine shards.
+        rounds: rounds of the run (every rank runs the same number).
+        buffer_bytes: the largest bucket buffer this rank held (at most ``bucket_bytes``).
+        staged_bytes: the most bytes held at once for computations' inputs (0 for recipes that
+            only move and cast data).
+        seconds: the run's wall time.
+
+    Example::
+
+        refit = sdadapt.refit_plan(trainer, engine, adapter)
+        report = refit.run()
+        print(report.bytes_received, report.seconds)
+    """
+
+    rank: int
+    updated: list[str]
+    unchanged: list[str] = []
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_local: int = 0
+    rounds: int = 0
+    buffer_bytes: int = 0
+    staged_bytes: int = 0
+    seconds: float = 0.0
+
+    def format_text(self) -> str:
+        return (
+            f"rank {self.rank}: refit {len(self.updated)} engine tensors ({len(self.unchanged)} unchanged), "
+            f"sent {self.bytes_sent / 2**20:.1f} MiB, received {self.bytes_received / 2**20:.1f} MiB, "
+            f"local {self.bytes_local / 2**20:.1f} MiB in {self.rounds} rounds, {self.seconds:.3f} s"
+        )
+
+    def __str__(self) -> str:
+        return self.format_text()
+
+
+# ------------------------------------------------------------------------------ what a rank holds
+def _placed(t: torch.Tensor, what: str, key: str) -> tuple[tuple[int, ...], Box, torch.Tensor]:
+    """A tensor's global shape, the box this rank holds and its local tensor."""
+    if not isinstance(t, DTensor):
+        return tuple(t.shape), full_box(tuple(t.shape)), t.detach()
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    for p in t.placements:
+        if not isinstance(p, (Shard, Replicate)) or isinstance(p, _StridedShard):
+            raise RefitError(
+                f"{what} tensor {key!r} has placements {t.placements}; refit reads shards placed with Shard "
+                "and Replicate only (redistribute it, or refit from a state dict of such DTensors)"
+            )
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    box = tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
+    return tuple(t.shape), box, t._local_tensor.detach()
+
+
+def _tensors(obj: nn.Module | Mapping[str, torch.Tensor] | None, engine: bool) -> dict[str, torch.Tensor]:
+    if obj is None:
+        return {}
+    if isinstance(obj, nn.Module):
+        return dict(obj.named_parameters()) if engine else model_state_dict(obj)
+    if isinstance(obj, Mapping):
+        return {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    raise RefitError(f"expected a model, a dict of tensors or None; got {type(obj).__name__}")
+
+
+class _Recording:
+    """A source that hands out zeros and notes every region asked for (a computation's inputs)."""
+
+    def __init__(self, schema: dict[str, TensorInfo]):
+        self.schema = schema
+        self.asked: list[tuple[str, Box]] = []
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        if (key, box) not in self.asked:
+            self.asked.append((key, box))
+        return torch.zeros(box_shape(box), dtype=self.schema[key].dtype)
+
+
+class _Staged:
+    """A source serving the staged inputs of computations."""
+
+    def __init__(self, staged: dict[tuple[str, Box], torch.Tensor], target: str):
+        self.staged = staged
+        self.target = target
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        t = self.staged.get((key, box))
+        if t is None:
+            raise RefitError(f"engine tensor {self.target!r}: its recipe read region {list(box)} of {key!r}, which was not sent")
+        return t
+
+
+@dataclass
+class _Mine:
+    """This engine rank's side: each engine tensor's steps, and where each request lands."""
+
+    steps: dict[str, list[Step]] = field(default_factory=dict)
+    requests: list[Request] = field(default_factory=list)
+    dest: dict[int, torch.Tensor] = field(default_factory=dict)  # request -> view of the engine tensor (pieces)
+    inputs: dict[str, list[int]] = field(default_factory=dict)  # engine key -> requests its computations read
+    by_target: dict[str, list[int]] = field(default_factory=dict)  # engine key -> all its requests
+
+
+@dataclass
+class _Run:
+    """One run's progress on this rank."""
+
+    rep: RefitReport
+    remaining: dict[int, int] = field(default_factory=dict)  # request -> transfers still to land
+    open: dict[str, int] = field(default_factory=dict)  # engine key -> requests still incomplete
+    ready: list[str] = field(default_factory=list)  # engine keys whose bytes are all in
+    done: set[str] = field(default_factory=set)
+    staged: dict[int, torch.Tensor] = field(default_factory=dict)
+    staged_now: int = 0
+
+
+def _offset(box: Box, origin: Box) -> tuple[slice, ...]:
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin, strict=True))
+
+
+class Refit:
+    """A refit planned by :func:`sdadapt.refit_plan`: :meth:`run` (or calling it) moves the
+    trainer's current weights into the engine's tensors. Every rank of the group calls it at the
+    same point; the plan is reused, a run only moves bytes.
+
+    Attributes:
+        recipes: engine key -> the recipe that makes it from the trainer's tensors.
+        bucket_bytes: the most bytes a rank sends and receives in one round.
+        delta: whether a run skips engine tensors made only from unchanged trainer tensors.
+
+    Example::
+
+        refit = sdadapt.refit_plan(trainer_model, engine_params, adapter, bucket_bytes=64 << 20)
+        for batch in data:
+            train_step(batch)
+            refit()  # the engine now serves the new weights
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world: int,
+        group: dist.ProcessGroup | None,
+        recipes: dict[str, Node],
+        bucket_bytes: int,
+        delta: bool,
+        timeout: float,
+        mine: _Mine,
+        trainer: dict[str, torch.Tensor],
+        versioned: dict[str, torch.Tensor],
+        trainer_box: dict[str, Box],
+        source_dtype: dict[str, torch.dtype],
+        transfers: list[Transfer],
+        device: torch.device,
+    ):
+        self.rank, self.world, self.group = rank, world, group
+        self.recipes, self.bucket_bytes, self.delta, self.timeout = recipes, bucket_bytes, delta, timeout
+        self.mine = mine
+        self.trainer = trainer  # key -> this rank's local shard
+        self.versioned = versioned  # key -> the tensor whose version counter delta mode reads
+        self.trainer_box = trainer_box
+        self.source_keys = sorted(source_dtype)
+        self.source_dtype = source_dtype
+        self.transfers = transfers  # every rank's: every rank packs the same rounds
+        self.local = [t for t in transfers if t.src == rank and t.dst == rank]
+        self.device = device
+        self._rounds: dict[frozenset[str], list[list[Transfer]]] = {}
+        self._versions: dict[str, int] = {}
+
+    # ----- one run
+    def __call__(self) -> RefitReport:
+        """The same as :meth:`run`."""
+        return self.run()
+
+    def run(self) -> RefitReport:
+        """Move the trainer's current weights into the engine's tensors (every rank calls it).
+
+        Returns:
+            This rank's :class:`RefitReport`.
+
+        Raises:
+            RefitError: on every rank, when a rank failed, left or timed out; its ``updated`` /
+                ``not_updated`` say which of this rank's engine tensors were written.
+
+        Example::
+
+            report = refit.run()
+        """
+        t0 = time.perf_counter()
+        active = self._changed_targets() if self.delta else set(self.recipes)
+        rounds = self._rounds_for(active)
+        st = _Run(RefitReport(rank=self.rank, updated=[], rounds=len(rounds)))
+        todo = [k for k in self.mine.steps if k in active]
+        error: BaseException | None = None
+        try:
+            with torch.no_grad():
+                self._start(st, todo, active)
+                size = max((self._load(r) for r in rounds), default=0)
+                st.rep.buffer_bytes = size
+                for t in self.local:
+                    if t.target in active:
+                        st.rep.bytes_local += t.nbytes
+                        self._land(t, self._source_view(t), st)
+                self._finish_ready(st)
+                buffer = torch.empty(size, dtype=torch.uint8, device=self.device) if size else None
+                for r in rounds:
+                    self._round(r, buffer, st)
+                    self._finish_ready(st)
+                del buffer
+                if len(st.done) != len(todo):
+                    raise RefitError(f"engine tensors {sorted(set(todo) - st.done)[:8]} did not get all their bytes")
+        except BaseException as e:  # noqa: BLE001 - every rank must learn of it
+            error = e
+        try:
+            failed = any_rank(error is not None, self.group) if self.world > 1 else error is not None
+        except Exception as e:  # noqa: BLE001 - a rank that left breaks the group's collectives
+            failed, error = True, error or e
+        if failed:
+            not_done = sorted(set(todo) - st.done)
+            why = f"{type(error).__name__}: {error}" if error is not None else "another rank failed"
+            raise RefitError(
+                f"refit failed on rank {self.rank}: {why}. Of this rank's engine tensors, {len(st.done)} were "
+                f"updated and {len(not_done)} were not ({', '.join(not_done[:8])}{' ...' if len(not_done) > 8 else ''}); "
+                "run the refit again once every rank is back",
+                updated=sorted(st.done),
+                not_updated=not_done,
+            ) from error
+        rep = st.rep
+        rep.updated = sorted(st.done)
+        rep.unchanged = sorted(k for k in self.mine.steps if k not in active)
+        rep.seconds = time.perf_counter() - t0
+        log.info("%s", rep.format_text())
+        return rep
+
+    def _start(self, st: _Run, todo: list[str], active: set[str]) -> None:
+        """Fill the constant regions; count, per request and per engine tensor, what is awaited."""
+        for t in self.transfers:
+            if t.dst == self.rank and t.target in active:
+                st.remaining[t.request] = st.remaining.get(t.request, 0) + 1
+        for k in todo:
+            for s in self.mine.steps[k]:
+                if isinstance(s, Fill):
+                    s.dest.fill_(s.value)
+            st.open[k] = sum(1 for i in self.mine.by_target.get(k, []) if st.remaining.get(i))
+            if st.open[k] == 0:
+                st.ready.append(k)
+
+    # ----- delta mode
+    def _changed_targets(self) -> set[str]:
+        """Engine keys made from a trainer tensor whose version counter moved since the last run."""
+        flags = torch.zeros(len(self.source_keys), dtype=torch.int32, device=self.device)
+        for i, k in enumerate(self.source_keys):
+            t = self.versioned.get(k)  # a DTensor's own counter: its in-place ops leave its local tensor's alone
+            if t is not None:
+                v = t._version
+                if self._versions.get(k) != v:
+                    flags[i] = 1
+                    self._versions[k] = v
+            elif not self._versions.get(k):  # not held here: the first run sends it
+                self._versions[k] = 1
+                flags[i] = 1
+        if self.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        changed = {k for k, f in zip(self.source_keys, flags.tolist(), strict=True) if f}
+        return {k for k, node in self.recipes.items() if changed.intersection(node.leaves()) or not node.leaves()}
+
+    def _rounds_for(self, active: set[str]) -> list[list[Transfer]]:
+        key = frozenset(active)
+        if key not in self._rounds:
+            if len(self._rounds) > 8:
+                self._rounds.clear()
+            self._rounds[key] = rounds_of([t for t in self.transfers if t.target in active], self.bucket_bytes, self.world)
+        return self._rounds[key]
+
+    def _load(self, r: list[Transfer]) -> int:
+        return sum(t.padded for t in r if self.rank in (t.src, t.dst))
+
+    # ----- moving bytes
+    def _source_view(self, t: Transfer) -> torch.Tensor:
+        local, box = self.trainer[t.key], self.trainer_box[t.key]
+        return local[_offset(t.box, box)]
+
+    def _land(self, t: Transfer, data: torch.Tensor, st: _Run) -> None:
+        """Put transfer ``t``'s data where its request goes."""
+        req = self.mine.requests[t.request]
+        dest = self.mine.dest.get(t.request)
+        if dest is None:  # an input of a computation: staged until the computation runs
+            dest = st.staged.get(t.request)
+            if dest is None:
+                dest = st.staged[t.request] = torch.empty(box_shape(req.box), dtype=self.source_dtype[req.key], device=self.device)
+                st.staged_now += dest.numel() * dest.element_size()
+                st.rep.staged_bytes = max(st.rep.staged_bytes, st.staged_now)
+        dest[_offset(t.box, req.box)].copy_(data)
+        st.remaining[t.request] -= 1
+        if st.remaining[t.request] == 0:
+            st.open[req.target] -= 1
+            if st.open[req.target] == 0:
+                st.ready.append(req.target)
+
+    def _finish_ready(self, st: _Run) -> None:
+        """Run the computations of every engine tensor whose bytes are all in; it is then done."""
+        mine = self.mine
+        while st.ready:
+            k = st.ready.pop()
+            computes = [s for s in mine.steps[k] if isinstance(s, Compute)]
+            if computes:
+                io = _Staged({(mine.requests[i].key, mine.requests[i].box): st.staged[i] for i in mine.inputs[k]}, k)
+                for s in computes:
+                    s.run(io)
+                for i in mine.inputs[k]:
+                    t = st.staged.pop(i)
+                    st.staged_now -= t.numel() * t.element_size()
+            st.done.add(k)
+
+    def _round(self, r: list[Transfer], buffer: torch.Tensor | None, st: _Run) -> None:
+        me = self.rank
+        sends = sorted((t for t in r if t.src == me), key=lambda t: t.dst)
+        recvs = sorted((t for t in r if t.dst == me), key=lambda t: t.src)
+        if not sends and not recvs:
+            return
+        assert buffer is not None
+        offset = 0
+        ops: list[dist.P2POp] = []
+        placed: list[tuple[Transfer, torch.Tensor]] = []
+        for group_of, peer_of, is_send in ((sends, "dst", True), (recvs, "src", False)):
+            i = 0
+            while i < len(group_of):
+                peer = getattr(group_of[i], peer_of)
+                start = offset
+                while i < len(group_of) and getattr(group_of[i], peer_of) == peer:
+                    t = group_of[i]
+                    view = buffer[offset : offset + t.nbytes].view(getattr(torch, t.wire)).view(box_shape(t.box))
+                    if is_send:
+                        view.copy_(self._source_view(t))
+                        st.rep.bytes_sent += t.nbytes
+                    else:
+                        placed.append((t, view))
+                        st.rep.bytes_received += t.nbytes
+                    offset += t.padded
+                    i += 1
+                op = dist.isend if is_send else dist.irecv
+                ops.append(dist.P2POp(op, buffer[start:offset], self._global(peer), self.group))
+        works = dist.batch_isend_irecv(ops)
+        for w in works:
+            if not w.wait(timeout=datetime.timedelta(seconds=self.timeout)):
+                raise RefitError(f"a transfer did not finish within timeout={self.timeout} s")
+        for t, view in placed:
+            self._land(t, view, st)
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+
+# ------------------------------------------------------------------------------ planning
+def refit_plan(
+    trainer: nn.Module | Mapping[str, torch.Tensor] | None,
+    engine: nn.Module | Mapping[str, torch.Tensor] | None,
+    adapter: Adapter | None = None,
+    *,
+    engine_layout: EngineLayout | None = None,
+    process_group: dist.ProcessGroup | None = None,
+    bucket_bytes: int = 256 << 20,
+    delta: bool = False,
+    timeout: float = 600.0,
+    allow_missing: list[str] | None = None,
+    allow_unexpected: list[str] | None = None,
+) -> Refit:
+    """Plan moving a training model's shards into an inference engine's shards; every rank of
+    ``process_group`` calls it (the planning is collective), then calls the result's
+    :meth:`Refit.run` after each training step.
+
+    ``trainer``: this rank's part of the training model (a model whose parameters are DTensors,
+    as FSDP2 / TP / 2-D leave them, or a state dict), ``None`` on a rank that holds no trainer
+    shards (an engine-only rank). ``engine``: this rank's engine tensors (a model, e.g. a vLLM
+    worker's model, whose ``named_parameters()`` are written; or a dict of tensors), ``None`` on a
+    trainer-only rank. A rank may hold both (colocated). ``adapter`` maps the trainer's keys onto
+    the engine's (``None``: the same keys and layouts), as for :func:`sdadapt.load` with the
+    trainer's state dict as the checkpoint, then each tensor is cast to the engine's dtype: e.g. a family's adapter inverted (trainer -> HF)
+    followed by ``sdadapt.adapters.vllm_llama.build(...)`` (HF -> vLLM). An engine DTensor says
+    where its shard lies; a plain engine tensor is whole, unless ``engine_layout(key, tensor)``
+    gives its global shape and box (``sdadapt.adapters.vllm_llama.layout(tp, rank)``).
+
+    Each engine rank receives exactly the regions its shards are made of, from the ranks that
+    hold them; narrowing casts happen before sending; computed recipes (a re-quantization) run on
+    the receiving rank. No rank gathers a whole tensor unless its engine shard needs all of it.
+
+    Args:
+        trainer: this rank's training model or state dict (DTensors or plain tensors), or ``None``.
+        engine: this rank's engine model or tensors (written in place), or ``None``.
+        adapter: the trainer -> engine adapter; ``None``: keys and layouts as they are.
+        engine_layout: ``(key, tensor) -> (global shape, box)`` for plain engine tensors that are
+            shards.
+        process_group: the group of every trainer and engine rank (default: the world).
+        bucket_bytes: the most bytes one rank sends and receives in one round (its buffer).
+        delta: a run moves only the engine tensors made from a trainer tensor changed in place
+            since the previous run (version counters).
+        timeout: seconds a run waits for any one transfer before failing on every rank.
+        allow_missing: engine key patterns the trainer need not provide (left as they are).
+        allow_unexpected: adapted trainer key patterns the engine need not hold (not sent).
+
+    Returns:
+        The :class:`Refit`; call it (or its ``run()``) to move the weights.
+
+    Example::
+
+        refit = sdadapt.refit_plan(trainer, engine, adapter)
+        refit()  # after every training step, on every rank
+    """
+    group = process_group
+    rank, world = rank_and_world(group)
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 16:
+        raise RefitError(f"bucket_bytes={bucket_bytes!r} must be an int of at least 16")
+    error: BaseException | None = None
+    meta: dict[str, Any] = {}
+    try:
+        trainer_t = _tensors(trainer, engine=False)
+        engine_t = _tensors(engine, engine=True)
+        held_t: dict[str, Held] = {}
+        local_t: dict[str, torch.Tensor] = {}
+        box_t: dict[str, Box] = {}
+        for k, t in trainer_t.items():
+            shape, box, local = _placed(t, "trainer", k)
+            held_t[k], local_t[k], box_t[k] = Held(shape, dtype_name(t.dtype), box), local, box
+        held_e: dict[str, Held] = {}
+        local_e: dict[str, torch.Tensor] = {}
+        for k, t in engine_t.items():
+            if isinstance(t, DTensor) or engine_layout is None:
+                shape, box, local = _placed(t, "engine", k)
+            else:
+                shape, given = engine_layout(k, t)
+                box = tuple((int(a), int(b)) for a, b in given)
+                shape, local = tuple(shape), t.detach()
+                if box_shape(box) != tuple(local.shape):
+                    raise RefitError(f"engine tensor {k!r}: its layout gives box {list(box)} but it holds {list(local.shape)}")
+            held_e[k], local_e[k] = Held(shape, dtype_name(t.dtype), box), local
+        meta = {"trainer": held_t, "engine": held_e}
+    except SdadaptError as e:
+        error = e
+    agree(error, group)
+    metas = _gather(meta, group, world)
+    trainer_all = [m["trainer"] for m in metas]
+    source = _schema(trainer_all, "trainer")
+    target = _schema([m["engine"] for m in metas], "engine")
+    plan = build_plan(source, target, with_dtype(adapter, "model"), allow_missing=allow_missing, allow_unexpected=allow_unexpected,
+                      source_name="trainer", target_name="engine")  # fmt: skip
+    if not plan.report.ok:
+        raise RefitError("the trainer's tensors, through the adapter, do not line up with the engine's:\n" + plan.report.format())
+    mine = _Mine()
+    error = None
+    try:
+        rec = _Recording(source)
+        for k in sorted(local_e):
+            if k not in plan.recipes:
+                continue
+            node, dest = plan.recipes[k], local_e[k]
+            steps = node.steps(meta["engine"][k].box, dest)
+            mine.steps[k] = steps
+            _requests(k, node, steps, rec, source, mine)
+    except SdadaptError as e:
+        error = e
+    agree(error, group)
+    requests = [r for r in _gather(mine.requests, group, world)]
+    transfers = transfers_of(trainer_all, requests, bucket_bytes)
+    refit = Refit(
+        rank=rank, world=world, group=group, recipes=plan.recipes, bucket_bytes=bucket_bytes, delta=delta,
+        timeout=timeout, mine=mine, trainer=local_t, versioned=trainer_t, trainer_box=box_t,
+        source_dtype={k: v.dtype for k, v in source.items()}, transfers=transfers,
+        device=collective_device(group) if is_distributed() else torch.device("cpu"),
+    )  # fmt: skip
+    log.info("refit planned on rank %d: %d engine tensors here, %d transfers", rank, len(mine.steps), len(transfers))
+    return refit
+
+
+def _gather(obj: Any, group: dist.ProcessGroup | None, world: int) -> list[Any]:
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _schema(per_rank: list[dict[str, Held]], what: str) -> dict[str, TensorInfo]:
+    """Every key's global shape and dtype; ranks that disagree are an error (the same on all)."""
+    out: dict[str, TensorInfo] = {}
+    for r, held in enumerate(per_rank):
+        for k, h in sorted(held.items()):
+            info = TensorInfo(h.shape, getattr(torch, h.dtype))
+            if k in out and out[k] != info:
+                raise RefitError(
+                    f"{what} tensor {k!r} is {list(h.shape)} {h.dtype} on rank {r} but "
+                    f"{list(out[k].shape)} {dtype_name(out[k].dtype)} on another rank; every rank must hold the same tensor"
+                )
+            out[k] = info
+    return out
+
+
+def _requests(k: str, node: Node, steps: list[Step], rec: _Recording, source: dict[str, TensorInfo], mine: _Mine) -> None:
+    """The regions of trainer tensors engine tensor ``k``'s steps need."""
+    first = len(mine.requests)
+    asked: list[tuple[str, Box]] = []
+    for s in steps:
+        if isinstance(s, Piece):
+            src, dst = source[s.key].dtype, s.dest.dtype
+            wire = dst if dst.itemsize < src.itemsize else src
+            i = len(mine.requests)
+            mine.requests.append(Request(k, s.key, s.box, dtype_name(wire), i))
+            mine.dest[i] = s.dest
+        elif isinstance(s, Compute):
+            rec.asked = []
+            if s.fn is not None:
+                s.fn(rec)
+            else:
+                for inp in s.inputs:
+                    inp.value(rec)
+            asked += [a for a in rec.asked if a not in asked]
+    for key, box in asked:
+        i = len(mine.requests)
+        mine.requests.append(Request(k, key, box, dtype_name(source[key].dtype), i))
+        mine.inputs.setdefault(k, []).append(i)
+    mine.by_target[k] = list(range(first, len(mine.requests)))
+
+
+__all__ = ["EngineLayout", "Refit", "RefitReport", "refit_plan"]

@@ -1,0 +1,325 @@
+"""sdadapt.refit_plan: trainer shards -> engine shards (vLLM's layouts), on real gloo processes.
+
+Every engine shard is compared with the same transform applied eagerly to the full training
+weights (``node.full``), cut to the shard's box. One launched group of 4 ranks runs the
+disaggregated (trainer 0,1 -> engine 2,3), colocated, replicated, delta, Qwen3-MoE (TP and EP)
+and bad-input cases; a 2-rank group checks a rank that leaves mid-refit.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+from dist_helper import WorkerError, run_distributed
+from sdadapt.adapters import vllm_llama, vllm_qwen3_moe
+
+import sdadapt
+from sdadapt._transaction.refit_schedule import Transfer, cut_to_fit, rounds_of
+from sdadapt._transaction.writing import plan_outputs
+from sdadapt.errors import RefitError
+from sdadapt.sources._base import TensorInfo, slices
+
+# uneven on purpose: 101 vocabulary rows, 22-wide norms, 10 kv rows over 4 FSDP ranks
+L, D, H, KV, HD, F, V = 2, 22, 4, 2, 5, 18, 101
+E, FE = 4, 8  # I / tp = 4 rows per part and rank: read as pieces (shorter parts are picked from covering reads)
+
+
+def llama_hf(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    sd = {"model.embed_tokens.weight": torch.randn(V, D, generator=g), "model.norm.weight": torch.randn(D, generator=g),
+          "lm_head.weight": torch.randn(V, D, generator=g)}  # fmt: skip
+    for i in range(L):
+        p = f"model.layers.{i}."
+        for name, shape in (("self_attn.q_proj", (H * HD, D)), ("self_attn.k_proj", (KV * HD, D)), ("self_attn.v_proj", (KV * HD, D)),
+                            ("self_attn.o_proj", (D, H * HD)), ("mlp.gate_proj", (F, D)), ("mlp.up_proj", (F, D)),
+                            ("mlp.down_proj", (D, F)), ("input_layernorm", (D,)), ("post_attention_layernorm", (D,))):  # fmt: skip
+            sd[p + name + ".weight"] = torch.randn(*shape, generator=g)
+    return sd
+
+
+def qwen3_moe_titan(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A Qwen3-MoE trainer's weights in sdadapt's torchtitan-style layout (stacked experts)."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {"tok_embeddings.weight": torch.randn(V, D, generator=g), "norm.weight": torch.randn(D, generator=g),
+          "output.weight": torch.randn(V, D, generator=g)}  # fmt: skip
+    for i in range(L):
+        p = f"layers.{i}."
+        for name, shape in (("attention.wq.weight", (H * HD, D)), ("attention.wk.weight", (KV * HD, D)),
+                            ("attention.wv.weight", (KV * HD, D)), ("attention.wo.weight", (D, H * HD)),
+                            ("attention.q_norm.weight", (HD,)), ("attention.k_norm.weight", (HD,)),
+                            ("attention_norm.weight", (D,)), ("ffn_norm.weight", (D,)), ("moe.router.gate.weight", (E, D)),
+                            ("moe.experts.w1", (E, FE, D)), ("moe.experts.w3", (E, FE, D)), ("moe.experts.w2", (E, D, FE))):  # fmt: skip
+            sd[p + name] = torch.randn(*shape, generator=g)
+    return sd
+
+
+def llama_adapter(tp: int) -> sdadapt.Adapter:
+    return vllm_llama.build(n_heads=H, n_kv_heads=KV, head_dim=HD, hidden_dim=F, tp=tp)
+
+
+def moe_adapter(tp: int, ep: bool = False) -> sdadapt.Adapter:
+    trainer_to_hf = sdadapt.get_adapter("qwen3_moe", n_experts=E).inverse()
+    return trainer_to_hf + vllm_qwen3_moe.build(n_heads=H, n_kv_heads=KV, head_dim=HD, moe_hidden_dim=FE, n_experts=E, tp=tp,
+                                                expert_parallel=ep)  # fmt: skip
+
+
+class _IO:
+    def __init__(self, sd: dict[str, torch.Tensor]):
+        self.sd = sd
+
+    def read(self, key, box):
+        return self.sd[key][slices(box)]
+
+
+def eager(full: dict[str, torch.Tensor], adapter: sdadapt.Adapter) -> dict[str, torch.Tensor]:
+    """The engine's whole tensors: the adapter's recipes applied eagerly to the full weights."""
+    schema = {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in full.items()}
+    outputs, _ = plan_outputs(schema, adapter, what="test")
+    return {k: node.full(_IO(full)) for k, node in outputs.items()}
+
+
+def engine_shards(whole: dict[str, torch.Tensor], layout, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """NaN-filled engine tensors of one rank, shaped as ``layout`` cuts ``whole``."""
+    out = {}
+    for k, t in whole.items():
+        d = layout.dim_of(k)
+        shape = list(t.shape)
+        if d is not None:
+            shape[d] //= layout.size
+        out[k] = torch.full(shape, float("nan"), dtype=dtype)
+    return out
+
+
+def check(engine: dict[str, torch.Tensor], whole: dict[str, torch.Tensor], layout) -> int:
+    """Every engine shard equals its box of the eager result (cast); returns the bytes from the
+    trainer (the padded vocabulary rows are filled, not sent)."""
+    sent = 0
+    for k, t in engine.items():
+        _, box = layout(k, t)
+        want = whole[k][slices(box)].to(t.dtype)
+        assert torch.equal(t, want), k
+        rows = V if k.endswith(("embed_tokens.weight", "lm_head.weight")) else None
+        if rows is not None:
+            kept = max(0, min(box[0][1], rows) - box[0][0])
+            sent += kept * math.prod(t.shape[1:]) * t.element_size()
+        else:
+            sent += t.numel() * t.element_size()
+    return sent
+
+
+def shard(full: dict[str, torch.Tensor], mesh, placements_of) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import distribute_tensor
+
+    return {k: distribute_tensor(v, mesh, placements_of(k, v), src_data_rank=None) for k, v in full.items()}
+
+
+def _cases(bucket: int) -> dict[str, object]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    rank = dist.get_rank()
+    out: dict[str, object] = {}
+    fsdp = lambda k, v: [Shard(0)]  # noqa: E731
+    full = llama_hf()
+
+    # 1. disaggregated: FSDP over trainer ranks 0,1 -> vLLM TP 2 on engine ranks 2,3, bf16
+    pair = DeviceMesh("cpu", [0, 1], mesh_dim_names=("dp",))
+    whole = eager(full, llama_adapter(2))
+    trainer = shard(full, pair, fsdp) if rank < 2 else None
+    layout = vllm_llama.layout(2, rank - 2) if rank >= 2 else None
+    engine = engine_shards(whole, layout) if layout else None
+    refit = sdadapt.refit_plan(trainer, engine, llama_adapter(2), engine_layout=layout, bucket_bytes=bucket)
+    rep = refit.run()
+    assert rep.buffer_bytes <= bucket, (rep.buffer_bytes, bucket)
+    if engine is not None:
+        assert rep.bytes_received == check(engine, whole, layout) and rep.bytes_sent == 0
+    else:
+        assert rep.bytes_received == 0 and rep.updated == []
+    out["disaggregated"] = rep.model_dump()
+
+    # 2. colocated: FSDP over all 4 ranks -> two vLLM TP-2 replicas (ranks 0,1 and 2,3), delta mode
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    trainer = shard(full, world, fsdp)
+    layout = vllm_llama.layout(2, rank % 2)
+    engine = engine_shards(whole, layout)
+    refit = sdadapt.refit_plan(trainer, engine, llama_adapter(2), engine_layout=layout, bucket_bytes=bucket, delta=True)
+    rep = refit()
+    sent = check(engine, whole, layout)
+    assert rep.bytes_received + rep.bytes_local == sent and rep.bytes_local > 0
+    assert len(rep.updated) == len(engine) and rep.unchanged == []
+    rep2 = refit()
+    assert rep2.updated == [] and len(rep2.unchanged) == len(engine) and rep2.bytes_received == 0
+    changed = "model.layers.1.mlp.up_proj.weight"
+    with torch.no_grad():
+        trainer[changed].add_(1.0)  # in place, as an optimizer's step: its version counter moves
+    full2 = dict(full, **{changed: full[changed] + 1.0})
+    whole2 = eager(full2, llama_adapter(2))
+    rep3 = refit()
+    assert rep3.updated == ["model.layers.1.mlp.gate_up_proj.weight"], rep3.updated
+    check(engine, whole2, layout)
+    out["colocated_delta"] = [rep.model_dump(), rep2.model_dump(), rep3.model_dump()]
+
+    # 3. 2-D trainer (DDP x TP: replicas along dp) -> one engine holding everything whole on rank 3,
+    #    fp32 (no cast), and engines of ranks 0-2 holding nothing
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rowwise = ("o_proj.weight", "down_proj.weight")
+    tp_place = lambda k, v: [Replicate(), Shard(1) if k.endswith(rowwise) else Shard(0)]  # noqa: E731
+    trainer = shard(full, mesh2, tp_place)
+    whole1 = eager(full, llama_adapter(1))
+    layout1 = vllm_llama.layout(1, 0)
+    engine = engine_shards(whole1, layout1, torch.float32) if rank == 3 else None
+    rep = sdadapt.refit_plan(trainer, engine, llama_adapter(1), engine_layout=layout1 if rank == 3 else None)()
+    if engine is not None:
+        assert rep.bytes_received + rep.bytes_local == check(engine, whole1, layout1)
+    out["replicated"] = rep.model_dump()
+
+    # 4. Qwen3-MoE: experts sharded over FSDP ranks 0,1 (torchtitan layout) -> vLLM TP 2 and EP 2 on 2,3
+    moe = qwen3_moe_titan()
+    for ep in (False, True):
+        whole = eager(moe, moe_adapter(2, ep))
+        trainer = shard(moe, pair, fsdp) if rank < 2 else None
+        layout = vllm_qwen3_moe.layout(2, rank - 2, expert_parallel=ep) if rank >= 2 else None
+        engine = engine_shards(whole, layout) if layout else None
+        rep = sdadapt.refit_plan(trainer, engine, moe_adapter(2, ep), engine_layout=layout, bucket_bytes=bucket)()
+        if engine is not None:
+            assert rep.bytes_received == check(engine, whole, layout)
+            w13 = engine["model.layers.0.mlp.experts.w13_weight"]
+            assert tuple(w13.shape) == ((E // 2, 2 * FE, D) if ep else (E, FE, D))
+        out[f"moe_{'ep' if ep else 'tp'}"] = rep.model_dump()
+
+    # 5. bad input: every rank raises our error, nothing is written
+    whole = eager(full, llama_adapter(2))
+    layout = vllm_llama.layout(2, rank % 2)
+    engine = engine_shards(whole, layout)
+    if rank == 2:
+        engine["model.norm.weight"] = torch.zeros(D + 1)
+    try:
+        sdadapt.refit_plan(full if rank == 0 else None, engine, llama_adapter(2), engine_layout=layout)
+        raise AssertionError("no error")
+    except RefitError as e:
+        out["mismatch"] = str(e)
+    engine = engine_shards(whole, layout)
+    try:
+        sdadapt.refit_plan(shard(full, world, fsdp), engine, llama_adapter(2), engine_layout=layout, bucket_bytes=32)
+        raise AssertionError("no error")
+    except RefitError as e:
+        out["small_bucket"] = str(e)
+    assert all(torch.isnan(t).all() for t in engine.values())
+    return out
+
+
+def test_refit_four_ranks() -> None:
+    results = run_distributed(_cases, 4, 4096, timeout=400)
+    for r in results:
+        assert "model.norm.weight" in r["mismatch"] and "[23]" in r["mismatch"], r["mismatch"]
+        assert "bucket_bytes=32 is too small" in r["small_bucket"], r["small_bucket"]
+    assert [r["disaggregated"]["rounds"] for r in results] == [results[0]["disaggregated"]["rounds"]] * 4
+    assert results[0]["disaggregated"]["bytes_sent"] + results[1]["disaggregated"]["bytes_sent"] == sum(
+        r["disaggregated"]["bytes_received"] for r in results
+    )
+
+
+def _leaves(seed: int) -> dict[str, object]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard
+
+    rank = dist.get_rank()
+    full = llama_hf(seed)
+    mesh = DeviceMesh("cpu", [0], mesh_dim_names=("dp",))
+    trainer = shard(full, mesh, lambda k, v: [Shard(0)]) if rank == 0 else None
+    layout = vllm_llama.layout(1, 0)
+    whole = eager(full, llama_adapter(1))
+    engine = engine_shards(whole, layout) if rank == 1 else None
+    refit = sdadapt.refit_plan(trainer, engine, llama_adapter(1), engine_layout=layout if rank == 1 else None,
+                               bucket_bytes=4096, timeout=60)  # fmt: skip
+    if rank == 0:
+        os._exit(0)  # the trainer leaves before the engine's refit
+    try:
+        refit.run()
+    except RefitError as e:
+        assert e.updated == [] and len(e.not_updated) == len(engine), (e.updated, e.not_updated)
+        raise
+    return {}
+
+
+def test_refit_rank_leaves() -> None:
+    with pytest.raises(WorkerError) as info:
+        run_distributed(_leaves, 2, 0, timeout=200)
+    by_rank = {f.rank: f for f in info.value.failures}
+    assert by_rank[0].type_name == "Crash"
+    assert by_rank[1].type_name == "RefitError", by_rank[1]
+    assert "were not" in by_rank[1].message
+
+
+# ------------------------------------------------------------------------------ one process
+def test_refit_one_process_llama_forward() -> None:
+    """vLLM's per-rank packing, checked by its forward: each TP rank's qkv_proj rows split as
+    vLLM splits them ([q_r, k_r, v_r]) give rank r's heads; gate_up_proj and down_proj partial
+    sums add up to the HF MLP."""
+    full = llama_hf(1)
+    x = torch.randn(3, D, dtype=torch.float64)
+    hf = {k: v.double() for k, v in full.items()}
+    p = "model.layers.0."
+    q, k, v = (x @ hf[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
+    gate, up = x @ hf[p + "mlp.gate_proj.weight"].T, x @ hf[p + "mlp.up_proj.weight"].T
+    mlp = (torch.nn.functional.silu(gate) * up) @ hf[p + "mlp.down_proj.weight"].T
+    tp = 2
+    qs, ks, mlp_sum = [], [], torch.zeros_like(mlp)
+    for r in range(tp):
+        layout = vllm_llama.layout(tp, r)
+        whole = eager(full, llama_adapter(tp))
+        engine = engine_shards(whole, layout, torch.float64)
+        rep = sdadapt.refit_plan(full, engine, llama_adapter(tp), engine_layout=layout, bucket_bytes=1 << 12)()
+        assert rep.bytes_local > 0 and rep.rounds == 0
+        check(engine, whole, layout)
+        qkv = x @ engine[p + "self_attn.qkv_proj.weight"].T
+        qr, kr, vr = qkv.split([H // tp * HD, KV // tp * HD, KV // tp * HD], dim=-1)
+        qs.append(qr)
+        ks.append(kr)
+        g, u = (x @ engine[p + "mlp.gate_up_proj.weight"].T).chunk(2, dim=-1)
+        mlp_sum += (torch.nn.functional.silu(g) * u) @ engine[p + "mlp.down_proj.weight"].T
+        emb = engine["model.embed_tokens.weight"]
+        assert emb.shape[0] == 128 // tp  # padded to 64, split
+    torch.testing.assert_close(torch.cat(qs, -1), q)
+    torch.testing.assert_close(torch.cat(ks, -1), k)
+    torch.testing.assert_close(mlp_sum, mlp)
+
+
+def test_refit_computed_recipe_and_errors() -> None:
+    """A recipe that computes (an affine on the receiving side) stages its inputs; a trainer
+    tensor of another dtype on the wire; the errors of planning."""
+    t = {"a": torch.randn(5, 4), "b": torch.randn(3, 4)}
+    engine = {"a": torch.zeros(5, 4), "b": torch.zeros(3, 4, dtype=torch.float16)}
+    ad = sdadapt.Adapter([sdadapt.affine("a", scale=2.0, shift=1.0), sdadapt.cast("b", "float16")])
+    rep = sdadapt.refit_plan(t, engine, ad, bucket_bytes=64)()
+    assert torch.equal(engine["a"], t["a"] * 2.0 + 1.0) and torch.equal(engine["b"], t["b"].half())
+    assert rep.staged_bytes == 5 * 4 * 4 and sorted(rep.updated) == ["a", "b"]
+    with pytest.raises(RefitError, match="do not line up"):
+        sdadapt.refit_plan(t, {"a": torch.zeros(5, 4), "c": torch.zeros(1)}, allow_unexpected=["b"])
+    wrong = engine_shards(eager(llama_hf(), llama_adapter(2)), vllm_llama.layout(2, 0))
+    wrong["model.layers.0.mlp.gate_up_proj.weight"] = torch.zeros(F, D + 1)
+    with pytest.raises(RefitError, match=r"(?s)do not line up.*gate_up_proj"):
+        sdadapt.refit_plan(llama_hf(), wrong, llama_adapter(2), engine_layout=vllm_llama.layout(2, 0))
+    with pytest.raises(RefitError, match="bucket_bytes"):
+        sdadapt.refit_plan(t, engine, ad, bucket_bytes=8)
+    with pytest.raises(RefitError, match="expected a model"):
+        sdadapt.refit_plan(t, [1, 2], ad)  # type: ignore[arg-type]
+
+
+def test_schedule_bucket_bound() -> None:
+    """Cut transfers never exceed the bucket; a round never has a rank over it; a row is never cut."""
+    t = Transfer(0, 1, "w", ((0, 7), (0, 5), (0, 9)), "float32", 0, "w")
+    parts = cut_to_fit(t, 256)
+    assert all(p.padded <= 256 for p in parts)
+    assert sum(math.prod(b - a for a, b in p.box) for p in parts) == 7 * 5 * 9
+    with pytest.raises(RefitError, match="too small for one row"):
+        cut_to_fit(t, 32)
+    many = [Transfer(s, d, "w", ((i, i + 1), (0, 9)), "float32", i, "w") for i in range(10) for s, d in ((0, 1), (1, 2), (2, 0))]
+    for r in rounds_of(many, 100, 3):
+        for rank in range(3):
+            assert sum(x.padded for x in r if rank in (x.src, x.dst)) <= 100
