@@ -304,7 +304,7 @@ def test_cli_writes_an_adapter_that_diff_accepts(ckpts: dict[str, str], tmp_path
     assert rc == 0, capsys.readouterr().out
     # without -o the module goes to stdout, the summary to stderr; an existing -o is not overwritten
     capsys.readouterr()
-    assert main(["draft", src, "-t", f"{model_py}:build", "--target-option", "n_experts=4"]) == 0
+    assert main(["draft", src, "-t", f"{model_py}:build", "--target-option", "n_experts=4", "--reference", "none"]) == 0
     cap = capsys.readouterr()
     assert cap.out.startswith('"""Adapter drafted by `sdadapt draft`') and "remaining diff" in cap.err
     assert main(["draft", src, "-t", f"{model_py}:build", "-o", str(out)]) == 2

@@ -124,7 +124,7 @@ NUMERIC = list(ROTARY)
 @pytest.mark.parametrize("family", NUMERIC)
 def test_reviewed_draft_loads_logits_equal_to_transformers(family: str, ckpts: dict) -> None:
     path, ref = ckpts[family]
-    d = sdadapt.draft(_native(family, path), path)
+    d = sdadapt.draft(_native(family, path), path, reference=None)
     assert d.related and d.report.ok, d.format()
     ns: dict[str, Any] = {}
     exec(d.module, ns)  # noqa: S102 - the drafted module is what the user edits
@@ -142,7 +142,7 @@ def test_reviewed_draft_loads_logits_equal_to_transformers(family: str, ckpts: d
 
 def test_evidence_is_true_and_ties_are_uncertain(ckpts: dict) -> None:
     path, _ = ckpts["gemma2"]
-    d = sdadapt.draft(_native("gemma2", path), path)
+    d = sdadapt.draft(_native("gemma2", path), path, reference=None)
     norms = [p for p in d.proposals if p.kind == "rename" and "layernorm" in p.sources[0] and "layers" in p.sources[0]]
     assert len(norms) == 4
     for p in norms:
@@ -151,7 +151,7 @@ def test_evidence_is_true_and_ties_are_uncertain(ckpts: dict) -> None:
         assert not any("the only candidates of this shape" in e for e in p.evidence), p.evidence
         if p.uncertain:
             assert any("fits as well" in e for e in p.evidence), p.evidence
-    q3 = sdadapt.draft(_native("qwen3", ckpts["qwen3"][0]), ckpts["qwen3"][0])
+    q3 = sdadapt.draft(_native("qwen3", ckpts["qwen3"][0]), ckpts["qwen3"][0], reference=None)
     rotary = [q for q in q3.questions if q.question.startswith("rotary row order")]
     assert len(rotary) == 1
     assert sorted(rotary[0].suggestion) == sorted([
@@ -183,7 +183,7 @@ def test_numerical_draft_loads_right_values_without_review(family: str, ckpts: d
     assert ns["ADAPTER"].to_json() == d.adapter.to_json()
     got = _native(family, path)
     sdadapt.load(got, path, d.adapter)
-    plain = sdadapt.draft(_native(family, path), path)
+    plain = sdadapt.draft(_native(family, path), path, reference=None)
     assert any("values unproven" in line for line in plain.summary), plain.summary
     reviewed, plus_one = reviewed_adapter(family, plain)
     want = _native(family, path)
@@ -262,7 +262,7 @@ def test_gpt_oss_gate_up_rows_are_deinterleaved(ckpts: dict) -> None:
 
     path, _ = ckpts["gpt_oss"]
     cfg = read_config(path)
-    d = sdadapt.draft(gpt_oss_native(cfg), path)
+    d = sdadapt.draft(gpt_oss_native(cfg), path, reference=None)
     assert d.report.ok, d.format()
     f = cfg["intermediate_size"]
     dein = [r for r in d.adapter.rules if r.kind == "deinterleave"]
@@ -314,7 +314,7 @@ def test_deepseek_v3_stacks_then_fuses_experts(ckpts: dict) -> None:
 
     path, _ = ckpts["deepseek_v3"]
     cfg = read_config(path)
-    d = sdadapt.draft(deepseek_native(cfg), path)
+    d = sdadapt.draft(deepseek_native(cfg), path, reference=None)
     assert d.report.ok, d.format()
     model = deepseek_native(cfg)
     sdadapt.load(model, path, d.adapter)
@@ -400,7 +400,7 @@ def test_reviewed_drafts_on_two_fsdp2_ranks(ckpts: dict) -> None:
     cases = []
     for family in NUMERIC:
         path, _ = ckpts[family]
-        adapter, plus_one = reviewed_adapter(family, sdadapt.draft(_native(family, path), path))
+        adapter, plus_one = reviewed_adapter(family, sdadapt.draft(_native(family, path), path, reference=None))
         cases.append((family, str(path), adapter.to_json(), plus_one))
     results = run_distributed(_dist_logits, 2, cases, timeout=120.0)
     for rank_out in results:

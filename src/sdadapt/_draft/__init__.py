@@ -1,4 +1,4 @@
-"""``sdadapt.draft``: infer a first adapter from a checkpoint and a model (headers only).
+"""``sdadapt.draft``: infer a first adapter from a checkpoint and a model (headers, then numbers).
 
     d = sdadapt.draft(model, "ckpt_dir")       # or a checkpoint path / schema as the target
     summary = d.format()                        # proposals, questions, what is still unmatched
@@ -10,7 +10,9 @@ blocks by shape and name evidence (:mod:`.match`); matches become rules with the
 (:mod:`.proposals`), written as a module (:mod:`.render`). The checkpoint's ``config.json``
 (:mod:`.config`) gives head counts, the family and quantization to the value-level questions
 (:mod:`.questions`). The draft is then checked with the same planner as ``sdadapt diff`` and
-what is still unmatched is reported. Nothing is guessed silently: weak evidence, and
+what is still unmatched is reported. When the checkpoint's ``config.json`` names a class the
+installed transformers has and the target is a model, the open choices are then settled by
+experiment (:mod:`.numeric`) unless ``reference=None``. Nothing is guessed silently: weak evidence, and
 same-shaped tensors whose mapping the evidence cannot settle, are marked uncertain with the
 alternative; what shapes cannot show (rotary row order of weights, biases and per-head norms,
 norm offsets, FP8 scales, the per-rank layout of fused tensors) is asked as a question with
@@ -172,12 +174,14 @@ def draft(
     adapter: Adapter | str | None = None,
     *,
     subtree: str | None = None,
-    reference: str | Callable[[dict[str, Any]], nn.Module] | None = None,
+    reference: str | Callable[[dict[str, Any]], nn.Module] | None = "auto",
     layers: int = 2,
     init_buffers: Callable[[nn.Module], None] | None = None,
 ) -> Draft:
     """Propose an adapter from checkpoint ``src`` to ``target`` (a model, a checkpoint path or a
-    schema), reading headers only. See :class:`Draft`.
+    schema) from headers; then, by default, settle what headers cannot show by a numerical check
+    on a small copy of the model against the checkpoint's own transformers class (``reference``).
+    See :class:`Draft`.
 
     ``adapter`` (an :class:`Adapter`, or a name, ``file.py:ATTR``, ``module:ATTR`` or ``.json``
     resolved like the CLI's ``--adapter``) is a start: the checkpoint is taken as that
@@ -191,10 +195,16 @@ def draft(
         subtree: the nested dict of a ``torch.save`` file or DCP folder to read.
         reference: settles the draft's open questions numerically, on a model of ``layers``
             layers built from the checkpoint's ``config.json`` (the target must be a model):
-            ``"config"`` (transformers builds the checkpoint's own class), or ``module:ATTR`` /
-            a callable taking the config dict and returning that model.
+            ``"auto"`` (the default: ``"config"`` when the checkpoint has a ``config.json`` whose
+            class the installed transformers has and the target is a model, else no check, the
+            summary saying why), ``"config"`` (transformers builds the checkpoint's own class;
+            a failure to run is an error), ``module:ATTR`` / a callable taking the config dict
+            and returning that model, or ``None`` / ``"none"`` (headers only).
         layers: how many layers the numeric check builds.
-        init_buffers: ``fn(model)`` that fills non-persistent buffers of the numeric check.
+        init_buffers: ``fn(model)`` that fills the non-persistent buffers of the numeric check's
+            copy of a meta-device model; without it the model's own ``init_weights()`` /
+            ``init_buffers()`` / ``reset_parameters()`` (or its modules') fill them, and a buffer
+            left without values stops the check.
 
     Returns:
         The :class:`~sdadapt.reports.Draft`: proposals, questions, the adapter, its module's source.
@@ -205,6 +215,24 @@ def draft(
         summary = str(d)
         open("my_adapter.py", "w").write(d.module)
     """
+    return run_draft(target, src, adapter, subtree=subtree, reference=reference, layers=layers,
+                     init_buffers=init_buffers)
+
+
+def run_draft(
+    target: Target,
+    src: str | os.PathLike[str] | Source | dict[str, TensorInfo],
+    adapter: Adapter | str | None = None,
+    *,
+    subtree: str | None = None,
+    reference: str | Callable[[dict[str, Any]], nn.Module] | None = "auto",
+    layers: int = 2,
+    init_buffers: Callable[[nn.Module], None] | None = None,
+    rebuild: Callable[[], nn.Module] | None = None,
+) -> Draft:
+    """:func:`draft`, and ``rebuild()``: the target built again (off the meta device its
+    parameters stay on meta, :func:`.buffers.parameters_on_meta`) when nothing else gives the
+    check's copy its non-persistent buffers (the CLI passes its ``--target`` function)."""
     check_not_a_model("sdadapt.draft(target, src, adapter=None, ...)", src, other=target)
     tschema, tname = target_schema(target)
     sschema, non_tensor, sname = _source_schema(src, subtree)
@@ -237,14 +265,23 @@ def draft(
     rules: list[Any] = []
     experiment_lines: list[str] = []
     values_checked: str | None = None
+    ran = False
+    explicit = reference not in ("auto", None, "none")
+    if related:
+        reference, skipped = _which_reference(target, facts, reference)
+        if skipped:
+            experiment_lines.append(skipped)
     if related and reference is not None:
-        values_checked, experiment_lines = _experiment(target, facts, props, reference, layers, init_buffers,
-                                                       strip, given)
-    elif related:
+        ran = True
+        values_checked, more = _experiment(target, facts, props, reference, layers, init_buffers, strip, given,
+                                           rebuild, explicit)
+        experiment_lines += more
+    if related and values_checked is None:
         from .numeric import choices_of
 
-        experiment_lines.append("values unproven: no reference to check the mapping numerically (pass "
-                                "reference='config' or --reference config to settle the questions by experiment)")
+        if not ran:
+            experiment_lines.append("values unproven: no numerical check ran (the questions below are open; "
+                                    "check values with sdadapt.verify)")
         for c in choices_of(props, facts):  # what names and shapes could have got wrong, said per rule
             alternatives = (f"{len(c.options) - 1} other order(s)" if c.renames else "; ".join(c.options[1:]))
             experiment_lines.append(f"  unproven: {c.label} (as drafted: {c.options[0]}; alternatives: {alternatives})")
@@ -297,6 +334,10 @@ def draft(
                         target_name=tname).report
     if values_checked and report.ok:
         report = report.model_copy(update={"values_checked": values_checked})
+    if given is None and not isinstance(src, dict):
+        hint = _shipped_suggestion(target, src, subtree, report)
+        if hint:
+            summary.insert(1, f"hint: {hint}")
     questions = [Question(about=q.about, question=q.question, suggestion=q.suggestion) for q in props.questions] if related else []
     module = render_module(
         source=sname, target=tname, sections=sections,
@@ -316,10 +357,61 @@ def _grouped(props: Proposals) -> dict[str, list[Any]]:
     return {n: grouped[n] for n in names if n in grouped}
 
 
+def _shipped_suggestion(target: Any, src: Any, subtree: str | None, report: Report) -> str | None:
+    """The shipped adapter for the family the checkpoint's ``config.json`` names, when it fits
+    the target or the draft leaves problems (:func:`.._transaction.diff.family_suggestion`)."""
+    from .._transaction.diff import diff, family_suggestion
+
+    fitted: dict[str, bool] = {}
+
+    def fits(name: str) -> bool:
+        fitted[name] = diff(target, src, name, subtree=subtree).ok
+        return fitted[name]
+
+    hint = family_suggestion(src, fits)
+    if hint is None or not (report.problems or any(fitted.values())):
+        return None
+    return hint
+
+
+def _which_reference(target: Any, facts: Any, reference: Any) -> tuple[Any, str | None]:
+    """The reference the numerical check runs with (``None``: none) and, when none runs, the
+    summary line saying why. ``"auto"`` becomes ``"config"`` when the target is a model and
+    ``config.json`` names a class the installed transformers has."""
+    if reference is None or reference == "none":
+        return None, "numerical check skipped (reference=None)"
+    if reference != "auto":
+        return reference, None
+    why = None
+    if not isinstance(target, nn.Module):
+        why = "the target is not a model"
+    elif facts.config is None:
+        why = "no config.json beside the checkpoint"
+    else:
+        names = facts.config.get("architectures") or []
+        try:
+            import transformers
+        except ImportError:
+            why = "transformers is not installed (pip install 'sdadapt[models]')"
+        else:
+            if not names or not isinstance(names[0], str):
+                why = "config.json names no model class ('architectures')"
+            elif getattr(transformers, names[0], None) is None:
+                why = f"transformers {transformers.__version__} has no class {names[0]!r}"
+    if why:
+        return None, (f"numerical check not run: {why} (by default it runs with the transformers class config.json "
+                      "names; a reference function of your own settles the questions as well)")
+    return "config", None
+
+
 def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, layers: int, init_buffers: Any,
-                strip: str, given: Adapter | None) -> tuple[str | None, list[str]]:
-    """Run :mod:`.numeric` on the draft's open choices; returns (what was checked, summary lines)."""
+                strip: str, given: Adapter | None, rebuild: Callable[[], nn.Module] | None = None,
+                explicit: bool = True) -> tuple[str | None, list[str]]:
+    """Run :mod:`.numeric` on the draft's open choices; returns (what was checked, summary lines).
+    A model copy whose buffers get no values raises when the reference was asked for
+    (``explicit``), else the check is left out, said why."""
     from .._plan.resolve import load_object
+    from ..errors import ModelError
     from .numeric import Experiment, apply_outcome, choices_of, search
 
     if not isinstance(target, nn.Module):
@@ -341,7 +433,12 @@ def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, layer
         return mine if given is None else Adapter.composed([*given.parts(), list(mine.rules)], name="draft-candidate")
 
     try:
-        exp = Experiment(target, facts, ref, layers, 0, init_buffers)
+        exp = Experiment(target, facts, ref, layers, 0, init_buffers, rebuild)
+    except ModelError as e:  # the copy's buffers: never run the check on garbage
+        if explicit:
+            raise
+        log.info("draft: the numerical check did not run: %s", e)
+        return None, [f"values unproven: the numerical check did not run: {e}"]
     except Exception as e:  # noqa: BLE001 - any failure to build the copies leaves the draft unproven, said why
         log.warning("draft: the numerical check could not run: %s", e)
         return None, [f"values unproven: the numerical check could not run ({type(e).__name__}: {str(e).splitlines()[0]})"]
@@ -350,10 +447,14 @@ def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, layer
         out = search(exp, base, choices)
     finally:
         exp.close()
-    lines = [f"numerical check against {type(exp.reference).__name__} ({layers} layer(s), float32, random weights): "
-             f"{len(choices)} open choice(s), {exp.runs} load(s)"]
+    how = " (run by default; reference='none' skips it)" if not explicit else ""
+    lines = [f"numerical check against {type(exp.reference).__name__}{how}: {layers} layer(s), float32, random "
+             f"weights; {len(choices)} open choice(s), {exp.runs} load(s)"
+             + (f"; the copy's non-persistent buffers filled by {exp.buffers}" if exp.buffers else "")]
     if not out.ok:
-        lines.append(f"values unproven: no candidate agreed with the reference ({out.detail}); the questions stay open")
+        lines.append(f"values unproven: no candidate agreed with the reference ({out.detail}); the questions stay open "
+                     "(the reference computes what no candidate does: a rule the draft does not propose, another "
+                     "configuration, or buffers of other values)")
         return None, lines
     lines += apply_outcome(props, out)
     return out.detail, lines

@@ -81,7 +81,19 @@ class Facts:
             bits.append(f"partial rotary {self.rotary_fraction:g} of each head")
         if self.quantization:
             bits.append(f"quantization {self.quantization!r}")
-        return f"{self.path}: " + ", ".join(bits)
+        return f"{short_path(self.path)}: " + ", ".join(bits)
+
+
+def short_path(path: str) -> str:
+    """``path`` relative to the working directory when it lies under it, else as
+    ``config.json beside the checkpoint`` (the draft's first line names the checkpoint)."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive
+        rel = os.pardir
+    if rel != os.pardir and not rel.startswith(os.pardir + os.sep):
+        return rel
+    return f"{os.path.basename(path)} beside the checkpoint"
 
 
 NO_CONFIG = Facts()

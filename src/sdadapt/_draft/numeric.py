@@ -32,7 +32,8 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,7 @@ from .._transaction.verify import _forward, _layer_list, _recording, _rel, defau
 from ..errors import SdadaptError
 from ..rules import Fuse, Rename, Rotary, Split
 from ..rules._patterns import compile_pattern
+from .buffers import fill_buffers, pending_buffers
 from .config import Facts
 from .names import canon_tokens
 from .proposals import Proposals, Proposed
@@ -82,6 +84,33 @@ class Outcome:
     detail: str
     unsettled: list[str] = field(default_factory=list)
     choices: list[Choice] = field(default_factory=list)
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' (and the Hub client's) progress bars off for the block, as they were after."""
+    try:
+        from transformers.utils import logging as tf_logging
+    except ImportError:
+        yield
+        return
+    enabled = getattr(tf_logging, "is_progress_bar_enabled", lambda: False)()
+    try:
+        from huggingface_hub.utils import are_progress_bars_disabled
+        hub_off = are_progress_bars_disabled()
+    except ImportError:
+        hub_off = None
+    if enabled:
+        tf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            tf_logging.enable_progress_bar()
+            if hub_off:
+                from huggingface_hub.utils import disable_progress_bars
+
+                disable_progress_bars()
 
 
 def _hf_reference(config: dict[str, Any]) -> nn.Module:
@@ -129,8 +158,10 @@ def _perturb(model: nn.Module, seed: int) -> None:
                 p.add_(0.2 * noise)
 
 
-def _cut_layers(model: nn.Module, layers: int) -> nn.Module:
-    """A float32 CPU copy of ``model`` with its first ``layers`` decoder layers."""
+def _cut_layers(model: nn.Module, layers: int, init_buffers: Callable[[nn.Module], None] | None,
+                rebuild: Callable[[], nn.Module] | None) -> tuple[nn.Module, str]:
+    """A float32 CPU copy of ``model`` with its first ``layers`` decoder layers, its
+    non-persistent buffers filled (:mod:`.buffers`); also says how they were filled."""
     found = _layer_list(model)
     if found is None:
         raise SdadaptError("cannot find the model's layer list (a ModuleList of blocks) to shrink it")
@@ -149,22 +180,26 @@ def _cut_layers(model: nn.Module, layers: int) -> nn.Module:
         small = copy.deepcopy(model)
     finally:
         setattr(owner, attr, parent)
+    how = ""
     if any(t.is_meta for t in itertools.chain(small.parameters(), small.buffers())):
+        pending = pending_buffers(small)
         small = small.to_empty(device="cpu")
-        init = getattr(small, "init_weights", None)
-        if callable(init):
-            init()
-    return small.float().eval()
+        how = fill_buffers(small, pending, init_buffers, rebuild)
+    elif init_buffers is not None:
+        with torch.no_grad():
+            init_buffers(small)
+    return small.float().eval(), how
 
 
 class Experiment:
     """A shrunken reference, its checkpoint, and a shrunken target to load candidates into."""
 
     def __init__(self, target: nn.Module, facts: Facts, reference: Reference | None, layers: int, seed: int,
-                 init_buffers: Callable[[nn.Module], None] | None):
+                 init_buffers: Callable[[nn.Module], None] | None, rebuild: Callable[[], nn.Module] | None = None):
         if facts.config is None:
             raise SdadaptError("no config.json beside the checkpoint to build a reference from")
         cfg = shrink_config(facts.config, layers)
+        self.model, self.buffers = _cut_layers(target, layers, init_buffers, rebuild)
         with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
             torch.manual_seed(seed)
             self.reference = (reference or _hf_reference)(cfg).float().eval()
@@ -172,7 +207,8 @@ class Experiment:
         self.folder = tempfile.mkdtemp(prefix="sdadapt-draft-")
         save = getattr(self.reference, "save_pretrained", None)
         if callable(save):
-            save(self.folder)
+            with quiet_transformers():  # its "Writing model shards" bar is about a temporary folder
+                save(self.folder)
         else:
             try:
                 from safetensors.torch import save_file
@@ -186,10 +222,6 @@ class Experiment:
             save_file(state, os.path.join(self.folder, "model.safetensors"))
             with open(os.path.join(self.folder, "config.json"), "w", encoding="utf-8") as f:
                 json.dump(cfg, f)
-        self.model = _cut_layers(target, layers)
-        self.init_buffers = init_buffers
-        if init_buffers is not None:
-            init_buffers(self.model)
         vocab = cfg.get("vocab_size") or 64
         self.tokens = random_tokens(int(vocab), 2, 12, seed)
         self.rtol = default_rtol(torch.float32)
@@ -197,6 +229,10 @@ class Experiment:
         ref_found = _layer_list(self.reference)
         with _recording(ref_found[1] if ref_found else [], self.ref_layers):
             self.ref_logits = _forward(self.reference, self.tokens)
+        if not bool(torch.isfinite(self.ref_logits).all()):
+            self.close()
+            raise SdadaptError("the reference's logits are not finite (NaN or Inf) on random weights: "
+                               "nothing can be compared with them")
         self.runs = 0
 
     def close(self) -> None:
@@ -211,7 +247,7 @@ class Experiment:
 
         self.runs += 1
         try:
-            load(self.model, self.folder, adapter, init_buffers=self.init_buffers)
+            load(self.model, self.folder, adapter)
         except SdadaptError as e:
             return (-1, -99.0, f"does not load: {str(e).splitlines()[0]}")
         got: list[tuple[str, torch.Tensor | None]] = []
@@ -222,14 +258,18 @@ class Experiment:
         for (name, g), (_, w) in zip(got, self.ref_layers, strict=False):
             if g is None or w is None or g.shape != w.shape:
                 break
+            if not bool(torch.isfinite(g).all()):
+                return (n, -99.0, f"layer {name}'s output is not finite (NaN or Inf) in the model's copy")
             rel = _rel(g, w)[1]
-            if rel > self.rtol:
+            if not rel <= self.rtol:
                 return (n, -math.log10(max(rel, 1e-30)), f"layer {name} differs by {rel:.1e} of its scale")
             n += 1
         if logits.shape != self.ref_logits.shape:
             return (n, -99.0, f"logits {list(logits.shape)} vs {list(self.ref_logits.shape)}")
+        if not bool(torch.isfinite(logits).all()):
+            return (n, -99.0, "the copy's logits are not finite (NaN or Inf)")
         rel = _rel(logits, self.ref_logits)[1]
-        if rel > self.rtol:
+        if not rel <= self.rtol:
             return (n, -math.log10(max(rel, 1e-30)), f"logits differ by {rel:.1e} of their scale")
         return (n + 1, 0.0, f"{n} layer(s) and the logits equal to {max(rel, 1e-12):.0e} of their scale")
 
@@ -444,4 +484,11 @@ def apply_outcome(props: Proposals, out: Outcome) -> list[str]:
             if not any(e.startswith(how) for e in p.evidence):
                 p.evidence.append(how)
     lines += [f"not settled by the experiment: {u}" for u in out.unsettled]
+    if out.unsettled and len(out.unsettled) == len(out.choices) > 1:
+        lines.append("the experiment cannot tell any candidate from another: the copy's outputs do not change with "
+                     "the mapping, so its forward does not use the loaded tensors as the reference does (buffers "
+                     "without values, a forward that skips its layers?); every choice stays flagged")
+    elif out.unsettled:
+        lines.append("a choice is unsettled when its alternatives give equal outputs: the tensors involved hold "
+                     "equal values, or the experiment's layers and tokens do not reach them")
     return lines

@@ -6,6 +6,8 @@ Each adapter is a module ``sdadapt.adapters.<name>`` that exposes
 - ``build(**options) -> Adapter``: the adapter from the checkpoint's layout to the model's
   (``.inverse()`` gives the other direction). Options are keyword parameters (head counts,
   ``tied=...``); a required option is a parameter without a default;
+- optionally ``MODEL_TYPES: tuple[str, ...]``: the ``model_type`` values of ``config.json`` whose
+  checkpoints it maps (default: its own name), for the suggestion :func:`shipped_hint` makes;
 - optionally ``options_from_config(folder: str) -> dict``: options read from the checkpoint
   folder's ``config.json`` / ``params.json`` (``{}`` when it has none); a reader that takes a
   second parameter, ``options_from_config(folder, source)``, also gets the checkpoint path as
@@ -239,3 +241,50 @@ def list_adapters() -> list[tuple[str, str]]:
         except SdadaptError as e:
             out.append((name, f"(unavailable: {e})"))
     return out
+
+
+def family_adapter(source: str | os.PathLike[str] | None) -> tuple[str, str] | None:
+    """``(shipped adapter name, model_type)`` when the ``config.json`` beside ``source`` (a
+    checkpoint folder or a file in one) names a family a shipped adapter maps (its name, or one
+    of its ``MODEL_TYPES``); ``None`` otherwise (no such file, no such adapter)."""
+    folder = config_folder(source) if isinstance(source, (str, os.PathLike)) else None
+    path = os.path.join(folder, "config.json") if folder else None
+    if path is None or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str) or not model_type:
+        return None
+    names = adapter_names()
+    if model_type in names:
+        return model_type, model_type
+    for name in names:
+        try:
+            types = getattr(adapter_module(name), "MODEL_TYPES", ())
+        except SdadaptError:
+            continue
+        if model_type in types:
+            return name, model_type
+    return None
+
+
+def shipped_hint(source: str | os.PathLike[str] | None, fits: bool | None = None) -> str | None:
+    """One line suggesting the shipped adapter for the family ``source``'s ``config.json`` names
+    (:func:`family_adapter`), for a report made without an adapter; ``fits``: whether a plan
+    with it lines everything up (``None``: not checked). ``None`` when no shipped adapter fits
+    the family."""
+    found = family_adapter(source)
+    if found is None:
+        return None
+    name, model_type = found
+    how = f"pass adapter={name!r} (command line: --adapter {name})"
+    if fits is True:
+        return f"config.json says model_type {model_type!r}: the shipped adapter {name!r} fits; {how}"
+    if fits is False:
+        return (f"config.json says model_type {model_type!r}, the family of the shipped adapter {name!r}; problems "
+                f"remain with it too: {how} and read that report")
+    return f"config.json says model_type {model_type!r}, the family of the shipped adapter {name!r}: {how}"

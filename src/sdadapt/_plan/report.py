@@ -66,6 +66,8 @@ class Report(BaseModel):
         widened: keys of a quantized release stored unquantized, widened to the model's dtype.
         values_checked: what numerical check ran on the values, if any.
         dequant_rules: the adapter's dequantising rules, for the quantized-source hint.
+        suggestion: a shipped adapter for the checkpoint's family, when none was given
+            (:func:`~sdadapt._plan.registry.shipped_hint`).
 
     Example::
 
@@ -92,6 +94,7 @@ class Report(BaseModel):
     widened: list[str] = []  # keys of a quantized release stored unquantized, widened exactly to the model's dtype
     values_checked: str | None = None  # what numerical check ran on the values, if any (e.g. by draft)
     dequant_rules: list[str] = []  # "#i kind" of the adapter's dequantising rules (the quantized-source hint)
+    suggestion: str | None = None  # a shipped adapter for the checkpoint's family, when none was given
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -192,6 +195,13 @@ class Report(BaseModel):
         cause = self.root_cause()
         if cause:
             lines.append(f"root cause: {cause}")
+        hint = self.suggestion
+        if hint is None and self.adapter is None and not self.ok:
+            from .registry import shipped_hint
+
+            hint = shipped_hint(self.source)
+        if hint:
+            lines.append(f"hint: {hint}")
 
         def section(title: str, rows: list[str], count: int, note: str = "") -> None:
             if not rows:

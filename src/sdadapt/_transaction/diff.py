@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from .._plan.adapter import Adapter
 from .._plan.plan import PipelineStage, build_plan, vacant_modules
-from .._plan.registry import is_shipped
+from .._plan.registry import family_adapter, is_shipped, shipped_hint
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
 from .._plan.target import model_state_dict, schema_of
 from .._plan.titan_names import for_plan
+from ..errors import SdadaptError
 from ..sources import Source, TensorInfo, open_source
 from .args import check_not_a_model
+
+log = logging.getLogger(__name__)
 
 Target = nn.Module | str | os.PathLike[str] | Source | dict[str, TensorInfo]
 
@@ -79,14 +84,15 @@ def diff(
     if pipeline_stage:
         stage = PipelineStage.of(schema, vacant_modules(target) if isinstance(target, nn.Module) else ())
     source = open_source(src, subtree=subtree)
+    given = adapter
     try:
-        adapter, allow_missing = for_plan(resolved, shipped, source.schema, source.non_tensor, schema, allow_missing, dtype)
-        return build_plan(
+        planned, allowed = for_plan(resolved, shipped, source.schema, source.non_tensor, schema, allow_missing, dtype)
+        report = build_plan(
             source.schema,
             schema,
-            adapter,
+            planned,
             non_tensor=source.non_tensor,
-            allow_missing=allow_missing,
+            allow_missing=allowed,
             allow_unexpected=allow_unexpected,
             source_name=source.path,
             target_name=name,
@@ -94,3 +100,26 @@ def diff(
         ).report
     finally:
         source.close()
+    if given is None and resolved is None and not report.ok:
+        report = report.model_copy(update={"suggestion": family_suggestion(
+            src, lambda family: diff(target, src, family, subtree=subtree, allow_missing=allow_missing,
+                                     allow_unexpected=allow_unexpected, pipeline_stage=pipeline_stage, dtype=dtype).ok)})
+    return report
+
+
+def family_suggestion(src: object, fits: Callable[[str], bool]) -> str | None:
+    """The shipped adapter for the family the checkpoint's ``config.json`` names, as a hint line
+    (:func:`~sdadapt._plan.registry.shipped_hint`), with whether ``fits(name)`` (a plan with it
+    lines everything up); ``None`` when no shipped adapter is for that family."""
+    path = getattr(src, "path", src)
+    if not isinstance(path, (str, os.PathLike)):
+        return None
+    found = family_adapter(path)
+    if found is None:
+        return None
+    try:
+        ok: bool | None = fits(found[0])
+    except SdadaptError as e:  # its options cannot be read from the folder, or it does not apply
+        log.debug("the shipped adapter %s does not plan for %s: %s", found[0], path, e)
+        ok = False
+    return shipped_hint(path, ok)

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 NAME = "draft"
-HELP = "infer a first adapter from a checkpoint and a model (headers only); review it, then use it with --adapter"
+HELP = "infer a first adapter from a checkpoint and a model (headers, then a numerical check); review it, then use it"
 
 EPILOG = """\
 T is a checkpoint path, or module:function / path/to/file.py:function returning the model
@@ -18,12 +18,17 @@ summary then goes to stderr). SRC's config.json, when present, gives head counts
 and quantization. Rules on weak evidence, or among same-shaped tensors the evidence cannot tell
 apart, are marked UNCERTAIN with the alternative; choices shapes cannot show (rotary row order,
 Gemma's 1 + w norms, FP8 dequantisation, per-rank layout of fused tensors) are DECIDE comments
-with the rule to enable. A line-up is names, not numbers: --reference config (the transformers
-class named by SRC's config.json) or --reference module:function (building the checkpoint's
-own model from a config dict) settles those choices by experiment: a copy of the model with
---layers layers is loaded under each candidate and compared with the reference, layer by layer;
-each rule then says whether it was checked numerically, and what no experiment settles stays
-UNCERTAIN. Without one, check values with `sdadapt verify`; docs/writing-adapters.md walks
+with the rule to enable. A line-up is names, not numbers, so by default (--reference auto) the
+draft settles those choices by experiment when SRC's config.json names a class the installed
+transformers has: a copy of the model with --layers layers is loaded under each candidate and
+compared with that class built from the config, layer by layer; each rule then says whether it
+was checked numerically, what no experiment settles stays UNCERTAIN, and the summary says which
+check ran (or why none did). --reference config asks for it (a copy without buffer values is then an error),
+--reference module:function builds the checkpoint's own model from a config dict, --reference
+none reads headers only. The copy's non-persistent buffers (rotary tables) come from the
+model's init_weights() / init_buffers() / reset_parameters(), else from building T again with
+its parameters on meta, else --init-buffers module:function; a copy whose buffers get no values
+is never compared. Without a check, use `sdadapt verify`; docs/writing-adapters.md walks
 through it. Exit status: 0 when the drafted adapter lines everything up, 1 when problems
 remain or the two look unrelated, 2 for usage errors (bad arguments, unreadable checkpoint,
 a target that cannot be imported or built)."""
@@ -48,8 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--adapter-option", "-O", action="append", default=[], metavar="KEY=VALUE",
         help="option passed to an adapter function or shipped adapter (repeatable)",
     )
-    parser.add_argument("--reference", "-r", metavar="R",
-                        help="settle open choices numerically: 'config' or module:function(config) -> model")
+    parser.add_argument("--reference", "-r", metavar="R", default="auto",
+                        help="settle open choices numerically: 'auto' (default: 'config' when SRC's config.json names "
+                             "a class the installed transformers has), 'config', module:function(config) -> model, "
+                             "or 'none' (headers only)")
     parser.add_argument("--layers", type=int, default=2, help="layers of the copies the numerical check runs (default 2)")
     parser.add_argument("--init-buffers", metavar="FN", help="module:function(model) filling non-persistent buffers")
     parser.add_argument("--output", "-o", metavar="FILE", help="write the adapter module here (refuses to overwrite)")
@@ -58,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._draft import draft
-    from .._plan.resolve import resolve_adapter, resolve_target_on_meta
+    from .._draft import run_draft
+    from .._plan.resolve import resolve_adapter, resolve_target, resolve_target_on_meta
     from ..errors import ResolveError
     from ..sources import open_source
     from .diff import parse_options
@@ -73,15 +80,22 @@ def run(args: argparse.Namespace) -> int:
     if isinstance(target, str) and args.target_subtree:
         target = open_source(target, subtree=args.target_subtree)
     adapter = resolve_adapter(args.adapter, source=args.src, **parse_options(args.adapter_option)) if args.adapter else None
-    if args.reference and isinstance(target, str):
+    if args.reference not in ("auto", "none") and isinstance(target, str):
         raise ResolveError("--reference needs the model as --target (module:function), not a checkpoint")
     init_buffers = None
     if args.init_buffers:
         from .._plan.resolve import load_object
 
         init_buffers = load_object(args.init_buffers)
-    d = draft(target, args.src, adapter, subtree=args.subtree, reference=args.reference, layers=args.layers,
-              init_buffers=init_buffers)
+        if not callable(init_buffers):
+            raise ResolveError(f"--init-buffers {args.init_buffers!r} names no function: give module:function(model)")
+    options = parse_options(args.target_option)
+
+    def rebuild() -> Any:  # the target built again, its parameters on meta: its buffers for the check's copy
+        return resolve_target(args.target, **options)
+
+    d = run_draft(target, args.src, adapter, subtree=args.subtree, reference=args.reference, layers=args.layers,
+                  init_buffers=init_buffers, rebuild=rebuild if not isinstance(target, str) else None)
     if args.json:
         print(d.model_dump_json(indent=2))
     elif args.output:
