@@ -12,7 +12,7 @@ Writes a torch.save checkpoint of ``--gib`` GiB (float32; 6 layers of split q/k/
 
 For each, the child's peak RSS (``ru_maxrss``) is compared with the largest tensor (input or
 output) and with the RSS of a process that only imports sdadapt and torch (the constant).
-Prints a Markdown table for bench/RESULTS.md.
+Prints a Markdown table for a report in bench/reports/.
 """
 
 from __future__ import annotations

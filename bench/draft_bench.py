@@ -10,7 +10,7 @@ Cases (schemas built as ``{key: TensorInfo}``, so the figure is the drafting its
 3. flux: BFL -> diffusers names, 2,000 double + 4,000 single blocks (~100k keys each side).
 
 Each run drafts, renders the module and checks it with the planner (as `sdadapt diff` would).
-Prints a Markdown table for bench/RESULTS.md: keys, rules proposed, whether the drafted adapter
+Prints a Markdown table for a report in bench/reports/: keys, rules proposed, whether the drafted adapter
 lines everything up, and the best wall time of ``--repeat`` runs.
 """
 

@@ -8,7 +8,7 @@
         --discussion '' --paths sdadapt,sdadapt-fp8ch,sdadapt-nvfp4,sdadapt-fp8tensor,sdadapt-int8ch,sdadapt-w4a16,\
 sdadapt-w4a16asym,sdadapt-mxfp8,sdadapt-fp8block,sdadapt-w8a16,sdadapt-mxfp8e8m0,sdadapt-fp8static,\
 sdadapt-nvfp4modelopt,sdadapt-fp8modelopt    # every quantized format vs bf16 (about 120 GiB of disk;
-        # with less, split the paths over several runs, each with sdadapt first: bench/RESULTS.md)
+        # with less, split the paths over several runs, each with sdadapt first: bench/reports/quant-formats-all-s2-h200-2026-12-04.md)
     python bench/load_bench.py --preset 8b --nproc 1 --backend nccl --tp-paths '' --materialized-paths '' \
         --discussion '' --paths sdadapt --raw-paths instanttensor,safetensors-gpu --import-in-load   # raw loaders
 

@@ -2,8 +2,9 @@
 runs in its own fresh process group and loads the right tensors, into a meta model and into a
 materialised one, the FP8 twin through sdadapt and through torch's quantized HF reader, every
 other quantized twin (each in its tool's layout) through sdadapt against its format's own
-reference (no timing asserts: figures live in bench/RESULTS.md); a size that cannot fit is refused before
-anything is written; bench/RESULTS.md cites exactly the raw runs kept in bench/results/."""
+reference (no timing asserts: figures live in bench/reports/, indexed by bench/RESULTS.md); a size that
+cannot fit is refused before anything is written; the reports cite exactly the raw runs kept in
+bench/results/, each is linked from the index and never edited once written."""
 
 from __future__ import annotations
 
@@ -33,11 +34,13 @@ def _env() -> dict[str, str]:
 @contextlib.contextmanager
 def _bench_importable() -> Iterator[None]:
     """The bench's modules (``loadbench``, the probes) importable inside the block."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    paths = [str(ROOT / "bench"), str(ROOT / "bench" / "probes")]
+    sys.path[:0] = paths
     try:
         yield
     finally:
-        sys.path.remove(str(ROOT / "bench"))
+        for p in paths:
+            sys.path.remove(p)
 
 
 @pytest.fixture
@@ -132,25 +135,62 @@ def test_refuses_a_size_that_cannot_fit(tmp_path, loadbench):
     assert round(loadbench.shapes.PRESETS["1.9g"].nbytes() / (1 << 30), 2) == 1.92
 
 
-def test_results_md_cites_exactly_the_kept_runs():
-    """Every `bench/results/...` citation in bench/RESULTS.md names at least one kept file, and
-    every file kept under bench/results/ is cited."""
+REPORTS = ROOT / "bench" / "reports"
+REPORT_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]*-[a-z0-9]+-\d{4}-\d{2}-\d{2}\.md")  # <topic>-<machine>-<date>.md
+
+
+def test_the_reports_cite_exactly_the_kept_runs():
+    """Every `bench/results/...` citation in the reports and the index names at least one kept
+    file, and every file kept under bench/results/ is cited."""
     results = ROOT / "bench" / "results"
     kept = sorted(str(p.relative_to(ROOT)) for p in results.rglob("*") if p.is_file())
-    cited = re.findall(r"`(bench/results/[^`\s]+)`", (ROOT / "bench" / "RESULTS.md").read_text())
+    texts = [p.read_text() for p in [ROOT / "bench" / "RESULTS.md", *sorted(REPORTS.glob("*.md"))]]
+    cited = [c for t in texts for c in re.findall(r"`(bench/results/[^`\s]+)`", t)]
     assert cited
     for c in cited:
-        assert fnmatch.filter(kept, c), f"bench/RESULTS.md cites {c}, which matches no file"
+        assert fnmatch.filter(kept, c), f"a report cites {c}, which matches no file"
     for f in kept:
-        assert any(fnmatch.fnmatch(f, c) for c in cited), f"{f} is not cited by bench/RESULTS.md"
+        assert any(fnmatch.fnmatch(f, c) for c in cited), f"{f} is not cited by any report"
+
+
+def test_results_md_is_an_index_of_the_reports():
+    """bench/RESULTS.md stays short (at most 20,000 characters), every report is named
+    ``<topic>-<machine>-<date>.md`` and linked from it, and every link it has leads to a report."""
+    index = (ROOT / "bench" / "RESULTS.md").read_text()
+    assert len(index) <= 20_000, len(index)
+    reports = sorted(p.name for p in REPORTS.glob("*"))
+    assert reports and all(REPORT_NAME.fullmatch(n) for n in reports), [n for n in reports if not REPORT_NAME.fullmatch(n)]
+    links = set(re.findall(r"\]\((?:\./|bench/)?reports/([^)#]+)", index))
+    assert links == set(reports), (sorted(links - set(reports)), sorted(set(reports) - links))
+
+
+def test_docs_link_existing_reports():
+    """Docs link figures rather than copy them: every link into bench/reports/ from README.md,
+    docs/*.md and SECURITY.md names a report that exists."""
+    for doc in [ROOT / "README.md", ROOT / "SECURITY.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for name in re.findall(r"bench/reports/([^)`\s#]+)", doc.read_text()):
+            assert (REPORTS / name).is_file(), f"{doc.name} links bench/reports/{name}, which does not exist"
+
+
+def test_reports_are_never_edited_once_written():
+    """A report is a frozen record of one run: git shows no commit that modified one (a new run
+    is a new report). Skipped outside a git checkout."""
+    try:
+        out = subprocess.run(["git", "log", "--format=%h %s", "--diff-filter=MR", "--", "bench/reports/"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        pytest.skip("no git")
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert out.stdout.strip() == "", "commits that edited a frozen report:\n" + out.stdout
 
 
 def test_a_variant_runs_each_sdadapt_row_again_under_other_settings_and_another_tree(tmp_path):
     """``--variant NAME:SETTINGS``: every sdadapt row runs again in its own fresh processes, with
     the variant's environment (the engine's knobs) and another tree's sdadapt first on the path;
-    'x sdadapt' compares within a variant. The other tree is bench/engine_trace.py's overlay,
+    'x sdadapt' compares within a variant. The other tree is bench/probes/engine_trace.py's overlay,
     which writes each engine run's timeline for its ``summary``."""
-    trace = ROOT / "bench" / "engine_trace.py"
+    trace = ROOT / "bench" / "probes" / "engine_trace.py"
     made = subprocess.run([sys.executable, str(trace), "overlay", str(ROOT / "src"), str(tmp_path / "tree")],
                           capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
@@ -254,11 +294,11 @@ def test_a_bad_variant_is_refused_with_what_to_give(loadbench, spec, message):
 
 
 def test_lane_probe_runs_and_checks_its_bits_on_the_cpu(tmp_path):
-    """bench/lane_probe.py with the CPU as its device (no lane: the readers run the kernels): it
+    """bench/probes/lane_probe.py with the CPU as its device (no lane: the readers run the kernels): it
     writes its release, loads it once per band size and thread count and repeat, and checks the
     first load's bits against the whole-tensor dequantisation."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "lane_probe.py"), "--device", "cpu", "--tensors", "2", "--shape", "256,384",
+        [sys.executable, str(ROOT / "bench" / "probes" / "lane_probe.py"), "--device", "cpu", "--tensors", "2", "--shape", "256,384",
          "--threads", "1,2", "--bands", "0,0.25", "--repeat", "1", "--dir", str(tmp_path)],
         capture_output=True, text=True, timeout=120, env=_env(),
     )  # fmt: skip
@@ -270,7 +310,7 @@ def test_lane_probe_runs_and_checks_its_bits_on_the_cpu(tmp_path):
 
 
 def test_phase_probe_times_the_steps_of_a_first_and_a_second_load(tmp_path):
-    """bench/phase_probe.py on the CPU (gloo, one rank) at the tiny size: it writes the
+    """bench/probes/phase_probe.py on the CPU (gloo, one rank) at the tiny size: it writes the
     checkpoint and its FP8 twin, then per path a fresh process loads twice and reports each
     load's phases and the main thread's time in the wrapped steps. A second call with another
     twin and ``--loads 3`` writes only that twin (the bf16 files stay as they are) and reports a
@@ -278,7 +318,7 @@ def test_phase_probe_times_the_steps_of_a_first_and_a_second_load(tmp_path):
     ck = tmp_path / "ck"
 
     def probe(*args: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, str(ROOT / "bench" / "phase_probe.py"), "--preset", "tiny", "--dir", str(ck), *args]
+        cmd = [sys.executable, str(ROOT / "bench" / "probes" / "phase_probe.py"), "--preset", "tiny", "--dir", str(ck), *args]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
         assert proc.returncode == 0, proc.stderr
         return proc
@@ -300,13 +340,13 @@ def test_phase_probe_times_the_steps_of_a_first_and_a_second_load(tmp_path):
 
 
 def test_first_call_probe_counts_the_imports_inside_a_first_load(tmp_path):
-    """bench/first_call_probe.py on the CPU (gloo, world 1) at the tiny size: a child process
+    """bench/probes/first_call_probe.py on the CPU (gloo, world 1) at the tiny size: a child process
     builds and shards the model, then times ``import sdadapt`` + the adapter + the first
     ``sdadapt.load`` and a second load; run under ``-X importtime`` it names the modules
     imported inside that region, among them sdadapt's load machinery and torch's DCP."""
     res = tmp_path / "probe.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "first_call_probe.py"), "--preset", "tiny", "--dir", str(tmp_path / "ck"),
+        [sys.executable, str(ROOT / "bench" / "probes" / "first_call_probe.py"), "--preset", "tiny", "--dir", str(tmp_path / "ck"),
          "--runs", "1", "--out", str(res)],
         capture_output=True, text=True, timeout=240, env=_env(),
     )  # fmt: skip
@@ -504,10 +544,10 @@ def test_the_disk_estimate_knows_every_quantized_twin_and_is_near_what_is_writte
 
 
 def test_gil_probe_prints_a_row_per_interval_and_sets_the_interval_back():
-    """bench/gil_probe.py: one table row per switch interval asked for, each with the calls per
+    """bench/probes/gil_probe.py: one table row per switch interval asked for, each with the calls per
     second alone and beside a Python loop (positive), and the interval set back afterwards."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gil_probe.py"), "--intervals", "5,1", "--seconds", "0.05"],
+        [sys.executable, str(ROOT / "bench" / "probes" / "gil_probe.py"), "--intervals", "5,1", "--seconds", "0.05"],
         capture_output=True, text=True, timeout=120, env=_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -524,10 +564,10 @@ def test_gil_probe_prints_a_row_per_interval_and_sets_the_interval_back():
 
 
 def test_first_kernel_probe_times_each_op_twice_on_the_cpu():
-    """bench/first_kernel_probe.py runs on the CPU too: two timed calls of every op (the e2m1
+    """bench/probes/first_kernel_probe.py runs on the CPU too: two timed calls of every op (the e2m1
     table it times is checked against the published values in ``test_quant``)."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "first_kernel_probe.py"), "--device", "cpu", "--rows", "64", "--cols", "64"],
+        [sys.executable, str(ROOT / "bench" / "probes" / "first_kernel_probe.py"), "--device", "cpu", "--rows", "64", "--cols", "64"],
         capture_output=True, text=True, timeout=120, env=_env(),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -536,10 +576,10 @@ def test_first_kernel_probe_times_each_op_twice_on_the_cpu():
 
 
 def test_gpu_timeline_overlay_profiles_the_first_two_engine_runs_and_summarises_them(tmp_path):
-    """bench/gpu_timeline.py: the overlay's sdadapt writes one profile per engine run, for the
+    """bench/probes/gpu_timeline.py: the overlay's sdadapt writes one profile per engine run, for the
     first two runs of a process only, each with its ``ENGINE_RUN`` span; ``summary`` reads them
     (on the CPU: no GPU work)."""
-    tool = ROOT / "bench" / "gpu_timeline.py"
+    tool = ROOT / "bench" / "probes" / "gpu_timeline.py"
     made = subprocess.run([sys.executable, str(tool), "overlay", str(ROOT / "src"), str(tmp_path / "tree")],
                           capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr
@@ -562,7 +602,7 @@ def test_gpu_timeline_overlay_profiles_the_first_two_engine_runs_and_summarises_
 
 
 def test_thread_profile_summarises_a_py_spy_profile_per_thread(tmp_path):
-    """bench/thread_profile.py: of a py-spy raw profile, only the threads named as asked count;
+    """bench/probes/thread_profile.py: of a py-spy raw profile, only the threads named as asked count;
     each table gives the samples and their share, paths shortened to the package's."""
     raw = tmp_path / "raw.txt"
     raw.write_text(
@@ -574,7 +614,7 @@ def test_thread_profile_summarises_a_py_spy_profile_per_thread(tmp_path):
         "thread (12): sdadapt-io-3;Worker._loop (/x/src/sdadapt/_engine/workers.py:187) 50\n"
         "thread (13): MainThread 5\n"
     )
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "thread_profile.py"), str(raw), "--top", "5"],
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "probes" / "thread_profile.py"), str(raw), "--top", "5"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

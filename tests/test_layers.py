@@ -144,3 +144,96 @@ def test_the_cycle_finder_finds_a_circle():
 def test_module_is_at_most_600_lines(module):
     lines = len(MODULES[module].read_text().splitlines())
     assert lines <= MAX_LINES, f"{module} has {lines} lines"
+
+
+# --- bench/: the product (load_bench, its package, the benches the docs cite) and the probes ---
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+BENCH_PRIVATE: dict[str, dict[str, str]] = {
+    # the bench product: what the public API does not offer
+    "loadbench/checkpoint.py": {"sdadapt._recipes": "writes the FP8 / MXFP4 twins with the library's own quantizers"},
+    "loadbench/twins.py": {"sdadapt._recipes": "writes the scaled formats' twins where no tool package is installed"},
+    "loadbench/cli.py": {"sdadapt.sources._dcp_dir": "imports the DCP source before timing (an import, not a call)"},
+    "loadbench/paths.py": {"sdadapt._plan.plan": "the plan of a path, to check its shards against the eager recipe",
+                           "sdadapt._plan.target": "the model's schema for that plan"},  # fmt: skip
+    "loadbench/references.py": {"sdadapt._engine": "the engine's default thread count for the machine references"},
+    "gpt_oss_bench.py": {"sdadapt._recipes.quant": "writes the MXFP4 experts and times the whole-tensor dequantisation"},
+    "plan_bench.py": {"sdadapt._base.gc": "plans with the collector paused, as load does",
+                      "sdadapt._engine": "times the engine's planning on its own",
+                      "sdadapt._plan.plan": "times build_plan on its own",
+                      "sdadapt.rules._patterns": "the patterns' compile cache, cleared between runs",
+                      "sdadapt.sources._base": "a schema-only source of 90k keys (no files)"},  # fmt: skip
+    "resume_bench.py": {"sdadapt._transaction": "times the transaction's read phase inside load_state"},
+    # the probes: each asks one question about the engine's internals
+    "probes/first_kernel_probe.py": {"sdadapt._recipes": "times the first launch of each dequantisation op",
+                                     "sdadapt._recipes.quant": "the e2m1 table built on the device and on the host"},  # fmt: skip
+    "probes/lane_probe.py": {"sdadapt._base.regions": "whole-tensor boxes for the jobs it builds",
+                             "sdadapt._engine": "runs the engine on jobs it builds, without a model",
+                             "sdadapt._engine.tasks": "the engine's Job",
+                             "sdadapt._recipes": "the FP8 nodes whose kernels the lane runs",
+                             "sdadapt._recipes.nodes": "Leaf nodes over the source"},  # fmt: skip
+    "probes/phase_probe.py": {"sdadapt._engine.engine": "wraps the load's steps to time each",
+                              "sdadapt._engine.reader": "the same", "sdadapt._plan.plan": "the same",
+                              "sdadapt._plan.target": "the same", "sdadapt._transaction.load": "the same",
+                              "sdadapt._transaction.materialize": "the same", "sdadapt._transaction.transaction": "the same"},  # fmt: skip
+}
+"""Every private sdadapt module a bench or probe imports (or names to patch), with the reason:
+a new one must say why the public API does not serve it."""
+
+
+def _bench_private(path: Path) -> set[str]:
+    """The private sdadapt modules ``path`` imports, or names as a string to import or patch."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sdadapt"):
+            if any(p.startswith("_") for p in node.module.split(".")[1:]):
+                out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("sdadapt.") and any(p.startswith("_") for p in a.name.split(".")[1:])}
+        elif isinstance(node, ast.Tuple) and node.elts and isinstance(node.elts[0], ast.Constant):
+            name = node.elts[0].value
+            if isinstance(name, str) and name.startswith("sdadapt._") and " " not in name:
+                out.add(name)  # ("sdadapt._x.y", "function"): a step a probe wraps
+    return out
+
+
+def test_bench_imports_of_private_modules_are_declared():
+    found = {str(p.relative_to(BENCH)): _bench_private(p) for p in sorted(BENCH.rglob("*.py"))}
+    for rel, mods in found.items():
+        declared = set(BENCH_PRIVATE.get(rel, {}))
+        assert mods == declared, f"bench/{rel} imports private {sorted(mods - declared)}; declared but unused {sorted(declared - mods)}"
+    assert set(BENCH_PRIVATE) <= set(found), sorted(set(BENCH_PRIVATE) - set(found))
+
+
+BENCH_TEST_IMPORTS = {
+    "gpu_scenario.py": {"models": "the suite's TinyTransformer and parallelize: the GPU runs the model the CPU tests run"},
+}
+"""The test-suite modules a bench imports, with the reason (no test module: ``test_*``)."""
+
+
+def test_bench_imports_no_test_module():
+    tests = {p.stem for p in (Path(__file__).resolve().parent).glob("*.py")}
+    for p in sorted(BENCH.rglob("*.py")):
+        allowed = set(BENCH_TEST_IMPORTS.get(str(p.relative_to(BENCH)), {}))
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:  # a relative import stays in its package
+                names = [node.module or ""]
+            else:
+                continue
+            bad = [n for n in names if (n.split(".")[0] in tests or n.startswith("tests")) and n not in allowed]
+            assert not bad and not any(n.startswith("test_") for n in names), (p, names)
+
+
+def test_probes_are_apart_from_the_product():
+    """bench/ holds the product (load_bench.py and loadbench/, the benches the docs cite);
+    bench/probes/ the probes; nothing in the product imports a probe."""
+    probes = {p.stem for p in (BENCH / "probes").glob("*.py")}
+    assert probes and not any(p.name.endswith("_probe.py") for p in BENCH.glob("*.py"))
+    for p in [*BENCH.glob("*.py"), *(BENCH / "loadbench").glob("*.py")]:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and node.level == 0):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not any(n.split(".")[0] in probes for n in names), (p, names)

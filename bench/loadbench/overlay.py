@@ -1,5 +1,5 @@
 """Copies of sdadapt with a recorder patched in, for load_bench variants (``src=OUT/src``): the
-command line that bench/engine_trace.py and bench/gpu_timeline.py share."""
+command line that bench/probes/engine_trace.py and bench/probes/gpu_timeline.py share."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ wait seconds; the first run's bits are checked against the whole-tensor dequanti
     python bench/lane_probe.py --device cpu --tensors 2 --shape 256,512 --threads 2    # no lane: a check of the script
 
 Its runs so far are in the git history of bench/RESULTS.md and bench/results/ (the FP8
-load's tuning on one H200); bench/RESULTS.md keeps only current figures.
+load's tuning on one H200); bench/reports/ holds the reports of current runs.
 """
 
 from __future__ import annotations

@@ -26,9 +26,12 @@ import collections
 import glob
 import json
 import os
+import sys
 from typing import Any
 
-from loadbench.overlay import overlay_main, write_overlay
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: the loadbench package
+
+from loadbench.overlay import overlay_main, write_overlay  # noqa: E402
 
 PATCH = '''"""GPU timeline recorder written by bench/gpu_timeline.py (not part of the library)."""
 import itertools, os

@@ -26,8 +26,11 @@ import collections
 import glob
 import json
 import os
+import sys
 
-from loadbench.overlay import overlay_main, write_overlay
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: the loadbench package
+
+from loadbench.overlay import overlay_main, write_overlay  # noqa: E402
 
 PATCH = '''"""Timeline recorder written by bench/engine_trace.py (not part of the library)."""
 import json, os, threading, time

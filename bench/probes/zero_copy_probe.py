@@ -27,7 +27,7 @@ times, all ranks at once (barrier before each, slowest rank reported):
 
 Every method's GPU result is compared with the file. Prints one JSON line per method and rank 0
 a table. Nothing here is used by the library; it decides how the engine should move bytes.
-bench/RESULTS.md ("Staging: buffer kind and read size") gives the run of: ``--methods
+bench/reports/staging-buffers-h200x2-2026-11-30.md gives the run of: ``--methods
 pread,pread-pageable,pread-huge,pread+h2d,pread+h2d-huge,h2d --threads 12,16 --chunks-mb 2,8
 --depths 2,4 --bind none``.
 """

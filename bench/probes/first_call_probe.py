@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
+BENCH = Path(__file__).resolve().parent.parent  # bench/: the loadbench package
 sys.path.insert(0, str(BENCH))
 START, END = "@@sdadapt-first-call-start", "@@sdadapt-first-call-end"
 _LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")

@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: the loadbench package
 
 # (module, attribute) of each step timed; a function is replaced wherever sdadapt holds it
 STEPS = [
