@@ -28,6 +28,9 @@ RUNTIME_ONLY = {
     "numpy": "torch's object collectives (all_gather_object, broadcast_object_list, DCP's save planning) unpickle through it",
 }
 
+# modules whose distribution is named per CUDA major version; an extra may declare any of them
+PER_CUDA = {"kvikio": {"kvikio-cu12", "kvikio-cu13"}}
+
 
 def _project() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
@@ -86,7 +89,7 @@ def library_imports(files: list[Path] = LIBRARY_FILES, root: Path = ROOT) -> tup
 
 
 def _distributions_of(module: str) -> set[str]:
-    dists = importlib.metadata.packages_distributions().get(module, [module])
+    dists = importlib.metadata.packages_distributions().get(module, PER_CUDA.get(module, [module]))
     return {_dist_name(d) for d in dists}
 
 

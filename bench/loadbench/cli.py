@@ -60,7 +60,7 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--materialized-paths", default=",".join(MATERIALIZED_PATHS),
                     help="comma list of FSDP paths loaded into a materialised model (to_empty + values) ('' for none)")
     ap.add_argument("--raw-paths", default="", help="comma list of raw loaders (every tensor to the rank's device as a dict, "
-                    "no model): instanttensor (buffered I/O), instanttensor-mmap, instanttensor-direct, safetensors-gpu "
+                    "no model): instanttensor (buffered I/O), instanttensor-mmap, instanttensor-direct, safetensors-gpu, kvikio "
                     "('' for none)")
     ap.add_argument("--import-in-load", action="store_true",
                     help="import only what a job needs to build and shard its model before timing: each loader's own "

@@ -8,20 +8,39 @@ from dataclasses import dataclass, field
 MiB = 1 << 20
 
 
+def process_cpus() -> int:
+    """The CPUs this process may run on (``os.sched_getaffinity``: a launcher's or container's
+    pinning counts), else every CPU of the machine (not Linux)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def local_ranks() -> int:
+    """The ranks on this host (``LOCAL_WORLD_SIZE``, as torchrun sets it; 1 when unset)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    except ValueError:
+        return 1
+
+
+def rank_cpus() -> int:
+    """This rank's share of the CPUs: :func:`process_cpus` divided by :func:`local_ranks`, at
+    least 1, never more than the CPUs the process may use."""
+    return max(1, process_cpus() // local_ranks())
+
+
 def default_threads() -> int:
-    """Threads for one rank: ``SDADAPT_IO_THREADS``, else this process's CPUs divided by the
-    ranks on this host (``LOCAL_WORLD_SIZE``), between 1 and 32. From 8 CPUs per rank on, a
-    quarter of them is left to the rest of the process (its main thread, NCCL's and CUDA's
-    threads), which the reads would otherwise compete with (bench/RESULTS.md measures it)."""
+    """Threads for one rank: ``SDADAPT_IO_THREADS``, else this rank's share of the CPUs
+    (:func:`rank_cpus`: the CPUs this process may use divided by the ranks on this host), at
+    most 32, so never more threads than cores. From 8 CPUs per rank on, a quarter of them is
+    left to the rest of the process (its main thread, NCCL's and CUDA's threads), which the
+    reads would otherwise compete with (bench/RESULTS.md measures it)."""
     env = os.environ.get("SDADAPT_IO_THREADS")
     if env:
         return max(1, int(env))
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-    per_rank = max(1, cpus // local)
+    per_rank = rank_cpus()
     if per_rank >= 8:
         per_rank = per_rank * 3 // 4
     return min(32, per_rank)
@@ -69,11 +88,18 @@ class EngineConfig:
     bands of ``gather_bytes`` (default four chunks: fewer, larger kernels than band buffers
     allow), the size of that device buffer, of which each thread fills about one at a time.
     ``False``: every computation reads its inputs into a band buffer and crosses in one copy.
+    ``kvikio``: on a GPU, read the pieces whose bytes land contiguously in their destination
+    shard straight into it through kvikio (the extra ``sdadapt[cuda]``;
+    :mod:`sdadapt._engine.devread`): ``None``, the default, where kvikio is installed and
+    starts (else the staged path, said once in the log), ``True`` always (an error where it
+    cannot), ``False`` never; ``kvikio_threads`` is its pool's size (``None``: every CPU of
+    this rank, :func:`rank_cpus`) and ``kvikio_task_bytes`` the size it cuts reads into.
     Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
     ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``,
     ``SDADAPT_IO_LANDING``, ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS``
     (``0``: leave the interval as it is), ``SDADAPT_IO_PLAN_SWITCH_MS`` (likewise, while the
-    engine plans), ``SDADAPT_IO_GATHER`` (``0``: no gathering), ``SDADAPT_IO_GATHER_MB``.
+    engine plans), ``SDADAPT_IO_GATHER`` (``0``: no gathering), ``SDADAPT_IO_GATHER_MB``, ``SDADAPT_IO_KVIKIO``
+    (``0`` / ``1``), ``SDADAPT_IO_KVIKIO_THREADS``, ``SDADAPT_IO_KVIKIO_TASK_MB``.
 
     Args:
         threads: reading threads per rank.
@@ -91,6 +117,9 @@ class EngineConfig:
         plan_switch_interval: the interval while the engine plans (``None``: ``switch_interval``).
         gather_inputs: on a GPU, gather a computation's stored inputs on the device.
         gather_bytes: the largest gathered input (``None``: four chunks).
+        kvikio: read contiguous GPU pieces through kvikio (``None``: where it is installed).
+        kvikio_threads: kvikio's thread pool (``None``: this rank's CPUs).
+        kvikio_task_bytes: the size kvikio cuts a read into.
 
     Raises:
         ValueError: a field out of range (``depth=0``).
@@ -116,6 +145,9 @@ class EngineConfig:
     plan_switch_interval: float | None = None
     gather_inputs: bool = True
     gather_bytes: int | None = None
+    kvikio: bool | None = None
+    kvikio_threads: int | None = None
+    kvikio_task_bytes: int = 16 * MiB
 
     def __post_init__(self) -> None:
         if self.depth < 1:
@@ -128,10 +160,24 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.band_depth must be at least 1 (band buffers per computing thread), got {self.band_depth}")
         if self.landing_buffers < 1:
             raise ValueError(f"EngineConfig.landing_buffers must be at least 1 (band-sized buffers on the GPU), got {self.landing_buffers}")
+        if self.kvikio_threads is not None and self.kvikio_threads < 1:
+            raise ValueError(f"EngineConfig.kvikio_threads must be at least 1, got {self.kvikio_threads}")
+        if self.kvikio_task_bytes < 4096:
+            raise ValueError(f"EngineConfig.kvikio_task_bytes must be at least 4096, got {self.kvikio_task_bytes}")
         for name in ("switch_interval", "plan_switch_interval"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive seconds or None, got {value}")
+
+    def kvikio_pool(self) -> int:
+        """kvikio's thread pool size: ``kvikio_threads``, or every CPU of this rank
+        (:func:`rank_cpus`; its threads wait on reads and copies, not on the interpreter)."""
+        return self.kvikio_threads if self.kvikio_threads is not None else rank_cpus()
+
+    def kvikio_read_bytes(self) -> int:
+        """The largest read a reader thread hands kvikio at once (four of its tasks, which its
+        pool runs side by side)."""
+        return 4 * self.kvikio_task_bytes
 
     def chunk(self) -> int:
         """The largest single read, in bytes (also the size of one staging buffer)."""
@@ -195,6 +241,12 @@ class EngineConfig:
             cfg.gather_inputs = os.environ["SDADAPT_IO_GATHER"] not in ("0", "false", "no")
         if os.environ.get("SDADAPT_IO_GATHER_MB"):
             cfg.gather_bytes = max(4096, int(float(os.environ["SDADAPT_IO_GATHER_MB"]) * MiB))
+        if os.environ.get("SDADAPT_IO_KVIKIO"):
+            cfg.kvikio = os.environ["SDADAPT_IO_KVIKIO"] not in ("0", "false", "no")
+        if os.environ.get("SDADAPT_IO_KVIKIO_THREADS"):
+            cfg.kvikio_threads = max(1, int(os.environ["SDADAPT_IO_KVIKIO_THREADS"]))
+        if os.environ.get("SDADAPT_IO_KVIKIO_TASK_MB"):
+            cfg.kvikio_task_bytes = max(4096, int(float(os.environ["SDADAPT_IO_KVIKIO_TASK_MB"]) * MiB))
         for var, name in (("SDADAPT_IO_SWITCH_MS", "switch_interval"), ("SDADAPT_IO_PLAN_SWITCH_MS", "plan_switch_interval")):
             if os.environ.get(var):
                 ms = float(os.environ[var])

@@ -16,14 +16,15 @@ import torch
 
 from .._base.gc import gc_paused
 from ..sources._base import Source
+from . import devread
 from .config import EngineConfig
 from .device import DeviceLane
 from .lanes import TaskQueues
 from .pinned import SLABS
 from .planner import Planner
 from .staging import StagingPool
-from .syscalls import open_for
-from .tasks import Job, Task, task_paths
+from .syscalls import open_device_file, open_for
+from .tasks import DirectRead, Job, Task, task_paths
 from .workers import Shared, Worker
 
 
@@ -56,6 +57,7 @@ class EngineStats:
     lane_cpu_seconds: float = 0.0
     lane_idle_seconds: float = 0.0
     lane_copy_wait_seconds: float = 0.0
+    kvikio_bytes: int = 0  # of direct_bytes, read by kvikio straight into GPU destinations
 
     _PEAKS: ClassVar[tuple[str, ...]] = ("threads", "staging_buffers", "staging_bytes")
 
@@ -111,13 +113,20 @@ class IOEngine:
         self.stats = EngineStats()
         self.cpu_lane = cpu_lane  # tests: CPU destinations go through a device lane on the CPU, as GPU ones do
 
-    def plan(self, jobs: Sequence[Job], emit: Callable[[Task], None] | None = None, gather_on: torch.device | None = None) -> list[Task]:
+    def plan(
+        self,
+        jobs: Sequence[Job],
+        emit: Callable[[Task], None] | None = None,
+        gather_on: torch.device | None = None,
+        direct_on: torch.device | None = None,
+    ) -> list[Task]:
         """Turn jobs into tasks. With ``emit``, each task is handed to it as soon as it is made
         (so that reading starts while planning goes on) and the list returned is empty;
         staged pieces under half a chunk, coalesced across all jobs, come last. ``gather_on``:
-        the device of the run's device lane (computations there may gather their inputs)."""
+        the device of the run's device lane (computations there may gather their inputs);
+        ``direct_on``: a GPU whose contiguous destinations are read into directly (kvikio)."""
         tasks: list[Task] = []
-        planner = Planner(self.source, self.config, gather_on)
+        planner = Planner(self.source, self.config, gather_on, direct_on)
         planner.plan(jobs, emit or tasks.append)
         self.stats.coalesced += planner.coalesced
         self.stats.gathered += planner.gathered
@@ -143,6 +152,16 @@ class IOEngine:
         if device is not None:
             shared.lane = DeviceLane(device, bands.size, shared.fail, cfg.landing_buffers)
             shared.lane.start()
+        direct_on = None
+        if pin:
+            shared.devreads = devread.select(device, cfg.kvikio, cfg.kvikio_pool(), cfg.kvikio_task_bytes)
+        if shared.devreads is not None:
+            assert device is not None
+            direct_on = device
+            # kvikio writes from its own threads and streams: whatever the caller's stream
+            # still has queued for the destinations (their allocation, a materialised model's
+            # values) finishes first
+            torch.cuda.current_stream(device).synchronize()
         workers = [Worker(shared, cfg.depth, cfg.band_depth, computes=i < computing) for i in range(threads)]
         pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
         for th in pool_threads:
@@ -156,6 +175,8 @@ class IOEngine:
             for path in task_paths(task):
                 if path not in shared.fds:
                     shared.fds[path] = open_for(path, task.where.target)  # opened before any thread sees the task
+            if isinstance(task, DirectRead) and task.dest.device.type == "cuda" and task.path not in shared.handles:
+                shared.handles[task.path] = open_device_file(shared.devreads, task.path, task.where.target)
             shared.work.put(task)
             count += 1
 
@@ -164,7 +185,7 @@ class IOEngine:
         with gc_paused(), switch_interval(cfg.switch_interval):
             try:
                 with switch_interval(cfg.plan_switch_interval):
-                    self.plan(jobs, push, device)
+                    self.plan(jobs, push, device, direct_on)
             except BaseException as e:  # noqa: BLE001 - stop the threads, then raise
                 shared.errors.insert(0, e)
                 shared.failed.set()
@@ -179,6 +200,8 @@ class IOEngine:
                 bands.close()
                 for fd in shared.fds.values():
                     os.close(fd)
+                for handle in shared.handles.values():
+                    devread.DeviceReads.close(handle)
         st = self.stats
         for w in workers:
             st.bytes_read += w.nbytes + w.counter.bytes_read
@@ -189,6 +212,7 @@ class IOEngine:
             st.busy_seconds += w.busy
             st.read_seconds += w.reading + w.counter.seconds
             st.wait_seconds += w.waiting
+            st.kvikio_bytes += w.device_direct
         if shared.lane is not None:
             lt = shared.lane.times
             st.lane_seconds += lt.wall

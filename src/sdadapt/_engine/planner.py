@@ -1,7 +1,8 @@
 """Planning: jobs -> steps (from each recipe's ``produce``) -> located byte ranges -> tasks.
 
 A piece of a source tensor whose bytes the source can locate in a file (``locate_region``) is
-cut into reads: straight into a contiguous CPU destination of the source dtype (large enough),
+cut into reads: straight into a contiguous destination of the source dtype (large enough) on the
+CPU, or on the GPU where the run reads through kvikio (:mod:`.devread`),
 else through staging; small staged reads adjacent in one file are coalesced at the end. Runs
 shorter than ``min_span_bytes`` (a column slice) are one strided copy out of the source's
 mapping instead. Pieces of storage without locations and fills become one task each; a computation
@@ -109,10 +110,13 @@ class Planner:
     ``gather_on`` (the device of the run's device lane), computations on that device gather
     their inputs there where they can (:meth:`_gather`)."""
 
-    def __init__(self, source: Source, config: EngineConfig, gather_on: torch.device | None = None):
+    def __init__(
+        self, source: Source, config: EngineConfig, gather_on: torch.device | None = None, direct_on: torch.device | None = None
+    ):
         self.source = source
         self.config = config
         self.gather_on = gather_on if config.gather_inputs else None
+        self.direct_on = direct_on  # a GPU read into directly (kvikio), or None
         self.coalesced = 0
         self.gathered = 0  # computations planned as gathers
         self._files: dict[str, bool] = {}
@@ -258,8 +262,9 @@ class Planner:
                 glob = tuple((a + o, b + o) for (a, b), o in zip(sub, origin, strict=True)) if shifted else sub
                 push(SourceRead(Piece(key, glob, dest[sl]), where))
             return
+        on_gpu = dest.device.type != "cpu"
         direct = (
-            dest.device.type == "cpu"
+            (not on_gpu or dest.device == self.direct_on)
             and dest.dtype == loc.dtype
             and dest.is_contiguous()
             and dest.numel() * itemsize >= cfg.direct_min_bytes
@@ -268,7 +273,7 @@ class Planner:
             segs = [(loc.offset + s, run) for s in starts]
             mem = _bytes_view(dest)
             pos = 0
-            for group in split_segments(segs, chunk):
+            for group in split_segments(segs, cfg.kvikio_read_bytes() if on_gpu else chunk):
                 n = sum(g[1] for g in group)
                 push(DirectRead(loc.path, group, mem[pos : pos + n], where))
                 pos += n

@@ -57,6 +57,17 @@ def preadv_into(fd: int, mem: torch.Tensor, pos: int, offset: int, nbytes: int) 
     return calls
 
 
+def open_device_file(reads: Any, path: str, target: str) -> Any:
+    """A kvikio handle for ``path`` from ``reads`` (a :class:`~sdadapt._engine.devread.DeviceReads`);
+    a file that cannot be opened names target key ``target``."""
+    try:
+        return reads.open(path)
+    except Exception as e:  # noqa: BLE001 - kvikio raises RuntimeError with the system's message
+        raise LoadError(
+            f"key {target!r} (from {path}): kvikio cannot open the file: {e} (SDADAPT_IO_KVIKIO=0 reads it through the staged path)"
+        ) from None
+
+
 def open_for(path: str, target: str) -> int:
     """A read-only descriptor for ``path``; a file that cannot be opened names target key ``target``."""
     try:

@@ -1,0 +1,166 @@
+"""Reads straight into GPU memory through kvikio (the optional extra ``sdadapt[cuda]``).
+
+kvikio (RAPIDS) runs a C++ thread pool that reads file ranges into device memory: through
+GPUDirect Storage where the machine has it, else with ``pread`` into its own pinned bounce
+buffers and copies from there, all outside the interpreter lock. A GPU run uses it for the
+pieces whose bytes land contiguously in their destination shard (the planner makes them
+:class:`~sdadapt._engine.tasks.DirectRead` tasks, as for a CPU destination): a reader thread
+hands such a read to kvikio and waits for it, and no staging buffer or device-lane copy is
+involved. Everything else (small pieces, computations and their inputs, fills) keeps the
+staged path of :mod:`sdadapt._engine.device`.
+
+:func:`select` makes the choice once per process and setting, and logs it in one line: kvikio
+when it imports and initialises, else the staged path (kvikio absent, failing to start, or
+turned off with ``EngineConfig.kvikio=False`` / ``SDADAPT_IO_KVIKIO=0``). ``kvikio=True`` asks
+for it: then its absence or failure is an error naming the extra.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import UsageError
+
+log = logging.getLogger(__name__)
+
+EXTRA = "pip install 'sdadapt[cuda]'"
+
+
+@dataclass(frozen=True)
+class DeviceReads:
+    """kvikio, initialised for a process: ``threads`` in its pool, reads cut into tasks of
+    ``task_bytes``; ``gds`` says whether it reads through GPUDirect Storage (else POSIX reads
+    through its pinned bounce buffers)."""
+
+    kvikio: Any
+    threads: int
+    task_bytes: int
+    gds: bool
+
+    def describe(self) -> str:
+        """The path in a few words, for logs."""
+        how = "GPUDirect Storage" if self.gds else "POSIX reads through its pinned bounce buffers"
+        return f"kvikio {getattr(self.kvikio, '__version__', '?')} ({how}, {self.threads} threads, {self.task_bytes >> 20} MiB tasks)"
+
+    def open(self, path: str) -> Any:
+        """A kvikio file handle for ``path`` (read-only); :meth:`close` it after the run."""
+        return self.kvikio.CuFile(path, "r")
+
+    @staticmethod
+    def close(handle: Any) -> None:
+        """Close a handle from :meth:`open`."""
+        handle.close()
+
+    def read(self, handle: Any, segments: list[tuple[int, int]], dest: torch.Tensor) -> int:
+        """Read the file's ``segments`` ((offset, nbytes), in order) one after the other into
+        ``dest`` (a contiguous uint8 tensor on the GPU, as long as the segments together) and
+        wait for them; returns the bytes read. Every read is waited for, also after one failed,
+        so that nothing writes into the destination once this returns; a short read is an
+        :class:`OSError` saying the file is truncated."""
+        futures: list[tuple[Any, int, int]] = []
+        first: BaseException | None = None
+        pos = 0
+        try:
+            for off, n in segments:
+                futures.append((handle.pread(dest[pos : pos + n], n, off), off, n))
+                pos += n
+        except BaseException as e:  # noqa: BLE001 - the reads queued so far are still waited for
+            first = e
+        for fut, off, n in futures:
+            try:
+                got = fut.get()
+            except BaseException as e:  # noqa: BLE001 - the first error is raised once all are done
+                first = first or e
+                continue
+            if got != n and first is None:
+                first = OSError(f"unexpected end of file at byte {off + got} (wanted {n - got} more bytes); the file is truncated")
+        if first is not None:
+            raise first
+        return pos
+
+
+_LOCK = threading.Lock()
+_CHOSEN: dict[tuple[int, int], DeviceReads | None] = {}
+
+
+def _import_kvikio() -> Any:
+    """The kvikio module, its ``defaults`` loaded (a hook, so that the tests can make it absent
+    or failing)."""
+    try:
+        import kvikio.defaults
+    except ImportError as e:
+        raise ImportError(f"kvikio is not installed: {e}") from e
+    return kvikio
+
+
+importer: Callable[[], Any] = _import_kvikio
+
+
+def _start(threads: int, task_bytes: int) -> DeviceReads:
+    """Import kvikio and size its thread pool; raises whatever that raises."""
+    kvikio = importer()
+    defaults = kvikio.defaults
+    if defaults.get("num_threads") != threads:
+        defaults.set("num_threads", threads)
+    if defaults.get("task_size") != task_bytes:
+        defaults.set("task_size", task_bytes)
+    gds = not bool(defaults.is_compat_mode_preferred())
+    return DeviceReads(kvikio, threads, task_bytes, gds)
+
+
+def select(device: torch.device | None, wanted: bool | None, threads: int, task_bytes: int) -> DeviceReads | None:
+    """kvikio for a run whose destinations are on ``device``, or ``None`` for the staged path.
+
+    ``wanted``: ``None`` uses kvikio where it is installed and starts, ``False`` never,
+    ``True`` always (its absence or failure raises :class:`~sdadapt.errors.UsageError`). The
+    outcome is kept per process and setting, and logged once: which path GPU reads take, and
+    why.
+
+    Args:
+        device: the run's GPU (``None`` or a CPU: no kvikio).
+        wanted: ``EngineConfig.kvikio``.
+        threads: kvikio's pool size.
+        task_bytes: the size kvikio cuts a read into tasks of.
+
+    Returns:
+        The initialised :class:`DeviceReads`, or ``None``.
+
+    Raises:
+        UsageError: ``wanted`` is ``True`` and kvikio is absent or fails to start.
+    """
+    if wanted is False or device is None or device.type != "cuda":
+        return None
+    key = (threads, task_bytes)
+    with _LOCK:
+        if key in _CHOSEN:
+            chosen = _CHOSEN[key]
+            if chosen is None and wanted:
+                raise UsageError(f"EngineConfig(kvikio=True): kvikio could not be started (logged when first tried); {EXTRA}")
+            return chosen
+        chosen = None
+        try:
+            chosen = _start(threads, task_bytes)
+        except ImportError as e:
+            if wanted:
+                raise UsageError(f"EngineConfig(kvikio=True) needs kvikio, which is not installed ({e}); {EXTRA}") from None
+            log.info("GPU reads: the staged path (pinned buffers, the device lane's copies); kvikio is not installed (%s)", EXTRA)
+        except Exception as e:  # noqa: BLE001 - any failure to start falls back, named once
+            if wanted:
+                raise UsageError(f"EngineConfig(kvikio=True): kvikio failed to start: {type(e).__name__}: {e}") from e
+            log.warning("GPU reads: the staged path; kvikio is installed but failed to start: %s: %s", type(e).__name__, e)
+        else:
+            log.info("GPU reads: %s, straight into the destination shards", chosen.describe())
+        _CHOSEN[key] = chosen
+        return chosen
+
+
+def forget() -> None:
+    """Drop the kept choices (the next run chooses and logs again); for tests."""
+    with _LOCK:
+        _CHOSEN.clear()
