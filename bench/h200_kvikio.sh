@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One call on an H200 (the device tool): carried wheels installed, the CUDA-only tests with kvikio
+# installed and without it, then the 8B bench (sdadapt with kvikio and, as @nokv, without it;
+# InstantTensor buffered and mmap; kvikio's raw row). Run from a copy of the tree with the wheels
+# in $WHL (kvikio-cu13, libkvikio-cu13, rapids-logger, instanttensor, pydantic and its parts,
+# compressed-tensors, loguru). Outputs under $OUT. Usage: bash bench/h200_kvikio.sh [tests] [bench] [formats]
+set -u
+WHL=${WHL:-../../.whl}
+OUT=${OUT:-/tmp/out}
+export PYTHONUNBUFFERED=1
+pipi() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$1" "${@:2}"; }
+pipi /tmp/base "$WHL"/pydantic-*.whl "$WHL"/pydantic_core-*.whl "$WHL"/annotated_types-*.whl "$WHL"/typing_inspection-*.whl \
+    "$WHL"/compressed_tensors-*.whl "$WHL"/loguru-*.whl || exit 1
+pipi /tmp/kv "$WHL"/kvikio_cu13-*.whl "$WHL"/libkvikio_cu13-*.whl "$WHL"/rapids_logger-*.whl || exit 1
+pipi /tmp/it "$WHL"/instanttensor-*.whl || exit 1
+python3 -m compileall -q src /tmp/base /tmp/kv /tmp/it >/dev/null
+BASE=$PWD/src:/tmp/base:/tmp/it
+export PYTHONPATH=$BASE:/tmp/kv
+nvidia-smi -L; df -hT /tmp | tail -1; nproc
+python3 -c "import torch, kvikio, kvikio.defaults as d; print('torch', torch.__version__, 'kvikio', kvikio.__version__, 'compat', d.get('compat_mode'), 'compat preferred', d.is_compat_mode_preferred(), 'threads', d.get('num_threads'))" 2>&1 | tee "$OUT"/kvikio_probe.log
+for what in "$@"; do
+  case $what in
+    tests)
+      T="tests/test_devread.py tests/test_compute_device.py tests/test_pinned.py tests/test_quant_export.py"
+      PYTHONPATH=$BASE:/tmp/kv timeout 240 python3 -m pytest -q -p no:cacheprovider $T 2>&1 | tail -25 | tee "$OUT"/tests_kvikio.log
+      PYTHONPATH=$BASE timeout 150 python3 -m pytest -q -p no:cacheprovider $T -k "cuda or gpu or devread" 2>&1 | tail -12 | tee "$OUT"/tests_no_kvikio.log
+      PYTHONPATH=$BASE:/tmp/kv timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_scenario.py 2>&1 | tail -8 | tee "$OUT"/gpu_scenario_kvikio.log
+      ;;
+    bench)
+      timeout 420 python3 bench/load_bench.py --preset 8b --nproc 1 --backend nccl --dir /tmp/ck --keep --tp-paths '' --hsdp-paths '' \
+        --materialized-paths '' --discussion '' --timeout 120 --import-in-load --repeat 3 --no-verify --paths sdadapt \
+        --raw-paths instanttensor,instanttensor-mmap,kvikio --by-variant --variant nokv:SDADAPT_IO_KVIKIO=0 --out "$OUT"/kv8b 2>&1 | tail -40
+      ;;
+    formats)
+      timeout 420 python3 bench/load_bench.py --preset 8b --nproc 1 --backend nccl --dir /tmp/ck --keep --tp-paths '' --hsdp-paths '' \
+        --materialized-paths '' --discussion '' --timeout 120 --import-in-load --repeat 3 --no-verify \
+        --paths sdadapt,sdadapt-nvfp4,sdadapt-fp8ch --raw-paths instanttensor,kvikio --out "$OUT"/kv8b_formats 2>&1 | tail -30
+      ;;
+  esac
+done
