@@ -3,7 +3,7 @@
 # installed and without it, then the 8B bench (sdadapt with kvikio and, as @nokv, without it;
 # InstantTensor buffered and mmap; kvikio's raw row). Run from a copy of the tree with the wheels
 # in $WHL (kvikio-cu13, libkvikio-cu13, rapids-logger, instanttensor, pydantic and its parts,
-# compressed-tensors, loguru). Outputs under $OUT. Usage: bash bench/h200_kvikio.sh [tests] [bench] [formats]
+# compressed-tensors, loguru). Outputs under $OUT; BENCH_EXTRA: more load_bench arguments (variants). Usage: bash bench/h200_kvikio.sh [tests] [bench] [formats]
 set -u
 WHL=${WHL:-../../.whl}
 OUT=${OUT:-/tmp/out}
@@ -29,7 +29,8 @@ for what in "$@"; do
     bench)
       timeout 420 python3 bench/load_bench.py --preset 8b --nproc 1 --backend nccl --dir /tmp/ck --keep --tp-paths '' --hsdp-paths '' \
         --materialized-paths '' --discussion '' --timeout 120 --import-in-load --repeat 3 --no-verify --paths sdadapt \
-        --raw-paths instanttensor,instanttensor-mmap,kvikio --by-variant --variant nokv:SDADAPT_IO_KVIKIO=0 --out "$OUT"/kv8b 2>&1 | tail -40
+        --raw-paths instanttensor,instanttensor-mmap,kvikio --by-variant --variant nokv:SDADAPT_IO_KVIKIO=0 ${BENCH_EXTRA:-} \
+        --out "$OUT"/kv8b 2>&1 | tail -40
       ;;
     formats)
       timeout 420 python3 bench/load_bench.py --preset 8b --nproc 1 --backend nccl --dir /tmp/ck --keep --tp-paths '' --hsdp-paths '' \

@@ -79,7 +79,7 @@ def test_kvikio_settings_from_the_environment_and_their_checks(monkeypatch):
     monkeypatch.setenv("SDADAPT_IO_KVIKIO_THREADS", "7")
     monkeypatch.setenv("SDADAPT_IO_KVIKIO_TASK_MB", "8")
     cfg = EngineConfig.from_env()
-    assert (cfg.kvikio, cfg.kvikio_pool(), cfg.kvikio_task_bytes, cfg.kvikio_read_bytes()) == (False, 7, 8 << 20, 32 << 20)
+    assert (cfg.kvikio, cfg.kvikio_pool(), cfg.kvikio_task_bytes) == (False, 7, 8 << 20)
     monkeypatch.setenv("SDADAPT_IO_KVIKIO", "1")
     assert EngineConfig.from_env().kvikio is True
     monkeypatch.delenv("SDADAPT_IO_KVIKIO")
@@ -242,5 +242,5 @@ def test_a_truncated_file_fails_the_kvikio_read_naming_the_key(tmp_path):
             f.truncate(size - 4096)
         dest = torch.zeros(333, 777, dtype=torch.bfloat16, device="cuda")
         job = Job("model.odd", N.Leaf("odd", (333, 777), torch.bfloat16), ((0, 333), (0, 777)), dest)
-        with pytest.raises(LoadError, match=r"key 'model.odd' \(source key 'odd' in .*m.safetensors\).*truncated"):
+        with pytest.raises(LoadError, match=r"key 'model.odd' \(source key 'odd' in .*m.safetensors\).*(truncated|EOF)"):
             IOEngine(src, EngineConfig(threads=2, kvikio=True)).run([job])

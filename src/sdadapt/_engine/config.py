@@ -174,11 +174,6 @@ class EngineConfig:
         (:func:`rank_cpus`; its threads wait on reads and copies, not on the interpreter)."""
         return self.kvikio_threads if self.kvikio_threads is not None else rank_cpus()
 
-    def kvikio_read_bytes(self) -> int:
-        """The largest read a reader thread hands kvikio at once (four of its tasks, which its
-        pool runs side by side)."""
-        return 4 * self.kvikio_task_bytes
-
     def chunk(self) -> int:
         """The largest single read, in bytes (also the size of one staging buffer)."""
         if self.chunk_bytes is not None:

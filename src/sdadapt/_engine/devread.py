@@ -4,10 +4,13 @@ kvikio (RAPIDS) runs a C++ thread pool that reads file ranges into device memory
 GPUDirect Storage where the machine has it, else with ``pread`` into its own pinned bounce
 buffers and copies from there, all outside the interpreter lock. A GPU run uses it for the
 pieces whose bytes land contiguously in their destination shard (the planner makes them
-:class:`~sdadapt._engine.tasks.DirectRead` tasks, as for a CPU destination): a reader thread
-hands such a read to kvikio and waits for it, and no staging buffer or device-lane copy is
-involved. Everything else (small pieces, computations and their inputs, fills) keeps the
-staged path of :mod:`sdadapt._engine.device`.
+:class:`~sdadapt._engine.tasks.DirectRead` tasks, as for a CPU destination): the planning
+thread hands each to kvikio as soon as it is planned, without waiting, so that kvikio's queue
+holds every such read of the run, and the run waits for them all at its end (after its reader
+threads, and also after a failure: nothing writes into the model once the run has returned).
+No reader thread, staging buffer or device-lane copy is involved. Everything else (small
+pieces, computations and their inputs, fills) keeps the staged path of
+:mod:`sdadapt._engine.device`.
 
 :func:`select` makes the choice once per process and setting, and logs it in one line: kvikio
 when it imports and initialises, else the staged path (kvikio absent, failing to start, or
@@ -20,12 +23,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..errors import UsageError
+from ..errors import LoadError, UsageError
+from .tasks import Where
 
 log = logging.getLogger(__name__)
 
@@ -57,32 +61,43 @@ class DeviceReads:
         """Close a handle from :meth:`open`."""
         handle.close()
 
-    def read(self, handle: Any, segments: list[tuple[int, int]], dest: torch.Tensor) -> int:
-        """Read the file's ``segments`` ((offset, nbytes), in order) one after the other into
-        ``dest`` (a contiguous uint8 tensor on the GPU, as long as the segments together) and
-        wait for them; returns the bytes read. Every read is waited for, also after one failed,
-        so that nothing writes into the destination once this returns; a short read is an
-        :class:`OSError` saying the file is truncated."""
-        futures: list[tuple[Any, int, int]] = []
-        first: BaseException | None = None
+    def submit(self, handle: Any, segments: list[tuple[int, int]], dest: torch.Tensor, where: Where, pending: Pending) -> None:
+        """Hand kvikio the reads of the file's ``segments`` ((offset, nbytes), in order) into
+        ``dest`` (a contiguous uint8 tensor on the GPU, as long as the segments together), one
+        after the other; each is added to ``pending`` as soon as it is queued (so that it is
+        waited for even if a later one cannot be queued). Returns at once."""
         pos = 0
-        try:
-            for off, n in segments:
-                futures.append((handle.pread(dest[pos : pos + n], n, off), off, n))
-                pos += n
-        except BaseException as e:  # noqa: BLE001 - the reads queued so far are still waited for
-            first = e
-        for fut, off, n in futures:
+        for off, n in segments:
+            pending.reads.append((handle.pread(dest[pos : pos + n], n, off), off, n, where))
+            pending.nbytes += n
+            pos += n
+
+    @staticmethod
+    def wait(pending: Pending) -> list[LoadError]:
+        """Wait for every read in ``pending``, also after one failed (nothing may write into a
+        destination once the run has ended); returns the errors, each naming its key and file
+        (a short read is a truncated file)."""
+        errors: list[LoadError] = []
+        for fut, off, n, where in pending.reads:
             try:
                 got = fut.get()
-            except BaseException as e:  # noqa: BLE001 - the first error is raised once all are done
-                first = first or e
+            except Exception as e:  # noqa: BLE001 - named and returned
+                errors.append(where.error(e))
                 continue
-            if got != n and first is None:
-                first = OSError(f"unexpected end of file at byte {off + got} (wanted {n - got} more bytes); the file is truncated")
-        if first is not None:
-            raise first
-        return pos
+            if got != n:
+                short = OSError(f"unexpected end of file at byte {off + got} (wanted {n - got} more bytes); the file is truncated")
+                errors.append(where.error(short))
+        pending.reads.clear()
+        return errors
+
+
+@dataclass
+class Pending:
+    """Reads handed to kvikio and not yet waited for: (future, file offset, nbytes, what it
+    is for) each, and the bytes they read together."""
+
+    reads: list[tuple[Any, int, int, Where]] = field(default_factory=list)
+    nbytes: int = 0
 
 
 _LOCK = threading.Lock()
@@ -158,6 +173,25 @@ def select(device: torch.device | None, wanted: bool | None, threads: int, task_
             log.info("GPU reads: %s, straight into the destination shards", chosen.describe())
         _CHOSEN[key] = chosen
         return chosen
+
+
+def prefetch(device: torch.device, wanted: bool | None, threads: int, task_bytes: int) -> None:
+    """Make :func:`select`'s choice on a background thread (importing kvikio and starting its
+    pool take a while), so that the run finds it made; a run that asks before it is done
+    waits for it. Nothing happens where the choice is made already or cannot be kvikio."""
+    if wanted is False or device.type != "cuda":
+        return
+    with _LOCK:
+        if (threads, task_bytes) in _CHOSEN:
+            return
+
+    def run() -> None:
+        try:
+            select(device, wanted, threads, task_bytes)
+        except Exception as e:  # noqa: BLE001 - the run's own select raises it again
+            log.debug("choosing the GPU read path in the background failed: %s", e)
+
+    threading.Thread(target=run, name="sdadapt-kvikio", daemon=True).start()
 
 
 def forget() -> None:

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
@@ -58,6 +58,7 @@ class EngineStats:
     lane_idle_seconds: float = 0.0
     lane_copy_wait_seconds: float = 0.0
     kvikio_bytes: int = 0  # of direct_bytes, read by kvikio straight into GPU destinations
+    kvikio_wait_seconds: float = 0.0  # waiting for kvikio's reads once the threads had finished
 
     _PEAKS: ClassVar[tuple[str, ...]] = ("threads", "staging_buffers", "staging_bytes")
 
@@ -97,8 +98,11 @@ def prefetch_pinned(device: torch.device, bands: bool, config: EngineConfig | No
     calls it as it starts (the staging, pinned while the plan is made and the model
     materialised) and once planned (the band buffers, where its computations may use them:
     :func:`~sdadapt._engine.device.device_work`); what is pinned or on its way already is not
-    asked for again."""
+    asked for again. The choice of kvikio for the run's reads is made meanwhile too
+    (:func:`~sdadapt._engine.devread.prefetch`)."""
     cfg = config or EngineConfig.from_env()
+    if device.type == "cuda":
+        devread.prefetch(device, cfg.kvikio, cfg.kvikio_pool(), cfg.kvikio_task_bytes)
     SLABS.prefetch(StagingPool.slab_bytes(cfg.staging_buffers(cfg.threads), cfg.chunk()), device)
     if bands:
         SLABS.prefetch(StagingPool.slab_bytes(cfg.band_buffers(cfg.threads), cfg.band_buffer_bytes()), device)
@@ -152,16 +156,15 @@ class IOEngine:
         if device is not None:
             shared.lane = DeviceLane(device, bands.size, shared.fail, cfg.landing_buffers)
             shared.lane.start()
-        direct_on = None
-        if pin:
-            shared.devreads = devread.select(device, cfg.kvikio, cfg.kvikio_pool(), cfg.kvikio_task_bytes)
-        if shared.devreads is not None:
+        reads = devread.select(device, cfg.kvikio, cfg.kvikio_pool(), cfg.kvikio_task_bytes) if pin else None
+        if reads is not None:
             assert device is not None
-            direct_on = device
             # kvikio writes from its own threads and streams: whatever the caller's stream
             # still has queued for the destinations (their allocation, a materialised model's
             # values) finishes first
             torch.cuda.current_stream(device).synchronize()
+        pending = devread.Pending()
+        handles: dict[str, Any] = {}  # path -> kvikio file handle
         workers = [Worker(shared, cfg.depth, cfg.band_depth, computes=i < computing) for i in range(threads)]
         pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
         for th in pool_threads:
@@ -172,20 +175,28 @@ class IOEngine:
             nonlocal count
             if shared.failed.is_set():
                 return  # a thread failed: the load fails, reading on is no use
+            count += 1
+            if reads is not None and isinstance(task, DirectRead) and task.dest.device.type == "cuda":
+                # kvikio's: queued at once, waited for at the end of the run
+                if task.path not in handles:
+                    handles[task.path] = open_device_file(reads, task.path, task.where.target)
+                try:
+                    reads.submit(handles[task.path], task.segments, task.dest, task.where, pending)
+                except Exception as e:  # noqa: BLE001 - named; the reads queued so far are still waited for
+                    shared.fail(task.where.error(e))
+                return
             for path in task_paths(task):
                 if path not in shared.fds:
                     shared.fds[path] = open_for(path, task.where.target)  # opened before any thread sees the task
-            if isinstance(task, DirectRead) and task.dest.device.type == "cuda" and task.path not in shared.handles:
-                shared.handles[task.path] = open_device_file(shared.devreads, task.path, task.where.target)
             shared.work.put(task)
-            count += 1
 
         planned = start
+        kvikio_wait = 0.0
         # a full collection would hold the GIL, and with it every thread, mid-read
         with gc_paused(), switch_interval(cfg.switch_interval):
             try:
                 with switch_interval(cfg.plan_switch_interval):
-                    self.plan(jobs, push, device, direct_on)
+                    self.plan(jobs, push, device, device if reads is not None else None)
             except BaseException as e:  # noqa: BLE001 - stop the threads, then raise
                 shared.errors.insert(0, e)
                 shared.failed.set()
@@ -196,11 +207,14 @@ class IOEngine:
                     th.join()
                 if shared.lane is not None:
                     shared.lane.close()  # every copy and kernel has finished
+                t = time.perf_counter()
+                shared.errors.extend(devread.DeviceReads.wait(pending))  # every kvikio read has ended
+                kvikio_wait = time.perf_counter() - t
                 pool.close()
                 bands.close()
                 for fd in shared.fds.values():
                     os.close(fd)
-                for handle in shared.handles.values():
+                for handle in handles.values():
                     devread.DeviceReads.close(handle)
         st = self.stats
         for w in workers:
@@ -212,7 +226,6 @@ class IOEngine:
             st.busy_seconds += w.busy
             st.read_seconds += w.reading + w.counter.seconds
             st.wait_seconds += w.waiting
-            st.kvikio_bytes += w.device_direct
         if shared.lane is not None:
             lt = shared.lane.times
             st.lane_seconds += lt.wall
@@ -220,6 +233,10 @@ class IOEngine:
             st.lane_idle_seconds += lt.idle
             st.lane_copy_wait_seconds += lt.copy_wait
         st.tasks += count
+        st.kvikio_bytes += pending.nbytes
+        st.direct_bytes += pending.nbytes
+        st.bytes_read += pending.nbytes
+        st.kvikio_wait_seconds += kvikio_wait
         st.threads = threads
         st.staging_buffers = max(st.staging_buffers, pool.allocated + bands.allocated)
         st.staging_bytes = max(st.staging_bytes, pool.allocated * pool.size + bands.allocated * bands.size)

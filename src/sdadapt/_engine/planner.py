@@ -55,6 +55,7 @@ class _Part:
     origin: tuple[int, ...]
 
 
+_WHOLE = 1 << 62  # no cut: one direct read per contiguous destination
 _GATHER_ALIGN = 64  # each input of a gather starts on a multiple of this in its device buffer
 
 
@@ -273,7 +274,7 @@ class Planner:
             segs = [(loc.offset + s, run) for s in starts]
             mem = _bytes_view(dest)
             pos = 0
-            for group in split_segments(segs, cfg.kvikio_read_bytes() if on_gpu else chunk):
+            for group in split_segments(segs, _WHOLE if on_gpu else chunk):  # kvikio cuts its reads into tasks itself
                 n = sum(g[1] for g in group)
                 push(DirectRead(loc.path, group, mem[pos : pos + n], where))
                 pos += n

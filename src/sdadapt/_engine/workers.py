@@ -7,7 +7,6 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -15,7 +14,6 @@ from .._base.regions import Box, box_shape
 from ..sources._base import Source
 from . import syscalls
 from .device import DeviceLane
-from .devread import DeviceReads
 from .geometry import round_up
 from .lanes import TaskQueues
 from .locate import Runs, file_runs
@@ -135,9 +133,7 @@ class Shared:
     pool: StagingPool
     chunk: int
     bands: StagingPool  # at least one buffer per thread that computes, taken on its first computation
-    lane: DeviceLane | None = None  # a GPU run's device side: the readers make no device calls but kvikio's reads
-    devreads: DeviceReads | None = None  # kvikio, where GPU destinations are read into directly
-    handles: dict[str, Any] = field(default_factory=dict)  # path -> kvikio file handle
+    lane: DeviceLane | None = None  # a GPU run's device side: the readers make no device calls
     min_span: int = 64 * 1024  # shortest run a computation's input is read in with preadv
     errors: list[BaseException] = field(default_factory=list)
     failed: threading.Event = field(default_factory=threading.Event)
@@ -167,7 +163,6 @@ class Worker:
         self.bands = Buffers(shared.bands, band_depth)
         self.views = TypedViews()
         self.nbytes = self.calls = self.direct = self.staged = self.computed = 0
-        self.device_direct = 0  # of direct: read by kvikio into GPU destinations
         self.busy = self.reading = self.waiting = 0.0  # seconds: running tasks; of which in preadv, and waiting for buffers
 
     def run(self) -> None:
@@ -240,24 +235,8 @@ class Worker:
         return pos - first
 
     def _direct(self, task: DirectRead) -> None:
-        if task.dest.device.type == "cuda":
-            self._device_direct(task)
-            return
         syscalls.populate(task.dest)
         self.direct += self._read_into(task.path, task.segments, task.dest)
-
-    def _device_direct(self, task: DirectRead) -> None:
-        """A direct read into GPU memory: kvikio reads the segments into the destination's
-        bytes; this thread waits for them (without the interpreter lock)."""
-        sh = self.shared
-        assert sh.devreads is not None, "direct reads into GPU memory are planned only with kvikio"
-        start = time.perf_counter()
-        n = sh.devreads.read(sh.handles[task.path], task.segments, task.dest)
-        self.reading += time.perf_counter() - start
-        self.calls += len(task.segments)
-        self.nbytes += n
-        self.direct += n
-        self.device_direct += n
 
     def _deliver(self, buf: torch.Tensor, deliveries: list[Delivery], where: Where) -> None:
         """Copy the deliveries out of staging buffer ``buf`` (through the device lane when their

@@ -53,7 +53,9 @@ class LoadReport(BaseModel):
         phase_seconds: each phase's wall time, in order.
         engine_thread_seconds: the engine threads' busy, read and wait seconds, summed; a GPU
             load adds its device lane's thread: ``lane`` (its run), of which ``lane_cpu`` (CPU
-            time), ``lane_idle`` (waiting for work) and ``lane_copy_wait`` (waiting for copies).
+            time), ``lane_idle`` (waiting for work) and ``lane_copy_wait`` (waiting for copies);
+            one that read through kvikio adds ``kvikio_wait`` (waiting for its reads once the
+            threads had finished).
         materialized: whether the model was materialised from meta.
         report: the plan's :class:`Report`.
         lora: what a LoRA merge changed (``lora=``), else ``None``.
@@ -117,6 +119,8 @@ def _thread_seconds(st: EngineStats) -> dict[str, float]:
     if st.lane_seconds:
         out.update(lane=st.lane_seconds, lane_cpu=st.lane_cpu_seconds, lane_idle=st.lane_idle_seconds,
                    lane_copy_wait=st.lane_copy_wait_seconds)
+    if st.kvikio_bytes:
+        out["kvikio_wait"] = st.kvikio_wait_seconds
     return {k: round(v, 6) for k, v in out.items()}
 
 
