@@ -103,3 +103,38 @@ def layout(tp: int, rank: int) -> ShardLayout:
     adapter makes: ``layout(key, tensor) -> (global shape, box)``, for ``sdadapt.refit_plan(...,
     engine_layout=layout(tp, rank))``."""
     return ShardLayout(SHARDED, tp, rank)
+
+
+def parameter_shapes(
+    *,
+    n_layers: int,
+    vocab_size: int,
+    dim: int,
+    n_heads: int,
+    n_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    hidden_dim: int,
+    tp: int = 1,
+    tie_embeddings: bool = False,
+) -> dict[str, tuple[int, ...]]:
+    """The shape of each of vLLM's Llama parameters on one TP rank of ``tp``, as its layers
+    create them (what ``named_parameters()`` lists): to build a stand-in engine, or to check a
+    real worker's against."""
+    n_kv_heads = n_kv_heads or n_heads
+    head_dim = head_dim or dim // n_heads
+    vocab = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab // tp, dim)}
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        out |= {
+            p + "input_layernorm.weight": (dim,),
+            p + "self_attn.qkv_proj.weight": ((n_heads + 2 * n_kv_heads) * head_dim // tp, dim),
+            p + "self_attn.o_proj.weight": (dim, n_heads * head_dim // tp),
+            p + "post_attention_layernorm.weight": (dim,),
+            p + "mlp.gate_up_proj.weight": (2 * hidden_dim // tp, dim),
+            p + "mlp.down_proj.weight": (dim, hidden_dim // tp),
+        }
+    out["model.norm.weight"] = (dim,)
+    if not tie_embeddings:
+        out["lm_head.weight"] = (vocab // tp, dim)
+    return out

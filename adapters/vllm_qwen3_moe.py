@@ -85,3 +85,42 @@ def layout(tp: int, rank: int, expert_parallel: bool = False) -> ShardLayout:
     from sdadapt.adapters.vllm_llama import SHARDED
 
     return ShardLayout(experts + SHARDED, tp, rank)
+
+
+def parameter_shapes(
+    *,
+    n_layers: int,
+    vocab_size: int,
+    dim: int,
+    n_heads: int,
+    n_kv_heads: int | None = None,
+    head_dim: int,
+    moe_hidden_dim: int,
+    n_experts: int,
+    tp: int = 1,
+    expert_parallel: bool = False,
+    tie_embeddings: bool = False,
+) -> dict[str, tuple[int, ...]]:
+    """The shape of each of vLLM's Qwen3-MoE parameters on one rank of ``tp`` (every layer a
+    MoE layer), as its layers create them: to build a stand-in engine, or to check a real
+    worker's against."""
+    from sdadapt.adapters.vllm_llama import parameter_shapes as llama_shapes
+
+    base = llama_shapes(n_layers=n_layers, vocab_size=vocab_size, dim=dim, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                        head_dim=head_dim, hidden_dim=tp, tp=tp, tie_embeddings=tie_embeddings)  # fmt: skip
+    e, i = (n_experts // tp, moe_hidden_dim) if expert_parallel else (n_experts, moe_hidden_dim // tp)
+    out: dict[str, tuple[int, ...]] = {}
+    for k, v in base.items():
+        if k.endswith(("mlp.gate_up_proj.weight", "mlp.down_proj.weight")):
+            continue
+        out[k] = v
+        if k.endswith("self_attn.o_proj.weight"):
+            p = k.removesuffix("self_attn.o_proj.weight")
+            out |= {
+                p + "self_attn.q_norm.weight": (head_dim,),
+                p + "self_attn.k_norm.weight": (head_dim,),
+                p + "mlp.gate.weight": (n_experts, dim),
+                p + "mlp.experts.w13_weight": (e, 2 * i, dim),
+                p + "mlp.experts.w2_weight": (e, dim, i),
+            }
+    return out

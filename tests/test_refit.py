@@ -323,3 +323,17 @@ def test_schedule_bucket_bound() -> None:
     for r in rounds_of(many, 100, 3):
         for rank in range(3):
             assert sum(x.padded for x in r if rank in (x.src, x.dst)) <= 100
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_vllm_shapes_match_the_adapters(tp: int) -> None:
+    """The adapters' whole tensors, cut by the layouts, have the shapes vLLM's layers create
+    (written out independently in ``parameter_shapes``)."""
+    got = {k: tuple(t.shape) for k, t in engine_shards(eager(llama_hf(), llama_adapter(tp)), vllm_llama.layout(tp, 0)).items()}
+    assert got == vllm_llama.parameter_shapes(n_layers=L, vocab_size=V, dim=D, n_heads=H, n_kv_heads=KV, head_dim=HD,
+                                              hidden_dim=F, tp=tp)  # fmt: skip
+    for ep in (False, True):
+        whole = eager(qwen3_moe_titan(), moe_adapter(tp, ep))
+        got = {k: tuple(t.shape) for k, t in engine_shards(whole, vllm_qwen3_moe.layout(tp, 0, expert_parallel=ep)).items()}
+        assert got == vllm_qwen3_moe.parameter_shapes(n_layers=L, vocab_size=V, dim=D, n_heads=H, n_kv_heads=KV, head_dim=HD,
+                                                      moe_hidden_dim=FE, n_experts=E, tp=tp, expert_parallel=ep)  # fmt: skip

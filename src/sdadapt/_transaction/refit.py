@@ -86,12 +86,16 @@ class RefitReport(BaseModel):
     def format_text(self) -> str:
         return (
             f"rank {self.rank}: refit {len(self.updated)} engine tensors ({len(self.unchanged)} unchanged), "
-            f"sent {self.bytes_sent / 2**20:.1f} MiB, received {self.bytes_received / 2**20:.1f} MiB, "
-            f"local {self.bytes_local / 2**20:.1f} MiB in {self.rounds} rounds, {self.seconds:.3f} s"
+            f"sent {_size(self.bytes_sent)}, received {_size(self.bytes_received)}, local {_size(self.bytes_local)} "
+            f"in {self.rounds} rounds, {self.seconds:.3f} s"
         )
 
     def __str__(self) -> str:
         return self.format_text()
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 # ------------------------------------------------------------------------------ what a rank holds
