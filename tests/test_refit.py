@@ -116,6 +116,25 @@ def shard(full: dict[str, torch.Tensor], mesh, placements_of) -> dict[str, torch
     return {k: distribute_tensor(v, mesh, placements_of(k, v), src_data_rank=None) for k, v in full.items()}
 
 
+def unpadded() -> sdadapt.Adapter:
+    """vLLM's TP-2 layout less the vocabulary padding (a pad's inverse's inverse needs a size)."""
+    return sdadapt.Adapter([r for r in llama_adapter(2).rules if r.kind != "pad"])
+
+
+def module_of(sd: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module tree whose parameters are ``sd`` (its dotted keys)."""
+    root = torch.nn.Module()
+    for key, t in sd.items():
+        *path, leaf = key.split(".")
+        mod = root
+        for p in path:
+            if not hasattr(mod, p):
+                mod.add_module(p, torch.nn.Module())
+            mod = getattr(mod, p)
+        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
+
+
 def _cases(bucket: int) -> dict[str, object]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -191,7 +210,14 @@ def _cases(bucket: int) -> dict[str, object]:
             assert tuple(w13.shape) == ((E // 2, 2 * FE, D) if ep else (E, FE, D))
         out[f"moe_{'ep' if ep else 'tp'}"] = rep.model_dump()
 
-    # 5. bad input: every rank raises our error, nothing is written
+    # 5. export_iter(local=True): each rank's pieces of the vLLM layout, FSDP over 4 and DDP x TP
+    to_vllm = unpadded().inverse()  # export_iter applies the inverse of the adapter it is given
+    out["local_pieces"] = {
+        name: [(k, box, piece.clone()) for k, piece, box in sdadapt.export_iter(module_of(shard(full, mesh, place)), to_vllm, local=True)]
+        for name, mesh, place in (("fsdp", world, fsdp), ("2d", mesh2, tp_place))
+    }
+
+    # 6. bad input: every rank raises our error, nothing is written
     whole = eager(full, llama_adapter(2))
     layout = vllm_llama.layout(2, rank % 2)
     engine = engine_shards(whole, layout)
@@ -217,6 +243,16 @@ def test_refit_four_ranks() -> None:
     for r in results:
         assert "model.norm.weight" in r["mismatch"] and "[23]" in r["mismatch"], r["mismatch"]
         assert "bucket_bytes=32 is too small" in r["small_bucket"], r["small_bucket"]
+    whole = eager(llama_hf(), unpadded())
+    for case in ("fsdp", "2d"):
+        made = {k: torch.full_like(t, float("nan")) for k, t in whole.items()}
+        seen = {k: torch.zeros(t.shape, dtype=torch.int32) for k, t in whole.items()}
+        for r in results:
+            for k, box, piece in r["local_pieces"][case]:
+                made[k][slices(box)] = piece
+                seen[k][slices(box)] += 1
+        for k, t in whole.items():
+            assert torch.equal(made[k], t) and bool((seen[k] == 1).all()), (case, k)
     assert [r["disaggregated"]["rounds"] for r in results] == [results[0]["disaggregated"]["rounds"]] * 4
     assert results[0]["disaggregated"]["bytes_sent"] + results[1]["disaggregated"]["bytes_sent"] == sum(
         r["disaggregated"]["bytes_received"] for r in results

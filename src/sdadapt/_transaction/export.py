@@ -25,7 +25,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._base.distributed import is_distributed, rank_and_world
-from .._base.regions import full_box
+from .._base.regions import Box, full_box
 from .._plan.adapter import Adapter
 from .._plan.registry import config_folder, is_shipped
 from .._plan.resolve import adapter_or_none
@@ -47,6 +47,7 @@ from ..sources import _integrity as integrity
 from ..sources._assets import copy_side_files, loaded_from, transformers_config, write_config
 from ..sources._base import TensorInfo, slices
 from .args import check_model_and_path, check_not_a_model, renamed_keywords
+from .export_local import local_pieces
 from .materialize import has_meta
 from .transaction import Transaction
 from .writers.base import FORMATS
@@ -149,12 +150,27 @@ class _ModelStream:
         self.io.cache.clear()
 
 
+@overload
+def export_iter(
+    model: nn.Module, adapter: Adapter | str | None = None, *, process_group: dist.ProcessGroup | None = None,
+    local: Literal[False] = False,
+) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+@overload
+def export_iter(
+    model: nn.Module, adapter: Adapter | str | None = None, *, process_group: dist.ProcessGroup | None = None,
+    local: Literal[True],
+) -> Iterator[tuple[str, torch.Tensor, Box]]: ...
+
+
 def export_iter(
     model: nn.Module,
     adapter: Adapter | str | None = None,
     *,
     process_group: dist.ProcessGroup | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    local: bool = False,
+) -> Iterator[Any]:
     """Yield ``(name, tensor)`` for every weight of ``model`` in the checkpoint's layout, one at a
     time, without writing files (to push weights to an inference engine, for instance).
 
@@ -169,13 +185,22 @@ def export_iter(
     :func:`sdadapt.load`, else from the model's own config (``model.config``), and reaches the
     names the model holds (torchtitan's current ones: see :func:`sdadapt.torchtitan.torchtitan_names`).
 
+    ``local=True`` gathers nothing: each rank yields ``(name, piece, box)`` for the regions of
+    each output it can make from its own shards (``box``: the piece's global ``(start, stop)``
+    per dim in the output), and the ranks' pieces cover every output exactly once (of replicas,
+    one rank yields). Ranks need not iterate in step; a consumer that accepts pieces (an engine
+    that writes regions, ``sdadapt.refit_plan`` for shard-to-shard moves) gets no whole tensor.
+    A piece may be a view of the shard: copy it to keep it.
+
     Args:
         model: the loaded model (every rank iterates).
         adapter: the checkpoint->model adapter you load with, or a spec string.
         process_group: the group the tensors are gathered over.
+        local: yield this rank's pieces with their global boxes instead of whole tensors.
 
     Yields:
-        ``(name, tensor)`` in the checkpoint's layout, whole, on the CPU.
+        ``(name, tensor)`` in the checkpoint's layout, whole, on the CPU; with ``local=True``
+        ``(name, piece, box)``, on the CPU.
 
     Example::
 
@@ -185,6 +210,10 @@ def export_iter(
     check_model_and_path("sdadapt.export_iter(model, adapter=None, ...)", model, adapter, path_arg="adapter")
     shipped = is_shipped(adapter)  # our documented layout
     stream = _ModelStream(model, adapter, process_group, "export_iter", native_names=shipped)
+    if local:
+        stream.close()
+        yield from local_pieces(stream.state, stream.outputs, rank_and_world(process_group)[0])
+        return
     try:
         for key in list(stream.outputs):
             yield key, stream.pull(key)

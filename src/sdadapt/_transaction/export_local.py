@@ -1,0 +1,121 @@
+"""``export_iter(..., local=True)``: the regions of each output this rank can make from its own
+shards, with their global boxes; nothing is gathered, no rank talks to another.
+
+Each rank owns its shard of a tensor, except where the tensor is replicated: of the ranks holding
+the same shard (the same coordinates on the mesh dims that shard it), the one at coordinate 0 of
+the others owns it; a plain tensor is owned by rank 0. An output's box is the rank's when every
+region of a source tensor its recipe reads lies in a shard the rank owns; a box whose reads lie
+partly elsewhere is cut in two along its longest dim until each part is the rank's or another's.
+Owned shards do not overlap and cover each tensor, so the ranks' regions cover each output once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .._base.regions import Box, box_shape, full_box
+from .._recipes.nodes import Compute, Node, Piece
+from ..errors import ExportError
+from ..sources._base import slices
+
+
+def owned_shard(t: torch.Tensor, rank: int, key: str) -> tuple[Box, torch.Tensor] | None:
+    """The box of ``t`` this rank owns and its local tensor (on the CPU), or ``None``."""
+    if not isinstance(t, DTensor):
+        return (full_box(tuple(t.shape)), t.detach().cpu()) if rank == 0 else None
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if any(isinstance(p, _StridedShard) or not isinstance(p, (Shard, Replicate)) for p in t.placements):
+        raise ExportError(
+            f"export_iter(local=True): {key!r} has placements {t.placements}; local pieces need Shard and Replicate "
+            "placements (use local=False, which gathers)"
+        )
+    coord = t.device_mesh.get_coordinate()
+    if coord is None or any(c != 0 for c, p in zip(coord, t.placements, strict=True) if isinstance(p, Replicate)):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    box = tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
+    return box, t._local_tensor.detach().cpu()
+
+
+class _Reads:
+    """Notes the regions a recipe reads (values: zeros); serves them from owned shards when
+    ``shards`` is given."""
+
+    def __init__(self, dtypes: dict[str, torch.dtype], shards: dict[str, tuple[Box, torch.Tensor]] | None = None):
+        self.dtypes, self.shards = dtypes, shards
+        self.asked: list[tuple[str, Box]] = []
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        if self.shards is None:
+            self.asked.append((key, box))
+            return torch.zeros(box_shape(box), dtype=self.dtypes[key])
+        origin, local = self.shards[key]
+        return local[tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin, strict=True))]
+
+
+def reads_of(node: Node, box: Box, dtypes: dict[str, torch.dtype]) -> list[tuple[str, Box]]:
+    """The regions of source tensors that region ``box`` of ``node`` is made from."""
+    rec = _Reads(dtypes)
+    for s in node.steps(box, torch.empty(box_shape(box), dtype=node.dtype, device="meta")):
+        if isinstance(s, Piece):
+            rec.asked.append((s.key, s.box))
+        elif isinstance(s, Compute):
+            if s.fn is not None:
+                s.fn(rec)
+            else:
+                for i in s.inputs:
+                    i.value(rec)
+    return rec.asked
+
+
+def _inside(box: Box, outer: Box) -> bool:
+    return all(o0 <= a and b <= o1 for (a, b), (o0, o1) in zip(box, outer, strict=True))
+
+
+def _meets(box: Box, outer: Box) -> bool:
+    return all(max(a, o0) < min(b, o1) for (a, b), (o0, o1) in zip(box, outer, strict=True))
+
+
+def regions(node: Node, box: Box, owned: dict[str, Box], dtypes: dict[str, torch.dtype], rank: int, name: str) -> Iterator[Box]:
+    """The parts of ``box`` of ``node`` this rank makes from the shards it owns (``owned``)."""
+    reads = reads_of(node, box, dtypes)
+    if not reads:  # filled, read from nowhere: rank 0's
+        if rank == 0:
+            yield box
+        return
+    mine = [k in owned and _inside(b, owned[k]) for k, b in reads]
+    if all(mine):
+        yield box
+        return
+    if not any(k in owned and _meets(b, owned[k]) for k, b in reads):
+        return
+    d = max(range(len(box)), key=lambda i: box[i][1] - box[i][0])
+    a, b = box[d]
+    if b - a <= 1:
+        raise ExportError(
+            f"export_iter(local=True): element {[s for s, _ in box]} of {name!r} is made from values that several ranks "
+            "hold (a computed recipe across shards); use local=False, which gathers"
+        )
+    mid = (a + b) // 2
+    for half in ((a, mid), (mid, b)):
+        yield from regions(node, box[:d] + (half,) + box[d + 1 :], owned, dtypes, rank, name)
+
+
+def local_pieces(state: dict[str, torch.Tensor], outputs: dict[str, Node], rank: int) -> Iterator[tuple[str, torch.Tensor, Box]]:
+    """``(output key, region, its global box)`` for every region of every output this rank owns."""
+    shards = {k: s for k, t in state.items() if (s := owned_shard(t, rank, k)) is not None}
+    owned = {k: box for k, (box, _) in shards.items()}
+    dtypes = {k: t.dtype for k, t in state.items()}
+    io = _Reads(dtypes, shards)
+    for name, node in outputs.items():
+        for box in regions(node, full_box(tuple(node.shape)), owned, dtypes, rank, name):
+            yield name, node.read(box, io), box
+
+
+__all__ = ["local_pieces", "owned_shard", "reads_of", "slices"]
