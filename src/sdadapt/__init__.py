@@ -50,6 +50,7 @@ if TYPE_CHECKING:
         list_adapters as list_adapters,
     )
     from ._transaction.diff import diff as diff
+    from ._transaction.dryrun import dry_run as dry_run
     from ._transaction.export import (
         convert as convert,
     )
@@ -145,6 +146,7 @@ _PUBLIC: dict[str, str] = {
     "load": "._transaction.load",
     "plan_load": "._transaction.load",
     "diff": "._transaction.diff",
+    "dry_run": "._transaction.dryrun",
     # training state, export, integrity
     "load_state": "._transaction.state",
     "save_state": "._transaction.state",
@@ -199,7 +201,10 @@ _MOVED: dict[str, str] = {
         ).split()
     },
     **{n: f"sdadapt.sources.{n}" for n in ("Source", "TensorInfo", "open_source")},
-    **{n: f"sdadapt.reports.{n}" for n in "Report LoadReport StateLoadReport ExportReport VerifyReport ShrinkReport Plan Draft".split()},
+    **{
+        n: f"sdadapt.reports.{n}"
+        for n in "Report LoadReport StateLoadReport ExportReport VerifyReport ShrinkReport Plan Draft DryRunReport".split()
+    },
     "build_plan": "sdadapt.plan_load(model, src, adapter) (plans against a model, headers only; returns the source and the plan)",
     "resolve_adapter": "sdadapt.get_adapter(name, **options) for a shipped adapter, or the spec string itself passed "
     "as adapter= to sdadapt.load / export / diff (it is resolved there)",

@@ -11,7 +11,8 @@ Each is a plain object to read, print (``str(report)``) or serialise (the pydant
 - :class:`VerifyReport` from :func:`sdadapt.verify`;
 - :class:`ShrinkReport` from :func:`sdadapt.shrink`;
 - :class:`Refit` from :func:`sdadapt.refit_plan`, and the :class:`RefitReport` of each of its runs;
-- :class:`Draft` from :func:`sdadapt.draft`.
+- :class:`Draft` from :func:`sdadapt.draft`;
+- :class:`DryRunReport` (one :class:`DryRunRank` per planned rank) from :func:`sdadapt.dry_run`.
 
 Imported lazily from the modules that build them, from one table (:data:`_PUBLIC`).
 """
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
     from ._draft import Draft as Draft
     from ._plan.plan import Plan as Plan
     from ._plan.report import Report as Report
+    from ._transaction.dryrun import DryRunRank as DryRunRank
+    from ._transaction.dryrun import DryRunReport as DryRunReport
     from ._transaction.export import ExportReport as ExportReport
     from ._transaction.load import LoadReport as LoadReport
     from ._transaction.refit import Refit as Refit
@@ -45,6 +48,8 @@ _PUBLIC: dict[str, str] = {
     "Refit": "sdadapt._transaction.refit",
     "RefitReport": "sdadapt._transaction.refit",
     "Draft": "sdadapt._draft",
+    "DryRunReport": "sdadapt._transaction.dryrun",
+    "DryRunRank": "sdadapt._transaction.dryrun",
 }
 
 __getattr__, __dir__, __all__ = attach(__name__, _PUBLIC)

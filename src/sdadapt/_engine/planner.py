@@ -109,15 +109,23 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
 class Planner:
     """Turns jobs into tasks for one run; counts coalesced pieces in ``coalesced``. With
     ``gather_on`` (the device of the run's device lane), computations on that device gather
-    their inputs there where they can (:meth:`_gather`)."""
+    their inputs there where they can (:meth:`_gather`). ``dest_device``: plan every destination
+    as if it were on this device (a dry run plans meta destinations as the CPU or GPU ones of a
+    real load would be: :mod:`sdadapt._engine.predict`); ``None``: where it is."""
 
     def __init__(
-        self, source: Source, config: EngineConfig, gather_on: torch.device | None = None, direct_on: torch.device | None = None
+        self,
+        source: Source,
+        config: EngineConfig,
+        gather_on: torch.device | None = None,
+        direct_on: torch.device | None = None,
+        dest_device: torch.device | None = None,
     ):
         self.source = source
         self.config = config
         self.gather_on = gather_on if config.gather_inputs else None
         self.direct_on = direct_on  # a GPU read into directly (kvikio), or None
+        self.dest_device = dest_device
         self.coalesced = 0
         self.gathered = 0  # computations planned as gathers
         self._files: dict[str, bool] = {}
@@ -147,7 +155,7 @@ class Planner:
                     files = sorted({self._file_of(k) for k in step.node.leaves()})
                     opened = tuple(f for f in files if self._is_file(f))
                     names = ", ".join(files)
-                    gathers = step.on_device and step.dest.device == self.gather_on
+                    gathers = step.on_device and (self.dest_device or step.dest.device) == self.gather_on
                     for part in self._bands(step, self.config.gather_band()) if gathers else [step]:
                         if gathers and self._gather(part, Where(job.key, None, names, part.box), push):
                             continue
@@ -263,9 +271,10 @@ class Planner:
                 glob = tuple((a + o, b + o) for (a, b), o in zip(sub, origin, strict=True)) if shifted else sub
                 push(SourceRead(Piece(key, glob, dest[sl]), where))
             return
-        on_gpu = dest.device.type != "cpu"
+        device = self.dest_device or dest.device
+        on_gpu = device.type != "cpu"
         direct = (
-            (not on_gpu or dest.device == self.direct_on)
+            (not on_gpu or device == self.direct_on)
             and dest.dtype == loc.dtype
             and dest.is_contiguous()
             and dest.numel() * itemsize >= cfg.direct_min_bytes

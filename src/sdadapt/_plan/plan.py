@@ -208,3 +208,16 @@ def _in_target_dtype(node: Node, want: TensorInfo) -> Node | None:
     if not node.follows_target_dtype() or not want.dtype.is_floating_point:
         return None
     return node.as_dtype(want.dtype)
+
+
+def adapted_schema(
+    source: dict[str, TensorInfo], adapter: Adapter | None = None, non_tensor: list[str] | None = None
+) -> dict[str, TensorInfo]:
+    """The keys ``adapter``'s rules give from the ``source`` schema, with their shapes and
+    dtypes: the target a checkpoint's own layout asks for (a dry run without a model)."""
+    adapter = adapter or Adapter([], name="identity")
+    ctx = PlanContext(source, non_tensor or [], {}, adapter.rules, adapter.stage_of)
+    ctx.unwrap_keys()
+    for i, rule in enumerate(adapter.rules):
+        rule.apply(ctx, i)
+    return {k: TensorInfo(tuple(node.shape), node.dtype) for k, node in ctx.env.items()}

@@ -27,8 +27,10 @@ from ..errors import PlanError
 from ..sources import Source, open_source
 from ..sources import _integrity as integrity
 from ..sources._assets import remember_source
+from ..sources._headers import replaying
 from ..sources._peft import LoraMerged
 from .args import check_model_and_path, renamed_keywords
+from .headers import share_headers
 from .materialize import InitFn, Reservation, check_buffers, choose_device, has_meta
 from .transaction import ATOMIC_WHY, Part, Transaction
 
@@ -267,7 +269,7 @@ def load(
     checksums: bool = False,
     check_finite: bool = False,
     atomic: bool = False,
-    share_reads: bool = False,
+    share_reads: bool | None = None,
     pipeline_stage: bool = False,
     dtype: str | torch.dtype | None = None,
     lora: str | os.PathLike[str] | None = None,
@@ -313,7 +315,14 @@ def load(
     ``Replicate``: HSDP's replicate dim, TP-replicated norms) each read a part of it and
     broadcast it to the others over the process group (:mod:`sdadapt._engine.share`), instead of all
     reading all of it; for fast interconnects (NVLink) where the page cache, not the network,
-    is the limit. ``LoadReport.bytes_shared`` is what this rank received that way.
+    is the limit. ``LoadReport.bytes_shared`` is what this rank received that way. The default
+    (``None``) shares for shards on GPUs in a distributed load, and not for CPU shards (gloo
+    moves bytes slower than a local read); ``False`` turns it off.
+
+    In a distributed load the group's first rank reads the checkpoint's headers and index and
+    broadcasts them; the others parse and validate that copy instead of opening every file
+    (:mod:`sdadapt._transaction.headers`; ``SDADAPT_HEADERS=every``: every rank reads them).
+    :func:`sdadapt.dry_run` says what each rank of a load at any world size reads and opens.
 
     ``pipeline_stage=True``: ``model`` is one pipeline stage, a subset of a whole model's
     layers (as ``torch.distributed.pipelining``'s manual split or torchtitan's pipeline split
@@ -354,7 +363,8 @@ def load(
         checksums: check every region read against ``sdadapt.checksums.json``.
         check_finite: refuse NaN/Inf values, naming each key.
         atomic: read into a second copy and copy in only once every rank succeeded.
-        share_reads: ranks holding the same shard each read a part and broadcast it.
+        share_reads: ranks holding the same shard each read a part and broadcast it
+            (``None``: on for GPU shards, off for CPU ones).
         pipeline_stage: ``model`` is one pipeline stage; other stages' keys are allowed.
         dtype: ``"model"`` or a dtype: convert every tensor (a ``cast`` rule after ``adapter``'s).
         lora: a PEFT LoRA adapter folder merged into the base weights as they are read.
@@ -384,6 +394,7 @@ def load(
     txn = Transaction(model, process_group, _describe(src))
     txn.engine = engine
     local = txn.resolve(src)  # a Hub id: its snapshot folder, fetched and agreed on every rank
+    record = share_headers(local, subtree, process_group)  # read by one rank, broadcast to the others
     planned: dict[str, torch.Tensor] = {}
     # a meta model's GPU memory is asked for while the plan is made (nothing of the model changes)
     reserved = Reservation(model, device)
@@ -395,9 +406,10 @@ def load(
         nonlocal planned
         # resolved inside the agreed step: a rank failing to resolve or derive it stops them all
         resolved = adapter_or_none(adapter, local, model)
-        source, plan, planned = _plan_load(
-            model, local, resolved, subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype, shipped
-        )
+        with replaying(record):
+            source, plan, planned = _plan_load(
+                model, local, resolved, subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype, shipped
+            )
         txn.add_source(source)
         if not plan.report.ok:
             if strict:
@@ -425,7 +437,8 @@ def load(
     state_dict = model_state_dict(model) if materialized else planned
     del planned
     wanted = {k: v for k, v in state_dict.items() if k in plan.recipes}
-    part = Part("model", plan, txn.sources[-1], wanted, share_reads=share_reads)
+    share = share_reads if share_reads is not None else target is not None  # GPU shards: share by default
+    part = Part("model", plan, txn.sources[-1], wanted, share_reads=share)
     phases.mark("prepare")
     log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), _describe(src), " (atomic)" if atomic else "")
     txn.run([part], atomic=atomic, check_finite=check_finite, mark=phases.mark)

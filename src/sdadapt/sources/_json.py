@@ -34,6 +34,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import SourceError
+from . import _headers
 
 CONFIG_LIMIT = 16 << 20
 """Bytes of a ``config.json``, ``adapter_config.json`` or ``hf_quant_config.json`` (real ones: KBs)."""
@@ -154,7 +155,13 @@ def loads(data: bytes, path: str, what: str, *, max_depth: int = MAX_DEPTH) -> A
 
 
 def read_bytes(path: str, limit: int, what: str) -> bytes:
-    """The bytes of file ``path``, refused (:class:`SourceError`) when over ``limit`` bytes or unreadable."""
+    """The bytes of file ``path``, refused (:class:`SourceError`) when over ``limit`` bytes or
+    unreadable; the recorded bytes where another rank read them for the job (:mod:`._headers`)."""
+    given = _headers.recorded(path)
+    if given is not None:
+        if given[1] > limit or len(given[0]) != given[1]:
+            raise SourceError(f"{what} of {given[1]} bytes exceeds the limit of {limit} bytes", path=path)
+        return given[0]
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -165,6 +172,7 @@ def read_bytes(path: str, limit: int, what: str) -> bytes:
         raise SourceError(f"cannot read {what}: {e.strerror or e}", path=path) from None
     if len(data) > limit:
         raise SourceError(f"{what} grew past the limit of {limit} bytes while being read", path=path)
+    _headers.note(path, data, len(data))
     return data
 
 

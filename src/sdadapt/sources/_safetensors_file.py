@@ -7,17 +7,21 @@ the mapping, so a region read touches only the pages it needs.
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import mmap
 import os
 import struct
+import threading
 import warnings
+from typing import Any
 
 import torch
 
 from .._base.regions import Box
 from ..errors import SourceError
+from . import _headers
 from ._base import Source, TensorInfo, TensorLocation, slices
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
@@ -49,9 +53,15 @@ def read_header(path: str) -> tuple[dict[str, tuple[TensorInfo, int, int]], dict
     Returns ``(entries, metadata, data_start)`` where entries map key -> (info, begin, end)
     with byte offsets relative to the data area.
     """
+    given = _headers.recorded(path)  # read once for the job by another rank (sources._headers)
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        if given is not None:
+            data, size = given
+            f: Any = io.BytesIO(data)
+        else:
+            size = os.path.getsize(path)
+            f = open(path, "rb")  # noqa: SIM115 - closed below
+        with f:
             head = f.read(8)
             if len(head) < 8:
                 raise SourceError(
@@ -68,6 +78,10 @@ def read_header(path: str) -> tuple[dict[str, tuple[TensorInfo, int, int]], dict
             raw = f.read(n)
     except OSError as e:
         raise SourceError(f"cannot read: {e.strerror or e}", path=path) from None
+    if len(raw) < n:
+        raise SourceError(f"corrupt or truncated safetensors file: header of {n} bytes, {len(raw)} read", path=path)
+    if given is None:
+        _headers.note(path, head + raw, size)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
@@ -130,8 +144,15 @@ class SafetensorsFile(Source):
         self._buf: torch.Tensor | None = None
         self._mm: mmap.mmap | None = None
         self._views: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
 
     def _buffer(self) -> torch.Tensor:
+        if self._buf is not None:
+            return self._buf
+        with self._lock:  # the engine's threads share the source: one mapping, the file opened once
+            return self._map()
+
+    def _map(self) -> torch.Tensor:
         if self._buf is None:
             with open(self.path, "rb") as f:
                 if os.fstat(f.fileno()).st_size == 0:

@@ -1,0 +1,134 @@
+"""What a rank's engine run would read, without reading: the real planning on meta destinations.
+
+A dry run (:func:`sdadapt.dry_run`) hands :func:`predict` the jobs a rank's ``dcp.load`` would
+give its engine, with destinations on the meta device, and the device the real ones would be
+on. The engine's own :class:`~sdadapt._engine.planner.Planner` turns them into tasks exactly as
+in a load (the same byte ranges, the same direct, staged and coalesced reads), and each task is
+counted as its worker would count it (:mod:`sdadapt._engine.workers`): ``preadv`` bytes and
+calls per file, reads through the source's mapping, the files the run opens. A computation's
+inputs are counted the way a worker reads them (a declared stored region by ``preadv`` while it
+fits the band buffer, else through the source); a host function is run on meta tensors to see
+what it reads (:class:`MetaIO`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .._base.regions import Box, box_shape
+from ..sources._base import Source
+from .config import EngineConfig
+from .engine import _estimate_tasks
+from .geometry import round_up
+from .locate import file_runs
+from .planner import Planner
+from .tasks import ComputeTask, DirectRead, FillTask, Job, SourceRead, StagedRead, Task, task_paths
+
+
+@dataclass
+class RunFigures:
+    """What one engine run reads: bytes per file, system calls, the files it opens.
+
+    ``file_bytes``: bytes read per file (``preadv`` and the mapping together); ``preadv_calls``:
+    one per contiguous run read (a regular file returns a run in one call); ``mapped_reads``:
+    regions copied out of the source's mapping (``Source.read``); ``opened``: files the run
+    opens for ``preadv``; ``mapped``: files read through the mapping (opened once per source);
+    ``staged_reads``: reads through a staging buffer; ``staging_bytes``: at most this much
+    staging and band memory (the pools' limits for the run's threads)."""
+
+    bytes_read: int = 0
+    file_bytes: dict[str, int] = field(default_factory=dict)
+    preadv_calls: int = 0
+    mapped_reads: int = 0
+    opened: set[str] = field(default_factory=set)
+    mapped: set[str] = field(default_factory=set)
+    tasks: int = 0
+    staged_reads: int = 0
+    computations: int = 0
+    staging_bytes: int = 0
+
+    def _read(self, path: str, nbytes: int) -> None:
+        self.bytes_read += nbytes
+        self.file_bytes[path] = self.file_bytes.get(path, 0) + nbytes
+
+
+class MetaIO:
+    """A ``SourceIO`` that reads nothing: each region comes back as a meta tensor of its stored
+    dtype and shape, and its bytes and file are counted as :class:`~sdadapt._engine.workers.CountingIO`
+    would count them."""
+
+    def __init__(self, source: Source, figures: RunFigures):
+        self.source = source
+        self.figures = figures
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        info = self.source.schema[key]
+        shape = box_shape(box)
+        path = self.source.file_of(key)
+        self.figures._read(path, math.prod(shape) * info.dtype.itemsize)
+        self.figures.mapped_reads += 1
+        self.figures.mapped.add(path)
+        return torch.empty(shape, dtype=info.dtype, device="meta")
+
+
+def predict(source: Source, jobs: Sequence[Job], config: EngineConfig, device: torch.device) -> RunFigures:
+    """The figures of one engine run of ``jobs`` (meta destinations standing for ones on
+    ``device``) over ``source``, from the engine's own planning."""
+    fig = RunFigures()
+    gather_on = device if device.type == "cuda" else None
+    tasks: list[Task] = []
+    Planner(source, config, gather_on, dest_device=device).plan(jobs, tasks.append)
+    chunk = config.chunk()
+    threads = max(1, min(config.threads, _estimate_tasks(jobs, chunk))) if jobs else 0
+    for task in tasks:
+        fig.opened.update(task_paths(task))
+    meta = MetaIO(source, fig)
+    band_size = config.band_buffer_bytes()
+    for task in tasks:
+        fig.tasks += 1
+        if isinstance(task, (DirectRead, StagedRead)):
+            fig._read(task.path, sum(n for _, n in task.segments))
+            fig.preadv_calls += len(task.segments)
+            fig.staged_reads += isinstance(task, StagedRead)
+        elif isinstance(task, SourceRead):
+            meta.read(task.piece.key, task.piece.box)
+        elif isinstance(task, ComputeTask):
+            fig.computations += 1
+            _compute(task, source, config, fig, meta, band_size)
+        else:
+            assert isinstance(task, FillTask)
+    if threads:
+        fig.staging_bytes = min(config.staging_buffers(threads), fig.staged_reads) * chunk
+        if fig.computations:
+            fig.staging_bytes += min(config.band_buffers(threads), fig.computations) * band_size
+    return fig
+
+
+def _compute(task: ComputeTask, source: Source, config: EngineConfig, fig: RunFigures, meta: MetaIO, band_size: int) -> None:
+    """Count a computation's reads as :meth:`~sdadapt._engine.workers.Worker._compute` makes them."""
+    step = task.step
+    if not step.on_device:
+        assert step.fn is not None
+        step.fn(meta)
+        return
+    opened = set(task.files)
+    pos, used = 0, False
+    for inp in step.inputs:
+        if inp.read is None:
+            inp.value(meta)
+            continue
+        found = file_runs(source, inp.read.key, inp.read.box, config.min_span_bytes, opened.__contains__)
+        if found is not None:
+            path, segments, _ = found
+            n = sum(s for _, s in segments)
+            start = round_up(pos, 64) if used else 0
+            if start + n <= band_size:
+                used, pos = True, start + n
+                fig._read(path, n)
+                fig.preadv_calls += len(segments)
+                continue
+        meta.read(inp.read.key, inp.read.box)

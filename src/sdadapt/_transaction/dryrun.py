@@ -1,0 +1,471 @@
+"""``sdadapt.dry_run``: what every rank of a load at any world size would read, open and hold.
+
+One process, no process group: the mesh is a shape (:class:`~sdadapt._plan.layout.Mesh`), each
+rank's shard of each target tensor is computed from the mesh and the tensor's placements with
+DTensor's own offset rule (:mod:`sdadapt._plan.layout`), and each rank's jobs go through the
+engine's real planning on meta destinations (:mod:`sdadapt._engine.predict`): the byte ranges,
+``preadv`` calls and files are those the load would have. The headers are read here once, and
+counted as the load counts them: every rank opening every file, or (the default for a
+distributed load) the first rank only, the others receiving them in one broadcast.
+
+Symmetry: ranks whose coordinates agree on every mesh dim where some tensor is sharded or
+owned (pipeline stages, expert owners; with shared reads, the replicated dims too) hold the same
+shards and plan identically; each such class is planned once and counted ``ranks`` times. When
+there are more classes than ``max_ranks``, an evenly spaced sample of them (the first and the
+last included) is planned, and the totals are extrapolated from it (``exact=False``); the
+destination bytes are exact either way (every shard's size is arithmetic).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from pydantic import BaseModel
+from torch import nn
+
+from .._base.regions import box_shape
+from .._engine import EngineConfig
+from .._engine.predict import predict
+from .._engine.tasks import Job
+from .._plan.adapter import Adapter, with_dtype
+from .._plan.layout import Layout, Mesh, default_layouts, local_box
+from .._plan.plan import Plan, adapted_schema, build_plan
+from .._plan.registry import is_shipped
+from .._plan.report import Report
+from .._plan.resolve import adapter_or_none
+from ..errors import PlanError, UsageError
+from ..sources import Source, TensorInfo, open_source
+from ..sources import _headers as headers_mod
+
+
+class DryRunRank(BaseModel):
+    """The figures of one rank (and of every rank of its class, which plan identically).
+
+    Attributes:
+        rank: the rank planned.
+        ranks: how many ranks share its shards (its class).
+        coordinate: its mesh coordinate, by dim name.
+        keys: target keys it holds a shard of.
+        local_bytes: its destination shards' bytes.
+        bytes_read: bytes it reads from the files.
+        files_read: files it reads data from.
+        file_bytes: bytes read per file.
+        preadv_calls: ``preadv`` calls (one per contiguous run).
+        mapped_reads: regions copied out of the files' mappings.
+        opens: files it opens: headers, ``preadv`` and mappings.
+        header_bytes: header and index bytes it reads from disk.
+        header_bytes_received: header bytes it receives by broadcast.
+        shared_bytes: bytes it receives from replicas instead of reading (``share_reads``).
+        staging_bytes: at most this much staging and band memory.
+        tasks: the engine's tasks.
+        plan_seconds: this dry run's time to plan the rank.
+
+    Example::
+
+        busiest = max(sdadapt.dry_run(None, "ckpt/", mesh="dp_shard=8").ranks, key=lambda r: r.bytes_read)
+    """
+
+    rank: int
+    ranks: int
+    coordinate: dict[str, int]
+    keys: int
+    local_bytes: int
+    bytes_read: int
+    files_read: int
+    file_bytes: dict[str, int]
+    preadv_calls: int
+    mapped_reads: int
+    opens: int
+    header_bytes: int
+    header_bytes_received: int
+    shared_bytes: int
+    staging_bytes: int
+    tasks: int
+    plan_seconds: float
+
+
+class DryRunReport(BaseModel):
+    """What a load at a world size would do on each rank, from one process (:func:`dry_run`).
+
+    Attributes:
+        source: the checkpoint.
+        target: what it is loaded into (a model's class name, or the checkpoint's own layout).
+        mesh: the mesh, ``name=size`` per dim.
+        world_size: ranks in the mesh.
+        device: the device the shards are on (``cpu`` or ``cuda``).
+        share_reads: whether replicas read once and broadcast, and ``share_why`` why.
+        share_why: why (or why not).
+        headers: ``"once"`` (the first rank reads them, one broadcast) or ``"every"``.
+        checkpoint_bytes: the checkpoint's tensor bytes.
+        checkpoint_files: its files (headers and index included).
+        classes: groups of ranks that plan identically.
+        exact: every class planned (else the totals are extrapolated from a sample).
+        ranks: the planned ranks, one per class, in rank order.
+        total_local_bytes: every rank's shards together (exact).
+        total_bytes_read: bytes read by all ranks.
+        total_opens: files opened by all ranks.
+        total_header_bytes: header bytes read from disk by all ranks.
+        amplification: ``total_bytes_read / checkpoint_bytes``.
+        ranks_per_node: ranks per node for the node figures.
+        max_node_bytes_read: the most any node's ranks read together (exact runs only).
+        collective_bytes_per_rank: bytes each rank receives in the header broadcast.
+        seconds: the dry run's own time.
+        report: the plan's :class:`Report`.
+
+    Example::
+
+        report = sdadapt.dry_run(None, "ckpt/", mesh="dp_shard=1024", headers="every")
+        per_rank = {r.rank: r.bytes_read for r in report.ranks}
+    """
+
+    source: str
+    target: str
+    mesh: str
+    world_size: int
+    device: str
+    share_reads: bool
+    share_why: str
+    headers: str
+    checkpoint_bytes: int
+    checkpoint_files: int
+    classes: int
+    exact: bool
+    ranks: list[DryRunRank]
+    total_local_bytes: int
+    total_bytes_read: int
+    total_opens: int
+    total_header_bytes: int
+    amplification: float
+    ranks_per_node: int
+    max_node_bytes_read: int | None
+    collective_bytes_per_rank: int
+    seconds: float
+    report: Report
+
+    def format(self) -> str:
+        """A table: one row per planned rank, then the totals."""
+        from ..sources._inventory import human
+
+        lines = [
+            f"dry run of {self.source} into {self.target} on {self.world_size} ranks ({self.mesh}), {self.device}; "
+            f"headers {self.headers}; share_reads {'on' if self.share_reads else 'off'} ({self.share_why})",
+            f"{self.classes} class(es) of ranks with the same shards; "
+            + ("every class planned" if self.exact else f"{len(self.ranks)} planned (evenly spaced), totals extrapolated"),
+            f"{'rank':>6} {'ranks':>6} {'keys':>7} {'shards':>10} {'read':>10} {'files':>5} {'opens':>5} "
+            f"{'preadv':>7} {'headers':>10} {'shared':>10} {'staging':>9} {'plan s':>7}",
+        ]
+        for r in self.ranks:
+            lines.append(
+                f"{r.rank:>6} {r.ranks:>6} {r.keys:>7} {human(r.local_bytes):>10} {human(r.bytes_read):>10} "
+                f"{r.files_read:>5} {r.opens:>5} {r.preadv_calls:>7} {human(r.header_bytes):>10} "
+                f"{human(r.shared_bytes):>10} {human(r.staging_bytes):>9} {r.plan_seconds:>7.2f}"
+            )
+        node = f"; busiest node ({self.ranks_per_node} ranks) reads {human(self.max_node_bytes_read)}" if self.max_node_bytes_read else ""
+        lines.append(
+            f"total: {human(self.total_bytes_read)} read for a checkpoint of {human(self.checkpoint_bytes)} in "
+            f"{self.checkpoint_files} files (amplification {self.amplification:.2f}x), {self.total_opens} opens, "
+            f"{human(self.total_header_bytes)} of headers read, {human(self.total_local_bytes)} of shards{node}; "
+            f"{human(self.collective_bytes_per_rank)} per rank in the header broadcast; dry run {self.seconds:.1f} s"
+        )
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def _name(src: str | os.PathLike[str] | Source) -> str:
+    return src.path if isinstance(src, Source) else os.fspath(src)
+
+
+def _own_header_opens(r: DryRunRank, rec: headers_mod.HeaderRecord, headers: str, grid: Mesh) -> int:
+    return len(rec.files) if r.rank == 0 or headers == "every" or grid.size == 1 else 0
+
+
+def _sample(n: int, k: int) -> list[int]:
+    if n <= k:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)}) if k > 1 else [0]
+
+
+def dry_run(
+    target: nn.Module | Mapping[str, TensorInfo] | None,
+    src: str | os.PathLike[str] | Source,
+    adapter: Adapter | str | None = None,
+    *,
+    mesh: str | Mapping[str, int],
+    ep: int | None = None,
+    pp: int | None = None,
+    device: str = "cpu",
+    share_reads: bool | None = None,
+    headers: str = "once",
+    ranks_per_node: int = 8,
+    max_ranks: int = 16,
+    subtree: str | None = None,
+    allow_missing: list[str] | None = None,
+    allow_unexpected: list[str] | None = None,
+    dtype: str | torch.dtype | None = None,
+    engine: EngineConfig | None = None,
+) -> DryRunReport:
+    """Plan a load of ``src`` at any world size on this one process, and say per rank what it
+    would read (bytes, from which files), open, receive and hold; nothing is read but headers.
+
+    Each rank's shards come from ``mesh`` and the placements torchtitan gives a transformer
+    (FSDP2, HSDP, TP, EP, PP: see :mod:`sdadapt._plan.layout`), computed with DTensor's own
+    offset rule; each rank's reads from the engine's own planning (:mod:`sdadapt._engine.predict`),
+    so bytes, ``preadv`` calls and opens are those of a load with the same settings. Ranks with
+    the same shards are planned once (see :mod:`sdadapt._transaction.dryrun`).
+
+    Args:
+        target: a model (its state dict's global shapes and dtypes; build it on meta), a
+            schema ``{key: TensorInfo}``, or ``None``: the keys the adapter gives from ``src``.
+        src: the checkpoint, as in :func:`sdadapt.load`.
+        adapter: as in :func:`sdadapt.load`.
+        mesh: ``"dp_replicate=8,dp_shard=16,tp=8"`` or a mapping; dims ``pp``,
+            ``dp_replicate``, ``dp_shard``, ``ep``, ``tp``.
+        ep: expert-parallel degree (added to ``mesh``).
+        pp: pipeline stages (added to ``mesh``).
+        device: ``"cpu"`` or ``"cuda"``: where the shards would be.
+        share_reads: replicas read once and broadcast; ``None``: on for ``"cuda"`` (as
+            :func:`sdadapt.load` decides), off for ``"cpu"``.
+        headers: ``"once"``: one rank reads the headers and broadcasts them (a distributed
+            load's default); ``"every"``: every rank reads them.
+        ranks_per_node: ranks per node, for the node figures.
+        max_ranks: plan at most this many classes of ranks (a sample beyond).
+        subtree: as in :func:`sdadapt.load`.
+        allow_missing: as in :func:`sdadapt.load`.
+        allow_unexpected: as in :func:`sdadapt.load`.
+        dtype: as in :func:`sdadapt.load`.
+        engine: the engine settings of the ranks (default: this machine's).
+
+    Returns:
+        A :class:`~sdadapt.reports.DryRunReport`: per planned rank and in total (``str()`` is
+        a table, ``model_dump_json()`` the JSON).
+
+    Raises:
+        PlanError: the checkpoint does not line up with the target.
+        UsageError: a bad mesh, device or ``headers``.
+
+    Example::
+
+        report = sdadapt.dry_run(None, "ckpt/", mesh="dp_replicate=2,dp_shard=4,tp=2")
+        summary = str(report)
+    """
+    start = time.perf_counter()
+    if device not in ("cpu", "cuda"):
+        raise UsageError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if headers not in ("once", "every"):
+        raise UsageError(f"headers must be 'once' or 'every', got {headers!r}")
+    grid = Mesh.parse(mesh, ep=ep, pp=pp)
+    cfg = engine or EngineConfig.from_env()
+    share = share_reads if share_reads is not None else device == "cuda"
+    why = ("asked" if share else "turned off") if share_reads is not None else (
+        "the default for GPU shards" if share else "off by default for CPU shards (gloo moves them slower than storage)")
+    with headers_mod.recording() as rec_src:
+        open_source(src, subtree=subtree).close()
+    with headers_mod.recording() as rec_all:
+        source, plan, target_name = _plan(target, src, adapter, subtree, allow_missing, allow_unexpected, dtype)
+    try:
+        if not plan.report.ok:
+            raise PlanError(plan.report)
+        other = [p for p in rec_all.files if p not in rec_src.files]  # read by every rank itself
+        schema = {k: plan.target[k] for k in plan.recipes}
+        layouts = default_layouts(schema, grid)
+        ranks, exact, n_classes, class_of = _plan_ranks(source, plan, schema, layouts, grid, cfg, device, share, max_ranks)
+        payload = len(headers_mod.encode(rec_src)) if headers == "once" and grid.size > 1 else 0
+        for r in ranks:
+            first = r.rank == 0 or headers == "every" or grid.size == 1
+            r.header_bytes = (rec_src.nbytes if first else 0) + sum(len(rec_all.files[p][0]) for p in other)
+            r.header_bytes_received = 0 if first else payload
+            r.opens += (len(rec_src.files) if first else 0) + len(other)
+        ckpt_files = len(rec_src.files)
+        ckpt_bytes = sum(i.nbytes for i in source.schema.values())
+    finally:
+        source.close()
+    scale = 1.0 if exact else n_classes / max(1, len(ranks))
+    total_read = round(sum(r.bytes_read * r.ranks for r in ranks) * scale)
+    # every rank opens the files it reads and the side files; the headers once, or on every rank
+    header_opens = len(rec_src.files) * (grid.size if headers == "every" or grid.size == 1 else 1)
+    total_opens = header_opens + round(sum((r.opens - _own_header_opens(r, rec_src, headers, grid)) * r.ranks for r in ranks) * scale)
+    header_total = rec_src.nbytes * (grid.size if headers == "every" else 1) + sum(len(rec_all.files[p][0]) for p in other) * grid.size
+    node_max = None
+    if exact:
+        per_class = {class_of(r.rank): r.bytes_read for r in ranks}
+        nodes: dict[int, int] = {}
+        for rank in range(grid.size):
+            nodes[rank // ranks_per_node] = nodes.get(rank // ranks_per_node, 0) + per_class[class_of(rank)]
+        node_max = max(nodes.values())
+    return DryRunReport(
+        source=_name(src),
+        target=target_name,
+        mesh=str(grid),
+        world_size=grid.size,
+        device=device,
+        share_reads=share,
+        share_why=why,
+        headers=headers,
+        checkpoint_bytes=ckpt_bytes,
+        checkpoint_files=ckpt_files,
+        classes=n_classes,
+        exact=exact,
+        ranks=ranks,
+        total_local_bytes=_total_local(schema, layouts, grid),
+        total_bytes_read=total_read,
+        total_opens=total_opens,
+        total_header_bytes=header_total,
+        amplification=total_read / ckpt_bytes if ckpt_bytes else 0.0,
+        ranks_per_node=ranks_per_node,
+        max_node_bytes_read=node_max,
+        collective_bytes_per_rank=payload,
+        seconds=time.perf_counter() - start,
+        report=plan.report,
+    )
+
+
+def _plan(
+    target: Any, src: Any, adapter: Any, subtree: str | None, allow_missing: list[str] | None,
+    allow_unexpected: list[str] | None, dtype: Any,
+) -> tuple[Source, Plan, str]:
+    """The source, the plan and the target's name, as a load plans them."""
+    if isinstance(target, nn.Module):
+        from .load import _plan_load
+
+        source, plan, _ = _plan_load(
+            target, src, adapter_or_none(adapter, src, target), subtree, allow_missing, allow_unexpected,
+            dtype=dtype, shipped=is_shipped(adapter),
+        )
+        return source, plan, type(target).__name__
+    source = open_source(src, subtree=subtree)
+    try:
+        resolved = adapter_or_none(adapter, src)
+        if dtype is not None and dtype != "model":
+            resolved = with_dtype(resolved, dtype)
+        schema = dict(target) if target is not None else adapted_schema(source.schema, resolved, source.non_tensor)
+        plan = build_plan(
+            source.schema, schema, resolved, non_tensor=source.non_tensor, allow_missing=allow_missing,
+            allow_unexpected=allow_unexpected, source_name=_name(src),
+            target_name="schema" if target is not None else "the checkpoint's layout",
+        )
+    except BaseException:
+        source.close()
+        raise
+    return source, plan, plan.report.target
+
+
+def _relevant(layouts: dict[str, Layout], grid: Mesh, share: bool) -> list[int]:
+    """The mesh dims on which ranks differ in what they hold or read."""
+    dims: set[int] = set()
+    seen: set[Layout] = set()
+    for lay in layouts.values():
+        if lay in seen:
+            continue
+        seen.add(lay)
+        dims |= lay.dims()
+        if share and (g := lay.replica_group(grid)) is not None:
+            dims.update(g)
+    return sorted(dims)
+
+
+def _plan_ranks(
+    source: Source, plan: Plan, schema: dict[str, TensorInfo], layouts: dict[str, Layout], grid: Mesh,
+    cfg: EngineConfig, device: str, share: bool, max_ranks: int,
+) -> tuple[list[DryRunRank], bool, int, Any]:
+    dims = _relevant(layouts, grid, share)
+    sizes = [grid.sizes[d] for d in dims]
+    n_classes = math.prod(sizes)
+    per_class = grid.size // n_classes
+
+    def class_of(rank: int) -> int:
+        coord = grid.coordinate(rank)
+        c = 0
+        for d, s in zip(dims, sizes, strict=True):
+            c = c * s + coord[d]
+        return c
+
+    chosen = _sample(n_classes, max_ranks)
+    out = []
+    dev = torch.device(device)
+    for c in chosen:
+        coord = [0] * len(grid.sizes)
+        rest = c
+        for d, s in zip(reversed(dims), reversed(sizes), strict=True):
+            coord[d] = rest % s
+            rest //= s
+        out.append(_plan_rank(source, plan, schema, layouts, grid, tuple(coord), cfg, dev, share, per_class))
+    return out, len(chosen) == n_classes, n_classes, class_of
+
+
+def _plan_rank(
+    source: Source, plan: Plan, schema: dict[str, TensorInfo], layouts: dict[str, Layout], grid: Mesh,
+    coord: tuple[int, ...], cfg: EngineConfig, dev: torch.device, share: bool, per_class: int,
+) -> DryRunRank:
+    t0 = time.perf_counter()
+    jobs: list[Job] = []
+    keys = local = shared = 0
+    for key, node in plan.recipes.items():
+        info, lay = schema[key], layouts[key]
+        box = local_box(info, grid, lay, coord)
+        if box is None:
+            continue
+        keys += 1
+        shape = box_shape(box)
+        nbytes = math.prod(shape) * info.dtype.itemsize
+        local += nbytes
+        if nbytes == 0:
+            continue
+        group = lay.replica_group(grid) if share else None
+        if group is not None and box:
+            r = math.prod(grid.sizes[d] for d in group)
+            me = 0
+            for d in group:
+                me = me * grid.sizes[d] + coord[d]
+            (a, b) = box[0]
+            s, e = me * (b - a) // r, (me + 1) * (b - a) // r
+            box = ((a + s, a + e), *box[1:])
+            shape = box_shape(box)
+            shared += nbytes - math.prod(shape) * info.dtype.itemsize
+            if e <= s:
+                continue
+        jobs.append(Job(key, node, box, torch.empty(shape, dtype=info.dtype, device="meta")))
+    fig = predict(source, jobs, cfg, dev)
+    return DryRunRank(
+        rank=grid.rank_of(coord),
+        ranks=per_class,
+        coordinate=dict(zip(grid.names, coord, strict=True)),
+        keys=keys,
+        local_bytes=local,
+        bytes_read=fig.bytes_read,
+        files_read=len(fig.file_bytes),
+        file_bytes=fig.file_bytes,
+        preadv_calls=fig.preadv_calls,
+        mapped_reads=fig.mapped_reads,
+        opens=len(fig.opened) + len(fig.mapped),
+        header_bytes=0,
+        header_bytes_received=0,
+        shared_bytes=shared,
+        staging_bytes=fig.staging_bytes,
+        tasks=fig.tasks,
+        plan_seconds=time.perf_counter() - t0,
+    )
+
+
+def _total_local(schema: dict[str, TensorInfo], layouts: dict[str, Layout], grid: Mesh) -> int:
+    """Every rank's shard bytes together: each tensor once per copy (its replicated dims)."""
+    total = 0
+    for key, info in schema.items():
+        lay = layouts[key]
+        copies = 1
+        for dims, p in lay.groups:
+            if p.is_replicate():
+                copies *= math.prod(grid.sizes[d] for d in dims)
+        owned = {d for d, _ in lay.owners}
+        grouped = {d for dims, _ in lay.groups for d in dims}
+        for d, s in enumerate(grid.sizes):
+            if d not in owned and d not in grouped:
+                copies *= s
+        total += info.nbytes * copies
+    return total

@@ -1,0 +1,130 @@
+"""The dry run on one process: meshes, layouts, symmetry, sampling, the CLI, the header record."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import sdadapt
+from sdadapt._plan.layout import Mesh, default_layouts, local_box
+from sdadapt.cli import main
+from sdadapt.errors import SourceError, UsageError
+from sdadapt.sources import TensorInfo, _headers, open_source
+
+
+@pytest.fixture
+def ckpt(tmp_path: Any) -> str:
+    sd = {}
+    for i in range(4):
+        sd[f"layers.{i}.attention.wq.weight"] = torch.randn(16, 8)
+        sd[f"layers.{i}.attention.wo.weight"] = torch.randn(8, 16)
+        sd[f"layers.{i}.attention_norm.weight"] = torch.randn(8)
+        for e in range(4):
+            sd[f"layers.{i}.moe.experts.{e}.w1.weight"] = torch.randn(6, 8)
+    sd["tok_embeddings.weight"] = torch.randn(20, 8)
+    sd["norm.weight"] = torch.randn(8)
+    sd["output.weight"] = torch.randn(20, 8)
+    names = sorted(sd)
+    files: dict[str, dict[str, torch.Tensor]] = {}
+    for i, k in enumerate(names):
+        files.setdefault(f"model-{i % 2}.safetensors", {})[k] = sd[k]
+    for name, part in files.items():
+        save_file(part, os.path.join(tmp_path, name))
+    with open(os.path.join(tmp_path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {k: n for n, p in files.items() for k in p}}, f)
+    return str(tmp_path)
+
+
+def test_mesh_parse_and_coordinates() -> None:
+    mesh = Mesh.parse("tp=8,dp_shard=16,dp_replicate=8")
+    assert mesh.names == ("dp_replicate", "dp_shard", "tp") and mesh.size == 1024
+    assert mesh.coordinate(9) == (0, 1, 1) and mesh.rank_of((0, 1, 1)) == 9
+    assert Mesh.parse("dp_shard=4", ep=2, pp=2).names == ("pp", "dp_shard", "ep")
+    for bad in ("dp_shard=x", "cp=2", "dp_shard"):
+        with pytest.raises(UsageError):
+            Mesh.parse(bad)
+    with pytest.raises(UsageError, match="given twice"):
+        Mesh.parse("ep=2,dp_shard=2", ep=4)
+
+
+def test_layouts_own_stages_and_experts() -> None:
+    schema = {
+        "tok_embeddings.weight": TensorInfo((20, 8), torch.float32),
+        "layers.0.moe.experts.0.w1.weight": TensorInfo((6, 8), torch.float32),
+        "layers.3.moe.experts.3.w1.weight": TensorInfo((6, 8), torch.float32),
+        "layers.3.attention.wq.weight": TensorInfo((16, 8), torch.float32),
+        "norm.weight": TensorInfo((8,), torch.float32),
+    }
+    mesh = Mesh.parse("dp_shard=2", ep=2, pp=2)
+    lay = default_layouts(schema, mesh)
+    # pp stage 0 holds the embedding and layer 0; expert 3 lives on ep rank 1
+    assert local_box(schema["tok_embeddings.weight"], mesh, lay["tok_embeddings.weight"], (0, 0, 0)) is not None
+    assert local_box(schema["tok_embeddings.weight"], mesh, lay["tok_embeddings.weight"], (1, 0, 0)) is None
+    assert local_box(schema["norm.weight"], mesh, lay["norm.weight"], (1, 0, 0)) is not None
+    k = "layers.3.moe.experts.3.w1.weight"
+    assert local_box(schema[k], mesh, lay[k], (1, 0, 0)) is None and local_box(schema[k], mesh, lay[k], (1, 1, 1)) == ((3, 6), (0, 8))
+    # a non-expert key is sharded over dp_shard and ep flattened: 4 shards of 4 rows
+    k = "layers.3.attention.wq.weight"
+    assert [local_box(schema[k], mesh, lay[k], (1, d, e)) for d in range(2) for e in range(2)] == [
+        ((0, 4), (0, 8)), ((4, 8), (0, 8)), ((8, 12), (0, 8)), ((12, 16), (0, 8))]  # fmt: skip
+
+
+def test_symmetry_sampling_and_headers(ckpt: str) -> None:
+    full = sdadapt.dry_run(None, ckpt, mesh="dp_replicate=2,dp_shard=4,tp=2", max_ranks=64)
+    assert full.exact and full.classes == 8 and full.world_size == 16  # the replicas plan alike
+    assert all(r.ranks == 2 for r in full.ranks)
+    assert full.total_bytes_read == sum(r.bytes_read * 2 for r in full.ranks)
+    norms = (4 * 8 + 8) * 4  # replicated over tp as well
+    assert full.total_local_bytes == 2 * (full.checkpoint_bytes + norms)  # two replicas of every byte
+    assert full.total_bytes_read == full.total_local_bytes  # the checkpoint's own layout: shards are read as stored
+    assert full.amplification == pytest.approx(2 * (1 + norms / full.checkpoint_bytes))
+    assert full.max_node_bytes_read == full.total_bytes_read // 2  # 8 ranks per node: one replica each
+    shared = sdadapt.dry_run(None, ckpt, mesh="dp_replicate=2,dp_shard=4,tp=2", share_reads=True, max_ranks=64)
+    # each replica pair reads a byte once; a norm, replicated over tp too, is shared over one dim only
+    assert shared.classes == 16 and shared.total_bytes_read == shared.checkpoint_bytes + norms
+    assert sum(r.shared_bytes for r in shared.ranks) == shared.checkpoint_bytes + norms
+    sample = sdadapt.dry_run(None, ckpt, mesh="dp_shard=32", max_ranks=4)
+    assert not sample.exact and [r.rank for r in sample.ranks] == [0, 10, 21, 31] and sample.max_node_bytes_read is None
+    once = sdadapt.dry_run(None, ckpt, mesh="dp_shard=4", max_ranks=64)
+    every = sdadapt.dry_run(None, ckpt, mesh="dp_shard=4", headers="every", max_ranks=64)
+    assert once.total_header_bytes * 4 == every.total_header_bytes
+    assert every.total_opens - once.total_opens == 3 * 3  # index and 2 headers, on 3 more ranks
+    assert once.ranks[1].header_bytes == 0 and once.ranks[1].header_bytes_received == once.collective_bytes_per_rank > 0
+
+
+def test_cli_plan_prints_a_table_and_json(ckpt: str, capsys: Any) -> None:
+    assert main(["plan", ckpt, "--mesh", "dp_shard=4,tp=2", "--pp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "16 ranks" in out and "amplification" in out
+    assert main(["plan", ckpt, "--mesh", "dp_shard=4", "--json", "--share-reads"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["world_size"] == 4 and data["share_reads"] and len(data["ranks"]) == 4
+    assert main(["plan", ckpt, "--mesh", "cp=2"]) == 2
+
+
+def test_header_record_round_trip_and_corruption(ckpt: str) -> None:
+    with _headers.recording() as rec:
+        with open_source(ckpt) as src:
+            keys = set(src.schema)
+    assert len(rec.files) == 3  # the index and two headers
+    payload = _headers.encode(rec)
+    got = _headers.decode(payload)
+    assert got.files == rec.files
+    os.rename(os.path.join(ckpt, "model-0.safetensors"), os.path.join(ckpt, "moved"))  # replay opens nothing
+    open(os.path.join(ckpt, "model-0.safetensors"), "wb").close()  # exists (the index check), but empty
+    with _headers.replaying(got), open_source(ckpt) as src:
+        assert set(src.schema) == keys
+    for bad in (payload[:-3], payload + b"x", b"nonsense"):
+        with pytest.raises(SourceError):
+            _headers.decode(bad)
+    # a recorded header is validated on receipt as one read from disk
+    path = next(p for p in rec.files if p.endswith(".safetensors"))
+    data, size = rec.files[path]
+    broken = _headers.HeaderRecord({**rec.files, path: (data[:8] + b"!" + data[9:], size)})
+    with pytest.raises(SourceError, match="not valid JSON"), _headers.replaying(broken):
+        open_source(ckpt)
