@@ -34,6 +34,7 @@ from ..sources._base import Source
 from . import share
 from .config import EngineConfig
 from .engine import EngineStats, IOEngine
+from .prefetch import prefetch
 from .tasks import Job
 from .workers import CountingIO
 
@@ -126,6 +127,8 @@ class AdaptedStorageReader(StorageReader):
         self.config = config
         self.share_reads = share_reads
         self.shared_bytes = 0  # bytes this rank received from replicas instead of reading
+        self.fetched = (0, 0)  # (bytes, requests) fetched from object storage before reading
+        self.began_writing = False  # set once the fetch ahead succeeded, before the first write
         self.stats = EngineStats()
         self._metadata = Metadata(
             state_dict_metadata={
@@ -181,6 +184,7 @@ class AdaptedStorageReader(StorageReader):
         engine = IOEngine(self.source, self.config)
         failure: BaseException | None = None
         try:
+            self._prefetch(to_read)
             engine.run(to_read)
         except BaseException as e:  # noqa: BLE001 - the replicas must still hear of it (no hang)
             failure = e
@@ -215,10 +219,17 @@ class AdaptedStorageReader(StorageReader):
         fut.set_result(None)
         return fut
 
+    def _prefetch(self, jobs: list[Job]) -> None:
+        """Fetch the jobs' source regions ahead (a source at an object storage URL)."""
+        got = prefetch(self.source, jobs)
+        self.fetched = (self.fetched[0] + got[0], self.fetched[1] + got[1])
+        self.began_writing = True
+
     def _read_simple(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         start = time.perf_counter()
-        for item in plan.items:
-            job = self._job(item, planner)
+        jobs = [self._job(item, planner) for item in plan.items]
+        self._prefetch(jobs)
+        for item, job in zip(plan.items, jobs, strict=True):
             try:
                 value = job.node.read(job.box, self.io)
             except Exception as e:  # noqa: BLE001 - name the key and file, keep the cause

@@ -48,6 +48,9 @@ class LoadReport(BaseModel):
         items_read: the reads DCP asked this rank for.
         bytes_read: the bytes read from the files.
         bytes_shared: the bytes received from replicas (``share_reads=True``).
+        bytes_fetched: the bytes fetched from object storage (a ``s3://`` / ``gs://`` source),
+            headers not counted.
+        requests: the ranged requests those bytes took.
         local_bytes: the bytes of this rank's destination shards.
         seconds: the whole call.
         plan_seconds: planning.
@@ -75,6 +78,8 @@ class LoadReport(BaseModel):
     items_read: int
     bytes_read: int
     bytes_shared: int = 0  # received from replicas (share_reads=True) instead of read
+    bytes_fetched: int = 0  # from object storage, before reading (s3:// and gs:// sources)
+    requests: int = 0  # the ranged requests that fetch took
     local_bytes: int  # bytes of this rank's destination shards
     seconds: float
     plan_seconds: float
@@ -462,6 +467,8 @@ def load(
         items_read=reader.items_read,
         bytes_read=reader.io.bytes_read,
         bytes_shared=reader.shared_bytes,
+        bytes_fetched=reader.fetched[0],
+        requests=reader.fetched[1],
         local_bytes=sum(local_nbytes(t) for t in wanted.values()),
         seconds=time.perf_counter() - t0,
         plan_seconds=phases.seconds["plan"],

@@ -370,10 +370,14 @@ class Transaction:
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(part.into, storage_reader=part.reader, planner=AdaptedLoadPlanner(), process_group=self.group, no_dist=True)
         except CheckpointException as e:  # a BaseException: turn it into ours
-            return read_errors(e)
+            errors = read_errors(e)
         except Exception as e:  # noqa: BLE001 - named and agreed on after reading
-            return [f"{type(e).__name__}: {e}"]
-        return []
+            errors = [f"{type(e).__name__}: {e}"]
+        else:
+            return []
+        if not part.reader.began_writing:
+            self.written.remove(part)  # it failed before writing a byte (fetching from object storage)
+        return errors
 
     def _overwritten(self) -> str:
         model = sum(len(p.targets) for p in self.written if p.of_model)

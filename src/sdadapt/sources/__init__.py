@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from typing import Any
 
-from ..errors import SourceError
+from ..errors import SdadaptError, SourceError
 from ._base import HUB_PREFIX, Source, TensorInfo, dtype_name, is_hub_id
 from ._hf_sharded import INDEX_NAME, HFShardedSource
 from ._json import HFConfig, QuantConfigFile, read_json_dict
+from ._object_store import is_url
+from ._remote import attach, in_urls
 from ._safetensors_file import SafetensorsFile
 from ._torch_save import TorchSaveFile
 
@@ -19,7 +22,12 @@ __all__ = ["Source", "TensorInfo", "dtype_name", "open_source", "read_config_fil
 modules; users open checkpoints with :func:`open_source` and use the :class:`Source` protocol."""
 
 
-def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = None) -> Source:
+def open_source(
+    path: str | os.PathLike[str] | Source,
+    *,
+    subtree: str | None = None,
+    storage_options: Mapping[str, Any] | None = None,
+) -> Source:
     """Open a checkpoint by path and read its schema (headers only; no tensor is read).
 
     Args:
@@ -31,9 +39,16 @@ def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = 
             - a ``torch.save`` zip file (any other file);
             - a Hugging Face Hub id ``hf://org/name[@revision]``: the files a load needs, from
               the Hub cache (downloaded if missing; needs ``sdadapt[hub]``);
+            - an object storage URL ``s3://bucket/prefix`` or ``gs://bucket/prefix`` naming any of
+              the above: headers fetched now, tensor bytes when read (needs ``sdadapt[s3]`` or
+              ``sdadapt[gcs]``; see docs/object-storage.md);
             - a :class:`Source`, returned as it is.
         subtree: the nested dict of a ``torch.save`` file or DCP folder to read
             (``"model"``); safetensors keys are flat and refuse it.
+        storage_options: for a URL, the object store client's settings beyond the standard
+            environment variables (``{"endpoint": ..., "region": ...}``; obstore's keys, plus
+            ``client_options`` and ``retry_config`` dicts). Pass the opened source to
+            ``load``, ``diff``... to use them there.
 
     Returns:
         The open :class:`Source`: ``source.schema`` maps each key to its :class:`TensorInfo`;
@@ -50,7 +65,15 @@ def open_source(path: str | os.PathLike[str] | Source, *, subtree: str | None = 
     """
     if isinstance(path, Source):
         return path
-    p = local_path(path)
+    p = local_path(path, storage_options)
+    try:
+        source = _open_local(p, subtree)
+    except SdadaptError as e:
+        raise in_urls(e) from None  # a URL's mirror file named as the URL
+    return attach(source, p)  # a URL's mirror: fetch tensor bytes when read
+
+
+def _open_local(p: str, subtree: str | None) -> Source:
     if not os.path.exists(p):
         if _looks_like_hub_id(p):
             raise SourceError(
@@ -132,10 +155,15 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return read_json_dict(p, model, what=name)
 
 
-def local_path(path: str | os.PathLike[str]) -> str:
+def local_path(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> str:
     """``path`` as a string; for a Hub id (``hf://org/name[@revision]``), the local snapshot
-    folder holding the files a load needs (fetched into the Hub cache if missing)."""
+    folder holding the files a load needs (fetched into the Hub cache if missing); for an object
+    storage URL, its local mirror (headers fetched; see :mod:`._remote`)."""
     p = os.fspath(path)
+    if is_url(p):
+        from ._remote import remote_root  # noqa: PLC0415 - only for a URL
+
+        return remote_root(p, storage_options)
     if not is_hub_id(p):
         return p
     from ._hub import hub_folder  # imported only for a Hub id

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,6 +177,17 @@ class Source(abc.ABC):
         tensor, from :meth:`locate`."""
         loc = self.locate(key)
         return None if loc is None else [(full_box(loc.shape), loc)]
+
+    def prefetch(self, regions: Sequence[tuple[str, Box | None]]) -> tuple[int, int]:
+        """Make the bytes of these ``(key, box)`` regions (``None``: the whole tensor) ready to
+        read, in one batch, before a load reads them by their locations. Sources whose bytes are
+        local need nothing (the default); one opened from an object storage URL fetches them
+        (concurrent ranged requests) into the local file its locations name.
+
+        Returns:
+            The bytes fetched and the requests made by this call.
+        """
+        return 0, 0
 
     @property
     def kind(self) -> str:

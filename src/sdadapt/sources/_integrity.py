@@ -32,7 +32,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -285,6 +285,19 @@ class ChecksummedSource(Source):
 
     def stored_key(self, key: str) -> str:
         return self.inner.stored_key(key)
+
+    def prefetch(self, regions: Sequence[tuple[str, Box | None]]) -> tuple[int, int]:
+        """The inner source's prefetch, each region widened to the whole blocks it touches."""
+        out: list[tuple[str, Box | None]] = []
+        for key, box in regions:
+            exp, info = self._expect.get(key), self.inner.schema.get(key)
+            if box is None or exp is None or info is None or not info.shape:
+                out.append((key, None if box is None or exp is not None else box))
+                continue
+            k = exp.rows_per_block
+            rows = (box[0][0] // k * k, min(info.shape[0], -(-box[0][1] // k) * k))
+            out.append((key, (rows, *((0, n) for n in info.shape[1:]))))
+        return self.inner.prefetch(out)
 
     def _check(self, key: str, box: Box) -> None:
         exp = self._expect.get(key)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .._base.regions import Box
@@ -55,6 +57,14 @@ class JoinedSource(Source):
     def locate_region(self, key: str, box: Box) -> list[tuple[Box, TensorLocation]] | None:
         src, inner = self._route(key)
         return src.locate_region(inner, box)
+
+    def prefetch(self, regions: Sequence[tuple[str, Box | None]]) -> tuple[int, int]:
+        routed: dict[int, tuple[Source, list[tuple[str, Box | None]]]] = {}
+        for key, box in regions:
+            src, inner = self._route(key)
+            routed.setdefault(id(src), (src, []))[1].append((inner, box))
+        done = [src.prefetch(part) for src, part in routed.values()]
+        return sum(d[0] for d in done), sum(d[1] for d in done)
 
     def file_of(self, key: str) -> str:
         src, inner = self._route(key)

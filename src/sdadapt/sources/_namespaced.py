@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .._base.regions import Box
@@ -39,6 +41,9 @@ class NamespacedSource(Source):
 
     def file_of(self, key: str) -> str:
         return self.base.file_of(self.fmt.format(key))
+
+    def prefetch(self, regions: Sequence[tuple[str, Box | None]]) -> tuple[int, int]:
+        return self.base.prefetch([(self.fmt.format(k), box) for k, box in regions])
 
     def files(self) -> list[str]:
         return self.base.files()

@@ -1,0 +1,381 @@
+"""Object storage URLs (``s3://bucket/prefix``, ``gs://bucket/prefix``) read lazily into a
+local sparse mirror.
+
+A :class:`Remote` lists the objects directly under a URL's prefix and gives each one a local
+file of the object's size in a private temporary folder (a *mirror*: sparse, so unfetched
+bytes take no disk space). The checkpoint's headers are fetched into it when it is opened
+(:mod:`._remote`), so every local source class reads its schema unchanged; tensor bytes are
+fetched only when asked for (:meth:`Remote.fetch`): the byte ranges a rank's plan needs,
+adjacent ranges less than ``gap_bytes`` apart coalesced into one request, requests cut at
+``request_bytes`` and ``concurrency`` of them in flight on a thread pool (obstore releases the
+interpreter lock while it waits). Each request carries the object's ETag (``If-Match``), so an
+object replaced while it is read is an error, never a mix of two versions.
+
+The client is `obstore <https://developmental-seed.github.io/obstore/>`_ (Rust ``object_store``),
+the optional extra ``sdadapt[s3]`` / ``sdadapt[gcs]``, imported only for a URL. It reads the
+standard variables itself (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ENDPOINT_URL``, ``AWS_ALLOW_HTTP``;
+``GOOGLE_APPLICATION_CREDENTIALS``, ``GOOGLE_SERVICE_ACCOUNT``); ``storage_options`` passes
+anything else through. It retries 5xx answers, dropped connections and timeouts with
+exponential backoff (bounded: :data:`RETRY`); a body cut short is retried here too. Nothing
+here logs or prints an option's value (credentials may be among them).
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from ..errors import SourceError
+
+log = logging.getLogger(__name__)
+
+SCHEMES = {"s3": "s3", "gs": "gcs"}
+"""URL scheme -> the extra that installs its client (``pip install 'sdadapt[s3]'``)."""
+
+RETRY: dict[str, Any] = {
+    "max_retries": 5,
+    "retry_timeout": timedelta(seconds=60),
+    "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2},
+}
+"""obstore's retry settings unless ``storage_options["retry_config"]`` replaces them."""
+_MTIME_NS = 1_000_000_000 * 86400  # every mirror file's modification time
+_BODY_ATTEMPTS = 3  # a response body cut short is fetched again up to this many times in all
+
+
+def is_url(text: object) -> bool:
+    """``text`` is a string starting with ``s3://`` or ``gs://``."""
+    return isinstance(text, str) and text.split("://", 1)[0] in SCHEMES and "://" in text
+
+
+def split_url(url: str) -> tuple[str, str, str]:
+    """``s3://bucket/a/b`` -> ``("s3", "bucket", "a/b")``; a SourceError for a URL without a bucket."""
+    scheme, rest = url.split("://", 1)
+    bucket, _, key = rest.partition("/")
+    if not bucket or "\x00" in url or any(p in (".", "..") for p in key.split("/")):
+        raise SourceError(f"not an object storage URL: write {scheme}://BUCKET/PREFIX", path=url)
+    return scheme, bucket, key.strip("/")
+
+
+def env_int(name: str, default: int) -> int:
+    """A positive integer from the environment variable ``name`` (``default`` when unset)."""
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise SourceError(f"{name}={text!r}: give a positive whole number")
+    return value
+
+
+@dataclass
+class FetchSettings:
+    """How ranges are fetched: see the module docstring and ``docs/object-storage.md``."""
+
+    gap_bytes: int = field(default_factory=lambda: env_int("SDADAPT_REMOTE_GAP_BYTES", 1 << 20))
+    request_bytes: int = field(default_factory=lambda: env_int("SDADAPT_REMOTE_REQUEST_BYTES", 16 << 20))
+    concurrency: int = field(default_factory=lambda: env_int("SDADAPT_REMOTE_CONCURRENCY", 32))
+
+
+def make_store(url: str, storage_options: Mapping[str, Any] | None) -> Any:
+    """The obstore store of ``url``'s bucket. ``storage_options``: obstore's configuration keys
+    (``endpoint``, ``region``, ``skip_signature``...) and, as two nested dicts,
+    ``client_options`` and ``retry_config``."""
+    scheme, bucket, _ = split_url(url)
+    try:
+        from_url = importlib.import_module("obstore.store").from_url  # the optional extra, only for URLs
+    except ImportError:
+        raise SourceError(
+            f"reading {scheme}:// URLs needs the obstore client: pip install 'sdadapt[{SCHEMES[scheme]}]'", path=url
+        ) from None
+    opts = dict(storage_options or {})
+    client = dict(opts.pop("client_options", None) or {})
+    retry = opts.pop("retry_config", None) or RETRY
+    if (
+        scheme == "s3"
+        and "allow_http" not in client
+        and (opts.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL", "")).startswith("http://")
+    ):
+        client.setdefault("allow_http", os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes"))
+    provider = _profile_credentials(scheme, opts)
+    try:
+        return from_url(
+            f"{scheme}://{bucket}",
+            client_options=client or None,
+            retry_config=retry,
+            **({"credential_provider": provider} if provider is not None else {}),
+            **opts,
+        )
+    except Exception as e:  # noqa: BLE001 - obstore's configuration errors have many types
+        keys = ", ".join(sorted(opts)) or "none"
+        why = f"{type(e).__name__}; storage_options keys: {keys}"
+        raise SourceError(f"cannot configure the object store client ({why}): {_short(e)}", path=url) from None
+
+
+def _profile_credentials(scheme: str, opts: dict[str, Any]) -> Any:
+    """With ``AWS_PROFILE`` set and no keys in the environment or ``opts``: credentials from the
+    AWS config files, through boto3 when it is installed (object_store does not read profiles)."""
+    if scheme != "s3" or not os.environ.get("AWS_PROFILE") or os.environ.get("AWS_ACCESS_KEY_ID") or "access_key_id" in opts:
+        return None
+    try:
+        boto3 = importlib.import_module("boto3")  # optional, only for AWS_PROFILE
+        provider = importlib.import_module("obstore.auth.boto3").Boto3CredentialProvider
+    except ImportError:
+        log.warning("AWS_PROFILE is set but boto3 is not installed; profiles are read through boto3 (pip install boto3)")
+        return None
+    return provider(boto3.Session())
+
+
+def _client() -> Any:
+    """The obstore module (installed: :func:`make_store` made the store)."""
+    return importlib.import_module("obstore")
+
+
+def _short(e: BaseException) -> str:
+    """obstore's message without its debug dump (which repeats it)."""
+    return str(e).split("\n\nDebug source:", 1)[0].strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def fetch_error(e: BaseException, url: str, what: str) -> SourceError:
+    """An obstore / OS error while ``what`` as a SourceError naming ``url`` and what to do."""
+    name = type(e).__name__
+    if isinstance(e, FileNotFoundError) or name == "NotFoundError":
+        why = "no such object or bucket (check the URL, and the endpoint in AWS_ENDPOINT_URL)"
+    elif name in ("PermissionDeniedError", "UnauthenticatedError") or isinstance(e, PermissionError):
+        why = "access denied (403): check the credentials (AWS_ACCESS_KEY_ID..., GOOGLE_APPLICATION_CREDENTIALS) and the bucket's policy"
+    elif name == "PreconditionError":
+        why = (
+            "the object changed while it was read (its ETag differs from the one listed when the checkpoint "
+            "was opened); load again once the upload is complete"
+        )
+    else:
+        why = f"{name}: {_short(e)}"
+    return SourceError(f"{what}: {why}", path=url)
+
+
+class Remote:
+    """One URL's objects and their local sparse mirror (see the module docstring).
+
+    Attributes:
+        url: the URL as given (``s3://bucket/prefix``).
+        root: the local folder mirroring the prefix (or holding the one object).
+        objects: relative name -> (size, ETag) of the objects mirrored.
+        fetched_bytes, requests: what :meth:`fetch` fetched so far, in all.
+    """
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None, settings: FetchSettings | None = None):
+        self.url = url.rstrip("/")
+        self.scheme, self.bucket, self.key = split_url(url)
+        self.settings = settings or FetchSettings()
+        self.store = make_store(url, storage_options)
+        self.objects: dict[str, tuple[int, str | None]] = {}
+        self.single: str | None = None  # the object's name when the URL names one object
+        self.fetched_bytes = 0
+        self.requests = 0
+        self._have: dict[str, list[tuple[int, int]]] = {}  # name -> fetched (start, stop), sorted, merged
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._list()
+        self.root = tempfile.mkdtemp(prefix=f"sdadapt-{self.scheme}-{self.bucket}-")
+        _created.append(self.root)
+        for name, (size, _) in self.objects.items():
+            path = self.local(name)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "wb") as f:
+                f.truncate(size)
+            os.utime(path, ns=(_MTIME_NS, _MTIME_NS))
+
+    def _list(self) -> None:
+        obstore = _client()
+
+        try:
+            if self.key and not self.key.endswith("/"):
+                try:
+                    meta = obstore.head(self.store, self.key)
+                except FileNotFoundError:
+                    meta = None
+                if meta is not None:
+                    self.single = self.key.rsplit("/", 1)[-1]
+                    self.objects[self.single] = (int(meta["size"]), meta.get("e_tag"))
+                    return
+            prefix = f"{self.key}/" if self.key else ""
+            listed = obstore.list_with_delimiter(self.store, prefix or None)
+        except Exception as e:  # noqa: BLE001 - obstore raises its own error types
+            raise fetch_error(e, self.url, "listing the objects") from None
+        for meta in listed["objects"]:
+            name = meta["path"][len(prefix) :]
+            if name and "/" not in name:
+                self.objects[name] = (int(meta["size"]), meta.get("e_tag"))
+        if not self.objects:
+            folders = [p[len(prefix) :].rstrip("/") for p in listed["common_prefixes"]][:8]
+            hint = f"; it holds the folders {folders}" if folders else ""
+            raise SourceError(f"no such object, and no objects under this prefix{hint}", path=self.url)
+
+    # -- names --------------------------------------------------------------------------
+    def local(self, name: str) -> str:
+        """The mirror file of object ``name``."""
+        return os.path.join(self.root, name)
+
+    @property
+    def local_root(self) -> str:
+        """What stands for the URL locally: the mirror folder, or the one object's file."""
+        return self.local(self.single) if self.single is not None else self.root
+
+    def url_of(self, local_path: str) -> str:
+        """The URL of a mirror file (for messages)."""
+        rel = os.path.relpath(local_path, self.root)
+        return self.url if self.single is not None else f"{self.url}/{rel}"
+
+    def name_of(self, local_path: str) -> str | None:
+        """The object name of a mirror file, ``None`` for a path outside the mirror."""
+        rel = os.path.relpath(os.path.realpath(local_path), os.path.realpath(self.root))
+        return rel if rel in self.objects else None
+
+    def _object_key(self, name: str) -> str:
+        if self.single is not None:
+            return self.key
+        return f"{self.key}/{name}" if self.key else name
+
+    # -- fetching -----------------------------------------------------------------------
+    def fetch_whole(self, names: Iterable[str]) -> None:
+        """Fetch whole objects (configs, indexes, DCP metadata)."""
+        self.fetch([(n, 0, self.objects[n][0]) for n in names])
+
+    def fetch(self, ranges: Iterable[tuple[str, int, int]]) -> None:
+        """Make bytes ``[start, stop)`` of each object ``name`` present in its mirror file:
+        what is missing, coalesced within ``gap_bytes``, cut at ``request_bytes``, fetched
+        ``concurrency`` requests at a time. Raises a SourceError naming the object's URL."""
+        todo = self._missing(ranges)
+        if not todo:
+            return
+        if len(todo) == 1:
+            self._get(*todo[0])
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.settings.concurrency, thread_name_prefix="sdadapt-fetch")
+        futures = [self._pool.submit(self._get, *r) for r in todo]
+        errors = [f.exception() for f in futures]
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
+    def _missing(self, ranges: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+        """The requests to make: ``ranges`` less what is present, coalesced and cut."""
+        by_name: dict[str, list[tuple[int, int]]] = {}
+        for name, start, stop in ranges:
+            size = self.objects[name][0]
+            if stop > size:
+                raise SourceError(
+                    f"the object is shorter ({size} bytes) than its header says (bytes up to {stop}): "
+                    "a truncated or partial upload; upload it again",
+                    path=self.url_of(self.local(name)),
+                )
+            if stop > start:
+                by_name.setdefault(name, []).append((start, stop))
+        gap, cut = self.settings.gap_bytes, self.settings.request_bytes
+        out: list[tuple[str, int, int]] = []
+        with self._lock:
+            for name, spans in by_name.items():
+                need = _subtract(_merge(spans, 0), self._have.get(name, []))
+                for start, stop in _merge(need, gap):
+                    out += [(name, s, min(s + cut, stop)) for s in range(start, stop, cut)]
+        return out
+
+    def _get(self, name: str, start: int, stop: int) -> None:
+        obstore = _client()
+
+        etag = self.objects[name][1]
+        options: dict[str, Any] = {"range": (start, stop)}
+        if etag:
+            options["if_match"] = etag
+        url = self.url_of(self.local(name))
+        data = None
+        for attempt in range(_BODY_ATTEMPTS):
+            try:
+                data = obstore.get(self.store, self._object_key(name), options=options).bytes()
+                break
+            except Exception as e:  # noqa: BLE001 - obstore raises its own error types
+                transient = type(e).__name__ == "GenericError" or isinstance(e, (ConnectionError, TimeoutError))
+                if not transient or attempt == _BODY_ATTEMPTS - 1:
+                    raise fetch_error(e, url, f"fetching bytes {start}-{stop}") from None
+                log.debug("fetching %s bytes %d-%d failed (%s); again", url, start, stop, type(e).__name__)
+        assert data is not None
+        if len(data) != stop - start:
+            raise SourceError(
+                f"the object is shorter than listed: asked for bytes {start}-{stop}, got {len(data)}; "
+                "it was truncated or replaced while read",
+                path=url,
+            )
+        fd = os.open(self.local(name), os.O_WRONLY)
+        try:
+            view = memoryview(data)
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], start + done)
+        finally:
+            os.close(fd)
+        # a mirror file's bytes only ever become present, never change: it keeps one mtime, so
+        # the check that files did not change while a load read them still holds
+        os.utime(self.local(name), ns=(_MTIME_NS, _MTIME_NS))
+        with self._lock:
+            self._have[name] = _merge([*self._have.get(name, []), (start, stop)], 0)
+            self.fetched_bytes += stop - start
+            self.requests += 1
+
+    def close(self) -> None:
+        """Stop the fetch threads and delete the mirror."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _merge(spans: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
+    """Sorted ``spans`` with those less than ``gap`` bytes apart (or touching) joined."""
+    out: list[tuple[int, int]] = []
+    for start, stop in sorted(spans):
+        if out and start <= out[-1][1] + gap:
+            out[-1] = (out[-1][0], max(out[-1][1], stop))
+        else:
+            out.append((start, stop))
+    return out
+
+
+def _subtract(spans: list[tuple[int, int]], have: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of sorted disjoint ``spans`` not covered by sorted disjoint ``have``."""
+    out = []
+    for start, stop in spans:
+        pos = start
+        for a, b in have:
+            if b <= pos or a >= stop:
+                continue
+            if a > pos:
+                out.append((pos, a))
+            pos = max(pos, b)
+            if pos >= stop:
+                break
+        if pos < stop:
+            out.append((pos, stop))
+    return out
+
+
+_created: list[str] = []
+
+
+@atexit.register
+def _remove_mirrors() -> None:
+    for root in _created:
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,0 +1,315 @@
+"""Checkpoints at object storage URLs as sources: the headers fetched when opened, tensor bytes
+fetched for the regions asked for (see :mod:`._object_store` for the mirror and the fetching).
+
+:func:`remote_root` turns a URL into its local mirror (one :class:`Remote` per URL and process,
+checked against a fresh listing each time: a changed object gives a new mirror), after fetching
+what the local source classes read when they open a checkpoint: whole side files (``*.json``,
+DCP ``.metadata``, tokenizers...), each safetensors file's 8-byte length and header, a
+``torch.save`` file's zip directory, local record headers and pickle. :func:`attach` turns the
+local source opened on a mirror into a remote one (same class, so every caller that knows the
+local class keeps working) whose ``read``, ``read_object`` and DCP chunk locating fetch their
+bytes first, and whose :meth:`RemoteReads.prefetch` fetches a whole plan's regions in one
+concurrent batch before the I/O engine reads them from the mirror.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import struct
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .._base.regions import Box, full_box
+from ..errors import SdadaptError
+from ._base import Source
+from ._object_store import Remote, is_url
+
+_WEIGHTS = (".safetensors", ".distcp", ".bin", ".pt", ".pth", ".ckpt")
+_ZIP_TAIL = 22 + 65535  # the end-of-directory record and the longest zip comment
+_LOCAL_HEAD = 30 + 1024  # a zip record's fixed header, its name and torch's alignment padding
+_MAX_RUNS = 4096  # a region cut into more runs than this is fetched as the span covering them
+
+_remotes: dict[tuple[str, str], Remote] = {}
+_by_root: dict[str, Remote] = {}
+_lock = threading.Lock()
+
+
+def remote_root(url: str, storage_options: Mapping[str, Any] | None = None) -> str:
+    """The local path standing for ``url`` (its mirror folder, or the mirror file of the one
+    object it names), its headers fetched. Raises SourceError naming the URL."""
+    ident = (url.rstrip("/"), repr(sorted((storage_options or {}).items())))
+    with _lock:
+        old = _remotes.get(ident)
+    fresh = Remote(url, storage_options, old.settings if old is not None else None)
+    if old is not None and old.objects == fresh.objects:
+        fresh.close()
+        return old.local_root
+    try:
+        _fetch_headers(fresh)
+    except BaseException:
+        fresh.close()
+        raise
+    with _lock:
+        _remotes[ident] = fresh
+        _by_root[os.path.realpath(fresh.root)] = fresh
+    return fresh.local_root
+
+
+def remote_of(path: str) -> Remote | None:
+    """The :class:`Remote` whose mirror holds the local ``path``, if any."""
+    real = os.path.realpath(path)
+    with _lock:
+        for root, remote in _by_root.items():
+            if real == root or real.startswith(root + os.sep):
+                return remote
+    return None
+
+
+def _fetch_headers(remote: Remote) -> None:
+    """Fetch what opening the checkpoint reads: see the module docstring."""
+    names = sorted(remote.objects)
+    sizes = {n: remote.objects[n][0] for n in names}
+    st = [n for n in names if n.endswith(".safetensors")]
+    zips = [n for n in names if n.endswith(_WEIGHTS[2:]) or (remote.single == n and not n.endswith(_WEIGHTS[:2] + (".json",)))]
+    whole = [n for n in names if n not in st and n not in zips and not n.endswith(".distcp")]
+    first = [(n, 0, min(8, sizes[n])) for n in st]
+    first += [(n, max(0, sizes[n] - _ZIP_TAIL), sizes[n]) for n in zips] + [(n, 0, min(4, sizes[n])) for n in zips]
+    first += [(n, 0, sizes[n]) for n in whole]
+    remote.fetch(first)
+    second = []
+    for n in st:
+        if sizes[n] >= 8:
+            with open(remote.local(n), "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8))
+            second.append((n, 8, min(sizes[n], 8 + length)))  # the parser says what is wrong with a bad length
+    remote.fetch(second)
+    for n in zips:
+        _fetch_zip_directory(remote, n, sizes[n])
+
+
+def _fetch_zip_directory(remote: Remote, name: str, size: int) -> None:
+    """A ``torch.save`` zip's central directory, each record's local header, and every record
+    that is not tensor data (``data.pkl``, ``version``...); nothing for a file that is no zip
+    (the local source then says what it is)."""
+    import zipfile  # noqa: PLC0415 - only for torch.save files
+
+    path = remote.local(name)
+    with open(path, "rb") as f:
+        f.seek(max(0, size - _ZIP_TAIL))
+        tail = f.read()
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < 22:
+        remote.fetch_whole([name]) if size <= (64 << 20) else None  # a legacy pickle: the source says so
+        return
+    cd_size, cd_offset = struct.unpack("<II", tail[at + 12 : at + 20])
+    eocd = size - len(tail) + at
+    if cd_offset == 0xFFFFFFFF or cd_size == 0xFFFFFFFF:  # zip64: the locator points at the larger record
+        loc = tail[at - 20 : at]
+        if len(loc) == 20 and loc[:4] == b"PK\x06\x07":
+            (rec,) = struct.unpack("<Q", loc[8:16])
+            remote.fetch([(name, rec, min(size, rec + 56))])
+            with open(path, "rb") as f:
+                f.seek(rec)
+                z64 = f.read(56)
+            cd_size, cd_offset = struct.unpack("<QQ", z64[40:56])
+    remote.fetch([(name, min(cd_offset, eocd), min(eocd, cd_offset + cd_size))])
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return  # the local source reports the damage
+    remote.fetch([(name, i.header_offset, min(size, i.header_offset + _LOCAL_HEAD + len(i.filename))) for i in infos])
+    rest = []
+    for i in infos:
+        parts = i.filename.split("/")
+        if not (len(parts) == 3 and parts[1] == "data"):
+            with open(path, "rb") as f:
+                f.seek(i.header_offset + 26)
+                n, m = struct.unpack("<HH", f.read(4))
+            start = i.header_offset + 30 + n + m
+            rest.append((name, start, min(size, start + i.compress_size)))
+    remote.fetch(rest)
+
+
+def box_runs(shape: tuple[int, ...], itemsize: int, box: Box) -> list[tuple[int, int]]:
+    """Region ``box`` of a row-major tensor of ``shape`` as (byte offset, nbytes) runs, in
+    order; more than ``_MAX_RUNS`` runs become the one span that covers them."""
+    if any(b <= a for a, b in box):
+        return []
+    d = len(shape)
+    inner = itemsize
+    while d > 0 and box[d - 1] == (0, shape[d - 1]):  # trailing whole dims are contiguous
+        d -= 1
+        inner *= shape[d]
+    if d == 0:
+        return [(0, inner)]
+    run = (box[d - 1][1] - box[d - 1][0]) * inner
+    strides = [0] * d
+    acc = inner * shape[d - 1]
+    for i in range(d - 2, -1, -1):
+        strides[i] = acc
+        acc *= shape[i]
+    outer = box[: d - 1]
+    count = math.prod(b - a for a, b in outer)
+    base = box[d - 1][0] * inner
+    if count > _MAX_RUNS:
+        first = base + sum(a * s for (a, _), s in zip(outer, strides, strict=False))
+        last = base + sum((b - 1) * s for (_, b), s in zip(outer, strides, strict=False)) + run
+        return [(first, last - first)]
+    starts = [base]
+    for (a, b), s in zip(outer, strides, strict=False):
+        starts = [p + i * s for p in starts for i in range(a, b)]
+    return [(p, run) for p in sorted(starts)]
+
+
+class RemoteReads:
+    """What a source opened on a mirror adds (mixed into its own class by :func:`attach`)."""
+
+    __slots__ = ()  # the same layout as the class it is mixed into (``__class__`` is swapped)
+    remote: Remote
+
+    def prefetch(self, regions: Sequence[tuple[str, Box | None]]) -> tuple[int, int]:
+        """Fetch the bytes of every ``(key, box)`` region (``None``: the whole tensor) in one
+        concurrent batch (see :meth:`Remote.fetch`)."""
+        src: Any = self
+        remote = self.remote
+        before = remote.fetched_bytes, remote.requests
+        out: list[tuple[str, int, int]] = []
+        for key, box in regions:
+            info = src.schema.get(key)
+            if info is not None:
+                out += self._ranges(key, box if box is not None else full_box(info.shape))
+        remote.fetch(out)
+        return remote.fetched_bytes - before[0], remote.requests - before[1]
+
+    def _ranges(self, key: str, box: Box) -> list[tuple[str, int, int]]:
+        src: Any = self
+        remote = self.remote
+        items = self._item_ranges(key, box)
+        if items is not None:
+            remote.fetch(items)  # a DCP chunk is located by reading its own bytes
+        located = src._located_region(key, box)
+        if located is None:
+            if items is not None:
+                return items
+            name = remote.name_of(src.file_of(key))
+            return [(name, 0, remote.objects[name][0])] if name is not None else []
+        out = []
+        for chunk_box, loc in located:
+            name = remote.name_of(loc.path)
+            if name is None:
+                continue
+            local = tuple((max(a, o) - o, min(b, e) - o) for (a, b), (o, e) in zip(box, chunk_box, strict=True))
+            out += [(name, loc.offset + s, loc.offset + s + n) for s, n in box_runs(loc.shape, loc.dtype.itemsize, local)]
+        return out
+
+    def _item_ranges(self, key: str, box: Box) -> list[tuple[str, int, int]] | None:
+        """For a DCP folder: the byte ranges of the stored items (chunks) that hold ``box``."""
+        src: Any = self
+        if not hasattr(src, "_intersecting") or key not in getattr(src, "_entries", {}):
+            return None
+        from torch.distributed.checkpoint.metadata import MetadataIndex  # noqa: PLC0415 - DCP folders only
+
+        out = []
+        for idx, _ in src._intersecting(key, box):
+            md = src._entries[key]
+            info = src.metadata.storage_data.get(MetadataIndex(src._prefix + key, md.chunks[idx].offsets, idx))
+            if info is not None:
+                out.append((info.relative_path, info.offset, info.offset + info.length))
+        return out
+
+
+def attach(source: Source, path: str) -> Source:
+    """``source`` (opened on ``path``) as a remote source when ``path`` lies in a mirror."""
+    remote = remote_of(path)
+    if remote is None or isinstance(source, RemoteReads):
+        return source
+    source.__class__ = _remote_class(type(source))
+    source.remote = remote  # type: ignore[attr-defined]
+    return source
+
+
+_classes: dict[type, type] = {}
+
+
+def _remote_class(cls: type) -> type:
+    """``cls`` with :class:`RemoteReads` mixed in: the reads that go through the source (not
+    through byte locations) fetch their bytes first."""
+    made = _classes.get(cls)
+    if made is not None:
+        return made
+    base: Any = cls
+
+    def read(self: Any, key: str, box: Box) -> torch.Tensor:
+        self.prefetch([(key, box)])
+        return base.read(self, key, box)
+
+    def locate_region(self: Any, key: str, box: Box) -> Any:
+        items = self._item_ranges(key, box)
+        if items:
+            self.remote.fetch(items)
+        return base.locate_region(self, key, box)
+
+    def located_region(self: Any, key: str, box: Box) -> Any:
+        return base.locate_region(self, key, box)
+
+    def read_object(self: Any, key: str) -> Any:
+        from torch.distributed.checkpoint.metadata import MetadataIndex  # noqa: PLC0415 - DCP folders only
+
+        info = self.metadata.storage_data.get(MetadataIndex(self._prefix + key))
+        if info is not None:
+            self.remote.fetch([(info.relative_path, info.offset, info.offset + info.length)])
+        return base.read_object(self, key)
+
+    def kind(self: Any) -> str:
+        return cls.__name__
+
+    def repr_(self: Any) -> str:
+        return f"{cls.__name__}({self.remote.url!r}, {len(self.schema)} tensors)"
+
+    body: dict[str, Any] = {
+        "prefetch": RemoteReads.prefetch,  # before the local class's default, which does nothing
+        "read": read,
+        "locate_region": locate_region,
+        "_located_region": located_region,
+        "kind": property(kind),
+        "__repr__": repr_,
+        "__module__": __name__,
+        "__slots__": (),
+    }
+    if hasattr(cls, "read_object"):
+        body["read_object"] = read_object
+    made = _classes[cls] = type(f"Remote{cls.__name__}", (cls, RemoteReads), body)
+    return made
+
+
+def in_urls(error: SdadaptError) -> SdadaptError:
+    """``error`` with every mirror path in its message (and ``path``) written as its URL."""
+    with _lock:
+        remotes = list(_by_root.values())
+    text = str(error)
+    for remote in remotes:
+        if remote.root in text:
+            text = text.replace(remote.local_root, remote.url).replace(remote.root, remote.url)
+    if text == str(error):
+        return error
+    new = copy.copy(error)
+    new.args = (text,)
+    path = getattr(error, "path", None)
+    owner = remote_of(path) if isinstance(path, str) else None
+    if owner is not None and isinstance(path, str):
+        new.path = owner.url_of(path)  # type: ignore[attr-defined]
+    return new
+
+
+def url_of(source: object) -> str | None:
+    """The URL a remote source was opened from, else ``None``."""
+    return source.remote.url if isinstance(source, RemoteReads) else None
+
+
+__all__ = ["attach", "box_runs", "in_urls", "is_url", "remote_of", "remote_root", "url_of"]
