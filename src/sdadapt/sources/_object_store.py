@@ -24,7 +24,6 @@ here logs or prints an option's value (credentials may be among them).
 from __future__ import annotations
 
 import atexit
-import importlib
 import logging
 import os
 import shutil
@@ -95,12 +94,7 @@ def make_store(url: str, storage_options: Mapping[str, Any] | None) -> Any:
     (``endpoint``, ``region``, ``skip_signature``...) and, as two nested dicts,
     ``client_options`` and ``retry_config``."""
     scheme, bucket, _ = split_url(url)
-    try:
-        from_url = importlib.import_module("obstore.store").from_url  # the optional extra, only for URLs
-    except ImportError:
-        raise SourceError(
-            f"reading {scheme}:// URLs needs the obstore client: pip install 'sdadapt[{SCHEMES[scheme]}]'", path=url
-        ) from None
+    from_url = _client(url).store.from_url
     opts = dict(storage_options or {})
     client = dict(opts.pop("client_options", None) or {})
     retry = opts.pop("retry_config", None) or RETRY
@@ -131,17 +125,24 @@ def _profile_credentials(scheme: str, opts: dict[str, Any]) -> Any:
     if scheme != "s3" or not os.environ.get("AWS_PROFILE") or os.environ.get("AWS_ACCESS_KEY_ID") or "access_key_id" in opts:
         return None
     try:
-        boto3 = importlib.import_module("boto3")  # optional, only for AWS_PROFILE
-        provider = importlib.import_module("obstore.auth.boto3").Boto3CredentialProvider
+        import boto3  # type: ignore[import-not-found, unused-ignore]  # noqa: PLC0415 - only for AWS_PROFILE
+        from obstore.auth.boto3 import Boto3CredentialProvider as provider  # type: ignore[import-not-found, unused-ignore]  # noqa: PLC0415, N813
     except ImportError:
         log.warning("AWS_PROFILE is set but boto3 is not installed; profiles are read through boto3 (pip install boto3)")
         return None
     return provider(boto3.Session())
 
 
-def _client() -> Any:
-    """The obstore module (installed: :func:`make_store` made the store)."""
-    return importlib.import_module("obstore")
+def _client(url: str) -> Any:
+    """The obstore module, or a SourceError naming ``url`` and the extra to install."""
+    try:
+        import obstore  # type: ignore[import-not-found, unused-ignore]  # noqa: PLC0415 - the optional extra, only for URLs
+        import obstore.store  # type: ignore[import-not-found, unused-ignore]  # noqa: PLC0415
+    except ImportError:
+        scheme = url.split("://", 1)[0]
+        raise SourceError(f"{scheme}:// URLs need the obstore client: pip install 'sdadapt[{SCHEMES[scheme]}]'", path=url) from None
+    module: Any = obstore
+    return module
 
 
 def _short(e: BaseException) -> str:
@@ -199,7 +200,7 @@ class Remote:
             os.utime(path, ns=(_MTIME_NS, _MTIME_NS))
 
     def _list(self) -> None:
-        obstore = _client()
+        obstore = _client(self.url)
 
         try:
             if self.key and not self.key.endswith("/"):
@@ -295,7 +296,7 @@ class Remote:
         return out
 
     def _get(self, name: str, start: int, stop: int) -> None:
-        obstore = _client()
+        obstore = _client(self.url)
 
         etag = self.objects[name][1]
         options: dict[str, Any] = {"range": (start, stop)}
