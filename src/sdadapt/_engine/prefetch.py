@@ -34,6 +34,6 @@ def regions_of(jobs: Sequence[Job]) -> list[tuple[str, Box | None]]:
 
 def prefetch(source: Source, jobs: Sequence[Job]) -> tuple[int, int]:
     """Fetch what ``jobs`` read, if ``source`` fetches at all; (bytes, requests) fetched."""
-    if type(source).prefetch is Source.prefetch:
+    if source.remote_url() is None:
         return 0, 0
     return source.prefetch(regions_of(jobs))

@@ -219,6 +219,24 @@ class AdaptedStorageReader(StorageReader):
         fut.set_result(None)
         return fut
 
+    def fetch_ahead(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Before ``dcp.load`` (so that a failure changes nothing): fetch the source regions
+        this rank's read items of ``state_dict`` need, where the source is at an object storage
+        URL (see :meth:`~sdadapt.sources.Source.prefetch`); adds to :attr:`fetched`."""
+        if self.source.remote_url() is None:
+            return
+        planner = AdaptedLoadPlanner()
+        planner.set_up_planner(state_dict, self._metadata, True)
+        jobs = []
+        for item in planner.create_local_plan().items:
+            if item.type == LoadItemType.TENSOR:
+                key = item.storage_index.fqn
+                box = tuple((o, o + n) for o, n in zip(item.storage_offsets, item.lengths, strict=True))
+                node = self.plan.recipes[key]
+                jobs.append(Job(key, node, box, torch.empty(box_shape(box), dtype=node.dtype, device="meta")))
+        got = prefetch(self.source, jobs)
+        self.fetched = (self.fetched[0] + got[0], self.fetched[1] + got[1])
+
     def _prefetch(self, jobs: list[Job]) -> None:
         """Fetch the jobs' source regions ahead (a source at an object storage URL)."""
         got = prefetch(self.source, jobs)

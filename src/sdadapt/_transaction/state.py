@@ -48,9 +48,11 @@ from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
 from .._plan.target import model_state_dict, schema_of
 from ..errors import LoadError, PlanError, SdadaptError, SourceError, StateError
+from ..sources import local_path
 from ..sources._base import is_hub_id
 from ..sources._dcp_dir import SDADAPT_JSON, DCPSource
 from ..sources._namespaced import NamespacedSource
+from ..sources._remote import attach
 from .args import check_model_and_path, renamed_keywords
 from .materialize import InitFn, check_buffers, has_meta
 from .optim_state import OptimPlan, init_state, plan_optimizer, stored_names
@@ -348,9 +350,11 @@ def load_state(
         if is_hub_id(src):
             raise SourceError("load_state reads a DCP folder that save_state wrote, not a Hub id", path=src)
         adapter = adapter_or_none(spec, src)
-        if not os.path.isdir(src):
+        folder = local_path(src)  # an object storage URL: its local mirror
+        if not os.path.isdir(folder):
             raise SourceError("no such DCP checkpoint folder", path=src)
-        full = DCPSource(src, subtree="")
+        full = DCPSource(folder, subtree="")
+        attach(full, folder)  # in place: the same object, fetching its bytes when read
         txn.add_source(full)
         r = _Restore(full)
         model_key, optim_key = _detect_keys(full)

@@ -212,6 +212,26 @@ class Transaction:
             error = e
         self.agree(error)
 
+    def fetch_ahead(self, parts: list[Part]) -> None:
+        """Collective: a source at an object storage URL fetches what this rank will read
+        (:meth:`AdaptedStorageReader.fetch_ahead`) before any rank writes, so that a fetch
+        failing on one rank (403, a missing or changed object) leaves every rank's model as
+        it was. Nothing for local sources."""
+        if not any(p.source.remote_url() for p in parts):
+            return
+        error: SdadaptError | None = None
+        for part in parts:
+            part.reader = AdaptedStorageReader(part.plan, part.source, config=self.engine, share_reads=part.share_reads)
+        try:
+            for part in parts:
+                assert part.reader is not None
+                part.reader.fetch_ahead(part.targets)
+        except SdadaptError as e:
+            error = e
+        except Exception as e:  # noqa: BLE001 - every failure must be agreed, whatever its type
+            error = foreign_error(e, self.what, "fetching")
+        self.agree(error)
+
     def files_unchanged(self, when: str) -> None:
         """This rank alone: raise :class:`SourceError` naming the first fingerprinted file that
         changed (``when`` says since when, for the message)."""
@@ -233,6 +253,7 @@ class Transaction:
         committing on any rank raises :class:`LoadError` on every rank. ``mark(phase)`` is
         called at the end of the phases ``dcp_load``, ``check`` and ``commit`` (for timing)."""
         self.check_files()
+        self.fetch_ahead(parts)
         for part in parts:
             part.staged = staging_like(part.targets) if atomic else None
         errors: list[str] = []
@@ -362,7 +383,8 @@ class Transaction:
         metadata is the target schema, which every rank has), so DCP's plan exchange is skipped
         (``no_dist``); the outcome is agreed in the checks after reading. Returns this rank's
         read errors, one line each."""
-        part.reader = AdaptedStorageReader(part.plan, part.source, config=self.engine, share_reads=part.share_reads)
+        if part.reader is None:  # made by fetch_ahead for a source at a URL
+            part.reader = AdaptedStorageReader(part.plan, part.source, config=self.engine, share_reads=part.share_reads)
         self.written.append(part)
         log.debug("reading %d keys of %s from %s", len(part.into), part.name, self.what)
         try:

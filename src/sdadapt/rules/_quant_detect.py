@@ -358,7 +358,9 @@ def _read_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> tuple[Ma
     """``(config dict, the name errors give it, the release folder or None)``."""
     if isinstance(config, Mapping):
         return config, "config.json", None
-    path = os.fspath(config)
+    from ..sources import local_path  # noqa: PLC0415 - a URL or Hub id: its local folder
+
+    path = local_path(config)
     folder = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")

@@ -178,6 +178,11 @@ class Source(abc.ABC):
         loc = self.locate(key)
         return None if loc is None else [(full_box(loc.shape), loc)]
 
+    def remote_url(self) -> str | None:
+        """The object storage URL the source was opened from (its bytes are fetched on
+        demand: see :meth:`prefetch`); ``None`` (the default) for local files."""
+        return None
+
     def prefetch(self, regions: Sequence[tuple[str, Box | None]]) -> tuple[int, int]:
         """Make the bytes of these ``(key, box)`` regions (``None``: the whole tensor) ready to
         read, in one batch, before a load reads them by their locations. Sources whose bytes are

@@ -286,6 +286,9 @@ class ChecksummedSource(Source):
     def stored_key(self, key: str) -> str:
         return self.inner.stored_key(key)
 
+    def remote_url(self) -> str | None:
+        return self.inner.remote_url()
+
     def prefetch(self, regions: Sequence[tuple[str, Box | None]]) -> tuple[int, int]:
         """The inner source's prefetch, each region widened to the whole blocks it touches."""
         out: list[tuple[str, Box | None]] = []

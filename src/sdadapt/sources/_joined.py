@@ -58,6 +58,10 @@ class JoinedSource(Source):
         src, inner = self._route(key)
         return src.locate_region(inner, box)
 
+    def remote_url(self) -> str | None:
+        urls = [u for u in (s.remote_url() for s in (self.base, *self.extra.values())) if u]
+        return urls[0] if urls else None
+
     def prefetch(self, regions: Sequence[tuple[str, Box | None]]) -> tuple[int, int]:
         routed: dict[int, tuple[Source, list[tuple[str, Box | None]]]] = {}
         for key, box in regions:

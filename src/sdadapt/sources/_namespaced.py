@@ -42,6 +42,9 @@ class NamespacedSource(Source):
     def file_of(self, key: str) -> str:
         return self.base.file_of(self.fmt.format(key))
 
+    def remote_url(self) -> str | None:
+        return self.base.remote_url()
+
     def prefetch(self, regions: Sequence[tuple[str, Box | None]]) -> tuple[int, int]:
         return self.base.prefetch([(self.fmt.format(k), box) for k, box in regions])
 

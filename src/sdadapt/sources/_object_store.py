@@ -153,9 +153,10 @@ def _short(e: BaseException) -> str:
 def fetch_error(e: BaseException, url: str, what: str) -> SourceError:
     """An obstore / OS error while ``what`` as a SourceError naming ``url`` and what to do."""
     name = type(e).__name__
-    if isinstance(e, FileNotFoundError) or name == "NotFoundError":
+    text = str(e)
+    if isinstance(e, FileNotFoundError) or name == "NotFoundError" or "404 Not Found" in text or "NoSuchBucket" in text:
         why = "no such object or bucket (check the URL, and the endpoint in AWS_ENDPOINT_URL)"
-    elif name in ("PermissionDeniedError", "UnauthenticatedError") or isinstance(e, PermissionError):
+    elif name in ("PermissionDeniedError", "UnauthenticatedError") or isinstance(e, PermissionError) or "403 Forbidden" in text:
         why = "access denied (403): check the credentials (AWS_ACCESS_KEY_ID..., GOOGLE_APPLICATION_CREDENTIALS) and the bucket's policy"
     elif name == "PreconditionError":
         why = (

@@ -42,7 +42,9 @@ _lock = threading.Lock()
 def remote_root(url: str, storage_options: Mapping[str, Any] | None = None) -> str:
     """The local path standing for ``url`` (its mirror folder, or the mirror file of the one
     object it names), its headers fetched. Raises SourceError naming the URL."""
-    ident = (url.rstrip("/"), repr(sorted((storage_options or {}).items())))
+    # the same URL through another endpoint or other credentials is another mirror (in memory only)
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "GOOGLE_", "SDADAPT_REMOTE_")))
+    ident = (url.rstrip("/"), repr((sorted((storage_options or {}).items()), env)))
     with _lock:
         old = _remotes.get(ident)
     fresh = Remote(url, storage_options, old.settings if old is not None else None)
@@ -272,8 +274,12 @@ def _remote_class(cls: type) -> type:
     def repr_(self: Any) -> str:
         return f"{cls.__name__}({self.remote.url!r}, {len(self.schema)} tensors)"
 
+    def remote_url(self: Any) -> str:
+        return str(self.remote.url)
+
     body: dict[str, Any] = {
         "prefetch": RemoteReads.prefetch,  # before the local class's default, which does nothing
+        "remote_url": remote_url,
         "read": read,
         "locate_region": locate_region,
         "_located_region": located_region,
@@ -307,9 +313,4 @@ def in_urls(error: SdadaptError) -> SdadaptError:
     return new
 
 
-def url_of(source: object) -> str | None:
-    """The URL a remote source was opened from, else ``None``."""
-    return source.remote.url if isinstance(source, RemoteReads) else None
-
-
-__all__ = ["attach", "box_runs", "in_urls", "is_url", "remote_of", "remote_root", "url_of"]
+__all__ = ["attach", "box_runs", "in_urls", "is_url", "remote_of", "remote_root"]
