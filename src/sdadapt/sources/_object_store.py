@@ -104,13 +104,12 @@ def make_store(url: str, storage_options: Mapping[str, Any] | None) -> Any:
         and (opts.get("endpoint") or os.environ.get("AWS_ENDPOINT_URL", "")).startswith("http://")
     ):
         client.setdefault("allow_http", os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes"))
-    provider = _profile_credentials(scheme, opts)
+    opts.update(_profile_keys(scheme, opts))
     try:
         return from_url(
             f"{scheme}://{bucket}",
             client_options=client or None,
             retry_config=retry,
-            **({"credential_provider": provider} if provider is not None else {}),
             **opts,
         )
     except Exception as e:  # noqa: BLE001 - obstore's configuration errors have many types
@@ -119,18 +118,35 @@ def make_store(url: str, storage_options: Mapping[str, Any] | None) -> Any:
         raise SourceError(f"cannot configure the object store client ({why}): {_short(e)}", path=url) from None
 
 
-def _profile_credentials(scheme: str, opts: dict[str, Any]) -> Any:
-    """With ``AWS_PROFILE`` set and no keys in the environment or ``opts``: credentials from the
-    AWS config files, through boto3 when it is installed (object_store does not read profiles)."""
-    if scheme != "s3" or not os.environ.get("AWS_PROFILE") or os.environ.get("AWS_ACCESS_KEY_ID") or "access_key_id" in opts:
-        return None
-    try:
-        import boto3  # type: ignore[import-not-found, unused-ignore]  # noqa: PLC0415 - only for AWS_PROFILE
-        from obstore.auth.boto3 import Boto3CredentialProvider as provider  # type: ignore[import-not-found, unused-ignore]  # noqa: PLC0415, N813
-    except ImportError:
-        log.warning("AWS_PROFILE is set but boto3 is not installed; profiles are read through boto3 (pip install boto3)")
-        return None
-    return provider(boto3.Session())
+def _profile_keys(scheme: str, opts: dict[str, Any]) -> dict[str, str]:
+    """With ``AWS_PROFILE`` set and no keys in the environment or ``opts``: the profile's static
+    keys and region from ``~/.aws/credentials`` and ``~/.aws/config`` (``AWS_SHARED_CREDENTIALS_FILE``,
+    ``AWS_CONFIG_FILE``), which object_store does not read itself. Profiles that get keys another
+    way (SSO, assumed roles) need a ``credential_provider`` in ``storage_options``."""
+    profile = os.environ.get("AWS_PROFILE")
+    if scheme != "s3" or not profile or os.environ.get("AWS_ACCESS_KEY_ID") or "access_key_id" in opts:
+        return {}
+    import configparser  # noqa: PLC0415 - only for AWS_PROFILE
+
+    out: dict[str, str] = {}
+    files = [
+        (os.environ.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials"), profile),
+        (os.environ.get("AWS_CONFIG_FILE", "~/.aws/config"), profile if profile == "default" else f"profile {profile}"),
+    ]
+    for path, section in files:
+        parser = configparser.RawConfigParser()
+        try:
+            parser.read(os.path.expanduser(path))
+        except configparser.Error:
+            continue
+        if parser.has_section(section):
+            for ours, theirs in (("access_key_id", "aws_access_key_id"), ("secret_access_key", "aws_secret_access_key"),
+                                 ("token", "aws_session_token"), ("region", "region")):  # fmt: skip
+                if parser.has_option(section, theirs) and ours not in out and ours not in opts:
+                    out[ours] = parser.get(section, theirs)
+    if "access_key_id" not in out:
+        log.warning("AWS_PROFILE=%s holds no static keys sdadapt can read; pass storage_options={'credential_provider': ...}", profile)
+    return out
 
 
 def _client(url: str) -> Any:
