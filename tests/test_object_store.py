@@ -222,6 +222,19 @@ def _ranks(formats: list[str]) -> dict[str, Any]:
             if not torch.equal(full, want[k]):
                 bad.append(k)
         out[fmt] = {"bad": bad, "fetched": rep.bytes_fetched, "requests": rep.requests, "local": rep.local_bytes}
+    # save_state to a URL from every rank, load_state back
+    with torch.device("meta"):
+        model = parallelize(TinyTransformer(**CONFIG), mesh)
+    sdadapt.load(model, url("hf"))
+    dst = f"s3://{BUCKET}/state-w{world}"
+    sdadapt.save_state(model, dst, extra={"step": 11}, overwrite=True)
+    with torch.device("meta"):
+        again = parallelize(TinyTransformer(**CONFIG), mesh)
+    extra: dict[str, Any] = {"step": None}
+    sdadapt.load_state(again, dst, extra=extra)
+    want = reference()
+    out["state_bad"] = [k for k, v in again.state_dict().items() if not torch.equal(v.full_tensor(), want[k])]
+    out["state_extra"] = extra["step"]
     out["rank"] = rank
     return out
 
@@ -233,6 +246,7 @@ def test_ranks_load_bit_exactly_and_fetch_each_byte_about_once(s3: SeaweedFS, up
     for fmt in FORMATS:
         assert all(r[fmt]["bad"] == [] for r in results), (fmt, [r[fmt]["bad"] for r in results])
         assert all(r[fmt]["requests"] > 0 for r in results)
+    assert all(r["state_bad"] == [] and r["state_extra"] == 11 for r in results)
     for fmt in ("hf", "single", "torch_save"):
         total = sum(r[fmt]["fetched"] for r in results)
         assert total <= 1.1 * uploaded, (fmt, total, uploaded)  # not one copy per rank
@@ -366,3 +380,56 @@ def test_a_fault_on_one_rank_is_every_ranks_error(proxy: FaultProxy, s3: Seaweed
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)  # rank 1 alone goes through the proxy
     results = run_distributed(_one_rank_denied, 2, proxy.endpoint, timeout=120)
     assert all("access denied" in r and "s3://ckpts/m/hf/" in r for r in results), results
+
+
+# ----------------------------------------------------------------------------------------------
+# writing
+# ----------------------------------------------------------------------------------------------
+def _objects(prefix: str) -> list[str]:
+    store = obstore.store.S3Store(BUCKET)
+    return sorted(m["path"].rsplit("/", 1)[-1] for batch in obstore.list(store, prefix + "/") for m in batch)
+
+
+def test_export_convert_and_save_state_round_trip(s3: SeaweedFS, uploaded: int) -> None:
+    torch.manual_seed(3)
+    model = TinyTransformer(**CONFIG)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    dst = f"s3://{BUCKET}/out/export"
+    sdadapt.export(model, dst, max_shard_size="64KB", overwrite=True)
+    names = _objects("out/export")
+    assert "model.safetensors.index.json" in names and len(names) > 3
+    with pytest.raises(sdadapt.errors.ExportError, match="overwrite"):
+        sdadapt.export(model, dst)
+    back = TinyTransformer(**CONFIG)
+    sdadapt.load(back, dst)
+    assert all(torch.equal(v, want[k]) for k, v in back.state_dict().items())
+    sdadapt.export(model, dst, overwrite=True)  # one file now: the old shards and index go
+    assert _objects("out/export") == ["model.safetensors"]
+
+    conv = f"s3://{BUCKET}/out/convert"
+    sdadapt.convert(url("hf"), conv, overwrite=True, read_back=True)
+    sdadapt.load(back, conv)
+    assert all(torch.equal(v, reference()[k]) for k, v in back.state_dict().items())
+
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 3, dtype=torch.long)).sum().backward()
+    opt.step()
+    state = f"s3://{BUCKET}/out/state"
+    sdadapt.save_state(model, state, opt, extra={"step": 5}, overwrite=True)
+    assert {".metadata", "sdadapt.json"} <= set(_objects("out/state"))
+    fresh = TinyTransformer(**CONFIG)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    extra: dict[str, Any] = {"step": None}
+    sdadapt.load_state(fresh, state, fresh_opt, extra=extra)
+    assert extra["step"] == 5
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_a_failed_upload_leaves_nothing_that_looks_complete(proxy: FaultProxy, uploaded: int) -> None:
+    proxy.rules.append(Rule(lambda m, p, h: m == "PUT" and "model-00002" in p, status=403))
+    model = TinyTransformer(**CONFIG)
+    with pytest.raises(sdadapt.errors.ExportError, match="s3://ckpts/out/failed"):
+        sdadapt.export(model, f"s3://{BUCKET}/out/failed", max_shard_size="64KB")
+    assert "model.safetensors.index.json" not in _objects("out/failed")
+    assert _objects("out/failed") == []  # what was uploaded was deleted again

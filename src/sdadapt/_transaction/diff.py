@@ -32,7 +32,7 @@ def target_schema(target: Target, *, subtree: str | None = None) -> tuple[dict[s
     if isinstance(target, dict):
         return target, "schema"
     with open_source(target, subtree=subtree) as s:
-        return dict(s.schema), s.path
+        return dict(s.schema), s.remote_url() or s.path
 
 
 def diff(
@@ -94,7 +94,7 @@ def diff(
             non_tensor=source.non_tensor,
             allow_missing=allowed,
             allow_unexpected=allow_unexpected,
-            source_name=source.path,
+            source_name=source.remote_url() or source.path,
             target_name=name,
             pipeline_stage=stage,
         ).report

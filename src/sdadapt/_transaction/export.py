@@ -46,6 +46,7 @@ from ..sources import Source, open_source
 from ..sources import _integrity as integrity
 from ..sources._assets import copy_side_files, loaded_from, transformers_config, write_config
 from ..sources._base import TensorInfo, slices
+from ..sources._object_store import is_url
 from .args import check_model_and_path, check_not_a_model, renamed_keywords
 from .export_local import local_pieces
 from .materialize import has_meta
@@ -312,9 +313,13 @@ def export(
     try:
         if rank == 0:
             try:
-                files = write_folder(dst, format, outputs, pull, max_shard_size=max_shard_size, overwrite=overwrite,
-                               check=lambda tmp: _side_files(tmp, folder, config))  # fmt: skip
-                if checksums:
+                def finish(tmp: str) -> None:
+                    _side_files(tmp, folder, config)
+                    if checksums and is_url(dst):  # uploaded with the rest, before the index
+                        integrity.write_checksums_data(tmp, sums)
+
+                files = write_folder(dst, format, outputs, pull, max_shard_size=max_shard_size, overwrite=overwrite, check=finish)
+                if checksums and not is_url(dst):
                     integrity.write_checksums_data(dst, sums)
             except BaseException as e:
                 if world > 1:
@@ -432,6 +437,8 @@ def convert(
         outputs, skipped = plan_outputs(source.schema, adapter, non_tensor=source.non_tensor, what=f"convert {source.path}")
         if skipped:
             log.warning("convert: %d non-tensor entries are not written: %s", len(skipped), ", ".join(skipped[:8]))
+        if source.remote_url() is not None:  # every leaf is read whole: fetch them in one concurrent batch
+            source.prefetch([(k, None) for k in sorted({leaf for n in outputs.values() for leaf in n.leaves()})])
         release = PageReleaser(source.files())
         io = CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
         written = [0]

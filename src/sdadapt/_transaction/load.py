@@ -132,7 +132,7 @@ def _thread_seconds(st: EngineStats) -> dict[str, float]:
 
 
 def _describe(src: Any) -> str:
-    return src.path if isinstance(src, Source) else os.fspath(src)
+    return (src.remote_url() or src.path) if isinstance(src, Source) else os.fspath(src)
 
 
 def plan_load(

@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -52,7 +54,8 @@ from ..sources import local_path
 from ..sources._base import is_hub_id
 from ..sources._dcp_dir import SDADAPT_JSON, DCPSource
 from ..sources._namespaced import NamespacedSource
-from ..sources._remote import attach
+from ..sources._object_store import COMMIT_NAMES, Uploader, is_url
+from ..sources._remote import attach, fetch_dcp_entries
 from .args import check_model_and_path, renamed_keywords
 from .materialize import InitFn, check_buffers, has_meta
 from .optim_state import OptimPlan, init_state, plan_optimizer, stored_names
@@ -154,6 +157,13 @@ def save_state(
     """
     check_model_and_path("sdadapt.save_state(model, dst, optimizer=None, extra=None, ...)", model, dst, path_arg="dst")
     dst = os.fspath(dst)
+    if is_url(dst):
+        def local_save(folder: str) -> None:
+            save_state(model, folder, optimizer, extra, adapter, overwrite=True, process_group=process_group)
+
+        if checksums:
+            raise StateError("checksums=True is not supported for an object storage destination yet; save without it")
+        return _save_to_url(dst, local_save, overwrite, process_group)
     adapter = adapter_or_none(adapter, None, model)
     rank, world = rank_and_world(process_group)
     extra = dict(extra or {})
@@ -209,6 +219,54 @@ def save_state(
         _write_checksums(dst, rank, world, process_group)
     log.info("rank %d: saved state to %s", rank, dst)
     return dst
+
+
+def _save_to_url(url: str, local_save: Callable[[str], None], overwrite: bool, group: dist.ProcessGroup | None) -> str:
+    """Collective: save into a local folder on each rank, then upload: one rank retires the old
+    checkpoint's commit objects, every rank uploads its own ``.distcp`` files, and only once
+    all succeeded does one rank upload ``sdadapt.json`` and ``.metadata`` (so a reader never
+    sees a half-written checkpoint), then delete what the old checkpoint had beyond the new."""
+    rank, world = rank_and_world(group)
+    folder = tempfile.mkdtemp(prefix="sdadapt-save-")
+    up: Uploader | None = None
+    old: list[str] = []
+    try:
+        error: SdadaptError | None = None
+        try:
+            up = Uploader(url)
+            if rank == 0:
+                old = up.retire(overwrite)
+        except SdadaptError as e:
+            error = StateError(str(e))
+        agree(error, group)
+        assert up is not None
+        local_save(folder)
+        names = sorted(os.listdir(folder))
+        data = [n for n in names if n not in COMMIT_NAMES]
+        try:
+            up.put([(os.path.join(folder, n), up.dest(n)) for n in data])
+        except SdadaptError as e:
+            error = StateError(str(e))
+        agree(error, group)
+        everything: list[Any] = [names]
+        if is_distributed():
+            everything = [None] * world
+            dist.all_gather_object(everything, names, group=group)
+        if rank == 0:
+            try:
+                up.put([(os.path.join(folder, n), up.dest(n)) for n in names if n in COMMIT_NAMES])
+                up.sweep(old, {up.dest(n) for ns in everything for n in ns})
+            except SdadaptError as e:
+                error = StateError(str(e))
+        agree(error, group)
+    except BaseException:
+        if up is not None:
+            up.undo()
+        raise
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    log.info("rank %d: saved state to %s", rank, url)
+    return url
 
 
 def _write_checksums(dst: str, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
@@ -492,10 +550,17 @@ def _read_extras(txn: Transaction, src: str, extra: dict[str, Any], group: dist.
         return {}
     loaded = {name: (v.state_dict() if isinstance(v, Stateful) else v) for name, v in extra.items()}
     error: SdadaptError | None = None
+    folder = src
+    try:
+        folder = local_path(src)  # an object storage URL: its mirror, the entries fetched
+        fetch_dcp_entries(folder, sorted(extra))
+    except SdadaptError as e:
+        error = e
+    txn.agree(error)
     try:
         dcp.load(
             loaded,
-            storage_reader=FileSystemReader(src),
+            storage_reader=FileSystemReader(folder),
             planner=SafeLoadPlanner(allow_partial_load=True),
             process_group=group,
             no_dist=not is_distributed(),

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import SourceError, VerifyError
 from ..sources import local_path
 from ..sources._json import HFConfig, read_json
+from ..sources._remote import fetch_all
 
 log = logging.getLogger(__name__)
 
@@ -427,4 +428,5 @@ def reference_from_checkpoint(src: str | os.PathLike[str], dtype: torch.dtype = 
     if cls is None:
         raise VerifyError(f"transformers {transformers.__version__} has no class {names[0]!r} (named in {config_path})")
     log.info("reference: %s.from_pretrained(%s)", names[0], folder)
+    fetch_all(folder)  # a URL's mirror: from_pretrained reads the files itself
     return cls.from_pretrained(folder, dtype=dtype, local_files_only=True).eval()

@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -20,9 +21,10 @@ import torch
 from .._base.regions import Box, full_box
 from .._plan.adapter import Adapter
 from .._recipes.nodes import Node
-from ..errors import ExportError, SdadaptError
+from ..errors import ExportError, SdadaptError, SourceError
 from ..rules._base import PlanContext
 from ..sources._base import TensorInfo, slices
+from ..sources._object_store import check_writable, is_url, upload
 from .writers import make_writer
 
 log = logging.getLogger(__name__)
@@ -141,6 +143,12 @@ class PageReleaser:
 
 # ------------------------------------------------------------------------------ output
 def check_destination(dst: str, overwrite: bool) -> None:
+    if is_url(dst):
+        try:
+            check_writable(dst, overwrite)
+        except SourceError as e:
+            raise ExportError(str(e)) from None
+        return
     if os.path.lexists(dst) and not overwrite:
         raise ExportError(f"{dst} exists; pass overwrite=True (--overwrite) or choose another destination")
     parent = os.path.dirname(os.path.abspath(dst))
@@ -200,7 +208,20 @@ def write_folder(
     check: Callable[[str], None] | None = None,
 ) -> list[str]:
     """Write into a temporary path beside ``dst``, run ``check(tmp)``, then rename. Returns the
-    files written."""
+    files written. An object storage URL is written into a local temporary folder first, then
+    uploaded, its index or metadata last (:func:`~sdadapt.sources._object_store.upload`)."""
+    if is_url(dst):
+        staging = tempfile.mkdtemp(prefix="sdadapt-upload-")
+        try:
+            local = os.path.join(staging, dst.rstrip("/").rsplit("/", 1)[-1])
+            files = write_folder(local, fmt, outputs, pull, max_shard_size=max_shard_size, overwrite=False, check=check)
+            try:
+                upload(local, dst, overwrite=overwrite)
+            except SourceError as e:
+                raise ExportError(str(e)) from None
+            return files
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     tmp = f"{dst.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"
     writer = make_writer(fmt, tmp, max_shard_size)
     try:

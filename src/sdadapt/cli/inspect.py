@@ -22,6 +22,6 @@ def run(args: argparse.Namespace) -> int:
     from ..sources._inventory import inventory
 
     with open_source(args.src, subtree=args.subtree) as src:
-        inv = inventory(src.schema, source=src.path, kind=src.kind, non_tensor=src.non_tensor)
+        inv = inventory(src.schema, source=src.remote_url() or src.path, kind=src.kind, non_tensor=src.non_tensor)
     print(inv.model_dump_json(indent=2) if args.json else inv.format())
     return 0

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from ..errors import SourceError
@@ -397,3 +398,125 @@ _created: list[str] = []
 def _remove_mirrors() -> None:
     for root in _created:
         shutil.rmtree(root, ignore_errors=True)
+
+
+# -- writing ----------------------------------------------------------------------------
+COMMIT_NAMES = (".metadata", "model.safetensors.index.json", "sdadapt.json", "sdadapt.checksums.json")
+"""Objects uploaded last: a reader that finds them finds every file they name."""
+
+
+def _names_under(store: Any, key: str) -> list[str]:
+    """The object keys directly under ``key/`` plus ``key`` itself when it is an object."""
+    obstore = _client(key)
+    out = [m["path"] for m in obstore.list_with_delimiter(store, f"{key}/" if key else None)["objects"]]
+    try:
+        obstore.head(store, key)
+        out.append(key)
+    except FileNotFoundError:
+        pass
+    return out
+
+
+def check_writable(url: str, overwrite: bool, storage_options: Mapping[str, Any] | None = None) -> None:
+    """A SourceError unless ``url`` can be written: the bucket answers, and nothing is there
+    yet unless ``overwrite``."""
+    _, _, key = split_url(url)
+    store = make_store(url, storage_options)
+    try:
+        present = _names_under(store, key)
+    except Exception as e:  # noqa: BLE001 - obstore raises its own error types
+        raise fetch_error(e, url, "checking the destination") from None
+    if present and not overwrite:
+        why = f"holds {len(present)} object(s) already; pass overwrite=True (--overwrite) or choose another destination"
+        raise SourceError(why, path=url)
+
+
+class Uploader:
+    """Writes objects under ``url`` in the order that keeps a reader from seeing a half-written
+    checkpoint (see :func:`upload`); a checkpoint several processes write (DCP) uses the steps
+    one by one: :meth:`retire` on one process, :meth:`put` of each process's data files on each,
+    then :meth:`put` of the commit objects and :meth:`sweep` on one."""
+
+    def __init__(self, url: str, storage_options: Mapping[str, Any] | None = None):
+        self.url = url.rstrip("/")
+        _, _, self.key = split_url(url)
+        self.obstore = _client(url)
+        self.store = make_store(url, storage_options)
+        self.done: list[str] = []
+
+    def dest(self, name: str) -> str:
+        return f"{self.key}/{name}" if self.key else name
+
+    def retire(self, overwrite: bool) -> list[str]:
+        """Refuse a destination that holds objects unless ``overwrite``; else delete its commit
+        objects first (the old checkpoint stops looking complete). Returns the old object keys."""
+        try:
+            old = _names_under(self.store, self.key)
+            if old and not overwrite:
+                raise SourceError(f"holds {len(old)} object(s) already; pass overwrite=True", path=self.url)
+            for path in old:
+                if path.rsplit("/", 1)[-1] in COMMIT_NAMES:
+                    self.obstore.delete(self.store, path)
+        except SourceError:
+            raise
+        except Exception as e:  # noqa: BLE001 - obstore raises its own error types
+            raise fetch_error(e, self.url, "preparing the upload") from None
+        return old
+
+    def put(self, files: list[tuple[str, str]]) -> None:
+        """Upload ``(local path, object key)`` pairs, data first (8 at a time, multipart for large
+        files), the commit objects last, in :data:`COMMIT_NAMES`' reverse order."""
+        data = [f for f in files if f[1].rsplit("/", 1)[-1] not in COMMIT_NAMES]
+        commit = sorted((f for f in files if f not in data), key=lambda f: COMMIT_NAMES.index(f[1].rsplit("/", 1)[-1]), reverse=True)
+
+        def one(pair: tuple[str, str]) -> None:
+            self.obstore.put(self.store, pair[1], Path(pair[0]))
+            self.done.append(pair[1])
+
+        try:
+            with ThreadPoolExecutor(min(8, max(1, len(data)))) as pool:
+                for f in [pool.submit(one, p) for p in data]:
+                    f.result()
+            for p in commit:
+                one(p)
+        except Exception as e:  # noqa: BLE001 - obstore raises its own error types
+            raise fetch_error(e, self.url, "uploading") from None
+
+    def undo(self) -> None:
+        """Delete what this uploader wrote (after a failure: the commit objects were never written)."""
+        for dest in self.done:
+            try:
+                self.obstore.delete(self.store, dest)
+            except Exception:  # noqa: BLE001, S110 - best effort; nothing that looks complete is left
+                pass
+
+    def sweep(self, old: list[str], keep: set[str]) -> None:
+        """Delete the old objects the new checkpoint does not have."""
+        for path in sorted(set(old) - keep):
+            try:
+                self.obstore.delete(self.store, path)
+            except Exception as e:  # noqa: BLE001 - the new checkpoint is complete; say what is left over
+                log.warning("%s: could not delete the old object %s (%s)", self.url, path, type(e).__name__)
+
+
+def upload(local: str, url: str, *, overwrite: bool, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """Upload the file or folder ``local`` to ``url`` so that no reader sees a half-written
+    checkpoint: with ``overwrite``, the old commit objects (index, DCP ``.metadata``) are
+    deleted first; the data objects are uploaded, then the commit objects; then old objects
+    the new checkpoint does not have are deleted. A failure deletes what this call uploaded.
+    Returns the names uploaded."""
+    up = Uploader(url, storage_options)
+    if os.path.isdir(local):
+        names = sorted(os.listdir(local))
+        files = [(os.path.join(local, n), up.dest(n)) for n in names]
+    else:
+        names = [up.key.rsplit("/", 1)[-1]]
+        files = [(local, up.key)]
+    old = up.retire(overwrite)
+    try:
+        up.put(files)
+    except BaseException:
+        up.undo()
+        raise
+    up.sweep(old, {dest for _, dest in files})
+    return names

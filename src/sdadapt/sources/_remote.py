@@ -72,6 +72,30 @@ def remote_of(path: str) -> Remote | None:
     return None
 
 
+def fetch_all(path: str) -> None:
+    """Fetch every object of the mirror holding ``path`` whole (for readers other than sdadapt's
+    own, such as ``from_pretrained``, which would see zeros where nothing was fetched)."""
+    remote = remote_of(path)
+    if remote is not None:
+        remote.fetch_whole(remote.objects)
+
+
+def fetch_dcp_entries(folder: str, names: list[str]) -> None:
+    """Fetch the stored items of the DCP entries ``names`` (and everything under ``name.``) of a
+    mirrored DCP folder, for DCP's own ``FileSystemReader`` (extra state of ``load_state``)."""
+    remote = remote_of(folder)
+    if remote is None:
+        return
+    from ._dcp_dir import read_dcp_metadata  # noqa: PLC0415 - DCP folders only
+
+    md = read_dcp_metadata(folder)
+    ranges = []
+    for index, info in md.storage_data.items():
+        if any(index.fqn == n or index.fqn.startswith(n + ".") for n in names):
+            ranges.append((info.relative_path, info.offset, info.offset + info.length))
+    remote.fetch(ranges)
+
+
 def _fetch_headers(remote: Remote) -> None:
     """Fetch what opening the checkpoint reads: see the module docstring."""
     names = sorted(remote.objects)
@@ -313,4 +337,4 @@ def in_urls(error: SdadaptError) -> SdadaptError:
     return new
 
 
-__all__ = ["attach", "box_runs", "in_urls", "is_url", "remote_of", "remote_root"]
+__all__ = ["attach", "box_runs", "fetch_all", "fetch_dcp_entries", "in_urls", "is_url", "remote_of", "remote_root"]
