@@ -95,11 +95,14 @@ def quiet_transformers() -> Iterator[None]:
         yield
         return
     enabled = getattr(tf_logging, "is_progress_bar_enabled", lambda: False)()
+    # transformers' enable_progress_bar() turns the Hub client's bars on too: where they were
+    # off before, the same function turns them off again after the block
     try:
-        from huggingface_hub.utils import are_progress_bars_disabled
-        hub_off = are_progress_bars_disabled()
+        from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
     except ImportError:
-        hub_off = None
+        restore_hub = None
+    else:
+        restore_hub = disable_progress_bars if are_progress_bars_disabled() else None
     if enabled:
         tf_logging.disable_progress_bar()
     try:
@@ -107,10 +110,8 @@ def quiet_transformers() -> Iterator[None]:
     finally:
         if enabled:
             tf_logging.enable_progress_bar()
-            if hub_off:
-                from huggingface_hub.utils import disable_progress_bars
-
-                disable_progress_bars()
+            if restore_hub is not None:
+                restore_hub()
 
 
 def _hf_reference(config: dict[str, Any]) -> nn.Module:
