@@ -33,9 +33,10 @@ for what in "$@"; do
         --out "$OUT"/kv8b 2>&1 | tail -40
       ;;
     formats)
-      timeout 420 python3 bench/load_bench.py --preset 8b --nproc 1 --backend nccl --dir /tmp/ck --keep --tp-paths '' --hsdp-paths '' \
+      timeout 540 python3 bench/load_bench.py --preset 8b --nproc 1 --backend nccl --dir /tmp/ck --keep --tp-paths '' --hsdp-paths '' \
         --materialized-paths '' --discussion '' --timeout 120 --import-in-load --repeat 3 --no-verify \
-        --paths sdadapt,sdadapt-nvfp4,sdadapt-fp8ch --raw-paths instanttensor,kvikio --out "$OUT"/kv8b_formats 2>&1 | tail -30
+        --paths sdadapt,sdadapt-nvfp4,sdadapt-fp8ch --raw-paths instanttensor,instanttensor-mmap,kvikio \
+        --by-variant --variant nokv:SDADAPT_IO_KVIKIO=0 ${BENCH_EXTRA:-} --out "$OUT"/kv8b_formats 2>&1 | tail -40
       ;;
   esac
 done
