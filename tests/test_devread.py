@@ -244,3 +244,36 @@ def test_a_truncated_file_fails_the_kvikio_read_naming_the_key(tmp_path):
         job = Job("model.odd", N.Leaf("odd", (333, 777), torch.bfloat16), ((0, 333), (0, 777)), dest)
         with pytest.raises(LoadError, match=r"key 'model.odd' \(source key 'odd' in .*m.safetensors\).*(truncated|EOF)"):
             IOEngine(src, EngineConfig(threads=2, kvikio=True)).run([job])
+
+
+def test_warm_up_needs_a_gpu_a_file_and_kvikio_not_turned_off(monkeypatch, tmp_path):
+    monkeypatch.setattr(devread, "importer", _absent)
+    path = write_safetensors(tmp_path / "m.safetensors", {"w": torch.zeros(8)})
+    assert devread.warm(torch.device("cpu"), [path], None, 2, 4096) is None
+    assert devread.warm(GPU, [], None, 2, 4096) is None
+    assert devread.warm(GPU, [str(tmp_path / "missing")], None, 2, 4096) is None
+    assert devread.warm(GPU, [path], False, 2, 4096) is None
+    th = devread.warm(GPU, [path], None, 2, 4096)  # kvikio absent: the thread chooses the staged path
+    assert th is not None
+    th.join(30)
+    assert devread.select(GPU, None, 2, 4096) is None
+    monkeypatch.setenv("SDADAPT_IO_KVIKIO_WARM", "0")
+    assert EngineConfig.from_env().kvikio_warm is False
+
+
+@CUDA
+@pytest.mark.skipif(not HAS_KVIKIO, reason="needs kvikio (sdadapt[cuda])")
+def test_warm_up_reads_once_per_pool_thread_and_leaves_kvikio_chosen(tmp_path, caplog):
+    path, sd = _checkpoint(tmp_path)
+    with caplog.at_level(logging.DEBUG, logger=devread.__name__):
+        th = devread.warm(GPU, [path], None, 3, 64 << 10)
+        assert th is not None
+        th.join(60)
+    assert not [r for r in caplog.records if "failed" in r.getMessage()]
+    assert devread.select(GPU, None, 3, 64 << 10) is not None
+    with open_source(path) as src:
+        pairs = _jobs(sd, random.Random(2), "cuda")
+        stats = IOEngine(src, EngineConfig(threads=2, kvikio_threads=3, kvikio_task_bytes=64 << 10)).run([j for j, _ in pairs])
+    assert stats.kvikio_bytes > 0
+    for job, want in pairs:
+        assert torch.equal(_bits(job.dest), _bits(want)), (job.key, job.box)

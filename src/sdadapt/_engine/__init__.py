@@ -47,6 +47,7 @@ Errors name the target key, the source key and the file. Bytes read are counted 
 
 from .config import EngineConfig, default_threads
 from .device import device_step, device_work, warm_kernels, warm_up
+from .devread import warm as warm_kvikio
 from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
 from .pinned import release_pinned_memory
@@ -66,5 +67,6 @@ __all__ = [
     "prefetch_pinned",
     "release_pinned_memory",
     "warm_kernels",
+    "warm_kvikio",
     "warm_up",
 ]

@@ -93,13 +93,15 @@ class EngineConfig:
     :mod:`sdadapt._engine.devread`): ``None``, the default, where kvikio is installed and
     starts (else the staged path, said once in the log), ``True`` always (an error where it
     cannot), ``False`` never; ``kvikio_threads`` is its pool's size (``None``: every CPU of
-    this rank, :func:`rank_cpus`) and ``kvikio_task_bytes`` the size it cuts reads into.
+    this rank, :func:`rank_cpus`) and ``kvikio_task_bytes`` the size it cuts reads into;
+    ``kvikio_warm``: a load starts kvikio's threads and bounce buffers with one small read per
+    thread while it materialises the model (:func:`sdadapt._engine.devread.warm`).
     Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
     ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``,
     ``SDADAPT_IO_LANDING``, ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS``
     (``0``: leave the interval as it is), ``SDADAPT_IO_PLAN_SWITCH_MS`` (likewise, while the
     engine plans), ``SDADAPT_IO_GATHER`` (``0``: no gathering), ``SDADAPT_IO_GATHER_MB``, ``SDADAPT_IO_KVIKIO``
-    (``0`` / ``1``), ``SDADAPT_IO_KVIKIO_THREADS``, ``SDADAPT_IO_KVIKIO_TASK_MB``.
+    (``0`` / ``1``), ``SDADAPT_IO_KVIKIO_THREADS``, ``SDADAPT_IO_KVIKIO_TASK_MB``, ``SDADAPT_IO_KVIKIO_WARM``.
 
     Args:
         threads: reading threads per rank.
@@ -120,6 +122,7 @@ class EngineConfig:
         kvikio: read contiguous GPU pieces through kvikio (``None``: where it is installed).
         kvikio_threads: kvikio's thread pool (``None``: this rank's CPUs).
         kvikio_task_bytes: the size kvikio cuts a read into.
+        kvikio_warm: warm kvikio up while the model is materialised.
 
     Raises:
         ValueError: a field out of range (``depth=0``).
@@ -148,6 +151,7 @@ class EngineConfig:
     kvikio: bool | None = None
     kvikio_threads: int | None = None
     kvikio_task_bytes: int = 16 * MiB
+    kvikio_warm: bool = True
 
     def __post_init__(self) -> None:
         if self.depth < 1:
@@ -240,6 +244,8 @@ class EngineConfig:
             cfg.kvikio = os.environ["SDADAPT_IO_KVIKIO"] not in ("0", "false", "no")
         if os.environ.get("SDADAPT_IO_KVIKIO_THREADS"):
             cfg.kvikio_threads = max(1, int(os.environ["SDADAPT_IO_KVIKIO_THREADS"]))
+        if os.environ.get("SDADAPT_IO_KVIKIO_WARM"):
+            cfg.kvikio_warm = os.environ["SDADAPT_IO_KVIKIO_WARM"] not in ("0", "false", "no")
         if os.environ.get("SDADAPT_IO_KVIKIO_TASK_MB"):
             cfg.kvikio_task_bytes = max(4096, int(float(os.environ["SDADAPT_IO_KVIKIO_TASK_MB"]) * MiB))
         for var, name in (("SDADAPT_IO_SWITCH_MS", "switch_interval"), ("SDADAPT_IO_PLAN_SWITCH_MS", "plan_switch_interval")):

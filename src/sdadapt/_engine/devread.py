@@ -21,6 +21,7 @@ for it: then its absence or failure is an error naming the extra.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -192,6 +193,47 @@ def prefetch(device: torch.device, wanted: bool | None, threads: int, task_bytes
             log.debug("choosing the GPU read path in the background failed: %s", e)
 
     threading.Thread(target=run, name="sdadapt-kvikio", daemon=True).start()
+
+
+def warm(device: torch.device, files: list[str], wanted: bool | None, threads: int, task_bytes: int) -> threading.Thread | None:
+    """On a background thread: once kvikio is chosen (:func:`select`), read the first
+    ``task_bytes`` of the largest of ``files`` once per pool thread into a scratch buffer on
+    ``device``, all at once, then free it. kvikio starts its threads and makes its pinned
+    bounce buffers on their first reads; done while the model is materialised, the load's own
+    reads find them made. Returns the thread (``None``: nothing to warm); a failure is only
+    logged (the load's own reads report theirs)."""
+    sized = [(os.path.getsize(f), f) for f in files if os.path.isfile(f)]
+    if wanted is False or device.type != "cuda" or not sized:
+        return None
+    size, path = max(sized)
+    size = min(size, task_bytes)
+
+    def run() -> None:
+        try:
+            reads = select(device, wanted, threads, task_bytes)
+            if reads is None or size == 0:
+                return
+            with torch.cuda.device(device):
+                scratch = torch.empty(threads * size, dtype=torch.uint8, device=device)
+                torch.cuda.current_stream(device).synchronize()
+                handle = reads.open(path)
+                try:
+                    pending = Pending()
+                    where = Where("(warm-up)", None, path, ())
+                    for i in range(threads):
+                        reads.submit(handle, [(0, size)], scratch[i * size : (i + 1) * size], where, pending)
+                    errors = reads.wait(pending)
+                finally:
+                    reads.close(handle)
+                del scratch
+            if errors:
+                log.debug("warming kvikio up failed: %s", errors[0])
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.debug("warming kvikio up failed: %s", e)
+
+    th = threading.Thread(target=run, name="sdadapt-kvikio-warm", daemon=True)
+    th.start()
+    return th
 
 
 def forget() -> None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from .._base.distributed import rank_and_world
 from .._base.gc import without_gc
-from .._engine import EngineConfig, EngineStats, device_work, prefetch_pinned, warm_kernels
+from .._engine import EngineConfig, EngineStats, device_work, prefetch_pinned, warm_kernels, warm_kvikio
 from .._plan.adapter import Adapter
 from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
 from .._plan.registry import is_shipped
@@ -242,14 +242,19 @@ def _gpu_target(model: nn.Module, device: torch.device | str | None) -> torch.de
     return target if target is not None and target.type == "cuda" else None
 
 
-def _prepare_device(target: torch.device | None, planned: dict[str, torch.Tensor], plan: Plan, engine: EngineConfig | None) -> None:
+def _prepare_device(
+    target: torch.device | None, planned: dict[str, torch.Tensor], plan: Plan, engine: EngineConfig | None, files: list[str]
+) -> None:
     """Once planned, a load into GPU shards (``target``) starts pinning its band buffers where
     its computations may use them, and (when its recipes compute on the device) loads their
     kernels into the GPU, while the model is materialised: the engine's first run then finds
-    both done (or nearly). Its staging is pinned from the start of the load."""
+    both done (or nearly). Its staging is pinned from the start of the load. Where it reads
+    through kvikio, kvikio is warmed up meanwhile on the source's ``files``."""
     if target is None:
         return
     cfg = engine or EngineConfig.from_env()
+    if cfg.kvikio_warm:
+        warm_kvikio(target, files, cfg.kvikio, cfg.kvikio_pool(), cfg.kvikio_task_bytes)
     kernels, bands = device_work(plan.recipes, planned, cfg.gather_inputs)
     if bands:
         prefetch_pinned(target, True, cfg)
@@ -434,7 +439,7 @@ def load(
         raise
     phases = _Phases(t0)
     phases.mark("plan")
-    _prepare_device(target, planned, plan, engine)
+    _prepare_device(target, planned, plan, engine, txn.sources[-1].files() if txn.sources else [])
     # every rank's hook has run (a hook may touch the files) before any rank checks them
     materialized = txn.materialize(device, init_buffers, reserved)
     phases.mark("materialize")
