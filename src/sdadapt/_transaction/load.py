@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -243,7 +244,7 @@ def _gpu_target(model: nn.Module, device: torch.device | str | None) -> torch.de
 
 
 def _prepare_device(
-    target: torch.device | None, planned: dict[str, torch.Tensor], plan: Plan, engine: EngineConfig | None, files: list[str]
+    target: torch.device | None, planned: dict[str, torch.Tensor], plan: Plan, engine: EngineConfig | None, files: Sequence[str] = ()
 ) -> None:
     """Once planned, a load into GPU shards (``target``) starts pinning its band buffers where
     its computations may use them, and (when its recipes compute on the device) loads their
@@ -254,7 +255,7 @@ def _prepare_device(
         return
     cfg = engine or EngineConfig.from_env()
     if cfg.kvikio_warm:
-        warm_kvikio(target, files, cfg.kvikio, cfg.kvikio_pool(), cfg.kvikio_task_bytes)
+        warm_kvikio(target, list(files), cfg.kvikio, cfg.kvikio_pool(), cfg.kvikio_task_bytes)
     kernels, bands = device_work(plan.recipes, planned, cfg.gather_inputs)
     if bands:
         prefetch_pinned(target, True, cfg)
