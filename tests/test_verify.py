@@ -146,6 +146,8 @@ def test_cli_verdict_once_and_layers(case: dict[str, str], capsys: pytest.Captur
     cap = capsys.readouterr()
     assert cap.out.count("FAIL") == 1 and "FAIL" not in cap.err, (cap.out, cap.err)
     assert "first difference: layers.0" in cap.out and "layers.0.attention" in cap.out, cap.out
+    # the localisation knows the adapter: it has no rotary rule for the tensors that explain the difference
+    assert "Rotary order of wq/wk undecided" in cap.out and "adapter 'llama-without-rotary' has no rotary rule" in cap.out
 
 
 def test_cli_init_buffers(case: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
@@ -245,3 +247,54 @@ def test_cli_under_two_ranks(case: dict[str, str]) -> None:
     for r in results:
         assert r == {"fsdp_vs_hf": 0, "tp_vs_hf": 0, "fused_parity": 0, "fused_not_interleaved": 1, "mesh_too_big": 2,
                      "parity_too_big": 2}, r
+
+
+def test_localisation_names_the_inputs_that_explain_it(case: dict[str, str]) -> None:
+    """A load without the rotary rules: the first module whose output differs is wo, but its input
+    differs already; the report names wq/wk/wv as the inputs, finds by experiment that the rotary
+    order of wq/wk explains it, says whether the adapter decided it, and the rules it suggests
+    make the load pass. A model that keeps HF's order, loaded with a rotary rule, gets the
+    rule named."""
+    import re
+
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(case["path"]).eval()
+    no_rotary = sdadapt.Adapter.from_json(Path(case["no_rotary"]).read_text())
+    model = _model()
+    sdadapt.load(model, case["path"], no_rotary)
+    rep = verify(model, hf, adapter=no_rotary)
+    text = rep.first_difference or ""
+    assert not rep.passed and text.startswith("layers.0 "), text
+    assert "layers.0.attention.wo's output and input match nothing" in text and "weights are not the cause" in text, text
+    assert "from the outputs of layers.0.attention.wq, wk, wv" in text, text
+    assert "check the mapping of layers.0.attention.wo" not in text, text
+    assert ("Rotary order of wq/wk undecided: with the rows of wq/wk reordered per head (8 rows) from half to "
+            "interleaved rotary order, the layer equals the reference's, and adapter 'llama-without-rotary' has no "
+            "rotary rule for layers.{i}.attention.wq.weight, layers.{i}.attention.wk.weight") in text, text
+    fix = re.findall(r'sdadapt\.rotary\([^)]*\)', text)
+    assert fix == ['sdadapt.rotary("layers.{i}.attention.wq.weight", heads=4, to="interleaved")',
+                   'sdadapt.rotary("layers.{i}.attention.wk.weight", heads=2, to="interleaved")'], text
+    fixed = _model()
+    sdadapt.load(fixed, case["path"], no_rotary + sdadapt.Adapter([eval(f, {"sdadapt": sdadapt}) for f in fix]))  # noqa: S307
+    assert verify(fixed, hf).passed
+    # without the adapter: the same experiment, the rules an adapter needs
+    plain = verify(model, hf).first_difference or ""
+    assert "Rotary order of wq/wk: with the rows of wq/wk reordered" in plain and "an adapter loading it right has" in plain
+    # a draft's adapter: its open question is named
+    d = sdadapt.draft(_model(), case["path"], reference=None)
+    drafted = _model()
+    sdadapt.load(drafted, case["path"], d.adapter)
+    assert "(the draft left it open: its DECIDE 'rotary row order')" in (verify(drafted, hf, adapter=d.adapter).first_difference or "")
+    # a model that keeps HF's half order, loaded with the shipped adapter's rotary rules: those rules are named
+    from draft_natives import Native, native_config
+
+    cfg = json.loads((Path(case["path"]) / "config.json").read_text())
+    with torch.device("meta"):
+        half = Native(native_config(cfg, "half")).eval()
+    llama = sdadapt.get_adapter("llama", source=case["path"])
+    sdadapt.load(half, case["path"], llama)
+    text = verify(half, hf, adapter=llama).first_difference or ""
+    rules = [f"#{i} rotary(to='interleaved')" for i, r in enumerate(llama.rules) if isinstance(r, Rotary)]
+    assert f"adapter 'llama''s rule(s) {', '.join(rules)} on them give an order the model does not read" in text, text
+    assert 'to="half"' in text, text

@@ -15,7 +15,8 @@ effect; a fixed ``atol=1e-3`` would pass a float32 load whose logits are a few 1
 outputs of each decoder layer are compared as well, and the first layer that disagrees is
 named; inside it, the first module whose output matches nothing the reference computes in
 that layer (not even up to a permutation of features, or as consecutive outputs concatenated,
-as a fused qkv is) is named with its parameters.
+as a fused qkv is) is named, with the loaded tensors that explain the difference
+(:mod:`.localise`).
 
 Call on every rank when the model is parallelised: its forward is a collective. The tokens
 come from a seeded generator, so every rank uses the same ones; DTensor outputs are gathered.
@@ -27,7 +28,7 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel
@@ -38,6 +39,10 @@ from ..errors import SourceError, VerifyError
 from ..sources import local_path
 from ..sources._json import HFConfig, read_json
 from ..sources._remote import fetch_all
+from .localise import drill
+
+if TYPE_CHECKING:
+    from .._plan.adapter import Adapter
 
 log = logging.getLogger(__name__)
 
@@ -247,72 +252,6 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     return diff, diff / max(scale, 1e-30)
 
 
-def _close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> bool:
-    return tuple(got.shape) == tuple(want.shape) and _rel(got, want)[1] <= rtol
-
-
-def _match(out: torch.Tensor, refs: list[torch.Tensor], rtol: float) -> str:
-    """``"equal"`` when ``out`` equals one reference output, or several consecutive ones concatenated
-    along the last dim (a fused projection); ``"permuted"`` when it does so only up to a permutation
-    of the last dim (a rotary row order, or a wrong one); ``""`` when it matches nothing."""
-    srt = out.sort(dim=-1).values
-    permuted = False
-    for i, ref in enumerate(refs):
-        if ref.shape[:-1] != out.shape[:-1]:
-            continue
-        width, parts = 0, []
-        for nxt in refs[i:i + 4]:
-            if nxt.shape[:-1] != out.shape[:-1]:
-                break
-            parts.append(nxt)
-            width += nxt.shape[-1]
-            if width == out.shape[-1]:
-                cat = torch.cat(parts, -1) if len(parts) > 1 else parts[0]
-                if _close(out, cat, rtol):
-                    return "equal"
-                permuted = permuted or _close(srt, cat.sort(dim=-1).values, rtol)
-            if width >= out.shape[-1]:
-                break
-    return "permuted" if permuted else ""
-
-
-def _params(name: str, mod: nn.Module) -> str:
-    own = [f"{name}.{p}" for p, _ in mod.named_parameters()]
-    return ", ".join(own[:6]) + (f" (+{len(own) - 6} more)" if len(own) > 6 else "")
-
-
-def _drill(model: nn.Module, reference: nn.Module, m_layer: tuple[str, nn.Module], r_layer: tuple[str, nn.Module],
-           tokens: torch.Tensor, rtol: float) -> str:
-    """The first module of the model's layer whose output matches nothing of the reference's layer,
-    and the modules before it that match only up to a row order."""
-    m_name, m_mod = m_layer
-    r_name, r_mod = r_layer
-    got: list[tuple[str, torch.Tensor | None]] = []
-    want: list[tuple[str, torch.Tensor | None]] = []
-    m_subs = [(f"{m_name}.{n}", s) for n, s in m_mod.named_modules() if n]
-    r_subs = [(f"{r_name}.{n}", s) for n, s in r_mod.named_modules() if n]
-    with _recording(m_subs, got):
-        _forward(model, tokens)
-    with _recording(r_subs, want):
-        _forward(reference, tokens)
-    refs = [t for _, t in want if t is not None]
-    mods = dict(m_subs)
-    permuted: list[str] = []
-    for name, out in got:
-        how = "equal" if out is None else _match(out, refs, rtol)
-        if how == "permuted":
-            permuted.append(name)
-        if how:
-            continue
-        text = (f"{m_name} (its input agrees with the reference): {name}'s output matches no output of the "
-                f"reference's {r_name}; check the mapping of {_params(name, mods[name]) or 'its inputs'}")
-        if permuted:
-            text += (f"; before it, {', '.join(permuted)} match the reference only up to a row order (right for a "
-                     "rotary layout the model applies itself, wrong otherwise)")
-        return text
-    return f"{m_name}: every module's output has a counterpart in the reference's {r_name}, yet the layer's output differs"
-
-
 def verify(
     model: nn.Module,
     reference: nn.Module,
@@ -328,6 +267,7 @@ def verify(
     layers: bool = True,
     model_name: str | None = None,
     reference_name: str | None = None,
+    adapter: Adapter | None = None,
 ) -> VerifyReport:
     """Compare ``model`` (loaded, possibly parallelised) with ``reference`` on the same tokens.
 
@@ -345,6 +285,8 @@ def verify(
         layers: also compare each decoder layer's output and, when they differ, find the first
             layer and module that disagree (one or two extra forwards).
         model_name, reference_name: labels of the report (default: the class names).
+        adapter: the adapter the model was loaded with: the localisation of a failure then says
+            whether its rules cover the tensors that explain it (a rotary order left undecided).
 
     Returns:
         A :class:`VerifyReport`; ``passed`` when max |diff| <= the tolerance and KL <= ``kl_max``.
@@ -390,7 +332,8 @@ def verify(
                 diffs.append(LayerDiff(name=f"{prefix}{name}", max_abs_diff=d, rel_diff=r, ok=r <= rel))
                 if first is None and r > rel and not passed:
                     rl = (f"{r_layers[0]}.{r_layers[1][i][0]}", r_layers[1][i][1])
-                    first = _drill(model, reference, (f"{prefix}{name}", m_layers[1][i][1]), rl, tokens, rel)
+                    first = drill(model, reference, (f"{prefix}{name}", m_layers[1][i][1]), rl, tokens, rel,
+                                  _forward, _full, adapter)
             if first is None and not passed and diffs and all(x.ok for x in diffs):
                 first = "every decoder layer's output agrees: the difference is after the last layer (final norm, output projection)"
     finally:

@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
             names = (f"{type(model).__name__} on mesh {args.mesh}", f"the same on mesh {args.parity_mesh}")
         rep = verify(
             model, reference, vocab_size=args.vocab_size, batch=args.batch, seq=args.seq, seed=args.seed, atol=args.atol,
-            rtol=args.rtol, kl_max=args.kl, model_name=names[0], reference_name=names[1],
+            rtol=args.rtol, kl_max=args.kl, model_name=names[0], reference_name=names[1], adapter=adapter,
         )
         if (dist.get_rank() if dist.is_initialized() else 0) == 0:
             print(rep.model_dump_json(indent=2) if args.json else rep.format())
