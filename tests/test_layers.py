@@ -208,6 +208,10 @@ def test_bench_imports_of_private_modules_are_declared():
 
 BENCH_TEST_IMPORTS = {
     "gpu_scenario.py": {"models": "the suite's TinyTransformer and parallelize: the GPU runs the model the CPU tests run"},
+    "draft_families_bench.py": {
+        "draft_natives": "the families' perturbation, as the draft tests write their checkpoints",
+        "draft_natives_more": "the twelve families' configs and the native decoder the draft tests target",
+    },
 }
 """The test-suite modules a bench imports, with the reason (no test module: ``test_*``)."""
 
