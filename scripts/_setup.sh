@@ -1,8 +1,8 @@
 # Sourced by scripts/demo.sh and scripts/test.sh: make .venv (Python >= 3.10) with torch and
 # sdadapt installed, and set $PY to its python. Needs nothing but python3 on PATH (or
-# PYTHON=/path/to/python). SDADAPT_EXTRA names the extra to install with sdadapt ("test" for
-# the suite and its linters; empty for the demo). Each step says what it does; pip shows its
-# own progress. sdadapt is re-installed only when pyproject.toml or the extra changed.
+# PYTHON=/path/to/python). SDADAPT_EXTRA names the extras to install with sdadapt ("test" for
+# the suite and its linters, "test,test-titan" with torchtitan too; empty for the demo). Each
+# step says what it does; pip shows its own progress. sdadapt is re-installed only when pyproject.toml or the extra changed.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=.venv/bin/python
@@ -21,7 +21,7 @@ spec=.
 checks="import sdadapt"
 if [ -n "$extra" ]; then
     spec=".[$extra]"
-    [ "$extra" = test ] && checks="import sdadapt, pytest, hypothesis, mypy"
+    case ",$extra," in *,test,*) checks="import sdadapt, pytest, hypothesis, mypy" ;; esac
 fi
 stamp=".venv/.sdadapt-installed${extra:+-$extra}"
 want="$("$PY" -c 'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest())')"

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Install what is missing into .venv (sdadapt[test]: pytest, hypothesis, reference models,
-# ruff, mypy), check lint and types, then run the test suite (extra arguments go to pytest):
+# Install what is missing into .venv (sdadapt[test,test-titan]: pytest, hypothesis, reference
+# models, ruff, mypy; torchtitan for the bridge's tests), check lint and types, then run the test
+# suite (extra arguments go to pytest):
 #   bash scripts/test.sh                     # lint, types, everything
 #   bash scripts/test.sh tests/test_cli.py   # lint, types, one file
-SDADAPT_EXTRA=test source "$(dirname "$0")/_setup.sh"
+SDADAPT_EXTRA=test,test-titan source "$(dirname "$0")/_setup.sh"
 echo "[test] ruff check (lint and import order)" >&2
 "$PY" -m ruff check .
 echo "[test] mypy (types, configured in pyproject.toml)" >&2

@@ -1,4 +1,4 @@
-"""The torchtitan bridge against the real torchtitan (installed from the registry, test extra):
+"""The torchtitan bridge against the real torchtitan (installed from the registry, test-titan extra):
 torchtitan's own model classes for every family it ships that we ship an adapter for, from tiny
 configs, driven by torchtitan's own ``CheckpointManager`` (initial load from HF, last save to HF).
 
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (pip install torchtitan triton: the test extra)")
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (the test-titan extra: pip install -e '.[test-titan]')")
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from checkpoints import read_safetensors_folder  # noqa: E402

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from . import rules as rules
     from . import sources as sources
     from . import torchtitan as torchtitan
+    from ._base.env import env as env
     from ._draft import draft as draft
     from ._engine import (
         EngineConfig as EngineConfig,
@@ -158,6 +159,8 @@ _PUBLIC: dict[str, str] = {
     # checking and trimming checkpoints
     "verify": "._transaction.verify",
     "shrink": "._transaction.shrink",
+    # the versions and optional features at hand (for bug reports)
+    "env": "._base.env",
     # adapters: the class, the registry, drafting one
     "Adapter": "._plan.adapter",
     "get_adapter": "._plan.registry",

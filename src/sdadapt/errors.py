@@ -110,6 +110,12 @@ class VerifyError(SdadaptError):
     """A verification cannot run (no reference class, no vocabulary size, outputs of different shapes)."""
 
 
+class VersionError(SdadaptError):
+    """An installed package (transformers, torch, torchtitan...) lacks what sdadapt calls: a
+    release outside the supported range, or one whose API changed. The message names the package,
+    its version and the supported range; ``sdadapt env`` lists what is installed."""
+
+
 class UsageError(SdadaptError, TypeError):
     """A public function was called with arguments it cannot take as given (a model and a path
     swapped, for instance); the message shows the call's signature. Also a ``TypeError``."""

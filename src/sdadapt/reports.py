@@ -12,7 +12,8 @@ Each is a plain object to read, print (``str(report)``) or serialise (the pydant
 - :class:`ShrinkReport` from :func:`sdadapt.shrink`;
 - :class:`Refit` from :func:`sdadapt.refit_plan`, and the :class:`RefitReport` of each of its runs;
 - :class:`Draft` from :func:`sdadapt.draft`;
-- :class:`DryRunReport` (one :class:`DryRunRank` per planned rank) from :func:`sdadapt.dry_run`.
+- :class:`DryRunReport` (one :class:`DryRunRank` per planned rank) from :func:`sdadapt.dry_run`;
+- :class:`EnvReport` (its :class:`Feature` list) from :func:`sdadapt.env`.
 
 Imported lazily from the modules that build them, from one table (:data:`_PUBLIC`).
 """
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING
 from ._base.lazy import attach
 
 if TYPE_CHECKING:
+    from ._base.env import EnvReport as EnvReport
+    from ._base.env import Feature as Feature
     from ._draft import Draft as Draft
     from ._plan.plan import Plan as Plan
     from ._plan.report import Report as Report
@@ -50,6 +53,8 @@ _PUBLIC: dict[str, str] = {
     "Draft": "sdadapt._draft",
     "DryRunReport": "sdadapt._transaction.dryrun",
     "DryRunRank": "sdadapt._transaction.dryrun",
+    "EnvReport": "sdadapt._base.env",
+    "Feature": "sdadapt._base.env",
 }
 
 __getattr__, __dir__, __all__ = attach(__name__, _PUBLIC)

@@ -46,6 +46,7 @@ from torch import nn
 
 from ..errors import AdapterError
 from ..rules import Deinterleave, Drop, Fuse, Interleave, Rename, RuleBase, Split, Stack, Tie, Transpose
+from . import hf_compat
 from .adapter import Adapter
 from .target import model_state_dict, schema_of
 
@@ -55,17 +56,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _DIGITS = re.compile(r"^\d+$")
-
-
-def _transformers() -> tuple[Any, Any] | None:
-    """transformers' ``(conversion_mapping, core_model_loading)`` modules; ``None`` for a
-    transformers without them (before 5.0: no conversion mapping, only the class attribute
-    ``_checkpoint_conversion_mapping``)."""
-    try:
-        from transformers import conversion_mapping, core_model_loading
-    except ImportError:
-        return None
-    return conversion_mapping, core_model_loading
 
 
 def is_hf_model(model: object) -> bool:
@@ -123,6 +113,7 @@ def hf_adapter(
             f"hf_adapter needs a transformers PreTrainedModel, got {type(model).__name__}; "
             "pass an adapter for other models"
         )
+    hf_compat.check_supported()
     target = schema_of(model_state_dict(model))
     if src is None:
         ckpt = _saved_schema(model, target)
@@ -144,7 +135,7 @@ def _saved_schema(model: nn.Module, target: dict[str, TensorInfo]) -> dict[str, 
     run on meta tensors of the model's shapes."""
     from ..sources import TensorInfo
 
-    mods = _transformers()
+    mods = hf_compat.modules()
     if mods is None:  # transformers 4: the checkpoint holds the model's own names
         return dict(target)
     cml = mods[1]
@@ -154,7 +145,7 @@ def _saved_schema(model: nn.Module, target: dict[str, TensorInfo]) -> dict[str, 
     # model not made by from_pretrained: no legacy renamings, no PrefixChange
     legacy = len(_conversion_mapping_legacy())
     conversions = _conversion_mapping(model)
-    conversions = [t for t in conversions[: len(conversions) - legacy] if not isinstance(t, cml.PrefixChange)]
+    conversions = [t for t in conversions[: len(conversions) - legacy] if not hf_compat.is_prefix_change(cml, t)]
     meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in target.items()}
     proxy: Any = _WithConversions(model, conversions)
     saved = cml.revert_weight_conversion(proxy, meta) if conversions else meta
@@ -173,7 +164,7 @@ class _WithConversions:
 
 
 def _conversion_mapping_legacy() -> list[Any]:
-    mods = _transformers()
+    mods = hf_compat.modules()
     return [] if mods is None else list(mods[0].get_checkpoint_conversion_mapping("legacy"))
 
 
@@ -190,7 +181,7 @@ class _Group:
 
 
 def _derive(model: nn.Module, ckpt: dict[str, TensorInfo], target: dict[str, TensorInfo]) -> Adapter:
-    mods = _transformers()
+    mods = hf_compat.modules()
     transforms = _conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, mods[1].WeightRenaming)] if mods else []
     converters = [t for t in transforms if isinstance(t, mods[1].WeightConverter)] if mods else []
@@ -203,7 +194,7 @@ def _derive(model: nn.Module, ckpt: dict[str, TensorInfo], target: dict[str, Ten
     groups: dict[tuple[int, str], _Group] = {}
     order = sorted(ckpt, key=_natural)
     for key in order:
-        renamed = mods[1].apply_renamings(key, renamings) if mods else key
+        renamed = hf_compat.apply_renamings(mods[1], key, renamings) if mods else key
         for rx, repl in legacy:  # transformers 4's per-class renamings (regex -> replacement)
             renamed, n = rx.subn(repl, renamed)
             if n:
@@ -276,7 +267,7 @@ def _conversion_mapping(model: nn.Module) -> list[Any]:
     """``transformers.conversion_mapping.get_model_conversion_mapping(model)`` (legacy renamings
     included, no quantizer), looking each sub-model up by its own class name rather than the
     name of the class FSDP2 gives a sharded module."""
-    mods = _transformers()
+    mods = hf_compat.modules()
     if mods is None:
         return []
     cm = mods[0]
@@ -291,7 +282,7 @@ def _conversion_mapping(model: nn.Module) -> list[Any]:
             continue
         own = _own_class(sub)
         cls, model_type = own.__name__, sub.config.model_type
-        if own.is_custom_code() and cls not in cm.USER_REGISTERED_MAPPINGS and model_type not in cm.USER_REGISTERED_MAPPINGS:
+        if hf_compat.skips_custom_code(cm, own, model_type):
             continue
         if claimed(cls, name):
             continue
@@ -329,8 +320,7 @@ def _ignored_unexpected(model: nn.Module) -> re.Pattern[str] | None:
 
 
 def _ties(model: nn.Module, target: dict[str, TensorInfo]) -> list[RuleBase]:
-    get = getattr(model, "get_expanded_tied_weights_keys", None)
-    tied = get(all_submodels=True) if callable(get) else {}
+    tied = hf_compat.tied_weights(model)
     return [Tie(dst=dst, src=src) for dst, src in sorted(tied.items()) if dst in target and src in target]
 
 
@@ -428,7 +418,7 @@ def _chain(g: _Group, ckpt: dict[str, TensorInfo], target: dict[str, TensorInfo]
             swapped = list(shape)
             swapped[op.dim0], swapped[op.dim1] = shape[op.dim1], shape[op.dim0]
             want = target.get(finals[0])
-            if not op.check_dims or want is None or list(want.shape) != shape:
+            if not hf_compat.transposes_only_when_shapes_differ(op) or want is None or list(want.shape) != shape:
                 rules.append(Transpose(keys=src, dim0=op.dim0, dim1=op.dim1))
                 shape = swapped
             cur = {src: (shape, None)}

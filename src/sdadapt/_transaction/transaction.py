@@ -59,11 +59,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from .._base.distributed import agree, any_rank, gather_if_any, is_distributed
+from .._base.env import version_problem
 from .._engine import EngineConfig
 from .._engine.reader import AdaptedLoadPlanner, AdaptedStorageReader
 from .._plan.plan import Plan
 from .._plan.target import model_state_dict
-from ..errors import LoadError, ModelError, SdadaptError, SourceError
+from ..errors import LoadError, ModelError, SdadaptError, SourceError, VersionError
 from ..sources import Source
 from ..sources import _integrity as integrity
 from ..sources._base import is_hub_id
@@ -442,10 +443,18 @@ class Transaction:
         self.sources = []
 
 
-def foreign_error(e: BaseException, what: str, doing: str) -> SourceError:
-    """An exception that is not sdadapt's, raised while ``doing`` the load of ``what``, as a
+def foreign_error(e: BaseException, what: str, doing: str) -> SdadaptError:
+    """An exception that is not sdadapt's, raised while ``doing`` the load of ``what``: a
+    :class:`VersionError` naming the package and its version where it comes from a dependency's
+    API (an ``AttributeError``, ``ImportError`` or ``TypeError`` of transformers, torch...), else a
     :class:`SourceError` naming the file it was about (an ``OSError``'s file name) or ``what``."""
+    version = version_problem(e, f"{doing} the load of {what}")
     path = getattr(e, "filename", None)
+    err: SdadaptError
+    if version is not None:
+        err = VersionError(version)
+        err.__cause__ = e
+        return err
     err = SourceError(
         f"{doing} the load of {what} failed: {type(e).__name__}: {e}; a file it reads is malformed in a way "
         "sdadapt does not check yet (please report it)",

@@ -35,6 +35,7 @@ from pydantic import BaseModel
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .._base.env import parse
 from ..errors import SourceError, VerifyError
 from ..sources import local_path
 from ..sources._json import HFConfig, read_json
@@ -372,4 +373,6 @@ def reference_from_checkpoint(src: str | os.PathLike[str], dtype: torch.dtype = 
         raise VerifyError(f"transformers {transformers.__version__} has no class {names[0]!r} (named in {config_path})")
     log.info("reference: %s.from_pretrained(%s)", names[0], folder)
     fetch_all(folder)  # a URL's mirror: from_pretrained reads the files itself
-    return cls.from_pretrained(folder, dtype=dtype, local_files_only=True).eval()
+    # transformers before 4.56 takes the dtype as torch_dtype= (dtype= reaches the model's __init__)
+    key = "dtype" if parse(transformers.__version__) >= (4, 56) else "torch_dtype"
+    return cls.from_pretrained(folder, local_files_only=True, **{key: dtype}).eval()

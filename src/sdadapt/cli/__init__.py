@@ -2,7 +2,9 @@
 
 Each subcommand is a module of this package (``sdadapt.cli.diff``, ...) with ``NAME``, ``HELP``,
 ``add_arguments(parser)`` and ``run(args) -> int``. Exit codes: 0 fine, 1 problems found,
-2 usage errors (bad arguments, unreadable input).
+2 errors (bad arguments, unreadable input, an installed package's version lacking what is
+needed, and any unexpected exception: one line with the versions installed; the traceback
+too with ``SDADAPT_DEBUG=1``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import pkgutil
 import sys
 import textwrap
@@ -60,10 +63,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sdadapt {args.command}: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `sdadapt inspect big.pt | head`: the reader left, nothing is wrong
-        import os
-
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:
+        print(f"sdadapt {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line, not a traceback, for what nothing above expected
+        _unexpected(args.command, e)
+        return 2
+
+
+def _unexpected(command: str, e: Exception) -> None:
+    """Print an exception no code path expected: the version mismatch it is, where it is one;
+    else one line asking for a report. The traceback only with ``SDADAPT_DEBUG=1``."""
+    from .._base.env import version_problem, versions_line
+
+    said = version_problem(e, f"sdadapt {command}")
+    if said is None:
+        said = (f"unexpected {type(e).__name__}: {e} (a bug, or input sdadapt does not check yet: please report it "
+                "with the output of `sdadapt env`; SDADAPT_DEBUG=1 shows the traceback)")
+    print(f"sdadapt {command}: error: {said} [{versions_line()}]", file=sys.stderr)
+    if os.environ.get("SDADAPT_DEBUG", "") not in ("", "0"):
+        import traceback
+
+        traceback.print_exception(e, file=sys.stderr)
 
 
 if __name__ == "__main__":
