@@ -41,6 +41,9 @@ PACKAGES: tuple[tuple[str, str], ...] = (
     ("pydantic", "pydantic"),
     ("huggingface_hub", "huggingface_hub"),
     ("compressed-tensors", "compressed_tensors"),
+    ("obstore", "obstore"),
+    ("kvikio-cu13", "kvikio"),
+    ("kvikio-cu12", "kvikio"),
     ("tqdm", "tqdm"),
     ("numpy", "numpy"),
 )
@@ -210,6 +213,15 @@ def _feature(name: str, dist: str, module: str, what: str, install: str) -> Feat
     return Feature(name, True, f"{what} ({dist} {have})")
 
 
+def _kvikio() -> Feature:
+    name = "GPU direct reads (kvikio)"
+    for dist in ("kvikio-cu13", "kvikio-cu12"):
+        have = version_of(dist)
+        if have is not None and importlib.util.find_spec("kvikio") is not None:
+            return Feature(name, True, f"file reads straight into GPU memory ({dist} {have})")
+    return Feature(name, False, "kvikio is not installed (pip install 'sdadapt[cuda]', or kvikio-cu12 on CUDA 12)")
+
+
 def env() -> EnvReport:
     """The versions sdadapt runs with and the optional features available, for bug reports.
 
@@ -235,6 +247,9 @@ def env() -> EnvReport:
         "torch": torch_version,
     }
     versions.update({dist: version_of(dist) for dist, _ in PACKAGES if dist != "torch"})
+    for dist in ("kvikio-cu13", "kvikio-cu12"):  # one of the two, where either is installed
+        if versions[dist] is None:
+            del versions[dist]
     features = [
         _feature("transformers models without an adapter (hf_adapter)", "transformers", "transformers",
                  "load/diff/export of a PreTrainedModel derive the adapter", "pip install 'sdadapt[models]'"),
@@ -242,6 +257,9 @@ def env() -> EnvReport:
                  "pip install 'sdadapt[hub]'"),
         _feature("torchtitan bridge (sdadapt.torchtitan)", "torchtitan", "torchtitan",
                  "torchtitan models' names and its state-dict-adapter protocol", "pip install torchtitan"),
+        _feature("object storage URLs (s3://, gs://)", "obstore", "obstore", "sources and destinations in object storage",
+                 "pip install 'sdadapt[s3]'"),
+        _kvikio(),
         Feature("GPU loads", torch_version is not None and "CUDA" in (torch_version or "") and "GPU(s)" in devices, devices),
     ]
     torch_ok = version_of("torch")

@@ -450,12 +450,7 @@ def foreign_error(e: BaseException, what: str, doing: str) -> SdadaptError:
     :class:`SourceError` naming the file it was about (an ``OSError``'s file name) or ``what``."""
     version = version_problem(e, f"{doing} the load of {what}")
     path = getattr(e, "filename", None)
-    err: SdadaptError
-    if version is not None:
-        err = VersionError(version)
-        err.__cause__ = e
-        return err
-    err = SourceError(
+    err = VersionError(version) if version is not None else SourceError(
         f"{doing} the load of {what} failed: {type(e).__name__}: {e}; a file it reads is malformed in a way "
         "sdadapt does not check yet (please report it)",
         path=os.fspath(path) if isinstance(path, (str, os.PathLike)) else what,
