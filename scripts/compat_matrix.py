@@ -90,8 +90,9 @@ def main() -> int:
     ap.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "sdadapt-compat"), help="where the small venvs live")
     ap.add_argument("--base", default=sysconfig.get_paths()["purelib"], help="site-packages the small venvs see (torch, sdadapt)")
     ap.add_argument("--pytest", nargs="+", metavar="ARG", help="run pytest with these arguments in each venv instead of the cases")
-    ap.add_argument("--torchtitan", nargs="+", default=[], metavar="VERSION",
-                    help="also run tests/titan_compat.py under these torchtitan releases (the base must hold the test-titan extra)")
+    ap.add_argument("--torchtitan", action="append", default=[], metavar="VERSION",
+                    help="also run tests/titan_compat.py under this torchtitan release (repeatable; the base must hold "
+                    "the test-titan extra)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
