@@ -30,6 +30,27 @@ SUMMARY = "HF transformers Qwen3-MoE -> vLLM's TP/EP layout (qkv_proj; FusedMoE 
 EXPERTS = HF + "mlp.experts."
 
 
+def expert_rules(moe_hidden_dim: int, n_experts: int | None, etp: int) -> list[Any]:
+    """HF per-expert ``mlp.experts.{e}.gate_proj|up_proj|down_proj.weight`` -> FusedMoE's
+    ``w13_weight`` (per expert ``[gate; up]``, laid out per rank of ``etp``) and ``w2_weight``."""
+    i = moe_hidden_dim
+    w13 = EXPERTS + "w13_weight"
+    return [
+        sdadapt.stack(EXPERTS + "{e}.gate_proj.weight", EXPERTS + "w1_stacked", over="e", count=n_experts),
+        sdadapt.stack(EXPERTS + "{e}.up_proj.weight", EXPERTS + "w3_stacked", over="e", count=n_experts),
+        sdadapt.stack(EXPERTS + "{e}.down_proj.weight", EXPERTS + "w2_weight", over="e", count=n_experts),
+        sdadapt.fuse([EXPERTS + "w1_stacked", EXPERTS + "w3_stacked"], w13, dim=1, sizes=[i, i]),
+        sdadapt.interleave(w13, sizes=[i, i], tp=etp, dim=1),
+    ]
+
+
+def experts_layout(expert_parallel: bool) -> tuple[tuple[str, int], ...]:
+    """The FusedMoE weights' sharded dims: experts (EP) or the intermediate dim (TP)."""
+    if expert_parallel:
+        return (("experts.w13_weight", 0), ("experts.w2_weight", 0))
+    return (("experts.w13_weight", 1), ("experts.w2_weight", 2))
+
+
 def build(
     *,
     n_heads: int,
@@ -55,16 +76,8 @@ def build(
     if n_experts is not None:
         divides("n_experts", n_experts, ep, "vllm_qwen3_moe")
     divides("moe_hidden_dim", moe_hidden_dim, etp, "vllm_qwen3_moe")
-    i = moe_hidden_dim
-    w13 = EXPERTS + "w13_weight"
     rules: list[Any] = attention_rules(n_heads, n_kv_heads, head_dim, tp, "vllm_qwen3_moe")
-    rules += [
-        sdadapt.stack(EXPERTS + "{e}.gate_proj.weight", EXPERTS + "w1_stacked", over="e", count=n_experts),
-        sdadapt.stack(EXPERTS + "{e}.up_proj.weight", EXPERTS + "w3_stacked", over="e", count=n_experts),
-        sdadapt.stack(EXPERTS + "{e}.down_proj.weight", EXPERTS + "w2_weight", over="e", count=n_experts),
-        sdadapt.fuse([EXPERTS + "w1_stacked", EXPERTS + "w3_stacked"], w13, dim=1, sizes=[i, i]),
-        sdadapt.interleave(w13, sizes=[i, i], tp=etp, dim=1),
-    ]
+    rules += expert_rules(moe_hidden_dim, n_experts, etp)
     if hidden_dim is not None:
         divides("hidden_dim", hidden_dim, tp, "vllm_qwen3_moe")
         gate_up = HF + "mlp.gate_up_proj.weight"
@@ -80,11 +93,9 @@ def build(
 def layout(tp: int, rank: int, expert_parallel: bool = False) -> ShardLayout:
     """Where rank ``rank`` of ``tp``'s vLLM Qwen3-MoE parameters lie in the whole tensors the
     adapter makes, for ``sdadapt.refit_plan(..., engine_layout=layout(tp, rank))``."""
-    experts = (("experts.w13_weight", 0), ("experts.w2_weight", 0)) if expert_parallel else (
-        ("experts.w13_weight", 1), ("experts.w2_weight", 2))  # fmt: skip
     from sdadapt.adapters.vllm_llama import SHARDED
 
-    return ShardLayout(experts + SHARDED, tp, rank)
+    return ShardLayout(experts_layout(expert_parallel) + SHARDED, tp, rank)
 
 
 def parameter_shapes(

@@ -373,3 +373,55 @@ def test_vllm_shapes_match_the_adapters(tp: int) -> None:
         got = {k: tuple(t.shape) for k, t in engine_shards(whole, vllm_qwen3_moe.layout(tp, 0, expert_parallel=ep)).items()}
         assert got == vllm_qwen3_moe.parameter_shapes(n_layers=L, vocab_size=V, dim=D, n_heads=H, n_kv_heads=KV, head_dim=HD,
                                                       moe_hidden_dim=FE, n_experts=E, tp=tp, expert_parallel=ep)  # fmt: skip
+
+
+DSV3 = dict(n_heads=4, q_lora_rank=12, kv_lora_rank=8, qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5)
+
+
+def deepseek_hf(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A DeepSeek-V3-shaped HF state dict: layer 0 dense, layer 1 MoE with a shared expert."""
+    g = torch.Generator().manual_seed(seed)
+    c = DSV3
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,), "lm_head.weight": (V, D)}
+    for i in range(2):
+        a = f"model.layers.{i}.self_attn."
+        shapes |= {a + "q_a_proj.weight": (c["q_lora_rank"], D), a + "q_a_layernorm.weight": (c["q_lora_rank"],),
+                   a + "q_b_proj.weight": (c["n_heads"] * qk, c["q_lora_rank"]),
+                   a + "kv_a_proj_with_mqa.weight": (c["kv_lora_rank"] + c["qk_rope_head_dim"], D),
+                   a + "kv_a_layernorm.weight": (c["kv_lora_rank"],),
+                   a + "kv_b_proj.weight": (c["n_heads"] * (c["qk_nope_head_dim"] + c["v_head_dim"]), c["kv_lora_rank"]),
+                   a + "o_proj.weight": (D, c["n_heads"] * c["v_head_dim"]),
+                   f"model.layers.{i}.input_layernorm.weight": (D,), f"model.layers.{i}.post_attention_layernorm.weight": (D,)}  # fmt: skip
+    m = "model.layers.0.mlp."
+    shapes |= {m + "gate_proj.weight": (F, D), m + "up_proj.weight": (F, D), m + "down_proj.weight": (D, F)}
+    m = "model.layers.1.mlp."
+    shapes |= {m + "gate.weight": (E, D), m + "gate.e_score_correction_bias": (E,)}
+    for e in [*(f"experts.{e}." for e in range(E)), "shared_experts."]:
+        shapes |= {m + e + "gate_proj.weight": (FE, D), m + e + "up_proj.weight": (FE, D), m + e + "down_proj.weight": (D, FE)}
+    return {k: torch.randn(*s, generator=g) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize("ep", [False, True])
+def test_refit_deepseek_v3_layout(ep: bool) -> None:
+    """MLA (fused_qkv_a_proj whole, q_b/kv_b by heads), routed and shared experts, a dense layer:
+    each TP rank's tensors have vLLM's shapes and equal the eager transform cut to their box."""
+    from sdadapt.adapters import vllm_deepseek_v3 as vd
+
+    full = deepseek_hf()
+    opts = dict(n_heads=DSV3["n_heads"], q_lora_rank=DSV3["q_lora_rank"], kv_lora_rank=DSV3["kv_lora_rank"],
+                qk_rope_head_dim=DSV3["qk_rope_head_dim"], moe_hidden_dim=FE, hidden_dim=F, n_experts=E, tp=2,
+                expert_parallel=ep)  # fmt: skip
+    adapter = vd.build(**opts)
+    whole = eager(full, adapter)
+    for rank in range(2):
+        layout = vd.layout(2, rank, expert_parallel=ep)
+        engine = engine_shards(whole, layout, torch.float32)
+        assert {k: tuple(t.shape) for k, t in engine.items()} == vd.parameter_shapes(
+            n_layers=2, n_dense_layers=1, vocab_size=V, dim=D, qk_nope_head_dim=DSV3["qk_nope_head_dim"],
+            v_head_dim=DSV3["v_head_dim"], **opts)
+        sdadapt.refit_plan(full, engine, adapter, engine_layout=layout, bucket_bytes=1 << 12)()
+        check(engine, whole, layout)
+    a = "model.layers.1.self_attn."
+    fused = whole[a + "fused_qkv_a_proj.weight"]
+    assert torch.equal(fused, torch.cat([full[a + "q_a_proj.weight"], full[a + "kv_a_proj_with_mqa.weight"]]))
