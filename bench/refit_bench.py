@@ -1,0 +1,289 @@
+"""Refit benchmark: ``sdadapt.refit_plan`` against gather-then-cut (``export_iter`` + slicing).
+
+    python bench/refit_bench.py [--model llama|qwen3_moe] [--scenario disaggregated|colocated|gpu]
+                                [--size small|8b] [--repeat 3] [--bucket-mib 64] [--engine-dtype bfloat16]
+
+Scenarios (CPU, gloo, one process per rank, started here):
+
+- ``disaggregated``: 4 processes; ranks 0,1 hold the trainer (float32, ``Shard(0)`` over a mesh of
+  the two, FSDP2's placements), ranks 2,3 a vLLM-layout engine with TP 2 (``--engine-dtype``).
+  Baseline: the trainer ranks run ``export_iter`` over their group (every tensor gathered whole on
+  both), rank 0 casts each to the engine's dtype and sends it whole to each engine rank, which
+  cuts its shard with the adapter's recipe.
+- ``colocated``: 2 processes, each a trainer shard (FSDP over both) and an engine TP rank.
+  Baseline: ``export_iter`` on both, each rank cuts its shard from the whole tensors.
+- ``gpu``: 1 process on one GPU (NCCL world of 1): trainer float32 on the GPU, engine on the same
+  GPU; against a device-to-device copy of the same bytes.
+
+Each refit is planned once, then run ``--repeat`` times (the median and every run are printed);
+the baseline likewise. After each, every engine tensor is compared bit for bit with the other
+method's. Bytes: what each rank sent and received (refit: its report; baseline: the gathers'
+bytes received, ``(W - 1) / W`` of each tensor, plus the whole tensors sent). Prints a Markdown
+table and one JSON line per scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "src"))
+
+import sdadapt  # noqa: E402
+
+if not os.path.isdir(os.path.join(os.path.dirname(sdadapt.__file__), "adapters")):
+    try:
+        import sdadapt.adapters  # noqa: F401 - installed (setup.py maps adapters/ to it)
+    except ModuleNotFoundError:  # src/ on the path, not installed: adapters/ beside it is the package
+        sdadapt.__path__.append(ROOT)
+
+SIZES = {
+    "small": dict(layers=4, dim=512, heads=8, kv=4, head_dim=64, hidden=1408, vocab=32000, experts=8, moe_hidden=256),
+    "8b": dict(layers=32, dim=4096, heads=32, kv=8, head_dim=128, hidden=14336, vocab=128256, experts=8, moe_hidden=1024),
+}
+
+
+def weights(model: str, s: dict[str, int], device: str) -> dict[str, torch.Tensor]:
+    """The trainer's full weights (float32): HF layout for llama, torchtitan layout for qwen3_moe;
+    on the meta device: the shapes only."""
+    if device == "meta":
+        r = lambda *shape: torch.empty(*shape, device="meta")  # noqa: E731
+    else:
+        g = torch.Generator(device=device).manual_seed(0)
+        r = lambda *shape: torch.randn(*shape, generator=g, device=device) * 0.02  # noqa: E731
+    d, q, kv, h = s["dim"], s["heads"] * s["head_dim"], s["kv"] * s["head_dim"], s["hidden"]
+    if model == "llama":
+        sd = {"model.embed_tokens.weight": r(s["vocab"], d), "model.norm.weight": r(d), "lm_head.weight": r(s["vocab"], d)}
+        for i in range(s["layers"]):
+            p = f"model.layers.{i}."
+            sd |= {p + "self_attn.q_proj.weight": r(q, d), p + "self_attn.k_proj.weight": r(kv, d),
+                   p + "self_attn.v_proj.weight": r(kv, d), p + "self_attn.o_proj.weight": r(d, q),
+                   p + "mlp.gate_proj.weight": r(h, d), p + "mlp.up_proj.weight": r(h, d), p + "mlp.down_proj.weight": r(d, h),
+                   p + "input_layernorm.weight": r(d), p + "post_attention_layernorm.weight": r(d)}  # fmt: skip
+        return sd
+    e, m = s["experts"], s["moe_hidden"]
+    sd = {"tok_embeddings.weight": r(s["vocab"], d), "norm.weight": r(d), "output.weight": r(s["vocab"], d)}
+    for i in range(s["layers"]):
+        p = f"layers.{i}."
+        sd |= {p + "attention.wq.weight": r(q, d), p + "attention.wk.weight": r(kv, d), p + "attention.wv.weight": r(kv, d),
+               p + "attention.wo.weight": r(d, q), p + "attention.q_norm.weight": r(s["head_dim"]),
+               p + "attention.k_norm.weight": r(s["head_dim"]), p + "attention_norm.weight": r(d), p + "ffn_norm.weight": r(d),
+               p + "moe.router.gate.weight": r(e, d), p + "moe.experts.w1": r(e, m, d), p + "moe.experts.w3": r(e, m, d),
+               p + "moe.experts.w2": r(e, d, m)}  # fmt: skip
+    return sd
+
+
+def adapter(model: str, s: dict[str, int], tp: int) -> sdadapt.Adapter:
+    from sdadapt.adapters import vllm_llama, vllm_qwen3_moe
+
+    if model == "llama":
+        return vllm_llama.build(n_heads=s["heads"], n_kv_heads=s["kv"], head_dim=s["head_dim"], hidden_dim=s["hidden"], tp=tp)
+    to_hf = sdadapt.get_adapter("qwen3_moe", n_experts=s["experts"]).inverse()
+    return to_hf + vllm_qwen3_moe.build(n_heads=s["heads"], n_kv_heads=s["kv"], head_dim=s["head_dim"],
+                                        moe_hidden_dim=s["moe_hidden"], n_experts=s["experts"], tp=tp)  # fmt: skip
+
+
+def engine_of(model: str, s: dict[str, int], tp: int, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    from sdadapt.adapters import vllm_llama, vllm_qwen3_moe
+
+    common = dict(n_layers=s["layers"], vocab_size=s["vocab"], dim=s["dim"], n_heads=s["heads"], n_kv_heads=s["kv"],
+                  head_dim=s["head_dim"], tp=tp)  # fmt: skip
+    if model == "llama":
+        shapes = vllm_llama.parameter_shapes(hidden_dim=s["hidden"], **common)
+    else:
+        shapes = vllm_qwen3_moe.parameter_shapes(moe_hidden_dim=s["moe_hidden"], n_experts=s["experts"], **common)
+    return {k: torch.zeros(v, dtype=dtype, device=device) for k, v in shapes.items()}
+
+
+def layout_of(model: str, tp: int, rank: int):  # noqa: ANN201
+    from sdadapt.adapters import vllm_llama, vllm_qwen3_moe
+
+    return (vllm_llama if model == "llama" else vllm_qwen3_moe).layout(tp, rank)
+
+
+def module_of(sd: dict[str, torch.Tensor]) -> torch.nn.Module:
+    root = torch.nn.Module()
+    for key, t in sd.items():
+        *path, leaf = key.split(".")
+        mod = root
+        for p in path:
+            if not hasattr(mod, p):
+                mod.add_module(p, torch.nn.Module())
+            mod = getattr(mod, p)
+        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
+
+
+class _Dict:
+    def __init__(self, sd: dict[str, torch.Tensor]):
+        self.sd = sd
+
+    def read(self, key, box):  # noqa: ANN001, ANN201
+        return self.sd[key][tuple(slice(a, b) for a, b in box)]
+
+
+def cut(recipes, layout, engine, whole: dict[str, torch.Tensor], done: set[str]) -> None:  # noqa: ANN001
+    """The baseline's receiving side: every engine tensor whose inputs are all in ``whole`` is cut
+    from them (its recipe read over its box) and its inputs no later tensor needs are dropped."""
+    io = _Dict(whole)
+    for k, node in recipes.items():
+        if k in done or k not in engine or not set(node.leaves()) <= set(whole):
+            continue
+        _, box = layout(k, engine[k])
+        engine[k].copy_(node.read(box, io))
+        done.add(k)
+    needed = {leaf for k, n in recipes.items() if k not in done and k in engine for leaf in n.leaves()}
+    for key in [k for k in whole if k not in needed]:
+        del whole[key]
+
+
+def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)  # one process per core at most: the CPU runs compete for 2 cores otherwise
+    gpu = args.scenario == "gpu"
+    device = "cuda" if gpu else "cpu"
+    if gpu:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    s = SIZES[args.size]
+    dtype = getattr(torch, args.engine_dtype)
+    disagg = args.scenario == "disaggregated"
+    trainers = [0, 1] if disagg else list(range(world))
+    mesh = DeviceMesh(device, trainers, mesh_dim_names=("dp",))
+    tgroup = dist.new_group(trainers)
+    is_trainer, is_engine = rank in trainers, (rank >= 2 if disagg else True)
+    tp = 2 if not gpu else 1
+    erank = rank - 2 if disagg else rank
+    full = weights(args.model, s, device)
+    trainer = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in full.items()} if is_trainer else None
+    del full
+    ad = adapter(args.model, s, tp)
+    layout = layout_of(args.model, tp, erank) if is_engine else None
+    engine = engine_of(args.model, s, tp, dtype, device) if is_engine else None
+    sync = (lambda: torch.cuda.synchronize()) if gpu else (lambda: None)  # noqa: E731
+
+    dist.barrier()  # the plan's time, not the slowest rank's setup
+    t0 = time.perf_counter()
+    refit = sdadapt.refit_plan(trainer, engine, ad, engine_layout=layout, bucket_bytes=args.bucket_mib << 20)
+    plan_s = time.perf_counter() - t0
+    runs, reports = [], []
+    for _ in range(args.repeat):
+        dist.barrier()
+        t0 = time.perf_counter()
+        rep = refit()
+        sync()
+        runs.append(time.perf_counter() - t0)
+        reports.append(rep)
+    got = {k: v.clone() for k, v in engine.items()} if engine is not None else {}
+
+    # baseline: gather whole (export_iter) then cut
+    recipes = refit.recipes
+    base_runs = []
+    gathered = sent = 0
+    for _ in range(args.repeat):
+        if engine is not None:
+            for v in engine.values():
+                v.zero_()
+        dist.barrier()
+        t0 = time.perf_counter()
+        done: set[str] = set()
+        whole: dict[str, torch.Tensor] = {}
+        gathered = sent = 0
+        if is_trainer:
+            model = module_of(trainer)
+            for name, t in sdadapt.export_iter(model, None, process_group=tgroup):
+                local = trainer[name]._local_tensor
+                gathered += (t.numel() - local.numel()) * t.element_size()
+                t = t.to(device=device, dtype=dtype)
+                if disagg and rank == 0:
+                    for dst in (2, 3):
+                        dist.send(t, dst)
+                        sent += t.numel() * t.element_size()
+                if engine is not None:
+                    whole[name] = t
+                    cut(recipes, layout, engine, whole, done)
+        elif engine is not None:
+            for name, v in trainer_schema(args.model, s).items():
+                t = torch.empty(v, dtype=dtype, device=device)
+                dist.recv(t, 0)
+                gathered += t.numel() * t.element_size()
+                whole[name] = t
+                cut(recipes, layout, engine, whole, done)
+        sync()
+        base_runs.append(time.perf_counter() - t0)
+    bits = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731 - float8 has no equal on every device
+    same = all(torch.equal(bits(got[k]), bits(engine[k])) for k in got) if engine is not None else True
+    shard_bytes = sum(v.numel() * v.element_size() for v in engine.values()) if engine is not None else 0
+    res = dict(rank=rank, plan_s=plan_s, runs=runs, base_runs=base_runs, sent=reports[-1].bytes_sent,
+               received=reports[-1].bytes_received, local=reports[-1].bytes_local, buffer=reports[-1].buffer_bytes,
+               rounds=reports[-1].rounds, base_received=gathered, base_sent=sent, shard_bytes=shard_bytes, same=same)  # fmt: skip
+    if gpu:
+        n = shard_bytes // 2
+        src = torch.empty(n, dtype=torch.bfloat16, device=device)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.repeat):
+            dst.copy_(src)
+        sync()
+        res["d2d_s"] = (time.perf_counter() - t0) / args.repeat
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def trainer_schema(model: str, s: dict[str, int]) -> dict[str, tuple[int, ...]]:
+    """The trainer's keys and shapes in export_iter's order, without building the weights."""
+    return {k: tuple(v.shape) for k, v in module_of(weights(model, s, "meta")).state_dict().items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=["llama", "qwen3_moe"], default="llama")
+    p.add_argument("--scenario", choices=["disaggregated", "colocated", "gpu"], default="colocated")
+    p.add_argument("--size", choices=sorted(SIZES), default="small")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--bucket-mib", type=int, default=64)
+    p.add_argument("--engine-dtype", default="bfloat16")
+    args = p.parse_args()
+    world = {"disaggregated": 4, "colocated": 2, "gpu": 1}[args.scenario]
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory(prefix="sdadapt-refit-bench-") as tmp:
+        mp.spawn(worker, args=(world, os.path.join(tmp, "store"), args, tmp), nprocs=world, join=True)
+        rows = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(world)]
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    refit_s = max(med(r["runs"]) for r in rows)
+    base_s = max(med(r["base_runs"]) for r in rows)
+    print(f"\n{args.model} {args.size}, {args.scenario}, engine {args.engine_dtype}, bucket {args.bucket_mib} MiB")
+    print(f"refit {refit_s:.3f} s (median of {args.repeat}, slowest rank; plan {max(r['plan_s'] for r in rows):.2f} s), "
+          f"gather-then-cut {base_s:.3f} s; identical results: {all(r['same'] for r in rows)}")  # fmt: skip
+    print("\n| rank | engine shard MiB | refit sent MiB | refit received MiB | refit local MiB | buffer MiB | rounds | "
+          "baseline sent MiB | baseline received MiB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['rank']} | {r['shard_bytes'] / 2**20:.2f} | {r['sent'] / 2**20:.2f} | {r['received'] / 2**20:.2f} | "
+              f"{r['local'] / 2**20:.2f} | {r['buffer'] / 2**20:.2f} | {r['rounds']} | {r['base_sent'] / 2**20:.2f} | "
+              f"{r['base_received'] / 2**20:.2f} |")  # fmt: skip
+    if args.scenario == "gpu":
+        r = rows[0]
+        gib = r["shard_bytes"] / 2**30
+        print(f"\nGPU: {gib:.2f} GiB of engine shards, refit {refit_s:.3f} s = {gib / refit_s:.1f} GiB/s; "
+              f"device-to-device copy of the same bytes {r['d2d_s']:.4f} s = {gib / r['d2d_s']:.1f} GiB/s")  # fmt: skip
+    print(json.dumps(dict(args=vars(args), refit_s=refit_s, baseline_s=base_s, ranks=rows)))
+
+
+if __name__ == "__main__":
+    main()
