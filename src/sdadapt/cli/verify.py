@@ -18,7 +18,9 @@ PASS when max |logit diff| is within the tolerance and the mean KL <= --kl. The 
 follows the dtype and the logits' scale (--rtol times the largest reference logit; by default
 2e-5 in float32, where a right load differs by ~1e-6 and a wrong one by far more), unless
 --atol gives it. On FAIL each decoder layer's output is compared too and the first layer and
-module that disagree are named. --init-buffers module:function is called as function(model)
+module that disagree are named, or, when that module's input differs already, the modules whose
+outputs the difference comes from, with the rotary row order tested on them and A's rules for
+them ("rotary order of wq/wk undecided" when A has none). --init-buffers module:function is called as function(model)
 after the model is materialised, to fill non-persistent buffers (rotary tables) that its own
 init_weights() does not.
 
