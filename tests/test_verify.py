@@ -298,3 +298,20 @@ def test_localisation_names_the_inputs_that_explain_it(case: dict[str, str]) -> 
     rules = [f"#{i} rotary(to='interleaved')" for i, r in enumerate(llama.rules) if isinstance(r, Rotary)]
     assert f"adapter 'llama''s rule(s) {', '.join(rules)} on them give an order the model does not read" in text, text
     assert 'to="half"' in text, text
+
+
+def test_localisation_without_an_explaining_layout_names_the_inputs(case: dict[str, str]) -> None:
+    """A model computing rotary with another theta than the checkpoint's family: wo's input differs,
+    no row order explains it; the report names wq/wk/wv and their parameters as the inputs, and a
+    setting that differs as the other cause."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(case["path"]).eval()
+    model = _model_cfg(dict(CFG, rope_theta=500.0))
+    llama = sdadapt.get_adapter("llama", source=case["path"])
+    sdadapt.load(model, case["path"], llama)
+    text = verify(model, hf, adapter=llama).first_difference or ""
+    assert "from the outputs of layers.0.attention.wq, wk, wv" in text and "Rotary order" not in text, text
+    assert "a setting that differs (rope theta, scaling)" in text, text
+    assert ("check the mapping of layers.0.attention.wq.weight, layers.0.attention.wk.weight, "
+            "layers.0.attention.wv.weight") in text, text
