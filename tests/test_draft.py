@@ -381,3 +381,20 @@ def test_casts_and_transposed_stacks_on_synthetic_schemas() -> None:
     plan = build_plan(src, tgt, exec_module(d.module))
     assert plan.recipes["blocks.1.moe.experts.w2"].describe().count("transpose(") == 1
     assert plan.recipes["blocks.1.moe.experts.w2"].dtype == f32
+
+
+def test_default_check_bounds_its_search(ckpts: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run by default, the numerical check tries every combination of the choices only below a
+    smaller bound than when asked for, and says so when none agreed (here MetaLlama's MoE routes
+    otherwise than Mixtral: no candidate can agree)."""
+    from sdadapt._draft import numeric
+
+    monkeypatch.setattr(numeric, "MAX_COMBINATIONS_BY_DEFAULT", 4)
+    cfg = dict(dim=DIM, n_layers=L, n_heads=H, n_kv_heads=KV, vocab_size=VOCAB, hidden_dim=FFN, norm_eps=1e-5,
+               rope_theta=1e4, n_experts=E, top_k=2)  # fmt: skip
+    with torch.device("meta"):
+        model = MetaLlama(cfg)
+    d = sdadapt.draft(model, ckpts["mixtral"])
+    text = "\n".join(d.summary)
+    assert "values unproven: no candidate agreed" in text, text
+    assert "combinations of the choices were not all tried, as they are with reference='config'" in text, text

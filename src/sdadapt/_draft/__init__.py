@@ -22,6 +22,7 @@ the rules to enable.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -412,7 +413,7 @@ def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, layer
     (``explicit``), else the check is left out, said why."""
     from .._plan.resolve import load_object
     from ..errors import ModelError
-    from .numeric import Experiment, apply_outcome, choices_of, search
+    from .numeric import MAX_COMBINATIONS, MAX_COMBINATIONS_BY_DEFAULT, Experiment, apply_outcome, choices_of, search
 
     if not isinstance(target, nn.Module):
         return None, ["values unproven: the numerical check needs the model itself as the target"]
@@ -444,7 +445,8 @@ def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, layer
         return None, [f"values unproven: the numerical check could not run ({type(e).__name__}: {str(e).splitlines()[0]})"]
     try:
         choices = choices_of(props, facts)
-        out = search(exp, base, choices)
+        bound = MAX_COMBINATIONS if explicit else MAX_COMBINATIONS_BY_DEFAULT
+        out = search(exp, base, choices, bound)
     finally:
         exp.close()
     how = " (run by default; reference='none' skips it)" if not explicit else ""
@@ -455,6 +457,10 @@ def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, layer
         lines.append(f"values unproven: no candidate agreed with the reference ({out.detail}); the questions stay open "
                      "(the reference computes what no candidate does: a rule the draft does not propose, another "
                      "configuration, or buffers of other values)")
+        combos = math.prod(len(c.options) for c in choices)
+        if bound < combos <= MAX_COMBINATIONS:
+            lines.append(f"  the {combos} combinations of the choices were not all tried, as they are with "
+                         "reference='config'")
         return None, lines
     lines += apply_outcome(props, out)
     return out.detail, lines

@@ -9,7 +9,8 @@ open choices are tried on a shrunken copy of both models:
   around their initial values, so that a norm under the wrong name or a missing ``1 + w``
   shows), and saved as a checkpoint in its own format (``save_pretrained``);
 - the target model is copied with the same layers (its layer list cut), materialised on CPU
-  in float32;
+  in float32, its non-persistent buffers filled (:mod:`.buffers`: a copy whose buffers get no
+  values is never compared);
 - each candidate adapter loads that checkpoint into the copy; both run on the same random
   tokens, and each decoder layer's output and the logits are compared at the float32
   tolerance of :func:`sdadapt.verify`.
@@ -55,6 +56,9 @@ log = logging.getLogger(__name__)
 
 MAX_COMBINATIONS = 256
 """Every combination of the choices is tried only below this many (the search comes first)."""
+MAX_COMBINATIONS_BY_DEFAULT = 32
+"""The same bound when the check runs by default rather than asked for: each combination is a
+load of the copy, and a default should not turn a draft into minutes of loads."""
 MAX_PERMUTED = 5
 """Renames of one shape in one block permuted at most (5! = 120 orders)."""
 
@@ -376,7 +380,7 @@ def adapter_for(base: Base, choices: list[Choice], picks: list[int]) -> Adapter:
     return base(replaced, first, last)
 
 
-def search(exp: Experiment, base: Base, choices: list[Choice]) -> Outcome:
+def search(exp: Experiment, base: Base, choices: list[Choice], max_combinations: int = MAX_COMBINATIONS) -> Outcome:
     """The candidate that agrees with the reference, found as the module docstring says."""
     picks = [0] * len(choices)
     best = exp.score(adapter_for(base, choices, picks))
@@ -403,7 +407,7 @@ def search(exp: Experiment, base: Base, choices: list[Choice]) -> Outcome:
             break
     if not full:
         sizes = [len(c.options) for c in choices]
-        if 1 < math.prod(sizes) <= MAX_COMBINATIONS:
+        if 1 < math.prod(sizes) <= max_combinations:
             for combo in itertools.product(*[range(n) for n in sizes]):
                 sc = exp.score(adapter_for(base, choices, list(combo)))
                 if sc[:2] > best[:2]:
