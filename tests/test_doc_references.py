@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import builtins
 import importlib
+import inspect
 import re
 from pathlib import Path
 from types import ModuleType
@@ -58,9 +59,23 @@ def _walk(obj: Any, names: list[str]) -> bool:
         if not hasattr(obj, n):
             ann = getattr(obj, "__annotations__", {}) if isinstance(obj, type) else {}
             fields = getattr(obj, "model_fields", {}) or getattr(obj, "__dataclass_fields__", {})
-            return n in ann or n in fields  # a field documented by name (dataclass, pydantic)
+            return n in ann or n in fields or _instance_attribute(obj, n)  # a field or an attribute set in a method
         obj = getattr(obj, n)
     return True
+
+
+def _instance_attribute(obj: Any, name: str) -> bool:
+    """``name`` is set as ``self.<name>`` in a method of class ``obj`` (or of a base class)."""
+    if not isinstance(obj, type):
+        return False
+    for cls in obj.__mro__:
+        try:
+            source = inspect.getsource(cls)
+        except (OSError, TypeError):
+            continue
+        if re.search(rf"\bself\.{re.escape(name)}\s*(:[^=]+)?=", source):
+            return True
+    return False
 
 
 def _is_package(name: str) -> bool:
