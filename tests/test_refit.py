@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -259,21 +260,23 @@ def test_refit_four_ranks() -> None:
     )
 
 
-def _leaves(seed: int) -> dict[str, object]:
+def _leaves(hang: bool) -> dict[str, object]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard
 
     rank = dist.get_rank()
-    full = llama_hf(seed)
+    full = llama_hf(0)
     mesh = DeviceMesh("cpu", [0], mesh_dim_names=("dp",))
     trainer = shard(full, mesh, lambda k, v: [Shard(0)]) if rank == 0 else None
     layout = vllm_llama.layout(1, 0)
     whole = eager(full, llama_adapter(1))
     engine = engine_shards(whole, layout) if rank == 1 else None
     refit = sdadapt.refit_plan(trainer, engine, llama_adapter(1), engine_layout=layout if rank == 1 else None,
-                               bucket_bytes=4096, timeout=60)  # fmt: skip
+                               bucket_bytes=4096, timeout=3 if hang else 60)  # fmt: skip
     if rank == 0:
+        if hang:
+            time.sleep(12)  # the trainer does not take part in the refit for longer than the timeout
         os._exit(0)  # the trainer leaves before the engine's refit
     try:
         refit.run()
@@ -283,13 +286,20 @@ def _leaves(seed: int) -> dict[str, object]:
     return {}
 
 
-def test_refit_rank_leaves() -> None:
+@pytest.mark.parametrize("hang", [False, True])
+def test_refit_rank_leaves_or_hangs(hang: bool) -> None:
+    """A rank that leaves, or stops answering for longer than ``timeout``: the other rank raises
+    RefitError naming what it did not update, and does not hang."""
+    t0 = time.monotonic()
     with pytest.raises(WorkerError) as info:
-        run_distributed(_leaves, 2, 0, timeout=200)
+        run_distributed(_leaves, 2, hang, timeout=200)
     by_rank = {f.rank: f for f in info.value.failures}
     assert by_rank[0].type_name == "Crash"
     assert by_rank[1].type_name == "RefitError", by_rank[1]
     assert "were not" in by_rank[1].message
+    if hang:
+        assert "Timed out" in by_rank[1].message or "timed out" in by_rank[1].message, by_rank[1].message
+    assert time.monotonic() - t0 < 150
 
 
 # ------------------------------------------------------------------------------ one process

@@ -32,7 +32,7 @@ from pydantic import BaseModel
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .._base.distributed import agree, any_rank, collective_device, is_distributed, rank_and_world
+from .._base.distributed import agree, collective_device, is_distributed, rank_and_world
 from .._base.regions import Box, box_shape, full_box
 from .._plan.adapter import Adapter, with_dtype
 from .._plan.plan import build_plan
@@ -278,8 +278,8 @@ class Refit:
         except BaseException as e:  # noqa: BLE001 - every rank must learn of it
             error = e
         try:
-            failed = any_rank(error is not None, self.group) if self.world > 1 else error is not None
-        except Exception as e:  # noqa: BLE001 - a rank that left breaks the group's collectives
+            failed = self._any_failed(error is not None) if self.world > 1 else error is not None
+        except Exception as e:  # noqa: BLE001 - a rank that left breaks the group's collectives, one that hangs times out
             failed, error = True, error or e
         if failed:
             not_done = sorted(set(todo) - st.done)
@@ -297,6 +297,14 @@ class Refit:
         rep.seconds = time.perf_counter() - t0
         log.info("%s", rep.format_text())
         return rep
+
+    def _any_failed(self, failed: bool) -> bool:
+        """Whether any rank failed this run (every rank calls it); waits at most ``timeout``."""
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=self.device)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        assert work is not None
+        work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        return bool(int(flag.item()))
 
     def _start(self, st: _Run, todo: list[str], active: set[str]) -> None:
         """Fill the constant regions; count, per request and per engine tensor, what is awaited."""
