@@ -315,3 +315,29 @@ def test_localisation_without_an_explaining_layout_names_the_inputs(case: dict[s
     assert "a setting that differs (rope theta, scaling)" in text, text
     assert ("check the mapping of layers.0.attention.wq.weight, layers.0.attention.wk.weight, "
             "layers.0.attention.wv.weight") in text, text
+
+
+def test_localisation_names_an_undecided_norm_offset(tmp_path: Path) -> None:
+    """A Gemma checkpoint (norms store w for x_hat * (1 + w)) drafted headers only into a model whose
+    norms multiply by their weight: the first module that differs is layer 0's first norm, whose
+    input agrees; with 1 added to its weight it equals the reference's, and the draft's adapter has
+    no affine rule for it: the report says so and names the rule."""
+    from draft_natives import Native, native_config, read_config, save_hf
+
+    path, hf = save_hf("gemma", tmp_path, seed=4)
+    cfg = native_config(read_config(path), "interleaved")
+
+    def native() -> Any:
+        with torch.device("meta"):
+            return Native(cfg).eval()
+
+    d = sdadapt.draft(native(), path, reference=None)
+    assert any(q.question.startswith("norm offset") for q in d.questions), d.format()
+    model = native()
+    sdadapt.load(model, path, d.adapter)
+    text = verify(model, hf.eval(), adapter=d.adapter).first_difference or ""
+    assert text.startswith("layers.0 ") and "layers.0.attention_norm's output matches no output" in text, text
+    assert ("Norm offset of layers.0.attention_norm.weight: with 1 added to it, its output equals the reference's" in text
+            and "norm offset undecided: adapter 'draft' has no affine rule for layers.{i}.attention_norm.weight (the "
+            "draft left it open: its DECIDE 'norm offset'); add sdadapt.affine(\"layers.{i}.attention_norm.weight\", "
+            "shift=1.0)") in text, text

@@ -17,6 +17,10 @@ concatenated, as a fused projection is). Then:
   reference's, the rotary row order of those tensors is the cause; given the adapter, the
   message says whether it has a rotary rule for them (none: the question is undecided, as a
   draft leaves it) and which rule to add.
+
+For a norm whose own output differs while its input agrees, a second hypothesis is tested: the
+weight plus one (Gemma's norms compute ``x_hat * (1 + w)`` and store ``w``); the message then
+says whether the adapter has the ``affine(..., shift=1.0)`` rule for it.
 """
 
 from __future__ import annotations
@@ -143,6 +147,10 @@ def drill(model: nn.Module, reference: nn.Module, m_layer: tuple[str, nn.Module]
             if feeders:
                 return _upstream(m_name, r_name, name, parent, feeders, mods, got, (m_mod, call, ref_out), reference,
                                  rtol, full, adapter)
+        offset = _offset_hypothesis(name, mods[name], inp, refs, rtol, full, adapter)
+        if offset:
+            return (f"{m_name} (its input agrees with the reference): {name}'s output matches no output of the "
+                    f"reference's {r_name}, and its input does. {offset}")
         text = (f"{m_name} (its input agrees with the reference): {name}'s output matches no output of the "
                 f"reference's {r_name}; check the mapping of {_params(name, mods[name]) or 'its inputs'}")
         if permuted:
@@ -150,6 +158,44 @@ def drill(model: nn.Module, reference: nn.Module, m_layer: tuple[str, nn.Module]
                      "rotary layout the model applies itself, wrong otherwise)")
         return text
     return f"{m_name}: every module's output has a counterpart in the reference's {r_name}, yet the layer's output differs"
+
+
+def _offset_hypothesis(name: str, mod: nn.Module, inp: torch.Tensor | None, refs: list[torch.Tensor], rtol: float,
+                       full: Full, adapter: Adapter | None) -> str | None:
+    """For a norm (a module whose only parameter is a 1-D ``weight``): whether its output with 1
+    added to the weight matches a reference output, as Gemma's ``x_hat * (1 + w)`` norms store
+    ``w``; the sentence saying so, or ``None``."""
+    params = dict(mod.named_parameters())
+    weight = params.get("weight")
+    if inp is None or list(params) != ["weight"] or weight is None or weight.dim() != 1:
+        return None
+    try:
+        with torch.no_grad():
+            weight.add_(1.0)
+            try:
+                out = full(mod(inp.to(dtype=weight.dtype)))
+            finally:
+                weight.sub_(1.0)
+    except Exception:  # noqa: BLE001 - a module that cannot run alone on its input: no hypothesis
+        return None
+    if out is None or match(out, refs, rtol) != "equal":
+        return None
+    key = f"{name}.weight"
+    text = (f"Norm offset of {key}: with 1 added to it, its output equals the reference's (the checkpoint stores w "
+            f"for a norm computing x_hat * (1 + w), as Gemma's do)")
+    fix = f'sdadapt.affine("{_pattern(key)}", shift=1.0)'
+    if adapter is None:
+        return f"{text}; an adapter loading it right has {fix} (for every such norm)"
+    from ..rules import Affine
+    from ..rules._patterns import compile_pattern
+
+    covered = [f"#{i}" for i, r in enumerate(adapter.rules) if isinstance(r, Affine)
+               and any(compile_pattern(p).match(k) for p in (r.keys if isinstance(r.keys, list) else [r.keys])
+                       for k in (key, _pattern(key)))]
+    if covered:
+        return f"{text}; adapter {adapter.name!r}'s affine rule(s) {', '.join(covered)} on it give another value"
+    asked = " (the draft left it open: its DECIDE 'norm offset')" if adapter.name == "draft" else ""
+    return f"{text}: norm offset undecided: adapter {adapter.name!r} has no affine rule for {_pattern(key)}{asked}; add {fix}"
 
 
 def _upstream(m_name: str, r_name: str, name: str, parent: str, feeders: list[str], mods: dict[str, nn.Module],
