@@ -161,6 +161,16 @@ def _cases(bucket: int) -> dict[str, object]:
         assert rep.bytes_received == 0 and rep.updated == []
     out["disaggregated"] = rep.model_dump()
 
+    # 1b. the same with computed recipes (an affine after the fuse): inputs staged on the engine ranks,
+    #     received from both trainer ranks in rounds of a small bucket
+    computed = llama_adapter(2) + sdadapt.Adapter([sdadapt.affine("model.layers.{i}.self_attn.qkv_proj.weight", scale=2.0, shift=0.5)])
+    whole_c = eager(full, computed)
+    engine = engine_shards(whole_c, layout) if layout else None
+    rep = sdadapt.refit_plan(trainer, engine, computed, engine_layout=layout, bucket_bytes=bucket)()
+    if engine is not None:
+        check(engine, whole_c, layout)
+        assert 0 < rep.staged_bytes and rep.buffer_bytes <= bucket
+
     # 2. colocated: FSDP over all 4 ranks -> two vLLM TP-2 replicas (ranks 0,1 and 2,3), delta mode
     world = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     trainer = shard(full, world, fsdp)
