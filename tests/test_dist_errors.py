@@ -4,9 +4,10 @@ One launched group of 3 ranks runs every case in turn (a failed load leaves the 
 usable, which the last case proves by loading successfully); the tests below check what each
 rank saw. Cases:
 
-- key mismatch (misspelt, extra and wrong-shape keys) and an undeclared dtype change: every
-  rank raises PlanError; a meta model stays on meta, a materialised one keeps its exact values
-  and storage (FSDP-sharded and plain);
+- key mismatch (misspelt, extra and wrong-shape keys) and an undeclared narrowing dtype change:
+  every rank raises PlanError (rank 0's with the whole report, the others' one line pointing at
+  it); a meta model stays on meta, a materialised one keeps its exact values and storage
+  (FSDP-sharded and plain);
 - a source that exists on rank 1 only not (a missing path, a checkpoint with a key missing):
   rank 1 raises its own error, the others RemoteRankError naming rank 1;
 - a model with a non-persistent buffer and no hook: every rank raises before anything changes;
@@ -86,7 +87,7 @@ def write_sources(folder: str) -> None:
     bad["extra.weight"] = torch.zeros(3)  # unexpected
     bad["head.bias"] = torch.zeros(36)  # wrong shape (vocab is 37)
     write_torch_save(os.path.join(folder, "mismatch.pt"), bad)
-    write_safetensors(os.path.join(folder, "bf16.safetensors"), {k: v.to(torch.bfloat16) for k, v in sd.items()})
+    write_safetensors(os.path.join(folder, "f64.safetensors"), {k: v.to(torch.float64) for k, v in sd.items()})
     write_torch_save(os.path.join(folder, "missing_key.pt"), {k: v for k, v in sd.items() if k != "layers.1.ffn.2.bias"})
     write_torch_save(os.path.join(folder, "rotary.pt"), rotary_state_dict())
 
@@ -152,9 +153,9 @@ def _error_cases(folder: str) -> dict[str, dict[str, Any]]:
     out["mismatch_plain_real"] = _outcome(lambda: sdadapt.load(plain, path("mismatch.pt")))
     out["mismatch_plain_real"]["untouched"] = _unchanged(plain, snap)
 
-    # 3. a dtype change no rule declares (bf16 file into an fp32 model)
+    # 3. a narrowing dtype change no rule declares (float64 file into a float32 model)
     model = _fsdp_meta_tiny(mesh)
-    out["undeclared_cast"] = _outcome(lambda: sdadapt.load(model, path("bf16.safetensors")))
+    out["undeclared_cast"] = _outcome(lambda: sdadapt.load(model, path("f64.safetensors")))
     out["undeclared_cast"]["untouched"] = _all_meta(model)
 
     # 4. the source is missing on rank 1 only
@@ -230,8 +231,11 @@ def test_key_mismatch_raises_plan_error_on_every_rank(results: list[dict], case:
     for rank, r in enumerate(results):
         o = r[case]
         assert o["error"] == "PlanError", (rank, o)
-        for name in ("norm.weight", "norm.wieght", "extra.weight", "head.bias"):
-            assert name in o["message"], (rank, name, o["message"])
+        if rank == 0:  # the whole report, once
+            for name in ("norm.weight", "norm.wieght", "extra.weight", "head.bias"):
+                assert name in o["message"], (rank, name, o["message"])
+        else:  # one line pointing at rank 0's
+            assert "\n" not in o["message"] and "rank 0's error has the whole message" in o["message"], o["message"]
         assert o["untouched"], f"rank {rank}: the model changed"
 
 
@@ -239,7 +243,8 @@ def test_undeclared_dtype_change_raises_everywhere(results: list[dict]) -> None:
     for rank, r in enumerate(results):
         o = r["undeclared_cast"]
         assert o["error"] == "PlanError", (rank, o)
-        assert "bfloat16" in o["message"] and "float32" in o["message"], o["message"]
+        if rank == 0:
+            assert "float64" in o["message"] and "float32" in o["message"], o["message"]
         assert o["untouched"]
 
 
@@ -260,9 +265,12 @@ def test_plan_differs_on_one_rank(results: list[dict]) -> None:
     for rank, r in enumerate(results):
         o = r["plan_differs_on_rank1"]
         assert o["error"] == ("PlanError" if rank == 1 else "RemoteRankError"), (rank, o)
-        assert "layers.1.ffn.2.bias" in o["message"]
-        if rank != 1:
-            assert "rank 1" in o["message"]
+        if rank == 0:  # quotes rank 1's whole error
+            assert "layers.1.ffn.2.bias" in o["message"] and "rank 1" in o["message"], o["message"]
+        else:  # rank 1 itself and the others: one line pointing at rank 0's
+            assert "\n" not in o["message"] and "rank 0's error" in o["message"], o["message"]
+        if rank == 2:
+            assert o["message"].startswith("rank 1 failed (PlanError: checkpoint does not match the model"), o["message"]
         assert o["untouched"], f"rank {rank}: the model changed"
 
 

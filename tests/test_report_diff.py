@@ -111,7 +111,8 @@ def test_runs_compressed_in_report(tmp_path):
 def test_report_row_limit_and_json():
     r = Report(source="s", target="t", missing=[f"k{i}.x" for i in range(30)] + [f"a{i}.b" for i in range(30)])
     text = r.format(max_rows=5)
-    assert "  ... and 55 more rows (--all lists every row)" in text
+    assert "  ... and 55 more rows (format(max_rows=None) lists every row)" in text
+    assert "--all" not in text  # a Python message names no CLI flag
     every = r.format(max_rows=None)
     assert "more rows" not in every and all(f"k{i}.x" in every for i in range(30))
     again = Report.model_validate_json(r.model_dump_json())
@@ -119,13 +120,13 @@ def test_report_row_limit_and_json():
 
 
 def test_dtype_and_rule_problems_grouped():
-    src = {f"l.{i}.w": TensorInfo((2,), torch.bfloat16) for i in range(4)}
-    tgt = {f"l.{i}.w": TensorInfo((2,), torch.float32) for i in range(4)}
+    src = {f"l.{i}.w": TensorInfo((2,), torch.float32) for i in range(4)}
+    tgt = {f"l.{i}.w": TensorInfo((2,), torch.bfloat16) for i in range(4)}
     report = build_plan(src, tgt, sdadapt.Adapter([sdadapt.drop("nothing")])).report
     text = report.format()
     assert 'dtype mismatch (4), all fixed by sdadapt.cast("**", "model") if the conversion is intended:' in text
     [row] = [line for line in text.splitlines() if line.startswith("  l.{0..3}.w: ")]
-    assert "model float32, checkpoint gives bfloat16 (from l." in row
+    assert "model bfloat16, checkpoint gives float32 (from l." in row
     assert "rules that matched nothing (1):\n  #0 drop(keys='nothing')" in text
 
 
@@ -138,9 +139,9 @@ def test_dtype_only_mismatch_names_the_one_rule_that_fixes_it():
     lines = text.splitlines()
     assert lines[3] == (
         'root cause: only dtypes differ: the checkpoint gives float32 where the model holds bfloat16 (12 keys); '
-        'the one rule that fixes it: sdadapt.cast("**", "model") (or sdadapt.load(..., dtype="model"); '
-        'sdadapt diff --dtype model)'
+        'the one rule that fixes it: sdadapt.cast("**", "model") (or sdadapt.load(..., dtype="model"))'
     )
+    assert build_plan(src, tgt).report.format(cli=True).splitlines()[3].endswith("(sdadapt diff --dtype model)")
     assert sum("root cause" in line for line in lines) == 1
     fixed = build_plan(src, tgt, sdadapt.Adapter([sdadapt.cast("**", "model")]))
     assert fixed.report.ok, fixed.report.format()
@@ -154,14 +155,14 @@ def test_diff_takes_the_dtype_that_load_takes(tmp_path, capsys):
     float32 model."""
     from sdadapt.cli import main
 
-    path = write_safetensors(tmp_path / "m.safetensors", {"w": torch.ones(2, 3, dtype=torch.bfloat16)})
-    model = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(2, 3))})
+    path = write_safetensors(tmp_path / "m.safetensors", {"w": torch.ones(2, 3, dtype=torch.float32)})
+    model = torch.nn.ParameterDict({"w": torch.nn.Parameter(torch.zeros(2, 3, dtype=torch.bfloat16))})
     assert not sdadapt.diff(model, path).ok
     report = sdadapt.diff(model, path, dtype="model")
     assert report.ok and report.adapter == "dtype=model"
     assert sdadapt.plan_load(model, path, dtype="model")[1].report.ok
     target = tmp_path / "target.safetensors"
-    write_safetensors(target, {"w": torch.zeros(2, 3)})
+    write_safetensors(target, {"w": torch.zeros(2, 3, dtype=torch.bfloat16)})
     assert main(["diff", str(path), "--target", str(target)]) == 1
     assert main(["diff", str(path), "--target", str(target), "--dtype", "model"]) == 0
     assert "OK: checkpoint and model line up" in capsys.readouterr().out

@@ -197,10 +197,15 @@ def test_split_problems():
 
 
 def test_dtype_change_without_cast_is_a_mismatch():
-    p = plan({"w": ((2, 2), BF16)}, {"w": ((2, 2), F32)})
+    """A narrowing (float32 -> bfloat16) needs a cast rule; the exact widening the other way
+    loads as it is, listed as widened."""
+    widened = plan({"w": ((2, 2), BF16)}, {"w": ((2, 2), F32)})
+    assert widened.report.ok and widened.report.widened == ["w"]
+    assert isinstance(widened.recipes["w"], Converted)
+    p = plan({"w": ((2, 2), F32)}, {"w": ((2, 2), BF16)})
     assert not p.report.ok
     [mm] = p.report.dtype_mismatch
-    assert (mm.key, mm.model, mm.checkpoint) == ("w", "float32", "bfloat16")
+    assert (mm.key, mm.model, mm.checkpoint) == ("w", "bfloat16", "float32")
     assert 'sdadapt.cast("**", "model")' in p.report.format()
     assert p.recipes == {}
 

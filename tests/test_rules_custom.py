@@ -423,12 +423,12 @@ def test_resume_through_affine_scales_moments_like_gradients(tmp_path):
 
 
 def test_load_dtype_model_casts_every_tensor_to_the_models_dtype(tmp_path):
-    sd = {k: v.to(torch.bfloat16) for k, v in _expected(_checkpoint()).items()}
-    path = write_safetensors(tmp_path / "bf16.safetensors", sd)
+    sd = {k: v.to(torch.float64) for k, v in _expected(_checkpoint()).items()}
+    path = write_safetensors(tmp_path / "f64.safetensors", sd)
     model = Small()
     model.q_norm.to(torch.bfloat16)  # mixed: one module already holds bfloat16
     with pytest.raises(sdadapt.errors.PlanError, match=r'root cause: only dtypes differ.*sdadapt.cast\("\*\*", "model"\)'):
-        sdadapt.load(model, path)
+        sdadapt.load(model, path)  # float64 into float32 and bfloat16: narrowings
     sdadapt.load(model, path, dtype="model")
     for k, v in model.state_dict().items():
         assert v.dtype == (torch.bfloat16 if k.startswith("q_norm") else torch.float32), k

@@ -59,11 +59,9 @@ class PlanError(SdadaptError):
 
     def __init__(self, report: Any):
         self.report = report
-        super().__init__(
-            "checkpoint does not match the model; nothing was loaded.\n"
-            + report.format()
-            + "\nFix the adapter (see `sdadapt diff`), or relax with allow_missing=/allow_unexpected= patterns."
-        )
+        advice = getattr(report, "advice", None)
+        closing = advice() if callable(advice) else "Fix the adapter, or relax with allow_missing=/allow_unexpected= patterns."
+        super().__init__("checkpoint does not match the model; nothing was loaded.\n" + report.format() + "\n" + closing)
 
 
 class ModelError(SdadaptError):

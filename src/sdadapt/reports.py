@@ -7,6 +7,7 @@ Each is a plain object to read, print (``str(report)``) or serialise (the pydant
 - :class:`Plan` (with its :class:`Report`) from :func:`sdadapt.plan_load`, and the :class:`Report`
   alone from :func:`sdadapt.diff`;
 - :class:`StateLoadReport` from :func:`sdadapt.load_state`;
+- :class:`SaveReport` from :func:`sdadapt.save_state` (it also stands for the folder's path);
 - :class:`ExportReport` from :func:`sdadapt.export` and :func:`sdadapt.convert`;
 - :class:`VerifyReport` from :func:`sdadapt.verify`;
 - :class:`ShrinkReport` from :func:`sdadapt.shrink`;
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from ._transaction.load import LoadReport as LoadReport
     from ._transaction.refit import Refit as Refit
     from ._transaction.refit import RefitReport as RefitReport
+    from ._transaction.saved import SaveReport as SaveReport
     from ._transaction.shrink import ShrinkReport as ShrinkReport
     from ._transaction.state import StateLoadReport as StateLoadReport
     from ._transaction.verify import VerifyReport as VerifyReport
@@ -45,6 +47,7 @@ _PUBLIC: dict[str, str] = {
     "Plan": "sdadapt._plan.plan",
     "LoadReport": "sdadapt._transaction.load",
     "StateLoadReport": "sdadapt._transaction.state",
+    "SaveReport": "sdadapt._transaction.saved",
     "ExportReport": "sdadapt._transaction.export",
     "VerifyReport": "sdadapt._transaction.verify",
     "ShrinkReport": "sdadapt._transaction.shrink",

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import RemoteRankError
+from ..errors import RemoteRankError, SdadaptError
 
 
 def is_distributed() -> bool:
@@ -24,7 +24,9 @@ def agree(error: BaseException | None, group: dist.ProcessGroup | None = None) -
     """Collective: every rank calls it; if any rank passes an error, every rank raises.
 
     The failing rank re-raises its own error; the others raise :class:`RemoteRankError`
-    quoting it. Call it at the same point on every rank.
+    quoting it. Only rank 0's error carries the whole message: on the other ranks it is one
+    line pointing at rank 0 (:func:`brief_off_rank0`), so that N ranks do not print N copies.
+    Call it at the same point on every rank.
     """
     if not is_distributed():
         if error is not None:
@@ -33,10 +35,29 @@ def agree(error: BaseException | None, group: dist.ProcessGroup | None = None) -
     mine = None if error is None else f"{type(error).__name__}: {error}"
     msgs = gather_if_any(mine, mine is not None, group)
     if error is not None:
+        brief_off_rank0(error, group)
         raise error
     for r, m in enumerate(msgs):
         if m is not None:
-            raise RemoteRankError(f"rank {r} failed, so this rank stops too:\n{m}")
+            remote = RemoteRankError(f"rank {r} failed, so this rank stops too:\n{m}")
+            brief_off_rank0(remote, group, first=f"rank {r} failed ({m.split(chr(10), 1)[0].rstrip(':')}), so this rank stops too")
+            raise remote
+
+
+def brief_off_rank0(error: BaseException, group: dist.ProcessGroup | None = None, first: str | None = None) -> None:
+    """On a rank other than 0 (of ``group``) of a distributed run, cut an sdadapt error that every
+    rank raises to its first line, pointing at rank 0's error, which has the whole message (its
+    ``full_message`` attribute keeps it here); ``first``: the line to say instead of the first.
+    Errors that are not sdadapt's are left alone."""
+    if not isinstance(error, SdadaptError) or not is_distributed() or dist.get_rank(group) == 0 or not error.args:
+        return
+    full = str(error)
+    first = first or full.split("\n", 1)[0].rstrip(":")
+    if first == full:
+        return
+    error.full_message = full  # type: ignore[attr-defined]
+    more = "; this error's .report holds the report" if hasattr(error, "report") else ""
+    error.args = (f"{first} [rank {dist.get_rank(group)}: rank 0's error has the whole message{more}]", *error.args[1:])
 
 
 def gather_if_any(obj: Any, flagged: bool, group: dist.ProcessGroup | None = None) -> list[Any]:

@@ -111,8 +111,11 @@ def prefetch_pinned(device: torch.device, bands: bool, config: EngineConfig | No
 class IOEngine:
     """Runs a rank's reads for one ``dcp.load``; see :mod:`sdadapt._engine`."""
 
-    def __init__(self, source: Source, config: EngineConfig | None = None, *, cpu_lane: bool = False):
+    def __init__(
+        self, source: Source, config: EngineConfig | None = None, *, cpu_lane: bool = False, on_done: Callable[[int], None] | None = None
+    ):
         self.source = source
+        self.on_done = on_done  # progress: called from the threads with each finished task's destination bytes
         self.config = config or EngineConfig.from_env()
         self.stats = EngineStats()
         self.cpu_lane = cpu_lane  # tests: CPU destinations go through a device lane on the CPU, as GPU ones do
@@ -152,7 +155,7 @@ class IOEngine:
         # The first `computing` threads each hold a band buffer and are the only ones that compute.
         computing = cfg.computing_threads(threads)
         bands = StagingPool(cfg.band_buffers(threads), cfg.band_buffer_bytes(), pin)
-        shared = Shared(self.source, TaskQueues(), {}, pool, chunk, bands, min_span=cfg.min_span_bytes)
+        shared = Shared(self.source, TaskQueues(), {}, pool, chunk, bands, min_span=cfg.min_span_bytes, on_done=self.on_done)
         if device is not None:
             shared.lane = DeviceLane(device, bands.size, shared.fail, cfg.landing_buffers)
             shared.lane.start()

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -114,8 +115,10 @@ class AdaptedStorageReader(StorageReader):
         engine: str | None = None,
         config: EngineConfig | None = None,
         share_reads: bool = False,
+        on_done: Callable[[int], None] | None = None,
     ):
         super().__init__()
+        self.on_done = on_done  # progress: called with the destination bytes of each finished read
         self.plan = plan
         self.source = source
         self.io = CountingIO(source)
@@ -181,7 +184,7 @@ class AdaptedStorageReader(StorageReader):
         if self.share_reads and is_distributed():
             targets = [_target_of(planner, item) for item in plan.items]
             to_read, shares = share.split(jobs, targets)
-        engine = IOEngine(self.source, self.config)
+        engine = IOEngine(self.source, self.config, on_done=self.on_done)
         failure: BaseException | None = None
         try:
             self._prefetch(to_read)
@@ -194,9 +197,12 @@ class AdaptedStorageReader(StorageReader):
             self.stats.add(engine.stats)
         if shares:
             share.exchange(shares, failed=failure is not None)
-            self.shared_bytes += sum(j.dest.numel() * j.dest.element_size() for j in jobs) - sum(
+            received = sum(j.dest.numel() * j.dest.element_size() for j in jobs) - sum(
                 j.dest.numel() * j.dest.element_size() for j in to_read
             )
+            self.shared_bytes += received
+            if self.on_done is not None:
+                self.on_done(received)
         if failure is not None:
             raise failure
         for item, job in zip(plan.items, jobs, strict=True):
@@ -254,6 +260,8 @@ class AdaptedStorageReader(StorageReader):
                 files = sorted({self.source.file_of(k) for k in job.node.leaves()})
                 raise LoadError(f"key {job.key!r} (from {', '.join(files)}): reading {list(job.box)} failed: {e}") from e
             job.dest.copy_(value)
+            if self.on_done is not None:
+                self.on_done(job.dest.numel() * job.dest.element_size())
             planner.commit_tensor(item, job.dest)
             self.items_read += 1
         self.seconds += time.perf_counter() - start

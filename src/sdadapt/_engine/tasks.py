@@ -127,6 +127,21 @@ class FillTask:
 Task = DirectRead | StagedRead | SourceRead | ComputeTask | FillTask
 
 
+def task_bytes(task: Task) -> int:
+    """The destination bytes ``task`` writes (for progress): a gathered input counts in its
+    computation, not where it lands."""
+    match task:
+        case DirectRead():
+            dests = [task.dest]
+        case StagedRead():
+            dests = [d.dest for d in task.deliveries if d.into is None]
+        case SourceRead():
+            dests = [task.piece.dest]
+        case ComputeTask() | FillTask():
+            dests = [task.step.dest]
+    return sum(d.numel() * d.element_size() for d in dests)
+
+
 def task_paths(task: Task) -> tuple[str, ...]:
     """The files a task may read with ``preadv`` (opened before any thread sees the task)."""
     if isinstance(task, (DirectRead, StagedRead)):

@@ -6,6 +6,7 @@ import functools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -18,7 +19,7 @@ from .geometry import round_up
 from .lanes import TaskQueues
 from .locate import Runs, file_runs
 from .staging import StagingPool
-from .tasks import ComputeTask, Delivery, DirectRead, FillTask, SourceRead, StagedRead, Task, Where
+from .tasks import ComputeTask, Delivery, DirectRead, FillTask, SourceRead, StagedRead, Task, Where, task_bytes
 from .views import TypedViews
 
 
@@ -138,6 +139,7 @@ class Shared:
     errors: list[BaseException] = field(default_factory=list)
     failed: threading.Event = field(default_factory=threading.Event)
     first_done: float | None = None  # when the run's first task finished (``time.perf_counter``)
+    on_done: Callable[[int], None] | None = None  # progress: called with each finished task's destination bytes
 
     def fail(self, e: BaseException) -> None:
         """Record ``e`` and stop the run."""
@@ -193,6 +195,8 @@ class Worker:
             except Exception as e:  # noqa: BLE001 - named and re-raised by run()
                 sh.fail(task.where.error(e))
             end = time.perf_counter()
+            if sh.on_done is not None:
+                sh.on_done(task_bytes(task))
             self.busy += end - start
             if sh.first_done is None:  # unlocked: two threads finishing together may both set it, moments apart
                 sh.first_done = end

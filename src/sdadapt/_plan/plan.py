@@ -17,7 +17,7 @@ from ..rules._base import PlanContext, unwrap_key
 from ..rules._patterns import matches_any
 from ..sources._base import TensorInfo, dtype_name
 from .adapter import Adapter
-from .report import Mismatch, Report
+from .report import Mismatch, Report, scale_keys
 
 
 def index_pattern(key: str) -> str:
@@ -152,7 +152,7 @@ def build_plan(
             )
         elif node.dtype != want.dtype and (adopted := _in_target_dtype(node, want)) is not None:
             recipes[key] = adopted
-        elif node.dtype != want.dtype and report.dequant_rules and widens_exactly(node.dtype, want.dtype) and _as_stored(node):
+        elif node.dtype != want.dtype and widens_exactly(node.dtype, want.dtype) and _as_stored(node):
             recipes[key] = Converted(node, want.dtype)
             report.widened.append(key)
         elif node.dtype != want.dtype:
@@ -174,22 +174,69 @@ def build_plan(
             (report.allowed_unexpected if matches_any(allow_unexpected, key) else report.unexpected).append(key)
     for key in sorted(ctx.non_tensor):
         (report.allowed_unexpected if matches_any(allow_unexpected, key) else report.non_tensor).append(key)
+    if scale_keys(report.unexpected + report.non_tensor):
+        _unwiden_scaled(report, recipes)
     report.matched = len(recipes)
+    if report.missing and adapter.rules:
+        report.looked_for = looked_for(adapter, source, target, report.missing)
     return Plan(recipes, report, target, skipped=skipped, other_stages=other_stages, other_stage_sources=other_stage_sources)
 
 
+def _unwiden_scaled(report: Report, recipes: dict[str, Node]) -> None:
+    """Beside unconsumed scales, a float8 tensor is a quantized weight read without its dequant
+    rule, not a value to widen: its widening is taken back and it is a dtype mismatch (which the
+    report's quantization hint explains)."""
+    for key in [k for k in report.widened if _fp8_widened(recipes[k])]:
+        node = recipes.pop(key)
+        assert isinstance(node, Converted)
+        report.widened.remove(key)
+        report.dtype_mismatch.append(
+            Mismatch(key=key, model=dtype_name(node.dtype), checkpoint=dtype_name(node.child.dtype), recipe=node.child.describe())
+        )
+
+
+def _fp8_widened(node: Node) -> bool:
+    return isinstance(node, Converted) and node.child.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def looked_for(adapter: Adapter, source: dict[str, TensorInfo], target: dict[str, TensorInfo], missing: list[str]) -> dict[str, list[str]]:
+    """Missing target key -> the checkpoint key(s) ``adapter`` would have made it from: the keys
+    its inverse gives from the target schema whose recipes read the missing key. Empty for an
+    adapter whose inverse cannot be built or applied (a message then names the model's key only)."""
+    wanted = set(missing)
+    try:
+        inv = adapter.inverse()
+        ctx = PlanContext(target, [], source, inv.rules, inv.stage_of)
+        for i, rule in enumerate(inv.rules):
+            rule.apply(ctx, i)
+    except Exception:  # noqa: BLE001 - only a hint for the report: a rule without an inverse gives none
+        return {}
+    out: dict[str, list[str]] = {}
+    for key, node in ctx.env.items():
+        for leaf in node.leaves():
+            if leaf in wanted and leaf != key:
+                out.setdefault(leaf, []).append(key)
+    return {k: sorted(v) for k, v in sorted(out.items())}
+
+
+_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# (stored, wanted): every value of the stored dtype is a value of the wanted one. float8 e4m3fn
+# (3 mantissa bits, |x| <= 448, subnormals down to 2**-9) and e5m2 (2 bits, <= 57344, 2**-16)
+# fit in float16 (10 bits, <= 65504, 2**-24) and bfloat16 (7 bits, float32's range); float16 and
+# bfloat16 in float32; everything in float64. float16 <-> bfloat16 loses either way.
 _EXACT_WIDENINGS = {
-    (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-    (torch.bfloat16, torch.float64), (torch.float16, torch.float64), (torch.float32, torch.float64),
+    (torch.float8_e4m3fn, torch.float16), (torch.float8_e4m3fn, torch.bfloat16),
+    (torch.float8_e5m2, torch.float16), (torch.float8_e5m2, torch.bfloat16),
+    *((a, torch.float32) for a in _FLOATS[:4]),
+    *((a, torch.float64) for a in _FLOATS[:5]),
 }
 
 
 def widens_exactly(stored: torch.dtype, want: torch.dtype) -> bool:
-    """Whether every value of ``stored`` is a value of ``want`` (bfloat16 or float16 into float32).
-    In a quantized release, the tensors stored unquantized (embeddings, norms, head) are widened so
-    into a float32 model (FSDP2's master weights) beside the dequantised ones, which take the
-    model's dtype: the release then loads with no ``dtype`` option. A narrowing, and the result of
-    an explicit cast rule, stay problems."""
+    """Whether every value of ``stored`` is a value of ``want`` (bfloat16 or float16 into float32,
+    float8 into any wider float). Such a key loads with no cast rule and is listed in the report's
+    ``widened``: a bfloat16 release into a float32 model (FSDP2's master weights) is the usual case.
+    A narrowing, float <-> int, and the result of an explicit cast rule stay problems."""
     return (stored, want) in _EXACT_WIDENINGS
 
 

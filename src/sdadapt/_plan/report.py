@@ -23,9 +23,12 @@ CAST_FIX = 'sdadapt.cast("**", "model")'
 NOT_NUMBERS = (
     "note: this compares names, shapes and dtypes only, not values: a wrong row order inside "
     "heads, an interleaved fused tensor or a missing (1 + w) still lines up. Check the numbers "
-    "with `sdadapt verify SRC --model M --adapter A` (logits against a reference)"
+    "with {verify} (logits against a reference)"
 )
-"""What a key mapping does not show, and where the numerical check is."""
+"""What a key mapping does not show, and where the numerical check is (``{verify}``: the CLI's
+or Python's spelling, :data:`VERIFY`)."""
+
+VERIFY = {True: "`sdadapt verify SRC --model M --adapter A`", False: "sdadapt.verify(model, reference)"}
 
 VERDICT_UNCHECKED = "OK: checkpoint and model line up by names and shapes; values unchecked"
 """The verdict of a clean report when no numerical check ran: a line-up is not a right load."""
@@ -63,7 +66,9 @@ class Report(BaseModel):
         allowed_missing: missing keys an ``allow_missing`` pattern allowed.
         allowed_unexpected: unexpected keys allowed (patterns, other pipeline stages).
         dropped: checkpoint keys a ``drop`` rule took.
-        widened: keys of a quantized release stored unquantized, widened to the model's dtype.
+        widened: keys whose stored dtype widens exactly to the model's (bfloat16 -> float32),
+            loaded so with no cast rule.
+        looked_for: missing key -> the checkpoint key(s) the adapter would have made it from.
         values_checked: what numerical check ran on the values, if any.
         dequant_rules: the adapter's dequantising rules, for the quantized-source hint.
         suggestion: a shipped adapter for the checkpoint's family, when none was given
@@ -91,7 +96,8 @@ class Report(BaseModel):
     allowed_missing: list[str] = []
     allowed_unexpected: list[str] = []
     dropped: list[str] = []
-    widened: list[str] = []  # keys of a quantized release stored unquantized, widened exactly to the model's dtype
+    widened: list[str] = []  # keys whose stored dtype widens exactly to the model's (bfloat16 -> float32)
+    looked_for: dict[str, list[str]] = {}  # missing key -> the checkpoint key(s) the adapter looked for
     values_checked: str | None = None  # what numerical check ran on the values, if any (e.g. by draft)
     dequant_rules: list[str] = []  # "#i kind" of the adapter's dequantising rules (the quantized-source hint)
     suggestion: str | None = None  # a shipped adapter for the checkpoint's family, when none was given
@@ -156,10 +162,11 @@ class Report(BaseModel):
                     )
         return None
 
-    def root_cause(self) -> str | None:
+    def root_cause(self, cli: bool = False) -> str | None:
         """One line naming the likeliest single cause of the problems, with its fix, if one
         explains them: a quantized checkpoint read without its dequant rule, dtypes only, a key
-        prefix, or a wrong adapter or checkpoint."""
+        prefix, or a wrong adapter or checkpoint. ``cli``: name the command line's options
+        rather than Python's keywords."""
         quant = quant_hint(self)
         if quant:
             return quant.removeprefix("hint: ")
@@ -169,7 +176,7 @@ class Report(BaseModel):
             more = f" and {len(pairs) - 3} more pairs" if len(pairs) > 3 else ""
             return (
                 f"only dtypes differ: the checkpoint gives {what}{more}; the one rule that fixes it: "
-                f'{CAST_FIX} (or sdadapt.load(..., dtype="model"); sdadapt diff --dtype model)'
+                f'{CAST_FIX} ' + ("(sdadapt diff --dtype model)" if cli else '(or sdadapt.load(..., dtype="model"))')
             )
         if self.missing and self.unexpected:
             cause = self._prefix_cause()
@@ -182,9 +189,59 @@ class Report(BaseModel):
             )
         return None
 
-    def format(self, max_rows: int | None = 8) -> str:
+    def advice(self) -> str:
+        """The closing line of a failed load: what to do about this kind of problem."""
+        if quant_hint(self):
+            return "Put the dequantising rule the hint names first in the adapter, then load again."
+        kinds = {k for k, rows in (("missing", self.missing), ("unexpected", self.unexpected + self.non_tensor),
+                                    ("shape", self.shape_mismatch), ("dtype", self.dtype_mismatch),
+                                    ("rules", self.rule_issues + self.unused_rules)) if rows}
+        if kinds == {"dtype"}:
+            return (
+                "Only dtypes differ, and these conversions lose values (narrower, or float <-> int; exact widenings "
+                f'load as they are): convert on purpose with dtype="model" or {CAST_FIX}, or load into a model of the '
+                "checkpoint's dtype."
+            )
+        if kinds == {"missing"}:
+            return (
+                "The checkpoint lacks these keys and has none left over: check that it is complete (every file of its "
+                "index, every layer) and made for this model's size; if the model should initialise them itself, "
+                "pass allow_missing=[patterns]."
+            )
+        if kinds == {"unexpected"}:
+            return (
+                "The model lacks these checkpoint keys: drop them in the adapter (sdadapt.drop(...)) or pass "
+                "allow_unexpected=[patterns]; a checkpoint of a larger model (more layers) gives this too."
+            )
+        if kinds == {"shape"}:
+            return (
+                "Only shapes differ: build the model from the checkpoint's config (sizes, heads, vocabulary), or fix the "
+                "adapter's rule for these keys."
+            )
+        return "Fix the adapter (sdadapt.diff gives this report without loading), or relax with allow_missing=/allow_unexpected= patterns."
+
+    def _missing_rows(self) -> list[tuple[str, str]]:
+        """The missing keys, compressed; where the adapter looked for checkpoint keys, a row per
+        run of keys with the same index pattern on both sides: ``model key (checkpoint: key)``."""
+        if not self.looked_for:
+            return [(m, "") for m in compress(self.missing)]
+        groups: dict[tuple[str, str], tuple[list[str], list[str]]] = defaultdict(lambda: ([], []))
+        for key in self.missing:
+            wanted = self.looked_for.get(key, [])
+            g = groups[(_INDEX.sub(".{i}", key), _INDEX.sub(".{i}", ", ".join(wanted)))]
+            g[0].append(key)
+            g[1].extend(wanted)
+        rows: list[tuple[str, str]] = []
+        for keys, wanted in groups.values():
+            looked = f" (the adapter looked for {', '.join(compress(wanted))})" if wanted else ""
+            rows.extend((m, looked) for m in compress(keys))
+        return sorted(rows)
+
+    def format(self, max_rows: int | None = 8, cli: bool = False) -> str:
         """The report as text: a root cause first when one explains the problems, then each
-        kind of problem with at most ``max_rows`` rows (``None``: every row)."""
+        kind of problem with at most ``max_rows`` rows (``None``: every row). ``cli``: for the
+        command line, whose options it names (``--all``, ``--dtype``); else Python's spellings."""
+        more = "--all lists every row" if cli else "format(max_rows=None) lists every row"
         lines = [f"source {self.source}", f"target {self.target}"]
         if self.adapter:
             lines.append(f"adapter {self.adapter}")
@@ -192,7 +249,7 @@ class Report(BaseModel):
             f"{self.matched} of {self.target_keys} model keys matched "
             f"({self.source_keys} checkpoint keys); {self.problems} problem(s)"
         )
-        cause = self.root_cause()
+        cause = self.root_cause(cli)
         if cause:
             lines.append(f"root cause: {cause}")
         hint = self.suggestion
@@ -210,12 +267,12 @@ class Report(BaseModel):
             shown = rows if max_rows is None else rows[:max_rows]
             lines.extend(f"  {r}" for r in shown)
             if len(rows) > len(shown):
-                lines.append(f"  ... and {len(rows) - len(shown)} more rows (--all lists every row)")
+                lines.append(f"  ... and {len(rows) - len(shown)} more rows ({more})")
 
         hints = self.suggestions()
         section(
             "missing: the model has these, the checkpoint + adapter do not give them",
-            [m + (f"    <- did you mean {hints[m]}?" if m in hints else "") for m in compress(self.missing)],
+            [m + looked + (f"    <- did you mean {hints[m]}?" if m in hints else "") for m, looked in self._missing_rows()],
             len(self.missing),
         )
         section(
@@ -252,13 +309,15 @@ class Report(BaseModel):
         if self.dropped:
             lines.append(f"dropped by rules: {len(self.dropped)} key(s)")
         if self.widened:
-            lines.append(f"widened exactly to the model's dtype (stored unquantized in a quantized release): {len(self.widened)} key(s)")
+            rows = compress(self.widened)
+            shown = ", ".join(rows[:3]) + (f" and {len(rows) - 3} more" if len(rows) > 3 else "")
+            lines.append(f"widened exactly to the model's dtype (no value changes): {len(self.widened)} key(s): {shown}")
         if self.allowed_missing or self.allowed_unexpected:
             lines.append(
                 f"allowed: {len(self.allowed_missing)} missing and {len(self.allowed_unexpected)} unexpected key(s)"
             )
         if self.matched and not self.values_checked:
-            lines.append(NOT_NUMBERS)
+            lines.append(NOT_NUMBERS.format(verify=VERIFY[cli]))
         if not self.ok:
             lines.append(f"NOT OK: {self.problems} problem(s)")
         elif self.values_checked:
@@ -273,15 +332,22 @@ class Report(BaseModel):
 
 # --- the hint for quantized checkpoints read without their dequant rule ---
 
+def scale_keys(keys: list[str]) -> list[str]:
+    """The keys named as a quantized format's scales, packed data or blocks (``*.weight_scale_inv``)."""
+    from .._recipes import quant as Q  # the quantized formats' module: only for a report being read
+
+    suffixes = (Q.FP8_SCALE_SUFFIX, "weight_scale", Q.MX_BLOCKS_SUFFIX, Q.MX_SCALES_SUFFIX, "weight_packed",
+                "weight_zero_point", "weight_global_scale", "weight_scale_2", "weight_shape", "input_scale")
+    return [k for k in keys if k.endswith(suffixes)]
+
+
 def quant_hint(report: Report) -> str | None:
     """A hint line when a report's problems look like a quantized checkpoint read without its
     dequant rule: unexpected scale/packed keys, or FP8/uint8 data where the model wants floats."""
     from .._recipes import quant as Q  # the quantized formats' module: only for a report being read
 
-    scale_suffixes = (Q.FP8_SCALE_SUFFIX, "weight_scale", Q.MX_BLOCKS_SUFFIX, Q.MX_SCALES_SUFFIX, "weight_packed",
-                      "weight_zero_point", "weight_global_scale", "weight_scale_2", "weight_shape", "input_scale")
     fp8 = [m for m in report.dtype_mismatch if m.checkpoint.startswith("float8")]
-    packed = [k for k in report.unexpected if k.endswith(scale_suffixes)]
+    packed = scale_keys(report.unexpected)
     packed += [m.key for m in report.dtype_mismatch if m.checkpoint in ("uint8", "int32", "int8")]
     own = [i for i in report.rule_issues if i.rule.startswith("dequant")]
     if own:  # the adapter has its dequant rule, which could not read these tensors: say what it said

@@ -22,6 +22,7 @@ refuses to commit an output read from a file that changed meanwhile.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._base.distributed import is_distributed, rank_and_world
+from .._base.progress import TransferBar
 from .._base.regions import Box, full_box
 from .._plan.adapter import Adapter
 from .._plan.registry import config_folder, is_shipped
@@ -50,6 +52,7 @@ from ..sources._object_store import is_url
 from .args import check_model_and_path, check_not_a_model, renamed_keywords
 from .export_local import local_pieces
 from .materialize import has_meta
+from .tidy import call_started, public
 from .transaction import Transaction
 from .writers.base import FORMATS
 from .writing import CachedIO, PageReleaser, check_destination, plan_outputs, write_folder
@@ -225,6 +228,7 @@ def export_iter(
 _KEY, _DONE, _ABORT = "key", "done", "abort"
 
 
+@public
 def export(
     model: nn.Module,
     dst: str | os.PathLike[str],
@@ -236,6 +240,7 @@ def export(
     process_group: dist.ProcessGroup | None = None,
     checksums: bool = False,
     assets: str | os.PathLike[str] | None = None,
+    progress: bool = True,
 ) -> ExportReport:
     """Write ``model``'s weights to ``dst`` through ``adapter.inverse()``; every rank calls it.
 
@@ -269,6 +274,8 @@ def export(
         process_group: the group the ranks export over.
         checksums: also write ``sdadapt.checksums.json``.
         assets: a folder whose config, tokenizer and generation files are copied beside the weights.
+        progress: a bar of the bytes written (and the tensor count) on rank 0's stderr, drawn
+            only on a terminal with sdadapt's logging on; ``False``: never.
 
     Returns:
         The :class:`~sdadapt.reports.ExportReport`: the files written, keys and bytes.
@@ -278,7 +285,7 @@ def export(
         report = sdadapt.load(model, "path/to/llama", "llama")
         sdadapt.export(model, "out/llama-hf", "llama")  # the HF layout again, with its config
     """
-    t0 = time.perf_counter()
+    t0 = call_started()
     check_model_and_path("sdadapt.export(model, dst, adapter=None, format='safetensors', ...)", model, dst, path_arg="dst")
     dst = os.fspath(dst)
     folder = os.fspath(assets) if assets is not None else loaded_from(model)
@@ -299,12 +306,15 @@ def export(
     src0 = dist.get_global_rank(process_group, 0) if is_distributed() and process_group is not None else 0
     written = [0]
     sums: dict[str, Any] = {}
+    total = sum(math.prod(n.shape) * n.dtype.itemsize for n in outputs.values())
+    bar = TransferBar(total, "sdadapt.export", tensors=len(outputs), rank=rank, enabled=progress)
 
     def pull(key: str) -> torch.Tensor:
         if world > 1:
             dist.broadcast_object_list([(_KEY, key)], src=src0, group=process_group)
         t = stream.pull(key)
         written[0] += t.numel() * t.element_size()
+        bar.update(t.numel() * t.element_size())
         if checksums:  # from the tensor in hand: no read-back (sdadapt.checksums.json, for load(checksums=True))
             sums[key] = integrity.tensor_checksums(TensorInfo(tuple(t.shape), t.dtype), lambda box: t[slices(box)])
         return t
@@ -330,6 +340,7 @@ def export(
         else:
             files = _follow(stream, written, process_group, src0, dst)
     finally:
+        bar.close()
         stream.close()
     rep = ExportReport(
         dst=dst,

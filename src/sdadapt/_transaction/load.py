@@ -16,6 +16,7 @@ from torch import nn
 
 from .._base.distributed import rank_and_world
 from .._base.gc import without_gc
+from .._base.progress import TransferBar
 from .._engine import EngineConfig, EngineStats, device_work, prefetch_pinned, warm_kernels, warm_kvikio
 from .._plan.adapter import Adapter
 from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
@@ -32,7 +33,8 @@ from ..sources._headers import replaying
 from ..sources._peft import LoraMerged
 from .args import check_model_and_path, renamed_keywords
 from .headers import share_headers
-from .materialize import InitFn, Reservation, check_buffers, choose_device, has_meta
+from .materialize import InitFn, MissingInitFn, Reservation, check_buffers, choose_device, has_meta, missing_values
+from .tidy import call_started, public
 from .transaction import ATOMIC_WHY, Part, Transaction
 
 log = logging.getLogger("sdadapt")
@@ -63,6 +65,9 @@ class LoadReport(BaseModel):
             one that read through kvikio adds ``kvikio_wait`` (waiting for its reads once the
             threads had finished).
         materialized: whether the model was materialised from meta.
+        missing_values: what gave the keys the checkpoint lacks (allowed missing) their values:
+            the model's own (a materialised model keeps them), ``init_missing=``, the model's
+            ``init_weights()`` or its modules' ``reset_parameters()``; empty when none is missing.
         report: the plan's :class:`Report`.
         lora: what a LoRA merge changed (``lora=``), else ``None``.
 
@@ -91,6 +96,7 @@ class LoadReport(BaseModel):
     # rest of "busy" is copying, computing and Python
     engine_thread_seconds: dict[str, float] = {}
     materialized: bool
+    missing_values: str = ""  # what gave the allowed-missing keys their values (see load's init_missing=)
     report: Report
     lora: LoraMerged | None = None  # load(..., lora=folder): what the LoRA merge changed
 
@@ -102,7 +108,18 @@ class LoadReport(BaseModel):
             + (f" (+{self.bytes_shared / 2**20:.1f} MiB from replicas)" if self.bytes_shared else "")
             + f" in {self.seconds:.2f} s (plan {self.plan_seconds:.2f} s, read {self.read_seconds:.2f} s)"
             + (f"; {self.lora.format()}" if self.lora is not None else "")
+            + self._missing_line()
         )
+
+    def _missing_line(self) -> str:
+        skipped = [*self.report.allowed_missing, *self.report.missing]
+        if not skipped or not self.missing_values:
+            return ""
+        from .._base.keyruns import compress
+
+        rows = compress(skipped)
+        shown = ", ".join(rows[:4]) + (f" and {len(rows) - 4} more" if len(rows) > 4 else "")
+        return f"\nnot in the checkpoint: {len(skipped)} key(s) {shown}: {self.missing_values}"
 
     def __str__(self) -> str:
         return self.format()
@@ -136,6 +153,7 @@ def _describe(src: Any) -> str:
     return (src.remote_url() or src.path) if isinstance(src, Source) else os.fspath(src)
 
 
+@public
 def plan_load(
     model: nn.Module,
     src: str | os.PathLike[str] | Source,
@@ -263,6 +281,7 @@ def _prepare_device(
         warm_kernels(target, kernels)
 
 
+@public
 @renamed_keywords("sdadapt.load", {"stage": ("atomic", ATOMIC_WHY), "verify": ("checksums", integrity.CHECKSUMS_WHY)})
 @without_gc  # no full collection stalls the load: see sdadapt._base.gc
 def load(
@@ -276,6 +295,7 @@ def load(
     allow_unexpected: list[str] | None = None,
     device: torch.device | str | None = None,
     init_buffers: InitFn | None = None,
+    init_missing: MissingInitFn | None = None,
     process_group: dist.ProcessGroup | None = None,
     checksums: bool = False,
     check_finite: bool = False,
@@ -285,6 +305,7 @@ def load(
     dtype: str | torch.dtype | None = None,
     lora: str | os.PathLike[str] | None = None,
     engine: EngineConfig | None = None,
+    progress: bool = True,
 ) -> LoadReport:
     """Load checkpoint ``src`` into ``model`` through ``adapter``; every rank reads only its shards.
 
@@ -352,6 +373,13 @@ def load(
     Either is the rule ``sdadapt.cast("**", dtype)`` run after ``adapter``'s, so conversions
     stay explicit: without it a dtype mismatch is a plan problem.
 
+    Keys the checkpoint lacks (``allow_missing``, or any with ``strict=False``) are never left as
+    uninitialised memory. A materialised model keeps its values there. A meta model, once
+    materialised, gets ``init_missing(model, keys)`` when given, else its ``init_weights()``
+    (which runs unless ``init_buffers`` is given), else ``reset_parameters()`` of each key's
+    module; if none applies, :class:`ModelError` is raised before anything changes. The report
+    says which, on one line (``LoadReport.missing_values``).
+
     ``lora="path/to/peft_adapter"`` merges a PEFT LoRA adapter (the folder
     ``PeftModel.save_pretrained`` writes) into the base weights as they are read, before
     ``adapter``'s rules: each rank computes ``W[box] + s * B[rows] @ A[:, cols]`` for its own
@@ -370,6 +398,9 @@ def load(
         allow_unexpected: key patterns of the checkpoint that the model may lack.
         device: where a meta model is materialised (default: its mesh's device, else CPU).
         init_buffers: ``fn(model)`` that fills non-persistent buffers after materialising.
+        init_missing: ``fn(model, keys)`` that gives the state-dict keys the checkpoint lacks
+            (``allow_missing``) their values after a meta model is materialised (default: the
+            model's ``init_weights()``, else ``reset_parameters()`` of each key's module).
         process_group: the group the ranks agree over (default: the world, when initialised).
         checksums: check every region read against ``sdadapt.checksums.json``.
         check_finite: refuse NaN/Inf values, naming each key.
@@ -381,6 +412,8 @@ def load(
         lora: a PEFT LoRA adapter folder merged into the base weights as they are read.
         engine: the I/O engine's settings for this call (:class:`EngineConfig`); ``None``: the
             defaults, overridden by the ``SDADAPT_IO_*`` environment variables.
+        progress: a bar of the bytes read (and the tensor count) on rank 0's stderr, drawn only
+            on a terminal with sdadapt's logging on; ``False``: never.
 
     Returns:
         This rank's :class:`~sdadapt.reports.LoadReport`: keys and bytes read, the time of each
@@ -398,15 +431,16 @@ def load(
         report = sdadapt.load(model, "path/to/llama", "llama")
         summary = str(report)
     """
+    t0 = call_started()
     check_model_and_path("sdadapt.load(model, src, adapter=None, ...)", model, src)
     shipped = is_shipped(adapter)
-    t0 = time.perf_counter()
     rank, world = rank_and_world(process_group)
     txn = Transaction(model, process_group, _describe(src))
     txn.engine = engine
     local = txn.resolve(src)  # a Hub id: its snapshot folder, fetched and agreed on every rank
     record = share_headers(local, subtree, process_group)  # read by one rank, broadcast to the others
     planned: dict[str, torch.Tensor] = {}
+    fill_missing: tuple[str, InitFn | None] = ("", None)
     # a meta model's GPU memory is asked for while the plan is made (nothing of the model changes)
     reserved = Reservation(model, device)
     target = _gpu_target(model, device)
@@ -414,7 +448,7 @@ def load(
         prefetch_pinned(target, False, engine)
 
     def prepare() -> Plan:
-        nonlocal planned
+        nonlocal planned, fill_missing
         # resolved inside the agreed step: a rank failing to resolve or derive it stops them all
         resolved = adapter_or_none(adapter, local, model)
         with replaying(record):
@@ -427,6 +461,7 @@ def load(
                 raise PlanError(plan.report)
             log.warning("loading with problems (strict=False):\n%s", plan.report.format())
         check_buffers(model, init_buffers)
+        fill_missing = missing_values(model, [*plan.skipped, *plan.report.missing], init_buffers, init_missing)
         if checksums:
             sidecar, sums = integrity.read_checksums(source)
             leaves = sorted({k for node in plan.recipes.values() for k in node.leaves()})
@@ -442,7 +477,7 @@ def load(
     phases.mark("plan")
     _prepare_device(target, planned, plan, engine, txn.sources[-1].files() if txn.sources else [])
     # every rank's hook has run (a hook may touch the files) before any rank checks them
-    materialized = txn.materialize(device, init_buffers, reserved)
+    materialized = txn.materialize(device, init_buffers, reserved, then=fill_missing[1])
     phases.mark("materialize")
     # materialising gave the parameters new tensors; otherwise the planned state dict is current
     state_dict = model_state_dict(model) if materialized else planned
@@ -452,7 +487,10 @@ def load(
     part = Part("model", plan, txn.sources[-1], wanted, share_reads=share)
     phases.mark("prepare")
     log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), _describe(src), " (atomic)" if atomic else "")
-    txn.run([part], atomic=atomic, check_finite=check_finite, mark=phases.mark)
+    total = sum(local_nbytes(t) for t in wanted.values())
+    with TransferBar(total, "sdadapt.load", tensors=len(wanted), rank=rank, enabled=progress) as bar:
+        txn.on_done = bar.update if bar.on else None
+        txn.run([part], atomic=atomic, check_finite=check_finite, mark=phases.mark)
     reader = part.reader
     assert reader is not None
     timings = dict(phases.seconds)
@@ -475,16 +513,18 @@ def load(
         bytes_shared=reader.shared_bytes,
         bytes_fetched=reader.fetched[0],
         requests=reader.fetched[1],
-        local_bytes=sum(local_nbytes(t) for t in wanted.values()),
+        local_bytes=total,
         seconds=time.perf_counter() - t0,
         plan_seconds=phases.seconds["plan"],
         read_seconds=reader.seconds,
         phase_seconds={k: round(v, 6) for k, v in timings.items()},
         engine_thread_seconds=_thread_seconds(reader.stats),
         materialized=materialized,
+        missing_values=fill_missing[0],
         report=plan.report,
         lora=merged,
     )
     remember_source(model, src)  # export / save_state with an adapter name read the same folder
+    rep.seconds = time.perf_counter() - t0  # the whole call, from entering it
     log.info("%s", rep.format())
     return rep

@@ -8,10 +8,12 @@ dict, so something must compute them: the ``init_buffers`` callback, or the mode
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -21,6 +23,8 @@ from .._plan.target import is_meta
 from ..errors import ModelError
 
 InitFn = Callable[[nn.Module], None]
+# ``init_missing(model, keys)``: give the state-dict ``keys`` the checkpoint lacks their values
+MissingInitFn = Callable[[nn.Module, list[str]], None]
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +75,73 @@ def check_buffers(model: nn.Module, init_buffers: InitFn | None) -> None:
         )
 
 
-def materialize(model: nn.Module, device: torch.device, init_buffers: InitFn | None, reserved: Reservation | None = None) -> bool:
-    """``to_empty`` on ``device`` if anything is on meta, then run the buffer hook. Returns
-    whether the model was materialised. ``reserved``: the model's memory, asked for earlier
-    (:class:`Reservation`); else it is asked for now."""
+def _owner(model: nn.Module, key: str) -> nn.Module | None:
+    """The module that holds state-dict ``key`` directly (``a.b.weight`` -> ``a.b``)."""
+    path = key.rpartition(".")[0]
+    try:
+        return model.get_submodule(path) if path else model
+    except AttributeError:
+        return None
+
+
+def missing_values(
+    model: nn.Module, keys: list[str], init_buffers: InitFn | None, init_missing: MissingInitFn | None
+) -> tuple[str, InitFn | None]:
+    """What gives the state-dict ``keys`` that the load will not write (allowed missing) their
+    values, as ``(said, step)``: ``said`` for the report, ``step(model)`` to run after
+    materialising (``None``: nothing to run). A materialised model keeps its own values; a meta
+    model gets ``init_missing(model, keys)``, else the model's ``init_weights()`` (when it runs:
+    no ``init_buffers``), else ``reset_parameters()`` of each key's module. Raises
+    :class:`ModelError` (before anything changes) when none would, since ``to_empty`` leaves
+    uninitialised memory."""
+    from .._base.keyruns import compress
+
+    if not keys:
+        return "", None
+    if not has_meta(model):
+        return "kept the values the model holds", None
+    if init_missing is not None:
+        fn = init_missing
+        return "given by init_missing=", lambda m: fn(m, list(keys))
+    if init_buffers is None and callable(getattr(model, "init_weights", None)):
+        return "initialised by the model's init_weights()", None
+    owners: dict[int, Callable[[], object]] = {}
+    lacking: list[str] = []
+    for key in keys:
+        mod = _owner(model, key)
+        init = getattr(mod, "reset_parameters", None) if mod is not None else None
+        if callable(init):
+            owners[id(mod)] = init
+        else:
+            lacking.append(key)
+    if lacking:
+        why = "init_buffers= is given, so init_weights() does not run" if init_buffers is not None else "the model has no init_weights()"
+        raise ModelError(
+            f"allowed-missing key(s) {', '.join(compress(lacking))} would hold uninitialised memory after "
+            f"materialising the meta model: the checkpoint lacks them, {why}, and their modules have no "
+            "reset_parameters(). Pass init_missing=fn(model, keys) to give them values, or load into a "
+            "materialised model (its values are kept)."
+        )
+
+    def reset(_: nn.Module) -> None:
+        with torch.no_grad():
+            for init in owners.values():
+                init()
+
+    return "initialised by reset_parameters() of their modules", reset
+
+
+def materialize(
+    model: nn.Module,
+    device: torch.device,
+    init_buffers: InitFn | None,
+    reserved: Reservation | None = None,
+    then: InitFn | None = None,
+) -> bool:
+    """``to_empty`` on ``device`` if anything is on meta, then run the buffer hook (or the
+    model's ``init_weights()``), then ``then(model)`` (the allowed-missing keys' values, see
+    :func:`missing_values`). Returns whether the model was materialised. ``reserved``: the
+    model's memory, asked for earlier (:class:`Reservation`); else it is asked for now."""
     if not has_meta(model):
         return False
     if reserved is not None:
@@ -85,9 +152,35 @@ def materialize(model: nn.Module, device: torch.device, init_buffers: InitFn | N
     if init_buffers is not None:
         init_buffers(model)
     elif callable(init_weights := getattr(model, "init_weights", None)):
-        with torch.no_grad():
+        with torch.no_grad(), quiet_random_ops():
             init_weights()
+    if then is not None:
+        with quiet_random_ops():
+            then(model)
     return True
+
+
+@contextlib.contextmanager
+def quiet_random_ops() -> Iterator[None]:
+    """Without torch's warning that a DTensor random op runs with no seed set by hand (every rank
+    prints it once per process): the load overwrites the values those ops give, except those of
+    allowed-missing keys, whose initialisation the report names."""
+    rng_log = logging.getLogger("torch.distributed.tensor._random")
+    quiet = _DropRngSync()
+    rng_log.addFilter(quiet)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
+            yield
+    finally:
+        rng_log.removeFilter(quiet)
+
+
+class _DropRngSync(logging.Filter):
+    """Drops DTensor's "synchronizing RNG states of every rank" record (a GPU mesh's first random op)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "synchronizing RNG states" not in record.getMessage()
 
 
 def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:

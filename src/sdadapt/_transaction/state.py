@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from .._base.distributed import agree, is_distributed, rank_and_world
 from .._base.gc import without_gc
+from .._base.progress import TransferBar
 from .._base.regions import full_box
 from .._base.version import VERSION
 from .._engine import EngineConfig
@@ -48,7 +49,7 @@ from .._plan.adapter import Adapter
 from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
-from .._plan.target import model_state_dict, schema_of
+from .._plan.target import local_nbytes, model_state_dict, schema_of
 from ..errors import LoadError, PlanError, SdadaptError, SourceError, StateError
 from ..sources import local_path
 from ..sources._base import is_hub_id
@@ -57,9 +58,11 @@ from ..sources._namespaced import NamespacedSource
 from ..sources._object_store import COMMIT_NAMES, Uploader, is_url
 from ..sources._remote import attach, fetch_dcp_entries
 from .args import check_model_and_path, renamed_keywords
-from .materialize import InitFn, check_buffers, has_meta
+from .materialize import InitFn, check_buffers, has_meta, missing_values
 from .optim_state import OptimPlan, init_state, plan_optimizer, stored_names
-from .transaction import ATOMIC_WHY, Part, Transaction
+from .saved import SaveReport
+from .tidy import call_started, public
+from .transaction import ATOMIC_WHY, Part, Transaction, single_process_quiet
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +119,7 @@ class StateLoadReport(BaseModel):
 
 
 # --------------------------------------------------------------------------------- save
+@public
 def save_state(
     model: nn.Module,
     dst: str | os.PathLike[str],
@@ -126,7 +130,7 @@ def save_state(
     overwrite: bool = False,
     process_group: dist.ProcessGroup | None = None,
     checksums: bool = False,
-) -> str:
+) -> SaveReport:
     """Save model (+ optimizer, + ``extra`` entries) to the DCP folder ``dst``; every rank calls it.
 
     ``checksums=True`` also writes ``sdadapt.checksums.json`` (for ``load(..., checksums=True)``):
@@ -136,7 +140,7 @@ def save_state(
     ``extra`` maps names to ``Stateful`` objects (LR scheduler, dataloader: saved through
     ``state_dict()``) or plain values (``{"step": 7}``). ``adapter``, the checkpoint->model
     adapter the model was first loaded with, is recorded in ``sdadapt.json``. An existing
-    non-empty ``dst`` is an error unless ``overwrite=True``. Returns ``dst``.
+    non-empty ``dst`` is an error unless ``overwrite=True``.
 
     Args:
         model: the model whose state is saved.
@@ -149,12 +153,14 @@ def save_state(
         checksums: also write ``sdadapt.checksums.json``.
 
     Returns:
-        ``dst``, as a string.
+        This rank's :class:`~sdadapt.reports.SaveReport`, which also stands for ``dst`` as a path
+        (``os.fspath(report)``, ``report.path``, ``report == dst``).
 
     Example::
 
         sdadapt.save_state(model, "ckpt/step_100", optimizer, extra={"step": 100, "sched": scheduler})
     """
+    t0 = call_started()
     check_model_and_path("sdadapt.save_state(model, dst, optimizer=None, extra=None, ...)", model, dst, path_arg="dst")
     dst = os.fspath(dst)
     if is_url(dst):
@@ -194,7 +200,8 @@ def save_state(
     if is_distributed():
         dist.barrier(group=process_group)
     try:
-        dcp.save(state, checkpoint_id=dst, process_group=process_group, no_dist=not is_distributed())
+        with single_process_quiet():
+            dcp.save(state, checkpoint_id=dst, process_group=process_group, no_dist=not is_distributed())
     except CheckpointException as e:
         raise StateError(f"saving to {dst} failed: {e}") from None
     if rank == 0:
@@ -217,8 +224,13 @@ def save_state(
         dist.barrier(group=process_group)
     if checksums:
         _write_checksums(dst, rank, world, process_group)
-    log.info("rank %d: saved state to %s", rank, dst)
-    return dst
+    saved = SaveReport(
+        rank=rank, world_size=world, path=dst, model_keys=len(state[MODEL_KEY]),
+        optimizer=type(optimizer).__name__ if optimizer is not None else None, extra=sorted(extra),
+        checksums=checksums, seconds=time.perf_counter() - t0,
+    )
+    log.info("%s", saved.format())
+    return saved
 
 
 def _save_to_url(url: str, local_save: Callable[[str], None], overwrite: bool, group: dist.ProcessGroup | None) -> str:
@@ -314,6 +326,7 @@ def _detect_keys(full: DCPSource) -> tuple[str, str | None]:
     return model_key, optim_key
 
 
+@public
 @renamed_keywords("sdadapt.load_state", {"stage": ("atomic", ATOMIC_WHY)})
 @without_gc  # no full collection stalls the load: see sdadapt._base.gc
 def load_state(
@@ -331,6 +344,7 @@ def load_state(
     atomic: bool = False,
     pipeline_stage: bool = False,
     engine: EngineConfig | None = None,
+    progress: bool = True,
 ) -> StateLoadReport:
     """Restore model (+ optimizer, + ``extra``) from the DCP folder ``src``; every rank calls it.
 
@@ -383,6 +397,8 @@ def load_state(
         pipeline_stage: ``model`` is one pipeline stage and ``optimizer`` holds its parameters.
         engine: the I/O engine's settings for this call (:class:`~sdadapt.EngineConfig`);
             ``None``: the defaults and the ``SDADAPT_IO_*`` environment variables.
+        progress: a bar of the bytes read (and the tensor count) on rank 0's stderr, drawn only
+            on a terminal with sdadapt's logging on; ``False``: never.
 
     Returns:
         This rank's :class:`~sdadapt.reports.StateLoadReport`.
@@ -393,7 +409,7 @@ def load_state(
         extra = {"step": 0}
         sdadapt.load_state(model, "ckpt/step_100", optimizer, extra=extra)
     """
-    t0 = time.perf_counter()
+    t0 = call_started()
     check_model_and_path("sdadapt.load_state(model, src, optimizer=None, extra=None, ...)", model, src)
     src = os.fspath(src)
     spec = adapter
@@ -467,6 +483,7 @@ def load_state(
             raise PlanError(r.report)
         if optimizer is None:
             check_buffers(model, init_buffers)
+            r.fill = missing_values(model, r.plan.skipped, init_buffers, None)[1]
         if r.oplan is not None:  # small values, read before any tensor is written
             r.objects = {fk: full.read_object(key) for fk, key in r.oplan.objects.items()}
             r.hyper = [
@@ -479,7 +496,7 @@ def load_state(
     full, plan, report = r.full, r.plan, r.report
     assert plan is not None and report is not None  # set by prepare, which returned
     loaded_extra = _read_extras(txn, src, extra, process_group)
-    if optimizer is None and txn.materialize(device, init_buffers):
+    if optimizer is None and txn.materialize(device, init_buffers, then=r.fill):
         r.model_sd = model_state_dict(model)
     parts: list[Part] = []
     if r.oplan is not None:  # the optimizer first: a failure there leaves the model untouched
@@ -508,7 +525,10 @@ def load_state(
     # the commit's finishing steps, named for the LoadError should one fail (see _transaction)
     finish = [("setting the optimizer state", set_optimizer_state)] if optimizer is not None else []
     finish += [(f"restoring extra state {name!r}", restore_extra(name)) for name in loaded_extra]
-    txn.run(parts, atomic=atomic, finish=finish)
+    total = sum(local_nbytes(t) for p in parts for t in p.targets.values())
+    with TransferBar(total, "sdadapt.load_state", tensors=sum(len(p.targets) for p in parts), rank=rank, enabled=progress) as bar:
+        txn.on_done = bar.update if bar.on else None
+        txn.run(parts, atomic=atomic, finish=finish)
     rep = StateLoadReport(
         rank=rank,
         world_size=world,
@@ -541,6 +561,7 @@ class _Restore:
         self.report: Report | None = None
         self.objects: dict[tuple[str, str], Any] = {}
         self.hyper: list[dict[str, Any]] = []
+        self.fill: InitFn | None = None  # the allowed-missing keys' values on a meta model (materialize.missing_values)
 
 
 def _read_extras(txn: Transaction, src: str, extra: dict[str, Any], group: dist.ProcessGroup | None) -> dict[str, Any]:
@@ -558,13 +579,14 @@ def _read_extras(txn: Transaction, src: str, extra: dict[str, Any], group: dist.
         error = e
     txn.agree(error)
     try:
-        dcp.load(
-            loaded,
-            storage_reader=FileSystemReader(folder),
-            planner=SafeLoadPlanner(allow_partial_load=True),
-            process_group=group,
-            no_dist=not is_distributed(),
-        )
+        with single_process_quiet():
+            dcp.load(
+                loaded,
+                storage_reader=FileSystemReader(folder),
+                planner=SafeLoadPlanner(allow_partial_load=True),
+                process_group=group,
+                no_dist=not is_distributed(),
+            )
     except CheckpointException as e:
         error = LoadError(f"restoring extra state {sorted(extra)} from {src} failed: {e}")
     txn.agree(error)

@@ -41,11 +41,12 @@ rest of the restore (optimizer, extras) is not, and a meta model cannot run by m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -136,6 +137,7 @@ class Transaction:
         self.optimizer_was_empty = False
         self.written: list[Part] = []  # parts this rank began writing into
         self.engine: EngineConfig | None = None  # the I/O engine's settings; None: from the environment
+        self.on_done: Callable[[int], None] | None = None  # progress: each finished read's destination bytes
 
     # ------------------------------------------------------------------ prepare
     def add_source(self, source: Source) -> None:
@@ -188,15 +190,22 @@ class Transaction:
             self._undo(partly_written=False)
             raise
 
-    def materialize(self, device: torch.device | str | None, init_buffers: InitFn | None, reserved: Reservation | None = None) -> bool:
-        """Collective: ``to_empty`` a meta model and run its buffer hook, on every rank; a hook
-        failing on one rank stops the others before any reads. ``reserved``: the model's memory,
-        asked for while the load planned (see :func:`materialize`)."""
+    def materialize(
+        self,
+        device: torch.device | str | None,
+        init_buffers: InitFn | None,
+        reserved: Reservation | None = None,
+        then: InitFn | None = None,
+    ) -> bool:
+        """Collective: ``to_empty`` a meta model and run its buffer hook (and ``then``: the
+        allowed-missing keys' values), on every rank; a hook failing on one rank stops the others
+        before any reads. ``reserved``: the model's memory, asked for while the load planned
+        (see :func:`materialize`)."""
         assert self.model is not None
         error: SdadaptError | None = None
         materialized = False
         try:
-            materialized = materialize(self.model, choose_device(self.model, device), init_buffers, reserved)
+            materialized = materialize(self.model, choose_device(self.model, device), init_buffers, reserved, then)
         except Exception as e:  # noqa: BLE001 - user hooks can raise anything; re-raised below
             error = e if isinstance(e, SdadaptError) else ModelError(f"materialising the model failed: {type(e).__name__}: {e}")
             error.__cause__ = e
@@ -277,6 +286,7 @@ class Transaction:
             partly = not atomic and not self.was_meta and bool(self.written)
             self._undo(partly_written=partly)
             failure.args = (failure.args[0] + "\n" + (self._overwritten() if partly else "Nothing was kept from this load."),)
+            brief_off_rank0(failure, self.group)
             raise failure
         self._commit(parts, atomic, finish)
         for obj in (self.model, self.optimizer):
@@ -386,11 +396,11 @@ class Transaction:
         read errors, one line each."""
         if part.reader is None:  # made by fetch_ahead for a source at a URL
             part.reader = AdaptedStorageReader(part.plan, part.source, config=self.engine, share_reads=part.share_reads)
+        part.reader.on_done = self.on_done
         self.written.append(part)
         log.debug("reading %d keys of %s from %s", len(part.into), part.name, self.what)
         try:
-            with warnings.catch_warnings():  # no_dist=True warns that it assumes one process: we mean it
-                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            with single_process_quiet():
                 dcp.load(part.into, storage_reader=part.reader, planner=AdaptedLoadPlanner(), process_group=self.group, no_dist=True)
         except CheckpointException as e:  # a BaseException: turn it into ours
             errors = read_errors(e)
@@ -441,6 +451,15 @@ class Transaction:
         for s in self.sources:
             s.close()
         self.sources = []
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """Without DCP's warning that it assumes a single process (``no_dist=True``, or no process
+    group): sdadapt passes it on purpose, for one process or for a rank reading alone."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield
 
 
 def foreign_error(e: BaseException, what: str, doing: str) -> SdadaptError:

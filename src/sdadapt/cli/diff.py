@@ -93,5 +93,5 @@ def run(args: argparse.Namespace) -> int:
         pipeline_stage=args.pipeline_stage,
         dtype=args.dtype,
     )
-    print(report.model_dump_json(indent=2) if args.json else report.format(max_rows=None if args.all else 8))
+    print(report.model_dump_json(indent=2) if args.json else report.format(max_rows=None if args.all else 8, cli=True))
     return 0 if report.ok else 1

@@ -1,0 +1,56 @@
+"""The public operations' errors as a user sees them, and the clock of a whole call.
+
+An sdadapt error that leaves a public operation (``load``, ``load_state``, ``save_state``,
+``export``, ``plan_load``) says what went wrong and what to do in its message; the frames of
+sdadapt's internals that raised it and the exception it was made from are noise to a user, so
+they are cut: the traceback starts at the public call. ``SDADAPT_DEBUG=1`` keeps them all (for
+a bug report). Errors that are not sdadapt's are never touched.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import os
+import time
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+from ..errors import SdadaptError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_started: contextvars.ContextVar[float | None] = contextvars.ContextVar("sdadapt_call_started", default=None)
+
+
+def debugging() -> bool:
+    """``SDADAPT_DEBUG=1``: errors keep sdadapt's own traceback frames and their cause."""
+    return os.environ.get("SDADAPT_DEBUG", "") not in ("", "0")
+
+
+def public(fn: Callable[P, R]) -> Callable[P, R]:
+    """``fn`` as a public operation: its clock starts on entry (:func:`call_started`), and an
+    :class:`SdadaptError` it raises leaves with no internal frames and no exception chain (unless
+    :func:`debugging`). Put it outermost, above the other decorators."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        token = _started.set(time.perf_counter()) if _started.get() is None else None
+        try:
+            return fn(*args, **kwargs)
+        except SdadaptError as error:
+            if debugging():
+                raise
+            raise error.with_traceback(None) from None  # SDADAPT_DEBUG=1 shows sdadapt's own frames
+        finally:
+            if token is not None:
+                _started.reset(token)
+
+    return call
+
+
+def call_started() -> float:
+    """When the outermost public call running now began (``time.perf_counter``); now if none."""
+    started = _started.get()
+    return time.perf_counter() if started is None else started
