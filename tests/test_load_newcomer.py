@@ -441,3 +441,26 @@ def test_four_ranks_print_the_report_once(tmp_path: Path) -> None:
     for err in errs:
         ours = [s for s in err.splitlines() if 'File "' in s and "/sdadapt/" in s]
         assert len(ours) == 1 and "_transaction/tidy.py" in ours[0], err
+
+
+def test_split_checkpoint_keys_suggest_a_fuse_not_a_rename() -> None:
+    """The demo's case: the model fuses q, k, v into qkv; the checkpoint stores them apart."""
+    from sdadapt._plan.plan import build_plan
+    from sdadapt.sources import TensorInfo
+
+    src = {f"layers.{i}.attn.{p}_proj.weight": TensorInfo((4, 4), torch.float32) for i in range(2) for p in "qkv"}
+    src.update({f"layers.{i}.mlp.weight": TensorInfo((4, 4), torch.float32) for i in range(2)})
+    tgt = {f"layers.{i}.attn.qkv.weight": TensorInfo((12, 4), torch.float32) for i in range(2)}
+    tgt.update({f"layers.{i}.mlp.weight": TensorInfo((4, 4), torch.float32) for i in range(2)})
+    report = build_plan(src, tgt).report
+    assert report.suggestions() == {}
+    text = report.format()
+    fuse = "a fuse of layers.{0..1}.attn.{k_proj,q_proj,v_proj}.weight? (sdadapt.fuse, not a rename)"
+    assert f"layers.{{0..1}}.attn.qkv.weight    <- {fuse}" in text
+    assert "did you mean" not in text
+    # several model keys missing beside several checkpoint keys: renames, not a fuse
+    src = {f"attn.{p}_proj.weight": TensorInfo((4, 4), torch.float32) for p in "qkvo"}
+    src["mlp.weight"] = TensorInfo((4, 4), torch.float32)
+    tgt = {f"attn.w{p}.weight": TensorInfo((4, 4), torch.float32) for p in "qkvo"}
+    tgt["mlp.weight"] = TensorInfo((4, 4), torch.float32)
+    assert "a fuse of" not in build_plan(src, tgt).report.format()

@@ -184,7 +184,8 @@ def test_prefix_root_cause_first():
 def test_an_ok_report_says_names_are_not_numbers():
     tgt = {"w": TensorInfo((2,), torch.float32)}
     text = build_plan(tgt, tgt).report.format()
-    assert "not values" in text and "sdadapt verify" in text
+    assert "not values" in text and "sdadapt.verify(model, reference)" in text
+    assert "`sdadapt verify SRC --model M --adapter A`" in build_plan(tgt, tgt).report.format(cli=True)
     assert text.endswith("OK: checkpoint and model line up by names and shapes; values unchecked")
 
 

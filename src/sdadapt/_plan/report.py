@@ -130,12 +130,29 @@ class Report(BaseModel):
         (a misspelling); none when most keys are unmatched, where names are no guide."""
         if not self.missing or not self.unexpected or self.mostly_unmatched:
             return {}
-        pool = compress(self.unexpected)
+        pool, missing = compress(self.unexpected), compress(self.missing)
         out = {}
-        for m in compress(self.missing):
+        for m in missing:
+            if _fuse_parts(m, pool, missing):
+                continue  # several checkpoint keys make it: a fuse (see fuse_hints), not a misspelling
             near = difflib.get_close_matches(m, pool, n=1, cutoff=0.75)
             if near:
                 out[m] = near[0]
+        return out
+
+    def fuse_hints(self) -> dict[str, str]:
+        """Compressed missing key -> the unexpected keys beside it that a fuse would join: the
+        model holds ``attn.qkv.weight`` where the checkpoint has ``attn.{q,k,v}_proj.weight``
+        (same parent module, same leaf name), which no rename fixes."""
+        if not self.missing or not self.unexpected or self.mostly_unmatched:
+            return {}
+        pool, missing = compress(self.unexpected), compress(self.missing)
+        out = {}
+        for m in missing:
+            parts = _fuse_parts(m, pool, missing)
+            if parts:
+                module, _, leaf = m.rpartition(".")
+                out[m] = f"{module.rpartition('.')[0]}.{{{','.join(parts)}}}.{leaf}"
         return out
 
     def _prefix_cause(self) -> str | None:
@@ -269,10 +286,11 @@ class Report(BaseModel):
             if len(rows) > len(shown):
                 lines.append(f"  ... and {len(rows) - len(shown)} more rows ({more})")
 
-        hints = self.suggestions()
+        hints = {m: f"did you mean {u}?" for m, u in self.suggestions().items()}
+        hints.update({m: f"a fuse of {u}? (sdadapt.fuse, not a rename)" for m, u in self.fuse_hints().items()})
         section(
             "missing: the model has these, the checkpoint + adapter do not give them",
-            [m + looked + (f"    <- did you mean {hints[m]}?" if m in hints else "") for m, looked in self._missing_rows()],
+            [m + looked + (f"    <- {hints[m]}" if m in hints else "") for m, looked in self._missing_rows()],
             len(self.missing),
         )
         section(
@@ -331,6 +349,24 @@ class Report(BaseModel):
 
 
 # --- the hint for quantized checkpoints read without their dequant rule ---
+
+def _fuse_parts(key: str, pool: list[str], missing: list[str]) -> list[str]:
+    """The names of the modules beside ``key``'s in ``pool`` (compressed unexpected keys) that
+    hold a tensor of its leaf name (``q_proj``, ``k_proj`` ... for ``attn.qkv.weight``), when
+    there are at least two and ``key`` is the only one of ``missing`` there (several missing
+    beside several unexpected, ``wq``/``wk`` against ``q_proj``/``k_proj``, are renames); else none."""
+
+    def beside(keys: list[str], parent: str, leaf: str) -> list[str]:
+        names = [k[len(parent) + 1 : -len(leaf) - 1] for k in keys if k.startswith(parent + ".") and k.endswith("." + leaf)]
+        return [n for n in names if n and "." not in n]
+
+    module, _, leaf = key.rpartition(".")
+    parent = module.rpartition(".")[0]
+    if not parent or len(beside(missing, parent, leaf)) > 1:
+        return []
+    names = beside(pool, parent, leaf)
+    return names if len(names) >= 2 else []
+
 
 def scale_keys(keys: list[str]) -> list[str]:
     """The keys named as a quantized format's scales, packed data or blocks (``*.weight_scale_inv``)."""

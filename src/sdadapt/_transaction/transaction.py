@@ -286,7 +286,6 @@ class Transaction:
             partly = not atomic and not self.was_meta and bool(self.written)
             self._undo(partly_written=partly)
             failure.args = (failure.args[0] + "\n" + (self._overwritten() if partly else "Nothing was kept from this load."),)
-            brief_off_rank0(failure, self.group)
             raise failure
         self._commit(parts, atomic, finish)
         for obj in (self.model, self.optimizer):
