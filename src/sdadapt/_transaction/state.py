@@ -61,8 +61,8 @@ from .args import check_model_and_path, renamed_keywords
 from .materialize import InitFn, check_buffers, has_meta, missing_values
 from .optim_state import OptimPlan, init_state, plan_optimizer, stored_names
 from .saved import SaveReport
-from .tidy import call_started, public
-from .transaction import ATOMIC_WHY, Part, Transaction, single_process_quiet
+from .tidy import call_started, public, single_process_quiet
+from .transaction import ATOMIC_WHY, Part, Transaction
 
 log = logging.getLogger(__name__)
 
@@ -164,12 +164,15 @@ def save_state(
     check_model_and_path("sdadapt.save_state(model, dst, optimizer=None, extra=None, ...)", model, dst, path_arg="dst")
     dst = os.fspath(dst)
     if is_url(dst):
+        done: list[SaveReport] = []
+
         def local_save(folder: str) -> None:
-            save_state(model, folder, optimizer, extra, adapter, overwrite=True, process_group=process_group)
+            done.append(save_state(model, folder, optimizer, extra, adapter, overwrite=True, process_group=process_group))
 
         if checksums:
             raise StateError("checksums=True is not supported for an object storage destination yet; save without it")
-        return _save_to_url(dst, local_save, overwrite, process_group)
+        _save_to_url(dst, local_save, overwrite, process_group)
+        return done[0].model_copy(update={"path": dst, "seconds": time.perf_counter() - t0})
     adapter = adapter_or_none(adapter, None, model)
     rank, world = rank_and_world(process_group)
     extra = dict(extra or {})

@@ -1,4 +1,5 @@
-"""The public operations' errors as a user sees them, and the clock of a whole call.
+"""The public operations' errors as a user sees them, the clock of a whole call, and the
+warnings of torch's that sdadapt's own calls would print for nothing.
 
 An sdadapt error that leaves a public operation (``load``, ``load_state``, ``save_state``,
 ``export``, ``plan_load``) says what went wrong and what to do in its message; the frames of
@@ -9,11 +10,13 @@ a bug report). Errors that are not sdadapt's are never touched.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import os
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
 from ..errors import SdadaptError
@@ -54,3 +57,12 @@ def call_started() -> float:
     """When the outermost public call running now began (``time.perf_counter``); now if none."""
     started = _started.get()
     return time.perf_counter() if started is None else started
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """Without DCP's warning that it assumes a single process (``no_dist=True``, or no process
+    group): sdadapt passes it on purpose, for one process or for a rank reading alone."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        yield

@@ -41,12 +41,10 @@ rest of the restore (optimizer, extras) is not, and a meta model cannot run by m
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -80,6 +78,7 @@ from .commit import (
     touching_optimizer,
 )
 from .materialize import InitFn, Reservation, choose_device, has_meta, materialize
+from .tidy import single_process_quiet
 
 log = logging.getLogger(__name__)
 
@@ -190,13 +189,8 @@ class Transaction:
             self._undo(partly_written=False)
             raise
 
-    def materialize(
-        self,
-        device: torch.device | str | None,
-        init_buffers: InitFn | None,
-        reserved: Reservation | None = None,
-        then: InitFn | None = None,
-    ) -> bool:
+    def materialize(self, device: torch.device | str | None, init_buffers: InitFn | None,
+                    reserved: Reservation | None = None, then: InitFn | None = None) -> bool:
         """Collective: ``to_empty`` a meta model and run its buffer hook (and ``then``: the
         allowed-missing keys' values), on every rank; a hook failing on one rank stops the others
         before any reads. ``reserved``: the model's memory, asked for while the load planned
@@ -450,15 +444,6 @@ class Transaction:
         for s in self.sources:
             s.close()
         self.sources = []
-
-
-@contextlib.contextmanager
-def single_process_quiet() -> Iterator[None]:
-    """Without DCP's warning that it assumes a single process (``no_dist=True``, or no process
-    group): sdadapt passes it on purpose, for one process or for a rank reading alone."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
-        yield
 
 
 def foreign_error(e: BaseException, what: str, doing: str) -> SdadaptError:
