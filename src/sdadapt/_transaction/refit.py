@@ -11,8 +11,8 @@ A cast to a narrower dtype happens on the sending side (the same bits, fewer byt
 gathered whole unless an engine rank holds it whole.
 
 Transport: point-to-point sends and receives of the group's backend (gloo on the CPU, NCCL on
-GPUs), in rounds; in one round a rank sends and receives at most ``bucket_bytes`` (one buffer of
-at most that size per rank, allocated for the run and released after it). Delta mode reads the
+GPUs), in rounds; a rank packs one round while the one before is in flight, each in a buffer of
+at most half of ``bucket_bytes`` (allocated for the run and released after it). Delta mode reads the
 trainer tensors' version counters (``tensor._version``: every in-place change, an optimizer's
 step included, bumps it) and moves only the engine tensors made from a changed one.
 """
@@ -40,7 +40,7 @@ from .._plan.target import model_state_dict
 from .._recipes.nodes import Compute, Fill, Node, Piece, Step
 from ..errors import RefitError, SdadaptError
 from ..sources._base import TensorInfo, dtype_name
-from .refit_schedule import Held, Request, Transfer, rounds_of, transfers_of
+from .refit_schedule import Held, Request, Transfer, round_bytes, rounds_of, transfers_of
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class RefitReport(BaseModel):
         bytes_received: bytes it received from other ranks.
         bytes_local: bytes copied from its own trainer shards into its own engine shards.
         rounds: rounds of the run (every rank runs the same number).
-        buffer_bytes: the largest bucket buffer this rank held (at most ``bucket_bytes``).
+        buffer_bytes: the bytes of the round buffers this rank held (at most ``bucket_bytes``).
         staged_bytes: the most bytes held at once for computations' inputs (0 for recipes that
             only move and cast data).
         seconds: the run's wall time.
@@ -190,7 +190,7 @@ class Refit:
 
     Attributes:
         recipes: engine key -> the recipe that makes it from the trainer's tensors.
-        bucket_bytes: the most bytes a rank sends and receives in one round.
+        bucket_bytes: a rank's buffers for the transfers (two rounds of half of it each).
         delta: whether a run skips engine tensors made only from unchanged trainer tensors.
 
     Example::
@@ -262,17 +262,23 @@ class Refit:
             with torch.no_grad():
                 self._start(st, todo, active)
                 size = max((self._load(r) for r in rounds), default=0)
-                st.rep.buffer_bytes = size
                 for t in self.local:
                     if t.target in active:
                         st.rep.bytes_local += t.nbytes
                         self._land(t, self._source_view(t), st)
                 self._finish_ready(st)
-                buffer = torch.empty(size, dtype=torch.uint8, device=self.device) if size else None
-                for r in rounds:
-                    self._round(r, buffer, st)
-                    self._finish_ready(st)
-                del buffer
+                # two buffers of at most half the bucket: a round is packed while the one before is in flight
+                buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(rounds)))] if size else []
+                st.rep.buffer_bytes = size * len(buffers)
+                before: tuple[list[Any], list[tuple[Transfer, torch.Tensor]]] | None = None
+                for i, r in enumerate(rounds):
+                    posted = self._post(r, buffers[i % 2] if buffers else None, st)
+                    if before is not None:
+                        self._complete(*before, st)
+                    before = posted
+                if before is not None:
+                    self._complete(*before, st)
+                del buffers
                 if len(st.done) != len(todo):
                     raise RefitError(f"engine tensors {sorted(set(todo) - st.done)[:8]} did not get all their bytes")
         except BaseException as e:  # noqa: BLE001 - every rank must learn of it
@@ -343,7 +349,7 @@ class Refit:
         if key not in self._rounds:
             if len(self._rounds) > 8:
                 self._rounds.clear()
-            self._rounds[key] = rounds_of([t for t in self.transfers if t.target in active], self.bucket_bytes, self.world)
+            self._rounds[key] = rounds_of([t for t in self.transfers if t.target in active], round_bytes(self.bucket_bytes), self.world)
         return self._rounds[key]
 
     def _load(self, r: list[Transfer]) -> int:
@@ -386,12 +392,15 @@ class Refit:
                     st.staged_now -= t.numel() * t.element_size()
             st.done.add(k)
 
-    def _round(self, r: list[Transfer], buffer: torch.Tensor | None, st: _Run) -> None:
+    def _post(self, r: list[Transfer], buffer: torch.Tensor | None,
+              st: _Run) -> tuple[list[Any], list[tuple[Transfer, torch.Tensor]]]:  # fmt: skip
+        """Pack this rank's sends of round ``r`` into ``buffer`` and post them with its receives;
+        returns the pending works and where each received transfer lies in the buffer."""
         me = self.rank
         sends = sorted((t for t in r if t.src == me), key=lambda t: t.dst)
         recvs = sorted((t for t in r if t.dst == me), key=lambda t: t.src)
         if not sends and not recvs:
-            return
+            return [], []
         assert buffer is not None
         offset = 0
         ops: list[dist.P2POp] = []
@@ -414,12 +423,16 @@ class Refit:
                     i += 1
                 op = dist.isend if is_send else dist.irecv
                 ops.append(dist.P2POp(op, buffer[start:offset], self._global(peer), self.group))
-        works = dist.batch_isend_irecv(ops)
+        return list(dist.batch_isend_irecv(ops)), placed
+
+    def _complete(self, works: list[Any], placed: list[tuple[Transfer, torch.Tensor]], st: _Run) -> None:
+        """Wait for a round's works, land what it received, run what became ready."""
         for w in works:
             if not w.wait(timeout=datetime.timedelta(seconds=self.timeout)):
                 raise RefitError(f"a transfer did not finish within timeout={self.timeout} s")
         for t, view in placed:
             self._land(t, view, st)
+        self._finish_ready(st)
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
@@ -465,7 +478,8 @@ def refit_plan(
         engine_layout: ``(key, tensor) -> (global shape, box)`` for plain engine tensors that are
             shards.
         process_group: the group of every trainer and engine rank (default: the world).
-        bucket_bytes: the most bytes one rank sends and receives in one round (its buffer).
+        bucket_bytes: the most memory one rank's transfers take: two buffers of half of it, one
+            round (its sends and receives) packed while the other moves.
         delta: a run moves only the engine tensors made from a trainer tensor changed in place
             since the previous run (version counters).
         timeout: seconds a run waits for any one transfer before failing on every rank.
@@ -482,8 +496,8 @@ def refit_plan(
     """
     group = process_group
     rank, world = rank_and_world(group)
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 16:
-        raise RefitError(f"bucket_bytes={bucket_bytes!r} must be an int of at least 16")
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 32:
+        raise RefitError(f"bucket_bytes={bucket_bytes!r} must be an int of at least 32")
     error: BaseException | None = None
     meta: dict[str, Any] = {}
     try:
@@ -534,7 +548,7 @@ def refit_plan(
         error = e
     agree(error, group)
     requests = [r for r in _gather(mine.requests, group, world)]
-    transfers = transfers_of(trainer_all, requests, bucket_bytes)
+    transfers = transfers_of(trainer_all, requests, round_bytes(bucket_bytes), bucket_bytes)
     refit = Refit(
         rank=rank, world=world, group=group, recipes=plan.recipes, bucket_bytes=bucket_bytes, delta=delta,
         timeout=timeout, mine=mine, trainer=local_t, versioned=trainer_t, trainer_box=box_t,

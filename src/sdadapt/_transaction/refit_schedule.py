@@ -7,8 +7,8 @@ trainer tensor one engine rank needs, in a dtype on the wire: a piece of a recip
 straight into a view of the engine tensor) or an input of a computation (staged until the
 computation runs). A request is cut where the trainer's shards cut it (one transfer per holding
 shard; of replicas, the receiver itself if it holds one, else the least loaded), then along its
-leading dims until each transfer fits the bucket. Rounds are packed first-fit: in one round a
-rank sends and receives at most ``bucket`` bytes in all.
+leading dims until each transfer fits a round. Rounds are packed first-fit: in one round a rank
+sends and receives at most half the bucket in all (two rounds are in flight at a time).
 """
 
 from __future__ import annotations
@@ -92,18 +92,26 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def cut_to_fit(t: Transfer, bucket: int) -> list[Transfer]:
+def round_bytes(bucket_bytes: int) -> int:
+    """The most one rank sends and receives in one round: half the bucket (aligned down), as two
+    rounds are in flight at a time (one packed while the other moves)."""
+    return max(ALIGN, bucket_bytes // 2 // ALIGN * ALIGN)
+
+
+def cut_to_fit(t: Transfer, bucket: int, bucket_bytes: int | None = None) -> list[Transfer]:
     """``t`` cut along its leading dims into transfers of at most ``bucket`` bytes (aligned); a
-    row (the last dim, whole) is never cut, so a bucket smaller than one row is an error."""
+    row (the last dim, whole) is never cut, so a bucket smaller than one row is an error
+    (``bucket_bytes``: the user's bucket, of which ``bucket`` is a round's half, for the message)."""
     if t.padded <= bucket:
         return [t]
     item = getattr(torch, t.wire).itemsize
     shape = box_shape(t.box)
     row = shape[-1] * item if len(shape) >= 2 else item
     if _aligned(row) > bucket:
+        given, need = (bucket, _aligned(row)) if bucket_bytes is None else (bucket_bytes, 2 * _aligned(row))
         raise RefitError(
-            f"bucket_bytes={bucket} is too small for one row of {t.key!r} ({row} bytes on the wire, region "
-            f"{list(t.box)}); give bucket_bytes of at least {_aligned(row)}"
+            f"bucket_bytes={given} is too small for one row of {t.key!r} ({row} bytes on the wire, region "
+            f"{list(t.box)}; a round holds half the bucket); give bucket_bytes of at least {need}"
         )
     out: list[Transfer] = []
 
@@ -127,7 +135,7 @@ def cut_to_fit(t: Transfer, bucket: int) -> list[Transfer]:
 
 
 def transfers_of(
-    trainer: list[dict[str, Held]], requests: list[list[Request]], bucket: int
+    trainer: list[dict[str, Held]], requests: list[list[Request]], bucket: int, bucket_bytes: int | None = None
 ) -> list[Transfer]:
     """Every transfer, in the order of the engine ranks' requests, each fitting ``bucket``."""
     boxes = {k: holders(trainer, k) for k in sorted({r.key for reqs in requests for r in reqs})}
@@ -144,7 +152,7 @@ def transfers_of(
                 t = Transfer(src, dst, req.key, part, req.wire, req.index, req.target)
                 sent[src] += t.nbytes
                 covered += volume(part)
-                out.extend(cut_to_fit(t, bucket) if src != dst else [t])
+                out.extend(cut_to_fit(t, bucket, bucket_bytes) if src != dst else [t])
             if covered != volume(req.box):
                 raise RefitError(
                     f"engine tensor {req.target!r} needs region {list(req.box)} of trainer tensor {req.key!r}, "
@@ -176,4 +184,4 @@ def rounds_of(transfers: list[Transfer], bucket: int, world: int) -> list[list[T
     return rounds
 
 
-__all__ = ["Held", "Request", "Transfer", "holders", "intersect", "rounds_of", "transfers_of", "volume"]
+__all__ = ["Held", "Request", "Transfer", "holders", "intersect", "round_bytes", "rounds_of", "transfers_of", "volume"]
