@@ -87,7 +87,8 @@ def _attempt(model: nn.Module, path: str, **kw: Any) -> dict[str, Any]:
     try:
         sdadapt.load(model, path, **kw)
     except sdadapt.SdadaptError as e:
-        out = {"error": type(e).__name__, "message": str(e)}
+        # ranks other than 0 get one line pointing at rank 0's error; the whole message is kept
+        out = {"error": type(e).__name__, "message": str(e), "full": getattr(e, "full_message", str(e))}
     except BaseException as e:  # noqa: BLE001 - anything else is a failure of the test
         out = {"error": f"UNHANDLED {type(e).__name__}", "message": str(e)}
     out["seconds"] = time.perf_counter() - t0
@@ -275,7 +276,10 @@ def _problems(case: Any, got: dict[str, Any], rank: int, label: str) -> list[str
     where = f"{label} rank {rank}"
     if got["error"] != case.error.__name__:
         return [f"{where}: expected {case.error.__name__}, got {got['error']}: {got.get('message', '')[:800]}"]
-    out = [f"{where}: message lacks {m}: {got['message'][:800]}" for m in case.check_message(got["message"])]
+    full = got.get("full", got["message"])
+    out = [f"{where}: message lacks {m}: {full[:800]}" for m in case.check_message(full)]
+    if rank != 0 and full != got["message"] and ("\n" in got["message"] or "rank 0's error" not in got["message"]):
+        out.append(f"{where}: not one line pointing at rank 0's error: {got['message'][:400]}")
     if got["seconds"] > BOUND_S:
         out.append(f"{where}: took {got['seconds']:.1f} s")
     out += _state_problems(got, label, where)
