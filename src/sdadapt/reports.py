@@ -35,8 +35,8 @@ if TYPE_CHECKING:
     from ._transaction.dryrun import DryRunReport as DryRunReport
     from ._transaction.export import ExportReport as ExportReport
     from ._transaction.load import LoadReport as LoadReport
-    from ._transaction.refit import Refit as Refit
-    from ._transaction.refit import RefitReport as RefitReport
+    from ._transaction.refit_run import Refit as Refit
+    from ._transaction.refit_run import RefitReport as RefitReport
     from ._transaction.saved import SaveReport as SaveReport
     from ._transaction.shrink import ShrinkReport as ShrinkReport
     from ._transaction.state import StateLoadReport as StateLoadReport
@@ -51,8 +51,8 @@ _PUBLIC: dict[str, str] = {
     "ExportReport": "sdadapt._transaction.export",
     "VerifyReport": "sdadapt._transaction.verify",
     "ShrinkReport": "sdadapt._transaction.shrink",
-    "Refit": "sdadapt._transaction.refit",
-    "RefitReport": "sdadapt._transaction.refit",
+    "Refit": "sdadapt._transaction.refit_run",
+    "RefitReport": "sdadapt._transaction.refit_run",
     "Draft": "sdadapt._draft",
     "DryRunReport": "sdadapt._transaction.dryrun",
     "DryRunRank": "sdadapt._transaction.dryrun",

@@ -1,0 +1,370 @@
+"""A planned refit's runs: :class:`Refit` moves the bytes :func:`sdadapt.refit_plan` scheduled,
+and says what it did in a :class:`RefitReport` (see :mod:`sdadapt._transaction.refit`)."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+
+from .._base.regions import Box, box_shape
+from .._recipes.nodes import Compute, Fill, Node, Step
+from ..errors import RefitError
+from .refit_schedule import Request, Transfer, round_bytes, rounds_of
+
+log = logging.getLogger(__name__)
+
+
+class RefitReport(BaseModel):
+    """What one :meth:`Refit.run` did on this rank.
+
+    Attributes:
+        rank: this rank in the refit's group.
+        updated: the engine tensors of this rank written by the run.
+        unchanged: those left as they were (delta mode: made only from unchanged trainer tensors).
+        bytes_sent: bytes this rank sent to other ranks.
+        bytes_received: bytes it received from other ranks.
+        bytes_local: bytes copied from its own trainer shards into its own engine shards.
+        rounds: rounds of the run (every rank runs the same number).
+        buffer_bytes: the bytes of the round buffers this rank held (at most ``bucket_bytes``).
+        staged_bytes: the most bytes held at once for computations' inputs (0 for recipes that
+            only move and cast data).
+        seconds: the run's wall time.
+
+    Example::
+
+        refit = sdadapt.refit_plan(trainer, engine, adapter)
+        report = refit.run()
+        print(report.bytes_received, report.seconds)
+    """
+
+    rank: int
+    updated: list[str]
+    unchanged: list[str] = []
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_local: int = 0
+    rounds: int = 0
+    buffer_bytes: int = 0
+    staged_bytes: int = 0
+    seconds: float = 0.0
+
+    def format_text(self) -> str:
+        return (
+            f"rank {self.rank}: refit {len(self.updated)} engine tensors ({len(self.unchanged)} unchanged), "
+            f"sent {_size(self.bytes_sent)}, received {_size(self.bytes_received)}, local {_size(self.bytes_local)} "
+            f"in {self.rounds} rounds, {self.seconds:.3f} s"
+        )
+
+    def __str__(self) -> str:
+        return self.format_text()
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+class _Staged:
+    """A source serving the staged inputs of computations."""
+
+    def __init__(self, staged: dict[tuple[str, Box], torch.Tensor], target: str):
+        self.staged = staged
+        self.target = target
+
+    def read(self, key: str, box: Box) -> torch.Tensor:
+        t = self.staged.get((key, box))
+        if t is None:
+            raise RefitError(f"engine tensor {self.target!r}: its recipe read region {list(box)} of {key!r}, which was not sent")
+        return t
+
+
+@dataclass
+class _Mine:
+    """This engine rank's side: each engine tensor's steps, and where each request lands."""
+
+    steps: dict[str, list[Step]] = field(default_factory=dict)
+    requests: list[Request] = field(default_factory=list)
+    dest: dict[int, torch.Tensor] = field(default_factory=dict)  # request -> view of the engine tensor (pieces)
+    inputs: dict[str, list[int]] = field(default_factory=dict)  # engine key -> requests its computations read
+    by_target: dict[str, list[int]] = field(default_factory=dict)  # engine key -> all its requests
+
+
+@dataclass
+class _Run:
+    """One run's progress on this rank."""
+
+    rep: RefitReport
+    remaining: dict[int, int] = field(default_factory=dict)  # request -> transfers still to land
+    open: dict[str, int] = field(default_factory=dict)  # engine key -> requests still incomplete
+    ready: list[str] = field(default_factory=list)  # engine keys whose bytes are all in
+    done: set[str] = field(default_factory=set)
+    staged: dict[int, torch.Tensor] = field(default_factory=dict)
+    staged_now: int = 0
+
+
+def _offset(box: Box, origin: Box) -> tuple[slice, ...]:
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin, strict=True))
+
+
+class Refit:
+    """A refit planned by :func:`sdadapt.refit_plan`: :meth:`run` (or calling it) moves the
+    trainer's current weights into the engine's tensors. Every rank of the group calls it at the
+    same point; the plan is reused, a run only moves bytes.
+
+    Attributes:
+        recipes: engine key -> the recipe that makes it from the trainer's tensors.
+        bucket_bytes: a rank's buffers for the transfers (two rounds of half of it each).
+        delta: whether a run skips engine tensors made only from unchanged trainer tensors.
+
+    Example::
+
+        refit = sdadapt.refit_plan(trainer_model, engine_params, adapter, bucket_bytes=64 << 20)
+        for batch in data:
+            train_step(batch)
+            refit()  # the engine now serves the new weights
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world: int,
+        group: dist.ProcessGroup | None,
+        recipes: dict[str, Node],
+        bucket_bytes: int,
+        delta: bool,
+        timeout: float,
+        mine: _Mine,
+        trainer: dict[str, torch.Tensor],
+        versioned: dict[str, torch.Tensor],
+        trainer_box: dict[str, Box],
+        source_dtype: dict[str, torch.dtype],
+        transfers: list[Transfer],
+        device: torch.device,
+    ):
+        self.rank, self.world, self.group = rank, world, group
+        self.recipes, self.bucket_bytes, self.delta, self.timeout = recipes, bucket_bytes, delta, timeout
+        self.mine = mine
+        self.trainer = trainer  # key -> this rank's local shard
+        self.versioned = versioned  # key -> the tensor whose version counter delta mode reads
+        self.trainer_box = trainer_box
+        self.source_keys = sorted(source_dtype)
+        self.source_dtype = source_dtype
+        self.transfers = transfers  # every rank's: every rank packs the same rounds
+        self.local = [t for t in transfers if t.src == rank and t.dst == rank]
+        self.device = device
+        self._rounds: dict[frozenset[str], list[list[Transfer]]] = {}
+        self._versions: dict[str, int] = {}
+
+    # ----- one run
+    def __call__(self) -> RefitReport:
+        """The same as :meth:`run`."""
+        return self.run()
+
+    def run(self) -> RefitReport:
+        """Move the trainer's current weights into the engine's tensors (every rank calls it).
+
+        Returns:
+            This rank's :class:`RefitReport`.
+
+        Raises:
+            RefitError: on every rank, when a rank failed, left or timed out; its ``updated`` /
+                ``not_updated`` say which of this rank's engine tensors were written.
+
+        Example::
+
+            report = refit.run()
+        """
+        t0 = time.perf_counter()
+        active = self._changed_targets() if self.delta else set(self.recipes)
+        rounds = self._rounds_for(active)
+        st = _Run(RefitReport(rank=self.rank, updated=[], rounds=len(rounds)))
+        todo = [k for k in self.mine.steps if k in active]
+        error: BaseException | None = None
+        try:
+            with torch.no_grad():
+                self._start(st, todo, active)
+                size = max((self._load(r) for r in rounds), default=0)
+                for t in self.local:
+                    if t.target in active:
+                        st.rep.bytes_local += t.nbytes
+                        self._land(t, self._source_view(t), st)
+                self._finish_ready(st)
+                # two buffers of at most half the bucket: a round is packed while the one before is in flight
+                buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(rounds)))] if size else []
+                st.rep.buffer_bytes = size * len(buffers)
+                before: tuple[list[Any], list[tuple[Transfer, torch.Tensor]]] | None = None
+                for i, r in enumerate(rounds):
+                    posted = self._post(r, buffers[i % 2] if buffers else None, st)
+                    if before is not None:
+                        self._complete(*before, st)
+                    before = posted
+                if before is not None:
+                    self._complete(*before, st)
+                del buffers
+                if len(st.done) != len(todo):
+                    raise RefitError(f"engine tensors {sorted(set(todo) - st.done)[:8]} did not get all their bytes")
+        except BaseException as e:  # noqa: BLE001 - every rank must learn of it
+            error = e
+        try:
+            failed = self._any_failed(error is not None) if self.world > 1 else error is not None
+        except Exception as e:  # noqa: BLE001 - a rank that left breaks the group's collectives, one that hangs times out
+            failed, error = True, error or e
+        if failed:
+            not_done = sorted(set(todo) - st.done)
+            why = f"{type(error).__name__}: {error}" if error is not None else "another rank failed"
+            raise RefitError(
+                f"refit failed on rank {self.rank}: {why}. Of this rank's engine tensors, {len(st.done)} were "
+                f"updated and {len(not_done)} were not ({', '.join(not_done[:8])}{' ...' if len(not_done) > 8 else ''}); "
+                "run the refit again once every rank is back",
+                updated=sorted(st.done),
+                not_updated=not_done,
+            ) from error
+        rep = st.rep
+        rep.updated = sorted(st.done)
+        rep.unchanged = sorted(k for k in self.mine.steps if k not in active)
+        rep.seconds = time.perf_counter() - t0
+        log.info("%s", rep.format_text())
+        return rep
+
+    def _any_failed(self, failed: bool) -> bool:
+        """Whether any rank failed this run (every rank calls it); waits at most ``timeout``."""
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=self.device)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        assert work is not None
+        work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        return bool(int(flag.item()))
+
+    def _start(self, st: _Run, todo: list[str], active: set[str]) -> None:
+        """Fill the constant regions; count, per request and per engine tensor, what is awaited."""
+        for t in self.transfers:
+            if t.dst == self.rank and t.target in active:
+                st.remaining[t.request] = st.remaining.get(t.request, 0) + 1
+        for k in todo:
+            for s in self.mine.steps[k]:
+                if isinstance(s, Fill):
+                    s.dest.fill_(s.value)
+            st.open[k] = sum(1 for i in self.mine.by_target.get(k, []) if st.remaining.get(i))
+            if st.open[k] == 0:
+                st.ready.append(k)
+
+    # ----- delta mode
+    def _changed_targets(self) -> set[str]:
+        """Engine keys made from a trainer tensor whose version counter moved since the last run."""
+        flags = torch.zeros(len(self.source_keys), dtype=torch.int32, device=self.device)
+        for i, k in enumerate(self.source_keys):
+            t = self.versioned.get(k)  # a DTensor's own counter: its in-place ops leave its local tensor's alone
+            if t is not None:
+                v = t._version
+                if self._versions.get(k) != v:
+                    flags[i] = 1
+                    self._versions[k] = v
+            elif not self._versions.get(k):  # not held here: the first run sends it
+                self._versions[k] = 1
+                flags[i] = 1
+        if self.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        changed = {k for k, f in zip(self.source_keys, flags.tolist(), strict=True) if f}
+        return {k for k, node in self.recipes.items() if changed.intersection(node.leaves()) or not node.leaves()}
+
+    def _rounds_for(self, active: set[str]) -> list[list[Transfer]]:
+        key = frozenset(active)
+        if key not in self._rounds:
+            if len(self._rounds) > 8:
+                self._rounds.clear()
+            self._rounds[key] = rounds_of([t for t in self.transfers if t.target in active], round_bytes(self.bucket_bytes), self.world)
+        return self._rounds[key]
+
+    def _load(self, r: list[Transfer]) -> int:
+        return sum(t.padded for t in r if self.rank in (t.src, t.dst))
+
+    # ----- moving bytes
+    def _source_view(self, t: Transfer) -> torch.Tensor:
+        local, box = self.trainer[t.key], self.trainer_box[t.key]
+        return local[_offset(t.box, box)]
+
+    def _land(self, t: Transfer, data: torch.Tensor, st: _Run) -> None:
+        """Put transfer ``t``'s data where its request goes."""
+        req = self.mine.requests[t.request]
+        dest = self.mine.dest.get(t.request)
+        if dest is None:  # an input of a computation: staged until the computation runs
+            dest = st.staged.get(t.request)
+            if dest is None:
+                dest = st.staged[t.request] = torch.empty(box_shape(req.box), dtype=self.source_dtype[req.key], device=self.device)
+                st.staged_now += dest.numel() * dest.element_size()
+                st.rep.staged_bytes = max(st.rep.staged_bytes, st.staged_now)
+        dest[_offset(t.box, req.box)].copy_(data)
+        st.remaining[t.request] -= 1
+        if st.remaining[t.request] == 0:
+            st.open[req.target] -= 1
+            if st.open[req.target] == 0:
+                st.ready.append(req.target)
+
+    def _finish_ready(self, st: _Run) -> None:
+        """Run the computations of every engine tensor whose bytes are all in; it is then done."""
+        mine = self.mine
+        while st.ready:
+            k = st.ready.pop()
+            computes = [s for s in mine.steps[k] if isinstance(s, Compute)]
+            if computes:
+                io = _Staged({(mine.requests[i].key, mine.requests[i].box): st.staged[i] for i in mine.inputs[k]}, k)
+                for s in computes:
+                    s.run(io)
+                for i in mine.inputs[k]:
+                    t = st.staged.pop(i)
+                    st.staged_now -= t.numel() * t.element_size()
+            st.done.add(k)
+
+    def _post(self, r: list[Transfer], buffer: torch.Tensor | None,
+              st: _Run) -> tuple[list[Any], list[tuple[Transfer, torch.Tensor]]]:  # fmt: skip
+        """Pack this rank's sends of round ``r`` into ``buffer`` and post them with its receives;
+        returns the pending works and where each received transfer lies in the buffer."""
+        me = self.rank
+        sends = sorted((t for t in r if t.src == me), key=lambda t: t.dst)
+        recvs = sorted((t for t in r if t.dst == me), key=lambda t: t.src)
+        if not sends and not recvs:
+            return [], []
+        assert buffer is not None
+        offset = 0
+        ops: list[dist.P2POp] = []
+        placed: list[tuple[Transfer, torch.Tensor]] = []
+        for group_of, peer_of, is_send in ((sends, "dst", True), (recvs, "src", False)):
+            i = 0
+            while i < len(group_of):
+                peer = getattr(group_of[i], peer_of)
+                start = offset
+                while i < len(group_of) and getattr(group_of[i], peer_of) == peer:
+                    t = group_of[i]
+                    view = buffer[offset : offset + t.nbytes].view(getattr(torch, t.wire)).view(box_shape(t.box))
+                    if is_send:
+                        view.copy_(self._source_view(t))
+                        st.rep.bytes_sent += t.nbytes
+                    else:
+                        placed.append((t, view))
+                        st.rep.bytes_received += t.nbytes
+                    offset += t.padded
+                    i += 1
+                op = dist.isend if is_send else dist.irecv
+                ops.append(dist.P2POp(op, buffer[start:offset], self._global(peer), self.group))
+        return list(dist.batch_isend_irecv(ops)), placed
+
+    def _complete(self, works: list[Any], placed: list[tuple[Transfer, torch.Tensor]], st: _Run) -> None:
+        """Wait for a round's works, land what it received, run what became ready."""
+        for w in works:
+            if not w.wait(timeout=datetime.timedelta(seconds=self.timeout)):
+                raise RefitError(f"a transfer did not finish within timeout={self.timeout} s")
+        for t, view in placed:
+            self._land(t, view, st)
+        self._finish_ready(st)
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+
+__all__ = ["Refit", "RefitReport"]
