@@ -26,7 +26,8 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT = ["4.57.6", "5.0.0", "5.5.4", "5.10.4", "5.13.1", "5.17.0", "5.21.1", "5.25.0"]
+# 4.45.2 is below the supported floor: its row must show the up-front refusal
+DEFAULT = ["4.45.2", "4.57.6", "5.0.0", "5.5.4", "5.10.4", "5.13.1", "5.17.0", "5.21.1", "5.25.0"]
 
 
 def make_venv(root: str, version: str, base_site: str, package: str = "transformers") -> str:
@@ -46,8 +47,9 @@ def make_venv(root: str, version: str, base_site: str, package: str = "transform
         # the base's pip, run by the small venv's python: it installs into the small venv and sees
         # the base's packages (torch stays the base's: transformers does not depend on it)
         nodeps = ["--no-deps"] if package == "torchtitan" else []
-        subprocess.run([py, "-m", "pip", "install", "--disable-pip-version-check", "-q", *nodeps, f"{package}=={version}"],
-                       check=True)
+        # (--no-warn-conflicts: the base's other packages, e.g. diffusers, may want another huggingface_hub)
+        quiet = ["--disable-pip-version-check", "--no-warn-conflicts", "-q"]
+        subprocess.run([py, "-m", "pip", "install", *quiet, *nodeps, f"{package}=={version}"], check=True)
     return py
 
 

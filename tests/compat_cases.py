@@ -208,7 +208,7 @@ def _diff_cli(root: str, case: str) -> str:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(["diff", folder, "--target", f"{build}:build"])  # the CLI in this process: its exit status
-    return "ok" if code == 0 else f"exit {code}: {(err.getvalue() or out.getvalue()).strip()[-300:]}"
+    return "ok" if code == 0 else f"exit {code}: {(err.getvalue() or out.getvalue()).strip()[:600]}"
 
 
 def run(root: str, world_size: int = 2) -> dict[str, dict[str, str]]:
