@@ -132,18 +132,17 @@ def load_worker(root: str, cases: list[str]) -> dict[str, Any]:
             sdadapt.load(model, folder)
         except sdadapt.SdadaptError as e:
             res["load"] = f"{type(e).__name__}: {e}"
-            out[case] = res
-            continue
-        bad = _differing(model.state_dict(), ref)
-        res["load"] = "ok" if not bad else f"differs: {bad[:4]}"
-        dst = os.path.join(root, f"{case}.export.r{dist.get_rank()}")
-        try:
-            sdadapt.export(model, dst)
-        except sdadapt.SdadaptError as e:
-            res["export"] = f"{type(e).__name__}: {e}"
         else:
-            res["export"] = _reopen(dst, ref) if dist.get_rank() == 0 else "ok"
-        if logits is not None:
+            bad = _differing(model.state_dict(), ref)
+            res["load"] = "ok" if not bad else f"differs: {bad[:4]}"
+            dst = os.path.join(root, f"{case}.export.r{dist.get_rank()}")
+            try:
+                sdadapt.export(model, dst)
+            except sdadapt.SdadaptError as e:
+                res["export"] = f"{type(e).__name__}: {e}"
+            else:
+                res["export"] = _reopen(dst, ref) if dist.get_rank() == 0 else "ok"
+        if logits is not None:  # also where the derived adapter is refused: the way out it names
             res["shipped"] = _shipped_llama(folder, logits, mesh)
         out[case] = res
         dist.barrier()
