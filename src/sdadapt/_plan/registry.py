@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import pkgutil
+import re
 import tempfile
 from types import ModuleType
 from typing import Any
@@ -288,3 +289,12 @@ def shipped_hint(source: str | os.PathLike[str] | None, fits: bool | None = None
         return (f"config.json says model_type {model_type!r}, the family of the shipped adapter {name!r}; problems "
                 f"remain with it too: {how} and read that report")
     return f"config.json says model_type {model_type!r}, the family of the shipped adapter {name!r}: {how}"
+
+
+_HOW = re.compile(r"pass adapter='(\w+)' \(command line: --adapter \w+\)")
+
+
+def spelled(hint: str, cli: bool) -> str:
+    """A :func:`shipped_hint` line spelled for Python (``adapter='llama'``) or the command line
+    (``--adapter llama``) only."""
+    return _HOW.sub(lambda m: f"pass --adapter {m.group(1)}" if cli else f"pass adapter={m.group(1)!r}", hint)

@@ -275,7 +275,9 @@ class Report(BaseModel):
 
             hint = shipped_hint(self.source)
         if hint:
-            lines.append(f"hint: {hint}")
+            from .registry import spelled
+
+            lines.append(f"hint: {spelled(hint, cli)}")
 
         def section(title: str, rows: list[str], count: int, note: str = "") -> None:
             if not rows:
