@@ -131,9 +131,9 @@ def version_problem(e: BaseException, doing: str) -> str | None:
     pkg, ver = dep
     ranges = f"; sdadapt supports {supported_text(pkg)}" if pkg in SUPPORTED else ""
     return (
-        f"{doing} failed inside {pkg} {ver}: {type(e).__name__}: {e}. This is a version mismatch between sdadapt "
-        f"{VERSION} and {pkg} {ver}, not a problem with your files{ranges}. Install a supported {pkg}, or report it "
-        "with the output of `sdadapt env`"
+        f"{doing} failed inside {pkg} {ver}: {type(e).__name__}: {e}. This is most likely a version mismatch between "
+        f"sdadapt {VERSION} and {pkg} {ver}{ranges}. Install a supported {pkg}, or report it with the output of "
+        "`sdadapt env`"
     )
 
 
