@@ -445,3 +445,26 @@ def test_refit_deepseek_v3_layout(ep: bool) -> None:
     a = "model.layers.1.self_attn."
     fused = whole[a + "fused_qkv_a_proj.weight"]
     assert torch.equal(fused, torch.cat([full[a + "q_a_proj.weight"], full[a + "kv_a_proj_with_mqa.weight"]]))
+
+
+def test_refit_one_process_moe_forward() -> None:
+    """FusedMoE's per-rank computation on the refit's w13_weight / w2_weight (each expert's rows
+    split [gate_r; up_r] as vLLM's kernel splits them, w2 by columns) summed over the TP ranks
+    equals each expert of the trainer's MLP."""
+    moe = qwen3_moe_titan(2)
+    p = "layers.1.moe.experts."
+    w1, w3, w2 = (moe[p + n].double() for n in ("w1", "w3", "w2"))
+    x = torch.randn(3, D, dtype=torch.float64)
+    want = [(torch.nn.functional.silu(x @ w1[e].T) * (x @ w3[e].T)) @ w2[e].T for e in range(E)]
+    tp = 2
+    got = [torch.zeros_like(w) for w in want]
+    for r in range(tp):
+        layout = vllm_qwen3_moe.layout(tp, r)
+        engine = engine_shards(eager(moe, moe_adapter(tp)), layout, torch.float64)
+        sdadapt.refit_plan(moe, engine, moe_adapter(tp), engine_layout=layout)()
+        w13_r, w2_r = engine["model.layers.1.mlp.experts.w13_weight"], engine["model.layers.1.mlp.experts.w2_weight"]
+        for e in range(E):
+            gate, up = (x @ w13_r[e].T).chunk(2, dim=-1)
+            got[e] += (torch.nn.functional.silu(gate) * up) @ w2_r[e].T
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w)
