@@ -345,17 +345,17 @@ def test_non_tensor_entries(tmp_path):
 
 def test_dtype_change_without_rule(tmp_path):
     sd = _good_sd()
-    sd["proj.weight"] = sd["proj.weight"].to(torch.bfloat16)
+    sd["proj.weight"] = sd["proj.weight"].to(torch.float64)  # a narrowing: bfloat16 would widen exactly
     path = write_safetensors(tmp_path / "m.safetensors", sd)
     model = Net()
     before = _snapshot(model)
     with pytest.raises(PlanError) as e:
         sdadapt.load(model, path)
     msg = str(e.value)
-    assert str(path) in msg and "proj.weight: model float32, checkpoint gives bfloat16" in msg
+    assert str(path) in msg and "proj.weight: model float32, checkpoint gives float64" in msg
     assert 'sdadapt.cast("**", "model")' in msg
     _assert_untouched(model, before)
-    rep = sdadapt.load(model, path, sdadapt.Adapter([sdadapt.cast("proj.weight", "float32", from_dtype="bfloat16")]))
+    rep = sdadapt.load(model, path, sdadapt.Adapter([sdadapt.cast("proj.weight", "float32", from_dtype="float64")]))
     assert rep.keys_loaded == 3
     assert torch.equal(model.proj.weight, sd["proj.weight"].float())
 

@@ -50,7 +50,8 @@ def _load(case: dict[str, Any], meta: bool) -> dict[str, Any]:
     try:
         sdadapt.load(model, case["path"], case["adapter"], **case["kwargs"])
     except sdadapt.SdadaptError as e:
-        out = {"error": type(e).__name__, "message": str(e)}
+        # ranks other than 0 get one line pointing at rank 0's error; the whole message is kept
+        out = {"error": type(e).__name__, "message": getattr(e, "full_message", str(e)), "line": str(e)}
     except BaseException as e:  # noqa: BLE001 - anything else is a failure of the test
         out = {"error": f"UNHANDLED {type(e).__name__}", "message": str(e)}
     out["seconds"] = time.perf_counter() - t0
@@ -100,6 +101,9 @@ def problems_of(case: dict[str, Any], got: dict[str, Any], rank: int, label: str
     if not ok:
         return [f"{where}: expected {case['error'] or 'rc 2'}, got {got['error']}: {msg[:600]}"]
     out = [f"{where}: message lacks {f!r}: {msg[:600]}" for f in (case["file"], *case["fragments"]) if f not in msg]
+    line = got.get("line", msg)
+    if line != msg and (rank == 0 or "\n" in line or "rank 0's error" not in line):
+        out.append(f"{where}: shortened, but not to one line pointing at rank 0's error: {line[:400]}")
     if got["seconds"] > BOUND_S:
         out.append(f"{where}: took {got['seconds']:.1f} s")
     return out + _state_problems(got, label, where)
