@@ -522,7 +522,12 @@ def test_bf16_release_into_float32_model(tmp_path: Any) -> None:
     ref = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model = _meta(folder)
     model.to(torch.float32)
-    assert not sdadapt.diff(model, folder).ok  # bf16 -> float32 is never silent
+    report = sdadapt.diff(model, folder)  # bf16 -> float32 widens exactly: it plans, and says so
+    assert report.ok and len(report.widened) == report.matched, report.format()
     sdadapt.load(model, folder, dtype="model")
     want = ref.state_dict()
+    assert [k for k, v in model.state_dict().items() if v.dtype != torch.float32 or not torch.equal(v, want[k])] == []
+    model = _meta(folder)
+    model.to(torch.float32)
+    sdadapt.load(model, folder)  # without dtype=: the same values
     assert [k for k, v in model.state_dict().items() if v.dtype != torch.float32 or not torch.equal(v, want[k])] == []
