@@ -67,17 +67,17 @@ def split_url(url: str) -> tuple[str, str, str]:
     return scheme, bucket, key.strip("/")
 
 
-def env_int(name: str, default: int) -> int:
-    """A positive integer from the environment variable ``name`` (``default`` when unset)."""
+def env_int(name: str, default: int, minimum: int = 1) -> int:
+    """An integer of at least ``minimum`` from the environment variable ``name`` (``default`` when unset)."""
     text = os.environ.get(name)
     if not text:
         return default
     try:
         value = int(text)
     except ValueError:
-        value = -1
-    if value <= 0:
-        raise SourceError(f"{name}={text!r}: give a positive whole number")
+        value = minimum - 1
+    if value < minimum:
+        raise SourceError(f"{name}={text!r}: give a whole number of at least {minimum}")
     return value
 
 
@@ -85,7 +85,7 @@ def env_int(name: str, default: int) -> int:
 class FetchSettings:
     """How ranges are fetched: see the module docstring and ``docs/object-storage.md``."""
 
-    gap_bytes: int = field(default_factory=lambda: env_int("SDADAPT_REMOTE_GAP_BYTES", 1 << 20))
+    gap_bytes: int = field(default_factory=lambda: env_int("SDADAPT_REMOTE_GAP_BYTES", 64 << 10, minimum=0))
     request_bytes: int = field(default_factory=lambda: env_int("SDADAPT_REMOTE_REQUEST_BYTES", 16 << 20))
     concurrency: int = field(default_factory=lambda: env_int("SDADAPT_REMOTE_CONCURRENCY", 32))
 

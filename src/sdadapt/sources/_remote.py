@@ -193,6 +193,20 @@ def box_runs(shape: tuple[int, ...], itemsize: int, box: Box) -> list[tuple[int,
     return [(p, run) for p in sorted(starts)]
 
 
+_ZIP_END = 8192  # of a DCP item (a small torch.save zip): its pickle and first local header, its directory
+
+
+def _zip_ends(items: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """The first and last ``_ZIP_END`` bytes of each DCP item: what locating its tensor's raw
+    bytes reads (``torch.save`` writes ``data.pkl`` and the storage record's header first, the
+    small records and the zip directory last); an item whose bytes then cannot be located is
+    fetched whole by :meth:`RemoteReads._ranges`."""
+    out = []
+    for name, start, stop in items:
+        out += [(name, start, min(stop, start + _ZIP_END)), (name, max(start, stop - _ZIP_END), stop)]
+    return out
+
+
 class RemoteReads:
     """What a source opened on a mirror adds (mixed into its own class by :func:`attach`)."""
 
@@ -205,11 +219,14 @@ class RemoteReads:
         src: Any = self
         remote = self.remote
         before = remote.fetched_bytes, remote.requests
+        boxes = [(k, b if b is not None else full_box(src.schema[k].shape)) for k, b in regions if k in src.schema]
+        ends: list[tuple[str, int, int]] = []
+        for key, box in boxes:  # a DCP folder: every chunk's zip records in one batch first
+            ends += _zip_ends(self._item_ranges(key, box) or [])
+        remote.fetch(ends)
         out: list[tuple[str, int, int]] = []
-        for key, box in regions:
-            info = src.schema.get(key)
-            if info is not None:
-                out += self._ranges(key, box if box is not None else full_box(info.shape))
+        for key, box in boxes:
+            out += self._ranges(key, box)
         remote.fetch(out)
         return remote.fetched_bytes - before[0], remote.requests - before[1]
 
@@ -218,7 +235,7 @@ class RemoteReads:
         remote = self.remote
         items = self._item_ranges(key, box)
         if items is not None:
-            remote.fetch(items)  # a DCP chunk is located by reading its own bytes
+            remote.fetch(_zip_ends(items))  # a DCP chunk is located by reading its own zip records
         located = src._located_region(key, box)
         if located is None:
             if items is not None:
@@ -278,7 +295,7 @@ def _remote_class(cls: type) -> type:
     def locate_region(self: Any, key: str, box: Box) -> Any:
         items = self._item_ranges(key, box)
         if items:
-            self.remote.fetch(items)
+            self.remote.fetch(_zip_ends(items))
         return base.locate_region(self, key, box)
 
     def located_region(self: Any, key: str, box: Box) -> Any:
