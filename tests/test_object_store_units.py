@@ -1,0 +1,95 @@
+"""The pieces of object storage reading that need no server: URLs, byte runs of a region,
+coalescing, the settings, the missing-extra error, AWS profiles. (The real server's tests are
+in test_object_store.py.)"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sdadapt.errors import SourceError
+from sdadapt.sources._object_store import FetchSettings, _merge, _profile_keys, _subtract, is_url, make_store, split_url
+from sdadapt.sources._remote import box_runs
+
+
+def test_urls() -> None:
+    assert is_url("s3://b/p") and is_url("gs://b") and not is_url("hf://a/b") and not is_url("/tmp/s3://x")
+    assert split_url("s3://bucket/a/b/") == ("s3", "bucket", "a/b")
+    for bad in ("s3://", "s3:///x", "s3://b/../x"):
+        with pytest.raises(SourceError, match="not an object storage URL"):
+            split_url(bad)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 5), min_size=1, max_size=4), st.data())
+def test_box_runs_are_exactly_the_region_bytes(shape: list[int], data: st.DataObject) -> None:
+    box = []
+    for n in shape:
+        a = data.draw(st.integers(0, n - 1))
+        box.append((a, data.draw(st.integers(a + 1, n))))
+    t = torch.arange(int(torch.tensor(shape).prod()), dtype=torch.int16).reshape(shape)
+    raw = t.reshape(-1).view(torch.uint8)
+    runs = box_runs(tuple(shape), 2, tuple(box))
+    got = torch.cat([raw[s : s + n] for s, n in runs]).view(torch.int16)
+    want = t[tuple(slice(a, b) for a, b in box)].reshape(-1)
+    assert torch.equal(got, want)
+    assert all(s1 + n1 < s2 for (s1, n1), (s2, _) in zip(runs, runs[1:], strict=False))  # sorted, not touching
+
+
+def test_box_runs_of_many_rows_become_one_span() -> None:
+    runs = box_runs((10000, 8), 1, ((0, 10000), (2, 4)))
+    assert runs == [(2, 9999 * 8 + 2)]
+
+
+def test_coalescing_and_what_is_missing() -> None:
+    assert _merge([(10, 20), (0, 5), (25, 30)], 5) == [(0, 30)]
+    assert _merge([(10, 20), (0, 5), (26, 30)], 5) == [(0, 20), (26, 30)]
+    assert _subtract([(0, 100)], [(10, 20), (50, 200)]) == [(0, 10), (20, 50)]
+    assert _subtract([(0, 10), (20, 30)], [(0, 10)]) == [(20, 30)]
+
+
+def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SDADAPT_REMOTE_GAP_BYTES", "0")
+    monkeypatch.setenv("SDADAPT_REMOTE_CONCURRENCY", "4")
+    s = FetchSettings()
+    assert (s.gap_bytes, s.concurrency, s.request_bytes) == (0, 4, 16 << 20)
+    monkeypatch.setenv("SDADAPT_REMOTE_CONCURRENCY", "0")
+    with pytest.raises(SourceError, match="SDADAPT_REMOTE_CONCURRENCY='0'"):
+        FetchSettings()
+
+
+def test_a_missing_client_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "obstore", None)
+    with pytest.raises(SourceError, match=r"pip install 'sdadapt\[s3\]'"):
+        make_store("s3://bucket/x", None)
+    with pytest.raises(SourceError, match=r"pip install 'sdadapt\[gcs\]'"):
+        make_store("gs://bucket/x", None)
+
+
+def test_profile_keys_are_read_and_never_logged(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    creds = tmp_path / "credentials"
+    creds.write_text("[work]\naws_access_key_id = AKIAEXAMPLE\naws_secret_access_key = s3cr3t-value\n")
+    config = tmp_path / "config"
+    config.write_text("[profile work]\nregion = eu-west-3\n")
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    monkeypatch.setenv("AWS_PROFILE", "work")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    keys = _profile_keys("s3", {})
+    assert keys == {"access_key_id": "AKIAEXAMPLE", "secret_access_key": "s3cr3t-value", "region": "eu-west-3"}
+    assert _profile_keys("s3", {"access_key_id": "given"}) == {}
+    monkeypatch.setenv("AWS_PROFILE", "other")
+    assert _profile_keys("s3", {}) == {}
+    assert "s3cr3t" not in caplog.text
+
+
+def test_a_bad_option_names_the_keys_not_the_values() -> None:
+    pytest.importorskip("obstore", reason="the test extra installs obstore")
+    with pytest.raises(SourceError) as e:
+        make_store("s3://bucket/x", {"no_such_option": "s3cr3t-value"})
+    assert "no_such_option" in str(e.value) and "s3cr3t" not in str(e.value)
