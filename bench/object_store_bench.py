@@ -74,10 +74,12 @@ def env_for(endpoint: str) -> dict[str, str]:
 def _load_ranks(src: str, layers: int, rows: int) -> dict[str, Any]:
     """One gloo rank: an FSDP-sharded meta model loaded from ``src``."""
     import torch.distributed as dist
+    import torch.distributed.checkpoint  # noqa: F401
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import sdadapt
+    import sdadapt._transaction.load  # noqa: F401 - imported before the clock starts (the peers run warm)
 
     world = dist.get_world_size()
     with torch.device("meta"):

@@ -57,7 +57,7 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SDADAPT_REMOTE_GAP_BYTES", "0")
     monkeypatch.setenv("SDADAPT_REMOTE_CONCURRENCY", "4")
     s = FetchSettings()
-    assert (s.gap_bytes, s.concurrency, s.request_bytes) == (0, 4, 16 << 20)
+    assert (s.gap_bytes, s.concurrency, s.request_bytes) == (0, 4, 8 << 20)
     monkeypatch.setenv("SDADAPT_REMOTE_CONCURRENCY", "0")
     with pytest.raises(SourceError, match="SDADAPT_REMOTE_CONCURRENCY='0'"):
         FetchSettings()

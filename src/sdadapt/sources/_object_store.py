@@ -86,7 +86,7 @@ class FetchSettings:
     """How ranges are fetched: see the module docstring and ``docs/object-storage.md``."""
 
     gap_bytes: int = field(default_factory=lambda: env_int("SDADAPT_REMOTE_GAP_BYTES", 64 << 10, minimum=0))
-    request_bytes: int = field(default_factory=lambda: env_int("SDADAPT_REMOTE_REQUEST_BYTES", 16 << 20))
+    request_bytes: int = field(default_factory=lambda: env_int("SDADAPT_REMOTE_REQUEST_BYTES", 8 << 20))
     concurrency: int = field(default_factory=lambda: env_int("SDADAPT_REMOTE_CONCURRENCY", 32))
 
 
