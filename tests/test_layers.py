@@ -212,6 +212,12 @@ BENCH_TEST_IMPORTS = {
         "draft_natives": "the families' perturbation, as the draft tests write their checkpoints",
         "draft_natives_more": "the twelve families' configs and the native decoder the draft tests target",
     },
+    "object_store_bench.py": {
+        "dist_helper": "gloo ranks launched as the distributed tests launch them",
+        "checkpoints": "the reference writer of HF sharded folders",
+        "object_store_server": "the SeaweedFS the object storage tests start",
+    },
+    "object_store_clients.py": {"object_store_server": "the SeaweedFS the object storage tests start"},
 }
 """The test-suite modules a bench imports, with the reason (no test module: ``test_*``)."""
 
