@@ -23,7 +23,7 @@ from .._base.regions import Box, box_shape
 from ..sources._base import Source
 from .config import EngineConfig
 from .engine import _estimate_tasks
-from .geometry import round_up
+from .geometry import box_spans, round_up
 from .locate import file_runs
 from .planner import Planner
 from .tasks import ComputeTask, DirectRead, FillTask, Job, SourceRead, StagedRead, Task, task_paths
@@ -38,7 +38,10 @@ class RunFigures:
     regions copied out of the source's mapping (``Source.read``); ``opened``: files the run
     opens for ``preadv``; ``mapped``: files read through the mapping (opened once per source);
     ``staged_reads``: reads through a staging buffer; ``staging_bytes``: at most this much
-    staging and band memory (the pools' limits for the run's threads)."""
+    staging and band memory (the pools' limits for the run's threads); ``mapped_span``: the file
+    pages the mapped reads touch (they count in the process's resident memory);
+    ``staging_touched``: the staging memory the run writes into (buffers are allocated whole
+    but only their written pages become resident)."""
 
     bytes_read: int = 0
     file_bytes: dict[str, int] = field(default_factory=dict)
@@ -50,6 +53,8 @@ class RunFigures:
     staged_reads: int = 0
     computations: int = 0
     staging_bytes: int = 0
+    mapped_span: int = 0
+    staging_touched: int = 0
 
     def _read(self, path: str, nbytes: int) -> None:
         self.bytes_read += nbytes
@@ -69,10 +74,27 @@ class MetaIO:
         info = self.source.schema[key]
         shape = box_shape(box)
         path = self.source.file_of(key)
-        self.figures._read(path, math.prod(shape) * info.dtype.itemsize)
+        nbytes = math.prod(shape) * info.dtype.itemsize
+        self.figures._read(path, nbytes)
         self.figures.mapped_reads += 1
         self.figures.mapped.add(path)
+        self.figures.mapped_span += _span(self.source, key, box, nbytes)
         return torch.empty(shape, dtype=info.dtype, device="meta")
+
+
+def _span(source: Source, key: str, box: Box, nbytes: int) -> int:
+    """The bytes of the file pages that reading region ``box`` of ``key`` through a mapping
+    touches: from its first byte's page to its last byte's (``nbytes`` where the source
+    cannot locate it)."""
+    loc = source.locate(key)
+    if loc is None or not nbytes:
+        return nbytes
+    starts, run = box_spans(loc.shape, loc.dtype.itemsize, box)
+    first, last = loc.offset + starts[0], loc.offset + starts[-1] + run
+    return (last + _PAGE - 1) // _PAGE * _PAGE - first // _PAGE * _PAGE
+
+
+_PAGE = 4096
 
 
 def predict(source: Source, jobs: Sequence[Job], config: EngineConfig, device: torch.device) -> RunFigures:
@@ -88,12 +110,16 @@ def predict(source: Source, jobs: Sequence[Job], config: EngineConfig, device: t
         fig.opened.update(task_paths(task))
     meta = MetaIO(source, fig)
     band_size = config.band_buffer_bytes()
+    largest = 0  # the largest staged read: how far into a buffer a thread writes
     for task in tasks:
         fig.tasks += 1
         if isinstance(task, (DirectRead, StagedRead)):
-            fig._read(task.path, sum(n for _, n in task.segments))
+            n = sum(s for _, s in task.segments)
+            fig._read(task.path, n)
             fig.preadv_calls += len(task.segments)
-            fig.staged_reads += isinstance(task, StagedRead)
+            if isinstance(task, StagedRead):
+                fig.staged_reads += 1
+                largest = max(largest, n)
         elif isinstance(task, SourceRead):
             meta.read(task.piece.key, task.piece.box)
         elif isinstance(task, ComputeTask):
@@ -103,6 +129,9 @@ def predict(source: Source, jobs: Sequence[Job], config: EngineConfig, device: t
             assert isinstance(task, FillTask)
     if threads:
         fig.staging_bytes = min(config.staging_buffers(threads), fig.staged_reads) * chunk
+        # on the host each thread copies out of its buffer before it reads again: a buffer per thread
+        held = min(threads, fig.staged_reads) if device.type == "cpu" else min(config.staging_buffers(threads), fig.staged_reads)
+        fig.staging_touched = fig.staging_bytes if device.type != "cpu" else held * -(-largest // _PAGE) * _PAGE
         if fig.computations:
             fig.staging_bytes += min(config.band_buffers(threads), fig.computations) * band_size
     return fig

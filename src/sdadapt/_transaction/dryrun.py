@@ -12,8 +12,9 @@ Symmetry: ranks whose coordinates agree on every mesh dim where some tensor is s
 owned (pipeline stages, expert owners; with shared reads, the replicated dims too) hold the same
 shards and plan identically; each such class is planned once and counted ``ranks`` times. When
 there are more classes than ``max_ranks``, an evenly spaced sample of them (the first and the
-last included) is planned, and the totals are extrapolated from it (``exact=False``); the
-destination bytes are exact either way (every shard's size is arithmetic).
+last included) is planned, and the totals are estimated from it (``exact=False``): the bytes
+read as the sample's bytes read per shard byte times every rank's shard bytes, which are exact
+either way (arithmetic), the opens as the sample's mean.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ class DryRunRank(BaseModel):
         header_bytes_received: header bytes it receives by broadcast.
         shared_bytes: bytes it receives from replicas instead of reading (``share_reads``).
         staging_bytes: at most this much staging and band memory.
+        host_bytes: the host memory the load adds: on CPU its shards, the staging it writes
+            and the file pages its mapped reads touch; on GPU its pinned staging and those pages.
+        device_bytes: the GPU memory of its shards (``device="cuda"``), else 0.
         tasks: the engine's tasks.
         plan_seconds: this dry run's time to plan the rank.
 
@@ -85,6 +89,8 @@ class DryRunRank(BaseModel):
     header_bytes_received: int
     shared_bytes: int
     staging_bytes: int
+    host_bytes: int
+    device_bytes: int
     tasks: int
     plan_seconds: float
 
@@ -104,7 +110,7 @@ class DryRunReport(BaseModel):
         checkpoint_bytes: the checkpoint's tensor bytes.
         checkpoint_files: its files (headers and index included).
         classes: groups of ranks that plan identically.
-        exact: every class planned (else the totals are extrapolated from a sample).
+        exact: every class planned (else the totals are estimated from a sample).
         ranks: the planned ranks, one per class, in rank order.
         total_local_bytes: every rank's shards together (exact).
         total_bytes_read: bytes read by all ranks.
@@ -155,15 +161,16 @@ class DryRunReport(BaseModel):
             f"dry run of {self.source} into {self.target} on {self.world_size} ranks ({self.mesh}), {self.device}; "
             f"headers {self.headers}; share_reads {'on' if self.share_reads else 'off'} ({self.share_why})",
             f"{self.classes} class(es) of ranks with the same shards; "
-            + ("every class planned" if self.exact else f"{len(self.ranks)} planned (evenly spaced), totals extrapolated"),
+            + ("every class planned" if self.exact else f"{len(self.ranks)} planned (evenly spaced); totals estimated: bytes "
+               "read as the sample's bytes read per shard byte times all shard bytes (exact), opens as its mean"),
             f"{'rank':>6} {'ranks':>6} {'keys':>7} {'shards':>10} {'read':>10} {'files':>5} {'opens':>5} "
-            f"{'preadv':>7} {'headers':>10} {'shared':>10} {'staging':>9} {'plan s':>7}",
+            f"{'preadv':>7} {'headers':>10} {'shared':>10} {'host mem':>10} {'plan s':>7}",
         ]
         for r in self.ranks:
             lines.append(
                 f"{r.rank:>6} {r.ranks:>6} {r.keys:>7} {human(r.local_bytes):>10} {human(r.bytes_read):>10} "
                 f"{r.files_read:>5} {r.opens:>5} {r.preadv_calls:>7} {human(r.header_bytes):>10} "
-                f"{human(r.shared_bytes):>10} {human(r.staging_bytes):>9} {r.plan_seconds:>7.2f}"
+                f"{human(r.shared_bytes):>10} {human(r.host_bytes):>10} {r.plan_seconds:>7.2f}"
             )
         node = f"; busiest node ({self.ranks_per_node} ranks) reads {human(self.max_node_bytes_read)}" if self.max_node_bytes_read else ""
         lines.append(
@@ -287,7 +294,13 @@ def dry_run(
     finally:
         source.close()
     scale = 1.0 if exact else n_classes / max(1, len(ranks))
+    total_local = _total_local(schema, layouts, grid)
     total_read = round(sum(r.bytes_read * r.ranks for r in ranks) * scale)
+    sampled_local = sum(r.local_bytes * r.ranks for r in ranks)
+    if not exact and sampled_local:
+        # ranks hold unequal shares (FSDP's first ranks hold a row of every tensor): the sample's
+        # bytes read per shard byte, times every rank's shard bytes (exact), not the sample's mean
+        total_read = round(total_local * sum(r.bytes_read * r.ranks for r in ranks) / sampled_local)
     # every rank opens the files it reads and the side files; the headers once, or on every rank
     header_opens = len(rec_src.files) * (grid.size if headers == "every" or grid.size == 1 else 1)
     total_opens = header_opens + round(sum((r.opens - _own_header_opens(r, rec_src, headers, grid)) * r.ranks for r in ranks) * scale)
@@ -313,7 +326,7 @@ def dry_run(
         classes=n_classes,
         exact=exact,
         ranks=ranks,
-        total_local_bytes=_total_local(schema, layouts, grid),
+        total_local_bytes=total_local,
         total_bytes_read=total_read,
         total_opens=total_opens,
         total_header_bytes=header_total,
@@ -448,6 +461,8 @@ def _plan_rank(
         header_bytes_received=0,
         shared_bytes=shared,
         staging_bytes=fig.staging_bytes,
+        host_bytes=(local if dev.type == "cpu" else 0) + fig.staging_touched + fig.mapped_span,
+        device_bytes=local if dev.type == "cuda" else 0,
         tasks=fig.tasks,
         plan_seconds=time.perf_counter() - t0,
     )

@@ -16,7 +16,7 @@ The mesh is NAME=SIZE per dim, among pp, dp_replicate, dp_shard, ep, tp (--ep an
 those dims). Each rank's shards follow torchtitan's parallelisation of a transformer (FSDP2,
 HSDP, TP, EP, PP; see docs/scaling.md), each rank's reads the engine's own planning. Ranks with
 the same shards are planned once; past --max-ranks classes, an evenly spaced sample is planned
-and the totals are extrapolated (the output says so). T is a model (module:function or
+and the totals are estimated from it (the output says so). T is a model (module:function or
 file.py:function, built on the meta device) or a checkpoint whose keys are the target; without
 it the target is the checkpoint's own layout through the adapter. Exit status: 0 when the plan
 lines up, 1 when it has problems, 2 for usage errors."""
