@@ -128,3 +128,36 @@ def test_header_record_round_trip_and_corruption(ckpt: str) -> None:
     broken = _headers.HeaderRecord({**rec.files, path: (data[:8] + b"!" + data[9:], size)})
     with pytest.raises(SourceError, match="not valid JSON"), _headers.replaying(broken):
         open_source(ckpt)
+
+
+def test_a_meta_model_as_target_and_sampled_totals(ckpt: str) -> None:
+    from torch import nn
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wq, self.wo = nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention, self.attention_norm = Attention(), nn.RMSNorm(8)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok_embeddings = nn.Embedding(20, 8)
+            self.layers = nn.ModuleDict({str(i): Layer() for i in range(4)})
+            self.norm, self.output = nn.RMSNorm(8), nn.Linear(8, 20, bias=False)
+
+    with torch.device("meta"):
+        model = Model()
+    # the experts of the checkpoint are not in the model: allowed, and not read
+    report = sdadapt.dry_run(model, ckpt, mesh="dp_shard=2,tp=2", allow_unexpected=["**experts**"])
+    assert report.target == "Model" and report.exact and report.ranks[0].keys == len(model.state_dict())
+    assert report.total_bytes_read == report.total_local_bytes  # every shard read as stored (norms once per tp rank)
+    with pytest.raises(sdadapt.errors.PlanError):
+        sdadapt.dry_run(model, ckpt, mesh="dp_shard=2")
+    # sampled: the bytes read are estimated from the sample's ratio to its shards, exact here
+    sampled = sdadapt.dry_run(None, ckpt, mesh="dp_shard=64", max_ranks=3)
+    assert not sampled.exact and sampled.total_bytes_read == sampled.total_local_bytes == sampled.checkpoint_bytes
