@@ -283,9 +283,10 @@ class SdadaptStateDictAdapter:
     ``dtype`` is :func:`sdadapt.load`'s ``dtype``: ``"model"`` converts every tensor to the
     dtype the model holds (torchtitan keeps float32 parameters and trains in bf16 through
     FSDP2's mixed precision, while HF releases are bf16 or FP8; an FP8 release is then
-    dequantised straight into float32); without it a dtype mismatch is a plan error, as
-    everywhere in sdadapt. torchtitan builds the adapter itself from ``(model_config,
-    hf_assets_path)``: bind the other arguments with :meth:`using`. ``model_config`` is kept as
+    dequantised straight into float32); without it exact widenings (bf16 into float32) load as
+    they are and any other dtype mismatch is a plan error, as everywhere in sdadapt. torchtitan
+    builds the adapter itself from ``(model_config, hf_assets_path)``: bind the other arguments
+    with :meth:`using`. ``model_config`` is kept as
     ``self.model_config``; when ``from_hf`` gets a plain dict before any ``to_hf``, a torchtitan
     config (one with ``build()``) is built on the meta device to learn the model's names.
 

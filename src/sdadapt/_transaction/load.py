@@ -368,10 +368,12 @@ def load(
     missing, and a checkpoint key that matches neither is still unexpected (so are the keys
     of a top-level module deleted with ``del``, which leaves no trace: set it to ``None``).
 
-    ``dtype="model"`` converts every tensor to the dtype the model holds for it (a bfloat16
-    release into a float32 model); a dtype (``torch.bfloat16``) converts every tensor to that one.
-    Either is the rule ``sdadapt.cast("**", dtype)`` run after ``adapter``'s, so conversions
-    stay explicit: without it a dtype mismatch is a plan problem.
+    ``dtype="model"`` converts every tensor to the dtype the model holds for it (a float32
+    checkpoint into a bfloat16 model); a dtype (``torch.bfloat16``) converts every tensor to that
+    one. Either is the rule ``sdadapt.cast("**", dtype)`` run after ``adapter``'s, so conversions
+    that lose values stay explicit: without it they are plan problems. Exact widenings
+    (bfloat16 or float16 into float32, float8 into a wider float) need no option: they load as
+    they are and the report lists them (``Report.widened``).
 
     Keys the checkpoint lacks (``allow_missing``, or any with ``strict=False``) are never left as
     uninitialised memory. A materialised model keeps its values there. A meta model, once
