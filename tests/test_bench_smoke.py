@@ -168,7 +168,7 @@ def test_docs_link_existing_reports():
     """Docs link figures rather than copy them: every link into bench/reports/ from README.md,
     docs/*.md and SECURITY.md names a report that exists."""
     for doc in [ROOT / "README.md", ROOT / "SECURITY.md", *sorted((ROOT / "docs").glob("*.md"))]:
-        for name in re.findall(r"bench/reports/([^)`\s#]+)", doc.read_text()):
+        for name in re.findall(r"bench/reports/([^)\]`\s#]+)", doc.read_text()):
             assert (REPORTS / name).is_file(), f"{doc.name} links bench/reports/{name}, which does not exist"
 
 
