@@ -399,17 +399,26 @@ def _plan_ranks(
             c = c * s + coord[d]
         return c
 
-    chosen = _sample(n_classes, max_ranks)
-    out = []
+    def coordinate(c: int, over: list[int], coord: list[int]) -> list[int]:
+        for d in reversed(over):
+            coord[d] = c % grid.sizes[d]
+            c //= grid.sizes[d]
+        return coord
+
+    if n_classes <= max_ranks:
+        coords = [coordinate(c, dims, [0] * len(grid.sizes)) for c in range(n_classes)]
+    else:
+        # a sample of the classes without sharing, each with its whole replica group: the
+        # members of a group split its reads between them, so only whole groups add up
+        base = _relevant(layouts, grid, False)
+        group = [d for d in dims if d not in base]
+        n_group = math.prod(grid.sizes[d] for d in group)
+        coords = [coordinate(g, group, coordinate(c, base, [0] * len(grid.sizes)))
+                  for c in _sample(math.prod(grid.sizes[d] for d in base), max(2, max_ranks // n_group)) for g in range(n_group)]
     dev = torch.device(device)
-    for c in chosen:
-        coord = [0] * len(grid.sizes)
-        rest = c
-        for d, s in zip(reversed(dims), reversed(sizes), strict=True):
-            coord[d] = rest % s
-            rest //= s
-        out.append(_plan_rank(source, plan, schema, layouts, grid, tuple(coord), cfg, dev, share, per_class))
-    return out, len(chosen) == n_classes, n_classes, class_of
+    out = [_plan_rank(source, plan, schema, layouts, grid, tuple(coord), cfg, dev, share, per_class) for coord in coords]
+    out.sort(key=lambda r: r.rank)
+    return out, len(coords) == n_classes, n_classes, class_of
 
 
 def _plan_rank(
