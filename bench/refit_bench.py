@@ -17,6 +17,10 @@ Scenarios (CPU, gloo, one process per rank, started here):
   and engine TP 1 on the same device; with ``--device cuda``, also against a device-to-device
   copy of the same bytes.
 
+On a GPU machine without sdadapt installed, its dependencies (pydantic, pydantic_core,
+annotated_types, typing_inspection) must be importable there (wheels installed with ``pip
+install --no-index --target``); ``sdadapt.adapters`` is found beside ``src/`` without installing.
+
 Each refit is planned once, then run ``--repeat`` times (the median and every run are printed);
 the baseline likewise. After each, every engine tensor is compared bit for bit with the other
 method's. Bytes: what each rank sent and received (refit: its report; baseline: the gathers'
