@@ -34,14 +34,15 @@ ENV = "SDADAPT_HEADERS"
 def share_headers(src: Any, subtree: str | None, group: dist.ProcessGroup | None) -> _headers.HeaderRecord | None:
     """Collective over ``group`` (every rank, at the same point): the record of the headers
     of ``src`` read by the group's first rank, or ``None`` where every rank reads them itself
-    (one process, an open :class:`~sdadapt.sources.Source`, ``SDADAPT_HEADERS=every``, or a
-    first rank that could not open it)."""
+    (one process, an open :class:`~sdadapt.sources.Source`, a format whose opening reads more
+    than headers and JSON (a ``torch.save`` file, a DCP folder: the record would not hold it),
+    ``SDADAPT_HEADERS=every``, or a first rank that could not open it)."""
     mode = os.environ.get(ENV, "once")
     if mode not in ("once", "every"):
         from ..errors import UsageError
 
         raise UsageError(f"{ENV}={mode!r}: use 'once' (one rank reads the headers) or 'every'")
-    if not is_distributed() or isinstance(src, Source) or mode == "every" or dist.get_world_size(group) == 1:
+    if not is_distributed() or not _recordable(src) or mode == "every" or dist.get_world_size(group) == 1:
         return None
     payload = b""
     if dist.get_rank(group) == 0:
@@ -62,3 +63,14 @@ def share_headers(src: Any, subtree: str | None, group: dist.ProcessGroup | None
     except SdadaptError as e:
         log.warning("%s; reading the headers here instead", e)
         return None
+
+
+def _recordable(src: Any) -> bool:
+    """Whether opening ``src`` reads only what a record holds: safetensors headers and JSON."""
+    if isinstance(src, Source) or not isinstance(src, (str, os.PathLike)):
+        return False
+    p = os.fspath(src)
+    if os.path.isdir(p):
+        return os.path.isfile(os.path.join(p, "model.safetensors.index.json")) or os.path.isfile(os.path.join(p, "model.safetensors"))
+    return p.endswith((".safetensors", ".index.json"))
+
