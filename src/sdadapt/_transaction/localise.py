@@ -83,14 +83,16 @@ def _params(name: str, mod: nn.Module) -> str:
 
 
 @contextmanager
-def _recording(modules: list[tuple[str, nn.Module]], outs: Recorded, ins: dict[str, torch.Tensor | None],
-               full: Full) -> Iterator[None]:
-    """Record each module's output (in ``outs``, in the order the forwards complete) and first input."""
+def recording(modules: list[tuple[str, nn.Module]], outs: Recorded, ins: dict[str, torch.Tensor | None] | None,
+              full: Full) -> Iterator[None]:
+    """Record each module's output (in ``outs``, in the order the forwards complete) and, given
+    ``ins``, its first input."""
 
     def hook(name: str) -> Any:
         def record(_mod: nn.Module, args: Any, out: Any) -> None:
             outs.append((name, full(out)))
-            ins.setdefault(name, full(args[0]) if args else None)
+            if ins is not None:
+                ins.setdefault(name, full(args[0]) if args else None)
 
         return record
 
@@ -118,13 +120,13 @@ def drill(model: nn.Module, reference: nn.Module, m_layer: tuple[str, nn.Module]
     ref_out: list[torch.Tensor | None] = []
     pre = m_mod.register_forward_pre_hook(lambda _m, a, k: call.append((a, k)) if not call else None, with_kwargs=True)
     try:
-        with _recording(m_subs, got, got_in, full):
+        with recording(m_subs, got, got_in, full):
             forward(model, tokens)
     finally:
         pre.remove()
     post = r_mod.register_forward_hook(lambda _m, _a, out: ref_out.append(full(out)) if not ref_out else None)
     try:
-        with _recording(r_subs, want, want_in, full):
+        with recording(r_subs, want, want_in, full):
             forward(reference, tokens)
     finally:
         post.remove()

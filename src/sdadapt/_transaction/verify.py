@@ -26,8 +26,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,7 +39,7 @@ from ..errors import SourceError, VerifyError
 from ..sources import local_path
 from ..sources._json import HFConfig, read_json
 from ..sources._remote import fetch_all
-from .localise import drill
+from .localise import drill, recording
 
 if TYPE_CHECKING:
     from .._plan.adapter import Adapter
@@ -222,22 +221,9 @@ def _layer_list(model: nn.Module) -> tuple[str, list[tuple[str, nn.Module]]] | N
     return None if best is None else (best[1], best[2])
 
 
-@contextmanager
-def _recording(modules: list[tuple[str, nn.Module]], into: list[tuple[str, torch.Tensor | None]]) -> Iterator[None]:
+def _recording(modules: list[tuple[str, nn.Module]], into: list[tuple[str, torch.Tensor | None]]) -> AbstractContextManager[None]:
     """Append ``(name, output)`` of each of ``modules`` to ``into`` as their forwards complete."""
-
-    def hook(name: str) -> Any:
-        def record(_mod: nn.Module, _args: Any, out: Any) -> None:
-            into.append((name, _full(out)))
-
-        return record
-
-    handles = [m.register_forward_hook(hook(name)) for name, m in modules]
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+    return recording(modules, into, None, _full)
 
 
 def _forward(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
