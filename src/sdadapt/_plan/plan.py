@@ -174,7 +174,7 @@ def build_plan(
             (report.allowed_unexpected if matches_any(allow_unexpected, key) else report.unexpected).append(key)
     for key in sorted(ctx.non_tensor):
         (report.allowed_unexpected if matches_any(allow_unexpected, key) else report.non_tensor).append(key)
-    if scale_keys(report.unexpected + report.non_tensor):
+    if report.widened and scale_keys(report.unexpected + report.non_tensor):  # a plain load imports no format
         _unwiden_scaled(report, recipes)
     report.matched = len(recipes)
     if report.missing and adapter.rules:
