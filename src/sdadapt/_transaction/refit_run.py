@@ -41,7 +41,7 @@ class RefitReport(BaseModel):
 
         refit = sdadapt.refit_plan(trainer, engine, adapter)
         report = refit.run()
-        print(report.bytes_received, report.seconds)
+        moved = report.bytes_received + report.bytes_local  # this rank's engine bytes
     """
 
     rank: int
