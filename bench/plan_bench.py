@@ -46,39 +46,10 @@ QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size"
 
 
 def deepseek_v3_schema() -> dict[str, TensorInfo]:
-    h, inter, moe, vocab, layers, experts = 7168, 18432, 2048, 129280, LAYERS, EXPERTS
-    fp8, bf16, f32 = torch.float8_e4m3fn, torch.bfloat16, torch.float32
-    s: dict[str, TensorInfo] = {"model.embed_tokens.weight": TensorInfo((vocab, h), bf16)}
+    """The HF keys of a DeepSeek-V3 release (scale_bench.py writes the same schema as headers)."""
+    from scale_bench import release_schema  # bench/ is this script's folder
 
-    def w(key: str, o: int, i: int) -> None:
-        s[key + ".weight"] = TensorInfo((o, i), fp8)
-        s[key + ".weight_scale_inv"] = TensorInfo((-(-o // 128), -(-i // 128)), f32)
-
-    for n in range(layers):
-        p = f"model.layers.{n}."
-        w(p + "self_attn.q_a_proj", 1536, h)
-        s[p + "self_attn.q_a_layernorm.weight"] = TensorInfo((1536,), bf16)
-        w(p + "self_attn.q_b_proj", 128 * 192, 1536)
-        w(p + "self_attn.kv_a_proj_with_mqa", 576, h)
-        s[p + "self_attn.kv_a_layernorm.weight"] = TensorInfo((512,), bf16)
-        w(p + "self_attn.kv_b_proj", 128 * 256, 512)
-        w(p + "self_attn.o_proj", h, 128 * 128)
-        s[p + "input_layernorm.weight"] = TensorInfo((h,), bf16)
-        s[p + "post_attention_layernorm.weight"] = TensorInfo((h,), bf16)
-        if n < DENSE:
-            for m, (o, i) in {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}.items():
-                w(p + f"mlp.{m}", o, i)
-            continue
-        s[p + "mlp.gate.weight"] = TensorInfo((experts, h), bf16)
-        s[p + "mlp.gate.e_score_correction_bias"] = TensorInfo((experts,), f32)
-        for e in range(experts):
-            for m, (o, i) in {"gate_proj": (moe, h), "up_proj": (moe, h), "down_proj": (h, moe)}.items():
-                w(p + f"mlp.experts.{e}.{m}", o, i)
-        for m, (o, i) in {"gate_proj": (moe, h), "up_proj": (moe, h), "down_proj": (h, moe)}.items():
-            w(p + f"mlp.shared_experts.{m}", o, i)
-    s["model.norm.weight"] = TensorInfo((h,), bf16)
-    s["lm_head.weight"] = TensorInfo((vocab, h), bf16)
-    return s
+    return release_schema("dsv3")
 
 
 # HF name -> native name, in the family of torchtitan's DeepSeek-V3 (MLA with q_lora_rank)
