@@ -179,9 +179,9 @@ def test_reports_are_never_edited_once_written():
         out = subprocess.run(["git", "log", "--format=%h %s", "--diff-filter=MR", "--", "bench/reports/"],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
-        pytest.skip("no git")
+        pytest.skip("git is not installed or did not answer: the reports' history cannot be read")
     if out.returncode != 0:
-        pytest.skip("not a git checkout")
+        pytest.skip("run outside a git checkout (an unpacked sdist): the reports' history cannot be read")
     assert out.stdout.strip() == "", "commits that edited a frozen report:\n" + out.stdout
 
 
