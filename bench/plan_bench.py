@@ -36,10 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import sdadapt  # noqa: E402
 from sdadapt._base.gc import gc_paused  # noqa: E402
+from sdadapt._base.schema import TensorInfo, TensorLocation  # noqa: E402
 from sdadapt._engine import EngineConfig, IOEngine, Job  # noqa: E402
 from sdadapt._plan.plan import build_plan
 from sdadapt.rules._patterns import compile_pattern  # noqa: E402
-from sdadapt.sources._base import Source, TensorInfo, TensorLocation  # noqa: E402
+from sdadapt.sources import Source  # noqa: E402
 
 LAYERS, DENSE, EXPERTS = 61, 3, 256
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}

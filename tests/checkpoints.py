@@ -122,7 +122,7 @@ class DictIO:
         return t
 
     def schema(self) -> dict[str, Any]:
-        from sdadapt.sources._base import TensorInfo
+        from sdadapt._base.schema import TensorInfo
 
         return {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in self.tensors.items()}
 

@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = SRC / "sdadapt"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("sdadapt._base", "sdadapt.errors"),  # regions, dtypes, report records, agreement; the exceptions
+    ("sdadapt._base", "sdadapt.errors"),  # regions, the schema records, agreement; the exceptions
     ("sdadapt.sources",),  # checkpoint formats, the Hub, joined and LoRA sources, JSON
     ("sdadapt._recipes",),  # node kinds and the pure tensor functions they compute with
     ("sdadapt.rules",),  # every rule kind, built-in and user, and their constructors
@@ -53,9 +53,13 @@ def imports_of(module: str) -> set[str]:
     """The sdadapt modules ``module`` imports, resolved: ``from .x import y`` counts ``x.y``
     when that is a module, else ``x``."""
     path = MODULES[module]
+    return _imports_in(ast.parse(path.read_text()), module, path)
+
+
+def _imports_in(tree: ast.AST, module: str, path: Path) -> set[str]:
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -92,6 +96,61 @@ def test_no_import_runs_up_a_layer():
         if layer_of(t) > layer_of(m) and not (m == "sdadapt" and t.startswith("sdadapt."))
     ]
     assert upward == []
+
+
+def _package_of(module: str) -> str:
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+FACE_EXCEPTIONS: dict[tuple[str, str], str] = {}
+"""``(importer, private module)`` pairs allowed to skip the package's face, with the reason."""
+
+FACES_BY_DESIGN = {"sdadapt"}
+"""Modules whose job is to name private modules: the top-level face's table of public names."""
+
+
+def private_imports(module: str) -> set[str]:
+    """The private modules (a leading underscore: ``sdadapt.sources._base``) of another package
+    that ``module`` imports, instead of that package's face (its ``__init__``)."""
+    own = _package_of(module)
+    return {
+        t
+        for t in GRAPH[module]
+        if t.rpartition(".")[2].startswith("_") and t.rpartition(".")[0] != own and MODULES[t].name != "__init__.py"
+    }
+
+
+def test_upper_layers_import_a_package_by_its_face():
+    """A module imports another package's names from its ``__init__`` (``from ..sources import
+    Source``), never from its private modules (``from ..sources._base import Source``): what a
+    package offers the layers above is one list, in one place, and its modules can move inside it.
+    The shared vocabulary (``TensorInfo``, ``dtype_name``, ``slices``...) lives in
+    :mod:`sdadapt._base.schema`, whose modules are not private."""
+    found = {
+        (m, t)
+        for m in MODULES
+        if m not in FACES_BY_DESIGN
+        for t in private_imports(m)
+    }
+    assert sorted(found - set(FACE_EXCEPTIONS)) == []
+    assert sorted(set(FACE_EXCEPTIONS) - found) == [], "an exception no longer needed"
+
+
+def test_the_face_check_finds_a_private_import():
+    assert "sdadapt.sources._json" in {t for t in GRAPH["sdadapt.sources"]}  # the face itself may
+    assert private_imports("sdadapt.sources") == set()
+    assert "sdadapt.sources._base" in private_imports_of_text("from ..sources._base import Source", "sdadapt._plan.plan")
+
+
+def private_imports_of_text(text: str, module: str) -> set[str]:
+    """:func:`private_imports` of a module whose source is ``text`` (for the test above)."""
+    saved = GRAPH[module]
+    path = MODULES[module]
+    try:
+        GRAPH[module] = _imports_in(ast.parse(text), module, path)
+        return private_imports(module)
+    finally:
+        GRAPH[module] = saved
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -163,7 +222,7 @@ BENCH_PRIVATE: dict[str, dict[str, str]] = {
                       "sdadapt._engine": "times the engine's planning on its own",
                       "sdadapt._plan.plan": "times build_plan on its own",
                       "sdadapt.rules._patterns": "the patterns' compile cache, cleared between runs",
-                      "sdadapt.sources._base": "a schema-only source of 90k keys (no files)"},  # fmt: skip
+                      "sdadapt._base.schema": "the tensor records of a schema-only source of 90k keys (no files)"},  # fmt: skip
     "resume_bench.py": {"sdadapt._transaction": "times the transaction's read phase inside load_state"},
     # the probes: each asks one question about the engine's internals
     "probes/first_kernel_probe.py": {"sdadapt._recipes": "times the first launch of each dequantisation op",

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sdadapt
+from sdadapt._base.schema import MeshDim, TensorInfo
 from sdadapt._plan.plan import build_plan
 from sdadapt._recipes import interleave as interleave_module
 from sdadapt._recipes import moves as MV
@@ -28,7 +29,6 @@ from sdadapt._recipes.interleave import Interleaved
 from sdadapt.errors import AdapterError
 from sdadapt.rules import rotary_perm, tp_degree
 from sdadapt.rules._base import unwrap_key
-from sdadapt.sources._base import MeshDim, TensorInfo
 
 SETTINGS = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = [torch.float32, torch.bfloat16, torch.int64, torch.float16]

@@ -35,10 +35,10 @@ from hypothesis import strategies as st
 
 import sdadapt
 from sdadapt._base.regions import box_shape, full_box
+from sdadapt._base.schema import TensorInfo
 from sdadapt._engine import EngineConfig, IOEngine, Job
 from sdadapt._plan.plan import build_plan
 from sdadapt.sources import open_source
-from sdadapt.sources._base import TensorInfo
 
 # Small integers are exact in all these dtypes, so casts of exact groups round-trip exactly.
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.int16]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 import sdadapt
+from sdadapt._base.schema import TensorInfo
 from sdadapt._plan.plan import build_plan
 from sdadapt.rules._base import unwrap_key
-from sdadapt.sources._base import TensorInfo
 
 
 def _schema(keys: list[str]) -> dict[str, TensorInfo]:

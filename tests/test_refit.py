@@ -18,10 +18,10 @@ from dist_helper import WorkerError, run_distributed
 from sdadapt.adapters import vllm_llama, vllm_qwen3_moe
 
 import sdadapt
+from sdadapt._base.schema import TensorInfo, slices
 from sdadapt._transaction.refit_schedule import Transfer, cut_to_fit, rounds_of
 from sdadapt._transaction.writing import plan_outputs
 from sdadapt.errors import RefitError
-from sdadapt.sources._base import TensorInfo, slices
 
 # uneven on purpose: 101 vocabulary rows, 22-wide norms, 10 kv rows over 4 FSDP ranks
 L, D, H, KV, HD, F, V = 2, 22, 4, 2, 5, 18, 101

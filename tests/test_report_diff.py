@@ -9,9 +9,9 @@ from torch import nn
 
 import sdadapt
 from sdadapt._base.keyruns import compress
+from sdadapt._base.schema import TensorInfo
 from sdadapt._plan.plan import build_plan
 from sdadapt._plan.report import Report
-from sdadapt.sources._base import TensorInfo
 
 
 class Block(nn.Module):

@@ -7,11 +7,11 @@ import torch
 from checkpoints import DictIO
 
 import sdadapt
+from sdadapt._base.schema import TensorInfo
 from sdadapt._plan.plan import build_plan
 from sdadapt._recipes.moves import Concatenated, Narrowed
 from sdadapt._recipes.nodes import Converted, Leaf
 from sdadapt.errors import AdapterError
-from sdadapt.sources._base import TensorInfo
 
 F32, BF16 = torch.float32, torch.bfloat16
 

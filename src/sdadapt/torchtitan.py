@@ -74,8 +74,7 @@ from ._recipes.nodes import Leaf
 from ._transaction.args import renamed_keywords
 from ._transaction.writing import CachedIO, plan_outputs
 from .errors import AdapterError, ExportError, PlanError, SourceError
-from .sources import INDEX_NAME, Source, TensorInfo, open_source
-from .sources._json import INDEX_LIMIT, ShardIndex, read_json
+from .sources import INDEX_LIMIT, INDEX_NAME, ShardIndex, Source, TensorInfo, open_source, read_json
 
 log = logging.getLogger(__name__)
 

@@ -1,3 +1,3 @@
-"""Floor 0, what every layer uses: regions of tensors and dtype names, agreement between ranks,
-the report records, key runs for humans, progress bars and the collector pause. Imports nothing
-of sdadapt but :mod:`sdadapt.errors`."""
+"""Floor 0, what every layer uses: regions of tensors, the schema records (``TensorInfo``,
+``dtype_name``...), agreement between ranks, key runs for humans, progress bars, the collector
+pause, versions and the lazy public modules. Imports nothing of sdadapt but :mod:`sdadapt.errors`."""

@@ -16,7 +16,7 @@ from typing import Any
 from .._plan.registry import config_folder
 from .._recipes.quant import FP8_SCALE_SUFFIX
 from ..errors import SourceError
-from ..sources._json import read_json
+from ..sources import read_json
 
 log = logging.getLogger(__name__)
 

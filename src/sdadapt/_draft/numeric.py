@@ -44,8 +44,7 @@ from torch import nn
 from .._plan.adapter import Adapter
 from .._transaction.verify import _forward, _layer_list, _recording, _rel, default_rtol, random_tokens
 from ..errors import SdadaptError
-from ..rules import Fuse, Rename, Rotary, Split
-from ..rules._patterns import compile_pattern
+from ..rules import Fuse, Rename, Rotary, Split, compile_pattern
 from .buffers import fill_buffers, pending_buffers
 from .config import Facts
 from .names import canon_tokens

@@ -7,8 +7,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._base.schema import dtype_name
 from ..rules import Cast, Deinterleave, Drop, Fuse, Rename, Split, Stack, Tie, Transpose, Unstack
-from ..sources._base import dtype_name
 from .config import FP8_SCALE_SUFFIX, NO_CONFIG, Facts
 from .match import Item, Match, MatchResult, fmt
 from .names import canon_tokens

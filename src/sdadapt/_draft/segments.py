@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..sources._base import TensorInfo
+from .._base.schema import TensorInfo
 
 IDX = "{}"  # an index position inside Family.segs
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from .._base.gc import gc_paused
-from ..sources._base import Source
+from ..sources import Source
 from . import devread
 from .config import EngineConfig
 from .device import DeviceLane

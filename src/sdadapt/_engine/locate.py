@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from .._base.regions import Box
-from ..sources._base import Source
+from ..sources import Source
 from .geometry import box_spans
 
 Runs = tuple[str, list[tuple[int, int]], torch.dtype]  # file, its (offset, nbytes) runs in order, stored dtype

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from .._base.regions import Box, box_shape
+from .._base.schema import TensorLocation
 from .._recipes.nodes import Compute, Piece, Step, emit
-from ..sources._base import Source, TensorLocation
+from ..sources import Source
 from .config import EngineConfig
 from .geometry import band_boxes, box_spans, round_up, split_box, split_segments
 from .locate import file_runs

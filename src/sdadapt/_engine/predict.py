@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._base.regions import Box, box_shape
-from ..sources._base import Source
+from ..sources import Source
 from .config import EngineConfig
 from .engine import _estimate_tasks
 from .geometry import box_spans, round_up

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from .._base.regions import Box
 from .._recipes.nodes import Compute, Piece
-from ..sources._base import Source
+from ..sources import Source
 from .tasks import Job
 
 

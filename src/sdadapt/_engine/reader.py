@@ -31,7 +31,7 @@ from .._base.distributed import is_distributed
 from .._base.regions import box_shape
 from .._plan.plan import Plan
 from ..errors import LoadError
-from ..sources._base import Source
+from ..sources import Source
 from . import share
 from .config import EngineConfig
 from .engine import EngineStats, IOEngine

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._base.regions import Box, box_shape
-from ..sources._base import Source
+from ..sources import Source
 from . import syscalls
 from .device import DeviceLane
 from .geometry import round_up

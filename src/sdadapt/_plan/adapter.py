@@ -11,8 +11,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, SerializeAsAny, ValidationError, field_validator, model_validator
 
 from ..errors import AdapterError
-from ..rules import RuleBase, rule_from_data
-from ..rules._functions import cast
+from ..rules import RuleBase, cast, rule_from_data
 
 
 class Adapter(BaseModel):

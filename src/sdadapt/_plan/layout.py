@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from .._base.schema import TensorInfo
 from ..errors import UsageError
-from ..sources._base import TensorInfo
 
 DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "ep", "tp")
 

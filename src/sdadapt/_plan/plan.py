@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .._base.schema import TensorInfo, dtype_name
 from .._recipes.nodes import Converted, Leaf, Node
-from ..rules._base import PlanContext, unwrap_key
-from ..rules._patterns import matches_any
-from ..sources._base import TensorInfo, dtype_name
+from ..rules import PlanContext, matches_any, unwrap_key
 from .adapter import Adapter
 from .report import Mismatch, Report, scale_keys
 

@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 from pydantic import BaseModel, computed_field
 
 from .._base.keyruns import compress
-from ..rules._base import RuleIssue
+from ..rules import RuleIssue
 
 _INDEX = re.compile(r"\.\d+(?=[.,\])\[]|$)")  # ".3." in a recipe -> ".{i}."
 

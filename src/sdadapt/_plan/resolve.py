@@ -264,7 +264,7 @@ def resolve_target_on_meta(spec: str | os.PathLike[str] | nn.Module, **options: 
     if not nbytes:
         log.info("target %s: built on the meta device", text)
         return target, None
-    from ..sources._inventory import human
+    from ..sources import human
 
     why = retried or f"{text} put its tensors on {', '.join(devices)} although it ran under torch.device('meta')"
     return target, (
@@ -340,7 +340,7 @@ def adapter_or_none(
     path = getattr(source, "path", source)
     where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
     if where is None and model is not None and isinstance(adapter, str):
-        from ..sources._assets import loaded_from, model_config
+        from ..sources import loaded_from, model_config
         from . import registry
 
         where = loaded_from(model)

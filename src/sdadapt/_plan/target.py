@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
-from ..sources._base import MeshDim, TensorInfo
+from .._base.schema import MeshDim, TensorInfo
 
 
 def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

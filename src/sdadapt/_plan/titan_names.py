@@ -19,10 +19,7 @@ from typing import Any
 
 import torch
 
-from ..rules._base import PlanContext
-from ..rules._functions import fuse, interleave, rename, tie
-from ..rules._keys import Tie
-from ..rules._patterns import KeyPattern
+from ..rules import KeyPattern, PlanContext, Tie, fuse, interleave, rename, tie
 from .adapter import Adapter, with_dtype
 
 __all__ = [

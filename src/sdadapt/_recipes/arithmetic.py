@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._base.regions import Box
-from ..sources._base import dtype_name
+from .._base.schema import dtype_name
 from .nodes import Compute, Input, Node, SourceIO, Step
 
 

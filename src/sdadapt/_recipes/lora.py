@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._base.regions import Box, box_shape
-from ..sources._base import dtype_name
+from .._base.schema import dtype_name
 from .nodes import Compute, Input, Node, SourceIO, Step
 
 _ROWS_PER_CHUNK_ELEMENTS = 1 << 22  # float64 temporaries of a region are computed this many elements at a time

@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 
 from .._base.regions import Box
-from ..sources._base import dtype_name
+from .._base.schema import dtype_name
 from . import quant as Q
 from .nodes import Bands, Compute, Input, Kernel, Node, SourceIO, Step
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._base.regions import Box, box_shape, full_box
-from ..sources._base import dtype_name
+from .._base.schema import dtype_name
 from . import quant_scaled as S
 from .nodes import Input, Node, SourceIO
 from .quant_nodes import _Computed, _Dequant

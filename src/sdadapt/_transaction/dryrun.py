@@ -40,8 +40,7 @@ from .._plan.registry import is_shipped
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
 from ..errors import PlanError, UsageError
-from ..sources import Source, TensorInfo, open_source
-from ..sources import _headers as headers_mod
+from ..sources import HeaderRecord, Source, TensorInfo, encode_headers, open_source, recording_headers
 
 
 class DryRunRank(BaseModel):
@@ -155,7 +154,7 @@ class DryRunReport(BaseModel):
 
     def format(self) -> str:
         """A table: one row per planned rank, then the totals."""
-        from ..sources._inventory import human
+        from ..sources import human
 
         lines = [
             f"dry run of {self.source} into {self.target} on {self.world_size} ranks ({self.mesh}), {self.device}; "
@@ -189,7 +188,7 @@ def _name(src: str | os.PathLike[str] | Source) -> str:
     return src.path if isinstance(src, Source) else os.fspath(src)
 
 
-def _own_header_opens(r: DryRunRank, rec: headers_mod.HeaderRecord, headers: str, grid: Mesh) -> int:
+def _own_header_opens(r: DryRunRank, rec: HeaderRecord, headers: str, grid: Mesh) -> int:
     return len(rec.files) if r.rank == 0 or headers == "every" or grid.size == 1 else 0
 
 
@@ -272,9 +271,9 @@ def dry_run(
     share = share_reads if share_reads is not None else device == "cuda"
     why = ("asked" if share else "turned off") if share_reads is not None else (
         "the default for GPU shards" if share else "off by default for CPU shards (gloo moves them slower than storage)")
-    with headers_mod.recording() as rec_src:
+    with recording_headers() as rec_src:
         open_source(src, subtree=subtree).close()
-    with headers_mod.recording() as rec_all:
+    with recording_headers() as rec_all:
         source, plan, target_name = _plan(target, src, adapter, subtree, allow_missing, allow_unexpected, dtype)
     try:
         if not plan.report.ok:
@@ -283,7 +282,7 @@ def dry_run(
         schema = {k: plan.target[k] for k in plan.recipes}
         layouts = default_layouts(schema, grid)
         ranks, exact, n_classes, class_of = _plan_ranks(source, plan, schema, layouts, grid, cfg, device, share, max_ranks)
-        payload = len(headers_mod.encode(rec_src)) if headers == "once" and grid.size > 1 else 0
+        payload = len(encode_headers(rec_src)) if headers == "once" and grid.size > 1 else 0
         for r in ranks:
             first = r.rank == 0 or headers == "every" or grid.size == 1
             r.header_bytes = (rec_src.nbytes if first else 0) + sum(len(rec_all.files[p][0]) for p in other)

@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 from .._base.distributed import is_distributed, rank_and_world
 from .._base.progress import TransferBar
 from .._base.regions import Box, full_box
+from .._base.schema import TensorInfo, slices
 from .._plan.adapter import Adapter
 from .._plan.registry import config_folder, is_shipped
 from .._plan.resolve import adapter_or_none
@@ -44,11 +45,17 @@ from .._plan.target import model_state_dict
 from .._plan.titan_names import for_export
 from .._recipes.nodes import Node
 from ..errors import ExportError, RemoteRankError
-from ..sources import Source, open_source
-from ..sources import _integrity as integrity
-from ..sources._assets import copy_side_files, loaded_from, transformers_config, write_config
-from ..sources._base import TensorInfo, slices
-from ..sources._object_store import is_url
+from ..sources import (
+    Source,
+    copy_side_files,
+    is_url,
+    loaded_from,
+    open_source,
+    tensor_checksums,
+    transformers_config,
+    write_checksums_data,
+    write_config,
+)
 from .args import check_model_and_path, check_not_a_model, renamed_keywords
 from .export_local import local_pieces
 from .materialize import has_meta
@@ -316,7 +323,7 @@ def export(
         written[0] += t.numel() * t.element_size()
         bar.update(t.numel() * t.element_size())
         if checksums:  # from the tensor in hand: no read-back (sdadapt.checksums.json, for load(checksums=True))
-            sums[key] = integrity.tensor_checksums(TensorInfo(tuple(t.shape), t.dtype), lambda box: t[slices(box)])
+            sums[key] = tensor_checksums(TensorInfo(tuple(t.shape), t.dtype), lambda box: t[slices(box)])
         return t
 
     files: list[str] = []
@@ -326,11 +333,11 @@ def export(
                 def finish(tmp: str) -> None:
                     _side_files(tmp, folder, config)
                     if checksums and is_url(dst):  # uploaded with the rest, before the index
-                        integrity.write_checksums_data(tmp, sums)
+                        write_checksums_data(tmp, sums)
 
                 files = write_folder(dst, format, outputs, pull, max_shard_size=max_shard_size, overwrite=overwrite, check=finish)
                 if checksums and not is_url(dst):
-                    integrity.write_checksums_data(dst, sums)
+                    write_checksums_data(dst, sums)
             except BaseException as e:
                 if world > 1:
                     dist.broadcast_object_list([(_ABORT, f"{type(e).__name__}: {e}")], src=src0, group=process_group)

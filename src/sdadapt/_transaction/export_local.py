@@ -17,9 +17,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._base.regions import Box, box_shape, full_box
+from .._base.schema import slices
 from .._recipes.nodes import Compute, Node, Piece
 from ..errors import ExportError
-from ..sources._base import slices
 
 
 def owned_shard(t: torch.Tensor, rank: int, key: str) -> tuple[Box, torch.Tensor] | None:

@@ -24,14 +24,14 @@ import torch.distributed as dist
 
 from .._base.distributed import is_distributed
 from ..errors import SdadaptError
-from ..sources import Source, _headers, open_source
+from ..sources import HeaderRecord, Source, decode_headers, encode_headers, open_source, recording_headers
 
 log = logging.getLogger(__name__)
 
 ENV = "SDADAPT_HEADERS"
 
 
-def share_headers(src: Any, subtree: str | None, group: dist.ProcessGroup | None) -> _headers.HeaderRecord | None:
+def share_headers(src: Any, subtree: str | None, group: dist.ProcessGroup | None) -> HeaderRecord | None:
     """Collective over ``group`` (every rank, at the same point): the record of the headers
     of ``src`` read by the group's first rank, or ``None`` where every rank reads them itself
     (one process, an open :class:`~sdadapt.sources.Source`, a format whose opening reads more
@@ -47,9 +47,9 @@ def share_headers(src: Any, subtree: str | None, group: dist.ProcessGroup | None
     payload = b""
     if dist.get_rank(group) == 0:
         try:
-            with _headers.recording() as record:
+            with recording_headers() as record:
                 open_source(src, subtree=subtree).close()
-            payload = _headers.encode(record)
+            payload = encode_headers(record)
         except Exception as e:  # noqa: BLE001 - every rank opens it itself and meets the error, agreed
             log.debug("reading the headers for the group failed (every rank reads them): %s", e)
     obj: list[Any] = [payload]
@@ -59,7 +59,7 @@ def share_headers(src: Any, subtree: str | None, group: dist.ProcessGroup | None
     if not isinstance(received, bytes) or not received:
         return None
     try:
-        return _headers.decode(received)
+        return decode_headers(received)
     except SdadaptError as e:
         log.warning("%s; reading the headers here instead", e)
         return None

@@ -26,11 +26,7 @@ from .._plan.resolve import adapter_or_none
 from .._plan.target import local_nbytes, model_state_dict, schema_of
 from .._plan.titan_names import for_plan
 from ..errors import PlanError
-from ..sources import Source, open_source
-from ..sources import _integrity as integrity
-from ..sources._assets import remember_source
-from ..sources._headers import replaying
-from ..sources._peft import LoraMerged
+from ..sources import CHECKSUMS_WHY, ChecksummedSource, LoraMerged, Source, open_source, read_checksums, remember_source, replaying_headers
 from .args import check_model_and_path, renamed_keywords
 from .headers import share_headers
 from .materialize import InitFn, MissingInitFn, Reservation, check_buffers, choose_device, has_meta, missing_values
@@ -222,7 +218,7 @@ def _plan_load(
             adapter, shipped, source.schema, source.non_tensor, schema_of(state_dict), allow_missing, dtype
         )
         if lora is not None:
-            from ..rules._lora import open_peft_lora  # imported only by a load that merges a LoRA
+            from ..rules import open_peft_lora  # imported only by a load that merges a LoRA
 
             peft = open_peft_lora(lora)
             source = peft.join(source)
@@ -282,7 +278,7 @@ def _prepare_device(
 
 
 @public
-@renamed_keywords("sdadapt.load", {"stage": ("atomic", ATOMIC_WHY), "verify": ("checksums", integrity.CHECKSUMS_WHY)})
+@renamed_keywords("sdadapt.load", {"stage": ("atomic", ATOMIC_WHY), "verify": ("checksums", CHECKSUMS_WHY)})
 @without_gc  # no full collection stalls the load: see sdadapt._base.gc
 def load(
     model: nn.Module,
@@ -453,7 +449,7 @@ def load(
         nonlocal planned, fill_missing
         # resolved inside the agreed step: a rank failing to resolve or derive it stops them all
         resolved = adapter_or_none(adapter, local, model)
-        with replaying(record):
+        with replaying_headers(record):
             source, plan, planned = _plan_load(
                 model, local, resolved, subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype, shipped
             )
@@ -465,9 +461,9 @@ def load(
         check_buffers(model, init_buffers)
         fill_missing = missing_values(model, [*plan.skipped, *plan.report.missing], init_buffers, init_missing)
         if checksums:
-            sidecar, sums = integrity.read_checksums(source)
+            sidecar, sums = read_checksums(source)
             leaves = sorted({k for node in plan.recipes.values() for k in node.leaves()})
-            txn.sources[-1] = integrity.ChecksummedSource(source, sidecar, sums, leaves)
+            txn.sources[-1] = ChecksummedSource(source, sidecar, sums, leaves)
         return plan
 
     try:
@@ -502,7 +498,7 @@ def load(
 
     merged = None
     if lora is not None:
-        from ..rules._lora import merged_lora
+        from ..rules import merged_lora
 
         merged = merged_lora(lora, plan.recipes)
     rep = LoadReport(

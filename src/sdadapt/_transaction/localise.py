@@ -188,8 +188,7 @@ def _offset_hypothesis(name: str, mod: nn.Module, inp: torch.Tensor | None, refs
     fix = f'sdadapt.affine("{_pattern(key)}", shift=1.0)'
     if adapter is None:
         return f"{text}; an adapter loading it right has {fix} (for every such norm)"
-    from ..rules import Affine
-    from ..rules._patterns import compile_pattern
+    from ..rules import Affine, compile_pattern
 
     covered = [f"#{i}" for i, r in enumerate(adapter.rules) if isinstance(r, Affine)
                and any(compile_pattern(p).match(k) for p in (r.keys if isinstance(r.keys, list) else [r.keys])
@@ -298,8 +297,7 @@ def _pattern(key: str) -> str:
 
 def _rotary_text(subset: list[str], mods: dict[str, nn.Module], to: str, hd: int, rot: int, widths: dict[str, int],
                  adapter: Adapter | None) -> str:
-    from ..rules import Rotary
-    from ..rules._patterns import compile_pattern
+    from ..rules import Rotary, compile_pattern
 
     short = "/".join(n.rpartition(".")[2] for n in subset)
     keys = [f"{n}.{p}" for n in subset for p, _ in mods[n].named_parameters()]

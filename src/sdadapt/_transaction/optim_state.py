@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
+from .._base.schema import TensorInfo
 from .._plan.adapter import Adapter
 from .._plan.plan import PipelineStage, Plan, build_plan
 from .._plan.report import Mismatch, Report
 from .._plan.target import schema_of
 from .._recipes.nodes import Leaf, Node
 from ..errors import StateError
-from ..sources._base import TensorInfo
-from ..sources._dcp_dir import DCPSource
+from ..sources import DCPSource
 
 
 class OptimPlan:

@@ -30,12 +30,12 @@ from torch.distributed.tensor import DTensor
 
 from .._base.distributed import agree, collective_device, is_distributed, rank_and_world
 from .._base.regions import Box, box_shape, full_box
+from .._base.schema import TensorInfo, dtype_name
 from .._plan.adapter import Adapter, with_dtype
 from .._plan.plan import build_plan
 from .._plan.target import model_state_dict
 from .._recipes.nodes import Compute, Node, Piece, Step
 from ..errors import RefitError, SdadaptError
-from ..sources._base import TensorInfo, dtype_name
 from .refit_run import Refit, _Mine
 from .refit_schedule import Held, Request, round_bytes, transfers_of
 

@@ -31,8 +31,7 @@ from .._base.progress import progress_bar
 from .._base.regions import full_box
 from .._recipes.nodes import Leaf, Node
 from ..errors import ShrinkError
-from ..sources import local_path, open_source
-from ..sources._json import HFConfig, read_json_dict
+from ..sources import HFConfig, local_path, open_source, read_json_dict
 from .writing import PageReleaser, check_destination, write_folder
 
 log = logging.getLogger(__name__)

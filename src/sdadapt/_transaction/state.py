@@ -51,12 +51,7 @@ from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
 from .._plan.target import local_nbytes, model_state_dict, schema_of
 from ..errors import LoadError, PlanError, SdadaptError, SourceError, StateError
-from ..sources import local_path
-from ..sources._base import is_hub_id
-from ..sources._dcp_dir import SDADAPT_JSON, DCPSource
-from ..sources._namespaced import NamespacedSource
-from ..sources._object_store import COMMIT_NAMES, Uploader, is_url
-from ..sources._remote import attach, fetch_dcp_entries
+from ..sources import SDADAPT_JSON, DCPSource, NamespacedSource, attach, fetch_dcp_entries, is_hub_id, is_url, local_path
 from .args import check_model_and_path, renamed_keywords
 from .materialize import InitFn, check_buffers, has_meta, missing_values
 from .optim_state import OptimPlan, init_state, plan_optimizer, stored_names
@@ -241,6 +236,8 @@ def _save_to_url(url: str, local_save: Callable[[str], None], overwrite: bool, g
     checkpoint's commit objects, every rank uploads its own ``.distcp`` files, and only once
     all succeeded does one rank upload ``sdadapt.json`` and ``.metadata`` (so a reader never
     sees a half-written checkpoint), then delete what the old checkpoint had beyond the new."""
+    from ..sources import COMMIT_NAMES, Uploader  # only for a URL: the object store client
+
     rank, world = rank_and_world(group)
     folder = tempfile.mkdtemp(prefix="sdadapt-save-")
     up: Uploader | None = None
@@ -285,12 +282,12 @@ def _save_to_url(url: str, local_save: Callable[[str], None], overwrite: bool, g
 
 
 def _write_checksums(dst: str, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
-    from ..sources import _integrity as integrity
+    from ..sources import checksums_of_saved, write_checksums_data
 
     error: SdadaptError | None = None
     mine: dict[str, Any] = {}
     try:
-        mine = integrity.checksums_of_saved(dst, rank, world)
+        mine = checksums_of_saved(dst, rank, world)
     except SdadaptError as e:
         error = e
     agree(error, group)
@@ -299,7 +296,7 @@ def _write_checksums(dst: str, rank: int, world: int, group: dist.ProcessGroup |
         parts = [None] * world
         dist.all_gather_object(parts, mine, group=group)
     if rank == 0:
-        integrity.write_checksums_data(dst, {k: v for p in parts for k, v in p.items()})
+        write_checksums_data(dst, {k: v for p in parts for k, v in p.items()})
     if is_distributed():
         dist.barrier(group=group)
 

@@ -64,9 +64,7 @@ from .._engine.reader import AdaptedLoadPlanner, AdaptedStorageReader
 from .._plan.plan import Plan
 from .._plan.target import model_state_dict
 from ..errors import LoadError, ModelError, SdadaptError, SourceError, VersionError
-from ..sources import Source
-from ..sources import _integrity as integrity
-from ..sources._base import is_hub_id
+from ..sources import Fingerprint, Source, check_unchanged, fingerprint, is_hub_id, nonfinite_counts
 from .commit import (
     COPY_BACK,
     COPY_IN,
@@ -130,7 +128,7 @@ class Transaction:
         self.group = group
         self.what = what
         self.was_meta = model is not None and has_meta(model)
-        self.files: integrity.Fingerprint = {}
+        self.files: Fingerprint = {}
         self.sources: list[Source] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self.optimizer_was_empty = False
@@ -142,7 +140,7 @@ class Transaction:
     def add_source(self, source: Source) -> None:
         """Fingerprint the files of ``source`` (closed with the transaction)."""
         self.sources.append(source)
-        self.files.update(integrity.fingerprint(source.files()))
+        self.files.update(fingerprint(source.files()))
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer, was_empty: bool) -> None:
         """The optimizer whose state the parts write; ``was_empty``: it held no state before."""
@@ -173,7 +171,7 @@ class Transaction:
         :func:`sdadapt.sources._hub.hub_folder`); anything else as it is."""
         if not isinstance(src, str) or not is_hub_id(src):
             return src
-        from ..sources._hub import hub_folder  # imported only for a Hub id
+        from ..sources import hub_folder  # imported only for a Hub id
 
         hub_id: str = src
         if is_distributed():
@@ -239,7 +237,7 @@ class Transaction:
     def files_unchanged(self, when: str) -> None:
         """This rank alone: raise :class:`SourceError` naming the first fingerprinted file that
         changed (``when`` says since when, for the message)."""
-        integrity.check_unchanged(self.files, when)
+        check_unchanged(self.files, when)
 
     # ------------------------------------------------------------------ read, check, commit
     def run(
@@ -522,7 +520,7 @@ def read_errors(e: CheckpointException) -> list[str]:
 
 
 def after_read_checks(
-    files: integrity.Fingerprint,
+    files: Fingerprint,
     loaded: dict[str, torch.Tensor],
     parts: list[Part],
     check_finite: bool,
@@ -536,10 +534,10 @@ def after_read_checks(
     ``failures`` maps rank -> message). ``loaded`` keys are ``"<part>:<key>"``."""
     problems: list[str] = []
     try:
-        integrity.check_unchanged(files, "while it was being read")
+        check_unchanged(files, "while it was being read")
     except SdadaptError as e:
         problems.append(str(e))
-    bad: dict[str, tuple[int, int]] = integrity.nonfinite_counts(loaded) if check_finite and not errors else {}
+    bad: dict[str, tuple[int, int]] = nonfinite_counts(loaded) if check_finite and not errors else {}
     mine = (errors, problems, bad)
     gathered: list[Any] = [mine]
     if is_distributed():

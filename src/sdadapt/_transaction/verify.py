@@ -36,9 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from .._base.env import parse
 from ..errors import SourceError, VerifyError
-from ..sources import local_path
-from ..sources._json import HFConfig, read_json
-from ..sources._remote import fetch_all
+from ..sources import HFConfig, fetch_all, local_path, read_json
 from .localise import drill, recording
 
 if TYPE_CHECKING:

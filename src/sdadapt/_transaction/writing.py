@@ -19,12 +19,12 @@ from collections.abc import Callable
 import torch
 
 from .._base.regions import Box, full_box
+from .._base.schema import TensorInfo, slices
 from .._plan.adapter import Adapter
 from .._recipes.nodes import Node
 from ..errors import ExportError, SdadaptError, SourceError
-from ..rules._base import PlanContext
-from ..sources._base import TensorInfo, slices
-from ..sources._object_store import check_writable, is_url, upload
+from ..rules import PlanContext
+from ..sources import check_writable, is_url, upload
 from .writers import make_writer
 
 log = logging.getLogger(__name__)

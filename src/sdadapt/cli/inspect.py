@@ -18,8 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..sources import open_source
-    from ..sources._inventory import inventory
+    from ..sources import inventory, open_source
 
     with open_source(args.src, subtree=args.subtree) as src:
         inv = inventory(src.schema, source=src.remote_url() or src.path, kind=src.kind, non_tensor=src.non_tensor)

@@ -42,14 +42,25 @@ from pydantic import Field
 
 from .._base.lazy import attach
 from ._base import Keys as Keys
+
+# What the layers above use of the rule machinery: they import it from here, never from the
+# private modules (tests/test_layers.py checks that). Not public API: the public names are ``__all__``.
+from ._base import PlanContext as PlanContext
 from ._base import RuleBase as RuleBase
+from ._base import RuleIssue as RuleIssue
 from ._base import final_key as final_key
 from ._base import parse_dtype as parse_dtype
 from ._base import target_info as target_info
+from ._base import unwrap_key as unwrap_key
 from ._custom import ValueRule as ValueRule
 from ._custom import register_rule as register_rule
 from ._custom import registered_rules as registered_rules
 from ._custom import rule_from_data as rule_from_data
+from ._functions import cast as cast
+from ._functions import fuse as fuse
+from ._functions import interleave as interleave
+from ._functions import rename as rename
+from ._functions import tie as tie
 from ._keys import AddPrefix as AddPrefix
 from ._keys import Drop as Drop
 from ._keys import Fuse as Fuse
@@ -57,6 +68,9 @@ from ._keys import Rename as Rename
 from ._keys import Split as Split
 from ._keys import StripPrefix as StripPrefix
 from ._keys import Tie as Tie
+from ._patterns import KeyPattern as KeyPattern
+from ._patterns import compile_pattern as compile_pattern
+from ._patterns import matches_any as matches_any
 from ._stacking import Stack as Stack
 from ._stacking import Unstack as Unstack
 from ._tensor_parallel import DP_MESH_NAMES as DP_MESH_NAMES
@@ -120,48 +134,26 @@ _PUBLIC: dict[str, str] = {
     **dict.fromkeys(["Node", "Compute", "emit"], "sdadapt._recipes.nodes"),
 }
 """The one table of :mod:`sdadapt.rules`' public names -> the module that defines each."""
-_LAZY = {name: where for name, where in _PUBLIC.items() if where != __name__}
+_INTERNAL = {"open_peft_lora": "._lora", "merged_lora": "._lora"}
+"""Names the layers above use, imported on first use (only a load that merges a LoRA needs them)."""
+_LAZY = {**{name: where for name, where in _PUBLIC.items() if where != __name__}, **_INTERNAL}
 
 if TYPE_CHECKING:
-    from .._recipes.nodes import (
-        Compute as Compute,
-    )
-    from .._recipes.nodes import (
-        Node as Node,
-    )
-    from .._recipes.nodes import (
-        emit as emit,
-    )
-    from .._recipes.quant import (
-        FP8_SCALE_SUFFIX as FP8_SCALE_SUFFIX,
-    )
-    from .._recipes.quant import (
-        MX_BLOCKS_SUFFIX as MX_BLOCKS_SUFFIX,
-    )
-    from .._recipes.quant import (
-        SCALE_DTYPES as SCALE_DTYPES,
-    )
-    from .._recipes.quant import (
-        ScaleFormat as ScaleFormat,
-    )
-    from ._dequant import (
-        DequantFP8 as DequantFP8,
-    )
-    from ._dequant import (
-        DequantMXFP4 as DequantMXFP4,
-    )
-    from ._dequant import (
-        QuantizeFP8 as QuantizeFP8,
-    )
-    from ._dequant import (
-        QuantizeMXFP4 as QuantizeMXFP4,
-    )
-    from ._dequant_scaled import (
-        DequantScaled as DequantScaled,
-    )
-    from ._dequant_scaled import (
-        QuantizeScaled as QuantizeScaled,
-    )
+    from .._recipes.nodes import Compute as Compute
+    from .._recipes.nodes import Node as Node
+    from .._recipes.nodes import emit as emit
+    from .._recipes.quant import FP8_SCALE_SUFFIX as FP8_SCALE_SUFFIX
+    from .._recipes.quant import MX_BLOCKS_SUFFIX as MX_BLOCKS_SUFFIX
+    from .._recipes.quant import SCALE_DTYPES as SCALE_DTYPES
+    from .._recipes.quant import ScaleFormat as ScaleFormat
+    from ._dequant import DequantFP8 as DequantFP8
+    from ._dequant import DequantMXFP4 as DequantMXFP4
+    from ._dequant import QuantizeFP8 as QuantizeFP8
+    from ._dequant import QuantizeMXFP4 as QuantizeMXFP4
+    from ._dequant_scaled import DequantScaled as DequantScaled
+    from ._dequant_scaled import QuantizeScaled as QuantizeScaled
+    from ._lora import merged_lora as merged_lora
+    from ._lora import open_peft_lora as open_peft_lora
     from ._quant_config import ignored_modules as ignored_modules
 
 __getattr__, _lazy_dir, _ = attach(__name__, _LAZY)

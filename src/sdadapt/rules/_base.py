@@ -18,7 +18,7 @@ from ..errors import AdapterError
 from ._patterns import compile_pattern, latest_match
 
 if TYPE_CHECKING:
-    from ..sources._base import TensorInfo
+    from .._base.schema import TensorInfo
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:

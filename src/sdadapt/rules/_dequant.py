@@ -27,9 +27,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from pydantic import Field, field_validator, model_validator
 
+from .._base.schema import dtype_name
 from .._recipes import quant as Q
 from .._recipes import quant_nodes as QN
-from ..sources._base import dtype_name
 from ._base import dtype_str, parse_dtype
 from ._custom import register_rule
 from ._patterns import compile_pattern, union_of

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from pydantic import Field, field_validator, model_validator
 
+from .._base.schema import dtype_name
 from .._recipes import quant_scaled as S
 from .._recipes import quant_scaled_nodes as SN
 from .._recipes.nodes import Node
 from ..errors import AdapterError
-from ..sources._base import dtype_name
 from ._base import dtype_str, parse_dtype, target_info
 from ._custom import register_rule
 from ._patterns import compile_pattern, union_of

@@ -34,14 +34,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
+from .._base.schema import dtype_name
 from .._recipes.lora import MergedLora
 from .._recipes.nodes import Node
 from ..errors import AdapterError, SourceError
-from ..sources import Source
-from ..sources._base import dtype_name
-from ..sources._joined import JoinedSource
-from ..sources._json import PeftConfig, validate
-from ..sources._peft import CONFIG_NAME, LoraMerged, open_peft_weights, read_peft_config
+from ..sources import CONFIG_NAME, JoinedSource, LoraMerged, PeftConfig, Source, open_peft_weights, read_peft_config, validate
 from ._base import RuleBase
 from ._custom import register_rule
 

@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import AdapterError
 
 if TYPE_CHECKING:
-    from ..sources._base import TensorInfo
+    from .._base.schema import TensorInfo
 
 
 class _Model(BaseModel):

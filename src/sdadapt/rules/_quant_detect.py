@@ -19,17 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._base.schema import dtype_name
 from .._recipes import quant as Q
 from .._recipes import quant_scaled as S
 from ..errors import AdapterError
-from ..sources._base import dtype_name
-from ..sources._json import read_json
+from ..sources import read_json
 from . import _quant_config as C
 from ._base import RuleBase, dtype_str
 from ._dequant_scaled import ACTIVATION_SCALES, DequantScaled
 
 if TYPE_CHECKING:
-    from ..sources._base import TensorInfo
+    from .._base.schema import TensorInfo
 
 # The FP8 block and MXFP4 rules (``sdadapt.rules._dequant``) are imported by the releases that
 # use them only: compressed-tensors and ModelOpt releases, the common ones, do not pay for

@@ -16,7 +16,7 @@ from ..errors import AdapterError
 from ._base import Keys, RuleBase, check_keys, key_patterns, matching_dim, target_info
 
 if TYPE_CHECKING:
-    from ..sources._base import TensorInfo
+    from .._base.schema import TensorInfo
     from ._base import PlanContext
 
 

@@ -1,25 +1,96 @@
-"""Checkpoint sources: open a path, get its schema from headers, read regions lazily."""
+"""Checkpoint sources: open a path, get its schema from headers, read regions lazily.
+
+Besides the public names (``__all__``), this module is the package's face for the layers above:
+what they use of the private modules (the formats, checksums, side files, the header record,
+object storage) they import from here, never from those modules (``tests/test_layers.py``
+checks that); those names are not public API.
+"""
 
 from __future__ import annotations
 
 import os
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from .._base.schema import TensorInfo, dtype_name
 from ..errors import SdadaptError, SourceError
-from ._base import HUB_PREFIX, Source, TensorInfo, dtype_name, is_hub_id
+from . import _headers
+from ._assets import copy_side_files as copy_side_files
+from ._assets import loaded_from as loaded_from
+from ._assets import model_config as model_config
+from ._assets import remember_source as remember_source
+from ._assets import transformers_config as transformers_config
+from ._assets import write_config as write_config
+from ._base import HUB_PREFIX, Source, is_hub_id
+from ._headers import HeaderRecord as HeaderRecord
 from ._hf_sharded import INDEX_NAME, HFShardedSource
+from ._hub import hub_folder as hub_folder
+from ._integrity import CHECKSUMS_WHY as CHECKSUMS_WHY
+from ._integrity import ChecksummedSource as ChecksummedSource
+from ._integrity import Fingerprint as Fingerprint
+from ._integrity import check_unchanged as check_unchanged
+from ._integrity import checksums_of_saved as checksums_of_saved
+from ._integrity import fingerprint as fingerprint
+from ._integrity import nonfinite_counts as nonfinite_counts
+from ._integrity import read_checksums as read_checksums
+from ._integrity import tensor_checksums as tensor_checksums
+from ._integrity import write_checksums_data as write_checksums_data
+from ._inventory import human as human
+from ._inventory import inventory as inventory
+from ._joined import JoinedSource as JoinedSource
+from ._json import INDEX_LIMIT as INDEX_LIMIT
 from ._json import HFConfig, QuantConfigFile, read_json_dict
+from ._json import PeftConfig as PeftConfig
+from ._json import ShardIndex as ShardIndex
+from ._json import read_json as read_json
+from ._json import validate as validate
+from ._namespaced import NamespacedSource as NamespacedSource
+from ._object_store import COMMIT_NAMES as COMMIT_NAMES
+from ._object_store import Uploader as Uploader
+from ._object_store import check_writable as check_writable
 from ._object_store import is_url
+from ._object_store import upload as upload
+from ._peft import CONFIG_NAME as CONFIG_NAME
+from ._peft import LoraMerged as LoraMerged
+from ._peft import open_peft_weights as open_peft_weights
+from ._peft import read_peft_config as read_peft_config
 from ._remote import attach, in_urls
+from ._remote import fetch_all as fetch_all
+from ._remote import fetch_dcp_entries as fetch_dcp_entries
+from ._safetensors_file import DTYPE_NAMES as DTYPE_NAMES
 from ._safetensors_file import SafetensorsFile
 from ._torch_save import TorchSaveFile
 
+# a rank's header reads, recorded and replayed (:mod:`._headers`), under names that say so here
+recording_headers = _headers.recording
+replaying_headers = _headers.replaying
+encode_headers = _headers.encode
+decode_headers = _headers.decode
+
+if TYPE_CHECKING:
+    from ._dcp_dir import SDADAPT_JSON as SDADAPT_JSON
+    from ._dcp_dir import DCPSource as DCPSource
+
+_LAZY = {"DCPSource": "._dcp_dir", "SDADAPT_JSON": "._dcp_dir"}
+"""Names of modules imported on first use: the DCP source imports ``torch.distributed.checkpoint``."""
+
 __all__ = ["Source", "TensorInfo", "dtype_name", "open_source", "read_config_file"]
 """The public names. ``SafetensorsFile``, ``HFShardedSource`` and ``TorchSaveFile`` (what
-:func:`open_source` returns) and ``local_path`` stay importable from here for sdadapt's own
-modules; users open checkpoints with :func:`open_source` and use the :class:`Source` protocol."""
+:func:`open_source` returns), ``local_path`` and the names imported above for the layers above
+stay importable from here for sdadapt's own modules; users open checkpoints with
+:func:`open_source` and use the :class:`Source` protocol."""
+
+
+def __getattr__(name: str) -> Any:
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib  # noqa: PLC0415 - only for the lazy names
+
+    value = getattr(importlib.import_module(where, __name__), name)
+    globals()[name] = value
+    return value
 
 
 def open_source(

@@ -1,12 +1,8 @@
 """The :class:`Source` protocol (a schema read from headers, region reads, byte locations) and
-what the source formats and the layers above share with it:
-
-- the schema records :class:`TensorInfo` and :class:`MeshDim` (targets use them too), and
-  :class:`TensorLocation` (where a tensor's bytes lie in a file);
-- :func:`dtype_name` (the dtype names rules, reports and JSON write) and :func:`slices` (a box
-  as index slices);
-- :func:`member_path` (a file named by a checkpoint, kept inside its folder),
-  :func:`read_json_file` and the Hub id test :func:`is_hub_id`.
+what the source formats share: :func:`member_path` (a file named by a checkpoint, kept inside
+its folder), :func:`read_json_file` and the Hub id test :func:`is_hub_id`. The schema records a
+source's schema is made of (:class:`~sdadapt._base.schema.TensorInfo`, ``TensorLocation``,
+``dtype_name`` ...) live in :mod:`sdadapt._base.schema`.
 """
 
 from __future__ import annotations
@@ -14,12 +10,12 @@ from __future__ import annotations
 import abc
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .._base.regions import Box, full_box
+from .._base.schema import TensorInfo, TensorLocation
 from ..errors import SourceError
 from ._json import read_json
 
@@ -38,79 +34,6 @@ def read_json_file(path: str, limit: int, what: str) -> Any:
     when it is larger than ``limit`` bytes, not UTF-8 or nested too deep: see
     :func:`sdadapt.sources._json.read_json`, whose :class:`SourceError` names ``what`` and the file."""
     return read_json(path, None, what=what, limit=limit)
-
-
-@dataclass(frozen=True)
-class MeshDim:
-    """One dim of the device mesh a target DTensor lives on, with its placement there.
-
-    ``shard_dim`` is the tensor dim this mesh dim shards (``Shard`` or ``_StridedShard``), else
-    ``None``; ``strided`` is true for ``_StridedShard`` (FSDP2 over a TP-sharded dim)."""
-
-    name: str | None
-    size: int
-    placement: str
-    shard_dim: int | None = None
-    strided: bool = False
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """Global shape and dtype of one tensor (of a source or of a target).
-
-    Args:
-        shape: the global shape.
-        dtype: the ``torch.dtype``.
-        placements: a target DTensor's placements, as text (targets only).
-        mesh: the same, structured (targets only).
-
-    Example::
-
-        info = sdadapt.sources.TensorInfo((4096, 4096), torch.bfloat16)
-        report = sdadapt.diff({"w.weight": info}, "ckpt/model.safetensors")
-    """
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    placements: str | None = None  # target only: e.g. "(Shard(dim=0), Replicate())"
-    mesh: tuple[MeshDim, ...] | None = None  # target DTensors only: the same, structured
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n * self.dtype.itemsize
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """The name sdadapt writes for a dtype (in rules, reports and JSON).
-
-    Args:
-        dtype: a ``torch.dtype``.
-
-    Returns:
-        Its name without the ``torch.`` prefix.
-
-    Example::
-
-        assert sdadapt.sources.dtype_name(torch.bfloat16) == "bfloat16"
-    """
-    return str(dtype).removeprefix("torch.")
-
-
-def slices(box: Box) -> tuple[slice, ...]:
-    return tuple(slice(a, b) for a, b in box)
-
-
-@dataclass(frozen=True)
-class TensorLocation:
-    """A source tensor stored contiguously (row-major) at byte ``offset`` of file ``path``."""
-
-    path: str
-    offset: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 class Source(abc.ABC):

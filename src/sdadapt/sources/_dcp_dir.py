@@ -46,8 +46,9 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from .._base.regions import Box, box_shape
+from .._base.schema import TensorInfo, TensorLocation, slices
 from ..errors import SourceError
-from ._base import Source, TensorInfo, TensorLocation, member_path, slices
+from ._base import Source, member_path
 from ._json import read_json
 
 METADATA_NAME = ".metadata"
@@ -415,7 +416,7 @@ class DCPSource(Source):
 
     def locate_region(self, key: str, box: Box) -> list[tuple[Box, TensorLocation]] | None:
         """The stored chunks of ``key`` that intersect ``box``, each as (chunk box in global
-        coordinates, :class:`~sdadapt.sources._base.TensorLocation` of its raw bytes), for the I/O
+        coordinates, :class:`~sdadapt._base.schema.TensorLocation` of its raw bytes), for the I/O
         engine's direct reads; ``None`` when any of them cannot be located (read through
         :meth:`read` then)."""
         if key not in self._entries:

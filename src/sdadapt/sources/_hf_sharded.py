@@ -10,8 +10,9 @@ import os
 import torch
 
 from .._base.regions import Box
+from .._base.schema import TensorLocation
 from ..errors import SourceError
-from ._base import Source, TensorLocation, member_path
+from ._base import Source, member_path
 from ._json import INDEX_LIMIT, ShardIndex, read_json
 from ._safetensors_file import SafetensorsFile
 

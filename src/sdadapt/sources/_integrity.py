@@ -39,9 +39,10 @@ from typing import Any
 import torch
 
 from .._base.regions import Box
+from .._base.schema import TensorInfo, dtype_name
 from .._base.tensor_bytes import tensor_bytes
 from ..errors import SourceError
-from ._base import Source, TensorInfo, dtype_name, read_json_file
+from ._base import Source, read_json_file
 
 log = logging.getLogger(__name__)
 

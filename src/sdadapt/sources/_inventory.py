@@ -9,7 +9,7 @@ from collections import defaultdict
 from pydantic import BaseModel
 
 from .._base.keyruns import compress
-from ._base import dtype_name
+from .._base.schema import dtype_name
 
 
 class InventoryRow(BaseModel):

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from .._base.regions import Box
+from .._base.schema import TensorLocation
 from ..errors import SourceError
-from ._base import Source, TensorLocation
+from ._base import Source
 
 
 class JoinedSource(Source):

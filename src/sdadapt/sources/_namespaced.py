@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from .._base.regions import Box
-from ._base import Source, TensorLocation
+from .._base.schema import TensorLocation
+from ._base import Source
 
 
 class NamespacedSource(Source):

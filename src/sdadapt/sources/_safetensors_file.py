@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from .._base.regions import Box
+from .._base.schema import TensorInfo, TensorLocation, slices
 from ..errors import SourceError
 from . import _headers
-from ._base import Source, TensorInfo, TensorLocation, slices
+from ._base import Source
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 

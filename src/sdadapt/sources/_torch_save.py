@@ -17,8 +17,9 @@ from typing import Any
 import torch
 
 from .._base.regions import Box
+from .._base.schema import TensorInfo, TensorLocation, slices
 from ..errors import SourceError
-from ._base import Source, TensorInfo, TensorLocation, slices
+from ._base import Source
 
 log = logging.getLogger(__name__)
 

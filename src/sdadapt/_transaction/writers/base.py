@@ -9,8 +9,8 @@ from typing import BinaryIO
 
 import torch
 
+from ..._base.schema import TensorInfo
 from ...errors import SdadaptError
-from ...sources._base import TensorInfo
 
 Pull = Callable[[str], torch.Tensor]  # pull(key): the tensor of output key, made when the writer asks
 FORMATS = ("safetensors", "torch", "dcp")

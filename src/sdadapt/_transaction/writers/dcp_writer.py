@@ -16,7 +16,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from ...sources._base import TensorInfo
+from ..._base.schema import TensorInfo
 from .base import Pull, Writer, check_pulled
 
 

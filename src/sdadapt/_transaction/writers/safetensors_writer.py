@@ -10,11 +10,10 @@ import json
 import os
 import struct
 
+from ..._base.schema import TensorInfo
 from ..._base.tensor_bytes import tensor_bytes
 from ...errors import SdadaptError
-from ...sources._base import TensorInfo
-from ...sources._hf_sharded import INDEX_NAME
-from ...sources._safetensors_file import DTYPE_NAMES
+from ...sources import DTYPE_NAMES, INDEX_NAME
 from .base import Pull, Writer, check_pulled, write_bytes
 
 

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from ..._base.schema import TensorInfo
 from ..._base.tensor_bytes import tensor_bytes
 from ...errors import SdadaptError
-from ...sources._base import TensorInfo
 from .base import Pull, Writer, check_pulled, write_bytes
 
 
