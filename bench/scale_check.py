@@ -1,21 +1,33 @@
-"""The dry run's predictions against real loads on 2, 4 and 8 gloo ranks (CPU).
+"""The dry run's predictions against real loads on 2 to 32 gloo processes (CPU).
 
-    python bench/scale_check.py [--dim 1024] [--layers 4] [--out DIR]
+    python bench/scale_check.py [--worlds 2 4 8] [--dim 1024] [--layers 4] [--out DIR]
 
 Writes a transformer-shaped checkpoint (torchtitan's names, float32, an HF sharded folder of 4
-files), then for each mesh runs ``sdadapt.dry_run`` here and a real ``sdadapt.load`` on that
-many gloo processes (the model built on meta and parallelised as torchtitan does: TP, then
-FSDP2 or HSDP), and prints per rank: bytes read, opens of the checkpoint's files, bytes
-received from replicas, destination bytes, each predicted and measured, and the rank's memory
-growth over a second load into a fresh meta model (the first warms imports and pools; the peak
-RSS sampled every millisecond during the load, less the RSS before it) against the dry run's
-``host_bytes`` (the shards, the staging written, the file pages the mapped reads touch).
+files), then for each world size launches that many gloo processes once; every process runs
+the world's cases in turn (a mesh, ``share_reads`` on or off, the headers read once per job or
+by every rank: ``SDADAPT_HEADERS``): the model built on meta and parallelised as torchtitan does
+(TP, then FSDP2 or HSDP), a first ``sdadapt.load`` to warm imports and pools, then a measured
+one into a fresh meta model. ``sdadapt.dry_run`` predicts each rank of each case from this one
+process. Per rank, predicted and measured:
+
+- bytes read (``LoadReport.bytes_read``) and opens of the checkpoint's files (``open`` and
+  ``os.open`` counted during the load): equal, exactly;
+- collective bytes: the header record the first rank broadcasts (the bytes received), the
+  bytes received from replicas (``share_reads``), and what else the load's collectives carry
+  (the agreement steps' ``all_reduce``), counted by wrapping torch's collectives;
+- memory: the peak RSS during the load (sampled every millisecond) less the RSS before it,
+  against the dry run's ``host_bytes``; time: the load's seconds, as a ratio between cases.
+
+``--worlds 16 32`` runs the cases that need 16 and 32 processes (a 16-core machine); the gloo
+sharing crossover is read from the pairs of cases that differ only in ``share_reads``. A
+summary row per case is printed; every rank's figures go to ``DIR/ranks.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import builtins
+import faulthandler
 import json
 import os
 import resource
@@ -24,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +48,26 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import sdadapt  # noqa: E402
 
-MESHES = [("dp_shard=2", False), ("dp_shard=2,tp=2", False), ("dp_replicate=2,dp_shard=2,tp=2", False),
-          ("dp_replicate=2,dp_shard=2,tp=2", True)]
+# (mesh, share_reads, headers) per world size
+CASES: dict[int, list[tuple[str, bool, str]]] = {
+    2: [("dp_shard=2", False, "once")],
+    4: [("dp_shard=2,tp=2", False, "once")],
+    8: [("dp_replicate=2,dp_shard=2,tp=2", False, "once"), ("dp_replicate=2,dp_shard=2,tp=2", True, "once")],
+    16: [
+        ("dp_replicate=2,dp_shard=4,tp=2", False, "every"),
+        ("dp_replicate=2,dp_shard=4,tp=2", False, "once"),
+        ("dp_replicate=2,dp_shard=4,tp=2", True, "once"),
+        ("dp_replicate=8,dp_shard=2", False, "once"),
+        ("dp_replicate=8,dp_shard=2", True, "once"),
+    ],
+    32: [
+        ("dp_replicate=4,dp_shard=4,tp=2", False, "every"),
+        ("dp_replicate=4,dp_shard=4,tp=2", False, "once"),
+        ("dp_replicate=4,dp_shard=4,tp=2", True, "once"),
+        ("dp_replicate=16,dp_shard=2", False, "once"),
+        ("dp_replicate=16,dp_shard=2", True, "once"),
+    ],
+}
 
 
 def build(dim: int, layers: int) -> nn.Module:
@@ -50,8 +81,7 @@ def build(dim: int, layers: int) -> nn.Module:
     class FeedForward(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.w1, self.w2, self.w3 = (nn.Linear(dim, ffn, bias=False), nn.Linear(ffn, dim, bias=False),
-                                         nn.Linear(dim, ffn, bias=False))
+            self.w1, self.w2, self.w3 = (nn.Linear(dim, ffn, bias=False), nn.Linear(ffn, dim, bias=False), nn.Linear(dim, ffn, bias=False))
 
     class Layer(nn.Module):
         def __init__(self) -> None:
@@ -85,15 +115,83 @@ def _rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def worker(folder: str, mesh: str, share: bool, dim: int, layers: int, out: str) -> None:
+class _Collectives:
+    """Bytes this rank receives in broadcasts (by the src's rank), in the header record, and
+    carries in all_reduce, while active (torch's functions wrapped where the library calls them)."""
+
+    NAMES = ("broadcast", "all_reduce", "all_gather", "all_gather_object", "broadcast_object_list", "gather", "scatter")
+
+    def __enter__(self) -> _Collectives:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        self.me = dist.get_rank()
+        self.received = self.all_reduce = self.header = 0
+        self.calls: dict[str, int] = {}
+        self.saved = {n: getattr(c10d, n) for n in self.NAMES}
+        self.depth = 0
+
+        def wrap(name: str, fn: Any) -> Any:
+            def counted(*a: Any, **k: Any) -> Any:
+                outer = self.depth == 0  # broadcast_object_list's own broadcasts are its payload
+                self.depth += 1
+                try:
+                    out = fn(*a, **k)
+                finally:
+                    self.depth -= 1
+                if outer:
+                    self.calls[name] = self.calls.get(name, 0) + 1
+                    t = a[0] if a and isinstance(a[0], torch.Tensor) else None
+                    if name == "broadcast" and t is not None and k.get("src", a[1] if len(a) > 1 else None) != self.me:
+                        self.received += t.numel() * t.element_size()
+                    elif name == "all_reduce" and t is not None:
+                        self.all_reduce += t.numel() * t.element_size()
+                    elif name == "broadcast_object_list" and k.get("src", a[1] if len(a) > 1 else None) != self.me:
+                        self.header += sum(len(o) for o in a[0] if isinstance(o, bytes))
+                return out
+
+            return counted
+
+        for n, fn in self.saved.items():
+            setattr(c10d, n, wrap(n, fn))
+            setattr(dist, n, getattr(c10d, n))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        for n, fn in self.saved.items():
+            setattr(c10d, n, fn)
+            setattr(dist, n, fn)
+
+
+def worker(folder: str, world: int, dim: int, layers: int, out: str, hang: float) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    faulthandler.dump_traceback_later(hang, exit=True)  # a hang shows where, then ends the rank
     dist.init_process_group("gloo")
-    spec = dict((n, int(s)) for n, s in (p.split("=") for p in mesh.split(",")))
-    grid = init_device_mesh("cpu", tuple(spec.values()), mesh_dim_names=tuple(spec))
-    sdadapt.load(_parallel(grid, spec, dim, layers), folder, share_reads=share)  # warm: imports, thread pools
-    model = _parallel(grid, spec, dim, layers)
+    rank = dist.get_rank()
+    results = []
+    for mesh, share, headers in CASES[world]:
+        os.environ["SDADAPT_HEADERS"] = headers
+        spec = dict((n, int(s)) for n, s in (p.split("=") for p in mesh.split(",")))
+        grid = init_device_mesh("cpu", tuple(spec.values()), mesh_dim_names=tuple(spec))
+        sdadapt.load(_parallel(grid, spec, dim, layers), folder, share_reads=share)  # warm: imports, thread pools
+        model = _parallel(grid, spec, dim, layers)
+        dist.barrier()
+        got = _measure(model, folder, share)
+        results.append({"mesh": mesh, "share_reads": share, "headers": headers, **got})
+        del model
+        if rank == 0:
+            print(f"{time.strftime('%H:%M:%S')} {world} ranks: {mesh} share_reads={share} headers={headers} done", flush=True)
+    Path(out, f"{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def _measure(model: nn.Module, folder: str, share: bool) -> dict[str, Any]:
+    """One load's figures: its report's bytes, the opens, the RSS's growth, the collectives."""
     opens: list[str] = []
     real_open, real_os_open = builtins.open, os.open
 
@@ -113,15 +211,28 @@ def worker(folder: str, mesh: str, share: bool, dim: int, layers: int, out: str)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    rep = sdadapt.load(model, folder, share_reads=share)
-    done.set()
-    sampler.join()
+    try:
+        with _Collectives() as coll:
+            t = time.perf_counter()
+            rep = sdadapt.load(model, folder, share_reads=share)
+            wall = time.perf_counter() - t
+    finally:
+        done.set()
+        sampler.join()
+        builtins.open, os.open = real_open, real_os_open  # type: ignore[assignment]
     peak[0] = max(peak[0], _rss())
-    builtins.open, os.open = real_open, real_os_open  # type: ignore[assignment]
-    Path(out, f"{dist.get_rank()}.json").write_text(json.dumps({
-        "bytes_read": rep.bytes_read, "bytes_shared": rep.bytes_shared, "local_bytes": rep.local_bytes,
-        "opens": len(opens), "rss_growth": peak[0] - before, "seconds": rep.seconds}))
-    dist.destroy_process_group()
+    return {
+        "bytes_read": rep.bytes_read,
+        "bytes_shared": rep.bytes_shared,
+        "local_bytes": rep.local_bytes,
+        "opens": len(opens),
+        "rss_growth": peak[0] - before,
+        "seconds": wall,
+        "received": coll.received,
+        "header_received": coll.header,
+        "all_reduce_bytes": coll.all_reduce,
+        "calls": coll.calls,
+    }
 
 
 def _parallel(grid: Any, spec: dict[str, int], dim: int, layers: int) -> nn.Module:
@@ -134,9 +245,17 @@ def _parallel(grid: Any, spec: dict[str, int], dim: int, layers: int) -> nn.Modu
     if "tp" in spec:
         parallelize_module(model, grid["tp"], {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()), "output": ColwiseParallel()})
         for layer in model.layers.values():
-            parallelize_module(layer, grid["tp"], {
-                "attention.wq": ColwiseParallel(), "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(), "feed_forward.w3": ColwiseParallel()})
+            parallelize_module(
+                layer,
+                grid["tp"],
+                {
+                    "attention.wq": ColwiseParallel(),
+                    "attention.wo": RowwiseParallel(),
+                    "feed_forward.w1": ColwiseParallel(),
+                    "feed_forward.w2": RowwiseParallel(),
+                    "feed_forward.w3": ColwiseParallel(),
+                },
+            )
     dp = tuple(n for n in ("dp_replicate", "dp_shard") if n in spec)
     dp_mesh = grid[dp] if len(dp) > 1 else grid[dp[0]]
     for layer in model.layers.values():
@@ -145,57 +264,46 @@ def _parallel(grid: Any, spec: dict[str, int], dim: int, layers: int) -> nn.Modu
     return model
 
 
-def launch(folder: Path, mesh: str, share: bool, dim: int, layers: int) -> list[dict]:
-    world = 1
-    for p in mesh.split(","):
-        world *= int(p.split("=")[1])
+def launch(folder: Path, world: int, dim: int, layers: int, timeout: float) -> list[list[dict]]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mkdtemp()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT / "src"))
-        code = f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import scale_check as m; " \
-               f"m.worker({str(folder)!r}, {mesh!r}, {share!r}, {dim}, {layers}, {out!r})"
-        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env))
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+        )
+        code = (
+            f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import scale_check as m; "
+            f"m.worker({str(folder)!r}, {world}, {dim}, {layers}, {out!r}, {max(10.0, timeout - 10)})"
+        )
+        procs.append(subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", code], env=env))
+    deadline = time.monotonic() + timeout
     for p in procs:
-        if p.wait(timeout=1200) != 0:
-            raise SystemExit(f"a rank failed ({mesh})")
+        try:
+            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rc = None
+        if rc != 0:
+            for q in procs:
+                q.kill()
+            raise SystemExit(f"a rank failed or timed out at {world} ranks (exit {rc})")
     return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--dim", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp()))
-    args = ap.parse_args()
-    folder = args.out / "ckpt"
-    folder.mkdir(parents=True, exist_ok=True)
-    write(folder, args.dim, args.layers)
-    with torch.device("meta"):
-        schema = {k: sdadapt.sources.TensorInfo(tuple(v.shape), v.dtype) for k, v in build(args.dim, args.layers).state_dict().items()}
-    print("| mesh | share_reads | rank | read: predicted, real | opens: predicted, real | from replicas: predicted, real "
-          "| shards: predicted, real | memory growth: predicted, real (ratio) |")
-    print("|---|---|---|---|---|---|---|---|")
-    for mesh, share in MESHES:
-        report = sdadapt.dry_run(schema, str(folder), mesh=mesh, share_reads=share, max_ranks=64)
-        by_rank = {r.rank: r for r in report.ranks}
-        grid_names = [p.split("=")[0] for p in mesh.split(",")]
-        real = launch(folder, mesh, share, args.dim, args.layers)
-        for rank, got in enumerate(real):
-            pred = by_rank.get(rank) or _class_member(report, grid_names, mesh, rank)
-            # a rank of rank 0's class opens no headers (the first rank reads them for the job)
-            opens = pred.opens if rank == pred.rank or pred.rank != 0 else pred.opens - report.checkpoint_files
-            memory = pred.host_bytes
-            print(f"| {mesh} | {share} | {rank} | {pred.bytes_read}, {got['bytes_read']} | {opens}, {got['opens']} | "
-                  f"{pred.shared_bytes}, {got['bytes_shared']} | {pred.local_bytes}, {got['local_bytes']} | "
-                  f"{memory / 2**20:.1f}, {got['rss_growth'] / 2**20:.1f} MiB ({got['rss_growth'] / memory:.2f}) |", flush=True)
-
-
-def _class_member(report: Any, names: list[str], mesh: str, rank: int) -> Any:
+def predicted_rank(report: Any, mesh: str, rank: int) -> Any:
+    """The planned rank of ``rank``'s class (ranks of a class read and open the same)."""
+    by_rank = {r.rank: r for r in report.ranks}
+    if rank in by_rank:
+        return by_rank[rank]
+    names = [p.split("=")[0] for p in mesh.split(",")]
     sizes = [int(p.split("=")[1]) for p in mesh.split(",")]
     coord, r = [], rank
     for s in reversed(sizes):
@@ -204,6 +312,75 @@ def _class_member(report: Any, names: list[str], mesh: str, rank: int) -> Any:
     coord = list(reversed(coord))
     varying = [n for n in names if len({p.coordinate[n] for p in report.ranks}) > 1]
     return next(p for p in report.ranks if all(p.coordinate[n] == coord[names.index(n)] for n in varying))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worlds", nargs="+", type=int, default=[2, 4, 8])
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--timeout", type=float, default=1200)
+    ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp()))
+    args = ap.parse_args()
+    folder = args.out / "ckpt"
+    folder.mkdir(parents=True, exist_ok=True)
+    write(folder, args.dim, args.layers)
+    size = sum(f.stat().st_size for f in folder.iterdir())
+    print(f"checkpoint: {size / 2**20:.1f} MiB in {len(list(folder.iterdir()))} files; dim {args.dim}, {args.layers} layers", flush=True)
+    with torch.device("meta"):
+        schema = {k: sdadapt.sources.TensorInfo(tuple(v.shape), v.dtype) for k, v in build(args.dim, args.layers).state_dict().items()}
+    print(
+        "| ranks | mesh | share_reads | headers | bytes read = | opens = (rank 0, others) | header record = (bytes) "
+        "| from replicas = (max MiB) | shards = | all_reduce bytes | memory growth / predicted (min-max) | load s (max) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    raw = []
+    for world in args.worlds:
+        t = time.perf_counter()
+        real = launch(folder, world, args.dim, args.layers, args.timeout)
+        print(f"<!-- {world} ranks: {time.perf_counter() - t:.0f} s for the launch -->", flush=True)
+        for i, (mesh, share, headers) in enumerate(CASES[world]):
+            report = sdadapt.dry_run(schema, str(folder), mesh=mesh, share_reads=share, headers=headers, max_ranks=64)
+            rows = []
+            for rank in range(world):
+                got, pred = real[rank][i], predicted_rank(report, mesh, rank)
+                # a rank of rank 0's class opens no headers when they are read once per job
+                opens = pred.opens - (report.checkpoint_files if headers == "once" and rank != 0 and pred.rank == 0 else 0)
+                header = 0 if rank == 0 or headers == "every" else report.collective_bytes_per_rank
+                rows.append(
+                    {
+                        "rank": rank,
+                        "mesh": mesh,
+                        "share_reads": share,
+                        "headers": headers,
+                        "bytes_read": [pred.bytes_read, got["bytes_read"]],
+                        "opens": [opens, got["opens"]],
+                        "header_received": [header, got["header_received"]],
+                        "shared": [pred.shared_bytes, got["bytes_shared"], got["received"]],
+                        "local_bytes": [pred.local_bytes, got["local_bytes"]],
+                        "memory": [pred.host_bytes, got["rss_growth"]],
+                        "all_reduce_bytes": got["all_reduce_bytes"],
+                        "calls": got["calls"],
+                        "seconds": got["seconds"],
+                    }
+                )
+            raw.extend(rows)
+
+            def eq(k: str, rows: list[dict] = rows) -> str:
+                return "yes" if all(r[k][0] == r[k][1] for r in rows) else "NO"
+
+            shared_ok = all(r["shared"][0] == r["shared"][1] == r["shared"][2] for r in rows)
+            ratios = [r["memory"][1] / r["memory"][0] for r in rows]
+            ar = sorted({r["all_reduce_bytes"] for r in rows})
+            print(
+                f"| {world} | {mesh} | {'on' if share else 'off'} | {headers} | {eq('bytes_read')} | {eq('opens')} "
+                f"({rows[0]['opens'][1]}, {max(r['opens'][1] for r in rows[1:])}) | {eq('header_received')} "
+                f"({max(r['header_received'][1] for r in rows)}) | {'yes' if shared_ok else 'NO'} "
+                f"({max(r['shared'][1] for r in rows) / 2**20:.1f}) | {eq('local_bytes')} | {', '.join(map(str, ar))} "
+                f"| {min(ratios):.2f}-{max(ratios):.2f} | {max(r['seconds'] for r in rows):.3f} |",
+                flush=True,
+            )
+    (args.out / "ranks.json").write_text(json.dumps(raw))
 
 
 if __name__ == "__main__":

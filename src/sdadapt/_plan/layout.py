@@ -256,3 +256,60 @@ def local_box(info: TensorInfo, mesh: Mesh, layout: Layout, coordinate: tuple[in
         return None
     shape, coord = group_coordinate(mesh, layout, coordinate)
     return _box(tuple(info.shape), shape, coord, tuple(p for _, p in layout.groups))
+
+
+def model_layouts(state_dict: Mapping[str, Any], mesh: Mesh, defaults: Mapping[str, Layout]) -> dict[str, Layout]:
+    """The layouts of an already-parallelised model: each DTensor's own placements, its mesh
+    dims matched to ``mesh``'s by the ranks they span (a flattened dim, such as FSDP's over
+    ``dp_shard`` and ``ep``, spans several); a plain tensor is held whole by every rank. Owners
+    (pipeline stages, per-expert keys) stay those of ``defaults``, the keys the model lacks too.
+
+    Raises:
+        UsageError: a DTensor's mesh does not lie on ``mesh`` (another world size or layout).
+    """
+    from torch.distributed.tensor import DTensor
+
+    out = dict(defaults)
+    found: dict[tuple[int, tuple[Any, ...]], tuple[tuple[tuple[int, ...], Any], ...]] = {}
+    for key, t in state_dict.items():
+        if key not in defaults:
+            continue
+        if not isinstance(t, DTensor):
+            out[key] = Layout(defaults[key].owners, ())
+            continue
+        cache = (id(t.device_mesh), tuple(t.placements))
+        if (groups := found.get(cache)) is None:
+            groups = found[cache] = tuple(
+                (_mesh_dims(key, t.device_mesh, i, mesh), p) for i, p in enumerate(t.placements)
+            )
+        out[key] = Layout(defaults[key].owners, groups)
+    return out
+
+
+def _mesh_dims(key: str, dmesh: Any, i: int, mesh: Mesh) -> tuple[int, ...]:
+    """The dims of ``mesh`` that mesh dim ``i`` of the DTensor mesh ``dmesh`` spans, in order."""
+    ranks_t = dmesh.mesh
+    coord = dmesh.get_coordinate()
+    if coord is None:
+        raise UsageError(f"{key}: this rank is not in its DTensor's mesh")
+    index: list[Any] = list(coord)
+    index[i] = slice(None)
+    ranks = [int(r) for r in ranks_t[tuple(index)].reshape(-1).tolist()]
+    name = (dmesh.mesh_dim_names or ())[i] if dmesh.mesh_dim_names else str(i)
+    if max(ranks) >= mesh.size:
+        raise UsageError(
+            f"{key}: its mesh dim {name!r} spans rank {max(ranks)}, beyond the dry run's mesh {mesh} "
+            f"({mesh.size} ranks); give mesh= the world the model was parallelised on"
+        )
+    coords = [mesh.coordinate(r) for r in ranks]
+    dims = tuple(d for d in range(len(mesh.sizes)) if len({c[d] for c in coords}) > 1)
+    flat = [0] * len(coords)
+    for j, c in enumerate(coords):
+        for d in dims:
+            flat[j] = flat[j] * mesh.sizes[d] + c[d]
+    if len(ranks) > 1 and (math.prod(mesh.sizes[d] for d in dims) != len(ranks) or flat != list(range(len(ranks)))):
+        raise UsageError(
+            f"{key}: its mesh dim {name!r} (ranks {ranks[:8]}{'...' if len(ranks) > 8 else ''}) is not a set of dims "
+            f"of the dry run's mesh {mesh}; give mesh= the layout the model was parallelised on (same names and order)"
+        )
+    return dims

@@ -34,7 +34,7 @@ from .._engine import EngineConfig
 from .._engine.predict import predict
 from .._engine.tasks import Job
 from .._plan.adapter import Adapter, with_dtype
-from .._plan.layout import Layout, Mesh, default_layouts, local_box
+from .._plan.layout import Layout, Mesh, default_layouts, local_box, model_layouts
 from .._plan.plan import Plan, adapted_schema, build_plan
 from .._plan.registry import is_shipped
 from .._plan.report import Report
@@ -229,6 +229,8 @@ def dry_run(
     Args:
         target: a model (its state dict's global shapes and dtypes; build it on meta), a
             schema ``{key: TensorInfo}``, or ``None``: the keys the adapter gives from ``src``.
+            A model already parallelised (DTensor parameters, on a real or fake process group
+            of ``mesh``'s world) is planned with its own placements instead of the defaults.
         src: the checkpoint, as in :func:`sdadapt.load`.
         adapter: as in :func:`sdadapt.load`.
         mesh: ``"dp_replicate=8,dp_shard=16,tp=8"`` or a mapping; dims ``pp``,
@@ -274,13 +276,17 @@ def dry_run(
     with recording_headers() as rec_src:
         open_source(src, subtree=subtree).close()
     with recording_headers() as rec_all:
-        source, plan, target_name = _plan(target, src, adapter, subtree, allow_missing, allow_unexpected, dtype)
+        source, plan, target_name, state = _plan(target, src, adapter, subtree, allow_missing, allow_unexpected, dtype)
     try:
         if not plan.report.ok:
             raise PlanError(plan.report)
         other = [p for p in rec_all.files if p not in rec_src.files]  # read by every rank itself
         schema = {k: plan.target[k] for k in plan.recipes}
         layouts = default_layouts(schema, grid)
+        from torch.distributed.tensor import DTensor
+
+        if state is not None and any(isinstance(t, DTensor) for t in state.values()):
+            layouts = model_layouts(state, grid, layouts)  # an already-parallelised model: its own placements
         ranks, exact, n_classes, class_of = _plan_ranks(source, plan, schema, layouts, grid, cfg, device, share, max_ranks)
         payload = len(encode_headers(rec_src)) if headers == "once" and grid.size > 1 else 0
         for r in ranks:
@@ -341,16 +347,16 @@ def dry_run(
 def _plan(
     target: Any, src: Any, adapter: Any, subtree: str | None, allow_missing: list[str] | None,
     allow_unexpected: list[str] | None, dtype: Any,
-) -> tuple[Source, Plan, str]:
-    """The source, the plan and the target's name, as a load plans them."""
+) -> tuple[Source, Plan, str, dict[str, torch.Tensor] | None]:
+    """The source, the plan, the target's name and, for a model, its state dict, as a load plans them."""
     if isinstance(target, nn.Module):
         from .load import _plan_load
 
-        source, plan, _ = _plan_load(
+        source, plan, state = _plan_load(
             target, src, adapter_or_none(adapter, src, target), subtree, allow_missing, allow_unexpected,
             dtype=dtype, shipped=is_shipped(adapter),
         )
-        return source, plan, type(target).__name__
+        return source, plan, type(target).__name__, state
     source = open_source(src, subtree=subtree)
     try:
         resolved = adapter_or_none(adapter, src)
@@ -365,7 +371,7 @@ def _plan(
     except BaseException:
         source.close()
         raise
-    return source, plan, plan.report.target
+    return source, plan, plan.report.target, None
 
 
 def _relevant(layouts: dict[str, Layout], grid: Mesh, share: bool) -> list[int]:
