@@ -166,7 +166,7 @@ class _Collectives:
             setattr(dist, n, fn)
 
 
-def worker(folder: str, world: int, dim: int, layers: int, out: str, hang: float) -> None:
+def worker(folder: str, cases: list[tuple[str, bool, str]], dim: int, layers: int, out: str, hang: float) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -174,7 +174,8 @@ def worker(folder: str, world: int, dim: int, layers: int, out: str, hang: float
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     results = []
-    for mesh, share, headers in CASES[world]:
+    world = dist.get_world_size()
+    for mesh, share, headers in cases:
         os.environ["SDADAPT_HEADERS"] = headers
         spec = dict((n, int(s)) for n, s in (p.split("=") for p in mesh.split(",")))
         grid = init_device_mesh("cpu", tuple(spec.values()), mesh_dim_names=tuple(spec))
@@ -278,11 +279,14 @@ def launch(folder: Path, world: int, dim: int, layers: int, timeout: float) -> l
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
             OMP_NUM_THREADS="1",
+            # glibc returns freed memory of 64 KiB and over to the system: the warm-up's and the
+            # previous case's tensors leave no free heap for this load to reuse unseen
+            MALLOC_MMAP_THRESHOLD_="65536",
             PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
         )
         code = (
             f"import sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import scale_check as m; "
-            f"m.worker({str(folder)!r}, {world}, {dim}, {layers}, {out!r}, {max(10.0, timeout - 10)})"
+            f"m.worker({str(folder)!r}, {CASES[world]!r}, {dim}, {layers}, {out!r}, {max(10.0, timeout - 10)})"
         )
         procs.append(subprocess.Popen([sys.executable, "-X", "faulthandler", "-c", code], env=env))
     deadline = time.monotonic() + timeout
@@ -321,7 +325,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=1200)
     ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp()))
+    ap.add_argument("--cases", nargs="+", help="MESH:on|off:once|every, replacing the cases of every --worlds")
     args = ap.parse_args()
+    if args.cases:
+        for world in args.worlds:
+            CASES[world] = [(m, s == "on", h) for m, s, h in (c.split(":") for c in args.cases)]
     folder = args.out / "ckpt"
     folder.mkdir(parents=True, exist_ok=True)
     write(folder, args.dim, args.layers)
