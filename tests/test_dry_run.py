@@ -161,3 +161,26 @@ def test_a_meta_model_as_target_and_sampled_totals(ckpt: str) -> None:
     # sampled: the bytes read are estimated from the sample's ratio to its shards, exact here
     sampled = sdadapt.dry_run(None, ckpt, mesh="dp_shard=64", max_ranks=3)
     assert not sampled.exact and sampled.total_bytes_read == sampled.total_local_bytes == sampled.checkpoint_bytes
+
+
+def test_mapping_granule_is_what_a_fault_maps(tmp_path: Any) -> None:
+    from sdadapt._engine.predict import _span, mapping_granule
+
+    save_file({"big": torch.zeros(5 << 20, dtype=torch.uint8)}, str(tmp_path / "big.safetensors"))
+    save_file({"small": torch.zeros(16)}, str(tmp_path / "small.safetensors"))
+    big, small = open_source(str(tmp_path / "big.safetensors")), open_source(str(tmp_path / "small.safetensors"))
+    try:
+        granule = mapping_granule(big)
+        assert granule & (granule - 1) == 0 and 4096 <= granule <= 2 << 20  # a page, or a large folio
+        assert mapping_granule(small) == 4096  # too small to see one
+        loc = big.locate("big")
+        assert loc is not None
+        # a 1-byte region makes one granule resident; a region over a boundary two
+        offset = -loc.offset % granule + granule
+        assert _span(big, "big", ((offset, offset + 1),), 1, granule) == granule
+        assert _span(big, "big", ((offset - 1, offset + 1),), 2, granule) == 2 * granule
+    finally:
+        big.close()
+        small.close()
+    report = sdadapt.dry_run({"big": TensorInfo((5 << 20,), torch.uint8)}, str(tmp_path / "big.safetensors"), mesh="dp_shard=2")
+    assert report.mapping_granule == granule

@@ -14,6 +14,7 @@ what it reads (:class:`MetaIO`).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -66,9 +67,10 @@ class MetaIO:
     dtype and shape, and its bytes and file are counted as :class:`~sdadapt._engine.workers.CountingIO`
     would count them."""
 
-    def __init__(self, source: Source, figures: RunFigures):
+    def __init__(self, source: Source, figures: RunFigures, granule: int = 4096):
         self.source = source
         self.figures = figures
+        self.granule = granule
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         info = self.source.schema[key]
@@ -78,28 +80,63 @@ class MetaIO:
         self.figures._read(path, nbytes)
         self.figures.mapped_reads += 1
         self.figures.mapped.add(path)
-        self.figures.mapped_span += _span(self.source, key, box, nbytes)
+        self.figures.mapped_span += _span(self.source, key, box, nbytes, self.granule)
         return torch.empty(shape, dtype=info.dtype, device="meta")
 
 
-def _span(source: Source, key: str, box: Box, nbytes: int) -> int:
+def _span(source: Source, key: str, box: Box, nbytes: int, granule: int = 4096) -> int:
     """The bytes of the file pages that reading region ``box`` of ``key`` through a mapping
-    touches: from its first byte's page to its last byte's (``nbytes`` where the source
-    cannot locate it)."""
+    makes resident: from its first byte's ``granule`` to its last byte's (``nbytes`` where the
+    source cannot locate it). A fault maps a whole page-cache folio where the kernel keeps
+    large ones (:func:`mapping_granule`)."""
     loc = source.locate(key)
     if loc is None or not nbytes:
         return nbytes
     starts, run = box_spans(loc.shape, loc.dtype.itemsize, box)
     first, last = loc.offset + starts[0], loc.offset + starts[-1] + run
-    return (last + _PAGE - 1) // _PAGE * _PAGE - first // _PAGE * _PAGE
+    return (last + granule - 1) // granule * granule - first // granule * granule
 
 
 _PAGE = 4096
+_MAX_GRANULE = 2 << 20
 
 
-def predict(source: Source, jobs: Sequence[Job], config: EngineConfig, device: torch.device) -> RunFigures:
+def mapping_granule(source: Source) -> int:
+    """The resident bytes one fault on a mapping of ``source``'s largest file adds on this
+    machine: 4 KiB pages, or up to 2 MiB where the kernel and filesystem keep large page-cache
+    folios and map them whole. One page of the file is read to see it; 4096 where it cannot be
+    measured (no ``/proc``, a file under 4 MiB, or not a local file)."""
+    import mmap
+
+    try:
+        path = max(source.files(), key=lambda p: os.path.getsize(p) if os.path.isfile(p) else 0)
+        size = os.path.getsize(path)
+        if size < 2 * _MAX_GRANULE:
+            return _PAGE
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            before = _rss_file()
+            m[size // 2 // _MAX_GRANULE * _MAX_GRANULE + _MAX_GRANULE // 2]  # the middle of a 2 MiB-aligned block
+            grown = _rss_file() - before
+    except (OSError, ValueError):
+        return _PAGE
+    granule = _PAGE
+    while granule * 2 <= min(grown, _MAX_GRANULE):
+        granule *= 2
+    return granule
+
+
+def _rss_file() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no RssFile in /proc/self/status")
+
+
+def predict(source: Source, jobs: Sequence[Job], config: EngineConfig, device: torch.device, granule: int = _PAGE) -> RunFigures:
     """The figures of one engine run of ``jobs`` (meta destinations standing for ones on
-    ``device``) over ``source``, from the engine's own planning."""
+    ``device``) over ``source``, from the engine's own planning; ``granule``: what one fault on
+    a mapping makes resident (:func:`mapping_granule`)."""
     fig = RunFigures()
     gather_on = device if device.type == "cuda" else None
     tasks: list[Task] = []
@@ -108,7 +145,7 @@ def predict(source: Source, jobs: Sequence[Job], config: EngineConfig, device: t
     threads = max(1, min(config.threads, _estimate_tasks(jobs, chunk))) if jobs else 0
     for task in tasks:
         fig.opened.update(task_paths(task))
-    meta = MetaIO(source, fig)
+    meta = MetaIO(source, fig, granule)
     band_size = config.band_buffer_bytes()
     largest = 0  # the largest staged read: how far into a buffer a thread writes
     for task in tasks:

@@ -31,7 +31,7 @@ from torch import nn
 
 from .._base.regions import box_shape
 from .._engine import EngineConfig
-from .._engine.predict import predict
+from .._engine.predict import mapping_granule, predict
 from .._engine.tasks import Job
 from .._plan.adapter import Adapter, with_dtype
 from .._plan.layout import Layout, Mesh, default_layouts, local_box, model_layouts
@@ -119,6 +119,8 @@ class DryRunReport(BaseModel):
         ranks_per_node: ranks per node for the node figures.
         max_node_bytes_read: the most any node's ranks read together (exact runs only).
         collective_bytes_per_rank: bytes each rank receives in the header broadcast.
+        mapping_granule: what one fault on a file mapping makes resident here (4 KiB pages, or
+            a large page-cache folio), as ``host_bytes`` counts mapped reads.
         seconds: the dry run's own time.
         report: the plan's :class:`Report`.
 
@@ -149,6 +151,7 @@ class DryRunReport(BaseModel):
     ranks_per_node: int
     max_node_bytes_read: int | None
     collective_bytes_per_rank: int
+    mapping_granule: int = 4096
     seconds: float
     report: Report
 
@@ -287,7 +290,8 @@ def dry_run(
 
         if state is not None and any(isinstance(t, DTensor) for t in state.values()):
             layouts = model_layouts(state, grid, layouts)  # an already-parallelised model: its own placements
-        ranks, exact, n_classes, class_of = _plan_ranks(source, plan, schema, layouts, grid, cfg, device, share, max_ranks)
+        granule = mapping_granule(source)
+        ranks, exact, n_classes, class_of = _plan_ranks(source, plan, schema, layouts, grid, cfg, device, share, max_ranks, granule)
         payload = len(encode_headers(rec_src)) if headers == "once" and grid.size > 1 else 0
         for r in ranks:
             first = r.rank == 0 or headers == "every" or grid.size == 1
@@ -339,6 +343,7 @@ def dry_run(
         ranks_per_node=ranks_per_node,
         max_node_bytes_read=node_max,
         collective_bytes_per_rank=payload,
+        mapping_granule=granule,
         seconds=time.perf_counter() - start,
         report=plan.report,
     )
@@ -390,7 +395,7 @@ def _relevant(layouts: dict[str, Layout], grid: Mesh, share: bool) -> list[int]:
 
 def _plan_ranks(
     source: Source, plan: Plan, schema: dict[str, TensorInfo], layouts: dict[str, Layout], grid: Mesh,
-    cfg: EngineConfig, device: str, share: bool, max_ranks: int,
+    cfg: EngineConfig, device: str, share: bool, max_ranks: int, granule: int,
 ) -> tuple[list[DryRunRank], bool, int, Any]:
     dims = _relevant(layouts, grid, share)
     sizes = [grid.sizes[d] for d in dims]
@@ -421,14 +426,14 @@ def _plan_ranks(
         coords = [coordinate(g, group, coordinate(c, base, [0] * len(grid.sizes)))
                   for c in _sample(math.prod(grid.sizes[d] for d in base), max(2, max_ranks // n_group)) for g in range(n_group)]
     dev = torch.device(device)
-    out = [_plan_rank(source, plan, schema, layouts, grid, tuple(coord), cfg, dev, share, per_class) for coord in coords]
+    out = [_plan_rank(source, plan, schema, layouts, grid, tuple(coord), cfg, dev, share, per_class, granule) for coord in coords]
     out.sort(key=lambda r: r.rank)
     return out, len(coords) == n_classes, n_classes, class_of
 
 
 def _plan_rank(
     source: Source, plan: Plan, schema: dict[str, TensorInfo], layouts: dict[str, Layout], grid: Mesh,
-    coord: tuple[int, ...], cfg: EngineConfig, dev: torch.device, share: bool, per_class: int,
+    coord: tuple[int, ...], cfg: EngineConfig, dev: torch.device, share: bool, per_class: int, granule: int,
 ) -> DryRunRank:
     t0 = time.perf_counter()
     jobs: list[Job] = []
@@ -458,7 +463,7 @@ def _plan_rank(
             if e <= s:
                 continue
         jobs.append(Job(key, node, box, torch.empty(shape, dtype=info.dtype, device="meta")))
-    fig = predict(source, jobs, cfg, dev)
+    fig = predict(source, jobs, cfg, dev, granule)
     return DryRunRank(
         rank=grid.rank_of(coord),
         ranks=per_class,
