@@ -6,7 +6,8 @@ vLLM's parallel layers hold plain tensors, each rank its shard: a column-paralle
 (``RowParallelLinear``) those columns, ``FusedMoE`` ``w13_weight`` / ``w2_weight`` their
 intermediate dim (or, with expert parallelism, a contiguous run of experts); every other weight
 is whole on each rank. :class:`ShardLayout` gives :func:`sdadapt.refit_plan` each one's global
-shape and box, from the tensor the rank holds.
+shape and box, from the tensor the rank holds. A block-quantized FP8 weight's scales
+(``<weight>_scale_inv``, one per 128 x 128 block) are cut along the same dim as the weight.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from sdadapt.errors import AdapterError
+
+SCALE_SUFFIX = "_scale_inv"
+"""vLLM's name for a block-quantized FP8 weight's scales: ``<weight>_scale_inv``."""
 
 
 @dataclass(frozen=True)
@@ -27,13 +31,16 @@ class ShardLayout:
     dims: tuple[tuple[str, int], ...]
     size: int
     rank: int
+    block: tuple[int, int] | None = None  # FP8 block scales: a cut weight's share must be whole blocks
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise AdapterError(f"rank {self.rank} is not a rank of a group of {self.size}")
 
     def dim_of(self, key: str) -> int | None:
-        """The dim ``key`` is sharded along, or ``None`` (whole on every rank)."""
+        """The dim ``key`` is sharded along, or ``None`` (whole on every rank); a weight's block
+        scales (``<weight>_scale_inv``) along its weight's."""
+        key = key.removesuffix(SCALE_SUFFIX)
         return next((d for suffix, d in self.dims if key.endswith(suffix)), None)
 
     def __call__(self, key: str, tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[tuple[int, int], ...]]:
@@ -42,6 +49,13 @@ class ShardLayout:
         if d is None:
             return shape, tuple((0, n) for n in shape)
         n = shape[d]
+        if self.block is not None and not key.endswith(SCALE_SUFFIX) and len(shape) >= 2 and d >= len(shape) - 2:
+            b = self.block[d - len(shape) + 2]
+            if n % b and self.size > 1:
+                raise AdapterError(
+                    f"{key!r}: each of the {self.size} ranks holds {n} along dim {d}, not a multiple of the FP8 block's "
+                    f"{b}; vLLM's block-quantized layers need whole blocks per rank (another block, or another TP degree)"
+                )
         whole = shape[:d] + (n * self.size,) + shape[d + 1 :]
         box = tuple((0, m) for m in shape)
         return whole, box[:d] + ((self.rank * n, (self.rank + 1) * n),) + box[d + 1 :]

@@ -40,7 +40,9 @@ from .._base.regions import Box, box_shape, full_box
 
 
 class SourceIO(Protocol):
-    """Where leaves get their bytes: ``read(key, box)`` returns that region of a source tensor."""
+    """Where leaves get their bytes: ``read(key, box)`` returns that region of a source tensor.
+    A source whose regions live on a device may say so in a ``device`` attribute: the regions
+    :meth:`Node.read` assembles from several reads are then made there (else on the host)."""
 
     def read(self, key: str, box: Box) -> torch.Tensor: ...
 
@@ -308,8 +310,9 @@ class Node:
         return out
 
     def read(self, box: Box, io: SourceIO) -> torch.Tensor:
-        """Region ``box`` of the output, reading from ``io`` only what the box needs."""
-        out = torch.empty(box_shape(box), dtype=self.dtype)
+        """Region ``box`` of the output, reading from ``io`` only what the box needs (made on
+        ``io.device`` where the source has one, else on the host)."""
+        out = torch.empty(box_shape(box), dtype=self.dtype, device=getattr(io, "device", None))
         steps = self.steps(box, out)
         if len(steps) == 1 and isinstance(steps[0], Piece) and _covers(steps[0].dest, out):
             return io.read(steps[0].key, steps[0].box).to(self.dtype)

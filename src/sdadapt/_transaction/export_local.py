@@ -22,10 +22,11 @@ from .._recipes.nodes import Compute, Node, Piece
 from ..errors import ExportError
 
 
-def owned_shard(t: torch.Tensor, rank: int, key: str) -> tuple[Box, torch.Tensor] | None:
-    """The box of ``t`` this rank owns and its local tensor (on the CPU), or ``None``."""
+def owned_shard(t: torch.Tensor, rank: int, key: str, copy: bool = True) -> tuple[Box, torch.Tensor] | None:
+    """The box of ``t`` this rank owns and its local tensor (on the CPU; ``copy=False``: where
+    it is), or ``None``."""
     if not isinstance(t, DTensor):
-        return (full_box(tuple(t.shape)), t.detach().cpu()) if rank == 0 else None
+        return (full_box(tuple(t.shape)), t.detach().cpu() if copy else t.detach()) if rank == 0 else None
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -40,7 +41,7 @@ def owned_shard(t: torch.Tensor, rank: int, key: str) -> tuple[Box, torch.Tensor
         return None
     shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     box = tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
-    return box, t._local_tensor.detach().cpu()
+    return box, t._local_tensor.detach().cpu() if copy else t._local_tensor.detach()
 
 
 class _Reads:

@@ -38,6 +38,8 @@ from .._recipes.nodes import Compute, Node, Piece, Step
 from ..errors import RefitError, SdadaptError
 from .refit_run import Refit, _Mine
 from .refit_schedule import Held, Request, round_bytes, transfers_of
+from .refit_send import Region, SendFn, plan_regions
+from .writing import plan_outputs
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +90,32 @@ class _Recording:
             self.asked.append((key, box))
         return torch.zeros(box_shape(box), dtype=self.schema[key].dtype)
 
+    def inputs_of(self, s: Compute) -> list[tuple[str, Box]]:
+        """The trainer regions computation ``s`` reads: its declared inputs' own steps, followed
+        down to the pieces they copy (nothing is computed); a computation that declares none is
+        run on zeros."""
+        self.asked = []
+        if s.inputs:
+            for inp in s.inputs:
+                self._follow(inp.node, inp.box)
+        else:
+            assert s.fn is not None
+            s.fn(self)
+        return self.asked
+
+    def _follow(self, node: Node, box: Box) -> None:
+        for step in node.steps(box, torch.empty(box_shape(box), dtype=node.dtype, device="meta")):
+            if isinstance(step, Piece):
+                if (step.key, step.box) not in self.asked:
+                    self.asked.append((step.key, step.box))
+            elif isinstance(step, Compute):
+                if step.inputs:
+                    for inp in step.inputs:
+                        self._follow(inp.node, inp.box)
+                else:
+                    assert step.fn is not None
+                    step.fn(self)
+
 
 # ------------------------------------------------------------------------------ planning
 def refit_plan(
@@ -102,10 +130,19 @@ def refit_plan(
     timeout: float = 600.0,
     allow_missing: list[str] | None = None,
     allow_unexpected: list[str] | None = None,
+    send: SendFn | None = None,
 ) -> Refit:
     """Plan moving a training model's shards into an inference engine's shards; every rank of
     ``process_group`` calls it (the planning is collective), then calls the result's
     :meth:`Refit.run` after each training step.
+
+    ``send``: the engine is not in the group (disaggregated over its own channel). Then
+    ``engine`` describes the engine's whole tensors (shapes and dtypes: tensors on the ``meta``
+    device will do, or ``None`` for the adapter's outputs as they come), and each trainer rank
+    makes the regions of them it can make from the shards it owns (of replicas, one rank) and
+    calls ``send([(engine key, global box, piece), ...])`` with buckets of at most
+    ``bucket_bytes``; the pieces are views of a buffer reused once ``send`` returns. The ranks'
+    regions cover every engine tensor once; the receiver cuts its own shards from them.
 
     ``trainer``: this rank's part of the training model (a model whose parameters are DTensors,
     as FSDP2 / TP / 2-D leave them, or a state dict), ``None`` on a rank that holds no trainer
@@ -136,6 +173,8 @@ def refit_plan(
         timeout: seconds a run waits for any one transfer before failing on every rank.
         allow_missing: engine key patterns the trainer need not provide (left as they are).
         allow_unexpected: adapted trainer key patterns the engine need not hold (not sent).
+        send: ``send(bucket)`` for an engine outside the group: ``bucket`` lists ``(engine
+            key, global box, piece)``; ``engine`` then gives the whole tensors' shapes and dtypes.
 
     Returns:
         The :class:`Refit`; call it (or its ``run()``) to move the weights.
@@ -144,11 +183,15 @@ def refit_plan(
 
         refit = sdadapt.refit_plan(trainer, engine, adapter)
         refit()  # after every training step, on every rank
+        # an engine outside the group: every trainer rank sends the regions it makes
+        sdadapt.refit_plan(trainer, whole_engine_on_meta, adapter, send=push_to_engine)()
     """
     group = process_group
     rank, world = rank_and_world(group)
     if not isinstance(bucket_bytes, int) or bucket_bytes < 32:
         raise RefitError(f"bucket_bytes={bucket_bytes!r} must be an int of at least 32")
+    if send is not None and (not callable(send) or engine_layout is not None):
+        raise RefitError("send= takes a function send(bucket), and the engine's whole tensors (no engine_layout=)")
     error: BaseException | None = None
     meta: dict[str, Any] = {}
     try:
@@ -163,6 +206,9 @@ def refit_plan(
         held_e: dict[str, Held] = {}
         local_e: dict[str, torch.Tensor] = {}
         for k, t in engine_t.items():
+            if send is not None:  # the engine's whole tensors, described: none is held here
+                held_e[k] = Held(tuple(t.shape), dtype_name(t.dtype), full_box(tuple(t.shape)))
+                continue
             if isinstance(t, DTensor) or engine_layout is None:
                 shape, box, local = _placed(t, "engine", k)
             else:
@@ -180,20 +226,33 @@ def refit_plan(
     trainer_all = [m["trainer"] for m in metas]
     source = _schema(trainer_all, "trainer")
     target = _schema([m["engine"] for m in metas], "engine")
-    plan = build_plan(source, target, with_dtype(adapter, "model"), allow_missing=allow_missing, allow_unexpected=allow_unexpected,
-                      source_name="trainer", target_name="engine")  # fmt: skip
-    if not plan.report.ok:
-        raise RefitError("the trainer's tensors, through the adapter, do not line up with the engine's:\n" + plan.report.format())
+    if send is not None and not target:  # no engine described: the adapter's outputs as they come
+        recipes, _ = plan_outputs(source, adapter, what="refit")
+    else:
+        plan = build_plan(source, target, with_dtype(adapter, "model"), allow_missing=allow_missing,
+                          allow_unexpected=allow_unexpected, source_name="trainer", target_name="engine")  # fmt: skip
+        if not plan.report.ok:
+            raise RefitError("the trainer's tensors, through the adapter, do not line up with the engine's:\n" + plan.report.format())
+        recipes = plan.recipes
+    sending: list[Region] | None = None
+    if send is not None:
+        error = None
+        try:
+            sending = plan_regions(trainer_t, {k: v.dtype for k, v in source.items()}, recipes, rank, bucket_bytes)
+        except SdadaptError as e:
+            error = e
+        agree(error, group)
     mine = _Mine()
     error = None
     try:
         rec = _Recording(source)
         for k in sorted(local_e):
-            if k not in plan.recipes:
+            if k not in recipes:
                 continue
-            node, dest = plan.recipes[k], local_e[k]
+            node, dest = recipes[k], local_e[k]
             steps = node.steps(meta["engine"][k].box, dest)
             mine.steps[k] = steps
+            mine.where[k] = dest.device
             _requests(k, node, steps, rec, source, mine)
     except SdadaptError as e:
         error = e
@@ -201,7 +260,7 @@ def refit_plan(
     requests = [r for r in _gather(mine.requests, group, world)]
     transfers = transfers_of(trainer_all, requests, round_bytes(bucket_bytes), bucket_bytes)
     refit = Refit(
-        rank=rank, world=world, group=group, recipes=plan.recipes, bucket_bytes=bucket_bytes, delta=delta,
+        rank=rank, world=world, group=group, recipes=recipes, send=send, sending=sending, bucket_bytes=bucket_bytes, delta=delta,
         timeout=timeout, mine=mine, trainer=local_t, versioned=trainer_t, trainer_box=box_t,
         source_dtype={k: v.dtype for k, v in source.items()}, transfers=transfers,
         device=collective_device(group) if is_distributed() else torch.device("cpu"),
@@ -245,18 +304,19 @@ def _requests(k: str, node: Node, steps: list[Step], rec: _Recording, source: di
             mine.requests.append(Request(k, s.key, s.box, dtype_name(wire), i))
             mine.dest[i] = s.dest
         elif isinstance(s, Compute):
-            rec.asked = []
-            if s.fn is not None:
-                s.fn(rec)
-            else:
-                for inp in s.inputs:
-                    inp.value(rec)
-            asked += [a for a in rec.asked if a not in asked]
-    for key, box in asked:
-        i = len(mine.requests)
-        mine.requests.append(Request(k, key, box, dtype_name(source[key].dtype), i))
-        mine.inputs.setdefault(k, []).append(i)
+            asked += [a for a in rec.inputs_of(s) if a not in asked]
     mine.by_target[k] = list(range(first, len(mine.requests)))
+    leaves = frozenset(node.leaves())
+    for key, box in asked:
+        # engine tensors made from the same trainer tensors (an FP8 weight and its scales) share
+        # the regions both read: one transfer, staged once
+        i = mine.shared.get((leaves, key, box), -1)
+        if i < 0:
+            i = mine.shared[(leaves, key, box)] = len(mine.requests)
+            mine.requests.append(Request(k, key, box, dtype_name(source[key].dtype), i))
+        mine.users.setdefault(i, []).append(k)
+        mine.inputs.setdefault(k, []).append(i)
+        mine.by_target[k].append(i)
 
 
 __all__ = ["EngineLayout", "refit_plan"]

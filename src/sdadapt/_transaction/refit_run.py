@@ -17,6 +17,7 @@ from .._base.regions import Box, box_shape
 from .._recipes.nodes import Compute, Fill, Node, Step
 from ..errors import RefitError
 from .refit_schedule import Request, Transfer, round_bytes, rounds_of
+from .refit_send import LocalShards, Region, SendFn, send_regions
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +72,13 @@ def _size(n: int) -> str:
 
 
 class _Staged:
-    """A source serving the staged inputs of computations."""
+    """A source serving the staged inputs of computations (on ``device``: the computations'
+    regions are assembled there, not on the host)."""
 
-    def __init__(self, staged: dict[tuple[str, Box], torch.Tensor], target: str):
+    def __init__(self, staged: dict[tuple[str, Box], torch.Tensor], target: str, device: torch.device):
         self.staged = staged
         self.target = target
+        self.device = device
 
     def read(self, key: str, box: Box) -> torch.Tensor:
         t = self.staged.get((key, box))
@@ -93,6 +96,9 @@ class _Mine:
     dest: dict[int, torch.Tensor] = field(default_factory=dict)  # request -> view of the engine tensor (pieces)
     inputs: dict[str, list[int]] = field(default_factory=dict)  # engine key -> requests its computations read
     by_target: dict[str, list[int]] = field(default_factory=dict)  # engine key -> all its requests
+    where: dict[str, torch.device] = field(default_factory=dict)  # engine key -> its tensor's device
+    users: dict[int, list[str]] = field(default_factory=dict)  # a computation's input -> the engine keys reading it
+    shared: dict[tuple[frozenset[str], str, Box], int] = field(default_factory=dict)  # (leaves, key, box) -> request
 
 
 @dataclass
@@ -105,6 +111,7 @@ class _Run:
     ready: list[str] = field(default_factory=list)  # engine keys whose bytes are all in
     done: set[str] = field(default_factory=set)
     staged: dict[int, torch.Tensor] = field(default_factory=dict)
+    readers: dict[int, int] = field(default_factory=dict)  # staged input -> computations still to read it
     staged_now: int = 0
 
 
@@ -137,6 +144,8 @@ class Refit:
         world: int,
         group: dist.ProcessGroup | None,
         recipes: dict[str, Node],
+        send: SendFn | None,
+        sending: list[Region] | None,
         bucket_bytes: int,
         delta: bool,
         timeout: float,
@@ -150,6 +159,7 @@ class Refit:
     ):
         self.rank, self.world, self.group = rank, world, group
         self.recipes, self.bucket_bytes, self.delta, self.timeout = recipes, bucket_bytes, delta, timeout
+        self.send, self.sending = send, sending or []
         self.mine = mine
         self.trainer = trainer  # key -> this rank's local shard
         self.versioned = versioned  # key -> the tensor whose version counter delta mode reads
@@ -183,33 +193,22 @@ class Refit:
         """
         t0 = time.perf_counter()
         active = self._changed_targets() if self.delta else set(self.recipes)
-        rounds = self._rounds_for(active)
-        st = _Run(RefitReport(rank=self.rank, updated=[], rounds=len(rounds)))
-        todo = [k for k in self.mine.steps if k in active]
+        st = _Run(RefitReport(rank=self.rank, updated=[]))
+        if self.send is not None:
+            todo = sorted({r.key for r in self.sending if r.key in active})
+        else:
+            todo = [k for k in self.mine.steps if k in active]
         error: BaseException | None = None
         try:
             with torch.no_grad():
-                self._start(st, todo, active)
-                size = max((self._load(r) for r in rounds), default=0)
-                for t in self.local:
-                    if t.target in active:
-                        st.rep.bytes_local += t.nbytes
-                        self._land(t, self._source_view(t), st)
-                self._finish_ready(st)
-                # two buffers of at most half the bucket: a round is packed while the one before is in flight
-                buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(rounds)))] if size else []
-                st.rep.buffer_bytes = size * len(buffers)
-                before: tuple[list[Any], list[tuple[Transfer, torch.Tensor]]] | None = None
-                for i, r in enumerate(rounds):
-                    posted = self._post(r, buffers[i % 2] if buffers else None, st)
-                    if before is not None:
-                        self._complete(*before, st)
-                    before = posted
-                if before is not None:
-                    self._complete(*before, st)
-                del buffers
-                if len(st.done) != len(todo):
-                    raise RefitError(f"engine tensors {sorted(set(todo) - st.done)[:8]} did not get all their bytes")
+                if self.send is not None:
+                    io = LocalShards(self.trainer, self.trainer_box, self._trainer_device())
+                    regions = [r for r in self.sending if r.key in active]
+                    st.rep.bytes_sent, st.rep.rounds, st.rep.buffer_bytes = send_regions(
+                        regions, self.recipes, io, self.send, self.bucket_bytes, st.done
+                    )
+                else:
+                    self._move(st, todo, active)
         except BaseException as e:  # noqa: BLE001 - every rank must learn of it
             error = e
         try:
@@ -228,10 +227,41 @@ class Refit:
             ) from error
         rep = st.rep
         rep.updated = sorted(st.done)
-        rep.unchanged = sorted(k for k in self.mine.steps if k not in active)
+        mine = {r.key for r in self.sending} if self.send is not None else set(self.mine.steps)
+        rep.unchanged = sorted(k for k in mine if k not in active)
         rep.seconds = time.perf_counter() - t0
         log.info("%s", rep.format_text())
         return rep
+
+    def _move(self, st: _Run, todo: list[str], active: set[str]) -> None:
+        """Copy this rank's own regions, then move the rest in rounds, two buffers in flight."""
+        rounds = self._rounds_for(active)
+        st.rep.rounds = len(rounds)
+        self._start(st, todo, active)
+        size = max((self._load(r) for r in rounds), default=0)
+        for t in self.local:
+            if t.target in active:
+                st.rep.bytes_local += t.nbytes
+                self._land(t, self._source_view(t), st)
+                self._finish_ready(st)  # a computation runs once its inputs are in: staged inputs go
+        self._finish_ready(st)
+        # two buffers of at most half the bucket: a round is packed while the one before is in flight
+        buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(rounds)))] if size else []
+        st.rep.buffer_bytes = size * len(buffers)
+        before: tuple[list[Any], list[tuple[Transfer, torch.Tensor]]] | None = None
+        for i, r in enumerate(rounds):
+            posted = self._post(r, buffers[i % 2] if buffers else None, st)
+            if before is not None:
+                self._complete(*before, st)
+            before = posted
+        if before is not None:
+            self._complete(*before, st)
+        del buffers
+        if len(st.done) != len(todo):
+            raise RefitError(f"engine tensors {sorted(set(todo) - st.done)[:8]} did not get all their bytes")
+
+    def _trainer_device(self) -> torch.device:
+        return next((t.device for t in self.trainer.values()), torch.device("cpu"))
 
     def _any_failed(self, failed: bool) -> bool:
         """Whether any rank failed this run (every rank calls it); waits at most ``timeout``."""
@@ -251,6 +281,8 @@ class Refit:
                 if isinstance(s, Fill):
                     s.dest.fill_(s.value)
             st.open[k] = sum(1 for i in self.mine.by_target.get(k, []) if st.remaining.get(i))
+            for i in self.mine.inputs.get(k, []):
+                st.readers[i] = st.readers.get(i, 0) + 1
             if st.open[k] == 0:
                 st.ready.append(k)
 
@@ -296,15 +328,17 @@ class Refit:
         if dest is None:  # an input of a computation: staged until the computation runs
             dest = st.staged.get(t.request)
             if dest is None:
-                dest = st.staged[t.request] = torch.empty(box_shape(req.box), dtype=self.source_dtype[req.key], device=self.device)
+                where = self.mine.where[req.target]  # computations run where their engine tensor lives
+                dest = st.staged[t.request] = torch.empty(box_shape(req.box), dtype=self.source_dtype[req.key], device=where)
                 st.staged_now += dest.numel() * dest.element_size()
                 st.rep.staged_bytes = max(st.rep.staged_bytes, st.staged_now)
         dest[_offset(t.box, req.box)].copy_(data)
         st.remaining[t.request] -= 1
         if st.remaining[t.request] == 0:
-            st.open[req.target] -= 1
-            if st.open[req.target] == 0:
-                st.ready.append(req.target)
+            for k in self.mine.users.get(t.request, [req.target]):
+                st.open[k] -= 1
+                if st.open[k] == 0:
+                    st.ready.append(k)
 
     def _finish_ready(self, st: _Run) -> None:
         """Run the computations of every engine tensor whose bytes are all in; it is then done."""
@@ -313,12 +347,14 @@ class Refit:
             k = st.ready.pop()
             computes = [s for s in mine.steps[k] if isinstance(s, Compute)]
             if computes:
-                io = _Staged({(mine.requests[i].key, mine.requests[i].box): st.staged[i] for i in mine.inputs[k]}, k)
+                io = _Staged({(mine.requests[i].key, mine.requests[i].box): st.staged[i] for i in mine.inputs[k]}, k, mine.where[k])
                 for s in computes:
                     s.run(io)
                 for i in mine.inputs[k]:
-                    t = st.staged.pop(i)
-                    st.staged_now -= t.numel() * t.element_size()
+                    st.readers[i] -= 1
+                    if st.readers[i] == 0:
+                        t = st.staged.pop(i)
+                        st.staged_now -= t.numel() * t.element_size()
             st.done.add(k)
 
     def _post(self, r: list[Transfer], buffer: torch.Tensor | None,
