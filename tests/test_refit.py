@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from dist_helper import WorkerError, run_distributed
-from sdadapt.adapters import vllm_llama, vllm_qwen3_moe
+from sdadapt.adapters import vllm_fp8, vllm_llama, vllm_qwen3_moe
 
 import sdadapt
 from sdadapt._base.schema import TensorInfo, slices
@@ -94,6 +94,11 @@ def engine_shards(whole: dict[str, torch.Tensor], layout, dtype=torch.bfloat16) 
     return out
 
 
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``t`` (float8 has no equality on every build)."""
+    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
+
+
 def check(engine: dict[str, torch.Tensor], whole: dict[str, torch.Tensor], layout) -> int:
     """Every engine shard equals its box of the eager result (cast); returns the bytes from the
     trainer (the padded vocabulary rows are filled, not sent)."""
@@ -101,7 +106,7 @@ def check(engine: dict[str, torch.Tensor], whole: dict[str, torch.Tensor], layou
     for k, t in engine.items():
         _, box = layout(k, t)
         want = whole[k][slices(box)].to(t.dtype)
-        assert torch.equal(t, want), k
+        assert torch.equal(bits(t), bits(want)), k
         rows = V if k.endswith(("embed_tokens.weight", "lm_head.weight")) else None
         if rows is not None:
             kept = max(0, min(box[0][1], rows) - box[0][0])
@@ -134,6 +139,40 @@ def module_of(sd: dict[str, torch.Tensor]) -> torch.nn.Module:
             mod = getattr(mod, p)
         mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
     return root
+
+
+FP8_BLOCK = (4, 4)
+D8, H8, KV8, HD8, F8 = 32, 4, 2, 8, 24  # every TP-2 share whole 4 x 4 blocks; FSDP over 3 ranks cuts blocks
+
+
+def llama_fp8_hf(dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    sd = {"model.embed_tokens.weight": torch.randn(V, D8, generator=g), "model.norm.weight": torch.randn(D8, generator=g),
+          "lm_head.weight": torch.randn(V, D8, generator=g)}  # fmt: skip
+    p = "model.layers.0."
+    for name, shape in (("self_attn.q_proj", (H8 * HD8, D8)), ("self_attn.k_proj", (KV8 * HD8, D8)), ("self_attn.v_proj", (KV8 * HD8, D8)),
+                        ("self_attn.o_proj", (D8, H8 * HD8)), ("mlp.gate_proj", (F8, D8)), ("mlp.up_proj", (F8, D8)),
+                        ("mlp.down_proj", (D8, F8)), ("input_layernorm", (D8,)), ("post_attention_layernorm", (D8,))):  # fmt: skip
+        sd[p + name + ".weight"] = torch.randn(*shape, generator=g).to(dtype)
+    return sd
+
+
+def fp8_adapter(tp: int, unquantized: bool = False) -> sdadapt.Adapter:
+    ad = vllm_llama.build(n_heads=H8, n_kv_heads=KV8, head_dim=HD8, hidden_dim=F8, tp=tp)
+    return ad if unquantized else ad + vllm_fp8.build(block=FP8_BLOCK)
+
+
+def fp8_engine(whole: dict[str, torch.Tensor], layout) -> dict[str, torch.Tensor]:
+    """One rank's FP8 engine: e4m3 weights (zeros), float32 scales, bf16 others (NaN)."""
+    shards = engine_shards(whole, layout)
+    return {k: torch.zeros(t.shape, dtype=whole[k].dtype) if whole[k].element_size() == 1 or k.endswith("_scale_inv") else t
+            for k, t in shards.items()}  # fmt: skip
+
+
+def dsv3_opts(ep: bool) -> dict[str, object]:
+    return dict(n_heads=DSV3["n_heads"], q_lora_rank=DSV3["q_lora_rank"], kv_lora_rank=DSV3["kv_lora_rank"],
+                qk_rope_head_dim=DSV3["qk_rope_head_dim"], moe_hidden_dim=FE, hidden_dim=F, n_experts=E, tp=2,
+                expert_parallel=ep)  # fmt: skip
 
 
 def _cases(bucket: int) -> dict[str, object]:
@@ -246,6 +285,61 @@ def _cases(bucket: int) -> dict[str, object]:
     except RefitError as e:
         out["small_bucket"] = str(e)
     assert all(torch.isnan(t).all() for t in engine.values())
+
+    # 7. an FP8 (block 4 x 4) engine: trainer FSDP over ranks 0-2, 11/11/10 rows (blocks straddle its shards)
+    #    -> vLLM TP 2 on ranks 2,3 (rank 2 holds both); each engine rank quantizes its shard
+    trio = DeviceMesh("cpu", [0, 1, 2], mesh_dim_names=("dp",))
+    full8 = llama_fp8_hf()
+    whole8 = eager(full8, fp8_adapter(2))
+    layout = vllm_fp8.layout(vllm_llama.layout(2, rank - 2), FP8_BLOCK) if rank >= 2 else None
+    engine = fp8_engine(whole8, layout) if layout else None
+    refit = sdadapt.refit_plan(shard(full8, trio, fsdp) if rank < 3 else None, engine, fp8_adapter(2), engine_layout=layout,
+                               bucket_bytes=bucket)  # fmt: skip
+    rep = refit()
+    if engine is not None:
+        check(engine, whole8, layout)
+        assert engine["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
+        assert rep.staged_bytes > 0  # the float32 regions the quantization reads
+    out["fp8"] = rep.model_dump()
+
+    # 8. send=: the engine outside the group; each rank sends the regions of vLLM's TP-1 tensors (bf16, described
+    #    on the meta device) it makes from the shards it owns: FSDP over 4, and DDP x TP (one replica sends)
+    whole1 = eager(full, llama_adapter(1))
+    described = {k: torch.empty(t.shape, dtype=torch.bfloat16, device="meta") for k, t in whole1.items()}
+    for name, mesh, place in (("fsdp", world, fsdp), ("2d", mesh2, tp_place)):
+        got: list[tuple[str, object, torch.Tensor]] = []
+
+        def push(pieces: list[tuple[str, object, torch.Tensor]], got: list = got) -> None:
+            assert sum(p.numel() * p.element_size() for _, _, p in pieces) <= bucket
+            got.extend((k, box, p.clone()) for k, box, p in pieces)
+
+        rep = sdadapt.refit_plan(shard(full, mesh, place), described, llama_adapter(1), send=push, bucket_bytes=bucket)()
+        assert rep.bytes_sent == sum(p.numel() * p.element_size() for _, _, p in got) and rep.buffer_bytes <= bucket
+        out[f"sent_{name}"] = got
+    # an FP8 block cut by the trainer's shards: no one rank can make it
+    try:
+        sdadapt.refit_plan(shard(full8, trio, fsdp) if rank < 3 else None, None, fp8_adapter(1), send=lambda pieces: None)
+        raise AssertionError("no error")
+    except sdadapt.errors.SdadaptError as e:  # RefitError where it failed, RemoteRankError quoting it elsewhere
+        out["send_fp8"] = str(e)
+
+    # 9. DeepSeek-V3 shape (MLA, routed and shared experts, a dense layer): FSDP over 4 -> two TP-2 replicas
+    #    (colocated), and FSDP over 0,1 -> EP 2 on ranks 2,3
+    from sdadapt.adapters import vllm_deepseek_v3 as vd
+
+    ds = deepseek_hf()
+    for ep in (False, True):
+        ad = vd.build(**dsv3_opts(ep))
+        whole = eager(ds, ad)
+        if ep:
+            trainer, layout = (shard(ds, pair, fsdp), None) if rank < 2 else (None, vd.layout(2, rank - 2, expert_parallel=True))
+        else:
+            trainer, layout = shard(ds, world, fsdp), vd.layout(2, rank % 2)
+        engine = engine_shards(whole, layout, torch.float32) if layout else None
+        rep = sdadapt.refit_plan(trainer, engine, ad, engine_layout=layout, bucket_bytes=bucket)()
+        if engine is not None:
+            assert rep.bytes_received + rep.bytes_local == check(engine, whole, layout)
+        out[f"dsv3_{'ep' if ep else 'tp'}"] = rep.model_dump()
     return out
 
 
@@ -264,6 +358,18 @@ def test_refit_four_ranks() -> None:
                 seen[k][slices(box)] += 1
         for k, t in whole.items():
             assert torch.equal(made[k], t) and bool((seen[k] == 1).all()), (case, k)
+    whole1 = eager(llama_hf(), llama_adapter(1))
+    for case in ("fsdp", "2d"):  # send=: the ranks' pieces cover every engine tensor once, bit for bit
+        made = {k: torch.full(t.shape, float("nan"), dtype=torch.bfloat16) for k, t in whole1.items()}
+        seen = {k: torch.zeros(t.shape, dtype=torch.int32) for k, t in whole1.items()}
+        for r in results:
+            for k, box, piece in r[f"sent_{case}"]:
+                made[k][slices(box)] = piece
+                seen[k][slices(box)] += 1
+        for k, t in whole1.items():
+            assert torch.equal(made[k], t.bfloat16()) and bool((seen[k] == 1).all()), (case, k)
+    for r in results:
+        assert "several trainer ranks" in r["send_fp8"], r["send_fp8"]
     assert [r["disaggregated"]["rounds"] for r in results] == [results[0]["disaggregated"]["rounds"]] * 4
     assert results[0]["disaggregated"]["bytes_sent"] + results[1]["disaggregated"]["bytes_sent"] == sum(
         r["disaggregated"]["bytes_received"] for r in results
@@ -438,8 +544,14 @@ def test_refit_deepseek_v3_layout(ep: bool) -> None:
         layout = vd.layout(2, rank, expert_parallel=ep)
         engine = engine_shards(whole, layout, torch.float32)
         assert {k: tuple(t.shape) for k, t in engine.items()} == vd.parameter_shapes(
-            n_layers=2, n_dense_layers=1, vocab_size=V, dim=D, qk_nope_head_dim=DSV3["qk_nope_head_dim"],
-            v_head_dim=DSV3["v_head_dim"], **opts)
+            n_layers=2,
+            n_dense_layers=1,
+            vocab_size=V,
+            dim=D,
+            qk_nope_head_dim=DSV3["qk_nope_head_dim"],
+            v_head_dim=DSV3["v_head_dim"],
+            **opts,
+        )
         sdadapt.refit_plan(full, engine, adapter, engine_layout=layout, bucket_bytes=1 << 12)()
         check(engine, whole, layout)
     a = "model.layers.1.self_attn."
@@ -468,3 +580,39 @@ def test_refit_one_process_moe_forward() -> None:
             got[e] += (torch.nn.functional.silu(gate) * up) @ w2_r[e].T
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
+
+
+def test_vllm_fp8_against_compressed_tensors() -> None:
+    """vllm_fp8's e4m3 weights and block scales, refit from float32 and from bfloat16 trainers on
+    one process, equal compressed-tensors' block quantization (its min-max scales and its
+    quantize) of the same vLLM-layout tensors, bit for bit; the values and the scales of a weight
+    read its trainer regions once; a rank's share that is not whole blocks is refused."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=8, type="float", strategy="block", block_structure=list(FP8_BLOCK), symmetric=True)
+    b0, b1 = FP8_BLOCK
+    for dtype in (torch.float32, torch.bfloat16):
+        full = llama_fp8_hf(dtype)
+        plain = eager(full, fp8_adapter(1, unquantized=True))
+        layout = vllm_fp8.layout(vllm_llama.layout(1, 0), FP8_BLOCK)
+        engine = fp8_engine(eager(full, fp8_adapter(1)), layout)
+        rep = sdadapt.refit_plan(full, engine, fp8_adapter(1), engine_layout=layout)()
+        quantized = [k for k in engine if k.endswith("_scale_inv")]
+        assert len(quantized) == 4
+        for sk in quantized:
+            k = sk.removesuffix("_scale_inv")
+            x = plain[k].float()
+            rows, cols = x.shape
+            blocks = torch.nn.functional.pad(x, (0, -cols % b1, 0, -rows % b0)).reshape(-(-rows // b0), b0, -(-cols // b1), b1)
+            scale, zp = calculate_qparams(blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3)), args)
+            want = quantize(x, scale, zp, args).to(torch.float8_e4m3fn)
+            assert torch.equal(engine[sk], scale), sk
+            assert torch.equal(engine[k].view(torch.uint8), want.view(torch.uint8)), k
+        weights = [k for k, t in full.items() if t.dim() == 2 and ".layers." in k]
+        others = sum(engine[k].numel() * 2 for k in engine if k not in quantized and engine[k].dtype == torch.bfloat16)
+        padding = (128 - V) * D8 * 2 * 2  # vLLM's vocabulary rows, filled
+        assert rep.bytes_local == sum(full[k].numel() * full[k].element_size() for k in weights) + others - padding
+    with pytest.raises(sdadapt.errors.SdadaptError, match="not a multiple of the FP8 block"):
+        vllm_fp8.layout(vllm_llama.layout(2, 1), (8, 8))("model.layers.0.mlp.down_proj.weight", torch.zeros(D8, F8 // 2))
