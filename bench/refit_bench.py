@@ -2,7 +2,8 @@
 
     python bench/refit_bench.py [--model llama|qwen3_moe] [--scenario disaggregated|colocated|single]
                                 [--size small|8b] [--repeat 3] [--bucket-mib 64] [--engine-dtype bfloat16]
-                                [--device cpu|cuda]
+                                [--device cpu|cuda] [--fp8] [--layers N] [--no-baseline]
+                                [--baseline-repeat N] [--hang-s 300]
 
 Scenarios (CPU, gloo, one process per rank, started here):
 
@@ -21,6 +22,12 @@ On a GPU machine without sdadapt installed, its dependencies (pydantic, pydantic
 annotated_types, typing_inspection) must be importable there (wheels installed with ``pip
 install --no-index --target``); ``sdadapt.adapters`` is found beside ``src/`` without installing.
 
+``--fp8``: the engine serves vLLM's block-quantized FP8 (``vllm_fp8``: e4m3 weights and float32
+``weight_scale_inv`` per 128 x 128 block, quantized on the engine ranks; embeddings, head and
+norms in ``--engine-dtype``). ``--layers``: fewer decoder layers than the size has (a quick
+run). Rank 0 prints each phase's start on stderr with the time since launch; a phase that hangs
+dumps every thread's stack after ``--hang-s`` seconds.
+
 Each refit is planned once, then run ``--repeat`` times (the median and every run are printed);
 the baseline likewise. After each, every engine tensor is compared bit for bit with the other
 method's. Bytes: what each rank sent and received (refit: its report; baseline: the gathers'
@@ -31,6 +38,7 @@ table and one JSON line per scenario.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
@@ -87,18 +95,20 @@ def weights(model: str, s: dict[str, int], device: str) -> dict[str, torch.Tenso
     return sd
 
 
-def adapter(model: str, s: dict[str, int], tp: int) -> sdadapt.Adapter:
-    from sdadapt.adapters import vllm_llama, vllm_qwen3_moe
+def adapter(model: str, s: dict[str, int], tp: int, fp8: bool = False) -> sdadapt.Adapter:
+    from sdadapt.adapters import vllm_fp8, vllm_llama, vllm_qwen3_moe
 
     if model == "llama":
-        return vllm_llama.build(n_heads=s["heads"], n_kv_heads=s["kv"], head_dim=s["head_dim"], hidden_dim=s["hidden"], tp=tp)
-    to_hf = sdadapt.get_adapter("qwen3_moe", n_experts=s["experts"]).inverse()
-    return to_hf + vllm_qwen3_moe.build(n_heads=s["heads"], n_kv_heads=s["kv"], head_dim=s["head_dim"],
-                                        moe_hidden_dim=s["moe_hidden"], n_experts=s["experts"], tp=tp)  # fmt: skip
+        ad = vllm_llama.build(n_heads=s["heads"], n_kv_heads=s["kv"], head_dim=s["head_dim"], hidden_dim=s["hidden"], tp=tp)
+    else:
+        to_hf = sdadapt.get_adapter("qwen3_moe", n_experts=s["experts"]).inverse()
+        ad = to_hf + vllm_qwen3_moe.build(n_heads=s["heads"], n_kv_heads=s["kv"], head_dim=s["head_dim"],
+                                          moe_hidden_dim=s["moe_hidden"], n_experts=s["experts"], tp=tp)  # fmt: skip
+    return ad + vllm_fp8.build() if fp8 else ad
 
 
-def engine_of(model: str, s: dict[str, int], tp: int, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
-    from sdadapt.adapters import vllm_llama, vllm_qwen3_moe
+def engine_of(model: str, s: dict[str, int], tp: int, dtype: torch.dtype, device: str, fp8: bool = False) -> dict[str, torch.Tensor]:
+    from sdadapt.adapters import vllm_fp8, vllm_llama, vllm_qwen3_moe
 
     common = dict(n_layers=s["layers"], vocab_size=s["vocab"], dim=s["dim"], n_heads=s["heads"], n_kv_heads=s["kv"],
                   head_dim=s["head_dim"], tp=tp)  # fmt: skip
@@ -106,7 +116,15 @@ def engine_of(model: str, s: dict[str, int], tp: int, dtype: torch.dtype, device
         shapes = vllm_llama.parameter_shapes(hidden_dim=s["hidden"], **common)
     else:
         shapes = vllm_qwen3_moe.parameter_shapes(moe_hidden_dim=s["moe_hidden"], n_experts=s["experts"], **common)
-    return {k: torch.zeros(v, dtype=dtype, device=device) for k, v in shapes.items()}
+    if not fp8:
+        return {k: torch.zeros(v, dtype=dtype, device=device) for k, v in shapes.items()}
+    shapes = vllm_fp8.parameter_shapes(shapes)
+    q = vllm_fp8.quantized(shapes)
+    out = {}
+    for k, v in shapes.items():
+        d = torch.float8_e4m3fn if k in q else torch.float32 if k.endswith(vllm_fp8.SCALE_SUFFIX) else dtype
+        out[k] = torch.zeros(v, dtype=d, device=device)
+    return out
 
 
 def layout_of(model: str, tp: int, rank: int):  # noqa: ANN201
@@ -151,18 +169,36 @@ def cut(recipes, layout, engine, whole: dict[str, torch.Tensor], done: set[str])
         del whole[key]
 
 
+T0 = time.time()
+
+
 def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    torch.set_num_threads(1)  # one process per core at most: the CPU runs compete for 2 cores otherwise
+    def say(what: str) -> None:  # progress on stderr, rank 0; a phase that hangs dumps the stacks
+        faulthandler.dump_traceback_later(args.hang_s, exit=False)
+        if rank == 0:
+            mem = f", GPU {torch.cuda.memory_allocated() / 2**30:.1f} GiB" if gpu else ""
+            print(f"[{time.time() - args.t0:7.1f} s] {what}{mem}", file=sys.stderr, flush=True)
+
+    torch.set_num_threads(1 if world > 1 else min(8, os.cpu_count() or 1))  # one process per core when several share 2 cores
     gpu = args.device == "cuda"
     device = args.device
+    say("worker started")
     if gpu:
         torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    s = SIZES[args.size]
+    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+                            device_id=torch.device("cuda", 0) if gpu else None)  # fmt: skip
+    say("process group up")
+    res: dict = {}
+    if gpu:
+        res["d2d_gibs"] = d2d_rate(args.repeat)
+        say(f"device-to-device copy: {res['d2d_gibs']:.1f} GiB/s")
+    s = dict(SIZES[args.size])
+    if args.layers:
+        s["layers"] = args.layers
     dtype = getattr(torch, args.engine_dtype)
     disagg = args.scenario == "disaggregated"
     trainers = [0, 1] if disagg else list(range(world))
@@ -172,32 +208,37 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
     tp = 1 if args.scenario == "single" else 2
     erank = rank - 2 if disagg else rank
     full = weights(args.model, s, device)
+    say(f"trainer weights made: {sum(v.numel() for v in full.values()) / 1e9:.2f} G values")
     trainer = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in full.items()} if is_trainer else None
     del full
-    ad = adapter(args.model, s, tp)
+    ad = adapter(args.model, s, tp, args.fp8)
     layout = layout_of(args.model, tp, erank) if is_engine else None
-    engine = engine_of(args.model, s, tp, dtype, device) if is_engine else None
+    engine = engine_of(args.model, s, tp, dtype, device, args.fp8) if is_engine else None
     sync = (lambda: torch.cuda.synchronize()) if gpu else (lambda: None)  # noqa: E731
+    say("trainer sharded, engine allocated; planning")
 
     dist.barrier()  # the plan's time, not the slowest rank's setup
     t0 = time.perf_counter()
     refit = sdadapt.refit_plan(trainer, engine, ad, engine_layout=layout, bucket_bytes=args.bucket_mib << 20)
     plan_s = time.perf_counter() - t0
+    say(f"planned in {plan_s:.2f} s")
     runs, reports = [], []
-    for _ in range(args.repeat):
+    for i in range(args.repeat):
         dist.barrier()
         t0 = time.perf_counter()
         rep = refit()
         sync()
         runs.append(time.perf_counter() - t0)
         reports.append(rep)
-    got = {k: v.clone() for k, v in engine.items()} if engine is not None else {}
+        say(f"refit {i + 1}: {runs[-1]:.3f} s")
+    got = {k: v.clone() for k, v in engine.items()} if engine is not None and args.baseline else {}
 
     # baseline: gather whole (export_iter) then cut
     recipes = refit.recipes
-    base_runs = []
+    wire = torch.float32 if args.fp8 else dtype  # FP8 is quantized from the trainer's values, not from a cast
+    base_runs: list[float] = []
     gathered = sent = 0
-    for _ in range(args.repeat):
+    for _ in range((args.baseline_repeat or args.repeat) if args.baseline else 0):
         if engine is not None:
             for v in engine.values():
                 v.zero_()
@@ -211,7 +252,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
             for name, t in sdadapt.export_iter(model, None, process_group=tgroup):
                 local = trainer[name]._local_tensor
                 gathered += (t.numel() - local.numel()) * t.element_size()
-                t = t.to(device=device, dtype=dtype)
+                t = t.to(device=device, dtype=wire)
                 if disagg and rank == 0:
                     for dst in (2, 3):
                         dist.send(t, dst)
@@ -221,33 +262,41 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
                     cut(recipes, layout, engine, whole, done)
         elif engine is not None:
             for name, v in trainer_schema(args.model, s).items():
-                t = torch.empty(v, dtype=dtype, device=device)
+                t = torch.empty(v, dtype=wire, device=device)
                 dist.recv(t, 0)
                 gathered += t.numel() * t.element_size()
                 whole[name] = t
                 cut(recipes, layout, engine, whole, done)
         sync()
         base_runs.append(time.perf_counter() - t0)
+        say(f"gather-then-cut: {base_runs[-1]:.3f} s")
     bits = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731 - float8 has no equal on every device
-    same = all(torch.equal(bits(got[k]), bits(engine[k])) for k in got) if engine is not None else True
+    same = all(torch.equal(bits(got[k]), bits(engine[k])) for k in got) if engine is not None and got else None
     shard_bytes = sum(v.numel() * v.element_size() for v in engine.values()) if engine is not None else 0
-    res = dict(rank=rank, plan_s=plan_s, runs=runs, base_runs=base_runs, sent=reports[-1].bytes_sent,
+    res |= dict(rank=rank, plan_s=plan_s, runs=runs, base_runs=base_runs, sent=reports[-1].bytes_sent,
                received=reports[-1].bytes_received, local=reports[-1].bytes_local, buffer=reports[-1].buffer_bytes,
-               rounds=reports[-1].rounds, base_received=gathered, base_sent=sent, shard_bytes=shard_bytes, same=same)  # fmt: skip
-    if gpu:
-        n = min(shard_bytes, 4 << 30) // 2
-        src = torch.empty(n, dtype=torch.bfloat16, device=device)
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(args.repeat):
-            dst.copy_(src)
-        sync()
-        res["d2d_gibs"] = n * 2 / 2**30 / ((time.perf_counter() - t0) / args.repeat)
+               rounds=reports[-1].rounds, base_received=gathered, base_sent=sent, shard_bytes=shard_bytes, same=same,
+               staged=reports[-1].staged_bytes)  # fmt: skip
+    faulthandler.cancel_dump_traceback_later()
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
         json.dump(res, f)
     dist.destroy_process_group()
+
+
+def d2d_rate(repeat: int, nbytes: int = 4 << 30) -> float:
+    """GiB/s of a device-to-device copy of ``nbytes`` (written; the read is as much again)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    rate = nbytes / 2**30 / ((time.perf_counter() - t0) / repeat)
+    del src, dst
+    torch.cuda.empty_cache()
+    return rate
 
 
 def trainer_schema(model: str, s: dict[str, int]) -> dict[str, tuple[int, ...]]:
@@ -264,7 +313,13 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--bucket-mib", type=int, default=64)
     p.add_argument("--engine-dtype", default="bfloat16")
+    p.add_argument("--fp8", action="store_true", help="the engine serves vLLM's block-quantized FP8")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers (default: the size's)")
+    p.add_argument("--baseline-repeat", type=int, default=0, help="gather-then-cut runs (default: --repeat)")
+    p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip gather-then-cut")
+    p.add_argument("--hang-s", type=float, default=300.0, help="dump the stacks of a phase that takes longer")
     args = p.parse_args()
+    args.t0 = T0
     world = {"disaggregated": 4, "colocated": 2, "single": 1}[args.scenario]
     import torch.multiprocessing as mp
 
@@ -273,12 +328,16 @@ def main() -> None:
         rows = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(world)]
     med = lambda xs: statistics.median(xs)  # noqa: E731
     refit_s = max(med(r["runs"]) for r in rows)
-    base_s = max(med(r["base_runs"]) for r in rows)
-    print(f"\n{args.model} {args.size}, {args.scenario}, engine {args.engine_dtype}, bucket {args.bucket_mib} MiB")
+    base_s = max(med(r["base_runs"]) for r in rows) if args.baseline else float("nan")
+    out = f"{args.engine_dtype}" + (" + FP8 e4m3 block 128x128" if args.fp8 else "")
+    size = f"{args.size} ({args.layers} layers)" if args.layers else args.size
+    print(f"\n{args.model} {size}, {args.scenario}, engine {out}, bucket {args.bucket_mib} MiB")
     print(f"refit {refit_s:.3f} s (median of {args.repeat}, slowest rank; plan {max(r['plan_s'] for r in rows):.2f} s), "
-          f"gather-then-cut {base_s:.3f} s; identical results: {all(r['same'] for r in rows)}")  # fmt: skip
-    print("\n| rank | engine shard MiB | refit sent MiB | refit received MiB | refit local MiB | buffer MiB | rounds | "
-          "baseline sent MiB | baseline received MiB |")
+          f"gather-then-cut {base_s:.3f} s; identical results: {[r['same'] for r in rows]}")  # fmt: skip
+    print(
+        "\n| rank | engine shard MiB | refit sent MiB | refit received MiB | refit local MiB | buffer MiB | rounds | "
+        "baseline sent MiB | baseline received MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['rank']} | {r['shard_bytes'] / 2**20:.2f} | {r['sent'] / 2**20:.2f} | {r['received'] / 2**20:.2f} | "
@@ -288,8 +347,8 @@ def main() -> None:
         r = rows[0]
         gib = r["shard_bytes"] / 2**30
         print(f"\nGPU: {gib:.2f} GiB of engine shards, refit {refit_s:.3f} s = {gib / refit_s:.1f} GiB/s written; "
-              f"a device-to-device bf16 copy (4 GiB at most) writes {r['d2d_gibs']:.1f} GiB/s")  # fmt: skip
-    print(json.dumps(dict(args=vars(args), refit_s=refit_s, baseline_s=base_s, ranks=rows)))
+              f"a device-to-device copy of 4 GiB writes {r['d2d_gibs']:.1f} GiB/s")  # fmt: skip
+    print(json.dumps(dict(args={k: v for k, v in vars(args).items() if k != "t0"}, refit_s=refit_s, baseline_s=base_s, ranks=rows)))
 
 
 if __name__ == "__main__":
