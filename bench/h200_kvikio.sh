@@ -3,7 +3,11 @@
 # installed and without it, then the 8B bench (sdadapt with kvikio and, as @nokv, without it;
 # InstantTensor buffered and mmap; kvikio's raw row). Run from a copy of the tree with the wheels
 # in $WHL (kvikio-cu13, libkvikio-cu13, rapids-logger, instanttensor, pydantic and its parts,
-# compressed-tensors, loguru). Outputs under $OUT; BENCH_EXTRA: more load_bench arguments (variants). Usage: bash bench/h200_kvikio.sh [tests] [bench] [formats]
+# compressed-tensors, loguru). Outputs under $OUT; BENCH_EXTRA: more load_bench arguments (variants);
+# RAW: the raw rows (default instanttensor,instanttensor-mmap,kvikio). `probe`: kvikio's start-up
+# and the page-cache checks (bench/probes/kvikio_start_probe.py) on the bench's kept checkpoint;
+# `cold`: the cold-cache rows (the page cache dropped before every load).
+# Usage: bash bench/h200_kvikio.sh [tests] [bench] [formats] [probe] [cold]
 set -u
 WHL=${WHL:-../../.whl}
 OUT=${OUT:-/tmp/out}
@@ -15,6 +19,7 @@ pipi /tmp/kv "$WHL"/kvikio_cu13-*.whl "$WHL"/libkvikio_cu13-*.whl "$WHL"/rapids_
 pipi /tmp/it "$WHL"/instanttensor-*.whl || exit 1
 python3 -m compileall -q src /tmp/base /tmp/kv /tmp/it >/dev/null
 BASE=$PWD/src:/tmp/base:/tmp/it
+RAW=${RAW:-instanttensor,instanttensor-mmap,kvikio}
 export PYTHONPATH=$BASE:/tmp/kv
 nvidia-smi -L; df -hT /tmp | tail -1; nproc
 python3 -c "import torch, kvikio, kvikio.defaults as d; print('torch', torch.__version__, 'kvikio', kvikio.__version__, 'compat', d.get('compat_mode'), 'compat preferred', d.is_compat_mode_preferred(), 'threads', d.get('num_threads'))" 2>&1 | tee "$OUT"/kvikio_probe.log
@@ -29,7 +34,7 @@ for what in "$@"; do
     bench)
       timeout 420 python3 bench/load_bench.py --preset 8b --nproc 1 --backend nccl --dir /tmp/ck --keep --tp-paths '' --hsdp-paths '' \
         --materialized-paths '' --discussion '' --timeout 120 --import-in-load --repeat 3 --no-verify --paths sdadapt \
-        --raw-paths instanttensor,instanttensor-mmap,kvikio --by-variant --variant nokv:SDADAPT_IO_KVIKIO=0 ${BENCH_EXTRA:-} \
+        --raw-paths "$RAW" --by-variant --variant nokv:SDADAPT_IO_KVIKIO=0 ${BENCH_EXTRA:-} \
         --out "$OUT"/kv8b 2>&1 | tail -40
       ;;
     formats)
@@ -37,6 +42,17 @@ for what in "$@"; do
         --materialized-paths '' --discussion '' --timeout 120 --import-in-load --repeat 3 --no-verify \
         --paths sdadapt,sdadapt-nvfp4,sdadapt-fp8ch --raw-paths instanttensor,instanttensor-mmap,kvikio \
         --by-variant --variant nokv:SDADAPT_IO_KVIKIO=0 ${BENCH_EXTRA:-} --out "$OUT"/kv8b_formats 2>&1 | tail -40
+      ;;
+    probe)
+      HF=$(ls -d /tmp/ck/sdadapt-bench-*/hf | head -1)
+      timeout 200 python3 bench/probes/kvikio_start_probe.py start --folder "$HF" --bounce-mb ${BOUNCES:-16,4,1} 2>&1 | tee "$OUT"/probe_start.jsonl
+      timeout 150 python3 bench/probes/kvikio_start_probe.py cold --folder "$HF" 2>&1 | tee "$OUT"/probe_cold.jsonl
+      ;;
+    cold)
+      timeout ${COLD_TIMEOUT:-300} python3 bench/load_bench.py --preset ${COLD_PRESET:-8b} --nproc 1 --backend nccl --dir /tmp/ck --keep --tp-paths '' \
+        --hsdp-paths '' --materialized-paths '' --discussion '' --timeout 120 --import-in-load --repeat ${COLD_REPEAT:-1} --no-verify \
+        --paths sdadapt --raw-paths instanttensor,instanttensor-direct,kvikio --cold --by-variant --variant nokv:SDADAPT_IO_KVIKIO=0 \
+        ${COLD_EXTRA:-} --out "$OUT"/kv8b_cold 2>&1 | tail -30
       ;;
   esac
 done

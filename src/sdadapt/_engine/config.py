@@ -93,7 +93,9 @@ class EngineConfig:
     :mod:`sdadapt._engine.devread`): ``None``, the default, where kvikio is installed and
     starts (else the staged path, said once in the log), ``True`` always (an error where it
     cannot), ``False`` never; ``kvikio_threads`` is its pool's size (``None``: every CPU of
-    this rank, :func:`rank_cpus`) and ``kvikio_task_bytes`` the size it cuts reads into;
+    this rank, :func:`rank_cpus`), ``kvikio_task_bytes`` the size it cuts reads into and
+    ``kvikio_bounce_bytes`` the size of its pinned bounce buffers, one per pool thread, which a
+    process's first load pins (``None``: kvikio's own, ``KVIKIO_BOUNCE_BUFFER_SIZE`` or 16 MiB);
     ``kvikio_warm``: a load starts kvikio's threads and bounce buffers with one small read per
     thread while it materialises the model (:func:`sdadapt._engine.devread.warm`).
     Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
@@ -101,7 +103,8 @@ class EngineConfig:
     ``SDADAPT_IO_LANDING``, ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS``
     (``0``: leave the interval as it is), ``SDADAPT_IO_PLAN_SWITCH_MS`` (likewise, while the
     engine plans), ``SDADAPT_IO_GATHER`` (``0``: no gathering), ``SDADAPT_IO_GATHER_MB``, ``SDADAPT_IO_KVIKIO``
-    (``0`` / ``1``), ``SDADAPT_IO_KVIKIO_THREADS``, ``SDADAPT_IO_KVIKIO_TASK_MB``, ``SDADAPT_IO_KVIKIO_WARM``.
+    (``0`` / ``1``), ``SDADAPT_IO_KVIKIO_THREADS``, ``SDADAPT_IO_KVIKIO_TASK_MB``, ``SDADAPT_IO_KVIKIO_BOUNCE_MB``,
+    ``SDADAPT_IO_KVIKIO_WARM``.
 
     Args:
         threads: reading threads per rank.
@@ -122,6 +125,7 @@ class EngineConfig:
         kvikio: read contiguous GPU pieces through kvikio (``None``: where it is installed).
         kvikio_threads: kvikio's thread pool (``None``: this rank's CPUs).
         kvikio_task_bytes: the size kvikio cuts a read into.
+        kvikio_bounce_bytes: the size of kvikio's pinned bounce buffers (``None``: kvikio's own).
         kvikio_warm: warm kvikio up while the model is materialised.
 
     Raises:
@@ -151,6 +155,7 @@ class EngineConfig:
     kvikio: bool | None = None
     kvikio_threads: int | None = None
     kvikio_task_bytes: int = 16 * MiB
+    kvikio_bounce_bytes: int | None = None
     kvikio_warm: bool = True
 
     def __post_init__(self) -> None:
@@ -168,6 +173,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kvikio_threads must be at least 1, got {self.kvikio_threads}")
         if self.kvikio_task_bytes < 4096:
             raise ValueError(f"EngineConfig.kvikio_task_bytes must be at least 4096, got {self.kvikio_task_bytes}")
+        if self.kvikio_bounce_bytes is not None and self.kvikio_bounce_bytes < 4096:
+            raise ValueError(f"EngineConfig.kvikio_bounce_bytes must be at least 4096, got {self.kvikio_bounce_bytes}")
         for name in ("switch_interval", "plan_switch_interval"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -177,6 +184,11 @@ class EngineConfig:
         """kvikio's thread pool size: ``kvikio_threads``, or every CPU of this rank
         (:func:`rank_cpus`; its threads wait on reads and copies, not on the interpreter)."""
         return self.kvikio_threads if self.kvikio_threads is not None else rank_cpus()
+
+    def kvikio_settings(self) -> tuple[int, int, int | None]:
+        """kvikio's pool size, task size and bounce buffer size, as
+        :func:`sdadapt._engine.devread.select` takes them."""
+        return self.kvikio_pool(), self.kvikio_task_bytes, self.kvikio_bounce_bytes
 
     def chunk(self) -> int:
         """The largest single read, in bytes (also the size of one staging buffer)."""
@@ -248,6 +260,8 @@ class EngineConfig:
             cfg.kvikio_warm = os.environ["SDADAPT_IO_KVIKIO_WARM"] not in ("0", "false", "no")
         if os.environ.get("SDADAPT_IO_KVIKIO_TASK_MB"):
             cfg.kvikio_task_bytes = max(4096, int(float(os.environ["SDADAPT_IO_KVIKIO_TASK_MB"]) * MiB))
+        if os.environ.get("SDADAPT_IO_KVIKIO_BOUNCE_MB"):
+            cfg.kvikio_bounce_bytes = max(4096, int(float(os.environ["SDADAPT_IO_KVIKIO_BOUNCE_MB"]) * MiB))
         for var, name in (("SDADAPT_IO_SWITCH_MS", "switch_interval"), ("SDADAPT_IO_PLAN_SWITCH_MS", "plan_switch_interval")):
             if os.environ.get(var):
                 ms = float(os.environ[var])

@@ -41,16 +41,22 @@ EXTRA = "pip install 'sdadapt[cuda]'"
 class DeviceReads:
     """kvikio, initialised for a process: ``threads`` in its pool, reads cut into tasks of
     ``task_bytes``; ``gds`` says whether it reads through GPUDirect Storage (else POSIX reads
-    through its pinned bounce buffers)."""
+    through its pinned bounce buffers of ``bounce_bytes`` each, with ``O_DIRECT`` where
+    ``direct``: kvikio's ``auto_direct_io_read``, which bypasses the page cache)."""
 
     kvikio: Any
     threads: int
     task_bytes: int
     gds: bool
+    bounce_bytes: int = 16 << 20
+    direct: bool = False
 
     def describe(self) -> str:
         """The path in a few words, for logs."""
-        how = "GPUDirect Storage" if self.gds else "POSIX reads through its pinned bounce buffers"
+        if self.gds:
+            how = "GPUDirect Storage"
+        else:
+            how = f"POSIX reads{' with O_DIRECT' if self.direct else ''} through its pinned bounce buffers of {self.bounce_bytes >> 10} KiB"
         return f"kvikio {getattr(self.kvikio, '__version__', '?')} ({how}, {self.threads} threads, {self.task_bytes >> 20} MiB tasks)"
 
     def open(self, path: str) -> Any:
@@ -102,7 +108,7 @@ class Pending:
 
 
 _LOCK = threading.Lock()
-_CHOSEN: dict[tuple[int, int], DeviceReads | None] = {}
+_CHOSEN: dict[tuple[int, int, int | None], DeviceReads | None] = {}
 
 
 def _import_kvikio() -> Any:
@@ -118,19 +124,25 @@ def _import_kvikio() -> Any:
 importer: Callable[[], Any] = _import_kvikio
 
 
-def _start(threads: int, task_bytes: int) -> DeviceReads:
-    """Import kvikio and size its thread pool; raises whatever that raises."""
+def _start(threads: int, task_bytes: int, bounce_bytes: int | None) -> DeviceReads:
+    """Import kvikio and size its thread pool, tasks and bounce buffers (``None``: kvikio's own
+    size, ``KVIKIO_BOUNCE_BUFFER_SIZE`` or 16 MiB); raises whatever that raises."""
     kvikio = importer()
     defaults = kvikio.defaults
     if defaults.get("num_threads") != threads:
         defaults.set("num_threads", threads)
     if defaults.get("task_size") != task_bytes:
         defaults.set("task_size", task_bytes)
+    if bounce_bytes is not None and defaults.get("bounce_buffer_size") != bounce_bytes:
+        defaults.set("bounce_buffer_size", bounce_bytes)
     gds = not bool(defaults.is_compat_mode_preferred())
-    return DeviceReads(kvikio, threads, task_bytes, gds)
+    bounce = int(defaults.get("bounce_buffer_size"))
+    return DeviceReads(kvikio, threads, task_bytes, gds, bounce, bool(defaults.get("auto_direct_io_read")))
 
 
-def select(device: torch.device | None, wanted: bool | None, threads: int, task_bytes: int) -> DeviceReads | None:
+def select(
+    device: torch.device | None, wanted: bool | None, threads: int, task_bytes: int, bounce_bytes: int | None = None
+) -> DeviceReads | None:
     """kvikio for a run whose destinations are on ``device``, or ``None`` for the staged path.
 
     ``wanted``: ``None`` uses kvikio where it is installed and starts, ``False`` never,
@@ -152,7 +164,7 @@ def select(device: torch.device | None, wanted: bool | None, threads: int, task_
     """
     if wanted is False or device is None or device.type != "cuda":
         return None
-    key = (threads, task_bytes)
+    key = (threads, task_bytes, bounce_bytes)
     with _LOCK:
         if key in _CHOSEN:
             chosen = _CHOSEN[key]
@@ -161,7 +173,7 @@ def select(device: torch.device | None, wanted: bool | None, threads: int, task_
             return chosen
         chosen = None
         try:
-            chosen = _start(threads, task_bytes)
+            chosen = _start(threads, task_bytes, bounce_bytes)
         except ImportError as e:
             if wanted:
                 raise UsageError(f"EngineConfig(kvikio=True) needs kvikio, which is not installed ({e}); {EXTRA}") from None
@@ -176,41 +188,43 @@ def select(device: torch.device | None, wanted: bool | None, threads: int, task_
         return chosen
 
 
-def prefetch(device: torch.device, wanted: bool | None, threads: int, task_bytes: int) -> None:
+def prefetch(device: torch.device, wanted: bool | None, threads: int, task_bytes: int, bounce_bytes: int | None = None) -> None:
     """Make :func:`select`'s choice on a background thread (importing kvikio and starting its
     pool take a while), so that the run finds it made; a run that asks before it is done
     waits for it. Nothing happens where the choice is made already or cannot be kvikio."""
     if wanted is False or device.type != "cuda":
         return
     with _LOCK:
-        if (threads, task_bytes) in _CHOSEN:
+        if (threads, task_bytes, bounce_bytes) in _CHOSEN:
             return
 
     def run() -> None:
         try:
-            select(device, wanted, threads, task_bytes)
+            select(device, wanted, threads, task_bytes, bounce_bytes)
         except Exception as e:  # noqa: BLE001 - the run's own select raises it again
             log.debug("choosing the GPU read path in the background failed: %s", e)
 
     threading.Thread(target=run, name="sdadapt-kvikio", daemon=True).start()
 
 
-def warm(device: torch.device, files: list[str], wanted: bool | None, threads: int, task_bytes: int) -> threading.Thread | None:
-    """On a background thread: once kvikio is chosen (:func:`select`), read the first
-    ``task_bytes`` of the largest of ``files`` once per pool thread into a scratch buffer on
-    ``device``, all at once, then free it. kvikio starts its threads and makes its pinned
+def warm(
+    device: torch.device, files: list[str], wanted: bool | None, threads: int, task_bytes: int, bounce_bytes: int | None = None
+) -> threading.Thread | None:
+    """On a background thread: once kvikio is chosen (:func:`select`), read the first bounce
+    buffer's worth (at most ``task_bytes``) of the largest of ``files`` once per pool thread
+    into a scratch buffer on ``device``, all at once, then free it. kvikio starts its threads and makes its pinned
     bounce buffers on their first reads; done while the model is materialised, the load's own
     reads find them made. Returns the thread (``None``: nothing to warm); a failure is only
     logged (the load's own reads report theirs)."""
     sized = [(os.path.getsize(f), f) for f in files if os.path.isfile(f)]
     if wanted is False or device.type != "cuda" or not sized:
         return None
-    size, path = max(sized)
-    size = min(size, task_bytes)
+    largest, path = max(sized)
 
     def run() -> None:
         try:
-            reads = select(device, wanted, threads, task_bytes)
+            reads = select(device, wanted, threads, task_bytes, bounce_bytes)
+            size = min(largest, task_bytes, reads.bounce_bytes) if reads is not None else 0
             if reads is None or size == 0:
                 return
             with torch.cuda.device(device):

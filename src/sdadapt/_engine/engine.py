@@ -102,7 +102,7 @@ def prefetch_pinned(device: torch.device, bands: bool, config: EngineConfig | No
     (:func:`~sdadapt._engine.devread.prefetch`)."""
     cfg = config or EngineConfig.from_env()
     if device.type == "cuda":
-        devread.prefetch(device, cfg.kvikio, cfg.kvikio_pool(), cfg.kvikio_task_bytes)
+        devread.prefetch(device, cfg.kvikio, *cfg.kvikio_settings())
     SLABS.prefetch(StagingPool.slab_bytes(cfg.staging_buffers(cfg.threads), cfg.chunk()), device)
     if bands:
         SLABS.prefetch(StagingPool.slab_bytes(cfg.band_buffers(cfg.threads), cfg.band_buffer_bytes()), device)
@@ -159,7 +159,7 @@ class IOEngine:
         if device is not None:
             shared.lane = DeviceLane(device, bands.size, shared.fail, cfg.landing_buffers)
             shared.lane.start()
-        reads = devread.select(device, cfg.kvikio, cfg.kvikio_pool(), cfg.kvikio_task_bytes) if pin else None
+        reads = devread.select(device, cfg.kvikio, *cfg.kvikio_settings()) if pin else None
         if reads is not None:
             assert device is not None
             # kvikio writes from its own threads and streams: whatever the caller's stream

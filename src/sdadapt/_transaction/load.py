@@ -269,7 +269,7 @@ def _prepare_device(
         return
     cfg = engine or EngineConfig.from_env()
     if cfg.kvikio_warm:
-        warm_kvikio(target, list(files), cfg.kvikio, cfg.kvikio_pool(), cfg.kvikio_task_bytes)
+        warm_kvikio(target, list(files), cfg.kvikio, *cfg.kvikio_settings())
     kernels, bands = device_work(plan.recipes, planned, cfg.gather_inputs)
     if bands:
         prefetch_pinned(target, True, cfg)
