@@ -13,6 +13,8 @@ import importlib.util
 import logging
 import os
 import random
+import threading
+import time
 
 import pytest
 import torch
@@ -88,6 +90,13 @@ def test_kvikio_settings_from_the_environment_and_their_checks(monkeypatch):
         EngineConfig(kvikio_threads=0)
     with pytest.raises(ValueError, match="kvikio_task_bytes"):
         EngineConfig(kvikio_task_bytes=100)
+    assert EngineConfig.from_env().kvikio_settings() == (7, 8 << 20, 4 << 20)  # 4 MiB bounce buffers by default
+    monkeypatch.setenv("SDADAPT_IO_KVIKIO_BOUNCE_MB", "1")
+    assert EngineConfig.from_env().kvikio_bounce_bytes == 1 << 20
+    monkeypatch.setenv("SDADAPT_IO_KVIKIO_BOUNCE_MB", "0")  # kvikio's own size
+    assert EngineConfig.from_env().kvikio_bounce_bytes is None
+    with pytest.raises(ValueError, match="kvikio_bounce_bytes"):
+        EngineConfig(kvikio_bounce_bytes=100)
 
 
 # --- the choice --------------------------------------------------------------------------------
@@ -257,6 +266,8 @@ def test_warm_up_needs_a_gpu_a_file_and_kvikio_not_turned_off(monkeypatch, tmp_p
     assert th is not None
     th.join(30)
     assert devread.select(GPU, None, 2, 4096) is None
+    assert devread.warm(GPU, [path], None, 2, 4096) is None  # once per process and settings
+    assert devread.warm(GPU, [path], None, 2, 4096, 8192) is not None
     monkeypatch.setenv("SDADAPT_IO_KVIKIO_WARM", "0")
     assert EngineConfig.from_env().kvikio_warm is False
 
@@ -277,3 +288,103 @@ def test_warm_up_reads_once_per_pool_thread_and_leaves_kvikio_chosen(tmp_path, c
     assert stats.kvikio_bytes > 0
     for job, want in pairs:
         assert torch.equal(_bits(job.dest), _bits(want)), (job.key, job.box)
+
+
+# --- a gather's inputs read by kvikio (a stand-in for kvikio on the CPU lane) --------------------
+
+
+class _Future:
+    def __init__(self, fut):
+        self.fut = fut
+
+    def get(self):
+        return self.fut.result()
+
+
+class _CuFile:
+    """kvikio's ``CuFile`` on the host: ``pread`` into a CPU tensor on a small pool; ``short``
+    files read one byte less than asked (a truncated file)."""
+
+    pool = None
+    short: set[str] = set()
+    reading = 0  # reads queued and not yet ended
+    lock = threading.Lock()
+
+    def __init__(self, path, mode):
+        from concurrent.futures import ThreadPoolExecutor
+
+        if _CuFile.pool is None:
+            _CuFile.pool = ThreadPoolExecutor(3)
+        self.path, self.fd = path, os.open(path, os.O_RDONLY)
+
+    def _read(self, buf, size, offset):
+        time.sleep(0.001)
+        try:
+            got = os.preadv(self.fd, [memoryview(buf.numpy())[:size]], offset)
+            return got - 1 if self.path in _CuFile.short else got
+        finally:
+            with _CuFile.lock:
+                _CuFile.reading -= 1
+
+    def pread(self, buf, size, offset):
+        with _CuFile.lock:
+            _CuFile.reading += 1
+        return _Future(self.pool.submit(self._read, buf, size, offset))
+
+    def close(self):
+        os.close(self.fd)
+
+
+def _fp8_checkpoint(tmp_path):
+    from sdadapt._recipes import quant as Q
+    from sdadapt._recipes import quant_nodes as QN
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(96, 160, generator=g) * torch.exp2(torch.randint(-6, 6, (96, 160), generator=g).float())
+    w, s = Q.quantize_fp8(x, (16, 32), "float32")
+    path = write_safetensors(tmp_path / "fp8.safetensors", {"w": w, "w_scale_inv": s})
+    leaves = N.Leaf("w", tuple(w.shape), w.dtype), N.Leaf("w_scale_inv", tuple(s.shape), s.dtype)
+    node = QN.DequantizedFP8(*leaves, (16, 32), "float32", torch.bfloat16)
+    return node, path
+
+
+@pytest.mark.parametrize("staging", [1 << 20, 8192])  # room for every gather at once; one gather out at a time
+def test_gathers_are_read_by_kvikio_into_the_device_buffer_and_computed_there(tmp_path, monkeypatch, staging):
+    """A run that reads through kvikio has each gathered computation's inputs read by it
+    straight into the gather's buffer on the lane's device (the CPU here, with kvikio's reads
+    on the host), in one read per input run; the lane runs the kernel once they have ended.
+    The bits are the eager reference's, every input byte is kvikio's and none is staged, with
+    room for every gather at once or for one at a time."""
+    from sdadapt._engine import CountingIO
+
+    reads = devread.DeviceReads(type("kvikio", (), {"CuFile": _CuFile}), 3, 4096, False)
+    monkeypatch.setattr(devread, "select", lambda device, *a: reads if device is not None else None)
+    monkeypatch.setattr(_CuFile, "short", set())
+    node, path = _fp8_checkpoint(tmp_path)
+    rng = random.Random(staging)
+    with open_source(path) as src:
+        full = node.full(CountingIO(src))
+        boxes = [N.full_box(node.shape), ((0, 16), (0, 32)), ((16, 80), (32, 160))]
+        for _ in range(6):
+            a, c = rng.randrange(95), rng.randrange(159)
+            boxes.append(((a, rng.randrange(a + 1, 97)), (c, rng.randrange(c + 1, 161))))
+        jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16)) for box in boxes]
+        cfg = EngineConfig(threads=2, staging_bytes=staging, chunk_bytes=4096, min_span_bytes=1, gather_bytes=4096)
+        stats = IOEngine(src, cfg, cpu_lane=True).run(jobs)
+    for job in jobs:
+        assert torch.equal(_bits(job.dest), _bits(full[tuple(slice(a, b) for a, b in job.box)])), job.box
+    assert stats.gathered > len(jobs) and stats.computed == 0
+    assert stats.kvikio_bytes == stats.bytes_read > 0 and stats.staged_bytes == 0 == stats.direct_bytes
+
+
+def test_a_failed_gather_read_fails_the_run_naming_the_key_and_every_read_ends(tmp_path, monkeypatch):
+    node, path = _fp8_checkpoint(tmp_path)
+    reads = devread.DeviceReads(type("kvikio", (), {"CuFile": _CuFile}), 3, 4096, False)
+    monkeypatch.setattr(devread, "select", lambda device, *a: reads if device is not None else None)
+    monkeypatch.setattr(_CuFile, "short", {path})
+    with open_source(path) as src:
+        dest = torch.full(node.shape, float("nan"), dtype=torch.bfloat16)
+        cfg = EngineConfig(threads=2, staging_bytes=8192, chunk_bytes=4096, min_span_bytes=1, gather_bytes=4096)
+        with pytest.raises(LoadError, match=r"key 'w'.*truncated"):
+            IOEngine(src, cfg, cpu_lane=True).run([Job("w", node, N.full_box(node.shape), dest)])
+    assert _CuFile.reading == 0  # every read queued had ended when the run raised

@@ -8,9 +8,11 @@ pieces whose bytes land contiguously in their destination shard (the planner mak
 thread hands each to kvikio as soon as it is planned, without waiting, so that kvikio's queue
 holds every such read of the run, and the run waits for them all at its end (after its reader
 threads, and also after a failure: nothing writes into the model once the run has returned).
-No reader thread, staging buffer or device-lane copy is involved. Everything else (small
-pieces, computations and their inputs, fills) keeps the staged path of
-:mod:`sdadapt._engine.device`.
+No reader thread, staging buffer or device-lane copy is involved. A computation whose inputs
+are gathered on the device (:meth:`sdadapt._engine.planner.Planner._gather`) has them read by
+kvikio too, straight into the gather's buffer on the device (:class:`GatherReads`), and the
+device lane runs its kernel once they have all ended. Everything else (small pieces, other
+computations and their inputs, fills) keeps the staged path of :mod:`sdadapt._engine.device`.
 
 :func:`select` makes the choice once per process and setting, and logs it in one line: kvikio
 when it imports and initialises, else the staged path (kvikio absent, failing to start, or
@@ -20,8 +22,11 @@ for it: then its absence or failure is an error naming the extra.
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import os
+import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +35,8 @@ from typing import Any
 import torch
 
 from ..errors import LoadError, UsageError
-from .tasks import Where
+from .device import DeviceLane
+from .tasks import Gather, GatherRead, Where
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +113,93 @@ class Pending:
     nbytes: int = 0
 
 
+class GatherReads:
+    """The gathers of one run read by kvikio: :meth:`submit` (on the planning thread) makes a
+    gather's buffer on the lane's device and queues kvikio's reads of its inputs into it; one
+    thread of its own waits for each gather's reads in the order they were queued, then hands
+    the kernel to the device lane. At most ``budget`` bytes of buffers are out at once
+    (:meth:`submit` waits for room; a gather larger than that goes alone). A failed read fails
+    the run (``fail``) and its kernel is not run; :meth:`close` returns once every read queued
+    has ended, also after a failure."""
+
+    def __init__(self, reads: DeviceReads, lane: DeviceLane, fail: Callable[[BaseException], None], budget: int):
+        self.reads = reads
+        self.lane = lane
+        self.fail = fail
+        self.budget = budget
+        self.nbytes = 0  # read by kvikio into the gathers' buffers
+        self._out = 0  # bytes of buffers out
+        self._room = threading.Condition()
+        self._queue: queue.SimpleQueue[tuple[GatherRead, torch.Tensor, Pending] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None  # started by the first gather
+
+    def submit(self, task: GatherRead, handle: Callable[[str], Any]) -> None:
+        """Queue kvikio's reads of ``task``'s inputs into a new buffer (``handle``: the kvikio
+        handle of a file); returns once they are queued."""
+        n = task.gather.nbytes
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="sdadapt-kvikio-gathers", daemon=True)
+            self._thread.start()
+        with self._room:
+            while self._out and self._out + n > self.budget:
+                self._room.wait()
+            self._out += n
+        pending = Pending()
+        try:
+            buffer = torch.empty(n, dtype=torch.uint8, device=self.lane.device)
+        except BaseException:
+            self._give_back(n)
+            raise
+        try:
+            for path, segments, at in task.runs:
+                size = sum(s for _, s in segments)
+                self.reads.submit(handle(path), segments, buffer[at : at + size], task.where, pending)
+        finally:
+            self._queue.put((task, buffer, pending))  # whatever was queued is waited for
+
+    def close(self) -> None:
+        """Wait for every read queued and hand the last kernels to the lane; stop the thread."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+
+    def _give_back(self, n: int) -> None:
+        with self._room:
+            self._out -= n
+            self._room.notify_all()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            task, buffer, pending = item
+            try:
+                self.nbytes += pending.nbytes
+                errors = DeviceReads.wait(pending)
+                if errors:
+                    self.fail(errors[0])
+                elif not self.lane.failed:
+                    self.lane.call(functools.partial(_compute, task.gather, buffer), task.where)
+            except Exception as e:  # noqa: BLE001 - named and reported
+                self.fail(task.where.error(e))
+            finally:
+                del buffer, item
+                self._give_back(task.gather.nbytes)
+
+
+def _compute(gather: Gather, buffer: torch.Tensor) -> None:
+    """Run ``gather``'s kernel on views of ``buffer`` (on the device lane, whose current stream
+    it then runs on); the buffer goes back to the allocator only once that stream has passed
+    the kernel."""
+    step = gather.step
+    assert step.kernel is not None
+    args = [buffer[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape) for at, dtype, shape in gather.layout]
+    step.kernel.run(step.dest, *args)
+    if buffer.is_cuda:
+        buffer.record_stream(torch.cuda.current_stream(buffer.device))
+
+
 _LOCK = threading.Lock()
 _CHOSEN: dict[tuple[int, int, int | None], DeviceReads | None] = {}
+_WARMED: set[tuple[torch.device, int, int, int | None]] = set()  # warm() has run for these
 
 
 def _import_kvikio() -> Any:
@@ -212,13 +303,19 @@ def warm(
 ) -> threading.Thread | None:
     """On a background thread: once kvikio is chosen (:func:`select`), read the first bounce
     buffer's worth (at most ``task_bytes``) of the largest of ``files`` once per pool thread
-    into a scratch buffer on ``device``, all at once, then free it. kvikio starts its threads and makes its pinned
-    bounce buffers on their first reads; done while the model is materialised, the load's own
-    reads find them made. Returns the thread (``None``: nothing to warm); a failure is only
-    logged (the load's own reads report theirs)."""
-    sized = [(os.path.getsize(f), f) for f in files if os.path.isfile(f)]
-    if wanted is False or device.type != "cuda" or not sized:
+    into a scratch buffer on ``device``, all at once, then free it. kvikio starts its threads
+    and makes its pinned bounce buffers on their first reads; done while the model is materialised, the load's own
+    reads find them made. Done once per process, device and settings: a later load finds
+    kvikio warm. Returns the thread (``None``: nothing to warm); a failure is only logged (the
+    load's own reads report theirs)."""
+    if wanted is False or device.type != "cuda":
         return None
+    sized = [(os.path.getsize(f), f) for f in files if os.path.isfile(f)]
+    key = (device, threads, task_bytes, bounce_bytes)
+    with _LOCK:
+        if not sized or key in _WARMED:
+            return None
+        _WARMED.add(key)
     largest, path = max(sized)
 
     def run() -> None:
@@ -251,6 +348,7 @@ def warm(
 
 
 def forget() -> None:
-    """Drop the kept choices (the next run chooses and logs again); for tests."""
+    """Drop the kept choices and warm-ups (the next run chooses, logs and warms again); for tests."""
     with _LOCK:
         _CHOSEN.clear()
+        _WARMED.clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import sys
 import threading
@@ -24,7 +25,7 @@ from .pinned import SLABS
 from .planner import Planner
 from .staging import StagingPool
 from .syscalls import open_device_file, open_for
-from .tasks import DirectRead, Job, Task, task_paths
+from .tasks import DirectRead, GatherRead, Job, Task, task_paths
 from .workers import Shared, Worker
 
 
@@ -159,13 +160,16 @@ class IOEngine:
         if device is not None:
             shared.lane = DeviceLane(device, bands.size, shared.fail, cfg.landing_buffers)
             shared.lane.start()
-        reads = devread.select(device, cfg.kvikio, *cfg.kvikio_settings()) if pin else None
-        if reads is not None:
-            assert device is not None
+        reads = devread.select(device, cfg.kvikio, *cfg.kvikio_settings()) if device is not None else None
+        if reads is not None and device is not None and device.type == "cuda":
             # kvikio writes from its own threads and streams: whatever the caller's stream
             # still has queued for the destinations (their allocation, a materialised model's
             # values) finishes first
             torch.cuda.current_stream(device).synchronize()
+        # the gathers' inputs, read by kvikio into device buffers of at most twice the staging memory at once
+        gathers = None
+        if reads is not None and shared.lane is not None:
+            gathers = devread.GatherReads(reads, shared.lane, shared.fail, 2 * cfg.staging_bytes)
         pending = devread.Pending()
         handles: dict[str, Any] = {}  # path -> kvikio file handle
         workers = [Worker(shared, cfg.depth, cfg.band_depth, computes=i < computing) for i in range(threads)]
@@ -174,17 +178,29 @@ class IOEngine:
             th.start()
         count = 0
 
+        def handle(target: str, path: str) -> Any:
+            """kvikio's handle of ``path``, opened on first use (``target``: the key, for errors)."""
+            if path not in handles:
+                assert reads is not None
+                handles[path] = open_device_file(reads, path, target)
+            return handles[path]
+
         def push(task: Task) -> None:
             nonlocal count
             if shared.failed.is_set():
                 return  # a thread failed: the load fails, reading on is no use
             count += 1
+            if isinstance(task, GatherRead):
+                assert gathers is not None, "gathers are read by kvikio only in runs that read through it"
+                try:
+                    gathers.submit(task, functools.partial(handle, task.where.target))
+                except Exception as e:  # noqa: BLE001 - named; the reads queued so far are still waited for
+                    shared.fail(task.where.error(e))
+                return
             if reads is not None and isinstance(task, DirectRead) and task.dest.device.type == "cuda":
                 # kvikio's: queued at once, waited for at the end of the run
-                if task.path not in handles:
-                    handles[task.path] = open_device_file(reads, task.path, task.where.target)
                 try:
-                    reads.submit(handles[task.path], task.segments, task.dest, task.where, pending)
+                    reads.submit(handle(task.where.target, task.path), task.segments, task.dest, task.where, pending)
                 except Exception as e:  # noqa: BLE001 - named; the reads queued so far are still waited for
                     shared.fail(task.where.error(e))
                 return
@@ -208,6 +224,8 @@ class IOEngine:
                 shared.work.close()
                 for th in pool_threads:
                     th.join()
+                if gathers is not None:
+                    gathers.close()  # every gather's reads have ended and its kernel is queued
                 if shared.lane is not None:
                     shared.lane.close()  # every copy and kernel has finished
                 t = time.perf_counter()
@@ -239,6 +257,9 @@ class IOEngine:
         st.kvikio_bytes += pending.nbytes
         st.direct_bytes += pending.nbytes
         st.bytes_read += pending.nbytes
+        if gathers is not None:
+            st.kvikio_bytes += gathers.nbytes
+            st.bytes_read += gathers.nbytes
         st.kvikio_wait_seconds += kvikio_wait
         st.threads = threads
         st.staging_buffers = max(st.staging_buffers, pool.allocated + bands.allocated)

@@ -8,7 +8,8 @@ shorter than ``min_span_bytes`` (a column slice) are one strided copy out of the
 mapping instead. Pieces of storage without locations and fills become one task each; a computation
 becomes one task per band its declared :class:`~sdadapt._recipes.nodes.Bands` cut it into (:func:`bands_of`),
 or, on the device of a run's device lane, staged reads of its declared inputs gathered there
-(:meth:`Planner._gather`).
+(:meth:`Planner._gather`; where the run reads through kvikio, one read of them all straight
+into the gather's device buffer).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from ..sources import Source
 from .config import EngineConfig
 from .geometry import band_boxes, box_spans, round_up, split_box, split_segments
 from .locate import file_runs
-from .tasks import ComputeTask, Delivery, DirectRead, FillTask, Gather, Job, SourceRead, StagedRead, Task, Where
+from .tasks import ComputeTask, Delivery, DirectRead, FillTask, Gather, GatherRead, Job, SourceRead, StagedRead, Task, Where
 
 
 @dataclass
@@ -187,7 +188,9 @@ class Planner:
         reads of at most a chunk each (from the shared staging pool, as a plain load's reads),
         delivered one after the other into one buffer on the destination's device, where the
         lane runs the kernel once the last has crossed. So a reader hands on each piece as it
-        would a plain read's and never waits for a computation's buffer. Only where every input
+        would a plain read's and never waits for a computation's buffer. On the GPU read into
+        through kvikio (``direct_on``) it is one :class:`~sdadapt._engine.tasks.GatherRead`
+        instead: kvikio reads every input straight into the device buffer. Only where every input
         the step declares is a stored region (:attr:`~sdadapt._recipes.nodes.Input.read`) that
         lies in one opened file in runs of at least ``min_span_bytes``;
         returns ``False``, planning nothing, otherwise."""
@@ -207,11 +210,15 @@ class Planner:
         if at == 0:
             return False  # nothing to read: no piece would ever run the kernel
         gather = Gather(step, at, layout)
+        self.gathered += 1
+        if self.direct_on is not None and (self.dest_device or step.dest.device) == self.direct_on:
+            gather.pieces = 1
+            push(GatherRead(gather, runs, where))
+            return True
         tasks = _gather_reads(gather, runs, self.config.chunk(), where)
         gather.pieces = len(tasks)
         for task in tasks:
             push(task)
-        self.gathered += 1
         return True
 
     def _parts(self, piece: Piece) -> list[_Part]:

@@ -86,6 +86,18 @@ class DirectRead:
 
 
 @dataclass
+class GatherRead:
+    """A gather's inputs read by kvikio straight into one buffer on the device: ``runs`` holds,
+    per input, its file, its (offset, nbytes) runs in order and its offset in the buffer
+    (:class:`Gather`'s ``layout``); the kernel runs once every read has ended
+    (:class:`~sdadapt._engine.devread.GatherReads`)."""
+
+    gather: Gather
+    runs: list[tuple[str, list[tuple[int, int]], int]]
+    where: Where
+
+
+@dataclass
 class StagedRead:
     """File ``path``'s ``segments`` read into a staging buffer, then copied out by ``deliveries``
     (several when small adjacent reads were coalesced into one)."""
@@ -124,7 +136,7 @@ class FillTask:
     where: Where
 
 
-Task = DirectRead | StagedRead | SourceRead | ComputeTask | FillTask
+Task = DirectRead | GatherRead | StagedRead | SourceRead | ComputeTask | FillTask
 
 
 def task_bytes(task: Task) -> int:
@@ -133,6 +145,8 @@ def task_bytes(task: Task) -> int:
     match task:
         case DirectRead():
             dests = [task.dest]
+        case GatherRead():
+            dests = [task.gather.step.dest]
         case StagedRead():
             dests = [d.dest for d in task.deliveries if d.into is None]
         case SourceRead():
