@@ -6,8 +6,10 @@
 # compressed-tensors, loguru). Outputs under $OUT; BENCH_EXTRA: more load_bench arguments (variants);
 # RAW: the raw rows (default instanttensor,instanttensor-mmap,kvikio). `probe`: kvikio's start-up
 # and the page-cache checks (bench/probes/kvikio_start_probe.py) on the bench's kept checkpoint;
-# `cold`: the cold-cache rows (the page cache dropped before every load).
-# Usage: bash bench/h200_kvikio.sh [tests] [bench] [formats] [probe] [cold]
+# `cold`: the cold-cache rows (the page cache dropped before every load; COLD_EXTRA, COLD_RAW,
+# COLD_REPEAT); `cpu16`: 16 gloo ranks on the CPUs against DCP's HF reader. FORMATS_EXTRA: more
+# arguments of the formats run. Each step prints the time it ends.
+# Usage: bash bench/h200_kvikio.sh [tests] [bench] [formats] [probe] [cold] [cpu16]
 set -u
 WHL=${WHL:-../../.whl}
 OUT=${OUT:-/tmp/out}
@@ -41,7 +43,7 @@ for what in "$@"; do
       timeout 540 python3 bench/load_bench.py --preset 8b --nproc 1 --backend nccl --dir /tmp/ck --keep --tp-paths '' --hsdp-paths '' \
         --materialized-paths '' --discussion '' --timeout 120 --import-in-load --repeat 3 --no-verify \
         --paths sdadapt,sdadapt-nvfp4,sdadapt-fp8ch --raw-paths instanttensor,instanttensor-mmap,kvikio \
-        --by-variant --variant nokv:SDADAPT_IO_KVIKIO=0 ${BENCH_EXTRA:-} --out "$OUT"/kv8b_formats 2>&1 | tail -40
+        --by-variant --variant nokv:SDADAPT_IO_KVIKIO=0 ${FORMATS_EXTRA:-} --out "$OUT"/kv8b_formats 2>&1 | tail -40
       ;;
     probe)
       HF=$(ls -d /tmp/ck/sdadapt-bench-*/hf | head -1)
@@ -51,8 +53,14 @@ for what in "$@"; do
     cold)
       timeout ${COLD_TIMEOUT:-300} python3 bench/load_bench.py --preset ${COLD_PRESET:-8b} --nproc 1 --backend nccl --dir /tmp/ck --keep --tp-paths '' \
         --hsdp-paths '' --materialized-paths '' --discussion '' --timeout 120 --import-in-load --repeat ${COLD_REPEAT:-1} --no-verify \
-        --paths sdadapt --raw-paths instanttensor,instanttensor-direct,kvikio --cold --by-variant --variant nokv:SDADAPT_IO_KVIKIO=0 \
-        ${COLD_EXTRA:-} --out "$OUT"/kv8b_cold 2>&1 | tail -30
+        --paths sdadapt --raw-paths ${COLD_RAW:-instanttensor,instanttensor-direct,kvikio} --cold --by-variant \
+        ${COLD_EXTRA:---variant nokv:SDADAPT_IO_KVIKIO=0} --out "$OUT"/kv8b_cold 2>&1 | tail -30
+      ;;
+    cpu16)
+      CUDA_VISIBLE_DEVICES= timeout ${CPU_TIMEOUT:-200} python3 bench/load_bench.py --preset 1.9g --shard-gb 0.5 --nproc 16 --backend gloo \
+        --dir /tmp/ckc --keep --repeat 3 --discussion '' --timeout 150 --paths sdadapt,hf-reader --tp-paths '' --hsdp-paths '' \
+        --materialized-paths sdadapt,hf-reader --out "$OUT"/cpu16 2>&1 | tail -12
       ;;
   esac
+  echo "== $what done $(date +%T)"
 done
