@@ -90,7 +90,7 @@ def test_kvikio_settings_from_the_environment_and_their_checks(monkeypatch):
         EngineConfig(kvikio_threads=0)
     with pytest.raises(ValueError, match="kvikio_task_bytes"):
         EngineConfig(kvikio_task_bytes=100)
-    assert EngineConfig.from_env().kvikio_settings() == (7, 8 << 20, 4 << 20)  # 4 MiB bounce buffers by default
+    assert EngineConfig.from_env().kvikio_settings() == (7, 8 << 20, None)  # kvikio's own bounce buffers by default
     monkeypatch.setenv("SDADAPT_IO_KVIKIO_BOUNCE_MB", "1")
     assert EngineConfig.from_env().kvikio_bounce_bytes == 1 << 20
     monkeypatch.setenv("SDADAPT_IO_KVIKIO_BOUNCE_MB", "0")  # kvikio's own size

@@ -95,8 +95,9 @@ class EngineConfig:
     cannot), ``False`` never; ``kvikio_threads`` is its pool's size (``None``: every CPU of
     this rank, :func:`rank_cpus`), ``kvikio_task_bytes`` the size it cuts reads into and
     ``kvikio_bounce_bytes`` the size of its pinned bounce buffers, one per pool thread, which a
-    process's first load pins (4 MiB: pinned in a fifth of the time kvikio's own 16 MiB take,
-    and read through as fast; ``None``: kvikio's own, ``KVIKIO_BOUNCE_BUFFER_SIZE`` or 16 MiB);
+    process's first load pins (``None``, the default: kvikio's own, ``KVIKIO_BOUNCE_BUFFER_SIZE``
+    or 16 MiB; 4 MiB pins in a fifth of the time, which shortens a first load, but made steady
+    loads slower, see bench/RESULTS.md);
     ``kvikio_warm``: a load starts kvikio's threads and bounce buffers with one small read per
     thread while it materialises the model (:func:`sdadapt._engine.devread.warm`).
     Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
@@ -156,7 +157,7 @@ class EngineConfig:
     kvikio: bool | None = None
     kvikio_threads: int | None = None
     kvikio_task_bytes: int = 16 * MiB
-    kvikio_bounce_bytes: int | None = 4 * MiB
+    kvikio_bounce_bytes: int | None = None
     kvikio_warm: bool = True
 
     def __post_init__(self) -> None:
