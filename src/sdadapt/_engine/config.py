@@ -96,10 +96,12 @@ class EngineConfig:
     this rank, :func:`rank_cpus`), ``kvikio_task_bytes`` the size it cuts reads into and
     ``kvikio_bounce_bytes`` the size of its pinned bounce buffers, one per pool thread, which a
     process's first load pins (``None``, the default: kvikio's own, ``KVIKIO_BOUNCE_BUFFER_SIZE``
-    or 16 MiB; 4 MiB pins in a fifth of the time, which shortens a first load, but made steady
-    loads slower, see bench/RESULTS.md);
-    ``kvikio_warm``: a load starts kvikio's threads and bounce buffers with one small read per
-    thread while it materialises the model (:func:`sdadapt._engine.devread.warm`).
+    or 16 MiB; smaller ones pin sooner, shortening a first load, and cost each read more
+    copies); ``kvikio_warm``: a process's first load starts kvikio's threads and bounce buffers
+    with one small read per thread while it materialises the model
+    (:func:`sdadapt._engine.devread.warm`). Where a run reads through kvikio, the inputs of its
+    gathered computations are read by kvikio too, into device buffers of which at most twice
+    ``staging_bytes`` are out at once.
     Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
     ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``,
     ``SDADAPT_IO_LANDING``, ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS``
