@@ -22,7 +22,7 @@ from sdadapt.rules import (
     ignored_modules,
     parse_dtype,
 )
-from sdadapt.sources import dtype_name, open_source, read_config_file
+from sdadapt.sources import Source, dtype_name, open_source, read_config_file
 
 HF = "model.layers.{i}."
 HF_QUANT = "hf_quant_config.json"
@@ -53,22 +53,26 @@ def _first_config(folder: str, names: tuple[str, ...]) -> dict[str, Any]:
     return {}
 
 
-def checkpoint_keys(path: str) -> list[str]:
+def checkpoint_keys(path: str | Source) -> list[str]:
     """Key names of the checkpoint at ``path`` (headers only), or ``[]`` when there is none.
 
     ``path`` may be a checkpoint file, a folder sdadapt opens as one checkpoint, or a folder
-    holding exactly one checkpoint file (``.safetensors``, ``.pt``, ``.pth``, ``.bin``, ``.ckpt``)."""
+    holding exactly one checkpoint file (``.safetensors``, ``.pt``, ``.pth``, ``.bin``, ``.ckpt``);
+    or the open :class:`~sdadapt.sources.Source` a load hands its adapter's ``options_from_config``
+    (its schema, nothing read again)."""
     schema, non_tensor = _headers(path)
     return list(schema) + non_tensor
 
 
-def checkpoint_schema(path: str) -> dict[str, Any]:
+def checkpoint_schema(path: str | Source) -> dict[str, Any]:
     """Shapes and dtypes (``TensorInfo``) of the tensors of the checkpoint at ``path`` (headers
     only, found as in :func:`checkpoint_keys`), or ``{}`` when there is none."""
     return _headers(path)[0]
 
 
-def _headers(path: str) -> tuple[dict[str, Any], list[str]]:
+def _headers(path: str | Source) -> tuple[dict[str, Any], list[str]]:
+    if isinstance(path, Source):  # opened by the caller, which closes it
+        return dict(path.schema), list(path.non_tensor)
     candidates = [path]
     if os.path.isdir(path):
         files = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".pt", ".pth", ".bin", ".ckpt")))

@@ -83,6 +83,7 @@ import sdadapt
 from sdadapt import Adapter
 from sdadapt.errors import AdapterError
 from sdadapt.rules import ScaleFormat
+from sdadapt.sources import Source
 
 SUMMARY = (
     "HF transformers DeepSeek-V3 -> torchtitan-style MLA (wq or wq_a/q_norm/wq_b, wkv_a/kv_norm/wkv_b, wo; "
@@ -295,7 +296,7 @@ def options_from(cfg: dict[str, Any], keys: list[str]) -> dict[str, Any]:
     return opts
 
 
-def options_from_config(folder: str, source: str | None = None) -> dict[str, Any]:
+def options_from_config(folder: str, source: str | Source | None = None) -> dict[str, Any]:
     """Options from the checkpoint's ``config.json`` (HF) and its headers: key names, and the
     quantization with the stored dtype of FP8 scales."""
     cfg, schema = read_config(folder, ("config.json",)), checkpoint_schema(source or folder)

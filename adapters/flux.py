@@ -25,6 +25,7 @@ from sdadapt.adapters._common import checkpoint_keys, positive
 
 import sdadapt
 from sdadapt import Adapter
+from sdadapt.sources import Source
 
 SUMMARY = (
     "Black Forest Labs Flux single file (double_blocks/single_blocks, optional model.diffusion_model.) "
@@ -120,7 +121,7 @@ def build(
     )
 
 
-def options_from_config(folder: str, source: str | None = None) -> dict[str, Any]:
+def options_from_config(folder: str, source: str | Source | None = None) -> dict[str, Any]:
     """``guidance`` and ``prefix`` from the checkpoint's key names (headers only): BFL files
     carry no config."""
     keys = checkpoint_keys(source or folder)

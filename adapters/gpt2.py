@@ -23,6 +23,7 @@ from sdadapt.adapters._common import checkpoint_keys, read_config
 import sdadapt
 from sdadapt import Adapter
 from sdadapt.errors import AdapterError
+from sdadapt.sources import Source
 
 SUMMARY = "HF GPT-2 (Conv1D [in, out]) -> nanoGPT nn.Linear layout; c_attn optionally split into q/k/v; tied lm_head"
 
@@ -65,7 +66,7 @@ def build(*, prefix: str = "transformer.", split_qkv: bool = False, buffers: boo
     )
 
 
-def options_from_config(folder: str, source: str | None = None) -> dict[str, Any]:
+def options_from_config(folder: str, source: str | Source | None = None) -> dict[str, Any]:
     """``prefix`` and ``buffers`` from the checkpoint's key names (headers only)."""
     read_config(folder, ("config.json",))  # a broken config.json is reported, not ignored
     keys = checkpoint_keys(source or folder)

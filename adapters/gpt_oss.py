@@ -63,6 +63,7 @@ from sdadapt.adapters._common import (
 import sdadapt
 from sdadapt import Adapter
 from sdadapt.errors import AdapterError
+from sdadapt.sources import Source
 
 SUMMARY = (
     "HF transformers GPT-OSS (bf16 or MXFP4 experts) -> torchtitan-style MoE: attention biases + sinks, router bias, "
@@ -137,7 +138,7 @@ def build(
     )
 
 
-def options_from_config(folder: str, source: str | None = None) -> dict[str, Any]:
+def options_from_config(folder: str, source: str | Source | None = None) -> dict[str, Any]:
     """Options from ``config.json`` (``intermediate_size``, ``attention_bias``,
     ``quantization_config``) and from the checkpoint's key names (``lm_head.weight``, MXFP4
     ``*_blocks``), headers only."""

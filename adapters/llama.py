@@ -48,6 +48,7 @@ from sdadapt.adapters._common import (
 
 import sdadapt
 from sdadapt import Adapter
+from sdadapt.sources import Source
 
 SUMMARY = "HF transformers Llama -> Meta reference layout (wq/wk/wv/wo, w1/w2/w3; Meta rotary, GQA, tied, fused wqkv/w13)"
 
@@ -114,7 +115,7 @@ def build(
     )
 
 
-def options_from_config(folder: str, source: str | None = None) -> dict[str, Any]:
+def options_from_config(folder: str, source: str | Source | None = None) -> dict[str, Any]:
     """Options from the checkpoint's ``config.json`` (HF) and its headers (key names; quantization)."""
     cfg = read_config(folder, ("config.json",))
     schema = checkpoint_schema(source or folder)

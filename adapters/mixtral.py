@@ -43,6 +43,7 @@ from sdadapt.adapters._common import (
 )
 
 from sdadapt import Adapter
+from sdadapt.sources import Source
 
 SUMMARY = "HF transformers Mixtral (per-expert or stacked gate_up_proj) -> Meta-style MoE with stacked experts [E, ...]"
 
@@ -82,7 +83,7 @@ def build(
     )
 
 
-def options_from_config(folder: str, source: str | None = None) -> dict[str, Any]:
+def options_from_config(folder: str, source: str | Source | None = None) -> dict[str, Any]:
     """Options from ``config.json`` and from the checkpoint's key names (headers only)."""
     cfg = read_config(folder, ("config.json",))
     keys = checkpoint_keys(source or folder)

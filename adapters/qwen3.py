@@ -53,6 +53,7 @@ from sdadapt.adapters._common import (
 import sdadapt
 from sdadapt import Adapter
 from sdadapt.rules import ScaleFormat
+from sdadapt.sources import Source
 
 SUMMARY = "HF transformers Qwen3 -> torchtitan-style layout (wq/wk/wv/wo + q_norm/k_norm, w1/w2/w3; HF rotary order kept; tied)"
 
@@ -108,7 +109,7 @@ def dense_options(cfg: dict[str, Any], keys: list[str]) -> dict[str, Any]:
     return opts
 
 
-def options_from_config(folder: str, source: str | None = None) -> dict[str, Any]:
+def options_from_config(folder: str, source: str | Source | None = None) -> dict[str, Any]:
     """Options from the checkpoint's ``config.json`` (HF) and its headers: key names, and the
     quantization with the stored dtype of FP8 scales."""
     cfg, schema = read_config(folder, ("config.json",)), checkpoint_schema(source or folder)

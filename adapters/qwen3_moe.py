@@ -49,6 +49,7 @@ from sdadapt.adapters.qwen3 import attention_rules, dense_options
 from sdadapt import Adapter
 from sdadapt.errors import AdapterError
 from sdadapt.rules import ScaleFormat
+from sdadapt.sources import Source
 
 SUMMARY = (
     "HF transformers Qwen3-MoE (per-expert or stacked gate_up_proj) -> torchtitan-style MoE with stacked experts [E, ...]; "
@@ -119,7 +120,7 @@ def dense_layers_from(cfg: dict[str, Any], keys: list[str]) -> list[int] | None:
     return [i for i in range(cfg["num_hidden_layers"]) if i in only or not (n_experts > 0 and (i + 1) % step == 0)]
 
 
-def options_from_config(folder: str, source: str | None = None) -> dict[str, Any]:
+def options_from_config(folder: str, source: str | Source | None = None) -> dict[str, Any]:
     """Options from ``config.json`` and from the checkpoint's headers (key names; quantization)."""
     cfg = read_config(folder, ("config.json",))
     schema = checkpoint_schema(source or folder)

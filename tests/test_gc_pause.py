@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 import sdadapt
 from sdadapt._base.gc import gc_paused
-from sdadapt._transaction import load as _load
+from sdadapt._transaction import steps as _steps
 
 
 def test_pauses_nest_and_restore_the_collector_even_on_errors():
@@ -36,13 +36,13 @@ def test_pauses_nest_and_restore_the_collector_even_on_errors():
 
 def test_load_plans_and_reads_with_the_collector_paused(tmp_path, monkeypatch):
     seen: list[bool] = []
-    real = _load.build_plan
+    real = _steps.build_plan
 
     def spy(*args, **kwargs):
         seen.append(gc.isenabled())
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(_load, "build_plan", spy)
+    monkeypatch.setattr(_steps, "build_plan", spy)
     model = torch.nn.Linear(4, 3)
     path = tmp_path / "w.safetensors"
     save_file({"weight": torch.randn(3, 4), "bias": torch.randn(3)}, str(path))

@@ -10,8 +10,10 @@ Each adapter is a module ``sdadapt.adapters.<name>`` that exposes
   checkpoints it maps (default: its own name), for the suggestion :func:`shipped_hint` makes;
 - optionally ``options_from_config(folder: str) -> dict``: options read from the checkpoint
   folder's ``config.json`` / ``params.json`` (``{}`` when it has none); a reader that takes a
-  second parameter, ``options_from_config(folder, source)``, also gets the checkpoint path as
-  given (to read its key names from headers).
+  second parameter, ``options_from_config(folder, source)``, also gets the checkpoint (to read
+  its key names and stored dtypes): the open :class:`~sdadapt.sources.Source` when the caller
+  opened it (``load``, ``diff``, ``convert``... open the checkpoint once per call and hand the
+  source on; read its ``schema``, do not close it), else the path as given.
 
 :func:`get_adapter` merges options: the config's first, explicit keyword arguments over them
 (an explicit value that differs from the config's is logged). It checks the merged options
@@ -30,10 +32,13 @@ import pkgutil
 import re
 import tempfile
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import AdapterError, SdadaptError
 from .adapter import Adapter
+
+if TYPE_CHECKING:
+    from ..sources import Source
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +88,10 @@ def adapter_module(name: str) -> ModuleType:
     return mod
 
 
-def config_folder(source: str | os.PathLike[str]) -> str | None:
-    """The folder whose config files describe ``source`` (the folder itself, or a file's folder)."""
-    path = os.fspath(source)
+def config_folder(source: str | os.PathLike[str] | Source) -> str | None:
+    """The folder whose config files describe ``source`` (the folder itself, or a file's folder;
+    for an open source, that of its path)."""
+    path = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source.path
     if os.path.isdir(path):
         return path
     if os.path.isfile(path):
@@ -102,10 +108,10 @@ def options_of(name: str) -> dict[str, str]:
     return out
 
 
-def _read_options(name: str, reader: Any, folder: str, source: str) -> dict[str, Any]:
+def _read_options(name: str, reader: Any, folder: str, source: str | Source) -> dict[str, Any]:
     try:
-        # a reader with a second parameter also gets the checkpoint path itself (a file in a
-        # folder of several files: its key names tell what the config files cannot)
+        # a reader with a second parameter also gets the checkpoint itself, open or as a path (a
+        # file in a folder of several files: its key names tell what the config files cannot)
         two = len(inspect.signature(reader).parameters) >= 2
         return dict(reader(folder, source) if two else reader(folder))
     except AdapterError as e:
@@ -130,7 +136,7 @@ def options_from_model_config(name: str, config: dict[str, Any]) -> dict[str, An
 
 
 def get_adapter(
-    name: str, source: str | os.PathLike[str] | None = None, *, config: dict[str, Any] | None = None, **options: Any
+    name: str, source: str | os.PathLike[str] | Source | None = None, *, config: dict[str, Any] | None = None, **options: Any
 ) -> Adapter:
     """The shipped adapter ``name`` built with ``options``; with ``source`` (a checkpoint folder
     or a file inside one), options the keyword arguments leave out come from its config files;
@@ -139,7 +145,8 @@ def get_adapter(
 
     Args:
         name: a shipped adapter's name (``sdadapt.list_adapters()``).
-        source: a checkpoint folder or file whose config files supply the options left out.
+        source: a checkpoint folder or file whose config files supply the options left out (or
+            the open :class:`~sdadapt.sources.Source` of one: its schema is used as it is).
         config: a model's configuration with HF ``config.json`` keys, used without ``source``.
         **options: the adapter's options (``n_heads=32``, ``tp=2``, ...).
 
@@ -159,7 +166,8 @@ def get_adapter(
     folder = config_folder(source) if source is not None else None
     reader = getattr(mod, "options_from_config", None)
     if source is not None and folder is not None and callable(reader):
-        from_config = _read_options(name, reader, folder, os.fspath(source))
+        checkpoint = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source  # an open Source as it is
+        from_config = _read_options(name, reader, folder, checkpoint)
     elif source is None and config is not None:
         from_config = options_from_model_config(name, config)
         folder = None

@@ -35,6 +35,7 @@ from ..errors import AdapterError, ResolveError, SdadaptError
 if TYPE_CHECKING:
     from torch import nn
 
+    from ..sources import Source
     from .adapter import Adapter
 
 log = logging.getLogger(__name__)
@@ -274,12 +275,14 @@ def resolve_target_on_meta(spec: str | os.PathLike[str] | nn.Module, **options: 
 
 
 def resolve_adapter(
-    spec: str | os.PathLike[str] | Adapter, *, source: str | os.PathLike[str] | None = None, **options: Any
+    spec: str | os.PathLike[str] | Adapter, *, source: str | os.PathLike[str] | Source | None = None, **options: Any
 ) -> Adapter:
     """The adapter ``spec`` names: an :class:`Adapter`, a shipped adapter name, a ``.json``
     file, or ``module:ATTR`` / ``file.py:ATTR`` (an Adapter, or a function returning one,
-    called with ``**options``). ``source`` (the checkpoint: a path or an ``hf://`` Hub id) lets
-    a shipped adapter read the options not given here from the checkpoint folder's config files."""
+    called with ``**options``). ``source`` (the checkpoint: a path, an ``hf://`` Hub id, or an
+    open :class:`~sdadapt.sources.Source`, whose schema is then used rather than the headers read
+    again) lets a shipped adapter read the options not given here from the checkpoint folder's
+    config files and key names."""
     from .adapter import Adapter
 
     if isinstance(spec, Adapter):
@@ -314,7 +317,7 @@ def resolve_adapter(
             f"adapter {text!r}: no adapters are shipped by name in this version; give a .json file or "
             "file.py:ATTR naming an Adapter"
         ) from None
-    if source is not None:
+    if isinstance(source, (str, os.PathLike)):
         from ..sources import local_path
 
         source = local_path(source)  # a Hub id: the snapshot folder, whose config the adapter reads
@@ -332,7 +335,8 @@ def adapter_or_none(
     :class:`~sdadapt.sources.Source`): a shipped adapter reads the options it needs from the
     config files of its folder. Without a source, ``model`` (export, save_state) stands in: the
     checkpoint folder it was last loaded from by ``sdadapt.load``, else its own configuration
-    (a transformers model's ``config``, torchtitan's model config) gives a shipped adapter's options."""
+    (a transformers model's ``config``, torchtitan's model config) gives a shipped adapter's options.
+    An open source is handed on as it is: nothing here reads its headers again."""
     if adapter is None:
         from .hf_models import hf_adapter, is_hf_model
 
@@ -348,4 +352,6 @@ def adapter_or_none(
             config = model_config(model)
             if config is not None:
                 return registry.get_adapter(adapter, config=config)
-    return resolve_adapter(adapter, source=where)
+    from ..sources import Source
+
+    return resolve_adapter(adapter, source=source if isinstance(source, Source) else where)

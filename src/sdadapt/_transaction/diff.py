@@ -10,15 +10,14 @@ import torch
 from torch import nn
 
 from .._plan.adapter import Adapter
-from .._plan.plan import PipelineStage, build_plan, vacant_modules
+from .._plan.plan import PipelineStage, vacant_modules
 from .._plan.registry import family_adapter, is_shipped, shipped_hint
 from .._plan.report import Report
-from .._plan.resolve import adapter_or_none
 from .._plan.target import model_state_dict, schema_of
-from .._plan.titan_names import for_plan
 from ..errors import SdadaptError
 from ..sources import Source, TensorInfo, open_source
 from .args import check_not_a_model
+from .steps import derive_adapter, open_checkpoint, plan_schema
 
 log = logging.getLogger(__name__)
 
@@ -77,30 +76,14 @@ def diff(
         assert report.ok, report.format()
     """
     check_not_a_model("sdadapt.diff(target, src, adapter=None, ...)", src, other=target)
-    shipped = is_shipped(adapter)  # aimed at the target's names, as load does
-    resolved = adapter_or_none(adapter, src, target if isinstance(target, nn.Module) else None)
-    schema, name = target_schema(target)
-    stage = None
-    if pipeline_stage:
-        stage = PipelineStage.of(schema, vacant_modules(target) if isinstance(target, nn.Module) else ())
-    source = open_source(src, subtree=subtree)
-    given = adapter
-    try:
-        planned, allowed = for_plan(resolved, shipped, source.schema, source.non_tensor, schema, allow_missing, dtype)
-        report = build_plan(
-            source.schema,
-            schema,
-            planned,
-            non_tensor=source.non_tensor,
-            allow_missing=allowed,
-            allow_unexpected=allow_unexpected,
-            source_name=source.remote_url() or source.path,
-            target_name=name,
-            pipeline_stage=stage,
-        ).report
-    finally:
-        source.close()
-    if given is None and resolved is None and not report.ok:
+    model = target if isinstance(target, nn.Module) else None
+    with open_checkpoint(src, subtree) as source:  # **open**, once for the call
+        resolved = derive_adapter(adapter, source, model)  # **adapter**
+        schema, name = target_schema(target)
+        stage = PipelineStage.of(schema, vacant_modules(model) if model is not None else ()) if pipeline_stage else None
+        report = plan_schema(schema, source, resolved, target_name=name, shipped=is_shipped(adapter), allow_missing=allow_missing,
+                             allow_unexpected=allow_unexpected, stage=stage, dtype=dtype).report  # **plan**, aimed at the target's names
+    if adapter is None and resolved is None and not report.ok:
         report = report.model_copy(update={"suggestion": family_suggestion(
             src, lambda family: diff(target, src, family, subtree=subtree, allow_missing=allow_missing,
                                      allow_unexpected=allow_unexpected, pipeline_stage=pipeline_stage, dtype=dtype).ok)})

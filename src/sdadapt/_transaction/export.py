@@ -59,6 +59,7 @@ from ..sources import (
 from .args import check_model_and_path, check_not_a_model, renamed_keywords
 from .export_local import local_pieces
 from .materialize import has_meta
+from .steps import derive_adapter, open_checkpoint
 from .tidy import call_started, public
 from .transaction import Transaction
 from .writers.base import FORMATS
@@ -444,14 +445,14 @@ def convert(
     check_not_a_model(call, src)
     check_not_a_model(call, dst, path_arg="dst")
     dst = os.fspath(dst)
-    adapter = adapter_or_none(adapter, src)
     if format not in FORMATS:
         raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
     check_destination(dst, overwrite)
-    source = open_source(src, subtree=subtree)
+    source = open_checkpoint(src, subtree)  # **open**, once for the call
     txn = Transaction(None, None, source.path)
     try:
         txn.add_source(source)  # the source's files must not change while they are converted
+        adapter = derive_adapter(adapter, source)  # **adapter**: a shipped name's options from the open source
         outputs, skipped = plan_outputs(source.schema, adapter, non_tensor=source.non_tensor, what=f"convert {source.path}")
         if skipped:
             log.warning("convert: %d non-tensor entries are not written: %s", len(skipped), ", ".join(skipped[:8]))

@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -19,17 +19,15 @@ from .._base.gc import without_gc
 from .._base.progress import TransferBar
 from .._engine import EngineConfig, EngineStats, device_work, prefetch_pinned, warm_kernels, warm_kvikio
 from .._plan.adapter import Adapter
-from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
+from .._plan.plan import Plan
 from .._plan.registry import is_shipped
 from .._plan.report import Report
-from .._plan.resolve import adapter_or_none
-from .._plan.target import local_nbytes, model_state_dict, schema_of
-from .._plan.titan_names import for_plan
-from ..errors import PlanError
-from ..sources import CHECKSUMS_WHY, ChecksummedSource, LoraMerged, Source, open_source, read_checksums, remember_source, replaying_headers
+from .._plan.target import local_nbytes, model_state_dict
+from ..sources import CHECKSUMS_WHY, ChecksummedSource, LoraMerged, Source, read_checksums, remember_source
 from .args import check_model_and_path, renamed_keywords
-from .headers import share_headers
+from .headers import SharedHeaders, share_headers
 from .materialize import InitFn, MissingInitFn, Reservation, check_buffers, choose_device, has_meta, missing_values
+from .steps import derive_adapter, describe, judge, open_checkpoint, opened, plan_model
 from .tidy import call_started, public
 from .transaction import ATOMIC_WHY, Part, Transaction
 
@@ -145,8 +143,7 @@ def _thread_seconds(st: EngineStats) -> dict[str, float]:
     return {k: round(v, 6) for k, v in out.items()}
 
 
-def _describe(src: Any) -> str:
-    return (src.remote_url() or src.path) if isinstance(src, Source) else os.fspath(src)
+_describe = describe
 
 
 @public
@@ -187,10 +184,10 @@ def plan_load(
             assert plan.report.ok, plan.report.format()
     """
     check_model_and_path("sdadapt.plan_load(model, src, adapter=None, ...)", model, src)
-    shipped = is_shipped(adapter)
-    source, plan, _ = _plan_load(
-        model, src, adapter_or_none(adapter, src, model), subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype, shipped
-    )
+    source = open_checkpoint(src, subtree)
+    resolved = opened(lambda: derive_adapter(adapter, source, model), source)
+    source, plan, _ = _plan_load(model, source, resolved, subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype,
+                                 is_shipped(adapter), name=_describe(src))  # fmt: skip
     return source, plan
 
 
@@ -205,40 +202,14 @@ def _plan_load(
     lora: str | os.PathLike[str] | None = None,
     dtype: str | torch.dtype | None = None,
     shipped: bool = False,
+    name: str | None = None,
 ) -> tuple[Source, Plan, dict[str, torch.Tensor]]:
-    """:func:`plan_load`, also returning the model's state dict it planned against. With
-    ``lora``, the PEFT adapter's tensors join the source and its merge rule goes first
-    (:mod:`sdadapt.rules._lora`). ``shipped``: ``adapter`` is a shipped one (our documented layout),
-    aimed at the names the model holds (torchtitan's current ones, :mod:`sdadapt._plan.titan_names`)."""
-    source = open_source(src, subtree=subtree)
-    state_dict = model_state_dict(model)
-    stage = PipelineStage.of(state_dict, vacant_modules(model)) if pipeline_stage else None
-    try:
-        adapter, allow_missing = for_plan(
-            adapter, shipped, source.schema, source.non_tensor, schema_of(state_dict), allow_missing, dtype
-        )
-        if lora is not None:
-            from ..rules import open_peft_lora  # imported only by a load that merges a LoRA
-
-            peft = open_peft_lora(lora)
-            source = peft.join(source)
-            adapter = Adapter([peft.rule, *(adapter.rules if adapter else [])], name=adapter.name if adapter else "lora",
-                              stages=[s + 1 for s in adapter.stages] if adapter else [])
-        plan = build_plan(
-            source.schema,
-            schema_of(state_dict),
-            adapter,
-            non_tensor=source.non_tensor,
-            allow_missing=allow_missing,
-            allow_unexpected=allow_unexpected,
-            source_name=_describe(src) + (f" + LoRA {os.fspath(lora)}" if lora is not None else ""),
-            target_name=type(model).__name__,
-            pipeline_stage=stage,
-        )
-    except BaseException:
-        source.close()
-        raise
-    return source, plan, state_dict
+    """The **plan** step of :func:`load` and :func:`plan_load`: ``src`` opened (an open source
+    is taken as it is) and planned against ``model`` by :func:`~sdadapt._transaction.steps.plan_model`;
+    returns ``(source, plan, the model's state dict it planned against)``."""
+    source = open_checkpoint(src, subtree)
+    return plan_model(model, source, adapter, shipped=shipped, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
+                      pipeline_stage=pipeline_stage, lora=lora, dtype=dtype, name=name or _describe(src))  # fmt: skip
 
 
 def _gpu_target(model: nn.Module, device: torch.device | str | None) -> torch.device | None:
@@ -431,81 +402,113 @@ def load(
     """
     t0 = call_started()
     check_model_and_path("sdadapt.load(model, src, adapter=None, ...)", model, src)
-    shipped = is_shipped(adapter)
+    asked = _Asked(adapter, strict, subtree, allow_missing, allow_unexpected, pipeline_stage, dtype, lora, init_buffers,
+                   init_missing, checksums, _describe(src))  # fmt: skip
     rank, world = rank_and_world(process_group)
-    txn = Transaction(model, process_group, _describe(src))
+    txn = Transaction(model, process_group, asked.name)
     txn.engine = engine
-    local = txn.resolve(src)  # a Hub id: its snapshot folder, fetched and agreed on every rank
-    record = share_headers(local, subtree, process_group)  # read by one rank, broadcast to the others
-    planned: dict[str, torch.Tensor] = {}
-    fill_missing: tuple[str, InitFn | None] = ("", None)
-    # a meta model's GPU memory is asked for while the plan is made (nothing of the model changes)
-    reserved = Reservation(model, device)
+    local = txn.resolve(src)  # **resolve**: a Hub id's snapshot folder, fetched and agreed on every rank
+    reserved = Reservation(model, device)  # a meta model's GPU memory, asked for while the plan is made
     target = _gpu_target(model, device)
     if target is not None:  # pinned while the plan is made (kept for the next load if it fails)
         prefetch_pinned(target, False, engine)
-
-    def prepare() -> Plan:
-        nonlocal planned, fill_missing
-        # resolved inside the agreed step: a rank failing to resolve or derive it stops them all
-        resolved = adapter_or_none(adapter, local, model)
-        with replaying_headers(record):
-            source, plan, planned = _plan_load(
-                model, local, resolved, subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype, shipped
-            )
-        txn.add_source(source)
-        if not plan.report.ok:
-            if strict:
-                raise PlanError(plan.report)
-            log.warning("loading with problems (strict=False):\n%s", plan.report.format())
-        check_buffers(model, init_buffers)
-        fill_missing = missing_values(model, [*plan.skipped, *plan.report.missing], init_buffers, init_missing)
-        if checksums:
-            sidecar, sums = read_checksums(source)
-            leaves = sorted({k for node in plan.recipes.values() for k in node.leaves()})
-            txn.sources[-1] = ChecksummedSource(source, sidecar, sums, leaves)
-        return plan
-
-    try:
-        plan = txn.prepare(prepare)  # every rank raises if any failed; nothing was changed
+    shared = share_headers(local, subtree, process_group)  # opened by one rank, its headers broadcast
+    try:  # every rank raises if any failed; nothing was changed
+        prep = txn.prepare(lambda: _prepare(txn, model, local, shared, asked))
     except BaseException:
         reserved.wait()
         raise
     phases = _Phases(t0)
     phases.mark("plan")
-    _prepare_device(target, planned, plan, engine, txn.sources[-1].files() if txn.sources else [])
+    _prepare_device(target, prep.planned, prep.plan, engine, txn.sources[-1].files())
     # every rank's hook has run (a hook may touch the files) before any rank checks them
-    materialized = txn.materialize(device, init_buffers, reserved, then=fill_missing[1])
+    materialized = txn.materialize(device, init_buffers, reserved, then=prep.fill_missing[1])
     phases.mark("materialize")
     # materialising gave the parameters new tensors; otherwise the planned state dict is current
-    state_dict = model_state_dict(model) if materialized else planned
-    del planned
-    wanted = {k: v for k, v in state_dict.items() if k in plan.recipes}
+    wanted = {k: v for k, v in (model_state_dict(model) if materialized else prep.planned).items() if k in prep.plan.recipes}
     share = share_reads if share_reads is not None else target is not None  # GPU shards: share by default
-    part = Part("model", plan, txn.sources[-1], wanted, share_reads=share)
+    part = Part("model", prep.plan, txn.sources[-1], wanted, share_reads=share)
     phases.mark("prepare")
-    log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), _describe(src), " (atomic)" if atomic else "")
+    log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), asked.name, " (atomic)" if atomic else "")
     total = sum(local_nbytes(t) for t in wanted.values())
-    with TransferBar(total, "sdadapt.load", tensors=len(wanted), rank=rank, enabled=progress) as bar:
+    with TransferBar(total, "sdadapt.load", tensors=len(wanted), rank=rank, enabled=progress) as bar:  # **run**
         txn.on_done = bar.update if bar.on else None
         txn.run([part], atomic=atomic, check_finite=check_finite, mark=phases.mark)
+    rep = _load_report(part, prep, asked, phases, rank=rank, world=world, total=total, materialized=materialized, t0=t0)
+    remember_source(model, src)  # export / save_state with an adapter name read the same folder
+    rep.seconds = time.perf_counter() - t0  # the whole call, from entering it
+    log.info("%s", rep.format())
+    return rep
+
+
+@dataclass(frozen=True)
+class _Asked:
+    """What a :func:`load` call asked for about planning and checking, handed to its steps."""
+
+    adapter: Adapter | str | None
+    strict: bool
+    subtree: str | None
+    allow_missing: list[str] | None
+    allow_unexpected: list[str] | None
+    pipeline_stage: bool
+    dtype: str | torch.dtype | None
+    lora: str | os.PathLike[str] | None
+    init_buffers: InitFn | None
+    init_missing: MissingInitFn | None
+    checksums: bool
+    name: str  # the checkpoint as reports name it
+
+
+@dataclass
+class _Prepared:
+    """What :func:`_prepare` hands on: the plan, the model's state dict it was made against, and
+    what gives the keys the checkpoint lacks their values (``missing_values``)."""
+
+    plan: Plan
+    planned: dict[str, torch.Tensor]
+    fill_missing: tuple[str, InitFn | None]
+
+
+def _prepare(txn: Transaction, model: nn.Module, local: str | os.PathLike[str] | Source, shared: SharedHeaders, asked: _Asked) -> _Prepared:
+    """:func:`load`'s agreed step, headers only: **open** the checkpoint (once), derive the
+    **adapter** from it, **plan** and judge the plan, then the checks that need the plan (buffer
+    hooks, what fills the missing keys, the checksums sidecar). The source joins the transaction
+    (closed with it)."""
+    source = shared.open(local, asked.subtree)
+    # resolved inside the agreed step: a rank failing to resolve or derive it stops them all
+    resolved = opened(lambda: derive_adapter(asked.adapter, source, model), source)
+    source, plan, planned = _plan_load(model, source, resolved, asked.subtree, asked.allow_missing, asked.allow_unexpected,
+                                       asked.pipeline_stage, asked.lora, asked.dtype, is_shipped(asked.adapter), asked.name)  # fmt: skip
+    txn.add_source(source)
+    judge(plan, asked.strict)
+    check_buffers(model, asked.init_buffers)
+    fill_missing = missing_values(model, [*plan.skipped, *plan.report.missing], asked.init_buffers, asked.init_missing)
+    if asked.checksums:
+        sidecar, sums = read_checksums(source)
+        leaves = sorted({k for node in plan.recipes.values() for k in node.leaves()})
+        txn.sources[-1] = ChecksummedSource(source, sidecar, sums, leaves)
+    return _Prepared(plan, planned, fill_missing)
+
+
+def _load_report(part: Part, prep: _Prepared, asked: _Asked, phases: _Phases, *, rank: int, world: int, total: int,
+                 materialized: bool, t0: float) -> LoadReport:  # fmt: skip
+    """This rank's :class:`LoadReport` once ``part`` was read."""
     reader = part.reader
     assert reader is not None
     timings = dict(phases.seconds)
     timings["engine"] = reader.stats.seconds  # inside dcp_load: first task to last byte
     timings["engine_plan"] = reader.stats.plan_seconds  # of which planning (reads start meanwhile)
     timings["engine_first_task"] = reader.stats.first_task_seconds  # until the first task's bytes were handed on
-
     merged = None
-    if lora is not None:
+    if asked.lora is not None:
         from ..rules import merged_lora
 
-        merged = merged_lora(lora, plan.recipes)
-    rep = LoadReport(
+        merged = merged_lora(asked.lora, prep.plan.recipes)
+    return LoadReport(
         rank=rank,
         world_size=world,
-        source=_describe(src),
-        keys_loaded=len(wanted),
+        source=asked.name,
+        keys_loaded=len(part.targets),
         items_read=reader.items_read,
         bytes_read=reader.io.bytes_read,
         bytes_shared=reader.shared_bytes,
@@ -518,11 +521,7 @@ def load(
         phase_seconds={k: round(v, 6) for k, v in timings.items()},
         engine_thread_seconds=_thread_seconds(reader.stats),
         materialized=materialized,
-        missing_values=fill_missing[0],
-        report=plan.report,
+        missing_values=prep.fill_missing[0],
+        report=prep.plan.report,
         lora=merged,
     )
-    remember_source(model, src)  # export / save_state with an adapter name read the same folder
-    rep.seconds = time.perf_counter() - t0  # the whole call, from entering it
-    log.info("%s", rep.format())
-    return rep

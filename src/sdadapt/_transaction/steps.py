@@ -1,0 +1,159 @@
+"""The named steps the public operations compose, in the order a call takes them.
+
+1. **resolve**: a Hub id becomes its local snapshot folder, agreed on every rank
+   (:meth:`~sdadapt._transaction.transaction.Transaction.resolve`);
+2. **open**: the checkpoint is opened once for the whole call (:func:`open_checkpoint`); in a
+   distributed load the group's first rank keeps the source it opened to record the headers,
+   and the other ranks open theirs from that record (:mod:`sdadapt._transaction.headers`);
+3. **adapter**: the ``adapter`` argument becomes an :class:`~sdadapt.Adapter`
+   (:func:`derive_adapter`) from that open source: a shipped name reads its options from the
+   source's folder (config files) and the source's schema (key names, stored dtypes), a
+   transformers model's adapter is derived from the source's schema;
+4. **plan**: the source's schema, the target's and the adapter give the plan
+   (:func:`plan_model`, :func:`plan_schema`), then :func:`judge` refuses it or warns;
+5. **run**: the transaction reads, checks and commits
+   (:meth:`~sdadapt._transaction.transaction.Transaction.run`).
+
+No step after **open** opens the checkpoint again: each takes the open
+:class:`~sdadapt.sources.Source`, so its headers are read once per call (once per job in a
+distributed load). ``load``, ``plan_load``, ``diff``, ``convert`` and ``load_state`` are
+compositions of these steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._plan.adapter import Adapter
+from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
+from .._plan.resolve import adapter_or_none
+from .._plan.target import model_state_dict, schema_of
+from .._plan.titan_names import for_plan
+from ..errors import PlanError
+from ..sources import HeaderRecord, Source, TensorInfo, open_source, replaying_headers
+
+log = logging.getLogger("sdadapt")
+
+
+def describe(src: str | os.PathLike[str] | Source) -> str:
+    """The name reports and messages give the checkpoint ``src`` (a path, or an open source:
+    its URL, else its path)."""
+    return (src.remote_url() or src.path) if isinstance(src, Source) else os.fspath(src)
+
+
+def open_checkpoint(src: str | os.PathLike[str] | Source, subtree: str | None = None, record: HeaderRecord | None = None) -> Source:
+    """**open**: the checkpoint ``src`` as a :class:`Source`, opened once for the call (headers
+    only); an open source is returned as it is. ``record``: headers another rank read for the
+    job, parsed here instead of reading the files (:mod:`sdadapt.sources._headers`)."""
+    with replaying_headers(record):
+        return open_source(src, subtree=subtree)
+
+
+def derive_adapter(spec: Adapter | str | os.PathLike[str] | None, source: Source, model: nn.Module | None = None) -> Adapter | None:
+    """**adapter**: ``spec`` (``load``'s ``adapter`` argument) as an :class:`Adapter`, from the
+    open ``source``: a shipped name's options from the config files of the source's folder and
+    from its schema, :func:`sdadapt.hf_adapter` (no ``spec``, a transformers ``model``) from its
+    schema; nothing here opens the checkpoint again. ``None`` stays ``None`` otherwise."""
+    return adapter_or_none(spec, source, model)
+
+
+def plan_model(
+    model: nn.Module,
+    source: Source,
+    adapter: Adapter | None,
+    *,
+    shipped: bool = False,
+    allow_missing: list[str] | None = None,
+    allow_unexpected: list[str] | None = None,
+    pipeline_stage: bool = False,
+    lora: str | os.PathLike[str] | None = None,
+    dtype: str | torch.dtype | None = None,
+    name: str | None = None,
+) -> tuple[Source, Plan, dict[str, torch.Tensor]]:
+    """**plan** against a model: ``(source, plan, the model's state dict it planned against)``.
+    With ``lora``, the PEFT adapter's tensors join the source (the source returned is the joined
+    one) and its merge rule goes first (:mod:`sdadapt.rules._lora`). ``shipped``: ``adapter`` is
+    a shipped one (our documented layout), aimed at the names the model holds (torchtitan's
+    current ones, :mod:`sdadapt._plan.titan_names`). ``name``: the source's name in the report.
+    On failure ``source`` is closed."""
+    try:
+        state_dict = model_state_dict(model)
+        stage = PipelineStage.of(state_dict, vacant_modules(model)) if pipeline_stage else None
+        target = schema_of(state_dict)
+        adapter, allow_missing = for_plan(adapter, shipped, source.schema, source.non_tensor, target, allow_missing, dtype)
+        if lora is not None:
+            from ..rules import open_peft_lora  # imported only by a load that merges a LoRA
+
+            peft = open_peft_lora(lora)
+            source = peft.join(source)
+            adapter = Adapter([peft.rule, *(adapter.rules if adapter else [])], name=adapter.name if adapter else "lora",
+                              stages=[s + 1 for s in adapter.stages] if adapter else [])  # fmt: skip
+        plan = build_plan(
+            source.schema,
+            target,
+            adapter,
+            non_tensor=source.non_tensor,
+            allow_missing=allow_missing,
+            allow_unexpected=allow_unexpected,
+            source_name=(name or describe(source)) + (f" + LoRA {os.fspath(lora)}" if lora is not None else ""),
+            target_name=type(model).__name__,
+            pipeline_stage=stage,
+        )
+    except BaseException:
+        source.close()
+        raise
+    return source, plan, state_dict
+
+
+def plan_schema(
+    target: dict[str, TensorInfo],
+    source: Source,
+    adapter: Adapter | None,
+    *,
+    target_name: str,
+    shipped: bool = False,
+    allow_missing: list[str] | None = None,
+    allow_unexpected: list[str] | None = None,
+    stage: PipelineStage | None = None,
+    dtype: str | torch.dtype | None = None,
+) -> Plan:
+    """**plan** against a schema (``diff``'s target: a model's, a checkpoint's or one given):
+    the plan of the open ``source`` through ``adapter``, aimed at the target's names when
+    ``shipped`` (as :func:`plan_model`)."""
+    planned, allowed = for_plan(adapter, shipped, source.schema, source.non_tensor, target, allow_missing, dtype)
+    return build_plan(
+        source.schema,
+        target,
+        planned,
+        non_tensor=source.non_tensor,
+        allow_missing=allowed,
+        allow_unexpected=allow_unexpected,
+        source_name=describe(source),
+        target_name=target_name,
+        pipeline_stage=stage,
+    )
+
+
+def judge(plan: Plan, strict: bool) -> None:
+    """After **plan**: a plan with problems raises :class:`~sdadapt.errors.PlanError` when
+    ``strict``, else is logged (the load goes on with what lines up)."""
+    if plan.report.ok:
+        return
+    if strict:
+        raise PlanError(plan.report)
+    log.warning("loading with problems (strict=False):\n%s", plan.report.format())
+
+
+def opened(step: Any, source: Source) -> Any:
+    """The value of ``step()``, closing ``source`` if it raises (a step between **open** and
+    **plan** that fails leaves no file open)."""
+    try:
+        return step()
+    except BaseException:
+        source.close()
+        raise
