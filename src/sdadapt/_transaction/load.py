@@ -277,82 +277,13 @@ def load(
     """Load checkpoint ``src`` into ``model`` through ``adapter``; every rank reads only its shards.
 
     Call on every rank (a collective when a process group is initialised). ``model`` may be on
-    the meta device and parallelised (TP, FSDP2, HSDP); it is materialised on ``device`` (default:
-    its mesh's device, else CPU) once the plan is valid. With ``strict=True`` any missing,
-    unexpected or mismatched key raises :class:`~sdadapt.errors.PlanError` on every rank before
-    anything is read or changed; ``allow_missing``/``allow_unexpected`` take key patterns that
-    are fine to leave out. ``subtree`` picks a nested dict of a ``torch.save`` file.
-
-    ``src`` is a path (see :func:`sdadapt.sources.open_source`) or a Hugging Face Hub id
-    ``"hf://org/name[@revision]"`` (``sdadapt[hub]``: one process per node downloads the config,
-    the index and its shards into the Hub cache; the others wait). ``adapter`` is an
-    :class:`Adapter` or a string resolved like the CLI's ``--adapter``: a shipped name (``"llama"``, its options read from the
-    checkpoint folder's config), ``file.py:ATTR``, ``module:ATTR`` or a ``.json`` file. A shipped
-    name's layout is taken on to the names the model holds (torchtitan's current ones:
-    ``lm_head``, ``attention.qkv_linear.wq`` ...; see :func:`sdadapt.torchtitan.torchtitan_names`),
-    and torchtitan's training state that the checkpoint lacks (``moe.expert_bias_E``) is allowed
-    missing. The folder loaded from is remembered for :func:`sdadapt.export` and friends.
-
-    Never a silently half-loaded model (:mod:`sdadapt._transaction.transaction`). Everything that can be
-    checked before writing (the plan, the files' fingerprints, the buffer hooks) is agreed on
-    every rank first: such a failure raises on every rank and leaves the model as it was. The
-    checkpoint's files must not change while they are read (size, mtime and inode are checked
-    before and after). A failure while reading (on any rank) raises :class:`LoadError` on every
-    rank; then a model that was on the meta device is put back on meta, and a model that
-    already held values (``to_empty`` + ``init_weights()``) is, by default, partly overwritten,
-    since the read writes into its shards in place (no second copy of them: the extra memory
-    is the I/O engine's bounded staging). The error says so and how many keys this rank was
-    writing, and the model is marked: its forward raises :class:`ModelError` until a load into
-    it succeeds. ``atomic=True`` reads into a full second copy of this rank's shards and copies
-    it in only once every rank succeeded, so a failure leaves the model bit for bit as it was.
-    ``checksums=True`` checks every region read against ``sdadapt.checksums.json``, which
-    ``save_state`` and ``export`` write with the same keyword (see
-    :mod:`sdadapt.sources._integrity`); ``check_finite=True`` refuses NaN/Inf values, naming
-    each key (both are found while or after reading: with ``atomic=True`` the model keeps its values).
-
-    ``share_reads=True``: ranks that hold the same shard (mesh dims where a parameter is
-    ``Replicate``: HSDP's replicate dim, TP-replicated norms) each read a part of it and
-    broadcast it to the others over the process group (:mod:`sdadapt._engine.share`), instead of all
-    reading all of it; for fast interconnects (NVLink) where the page cache, not the network,
-    is the limit. ``LoadReport.bytes_shared`` is what this rank received that way. The default
-    (``None``) shares for shards on GPUs in a distributed load, and not for CPU shards (gloo
-    moves bytes slower than a local read); ``False`` turns it off.
-
-    In a distributed load the group's first rank reads the checkpoint's headers and index and
-    broadcasts them; the others parse and validate that copy instead of opening every file
-    (:mod:`sdadapt._transaction.headers`; ``SDADAPT_HEADERS=every``: every rank reads them).
-    :func:`sdadapt.dry_run` says what each rank of a load at any world size reads and opens.
-
-    ``pipeline_stage=True``: ``model`` is one pipeline stage, a subset of a whole model's
-    layers (as ``torch.distributed.pipelining``'s manual split or torchtitan's pipeline split
-    leave it: the kept layers under their original indices in a ``ModuleDict``, the other
-    stages' top-level modules set to ``None``). The checkpoint's keys that belong to other stages are
-    then neither unexpected nor read: an adapted key the stage lacks belongs to another stage
-    when its index-generalised name (``layers.{i}.attention.wq.weight``) is that of a key the
-    stage holds, or when it lies under a module the stage sets to ``None``
-    (``tok_embeddings``, ``norm``, ``output``). They are listed in the report's
-    ``allowed_unexpected``. Keys of the stage's own layers that the checkpoint lacks are still
-    missing, and a checkpoint key that matches neither is still unexpected (so are the keys
-    of a top-level module deleted with ``del``, which leaves no trace: set it to ``None``).
-
-    ``dtype="model"`` converts every tensor to the dtype the model holds for it (a float32
-    checkpoint into a bfloat16 model); a dtype (``torch.bfloat16``) converts every tensor to that
-    one. Either is the rule ``sdadapt.cast("**", dtype)`` run after ``adapter``'s, so conversions
-    that lose values stay explicit: without it they are plan problems. Exact widenings
-    (bfloat16 or float16 into float32, float8 into a wider float) need no option: they load as
-    they are and the report lists them (``Report.widened``).
-
-    Keys the checkpoint lacks (``allow_missing``, or any with ``strict=False``) are never left as
-    uninitialised memory. A materialised model keeps its values there. A meta model, once
-    materialised, gets ``init_missing(model, keys)`` when given, else its ``init_weights()``
-    (which runs unless ``init_buffers`` is given), else ``reset_parameters()`` of each key's
-    module; if none applies, :class:`ModelError` is raised before anything changes. The report
-    says which, on one line (``LoadReport.missing_values``).
-
-    ``lora="path/to/peft_adapter"`` merges a PEFT LoRA adapter (the folder
-    ``PeftModel.save_pretrained`` writes) into the base weights as they are read, before
-    ``adapter``'s rules: each rank computes ``W[box] + s * B[rows] @ A[:, cols]`` for its own
-    shards only (:mod:`sdadapt.rules._lora`).
+    the meta device and parallelised (TP, FSDP2, HSDP): it is materialised once the plan is
+    valid. Everything checkable from headers is agreed on every rank before anything is
+    written: a :class:`~sdadapt.errors.PlanError` leaves the model as it was; a failure while
+    reading is a :class:`~sdadapt.errors.LoadError` on every rank (``atomic=True``: the model
+    then keeps its values bit for bit). The checkpoint is opened once for the call, its headers
+    read by one rank and broadcast. docs/loading.md says what each option changes and the steps
+    a call takes (resolve, open, adapter, plan, run).
 
     Args:
         model: the model to fill, on the meta device or materialised, parallelised or not.

@@ -56,6 +56,7 @@ from .args import check_model_and_path, renamed_keywords
 from .materialize import InitFn, check_buffers, has_meta, missing_values
 from .optim_state import OptimPlan, init_state, plan_optimizer, stored_names
 from .saved import SaveReport
+from .steps import derive_adapter
 from .tidy import call_started, public, single_process_quiet
 from .transaction import ATOMIC_WHY, Part, Transaction
 
@@ -348,39 +349,14 @@ def load_state(
 ) -> StateLoadReport:
     """Restore model (+ optimizer, + ``extra``) from the DCP folder ``src``; every rank calls it.
 
-    Works on any mesh (FSDP2, TP, HSDP, uneven shards), and through ``adapter`` (checkpoint
-    layout -> model layout) after a refactor (an :class:`Adapter`, or a name, ``file.py:ATTR``,
-    ``module:ATTR`` or ``.json`` resolved like the CLI's ``--adapter``); optimizer state
-    follows the parameters' rules.
-    ``extra`` entries are restored in place: ``Stateful`` objects through ``load_state_dict``,
-    plain values by replacing ``extra[name]``. Strict: any missing or unexpected key (model or
-    optimizer), an optimizer of another kind, or a missing extra raises on every rank before
-    anything changes; ``allow_missing``/``allow_unexpected`` take key patterns to tolerate. A
-    meta-device model is materialised (only without an optimizer: build the optimizer on
-    real parameters). An optimizer that has taken no step yet is given its state first (every
-    moment the checkpoint holds is restored, whether or not gradients exist).
-
-    One load transaction, as :func:`sdadapt.load` (:mod:`sdadapt._transaction.transaction`): planned and
-    agreed on every rank, the folder's files fingerprinted, the extras and the optimizer's
-    non-tensor values read before any tensor is written; then the optimizer's state, then the
-    model. A failure while reading raises :class:`LoadError` on every rank: an optimizer that
-    held no state gets none back, a meta model goes back to meta, and otherwise what was
-    written in place is marked (the model's forward and the optimizer's ``step`` raise
-    :class:`ModelError` until a load succeeds); ``atomic=True`` reads into a staged copy and
-    leaves model and optimizer bit for bit as they were. A failure while committing (setting the
-    optimizer state, restoring an extra) is a :class:`LoadError` on every rank naming the step,
-    and marks what the commit had changed, atomic or not (:mod:`sdadapt._transaction.transaction`).
-
-    ``pipeline_stage=True``: ``model`` is one pipeline stage and ``optimizer`` is built on its
-    parameters only (torchtitan's pipeline parallelism: each rank holds one stage and its own
-    optimizer), and the checkpoint may have been saved by the whole model or by another split
-    into stages. The checkpoint's keys of other stages are neither unexpected nor read, decided
-    as in :func:`sdadapt.load` (an adapted key the stage lacks whose index-generalised name is
-    that of a key the stage holds, or that lies under a module the stage sets to ``None``), and
-    so is the optimizer state of those keys' parameters (``exp_avg``, ``step``...). Both are
-    listed in the report's ``allowed_unexpected``. Keys of the stage's own parameters, and their
-    optimizer state, that the checkpoint lacks are still missing. Param groups are matched by
-    position, as without it: build each stage's optimizer with the groups the checkpoint's has.
+    Works on any mesh (FSDP2, TP, HSDP, uneven shards) and through ``adapter`` after a refactor
+    (optimizer state follows the parameters' rules); ``extra`` entries are restored in place.
+    Strict: a missing or unexpected key, an optimizer of another kind or a missing extra raises
+    on every rank before anything changes. One load transaction, as :func:`sdadapt.load`: a
+    failure while reading or committing is a :class:`~sdadapt.errors.LoadError` on every rank
+    (``atomic=True``: model and optimizer then keep their values bit for bit).
+    docs/resume-and-export.md ("What load_state does") tells the whole of it: the extras, a
+    meta model, the optimizer's state, failures, pipeline stages.
 
     Args:
         model: the model to restore (meta only without an optimizer).
@@ -423,7 +399,6 @@ def load_state(
     def prepare() -> _Restore:
         if is_hub_id(src):
             raise SourceError("load_state reads a DCP folder that save_state wrote, not a Hub id", path=src)
-        adapter = adapter_or_none(spec, src)
         folder = local_path(src)  # an object storage URL: its local mirror
         if not os.path.isdir(folder):
             raise SourceError("no such DCP checkpoint folder", path=src)
@@ -435,6 +410,8 @@ def load_state(
         r.model_fmt = f"{model_key}.{{}}" if model_key else "{}"
         mprefix = f"{model_key}." if model_key else ""
         reserved = [p + "." for p in (optim_key, *extra) if p]
+        # **adapter**, from the folder opened once: the model's keys as a shipped adapter reads them
+        adapter = derive_adapter(spec, NamespacedSource(full, r.model_fmt) if model_key else full)
         if model_key:
             mschema = {k[len(mprefix) :]: i for k, i in full.schema.items() if k.startswith(mprefix)}
             mnon = [k[len(mprefix) :] for k in full.non_tensor if k.startswith(mprefix)]

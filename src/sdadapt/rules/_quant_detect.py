@@ -23,7 +23,7 @@ from .._base.schema import dtype_name
 from .._recipes import quant as Q
 from .._recipes import quant_scaled as S
 from ..errors import AdapterError
-from ..sources import read_json
+from ..sources import Source, read_json
 from . import _quant_config as C
 from ._base import RuleBase, dtype_str
 from ._dequant_scaled import ACTIVATION_SCALES, DequantScaled
@@ -234,7 +234,7 @@ def mxfp8_rules(qc: C.MXFP8Config, schema: Mapping[str, TensorInfo] | None, dtyp
 # --- the entry point: a release folder or config -> its dequant rules ---
 
 def dequant_rules(
-    config: Mapping[str, Any] | str | os.PathLike[str],
+    config: Mapping[str, Any] | str | os.PathLike[str] | Source,
     *,
     dtype: str | torch.dtype | None = None,
     schema: Mapping[str, TensorInfo] | None = None,
@@ -245,7 +245,9 @@ def dequant_rules(
     """The rules to put first in an adapter for a release described by ``config`` (a
     ``config.json`` dict, file or release folder): none for an unquantized release, else the
     rules that dequantise what its ``quantization_config`` (or ModelOpt's
-    ``hf_quant_config.json`` beside it) describes:
+    ``hf_quant_config.json`` beside it) describes; or an open checkpoint (a
+    :class:`~sdadapt.sources.Source`): its folder's config, and its schema as it is (the headers
+    are not read again):
 
     - ``quant_method: fp8`` with ``weight_block_size``: one :class:`DequantFP8` (``scale_fmt:
       ue8m0`` means power-of-two scales; ``modules_to_not_convert`` extends ``fp8_exclude``,
@@ -259,9 +261,10 @@ def dequant_rules(
     - ``modelopt`` (NVFP4, FP8): one ``DequantScaled``.
 
     Args:
-        config: the ``config.json`` dict, its path, or the release folder. A folder's checkpoint
-            headers are read (when ``schema`` is not given) to resolve targets and exclusions to
-            its keys, and how FP8 block scales are stored.
+        config: the ``config.json`` dict, its path, the release folder, or the open source of
+            the release. A folder's checkpoint headers are read (when ``schema`` is not given;
+            an open source's schema is used) to resolve targets and exclusions to its keys, and
+            how FP8 block scales are stored.
         dtype: the dequantised values' dtype; ``None``: the model's dtype for each key.
         schema: the checkpoint's ``key -> TensorInfo`` (``source.schema``).
         fp8_keys, fp8_exclude, mxfp4_keys: the keys of the FP8 block and MXFP4 rules.
@@ -282,6 +285,10 @@ def dequant_rules(
     that says ``scale_format='ue8m0_float32'``. A config field of the wrong type is an
     :class:`~sdadapt.errors.AdapterError` naming the file and the field."""
 
+    if isinstance(config, Source):
+        schema = config.schema if schema is None else schema
+        p = config.path  # the config.json of its folder (a file's folder)
+        config = p if os.path.isdir(p) else os.path.join(os.path.dirname(os.path.abspath(p)), "config.json")
     cfg, where, folder = _read_config(config)
     if schema is None and folder is not None:
         schema = _headers(folder)
