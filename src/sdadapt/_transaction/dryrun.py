@@ -41,6 +41,7 @@ from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
 from ..errors import PlanError, UsageError
 from ..sources import HeaderRecord, Source, TensorInfo, encode_headers, open_source, recording_headers
+from .steps import derive_adapter, describe, open_checkpoint, opened
 
 
 class DryRunRank(BaseModel):
@@ -357,14 +358,16 @@ def _plan(
     if isinstance(target, nn.Module):
         from .load import _plan_load
 
+        source = open_checkpoint(src, subtree)  # once: the adapter is derived from the open source
+        resolved = opened(lambda: derive_adapter(adapter, source, target), source)
         source, plan, state = _plan_load(
-            target, src, adapter_or_none(adapter, src, target), subtree, allow_missing, allow_unexpected,
-            dtype=dtype, shipped=is_shipped(adapter),
+            target, source, resolved, subtree, allow_missing, allow_unexpected,
+            dtype=dtype, shipped=is_shipped(adapter), name=describe(src),
         )
         return source, plan, type(target).__name__, state
     source = open_source(src, subtree=subtree)
     try:
-        resolved = adapter_or_none(adapter, src)
+        resolved = adapter_or_none(adapter, source)
         if dtype is not None and dtype != "model":
             resolved = with_dtype(resolved, dtype)
         schema = dict(target) if target is not None else adapted_schema(source.schema, resolved, source.non_tensor)
