@@ -323,6 +323,27 @@ def _cases(bucket: int) -> dict[str, object]:
     except sdadapt.errors.SdadaptError as e:  # RefitError where it failed, RemoteRankError quoting it elsewhere
         out["send_fp8"] = str(e)
 
+    # 10. torchtitan's 2-D trainer, FSDP over a TP-sharded dim: colwise weights _StridedShard(0) x Shard(0), rowwise
+    #     Shard(0) x Shard(1), the rest FSDP-sharded and TP-replicated -> two TP-2 replicas, and through send=
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def titan(k: str, v: torch.Tensor) -> list:
+        if v.dim() == 1:
+            return [Shard(0), Replicate()]
+        return [Shard(0), Shard(1)] if k.endswith(rowwise) else [_StridedShard(0, split_factor=2), Shard(0)]
+
+    trainer = shard(full, mesh2, titan)
+    assert any(type(p).__name__ == "_StridedShard" for p in trainer["model.layers.0.self_attn.q_proj.weight"].placements)
+    whole = eager(full, llama_adapter(2))
+    layout = vllm_llama.layout(2, rank % 2)
+    engine = engine_shards(whole, layout)
+    rep = sdadapt.refit_plan(trainer, engine, llama_adapter(2), engine_layout=layout, bucket_bytes=bucket)()
+    assert rep.bytes_received + rep.bytes_local == check(engine, whole, layout)
+    got_titan: list[tuple[str, object, torch.Tensor]] = []
+    sdadapt.refit_plan(trainer, described, llama_adapter(1), send=lambda pieces: got_titan.extend((k, b, p.clone()) for k, b, p in pieces),
+                       bucket_bytes=bucket)()  # fmt: skip
+    out["sent_titan"] = got_titan
+
     # 9. DeepSeek-V3 shape (MLA, routed and shared experts, a dense layer): FSDP over 4 -> two TP-2 replicas
     #    (colocated), and FSDP over 0,1 -> EP 2 on ranks 2,3
     from sdadapt.adapters import vllm_deepseek_v3 as vd
@@ -359,7 +380,7 @@ def test_refit_four_ranks() -> None:
         for k, t in whole.items():
             assert torch.equal(made[k], t) and bool((seen[k] == 1).all()), (case, k)
     whole1 = eager(llama_hf(), llama_adapter(1))
-    for case in ("fsdp", "2d"):  # send=: the ranks' pieces cover every engine tensor once, bit for bit
+    for case in ("fsdp", "2d", "titan"):  # send=: the ranks' pieces cover every engine tensor once, bit for bit
         made = {k: torch.full(t.shape, float("nan"), dtype=torch.bfloat16) for k, t in whole1.items()}
         seen = {k: torch.zeros(t.shape, dtype=torch.int32) for k, t in whole1.items()}
         for r in results:

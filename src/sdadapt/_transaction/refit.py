@@ -36,6 +36,7 @@ from .._plan.plan import build_plan
 from .._plan.target import model_state_dict
 from .._recipes.nodes import Compute, Node, Piece, Step
 from ..errors import RefitError, SdadaptError
+from .export_local import shard_box
 from .refit_run import Refit, _Mine
 from .refit_schedule import Held, Request, round_bytes, transfers_of
 from .refit_send import Region, SendFn, plan_regions
@@ -53,18 +54,12 @@ def _placed(t: torch.Tensor, what: str, key: str) -> tuple[tuple[int, ...], Box,
     """A tensor's global shape, the box this rank holds and its local tensor."""
     if not isinstance(t, DTensor):
         return tuple(t.shape), full_box(tuple(t.shape)), t.detach()
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    for p in t.placements:
-        if not isinstance(p, (Shard, Replicate)) or isinstance(p, _StridedShard):
-            raise RefitError(
-                f"{what} tensor {key!r} has placements {t.placements}; refit reads shards placed with Shard "
-                "and Replicate only (redistribute it, or refit from a state dict of such DTensors)"
-            )
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    box = tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
+    box = shard_box(t)
+    if box is None:
+        raise RefitError(
+            f"{what} tensor {key!r} has placements {t.placements}; refit reads shards placed with Shard and Replicate, "
+            "and FSDP over a TP-sharded dim (_StridedShard) as torchtitan's 2-D layout places it; redistribute it"
+        )
     return tuple(t.shape), box, t._local_tensor.detach()
 
 
