@@ -127,10 +127,11 @@ def engine_of(model: str, s: dict[str, int], tp: int, dtype: torch.dtype, device
     return out
 
 
-def layout_of(model: str, tp: int, rank: int):  # noqa: ANN201
-    from sdadapt.adapters import vllm_llama, vllm_qwen3_moe
+def layout_of(model: str, tp: int, rank: int, fp8: bool = False):  # noqa: ANN201
+    from sdadapt.adapters import vllm_fp8, vllm_llama, vllm_qwen3_moe
 
-    return (vllm_llama if model == "llama" else vllm_qwen3_moe).layout(tp, rank)
+    base = (vllm_llama if model == "llama" else vllm_qwen3_moe).layout(tp, rank)
+    return vllm_fp8.layout(base) if fp8 else base  # FP8: scales cut as their weights, whole blocks per rank
 
 
 def module_of(sd: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -212,7 +213,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
     trainer = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in full.items()} if is_trainer else None
     del full
     ad = adapter(args.model, s, tp, args.fp8)
-    layout = layout_of(args.model, tp, erank) if is_engine else None
+    layout = layout_of(args.model, tp, erank, args.fp8) if is_engine else None
     engine = engine_of(args.model, s, tp, dtype, device, args.fp8) if is_engine else None
     sync = (lambda: torch.cuda.synchronize()) if gpu else (lambda: None)  # noqa: E731
     say("trainer sharded, engine allocated; planning")

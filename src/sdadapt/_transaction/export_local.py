@@ -96,18 +96,29 @@ class _Reads:
 
 
 def reads_of(node: Node, box: Box, dtypes: dict[str, torch.dtype]) -> list[tuple[str, Box]]:
-    """The regions of source tensors that region ``box`` of ``node`` is made from."""
+    """The regions of source tensors that region ``box`` of ``node`` is made from: its steps'
+    pieces, and the inputs a computation declares followed down to their pieces (nothing is
+    computed; a computation that declares no inputs is run on zeros)."""
     rec = _Reads(dtypes)
+    _follow(node, box, rec)
+    out: list[tuple[str, Box]] = []
+    for a in rec.asked:
+        if a not in out:
+            out.append(a)
+    return out
+
+
+def _follow(node: Node, box: Box, rec: _Reads) -> None:
     for s in node.steps(box, torch.empty(box_shape(box), dtype=node.dtype, device="meta")):
         if isinstance(s, Piece):
             rec.asked.append((s.key, s.box))
         elif isinstance(s, Compute):
-            if s.fn is not None:
-                s.fn(rec)
-            else:
+            if s.inputs:
                 for i in s.inputs:
-                    i.value(rec)
-    return rec.asked
+                    _follow(i.node, i.box, rec)
+            else:
+                assert s.fn is not None
+                s.fn(rec)
 
 
 def _inside(box: Box, outer: Box) -> bool:

@@ -36,7 +36,7 @@ from .._plan.plan import build_plan
 from .._plan.target import model_state_dict
 from .._recipes.nodes import Compute, Node, Piece, Step
 from ..errors import RefitError, SdadaptError
-from .export_local import shard_box
+from .export_local import reads_of, shard_box
 from .refit_run import Refit, _Mine
 from .refit_schedule import Held, Request, round_bytes, transfers_of
 from .refit_send import Region, SendFn, plan_regions
@@ -71,45 +71,6 @@ def _tensors(obj: nn.Module | Mapping[str, torch.Tensor] | None, engine: bool) -
     if isinstance(obj, Mapping):
         return {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
     raise RefitError(f"expected a model, a dict of tensors or None; got {type(obj).__name__}")
-
-
-class _Recording:
-    """A source that hands out zeros and notes every region asked for (a computation's inputs)."""
-
-    def __init__(self, schema: dict[str, TensorInfo]):
-        self.schema = schema
-        self.asked: list[tuple[str, Box]] = []
-
-    def read(self, key: str, box: Box) -> torch.Tensor:
-        if (key, box) not in self.asked:
-            self.asked.append((key, box))
-        return torch.zeros(box_shape(box), dtype=self.schema[key].dtype)
-
-    def inputs_of(self, s: Compute) -> list[tuple[str, Box]]:
-        """The trainer regions computation ``s`` reads: its declared inputs' own steps, followed
-        down to the pieces they copy (nothing is computed); a computation that declares none is
-        run on zeros."""
-        self.asked = []
-        if s.inputs:
-            for inp in s.inputs:
-                self._follow(inp.node, inp.box)
-        else:
-            assert s.fn is not None
-            s.fn(self)
-        return self.asked
-
-    def _follow(self, node: Node, box: Box) -> None:
-        for step in node.steps(box, torch.empty(box_shape(box), dtype=node.dtype, device="meta")):
-            if isinstance(step, Piece):
-                if (step.key, step.box) not in self.asked:
-                    self.asked.append((step.key, step.box))
-            elif isinstance(step, Compute):
-                if step.inputs:
-                    for inp in step.inputs:
-                        self._follow(inp.node, inp.box)
-                else:
-                    assert step.fn is not None
-                    step.fn(self)
 
 
 # ------------------------------------------------------------------------------ planning
@@ -229,18 +190,18 @@ def refit_plan(
         if not plan.report.ok:
             raise RefitError("the trainer's tensors, through the adapter, do not line up with the engine's:\n" + plan.report.format())
         recipes = plan.recipes
+    dtypes = {k: v.dtype for k, v in source.items()}
     sending: list[Region] | None = None
     if send is not None:
         error = None
         try:
-            sending = plan_regions(trainer_t, {k: v.dtype for k, v in source.items()}, recipes, rank, bucket_bytes)
+            sending = plan_regions(trainer_t, dtypes, recipes, rank, bucket_bytes)
         except SdadaptError as e:
             error = e
         agree(error, group)
     mine = _Mine()
     error = None
     try:
-        rec = _Recording(source)
         for k in sorted(local_e):
             if k not in recipes:
                 continue
@@ -248,7 +209,7 @@ def refit_plan(
             steps = node.steps(meta["engine"][k].box, dest)
             mine.steps[k] = steps
             mine.where[k] = dest.device
-            _requests(k, node, steps, rec, source, mine)
+            _requests(k, node, steps, source, dtypes, mine)
     except SdadaptError as e:
         error = e
     agree(error, group)
@@ -287,7 +248,7 @@ def _schema(per_rank: list[dict[str, Held]], what: str) -> dict[str, TensorInfo]
     return out
 
 
-def _requests(k: str, node: Node, steps: list[Step], rec: _Recording, source: dict[str, TensorInfo], mine: _Mine) -> None:
+def _requests(k: str, node: Node, steps: list[Step], source: dict[str, TensorInfo], dtypes: dict[str, torch.dtype], mine: _Mine) -> None:
     """The regions of trainer tensors engine tensor ``k``'s steps need."""
     first = len(mine.requests)
     asked: list[tuple[str, Box]] = []
@@ -299,7 +260,7 @@ def _requests(k: str, node: Node, steps: list[Step], rec: _Recording, source: di
             mine.requests.append(Request(k, s.key, s.box, dtype_name(wire), i))
             mine.dest[i] = s.dest
         elif isinstance(s, Compute):
-            asked += [a for a in rec.inputs_of(s) if a not in asked]
+            asked += [a for a in reads_of(s.node, s.box, dtypes) if a not in asked]
     mine.by_target[k] = list(range(first, len(mine.requests)))
     leaves = frozenset(node.leaves())
     for key, box in asked:
