@@ -26,6 +26,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -388,99 +389,147 @@ def load_state(
     t0 = call_started()
     check_model_and_path("sdadapt.load_state(model, src, optimizer=None, extra=None, ...)", model, src)
     src = os.fspath(src)
-    spec = adapter
     rank, world = rank_and_world(process_group)
     extra = extra if extra is not None else {}
     txn = Transaction(model, process_group, src)
     txn.engine = engine
     if optimizer is not None:
         txn.add_optimizer(optimizer, was_empty=not optimizer.state)
-
-    def prepare() -> _Restore:
-        if is_hub_id(src):
-            raise SourceError("load_state reads a DCP folder that save_state wrote, not a Hub id", path=src)
-        folder = local_path(src)  # an object storage URL: its local mirror
-        if not os.path.isdir(folder):
-            raise SourceError("no such DCP checkpoint folder", path=src)
-        full = DCPSource(folder, subtree="")
-        attach(full, folder)  # in place: the same object, fetching its bytes when read
-        txn.add_source(full)
-        r = _Restore(full)
-        model_key, optim_key = _detect_keys(full)
-        r.model_fmt = f"{model_key}.{{}}" if model_key else "{}"
-        mprefix = f"{model_key}." if model_key else ""
-        reserved = [p + "." for p in (optim_key, *extra) if p]
-        # **adapter**, from the folder opened once: the model's keys as a shipped adapter reads them
-        adapter = derive_adapter(spec, NamespacedSource(full, r.model_fmt) if model_key else full)
-        if model_key:
-            mschema = {k[len(mprefix) :]: i for k, i in full.schema.items() if k.startswith(mprefix)}
-            mnon = [k[len(mprefix) :] for k in full.non_tensor if k.startswith(mprefix)]
-        else:
-            mschema = {k: i for k, i in full.schema.items() if not any(k.startswith(r) for r in reserved)}
-            mnon = [k for k in full.non_tensor if not any(k.startswith(r) for r in reserved) and k not in extra]
-        if optimizer is not None and has_meta(model):
-            raise StateError("the model is on the meta device: materialise it and build the optimizer on its parameters first")
-        if optimizer is not None:
-            if optim_key is None:
-                raise StateError(f"{src}: the checkpoint holds no optimizer state; pass optimizer=None to load the model")
-            r.optim_prefix = f"{optim_key}.state."
-            init_state(optimizer)
-            model_sd, r.optim_sd = _get_state(model, optimizer)
-            r.model_sd = {k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
-        else:
-            r.model_sd = model_state_dict(model)
-        pstage = PipelineStage.of(r.model_sd, vacant_modules(model)) if pipeline_stage else None
-        r.plan = build_plan(
-            mschema,
-            schema_of(r.model_sd),
-            adapter,
-            non_tensor=mnon,
-            allow_missing=allow_missing,
-            allow_unexpected=allow_unexpected,
-            source_name=src,
-            target_name=type(model).__name__,
-            pipeline_stage=pstage,
-        )
-        r.report = r.plan.report.model_copy(deep=True)
-        if model_key:  # the checkpoint keys a mismatched value is made from, as the folder stores them
-            r.report.shape_mismatch = [stored_names(m, r.model_fmt, mschema, key=False) for m in r.report.shape_mismatch]
-            r.report.dtype_mismatch = [stored_names(m, r.model_fmt, mschema, key=False) for m in r.report.dtype_mismatch]
-        if optimizer is not None:
-            assert optim_key is not None
-            r.oplan = plan_optimizer(
-                full, optim_key, r.optim_sd, r.plan, adapter, r.report, optimizer, allow_missing, allow_unexpected, pstage
-            )
-        stored = list(full.schema) + full.non_tensor
-        for name in extra:
-            if name not in stored and not any(k.startswith(name + ".") for k in stored):
-                raise StateError(
-                    f"{src}: the checkpoint has no entry {name!r} for extra state; it holds {sorted({k.split('.', 1)[0] for k in stored})}"
-                )
-        if not r.report.ok:
-            raise PlanError(r.report)
-        if optimizer is None:
-            check_buffers(model, init_buffers)
-            r.fill = missing_values(model, r.plan.skipped, init_buffers, None)[1]
-        if r.oplan is not None:  # small values, read before any tensor is written
-            r.objects = {fk: full.read_object(key) for fk, key in r.oplan.objects.items()}
-            r.hyper = [
-                {n: full.read_object(k) if k in full.non_tensor else full.read(k, full_box(full.schema[k].shape)) for n, k in h.items()}
-                for h in r.oplan.hyper
-            ]
-        return r
-
-    r = txn.prepare(prepare)
-    full, plan, report = r.full, r.plan, r.report
-    assert plan is not None and report is not None  # set by prepare, which returned
+    asked = _StateAsked(adapter, allow_missing, allow_unexpected, pipeline_stage, init_buffers)
+    r = txn.prepare(lambda: _prepare_state(txn, src, model, optimizer, extra, asked))
     loaded_extra = _read_extras(txn, src, extra, process_group)
     if optimizer is None and txn.materialize(device, init_buffers, then=r.fill):
         r.model_sd = model_state_dict(model)
+    parts = _state_parts(r)
+    finish = _finish_steps(r, model, optimizer, extra, loaded_extra)
+    total = sum(local_nbytes(t) for p in parts for t in p.targets.values())
+    with TransferBar(total, "sdadapt.load_state", tensors=sum(len(p.targets) for p in parts), rank=rank, enabled=progress) as bar:
+        txn.on_done = bar.update if bar.on else None
+        txn.run(parts, atomic=atomic, finish=finish)  # **run**: the optimizer's parts first, then the model's
+    assert r.plan is not None and r.report is not None  # set by _prepare_state, which returned
+    rep = StateLoadReport(
+        rank=rank, world_size=world, source=src, model_keys=len(r.plan.recipes),
+        optimizer_keys=sum(len(p.targets) for p in parts if not p.of_model),
+        optimizer_state_names=sorted(r.oplan.plans) if r.oplan is not None else [],
+        param_groups=len(r.oplan.hyper) if r.oplan is not None else 0,
+        bytes_read=sum(p.reader.io.bytes_read for p in parts if p.reader is not None),
+        extra=sorted(extra), saved_with=r.full.record, seconds=time.perf_counter() - t0, report=r.report,
+    )  # fmt: skip
+    log.info("%s", rep.format())
+    return rep
+
+
+@dataclass(frozen=True)
+class _StateAsked:
+    """What a :func:`load_state` call asked for about planning, handed to its steps."""
+
+    adapter: Adapter | str | None
+    allow_missing: list[str] | None
+    allow_unexpected: list[str] | None
+    pipeline_stage: bool
+    init_buffers: InitFn | None
+
+
+def _open_state(src: str) -> DCPSource:
+    """**open**: the DCP folder ``src``, all its entries (a URL: its mirror, bytes fetched when read)."""
+    if is_hub_id(src):
+        raise SourceError("load_state reads a DCP folder that save_state wrote, not a Hub id", path=src)
+    folder = local_path(src)  # an object storage URL: its local mirror
+    if not os.path.isdir(folder):
+        raise SourceError("no such DCP checkpoint folder", path=src)
+    full = DCPSource(folder, subtree="")
+    attach(full, folder)  # in place: the same object, fetching its bytes when read
+    return full
+
+
+def _prepare_state(txn: Transaction, src: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                   extra: dict[str, Any], asked: _StateAsked) -> _Restore:  # fmt: skip
+    """:func:`load_state`'s agreed step, headers only: **open** the folder (once), derive the
+    **adapter** from it, **plan** the model and the optimizer's state, judge the plan, then read
+    the small values (the optimizer's non-tensor state) before any tensor is written."""
+    full = _open_state(src)
+    txn.add_source(full)
+    r = _Restore(full)
+    model_key, optim_key = _detect_keys(full)
+    r.model_fmt = f"{model_key}.{{}}" if model_key else "{}"
+    # the model's keys as a shipped adapter reads them, from the folder opened once
+    adapter = derive_adapter(asked.adapter, NamespacedSource(full, r.model_fmt) if model_key else full)
+    _plan_state(r, model, optimizer, adapter, model_key, optim_key, extra, src, asked)
+    stored = list(full.schema) + full.non_tensor
+    for name in extra:
+        if name not in stored and not any(k.startswith(name + ".") for k in stored):
+            held = sorted({k.split(".", 1)[0] for k in stored})
+            raise StateError(f"{src}: the checkpoint has no entry {name!r} for extra state; it holds {held}")
+    assert r.plan is not None and r.report is not None
+    if not r.report.ok:
+        raise PlanError(r.report)
+    if optimizer is None:
+        check_buffers(model, asked.init_buffers)
+        r.fill = missing_values(model, r.plan.skipped, asked.init_buffers, None)[1]
+    if r.oplan is not None:  # small values, read before any tensor is written
+        r.objects = {fk: full.read_object(key) for fk, key in r.oplan.objects.items()}
+        r.hyper = [
+            {n: full.read_object(k) if k in full.non_tensor else full.read(k, full_box(full.schema[k].shape)) for n, k in h.items()}
+            for h in r.oplan.hyper
+        ]
+    return r
+
+
+def _plan_state(r: _Restore, model: nn.Module, optimizer: torch.optim.Optimizer | None, adapter: Adapter | None, model_key: str,
+                optim_key: str | None, extra: dict[str, Any], src: str, asked: _StateAsked) -> None:  # fmt: skip
+    """**plan**: the model's entries of the folder against ``model`` through ``adapter``, and the
+    optimizer's state like its parameters (``r.plan``, ``r.report``, ``r.oplan``)."""
+    full = r.full
+    mprefix = f"{model_key}." if model_key else ""
+    reserved = [p + "." for p in (optim_key, *extra) if p]
+    if model_key:
+        mschema = {k[len(mprefix) :]: i for k, i in full.schema.items() if k.startswith(mprefix)}
+        mnon = [k[len(mprefix) :] for k in full.non_tensor if k.startswith(mprefix)]
+    else:
+        mschema = {k: i for k, i in full.schema.items() if not any(k.startswith(r) for r in reserved)}
+        mnon = [k for k in full.non_tensor if not any(k.startswith(r) for r in reserved) and k not in extra]
+    if optimizer is not None and has_meta(model):
+        raise StateError("the model is on the meta device: materialise it and build the optimizer on its parameters first")
+    if optimizer is not None:
+        if optim_key is None:
+            raise StateError(f"{src}: the checkpoint holds no optimizer state; pass optimizer=None to load the model")
+        r.optim_prefix = f"{optim_key}.state."
+        init_state(optimizer)
+        model_sd, r.optim_sd = _get_state(model, optimizer)
+        r.model_sd = {k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
+    else:
+        r.model_sd = model_state_dict(model)
+    pstage = PipelineStage.of(r.model_sd, vacant_modules(model)) if asked.pipeline_stage else None
+    r.plan = build_plan(mschema, schema_of(r.model_sd), adapter, non_tensor=mnon, allow_missing=asked.allow_missing,
+                        allow_unexpected=asked.allow_unexpected, source_name=src, target_name=type(model).__name__,
+                        pipeline_stage=pstage)  # fmt: skip
+    r.report = r.plan.report.model_copy(deep=True)
+    if model_key:  # the checkpoint keys a mismatched value is made from, as the folder stores them
+        r.report.shape_mismatch = [stored_names(m, r.model_fmt, mschema, key=False) for m in r.report.shape_mismatch]
+        r.report.dtype_mismatch = [stored_names(m, r.model_fmt, mschema, key=False) for m in r.report.dtype_mismatch]
+    if optimizer is not None:
+        assert optim_key is not None
+        r.oplan = plan_optimizer(full, optim_key, r.optim_sd, r.plan, adapter, r.report, optimizer, asked.allow_missing,
+                                 asked.allow_unexpected, pstage)  # fmt: skip
+
+
+def _state_parts(r: _Restore) -> list[Part]:
+    """What the transaction reads: each optimizer state name's part first (a failure there leaves
+    the model untouched), then the model's."""
+    assert r.plan is not None
     parts: list[Part] = []
-    if r.oplan is not None:  # the optimizer first: a failure there leaves the model untouched
+    if r.oplan is not None:
         for name, p in r.oplan.plans.items():
             wanted = {fqn: r.optim_sd["state"][fqn][name] for fqn in p.recipes}
-            parts.append(Part(f"optimizer {name}", p, NamespacedSource(full, f"{r.optim_prefix}{{}}.{name}"), wanted, of_model=False))
-    parts.append(Part("model", plan, NamespacedSource(full, r.model_fmt), {k: r.model_sd[k] for k in plan.recipes}))
+            parts.append(Part(f"optimizer {name}", p, NamespacedSource(r.full, f"{r.optim_prefix}{{}}.{name}"), wanted, of_model=False))
+    parts.append(Part("model", r.plan, NamespacedSource(r.full, r.model_fmt), {k: r.model_sd[k] for k in r.plan.recipes}))
+    return parts
+
+
+def _finish_steps(r: _Restore, model: nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any],
+                  loaded_extra: dict[str, Any]) -> list[tuple[str, Callable[[], None]]]:  # fmt: skip
+    """The commit's finishing steps, named for the :class:`LoadError` should one fail: the
+    optimizer's state set, then each extra restored in place."""
 
     def set_optimizer_state() -> None:
         assert optimizer is not None
@@ -499,29 +548,8 @@ def load_state(
 
         return restore
 
-    # the commit's finishing steps, named for the LoadError should one fail (see _transaction)
     finish = [("setting the optimizer state", set_optimizer_state)] if optimizer is not None else []
-    finish += [(f"restoring extra state {name!r}", restore_extra(name)) for name in loaded_extra]
-    total = sum(local_nbytes(t) for p in parts for t in p.targets.values())
-    with TransferBar(total, "sdadapt.load_state", tensors=sum(len(p.targets) for p in parts), rank=rank, enabled=progress) as bar:
-        txn.on_done = bar.update if bar.on else None
-        txn.run(parts, atomic=atomic, finish=finish)
-    rep = StateLoadReport(
-        rank=rank,
-        world_size=world,
-        source=src,
-        model_keys=len(plan.recipes),
-        optimizer_keys=sum(len(p.targets) for p in parts if not p.of_model),
-        optimizer_state_names=sorted(r.oplan.plans) if r.oplan is not None else [],
-        param_groups=len(r.oplan.hyper) if r.oplan is not None else 0,
-        bytes_read=sum(p.reader.io.bytes_read for p in parts if p.reader is not None),
-        extra=sorted(extra),
-        saved_with=full.record,
-        seconds=time.perf_counter() - t0,
-        report=report,
-    )
-    log.info("%s", rep.format())
-    return rep
+    return finish + [(f"restoring extra state {name!r}", restore_extra(name)) for name in loaded_extra]
 
 
 class _Restore:
@@ -557,13 +585,8 @@ def _read_extras(txn: Transaction, src: str, extra: dict[str, Any], group: dist.
     txn.agree(error)
     try:
         with single_process_quiet():
-            dcp.load(
-                loaded,
-                storage_reader=FileSystemReader(folder),
-                planner=SafeLoadPlanner(allow_partial_load=True),
-                process_group=group,
-                no_dist=not is_distributed(),
-            )
+            dcp.load(loaded, storage_reader=FileSystemReader(folder), planner=SafeLoadPlanner(allow_partial_load=True),
+                     process_group=group, no_dist=not is_distributed())  # fmt: skip
     except CheckpointException as e:
         error = LoadError(f"restoring extra state {sorted(extra)} from {src} failed: {e}")
     txn.agree(error)
