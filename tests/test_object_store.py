@@ -10,6 +10,7 @@ retries or our error naming the URL on every rank, the model untouched.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 from collections.abc import Iterator
@@ -183,6 +184,30 @@ def test_every_format_loads_bit_exactly(s3: SeaweedFS, uploaded: int, fmt: str) 
     if fmt in ("hf", "single", "single_file", "torch_save"):
         assert rep.bytes_fetched <= uploaded  # the tensors once; the headers were fetched when opened
     assert sdadapt.diff(model, url(fmt), adapter_for(fmt)).ok
+
+
+def test_an_open_url_source_serves_the_whole_call(s3: SeaweedFS, uploaded: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One source per call at a URL: ``dequant_rules`` and ``load`` take the source opened once,
+    so each shard's header is fetched and parsed once (tests/test_header_reads.py counts the
+    local cases)."""
+    from sdadapt.sources import _safetensors_file
+
+    parsed: collections.Counter[str] = collections.Counter()
+    real = _safetensors_file.read_header
+
+    def counted(path: str, *a: Any, **k: Any) -> Any:
+        parsed[os.path.basename(path)] += 1
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(_safetensors_file, "read_header", counted)
+    with torch.device("meta"):
+        model = TinyTransformer(**CONFIG)
+    with sdadapt.sources.open_source(url("fp8")) as src:
+        assert sdadapt.load(model, src, sdadapt.Adapter(sdadapt.dequant_rules(src))).report.ok
+    assert len(parsed) > 1 and set(parsed.values()) == {1}, parsed
+    want = expected("fp8")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
 
 
 def test_open_inspect_and_cli(s3: SeaweedFS, uploaded: int, capsys: pytest.CaptureFixture[str]) -> None:
