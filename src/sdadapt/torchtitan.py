@@ -349,12 +349,13 @@ class SdadaptStateDictAdapter:
         name = adapter if isinstance(adapter, str) else adapter.name
         return type(f"SdadaptStateDictAdapter[{name}]", (cls,), {"default_adapter": adapter, "default_options": dict(options)})
 
-    def adapter_for(self, path: str | None) -> Adapter:
+    def adapter_for(self, path: str | None, source: Source | None = None) -> Adapter:
         """The adapter for the checkpoint at ``path`` (``None``: ``hf_assets_path``); a shipped
-        name reads its options from that folder's config once."""
+        name reads its options from that folder's config once (and its key names from
+        ``source``, the checkpoint already open, when given)."""
         where = path if path is not None else self.hf_assets_path
         if where not in self._adapters:
-            self._adapters[where] = resolve_adapter(self.spec, source=where, **self.options)
+            self._adapters[where] = resolve_adapter(self.spec, source=source or where, **self.options)
         return self._adapters[where]
 
     # ------------------------------------------------------------------ the protocol
@@ -424,7 +425,7 @@ class SdadaptStateDictAdapter:
         source = open_source(path)
         try:
             model = schema_of(hf._native)
-            adapter, state = for_load(self.adapter_for(path), source.schema, source.non_tensor, model)
+            adapter, state = for_load(self.adapter_for(path, source), source.schema, source.non_tensor, model)
             if state:
                 log.info("torchtitan bridge: %d keys of training state stay as initialised: %s", len(state), ", ".join(state[:4]))
             adapter = with_dtype(adapter, self.dtype)
