@@ -15,9 +15,10 @@ vLLM layout (``vllm_llama.layout(tp, rank)``, ...) so that it cuts a weight's sc
 the weight and refuses a rank's share that is not whole blocks. That
 equals quantizing each checkpoint tensor (what vLLM's loader would be given) when every fused
 part (``q``/``k``/``v``, ``gate``/``up``) and every rank's share of a cut dim is a multiple of the
-block, which vLLM requires of block-quantized layers anyway. In a refit each engine rank
-quantizes its own shard from the trainer regions its blocks cover: a block that straddles two
-trainer shards is fetched whole (its rows from each shard), never the whole tensor.
+block, which vLLM requires of block-quantized layers anyway. In a refit the trainer rank that
+holds a block quantizes it and sends its e4m3 bytes and scale; a block that straddles two
+trainer shards is fetched whole by the engine rank (its rows from each shard) and quantized
+there, never the whole tensor.
 
 Not covered: per-tensor and per-channel FP8 scales (vLLM computes those itself when it
 quantizes a bfloat16 checkpoint online), activation scales.

@@ -200,15 +200,19 @@ def _cases(bucket: int) -> dict[str, object]:
         assert rep.bytes_received == 0 and rep.updated == []
     out["disaggregated"] = rep.model_dump()
 
-    # 1b. the same with computed recipes (an affine after the fuse): inputs staged on the engine ranks,
-    #     received from both trainer ranks in rounds of a small bucket
+    # 1b. the same with computed recipes (an affine after the fuse) into a float32 engine (the result is no
+    #     smaller than its inputs): inputs staged on the engine ranks, received from both trainer ranks in
+    #     rounds of a small bucket; into a bfloat16 engine, computed on the trainer ranks (half the bytes)
     computed = llama_adapter(2) + sdadapt.Adapter([sdadapt.affine("model.layers.{i}.self_attn.qkv_proj.weight", scale=2.0, shift=0.5)])
     whole_c = eager(full, computed)
-    engine = engine_shards(whole_c, layout) if layout else None
-    rep = sdadapt.refit_plan(trainer, engine, computed, engine_layout=layout, bucket_bytes=bucket)()
-    if engine is not None:
-        check(engine, whole_c, layout)
-        assert 0 < rep.staged_bytes and rep.buffer_bytes <= bucket
+    for dtype in (torch.float32, torch.bfloat16):
+        engine = engine_shards(whole_c, layout, dtype) if layout else None
+        rep = sdadapt.refit_plan(trainer, engine, computed, engine_layout=layout, bucket_bytes=bucket)()
+        if engine is not None:
+            sent = check(engine, whole_c, layout)
+            assert (rep.staged_bytes > 0) == (dtype == torch.float32) and rep.buffer_bytes <= bucket
+            if dtype == torch.bfloat16:
+                assert rep.bytes_received == sent
 
     # 2. colocated: FSDP over all 4 ranks -> two vLLM TP-2 replicas (ranks 0,1 and 2,3), delta mode
     world = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
@@ -299,7 +303,10 @@ def _cases(bucket: int) -> dict[str, object]:
     if engine is not None:
         check(engine, whole8, layout)
         assert engine["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.float8_e4m3fn
-        assert rep.staged_bytes > 0  # the float32 regions the quantization reads
+        assert rep.staged_bytes > 0  # the blocks cut by the trainer's shards: their float32 regions, quantized here
+        # the other blocks come quantized: fewer bytes than float32 inputs for every e4m3 weight
+        inputs = sum(t.numel() * (4 if t.dtype == torch.float8_e4m3fn else t.element_size()) for t in engine.values())
+        assert rep.bytes_received + rep.bytes_local < inputs, (rep.bytes_received, rep.bytes_local, inputs)
     out["fp8"] = rep.model_dump()
 
     # 8. send=: the engine outside the group; each rank sends the regions of vLLM's TP-1 tensors (bf16, described
@@ -606,8 +613,9 @@ def test_refit_one_process_moe_forward() -> None:
 def test_vllm_fp8_against_compressed_tensors() -> None:
     """vllm_fp8's e4m3 weights and block scales, refit from float32 and from bfloat16 trainers on
     one process, equal compressed-tensors' block quantization (its min-max scales and its
-    quantize) of the same vLLM-layout tensors, bit for bit; the values and the scales of a weight
-    read its trainer regions once; a rank's share that is not whole blocks is refused."""
+    quantize) of the same vLLM-layout tensors, bit for bit; each weight is quantized where its
+    trainer values are (its e4m3 bytes move, not its inputs); a rank's share that is not whole
+    blocks is refused."""
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import quantize
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -631,9 +639,9 @@ def test_vllm_fp8_against_compressed_tensors() -> None:
             want = quantize(x, scale, zp, args).to(torch.float8_e4m3fn)
             assert torch.equal(engine[sk], scale), sk
             assert torch.equal(engine[k].view(torch.uint8), want.view(torch.uint8)), k
-        weights = [k for k, t in full.items() if t.dim() == 2 and ".layers." in k]
-        others = sum(engine[k].numel() * 2 for k in engine if k not in quantized and engine[k].dtype == torch.bfloat16)
+        # each weight quantized where its trainer values are (here): e4m3 values and float32 scales, not its inputs
         padding = (128 - V) * D8 * 2 * 2  # vLLM's vocabulary rows, filled
-        assert rep.bytes_local == sum(full[k].numel() * full[k].element_size() for k in weights) + others - padding
+        assert rep.bytes_local == sum(t.numel() * t.element_size() for t in engine.values()) - padding
+        assert rep.staged_bytes == 0
     with pytest.raises(sdadapt.errors.SdadaptError, match="not a multiple of the FP8 block"):
         vllm_fp8.layout(vllm_llama.layout(2, 1), (8, 8))("model.layers.0.mlp.down_proj.weight", torch.zeros(D8, F8 // 2))

@@ -7,8 +7,12 @@ adapter maps the trainer's keys onto the engine's), and each engine rank asks, t
 tensors' recipes, only for the regions of trainer tensors its own shards are made of. Those
 regions go from the ranks that hold them (``refit_schedule``): pieces straight into views of the
 engine tensors, computations' inputs staged until the computation runs on the receiving rank.
-A cast to a narrower dtype happens on the sending side (the same bits, fewer bytes). Nothing is
-gathered whole unless an engine rank holds it whole.
+A cast to a narrower dtype happens on the sending side (the same bits, fewer bytes), and so does
+a computation whose result is smaller than what it reads (a re-quantization) wherever one
+trainer rank holds all it reads: the engine region is cut (in halves along its leading dims,
+never inside what one value reads, such as an FP8 block) into parts that one rank can make, the
+rest computed on the receiving rank from its inputs. Nothing is gathered whole unless an engine
+rank holds it whole.
 
 Transport: point-to-point sends and receives of the group's backend (gloo on the CPU, NCCL on
 GPUs), in rounds; a rank packs one round while the one before is in flight, each in a buffer of
@@ -38,7 +42,7 @@ from .._recipes.nodes import Compute, Node, Piece, Step
 from ..errors import RefitError, SdadaptError
 from .export_local import reads_of, shard_box
 from .refit_run import Refit, _Mine
-from .refit_schedule import Held, Request, round_bytes, transfers_of
+from .refit_schedule import Held, Request, round_bytes, transfers_of, volume
 from .refit_send import Region, SendFn, plan_regions
 from .writing import plan_outputs
 
@@ -112,8 +116,10 @@ def refit_plan(
     gives its global shape and box (``sdadapt.adapters.vllm_llama.layout(tp, rank)``).
 
     Each engine rank receives exactly the regions its shards are made of, from the ranks that
-    hold them; narrowing casts happen before sending; computed recipes (a re-quantization) run on
-    the receiving rank. No rank gathers a whole tensor unless its engine shard needs all of it.
+    hold them; narrowing casts happen before sending; a computed recipe whose result is smaller
+    than its inputs (a re-quantization) runs on the trainer rank holding its inputs where one
+    does, else on the receiving rank. No rank gathers a whole tensor unless its engine shard
+    needs all of it.
 
     Args:
         trainer: this rank's training model or state dict (DTensors or plain tensors), or ``None``.
@@ -206,10 +212,20 @@ def refit_plan(
             if k not in recipes:
                 continue
             node, dest = recipes[k], local_e[k]
-            steps = node.steps(meta["engine"][k].box, dest)
+            ebox = meta["engine"][k].box
+            steps = node.steps(ebox, dest)
+            made = _made_by_senders(node, ebox, steps, trainer_all, dtypes, rank)
+            if made:  # the parts no one trainer rank can make are computed here, from their inputs
+                steps = [s for part, src in made if src < 0 for s in node.steps(part, dest[_within(part, ebox)])]
             mine.steps[k] = steps
             mine.where[k] = dest.device
             _requests(k, node, steps, source, dtypes, mine)
+            for part, src in made:
+                if src >= 0:
+                    i = len(mine.requests)
+                    mine.requests.append(Request(k, k, part, dtype_name(node.dtype), i, src))
+                    mine.dest[i] = dest[_within(part, ebox)]
+                    mine.by_target[k].append(i)
     except SdadaptError as e:
         error = e
     agree(error, group)
@@ -246,6 +262,69 @@ def _schema(per_rank: list[dict[str, Held]], what: str) -> dict[str, TensorInfo]
                 )
             out[k] = info
     return out
+
+
+def _within(box: Box, origin: Box) -> tuple[slice, ...]:
+    return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin, strict=True))
+
+
+def _made_by_senders(
+    node: Node, box: Box, steps: list[Step], trainer: list[dict[str, Held]], dtypes: dict[str, torch.dtype], dst: int
+) -> list[tuple[Box, int]]:
+    """For a computed engine region whose result is smaller than what it reads (a re-quantization):
+    its parts, each with the trainer rank that holds everything the part reads and computes it
+    there (``-1``: no one rank does, the part is computed here from its inputs). Cut in halves
+    along its longest leading dim while that narrows what the halves read (an FP8 block cut by
+    the trainer's shards stays whole). ``[]``: computed here, from its inputs."""
+    if not any(isinstance(s, Compute) for s in steps) or len(box) < 2:
+        return []
+
+    def nbytes(reads: list[tuple[str, Box]]) -> int:
+        return sum(volume(b) * dtypes[k].itemsize for k, b in reads)
+
+    def maker(reads: list[tuple[str, Box]]) -> int:
+        ranks = [r for r, held in enumerate(trainer) if all(k in held and _inside(b, held[k].box) for k, b in reads)]
+        return -1 if not ranks else dst if dst in ranks else ranks[0]
+
+    reads = reads_of(node, box, dtypes)
+    if volume(box) * node.dtype.itemsize >= nbytes(reads):
+        return []
+    out: list[tuple[Box, int]] = []
+
+    def halves(part: Box, d: int) -> list[Box]:
+        a, b = part[d]
+        return [part[:d] + (h,) + part[d + 1 :] for h in ((a, (a + b) // 2), ((a + b) // 2, b))]
+
+    def split(part: Box, reads: list[tuple[str, Box]], depth: int) -> None:
+        src = maker(reads)
+        if src >= 0 or depth > 24:
+            out.append((part, src))
+            return
+        # of the leading dims, the one whose halves some rank makes whole, else the longest that
+        # still narrows what each half reads (inside one FP8 block a half reads all of it)
+        dims = sorted((d for d in range(len(part) - 1) if part[d][1] - part[d][0] > 1), key=lambda d: part[d][0] - part[d][1])
+        best: tuple[list[Box], list[list[tuple[str, Box]]]] | None = None
+        for d in dims:
+            hs = halves(part, d)
+            got = [reads_of(node, h, dtypes) for h in hs]
+            if any(set(g) == set(reads) for g in got):
+                continue
+            if all(maker(g) >= 0 for g in got):
+                best = (hs, got)
+                break
+            best = best or (hs, got)
+        if best is None:
+            out.append((part, -1))
+            return
+        for h, g in zip(*best, strict=True):
+            split(h, g, depth + 1)
+
+    split(box, reads, 0)
+    return out if any(src >= 0 for _, src in out) else []
+
+
+def _inside(box: Box, outer: Box) -> bool:
+    return all(o0 <= a and b <= o1 for (a, b), (o0, o1) in zip(box, outer, strict=True))
 
 
 def _requests(k: str, node: Node, steps: list[Step], source: dict[str, TensorInfo], dtypes: dict[str, torch.dtype], mine: _Mine) -> None:

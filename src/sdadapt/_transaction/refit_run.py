@@ -318,6 +318,8 @@ class Refit:
 
     # ----- moving bytes
     def _source_view(self, t: Transfer) -> torch.Tensor:
+        if t.computed:  # the engine tensor's region, computed here from this rank's shards
+            return self.recipes[t.target].read(t.box, LocalShards(self.trainer, self.trainer_box, self._trainer_device()))
         local, box = self.trainer[t.key], self.trainer_box[t.key]
         return local[_offset(t.box, box)]
 

@@ -13,6 +13,7 @@ sends and receives at most half the bucket in all (two rounds are in flight at a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -38,13 +39,16 @@ class Held:
 @dataclass(frozen=True)
 class Request:
     """Region ``box`` of trainer tensor ``key`` that engine tensor ``target`` of one engine rank
-    needs, sent as ``wire`` (a dtype name); ``index``: its place in that rank's request list."""
+    needs, sent as ``wire`` (a dtype name); ``index``: its place in that rank's request list.
+    ``src >= 0``: region ``box`` of the engine tensor itself (``key == target``), computed by
+    trainer rank ``src``, which holds everything it reads (fewer bytes than its inputs)."""
 
     target: str
     key: str
     box: Box
     wire: str
     index: int
+    src: int = -1
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class Transfer:
     wire: str
     request: int
     target: str
+    computed: bool = False  # region ``box`` of engine tensor ``target``, computed by ``src``
 
     @property
     def nbytes(self) -> int:
@@ -117,15 +122,14 @@ def cut_to_fit(t: Transfer, bucket: int, bucket_bytes: int | None = None) -> lis
 
     def cut(box: Box, d: int) -> None:  # the dims before d have one index each
         if _aligned(volume(box) * item) <= bucket:
-            out.append(Transfer(t.src, t.dst, t.key, box, t.wire, t.request, t.target))
+            out.append(dataclasses.replace(t, box=box))
             return
         slab = math.prod(box_shape(box)[d + 1 :]) * item
         start, stop = box[d]
         if _aligned(slab) <= bucket:
             per = max(1, (bucket // ALIGN * ALIGN) // slab)
             for a in range(start, stop, per):
-                out.append(Transfer(t.src, t.dst, t.key, box[:d] + ((a, min(stop, a + per)),) + box[d + 1 :],
-                                    t.wire, t.request, t.target))  # fmt: skip
+                out.append(dataclasses.replace(t, box=box[:d] + ((a, min(stop, a + per)),) + box[d + 1 :]))
         else:
             for i in range(start, stop):
                 cut(box[:d] + ((i, i + 1),) + box[d + 1 :], d + 1)
@@ -138,11 +142,16 @@ def transfers_of(
     trainer: list[dict[str, Held]], requests: list[list[Request]], bucket: int, bucket_bytes: int | None = None
 ) -> list[Transfer]:
     """Every transfer, in the order of the engine ranks' requests, each fitting ``bucket``."""
-    boxes = {k: holders(trainer, k) for k in sorted({r.key for reqs in requests for r in reqs})}
+    boxes = {k: holders(trainer, k) for k in sorted({r.key for reqs in requests for r in reqs if r.src < 0})}
     sent = [0] * len(trainer)
     out: list[Transfer] = []
     for dst, reqs in enumerate(requests):
         for req in reqs:
+            if req.src >= 0:  # computed by the trainer rank that holds its inputs
+                t = Transfer(req.src, dst, req.key, req.box, req.wire, req.index, req.target, computed=True)
+                sent[req.src] += t.nbytes
+                out.extend(cut_to_fit(t, bucket, bucket_bytes) if req.src != dst else [t])
+                continue
             covered = 0
             for box, ranks in boxes[req.key]:
                 part = intersect(box, req.box)
