@@ -1,6 +1,6 @@
 """Split ``q_proj``/``k_proj``/``v_proj`` -> the fused ``qkv`` of the discussion's model.
 
-The model of ``shared/seed/discussion.txt`` (``tests/models.py`` ``TinyTransformer``) has one
+The model of ``shared/seed/discussion.txt`` (``tests/support/models.py`` ``TinyTransformer``) has one
 fused ``layers.{i}.attn.qkv`` projection (``[q; k; v]`` rows, weight and bias); checkpoints
 from the same family with separate projections name them ``layers.{i}.attn.q_proj|k_proj|v_proj``.
 ``adapter.inverse()`` splits ``qkv`` again (equal thirds, as the model's ``chunk(3)``).
@@ -17,7 +17,7 @@ from typing import Any
 import sdadapt
 from sdadapt import Adapter
 
-SUMMARY = "split q_proj/k_proj/v_proj -> the fused qkv of the discussion's SimpleTransformer (tests/models.py)"
+SUMMARY = "split q_proj/k_proj/v_proj -> the fused qkv of the discussion's SimpleTransformer (tests/support/models.py)"
 
 
 def build() -> Adapter:

@@ -3,7 +3,7 @@ numerical check and with headers only (``reference=None``).
 
     python bench/draft_families_bench.py [--families mistral,phi] [--repeat 1]
 
-Each family: a tiny perturbed transformers 5.x model (tests/draft_natives_more.py: Mistral,
+Each family: a tiny perturbed transformers 5.x model (tests/support/draft_natives2.py: Mistral,
 Helium, Granite, OLMo2, StableLM, Cohere, Phi, GPT-NeoX, Starcoder2, GLM, Mixtral, Qwen2-MoE)
 written with ``save_pretrained``; the target is the tests' native torchtitan-style decoder
 (Meta's interleaved rotary) on the meta device. For each draft: wall seconds (best of
@@ -34,8 +34,8 @@ import sdadapt  # noqa: E402
 
 def main() -> None:
     import transformers as T
-    from draft_natives import perturb
-    from draft_natives_more import FAMILIES, Native2, more_configs, native2_config
+    from support.draft_natives import perturb
+    from support.draft_natives2 import FAMILIES, Native2, more_configs, native2_config
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default=",".join(FAMILIES))

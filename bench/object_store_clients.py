@@ -33,8 +33,8 @@ def main() -> None:
 
     import obstore
     import s3fs
-    from object_store_server import SeaweedFS, weed_binary
     from obstore.store import S3Store
+    from support.object_store_server import SeaweedFS, weed_binary
 
     binary = weed_binary()
     if binary is None:

@@ -1,9 +1,9 @@
-"""The compatibility matrix: tests/compat_cases.py run under each transformers release, each in
+"""The compatibility matrix: tests/support/compat_cases.py run under each transformers release, each in
 a small venv of its own, and the table of docs/compatibility.md printed from the results.
 
     python scripts/compat_matrix.py                       # the default releases (below)
     python scripts/compat_matrix.py 4.57.6 5.25.0         # these
-    python scripts/compat_matrix.py --pytest tests/test_hf_models.py 4.57.6   # a test file there
+    python scripts/compat_matrix.py --pytest tests/plan/test_hf_models.py 4.57.6   # a test file there
     python scripts/compat_matrix.py --torchtitan 0.2.2    # the bridge under torchtitan 0.2.2 (only)
 
 Each small venv (``--root``/tf-<version>) holds only that transformers and what it depends on;
@@ -55,7 +55,7 @@ def make_venv(root: str, version: str, base_site: str, package: str = "transform
 
 def run_cases(py: str, timeout: float) -> tuple[list[dict], float]:
     start = time.monotonic()
-    p = subprocess.run([py, os.path.join(ROOT, "tests", "compat_cases.py")], capture_output=True, text=True,
+    p = subprocess.run([py, os.path.join(ROOT, "tests", "support", "compat_cases.py")], capture_output=True, text=True,
                        timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
     if not rows or "failed" not in rows[-1]:
@@ -93,7 +93,7 @@ def main() -> int:
     ap.add_argument("--base", default=sysconfig.get_paths()["purelib"], help="site-packages the small venvs see (torch, sdadapt)")
     ap.add_argument("--pytest", nargs="+", metavar="ARG", help="run pytest with these arguments in each venv instead of the cases")
     ap.add_argument("--torchtitan", action="append", default=[], metavar="VERSION",
-                    help="also run tests/titan_compat.py under this torchtitan release (repeatable; the base must hold "
+                    help="also run tests/support/titan_compat.py under this torchtitan release (repeatable; the base must hold "
                     "the test-titan extra)")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--json", help="write the results here")
@@ -125,7 +125,7 @@ def main() -> int:
             print("   ", json.dumps(r)[:1500], file=sys.stderr)
     for version in args.torchtitan:
         py = make_venv(args.root, version, args.base, "torchtitan")
-        p = subprocess.run([py, os.path.join(ROOT, "tests", "titan_compat.py")], capture_output=True, text=True,
+        p = subprocess.run([py, os.path.join(ROOT, "tests", "support", "titan_compat.py")], capture_output=True, text=True,
                            timeout=args.timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
         line = (p.stdout.strip().splitlines() or [p.stderr.strip()[-800:]])[-1]
         print(f"[compat] torchtitan {version}: {'pass' if p.returncode == 0 else 'FAIL'}: {line}", file=sys.stderr, flush=True)

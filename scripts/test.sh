@@ -3,7 +3,7 @@
 # models, ruff, mypy; torchtitan for the bridge's tests), check lint and types, then run the test
 # suite (extra arguments go to pytest):
 #   bash scripts/test.sh                     # lint, types, everything
-#   bash scripts/test.sh tests/test_cli.py   # lint, types, one file
+#   bash scripts/test.sh tests/cli/test_cli.py   # lint, types, one file
 SDADAPT_EXTRA=test,test-titan source "$(dirname "$0")/_setup.sh"
 echo "[test] ruff check (lint and import order)" >&2
 "$PY" -m ruff check .

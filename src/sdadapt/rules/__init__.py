@@ -44,7 +44,7 @@ from .._base.lazy import attach
 from ._base import Keys as Keys
 
 # What the layers above use of the rule machinery: they import it from here, never from the
-# private modules (tests/test_layers.py checks that). Not public API: the public names are ``__all__``.
+# private modules (tests/project/test_layers.py checks that). Not public API: the public names are ``__all__``.
 from ._base import PlanContext as PlanContext
 from ._base import RuleBase as RuleBase
 from ._base import RuleIssue as RuleIssue

@@ -2,7 +2,7 @@
 
 Besides the public names (``__all__``), this module is the package's face for the layers above:
 what they use of the private modules (the formats, checksums, side files, the header record,
-object storage) they import from here, never from those modules (``tests/test_layers.py``
+object storage) they import from here, never from those modules (``tests/project/test_layers.py``
 checks that); those names are not public API.
 """
 

@@ -1,0 +1,65 @@
+"""Every code block of README.md and docs/*.md runs as a test or is visibly marked a fragment.
+
+The convention and the runner are in tests/support/doc_blocks.py: a ```python or ```bash block runs as
+written unless its first line is ``# fragment: <why>``; ```json blocks are docs/rules.md's
+adapters (tests/project/test_docs_rules.py); ```text blocks are output and diagrams. Each file's blocks
+run in one subprocess (a fresh interpreter: a block's registered rule kinds, imports and
+working directory stay there), each block in its own temporary folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from support.doc_blocks import DOC_FILES, EXECUTED_ELSEWHERE, LANGUAGES, ROOT, all_blocks, blocks, runnable
+
+
+def test_every_block_is_executed_or_marked():
+    problems = []
+    for b in all_blocks():
+        if b.lang not in LANGUAGES:
+            problems.append(f"{b.name}: fence language {b.lang!r}; use one of {sorted(LANGUAGES)} (```text for output)")
+        elif b.lang == "json" and (b.file, "json") not in EXECUTED_ELSEWHERE:
+            problems.append(f"{b.name}: a JSON block that no test reads")
+        elif b.fragment and (b.file, b.lang) in EXECUTED_ELSEWHERE:
+            problems.append(f"{b.name}: marked a fragment, but {EXECUTED_ELSEWHERE[(b.file, b.lang)]} runs every such block")
+        elif "fragment" in b.code.split("\n", 1)[0] and not b.fragment:
+            problems.append(f"{b.name}: write the mark as the first line '# fragment: <why it does not run>'")
+    assert problems == [], "\n".join(problems)
+
+
+def test_the_blocks_run_elsewhere_are_those_the_other_tests_read():
+    """tests/draft/test_draft_families.py and tests/project/test_docs_rules.py pick their blocks with their own
+    pattern: they must see exactly the blocks this convention gives them."""
+    for (file, lang), _ in EXECUTED_ELSEWHERE.items():
+        theirs = re.findall(rf"```{lang}\n(.*?)```", (ROOT / file).read_text(), flags=re.S)
+        ours = [b.code for b in blocks(file) if b.lang == lang]
+        assert theirs == ours, file
+
+
+def test_the_convention_sees_real_marks_and_fences():
+    kinds = {b.how().split(":")[0].split(" by ")[0] for b in all_blocks()}
+    assert kinds == {"executed", "fragment", "display (text, not code)"}, kinds
+    # the README's Quick start and CLI run; so do most of the guide's blocks
+    assert len([b for b in all_blocks() if b.file == "README.md" and not b.fragment and b.lang != "text"]) >= 2
+    assert len([b for b in all_blocks() if b.file != "README.md" and not b.fragment and b.lang != "text"]) >= 10
+
+
+@pytest.mark.parametrize("file", [f for f in DOC_FILES if runnable(f)])
+def test_doc_blocks_run(file, tmp_path):
+    out = tmp_path / "outcome.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])}
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "support" / "doc_blocks.py"), file, str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0 and out.exists(), r.stdout[-4000:] + r.stderr[-4000:]
+    results = json.loads(out.read_text())
+    assert [x["block"] for x in results] == [b.name for b in runnable(file)]
+    failed = [f"{x['block']}: {x['outcome']}" for x in results if x["outcome"] != "ok"]
+    assert failed == [], "\n\n".join(failed) + "\n--- output ---\n" + r.stdout[-3000:] + r.stderr[-3000:]

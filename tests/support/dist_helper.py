@@ -1,0 +1,176 @@
+"""Run a function on N real processes (gloo on CPU), with a timeout so a hang fails fast.
+
+    results = run_distributed(my_cases, world_size=4, some_arg)
+
+``fn`` must be a module-level function of an importable module (a test module is fine: tests/
+and its layer folders are put on the workers' path). Each worker initialises the default process group
+(gloo; the ranks meet in a file of the launch's temporary folder), calls ``fn(*args,
+**kwargs)`` and returns its value; the caller gets the list of values by rank. If any rank
+raises, :class:`WorkerError` carries every rank's traceback (the ranks that failed on their
+own first); if any rank does not finish within ``timeout`` s, all are killed and the call
+fails naming the ranks that hung. Process start costs seconds on 2 cores: let one launched
+group run many cases and return a dict of results.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+SRC_DIR = TESTS_DIR.parent / "src"
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    type_name: str
+    message: str
+    traceback: str
+    mro: list[str]
+
+
+# what a rank reports when another rank's process ended while it waited on it in a collective
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def _first_cause(f: RankFailure) -> int:
+    """Sort key: a rank that crashed, then one that raised on its own, before the ranks that only
+    saw a peer go away (they are its consequence, and a long report is cut from its end)."""
+    if f.type_name == "Crash":
+        return 0
+    return 2 if any(s in f.message for s in _PEER_GONE) else 1
+
+
+class WorkerError(AssertionError):
+    def __init__(self, failures: list[RankFailure], logs: str):
+        self.failures = failures
+        ordered = sorted(failures, key=_first_cause)
+        text = "\n".join(f"--- rank {f.rank}: {f.type_name}: {f.message}\n{f.traceback}" for f in ordered)
+        super().__init__(f"{len(failures)} rank(s) failed:\n{text}\n--- worker output (tail) ---\n{logs}")
+
+
+def run_distributed(fn: Any, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
+    job = tempfile.mkdtemp(prefix="sdadapt-dist-")
+    with open(os.path.join(job, "job.pkl"), "wb") as f:
+        pickle.dump((fn.__module__, fn.__qualname__, args, kwargs), f)
+    env = dict(os.environ)
+    # tests/ for support, and every layer's folder: fn, or a function among the arguments, may
+    # live in a test module, imported by its file's name (unique across the folders)
+    folders = sorted(str(d) for d in TESTS_DIR.iterdir() if d.is_dir() and d.name not in ("support", "__pycache__"))
+    where = [str(TESTS_DIR), *folders, str(SRC_DIR)]
+    env.update(
+        WORLD_SIZE=str(world_size),
+        SDADAPT_TEST_TIMEOUT=str(timeout),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([*where, env.get("PYTHONPATH", "")]),
+    )
+    procs = []
+    logs = []
+    for rank in range(world_size):
+        log = open(os.path.join(job, f"log.{rank}"), "wb")
+        logs.append(log)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "support.dist_helper", job, str(rank)],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=str(TESTS_DIR),
+            )
+        )
+    deadline = time.monotonic() + timeout
+    hung = []
+    for rank, p in enumerate(procs):
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            hung.append(rank)
+    if hung:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+    for log in logs:
+        log.close()
+    tail = ""
+    for rank in range(world_size):
+        text = Path(job, f"log.{rank}").read_text(errors="replace")
+        if text.strip():
+            tail += f"[rank {rank}] " + text[-3000:] + "\n"
+    if hung:
+        raise AssertionError(f"ranks {hung} of {world_size} did not finish within {timeout:.0f} s (hang)\n{tail}")
+    results: list[Any] = []
+    failures: list[RankFailure] = []
+    for rank, p in enumerate(procs):
+        path = Path(job, f"result.{rank}.pkl")
+        if not path.exists():
+            failures.append(RankFailure(rank, "Crash", f"exit code {p.returncode}, no result", "", []))
+            results.append(None)
+            continue
+        status, value = pickle.loads(path.read_bytes())
+        if status == "ok":
+            results.append(value)
+        else:
+            failures.append(RankFailure(rank, *value))
+            results.append(None)
+    if failures:
+        raise WorkerError(failures, tail)
+    return results
+
+
+def _worker(job: str, rank: int) -> None:
+    import datetime
+    import faulthandler
+
+    import torch.distributed as dist
+
+    faulthandler.enable()  # a native crash leaves its Python stack in the rank's log
+
+    module, qualname, args, kwargs = pickle.loads(Path(job, "job.pkl").read_bytes())
+    world = int(os.environ["WORLD_SIZE"])
+    out: tuple[str, Any]
+    try:
+        # the ranks meet in a file of the job's own folder: a TCP store's port, picked free by
+        # the parent, could be taken by another socket before rank 0 binds it
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{Path(job, 'rendezvous')}",
+            rank=rank,
+            world_size=world,
+            # no shorter than the parent's hang timeout: on a loaded machine a rank can wait long
+            # for a slow peer, and its own timeout would end it and fail every other rank
+            timeout=datetime.timedelta(seconds=float(os.environ.get("SDADAPT_TEST_TIMEOUT", "180"))),
+        )
+        fn: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            fn = getattr(fn, part)
+        out = ("ok", fn(*args, **kwargs))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        out = ("error", (type(e).__name__, str(e), traceback.format_exc(), [c.__name__ for c in type(e).__mro__]))
+    try:
+        data = pickle.dumps(out)
+    except Exception as e:  # noqa: BLE001
+        data = pickle.dumps(("error", ("PickleError", f"result not picklable: {e}", "", [])))
+    Path(job, f"result.{rank}.pkl.tmp").write_bytes(data)
+    os.replace(Path(job, f"result.{rank}.pkl.tmp"), Path(job, f"result.{rank}.pkl"))
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # avoids gloo's abort at interpreter exit (see shared/DESIGN.md)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], int(sys.argv[2]))
