@@ -266,34 +266,141 @@ def test_bench_imports_of_private_modules_are_declared():
 
 
 BENCH_TEST_IMPORTS = {
-    "gpu_scenario.py": {"models": "the suite's TinyTransformer and parallelize: the GPU runs the model the CPU tests run"},
+    "gpu_scenario.py": {"support.models": "the suite's TinyTransformer and parallelize: the GPU runs the model the CPU tests run"},
     "draft_families_bench.py": {
-        "draft_natives": "the families' perturbation, as the draft tests write their checkpoints",
-        "draft_natives2": "the twelve families' configs and the native decoder the draft tests target",
+        "support.draft_natives": "the families' perturbation, as the draft tests write their checkpoints",
+        "support.draft_natives2": "the twelve families' configs and the native decoder the draft tests target",
     },
     "object_store_bench.py": {
-        "dist_helper": "gloo ranks launched as the distributed tests launch them",
-        "checkpoints": "the reference writer of HF sharded folders",
-        "object_store_server": "the SeaweedFS the object storage tests start",
+        "support.dist_helper": "gloo ranks launched as the distributed tests launch them",
+        "support.checkpoints": "the reference writer of HF sharded folders",
+        "support.object_store_server": "the SeaweedFS the object storage tests start",
     },
-    "object_store_clients.py": {"object_store_server": "the SeaweedFS the object storage tests start"},
+    "object_store_clients.py": {"support.object_store_server": "the SeaweedFS the object storage tests start"},
 }
-"""The test-suite modules a bench imports, with the reason (no test module: ``test_*``)."""
+"""The modules of tests/support/ a bench imports, with the reason; a bench never imports a test module."""
+
+
+def _absolute_imports(path: Path) -> list[str]:
+    """Every module ``path`` imports by an absolute name (relative imports stay in their package)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out += [node.module] + [f"{node.module}.{a.name}" for a in node.names if node.module == "support"]
+    return out
 
 
 def test_bench_imports_no_test_module():
-    tests = {p.stem for p in (Path(__file__).resolve().parents[1]).glob("*.py")}
+    tests = set(TEST_MODULES)
     for p in sorted(BENCH.rglob("*.py")):
-        allowed = set(BENCH_TEST_IMPORTS.get(str(p.relative_to(BENCH)), {}))
-        for node in ast.walk(ast.parse(p.read_text())):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0:  # a relative import stays in its package
-                names = [node.module or ""]
-            else:
-                continue
-            bad = [n for n in names if (n.split(".")[0] in tests or n.startswith("tests")) and n not in allowed]
-            assert not bad and not any(n.startswith("test_") for n in names), (p, names)
+        declared = BENCH_TEST_IMPORTS.get(str(p.relative_to(BENCH)), {})
+        used = set()
+        for name in _absolute_imports(p):
+            top = name.split(".")[0]
+            assert top not in tests and not top.startswith("test_") and top != "tests", f"bench/{p.relative_to(BENCH)} imports {name}"
+            if top == "support" and name != "support":
+                used.add(name)
+        rel = p.relative_to(BENCH)
+        assert used == set(declared), f"bench/{rel}: undeclared {sorted(used - set(declared))}, unused {sorted(set(declared) - used)}"
+    assert set(BENCH_TEST_IMPORTS) <= {str(p.relative_to(BENCH)) for p in BENCH.rglob("*.py")}
+
+
+# --- tests/: test modules in one folder per layer, what they share in tests/support/ ---
+
+TESTS = Path(__file__).resolve().parents[1]
+TEST_FOLDERS = {
+    "sources": "checkpoint formats, the Hub, object storage, hostile headers",
+    "recipes": "node kinds and their declared inputs",
+    "rules": "rule kinds, patterns, quantized formats and their dequant rules",
+    "plan": "planning, reports, targets, the adapter registry",
+    "engine": "the I/O engine: lanes, staging, device reads",
+    "transaction": "load, state, export, refit, verify, shrink, dry run",
+    "adapters": "the shipped adapters and the torchtitan bridge",
+    "draft": "sdadapt draft",
+    "cli": "the command line",
+    "dist": "the multi-process suites (gloo ranks)",
+    "project": "the repository: layers, packaging, public API, docs, examples, bench smoke",
+}
+"""tests/<folder>/ holds test modules only; tests/support/ what they share (builders, checkpoint writers,
+reference models, the gloo launcher, scripts run alone) and no test module."""
+TEST_MODULES = {p.stem: p for f in TEST_FOLDERS for p in sorted((TESTS / f).glob("test_*.py"))}
+
+
+def misplaced_test_files(tests: Path) -> list[str]:
+    """Files of ``tests`` outside the layout: a test module outside tests/<folder>/, anything else
+    there, a test module in support/, a folder no layer names, one file name in two folders."""
+    out = []
+    for p in sorted(tests.rglob("*.py")):
+        rel = p.relative_to(tests)
+        if rel.parts[0] == "support":
+            if p.name.startswith("test_"):
+                out.append(f"{rel}: a test module in support/")
+        elif rel != Path("conftest.py") and (
+            len(rel.parts) != 2 or rel.parts[0] not in TEST_FOLDERS or not (p.name.startswith("test_") or p.name == "conftest.py")
+        ):
+            out.append(f"{rel}: not tests/<folder>/test_*.py (folders: {', '.join(TEST_FOLDERS)}; helpers go in support/)")
+    # pytest imports a test module by its file's name: two folders may not hold the same one
+    names = [p.name for f in TEST_FOLDERS for p in (tests / f).glob("test_*.py")]
+    out += [f"{n}: in two folders" for n in sorted({n for n in names if names.count(n) > 1})]
+    out += [f"{d.name}/: no such layer folder" for d in sorted(tests.iterdir())
+            if d.is_dir() and d.name not in {*TEST_FOLDERS, "support", "__pycache__"}]  # fmt: skip
+    return out
+
+
+def imports_of_test_modules(tests: Path) -> list[str]:
+    """Every import, in any file under ``tests``, of a test module (support and conftest included)."""
+    modules = {p.stem for p in tests.rglob("test_*.py")}
+    return [
+        f"{p.relative_to(tests)} imports {name}"
+        for p in sorted(tests.rglob("*.py"))
+        for name in _absolute_imports(p)
+        if name.split(".")[0] in modules or name.split(".")[0] == "tests"
+    ]
+
+
+def test_every_test_file_lives_in_a_layer_folder():
+    assert misplaced_test_files(TESTS) == []
+
+
+def test_no_test_module_imports_another_test_module():
+    """A test module imports ``support`` and uses conftest fixtures; ``support`` imports no test module."""
+    assert imports_of_test_modules(TESTS) == []
+
+
+def test_the_tests_checks_find_what_they_look_for(tmp_path: Path):
+    (tmp_path / "rules").mkdir()
+    (tmp_path / "plan").mkdir()
+    (tmp_path / "support").mkdir()
+    (tmp_path / "misc").mkdir()
+    (tmp_path / "rules" / "test_a.py").write_text("from test_b import helper\n")
+    (tmp_path / "plan" / "test_b.py").write_text("import support.x\n\ndef helper(): ...\n")
+    (tmp_path / "plan" / "test_a.py").write_text("")
+    (tmp_path / "support" / "x.py").write_text("def f():\n    import test_a\n")
+    (tmp_path / "support" / "test_c.py").write_text("")
+    (tmp_path / "helpers.py").write_text("")
+    assert imports_of_test_modules(tmp_path) == ["rules/test_a.py imports test_b", "support/x.py imports test_a"]
+    assert misplaced_test_files(tmp_path) == [
+        "helpers.py: not tests/<folder>/test_*.py (folders: " + ", ".join(TEST_FOLDERS) + "; helpers go in support/)",
+        "support/test_c.py: a test module in support/",
+        "test_a.py: in two folders",
+        "misc/: no such layer folder",
+    ]
+
+
+def test_support_is_imported_as_the_support_package():
+    """``from support.checkpoints import ...``, never ``from checkpoints import ...``: one module object,
+    whichever folder the importing test module sits in."""
+    support = {p.stem for p in (TESTS / "support").glob("*.py")} | {p.name for p in (TESTS / "support").iterdir() if p.is_dir()}
+    support -= {"__init__", "__pycache__"}
+    bare = [
+        f"{p.relative_to(TESTS)} imports {name}"
+        for p in sorted([*TESTS.rglob("*.py"), *BENCH.rglob("*.py")])
+        for name in _absolute_imports(p)
+        if name.split(".")[0] in support
+    ]
+    assert bare == []
 
 
 def test_probes_are_apart_from_the_product():
