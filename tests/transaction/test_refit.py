@@ -559,7 +559,8 @@ def deepseek_hf(seed: int = 0) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("ep", [False, True])
 def test_refit_deepseek_v3_layout(ep: bool) -> None:
     """MLA (fused_qkv_a_proj whole, q_b/kv_b by heads), routed and shared experts, a dense layer:
-    each TP rank's tensors have vLLM's shapes and equal the eager transform cut to their box."""
+    each TP rank's tensors have vLLM's shapes and equal the eager transform cut to their box, and
+    MLA's projections computed per rank from them equal the trainer's."""
     from sdadapt.adapters import vllm_deepseek_v3 as vd
 
     full = deepseek_hf()
@@ -568,6 +569,28 @@ def test_refit_deepseek_v3_layout(ep: bool) -> None:
                 expert_parallel=ep)  # fmt: skip
     adapter = vd.build(**opts)
     whole = eager(full, adapter)
+    # MLA's forward, as vLLM computes it per TP rank: the fused a-projection split into the query's
+    # and the key/value's latents, q_b / kv_b giving the rank's heads, o_proj partial sums adding up
+    a = "model.layers.1.self_attn."
+    hf = {k: v.double() for k, v in full.items()}
+    x = torch.randn(3, D, dtype=torch.float64)
+    q_lat, kv_lat = x @ hf[a + "q_a_proj.weight"].T, x @ hf[a + "kv_a_proj_with_mqa.weight"].T
+    q, kv = q_lat @ hf[a + "q_b_proj.weight"].T, kv_lat[:, : DSV3["kv_lora_rank"]] @ hf[a + "kv_b_proj.weight"].T
+    heads = torch.randn(3, DSV3["n_heads"] * DSV3["v_head_dim"], dtype=torch.float64)
+    o = heads @ hf[a + "o_proj.weight"].T
+    qs, kvs, o_sum = [], [], torch.zeros_like(o)
+    for rank in range(2):
+        layout = vd.layout(2, rank, expert_parallel=ep)
+        engine = engine_shards(whole, layout, torch.float64)
+        sdadapt.refit_plan(full, engine, adapter, engine_layout=layout)()
+        lat = x @ engine[a + "fused_qkv_a_proj.weight"].T
+        ql, kvl = lat.split([DSV3["q_lora_rank"], lat.shape[-1] - DSV3["q_lora_rank"]], dim=-1)
+        qs.append(ql @ engine[a + "q_b_proj.weight"].T)
+        kvs.append(kvl[:, : DSV3["kv_lora_rank"]] @ engine[a + "kv_b_proj.weight"].T)
+        o_sum += heads.chunk(2, dim=-1)[rank] @ engine[a + "o_proj.weight"].T
+    torch.testing.assert_close(torch.cat(qs, -1), q)
+    torch.testing.assert_close(torch.cat(kvs, -1), kv)
+    torch.testing.assert_close(o_sum, o)
     for rank in range(2):
         layout = vd.layout(2, rank, expert_parallel=ep)
         engine = engine_shards(whole, layout, torch.float32)
