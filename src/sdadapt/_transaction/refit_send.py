@@ -3,7 +3,7 @@
 regions of the engine's whole tensors that it can make from the shards it owns and hands them to
 ``send`` in buckets, ``[(engine key, global box, piece), ...]``.
 
-Which rank makes which region is :mod:`export_local`'s rule (of replicated shards, one rank owns
+Which rank makes which region is :mod:`~sdadapt._transaction.export_local`'s rule (of replicated shards, one rank owns
 each; a region whose recipe reads several ranks' shards is cut until each part reads one rank's),
 decided once at planning. The pieces are views of one buffer of at most ``bucket_bytes``, reused
 after ``send`` returns: a send function copies them or finishes with them before it returns.
