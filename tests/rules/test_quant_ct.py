@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 from support.checkpoints import write_safetensors
-from support.scaled_releases import CT_FORMATS, HAND_FORMATS, Tiny, adapter_for, bits, export_case
+from support.scaled_releases import CT_FORMATS, HAND_FORMATS, Tiny, adapter_for, bits, export_case, write_case
 
 import sdadapt
 from sdadapt._engine import device_step, warm_up
@@ -30,6 +30,12 @@ from sdadapt.errors import AdapterError
 
 
 # --- tests ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, dict]]:
+    root = tmp_path_factory.mktemp("quant_ct")
+    return {n: (str(root / n), write_case(str(root / n), n)) for n in CT_FORMATS + HAND_FORMATS}
 
 
 @pytest.mark.parametrize("name", CT_FORMATS + HAND_FORMATS)

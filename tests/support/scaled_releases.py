@@ -245,12 +245,6 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, dict]]:
-    root = tmp_path_factory.mktemp("quant_ct")
-    return {n: (str(root / n), write_case(str(root / n), n)) for n in CT_FORMATS + HAND_FORMATS}
-
-
 def export_adapter(folder: str, dtype: torch.dtype) -> sdadapt.Adapter:
     """The release's rules, with casts and renames that invert (export writes the release's names)."""
     rules = sdadapt.dequant_rules(folder)

@@ -296,7 +296,8 @@ def test_row_limit_names_the_python_spelling() -> None:
 
 def run_user_script(code: str, env: dict[str, str] | None = None) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
-                         env={**os.environ, **(env or {})}, cwd=str(TESTS))  # fmt: skip
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), **(env or {})},
+                         cwd=str(Path(__file__).resolve().parent))  # fmt: skip
     assert out.returncode == 1, out
     return out.stderr
 
