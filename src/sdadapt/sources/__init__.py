@@ -25,7 +25,6 @@ from ._assets import write_config as write_config
 from ._base import HUB_PREFIX, Source, is_hub_id
 from ._headers import HeaderRecord as HeaderRecord
 from ._hf_sharded import INDEX_NAME, HFShardedSource
-from ._hub import hub_folder as hub_folder
 from ._integrity import CHECKSUMS_WHY as CHECKSUMS_WHY
 from ._integrity import ChecksummedSource as ChecksummedSource
 from ._integrity import Fingerprint as Fingerprint
@@ -36,9 +35,6 @@ from ._integrity import nonfinite_counts as nonfinite_counts
 from ._integrity import read_checksums as read_checksums
 from ._integrity import tensor_checksums as tensor_checksums
 from ._integrity import write_checksums_data as write_checksums_data
-from ._inventory import human as human
-from ._inventory import inventory as inventory
-from ._joined import JoinedSource as JoinedSource
 from ._json import INDEX_LIMIT as INDEX_LIMIT
 from ._json import HFConfig, QuantConfigFile, read_json_dict
 from ._json import PeftConfig as PeftConfig
@@ -71,9 +67,17 @@ decode_headers = _headers.decode
 if TYPE_CHECKING:
     from ._dcp_dir import SDADAPT_JSON as SDADAPT_JSON
     from ._dcp_dir import DCPSource as DCPSource
+    from ._hub import hub_folder as hub_folder
+    from ._inventory import human as human
+    from ._inventory import inventory as inventory
+    from ._joined import JoinedSource as JoinedSource
 
-_LAZY = {"DCPSource": "._dcp_dir", "SDADAPT_JSON": "._dcp_dir"}
-"""Names of modules imported on first use: the DCP source imports ``torch.distributed.checkpoint``."""
+_LAZY = {
+    "DCPSource": "._dcp_dir", "SDADAPT_JSON": "._dcp_dir", "hub_folder": "._hub", "human": "._inventory",
+    "inventory": "._inventory", "JoinedSource": "._joined",
+}  # fmt: skip
+"""Names of modules imported on first use, which a plain load does not import: the DCP source
+(it imports ``torch.distributed.checkpoint``), the Hub, the inventory, the joined (LoRA) source."""
 
 __all__ = ["Source", "TensorInfo", "dtype_name", "open_source", "read_config_file"]
 """The public names. ``SafetensorsFile``, ``HFShardedSource`` and ``TorchSaveFile`` (what
