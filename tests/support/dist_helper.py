@@ -74,20 +74,53 @@ def run_distributed(fn: Any, world_size: int, *args: Any, timeout: float = 180.0
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join([*where, env.get("PYTHONPATH", "")]),
     )
-    procs = []
-    logs = []
+    logs = [os.path.join(job, f"log.{rank}") for rank in range(world_size)]
+    if os.environ.get("SDADAPT_TEST_FRESH_PROCESSES") == "1" or not _forkable_main():
+        hung, codes = _run_fresh(job, world_size, env, logs, timeout)
+    else:
+        hung, codes = _run_forked(job, world_size, env, where, logs, timeout)
+    tail = ""
     for rank in range(world_size):
-        log = open(os.path.join(job, f"log.{rank}"), "wb")
-        logs.append(log)
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "support.dist_helper", job, str(rank)],
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=str(TESTS_DIR),
+        log = Path(job, f"log.{rank}")
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if text.strip():
+            tail += f"[rank {rank}] " + text[-3000:] + "\n"
+    if hung:
+        raise AssertionError(f"ranks {hung} of {world_size} did not finish within {timeout:.0f} s (hang)\n{tail}")
+    results: list[Any] = []
+    failures: list[RankFailure] = []
+    for rank in range(world_size):
+        path = Path(job, f"result.{rank}.pkl")
+        if not path.exists():
+            failures.append(RankFailure(rank, "Crash", f"exit code {codes[rank]}, no result", "", []))
+            results.append(None)
+            continue
+        status, value = pickle.loads(path.read_bytes())
+        if status == "ok":
+            results.append(value)
+        else:
+            failures.append(RankFailure(rank, *value))
+            results.append(None)
+    if failures:
+        raise WorkerError(failures, tail)
+    return results
+
+
+def _run_fresh(job: str, world_size: int, env: dict[str, str], logs: list[str], timeout: float) -> tuple[list[int], list[Any]]:
+    """Each rank a fresh interpreter (``python -m support.dist_helper``); (the ranks that hung,
+    every rank's exit code)."""
+    procs = []
+    for rank in range(world_size):
+        with open(logs[rank], "wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "support.dist_helper", job, str(rank)],
+                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=str(TESTS_DIR),
+                )
             )
-        )
     deadline = time.monotonic() + timeout
     hung = []
     for rank, p in enumerate(procs):
@@ -100,32 +133,88 @@ def run_distributed(fn: Any, world_size: int, *args: Any, timeout: float = 180.0
             p.kill()
         for p in procs:
             p.wait()
-    for log in logs:
-        log.close()
-    tail = ""
+    return hung, [p.returncode for p in procs]
+
+
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint"]
+"""What the fork server imports once; every rank is forked from it with these imported and
+nothing else: sdadapt, the test modules and every other import happen in the rank, fresh."""
+_FORK_SERVER: Any = None
+
+
+def _forkable_main() -> bool:
+    """Whether the ranks may come from the fork server: this process was started as ``python -m
+    NAME`` (``python -m pytest``), so that a rank imports NAME as multiprocessing's main module.
+    A script run by its path (compat_cases.py in its small venv, a bench) would run its top level
+    again in every rank: those launch fresh interpreters."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return bool(getattr(spec, "name", None))
+
+
+def _fork_context() -> Any:
+    """The multiprocessing fork server of this process, started once with :data:`PRELOAD`
+    imported under ``OMP_NUM_THREADS=1`` (the ranks' setting: OpenMP reads it when torch loads)."""
+    global _FORK_SERVER
+    if _FORK_SERVER is None:
+        import multiprocessing
+        import multiprocessing.forkserver
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            if saved is None:
+                os.environ.pop("OMP_NUM_THREADS")
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        _FORK_SERVER = ctx
+    return _FORK_SERVER
+
+
+def _run_forked(
+    job: str, world_size: int, env: dict[str, str], where: list[str], logs: list[str], timeout: float
+) -> tuple[list[int], list[Any]]:
+    """Each rank forked from the fork server (torch already imported: a launch costs a fork, not
+    an interpreter and torch's import per rank); (the ranks that hung, every rank's exit code)."""
+    ctx = _fork_context()
+    procs = []
     for rank in range(world_size):
-        text = Path(job, f"log.{rank}").read_text(errors="replace")
-        if text.strip():
-            tail += f"[rank {rank}] " + text[-3000:] + "\n"
-    if hung:
-        raise AssertionError(f"ranks {hung} of {world_size} did not finish within {timeout:.0f} s (hang)\n{tail}")
-    results: list[Any] = []
-    failures: list[RankFailure] = []
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        p = ctx.Process(target=_forked_rank, args=(job, rank, rank_env, where, logs[rank]))
+        p.start()
+        procs.append(p)
+    deadline = time.monotonic() + timeout
+    hung = []
     for rank, p in enumerate(procs):
-        path = Path(job, f"result.{rank}.pkl")
-        if not path.exists():
-            failures.append(RankFailure(rank, "Crash", f"exit code {p.returncode}, no result", "", []))
-            results.append(None)
-            continue
-        status, value = pickle.loads(path.read_bytes())
-        if status == "ok":
-            results.append(value)
-        else:
-            failures.append(RankFailure(rank, *value))
-            results.append(None)
-    if failures:
-        raise WorkerError(failures, tail)
-    return results
+        p.join(timeout=max(0.1, deadline - time.monotonic()))
+        if p.exitcode is None:
+            hung.append(rank)
+    if hung:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.join()
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        p.close()
+    return hung, codes
+
+
+def _forked_rank(job: str, rank: int, env: dict[str, str], where: list[str], log: str) -> None:
+    """A rank in a process forked from the fork server: its output to its log, the launch's
+    environment, path and working folder, then :func:`_worker`."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:0] = where
+    os.chdir(TESTS_DIR)
+    _worker(job, rank)
 
 
 def _worker(job: str, rank: int) -> None:
