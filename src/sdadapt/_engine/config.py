@@ -50,75 +50,28 @@ def default_threads() -> int:
 class EngineConfig:
     """Knobs of the engine; the defaults suit most machines.
 
-    ``staging_bytes`` bounds the staging memory of one load on one rank (pinned when loading to
-    a GPU, and kept pinned for the next load: :func:`sdadapt.release_pinned_memory` frees it);
-    ``depth`` is how many staging buffers each thread cycles through (a read into one overlaps
-    the host-to-device copies out of the others); ``chunk_bytes`` is the largest single read
-    (default: staging / (depth x threads), 1 to 32 MiB); ``coalesce_gap`` is how many
-    unwanted bytes a coalesced read may span between two wanted regions (counted as read);
-    ``direct_min_bytes`` is the size from which a CPU destination is read into directly rather
-    than through staging (and coalescing); a region made of several runs shorter than
-    ``min_span_bytes`` each (a column slice) is copied out of the source's mapping in one
-    strided copy instead of one read per run. ``band_bytes`` is the largest input of one
-    computation (a dequantisation is cut into bands of whole blocks of about that size): each
-    thread that computes reads its bands into one buffer of that size, from a second pool bounded
-    by ``staging_bytes`` too (allocated only by loads that compute; its bound is also how many
-    threads compute, the others running the load's plain reads meanwhile, see
-    :mod:`sdadapt._engine.lanes`). By default (``None``) it is the staging memory shared out
-    over the threads, 4 to 32 MiB, so that every thread computes (:meth:`band`).
-    ``band_depth`` is how many band buffers a computing thread may cycle through (the pool holds
-    that many times more; above 1, reading a band overlaps the copy of the last one to the GPU;
-    1, the default, until measured otherwise). ``landing_buffers`` is how many band-sized
-    buffers a GPU run keeps on the device for the copies of computations' inputs (a ring: a
-    copy into one waits, on the GPU, for the kernel that last read it; see
-    :mod:`sdadapt._engine.device`). ``warm_kernels``: a load whose recipes compute on a GPU
-    runs each kind of kernel once on a tiny input while it materialises the model
-    (:func:`sdadapt._engine.device.warm_kernels`). ``switch_interval`` is Python's thread
-    switch interval while the engine's threads run (``sys.setswitchinterval``, set back
-    afterwards): how long a thread back from a read may wait for the interpreter lock before
-    it asks for it; ``None``, the default, leaves the interpreter's own (5 ms) until a
-    shorter one is measured to help (bench/RESULTS.md). ``plan_switch_interval`` is the
-    interval while the engine plans (the threads read meanwhile, and each of them waits for the
-    lock that the planning thread holds, ``LoadReport.phase_seconds["engine_first_task"]``
-    shows how long the first task took); ``None``, the default, leaves ``switch_interval``.
-    ``gather_inputs``: on a GPU, a computation whose inputs lie in the files as they are stored
-    (an FP8 weight's rows and their scales) has them read like a plain load's bytes, in staged
-    reads of ``chunk()`` bytes from the shared staging pool, gathered in a buffer on the device,
-    and computed there once all have crossed (:mod:`sdadapt._engine.device`); it is cut into
-    bands of ``gather_bytes`` (default four chunks: fewer, larger kernels than band buffers
-    allow), the size of that device buffer, of which each thread fills about one at a time.
-    ``False``: every computation reads its inputs into a band buffer and crosses in one copy.
-    ``kvikio``: on a GPU, read the pieces whose bytes land contiguously in their destination
-    shard straight into it through kvikio (the extra ``sdadapt[cuda]``;
-    :mod:`sdadapt._engine.devread`): ``None``, the default, where kvikio is installed and
-    starts (else the staged path, said once in the log), ``True`` always (an error where it
-    cannot), ``False`` never; ``kvikio_threads`` is its pool's size (``None``: every CPU of
-    this rank, :func:`rank_cpus`), ``kvikio_task_bytes`` the size it cuts reads into and
-    ``kvikio_bounce_bytes`` the size of its pinned bounce buffers, one per pool thread, which a
-    process's first load pins (``None``, the default: kvikio's own, ``KVIKIO_BOUNCE_BUFFER_SIZE``
-    or 16 MiB; smaller ones pin sooner, shortening a first load, and cost each read more
-    copies); ``kvikio_warm``: a process's first load starts kvikio's threads and bounce buffers
-    with one small read per thread while it materialises the model
-    (:func:`sdadapt._engine.devread.warm`). Where a run reads through kvikio, the inputs of its
-    gathered computations are read by kvikio too, into device buffers of which at most twice
-    ``staging_bytes`` are out at once.
-    Environment: ``SDADAPT_IO_THREADS``, ``SDADAPT_IO_STAGING_MB``, ``SDADAPT_IO_CHUNK_MB``,
-    ``SDADAPT_IO_DEPTH``, ``SDADAPT_IO_BAND_MB``, ``SDADAPT_IO_BAND_DEPTH``,
-    ``SDADAPT_IO_LANDING``, ``SDADAPT_IO_WARM`` (``0``: no warm-up), ``SDADAPT_IO_SWITCH_MS``
-    (``0``: leave the interval as it is), ``SDADAPT_IO_PLAN_SWITCH_MS`` (likewise, while the
-    engine plans), ``SDADAPT_IO_GATHER`` (``0``: no gathering), ``SDADAPT_IO_GATHER_MB``, ``SDADAPT_IO_KVIKIO``
-    (``0`` / ``1``), ``SDADAPT_IO_KVIKIO_THREADS``, ``SDADAPT_IO_KVIKIO_TASK_MB``, ``SDADAPT_IO_KVIKIO_BOUNCE_MB`` (``0``: kvikio's own),
-    ``SDADAPT_IO_KVIKIO_WARM``.
+    Every field has a default, and all but three (``coalesce_gap``, ``direct_min_bytes``,
+    ``min_span_bytes``) an environment variable that :meth:`from_env` reads; the table of
+    variables, defaults and what each one trades is in docs/performance.md ("Engine settings").
+    The staging memory of a GPU load is pinned and kept for the next load
+    (:func:`sdadapt.release_pinned_memory` frees it); the computing threads and their band
+    buffers are described in :mod:`sdadapt._engine.lanes`, the device side in
+    :mod:`sdadapt._engine.device`, reads through kvikio in :mod:`sdadapt._engine.devread`.
 
     Args:
         threads: reading threads per rank.
         staging_bytes: the bound on staging memory of one load on one rank.
         chunk_bytes: the largest single read (``None``: derived from the staging memory).
-        coalesce_gap: unwanted bytes a coalesced read may span.
-        direct_min_bytes: the size from which a CPU destination is read into directly.
-        min_span_bytes: the run length below which a region is copied out in one strided copy.
-        depth: staging buffers each thread cycles through.
-        band_bytes: the largest input of one computation (``None``: derived).
+        coalesce_gap: unwanted bytes a coalesced read may span between two wanted regions
+            (counted as read).
+        direct_min_bytes: the size from which a CPU destination is read into directly rather
+            than through staging.
+        min_span_bytes: the run length below which a region (a column slice) is copied out of the
+            source's mapping in one strided copy.
+        depth: staging buffers each thread cycles through (a read into one overlaps the copies
+            out of the others).
+        band_bytes: the largest input of one computation, cut into bands of whole blocks (``None``:
+            the staging memory shared out over the threads, 4 to 32 MiB).
         band_depth: band buffers per computing thread.
         landing_buffers: band-sized buffers a GPU run keeps on the device.
         warm_kernels: warm a GPU load's kernels up while the model materialises.
@@ -126,7 +79,10 @@ class EngineConfig:
         plan_switch_interval: the interval while the engine plans (``None``: ``switch_interval``).
         gather_inputs: on a GPU, gather a computation's stored inputs on the device.
         gather_bytes: the largest gathered input (``None``: four chunks).
-        kvikio: read contiguous GPU pieces through kvikio (``None``: where it is installed).
+        kvikio: read GPU pieces that land contiguously in their shard, and gathered inputs,
+            through kvikio (extra ``sdadapt[cuda]``): ``None`` where it is installed and starts
+            (else the staged path, said once in the log), ``True`` always (an error where it
+            cannot), ``False`` never.
         kvikio_threads: kvikio's thread pool (``None``: this rank's CPUs).
         kvikio_task_bytes: the size kvikio cuts a read into.
         kvikio_bounce_bytes: the size of kvikio's pinned bounce buffers (``None``: kvikio's own).
