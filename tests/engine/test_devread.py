@@ -369,7 +369,7 @@ def test_gathers_are_read_by_kvikio_into_the_device_buffer_and_computed_there(tm
             a, c = rng.randrange(95), rng.randrange(159)
             boxes.append(((a, rng.randrange(a + 1, 97)), (c, rng.randrange(c + 1, 161))))
         jobs = [Job("w", node, box, torch.full(N.box_shape(box), float("nan"), dtype=torch.bfloat16)) for box in boxes]
-        cfg = EngineConfig(threads=2, staging_bytes=staging, chunk_bytes=4096, min_span_bytes=1, gather_bytes=4096)
+        cfg = EngineConfig(threads=2, staging_bytes=staging, chunk_bytes=4096, min_span_bytes=1, gather_bytes=4096, kvikio_gathers=True)
         stats = IOEngine(src, cfg, cpu_lane=True).run(jobs)
     for job in jobs:
         assert torch.equal(_bits(job.dest), _bits(full[tuple(slice(a, b) for a, b in job.box)])), job.box
@@ -384,7 +384,26 @@ def test_a_failed_gather_read_fails_the_run_naming_the_key_and_every_read_ends(t
     monkeypatch.setattr(_CuFile, "short", {path})
     with open_source(path) as src:
         dest = torch.full(node.shape, float("nan"), dtype=torch.bfloat16)
-        cfg = EngineConfig(threads=2, staging_bytes=8192, chunk_bytes=4096, min_span_bytes=1, gather_bytes=4096)
+        cfg = EngineConfig(threads=2, staging_bytes=8192, chunk_bytes=4096, min_span_bytes=1, gather_bytes=4096, kvikio_gathers=True)
         with pytest.raises(LoadError, match=r"key 'w'.*truncated"):
             IOEngine(src, cfg, cpu_lane=True).run([Job("w", node, N.full_box(node.shape), dest)])
     assert _CuFile.reading == 0  # every read queued had ended when the run raised
+
+
+def test_gathers_stay_staged_unless_kvikio_gathers_is_asked_for(tmp_path, monkeypatch):
+    """By default a run that reads through kvikio still stages its gathers' inputs (kvikio's
+    gathers were measured slower): the bits are the reference's and kvikio reads none of them."""
+    from sdadapt._engine import CountingIO
+
+    reads = devread.DeviceReads(type("kvikio", (), {"CuFile": _CuFile}), 3, 4096, False)
+    monkeypatch.setattr(devread, "select", lambda device, *a: reads if device is not None else None)
+    monkeypatch.setattr(_CuFile, "short", set())
+    node, path = _fp8_checkpoint(tmp_path)
+    with open_source(path) as src:
+        full = node.full(CountingIO(src))
+        dest = torch.full(node.shape, float("nan"), dtype=torch.bfloat16)
+        cfg = EngineConfig(threads=2, staging_bytes=1 << 20, chunk_bytes=4096, min_span_bytes=1, gather_bytes=4096)
+        assert cfg.kvikio_gathers is False
+        stats = IOEngine(src, cfg, cpu_lane=True).run([Job("w", node, N.full_box(node.shape), dest)])
+    assert torch.equal(_bits(dest), _bits(full))
+    assert stats.gathered > 0 and stats.kvikio_bytes == 0 and stats.staged_bytes == stats.bytes_read > 0

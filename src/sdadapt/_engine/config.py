@@ -79,14 +79,16 @@ class EngineConfig:
         plan_switch_interval: the interval while the engine plans (``None``: ``switch_interval``).
         gather_inputs: on a GPU, gather a computation's stored inputs on the device.
         gather_bytes: the largest gathered input (``None``: four chunks).
-        kvikio: read GPU pieces that land contiguously in their shard, and gathered inputs,
-            through kvikio (extra ``sdadapt[cuda]``): ``None`` where it is installed and starts
+        kvikio: read GPU pieces that land contiguously in their shard through kvikio (extra ``sdadapt[cuda]``): ``None`` where it is installed and starts
             (else the staged path, said once in the log), ``True`` always (an error where it
             cannot), ``False`` never.
         kvikio_threads: kvikio's thread pool (``None``: this rank's CPUs).
         kvikio_task_bytes: the size kvikio cuts a read into.
         kvikio_bounce_bytes: the size of kvikio's pinned bounce buffers (``None``: kvikio's own).
         kvikio_warm: warm kvikio up while the model is materialised.
+        kvikio_gathers: where a run reads through kvikio, have kvikio read the stored inputs of
+            gathered computations (dequantisation) into their device buffers too; off by default,
+            as measured slower than the staged gathers (docs/performance.md).
 
     Raises:
         ValueError: a field out of range (``depth=0``).
@@ -117,6 +119,7 @@ class EngineConfig:
     kvikio_task_bytes: int = 16 * MiB
     kvikio_bounce_bytes: int | None = None
     kvikio_warm: bool = True
+    kvikio_gathers: bool = False
 
     def __post_init__(self) -> None:
         if self.depth < 1:
@@ -218,6 +221,8 @@ class EngineConfig:
             cfg.kvikio_threads = max(1, int(os.environ["SDADAPT_IO_KVIKIO_THREADS"]))
         if os.environ.get("SDADAPT_IO_KVIKIO_WARM"):
             cfg.kvikio_warm = os.environ["SDADAPT_IO_KVIKIO_WARM"] not in ("0", "false", "no")
+        if os.environ.get("SDADAPT_IO_KVIKIO_GATHERS"):
+            cfg.kvikio_gathers = os.environ["SDADAPT_IO_KVIKIO_GATHERS"] not in ("0", "false", "no")
         if os.environ.get("SDADAPT_IO_KVIKIO_TASK_MB"):
             cfg.kvikio_task_bytes = max(4096, int(float(os.environ["SDADAPT_IO_KVIKIO_TASK_MB"]) * MiB))
         if os.environ.get("SDADAPT_IO_KVIKIO_BOUNCE_MB"):

@@ -8,10 +8,12 @@ pieces whose bytes land contiguously in their destination shard (the planner mak
 thread hands each to kvikio as soon as it is planned, without waiting, so that kvikio's queue
 holds every such read of the run, and the run waits for them all at its end (after its reader
 threads, and also after a failure: nothing writes into the model once the run has returned).
-No reader thread, staging buffer or device-lane copy is involved. A computation whose inputs
-are gathered on the device (:meth:`sdadapt._engine.planner.Planner._gather`) has them read by
-kvikio too, straight into the gather's buffer on the device (:class:`GatherReads`), and the
-device lane runs its kernel once they have all ended. Everything else (small pieces, other
+No reader thread, staging buffer or device-lane copy is involved. With
+``EngineConfig.kvikio_gathers`` (off by default: measured slower than staged gathers), a
+computation whose inputs are gathered on the device
+(:meth:`sdadapt._engine.planner.Planner._gather`) has them read by kvikio too, straight into
+the gather's buffer on the device (:class:`GatherReads`), and the device lane runs its kernel
+once they have all ended. Everything else (small pieces, other
 computations and their inputs, fills) keeps the staged path of :mod:`sdadapt._engine.device`.
 
 :func:`select` makes the choice once per process and setting, and logs it in one line: kvikio

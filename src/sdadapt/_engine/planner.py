@@ -189,7 +189,7 @@ class Planner:
         delivered one after the other into one buffer on the destination's device, where the
         lane runs the kernel once the last has crossed. So a reader hands on each piece as it
         would a plain read's and never waits for a computation's buffer. On the GPU read into
-        through kvikio (``direct_on``) it is one :class:`~sdadapt._engine.tasks.GatherRead`
+        through kvikio (``direct_on``) with ``kvikio_gathers`` on it is one :class:`~sdadapt._engine.tasks.GatherRead`
         instead: kvikio reads every input straight into the device buffer. Only where every input
         the step declares is a stored region (:attr:`~sdadapt._recipes.nodes.Input.read`) that
         lies in one opened file in runs of at least ``min_span_bytes``;
@@ -211,7 +211,7 @@ class Planner:
             return False  # nothing to read: no piece would ever run the kernel
         gather = Gather(step, at, layout)
         self.gathered += 1
-        if self.direct_on is not None and (self.dest_device or step.dest.device) == self.direct_on:
+        if self.config.kvikio_gathers and self.direct_on is not None and (self.dest_device or step.dest.device) == self.direct_on:
             gather.pieces = 1
             push(GatherRead(gather, runs, where))
             return True
