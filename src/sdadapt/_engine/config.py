@@ -79,9 +79,10 @@ class EngineConfig:
         plan_switch_interval: the interval while the engine plans (``None``: ``switch_interval``).
         gather_inputs: on a GPU, gather a computation's stored inputs on the device.
         gather_bytes: the largest gathered input (``None``: four chunks).
-        kvikio: read GPU pieces that land contiguously in their shard through kvikio (extra ``sdadapt[cuda]``): ``None`` where it is installed and starts
-            (else the staged path, said once in the log), ``True`` always (an error where it
-            cannot), ``False`` never.
+        kvikio: read GPU pieces that land contiguously in their shard through kvikio (extra
+            ``sdadapt[cuda]``): ``None`` where it is installed and starts (else the staged
+            path, said once in the log), ``True`` always (an error where it cannot), ``False``
+            never.
         kvikio_threads: kvikio's thread pool (``None``: this rank's CPUs).
         kvikio_task_bytes: the size kvikio cuts a read into.
         kvikio_bounce_bytes: the size of kvikio's pinned bounce buffers (``None``: kvikio's own).
