@@ -2,8 +2,9 @@
 
 Every engine shard is compared with the same transform applied eagerly to the full training
 weights (``node.full``), cut to the shard's box. One launched group of 4 ranks runs the
-disaggregated (trainer 0,1 -> engine 2,3), colocated, replicated, delta, Qwen3-MoE (TP and EP)
-and bad-input cases; a 2-rank group checks a rank that leaves mid-refit.
+disaggregated (trainer 0,1 -> engine 2,3), colocated, replicated, Qwen3-MoE (TP and EP),
+DeepSeek-V3, delta (Llama and DeepSeek-V3 colocated, Qwen3-MoE disaggregated) and bad-input
+cases; a 2-rank group checks a rank that leaves mid-refit.
 """
 
 from __future__ import annotations
@@ -175,6 +176,28 @@ def dsv3_opts(ep: bool) -> dict[str, object]:
                 expert_parallel=ep)  # fmt: skip
 
 
+def delta_step(refit, engine, whole, whole2, layout, change) -> list[dict[str, object]]:
+    """Delta mode over three runs: all sent; after ``change()`` (in place) exactly the engine tensors
+    whose eager value moved are sent (a fused one of which one part changed included), the others
+    reported unchanged; then nothing moves. Returns the three reports."""
+    reps = [refit()]
+    if engine is not None:
+        check(engine, whole, layout)
+        assert sorted(engine) == reps[0].updated and reps[0].unchanged == []
+    moved = {k for k in whole if not torch.equal(whole[k], whole2[k])}
+    with torch.no_grad():
+        change()
+    reps += [refit(), refit()]
+    if engine is not None:
+        check(engine, whole2, layout)
+        assert reps[1].updated == sorted(moved) and reps[1].unchanged == sorted(set(engine) - moved), reps[1]
+        shards = sum(engine[k].numel() * engine[k].element_size() for k in moved)
+        assert reps[1].bytes_received + reps[1].bytes_local == shards, (reps[1], shards)
+        assert reps[2].updated == [] and reps[2].unchanged == sorted(engine)
+    assert reps[2].bytes_sent == reps[2].bytes_received == reps[2].bytes_local == 0, reps[2]
+    return [r.model_dump() for r in reps]
+
+
 def _cases(bucket: int) -> dict[str, object]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -263,6 +286,29 @@ def _cases(bucket: int) -> dict[str, object]:
             w13 = engine["model.layers.0.mlp.experts.w13_weight"]
             assert tuple(w13.shape) == ((E // 2, 2 * FE, D) if ep else (E, FE, D))
         out[f"moe_{'ep' if ep else 'tp'}"] = rep.model_dump()
+
+    # 4b. delta mode, disaggregated (FSDP over 0,1 -> EP 2 on 2,3): one expert's rows of w1 (on trainer rank 1
+    #     only) and a norm change in place; w13_weight (w1 and w3 fused) and the norm are resent, the rest skipped
+    ad = moe_adapter(2, True)
+    trainer = shard({k: v.clone() for k, v in moe.items()}, pair, fsdp) if rank < 2 else None
+    layout = vllm_qwen3_moe.layout(2, rank - 2, expert_parallel=True) if rank >= 2 else None
+    whole = eager(moe, ad)
+    engine = engine_shards(whole, layout) if layout else None
+    expert = torch.zeros(E, FE, D)
+    expert[3, :3] = 0.5
+    moe2 = dict(moe, **{"layers.1.moe.experts.w1": moe["layers.1.moe.experts.w1"] + expert,
+                        "layers.0.ffn_norm.weight": moe["layers.0.ffn_norm.weight"] + 1.0})  # fmt: skip
+    whole2 = eager(moe2, ad)
+    assert {k for k in whole if not torch.equal(whole[k], whole2[k])} == {
+        "model.layers.1.mlp.experts.w13_weight", "model.layers.0.post_attention_layernorm.weight"}  # fmt: skip
+
+    def change_moe() -> None:
+        if trainer is not None:
+            trainer["layers.1.moe.experts.w1"].add_(shard({"x": expert}, pair, fsdp)["x"])
+            trainer["layers.0.ffn_norm.weight"].add_(1.0)
+
+    refit = sdadapt.refit_plan(trainer, engine, ad, engine_layout=layout, bucket_bytes=bucket, delta=True)
+    out["moe_delta"] = delta_step(refit, engine, whole, whole2, layout, change_moe)
 
     # 5. export_iter(local=True): each rank's pieces of the vLLM layout, FSDP over 4 and DDP x TP
     to_vllm = unpadded().inverse()  # export_iter applies the inverse of the adapter it is given
@@ -368,6 +414,28 @@ def _cases(bucket: int) -> dict[str, object]:
         if engine is not None:
             assert rep.bytes_received + rep.bytes_local == check(engine, whole, layout)
         out[f"dsv3_{'ep' if ep else 'tp'}"] = rep.model_dump()
+
+    # 9b. delta mode, colocated (FSDP over 4 -> two TP-2 replicas): an MLA projection (q_a, fused with kv_a
+    #     into fused_qkv_a_proj), one routed expert's up_proj (stacked into w13_weight) and a norm, this one
+    #     changed through the ranks' local shards (as an optimizer over local tensors does); the rest stays
+    ad = vd.build(**dsv3_opts(False))
+    trainer = shard({k: v.clone() for k, v in ds.items()}, world, fsdp)
+    layout = vd.layout(2, rank % 2)
+    whole = eager(ds, ad)
+    engine = engine_shards(whole, layout, torch.float32)
+    a, x = "model.layers.1.self_attn.q_a_proj.weight", "model.layers.1.mlp.experts.2.up_proj.weight"
+    norm = "model.layers.0.post_attention_layernorm.weight"
+    whole2 = eager(dict(ds, **{a: ds[a] + 0.25, x: ds[x] - 0.5, norm: ds[norm] + 1.0}), ad)
+    assert {k for k in whole if not torch.equal(whole[k], whole2[k])} == {
+        "model.layers.1.self_attn.fused_qkv_a_proj.weight", "model.layers.1.mlp.experts.w13_weight", norm}  # fmt: skip
+
+    def change_dsv3() -> None:
+        trainer[a].add_(0.25)
+        trainer[x].sub_(0.5)
+        trainer[norm].to_local().add_(1.0)
+
+    refit = sdadapt.refit_plan(trainer, engine, ad, engine_layout=layout, bucket_bytes=bucket, delta=True)
+    out["dsv3_delta"] = delta_step(refit, engine, whole, whole2, layout, change_dsv3)
     return out
 
 
@@ -398,6 +466,10 @@ def test_refit_four_ranks() -> None:
             assert torch.equal(made[k], t.bfloat16()) and bool((seen[k] == 1).all()), (case, k)
     for r in results:
         assert "several trainer ranks" in r["send_fp8"], r["send_fp8"]
+    for case in ("moe_delta", "dsv3_delta"):  # every byte sent is received; the third run moves none
+        for run in range(3):
+            assert sum(r[case][run]["bytes_sent"] for r in results) == sum(r[case][run]["bytes_received"] for r in results)
+    assert all(r["moe_delta"][1]["bytes_sent"] > 0 for r in results[:2])  # both trainer ranks hold a changed norm's rows
     assert [r["disaggregated"]["rounds"] for r in results] == [results[0]["disaggregated"]["rounds"]] * 4
     assert results[0]["disaggregated"]["bytes_sent"] + results[1]["disaggregated"]["bytes_sent"] == sum(
         r["disaggregated"]["bytes_received"] for r in results

@@ -131,7 +131,7 @@ def refit_plan(
         bucket_bytes: the most memory one rank's transfers take: two buffers of half of it, one
             round (its sends and receives) packed while the other moves.
         delta: a run moves only the engine tensors made from a trainer tensor changed in place
-            since the previous run (version counters).
+            since the previous run (version counters: a DTensor's and its local shard's).
         timeout: seconds a run waits for any one transfer before failing on every rank.
         allow_missing: engine key patterns the trainer need not provide (left as they are).
         allow_unexpected: adapted trainer key patterns the engine need not hold (not sent).

@@ -115,6 +115,14 @@ class _Run:
     staged_now: int = 0
 
 
+def _version(t: torch.Tensor) -> tuple[int, ...]:
+    """``t``'s version counters: a DTensor's own (its in-place ops) and its local tensor's (in-place
+    changes made through ``to_local()``, as optimizers over local shards make them), which move
+    independently."""
+    local = getattr(t, "_local_tensor", None)
+    return (t._version,) if local is None else (t._version, local._version)
+
+
 def _offset(box: Box, origin: Box) -> tuple[slice, ...]:
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin, strict=True))
 
@@ -170,7 +178,7 @@ class Refit:
         self.local = [t for t in transfers if t.src == rank and t.dst == rank]
         self.device = device
         self._rounds: dict[frozenset[str], list[list[Transfer]]] = {}
-        self._versions: dict[str, int] = {}
+        self._versions: dict[str, tuple[int, ...]] = {}
 
     # ----- one run
     def __call__(self) -> RefitReport:
@@ -291,14 +299,14 @@ class Refit:
         """Engine keys made from a trainer tensor whose version counter moved since the last run."""
         flags = torch.zeros(len(self.source_keys), dtype=torch.int32, device=self.device)
         for i, k in enumerate(self.source_keys):
-            t = self.versioned.get(k)  # a DTensor's own counter: its in-place ops leave its local tensor's alone
+            t = self.versioned.get(k)
             if t is not None:
-                v = t._version
+                v = _version(t)
                 if self._versions.get(k) != v:
                     flags[i] = 1
                     self._versions[k] = v
-            elif not self._versions.get(k):  # not held here: the first run sends it
-                self._versions[k] = 1
+            elif k not in self._versions:  # not held here: the first run sends it
+                self._versions[k] = ()
                 flags[i] = 1
         if self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
