@@ -573,6 +573,35 @@ def test_refit_computed_recipe_and_errors() -> None:
         sdadapt.refit_plan(t, [1, 2], ad)  # type: ignore[arg-type]
 
 
+def test_refit_delta_after_a_failed_run() -> None:
+    """Delta mode: a run that fails records none of the versions it read, so the next run sends
+    again what changed (never stale values reported unchanged); then nothing moves."""
+    t = {"a": torch.randn(5, 4), "b": torch.randn(3, 4)}
+    made = {k: torch.full(v.shape, float("nan")) for k, v in t.items()}
+    fail = [False]
+
+    def push(pieces: list[tuple[str, object, torch.Tensor]]) -> None:
+        if fail[0]:
+            raise OSError("engine unreachable")
+        for k, box, piece in pieces:
+            made[k][slices(box)] = piece
+
+    described = {k: torch.empty(v.shape, device="meta") for k, v in t.items()}
+    refit = sdadapt.refit_plan(t, described, sdadapt.Adapter([]), send=push, delta=True)
+    assert refit().updated == ["a", "b"]
+    with torch.no_grad():
+        t["a"].add_(1.0)
+    fail[0] = True
+    with pytest.raises(RefitError, match="engine unreachable"):
+        refit()
+    fail[0] = False
+    rep = refit()
+    assert rep.updated == ["a"] and rep.unchanged == ["b"] and rep.bytes_sent == 5 * 4 * 4
+    assert all(torch.equal(made[k], t[k]) for k in t)
+    rep = refit()
+    assert rep.updated == [] and rep.bytes_sent == 0
+
+
 def test_schedule_bucket_bound() -> None:
     """Cut transfers never exceed the bucket; a round never has a rank over it; a row is never cut."""
     t = Transfer(0, 1, "w", ((0, 7), (0, 5), (0, 9)), "float32", 0, "w")

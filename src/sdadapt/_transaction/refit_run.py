@@ -193,14 +193,16 @@ class Refit:
 
         Raises:
             RefitError: on every rank, when a rank failed, left or timed out; its ``updated`` /
-                ``not_updated`` say which of this rank's engine tensors were written.
+                ``not_updated`` say which of this rank's engine tensors were written. In delta
+                mode the next run sends again everything this one was to send.
 
         Example::
 
             report = refit.run()
         """
         t0 = time.perf_counter()
-        active = self._changed_targets() if self.delta else set(self.recipes)
+        seen: dict[str, tuple[int, ...]] = {}  # delta mode: the versions this run sends, kept once it succeeded
+        active = self._changed_targets(seen) if self.delta else set(self.recipes)
         st = _Run(RefitReport(rank=self.rank, updated=[]))
         if self.send is not None:
             todo = sorted({r.key for r in self.sending if r.key in active})
@@ -233,6 +235,7 @@ class Refit:
                 updated=sorted(st.done),
                 not_updated=not_done,
             ) from error
+        self._versions.update(seen)  # a failed run keeps the old ones: running again resends what it did not
         rep = st.rep
         rep.updated = sorted(st.done)
         mine = {r.key for r in self.sending} if self.send is not None else set(self.mine.steps)
@@ -295,8 +298,9 @@ class Refit:
                 st.ready.append(k)
 
     # ----- delta mode
-    def _changed_targets(self) -> set[str]:
-        """Engine keys made from a trainer tensor whose version counter moved since the last run."""
+    def _changed_targets(self, seen: dict[str, tuple[int, ...]]) -> set[str]:
+        """Engine keys made from a trainer tensor whose version counter moved since the last
+        successful run; ``seen`` receives the changed tensors' new versions."""
         flags = torch.zeros(len(self.source_keys), dtype=torch.int32, device=self.device)
         for i, k in enumerate(self.source_keys):
             t = self.versioned.get(k)
@@ -304,9 +308,9 @@ class Refit:
                 v = _version(t)
                 if self._versions.get(k) != v:
                     flags[i] = 1
-                    self._versions[k] = v
+                    seen[k] = v
             elif k not in self._versions:  # not held here: the first run sends it
-                self._versions[k] = ()
+                seen[k] = ()
                 flags[i] = 1
         if self.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
