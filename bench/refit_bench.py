@@ -49,7 +49,9 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "src"))
+sys.path[:0] = [os.path.join(ROOT, "src"), os.path.join(ROOT, "tests")]
+
+from support.models import module_of  # noqa: E402
 
 import sdadapt  # noqa: E402
 
@@ -132,19 +134,6 @@ def layout_of(model: str, tp: int, rank: int, fp8: bool = False):  # noqa: ANN20
 
     base = (vllm_llama if model == "llama" else vllm_qwen3_moe).layout(tp, rank)
     return vllm_fp8.layout(base) if fp8 else base  # FP8: scales cut as their weights, whole blocks per rank
-
-
-def module_of(sd: dict[str, torch.Tensor]) -> torch.nn.Module:
-    root = torch.nn.Module()
-    for key, t in sd.items():
-        *path, leaf = key.split(".")
-        mod = root
-        for p in path:
-            if not hasattr(mod, p):
-                mod.add_module(p, torch.nn.Module())
-            mod = getattr(mod, p)
-        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
-    return root
 
 
 class _Dict:

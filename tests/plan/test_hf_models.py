@@ -33,20 +33,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from support.compat_cases import COMMON  # noqa: E402  (the tiny config the compat venvs' cases use too)
 from support.dist_helper import run_distributed  # noqa: E402
 
 import sdadapt  # noqa: E402
 
-COMMON = dict(
-    vocab_size=96,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    max_position_embeddings=64,
-)
 MOE = dict(num_experts_per_tok=2, moe_intermediate_size=24)
 
 # family -> (model_type, config overrides, save_pretrained shard size)

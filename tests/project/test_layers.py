@@ -277,6 +277,7 @@ BENCH_TEST_IMPORTS = {
         "support.object_store_server": "the SeaweedFS the object storage tests start",
     },
     "object_store_clients.py": {"support.object_store_server": "the SeaweedFS the object storage tests start"},
+    "refit_bench.py": {"support.models": "a module tree over a state dict, as the refit tests build their engines"},
 }
 """The modules of tests/support/ a bench imports, with the reason; a bench never imports a test module."""
 

@@ -106,3 +106,17 @@ def split_qkv(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             out[k] = v.clone()
     return out
+
+
+def module_of(sd: dict[str, torch.Tensor]) -> nn.Module:
+    """A module tree whose parameters are ``sd`` (its dotted keys), frozen."""
+    root = nn.Module()
+    for key, t in sd.items():
+        *path, leaf = key.split(".")
+        mod = root
+        for p in path:
+            if not hasattr(mod, p):
+                mod.add_module(p, nn.Module())
+            mod = getattr(mod, p)
+        mod.register_parameter(leaf, nn.Parameter(t, requires_grad=False))
+    return root

@@ -17,6 +17,7 @@ import pytest
 import torch
 from sdadapt.adapters import vllm_fp8, vllm_llama, vllm_qwen3_moe
 from support.dist_helper import WorkerError, run_distributed
+from support.models import module_of
 
 import sdadapt
 from sdadapt._base.schema import TensorInfo, slices
@@ -126,20 +127,6 @@ def shard(full: dict[str, torch.Tensor], mesh, placements_of) -> dict[str, torch
 def unpadded() -> sdadapt.Adapter:
     """vLLM's TP-2 layout less the vocabulary padding (a pad's inverse's inverse needs a size)."""
     return sdadapt.Adapter([r for r in llama_adapter(2).rules if r.kind != "pad"])
-
-
-def module_of(sd: dict[str, torch.Tensor]) -> torch.nn.Module:
-    """A module tree whose parameters are ``sd`` (its dotted keys)."""
-    root = torch.nn.Module()
-    for key, t in sd.items():
-        *path, leaf = key.split(".")
-        mod = root
-        for p in path:
-            if not hasattr(mod, p):
-                mod.add_module(p, torch.nn.Module())
-            mod = getattr(mod, p)
-        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
-    return root
 
 
 FP8_BLOCK = (4, 4)
