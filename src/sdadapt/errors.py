@@ -61,7 +61,11 @@ class PlanError(SdadaptError):
         self.report = report
         advice = getattr(report, "advice", None)
         closing = advice() if callable(advice) else "Fix the adapter, or relax with allow_missing=/allow_unexpected= patterns."
-        super().__init__("checkpoint does not match the model; nothing was loaded.\n" + report.format() + "\n" + closing)
+        try:  # the rows it leaves out are listed by the report this error holds
+            text = report.format(held_as="err.report")
+        except TypeError:  # a report of another kind
+            text = report.format()
+        super().__init__("checkpoint does not match the model; nothing was loaded.\n" + text + "\n" + closing)
 
 
 class ModelError(SdadaptError):

@@ -81,7 +81,7 @@ def test_missing_unknown_and_inconsistent_options(fake, tmp_path):
 def test_unknown_and_bad_names(fake):
     with pytest.raises(AdapterError, match="no adapter named 'llama2'; shipped adapters: broken, notanadapter, tiny"):
         sdadapt.get_adapter("llama2")
-    with pytest.raises(AdapterError, match="not a module name"):
+    with pytest.raises(AdapterError, match=r"no adapter named '\.\./x'; shipped adapters"):
         sdadapt.get_adapter("../x")
     with pytest.raises(AdapterError, match="needs the package 'sdadapt_no_such_dependency'"):
         sdadapt.get_adapter("broken")
@@ -109,3 +109,30 @@ def test_shipped_adapters_follow_the_contract():
         mod = registry.adapter_module(name)
         params = inspect.signature(mod.build).parameters.values()
         assert all(p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_KEYWORD) for p in params), name
+
+
+def test_aliases_and_other_spellings_name_the_shipped_adapter():
+    """torchtitan calls the Llama family ``llama3``; releases say ``Llama-3.1``, ``Qwen-3``, ``DeepSeek-V3``."""
+    for given, name in (("llama", "llama"), ("llama3", "llama"), ("Llama-3.1", "llama"), ("llama_2", "llama"),
+                        ("Qwen-3", "qwen3"), ("qwen3-moe", "qwen3_moe"), ("DeepSeek-V3", "deepseek_v3"),
+                        ("deepseek-r1", "deepseek_v3"), ("GPT-OSS", "gpt_oss")):
+        assert registry.canonical_name(given) == name, given
+        assert registry.is_shipped(given)
+    assert registry.canonical_name("lama") is None and not registry.is_shipped("llama4")
+    alias = sdadapt.get_adapter("llama3", n_heads=4, n_kv_heads=2, dim=32)
+    assert alias == sdadapt.get_adapter("llama", n_heads=4, n_kv_heads=2, dim=32)
+
+
+def test_unknown_name_says_did_you_mean_in_the_callers_spelling(capsys):
+    with pytest.raises(AdapterError) as e:
+        sdadapt.get_adapter("lama")
+    text = str(e.value)
+    assert "no adapter named 'lama'; did you mean 'llama'" in text
+    # Python's spelling for a Python caller: no command-line option
+    assert "adapter='my_adapters.py:ADAPTER'" in text and "--adapter" not in text
+    with pytest.raises(AdapterError, match="did you mean 'deepseek_v3'"):
+        sdadapt.get_adapter("deepseek")
+    # the command line prints its own option
+    assert main(["adapters", "lama"]) == 2
+    err = capsys.readouterr().err
+    assert "did you mean 'llama'" in err and "--adapter my_adapters.py:ADAPTER" in err and "adapter='" not in err

@@ -111,7 +111,7 @@ def test_runs_compressed_in_report(tmp_path):
 def test_report_row_limit_and_json():
     r = Report(source="s", target="t", missing=[f"k{i}.x" for i in range(30)] + [f"a{i}.b" for i in range(30)])
     text = r.format(max_rows=5)
-    assert "  ... and 55 more rows (format(max_rows=None) lists every row)" in text
+    assert "  ... and 55 more rows (report.format(max_rows=None) lists every row)" in text
     assert "--all" not in text  # a Python message names no CLI flag
     every = r.format(max_rows=None)
     assert "more rows" not in every and all(f"k{i}.x" in every for i in range(30))
@@ -234,3 +234,30 @@ def test_compress_never_loses_keys():
 
     got = [k for r in rows for k in expand(r)]
     assert sorted(got) == keys
+
+
+def test_problems_say_the_note_on_values_only_once_things_line_up(tmp_path):
+    """The note that a line-up proves no values comes with a report that lines up (and in
+    ``sdadapt diff``); an error about names or shapes does not repeat it."""
+    sd = _sd(2)
+    del sd["norm.bias"]
+    report = sdadapt.diff(_meta_model(2), write_torch_save(tmp_path / "m.pt", sd))
+    assert not report.ok and "note: this compares names" not in report.format()
+    with pytest.raises(sdadapt.errors.PlanError) as e:
+        sdadapt.load(_meta_model(2), tmp_path / "m.pt")
+    assert "note: this compares names" not in str(e.value)
+
+
+def test_shape_only_differences_count_as_found_not_unmatched(tmp_path):
+    """A model of another width: every key is found by name, none lines up; the report says so
+    rather than "0 of N model keys matched" and asking whether the adapter is right."""
+    src = {f"l.{i}.w": TensorInfo((8, 4), torch.float32) for i in range(3)}
+    tgt = {f"l.{i}.w": TensorInfo((16, 4), torch.float32) for i in range(3)}
+    report = build_plan(src, tgt).report
+    assert report.matched == 0 and report.found == 3 and not report.mostly_unmatched
+    text = report.format()
+    assert "3 of 3 model keys found by name (3 with another shape) (3 checkpoint keys); 3 problem(s)" in text
+    assert "0 of 3 model keys matched" not in text and "right adapter" not in text
+    assert "l.{0..2}.w: model [16, 4], checkpoint gives [8, 4]" in text
+    plain = build_plan(src, src).report.format()
+    assert "3 of 3 model keys matched (3 checkpoint keys); 0 problem(s)" in plain

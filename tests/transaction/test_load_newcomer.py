@@ -291,7 +291,9 @@ def test_missing_rows_name_the_checkpoint_key_and_advice_fits(tmp_path: Path) ->
 def test_row_limit_names_the_python_spelling() -> None:
     report = sdadapt.reports.Report(source="s", target="t", missing=[f"k{i}.x{j}" for i in range(3) for j in range(12)])
     text = report.format(max_rows=2)
-    assert "(format(max_rows=None) lists every row)" in text and "--all" not in text
+    assert "(report.format(max_rows=None) lists every row)" in text and "--all" not in text
+    # an error holds its report: the line names the way there
+    assert "(err.report.format(max_rows=None) lists every row)" in str(sdadapt.errors.PlanError(report))
 
 
 def run_user_script(code: str, env: dict[str, str] | None = None) -> str:
@@ -440,8 +442,23 @@ def test_four_ranks_print_the_report_once(tmp_path: Path) -> None:
         ), err
         assert "layers.3" not in err
     for err in errs:
-        ours = [s for s in err.splitlines() if 'File "' in s and "/sdadapt/" in s]
-        assert len(ours) == 1 and "_transaction/tidy.py" in ours[0], err
+        assert len(library_frames(err)) == 1 and "_transaction/tidy.py" in library_frames(err)[0], err
+
+
+LIBRARY = os.path.dirname(os.path.abspath(sdadapt.__file__)) + os.sep
+"""Where the installed package lives: a frame is the library's by this location, never by a path
+fragment such as ``/sdadapt/`` (which a clone folder named ``sdadapt`` holds too)."""
+
+
+def library_frames(err: str) -> list[str]:
+    """The traceback lines of ``err`` that name a file of the installed sdadapt package."""
+    return [s for s in err.splitlines() if 'File "' in s and f'File "{LIBRARY}' in s]
+
+
+def test_library_frames_are_told_by_the_package_location() -> None:
+    user = f'  File "{os.sep}home{os.sep}me{os.sep}sdadapt{os.sep}tests{os.sep}support{os.sep}user_plan_error.py", line 1'
+    ours = f'  File "{LIBRARY}load.py", line 2'
+    assert library_frames("\n".join([user, ours])) == [ours]
 
 
 def test_split_checkpoint_keys_suggest_a_fuse_not_a_rename() -> None:

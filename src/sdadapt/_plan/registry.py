@@ -23,6 +23,7 @@ against ``build``'s signature before calling it: an unknown or missing option ra
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import json
@@ -63,25 +64,83 @@ def adapter_names() -> list[str]:
     return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
 
 
+ALIASES = {
+    "llama2": "llama", "llama3": "llama", "llama31": "llama", "llama32": "llama", "llama33": "llama",
+    "metallama": "llama", "deepseekr1": "deepseek_v3", "kimik2": "deepseek_v3",
+}
+"""Other names of shipped adapters, spelled as :func:`_plain` leaves them: the family names other
+tools use (torchtitan's ``llama3``, a release's ``Llama-3.1``) and releases of the same layout."""
+
+
+def _plain(name: str) -> str:
+    """``name`` lower-cased without ``-``, ``_``, ``.`` and spaces: ``Llama-3.1`` -> ``llama31``."""
+    return re.sub(r"[-_.\s]", "", name.lower())
+
+
+def canonical_name(name: object) -> str | None:
+    """The shipped adapter ``name`` means: itself, the same name spelled otherwise (``Qwen-3``,
+    ``deepseek-v3``) or a common alias (``llama3`` -> ``llama``, :data:`ALIASES`); ``None`` when
+    it names none."""
+    if not isinstance(name, str) or not name:
+        return None
+    names = adapter_names()
+    if name in names:
+        return name
+    plain = _plain(name)
+    for n in names:
+        if _plain(n) == plain:
+            return n
+    alias = ALIASES.get(plain)
+    return alias if alias in names else None
+
+
 def is_shipped(adapter: object) -> bool:
-    """Whether ``adapter`` names a shipped adapter (our documented layout, which load, diff and
-    export aim at the names the model holds)."""
-    return isinstance(adapter, str) and adapter in adapter_names()
+    """Whether ``adapter`` names a shipped adapter, by its name or an alias (our documented
+    layout, which load, diff and export aim at the names the model holds)."""
+    return canonical_name(adapter) is not None
+
+
+def _no_such_adapter(name: str) -> str:
+    """The message for a name no shipped adapter has: the nearest names first, then the list,
+    then how to pass an adapter of one's own (Python's spelling; the CLI re-spells it)."""
+    names = adapter_names()
+    by_plain = {_plain(n): n for n in names}
+    near = difflib.get_close_matches(_plain(name), list(by_plain), n=2, cutoff=0.6)
+    guess = f"did you mean {' or '.join(repr(by_plain[p]) for p in near)}? " if near else ""
+    return (
+        f"no adapter named {name!r}; {guess}shipped adapters: {', '.join(names) or 'none'} {OWN_ADAPTER[False]}"
+    )
+
+
+OWN_ADAPTER = {
+    False: "(one of your own: an sdadapt.Adapter, or adapter='my_adapters.py:ADAPTER')",
+    True: "(one of your own: --adapter my_adapters.py:ADAPTER)",
+}
+"""How a message names an adapter of one's own: in Python's spelling, or the command line's
+(``cli``), which :func:`spelled_for_cli` puts in its place."""
+
+
+def spelled_for_cli(message: str) -> str:
+    """An error message raised in Python's spelling, as the command line prints it (its options
+    where Python names keywords)."""
+    return message.replace(OWN_ADAPTER[False], OWN_ADAPTER[True])
 
 
 def adapter_module(name: str) -> ModuleType:
-    """Import ``sdadapt.adapters.<name>`` and check that it is an adapter module."""
+    """Import ``sdadapt.adapters.<name>`` (``name`` or an alias of it, :func:`canonical_name`)
+    and check that it is an adapter module."""
+    given = name
+    name = canonical_name(name) or name
+    if name != given:
+        log.info("adapter %r is the shipped adapter %r", given, name)
     if not isinstance(name, str) or not name.isidentifier():
-        raise AdapterError(f"adapter name {name!r} is not a module name; shipped adapters: {', '.join(adapter_names()) or 'none'}")
+        raise AdapterError(_no_such_adapter(str(name)))
     full = f"{PACKAGE}.{name}"
     try:
         mod = importlib.import_module(full)
     except ModuleNotFoundError as e:
         if e.name in (PACKAGE, full):
-            raise AdapterError(
-                f"no adapter named {name!r}; shipped adapters: {', '.join(adapter_names()) or 'none'} "
-                "(a file of your own: --adapter my_adapters.py:ADAPTER)"
-            ) from None
+            raise AdapterError(_no_such_adapter(name)) from None
         raise AdapterError(f"adapter {name!r} needs the package {e.name!r}, which is not installed") from e
     if not callable(getattr(mod, "build", None)) or not isinstance(getattr(mod, "SUMMARY", None), str):
         raise AdapterError(f"module {full} is not an adapter: it needs SUMMARY (str) and build(**options)")

@@ -121,9 +121,16 @@ class Report(BaseModel):
         return self.problems == 0
 
     @property
+    def found(self) -> int:
+        """How many model keys the checkpoint + adapter give by name, whatever their shape and
+        dtype: ``matched`` and the mismatched ones."""
+        return self.matched + len(self.shape_mismatch) + len(self.dtype_mismatch)
+
+    @property
     def mostly_unmatched(self) -> bool:
-        """Fewer than half of the model's keys matched: a wrong adapter or checkpoint, not typos."""
-        return bool(self.target_keys) and 2 * self.matched < self.target_keys
+        """Fewer than half of the model's keys found by name: a wrong adapter or checkpoint, not
+        typos (keys found with another shape are not unmatched: a model of another size)."""
+        return bool(self.target_keys) and 2 * self.found < self.target_keys
 
     def suggestions(self) -> dict[str, str]:
         """Compressed missing key -> the closest compressed unexpected key, for near misses only
@@ -254,18 +261,28 @@ class Report(BaseModel):
             rows.extend((m, looked) for m in compress(keys))
         return sorted(rows)
 
-    def format(self, max_rows: int | None = 8, cli: bool = False) -> str:
+    def counts(self) -> str:
+        """The line of counts: model keys matched (and those found by name with another shape or
+        dtype), checkpoint keys, problems."""
+        other = [f"{n} with another {what}" for n, what in ((len(self.shape_mismatch), "shape"),
+                                                            (len(self.dtype_mismatch), "dtype")) if n]
+        if other:
+            head = f"{self.found} of {self.target_keys} model keys found by name ({', '.join(other)})"
+        else:
+            head = f"{self.matched} of {self.target_keys} model keys matched"
+        return f"{head} ({self.source_keys} checkpoint keys); {self.problems} problem(s)"
+
+    def format(self, max_rows: int | None = 8, cli: bool = False, held_as: str = "report") -> str:
         """The report as text: a root cause first when one explains the problems, then each
         kind of problem with at most ``max_rows`` rows (``None``: every row). ``cli``: for the
-        command line, whose options it names (``--all``, ``--dtype``); else Python's spellings."""
-        more = "--all lists every row" if cli else "format(max_rows=None) lists every row"
+        command line, whose options it names (``--all``, ``--dtype``); else Python's spellings.
+        ``held_as``: how the reader holds this report, for the line saying how to see every row
+        (a :class:`~sdadapt.errors.PlanError` says ``err.report``)."""
+        more = "--all lists every row" if cli else f"{held_as}.format(max_rows=None) lists every row"
         lines = [f"source {self.source}", f"target {self.target}"]
         if self.adapter:
             lines.append(f"adapter {self.adapter}")
-        lines.append(
-            f"{self.matched} of {self.target_keys} model keys matched "
-            f"({self.source_keys} checkpoint keys); {self.problems} problem(s)"
-        )
+        lines.append(self.counts())
         cause = self.root_cause(cli)
         if cause:
             lines.append(f"root cause: {cause}")
@@ -336,7 +353,7 @@ class Report(BaseModel):
             lines.append(
                 f"allowed: {len(self.allowed_missing)} missing and {len(self.allowed_unexpected)} unexpected key(s)"
             )
-        if self.matched and not self.values_checked:
+        if self.ok and self.matched and not self.values_checked:  # said once things line up, not with every error
             lines.append(NOT_NUMBERS.format(verify=VERIFY[cli]))
         if not self.ok:
             lines.append(f"NOT OK: {self.problems} problem(s)")

@@ -348,7 +348,7 @@ def adapter_or_none(
         from . import registry
 
         where = loaded_from(model)
-        if where is None and adapter in registry.adapter_names():
+        if where is None and registry.is_shipped(adapter):
             config = model_config(model)
             if config is not None:
                 return registry.get_adapter(adapter, config=config)

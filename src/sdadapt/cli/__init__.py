@@ -60,7 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args))
     except SdadaptError as e:
-        print(f"sdadapt {args.command}: error: {e}", file=sys.stderr)
+        from .._plan.registry import spelled_for_cli
+
+        print(f"sdadapt {args.command}: error: {spelled_for_cli(str(e))}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `sdadapt inspect big.pt | head`: the reader left, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
