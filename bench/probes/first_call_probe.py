@@ -15,7 +15,7 @@ first load, the import time inside it, the modules that cost most, the second lo
 checkpoints has (torchtitan's does): what sdadapt itself then adds.
 
 ``-X importtime`` times what ``import`` statements import; a module imported through
-``importlib.import_module`` (sdadapt's public names resolve so: ``sdadapt._transaction.load``,
+``importlib.import_module`` (sdadapt's public names resolve so: ``sdadapt._load``,
 ``sdadapt._plan.adapter``, ...) gets no line of its own, so its own top-level code is missing from
 the sum, while everything it imports is in it.
 """

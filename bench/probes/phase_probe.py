@@ -37,11 +37,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 # (module, attribute) of each step timed; a function is replaced wherever sdadapt holds it
 STEPS = [
-    ("sdadapt._transaction.load", "_plan_load"),
+    ("sdadapt._load.loading", "_plan_load"),
     ("sdadapt.sources", "open_source"),
     ("sdadapt._plan.target", "model_state_dict"),
     ("sdadapt._plan.plan", "build_plan"),
-    ("sdadapt._transaction.load", "_prepare_device"),
+    ("sdadapt._load.loading", "_prepare_device"),
     ("sdadapt._transaction.materialize", "_reserve"),
     ("sdadapt._transaction.materialize", "has_meta"),
     ("sdadapt._transaction.materialize", "materialize"),

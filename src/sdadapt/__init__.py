@@ -36,11 +36,27 @@ if TYPE_CHECKING:
     from . import torchtitan as torchtitan
     from ._base.env import env as env
     from ._draft import draft as draft
+    from ._dry_run import dry_run as dry_run
     from ._engine import (
         EngineConfig as EngineConfig,
     )
     from ._engine import (
         release_pinned_memory as release_pinned_memory,
+    )
+    from ._export import (
+        convert as convert,
+    )
+    from ._export import (
+        export as export,
+    )
+    from ._export import (
+        export_iter as export_iter,
+    )
+    from ._load import (
+        load as load,
+    )
+    from ._load import (
+        plan_load as plan_load,
     )
     from ._plan.adapter import Adapter as Adapter
     from ._plan.hf_models import hf_adapter as hf_adapter
@@ -50,32 +66,16 @@ if TYPE_CHECKING:
     from ._plan.registry import (
         list_adapters as list_adapters,
     )
-    from ._transaction.diff import diff as diff
-    from ._transaction.dryrun import dry_run as dry_run
-    from ._transaction.export import (
-        convert as convert,
-    )
-    from ._transaction.export import (
-        export as export,
-    )
-    from ._transaction.export import (
-        export_iter as export_iter,
-    )
-    from ._transaction.load import (
-        load as load,
-    )
-    from ._transaction.load import (
-        plan_load as plan_load,
-    )
-    from ._transaction.refit import refit_plan as refit_plan
-    from ._transaction.shrink import shrink as shrink
-    from ._transaction.state import (
+    from ._refit import refit_plan as refit_plan
+    from ._state import (
         load_state as load_state,
     )
-    from ._transaction.state import (
+    from ._state import (
         save_state as save_state,
     )
-    from ._transaction.verify import verify as verify
+    from ._tools import diff as diff
+    from ._tools import shrink as shrink
+    from ._tools import verify as verify
     from .errors import SdadaptError as SdadaptError
     from .rules._functions import (
         add_prefix as add_prefix,
@@ -144,21 +144,21 @@ from ._base.version import VERSION as __version__  # noqa: E402,F401 - the packa
 
 _PUBLIC: dict[str, str] = {
     # loading and planning
-    "load": "._transaction.load",
-    "plan_load": "._transaction.load",
-    "diff": "._transaction.diff",
-    "dry_run": "._transaction.dryrun",
+    "load": "._load",
+    "plan_load": "._load",
+    "diff": "._tools",
+    "dry_run": "._dry_run",
     # training state, export, integrity
-    "load_state": "._transaction.state",
-    "save_state": "._transaction.state",
-    "export": "._transaction.export",
-    "export_iter": "._transaction.export",
-    "convert": "._transaction.export",
-    "refit_plan": "._transaction.refit",
+    "load_state": "._state",
+    "save_state": "._state",
+    "export": "._export",
+    "export_iter": "._export",
+    "convert": "._export",
+    "refit_plan": "._refit",
     "write_checksums": ".sources._integrity",
     # checking and trimming checkpoints
-    "verify": "._transaction.verify",
-    "shrink": "._transaction.shrink",
+    "verify": "._tools",
+    "shrink": "._tools",
     # the versions and optional features at hand (for bug reports)
     "env": "._base.env",
     # adapters: the class, the registry, drafting one

@@ -29,33 +29,33 @@ if TYPE_CHECKING:
     from ._base.env import EnvReport as EnvReport
     from ._base.env import Feature as Feature
     from ._draft import Draft as Draft
+    from ._dry_run import DryRunRank as DryRunRank
+    from ._dry_run import DryRunReport as DryRunReport
+    from ._export import ExportReport as ExportReport
+    from ._load import LoadReport as LoadReport
     from ._plan.plan import Plan as Plan
     from ._plan.report import Report as Report
-    from ._transaction.dryrun import DryRunRank as DryRunRank
-    from ._transaction.dryrun import DryRunReport as DryRunReport
-    from ._transaction.export import ExportReport as ExportReport
-    from ._transaction.load import LoadReport as LoadReport
-    from ._transaction.refit_run import Refit as Refit
-    from ._transaction.refit_run import RefitReport as RefitReport
-    from ._transaction.saved import SaveReport as SaveReport
-    from ._transaction.shrink import ShrinkReport as ShrinkReport
-    from ._transaction.state import StateLoadReport as StateLoadReport
-    from ._transaction.verify import VerifyReport as VerifyReport
+    from ._refit import Refit as Refit
+    from ._refit import RefitReport as RefitReport
+    from ._state import SaveReport as SaveReport
+    from ._state import StateLoadReport as StateLoadReport
+    from ._tools import ShrinkReport as ShrinkReport
+    from ._tools import VerifyReport as VerifyReport
 
 _PUBLIC: dict[str, str] = {
     "Report": "sdadapt._plan.report",
     "Plan": "sdadapt._plan.plan",
-    "LoadReport": "sdadapt._transaction.load",
-    "StateLoadReport": "sdadapt._transaction.state",
-    "SaveReport": "sdadapt._transaction.saved",
-    "ExportReport": "sdadapt._transaction.export",
-    "VerifyReport": "sdadapt._transaction.verify",
-    "ShrinkReport": "sdadapt._transaction.shrink",
-    "Refit": "sdadapt._transaction.refit_run",
-    "RefitReport": "sdadapt._transaction.refit_run",
+    "LoadReport": "sdadapt._load",
+    "StateLoadReport": "sdadapt._state",
+    "SaveReport": "sdadapt._state",
+    "ExportReport": "sdadapt._export",
+    "VerifyReport": "sdadapt._tools",
+    "ShrinkReport": "sdadapt._tools",
+    "Refit": "sdadapt._refit",
+    "RefitReport": "sdadapt._refit",
     "Draft": "sdadapt._draft",
-    "DryRunReport": "sdadapt._transaction.dryrun",
-    "DryRunRank": "sdadapt._transaction.dryrun",
+    "DryRunReport": "sdadapt._dry_run",
+    "DryRunRank": "sdadapt._dry_run",
     "EnvReport": "sdadapt._base.env",
     "Feature": "sdadapt._base.env",
 }

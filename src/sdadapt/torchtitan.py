@@ -65,14 +65,14 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from ._engine.reader import AdaptedStorageReader
+from ._export import CachedIO, plan_outputs
 from ._plan.adapter import Adapter, with_dtype
 from ._plan.plan import Plan, build_plan
 from ._plan.resolve import resolve_adapter
 from ._plan.target import schema_of
 from ._plan.titan_names import for_export, for_load, native_names
 from ._recipes.nodes import Leaf
-from ._transaction.args import renamed_keywords
-from ._transaction.writing import CachedIO, plan_outputs
+from ._transaction import renamed_keywords
 from .errors import AdapterError, ExportError, PlanError, SourceError
 from .sources import INDEX_LIMIT, INDEX_NAME, ShardIndex, Source, TensorInfo, open_source, read_json
 

@@ -92,7 +92,7 @@ def test_cli_existing_destination_and_bad_size(ckpt, capsys):
 
 def test_read_back_catches_a_wrong_output_and_leaves_nothing(ckpt, monkeypatch):
     folder, _ = ckpt
-    import sdadapt._transaction.writers.safetensors_writer as sw
+    import sdadapt._export.writers.safetensors_writer as sw
     from sdadapt._base.tensor_bytes import tensor_bytes
 
     def corrupt(t):  # flip every byte of one tensor on its way to disk

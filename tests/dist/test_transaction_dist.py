@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 import sdadapt
 from sdadapt._engine import syscalls
-from sdadapt._transaction import state as state_mod
+from sdadapt._state import state as state_mod
 from sdadapt._transaction import transaction as txn_mod
 from sdadapt._transaction.transaction import Transaction, is_marked
 from sdadapt.sources._namespaced import NamespacedSource

@@ -581,7 +581,7 @@ def test_device_lane_accounts_its_thread_time(tmp_path):
     its CPU time, its waits for work and for copies are parts of its run, and a load reports
     them beside the readers' (``lane*`` keys of ``engine_thread_seconds``); a run without a lane
     counts none."""
-    from sdadapt._transaction.load import _thread_seconds
+    from sdadapt._load.loading import _thread_seconds
 
     sd = {f"w{i}": torch.randn(64, 256) for i in range(8)}
     path = write_safetensors(tmp_path / "m.safetensors", sd)

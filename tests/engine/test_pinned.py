@@ -253,8 +253,8 @@ def test_a_gpu_load_prefetches_bands_only_for_computations_it_cannot_gather(monk
 
     import sdadapt._recipes.moves as MV
     import sdadapt._recipes.nodes as N
+    from sdadapt._load import loading as _load
     from sdadapt._recipes import quant_nodes as QN
-    from sdadapt._transaction import load as _load
 
     calls: list[tuple[torch.device, bool]] = []
     warmed: list[tuple[torch.device, int]] = []
@@ -281,7 +281,7 @@ def test_a_gpu_load_pins_its_staging_before_it_plans(tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
     import sdadapt
-    from sdadapt._transaction import load as _load
+    from sdadapt._load import loading as _load
     from sdadapt.errors import PlanError
 
     save_file({"other.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))

@@ -358,7 +358,7 @@ def test_first_call_probe_counts_the_imports_inside_a_first_load(tmp_path):
     names = {n for _, _, _, n in data["imports"]}
     assert {"sdadapt._transaction.transaction", "sdadapt._engine", "torch.distributed.checkpoint"} <= names
     assert data["import_s"] > 0 and data["traced"]["bytes"] > 0
-    assert "sdadapt._transaction.load" in data["traced"]["modules_imported_by_load_call"]
+    assert "sdadapt._load.loading" in data["traced"]["modules_imported_by_load_call"]
 
 
 QUANT_TWIN_PATHS = ["sdadapt-fp8ch", "sdadapt-nvfp4", "sdadapt-fp8tensor", "sdadapt-int8ch", "sdadapt-w4a16",

@@ -22,7 +22,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("sdadapt.rules",),  # every rule kind, built-in and user, and their constructors
     ("sdadapt._plan",),  # adapter, plan, report, target; which adapter a name or model means
     ("sdadapt._engine",),  # I/O, staging, the device lane, the DCP storage reader
-    ("sdadapt._transaction",),  # load, training state, export, verify, shrink, diff
+    ("sdadapt._transaction",),  # what every operation shares: checks, plan steps, the load transaction
+    # the operations, one room each: load, training state, export, refit, the dry run; diff, verify, shrink
+    ("sdadapt._load", "sdadapt._state", "sdadapt._export", "sdadapt._refit", "sdadapt._dry_run", "sdadapt._tools"),
     ("sdadapt._draft", "sdadapt.torchtitan"),  # drafting adapters; the torchtitan bridge
     ("sdadapt", "sdadapt.cli", "sdadapt.__main__"),  # the public face and the command line
 ]
@@ -234,7 +236,7 @@ BENCH_PRIVATE: dict[str, dict[str, str]] = {
                              "sdadapt._recipes.nodes": "Leaf nodes over the source"},  # fmt: skip
     "probes/phase_probe.py": {"sdadapt._engine.engine": "wraps the load's steps to time each",
                               "sdadapt._engine.reader": "the same", "sdadapt._plan.plan": "the same",
-                              "sdadapt._plan.target": "the same", "sdadapt._transaction.load": "the same",
+                              "sdadapt._plan.target": "the same", "sdadapt._load.loading": "the same",
                               "sdadapt._transaction.materialize": "the same", "sdadapt._transaction.transaction": "the same"},  # fmt: skip
 }
 """Every private sdadapt module a bench or probe imports (or names to patch), with the reason:

@@ -313,9 +313,9 @@ def test_every_error_is_an_sdadapt_error_in_errors():
 
 
 def test_errors_keep_their_names_in_private_modules():
+    from sdadapt._export import exporting as _export
     from sdadapt._plan import resolve as _resolve
-    from sdadapt._transaction import export as _export
-    from sdadapt._transaction import state as _state
+    from sdadapt._state import state as _state
 
     assert _export.ExportError is sdadapt.errors.ExportError
     assert _resolve.ResolveError is sdadapt.errors.ResolveError

@@ -33,10 +33,10 @@ from support.fp8_releases import (
 from torch import nn
 
 import sdadapt
+from sdadapt._export import convert
 from sdadapt._recipes import quant as Q
 from sdadapt._recipes import quant_nodes as QN
 from sdadapt._recipes.nodes import Leaf
-from sdadapt._transaction.export import convert
 from sdadapt.errors import AdapterError, PlanError
 
 # --- independent references ------------------------------------------------------------------------

@@ -372,7 +372,7 @@ def test_fuzz_config_json(config: Any, how: str, at: int, name: str) -> None:
             event("adapter built")
         except SdadaptError as e:
             event(f"refused: {type(e).__name__}")
-        from sdadapt._transaction.shrink import shrink_config
+        from sdadapt._tools.shrinking import shrink_config
         from sdadapt.sources._json import HFConfig, read_json_dict
 
         try:

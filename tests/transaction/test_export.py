@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import sdadapt
-from sdadapt._transaction.export import ExportError, convert
+from sdadapt._export.exporting import ExportError, convert
 
 QKV = sdadapt.Adapter(
     [sdadapt.fuse([f"layers.{{i}}.attn.{n}_proj.{{p}}" for n in "qkv"], "layers.{i}.attn.qkv.{p}")], name="split-qkv"
@@ -113,8 +113,8 @@ def _enospc(*args, **kwargs):
 def test_full_disk_leaves_nothing(tmp_path, monkeypatch, fmt):
     import torch.distributed.checkpoint.filesystem as fs
 
-    import sdadapt._transaction.writers.safetensors_writer as sw
-    import sdadapt._transaction.writers.torch_writer as tw
+    import sdadapt._export.writers.safetensors_writer as sw
+    import sdadapt._export.writers.torch_writer as tw
 
     calls = {"n": 0}
 
@@ -157,7 +157,7 @@ def _export_dist(folder: str) -> dict:
         rep = sdadapt.export(model, os.path.join(folder, fmt), QKV, fmt, max_shard_size=3000)
         out[fmt] = rep.tensors
     # a full disk on rank 0 mid-way: every rank raises, nothing is left behind, no hang
-    import sdadapt._transaction.writers.safetensors_writer as sw
+    import sdadapt._export.writers.safetensors_writer as sw
 
     n = {"calls": 0}
     orig = sw.write_bytes

@@ -12,9 +12,9 @@ from pydantic import BaseModel
 from torch import nn
 
 import sdadapt
+from sdadapt._export import ExportReport
 from sdadapt._plan.resolve import resolve_target, resolve_target_on_meta
-from sdadapt._transaction.export import ExportReport
-from sdadapt._transaction.shrink import ShrinkReport
+from sdadapt._tools import ShrinkReport
 from sdadapt.cli import main
 from sdadapt.errors import UsageError
 from sdadapt.sources._inventory import Inventory, InventoryRow

@@ -33,7 +33,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import sdadapt
-from sdadapt._transaction import load as load_module
+from sdadapt._load import loading as load_module
 
 TESTS = Path(__file__).resolve().parents[1]
 
@@ -314,7 +314,7 @@ def test_uncaught_error_shows_no_internal_frames(tmp_path: Path) -> None:
     assert "sdadapt.errors.PlanError: checkpoint does not match the model" in err
     assert "During handling" not in err and "direct cause" not in err
     debug = run_user_script(code, {"SDADAPT_DEBUG": "1"})
-    assert "_transaction/transaction.py" in debug and "_transaction/load.py" in debug
+    assert "_transaction/transaction.py" in debug and "_load/loading.py" in debug
 
 
 # --------------------------------------------------------------------------------------

@@ -21,8 +21,8 @@ from support.models import module_of
 
 import sdadapt
 from sdadapt._base.schema import TensorInfo, slices
-from sdadapt._transaction.refit_schedule import Transfer, cut_to_fit, rounds_of
-from sdadapt._transaction.writing import plan_outputs
+from sdadapt._export import plan_outputs
+from sdadapt._refit.refit_schedule import Transfer, cut_to_fit, rounds_of
 from sdadapt.errors import RefitError
 
 # uneven on purpose: 101 vocabulary rows, 22-wide norms, 10 kv rows over 4 FSDP ranks

@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 from support.checkpoints import write_hf_sharded
 
-from sdadapt._transaction.shrink import layer_index, shrink, shrink_config
+from sdadapt._tools.shrinking import layer_index, shrink, shrink_config
 from sdadapt.cli import main
 from sdadapt.errors import ShrinkError
 

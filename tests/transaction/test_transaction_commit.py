@@ -17,7 +17,7 @@ from support.training import VOCAB, Counter, forward_error, step_error, train_st
 from torch import nn
 
 import sdadapt
-from sdadapt._transaction import state as state_mod
+from sdadapt._state import state as state_mod
 from sdadapt._transaction import transaction as txn_mod
 from sdadapt._transaction.transaction import is_marked
 

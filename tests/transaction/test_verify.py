@@ -17,7 +17,7 @@ import torch
 from support.dist_helper import TESTS_DIR, run_distributed
 
 import sdadapt
-from sdadapt._transaction.verify import compare_logits, reference_from_checkpoint, verify
+from sdadapt._tools.verifying import compare_logits, reference_from_checkpoint, verify
 from sdadapt.cli import main
 from sdadapt.errors import VerifyError
 from sdadapt.rules import Rotary

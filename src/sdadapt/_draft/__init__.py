@@ -30,13 +30,13 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from .._export import plan_outputs
 from .._plan.adapter import Adapter
 from .._plan.plan import build_plan
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
-from .._transaction.args import check_not_a_model
-from .._transaction.diff import Target, target_schema
-from .._transaction.writing import plan_outputs
+from .._tools import Target, target_schema
+from .._transaction import check_not_a_model
 from ..rules import StripPrefix
 from ..sources import Source, TensorInfo, open_source
 from .config import FP8_SCALE_SUFFIX, NO_CONFIG, read_facts
@@ -360,8 +360,8 @@ def _grouped(props: Proposals) -> dict[str, list[Any]]:
 
 def _shipped_suggestion(target: Any, src: Any, subtree: str | None, report: Report) -> str | None:
     """The shipped adapter for the family the checkpoint's ``config.json`` names, when it fits
-    the target or the draft leaves problems (:func:`.._transaction.diff.family_suggestion`)."""
-    from .._transaction.diff import diff, family_suggestion
+    the target or the draft leaves problems (:func:`.._tools.diffing.family_suggestion`)."""
+    from .._tools import diff, family_suggestion
 
     fitted: dict[str, bool] = {}
 

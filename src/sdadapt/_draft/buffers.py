@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .._base.keyruns import compress
-from .._transaction.materialize import meta_non_persistent_buffers
+from .._transaction import meta_non_persistent_buffers
 from ..errors import ModelError
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from .._plan.adapter import Adapter
-from .._transaction.verify import _forward, _layer_list, _recording, _rel, default_rtol, random_tokens
+from .._tools.verifying import _forward, _layer_list, _recording, _rel, default_rtol, random_tokens
 from ..errors import SdadaptError
 from ..rules import Fuse, Rename, Rotary, Split, compile_pattern
 from .buffers import fill_buffers, pending_buffers
@@ -247,7 +247,7 @@ class Experiment:
     def score(self, adapter: Adapter) -> tuple[int, float, str]:
         """``(layers that agree, -log10 of the first difference, what differs)``; all layers and
         the logits agreeing gives ``(layers + 1, 0, "")``."""
-        from .._transaction.load import load
+        from .._load import load
 
         self.runs += 1
         try:

@@ -50,8 +50,7 @@ def _adapter(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     from .._base.progress import progress_bar, show_progress
-    from .._transaction.export import convert
-    from .._transaction.writing import plan_outputs
+    from .._export import convert, plan_outputs
     from ..sources import open_source
 
     if args.old_verify:

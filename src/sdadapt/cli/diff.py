@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._plan.resolve import resolve_adapter, resolve_target_on_meta
-    from .._transaction.diff import diff
+    from .._tools import diff
     from ..sources import open_source
 
     if args.adapter_option and not args.adapter:

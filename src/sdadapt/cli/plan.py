@@ -50,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import sys
 
+    from .._dry_run import dry_run
     from .._plan.resolve import resolve_adapter, resolve_target_on_meta
-    from .._transaction.dryrun import dry_run
     from ..errors import PlanError
     from ..sources import open_source
 

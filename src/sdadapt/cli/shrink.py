@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._transaction.shrink import shrink
+    from .._tools import shrink
 
     rep = shrink(
         args.src,

@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from .._plan.resolve import ResolveError, resolve_adapter, resolve_target
-    from .._transaction.verify import reference_from_checkpoint, verify
+    from .._tools import reference_from_checkpoint, verify
     from .diff import parse_options
 
     started = False

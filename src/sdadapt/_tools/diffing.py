@@ -14,10 +14,10 @@ from .._plan.plan import PipelineStage, vacant_modules
 from .._plan.registry import family_adapter, is_shipped, shipped_hint
 from .._plan.report import Report
 from .._plan.target import model_state_dict, schema_of
+from .._transaction.args import check_not_a_model
+from .._transaction.steps import derive_adapter, open_checkpoint, plan_schema
 from ..errors import SdadaptError
 from ..sources import Source, TensorInfo, open_source
-from .args import check_not_a_model
-from .steps import derive_adapter, open_checkpoint, plan_schema
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ checkpoints keep their scales, which sit beside their weights (``*_scale_inv``,
 
 Writing streams tensor by tensor (each is read from the mapped source, written, and its pages
 handed back to the kernel: memory stays at about one tensor) into a folder beside ``dst``
-that is renamed into place when complete (see :mod:`sdadapt._transaction.export`). ``config.json`` is
+that is renamed into place when complete (see :mod:`sdadapt._export.exporting`). ``config.json`` is
 rewritten (:func:`shrink_config`); the other small files of the folder (tokenizer, generation
 config...) are copied; other weight files (``.bin``, ``.pt``, sub-folders such as ``original/``)
 are not.
@@ -29,10 +29,10 @@ from pydantic import BaseModel
 
 from .._base.progress import progress_bar
 from .._base.regions import full_box
+from .._export import PageReleaser, check_destination, write_folder
 from .._recipes.nodes import Leaf, Node
 from ..errors import ShrinkError
 from ..sources import HFConfig, local_path, open_source, read_json_dict
-from .writing import PageReleaser, check_destination, write_folder
 
 log = logging.getLogger(__name__)
 

@@ -44,6 +44,11 @@ from .._plan.resolve import adapter_or_none
 from .._plan.target import model_state_dict
 from .._plan.titan_names import for_export
 from .._recipes.nodes import Node
+from .._transaction.args import check_model_and_path, check_not_a_model, renamed_keywords
+from .._transaction.materialize import has_meta
+from .._transaction.steps import derive_adapter, open_checkpoint
+from .._transaction.tidy import call_started, public
+from .._transaction.transaction import Transaction
 from ..errors import ExportError, RemoteRankError
 from ..sources import (
     Source,
@@ -56,12 +61,7 @@ from ..sources import (
     write_checksums_data,
     write_config,
 )
-from .args import check_model_and_path, check_not_a_model, renamed_keywords
 from .export_local import local_pieces
-from .materialize import has_meta
-from .steps import derive_adapter, open_checkpoint
-from .tidy import call_started, public
-from .transaction import Transaction
 from .writers.base import FORMATS
 from .writing import CachedIO, PageReleaser, check_destination, plan_outputs, write_folder
 

@@ -1,5 +1,5 @@
 """A planned refit's runs: :class:`Refit` moves the bytes :func:`sdadapt.refit_plan` scheduled,
-and says what it did in a :class:`RefitReport` (see :mod:`sdadapt._transaction.refit`)."""
+and says what it did in a :class:`RefitReport` (see :mod:`sdadapt._refit.refit`)."""
 
 from __future__ import annotations
 

@@ -35,16 +35,15 @@ from torch.distributed.tensor import DTensor
 from .._base.distributed import agree, collective_device, is_distributed, rank_and_world
 from .._base.regions import Box, box_shape, full_box
 from .._base.schema import TensorInfo, dtype_name
+from .._export import plan_outputs, reads_of, shard_box
 from .._plan.adapter import Adapter, with_dtype
 from .._plan.plan import build_plan
 from .._plan.target import model_state_dict
 from .._recipes.nodes import Compute, Node, Piece, Step
 from ..errors import RefitError, SdadaptError
-from .export_local import reads_of, shard_box
 from .refit_run import Refit, _Mine
 from .refit_schedule import Held, Request, round_bytes, transfers_of, volume
 from .refit_send import Region, SendFn, plan_regions
-from .writing import plan_outputs
 
 log = logging.getLogger(__name__)
 

@@ -23,13 +23,13 @@ from .._plan.plan import Plan
 from .._plan.registry import is_shipped
 from .._plan.report import Report
 from .._plan.target import local_nbytes, model_state_dict
+from .._transaction.args import check_model_and_path, renamed_keywords
+from .._transaction.headers import SharedHeaders, share_headers
+from .._transaction.materialize import InitFn, MissingInitFn, Reservation, check_buffers, choose_device, has_meta, missing_values
+from .._transaction.steps import derive_adapter, describe, judge, open_checkpoint, opened, plan_model
+from .._transaction.tidy import call_started, public
+from .._transaction.transaction import ATOMIC_WHY, Part, Transaction
 from ..sources import CHECKSUMS_WHY, ChecksummedSource, LoraMerged, Source, read_checksums, remember_source
-from .args import check_model_and_path, renamed_keywords
-from .headers import SharedHeaders, share_headers
-from .materialize import InitFn, MissingInitFn, Reservation, check_buffers, choose_device, has_meta, missing_values
-from .steps import derive_adapter, describe, judge, open_checkpoint, opened, plan_model
-from .tidy import call_started, public
-from .transaction import ATOMIC_WHY, Part, Transaction
 
 log = logging.getLogger("sdadapt")
 

@@ -8,7 +8,7 @@ adapter the model had been loaded with (a record only: the DCP data are in the m
 
 ``load_state(model, src, optimizer, extra, adapter=None)`` restores all of it, on any mesh
 (DCP's chunks are intersected with each rank's shards), and through ``adapter`` after a
-refactor. Optimizer state follows its parameter (:mod:`sdadapt._transaction.optim_state`).
+refactor. Optimizer state follows its parameter (:mod:`sdadapt._state.optim_state`).
 
 Everything is decided from the checkpoint's metadata, identically on every rank, before any
 tensor is read: missing or unexpected keys, an optimizer of another kind, optimizer state for
@@ -51,15 +51,15 @@ from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
 from .._plan.target import local_nbytes, model_state_dict, schema_of
+from .._transaction.args import check_model_and_path, renamed_keywords
+from .._transaction.materialize import InitFn, check_buffers, has_meta, missing_values
+from .._transaction.steps import derive_adapter
+from .._transaction.tidy import call_started, public, single_process_quiet
+from .._transaction.transaction import ATOMIC_WHY, Part, Transaction
 from ..errors import LoadError, PlanError, SdadaptError, SourceError, StateError
 from ..sources import SDADAPT_JSON, DCPSource, NamespacedSource, attach, fetch_dcp_entries, is_hub_id, is_url, local_path
-from .args import check_model_and_path, renamed_keywords
-from .materialize import InitFn, check_buffers, has_meta, missing_values
 from .optim_state import OptimPlan, init_state, plan_optimizer, stored_names
 from .saved import SaveReport
-from .steps import derive_adapter
-from .tidy import call_started, public, single_process_quiet
-from .transaction import ATOMIC_WHY, Part, Transaction
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 regions of the engine's whole tensors that it can make from the shards it owns and hands them to
 ``send`` in buckets, ``[(engine key, global box, piece), ...]``.
 
-Which rank makes which region is :mod:`~sdadapt._transaction.export_local`'s rule (of replicated shards, one rank owns
+Which rank makes which region is :mod:`~sdadapt._export.export_local`'s rule (of replicated shards, one rank owns
 each; a region whose recipe reads several ranks' shards is cut until each part reads one rank's),
 decided once at planning. The pieces are views of one buffer of at most ``bucket_bytes``, reused
 after ``send`` returns: a send function copies them or finishes with them before it returns.
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from .._base.regions import Box, box_shape, full_box
+from .._export import owned_shard, regions
 from .._recipes.nodes import Node
 from ..errors import ExportError, RefitError
-from .export_local import owned_shard, regions
 from .refit_schedule import ALIGN
 
 SendFn = Callable[[list[tuple[str, Box, torch.Tensor]]], None]

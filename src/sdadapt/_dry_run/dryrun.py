@@ -39,9 +39,9 @@ from .._plan.plan import Plan, adapted_schema, build_plan
 from .._plan.registry import is_shipped
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
+from .._transaction.steps import derive_adapter, describe, open_checkpoint, opened
 from ..errors import PlanError, UsageError
 from ..sources import HeaderRecord, Source, TensorInfo, encode_headers, open_source, recording_headers
-from .steps import derive_adapter, describe, open_checkpoint, opened
 
 
 class DryRunRank(BaseModel):
@@ -228,7 +228,7 @@ def dry_run(
     (FSDP2, HSDP, TP, EP, PP: see :mod:`sdadapt._plan.layout`), computed with DTensor's own
     offset rule; each rank's reads from the engine's own planning (:mod:`sdadapt._engine.predict`),
     so bytes, ``preadv`` calls and opens are those of a load with the same settings. Ranks with
-    the same shards are planned once (see :mod:`sdadapt._transaction.dryrun`).
+    the same shards are planned once (see :mod:`sdadapt._dry_run.dryrun`).
 
     Args:
         target: a model (its state dict's global shapes and dtypes; build it on meta), a
@@ -356,7 +356,7 @@ def _plan(
 ) -> tuple[Source, Plan, str, dict[str, torch.Tensor] | None]:
     """The source, the plan, the target's name and, for a model, its state dict, as a load plans them."""
     if isinstance(target, nn.Module):
-        from .load import _plan_load
+        from .._load.loading import _plan_load
 
         source = open_checkpoint(src, subtree)  # once: the adapter is derived from the open source
         resolved = opened(lambda: derive_adapter(adapter, source, target), source)
