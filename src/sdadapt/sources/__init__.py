@@ -23,8 +23,12 @@ from ._assets import remember_source as remember_source
 from ._assets import transformers_config as transformers_config
 from ._assets import write_config as write_config
 from ._base import HUB_PREFIX, Source, is_hub_id
+from ._formats import FILE_SUFFIXES as FILE_SUFFIXES
+from ._formats import FOREIGN_SUFFIXES, WEIGHT_SUFFIXES, open_local
+from ._formats import recordable as recordable
 from ._headers import HeaderRecord as HeaderRecord
-from ._hf_sharded import INDEX_NAME, HFShardedSource
+from ._hf_sharded import INDEX_NAME
+from ._hf_sharded import HFShardedSource as HFShardedSource
 from ._integrity import CHECKSUMS_WHY as CHECKSUMS_WHY
 from ._integrity import ChecksummedSource as ChecksummedSource
 from ._integrity import Fingerprint as Fingerprint
@@ -55,8 +59,8 @@ from ._remote import attach, in_urls
 from ._remote import fetch_all as fetch_all
 from ._remote import fetch_dcp_entries as fetch_dcp_entries
 from ._safetensors_file import DTYPE_NAMES as DTYPE_NAMES
-from ._safetensors_file import SafetensorsFile
-from ._torch_save import TorchSaveFile
+from ._safetensors_file import SafetensorsFile as SafetensorsFile
+from ._torch_save import TorchSaveFile as TorchSaveFile
 
 # a rank's header reads, recorded and replayed (:mod:`._headers`), under names that say so here
 recording_headers = _headers.recording
@@ -157,23 +161,10 @@ def _open_local(p: str, subtree: str | None) -> Source:
                 path=p,
             )
         raise SourceError("no such file or folder", path=p)
-    if os.path.isdir(p):
-        if os.path.isfile(os.path.join(p, INDEX_NAME)):
-            return HFShardedSource(_flat_only(p, subtree))
-        if os.path.isfile(os.path.join(p, "model.safetensors")):
-            return SafetensorsFile(os.path.join(_flat_only(p, subtree), "model.safetensors"))
-        if os.path.isfile(os.path.join(p, ".metadata")) or any(n.endswith(".distcp") for n in os.listdir(p)):
-            from ._dcp_dir import DCPSource  # noqa: PLC0415 - optional path
-
-            return DCPSource(p, subtree=subtree)
+    source = open_local(p, subtree)
+    if source is None:
         raise SourceError(_no_checkpoint_in(p), path=p)
-    if p.endswith(".index.json"):
-        return HFShardedSource(os.path.dirname(_flat_only(p, subtree)) or ".", index_path=p)
-    if os.path.getsize(p) == 0:
-        raise SourceError("empty file", path=p)
-    if p.endswith(".safetensors"):
-        return SafetensorsFile(_flat_only(p, subtree))
-    return TorchSaveFile(p, subtree=subtree)
+    return source
 
 
 def _no_checkpoint_in(folder: str) -> str:
@@ -187,7 +178,7 @@ def _no_checkpoint_in(folder: str) -> str:
             f"folder holds {known}, but it has the index {indexes[0]}: pass that file "
             f"({os.path.join(folder, indexes[0])}) to read the shards it lists"
         )
-    weights = [n for n in names if n.endswith((".safetensors", ".bin", ".pt", ".pth", ".ckpt"))]
+    weights = [n for n in names if n.endswith(WEIGHT_SUFFIXES) and not n.endswith(FOREIGN_SUFFIXES)]
     if len(weights) > 1:
         shown = ", ".join(weights[:4]) + (f", ... ({len(weights)} files)" if len(weights) > 4 else "")
         return (
@@ -247,8 +238,6 @@ def local_path(path: str | os.PathLike[str], storage_options: Mapping[str, Any] 
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-FILE_SUFFIXES = (".pt", ".pth", ".bin", ".safetensors", ".json", ".py", ".ckpt", ".distcp")
-"""Endings of file names (checkpoints, indexes, code) that mark a path, not a Hub id or a module."""
 
 
 def _looks_like_hub_id(p: str) -> bool:
@@ -259,12 +248,3 @@ def _looks_like_hub_id(p: str) -> bool:
         and not os.path.isdir(p.split("/")[0])
     )
 
-
-def _flat_only(path: str, subtree: str | None) -> str:
-    if subtree:
-        raise SourceError(
-            f"subtree={subtree!r} applies to torch.save files and DCP folders; safetensors keys are "
-            f"flat. Select keys with a strip_prefix({subtree + '.'!r}) rule instead",
-            path=path,
-        )
-    return path

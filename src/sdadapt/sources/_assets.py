@@ -22,14 +22,14 @@ from typing import Any
 
 from torch import nn
 
+from ._formats import WEIGHT_SUFFIXES
+
 log = logging.getLogger(__name__)
 
 __all__ = [
     "WEIGHT_SUFFIXES", "copy_side_files", "loaded_from", "model_config", "remember_source", "transformers_config", "write_config",
 ]
 
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".distcp")
-"""Weight files: never copied as side files (the writer makes the weights)."""
 
 _NOT_COPIED = ("model.safetensors.index.json", ".metadata", "sdadapt.checksums.json")
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,6 +35,66 @@ def read_json_file(path: str, limit: int, what: str) -> Any:
     when it is larger than ``limit`` bytes, not UTF-8 or nested too deep: see
     :func:`sdadapt.sources._json.read_json`, whose :class:`SourceError` names ``what`` and the file."""
     return read_json(path, None, what=what, limit=limit)
+
+
+HeaderRanges = Callable[[str, int], Iterator[list[tuple[int, int]]]]
+"""A format's header reads for object storage: called with a file's local mirror path and its
+size, it yields the byte ranges ``(start, stop)`` that opening the file reads next; when it
+resumes they are in the mirror, so it may read them to find the next ranges."""
+
+
+@dataclass(frozen=True)
+class Format:
+    """What one checkpoint format is, declared once by its module (``FORMAT``) and collected in
+    :data:`sdadapt.sources._formats.FORMATS`: every open path, suffix list, object storage
+    header fetch and header record derives from these entries.
+
+    Attributes:
+        name: the format's short name (``"safetensors"``).
+        suffixes: the endings of its weight files (``(".safetensors",)``).
+        claims: ``claims(path)``: whether the existing local ``path`` (a file or folder) is a
+            checkpoint of this format (as DCP's ``validate_checkpoint_id`` answers); a file is
+            judged by its name, a folder by the files it holds.
+        open: ``open(path, subtree)``: the :class:`Source` of a path it claims.
+        header_ranges: what opening one of its files reads, for object storage (see
+            :data:`HeaderRanges`); ``None``: nothing before a tensor is read (its files hold
+            only data).
+        recordable: whether opening it reads only bytes from its files' starts and JSON, so
+            that one rank's reads can be recorded and broadcast (:mod:`._headers`).
+        folder_file: the file whose presence marks a folder of this format
+            (``model.safetensors``), which a Hub source fetches.
+        members: for a ``folder_file`` that lists other files (an index), the file names it
+            lists, as ``members(folder_file_path)``.
+        any_file: whether it claims any other non-empty file (the last entry: ``torch.save``).
+    """
+
+    name: str
+    suffixes: tuple[str, ...]
+    claims: Callable[[str], bool]
+    open: Callable[[str, str | None], Source]
+    header_ranges: HeaderRanges | None = None
+    recordable: bool = False
+    folder_file: str | None = None
+    members: Callable[[str], list[str]] | None = None
+    any_file: bool = False
+
+
+def flat_only(path: str, subtree: str | None) -> str:
+    """``path``, unless a ``subtree`` was asked of a format whose keys are flat."""
+    if subtree:
+        raise SourceError(
+            f"subtree={subtree!r} applies to torch.save files and DCP folders; safetensors keys are "
+            f"flat. Select keys with a strip_prefix({subtree + '.'!r}) rule instead",
+            path=path,
+        )
+    return path
+
+
+def nonempty(path: str) -> str:
+    """``path``, unless the file is empty (a :class:`SourceError`)."""
+    if os.path.getsize(path) == 0:
+        raise SourceError("empty file", path=path)
+    return path
 
 
 class Source(abc.ABC):

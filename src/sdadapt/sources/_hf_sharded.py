@@ -6,13 +6,14 @@ We follow the index, never a glob of the folder, and refuse entries that leave t
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import torch
 
 from .._base.regions import Box
 from .._base.schema import TensorLocation
 from ..errors import SourceError
-from ._base import Source, member_path
+from ._base import Format, Source, flat_only, member_path
 from ._json import INDEX_LIMIT, ShardIndex, read_json
 from ._safetensors_file import SafetensorsFile
 
@@ -83,3 +84,34 @@ class HFShardedSource(Source):
     def close(self) -> None:
         for sf in self._files.values():
             sf.close()
+
+
+def _claims(path: str) -> bool:
+    if os.path.isdir(path):
+        return os.path.isfile(os.path.join(path, INDEX_NAME))
+    return path.endswith(".index.json")
+
+
+def _open(path: str, subtree: str | None) -> Source:
+    if os.path.isdir(path):
+        return HFShardedSource(flat_only(path, subtree))
+    return HFShardedSource(os.path.dirname(flat_only(path, subtree)) or ".", index_path=path)
+
+
+def _shards(index_path: str) -> list[str]:
+    """The shard file names an index lists, each checked to be a plain name inside its folder."""
+    names = sorted(set(read_json(index_path, ShardIndex, what=INDEX_NAME, limit=INDEX_LIMIT).weight_map.values()))
+    for name in names:
+        member_path(os.path.dirname(index_path), name, what="index names shard", path=index_path)
+    return names
+
+
+def _whole(path: str, size: int) -> Iterator[list[tuple[int, int]]]:
+    """The index is read whole when opened."""
+    yield [(0, size)]
+
+
+FORMAT = Format(
+    "hf_sharded", (".index.json",), _claims, _open, _whole, recordable=True, folder_file=INDEX_NAME, members=_shards,
+)
+"""A folder with ``model.safetensors.index.json`` and the shards it names, or an ``*.index.json`` file."""

@@ -34,16 +34,14 @@ from typing import Any, TypeVar
 from .._base.distributed import agree, is_distributed
 from .._base.progress import show_progress
 from ..errors import SdadaptError, SourceError
-from ._base import HUB_PREFIX, is_hub_id, member_path
-from ._hf_sharded import INDEX_NAME
-from ._json import INDEX_LIMIT, ShardIndex, read_json
+from ._base import HUB_PREFIX, is_hub_id
+from ._formats import HUB_MARKERS, HUB_SINGLE, hub_files
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 EXTRA = "pip install 'sdadapt[hub]'"
 _SIDE_FILES = ("config.json", "params.json")
-_SINGLE = "model.safetensors"
 _ID = re.compile(r"(?P<repo>[^@]*)(?:@(?P<rev>.*))?", re.DOTALL)
 # huggingface_hub's repo id rules (validate_repo_id), ASCII only and with the namespace required:
 # 1-96 characters of letters, digits, "-", "_", "."; starting and ending with a letter or digit
@@ -184,25 +182,26 @@ def _import_hub(text: str) -> Any:
 def _fetch(hub: Any, text: str, repo: str, revision: str | None, *, local_only: bool) -> str:
     """Download (or, ``local_only``, find in the cache) the files a load of ``repo`` needs; every
     file must resolve inside the repository's cache folder (symlinks followed)."""
-    folder = _snapshot(hub, text, repo, revision, [*_SIDE_FILES, INDEX_NAME], local_only)
+    folder = _snapshot(hub, text, repo, revision, [*_SIDE_FILES, *HUB_MARKERS], local_only)
     root = _inside_cache(hub, text, repo, folder)
-    index = os.path.join(folder, INDEX_NAME)
-    if os.path.isfile(index):
-        _contained(root, index, text)
-        shards = sorted(set(read_json(index, ShardIndex, what=INDEX_NAME, limit=INDEX_LIMIT).weight_map.values()))
-        for name in shards:  # plain names inside the snapshot, before any is downloaded
-            member_path(folder, name, what="index names shard", path=index)
-        needed = [INDEX_NAME, *shards]
-    else:
-        needed = [_SINGLE]
+
+    def fetched(name: str) -> str | None:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return None
+        _contained(root, path, text)
+        return path
+
+    listed = hub_files(fetched)  # an index and the shards it names (checked to be plain names inside)
+    needed = [listed[0], *listed[1]] if listed is not None else [HUB_SINGLE]
     folder = _snapshot(hub, text, repo, revision, [*_SIDE_FILES, *needed], local_only)
     root = _inside_cache(hub, text, repo, folder)
     missing = [n for n in needed if not os.path.isfile(os.path.join(folder, n))]
     if missing:
         where = "the local cache" if local_only or hub.constants.HF_HUB_OFFLINE else repo
         raise SourceError(
-            f"{', '.join(map(str, missing[:8]))} not found in {where}; a Hub source needs {INDEX_NAME} and its "
-            f"shards, or {_SINGLE}",
+            f"{', '.join(map(str, missing[:8]))} not found in {where}; a Hub source needs {' or '.join(HUB_MARKERS)} "
+            f"and its shards, or {HUB_SINGLE}",
             path=text,
         )
     for name in [*needed, *_SIDE_FILES]:

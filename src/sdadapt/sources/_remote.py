@@ -17,9 +17,8 @@ from __future__ import annotations
 import copy
 import math
 import os
-import struct
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,11 +26,9 @@ import torch
 from .._base.regions import Box, full_box
 from ..errors import SdadaptError
 from ._base import Source
+from ._formats import format_of_name
 from ._object_store import Remote, is_url
 
-_WEIGHTS = (".safetensors", ".distcp", ".bin", ".pt", ".pth", ".ckpt")
-_ZIP_TAIL = 22 + 65535  # the end-of-directory record and the longest zip comment
-_LOCAL_HEAD = 30 + 1024  # a zip record's fixed header, its name and torch's alignment padding
 _MAX_RUNS = 4096  # a region cut into more runs than this is fetched as the span covering them
 
 _remotes: dict[tuple[str, str], Remote] = {}
@@ -97,69 +94,29 @@ def fetch_dcp_entries(folder: str, names: list[str]) -> None:
 
 
 def _fetch_headers(remote: Remote) -> None:
-    """Fetch what opening the checkpoint reads: see the module docstring."""
+    """Fetch what opening the checkpoint reads (see the module docstring): each file's header
+    ranges as its format declares them (:data:`sdadapt.sources._formats.FORMATS`), all files'
+    steps in lockstep so that every step is one concurrent batch; files no format claims (JSON,
+    DCP ``.metadata``, tokenizers...) whole."""
     names = sorted(remote.objects)
     sizes = {n: remote.objects[n][0] for n in names}
-    st = [n for n in names if n.endswith(".safetensors")]
-    zips = [n for n in names if n.endswith(_WEIGHTS[2:]) or (remote.single == n and not n.endswith(_WEIGHTS[:2] + (".json",)))]
-    whole = [n for n in names if n not in st and n not in zips and not n.endswith(".distcp")]
-    first = [(n, 0, min(8, sizes[n])) for n in st]
-    first += [(n, max(0, sizes[n] - _ZIP_TAIL), sizes[n]) for n in zips] + [(n, 0, min(4, sizes[n])) for n in zips]
-    first += [(n, 0, sizes[n]) for n in whole]
-    remote.fetch(first)
-    second = []
-    for n in st:
-        if sizes[n] >= 8:
-            with open(remote.local(n), "rb") as f:
-                (length,) = struct.unpack("<Q", f.read(8))
-            second.append((n, 8, min(sizes[n], 8 + length)))  # the parser says what is wrong with a bad length
-    remote.fetch(second)
-    for n in zips:
-        _fetch_zip_directory(remote, n, sizes[n])
-
-
-def _fetch_zip_directory(remote: Remote, name: str, size: int) -> None:
-    """A ``torch.save`` zip's central directory, each record's local header, and every record
-    that is not tensor data (``data.pkl``, ``version``...); nothing for a file that is no zip
-    (the local source then says what it is)."""
-    import zipfile  # noqa: PLC0415 - only for torch.save files
-
-    path = remote.local(name)
-    with open(path, "rb") as f:
-        f.seek(max(0, size - _ZIP_TAIL))
-        tail = f.read()
-    at = tail.rfind(b"PK\x05\x06")
-    if at < 0 or len(tail) - at < 22:
-        remote.fetch_whole([name]) if size <= (64 << 20) else None  # a legacy pickle: the source says so
-        return
-    cd_size, cd_offset = struct.unpack("<II", tail[at + 12 : at + 20])
-    eocd = size - len(tail) + at
-    if cd_offset == 0xFFFFFFFF or cd_size == 0xFFFFFFFF:  # zip64: the locator points at the larger record
-        loc = tail[at - 20 : at]
-        if len(loc) == 20 and loc[:4] == b"PK\x06\x07":
-            (rec,) = struct.unpack("<Q", loc[8:16])
-            remote.fetch([(name, rec, min(size, rec + 56))])
-            with open(path, "rb") as f:
-                f.seek(rec)
-                z64 = f.read(56)
-            cd_size, cd_offset = struct.unpack("<QQ", z64[40:56])
-    remote.fetch([(name, min(cd_offset, eocd), min(eocd, cd_offset + cd_size))])
-    try:
-        with zipfile.ZipFile(path) as z:
-            infos = z.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError):
-        return  # the local source reports the damage
-    remote.fetch([(name, i.header_offset, min(size, i.header_offset + _LOCAL_HEAD + len(i.filename))) for i in infos])
-    rest = []
-    for i in infos:
-        parts = i.filename.split("/")
-        if not (len(parts) == 3 and parts[1] == "data"):
-            with open(path, "rb") as f:
-                f.seek(i.header_offset + 26)
-                n, m = struct.unpack("<HH", f.read(4))
-            start = i.header_offset + 30 + n + m
-            rest.append((name, start, min(size, start + i.compress_size)))
-    remote.fetch(rest)
+    batch: list[tuple[str, int, int]] = []
+    steps: list[tuple[str, Iterator[list[tuple[int, int]]]]] = []
+    for n in names:
+        fmt = format_of_name(n, single=remote.single == n)
+        if fmt is None:
+            batch.append((n, 0, sizes[n]))
+        elif fmt.header_ranges is not None:
+            steps.append((n, fmt.header_ranges(remote.local(n), sizes[n])))
+    while steps or batch:
+        going = []
+        for n, step in steps:
+            ranges = next(step, None)
+            if ranges is not None:
+                batch += [(n, a, b) for a, b in ranges]
+                going.append((n, step))
+        remote.fetch(batch)
+        steps, batch = going, []
 
 
 def box_runs(shape: tuple[int, ...], itemsize: int, box: Box) -> list[tuple[int, int]]:

@@ -15,6 +15,7 @@ import os
 import struct
 import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from .._base.regions import Box
 from .._base.schema import TensorInfo, TensorLocation, slices
 from ..errors import SourceError
 from . import _headers
-from ._base import Source
+from ._base import Format, Source, flat_only, nonempty
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 
@@ -217,3 +218,35 @@ class SafetensorsFile(Source):
         self._views.clear()
         self._buf = None
         self._mm = None  # closed by GC once no view refers to it
+
+
+SINGLE_NAME = "model.safetensors"
+"""The one weight file of a folder holding a single safetensors file."""
+
+
+def _claims(path: str) -> bool:
+    if os.path.isdir(path):
+        return os.path.isfile(os.path.join(path, SINGLE_NAME))
+    return path.endswith(".safetensors")
+
+
+def _open(path: str, subtree: str | None) -> Source:
+    if os.path.isdir(path):
+        return SafetensorsFile(os.path.join(flat_only(path, subtree), SINGLE_NAME))
+    return SafetensorsFile(flat_only(nonempty(path), subtree))
+
+
+def header_ranges(path: str, size: int) -> Iterator[list[tuple[int, int]]]:
+    """The 8-byte header length, then the header (:data:`sdadapt.sources._base.HeaderRanges`);
+    a bad length is fetched as far as the file goes (the parser then says what is wrong)."""
+    yield [(0, min(8, size))]
+    if size >= 8:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+        yield [(8, min(size, 8 + length))]
+
+
+FORMAT = Format(
+    "safetensors", (".safetensors",), _claims, _open, header_ranges, recordable=True, folder_file=SINGLE_NAME,
+)
+"""One ``.safetensors`` file, or a folder holding ``model.safetensors``."""

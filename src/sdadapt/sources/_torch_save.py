@@ -8,10 +8,12 @@ pages. Nested dicts are flattened with dots (``{"model": {"w": t}}`` -> ``model.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import re
+import struct
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ import torch
 from .._base.regions import Box
 from .._base.schema import TensorInfo, TensorLocation, slices
 from ..errors import SourceError
-from ._base import Source
+from ._base import Format, Source, nonempty
 
 log = logging.getLogger(__name__)
 
@@ -215,3 +217,58 @@ def file_offsets(path: str, tensors: dict[str, torch.Tensor]) -> dict[str, Tenso
             if f.read(len(want)) != want:
                 return {}
     return out
+
+
+_ZIP_TAIL = 22 + 65535  # the end-of-directory record and the longest zip comment
+_LOCAL_HEAD = 30 + 1024  # a zip record's fixed header, its name and torch's alignment padding
+_LEGACY_WHOLE = 64 << 20  # a legacy pickle up to this size is fetched whole (the source then says what it is)
+
+
+def header_ranges(path: str, size: int) -> Iterator[list[tuple[int, int]]]:
+    """What mapping a ``torch.save`` zip reads (:data:`sdadapt.sources._base.HeaderRanges`): its
+    first bytes and the end-of-directory record, the central directory, each record's local
+    header, and every record that is not tensor data (``data.pkl``, ``version``...)."""
+    yield [(max(0, size - _ZIP_TAIL), size), (0, min(4, size))]
+    with open(path, "rb") as f:
+        f.seek(max(0, size - _ZIP_TAIL))
+        tail = f.read()
+    at = tail.rfind(b"PK\x05\x06")
+    if at < 0 or len(tail) - at < 22:
+        if size <= _LEGACY_WHOLE:
+            yield [(0, size)]
+        return
+    cd_size, cd_offset = struct.unpack("<II", tail[at + 12 : at + 20])
+    eocd = size - len(tail) + at
+    if cd_offset == 0xFFFFFFFF or cd_size == 0xFFFFFFFF:  # zip64: the locator points at the larger record
+        loc = tail[at - 20 : at]
+        if len(loc) == 20 and loc[:4] == b"PK\x06\x07":
+            (rec,) = struct.unpack("<Q", loc[8:16])
+            yield [(rec, min(size, rec + 56))]
+            with open(path, "rb") as f:
+                f.seek(rec)
+                z64 = f.read(56)
+            cd_size, cd_offset = struct.unpack("<QQ", z64[40:56])
+    yield [(min(cd_offset, eocd), min(eocd, cd_offset + cd_size))]
+    try:
+        with zipfile.ZipFile(path) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return  # the source reports the damage when opened
+    yield [(i.header_offset, min(size, i.header_offset + _LOCAL_HEAD + len(i.filename))) for i in infos]
+    rest = []
+    with open(path, "rb") as f:
+        for i in infos:
+            parts = i.filename.split("/")
+            if not (len(parts) == 3 and parts[1] == "data"):
+                f.seek(i.header_offset + 26)
+                n, m = struct.unpack("<HH", f.read(4))
+                start = i.header_offset + 30 + n + m
+                rest.append((start, min(size, start + i.compress_size)))
+    yield rest
+
+
+FORMAT = Format(
+    "torch_save", (".bin", ".pt", ".pth", ".ckpt"), os.path.isfile,
+    lambda path, subtree: TorchSaveFile(nonempty(path), subtree=subtree), header_ranges, any_file=True,
+)
+"""A ``torch.save`` zip file: any file no other format claims (the last entry of the table)."""
