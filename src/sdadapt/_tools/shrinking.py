@@ -32,13 +32,12 @@ from .._base.regions import full_box
 from .._export import PageReleaser, check_destination, write_folder
 from .._recipes.nodes import Leaf, Node
 from ..errors import ShrinkError
-from ..sources import HFConfig, local_path, open_source, read_json_dict
+from ..sources import WEIGHT_SUFFIXES, HFConfig, local_path, open_source, read_json_dict
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ShrinkError", "ShrinkReport", "layer_index", "shrink", "shrink_config"]
 
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".onnx", ".distcp")
 _SKIP_FILES = ("config.json", "model.safetensors.index.json", ".metadata")
 
 
@@ -160,7 +159,7 @@ def _side_files(folder: str | None, dst_tmp: str, config: dict[str, Any] | None,
         return
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
-        if name in _SKIP_FILES or name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json"):
+        if name in _SKIP_FILES or name.endswith(WEIGHT_SUFFIXES) or name.endswith(".index.json"):
             continue
         if not os.path.isfile(path):
             log.info("shrink: not copying %s (not a plain file)", path)

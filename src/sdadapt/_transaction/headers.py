@@ -26,7 +26,16 @@ import torch.distributed as dist
 
 from .._base.distributed import is_distributed
 from ..errors import SdadaptError
-from ..sources import HeaderRecord, Source, decode_headers, encode_headers, open_source, recording_headers, replaying_headers
+from ..sources import (
+    HeaderRecord,
+    Source,
+    decode_headers,
+    encode_headers,
+    open_source,
+    recordable,
+    recording_headers,
+    replaying_headers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +78,7 @@ def share_headers(src: Any, subtree: str | None, group: dist.ProcessGroup | None
         from ..errors import UsageError
 
         raise UsageError(f"{ENV}={mode!r}: use 'once' (one rank reads the headers) or 'every'")
-    if not is_distributed() or not _recordable(src) or mode == "every" or dist.get_world_size(group) == 1:
+    if not is_distributed() or not recordable(src) or mode == "every" or dist.get_world_size(group) == 1:
         return SharedHeaders()
     payload = b""
     kept: Source | None = None
@@ -98,14 +107,4 @@ def share_headers(src: Any, subtree: str | None, group: dist.ProcessGroup | None
     except SdadaptError as e:
         log.warning("%s; reading the headers here instead", e)
         return SharedHeaders()
-
-
-def _recordable(src: Any) -> bool:
-    """Whether opening ``src`` reads only what a record holds: safetensors headers and JSON."""
-    if isinstance(src, Source) or not isinstance(src, (str, os.PathLike)):
-        return False
-    p = os.fspath(src)
-    if os.path.isdir(p):
-        return os.path.isfile(os.path.join(p, "model.safetensors.index.json")) or os.path.isfile(os.path.join(p, "model.safetensors"))
-    return p.endswith((".safetensors", ".index.json"))
 
