@@ -80,6 +80,12 @@ class RemoteRankError(SdadaptError):
     """Another rank failed; this rank stops too instead of hanging in a collective."""
 
 
+class DisagreementError(SdadaptError):
+    """The ranks of a group are not about to do the same thing: different adapters, plans or
+    sdadapt / torch / transformers versions. Raised on every rank before anything is read or
+    written; the message names the ranks that differ from rank 0 and what differs."""
+
+
 class StateError(SdadaptError):
     """Saving or restoring training state is not possible as asked (nothing was changed)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,28 +21,41 @@ def rank_and_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def agree(error: BaseException | None, group: dist.ProcessGroup | None = None) -> None:
+def agree(
+    error: BaseException | None, group: dist.ProcessGroup | None = None, remote: Callable[[str], BaseException] = RemoteRankError
+) -> None:
     """Collective: every rank calls it; if any rank passes an error, every rank raises.
 
     The failing rank re-raises its own error; the others raise :class:`RemoteRankError`
     quoting it. Only rank 0's error carries the whole message: on the other ranks it is one
     line pointing at rank 0 (:func:`brief_off_rank0`), so that N ranks do not print N copies.
-    Call it at the same point on every rank.
+    Call it at the same point on every rank. ``remote``: the error class of the ranks that did
+    not fail (``RefitError`` where every rank's error must be one).
     """
     if not is_distributed():
         if error is not None:
             raise error
         return
+    if any_rank(error is not None, group):
+        raise_agreed(error, group, remote)
+
+
+def raise_agreed(
+    error: BaseException | None, group: dist.ProcessGroup | None = None, remote: Callable[[str], BaseException] = RemoteRankError
+) -> None:
+    """Collective, once every rank knows that some rank failed: the failing ranks re-raise their
+    own error, the others ``remote`` (:class:`RemoteRankError`) quoting the first failing rank's."""
     mine = None if error is None else f"{type(error).__name__}: {error}"
-    msgs = gather_if_any(mine, mine is not None, group)
+    msgs: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(msgs, mine, group=group)
     if error is not None:
         brief_off_rank0(error, group)
         raise error
     for r, m in enumerate(msgs):
         if m is not None:
-            remote = RemoteRankError(f"rank {r} failed, so this rank stops too:\n{m}")
-            brief_off_rank0(remote, group, first=f"rank {r} failed ({m.split(chr(10), 1)[0].rstrip(':')}), so this rank stops too")
-            raise remote
+            other = remote(f"rank {r} failed, so this rank stops too:\n{m}")
+            brief_off_rank0(other, group, first=f"rank {r} failed ({m.split(chr(10), 1)[0].rstrip(':')}), so this rank stops too")
+            raise other
 
 
 def brief_off_rank0(error: BaseException, group: dist.ProcessGroup | None = None, first: str | None = None) -> None:
