@@ -143,9 +143,8 @@ def build_case(case: list[Group]) -> tuple[dict[str, torch.Tensor], sdadapt.Adap
         if cast is not None and gr.cast_first:
             rules.append(cast)
         if k > 1:
-            rules.append(
-                sdadapt.fuse(srcs, fused, dim=gr.fuse_dim, sizes=gr.part_sizes if gr.declare_fuse_sizes else None)
-            )
+            declared = gr.declare_fuse_sizes or len(set(gr.part_sizes)) > 1  # unequal parts need their sizes
+            rules.append(sdadapt.fuse(srcs, fused, dim=gr.fuse_dim, sizes=gr.part_sizes if declared else None))
         if gr.rename:
             rules.append(sdadapt.rename(fused, moved))
         if gr.split_dim is not None:

@@ -86,7 +86,17 @@ GQA_SRC = {
     "l.0.k.weight": ((2, 4),),
     "l.0.v.weight": ((2, 4),),
 }
-GQA_FUSE = sdadapt.fuse(["l.{i}.q.{p}", "l.{i}.k.{p}", "l.{i}.v.{p}"], "l.{i}.qkv.{p}")
+GQA_FUSE = sdadapt.fuse(["l.{i}.q.{p}", "l.{i}.k.{p}", "l.{i}.v.{p}"], "l.{i}.qkv.{p}", sizes=[8, 2, 2])
+
+
+def test_fuse_of_unequal_parts_without_sizes_is_refused():
+    """The inverse split (export) could only cut equal parts: the plan says which sizes to give."""
+    p = plan(GQA_SRC, {"l.0.qkv.weight": ((12, 4),)}, [sdadapt.fuse(["l.{i}.q.{p}", "l.{i}.k.{p}", "l.{i}.v.{p}"], "l.{i}.qkv.{p}")])
+    assert not p.report.ok
+    assert "differ in size; pass sizes=[8, 2, 2]" in p.report.format()
+    equal = {"l.0.q.weight": ((2, 4),), "l.0.k.weight": ((2, 4),), "l.0.v.weight": ((2, 4),)}
+    p = plan(equal, {"l.0.qkv.weight": ((6, 4),)}, [sdadapt.fuse(["l.{i}.q.{p}", "l.{i}.k.{p}", "l.{i}.v.{p}"], "l.{i}.qkv.{p}")])
+    assert p.report.ok, p.report.format()
 
 
 def test_fuse_unequal_sizes_values():
@@ -107,7 +117,7 @@ def test_fuse_along_last_dim_negative():
     p = plan(
         {"a.x": ((3, 2),), "a.y": ((3, 5),)},
         {"b": ((3, 7),)},
-        [sdadapt.fuse(["a.x", "a.y"], "b", dim=-1)],
+        [sdadapt.fuse(["a.x", "a.y"], "b", dim=-1, sizes=[2, 5])],
     )
     assert p.report.ok
     assert p.recipes["b"].dim == 1
@@ -351,7 +361,7 @@ def test_adapter_inverse_and_add():
     inv = a.inverse()
     assert inv.name == "fwd.inverse"
     assert inv.rules == [
-        sdadapt.split("l.{i}.qkv.{p}", ["l.{i}.q.{p}", "l.{i}.k.{p}", "l.{i}.v.{p}"]),
+        sdadapt.split("l.{i}.qkv.{p}", ["l.{i}.q.{p}", "l.{i}.k.{p}", "l.{i}.v.{p}"], sizes=[8, 2, 2]),
         sdadapt.rename("b.{i}", "a.{i}"),
     ]
     both = a + sdadapt.Adapter([sdadapt.cast("**", F32)], name="c")

@@ -88,7 +88,12 @@ def match_rules(m: Match) -> tuple[str, list[Any]]:
             rules.append(Stack(src=s.pattern(), dst=stacked, over=s.stacked.capname, dim=0))
             srcs[m.srcs.index(s)] = stacked
     kind = "stack_fuse" if rules else "fuse"
-    rules.append(Fuse(srcs=srcs, dst=dst, dim=m.dim))
+    # parts of different sizes (GQA q/k/v) are given their sizes: the inverse split needs them
+    sizes = None
+    if all(s.stacked is None and len(s.shape) == len(m.srcs[0].shape) > 0 for s in m.srcs):
+        got = [s.shape[m.dim % len(s.shape)] for s in m.srcs]
+        sizes = got if len(set(got)) > 1 else None
+    rules.append(Fuse(srcs=srcs, dst=dst, dim=m.dim, sizes=sizes))
     if m.transpose:
         rules += _transpose_rules([dst], t0.shape)
     return kind, rules

@@ -39,7 +39,8 @@ def fuse(srcs: list[str], dst: str, dim: int = 0, sizes: list[int] | None = None
         srcs: the key patterns of the parts, in order.
         dst: the fused key pattern.
         dim: the dim to concatenate along.
-        sizes: the parts' sizes along ``dim`` (needed only where the target does not tell them).
+        sizes: the parts' sizes along ``dim``; parts of different sizes (GQA) need them, so that
+            the inverse split (an export) cuts them back where they were.
         heads: lay the fused tensor out per head, ``[H, parts, rows]``.
 
     Returns:

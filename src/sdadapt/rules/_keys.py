@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from .._recipes.interleave import Interleaved
 from .._recipes.moves import Concatenated, Narrowed
@@ -69,8 +69,9 @@ class Rename(RuleBase):
 
 class Fuse(RuleBase):
     """Concatenate ``srcs`` along ``dim`` into ``dst`` (e.g. q, k, v -> qkv). Parts may differ
-    in size along ``dim`` (GQA). ``sizes`` is optional; it lets the inverse split run without
-    a target schema.
+    in size along ``dim`` (GQA); such parts need ``sizes`` (a plan without it says which), so
+    that the inverse split (an export, which has no target schema) cuts them back where they
+    were. Parts of equal sizes may omit it.
 
     ``heads=H``: the fused tensor is laid out per head, ``[H, parts, rows]`` (GPT-NeoX's,
     Bloom's and Persimmon's ``query_key_value``: ``view(heads, 3, head_dim, dim)``): each part is
@@ -95,6 +96,8 @@ class Fuse(RuleBase):
     dim: int = 0
     sizes: list[int] | None = None
     heads: int | None = Field(default=None, gt=0)
+    # the inverse of a split: its parts need no declared sizes (the split it undoes is its inverse)
+    _undoes_split: bool = PrivateAttr(default=False)
 
     @model_validator(mode="after")
     def _check(self) -> Fuse:
@@ -108,6 +111,11 @@ class Fuse(RuleBase):
         if self.sizes is not None and len(self.sizes) != len(self.srcs):
             raise AdapterError(f"fuse into {self.dst!r}: {len(self.sizes)} sizes for {len(self.srcs)} sources")
         return self
+
+    def __eq__(self, other: object) -> bool:  # the private mark is no part of what the rule is
+        return type(other) is type(self) and self.model_dump() == other.model_dump()
+
+    __hash__ = RuleBase.__hash__
 
     def input_patterns(self) -> list[str]:
         return list(self.srcs)
@@ -134,6 +142,10 @@ class Fuse(RuleBase):
             sizes = tuple(p.shape[dim] for p in parts)
             if self.heads is not None and any(n % self.heads for n in sizes):
                 ctx.issue(index, dst, f"parts of {list(sizes)} along dim {dim} do not all divide into heads={self.heads}")
+                continue
+            if self.sizes is None and len(set(sizes)) > 1 and not self._undoes_split:  # the inverse split would cut equal parts
+                ctx.issue(index, dst, f"parts of {list(sizes)} along dim {dim} differ in size; pass sizes={list(sizes)} "
+                          "so that the adapter's inverse (export, refit through adapter.inverse()) cuts them back")  # fmt: skip
                 continue
             for n in names:
                 ctx.take(n, index)
@@ -255,8 +267,9 @@ class Split(RuleBase):
         return sizes
 
     def inverse(self) -> list[RuleBase]:
-        return [Fuse(srcs=[typed_like(d, self.src) for d in self.dsts], dst=self.src, dim=self.dim, sizes=self.sizes,
-                     heads=self.heads)]
+        fuse = Fuse(srcs=[typed_like(d, self.src) for d in self.dsts], dst=self.src, dim=self.dim, sizes=self.sizes, heads=self.heads)
+        fuse._undoes_split = True
+        return [fuse]
 
 
 class Drop(RuleBase):

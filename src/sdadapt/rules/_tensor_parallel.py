@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from .._recipes import nodes as N
+from .._recipes.arithmetic import AffineMapped
 from .._recipes.interleave import Interleaved
-from .._recipes.nodes import Node
+from .._recipes.moves import UnitPermuted
+from .._recipes.nodes import Converted, Node
 from ..errors import AdapterError
 from ._base import Keys, RuleBase, check_keys, key_patterns, matching_dim, target_info
 
@@ -157,6 +159,10 @@ class Deinterleave(Interleave):
     def _degree(self, ctx: PlanContext, key: str, node: Node, d: int, index: int) -> int | str:
         if self.tp is not None:
             return self.tp
+        # through value-only steps (a cast, an affine map, a row order inside heads): the tensor
+        # they take is the model's, laid out as that tensor is placed
+        while isinstance(node, Converted | AffineMapped | UnitPermuted) and node.child.shape == node.shape:
+            node = node.child
         if isinstance(node, N.Leaf) and node.key in ctx.source:
             return tp_degree(ctx.source[node.key], d)
         return "the checkpoint's TP degree is not known here; pass tp= (the TP degree it was saved with)"
