@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 # (module, attribute) of each step timed; a function is replaced wherever sdadapt holds it
 STEPS = [
-    ("sdadapt._load.loading", "_plan_load"),
+    ("sdadapt._transaction.steps", "plan_model"),
     ("sdadapt.sources", "open_source"),
     ("sdadapt._plan.target", "model_state_dict"),
     ("sdadapt._plan.plan", "build_plan"),

@@ -287,8 +287,8 @@ def test_a_gpu_load_pins_its_staging_before_it_plans(tmp_path, monkeypatch):
     save_file({"other.weight": torch.zeros(2, 2)}, str(tmp_path / "model.safetensors"))
     events: list[object] = []
     monkeypatch.setattr(_load, "prefetch_pinned", lambda device, bands, engine: events.append((device, bands)))
-    real = _load._plan_load
-    monkeypatch.setattr(_load, "_plan_load", lambda *a, **k: (events.append("plan"), real(*a, **k))[1])
+    real = _load.plan_model
+    monkeypatch.setattr(_load, "plan_model", lambda *a, **k: (events.append("plan"), real(*a, **k))[1])
     with pytest.raises(PlanError):
         sdadapt.load(torch.nn.Linear(2, 2), str(tmp_path))
     assert events == ["plan"]

@@ -331,7 +331,7 @@ def test_phase_probe_times_the_steps_of_a_first_and_a_second_load(tmp_path):
         for load in ("first", "second"):
             assert re.search(rf"round 0 {path} +{load} +wall [0-9.]+ +plan ", out), out
     steps = re.findall(r"^ +(\S+) +[0-9.]+ s  x[0-9]+$", out, flags=re.M)
-    assert steps.count("_plan_load") == 4 and steps.count("materialize") == 4, steps  # each load's steps
+    assert steps.count("plan_model") == 4 and steps.count("materialize") == 4, steps  # each load's steps
     assert out.count("Ordered by: cumulative time") == 2  # the first loads' profiles
     bf16 = {p.name: p.stat().st_mtime_ns for p in (ck / "hf").iterdir()}
     proc = probe("--paths", "sdadapt-nvfp4", "--loads", "3")

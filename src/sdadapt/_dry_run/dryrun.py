@@ -36,10 +36,10 @@ from .._engine.tasks import Job
 from .._plan.adapter import Adapter, with_dtype
 from .._plan.layout import Layout, Mesh, default_layouts, local_box, model_layouts
 from .._plan.plan import Plan, adapted_schema, build_plan
-from .._plan.registry import is_shipped
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
-from .._transaction.steps import derive_adapter, describe, open_checkpoint, opened
+from .._transaction.options import Options
+from .._transaction.steps import derive_adapter, open_checkpoint, plan_model
 from ..errors import PlanError, UsageError
 from ..sources import HeaderRecord, Source, TensorInfo, encode_headers, open_source, recording_headers
 
@@ -280,7 +280,9 @@ def dry_run(
     with recording_headers() as rec_src:
         open_source(src, subtree=subtree).close()
     with recording_headers() as rec_all:
-        source, plan, target_name, state = _plan(target, src, adapter, subtree, allow_missing, allow_unexpected, dtype)
+        options = Options.of(src, adapter=adapter, subtree=subtree, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
+                             dtype=dtype)  # fmt: skip
+        source, plan, target_name, state = _plan(target, src, options)
     try:
         if not plan.report.ok:
             raise PlanError(plan.report)
@@ -350,30 +352,21 @@ def dry_run(
     )
 
 
-def _plan(
-    target: Any, src: Any, adapter: Any, subtree: str | None, allow_missing: list[str] | None,
-    allow_unexpected: list[str] | None, dtype: Any,
-) -> tuple[Source, Plan, str, dict[str, torch.Tensor] | None]:
+def _plan(target: Any, src: Any, options: Options) -> tuple[Source, Plan, str, dict[str, torch.Tensor] | None]:
     """The source, the plan, the target's name and, for a model, its state dict, as a load plans them."""
     if isinstance(target, nn.Module):
-        from .._load.loading import _plan_load
-
-        source = open_checkpoint(src, subtree)  # once: the adapter is derived from the open source
-        resolved = opened(lambda: derive_adapter(adapter, source, target), source)
-        source, plan, state = _plan_load(
-            target, source, resolved, subtree, allow_missing, allow_unexpected,
-            dtype=dtype, shipped=is_shipped(adapter), name=describe(src),
-        )
+        source = open_checkpoint(src, options.subtree)  # once: the adapter is derived from the open source
+        source, plan, state = plan_model(target, source, derive_adapter(options.adapter, source, target), options)
         return source, plan, type(target).__name__, state
-    source = open_source(src, subtree=subtree)
+    source = open_source(src, subtree=options.subtree)
     try:
-        resolved = adapter_or_none(adapter, source)
-        if dtype is not None and dtype != "model":
-            resolved = with_dtype(resolved, dtype)
+        resolved = adapter_or_none(options.adapter, source)
+        if options.dtype is not None and options.dtype != "model":
+            resolved = with_dtype(resolved, options.dtype)
         schema = dict(target) if target is not None else adapted_schema(source.schema, resolved, source.non_tensor)
         plan = build_plan(
-            source.schema, schema, resolved, non_tensor=source.non_tensor, allow_missing=allow_missing,
-            allow_unexpected=allow_unexpected, source_name=_name(src),
+            source.schema, schema, resolved, non_tensor=source.non_tensor, allow_missing=list(options.allow_missing),
+            allow_unexpected=list(options.allow_unexpected), source_name=_name(src),
             target_name="schema" if target is not None else "the checkpoint's layout",
         )
     except BaseException:

@@ -20,13 +20,13 @@ from .._base.progress import TransferBar
 from .._engine import EngineConfig, EngineStats, device_work, prefetch_pinned, warm_kernels, warm_kvikio
 from .._plan.adapter import Adapter
 from .._plan.plan import Plan
-from .._plan.registry import is_shipped
 from .._plan.report import Report
 from .._plan.target import local_nbytes, model_state_dict
 from .._transaction.args import check_model_and_path, renamed_keywords
 from .._transaction.headers import SharedHeaders, share_headers
 from .._transaction.materialize import InitFn, MissingInitFn, Reservation, check_buffers, choose_device, has_meta, missing_values
-from .._transaction.steps import derive_adapter, describe, judge, open_checkpoint, opened, plan_model
+from .._transaction.options import Options
+from .._transaction.steps import derive_adapter, judge, open_checkpoint, plan_model
 from .._transaction.tidy import call_started, public
 from .._transaction.transaction import ATOMIC_WHY, Part, Transaction
 from ..sources import CHECKSUMS_WHY, ChecksummedSource, LoraMerged, Source, read_checksums, remember_source
@@ -143,8 +143,6 @@ def _thread_seconds(st: EngineStats) -> dict[str, float]:
     return {k: round(v, 6) for k, v in out.items()}
 
 
-_describe = describe
-
 
 @public
 def plan_load(
@@ -184,32 +182,11 @@ def plan_load(
             assert plan.report.ok, plan.report.format()
     """
     check_model_and_path("sdadapt.plan_load(model, src, adapter=None, ...)", model, src)
+    options = Options.of(src, adapter=adapter, subtree=subtree, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
+                         pipeline_stage=pipeline_stage, lora=lora, dtype=dtype)  # fmt: skip
     source = open_checkpoint(src, subtree)
-    resolved = opened(lambda: derive_adapter(adapter, source, model), source)
-    source, plan, _ = _plan_load(model, source, resolved, subtree, allow_missing, allow_unexpected, pipeline_stage, lora, dtype,
-                                 is_shipped(adapter), name=_describe(src))  # fmt: skip
+    source, plan, _ = plan_model(model, source, derive_adapter(adapter, source, model), options)
     return source, plan
-
-
-def _plan_load(
-    model: nn.Module,
-    src: str | os.PathLike[str] | Source,
-    adapter: Adapter | None,
-    subtree: str | None,
-    allow_missing: list[str] | None,
-    allow_unexpected: list[str] | None,
-    pipeline_stage: bool = False,
-    lora: str | os.PathLike[str] | None = None,
-    dtype: str | torch.dtype | None = None,
-    shipped: bool = False,
-    name: str | None = None,
-) -> tuple[Source, Plan, dict[str, torch.Tensor]]:
-    """The **plan** step of :func:`load` and :func:`plan_load`: ``src`` opened (an open source
-    is taken as it is) and planned against ``model`` by :func:`~sdadapt._transaction.steps.plan_model`;
-    returns ``(source, plan, the model's state dict it planned against)``."""
-    source = open_checkpoint(src, subtree)
-    return plan_model(model, source, adapter, shipped=shipped, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
-                      pipeline_stage=pipeline_stage, lora=lora, dtype=dtype, name=name or _describe(src))  # fmt: skip
 
 
 def _gpu_target(model: nn.Module, device: torch.device | str | None) -> torch.device | None:
@@ -333,10 +310,11 @@ def load(
     """
     t0 = call_started()
     check_model_and_path("sdadapt.load(model, src, adapter=None, ...)", model, src)
-    asked = _Asked(adapter, strict, subtree, allow_missing, allow_unexpected, pipeline_stage, dtype, lora, init_buffers,
-                   init_missing, checksums, _describe(src))  # fmt: skip
+    options = Options.of(src, adapter=adapter, strict=strict, subtree=subtree, allow_missing=allow_missing,
+                         allow_unexpected=allow_unexpected, pipeline_stage=pipeline_stage, dtype=dtype, lora=lora,
+                         init_buffers=init_buffers, init_missing=init_missing, checksums=checksums)  # fmt: skip
     rank, world = rank_and_world(process_group)
-    txn = Transaction(model, process_group, asked.name)
+    txn = Transaction(model, process_group, options.name)
     txn.engine = engine
     local = txn.resolve(src)  # **resolve**: a Hub id's snapshot folder, fetched and agreed on every rank
     reserved = Reservation(model, device)  # a meta model's GPU memory, asked for while the plan is made
@@ -345,7 +323,7 @@ def load(
         prefetch_pinned(target, False, engine)
     shared = share_headers(local, subtree, process_group)  # opened by one rank, its headers broadcast
     try:  # every rank raises if any failed; nothing was changed
-        prep = txn.prepare(lambda: _prepare(txn, model, local, shared, asked))
+        prep = txn.prepare(lambda: _prepare(txn, model, local, shared, options))
     except BaseException:
         reserved.wait()
         raise
@@ -360,34 +338,16 @@ def load(
     share = share_reads if share_reads is not None else target is not None  # GPU shards: share by default
     part = Part("model", prep.plan, txn.sources[-1], wanted, share_reads=share)
     phases.mark("prepare")
-    log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), asked.name, " (atomic)" if atomic else "")
+    log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), options.name, " (atomic)" if atomic else "")
     total = sum(local_nbytes(t) for t in wanted.values())
     with TransferBar(total, "sdadapt.load", tensors=len(wanted), rank=rank, enabled=progress) as bar:  # **run**
         txn.on_done = bar.update if bar.on else None
         txn.run([part], atomic=atomic, check_finite=check_finite, mark=phases.mark)
-    rep = _load_report(part, prep, asked, phases, rank=rank, world=world, total=total, materialized=materialized, t0=t0)
+    rep = _load_report(part, prep, options, phases, rank=rank, world=world, total=total, materialized=materialized, t0=t0)
     remember_source(model, src)  # export / save_state with an adapter name read the same folder
     rep.seconds = time.perf_counter() - t0  # the whole call, from entering it
     log.info("%s", rep.format())
     return rep
-
-
-@dataclass(frozen=True)
-class _Asked:
-    """What a :func:`load` call asked for about planning and checking, handed to its steps."""
-
-    adapter: Adapter | str | None
-    strict: bool
-    subtree: str | None
-    allow_missing: list[str] | None
-    allow_unexpected: list[str] | None
-    pipeline_stage: bool
-    dtype: str | torch.dtype | None
-    lora: str | os.PathLike[str] | None
-    init_buffers: InitFn | None
-    init_missing: MissingInitFn | None
-    checksums: bool
-    name: str  # the checkpoint as reports name it
 
 
 @dataclass
@@ -400,28 +360,27 @@ class _Prepared:
     fill_missing: tuple[str, InitFn | None]
 
 
-def _prepare(txn: Transaction, model: nn.Module, local: str | os.PathLike[str] | Source, shared: SharedHeaders, asked: _Asked) -> _Prepared:
+def _prepare(txn: Transaction, model: nn.Module, local: str | os.PathLike[str] | Source, shared: SharedHeaders,
+             options: Options) -> _Prepared:  # fmt: skip
     """:func:`load`'s agreed step, headers only: **open** the checkpoint (once), derive the
     **adapter** from it, **plan** and judge the plan, then the checks that need the plan (buffer
     hooks, what fills the missing keys, the checksums sidecar). The source joins the transaction
     (closed with it)."""
-    source = shared.open(local, asked.subtree)
+    source = shared.open(local, options.subtree)
     # resolved inside the agreed step: a rank failing to resolve or derive it stops them all
-    resolved = opened(lambda: derive_adapter(asked.adapter, source, model), source)
-    source, plan, planned = _plan_load(model, source, resolved, asked.subtree, asked.allow_missing, asked.allow_unexpected,
-                                       asked.pipeline_stage, asked.lora, asked.dtype, is_shipped(asked.adapter), asked.name)  # fmt: skip
+    source, plan, planned = plan_model(model, source, derive_adapter(options.adapter, source, model), options)
     txn.add_source(source)
-    judge(plan, asked.strict)
-    check_buffers(model, asked.init_buffers)
-    fill_missing = missing_values(model, [*plan.skipped, *plan.report.missing], asked.init_buffers, asked.init_missing)
-    if asked.checksums:
+    judge(plan, options.strict)
+    check_buffers(model, options.init_buffers)
+    fill_missing = missing_values(model, [*plan.skipped, *plan.report.missing], options.init_buffers, options.init_missing)
+    if options.checksums:
         sidecar, sums = read_checksums(source)
         leaves = sorted({k for node in plan.recipes.values() for k in node.leaves()})
         txn.sources[-1] = ChecksummedSource(source, sidecar, sums, leaves)
     return _Prepared(plan, planned, fill_missing)
 
 
-def _load_report(part: Part, prep: _Prepared, asked: _Asked, phases: _Phases, *, rank: int, world: int, total: int,
+def _load_report(part: Part, prep: _Prepared, options: Options, phases: _Phases, *, rank: int, world: int, total: int,
                  materialized: bool, t0: float) -> LoadReport:  # fmt: skip
     """This rank's :class:`LoadReport` once ``part`` was read."""
     reader = part.reader
@@ -431,14 +390,14 @@ def _load_report(part: Part, prep: _Prepared, asked: _Asked, phases: _Phases, *,
     timings["engine_plan"] = reader.stats.plan_seconds  # of which planning (reads start meanwhile)
     timings["engine_first_task"] = reader.stats.first_task_seconds  # until the first task's bytes were handed on
     merged = None
-    if asked.lora is not None:
+    if options.lora is not None:
         from ..rules import merged_lora
 
-        merged = merged_lora(asked.lora, prep.plan.recipes)
+        merged = merged_lora(options.lora, prep.plan.recipes)
     return LoadReport(
         rank=rank,
         world_size=world,
-        source=asked.name,
+        source=options.name,
         keys_loaded=len(part.targets),
         items_read=reader.items_read,
         bytes_read=reader.io.bytes_read,

@@ -337,6 +337,10 @@ def adapter_or_none(
     checkpoint folder it was last loaded from by ``sdadapt.load``, else its own configuration
     (a transformers model's ``config``, torchtitan's model config) gives a shipped adapter's options.
     An open source is handed on as it is: nothing here reads its headers again."""
+    from .adapter import Adapter
+
+    if isinstance(adapter, Adapter):
+        return adapter
     if adapter is None:
         from .hf_models import hf_adapter, is_hf_model
 

@@ -17,10 +17,8 @@ import logging
 from collections.abc import Collection, Mapping
 from typing import Any
 
-import torch
-
 from ..rules import KeyPattern, PlanContext, Tie, fuse, interleave, rename, tie
-from .adapter import Adapter, with_dtype
+from .adapter import Adapter
 
 __all__ = [
     "RENAMES", "TRAINING_STATE", "for_export", "for_load", "native_names", "retarget_ties", "training_state", "unexported_state",
@@ -196,21 +194,14 @@ def _outputs(schema: Mapping[str, Any], non_tensor: list[str], adapter: Adapter)
 
 
 def for_plan(
-    adapter: Adapter | None,
-    shipped: bool,
-    source: Mapping[str, Any],
-    non_tensor: list[str],
-    model: Mapping[str, Any],
-    allow_missing: list[str] | None,
-    dtype: str | torch.dtype | None,
-) -> tuple[Adapter | None, list[str] | None]:
+    adapter: Adapter | None, shipped: bool, source: Mapping[str, Any], non_tensor: list[str], model: Mapping[str, Any]
+) -> tuple[Adapter | None, list[str]]:
     """What ``load``, ``plan_load`` and ``diff`` plan with: a ``shipped`` adapter aimed at the
-    model's names (:func:`for_load`, its training state added to ``allow_missing``), then
-    ``dtype``'s cast (:func:`~sdadapt._plan.adapter.with_dtype`). Returns ``(adapter, allow_missing)``."""
+    model's names (:func:`for_load`); returns ``(adapter, the model keys of its training state
+    that nothing fills)``, to allow missing."""
     if shipped and adapter is not None:
-        adapter, state = for_load(adapter, source, non_tensor, model)
-        allow_missing = [*(allow_missing or []), *state] if state else allow_missing
-    return with_dtype(adapter, dtype), allow_missing
+        return for_load(adapter, source, non_tensor, model)
+    return adapter, []
 
 
 def for_load(

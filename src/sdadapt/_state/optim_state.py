@@ -31,6 +31,7 @@ from .._plan.plan import PipelineStage, Plan, build_plan
 from .._plan.report import Mismatch, Report
 from .._plan.target import schema_of
 from .._recipes.nodes import Leaf, Node
+from .._transaction.options import Options
 from ..errors import StateError
 from ..sources import DCPSource
 
@@ -84,8 +85,7 @@ def plan_optimizer(
     adapter: Adapter | None,
     report: Report,
     optimizer: torch.optim.Optimizer,
-    allow_missing: list[str] | None,
-    allow_unexpected: list[str] | None,
+    options: Options,
     pipeline_stage: PipelineStage | None = None,
 ) -> OptimPlan:
     """Plan the optimizer's state from the checkpoint's entries under ``optim_key``, following
@@ -178,8 +178,8 @@ def plan_optimizer(
                 have_infos,
                 want_infos,
                 adapter.for_optimizer_state(name) if adapter is not None else None,
-                allow_missing=allow_missing,
-                allow_unexpected=allow_unexpected,
+                allow_missing=list(options.allow_missing),
+                allow_unexpected=list(options.allow_unexpected),
                 source_name=full.path,
                 target_name=kind,
                 pipeline_stage=pipeline_stage,

@@ -26,7 +26,6 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,6 +52,7 @@ from .._plan.resolve import adapter_or_none
 from .._plan.target import local_nbytes, model_state_dict, schema_of
 from .._transaction.args import check_model_and_path, renamed_keywords
 from .._transaction.materialize import InitFn, check_buffers, has_meta, missing_values
+from .._transaction.options import Options
 from .._transaction.steps import derive_adapter
 from .._transaction.tidy import call_started, public, single_process_quiet
 from .._transaction.transaction import ATOMIC_WHY, Part, Transaction
@@ -395,8 +395,9 @@ def load_state(
     txn.engine = engine
     if optimizer is not None:
         txn.add_optimizer(optimizer, was_empty=not optimizer.state)
-    asked = _StateAsked(adapter, allow_missing, allow_unexpected, pipeline_stage, init_buffers)
-    r = txn.prepare(lambda: _prepare_state(txn, src, model, optimizer, extra, asked))
+    options = Options.of(src, adapter=adapter, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
+                         pipeline_stage=pipeline_stage, init_buffers=init_buffers)  # fmt: skip
+    r = txn.prepare(lambda: _prepare_state(txn, src, model, optimizer, extra, options))
     loaded_extra = _read_extras(txn, src, extra, process_group)
     if optimizer is None and txn.materialize(device, init_buffers, then=r.fill):
         r.model_sd = model_state_dict(model)
@@ -419,17 +420,6 @@ def load_state(
     return rep
 
 
-@dataclass(frozen=True)
-class _StateAsked:
-    """What a :func:`load_state` call asked for about planning, handed to its steps."""
-
-    adapter: Adapter | str | None
-    allow_missing: list[str] | None
-    allow_unexpected: list[str] | None
-    pipeline_stage: bool
-    init_buffers: InitFn | None
-
-
 def _open_state(src: str) -> DCPSource:
     """**open**: the DCP folder ``src``, all its entries (a URL: its mirror, bytes fetched when read)."""
     if is_hub_id(src):
@@ -443,7 +433,7 @@ def _open_state(src: str) -> DCPSource:
 
 
 def _prepare_state(txn: Transaction, src: str, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                   extra: dict[str, Any], asked: _StateAsked) -> _Restore:  # fmt: skip
+                   extra: dict[str, Any], options: Options) -> _Restore:  # fmt: skip
     """:func:`load_state`'s agreed step, headers only: **open** the folder (once), derive the
     **adapter** from it, **plan** the model and the optimizer's state, judge the plan, then read
     the small values (the optimizer's non-tensor state) before any tensor is written."""
@@ -453,8 +443,8 @@ def _prepare_state(txn: Transaction, src: str, model: nn.Module, optimizer: torc
     model_key, optim_key = _detect_keys(full)
     r.model_fmt = f"{model_key}.{{}}" if model_key else "{}"
     # the model's keys as a shipped adapter reads them, from the folder opened once
-    adapter = derive_adapter(asked.adapter, NamespacedSource(full, r.model_fmt) if model_key else full)
-    _plan_state(r, model, optimizer, adapter, model_key, optim_key, extra, src, asked)
+    adapter = derive_adapter(options.adapter, NamespacedSource(full, r.model_fmt) if model_key else full)
+    _plan_state(r, model, optimizer, adapter, model_key, optim_key, extra, src, options)
     stored = list(full.schema) + full.non_tensor
     for name in extra:
         if name not in stored and not any(k.startswith(name + ".") for k in stored):
@@ -464,8 +454,8 @@ def _prepare_state(txn: Transaction, src: str, model: nn.Module, optimizer: torc
     if not r.report.ok:
         raise PlanError(r.report)
     if optimizer is None:
-        check_buffers(model, asked.init_buffers)
-        r.fill = missing_values(model, r.plan.skipped, asked.init_buffers, None)[1]
+        check_buffers(model, options.init_buffers)
+        r.fill = missing_values(model, r.plan.skipped, options.init_buffers, None)[1]
     if r.oplan is not None:  # small values, read before any tensor is written
         r.objects = {fk: full.read_object(key) for fk, key in r.oplan.objects.items()}
         r.hyper = [
@@ -476,7 +466,7 @@ def _prepare_state(txn: Transaction, src: str, model: nn.Module, optimizer: torc
 
 
 def _plan_state(r: _Restore, model: nn.Module, optimizer: torch.optim.Optimizer | None, adapter: Adapter | None, model_key: str,
-                optim_key: str | None, extra: dict[str, Any], src: str, asked: _StateAsked) -> None:  # fmt: skip
+                optim_key: str | None, extra: dict[str, Any], src: str, options: Options) -> None:  # fmt: skip
     """**plan**: the model's entries of the folder against ``model`` through ``adapter``, and the
     optimizer's state like its parameters (``r.plan``, ``r.report``, ``r.oplan``)."""
     full = r.full
@@ -499,9 +489,9 @@ def _plan_state(r: _Restore, model: nn.Module, optimizer: torch.optim.Optimizer 
         r.model_sd = {k: v for k, v in model_sd.items() if isinstance(v, torch.Tensor)}
     else:
         r.model_sd = model_state_dict(model)
-    pstage = PipelineStage.of(r.model_sd, vacant_modules(model)) if asked.pipeline_stage else None
-    r.plan = build_plan(mschema, schema_of(r.model_sd), adapter, non_tensor=mnon, allow_missing=asked.allow_missing,
-                        allow_unexpected=asked.allow_unexpected, source_name=src, target_name=type(model).__name__,
+    pstage = PipelineStage.of(r.model_sd, vacant_modules(model)) if options.pipeline_stage else None
+    r.plan = build_plan(mschema, schema_of(r.model_sd), adapter, non_tensor=mnon, allow_missing=list(options.allow_missing),
+                        allow_unexpected=list(options.allow_unexpected), source_name=src, target_name=type(model).__name__,
                         pipeline_stage=pstage)  # fmt: skip
     r.report = r.plan.report.model_copy(deep=True)
     if model_key:  # the checkpoint keys a mismatched value is made from, as the folder stores them
@@ -509,8 +499,7 @@ def _plan_state(r: _Restore, model: nn.Module, optimizer: torch.optim.Optimizer 
         r.report.dtype_mismatch = [stored_names(m, r.model_fmt, mschema, key=False) for m in r.report.dtype_mismatch]
     if optimizer is not None:
         assert optim_key is not None
-        r.oplan = plan_optimizer(full, optim_key, r.optim_sd, r.plan, adapter, r.report, optimizer, asked.allow_missing,
-                                 asked.allow_unexpected, pstage)  # fmt: skip
+        r.oplan = plan_optimizer(full, optim_key, r.optim_sd, r.plan, adapter, r.report, optimizer, options, pstage)  # fmt: skip
 
 
 def _state_parts(r: _Restore) -> list[Part]:

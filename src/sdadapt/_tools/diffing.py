@@ -11,10 +11,11 @@ from torch import nn
 
 from .._plan.adapter import Adapter
 from .._plan.plan import PipelineStage, vacant_modules
-from .._plan.registry import family_adapter, is_shipped, shipped_hint
+from .._plan.registry import family_adapter, shipped_hint
 from .._plan.report import Report
 from .._plan.target import model_state_dict, schema_of
 from .._transaction.args import check_not_a_model
+from .._transaction.options import Options
 from .._transaction.steps import derive_adapter, open_checkpoint, plan_schema
 from ..errors import SdadaptError
 from ..sources import Source, TensorInfo, open_source
@@ -77,12 +78,14 @@ def diff(
     """
     check_not_a_model("sdadapt.diff(target, src, adapter=None, ...)", src, other=target)
     model = target if isinstance(target, nn.Module) else None
+    options = Options.of(src, adapter=adapter, subtree=subtree, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
+                         pipeline_stage=pipeline_stage, dtype=dtype)  # fmt: skip
     with open_checkpoint(src, subtree) as source:  # **open**, once for the call
         resolved = derive_adapter(adapter, source, model)  # **adapter**
         schema, name = target_schema(target)
         stage = PipelineStage.of(schema, vacant_modules(model) if model is not None else ()) if pipeline_stage else None
-        report = plan_schema(schema, source, resolved, target_name=name, shipped=is_shipped(adapter), allow_missing=allow_missing,
-                             allow_unexpected=allow_unexpected, stage=stage, dtype=dtype).report  # **plan**, aimed at the target's names
+        # **plan**, aimed at the target's names
+        report = plan_schema(schema, source, resolved, options, target_name=name, stage=stage).report
     if adapter is None and resolved is None and not report.ok:
         report = report.model_copy(update={"suggestion": family_suggestion(
             src, lambda family: diff(target, src, family, subtree=subtree, allow_missing=allow_missing,

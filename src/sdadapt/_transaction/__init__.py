@@ -17,7 +17,8 @@ from .materialize import (
     meta_non_persistent_buffers,
     missing_values,
 )
-from .steps import derive_adapter, describe, judge, open_checkpoint, opened, plan_model, plan_schema
+from .options import Options
+from .steps import derive_adapter, judge, open_checkpoint, plan_model, plan_schema
 from .tidy import call_started, public, single_process_quiet
 from .transaction import ATOMIC_WHY, PARTLY_LOADED, Part, Transaction, foreign_error, is_marked
 
@@ -26,6 +27,7 @@ __all__ = [
     "PARTLY_LOADED",
     "InitFn",
     "MissingInitFn",
+    "Options",
     "Part",
     "Reservation",
     "SharedHeaders",
@@ -36,7 +38,6 @@ __all__ = [
     "check_not_a_model",
     "choose_device",
     "derive_adapter",
-    "describe",
     "foreign_error",
     "has_meta",
     "is_marked",
@@ -44,7 +45,6 @@ __all__ = [
     "meta_non_persistent_buffers",
     "missing_values",
     "open_checkpoint",
-    "opened",
     "plan_model",
     "plan_schema",
     "public",

@@ -24,26 +24,20 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
 
 import torch
 from torch import nn
 
-from .._plan.adapter import Adapter
+from .._plan.adapter import Adapter, with_dtype
 from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
 from .._plan.resolve import adapter_or_none
 from .._plan.target import model_state_dict, schema_of
 from .._plan.titan_names import for_plan
 from ..errors import PlanError
 from ..sources import HeaderRecord, Source, TensorInfo, open_source, replaying_headers
+from .options import Options
 
 log = logging.getLogger("sdadapt")
-
-
-def describe(src: str | os.PathLike[str] | Source) -> str:
-    """The name reports and messages give the checkpoint ``src`` (a path, or an open source:
-    its URL, else its path)."""
-    return (src.remote_url() or src.path) if isinstance(src, Source) else os.fspath(src)
 
 
 def open_checkpoint(src: str | os.PathLike[str] | Source, subtree: str | None = None, record: HeaderRecord | None = None) -> Source:
@@ -58,34 +52,29 @@ def derive_adapter(spec: Adapter | str | os.PathLike[str] | None, source: Source
     """**adapter**: ``spec`` (``load``'s ``adapter`` argument) as an :class:`Adapter`, from the
     open ``source``: a shipped name's options from the config files of the source's folder and
     from its schema, :func:`sdadapt.hf_adapter` (no ``spec``, a transformers ``model``) from its
-    schema; nothing here opens the checkpoint again. ``None`` stays ``None`` otherwise."""
-    return adapter_or_none(spec, source, model)
+    schema; nothing here opens the checkpoint again. ``None`` stays ``None`` otherwise. A
+    failure closes ``source`` (a step between **open** and **plan** leaves no file open)."""
+    try:
+        return adapter_or_none(spec, source, model)
+    except BaseException:
+        source.close()
+        raise
 
 
-def plan_model(
-    model: nn.Module,
-    source: Source,
-    adapter: Adapter | None,
-    *,
-    shipped: bool = False,
-    allow_missing: list[str] | None = None,
-    allow_unexpected: list[str] | None = None,
-    pipeline_stage: bool = False,
-    lora: str | os.PathLike[str] | None = None,
-    dtype: str | torch.dtype | None = None,
-    name: str | None = None,
-) -> tuple[Source, Plan, dict[str, torch.Tensor]]:
+def plan_model(model: nn.Module, source: Source, adapter: Adapter | None, options: Options) -> tuple[Source, Plan, dict[str, torch.Tensor]]:
     """**plan** against a model: ``(source, plan, the model's state dict it planned against)``.
-    With ``lora``, the PEFT adapter's tensors join the source (the source returned is the joined
-    one) and its merge rule goes first (:mod:`sdadapt.rules._lora`). ``shipped``: ``adapter`` is
-    a shipped one (our documented layout), aimed at the names the model holds (torchtitan's
-    current ones, :mod:`sdadapt._plan.titan_names`). ``name``: the source's name in the report.
+    With ``options.lora``, the PEFT adapter's tensors join the source (the source returned is the
+    joined one) and its merge rule goes first (:mod:`sdadapt.rules._lora`). A shipped adapter is
+    aimed at the names the model holds (torchtitan's current ones, :mod:`sdadapt._plan.titan_names`).
     On failure ``source`` is closed."""
     try:
         state_dict = model_state_dict(model)
-        stage = PipelineStage.of(state_dict, vacant_modules(model)) if pipeline_stage else None
+        stage = PipelineStage.of(state_dict, vacant_modules(model)) if options.pipeline_stage else None
         target = schema_of(state_dict)
-        adapter, allow_missing = for_plan(adapter, shipped, source.schema, source.non_tensor, target, allow_missing, dtype)
+        # a shipped adapter aimed at the model's names; the training state nothing fills allowed missing
+        adapter, state = for_plan(adapter, options.shipped, source.schema, source.non_tensor, target)
+        adapter, allowed = with_dtype(adapter, options.dtype), [*options.allow_missing, *state]
+        lora = options.lora
         if lora is not None:
             from ..rules import open_peft_lora  # imported only by a load that merges a LoRA
 
@@ -98,9 +87,9 @@ def plan_model(
             target,
             adapter,
             non_tensor=source.non_tensor,
-            allow_missing=allow_missing,
-            allow_unexpected=allow_unexpected,
-            source_name=(name or describe(source)) + (f" + LoRA {os.fspath(lora)}" if lora is not None else ""),
+            allow_missing=allowed,
+            allow_unexpected=list(options.allow_unexpected),
+            source_name=options.name + (f" + LoRA {os.fspath(lora)}" if lora is not None else ""),
             target_name=type(model).__name__,
             pipeline_stage=stage,
         )
@@ -111,29 +100,22 @@ def plan_model(
 
 
 def plan_schema(
-    target: dict[str, TensorInfo],
-    source: Source,
-    adapter: Adapter | None,
-    *,
-    target_name: str,
-    shipped: bool = False,
-    allow_missing: list[str] | None = None,
-    allow_unexpected: list[str] | None = None,
+    target: dict[str, TensorInfo], source: Source, adapter: Adapter | None, options: Options, *, target_name: str,
     stage: PipelineStage | None = None,
-    dtype: str | torch.dtype | None = None,
-) -> Plan:
+) -> Plan:  # fmt: skip
     """**plan** against a schema (``diff``'s target: a model's, a checkpoint's or one given):
-    the plan of the open ``source`` through ``adapter``, aimed at the target's names when
-    ``shipped`` (as :func:`plan_model`)."""
-    planned, allowed = for_plan(adapter, shipped, source.schema, source.non_tensor, target, allow_missing, dtype)
+    the plan of the open ``source`` through ``adapter``, aimed at the target's names when it is
+    a shipped one (as :func:`plan_model`)."""
+    planned, state = for_plan(adapter, options.shipped, source.schema, source.non_tensor, target)
+    planned, allowed = with_dtype(planned, options.dtype), [*options.allow_missing, *state]
     return build_plan(
         source.schema,
         target,
         planned,
         non_tensor=source.non_tensor,
         allow_missing=allowed,
-        allow_unexpected=allow_unexpected,
-        source_name=describe(source),
+        allow_unexpected=list(options.allow_unexpected),
+        source_name=options.name,
         target_name=target_name,
         pipeline_stage=stage,
     )
@@ -147,13 +129,3 @@ def judge(plan: Plan, strict: bool) -> None:
     if strict:
         raise PlanError(plan.report)
     log.warning("loading with problems (strict=False):\n%s", plan.report.format())
-
-
-def opened(step: Any, source: Source) -> Any:
-    """The value of ``step()``, closing ``source`` if it raises (a step between **open** and
-    **plan** that fails leaves no file open)."""
-    try:
-        return step()
-    except BaseException:
-        source.close()
-        raise
