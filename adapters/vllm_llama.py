@@ -6,6 +6,7 @@ vLLM's parameters (``named_parameters()`` of its model on each TP rank ``r``)::
     model.embed_tokens.weight                      VocabParallelEmbedding: rows of the vocabulary padded to a
     lm_head.weight                                 multiple of 64 (zero rows), [V_pad / tp, dim] per rank
     model.layers.{i}.self_attn.qkv_proj.weight     QKVParallelLinear: [q_r; k_r; v_r], [(H + 2 KV) * hd / tp, dim]
+                                                   (KV < tp: [q_r; k_h; v_h], h = r // (tp / KV), (H / tp + 2) * hd rows)
     model.layers.{i}.self_attn.o_proj.weight       RowParallelLinear: columns, [dim, H * hd / tp]
     model.layers.{i}.mlp.gate_up_proj.weight       MergedColumnParallelLinear: [gate_r; up_r], [2 * hidden / tp, dim]
     model.layers.{i}.mlp.down_proj.weight          RowParallelLinear: columns, [dim, hidden / tp]
@@ -15,8 +16,10 @@ The adapter (:func:`build`) makes the whole tensors whose row blocks of rank ``r
 ``r``'s shards (fused parts interleaved per rank, :func:`sdadapt.interleave`); :func:`layout`
 says which block each rank holds, for :func:`sdadapt.refit_plan`. The rotary rows stay in HF
 order (vLLM's ``neox``-style rotary reads them so). Tied embeddings: vLLM's ``lm_head`` is the
-embedding itself, so no ``lm_head.weight`` is listed. KV heads fewer than ``tp`` (replicated
-across ranks by vLLM) are not supported.
+embedding itself, so no ``lm_head.weight`` is listed. KV heads fewer than ``tp``: vLLM gives
+each rank one KV head, head ``h`` shared by ranks ``[h * tp / KV, (h + 1) * tp / KV)`` (``tp``
+must be a multiple of ``KV``); the whole tensor the adapter makes then holds each KV head
+``tp / KV`` times, once per rank holding it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from sdadapt.adapters._vllm import ShardLayout, divides
 
 import sdadapt
 from sdadapt import Adapter
+from sdadapt.errors import AdapterError
 
 SUMMARY = "HF transformers Llama -> vLLM's TP layout (qkv_proj, gate_up_proj per TP rank; vocab padded to 64); for refit"
 
@@ -45,15 +49,31 @@ SHARDED = (
 
 
 def attention_rules(n_heads: int, n_kv_heads: int, head_dim: int, tp: int, adapter: str) -> list[Any]:
-    """q/k/v -> ``qkv_proj`` laid out per TP rank (``o_proj`` keeps its name)."""
+    """q/k/v -> ``qkv_proj`` laid out per TP rank (``o_proj`` keeps its name); KV heads fewer
+    than ``tp`` are shared by ``tp / n_kv_heads`` ranks each, as vLLM's ``QKVParallelLinear``
+    does."""
     divides("n_heads", n_heads, tp, adapter)
-    divides("n_kv_heads", n_kv_heads, tp, adapter)
+    rep = kv_replicas(n_kv_heads, tp, adapter)
     sizes = [n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim]
     qkv = HF + "self_attn.qkv_proj.weight"
     return [
         sdadapt.fuse([HF + f"self_attn.{p}_proj.weight" for p in "qkv"], qkv, sizes=sizes),
-        sdadapt.interleave(qkv, sizes=sizes, tp=tp),
+        sdadapt.interleave(qkv, sizes=sizes, tp=tp, replicas=[1, rep, rep] if rep > 1 else None),
     ]
+
+
+def kv_replicas(n_kv_heads: int, tp: int, adapter: str) -> int:
+    """How many TP ranks share each KV head: 1 where ``n_kv_heads`` divides by ``tp``, else
+    ``tp / n_kv_heads`` (vLLM's ``num_kv_head_replicas``)."""
+    if n_kv_heads >= tp:
+        divides("n_kv_heads", n_kv_heads, tp, adapter)
+        return 1
+    if n_kv_heads < 1 or tp % n_kv_heads:
+        raise AdapterError(
+            f"the {adapter} adapter: TP degree {tp} is not a multiple of n_kv_heads {n_kv_heads}; vLLM shares each KV head "
+            "over tp / n_kv_heads ranks and needs that to be whole"
+        )
+    return tp // n_kv_heads
 
 
 def vocab_rules(tie_embeddings: bool, tp: int) -> list[Any]:
@@ -128,7 +148,7 @@ def parameter_shapes(
         p = f"model.layers.{i}."
         out |= {
             p + "input_layernorm.weight": (dim,),
-            p + "self_attn.qkv_proj.weight": ((n_heads + 2 * n_kv_heads) * head_dim // tp, dim),
+            p + "self_attn.qkv_proj.weight": ((n_heads // tp + 2 * max(1, n_kv_heads // tp)) * head_dim, dim),
             p + "self_attn.o_proj.weight": (dim, n_heads * head_dim // tp),
             p + "post_attention_layernorm.weight": (dim,),
             p + "mlp.gate_up_proj.weight": (2 * hidden_dim // tp, dim),

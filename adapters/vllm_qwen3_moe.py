@@ -12,7 +12,8 @@ plus ``self_attn.q_norm.weight`` / ``k_norm.weight`` (whole), and in each MoE la
 With ``expert_parallel=True`` (vLLM's ``enable_expert_parallel``) the experts are not cut: rank
 ``r`` holds experts ``[r * E / tp, (r + 1) * E / tp)`` whole (``w13_weight`` ``[E / tp, 2 * I,
 dim]``, ``w2_weight`` ``[E / tp, dim, I]``). Dense layers (``mlp_only_layers``) keep
-``mlp.gate_up_proj`` / ``mlp.down_proj`` as in Llama.
+``mlp.gate_up_proj`` / ``mlp.down_proj`` as in Llama. KV heads fewer than ``tp`` are shared
+as in ``vllm_llama`` (each rank one KV head).
 """
 
 from __future__ import annotations

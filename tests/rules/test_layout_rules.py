@@ -207,6 +207,44 @@ def test_interleave_node_reads_exactly_the_box(data):
         assert torch.equal(_check_reads(back, io2, data, **reads), t)
 
 
+@SETTINGS
+@given(data=st.data())
+def test_interleave_node_with_replicas(data):
+    """Parts shared by several ranks (vLLM's KV heads fewer than TP): rank r's slice holds block
+    r // replicas[p] of each part p, read exactly; the inverse takes each block back once."""
+    tp = data.draw(st.sampled_from([2, 4, 8]))
+    divisors = [n for n in (1, 2, 4, 8) if tp % n == 0]
+    reps = data.draw(st.lists(st.sampled_from(divisors), min_size=1, max_size=3))
+    sizes = [tp // n * data.draw(st.integers(1, 2)) for n in reps]
+    nd = data.draw(st.integers(1, 2))
+    dim = data.draw(st.integers(0, nd - 1))
+    shape = data.draw(st.lists(st.integers(1, 3), min_size=nd, max_size=nd))
+    shape[dim] = sum(sizes)
+    dtype = data.draw(st.sampled_from(DTYPES))
+    t = _tensor(shape, dtype, data.draw(st.integers(0, 99)))
+    with mock.patch.object(interleave_module, "PICK_ROWS", 0):
+        fwd = Interleaved(N.Leaf("x", tuple(shape), dtype), dim, tuple(sizes), tp, replicas=tuple(reps))
+        full = _check_reads(fwd, DictIO({"x": t}), data)
+        parts = t.split(sizes, dim)
+        for r, local in enumerate(full.chunk(tp, dim)):
+            want = torch.cat([p.chunk(tp // n, dim)[r // n] for p, n in zip(parts, reps, strict=True)], dim)
+            assert torch.equal(local, want), r
+        back = Interleaved(N.Leaf("y", tuple(full.shape), dtype), dim, tuple(sizes), tp, inverse=True, replicas=tuple(reps))
+        assert torch.equal(_check_reads(back, DictIO({"y": full}), data), t)
+
+
+def test_interleave_rule_with_replicas() -> None:
+    """vLLM's qkv with 2 KV heads on TP 4: each KV head on two ranks; the inverse gives q/k/v
+    back; replicas that do not divide the degree are refused naming the rule."""
+    q, k, v = (torch.arange(n * 3, dtype=torch.float32).reshape(n, 3) + 100 * i for i, n in enumerate((8, 4, 4)))
+    adapter = sdadapt.Adapter([sdadapt.fuse(["q", "k", "v"], "qkv", sizes=[8, 4, 4]),
+                               sdadapt.interleave("qkv", [8, 4, 4], tp=4, replicas=[1, 2, 2])])  # fmt: skip
+    want = torch.cat([torch.cat([q[2 * r : 2 * r + 2], k[r // 2 * 2 : r // 2 * 2 + 2], v[r // 2 * 2 : r // 2 * 2 + 2]]) for r in range(4)])
+    _run(adapter, {"q": q, "k": k, "v": v}, {"qkv": want})
+    with pytest.raises(sdadapt.errors.AdapterError, match="replicas"):
+        sdadapt.interleave("qkv", [8, 4, 4], tp=4, replicas=[1, 3, 3])
+
+
 # --- rules through build_plan: independent expectations, inverse identity ----------------------
 
 

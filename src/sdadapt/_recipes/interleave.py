@@ -37,6 +37,11 @@ class Interleaved(Rearrangement):
     ``ColwiseParallel`` shard of rank ``r`` holds ``[p0_r; p1_r; ...]``. ``inverse=True``
     maps that layout back to contiguous parts.
 
+    ``replicas``: part ``p`` is shared by ``replicas[p]`` consecutive ranks (vLLM's KV heads
+    fewer than its TP degree): it is cut in ``tp / replicas[p]`` blocks and rank ``r`` holds
+    block ``r // replicas[p]``, so that part is ``replicas[p]`` times longer in the laid-out
+    tensor; the inverse takes each block from the first rank holding it.
+
     A box maps to several boxes (one per block it touches), each a piece: exactly the box's
     volume is read; short blocks are picked out of covering reads instead (module docstring).
     ``full`` uses ``view``/``cat`` on whole parts.
@@ -47,26 +52,33 @@ class Interleaved(Rearrangement):
     sizes: tuple[int, ...]
     tp: int
     inverse: bool = False
+    replicas: tuple[int, ...] | None = None
     shape: tuple[int, ...] = field(init=False)
     dtype: torch.dtype = field(init=False)
     segments: tuple[tuple[int, int, int], ...] = field(init=False, repr=False)  # (out_start, in_start, length)
 
     def __post_init__(self) -> None:
-        if sum(self.sizes) != self.child.shape[self.dim]:
-            raise ValueError(f"sizes {self.sizes} do not add up to {self.child.shape[self.dim]}")
-        if self.tp <= 0 or any(s % self.tp for s in self.sizes):
-            raise ValueError(f"sizes {self.sizes} do not divide by tp={self.tp}")
-        object.__setattr__(self, "shape", self.child.shape)
+        reps = self.replicas or (1,) * len(self.sizes)
+        if len(reps) != len(self.sizes) or any(n < 1 or self.tp % n for n in reps):
+            raise ValueError(f"replicas {list(reps)}: one per part, each dividing tp={self.tp}")
+        laid = sum(s * n for s, n in zip(self.sizes, reps, strict=True))  # the per-rank layout's length
+        contiguous = sum(self.sizes)
+        if (laid if self.inverse else contiguous) != self.child.shape[self.dim]:
+            raise ValueError(f"sizes {self.sizes} (replicas {list(reps)}) do not add up to {self.child.shape[self.dim]}")
+        if self.tp <= 0 or any(s % (self.tp // n) for s, n in zip(self.sizes, reps, strict=True)):
+            raise ValueError(f"sizes {self.sizes} do not divide by tp={self.tp} (over replicas {list(reps)})")
+        size = contiguous if self.inverse else laid
+        object.__setattr__(self, "shape", self.child.shape[: self.dim] + (size,) + self.child.shape[self.dim + 1 :])
         object.__setattr__(self, "dtype", self.child.dtype)
         segs = []
         out = 0
         starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         for r in range(self.tp):
-            for s, start in zip(self.sizes, starts, strict=True):
-                blk = s // self.tp
-                if blk:
-                    # contiguous position start + r*blk  <->  interleaved position out
-                    segs.append((start + r * blk, out, blk) if self.inverse else (out, start + r * blk, blk))
+            for s, start, n in zip(self.sizes, starts, reps, strict=True):
+                blk = s * n // self.tp
+                here = start + r // n * blk  # contiguous position of rank r's block  <->  interleaved position out
+                if blk and not (self.inverse and r % n):  # back: each block from the first rank holding it
+                    segs.append((here, out, blk) if self.inverse else (out, here, blk))
                 out += blk
         object.__setattr__(self, "segments", tuple(sorted(segs)))
 
@@ -138,14 +150,18 @@ class Interleaved(Rearrangement):
         t = self.child.full(io)
         d, tp = self.dim, self.tp
         rest = t.shape[d + 1 :]
+        reps = self.replicas or (1,) * len(self.sizes)
         if not self.inverse:
             parts = t.split(list(self.sizes), dim=d)
-            blocks = [p.reshape(p.shape[:d] + (tp, p.shape[d] // tp) + rest) for p in parts]
-            return torch.cat(blocks, dim=d + 1).reshape(t.shape)
+            blocks = [p.reshape(p.shape[:d] + (tp // n, p.shape[d] * n // tp) + rest).repeat_interleave(n, dim=d)
+                      for p, n in zip(parts, reps, strict=True)]  # fmt: skip
+            return torch.cat(blocks, dim=d + 1).reshape(self.shape)
         v = t.reshape(t.shape[:d] + (tp, t.shape[d] // tp) + rest)
-        parts = v.split([s // tp for s in self.sizes], dim=d + 1)
-        return torch.cat([p.reshape(p.shape[:d] + (-1,) + rest) for p in parts], dim=d)
+        parts = v.split([s * n // tp for s, n in zip(self.sizes, reps, strict=True)], dim=d + 1)
+        firsts = [p.index_select(d, torch.arange(0, tp, n)) for p, n in zip(parts, reps, strict=True)]  # each block's first rank
+        return torch.cat([p.reshape(p.shape[:d] + (-1,) + rest) for p in firsts], dim=d)
 
     def describe(self) -> str:
         name = "deinterleave" if self.inverse else "interleave"
-        return f"{name}({self.child.describe()}, sizes={list(self.sizes)}, tp={self.tp}, dim={self.dim})"
+        reps = f", replicas={list(self.replicas)}" if self.replicas and any(n > 1 for n in self.replicas) else ""
+        return f"{name}({self.child.describe()}, sizes={list(self.sizes)}, tp={self.tp}{reps}, dim={self.dim})"

@@ -283,7 +283,9 @@ def trim(keys: str, dim: int = 0, size: int | None = None) -> Trim:
     return Trim(keys=keys, dim=dim, size=size)
 
 
-def interleave(keys: str | list[str], sizes: list[int], tp: int | None = None, dim: int = 0) -> Interleave:
+def interleave(
+    keys: str | list[str], sizes: list[int], tp: int | None = None, dim: int = 0, *, replicas: list[int] | None = None
+) -> Interleave:
     """Lay fused ``[p0; p1; ...]`` (``sizes``) out per TP rank so each ``ColwiseParallel`` shard holds
     ``[p0_r; p1_r; ...]``; ``tp`` omitted: the model's TP degree for that key.
 
@@ -292,6 +294,8 @@ def interleave(keys: str | list[str], sizes: list[int], tp: int | None = None, d
         sizes: the fused parts' sizes along ``dim``.
         tp: the TP degree (default: the model's for that key).
         dim: the fused dim.
+        replicas: per part, how many consecutive ranks share each of its blocks (default all 1);
+            vLLM's KV heads fewer than its TP degree: ``[1, tp // n_kv, tp // n_kv]`` for q, k, v.
 
     Returns:
         The :class:`~sdadapt.rules.Interleave` rule.
@@ -300,17 +304,20 @@ def interleave(keys: str | list[str], sizes: list[int], tp: int | None = None, d
 
         sdadapt.interleave("layers.{i}.feed_forward.w13.weight", sizes=[hidden, hidden])
     """
-    return Interleave(keys=keys, sizes=sizes, tp=tp, dim=dim)
+    return Interleave(keys=keys, sizes=sizes, tp=tp, dim=dim, replicas=replicas)
 
 
-def deinterleave(keys: str | list[str], sizes: list[int], tp: int | None = None, dim: int = 0) -> Deinterleave:
+def deinterleave(
+    keys: str | list[str], sizes: list[int], tp: int | None = None, dim: int = 0, *, replicas: list[int] | None = None
+) -> Deinterleave:
     """The inverse of :func:`interleave` (``tp`` omitted: the source's TP degree for that key).
 
     Args:
         keys: one key pattern or several.
-        sizes: the fused parts' sizes along ``dim``.
+        sizes: the fused parts' sizes along ``dim`` (without the copies).
         tp: the TP degree the source was laid out for (default: the source's for that key).
         dim: the fused dim.
+        replicas: as for :func:`interleave`; each block is read from the first rank holding it.
 
     Returns:
         The :class:`~sdadapt.rules.Deinterleave` rule.
@@ -319,7 +326,7 @@ def deinterleave(keys: str | list[str], sizes: list[int], tp: int | None = None,
 
         sdadapt.deinterleave("layers.{i}.feed_forward.w13.weight", sizes=[hidden, hidden], tp=4)
     """
-    return Deinterleave(keys=keys, sizes=sizes, tp=tp, dim=dim)
+    return Deinterleave(keys=keys, sizes=sizes, tp=tp, dim=dim, replicas=replicas)
 
 
 def strip_prefix(prefix: str, optional: bool = False) -> StripPrefix:

@@ -71,6 +71,13 @@ class Interleave(RuleBase):
     :func:`tp_degree`; a plain target tensor means 1, nothing moves). Every size must divide by
     the degree. The inverse is :class:`Deinterleave`.
 
+    ``replicas`` (one per part, each dividing the degree): part ``p`` is shared by
+    ``replicas[p]`` consecutive ranks, as vLLM shares each KV head over ``tp / n_kv_heads``
+    ranks when it has fewer KV heads than ranks: the part is cut in ``tp / replicas[p]`` blocks,
+    rank ``r`` holds block ``r // replicas[p]``, and the laid-out tensor is longer by the
+    copies. :class:`Deinterleave` with the same ``replicas`` reads each block from the first
+    rank holding it.
+
     Args:
         **fields: the arguments of :func:`sdadapt.interleave`, with the same names and meaning.
 
@@ -87,6 +94,7 @@ class Interleave(RuleBase):
     sizes: list[int]
     tp: int | None = Field(default=None, gt=0)
     dim: int = 0
+    replicas: list[int] | None = None
 
     backward: ClassVar[bool] = False
 
@@ -95,9 +103,26 @@ class Interleave(RuleBase):
         check_keys(self.keys)
         if not self.sizes or any(s < 0 for s in self.sizes):
             raise AdapterError(f"{self.kind} of {self.keys!r}: sizes must be a non-empty list of sizes >= 0, got {self.sizes}")
-        if self.tp is not None and any(s % self.tp for s in self.sizes):
-            raise AdapterError(f"{self.kind} of {self.keys!r}: sizes {self.sizes} do not all divide by tp={self.tp}")
+        if self.replicas is not None and (len(self.replicas) != len(self.sizes) or any(n < 1 for n in self.replicas)):
+            raise AdapterError(f"{self.kind} of {self.keys!r}: replicas {self.replicas} must give one count >= 1 per part of {self.sizes}")
+        if self.tp is not None:
+            problem = self._indivisible(self.tp, f"tp={self.tp}")
+            if problem:
+                raise AdapterError(f"{self.kind} of {self.keys!r}: {problem}")
         return self
+
+    def _reps(self) -> list[int]:
+        return list(self.replicas) if self.replicas is not None else [1] * len(self.sizes)
+
+    def _indivisible(self, tp: int, degree: str) -> str | None:
+        """Why the parts cannot be laid out over ``tp`` ranks (``degree`` names it), or ``None``."""
+        reps = self._reps()
+        if any(tp % n for n in reps):
+            return f"replicas {reps} do not all divide {degree}"
+        if any(s % (tp // n) for s, n in zip(self.sizes, reps, strict=True)):
+            over = "" if self.replicas is None else f" (over replicas {reps})"
+            return f"sizes {self.sizes} do not all divide by {degree}{over}"
+        return None
 
     def input_patterns(self) -> list[str]:
         return key_patterns(self.keys)
@@ -113,24 +138,30 @@ class Interleave(RuleBase):
         return tp_degree(info, d)
 
     def apply(self, ctx: PlanContext, index: int) -> None:
+        reps = self._reps()
         for key, node, d in matching_dim(ctx, index, self.keys, self.dim):
             n = node.shape[d]
-            if sum(self.sizes) != n:
-                ctx.issue(index, key, f"sizes {self.sizes} add up to {sum(self.sizes)}, but dim {d} has {n}")
+            # the input of a deinterleave with replicas holds the copies
+            want = sum(s * r for s, r in zip(self.sizes, reps, strict=True)) if self.backward else sum(self.sizes)
+            if want != n:
+                copies = f" with replicas {reps}" if self.backward and self.replicas is not None else ""
+                ctx.issue(index, key, f"sizes {self.sizes}{copies} add up to {want}, but dim {d} has {n}")
                 continue
             tp = self._degree(ctx, key, node, d, index)
             if isinstance(tp, str):
                 ctx.issue(index, key, tp)
                 continue
-            if any(s % tp for s in self.sizes):
-                ctx.issue(index, key, f"sizes {self.sizes} do not all divide by the TP degree {tp}")
+            problem = self._indivisible(tp, f"the TP degree {tp}")
+            if problem:
+                ctx.issue(index, key, problem)
                 continue
             ctx.mark(index)
-            if tp > 1 and len(self.sizes) > 1:
-                ctx.replace(key, Interleaved(node, d, tuple(self.sizes), tp, self.backward))
+            if tp > 1 and (len(self.sizes) > 1 or any(r > 1 for r in reps)):
+                replicas = tuple(reps) if any(r > 1 for r in reps) else None
+                ctx.replace(key, Interleaved(node, d, tuple(self.sizes), tp, self.backward, replicas))
 
     def inverse(self) -> list[RuleBase]:
-        return [Deinterleave(keys=self.keys, sizes=list(self.sizes), tp=self.tp, dim=self.dim)]
+        return [Deinterleave(keys=self.keys, sizes=list(self.sizes), tp=self.tp, dim=self.dim, replicas=self.replicas)]
 
 
 class Deinterleave(Interleave):
@@ -168,4 +199,4 @@ class Deinterleave(Interleave):
         return "the checkpoint's TP degree is not known here; pass tp= (the TP degree it was saved with)"
 
     def inverse(self) -> list[RuleBase]:
-        return [Interleave(keys=self.keys, sizes=list(self.sizes), tp=self.tp, dim=self.dim)]
+        return [Interleave(keys=self.keys, sizes=list(self.sizes), tp=self.tp, dim=self.dim, replicas=self.replicas)]
