@@ -162,6 +162,12 @@ class Source(abc.ABC):
         loc = self.locate(key)
         return None if loc is None else [(full_box(loc.shape), loc)]
 
+    def region_bytes(self, key: str, box: Box) -> list[tuple[str, int, int]] | None:
+        """The byte ranges ``(file, start, stop)`` that :meth:`read` of region ``box`` reads, for a
+        source whose tensors are not stored as plain values (quantized blocks): what an object
+        storage source fetches first. ``None`` (the default): those of :meth:`locate_region`."""
+        return None
+
     def remote_url(self) -> str | None:
         """The object storage URL the source was opened from (its bytes are fetched on
         demand: see :meth:`prefetch`); ``None`` (the default) for local files."""

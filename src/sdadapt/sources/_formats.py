@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from . import _hf_sharded, _safetensors_file, _torch_save
+from . import _gguf_file, _hf_sharded, _safetensors_file, _torch_save
 from ._base import Format, Source
 
 
@@ -39,6 +39,7 @@ FORMATS: tuple[Format, ...] = (
     _hf_sharded.FORMAT,
     _safetensors_file.FORMAT,
     _DCP,
+    _gguf_file.FORMAT,
     _torch_save.FORMAT,  # any other file: last
 )
 """Every format sdadapt reads, in the order a path is tried."""

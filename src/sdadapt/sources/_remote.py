@@ -193,6 +193,9 @@ class RemoteReads:
         items = self._item_ranges(key, box)
         if items is not None:
             remote.fetch(_zip_ends(items))  # a DCP chunk is located by reading its own zip records
+        own = src.region_bytes(key, box)
+        if own is not None:
+            return [(name, a, b) for path, a, b in own if (name := remote.name_of(path)) is not None]
         located = src._located_region(key, box)
         if located is None:
             if items is not None:
