@@ -84,7 +84,7 @@ _LAZY = {
 """Names of modules imported on first use, which a plain load does not import: the DCP source
 (it imports ``torch.distributed.checkpoint``), the Hub, the inventory, the joined (LoRA) source."""
 
-__all__ = ["Source", "TensorInfo", "dtype_name", "open_source", "read_config_file"]
+__all__ = ["Source", "TensorInfo", "dtype_name", "open_source", "read_config_file", "read_megatron_common"]
 """The public names. ``SafetensorsFile``, ``HFShardedSource`` and ``TorchSaveFile`` (what
 :func:`open_source` returns), ``local_path`` and the names imported above for the layers above
 stay importable from here for sdadapt's own modules; users open checkpoints with
@@ -162,10 +162,25 @@ def _open_local(p: str, subtree: str | None) -> Source:
                 path=p,
             )
         raise SourceError("no such file or folder", path=p)
+    latest = os.path.join(p, "latest_checkpointed_iteration.txt")
+    if os.path.isfile(latest) and not os.path.isfile(os.path.join(p, ".metadata")):
+        raise SourceError(_megatron_root(p, latest), path=p)
     source = open_local(p, subtree)
     if source is None:
         raise SourceError(_no_checkpoint_in(p), path=p)
     return source
+
+
+def _megatron_root(folder: str, latest: str) -> str:
+    """What to pass instead of the root of Megatron-LM's checkpoint folders."""
+    with open(latest, encoding="utf-8", errors="replace") as f:
+        text = f.read(64).strip()
+    found = sorted(n for n in os.listdir(folder) if n.startswith("iter_"))
+    pick = f"iter_{int(text):07d}" if text.isdigit() else (found[-1] if found else "iter_<N>")
+    return (
+        "this is the root of Megatron-LM's checkpoints (latest_checkpointed_iteration.txt says "
+        f"{text!r}); pass one checkpoint folder, such as {os.path.join(folder, pick)}"
+    )
 
 
 def _no_checkpoint_in(folder: str) -> str:
@@ -220,6 +235,41 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     name = os.path.basename(p)
     model = QuantConfigFile if name == "hf_quant_config.json" else HFConfig
     return read_json_dict(p, model, what=name)
+
+
+def read_megatron_common(path: str | os.PathLike[str] | Source) -> dict[str, Any]:
+    """Read what Megatron-Core's ``dist_checkpointing.save`` wrote beside a ``torch_dist``
+    checkpoint's tensors: ``metadata.json`` (the backends) and ``common.pt`` (Megatron-LM's
+    ``args``, ``checkpoint_version``, ``iteration``, the content metadata), without running any
+    of its code: ``common.pt`` is read with a restricted unpickler that builds no class it names
+    (``argparse.Namespace`` becomes a dict; other objects inert records) and reads no tensor data.
+
+    Args:
+        path: the checkpoint folder (an ``iter_0000100`` folder of Megatron-LM), its object
+            storage URL, or the open :class:`Source` of one.
+
+    Returns:
+        ``{"backends": (sharded backend, version, common backend, version), "args": dict or None,
+        "checkpoint_version": ..., "iteration": ..., "content_metadata": dict}``.
+
+    Raises:
+        SourceError: naming the file: no ``metadata.json`` (not a Megatron-Core checkpoint), or
+            it or ``common.pt`` cannot be read.
+
+    Example::
+
+        common = sdadapt.sources.read_megatron_common("checkpoints/iter_0000100")
+        layers = common["args"]["num_layers"]
+    """
+    from dataclasses import asdict  # noqa: PLC0415 - only here
+
+    from ._megatron import read_common  # noqa: PLC0415 - Megatron checkpoints only
+
+    folder = path.path if isinstance(path, Source) else local_path(path)
+    try:
+        return asdict(read_common(folder))
+    except SdadaptError as e:
+        raise in_urls(e) from None
 
 
 def local_path(path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> str:

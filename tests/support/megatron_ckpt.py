@@ -1,0 +1,136 @@
+"""Megatron-Core's own checkpoints for the tests, and the reference that turns Megatron's state into HF tensors.
+
+:func:`megatron_checkpoints` makes the megatron venv (``scripts/megatron_venv.py``) and runs
+``megatron_fixtures.py`` there once per version of that script (cached beside the venv, under
+``${TMPDIR:-/tmp}/sdadapt-compat``); the tests skip, saying why, only where megatron-core cannot be
+installed. :func:`hf_reference` is an independent reading of Megatron's layout: its module state dict
+(``model.state_dict()``, per-layer keys, TP 1) written out with HF names by plain tensor slicing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES_SCRIPT = Path(__file__).with_name("megatron_fixtures.py")
+NAMES = ("dense", "dense_tp2", "moe_sequential", "moe_grouped")
+SPEC = {"n_heads": 4, "n_groups": 2, "head_dim": 16}
+
+
+def megatron_python() -> str:
+    """The megatron venv's python; ``pytest.skip`` with pip's reason where it cannot be made."""
+    import pytest
+
+    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "megatron_venv.py")], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"megatron-core cannot be installed here: {p.stderr.strip()[-600:]}")
+    return p.stdout.strip().splitlines()[-1]
+
+
+def megatron_checkpoints() -> str:
+    """The folder holding each fixture ``NAME/`` (written by Megatron-Core) and ``NAME.oracle.pt``."""
+    py = megatron_python()
+    digest = hashlib.sha256(FIXTURES_SCRIPT.read_bytes()).hexdigest()[:12]
+    folder = os.path.join(os.path.dirname(os.path.dirname(py)), f"fixtures-{digest}")
+    if all(os.path.isfile(os.path.join(folder, f"{n}.oracle.pt")) for n in NAMES):
+        return folder
+    work = tempfile.mkdtemp(prefix="fixtures-", dir=os.path.dirname(folder))
+    p = subprocess.run([py, str(FIXTURES_SCRIPT), work], capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if p.returncode != 0:
+        shutil.rmtree(work, ignore_errors=True)
+        raise RuntimeError(f"Megatron-Core could not write the fixtures:\n{p.stderr[-4000:]}")
+    try:
+        os.rename(work, folder)
+    except OSError:  # another process made it first
+        shutil.rmtree(work, ignore_errors=True)
+    return folder
+
+
+def oracle(folder: str, name: str) -> dict[str, Any]:
+    return torch.load(os.path.join(folder, f"{name}.oracle.pt"), weights_only=False)
+
+
+def hf_reference(state: dict[str, torch.Tensor], experts_to: str = "per_expert") -> dict[str, torch.Tensor]:
+    """Megatron's module state (TP 1) with HF names: QKV rows cut per query group, fc1 halves,
+    the norms, router, expert bias and experts (SequentialMLP's ``local_experts`` or GroupedMLP's
+    ``weight1`` / ``weight2``)."""
+    nh, ng, hd = SPEC["n_heads"], SPEC["n_groups"], SPEC["head_dim"]
+    out = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"],
+           "model.norm.weight": state["decoder.final_layernorm.weight"]}
+    out["lm_head.weight"] = state.get("output_layer.weight", state["embedding.word_embeddings.weight"])
+    layers = sorted({int(k.split(".")[2]) for k in state if k.startswith("decoder.layers.")})
+    for i in layers:
+        m, h = f"decoder.layers.{i}.", f"model.layers.{i}."
+        qkv = state[m + "self_attention.linear_qkv.weight"]
+        groups = qkv.view(ng, (nh // ng + 2) * hd, -1)
+        q_rows = nh // ng * hd
+        out[h + "self_attn.q_proj.weight"] = groups[:, :q_rows].reshape(-1, qkv.shape[-1])
+        out[h + "self_attn.k_proj.weight"] = groups[:, q_rows : q_rows + hd].reshape(-1, qkv.shape[-1])
+        out[h + "self_attn.v_proj.weight"] = groups[:, q_rows + hd :].reshape(-1, qkv.shape[-1])
+        out[h + "self_attn.o_proj.weight"] = state[m + "self_attention.linear_proj.weight"]
+        out[h + "input_layernorm.weight"] = state[m + "input_layernorm.weight"]
+        out[h + "post_attention_layernorm.weight"] = state[m + "pre_mlp_layernorm.weight"]
+        for a, b in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
+            if m + f"self_attention.{a}.weight" in state:
+                out[h + f"self_attn.{b}.weight"] = state[m + f"self_attention.{a}.weight"]
+        if m + "mlp.linear_fc1.weight" in state:
+            gate, up = state[m + "mlp.linear_fc1.weight"].chunk(2, 0)
+            out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+            out[h + "mlp.down_proj.weight"] = state[m + "mlp.linear_fc2.weight"]
+            continue
+        out[h + "mlp.gate.weight"] = state[m + "mlp.router.weight"]
+        if m + "mlp.router.expert_bias" in state:
+            out[h + "mlp.gate.e_score_correction_bias"] = state[m + "mlp.router.expert_bias"]
+        if m + "mlp.experts.weight1" in state:  # GroupedMLP: [H, E * 2F] and [E * F, H], experts side by side
+            n = state[m + "mlp.router.weight"].shape[0]
+            hidden = state[m + "mlp.experts.weight1"].shape[0]
+            fc1 = state[m + "mlp.experts.weight1"].view(n, hidden, -1).transpose(1, 2)
+            fc2 = state[m + "mlp.experts.weight2"].view(n, -1, hidden).transpose(1, 2)
+        else:
+            n = state[m + "mlp.router.weight"].shape[0]
+            fc1 = torch.stack([state[m + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] for e in range(n)])
+            fc2 = torch.stack([state[m + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] for e in range(n)])
+        if experts_to == "stacked":
+            out[h + "mlp.experts.gate_up_proj"], out[h + "mlp.experts.down_proj"] = fc1, fc2
+            continue
+        for e in range(n):
+            gate, up = fc1[e].chunk(2, 0)
+            out[h + f"mlp.experts.{e}.gate_proj.weight"], out[h + f"mlp.experts.{e}.up_proj.weight"] = gate, up
+            out[h + f"mlp.experts.{e}.down_proj.weight"] = fc2[e]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def hf_config(name: str) -> Any:
+    """The transformers config of the family each fixture is shaped like."""
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10000, max_position_embeddings=64)
+    if name == "dense":
+        return LlamaConfig(**common, tie_word_embeddings=False, attention_bias=False)
+    if name == "dense_tp2":
+        return Qwen3Config(**common, tie_word_embeddings=True)
+    return Qwen3MoeConfig(**common, tie_word_embeddings=False, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def hf_model(name: str, device: str = "cpu") -> Any:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(hf_config(name)).eval()
+
+
+def dense_model() -> Any:
+    """The transformers Llama the ``dense`` fixture is shaped like, on the meta device (a CLI ``--target``)."""
+    return hf_model("dense", "meta")
