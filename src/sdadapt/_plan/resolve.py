@@ -344,7 +344,13 @@ def adapter_or_none(
     if adapter is None:
         from .hf_models import hf_adapter, is_hf_model
 
-        return hf_adapter(model, source) if source is not None and is_hf_model(model) else None  # type: ignore[arg-type]
+        if source is None or not is_hf_model(model):
+            return None
+        from .hf_gguf import gguf_hf_adapter, is_gguf
+
+        if is_gguf(source):
+            return gguf_hf_adapter(model, source)  # type: ignore[arg-type]
+        return hf_adapter(model, source)  # type: ignore[arg-type]
     path = getattr(source, "path", source)
     where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
     if where is None and model is not None and isinstance(adapter, str):
