@@ -436,10 +436,10 @@ def test_four_ranks_print_the_report_once(tmp_path: Path) -> None:
     assert "check that it is complete" in errs[0]
     for rank, err in enumerate(errs[1:], 1):
         last = err.strip().splitlines()[-1]  # torch's excepthook prefixes "[rankN]: "
-        assert last.endswith(
-            "sdadapt.errors.PlanError: checkpoint does not match the model; nothing was loaded. "
-            f"[rank {rank}: rank 0's error has the whole message; this error's .report holds the report]"
-        ), err
+        # the one line names the kind of problem and the checkpoint (under tmp_path), and points at rank 0's
+        assert "sdadapt.errors.PlanError: checkpoint does not match the model; nothing was loaded. " in last, err
+        assert last.endswith(f"[rank {rank}, checkpoint {tmp_path / 'model.safetensors'}: "
+                             "rank 0's error has the whole message; this error's .report holds the report]"), err
         assert "layers.3" not in err
     for err in errs:
         assert len(library_frames(err)) == 1 and "_transaction/tidy.py" in library_frames(err)[0], err

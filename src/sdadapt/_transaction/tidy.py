@@ -13,12 +13,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
+from .._base.distributed import about_checkpoint
 from ..errors import SdadaptError
 
 P = ParamSpec("P")
@@ -35,13 +37,17 @@ def debugging() -> bool:
 def public(fn: Callable[P, R]) -> Callable[P, R]:
     """``fn`` as a public operation: its clock starts on entry (:func:`call_started`), and an
     :class:`SdadaptError` it raises leaves with no internal frames and no exception chain (unless
-    :func:`debugging`). Put it outermost, above the other decorators."""
+    :func:`debugging`). Every rank's one-line error names the call's checkpoint (its ``src``, else
+    its ``dst``: :func:`~sdadapt._base.distributed.about_checkpoint`). Put it outermost, above the
+    other decorators."""
+    signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
         token = _started.set(time.perf_counter()) if _started.get() is None else None
         try:
-            return fn(*args, **kwargs)
+            with about_checkpoint(_checkpoint_of(signature, args, kwargs)):
+                return fn(*args, **kwargs)
         except SdadaptError as error:
             if debugging():
                 raise
@@ -51,6 +57,21 @@ def public(fn: Callable[P, R]) -> Callable[P, R]:
                 _started.reset(token)
 
     return call
+
+
+def _checkpoint_of(signature: inspect.Signature, args: tuple[object, ...], kwargs: dict[str, object]) -> str | None:
+    """The checkpoint a public call names: its ``src`` argument, else its ``dst`` (a path, or an
+    open source's path); ``None`` when it has neither or they do not bind."""
+    try:
+        given = signature.bind_partial(*args, **kwargs).arguments
+    except TypeError:  # the call itself reports its bad arguments
+        return None
+    for name in ("src", "dst"):
+        value = given.get(name)
+        path = getattr(value, "path", value)
+        if isinstance(path, (str, os.PathLike)):
+            return os.fspath(path)
+    return None
 
 
 def call_started() -> float:
