@@ -226,6 +226,9 @@ BENCH_PRIVATE: dict[str, dict[str, str]] = {
                       "sdadapt.rules._patterns": "the patterns' compile cache, cleared between runs",
                       "sdadapt._base.schema": "the tensor records of a schema-only source of 90k keys (no files)"},  # fmt: skip
     "resume_bench.py": {"sdadapt._transaction": "times the transaction's read phase inside load_state"},
+    "agreement_bench.py": {"sdadapt._base.agreement": "times the ranks' agreement on its own",
+                           "sdadapt._plan.intent": "the parts a load agrees on, built from a plan",
+                           "sdadapt._recipes.nodes": "the leaves of a Llama-shaped plan, without a checkpoint"},  # fmt: skip
     # the probes: each asks one question about the engine's internals
     "probes/first_kernel_probe.py": {"sdadapt._recipes": "times the first launch of each dequantisation op",
                                      "sdadapt._recipes.quant": "the e2m1 table built on the device and on the host"},  # fmt: skip

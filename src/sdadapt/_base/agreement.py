@@ -111,7 +111,7 @@ def disagreement_message(every: Sequence[Mapping[str, Any]], differ: Sequence[st
                 lines.append(_difference(name, ranks, every[0][name], every[ranks[0]][name]))
     shown = "\n".join(f"  {line}" for line in lines[:12]) + ("\n  ..." if len(lines) > 12 else "")
     return (
-        f"the ranks are not about to {what} the same way; nothing was read or written:\n{shown}\n"
+        f"the ranks disagree on what to do ({what}); nothing was read or written:\n{shown}\n"
         "Every rank must pass the same adapter and options and run the same sdadapt, torch and transformers "
         "(`sdadapt env` on each node lists them)."
     )
@@ -182,7 +182,8 @@ def _difference(name: str, ranks: list[int], base: Any, other: Any) -> str:
             return f"{who}'s adapter rule #{i} is {_rule(rules_b[i])} where rank 0's is {_rule(rules_a[i])}"
         field = path[2]
         verb = _VERBS.get(str(kind_a))
-        if verb is not None and verb[0] == field:
+        if verb is not None and rules_a[i].get(verb[0]) != rules_b[i].get(verb[0]):  # what it takes, first
+            a, b = rules_a[i].get(verb[0]), rules_b[i].get(verb[0])
             return f"{who}'s adapter (rule #{i}) {verb[1]} {_short(b)} where rank 0's {verb[1]} {_short(a)}"
         return f"{who}'s adapter rule #{i} ({kind_a}) has {field}={_short(b)} where rank 0's has {field}={_short(a)}"
     if name == "plan" and path:

@@ -29,11 +29,13 @@ import torch
 from pydantic import BaseModel
 from torch import nn
 
+from .._base.agreement import agreement_bytes
 from .._base.regions import box_shape
 from .._engine import EngineConfig
 from .._engine.predict import mapping_granule, predict
 from .._engine.tasks import Job
 from .._plan.adapter import Adapter, with_dtype
+from .._plan.intent import PARTS
 from .._plan.layout import Layout, Mesh, default_layouts, local_box, model_layouts
 from .._plan.plan import Plan, adapted_schema, build_plan
 from .._plan.report import Report
@@ -120,6 +122,8 @@ class DryRunReport(BaseModel):
         ranks_per_node: ranks per node for the node figures.
         max_node_bytes_read: the most any node's ranks read together (exact runs only).
         collective_bytes_per_rank: bytes each rank receives in the header broadcast.
+        agreement_bytes_per_rank: bytes each rank puts into the all-reduce in which the ranks agree
+            on the adapter, the plan and the versions (and on failures), at any world size.
         mapping_granule: what one fault on a file mapping makes resident here (4 KiB pages, or
             a large page-cache folio), as ``host_bytes`` counts mapped reads.
         seconds: the dry run's own time.
@@ -152,6 +156,7 @@ class DryRunReport(BaseModel):
     ranks_per_node: int
     max_node_bytes_read: int | None
     collective_bytes_per_rank: int
+    agreement_bytes_per_rank: int = agreement_bytes(len(PARTS))
     mapping_granule: int = 4096
     seconds: float
     report: Report
@@ -180,7 +185,8 @@ class DryRunReport(BaseModel):
             f"total: {human(self.total_bytes_read)} read for a checkpoint of {human(self.checkpoint_bytes)} in "
             f"{self.checkpoint_files} files (amplification {self.amplification:.2f}x), {self.total_opens} opens, "
             f"{human(self.total_header_bytes)} of headers read, {human(self.total_local_bytes)} of shards{node}; "
-            f"{human(self.collective_bytes_per_rank)} per rank in the header broadcast; dry run {self.seconds:.1f} s"
+            f"{human(self.collective_bytes_per_rank)} per rank in the header broadcast, "
+            f"{human(self.agreement_bytes_per_rank)} in the ranks' agreement; dry run {self.seconds:.1f} s"
         )
         return "\n".join(lines)
 

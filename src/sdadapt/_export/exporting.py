@@ -39,9 +39,10 @@ from .._base.progress import TransferBar
 from .._base.regions import Box, full_box
 from .._base.schema import TensorInfo, slices
 from .._plan.adapter import Adapter
+from .._plan.intent import intent
 from .._plan.registry import config_folder, is_shipped
 from .._plan.resolve import adapter_or_none
-from .._plan.target import model_state_dict
+from .._plan.target import model_state_dict, schema_of
 from .._plan.titan_names import for_export
 from .._recipes.nodes import Node
 from .._transaction.args import check_model_and_path, check_not_a_model, renamed_keywords
@@ -128,22 +129,23 @@ class _ModelStream:
     ):
         txn = Transaction(None, process_group, what)
 
-        def prepare() -> tuple[dict[str, torch.Tensor], dict[str, Node]]:
+        def prepare() -> tuple[dict[str, torch.Tensor], dict[str, Node], Adapter | None]:
             if check is not None:
                 check()
             adapter = adapter_or_none(spec, folder, model)  # a shipped name's options: folder, else the model's config
             if has_meta(model):
                 raise ExportError("the model has tensors on the meta device; load or initialise it before exporting")
             sd = model_state_dict(model)
-            schema = {k: TensorInfo(tuple(t.shape), t.dtype) for k, t in sd.items()}
+            schema = schema_of(sd)  # with placements: an inverse interleave reads the TP degree from them
             named = adapter
             if native_names and adapter is not None:  # a shipped adapter: ours -> the model's own names
                 named, sd = for_export(adapter, sd)
                 schema = {k: schema[k] for k in sd}
             inverse = named.inverse() if named is not None else None
-            return sd, plan_outputs(schema, inverse, what=what)[0]
+            return sd, plan_outputs(schema, inverse, what=what)[0], inverse
 
-        self.state, self.outputs = txn.prepare(prepare)
+        # every rank exports the same outputs by the same recipes, or none does
+        self.state, self.outputs, _ = txn.prepare(prepare, lambda p: intent(p[2], p[1]))
         self.io = CachedIO(self.outputs, self._fetch, lambda t: None)
 
     def _fetch(self, key: str) -> torch.Tensor:

@@ -6,8 +6,9 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +20,7 @@ from .._base.gc import without_gc
 from .._base.progress import TransferBar
 from .._engine import EngineConfig, EngineStats, device_work, prefetch_pinned, warm_kernels, warm_kvikio
 from .._plan.adapter import Adapter
+from .._plan.intent import intent
 from .._plan.plan import Plan
 from .._plan.report import Report
 from .._plan.target import local_nbytes, model_state_dict
@@ -323,7 +325,7 @@ def load(
         prefetch_pinned(target, False, engine)
     shared = share_headers(local, subtree, process_group)  # opened by one rank, its headers broadcast
     try:  # every rank raises if any failed; nothing was changed
-        prep = txn.prepare(lambda: _prepare(txn, model, local, shared, options))
+        prep = txn.prepare(lambda: _prepare(txn, model, local, shared, options), _intent(options))
     except BaseException:
         reserved.wait()
         raise
@@ -358,6 +360,16 @@ class _Prepared:
     plan: Plan
     planned: dict[str, torch.Tensor]
     fill_missing: tuple[str, InitFn | None]
+    adapter: Adapter | None = None  # as resolved and derived from the checkpoint
+
+
+def _intent(options: Options) -> Callable[[_Prepared], dict[str, Any]]:
+    """What the ranks agree on: the adapter, the plan (each stage of a pipeline plans its own
+    keys: not compared), the options that change the plan, the versions."""
+    o = options
+    return lambda p: intent(p.adapter, None if o.pipeline_stage else p.plan.recipes, strict=o.strict, dtype=str(o.dtype),
+                            pipeline_stage=o.pipeline_stage, subtree=o.subtree, allow_missing=list(o.allow_missing),
+                            allow_unexpected=list(o.allow_unexpected))  # fmt: skip
 
 
 def _prepare(txn: Transaction, model: nn.Module, local: str | os.PathLike[str] | Source, shared: SharedHeaders,
@@ -368,7 +380,8 @@ def _prepare(txn: Transaction, model: nn.Module, local: str | os.PathLike[str] |
     (closed with it)."""
     source = shared.open(local, options.subtree)
     # resolved inside the agreed step: a rank failing to resolve or derive it stops them all
-    source, plan, planned = plan_model(model, source, derive_adapter(options.adapter, source, model), options)
+    resolved = derive_adapter(options.adapter, source, model)
+    source, plan, planned = plan_model(model, source, resolved, options)
     txn.add_source(source)
     judge(plan, options.strict)
     check_buffers(model, options.init_buffers)
@@ -377,7 +390,7 @@ def _prepare(txn: Transaction, model: nn.Module, local: str | os.PathLike[str] |
         sidecar, sums = read_checksums(source)
         leaves = sorted({k for node in plan.recipes.values() for k in node.leaves()})
         txn.sources[-1] = ChecksummedSource(source, sidecar, sums, leaves)
-    return _Prepared(plan, planned, fill_missing)
+    return _Prepared(plan, planned, fill_missing, resolved)
 
 
 def _load_report(part: Part, prep: _Prepared, options: Options, phases: _Phases, *, rank: int, world: int, total: int,

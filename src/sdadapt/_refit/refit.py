@@ -32,11 +32,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .._base.agreement import agree_on
 from .._base.distributed import agree, collective_device, is_distributed, rank_and_world
 from .._base.regions import Box, box_shape, full_box
 from .._base.schema import TensorInfo, dtype_name
 from .._export import plan_outputs, reads_of, shard_box
 from .._plan.adapter import Adapter, with_dtype
+from .._plan.intent import intent, no_intent
 from .._plan.plan import build_plan
 from .._plan.target import model_state_dict
 from .._recipes.nodes import Compute, Node, Piece, Step
@@ -182,19 +184,26 @@ def refit_plan(
         meta = {"trainer": held_t, "engine": held_e}
     except SdadaptError as e:
         error = e
-    agree(error, group)
+    agree(error, group, RefitError)
     metas = _gather(meta, group, world)
     trainer_all = [m["trainer"] for m in metas]
-    source = _schema(trainer_all, "trainer")
-    target = _schema([m["engine"] for m in metas], "engine")
-    if send is not None and not target:  # no engine described: the adapter's outputs as they come
-        recipes, _ = plan_outputs(source, adapter, what="refit")
-    else:
-        plan = build_plan(source, target, with_dtype(adapter, "model"), allow_missing=allow_missing,
-                          allow_unexpected=allow_unexpected, source_name="trainer", target_name="engine")  # fmt: skip
-        if not plan.report.ok:
-            raise RefitError("the trainer's tensors, through the adapter, do not line up with the engine's:\n" + plan.report.format())
-        recipes = plan.recipes
+    recipes: dict[str, Node] = {}
+    error = None
+    try:  # planned on every rank from the same schemas: a failure on one rank, or another plan, stops all
+        source = _schema(trainer_all, "trainer")
+        target = _schema([m["engine"] for m in metas], "engine")
+        if send is not None and not target:  # no engine described: the adapter's outputs as they come
+            recipes, _ = plan_outputs(source, adapter, what="refit")
+        else:
+            plan = build_plan(source, target, with_dtype(adapter, "model"), allow_missing=allow_missing,
+                              allow_unexpected=allow_unexpected, source_name="trainer", target_name="engine")  # fmt: skip
+            if not plan.report.ok:
+                raise RefitError("the trainer's tensors, through the adapter, do not line up with the engine's:\n" + plan.report.format())
+            recipes = plan.recipes
+    except Exception as e:  # noqa: BLE001 - every failure must be agreed, whatever its type
+        error = e if isinstance(e, RefitError) else RefitError(f"planning failed: {type(e).__name__}: {e}")
+    parts = no_intent() if error is not None else intent(adapter, recipes, delta=delta, bucket_bytes=bucket_bytes)
+    agree_on(parts, error, group, what="refit", mismatch=RefitError, remote=RefitError)
     dtypes = {k: v.dtype for k, v in source.items()}
     sending: list[Region] | None = None
     if send is not None:
@@ -203,7 +212,7 @@ def refit_plan(
             sending = plan_regions(trainer_t, dtypes, recipes, rank, bucket_bytes)
         except SdadaptError as e:
             error = e
-        agree(error, group)
+        agree(error, group, RefitError)
     mine = _Mine()
     error = None
     try:
@@ -227,7 +236,7 @@ def refit_plan(
                     mine.by_target[k].append(i)
     except SdadaptError as e:
         error = e
-    agree(error, group)
+    agree(error, group, RefitError)
     requests = [r for r in _gather(mine.requests, group, world)]
     transfers = transfers_of(trainer_all, requests, round_bytes(bucket_bytes), bucket_bytes)
     refit = Refit(

@@ -202,14 +202,14 @@ class Refit:
         """
         t0 = time.perf_counter()
         seen: dict[str, tuple[int, ...]] = {}  # delta mode: the versions this run sends, kept once it succeeded
-        active = self._changed_targets(seen) if self.delta else set(self.recipes)
         st = _Run(RefitReport(rank=self.rank, updated=[]))
-        if self.send is not None:
-            todo = sorted({r.key for r in self.sending if r.key in active})
-        else:
-            todo = [k for k in self.mine.steps if k in active]
+        mine = {r.key for r in self.sending} if self.send is not None else set(self.mine.steps)
+        todo, active = sorted(mine), set(self.recipes)  # until delta mode's agreement says what changed
         error: BaseException | None = None
-        try:
+        try:  # every collective of the run, the version agreement included, under its timeout and handling
+            if self.delta:
+                active = self._changed_targets(seen)
+                todo = sorted(k for k in mine if k in active)
             with torch.no_grad():
                 if self.send is not None:
                     io = LocalShards(self.trainer, self.trainer_box, self._trainer_device())
@@ -238,7 +238,6 @@ class Refit:
         self._versions.update(seen)  # a failed run keeps the old ones: running again resends what it did not
         rep = st.rep
         rep.updated = sorted(st.done)
-        mine = {r.key for r in self.sending} if self.send is not None else set(self.mine.steps)
         rep.unchanged = sorted(k for k in mine if k not in active)
         rep.seconds = time.perf_counter() - t0
         log.info("%s", rep.format_text())
@@ -313,7 +312,9 @@ class Refit:
                 seen[k] = ()
                 flags[i] = 1
         if self.world > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            assert work is not None
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         changed = {k for k, f in zip(self.source_keys, flags.tolist(), strict=True) if f}
         return {k for k, node in self.recipes.items() if changed.intersection(node.leaves()) or not node.leaves()}
 

@@ -6,14 +6,12 @@ extras are saved through their ``state_dict()``), plus ``sdadapt.json`` beside i
 and torch versions, where model and optimizer live in the checkpoint, the extra names, and the
 adapter the model had been loaded with (a record only: the DCP data are in the model's layout).
 
-``load_state(model, src, optimizer, extra, adapter=None)`` restores all of it, on any mesh
-(DCP's chunks are intersected with each rank's shards), and through ``adapter`` after a
-refactor. Optimizer state follows its parameter (:mod:`sdadapt._state.optim_state`).
-
-Everything is decided from the checkpoint's metadata, identically on every rank, before any
-tensor is read: missing or unexpected keys, an optimizer of another kind, optimizer state for
-parameters the model lacks, missing extras. On a problem every rank raises and the model and
-optimizer are left as they were. The read is one load transaction (:mod:`sdadapt._transaction.transaction`).
+``load_state(model, src, optimizer, extra, adapter=None)`` restores all of it, on any mesh,
+through ``adapter`` after a refactor; optimizer state follows its parameter (``optim_state``).
+Everything is decided from the checkpoint's metadata, identically on every rank (and agreed:
+the same adapter, plan and versions), before any tensor is read: missing or unexpected keys, an
+optimizer of another kind, state for parameters the model lacks, missing extras. On a problem
+every rank raises; model and optimizer are left as they were (one load transaction).
 """
 
 from __future__ import annotations
@@ -38,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from .._base.agreement import agree_on
 from .._base.distributed import agree, is_distributed, rank_and_world
 from .._base.gc import without_gc
 from .._base.progress import TransferBar
@@ -46,6 +45,7 @@ from .._base.version import VERSION
 from .._engine import EngineConfig
 from .._engine.safe_planner import SafeLoadPlanner
 from .._plan.adapter import Adapter
+from .._plan.intent import intent, no_intent
 from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
@@ -188,7 +188,9 @@ def save_state(
             raise StateError("the model still has tensors on the meta device; there is nothing to save")
     except SdadaptError as e:
         error = e
-    agree(error, process_group)
+    # the stages of a pipeline save different keys: the adapter, extras and versions are compared
+    parts = no_intent() if error is not None else intent(adapter, None, extra=sorted(extra), optimizer=optimizer is not None)
+    agree_on(parts, error, process_group, what=f"save {dst}")
     if optimizer is not None:
         model_sd, optim_sd = _get_state(model, optimizer)
         state: dict[str, Any] = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
@@ -397,7 +399,8 @@ def load_state(
         txn.add_optimizer(optimizer, was_empty=not optimizer.state)
     options = Options.of(src, adapter=adapter, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
                          pipeline_stage=pipeline_stage, init_buffers=init_buffers)  # fmt: skip
-    r = txn.prepare(lambda: _prepare_state(txn, src, model, optimizer, extra, options))
+    r = txn.prepare(lambda: _prepare_state(txn, src, model, optimizer, extra, options), lambda r: intent(
+        r.adapter, None if pipeline_stage or r.plan is None else r.plan.recipes, optimizer=optimizer is not None, extra=sorted(extra)))
     loaded_extra = _read_extras(txn, src, extra, process_group)
     if optimizer is None and txn.materialize(device, init_buffers, then=r.fill):
         r.model_sd = model_state_dict(model)
@@ -443,7 +446,7 @@ def _prepare_state(txn: Transaction, src: str, model: nn.Module, optimizer: torc
     model_key, optim_key = _detect_keys(full)
     r.model_fmt = f"{model_key}.{{}}" if model_key else "{}"
     # the model's keys as a shipped adapter reads them, from the folder opened once
-    adapter = derive_adapter(options.adapter, NamespacedSource(full, r.model_fmt) if model_key else full)
+    r.adapter = adapter = derive_adapter(options.adapter, NamespacedSource(full, r.model_fmt) if model_key else full)
     _plan_state(r, model, optimizer, adapter, model_key, optim_key, extra, src, options)
     stored = list(full.schema) + full.non_tensor
     for name in extra:
@@ -551,6 +554,7 @@ class _Restore:
         self.model_sd: dict[str, Any] = {}
         self.optim_sd: dict[str, Any] = {}
         self.plan: Plan | None = None
+        self.adapter: Adapter | None = None
         self.oplan: OptimPlan | None = None
         self.report: Report | None = None
         self.objects: dict[tuple[str, str], Any] = {}

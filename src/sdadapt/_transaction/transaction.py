@@ -2,9 +2,8 @@
 
 Steps, in order, each agreed on every rank (one rank's failure is every rank's error):
 
-1. **prepare**: plan from headers, fingerprint every file the sources read (size, mtime, inode),
-   run the buffer hooks; any failure here leaves the model untouched (a model this load put on a
-   device goes back to meta);
+1. **prepare**: plan from headers, fingerprint the files (size, mtime, inode), agree that every
+   rank plans the same; a failure leaves the model untouched (or back on meta); run buffer hooks;
 2. **check files** right before the first byte is written;
 3. **read** every part (one ``dcp.load`` each) into its targets: the model's own shards, or
    a staged copy laid out like them (``atomic=True``);
@@ -18,11 +17,9 @@ old values, so every rank raises :class:`LoadError` saying so (how many keys thi
 writing), and the model is *marked*: its forward raises :class:`ModelError` (and a restored
 optimizer's ``step`` too) until a load into it succeeds. An optimizer that held no state before
 the load gets none back. With staging, nothing is written before every rank succeeded, so a
-failure reading or checking leaves model and optimizer bit for bit as they were, at the cost of a
-second copy of the staged shards. Staging is not the default because that copy is one more model's worth of memory
-exactly where memory is tightest (at the scale of the largest models, an out-of-memory error)
-and the copy costs as much time again, to protect against failures that the checks before
-writing already make rare.
+failure reading or checking leaves model and optimizer bit for bit as they were, for a second
+copy of the staged shards: one more model's worth of memory where memory is tightest, and the
+copy's time, against failures that the checks before writing already make rare.
 
 A failure *while committing* (a step of the commit raising on any rank, after every read and
 check passed) is agreed too: every rank raises :class:`LoadError` naming the failing ranks and
@@ -44,7 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -57,10 +54,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from .._base.distributed import agree, any_rank, gather_if_any, is_distributed
+from .._base.agreement import agree_on
+from .._base.distributed import any_rank, gather_if_any, is_distributed
 from .._base.env import version_problem
 from .._engine import EngineConfig
 from .._engine.reader import AdaptedLoadPlanner, AdaptedStorageReader
+from .._plan.intent import no_intent
 from .._plan.plan import Plan
 from .._plan.target import model_state_dict
 from ..errors import LoadError, ModelError, SdadaptError, SourceError, VersionError
@@ -146,23 +145,26 @@ class Transaction:
         """The optimizer whose state the parts write; ``was_empty``: it held no state before."""
         self.optimizer, self.optimizer_was_empty = optimizer, was_empty
 
-    def prepare(self, step: Callable[[], T]) -> T:
+    def prepare(self, step: Callable[[], T], intent: Callable[[T], Mapping[str, Any]] | None = None) -> T:
         """Collective: run ``step`` (planning: headers only, nothing changed) on every rank; if it
         raises on any rank, every rank raises (see :meth:`agree`). Whatever ``step`` raises is
         caught: an :class:`SdadaptError` as it is, any other exception (a bug, or input a check
         missed) as a :class:`SourceError` naming the file it was about (or the source), so that no
         rank leaves while the others wait. ``step`` must not run collectives of its own (a rank
         failing before one would leave the others in it): Hub ids are resolved first, by
-        :meth:`resolve`."""
+        :meth:`resolve`. ``intent(out)``: what this rank is about to do (``_plan.intent``), agreed
+        in the same collective (``DisagreementError`` where ranks differ)."""
         error: SdadaptError | None = None
         out: Any = None
+        parts: Mapping[str, Any] = no_intent() if intent is not None else {}
         try:
             out = step()
+            parts = intent(out) if intent is not None else parts
         except SdadaptError as e:
             error = e
         except Exception as e:  # noqa: BLE001 - every failure must be agreed, whatever its type
             error = foreign_error(e, self.what, "preparing")
-        self.agree(error)
+        self.agree(error, parts)
         return out
 
     def resolve(self, src: T) -> T | str:
@@ -178,10 +180,11 @@ class Transaction:
             return hub_folder(hub_id, agree_fn=self.agree)
         return self.prepare(lambda: hub_folder(hub_id))
 
-    def agree(self, error: BaseException | None) -> None:
-        """Collective: if any rank failed, close the sources, undo what this load changed, raise."""
+    def agree(self, error: BaseException | None, parts: Mapping[str, Any] | None = None) -> None:
+        """Collective: if any rank failed (or ``parts`` differ), close the sources, undo what this
+        load changed, raise."""
         try:
-            agree(error, self.group)
+            agree_on(parts or {}, error, self.group, what=self.what)
         except SdadaptError:
             self.close()
             self._undo(partly_written=False)

@@ -1,0 +1,115 @@
+"""Issue 65's refit cases on real gloo processes: every failure a ``RefitError`` on every rank,
+within about twice ``timeout``, nothing written.
+
+- adapters that disagree (the last rank fuses q, k, v in another order), on 2 and 4 ranks:
+  ``refit_plan`` raises ``RefitError`` on every rank naming that rank, the engine untouched;
+- a planning failure on one rank only (a split rule the others do not have): every rank raises
+  ``RefitError``, the others quoting the first cause;
+- a delta run whose trainer rank is gone, or stalls, when the run starts (the version agreement):
+  the engine rank raises ``RefitError`` with ``updated`` / ``not_updated`` within the bound.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from support.dist_helper import WorkerError, run_distributed
+
+import sdadapt
+from sdadapt.errors import RefitError
+
+QKV = {"q": (4, 2), "k": (2, 2), "v": (2, 2)}
+
+
+def _trainer() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(3)
+    return {f"l.0.{n}.weight": torch.randn(s, generator=gen) for n, s in QKV.items()} | {"o.weight": torch.randn(2, 2, generator=gen)}
+
+
+def _adapter(order: str, extra: list[Any] | None = None) -> sdadapt.Adapter:
+    sizes = [QKV[p][0] for p in order]
+    fuse = sdadapt.fuse([f"l.{{i}}.{p}.weight" for p in order], "l.{i}.qkv.weight", sizes=sizes)
+    return sdadapt.Adapter([fuse, *(extra or [])], name="qkv")
+
+
+def _engine() -> dict[str, torch.Tensor]:
+    return {"l.0.qkv.weight": torch.zeros(8, 2), "o.weight": torch.zeros(2, 2)}
+
+
+def _outcome(fn: Any) -> tuple[str, str, float]:
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the case's outcome is what it raised
+        return type(e).__name__, getattr(e, "full_message", str(e)), time.monotonic() - t0
+    return "ok", "", time.monotonic() - t0
+
+
+def _cases() -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    engine = _engine()
+    out["disagree"] = _outcome(lambda: sdadapt.refit_plan(_trainer(), engine, _adapter("kqv" if rank == world - 1 else "qkv")))
+    out["disagree_untouched"] = all(bool((t == 0).all()) for t in engine.values())
+    split = [sdadapt.split("o.weight", ["o.a.weight", "o.b.weight"])] if rank == 1 else []
+    out["one_fails"] = _outcome(lambda: sdadapt.refit_plan(_trainer(), engine, _adapter("qkv", split)))
+    out["one_fails_untouched"] = all(bool((t == 0).all()) for t in engine.values())
+    refit = sdadapt.refit_plan(_trainer(), engine, _adapter("qkv"), timeout=60)
+    out["after"] = _outcome(refit.run)
+    t = _trainer()
+    out["right"] = torch.equal(engine["l.0.qkv.weight"], torch.cat([t["l.0.q.weight"], t["l.0.k.weight"], t["l.0.v.weight"]]))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_refit_ranks_disagree(world: int) -> None:
+    results = run_distributed(_cases, world, timeout=240)
+    for r in results:
+        assert r["disagree"][0] == "RefitError" and r["disagree_untouched"], r["disagree"]
+        assert r["disagree"][2] < 30
+        assert r["one_fails"][0] == "RefitError" and r["one_fails_untouched"], r["one_fails"]
+        assert r["after"][0] == "ok" and r["right"], r["after"]
+    assert f"rank {world - 1}'s adapter (rule #0) fuses [l.{{i}}.k.weight, l.{{i}}.q.weight, l.{{i}}.v.weight]" in results[0]["disagree"][1]
+    assert "do not line up" in results[1]["one_fails"][1] and "o.a.weight" in results[1]["one_fails"][1]
+    for r in (0, *range(2, world)):
+        assert "rank 1 failed" in results[r]["one_fails"][1] and "do not line up" in results[r]["one_fails"][1], results[r]["one_fails"]
+
+
+def _delta_start(hang: bool) -> dict[str, Any]:
+    rank = dist.get_rank()
+    trainer = _trainer() if rank == 0 else None
+    engine = _engine() if rank == 1 else None
+    refit = sdadapt.refit_plan(trainer, engine, _adapter("qkv"), delta=True, timeout=3)
+    refit.run()  # a first run that succeeds
+    if rank == 0:
+        if hang:
+            time.sleep(14)  # alive, sockets open, not in the run: past twice the timeout
+        os._exit(0)
+    assert engine is not None
+    before = {k: v.clone() for k, v in engine.items()}
+    t0 = time.monotonic()
+    try:
+        refit.run()
+    except RefitError as e:
+        raise RuntimeError(
+            f"OUTCOME RefitError after {time.monotonic() - t0:.1f} s, updated={e.updated} not_updated={e.not_updated} "
+            f"unchanged={all(torch.equal(before[k], engine[k]) for k in engine)}: {e}"
+        ) from None
+    raise RuntimeError("OUTCOME no error")
+
+
+@pytest.mark.parametrize("hang", [False, True])
+def test_refit_delta_rank_gone_or_stalled_at_start(hang: bool) -> None:
+    with pytest.raises(WorkerError) as info:
+        run_distributed(_delta_start, 2, hang, timeout=120)
+    by_rank = {f.rank: f for f in info.value.failures}
+    msg = by_rank[1].message
+    assert "OUTCOME RefitError" in msg, msg
+    seconds = float(msg.split("after ")[1].split(" s")[0])
+    assert seconds < 2 * 3 + 4, msg  # about twice the timeout
+    assert "updated=[]" in msg and "not_updated=['l.0.qkv.weight', 'o.weight']" in msg and "unchanged=True" in msg, msg
