@@ -50,6 +50,20 @@ def test_the_convention_sees_real_marks_and_fences():
     assert len([b for b in all_blocks() if b.file != "README.md" and not b.fragment and b.lang != "text"]) >= 10
 
 
+def test_the_guide_numbers_its_pages_once():
+    numbers = [int(m) for m in re.findall(r"^(\d+)\. \[", (ROOT / "docs" / "README.md").read_text(), flags=re.M)]
+    assert numbers == list(range(1, len(numbers) + 1)), numbers
+
+
+def test_the_readmes_first_block_speaks_to_a_reader():
+    """The first lines a newcomer reads: what the commands do, in no word of the project's own
+    (the CI script, the docs test's fragment mark)."""
+    first = next(b for b in blocks("README.md") if b.lang != "text")
+    head = first.code.lstrip("\n").split("\n", 1)[0]
+    assert first.fragment and head.startswith("# in a clone:"), head
+    assert ".ci/run" not in first.code and "fragment" not in first.code
+
+
 @pytest.mark.parametrize("file", [f for f in DOC_FILES if runnable(f)])
 def test_doc_blocks_run(file, tmp_path):
     out = tmp_path / "outcome.json"

@@ -6,7 +6,9 @@ Convention (enforced by tests/project/test_doc_blocks.py): every block is one of
   from :data:`SETUPS`), except the Python blocks of docs/writing-adapters.md, which
   tests/draft/test_draft_families.py runs in order in one session;
 - ```python / ```bash whose first line is a comment ``# fragment: <why it does not run as
-  written>`` (a Hub id, your own model code, a 4-process launch...): shown, not run;
+  written>`` (a Hub id, your own model code, a 4-process launch...): shown, not run; the
+  commands a reader runs in a clone of the repository (they install into it) say so instead,
+  in words a reader needs no glossary for: ``# in a clone: <what they do>``;
 - ```json: the adapters of docs/rules.md, read and planned by tests/project/test_docs_rules.py;
 - ```text: sample output, diagrams and file layouts: not code.
 
@@ -36,7 +38,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 DOC_FILES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
-FRAGMENT = re.compile(r"#\s*fragment:\s*\S")
+FRAGMENT = re.compile(r"#\s*(fragment|in a clone):\s*\S")
 FENCE = re.compile(r"^(`{3,})(.*)$")
 # blocks another test executes: (file, language) -> that test
 EXECUTED_ELSEWHERE = {
@@ -68,7 +70,7 @@ class Block:
         if self.lang == "text":
             return "display (text, not code)"
         if self.fragment:
-            return "fragment: " + self.code.lstrip("\n").split("\n", 1)[0].split("fragment:", 1)[1].strip()
+            return "fragment: " + self.code.lstrip("\n").split("\n", 1)[0].split(":", 1)[1].strip()
         if (self.file, self.lang) in EXECUTED_ELSEWHERE:
             return "executed by " + EXECUTED_ELSEWHERE[(self.file, self.lang)]
         return "executed by tests/project/test_doc_blocks.py"
