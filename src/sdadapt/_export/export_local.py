@@ -11,53 +11,15 @@ Owned shards do not overlap and cover each tensor, so the ranks' regions cover e
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._base.regions import Box, box_shape, full_box
+from .._base.regions import Box, box_shape, dtensor_box, full_box
 from .._base.schema import slices
 from .._recipes.nodes import Compute, Node, Piece
 from ..errors import ExportError
-
-
-def shard_box(t: DTensor) -> Box | None:
-    """The box of ``t``'s global tensor that this rank's local tensor holds, for ``Shard`` and
-    ``Replicate`` placements and for FSDP2 over a TP-sharded dim (torchtitan's 2-D layout:
-    ``_StridedShard(d, split_factor=s)`` on one mesh dim where the later mesh dims that ``Shard(d)``
-    have ``s`` ranks in all; the dim is cut by those first, then by it, so the local tensor is one
-    box); ``None`` for any other placement (its local tensor is not one box)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    mesh, places = t.device_mesh, list(t.placements)
-    coord = mesh.get_coordinate()
-    if coord is None or not all(isinstance(p, (Shard, _StridedShard, Replicate)) for p in places):
-        return None
-    box: list[tuple[int, int]] = []
-    for d, n in enumerate(t.shape):
-        cuts = [i for i, p in enumerate(places) if isinstance(p, (Shard, _StridedShard)) and p.dim == d]
-        strided = [i for i in cuts if isinstance(places[i], _StridedShard)]
-        if strided:
-            i = strided[0]
-            later = [j for j in cuts if j > i]
-            if (
-                len(strided) > 1
-                or any(j < i for j in cuts)
-                or getattr(places[i], "split_factor", 0) != math.prod(mesh.size(j) for j in later)
-            ):
-                return None
-            cuts = later + [i]  # the TP cut first, then FSDP's within it
-        start, length = 0, n
-        for i in cuts:  # DTensor's uneven cut: chunks of ceil(length / ranks), the last ones shorter or empty
-            size = -(-length // mesh.size(i))
-            a = min(coord[i] * size, length)
-            start, length = start + a, min(a + size, length) - a
-        box.append((start, start + length))
-    local = tuple(t._local_tensor.shape)
-    return tuple(box) if box_shape(tuple(box)) == local else None
 
 
 def owned_shard(t: torch.Tensor, rank: int, key: str, copy: bool = True) -> tuple[Box, torch.Tensor] | None:
@@ -67,7 +29,7 @@ def owned_shard(t: torch.Tensor, rank: int, key: str, copy: bool = True) -> tupl
         return (full_box(tuple(t.shape)), t.detach().cpu() if copy else t.detach()) if rank == 0 else None
     from torch.distributed.tensor import Replicate
 
-    box = shard_box(t)
+    box = dtensor_box(t)
     if box is None:
         raise ExportError(
             f"export_iter(local=True): {key!r} has placements {t.placements}; local pieces need Shard and Replicate "

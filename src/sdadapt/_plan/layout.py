@@ -5,9 +5,9 @@ machine here has. :class:`Mesh` is the mesh as ``init_device_mesh`` lays it out 
 outermost first, ranks in row-major order); :func:`default_layouts` says, per target key, which
 ranks hold it and its placement on each mesh dim, the way torchtitan parallelises a
 transformer (FSDP2, HSDP, tensor parallel, expert parallel, pipeline stages); :func:`local_box`
-computes a rank's box with DTensor's own offset rule
-(``torch.distributed.tensor._utils._compute_local_shape_and_global_offset``: ``Shard``, uneven
-and empty shards, ``_StridedShard``), from the mesh's shape and the rank's coordinate alone.
+computes a rank's box with DTensor's own offset rule (:func:`~sdadapt._base.regions.shard_box`,
+the box export and refit use: ``Shard``, uneven and empty shards, ``_StridedShard``), from the
+mesh's shape and the rank's coordinate alone.
 
 The rules, per key (mesh dims in the order ``pp, dp_replicate, dp_shard, ep, tp``):
 
@@ -31,9 +31,9 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
+from .._base.regions import shard_box
 from .._base.schema import TensorInfo
 from ..errors import UsageError
 
@@ -237,25 +237,14 @@ def group_coordinate(mesh: Mesh, layout: Layout, coordinate: tuple[int, ...]) ->
     return tuple(shape), tuple(coord)
 
 
-@lru_cache(maxsize=1 << 16)
-def _box(
-    shape: tuple[int, ...], mesh_shape: tuple[int, ...], coord: tuple[int, ...], placements: tuple[Any, ...]
-) -> tuple[tuple[int, int], ...]:
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-    if not placements:
-        return tuple((0, n) for n in shape)
-    local, offset = _compute_local_shape_and_global_offset(shape, mesh_shape, list(coord), list(placements))
-    return tuple((o, o + n) for o, n in zip(offset, local, strict=True))
-
-
 def local_box(info: TensorInfo, mesh: Mesh, layout: Layout, coordinate: tuple[int, ...]) -> tuple[tuple[int, int], ...] | None:
     """The box of the tensor that the rank at ``coordinate`` holds (global coordinates; empty
-    extents for an empty shard), or ``None`` when it holds none of it."""
+    extents for an empty shard; :func:`~sdadapt._base.regions.shard_box`, the box export and
+    refit use), or ``None`` when it holds none of it or its shard is not one box."""
     if not layout.holds(coordinate):
         return None
     shape, coord = group_coordinate(mesh, layout, coordinate)
-    return _box(tuple(info.shape), shape, coord, tuple(p for _, p in layout.groups))
+    return shard_box(tuple(info.shape), shape, coord, tuple(p for _, p in layout.groups))
 
 
 def model_layouts(state_dict: Mapping[str, Any], mesh: Mesh, defaults: Mapping[str, Layout]) -> dict[str, Layout]:

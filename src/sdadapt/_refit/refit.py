@@ -34,9 +34,9 @@ from torch.distributed.tensor import DTensor
 
 from .._base.agreement import agree_on
 from .._base.distributed import agree, collective_device, is_distributed, rank_and_world
-from .._base.regions import Box, box_shape, full_box
+from .._base.regions import Box, box_shape, dtensor_box, full_box
 from .._base.schema import TensorInfo, dtype_name
-from .._export import plan_outputs, reads_of, shard_box
+from .._export import plan_outputs, reads_of
 from .._plan.adapter import Adapter, with_dtype
 from .._plan.intent import intent, no_intent
 from .._plan.plan import build_plan
@@ -59,7 +59,7 @@ def _placed(t: torch.Tensor, what: str, key: str) -> tuple[tuple[int, ...], Box,
     """A tensor's global shape, the box this rank holds and its local tensor."""
     if not isinstance(t, DTensor):
         return tuple(t.shape), full_box(tuple(t.shape)), t.detach()
-    box = shard_box(t)
+    box = dtensor_box(t)
     if box is None:
         raise RefitError(
             f"{what} tensor {key!r} has placements {t.placements}; refit reads shards placed with Shard and Replicate, "
