@@ -281,6 +281,9 @@ class ChecksummedSource(Source):
         """No byte locations, whatever the inner source stores (see the class docstring)."""
         return None
 
+    def region_bytes(self, key: str, box: Box) -> list[tuple[str, int, int]] | None:
+        return self.inner.region_bytes(key, box)
+
     def files(self) -> list[str]:
         return self.inner.files()
 

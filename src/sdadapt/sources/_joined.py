@@ -59,6 +59,10 @@ class JoinedSource(Source):
         src, inner = self._route(key)
         return src.locate_region(inner, box)
 
+    def region_bytes(self, key: str, box: Box) -> list[tuple[str, int, int]] | None:
+        src, inner = self._route(key)
+        return src.region_bytes(inner, box)
+
     def remote_url(self) -> str | None:
         urls = [u for u in (s.remote_url() for s in (self.base, *self.extra.values())) if u]
         return urls[0] if urls else None

@@ -40,6 +40,9 @@ class NamespacedSource(Source):
     def locate_region(self, key: str, box: Box) -> list[tuple[Box, TensorLocation]] | None:
         return self.base.locate_region(self.fmt.format(key), box)
 
+    def region_bytes(self, key: str, box: Box) -> list[tuple[str, int, int]] | None:
+        return self.base.region_bytes(self.fmt.format(key), box)
+
     def file_of(self, key: str) -> str:
         return self.base.file_of(self.fmt.format(key))
 
