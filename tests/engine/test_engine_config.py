@@ -62,3 +62,25 @@ def test_load_state_runs_the_engine_with_the_given_config(tmp_path, seen):
 def test_a_bad_config_fails_when_built():
     with pytest.raises(ValueError, match="depth must be at least 1"):
         sdadapt.EngineConfig(depth=0)
+
+
+def test_every_variable_of_the_table_sets_its_field(monkeypatch):
+    """``EngineConfig.from_env`` reads one table (``config.ENV``): each variable sets a field of
+    ``EngineConfig``, parsed as the table says; docs/performance.md names every variable."""
+    import dataclasses
+    from pathlib import Path
+
+    from sdadapt import EngineConfig
+    from sdadapt._engine import config
+
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert {name for name, _ in config.ENV.values()} <= fields
+    values = {"SDADAPT_IO_STAGING_MB": "64", "SDADAPT_IO_DEPTH": "0", "SDADAPT_IO_WARM": "no", "SDADAPT_IO_GATHER_MB": "0.001",
+              "SDADAPT_IO_KVIKIO_BOUNCE_MB": "0", "SDADAPT_IO_SWITCH_MS": "2", "SDADAPT_IO_PLAN_SWITCH_MS": "0"}  # fmt: skip
+    for var, text in values.items():
+        monkeypatch.setenv(var, text)
+    cfg = EngineConfig.from_env()
+    assert (cfg.staging_bytes, cfg.depth, cfg.warm_kernels, cfg.gather_bytes) == (64 << 20, 1, False, 4096)
+    assert (cfg.kvikio_bounce_bytes, cfg.switch_interval, cfg.plan_switch_interval) == (None, 0.002, None)
+    docs = "".join(p.read_text() for p in (Path(__file__).resolve().parents[2] / "docs").glob("*.md"))
+    assert [var for var in config.ENV if var not in docs] == []

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 MiB = 1 << 20
 
@@ -198,39 +200,54 @@ class EngineConfig:
     def from_env(cls) -> EngineConfig:
         """The defaults, overridden by the ``SDADAPT_IO_*`` environment variables."""
         cfg = cls()
-        if os.environ.get("SDADAPT_IO_STAGING_MB"):
-            cfg.staging_bytes = int(float(os.environ["SDADAPT_IO_STAGING_MB"]) * MiB)
-        if os.environ.get("SDADAPT_IO_CHUNK_MB"):
-            cfg.chunk_bytes = int(float(os.environ["SDADAPT_IO_CHUNK_MB"]) * MiB)
-        if os.environ.get("SDADAPT_IO_DEPTH"):
-            cfg.depth = max(1, int(os.environ["SDADAPT_IO_DEPTH"]))
-        if os.environ.get("SDADAPT_IO_BAND_MB"):
-            cfg.band_bytes = max(4096, int(float(os.environ["SDADAPT_IO_BAND_MB"]) * MiB))
-        if os.environ.get("SDADAPT_IO_BAND_DEPTH"):
-            cfg.band_depth = max(1, int(os.environ["SDADAPT_IO_BAND_DEPTH"]))
-        if os.environ.get("SDADAPT_IO_LANDING"):
-            cfg.landing_buffers = max(1, int(os.environ["SDADAPT_IO_LANDING"]))
-        if os.environ.get("SDADAPT_IO_WARM"):
-            cfg.warm_kernels = os.environ["SDADAPT_IO_WARM"] not in ("0", "false", "no")
-        if os.environ.get("SDADAPT_IO_GATHER"):
-            cfg.gather_inputs = os.environ["SDADAPT_IO_GATHER"] not in ("0", "false", "no")
-        if os.environ.get("SDADAPT_IO_GATHER_MB"):
-            cfg.gather_bytes = max(4096, int(float(os.environ["SDADAPT_IO_GATHER_MB"]) * MiB))
-        if os.environ.get("SDADAPT_IO_KVIKIO"):
-            cfg.kvikio = os.environ["SDADAPT_IO_KVIKIO"] not in ("0", "false", "no")
-        if os.environ.get("SDADAPT_IO_KVIKIO_THREADS"):
-            cfg.kvikio_threads = max(1, int(os.environ["SDADAPT_IO_KVIKIO_THREADS"]))
-        if os.environ.get("SDADAPT_IO_KVIKIO_WARM"):
-            cfg.kvikio_warm = os.environ["SDADAPT_IO_KVIKIO_WARM"] not in ("0", "false", "no")
-        if os.environ.get("SDADAPT_IO_KVIKIO_GATHERS"):
-            cfg.kvikio_gathers = os.environ["SDADAPT_IO_KVIKIO_GATHERS"] not in ("0", "false", "no")
-        if os.environ.get("SDADAPT_IO_KVIKIO_TASK_MB"):
-            cfg.kvikio_task_bytes = max(4096, int(float(os.environ["SDADAPT_IO_KVIKIO_TASK_MB"]) * MiB))
-        if os.environ.get("SDADAPT_IO_KVIKIO_BOUNCE_MB"):
-            mb = float(os.environ["SDADAPT_IO_KVIKIO_BOUNCE_MB"])
-            cfg.kvikio_bounce_bytes = max(4096, int(mb * MiB)) if mb > 0 else None
-        for var, name in (("SDADAPT_IO_SWITCH_MS", "switch_interval"), ("SDADAPT_IO_PLAN_SWITCH_MS", "plan_switch_interval")):
+        for var, (name, parse) in ENV.items():
             if os.environ.get(var):
-                ms = float(os.environ[var])
-                setattr(cfg, name, ms / 1000 if ms > 0 else None)
+                setattr(cfg, name, parse(os.environ[var]))
         return cfg
+
+
+def _mib(floor: int) -> Callable[[str], int]:
+    return lambda text: max(floor, int(float(text) * MiB))
+
+
+def _count(text: str) -> int:
+    return max(1, int(text))
+
+
+def _flag(text: str) -> bool:
+    return text not in ("0", "false", "no")
+
+
+def _mib_or_none(text: str) -> int | None:
+    mb = float(text)
+    return max(4096, int(mb * MiB)) if mb > 0 else None
+
+
+def _seconds_of_ms(text: str) -> float | None:
+    ms = float(text)
+    return ms / 1000 if ms > 0 else None
+
+
+ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "SDADAPT_IO_STAGING_MB": ("staging_bytes", _mib(0)),
+    "SDADAPT_IO_CHUNK_MB": ("chunk_bytes", _mib(0)),
+    "SDADAPT_IO_DEPTH": ("depth", _count),
+    "SDADAPT_IO_BAND_MB": ("band_bytes", _mib(4096)),
+    "SDADAPT_IO_BAND_DEPTH": ("band_depth", _count),
+    "SDADAPT_IO_LANDING": ("landing_buffers", _count),
+    "SDADAPT_IO_WARM": ("warm_kernels", _flag),
+    "SDADAPT_IO_GATHER": ("gather_inputs", _flag),
+    "SDADAPT_IO_GATHER_MB": ("gather_bytes", _mib(4096)),
+    "SDADAPT_IO_KVIKIO": ("kvikio", _flag),
+    "SDADAPT_IO_KVIKIO_THREADS": ("kvikio_threads", _count),
+    "SDADAPT_IO_KVIKIO_WARM": ("kvikio_warm", _flag),
+    "SDADAPT_IO_KVIKIO_GATHERS": ("kvikio_gathers", _flag),
+    "SDADAPT_IO_KVIKIO_TASK_MB": ("kvikio_task_bytes", _mib(4096)),
+    "SDADAPT_IO_KVIKIO_BOUNCE_MB": ("kvikio_bounce_bytes", _mib_or_none),
+    "SDADAPT_IO_SWITCH_MS": ("switch_interval", _seconds_of_ms),
+    "SDADAPT_IO_PLAN_SWITCH_MS": ("plan_switch_interval", _seconds_of_ms),
+}
+"""Each ``SDADAPT_IO_*`` variable :meth:`EngineConfig.from_env` reads: the field it sets and how
+its text becomes the value (sizes in MiB, at least 4 KiB where a buffer must hold a page;
+counts at least 1; ``0`` / ``false`` / ``no`` turn a switch off; ``0`` MiB or ms: none)."""
+
