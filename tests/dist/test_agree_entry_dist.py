@@ -11,7 +11,9 @@ One launched group per world size (2 and 4) runs every case:
 - ``save_state`` with another adapter on the last rank: every rank raises, nothing written;
 - ``export`` / ``export_iter`` (both modes) after ``[fuse, interleave (no tp=)]`` on a TP mesh, and
   with a cast after it: the checkpoint's bytes back;
-- the same load with every rank agreeing: it loads (the group is still usable).
+- the same load with every rank agreeing: it loads (the group is still usable);
+- on 4 ranks, ``export_iter(local=True)`` on a 2-D (dp x tp) mesh covers a parameter left out of
+  the TP plan once, not once per TP rank.
 """
 
 from __future__ import annotations
@@ -59,6 +61,15 @@ class _QK(nn.Module):
         self.qk = nn.Linear(2, 8, bias=False)
 
 
+class _Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8, bias=False), nn.Linear(4, 6, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.a(x)[..., :6] + self.b(x)
+
+
 def _cases(folder: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     path = os.path.join(folder, "split.pt")
@@ -99,6 +110,17 @@ def _cases(folder: str) -> dict[str, Any]:
         got["pieces"] = [(k, [list(b) for b in box], p.float().clone()) for k, p, box in sdadapt.export_iter(tp, adapter, local=True)]
         out[name] = got
     out["qk"] = (q, k)
+    if world == 4:  # a 2-D mesh: a parameter left out of the TP plan is FSDP-sharded on each TP coordinate's dp ranks
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(1)
+        two = _Two()
+        out["2d_ref"] = {k: v.clone() for k, v in two.state_dict().items()}
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(two, mesh["tp"], {"a": ColwiseParallel()})
+        fully_shard(two, mesh=mesh["dp"])
+        out["2d_pieces"] = [(k, [list(b) for b in box], p.clone()) for k, p, box in sdadapt.export_iter(two, local=True)]
+        out["2d_whole"] = {k: v.clone() for k, v in sdadapt.export_iter(two)}
     return out
 
 
@@ -133,6 +155,17 @@ def _check(results: list[dict[str, Any]], world: int) -> None:
                 seen[key][tuple(slice(a, b) for a, b in box)] += 1
         assert torch.equal(made["q.weight"], cast(q)) and torch.equal(made["k.weight"], cast(k)), name
         assert all(bool((s == 1).all()) for s in seen.values()), name
+    if world == 4:
+        ref = results[0]["2d_ref"]
+        made = {k: torch.full_like(v, float("nan")) for k, v in ref.items()}
+        seen = {k: torch.zeros(v.shape, dtype=torch.int32) for k, v in ref.items()}
+        for res in results:
+            assert all(torch.equal(res["2d_whole"][k], v) for k, v in ref.items())
+            for key, box, piece in res["2d_pieces"]:
+                made[key][tuple(slice(a, b) for a, b in box)] = piece
+                seen[key][tuple(slice(a, b) for a, b in box)] += 1
+        for k, v in ref.items():
+            assert torch.equal(made[k], v) and bool((seen[k] == 1).all()), (k, seen[k])
 
 
 def _write(folder: str) -> None:

@@ -113,3 +113,33 @@ def test_refit_delta_rank_gone_or_stalled_at_start(hang: bool) -> None:
     seconds = float(msg.split("after ")[1].split(" s")[0])
     assert seconds < 2 * 3 + 4, msg  # about twice the timeout
     assert "updated=[]" in msg and "not_updated=['l.0.qkv.weight', 'o.weight']" in msg and "unchanged=True" in msg, msg
+
+
+def _inverse_refit(folder: str) -> dict[str, Any]:
+    """[fuse, interleave (no tp=), cast] loads a TP trainer; a refit through adapter.inverse() gives
+    every engine rank the checkpoint's q and k (cast back) whole."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ckpt = os.path.join(folder, "qk.pt")
+    if rank == 0:
+        gen = torch.Generator().manual_seed(5)
+        torch.save({"q.weight": torch.randn(4, 2, generator=gen), "k.weight": torch.randn(4, 2, generator=gen)}, ckpt)
+    dist.barrier()
+    adapter = sdadapt.Adapter([sdadapt.fuse(["q.weight", "k.weight"], "qk.weight", sizes=[4, 4]),
+                               sdadapt.interleave("qk.weight", sizes=[4, 4]),
+                               sdadapt.cast("qk.weight", "bfloat16", from_dtype="float32")], name="qk")  # fmt: skip
+    trainer = nn.ModuleDict({"qk": nn.Linear(2, 8, bias=False)}).to(torch.bfloat16)
+    parallelize_module(trainer, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), {"qk": ColwiseParallel()})
+    sdadapt.load(trainer, ckpt, adapter)
+    engine = {"q.weight": torch.zeros(4, 2), "k.weight": torch.zeros(4, 2)}
+    sdadapt.refit_plan(trainer, engine, adapter.inverse())()
+    return {"engine": engine, "ckpt": torch.load(ckpt)}
+
+
+def test_refit_through_the_inverse_of_an_interleave_without_tp(tmp_path: Any) -> None:
+    for r in run_distributed(_inverse_refit, 2, str(tmp_path), timeout=120):
+        for k in ("q.weight", "k.weight"):
+            assert torch.equal(r["engine"][k], r["ckpt"][k].bfloat16().float()), k

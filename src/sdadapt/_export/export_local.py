@@ -3,7 +3,8 @@ shards, with their global boxes; nothing is gathered, no rank talks to another.
 
 Each rank owns its shard of a tensor, except where the tensor is replicated: of the ranks holding
 the same shard (the same coordinates on the mesh dims that shard it), the one at coordinate 0 of
-the others owns it; a plain tensor is owned by rank 0. An output's box is the rank's when every
+the others owns it; of copies on meshes that do not cover the group (and of a plain tensor's),
+the one on the mesh with the lowest rank counts. An output's box is the rank's when every
 region of a source tensor its recipe reads lies in a shard the rank owns; a box whose reads lie
 partly elsewhere is cut in two along its longest dim until each part is the rank's or another's.
 Owned shards do not overlap and cover each tensor, so the ranks' regions cover each output once.
@@ -14,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .._base.distributed import collective_device, is_distributed
 from .._base.regions import Box, box_shape, dtensor_box, full_box
 from .._base.schema import slices
 from .._recipes.nodes import Compute, Node, Piece
@@ -116,9 +119,36 @@ def regions(node: Node, box: Box, owned: dict[str, Box], dtypes: dict[str, torch
         yield from regions(node, box[:d] + (half,) + box[d + 1 :], owned, dtypes, rank, name)
 
 
-def local_pieces(state: dict[str, torch.Tensor], outputs: dict[str, Node], rank: int) -> Iterator[tuple[str, torch.Tensor, Box]]:
-    """``(output key, region, its global box)`` for every region of every output this rank owns."""
-    shards = {k: s for k, t in state.items() if (s := owned_shard(t, rank, k)) is not None}
+def first_copies(state: dict[str, torch.Tensor], keys: list[str], group: dist.ProcessGroup | None) -> set[str]:
+    """Collective (``keys`` the same list on every rank): the keys of which this rank holds the
+    copy that counts. A tensor on a mesh that does not cover the group (FSDP over the data-parallel
+    ranks of one TP coordinate: a 2-D job's parameter left out of the TP plan) has one copy per
+    such mesh, and a plain tensor one per rank: of them, the copy whose mesh has the lowest rank
+    counts. One all-reduce of one int64 per key."""
+    if not is_distributed():
+        return set(keys)
+    me = dist.get_rank()
+    mine = [_NOBODY if k not in state else int(t.device_mesh.mesh.min()) if isinstance(t := state[k], DTensor) else me for k in keys]
+    lowest = torch.tensor(mine, dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN, group=group)
+    return {k for k, m, low in zip(keys, mine, lowest.tolist(), strict=True) if m == low}
+
+
+_NOBODY = 1 << 62
+
+
+def local_pieces(state: dict[str, torch.Tensor], outputs: dict[str, Node], rank: int,
+                 group: dist.ProcessGroup | None = None) -> Iterator[tuple[str, torch.Tensor, Box]]:  # fmt: skip
+    """``(output key, region, its global box)`` for every region of every output this rank owns
+    (collective first: which copies count, :func:`first_copies`)."""
+    leaves = sorted({leaf for node in outputs.values() for leaf in node.leaves()})
+    counted = first_copies(state, leaves, group)
+    shards: dict[str, tuple[Box, torch.Tensor]] = {}
+    for k in counted:
+        t = state[k]
+        got = owned_shard(t, rank, k) if isinstance(t, DTensor) else (full_box(tuple(t.shape)), t.detach().cpu())
+        if got is not None:
+            shards[k] = got
     owned = {k: box for k, (box, _) in shards.items()}
     dtypes = {k: t.dtype for k, t in state.items()}
     io = _Reads(dtypes, shards)

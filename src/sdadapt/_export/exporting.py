@@ -202,7 +202,9 @@ def export_iter(
     ``local=True`` gathers nothing: each rank yields ``(name, piece, box)`` for the regions of
     each output it can make from its own shards (``box``: the piece's global ``(start, stop)``
     per dim in the output), and the ranks' pieces cover every output exactly once (of replicas,
-    one rank yields). Ranks need not iterate in step; a consumer that accepts pieces (an engine
+    one rank yields; of copies on meshes that do not cover the group, as a 2-D job's parameters
+    left out of the TP plan, one mesh's). After one small all-reduce when iterating starts (which
+    copies count), ranks need not iterate in step; a consumer that accepts pieces (an engine
     that writes regions, ``sdadapt.refit_plan`` for shard-to-shard moves) gets no whole tensor.
     A piece may be a view of the shard: copy it to keep it.
 
@@ -226,7 +228,7 @@ def export_iter(
     stream = _ModelStream(model, adapter, process_group, "export_iter", native_names=shipped)
     if local:
         stream.close()
-        yield from local_pieces(stream.state, stream.outputs, rank_and_world(process_group)[0])
+        yield from local_pieces(stream.state, stream.outputs, rank_and_world(process_group)[0], process_group)
         return
     try:
         for key in list(stream.outputs):

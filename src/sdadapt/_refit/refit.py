@@ -40,7 +40,7 @@ from .._export import plan_outputs, reads_of
 from .._plan.adapter import Adapter, with_dtype
 from .._plan.intent import intent, no_intent
 from .._plan.plan import build_plan
-from .._plan.target import model_state_dict
+from .._plan.target import model_state_dict, schema_of
 from .._recipes.nodes import Compute, Node, Piece, Step
 from ..errors import RefitError, SdadaptError
 from .refit_run import Refit, _Mine
@@ -163,9 +163,11 @@ def refit_plan(
         held_t: dict[str, Held] = {}
         local_t: dict[str, torch.Tensor] = {}
         box_t: dict[str, Box] = {}
+        described = schema_of(trainer_t)  # placements and mesh: an inverse interleave reads its TP degree there
         for k, t in trainer_t.items():
             shape, box, local = _placed(t, "trainer", k)
-            held_t[k], local_t[k], box_t[k] = Held(shape, dtype_name(t.dtype), box), local, box
+            info = described[k]
+            held_t[k], local_t[k], box_t[k] = Held(shape, dtype_name(t.dtype), box, info.placements, info.mesh), local, box
         held_e: dict[str, Held] = {}
         local_e: dict[str, torch.Tensor] = {}
         for k, t in engine_t.items():
@@ -262,8 +264,8 @@ def _schema(per_rank: list[dict[str, Held]], what: str) -> dict[str, TensorInfo]
     out: dict[str, TensorInfo] = {}
     for r, held in enumerate(per_rank):
         for k, h in sorted(held.items()):
-            info = TensorInfo(h.shape, getattr(torch, h.dtype))
-            if k in out and out[k] != info:
+            info = TensorInfo(h.shape, getattr(torch, h.dtype), h.placements, h.mesh)
+            if k in out and (out[k].shape, out[k].dtype) != (info.shape, info.dtype):
                 raise RefitError(
                     f"{what} tensor {k!r} is {list(h.shape)} {h.dtype} on rank {r} but "
                     f"{list(out[k].shape)} {dtype_name(out[k].dtype)} on another rank; every rank must hold the same tensor"

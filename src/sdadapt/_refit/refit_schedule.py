@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .._base.regions import Box, box_shape
+from .._base.schema import MeshDim
 from ..errors import RefitError
 
 ALIGN = 16
@@ -34,6 +35,8 @@ class Held:
     shape: tuple[int, ...]
     dtype: str
     box: Box
+    placements: str | None = None  # a DTensor's, as the schema describes them: an inverse interleave reads its TP degree
+    mesh: tuple[MeshDim, ...] | None = None
 
 
 @dataclass(frozen=True)
