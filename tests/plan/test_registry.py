@@ -136,3 +136,20 @@ def test_unknown_name_says_did_you_mean_in_the_callers_spelling(capsys):
     assert main(["adapters", "lama"]) == 2
     err = capsys.readouterr().err
     assert "did you mean 'llama'" in err and "--adapter my_adapters.py:ADAPTER" in err and "adapter='" not in err
+
+
+def test_every_engine_adapter_follows_the_engine_layout_protocol():
+    """Each shipped ``vllm_*`` module is a :class:`~sdadapt._plan.registry.EngineAdapter`: ``build``,
+    ``layout`` and ``parameter_shapes``; its layout places a rank's shard in the whole tensor."""
+    import importlib
+
+    engines = [n for n in registry.adapter_names() if n.startswith("vllm_")]
+    assert {"vllm_llama", "vllm_qwen3_moe", "vllm_fp8", "vllm_deepseek_v3"} <= set(engines)
+    for name in engines:
+        module = importlib.import_module(f"sdadapt.adapters.{name}")
+        assert isinstance(module, registry.EngineAdapter), name
+    vllm_llama = importlib.import_module("sdadapt.adapters.vllm_llama")
+    shapes = vllm_llama.parameter_shapes(n_layers=1, vocab_size=100, dim=32, n_heads=4, n_kv_heads=2, hidden_dim=48, tp=2)
+    key = "model.layers.0.mlp.down_proj.weight"
+    layout: registry.EngineLayout = vllm_llama.layout(tp=2, rank=1)
+    assert layout(key, torch.zeros(shapes[key])) == ((32, 48), ((0, 32), (24, 48)))

@@ -19,6 +19,11 @@ Each adapter is a module ``sdadapt.adapters.<name>`` that exposes
 (an explicit value that differs from the config's is logged). It checks the merged options
 against ``build``'s signature before calling it: an unknown or missing option raises
 :class:`~sdadapt.errors.AdapterError` naming it; ``build`` itself raises for inconsistent values.
+
+An engine adapter (``sdadapt.adapters.vllm_*``: an inference engine's parameters as the target of
+a refit) also follows :class:`EngineAdapter`: ``layout(...)`` gives the :data:`EngineLayout` that
+``refit_plan(..., engine_layout=)`` takes, ``parameter_shapes(...)`` the shapes the engine's
+layers create on one rank.
 """
 
 from __future__ import annotations
@@ -32,19 +37,45 @@ import os
 import pkgutil
 import re
 import tempfile
+from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..errors import AdapterError, SdadaptError
 from .adapter import Adapter
 
 if TYPE_CHECKING:
+    import torch
+
     from ..sources import Source
 
 log = logging.getLogger(__name__)
 
 PACKAGE = "sdadapt.adapters"
 """Where adapters live (tests may point this at another package)."""
+
+EngineLayout = Callable[[str, "torch.Tensor"], tuple[tuple[int, ...], tuple[tuple[int, int], ...]]]
+"""``layout(key, local_tensor) -> (global shape, box)``: where an engine rank's plain tensor lies
+in the whole tensor (``sdadapt.adapters.vllm_llama.layout(tp, rank)`` gives vLLM's)."""
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """The engine-layout protocol: what a shipped engine adapter module (``vllm_llama``,
+    ``vllm_qwen3_moe``, ``vllm_fp8``, ``vllm_deepseek_v3``) offers beside ``SUMMARY``. Each
+    function takes the keyword options of its family (head counts, ``tp``, ``rank``...)."""
+
+    def build(self, *args: Any, **kwargs: Any) -> Adapter:
+        """The adapter from the HF layout to the engine's parameters (also ``get_adapter(name, ...)``)."""
+        ...
+
+    def layout(self, *args: Any, **kwargs: Any) -> EngineLayout:
+        """Where one rank's parameters lie in the whole tensors the adapter makes, for ``engine_layout=``."""
+        ...
+
+    def parameter_shapes(self, *args: Any, **kwargs: Any) -> dict[str, tuple[int, ...]]:
+        """The shape of each engine parameter on one rank, as the engine's layers create them."""
+        ...
 
 
 def _package() -> ModuleType | None:

@@ -24,7 +24,7 @@ step included, bumps it) and moves only the engine tensors made from a changed o
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -40,6 +40,7 @@ from .._export import plan_outputs, reads_of
 from .._plan.adapter import Adapter, with_dtype
 from .._plan.intent import intent, no_intent
 from .._plan.plan import build_plan
+from .._plan.registry import EngineLayout
 from .._plan.target import model_state_dict, schema_of
 from .._recipes.nodes import Compute, Node, Piece, Step
 from ..errors import RefitError, SdadaptError
@@ -48,10 +49,6 @@ from .refit_schedule import Held, Request, round_bytes, transfers_of, volume
 from .refit_send import Region, SendFn, plan_regions
 
 log = logging.getLogger(__name__)
-
-EngineLayout = Callable[[str, torch.Tensor], tuple[tuple[int, ...], Box]]
-"""``layout(key, local_tensor) -> (global shape, box)``: where an engine rank's plain tensor lies
-in the whole tensor (``sdadapt.adapters.vllm_llama.layout(tp, rank)`` gives vLLM's)."""
 
 
 # ------------------------------------------------------------------------------ what a rank holds
