@@ -83,3 +83,23 @@ def test_llama_into_our_layout_equals_the_llama_adapter_on_transformers_checkpoi
     assert sdadapt.load(theirs, hf_dir, "llama").report.ok
     a, b = ours.state_dict(), theirs.state_dict()
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_diff_inspect_and_draft_work_on_a_gguf_file(files: dict[str, str]) -> None:
+    from support.gguf_models import config
+    from transformers import LlamaForCausalLM
+
+    from sdadapt.sources import embedded_config, inventory, open_source
+
+    path = files["llama"]
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config("llama"))
+    assert sdadapt.diff(model, path).ok
+    cfg = embedded_config(path)
+    assert cfg is not None and cfg["model_type"] == "llama" and cfg["num_attention_heads"] == HEADS
+    assert cfg["num_key_value_heads"] == KV_HEADS and cfg["tie_word_embeddings"] is False
+    with open_source(path) as src:
+        assert "blk.{0..1}.attn_q.weight" in str(inventory(src.schema, source=path, kind=src.kind))
+    text = str(sdadapt.draft(model, path))
+    assert "model_type 'llama', 4 heads, 2 kv heads" in text
+    assert "blocks blk.{i} ~ model.layers.{i}" in text and "21 of 21 model tensors have a counterpart" in text

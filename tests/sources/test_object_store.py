@@ -458,3 +458,32 @@ def test_a_failed_upload_leaves_nothing_that_looks_complete(proxy: FaultProxy, u
         sdadapt.export(model, f"s3://{BUCKET}/out/failed", max_shard_size="64KB")
     assert "model.safetensors.index.json" not in _objects("out/failed")
     assert _objects("out/failed") == []  # what was uploaded was deleted again
+
+
+def test_a_gguf_file_at_a_url_fetches_its_header_then_only_the_blocks_read(s3: SeaweedFS, tmp_path: Path) -> None:
+    """GGUF over S3: opening fetches the header, a region read only its rows' blocks; a
+    transformers model loads from the URL with no adapter, bit-equal to the local file."""
+    pytest.importorskip("gguf")
+    from support.gguf_models import empty_like, oracle_model, write_family
+
+    local = write_family(str(tmp_path / "g"), "llama")
+    env = client_env(s3.endpoint)
+    store = obstore.store.S3Store(BUCKET, endpoint=env["AWS_ENDPOINT_URL"], access_key_id="x", secret_access_key="y",
+                                  region="us-east-1", client_options={"allow_http": True})  # fmt: skip
+    upload(store, tmp_path / "g", "gguf")
+    size = os.path.getsize(local)
+    with sdadapt.sources.open_source(f"s3://{BUCKET}/gguf/model.gguf") as src, sdadapt.sources.open_source(local) as ref:
+        assert src.schema == ref.schema
+        opened = src.remote.fetched_bytes  # type: ignore[attr-defined]
+        from sdadapt.sources._gguf_file import FIRST_READ
+
+        assert opened == FIRST_READ < size  # the header fits the first range: one request, no tensor data
+        box = ((64, 128), (0, 256))
+        assert torch.equal(src.read("blk.1.attn_q.weight", box), ref.read("blk.1.attn_q.weight", box))
+        wanted = sum(b - a for _, a, b in ref.region_bytes("blk.1.attn_q.weight", box))  # type: ignore[union-attr]
+        assert src.remote.fetched_bytes - opened <= wanted + 8192  # type: ignore[attr-defined]
+    oracle = oracle_model(local, torch.float32)
+    model = empty_like(oracle, torch.float32)
+    sdadapt.load(model, f"s3://{BUCKET}/gguf/model.gguf", device="cpu")
+    want = oracle.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())

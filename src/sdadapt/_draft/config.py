@@ -16,7 +16,7 @@ from typing import Any
 from .._plan.registry import config_folder
 from .._recipes.quant import FP8_SCALE_SUFFIX
 from ..errors import SourceError
-from ..sources import read_json
+from ..sources import embedded_config, read_json
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +121,16 @@ def read_facts(source: str | os.PathLike[str] | None, keys: list[str]) -> Facts:
     folder = config_folder(source) if source is not None else None
     path = os.path.join(folder, "config.json") if folder else None
     if path is None or not os.path.isfile(path):
-        return Facts(quantization=_quantization({}, keys))
-    try:
-        cfg = read_json(path, None, what="config.json")
-    except SourceError as e:
-        log.warning("draft: %s; drafting from shapes alone", e)
-        return Facts(quantization=_quantization({}, keys))
+        embedded = embedded_config(source)  # a GGUF file's metadata
+        if embedded is None:
+            return Facts(quantization=_quantization({}, keys))
+        path, cfg = f"{source} (its metadata)", embedded
+    else:
+        try:
+            cfg = read_json(path, None, what="config.json")
+        except SourceError as e:
+            log.warning("draft: %s; drafting from shapes alone", e)
+            return Facts(quantization=_quantization({}, keys))
     if not isinstance(cfg, dict):
         return Facts(quantization=_quantization({}, keys))
     text = cfg.get("text_config")

@@ -163,10 +163,11 @@ def _index_positions(
             vals = {v[j] for _, v in members}
             if len(vals) < 2 or max(vals) - min(vals) != len(vals) - 1:
                 continue
-            rest: dict[tuple[int, ...], set[tuple[tuple[int, ...], torch.dtype]]] = defaultdict(set)
+            # an index runs over tensors of one shape; their dtypes may differ (a GGUF file's
+            # quantization mixes types across layers: Q4_K_M keeps some ffn_down in Q6_K)
+            rest: dict[tuple[int, ...], set[tuple[int, ...]]] = defaultdict(set)
             for k, v in members:
-                info = schema[k]
-                rest[v[:j] + v[j + 1:]].add((tuple(info.shape), info.dtype))
+                rest[v[:j] + v[j + 1:]].add(tuple(schema[k].shape))
             if all(len(x) == 1 for x in rest.values()):
                 chosen.append(p)
         chosen_by_skel[skel] = tuple(chosen)

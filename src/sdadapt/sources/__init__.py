@@ -26,6 +26,7 @@ from ._base import HUB_PREFIX, Source, is_hub_id
 from ._formats import FILE_SUFFIXES as FILE_SUFFIXES
 from ._formats import FOREIGN_SUFFIXES, open_local
 from ._formats import WEIGHT_SUFFIXES as WEIGHT_SUFFIXES
+from ._formats import embedded_config as embedded_config
 from ._formats import format_of as format_of
 from ._formats import recordable as recordable
 from ._headers import HeaderRecord as HeaderRecord

@@ -66,6 +66,8 @@ class Format:
         members: for a ``folder_file`` that lists other files (an index), the file names it
             lists, as ``members(folder_file_path)``.
         any_file: whether it claims any other non-empty file (the last entry: ``torch.save``).
+        config: ``config(path)``: the ``config.json`` fields a file of this format carries in its
+            own metadata (GGUF), or ``None``; ``None`` for formats whose config is a side file.
     """
 
     name: str
@@ -77,6 +79,7 @@ class Format:
     folder_file: str | None = None
     members: Callable[[str], list[str]] | None = None
     any_file: bool = False
+    config: Callable[[str], dict[str, Any] | None] | None = None
 
 
 def flat_only(path: str, subtree: str | None) -> str:

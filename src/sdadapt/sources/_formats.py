@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..errors import SourceError
 from . import _gguf_file, _hf_sharded, _safetensors_file, _torch_save
 from ._base import Format, Source
 
@@ -112,3 +113,19 @@ HUB_MARKERS: tuple[str, ...] = tuple(f.folder_file for f in FORMATS if f.folder_
 HUB_SINGLE: str = next(f.folder_file for f in FORMATS if f.folder_file is not None and f.members is None)
 """The single weight file a Hub source fetches when no index is there."""
 
+
+
+def embedded_config(source: Any) -> dict[str, Any] | None:
+    """The ``config.json`` fields a checkpoint file carries in its own metadata (a GGUF file's
+    ``general.architecture``, head counts...), for a checkpoint with no ``config.json`` beside it;
+    ``None`` for other formats, folders, or a file whose header does not open."""
+    path = getattr(source, "path", source)
+    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
+        return None
+    fmt = format_of(os.fspath(path))
+    if fmt is None or fmt.config is None:
+        return None
+    try:
+        return fmt.config(os.fspath(path))
+    except SourceError:
+        return None  # opening it says what is wrong

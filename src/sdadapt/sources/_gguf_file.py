@@ -168,11 +168,40 @@ def _runs_of(shape: tuple[int, ...], itemsize: int, box: Box) -> list[tuple[int,
     return out
 
 
+_CONFIG_KEYS = {  # {arch}.<key> -> config.json field (transformers' GGUF config reader's names)
+    "context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads", "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps", "rope.freq_base": "rope_theta", "vocab_size": "vocab_size",
+    "attention.key_length": "head_dim", "expert_count": "num_experts", "expert_used_count": "num_experts_per_tok",
+}  # fmt: skip
+
+
+def hf_config(metadata: dict[str, Any], schema: dict[str, TensorInfo]) -> dict[str, Any] | None:
+    """The ``config.json`` fields a GGUF file's metadata gives (``model_type`` from
+    ``general.architecture``, head counts, sizes), for what reads a release's config (the
+    draft); ``None`` without ``general.architecture``."""
+    arch = metadata.get("general.architecture")
+    if not isinstance(arch, str):
+        return None
+    cfg: dict[str, Any] = {"model_type": arch}
+    for key, field in _CONFIG_KEYS.items():
+        value = metadata.get(f"{arch}.{key}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            cfg[field] = value
+    emb = schema.get("token_embd.weight")
+    if "vocab_size" not in cfg and emb is not None:
+        cfg["vocab_size"] = emb.shape[0]
+    cfg["tie_word_embeddings"] = "output.weight" not in schema
+    return cfg
+
+
 class GGUFFile(Source):
     """One ``.gguf`` file: llama.cpp's names, quantized tensors dequantized per region read.
 
     Attributes:
         metadata: the file's metadata (``general.architecture``, ``llama.block_count`` ...).
+        config: the ``config.json`` fields the metadata gives (:func:`hf_config`), or ``None``.
         types: ``key -> ggml type name`` (``"Q4_K"``) of every tensor.
     """
 
@@ -186,6 +215,7 @@ class GGUFFile(Source):
         self._dequant = _dequantizer(path, list(head.tensors.values()))
         self.types = {k: t.type_name for k, t in head.tensors.items()}
         self.schema = {k: TensorInfo(t.shape, _PLAIN.get(t.type_id, torch.float32)) for k, t in head.tensors.items()}
+        self.config = hf_config(self.metadata, self.schema)
         self.non_tensor = []
         self._fd: int | None = None
         self._lock = threading.Lock()
@@ -259,6 +289,13 @@ class GGUFFile(Source):
                 self._fd = None
 
 
+def config_of(path: str) -> dict[str, Any] | None:
+    """The ``config.json`` fields the GGUF file ``path``'s metadata gives (its header only)."""
+    head = read_header(path)
+    schema = {k: TensorInfo(t.shape, torch.float32) for k, t in head.tensors.items()}
+    return hf_config(head.metadata, schema)
+
+
 FORMAT = Format(
     "gguf",
     (".gguf",),
@@ -266,5 +303,6 @@ FORMAT = Format(
     lambda path, subtree: GGUFFile(flat_only(nonempty(path), subtree)),
     header_ranges,
     recordable=True,
+    config=config_of,
 )
 """A ``.gguf`` file (llama.cpp's format)."""
