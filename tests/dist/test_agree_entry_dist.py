@@ -129,7 +129,7 @@ def _check(results: list[dict[str, Any]], world: int) -> None:
     for r in results:
         assert r["disagree"][0] == "DisagreementError", r["disagree"]
         assert r["disagree"][2] < 30 and r["disagree_meta"], r["disagree"]
-        assert r["versions"][0] == "DisagreementError" and r["versions_meta"], r["versions"]
+        assert r["versions"][0] == "DisagreementError" and r["versions_meta"] and r["versions"][2] < 30, r["versions"]
         assert r["load"][0] == "ok", r["load"]
         assert r["save"][0] == "DisagreementError" and not r["save_written"], r["save"]
     text = results[0]["disagree"][1]

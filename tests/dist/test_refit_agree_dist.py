@@ -72,7 +72,7 @@ def test_refit_ranks_disagree(world: int) -> None:
     for r in results:
         assert r["disagree"][0] == "RefitError" and r["disagree_untouched"], r["disagree"]
         assert r["disagree"][2] < 30
-        assert r["one_fails"][0] == "RefitError" and r["one_fails_untouched"], r["one_fails"]
+        assert r["one_fails"][0] == "RefitError" and r["one_fails_untouched"] and r["one_fails"][2] < 30, r["one_fails"]
         assert r["after"][0] == "ok" and r["right"], r["after"]
     assert f"rank {world - 1}'s adapter (rule #0) fuses [l.{{i}}.k.weight, l.{{i}}.q.weight, l.{{i}}.v.weight]" in results[0]["disagree"][1]
     assert "do not line up" in results[1]["one_fails"][1] and "o.a.weight" in results[1]["one_fails"][1]

@@ -36,7 +36,7 @@ from .._base.agreement import agree_on
 from .._base.distributed import agree, collective_device, is_distributed, rank_and_world
 from .._base.regions import Box, box_shape, dtensor_box, full_box
 from .._base.schema import TensorInfo, dtype_name
-from .._export import plan_outputs, reads_of
+from .._export import first_copies, plan_outputs, reads_of
 from .._plan.adapter import Adapter, with_dtype
 from .._plan.intent import intent, no_intent
 from .._plan.plan import build_plan
@@ -207,8 +207,11 @@ def refit_plan(
     sending: list[Region] | None = None
     if send is not None:
         error = None
+        # of copies on meshes that do not cover the group (a 2-D job's parameter left out of the TP
+        # plan), one mesh's ranks send: collective, with the same leaves on every rank (agreed above)
+        counted = first_copies(trainer_t, sorted({leaf for n in recipes.values() for leaf in n.leaves()}), group)
         try:
-            sending = plan_regions(trainer_t, dtypes, recipes, rank, bucket_bytes)
+            sending = plan_regions({k: t for k, t in trainer_t.items() if k in counted}, dtypes, recipes, rank, bucket_bytes)
         except SdadaptError as e:
             error = e
         agree(error, group, RefitError)

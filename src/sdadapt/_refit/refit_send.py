@@ -62,10 +62,11 @@ def plan_regions(
     trainer: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype], recipes: dict[str, Node], rank: int, bucket: int
 ) -> list[Region]:
     """The regions of every engine tensor this rank makes from the trainer shards it owns
-    (``dtypes``: every trainer tensor's, held here or not)."""
+    (``trainer``: the tensors whose copy here counts, ``first_copies``; ``dtypes``: every trainer
+    tensor's, held here or not)."""
     owned: dict[str, Box] = {}
     for k, t in trainer.items():
-        got = owned_shard(t, rank, k, copy=False)
+        got = owned_shard(t, 0, k, copy=False)  # a plain tensor here is the copy that counts
         if got is not None:
             owned[k] = got[0]
     out: list[Region] = []
