@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._base.lazy import attach
+from ._base.rule_kinds import ON_USE, RULE_KINDS
 
 if TYPE_CHECKING:
     from . import errors as errors
@@ -167,14 +168,9 @@ _PUBLIC: dict[str, str] = {
     "list_adapters": "._plan.registry",
     "hf_adapter": "._plan.hf_models",
     "draft": "._draft",
-    # rules, one function each (their classes: sdadapt.rules)
-    **dict.fromkeys(
-        "rename fuse split drop tie strip_prefix add_prefix cast transpose rotary affine pad trim stack unstack "
-        "interleave deinterleave".split(),
-        ".rules._functions",
-    ),
-    # the quantized formats' rules: their own module, so that a plain adapter never imports their kernels
-    **dict.fromkeys("dequant_fp8 dequant_mxfp4 dequant_scaled".split(), ".rules._quant_functions"),
+    # rules, one function each (their classes: sdadapt.rules), from the one table of rule kinds; the
+    # quantized formats' in their own module, so that a plain adapter never imports their kernels
+    **{fn: ".rules._quant_functions" if module in ON_USE else ".rules._functions" for _, module, fn in RULE_KINDS},
     "dequant_rules": ".rules._quant_detect",
     # the engine's settings
     "EngineConfig": "._engine",
@@ -183,13 +179,7 @@ _PUBLIC: dict[str, str] = {
     "SdadaptError": ".errors",
 }
 
-_RULE_FUNCTION = {
-    "Rename": "rename", "Fuse": "fuse", "Split": "split", "Drop": "drop", "Tie": "tie", "StripPrefix": "strip_prefix",
-    "AddPrefix": "add_prefix", "Cast": "cast", "Transpose": "transpose", "Rotary": "rotary", "Affine": "affine",
-    "Pad": "pad", "Trim": "trim", "Stack": "stack", "Unstack": "unstack", "Interleave": "interleave",
-    "Deinterleave": "deinterleave", "DequantFP8": "dequant_fp8", "DequantMXFP4": "dequant_mxfp4",
-    "DequantScaled": "dequant_scaled",
-}  # fmt: skip
+_RULE_FUNCTION = {cls: fn for cls, _, fn in RULE_KINDS}
 _MOVED: dict[str, str] = {
     **{cls: f"sdadapt.{fn}(...) (the class: sdadapt.rules.{cls})" for cls, fn in _RULE_FUNCTION.items()},
     **{

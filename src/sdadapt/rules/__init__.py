@@ -27,8 +27,10 @@ Modules, one family each:
   with) and :class:`ValueRule`, the short way to write a value rule of one's own.
 
 Adding a rule kind, built in or a user's: a :class:`RuleBase` subclass with a ``kind`` literal,
-registered with :func:`register_rule` (built-in kinds are registered below and listed in
-:data:`Rule` for typing); a public constructor for a built-in one goes in :mod:`sdadapt`.
+registered with :func:`register_rule`. A built-in kind is one row of the table of rule kinds
+(:data:`sdadapt._base.rule_kinds.RULE_KINDS`: its class, its module, its public function in
+:mod:`sdadapt`), from which this package registers it and shows its class, :data:`Rule` (the
+discriminated union pydantic reads) includes it, and :mod:`sdadapt` shows its function.
 Nothing else dispatches on rule types: planning calls ``apply``, inversion calls ``inverse``,
 resuming optimizer state calls ``for_optimizer_state``, and :func:`final_key` asks each later
 rule's ``key_after``.
@@ -36,11 +38,13 @@ rule's ``key_after``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+import importlib
+from typing import TYPE_CHECKING, Annotated, Any, Union
 
 from pydantic import Field
 
 from .._base.lazy import attach
+from .._base.rule_kinds import EAGER_KINDS, ON_USE, RULE_KINDS
 from ._base import Keys as Keys
 
 # What the layers above use of the rule machinery: they import it from here, never from the
@@ -61,73 +65,39 @@ from ._functions import fuse as fuse
 from ._functions import interleave as interleave
 from ._functions import rename as rename
 from ._functions import tie as tie
-from ._keys import AddPrefix as AddPrefix
-from ._keys import Drop as Drop
-from ._keys import Fuse as Fuse
-from ._keys import Rename as Rename
-from ._keys import Split as Split
-from ._keys import StripPrefix as StripPrefix
-from ._keys import Tie as Tie
 from ._patterns import KeyPattern as KeyPattern
 from ._patterns import compile_pattern as compile_pattern
 from ._patterns import matches_any as matches_any
-from ._stacking import Stack as Stack
-from ._stacking import Unstack as Unstack
 from ._tensor_parallel import DP_MESH_NAMES as DP_MESH_NAMES
 from ._tensor_parallel import TP_MESH_NAMES as TP_MESH_NAMES
-from ._tensor_parallel import Deinterleave as Deinterleave
-from ._tensor_parallel import Interleave as Interleave
 from ._tensor_parallel import tp_degree as tp_degree
-from ._values import Affine as Affine
-from ._values import Cast as Cast
-from ._values import Pad as Pad
-from ._values import Rotary as Rotary
-from ._values import Transpose as Transpose
-from ._values import Trim as Trim
 from ._values import rotary_perm as rotary_perm
 
-BUILTIN_RULES: tuple[type[RuleBase], ...] = (
-    Rename, Fuse, Split, Cast, Drop, Tie, Transpose, Rotary, Affine, Stack, Unstack, Pad, Trim, Interleave,
-    Deinterleave, StripPrefix, AddPrefix,
-)  # fmt: skip
+BUILTIN_RULES: tuple[type[RuleBase], ...] = tuple(
+    getattr(importlib.import_module(f"{__name__}.{module}"), cls) for cls, module, _ in EAGER_KINDS
+)
+"""The built-in rule classes registered with the package, in :data:`~sdadapt._base.rule_kinds.RULE_KINDS`' order."""
 for _cls in BUILTIN_RULES:
     register_rule(_cls)
 
-Rule = Annotated[
-    Rename
-    | Fuse
-    | Split
-    | Cast
-    | Drop
-    | Tie
-    | Transpose
-    | Rotary
-    | Affine
-    | Stack
-    | Unstack
-    | Pad
-    | Trim
-    | Interleave
-    | Deinterleave
-    | StripPrefix
-    | AddPrefix,
-    Field(discriminator="kind"),
-]
+Rule: Any = Annotated[Union[BUILTIN_RULES], Field(discriminator="kind")]  # noqa: UP007 - a union of the table's classes
 Rule.__doc__ = """The built-in rules: the union of their classes, told apart by the ``kind`` field.
 Adapters hold any registered rule (see :func:`register_rule`)."""
 
 # The public names: the rule classes (for ``isinstance`` and JSON; build them with the functions
 # of ``sdadapt``), the rule protocol and registry, and what a rule of one's own builds its nodes
 # from. The other names imported above serve the rule modules and the plan.
-_EAGER = (
-    "AddPrefix Affine Cast Deinterleave Drop Fuse Interleave Pad Rename Rotary Split Stack StripPrefix Tie Transpose "
-    "Trim Unstack Rule RuleBase ValueRule register_rule registered_rules rule_from_data Keys parse_dtype"
-).split()
+_EAGER = [cls for cls, _, _ in EAGER_KINDS] + (
+    "Rule RuleBase ValueRule register_rule registered_rules rule_from_data Keys parse_dtype".split()
+)
 _PUBLIC: dict[str, str] = {
-    **dict.fromkeys(_EAGER, __name__),
+    **{cls: f".{module}" for cls, module, _ in EAGER_KINDS},
+    **dict.fromkeys(_EAGER[len(EAGER_KINDS) :], __name__),
     # quantized formats: imported on first use (they import the quantized kernels)
-    **dict.fromkeys(["DequantFP8", "QuantizeFP8", "DequantMXFP4", "QuantizeMXFP4"], "._dequant"),
-    **dict.fromkeys(["DequantScaled", "QuantizeScaled"], "._dequant_scaled"),
+    **{cls: f".{module}" for cls, module, _ in RULE_KINDS if module in ON_USE},
+    "QuantizeFP8": "._dequant",
+    "QuantizeMXFP4": "._dequant",
+    "QuantizeScaled": "._dequant_scaled",
     **dict.fromkeys(["ScaleFormat", "SCALE_DTYPES", "FP8_SCALE_SUFFIX", "MX_BLOCKS_SUFFIX"], "sdadapt._recipes.quant"),
     "ignored_modules": "._quant_config",
     # a rule of one's own: the node it puts under a key, and the steps a node produces
@@ -152,9 +122,26 @@ if TYPE_CHECKING:
     from ._dequant import QuantizeMXFP4 as QuantizeMXFP4
     from ._dequant_scaled import DequantScaled as DequantScaled
     from ._dequant_scaled import QuantizeScaled as QuantizeScaled
+    from ._keys import AddPrefix as AddPrefix
+    from ._keys import Drop as Drop
+    from ._keys import Fuse as Fuse
+    from ._keys import Rename as Rename
+    from ._keys import Split as Split
+    from ._keys import StripPrefix as StripPrefix
+    from ._keys import Tie as Tie
     from ._lora import merged_lora as merged_lora
     from ._lora import open_peft_lora as open_peft_lora
     from ._quant_config import ignored_modules as ignored_modules
+    from ._stacking import Stack as Stack
+    from ._stacking import Unstack as Unstack
+    from ._tensor_parallel import Deinterleave as Deinterleave
+    from ._tensor_parallel import Interleave as Interleave
+    from ._values import Affine as Affine
+    from ._values import Cast as Cast
+    from ._values import Pad as Pad
+    from ._values import Rotary as Rotary
+    from ._values import Transpose as Transpose
+    from ._values import Trim as Trim
 
 __getattr__, _lazy_dir, _ = attach(__name__, _LAZY)
 __all__ = list(_PUBLIC)
