@@ -86,8 +86,64 @@ def test_cli_diff_and_draft_print_it(ckpts: dict[str, Path], tmp_path: Path, cap
 def test_plan_error_of_a_load_names_it(ckpts: dict[str, Path]) -> None:
     with pytest.raises(PlanError) as e:
         sdadapt.load(meta_llama(), ckpts["llama"])
-    assert "hint: config.json says model_type 'llama', the family of the shipped adapter 'llama': pass adapter='llama'" \
+    assert "hint: config.json says model_type 'llama': the shipped adapter 'llama' fits; pass adapter='llama'\n" \
         in str(e.value)
+    assert e.value.report.suggestion == FITS
+    sdadapt.load(meta_llama(), ckpts["llama"], "llama")  # what the hint says
+
+
+def _without(folder: Path, dst: Path, drop: str) -> Path:
+    """A copy of the release ``folder`` without the tensor ``drop`` (a truncated download)."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    (dst / "config.json").write_text((folder / "config.json").read_text())
+    sd = load_file(str(folder / "model.safetensors"))
+    del sd[drop]
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _hf_llama(**over: int) -> torch.nn.Module:
+    common = dict(vocab_size=40, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2)
+    with torch.device("meta"):
+        return T.LlamaForCausalLM(T.LlamaConfig(**{**common, **over}))
+
+
+def test_no_hint_for_a_transformers_model_that_needs_no_adapter(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """The newcomer's case: a release missing one tensor, loaded into transformers' own Llama.
+    The shipped ``llama`` adapter aims at another layout (1 of 21 keys): never suggested."""
+    cut = _without(ckpts["llama"], tmp_path / "cut", "model.norm.weight")
+    with pytest.raises(PlanError) as e:
+        sdadapt.load(_hf_llama(), cut)
+    assert "hint:" not in str(e.value) and e.value.report.suggestion is None
+    assert "20 of 21 model keys matched" in str(e.value)
+    with pytest.raises(PlanError) as e:  # another hidden size: every key found, with another shape
+        sdadapt.load(_hf_llama(hidden_size=16, intermediate_size=24), ckpts["llama"])
+    assert "hint:" not in str(e.value) and "found by name" in str(e.value)
+    assert "hint:" not in sdadapt.diff(_hf_llama(), cut).format()
+
+
+def test_a_hint_that_finds_fewer_keys_is_not_given(ckpts: dict[str, Path], tmp_path: Path) -> None:
+    """A model in the checkpoint's own layout (not transformers' class) that lacks one of its
+    tensors: with no adapter 20 of 21 keys line up, the family's adapter would find fewer."""
+    cut = _without(ckpts["llama"], tmp_path / "cut", "model.norm.weight")
+    from safetensors.torch import load_file
+
+    names = load_file(str(ckpts["llama"] / "model.safetensors"))
+
+    class Plain(torch.nn.Module):  # the release's own names, as a module of one's own holds them
+        def __init__(self) -> None:
+            super().__init__()
+            for k, v in names.items():
+                self.register_parameter(k.replace(".", "__"), torch.nn.Parameter(torch.empty(v.shape, device="meta")))
+
+        def state_dict(self, *a: object, **kw: object) -> dict[str, torch.Tensor]:  # type: ignore[override]
+            return {k.replace("__", "."): v for k, v in self.named_parameters()}
+
+    report = sdadapt.diff(Plain(), cut)
+    assert not report.ok and report.matched == 20 and report.suggestion is None, report.format()
 
 
 def test_model_types_claim_other_families(ckpts: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,12 +23,12 @@ from .._plan.adapter import Adapter
 from .._plan.intent import intent
 from .._plan.plan import Plan
 from .._plan.report import Report
-from .._plan.target import local_nbytes, model_state_dict
+from .._plan.target import local_nbytes, model_state_dict, schema_of
 from .._transaction.args import check_model_and_path, renamed_keywords
 from .._transaction.headers import SharedHeaders, share_headers
 from .._transaction.materialize import InitFn, MissingInitFn, Reservation, check_buffers, choose_device, has_meta, missing_values
 from .._transaction.options import Options
-from .._transaction.steps import derive_adapter, judge, open_checkpoint, plan_model
+from .._transaction.steps import derive_adapter, family_hint, judge, open_checkpoint, plan_model
 from .._transaction.tidy import call_started, public
 from .._transaction.transaction import ATOMIC_WHY, Part, Transaction
 from ..sources import CHECKSUMS_WHY, ChecksummedSource, LoraMerged, Source, read_checksums, remember_source
@@ -383,7 +383,7 @@ def _prepare(txn: Transaction, model: nn.Module, local: str | os.PathLike[str] |
     resolved = derive_adapter(options.adapter, source, model)
     source, plan, planned = plan_model(model, source, resolved, options)
     txn.add_source(source)
-    judge(plan, options.strict)
+    judge(plan, options.strict, lambda: family_hint(plan.report, source, schema_of(planned), options, model))
     check_buffers(model, options.init_buffers)
     fill_missing = missing_values(model, [*plan.skipped, *plan.report.missing], options.init_buffers, options.init_missing)
     if options.checksums:

@@ -286,11 +286,7 @@ class Report(BaseModel):
         cause = self.root_cause(cli)
         if cause:
             lines.append(f"root cause: {cause}")
-        hint = self.suggestion
-        if hint is None and self.adapter is None and not self.ok:
-            from .registry import shipped_hint
-
-            hint = shipped_hint(self.source)
+        hint = self.suggestion  # set by the caller once checked (a hint that finds fewer keys is never given)
         if hint:
             from .registry import spelled
 

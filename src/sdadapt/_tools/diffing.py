@@ -16,7 +16,7 @@ from .._plan.report import Report
 from .._plan.target import model_state_dict, schema_of
 from .._transaction.args import check_not_a_model
 from .._transaction.options import Options
-from .._transaction.steps import derive_adapter, open_checkpoint, plan_schema
+from .._transaction.steps import derive_adapter, family_hint, open_checkpoint, plan_schema
 from ..errors import SdadaptError
 from ..sources import Source, TensorInfo, open_source
 
@@ -86,10 +86,8 @@ def diff(
         stage = PipelineStage.of(schema, vacant_modules(model) if model is not None else ()) if pipeline_stage else None
         # **plan**, aimed at the target's names
         report = plan_schema(schema, source, resolved, options, target_name=name, stage=stage).report
-    if adapter is None and resolved is None and not report.ok:
-        report = report.model_copy(update={"suggestion": family_suggestion(
-            src, lambda family: diff(target, src, family, subtree=subtree, allow_missing=allow_missing,
-                                     allow_unexpected=allow_unexpected, pipeline_stage=pipeline_stage, dtype=dtype).ok)})
+        if resolved is None and not report.ok:  # the family's shipped adapter, if it finds more keys
+            report = report.model_copy(update={"suggestion": family_hint(report, source, schema, options, model)})
     return report
 
 

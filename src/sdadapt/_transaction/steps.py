@@ -24,16 +24,21 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from .._plan.adapter import Adapter, with_dtype
+from .._plan.hf_models import is_hf_model
 from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
+from .._plan.registry import family_adapter, shipped_hint
+from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
 from .._plan.target import model_state_dict, schema_of
 from .._plan.titan_names import for_plan
-from ..errors import PlanError
+from ..errors import PlanError, SdadaptError
 from ..sources import HeaderRecord, Source, TensorInfo, open_source, replaying_headers
 from .options import Options
 
@@ -121,11 +126,40 @@ def plan_schema(
     )
 
 
-def judge(plan: Plan, strict: bool) -> None:
+def judge(plan: Plan, strict: bool, hint: Callable[[], str | None] | None = None) -> None:
     """After **plan**: a plan with problems raises :class:`~sdadapt.errors.PlanError` when
-    ``strict``, else is logged (the load goes on with what lines up)."""
+    ``strict``, else is logged (the load goes on with what lines up). ``hint``: the report's
+    suggestion line (:func:`family_hint`), asked for only when the plan has problems."""
     if plan.report.ok:
         return
+    suggestion = hint() if hint is not None else None
+    report = plan.report.model_copy(update={"suggestion": suggestion}) if suggestion else plan.report
     if strict:
-        raise PlanError(plan.report)
-    log.warning("loading with problems (strict=False):\n%s", plan.report.format())
+        raise PlanError(report)
+    log.warning("loading with problems (strict=False):\n%s", report.format())
+
+
+def family_hint(report: Report, source: Source, target: dict[str, TensorInfo], options: Options,
+                model: nn.Module | None = None) -> str | None:  # fmt: skip
+    """The line naming the shipped adapter of the family the checkpoint's ``config.json`` names,
+    for a ``report`` with problems made with no adapter given; checked before it is offered: a
+    plan with that adapter must find more of the target's keys by name than ``report`` did (a
+    hint that finds fewer makes things worse). Never for a transformers ``model``, whose adapter
+    comes from transformers' own mapping (a shipped one aims at another layout), nor with a
+    LoRA. ``None`` when no hint passes."""
+    if report.ok or options.adapter is not None or options.lora is not None or (model is not None and is_hf_model(model)):
+        return None
+    family = family_adapter(source.path) if isinstance(source.path, str) else None
+    if family is None:
+        return None
+    name = family[0]
+    try:
+        theirs = plan_schema(target, source, adapter_or_none(name, source, model), replace(options, adapter=name),
+                             target_name=report.target).report  # fmt: skip
+    except SdadaptError as e:  # its options cannot be read from the folder, or it does not apply
+        log.debug("the shipped adapter %s does not plan for %s: %s", name, options.name, e)
+        return None
+    if theirs.found <= report.found:
+        log.debug("the shipped adapter %s finds %d keys, no more than %d: not suggested", name, theirs.found, report.found)
+        return None
+    return shipped_hint(source.path, theirs.ok)
