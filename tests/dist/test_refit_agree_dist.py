@@ -143,3 +143,20 @@ def test_refit_through_the_inverse_of_an_interleave_without_tp(tmp_path: Any) ->
     for r in run_distributed(_inverse_refit, 2, str(tmp_path), timeout=120):
         for k in ("q.weight", "k.weight"):
             assert torch.equal(r["engine"][k], r["ckpt"][k].bfloat16().float()), k
+
+
+def _plan_gone() -> dict[str, Any]:
+    rank = dist.get_rank()
+    if rank == 0:
+        os._exit(0)  # gone before the ranks plan
+    time.sleep(1)
+    sdadapt.refit_plan(None, _engine(), _adapter("qkv"))
+    return {}
+
+
+def test_refit_plan_rank_gone() -> None:
+    """A rank gone while the ranks plan: a RefitError on the others, not the backend's error."""
+    with pytest.raises(WorkerError) as info:
+        run_distributed(_plan_gone, 2, timeout=120)
+    by_rank = {f.rank: f for f in info.value.failures}
+    assert by_rank[1].type_name == "RefitError" and "planning the refit failed" in by_rank[1].message, by_rank[1]

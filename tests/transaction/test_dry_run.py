@@ -95,6 +95,7 @@ def test_symmetry_sampling_and_headers(ckpt: str) -> None:
     assert once.total_header_bytes * 4 == every.total_header_bytes
     assert every.total_opens - once.total_opens == 3 * 3  # index and 2 headers, on 3 more ranks
     assert once.ranks[1].header_bytes == 0 and once.ranks[1].header_bytes_received == once.collective_bytes_per_rank > 0
+    assert once.agreement_bytes_per_rank == 56 and "56 B in the ranks' agreement" in once.format(), once.format()  # any world size
 
 
 def test_cli_plan_prints_a_table_and_json(ckpt: str, capsys: Any) -> None:

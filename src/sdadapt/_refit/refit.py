@@ -146,6 +146,21 @@ def refit_plan(
         # an engine outside the group: every trainer rank sends the regions it makes
         sdadapt.refit_plan(trainer, whole_engine_on_meta, adapter, send=push_to_engine)()
     """
+    try:
+        return _refit_plan(trainer, engine, adapter, engine_layout, process_group, bucket_bytes, delta, timeout,
+                           allow_missing, allow_unexpected, send)  # fmt: skip
+    except RuntimeError as e:  # the backend's error: a rank left, or broke the group, while the ranks planned
+        raise RefitError(
+            f"planning the refit failed on rank {rank_and_world(process_group)[0]}: a collective failed ({type(e).__name__}: "
+            f"{e}); nothing was written; plan again once every rank is back"
+        ) from e
+
+
+def _refit_plan(trainer: nn.Module | Mapping[str, torch.Tensor] | None, engine: nn.Module | Mapping[str, torch.Tensor] | None,
+                adapter: Adapter | None, engine_layout: EngineLayout | None, process_group: dist.ProcessGroup | None,
+                bucket_bytes: int, delta: bool, timeout: float, allow_missing: list[str] | None,
+                allow_unexpected: list[str] | None, send: SendFn | None) -> Refit:  # fmt: skip
+    """:func:`refit_plan`'s planning."""
     group = process_group
     rank, world = rank_and_world(group)
     if not isinstance(bucket_bytes, int) or bucket_bytes < 32:
