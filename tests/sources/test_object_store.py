@@ -181,6 +181,7 @@ def test_every_format_loads_bit_exactly(s3: SeaweedFS, uploaded: int, fmt: str) 
     for k, v in model.state_dict().items():
         assert torch.equal(v, want[k]), k
     assert rep.bytes_fetched > 0 and rep.requests > 0
+    assert f", fetched {rep.bytes_fetched / 2**20:.1f} MiB in {rep.requests} requests in " in str(rep)  # the one-line summary
     if fmt in ("hf", "single", "single_file", "torch_save"):
         assert rep.bytes_fetched <= uploaded  # the tensors once; the headers were fetched when opened
     assert sdadapt.diff(model, url(fmt), adapter_for(fmt)).ok

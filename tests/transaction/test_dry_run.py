@@ -185,3 +185,14 @@ def test_mapping_granule_is_what_a_fault_maps(tmp_path: Any) -> None:
         small.close()
     report = sdadapt.dry_run({"big": TensorInfo((5 << 20,), torch.uint8)}, str(tmp_path / "big.safetensors"), mesh="dp_shard=2")
     assert report.mapping_granule == granule
+
+
+def test_a_node_never_holds_more_ranks_than_the_job(ckpt: str, capsys: Any) -> None:
+    """``sdadapt plan ... --mesh dp_shard=2`` said "busiest node (8 ranks)": the default of 8
+    ranks per node is a ceiling, the world size the count."""
+    small = sdadapt.dry_run(None, ckpt, mesh="dp_shard=2")
+    assert small.ranks_per_node == 2 and "busiest node (2 ranks)" in small.format()
+    assert sdadapt.dry_run(None, ckpt, mesh="dp_shard=16", max_ranks=64).ranks_per_node == 8
+    assert main(["plan", ckpt, "--mesh", "dp_shard=2"]) == 0
+    out = capsys.readouterr().out
+    assert "busiest node (2 ranks)" in out and "(8 ranks)" not in out

@@ -215,6 +215,7 @@ def test_report_seconds_span_the_call(ckpt: str) -> None:
     around = time.perf_counter() - start
     steps = sum(v for k, v in rep.phase_seconds.items() if not k.startswith("engine"))
     assert steps <= rep.seconds <= around
+    assert rep.bytes_fetched == 0 and "fetched" not in str(rep)  # a local file: nothing fetched, nothing said
 
 
 def test_export_and_load_state_progress(ckpt: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -349,7 +349,7 @@ def dry_run(
         total_opens=total_opens,
         total_header_bytes=header_total,
         amplification=total_read / ckpt_bytes if ckpt_bytes else 0.0,
-        ranks_per_node=ranks_per_node,
+        ranks_per_node=min(ranks_per_node, grid.size),  # a node never holds more ranks than the job
         max_node_bytes_read=node_max,
         collective_bytes_per_rank=payload,
         mapping_granule=granule,

@@ -102,6 +102,7 @@ class LoadReport(BaseModel):
             f"regions), read {self.bytes_read / 2**20:.1f} MiB for {self.local_bytes / 2**20:.1f} MiB of "
             f"local shards"
             + (f" (+{self.bytes_shared / 2**20:.1f} MiB from replicas)" if self.bytes_shared else "")
+            + (f", fetched {self.bytes_fetched / 2**20:.1f} MiB in {self.requests} requests" if self.bytes_fetched else "")
             + f" in {self.seconds:.2f} s (plan {self.plan_seconds:.2f} s, read {self.read_seconds:.2f} s)"
             + (f"; {self.lora.format()}" if self.lora is not None else "")
             + self._missing_line()
