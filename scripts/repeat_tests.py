@@ -1,0 +1,90 @@
+"""Run the distributed and doc-block tests N times in a row and write what each run gave.
+
+A flaky test passes most runs: one green run says little. This runs
+``python -m pytest -q <tests>`` ``--runs`` times (default 20: ``tests/dist/`` and
+``tests/project/test_doc_blocks.py``), never retrying a failure, and writes a dated report
+(``bench/reports/repeat-tests-<machine>-<date>.md`` unless ``--report`` says otherwise): the
+command, the machine, the tree, each run's exit status, time, failing tests and whether any
+process aborted at teardown (``terminate called without an active exception``). Add the report's
+row to bench/RESULTS.md by hand.
+
+    python scripts/repeat_tests.py --machine cpu2 [--runs 20] [--report PATH] [TESTS ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_TESTS = ["tests/dist", "tests/project/test_doc_blocks.py"]
+ABORT = "terminate called without an active exception"
+
+
+def one_run(tests: list[str], timeout: float) -> dict[str, object]:
+    """One ``pytest`` run of ``tests``: exit status, seconds, failing node ids, teardown aborts."""
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        rc, out = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        partial = e.stdout or ""
+        rc, out = "timeout", partial.decode(errors="replace") if isinstance(partial, bytes) else partial
+    failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", out, flags=re.M)))
+    summary = next((line for line in reversed(out.splitlines()) if re.search(r"\d+ (passed|failed)", line)), "")
+    return {"rc": rc, "seconds": time.perf_counter() - start, "failed": failed, "aborts": out.count(ABORT), "summary": summary}
+
+
+def report(runs: list[dict[str, object]], tests: list[str], machine: str, command: str) -> str:
+    tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    green = sum(1 for r in runs if r["rc"] == 0)
+    import torch
+
+    rows = [
+        f"| {i} | {r['rc']} | {r['seconds']:.0f} | {r['aborts']} | {', '.join(r['failed']) or '-'} | {r['summary'].strip('= ')} |"  # type: ignore[union-attr]
+        for i, r in enumerate(runs, 1)
+    ]
+    return "\n".join([
+        f"# {green}/{len(runs)} green runs of {' '.join(tests)}",
+        "",
+        f"- command: `{command}`",
+        f"- machine: {machine} ({platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"torch {torch.__version__})",
+        f"- tree: {tree}",
+        f"- date: {datetime.date.today().isoformat()}",
+        "",
+        "| run | exit | seconds | teardown aborts | failed | pytest's summary |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ])  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("tests", nargs="*", default=DEFAULT_TESTS)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--machine", required=True, help="the machine's name in bench/RESULTS.md (cpu2, cpu16...)")
+    parser.add_argument("--report", type=Path, default=None)
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
+    args = parser.parse_args()
+    runs = []
+    for i in range(args.runs):
+        runs.append(one_run(args.tests, args.timeout))
+        print(f"run {i + 1}/{args.runs}: {runs[-1]}", flush=True)
+    path = args.report or ROOT / "bench" / "reports" / f"repeat-tests-{args.machine}-{datetime.date.today().isoformat()}.md"
+    path.write_text(report(runs, args.tests, args.machine, "python " + " ".join(sys.argv)))
+    print(f"wrote {path}")
+    sys.exit(0 if all(r["rc"] == 0 for r in runs) else 1)
+
+
+if __name__ == "__main__":
+    main()
