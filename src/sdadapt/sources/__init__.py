@@ -118,6 +118,7 @@ def open_source(
             - a ``.safetensors`` file; a folder with ``model.safetensors.index.json`` (HF
               sharded) or a single ``model.safetensors``; an ``*.index.json`` file;
             - a DCP folder (``.metadata`` and ``*.distcp`` files);
+            - a GGUF file (``.gguf``, llama.cpp's format; quantized tensors need ``sdadapt[gguf]``);
             - a ``torch.save`` zip file (any other file);
             - a Hugging Face Hub id ``hf://org/name[@revision]``: the files a load needs, from
               the Hub cache (downloaded if missing; needs ``sdadapt[hub]``);
