@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("sdadapt._transaction",),  # what every operation shares: checks, plan steps, the load transaction
     # the operations, one room each: load, training state, export, refit, the dry run; diff, verify, shrink
     ("sdadapt._load", "sdadapt._state", "sdadapt._export", "sdadapt._refit", "sdadapt._dry_run", "sdadapt._tools"),
-    ("sdadapt._draft", "sdadapt.torchtitan"),  # drafting adapters; the torchtitan bridge
+    ("sdadapt._draft", "sdadapt.torchtitan", "sdadapt.vllm"),  # drafting adapters; the torchtitan bridge; vLLM's backend
     ("sdadapt", "sdadapt.cli", "sdadapt.__main__"),  # the public face and the command line
 ]
 MAX_LINES = 600

@@ -19,6 +19,7 @@ import sdadapt.reports
 import sdadapt.rules
 import sdadapt.sources
 import sdadapt.torchtitan
+import sdadapt.vllm
 
 SRC = Path(sdadapt.__file__).parent
 ADAPTERS = Path(__file__).resolve().parents[2] / "adapters"
@@ -32,6 +33,7 @@ PUBLIC_MODULES = {
     "sdadapt.cli",
     "sdadapt.adapters",
     "sdadapt.torchtitan",
+    "sdadapt.vllm",
 }
 # the top level before it was cut to one table: each name is still there or in sdadapt._MOVED
 OLD_FACE = """
@@ -52,6 +54,7 @@ DOCUMENTED = {
     "sdadapt.sources": sdadapt.sources.__all__,
     "sdadapt.reports": sdadapt.reports.__all__,
     "sdadapt.torchtitan": sdadapt.torchtitan.__all__,
+    "sdadapt.vllm": [n for n in sdadapt.vllm.__all__ if n != "BACKEND"],
 }
 
 

@@ -1,0 +1,158 @@
+"""The engine side of sdadapt's vLLM weight-transfer backend: a ``WeightTransferEngine`` that each
+vLLM worker creates when the engine runs with ``weight_transfer_config={"backend": "sdadapt"}``.
+
+Its life, driven by the trainer through vLLM's weight-transfer calls:
+
+- ``init_transfer_engine({"staging": folder})``: the worker lays its raw parameters out in
+  shared memory (:mod:`.vllm_staging`): vLLM's names with the shapes and dtypes its layers created,
+  as vLLM recorded them for reloading (``record_metadata_for_reloading``), before any
+  post-processing. The trainer ranks map those files and refit into them.
+- ``start_weight_update``: vLLM's layerwise reload begins (each layer restored to its loading
+  format, its weight loaders wrapped so that a layer is processed once all its weights are in).
+- ``update_weights({"names": [...] | None})``: every named parameter (``None``: all), and the other
+  parameters of the layers they belong to, is loaded from the staging file through that path: a
+  loader that copies the rank's shard whole (it is already vLLM's shard), after which vLLM runs
+  the layer's own post-processing (``process_weights_after_loading``: repacking, quantization) and
+  copies the result into the tensors the engine serves from.
+- ``finish_weight_update``: vLLM finalizes the reload (layers that received nothing keep what they
+  served; attention layers are processed last).
+
+The class is made by :func:`engine_class` inside vLLM's process: this module imports vLLM only
+there, so sdadapt never depends on it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import RefitError
+from . import vllm_staging
+
+log = logging.getLogger(__name__)
+
+BACKEND = "sdadapt"
+"""The name of the backend in vLLM's ``WeightTransferEngineFactory`` (``weight_transfer_config``)."""
+
+_CLASS: list[type] = []
+
+
+def engine_class() -> type:
+    """vLLM's ``WeightTransferEngine`` subclass of the sdadapt backend (made once, in a process
+    that has vLLM)."""
+    if _CLASS:
+        return _CLASS[0]
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+        from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, make_online_process_loader
+    except ImportError as e:
+        raise RefitError(f"the sdadapt weight-transfer engine runs inside vLLM (0.32 or later), which does not import here: {e}") from e
+
+    @dataclass
+    class SdadaptInitInfo(WeightTransferInitInfo):
+        """Where the trainer wants the staging: a folder on this host (shared memory)."""
+
+        staging: str
+
+    @dataclass
+    class SdadaptUpdateInfo(WeightTransferUpdateInfo):
+        """The parameters the trainer wrote since the last update (``None``: all of them)."""
+
+        names: list[str] | None = None
+
+    class SdadaptWeightTransferEngine(WeightTransferEngine[SdadaptInitInfo, SdadaptUpdateInfo]):
+        """sdadapt's backend: the trainer ranks write this rank's shards into shared memory,
+        this engine loads them through vLLM's layerwise reload (its post-processing included)."""
+
+        init_info_cls = SdadaptInitInfo
+        update_info_cls = SdadaptUpdateInfo
+        supports_draft_weight_update = False
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.folder: str | None = None
+            self.rank = 0
+            self.staged: dict[str, torch.Tensor] = {}
+
+        def init_transfer_engine(self, init_info: SdadaptInitInfo) -> None:
+            pc = self.parallel_config
+            if pc.pipeline_parallel_size != 1 or pc.data_parallel_size != 1:
+                raise RefitError(
+                    f"the sdadapt backend serves tensor (and expert) parallel engines; this one has pipeline_parallel_size="
+                    f"{pc.pipeline_parallel_size}, data_parallel_size={pc.data_parallel_size}"
+                )
+            self.rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+            if self.folder is not None:
+                vllm_staging.remove(self.folder, self.rank)
+            manifest = vllm_staging.layout_params(self.rank, world, raw_parameters(self.model, LAYERWISE_INFO))
+            self.folder = init_info.staging
+            self.staged = vllm_staging.create(init_info.staging, manifest)
+            log.info("sdadapt staging of rank %d: %d parameters, %d bytes in %s", self.rank, len(self.staged), manifest.nbytes,
+                     init_info.staging)  # fmt: skip
+
+        def start_weight_update(self) -> None:
+            initialize_layerwise_reload(self.model)
+
+        def receive_weights(self, update_info: SdadaptUpdateInfo) -> None:
+            if not self.staged:
+                raise RefitError("update_weights before init_weight_transfer_engine: the sdadapt staging is not laid out")
+            unknown = sorted(set(update_info.names or ()) - set(self.staged))
+            if unknown:
+                raise RefitError(f"update_weights names parameters this engine does not hold: {unknown[:8]}")
+            modules = dict(self.model.named_modules())
+            touched = {n.rpartition(".")[0] for n in (update_info.names if update_info.names is not None else self.staged)}
+            with torch.no_grad():
+                for name, shard in self.staged.items():
+                    owner, _, attr = name.rpartition(".")
+                    if owner in touched:
+                        load_whole(modules[owner], attr, shard, name, make_online_process_loader)
+
+        def finish_weight_update(self) -> None:
+            finalize_layerwise_reload(self.model, self.model_config)
+
+        def shutdown(self) -> None:
+            if self.folder is not None:
+                vllm_staging.remove(self.folder, self.rank)
+            self.folder, self.staged = None, {}
+
+    _CLASS.append(SdadaptWeightTransferEngine)
+    return SdadaptWeightTransferEngine
+
+
+def raw_parameters(model: torch.nn.Module, infos: Any) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """Every parameter of ``model`` that vLLM recorded for reloading, with the shape and dtype its
+    layer created (before post-processing): ``(name, dtype, shape)``, in ``named_parameters()``
+    order (tied parameters once)."""
+    modules = dict(model.named_modules())
+    out = []
+    for name, _ in model.named_parameters():
+        owner, _, attr = name.rpartition(".")
+        info = infos.get(modules[owner])
+        meta = info.restore_metadata[0].get(attr) if info is not None else None
+        if meta is not None:
+            out.append((name, meta.dtype, tuple(meta.shape)))
+    return out
+
+
+def load_whole(layer: torch.nn.Module, attr: str, shard: torch.Tensor, name: str, wrap: Any) -> None:
+    """Load ``shard`` (this rank's whole parameter ``name``) into ``layer.attr`` through vLLM's
+    layerwise path: the parameter's loader becomes a plain copy, wrapped as vLLM wraps loaders (the
+    copy is replayed, and the layer processed, once all its parameters are in)."""
+    param = getattr(layer, attr)
+    if tuple(param.shape) != tuple(shard.shape):
+        raise RefitError(f"{name}: the engine's parameter is {list(param.shape)} but its staging {list(shard.shape)}")
+
+    def sdadapt_copy_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+        param.data.copy_(loaded_weight)
+
+    param.weight_loader = sdadapt_copy_loader
+    param.weight_loader = wrap(layer, attr)
+    param.weight_loader(param, shard)
+
+
+__all__ = ["BACKEND", "engine_class", "raw_parameters"]
