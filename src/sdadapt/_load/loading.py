@@ -109,14 +109,16 @@ class LoadReport(BaseModel):
         )
 
     def _missing_line(self) -> str:
-        skipped = [*self.report.allowed_missing, *self.report.missing]
+        resized = {m.key for m in self.report.resized}
+        skipped = [k for k in [*self.report.allowed_missing, *self.report.missing] if k not in resized]
+        line = f"\n{self.report.resized_line()}: {self.missing_values}" if resized and self.missing_values else ""
         if not skipped or not self.missing_values:
-            return ""
+            return line
         from .._base.keyruns import compress
 
         rows = compress(skipped)
         shown = ", ".join(rows[:4]) + (f" and {len(rows) - 4} more" if len(rows) > 4 else "")
-        return f"\nnot in the checkpoint: {len(skipped)} key(s) {shown}: {self.missing_values}"
+        return f"\nnot in the checkpoint: {len(skipped)} key(s) {shown}: {self.missing_values}" + line
 
     def __str__(self) -> str:
         return self.format()
@@ -240,6 +242,7 @@ def load(
     subtree: str | None = None,
     allow_missing: list[str] | None = None,
     allow_unexpected: list[str] | None = None,
+    allow_resized: list[str] | None = None,
     device: torch.device | str | None = None,
     init_buffers: InitFn | None = None,
     init_missing: MissingInitFn | None = None,
@@ -276,6 +279,13 @@ def load(
         subtree: the nested dict of a ``torch.save`` file or DCP folder to read.
         allow_missing: key patterns of the model that the checkpoint may lack.
         allow_unexpected: key patterns of the checkpoint that the model may lack.
+        allow_resized: key patterns of the model whose shape may differ from the checkpoint's
+            (a classifier head of another size, a vocabulary with tokens added; the same number
+            of dims): such keys are not read and get their values as allowed missing keys do
+            (``init_missing``, ``init_weights()``, ``reset_parameters()``; a materialised model
+            keeps its own), said on one line of the report. Any other shape difference stays a
+            :class:`~sdadapt.errors.PlanError`. torch's counterpart of transformers'
+            ``ignore_mismatched_sizes``, limited to the keys named.
         device: where a meta model is materialised (default: its mesh's device, else CPU).
         init_buffers: ``fn(model)`` that fills non-persistent buffers after materialising.
         init_missing: ``fn(model, keys)`` that gives the state-dict keys the checkpoint lacks
@@ -314,7 +324,8 @@ def load(
     t0 = call_started()
     check_model_and_path("sdadapt.load(model, src, adapter=None, ...)", model, src)
     options = Options.of(src, adapter=adapter, strict=strict, subtree=subtree, allow_missing=allow_missing,
-                         allow_unexpected=allow_unexpected, pipeline_stage=pipeline_stage, dtype=dtype, lora=lora,
+                         allow_unexpected=allow_unexpected, allow_resized=allow_resized, pipeline_stage=pipeline_stage,
+                         dtype=dtype, lora=lora,
                          init_buffers=init_buffers, init_missing=init_missing, checksums=checksums)  # fmt: skip
     rank, world = rank_and_world(process_group)
     txn = Transaction(model, process_group, options.name)

@@ -104,6 +104,7 @@ def build_plan(
     source_name: str = "checkpoint",
     target_name: str = "model",
     pipeline_stage: PipelineStage | None = None,
+    allow_resized: list[str] | None = None,
 ) -> Plan:
     """Apply ``adapter``'s rules to the ``source`` schema and line the result up with ``target``
     (both ``key -> TensorInfo``, headers only): a recipe per target key that matches, and a
@@ -112,7 +113,10 @@ def build_plan(
     ``pipeline_stage``: the target is one pipeline stage; the adapted keys that belong to other
     stages (:meth:`PipelineStage.elsewhere`) are listed in ``Plan.other_stages`` and in the
     report's ``allowed_unexpected``, and are not read; the source keys they are made from are
-    ``Plan.other_stage_sources``."""
+    ``Plan.other_stage_sources``. ``allow_resized``: key patterns of the target whose shape may
+    differ from what the checkpoint gives (same number of dims): such a key is not read, it is
+    listed in the report's ``resized`` and in ``Plan.skipped`` (its values come from where an
+    allowed missing key's come from)."""
     adapter = adapter or Adapter([], name="identity")
     ctx = PlanContext(source, non_tensor or [], target, adapter.rules, adapter.stage_of)
     collisions = ctx.unwrap_keys()
@@ -145,7 +149,12 @@ def build_plan(
             else:
                 report.missing.append(key)
             continue
-        if tuple(node.shape) != tuple(want.shape):
+        if tuple(node.shape) != tuple(want.shape) and len(node.shape) == len(want.shape) and matches_any(allow_resized or [], key):
+            report.resized.append(
+                Mismatch(key=key, model=str(list(want.shape)), checkpoint=str(list(node.shape)), recipe=node.describe())
+            )
+            skipped.append(key)
+        elif tuple(node.shape) != tuple(want.shape):
             report.shape_mismatch.append(
                 Mismatch(key=key, model=str(list(want.shape)), checkpoint=str(list(node.shape)), recipe=node.describe())
             )

@@ -65,6 +65,8 @@ class Report(BaseModel):
         non_tensor: checkpoint keys that hold no tensor.
         allowed_missing: missing keys an ``allow_missing`` pattern allowed.
         allowed_unexpected: unexpected keys allowed (patterns, other pipeline stages).
+        resized: keys whose shape differs from the checkpoint's where ``allow_resized`` allows
+            it: not read, given values as allowed missing keys are.
         dropped: checkpoint keys a ``drop`` rule took.
         widened: keys whose stored dtype widens exactly to the model's (bfloat16 -> float32),
             loaded so with no cast rule.
@@ -95,6 +97,7 @@ class Report(BaseModel):
     non_tensor: list[str] = []
     allowed_missing: list[str] = []
     allowed_unexpected: list[str] = []
+    resized: list[Mismatch] = []  # shapes that differ where allow_resized allows it: not read
     dropped: list[str] = []
     widened: list[str] = []  # keys whose stored dtype widens exactly to the model's (bfloat16 -> float32)
     looked_for: dict[str, list[str]] = {}  # missing key -> the checkpoint key(s) the adapter looked for
@@ -124,7 +127,7 @@ class Report(BaseModel):
     def found(self) -> int:
         """How many model keys the checkpoint + adapter give by name, whatever their shape and
         dtype: ``matched`` and the mismatched ones."""
-        return self.matched + len(self.shape_mismatch) + len(self.dtype_mismatch)
+        return self.matched + len(self.shape_mismatch) + len(self.dtype_mismatch) + len(self.resized)
 
     @property
     def mostly_unmatched(self) -> bool:
@@ -240,7 +243,8 @@ class Report(BaseModel):
         if kinds == {"shape"}:
             return (
                 "Only shapes differ: build the model from the checkpoint's config (sizes, heads, vocabulary), or fix the "
-                "adapter's rule for these keys."
+                "adapter's rule for these keys; keys meant to differ (a head of another size, tokens added) can be "
+                "named in allow_resized=[patterns], which initialises them as missing keys are."
             )
         return "Fix the adapter (sdadapt.diff gives this report without loading), or relax with allow_missing=/allow_unexpected= patterns."
 
@@ -261,11 +265,19 @@ class Report(BaseModel):
             rows.extend((m, looked) for m in compress(keys))
         return sorted(rows)
 
+    def resized_line(self) -> str:
+        """One line for the keys ``allow_resized`` let differ in shape: each with the model's and
+        the checkpoint's shapes (the first three), and that they were not read."""
+        shown = ", ".join(f"{m.key} {m.model} (checkpoint {m.checkpoint})" for m in self.resized[:3])
+        more = f" and {len(self.resized) - 3} more" if len(self.resized) > 3 else ""
+        return f"resized (allow_resized, not read): {len(self.resized)} key(s): {shown}{more}"
+
     def counts(self) -> str:
         """The line of counts: model keys matched (and those found by name with another shape or
         dtype), checkpoint keys, problems."""
         other = [f"{n} with another {what}" for n, what in ((len(self.shape_mismatch), "shape"),
                                                             (len(self.dtype_mismatch), "dtype")) if n]
+        other += [f"{len(self.resized)} resized"] if self.resized else []
         if other:
             head = f"{self.found} of {self.target_keys} model keys found by name ({', '.join(other)})"
         else:
@@ -345,6 +357,8 @@ class Report(BaseModel):
             rows = compress(self.widened)
             shown = ", ".join(rows[:3]) + (f" and {len(rows) - 3} more" if len(rows) > 3 else "")
             lines.append(f"widened exactly to the model's dtype (no value changes): {len(self.widened)} key(s): {shown}")
+        if self.resized:
+            lines.append(self.resized_line())
         if self.allowed_missing or self.allowed_unexpected:
             lines.append(
                 f"allowed: {len(self.allowed_missing)} missing and {len(self.allowed_unexpected)} unexpected key(s)"

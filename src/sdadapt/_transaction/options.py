@@ -33,6 +33,7 @@ class Options:
     subtree: str | None = None
     allow_missing: tuple[str, ...] = ()
     allow_unexpected: tuple[str, ...] = ()
+    allow_resized: tuple[str, ...] = ()
     pipeline_stage: bool = False
     dtype: str | torch.dtype | None = None
     lora: str | os.PathLike[str] | None = None
@@ -44,7 +45,7 @@ class Options:
     @classmethod
     def of(cls, src: str | os.PathLike[str] | Source, **given: object) -> Options:
         """The options of a call on checkpoint ``src`` from its keywords (``None`` patterns: none)."""
-        for patterns in ("allow_missing", "allow_unexpected"):
+        for patterns in ("allow_missing", "allow_unexpected", "allow_resized"):
             value = given.get(patterns)
             given[patterns] = tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else ()
         name = (src.remote_url() or src.path) if isinstance(src, Source) else os.fspath(src)  # an open source: its URL, else its path

@@ -97,6 +97,7 @@ def plan_model(model: nn.Module, source: Source, adapter: Adapter | None, option
             source_name=options.name + (f" + LoRA {os.fspath(lora)}" if lora is not None else ""),
             target_name=type(model).__name__,
             pipeline_stage=stage,
+            allow_resized=list(options.allow_resized),
         )
     except BaseException:
         source.close()
