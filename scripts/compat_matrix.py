@@ -31,8 +31,10 @@ DEFAULT = ["4.45.2", "4.57.6", "5.0.0", "5.5.4", "5.10.4", "5.13.1", "5.17.0", "
 
 
 def make_venv(root: str, version: str, base_site: str, package: str = "transformers") -> str:
-    """The small venv for ``package==version`` (made once; reused while it has it). torchtitan is
-    installed without its dependencies: the base's (those of the test-titan extra) serve."""
+    """The small venv for ``package==version`` (made once; reused while it has it). Its
+    dependencies that the base lacks go into the small venv, torch never (the base's stays):
+    torchtitan 0.2.2's models import tensorboard, datasets and torchdata, which the base's
+    test-titan extra leaves out (torchtitan 0.3.0 needs none of them)."""
     venv = os.path.join(root, f"{'tf' if package == 'transformers' else package}-{version}")
     py = os.path.join(venv, "bin", "python")
     if not os.path.exists(py):
@@ -46,10 +48,14 @@ def make_venv(root: str, version: str, base_site: str, package: str = "transform
     if have != version:
         # the base's pip, run by the small venv's python: it installs into the small venv and sees
         # the base's packages (torch stays the base's: transformers does not depend on it)
-        nodeps = ["--no-deps"] if package == "torchtitan" else []
+        torch_version = subprocess.run([py, "-c", "import torch; print(torch.__version__.split('+')[0])"],
+                                       check=True, capture_output=True, text=True).stdout.strip()
+        constraint = os.path.join(venv, "torch-constraint.txt")
+        with open(constraint, "w") as f:
+            f.write(f"torch=={torch_version}\n")
         # (--no-warn-conflicts: the base's other packages, e.g. diffusers, may want another huggingface_hub)
         quiet = ["--disable-pip-version-check", "--no-warn-conflicts", "-q"]
-        subprocess.run([py, "-m", "pip", "install", *quiet, *nodeps, f"{package}=={version}"], check=True)
+        subprocess.run([py, "-m", "pip", "install", *quiet, "-c", constraint, f"{package}=={version}"], check=True)
     return py
 
 

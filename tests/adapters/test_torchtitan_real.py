@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("torchtitan", reason="torchtitan is not installed (the test-titan extra: pip install -e '.[test-titan]')")
+pytest.importorskip("torchtitan", reason="torchtitan is not installed (scripts/test.sh installs it: the test-titan extra, "
+                    "then pip install --no-deps torchtitan==0.3.0)")
 
 import torch.distributed.checkpoint as dcp  # noqa: E402
 from support.checkpoints import read_safetensors_folder  # noqa: E402
