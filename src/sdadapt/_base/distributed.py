@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,18 +11,10 @@ import torch.distributed as dist
 
 from ..errors import RemoteRankError, SdadaptError
 
-_checkpoint: contextvars.ContextVar[str | None] = contextvars.ContextVar("sdadapt_checkpoint", default=None)
-
-
-@contextlib.contextmanager
-def about_checkpoint(name: str | None) -> Iterator[None]:
-    """Within it, the one-line errors of ranks other than 0 (:func:`brief_off_rank0`) name
-    checkpoint ``name`` (the public operation's ``src`` or ``dst``) when their line does not."""
-    token = _checkpoint.set(name)
-    try:
-        yield
-    finally:
-        _checkpoint.reset(token)
+CHECKPOINT: contextvars.ContextVar[str | None] = contextvars.ContextVar("sdadapt_checkpoint", default=None)
+"""The checkpoint of the public operation running (its ``src`` or ``dst``, set by
+:func:`sdadapt._transaction.tidy.public`): the one-line errors of ranks other than 0
+(:func:`brief_off_rank0`) name it when their line does not."""
 
 
 def is_distributed() -> bool:
@@ -77,7 +68,7 @@ def brief_off_rank0(error: BaseException, group: dist.ProcessGroup | None = None
     """On a rank other than 0 (of ``group``) of a distributed run, cut an sdadapt error that every
     rank raises to its first line, pointing at rank 0's error, which has the whole message (its
     ``full_message`` attribute keeps it here); ``first``: the line to say instead of the first.
-    The line names the checkpoint of the public operation running (:func:`about_checkpoint`),
+    The line names the checkpoint of the public operation running (:data:`CHECKPOINT`),
     so that every rank's one line says which checkpoint and what kind of problem. Errors that
     are not sdadapt's are left alone."""
     if not isinstance(error, SdadaptError) or not is_distributed() or dist.get_rank(group) == 0 or not error.args:
@@ -88,7 +79,7 @@ def brief_off_rank0(error: BaseException, group: dist.ProcessGroup | None = None
         return
     error.full_message = full  # type: ignore[attr-defined]
     more = "; this error's .report holds the report" if hasattr(error, "report") else ""
-    where = _checkpoint.get()
+    where = CHECKPOINT.get()
     about = f", checkpoint {where}" if where and where not in first else ""
     error.args = (f"{first} [rank {dist.get_rank(group)}{about}: rank 0's error has the whole message{more}]", *error.args[1:])
 

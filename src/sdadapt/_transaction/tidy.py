@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
-from .._base.distributed import about_checkpoint
+from .._base.distributed import CHECKPOINT
 from ..errors import SdadaptError
 
 P = ParamSpec("P")
@@ -38,21 +38,22 @@ def public(fn: Callable[P, R]) -> Callable[P, R]:
     """``fn`` as a public operation: its clock starts on entry (:func:`call_started`), and an
     :class:`SdadaptError` it raises leaves with no internal frames and no exception chain (unless
     :func:`debugging`). Every rank's one-line error names the call's checkpoint (its ``src``, else
-    its ``dst``: :func:`~sdadapt._base.distributed.about_checkpoint`). Put it outermost, above the
+    its ``dst``: :data:`~sdadapt._base.distributed.CHECKPOINT`). Put it outermost, above the
     other decorators."""
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
         token = _started.set(time.perf_counter()) if _started.get() is None else None
+        named = CHECKPOINT.set(_checkpoint_of(signature, args, kwargs))
         try:
-            with about_checkpoint(_checkpoint_of(signature, args, kwargs)):
-                return fn(*args, **kwargs)
+            return fn(*args, **kwargs)
         except SdadaptError as error:
             if debugging():
                 raise
             raise error.with_traceback(None) from None  # SDADAPT_DEBUG=1 shows sdadapt's own frames
         finally:
+            CHECKPOINT.reset(named)
             if token is not None:
                 _started.reset(token)
 
