@@ -75,7 +75,9 @@ def test_layouts_own_stages_and_experts() -> None:
 
 
 def test_symmetry_sampling_and_headers(ckpt: str) -> None:
-    full = sdadapt.dry_run(None, ckpt, mesh="dp_replicate=2,dp_shard=4,tp=2", max_ranks=64)
+    # gap_bytes=0: a column slice's rows read one by one, so that only the shards are read
+    runs = sdadapt.EngineConfig(gap_bytes=0)
+    full = sdadapt.dry_run(None, ckpt, mesh="dp_replicate=2,dp_shard=4,tp=2", max_ranks=64, engine=runs)
     assert full.exact and full.classes == 8 and full.world_size == 16  # the replicas plan alike
     assert all(r.ranks == 2 for r in full.ranks)
     assert full.total_bytes_read == sum(r.bytes_read * 2 for r in full.ranks)
@@ -84,7 +86,11 @@ def test_symmetry_sampling_and_headers(ckpt: str) -> None:
     assert full.total_bytes_read == full.total_local_bytes  # the checkpoint's own layout: shards are read as stored
     assert full.amplification == pytest.approx(2 * (1 + norms / full.checkpoint_bytes))
     assert full.max_node_bytes_read == full.total_bytes_read // 2  # 8 ranks per node: one replica each
-    shared = sdadapt.dry_run(None, ckpt, mesh="dp_replicate=2,dp_shard=4,tp=2", share_reads=True, max_ranks=64)
+    # by default the rows of a column slice are read with the gaps between them: more bytes read
+    joined = sdadapt.dry_run(None, ckpt, mesh="dp_replicate=2,dp_shard=4,tp=2", max_ranks=64)
+    assert joined.total_bytes_read > full.total_bytes_read
+    assert all(j.storage_bytes >= j.bytes_read > r.bytes_read or j.bytes_read == r.bytes_read for j, r in zip(joined.ranks, full.ranks))
+    shared = sdadapt.dry_run(None, ckpt, mesh="dp_replicate=2,dp_shard=4,tp=2", share_reads=True, max_ranks=64, engine=runs)
     # each replica pair reads a byte once; a norm, replicated over tp too, is shared over one dim only
     assert shared.classes == 16 and shared.total_bytes_read == shared.checkpoint_bytes + norms
     assert sum(r.shared_bytes for r in shared.ranks) == shared.checkpoint_bytes + norms
@@ -154,7 +160,7 @@ def test_a_meta_model_as_target_and_sampled_totals(ckpt: str) -> None:
     with torch.device("meta"):
         model = Model()
     # the experts of the checkpoint are not in the model: allowed, and not read
-    report = sdadapt.dry_run(model, ckpt, mesh="dp_shard=2,tp=2", allow_unexpected=["**experts**"])
+    report = sdadapt.dry_run(model, ckpt, mesh="dp_shard=2,tp=2", allow_unexpected=["**experts**"], engine=sdadapt.EngineConfig(gap_bytes=0))
     assert report.target == "Model" and report.exact and report.ranks[0].keys == len(model.state_dict())
     assert report.total_bytes_read == report.total_local_bytes  # every shard read as stored (norms once per tp rank)
     with pytest.raises(sdadapt.errors.PlanError):

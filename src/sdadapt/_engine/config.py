@@ -68,8 +68,15 @@ class EngineConfig:
             (counted as read).
         direct_min_bytes: the size from which a CPU destination is read into directly rather
             than through staging.
-        min_span_bytes: the run length below which a region (a column slice) is copied out of the
-            source's mapping in one strided copy.
+        min_span_bytes: ``0`` (the default): every located region is read with ``preadv``, a
+            column slice's runs too (joined by ``gap_bytes``); a positive value: a region of
+            shorter runs is copied out of the source's mapping instead, which faults in whole
+            pages (or page-cache folios) of every row it crosses.
+        gap_bytes: the largest gap between two runs of one read (a column slice's rows) that is
+            read through, into a scratch buffer, so that the runs share one ``preadv`` call;
+            runs further apart are read one call each (storage is asked only for their pages).
+        readahead: let the kernel read ahead of the engine's reads; off by default, so that
+            storage delivers only the pages a rank asks for (``POSIX_FADV_RANDOM``).
         depth: staging buffers each thread cycles through (a read into one overlaps the copies
             out of the others).
         band_bytes: the largest input of one computation, cut into bands of whole blocks (``None``:
@@ -107,7 +114,9 @@ class EngineConfig:
     chunk_bytes: int | None = None
     coalesce_gap: int = 0
     direct_min_bytes: int = 256 * 1024
-    min_span_bytes: int = 64 * 1024
+    min_span_bytes: int = 0
+    gap_bytes: int = 128 * 1024
+    readahead: bool = False
     depth: int = 2
     band_bytes: int | None = None
     band_depth: int = 1
@@ -125,6 +134,8 @@ class EngineConfig:
     kvikio_gathers: bool = False
 
     def __post_init__(self) -> None:
+        if self.gap_bytes < 0 or self.min_span_bytes < 0:
+            raise ValueError(f"EngineConfig.gap_bytes and min_span_bytes must be at least 0, got {self.gap_bytes}, {self.min_span_bytes}")
         if self.depth < 1:
             raise ValueError(f"EngineConfig.depth must be at least 1 (staging buffers per thread), got {self.depth}")
         if self.band_bytes is not None and self.band_bytes < 1:
@@ -210,6 +221,10 @@ def _mib(floor: int) -> Callable[[str], int]:
     return lambda text: max(floor, int(float(text) * MiB))
 
 
+def _kib(text: str) -> int:
+    return max(0, int(float(text) * 1024))
+
+
 def _count(text: str) -> int:
     return max(1, int(text))
 
@@ -236,6 +251,8 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "SDADAPT_IO_BAND_DEPTH": ("band_depth", _count),
     "SDADAPT_IO_LANDING": ("landing_buffers", _count),
     "SDADAPT_IO_WARM": ("warm_kernels", _flag),
+    "SDADAPT_IO_GAP_KB": ("gap_bytes", _kib),
+    "SDADAPT_IO_READAHEAD": ("readahead", _flag),
     "SDADAPT_IO_GATHER": ("gather_inputs", _flag),
     "SDADAPT_IO_GATHER_MB": ("gather_bytes", _mib(4096)),
     "SDADAPT_IO_KVIKIO": ("kvikio", _flag),

@@ -24,7 +24,7 @@ from .lanes import TaskQueues
 from .pinned import SLABS
 from .planner import Planner
 from .staging import StagingPool
-from .syscalls import open_device_file, open_for
+from .syscalls import open_device_file, open_for, storage_bytes
 from .tasks import DirectRead, GatherRead, Job, Task, task_paths
 from .workers import Shared, Worker
 
@@ -33,7 +33,11 @@ from .workers import Shared, Worker
 class EngineStats:
     """What one or more runs did: bytes, system calls, tasks, where the bytes went, time."""
 
-    bytes_read: int = 0
+    bytes_read: int = 0  # the gaps of a joined read (a column slice's rows) count: they were read
+    # what a cold page cache reads from storage for the run (read-ahead off): every page its
+    # preadv calls touch, once per file, gaps read through included; plus the bytes read
+    # through sources (a mapping, object storage) as they were asked for
+    storage_bytes: int = 0
     syscalls: int = 0
     tasks: int = 0
     direct_bytes: int = 0
@@ -156,7 +160,9 @@ class IOEngine:
         # The first `computing` threads each hold a band buffer and are the only ones that compute.
         computing = cfg.computing_threads(threads)
         bands = StagingPool(cfg.band_buffers(threads), cfg.band_buffer_bytes(), pin)
-        shared = Shared(self.source, TaskQueues(), {}, pool, chunk, bands, min_span=cfg.min_span_bytes, on_done=self.on_done)
+        shared = Shared(
+            self.source, TaskQueues(), {}, pool, chunk, bands, min_span=cfg.min_span_bytes, gap=cfg.gap_bytes, on_done=self.on_done
+        )
         if device is not None:
             shared.lane = DeviceLane(device, bands.size, shared.fail, cfg.landing_buffers)
             shared.lane.start()
@@ -206,7 +212,7 @@ class IOEngine:
                 return
             for path in task_paths(task):
                 if path not in shared.fds:
-                    shared.fds[path] = open_for(path, task.where.target)  # opened before any thread sees the task
+                    shared.fds[path] = open_for(path, task.where.target, cfg.readahead)  # opened before any thread sees the task
             shared.work.put(task)
 
         planned = start
@@ -238,7 +244,11 @@ class IOEngine:
                 for handle in handles.values():
                     devread.DeviceReads.close(handle)
         st = self.stats
+        extents: dict[str, list[tuple[int, int]]] = {}
         for w in workers:
+            for path, ext in w.extents.items():
+                extents.setdefault(path, []).extend(ext)
+            st.storage_bytes += w.counter.bytes_read
             st.bytes_read += w.nbytes + w.counter.bytes_read
             st.syscalls += w.calls
             st.direct_bytes += w.direct
@@ -253,8 +263,10 @@ class IOEngine:
             st.lane_cpu_seconds += lt.cpu
             st.lane_idle_seconds += lt.idle
             st.lane_copy_wait_seconds += lt.copy_wait
+        st.storage_bytes += sum(storage_bytes(ext) for ext in extents.values())
         st.tasks += count
         st.kvikio_bytes += pending.nbytes
+        st.storage_bytes += pending.nbytes + (gathers.nbytes if gathers is not None else 0)
         st.direct_bytes += pending.nbytes
         st.bytes_read += pending.nbytes
         if gathers is not None:

@@ -16,8 +16,8 @@ Runs = tuple[str, list[tuple[int, int]], torch.dtype]  # file, its (offset, nbyt
 def file_runs(source: Source, key: str, box: Box, min_span: int, opened: Callable[[str], bool]) -> Runs | None:
     """Region ``box`` of source tensor ``key`` as runs of one file that ``opened`` accepts;
     ``None`` when its bytes are not all in one such file, or lie in several runs shorter than
-    ``min_span`` (a column slice: one strided copy out of the source's mapping beats a read
-    per run)."""
+    ``min_span`` (``EngineConfig.min_span_bytes``: 0 unless the strided copy out of the source's
+    mapping was asked for)."""
     located = source.locate_region(key, box)
     if not located or len(located) != 1:
         return None

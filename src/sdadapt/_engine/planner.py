@@ -3,9 +3,11 @@
 A piece of a source tensor whose bytes the source can locate in a file (``locate_region``) is
 cut into reads: straight into a contiguous destination of the source dtype (large enough) on the
 CPU, or on the GPU where the run reads through kvikio (:mod:`.devread`),
-else through staging; small staged reads adjacent in one file are coalesced at the end. Runs
-shorter than ``min_span_bytes`` (a column slice) are one strided copy out of the source's
-mapping instead. Pieces of storage without locations and fills become one task each; a computation
+else through staging; small staged reads adjacent in one file are coalesced at the end. A column
+slice's runs are read like any others, with ``preadv``: a worker joins runs whose gaps are short
+into one call (:func:`~sdadapt._engine.syscalls.read_runs`), so storage is asked for the bytes
+read and never faults whole pages of a mapping (``min_span_bytes`` > 0 brings back the strided
+copy out of the mapping for runs shorter than it). Pieces of storage without locations and fills become one task each; a computation
 becomes one task per band its declared :class:`~sdadapt._recipes.nodes.Bands` cut it into (:func:`bands_of`),
 or, on the device of a run's device lane, staged reads of its declared inputs gathered there
 (:meth:`Planner._gather`; where the run reads through kvikio, one read of them all straight
@@ -59,6 +61,7 @@ class _Part:
 
 _WHOLE = 1 << 62  # no cut: one direct read per contiguous destination
 _GATHER_ALIGN = 64  # each input of a gather starts on a multiple of this in its device buffer
+_KVIKIO_MIN_RUN = 64 * 1024  # shorter runs (a column slice) reach a GPU through staging, joined reads
 
 
 def bands_of(step: Compute, max_bytes: int) -> list[Box]:
@@ -272,8 +275,8 @@ class Planner:
         box, dest, origin = part.box, part.dest, part.origin
         starts, run = box_spans(loc.shape, itemsize, box)
         if len(starts) > 1 and run < cfg.min_span_bytes:
-            # many short rows (a column slice): one strided copy out of the mapped file
-            # beats a read call per row (Source.read takes global coordinates)
+            # asked for (min_span_bytes > 0): many short rows (a column slice) as one strided
+            # copy out of the mapped file (Source.read takes global coordinates)
             shifted = any(origin)
             for sub, sl in split_box(box, itemsize, chunk):
                 glob = tuple((a + o, b + o) for (a, b), o in zip(sub, origin, strict=True)) if shifted else sub
@@ -282,7 +285,7 @@ class Planner:
         device = self.dest_device or dest.device
         on_gpu = device.type != "cpu"
         direct = (
-            (not on_gpu or device == self.direct_on)
+            (not on_gpu or (device == self.direct_on and (len(starts) == 1 or run >= _KVIKIO_MIN_RUN)))
             and dest.dtype == loc.dtype
             and dest.is_contiguous()
             and dest.numel() * itemsize >= cfg.direct_min_bytes

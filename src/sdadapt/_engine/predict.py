@@ -27,6 +27,7 @@ from .engine import _estimate_tasks
 from .geometry import box_spans, round_up
 from .locate import file_runs
 from .planner import Planner
+from .syscalls import requested, storage_bytes
 from .tasks import ComputeTask, DirectRead, FillTask, Job, SourceRead, StagedRead, Task, task_paths
 
 
@@ -35,14 +36,16 @@ class RunFigures:
     """What one engine run reads: bytes per file, system calls, the files it opens.
 
     ``file_bytes``: bytes read per file (``preadv`` and the mapping together); ``preadv_calls``:
-    one per contiguous run read (a regular file returns a run in one call); ``mapped_reads``:
+    one per read call (runs with short gaps share one; a regular file returns it whole); ``mapped_reads``:
     regions copied out of the source's mapping (``Source.read``); ``opened``: files the run
     opens for ``preadv``; ``mapped``: files read through the mapping (opened once per source);
     ``staged_reads``: reads through a staging buffer; ``staging_bytes``: at most this much
     staging and band memory (the pools' limits for the run's threads); ``mapped_span``: the file
     pages the mapped reads touch (they count in the process's resident memory);
     ``staging_touched``: the staging memory the run writes into (buffers are allocated whole
-    but only their written pages become resident)."""
+    but only their written pages become resident); ``storage_bytes``: what a cold page cache
+    reads from storage for the run, read-ahead off (every page the ``preadv`` calls touch, once
+    per file, gaps read through included; the mapped reads' ``mapped_span``)."""
 
     bytes_read: int = 0
     file_bytes: dict[str, int] = field(default_factory=dict)
@@ -56,6 +59,19 @@ class RunFigures:
     staging_bytes: int = 0
     mapped_span: int = 0
     staging_touched: int = 0
+    storage_bytes: int = 0
+    extents: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # file -> what preadv asks of it
+
+    def _preadv(self, path: str, segments: list[tuple[int, int]], gap: int) -> None:
+        """Count reading ``segments`` of ``path`` as :func:`~sdadapt._engine.syscalls.read_runs` reads them."""
+        ext = requested(segments, gap if len(segments) > 1 else 0)
+        self._read(path, sum(b - a for a, b in ext))  # the gaps read through count, as a worker counts them
+        self.preadv_calls += len(ext)
+        self.extents.setdefault(path, []).extend(ext)
+
+    def finish(self) -> None:
+        """Sum the storage the run's reads ask for (once every read is counted)."""
+        self.storage_bytes = self.mapped_span + sum(storage_bytes(ext) for ext in self.extents.values())
 
     def _read(self, path: str, nbytes: int) -> None:
         self.bytes_read += nbytes
@@ -152,8 +168,7 @@ def predict(source: Source, jobs: Sequence[Job], config: EngineConfig, device: t
         fig.tasks += 1
         if isinstance(task, (DirectRead, StagedRead)):
             n = sum(s for _, s in task.segments)
-            fig._read(task.path, n)
-            fig.preadv_calls += len(task.segments)
+            fig._preadv(task.path, task.segments, config.gap_bytes)
             if isinstance(task, StagedRead):
                 fig.staged_reads += 1
                 largest = max(largest, n)
@@ -171,6 +186,7 @@ def predict(source: Source, jobs: Sequence[Job], config: EngineConfig, device: t
         fig.staging_touched = fig.staging_bytes if device.type != "cpu" else held * -(-largest // _PAGE) * _PAGE
         if fig.computations:
             fig.staging_bytes += min(config.band_buffers(threads), fig.computations) * band_size
+    fig.finish()
     return fig
 
 
@@ -194,7 +210,6 @@ def _compute(task: ComputeTask, source: Source, config: EngineConfig, fig: RunFi
             start = round_up(pos, 64) if used else 0
             if start + n <= band_size:
                 used, pos = True, start + n
-                fig._read(path, n)
-                fig.preadv_calls += len(segments)
+                fig._preadv(path, segments, config.gap_bytes)
                 continue
         meta.read(inp.read.key, inp.read.box)

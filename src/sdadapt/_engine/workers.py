@@ -136,7 +136,8 @@ class Shared:
     chunk: int
     bands: StagingPool  # at least one buffer per thread that computes, taken on its first computation
     lane: DeviceLane | None = None  # a GPU run's device side: the readers make no device calls
-    min_span: int = 64 * 1024  # shortest run a computation's input is read in with preadv
+    min_span: int = 0  # shortest run a computation's input is read in with preadv (0: any)
+    gap: int = 0  # gaps up to this are read through, joining runs into one preadv (EngineConfig.gap_bytes)
     errors: list[BaseException] = field(default_factory=list)
     failed: threading.Event = field(default_factory=threading.Event)
     first_done: float | None = None  # when the run's first task finished (``time.perf_counter``)
@@ -166,6 +167,8 @@ class Worker:
         self.bands = Buffers(shared.bands, band_depth)
         self.views = TypedViews()
         self.nbytes = self.calls = self.direct = self.staged = self.computed = 0
+        self.extents: dict[str, list[tuple[int, int]]] = {}  # file -> (start, stop) of each call
+        self._sink: torch.Tensor | None = None  # the gaps of joined reads land here
         self.busy = self.reading = self.waiting = 0.0  # seconds: running tasks; of which in preadv, and waiting for buffers
 
     def run(self) -> None:
@@ -228,16 +231,20 @@ class Worker:
 
     def _read_into(self, path: str, segments: list[tuple[int, int]], mem: torch.Tensor, pos: int = 0) -> int:
         """Read the file's ``segments`` one after the other into uint8 ``mem`` from byte ``pos``
-        on; returns the bytes read."""
-        fd = self.shared.fds[path]
-        first = pos
+        on (:func:`~sdadapt._engine.syscalls.read_runs`); returns the bytes placed in ``mem``
+        (the gaps read through count in ``nbytes`` only)."""
+        sh = self.shared
+        fd = sh.fds[path]
+        gap = sh.gap if len(segments) > 1 else 0
+        if gap and self._sink is None:
+            self._sink = torch.empty(gap, dtype=torch.uint8)
         start = time.perf_counter()
-        for off, n in segments:
-            self.calls += syscalls.preadv_into(fd, mem, pos, off, n)
-            pos += n
+        calls, extents = syscalls.read_runs(fd, mem, pos, segments, gap, self._sink)
+        self.calls += calls
         self.reading += time.perf_counter() - start
-        self.nbytes += pos - first
-        return pos - first
+        self.extents.setdefault(path, []).extend(extents)
+        self.nbytes += sum(b - a for a, b in extents)  # the gaps read through count as read
+        return sum(size for _, size in segments)
 
     def _direct(self, task: DirectRead) -> None:
         syscalls.populate(task.dest)
