@@ -5,14 +5,14 @@
         --ranks 0,last --modes preadv,mapping [--node] --out results.jsonl
 
 ``run`` empties the page cache before every rank (``posix_fadvise(DONTNEED)`` on every file of
-the checkpoint, and ``/proc/sys/vm/drop_caches`` where it may write it, as root), then starts a
+the checkpoint; ``DROP_ALL=1``: ``/proc/sys/vm/drop_caches`` too, as root), then starts a
 fresh process for the rank (``rank``), which opens the checkpoint, makes its shards of every
 tensor as a TP x FSDP load's rank holds them (:func:`sdadapt._plan.layout.local_box`, torchtitan's
 rules: ``o_proj`` / ``down_proj`` column slices, the rest rows), has the engine read them into
 CPU memory, and reports:
 
-- ``local``: the rank's shard bytes; ``bytes_read``: what the engine's ``preadv`` calls read (its
-  figure: a column slice's rows joined into one call count with the gaps between them); ``storage``: the engine's count of the
+- ``local``: the rank's shard bytes; ``bytes_read``: the engine's figure of the bytes it read;
+  ``storage``: the engine's count of the
   bytes a cold cache reads for those calls (every touched page once), and ``predicted``: the dry
   run's (:func:`sdadapt._engine.predict.predict`) figure for the same rank, before any read;
 - ``from_storage``: what the process made storage deliver (``read_bytes`` of ``/proc/self/io``),
@@ -24,7 +24,8 @@ CPU memory, and reports:
 
 Modes: ``preadv`` (the engine's defaults: every located region read with ``preadv``, read-ahead
 off), ``mapping`` (column slices copied out of the file's mapping and the kernel's read-ahead
-on: the engine before this change), ``readahead`` (``preadv`` with read-ahead on). ``--node``
+on: the engine before this change), ``readahead`` (``preadv`` with read-ahead on), ``runs``
+(``gap_bytes=0``: a column slice's rows read one call each, only their own pages). ``--node``
 also loads the 8 ranks of ``tp=8`` at once, each in its own process, cold, as a fresh node does:
 the machine's paged-in bytes against the checkpoint's size.
 """
@@ -138,6 +139,8 @@ def config(mode: str):  # noqa: ANN201 - EngineConfig, imported late
         cfg.min_span_bytes, cfg.readahead = 64 * 1024, True
     elif mode == "readahead":
         cfg.readahead = True
+    elif mode == "runs":
+        cfg.gap_bytes = 0
     return cfg
 
 
@@ -160,7 +163,8 @@ def rank(folder: Path, mesh_spec: str, rank_: int, mode: str, verify: bool) -> d
             box = local_box(info, mesh, layouts[key], coord)
             if box is not None and math.prod(box_shape(box)):
                 boxes[key] = (info, box)
-        meta = [Job(k, Leaf(k, i.shape, i.dtype), b, torch.empty(box_shape(b), dtype=i.dtype, device="meta")) for k, (i, b) in boxes.items()]
+        meta = [Job(k, Leaf(k, i.shape, i.dtype), b, torch.empty(box_shape(b), dtype=i.dtype, device="meta"))
+                for k, (i, b) in boxes.items()]
         fig = predict(src, meta, cfg, torch.device("cpu"))
         jobs = [Job(k, Leaf(k, i.shape, i.dtype), b, torch.empty(box_shape(b), dtype=i.dtype)) for k, (i, b) in boxes.items()]
         local = sum(j.dest.numel() * j.dest.element_size() for j in jobs)
@@ -189,7 +193,7 @@ def rank(folder: Path, mesh_spec: str, rank_: int, mode: str, verify: bool) -> d
 
 
 def drop(folder: Path) -> None:
-    """Empty the page cache of the checkpoint's files (and all of it, where allowed)."""
+    """Empty the page cache of the checkpoint's files (``DROP_ALL=1``: all of it, as root)."""
     os.sync()
     for p in folder.iterdir():
         fd = os.open(p, os.O_RDONLY)
@@ -197,15 +201,14 @@ def drop(folder: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-    try:
+    if os.environ.get("DROP_ALL"):  # every cached page, the interpreter's libraries too (slower starts)
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
-    except OSError:
-        pass
 
 
 def _child(folder: Path, mesh: str, r: int, mode: str, verify: bool) -> list[str]:
-    return [sys.executable, __file__, "rank", "--dir", str(folder), "--mesh", mesh, "--rank", str(r), "--mode", mode] + (["--verify"] if verify else [])
+    cmd = [sys.executable, __file__, "rank", "--dir", str(folder), "--mesh", mesh, "--rank", str(r), "--mode", mode]
+    return cmd + (["--verify"] if verify else [])
 
 
 def run(folder: Path, meshes: list[str], ranks: str, modes: list[str], node: bool, out: Path | None) -> None:
@@ -218,7 +221,8 @@ def run(folder: Path, meshes: list[str], ranks: str, modes: list[str], node: boo
         for mode in modes:
             for i, r in enumerate(sample):
                 drop(folder)
-                res = subprocess.run(_child(folder, mesh, r, mode, i == 0 and mode == modes[0]), capture_output=True, text=True, timeout=300)
+                child = _child(folder, mesh, r, mode, i == 0 and mode == modes[0])
+                res = subprocess.run(child, capture_output=True, text=True, timeout=300)
                 if res.returncode:
                     print(res.stderr[-3000:], flush=True)
                     continue
@@ -260,11 +264,11 @@ def main() -> None:
     r.add_argument("--dir", type=Path, required=True)
     r.add_argument("--mesh", required=True)
     r.add_argument("--rank", type=int, required=True)
-    r.add_argument("--mode", default="preadv", choices=["preadv", "mapping", "readahead"])
+    r.add_argument("--mode", default="preadv", choices=["preadv", "mapping", "readahead", "runs"])
     r.add_argument("--verify", action="store_true")
     a = sub.add_parser("run")
     a.add_argument("--dir", type=Path, required=True)
-    a.add_argument("--meshes", nargs="+", default=["tp=8", "dp_shard=2,tp=8", "dp_shard=4,tp=8"])
+    a.add_argument("--meshes", nargs="*", default=["tp=8", "dp_shard=2,tp=8", "dp_shard=4,tp=8"])
     a.add_argument("--ranks", default="0,last")
     a.add_argument("--modes", default="preadv,mapping")
     a.add_argument("--node", action="store_true")
@@ -275,8 +279,8 @@ def main() -> None:
     elif args.cmd == "rank":
         rank(args.dir, args.mesh, args.rank, args.mode, args.verify)
     else:
-        print("| mesh | rank | mode | shards GiB | bytes_read | storage (engine) | predicted | from storage | pgpgin | from storage / bytes_read "
-              "| host peak | base | staging | engine s | bit-exact |\n|" + "---|" * 15, flush=True)
+        print("| mesh | rank | mode | shards GiB | bytes_read | storage (engine) | predicted | from storage | pgpgin "
+              "| from storage / bytes_read | host peak | base | staging | engine s | bit-exact |\n|" + "---|" * 15, flush=True)
         run(args.dir, args.meshes, args.ranks, args.modes.split(","), args.node, args.out)
 
 

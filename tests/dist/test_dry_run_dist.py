@@ -236,7 +236,7 @@ def _cases(folder: str) -> dict[str, Any]:
         with _Opens(path) as opens:
             rep = sdadapt.load(model, path, share_reads=share)
         out[name] = {
-            "boxes": boxes, "bytes_read": rep.bytes_read, "bytes_shared": rep.bytes_shared,
+            "boxes": boxes, "bytes_read": rep.bytes_read, "bytes_shared": rep.bytes_shared, "storage_bytes": rep.storage_bytes,
             "opens": sorted(opens.paths), "local_bytes": rep.local_bytes, "wrong_mesh": wrong_mesh,
             "model_dry_run": [mine.bytes_read, mine.shared_bytes, mine.local_bytes],
         }  # fmt: skip
@@ -280,6 +280,8 @@ def test_boxes_and_reads_are_those_predicted(loaded: tuple[str, list[dict[str, A
         predicted = by_rank[rank]
         got = res[case]
         assert got["bytes_read"] == predicted.bytes_read > 0, (rank, got, predicted)
+        # what a cold cache reads from storage for the rank: the load's count is the prediction
+        assert got["storage_bytes"] == predicted.storage_bytes >= got["bytes_read"], (rank, got, predicted)
         assert got["bytes_shared"] == predicted.shared_bytes, (rank, got, predicted)
         assert got["local_bytes"] == predicted.local_bytes, rank
         assert len(got["opens"]) == predicted.opens, (rank, got["opens"], predicted)

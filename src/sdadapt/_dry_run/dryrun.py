@@ -56,9 +56,12 @@ class DryRunRank(BaseModel):
         keys: target keys it holds a shard of.
         local_bytes: its destination shards' bytes.
         bytes_read: bytes it reads from the files.
+        storage_bytes: the bytes storage delivers for its reads on a cold page cache: every
+            file page they touch, once, the gaps a joined read of a column slice's rows reads
+            through included (what ``read_bytes`` of ``/proc/<pid>/io`` shows).
         files_read: files it reads data from.
         file_bytes: bytes read per file.
-        preadv_calls: ``preadv`` calls (one per contiguous run).
+        preadv_calls: ``preadv`` calls (one per run, or per joined runs of a column slice).
         mapped_reads: regions copied out of the files' mappings.
         opens: files it opens: headers, ``preadv`` and mappings.
         header_bytes: header and index bytes it reads from disk.
@@ -82,6 +85,7 @@ class DryRunRank(BaseModel):
     keys: int
     local_bytes: int
     bytes_read: int
+    storage_bytes: int = 0
     files_read: int
     file_bytes: dict[str, int]
     preadv_calls: int
@@ -171,12 +175,12 @@ class DryRunReport(BaseModel):
             f"{self.classes} class(es) of ranks with the same shards; "
             + ("every class planned" if self.exact else f"{len(self.ranks)} planned (evenly spaced); totals estimated: bytes "
                "read as the sample's bytes read per shard byte times all shard bytes (exact), opens as its mean"),
-            f"{'rank':>6} {'ranks':>6} {'keys':>7} {'shards':>10} {'read':>10} {'files':>5} {'opens':>5} "
+            f"{'rank':>6} {'ranks':>6} {'keys':>7} {'shards':>10} {'read':>10} {'storage':>10} {'files':>5} {'opens':>5} "
             f"{'preadv':>7} {'headers':>10} {'shared':>10} {'host mem':>10} {'plan s':>7}",
         ]
         for r in self.ranks:
             lines.append(
-                f"{r.rank:>6} {r.ranks:>6} {r.keys:>7} {human(r.local_bytes):>10} {human(r.bytes_read):>10} "
+                f"{r.rank:>6} {r.ranks:>6} {r.keys:>7} {human(r.local_bytes):>10} {human(r.bytes_read):>10} {human(r.storage_bytes):>10} "
                 f"{r.files_read:>5} {r.opens:>5} {r.preadv_calls:>7} {human(r.header_bytes):>10} "
                 f"{human(r.shared_bytes):>10} {human(r.host_bytes):>10} {r.plan_seconds:>7.2f}"
             )
@@ -473,6 +477,7 @@ def _plan_rank(
         keys=keys,
         local_bytes=local,
         bytes_read=fig.bytes_read,
+        storage_bytes=fig.storage_bytes,
         files_read=len(fig.file_bytes),
         file_bytes=fig.file_bytes,
         preadv_calls=fig.preadv_calls,

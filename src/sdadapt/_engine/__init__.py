@@ -21,9 +21,10 @@ on a thread pool:
    chunk (DCP folders: the raw bytes of each chunk inside its ``torch.save`` record, see
    :mod:`sdadapt.sources._dcp_dir`); the box is cut at the chunk boundaries. A box becomes byte
    spans of that file (:mod:`.geometry`): one span when it covers whole rows (FSDP's dim-0
-   shards), one per row otherwise (TP's column shards; rows shorter than ``min_span_bytes``
-   are instead copied out of the source's mapping in one strided copy). Storage without
-   locations is read through ``Source.read``.
+   shards), one per row otherwise (TP's column shards: rows whose gaps are at most
+   ``gap_bytes`` are read in one ``preadv`` call with the gaps between them, never through the
+   file's mapping, :func:`.syscalls.read_runs`). Storage without locations is read through
+   ``Source.read``.
 3. **Tasks** (:mod:`.tasks`). A CPU destination that is contiguous and of the source dtype is
    read *straight into* with ``preadv`` (:mod:`.syscalls`; no copy, no staging), in chunks so
    that several threads share a large tensor. Otherwise the bytes go into a buffer from a
@@ -42,7 +43,9 @@ on a thread pool:
    back for refilling once the copy out of it has finished.
 
 Errors name the target key, the source key and the file. Bytes read are counted exactly
-(what was copied out of the checkpoint, including any gap a coalesced read spans).
+(what was copied out of the checkpoint, including any gap a coalesced read spans), and so is
+what a cold page cache reads from storage for them (``EngineStats.storage_bytes``: every page
+the calls touch once, the gaps of joined reads included; files are opened with read-ahead off).
 """
 
 from .config import EngineConfig, default_threads

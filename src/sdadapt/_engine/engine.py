@@ -33,7 +33,7 @@ from .workers import Shared, Worker
 class EngineStats:
     """What one or more runs did: bytes, system calls, tasks, where the bytes went, time."""
 
-    bytes_read: int = 0  # the gaps of a joined read (a column slice's rows) count: they were read
+    bytes_read: int = 0
     # what a cold page cache reads from storage for the run (read-ahead off): every page its
     # preadv calls touch, once per file, gaps read through included; plus the bytes read
     # through sources (a mapping, object storage) as they were asked for

@@ -64,8 +64,8 @@ class RunFigures:
 
     def _preadv(self, path: str, segments: list[tuple[int, int]], gap: int) -> None:
         """Count reading ``segments`` of ``path`` as :func:`~sdadapt._engine.syscalls.read_runs` reads them."""
+        self._read(path, sum(n for _, n in segments))
         ext = requested(segments, gap if len(segments) > 1 else 0)
-        self._read(path, sum(b - a for a, b in ext))  # the gaps read through count, as a worker counts them
         self.preadv_calls += len(ext)
         self.extents.setdefault(path, []).extend(ext)
 

@@ -231,8 +231,8 @@ class Worker:
 
     def _read_into(self, path: str, segments: list[tuple[int, int]], mem: torch.Tensor, pos: int = 0) -> int:
         """Read the file's ``segments`` one after the other into uint8 ``mem`` from byte ``pos``
-        on (:func:`~sdadapt._engine.syscalls.read_runs`); returns the bytes placed in ``mem``
-        (the gaps read through count in ``nbytes`` only)."""
+        on (:func:`~sdadapt._engine.syscalls.read_runs`); returns the bytes read; the file
+        extents the calls asked for (gaps read through included) go to ``extents``."""
         sh = self.shared
         fd = sh.fds[path]
         gap = sh.gap if len(segments) > 1 else 0
@@ -243,8 +243,9 @@ class Worker:
         self.calls += calls
         self.reading += time.perf_counter() - start
         self.extents.setdefault(path, []).extend(extents)
-        self.nbytes += sum(b - a for a, b in extents)  # the gaps read through count as read
-        return sum(size for _, size in segments)
+        n = sum(size for _, size in segments)  # the gaps read through count in storage_bytes only
+        self.nbytes += n
+        return n
 
     def _direct(self, task: DirectRead) -> None:
         syscalls.populate(task.dest)

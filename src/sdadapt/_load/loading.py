@@ -46,6 +46,9 @@ class LoadReport(BaseModel):
         keys_loaded: the keys written on this rank.
         items_read: the reads DCP asked this rank for.
         bytes_read: the bytes read from the files.
+        storage_bytes: what storage delivers for those reads on a cold page cache: every file
+            page they touch, once, the gaps a joined read of a column slice's rows reads through
+            included (the dry run predicts it: ``DryRunRank.storage_bytes``).
         bytes_shared: the bytes received from replicas (``share_reads=True``).
         bytes_fetched: the bytes fetched from object storage (a ``s3://`` / ``gs://`` source),
             headers not counted.
@@ -79,6 +82,7 @@ class LoadReport(BaseModel):
     keys_loaded: int
     items_read: int
     bytes_read: int
+    storage_bytes: int = 0  # what a cold page cache reads from storage for this rank's reads
     bytes_shared: int = 0  # received from replicas (share_reads=True) instead of read
     bytes_fetched: int = 0  # from object storage, before reading (s3:// and gs:// sources)
     requests: int = 0  # the ranged requests that fetch took
@@ -101,6 +105,9 @@ class LoadReport(BaseModel):
             f"rank {self.rank}/{self.world_size}: loaded {self.keys_loaded} keys ({self.items_read} shard "
             f"regions), read {self.bytes_read / 2**20:.1f} MiB for {self.local_bytes / 2**20:.1f} MiB of "
             f"local shards"
+            + (f" ({self.storage_bytes / 2**20:.1f} MiB from storage when cold)" if self.storage_bytes else "")
+            + (f", fetched {self.bytes_fetched / 2**20:.1f} MiB from object storage in {self.requests} requests"
+               if self.bytes_fetched else "")
             + (f" (+{self.bytes_shared / 2**20:.1f} MiB from replicas)" if self.bytes_shared else "")
             + (f", fetched {self.bytes_fetched / 2**20:.1f} MiB in {self.requests} requests" if self.bytes_fetched else "")
             + f" in {self.seconds:.2f} s (plan {self.plan_seconds:.2f} s, read {self.read_seconds:.2f} s)"
@@ -426,6 +433,7 @@ def _load_report(part: Part, prep: _Prepared, options: Options, phases: _Phases,
         keys_loaded=len(part.targets),
         items_read=reader.items_read,
         bytes_read=reader.io.bytes_read,
+        storage_bytes=reader.stats.storage_bytes,
         bytes_shared=reader.shared_bytes,
         bytes_fetched=reader.fetched[0],
         requests=reader.fetched[1],
