@@ -43,6 +43,7 @@ from .._plan.plan import build_plan
 from .._plan.registry import EngineLayout
 from .._plan.target import model_state_dict, schema_of
 from .._recipes.nodes import Compute, Node, Piece, Step
+from .._transaction.options import Options
 from ..errors import RefitError, SdadaptError
 from .refit_run import Refit, _Mine
 from .refit_schedule import Held, Request, round_bytes, transfers_of, volume
@@ -147,8 +148,8 @@ def refit_plan(
         sdadapt.refit_plan(trainer, whole_engine_on_meta, adapter, send=push_to_engine)()
     """
     try:
-        return _refit_plan(trainer, engine, adapter, engine_layout, process_group, bucket_bytes, delta, timeout,
-                           allow_missing, allow_unexpected, send)  # fmt: skip
+        options = Options(name="the trainer", allow_missing=tuple(allow_missing or ()), allow_unexpected=tuple(allow_unexpected or ()))
+        return _refit_plan(trainer, engine, adapter, engine_layout, process_group, bucket_bytes, delta, timeout, options, send)
     except RuntimeError as e:  # the backend's error: a rank left, or broke the group, while the ranks planned
         raise RefitError(
             f"planning the refit failed on rank {rank_and_world(process_group)[0]}: a collective failed ({type(e).__name__}: "
@@ -158,8 +159,7 @@ def refit_plan(
 
 def _refit_plan(trainer: nn.Module | Mapping[str, torch.Tensor] | None, engine: nn.Module | Mapping[str, torch.Tensor] | None,
                 adapter: Adapter | None, engine_layout: EngineLayout | None, process_group: dist.ProcessGroup | None,
-                bucket_bytes: int, delta: bool, timeout: float, allow_missing: list[str] | None,
-                allow_unexpected: list[str] | None, send: SendFn | None) -> Refit:  # fmt: skip
+                bucket_bytes: int, delta: bool, timeout: float, options: Options, send: SendFn | None) -> Refit:  # fmt: skip
     """:func:`refit_plan`'s planning."""
     group = process_group
     rank, world = rank_and_world(group)
@@ -209,8 +209,8 @@ def _refit_plan(trainer: nn.Module | Mapping[str, torch.Tensor] | None, engine: 
         if send is not None and not target:  # no engine described: the adapter's outputs as they come
             recipes, _ = plan_outputs(source, adapter, what="refit")
         else:
-            plan = build_plan(source, target, with_dtype(adapter, "model"), allow_missing=allow_missing,
-                              allow_unexpected=allow_unexpected, source_name="trainer", target_name="engine")  # fmt: skip
+            plan = build_plan(source, target, with_dtype(adapter, "model"), allow_missing=list(options.allow_missing),
+                              allow_unexpected=list(options.allow_unexpected), source_name="trainer", target_name="engine")  # fmt: skip
             if not plan.report.ok:
                 raise RefitError("the trainer's tensors, through the adapter, do not line up with the engine's:\n" + plan.report.format())
             recipes = plan.recipes
