@@ -38,6 +38,7 @@ torchtitan-style layout. ``adapter.inverse()`` writes Megatron's names back (``s
 from __future__ import annotations
 
 import io
+import os
 import re
 from typing import Any, Literal
 
@@ -257,6 +258,8 @@ def options_from_config(folder: str, source: str | Source | None = None) -> dict
     divide the heads and the QKV rows; every stored tensor is covered by its chunks; every
     ``_extra_state`` is readable and empty. Each refusal names the key and the fix.
     """
+    if not isinstance(source, Source) and not os.path.isfile(os.path.join(folder, "metadata.json")):
+        return _options_from_hf_config(folder)
     common = read_megatron_common(source if isinstance(source, Source) else folder)
     _check_versions(common, folder)
     args = common.get("args") or {}
@@ -305,6 +308,27 @@ def options_from_config(folder: str, source: str | Source | None = None) -> dict
     refusal = _extra_state_refusal(source if isinstance(source, Source) else None, folder, non_tensor)
     if refusal:
         opts["extra_state"] = refusal
+    return opts
+
+
+def _options_from_hf_config(folder: str) -> dict[str, Any]:
+    """Options for writing a Megatron checkpoint from a model with an HF ``config.json`` (an export
+    of a model that was not loaded from Megatron): Megatron's default layout (stacked layers,
+    fused fc1, stacked experts)."""
+    cfg = sdadapt.sources.read_config_file(os.path.join(folder, "config.json"))
+    nh = cfg.get("num_attention_heads")
+    opts: dict[str, Any] = {"layers": "stacked", "fc1": "fused", "extra_state": "none",
+                            "tie_embeddings": bool(cfg.get("tie_word_embeddings", False))}
+    if nh is not None:
+        opts["n_heads"] = nh
+        opts["n_query_groups"] = cfg.get("num_key_value_heads") or nh
+        hd = cfg.get("head_dim") or (cfg["hidden_size"] // nh if cfg.get("hidden_size") else None)
+        if hd is not None:
+            opts["head_dim"] = hd
+    opts["qk_layernorm"] = str(cfg.get("model_type", "")).startswith("qwen3")
+    n_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if n_experts:
+        opts["experts"], opts["n_experts"] = "stacked", n_experts
     return opts
 
 

@@ -193,6 +193,19 @@ def _pipeline_checkpoint(ns: dict[str, Any]) -> None:
     os.symlink(ROOT / "examples", "examples")
 
 
+def _megatron_checkpoint(ns: dict[str, Any]) -> None:
+    """A Megatron-LM checkpoint folder holding the ``dense`` checkpoint Megatron-Core wrote
+    (support.megatron_ckpt; the megatron venv is made if missing)."""
+    import shutil
+
+    from support.megatron_ckpt import megatron_checkpoints
+
+    os.makedirs("checkpoints")
+    shutil.copytree(os.path.join(megatron_checkpoints(), "dense"), os.path.join("checkpoints", "iter_0000007"))
+    with open(os.path.join("checkpoints", "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("7")
+
+
 def _examples_folder(ns: dict[str, Any]) -> None:
     os.symlink(ROOT / "examples", "examples")
 
@@ -205,6 +218,8 @@ SETUPS: dict[tuple[str, str], Callable[[dict[str, Any]], None]] = {
     ("docs/pipeline.md", "Pipeline stages and expert parallel"): _pipeline_stage,
     ("docs/quantized.md", "Quantized releases: the `dequant` rules"): lambda ns: ns.update(_fp8_release("path/to/release")),
     ("docs/rules.md", "Quantized checkpoints: the dequant rules"): lambda ns: ns.update(release=_fp8_release("path/to/release")),
+    ("docs/megatron.md", "Load and write back"): _megatron_checkpoint,
+    ("docs/megatron.md", "From the command line"): _megatron_checkpoint,
 }
 
 

@@ -24,9 +24,11 @@ that the ``grouped_gemm`` kernels are importable although saving never calls the
 stands in for them in ``grouped_gemm_util`` for the ``grouped`` fixture (whose oracle holds
 no logits for that reason).
 
-``verify_load`` (``python ... --load CKPT TP ORACLE``) is the other direction: Megatron's
-``dist_checkpointing.load`` of a checkpoint sdadapt wrote, into a ``GPTModel`` at TP ``TP``
-(2 gloo processes for TP 2), compared bit for bit with the oracle's state and logits.
+``verify_load`` (``python ... --load JOBS.json``, a list of ``{ckpt, tp, oracle, result}``) is the
+other direction: Megatron's ``dist_checkpointing.load`` of checkpoints sdadapt wrote, each into a
+``GPTModel`` at its TP degree (one group of gloo processes per degree, for all its jobs); each
+rank's parameters compared bit for bit with its part of the oracle's state, and the logits with
+the oracle's; the ranks' reports as JSON in ``result``.
 """
 
 from __future__ import annotations
@@ -294,48 +296,56 @@ def write(out: str, names: list[str]) -> None:
             mp.spawn(_spawned, args=(1, _free_port(), _oracle_tp1, name, out), nprocs=1, join=True)
 
 
-def _verify_rank(rank: int, world: int, port: int, ckpt: str, oracle_path: str, result: str) -> None:
-    oracle = torch.load(oracle_path, weights_only=False)
-    spec = dict(oracle["spec"], tp=world)
+def _verify_rank(rank: int, world: int, port: int, jobs: list[list[str]]) -> None:
+    """Every job of this TP degree in one group of processes: Megatron's load of ``ckpt`` into a
+    fresh ``GPTModel`` of the oracle's shape, compared with the oracle."""
     _cpu_patches()
     _init(rank, world, port, world)
-    model = build(spec)
-    with torch.no_grad():
-        for t in model.parameters():
-            t.zero_()
-    load_megatron(model, spec, ckpt)
-    logits = None if spec.get("grouped") else logits_of(model, oracle["tokens"])
-    report: dict[str, Any] = {}
-    if world == 1:
+    for ckpt, oracle_path, result in jobs:
+        oracle = torch.load(oracle_path, weights_only=False)
+        spec = dict(oracle["spec"], tp=world)
+        model = build(spec)
+        with torch.no_grad():
+            for t in model.parameters():
+                t.zero_()
+        load_megatron(model, spec, ckpt)
+        logits = None if spec.get("grouped") else logits_of(model, oracle["tokens"])
         got = state_of(model)
-        want = oracle["state"]
-        report["keys_equal"] = sorted(got) == sorted(want)
-        report["unequal"] = sorted(k for k in want if k not in got or not torch.equal(got[k], want[k]))
-    if logits is not None:
-        ref = oracle.get("logits_tp1", oracle["logits"]) if world == 1 else oracle["logits"]
-        report["logits_equal"] = bool(torch.equal(logits, ref))
-        report["logits_max_diff"] = float((logits - ref).abs().max())
-    if rank == 0:
-        with open(result, "w") as f:
-            json.dump(report, f)
+        want = {k: _local_part(model, k, v, got[k]) if k in got else v for k, v in oracle["state"].items()}
+        report: dict[str, Any] = {
+            "keys_equal": sorted(got) == sorted(want),
+            "unequal": sorted(k for k in want if k not in got or not torch.equal(got[k], want[k])),
+        }
+        if logits is not None:
+            ref = oracle.get("logits_tp1", oracle["logits"])
+            report["logits_max_diff"] = float((logits - ref).abs().max())
+        reports: list[Any] = [None] * world
+        torch.distributed.all_gather_object(reports, report)
+        if rank == 0:
+            with open(result, "w") as f:
+                json.dump(reports, f)
     torch.distributed.destroy_process_group()
 
 
-def verify_load(ckpt: str, tp: int, oracle: str, result: str) -> None:
+def verify_load(jobs: list[dict[str, Any]]) -> None:
+    """Megatron's load of each job's ``ckpt`` at its ``tp``; one group of processes per TP degree."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_spawned, args=(tp, _free_port(), _verify_rank, ckpt, oracle, result), nprocs=tp, join=True)
+    for tp in sorted({int(j["tp"]) for j in jobs}):
+        mine = [[j["ckpt"], j["oracle"], j["result"]] for j in jobs if int(j["tp"]) == tp]
+        mp.spawn(_spawned, args=(tp, _free_port(), _verify_rank, mine), nprocs=tp, join=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", nargs="?")
     ap.add_argument("names", nargs="*")
-    ap.add_argument("--load", nargs=4, metavar=("CKPT", "TP", "ORACLE", "RESULT"))
+    ap.add_argument("--load", metavar="JOBS_JSON", help="[{ckpt, tp, oracle, result}, ...]: Megatron loads each ckpt")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if args.load:
-        verify_load(args.load[0], int(args.load[1]), args.load[2], args.load[3])
+        with open(args.load) as f:
+            verify_load(json.load(f))
         return
     write(args.out, args.names or list(FIXTURES))
 

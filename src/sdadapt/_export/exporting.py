@@ -76,7 +76,7 @@ class ExportReport(BaseModel):
 
     Attributes:
         dst: what was written.
-        format: ``"safetensors"``, ``"torch"`` or ``"dcp"``.
+        format: ``"safetensors"``, ``"torch"``, ``"dcp"`` or ``"torch_dist"`` (Megatron-Core's).
         tensors: tensors written.
         bytes: bytes written.
         files: the files written.
@@ -280,7 +280,7 @@ def export(
         dst: the folder (``"safetensors"``, ``"dcp"``) or file (``"torch"``) to write.
         adapter: the checkpoint->model adapter you load with, or a spec string; ``None``: the
             model's own keys.
-        format: ``"safetensors"``, ``"torch"`` or ``"dcp"``.
+        format: ``"safetensors"``, ``"torch"``, ``"dcp"`` or ``"torch_dist"`` (Megatron-Core's).
         max_shard_size: the largest safetensors shard (``"5GB"`` or bytes).
         overwrite: replace an existing ``dst``.
         process_group: the group the ranks export over.
@@ -430,7 +430,7 @@ def convert(
         src: the checkpoint path, Hub id or :class:`~sdadapt.sources.Source`.
         dst: the folder (``"safetensors"``, ``"dcp"``) or file (``"torch"``) to write.
         adapter: the source->destination adapter, or a spec string; ``None``: keys unchanged.
-        format: ``"safetensors"``, ``"torch"`` or ``"dcp"``.
+        format: ``"safetensors"``, ``"torch"``, ``"dcp"`` or ``"torch_dist"`` (Megatron-Core's).
         max_shard_size: the largest safetensors shard.
         subtree: the nested dict of a ``torch.save`` file or DCP folder to read.
         overwrite: replace an existing ``dst``.

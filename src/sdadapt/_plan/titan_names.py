@@ -17,7 +17,7 @@ import logging
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from ..rules import KeyPattern, PlanContext, Tie, fuse, interleave, rename, tie
+from ..rules import KeyPattern, PlanContext, Rename, Tie, fuse, interleave, rename, tie
 from .adapter import Adapter
 
 __all__ = [
@@ -181,6 +181,10 @@ def for_export(adapter: Adapter, state: dict[str, Any]) -> tuple[Adapter, dict[s
         log.info("not exported: %d keys the checkpoint has no place for (%s)", len(left), ", ".join(sorted(left)[:4]))
         state = {k: v for k, v in state.items() if k not in left}
     names = native_names(state)
+    if names is not None:  # a name the adapter yields itself (an adapter onto HF names: lm_head) needs no rename
+        yields = [KeyPattern(p) for r in adapter.inverse().rules if r.moves_keys for p in r.input_patterns()]
+        kept = [r for r in names.rules if not (isinstance(r, Rename) and any(p.match(r.dst) is not None for p in yields))]
+        names = Adapter(kept, name=names.name, description=names.description) if kept else None
     return (adapter if names is None else adapter + names), state
 
 

@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("src", metavar="SRC", help="checkpoint to read (a path, or hf://org/name[@rev])")
     parser.add_argument("dst", metavar="DST", help="file (torch) or folder (safetensors, dcp) to write")
-    parser.add_argument("--to", dest="fmt", required=True, choices=["safetensors", "torch", "dcp"], help="output format")
+    parser.add_argument("--to", dest="fmt", required=True, choices=["safetensors", "torch", "dcp", "torch_dist"], help="output format")
     parser.add_argument("--adapter", "-a", metavar="A", help="adapter name, .json file, or module:ATTR")
     parser.add_argument(
         "--adapter-option", "--option", "-O", action="append", default=[], metavar="KEY=VALUE",

@@ -7,7 +7,9 @@ So memory stays at about one tensor, whatever the size of the checkpoint.
 - :class:`SafetensorsWriter`: HF layout, ``model.safetensors`` or size-bounded shards +
   ``model.safetensors.index.json``;
 - :class:`TorchSaveWriter`: one ``torch.save`` zip file (readable with ``mmap=True``);
-- :class:`DCPWriter`: a torch.distributed.checkpoint folder, through ``dcp.save``.
+- :class:`DCPWriter`: a torch.distributed.checkpoint folder, through ``dcp.save``;
+- :class:`MegatronWriter`: Megatron-Core's ``torch_dist`` (that DCP folder, its ``_extra_state``
+  objects, ``common.pt`` and ``metadata.json``).
 
 :func:`make_writer` imports a writer's module only when it is asked for that format: the DCP
 writer imports ``torch.distributed.checkpoint``'s saving side, which an export to safetensors
@@ -35,6 +37,10 @@ def make_writer(fmt: str, path: str, max_shard_size: int | str = "5GB") -> Write
         from .dcp_writer import DCPWriter
 
         return DCPWriter(path)
+    if fmt == "torch_dist":
+        from .megatron_writer import MegatronWriter
+
+        return MegatronWriter(path)
     raise SdadaptError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 

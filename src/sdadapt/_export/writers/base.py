@@ -13,7 +13,7 @@ from ..._base.schema import TensorInfo
 from ...errors import SdadaptError
 
 Pull = Callable[[str], torch.Tensor]  # pull(key): the tensor of output key, made when the writer asks
-FORMATS = ("safetensors", "torch", "dcp")
+FORMATS = ("safetensors", "torch", "dcp", "torch_dist")
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
