@@ -234,6 +234,7 @@ BENCH_PRIVATE: dict[str, dict[str, str]] = {
     "agreement_bench.py": {"sdadapt._base.agreement": "times the ranks' agreement on its own",
                            "sdadapt._plan.intent": "the parts a load agrees on, built from a plan",
                            "sdadapt._recipes.nodes": "the leaves of a Llama-shaped plan, without a checkpoint"},  # fmt: skip
+    "quant_kernel_bench.py": {"sdadapt._recipes": "times the eager quantizers (quant, quant_scaled) against quant_fused's kernels"},
     # the probes: each asks one question about the engine's internals
     "probes/first_kernel_probe.py": {"sdadapt._recipes": "times the first launch of each dequantisation op",
                                      "sdadapt._recipes.quant": "the e2m1 table built on the device and on the host"},  # fmt: skip

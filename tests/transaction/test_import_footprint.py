@@ -31,6 +31,9 @@ NOT_ON_THE_PLAIN_PATH = [
     "sdadapt._recipes.quant_nodes",
     "sdadapt._recipes.quant_scaled",
     "sdadapt._recipes.quant_scaled_nodes",
+    "sdadapt._recipes.quant_fused",
+    "sdadapt._recipes.quant_kernels",
+    "triton",
     # the LoRA merge
     "sdadapt.rules._lora",
     "sdadapt._recipes.lora",

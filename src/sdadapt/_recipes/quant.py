@@ -59,6 +59,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def true_div(a: torch.Tensor, b: float) -> torch.Tensor:
+    """``a / b`` rounded once, as IEEE division, on every device: torch's CUDA kernels multiply by
+    the reciprocal of a divisor given as a Python number (another rounding than the CPU's
+    division and compressed-tensors' reference), never of a tensor."""
+    return a / torch.full_like(a, b)
+
+
 # --- scales ---------------------------------------------------------------------------------------
 
 
@@ -201,7 +208,7 @@ def quantize_fp8(x: torch.Tensor, block: tuple[int, int], fmt: ScaleFormat) -> t
     blocks, shape = _fp8_blocks(x, block)
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., nr, nc]
     if fmt == "float32":
-        stored = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        stored = torch.where(amax > 0, true_div(amax, E4M3_MAX), torch.ones_like(amax))
         if x.dtype == torch.float32:
             stored = _exact_fp32_scale(blocks, stored)
         mult = stored

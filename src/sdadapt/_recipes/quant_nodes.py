@@ -23,9 +23,11 @@ from typing import Literal
 
 import torch
 
-from .._base.regions import Box
+from .._base.regions import Box, box_shape
 from .._base.schema import dtype_name
 from . import quant as Q
+from . import quant_fused as QF
+from .moves import Concatenated
 from .nodes import Bands, Compute, Input, Kernel, Node, SourceIO, Step
 
 Part = Literal["values", "scales"]
@@ -218,10 +220,52 @@ class QuantizedFP8(_Computed):
             wide = ((a0 * b0, min(rows, a1 * b0)), (c0 * b1, min(cols, c1 * b1)))
         return (Input(self.child, box[:-2] + wide),)
 
+    def _row_parts(self, box: Box) -> list[tuple[Node, Box, int]] | None:
+        """Where ``child`` joins parts along its rows and ``box`` (whole blocks) cuts them only
+        at block boundaries (fused q/k/v, gate/up): ``(part, its region, first row in box)`` for
+        each part the box touches, quantized apart (no block holds two parts' rows), never
+        joined first; else ``None``."""
+        child = self.child
+        rows_dim = len(child.shape) - 2
+        if not isinstance(child, Concatenated) or child.dim % len(child.shape) != rows_dim:
+            return None
+        (a0, a1), out, offset = box[rows_dim], [], 0
+        for part in child.parts:
+            n = part.shape[rows_dim]
+            lo, hi = max(a0, offset), min(a1, offset + n)
+            if lo < hi:
+                if (lo - a0) % self.block[0]:
+                    return None
+                out.append((part, box[:rows_dim] + ((lo - offset, hi - offset),) + box[rows_dim + 1 :], lo - a0))
+            offset += n
+        return out if len(out) > 1 else None
+
+    def _quantize(self, src: Input, io: SourceIO) -> tuple[torch.Tensor | None, torch.Tensor]:
+        values = self.part == "values"
+        parts = self._row_parts(src.box)
+        if parts is None:
+            return QF.quantize_fp8(src.value(io), self.block, self.scale_format, values=values)
+        b0 = self.block[0]
+        q: torch.Tensor | None = None
+        scale: torch.Tensor | None = None
+        for part, box, first in parts:
+            qi, si = QF.quantize_fp8(part.read(box, io), self.block, self.scale_format, values=values)
+            if scale is None:
+                shape = box_shape(src.box)
+                scale = si.new_empty(Q.fp8_scale_shape(shape, self.block))
+                q = torch.empty(shape, dtype=Q.FP8_DTYPE, device=si.device) if values else None
+            scale[..., first // b0 : first // b0 + si.shape[-2], :] = si
+            if q is not None:
+                assert qi is not None
+                q[..., first : first + qi.shape[-2], :] = qi
+        assert scale is not None
+        return q, scale
+
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
         (src,) = self._inputs(box)
-        q, scale = Q.quantize_fp8(src.value(io), self.block, self.scale_format)
+        q, scale = self._quantize(src, io)
         if self.part == "values":  # quantized whole blocks, narrowed
+            assert q is not None
             (a0, a1), (c0, c1) = box[-2:]
             (r_lo, _), (c_lo, _) = src.box[-2:]
             return q[..., a0 - r_lo : a1 - r_lo, c0 - c_lo : c1 - c_lo]

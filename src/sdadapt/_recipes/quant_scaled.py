@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .quant import E4M3_MAX, FP8_DTYPE, decode_e8m0, e2m1_codes, encode_e8m0, fp4_pairs, pow2_scale_bytes
+from .quant import E4M3_MAX, FP8_DTYPE, decode_e8m0, e2m1_codes, encode_e8m0, fp4_pairs, pow2_scale_bytes, true_div
 
 Codec = Literal["e4m3", "int8", "e2m1", "int4", "int8_packed"]
 Strategy = Literal["tensor", "channel", "group", "block"]
@@ -273,7 +273,7 @@ def quantize_fp8_scaled(x: torch.Tensor, block: tuple[int, int], scale_dtype: to
     observer chooses it. Values dequantised from such codes give their scales back exactly
     whenever some code of the block is +-448 (the largest value of a block quantizes to 448)."""
     amax = _grid_amax(x, block)
-    stored = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax)).to(scale_dtype)
+    stored = torch.where(amax > 0, true_div(amax, E4M3_MAX), torch.ones_like(amax)).to(scale_dtype)
     s = stored.to(torch.float32)
     codes = (x.to(torch.float32) / _spread(s, x.shape, block)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
     return codes, stored
@@ -308,7 +308,7 @@ def quantize_nvfp4(
     the sign of -0.0."""
     amax = _grid_amax(x, (1, NVFP4_GROUP))
     g = glob.to(torch.float32).reshape(())
-    want = g * (amax / E2M1_MAX) if mode == "divide" else amax / (E2M1_MAX * g)
+    want = g * true_div(amax, E2M1_MAX) if mode == "divide" else amax / (E2M1_MAX * g)
     stored = want.clamp(max=E4M3_MAX).to(FP8_DTYPE)
     s = scale_multipliers(stored, glob, mode)
     s = torch.where(s > 0, s, torch.ones_like(s))
@@ -341,13 +341,13 @@ def quantize_int(
     cands: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (stored scale, zero) per block
     if zero:
         for span in (qmax - qmin, qmax - qmin - 1):
-            for stored in _neighbours(_stored_scale((hi - lo) / span, scale_dtype)):
+            for stored in _neighbours(_stored_scale(true_div(hi - lo, span), scale_dtype)):
                 z0 = torch.round(qmin - lo / stored.to(torch.float32))
                 cands += [(stored, (z0 + dz).clamp(qmin, qmax)) for dz in (0, 1)]
     else:
         amax = torch.maximum(-lo, hi)
-        cands = [(s, None) for n in (qmax, qmax + 1) for s in _neighbours(_stored_scale(amax / n, scale_dtype))]
-        cands.append((_stored_scale(amax / (qmax + 0.5), scale_dtype), None))
+        cands = [(s, None) for n in (qmax, qmax + 1) for s in _neighbours(_stored_scale(true_div(amax, n), scale_dtype))]
+        cands.append((_stored_scale(true_div(amax, qmax + 0.5), scale_dtype), None))
     best_s, best_z = cands[0][0].clone(), None if cands[0][1] is None else cands[0][1].clone()
     best_q = torch.empty_like(flat)
     score = torch.full_like(lo, float("inf"))

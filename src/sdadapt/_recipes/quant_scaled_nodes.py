@@ -17,6 +17,7 @@ import torch
 
 from .._base.regions import Box, box_shape, full_box
 from .._base.schema import dtype_name
+from . import quant_fused as QF
 from . import quant_scaled as S
 from .nodes import Input, Node, SourceIO
 from .quant_nodes import _Computed, _Dequant
@@ -154,9 +155,10 @@ class QuantizedScaled(_Computed):
     def children(self) -> tuple[Node, ...]:
         return (self.child,) if self.glob is None else (self.child, self.glob)
 
-    def _quantize(self, x: torch.Tensor, io: SourceIO) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _quantize(self, x: torch.Tensor, io: SourceIO) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """The codes (``None`` where the fused path skipped them for a part that is not the values), scales, zero points."""
         glob = None if self.glob is None else self.glob.read(full_box(tuple(self.glob.shape)), io)
-        return S.quantize(x, self.codec, self.block, self.scale_dtype, self.zero, glob, self.mode)
+        return QF.quantize_scaled(x, self.codec, self.block, self.scale_dtype, self.zero, glob, self.mode, values=self.part == "values")
 
     def _source_box(self, box: Box) -> Box:
         """The region of ``child`` that region ``box`` is quantized from: the whole blocks it
@@ -191,6 +193,7 @@ class QuantizedScaled(_Computed):
             c0 = p0 * unit
             (r_lo, _), (c_lo, _) = src[-2:]
             q = self._quantize(self.child.read(src, io), io)[0]
+            assert q is not None
             return q[..., a0 - r_lo : a1 - r_lo, (c0 - c_lo) // unit : (c0 - c_lo) // unit + p1 - p0]
         _, scales, zeros = self._quantize(self.child.read(src, io), io)
         if self._per_tensor():  # one scale for the whole tensor
@@ -200,7 +203,8 @@ class QuantizedScaled(_Computed):
         return out.reshape(box_shape(box))
 
     def full(self, io: SourceIO) -> torch.Tensor:
-        q, s, z = self._quantize(self.child.full(io), io)
+        glob = None if self.glob is None else self.glob.full(io)
+        q, s, z = S.quantize(self.child.full(io), self.codec, self.block, self.scale_dtype, self.zero, glob, self.mode)
         if self.part == "zeros":
             assert z is not None
             return z

@@ -1,0 +1,299 @@
+"""Quantization that reads each block once where it gives the eager bits, the eager functions elsewhere.
+
+:func:`quantize_fp8` and :func:`quantize_scaled` return exactly what
+:func:`sdadapt._recipes.quant.quantize_fp8` and :func:`sdadapt._recipes.quant_scaled.quantize`
+return. On a CUDA device (compute capability 8.9 or later, Triton installed) the formats that
+:mod:`sdadapt._recipes.quant_kernels` implements run there in one pass over each block: FP8 with
+float32 block scales (the exact-neighbour search of float32 inputs included), UE8M0 FP8, MXFP8,
+compressed-tensors FP8 per tensor, channel, group or block, and NVFP4. Before a kernel variant is
+first used on a device it runs beside the eager function on a sample holding the cases that
+differ most easily (all-zero blocks, values dequantised from FP8, subnormals, NaN and infinity,
+partial blocks); where any byte differs, or the kernel fails to build, that variant is never
+used in the process and the eager function serves (logged once). Everything else (CPU tensors,
+integer and MXFP4 codes, zero points) goes to the eager functions.
+
+``SDADAPT_QUANT_KERNELS=0`` turns the kernels off (the eager functions everywhere).
+
+``values=False`` asks for the scales alone: the kernel then writes no codes (the scale of a
+float32 block still needs its codes, computed and dropped).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+import torch
+
+from . import quant as Q
+from . import quant_scaled as S
+from .quant_kernels import MODE_FP8, MODE_NVFP4, MODE_POW2, MODE_SCALED, SDT_CODES, build
+
+log = logging.getLogger(__name__)
+
+_TILE = 8192  # elements per program for small blocks (several blocks a program)
+_checked: dict[tuple[object, ...], bool] = {}
+_lock = threading.Lock()
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _device_ok(x: torch.Tensor) -> bool:
+    if os.environ.get("SDADAPT_QUANT_KERNELS", "1") == "0":
+        return False
+    if x.device.type != "cuda" or x.dim() < 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    return torch.cuda.get_device_capability(x.device) >= (8, 9) and build() is not None
+
+
+def _geometry(block: tuple[int, int], search: bool) -> tuple[int, int] | None:
+    """Blocks per program ``(GR, GC)``: one block where the search needs it, else about :data:`_TILE` elements."""
+    b0, b1 = block
+    if not (_pow2(b0) and _pow2(b1)) or b0 * b1 > 16384:
+        return None
+    if search:
+        return (1, 1)
+    gc = max(1, 128 // b1)
+    return max(1, _TILE // (b0 * b1 * gc)), gc
+
+
+def _as3(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape((-1,) + tuple(x.shape[-2:])) if x.dim() != 3 else x
+
+
+def _launch(
+    x: torch.Tensor, block: tuple[int, int], mode: int, *, search: bool = False, sdt: int = 0, mult: bool = False,
+    glob: torch.Tensor | None = None, values: bool = True, scale_dtype: torch.dtype = torch.float32, packed: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Run the block kernel: (codes as stored, or ``None`` without ``values``; scales in ``scale_dtype``)."""
+    kernels = build()
+    assert kernels is not None
+    blocks_kernel = kernels[0]
+    geo = _geometry(block, search)
+    assert geo is not None
+    gr, gc = geo
+    b0, b1 = block
+    lead, (rows, cols) = tuple(x.shape[:-2]), tuple(x.shape[-2:])
+    x3 = _as3(x)
+    nr, nc = Q.cdiv(rows, b0), Q.cdiv(cols, b1)
+    qcols = cols // 2 if packed else cols
+    q = torch.empty(lead + (rows, qcols), dtype=torch.uint8 if packed else Q.FP8_DTYPE, device=x.device) if values else None
+    s = torch.empty(lead + (nr, nc), dtype=scale_dtype, device=x.device)
+    q3 = _as3(q.view(torch.uint8)) if q is not None else torch.empty((1, 1, 1), dtype=torch.uint8, device=x.device)
+    s3 = _as3(s.view(torch.uint8) if scale_dtype.itemsize == 1 else s)
+    g = glob if glob is not None else s3
+    grid = (Q.cdiv(rows, gr * b0), Q.cdiv(cols, gc * b1), x3.shape[0])
+    with torch.cuda.device(x.device):
+        blocks_kernel[grid](
+            x3, q3, s3, g, rows, cols, nr, nc, x3.stride(0), x3.stride(1), x3.stride(2),
+            q3.stride(0), q3.stride(1), s3.stride(0), s3.stride(1),
+            MODE=mode, SEARCH=search, SDT=sdt, MULT=mult, WRITE_Q=values, B0=b0, B1=b1, GR=gr, GC=gc,
+            num_warps=8 if gr * b0 * gc * b1 >= 8192 else 4,
+        )
+    return q, s
+
+
+def _sample(block: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of 3 x 4 blocks (partial at the ends where the block allows) holding the cases
+    the kernels could get wrong: zero blocks, values dequantised from FP8 (the float32 scale
+    search finds their scale), subnormals, NaN, infinities, wide magnitudes."""
+    b0, b1 = block
+    g = torch.Generator().manual_seed(64)
+    rows, cols = 3 * b0 - (1 if b0 > 2 else 0), 4 * b1 - (3 if b1 > 4 else 0)
+    x = torch.randn((2, rows, cols), generator=g, dtype=torch.float32)
+    x *= torch.logspace(-6, 6, rows * cols, dtype=torch.float32)[torch.randperm(rows * cols, generator=g)].view(rows, cols)
+    blk = (slice(0, b0), slice(0, b1))
+    x[0][blk] = 0.0
+    dq = torch.randn((b0, b1), generator=g) * 3.0
+    q, sc = Q.quantize_fp8(dq, (b0, b1), "float32")
+    x[0, b0 : 2 * b0, 0:b1] = Q.dequantize_fp8(q, sc, (b0, b1), "float32", torch.float32)
+    x[0, 0:b0, b1 : 2 * b1] *= 1e-39
+    x[1, 0, 0] = float("nan")
+    x[1, b0 if rows > b0 else 0, b1] = float("inf")
+    x[1, -1, -1] = float("-inf")
+    x[1, 0:b0, 2 * b1 : 3 * b1] = torch.randint(-4, 5, (b0, b1), generator=g).float() * 0.25
+    return x.to(dtype).to(device)
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _exact(key: tuple[object, ...], device: torch.device, fused: Callable[[torch.Tensor], tuple[torch.Tensor | None, ...]],
+           eager: Callable[[torch.Tensor], tuple[torch.Tensor | None, ...]], sample: Callable[[], torch.Tensor]) -> bool:
+    """Whether kernel variant ``key`` gives the eager bits on ``device`` (decided once per process)."""
+    full = (device.index if device.index is not None else torch.cuda.current_device(),) + key
+    got = _checked.get(full)
+    if got is not None:
+        return got
+    with _lock:
+        if full in _checked:
+            return _checked[full]
+        try:
+            x = sample()
+            ok = all(_same(a, b) for a, b in zip(fused(x), eager(x), strict=True))
+            if not ok:
+                log.warning("the fused quantization kernel %s differs from the eager arithmetic on %s: not used", key, device)
+        except Exception as e:  # a kernel that does not build or run here: the eager function serves
+            log.warning("the fused quantization kernel %s is not usable on %s (%s): not used", key, device, e)
+            ok = False
+        _checked[full] = ok
+        return ok
+
+
+def quantize_fp8(
+    x: torch.Tensor, block: tuple[int, int], fmt: Q.ScaleFormat, *, values: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """:func:`sdadapt._recipes.quant.quantize_fp8`, in one pass where that is exact (the codes
+    ``None`` with ``values=False`` on that path)."""
+    search = fmt == "float32" and x.dtype == torch.float32
+    if not _device_ok(x) or _geometry(block, search) is None:
+        return Q.quantize_fp8(x, block, fmt)
+    mode = MODE_FP8 if fmt == "float32" else MODE_POW2
+    scale_dtype = torch.float32 if mode == MODE_FP8 else torch.uint8
+
+    def fused(t: torch.Tensor, values: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+        q, s = _launch(t, block, mode, search=search, values=values, scale_dtype=scale_dtype)
+        return q, (Q.decode_e8m0(s) if fmt == "ue8m0_float32" else s)
+
+    key = ("fp8", fmt, block, x.dtype)
+    if not _exact(key, x.device, fused, lambda t: Q.quantize_fp8(t, block, fmt), lambda: _sample(block, x.dtype, x.device)):
+        return Q.quantize_fp8(x, block, fmt)
+    return fused(x, values)
+
+
+def quantize_scaled(
+    x: torch.Tensor, codec: S.Codec, block: tuple[int, int], scale_dtype: torch.dtype, zero: bool = False,
+    glob: torch.Tensor | None = None, mode: S.GlobalMode = "divide", *, values: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """:func:`sdadapt._recipes.quant_scaled.quantize`, in one pass where that is exact (the codes
+    ``None`` with ``values=False`` on that path)."""
+    run = _scaled_kernel(x, codec, block, scale_dtype, zero, glob, mode)
+    if run is None:
+        return S.quantize(x, codec, block, scale_dtype, zero, glob, mode)
+    fused, key, sample_block = run
+
+    def sample_geometry(t: torch.Tensor) -> tuple[int, int]:  # the sample's block: per row and per tensor span it
+        rows, cols = t.shape[-2:]
+        return (1, cols) if key[0] == "scaled-rows" else (rows, cols) if key[0] == "scaled-tensor" else sample_block
+
+    def eager(t: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return S.quantize(t, codec, sample_geometry(t), scale_dtype, zero, glob, mode)[:2]
+
+    def fused_sample(t: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return fused(t, sample_geometry(t), True)
+
+    if not _exact(key, x.device, fused_sample, eager, lambda: _sample(sample_block, x.dtype, x.device)):
+        return S.quantize(x, codec, block, scale_dtype, zero, glob, mode)
+    q, s = fused(x, block, values)
+    return q, s, None
+
+
+_Scaled = Callable[[torch.Tensor, tuple[int, int], bool], tuple[torch.Tensor | None, torch.Tensor]]
+
+
+def _scaled_kernel(
+    x: torch.Tensor, codec: S.Codec, block: tuple[int, int], scale_dtype: torch.dtype, zero: bool,
+    glob: torch.Tensor | None, mode: S.GlobalMode,
+) -> tuple[_Scaled, tuple[object, ...], tuple[int, int]] | None:
+    """The fused form of a scaled format: ``(fn(x, block, values), variant key, the sample's
+    block)``, or ``None`` where it has none."""
+    if zero or not _device_ok(x):
+        return None
+    if codec == "e2m1" and glob is not None:  # NVFP4: its own (1, 16) groups
+        group = (1, S.NVFP4_GROUP)
+        if glob.numel() != 1 or x.shape[-1] % S.NVFP4_GROUP or glob.device != x.device:
+            return None
+        g = glob.reshape(1)
+
+        def nvfp4(t: torch.Tensor, _b: tuple[int, int], values: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+            return _launch(t, group, MODE_NVFP4, mult=mode == "multiply", glob=g, values=values, scale_dtype=Q.FP8_DTYPE, packed=True)
+
+        return nvfp4, ("nvfp4", mode, x.dtype, glob.dtype), group
+    if codec != "e4m3" or glob is not None:
+        return None
+    if scale_dtype in S.E8M0_DTYPES:  # MXFP8
+        if _geometry(block, False) is None:
+            return None
+
+        def mx(t: torch.Tensor, b: tuple[int, int], values: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+            return _launch(t, b, MODE_POW2, values=values, scale_dtype=scale_dtype)
+
+        return mx, ("mx", block, scale_dtype, x.dtype), block
+    name = str(scale_dtype).removeprefix("torch.")
+    if name not in SDT_CODES:
+        return None
+    if _geometry(block, False) is not None:
+
+        def small(t: torch.Tensor, b: tuple[int, int], values: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+            return _launch(t, b, MODE_SCALED, sdt=SDT_CODES[name], values=values, scale_dtype=scale_dtype)
+
+        return small, ("scaled", block, scale_dtype, x.dtype), block
+    rows, cols = x.shape[-2:]
+    if block[0] == 1 and block[1] >= cols:  # per channel
+        return _per_row(SDT_CODES[name], scale_dtype), ("scaled-rows", scale_dtype, x.dtype), (1, 4096)
+    if block[0] >= rows and block[1] >= cols:  # per tensor
+        return _large_of(scale_dtype, True), ("scaled-tensor", scale_dtype, x.dtype), (384, 640)
+    return _large_of(scale_dtype, False), ("scaled-large", scale_dtype, x.dtype), (1, 512) if block[0] == 1 else (64, 512)
+
+
+def _per_row(sdt: int, scale_dtype: torch.dtype) -> _Scaled:
+    """One scale per row of the whole width: each program's rows read for the amax, then for the codes."""
+
+    def run(t: torch.Tensor, block: tuple[int, int], values: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        kernels = build()
+        assert kernels is not None
+        rows, cols = t.shape[-2:]
+        x3 = _as3(t)
+        q = torch.empty(t.shape, dtype=Q.FP8_DTYPE, device=t.device) if values else None
+        s = torch.empty(tuple(t.shape[:-1]) + (1,), dtype=scale_dtype, device=t.device)
+        q3 = _as3(q.view(torch.uint8)) if q is not None else torch.empty((1, 1, 1), dtype=torch.uint8, device=t.device)
+        s2 = (s.view(torch.uint8) if scale_dtype.itemsize == 1 else s).reshape(x3.shape[0], rows)
+        tr = 4
+        with torch.cuda.device(t.device):
+            kernels[2][(Q.cdiv(rows, tr), x3.shape[0])](
+                x3, q3, s2, rows, cols, x3.stride(0), x3.stride(1), x3.stride(2), q3.stride(0), q3.stride(1), s2.stride(0),
+                SDT=sdt, WRITE_Q=values, TR=tr, TC=1024, num_warps=4,
+            )
+        return q, s
+
+    return run
+
+
+def _large_of(scale_dtype: torch.dtype, whole: bool) -> _Scaled:
+    """FP8 against blocks too large for one program: the block scales as the eager function
+    makes them (``whole``: one per tensor of the lead dims, its amax in one pass), then one pass
+    dividing by them."""
+
+    def run(t: torch.Tensor, block: tuple[int, int], values: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        lead = tuple(t.shape[:-2])
+        if whole:
+            low, high = torch.aminmax(t.reshape(lead + (-1,)).to(torch.float32), dim=-1)
+            amax = torch.maximum(-low, high).reshape(lead + (1, 1))
+        else:
+            amax = S._grid_amax(t, block)
+        stored = torch.where(amax > 0, Q.true_div(amax, Q.E4M3_MAX), torch.ones_like(amax)).to(scale_dtype)
+        if not values:
+            return None, stored
+        kernels = build()
+        assert kernels is not None
+        s = stored.to(torch.float32).contiguous()
+        rows, cols = t.shape[-2:]
+        x3 = _as3(t)
+        q = torch.empty(t.shape, dtype=Q.FP8_DTYPE, device=t.device)
+        q3, s3 = _as3(q.view(torch.uint8)), _as3(s)
+        tr, tc = 32, 256
+        with torch.cuda.device(t.device):
+            kernels[1][(Q.cdiv(rows, tr), Q.cdiv(cols, tc), x3.shape[0])](
+                x3, q3, s3, rows, cols, block[0], block[1], s3.shape[-1], x3.stride(0), x3.stride(1), x3.stride(2),
+                q3.stride(0), q3.stride(1), s3.stride(0) if s3.shape[0] > 1 else 0, SCALAR=whole, TR=tr, TC=tc, num_warps=8,
+            )
+        return q, stored
+
+    return run

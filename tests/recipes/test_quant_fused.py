@@ -1,0 +1,142 @@
+"""Quantization through :mod:`sdadapt._recipes.quant_fused`: on the CPU the eager functions, on a
+CUDA device the one-pass kernels; both give compressed-tensors' codes and scales for the formats
+it quantizes the same way (FP8 per tensor, per channel, per 128 x 128 block and NVFP4, on float32
+values), and the kernels give the eager functions' bytes on any input (edge cases, views, lead
+dims, partial blocks) or are not chosen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sdadapt._recipes import quant as Q
+from sdadapt._recipes import quant_fused as QF
+from sdadapt._recipes import quant_scaled as S
+
+ct_release = pytest.importorskip("support.ct_release")
+
+CUDA = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device of compute capability 8.9 or later")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    assert a is not None and b is not None
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bytes(a), _bytes(b))
+
+
+def _weight(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn((rows, cols), generator=g) * torch.logspace(-3, 1, rows).unsqueeze(1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["fp8_block", "fp8_channel", "fp8_tensor", "nvfp4"])
+def test_codes_and_scales_are_compressed_tensors(name: str, device: str) -> None:
+    """compressed-tensors' own quantization (its scales, its compressor) of a float32 weight with
+    partial blocks, against ours on ``device``, byte for byte; FP8 blocks through both of our FP8
+    functions (the block-scaled release's ``quantize_fp8`` and compressed-tensors' format)."""
+    w = _weight(300, 640)
+    ref = ct_release.compress(w, name, ct_release.scheme_of(name))
+    x = w.to(device)
+    rows, cols = w.shape
+    if name == "nvfp4":
+        q, s, _ = QF.quantize_scaled(x, "e2m1", (1, 16), Q.FP8_DTYPE, glob=ref["weight_global_scale"].to(device))
+        assert _same(q, ref["weight_packed"].to(device)) and _same(s, ref["weight_scale"].to(device))
+        return
+    block = {"fp8_block": (128, 128), "fp8_channel": (1, cols), "fp8_tensor": (rows, cols)}[name]
+    q, s, _ = QF.quantize_scaled(x, "e4m3", block, torch.float32)
+    assert _same(q, ref["weight"].to(device))
+    assert torch.equal(s.reshape(-1), ref["weight_scale"].to(device).reshape(-1))
+    if name == "fp8_block":
+        q2, s2 = QF.quantize_fp8(x, block, "float32")
+        assert _same(q2, ref["weight"].to(device)) and torch.equal(s2, ref["weight_scale"].to(device))
+
+
+def _cases(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Weights the kernels could get wrong: partial blocks, a strided view, lead dims, values
+    dequantised from FP8 (the float32 search finds their scale), zeros, subnormals, NaN, inf."""
+    g = torch.Generator().manual_seed(1)
+    plain = _weight(384, 512, seed=2)
+    fp8 = Q.dequantize_fp8(*Q.quantize_fp8(plain, (128, 128), "float32"), (128, 128), "float32", torch.float32)
+    odd = _weight(259, 333, seed=3)
+    odd[:128, :128] = 0.0
+    odd[128:256, 128:256] *= 1e-39
+    odd[5, 300] = float("nan")
+    odd[200, 7] = float("inf")
+    wide = torch.randn((3, 256, 1024), generator=g)[:, :, ::2]  # lead dim, strided columns
+    return [t.to(dtype) for t in (plain, fp8, odd, wide, torch.zeros(128, 256))]
+
+
+def _fused_used(prefix: str) -> bool:
+    return any(ok for key, ok in QF._checked.items() if key[1] == prefix)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", ["float32", "ue8m0", "ue8m0_float32"])
+def test_fp8_block_kernel_is_the_eager_function(fmt: Q.ScaleFormat, dtype: torch.dtype) -> None:
+    for x in _cases(dtype):
+        for block in ((128, 128), (1, 128)):
+            want = Q.quantize_fp8(x.cuda(), block, fmt)
+            got = QF.quantize_fp8(x.cuda(), block, fmt)
+            assert _same(got[0], want[0]) and _same(got[1], want[1]), (tuple(x.shape), block)
+            on_cpu = Q.quantize_fp8(x, block, fmt)
+            assert _same(got[0].cpu(), on_cpu[0]) and _same(got[1].cpu(), on_cpu[1]), (tuple(x.shape), block)
+            scales_only = QF.quantize_fp8(x.cuda(), block, fmt, values=False)
+            assert scales_only[0] is None and _same(scales_only[1], want[1])
+    assert _fused_used("fp8"), "the fused FP8 kernel was not chosen on this device"
+
+
+SCALED = [
+    ("e4m3", (128, 128), torch.float32),
+    ("e4m3", (1, 128), torch.bfloat16),
+    ("e4m3", (1, 32), torch.float8_e4m3fn),
+    ("e4m3", (1, 32), torch.uint8),  # MXFP8
+    ("e4m3", (1, 32), torch.float8_e8m0fnu),
+    ("e4m3", "channel", torch.float32),
+    ("e4m3", "tensor", torch.bfloat16),
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("codec", "block", "scale_dtype"), SCALED)
+def test_scaled_kernels_are_the_eager_function(codec: S.Codec, block, scale_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    for x in _cases(dtype):
+        b = (1, x.shape[-1]) if block == "channel" else tuple(x.shape[-2:]) if block == "tensor" else block
+        want = S.quantize(x.cuda(), codec, b, scale_dtype)
+        got = QF.quantize_scaled(x.cuda(), codec, b, scale_dtype)
+        assert _same(got[0], want[0]) and _same(got[1], want[1]) and got[2] is None, (tuple(x.shape), b)
+        on_cpu = S.quantize(x, codec, b, scale_dtype)
+        assert _same(got[0].cpu(), on_cpu[0]) and _same(got[1].cpu(), on_cpu[1]), (tuple(x.shape), b)
+    kernel = {"channel": "scaled-rows", "tensor": "scaled-tensor"}.get(block) if isinstance(block, str) else None
+    assert _fused_used(kernel or ("mx" if scale_dtype in S.E8M0_DTYPES else "scaled"))
+
+
+@needs_cuda
+@pytest.mark.parametrize("mode", ["divide", "multiply"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_kernel_is_the_eager_function(mode: S.GlobalMode, dtype: torch.dtype) -> None:
+    for x in _cases(dtype):
+        if x.shape[-1] % 16:
+            x = x[..., : x.shape[-1] // 16 * 16]
+        amax = x.float().abs().nan_to_num(0.0, 0.0, 0.0).amax()
+        glob = (448.0 * 6.0 / amax if mode == "divide" else amax / (448.0 * 6.0)).reshape(1).cuda()
+        want = S.quantize(x.cuda(), "e2m1", (1, 16), Q.FP8_DTYPE, glob=glob, mode=mode)
+        got = QF.quantize_scaled(x.cuda(), "e2m1", (1, 16), Q.FP8_DTYPE, glob=glob, mode=mode)
+        assert _same(got[0], want[0]) and _same(got[1], want[1]), tuple(x.shape)
+        on_cpu = S.quantize(x, "e2m1", (1, 16), Q.FP8_DTYPE, glob=glob.cpu(), mode=mode)
+        assert _same(got[0].cpu(), on_cpu[0]) and _same(got[1].cpu(), on_cpu[1]), tuple(x.shape)
+    assert _fused_used("nvfp4")
+
+
+def test_cpu_tensors_take_the_eager_functions() -> None:
+    x = _weight(256, 256)
+    q, s = QF.quantize_fp8(x, (128, 128), "float32", values=False)
+    want = Q.quantize_fp8(x, (128, 128), "float32")
+    assert q is not None and _same(q, want[0]) and _same(s, want[1])
