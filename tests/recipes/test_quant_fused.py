@@ -1,8 +1,9 @@
 """Quantization through :mod:`sdadapt._recipes.quant_fused`: on the CPU the eager functions, on a
 CUDA device the one-pass kernels; both give compressed-tensors' codes and scales for the formats
 it quantizes the same way (FP8 per tensor, per channel, per 128 x 128 block and NVFP4, on float32
-values), and the kernels give the eager functions' bytes on any input (edge cases, views, lead
-dims, partial blocks) or are not chosen."""
+values), and the kernels give the bytes of the eager functions on the CPU (the reference) on any
+input (edge cases, views, lead dims, partial blocks) or are not chosen; on plain values also
+the bytes of the eager functions run on the GPU. For float32 inputs the kernels are chosen."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     assert a is not None and b is not None
+    a, b = a.cpu(), b.cpu()
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bytes(a), _bytes(b))
 
 
@@ -69,7 +71,10 @@ def _cases(dtype: torch.dtype) -> list[torch.Tensor]:
     odd[5, 300] = float("nan")
     odd[200, 7] = float("inf")
     wide = torch.randn((3, 256, 1024), generator=g)[:, :, ::2]  # lead dim, strided columns
-    return [t.to(dtype) for t in (plain, fp8, odd, wide, torch.zeros(128, 256))]
+    return [t.to(dtype) for t in (plain, fp8, wide, torch.zeros(128, 256), odd)]
+
+
+PLAIN = 4  # the first cases hold finite normal values only (and zeros)
 
 
 def _fused_used(prefix: str) -> bool:
@@ -80,16 +85,18 @@ def _fused_used(prefix: str) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", ["float32", "ue8m0", "ue8m0_float32"])
 def test_fp8_block_kernel_is_the_eager_function(fmt: Q.ScaleFormat, dtype: torch.dtype) -> None:
-    for x in _cases(dtype):
+    for i, x in enumerate(_cases(dtype)):
         for block in ((128, 128), (1, 128)):
-            want = Q.quantize_fp8(x.cuda(), block, fmt)
+            want = Q.quantize_fp8(x, block, fmt)
             got = QF.quantize_fp8(x.cuda(), block, fmt)
-            assert _same(got[0], want[0]) and _same(got[1], want[1]), (tuple(x.shape), block)
-            on_cpu = Q.quantize_fp8(x, block, fmt)
-            assert _same(got[0].cpu(), on_cpu[0]) and _same(got[1].cpu(), on_cpu[1]), (tuple(x.shape), block)
+            assert got[0] is not None and _same(got[0].cpu(), want[0]) and _same(got[1].cpu(), want[1]), (i, block)
+            if i < PLAIN:
+                on_gpu = Q.quantize_fp8(x.cuda(), block, fmt)
+                assert _same(got[0], on_gpu[0]) and _same(got[1], on_gpu[1]), (i, block)
             scales_only = QF.quantize_fp8(x.cuda(), block, fmt, values=False)
-            assert scales_only[0] is None and _same(scales_only[1], want[1])
-    assert _fused_used("fp8"), "the fused FP8 kernel was not chosen on this device"
+            assert _same(scales_only[1].cpu(), want[1])
+    if dtype == torch.float32:
+        assert _fused_used("fp8"), "the fused FP8 kernel was not chosen on this device"
 
 
 SCALED = [
@@ -107,32 +114,37 @@ SCALED = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("codec", "block", "scale_dtype"), SCALED)
 def test_scaled_kernels_are_the_eager_function(codec: S.Codec, block, scale_dtype: torch.dtype, dtype: torch.dtype) -> None:
-    for x in _cases(dtype):
+    for i, x in enumerate(_cases(dtype)):
         b = (1, x.shape[-1]) if block == "channel" else tuple(x.shape[-2:]) if block == "tensor" else block
-        want = S.quantize(x.cuda(), codec, b, scale_dtype)
+        want = S.quantize(x, codec, b, scale_dtype)
         got = QF.quantize_scaled(x.cuda(), codec, b, scale_dtype)
-        assert _same(got[0], want[0]) and _same(got[1], want[1]) and got[2] is None, (tuple(x.shape), b)
-        on_cpu = S.quantize(x, codec, b, scale_dtype)
-        assert _same(got[0].cpu(), on_cpu[0]) and _same(got[1].cpu(), on_cpu[1]), (tuple(x.shape), b)
+        assert got[0] is not None and _same(got[0].cpu(), want[0]) and _same(got[1].cpu(), want[1]) and got[2] is None, (i, b)
+        if i < PLAIN:
+            on_gpu = S.quantize(x.cuda(), codec, b, scale_dtype)
+            assert _same(got[0], on_gpu[0]) and _same(got[1], on_gpu[1]), (i, b)
     kernel = {"channel": "scaled-rows", "tensor": "scaled-tensor"}.get(block) if isinstance(block, str) else None
-    assert _fused_used(kernel or ("mx" if scale_dtype in S.E8M0_DTYPES else "scaled"))
+    if dtype == torch.float32:
+        assert _fused_used(kernel or ("mx" if scale_dtype in S.E8M0_DTYPES else "scaled"))
 
 
 @needs_cuda
 @pytest.mark.parametrize("mode", ["divide", "multiply"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nvfp4_kernel_is_the_eager_function(mode: S.GlobalMode, dtype: torch.dtype) -> None:
-    for x in _cases(dtype):
+    for i, x in enumerate(_cases(dtype)):
         if x.shape[-1] % 16:
             x = x[..., : x.shape[-1] // 16 * 16]
         amax = x.float().abs().nan_to_num(0.0, 0.0, 0.0).amax()
-        glob = (448.0 * 6.0 / amax if mode == "divide" else amax / (448.0 * 6.0)).reshape(1).cuda()
-        want = S.quantize(x.cuda(), "e2m1", (1, 16), Q.FP8_DTYPE, glob=glob, mode=mode)
-        got = QF.quantize_scaled(x.cuda(), "e2m1", (1, 16), Q.FP8_DTYPE, glob=glob, mode=mode)
-        assert _same(got[0], want[0]) and _same(got[1], want[1]), tuple(x.shape)
-        on_cpu = S.quantize(x, "e2m1", (1, 16), Q.FP8_DTYPE, glob=glob.cpu(), mode=mode)
-        assert _same(got[0].cpu(), on_cpu[0]) and _same(got[1].cpu(), on_cpu[1]), tuple(x.shape)
-    assert _fused_used("nvfp4")
+        glob = (448.0 * 6.0 / amax if amax > 0 else torch.ones(())) if mode == "divide" else amax / (448.0 * 6.0)
+        glob = glob.reshape(1).float()
+        want = S.quantize(x, "e2m1", (1, 16), Q.FP8_DTYPE, glob=glob, mode=mode)
+        got = QF.quantize_scaled(x.cuda(), "e2m1", (1, 16), Q.FP8_DTYPE, glob=glob.cuda(), mode=mode)
+        assert got[0] is not None and _same(got[0].cpu(), want[0]) and _same(got[1].cpu(), want[1]), i
+        if i < PLAIN:
+            on_gpu = S.quantize(x.cuda(), "e2m1", (1, 16), Q.FP8_DTYPE, glob=glob.cuda(), mode=mode)
+            assert _same(got[0], on_gpu[0]) and _same(got[1], on_gpu[1]), i
+    if dtype == torch.float32:
+        assert _fused_used("nvfp4")
 
 
 def test_cpu_tensors_take_the_eager_functions() -> None:

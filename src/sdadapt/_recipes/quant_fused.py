@@ -8,7 +8,8 @@ float32 block scales (the exact-neighbour search of float32 inputs included), UE
 compressed-tensors FP8 per tensor, channel, group or block, and NVFP4. Before a kernel variant is
 first used on a device it runs beside the eager function on a sample holding the cases that
 differ most easily (all-zero blocks, values dequantised from FP8, subnormals, NaN and infinity,
-partial blocks); where any byte differs, or the kernel fails to build, that variant is never
+partial blocks), against the eager function on the CPU (the reference, whose arithmetic is
+compressed-tensors'); where any byte differs, or the kernel fails to build, that variant is never
 used in the process and the eager function serves (logged once). Everything else (CPU tensors,
 integer and MXFP4 codes, zero points) goes to the eager functions.
 
@@ -97,13 +98,14 @@ def _launch(
     return q, s
 
 
-def _sample(block: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _sample(block: tuple[int, int], dtype: torch.dtype, device: torch.device, whole_cols: bool = False) -> torch.Tensor:
     """A tensor of 3 x 4 blocks (partial at the ends where the block allows) holding the cases
     the kernels could get wrong: zero blocks, values dequantised from FP8 (the float32 scale
-    search finds their scale), subnormals, NaN, infinities, wide magnitudes."""
+    search finds their scale), subnormals (a block of nothing else), NaN, infinities, wide
+    magnitudes."""
     b0, b1 = block
     g = torch.Generator().manual_seed(64)
-    rows, cols = 3 * b0 - (1 if b0 > 2 else 0), 4 * b1 - (3 if b1 > 4 else 0)
+    rows, cols = 3 * b0 - (1 if b0 > 2 else 0), 4 * b1 - (0 if whole_cols or b1 <= 4 else 3)
     x = torch.randn((2, rows, cols), generator=g, dtype=torch.float32)
     x *= torch.logspace(-6, 6, rows * cols, dtype=torch.float32)[torch.randperm(rows * cols, generator=g)].view(rows, cols)
     blk = (slice(0, b0), slice(0, b1))
@@ -116,18 +118,22 @@ def _sample(block: tuple[int, int], dtype: torch.dtype, device: torch.device) ->
     x[1, b0 if rows > b0 else 0, b1] = float("inf")
     x[1, -1, -1] = float("-inf")
     x[1, 0:b0, 2 * b1 : 3 * b1] = torch.randint(-4, 5, (b0, b1), generator=g).float() * 0.25
+    tail = x[0, 2 * b0 :, 3 * b1 :]
+    tail.copy_(torch.randn(tail.shape, generator=g) * 1e-41)  # a block of subnormals only: its scale is one too
     return x.to(dtype).to(device)
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a is None or b is None:
         return a is b
+    a, b = a.cpu(), b.cpu()
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def _exact(key: tuple[object, ...], device: torch.device, fused: Callable[[torch.Tensor], tuple[torch.Tensor | None, ...]],
            eager: Callable[[torch.Tensor], tuple[torch.Tensor | None, ...]], sample: Callable[[], torch.Tensor]) -> bool:
-    """Whether kernel variant ``key`` gives the eager bits on ``device`` (decided once per process)."""
+    """Whether kernel variant ``key`` gives on ``device`` the bits of the eager function on the
+    CPU (the reference: compressed-tensors' arithmetic), decided once per process."""
     full = (device.index if device.index is not None else torch.cuda.current_device(),) + key
     got = _checked.get(full)
     if got is not None:
@@ -137,7 +143,7 @@ def _exact(key: tuple[object, ...], device: torch.device, fused: Callable[[torch
             return _checked[full]
         try:
             x = sample()
-            ok = all(_same(a, b) for a, b in zip(fused(x), eager(x), strict=True))
+            ok = all(_same(a, b) for a, b in zip(fused(x), eager(x.cpu()), strict=True))
             if not ok:
                 log.warning("the fused quantization kernel %s differs from the eager arithmetic on %s: not used", key, device)
         except Exception as e:  # a kernel that does not build or run here: the eager function serves
@@ -184,12 +190,14 @@ def quantize_scaled(
         return (1, cols) if key[0] == "scaled-rows" else (rows, cols) if key[0] == "scaled-tensor" else sample_block
 
     def eager(t: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return S.quantize(t, codec, sample_geometry(t), scale_dtype, zero, glob, mode)[:2]
+        g = None if glob is None else glob.to(t.device)
+        return S.quantize(t, codec, sample_geometry(t), scale_dtype, zero, g, mode)[:2]
 
     def fused_sample(t: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return fused(t, sample_geometry(t), True)
 
-    if not _exact(key, x.device, fused_sample, eager, lambda: _sample(sample_block, x.dtype, x.device)):
+    whole = key[0] == "nvfp4"  # its groups are whole
+    if not _exact(key, x.device, fused_sample, eager, lambda: _sample(sample_block, x.dtype, x.device, whole)):
         return S.quantize(x, codec, block, scale_dtype, zero, glob, mode)
     q, s = fused(x, block, values)
     return q, s, None
