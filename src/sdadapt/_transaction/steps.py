@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from .._plan.adapter import Adapter, with_dtype
-from .._plan.hf_models import is_hf_model
 from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
 from .._plan.registry import family_adapter, shipped_hint
 from .._plan.report import Report
@@ -148,7 +147,11 @@ def family_hint(report: Report, source: Source, target: dict[str, TensorInfo], o
     hint that finds fewer makes things worse). Never for a transformers ``model``, whose adapter
     comes from transformers' own mapping (a shipped one aims at another layout), nor with a
     LoRA. ``None`` when no hint passes."""
-    if report.ok or options.adapter is not None or options.lora is not None or (model is not None and is_hf_model(model)):
+    if report.ok or options.adapter is not None or options.lora is not None:
+        return None
+    from .._plan.hf_models import is_hf_model  # the transformers side, off a plain load's import path
+
+    if model is not None and is_hf_model(model):
         return None
     family = family_adapter(source.path) if isinstance(source.path, str) else None
     if family is None:
