@@ -78,6 +78,7 @@ def engine_class() -> type:
             self.folder: str | None = None
             self.rank = 0
             self.staged: dict[str, torch.Tensor] = {}
+            self.overridden: list[tuple[torch.nn.Module, str, Any]] = []  # (layer, parameter, vLLM's own loader)
 
         def init_transfer_engine(self, init_info: SdadaptInitInfo) -> None:
             pc = self.parallel_config
@@ -106,14 +107,39 @@ def engine_class() -> type:
                 raise RefitError(f"update_weights names parameters this engine does not hold: {unknown[:8]}")
             modules = dict(self.model.named_modules())
             touched = {n.rpartition(".")[0] for n in (update_info.names if update_info.names is not None else self.staged)}
-            with torch.no_grad():
-                for name, shard in self.staged.items():
-                    owner, _, attr = name.rpartition(".")
-                    if owner in touched:
-                        load_whole(modules[owner], attr, shard, name, make_online_process_loader)
+            try:
+                with torch.no_grad():
+                    for name, shard in self.staged.items():
+                        owner, _, attr = name.rpartition(".")
+                        if owner in touched:
+                            self.overridden.append(load_whole(modules[owner], attr, shard, name, make_online_process_loader))
+            except BaseException:
+                self.restore_loaders()
+                raise
 
         def finish_weight_update(self) -> None:
-            finalize_layerwise_reload(self.model, self.model_config)
+            try:
+                finalize_layerwise_reload(self.model, self.model_config)
+            finally:
+                self.restore_loaders()
+
+        def restore_loaders(self) -> None:
+            """vLLM's own loaders back on the parameters vLLM recorded for reloading (its own
+            reloads, ``load_weights`` included, use them later)."""
+            for layer, attr, loader in self.overridden:
+                info = LAYERWISE_INFO.get(layer)
+                held: list[Any] = [getattr(layer, attr, None)]
+                if info is not None:
+                    kernel: dict[str, Any] = (info.kernel_tensors or ({}, {}))[0]
+                    held += [info.restore_metadata[0].get(attr), kernel.get(attr)]
+                for param in held:
+                    if param is None or not _ours(getattr(param, "weight_loader", None)):
+                        continue
+                    if loader is None:  # it had none: vLLM's default loader serves it
+                        param.__dict__.pop("weight_loader", None)
+                    else:
+                        setattr(param, "weight_loader", loader)  # noqa: B010 - an attribute torch's Tensor does not declare
+            self.overridden = []
 
         def shutdown(self) -> None:
             if self.folder is not None:
@@ -139,13 +165,18 @@ def raw_parameters(model: torch.nn.Module, infos: Any) -> list[tuple[str, torch.
     return out
 
 
-def load_whole(layer: torch.nn.Module, attr: str, shard: torch.Tensor, name: str, wrap: Any) -> None:
+def load_whole(layer: torch.nn.Module, attr: str, shard: torch.Tensor, name: str, wrap: Any) -> tuple[torch.nn.Module, str, Any]:
     """Load ``shard`` (this rank's whole parameter ``name``) into ``layer.attr`` through vLLM's
     layerwise path: the parameter's loader becomes a plain copy, wrapped as vLLM wraps loaders (the
-    copy is replayed, and the layer processed, once all its parameters are in)."""
+    copy is replayed, and the layer processed, once all its parameters are in). Returns the layer,
+    the parameter's name and vLLM's own loader, to be put back once the update is finished (the
+    parameters vLLM recorded for reloading outlive this update)."""
     param = getattr(layer, attr)
     if tuple(param.shape) != tuple(shard.shape):
         raise RefitError(f"{name}: the engine's parameter is {list(param.shape)} but its staging {list(shard.shape)}")
+    original = getattr(param, "weight_loader", None)
+    while original is not None and getattr(original, "__name__", "") == "online_process_loader":
+        original = original.__wrapped__  # vLLM's layerwise wrapper around its own loader
 
     def sdadapt_copy_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
         param.data.copy_(loaded_weight)
@@ -153,6 +184,16 @@ def load_whole(layer: torch.nn.Module, attr: str, shard: torch.Tensor, name: str
     param.weight_loader = sdadapt_copy_loader
     param.weight_loader = wrap(layer, attr)
     param.weight_loader(param, shard)
+    return layer, attr, original
+
+
+def _ours(loader: Any) -> bool:
+    """Whether ``loader`` is, or wraps, the copy loader of :func:`load_whole`."""
+    while loader is not None:
+        if getattr(loader, "__name__", "") == "sdadapt_copy_loader":
+            return True
+        loader = getattr(loader, "__wrapped__", None)
+    return False
 
 
 __all__ = ["BACKEND", "engine_class", "raw_parameters"]
