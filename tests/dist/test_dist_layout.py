@@ -53,7 +53,7 @@ ADAPTER = sdadapt.Adapter(
         sdadapt.rename("p_proj.weight", "wp.weight"),
         sdadapt.rotary("wp.weight", heads=P_HEADS, rotary_dim=P_ROT / P_HD),
         sdadapt.split("query_key_value.{p}", ["nx.q.{p}", "nx.k.{p}", "nx.v.{p}"], heads=NX_HEADS),
-        sdadapt.fuse(["q.weight", "k.weight", "v.weight"], "wqkv.weight"),
+        sdadapt.fuse(["q.weight", "k.weight", "v.weight"], "wqkv.weight", sizes=SIZES),
         sdadapt.interleave("wqkv.weight", SIZES),  # TP degree from the model's placements
         sdadapt.stack("experts.{e}.w", "experts", count=EXPERTS),
         sdadapt.pad("emb.weight"),  # to the model's vocab

@@ -179,7 +179,7 @@ def test_stage_resumes_through_a_refactor(saved_whole: tuple[str, Any, Any]) -> 
     other stage's q/k/v state, which the stage's names do not resemble, is still allowed."""
     dst, params, moments = saved_whole
     qkv = ["layers.{i}.attention.wq.weight", "layers.{i}.attention.wk.weight", "layers.{i}.attention.wv.weight"]
-    adapter = sdadapt.Adapter([sdadapt.fuse(qkv, "layers.{i}.attention.wqkv.weight")], name="fuse-qkv")
+    adapter = sdadapt.Adapter([sdadapt.fuse(qkv, "layers.{i}.attention.wqkv.weight", sizes=[32, 16, 16])], name="fuse-qkv")
     for layers in ((0, 1), (2, 3)):
         model = stage_model(layers, {**CFG, "fused_qkv": True})
         opt = adamw(model)
