@@ -17,6 +17,28 @@ import torch
 DIM, VOCAB, LAYERS = 32, 96, 2
 
 
+def _flex_on_cpu_exact() -> None:
+    """torchtitan runs flex attention compiled; on CPUs whose widest vector ISA is AVX2, torch's
+    C++ flex-attention template returns wrong values for these models' sizes (head_dim 8: up to
+    1.7 off SDPA for random inputs, NaN in the logits). There the oracle runs flex attention
+    eagerly (the same function, exact, slower), with torch's warning about it silenced."""
+    import warnings
+
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch.nn.attention.flex_attention import flex_attention
+
+    try:
+        from torchtitan.models.common.attention import FlexAttention
+    except ImportError:  # a release without this class (the compatibility venvs' older torchtitan)
+        return
+    if str(pick_vec_isa()) == "avx2" and hasattr(FlexAttention, "_compiled_flex_attn"):
+        FlexAttention._compiled_flex_attn = flex_attention
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+
+
+_flex_on_cpu_exact()
+
+
 @dataclass
 class Family:
     name: str  # ours: the shipped adapter's name
