@@ -6,7 +6,9 @@ within about twice ``timeout``, nothing written.
 - a planning failure on one rank only (a split rule the others do not have): every rank raises
   ``RefitError``, the others quoting the first cause;
 - a delta run whose trainer rank is gone, or stalls, when the run starts (the version agreement):
-  the engine rank raises ``RefitError`` with ``updated`` / ``not_updated`` within the bound.
+  the engine rank raises ``RefitError`` with ``updated`` / ``not_updated`` within the bound;
+- a rank gone, or alive but stalled, before the ranks plan: ``RefitError`` on the others, within
+  about twice ``timeout`` for the stalled one.
 """
 
 from __future__ import annotations
@@ -160,3 +162,25 @@ def test_refit_plan_rank_gone() -> None:
         run_distributed(_plan_gone, 2, timeout=120)
     by_rank = {f.rank: f for f in info.value.failures}
     assert by_rank[1].type_name == "RefitError" and "planning the refit failed" in by_rank[1].message, by_rank[1]
+
+
+def _plan_stalled() -> dict[str, Any]:
+    rank = dist.get_rank()
+    if rank == 0:
+        time.sleep(14)  # alive, sockets open, not planning: past twice the timeout
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        sdadapt.refit_plan(None, _engine(), _adapter("qkv"), timeout=3)
+    except RefitError as e:
+        raise RuntimeError(f"OUTCOME RefitError after {time.monotonic() - t0:.1f} s: {e}") from None
+    raise RuntimeError("OUTCOME no error")
+
+
+def test_refit_plan_rank_stalled() -> None:
+    """A rank alive but not planning: the others raise RefitError within about twice ``timeout``."""
+    with pytest.raises(WorkerError) as info:
+        run_distributed(_plan_stalled, 2, timeout=120)
+    msg = {f.rank: f for f in info.value.failures}[1].message
+    assert "OUTCOME RefitError" in msg and "planning the refit failed" in msg, msg
+    assert float(msg.split("after ")[1].split(" s")[0]) < 2 * 3 + 4, msg

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import datetime
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,10 @@ def rank_and_world(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
 
 
 def agree(
-    error: BaseException | None, group: dist.ProcessGroup | None = None, remote: Callable[[str], BaseException] = RemoteRankError
+    error: BaseException | None,
+    group: dist.ProcessGroup | None = None,
+    remote: Callable[[str], BaseException] = RemoteRankError,
+    timeout: float | None = None,
 ) -> None:
     """Collective: every rank calls it; if any rank passes an error, every rank raises.
 
@@ -36,13 +40,15 @@ def agree(
     quoting it. Only rank 0's error carries the whole message: on the other ranks it is one
     line pointing at rank 0 (:func:`brief_off_rank0`), so that N ranks do not print N copies.
     Call it at the same point on every rank. ``remote``: the error class of the ranks that did
-    not fail (``RefitError`` where every rank's error must be one).
+    not fail (``RefitError`` where every rank's error must be one). ``timeout``: seconds to wait
+    for the other ranks to arrive (``None``: the group's own timeout); past it, the backend's
+    ``RuntimeError``.
     """
     if not is_distributed():
         if error is not None:
             raise error
         return
-    if any_rank(error is not None, group):
+    if any_rank(error is not None, group, timeout):
         raise_agreed(error, group, remote)
 
 
@@ -98,11 +104,15 @@ def gather_if_any(obj: Any, flagged: bool, group: dist.ProcessGroup | None = Non
     return out
 
 
-def any_rank(flagged: bool, group: dist.ProcessGroup | None = None) -> bool:
+def any_rank(flagged: bool, group: dist.ProcessGroup | None = None, timeout: float | None = None) -> bool:
     """Collective: whether any rank of ``group`` passed ``flagged=True`` (one one-element
-    all-reduce)."""
+    all-reduce). ``timeout``: seconds to wait for the other ranks (``None``: the group's own);
+    past it, the backend's ``RuntimeError``."""
     flag = torch.tensor([1 if flagged else 0], dtype=torch.int32, device=collective_device(group))
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=timeout is not None)
+    if timeout is not None:
+        assert work is not None
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
     return bool(int(flag.item()))
 
 

@@ -131,7 +131,8 @@ def refit_plan(
             round (its sends and receives) packed while the other moves.
         delta: a run moves only the engine tensors made from a trainer tensor changed in place
             since the previous run (version counters: a DTensor's and its local shard's).
-        timeout: seconds a run waits for any one transfer before failing on every rank.
+        timeout: seconds a run waits for any one transfer before failing on every rank, and
+            seconds planning waits for every rank to arrive.
         allow_missing: engine key patterns the trainer need not provide (left as they are).
         allow_unexpected: adapted trainer key patterns the engine need not hold (not sent).
         send: ``send(bucket)`` for an engine outside the group: ``bucket`` lists ``(engine
@@ -198,7 +199,8 @@ def _refit_plan(trainer: nn.Module | Mapping[str, torch.Tensor] | None, engine: 
         meta = {"trainer": held_t, "engine": held_e}
     except SdadaptError as e:
         error = e
-    agree(error, group, RefitError)
+    # the planning's first collective waits at most ``timeout`` for a rank that stalls before it
+    agree(error, group, RefitError, timeout=timeout)
     metas = _gather(meta, group, world)
     trainer_all = [m["trainer"] for m in metas]
     recipes: dict[str, Node] = {}
