@@ -144,7 +144,7 @@ def source_format(path: str) -> str:
 def adapter_of(path: str, files: dict[str, str]) -> Any:
     """The sdadapt adapter that maps what ``path`` reads to the model it loads into (with the
     dequant rules for the FP8 twin); also the eager reference's recipe."""
-    return adapter_for(naming_of(path), files[QUANT_FORMATS[path]] if path in QUANT_FORMATS else None)
+    return adapter_for(naming_of(path), files[QUANT_FORMATS[path]] if path in QUANT_FORMATS else None, files["safetensors"])
 
 
 def prepare(job: Job, shape: Shape, dev: Any, seed: int = 1) -> Any:

@@ -108,11 +108,12 @@ RENAMES = [
 _FUSED_SOURCES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 
-def adapter_for(naming: str, release: str | None = None) -> Any:
+def adapter_for(naming: str, release: str | None = None, checkpoint: str | None = None) -> Any:
     """The adapter from the HF checkpoint to a model named ``naming``: ``hf`` (none: names 1:1),
     ``titan`` (rename only) or ``fused`` (q/k/v -> ``wqkv``, gate/up -> ``w13``, the rest renamed).
     ``release``: the folder of a quantized release, whose ``config.json`` gives the dequant rules
-    put first (``sdadapt.dequant_rules``)."""
+    put first (``sdadapt.dequant_rules``). ``checkpoint``: the HF folder, needed for ``fused``: the
+    fused parts' row counts (GQA's q, k and v differ) are read from its headers."""
     import sdadapt
 
     if release is not None:
@@ -125,19 +126,18 @@ def adapter_for(naming: str, release: str | None = None) -> Any:
         return sdadapt.Adapter([sdadapt.rename(s, d) for s, d in RENAMES], name="llama-hf-to-titan")
     if naming != "fused":
         raise ValueError(f"unknown model naming {naming!r}")
+    if checkpoint is None:
+        raise ValueError("the fused naming needs checkpoint= (the fused parts' sizes come from its headers)")
+    schema = sdadapt.sources.open_source(checkpoint).schema
+    qkv = [f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv"]
+    gate_up = ["model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"]
+
+    def rows(parts: list[str]) -> list[int]:
+        return [schema[p.format(i=0)].shape[0] for p in parts]
+
     rules = [
-        sdadapt.fuse(
-            [
-                "model.layers.{i}.self_attn.q_proj.weight",
-                "model.layers.{i}.self_attn.k_proj.weight",
-                "model.layers.{i}.self_attn.v_proj.weight",
-            ],
-            "layers.{i}.attention.wqkv.weight",
-        ),
-        sdadapt.fuse(
-            ["model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"],
-            "layers.{i}.feed_forward.w13.weight",
-        ),
+        sdadapt.fuse(qkv, "layers.{i}.attention.wqkv.weight", sizes=rows(qkv)),
+        sdadapt.fuse(gate_up, "layers.{i}.feed_forward.w13.weight", sizes=rows(gate_up)),
     ]
     rules += [sdadapt.rename(s, d) for s, d in RENAMES if not any(f in s for f in _FUSED_SOURCES)]
     return sdadapt.Adapter(rules, name="llama-hf-to-titan-fused")

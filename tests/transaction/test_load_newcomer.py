@@ -417,7 +417,8 @@ def launch_user_script(folder: Path, world: int) -> list[str]:
 
     path = write_checkpoint(str(folder))
     env = {**os.environ, "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+           # the package this process imported (the installed one), so that its frames are LIBRARY's
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(LIBRARY.rstrip(os.sep)), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     script = [sys.executable, str(TESTS / "support" / "user_plan_error.py"), str(folder / "rendezvous"), path]
     procs = [
         subprocess.Popen(script, env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
