@@ -40,10 +40,15 @@ def venv_python(root: str | None = None, base_site: str | None = None) -> str:
     if not os.path.exists(py):
         os.makedirs(root, exist_ok=True)
         subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
-        site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              check=True, capture_output=True, text=True).stdout.strip()
-        with open(os.path.join(site, "_sdadapt_base.pth"), "w") as f:
-            f.write(f"import site; site.addsitedir({base_site!r})\n")
+    # the base it sees is the caller's, written on every call: a cached venv outlives the checkout
+    # (and its .venv) that made it, and torch and pip come from that base
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    line = f"import site; site.addsitedir({base_site!r})\n"
+    pth = os.path.join(site, "_sdadapt_base.pth")
+    if not os.path.exists(pth) or open(pth).read() != line:
+        with open(pth, "w") as f:
+            f.write(line)
     if not importable(py):
         import torch
 
