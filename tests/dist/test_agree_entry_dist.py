@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from support.checkpoints import write_torch_save
-from support.dist_helper import run_distributed
+from support.dist_helper import outcome, run_distributed
 from support.models import TinyTransformer, parallelize, split_qkv
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -38,15 +38,6 @@ from sdadapt._base import agreement
 
 def _qkv(order: str) -> sdadapt.Adapter:
     return sdadapt.Adapter([sdadapt.fuse([f"layers.{{i}}.attn.{p}_proj.{{q}}" for p in order], "layers.{i}.attn.qkv.{q}")], name="qkv")
-
-
-def _outcome(fn: Any) -> tuple[str, str, float]:
-    t0 = time.monotonic()
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the case's outcome is what it raised
-        return type(e).__name__, getattr(e, "full_message", str(e)), time.monotonic() - t0
-    return "ok", "", time.monotonic() - t0
 
 
 def _meta_model() -> nn.Module:
@@ -76,19 +67,19 @@ def _cases(folder: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     model = _meta_model()
-    out["disagree"] = _outcome(lambda: sdadapt.load(model, path, _qkv("kqv" if rank == world - 1 else "qkv"), subtree="model"))
+    out["disagree"] = outcome(lambda: sdadapt.load(model, path, _qkv("kqv" if rank == world - 1 else "qkv"), subtree="model"))
     out["disagree_meta"] = all(t.is_meta for t in model.state_dict().values())
 
     real = agreement.installed_versions
     if rank == 1:
         agreement.installed_versions = lambda: {**real(), "transformers": "5.17.0"}  # type: ignore[assignment]
-    out["versions"] = _outcome(lambda: sdadapt.load(model, path, _qkv("qkv"), subtree="model"))
+    out["versions"] = outcome(lambda: sdadapt.load(model, path, _qkv("qkv"), subtree="model"))
     agreement.installed_versions = real  # type: ignore[assignment]
     out["versions_meta"] = all(t.is_meta for t in model.state_dict().values())
 
-    out["load"] = _outcome(lambda: sdadapt.load(model, path, _qkv("qkv"), subtree="model"))
+    out["load"] = outcome(lambda: sdadapt.load(model, path, _qkv("qkv"), subtree="model"))
     dst = os.path.join(folder, f"state-{world}")
-    out["save"] = _outcome(lambda: sdadapt.save_state(model, dst, adapter=_qkv("vqk" if rank == world - 1 else "qkv")))
+    out["save"] = outcome(lambda: sdadapt.save_state(model, dst, adapter=_qkv("vqk" if rank == world - 1 else "qkv")))
     out["save_written"] = os.path.exists(os.path.join(dst, ".metadata"))
 
     # [fuse, interleave without tp=] on a TP mesh: the degree comes from the model, and back on export
@@ -103,7 +94,7 @@ def _cases(folder: str) -> dict[str, Any]:
                                    sdadapt.interleave("qk.weight", sizes=[4, 4]), *extra], name=name)  # fmt: skip
         tp = _QK().to(torch.bfloat16 if extra else torch.float32)
         parallelize_module(tp, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)), {"qk": ColwiseParallel()})
-        got: dict[str, Any] = {"load": _outcome(lambda a=adapter, m=tp: sdadapt.load(m, ckpt, a))}
+        got: dict[str, Any] = {"load": outcome(lambda a=adapter, m=tp: sdadapt.load(m, ckpt, a))}
         w = tp.qk.weight
         got["local"] = w.to_local().float().clone() if isinstance(w, DTensor) else None
         got["whole"] = {k: v.float().clone() for k, v in sdadapt.export_iter(tp, adapter)}

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
-from support.dist_helper import run_distributed
+from support.dist_helper import outcome, run_distributed
 
 from sdadapt._base import agreement
 from sdadapt.errors import DisagreementError, RefitError, RemoteRankError, SourceError
@@ -27,11 +27,7 @@ def _adapter(order: str) -> dict[str, Any]:
 
 
 def _outcome(fn: Any) -> tuple[str, str]:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the case's outcome is what it raised
-        return type(e).__name__, getattr(e, "full_message", str(e))
-    return "ok", ""
+    return outcome(fn)[:2]
 
 
 def _cases() -> dict[str, Any]:

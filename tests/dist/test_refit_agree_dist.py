@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from support.dist_helper import WorkerError, run_distributed
+from support.dist_helper import WorkerError, outcome, run_distributed
 
 import sdadapt
 from sdadapt.errors import RefitError
@@ -43,26 +43,17 @@ def _engine() -> dict[str, torch.Tensor]:
     return {"l.0.qkv.weight": torch.zeros(8, 2), "o.weight": torch.zeros(2, 2)}
 
 
-def _outcome(fn: Any) -> tuple[str, str, float]:
-    t0 = time.monotonic()
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the case's outcome is what it raised
-        return type(e).__name__, getattr(e, "full_message", str(e)), time.monotonic() - t0
-    return "ok", "", time.monotonic() - t0
-
-
 def _cases() -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
     engine = _engine()
-    out["disagree"] = _outcome(lambda: sdadapt.refit_plan(_trainer(), engine, _adapter("kqv" if rank == world - 1 else "qkv")))
+    out["disagree"] = outcome(lambda: sdadapt.refit_plan(_trainer(), engine, _adapter("kqv" if rank == world - 1 else "qkv")))
     out["disagree_untouched"] = all(bool((t == 0).all()) for t in engine.values())
     split = [sdadapt.split("o.weight", ["o.a.weight", "o.b.weight"])] if rank == 1 else []
-    out["one_fails"] = _outcome(lambda: sdadapt.refit_plan(_trainer(), engine, _adapter("qkv", split)))
+    out["one_fails"] = outcome(lambda: sdadapt.refit_plan(_trainer(), engine, _adapter("qkv", split)))
     out["one_fails_untouched"] = all(bool((t == 0).all()) for t in engine.values())
     refit = sdadapt.refit_plan(_trainer(), engine, _adapter("qkv"), timeout=60)
-    out["after"] = _outcome(refit.run)
+    out["after"] = outcome(refit.run)
     t = _trainer()
     out["right"] = torch.equal(engine["l.0.qkv.weight"], torch.cat([t["l.0.q.weight"], t["l.0.k.weight"], t["l.0.v.weight"]]))
     return out

@@ -263,3 +263,14 @@ def _worker(job: str, rank: int) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1], int(sys.argv[2]))
+
+
+def outcome(fn: Any) -> tuple[str, str, float]:
+    """Run one case inside a rank: (the error's class name or ``"ok"``, its whole message, the
+    seconds it took), so that one launched group can run many failing cases in a row."""
+    t0 = time.monotonic()
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the case's outcome is what it raised
+        return type(e).__name__, getattr(e, "full_message", str(e)), time.monotonic() - t0
+    return "ok", "", time.monotonic() - t0
