@@ -18,10 +18,10 @@ import torch
 from sdadapt.adapters import vllm_fp8, vllm_llama, vllm_qwen3_moe
 from support.dist_helper import WorkerError, run_distributed
 from support.models import module_of
+from support.refit_eager import bits, eager
 
 import sdadapt
-from sdadapt._base.schema import TensorInfo, slices
-from sdadapt._export import plan_outputs
+from sdadapt._base.schema import slices
 from sdadapt._refit.refit_schedule import Transfer, cut_to_fit, rounds_of
 from sdadapt.errors import RefitError
 
@@ -69,21 +69,6 @@ def moe_adapter(tp: int, ep: bool = False) -> sdadapt.Adapter:
                                                 expert_parallel=ep)  # fmt: skip
 
 
-class _IO:
-    def __init__(self, sd: dict[str, torch.Tensor]):
-        self.sd = sd
-
-    def read(self, key, box):
-        return self.sd[key][slices(box)]
-
-
-def eager(full: dict[str, torch.Tensor], adapter: sdadapt.Adapter) -> dict[str, torch.Tensor]:
-    """The engine's whole tensors: the adapter's recipes applied eagerly to the full weights."""
-    schema = {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in full.items()}
-    outputs, _ = plan_outputs(schema, adapter, what="test")
-    return {k: node.full(_IO(full)) for k, node in outputs.items()}
-
-
 def engine_shards(whole: dict[str, torch.Tensor], layout, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
     """NaN-filled engine tensors of one rank, shaped as ``layout`` cuts ``whole``."""
     out = {}
@@ -94,11 +79,6 @@ def engine_shards(whole: dict[str, torch.Tensor], layout, dtype=torch.bfloat16) 
             shape[d] //= layout.size
         out[k] = torch.full(shape, float("nan"), dtype=dtype)
     return out
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of ``t`` (float8 has no equality on every build)."""
-    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
 
 
 def check(engine: dict[str, torch.Tensor], whole: dict[str, torch.Tensor], layout) -> int:

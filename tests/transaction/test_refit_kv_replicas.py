@@ -15,10 +15,10 @@ import pytest
 import torch
 from sdadapt.adapters import vllm_fp8, vllm_llama, vllm_qwen3_moe
 from support.dist_helper import run_distributed
+from support.refit_eager import bits, eager
 
 import sdadapt
-from sdadapt._base.schema import TensorInfo, slices
-from sdadapt._export import plan_outputs
+from sdadapt._base.schema import slices
 from sdadapt.errors import AdapterError
 
 TP = 4
@@ -58,20 +58,6 @@ def qwen3_moe_hf(kv: int) -> dict[str, torch.Tensor]:
     return sd
 
 
-class _IO:
-    def __init__(self, sd: dict[str, torch.Tensor]):
-        self.sd = sd
-
-    def read(self, key, box):
-        return self.sd[key][slices(box)]
-
-
-def eager(full: dict[str, torch.Tensor], adapter: sdadapt.Adapter) -> dict[str, torch.Tensor]:
-    schema = {k: TensorInfo(tuple(v.shape), v.dtype) for k, v in full.items()}
-    outputs, _ = plan_outputs(schema, adapter, what="test")
-    return {k: node.full(_IO(full)) for k, node in outputs.items()}
-
-
 def engine_shards(whole: dict[str, torch.Tensor], layout, dtype=torch.float32) -> dict[str, torch.Tensor]:
     out = {}
     for k, t in whole.items():
@@ -83,10 +69,6 @@ def engine_shards(whole: dict[str, torch.Tensor], layout, dtype=torch.float32) -
         nan = keep.is_floating_point and keep.itemsize > 1  # e4m3 holds no NaN on every build: zeros
         out[k] = torch.full(shape, float("nan"), dtype=keep) if nan else torch.zeros(shape, dtype=keep)
     return out
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
 
 
 def check(engine: dict[str, torch.Tensor], whole: dict[str, torch.Tensor], layout) -> None:
