@@ -61,6 +61,7 @@ if TYPE_CHECKING:
     )
     from ._plan.adapter import Adapter as Adapter
     from ._plan.hf_models import hf_adapter as hf_adapter
+    from ._plan.plan import KeyPatterns as KeyPatterns
     from ._plan.registry import (
         get_adapter as get_adapter,
     )
@@ -168,6 +169,8 @@ _PUBLIC: dict[str, str] = {
     "list_adapters": "._plan.registry",
     "hf_adapter": "._plan.hf_models",
     "draft": "._draft",
+    # the key patterns a plan tolerates, typed once (the **patterns of plan_load, diff, dry_run)
+    "KeyPatterns": "._plan.plan",
     # rules, one function each (their classes: sdadapt.rules), from the one table of rule kinds; the
     # quantized formats' in their own module, so that a plain adapter never imports their kernels
     **{fn: ".rules._quant_functions" if module in ON_USE else ".rules._functions" for _, module, fn in RULE_KINDS},

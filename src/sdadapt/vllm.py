@@ -33,7 +33,7 @@ import logging
 import os
 import tempfile
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -41,10 +41,14 @@ from torch import nn
 
 from ._base.distributed import agree, is_distributed, rank_and_world
 from ._plan.adapter import Adapter
+from ._plan.plan import KeyPatterns, key_patterns
 from ._refit import Refit, RefitReport, refit_plan
 from ._refit.vllm_staging import read as read_staging
 from ._refit.vllm_worker import BACKEND
 from .errors import RefitError
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11; annotations only, the package runs on 3.10
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +160,7 @@ def connect(
     delta: bool = False,
     timeout: float = 600.0,
     staging: str | None = None,
-    allow_missing: list[str] | None = None,
+    **patterns: Unpack[KeyPatterns],
 ) -> VllmRefit:
     """Connect a trainer to a live vLLM engine started with ``weight_transfer_config={"backend":
     "sdadapt"}`` on this host, and plan the refit (every trainer rank calls it; collective).
@@ -180,7 +184,9 @@ def connect(
         delta: send, and reload, only what changed in place since the last run.
         timeout: seconds a run waits for any one transfer.
         staging: the shared-memory folder (default: a new one under ``/dev/shm``, else the temp folder).
-        allow_missing: engine key patterns the trainer does not provide (left as they are).
+        **patterns: ``allow_missing=`` / ``allow_unexpected=``, as for :func:`sdadapt.refit_plan`:
+            engine key patterns the trainer does not provide (left as they are) / adapted trainer
+            key patterns the engine does not hold (not sent) (:class:`~sdadapt.KeyPatterns`).
 
     Returns:
         The :class:`VllmRefit`; call it after each training step.
@@ -193,6 +199,7 @@ def connect(
                                      vllm_llama.layout)
         refit()
     """
+    patterns = key_patterns("sdadapt.vllm.connect", patterns)
     rank, world = rank_and_world(process_group)
     error: BaseException | None = None
     folder = ""
@@ -230,7 +237,7 @@ def connect(
     for j, engine in engines:
         lay = layout(tp, j) if engine is not None else None
         refits.append(refit_plan(trainer, engine, adapter, engine_layout=lay, process_group=process_group, bucket_bytes=bucket_bytes,
-                                 delta=delta, timeout=timeout, allow_missing=allow_missing))  # fmt: skip
+                                 delta=delta, timeout=timeout, **patterns))  # fmt: skip
     here = sum(e is not None for _, e in engines)
     log.info("connected to a vLLM engine of TP %d through %s: %d engine ranks written here", tp, folder, here)
     return VllmRefit(refits, client if rank == 0 else None, process_group, tp, folder, delta)

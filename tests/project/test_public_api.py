@@ -12,6 +12,7 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
 
 import sdadapt
 import sdadapt.errors
@@ -323,3 +324,37 @@ def test_errors_keep_their_names_in_private_modules():
     assert _export.ExportError is sdadapt.errors.ExportError
     assert _resolve.ResolveError is sdadapt.errors.ResolveError
     assert _state.StateError is sdadapt.errors.StateError
+
+
+# --- options typed once: the functions that hand key patterns on take **patterns: Unpack[KeyPatterns]
+HAND_ON = {"sdadapt.plan_load": sdadapt.plan_load, "sdadapt.diff": sdadapt.diff, "sdadapt.dry_run": sdadapt.dry_run,
+           "sdadapt.vllm.connect": sdadapt.vllm.connect}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(HAND_ON))
+def test_functions_that_hand_key_patterns_on_type_them_once(name):
+    params = inspect.signature(HAND_ON[name]).parameters
+    assert params["patterns"].kind is inspect.Parameter.VAR_KEYWORD
+    assert params["patterns"].annotation == "Unpack[KeyPatterns]"
+    assert not {"allow_missing", "allow_unexpected"} & set(params)
+    assert "KeyPatterns" in inspect.getdoc(HAND_ON[name])
+
+
+def test_key_patterns_keep_the_keywords_and_refuse_others_by_the_call_name(tmp_path):
+    from safetensors.torch import save_file
+    from torch import nn
+
+    path = tmp_path / "model.safetensors"
+    save_file({"weight": torch.zeros(3, 4), "extra": torch.zeros(1)}, str(path))
+    model = nn.Linear(4, 3)
+    assert sdadapt.KeyPatterns.__optional_keys__ == {"allow_missing", "allow_unexpected"}
+    assert not sdadapt.diff(model, str(path)).ok
+    assert sdadapt.diff(model, str(path), allow_missing=["bias"], allow_unexpected=["extra"]).ok
+    patterns: sdadapt.KeyPatterns = {"allow_missing": ["bias"], "allow_unexpected": ["extra"]}
+    source, plan = sdadapt.plan_load(model, str(path), **patterns)
+    with source:
+        assert plan.report.ok
+    with pytest.raises(TypeError, match=r"^sdadapt\.diff\(\) got an unexpected keyword argument 'allow_mising'$"):
+        sdadapt.diff(model, str(path), allow_mising=["bias"])  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"^sdadapt\.dry_run\(\) got an unexpected keyword argument 'strict'$"):
+        sdadapt.dry_run(model, str(path), mesh="dp_shard=2", strict=False)  # type: ignore[call-arg]

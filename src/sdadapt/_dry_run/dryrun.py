@@ -23,7 +23,7 @@ import math
 import os
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel
@@ -37,13 +37,16 @@ from .._engine.tasks import Job
 from .._plan.adapter import Adapter, with_dtype
 from .._plan.intent import PARTS
 from .._plan.layout import Layout, Mesh, default_layouts, local_box, model_layouts
-from .._plan.plan import Plan, adapted_schema, build_plan
+from .._plan.plan import KeyPatterns, Plan, adapted_schema, build_plan, key_patterns
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
 from .._transaction.options import Options
 from .._transaction.steps import derive_adapter, open_checkpoint, plan_model
 from ..errors import PlanError, UsageError
 from ..sources import HeaderRecord, Source, TensorInfo, encode_headers, open_source, recording_headers
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11; annotations only, the package runs on 3.10
 
 
 class DryRunRank(BaseModel):
@@ -226,10 +229,9 @@ def dry_run(
     ranks_per_node: int = 8,
     max_ranks: int = 16,
     subtree: str | None = None,
-    allow_missing: list[str] | None = None,
-    allow_unexpected: list[str] | None = None,
     dtype: str | torch.dtype | None = None,
     engine: EngineConfig | None = None,
+    **patterns: Unpack[KeyPatterns],
 ) -> DryRunReport:
     """Plan a load of ``src`` at any world size on this one process, and say per rank what it
     would read (bytes, from which files), open, receive and hold; nothing is read but headers.
@@ -259,10 +261,10 @@ def dry_run(
         ranks_per_node: ranks per node, for the node figures.
         max_ranks: plan at most this many classes of ranks (a sample beyond).
         subtree: as in :func:`sdadapt.load`.
-        allow_missing: as in :func:`sdadapt.load`.
-        allow_unexpected: as in :func:`sdadapt.load`.
         dtype: as in :func:`sdadapt.load`.
         engine: the engine settings of the ranks (default: this machine's).
+        **patterns: ``allow_missing=`` / ``allow_unexpected=``, as in :func:`sdadapt.load`
+            (:class:`~sdadapt.KeyPatterns`).
 
     Returns:
         A :class:`~sdadapt.reports.DryRunReport`: per planned rank and in total (``str()`` is
@@ -278,6 +280,7 @@ def dry_run(
         summary = str(report)
     """
     start = time.perf_counter()
+    patterns = key_patterns("sdadapt.dry_run", patterns)
     if device not in ("cpu", "cuda"):
         raise UsageError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if headers not in ("once", "every"):
@@ -290,8 +293,7 @@ def dry_run(
     with recording_headers() as rec_src:
         open_source(src, subtree=subtree).close()
     with recording_headers() as rec_all:
-        options = Options.of(src, adapter=adapter, subtree=subtree, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
-                             dtype=dtype)  # fmt: skip
+        options = Options.of(src, adapter=adapter, subtree=subtree, dtype=dtype, **patterns)
         source, plan, target_name, state = _plan(target, src, options)
     try:
         if not plan.report.ok:

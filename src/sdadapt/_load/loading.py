@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from .._base.progress import TransferBar
 from .._engine import EngineConfig, EngineStats, device_work, prefetch_pinned, warm_kernels, warm_kvikio
 from .._plan.adapter import Adapter
 from .._plan.intent import intent
-from .._plan.plan import Plan
+from .._plan.plan import KeyPatterns, Plan, key_patterns
 from .._plan.report import Report
 from .._plan.target import local_nbytes, model_state_dict, schema_of
 from .._transaction.args import check_model_and_path, renamed_keywords
@@ -32,6 +32,9 @@ from .._transaction.steps import derive_adapter, family_hint, judge, open_checkp
 from .._transaction.tidy import call_started, public
 from .._transaction.transaction import ATOMIC_WHY, Part, Transaction
 from ..sources import CHECKSUMS_WHY, ChecksummedSource, LoraMerged, Source, read_checksums, remember_source
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11; annotations only, the package runs on 3.10
 
 log = logging.getLogger("sdadapt")
 
@@ -163,11 +166,10 @@ def plan_load(
     adapter: Adapter | str | None = None,
     *,
     subtree: str | None = None,
-    allow_missing: list[str] | None = None,
-    allow_unexpected: list[str] | None = None,
     pipeline_stage: bool = False,
     lora: str | os.PathLike[str] | None = None,
     dtype: str | torch.dtype | None = None,
+    **patterns: Unpack[KeyPatterns],
 ) -> tuple[Source, Plan]:
     """Open the source and plan against the model (headers only; nothing is read or changed);
     ``pipeline_stage``, ``lora`` and ``dtype`` as in :func:`load`.
@@ -177,11 +179,11 @@ def plan_load(
         src: the checkpoint path, Hub id or :class:`~sdadapt.sources.Source`.
         adapter: an :class:`Adapter` or a spec string, as in :func:`load`.
         subtree: the nested dict of a ``torch.save`` file or DCP folder to read.
-        allow_missing: key patterns of the model that the checkpoint may lack.
-        allow_unexpected: key patterns of the checkpoint that the model may lack.
         pipeline_stage: ``model`` is one pipeline stage.
         lora: a PEFT LoRA adapter folder to merge.
         dtype: ``"model"`` or a dtype to convert every tensor to.
+        **patterns: ``allow_missing=`` / ``allow_unexpected=``: key patterns of the model that the
+            checkpoint may lack / of the checkpoint that the model may lack (:class:`KeyPatterns`).
 
     Returns:
         ``(source, plan)``: the open :class:`~sdadapt.sources.Source` (close it when done) and
@@ -194,8 +196,8 @@ def plan_load(
             assert plan.report.ok, plan.report.format()
     """
     check_model_and_path("sdadapt.plan_load(model, src, adapter=None, ...)", model, src)
-    options = Options.of(src, adapter=adapter, subtree=subtree, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
-                         pipeline_stage=pipeline_stage, lora=lora, dtype=dtype)  # fmt: skip
+    options = Options.of(src, adapter=adapter, subtree=subtree, pipeline_stage=pipeline_stage, lora=lora, dtype=dtype,
+                         **key_patterns("sdadapt.plan_load", patterns))  # fmt: skip
     source = open_checkpoint(src, subtree)
     source, plan, _ = plan_model(model, source, derive_adapter(adapter, source, model), options)
     return source, plan

@@ -6,8 +6,9 @@ reaches the same verdict without talking to the others.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import nn
@@ -17,6 +18,9 @@ from .._recipes.nodes import Converted, Leaf, Node
 from ..rules import PlanContext, matches_any, unwrap_key
 from .adapter import Adapter
 from .report import Mismatch, Report, scale_keys
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11; annotations only, the package runs on 3.10
 
 
 def index_pattern(key: str) -> str:
@@ -93,23 +97,58 @@ class Plan:
     other_stage_sources: set[str] = field(default_factory=set)  # the source keys those are made from
 
 
+class KeyPatterns(TypedDict, total=False):
+    """The key patterns whose mismatches a plan tolerates, typed once: the keywords
+    ``allow_missing=`` / ``allow_unexpected=`` of the public functions that hand them on to
+    planning as they are (:func:`sdadapt.plan_load`, :func:`sdadapt.diff`,
+    :func:`sdadapt.dry_run`, :func:`sdadapt.vllm.connect`), written there as
+    ``**patterns: Unpack[KeyPatterns]``. Type checkers check those keywords as if they were
+    spelled in each signature, and every call that passed them by keyword works as before; a
+    keyword that is neither is a ``TypeError`` naming the function, as Python's own.
+    :func:`sdadapt.load`, :func:`sdadapt.load_state` and :func:`sdadapt.refit_plan` spell them
+    in their signatures (the functions a user reads first, each saying what the patterns are
+    matched against).
+
+    Attributes:
+        allow_missing: key patterns of the target (the model, the engine) that the checkpoint
+            (the trainer) may lack: ``["lm_head.weight"]``, ``["layers.{i}.attn.bias"]``, ``["**"]``.
+        allow_unexpected: key patterns of the checkpoint that the target may lack.
+
+    Example::
+
+        patterns: sdadapt.KeyPatterns = {"allow_missing": ["lm_head.weight"]}
+        report = sdadapt.diff(model, "ckpt/", "llama", **patterns)
+    """
+
+    allow_missing: list[str] | None
+    allow_unexpected: list[str] | None
+
+
+def key_patterns(where: str, given: Mapping[str, object]) -> KeyPatterns:
+    """A call's ``**patterns``, checked: any keyword other than :class:`KeyPatterns`' is a
+    ``TypeError`` naming the call ``where``, as Python's own."""
+    unknown = sorted(set(given) - KeyPatterns.__optional_keys__)
+    if unknown:
+        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+    return KeyPatterns(given)  # type: ignore[misc]
+
+
 def build_plan(
     source: dict[str, TensorInfo],
     target: dict[str, TensorInfo],
     adapter: Adapter | None = None,
     *,
     non_tensor: list[str] | None = None,
-    allow_missing: list[str] | None = None,
-    allow_unexpected: list[str] | None = None,
     source_name: str = "checkpoint",
     target_name: str = "model",
     pipeline_stage: PipelineStage | None = None,
     allow_resized: list[str] | None = None,
+    **patterns: Unpack[KeyPatterns],
 ) -> Plan:
     """Apply ``adapter``'s rules to the ``source`` schema and line the result up with ``target``
     (both ``key -> TensorInfo``, headers only): a recipe per target key that matches, and a
     :class:`Report` of every key that does not. Deterministic, so every rank gets the same plan.
-    ``allow_missing`` / ``allow_unexpected`` are key patterns whose mismatches are tolerated.
+    ``patterns``: key patterns whose mismatches are tolerated (:class:`KeyPatterns`).
     ``pipeline_stage``: the target is one pipeline stage; the adapted keys that belong to other
     stages (:meth:`PipelineStage.elsewhere`) are listed in ``Plan.other_stages`` and in the
     report's ``allowed_unexpected``, and are not read; the source keys they are made from are
@@ -125,8 +164,8 @@ def build_plan(
     ctx.check_ambiguity()
     unwrap_issues = ctx.collision_issues(collisions)
 
-    allow_missing = allow_missing or []
-    allow_unexpected = allow_unexpected or []
+    allow_missing = key_patterns("build_plan", patterns).get("allow_missing") or []
+    allow_unexpected = patterns.get("allow_unexpected") or []
     report = Report(
         source=source_name,
         target=target_name,

@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .._plan.adapter import Adapter
-from .._plan.plan import PipelineStage, vacant_modules
+from .._plan.plan import KeyPatterns, PipelineStage, key_patterns, vacant_modules
 from .._plan.registry import family_adapter, shipped_hint
 from .._plan.report import Report
 from .._plan.target import model_state_dict, schema_of
@@ -19,6 +20,9 @@ from .._transaction.options import Options
 from .._transaction.steps import derive_adapter, family_hint, open_checkpoint, plan_schema
 from ..errors import SdadaptError
 from ..sources import Source, TensorInfo, open_source
+
+if TYPE_CHECKING:
+    from typing import Unpack  # Python 3.11; annotations only, the package runs on 3.10
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +45,9 @@ def diff(
     adapter: Adapter | str | None = None,
     *,
     subtree: str | None = None,
-    allow_missing: list[str] | None = None,
-    allow_unexpected: list[str] | None = None,
     pipeline_stage: bool = False,
     dtype: str | torch.dtype | None = None,
+    **patterns: Unpack[KeyPatterns],
 ) -> Report:
     """Compare checkpoint ``src`` (through ``adapter``) with ``target``; reads headers only.
     ``pipeline_stage=True``: ``target`` is one pipeline stage, and the checkpoint keys of the
@@ -62,10 +65,10 @@ def diff(
         src: the checkpoint path, Hub id or :class:`~sdadapt.sources.Source`.
         adapter: an :class:`Adapter` or a spec string, as in :func:`sdadapt.load`.
         subtree: the nested dict of a ``torch.save`` file or DCP folder to read.
-        allow_missing: key patterns of the target that the checkpoint may lack.
-        allow_unexpected: key patterns of the checkpoint that the target may lack.
         pipeline_stage: ``target`` is one pipeline stage.
         dtype: ``"model"`` or a dtype to convert every tensor to.
+        **patterns: ``allow_missing=`` / ``allow_unexpected=``: key patterns of the target that the
+            checkpoint may lack / of the checkpoint that the target may lack (:class:`KeyPatterns`).
 
     Returns:
         The plan's :class:`~sdadapt.reports.Report`: missing, unexpected and mismatched keys
@@ -78,8 +81,8 @@ def diff(
     """
     check_not_a_model("sdadapt.diff(target, src, adapter=None, ...)", src, other=target)
     model = target if isinstance(target, nn.Module) else None
-    options = Options.of(src, adapter=adapter, subtree=subtree, allow_missing=allow_missing, allow_unexpected=allow_unexpected,
-                         pipeline_stage=pipeline_stage, dtype=dtype)  # fmt: skip
+    options = Options.of(src, adapter=adapter, subtree=subtree, pipeline_stage=pipeline_stage, dtype=dtype,
+                         **key_patterns("sdadapt.diff", patterns))  # fmt: skip
     with open_checkpoint(src, subtree) as source:  # **open**, once for the call
         resolved = derive_adapter(adapter, source, model)  # **adapter**
         schema, name = target_schema(target)
