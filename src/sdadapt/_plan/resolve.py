@@ -350,6 +350,10 @@ def adapter_or_none(
 
         if is_gguf(source):
             return gguf_hf_adapter(model, source)  # type: ignore[arg-type]
+        from .hf_quant import quant_method, quantized_hf_adapter
+
+        if model is not None and quant_method(source) is not None:
+            return quantized_hf_adapter(model, source)
         return hf_adapter(model, source)  # type: ignore[arg-type]
     path = getattr(source, "path", source)
     where = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None

@@ -98,13 +98,14 @@ _PUBLIC: dict[str, str] = {
     "QuantizeFP8": "._dequant",
     "QuantizeMXFP4": "._dequant",
     "QuantizeScaled": "._dequant_scaled",
+    "DequantGPTQ": "._dequant_gptq",
     **dict.fromkeys(["ScaleFormat", "SCALE_DTYPES", "FP8_SCALE_SUFFIX", "MX_BLOCKS_SUFFIX"], "sdadapt._recipes.quant"),
     "ignored_modules": "._quant_config",
     # a rule of one's own: the node it puts under a key, and the steps a node produces
     **dict.fromkeys(["Node", "Compute", "emit"], "sdadapt._recipes.nodes"),
 }
 """The one table of :mod:`sdadapt.rules`' public names -> the module that defines each."""
-_INTERNAL = {"open_peft_lora": "._lora", "merged_lora": "._lora"}
+_INTERNAL = {"open_peft_lora": "._lora", "merged_lora": "._lora", "dequant_rules": "._quant_detect"}
 """Names the layers above use, imported on first use (only a load that merges a LoRA needs them)."""
 _LAZY = {**{name: where for name, where in _PUBLIC.items() if where != __name__}, **_INTERNAL}
 
@@ -120,6 +121,7 @@ if TYPE_CHECKING:
     from ._dequant import DequantMXFP4 as DequantMXFP4
     from ._dequant import QuantizeFP8 as QuantizeFP8
     from ._dequant import QuantizeMXFP4 as QuantizeMXFP4
+    from ._dequant_gptq import DequantGPTQ as DequantGPTQ
     from ._dequant_scaled import DequantScaled as DequantScaled
     from ._dequant_scaled import QuantizeScaled as QuantizeScaled
     from ._keys import AddPrefix as AddPrefix
@@ -132,6 +134,7 @@ if TYPE_CHECKING:
     from ._lora import merged_lora as merged_lora
     from ._lora import open_peft_lora as open_peft_lora
     from ._quant_config import ignored_modules as ignored_modules
+    from ._quant_detect import dequant_rules as dequant_rules
     from ._stacking import Stack as Stack
     from ._stacking import Unstack as Unstack
     from ._tensor_parallel import Deinterleave as Deinterleave

@@ -42,6 +42,7 @@ _KINDS: dict[str, type[RuleBase]] = {}
 _IMPORTED_ON_USE: dict[str, str] = {
     **dict.fromkeys(["dequant_fp8", "quantize_fp8", "dequant_mxfp4", "quantize_mxfp4"], "sdadapt.rules._dequant"),
     **dict.fromkeys(["dequant_scaled", "quantize_scaled"], "sdadapt.rules._dequant_scaled"),
+    "dequant_gptq": "sdadapt.rules._dequant_gptq",
     "merge_lora": "sdadapt.rules._lora",
 }
 """Built-in kinds -> the module that registers them when imported; imported the first time one of

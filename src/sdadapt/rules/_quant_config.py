@@ -15,7 +15,9 @@ Methods read:
 - ``compressed-tensors``: each config group's ``format`` and ``weights`` (``float-quantized``,
   ``naive-quantized``, ``int-quantized``, ``pack-quantized``, ``nvfp4-pack-quantized``,
   ``mxfp4-pack-quantized``, ``mxfp8-quantized``) with its ``targets`` and the ``ignore`` list;
-- ``modelopt`` (NVFP4, FP8), from ``quantization_config`` or ``hf_quant_config.json``.
+- ``modelopt`` (NVFP4, FP8), from ``quantization_config`` or ``hf_quant_config.json``;
+- ``gptq`` (AutoGPTQ's ``checkpoint_format: gptq``, 2 / 4 / 8 bits) and ``awq`` (AutoAWQ's
+  ``version: gemm``, 4 bits): :class:`~sdadapt.rules._dequant_gptq.DequantGPTQ`.
 """
 
 from __future__ import annotations
@@ -114,12 +116,41 @@ class HFQuantConfig(_Model):
     quantization: ModelOptQuant
 
 
+class GPTQConfig(_Model):
+    """``quant_method: gptq`` (AutoGPTQ, GPTQModel, optimum): ``qweight`` / ``qzeros`` / ``scales``
+    / ``g_idx`` per linear layer. ``desc_act`` (act-order) and ``sym`` change the values stored,
+    not how they are read (``g_idx`` and ``qzeros`` say it); ``checkpoint_format`` other than
+    ``gptq`` (GPTQModel's ``gptq_v2`` zero points, Marlin repacks) is refused by name."""
+
+    quant_method: Literal["gptq"]
+    bits: int
+    group_size: int = -1
+    desc_act: bool = False
+    sym: bool = True
+    checkpoint_format: str = "gptq"
+    modules_in_block_to_quantize: list[Any] | None = None
+
+
+class AWQConfig(_Model):
+    """``quant_method: awq`` (AutoAWQ): ``version: gemm`` with zero points is read; the other
+    versions (``gemv``, ``gemv_fast``, ``marlin``, ``exllama``, ``ipex``) pack differently and are refused by name."""
+
+    quant_method: Literal["awq"]
+    bits: int = 4
+    group_size: int = 128
+    zero_point: bool = True
+    version: str = "gemm"
+    modules_to_not_convert: list[str] | None = None
+
+
 METHODS: dict[str, type[_Model]] = {
     "fp8": FP8Config,
     "mxfp4": MXFP4Config,
     "mxfp8": MXFP8Config,
     "compressed-tensors": CompressedTensorsConfig,
     "modelopt": ModelOptConfig,
+    "gptq": GPTQConfig,
+    "awq": AWQConfig,
 }
 
 

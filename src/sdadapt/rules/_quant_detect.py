@@ -258,7 +258,10 @@ def dequant_rules(
       per 32 values as ``U8`` or ``F8_E8M0``; ``modules_to_not_convert`` left alone);
     - ``compressed-tensors``: one ``DequantScaled`` per quantized config group (``format``,
       ``weights``, ``targets``, ``ignore``); activation and KV-cache scales are dropped on purpose;
-    - ``modelopt`` (NVFP4, FP8): one ``DequantScaled``.
+    - ``modelopt`` (NVFP4, FP8): one ``DequantScaled``;
+    - ``gptq`` (``checkpoint_format: gptq``, 2 / 4 / 8 bits, any ``group_size``, act-order) and
+      ``awq`` (``version: gemm``): one :class:`~sdadapt.rules._dequant_gptq.DequantGPTQ` over
+      every module storing a ``qweight`` (``modules_to_not_convert`` store plain weights).
 
     Args:
         config: the ``config.json`` dict, its path, the release folder, or the open source of
@@ -305,6 +308,8 @@ def dequant_rules(
         return list(compressed_tensors_rules(parsed, schema, to))
     if isinstance(parsed, C.ModelOptConfig):
         return list(modelopt_rules(parsed, parsed.exclude_modules or parsed.ignore or [], schema, to))
+    if isinstance(parsed, (C.GPTQConfig, C.AWQConfig)):
+        return [gptq_rule(parsed, where, to)]
     if isinstance(parsed, C.MXFP4Config):
         from ._dequant import DequantMXFP4
 
@@ -322,6 +327,30 @@ def dequant_rules(
 
     return [DequantFP8(keys=fp8_keys, exclude=exclude, block=(b0, b1), scale_format=fmt,
                        scale_dtype=scale_dtype, dtype=to)]  # fmt: skip
+
+
+def gptq_rule(qc: C.GPTQConfig | C.AWQConfig, where: str, dtype: str | None) -> RuleBase:
+    """The one rule of a GPTQ or AWQ release; a layout it does not read is an :class:`AdapterError`
+    naming ``where`` and the field."""
+    from .._recipes import quant_gptq as G
+    from ._dequant_gptq import DequantGPTQ
+
+    field = f"{where}: quantization_config"
+    if isinstance(qc, C.GPTQConfig):
+        if qc.checkpoint_format != "gptq":
+            raise AdapterError(f"{field}.checkpoint_format {qc.checkpoint_format!r} is not read; sdadapt reads GPTQ's "
+                               "'gptq' layout (zero points stored less one), as AutoGPTQ writes it")  # fmt: skip
+        layout: G.Layout = "gptq"
+    else:
+        if qc.version != "gemm" or not qc.zero_point:
+            raise AdapterError(f"{field}: AWQ version {qc.version!r} (zero_point={qc.zero_point}) is not read; sdadapt "
+                               "reads AutoAWQ's 'gemm' layout with zero points")  # fmt: skip
+        layout = "awq"  # modules_to_not_convert store a plain weight, no qweight: the rule passes them by
+    try:
+        return DequantGPTQ(keys="**", layout=layout, bits=qc.bits, group_size=qc.group_size, dtype=dtype)
+    except ValueError as e:
+        msg = e.errors()[0]["msg"] if hasattr(e, "errors") else str(e)
+        raise AdapterError(f"{field}: {msg}; fix the release's config") from None
 
 
 def _headers(folder: str) -> dict[str, TensorInfo] | None:

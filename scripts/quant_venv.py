@@ -1,0 +1,91 @@
+"""The small venv that holds the GPTQ and AWQ tools: the oracles of the GPTQ / AWQ tests and bench.
+
+    python scripts/quant_venv.py            # make it (once) and print its python
+    python scripts/quant_venv.py --check    # exit 0 only if both tools import there
+
+Like scripts/megatron_venv.py's, it lives under ``${TMPDIR:-/tmp}/sdadapt-compat`` and sees the
+base venv's packages (torch 2.13.0, safetensors, numpy) through a ``.pth`` file. Installed into
+it: ``auto-gptq==0.7.1`` (its ``QuantLinear.pack`` writes GPTQ layers; the torch path of its
+forward is the reference dequantisation; its CUDA extensions do not load on torch 2.13 and are
+not used) and ``autoawq==0.2.9`` (pure Python: ``WQLinear_GEMM.from_linear`` packs,
+``awq.utils.packing_utils.dequantize_gemm`` dequantises). Both import only with a transformers
+of their time: ``transformers==4.51.3`` (AutoAWQ's last tested release; auto-gptq imports
+``no_init_weights``, gone in 5.x) with its ``tokenizers`` and ``peft==0.10.0`` (auto-gptq
+imports ``PEFT_TYPE_TO_MODEL_MAPPING``) are installed into this venv over the base's.
+GPTQModel (the tool transformers 5 loads GPTQ and AWQ with) needs torch >= 2.14 from 7.x on,
+and builds extensions: it does not install here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+
+NAME = "quant-oracles-1"
+PACKAGES = ["transformers==4.51.3", "tokenizers>=0.21,<0.22", "peft==0.10.0", "auto-gptq==0.7.1", "gekko", "rouge",
+            "sentencepiece"]
+NO_DEPS = ["autoawq==0.2.9", "zstandard"]
+
+
+def venv_python(root: str | None = None, base_site: str | None = None) -> str:
+    """Make the venv (once; reused while both tools import there) and return its python.
+
+    Args:
+        root: where the small venvs live (default ``${TMPDIR:-/tmp}/sdadapt-compat``).
+        base_site: the site-packages it sees (default this interpreter's).
+
+    Returns:
+        The path of the venv's python.
+    """
+    root = root or os.path.join(tempfile.gettempdir(), "sdadapt-compat")
+    base_site = base_site or sysconfig.get_paths()["purelib"]
+    venv = os.path.join(root, NAME)
+    py = os.path.join(venv, "bin", "python")
+    if not os.path.exists(py):
+        os.makedirs(root, exist_ok=True)
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
+    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, capture_output=True, text=True).stdout.strip()
+    line = f"import site; site.addsitedir({base_site!r})\n"
+    pth = os.path.join(site, "_sdadapt_base.pth")
+    if not os.path.exists(pth) or open(pth).read() != line:
+        with open(pth, "w") as f:
+            f.write(line)
+    if not importable(py):
+        import torch
+
+        constraint = os.path.join(venv, "torch-constraint.txt")
+        with open(constraint, "w") as f:
+            f.write(f"torch=={torch.__version__.split('+')[0]}\ntransformers==4.51.3\n")
+        quiet = ["--disable-pip-version-check", "--no-warn-conflicts", "-q"]
+        subprocess.run([py, "-m", "pip", "install", *quiet, "-c", constraint, *PACKAGES], check=True)
+        subprocess.run([py, "-m", "pip", "install", *quiet, "-c", constraint, "--no-deps", *NO_DEPS], check=True)
+    return py
+
+
+def importable(py: str) -> bool:
+    """Whether auto-gptq's QuantLinear and AutoAWQ's GEMM layer import under ``py``."""
+    code = ("import warnings; warnings.simplefilter('ignore'); "
+            "from auto_gptq.nn_modules.qlinear.qlinear_cuda import QuantLinear; "
+            "from awq.modules.linear.gemm import WQLinear_GEMM; from awq.utils.packing_utils import dequantize_gemm")
+    return os.path.exists(py) and subprocess.run([py, "-c", code], capture_output=True).returncode == 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", default=None, help="where the small venvs live")
+    ap.add_argument("--check", action="store_true", help="only say whether it is made")
+    args = ap.parse_args()
+    if args.check:
+        root = args.root or os.path.join(tempfile.gettempdir(), "sdadapt-compat")
+        return 0 if importable(os.path.join(root, NAME, "bin", "python")) else 1
+    print(venv_python(args.root))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

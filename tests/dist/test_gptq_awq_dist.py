@@ -1,0 +1,106 @@
+"""GPTQ and AWQ releases (written by auto-gptq and AutoAWQ, ``support.quant_releases``) on 2 gloo
+ranks: transformers Llama models sharded with FSDP2 (``fully_shard``) load with no adapter, every
+shard bit-equal to the tools' own dequantisation in bfloat16 and float32, each rank reading about
+half of the packed file; a ``g_idx`` out of range fails on both ranks naming it, nothing loaded, no
+hang. One launched group runs every case."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from support.dist_helper import run_distributed  # noqa: E402
+from support.quant_releases import NAMES, copy_release, quant_releases  # noqa: E402
+
+_RESULTS: dict[str, Any] = {}
+BROKEN = "model.layers.0.self_attn.q_proj.g_idx"
+
+
+def _shard_of(v: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(v, DTensor):
+        return v, want
+    shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+    return v.to_local(), want[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
+
+
+def _model(folder: str, dtype: torch.dtype, mesh: Any) -> Any:
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=dtype)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _cases(folder: str, broken: str) -> dict[str, Any]:
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import sdadapt
+    from sdadapt.errors import SdadaptError
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    out: dict[str, Any] = {}
+    for name in NAMES:
+        want = load_file(os.path.join(folder, name + ".oracle", "model.safetensors"))
+        path = os.path.join(folder, name)
+        for dtype in (torch.bfloat16, torch.float32):
+            model = _model(path, dtype, mesh)
+            rep = sdadapt.load(model, path)
+            bad = []
+            for k, v in model.state_dict().items():
+                local, region = _shard_of(v, want[k].to(dtype))
+                if not torch.equal(local.contiguous().view(torch.uint8), region.contiguous().view(torch.uint8)):
+                    bad.append(k)
+            out[f"{name}/{dtype}"] = {"bad": bad, "read": rep.bytes_read,
+                                      "size": os.path.getsize(os.path.join(path, "model.safetensors"))}
+    model = _model(broken, torch.bfloat16, mesh)
+    try:
+        sdadapt.load(model, broken)
+        out["broken"] = "loaded"
+    except SdadaptError as e:
+        out["broken"] = f"{type(e).__name__}: {e}"
+    out["broken/meta"] = all(p.is_meta for p in model.parameters())
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    folder = quant_releases()
+    from safetensors.torch import load_file, save_file
+
+    broken = copy_release(folder, "gptq4_g32_asym_act", str(tmp_path_factory.mktemp("gptq-broken")))
+    f = os.path.join(broken, "model.safetensors")
+    tensors = load_file(f)
+    tensors[BROKEN][40] = -1
+    save_file(tensors, f, metadata={"format": "pt"})
+    if not _RESULTS:
+        _RESULTS.update(enumerate(run_distributed(_cases, 2, folder, broken, timeout=600)))
+    return _RESULTS
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", ["torch.bfloat16", "torch.float32"])
+def test_fsdp2_shards_are_bit_equal_and_each_rank_reads_its_half(results: dict, name: str, dtype: str) -> None:
+    for rank in (0, 1):
+        case = results[rank][f"{name}/{dtype}"]
+        assert case["bad"] == []
+        assert case["read"] < 0.75 * case["size"], case  # its own rows' words and groups, not the file
+
+
+def test_a_g_idx_out_of_range_fails_on_both_ranks_naming_it(results: dict) -> None:
+    texts = [results[rank]["broken"] for rank in (0, 1)]
+    assert all(t.startswith("LoadError") and BROKEN in t and "g_idx[40] = -1" in t for t in texts), texts
+    assert all(results[rank]["broken/meta"] for rank in (0, 1))
