@@ -54,6 +54,8 @@ SUMMARY = (
     "or per expert, router and expert bias) -> HF transformers names"
 )
 
+FORMAT = "torch_dist"
+"""What ``sdadapt.export(model, dst, "megatron_gpt")`` writes when no ``format`` is given."""
 D = "decoder.layers.{i}."
 H = "model.layers.{i}."
 ATTN = "self_attention."
@@ -73,6 +75,8 @@ _PER_LAYER_NAMES = (
 )  # fmt: skip
 """The per-layer tensors this adapter knows (after ``decoder.layers.`` or ``decoder.layers.{i}.``)."""
 _TOP = ("embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight")
+_TE_GROUPED = re.compile(r"mlp\.experts\.linear_fc[12]\.(weight|bias)\d+$")
+"""Transformer Engine's grouped experts by module name (``TEGroupedMLP``'s ``weight0..N``)."""
 _EXTRA = re.compile(r"^(.*)\._extra_state(/shard_[0-9._]+)?$")
 
 
@@ -355,6 +359,14 @@ def _check_known(schema: dict[str, Any], stacked: bool) -> None:
     for key in schema:
         if key in _TOP or per_layer.match(key):
             continue
+        if _TE_GROUPED.search(key):
+            raise AdapterError(
+                f"key {key!r}: Transformer Engine's TEGroupedMLP parameter by its module name (weight0..N, one per "
+                "expert), which Megatron-Core's dist_checkpointing.save never writes: it stores these experts under "
+                "SequentialMLP's keys (mlp.experts.experts.linear_fc1.weight with an expert axis), which this adapter "
+                "reads. This checkpoint holds a module's state_dict(): load it into Megatron-Core's GPTModel and save it "
+                "with dist_checkpointing.save (Megatron-LM: --ckpt-format torch_dist), then load that folder"
+            )
         raise AdapterError(
             f"key {key!r}: a Megatron-Core tensor the megatron_gpt adapter has not seen (it knows the GPTModel of "
             "megatron-core 0.16 with the local or Transformer Engine layer spec: GQA, SwiGLU, RMSNorm, rotary, MoE); "

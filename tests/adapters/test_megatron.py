@@ -198,8 +198,26 @@ def test_unseen_versions_and_keys_refused(ckpts: str, tmp_path: str) -> None:
     _edit_common(folder, lambda c: c.update(checkpoint_version=4.0))
     _refused(folder, "dense_tp2", "checkpoint_version 4.0", "has not seen")
     folder = _copy(ckpts, "moe_grouped", tmp_path)
-    old, new = "decoder.layers.mlp.router.expert_bias", "decoder.layers.mlp.router.z_loss_scale"
+    new = "decoder.layers.mlp.router.z_loss_scale"
+    _rename_key(folder, "decoder.layers.mlp.router.expert_bias", new)
+    with pytest.raises(AdapterError, match="has not seen") as info:
+        sdadapt.get_adapter("megatron_gpt", folder)
+    assert new in str(info.value)
 
+
+def test_transformer_engine_module_names_refused(ckpts: str, tmp_path: str) -> None:
+    """TEGroupedMLP's ``weight0..N`` are module names that ``dist_checkpointing.save`` maps onto
+    SequentialMLP's keys (which are read); a checkpoint holding them is a module's state_dict(),
+    refused saying how to re-save it."""
+    folder = _copy(ckpts, "moe_sequential", tmp_path)
+    new = "decoder.layers.0.mlp.experts.linear_fc2.weight0"
+    _rename_key(folder, "decoder.layers.0.mlp.experts.experts.0.linear_fc2.weight", new)
+    with pytest.raises(AdapterError, match="TEGroupedMLP") as info:
+        sdadapt.get_adapter("megatron_gpt", folder)
+    assert new in str(info.value) and "dist_checkpointing.save" in str(info.value)
+
+
+def _rename_key(folder: str, old: str, new: str) -> None:
     def rename(md: object) -> None:
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
@@ -209,9 +227,6 @@ def test_unseen_versions_and_keys_refused(ckpts: str, tmp_path: str) -> None:
                 md.storage_data[MetadataIndex(new, index.offset, index.index)] = md.storage_data.pop(index)  # type: ignore[attr-defined]
 
     _edit_metadata(folder, rename)
-    with pytest.raises(AdapterError, match="has not seen") as info:
-        sdadapt.get_adapter("megatron_gpt", folder)
-    assert new in str(info.value)
 
 
 def test_megatron_lm_root_folder_named(ckpts: str, tmp_path: str) -> None:

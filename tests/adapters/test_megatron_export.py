@@ -1,8 +1,8 @@
 """``torch_dist`` written by sdadapt, read by Megatron-Core's own ``dist_checkpointing.load``.
 
 The round trip Megatron -> sdadapt -> Megatron: each fixture Megatron-Core wrote is loaded into
-a transformers model (or converted through HF names), exported with ``format="torch_dist"``, and
-Megatron loads it into a ``GPTModel`` at another TP degree than the writer's (in the megatron venv,
+a transformers model (or converted through HF names), exported as ``torch_dist`` (the adapter's own
+format, not named), and Megatron loads it into a ``GPTModel`` at another TP degree than the writer's (in the megatron venv,
 ``megatron_fixtures.py --load``): every rank's parameters equal its part of Megatron's original
 state bit for bit, and the logits equal Megatron's. A transformers model never loaded from Megatron
 exports too, and Megatron's forward of it matches transformers'.
@@ -33,7 +33,7 @@ def _export(ckpts: str, name: str, dst: str, tmp: str) -> Any:
     adapter = sdadapt.get_adapter("megatron_gpt", src, experts_to="stacked") if name.startswith("moe") else "megatron_gpt"
     model = hf_model(name)
     sdadapt.load(model, src, adapter)
-    return sdadapt.export(model, dst, adapter, format="torch_dist")
+    return sdadapt.export(model, dst, adapter)  # the adapter's own format: torch_dist
 
 
 def _from_transformers(ckpts: str, dst: str, tmp: str) -> str:
@@ -44,7 +44,7 @@ def _from_transformers(ckpts: str, dst: str, tmp: str) -> str:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05)
-    sdadapt.export(model, dst, "megatron_gpt", format="torch_dist")
+    sdadapt.export(model, dst, "megatron_gpt")  # the adapter's own format: torch_dist
     o = oracle(ckpts, "dense")
     with torch.no_grad():
         logits = model(o["tokens"]).logits

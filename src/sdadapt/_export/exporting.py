@@ -40,7 +40,7 @@ from .._base.regions import Box, full_box
 from .._base.schema import TensorInfo, slices
 from .._plan.adapter import Adapter
 from .._plan.intent import intent
-from .._plan.registry import config_folder, is_shipped
+from .._plan.registry import checkpoint_format, config_folder, is_shipped
 from .._plan.resolve import adapter_or_none
 from .._plan.target import model_state_dict, schema_of
 from .._plan.titan_names import for_export
@@ -245,7 +245,7 @@ def export(
     model: nn.Module,
     dst: str | os.PathLike[str],
     adapter: Adapter | str | None = None,
-    format: str = "safetensors",  # noqa: A002 - the user-facing name
+    format: str | None = None,  # noqa: A002 - the user-facing name
     *,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
@@ -260,7 +260,9 @@ def export(
     :class:`Adapter` or a name resolved like the CLI's ``--adapter``);
     ``format`` is ``"safetensors"`` (a folder: ``model.safetensors``, or shards of at most
     ``max_shard_size`` plus ``model.safetensors.index.json``), ``"torch"`` (one ``torch.save``
-    file of a flat dict) or ``"dcp"`` (a DCP folder). The tensors come from the stream
+    file of a flat dict), ``"dcp"`` (a DCP folder) or ``"torch_dist"`` (Megatron-Core's); not
+    given, the format of the shipped adapter's checkpoints (``"torch_dist"`` for
+    ``megatron_gpt``), else ``"safetensors"``. The tensors come from the stream
     :func:`export_iter` iterates, in the order the writer asks for them (rank 0 tells the other
     ranks which key is next); rank 0 writes; the output appears at ``dst`` atomically.
     ``checksums=True`` also writes ``sdadapt.checksums.json`` (beside a torch file:
@@ -280,7 +282,8 @@ def export(
         dst: the folder (``"safetensors"``, ``"dcp"``) or file (``"torch"``) to write.
         adapter: the checkpoint->model adapter you load with, or a spec string; ``None``: the
             model's own keys.
-        format: ``"safetensors"``, ``"torch"``, ``"dcp"`` or ``"torch_dist"`` (Megatron-Core's).
+        format: ``"safetensors"``, ``"torch"``, ``"dcp"`` or ``"torch_dist"`` (Megatron-Core's);
+            ``None``: the shipped adapter's checkpoint format, else ``"safetensors"``.
         max_shard_size: the largest safetensors shard (``"5GB"`` or bytes).
         overwrite: replace an existing ``dst``.
         process_group: the group the ranks export over.
@@ -300,6 +303,7 @@ def export(
     t0 = call_started()
     check_model_and_path("sdadapt.export(model, dst, adapter=None, format='safetensors', ...)", model, dst, path_arg="dst")
     dst = os.fspath(dst)
+    format = format or checkpoint_format(adapter) or "safetensors"  # noqa: A001
     folder = os.fspath(assets) if assets is not None else loaded_from(model)
     shipped = is_shipped(adapter)  # our documented layout
     config = transformers_config(model) if folder is None else None

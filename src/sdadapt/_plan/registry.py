@@ -8,6 +8,9 @@ Each adapter is a module ``sdadapt.adapters.<name>`` that exposes
   ``tied=...``); a required option is a parameter without a default;
 - optionally ``MODEL_TYPES: tuple[str, ...]``: the ``model_type`` values of ``config.json`` whose
   checkpoints it maps (default: its own name), for the suggestion :func:`shipped_hint` makes;
+- optionally ``FORMAT: str``: the format its checkpoints are saved in when it is not
+  ``"safetensors"`` (``megatron_gpt``: ``"torch_dist"``), what :func:`sdadapt.export` writes when
+  no ``format`` is given (:func:`checkpoint_format`);
 - optionally ``options_from_config(folder: str) -> dict``: options read from the checkpoint
   folder's ``config.json`` / ``params.json`` (``{}`` when it has none); a reader that takes a
   second parameter, ``options_from_config(folder, source)``, also gets the checkpoint (to read
@@ -129,6 +132,18 @@ def is_shipped(adapter: object) -> bool:
     """Whether ``adapter`` names a shipped adapter, by its name or an alias (our documented
     layout, which load, diff and export aim at the names the model holds)."""
     return canonical_name(adapter) is not None
+
+
+def checkpoint_format(adapter: object) -> str | None:
+    """The format the checkpoints of the shipped adapter ``adapter`` names are saved in (its
+    module's ``FORMAT``): ``adapter`` is a name or an adapter :func:`get_adapter` built (its name,
+    or the first part of ``a + b``); ``None`` when it declares none or names no shipped adapter."""
+    name = adapter if isinstance(adapter, str) else getattr(adapter, "name", None)
+    shipped = canonical_name(name.split("+")[0]) if isinstance(name, str) else None
+    if shipped is None:
+        return None
+    fmt = getattr(adapter_module(shipped), "FORMAT", None)
+    return fmt if isinstance(fmt, str) else None
 
 
 def _no_such_adapter(name: str) -> str:
