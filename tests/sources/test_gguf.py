@@ -52,6 +52,22 @@ def test_the_table_claims_gguf_files() -> None:
     assert ".gguf" in _formats.WEIGHT_SUFFIXES and recordable("s3://b/m.gguf")
 
 
+def test_the_tables_lazy_entry_agrees_with_the_modules_format(every_type: str) -> None:
+    """The table declares GGUF without importing its reader; it is the reader's own ``FORMAT``."""
+    from sdadapt.sources import _gguf_file
+
+    lazy, own = _formats.format_of(every_type), _gguf_file.FORMAT
+    assert lazy is not None and lazy is not own
+    for field in ("name", "suffixes", "recordable", "folder_file", "members", "any_file"):
+        assert getattr(lazy, field) == getattr(own, field), field
+    assert lazy.claims(every_type) and own.claims(every_type) and not lazy.claims(every_type + ".json")
+    size = os.path.getsize(every_type)
+    assert list(lazy.header_ranges(every_type, size)) == list(own.header_ranges(every_type, size))
+    assert lazy.config(every_type) == own.config(every_type)
+    with lazy.open(every_type, None) as src, open_source(every_type) as other:
+        assert isinstance(src, _gguf_file.GGUFFile) and src.schema.keys() == other.schema.keys()
+
+
 def test_every_type_is_bit_equal_to_gguf_whole_and_per_region(every_type: str) -> None:
     ref = oracle(every_type)
     with open_source(every_type) as src:

@@ -14,6 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -40,6 +41,8 @@ NOT_ON_THE_PLAIN_PATH = [
     "sdadapt.sources._joined",
     # the Hub, other formats' and tools' modules
     "sdadapt.sources._hub",
+    "sdadapt.sources._gguf_file",
+    "sdadapt.sources._gguf_header",
     "sdadapt.sources._dcp_dir",
     "sdadapt.sources._inventory",
     "sdadapt._plan.hf_models",
@@ -57,16 +60,50 @@ NOT_ON_THE_PLAIN_PATH = [
     "huggingface_hub",
 ]
 
+IMPORT_SDADAPT = ["sdadapt", "sdadapt._base", "sdadapt._base.lazy", "sdadapt._base.rule_kinds", "sdadapt._base.version"]
+"""Every module ``import sdadapt`` imports (after torch): its face only, which imports the rest on first use."""
+
+PLAIN_LOAD = IMPORT_SDADAPT + [
+    "sdadapt.errors",
+    *(f"sdadapt._base.{m}" for m in "agreement distributed env gc keyruns progress regions schema tensor_bytes".split()),
+    "sdadapt._engine",
+    *(f"sdadapt._engine.{m}" for m in (
+        "config device devread engine geometry lanes locate pinned planner prefetch reader share staging syscalls "
+        "tasks views workers").split()),
+    "sdadapt._load", "sdadapt._load.loading",
+    "sdadapt._plan", *(f"sdadapt._plan.{m}" for m in "adapter intent plan registry report resolve target titan_names".split()),
+    "sdadapt._recipes", *(f"sdadapt._recipes.{m}" for m in "arithmetic interleave moves nodes".split()),
+    "sdadapt._transaction",
+    *(f"sdadapt._transaction.{m}" for m in "args checks commit headers materialize options steps tidy transaction".split()),
+    "sdadapt.rules",
+    *(f"sdadapt.rules._{m}" for m in "base custom functions keys patterns stacking tensor_parallel values".split()),
+    "sdadapt.sources",
+    *(f"sdadapt.sources._{m}" for m in (
+        "assets base formats headers hf_sharded integrity json namespaced object_store peft remote safetensors_file "
+        "torch_save").split()),
+]  # fmt: skip
+"""Every sdadapt module a plain load (a rename, a safetensors file, a CPU model) imports. Pinned
+both ways: a module that joins the path must be justified here, and one that leaves it is
+struck off, so that the list only shrinks (what each module costs: ``bench/probes/import_probe.py``)."""
+
+PLAIN_LOAD_THIRD_PARTY = ["annotated_types", "pydantic", "pydantic_core", "typing_inspection"]
+"""The packages besides torch and the standard library that a plain load imports: pydantic's
+(the rules are pydantic models). ``torch.distributed.checkpoint`` runs the load."""
+
 CHILD = textwrap.dedent(
     """
     import json, sys
-    import torch
+    import torch, torch.distributed, torch.distributed.fsdp, torch.distributed.tensor.parallel
     from torch import nn
+
+    before = set(sys.modules)  # what a training job has imported
     import sdadapt
+    face = sorted(set(sys.modules) - before)
 
     model = nn.Sequential(nn.Linear(4, 3))
     report = sdadapt.load(model, sys.argv[1], sdadapt.Adapter([sdadapt.rename("layer.{p}", "0.{p}")]))
     loaded = sorted(sys.modules)
+    added = sorted(set(sys.modules) - before)
 
     class Clash(sdadapt.rules.RuleBase):  # a user's kind taken by a built-in whose module is not imported yet
         kind: str = "dequant_scaled"
@@ -83,9 +120,16 @@ CHILD = textwrap.dedent(
     read_back = [type(r).__name__ for r in sdadapt.Adapter.from_json(text).rules]
     kinds = list(sdadapt.rules.registered_rules())
     print(json.dumps({"keys": report.keys_loaded, "weight": model[0].weight.tolist(), "modules": loaded,
+                      "face": face, "added": added,
                       "clash": clash, "read_back": read_back, "kinds": kinds}))
     """
 )
+
+
+@pytest.fixture(scope="module")
+def plain_load(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One fresh process's plain load, for every test of what it imported."""
+    return _run_plain_load(tmp_path_factory.mktemp("plain"))
 
 
 def _run_plain_load(tmp_path: Path) -> dict:
@@ -100,10 +144,10 @@ def _run_plain_load(tmp_path: Path) -> dict:
     return result
 
 
-def test_plain_load_imports_no_optional_module_and_lazy_kinds_still_work(tmp_path):
+def test_plain_load_imports_no_optional_module_and_lazy_kinds_still_work(plain_load):
     for name in NOT_ON_THE_PLAIN_PATH:  # a renamed module must be renamed here too, not silently pass
         assert importlib.util.find_spec(name) is not None, f"{name} does not exist; update NOT_ON_THE_PLAIN_PATH"
-    result = _run_plain_load(tmp_path)
+    result = plain_load
     loaded = set(result["modules"])
     pulled = [n for n in NOT_ON_THE_PLAIN_PATH if n in loaded or any(m.startswith(n + ".") for m in loaded)]
     assert pulled == [], f"a plain rename + bf16 safetensors load imported {pulled}"
@@ -113,6 +157,21 @@ def test_plain_load_imports_no_optional_module_and_lazy_kinds_still_work(tmp_pat
     kinds = result["kinds"]
     assert set(_custom._IMPORTED_ON_USE) <= set(kinds)
     assert kinds[-1] == "mine", kinds  # built-in kinds first, though "mine" was registered before some of them
+
+
+def test_import_sdadapt_and_a_plain_load_import_the_pinned_modules_only(plain_load):
+    """The import footprint, as module names (never timings): ``import sdadapt`` imports its face
+    alone (no pydantic, no engine), and a plain load exactly :data:`PLAIN_LOAD` of sdadapt and
+    :data:`PLAIN_LOAD_THIRD_PARTY` beside torch and the standard library."""
+    result = plain_load
+    assert result["face"] == sorted(IMPORT_SDADAPT), "import sdadapt imports more than its face: import the rest where used"
+    ours = {m for m in result["added"] if m.split(".")[0] == "sdadapt"}
+    grew, shrank = sorted(ours - set(PLAIN_LOAD)), sorted(set(PLAIN_LOAD) - ours)
+    assert not grew, f"a plain load now imports {grew}: import it where it is used (or justify it in PLAIN_LOAD)"
+    assert not shrank, f"a plain load no longer imports {shrank}: strike it off PLAIN_LOAD"
+    std = set(sys.stdlib_module_names)
+    others = sorted({m.split(".")[0] for m in result["added"]} - std - {"torch", "sdadapt"})
+    assert [m for m in others if not m.startswith("_")] == PLAIN_LOAD_THIRD_PARTY, others
 
 
 def test_kinds_imported_on_use_are_the_built_in_kinds_outside_the_rules_package_face():

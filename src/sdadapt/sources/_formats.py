@@ -12,10 +12,11 @@ declares its ``FORMAT``, one row here, one test and one row in docs/sources.md.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import SourceError
-from . import _gguf_file, _hf_sharded, _safetensors_file, _torch_save
+from . import _hf_sharded, _safetensors_file, _torch_save
 from ._base import Format, Source
 
 
@@ -36,11 +37,36 @@ _DCP = Format("dcp", (".distcp",), _dcp_claims, _dcp_open)
 :mod:`._dcp_dir`, which imports ``torch.distributed.checkpoint`` and is imported only to open
 one; opening it reads ``.metadata`` whole (a side file) and its data files only when located."""
 
+def _gguf_open(path: str, subtree: str | None) -> Source:
+    from ._gguf_file import FORMAT  # noqa: PLC0415 - the GGUF reader, imported only to open a .gguf file
+
+    return FORMAT.open(path, subtree)
+
+
+def _gguf_header_ranges(path: str, size: int) -> Iterator[list[tuple[int, int]]]:
+    from ._gguf_file import header_ranges  # noqa: PLC0415 - as _gguf_open
+
+    return header_ranges(path, size)
+
+
+def _gguf_config(path: str) -> dict[str, Any] | None:
+    from ._gguf_file import config_of  # noqa: PLC0415 - as _gguf_open
+
+    return config_of(path)
+
+
+_GGUF = Format(
+    "gguf", (".gguf",), lambda path: path.endswith(".gguf"), _gguf_open, _gguf_header_ranges, recordable=True, config=_gguf_config
+)
+"""A ``.gguf`` file (llama.cpp's format): :data:`sdadapt.sources._gguf_file.FORMAT`, whose module
+(the GGUF header parser and reader) is imported only to open, fetch or read the config of one;
+``tests/sources/test_gguf.py`` checks that the two declarations agree."""
+
 FORMATS: tuple[Format, ...] = (
     _hf_sharded.FORMAT,
     _safetensors_file.FORMAT,
     _DCP,
-    _gguf_file.FORMAT,
+    _GGUF,
     _torch_save.FORMAT,  # any other file: last
 )
 """Every format sdadapt reads, in the order a path is tried."""

@@ -1,0 +1,130 @@
+"""The import tax of a first local-file ``sdadapt.load``: ``import sdadapt`` and every module the
+load pulls in, by ``python -X importtime``, in fresh processes.
+
+    python bench/probes/import_probe.py --runs 7            # this machine, sdadapt from this tree
+    python bench/probes/import_probe.py --runs 7 --top 20 --out imports.json
+
+Each child does what a training job has done before its checkpoint load (imports torch,
+``torch.distributed``, FSDP and TP; builds a small model), then, between two markers on stderr:
+``import sdadapt``, an adapter (one rename) and ``sdadapt.load`` of a one-tensor safetensors file.
+The self times of the ``-X importtime`` lines between the markers are summed: the import time
+the load pays (with ``-X importtime``'s own overhead). Printed: the median of the runs' sums, the
+module count, and the packages that cost most (median self time summed per package). sdadapt's
+sources are compiled first into a private bytecode cache (as installing a wheel does); ``--source``
+leaves them uncompiled (each process compiles what it imports, as an editable install under
+``PYTHONDONTWRITEBYTECODE=1`` does). ``--preimport MODULE`` imports MODULE before the markers, as
+a trainer that checkpoints has (``torch.distributed.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+START, END = "@@sdadapt-import-start", "@@sdadapt-import-end"
+_LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
+
+CHILD = """
+import importlib, json, sys, time
+import torch, torch.distributed, torch.distributed.fsdp, torch.distributed.tensor.parallel
+from torch import nn
+
+for name in sys.argv[2:]:
+    importlib.import_module(name)
+model = nn.Sequential(nn.Linear(4, 3))
+before = set(sys.modules)
+sys.stderr.write("@@sdadapt-import-start\\n")
+t0, c0 = time.perf_counter(), time.process_time()
+import sdadapt
+
+report = sdadapt.load(model, sys.argv[1], sdadapt.Adapter([sdadapt.rename("layer.{p}", "0.{p}")]))
+t1, c1 = time.perf_counter(), time.process_time()
+sys.stderr.write("@@sdadapt-import-end\\n")
+assert report.keys_loaded == 2
+print(json.dumps({"wall_s": t1 - t0, "cpu_s": c1 - c0, "modules": sorted(set(sys.modules) - before)}))
+"""
+
+
+def _lines(stderr: str) -> list[tuple[int, str]]:
+    """(self microseconds, module) of each import between the markers."""
+    inside, out = False, []
+    for line in stderr.splitlines():
+        if START in line:
+            inside = True
+        elif END in line:
+            break
+        elif inside and (m := _LINE.search(line)):
+            out.append((int(m[1]), m[4]))
+    return out
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:3] if parts[0] == "torch" else parts[:2] if parts[0] == "sdadapt" else parts[:1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--source", action="store_true", help="leave sdadapt's sources uncompiled")
+    ap.add_argument("--preimport", action="append", default=[], metavar="MODULE")
+    ap.add_argument("--out", default=None, help="write every run as JSON here")
+    args = ap.parse_args()
+    import torch
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory(prefix="sdadapt-import-probe-") as tmp:
+        path = str(Path(tmp) / "model.safetensors")
+        save_file({"layer.weight": torch.ones(3, 4), "layer.bias": torch.zeros(3)}, path)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+        if not args.source:
+            cache = str(Path(tmp) / "pycache")
+            env.update(PYTHONPYCACHEPREFIX=cache)
+            env.pop("PYTHONDONTWRITEBYTECODE", None)
+            subprocess.run([sys.executable, "-m", "compileall", "-q", str(SRC)], env=env, check=True,
+                           stdout=subprocess.DEVNULL)
+            # torch and the rest keep their own bytecode: a first run writes theirs into the cache
+            subprocess.run([sys.executable, "-c", CHILD, path, *args.preimport], env=env, check=True,
+                           capture_output=True)
+        runs = []
+        for _ in range(args.runs):
+            r = subprocess.run([sys.executable, "-X", "importtime", "-c", CHILD, path, *args.preimport],
+                               env=env, capture_output=True, text=True, timeout=600)
+            if r.returncode != 0:
+                sys.exit(f"child failed:\n{r.stderr[-4000:]}")
+            res = json.loads(r.stdout.strip().splitlines()[-1])
+            res["imports"] = _lines(r.stderr)
+            runs.append(res)
+    sums = [sum(us for us, _ in r["imports"]) / 1e6 for r in runs]
+    counts = [len(r["imports"]) for r in runs]
+    by_pkg: dict[str, list[float]] = {}
+    for r in runs:
+        acc: dict[str, float] = {}
+        for us, name in r["imports"]:
+            acc[_package(name)] = acc.get(_package(name), 0.0) + us / 1e6
+        for k, v in acc.items():
+            by_pkg.setdefault(k, []).append(v)
+    print(f"python {sys.version.split()[0]}, torch {torch.__version__}, bytecode: {'no' if args.source else 'yes'}, "
+          f"preimported: {args.preimport or 'nothing'}, {args.runs} runs")
+    print(f"imports between the markers (-X importtime self times summed): median {statistics.median(sums):.3f} s "
+          f"(runs {', '.join(f'{s:.3f}' for s in sums)}), modules {statistics.median(counts):.0f}")
+    print(f"import + load, wall median {statistics.median(r['wall_s'] for r in runs):.3f} s, "
+          f"process CPU median {statistics.median(r['cpu_s'] for r in runs):.3f} s")
+    print("packages (median self time summed, s):")
+    for k, v in sorted(by_pkg.items(), key=lambda kv: -statistics.median(kv[1]))[: args.top]:
+        print(f"  {statistics.median(v):.4f}  {k}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"sums": sums, "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
