@@ -14,6 +14,7 @@ import collections
 import json
 import os
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import sdadapt
-from sdadapt.errors import SdadaptError, SourceError
+from sdadapt.errors import ModelError, SdadaptError, SourceError
+from sdadapt.sources import _remote
 
 obstore = pytest.importorskip("obstore", reason="the test extra installs obstore (sdadapt[s3])")
 WEED = weed_binary()
@@ -172,16 +174,30 @@ def adapter_for(fmt: str) -> sdadapt.Adapter | None:
 # ----------------------------------------------------------------------------------------------
 # one process
 # ----------------------------------------------------------------------------------------------
+def mirrored(src: sdadapt.sources.Source) -> int:
+    """The bytes present in the local mirror files of ``src``'s URL."""
+    remote = _remote.remote_of(src.path)
+    assert remote is not None
+    return sum(b - a for spans in remote._have.values() for a, b in spans)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_every_format_loads_bit_exactly(s3: SeaweedFS, uploaded: int, fmt: str) -> None:
     with torch.device("meta"):
         model = TinyTransformer(**CONFIG)
-    rep = sdadapt.load(model, url(fmt), adapter_for(fmt))
+    src = sdadapt.sources.open_source(url(fmt))
+    headers = mirrored(src)
+    rep = sdadapt.load(model, src, adapter_for(fmt))
+    # the tensors' bytes were fetched into memory, none into the mirror files (a DCP folder's
+    # items: only the zip records that locate each tensor's bytes)
+    assert mirrored(src) - headers <= (2 * 8192 * len(src.schema) if fmt == "dcp" else 0)
     want = expected(fmt)
     for k, v in model.state_dict().items():
         assert torch.equal(v, want[k]), k
     assert rep.bytes_fetched > 0 and rep.requests > 0
-    assert f", fetched {rep.bytes_fetched / 2**20:.1f} MiB in {rep.requests} requests in " in str(rep)  # the one-line summary
+    line = str(rep)  # the one-line summary: the fetched bytes once, instead of the page cache's
+    assert line.count(" fetched ") == 1 and "when cold" not in line, line
+    assert f", fetched {rep.bytes_fetched / 2**20:.1f} MiB from object storage in {rep.requests} requests in " in line
     if fmt in ("hf", "single", "single_file", "torch_save"):
         assert rep.bytes_fetched <= uploaded  # the tensors once; the headers were fetched when opened
     assert sdadapt.diff(model, url(fmt), adapter_for(fmt)).ok
@@ -233,7 +249,7 @@ def test_load_state_from_a_dcp_url(s3: SeaweedFS, uploaded: int) -> None:
 # ----------------------------------------------------------------------------------------------
 # 2 and 3 ranks
 # ----------------------------------------------------------------------------------------------
-def _ranks(formats: list[str], proxy_endpoint: str) -> dict[str, Any]:
+def _ranks(formats: list[str], proxy_endpoint: str, midway_endpoint: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     out: dict[str, Any] = {}
@@ -265,6 +281,11 @@ def _ranks(formats: list[str], proxy_endpoint: str) -> dict[str, Any]:
         if rank == 1:
             os.environ["AWS_ENDPOINT_URL"] = proxy_endpoint
         out["denied"] = _one_load_denied()
+        # rank 1 alone refused once writing (its probes passed): every rank's error, no hang;
+        # atomic=True leaves every model as it was
+        if rank == 1:
+            os.environ["AWS_ENDPOINT_URL"] = midway_endpoint
+        out["midway"] = _one_load_denied(atomic=True)
     out["rank"] = rank
     return out
 
@@ -275,10 +296,17 @@ def test_ranks_load_bit_exactly_and_fetch_each_byte_about_once(
     proxy: FaultProxy, s3: SeaweedFS, uploaded: int, world: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     proxy.rules.append(Rule(data_get, status=403))
+    midway = FaultProxy(s3.endpoint)
+    midway.rules.append(Rule(after_the_probes(), status=403))
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)  # the ranks go to the server itself
-    results = run_distributed(_ranks, world, FORMATS, proxy.endpoint, timeout=300)
+    try:
+        results = run_distributed(_ranks, world, FORMATS, proxy.endpoint, midway.endpoint, timeout=300)
+    finally:
+        midway.stop()
     if world == 2:
         assert all("access denied" in r["denied"] and "s3://ckpts/m/hf/" in r["denied"] for r in results), results
+        assert midway.rules[0].hits > 0
+        assert all("access denied" in r["midway"] and "s3://ckpts/m/hf/model-" in r["midway"] for r in results), results
     for fmt in FORMATS:
         assert all(r[fmt]["bad"] == [] for r in results), (fmt, [r[fmt]["bad"] for r in results])
         assert all(r[fmt]["requests"] > 0 for r in results)
@@ -378,6 +406,47 @@ def test_lasting_faults_fail_naming_the_url_model_untouched(proxy: FaultProxy, u
     _assert_untouched(model, before)
 
 
+def after_the_probes() -> Any:
+    """A matcher of the tensor-byte requests after the first of each object (the probe a rank
+    makes before writing): the faults of a load already writing."""
+    seen: set[str] = set()
+
+    def match(method: str, path: str, headers: dict[str, str]) -> bool:
+        if not data_get(method, path, headers):
+            return False
+        if path in seen:
+            return True
+        seen.add(path)
+        return False
+
+    return match
+
+
+QUICK_RETRIES = {"retry_config": {"max_retries": 1, "retry_timeout": timedelta(seconds=2)}}
+
+
+@pytest.mark.parametrize("fault", ["403", "dropped", "cut"])
+def test_a_fault_while_writing_names_the_object(proxy: FaultProxy, uploaded: int, fault: str) -> None:
+    """The probes pass, the engine's own fetches fail: the error names the object; atomic=True
+    leaves the model as it was, a plain load marks it as partly written."""
+    kind = {"403": {"status": 403}, "dropped": {"drop": True}, "cut": {"cut": True}}[fault]
+    proxy.rules.append(Rule(after_the_probes(), **kind))  # type: ignore[arg-type]
+    model, before = _untouched_model()
+    src = sdadapt.sources.open_source(url("hf"), storage_options=QUICK_RETRIES)
+    with pytest.raises(SdadaptError, match=r"s3://ckpts/m/hf/model-\d+-of-\d+\.safetensors: fetching bytes \d+-\d+") as e:
+        sdadapt.load(model, src, atomic=True)
+    assert proxy.rules[0].hits > 0
+    if fault == "403":
+        assert "access denied" in str(e.value)
+    _assert_untouched(model, before)
+    if fault == "403":
+        proxy.rules[0] = Rule(after_the_probes(), status=403)  # this load's probes pass again
+        with pytest.raises(SdadaptError, match="partly overwritten"):
+            sdadapt.load(model, src)
+        with pytest.raises(ModelError):
+            model(torch.zeros(1, 3, dtype=torch.long))
+
+
 def test_short_object_and_replaced_object(s3: SeaweedFS, uploaded: int, tmp_path: Path) -> None:
     store = obstore.store.S3Store(BUCKET)
     sd = reference()
@@ -398,10 +467,10 @@ def test_short_object_and_replaced_object(s3: SeaweedFS, uploaded: int, tmp_path
     _assert_untouched(model, before)
 
 
-def _one_load_denied() -> str:
+def _one_load_denied(atomic: bool = False) -> str:
     model, before = _untouched_model()
     try:
-        sdadapt.load(model, url("hf"))
+        sdadapt.load(model, url("hf"), atomic=atomic)
     except SdadaptError as e:
         _assert_untouched(model, before)
         return str(e)

@@ -93,3 +93,56 @@ def test_a_bad_option_names_the_keys_not_the_values() -> None:
     with pytest.raises(SourceError) as e:
         make_store("s3://bucket/x", {"no_such_option": "s3cr3t-value"})
     assert "no_such_option" in str(e.value) and "s3cr3t" not in str(e.value)
+
+
+def test_the_request_size_and_concurrency_follow_the_measurements() -> None:
+    from sdadapt.sources._fetching import DEFAULT_CONCURRENCY, DEFAULT_REQUEST, MiB, choose
+
+    # S3 across a region: 50 ms to the first byte, 90 MB/s a stream, a 10 GiB share
+    f = choose(0.05, 90e6, 10 << 30)
+    assert f.request_bytes == 32 * MiB  # 4 * L * B = 18 MB, up to a power of two
+    assert f.concurrency == 48  # 4 GiB/s at 90 MB/s a stream
+    # a local server: 2 ms, 400 MB/s: small requests suffice, fewer streams
+    f = choose(0.002, 400e6, 10 << 30)
+    assert (f.request_bytes, f.concurrency) == (4 * MiB, 11)
+    # clamped: 64 MiB and 64 streams at most; 1 MiB and 4 streams at least
+    assert (choose(1.0, 10e6, 100 << 30).request_bytes, choose(1.0, 10e6, 100 << 30).concurrency) == (64 * MiB, 64)
+    assert (choose(1e-5, 5e9, 10 << 30).request_bytes, choose(1e-5, 5e9, 10 << 30).concurrency) == (MiB, 4)
+    # a small share: smaller requests, so that every stream has work; no more streams than requests
+    f = choose(0.05, 90e6, 64 * MiB)
+    assert (f.request_bytes, f.concurrency) == (MiB, 48)
+    assert choose(0.05, 90e6, 3 * MiB).concurrency == 3
+    # nothing measured: the defaults
+    assert (choose(None, None, 10 << 30).request_bytes, choose(None, None, 10 << 30).concurrency) == (DEFAULT_REQUEST, DEFAULT_CONCURRENCY)
+
+
+class _Object:
+    """A stand-in for a Remote holding one object (the real one is tested against SeaweedFS in
+    test_object_store.py): its bytes, the requests made, the probes' kept blocks."""
+
+    def __init__(self, data: bytes, kept: list[tuple[int, int]]):
+        self.data = data
+        self.asked: list[tuple[int, int]] = []
+        self.kept = [(a, b, data[a:b]) for a, b in kept]
+
+    def get_range(self, name: str, start: int, stop: int) -> bytes:
+        self.asked.append((start, stop))
+        return self.data[start:stop]
+
+    def kept_blocks(self, name: str, start: int, stop: int) -> list[tuple[int, int, bytes]]:
+        return [k for k in self.kept if k[0] < stop and k[1] > start]
+
+
+def test_ranges_land_packed_in_memory_joined_by_the_gap_and_taken_from_the_probes() -> None:
+    from sdadapt.sources._fetching import ObjectFile
+
+    data = bytes(range(256)) * 4
+    obj = _Object(data, kept=[(100, 140)])
+    segments = [(0, 10), (20, 10), (100, 50), (600, 8)]
+    mem = torch.zeros(5 + 78, dtype=torch.uint8)
+    requests, fetched = ObjectFile(obj, "x").read_into(segments, mem, 5, gap=10)  # type: ignore[arg-type]
+    want = b"".join(data[a : a + n] for a, n in segments)
+    assert bytes(mem[5:].tolist()) == want and mem[:5].sum() == 0
+    # (0, 30) joined across a 10-byte gap; (100, 150) less the probe's (100, 140); (600, 608) alone
+    assert obj.asked == [(0, 30), (140, 150), (600, 608)]
+    assert (requests, fetched) == (3, 30 + 10 + 8)

@@ -99,6 +99,10 @@ class EngineConfig:
         kvikio_gathers: where a run reads through kvikio, have kvikio read the stored inputs of
             gathered computations (dequantisation) into their device buffers too; off by default,
             as measured slower than the staged gathers (docs/performance.md).
+        remote_request_bytes: a source at an object storage URL: the size of one ranged request
+            (``None``: chosen from the measured latency and rate, docs/object-storage.md).
+        remote_concurrency: a source at an object storage URL: the requests in flight, one per
+            thread (``None``: chosen from the measured rate).
 
     Raises:
         ValueError: a field out of range (``depth=0``).
@@ -132,6 +136,8 @@ class EngineConfig:
     kvikio_bounce_bytes: int | None = None
     kvikio_warm: bool = True
     kvikio_gathers: bool = False
+    remote_request_bytes: int | None = None
+    remote_concurrency: int | None = None
 
     def __post_init__(self) -> None:
         if self.gap_bytes < 0 or self.min_span_bytes < 0:
@@ -146,6 +152,10 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.band_depth must be at least 1 (band buffers per computing thread), got {self.band_depth}")
         if self.landing_buffers < 1:
             raise ValueError(f"EngineConfig.landing_buffers must be at least 1 (band-sized buffers on the GPU), got {self.landing_buffers}")
+        if self.remote_request_bytes is not None and self.remote_request_bytes < 4096:
+            raise ValueError(f"EngineConfig.remote_request_bytes must be at least 4096, got {self.remote_request_bytes}")
+        if self.remote_concurrency is not None and self.remote_concurrency < 1:
+            raise ValueError(f"EngineConfig.remote_concurrency must be at least 1, got {self.remote_concurrency}")
         if self.kvikio_threads is not None and self.kvikio_threads < 1:
             raise ValueError(f"EngineConfig.kvikio_threads must be at least 1, got {self.kvikio_threads}")
         if self.kvikio_task_bytes < 4096:
@@ -261,6 +271,8 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "SDADAPT_IO_KVIKIO_GATHERS": ("kvikio_gathers", _flag),
     "SDADAPT_IO_KVIKIO_TASK_MB": ("kvikio_task_bytes", _mib(4096)),
     "SDADAPT_IO_KVIKIO_BOUNCE_MB": ("kvikio_bounce_bytes", _mib_or_none),
+    "SDADAPT_IO_REMOTE_REQUEST_MB": ("remote_request_bytes", _mib_or_none),
+    "SDADAPT_IO_REMOTE_CONCURRENCY": ("remote_concurrency", _count),
     "SDADAPT_IO_SWITCH_MS": ("switch_interval", _seconds_of_ms),
     "SDADAPT_IO_PLAN_SWITCH_MS": ("plan_switch_interval", _seconds_of_ms),
 }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import os
 import sys
 import threading
@@ -16,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 
 from .._base.gc import gc_paused
-from ..sources import Source
+from ..sources import Source, fetching_for, object_file
 from . import devread
 from .config import EngineConfig
 from .device import DeviceLane
@@ -28,6 +29,7 @@ from .syscalls import open_device_file, open_for, storage_bytes
 from .tasks import DirectRead, GatherRead, Job, Task, task_paths
 from .workers import Shared, Worker
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class EngineStats:
@@ -64,6 +66,8 @@ class EngineStats:
     lane_copy_wait_seconds: float = 0.0
     kvikio_bytes: int = 0  # of direct_bytes, read by kvikio straight into GPU destinations
     kvikio_wait_seconds: float = 0.0  # waiting for kvikio's reads once the threads had finished
+    fetched_bytes: int = 0  # from object storage straight into memory (in storage_bytes too)
+    requests: int = 0  # the ranged requests that fetched them
 
     _PEAKS: ClassVar[tuple[str, ...]] = ("threads", "staging_buffers", "staging_bytes")
 
@@ -131,6 +135,7 @@ class IOEngine:
         emit: Callable[[Task], None] | None = None,
         gather_on: torch.device | None = None,
         direct_on: torch.device | None = None,
+        config: EngineConfig | None = None,
     ) -> list[Task]:
         """Turn jobs into tasks. With ``emit``, each task is handed to it as soon as it is made
         (so that reading starts while planning goes on) and the list returned is empty;
@@ -138,7 +143,7 @@ class IOEngine:
         the device of the run's device lane (computations there may gather their inputs);
         ``direct_on``: a GPU whose contiguous destinations are read into directly (kvikio)."""
         tasks: list[Task] = []
-        planner = Planner(self.source, self.config, gather_on, direct_on)
+        planner = Planner(self.source, config or self.config, gather_on, direct_on)
         planner.plan(jobs, emit or tasks.append)
         self.stats.coalesced += planner.coalesced
         self.stats.gathered += planner.gathered
@@ -148,6 +153,13 @@ class IOEngine:
         """Plan and read ``jobs``; the threads start on the first tasks while planning goes on."""
         start = time.perf_counter()
         cfg = self.config
+        share = sum(j.dest.numel() * j.dest.element_size() for j in jobs)
+        fetching = fetching_for(self.source, share, cfg.remote_request_bytes, cfg.remote_concurrency)
+        if fetching is not None:
+            # an object store: one request per read, one thread per request in flight
+            # (docs/object-storage.md, "How ranges are fetched")
+            cfg = dataclasses.replace(cfg, threads=max(cfg.threads, fetching.concurrency), chunk_bytes=fetching.request_bytes)
+            log.debug("fetching %d bytes: %s", share, fetching)
         chunk = cfg.chunk()
         cuda_devices = {j.dest.device for j in jobs if j.dest.device.type == "cuda"}
         device = next(iter(cuda_devices)) if cuda_devices and torch.cuda.is_available() else None
@@ -166,7 +178,8 @@ class IOEngine:
         if device is not None:
             shared.lane = DeviceLane(device, bands.size, shared.fail, cfg.landing_buffers)
             shared.lane.start()
-        reads = devread.select(device, cfg.kvikio, *cfg.kvikio_settings()) if device is not None else None
+        # kvikio reads files: never the mirror of an object store
+        reads = devread.select(device, cfg.kvikio, *cfg.kvikio_settings()) if device is not None and fetching is None else None
         if reads is not None and device is not None and device.type == "cuda":
             # kvikio writes from its own threads and streams: whatever the caller's stream
             # still has queued for the destinations (their allocation, a materialised model's
@@ -210,9 +223,13 @@ class IOEngine:
                 except Exception as e:  # noqa: BLE001 - named; the reads queued so far are still waited for
                     shared.fail(task.where.error(e))
                 return
-            for path in task_paths(task):
-                if path not in shared.fds:
-                    shared.fds[path] = open_for(path, task.where.target, cfg.readahead)  # opened before any thread sees the task
+            for path in task_paths(task):  # opened before any thread sees the task
+                if not shared.readable(path):
+                    obj = object_file(path) if fetching is not None else None
+                    if obj is not None:
+                        shared.objects[path] = obj
+                    else:
+                        shared.fds[path] = open_for(path, task.where.target, cfg.readahead)
             shared.work.put(task)
 
         planned = start
@@ -221,7 +238,7 @@ class IOEngine:
         with gc_paused(), switch_interval(cfg.switch_interval):
             try:
                 with switch_interval(cfg.plan_switch_interval):
-                    self.plan(jobs, push, device, device if reads is not None else None)
+                    self.plan(jobs, push, device, device if reads is not None else None, cfg)
             except BaseException as e:  # noqa: BLE001 - stop the threads, then raise
                 shared.errors.insert(0, e)
                 shared.failed.set()
@@ -243,6 +260,8 @@ class IOEngine:
                     os.close(fd)
                 for handle in handles.values():
                     devread.DeviceReads.close(handle)
+                for obj in shared.objects.values():
+                    obj.remote.drop_kept()
         st = self.stats
         extents: dict[str, list[tuple[int, int]]] = {}
         for w in workers:
@@ -257,6 +276,9 @@ class IOEngine:
             st.busy_seconds += w.busy
             st.read_seconds += w.reading + w.counter.seconds
             st.wait_seconds += w.waiting
+            st.fetched_bytes += w.fetched
+            st.requests += w.requests
+            st.storage_bytes += w.fetched
         if shared.lane is not None:
             lt = shared.lane.times
             st.lane_seconds += lt.wall

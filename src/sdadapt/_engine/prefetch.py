@@ -1,6 +1,6 @@
 """Before a load reads: the source regions its jobs need, handed to ``Source.prefetch`` in one
-batch (a source opened from an object storage URL fetches their bytes concurrently into the
-local files the engine then reads; a local source does nothing)."""
+batch (a source opened from an object storage URL fetches what the engine does not fetch
+itself, and probes the rest; a local source does nothing)."""
 
 from __future__ import annotations
 
@@ -32,8 +32,9 @@ def regions_of(jobs: Sequence[Job]) -> list[tuple[str, Box | None]]:
     return out
 
 
-def prefetch(source: Source, jobs: Sequence[Job]) -> tuple[int, int]:
-    """Fetch what ``jobs`` read, if ``source`` fetches at all; (bytes, requests) fetched."""
+def prefetch(source: Source, jobs: Sequence[Job], engine: bool = False) -> tuple[int, int]:
+    """Fetch what ``jobs`` read, if ``source`` fetches at all (``engine``: the engine reads them,
+    fetching the located regions itself); (bytes, requests) fetched."""
     if source.remote_url() is None:
         return 0, 0
-    return source.prefetch(regions_of(jobs))
+    return source.prefetch(regions_of(jobs), engine=engine)

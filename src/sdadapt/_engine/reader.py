@@ -192,6 +192,7 @@ class AdaptedStorageReader(StorageReader):
         except BaseException as e:  # noqa: BLE001 - the replicas must still hear of it (no hang)
             failure = e
         finally:
+            self.fetched = (self.fetched[0] + engine.stats.fetched_bytes, self.fetched[1] + engine.stats.requests)
             self.io.bytes_read += engine.stats.bytes_read
             self.io.reads += engine.stats.syscalls
             self.stats.add(engine.stats)
@@ -240,12 +241,13 @@ class AdaptedStorageReader(StorageReader):
                 box = tuple((o, o + n) for o, n in zip(item.storage_offsets, item.lengths, strict=True))
                 node = self.plan.recipes[key]
                 jobs.append(Job(key, node, box, torch.empty(box_shape(box), dtype=node.dtype, device="meta")))
-        got = prefetch(self.source, jobs)
+        got = prefetch(self.source, jobs, engine=self.engine == "engine")
         self.fetched = (self.fetched[0] + got[0], self.fetched[1] + got[1])
 
     def _prefetch(self, jobs: list[Job]) -> None:
-        """Fetch the jobs' source regions ahead (a source at an object storage URL)."""
-        got = prefetch(self.source, jobs)
+        """Fetch the jobs' source regions ahead (a source at an object storage URL): for the
+        engine, only what it does not fetch itself (see :meth:`~sdadapt.sources.Source.prefetch`)."""
+        got = prefetch(self.source, jobs, engine=self.engine == "engine")
         self.fetched = (self.fetched[0] + got[0], self.fetched[1] + got[1])
         self.began_writing = True
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._base.regions import Box, box_shape
-from ..sources import Source
+from ..sources import ObjectFile, Source
 from . import syscalls
 from .device import DeviceLane
 from .geometry import round_up
@@ -135,6 +135,7 @@ class Shared:
     pool: StagingPool
     chunk: int
     bands: StagingPool  # at least one buffer per thread that computes, taken on its first computation
+    objects: dict[str, ObjectFile] = field(default_factory=dict)  # mirror path -> its object, fetched into memory
     lane: DeviceLane | None = None  # a GPU run's device side: the readers make no device calls
     min_span: int = 0  # shortest run a computation's input is read in with preadv (0: any)
     gap: int = 0  # gaps up to this are read through, joining runs into one preadv (EngineConfig.gap_bytes)
@@ -142,6 +143,10 @@ class Shared:
     failed: threading.Event = field(default_factory=threading.Event)
     first_done: float | None = None  # when the run's first task finished (``time.perf_counter``)
     on_done: Callable[[int], None] | None = None  # progress: called with each finished task's destination bytes
+
+    def readable(self, path: str) -> bool:
+        """A file opened for ``preadv`` or an object fetched into memory."""
+        return path in self.fds or path in self.objects
 
     def fail(self, e: BaseException) -> None:
         """Record ``e`` and stop the run."""
@@ -167,6 +172,7 @@ class Worker:
         self.bands = Buffers(shared.bands, band_depth)
         self.views = TypedViews()
         self.nbytes = self.calls = self.direct = self.staged = self.computed = 0
+        self.fetched = self.requests = 0  # from object storage, straight into memory
         self.extents: dict[str, list[tuple[int, int]]] = {}  # file -> (start, stop) of each call
         self._sink: torch.Tensor | None = None  # the gaps of joined reads land here
         self.busy = self.reading = self.waiting = 0.0  # seconds: running tasks; of which in preadv, and waiting for buffers
@@ -234,6 +240,16 @@ class Worker:
         on (:func:`~sdadapt._engine.syscalls.read_runs`); returns the bytes read; the file
         extents the calls asked for (gaps read through included) go to ``extents``."""
         sh = self.shared
+        obj = sh.objects.get(path)
+        if obj is not None:  # an object's ranges fetched into mem, never through the mirror file
+            start = time.perf_counter()
+            requests, fetched = obj.read_into(segments, mem, pos, sh.gap)
+            self.reading += time.perf_counter() - start
+            self.requests += requests
+            self.fetched += fetched
+            n = sum(size for _, size in segments)
+            self.nbytes += n
+            return n
         fd = sh.fds[path]
         gap = sh.gap if len(segments) > 1 else 0
         if gap and self._sink is None:
@@ -355,7 +371,7 @@ class Worker:
         """Where region ``box`` of source tensor ``key`` is: an opened file, its (offset, nbytes)
         runs in order, the stored dtype (see :func:`~sdadapt._engine.locate.file_runs`)."""
         sh = self.shared
-        return file_runs(sh.source, key, box, sh.min_span, sh.fds.__contains__)
+        return file_runs(sh.source, key, box, sh.min_span, sh.readable)
 
     def _source_read(self, task: SourceRead) -> None:
         piece = task.piece

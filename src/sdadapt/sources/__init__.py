@@ -23,6 +23,8 @@ from ._assets import remember_source as remember_source
 from ._assets import transformers_config as transformers_config
 from ._assets import write_config as write_config
 from ._base import HUB_PREFIX, Source, is_hub_id
+from ._fetching import Fetching as Fetching
+from ._fetching import ObjectFile as ObjectFile
 from ._formats import FILE_SUFFIXES as FILE_SUFFIXES
 from ._formats import FOREIGN_SUFFIXES, open_local
 from ._formats import WEIGHT_SUFFIXES as WEIGHT_SUFFIXES
@@ -61,6 +63,8 @@ from ._peft import read_peft_config as read_peft_config
 from ._remote import attach, in_urls
 from ._remote import fetch_all as fetch_all
 from ._remote import fetch_dcp_entries as fetch_dcp_entries
+from ._remote import fetching_for as fetching_for
+from ._remote import object_file as object_file
 from ._safetensors_file import DTYPE_NAMES as DTYPE_NAMES
 from ._safetensors_file import SafetensorsFile as SafetensorsFile
 from ._torch_save import TorchSaveFile as TorchSaveFile

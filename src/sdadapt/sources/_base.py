@@ -176,11 +176,16 @@ class Source(abc.ABC):
         demand: see :meth:`prefetch`); ``None`` (the default) for local files."""
         return None
 
-    def prefetch(self, regions: Sequence[tuple[str, Box | None]]) -> tuple[int, int]:
+    def prefetch(self, regions: Sequence[tuple[str, Box | None]], *, engine: bool = False) -> tuple[int, int]:
         """Make the bytes of these ``(key, box)`` regions (``None``: the whole tensor) ready to
         read, in one batch, before a load reads them by their locations. Sources whose bytes are
         local need nothing (the default); one opened from an object storage URL fetches them
         (concurrent ranged requests) into the local file its locations name.
+
+        Args:
+            regions: the ``(key, box)`` regions a load will read.
+            engine: the I/O engine reads the located regions itself (an object storage source
+                then fetches only what locating them and ``read`` need, and probes the rest).
 
         Returns:
             The bytes fetched and the requests made by this call.

@@ -293,7 +293,7 @@ class ChecksummedSource(Source):
     def remote_url(self) -> str | None:
         return self.inner.remote_url()
 
-    def prefetch(self, regions: Sequence[tuple[str, Box | None]]) -> tuple[int, int]:
+    def prefetch(self, regions: Sequence[tuple[str, Box | None]], *, engine: bool = False) -> tuple[int, int]:
         """The inner source's prefetch, each region widened to the whole blocks it touches."""
         out: list[tuple[str, Box | None]] = []
         for key, box in regions:
@@ -304,7 +304,7 @@ class ChecksummedSource(Source):
             k = exp.rows_per_block
             rows = (box[0][0] // k * k, min(info.shape[0], -(-box[0][1] // k) * k))
             out.append((key, (rows, *((0, n) for n in info.shape[1:]))))
-        return self.inner.prefetch(out)
+        return self.inner.prefetch(out, engine=engine)
 
     def _check(self, key: str, box: Box) -> None:
         exp = self._expect.get(key)

@@ -67,12 +67,12 @@ class JoinedSource(Source):
         urls = [u for u in (s.remote_url() for s in (self.base, *self.extra.values())) if u]
         return urls[0] if urls else None
 
-    def prefetch(self, regions: Sequence[tuple[str, Box | None]]) -> tuple[int, int]:
+    def prefetch(self, regions: Sequence[tuple[str, Box | None]], *, engine: bool = False) -> tuple[int, int]:
         routed: dict[int, tuple[Source, list[tuple[str, Box | None]]]] = {}
         for key, box in regions:
             src, inner = self._route(key)
             routed.setdefault(id(src), (src, []))[1].append((inner, box))
-        done = [src.prefetch(part) for src, part in routed.values()]
+        done = [src.prefetch(part, engine=engine) for src, part in routed.values()]
         return sum(d[0] for d in done), sum(d[1] for d in done)
 
     def file_of(self, key: str) -> str:

@@ -49,8 +49,8 @@ class NamespacedSource(Source):
     def remote_url(self) -> str | None:
         return self.base.remote_url()
 
-    def prefetch(self, regions: Sequence[tuple[str, Box | None]]) -> tuple[int, int]:
-        return self.base.prefetch([(self.fmt.format(k), box) for k, box in regions])
+    def prefetch(self, regions: Sequence[tuple[str, Box | None]], *, engine: bool = False) -> tuple[int, int]:
+        return self.base.prefetch([(self.fmt.format(k), box) for k, box in regions], engine=engine)
 
     def files(self) -> list[str]:
         return self.base.files()

@@ -29,7 +29,8 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -204,6 +205,9 @@ class Remote:
         self.single: str | None = None  # the object's name when the URL names one object
         self.fetched_bytes = 0
         self.requests = 0
+        # (bytes, seconds to the answer's first byte, seconds of its body) of each request
+        self.timings: list[tuple[int, float, float]] = []
+        self._kept: dict[str, list[tuple[int, int, Any]]] = {}  # name -> the probes' (start, stop, body)
         self._have: dict[str, list[tuple[int, int]]] = {}  # name -> fetched (start, stop), sorted, merged
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -283,10 +287,13 @@ class Remote:
         if len(todo) == 1:
             self._get(*todo[0])
             return
+        self._each(self._get, todo)
+
+    def _each(self, fn: Callable[[str, int, int], None], jobs: list[tuple[str, int, int]]) -> None:
+        """``fn(*job)`` for every job, ``concurrency`` at a time; the first error raised."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.settings.concurrency, thread_name_prefix="sdadapt-fetch")
-        futures = [self._pool.submit(self._get, *r) for r in todo]
-        errors = [f.exception() for f in futures]
+        errors = [f.exception() for f in [self._pool.submit(fn, *j) for j in jobs]]
         first = next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
@@ -294,14 +301,9 @@ class Remote:
     def _missing(self, ranges: Iterable[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
         """The requests to make: ``ranges`` less what is present, coalesced and cut."""
         by_name: dict[str, list[tuple[int, int]]] = {}
+        ranges = list(ranges)
+        self.check_ranges(ranges)
         for name, start, stop in ranges:
-            size = self.objects[name][0]
-            if stop > size:
-                raise SourceError(
-                    f"the object is shorter ({size} bytes) than its header says (bytes up to {stop}): "
-                    "a truncated or partial upload; upload it again",
-                    path=self.url_of(self.local(name)),
-                )
             if stop > start:
                 by_name.setdefault(name, []).append((start, stop))
         gap, cut = self.settings.gap_bytes, self.settings.request_bytes
@@ -313,7 +315,10 @@ class Remote:
                     out += [(name, s, min(s + cut, stop)) for s in range(start, stop, cut)]
         return out
 
-    def _get(self, name: str, start: int, stop: int) -> None:
+    def get_range(self, name: str, start: int, stop: int) -> Any:
+        """Bytes ``[start, stop)`` of object ``name`` (a buffer), checked against its ETag and
+        length, a body cut short fetched again; counted and timed. Raises a SourceError naming
+        the object's URL."""
         obstore = _client(self.url)
 
         etag = self.objects[name][1]
@@ -324,7 +329,10 @@ class Remote:
         data = None
         for attempt in range(_BODY_ATTEMPTS):
             try:
-                data = obstore.get(self.store, self._object_key(name), options=options).bytes()
+                began = time.perf_counter()
+                answer = obstore.get(self.store, self._object_key(name), options=options)
+                answered = time.perf_counter()
+                data = answer.bytes()
                 break
             except Exception as e:  # noqa: BLE001 - obstore raises its own error types
                 transient = type(e).__name__ == "GenericError" or isinstance(e, (ConnectionError, TimeoutError))
@@ -338,6 +346,15 @@ class Remote:
                 "it was truncated or replaced while read",
                 path=url,
             )
+        body = time.perf_counter() - answered
+        with self._lock:
+            self.timings.append((stop - start, answered - began, body))
+            self.fetched_bytes += stop - start
+            self.requests += 1
+        return data
+
+    def _get(self, name: str, start: int, stop: int) -> None:
+        data = self.get_range(name, start, stop)
         fd = os.open(self.local(name), os.O_WRONLY)
         try:
             view = memoryview(data)
@@ -351,8 +368,49 @@ class Remote:
         os.utime(self.local(name), ns=(_MTIME_NS, _MTIME_NS))
         with self._lock:
             self._have[name] = _merge([*self._have.get(name, []), (start, stop)], 0)
-            self.fetched_bytes += stop - start
-            self.requests += 1
+
+    def check_ranges(self, ranges: Iterable[tuple[str, int, int]]) -> None:
+        """A SourceError naming the object when a range ends past its listed size (a truncated
+        or partial upload), before anything is fetched."""
+        for name, _, stop in ranges:
+            size = self.objects[name][0]
+            if stop > size:
+                raise SourceError(
+                    f"the object is shorter ({size} bytes) than its header says (bytes up to {stop}): "
+                    "a truncated or partial upload; upload it again",
+                    path=self.url_of(self.local(name)),
+                )
+
+    def probe(self, ranges: Iterable[tuple[str, int, int]], most: int) -> None:
+        """Before a load writes: fetch the first ``most`` bytes of the lowest range of each
+        object, concurrently (their timings measure a stream's rate: :func:`._fetching.measured`),
+        keeping the bytes for the engine (:meth:`kept_blocks`), so that a refused or replaced
+        object fails here. An object whose first range is kept already is not probed again."""
+        first: dict[str, tuple[int, int]] = {}
+        for name, start, stop in ranges:
+            if stop > start and (name not in first or start < first[name][0]):
+                first[name] = (start, stop)
+        with self._lock:
+            first = {n: r for n, r in first.items() if not any(k[0] == r[0] for k in self._kept.get(n, ()))}
+        if not first:
+            return
+
+        def one(name: str, start: int, stop: int) -> None:
+            data = self.get_range(name, start, stop)
+            with self._lock:
+                self._kept.setdefault(name, []).append((start, stop, data))
+
+        self._each(one, [(n, a, min(b, a + most)) for n, (a, b) in sorted(first.items())])
+
+    def drop_kept(self) -> None:
+        """Forget the probes' bytes (the load that made them has read)."""
+        with self._lock:
+            self._kept = {}
+
+    def kept_blocks(self, name: str, start: int, stop: int) -> list[tuple[int, int, Any]]:
+        """The probes' blocks (start, stop, body) of object ``name`` that overlap ``[start, stop)``."""
+        with self._lock:
+            return [k for k in self._kept.get(name, ()) if k[0] < stop and k[1] > start]
 
     def close(self) -> None:
         """Stop the fetch threads and delete the mirror."""

@@ -15,6 +15,7 @@ concurrent batch before the I/O engine reads them from the mirror.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import os
 import threading
@@ -26,6 +27,7 @@ import torch
 from .._base.regions import Box, full_box
 from ..errors import SdadaptError
 from ._base import Source
+from ._fetching import PROBE, Fetching, ObjectFile, choose, measured
 from ._formats import format_of_name
 from ._object_store import Remote, is_url
 
@@ -67,6 +69,30 @@ def remote_of(path: str) -> Remote | None:
             if real == root or real.startswith(root + os.sep):
                 return remote
     return None
+
+
+def object_file(path: str) -> ObjectFile | None:
+    """The object a mirror file stands for, read by the engine straight into memory
+    (:meth:`ObjectFile.read_into`); ``None`` for a local file."""
+    remote = remote_of(path)
+    name = remote.name_of(path) if remote is not None else None
+    return ObjectFile(remote, name) if remote is not None and name is not None else None
+
+
+def fetching_for(
+    source: Source, share: int, request_bytes: int | None = None, concurrency: int | None = None
+) -> Fetching | None:
+    """How the engine fetches ``share`` bytes of ``source`` (:func:`._fetching.choose`, from what
+    its first requests measured; ``request_bytes`` / ``concurrency`` replace the choice);
+    ``None`` for a source of local files."""
+    if source.remote_url() is None:
+        return None
+    remote = remote_of(source.path)
+    latency, rate = measured(remote) if remote is not None else (None, None)
+    chosen = choose(latency, rate, share)
+    if request_bytes is None and concurrency is None:
+        return chosen
+    return dataclasses.replace(chosen, request_bytes=request_bytes or chosen.request_bytes, concurrency=concurrency or chosen.concurrency)
 
 
 def fetch_all(path: str) -> None:
@@ -170,9 +196,12 @@ class RemoteReads:
     __slots__ = ()  # the same layout as the class it is mixed into (``__class__`` is swapped)
     remote: Remote
 
-    def prefetch(self, regions: Sequence[tuple[str, Box | None]]) -> tuple[int, int]:
+    def prefetch(self, regions: Sequence[tuple[str, Box | None]], *, engine: bool = False) -> tuple[int, int]:
         """Fetch the bytes of every ``(key, box)`` region (``None``: the whole tensor) in one
-        concurrent batch (see :meth:`Remote.fetch`)."""
+        concurrent batch (see :meth:`Remote.fetch`). ``engine``: the regions the I/O engine
+        reads by their locations are left to it (it fetches them straight into memory:
+        :mod:`._fetching`); they are only checked against the objects' sizes and probed (the
+        first bytes of each object, timed and kept: :meth:`Remote.probe`)."""
         src: Any = self
         remote = self.remote
         before = remote.fetched_bytes, remote.requests
@@ -181,13 +210,20 @@ class RemoteReads:
         for key, box in boxes:  # a DCP folder: every chunk's zip records in one batch first
             ends += _zip_ends(self._item_ranges(key, box) or [])
         remote.fetch(ends)
-        out: list[tuple[str, int, int]] = []
+        mirrored: list[tuple[str, int, int]] = []
+        direct: list[tuple[str, int, int]] = []
         for key, box in boxes:
-            out += self._ranges(key, box)
-        remote.fetch(out)
+            ranges, located = self._ranges(key, box)
+            (direct if engine and located else mirrored).extend(ranges)
+        remote.fetch(mirrored)
+        if direct:
+            remote.check_ranges(direct)
+            remote.probe(direct, PROBE)
         return remote.fetched_bytes - before[0], remote.requests - before[1]
 
-    def _ranges(self, key: str, box: Box) -> list[tuple[str, int, int]]:
+    def _ranges(self, key: str, box: Box) -> tuple[list[tuple[str, int, int]], bool]:
+        """The object ranges region ``box`` of ``key`` reads, and whether they are its located
+        bytes (which the engine reads by location) rather than what ``Source.read`` reads."""
         src: Any = self
         remote = self.remote
         items = self._item_ranges(key, box)
@@ -195,13 +231,13 @@ class RemoteReads:
             remote.fetch(_zip_ends(items))  # a DCP chunk is located by reading its own zip records
         own = src.region_bytes(key, box)
         if own is not None:
-            return [(name, a, b) for path, a, b in own if (name := remote.name_of(path)) is not None]
+            return [(name, a, b) for path, a, b in own if (name := remote.name_of(path)) is not None], False
         located = src._located_region(key, box)
         if located is None:
             if items is not None:
-                return items
+                return items, False
             name = remote.name_of(src.file_of(key))
-            return [(name, 0, remote.objects[name][0])] if name is not None else []
+            return ([(name, 0, remote.objects[name][0])] if name is not None else []), False
         out = []
         for chunk_box, loc in located:
             name = remote.name_of(loc.path)
@@ -209,7 +245,7 @@ class RemoteReads:
                 continue
             local = tuple((max(a, o) - o, min(b, e) - o) for (a, b), (o, e) in zip(box, chunk_box, strict=True))
             out += [(name, loc.offset + s, loc.offset + s + n) for s, n in box_runs(loc.shape, loc.dtype.itemsize, local)]
-        return out
+        return out, True
 
     def _item_ranges(self, key: str, box: Box) -> list[tuple[str, int, int]] | None:
         """For a DCP folder: the byte ranges of the stored items (chunks) that hold ``box``."""
@@ -314,4 +350,6 @@ def in_urls(error: SdadaptError) -> SdadaptError:
     return new
 
 
-__all__ = ["attach", "box_runs", "fetch_all", "fetch_dcp_entries", "in_urls", "is_url", "remote_of", "remote_root"]
+__all__ = [
+    "attach", "box_runs", "fetch_all", "fetch_dcp_entries", "fetching_for", "in_urls", "is_url", "object_file", "remote_of", "remote_root",
+]  # fmt: skip
