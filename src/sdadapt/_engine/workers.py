@@ -8,11 +8,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .._base.regions import Box, box_shape
-from ..sources import ObjectFile, Source
+from ..sources import Source
 from . import syscalls
 from .device import DeviceLane
 from .geometry import round_up
@@ -21,6 +22,9 @@ from .locate import Runs, file_runs
 from .staging import StagingPool
 from .tasks import ComputeTask, Delivery, DirectRead, FillTask, SourceRead, StagedRead, Task, Where, task_bytes
 from .views import TypedViews
+
+if TYPE_CHECKING:
+    from ..sources import ObjectFile
 
 
 class CountingIO:

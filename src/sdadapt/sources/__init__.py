@@ -23,8 +23,6 @@ from ._assets import remember_source as remember_source
 from ._assets import transformers_config as transformers_config
 from ._assets import write_config as write_config
 from ._base import HUB_PREFIX, Source, is_hub_id
-from ._fetching import Fetching as Fetching
-from ._fetching import ObjectFile as ObjectFile
 from ._formats import FILE_SUFFIXES as FILE_SUFFIXES
 from ._formats import FOREIGN_SUFFIXES, open_local
 from ._formats import WEIGHT_SUFFIXES as WEIGHT_SUFFIXES
@@ -78,6 +76,8 @@ decode_headers = _headers.decode
 if TYPE_CHECKING:
     from ._dcp_dir import SDADAPT_JSON as SDADAPT_JSON
     from ._dcp_dir import DCPSource as DCPSource
+    from ._fetching import Fetching as Fetching
+    from ._fetching import ObjectFile as ObjectFile
     from ._hub import hub_folder as hub_folder
     from ._inventory import human as human
     from ._inventory import inventory as inventory
@@ -85,10 +85,11 @@ if TYPE_CHECKING:
 
 _LAZY = {
     "DCPSource": "._dcp_dir", "SDADAPT_JSON": "._dcp_dir", "hub_folder": "._hub", "human": "._inventory",
-    "inventory": "._inventory", "JoinedSource": "._joined",
+    "inventory": "._inventory", "JoinedSource": "._joined", "Fetching": "._fetching", "ObjectFile": "._fetching",
 }  # fmt: skip
 """Names of modules imported on first use, which a plain load does not import: the DCP source
-(it imports ``torch.distributed.checkpoint``), the Hub, the inventory, the joined (LoRA) source."""
+(it imports ``torch.distributed.checkpoint``), the Hub, the inventory, the joined (LoRA) source,
+the fetching of object storage ranges into memory."""
 
 __all__ = ["Source", "TensorInfo", "dtype_name", "open_source", "read_config_file", "read_megatron_common"]
 """The public names. ``SafetensorsFile``, ``HFShardedSource`` and ``TorchSaveFile`` (what

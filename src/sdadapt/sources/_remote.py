@@ -20,16 +20,18 @@ import math
 import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._base.regions import Box, full_box
 from ..errors import SdadaptError
 from ._base import Source
-from ._fetching import PROBE, Fetching, ObjectFile, choose, measured
 from ._formats import format_of_name
 from ._object_store import Remote, is_url
+
+if TYPE_CHECKING:
+    from ._fetching import Fetching, ObjectFile
 
 _MAX_RUNS = 4096  # a region cut into more runs than this is fetched as the span covering them
 
@@ -76,7 +78,11 @@ def object_file(path: str) -> ObjectFile | None:
     (:meth:`ObjectFile.read_into`); ``None`` for a local file."""
     remote = remote_of(path)
     name = remote.name_of(path) if remote is not None else None
-    return ObjectFile(remote, name) if remote is not None and name is not None else None
+    if remote is None or name is None:
+        return None
+    from ._fetching import ObjectFile  # noqa: PLC0415 - object storage loads only
+
+    return ObjectFile(remote, name)
 
 
 def fetching_for(
@@ -87,6 +93,8 @@ def fetching_for(
     ``None`` for a source of local files."""
     if source.remote_url() is None:
         return None
+    from ._fetching import choose, measured  # noqa: PLC0415 - object storage loads only
+
     remote = remote_of(source.path)
     latency, rate = measured(remote) if remote is not None else (None, None)
     chosen = choose(latency, rate, share)
@@ -217,6 +225,8 @@ class RemoteReads:
             (direct if engine and located else mirrored).extend(ranges)
         remote.fetch(mirrored)
         if direct:
+            from ._fetching import PROBE  # noqa: PLC0415 - object storage loads only
+
             remote.check_ranges(direct)
             remote.probe(direct, PROBE)
         return remote.fetched_bytes - before[0], remote.requests - before[1]
