@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ._base.lazy import attach
-from ._base.rule_kinds import ON_USE, RULE_KINDS
+from ._base.rule_kinds import QUANTIZED, RULE_KINDS
 
 if TYPE_CHECKING:
     from . import errors as errors
@@ -173,7 +173,7 @@ _PUBLIC: dict[str, str] = {
     "KeyPatterns": "._plan.plan",
     # rules, one function each (their classes: sdadapt.rules), from the one table of rule kinds; the
     # quantized formats' in their own module, so that a plain adapter never imports their kernels
-    **{fn: ".rules._quant_functions" if module in ON_USE else ".rules._functions" for _, module, fn in RULE_KINDS},
+    **{fn: ".rules._quant_functions" if module in QUANTIZED else ".rules._functions" for _, module, fn in RULE_KINDS},
     "dequant_rules": ".rules._quant_detect",
     # the engine's settings
     "EngineConfig": "._engine",

@@ -22,6 +22,12 @@ import sdadapt.rules
 from sdadapt.rules import _custom
 
 NOT_ON_THE_PLAIN_PATH = [
+    # the value, stacking and TP rules (their kinds are imported on first use)
+    "sdadapt.rules._values",
+    "sdadapt.rules._stacking",
+    "sdadapt.rules._tensor_parallel",
+    "sdadapt.rules._union",
+    "sdadapt._recipes.arithmetic",
     # the quantized formats: rules, constructors, config detection, nodes and kernels
     "sdadapt.rules._dequant",
     "sdadapt.rules._dequant_scaled",
@@ -72,11 +78,11 @@ PLAIN_LOAD = IMPORT_SDADAPT + [
         "tasks views workers").split()),
     "sdadapt._load", "sdadapt._load.loading",
     "sdadapt._plan", *(f"sdadapt._plan.{m}" for m in "adapter intent plan registry report resolve target titan_names".split()),
-    "sdadapt._recipes", *(f"sdadapt._recipes.{m}" for m in "arithmetic interleave moves nodes".split()),
+    "sdadapt._recipes", *(f"sdadapt._recipes.{m}" for m in "interleave moves nodes".split()),
     "sdadapt._transaction",
     *(f"sdadapt._transaction.{m}" for m in "args checks commit headers materialize options steps tidy transaction".split()),
     "sdadapt.rules",
-    *(f"sdadapt.rules._{m}" for m in "base custom functions keys patterns stacking tensor_parallel values".split()),
+    *(f"sdadapt.rules._{m}" for m in "base custom functions keys patterns".split()),
     "sdadapt.sources",
     *(f"sdadapt.sources._{m}" for m in (
         "assets base formats headers hf_sharded integrity json namespaced object_store peft remote safetensors_file "
@@ -209,3 +215,17 @@ def test_compressed_tensors_and_modelopt_releases_do_not_import_the_fp8_block_an
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"kinds": ["DequantScaled", "DequantScaled", "DequantFP8"], "before": False}, result
+
+
+def test_the_rule_union_holds_every_plain_kind_though_their_modules_load_on_use():
+    """``sdadapt.rules.Rule`` (built when first used) reads every built-in kind of plain adapters,
+    the ones whose modules are imported on first use included."""
+    from pydantic import TypeAdapter
+
+    import sdadapt
+
+    rules = [sdadapt.rename("a", "b"), sdadapt.cast("w", "bfloat16"), sdadapt.stack("e.{e}.w", "w"),
+             sdadapt.interleave("qkv", [4, 2, 2], tp=2), sdadapt.rotary("wq", heads=2)]  # fmt: skip
+    union = TypeAdapter(sdadapt.rules.Rule)
+    for rule in rules:
+        assert union.validate_python(rule.model_dump()) == rule

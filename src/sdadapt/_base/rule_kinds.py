@@ -27,14 +27,19 @@ RULE_KINDS: tuple[tuple[str, str, str], ...] = (
     ("Deinterleave", "_tensor_parallel", "deinterleave"),
     ("StripPrefix", "_keys", "strip_prefix"),
     ("AddPrefix", "_keys", "add_prefix"),
-    # the quantized formats: their modules are imported on first use (they import the kernels)
+    # the quantized formats: their public functions are in their own module (they import the kernels)
     ("DequantFP8", "_dequant", "dequant_fp8"),
     ("DequantMXFP4", "_dequant", "dequant_mxfp4"),
     ("DequantScaled", "_dequant_scaled", "dequant_scaled"),
 )
 
-ON_USE = ("_dequant", "_dequant_scaled")
-"""The modules of :data:`RULE_KINDS` imported when first used, not with :mod:`sdadapt.rules`."""
+QUANTIZED = ("_dequant", "_dequant_scaled")
+"""The modules of the quantized formats' kinds, whose public functions live in
+:mod:`sdadapt.rules._quant_functions` (the others' in :mod:`sdadapt.rules._functions`)."""
+
+ON_USE = ("_values", "_stacking", "_tensor_parallel", *QUANTIZED)
+"""The modules of :data:`RULE_KINDS` imported when a kind of theirs is first used, not with
+:mod:`sdadapt.rules`: a plain adapter (renames, fused keys) imports only :mod:`sdadapt.rules._keys`."""
 
 EAGER_KINDS = tuple((cls, module, fn) for cls, module, fn in RULE_KINDS if module not in ON_USE)
 """The kinds registered when :mod:`sdadapt.rules` is imported, in their order."""

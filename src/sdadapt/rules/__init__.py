@@ -39,9 +39,7 @@ rule's ``key_after``.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Annotated, Any, Union
-
-from pydantic import Field
+from typing import TYPE_CHECKING
 
 from .._base.lazy import attach
 from .._base.rule_kinds import EAGER_KINDS, ON_USE, RULE_KINDS
@@ -68,10 +66,6 @@ from ._functions import tie as tie
 from ._patterns import KeyPattern as KeyPattern
 from ._patterns import compile_pattern as compile_pattern
 from ._patterns import matches_any as matches_any
-from ._tensor_parallel import DP_MESH_NAMES as DP_MESH_NAMES
-from ._tensor_parallel import TP_MESH_NAMES as TP_MESH_NAMES
-from ._tensor_parallel import tp_degree as tp_degree
-from ._values import rotary_perm as rotary_perm
 
 BUILTIN_RULES: tuple[type[RuleBase], ...] = tuple(
     getattr(importlib.import_module(f"{__name__}.{module}"), cls) for cls, module, _ in EAGER_KINDS
@@ -80,20 +74,17 @@ BUILTIN_RULES: tuple[type[RuleBase], ...] = tuple(
 for _cls in BUILTIN_RULES:
     register_rule(_cls)
 
-Rule: Any = Annotated[Union[BUILTIN_RULES], Field(discriminator="kind")]  # noqa: UP007 - a union of the table's classes
-Rule.__doc__ = """The built-in rules: the union of their classes, told apart by the ``kind`` field.
-Adapters hold any registered rule (see :func:`register_rule`)."""
 
 # The public names: the rule classes (for ``isinstance`` and JSON; build them with the functions
 # of ``sdadapt``), the rule protocol and registry, and what a rule of one's own builds its nodes
 # from. The other names imported above serve the rule modules and the plan.
 _EAGER = [cls for cls, _, _ in EAGER_KINDS] + (
-    "Rule RuleBase ValueRule register_rule registered_rules rule_from_data Keys parse_dtype".split()
+    "RuleBase ValueRule register_rule registered_rules rule_from_data Keys parse_dtype".split()
 )
 _PUBLIC: dict[str, str] = {
     **{cls: f".{module}" for cls, module, _ in EAGER_KINDS},
     **dict.fromkeys(_EAGER[len(EAGER_KINDS) :], __name__),
-    # quantized formats: imported on first use (they import the quantized kernels)
+    # the value, stacking and TP kinds, and the quantized formats (which import their kernels): imported on first use
     **{cls: f".{module}" for cls, module, _ in RULE_KINDS if module in ON_USE},
     "QuantizeFP8": "._dequant",
     "QuantizeMXFP4": "._dequant",
@@ -103,10 +94,16 @@ _PUBLIC: dict[str, str] = {
     "ignored_modules": "._quant_config",
     # a rule of one's own: the node it puts under a key, and the steps a node produces
     **dict.fromkeys(["Node", "Compute", "emit"], "sdadapt._recipes.nodes"),
+    "Rule": "._union",
 }
 """The one table of :mod:`sdadapt.rules`' public names -> the module that defines each."""
-_INTERNAL = {"open_peft_lora": "._lora", "merged_lora": "._lora", "dequant_rules": "._quant_detect"}
-"""Names the layers above use, imported on first use (only a load that merges a LoRA needs them)."""
+_INTERNAL = {
+    "open_peft_lora": "._lora", "merged_lora": "._lora", "dequant_rules": "._quant_detect",
+    "tp_degree": "._tensor_parallel", "DP_MESH_NAMES": "._tensor_parallel", "TP_MESH_NAMES": "._tensor_parallel",
+    "rotary_perm": "._values",
+}  # fmt: skip
+"""Names the layers above use, imported on first use (a load that merges a LoRA, reads a
+quantized release, plans a TP interleave or a rotary order)."""
 _LAZY = {**{name: where for name, where in _PUBLIC.items() if where != __name__}, **_INTERNAL}
 
 if TYPE_CHECKING:
@@ -137,14 +134,19 @@ if TYPE_CHECKING:
     from ._quant_detect import dequant_rules as dequant_rules
     from ._stacking import Stack as Stack
     from ._stacking import Unstack as Unstack
+    from ._tensor_parallel import DP_MESH_NAMES as DP_MESH_NAMES
+    from ._tensor_parallel import TP_MESH_NAMES as TP_MESH_NAMES
     from ._tensor_parallel import Deinterleave as Deinterleave
     from ._tensor_parallel import Interleave as Interleave
+    from ._tensor_parallel import tp_degree as tp_degree
+    from ._union import Rule as Rule
     from ._values import Affine as Affine
     from ._values import Cast as Cast
     from ._values import Pad as Pad
     from ._values import Rotary as Rotary
     from ._values import Transpose as Transpose
     from ._values import Trim as Trim
+    from ._values import rotary_perm as rotary_perm
 
 __getattr__, _lazy_dir, _ = attach(__name__, _LAZY)
 __all__ = list(_PUBLIC)

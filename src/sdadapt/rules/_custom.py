@@ -3,7 +3,7 @@
 An adapter's JSON names each rule by its ``kind``; :func:`rule_from_data` finds the class
 registered for that kind. Built-in rules are registered by :mod:`sdadapt.rules`, except those
 whose module is imported when a kind of theirs is first asked for (:data:`_IMPORTED_ON_USE`: the
-quantized formats, which import their kernels, and the LoRA merge); a user's rule
+value, stacking and TP kinds, the quantized formats, which import their kernels, and the LoRA merge); a user's rule
 class is registered with the :func:`register_rule` decorator and is then planned, loaded
 (through its nodes' region mapping, on any mesh), inverted and serialised like a built-in one:
 
@@ -40,6 +40,9 @@ R = TypeVar("R", bound=type[RuleBase])
 
 _KINDS: dict[str, type[RuleBase]] = {}
 _IMPORTED_ON_USE: dict[str, str] = {
+    **dict.fromkeys(["cast", "transpose", "rotary", "affine", "pad", "trim"], "sdadapt.rules._values"),
+    **dict.fromkeys(["stack", "unstack"], "sdadapt.rules._stacking"),
+    **dict.fromkeys(["interleave", "deinterleave"], "sdadapt.rules._tensor_parallel"),
     **dict.fromkeys(["dequant_fp8", "quantize_fp8", "dequant_mxfp4", "quantize_mxfp4"], "sdadapt.rules._dequant"),
     **dict.fromkeys(["dequant_scaled", "quantize_scaled"], "sdadapt.rules._dequant_scaled"),
     "dequant_gptq": "sdadapt.rules._dequant_gptq",

@@ -4,14 +4,16 @@ functions that build the rule models of :mod:`sdadapt.rules`. The quantized form
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from ._keys import AddPrefix, Drop, Fuse, Rename, Split, StripPrefix, Tie
-from ._stacking import Stack, Unstack
-from ._tensor_parallel import Deinterleave, Interleave
-from ._values import Affine, Cast, Pad, Rotary, Transpose, Trim
+
+if TYPE_CHECKING:
+    from ._stacking import Stack, Unstack
+    from ._tensor_parallel import Deinterleave, Interleave
+    from ._values import Affine, Cast, Pad, Rotary, Transpose, Trim
 
 
 def rename(src: str, dst: str) -> Rename:
@@ -93,6 +95,8 @@ def cast(keys: str, dtype: str | torch.dtype, from_dtype: str | torch.dtype | No
 
         sdadapt.cast("**", "model")
     """
+    from ._values import Cast  # noqa: PLC0415 - its module is imported on first use
+
     return Cast(keys=keys, dtype=dtype, from_dtype=from_dtype)  # type: ignore[arg-type]
 
 
@@ -148,6 +152,8 @@ def transpose(keys: str, dim0: int = 0, dim1: int = 1) -> Transpose:
 
         sdadapt.transpose("h.{i}.attn.c_attn.weight")
     """
+    from ._values import Transpose  # noqa: PLC0415 - its module is imported on first use
+
     return Transpose(keys=keys, dim0=dim0, dim1=dim1)
 
 
@@ -181,6 +187,8 @@ def rotary(
 
         sdadapt.rotary("layers.{i}.attention.wq.weight", heads=32, rotary_dim=0.25)
     """
+    from ._values import Rotary  # noqa: PLC0415 - its module is imported on first use
+
     return Rotary(keys=keys, heads=heads, to=to, dim=dim, head_dim=head_dim, rotary_dim=rotary_dim)
 
 
@@ -200,6 +208,8 @@ def affine(keys: str | list[str], scale: float = 1.0, shift: float = 0.0) -> Aff
 
         sdadapt.affine("**norm.weight", shift=1.0)
     """
+    from ._values import Affine  # noqa: PLC0415 - its module is imported on first use
+
     return Affine(keys=keys, scale=scale, shift=shift)
 
 
@@ -220,6 +230,8 @@ def stack(src: str, dst: str, over: str = "e", dim: int = 0, count: int | None =
 
         sdadapt.stack("layers.{i}.experts.{e}.w1.weight", "layers.{i}.moe.experts.w1")
     """
+    from ._stacking import Stack  # noqa: PLC0415 - its module is imported on first use
+
     return Stack(src=src, dst=dst, over=over, dim=dim, count=count)
 
 
@@ -240,6 +252,8 @@ def unstack(src: str, dst: str, over: str = "e", dim: int = 0, count: int | None
 
         sdadapt.unstack("layers.{i}.moe.experts.w1", "layers.{i}.experts.{e}.w1.weight")
     """
+    from ._stacking import Unstack  # noqa: PLC0415 - its module is imported on first use
+
     return Unstack(src=src, dst=dst, over=over, dim=dim, count=count)
 
 
@@ -262,6 +276,8 @@ def pad(
 
         sdadapt.pad("embed_tokens.weight", multiple_of=64)
     """
+    from ._values import Pad  # noqa: PLC0415 - its module is imported on first use
+
     return Pad(keys=keys, dim=dim, size=size, multiple_of=multiple_of, value=value)
 
 
@@ -280,6 +296,8 @@ def trim(keys: str, dim: int = 0, size: int | None = None) -> Trim:
 
         sdadapt.trim("embed_tokens.weight", size=32000)
     """
+    from ._values import Trim  # noqa: PLC0415 - its module is imported on first use
+
     return Trim(keys=keys, dim=dim, size=size)
 
 
@@ -304,6 +322,8 @@ def interleave(
 
         sdadapt.interleave("layers.{i}.feed_forward.w13.weight", sizes=[hidden, hidden])
     """
+    from ._tensor_parallel import Interleave  # noqa: PLC0415 - its module is imported on first use
+
     return Interleave(keys=keys, sizes=sizes, tp=tp, dim=dim, replicas=replicas)
 
 
@@ -326,6 +346,8 @@ def deinterleave(
 
         sdadapt.deinterleave("layers.{i}.feed_forward.w13.weight", sizes=[hidden, hidden], tp=4)
     """
+    from ._tensor_parallel import Deinterleave  # noqa: PLC0415 - its module is imported on first use
+
     return Deinterleave(keys=keys, sizes=sizes, tp=tp, dim=dim, replicas=replicas)
 
 

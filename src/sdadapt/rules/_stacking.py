@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from .._recipes import moves as MV
 from ..errors import AdapterError
 from ._base import RuleBase, dim_of
+from ._custom import register_rule
 from ._patterns import compile_pattern, typed_like
 
 if TYPE_CHECKING:
@@ -163,3 +164,8 @@ class Unstack(_Stacking):
 
     def inverse(self) -> list[RuleBase]:
         return [Stack(src=typed_like(self.dst, self.src), dst=self.src, over=self.over, dim=self.dim, count=self.count)]
+
+
+# imported on first use (sdadapt._base.rule_kinds.ON_USE): its kinds are registered here
+for _cls in (Stack, Unstack):
+    register_rule(_cls)

@@ -16,6 +16,7 @@ from .._recipes.moves import UnitPermuted
 from .._recipes.nodes import Converted, Node
 from ..errors import AdapterError
 from ._base import Keys, RuleBase, check_keys, key_patterns, matching_dim, target_info
+from ._custom import register_rule
 
 if TYPE_CHECKING:
     from .._base.schema import TensorInfo
@@ -200,3 +201,8 @@ class Deinterleave(Interleave):
 
     def inverse(self) -> list[RuleBase]:
         return [Interleave(keys=self.keys, sizes=list(self.sizes), tp=self.tp, dim=self.dim, replicas=self.replicas)]
+
+
+# imported on first use (sdadapt._base.rule_kinds.ON_USE): its kinds are registered here
+for _cls in (Interleave, Deinterleave):
+    register_rule(_cls)

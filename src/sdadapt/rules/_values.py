@@ -28,6 +28,7 @@ from ._base import (
     target_info,
     target_size,
 )
+from ._custom import register_rule
 
 if TYPE_CHECKING:
     from ._base import PlanContext
@@ -438,3 +439,8 @@ class Trim(RuleBase):
 
     def inverse(self) -> list[RuleBase]:
         return [Pad(keys=self.keys, dim=self.dim)]
+
+
+# imported on first use (sdadapt._base.rule_kinds.ON_USE): its kinds are registered here
+for _cls in (Cast, Transpose, Rotary, Affine, Pad, Trim):
+    register_rule(_cls)
