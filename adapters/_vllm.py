@@ -12,7 +12,9 @@ shape and box, from the tensor the rank holds. A block-quantized FP8 weight's sc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -59,6 +61,14 @@ class ShardLayout:
         whole = shape[:d] + (n * self.size,) + shape[d + 1 :]
         box = tuple((0, m) for m in shape)
         return whole, box[:d] + ((self.rank * n, (self.rank + 1) * n),) + box[d + 1 :]
+
+
+def config_reader(config: Any) -> Callable[..., Any]:
+    """``get(name, default=None)`` over an HF config: a ``transformers`` config object or its
+    ``config.json`` read as a dict."""
+    if isinstance(config, dict):
+        return config.get
+    return lambda name, default=None: getattr(config, name, default)
 
 
 def divides(what: str, n: int, by: int, adapter: str) -> None:

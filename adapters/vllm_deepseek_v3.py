@@ -10,7 +10,7 @@ vLLM's parameters on each rank ``r`` of ``tp`` (MLA with a query LoRA rank, as V
     model.layers.{i}.self_attn.kv_b_proj.weight          ColumnParallelLinear: rows of H / tp heads
     model.layers.{i}.self_attn.o_proj.weight             RowParallelLinear: columns
     model.layers.{i}.mlp.gate.weight, mlp.gate.e_score_correction_bias: whole (the router)
-    model.layers.{i}.mlp.experts.w13_weight / w2_weight  FusedMoE, as in ``vllm_qwen3_moe``
+    model.layers.{i}.mlp.experts.routed_experts.w13_weight / w2_weight  FusedMoE, as in ``vllm_qwen3_moe``
     model.layers.{i}.mlp.shared_experts.gate_up_proj.weight / down_proj.weight: as a dense MLP
     model.layers.{i}.mlp.gate_up_proj.weight / down_proj.weight: the first dense layers
 
@@ -23,7 +23,7 @@ from typing import Any
 
 from sdadapt.adapters._vllm import ShardLayout, divides
 from sdadapt.adapters.vllm_llama import HF, SHARDED, vocab_rules
-from sdadapt.adapters.vllm_qwen3_moe import expert_rules, experts_layout
+from sdadapt.adapters.vllm_qwen3_moe import FUSED, expert_rules, experts_layout
 
 import sdadapt
 from sdadapt import Adapter
@@ -136,8 +136,8 @@ def parameter_shapes(
             out |= {
                 p + "mlp.gate.weight": (n_experts, dim),
                 p + "mlp.gate.e_score_correction_bias": (n_experts,),
-                p + "mlp.experts.w13_weight": (e, 2 * i, dim),
-                p + "mlp.experts.w2_weight": (e, dim, i),
+                p + FUSED + "w13_weight": (e, 2 * i, dim),
+                p + FUSED + "w2_weight": (e, dim, i),
                 p + "mlp.shared_experts.gate_up_proj.weight": (2 * shared, dim),
                 p + "mlp.shared_experts.down_proj.weight": (dim, shared),
             }

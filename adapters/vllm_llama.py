@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sdadapt.adapters._vllm import ShardLayout, divides
+from sdadapt.adapters._vllm import ShardLayout, config_reader, divides
 
 import sdadapt
 from sdadapt import Adapter
@@ -40,7 +40,9 @@ VOCAB_PADDING = 64
 
 SHARDED = (
     ("self_attn.qkv_proj.weight", 0),
+    ("self_attn.qkv_proj.bias", 0),
     ("mlp.gate_up_proj.weight", 0),
+    ("mlp.gate_up_proj.bias", 0),
     ("embed_tokens.weight", 0),
     ("lm_head.weight", 0),
     ("self_attn.o_proj.weight", 1),
@@ -48,18 +50,20 @@ SHARDED = (
 )
 
 
-def attention_rules(n_heads: int, n_kv_heads: int, head_dim: int, tp: int, adapter: str) -> list[Any]:
+def attention_rules(n_heads: int, n_kv_heads: int, head_dim: int, tp: int, adapter: str, qkv_bias: bool = False) -> list[Any]:
     """q/k/v -> ``qkv_proj`` laid out per TP rank (``o_proj`` keeps its name); KV heads fewer
     than ``tp`` are shared by ``tp / n_kv_heads`` ranks each, as vLLM's ``QKVParallelLinear``
-    does."""
+    does. ``qkv_bias``: the q/k/v biases fuse and are laid out as the weights (Qwen2's)."""
     divides("n_heads", n_heads, tp, adapter)
     rep = kv_replicas(n_kv_heads, tp, adapter)
     sizes = [n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim]
-    qkv = HF + "self_attn.qkv_proj.weight"
-    return [
-        sdadapt.fuse([HF + f"self_attn.{p}_proj.weight" for p in "qkv"], qkv, sizes=sizes),
-        sdadapt.interleave(qkv, sizes=sizes, tp=tp, replicas=[1, rep, rep] if rep > 1 else None),
+    kinds = ("weight", "bias") if qkv_bias else ("weight",)
+    rules: list[Any] = [
+        sdadapt.fuse([HF + f"self_attn.{p}_proj.{kind}" for p in "qkv"], HF + f"self_attn.qkv_proj.{kind}", sizes=sizes) for kind in kinds
     ]
+    qkv = [HF + f"self_attn.qkv_proj.{kind}" for kind in kinds]
+    rules.append(sdadapt.interleave(qkv if qkv_bias else qkv[0], sizes=sizes, tp=tp, replicas=[1, rep, rep] if rep > 1 else None))
+    return rules
 
 
 def kv_replicas(n_kv_heads: int, tp: int, adapter: str) -> int:
@@ -94,13 +98,19 @@ def build(
     hidden_dim: int,
     tp: int = 1,
     tie_embeddings: bool = False,
+    qkv_bias: bool = False,
+    mlp_bias: bool = False,
 ) -> Adapter:
     """The adapter from an HF Llama state dict to vLLM's Llama parameters for ``tp`` ranks.
 
     ``n_heads``, ``n_kv_heads`` (default ``n_heads``) and ``head_dim`` (default ``dim //
     n_heads``) size the q/k/v parts; ``hidden_dim`` (``intermediate_size``) the gate/up parts.
-    Each must divide by ``tp``. ``tie_embeddings``: vLLM shares the embedding as its head (an
-    ``lm_head.weight`` given anyway is dropped).
+    Each must divide by ``tp`` (KV heads may be fewer than ``tp``). ``tie_embeddings``: vLLM
+    shares the embedding as its head (an ``lm_head.weight`` given anyway is dropped).
+    ``qkv_bias``: q/k/v have biases (Qwen2; Llama's ``attention_bias``), fused into
+    ``qkv_proj.bias`` as the weights; ``o_proj.bias`` (Llama's ``attention_bias``) keeps its
+    name. ``mlp_bias``: gate/up biases fuse into ``gate_up_proj.bias``. :func:`from_config`
+    reads all of these from the model's config.
     """
     n_kv_heads = n_kv_heads or n_heads
     if head_dim is None:
@@ -108,14 +118,49 @@ def build(
             raise sdadapt.errors.AdapterError("the vllm_llama adapter needs head_dim or dim")
         head_dim = dim // n_heads
     divides("hidden_dim", hidden_dim, tp, "vllm_llama")
-    gate_up = HF + "mlp.gate_up_proj.weight"
-    rules = attention_rules(n_heads, n_kv_heads, head_dim, tp, "vllm_llama")
-    rules += [
-        sdadapt.fuse([HF + "mlp.gate_proj.weight", HF + "mlp.up_proj.weight"], gate_up, sizes=[hidden_dim, hidden_dim]),
-        sdadapt.interleave(gate_up, sizes=[hidden_dim, hidden_dim], tp=tp),
-        *vocab_rules(tie_embeddings, tp),
-    ]
+    rules = attention_rules(n_heads, n_kv_heads, head_dim, tp, "vllm_llama", qkv_bias)
+    rules += mlp_rules(hidden_dim, tp, mlp_bias)
+    rules += vocab_rules(tie_embeddings, tp)
     return Adapter(rules, name="vllm_llama", description=f"HF Llama -> vLLM TP={tp} (n_heads={n_heads}, n_kv_heads={n_kv_heads})")
+
+
+def mlp_rules(hidden_dim: int, tp: int, bias: bool = False) -> list[Any]:
+    """gate/up -> ``gate_up_proj`` laid out per TP rank (and their biases with ``bias``)."""
+    kinds = ("weight", "bias") if bias else ("weight",)
+    sizes = [hidden_dim, hidden_dim]
+    rules: list[Any] = [
+        sdadapt.fuse([HF + f"mlp.gate_proj.{k}", HF + f"mlp.up_proj.{k}"], HF + f"mlp.gate_up_proj.{k}", sizes=sizes) for k in kinds
+    ]
+    fused = [HF + f"mlp.gate_up_proj.{k}" for k in kinds]
+    rules.append(sdadapt.interleave(fused if bias else fused[0], sizes=sizes, tp=tp))
+    return rules
+
+
+def config_shape(config: Any) -> dict[str, Any]:
+    """What :func:`build` and :func:`parameter_shapes` need, read from an HF config (a
+    ``transformers`` config or its ``config.json`` as a dict) of a Llama-like decoder: Llama,
+    Mistral, Qwen2 (q/k/v biases), Qwen3 (``q_norm`` / ``k_norm``, which keep their names)."""
+    get = config_reader(config)
+    n_heads = get("num_attention_heads")
+    head_dim = get("head_dim") or get("hidden_size") // n_heads
+    model_type = get("model_type", "")
+    qkv_bias = get("qkv_bias")  # InternLM3's own switch, as vLLM reads it
+    if qkv_bias is None:
+        qkv_bias = model_type == "qwen2" or bool(get("attention_bias", False))
+    return dict(n_heads=n_heads, n_kv_heads=get("num_key_value_heads") or n_heads, head_dim=head_dim,
+                hidden_dim=get("intermediate_size"), tie_embeddings=bool(get("tie_word_embeddings", False)),
+                qkv_bias=bool(qkv_bias), mlp_bias=bool(get("mlp_bias", False)))  # fmt: skip
+
+
+def from_config(config: Any, *, tp: int = 1) -> Adapter:
+    """:func:`build` with the sizes, biases and tied embeddings of an HF config (Llama, Mistral,
+    Qwen2, Qwen3, or a dict of their ``config.json``), for a vLLM engine of ``tp`` ranks.
+
+    Example::
+
+        adapter = vllm_llama.from_config(trainer.config, tp=2)
+    """
+    return build(tp=tp, **config_shape(config))
 
 
 def layout(tp: int, rank: int) -> ShardLayout:
@@ -136,10 +181,14 @@ def parameter_shapes(
     hidden_dim: int,
     tp: int = 1,
     tie_embeddings: bool = False,
+    qkv_bias: bool = False,
+    mlp_bias: bool = False,
+    o_bias: bool = False,
 ) -> dict[str, tuple[int, ...]]:
     """The shape of each of vLLM's Llama parameters on one TP rank of ``tp``, as its layers
     create them (what ``named_parameters()`` lists): to build a stand-in engine, or to check a
-    real worker's against."""
+    real worker's against. The arguments as :func:`build`'s; ``o_bias``: ``o_proj`` has a bias
+    (Llama's ``attention_bias``; whole on every rank, as ``down_proj.bias`` with ``mlp_bias``)."""
     n_kv_heads = n_kv_heads or n_heads
     head_dim = head_dim or dim // n_heads
     vocab = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
@@ -154,6 +203,13 @@ def parameter_shapes(
             p + "mlp.gate_up_proj.weight": (2 * hidden_dim // tp, dim),
             p + "mlp.down_proj.weight": (dim, hidden_dim // tp),
         }
+        qkv_rows = out[p + "self_attn.qkv_proj.weight"][0]
+        if qkv_bias:
+            out[p + "self_attn.qkv_proj.bias"] = (qkv_rows,)
+        if o_bias:
+            out[p + "self_attn.o_proj.bias"] = (dim,)
+        if mlp_bias:
+            out |= {p + "mlp.gate_up_proj.bias": (2 * hidden_dim // tp,), p + "mlp.down_proj.bias": (dim,)}
     out["model.norm.weight"] = (dim,)
     if not tie_embeddings:
         out["lm_head.weight"] = (vocab // tp, dim)

@@ -250,7 +250,7 @@ def _cases(bucket: int) -> dict[str, object]:
         rep = sdadapt.refit_plan(trainer, engine, moe_adapter(2, ep), engine_layout=layout, bucket_bytes=bucket)()
         if engine is not None:
             assert rep.bytes_received == check(engine, whole, layout)
-            w13 = engine["model.layers.0.mlp.experts.w13_weight"]
+            w13 = engine["model.layers.0.mlp.experts.routed_experts.w13_weight"]
             assert tuple(w13.shape) == ((E // 2, 2 * FE, D) if ep else (E, FE, D))
         out[f"moe_{'ep' if ep else 'tp'}"] = rep.model_dump()
 
@@ -267,7 +267,7 @@ def _cases(bucket: int) -> dict[str, object]:
                         "layers.0.ffn_norm.weight": moe["layers.0.ffn_norm.weight"] + 1.0})  # fmt: skip
     whole2 = eager(moe2, ad)
     assert {k for k in whole if not torch.equal(whole[k], whole2[k])} == {
-        "model.layers.1.mlp.experts.w13_weight", "model.layers.0.post_attention_layernorm.weight"}  # fmt: skip
+        "model.layers.1.mlp.experts.routed_experts.w13_weight", "model.layers.0.post_attention_layernorm.weight"}  # fmt: skip
 
     def change_moe() -> None:
         if trainer is not None:
@@ -394,7 +394,7 @@ def _cases(bucket: int) -> dict[str, object]:
     norm = "model.layers.0.post_attention_layernorm.weight"
     whole2 = eager(dict(ds, **{a: ds[a] + 0.25, x: ds[x] - 0.5, norm: ds[norm] + 1.0}), ad)
     assert {k for k in whole if not torch.equal(whole[k], whole2[k])} == {
-        "model.layers.1.self_attn.fused_qkv_a_proj.weight", "model.layers.1.mlp.experts.w13_weight", norm}  # fmt: skip
+        "model.layers.1.self_attn.fused_qkv_a_proj.weight", "model.layers.1.mlp.experts.routed_experts.w13_weight", norm}  # fmt: skip
 
     def change_dsv3() -> None:
         trainer[a].add_(0.25)
@@ -693,7 +693,8 @@ def test_refit_one_process_moe_forward() -> None:
         layout = vllm_qwen3_moe.layout(tp, r)
         engine = engine_shards(eager(moe, moe_adapter(tp)), layout, torch.float64)
         sdadapt.refit_plan(moe, engine, moe_adapter(tp), engine_layout=layout)()
-        w13_r, w2_r = engine["model.layers.1.mlp.experts.w13_weight"], engine["model.layers.1.mlp.experts.w2_weight"]
+        fused = "model.layers.1.mlp.experts.routed_experts."
+        w13_r, w2_r = engine[fused + "w13_weight"], engine[fused + "w2_weight"]
         for e in range(E):
             gate, up = (x @ w13_r[e].T).chunk(2, dim=-1)
             got[e] += (torch.nn.functional.silu(gate) * up) @ w2_r[e].T
