@@ -50,6 +50,7 @@ def engine_class() -> type:
         from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
         from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO, make_online_process_loader
+        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
     except ImportError as e:
         raise RefitError(f"the sdadapt weight-transfer engine runs inside vLLM (0.32 or later), which does not import here: {e}") from e
 
@@ -79,6 +80,7 @@ def engine_class() -> type:
             self.rank = 0
             self.staged: dict[str, torch.Tensor] = {}
             self.overridden: list[tuple[torch.nn.Module, str, Any]] = []  # (layer, parameter, vLLM's own loader)
+            self.loaded: list[torch.nn.Module] = []  # the layers this update loads
 
         def init_transfer_engine(self, init_info: SdadaptInitInfo) -> None:
             pc = self.parallel_config
@@ -90,7 +92,8 @@ def engine_class() -> type:
             self.rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
             if self.folder is not None:
                 vllm_staging.remove(self.folder, self.rank)
-            manifest = vllm_staging.layout_params(self.rank, world, raw_parameters(self.model, LAYERWISE_INFO))
+            raw = raw_parameters(self.model, LAYERWISE_INFO, frozenset(SKIP_LOAD_TENSORS))
+            manifest = vllm_staging.layout_params(self.rank, world, raw)
             self.folder = init_info.staging
             self.staged = vllm_staging.create(init_info.staging, manifest)
             log.info("sdadapt staging of rank %d: %d parameters, %d bytes in %s", self.rank, len(self.staged), manifest.nbytes,
@@ -107,6 +110,7 @@ def engine_class() -> type:
                 raise RefitError(f"update_weights names parameters this engine does not hold: {unknown[:8]}")
             modules = dict(self.model.named_modules())
             touched = {n.rpartition(".")[0] for n in (update_info.names if update_info.names is not None else self.staged)}
+            self.loaded = [modules[owner] for owner in sorted(touched)]
             try:
                 with torch.no_grad():
                     for name, shard in self.staged.items():
@@ -120,8 +124,10 @@ def engine_class() -> type:
         def finish_weight_update(self) -> None:
             try:
                 finalize_layerwise_reload(self.model, self.model_config)
+                repack_cpu_experts(self.loaded)
             finally:
                 self.restore_loaders()
+                self.loaded = []
 
         def restore_loaders(self) -> None:
             """vLLM's own loaders back on the parameters vLLM recorded for reloading (its own
@@ -150,19 +156,49 @@ def engine_class() -> type:
     return SdadaptWeightTransferEngine
 
 
-def raw_parameters(model: torch.nn.Module, infos: Any) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """Every parameter of ``model`` that vLLM recorded for reloading, with the shape and dtype its
-    layer created (before post-processing): ``(name, dtype, shape)``, in ``named_parameters()``
-    order (tied parameters once)."""
+def raw_parameters(
+    model: torch.nn.Module, infos: Any, skip: frozenset[str] = frozenset()
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """Every parameter of ``model`` that vLLM reloads, with the shape and dtype its layer created
+    (before post-processing): ``(name, dtype, shape)``, in ``named_parameters()`` order (tied
+    parameters once). Those vLLM recorded for reloading (``restore_metadata``) take the recorded
+    shape; a loadable parameter of a recorded layer that vLLM keeps live instead (a linear layer's
+    ``bias``, made after its weights and never post-processed) takes its own. ``skip``: names vLLM
+    never loads (its ``SKIP_LOAD_TENSORS``: expert maps)."""
     modules = dict(model.named_modules())
     out = []
-    for name, _ in model.named_parameters():
+    for name, param in model.named_parameters():
         owner, _, attr = name.rpartition(".")
         info = infos.get(modules[owner])
-        meta = info.restore_metadata[0].get(attr) if info is not None else None
+        if info is None or attr in skip:
+            continue
+        meta = info.restore_metadata[0].get(attr)
         if meta is not None:
             out.append((name, meta.dtype, tuple(meta.shape)))
+        elif attr == "bias":
+            out.append((name, param.dtype, tuple(param.shape)))
     return out
+
+
+def repack_cpu_experts(layers: list[torch.nn.Module]) -> int:
+    """Pack again the weights of the CPU MoE layers among ``layers`` (those an update loaded);
+    returns how many. vLLM 0.32's unquantized MoE runs its CPU experts' packing
+    (``CPUUnquantizedExperts.process_weights_after_loading``) on the first load only
+    (``UnquantizedFusedMoEMethod._setup_kernel`` skips it on a weight update), so any reload, its
+    own ``reload_weights`` included, leaves the raw weights where the CPU kernel reads packed
+    ones and the engine serves garbage from its MoE layers. Elsewhere (GPUs) nothing matches."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:
+        return 0
+    done = 0
+    for layer in layers:
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(layer)
+            done += 1
+    return done
 
 
 def load_whole(layer: torch.nn.Module, attr: str, shard: torch.Tensor, name: str, wrap: Any) -> tuple[torch.nn.Module, str, Any]:
