@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -29,8 +28,8 @@ import tempfile
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-START, END = "@@sdadapt-import-start", "@@sdadapt-import-end"
-_LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from first_call_probe import _import_lines  # noqa: E402 - its -X importtime parse, between its markers (CHILD writes them)
 
 CHILD = """
 import importlib, json, sys, time
@@ -41,29 +40,16 @@ for name in sys.argv[2:]:
     importlib.import_module(name)
 model = nn.Sequential(nn.Linear(4, 3))
 before = set(sys.modules)
-sys.stderr.write("@@sdadapt-import-start\\n")
+sys.stderr.write("@@sdadapt-first-call-start\\n")
 t0, c0 = time.perf_counter(), time.process_time()
 import sdadapt
 
 report = sdadapt.load(model, sys.argv[1], sdadapt.Adapter([sdadapt.rename("layer.{p}", "0.{p}")]))
 t1, c1 = time.perf_counter(), time.process_time()
-sys.stderr.write("@@sdadapt-import-end\\n")
+sys.stderr.write("@@sdadapt-first-call-end\\n")
 assert report.keys_loaded == 2
 print(json.dumps({"wall_s": t1 - t0, "cpu_s": c1 - c0, "modules": sorted(set(sys.modules) - before)}))
 """
-
-
-def _lines(stderr: str) -> list[tuple[int, str]]:
-    """(self microseconds, module) of each import between the markers."""
-    inside, out = False, []
-    for line in stderr.splitlines():
-        if START in line:
-            inside = True
-        elif END in line:
-            break
-        elif inside and (m := _LINE.search(line)):
-            out.append((int(m[1]), m[4]))
-    return out
 
 
 def _package(module: str) -> str:
@@ -102,7 +88,7 @@ def main() -> None:
             if r.returncode != 0:
                 sys.exit(f"child failed:\n{r.stderr[-4000:]}")
             res = json.loads(r.stdout.strip().splitlines()[-1])
-            res["imports"] = _lines(r.stderr)
+            res["imports"] = [(us, name) for us, _, _, name in _import_lines(r.stderr)]
             runs.append(res)
     sums = [sum(us for us, _ in r["imports"]) / 1e6 for r in runs]
     counts = [len(r["imports"]) for r in runs]
