@@ -3,7 +3,7 @@
     python bench/refit_bench.py [--model llama|qwen3_moe] [--scenario disaggregated|colocated|single]
                                 [--size small|8b] [--repeat 3] [--bucket-mib 64] [--engine-dtype bfloat16]
                                 [--device cpu|cuda] [--fp8] [--layers N] [--no-baseline]
-                                [--baseline-repeat N] [--hang-s 300]
+                                [--baseline-repeat N] [--hang-s 300] [--profile N]
 
 Scenarios (CPU, gloo, one process per rank, started here):
 
@@ -25,8 +25,9 @@ install --no-index --target``); ``sdadapt.adapters`` is found beside ``src/`` wi
 ``--fp8``: the engine serves vLLM's block-quantized FP8 (``vllm_fp8``: e4m3 weights and float32
 ``weight_scale_inv`` per 128 x 128 block, quantized on the engine ranks; embeddings, head and
 norms in ``--engine-dtype``). ``--layers``: fewer decoder layers than the size has (a quick
-run). Rank 0 prints each phase's start on stderr with the time since launch; a phase that hangs
-dumps every thread's stack after ``--hang-s`` seconds.
+run). ``--profile N``: one more refit under torch's profiler; rank 0 prints its N costliest
+operations (by GPU time, then by CPU time). Rank 0 prints each phase's start on stderr with the
+time since launch; a phase that hangs dumps every thread's stack after ``--hang-s`` seconds.
 
 Each refit is planned once, then run ``--repeat`` times (the median and every run are printed);
 the baseline likewise. After each, every engine tensor is compared bit for bit with the other
@@ -221,6 +222,15 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
         runs.append(time.perf_counter() - t0)
         reports.append(rep)
         say(f"refit {i + 1}: {runs[-1]:.3f} s")
+    if args.profile:  # one more refit (every rank) under torch's profiler: where its time goes
+        from torch.profiler import ProfilerActivity, profile
+
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])) as prof:
+            refit()
+            sync()
+        for key in ("self_cuda_time_total", "cpu_time_total") if gpu and rank == 0 else ("cpu_time_total",) if rank == 0 else ():
+            print(prof.key_averages().table(sort_by=key, row_limit=args.profile), file=sys.stderr, flush=True)
     got = {k: v.clone() for k, v in engine.items()} if engine is not None and args.baseline else {}
 
     # baseline: gather whole (export_iter) then cut
@@ -307,6 +317,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=0, help="decoder layers (default: the size's)")
     p.add_argument("--baseline-repeat", type=int, default=0, help="gather-then-cut runs (default: --repeat)")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip gather-then-cut")
+    p.add_argument("--profile", type=int, default=0, help="print the N costliest operations of one more refit")
     p.add_argument("--hang-s", type=float, default=300.0, help="dump the stacks of a phase that takes longer")
     args = p.parse_args()
     args.t0 = T0

@@ -143,7 +143,9 @@ def test_nvfp4_kernel_is_the_eager_function(mode: S.GlobalMode, dtype: torch.dty
         if i < PLAIN:
             on_gpu = S.quantize(x.cuda(), "e2m1", (1, 16), Q.FP8_DTYPE, glob=glob.cuda(), mode=mode)
             assert _same(got[0], on_gpu[0]) and _same(got[1], on_gpu[1]), i
-    if dtype == torch.float32:
+    if mode == "multiply":  # ModelOpt's multiplying global scale takes the eager function
+        assert not any(key[1:3] == ("nvfp4", "multiply") for key in QF._checked)
+    elif dtype == torch.float32:
         assert _fused_used("nvfp4")
 
 
@@ -152,3 +154,59 @@ def test_cpu_tensors_take_the_eager_functions() -> None:
     q, s = QF.quantize_fp8(x, (128, 128), "float32", values=False)
     want = Q.quantize_fp8(x, (128, 128), "float32")
     assert q is not None and _same(q, want[0]) and _same(s, want[1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_nan_code_is_the_positive_nan_on_every_device(device: str) -> None:
+    """inf / inf and 0 / 0 make a negative NaN on x86 CPUs and a positive one on CUDA devices; a
+    NaN input keeps its sign through a division on the CPU only. Every NaN code is 0x7F (e4m3),
+    and e2m1 gives a NaN code 0, in the eager functions and the kernels alike."""
+    x = torch.zeros(128, 256)
+    x[0, 0] = float("inf")  # its block's scale is inf (no exact-neighbour search for bf16): inf / inf
+    x[0, 128] = -torch.tensor(float("nan"))  # a negative NaN input
+    x[1, 1] = 1e-6  # its block's e4m3 scale underflows to 0: 0 / 0 beside it
+    x = x.to(device)
+    q = QF.quantize_fp8(x.bfloat16(), (128, 128), "float32")[0]
+    q2 = QF.quantize_scaled(x, "e4m3", (1, 32), torch.float8_e4m3fn)[0]
+    assert q is not None and q2 is not None
+    assert q.view(torch.uint8)[0, 0].item() == 0x7F and q.view(torch.uint8)[0, 128].item() == 0x7F
+    assert q2.view(torch.uint8)[0, 128].item() == 0x7F
+    assert q2.view(torch.uint8)[1, 0].item() == 0x7F and q2.view(torch.uint8)[1, 1].item() == 0x7E
+    y = torch.tensor([float("nan"), -torch.tensor(float("nan")).item(), -1.0], device=device)
+    assert Q.e2m1_codes(y).tolist() == [0, 0, 10]
+    zeros = torch.zeros(4, 32, device=device)
+    _, s, _ = QF.quantize_scaled(zeros, "e2m1", (1, 16), Q.FP8_DTYPE, glob=torch.zeros(1, device=device), mode="multiply")
+    assert bool((s.view(torch.uint8) == 0x7F).all())  # 0 / (6 * 0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scales_memo_gives_the_scales_of_the_codes_pass(device: str) -> None:
+    """Inside ``scales_memo`` the scales-only call on the input of a codes call returns that
+    call's scales; an input changed in place since (its version moved) is quantized again."""
+    x = _weight(256, 384).to(device)
+    want = Q.quantize_fp8(x.cpu(), (128, 128), "float32")[1]
+    with QF.scales_memo():
+        q, s = QF.quantize_fp8(x, (128, 128), "float32")
+        got = QF.quantize_fp8(x, (128, 128), "float32", values=False)[1]
+        assert got is s and _same(got, want)
+        assert QF.quantize_fp8(x, (128, 128), "float32", values=False)[1] is not s  # taken once
+        QF.quantize_fp8(x, (128, 128), "float32")
+        x.mul_(3.0)
+        again = QF.quantize_fp8(x, (128, 128), "float32", values=False)[1]
+        assert _same(again, Q.quantize_fp8(x.cpu(), (128, 128), "float32")[1]) and not _same(again, want)
+    assert QF._memo.entries is None
+
+
+@needs_cuda
+def test_codes_written_into_a_view_of_an_engine_tensor() -> None:
+    """``out=``: a view with a row stride of a larger FP8 tensor (an engine shard) receives the
+    codes, bytes as the eager function's; nothing beside it is touched."""
+    x = _weight(300, 256, seed=5).cuda()
+    engine = torch.full((320, 512), 1.0, device="cuda").to(Q.FP8_DTYPE)
+    view = engine[10:310, 128:384]
+    q, s = QF.quantize_fp8(x, (128, 128), "float32", out=view)
+    want = Q.quantize_fp8(x.cpu(), (128, 128), "float32")
+    assert q is view and _same(view, want[0]) and _same(s, want[1])
+    rest = engine.float().clone()
+    rest[10:310, 128:384] = 1.0
+    assert bool((rest == 1.0).all())

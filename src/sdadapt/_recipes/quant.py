@@ -176,8 +176,17 @@ def _fp8_blocks(x: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, 
     return w.reshape(tuple(x.shape[:-2]) + (nr, b0, nc, b1)), tuple(x.shape)
 
 
+def e4m3_codes(y: torch.Tensor) -> torch.Tensor:
+    """float32 values -> ``float8_e4m3fn`` codes: clamped to +-448, rounded to nearest even; every
+    NaN becomes the positive NaN code ``0x7F``. (The sign of a NaN that arithmetic makes depends on
+    the processor: x86 CPUs give ``inf / inf`` and ``0 / 0`` a negative one, CUDA devices a
+    positive one; so the codes are the same bytes on every device.)"""
+    y = y.clamp(-E4M3_MAX, E4M3_MAX)
+    return torch.where(y.isnan(), y.abs(), y).to(FP8_DTYPE)
+
+
 def _fp8_values(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return (blocks / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    return e4m3_codes(blocks / scale[..., :, None, :, None])
 
 
 def _exact_fp32_scale(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -266,12 +275,13 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
 
 
 def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
-    """Round float32 values to e2m1 codes (``uint8`` 0..15, sign in bit 3), saturating at +-6."""
+    """Round float32 values to e2m1 codes (``uint8`` 0..15, sign in bit 3), saturating at +-6; a
+    NaN (e2m1 has none) gives code 0 whatever its sign (which depends on the processor)."""
     a = y.abs()
     code = torch.zeros_like(y, dtype=torch.uint8)
     for c, m in enumerate(_FP4_MIDPOINTS):
         code += (a > m) if c % 2 == 0 else (a >= m)
-    return code | (torch.signbit(y).to(torch.uint8) << 3)
+    return code | ((torch.signbit(y) & ~a.isnan()).to(torch.uint8) << 3)
 
 
 def quantize_mxfp4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

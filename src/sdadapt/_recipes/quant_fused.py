@@ -21,10 +21,12 @@ float32 block still needs its codes, computed and dropped).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -66,11 +68,19 @@ def _as3(x: torch.Tensor) -> torch.Tensor:
     return x.reshape((-1,) + tuple(x.shape[-2:])) if x.dim() != 3 else x
 
 
+def writable(t: torch.Tensor) -> bool:
+    """Whether the FP8 kernels write their codes straight into ``t``: an FP8 CUDA tensor of 2 or 3
+    dims whose last dim is contiguous (any row stride: a view of an engine tensor)."""
+    return t.device.type == "cuda" and t.dtype == Q.FP8_DTYPE and t.dim() in (2, 3) and (t.stride(-1) == 1 or t.shape[-1] == 1)
+
+
 def _launch(
     x: torch.Tensor, block: tuple[int, int], mode: int, *, search: bool = False, sdt: int = 0, mult: bool = False,
     glob: torch.Tensor | None = None, values: bool = True, scale_dtype: torch.dtype = torch.float32, packed: bool = False,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """Run the block kernel: (codes as stored, or ``None`` without ``values``; scales in ``scale_dtype``)."""
+    """Run the block kernel: (codes as stored, or ``None`` without ``values``: into ``out`` where
+    given, one :func:`writable` of ``x``'s shape; scales in ``scale_dtype``)."""
     kernels = build()
     assert kernels is not None
     blocks_kernel = kernels[0]
@@ -82,7 +92,10 @@ def _launch(
     x3 = _as3(x)
     nr, nc = Q.cdiv(rows, b0), Q.cdiv(cols, b1)
     qcols = cols // 2 if packed else cols
-    q = torch.empty(lead + (rows, qcols), dtype=torch.uint8 if packed else Q.FP8_DTYPE, device=x.device) if values else None
+    if out is not None and values and not packed and out.shape == x.shape and out.device == x.device and writable(out):
+        q: torch.Tensor | None = out
+    else:
+        q = torch.empty(lead + (rows, qcols), dtype=torch.uint8 if packed else Q.FP8_DTYPE, device=x.device) if values else None
     s = torch.empty(lead + (nr, nc), dtype=scale_dtype, device=x.device)
     q3 = _as3(q.view(torch.uint8)) if q is not None else torch.empty((1, 1, 1), dtype=torch.uint8, device=x.device)
     s3 = _as3(s.view(torch.uint8) if scale_dtype.itemsize == 1 else s)
@@ -98,11 +111,12 @@ def _launch(
     return q, s
 
 
-def _sample(block: tuple[int, int], dtype: torch.dtype, device: torch.device, whole_cols: bool = False) -> torch.Tensor:
+def _sample(block: tuple[int, int], dtype: torch.dtype, device: torch.device, whole_cols: bool = False, peak: float = 0.0) -> torch.Tensor:
     """A tensor of 3 x 4 blocks (partial at the ends where the block allows) holding the cases
     the kernels could get wrong: zero blocks, values dequantised from FP8 (the float32 scale
     search finds their scale), subnormals (a block of nothing else), NaN, infinities, wide
-    magnitudes."""
+    magnitudes (12 decades; ``peak`` > 0: scaled so that the largest finite magnitude is about
+    ``peak``)."""
     b0, b1 = block
     g = torch.Generator().manual_seed(64)
     rows, cols = 3 * b0 - (1 if b0 > 2 else 0), 4 * b1 - (0 if whole_cols or b1 <= 4 else 3)
@@ -120,7 +134,17 @@ def _sample(block: tuple[int, int], dtype: torch.dtype, device: torch.device, wh
     x[1, 0:b0, 2 * b1 : 3 * b1] = torch.randint(-4, 5, (b0, b1), generator=g).float() * 0.25
     tail = x[0, 2 * b0 :, 3 * b1 :]
     tail.copy_(torch.randn(tail.shape, generator=g) * 1e-41)  # a block of subnormals only: its scale is one too
+    if peak > 0 and math.isfinite(peak):
+        x *= peak / float(x.abs().nan_to_num(0.0, 0.0, 0.0).amax())
     return x.to(dtype).to(device)
+
+
+def _nvfp4_peak(glob: torch.Tensor, mode: S.GlobalMode) -> float:
+    """The tensor amax a global scale was made from (``6 * 448 / amax`` dividing, ``amax / (6 *
+    448)`` multiplying): NVFP4's sample spans the group scales that global scale gives."""
+    g = float(glob.reshape(-1)[0])
+    full = S.E2M1_MAX * Q.E4M3_MAX
+    return g * full if mode == "multiply" else (full / g if g > 0 else 0.0)
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -128,6 +152,10 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         return a is b
     a, b = a.cpu(), b.cpu()
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _checked_already(key: tuple[object, ...], device: torch.device) -> bool:
+    return ((device.index if device.index is not None else torch.cuda.current_device(),) + key) in _checked
 
 
 def _exact(key: tuple[object, ...], device: torch.device, fused: Callable[[torch.Tensor], tuple[torch.Tensor | None, ...]],
@@ -153,25 +181,76 @@ def _exact(key: tuple[object, ...], device: torch.device, fused: Callable[[torch
         return ok
 
 
+class _Memo(threading.local):
+    """The scales :func:`quantize_fp8` made for the codes of an input, inside :func:`scales_memo`."""
+
+    entries: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+_memo = _Memo()
+_MEMO_SIZE = 8  # inputs kept (each held alive, so that no other tensor takes its memory meanwhile)
+
+
+@contextlib.contextmanager
+def scales_memo() -> Iterator[None]:
+    """Within it (on this thread), the scales of an input whose codes :func:`quantize_fp8` made
+    are kept, and a later ``values=False`` call on the same input (the same memory, shape,
+    strides, dtype and version counter) takes them instead of reading the input again: a refit
+    computes the codes and then the scales of each weight from the same trainer region, which
+    nothing changes while it runs. The last few inputs are kept, and held until used or until the
+    block ends."""
+    saved, _memo.entries = _memo.entries, {}
+    try:
+        yield
+    finally:
+        _memo.entries = saved
+
+
+def _memo_key(x: torch.Tensor, block: tuple[int, int], fmt: Q.ScaleFormat) -> tuple[object, ...] | None:
+    try:
+        version = x._version
+    except RuntimeError:  # an inference tensor has no version counter: never kept
+        return None
+    return (x.data_ptr(), x.device, x.dtype, tuple(x.shape), x.stride(), version, block, fmt)
+
+
 def quantize_fp8(
-    x: torch.Tensor, block: tuple[int, int], fmt: Q.ScaleFormat, *, values: bool = True
+    x: torch.Tensor, block: tuple[int, int], fmt: Q.ScaleFormat, *, values: bool = True, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """:func:`sdadapt._recipes.quant.quantize_fp8`, in one pass where that is exact (the codes
-    ``None`` with ``values=False`` on that path)."""
+    ``None`` with ``values=False`` on that path; written into ``out`` where the kernel serves and
+    ``out`` is :func:`writable`, of ``x``'s shape: the codes returned are then ``out``)."""
+    entries = _memo.entries
+    key = _memo_key(x, block, fmt) if entries is not None else None
+    if entries is not None and key is not None and not values:
+        hit = entries.pop(key, None)
+        if hit is not None:
+            return None, hit[1]
+    q, s = _quantize_fp8(x, block, fmt, values, out)
+    if entries is not None and key is not None and values:
+        if len(entries) >= _MEMO_SIZE:
+            entries.pop(next(iter(entries)))
+        entries[key] = (x, s)
+    return q, s
+
+
+def _quantize_fp8(
+    x: torch.Tensor, block: tuple[int, int], fmt: Q.ScaleFormat, values: bool, out: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor]:
     search = fmt == "float32" and x.dtype == torch.float32
     if not _device_ok(x) or _geometry(block, search) is None:
         return Q.quantize_fp8(x, block, fmt)
     mode = MODE_FP8 if fmt == "float32" else MODE_POW2
     scale_dtype = torch.float32 if mode == MODE_FP8 else torch.uint8
 
-    def fused(t: torch.Tensor, values: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-        q, s = _launch(t, block, mode, search=search, values=values, scale_dtype=scale_dtype)
+    def fused(t: torch.Tensor, values: bool = True, out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        q, s = _launch(t, block, mode, search=search, values=values, scale_dtype=scale_dtype, out=out)
         return q, (Q.decode_e8m0(s) if fmt == "ue8m0_float32" else s)
 
     key = ("fp8", fmt, block, x.dtype)
     if not _exact(key, x.device, fused, lambda t: Q.quantize_fp8(t, block, fmt), lambda: _sample(block, x.dtype, x.device)):
         return Q.quantize_fp8(x, block, fmt)
-    return fused(x, values)
+    return fused(x, values, out)
 
 
 def quantize_scaled(
@@ -196,8 +275,9 @@ def quantize_scaled(
     def fused_sample(t: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return fused(t, sample_geometry(t), True)
 
-    whole = key[0] == "nvfp4"  # its groups are whole
-    if not _exact(key, x.device, fused_sample, eager, lambda: _sample(sample_block, x.dtype, x.device, whole)):
+    whole = key[0] == "nvfp4"  # its groups are whole, its values around the global scale's amax
+    peak = _nvfp4_peak(glob, mode) if whole and glob is not None and not _checked_already(key, x.device) else 0.0
+    if not _exact(key, x.device, fused_sample, eager, lambda: _sample(sample_block, x.dtype, x.device, whole, peak)):
         return S.quantize(x, codec, block, scale_dtype, zero, glob, mode)
     q, s = fused(x, block, values)
     return q, s, None
@@ -215,13 +295,15 @@ def _scaled_kernel(
     if zero or not _device_ok(x):
         return None
     if codec == "e2m1" and glob is not None:  # NVFP4: its own (1, 16) groups
+        if mode == "multiply":  # ModelOpt's global scale: eager (the kernel's codes were not the eager ones on a GPU)
+            return None
         group = (1, S.NVFP4_GROUP)
         if glob.numel() != 1 or x.shape[-1] % S.NVFP4_GROUP or glob.device != x.device:
             return None
         g = glob.reshape(1)
 
         def nvfp4(t: torch.Tensor, _b: tuple[int, int], values: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-            return _launch(t, group, MODE_NVFP4, mult=mode == "multiply", glob=g, values=values, scale_dtype=Q.FP8_DTYPE, packed=True)
+            return _launch(t, group, MODE_NVFP4, mult=False, glob=g, values=values, scale_dtype=Q.FP8_DTYPE, packed=True)
 
         return nvfp4, ("nvfp4", mode, x.dtype, glob.dtype), group
     if codec != "e4m3" or glob is not None:

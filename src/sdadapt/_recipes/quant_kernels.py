@@ -49,8 +49,9 @@ def build() -> tuple[Any, Any, Any] | None:
 
     @triton.jit
     def _e4m3(y):  # noqa: ANN001, ANN202
-        """clamp(y, -448, 448) rounded to e4m3 (NaN stays NaN), as bytes."""
+        """clamp(y, -448, 448) rounded to e4m3, as bytes; every NaN the positive NaN 0x7F."""
         y = tl.where(y > 448.0, 448.0, tl.where(y < -448.0, -448.0, y))
+        y = tl.where(y != y, tl.abs(y), y)
         return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
 
     @triton.jit
@@ -82,11 +83,11 @@ def build() -> tuple[Any, Any, Any] | None:
 
     @triton.jit
     def _e2m1(y):  # noqa: ANN001, ANN202
-        """:func:`sdadapt._recipes.quant.e2m1_codes`: thresholds as there, sign in bit 3."""
+        """:func:`sdadapt._recipes.quant.e2m1_codes`: thresholds as there, sign in bit 3 (none for NaN)."""
         a = tl.abs(y)
         code = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32) + (a >= 1.75).to(tl.int32)
         code += (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32) + (a > 5.0).to(tl.int32)
-        return code | (((_bits(y) >> 31) & 1) << 3)
+        return code | (tl.where(y != y, 0, (_bits(y) >> 31) & 1) << 3)
 
     @triton.jit
     def _codes_ok(x, c):  # noqa: ANN001, ANN202
@@ -181,7 +182,10 @@ def build() -> tuple[Any, Any, Any] | None:
                 want = _mul(gs, _div(amax, tl.zeros_like(amax) + 6.0))
             sb = _e4m3(tl.where(want > 448.0, 448.0, want))
             s = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            s = _mul(s, gs) if MULT else _div(s, gs)
+            if MULT:  # the multiplier: stored * global (ModelOpt), stored / global (compressed-tensors)
+                s = _mul(s, gs)
+            else:
+                s = _div(s, gs)
             s = tl.where(s > 0.0, s, 1.0)
             tl.store(sp, sb, mask=smask)
             code = _e2m1(_div(x, tl.reshape(tl.broadcast_to(tl.reshape(s, (GR, 1, GC, 1)), (GR, B0, GC, B1)), (TR, TC))))

@@ -185,6 +185,10 @@ class DequantizedMXFP4(_Dequant):
         return f"dequant_mxfp4({self.blocks.describe()}, {self.scales.describe()}, dtype={dtype_name(self.dtype)})"
 
 
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedFP8(_Computed):
     """One part of ``child`` quantized to FP8 with ``block`` scale tiles: the e4m3 weight
@@ -240,26 +244,44 @@ class QuantizedFP8(_Computed):
             offset += n
         return out if len(out) > 1 else None
 
-    def _quantize(self, src: Input, io: SourceIO) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def _quantize(self, src: Input, io: SourceIO, into: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Codes (``into`` where given: the codes are written there) and scales of ``src``'s region."""
         values = self.part == "values"
         parts = self._row_parts(src.box)
         if parts is None:
-            return QF.quantize_fp8(src.value(io), self.block, self.scale_format, values=values)
+            return QF.quantize_fp8(src.value(io), self.block, self.scale_format, values=values, out=into)
         b0 = self.block[0]
-        q: torch.Tensor | None = None
+        q: torch.Tensor | None = into
         scale: torch.Tensor | None = None
         for part, box, first in parts:
-            qi, si = QF.quantize_fp8(part.read(box, io), self.block, self.scale_format, values=values)
+            rows = box_shape(box)[-2]
+            qi, si = QF.quantize_fp8(part.read(box, io), self.block, self.scale_format, values=values,
+                                     out=None if into is None else into[..., first : first + rows, :])  # fmt: skip
             if scale is None:
                 shape = box_shape(src.box)
                 scale = si.new_empty(Q.fp8_scale_shape(shape, self.block))
-                q = torch.empty(shape, dtype=Q.FP8_DTYPE, device=si.device) if values else None
+                if values and q is None:
+                    q = torch.empty(shape, dtype=Q.FP8_DTYPE, device=si.device)
             scale[..., first // b0 : first // b0 + si.shape[-2], :] = si
-            if q is not None:
-                assert qi is not None
-                q[..., first : first + qi.shape[-2], :] = qi
+            if q is not None and qi is not None and not _same_view(qi, q[..., first : first + rows, :]):
+                q[..., first : first + rows, :] = qi
         assert scale is not None
         return q, scale
+
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+        out.append(Compute(self, box, dest, functools.partial(self._region_into, box, dest), self._inputs(box)))
+
+    def _region_into(self, box: Box, dest: torch.Tensor, io: SourceIO) -> torch.Tensor:
+        """:meth:`_region`, the codes written straight into ``dest`` (returned: its copy into
+        itself is none) where ``box`` is whole blocks (or reaches the tensor's end) and ``dest``
+        a device tensor the kernels write (last dim contiguous, 2 or 3 dims)."""
+        (src,) = self._inputs(box)
+        if self.part != "values" or src.box != box or not QF.writable(dest):
+            return self._region(box, io)
+        q, _ = self._quantize(src, io, into=dest)
+        if q is not None and not _same_view(q, dest):
+            dest.copy_(q)
+        return dest
 
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
         (src,) = self._inputs(box)

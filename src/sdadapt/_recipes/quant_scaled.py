@@ -36,7 +36,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from .quant import E4M3_MAX, FP8_DTYPE, decode_e8m0, e2m1_codes, encode_e8m0, fp4_pairs, pow2_scale_bytes, true_div
+from .quant import E4M3_MAX, FP8_DTYPE, decode_e8m0, e2m1_codes, e4m3_codes, encode_e8m0, fp4_pairs, pow2_scale_bytes, true_div
 
 Codec = Literal["e4m3", "int8", "e2m1", "int4", "int8_packed"]
 Strategy = Literal["tensor", "channel", "group", "block"]
@@ -275,7 +275,7 @@ def quantize_fp8_scaled(x: torch.Tensor, block: tuple[int, int], scale_dtype: to
     amax = _grid_amax(x, block)
     stored = torch.where(amax > 0, true_div(amax, E4M3_MAX), torch.ones_like(amax)).to(scale_dtype)
     s = stored.to(torch.float32)
-    codes = (x.to(torch.float32) / _spread(s, x.shape, block)).clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE)
+    codes = e4m3_codes(x.to(torch.float32) / _spread(s, x.shape, block))
     return codes, stored
 
 
@@ -294,7 +294,7 @@ def quantize_mx(x: torch.Tensor, block: tuple[int, int], codec: Codec, scale_dty
         _, exp = torch.frexp(amax)  # floor(log2(amax)) = exp - 1; e2m1's largest exponent is 2
         raw = encode_e8m0(torch.where(amax > 0, exp - 3, torch.zeros_like(exp)))
     y = x.to(torch.float32) / _spread(decode_e8m0(raw), x.shape, block)
-    values = y.clamp(-E4M3_MAX, E4M3_MAX).to(FP8_DTYPE) if codec == "e4m3" else _pack_e2m1(e2m1_codes(y))
+    values = e4m3_codes(y) if codec == "e4m3" else _pack_e2m1(e2m1_codes(y))
     return values, raw.view(scale_dtype) if scale_dtype != torch.uint8 else raw
 
 
@@ -309,7 +309,7 @@ def quantize_nvfp4(
     amax = _grid_amax(x, (1, NVFP4_GROUP))
     g = glob.to(torch.float32).reshape(())
     want = g * true_div(amax, E2M1_MAX) if mode == "divide" else amax / (E2M1_MAX * g)
-    stored = want.clamp(max=E4M3_MAX).to(FP8_DTYPE)
+    stored = e4m3_codes(want)  # want >= 0 or NaN (0 / 0)
     s = scale_multipliers(stored, glob, mode)
     s = torch.where(s > 0, s, torch.ones_like(s))
     return _pack_e2m1(e2m1_codes(x.to(torch.float32) / _spread(s, x.shape, (1, NVFP4_GROUP)))), stored

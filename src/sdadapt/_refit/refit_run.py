@@ -3,8 +3,10 @@ and says what it did in a :class:`RefitReport` (see :mod:`sdadapt._refit.refit`)
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,6 +125,13 @@ def _version(t: torch.Tensor) -> tuple[int, ...]:
     return (t._version,) if local is None else (t._version, local._version)
 
 
+def _scales_memo() -> contextlib.AbstractContextManager[None]:
+    """An FP8 weight's scales taken from its codes' pass (``quant_fused.scales_memo``), where a
+    recipe quantizes: only then is that module imported."""
+    fused = sys.modules.get("sdadapt._recipes.quant_fused")
+    return fused.scales_memo() if fused is not None else contextlib.nullcontext()
+
+
 def _offset(box: Box, origin: Box) -> tuple[slice, ...]:
     return tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(box, origin, strict=True))
 
@@ -210,7 +219,7 @@ class Refit:
             if self.delta:
                 active = self._changed_targets(seen)
                 todo = sorted(k for k in mine if k in active)
-            with torch.no_grad():
+            with torch.no_grad(), _scales_memo():
                 if self.send is not None:
                     io = LocalShards(self.trainer, self.trainer_box, self._trainer_device())
                     regions = [r for r in self.sending if r.key in active]
@@ -252,7 +261,7 @@ class Refit:
         for t in self.local:
             if t.target in active:
                 st.rep.bytes_local += t.nbytes
-                self._land(t, self._source_view(t), st)
+                self._land_local(t, st)
                 self._finish_ready(st)  # a computation runs once its inputs are in: staged inputs go
         self._finish_ready(st)
         # two buffers of at most half the bucket: a round is packed while the one before is in flight
@@ -336,6 +345,19 @@ class Refit:
         local, box = self.trainer[t.key], self.trainer_box[t.key]
         return local[_offset(t.box, box)]
 
+    def _land_local(self, t: Transfer, st: _Run) -> None:
+        """A transfer from this rank to itself; a computed region whose request lands in the
+        engine tensor is computed straight into it (no copy of the result)."""
+        dest = self.mine.dest.get(t.request) if t.computed else None
+        if dest is None:
+            self._land(t, self._source_view(t), st)
+            return
+        view = dest[_offset(t.box, self.mine.requests[t.request].box)]
+        io = LocalShards(self.trainer, self.trainer_box, self._trainer_device())
+        for step in self.recipes[t.target].steps(t.box, view):
+            step.run(io)
+        self._landed(t, st)
+
     def _land(self, t: Transfer, data: torch.Tensor, st: _Run) -> None:
         """Put transfer ``t``'s data where its request goes."""
         req = self.mine.requests[t.request]
@@ -348,9 +370,13 @@ class Refit:
                 st.staged_now += dest.numel() * dest.element_size()
                 st.rep.staged_bytes = max(st.rep.staged_bytes, st.staged_now)
         dest[_offset(t.box, req.box)].copy_(data)
+        self._landed(t, st)
+
+    def _landed(self, t: Transfer, st: _Run) -> None:
+        """Count transfer ``t`` in: a request whose transfers are all in readies its users."""
         st.remaining[t.request] -= 1
         if st.remaining[t.request] == 0:
-            for k in self.mine.users.get(t.request, [req.target]):
+            for k in self.mine.users.get(t.request, [t.target]):
                 st.open[k] -= 1
                 if st.open[k] == 0:
                     st.ready.append(k)
