@@ -1,0 +1,36 @@
+"""``sdadapt.rules.Rule`` is one static union for type checkers and the same union at run time,
+both the classes of the rule-kind table's plain (not quantized) kinds, in its order."""
+
+from __future__ import annotations
+
+import ast
+import typing
+from pathlib import Path
+
+import sdadapt.rules
+from sdadapt._base.rule_kinds import QUANTIZED, RULE_KINDS
+from sdadapt.rules import _union
+
+TABLE = [cls for cls, module, _ in RULE_KINDS if module not in QUANTIZED]
+
+
+def _union_names(node: ast.expr) -> list[str]:
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _union_names(node.left) + _union_names(node.right)
+    assert isinstance(node, ast.Name), ast.dump(node)
+    return [node.id]
+
+
+def test_the_static_union_is_the_table():
+    tree = ast.parse(Path(_union.__file__).read_text())
+    aliases = [n for n in ast.walk(tree) if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", None) == "Rule"]
+    assert len(aliases) == 1, "one static spelling of Rule"
+    annotated = aliases[0].value
+    assert isinstance(annotated, ast.Subscript) and isinstance(annotated.slice, ast.Tuple)
+    assert _union_names(annotated.slice.elts[0]) == TABLE
+
+
+def test_the_runtime_union_is_the_table():
+    union, discriminator = typing.get_args(sdadapt.rules.Rule)
+    assert [c.__name__ for c in typing.get_args(union)] == TABLE
+    assert discriminator.discriminator == "kind"
