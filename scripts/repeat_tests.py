@@ -6,7 +6,8 @@ A flaky test passes most runs: one green run says little. This runs
 (``bench/reports/repeat-tests-<machine>-<date>.md`` unless ``--report`` says otherwise): the
 command, the machine, the tree, each run's exit status, time, failing tests and whether any
 process aborted at teardown (``terminate called without an active exception``). Add the report's
-row to bench/RESULTS.md by hand.
+row to bench/RESULTS.md by hand. The report is rewritten after every run, so a series stopped
+early (the machine needed back) still says what its runs gave.
 
     python scripts/repeat_tests.py --machine cpu2 [--runs 20] [--report PATH] [TESTS ...]
 """
@@ -43,7 +44,7 @@ def one_run(tests: list[str], timeout: float) -> dict[str, object]:
     return {"rc": rc, "seconds": time.perf_counter() - start, "failed": failed, "aborts": out.count(ABORT), "summary": summary}
 
 
-def report(runs: list[dict[str, object]], tests: list[str], machine: str, command: str) -> str:
+def report(runs: list[dict[str, object]], tests: list[str], machine: str, command: str, asked: int) -> str:
     tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     green = sum(1 for r in runs if r["rc"] == 0)
     import torch
@@ -55,6 +56,7 @@ def report(runs: list[dict[str, object]], tests: list[str], machine: str, comman
     return "\n".join([
         f"# {green}/{len(runs)} green runs of {' '.join(tests)}",
         "",
+        *([f"Stopped after {len(runs)} of the {asked} runs asked for.", ""] if len(runs) < asked else []),
         f"- command: `{command}`",
         f"- machine: {machine} ({platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"torch {torch.__version__})",
@@ -76,12 +78,13 @@ def main() -> None:
     parser.add_argument("--report", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
     args = parser.parse_args()
+    path = args.report or ROOT / "bench" / "reports" / f"repeat-tests-{args.machine}-{datetime.date.today().isoformat()}.md"
     runs = []
     for i in range(args.runs):
         runs.append(one_run(args.tests, args.timeout))
         print(f"run {i + 1}/{args.runs}: {runs[-1]}", flush=True)
-    path = args.report or ROOT / "bench" / "reports" / f"repeat-tests-{args.machine}-{datetime.date.today().isoformat()}.md"
-    path.write_text(report(runs, args.tests, args.machine, "python " + " ".join(sys.argv)))
+        # rewritten after every run: a series stopped early still leaves the runs it made
+        path.write_text(report(runs, args.tests, args.machine, "python " + " ".join(sys.argv), args.runs))
     print(f"wrote {path}")
     sys.exit(0 if all(r["rc"] == 0 for r in runs) else 1)
 

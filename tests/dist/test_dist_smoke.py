@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -43,10 +44,15 @@ def _scenario(folder: str) -> dict[str, int]:
     return {"keys": rep.keys_loaded, "bytes": rep.bytes_read, "local": rep.local_bytes}
 
 
-def test_discussion_scenario_fsdp_tp_2x2(tmp_path):
+def test_discussion_scenario_fsdp_tp_2x2(tmp_path, monkeypatch):
+    made: list[str] = []
+    mkdtemp = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **k: made.append(mkdtemp(*a, **k)) or made[-1])
     results = run_distributed(_scenario, 4, str(tmp_path), timeout=120)
     assert all(r["keys"] == len(TinyTransformer().state_dict()) for r in results)
     assert all(r["bytes"] <= r["local"] for r in results)
+    jobs = [m for m in made if os.path.basename(m).startswith("sdadapt-dist-")]
+    assert jobs and not any(os.path.exists(job) for job in jobs)  # the launch's own folder is gone
 
 
 def test_worker_error_puts_the_first_cause_first():

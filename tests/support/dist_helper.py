@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,13 @@ class WorkerError(AssertionError):
 
 def run_distributed(fn: Any, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
     job = tempfile.mkdtemp(prefix="sdadapt-dist-")
+    try:
+        return _run_job(job, fn, world_size, args, kwargs, timeout)
+    finally:
+        shutil.rmtree(job, ignore_errors=True)  # the ranks' logs are in the error raised, if any
+
+
+def _run_job(job: str, fn: Any, world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float) -> list[Any]:
     with open(os.path.join(job, "job.pkl"), "wb") as f:
         pickle.dump((fn.__module__, fn.__qualname__, args, kwargs), f)
     env = dict(os.environ)

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -56,10 +57,10 @@ class SeaweedFS:
     def __init__(self, folder: str | os.PathLike[str], binary: str):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
-        master, volume, filer, s3 = _ports(4)
+        master, volume, filer, s3 = self.ports = _ports(4)
         self.endpoint = f"http://127.0.0.1:{s3}"
         cmd = [
-            binary, "server", f"-dir={self.folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+            binary, f"-logdir={self.folder}", "server", f"-dir={self.folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
             "-s3", f"-s3.port={s3}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             "-master.volumeSizeLimitMB=64", "-volume.max=0",
@@ -113,6 +114,10 @@ class SeaweedFS:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self.log.close()
+        # weed's local sockets (gRPC ones included) live in the temp folder, named by port
+        for port in (p for http_port in self.ports for p in (http_port, http_port + 10000)):
+            for sock in Path(tempfile.gettempdir()).glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
 
 
 @dataclass

@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -237,16 +238,23 @@ def main() -> int:
         env = dict(os.environ, RANK="1")
         other = subprocess.Popen([sys.executable, __file__, family, out_path + ".rank1"], env=env)
     try:
+        return _run(family, out_path, rank, world, other if rank == 0 else None)
+    finally:
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)  # the trainer's group's files, once both ranks are done
+
+
+def _run(family: str, out_path: str, rank: int, world: int, other: subprocess.Popen[bytes] | None) -> int:
+    try:
         run_engine_cases(family, out_path, rank, world)
     except BaseException:
         with open(out_path, "a") as f:
             f.write(json.dumps({"case": "(run)", "rank": rank, "error": traceback.format_exc()[-3000:]}) + "\n")
-        if rank == 0:
+        if other is not None:
             other.kill()
+            other.wait(timeout=60)
         return 1
-    if rank == 0:
-        return other.wait(timeout=300)
-    return 0
+    return other.wait(timeout=300) if other is not None else 0
 
 
 if __name__ == "__main__":

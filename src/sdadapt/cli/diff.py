@@ -35,25 +35,30 @@ def parse_options(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
+def add_compared(parser: argparse.ArgumentParser, epilog: str) -> None:
+    """What ``diff`` and ``draft`` compare: ``SRC``, ``--target`` and where in each to look."""
+    parser.epilog = epilog
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
         "src", metavar="SRC",
         help="checkpoint: torch.save file, .safetensors, HF sharded folder, DCP folder, or hf://org/name[@rev]",
     )
     parser.add_argument("--target", "-t", required=True, metavar="T", help="model (module:function) or checkpoint")
-    parser.add_argument("--adapter", "-a", metavar="A", help="adapter name, .json file, or module:ATTR")
-    parser.add_argument(
-        "--adapter-option", "--option", "-O", action="append", default=[], metavar="KEY=VALUE",
-        help="option passed to an adapter function or shipped adapter (repeatable)",
-    )
     parser.add_argument(
         "--target-option", action="append", default=[], metavar="KEY=VALUE",
         help="keyword argument passed to the target function (repeatable)",
     )
     parser.add_argument("--subtree", "-s", metavar="S", help="nested dict of a torch.save SRC to use, e.g. model")
     parser.add_argument("--target-subtree", metavar="S", help="nested dict of a torch.save target checkpoint")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_compared(parser, EPILOG)
+    parser.add_argument("--adapter", "-a", metavar="A", help="adapter name, .json file, or module:ATTR")
+    parser.add_argument(
+        "--adapter-option", "--option", "-O", action="append", default=[], metavar="KEY=VALUE",
+        help="option passed to an adapter function or shipped adapter (repeatable)",
+    )
     parser.add_argument("--allow-missing", action="append", default=[], metavar="PAT", help="key pattern the model may lack values for")
     parser.add_argument("--allow-unexpected", action="append", default=[], metavar="PAT", help="checkpoint key pattern to ignore")
     parser.add_argument(

@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Any
 
+from .diff import add_compared
+
 NAME = "draft"
 HELP = "infer a first adapter from a checkpoint and a model (headers, then a numerical check); review it, then use it"
 
@@ -35,19 +37,7 @@ a target that cannot be imported or built)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.epilog = EPILOG
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument(
-        "src", metavar="SRC",
-        help="checkpoint: torch.save file, .safetensors, HF sharded folder, DCP folder, or hf://org/name[@rev]",
-    )
-    parser.add_argument("--target", "-t", required=True, metavar="T", help="model (module:function) or checkpoint")
-    parser.add_argument(
-        "--target-option", action="append", default=[], metavar="KEY=VALUE",
-        help="keyword argument passed to the target function (repeatable)",
-    )
-    parser.add_argument("--subtree", "-s", metavar="S", help="nested dict of a torch.save SRC to use, e.g. model")
-    parser.add_argument("--target-subtree", metavar="S", help="nested dict of a torch.save target checkpoint")
+    add_compared(parser, EPILOG)
     parser.add_argument("--adapter", "-a", metavar="A", help="start from this adapter (name, .json, module:ATTR)")
     parser.add_argument(
         "--adapter-option", "-O", action="append", default=[], metavar="KEY=VALUE",
