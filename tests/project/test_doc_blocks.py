@@ -28,6 +28,8 @@ def test_every_block_is_executed_or_marked():
             problems.append(f"{b.name}: a JSON block that no test reads")
         elif b.fragment and (b.file, b.lang) in EXECUTED_ELSEWHERE:
             problems.append(f"{b.name}: marked a fragment, but {EXECUTED_ELSEWHERE[(b.file, b.lang)]} runs every such block")
+        elif b.run_by and (not (ROOT / b.run_by).exists() or f"{b.file}" not in (ROOT / b.run_by).read_text()):
+            problems.append(f"{b.name}: marked 'run by {b.run_by}', which does not exist or does not read {b.file}")
         elif "fragment" in b.code.split("\n", 1)[0] and not b.fragment:
             problems.append(f"{b.name}: write the mark as the first line '# fragment: <why it does not run>'")
     assert problems == [], "\n".join(problems)

@@ -9,6 +9,8 @@ Convention (enforced by tests/project/test_doc_blocks.py): every block is one of
   written>`` (a Hub id, your own model code, a 4-process launch...): shown, not run; the
   commands a reader runs in a clone of the repository (they install into it) say so instead,
   in words a reader needs no glossary for: ``# in a clone: <what they do>``;
+- ```python whose first line is a comment ``# run by tests/<file>.py (<where>)``: one block that
+  test runs in an environment of its own (docs/refit.md's live-vLLM example, in the vLLM venv);
 - ```json: the adapters of docs/rules.md, read and planned by tests/project/test_docs_rules.py;
 - ```text: sample output, diagrams and file layouts: not code.
 
@@ -39,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 DOC_FILES = ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))]
 FRAGMENT = re.compile(r"#\s*(fragment|in a clone):\s*\S")
+RUN_BY = re.compile(r"#\s*run by (tests/\S+\.py)\b")
 FENCE = re.compile(r"^(`{3,})(.*)$")
 # blocks another test executes: (file, language) -> that test
 EXECUTED_ELSEWHERE = {
@@ -62,6 +65,12 @@ class Block:
         return bool(FRAGMENT.match(first.strip()))
 
     @property
+    def run_by(self) -> str | None:
+        """The test that runs this block in an environment of its own (``# run by tests/...``)."""
+        m = RUN_BY.match(self.code.lstrip("\n").split("\n", 1)[0].strip())
+        return m.group(1) if m else None
+
+    @property
     def name(self) -> str:
         return f"{self.file}:{self.line} [{self.heading}]"
 
@@ -73,6 +82,8 @@ class Block:
             return "fragment: " + self.code.lstrip("\n").split("\n", 1)[0].split(":", 1)[1].strip()
         if (self.file, self.lang) in EXECUTED_ELSEWHERE:
             return "executed by " + EXECUTED_ELSEWHERE[(self.file, self.lang)]
+        if self.run_by:
+            return "executed by " + self.run_by
         return "executed by tests/project/test_doc_blocks.py"
 
 
@@ -105,7 +116,7 @@ def runnable(file: str) -> list[Block]:
     """The blocks of ``file`` that :func:`run_file` executes."""
     return [
         b for b in blocks(file)
-        if b.lang in ("python", "bash") and not b.fragment and (b.file, b.lang) not in EXECUTED_ELSEWHERE
+        if b.lang in ("python", "bash") and not b.fragment and not b.run_by and (b.file, b.lang) not in EXECUTED_ELSEWHERE
     ]
 
 

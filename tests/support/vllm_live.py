@@ -3,10 +3,11 @@ tests/transaction/test_vllm_live.py:
 
     python tests/support/vllm_live.py llama OUT.json
 
-One engine per run (``LLM(..., weight_transfer_config={"backend": "sdadapt"})``, TP 1, bfloat16) in
-this process, which is also trainer rank 0 of 2 gloo ranks (rank 1 is this script started again
-with RANK=1). The trainer is transformers' model of the family, under FSDP2 over the 2 ranks,
-trained with AdamW; ``sdadapt.vllm.connect`` plans the refit once. Cases, all against the one
+One engine per run (``LLM(..., weight_transfer_config={"backend": "sdadapt"})``, bfloat16, the
+family's TP degree: ``FAMILIES``) in this process, which is also trainer rank 0 of 2 gloo ranks
+(rank 1 is this script started again with RANK=1). The trainer is transformers' model of the
+family, under FSDP2 over the 2 ranks, trained with AdamW; the adapter comes from its config
+(``from_config``'s reading); ``sdadapt.vllm.connect`` plans the refit once. Cases, all against the one
 engine, each written as a JSON line to OUT:
 
 - ``shapes``: the engine's raw parameters (vLLM's, before post-processing) have the shapes the
@@ -19,7 +20,10 @@ engine, each written as a JSON line to OUT:
 - ``step2``: delta mode: a second step (every tensor resent), then one norm changed in place
   (only its engine tensor sent), then nothing changed (nothing sent, the engine not called);
 - ``mismatch``: a wrong adapter (another head count): RefitError on both ranks before anything
-  moves, and the engine still serves the previous weights (the same tokens and logprobs).
+  moves, and the engine still serves the previous weights (the same tokens and logprobs);
+- ``vllm_reload``: vLLM's own ``reload_weights`` (``load_weights`` of the checkpoint, through its
+  layerwise reload) on the engine sdadapt updated serves the checkpoint again, and
+  ``after_vllm_reload``: sdadapt connected anew refits the trainer into it again.
 """
 
 from __future__ import annotations
@@ -44,40 +48,60 @@ PROMPTS = [[5, 17, 42, 7, 99, 3], [250, 11, 64, 128, 2], [77, 78, 79, 80, 81, 82
 NEW_TOKENS = 6
 
 
+FAMILIES = {
+    # Llama, TP 1: 2 layers, untied head, 2 KV heads
+    "llama": dict(cls="LlamaConfig", tp=1, vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=False),
+    # unlike the others: Qwen2 (q/k/v biases), tied embeddings, 3 layers, hidden 384 (6 heads of 64), an odd vocabulary
+    # (padded to 384 by vLLM), one KV head on a TP 2 engine (each rank holds a copy of it)
+    "qwen2_tp2": dict(cls="Qwen2Config", tp=2, vocab_size=333, hidden_size=384, intermediate_size=640, num_hidden_layers=3,
+                      num_attention_heads=6, num_key_value_heads=1, tie_word_embeddings=True),
+    # Qwen3-MoE, TP 1: q_norm / k_norm, 4 experts (top 2) in each layer, the router
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", tp=1, vocab_size=300, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                      num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=64, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[]),
+}  # fmt: skip
+
+
 def family_config(family: str):
     import transformers
 
-    common = dict(vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, max_position_embeddings=256, tie_word_embeddings=False,
-                  initializer_range=0.1)  # fmt: skip
-    if family == "llama":
-        return transformers.LlamaConfig(**common), "LlamaForCausalLM"
-    if family == "qwen3":
-        return transformers.Qwen3Config(**common), "Qwen3ForCausalLM"
-    raise SystemExit(f"unknown family {family}")
+    if family not in FAMILIES:
+        raise SystemExit(f"unknown family {family}; known: {sorted(FAMILIES)}")
+    spec = dict(FAMILIES[family])
+    cls, tp = spec.pop("cls"), spec.pop("tp")
+    return getattr(transformers, cls)(max_position_embeddings=256, initializer_range=0.1, **spec), tp
 
 
-def adapter_and_layout(family: str, n_kv_heads: int = 2):
-    from sdadapt.adapters import vllm_llama
+def adapter_and_layout(family: str, config, tp: int, wrong: bool = False):
+    """The adapter from the family's HF config (``wrong``: as if the model had as many KV heads as
+    query heads), and the layout module's ``layout``."""
+    from sdadapt.adapters import vllm_llama, vllm_qwen3_moe
 
-    # Qwen3's q_norm / k_norm keep their names in vLLM; the attention and MLP fuse as Llama's
-    return vllm_llama.build(n_heads=4, n_kv_heads=n_kv_heads, head_dim=64, hidden_dim=512), vllm_llama.layout
+    module = vllm_qwen3_moe if family == "qwen3_moe" else vllm_llama
+    shape = module.config_shape(config)
+    if wrong:
+        shape["n_kv_heads"] = shape["n_heads"]
+    return module.build(tp=tp, **shape), module.layout
 
 
-def expected_shapes(family: str) -> dict[str, tuple[int, ...]]:
-    from sdadapt.adapters import vllm_llama
+def expected_shapes(family: str, config, tp: int) -> dict[str, tuple[int, ...]]:
+    """What the family's layout module says vLLM's raw parameters on each rank are."""
+    from sdadapt.adapters import vllm_llama, vllm_qwen3_moe
 
-    shapes = vllm_llama.parameter_shapes(n_layers=2, vocab_size=300, dim=256, n_heads=4, n_kv_heads=2, head_dim=64, hidden_dim=512)
-    if family == "qwen3":
-        for i in range(2):
-            shapes |= {f"model.layers.{i}.self_attn.q_norm.weight": (64,), f"model.layers.{i}.self_attn.k_norm.weight": (64,)}
-    return shapes
+    common = dict(n_layers=config.num_hidden_layers, vocab_size=config.vocab_size, dim=config.hidden_size, tp=tp)
+    if family == "qwen3_moe":
+        shape = vllm_qwen3_moe.config_shape(config)
+        drop = ("hidden_dim", "stacked_experts", "qkv_bias")
+        return vllm_qwen3_moe.parameter_shapes(**common, **{k: v for k, v in shape.items() if k not in drop})
+    return vllm_llama.parameter_shapes(**common, **vllm_llama.config_shape(config))
 
 
 def vllm_loaded(self, folder: str) -> dict[str, object]:
     """In the worker: vLLM's own loader run on the engine's HF checkpoint into a fresh model (raw
     parameters, before post-processing), compared with the sdadapt staging."""
     from vllm.config import set_current_vllm_config
+    from vllm.distributed import get_tensor_model_parallel_rank
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import initialize_model
 
@@ -88,10 +112,28 @@ def vllm_loaded(self, folder: str) -> dict[str, object]:
         model = initialize_model(vllm_config=cfg, prefix="oracle")
         loader = get_model_loader(cfg.load_config)
         loader.load_weights(model, cfg.model_config)
-    staged = read(folder, 0)[1]
+    rank = get_tensor_model_parallel_rank()
+    staged = read(folder, rank)[1]
     own = dict(model.named_parameters())
-    return {"keys_equal": sorted(own) == sorted(staged),
+    return {"rank": rank, "keys_equal": sorted(own) == sorted(staged),
             "differ": sorted(n for n in own if n in staged and not torch.equal(own[n].data, staged[n]))}  # fmt: skip
+
+
+def sdadapt_loaders(self) -> list[str]:
+    """In the worker: the parameters (live, and as vLLM recorded them for reloading) whose weight
+    loader is still, or wraps, sdadapt's copy loader: none may be once an update is finished."""
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+    from sdadapt._refit.vllm_worker import _ours
+
+    left = []
+    for name, module in self.model_runner.get_model().named_modules():
+        info = LAYERWISE_INFO.get(module)
+        recorded = info.restore_metadata[0] if info is not None else {}
+        for attr, param in [*module.named_parameters(recurse=False), *recorded.items()]:
+            if _ours(getattr(param, "weight_loader", None)):
+                left.append(f"{name}.{attr}")
+    return left
 
 
 def run_engine_cases(family: str, out_path: str, rank: int, world: int) -> None:
@@ -103,7 +145,7 @@ def run_engine_cases(family: str, out_path: str, rank: int, world: int) -> None:
     import sdadapt.vllm
     from sdadapt.errors import RefitError
 
-    config, _ = family_config(family)
+    config, tp = family_config(family)
     folder = os.environ["SDADAPT_LIVE_DIR"]
     ckpt = os.path.join(folder, "ckpt")
     llm = None
@@ -121,14 +163,17 @@ def run_engine_cases(family: str, out_path: str, rank: int, world: int) -> None:
 
         # the oracle case ships a function to the worker (collective_rpc), which vLLM pickles only so
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+        # vLLM's CPU backend binds each TP worker's threads to a NUMA node of its own by default; a
+        # machine of one node (this one) serves TP > 1 only with the binding off
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         llm = LLM(model=ckpt, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128,
-                  gpu_memory_utilization=0.05, weight_transfer_config={"backend": "sdadapt"})  # fmt: skip
+                  tensor_parallel_size=tp, gpu_memory_utilization=0.05, weight_transfer_config={"backend": "sdadapt"})  # fmt: skip
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['SDADAPT_LIVE_PORT']}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=900))  # fmt: skip
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     trainer = transformers.AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float32)
     fully_shard(trainer, mesh=mesh)
-    opt = torch.optim.AdamW(trainer.parameters(), lr=0.02)
+    opt = torch.optim.AdamW(trainer.parameters(), lr=0.005)
     tokens = torch.tensor([[1, 5, 9, 33, 70, 120, 200, 7, 8, 9]])
 
     def step() -> None:
@@ -136,13 +181,14 @@ def run_engine_cases(family: str, out_path: str, rank: int, world: int) -> None:
         opt.step()
         opt.zero_grad()
 
-    def reference(compute: torch.dtype = torch.bfloat16) -> tuple[list[list[int]], list[list[float]]]:
-        """transformers with the trainer's current weights rounded to bfloat16 (computing in
-        ``compute``): greedy tokens, prompt logprobs."""
-        full = {k: v.full_tensor() for k, v in trainer.state_dict().items()}
+    def reference_model(full: dict[str, torch.Tensor], compute: torch.dtype) -> torch.nn.Module:
+        """transformers with the trainer's weights rounded to bfloat16, computing in ``compute``."""
         ref = transformers.AutoModelForCausalLM.from_config(config).to(compute)
         ref.load_state_dict({k: v.bfloat16().to(compute) for k, v in full.items()})
-        ref.eval()
+        return ref.eval()
+
+    def reference(ref: torch.nn.Module) -> tuple[list[list[int]], list[list[float]]]:
+        """``ref``'s greedy tokens and prompt logprobs."""
         toks, lps = [], []
         with torch.no_grad():
             for p in PROMPTS:
@@ -164,11 +210,27 @@ def run_engine_cases(family: str, out_path: str, rank: int, world: int) -> None:
         lps = [[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in outs]
         return toks, lps
 
+    def near_greedy(ref: torch.nn.Module, toks: list[list[int]]) -> list[float]:
+        """Per prompt, how far below ``ref``'s best logprob the worst of ``toks`` is, each scored
+        against ``TOL`` (<= 1: every token is ``ref``'s greedy pick up to bfloat16's rounding, as
+        where two candidates tie within it and the two frameworks pick differently)."""
+        worst = []
+        with torch.no_grad():
+            for p, t in zip(PROMPTS, toks, strict=True):
+                lp = torch.log_softmax(ref(torch.tensor([p + t])).logits.float()[0], -1)
+                rows = lp[len(p) - 1 : len(p) - 1 + len(t)]
+                best = rows.max(-1).values
+                gap = best - rows.gather(-1, torch.tensor(t)[:, None])[:, 0]
+                worst.append(float((gap / (TOL[0] * best.abs() + TOL[1])).max()))
+        return worst
+
     def compare(case: str, extra: dict | None = None) -> tuple[list, list]:
-        want, want32 = reference(), reference(torch.float32)
+        full = {k: v.full_tensor() for k, v in trainer.state_dict().items()}  # collective: every rank
         got = served() if rank == 0 else None
         if rank == 0:
             assert got is not None
+            ref16, ref32 = reference_model(full, torch.bfloat16), reference_model(full, torch.float32)
+            want, want32 = reference(ref16), reference(ref32)
 
             def diff(a: list, b: list) -> float:
                 return max(abs(p - q) for x, y in zip(a, b, strict=True) for p, q in zip(x, y, strict=True))
@@ -178,24 +240,27 @@ def run_engine_cases(family: str, out_path: str, rank: int, world: int) -> None:
             emit(case=case, tokens_equal=got[0] == want[0], got=got[0], want=want[0], logprob_diff=diff(got[1], want[1]),
                  logprob_within=within, tol=list(TOL),
                  tokens_equal_fp32=got[0] == want32[0], logprob_diff_fp32=diff(got[1], want32[1]),
-                 ref_bf16_vs_fp32=diff(want[1], want32[1]), lp=got[1][0][:4], lp_want=want[1][0][:4], **(extra or {}))  # fmt: skip
+                 ref_bf16_vs_fp32=diff(want[1], want32[1]), lp=got[1][0][:4], lp_want=want[1][0][:4],
+                 near_greedy=max(near_greedy(ref32, got[0])), **(extra or {}))  # fmt: skip
         return got or ([], [])
 
-    adapter, layout = adapter_and_layout(family)
+    adapter, layout = adapter_and_layout(family, config, tp)
     before = served() if rank == 0 else None
     refit = sdadapt.vllm.connect(trainer, llm, adapter, layout, bucket_bytes=1 << 20, delta=True)
     if rank == 0:
         from sdadapt._refit.vllm_staging import read
 
-        manifest = read(refit.staging, 0)[0]
-        got = {n: list(s) for n, _, s, _ in manifest.params}
-        emit(case="shapes", equal=got == {k: list(v) for k, v in expected_shapes(family).items()}, got=got)
+        want = {k: list(v) for k, v in expected_shapes(family, config, tp).items()}
+        got = [{n: list(s) for n, _, s, _ in read(refit.staging, j)[0].params} for j in range(tp)]
+        emit(case="shapes", equal=all(g == want for g in got), tp=refit.tp, got=got[0])
     compare("step0")
     reports = refit()  # the untrained weights: the staging equals vLLM's own loading of the checkpoint
     if rank == 0:
         assert llm is not None
-        oracle = llm.collective_rpc(vllm_loaded, args=(refit.staging,))[0]
-        emit(case="oracle", **oracle, bytes=[r.bytes_received + r.bytes_local for r in reports])
+        oracle = llm.collective_rpc(vllm_loaded, args=(refit.staging,))  # each engine rank's
+        emit(case="oracle", ranks=[o["rank"] for o in oracle], keys_equal=all(o["keys_equal"] for o in oracle),
+             differ=sorted({n for o in oracle for n in o["differ"]}),
+             bytes=[r.bytes_received + r.bytes_local for r in reports])  # fmt: skip
         after = served()
         emit(case="unchanged_serves_same", tokens_equal=after[0] == (before or ([], []))[0])
 
@@ -211,15 +276,31 @@ def run_engine_cases(family: str, out_path: str, rank: int, world: int) -> None:
     reps = refit()
     last = compare("step2_norm", {"updated": sorted({k for r in reps for k in r.updated})})
     reps = refit()
+    if rank == 0:
+        assert llm is not None
+        emit(case="loaders_restored", left=sorted({n for got in llm.collective_rpc(sdadapt_loaders) for n in got}))
     emit(case="step2_nothing", updated=sorted({k for r in reps for k in r.updated}), bytes=sum(r.bytes_sent for r in reps))
 
-    wrong, _ = adapter_and_layout(family, n_kv_heads=4)
+    wrong, _ = adapter_and_layout(family, config, tp, wrong=True)
     try:
         sdadapt.vllm.connect(trainer, llm, wrong, layout, bucket_bytes=1 << 20)
         emit(case="mismatch", raised=False)
     except RefitError as e:
         still = served() if rank == 0 else None
         emit(case="mismatch", raised=True, message=str(e)[:600], still_serving=still == last)
+
+    # vLLM's own reload (its load_weights from the checkpoint) on the engine sdadapt updated: it
+    # serves the checkpoint again; then sdadapt, connected anew, refits the trainer into it again
+    if rank == 0:
+        assert llm is not None
+        try:
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": ckpt})
+            emit(case="vllm_reload", raised=False, serves_checkpoint=served() == before)
+        except Exception as e:  # noqa: BLE001 - reported as the case's outcome
+            emit(case="vllm_reload", raised=True, message=f"{type(e).__name__}: {e}"[:1500])
+    again = sdadapt.vllm.connect(trainer, llm, adapter, layout, bucket_bytes=1 << 20)
+    again()
+    compare("after_vllm_reload")
     dist.barrier()
     dist.destroy_process_group()
     if out is not None:

