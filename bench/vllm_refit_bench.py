@@ -5,7 +5,8 @@ Run in the vLLM venv (``python scripts/vllm_venv.py`` prints its python):
     VLLM_CPU_KVCACHE_SPACE=1 $VLLM_PY bench/vllm_refit_bench.py --sizes 256x2 1024x8 --runs 5 --out rows.jsonl
 
 For each size (``hidden x layers``; head_dim 64, 4 KV heads at most, vocabulary 32000 for the
-larger) one engine (TP 1, bfloat16) starts with ``weight_transfer_config={"backend": "sdadapt"}``; the
+larger) one engine (TP ``--tp``, default 1, bfloat16; each engine rank's bytes and the slowest
+rank's worker time are reported) starts with ``weight_transfer_config={"backend": "sdadapt"}``; the
 trainer is transformers' Llama in float32 in this process (world 1), its weights changed in place
 before each run. Per run:
 
@@ -55,7 +56,7 @@ def worker_load_weights(self, blob: bytes) -> float:
     return time.perf_counter() - t0
 
 
-def bench_size(hidden: int, layers: int, runs: int) -> list[dict]:
+def bench_size(hidden: int, layers: int, runs: int, tp: int = 1) -> list[dict]:
     import transformers
     from sdadapt.adapters import vllm_llama
     from vllm import LLM
@@ -75,8 +76,8 @@ def bench_size(hidden: int, layers: int, runs: int) -> list[dict]:
     trainer.to(torch.bfloat16).save_pretrained(folder)
     trainer.float()
     llm = LLM(model=folder, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128,
-              gpu_memory_utilization=0.05, weight_transfer_config={"backend": "sdadapt"})  # fmt: skip
-    adapter = vllm_llama.build(n_heads=heads, n_kv_heads=kv, head_dim=64, hidden_dim=inter)
+              tensor_parallel_size=tp, gpu_memory_utilization=0.05, weight_transfer_config={"backend": "sdadapt"})  # fmt: skip
+    adapter = vllm_llama.from_config(config, tp=tp)
     size = sum(p.numel() for p in trainer.parameters())
 
     def nudge() -> None:
@@ -90,11 +91,11 @@ def bench_size(hidden: int, layers: int, runs: int) -> list[dict]:
         t0 = time.perf_counter()
         buf = io.BytesIO()
         torch.save({k: v.detach().bfloat16() for k, v in trainer.state_dict().items()}, buf)
-        inside = llm.collective_rpc(worker_load_weights, args=(buf.getvalue(),))[0]
+        inside = max(llm.collective_rpc(worker_load_weights, args=(buf.getvalue(),)))
         base.append(time.perf_counter() - t0)
         post.append(inside)
     rows = []
-    rows.append(dict(path="load_weights", hidden=hidden, layers=layers, params=size, step_s=round(statistics.median(base), 3),
+    rows.append(dict(path="load_weights", tp=tp, hidden=hidden, layers=layers, params=size, step_s=round(statistics.median(base), 3),
                      engine_update_s=round(statistics.median(post), 3),
                      bytes_per_engine_rank=sum(v.numel() * 2 for v in trainer.state_dict().values())))  # fmt: skip
     t0 = time.perf_counter()
@@ -109,8 +110,8 @@ def bench_size(hidden: int, layers: int, runs: int) -> list[dict]:
         total.append(time.perf_counter() - t0)
         move.append(sum(r.seconds for r in reps))
         engine_s.append(total[-1] - move[-1])
-        moved = sum(r.bytes_received + r.bytes_local for r in reps)
-    rows.append(dict(path="sdadapt", hidden=hidden, layers=layers, params=size, connect_s=round(connect_s, 3),
+        moved = max(r.bytes_received + r.bytes_local for r in reps)
+    rows.append(dict(path="sdadapt", tp=tp, hidden=hidden, layers=layers, params=size, connect_s=round(connect_s, 3),
                      step_s=round(statistics.median(total), 3), trainer_move_s=round(statistics.median(move), 3),
                      engine_update_s=round(statistics.median(engine_s), 3), bytes_per_engine_rank=moved))  # fmt: skip
     del llm
@@ -121,12 +122,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", nargs="+", default=["256x2", "1024x8"], help="hidden x layers")
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--tp", type=int, default=1, help="the engine's TP degree (the trainer, one process, writes every rank)")
     ap.add_argument("--out", required=True, help="append the JSON rows here (vLLM logs to stdout)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # the load_weights path ships a function to the worker
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # TP > 1 on a machine of one NUMA node
     for s in args.sizes:
         hidden, layers = (int(x) for x in s.split("x"))
-        rows = bench_size(hidden, layers, args.runs)
+        rows = bench_size(hidden, layers, args.runs, args.tp)
         with open(args.out, "a") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
 
