@@ -8,7 +8,9 @@ destination layout.
 
 Memory: outputs are pulled one at a time. For a model, each DTensor the current output
 needs is gathered whole (``full_tensor()``, on every rank, in the same order) and dropped once
-no later output needs it; rank 0 writes. For a checkpoint, each tensor is read from the mapped
+no later output needs it; rank 0 writes. A safetensors export on several ranks gathers nothing
+that can be cut: every rank writes the byte ranges of the regions it owns (:mod:`.spread`).
+For a checkpoint, each tensor is read from the mapped
 source, written, and its pages are handed back to the kernel. Never the whole model at once.
 
 Atomicity: everything is written into ``dst + ".tmp-<id>"`` beside ``dst`` and renamed into
@@ -63,6 +65,7 @@ from ..sources import (
     write_config,
 )
 from .export_local import local_pieces
+from .spread import write_spread
 from .writers.base import FORMATS
 from .writing import CachedIO, PageReleaser, check_destination, plan_outputs, write_folder
 
@@ -78,7 +81,9 @@ class ExportReport(BaseModel):
         dst: what was written.
         format: ``"safetensors"``, ``"torch"``, ``"dcp"`` or ``"torch_dist"`` (Megatron-Core's).
         tensors: tensors written.
-        bytes: bytes written.
+        bytes: bytes written, by all ranks together.
+        rank_bytes: bytes this rank wrote (a safetensors export on several ranks: about
+            ``bytes / world``; otherwise all of them on rank 0, none elsewhere).
         files: the files written.
         skipped_non_tensor: non-tensor entries left out.
         read_back: whether the result was read back and compared (``convert(read_back=True)``).
@@ -94,6 +99,7 @@ class ExportReport(BaseModel):
     format: str
     tensors: int
     bytes: int
+    rank_bytes: int = 0
     files: list[str]
     skipped_non_tensor: list[str] = []
     read_back: bool = False  # convert(read_back=True): the output was read back and compared
@@ -264,7 +270,14 @@ def export(
     given, the format of the shipped adapter's checkpoints (``"torch_dist"`` for
     ``megatron_gpt``), else ``"safetensors"``. The tensors come from the stream
     :func:`export_iter` iterates, in the order the writer asks for them (rank 0 tells the other
-    ranks which key is next); rank 0 writes; the output appears at ``dst`` atomically.
+    ranks which key is next); rank 0 writes; the output appears at ``dst`` atomically. On
+    several ranks, ``"safetensors"`` to a local or shared folder is written by every rank
+    instead: each writes the bytes of the regions of each output it holds, into the same files
+    (the ordinary HF layout), and rank 0 writes the index and side files and renames the
+    folder into place once every rank succeeded; each rank then writes about ``1/world`` of the
+    bytes (``report.rank_bytes``) and no rank gathers a tensor whose recipe can be cut along
+    the shards (one that cannot, a rotary permutation of rows split mid-head, is gathered and
+    written by one rank). The folder must be on a filesystem every rank sees.
     ``checksums=True`` also writes ``sdadapt.checksums.json`` (beside a torch file:
     ``<file>.sdadapt.checksums.json``), computed from the tensors as they are written, for
     ``load(..., checksums=True)``.
@@ -319,10 +332,28 @@ def export(
 
     stream = _ModelStream(model, adapter, process_group, f"export to {dst}", check, native_names=shipped, folder=folder)
     outputs = stream.outputs
+    total = sum(math.prod(n.shape) * n.dtype.itemsize for n in outputs.values())
+    if format == "safetensors" and world > 1 and not is_url(dst):  # every rank writes its regions
+        bars: list[TransferBar] = []
+
+        def progress_of(mine: int) -> Callable[[int], None]:
+            bars.append(TransferBar(mine, "sdadapt.export", tensors=len(outputs), rank=rank, enabled=progress))
+            return bars[0].update
+
+        try:
+            names, mine = write_spread(
+                dst, outputs, stream.state, stream.pull, rank=rank, world=world, group=process_group,
+                max_shard_size=max_shard_size, overwrite=overwrite, checksums=checksums,
+                finish=lambda tmp: _side_files(tmp, folder, config), progress=progress_of, after_gather=stream.close,
+            )  # fmt: skip
+        finally:
+            for b in bars:
+                b.close()
+            stream.close()
+        return _reported(dst, format, outputs, total, mine, names, t0, rank)
     src0 = dist.get_global_rank(process_group, 0) if is_distributed() and process_group is not None else 0
     written = [0]
     sums: dict[str, Any] = {}
-    total = sum(math.prod(n.shape) * n.dtype.itemsize for n in outputs.values())
     bar = TransferBar(total, "sdadapt.export", tensors=len(outputs), rank=rank, enabled=progress)
 
     def pull(key: str) -> torch.Tensor:
@@ -358,15 +389,14 @@ def export(
     finally:
         bar.close()
         stream.close()
+    return _reported(dst, format, outputs, total, written[0] if rank == 0 else 0, files, t0, rank)
+
+
+def _reported(dst: str, fmt: str, outputs: dict[str, Node], total: int, mine: int, files: list[str], t0: float, rank: int) -> ExportReport:
     rep = ExportReport(
-        dst=dst,
-        format=format,
-        tensors=len(outputs),
-        bytes=written[0],
-        files=files,
-        seconds=time.perf_counter() - t0,
+        dst=dst, format=fmt, tensors=len(outputs), bytes=total, rank_bytes=mine, files=files, seconds=time.perf_counter() - t0
     )
-    log.info("rank %d: %s", rank, rep.format_text())
+    log.info("rank %d: %s (%.1f MiB from this rank)", rank, rep.format_text(), mine / 2**20)
     return rep
 
 
@@ -493,6 +523,7 @@ def convert(
         format=format,
         tensors=len(outputs),
         bytes=written[0],
+        rank_bytes=written[0],
         files=files,
         skipped_non_tensor=skipped,
         read_back=read_back,

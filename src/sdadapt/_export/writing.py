@@ -156,14 +156,14 @@ def check_destination(dst: str, overwrite: bool) -> None:
         raise ExportError(f"{dst}: the folder {parent} does not exist")
 
 
-def _remove(path: str) -> None:
+def remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.lexists(path):
         os.remove(path)
 
 
-def _commit(tmp: str, dst: str, overwrite: bool) -> None:
+def commit(tmp: str, dst: str, overwrite: bool) -> None:
     old = None
     if os.path.lexists(dst):
         if not overwrite:
@@ -172,7 +172,7 @@ def _commit(tmp: str, dst: str, overwrite: bool) -> None:
         os.rename(dst, old)
     os.rename(tmp, dst)
     if old is not None:
-        _remove(old)
+        remove(old)
 
 
 def _files(path: str) -> list[str]:
@@ -190,7 +190,7 @@ def _root_cause(e: BaseException) -> BaseException:
     return e
 
 
-def _describe_failure(dst: str, e: BaseException) -> str:
+def describe_failure(dst: str, e: BaseException) -> str:
     e = _root_cause(e)
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         return f"writing {dst} failed: the disk is full ({e}); nothing was left at {dst}"
@@ -229,15 +229,15 @@ def write_folder(
         if check is not None:
             check(tmp)
         files = _files(tmp) if os.path.isdir(tmp) else [os.path.basename(dst)]
-        _commit(tmp, dst, overwrite)
+        commit(tmp, dst, overwrite)
     except SdadaptError:
-        _remove(tmp)
+        remove(tmp)
         raise
     except BaseException as e:  # noqa: BLE001 - a CheckpointException (BaseException) too
-        _remove(tmp)
+        remove(tmp)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
-        raise ExportError(_describe_failure(dst, e)) from e
+        raise ExportError(describe_failure(dst, e)) from e
     return files
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import os
 import re
 from collections.abc import Callable
 from typing import BinaryIO
@@ -35,6 +36,14 @@ def parse_size(size: int | str) -> int:
 def write_bytes(f: BinaryIO, data: memoryview | bytes) -> None:
     """Every byte of tensor data goes through here (tests simulate a full disk by patching it)."""
     f.write(data)
+
+
+def write_at(fd: int, data: memoryview, offset: int) -> None:
+    """Every byte of a write at an offset (several ranks writing one file) goes through here
+    (tests simulate a full disk by patching it)."""
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def check_pulled(key: str, t: torch.Tensor, info: TensorInfo) -> None:

@@ -35,17 +35,28 @@ class _LazyPlanner(DefaultSavePlanner):
         return t
 
 
+def fake_state(entries: dict[str, TensorInfo]) -> dict[str, object]:
+    """A state dict of fake tensors (shapes and dtypes only) for ``entries``."""
+    with FakeTensorMode():
+        return {k: torch.empty(i.shape, dtype=i.dtype) for k, i in entries.items()}
+
+
+def save_lazy(path: str, state: dict[str, object], entries: dict[str, TensorInfo], pull: Pull) -> None:
+    """``dcp.save`` of ``state`` (fake tensors for ``entries``, other objects as they are) into
+    the folder ``path`` in this process, each tensor pulled when DCP writes it: the save step
+    of every writer of a DCP folder."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(path, thread_count=1, sync_files=True),
+            planner=_LazyPlanner(entries, pull),
+            no_dist=True,
+        )
+
+
 class DCPWriter(Writer):
     """``path`` is the folder to write (one ``.distcp`` file plus ``.metadata``)."""
 
     def write(self, entries: dict[str, TensorInfo], pull: Pull) -> None:
-        with FakeTensorMode():
-            fake = {k: torch.empty(i.shape, dtype=i.dtype) for k, i in entries.items()}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
-            dcp.save(
-                fake,
-                storage_writer=FileSystemWriter(self.path, thread_count=1, sync_files=True),
-                planner=_LazyPlanner(entries, pull),
-                no_dist=True,
-            )
+        save_lazy(self.path, fake_state(entries), entries, pull)

@@ -17,16 +17,12 @@ import json
 import math
 import os
 import re
-import warnings
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed.checkpoint import FileSystemWriter
 
 from ..._base.schema import TensorInfo
 from .base import Pull
-from .dcp_writer import DCPWriter, _LazyPlanner
+from .dcp_writer import DCPWriter, fake_state, save_lazy
 
 METADATA = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", "common_backend_version": 1}
 """``metadata.json`` of a ``torch_dist`` save (megatron-core 0.16)."""
@@ -68,18 +64,10 @@ class MegatronWriter(DCPWriter):
     """``path`` is the folder to write: ``.metadata``, one ``.distcp`` file, ``common.pt``, ``metadata.json``."""
 
     def write(self, entries: dict[str, TensorInfo], pull: Pull) -> None:
-        with FakeTensorMode():
-            state: dict[str, object] = {k: torch.empty(i.shape, dtype=i.dtype) for k, i in entries.items()}
+        state = fake_state(entries)
         for key in extra_state_keys(entries):
             state[key] = [None]  # DCP stores torch.save([None]): what Megatron stores for a module without FP8 state
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
-            dcp.save(
-                state,
-                storage_writer=FileSystemWriter(self.path, thread_count=1, sync_files=True),
-                planner=_LazyPlanner(entries, pull),
-                no_dist=True,
-            )
+        save_lazy(self.path, state, entries, pull)
         common = {"checkpoint_version": CHECKPOINT_VERSION, "iteration": 0, "content_metadata": {"singleton_local_shards": False}}
         torch.save(common, os.path.join(self.path, "common.pt"))
         with open(os.path.join(self.path, "metadata.json"), "w", encoding="utf-8") as f:
