@@ -70,6 +70,9 @@ if TYPE_CHECKING:
     )
     from ._refit import refit_plan as refit_plan
     from ._state import (
+        Checkpointer as Checkpointer,
+    )
+    from ._state import (
         load_state as load_state,
     )
     from ._state import (
@@ -153,6 +156,7 @@ _PUBLIC: dict[str, str] = {
     # training state, export, integrity
     "load_state": "._state",
     "save_state": "._state",
+    "Checkpointer": "._state",
     "export": "._export",
     "export_iter": "._export",
     "convert": "._export",

@@ -7,7 +7,8 @@ Each is a plain object to read, print (``str(report)``) or serialise (the pydant
 - :class:`Plan` (with its :class:`Report`) from :func:`sdadapt.plan_load`, and the :class:`Report`
   alone from :func:`sdadapt.diff`;
 - :class:`StateLoadReport` from :func:`sdadapt.load_state`;
-- :class:`SaveReport` from :func:`sdadapt.save_state` (it also stands for the folder's path);
+- :class:`SaveReport` from :func:`sdadapt.save_state` (it also stands for the folder's path), and
+  the :class:`SaveHandle` of a save in the background (``async_=True``) whose ``wait()`` gives it;
 - :class:`ExportReport` from :func:`sdadapt.export` and :func:`sdadapt.convert`;
 - :class:`VerifyReport` from :func:`sdadapt.verify`;
 - :class:`ShrinkReport` from :func:`sdadapt.shrink`;
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from ._plan.report import Report as Report
     from ._refit import Refit as Refit
     from ._refit import RefitReport as RefitReport
+    from ._state import SaveHandle as SaveHandle
     from ._state import SaveReport as SaveReport
     from ._state import StateLoadReport as StateLoadReport
     from ._tools import ShrinkReport as ShrinkReport
@@ -48,6 +50,7 @@ _PUBLIC: dict[str, str] = {
     "LoadReport": "sdadapt._load",
     "StateLoadReport": "sdadapt._state",
     "SaveReport": "sdadapt._state",
+    "SaveHandle": "sdadapt._state",
     "ExportReport": "sdadapt._export",
     "VerifyReport": "sdadapt._tools",
     "ShrinkReport": "sdadapt._tools",

@@ -290,6 +290,10 @@ BENCH_TEST_IMPORTS = {
     },
     "object_store_clients.py": {"support.object_store_server": "the SeaweedFS the object storage tests start"},
     "refit_bench.py": {"support.models": "a module tree over a state dict, as the refit tests build their engines"},
+    "write_bench.py": {
+        "support.models": "the suite's TinyTransformer and parallelize, at a larger size: the export tests' model",
+        "support.training": "the training step the background-save tests run",
+    },
 }
 """The modules of tests/support/ a bench imports, with the reason; a bench never imports a test module."""
 

@@ -1,0 +1,157 @@
+"""Saves that do not stop training: ``save_state(..., async_=True)``.
+
+The caller's thread stages the state (tensors copied into host memory by DCP's own stager,
+``Stateful`` extras turned into their ``state_dict()``, other values copied), then a thread of
+this process runs the collective save of the staged copy (DCP's ``.metadata`` last, then
+``sdadapt.json``) over a gloo group of the same ranks, made once per group, so that the
+training loop's collectives on its own group go on meanwhile (as torchtitan's asynchronous
+checkpointer does). One save runs at a time per process: a new one waits for the one before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .._base.distributed import is_distributed, rank_and_world
+from ..errors import SdadaptError, StateError
+from .saved import SaveReport
+
+log = logging.getLogger(__name__)
+
+WriteRest = Callable[[dict[str, Any], str, dict[str, Any], int, int, "dist.ProcessGroup | None", bool], None]
+
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_RUNNING: list[SaveHandle] = []  # the save this process runs in the background, if any
+
+
+def background_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A gloo group over ``group``'s ranks for the background thread's collectives (made once;
+    only its members take part in making it)."""
+    if not is_distributed():
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    made = _GROUPS.get(ranks)
+    if made is None:
+        made = _GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return made
+
+
+def stage(state: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``state`` in host memory that training may no longer change: tensors (and
+    DTensors' shards) copied, ``Stateful`` values turned into their ``state_dict()``."""
+    plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                          use_non_blocking_copy=False))  # fmt: skip
+    try:
+        staged = stager.stage(plain)
+    finally:
+        stager.close()
+    assert isinstance(staged, dict)
+    return staged
+
+
+class SaveHandle:
+    """A ``save_state(..., async_=True)`` writing in the background on this rank.
+
+    Attributes:
+        path: the folder being written.
+        staging_seconds: how long copying the state into host memory took.
+        held_seconds: how long the call held the caller (checks, staging, starting the write).
+
+    Example::
+
+        pending = sdadapt.save_state(model, "ckpt/step_200", optimizer, async_=True)
+        train_more(model)  # the save is written meanwhile
+        saved = pending.wait()  # the SaveReport, or the save's error
+    """
+
+    def __init__(self, saved: SaveReport, staging_seconds: float):
+        self.path = saved.path
+        self.staging_seconds = staging_seconds
+        self.held_seconds = staging_seconds
+        self._saved = saved
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def done(self) -> bool:
+        """Whether the background write has finished (well or not).
+
+        Returns:
+            ``True`` once :meth:`wait` would return or raise at once.
+
+        Example::
+
+            if pending.done():
+                pending.wait()
+        """
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> SaveReport:
+        """Wait for the background write.
+
+        Args:
+            timeout: seconds to wait at most (``None``: until it ends).
+
+        Returns:
+            The :class:`~sdadapt.reports.SaveReport` of the save.
+
+        Raises:
+            StateError: the save failed on this rank or another (every rank raises); or it did not
+                end within ``timeout``.
+
+        Example::
+
+            saved = pending.wait()
+        """
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise StateError(f"saving to {self.path} is still running after {timeout} s")
+        if self in _RUNNING:
+            _RUNNING.remove(self)
+        if self._error is not None:
+            e = self._error
+            raise e if isinstance(e, SdadaptError) else StateError(f"saving to {self.path} failed ({type(e).__name__}: {e})")
+        return self._saved
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "writing"
+        return f"SaveHandle({self.path!r}, {state}, held the caller {self.held_seconds:.3f} s, staging {self.staging_seconds:.3f} s)"
+
+
+def start_save(state: dict[str, Any], saved: SaveReport, record: dict[str, Any], group: dist.ProcessGroup | None, t0: float,
+               write_rest: WriteRest) -> SaveHandle:  # fmt: skip
+    """Collective: wait for this process's save before, stage ``state``, start the write in a
+    thread (``write_rest``, over the background group), return its handle."""
+    for h in list(_RUNNING):  # one save at a time: its error is raised here, on every rank
+        h.wait()
+    rank, world = rank_and_world(group)
+    bg = background_group(group)
+    t_stage = time.perf_counter()
+    staged = stage(state)
+    handle = SaveHandle(saved, time.perf_counter() - t_stage)
+
+    def run() -> None:
+        try:
+            write_rest(staged, saved.path, record, rank, world, bg, saved.checksums)
+            saved.seconds = time.perf_counter() - t0
+            log.info("%s (in the background; the caller was held %.3f s)", saved.format(), handle.held_seconds)
+        except BaseException as e:  # noqa: BLE001 - a CheckpointException or a peer gone: raised by wait()
+            handle._error = e
+
+    handle._thread = threading.Thread(target=run, name=f"sdadapt-save {saved.path}", daemon=True)
+    _RUNNING.append(handle)
+    handle._thread.start()
+    handle.held_seconds = time.perf_counter() - t0
+    return handle
+
+
+__all__ = ["SaveHandle", "background_group", "stage", "start_save"]

@@ -1,0 +1,288 @@
+"""``save_state``: model + optimizer (+ extras) into a DCP folder, now or in the background.
+
+The folder is ``dcp.save`` of ``{"model": ..., "optim": ..., **extra}`` plus ``sdadapt.json`` (see
+:mod:`.state`); an object storage URL is saved into a local folder on each rank, then uploaded,
+the commit objects last (:func:`_save_to_url`). ``async_=True`` stages and returns a handle
+(:mod:`.background`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal, overload
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.stateful import Stateful
+
+from .._base.agreement import agree_on
+from .._base.distributed import agree, is_distributed, rank_and_world
+from .._base.version import VERSION
+from .._plan.adapter import Adapter
+from .._plan.intent import intent, no_intent
+from .._plan.resolve import adapter_or_none
+from .._plan.target import model_state_dict
+from .._transaction.args import check_model_and_path
+from .._transaction.materialize import has_meta
+from .._transaction.tidy import call_started, public, single_process_quiet
+from ..errors import SdadaptError, StateError
+from ..sources import SDADAPT_JSON, is_url
+from .background import SaveHandle, start_save
+from .saved import SaveReport
+from .state import MODEL_KEY, OPTIM_KEY, STATE_FORMAT, _get_state
+
+log = logging.getLogger(__name__)
+
+
+@overload
+def save_state(
+    model: nn.Module, dst: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Stateful | Any] | None = None, adapter: Adapter | str | None = None, *, overwrite: bool = False,
+    process_group: dist.ProcessGroup | None = None, checksums: bool = False, async_: Literal[False] = False,
+) -> SaveReport: ...
+
+
+@overload
+def save_state(
+    model: nn.Module, dst: str | os.PathLike[str], optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Stateful | Any] | None = None, adapter: Adapter | str | None = None, *, overwrite: bool = False,
+    process_group: dist.ProcessGroup | None = None, checksums: bool = False, async_: Literal[True],
+) -> SaveHandle: ...
+
+
+@public
+def save_state(
+    model: nn.Module,
+    dst: str | os.PathLike[str],
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: dict[str, Stateful | Any] | None = None,
+    adapter: Adapter | str | None = None,
+    *,
+    overwrite: bool = False,
+    process_group: dist.ProcessGroup | None = None,
+    checksums: bool = False,
+    async_: bool = False,
+) -> SaveReport | SaveHandle:
+    """Save model (+ optimizer, + ``extra`` entries) to the DCP folder ``dst``; every rank calls it.
+
+    ``checksums=True`` also writes ``sdadapt.checksums.json`` (for ``load(..., checksums=True)``):
+    the ranks read the saved tensors back, each a share of the keys, so it costs one read of
+    the checkpoint spread over the ranks.
+
+    ``extra`` maps names to ``Stateful`` objects (LR scheduler, dataloader: saved through
+    ``state_dict()``) or plain values (``{"step": 7}``). ``adapter``, the checkpoint->model
+    adapter the model was first loaded with, is recorded in ``sdadapt.json``. An existing
+    non-empty ``dst`` is an error unless ``overwrite=True``.
+
+    ``async_=True`` (DCP's ``async_save``) returns once this rank's shards, optimizer state and
+    extras are copied into host memory, and writes them in a background thread (over a gloo
+    group of the same ranks, made once, so training's own collectives go on meanwhile): it
+    returns a :class:`~sdadapt.reports.SaveHandle` whose ``wait()`` gives the
+    :class:`~sdadapt.reports.SaveReport` or raises the save's error, on every rank. The model
+    and optimizer may change as soon as it returns. ``.metadata`` (DCP's) and then
+    ``sdadapt.json`` are written last, once every rank's files are written, so a folder a crash
+    cut short never looks complete. :class:`sdadapt.Checkpointer` saves every N training steps
+    and keeps the last few.
+
+    Args:
+        model: the model whose state is saved.
+        dst: the DCP folder to write.
+        optimizer: its optimizer, saved too.
+        extra: ``name -> Stateful or value`` entries to save beside them.
+        adapter: the checkpoint->model adapter the model was first loaded with (recorded).
+        overwrite: replace a non-empty ``dst``.
+        process_group: the group the ranks save over.
+        checksums: also write ``sdadapt.checksums.json``.
+        async_: stage in host memory, write in the background, return a handle.
+
+    Returns:
+        This rank's :class:`~sdadapt.reports.SaveReport`, which also stands for ``dst`` as a path
+        (``os.fspath(report)``, ``report.path``, ``report == dst``); with ``async_=True`` a
+        :class:`~sdadapt.reports.SaveHandle` whose ``wait()`` returns it.
+
+    Example::
+
+        sdadapt.save_state(model, "ckpt/step_100", optimizer, extra={"step": 100, "sched": scheduler})
+        pending = sdadapt.save_state(model, "ckpt/step_200", optimizer, async_=True)
+        saved = pending.wait()  # before the next save
+    """
+    t0 = call_started()
+    check_model_and_path("sdadapt.save_state(model, dst, optimizer=None, extra=None, ...)", model, dst, path_arg="dst")
+    dst = os.fspath(dst)
+    if is_url(dst):
+        if async_:
+            raise StateError("async_=True is not supported for an object storage destination yet; save to a folder, or without it")
+        done: list[SaveReport] = []
+
+        def local_save(folder: str) -> None:
+            done.append(save_state(model, folder, optimizer, extra, adapter, overwrite=True, process_group=process_group))
+
+        if checksums:
+            raise StateError("checksums=True is not supported for an object storage destination yet; save without it")
+        _save_to_url(dst, local_save, overwrite, process_group)
+        return done[0].model_copy(update={"path": dst, "seconds": time.perf_counter() - t0})
+    adapter = adapter_or_none(adapter, None, model)
+    rank, world = rank_and_world(process_group)
+    extra = dict(extra or {})
+    error: SdadaptError | None = None
+    try:
+        for name in extra:
+            if not isinstance(name, str) or not name or "." in name or name in (MODEL_KEY, OPTIM_KEY):
+                raise StateError(
+                    f"extra entry name {name!r}: use a non-empty name without dots, other than {MODEL_KEY!r} and {OPTIM_KEY!r}"
+                )
+        if rank == 0 and os.path.isdir(dst) and os.listdir(dst) and not overwrite:
+            raise StateError(f"{dst} exists and is not empty; pass overwrite=True or choose a new folder")
+        if rank == 0 and os.path.exists(dst) and not os.path.isdir(dst):
+            raise StateError(f"{dst} exists and is not a folder")
+        if has_meta(model):
+            raise StateError("the model still has tensors on the meta device; there is nothing to save")
+    except SdadaptError as e:
+        error = e
+    # the stages of a pipeline save different keys: the adapter, extras and versions are compared
+    parts = no_intent() if error is not None else intent(adapter, None, extra=sorted(extra), optimizer=optimizer is not None)
+    agree_on(parts, error, process_group, what=f"save {dst}")
+    if optimizer is not None:
+        model_sd, optim_sd = _get_state(model, optimizer)
+        state: dict[str, Any] = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
+    else:
+        state = {MODEL_KEY: model_state_dict(model)}
+    state.update(extra)
+    if rank == 0 and overwrite and os.path.isfile(os.path.join(dst, ".metadata")):
+        os.remove(os.path.join(dst, ".metadata"))  # a crash mid-save must not look complete
+    if is_distributed():
+        dist.barrier(group=process_group)
+    record = {
+        "format": STATE_FORMAT,
+        "sdadapt_version": _version(),
+        "torch_version": torch.__version__,
+        "world_size": world,
+        "model_key": MODEL_KEY,
+        "optim_key": OPTIM_KEY if optimizer is not None else None,
+        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        "extra": sorted(extra),
+        "adapter": json.loads(adapter.to_json()) if adapter is not None else None,
+    }
+    saved = SaveReport(
+        rank=rank, world_size=world, path=dst, model_keys=len(state[MODEL_KEY]),
+        optimizer=type(optimizer).__name__ if optimizer is not None else None, extra=sorted(extra),
+        checksums=checksums, seconds=0.0,
+    )  # fmt: skip
+    if async_:
+        return start_save(state, saved, record, process_group, t0, write_rest=_write_rest)
+    with single_process_quiet():
+        _write_rest(state, dst, record, rank, world, process_group, checksums)
+    saved.seconds = time.perf_counter() - t0
+    log.info("%s", saved.format())
+    return saved
+
+
+def _write_rest(state: dict[str, Any], dst: str, record: dict[str, Any], rank: int, world: int,
+                group: dist.ProcessGroup | None, checksums: bool) -> None:  # fmt: skip
+    """Collective over ``group``: the DCP save of ``state`` (its ``.metadata`` last), then
+    ``sdadapt.json`` by rank 0, then the checksums; one rank's failure is every rank's."""
+    try:
+        dcp.save(state, checkpoint_id=dst, process_group=group, no_dist=not is_distributed())
+    except CheckpointException as e:
+        raise StateError(f"saving to {dst} failed: {e}") from None
+    error: SdadaptError | None = None
+    if rank == 0:
+        try:
+            tmp = os.path.join(dst, f".{SDADAPT_JSON}.{uuid.uuid4().hex[:8]}")
+            with open(tmp, "w") as f:
+                json.dump(record, f, indent=2)
+            os.replace(tmp, os.path.join(dst, SDADAPT_JSON))
+        except OSError as e:
+            error = StateError(f"saving to {dst} failed writing {SDADAPT_JSON}: {e}")
+    agree(error, group)
+    if checksums:
+        _write_checksums(dst, rank, world, group)
+
+
+def _save_to_url(url: str, local_save: Callable[[str], None], overwrite: bool, group: dist.ProcessGroup | None) -> str:
+    """Collective: save into a local folder on each rank, then upload: one rank retires the old
+    checkpoint's commit objects, every rank uploads its own ``.distcp`` files, and only once
+    all succeeded does one rank upload ``sdadapt.json`` and ``.metadata`` (so a reader never
+    sees a half-written checkpoint), then delete what the old checkpoint had beyond the new."""
+    from ..sources import COMMIT_NAMES, Uploader  # only for a URL: the object store client
+
+    rank, world = rank_and_world(group)
+    folder = tempfile.mkdtemp(prefix="sdadapt-save-")
+    up: Uploader | None = None
+    old: list[str] = []
+    try:
+        error: SdadaptError | None = None
+        try:
+            up = Uploader(url)
+            if rank == 0:
+                old = up.retire(overwrite)
+        except SdadaptError as e:
+            error = StateError(str(e))
+        agree(error, group)
+        assert up is not None
+        local_save(folder)
+        names = sorted(os.listdir(folder))
+        data = [n for n in names if n not in COMMIT_NAMES]
+        try:
+            up.put([(os.path.join(folder, n), up.dest(n)) for n in data])
+        except SdadaptError as e:
+            error = StateError(str(e))
+        agree(error, group)
+        everything: list[Any] = [names]
+        if is_distributed():
+            everything = [None] * world
+            dist.all_gather_object(everything, names, group=group)
+        if rank == 0:
+            try:
+                up.put([(os.path.join(folder, n), up.dest(n)) for n in names if n in COMMIT_NAMES])
+                up.sweep(old, {up.dest(n) for ns in everything for n in ns})
+            except SdadaptError as e:
+                error = StateError(str(e))
+        agree(error, group)
+    except BaseException:
+        if up is not None:
+            up.undo()
+        raise
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    log.info("rank %d: saved state to %s", rank, url)
+    return url
+
+
+def _write_checksums(dst: str, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
+    from ..sources import checksums_of_saved, write_checksums_data
+
+    error: SdadaptError | None = None
+    mine: dict[str, Any] = {}
+    try:
+        mine = checksums_of_saved(dst, rank, world)
+    except SdadaptError as e:
+        error = e
+    agree(error, group)
+    parts: list[Any] = [mine]
+    if is_distributed():
+        parts = [None] * world
+        dist.all_gather_object(parts, mine, group=group)
+    if rank == 0:
+        write_checksums_data(dst, {k: v for p in parts for k, v in p.items()})
+    if is_distributed():
+        dist.barrier(group=group)
+
+
+
+
+def _version() -> str:
+    return VERSION
+
+
+__all__ = ["save_state"]
