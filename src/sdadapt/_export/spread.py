@@ -28,7 +28,6 @@ import os
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,7 +39,7 @@ from .._base.schema import TensorInfo
 from .._base.tensor_bytes import tensor_bytes
 from .._recipes.nodes import Node
 from ..errors import ExportError, SdadaptError
-from ..sources import INDEX_NAME, checksums_of_saved, write_checksums_data
+from ..sources import INDEX_NAME, write_checksums_shared
 from .export_local import _Reads, first_copies, owned_shard, regions
 from .writers import parse_size
 from .writers.base import write_at
@@ -229,7 +228,7 @@ def write_spread(
             with open(os.path.join(folder, INDEX_NAME), "w") as f:
                 f.write(index_json({k: TensorInfo(tuple(n.shape), n.dtype) for k, n in outputs.items()}, plan.files))
         if checksums:
-            _checksums(folder, rank, world, group)
+            write_checksums_shared(folder, rank, world, group)
         if rank == 0:
             try:
                 finish(folder)
@@ -290,24 +289,6 @@ def _write_mine(
     except SdadaptError as e:
         error = e
     return error if error is not None else n
-
-
-def _checksums(folder: str, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
-    """Collective: ``sdadapt.checksums.json`` of the written folder, each rank reading back its
-    share of the keys."""
-    error: SdadaptError | None = None
-    mine: dict[str, Any] = {}
-    try:
-        mine = checksums_of_saved(folder, rank, world)
-    except SdadaptError as e:
-        error = e
-    agree(error, group)
-    parts: list[Any] = [mine]
-    if dist.is_initialized():
-        parts = [None] * world
-        dist.all_gather_object(parts, mine, group=group)
-    if rank == 0:
-        write_checksums_data(folder, {k: v for p in parts for k, v in p.items()})
 
 
 __all__ = ["SpreadPlan", "byte_runs", "plan_spread", "write_spread"]

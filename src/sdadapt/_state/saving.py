@@ -36,7 +36,7 @@ from .._transaction.args import check_model_and_path
 from .._transaction.materialize import has_meta
 from .._transaction.tidy import call_started, public, single_process_quiet
 from ..errors import SdadaptError, StateError
-from ..sources import SDADAPT_JSON, is_url
+from ..sources import SDADAPT_JSON, is_url, write_checksums_shared
 from .background import SaveHandle, start_save
 from .saved import SaveReport
 from .state import MODEL_KEY, OPTIM_KEY, STATE_FORMAT, _get_state
@@ -206,7 +206,7 @@ def _write_rest(state: dict[str, Any], dst: str, record: dict[str, Any], rank: i
             error = StateError(f"saving to {dst} failed writing {SDADAPT_JSON}: {e}")
     agree(error, group)
     if checksums:
-        _write_checksums(dst, rank, world, group)
+        write_checksums_shared(dst, rank, world, group)
 
 
 def _save_to_url(url: str, local_save: Callable[[str], None], overwrite: bool, group: dist.ProcessGroup | None) -> str:
@@ -257,28 +257,6 @@ def _save_to_url(url: str, local_save: Callable[[str], None], overwrite: bool, g
         shutil.rmtree(folder, ignore_errors=True)
     log.info("rank %d: saved state to %s", rank, url)
     return url
-
-
-def _write_checksums(dst: str, rank: int, world: int, group: dist.ProcessGroup | None) -> None:
-    from ..sources import checksums_of_saved, write_checksums_data
-
-    error: SdadaptError | None = None
-    mine: dict[str, Any] = {}
-    try:
-        mine = checksums_of_saved(dst, rank, world)
-    except SdadaptError as e:
-        error = e
-    agree(error, group)
-    parts: list[Any] = [mine]
-    if is_distributed():
-        parts = [None] * world
-        dist.all_gather_object(parts, mine, group=group)
-    if rank == 0:
-        write_checksums_data(dst, {k: v for p in parts for k, v in p.items()})
-    if is_distributed():
-        dist.barrier(group=group)
-
-
 
 
 def _version() -> str:

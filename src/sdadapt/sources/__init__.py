@@ -42,6 +42,7 @@ from ._integrity import nonfinite_counts as nonfinite_counts
 from ._integrity import read_checksums as read_checksums
 from ._integrity import tensor_checksums as tensor_checksums
 from ._integrity import write_checksums_data as write_checksums_data
+from ._integrity import write_checksums_shared as write_checksums_shared
 from ._json import INDEX_LIMIT as INDEX_LIMIT
 from ._json import HFConfig, QuantConfigFile, read_json_dict
 from ._json import PeftConfig as PeftConfig

@@ -41,7 +41,7 @@ import torch
 from .._base.regions import Box
 from .._base.schema import TensorInfo, dtype_name
 from .._base.tensor_bytes import tensor_bytes
-from ..errors import SourceError
+from ..errors import SdadaptError, SourceError
 from ._base import Source, read_json_file
 
 log = logging.getLogger(__name__)
@@ -375,6 +375,31 @@ def write_checksums_data(path: str, tensors: Mapping[str, Any]) -> str:
         json.dump({"format": FORMAT, "algorithm": ALGORITHM, "tensors": dict(sorted(tensors.items()))}, f, separators=(",", ":"))
     os.replace(tmp, out)
     return out
+
+
+def write_checksums_shared(path: str, rank: int, world: int, group: Any = None) -> None:
+    """Collective over ``group`` (a ``torch.distributed`` group; ``None`` outside one): the
+    sidecar of the checkpoint just written at ``path``, each rank reading back its share of the
+    keys, rank 0 writing it; one rank's failure is every rank's error."""
+    import torch.distributed as dist
+
+    from .._base.distributed import agree, is_distributed
+
+    error: SdadaptError | None = None
+    mine: dict[str, Any] = {}
+    try:
+        mine = checksums_of_saved(path, rank, world)
+    except SdadaptError as e:
+        error = e
+    agree(error, group)
+    parts: list[Any] = [mine]
+    if is_distributed():
+        parts = [None] * world
+        dist.all_gather_object(parts, mine, group=group)
+    if rank == 0:
+        write_checksums_data(path, {k: v for p in parts for k, v in p.items()})
+    if is_distributed():
+        dist.barrier(group=group)
 
 
 def checksums_of_saved(path: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
