@@ -1,6 +1,7 @@
 """Megatron-Core checkpoints (written by megatron-core itself, ``support.megatron_ckpt``) loaded on 2
 gloo ranks: a transformers model under FSDP2 and one under tensor parallelism, each rank reading
-only its rows; every value equal to Megatron's own state (through ``hf_reference``), bit for bit."""
+only its rows; every value equal to Megatron's own state (through ``hf_reference``), bit for bit;
+and torchtitan's own Llama3 under FSDP2 (``to="titan"``), its logits against Megatron's forward."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 
 import torch
 from support.dist_helper import run_distributed
-from support.megatron_ckpt import hf_model, hf_reference, megatron_checkpoints, oracle
+from support.megatron_ckpt import hf_model, hf_reference, megatron_checkpoints, oracle, titan_dense
 
 import sdadapt
 
@@ -61,7 +62,34 @@ def worker(root: str) -> dict[str, Any]:
         out[f"{name}/{how}"] = {"unequal": unequal, "bytes_read": report.bytes_read, "stored": _stored_bytes(src),
                                 "sharded": sum(1 for v in state.values() if type(v).__name__ == "DTensor")}
         dist.barrier()
+    out["dense/titan-fsdp"] = _titan_case(root, mesh)
     return out
+
+
+def _titan_case(root: str, mesh: Any) -> dict[str, Any]:
+    """torchtitan's own Llama3 under FSDP2 from the ``dense`` checkpoint (``to="titan"``, aimed at
+    the model's names by ``torchtitan_names``): its logits against Megatron's forward."""
+    from support.titan_models import titan_logits
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from sdadapt.torchtitan import torchtitan_names
+
+    src = os.path.join(root, "dense")
+    model = titan_dense()
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    names = torchtitan_names(model)
+    assert names is not None
+    report = sdadapt.load(model, src, sdadapt.get_adapter("megatron_gpt", src, to="titan") + names)
+    o = oracle(root, "dense")
+    with torch.no_grad():
+        logits = titan_logits(model.eval(), o["tokens"])
+    state = model.state_dict()
+    return {"unequal": [], "bytes_read": report.bytes_read, "stored": _stored_bytes(src),
+            "sharded": sum(1 for v in state.values() if isinstance(v, DTensor)),
+            "logits_max_diff": float((logits - o["logits"]).abs().max())}  # fmt: skip
 
 
 def test_megatron_checkpoints_on_two_ranks() -> None:
@@ -72,6 +100,8 @@ def test_megatron_checkpoints_on_two_ranks() -> None:
         for r in per_rank:
             assert r["unequal"] == [], (case, r["unequal"])
             assert r["sharded"] > 0, case
+        if "logits_max_diff" in per_rank[0]:  # within transformers' distance from Megatron's forward (6.6e-7)
+            assert all(r["logits_max_diff"] < 2e-6 for r in per_rank), (case, [r["logits_max_diff"] for r in per_rank])
         stored = per_rank[0]["stored"]
         # each rank reads its own rows: about half the tensors (the unsharded norms on both ranks)
         assert all(r["bytes_read"] < 0.7 * stored for r in per_rank), (case, [r["bytes_read"] for r in per_rank], stored)

@@ -21,6 +21,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES_SCRIPT = Path(__file__).with_name("megatron_fixtures.py")
+BRIDGE_SCRIPT = Path(__file__).with_name("megatron_bridge.py")
 NAMES = ("dense", "dense_tp2", "moe_sequential", "moe_grouped")
 FIXTURES_VERSION = 1
 """Bumped whenever megatron_fixtures.py writes other checkpoints or oracles: the cached ones are then
@@ -28,15 +29,18 @@ written again (its load-checking half may change without that)."""
 SPEC = {"n_heads": 4, "n_groups": 2, "head_dim": 16}
 
 
-def megatron_python() -> str:
-    """The megatron venv's python. Where it cannot be made: a failure in CI (``CI`` set), where the
-    registry is reachable and a broken venv must not pass as a skip; elsewhere a skip quoting pip
-    (an offline machine, a Python that megatron-core 0.16.1 does not support)."""
+def megatron_python(bridge: bool = False) -> str:
+    """The megatron venv's python (``bridge``: the Megatron-Bridge venv's). Where it cannot be made:
+    a failure in CI (``CI`` set), where the registry is reachable and a broken venv must not pass as
+    a skip; elsewhere a skip quoting pip (an offline machine, a Python that megatron-core 0.16.1 does
+    not support)."""
     import pytest
 
-    p = subprocess.run([sys.executable, str(ROOT / "scripts" / "megatron_venv.py")], capture_output=True, text=True)
+    cmd = [sys.executable, str(ROOT / "scripts" / "megatron_venv.py"), *(["--bridge"] if bridge else [])]
+    p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
-        why = f"scripts/megatron_venv.py could not make the megatron-core venv: {p.stderr.strip()[-600:]}"
+        which = "Megatron-Bridge" if bridge else "megatron-core"
+        why = f"scripts/megatron_venv.py could not make the {which} venv: {p.stderr.strip()[-600:]}"
         if os.environ.get("CI"):
             pytest.fail(why)
         pytest.skip(why)
@@ -140,3 +144,22 @@ def hf_model(name: str, device: str = "cpu") -> Any:
 def dense_model() -> Any:
     """The transformers Llama the ``dense`` fixture is shaped like, on the meta device (a CLI ``--target``)."""
     return hf_model("dense", "meta")
+
+
+def titan_dense() -> Any:
+    """torchtitan's own Llama3 model of the ``dense`` fixture's sizes, on the meta device (flex
+    attention, run exactly on CPU as ``support.titan_models`` sets it up)."""
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
+
+    import support.titan_models  # noqa: F401 - flex attention exact on this CPU
+
+    layers = _build_llama3_layers(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, hidden_dim=96, attn_backend="flex",
+                                  rope=ComplexRoPE.Config(dim=16, max_seq_len=64, theta=10000.0))  # fmt: skip
+    for layer in layers:
+        layer.attention_norm.eps = layer.ffn_norm.eps = 1e-6
+    config = Llama3Model.Config(dim=64, vocab_size=256, tok_embeddings=Embedding.Config(num_embeddings=256, embedding_dim=64),
+                                norm=RMSNorm.Config(normalized_shape=64, eps=1e-6),
+                                lm_head=Linear.Config(in_features=64, out_features=256), layers=layers)  # fmt: skip
+    with torch.device("meta"):
+        return config.build()

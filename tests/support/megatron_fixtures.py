@@ -61,6 +61,12 @@ FIXTURES: dict[str, dict[str, Any]] = {
                         expert_bias=True),
 }
 
+BENCH: dict[str, dict[str, Any]] = {
+    # Llama-shaped, bf16, 1.31 GiB (bench/megatron_bench.py): Megatron's own initialisation, no oracle
+    "bench_1g": dict(num_layers=24, hidden_size=1536, num_attention_heads=12, num_query_groups=4, ffn_hidden_size=4096,
+                     tied=False, qk_layernorm=False, tp=1, vocab=32000, dtype="bfloat16"),
+}
+
 
 def _cpu_patches() -> None:
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
@@ -78,13 +84,18 @@ def _fake_grouped_gemm() -> None:
         grouped_gemm_util.grouped_gemm = types.ModuleType("grouped_gemm")
 
 
+def _dtype(spec: dict[str, Any]) -> torch.dtype:
+    return getattr(torch, spec.get("dtype", "float32"))
+
+
 def megatron_args(spec: dict[str, Any]) -> argparse.Namespace:
     """The model options as Megatron-LM's ``args`` names them (what its checkpoints record)."""
     moe = spec.get("num_moe_experts")
     return argparse.Namespace(
         num_layers=spec["num_layers"], hidden_size=spec["hidden_size"], ffn_hidden_size=spec["ffn_hidden_size"],
         num_attention_heads=spec["num_attention_heads"], group_query_attention=True, num_query_groups=spec["num_query_groups"],
-        kv_channels=spec["hidden_size"] // spec["num_attention_heads"], padded_vocab_size=VOCAB, max_position_embeddings=SEQ,
+        kv_channels=spec["hidden_size"] // spec["num_attention_heads"], padded_vocab_size=spec.get("vocab", VOCAB),
+        max_position_embeddings=SEQ,
         normalization="RMSNorm", norm_epsilon=1e-6, swiglu=True, add_bias_linear=False, add_qkv_bias=False,
         untie_embeddings_and_output_weights=not spec["tied"], position_embedding_type="rope", rotary_base=10000,
         rotary_percent=1.0, rotary_interleaved=False, qk_layernorm=spec["qk_layernorm"],
@@ -92,7 +103,7 @@ def megatron_args(spec: dict[str, Any]) -> argparse.Namespace:
         moe_grouped_gemm=bool(spec.get("grouped")), moe_router_enable_expert_bias=bool(spec.get("expert_bias")),
         moe_router_score_function="sigmoid" if spec.get("expert_bias") else "softmax", moe_layer_freq=1,
         tensor_model_parallel_size=spec["tp"], pipeline_model_parallel_size=1, expert_model_parallel_size=1,
-        params_dtype=torch.float32, bf16=False, fp16=False,
+        params_dtype=_dtype(spec), bf16=_dtype(spec) == torch.bfloat16, fp16=False,
     )
 
 
@@ -117,13 +128,13 @@ def build(spec: dict[str, Any]) -> Any:
         layernorm_epsilon=1e-6, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         qk_layernorm=spec["qk_layernorm"], use_cpu_initialization=True, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.float32,
+        gradient_accumulation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=_dtype(spec),
         tensor_model_parallel_size=spec["tp"], sequence_parallel=False, **extra,
     )
     layer_spec = get_gpt_layer_local_spec(num_experts=moe, moe_grouped_gemm=bool(spec.get("grouped")),
                                           qk_layernorm=spec["qk_layernorm"], normalization="RMSNorm",
                                           moe_use_legacy_grouped_gemm=bool(spec.get("grouped")))
-    return GPTModel(config, layer_spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
+    return GPTModel(config, layer_spec, vocab_size=spec.get("vocab", VOCAB), max_sequence_length=SEQ, position_embedding_type="rope",
                     rotary_base=10000, share_embeddings_and_output_weights=spec["tied"])
 
 
@@ -259,6 +270,16 @@ def _write_rank(rank: int, world: int, port: int, name: str, out: str) -> None:
         torch.save(oracle, os.path.join(out, f"{name}.oracle.pt"))
 
 
+def write_bench(out: str, name: str) -> None:
+    """The bench's checkpoint ``BENCH[name]``, saved by Megatron into ``out`` from one process."""
+    spec = BENCH[name]
+    _cpu_patches()
+    _init(0, 1, _free_port(), 1)
+    model = build(spec)
+    save_megatron(model, spec, out)
+    torch.distributed.destroy_process_group()
+
+
 def _oracle_tp1(rank: int, world: int, port: int, name: str, out: str) -> None:
     """A TP 1 model loaded by Megatron from a TP 2 fixture: its state is the oracle's."""
     spec = dict(FIXTURES[name], tp=1)
@@ -341,8 +362,12 @@ def main() -> None:
     ap.add_argument("out", nargs="?")
     ap.add_argument("names", nargs="*")
     ap.add_argument("--load", metavar="JOBS_JSON", help="[{ckpt, tp, oracle, result}, ...]: Megatron loads each ckpt")
+    ap.add_argument("--bench", metavar="NAME", help="write BENCH[NAME] into OUT (the checkpoint folder itself)")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.bench:
+        write_bench(args.out, args.bench)
+        return
     if args.load:
         with open(args.load) as f:
             verify_load(json.load(f))
