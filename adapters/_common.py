@@ -243,7 +243,8 @@ def dequant_rules(
     the values' dtype (``None``: the model's); ``keep``: patterns of further weights the family's
     releases keep unquantized. compressed-tensors, ModelOpt and per-tensor FP8 configs (given as
     ``quantization_config``) give ``sdadapt.dequant_rules``' rules for them, and so does MXFP8
-    (``quant_method: mxfp8``, its exponents' dtype from ``scale_dtype``). Other methods (MXFP4
+    (``quant_method: mxfp8``, its exponents' dtype from ``scale_dtype``); GPTQ and AWQ releases
+    their ``dequant_gptq`` rule and a cast of the rest (float16) to the model's dtypes. Other methods (MXFP4
     is GPT-OSS's) are refused before anything is planned."""
     if quantization is None:
         return []
@@ -255,6 +256,8 @@ def dequant_rules(
             "quantization_config.weight_block_size); give the checkpoint folder with its config.json, or pass "
             "quantization={'quant_method': 'fp8', 'weight_block_size': [128, 128]}"
         )
+    if method in ("gptq", "awq"):  # their other tensors are float16: cast to the model's, as from_pretrained does
+        return [*sdadapt.dequant_rules({"quantization_config": qc}, dtype=dtype), sdadapt.cast("**", "model")]
     if method in ("compressed-tensors", "modelopt", "mxfp8") or (method == "fp8" and not qc.get("weight_block_size")):
         rules = sdadapt.dequant_rules({"quantization_config": qc}, dtype=dtype)
         update: dict[str, Any] = {}

@@ -127,3 +127,27 @@ def test_inspect_and_diff_read_the_release(releases: str, capsys: Any) -> None:
     assert main(["inspect", path]) == 0
     out = capsys.readouterr().out
     assert "qweight" in out and "int32" in out and "g_idx" in out
+
+
+@pytest.mark.parametrize("name", ["gptq4_g32_asym_act", "awq4_g64"])
+def test_the_llama_adapter_reads_the_release_and_gives_the_oracles_logits(releases: str, name: str) -> None:
+    """The shipped ``llama`` adapter (Meta layout, rotary rows permuted) reads the release's
+    ``quantization_config`` itself; a float32 model's logits equal transformers' on the tools'
+    dequantised weights, and a bf16 model gets the same weights rounded once."""
+    from support.reference_models import MetaLlama
+
+    cfg = json.load(open(os.path.join(releases, name, "config.json")))
+    spec = dict(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
+                n_kv_heads=cfg["num_key_value_heads"], vocab_size=cfg["vocab_size"], hidden_dim=cfg["intermediate_size"],
+                norm_eps=cfg["rms_norm_eps"], rope_theta=cfg.get("rope_theta", 10000.0))  # fmt: skip
+    with torch.device("meta"):
+        model = MetaLlama(spec)
+    sdadapt.load(model, os.path.join(releases, name), "llama")
+    oracle = _oracle_model(releases, name, torch.float32)
+    tokens = torch.arange(18).remainder(cfg["vocab_size"]).view(2, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), oracle(tokens).logits, rtol=1e-4, atol=1e-4)
+    with torch.device("meta"):
+        bf16 = MetaLlama(spec).to(torch.bfloat16)
+    sdadapt.load(bf16, os.path.join(releases, name), "llama")
+    assert torch.equal(bf16.layers[1].feed_forward.w2.weight, model.layers[1].feed_forward.w2.weight.bfloat16())
