@@ -15,21 +15,11 @@ import torch
 pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 
-from support.dist_helper import run_distributed  # noqa: E402
+from support.dist_helper import run_distributed, shard_of  # noqa: E402
 from support.gguf_models import empty_like, oracle_model, write_family  # noqa: E402
 
 FAMILIES = ["llama", "qwen2", "qwen3"]
 _RESULTS: dict[str, Any] = {}
-
-
-def _shard_of(v: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not isinstance(v, DTensor):
-        return v, want
-    shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
-    return v.to_local(), want[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
 
 
 def _cases(folder: str) -> dict[str, Any]:
@@ -54,7 +44,7 @@ def _cases(folder: str) -> dict[str, Any]:
             rep = sdadapt.load(model, path)
             bad = []
             for k, v in model.state_dict().items():
-                local, region = _shard_of(v, want[k])
+                local, region = shard_of(v, want[k])
                 if local.dtype != region.dtype or not torch.equal(local.contiguous().view(torch.uint8), region.contiguous().view(torch.uint8)):
                     bad.append(k)
             out[f"{family}/{dtype}"] = {"bad": bad, "read": rep.bytes_read, "size": os.path.getsize(path)}

@@ -14,21 +14,11 @@ import torch
 
 pytest.importorskip("transformers")
 
-from support.dist_helper import run_distributed  # noqa: E402
+from support.dist_helper import run_distributed, shard_of  # noqa: E402
 from support.quant_releases import NAMES, copy_release, quant_releases  # noqa: E402
 
 _RESULTS: dict[str, Any] = {}
 BROKEN = "model.layers.0.self_attn.q_proj.g_idx"
-
-
-def _shard_of(v: torch.Tensor, want: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not isinstance(v, DTensor):
-        return v, want
-    shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
-    return v.to_local(), want[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
 
 
 def _model(folder: str, dtype: torch.dtype, mesh: Any) -> Any:
@@ -61,7 +51,7 @@ def _cases(folder: str, broken: str) -> dict[str, Any]:
             rep = sdadapt.load(model, path)
             bad = []
             for k, v in model.state_dict().items():
-                local, region = _shard_of(v, want[k].to(dtype))
+                local, region = shard_of(v, want[k].to(dtype))
                 if not torch.equal(local.contiguous().view(torch.uint8), region.contiguous().view(torch.uint8)):
                     bad.append(k)
             out[f"{name}/{dtype}"] = {"bad": bad, "read": rep.bytes_read,

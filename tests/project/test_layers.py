@@ -294,6 +294,7 @@ BENCH_TEST_IMPORTS = {
         "support.models": "the suite's TinyTransformer and parallelize, at a larger size: the export tests' model",
         "support.training": "the training step the background-save tests run",
     },
+    "gptq_bench.py": {"support.quant_oracle": "auto-gptq's own packing, as the GPTQ tests write their releases"},
 }
 """The modules of tests/support/ a bench imports, with the reason; a bench never imports a test module."""
 

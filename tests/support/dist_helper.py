@@ -282,3 +282,14 @@ def outcome(fn: Any) -> tuple[str, str, float]:
     except Exception as e:  # noqa: BLE001 - the case's outcome is what it raised
         return type(e).__name__, getattr(e, "full_message", str(e)), time.monotonic() - t0
     return "ok", "", time.monotonic() - t0
+
+
+def shard_of(v: Any, want: Any) -> tuple[Any, Any]:
+    """``(v's local shard, the same region of the full tensor want)``; a plain ``v``: both whole."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(v, DTensor):
+        return v, want
+    shape, offset = compute_local_shape_and_global_offset(v.shape, v.device_mesh, v.placements)
+    return v.to_local(), want[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]

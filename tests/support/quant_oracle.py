@@ -74,7 +74,8 @@ def _float_weight(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
     return ((codes - zeros[:, gi]).float() * scales[:, gi].float()).half()
 
 
-def _gptq_layer(linear: torch.nn.Linear, v: dict[str, Any], gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _gptq_layer(linear: torch.nn.Linear, v: dict[str, Any], gen: torch.Generator,
+                oracle: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:  # fmt: skip
     from auto_gptq.nn_modules.qlinear.qlinear_cuda import QuantLinear
 
     out, inp = linear.weight.shape
@@ -82,12 +83,16 @@ def _gptq_layer(linear: torch.nn.Linear, v: dict[str, Any], gen: torch.Generator
     linear.weight.data = _float_weight(codes, scales, zeros, g_idx)
     q = QuantLinear(v["bits"], v["group"], inp, out, bias=False, weight_dtype=torch.float16)
     q.pack(linear, scales, zeros.clone(), g_idx)
+    tensors = {"qweight": q.qweight, "qzeros": q.qzeros, "scales": q.scales, "g_idx": q.g_idx.to(torch.int32)}
+    if not oracle:
+        return tensors, None
     with torch.no_grad():
         deq = q(torch.eye(inp, dtype=torch.float16))  # [in, out]: the tool's own dequantised weight
-    return {"qweight": q.qweight, "qzeros": q.qzeros, "scales": q.scales, "g_idx": q.g_idx.to(torch.int32)}, deq.t().contiguous()
+    return tensors, deq.t().contiguous()
 
 
-def _awq_layer(linear: torch.nn.Linear, v: dict[str, Any], gen: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def _awq_layer(linear: torch.nn.Linear, v: dict[str, Any], gen: torch.Generator,
+               oracle: bool = True) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:  # fmt: skip
     from awq.modules.linear.gemm import WQLinear_GEMM
     from awq.utils.packing_utils import dequantize_gemm
 
@@ -95,8 +100,11 @@ def _awq_layer(linear: torch.nn.Linear, v: dict[str, Any], gen: torch.Generator)
     codes, scales, zeros, g_idx = _draw(out, inp, v, gen)
     linear.weight.data = _float_weight(codes, scales, zeros, g_idx)
     q = WQLinear_GEMM.from_linear(linear, v["bits"], v["group"], scales=scales.t().contiguous(), zeros=zeros.t().contiguous())
+    tensors = {"qweight": q.qweight, "qzeros": q.qzeros, "scales": q.scales}
+    if not oracle:
+        return tensors, None
     deq = dequantize_gemm(q.qweight, q.qzeros, q.scales, v["bits"], v["group"])  # [in, out]
-    return {"qweight": q.qweight, "qzeros": q.qzeros, "scales": q.scales}, deq.t().contiguous()
+    return tensors, deq.t().contiguous()
 
 
 def quantization_config(v: dict[str, Any]) -> dict[str, Any]:
@@ -138,6 +146,44 @@ def write(out: str, name: str, v: dict[str, Any], seed: int = 0, sizes: dict[str
             cfg["quantization_config"] = qc
         with open(path, "w") as f:
             json.dump(cfg, f, indent=2)
+
+
+def write_large(folder: str, v: dict[str, Any], sizes: dict[str, int], seed: int = 0) -> int:
+    """A release of the config ``sizes`` with no oracle, one linear layer in memory at a time
+    (for the bench); returns the parameter count."""
+    from safetensors.torch import save_file
+
+    cfg = config(sizes)
+    gen = torch.Generator().manual_seed(seed)
+    h, f, n = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    layer = _gptq_layer if v["method"] == "gptq" else _awq_layer
+    tensors: dict[str, torch.Tensor] = {}
+    params = 0
+    for name, shape in (("model.embed_tokens.weight", (cfg.vocab_size, h)), ("lm_head.weight", (cfg.vocab_size, h))):
+        tensors[name] = (torch.randn(shape, generator=gen) * 0.02).half()
+        params += tensors[name].numel()
+    tensors["model.norm.weight"] = torch.ones(h, dtype=torch.float16)
+    for i in range(n):
+        p = f"model.layers.{i}."
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"{p}{norm}.weight"] = torch.ones(h, dtype=torch.float16)
+        for mod, out, inp in (("self_attn.q_proj", h, h), ("self_attn.k_proj", kv, h), ("self_attn.v_proj", kv, h),
+                              ("self_attn.o_proj", h, h), ("mlp.gate_proj", f, h), ("mlp.up_proj", f, h),
+                              ("mlp.down_proj", h, f)):  # fmt: skip
+            linear = torch.nn.Linear(inp, out, bias=False, dtype=torch.float16)
+            packed, _ = layer(linear, v, gen, oracle=False)
+            tensors.update({f"{p}{mod}.{k}": t.contiguous() for k, t in packed.items()})
+            params += out * inp
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(folder)
+    path = os.path.join(folder, "config.json")
+    data = json.load(open(path))
+    data["quantization_config"] = quantization_config(v)
+    with open(path, "w") as fh:
+        json.dump(data, fh, indent=2)
+    return params
 
 
 def main() -> int:
