@@ -13,7 +13,8 @@ torch too), imports done before the clock starts (sdadapt's by one load of a loc
 file); every loader ends with the bytes in the
 model's own tensors (the streamer's tensors are copied out of its buffer). Then, at the first
 size, FSDP-sharded loads on each of ``--ranks`` gloo ranks report each rank's fetched bytes
-against its share. Prints Markdown: each round's seconds, the median, the bytes fetched.
+against its share. Prints Markdown: each round's seconds, the median of the rounds that
+succeeded, the bytes fetched; a failed round's error lines after the table.
 """
 
 from __future__ import annotations
@@ -71,6 +72,8 @@ def env_for(endpoint: str) -> dict[str, str]:
         "AWS_ALLOW_HTTP": "true",
         "AWS_EC2_METADATA_DISABLED": "true",
         "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+        "RUNAI_STREAMER_LOG_TO_STDERR": "1",  # its own error lines, for the report of a failed round
+        "RUNAI_STREAMER_LOG_LEVEL": "ERROR",
     }
 
 
@@ -156,7 +159,9 @@ def one_in_peers_venv(py: str, tool: str, url: str, layers: int, rows: int) -> d
     cmd = [py, str(Path(__file__).resolve()), "--one", tool, url, str(layers), str(rows)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if p.returncode != 0:
-        return {"error": (p.stderr.strip().splitlines() or ["?"])[-1][:160]}
+        lines = p.stderr.strip().splitlines() or ["?"]
+        said = [ln for ln in lines if "error" in ln.lower() and "Traceback" not in ln]  # libstreamer's own log lines too
+        return {"error": " / ".join(dict.fromkeys([*said[-2:], lines[-1]]))[:300]}
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -241,18 +246,22 @@ def main() -> None:
             for _ in range(args.repeat):  # interleaved: one round runs each loader once
                 for tool, url, _ in tools:
                     runs[tool].append(one_in_peers_venv(py, tool, url, args.layers, rows))
+            failures = []
             for tool, _, label in tools:
                 rs = runs[tool]
-                bad = [r["error"] for r in rs if "error" in r]
-                if bad:
-                    print(f"| {label} | {nbytes / 2**30:.2f} GiB | failed: {bad[0]} | - | - | - | - |", flush=True)
+                failures += [f"{label}, round {i + 1}: {r['error']}" for i, r in enumerate(rs) if "error" in r]
+                good = [r for r in rs if "error" not in r]
+                each = ", ".join("failed" if "error" in r else f"{r['seconds']:.2f}" for r in rs)
+                if not good:
+                    print(f"| {label} | {nbytes / 2**30:.2f} GiB | {each} | - | - | - | - |", flush=True)
                     continue
-                secs = [r["seconds"] for r in rs]
-                med = median(secs)
-                fetched = f"{rs[0]['fetched'] / 2**20:.1f}" if rs[0]["fetched"] is not None else "-"
-                reqs = str(rs[0]["requests"]) if rs[0]["requests"] is not None else "-"
-                print(f"| {label} | {nbytes / 2**30:.2f} GiB | {', '.join(f'{x:.2f}' for x in secs)} | {med:.2f} | "
+                med = median([r["seconds"] for r in good])
+                fetched = f"{good[0]['fetched'] / 2**20:.1f}" if good[0]["fetched"] is not None else "-"
+                reqs = str(good[0]["requests"]) if good[0]["requests"] is not None else "-"
+                print(f"| {label} | {nbytes / 2**30:.2f} GiB | {each} | {med:.2f} | "
                       f"{nbytes / 2**30 / med:.2f} | {fetched} | {reqs} |", flush=True)  # fmt: skip
+            for line in failures:
+                print(f"\n- failed: {line}", flush=True)
         if args.ranks and sizes:
             prefix, rows, nbytes = sizes[0]
             print("\n| ranks | checkpoint | seconds (slowest rank), each round | MiB fetched / share per rank (ratio) | requests |")
