@@ -31,6 +31,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -115,6 +116,7 @@ def bench_size(hidden: int, layers: int, runs: int, tp: int = 1) -> list[dict]:
                      step_s=round(statistics.median(total), 3), trainer_move_s=round(statistics.median(move), 3),
                      engine_update_s=round(statistics.median(engine_s), 3), bytes_per_engine_rank=moved))  # fmt: skip
     del llm
+    shutil.rmtree(folder, ignore_errors=True)  # the checkpoint the engine started from
     return rows
 
 
