@@ -151,3 +151,27 @@ def test_the_llama_adapter_reads_the_release_and_gives_the_oracles_logits(releas
         bf16 = MetaLlama(spec).to(torch.bfloat16)
     sdadapt.load(bf16, os.path.join(releases, name), "llama")
     assert torch.equal(bf16.layers[1].feed_forward.w2.weight, model.layers[1].feed_forward.w2.weight.bfloat16())
+
+
+def test_a_model_holding_the_same_packed_layers_gets_them_as_stored(releases: str) -> None:
+    """Kept packed: where the model holds ``qweight`` / ``qzeros`` / ``scales`` / ``g_idx`` under a
+    layer's name, the rule leaves that layer alone and its tensors are read bit for bit."""
+    stored = load_file(os.path.join(releases, "gptq4_g32_asym_act", "model.safetensors"))
+
+    class Packed(torch.nn.Module):
+        def __init__(self, prefix: str) -> None:
+            super().__init__()
+            for k in ("qweight", "qzeros", "scales", "g_idx"):
+                v = stored[f"{prefix}.{k}"]
+                self.register_buffer(k, torch.empty(v.shape, dtype=v.dtype, device="meta"))
+
+    model = _meta_model(os.path.join(releases, "gptq4_g32_asym_act.oracle"), torch.float16)
+    for name, module in list(model.named_modules()):
+        for child, sub in list(module.named_children()):
+            full = f"{name}.{child}" if name else child
+            if isinstance(sub, torch.nn.Linear) and f"{full}.qweight" in stored:
+                setattr(module, child, Packed(full))
+    sdadapt.load(model, os.path.join(releases, "gptq4_g32_asym_act"))
+    got = model.state_dict()
+    assert set(got) == set(stored)
+    assert [k for k, v in stored.items() if not torch.equal(got[k], v)] == []

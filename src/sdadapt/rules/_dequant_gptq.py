@@ -4,7 +4,8 @@ release's ``quantization_config`` (``quant_method: gptq`` or ``awq``).
 
 For every module ``m`` matching ``keys`` (and no ``exclude`` pattern) that stores ``m.qweight``,
 the rule folds in ``m.qzeros``, ``m.scales`` and GPTQ's ``m.g_idx`` and puts the dequantised
-``m.weight``. Strict, from the headers: a packed tensor that is not int32, a missing one, scales
+``m.weight``; where the model holds ``m.qweight`` itself (the same packed layer), ``m`` is left
+alone and its tensors are read as stored. Strict, from the headers: a packed tensor that is not int32, a missing one, scales
 or zero points whose group count or width disagree with ``bits`` / ``group_size`` (or with the
 model's weight), a ``g_idx`` of another length: a plan problem naming the tensor and the config
 field. A ``g_idx`` value out of range is found when its rows are read (it is data): a
@@ -79,6 +80,9 @@ class DequantGPTQ(QuantRule):
                 continue
             module = key[: -len(".qweight")]
             if take(module) is None or skip(module) is not None:
+                continue
+            if target_info(ctx, key, index) is not None:
+                ctx.mark(index)  # the model holds the same packed layer: its tensors are read as they are
                 continue
             problem, group = self._problem(ctx, index, module)
             if problem:
