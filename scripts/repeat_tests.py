@@ -3,10 +3,11 @@
 A flaky test passes most runs: one green run says little. This runs
 ``python -m pytest -q <tests>`` ``--runs`` times (default 20: ``tests/dist/`` and
 ``tests/project/test_doc_blocks.py``), never retrying a failure, and writes a dated report
-(``bench/reports/repeat-tests-<machine>-<date>.md`` unless ``--report`` says otherwise): the
+(``tests/reports/repeat-tests-<machine>-<date>.md`` unless ``--report`` says otherwise): the
 command, the machine, the tree, each run's exit status, time, failing tests and whether any
 process aborted at teardown (``terminate called without an active exception``). Add the report's
-row to bench/RESULTS.md by hand. The report is rewritten after every run, so a series stopped
+row to tests/reports/README.md by hand (bench/ holds speed figures; this is the suite's own
+record). The report is rewritten after every run, so a series stopped
 early (the machine needed back) still says what its runs gave.
 
     python scripts/repeat_tests.py --machine cpu2 [--runs 20] [--report PATH] [TESTS ...]
@@ -74,11 +75,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tests", nargs="*", default=DEFAULT_TESTS)
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--machine", required=True, help="the machine's name in bench/RESULTS.md (cpu2, cpu16...)")
+    parser.add_argument("--machine", required=True, help="the machine's name, as in bench/RESULTS.md (cpu2, cpu16...)")
     parser.add_argument("--report", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
     args = parser.parse_args()
-    path = args.report or ROOT / "bench" / "reports" / f"repeat-tests-{args.machine}-{datetime.date.today().isoformat()}.md"
+    path = args.report or ROOT / "tests" / "reports" / f"repeat-tests-{args.machine}-{datetime.date.today().isoformat()}.md"
     runs = []
     for i in range(args.runs):
         runs.append(one_run(args.tests, args.timeout))
