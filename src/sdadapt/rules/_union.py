@@ -31,4 +31,4 @@ if TYPE_CHECKING:
 else:
     Rule = Annotated[Union[_CLASSES], Field(discriminator="kind")]  # noqa: UP007 - a union of the table's classes
     Rule.__doc__ = """The built-in rules: the union of their classes, told apart by the ``kind`` field.
-    Adapters hold any registered rule (see :func:`register_rule`)."""
+    Adapters hold any registered rule (see :func:`sdadapt.rules.register_rule`)."""
