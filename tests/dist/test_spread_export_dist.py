@@ -3,7 +3,7 @@
 One launched group runs the cases in a row: a transformers Llama under FSDP2 exported into
 several files (the folder read back by ``from_pretrained`` and ``safetensors``, bit for bit, and
 each rank's share of the bytes); the TinyTransformer on a 2x2 FSDP x TP mesh through an adapter
-that fuses q/k/v (read back by ``sdadapt.load``); a rotary permutation whose rows are cut mid-head
+that fuses q/k/v, with checksums (read back by ``sdadapt.load``, checking them); a rotary permutation whose rows are cut mid-head
 (gathered, written by one rank); a full disk on one rank over an existing export (every rank
 raises, nothing new is left, the old folder intact); and last, a rank killed mid-write (the others
 raise instead of hanging, and leave no folder).
@@ -85,7 +85,7 @@ def _cases(folder: str) -> dict:
     out["llama"] = (rep.bytes, rep.rank_bytes, rep.files)
 
     tiny = _tiny_2x2()
-    rep = sdadapt.export(tiny, os.path.join(folder, "tiny"), QKV, max_shard_size=3000)
+    rep = sdadapt.export(tiny, os.path.join(folder, "tiny"), QKV, max_shard_size=3000, checksums=True)
     out["tiny"] = (rep.bytes, rep.rank_bytes)
 
     # rows of wq permuted per head (rotary), the head cut across the FSDP x TP shards: gathered
@@ -133,7 +133,8 @@ def test_every_rank_writes_its_regions(tmp_path):
     for k, v in back.state_dict().items():
         assert torch.equal(v, ref[k]), k
 
-    # the 2x2 model through the fused-qkv adapter: every rank wrote, sdadapt.load reads it back
+    # the 2x2 model through the fused-qkv adapter: every rank wrote, sdadapt.load reads it back (checksums checked)
+    assert (tmp_path / "tiny" / "sdadapt.checksums.json").is_file()
     total, _ = results[0]["tiny"]
     shares = [r["tiny"][1] for r in results]
     assert sum(shares) == total and min(shares) > 0, shares
@@ -142,7 +143,7 @@ def test_every_rank_writes_its_regions(tmp_path):
     for name in ("tiny", "rot"):
         torch.manual_seed(5)
         back_tiny = TinyTransformer()
-        sdadapt.load(back_tiny, str(tmp_path / name), QKV if name == "tiny" else ROT)
+        sdadapt.load(back_tiny, str(tmp_path / name), QKV if name == "tiny" else ROT, checksums=name == "tiny")
         for k, v in back_tiny.state_dict().items():
             assert torch.equal(v, want[k]), (name, k)
     assert sum(r["rot"] for r in results) == sum(v.numel() * v.element_size() for v in want.values())

@@ -225,8 +225,12 @@ def write_spread(
         agree(error, group)  # every rank's bytes are written and synced: the index may go in
         assert isinstance(written, int)
         if rank == 0 and len(plan.files) > 1:
-            with open(os.path.join(folder, INDEX_NAME), "w") as f:
-                f.write(index_json({k: TensorInfo(tuple(n.shape), n.dtype) for k, n in outputs.items()}, plan.files))
+            try:
+                with open(os.path.join(folder, INDEX_NAME), "w") as f:
+                    f.write(index_json({k: TensorInfo(tuple(n.shape), n.dtype) for k, n in outputs.items()}, plan.files))
+            except OSError as e:
+                error = ExportError(describe_failure(dst, e))
+        agree(error, group)  # the index is written before any rank reads the folder back (checksums)
         if checksums:
             write_checksums_shared(folder, rank, world, group)
         if rank == 0:
