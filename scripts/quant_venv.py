@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
-import sysconfig
-import tempfile
+
+from small_venv import default_root, make_venv, runs
 
 NAME = "quant-oracles-1"
 PACKAGES = ["transformers==4.51.3", "tokenizers>=0.21,<0.22", "peft==0.10.0", "auto-gptq==0.7.1", "gekko", "rouge",
-            "sentencepiece"]
-NO_DEPS = ["autoawq==0.2.9", "zstandard"]
+            "sentencepiece"]  # fmt: skip
+NO_DEPS = ("autoawq==0.2.9", "zstandard")
+CHECK = ("import warnings; warnings.simplefilter('ignore'); "
+         "from auto_gptq.nn_modules.qlinear.qlinear_cuda import QuantLinear; "
+         "from awq.modules.linear.gemm import WQLinear_GEMM; from awq.utils.packing_utils import dequantize_gemm")  # fmt: skip
 
 
 def venv_python(root: str | None = None, base_site: str | None = None) -> str:
@@ -41,38 +42,7 @@ def venv_python(root: str | None = None, base_site: str | None = None) -> str:
     Returns:
         The path of the venv's python.
     """
-    root = root or os.path.join(tempfile.gettempdir(), "sdadapt-compat")
-    base_site = base_site or sysconfig.get_paths()["purelib"]
-    venv = os.path.join(root, NAME)
-    py = os.path.join(venv, "bin", "python")
-    if not os.path.exists(py):
-        os.makedirs(root, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", venv], check=True)
-    site = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
-    line = f"import site; site.addsitedir({base_site!r})\n"
-    pth = os.path.join(site, "_sdadapt_base.pth")
-    if not os.path.exists(pth) or open(pth).read() != line:
-        with open(pth, "w") as f:
-            f.write(line)
-    if not importable(py):
-        import torch
-
-        constraint = os.path.join(venv, "torch-constraint.txt")
-        with open(constraint, "w") as f:
-            f.write(f"torch=={torch.__version__.split('+')[0]}\ntransformers==4.51.3\n")
-        quiet = ["--disable-pip-version-check", "--no-warn-conflicts", "-q"]
-        subprocess.run([py, "-m", "pip", "install", *quiet, "-c", constraint, *PACKAGES], check=True)
-        subprocess.run([py, "-m", "pip", "install", *quiet, "-c", constraint, "--no-deps", *NO_DEPS], check=True)
-    return py
-
-
-def importable(py: str) -> bool:
-    """Whether auto-gptq's QuantLinear and AutoAWQ's GEMM layer import under ``py``."""
-    code = ("import warnings; warnings.simplefilter('ignore'); "
-            "from auto_gptq.nn_modules.qlinear.qlinear_cuda import QuantLinear; "
-            "from awq.modules.linear.gemm import WQLinear_GEMM; from awq.utils.packing_utils import dequantize_gemm")
-    return os.path.exists(py) and subprocess.run([py, "-c", code], capture_output=True).returncode == 0
+    return make_venv(NAME, PACKAGES, CHECK, root, base_site, pins=("transformers==4.51.3",), no_deps=NO_DEPS)
 
 
 def main() -> int:
@@ -81,8 +51,7 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="only say whether it is made")
     args = ap.parse_args()
     if args.check:
-        root = args.root or os.path.join(tempfile.gettempdir(), "sdadapt-compat")
-        return 0 if importable(os.path.join(root, NAME, "bin", "python")) else 1
+        return 0 if runs(os.path.join(args.root or default_root(), NAME, "bin", "python"), CHECK) else 1
     print(venv_python(args.root))
     return 0
 

@@ -4,7 +4,8 @@ Each lives under ``${TMPDIR:-/tmp}/sdadapt-compat/<name>`` and sees the base ven
 (torch 2.13.0, transformers, obstore, sdadapt) through a ``.pth`` file written on every call (a
 cached venv outlives the checkout, and its .venv, that made it); only its own packages are
 installed into it, with torch held at the base's version by a constraint so pip never fetches
-another build. ``scripts/megatron_venv.py`` and ``bench/object_store_peers.py`` make theirs here.
+another build. ``scripts/megatron_venv.py``, ``scripts/quant_venv.py`` and ``bench/object_store_peers.py`` make
+theirs here.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ import sysconfig
 import tempfile
 
 
-def make_venv(name: str, packages: list[str], check: str, root: str | None = None, base_site: str | None = None) -> str:
+def make_venv(
+    name: str,
+    packages: list[str],
+    check: str,
+    root: str | None = None,
+    base_site: str | None = None,
+    *,
+    pins: tuple[str, ...] = (),
+    no_deps: tuple[str, ...] = (),
+) -> str:
     """Make the venv ``name`` (once; reused while ``check`` runs there) and return its python.
 
     Args:
@@ -25,6 +35,9 @@ def make_venv(name: str, packages: list[str], check: str, root: str | None = Non
         check: Python code that exits 0 only where the packages are installed as wanted.
         root: where the small venvs live (default ``${TMPDIR:-/tmp}/sdadapt-compat``).
         base_site: the site-packages it sees (default this interpreter's).
+        pins: constraints held beside torch's (``"transformers==4.51.3"``) for both installs.
+        no_deps: packages installed after ``packages`` without their dependencies (a tool whose
+            declared dependencies cannot install here, its imports served by ``packages``).
 
     Returns:
         The path of the venv's python.
@@ -48,9 +61,11 @@ def make_venv(name: str, packages: list[str], check: str, root: str | None = Non
 
         constraint = os.path.join(venv, "torch-constraint.txt")
         with open(constraint, "w") as f:
-            f.write(f"torch=={torch.__version__.split('+')[0]}\n")
+            f.write("".join(f"{pin}\n" for pin in (f"torch=={torch.__version__.split('+')[0]}", *pins)))
         quiet = ["--disable-pip-version-check", "--no-warn-conflicts", "-q"]
         subprocess.run([py, "-m", "pip", "install", *quiet, "-c", constraint, *packages], check=True)
+        if no_deps:
+            subprocess.run([py, "-m", "pip", "install", *quiet, "-c", constraint, "--no-deps", *no_deps], check=True)
     return py
 
 
