@@ -10,14 +10,12 @@ base venv's packages): only the peers are installed into it, torch held at the b
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 
-from small_venv import default_root, make_venv, runs  # noqa: E402
+from small_venv import main, make_venv  # noqa: E402
 
 PACKAGES = ["runai-model-streamer==0.17.1", "runai-model-streamer-s3==0.17.1", "s3torchconnector[dcp]==1.5.0"]
 NAME = "object-store-peers-1"
@@ -29,16 +27,5 @@ def venv_python(root: str | None = None) -> str:
     return make_venv(NAME, PACKAGES, CHECK, root)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", default=None, help="where the small venvs live")
-    ap.add_argument("--check", action="store_true", help="only say whether it is made")
-    args = ap.parse_args()
-    if args.check:
-        return 0 if runs(os.path.join(args.root or default_root(), NAME, "bin", "python"), CHECK) else 1
-    print(venv_python(args.root))
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(__doc__ or "", NAME, CHECK, venv_python))

@@ -18,10 +18,7 @@ and builds extensions: it does not install here.
 
 from __future__ import annotations
 
-import argparse
-import os
-
-from small_venv import default_root, make_venv, runs
+from small_venv import main, make_venv
 
 NAME = "quant-oracles-1"
 PACKAGES = ["transformers==4.51.3", "tokenizers>=0.21,<0.22", "peft==0.10.0", "auto-gptq==0.7.1", "gekko", "rouge",
@@ -45,16 +42,5 @@ def venv_python(root: str | None = None, base_site: str | None = None) -> str:
     return make_venv(NAME, PACKAGES, CHECK, root, base_site, pins=("transformers==4.51.3",), no_deps=NO_DEPS)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", default=None, help="where the small venvs live")
-    ap.add_argument("--check", action="store_true", help="only say whether it is made")
-    args = ap.parse_args()
-    if args.check:
-        return 0 if runs(os.path.join(args.root or default_root(), NAME, "bin", "python"), CHECK) else 1
-    print(venv_python(args.root))
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(main(__doc__ or "", NAME, CHECK, venv_python))

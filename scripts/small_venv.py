@@ -10,11 +10,13 @@ theirs here.
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
 import sysconfig
 import tempfile
+from collections.abc import Callable
 
 
 def make_venv(
@@ -77,3 +79,16 @@ def default_root() -> str:
 def runs(py: str, check: str) -> bool:
     """Whether ``check`` exits 0 under ``py``."""
     return os.path.exists(py) and subprocess.run([py, "-c", check], capture_output=True).returncode == 0
+
+
+def main(doc: str, name: str, check: str, make: Callable[[str | None], str]) -> int:
+    """The command line of a venv script: print the venv's python (made once by ``make``), or
+    with ``--check`` exit 0 only where ``check`` runs there."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--root", default=None, help="where the small venvs live")
+    ap.add_argument("--check", action="store_true", help="only say whether it is made")
+    args = ap.parse_args()
+    if args.check:
+        return 0 if runs(os.path.join(args.root or default_root(), name, "bin", "python"), check) else 1
+    print(make(args.root))
+    return 0
