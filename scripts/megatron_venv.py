@@ -32,6 +32,11 @@ BRIDGE_NEEDS = [*PACKAGES, "transformers==4.57.6", "omegaconf", "hydra-core", "r
                 "einops", "regex", "pyyaml", "tqdm"]  # fmt: skip
 """What ``megatron.bridge``'s conversion code imports, installed with their dependencies; Bridge
 itself goes in without its own."""
+NEEDS_CHECK = (f"{CHECK.split('; raise')[0]}, importlib.util as u; raise SystemExit(m.version('megatron-core') != "
+               f"{MEGATRON_CORE!r} or m.version('transformers') != '4.57.6' or any(u.find_spec(n) is None for n in "
+               "('omegaconf', 'hydra', 'rich', 'wandb', 'tensorboard', 'accelerate', 'einops', 'regex', 'yaml', 'tqdm')))")
+"""Whether every one of ``BRIDGE_NEEDS`` is there, in the venv or in the base it sees (the base
+changes with the checkout: a package found there once may be gone from the next)."""
 BRIDGE_CHECK = (f"import importlib.metadata as m, psutil, megatron.core; raise SystemExit(m.version('megatron-core') != "
                 f"{MEGATRON_CORE!r} or m.version('megatron-bridge') != {BRIDGE!r})")
 
@@ -49,7 +54,7 @@ def venv_python(root: str | None = None, base_site: str | None = None, bridge: b
     """
     if not bridge:
         return make_venv(f"megatron-core-{MEGATRON_CORE}", PACKAGES, CHECK, root, base_site)
-    py = make_venv(f"megatron-bridge-{BRIDGE}", BRIDGE_NEEDS, CHECK, root, base_site)
+    py = make_venv(f"megatron-bridge-{BRIDGE}", BRIDGE_NEEDS, NEEDS_CHECK, root, base_site)
     if not runs(py, BRIDGE_CHECK):
         quiet = ["--disable-pip-version-check", "--no-warn-conflicts", "-q"]
         subprocess.run([py, "-m", "pip", "install", *quiet, "--no-deps", f"megatron-bridge=={BRIDGE}"], check=True)

@@ -501,8 +501,10 @@ def test_dequant_rules_from_config(tmp_path):
         assert (r.scale_format, r.scale_dtype) == ("ue8m0", str(stored).removeprefix("torch."))
     (r,) = sdadapt.dequant_rules({"quantization_config": {"quant_method": "mxfp4"}})
     assert r.kind == "dequant_mxfp4"
-    with pytest.raises(AdapterError, match="awq"):
-        sdadapt.dequant_rules({"quantization_config": {"quant_method": "awq"}})
+    (r,) = sdadapt.dequant_rules({"quantization_config": {"quant_method": "awq"}})  # AutoAWQ's GEMM layout
+    assert (r.kind, r.layout, r.bits, r.group_size) == ("dequant_gptq", "awq", 4, 128)
+    with pytest.raises(AdapterError, match="AWQ version 'gemv'"):
+        sdadapt.dequant_rules({"quantization_config": {"quant_method": "awq", "version": "gemv"}})
     (r,) = sdadapt.dequant_rules({"quantization_config": {"quant_method": "fp8"}})  # per-tensor FP8
     assert (r.kind, r.codec, r.strategy) == ("dequant_scaled", "e4m3", "tensor")
     with pytest.raises(AdapterError, match="weight_block_size"):

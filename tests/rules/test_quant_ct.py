@@ -158,8 +158,8 @@ def test_bad_quantization_config_names_the_file_and_field(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": ["fp8"]}))
     with pytest.raises(AdapterError, match="must be a JSON object"):
         sdadapt.dequant_rules(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "awq"}}))
-    with pytest.raises(AdapterError, match="'awq' is not supported"):
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "bitsandbytes"}}))
+    with pytest.raises(AdapterError, match="'bitsandbytes' is not supported"):
         sdadapt.dequant_rules(str(tmp_path))
 
 

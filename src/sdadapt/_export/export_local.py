@@ -107,8 +107,8 @@ def regions(node: Node, box: Box, owned: dict[str, Box], dtypes: dict[str, torch
         return
     if not any(k in owned and _meets(b, owned[k]) for k, b in reads):
         return
-    d = max(range(len(box)), key=lambda i: box[i][1] - box[i][0])
-    a, b = box[d]
+    d = max(range(len(box)), key=lambda i: box[i][1] - box[i][0], default=-1)  # -1: a 0-d output
+    a, b = box[d] if d >= 0 else (0, 1)
     if b - a <= 1:
         raise ExportError(
             f"export_iter(local=True): element {[s for s, _ in box]} of {name!r} is made from values that several ranks "
