@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from support.venv_needed import venv_missing
+
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES_SCRIPT = Path(__file__).with_name("megatron_fixtures.py")
 BRIDGE_SCRIPT = Path(__file__).with_name("megatron_bridge.py")
@@ -34,16 +36,11 @@ def megatron_python(bridge: bool = False) -> str:
     a failure in CI (``CI`` set), where the registry is reachable and a broken venv must not pass as
     a skip; elsewhere a skip quoting pip (an offline machine, a Python that megatron-core 0.16.1 does
     not support)."""
-    import pytest
-
     cmd = [sys.executable, str(ROOT / "scripts" / "megatron_venv.py"), *(["--bridge"] if bridge else [])]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         which = "Megatron-Bridge" if bridge else "megatron-core"
-        why = f"scripts/megatron_venv.py could not make the {which} venv: {p.stderr.strip()[-600:]}"
-        if os.environ.get("CI"):
-            pytest.fail(why)
-        pytest.skip(why)
+        venv_missing("scripts/megatron_venv.py" + (" --bridge" if bridge else ""), which, p.stderr.strip()[-600:])
     return p.stdout.strip().splitlines()[-1]
 
 

@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from support.venv_needed import venv_missing
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("quant_oracle.py")
 NAMES = ("gptq4_g32_sym", "gptq4_g32_asym_act", "gptq8_gall_sym", "gptq8_g32_asym_act", "gptq2_g64_asym",
@@ -26,14 +28,9 @@ RELEASES_VERSION = 1
 
 def quant_python() -> str:
     """The quant venv's python; a failure in CI where it cannot be made, elsewhere a skip quoting pip."""
-    import pytest
-
     p = subprocess.run([sys.executable, str(ROOT / "scripts" / "quant_venv.py")], capture_output=True, text=True)
     if p.returncode != 0:
-        why = f"scripts/quant_venv.py could not make the GPTQ / AWQ tools' venv: {p.stderr.strip()[-600:]}"
-        if os.environ.get("CI"):
-            pytest.fail(why)
-        pytest.skip(why)
+        venv_missing("scripts/quant_venv.py", "GPTQ / AWQ tools'", p.stderr.strip()[-600:])
     return p.stdout.strip().splitlines()[-1]
 
 
