@@ -5,7 +5,11 @@ release with its config.json) loads bit-exactly; together the ranks fetch each b
 sharded checkpoint about once (<= 1.1x, not one copy per rank); faults (missing bucket or key,
 403, an object shorter than its header, an object replaced while read, 503s, dropped, cut and
 slow connections, through a fault-injecting proxy) give either a load that succeeds after
-retries or our error naming the URL on every rank, the model untouched.
+retries or our error naming the URL on every rank, the model untouched. The same 2 and 3 ranks
+export to ``s3://`` from every rank (files of several windows, files of several multipart
+parts: read back bit for bit by safetensors and ``sdadapt.load``, each rank's share of the
+bytes), one rank's uploads refused (403: every rank's error, nothing left), and on 3 ranks last
+a rank killed mid-upload (the others raise, no index).
 """
 
 from __future__ import annotations
@@ -22,15 +26,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from support.checkpoints import write_hf_sharded, write_safetensors, write_torch_save
-from support.dist_helper import run_distributed
+from support.dist_helper import WorkerError, outcome, run_distributed
 from support.models import TinyTransformer, parallelize
 from support.object_store_server import FaultProxy, Rule, SeaweedFS, weed_binary
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import sdadapt
+import sdadapt._export.spread_remote as spread_remote
 from sdadapt.errors import ModelError, SdadaptError, SourceError
-from sdadapt.sources import _remote
+from sdadapt.sources import _object_writer, _remote
 
 obstore = pytest.importorskip("obstore", reason="the test extra installs obstore (sdadapt[s3])")
 WEED = weed_binary()
@@ -249,8 +254,9 @@ def test_load_state_from_a_dcp_url(s3: SeaweedFS, uploaded: int) -> None:
 # ----------------------------------------------------------------------------------------------
 # 2 and 3 ranks
 # ----------------------------------------------------------------------------------------------
-def _ranks(formats: list[str], proxy_endpoint: str, midway_endpoint: str) -> dict[str, Any]:
+def _ranks(formats: list[str], proxy_endpoint: str, midway_endpoint: str, folder: str) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
+    server_endpoint = os.environ["SERVER_ENDPOINT"]
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     out: dict[str, Any] = {}
     for fmt in formats:
@@ -286,23 +292,73 @@ def _ranks(formats: list[str], proxy_endpoint: str, midway_endpoint: str) -> dic
         if rank == 1:
             os.environ["AWS_ENDPOINT_URL"] = midway_endpoint
         out["midway"] = _one_load_denied(atomic=True)
+    os.environ["AWS_ENDPOINT_URL"] = server_endpoint
     out["rank"] = rank
+    out.update(_every_rank_exports(rank, world, proxy_endpoint))
+    with open(os.path.join(folder, f"out.{rank}.json"), "w") as f:
+        json.dump(out, f)
+    if world == 3:  # last (the group breaks): rank 2 dies mid-upload; the others raise, no index is left
+        if rank == 2:
+            spread_remote._assemble = _dies  # type: ignore[assignment]
+        kill = outcome(lambda: sdadapt.export(_big(mesh), f"s3://{BUCKET}/out/w3-killed", max_shard_size="6MB"))
+        with open(os.path.join(folder, f"kill.{rank}.json"), "w") as f:
+            json.dump(kill[:2], f)
+    return out
+
+
+def _dies(*args: Any) -> Any:
+    os._exit(9)
+
+
+def _big(mesh: Any) -> torch.nn.Module:
+    """Two 12 MiB tensors (the embedding and the head): files of several 5 MiB parts."""
+    torch.manual_seed(8)
+    model = TinyTransformer(layers=1, dim=256, heads=4, ffn=64, vocab=12288)
+    return parallelize(model, mesh) if mesh is not None else model
+
+
+def _every_rank_exports(rank: int, world: int, proxy_endpoint: str) -> dict[str, Any]:
+    """Exports to s3:// from every rank (issue 62): several files of small windows, and files of
+    several multipart parts; then rank 1's uploads refused (403) on a fresh URL."""
+    spread_remote.WINDOW_BYTES = 3 << 20  # several rounds per file
+    _object_writer.PART_BYTES = 5 << 20  # S3's smallest part: a 12 MiB file is 3 parts
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    out: dict[str, Any] = {}
+    torch.manual_seed(4)
+    small = parallelize(TinyTransformer(**CONFIG), mesh)
+    rep = sdadapt.export(small, f"s3://{BUCKET}/out/w{world}-small", max_shard_size="20KB", overwrite=True)
+    out["small"] = (rep.bytes, rep.rank_bytes, rep.files)
+    rep = sdadapt.export(_big(mesh), f"s3://{BUCKET}/out/w{world}-big", max_shard_size="13MB", overwrite=True)
+    out["big"] = (rep.bytes, rep.rank_bytes, rep.files)
+    if world == 2:
+        if rank == 1:
+            os.environ["AWS_ENDPOINT_URL"] = proxy_endpoint
+        out["refused"] = outcome(lambda: sdadapt.export(small, f"s3://{BUCKET}/out/w2-denied", max_shard_size="20KB"))[:2]
+        os.environ["AWS_ENDPOINT_URL"] = os.environ["SERVER_ENDPOINT"]
     return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_load_bit_exactly_and_fetch_each_byte_about_once(
-    proxy: FaultProxy, s3: SeaweedFS, uploaded: int, world: int, monkeypatch: pytest.MonkeyPatch
+    proxy: FaultProxy, s3: SeaweedFS, uploaded: int, world: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     proxy.rules.append(Rule(data_get, status=403))
+    proxy.rules.append(Rule(lambda m, p, h: m in ("PUT", "POST") and "/w2-denied/" in p, status=403))
     midway = FaultProxy(s3.endpoint)
     midway.rules.append(Rule(after_the_probes(), status=403))
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)  # the ranks go to the server itself
+    monkeypatch.setenv("SERVER_ENDPOINT", s3.endpoint)
     try:
-        results = run_distributed(_ranks, world, FORMATS, proxy.endpoint, midway.endpoint, timeout=300)
+        if world == 3:  # its last case kills rank 2
+            with pytest.raises(WorkerError) as failed:
+                run_distributed(_ranks, world, FORMATS, proxy.endpoint, midway.endpoint, str(tmp_path), timeout=300)
+            assert [(f.rank, f.type_name) for f in failed.value.failures] == [(2, "Crash")], str(failed.value)[:3000]
+        else:
+            run_distributed(_ranks, world, FORMATS, proxy.endpoint, midway.endpoint, str(tmp_path), timeout=300)
     finally:
         midway.stop()
+    results = [json.loads((tmp_path / f"out.{r}.json").read_text()) for r in range(world)]
     if world == 2:
         assert all("access denied" in r["denied"] and "s3://ckpts/m/hf/" in r["denied"] for r in results), results
         assert midway.rules[0].hits > 0
@@ -315,6 +371,45 @@ def test_ranks_load_bit_exactly_and_fetch_each_byte_about_once(
         total = sum(r[fmt]["fetched"] for r in results)
         assert total <= 1.1 * uploaded, (fmt, total, uploaded)  # not one copy per rank
         assert all(r[fmt]["fetched"] < 0.9 * uploaded for r in results), fmt
+    _check_every_rank_exports(results, world, proxy)
+    if world == 3:  # the killed rank: the others raised, and no index was written
+        for r in range(world - 1):
+            kind, message = json.loads((tmp_path / f"kill.{r}.json").read_text())
+            assert kind != "ok", (r, message)
+        assert "model.safetensors.index.json" not in _objects("out/w3-killed")
+
+
+def _check_every_rank_exports(results: list[dict[str, Any]], world: int, proxy: FaultProxy) -> None:
+    """Each rank uploaded about its share; the folders read back bit for bit by safetensors and
+    sdadapt.load; rank 1's refused upload: every rank's error naming it, nothing left."""
+    from safetensors.torch import load as st_load
+
+    store = obstore.store.S3Store(BUCKET)
+    torch.manual_seed(4)
+    small = TinyTransformer(**CONFIG).state_dict()
+    wants = {"small": small, "big": _big(None).state_dict()}
+    for name, want in wants.items():
+        total, _, files = results[0][name]
+        shares = [r[name][1] for r in results]
+        assert sum(shares) == total == sum(v.numel() * v.element_size() for v in want.values()), (name, shares)
+        got: dict[str, torch.Tensor] = {}
+        for f in files:
+            if f.endswith(".safetensors"):
+                got.update(st_load(bytes(obstore.get(store, f"out/w{world}-{name}/{f}").bytes())))
+        assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want), name
+        back = TinyTransformer(**CONFIG) if name == "small" else _big(None)
+        sdadapt.load(back, f"s3://{BUCKET}/out/w{world}-{name}")
+        assert all(torch.equal(v, want[k]) for k, v in back.state_dict().items()), name
+    shares = [r["small"][1] for r in results]
+    assert min(shares) > 0 and max(shares) <= 1.5 * sum(shares) / world, shares  # many small files, dealt round
+    assert [f.endswith(".safetensors") for f in results[0]["big"][2]].count(True) == 3
+    assert [r["big"][1] > 0 for r in results].count(True) >= 2  # the large files on two ranks
+    if world == 2:
+        kinds = [r["refused"][0] for r in results]
+        assert sorted(kinds) == ["ExportError", "RemoteRankError"], results
+        assert all("access denied" in r["refused"][1] and "s3://ckpts/out/w2-denied/model-" in r["refused"][1] for r in results)
+        assert proxy.rules[1].hits > 0
+        assert _objects("out/w2-denied") == []  # no index; what was uploaded was deleted again
 
 
 # ----------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ destination layout.
 Memory: outputs are pulled one at a time. For a model, each DTensor the current output
 needs is gathered whole (``full_tensor()``, on every rank, in the same order) and dropped once
 no later output needs it; rank 0 writes. A safetensors export on several ranks gathers nothing
-that can be cut: every rank writes the byte ranges of the regions it owns (:mod:`.spread`).
+that can be cut: every rank writes the byte ranges of the regions it owns (:mod:`.spread`;
+to an object storage URL each file is uploaded by one rank, :mod:`.spread_remote`).
 For a checkpoint, each tensor is read from the mapped
 source, written, and its pages are handed back to the kernel. Never the whole model at once.
 
@@ -66,6 +67,7 @@ from ..sources import (
 )
 from .export_local import local_pieces
 from .spread import write_spread
+from .spread_remote import write_spread_remote
 from .writers.base import FORMATS
 from .writing import CachedIO, PageReleaser, check_destination, plan_outputs, write_folder
 
@@ -277,7 +279,10 @@ def export(
     folder into place once every rank succeeded; each rank then writes about ``1/world`` of the
     bytes (``report.rank_bytes``) and no rank gathers a tensor whose recipe can be cut along
     the shards (one that cannot, a rotary permutation of rows split mid-head, is gathered and
-    written by one rank). The folder must be on a filesystem every rank sees.
+    written by one rank). The folder must be on a filesystem every rank sees. To an object
+    storage URL each file is uploaded by one rank, which receives the bytes the other ranks
+    hold window by window (files cut to about ``1/world`` of the checkpoint; see
+    docs/object-storage.md); with ``checksums=True`` a URL takes the one-writer path.
     ``checksums=True`` also writes ``sdadapt.checksums.json`` (beside a torch file:
     ``<file>.sdadapt.checksums.json``), computed from the tensors as they are written, for
     ``load(..., checksums=True)``.
@@ -333,7 +338,7 @@ def export(
     stream = _ModelStream(model, adapter, process_group, f"export to {dst}", check, native_names=shipped, folder=folder)
     outputs = stream.outputs
     total = sum(math.prod(n.shape) * n.dtype.itemsize for n in outputs.values())
-    if format == "safetensors" and world > 1 and not is_url(dst):  # every rank writes its regions
+    if format == "safetensors" and world > 1 and not (is_url(dst) and checksums):  # every rank writes its regions
         bars: list[TransferBar] = []
 
         def progress_of(mine: int) -> Callable[[int], None]:
@@ -341,11 +346,14 @@ def export(
             return bars[0].update
 
         try:
-            names, mine = write_spread(
-                dst, outputs, stream.state, stream.pull, rank=rank, world=world, group=process_group,
-                max_shard_size=max_shard_size, overwrite=overwrite, checksums=checksums,
+            how: dict[str, Any] = dict(
+                rank=rank, world=world, group=process_group, max_shard_size=max_shard_size, overwrite=overwrite,
                 finish=lambda tmp: _side_files(tmp, folder, config), progress=progress_of, after_gather=stream.close,
             )  # fmt: skip
+            if is_url(dst):  # each file uploaded by one rank
+                names, mine = write_spread_remote(dst, outputs, stream.state, stream.pull, **how)
+            else:
+                names, mine = write_spread(dst, outputs, stream.state, stream.pull, checksums=checksums, **how)
         finally:
             for b in bars:
                 b.close()

@@ -55,6 +55,7 @@ from ._object_store import Uploader as Uploader
 from ._object_store import check_writable as check_writable
 from ._object_store import is_url
 from ._object_store import upload as upload
+from ._object_writer import ObjectWriter as ObjectWriter
 from ._peft import CONFIG_NAME as CONFIG_NAME
 from ._peft import LoraMerged as LoraMerged
 from ._peft import open_peft_weights as open_peft_weights

@@ -1,0 +1,318 @@
+"""``export(..., format="safetensors")`` to an object storage URL from every rank: each file is
+uploaded by one rank, which receives the bytes of it the other ranks hold, window by window;
+the index and side files come last, from rank 0, once every file is complete.
+
+Why files, not byte ranges: an object has one writer. S3's multipart upload would let several
+processes upload parts of one object, but every part except the last must be >= 5 MiB, the
+ranks' byte ranges interleave far finer than that (a column shard is one run per row), and the
+client (obstore) hands out no upload of one process to another. So the layout of
+:mod:`.spread` is kept (the ordinary HF folder: whole tensors, each in one file), the files are
+cut to about ``total / world`` bytes each (never above ``max_shard_size``) and dealt to the
+ranks (largest first, to the least loaded; a tie to the rank holding most of the file), and
+each owner streams its files front to back through one multipart upload each
+(:class:`~sdadapt.sources.ObjectWriter`, parts of 16 MiB). The bytes travel in rounds: in
+round ``r`` each owner assembles window ``r`` of its files (:data:`WINDOW_BYTES`), every rank
+sends it the runs of its own regions that fall inside (one ``all_to_all`` of counts, one of
+offsets, one of bytes), and the owner appends the window to its upload. A rank holds its own
+shards, the window it assembles and what it sends in one round: never a tensor it does not
+own. Outputs computed across shards are gathered as :mod:`.spread` gathers them and kept only
+by the owner of their file.
+
+Faults: a rank that fails (an upload refused, a read) says so in the next round's counts, every
+rank stops after that round, and every rank raises; the uploads left unfinished leave no object,
+the files a rank completed are deleted again, and the index is never written. A destination
+that held a checkpoint (``overwrite=True``) lost its index and ``.metadata`` first, so it never
+looks complete with a mix of old and new files.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .._base.distributed import agree, collective_device
+from .._base.regions import Box, full_box
+from .._base.schema import TensorInfo
+from .._base.tensor_bytes import tensor_bytes
+from .._recipes.nodes import Node
+from ..errors import ExportError, SdadaptError
+from ..sources import INDEX_NAME, ObjectWriter, Uploader
+from .export_local import _Reads
+from .spread import byte_runs, plan_spread
+from .writers import parse_size
+from .writers.safetensors_writer import FileLayout, index_json
+
+log = logging.getLogger(__name__)
+
+WINDOW_BYTES = 32 << 20
+"""Bytes of one file an owner assembles per round."""
+MIN_FILE_BYTES = 64 << 20
+"""Files are cut to ``total / world`` bytes, but not below this (small files: one rank)."""
+
+
+def owners(files: list[FileLayout], held: torch.Tensor) -> list[int]:
+    """The rank uploading each file: largest first, to the least loaded rank; a tie to the rank
+    that holds most of the file (``held[rank, file]``: its bytes there)."""
+    world = held.shape[0]
+    load = [0] * world
+    out = [0] * len(files)
+    for i in sorted(range(len(files)), key=lambda i: (-files[i].size, i)):
+        r = min(range(world), key=lambda r: (load[r], -int(held[r, i]), r))
+        out[i] = r
+        load[r] += files[i].size
+    return out
+
+
+@dataclass
+class _Mine:
+    """This rank's bytes of one file in file order: ``(offset, length, piece, offset in the
+    piece's bytes)``, consumed window by window."""
+
+    runs: list[tuple[int, int, int, int]] = field(default_factory=list)
+    at: int = 0
+
+    def take(self, a: int, b: int) -> list[tuple[int, int, int, int, bool]]:
+        """The runs (clipped) inside ``[a, b)``, each with whether it is used up."""
+        out = []
+        while self.at < len(self.runs):
+            off, n, p, po = self.runs[self.at]
+            if off >= b:
+                break
+            lo, hi = max(off, a), min(off + n, b)
+            out.append((lo, hi - lo, p, po + lo - off, off + n <= b))
+            if off + n > b:
+                break
+            self.at += 1
+        return out
+
+
+class _Pieces:
+    """The regions this rank writes, made when first needed and dropped when used up."""
+
+    def __init__(self, make: list[Callable[[], torch.Tensor]], uses: list[int]):
+        self.make, self.uses = make, uses
+        self.made: dict[int, memoryview] = {}
+        self.held: dict[int, torch.Tensor] = {}
+
+    def data(self, p: int) -> memoryview:
+        if p not in self.made:
+            t = self.make[p]()
+            self.held[p] = t
+            self.made[p] = tensor_bytes(t)
+        return self.made[p]
+
+    def done(self, p: int) -> None:
+        self.uses[p] -= 1
+        if self.uses[p] <= 0:
+            self.made.pop(p, None)
+            self.held.pop(p, None)
+            self.make[p] = _gone
+
+
+def _gone() -> torch.Tensor:
+    raise AssertionError("a region was asked for after its last run was sent")
+
+
+def write_spread_remote(
+    dst: str,
+    outputs: dict[str, Node],
+    state: dict[str, torch.Tensor],
+    pull: Callable[[str], torch.Tensor],
+    *,
+    rank: int,
+    world: int,
+    group: dist.ProcessGroup | None,
+    max_shard_size: int | str,
+    overwrite: bool,
+    finish: Callable[[str], None],
+    progress: Callable[[int], Callable[[int], None]],
+    after_gather: Callable[[], None],
+) -> tuple[list[str], int]:
+    """Collective: write the HF folder at URL ``dst`` from every rank (see the module
+    docstring). ``pull``, ``after_gather`` and ``progress`` as for :func:`.spread.write_spread`;
+    ``finish(folder)`` (rank 0) puts the side files into a local folder uploaded with the
+    index. Returns the names written and the tensor bytes this rank uploaded."""
+    total = sum(math.prod(n.shape) * n.dtype.itemsize for n in outputs.values())
+    size = min(parse_size(max_shard_size), max(-(-total // world), MIN_FILE_BYTES))
+    error: SdadaptError | None = None
+    plan = None
+    shards: dict[str, tuple[Box, torch.Tensor]] = {}
+    up: Uploader | None = None
+    old: list[str] = []
+    try:
+        plan, shards = plan_spread(state, outputs, size, rank, group)
+        up = Uploader(dst)
+        if rank == 0:
+            old = up.retire(overwrite)  # the old index goes first: the old folder stops looking complete
+    except SdadaptError as e:
+        error = ExportError(str(e)) if not isinstance(e, ExportError) else e
+    agree(error, group)
+    assert plan is not None and up is not None
+    dev = collective_device(group)
+    which = {f.name: i for i, f in enumerate(plan.files)}
+    # this rank's runs of each file, from its regions
+    make: list[Callable[[], torch.Tensor]] = []
+    uses: list[int] = []
+    mine = [_Mine() for _ in plan.files]
+    io = _Reads({k: t.dtype for k, (_, t) in shards.items()}, shards)
+
+    def add(key: str, box: Box, fn: Callable[[], torch.Tensor]) -> None:
+        name, base = plan.start[key]
+        node, p, pos = outputs[key], len(make), 0
+        make.append(fn)
+        uses.append(0)
+        for off, n in byte_runs(tuple(node.shape), node.dtype.itemsize, box):
+            mine[which[name]].runs.append((base + off, n, p, pos))
+            uses[p] += 1
+            pos += n
+
+    for key, boxes in plan.mine.items():
+        for box in boxes:
+            add(key, box, lambda key=key, box=box: outputs[key].read(box, io))  # type: ignore[misc]
+    held = torch.zeros(world, len(plan.files), dtype=torch.int64, device=dev)
+    for i, m in enumerate(mine):
+        held[rank, i] = sum(n for _, n, _, _ in m.runs)
+    dist.all_reduce(held, group=group)
+    owner = owners(plan.files, held.cpu())
+    for key in plan.gathered:  # collective, in the same order on every rank
+        t = pull(key)
+        if owner[which[plan.start[key][0]]] == rank:
+            add(key, full_box(tuple(t.shape)), lambda t=t: t)  # type: ignore[misc]
+        del t
+    after_gather()
+    for m in mine:
+        m.runs.sort()
+    pieces = _Pieces(make, uses)
+    my_files = [i for i, o in enumerate(owner) if o == rank]
+    mine_bytes = sum(plan.files[i].size - len(plan.files[i].header) for i in my_files)
+    on_written = progress(mine_bytes)
+    try:
+        sent = _rounds(plan.files, owner, mine, pieces, up, rank, world, group, dev, on_written)
+        if isinstance(sent, SdadaptError):
+            error = sent
+        agree(error, group)  # every file is complete: the index may go in
+        names = [f.name for f in plan.files]
+        if rank == 0:
+            try:
+                names += _commit(up, plan.files, outputs, finish)
+                up.sweep(old, {up.dest(n) for n in names})
+            except SdadaptError as e:
+                error = e if isinstance(e, ExportError) else ExportError(str(e))
+        agree(error, group)
+    except BaseException:
+        up.undo()
+        raise
+    log.info("rank %d: uploaded %d of %d file(s) of %s, sent %.1f MiB to their owners", rank, len(my_files), len(plan.files),
+             dst, (sent if isinstance(sent, int) else 0) / 2**20)  # fmt: skip
+    return sorted(names), mine_bytes
+
+
+def _commit(up: Uploader, files: list[FileLayout], outputs: dict[str, Node], finish: Callable[[str], None]) -> list[str]:
+    """Rank 0, after every file is complete: the side files, then the index. Returns their names."""
+    folder = tempfile.mkdtemp(prefix="sdadapt-upload-")
+    try:
+        finish(folder)
+        if len(files) > 1:
+            with open(os.path.join(folder, INDEX_NAME), "w") as f:
+                f.write(index_json({k: TensorInfo(tuple(n.shape), n.dtype) for k, n in outputs.items()}, files))
+        names = sorted(os.listdir(folder))
+        up.put([(os.path.join(folder, n), up.dest(n)) for n in names])  # the index last
+        return names
+    except OSError as e:
+        raise ExportError(f"writing {up.url} failed preparing its index and side files ({e}); no index was written") from None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _rounds(
+    files: list[FileLayout], owner: list[int], mine: list[_Mine], pieces: _Pieces, up: Uploader, rank: int, world: int,
+    group: dist.ProcessGroup | None, dev: torch.device, on_written: Callable[[int], None],
+) -> int | SdadaptError:  # fmt: skip
+    """Every round: each owner's next window, assembled from every rank's runs and appended to
+    its upload. Returns the bytes this rank sent to other ranks, or the error that stopped it
+    (every rank stops in the round after any rank failed)."""
+    items: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
+    for i, f in enumerate(files):
+        items[owner[i]] += [(i, a, min(a + WINDOW_BYTES, f.size)) for a in range(0, f.size, WINDOW_BYTES)]
+    error: SdadaptError | None = None
+    writer: ObjectWriter | None = None
+    sent = 0
+    for r in range(max(len(x) for x in items)):
+        runs: list[list[int]] = [[] for _ in range(world)]
+        data: list[list[memoryview]] = [[] for _ in range(world)]
+        try:
+            for o in range(world):
+                if error is None and r < len(items[o]):
+                    i, a, b = items[o][r]
+                    for lo, n, p, po, used_up in mine[i].take(a, b):
+                        runs[o] += [lo - a, n]
+                        data[o].append(pieces.data(p)[po : po + n])
+                        if used_up:
+                            pieces.done(p)
+        except SdadaptError as e:
+            error = ExportError(f"writing {up.url} failed on rank {rank}: {e}")
+        counts = torch.tensor([[len(runs[o]), sum(len(d) for d in data[o]), error is not None] for o in range(world)],
+                              dtype=torch.int64)  # fmt: skip
+        got = _exchange(counts.reshape(-1), [3] * world, [3] * world, group, dev).reshape(world, 3)
+        if int(got[:, 2].max()) or error is not None:
+            break
+        flat_runs = torch.tensor([x for o in range(world) for x in runs[o]], dtype=torch.int64)
+        in_runs = _exchange(flat_runs, [len(x) for x in runs], got[:, 0].tolist(), group, dev)
+        flat = torch.frombuffer(bytearray(b"".join(d for o in range(world) for d in data[o])), dtype=torch.uint8) \
+            if any(data) else torch.empty(0, dtype=torch.uint8)  # fmt: skip
+        in_data = _exchange(flat, [sum(len(d) for d in x) for x in data], got[:, 1].tolist(), group, dev)
+        sent += sum(sum(len(d) for d in data[o]) for o in range(world) if o != rank)
+        if r >= len(items[rank]):
+            continue
+        i, a, b = items[rank][r]
+        try:
+            if a == 0:
+                writer = ObjectWriter(up, files[i].name)
+            window = _assemble(files[i], a, b, in_runs.tolist(), in_data)
+            assert writer is not None
+            writer.write(tensor_bytes(window))
+            on_written(max(0, b - max(a, len(files[i].header))))  # tensor bytes, not the header's
+            if b == files[i].size:
+                writer.finish()
+                writer = None
+        except SdadaptError as e:
+            error = ExportError(f"{e} (rank {rank} uploads {files[i].name}); nothing that looks complete was left at {up.url}: "
+                                "check the destination and write again")  # fmt: skip
+    return error if error is not None else sent
+
+
+def _exchange(t: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None, dev: torch.device) -> torch.Tensor:
+    out = torch.empty(sum(recv), dtype=t.dtype, device=dev)
+    dist.all_to_all_single(out, t.to(dev), recv, send, group=group)
+    return out.cpu()
+
+
+def _assemble(f: FileLayout, a: int, b: int, runs: list[int], data: torch.Tensor) -> torch.Tensor:
+    """Window ``[a, b)`` of file ``f`` from the header and the runs received (in rank order,
+    each rank's in file order); every byte must be covered exactly once."""
+    window = torch.empty(b - a, dtype=torch.uint8)
+    covered = 0
+    if a < len(f.header):
+        head = f.header[a : min(b, len(f.header))]
+        window[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        covered += len(head)
+    pos = 0
+    for j in range(0, len(runs), 2):
+        off, n = runs[j], runs[j + 1]
+        window[off : off + n] = data[pos : pos + n]
+        pos += n
+        covered += n
+    if covered != b - a:
+        raise ExportError(f"{f.name}: the ranks' regions cover {covered} of the {b - a} bytes {a}-{b} (a bug; please report it)")
+    return window
+
+
+__all__ = ["MIN_FILE_BYTES", "WINDOW_BYTES", "owners", "write_spread_remote"]
