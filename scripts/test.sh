@@ -10,8 +10,9 @@ echo "[test] ruff check (lint and import order)" >&2
 echo "[test] mypy (types, configured in pyproject.toml)" >&2
 "$PY" -m mypy
 set +e
-# the live-vLLM tests (marker vllm_live) build a venv of their own: .ci/run runs them separately
-"$PY" -m pytest -q -m "not vllm_live" "$@"
+# the live-vLLM tests (marker vllm_live) build a venv of their own: .ci/run runs them separately;
+# --durations: every log ends with the 30 slowest tests, so a run shows where its time went
+"$PY" -m pytest -q -m "not vllm_live" --durations=30 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
