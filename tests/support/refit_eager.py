@@ -1,5 +1,6 @@
 """What refit tests compare engine shards against: the adapter's recipes applied eagerly to the
-trainer's full tensors, and a tensor's bytes for equality (float8 has no equality on every build)."""
+trainer's full tensors, and a tensor's bytes for equality (float8 has no equality on every build);
+and the small HF-layout Llama weights they refit."""
 
 from __future__ import annotations
 
@@ -28,3 +29,29 @@ def eager(full: dict[str, torch.Tensor], adapter: sdadapt.Adapter) -> dict[str, 
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t`` (float8 has no equality on every build)."""
     return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t
+
+
+def llama_weights(layers: int, dims: tuple[int, int, int, int, int], vocab: int, seed: int,
+                  dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:  # fmt: skip
+    """A Llama's weights in HF's layout, ``dims`` = (hidden, heads, kv heads, head dim, MLP
+    hidden), random from ``seed``; the decoder layers' in ``dtype``, the rest float32."""
+    d, h, kv, hd, f = dims
+    g = torch.Generator().manual_seed(seed)
+    sd = {"model.embed_tokens.weight": torch.randn(vocab, d, generator=g), "model.norm.weight": torch.randn(d, generator=g),
+          "lm_head.weight": torch.randn(vocab, d, generator=g)}  # fmt: skip
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name, shape in (("self_attn.q_proj", (h * hd, d)), ("self_attn.k_proj", (kv * hd, d)), ("self_attn.v_proj", (kv * hd, d)),
+                            ("self_attn.o_proj", (d, h * hd)), ("mlp.gate_proj", (f, d)), ("mlp.up_proj", (f, d)),
+                            ("mlp.down_proj", (d, f)), ("input_layernorm", (d,)), ("post_attention_layernorm", (d,))):  # fmt: skip
+            sd[p + name + ".weight"] = torch.randn(*shape, generator=g).to(dtype)
+    return sd
+
+
+def local_shape(layout, t: torch.Tensor, key: str) -> list[int]:  # noqa: ANN001 - a vLLM ShardLayout
+    """The shape of one engine rank's shard of whole tensor ``t`` (``key``) as ``layout`` cuts it."""
+    d = layout.dim_of(key)
+    shape = list(t.shape)
+    if d is not None:
+        shape[d] //= layout.size
+    return shape

@@ -189,17 +189,35 @@ def _fp8_values(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return e4m3_codes(blocks / scale[..., :, None, :, None])
 
 
-def _exact_fp32_scale(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per block, ``scale`` or one of its float32 neighbours, the first that reproduces the
-    block's float32 values exactly (values dequantised from FP8 with float32 scales: their
-    ``amax / 448`` can miss the original scale by one unit in the last place); ``scale`` where
-    none does (values that never were FP8)."""
-    chosen, found = scale.clone(), torch.zeros_like(scale, dtype=torch.bool)
-    for cand in (scale, torch.nextafter(scale, torch.zeros_like(scale)), torch.nextafter(scale, 2 * scale)):
-        back = _fp8_values(blocks, cand).to(torch.float32) * cand[..., :, None, :, None]
-        ok = (back == blocks).all(dim=-1).all(dim=-2) & ~found
+def fp8_scale_candidates(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float32 scales tried, in order, for a float32 block whose ``amax / 448`` is ``scale``:
+    it, then its float32 neighbours below and above (values dequantised from FP8 with float32
+    scales: their ``amax / 448`` can miss the original scale by one unit in the last place)."""
+    return scale, torch.nextafter(scale, torch.zeros_like(scale)), torch.nextafter(scale, 2 * scale)
+
+
+def fp8_reproduced(blocks: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """Per block of ``blocks [..., nr, b0, nc, b1]`` (float32), whether scale ``cand [..., nr, nc]``
+    gives back its values exactly (codes times the scale)."""
+    back = _fp8_values(blocks, cand).to(torch.float32) * cand[..., :, None, :, None]
+    return (back == blocks).all(dim=-1).all(dim=-2)
+
+
+def pick_fp8_scale(cands: tuple[torch.Tensor, ...], oks: list[torch.Tensor]) -> torch.Tensor:
+    """Per block, the first candidate scale whose ``ok`` holds; the first candidate where none does."""
+    chosen, found = cands[0].clone(), torch.zeros_like(cands[0], dtype=torch.bool)
+    for cand, ok in zip(cands, oks, strict=True):
+        ok = ok & ~found
         chosen, found = torch.where(ok, cand, chosen), found | ok
     return chosen
+
+
+def _exact_fp32_scale(blocks: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Per block, ``scale`` or one of its float32 neighbours (:func:`fp8_scale_candidates`), the
+    first that reproduces the block's float32 values exactly; ``scale`` where none does (values
+    that never were FP8)."""
+    cands = fp8_scale_candidates(scale)
+    return pick_fp8_scale(cands, [fp8_reproduced(blocks, c) for c in cands])
 
 
 def pow2_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
@@ -210,25 +228,44 @@ def pow2_scale_bytes(amax: torch.Tensor) -> torch.Tensor:
     return encode_e8m0(torch.where(amax > 0, k, torch.zeros_like(k)))
 
 
+def fp8_scale_of(amax: torch.Tensor, fmt: ScaleFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks' largest magnitudes -> (stored scales, float32 multipliers): ``amax / 448`` in
+    float32 (before the exact-neighbour search of float32 inputs), or the UE8M0 power of two
+    (float32 ``2.0 ** k``, or its exponent byte); 1 for an all-zero block."""
+    if fmt == "float32":
+        stored = torch.where(amax > 0, true_div(amax, E4M3_MAX), torch.ones_like(amax))
+        return stored, stored
+    raw = pow2_scale_bytes(amax)
+    mult = decode_e8m0(raw)
+    return (mult if fmt == "ue8m0_float32" else raw), mult  # float32 2**k, or its exponent byte
+
+
 def quantize_fp8(x: torch.Tensor, block: tuple[int, int], fmt: ScaleFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., R, C]`` -> (``float8_e4m3fn`` weight, stored scale) with ``block`` scale tiles;
     the scale is float32 (``"float32"``, ``"ue8m0_float32"``: ``2.0 ** k``) or ``uint8`` exponent
     bytes (``"ue8m0"``; :func:`store_scales` gives ``float8_e8m0fnu``)."""
     blocks, shape = _fp8_blocks(x, block)
     amax = blocks.abs().amax(dim=(-3, -1))  # [..., nr, nc]
-    if fmt == "float32":
-        stored = torch.where(amax > 0, true_div(amax, E4M3_MAX), torch.ones_like(amax))
-        if x.dtype == torch.float32:
-            stored = _exact_fp32_scale(blocks, stored)
-        mult = stored
-    else:
-        raw = pow2_scale_bytes(amax)
-        mult = decode_e8m0(raw)
-        stored = mult if fmt == "ue8m0_float32" else raw  # float32 2**k, or its exponent byte
+    stored, mult = fp8_scale_of(amax, fmt)
+    if fmt == "float32" and x.dtype == torch.float32:
+        stored = mult = _exact_fp32_scale(blocks, stored)
     q = _fp8_values(blocks, mult)
     rows, cols = shape[-2:]
     q = q.reshape(shape[:-2] + (blocks.shape[-4] * block[0], blocks.shape[-2] * block[1]))[..., :rows, :cols]
     return q, stored
+
+
+def tile_row_blocks(x: torch.Tensor, b1: int, skip: int) -> torch.Tensor:
+    """Rows of one row of FP8 blocks, ``x [..., rows, cols]`` starting ``skip`` columns into its
+    first block of width ``b1``, as float32 ``[..., 1, rows, nt, b1]`` (zero-padded to whole
+    blocks): what :func:`fp8_reproduced` and a largest magnitude per block take. A holder of
+    part of a block computes its part's; the padding decides nothing (a zero raises no largest
+    magnitude, and fails a candidate scale only where a value of the block fails it too: an
+    infinite or zero scale)."""
+    rows, cols = x.shape[-2:]
+    nt = cdiv(skip + cols, b1)
+    w = F.pad(x.to(torch.float32), (skip, nt * b1 - skip - cols))
+    return w.reshape(tuple(x.shape[:-2]) + (1, rows, nt, b1))
 
 
 # --- MXFP4 ----------------------------------------------------------------------------------------

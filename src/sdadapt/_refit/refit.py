@@ -11,8 +11,10 @@ A cast to a narrower dtype happens on the sending side (the same bits, fewer byt
 a computation whose result is smaller than what it reads (a re-quantization) wherever one
 trainer rank holds all it reads: the engine region is cut (in halves along its leading dims,
 never inside what one value reads, such as an FP8 block) into parts that one rank can make, the
-rest computed on the receiving rank from its inputs. Nothing is gathered whole unless an engine
-rank holds it whole.
+rest computed on the receiving rank from its inputs, but for FP8 blocks cut by the trainer's
+shards: their holders agree on each block's largest magnitude and quantize their own rows
+(``refit_cut``), so an FP8 engine receives its own bytes only. Nothing is gathered whole unless
+an engine rank holds it whole.
 
 Transport: point-to-point sends and receives of the group's backend (gloo on the CPU, NCCL on
 GPUs), in rounds; a rank packs one round while the one before is in flight, each in a buffer of
@@ -23,6 +25,7 @@ step included, bumps it) and moves only the engine tensors made from a changed o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -43,8 +46,10 @@ from .._plan.plan import build_plan
 from .._plan.registry import EngineLayout
 from .._plan.target import model_state_dict, schema_of
 from .._recipes.nodes import Compute, Node, Piece, Step
+from .._recipes.quant_nodes import QuantizedFP8
 from .._transaction.options import Options
 from ..errors import RefitError, SdadaptError
+from .refit_cut import CutBlocks, applies, plan_cut
 from .refit_run import Refit, _Mine
 from .refit_schedule import Held, Request, round_bytes, transfers_of, volume
 from .refit_send import Region, SendFn, plan_regions
@@ -242,27 +247,40 @@ def _refit_plan(trainer: nn.Module | Mapping[str, torch.Tensor] | None, engine: 
             ebox = meta["engine"][k].box
             steps = node.steps(ebox, dest)
             made = _made_by_senders(node, ebox, steps, trainer_all, dtypes, rank)
-            if made:  # the parts no one trainer rank can make are computed here, from their inputs
-                steps = [s for part, src in made if src < 0 for s in node.steps(part, dest[_within(part, ebox)])]
+            # the parts no one trainer rank can make: FP8 blocks quantized by their holders on
+            # agreed scales (refit_cut), anything else computed here from its inputs
+            cut = [part for part, src in made if src < 0 and applies(node)]
+            if made:
+                steps = [s for part, src in made if src < 0 and part not in cut for s in node.steps(part, dest[_within(part, ebox)])]
             mine.steps[k] = steps
             mine.where[k] = dest.device
             _requests(k, node, steps, source, dtypes, mine)
+
+            def add(req: Request, view: torch.Tensor, k: str = k) -> None:
+                i = len(mine.requests)
+                mine.requests.append(dataclasses.replace(req, index=i))
+                mine.dest[i] = view
+                mine.by_target[k].append(i)
+
             for part, src in made:
                 if src >= 0:
-                    i = len(mine.requests)
-                    mine.requests.append(Request(k, k, part, dtype_name(node.dtype), i, src))
-                    mine.dest[i] = dest[_within(part, ebox)]
-                    mine.by_target[k].append(i)
+                    add(Request(k, k, part, dtype_name(node.dtype), -1, src), dest[_within(part, ebox)])
+            for part in cut:
+                assert isinstance(node, QuantizedFP8)
+                plan_cut(k, node, part, dest[_within(part, ebox)], trainer_all, dtypes, rank, mine.cut, add)
     except SdadaptError as e:
         error = e
     agree(error, group, RefitError)
-    requests = [r for r in _gather(mine.requests, group, world)]
+    gathered = _gather((mine.requests, mine.cut.bands), group, world)
+    requests = [r for r, _ in gathered]
     transfers = transfers_of(trainer_all, requests, round_bytes(bucket_bytes), bucket_bytes)
+    device = collective_device(group) if is_distributed() else torch.device("cpu")
+    bands = [b for _, b in gathered]
+    cut_blocks = CutBlocks(bands, recipes, group, rank, device, timeout) if any(bands) else None
     refit = Refit(
         rank=rank, world=world, group=group, recipes=recipes, send=send, sending=sending, bucket_bytes=bucket_bytes, delta=delta,
         timeout=timeout, mine=mine, trainer=local_t, versioned=trainer_t, trainer_box=box_t,
-        source_dtype={k: v.dtype for k, v in source.items()}, transfers=transfers,
-        device=collective_device(group) if is_distributed() else torch.device("cpu"),
+        source_dtype={k: v.dtype for k, v in source.items()}, transfers=transfers, device=device, cut=cut_blocks,
     )  # fmt: skip
     log.info("refit planned on rank %d: %d engine tensors here, %d transfers", rank, len(mine.steps), len(transfers))
     return refit
@@ -300,7 +318,8 @@ def _made_by_senders(
 ) -> list[tuple[Box, int]]:
     """For a computed engine region whose result is smaller than what it reads (a re-quantization):
     its parts, each with the trainer rank that holds everything the part reads and computes it
-    there (``-1``: no one rank does, the part is computed here from its inputs). Cut in halves
+    there (``-1``: no one rank does: an FP8 weight's part is quantized by its holders on agreed
+    scales, ``refit_cut``; another's is computed here from its inputs). Cut in halves
     along its longest leading dim while that narrows what the halves read (an FP8 block cut by
     the trainer's shards stays whole). ``[]``: computed here, from its inputs."""
     if not any(isinstance(s, Compute) for s in steps) or len(box) < 2:
@@ -347,7 +366,7 @@ def _made_by_senders(
             split(h, g, depth + 1)
 
     split(box, reads, 0)
-    return out if any(src >= 0 for _, src in out) else []
+    return out if any(src >= 0 for _, src in out) or applies(node) else []
 
 
 def _inside(box: Box, outer: Box) -> bool:

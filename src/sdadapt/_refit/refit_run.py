@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from .._base.regions import Box, box_shape
 from .._recipes.nodes import Compute, Fill, Node, Step
 from ..errors import RefitError
+from .refit_cut import CutBlocks, CutPlan
 from .refit_schedule import Request, Transfer, round_bytes, rounds_of
 from .refit_send import LocalShards, Region, SendFn, send_regions
 
@@ -101,6 +102,7 @@ class _Mine:
     where: dict[str, torch.device] = field(default_factory=dict)  # engine key -> its tensor's device
     users: dict[int, list[str]] = field(default_factory=dict)  # a computation's input -> the engine keys reading it
     shared: dict[tuple[frozenset[str], str, Box], int] = field(default_factory=dict)  # (leaves, key, box) -> request
+    cut: CutPlan = field(default_factory=CutPlan)  # FP8 blocks cut by the trainer's shards (refit_cut)
 
 
 @dataclass
@@ -173,6 +175,7 @@ class Refit:
         source_dtype: dict[str, torch.dtype],
         transfers: list[Transfer],
         device: torch.device,
+        cut: CutBlocks | None = None,
     ):
         self.rank, self.world, self.group = rank, world, group
         self.recipes, self.bucket_bytes, self.delta, self.timeout = recipes, bucket_bytes, delta, timeout
@@ -186,6 +189,7 @@ class Refit:
         self.transfers = transfers  # every rank's: every rank packs the same rounds
         self.local = [t for t in transfers if t.src == rank and t.dst == rank]
         self.device = device
+        self.cut = cut
         self._rounds: dict[frozenset[str], list[list[Transfer]]] = {}
         self._versions: dict[str, tuple[int, ...]] = {}
 
@@ -256,6 +260,9 @@ class Refit:
         """Copy this rank's own regions, then move the rest in rounds, two buffers in flight."""
         rounds = self._rounds_for(active)
         st.rep.rounds = len(rounds)
+        if self.cut is not None and self.cut.any(active):  # every rank: the agreed scales of cut FP8 blocks
+            self.cut.agree(active, LocalShards(self.trainer, self.trainer_box, self._trainer_device()), self.world)
+            self.cut.write(self.mine.cut)
         self._start(st, todo, active)
         size = max((self._load(r) for r in rounds), default=0)
         for t in self.local:
@@ -340,6 +347,9 @@ class Refit:
 
     # ----- moving bytes
     def _source_view(self, t: Transfer) -> torch.Tensor:
+        if t.band >= 0:  # part of a cut FP8 block, quantized here with the block's agreed scale
+            assert self.cut is not None
+            return self.cut.codes(t.dst, t.band, t.box, LocalShards(self.trainer, self.trainer_box, self._trainer_device()))
         if t.computed:  # the engine tensor's region, computed here from this rank's shards
             return self.recipes[t.target].read(t.box, LocalShards(self.trainer, self.trainer_box, self._trainer_device()))
         local, box = self.trainer[t.key], self.trainer_box[t.key]
@@ -348,7 +358,7 @@ class Refit:
     def _land_local(self, t: Transfer, st: _Run) -> None:
         """A transfer from this rank to itself; a computed region whose request lands in the
         engine tensor is computed straight into it (no copy of the result)."""
-        dest = self.mine.dest.get(t.request) if t.computed else None
+        dest = self.mine.dest.get(t.request) if t.computed and t.band < 0 else None
         if dest is None:
             self._land(t, self._source_view(t), st)
             return

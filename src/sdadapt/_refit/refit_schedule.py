@@ -44,7 +44,9 @@ class Request:
     """Region ``box`` of trainer tensor ``key`` that engine tensor ``target`` of one engine rank
     needs, sent as ``wire`` (a dtype name); ``index``: its place in that rank's request list.
     ``src >= 0``: region ``box`` of the engine tensor itself (``key == target``), computed by
-    trainer rank ``src``, which holds everything it reads (fewer bytes than its inputs)."""
+    trainer rank ``src``, which holds everything it reads (fewer bytes than its inputs);
+    ``band >= 0``: the FP8 codes of part of a block cut by the trainer's shards, quantized by
+    ``src`` with the block's agreed scale (that rank's band ``band``, ``refit_cut``)."""
 
     target: str
     key: str
@@ -52,6 +54,7 @@ class Request:
     wire: str
     index: int
     src: int = -1
+    band: int = -1
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Transfer:
     request: int
     target: str
     computed: bool = False  # region ``box`` of engine tensor ``target``, computed by ``src``
+    band: int = -1  # computed with the agreed scales of ``dst``'s band ``band`` (a cut FP8 block)
 
     @property
     def nbytes(self) -> int:
@@ -151,7 +155,7 @@ def transfers_of(
     for dst, reqs in enumerate(requests):
         for req in reqs:
             if req.src >= 0:  # computed by the trainer rank that holds its inputs
-                t = Transfer(req.src, dst, req.key, req.box, req.wire, req.index, req.target, computed=True)
+                t = Transfer(req.src, dst, req.key, req.box, req.wire, req.index, req.target, computed=True, band=req.band)
                 sent[req.src] += t.nbytes
                 out.extend(cut_to_fit(t, bucket, bucket_bytes) if req.src != dst else [t])
                 continue
