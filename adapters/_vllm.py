@@ -12,6 +12,7 @@ shape and box, from the tensor the rank holds. A block-quantized FP8 weight's sc
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,8 @@ class ShardLayout:
         if d is None:
             return shape, tuple((0, n) for n in shape)
         n = shape[d]
-        if self.block is not None and not key.endswith(SCALE_SUFFIX) and len(shape) >= 2 and d >= len(shape) - 2:
+        quantized = tensor.dtype == torch.float8_e4m3fn  # the embeddings, head and router stay as they are
+        if self.block is not None and quantized and len(shape) >= 2 and d >= len(shape) - 2:
             b = self.block[d - len(shape) + 2]
             if n % b and self.size > 1:
                 raise AdapterError(
@@ -74,3 +76,18 @@ def config_reader(config: Any) -> Callable[..., Any]:
 def divides(what: str, n: int, by: int, adapter: str) -> None:
     if by < 1 or n % by:
         raise AdapterError(f"the {adapter} adapter: {what} {n} does not divide by {by}; vLLM splits it evenly over the ranks")
+
+
+def stacks_experts(stacked_experts: bool | None) -> bool:
+    """``stacked_experts``, or where ``None`` whether the installed transformers holds a model's
+    MoE experts stacked in memory (``mlp.experts.gate_up_proj`` / ``down_proj``, from
+    transformers 5 on) rather than one tensor per expert as the checkpoint files do."""
+    if stacked_experts is not None:
+        return stacked_experts
+    try:  # the installed release, read without importing it (transformers is not a dependency)
+        return int(importlib.metadata.version("transformers").split(".")[0]) >= 5
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(
+            "config_shape(stacked_experts=None) follows the installed transformers, and none is installed: "
+            "pass stacked_experts=True for experts stacked in one tensor, False for one tensor per expert"
+        ) from None

@@ -100,6 +100,8 @@ def build(
     tie_embeddings: bool = False,
     qkv_bias: bool = False,
     mlp_bias: bool = False,
+    o_bias: bool = False,
+    qk_norm: bool = False,
 ) -> Adapter:
     """The adapter from an HF Llama state dict to vLLM's Llama parameters for ``tp`` ranks.
 
@@ -109,8 +111,10 @@ def build(
     shares the embedding as its head (an ``lm_head.weight`` given anyway is dropped).
     ``qkv_bias``: q/k/v have biases (Qwen2; Llama's ``attention_bias``), fused into
     ``qkv_proj.bias`` as the weights; ``o_proj.bias`` (Llama's ``attention_bias``) keeps its
-    name. ``mlp_bias``: gate/up biases fuse into ``gate_up_proj.bias``. :func:`from_config`
-    reads all of these from the model's config.
+    name. ``mlp_bias``: gate/up biases fuse into ``gate_up_proj.bias``. ``o_bias`` (``o_proj``
+    has a bias) and ``qk_norm`` (Qwen3's ``q_norm`` / ``k_norm``) need no rule, their tensors
+    keep their names; they are taken so that :func:`config_shape`'s reading serves this and
+    :func:`parameter_shapes` alike. :func:`from_config` reads all of these from the model's config.
     """
     n_kv_heads = n_kv_heads or n_heads
     if head_dim is None:
@@ -144,12 +148,17 @@ def config_shape(config: Any) -> dict[str, Any]:
     n_heads = get("num_attention_heads")
     head_dim = get("head_dim") or get("hidden_size") // n_heads
     model_type = get("model_type", "")
-    qkv_bias = get("qkv_bias")  # InternLM3's own switch, as vLLM reads it
+    # vLLM's Llama: attention_bias (or Smaug's bias) gives q/k/v and o_proj biases, InternLM3's
+    # qkv_bias overrides q/k/v's; Qwen2: q/k/v biases always, Qwen3: as attention_bias; neither an o_proj bias
+    attention_bias = bool(get("attention_bias", False)) or (model_type not in ("qwen2", "qwen3") and bool(get("bias", False)))
+    qkv_bias = get("qkv_bias")
     if qkv_bias is None:
-        qkv_bias = model_type == "qwen2" or bool(get("attention_bias", False))
+        qkv_bias = model_type == "qwen2" or attention_bias
+    o_bias = model_type not in ("qwen2", "qwen3") and attention_bias
     return dict(n_heads=n_heads, n_kv_heads=get("num_key_value_heads") or n_heads, head_dim=head_dim,
                 hidden_dim=get("intermediate_size"), tie_embeddings=bool(get("tie_word_embeddings", False)),
-                qkv_bias=bool(qkv_bias), mlp_bias=bool(get("mlp_bias", False)))  # fmt: skip
+                qkv_bias=bool(qkv_bias), mlp_bias=bool(get("mlp_bias", False)), o_bias=o_bias,
+                qk_norm=model_type == "qwen3")  # fmt: skip
 
 
 def from_config(config: Any, *, tp: int = 1) -> Adapter:
@@ -184,11 +193,13 @@ def parameter_shapes(
     qkv_bias: bool = False,
     mlp_bias: bool = False,
     o_bias: bool = False,
+    qk_norm: bool = False,
 ) -> dict[str, tuple[int, ...]]:
     """The shape of each of vLLM's Llama parameters on one TP rank of ``tp``, as its layers
     create them (what ``named_parameters()`` lists): to build a stand-in engine, or to check a
     real worker's against. The arguments as :func:`build`'s; ``o_bias``: ``o_proj`` has a bias
-    (Llama's ``attention_bias``; whole on every rank, as ``down_proj.bias`` with ``mlp_bias``)."""
+    (Llama's ``attention_bias``; whole on every rank, as ``down_proj.bias`` with ``mlp_bias``);
+    ``qk_norm``: each layer has Qwen3's ``q_norm`` / ``k_norm`` (``[head_dim]``, whole)."""
     n_kv_heads = n_kv_heads or n_heads
     head_dim = head_dim or dim // n_heads
     vocab = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
@@ -208,6 +219,8 @@ def parameter_shapes(
             out[p + "self_attn.qkv_proj.bias"] = (qkv_rows,)
         if o_bias:
             out[p + "self_attn.o_proj.bias"] = (dim,)
+        if qk_norm:
+            out |= {p + "self_attn.q_norm.weight": (head_dim,), p + "self_attn.k_norm.weight": (head_dim,)}
         if mlp_bias:
             out |= {p + "mlp.gate_up_proj.bias": (2 * hidden_dim // tp,), p + "mlp.down_proj.bias": (dim,)}
     out["model.norm.weight"] = (dim,)

@@ -21,10 +21,9 @@ as in ``vllm_llama`` (each rank one KV head).
 
 from __future__ import annotations
 
-import importlib.metadata
 from typing import Any
 
-from sdadapt.adapters._vllm import ShardLayout, config_reader, divides
+from sdadapt.adapters._vllm import ShardLayout, config_reader, divides, stacks_experts
 from sdadapt.adapters.vllm_llama import HF, attention_rules, vocab_rules
 
 import sdadapt
@@ -115,14 +114,7 @@ def config_shape(config: Any, stacked_experts: bool | None = None) -> dict[str, 
     its ``config.json`` as a dict). ``stacked_experts`` ``None``: as the installed transformers
     holds a model's experts in memory (stacked from transformers 5 on)."""
     get = config_reader(config)
-    if stacked_experts is None:
-        try:  # the installed release, read without importing it (transformers is not a dependency)
-            stacked_experts = int(importlib.metadata.version("transformers").split(".")[0]) >= 5
-        except importlib.metadata.PackageNotFoundError:
-            raise ValueError(
-                "config_shape(stacked_experts=None) follows the installed transformers, and none is installed: "
-                "pass stacked_experts=True for experts stacked in one tensor, False for one tensor per expert"
-            ) from None
+    stacked_experts = stacks_experts(stacked_experts)
     dense = bool(get("mlp_only_layers")) or (get("decoder_sparse_step") or 1) > 1
     n_heads = get("num_attention_heads")
     return dict(n_heads=n_heads, n_kv_heads=get("num_key_value_heads") or n_heads,

@@ -682,8 +682,8 @@ def test_vllm_fp8_against_compressed_tensors() -> None:
     """vllm_fp8's e4m3 weights and block scales, refit from float32 and from bfloat16 trainers on
     one process, equal compressed-tensors' block quantization (its min-max scales and its
     quantize) of the same vLLM-layout tensors, bit for bit; each weight is quantized where its
-    trainer values are (its e4m3 bytes move, not its inputs); a rank's share that is not whole
-    blocks is refused."""
+    trainer values are (its e4m3 bytes move, not its inputs); a rank's share of a quantized
+    weight that is not whole blocks is refused."""
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import quantize
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -711,5 +711,8 @@ def test_vllm_fp8_against_compressed_tensors() -> None:
         padding = (128 - V) * D8 * 2 * 2  # vLLM's vocabulary rows, filled
         assert rep.bytes_local == sum(t.numel() * t.element_size() for t in engine.values()) - padding
         assert rep.staged_bytes == 0
+    cut = vllm_fp8.layout(vllm_llama.layout(2, 1), (8, 8))
     with pytest.raises(sdadapt.errors.SdadaptError, match="not a multiple of the FP8 block"):
-        vllm_fp8.layout(vllm_llama.layout(2, 1), (8, 8))("model.layers.0.mlp.down_proj.weight", torch.zeros(D8, F8 // 2))
+        cut("model.layers.0.mlp.down_proj.weight", torch.zeros(D8, F8 // 2, dtype=torch.float8_e4m3fn))
+    # what stays unquantized (the embeddings, the head) is cut as vLLM cuts it, whole blocks or not
+    assert cut("model.embed_tokens.weight", torch.zeros(3, D8)) == ((6, D8), ((3, 6), (0, D8)))

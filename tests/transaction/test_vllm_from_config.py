@@ -29,7 +29,8 @@ def test_qwen2_biases_tied_one_kv_head_on_tp2() -> None:
     config = transformers.Qwen2Config(vocab_size=70, hidden_size=24, intermediate_size=16, num_hidden_layers=1,
                                       num_attention_heads=6, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
     shape = vllm_llama.config_shape(config)
-    assert shape == dict(n_heads=6, n_kv_heads=1, head_dim=4, hidden_dim=16, tie_embeddings=True, qkv_bias=True, mlp_bias=False)
+    assert shape == dict(n_heads=6, n_kv_heads=1, head_dim=4, hidden_dim=16, tie_embeddings=True, qkv_bias=True, mlp_bias=False,
+                         o_bias=False, qk_norm=False)  # fmt: skip
     torch.manual_seed(0)
     full = {k: v.detach() for k, v in transformers.Qwen2ForCausalLM(config).state_dict().items()}
     whole = eager(full, vllm_llama.from_config(config, tp=2))
@@ -52,10 +53,10 @@ def test_llama_attention_and_mlp_biases() -> None:
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=2, attention_bias=True, mlp_bias=True)  # fmt: skip
     shape = vllm_llama.config_shape(config)
-    assert shape["qkv_bias"] and shape["mlp_bias"] and not shape["tie_embeddings"]
+    assert shape["qkv_bias"] and shape["mlp_bias"] and shape["o_bias"] and not shape["tie_embeddings"]
     full = {k: v.detach() for k, v in transformers.LlamaForCausalLM(config).state_dict().items()}
     whole = eager(full, vllm_llama.from_config(config, tp=2))
-    sizes = vllm_llama.parameter_shapes(n_layers=1, vocab_size=64, dim=16, tp=2, o_bias=True, **shape)
+    sizes = vllm_llama.parameter_shapes(n_layers=1, vocab_size=64, dim=16, tp=2, **shape)
     lay = vllm_llama.layout(2, 1)
     assert {k: tuple(_shard(whole, lay, k).shape) for k in whole} == sizes
     up = full["model.layers.0.mlp.gate_proj.bias"][4:], full["model.layers.0.mlp.up_proj.bias"][4:]

@@ -8,7 +8,8 @@ checkpoint; a tiny Qwen2 (TP 2 with one KV head, biases, tied embeddings) or Qwe
 equal transformers' with the trained weights and its prompt logprobs are within bfloat16's
 tolerance (``LOGPROB_TOL``); delta mode; a mismatched adapter refused on both ranks before
 anything moves, the engine still serving the old weights; vLLM's own reload working on the
-engine sdadapt updated, and sdadapt again after it.
+engine sdadapt updated, and sdadapt again after it. And, without an engine, every shipped vLLM
+layout against vLLM's own model classes and their ``load_weights`` (tests/support/vllm_models.py).
 
 Marked ``vllm_live``: scripts/test.sh leaves it to .ci/run, which runs it on its own (the venv is
 built once, ~3.5 GB, and cached under ${TMPDIR:-/tmp}/sdadapt-vllm); skipped, saying why, only
@@ -28,6 +29,7 @@ from support.venv_needed import venv_missing
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "support" / "vllm_live.py"
+MODELS = ROOT / "tests" / "support" / "vllm_models.py"
 pytestmark = pytest.mark.vllm_live
 
 LOGPROB_TOL = (0.02, 0.05)
@@ -94,6 +96,27 @@ def test_refit_into_live_vllm(vllm_python: str, family: str, tp: int, tmp_path: 
     the full set of cases on it by hand. One engine start each keeps CI's share bounded.)"""
     check_family(run_family(vllm_python, family, tmp_path), tp, moe=family == "qwen3_moe")
 
+
+def test_layouts_against_vllm_model_code(vllm_python: str, tmp_path: Path) -> None:
+    """Every shipped vLLM layout (``vllm_llama`` on Llama with and without biases, Qwen2 with one
+    KV head on TP 2, Qwen3, Mistral; ``vllm_qwen3_moe``; ``vllm_deepseek_v3`` with DeepSeek-V3's
+    ``noaux_tc`` routing; ``vllm_fp8`` on Llama and DeepSeek-V3) against vLLM's own model classes,
+    built without an engine by vLLM's ``initialize_model`` as each of 2 TP ranks
+    (tests/support/vllm_models.py): the parameters vLLM's layers create, and those the sdadapt
+    staging would lay out, equal ``parameter_shapes()``; vLLM's own ``load_weights`` of an HF
+    checkpoint writes, bit for bit, what ``refit_plan`` with the layout's adapter and layout
+    writes from the same tensors."""
+    out = tmp_path / "models.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH="")
+    p = subprocess.run([vllm_python, str(MODELS), str(out)], env=env, capture_output=True, text=True, timeout=600)
+    rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+    assert p.returncode == 0 and rows and not [r for r in rows if "error" in r], f"exit {p.returncode}: {rows}\n{p.stderr[-4000:]}"
+    from support.vllm_models import CASES
+
+    assert {(r["case"], r["rank"]) for r in rows} == {(c, r) for c, spec in CASES.items() for r in range(spec[3])}
+    for r in rows:
+        clean = {"missing": [], "extra": [], "shape": {}}
+        assert r["created"] == clean and r["staged"] == clean and r["loaded_differ"] == [], r
 
 
 def test_refit_md_live_example_runs(vllm_python: str, tmp_path: Path) -> None:

@@ -39,6 +39,13 @@ BACKEND = "sdadapt"
 
 _CLASS: list[type] = []
 
+LIVE = frozenset({"bias", "e_score_correction_bias"})
+"""Checkpoint tensors of a layer vLLM records for reloading that vLLM keeps live instead of
+recording them: a linear layer's ``bias`` (made after its weights, never post-processed; loaded
+through the layer's loader) and a MoE router's ``e_score_correction_bias`` (DeepSeek-V3's
+``noaux_tc`` routing; one of vLLM's ``SKIP_LOAD_TENSORS``, which its layerwise reload neither
+records nor waits for: its loader copies it into place)."""
+
 
 def engine_class() -> type:
     """vLLM's ``WeightTransferEngine`` subclass of the sdadapt backend (made once, in a process
@@ -73,6 +80,7 @@ def engine_class() -> type:
         init_info_cls = SdadaptInitInfo
         update_info_cls = SdadaptUpdateInfo
         supports_draft_weight_update = False
+        unwatched = frozenset(SKIP_LOAD_TENSORS) & LIVE
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -92,7 +100,7 @@ def engine_class() -> type:
             self.rank, world = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
             if self.folder is not None:
                 vllm_staging.remove(self.folder, self.rank)
-            raw = raw_parameters(self.model, LAYERWISE_INFO, frozenset(SKIP_LOAD_TENSORS))
+            raw = staged_parameters(self.model)
             manifest = vllm_staging.layout_params(self.rank, world, raw)
             self.folder = init_info.staging
             self.staged = vllm_staging.create(init_info.staging, manifest)
@@ -115,7 +123,11 @@ def engine_class() -> type:
                 with torch.no_grad():
                     for name, shard in self.staged.items():
                         owner, _, attr = name.rpartition(".")
-                        if owner in touched:
+                        if owner not in touched:
+                            continue
+                        if attr in self.unwatched:  # live, outside the layerwise reload: vLLM's loader copies it in place too
+                            getattr(modules[owner], attr).data.copy_(shard)
+                        else:
                             self.overridden.append(load_whole(modules[owner], attr, shard, name, make_online_process_loader))
             except BaseException:
                 self.restore_loaders()
@@ -156,26 +168,38 @@ def engine_class() -> type:
     return SdadaptWeightTransferEngine
 
 
+def staged_parameters(model: torch.nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """:func:`raw_parameters` of a vLLM model (in vLLM's process): what the sdadapt staging of
+    its rank holds."""
+    from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    return raw_parameters(model, LAYERWISE_INFO, frozenset(SKIP_LOAD_TENSORS), is_deferred_attention_layer)
+
+
 def raw_parameters(
-    model: torch.nn.Module, infos: Any, skip: frozenset[str] = frozenset()
+    model: torch.nn.Module, infos: Any, skip: frozenset[str] = frozenset(), attention: Any = None
 ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """Every parameter of ``model`` that vLLM reloads, with the shape and dtype its layer created
     (before post-processing): ``(name, dtype, shape)``, in ``named_parameters()`` order (tied
     parameters once). Those vLLM recorded for reloading (``restore_metadata``) take the recorded
-    shape; a loadable parameter of a recorded layer that vLLM keeps live instead (a linear layer's
-    ``bias``, made after its weights and never post-processed) takes its own. ``skip``: names vLLM
-    never loads (its ``SKIP_LOAD_TENSORS``: expert maps)."""
+    shape; a checkpoint tensor of a recorded layer that vLLM keeps live instead (``LIVE``) takes
+    its own. ``skip``: names vLLM's layerwise reload never loads (its ``SKIP_LOAD_TENSORS``: expert
+    maps, and the router's correction bias, which is live). ``attention(layer)``: whether a layer
+    is an attention layer, whose parameters (an FP8 engine's KV-cache and activation scales:
+    calibration, not training) are left as the engine has them."""
     modules = dict(model.named_modules())
     out = []
     for name, param in model.named_parameters():
         owner, _, attr = name.rpartition(".")
         info = infos.get(modules[owner])
-        if info is None or attr in skip:
+        if info is None or (attr in skip and attr not in LIVE) or (attention is not None and attention(modules[owner])):
             continue
-        meta = info.restore_metadata[0].get(attr)
+        meta = None if attr in skip else info.restore_metadata[0].get(attr)
         if meta is not None:
             out.append((name, meta.dtype, tuple(meta.shape)))
-        elif attr == "bias":
+        elif attr in LIVE:
             out.append((name, param.dtype, tuple(param.shape)))
     return out
 
@@ -232,4 +256,4 @@ def _ours(loader: Any) -> bool:
     return False
 
 
-__all__ = ["BACKEND", "engine_class", "raw_parameters"]
+__all__ = ["BACKEND", "engine_class", "raw_parameters", "staged_parameters"]
