@@ -31,7 +31,9 @@ ABORT = "terminate called without an active exception"
 
 
 def one_run(tests: list[str], timeout: float) -> dict[str, object]:
-    """One ``pytest`` run of ``tests``: exit status, seconds, failing node ids, teardown aborts."""
+    """One ``pytest`` run of ``tests``: exit status, seconds, failing node ids, teardown aborts,
+    the machine's load average at its start and end, and pytest's one-line reason per failure."""
+    load_before = os.getloadavg()[0]
     start = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT,
@@ -41,33 +43,40 @@ def one_run(tests: list[str], timeout: float) -> dict[str, object]:
         partial = e.stdout or ""
         rc, out = "timeout", partial.decode(errors="replace") if isinstance(partial, bytes) else partial
     failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", out, flags=re.M)))
+    reasons = sorted(set(re.findall(r"^((?:FAILED|ERROR) \S+ - .*)$", out, flags=re.M)))
     summary = next((line for line in reversed(out.splitlines()) if re.search(r"\d+ (passed|failed)", line)), "")
-    return {"rc": rc, "seconds": time.perf_counter() - start, "failed": failed, "aborts": out.count(ABORT), "summary": summary}
+    return {"rc": rc, "seconds": time.perf_counter() - start, "failed": failed, "aborts": out.count(ABORT), "summary": summary,
+            "load": f"{load_before:.1f}-{os.getloadavg()[0]:.1f}", "reasons": reasons}  # fmt: skip
 
 
 def report(runs: list[dict[str, object]], tests: list[str], machine: str, command: str, asked: int) -> str:
-    tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    describe = ["git", "describe", "--always", "--dirty=, with uncommitted changes"]
+    tree = subprocess.run(describe, cwd=ROOT, capture_output=True, text=True).stdout.strip()
     green = sum(1 for r in runs if r["rc"] == 0)
     import torch
 
     rows = [
-        f"| {i} | {r['rc']} | {r['seconds']:.0f} | {r['aborts']} | {', '.join(r['failed']) or '-'} | {r['summary'].strip('= ')} |"  # type: ignore[union-attr]
+        f"| {i} | {r['rc']} | {r['seconds']:.0f} | {r['load']} | {r['aborts']} | "
+        f"{', '.join(r['failed']) or '-'} | {r['summary'].strip('= ')} |"  # type: ignore[union-attr]
         for i, r in enumerate(runs, 1)
     ]
+    # pytest's one-line reason for each failure (cut to 300 characters), by run
+    reasons = [f"- run {i}: `{line[:300]}`" for i, r in enumerate(runs, 1) for line in r["reasons"]]  # type: ignore[attr-defined]
     return "\n".join([
         f"# {green}/{len(runs)} green runs of {' '.join(tests)}",
         "",
         *([f"Stopped after {len(runs)} of the {asked} runs asked for.", ""] if len(runs) < asked else []),
         f"- command: `{command}`",
         f"- machine: {machine} ({platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"torch {torch.__version__})",
+        f"torch {torch.__version__}, run at nice {os.nice(0)})",
         f"- tree: {tree}",
         f"- date: {datetime.date.today().isoformat()}",
         "",
-        "| run | exit | seconds | teardown aborts | failed | pytest's summary |",
-        "|---|---|---|---|---|---|",
+        "| run | exit | seconds | load average (start-end) | teardown aborts | failed | pytest's summary |",
+        "|---|---|---|---|---|---|---|",
         *rows,
         "",
+        *(["## Why each failure failed (pytest's one line)", "", *reasons, ""] if reasons else []),
     ])  # fmt: skip
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from support.checkpoints import write_hf_sharded, write_safetensors, write_torch_save
-from support.dist_helper import run_distributed
+from support.dist_helper import run_distributed, stage
 from support.models import TP_PLAN_FORWARD, TinyTransformer, parallelize, split_qkv
 from torch.distributed.checkpoint import DefaultLoadPlanner, Metadata
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
@@ -253,6 +253,7 @@ def _run_cases(folder: str, cases: list[tuple[str, str, str]]) -> dict[str, dict
     out: dict[str, dict[str, Any]] = {}
     world = dist.get_world_size()
     for mesh_kind, config, source in cases:
+        stage(case_id(world, mesh_kind, config, source))
         name, adapter, subtree, _ = SOURCES[source]
         model = _build(mesh_kind, config, meshes)
         rep = sdadapt.load(model, os.path.join(folder, config, name), adapter, subtree=subtree, share_reads=source in SHARED)

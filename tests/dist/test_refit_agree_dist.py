@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from support.dist_helper import WorkerError, outcome, run_distributed
+from support.dist_helper import WorkerError, group_seconds, outcome, run_distributed
 
 import sdadapt
 from sdadapt.errors import RefitError
@@ -73,7 +73,13 @@ def test_refit_ranks_disagree(world: int) -> None:
         assert "rank 1 failed" in results[r]["one_fails"][1] and "do not line up" in results[r]["one_fails"][1], results[r]["one_fails"]
 
 
-def _delta_start(hang: bool) -> dict[str, Any]:
+def _stall_until(done: str) -> None:
+    """Stay alive, sockets open, doing nothing, until the other rank has written ``done``."""
+    while not os.path.exists(done):
+        time.sleep(0.1)
+
+
+def _delta_start(hang: bool, done: str) -> dict[str, Any]:
     rank = dist.get_rank()
     trainer = _trainer() if rank == 0 else None
     engine = _engine() if rank == 1 else None
@@ -81,25 +87,27 @@ def _delta_start(hang: bool) -> dict[str, Any]:
     refit.run()  # a first run that succeeds
     if rank == 0:
         if hang:
-            time.sleep(14)  # alive, sockets open, not in the run: past twice the timeout
+            _stall_until(done)  # alive, not in the run
         os._exit(0)
     assert engine is not None
     before = {k: v.clone() for k, v in engine.items()}
-    t0 = time.monotonic()
+    took = group_seconds()
     try:
         refit.run()
     except RefitError as e:
         raise RuntimeError(
-            f"OUTCOME RefitError after {time.monotonic() - t0:.1f} s, updated={e.updated} not_updated={e.not_updated} "
+            f"OUTCOME RefitError after {took():.1f} s, updated={e.updated} not_updated={e.not_updated} "
             f"unchanged={all(torch.equal(before[k], engine[k]) for k in engine)}: {e}"
         ) from None
+    finally:
+        open(done, "w").close()
     raise RuntimeError("OUTCOME no error")
 
 
 @pytest.mark.parametrize("hang", [False, True])
-def test_refit_delta_rank_gone_or_stalled_at_start(hang: bool) -> None:
+def test_refit_delta_rank_gone_or_stalled_at_start(hang: bool, tmp_path: Any) -> None:
     with pytest.raises(WorkerError) as info:
-        run_distributed(_delta_start, 2, hang, timeout=120)
+        run_distributed(_delta_start, 2, hang, str(tmp_path / "done"), timeout=120)
     by_rank = {f.rank: f for f in info.value.failures}
     msg = by_rank[1].message
     assert "OUTCOME RefitError" in msg, msg
@@ -155,23 +163,25 @@ def test_refit_plan_rank_gone() -> None:
     assert by_rank[1].type_name == "RefitError" and "planning the refit failed" in by_rank[1].message, by_rank[1]
 
 
-def _plan_stalled() -> dict[str, Any]:
+def _plan_stalled(done: str) -> dict[str, Any]:
     rank = dist.get_rank()
     if rank == 0:
-        time.sleep(14)  # alive, sockets open, not planning: past twice the timeout
+        _stall_until(done)  # alive, not planning
         os._exit(0)
-    t0 = time.monotonic()
+    took = group_seconds()
     try:
         sdadapt.refit_plan(None, _engine(), _adapter("qkv"), timeout=3)
     except RefitError as e:
-        raise RuntimeError(f"OUTCOME RefitError after {time.monotonic() - t0:.1f} s: {e}") from None
+        raise RuntimeError(f"OUTCOME RefitError after {took():.1f} s: {e}") from None
+    finally:
+        open(done, "w").close()
     raise RuntimeError("OUTCOME no error")
 
 
-def test_refit_plan_rank_stalled() -> None:
+def test_refit_plan_rank_stalled(tmp_path: Any) -> None:
     """A rank alive but not planning: the others raise RefitError within about twice ``timeout``."""
     with pytest.raises(WorkerError) as info:
-        run_distributed(_plan_stalled, 2, timeout=120)
+        run_distributed(_plan_stalled, 2, str(tmp_path / "done"), timeout=120)
     msg = {f.rank: f for f in info.value.failures}[1].message
     assert "OUTCOME RefitError" in msg and "planning the refit failed" in msg, msg
     assert float(msg.split("after ")[1].split(" s")[0]) < 2 * 3 + 4, msg

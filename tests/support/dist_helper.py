@@ -7,9 +7,14 @@ and its layer folders are put on the workers' path). Each worker initialises the
 (gloo; the ranks meet in a file of the launch's temporary folder), calls ``fn(*args,
 **kwargs)`` and returns its value; the caller gets the list of values by rank. If any rank
 raises, :class:`WorkerError` carries every rank's traceback (the ranks that failed on their
-own first); if any rank does not finish within ``timeout`` s, all are killed and the call
-fails naming the ranks that hung. Process start costs seconds on 2 cores: let one launched
-group run many cases and return a dict of results.
+own first). Process start costs seconds on 2 cores: let one launched group run many cases and
+return a dict of results.
+
+``timeout`` is counted on a :class:`~support.load_clock.WorkClock`: wall time less the time the
+ranks waited for a CPU, so a loaded machine makes a launch slower, never a failure, while a hang
+(every rank asleep) still fails after ``timeout`` s. A rank that hangs is named with its stage
+(where the launcher, or ``fn`` through :func:`stage`, last said it was) and the Python stack of
+each of its threads; once one rank has failed, the others get :data:`GRACE` s to end.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import importlib
 import os
 import pickle
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +32,8 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from support.load_clock import WorkClock
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 SRC_DIR = TESTS_DIR.parent / "src"
@@ -40,6 +48,13 @@ class RankFailure:
     mro: list[str]
 
 
+GRACE = 60.0
+"""Seconds (of the work clock) the other ranks get to end once one rank has failed: they fail at
+once when the failed rank's sockets close, or hang in a collective it never joins."""
+WALL_FACTOR = 30
+"""A launch ends after ``WALL_FACTOR * timeout`` wall seconds whatever the work clock says: the
+bound for a rank that spins forever while the machine keeps it waiting for a CPU."""
+
 # what a rank reports when another rank's process ended while it waited on it in a collective
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
@@ -49,6 +64,8 @@ def _first_cause(f: RankFailure) -> int:
     saw a peer go away (they are its consequence, and a long report is cut from its end)."""
     if f.type_name == "Crash":
         return 0
+    if f.type_name == "Hang":
+        return 3
     return 2 if any(s in f.message for s in _PEER_GONE) else 1
 
 
@@ -78,27 +95,28 @@ def _run_job(job: str, fn: Any, world_size: int, args: tuple[Any, ...], kwargs: 
     where = [str(TESTS_DIR), *folders, str(SRC_DIR)]
     env.update(
         WORLD_SIZE=str(world_size),
-        SDADAPT_TEST_TIMEOUT=str(timeout),
+        # the ranks' own collective timeout: never shorter than the launch may last, so that a
+        # rank waiting for a slow peer never gives up first and fails the others
+        SDADAPT_TEST_TIMEOUT=str(WALL_FACTOR * timeout),
         OMP_NUM_THREADS="1",
         PYTHONPATH=os.pathsep.join([*where, env.get("PYTHONPATH", "")]),
     )
     logs = [os.path.join(job, f"log.{rank}") for rank in range(world_size)]
     if os.environ.get("SDADAPT_TEST_FRESH_PROCESSES") == "1" or not _forkable_main():
-        hung, codes = _run_fresh(job, world_size, env, logs, timeout)
+        ranks = _start_fresh(job, world_size, env, logs)
     else:
-        hung, codes = _run_forked(job, world_size, env, where, logs, timeout)
-    tail = ""
-    for rank in range(world_size):
-        log = Path(job, f"log.{rank}")
-        text = log.read_text(errors="replace") if log.exists() else ""
-        if text.strip():
-            tail += f"[rank {rank}] " + text[-3000:] + "\n"
-    if hung:
-        raise AssertionError(f"ranks {hung} of {world_size} did not finish within {timeout:.0f} s (hang)\n{tail}")
+        ranks = _start_forked(job, world_size, env, where, logs)
+    hung, codes, why = _supervise(job, ranks, timeout)
+    tail = _log_tails(job, world_size)
+    if hung and all(c is not None and not _failed(job, r) for r, c in enumerate(codes) if r not in hung):
+        raise AssertionError(f"ranks {hung} of {world_size} {why}\n{_stages(job, hung)}\n{tail}")
     results: list[Any] = []
     failures: list[RankFailure] = []
     for rank in range(world_size):
         path = Path(job, f"result.{rank}.pkl")
+        if rank in hung:
+            results.append(None)
+            continue
         if not path.exists():
             failures.append(RankFailure(rank, "Crash", f"exit code {codes[rank]}, no result", "", []))
             results.append(None)
@@ -109,39 +127,124 @@ def _run_job(job: str, fn: Any, world_size: int, args: tuple[Any, ...], kwargs: 
         else:
             failures.append(RankFailure(rank, *value))
             results.append(None)
+    for rank in hung:  # still running once another rank had failed
+        stack = _stages(job, [rank])
+        failures.append(RankFailure(rank, "Hang", f"{why}; {stack.strip()}", "", []))
     if failures:
         raise WorkerError(failures, tail)
     return results
 
 
-def _run_fresh(job: str, world_size: int, env: dict[str, str], logs: list[str], timeout: float) -> tuple[list[int], list[Any]]:
-    """Each rank a fresh interpreter (``python -m support.dist_helper``); (the ranks that hung,
-    every rank's exit code)."""
-    procs = []
+def _log_tails(job: str, world_size: int) -> str:
+    tail = ""
+    for rank in range(world_size):
+        log = Path(job, f"log.{rank}")
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if text.strip():
+            tail += f"[rank {rank}] " + text[-4000:] + "\n"
+    return tail
+
+
+def _stages(job: str, ranks: list[int]) -> str:
+    """Where each of ``ranks`` last said it was (:func:`stage`), one line each."""
+    lines = []
+    for rank in ranks:
+        path = Path(job, f"stage.{rank}")
+        try:
+            said, at = path.read_text(errors="replace"), path.stat().st_mtime
+            lines.append(f"rank {rank} at stage {said!r} since {time.time() - at:.0f} s")
+        except OSError:
+            lines.append(f"rank {rank} before its first stage (not yet started)")
+    return "\n".join(lines)
+
+
+@dataclass
+class _Rank:
+    """A started rank: its process id and how to poll (the exit code, None while it runs) and end it."""
+
+    pid: int
+    poll: Any
+    kill: Any
+    reap: Any
+
+
+def _failed(job: str, rank: int) -> bool:
+    """Whether an ended rank failed: no result, or an error as its result."""
+    path = Path(job, f"result.{rank}.pkl")
+    return not path.exists() or pickle.loads(path.read_bytes())[0] != "ok"
+
+
+def _supervise(job: str, ranks: list[_Rank], timeout: float) -> tuple[list[int], list[Any], str]:
+    """Wait for every rank; (the ranks that hung, every rank's exit code, why they were ended).
+
+    A rank hangs when the work clock passes ``timeout`` (or ``WALL_FACTOR * timeout`` wall
+    seconds pass), or :data:`GRACE` seconds after another rank failed. A hung rank is asked for
+    its threads' Python stacks (faulthandler, into its log), then killed with the rest."""
+    clock = WorkClock()
+    failed_at: float | None = None
+    first_failed = -1
+    while True:
+        codes = [r.poll() for r in ranks]
+        alive = [i for i, c in enumerate(codes) if c is None]
+        if not alive:
+            return [], codes, ""
+        now = clock.seconds([ranks[i].pid for i in alive])
+        if failed_at is None:
+            ended_badly = [i for i, c in enumerate(codes) if c is not None and _failed(job, i)]
+            if ended_badly:
+                failed_at, first_failed = now, ended_badly[0]
+        if failed_at is not None and now > failed_at + GRACE:
+            why = f"did not end within {GRACE:.0f} s after rank {first_failed} failed"
+            break
+        if now > timeout or clock.wall > WALL_FACTOR * timeout:
+            why = (
+                f"did not finish within {timeout:.0f} s of the launch's own time (hang): {clock.wall:.0f} s wall, "
+                f"of which {clock.held:.0f} s waiting for a CPU; load average {os.getloadavg()[0]:.1f}"
+            )
+            break
+        time.sleep(0.2)
+    _dump_stacks(job, [ranks[i] for i in alive], alive)
+    for r in ranks:
+        r.kill()
+    for r in ranks:
+        r.reap()
+    return alive, [r.poll() for r in ranks], why
+
+
+def _dump_stacks(job: str, ranks: list[_Rank], numbers: list[int]) -> None:
+    """Ask each rank for its threads' Python stacks (its faulthandler writes them to its log) and
+    give them a few seconds to arrive."""
+    sizes = {}
+    for r, n in zip(ranks, numbers, strict=True):
+        log = Path(job, f"log.{n}")
+        sizes[n] = log.stat().st_size if log.exists() else 0
+        try:
+            os.kill(r.pid, signal.SIGUSR1)
+        except OSError:
+            continue
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        grown = [n for n in numbers if Path(job, f"log.{n}").exists() and Path(job, f"log.{n}").stat().st_size > sizes[n]]
+        if len(grown) == len(numbers):
+            time.sleep(0.5)  # the rest of the dump
+            return
+        time.sleep(0.2)
+
+
+def _start_fresh(job: str, world_size: int, env: dict[str, str], logs: list[str]) -> list[_Rank]:
+    """Each rank a fresh interpreter (``python -m support.dist_helper``)."""
+    ranks = []
     for rank in range(world_size):
         with open(logs[rank], "wb") as log:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "support.dist_helper", job, str(rank)],
-                    env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=str(TESTS_DIR),
-                )
+            p = subprocess.Popen(
+                [sys.executable, "-m", "support.dist_helper", job, str(rank)],
+                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=str(TESTS_DIR),
             )
-    deadline = time.monotonic() + timeout
-    hung = []
-    for rank, p in enumerate(procs):
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            hung.append(rank)
-    if hung:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
-    return hung, [p.returncode for p in procs]
+        ranks.append(_Rank(p.pid, p.poll, p.kill, p.wait))
+    return ranks
 
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint"]
@@ -182,33 +285,17 @@ def _fork_context() -> Any:
     return _FORK_SERVER
 
 
-def _run_forked(
-    job: str, world_size: int, env: dict[str, str], where: list[str], logs: list[str], timeout: float
-) -> tuple[list[int], list[Any]]:
+def _start_forked(job: str, world_size: int, env: dict[str, str], where: list[str], logs: list[str]) -> list[_Rank]:
     """Each rank forked from the fork server (torch already imported: a launch costs a fork, not
-    an interpreter and torch's import per rank); (the ranks that hung, every rank's exit code)."""
+    an interpreter and torch's import per rank)."""
     ctx = _fork_context()
-    procs = []
+    ranks = []
     for rank in range(world_size):
         rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
         p = ctx.Process(target=_forked_rank, args=(job, rank, rank_env, where, logs[rank]))
         p.start()
-        procs.append(p)
-    deadline = time.monotonic() + timeout
-    hung = []
-    for rank, p in enumerate(procs):
-        p.join(timeout=max(0.1, deadline - time.monotonic()))
-        if p.exitcode is None:
-            hung.append(rank)
-    if hung:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.join()
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        p.close()
-    return hung, codes
+        ranks.append(_Rank(p.pid, lambda p=p: p.exitcode, p.kill, p.join))
+    return ranks
 
 
 def _forked_rank(job: str, rank: int, env: dict[str, str], where: list[str], log: str) -> None:
@@ -225,6 +312,22 @@ def _forked_rank(job: str, rank: int, env: dict[str, str], where: list[str], log
     _worker(job, rank)
 
 
+_STAGE_FILE: Path | None = None
+_JOB = ""
+_RUNNING = ""
+
+
+def _say(what: str) -> None:
+    if _STAGE_FILE is not None:
+        _STAGE_FILE.write_text(what)
+
+
+def stage(what: str) -> None:
+    """Inside a launched rank: say where ``fn`` is (a case's name...), so that a hang names it
+    (``running <fn>: <what>``). Outside a launch: nothing."""
+    _say(f"{_RUNNING}: {what}")
+
+
 def _worker(job: str, rank: int) -> None:
     import datetime
     import faulthandler
@@ -232,6 +335,11 @@ def _worker(job: str, rank: int) -> None:
     import torch.distributed as dist
 
     faulthandler.enable()  # a native crash leaves its Python stack in the rank's log
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the launcher's request, for a hang
+    global _STAGE_FILE, _JOB
+    _STAGE_FILE, _JOB = Path(job, f"stage.{rank}"), job
+    Path(job, f"pid.{rank}").write_text(str(os.getpid()))  # for group_seconds()
+    _say("init_process_group (the ranks meet)")
 
     module, qualname, args, kwargs = pickle.loads(Path(job, "job.pkl").read_bytes())
     world = int(os.environ["WORLD_SIZE"])
@@ -248,9 +356,13 @@ def _worker(job: str, rank: int) -> None:
             # for a slow peer, and its own timeout would end it and fail every other rank
             timeout=datetime.timedelta(seconds=float(os.environ.get("SDADAPT_TEST_TIMEOUT", "180"))),
         )
+        _say(f"importing {module}")
         fn: Any = importlib.import_module(module)
         for part in qualname.split("."):
             fn = getattr(fn, part)
+        global _RUNNING
+        _RUNNING = f"running {module}.{qualname}"
+        _say(_RUNNING)
         out = ("ok", fn(*args, **kwargs))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         out = ("error", (type(e).__name__, str(e), traceback.format_exc(), [c.__name__ for c in type(e).__mro__]))
@@ -261,6 +373,7 @@ def _worker(job: str, rank: int) -> None:
     Path(job, f"result.{rank}.pkl.tmp").write_bytes(data)
     os.replace(Path(job, f"result.{rank}.pkl.tmp"), Path(job, f"result.{rank}.pkl"))
     try:
+        _say("destroy_process_group")
         if dist.is_initialized():
             dist.destroy_process_group()
     finally:
@@ -270,18 +383,33 @@ def _worker(job: str, rank: int) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], int(sys.argv[2]))
+    from support import dist_helper  # the module fn's stage() calls reach, not this __main__ copy
+
+    dist_helper._worker(sys.argv[1], int(sys.argv[2]))
+
+
+def group_seconds() -> Any:
+    """A stopwatch, started now, of the launched group's own time: a function giving the wall
+    seconds since, less the longest time any one rank waited for a CPU meanwhile
+    (:class:`~support.load_clock.WorkClock` over every rank's process). A bound such as "every
+    rank fails within 30 s" then holds on a loaded machine and still catches a rank that waits
+    out a timeout. Outside a launch: this process alone."""
+    pids = [int(p.read_text()) for p in Path(_JOB).glob("pid.*")] if _JOB else [os.getpid()]
+    clock = WorkClock()
+    clock.seconds(pids)
+    return lambda: clock.seconds(pids)
 
 
 def outcome(fn: Any) -> tuple[str, str, float]:
     """Run one case inside a rank: (the error's class name or ``"ok"``, its whole message, the
-    seconds it took), so that one launched group can run many failing cases in a row."""
-    t0 = time.monotonic()
+    seconds it took on :func:`group_seconds`' clock), so that one launched group can run many
+    failing cases in a row."""
+    took = group_seconds()
     try:
         fn()
     except Exception as e:  # noqa: BLE001 - the case's outcome is what it raised
-        return type(e).__name__, getattr(e, "full_message", str(e)), time.monotonic() - t0
-    return "ok", "", time.monotonic() - t0
+        return type(e).__name__, getattr(e, "full_message", str(e)), took()
+    return "ok", "", took()
 
 
 def shard_of(v: Any, want: Any) -> tuple[Any, Any]:

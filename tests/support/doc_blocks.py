@@ -28,7 +28,6 @@ import os
 import re
 import runpy
 import shlex
-import subprocess
 import sys
 import tempfile
 import traceback
@@ -253,13 +252,14 @@ def _commands(code: str) -> list[tuple[list[str], int]]:
 
 def _run_bash(block: Block) -> None:
     from sdadapt.cli import main
+    from support import load_clock
 
     for argv, want in _commands(block.code):
         if argv[0] == "sdadapt":
             got = main(argv[1:])
         elif argv[0] == "python":
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            got = subprocess.run([sys.executable, *argv[1:]], env=env, timeout=300).returncode
+            got = load_clock.run([sys.executable, *argv[1:]], env=env, timeout=300, capture=False).returncode
         else:
             raise AssertionError(f"{block.name}: cannot run {argv[0]!r} here; mark the block '# fragment: ...'")
         assert got == want, f"{block.name}: `{shlex.join(argv)}` exited {got}, not {want}"
@@ -294,6 +294,7 @@ def run_block(block: Block) -> None:
 def run_file(file: str) -> list[dict[str, str]]:
     results = []
     for block in runnable(file):
+        print(f"doc_blocks: running {block.name}", file=sys.stderr, flush=True)  # what a timeout's output ends with
         try:
             run_block(block)
             results.append({"block": block.name, "outcome": "ok"})
