@@ -8,7 +8,8 @@ command, the machine, the tree, each run's exit status, time, failing tests and 
 process aborted at teardown (``terminate called without an active exception``). Add the report's
 row to tests/reports/README.md by hand (bench/ holds speed figures; this is the suite's own
 record). The report is rewritten after every run, so a series stopped
-early (the machine needed back) still says what its runs gave.
+early (the machine needed back) still says what its runs gave; SIGTERM or Ctrl-C ends the run in
+progress, which the report lists as stopped with what it had passed and failed so far.
 
     python scripts/repeat_tests.py --machine cpu2 [--runs 20] [--report PATH] [TESTS ...]
 """
@@ -17,34 +18,70 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.metadata
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from support.load_clock import WorkClock, descendants  # noqa: E402
+
 DEFAULT_TESTS = ["tests/dist", "tests/project/test_doc_blocks.py"]
 ABORT = "terminate called without an active exception"
 
 
+_STOP = False
+"""Set by SIGTERM or SIGINT: the run in progress is ended, reported as stopped with what it had
+passed and failed so far, and the series ends."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    global _STOP
+    _STOP = True
+
+
+def _progress(out: str) -> tuple[int, int]:
+    """(tests passed, tests failed or errored) so far, from ``pytest -q``'s progress lines."""
+    marks = "".join(m.group(1) for m in re.finditer(r"^([.FEsxX]+)(?:\s+\[\s*\d+%\])?$", out, flags=re.M))
+    return marks.count("."), marks.count("F") + marks.count("E")
+
+
 def one_run(tests: list[str], timeout: float) -> dict[str, object]:
     """One ``pytest`` run of ``tests``: exit status, seconds, failing node ids, teardown aborts,
-    the machine's load average at its start and end, and pytest's one-line reason per failure."""
+    the machine's load average at its start and end, and pytest's one-line reason per failure.
+    ``timeout`` counts the run's own time (tests/support/load_clock.py: wall time less the time
+    spent waiting for a CPU), so a loaded machine slows a run without ending it."""
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
-    try:
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT,
-                              capture_output=True, text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-        rc, out = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as e:
-        partial = e.stdout or ""
-        rc, out = "timeout", partial.decode(errors="replace") if isinstance(partial, bytes) else partial
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryFile() as log:
+        # its own session: the run, its fork server and every rank end together if it is stopped
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        clock = WorkClock()
+        rc: int | str | None = None
+        while rc is None:
+            rc = proc.poll()
+            if rc is None and (_STOP or clock.seconds([proc.pid, *descendants(proc.pid)]) > timeout):
+                rc = "stopped" if _STOP else "timeout"
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            time.sleep(0 if rc is not None else 2)
+        log.seek(0)
+        out = log.read().decode(errors="replace")
     failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", out, flags=re.M)))
     reasons = sorted(set(re.findall(r"^((?:FAILED|ERROR) \S+ - .*)$", out, flags=re.M)))
     summary = next((line for line in reversed(out.splitlines()) if re.search(r"\d+ (passed|failed)", line)), "")
+    if rc in ("stopped", "timeout"):
+        passed, failing = _progress(out)
+        summary = f"{rc} after {passed} passed and {failing} failed (pytest's progress marks)"
     return {"rc": rc, "seconds": time.perf_counter() - start, "failed": failed, "aborts": out.count(ABORT), "summary": summary,
             "load": f"{load_before:.1f}-{os.getloadavg()[0]:.1f}", "reasons": reasons}  # fmt: skip
 
@@ -53,8 +90,7 @@ def report(runs: list[dict[str, object]], tests: list[str], machine: str, comman
     describe = ["git", "describe", "--always", "--dirty=, with uncommitted changes"]
     tree = subprocess.run(describe, cwd=ROOT, capture_output=True, text=True).stdout.strip()
     green = sum(1 for r in runs if r["rc"] == 0)
-    import torch
-
+    finished = [r for r in runs if r["rc"] != "stopped"]
     rows = [
         f"| {i} | {r['rc']} | {r['seconds']:.0f} | {r['load']} | {r['aborts']} | "
         f"{', '.join(r['failed']) or '-'} | {r['summary'].strip('= ')} |"  # type: ignore[union-attr]
@@ -63,12 +99,14 @@ def report(runs: list[dict[str, object]], tests: list[str], machine: str, comman
     # pytest's one-line reason for each failure (cut to 300 characters), by run
     reasons = [f"- run {i}: `{line[:300]}`" for i, r in enumerate(runs, 1) for line in r["reasons"]]  # type: ignore[attr-defined]
     return "\n".join([
-        f"# {green}/{len(runs)} green runs of {' '.join(tests)}",
+        f"# {green}/{len(finished)} green runs of {' '.join(tests)}",
         "",
-        *([f"Stopped after {len(runs)} of the {asked} runs asked for.", ""] if len(runs) < asked else []),
+        *([f"Stopped after {len(finished)} finished of the {asked} runs asked for"
+           + (" (and one stopped by hand partway, listed last: not counted)." if len(finished) < len(runs) else "."), ""]
+          if len(finished) < asked else []),
         f"- command: `{command}`",
         f"- machine: {machine} ({platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-        f"torch {torch.__version__}, run at nice {os.nice(0)})",
+        f"torch {importlib.metadata.version('torch')}, run at nice {os.nice(0)})",
         f"- tree: {tree}",
         f"- date: {datetime.date.today().isoformat()}",
         "",
@@ -86,11 +124,15 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--machine", required=True, help="the machine's name, as in bench/RESULTS.md (cpu2, cpu16...)")
     parser.add_argument("--report", type=Path, default=None)
-    parser.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds of its own time one run may take")
     args = parser.parse_args()
     path = args.report or ROOT / "tests" / "reports" / f"repeat-tests-{args.machine}-{datetime.date.today().isoformat()}.md"
-    runs = []
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    runs: list[dict[str, object]] = []
     for i in range(args.runs):
+        if _STOP:
+            break
         runs.append(one_run(args.tests, args.timeout))
         print(f"run {i + 1}/{args.runs}: {runs[-1]}", flush=True)
         # rewritten after every run: a series stopped early still leaves the runs it made
