@@ -247,9 +247,12 @@ def _start_fresh(job: str, world_size: int, env: dict[str, str], logs: list[str]
     return ranks
 
 
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint"]
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint", "transformers.modeling_utils"]
 """What the fork server imports once; every rank is forked from it with these imported and
-nothing else: sdadapt, the test modules and every other import happen in the rank, fresh."""
+nothing else: sdadapt, the test modules and every other import happen in the rank, fresh.
+transformers' model base (about 2 s of CPU per rank that needs it, and most launches of a
+transformers model run 2-4 ranks) is third-party code that sdadapt never changes; where it is not
+installed the fork server skips it."""
 _FORK_SERVER: Any = None
 
 
