@@ -291,16 +291,19 @@ _RESULTS: dict[int, list[dict[str, dict[str, Any]]] | AssertionError] = {}
 
 def results_for(world: int, folder: str) -> list[dict[str, dict[str, Any]]]:
     """Per-rank results of the world size's one launch (run on first use, then cached; a
-    failed or hung launch is cached too, so its cases fail at once instead of relaunching)."""
+    failed or hung launch is cached too, so its cases fail at once instead of relaunching: the
+    first with the launch's whole report, the others with its first line)."""
     if world not in _RESULTS:
         cases = [(m, c, s) for w, m, c, srcs in CASES if w == world for s in srcs]
         try:
             _RESULTS[world] = run_distributed(_run_cases, world, folder, cases, timeout=TIMEOUT[world])
         except AssertionError as e:  # WorkerError or a hang
             _RESULTS[world] = e
+            raise
     got = _RESULTS[world]
     if isinstance(got, AssertionError):
-        raise got
+        head = " / ".join(str(got).split("\n")[:2])[:500]  # what failed, and the first rank's line
+        raise AssertionError(f"the {world}-rank launch failed (its first case has the ranks' report): {head}")
     return got
 
 
