@@ -34,3 +34,17 @@ def test_the_runtime_union_is_the_table():
     union, discriminator = typing.get_args(sdadapt.rules.Rule)
     assert [c.__name__ for c in typing.get_args(union)] == TABLE
     assert discriminator.discriminator == "kind"
+
+
+def test_each_plain_kind_documents_its_function_and_its_example_runs():
+    import inspect
+
+    import sdadapt
+
+    for name, fn in ((cls, fn) for cls, module, fn in RULE_KINDS if module not in QUANTIZED):
+        doc = inspect.cleandoc(getattr(sdadapt.rules, name).__doc__)
+        assert f":func:`sdadapt.{fn}`" in doc, name
+        example = doc.split("Example::\n", 1)[1]
+        scope = {"sdadapt": sdadapt, "hidden": 8}
+        exec(inspect.cleandoc(example), scope)  # noqa: S102 - the docstring's own example
+        assert type(scope["rule"]).__name__ == name

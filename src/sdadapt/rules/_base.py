@@ -6,9 +6,10 @@ Also here: the wrapper segments that module wrappers add to keys, removed before
 
 from __future__ import annotations
 
+import inspect
 import re
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -125,6 +126,37 @@ class RuleBase(BaseModel):
         return f"{getattr(self, 'kind', type(self).__name__)}({fields})"
 
 
+T = TypeVar("T", bound=RuleBase)
+
+
+def built_by(*call: str) -> Callable[[type[T]], type[T]]:
+    """Class decorator of a built-in rule kind: its docstring gets the sections every such class
+    shares, said once here. Its fields are the arguments of its public function (the one named
+    like its ``kind``, :data:`~sdadapt._base.rule_kinds.RULE_KINDS`); ``call`` is the example's
+    arguments to that function, one string each."""
+
+    def complete(cls: type[T]) -> type[T]:
+        kind = cls.model_fields["kind"].default
+        sections = _BUILT_BY.format(role=":func:", kind=kind, call=", ".join(call), name=cls.__name__)
+        cls.__doc__ = inspect.cleandoc(cls.__doc__ or "") + sections
+        return cls
+
+    return complete
+
+
+_BUILT_BY = """
+
+Args:
+    **fields: the arguments of {role}`sdadapt.{kind}`, with the same names and meaning.
+
+Example::
+
+    rule = sdadapt.{kind}({call})
+    assert isinstance(rule, sdadapt.rules.{name})
+    assert rule.kind == "{kind}"  # its JSON: rule.model_dump_json()
+"""
+
+
 Keys = str | list[str]
 """The ``keys`` of a value rule: one pattern, or several (a weight and its bias) that the rule
 treats alike."""
@@ -149,6 +181,16 @@ def matching(ctx: PlanContext, keys: Keys) -> Iterator[tuple[str, Node]]:
     for key in ctx.keys():
         if any(p.match(key) is not None for p in pats):
             yield key, ctx.get(key)
+
+
+def captured(ctx: PlanContext, pattern: str) -> Iterator[tuple[str, dict[str, str]]]:
+    """``(key, captures)`` for each key present when the rule starts that ``pattern`` matches,
+    in the working set's order."""
+    pat = compile_pattern(pattern)
+    for key in ctx.keys():
+        caps = pat.match(key)
+        if caps is not None:
+            yield key, caps
 
 
 def move(ctx: PlanContext, index: int, moved: list[tuple[str, str]]) -> None:

@@ -16,26 +16,17 @@ from .._recipes.interleave import Interleaved
 from .._recipes.moves import Concatenated, Narrowed
 from .._recipes.nodes import Node
 from ..errors import AdapterError
-from ._base import RuleBase, move
+from ._base import RuleBase, built_by, captured, move
 from ._patterns import check_output_pattern, compile_pattern, typed_like
 
 if TYPE_CHECKING:
     from ._base import PlanContext
 
 
+@built_by('"model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.attention.wq.weight"')
 class Rename(RuleBase):
     """``src`` keys become ``dst`` keys: ``Rename(src="model.layers.{i}.mlp.up_proj.weight",
-    dst="layers.{i}.feed_forward.w3.weight")``.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.rename`, with the same names and meaning.
-
-    Example::
-
-        rule = sdadapt.rename("model.layers.{i}.self_attn.q_proj.weight", "layers.{i}.attention.wq.weight")
-        assert isinstance(rule, sdadapt.rules.Rename)
-        assert rule.kind == "rename"  # its JSON: rule.model_dump_json()
-    """
+    dst="layers.{i}.feed_forward.w3.weight")``."""
 
     kind: Literal["rename"] = "rename"
     src: str
@@ -51,12 +42,8 @@ class Rename(RuleBase):
         return [self.src]
 
     def apply(self, ctx: PlanContext, index: int) -> None:
-        pat, out = compile_pattern(self.src), compile_pattern(self.dst)
-        moved: list[tuple[str, str]] = []
-        for key in ctx.keys():
-            caps = pat.match(key)
-            if caps is not None:
-                moved.append((key, out.format(caps)))
+        out = compile_pattern(self.dst)
+        moved = [(key, out.format(caps)) for key, caps in captured(ctx, self.src)]
         move(ctx, index, moved)
 
     def inverse(self) -> list[RuleBase]:
@@ -67,6 +54,7 @@ class Rename(RuleBase):
         return key if caps is None else compile_pattern(self.dst).format(caps)
 
 
+@built_by('[f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv"]', '"layers.{i}.attention.wqkv.weight"')
 class Fuse(RuleBase):
     """Concatenate ``srcs`` along ``dim`` into ``dst`` (e.g. q, k, v -> qkv). Parts may differ
     in size along ``dim`` (GQA); such parts need ``sizes`` (a plan without it says which), so
@@ -77,18 +65,7 @@ class Fuse(RuleBase):
     Bloom's and Persimmon's ``query_key_value``: ``view(heads, 3, head_dim, dim)``): each part is
     cut in ``H`` equal blocks and block ``h`` of every part follows block ``h`` of the previous
     one. For grouped attention fused per kv group (Falcon: each group's q heads, then its k and
-    v) give the kv head count.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.fuse`, with the same names and meaning.
-
-    Example::
-
-        qkv = [f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv"]
-        rule = sdadapt.fuse(qkv, "layers.{i}.attention.wqkv.weight")
-        assert isinstance(rule, sdadapt.rules.Fuse)
-        assert rule.kind == "fuse"  # its JSON: rule.model_dump_json()
-    """
+    v) give the kv head count."""
 
     kind: Literal["fuse"] = "fuse"
     srcs: list[str]
@@ -121,12 +98,8 @@ class Fuse(RuleBase):
         return list(self.srcs)
 
     def apply(self, ctx: PlanContext, index: int) -> None:
-        first, out = compile_pattern(self.srcs[0]), compile_pattern(self.dst)
-        others = [compile_pattern(s) for s in self.srcs[1:]]
-        for key in ctx.keys():
-            caps = first.match(key)
-            if caps is None:
-                continue
+        out, others = compile_pattern(self.dst), [compile_pattern(s) for s in self.srcs[1:]]
+        for key, caps in captured(ctx, self.srcs[0]):
             names = [key] + [p.format(caps) for p in others]
             absent = [n for n in names if not ctx.has(n)]
             dst = out.format(caps)
@@ -175,24 +148,14 @@ def concat_problem(parts: list[Node], names: list[str], dim: int, sizes: list[in
     return None
 
 
+@built_by('"h.{i}.attn.query_key_value.weight"', '["h.{i}.q.weight", "h.{i}.k.weight", "h.{i}.v.weight"]', "heads=8")
 class Split(RuleBase):
     """Cut ``src`` along ``dim`` into ``dsts`` (e.g. qkv -> q, k, v). ``sizes`` may be omitted:
     then they come from the target schema when it has every ``dst``, else equal parts.
 
     ``heads=H``: ``src`` is laid out per head, ``[H, parts, rows]`` (GPT-NeoX's
     ``query_key_value``): part ``p`` is block ``p`` of each of the ``H`` groups, in order;
-    ``sizes`` are then the parts' whole sizes (each divides by ``H``). See :class:`Fuse`.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.split`, with the same names and meaning.
-
-    Example::
-
-        qkv = ["h.{i}.q.weight", "h.{i}.k.weight", "h.{i}.v.weight"]
-        rule = sdadapt.split("h.{i}.attn.query_key_value.weight", qkv, heads=8)
-        assert isinstance(rule, sdadapt.rules.Split)
-        assert rule.kind == "split"  # its JSON: rule.model_dump_json()
-    """
+    ``sizes`` are then the parts' whole sizes (each divides by ``H``). See :class:`Fuse`."""
 
     kind: Literal["split"] = "split"
     src: str
@@ -219,12 +182,8 @@ class Split(RuleBase):
         return [self.src]
 
     def apply(self, ctx: PlanContext, index: int) -> None:
-        pat = compile_pattern(self.src)
         outs = [compile_pattern(d) for d in self.dsts]
-        for key in ctx.keys():
-            caps = pat.match(key)
-            if caps is None:
-                continue
+        for key, caps in captured(ctx, self.src):
             node = ctx.get(key)
             dsts = [o.format(caps) for o in outs]
             nd = len(node.shape)
@@ -272,20 +231,11 @@ class Split(RuleBase):
         return [fuse]
 
 
+@built_by('"**.rotary_emb.inv_freq"')
 class Drop(RuleBase):
     """Source keys deliberately ignored (rotary caches, optimizer entries...). ``shadows=True``:
     the drop is meant to take its keys before later rules that match them too (a whole layer
-    dropped first, whatever it holds); those later rules are then not ambiguous.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.drop`, with the same names and meaning.
-
-    Example::
-
-        rule = sdadapt.drop("**.rotary_emb.inv_freq")
-        assert isinstance(rule, sdadapt.rules.Drop)
-        assert rule.kind == "drop"  # its JSON: rule.model_dump_json()
-    """
+    dropped first, whatever it holds); those later rules are then not ambiguous."""
 
     kind: Literal["drop"] = "drop"
     keys: str
@@ -304,19 +254,10 @@ class Drop(RuleBase):
         return []  # dropped data cannot come back; the export simply lacks it
 
 
+@built_by('"output.weight", "tok_embeddings.weight"')
 class Tie(RuleBase):
     """Fill ``dst`` from ``src`` when the checkpoint lacks ``dst`` (tied embeddings:
-    ``Tie(dst="output.weight", src="tok_embeddings.weight")``). ``src`` stays too.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.tie`, with the same names and meaning.
-
-    Example::
-
-        rule = sdadapt.tie("output.weight", "tok_embeddings.weight")
-        assert isinstance(rule, sdadapt.rules.Tie)
-        assert rule.kind == "tie"  # its JSON: rule.model_dump_json()
-    """
+    ``Tie(dst="output.weight", src="tok_embeddings.weight")``). ``src`` stays too."""
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["tie"] = "tie"
@@ -332,11 +273,8 @@ class Tie(RuleBase):
         return [self.src]
 
     def apply(self, ctx: PlanContext, index: int) -> None:
-        pat, out = compile_pattern(self.src), compile_pattern(self.dst)
-        for key in ctx.keys():
-            caps = pat.match(key)
-            if caps is None:
-                continue
+        out = compile_pattern(self.dst)
+        for key, caps in captured(ctx, self.src):
             ctx.mark(index)
             dst = out.format(caps)
             if ctx.has(dst) or (ctx.target is not None and dst not in ctx.target):
@@ -347,13 +285,25 @@ class Tie(RuleBase):
         return []  # exporting keeps dst: a checkpoint holding it loads with or without the tie
 
 
-def check_prefix(prefix: str) -> str:
-    if not prefix or any(c in prefix for c in "{}*"):
-        raise AdapterError(f"prefix {prefix!r} must be non-empty literal text (no braces or '*'), e.g. 'model.'")
-    return prefix
+class _Prefixing(RuleBase):
+    """A rule that moves keys by a literal ``prefix``; it acts on the keys present when it runs,
+    outside the one-rule-per-key check."""
+
+    prefix: str
+
+    @field_validator("prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not v or any(c in v for c in "{}*"):
+            raise AdapterError(f"prefix {v!r} must be non-empty literal text (no braces or '*'), e.g. 'model.'")
+        return v
+
+    def input_patterns(self) -> list[str]:
+        return []  # a catch-all on what is left; exempt from the ambiguity check
 
 
-class StripPrefix(RuleBase):
+@built_by('"model."')
+class StripPrefix(_Prefixing):
     """Remove ``prefix`` from the keys that start with it: ``StripPrefix(prefix="model.")``.
 
     It acts on the keys present when it runs (put it first to strip checkpoint keys) and takes
@@ -363,29 +313,10 @@ class StripPrefix(RuleBase):
     Wrapper segments (``_orig_mod.`` of torch.compile, ``_checkpoint_wrapped_module.`` of
     activation checkpointing, ``_fsdp_wrapped_module.`` of FSDP1) need no rule: planning removes
     them from every key, wherever they appear, before any rule runs; two keys that become one
-    are reported with both names.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.strip_prefix`, with the same names and meaning.
-
-    Example::
-
-        rule = sdadapt.strip_prefix("model.")
-        assert isinstance(rule, sdadapt.rules.StripPrefix)
-        assert rule.kind == "strip_prefix"  # its JSON: rule.model_dump_json()
-    """
+    are reported with both names."""
 
     kind: Literal["strip_prefix"] = "strip_prefix"
-    prefix: str
     optional: bool = False
-
-    @field_validator("prefix")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        return check_prefix(v)
-
-    def input_patterns(self) -> list[str]:
-        return []  # a catch-all on what is left; exempt from the ambiguity check
 
     def apply(self, ctx: PlanContext, index: int) -> None:
         moved = [(k, k[len(self.prefix) :]) for k in ctx.keys() if k.startswith(self.prefix) and len(k) > len(self.prefix)]
@@ -400,31 +331,13 @@ class StripPrefix(RuleBase):
         return key[len(self.prefix) :] if key.startswith(self.prefix) and len(key) > len(self.prefix) else key
 
 
-class AddPrefix(RuleBase):
+@built_by('"model."')
+class AddPrefix(_Prefixing):
     """Put ``prefix`` in front of the keys matching ``keys`` (default: every key present when
-    it runs). The inverse of :class:`StripPrefix`.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.add_prefix`, with the same names and meaning.
-
-    Example::
-
-        rule = sdadapt.add_prefix("model.")
-        assert isinstance(rule, sdadapt.rules.AddPrefix)
-        assert rule.kind == "add_prefix"  # its JSON: rule.model_dump_json()
-    """
+    it runs). The inverse of :class:`StripPrefix`."""
 
     kind: Literal["add_prefix"] = "add_prefix"
-    prefix: str
     keys: str = "**"
-
-    @field_validator("prefix")
-    @classmethod
-    def _prefix(cls, v: str) -> str:
-        return check_prefix(v)
-
-    def input_patterns(self) -> list[str]:
-        return []  # a catch-all on what is left; exempt from the ambiguity check
 
     def apply(self, ctx: PlanContext, index: int) -> None:
         pat = compile_pattern(self.keys)

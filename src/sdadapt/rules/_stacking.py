@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from .._recipes import moves as MV
 from ..errors import AdapterError
-from ._base import RuleBase, dim_of
+from ._base import RuleBase, built_by, captured, dim_of
 from ._custom import register_rule
 from ._patterns import compile_pattern, typed_like
 
@@ -48,22 +48,13 @@ class _Stacking(RuleBase):
         return [self.src]
 
 
+@built_by('"layers.{i}.experts.{e}.w1.weight", "layers.{i}.moe.experts.w1"')
 class Stack(_Stacking):
     """All keys matching ``src`` that differ only in the capture ``over`` become one tensor
     ``dst`` with a new dim ``dim`` of size E (MoE experts:
     ``Stack(src="layers.{i}.block_sparse_moe.experts.{e}.w1.weight", dst="layers.{i}.moe.experts.w1")``).
     The ``over`` values must be the integers 0..E-1 (``count`` E, if given) with equal shapes
-    and dtypes.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.stack`, with the same names and meaning.
-
-    Example::
-
-        rule = sdadapt.stack("layers.{i}.experts.{e}.w1.weight", "layers.{i}.moe.experts.w1")
-        assert isinstance(rule, sdadapt.rules.Stack)
-        assert rule.kind == "stack"  # its JSON: rule.model_dump_json()
-    """
+    and dtypes."""
 
     kind: Literal["stack"] = "stack"
 
@@ -73,12 +64,10 @@ class Stack(_Stacking):
         return self
 
     def apply(self, ctx: PlanContext, index: int) -> None:
-        pat, out = compile_pattern(self.src), compile_pattern(self.dst)
+        out = compile_pattern(self.dst)
         groups: dict[str, list[tuple[str, str]]] = {}
-        for key in ctx.keys():
-            caps = pat.match(key)
-            if caps is not None:
-                groups.setdefault(out.format(caps), []).append((caps[self.over], key))
+        for key, caps in captured(ctx, self.src):
+            groups.setdefault(out.format(caps), []).append((caps[self.over], key))
         for dst, members in groups.items():
             bad = [k for e, k in members if not e.isdigit()]
             if bad:
@@ -123,19 +112,10 @@ class Stack(_Stacking):
         return [Unstack(src=typed_like(self.dst, self.src), dst=self.src, over=self.over, dim=self.dim, count=self.count)]
 
 
+@built_by('"layers.{i}.moe.experts.w1", "layers.{i}.experts.{e}.w1.weight"')
 class Unstack(_Stacking):
     """One tensor ``src`` becomes E keys ``dst`` (which captures ``over``), one per entry along
-    ``dim``: ``Unstack(src="layers.{i}.moe.experts.w1", dst="layers.{i}.experts.{e}.w1.weight")``.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.unstack`, with the same names and meaning.
-
-    Example::
-
-        rule = sdadapt.unstack("layers.{i}.moe.experts.w1", "layers.{i}.experts.{e}.w1.weight")
-        assert isinstance(rule, sdadapt.rules.Unstack)
-        assert rule.kind == "unstack"  # its JSON: rule.model_dump_json()
-    """
+    ``dim``: ``Unstack(src="layers.{i}.moe.experts.w1", dst="layers.{i}.experts.{e}.w1.weight")``."""
 
     kind: Literal["unstack"] = "unstack"
 
@@ -145,11 +125,8 @@ class Unstack(_Stacking):
         return self
 
     def apply(self, ctx: PlanContext, index: int) -> None:
-        pat, out = compile_pattern(self.src), compile_pattern(self.dst)
-        for key in ctx.keys():
-            caps = pat.match(key)
-            if caps is None:
-                continue
+        out = compile_pattern(self.dst)
+        for key, caps in captured(ctx, self.src):
             node = ctx.get(key)
             d = dim_of(ctx, index, key, node, self.dim)
             if d is None:

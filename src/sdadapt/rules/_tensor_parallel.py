@@ -15,7 +15,7 @@ from .._recipes.interleave import Interleaved
 from .._recipes.moves import UnitPermuted
 from .._recipes.nodes import Converted, Node
 from ..errors import AdapterError
-from ._base import Keys, RuleBase, check_keys, key_patterns, matching_dim, target_info
+from ._base import Keys, RuleBase, built_by, check_keys, key_patterns, matching_dim, target_info
 from ._custom import register_rule
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ def tp_degree(info: TensorInfo, dim: int) -> int | str:
     return tp
 
 
+@built_by('"layers.{i}.feed_forward.w13.weight", sizes=[hidden, hidden]')
 class Interleave(RuleBase):
     """Lay a fused tensor ``[part0; part1; ...]`` (``sizes`` along ``dim``, e.g. q, k, v rows)
     out per TP rank: ``[p0_r0; p1_r0; ...; p0_r1; ...]``, so that a ``ColwiseParallel`` shard on
@@ -77,17 +78,7 @@ class Interleave(RuleBase):
     ranks when it has fewer KV heads than ranks: the part is cut in ``tp / replicas[p]`` blocks,
     rank ``r`` holds block ``r // replicas[p]``, and the laid-out tensor is longer by the
     copies. :class:`Deinterleave` with the same ``replicas`` reads each block from the first
-    rank holding it.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.interleave`, with the same names and meaning.
-
-    Example::
-
-        rule = sdadapt.interleave("layers.{i}.feed_forward.w13.weight", sizes=[hidden, hidden])
-        assert isinstance(rule, sdadapt.rules.Interleave)
-        assert rule.kind == "interleave"  # its JSON: rule.model_dump_json()
-    """
+    rank holding it."""
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["interleave"] = "interleave"
@@ -165,6 +156,7 @@ class Interleave(RuleBase):
         return [Deinterleave(keys=self.keys, sizes=list(self.sizes), tp=self.tp, dim=self.dim, replicas=self.replicas)]
 
 
+@built_by('"layers.{i}.feed_forward.w13.weight", sizes=[hidden, hidden], tp=4')
 class Deinterleave(Interleave):
     """The inverse of :class:`Interleave`: a per-TP-rank layout ``[p0_r0; p1_r0; ...; p0_r1; ...]``
     back to contiguous parts ``[part0; part1; ...]``. ``tp`` omitted: the TP degree of the
@@ -173,17 +165,7 @@ class Deinterleave(Interleave):
 
     Parts that alternate row by row (GPT-OSS stores gate and up rows as ``g0, u0, g1, u1...``
     along the last dim) are this layout with one row per block: ``deinterleave(keys, sizes=[F,
-    F], tp=F, dim=-1)`` gives contiguous ``[gate; up]``, which a split then cuts in two.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.deinterleave`, with the same names and meaning.
-
-    Example::
-
-        rule = sdadapt.deinterleave("layers.{i}.feed_forward.w13.weight", sizes=[hidden, hidden], tp=4)
-        assert isinstance(rule, sdadapt.rules.Deinterleave)
-        assert rule.kind == "deinterleave"  # its JSON: rule.model_dump_json()
-    """
+    F], tp=F, dim=-1)`` gives contiguous ``[gate; up]``, which a split then cuts in two."""
 
     kind: Literal["deinterleave"] = "deinterleave"  # type: ignore[assignment]
     backward: ClassVar[bool] = True

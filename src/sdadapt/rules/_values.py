@@ -18,6 +18,7 @@ from ..errors import AdapterError
 from ._base import (
     Keys,
     RuleBase,
+    built_by,
     check_keys,
     dim_of,
     dtype_str,
@@ -38,6 +39,7 @@ MODEL_DTYPE = "model"
 """``Cast(dtype="model")``: each tensor goes to the dtype the model holds under its final key."""
 
 
+@built_by('"**", "model"')
 class Cast(RuleBase):
     """Convert matched tensors to ``dtype`` (optionally only those stored as ``from_dtype``).
     Dtype changes are never silent: without a cast rule a dtype mismatch is a problem.
@@ -45,17 +47,7 @@ class Cast(RuleBase):
     the key's final name), the one rule that fixes any dtype-only mismatch. A recipe that
     computes its values (a dequantisation of an FP8 release, a LoRA merge, an affine) is given
     ``dtype`` to compute in instead (:meth:`~sdadapt._recipes.nodes.Node.as_dtype`), so a float32 model
-    gets float32 values, not bfloat16 ones widened.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.cast`, with the same names and meaning.
-
-    Example::
-
-        rule = sdadapt.cast("**", "model")
-        assert isinstance(rule, sdadapt.rules.Cast)
-        assert rule.kind == "cast"  # its JSON: rule.model_dump_json()
-    """
+    gets float32 values, not bfloat16 ones widened."""
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["cast"] = "cast"
@@ -107,19 +99,10 @@ class Cast(RuleBase):
         return [Cast(keys=self.keys, dtype=self.from_dtype, from_dtype=self.dtype)]
 
 
+@built_by('"h.{i}.attn.c_attn.weight"')
 class Transpose(RuleBase):
     """Swap dims ``dim0`` and ``dim1`` of matched tensors, keeping their keys (GPT-2 ``Conv1D``
-    ``[in, out]`` <-> ``nn.Linear`` ``[out, in]``). Its own inverse.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.transpose`, with the same names and meaning.
-
-    Example::
-
-        rule = sdadapt.transpose("h.{i}.attn.c_attn.weight")
-        assert isinstance(rule, sdadapt.rules.Transpose)
-        assert rule.kind == "transpose"  # its JSON: rule.model_dump_json()
-    """
+    ``[in, out]`` <-> ``nn.Linear`` ``[out, in]``). Its own inverse."""
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["transpose"] = "transpose"
@@ -161,6 +144,7 @@ def rotary_perm(head_dim: int, to: str, rotary_dim: int | None = None) -> tuple[
     return tuple(rot + list(range(r, head_dim)))
 
 
+@built_by('"layers.{i}.attention.wq.weight", heads=32, rotary_dim=0.25')
 class Rotary(RuleBase):
     """Reorder the rows inside each head between rotary layouts, for every tensor ``keys``
     matches (one pattern, or a list: q/k weights, their biases, per-head q/k norm weights).
@@ -177,17 +161,7 @@ class Rotary(RuleBase):
 
     Partial rotary (transformers' ``partial_rotary_factor``, GPT-NeoX's ``rotary_pct``): only the
     first ``rotary_dim`` rows of each head rotate. ``rotary_dim`` is a row count (an int) or a
-    fraction of the head (a float in (0, 1]); the rotating rows are reordered, the others stay.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.rotary`, with the same names and meaning.
-
-    Example::
-
-        rule = sdadapt.rotary("layers.{i}.attention.wq.weight", heads=32, rotary_dim=0.25)
-        assert isinstance(rule, sdadapt.rules.Rotary)
-        assert rule.kind == "rotary"  # its JSON: rule.model_dump_json()
-    """
+    fraction of the head (a float in (0, 1]); the rotating rows are reordered, the others stay."""
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["rotary"] = "rotary"
@@ -269,6 +243,7 @@ SQUARED_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum"
 ``max_exp_avg_sq``, RMSprop's ``square_avg``, Adagrad's ``sum``): it scales as its square."""
 
 
+@built_by('"**norm.weight"', "shift=1.0")
 class Affine(RuleBase):
     """``w * scale + shift`` for every tensor ``keys`` matches (one pattern or a list): Gemma's
     norms store ``w`` and compute with ``1 + w``, so a model that multiplies by its weight
@@ -282,18 +257,7 @@ class Affine(RuleBase):
     ``dL/dp = dL/dw / scale``. So the shift never applies to moments; gradient averages
     (:data:`GRADIENT_MOMENTS`) are divided by ``scale`` and squared ones
     (:data:`SQUARED_MOMENTS`) by ``scale ** 2`` (multiplied, with ``invert``). Other optimizer
-    state is refused by name, since its scaling is not known.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.affine`, with the same names and meaning.
-        invert: ``True`` in the inverse rule: computes ``(w - shift) / scale``.
-
-    Example::
-
-        rule = sdadapt.affine("**norm.weight", shift=1.0)
-        assert isinstance(rule, sdadapt.rules.Affine)
-        assert rule.kind == "affine"  # its JSON: rule.model_dump_json()
-    """
+    state is refused by name, since its scaling is not known."""
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["affine"] = "affine"
@@ -341,21 +305,12 @@ class Affine(RuleBase):
         return [Affine(keys=self.keys, scale=factor, invert=not self.invert)]
 
 
+@built_by('"embed_tokens.weight", multiple_of=64')
 class Pad(RuleBase):
     """Extend matched tensors along ``dim`` with ``value`` up to ``size``, or to the next multiple
     of ``multiple_of``, or (neither given) to the target's size for that key (vocab padded for
     TP). The inverse is :class:`Trim` to the target's size: exporting needs a target (or a
-    ``Trim`` with an explicit ``size``), since one rule may match tensors of several sizes.
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.pad`, with the same names and meaning.
-
-    Example::
-
-        rule = sdadapt.pad("embed_tokens.weight", multiple_of=64)
-        assert isinstance(rule, sdadapt.rules.Pad)
-        assert rule.kind == "pad"  # its JSON: rule.model_dump_json()
-    """
+    ``Trim`` with an explicit ``size``), since one rule may match tensors of several sizes."""
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["pad"] = "pad"
@@ -400,19 +355,10 @@ class Pad(RuleBase):
         return [Trim(keys=self.keys, dim=self.dim)]
 
 
+@built_by('"embed_tokens.weight", size=32000')
 class Trim(RuleBase):
     """Keep the first ``size`` entries of matched tensors along ``dim`` (``size`` omitted: the
-    target's size for that key; a plan without that key in its target reports it).
-
-    Args:
-        **fields: the arguments of :func:`sdadapt.trim`, with the same names and meaning.
-
-    Example::
-
-        rule = sdadapt.trim("embed_tokens.weight", size=32000)
-        assert isinstance(rule, sdadapt.rules.Trim)
-        assert rule.kind == "trim"  # its JSON: rule.model_dump_json()
-    """
+    target's size for that key; a plan without that key in its target reports it)."""
 
     moves_keys: ClassVar[bool] = False
     kind: Literal["trim"] = "trim"
