@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -140,32 +141,10 @@ class EngineConfig:
     remote_concurrency: int | None = None
 
     def __post_init__(self) -> None:
-        if self.gap_bytes < 0 or self.min_span_bytes < 0:
-            raise ValueError(f"EngineConfig.gap_bytes and min_span_bytes must be at least 0, got {self.gap_bytes}, {self.min_span_bytes}")
-        if self.depth < 1:
-            raise ValueError(f"EngineConfig.depth must be at least 1 (staging buffers per thread), got {self.depth}")
-        if self.band_bytes is not None and self.band_bytes < 1:
-            raise ValueError(f"EngineConfig.band_bytes must be positive, got {self.band_bytes}")
-        if self.gather_bytes is not None and self.gather_bytes < 1:
-            raise ValueError(f"EngineConfig.gather_bytes must be positive, got {self.gather_bytes}")
-        if self.band_depth < 1:
-            raise ValueError(f"EngineConfig.band_depth must be at least 1 (band buffers per computing thread), got {self.band_depth}")
-        if self.landing_buffers < 1:
-            raise ValueError(f"EngineConfig.landing_buffers must be at least 1 (band-sized buffers on the GPU), got {self.landing_buffers}")
-        if self.remote_request_bytes is not None and self.remote_request_bytes < 4096:
-            raise ValueError(f"EngineConfig.remote_request_bytes must be at least 4096, got {self.remote_request_bytes}")
-        if self.remote_concurrency is not None and self.remote_concurrency < 1:
-            raise ValueError(f"EngineConfig.remote_concurrency must be at least 1, got {self.remote_concurrency}")
-        if self.kvikio_threads is not None and self.kvikio_threads < 1:
-            raise ValueError(f"EngineConfig.kvikio_threads must be at least 1, got {self.kvikio_threads}")
-        if self.kvikio_task_bytes < 4096:
-            raise ValueError(f"EngineConfig.kvikio_task_bytes must be at least 4096, got {self.kvikio_task_bytes}")
-        if self.kvikio_bounce_bytes is not None and self.kvikio_bounce_bytes < 4096:
-            raise ValueError(f"EngineConfig.kvikio_bounce_bytes must be at least 4096, got {self.kvikio_bounce_bytes}")
-        for name in ("switch_interval", "plan_switch_interval"):
+        for name, least, what in _LEAST:
             value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"EngineConfig.{name} must be positive seconds or None, got {value}")
+            if value is not None and value < least:
+                raise ValueError(f"EngineConfig.{name} must be {what}, got {value}")
 
     def kvikio_pool(self) -> int:
         """kvikio's thread pool size: ``kvikio_threads``, or every CPU of this rank
@@ -225,6 +204,27 @@ class EngineConfig:
             if os.environ.get(var):
                 setattr(cfg, name, parse(os.environ[var]))
         return cfg
+
+
+_ABOVE_ZERO = math.nextafter(0.0, 1.0)  # the least positive float: "at least this" is "more than 0"
+_LEAST: tuple[tuple[str, float, str], ...] = (
+    ("gap_bytes", 0, "at least 0"),
+    ("min_span_bytes", 0, "at least 0"),
+    ("depth", 1, "at least 1 (staging buffers per thread)"),
+    ("band_bytes", 1, "positive"),
+    ("gather_bytes", 1, "positive"),
+    ("band_depth", 1, "at least 1 (band buffers per computing thread)"),
+    ("landing_buffers", 1, "at least 1 (band-sized buffers on the GPU)"),
+    ("remote_request_bytes", 4096, "at least 4096"),
+    ("remote_concurrency", 1, "at least 1"),
+    ("kvikio_threads", 1, "at least 1"),
+    ("kvikio_task_bytes", 4096, "at least 4096"),
+    ("kvikio_bounce_bytes", 4096, "at least 4096"),
+    ("switch_interval", _ABOVE_ZERO, "positive seconds or None"),
+    ("plan_switch_interval", _ABOVE_ZERO, "positive seconds or None"),
+)
+""":class:`EngineConfig`'s bounded fields: ``(field, the least value, what the error says it must be)``;
+``None`` passes where a field takes it."""
 
 
 def _mib(floor: int) -> Callable[[str], int]:
