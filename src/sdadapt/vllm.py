@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._base.distributed import agree, is_distributed, rank_and_world
+from ._base.distributed import agree, gather_objects, is_distributed, rank_and_world
 from ._plan.adapter import Adapter
 from ._plan.plan import KeyPatterns, key_patterns
 from ._refit import Refit, RefitReport, refit_plan
@@ -132,9 +132,7 @@ class VllmRefit:
         rank, world = rank_and_world(self.group)
         names = sorted({k for rep in reports for k in rep.updated})
         if self.delta and world > 1:  # every engine rank reloads what any changed (the ranks' sets agree)
-            every: list[Any] = [None] * world
-            dist.all_gather_object(every, names, group=self.group)
-            names = sorted({k for got in every for k in got})
+            names = sorted({k for got in gather_objects(names, self.group) for k in got})
         error: BaseException | None = None
         if rank == 0 and (names or not self.delta):
             try:

@@ -90,18 +90,26 @@ def brief_off_rank0(error: BaseException, group: dist.ProcessGroup | None = None
     error.args = (f"{first} [rank {dist.get_rank(group)}{about}: rank 0's error has the whole message{more}]", *error.args[1:])
 
 
+def gather_objects(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Collective: every rank's ``obj`` (picklable), in rank order; ``[obj]`` outside a process
+    group or in a group of one (no collective). Every rank must call it at the same point."""
+    world = dist.get_world_size(group) if is_distributed() else 1
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def gather_if_any(obj: Any, flagged: bool, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Collective: every rank's ``obj`` if any rank is ``flagged``, else ``[None] * world``.
 
     The common case (nobody flagged) costs one one-element all-reduce, not an object
     all-gather (pickling, two collectives and device copies): a few microseconds instead of
     milliseconds on NCCL. Every rank must call it at the same point."""
-    world = dist.get_world_size(group)
     if not any_rank(flagged, group):
-        return [None] * world
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
+        return [None] * dist.get_world_size(group)
+    return gather_objects(obj, group)
 
 
 def any_rank(flagged: bool, group: dist.ProcessGroup | None = None, timeout: float | None = None) -> bool:

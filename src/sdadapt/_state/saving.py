@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .._base.agreement import agree_on
-from .._base.distributed import agree, is_distributed, rank_and_world
+from .._base.distributed import agree, gather_objects, is_distributed, rank_and_world
 from .._base.version import VERSION
 from .._plan.adapter import Adapter
 from .._plan.intent import intent, no_intent
@@ -216,7 +216,7 @@ def _save_to_url(url: str, local_save: Callable[[str], None], overwrite: bool, g
     sees a half-written checkpoint), then delete what the old checkpoint had beyond the new."""
     from ..sources import COMMIT_NAMES, Uploader  # only for a URL: the object store client
 
-    rank, world = rank_and_world(group)
+    rank, _ = rank_and_world(group)
     folder = tempfile.mkdtemp(prefix="sdadapt-save-")
     up: Uploader | None = None
     old: list[str] = []
@@ -238,10 +238,7 @@ def _save_to_url(url: str, local_save: Callable[[str], None], overwrite: bool, g
         except SdadaptError as e:
             error = StateError(str(e))
         agree(error, group)
-        everything: list[Any] = [names]
-        if is_distributed():
-            everything = [None] * world
-            dist.all_gather_object(everything, names, group=group)
+        everything = gather_objects(names, group)
         if rank == 0:
             try:
                 up.put([(os.path.join(folder, n), up.dest(n)) for n in names if n in COMMIT_NAMES])

@@ -383,7 +383,7 @@ def write_checksums_shared(path: str, rank: int, world: int, group: Any = None) 
     keys, rank 0 writing it; one rank's failure is every rank's error."""
     import torch.distributed as dist
 
-    from .._base.distributed import agree, is_distributed
+    from .._base.distributed import agree, gather_objects, is_distributed
 
     error: SdadaptError | None = None
     mine: dict[str, Any] = {}
@@ -392,10 +392,7 @@ def write_checksums_shared(path: str, rank: int, world: int, group: Any = None) 
     except SdadaptError as e:
         error = e
     agree(error, group)
-    parts: list[Any] = [mine]
-    if is_distributed():
-        parts = [None] * world
-        dist.all_gather_object(parts, mine, group=group)
+    parts = gather_objects(mine, group)
     if rank == 0:
         write_checksums_data(path, {k: v for p in parts for k, v in p.items()})
     if is_distributed():
