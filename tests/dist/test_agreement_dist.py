@@ -7,7 +7,8 @@ processes: one launched group of 4 ranks runs every case.
   every rank, rank 0's naming the ranks and what differs;
 - a rank that fails while the others agree: its own error there, the others' ``remote`` class
   (``RemoteRankError`` by default, ``RefitError`` where asked) quoting it;
-- the mismatch's error class chosen by the caller (``RefitError`` for refit).
+- the mismatch's error class chosen by the caller (``RefitError`` for refit);
+- ``gather_agreed``: every rank's object in rank order, or the failing rank's error everywhere.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 from support.dist_helper import outcome, run_distributed
 
-from sdadapt._base import agreement
+from sdadapt._base import agreement, distributed
 from sdadapt.errors import DisagreementError, RefitError, RemoteRankError, SourceError
 
 
@@ -61,7 +62,8 @@ def _cases() -> dict[str, Any]:
 
     def one_fails() -> None:
         error = SourceError("no such file", path="/ckpt/x") if rank == 2 else None
-        parts = {"adapter": None, "plan": None, "versions": None} if rank == 2 else {"adapter": _adapter("qkv"), "plan": plan, "versions": versions}
+        agreed = {"adapter": _adapter("qkv"), "plan": plan, "versions": versions}
+        parts = {"adapter": None, "plan": None, "versions": None} if rank == 2 else agreed
         agreement.agree_on(parts, error, what="load x")
 
     out["one_fails"] = _outcome(one_fails)
@@ -76,6 +78,10 @@ def _cases() -> dict[str, Any]:
         agreement.agree_on({"adapter": _adapter("vqk" if rank == 2 else "qkv")}, what="refit", mismatch=RefitError, timeout=30)
 
     out["refit_mismatch"] = _outcome(refit_mismatch)
+    # distributed.gather_agreed: agree, then gather, in one all-gather
+    out["gathered"] = distributed.gather_agreed({"rank": rank}, None)
+    failed = RefitError("no requests") if rank == 2 else None
+    out["gather_fails"] = _outcome(lambda: distributed.gather_agreed(rank, failed, remote=RefitError))
     out["after"] = _outcome(same)  # the group is still usable
     return out
 
@@ -103,6 +109,11 @@ def test_agreement_four_ranks() -> None:
     assert [r["refit_fails"][0] for r in results] == ["RefitError"] * 4
     assert "rank 1 failed" in results[0]["refit_fails"][1] and "no plan here" in results[0]["refit_fails"][1]
     assert "rank 2's adapter (rule #0) fuses" in results[0]["refit_mismatch"][1]
+    assert [r["gathered"] for r in results] == [[{"rank": i} for i in range(4)]] * 4
+    assert [r["gather_fails"][0] for r in results] == ["RefitError"] * 4
+    assert results[2]["gather_fails"][1] == "no requests"
+    for r in (0, 1, 3):
+        assert "rank 2 failed" in results[r]["gather_fails"][1] and "no requests" in results[r]["gather_fails"][1]
 
 
 def test_agreement_bytes_are_flat() -> None:

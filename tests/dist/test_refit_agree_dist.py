@@ -8,13 +8,17 @@ within about twice ``timeout``, nothing written.
 - a delta run whose trainer rank is gone, or stalls, when the run starts (the version agreement):
   the engine rank raises ``RefitError`` with ``updated`` / ``not_updated`` within the bound;
 - a rank gone, or alive but stalled, before the ranks plan: ``RefitError`` on the others, within
-  about twice ``timeout`` for the stalled one.
+  about twice ``timeout`` for the stalled one;
+- planning takes four collectives whatever the world size, with an engine in the group or ``send=``.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -43,6 +47,29 @@ def _engine() -> dict[str, torch.Tensor]:
     return {"l.0.qkv.weight": torch.zeros(8, 2), "o.weight": torch.zeros(2, 2)}
 
 
+@contextlib.contextmanager
+def _counted() -> Iterator[collections.Counter[str]]:
+    """The collectives of ``torch.distributed`` called inside the block, by name."""
+    counts: collections.Counter[str] = collections.Counter()
+    names = ["all_reduce", "all_gather_object", "all_gather", "broadcast", "broadcast_object_list", "barrier", "gather_object"]
+    saved = {n: getattr(dist, n) for n in names}
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return saved[name](*args, **kwargs)
+
+        return call
+
+    try:
+        for n in names:
+            setattr(dist, n, counting(n))
+        yield counts
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+
+
 def _cases() -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     out: dict[str, Any] = {}
@@ -52,7 +79,13 @@ def _cases() -> dict[str, Any]:
     split = [sdadapt.split("o.weight", ["o.a.weight", "o.b.weight"])] if rank == 1 else []
     out["one_fails"] = outcome(lambda: sdadapt.refit_plan(_trainer(), engine, _adapter("qkv", split)))
     out["one_fails_untouched"] = all(bool((t == 0).all()) for t in engine.values())
-    refit = sdadapt.refit_plan(_trainer(), engine, _adapter("qkv"), timeout=60)
+    with _counted() as counts:
+        refit = sdadapt.refit_plan(_trainer(), engine, _adapter("qkv"), timeout=60)
+    out["collectives"] = sum(counts.values())
+    with _counted() as counts:
+        whole = {k: torch.empty(t.shape, device="meta") for k, t in engine.items()}
+        sdadapt.refit_plan(_trainer(), whole, _adapter("qkv"), timeout=60, send=lambda bucket: None)
+    out["collectives_send"] = sum(counts.values())
     out["after"] = outcome(refit.run)
     t = _trainer()
     out["right"] = torch.equal(engine["l.0.qkv.weight"], torch.cat([t["l.0.q.weight"], t["l.0.k.weight"], t["l.0.v.weight"]]))
@@ -67,6 +100,8 @@ def test_refit_ranks_disagree(world: int) -> None:
         assert r["disagree"][2] < 30
         assert r["one_fails"][0] == "RefitError" and r["one_fails_untouched"] and r["one_fails"][2] < 30, r["one_fails"]
         assert r["after"][0] == "ok" and r["right"], r["after"]
+        # planning's collectives: arrival, what each rank holds, the agreement, the requests (docs/refit.md)
+        assert (r["collectives"], r["collectives_send"]) == (4, 4)
     assert f"rank {world - 1}'s adapter (rule #0) fuses [l.{{i}}.k.weight, l.{{i}}.q.weight, l.{{i}}.v.weight]" in results[0]["disagree"][1]
     assert "do not line up" in results[1]["one_fails"][1] and "o.a.weight" in results[1]["one_fails"][1]
     for r in (0, *range(2, world)):

@@ -57,9 +57,30 @@ def raise_agreed(
 ) -> None:
     """Collective, once every rank knows that some rank failed: the failing ranks re-raise their
     own error, the others ``remote`` (:class:`RemoteRankError`) quoting the first failing rank's."""
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    msgs: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(msgs, mine, group=group)
+    _raise_first(error, gather_objects(_message(error), group), group, remote)
+
+
+def gather_agreed(
+    obj: Any, error: BaseException | None, group: dist.ProcessGroup | None = None,
+    remote: Callable[[str], BaseException] = RemoteRankError,
+) -> list[Any]:  # fmt: skip
+    """Collective: :func:`agree` then :func:`gather_objects` in one all-gather. Every rank's
+    ``obj`` in rank order; if any rank passes an ``error``, every rank raises as :func:`agree`
+    has it (the failing ranks their own error, the others ``remote`` quoting the first)."""
+    every = gather_objects((_message(error), None if error is not None else obj), group)
+    _raise_first(error, [m for m, _ in every], group, remote)
+    return [o for _, o in every]
+
+
+def _message(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _raise_first(
+    error: BaseException | None, msgs: list[str | None], group: dist.ProcessGroup | None, remote: Callable[[str], BaseException]
+) -> None:
+    """Given every rank's error message (``None``: it did not fail): this rank's own error if it
+    failed, else ``remote`` quoting the first failing rank's, else nothing."""
     if error is not None:
         brief_off_rank0(error, group)
         raise error

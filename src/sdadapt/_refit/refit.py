@@ -36,10 +36,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._base.agreement import agree_on
-from .._base.distributed import agree, collective_device, is_distributed, rank_and_world
+from .._base.distributed import agree, collective_device, gather_agreed, gather_objects, is_distributed, rank_and_world
 from .._base.regions import Box, box_shape, dtensor_box, full_box
 from .._base.schema import TensorInfo, dtype_name
-from .._export import first_copies, plan_outputs, reads_of
+from .._export import plan_outputs, reads_of
 from .._plan.adapter import Adapter, with_dtype
 from .._plan.intent import intent, no_intent
 from .._plan.plan import build_plan
@@ -201,12 +201,16 @@ def _refit_plan(trainer: nn.Module | Mapping[str, torch.Tensor] | None, engine: 
                 if box_shape(box) != tuple(local.shape):
                     raise RefitError(f"engine tensor {k!r}: its layout gives box {list(box)} but it holds {list(local.shape)}")
             held_e[k], local_e[k] = Held(shape, dtype_name(t.dtype), box), local
-        meta = {"trainer": held_t, "engine": held_e}
+        # of copies on meshes that do not cover the group (a 2-D job's parameter left out of the TP
+        # plan, a plain tensor on every rank), the copy whose mesh has the lowest rank counts (send=)
+        me = dist.get_rank() if is_distributed() else 0
+        first = {k: int(t.device_mesh.mesh.min()) if isinstance(t, DTensor) else me for k, t in trainer_t.items()}
+        meta = {"trainer": held_t, "engine": held_e, "first": first}
     except SdadaptError as e:
         error = e
     # the planning's first collective waits at most ``timeout`` for a rank that stalls before it
     agree(error, group, RefitError, timeout=timeout)
-    metas = _gather(meta, group, world)
+    metas = gather_objects(meta, group)
     trainer_all = [m["trainer"] for m in metas]
     recipes: dict[str, Node] = {}
     error = None
@@ -227,19 +231,13 @@ def _refit_plan(trainer: nn.Module | Mapping[str, torch.Tensor] | None, engine: 
     agree_on(parts, error, group, what="refit", mismatch=RefitError, remote=RefitError)
     dtypes = {k: v.dtype for k, v in source.items()}
     sending: list[Region] | None = None
-    if send is not None:
-        error = None
-        # of copies on meshes that do not cover the group (a 2-D job's parameter left out of the TP
-        # plan), one mesh's ranks send: collective, with the same leaves on every rank (agreed above)
-        counted = first_copies(trainer_t, sorted({leaf for n in recipes.values() for leaf in n.leaves()}), group)
-        try:
-            sending = plan_regions({k: t for k, t in trainer_t.items() if k in counted}, dtypes, recipes, rank, bucket_bytes)
-        except SdadaptError as e:
-            error = e
-        agree(error, group, RefitError)
     mine = _Mine()
     error = None
     try:
+        if send is not None:  # no engine tensor is held here: the regions this rank sends
+            leaves = {leaf for n in recipes.values() for leaf in n.leaves()}
+            counted = {k for k, f in meta["first"].items() if k in leaves and f == min(m["first"].get(k, f) for m in metas)}
+            sending = plan_regions({k: t for k, t in trainer_t.items() if k in counted}, dtypes, recipes, rank, bucket_bytes)
         for k in sorted(local_e):
             if k not in recipes:
                 continue
@@ -270,8 +268,8 @@ def _refit_plan(trainer: nn.Module | Mapping[str, torch.Tensor] | None, engine: 
                 plan_cut(k, node, part, dest[_within(part, ebox)], trainer_all, dtypes, rank, mine.cut, add)
     except SdadaptError as e:
         error = e
-    agree(error, group, RefitError)
-    gathered = _gather((mine.requests, mine.cut.bands), group, world)
+    # one exchange: every rank's requests and cut bands, or the first rank's failure on every rank
+    gathered = gather_agreed((mine.requests, mine.cut.bands), error, group, RefitError)
     requests = [r for r, _ in gathered]
     transfers = transfers_of(trainer_all, requests, round_bytes(bucket_bytes), bucket_bytes)
     device = collective_device(group) if is_distributed() else torch.device("cpu")
@@ -284,14 +282,6 @@ def _refit_plan(trainer: nn.Module | Mapping[str, torch.Tensor] | None, engine: 
     )  # fmt: skip
     log.info("refit planned on rank %d: %d engine tensors here, %d transfers", rank, len(mine.steps), len(transfers))
     return refit
-
-
-def _gather(obj: Any, group: dist.ProcessGroup | None, world: int) -> list[Any]:
-    if world == 1:
-        return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
 
 
 def _schema(per_rank: list[dict[str, Held]], what: str) -> dict[str, TensorInfo]:

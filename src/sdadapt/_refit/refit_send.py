@@ -62,7 +62,7 @@ def plan_regions(
     trainer: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype], recipes: dict[str, Node], rank: int, bucket: int
 ) -> list[Region]:
     """The regions of every engine tensor this rank makes from the trainer shards it owns
-    (``trainer``: the tensors whose copy here counts, ``first_copies``; ``dtypes``: every trainer
+    (``trainer``: the tensors whose copy here counts, that of the lowest rank among copies; ``dtypes``: every trainer
     tensor's, held here or not)."""
     owned: dict[str, Box] = {}
     for k, t in trainer.items():

@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from .._base.agreement import agree_on
-from .._base.distributed import agree, gather_objects, is_distributed, rank_and_world
+from .._base.distributed import agree, gather_agreed, is_distributed, rank_and_world
 from .._base.version import VERSION
 from .._plan.adapter import Adapter
 from .._plan.intent import intent, no_intent
@@ -237,8 +237,7 @@ def _save_to_url(url: str, local_save: Callable[[str], None], overwrite: bool, g
             up.put([(os.path.join(folder, n), up.dest(n)) for n in data])
         except SdadaptError as e:
             error = StateError(str(e))
-        agree(error, group)
-        everything = gather_objects(names, group)
+        everything = gather_agreed(names, error, group)  # what every rank uploaded, once all did
         if rank == 0:
             try:
                 up.put([(os.path.join(folder, n), up.dest(n)) for n in names if n in COMMIT_NAMES])

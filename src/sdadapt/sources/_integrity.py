@@ -383,7 +383,7 @@ def write_checksums_shared(path: str, rank: int, world: int, group: Any = None) 
     keys, rank 0 writing it; one rank's failure is every rank's error."""
     import torch.distributed as dist
 
-    from .._base.distributed import agree, gather_objects, is_distributed
+    from .._base.distributed import gather_agreed, is_distributed
 
     error: SdadaptError | None = None
     mine: dict[str, Any] = {}
@@ -391,8 +391,7 @@ def write_checksums_shared(path: str, rank: int, world: int, group: Any = None) 
         mine = checksums_of_saved(path, rank, world)
     except SdadaptError as e:
         error = e
-    agree(error, group)
-    parts = gather_objects(mine, group)
+    parts = gather_agreed(mine, error, group)
     if rank == 0:
         write_checksums_data(path, {k: v for p in parts for k, v in p.items()})
     if is_distributed():
