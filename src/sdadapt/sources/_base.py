@@ -82,6 +82,16 @@ class Format:
     config: Callable[[str], dict[str, Any] | None] | None = None
 
 
+def claims_by_name(folder_file: str, suffix: str) -> Callable[[str], bool]:
+    """:attr:`Format.claims` of a format whose folders hold ``folder_file`` and whose files end
+    with ``suffix``."""
+
+    def claims(path: str) -> bool:
+        return os.path.isfile(os.path.join(path, folder_file)) if os.path.isdir(path) else path.endswith(suffix)
+
+    return claims
+
+
 def flat_only(path: str, subtree: str | None) -> str:
     """``path``, unless a ``subtree`` was asked of a format whose keys are flat."""
     if subtree:

@@ -13,7 +13,7 @@ import torch
 from .._base.regions import Box
 from .._base.schema import TensorLocation
 from ..errors import SourceError
-from ._base import Format, Source, flat_only, member_path
+from ._base import Format, Source, claims_by_name, flat_only, member_path
 from ._json import INDEX_LIMIT, ShardIndex, read_json
 from ._safetensors_file import SafetensorsFile
 
@@ -86,12 +86,6 @@ class HFShardedSource(Source):
             sf.close()
 
 
-def _claims(path: str) -> bool:
-    if os.path.isdir(path):
-        return os.path.isfile(os.path.join(path, INDEX_NAME))
-    return path.endswith(".index.json")
-
-
 def _open(path: str, subtree: str | None) -> Source:
     if os.path.isdir(path):
         return HFShardedSource(flat_only(path, subtree))
@@ -112,6 +106,7 @@ def _whole(path: str, size: int) -> Iterator[list[tuple[int, int]]]:
 
 
 FORMAT = Format(
-    "hf_sharded", (".index.json",), _claims, _open, _whole, recordable=True, folder_file=INDEX_NAME, members=_shards,
+    "hf_sharded", (".index.json",), claims_by_name(INDEX_NAME, ".index.json"), _open, _whole, recordable=True,
+    folder_file=INDEX_NAME, members=_shards,
 )
 """A folder with ``model.safetensors.index.json`` and the shards it names, or an ``*.index.json`` file."""

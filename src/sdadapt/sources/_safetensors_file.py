@@ -24,7 +24,7 @@ from .._base.regions import Box
 from .._base.schema import TensorInfo, TensorLocation, slices
 from ..errors import SourceError
 from . import _headers
-from ._base import Format, Source, flat_only, nonempty
+from ._base import Format, Source, claims_by_name, flat_only, nonempty
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit
 
@@ -224,12 +224,6 @@ SINGLE_NAME = "model.safetensors"
 """The one weight file of a folder holding a single safetensors file."""
 
 
-def _claims(path: str) -> bool:
-    if os.path.isdir(path):
-        return os.path.isfile(os.path.join(path, SINGLE_NAME))
-    return path.endswith(".safetensors")
-
-
 def _open(path: str, subtree: str | None) -> Source:
     if os.path.isdir(path):
         return SafetensorsFile(os.path.join(flat_only(path, subtree), SINGLE_NAME))
@@ -247,6 +241,7 @@ def header_ranges(path: str, size: int) -> Iterator[list[tuple[int, int]]]:
 
 
 FORMAT = Format(
-    "safetensors", (".safetensors",), _claims, _open, header_ranges, recordable=True, folder_file=SINGLE_NAME,
+    "safetensors", (".safetensors",), claims_by_name(SINGLE_NAME, ".safetensors"), _open, header_ranges, recordable=True,
+    folder_file=SINGLE_NAME,
 )
 """One ``.safetensors`` file, or a folder holding ``model.safetensors``."""
