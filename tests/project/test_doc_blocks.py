@@ -70,6 +70,8 @@ def test_the_readmes_first_block_speaks_to_a_reader():
 def test_doc_blocks_run(file, tmp_path):
     out = tmp_path / "outcome.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])}
+    # a process of the page (a torchrun rank included) that aborts prints every thread's Python stack
+    env["PYTHONFAULTHANDLER"] = "1"
     # the timeout counts the page's own time (support.load_clock): a loaded machine slows it, a hang fails it
     r = load_clock.run([sys.executable, str(ROOT / "tests" / "support" / "doc_blocks.py"), file, str(out)],
                        cwd=tmp_path, env=env, timeout=600)  # fmt: skip
