@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import DisagreementError, RemoteRankError
-from .distributed import brief_off_rank0, collective_device, is_distributed, raise_agreed
+from .distributed import brief_off_rank0, collective_device, gather_objects, is_distributed, raise_agreed
 from .env import version_of
 from .version import VERSION
 
@@ -89,9 +89,7 @@ def agree_on(
     differ = [n for i, n in enumerate(names) if got[1 + i] != _TOP - got[1 + k + i]]
     if not differ:
         return
-    mine = {n: parts[n] for n in differ}
-    every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
+    every = gather_objects({n: parts[n] for n in differ}, group)
     e = mismatch(disagreement_message(every, differ, what))
     brief_off_rank0(e, group)
     raise e
