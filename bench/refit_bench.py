@@ -2,7 +2,7 @@
 
     python bench/refit_bench.py [--model llama|qwen3_moe] [--scenario disaggregated|colocated|single]
                                 [--size small|8b] [--repeat 3] [--bucket-mib 64] [--engine-dtype bfloat16]
-                                [--device cpu|cuda] [--fp8] [--layers N] [--no-baseline]
+                                [--device cpu|cuda] [--fp8 | --quant FORMAT] [--layers N] [--no-baseline]
                                 [--baseline-repeat N] [--hang-s 300] [--profile N]
 
 Scenarios (CPU, gloo, one process per rank, started here):
@@ -24,7 +24,10 @@ install --no-index --target``); ``sdadapt.adapters`` is found beside ``src/`` wi
 
 ``--fp8``: the engine serves vLLM's block-quantized FP8 (``vllm_fp8``: e4m3 weights and float32
 ``weight_scale_inv`` per 128 x 128 block, quantized on the engine ranks; embeddings, head and
-norms in ``--engine-dtype``). ``--layers``: fewer decoder layers than the size has (a quick
+norms in ``--engine-dtype``). ``--quant FORMAT``: the engine's linear weights in one of
+``tests/support/refit_eager.py``'s ``QUANT_FORMATS`` (``fp8_block``, the same as ``--fp8``;
+``fp8_channel``, ``fp8_tensor``, ``mxfp8``, ``nvfp4``: compressed-tensors' arithmetic, Llama and
+``--scenario single`` only). ``--layers``: fewer decoder layers than the size has (a quick
 run). ``--profile N``: one more refit under torch's profiler; rank 0 prints its N costliest
 operations (by GPU time, then by CPU time). Rank 0 prints each phase's start on stderr with the
 time since launch; a phase that hangs dumps every thread's stack after ``--hang-s`` seconds.
@@ -98,8 +101,9 @@ def weights(model: str, s: dict[str, int], device: str) -> dict[str, torch.Tenso
     return sd
 
 
-def adapter(model: str, s: dict[str, int], tp: int, fp8: bool = False) -> sdadapt.Adapter:
+def adapter(model: str, s: dict[str, int], tp: int, fp8: bool = False, quant: str = "") -> sdadapt.Adapter:
     from sdadapt.adapters import vllm_fp8, vllm_llama, vllm_qwen3_moe
+    from support.refit_eager import quant_adapter
 
     if model == "llama":
         ad = vllm_llama.build(n_heads=s["heads"], n_kv_heads=s["kv"], head_dim=s["head_dim"], hidden_dim=s["hidden"], tp=tp)
@@ -107,6 +111,8 @@ def adapter(model: str, s: dict[str, int], tp: int, fp8: bool = False) -> sdadap
         to_hf = sdadapt.get_adapter("qwen3_moe", n_experts=s["experts"]).inverse()
         ad = to_hf + vllm_qwen3_moe.build(n_heads=s["heads"], n_kv_heads=s["kv"], head_dim=s["head_dim"],
                                           moe_hidden_dim=s["moe_hidden"], n_experts=s["experts"], tp=tp)  # fmt: skip
+    if quant and quant != "fp8_block":
+        return ad + quant_adapter(quant)
     return ad + vllm_fp8.build() if fp8 else ad
 
 
@@ -202,9 +208,15 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
     say(f"trainer weights made: {sum(v.numel() for v in full.values()) / 1e9:.2f} G values")
     trainer = {k: distribute_tensor(v, mesh, [Shard(0)], src_data_rank=None) for k, v in full.items()} if is_trainer else None
     del full
-    ad = adapter(args.model, s, tp, args.fp8)
+    ad = adapter(args.model, s, tp, args.fp8, args.quant)
     layout = layout_of(args.model, tp, erank, args.fp8) if is_engine else None
-    engine = engine_of(args.model, s, tp, dtype, device, args.fp8) if is_engine else None
+    if args.quant and args.quant != "fp8_block":  # the adapter's outputs, as it makes them: TP 1, whole tensors
+        from support.refit_eager import quant_engine
+
+        engine = quant_engine(trainer_schema(args.model, s), ad, dtype, device) if is_engine else None
+        layout = lambda k, t: (tuple(t.shape), tuple((0, n) for n in t.shape))  # noqa: E731
+    else:
+        engine = engine_of(args.model, s, tp, dtype, device, args.fp8) if is_engine else None
     sync = (lambda: torch.cuda.synchronize()) if gpu else (lambda: None)  # noqa: E731
     say("trainer sharded, engine allocated; planning")
 
@@ -235,7 +247,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
 
     # baseline: gather whole (export_iter) then cut
     recipes = refit.recipes
-    wire = torch.float32 if args.fp8 else dtype  # FP8 is quantized from the trainer's values, not from a cast
+    wire = torch.float32 if args.fp8 or args.quant else dtype  # FP8 is quantized from the trainer's values, not from a cast
     base_runs: list[float] = []
     gathered = sent = 0
     for _ in range((args.baseline_repeat or args.repeat) if args.baseline else 0):
@@ -314,6 +326,8 @@ def main() -> None:
     p.add_argument("--bucket-mib", type=int, default=64)
     p.add_argument("--engine-dtype", default="bfloat16")
     p.add_argument("--fp8", action="store_true", help="the engine serves vLLM's block-quantized FP8")
+    p.add_argument("--quant", choices=["fp8_block", "fp8_channel", "fp8_tensor", "mxfp8", "nvfp4"], default="",
+                   help="the engine's linear weights in this format (fp8_block: --fp8)")  # fmt: skip
     p.add_argument("--layers", type=int, default=0, help="decoder layers (default: the size's)")
     p.add_argument("--baseline-repeat", type=int, default=0, help="gather-then-cut runs (default: --repeat)")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip gather-then-cut")
@@ -321,6 +335,9 @@ def main() -> None:
     p.add_argument("--hang-s", type=float, default=300.0, help="dump the stacks of a phase that takes longer")
     args = p.parse_args()
     args.t0 = T0
+    args.fp8 = args.fp8 or args.quant == "fp8_block"
+    if args.quant not in ("", "fp8_block") and (args.model != "llama" or args.scenario != "single"):
+        p.error(f"--quant {args.quant} runs with --model llama --scenario single (the engine is TP 1)")
     world = {"disaggregated": 4, "colocated": 2, "single": 1}[args.scenario]
     import torch.multiprocessing as mp
 
@@ -330,7 +347,7 @@ def main() -> None:
     med = lambda xs: statistics.median(xs)  # noqa: E731
     refit_s = max(med(r["runs"]) for r in rows)
     base_s = max(med(r["base_runs"]) for r in rows) if args.baseline else float("nan")
-    out = f"{args.engine_dtype}" + (" + FP8 e4m3 block 128x128" if args.fp8 else "")
+    out = f"{args.engine_dtype}" + (" + FP8 e4m3 block 128x128" if args.fp8 else f" + {args.quant}" if args.quant else "")
     size = f"{args.size} ({args.layers} layers)" if args.layers else args.size
     print(f"\n{args.model} {size}, {args.scenario}, engine {out}, bucket {args.bucket_mib} MiB")
     print(f"refit {refit_s:.3f} s (median of {args.repeat}, slowest rank; plan {max(r['plan_s'] for r in rows):.2f} s), "

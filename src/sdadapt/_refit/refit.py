@@ -312,7 +312,7 @@ def _made_by_senders(
     scales, ``refit_cut``; another's is computed here from its inputs). Cut in halves
     along its longest leading dim while that narrows what the halves read (an FP8 block cut by
     the trainer's shards stays whole). ``[]``: computed here, from its inputs."""
-    if not any(isinstance(s, Compute) for s in steps) or len(box) < 2:
+    if not any(isinstance(s, Compute) for s in steps):
         return []
 
     def nbytes(reads: list[tuple[str, Box]]) -> int:
@@ -325,6 +325,9 @@ def _made_by_senders(
     reads = reads_of(node, box, dtypes)
     if volume(box) * node.dtype.itemsize >= nbytes(reads):
         return []
+    if len(box) < 2:  # a per-tensor scale: made where the whole tensor is, if one rank holds it
+        src = maker(reads)
+        return [(box, src)] if src >= 0 else []
     out: list[tuple[Box, int]] = []
 
     def halves(part: Box, d: int) -> list[Box]:
