@@ -70,8 +70,9 @@ def _first_cause(f: RankFailure) -> int:
 
 
 class WorkerError(AssertionError):
-    def __init__(self, failures: list[RankFailure], logs: str):
+    def __init__(self, failures: list[RankFailure], logs: str, seconds: float = 0.0):
         self.failures = failures
+        self.seconds = seconds  # the launch's own time (support.load_clock), for "fails within N s" bounds
         ordered = sorted(failures, key=_first_cause)
         text = "\n".join(f"--- rank {f.rank}: {f.type_name}: {f.message}\n{f.traceback}" for f in ordered)
         super().__init__(f"{len(failures)} rank(s) failed:\n{text}\n--- worker output (tail) ---\n{logs}")
@@ -106,7 +107,7 @@ def _run_job(job: str, fn: Any, world_size: int, args: tuple[Any, ...], kwargs: 
         ranks = _start_fresh(job, world_size, env, logs)
     else:
         ranks = _start_forked(job, world_size, env, where, logs)
-    hung, codes, why = _supervise(job, ranks, timeout)
+    hung, codes, why, seconds = _supervise(job, ranks, timeout)
     tail = _log_tails(job, world_size)
     if hung and all(c is not None and not _failed(job, r) for r, c in enumerate(codes) if r not in hung):
         raise AssertionError(f"ranks {hung} of {world_size} {why}\n{_stages(job, hung)}\n{tail}")
@@ -131,7 +132,7 @@ def _run_job(job: str, fn: Any, world_size: int, args: tuple[Any, ...], kwargs: 
         stack = _stages(job, [rank])
         failures.append(RankFailure(rank, "Hang", f"{why}; {stack.strip()}", "", []))
     if failures:
-        raise WorkerError(failures, tail)
+        raise WorkerError(failures, tail, seconds)
     return results
 
 
@@ -174,8 +175,9 @@ def _failed(job: str, rank: int) -> bool:
     return not path.exists() or pickle.loads(path.read_bytes())[0] != "ok"
 
 
-def _supervise(job: str, ranks: list[_Rank], timeout: float) -> tuple[list[int], list[Any], str]:
-    """Wait for every rank; (the ranks that hung, every rank's exit code, why they were ended).
+def _supervise(job: str, ranks: list[_Rank], timeout: float) -> tuple[list[int], list[Any], str, float]:
+    """Wait for every rank; (the ranks that hung, every rank's exit code, why they were ended, the
+    launch's own time).
 
     A rank hangs when the work clock passes ``timeout`` (or ``WALL_FACTOR * timeout`` wall
     seconds pass), or :data:`GRACE` seconds after another rank failed. A hung rank is asked for
@@ -187,7 +189,7 @@ def _supervise(job: str, ranks: list[_Rank], timeout: float) -> tuple[list[int],
         codes = [r.poll() for r in ranks]
         alive = [i for i, c in enumerate(codes) if c is None]
         if not alive:
-            return [], codes, ""
+            return [], codes, "", clock.seconds([])
         now = clock.seconds([ranks[i].pid for i in alive])
         if failed_at is None:
             ended_badly = [i for i, c in enumerate(codes) if c is not None and _failed(job, i)]
@@ -208,7 +210,7 @@ def _supervise(job: str, ranks: list[_Rank], timeout: float) -> tuple[list[int],
         r.kill()
     for r in ranks:
         r.reap()
-    return alive, [r.poll() for r in ranks], why
+    return alive, [r.poll() for r in ranks], why, clock.seconds([])
 
 
 def _dump_stacks(job: str, ranks: list[_Rank], numbers: list[int]) -> None:

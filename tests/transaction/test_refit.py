@@ -449,7 +449,6 @@ def _leaves(hang: bool) -> dict[str, object]:
 def test_refit_rank_leaves_or_hangs(hang: bool) -> None:
     """A rank that leaves, or stops answering for longer than ``timeout``: the other rank raises
     RefitError naming what it did not update, and does not hang."""
-    t0 = time.monotonic()
     with pytest.raises(WorkerError) as info:
         run_distributed(_leaves, 2, hang, timeout=200)
     by_rank = {f.rank: f for f in info.value.failures}
@@ -458,7 +457,7 @@ def test_refit_rank_leaves_or_hangs(hang: bool) -> None:
     assert "were not" in by_rank[1].message
     if hang:
         assert "Timed out" in by_rank[1].message or "timed out" in by_rank[1].message, by_rank[1].message
-    assert time.monotonic() - t0 < 150
+    assert info.value.seconds < 150  # the launch's own time: a loaded machine's waits for a CPU do not count
 
 
 # ------------------------------------------------------------------------------ one process
