@@ -14,7 +14,8 @@ all ranks and as FSDP x TP 2. Per rank:
 - **async save** (FSDP mesh, Adam): a training step's seconds; ``save_state`` blocking; then
   ``save_state(..., async_=True)``: how long the call held training (against the time its
   copy into host memory took, ``handle.staging_seconds``), how long the background write took, and the training steps run while it wrote
-  (their seconds against the steps before).
+  (their seconds against the steps before); ``--async-saves`` of them in a row (the first stages into
+  fresh host memory, the later ones reuse it).
 """
 
 from __future__ import annotations
@@ -108,21 +109,23 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
     t0 = time.perf_counter()
     sdadapt.save_state(model, os.path.join(tmp, "sync"), opt, extra={"step": 1})
     sync = time.perf_counter() - t0
-    dist.barrier()
-    t0 = time.perf_counter()
-    pending = sdadapt.save_state(model, os.path.join(tmp, "async"), opt, extra={"step": 2}, async_=True)
-    held = time.perf_counter() - t0  # what training waited for, as its loop sees it
-    during = []
-    while not pending.done():
-        s0 = time.perf_counter()
-        train_steps(model, opt, 1)
-        during.append(time.perf_counter() - s0)
-    write = time.perf_counter() - t0
-    pending.wait()
-    rows["async"] = {"step": statistics.median(steps), "sync_save": sync, "held": held, "staging": pending.staging_seconds,
-                     "held_reported": pending.held_seconds,
-                     "write_done_after": write, "steps_during": len(during),
-                     "step_during": statistics.median(during) if during else None}  # fmt: skip
+    for i in range(args.async_saves):  # the first stages into fresh memory, the later ones reuse it
+        dist.barrier()
+        t0 = time.perf_counter()
+        pending = sdadapt.save_state(model, os.path.join(tmp, f"async{i}"), opt, extra={"step": 2 + i}, async_=True)
+        held = time.perf_counter() - t0  # what training waited for, as its loop sees it
+        during = []
+        while not pending.done():
+            s0 = time.perf_counter()
+            train_steps(model, opt, 1)
+            during.append(time.perf_counter() - s0)
+        write = time.perf_counter() - t0
+        pending.wait()
+        rows["async" if i == 0 else f"async{i + 1}"] = {
+            "step": statistics.median(steps), "sync_save": sync, "held": held, "staging": pending.staging_seconds,
+            "held_reported": pending.held_seconds, "write_done_after": write, "steps_during": len(during),
+            "step_during": statistics.median(during) if during else None,
+        }  # fmt: skip
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(rows, f)
     dist.barrier()
@@ -134,6 +137,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, default=8)
     p.add_argument("--steps", type=int, default=5, help="training steps timed before the saves")
+    p.add_argument("--async-saves", type=int, default=2, help="background saves in a row (the later ones reuse the staging memory)")
     p.add_argument("--out", default=None, help="write every rank's figures here (JSON)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="sdadapt-write-bench-") as tmp:
@@ -151,13 +155,15 @@ def main() -> None:
             x = rows[key]
             print(f"  rank {r}: {x['rank_bytes'] / mib:7.2f} MiB ({x['rank_bytes'] / share:4.2f}x)  peak +{x['peak_added'] / mib:6.1f}  "
                   f"shards {x['shards'] / mib:6.1f}  {x['seconds']:.2f} s")
-    print("async save (FSDP, Adam): per rank seconds")
-    for r, rows in enumerate(ranks):
-        a = rows["async"]
-        print(f"  rank {r}: step {a['step']:.3f}; sync save {a['sync_save']:.2f}; async call held {a['held']:.3f} "
-              f"(staging {a['staging']:.3f}, the rest checks and the writer's start); "
-              f"write done after {a['write_done_after']:.2f}, {a['steps_during']} steps meanwhile "
-              f"({a['step_during'] if a['step_during'] is None else round(a['step_during'], 3)} s each)")
+    for i in range(args.async_saves):
+        key = "async" if i == 0 else f"async{i + 1}"
+        print(f"async save {i + 1} (FSDP, Adam): per rank seconds")
+        for r, rows in enumerate(ranks):
+            a = rows[key]
+            print(f"  rank {r}: step {a['step']:.3f}; sync save {a['sync_save']:.2f}; async call held {a['held']:.3f} "
+                  f"(staging {a['staging']:.3f}, beyond it {a['held'] - a['staging']:.3f}); "
+                  f"write done after {a['write_done_after']:.2f}, {a['steps_during']} steps meanwhile "
+                  f"({a['step_during'] if a['step_during'] is None else round(a['step_during'], 3)} s each)")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"world": args.world, "ranks": ranks}, f, indent=1)

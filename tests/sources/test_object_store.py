@@ -8,7 +8,8 @@ slow connections, through a fault-injecting proxy) give either a load that succe
 retries or our error naming the URL on every rank, the model untouched. The same 2 and 3 ranks
 export to ``s3://`` from every rank (files of several windows, files of several multipart
 parts: read back bit for bit by safetensors and ``sdadapt.load``, each rank's share of the
-bytes), one rank's uploads refused (403: every rank's error, nothing left), and on 3 ranks last
+bytes), one rank's uploads refused (403, of an export and of a ``save_state``: every rank's
+error naming the object, nothing left, the checkpoint saved before whole), and on 3 ranks last
 a rank killed mid-upload (the others raise, no index).
 """
 
@@ -334,6 +335,7 @@ def _every_rank_exports(rank: int, world: int, proxy_endpoint: str) -> dict[str,
         if rank == 1:
             os.environ["AWS_ENDPOINT_URL"] = proxy_endpoint
         out["refused"] = outcome(lambda: sdadapt.export(small, f"s3://{BUCKET}/out/w2-denied", max_shard_size="20KB"))[:2]
+        out["state_refused"] = outcome(lambda: sdadapt.save_state(small, f"s3://{BUCKET}/out/w2-denied-state"))[:2]
         os.environ["AWS_ENDPOINT_URL"] = os.environ["SERVER_ENDPOINT"]
     return out
 
@@ -344,7 +346,7 @@ def test_ranks_load_bit_exactly_and_fetch_each_byte_about_once(
     proxy: FaultProxy, s3: SeaweedFS, uploaded: int, world: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     proxy.rules.append(Rule(data_get, status=403))
-    proxy.rules.append(Rule(lambda m, p, h: m in ("PUT", "POST") and "/w2-denied/" in p, status=403))
+    proxy.rules.append(Rule(lambda m, p, h: m in ("PUT", "POST") and "/w2-denied" in p, status=403))
     midway = FaultProxy(s3.endpoint)
     midway.rules.append(Rule(after_the_probes(), status=403))
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)  # the ranks go to the server itself
@@ -410,6 +412,13 @@ def _check_every_rank_exports(results: list[dict[str, Any]], world: int, proxy: 
         assert all("access denied" in r["refused"][1] and "s3://ckpts/out/w2-denied/model-" in r["refused"][1] for r in results)
         assert proxy.rules[1].hits > 0
         assert _objects("out/w2-denied") == []  # no index; what was uploaded was deleted again
+        # save_state: rank 1's .distcp refused; every rank raises naming it, no .metadata, the
+        # checkpoint saved before (state-w2) still whole
+        kinds = [r["state_refused"][0] for r in results]
+        assert sorted(kinds) == ["RemoteRankError", "StateError"], results
+        assert all("access denied" in r["state_refused"][1] and "w2-denied-state" in r["state_refused"][1] for r in results)
+        assert _objects("out/w2-denied-state") == []
+        assert {".metadata", "sdadapt.json"} <= set(_objects("state-w2"))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -44,16 +44,23 @@ def background_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | Non
     return made
 
 
+_STAGER: list[DefaultStager] = []  # one per process, kept: its host copies are reused by the next save
+
+
 def stage(state: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``state`` in host memory that training may no longer change: tensors (and
-    DTensors' shards) copied, ``Stateful`` values turned into their ``state_dict()``."""
+    DTensors' shards) copied, ``Stateful`` values turned into their ``state_dict()``.
+
+    The stager is kept for the process's life: DCP's stager keeps the host copy of each tensor
+    it staged (keyed by the tensor's storage, weakly) and copies into it again the next time,
+    so a later save touches no fresh memory (a fresh allocation's page faults cost about 4x the
+    copy). Safe because one save runs at a time: the copy is reused only after the write that
+    read it ended (:func:`start_save` waits for it first)."""
     plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
-                                          use_non_blocking_copy=False))  # fmt: skip
-    try:
-        staged = stager.stage(plain)
-    finally:
-        stager.close()
+    if not _STAGER:
+        _STAGER.append(DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
+                                                    use_non_blocking_copy=False)))  # fmt: skip
+    staged = _STAGER[0].stage(plain)
     assert isinstance(staged, dict)
     return staged
 

@@ -89,7 +89,9 @@ def save_state(
     group of the same ranks, made once, so training's own collectives go on meanwhile): it
     returns a :class:`~sdadapt.reports.SaveHandle` whose ``wait()`` gives the
     :class:`~sdadapt.reports.SaveReport` or raises the save's error, on every rank. The model
-    and optimizer may change as soon as it returns. ``.metadata`` (DCP's) and then
+    and optimizer may change as soon as it returns; the host copy is kept and reused by the
+    next save (one copy of this rank's state in host memory while the model lives, and no
+    fresh memory touched by later saves). ``.metadata`` (DCP's) and then
     ``sdadapt.json`` are written last, once every rank's files are written, so a folder a crash
     cut short never looks complete. :class:`sdadapt.Checkpointer` saves every N training steps
     and keeps the last few.
@@ -131,7 +133,7 @@ def save_state(
             raise StateError("checksums=True is not supported for an object storage destination yet; save without it")
         _save_to_url(dst, local_save, overwrite, process_group)
         return done[0].model_copy(update={"path": dst, "seconds": time.perf_counter() - t0})
-    adapter = adapter_or_none(adapter, None, model)
+    adapter = adapter_or_none(adapter, None, model) if adapter is not None else None  # None: nothing to import
     rank, world = rank_and_world(process_group)
     extra = dict(extra or {})
     error: SdadaptError | None = None
@@ -158,10 +160,6 @@ def save_state(
     else:
         state = {MODEL_KEY: model_state_dict(model)}
     state.update(extra)
-    if rank == 0 and overwrite and os.path.isfile(os.path.join(dst, ".metadata")):
-        os.remove(os.path.join(dst, ".metadata"))  # a crash mid-save must not look complete
-    if is_distributed():
-        dist.barrier(group=process_group)
     record = {
         "format": STATE_FORMAT,
         "sdadapt_version": _version(),
@@ -189,13 +187,22 @@ def save_state(
 
 def _write_rest(state: dict[str, Any], dst: str, record: dict[str, Any], rank: int, world: int,
                 group: dist.ProcessGroup | None, checksums: bool) -> None:  # fmt: skip
-    """Collective over ``group``: the DCP save of ``state`` (its ``.metadata`` last), then
-    ``sdadapt.json`` by rank 0, then the checksums; one rank's failure is every rank's."""
+    """Collective over ``group``: the old ``.metadata`` removed (a save cut short must not look
+    complete, with old and new files mixed) before any rank writes, the DCP save of ``state``
+    (its ``.metadata`` last), then ``sdadapt.json`` by rank 0, then the checksums; one rank's
+    failure is every rank's. In the background (``async_=True``) all of it runs on the
+    writing thread: the caller waits for none of it."""
+    error: SdadaptError | None = None
+    if rank == 0 and os.path.isfile(os.path.join(dst, ".metadata")):
+        try:
+            os.remove(os.path.join(dst, ".metadata"))
+        except OSError as e:
+            error = StateError(f"saving to {dst} failed removing the old .metadata ({e}); nothing was written")
+    agree(error, group)  # and no rank writes before it is gone
     try:
         dcp.save(state, checkpoint_id=dst, process_group=group, no_dist=not is_distributed())
     except CheckpointException as e:
         raise StateError(f"saving to {dst} failed: {e}") from None
-    error: SdadaptError | None = None
     if rank == 0:
         try:
             tmp = os.path.join(dst, f".{SDADAPT_JSON}.{uuid.uuid4().hex[:8]}")
