@@ -39,8 +39,12 @@ from .shapes import Shape
 def main(config_path: str) -> None:
     """Run the worker described by the JSON file ``config_path``; ends the process."""
     cfg = json.loads(Path(config_path).read_text())
+    chain = cfg.get("chain") or [cfg]  # --one-group: every job's config, run one after the other
     t_start = time.perf_counter()
-    imported = import_libraries(bool(cfg.get("import_in_load")), (cfg.get("job") or {}).get("path", ""))
+    imported: list[str] = []
+    for c in chain:
+        imported += [n for n in import_libraries(bool(cfg.get("import_in_load")), (c.get("job") or {}).get("path", ""))
+                     if n not in imported]
     import_s = time.perf_counter() - t_start
     import torch
     import torch.distributed as dist
@@ -61,19 +65,22 @@ def main(config_path: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = importlib.util.find_spec("sdadapt")  # where it is, without importing it (see --import-in-load)
 
-    out: dict[str, Any] = {"rank": rank, "world": world, "pid": os.getpid(), "imported": imported,
-                           "import_s": import_s, "runs": [], "refs": {}, "sdadapt_file": spec.origin if spec else None,
-                           "sdadapt_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SDADAPT_")}}
-    try:
-        if cfg.get("job"):
-            _run_job(cfg, Job(**cfg["job"]), Shape(**cfg["shape"]), dev, rank, out)
-        if cfg.get("references"):
-            out["refs"] = measure_references(cfg["files"], dev, rank, world)
-    except BaseException as e:  # noqa: BLE001 - reported in the results
-        import traceback
+    for c in chain:
+        out: dict[str, Any] = {"rank": rank, "world": world, "pid": os.getpid(), "imported": imported,
+                               "import_s": import_s, "runs": [], "refs": {}, "sdadapt_file": spec.origin if spec else None,
+                               "sdadapt_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SDADAPT_")}}
+        try:
+            if c.get("job"):
+                _run_job(c, Job(**c["job"]), Shape(**c["shape"]), dev, rank, out)
+            if c.get("references"):
+                out["refs"] = measure_references(c["files"], dev, rank, world)
+        except BaseException as e:  # noqa: BLE001 - reported in the results
+            import traceback
 
-        out["fatal"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
-    _save(cfg, rank, out)
+            out["fatal"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}"
+        _save(c, rank, out)
+        if "fatal" in out:
+            break  # the ranks may no longer agree on where they are: the later jobs get no results
     try:
         dist.destroy_process_group()
     finally:

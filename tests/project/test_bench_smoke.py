@@ -319,6 +319,15 @@ def test_a_bad_variant_is_refused_with_what_to_give(loadbench, spec, message):
         loadbench.cli.variants(["a:X=1", "a:Y=2"])
 
 
+@pytest.mark.parametrize("extra", [["--discussion", "meta"], ["--discussion", "", "--variant", "a:X=1"]])
+def test_one_group_refuses_rows_that_need_processes_of_their_own(loadbench, tmp_path, extra):
+    import loadbench.cli
+
+    with pytest.raises(loadbench.common.BenchError, match="--one-group runs neither"):
+        loadbench.cli.main(["--preset", "tiny", "--nproc", "1", "--backend", "gloo", "--one-group", "--dir", str(tmp_path), *extra])
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
+
+
 def test_lane_probe_runs_and_checks_its_bits_on_the_cpu(tmp_path):
     """bench/probes/lane_probe.py with the CPU as its device (no lane: the readers run the kernels): it
     writes its release, loads it once per band size and thread count and repeat, and checks the
@@ -392,23 +401,30 @@ REFERENCE_OF = {"sdadapt-fp8static": "float(w) * scale per tensor", "sdadapt-nvf
                 "sdadapt-fp8modelopt": "float(w) * scale per tensor"}
 
 
-def test_every_quantized_twin_loads_in_a_fresh_process_and_equals_its_format_reference(tmp_path):
+def test_every_quantized_twin_loads_and_equals_its_format_reference(tmp_path):
     """Each quantized twin (compressed-tensors FP8 per channel / per tensor / in 128x128 blocks,
     NVFP4, int8, int4 with and without zero points, packed int8, MXFP8 with U8 and F8_E8M0
     exponents; per-tensor ``quant_method: fp8``; ModelOpt NVFP4 and FP8) loads
     through ``sdadapt.dequant_rules`` into the bf16 FSDP2 model on 2 ranks, every shard equal to
     the whole-tensor dequantisation of its file and, for the quantized weights, to the format's
-    own reference decompression; each moves fewer bytes than the bf16 shards it fills."""
+    own reference decompression; each moves fewer bytes than the bf16 shards it fills. The rows
+    run in one process group (``--one-group``: 2 process starts, not 2 per row; a fresh process's
+    first load is test_every_path_first_load_in_a_fresh_process_meta_and_materialized's)."""
     out = tmp_path / "res"
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--preset", "tiny", "--nproc", "2", "--backend", "gloo", "--repeat", "0",
          "--paths", ",".join(QUANT_TWIN_PATHS), "--tp-paths", "", "--materialized-paths", "", "--discussion", "",
-         "--no-references", "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--timeout", "150"],
+         "--no-references", "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--timeout", "150", "--one-group"],
         env=_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(Path(f"{out}.json").read_text())
     assert [r["path"] for r in res["rows"]] == QUANT_TWIN_PATHS
+    # one process group ran every row: the same 2 processes, each row its own results
+    pids = {(g["tag"], r["pid"]) for g in res["groups"] for r in g["ranks"]}
+    assert len({pid for _, pid in pids}) == 2 and len(pids) == 2 * len(QUANT_TWIN_PATHS), pids
+    assert res["first_load"].startswith("one process group for every row")
+    assert Path(f"{out}.md").read_text().startswith("Not the headline: one process group")
     assert sorted(res["checkpoint"]["formats"]) == sorted(["safetensors"] + [f"safetensors-{p[8:]}" for p in QUANT_TWIN_PATHS])
     for row in res["rows"]:
         assert row["ok"], (row["path"], row.get("error"))
