@@ -3,7 +3,7 @@ sdadapt on W gloo ranks (FSDP2), and transformers' own ``from_pretrained`` where
 
     $(python scripts/quant_venv.py) bench/gptq_bench.py write --out /tmp/gptq-bench --gib 1.0
     torchrun --nproc-per-node 2 bench/gptq_bench.py load --out /tmp/gptq-bench
-    python bench/gptq_bench.py transformers --out /tmp/gptq-bench
+    $(python scripts/gptqmodel_venv.py) bench/gptq_bench.py transformers --out /tmp/gptq-bench
 
 ``write`` runs in the quant venv (auto-gptq 0.7.1): hidden 2048, FFN 5632 (TinyLlama's widths),
 16 heads / 8 kv heads, vocab 32000, and as many layers as reach ``--gib``; every decoder linear
@@ -11,7 +11,9 @@ packed by ``QuantLinear.pack`` (4 bits, group 128, act-order ``g_idx``, asymmetr
 drawn at random, calibration-free), embeddings and head float16. ``load`` prints, per rank, the
 seconds of ``sdadapt.load`` into a meta ``LlamaForCausalLM`` in bfloat16 sharded with
 ``fully_shard`` and the bytes it read; ``transformers`` times ``from_pretrained(dir,
-dtype=bfloat16)`` or prints why it cannot load the release. One JSON line per process.
+dtype=bfloat16)`` or prints why it cannot load the release: transformers 5 loads GPTQ only
+through optimum and GPTQModel, which ``scripts/gptqmodel_venv.py`` installs (GPTQModel 6.0.3, its
+CPU torch kernels, transformers 5.5.4). One JSON line per process.
 """
 
 from __future__ import annotations
@@ -80,16 +82,25 @@ def load(out: str) -> None:
 
 
 def hf(out: str) -> None:
+    import importlib.util
+
     import transformers
 
+    versions = {"transformers": transformers.__version__}
+    if importlib.util.find_spec("gptqmodel"):  # imported here, not first inside transformers' meta-device init
+        import gptqmodel
+
+        versions["gptqmodel"] = gptqmodel.__version__
     start = time.perf_counter()
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16, device_map="cpu")
     except Exception as e:  # noqa: BLE001 - the bench reports why transformers cannot load it here
-        print(json.dumps({"tool": "transformers", "version": transformers.__version__, "error": f"{type(e).__name__}: {e}"[:400]}))
+        print(json.dumps({"tool": "transformers", **versions, "error": f"{type(e).__name__}: {e}"[:400]}))
         return
     seconds = time.perf_counter() - start
-    print(json.dumps({"tool": "transformers", "seconds": round(seconds, 2), "params": sum(p.numel() for p in model.parameters())}))
+    kind = type(model.model.layers[0].mlp.down_proj).__name__
+    print(json.dumps({"tool": "transformers", **versions, "seconds": round(seconds, 2), "down_proj": kind,
+                      "params": sum(p.numel() for p in model.parameters())}))  # fmt: skip
 
 
 def main() -> None:

@@ -118,15 +118,22 @@ def test_the_rule_reads_back_from_json_and_refuses_to_invert() -> None:
         sdadapt.dequant_rules({"quantization_config": {"quant_method": "gptq", "bits": 3, "group_size": 128}})
 
 
-def test_inspect_and_diff_read_the_release(releases: str, capsys: Any) -> None:
+@pytest.mark.parametrize("name", ["gptq4_g32_sym", "awq4_g32"])
+def test_inspect_and_diff_read_the_release(releases: str, name: str, capsys: Any, tmp_path: Any) -> None:
     from sdadapt.cli import main
 
-    path = os.path.join(releases, "gptq4_g32_sym")
-    model = _meta_model(os.path.join(releases, "gptq4_g32_sym.oracle"), torch.float32)
+    path = os.path.join(releases, name)
+    model = _meta_model(os.path.join(releases, name + ".oracle"), torch.float32)
     assert sdadapt.diff(model, path).ok
     assert main(["inspect", path]) == 0
     out = capsys.readouterr().out
-    assert "qweight" in out and "int32" in out and "g_idx" in out
+    assert "qweight" in out and "int32" in out and "qzeros" in out and ("g_idx" in out) == name.startswith("gptq")
+    target = tmp_path / "target.py"
+    target.write_text("import torch\nfrom transformers import AutoConfig, AutoModelForCausalLM\n\n\ndef build():\n"
+                      "    with torch.device('meta'):\n"
+                      f"        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained({path + '.oracle'!r}))\n")
+    assert main(["diff", path, "--target", f"{target}:build"]) == 0
+    assert "dequant+hf:LlamaForCausalLM" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", ["gptq4_g32_asym_act", "awq4_g64"])

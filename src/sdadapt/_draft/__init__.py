@@ -21,6 +21,8 @@ the rules to enable.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 import os
@@ -32,6 +34,7 @@ from torch import nn
 
 from .._export import plan_outputs
 from .._plan.adapter import Adapter
+from .._plan.hf_quant import config_path, release_dequant
 from .._plan.plan import build_plan
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
@@ -238,6 +241,8 @@ def run_draft(
     tschema, tname = target_schema(target)
     sschema, non_tensor, sname = _source_schema(src, subtree)
     given = adapter_or_none(adapter, None if isinstance(src, dict) else src)
+    release = None if given is not None or isinstance(src, dict) else release_dequant(src, sschema, list(tschema))
+    given = given or release  # a GPTQ / AWQ release is matched as what its packed tensors dequantise to
     original, original_non_tensor = sschema, non_tensor
     if given is not None:
         outputs, non_tensor = plan_outputs(sschema, given, non_tensor=non_tensor, what=f"draft from {sname}")
@@ -274,8 +279,9 @@ def run_draft(
             experiment_lines.append(skipped)
     if related and reference is not None:
         ran = True
-        values_checked, more = _experiment(target, facts, props, reference, layers, init_buffers, strip, given,
-                                           rebuild, explicit)
+        values_checked, more = _experiment(target, _unquantized(facts) if release else facts, props, reference,
+                                           layers, init_buffers, strip, None if release else given, rebuild, explicit,
+                                           casts=release is None)
         experiment_lines += more
     if related and values_checked is None:
         from .numeric import choices_of
@@ -327,7 +333,11 @@ def run_draft(
             sections.append((title, entries))
     if given is not None:
         note = comment(f"the adapter given to draft ({given.name}); the proposals below come after it")
-        sections.insert(0, (f"given: {given.name}", [(note, [rule_code(r) for r in given.rules])]))
+        code = [rule_code(r) for r in given.rules]
+        if release is not None:
+            note = comment(f"{release.description}: the proposals below match what these rules give")
+            code = [f"*sdadapt.dequant_rules({json.dumps(config_path(src))})"]
+        sections.insert(0, (f"given: {given.name}" if release is None else "dequant", [(note, code)]))
     adapter = Adapter(rules, name="draft", description=f"drafted from {sname} for {tname}")
     if given is not None:  # the proposals apply to the keys the given adapter produces
         adapter = Adapter.composed([*given.parts(), list(rules)], name="draft", description=adapter.description)
@@ -335,7 +345,7 @@ def run_draft(
                         target_name=tname).report
     if values_checked and report.ok:
         report = report.model_copy(update={"values_checked": values_checked})
-    if given is None and not isinstance(src, dict):
+    if (given is None or release is not None) and not isinstance(src, dict):
         hint = _shipped_suggestion(target, src, subtree, report)
         if hint:
             summary.insert(1, f"hint: {hint}")
@@ -346,6 +356,14 @@ def run_draft(
     )
     return Draft(source=sname, target=tname, related=related, summary=summary, proposals=proposals,
                  questions=questions, adapter=adapter, module=module, report=report)
+
+
+def _unquantized(facts: Any) -> Any:
+    """``facts`` without ``quantization_config``: the numerical check's reference is the plain
+    model, its checkpoint unquantized (the release's dequant rules stay out of its candidates)."""
+    if facts.config is None:
+        return facts
+    return dataclasses.replace(facts, config={k: v for k, v in facts.config.items() if k != "quantization_config"})
 
 
 def _grouped(props: Proposals) -> dict[str, list[Any]]:
@@ -407,10 +425,12 @@ def _which_reference(target: Any, facts: Any, reference: Any) -> tuple[Any, str 
 
 def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, layers: int, init_buffers: Any,
                 strip: str, given: Adapter | None, rebuild: Callable[[], nn.Module] | None = None,
-                explicit: bool = True) -> tuple[str | None, list[str]]:
+                explicit: bool = True, casts: bool = True) -> tuple[str | None, list[str]]:
     """Run :mod:`.numeric` on the draft's open choices; returns (what was checked, summary lines).
     A model copy whose buffers get no values raises when the reference was asked for
-    (``explicit``), else the check is left out, said why."""
+    (``explicit``), else the check is left out, said why. ``casts=False``: the candidates leave
+    the cast proposals out (the reference's float32 checkpoint stands for a quantized release's
+    dequantised values, which need none)."""
     from .._plan.resolve import load_object
     from ..errors import ModelError
     from .numeric import MAX_COMBINATIONS, MAX_COMBINATIONS_BY_DEFAULT, Experiment, apply_outcome, choices_of, search
@@ -422,7 +442,7 @@ def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, layer
     ref = None if reference in ("config", "auto", True) else reference
     if isinstance(ref, str):
         ref = load_object(ref)
-    items = [p for ps in _grouped(props).values() for p in ps]
+    items = [p for ps in _grouped(props).values() for p in ps if casts or p.kind != "cast"]
 
     def base(replaced: dict[int, list[Any]], before: list[Any], after: list[Any]) -> Adapter:
         rules: list[Any] = [StripPrefix(prefix=strip)] if strip else []

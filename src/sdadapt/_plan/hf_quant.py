@@ -44,6 +44,18 @@ def quant_method(source: object) -> str | None:
     return str(qc.get("quant_method"))
 
 
+def release_dequant(source: Any, schema: dict[str, Any], target_keys: list[str]) -> Adapter | None:
+    """The dequant rules of the GPTQ / AWQ release ``source`` (its headers ``schema``) as an
+    adapter that runs first, for a target holding no packed layers; ``None`` for any other
+    checkpoint, and for a target holding ``qweight`` tensors (the packed ones line up as stored)."""
+    method = quant_method(source)
+    if method is None or any(k.endswith(".qweight") for k in target_keys):
+        return None
+    rules = dequant_rules(config_path(source) or source, schema=schema)
+    return Adapter(list(rules), name=f"dequant_{method}",
+                   description=f"the release's quantization_config ({method}) dequantised")
+
+
 def quantized_hf_adapter(model: nn.Module, source: Any) -> Adapter:
     """The adapter from the GPTQ / AWQ release ``source`` (a path or an open source) to ``model``."""
     from ..sources import open_source
