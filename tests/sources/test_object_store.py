@@ -8,7 +8,8 @@ slow connections, through a fault-injecting proxy) give either a load that succe
 retries or our error naming the URL on every rank, the model untouched. The same 2 and 3 ranks
 export to ``s3://`` from every rank (files of several windows, files of several multipart
 parts: read back bit for bit by safetensors and ``sdadapt.load``, each rank's share of the
-bytes), one rank's uploads refused (403, of an export and of a ``save_state``: every rank's
+bytes), ``convert`` on every rank to ``s3://`` and to a folder (read back, loaded bit for bit),
+one rank's uploads refused (403, of an export and of a ``save_state``: every rank's
 error naming the object, nothing left, the checkpoint saved before whole), and on 3 ranks last
 a rank killed mid-upload (the others raise, no index).
 """
@@ -295,7 +296,7 @@ def _ranks(formats: list[str], proxy_endpoint: str, midway_endpoint: str, folder
         out["midway"] = _one_load_denied(atomic=True)
     os.environ["AWS_ENDPOINT_URL"] = server_endpoint
     out["rank"] = rank
-    out.update(_every_rank_exports(rank, world, proxy_endpoint))
+    out.update(_every_rank_exports(rank, world, proxy_endpoint, folder))
     with open(os.path.join(folder, f"out.{rank}.json"), "w") as f:
         json.dump(out, f)
     if world == 3:  # last (the group breaks): rank 2 dies mid-upload; the others raise, no index is left
@@ -318,9 +319,10 @@ def _big(mesh: Any) -> torch.nn.Module:
     return parallelize(model, mesh) if mesh is not None else model
 
 
-def _every_rank_exports(rank: int, world: int, proxy_endpoint: str) -> dict[str, Any]:
+def _every_rank_exports(rank: int, world: int, proxy_endpoint: str, folder: str) -> dict[str, Any]:
     """Exports to s3:// from every rank (issue 62): several files of small windows, and files of
-    several multipart parts; then rank 1's uploads refused (403) on a fresh URL."""
+    several multipart parts; convert on every rank, to s3:// and to a local folder; then rank
+    1's uploads refused (403) on a fresh URL."""
     spread_remote.WINDOW_BYTES = 3 << 20  # several rounds per file
     _object_writer.PART_BYTES = 5 << 20  # S3's smallest part: a 12 MiB file is 3 parts
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
@@ -331,6 +333,9 @@ def _every_rank_exports(rank: int, world: int, proxy_endpoint: str) -> dict[str,
     out["small"] = (rep.bytes, rep.rank_bytes, rep.files)
     rep = sdadapt.export(_big(mesh), f"s3://{BUCKET}/out/w{world}-big", max_shard_size="13MB", overwrite=True)
     out["big"] = (rep.bytes, rep.rank_bytes, rep.files)
+    for name, dst in (("conv_s3", f"s3://{BUCKET}/out/w{world}-convert"), ("conv_local", os.path.join(folder, "convert"))):
+        rep = sdadapt.convert(url("hf"), dst, max_shard_size="20KB", overwrite=True, read_back=True, process_group=dist.group.WORLD)
+        out[name] = (rep.bytes, rep.rank_bytes, rep.files)
     if world == 2:
         if rank == 1:
             os.environ["AWS_ENDPOINT_URL"] = proxy_endpoint
@@ -373,7 +378,7 @@ def test_ranks_load_bit_exactly_and_fetch_each_byte_about_once(
         total = sum(r[fmt]["fetched"] for r in results)
         assert total <= 1.1 * uploaded, (fmt, total, uploaded)  # not one copy per rank
         assert all(r[fmt]["fetched"] < 0.9 * uploaded for r in results), fmt
-    _check_every_rank_exports(results, world, proxy)
+    _check_every_rank_exports(results, world, proxy, tmp_path, uploaded)
     if world == 3:  # the killed rank: the others raised, and no index was written
         for r in range(world - 1):
             kind, message = json.loads((tmp_path / f"kill.{r}.json").read_text())
@@ -381,7 +386,7 @@ def test_ranks_load_bit_exactly_and_fetch_each_byte_about_once(
         assert "model.safetensors.index.json" not in _objects("out/w3-killed")
 
 
-def _check_every_rank_exports(results: list[dict[str, Any]], world: int, proxy: FaultProxy) -> None:
+def _check_every_rank_exports(results: list[dict[str, Any]], world: int, proxy: FaultProxy, tmp_path: Path, uploaded: int) -> None:
     """Each rank uploaded about its share; the folders read back bit for bit by safetensors and
     sdadapt.load; rank 1's refused upload: every rank's error naming it, nothing left."""
     from safetensors.torch import load as st_load
@@ -402,6 +407,14 @@ def _check_every_rank_exports(results: list[dict[str, Any]], world: int, proxy: 
         back = TinyTransformer(**CONFIG) if name == "small" else _big(None)
         sdadapt.load(back, f"s3://{BUCKET}/out/w{world}-{name}")
         assert all(torch.equal(v, want[k]) for k, v in back.state_dict().items()), name
+    for name, where in (("conv_s3", f"s3://{BUCKET}/out/w{world}-convert"), ("conv_local", str(tmp_path / "convert"))):
+        total, _, files = results[0][name]
+        shares = [r[name][1] for r in results]
+        assert sum(shares) == total == uploaded and min(shares) > 0, (name, shares)
+        assert "model.safetensors.index.json" in files
+        back = TinyTransformer(**CONFIG)
+        sdadapt.load(back, where)
+        assert all(torch.equal(v, reference()[k]) for k, v in back.state_dict().items()), name
     shares = [r["small"][1] for r in results]
     assert min(shares) > 0 and max(shares) <= 1.5 * sum(shares) / world, shares  # many small files, dealt round
     assert [f.endswith(".safetensors") for f in results[0]["big"][2]].count(True) == 3

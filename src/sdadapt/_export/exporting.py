@@ -56,20 +56,18 @@ from .._transaction.transaction import Transaction
 from ..errors import ExportError, RemoteRankError
 from ..sources import (
     Source,
-    copy_side_files,
     is_url,
     loaded_from,
-    open_source,
     tensor_checksums,
     transformers_config,
     write_checksums_data,
-    write_config,
 )
+from .convert_spread import convert_ranks
 from .export_local import local_pieces
 from .spread import write_spread
 from .spread_remote import write_spread_remote
 from .writers.base import FORMATS
-from .writing import CachedIO, PageReleaser, check_destination, plan_outputs, write_folder
+from .writing import CachedIO, PageReleaser, check_destination, plan_outputs, read_back_compare, side_files, write_folder
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +82,9 @@ class ExportReport(BaseModel):
         format: ``"safetensors"``, ``"torch"``, ``"dcp"`` or ``"torch_dist"`` (Megatron-Core's).
         tensors: tensors written.
         bytes: bytes written, by all ranks together.
-        rank_bytes: bytes this rank wrote (a safetensors export on several ranks: about
-            ``bytes / world``; otherwise all of them on rank 0, none elsewhere).
+        rank_bytes: bytes this rank wrote (a safetensors export, or a ``convert`` given a
+            process group, on several ranks: about ``bytes / world``; otherwise all of them on
+            rank 0, none elsewhere).
         files: the files written.
         skipped_non_tensor: non-tensor entries left out.
         read_back: whether the result was read back and compared (``convert(read_back=True)``).
@@ -348,7 +347,7 @@ def export(
         try:
             how: dict[str, Any] = dict(
                 rank=rank, world=world, group=process_group, max_shard_size=max_shard_size, overwrite=overwrite,
-                finish=lambda tmp: _side_files(tmp, folder, config), progress=progress_of, after_gather=stream.close,
+                finish=lambda tmp: side_files(tmp, folder, config), progress=progress_of, after_gather=stream.close,
             )  # fmt: skip
             if is_url(dst):  # each file uploaded by one rank
                 names, mine = write_spread_remote(dst, outputs, stream.state, stream.pull, **how)
@@ -379,7 +378,7 @@ def export(
         if rank == 0:
             try:
                 def finish(tmp: str) -> None:
-                    _side_files(tmp, folder, config)
+                    side_files(tmp, folder, config)
                     if checksums and is_url(dst):  # uploaded with the rest, before the index
                         write_checksums_data(tmp, sums)
 
@@ -426,19 +425,6 @@ def _follow(
             raise RemoteRankError(f"rank 0 failed while writing {dst}, so this rank stops too:\n{value}")
 
 
-def _side_files(tmp: str, folder: str | None, config: dict[str, Any] | None) -> None:
-    """Into the folder being written (not a single file): ``folder``'s side files (config,
-    tokenizer, generation), or ``config`` as ``config.json``."""
-    if not os.path.isdir(tmp):
-        return
-    if folder is not None:
-        copy_side_files(folder, tmp)
-    elif config is not None:
-        write_config(tmp, config)
-    else:
-        log.warning("%s gets no config.json: pass assets='checkpoint folder' to copy its config and tokenizer files", tmp)
-
-
 # ------------------------------------------------------------------------------ convert
 @renamed_keywords(
     "sdadapt.convert",
@@ -458,9 +444,11 @@ def convert(
     overwrite: bool = False,
     read_back: bool = False,
     on_progress: Progress | None = None,
+    process_group: dist.ProcessGroup | None = None,
 ) -> ExportReport:
     """Rewrite checkpoint ``src`` as ``dst`` in ``format``, applying ``adapter`` (source layout ->
-    destination layout), one tensor at a time in one process. ``read_back=True`` reads the result
+    destination layout), one tensor at a time in one process (or, given ``process_group``,
+    on every rank of it, each writing its share of the files). ``read_back=True`` reads the result
     back (before it is renamed into place) and compares every tensor with the source
     (bit-exact); a difference is an error and leaves nothing at ``dst``. Non-tensor entries are skipped
     (listed in the report). ``adapter`` may be a name, ``file.py:ATTR``, ``module:ATTR`` or
@@ -478,6 +466,13 @@ def convert(
         overwrite: replace an existing ``dst``.
         read_back: read the result back and compare every tensor with the source.
         on_progress: ``on_progress(key, nbytes)`` after each tensor.
+        process_group: ``None``: this process converts alone (as a call on one rank of a job).
+            A group of several ranks: every rank of it calls ``convert`` with the same
+            arguments, and ``"safetensors"`` is written by all of them: the files are cut to
+            about ``1/world`` of the bytes and dealt to the ranks, each reads only the source
+            tensors of its files and writes them (to a folder every rank sees, or an object
+            storage URL), rank 0 the side files and the index last, once every rank succeeded
+            (``report.rank_bytes``: this rank's share). Other formats are written by one process.
 
     Returns:
         The :class:`~sdadapt.reports.ExportReport`.
@@ -493,6 +488,16 @@ def convert(
     dst = os.fspath(dst)
     if format not in FORMATS:
         raise ExportError(f"unknown format {format!r}; choose one of {', '.join(FORMATS)}")
+    if process_group is not None and rank_and_world(process_group)[1] > 1:
+        if format != "safetensors":
+            raise ExportError(f"convert(..., process_group=...) writes safetensors from every rank; format {format!r} is written "
+                              "by one process: call convert without process_group on one rank")  # fmt: skip
+        n, total, names, skipped, mine = convert_ranks(
+            src, dst, adapter, max_shard_size=max_shard_size, subtree=subtree, overwrite=overwrite, read_back=read_back,
+            on_progress=on_progress, group=process_group,
+        )  # fmt: skip
+        return ExportReport(dst=dst, format=format, tensors=n, bytes=total, rank_bytes=mine, files=names, skipped_non_tensor=skipped,
+                            read_back=read_back, seconds=time.perf_counter() - t0)  # fmt: skip
     check_destination(dst, overwrite)
     source = open_checkpoint(src, subtree)  # **open**, once for the call
     txn = Transaction(None, None, source.path)
@@ -519,9 +524,9 @@ def convert(
         def check(tmp: str) -> None:
             io.flush()
             if read_back:
-                _read_back(tmp, dst, outputs, source, release, on_progress)
+                read_back_compare(tmp, dst, outputs, source, release, on_progress)
             txn.files_unchanged("while it was being converted")
-            _side_files(tmp, config_folder(source.path), None)
+            side_files(tmp, config_folder(source.path), None)
 
         files = write_folder(dst, format, outputs, pull, max_shard_size=max_shard_size, overwrite=overwrite, check=check)
     finally:
@@ -537,31 +542,6 @@ def convert(
         read_back=read_back,
         seconds=time.perf_counter() - t0,
     )
-
-
-def _read_back(tmp: str, dst: str, outputs: dict[str, Node], source: Source, release: PageReleaser, progress: Progress | None) -> None:
-    result = open_source(tmp)
-    try:
-        release_out = PageReleaser(result.files())
-        missing = sorted(set(outputs) - set(result.schema))
-        extra = sorted(set(result.schema) - set(outputs))
-        if missing or extra:
-            raise ExportError(f"reading {dst} back: missing {missing[:8]}, unexpected {extra[:8]}")
-        io = CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
-        for key, node in outputs.items():
-            want = io.whole(node)
-            got = result.read(key, full_box(result.schema[key].shape))
-            same = got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape) and torch.equal(got, want)
-            nbytes = got.numel() * got.element_size()
-            release_out(got)
-            io.flush()
-            if not same:
-                raise ExportError(f"reading {dst} back: key {key!r} differs from the source; the output is wrong")
-            if progress is not None:
-                progress(key, nbytes)
-            del want, got
-    finally:
-        result.close()
 
 
 __all__ = ["ExportError", "ExportReport", "PageReleaser", "convert", "export", "export_iter", "plan_outputs"]

@@ -202,7 +202,7 @@ def write_spread_remote(
         names = [f.name for f in plan.files]
         if rank == 0:
             try:
-                names += _commit(up, plan.files, outputs, finish)
+                names += commit_index(up, plan.files, outputs, finish)
                 up.sweep(old, {up.dest(n) for n in names})
             except SdadaptError as e:
                 error = e if isinstance(e, ExportError) else ExportError(str(e))
@@ -215,15 +215,21 @@ def write_spread_remote(
     return sorted(names), mine_bytes
 
 
-def _commit(up: Uploader, files: list[FileLayout], outputs: dict[str, Node], finish: Callable[[str], None]) -> list[str]:
+def side_files_and_index(folder: str, files: list[FileLayout], outputs: dict[str, Node], finish: Callable[[str], None]) -> list[str]:
+    """Into ``folder``: the side files (``finish``), then the index of a folder of several
+    files. Returns the names the folder holds."""
+    finish(folder)
+    if len(files) > 1:
+        with open(os.path.join(folder, INDEX_NAME), "w") as f:
+            f.write(index_json({k: TensorInfo(tuple(n.shape), n.dtype) for k, n in outputs.items()}, files))
+    return sorted(os.listdir(folder))
+
+
+def commit_index(up: Uploader, files: list[FileLayout], outputs: dict[str, Node], finish: Callable[[str], None]) -> list[str]:
     """Rank 0, after every file is complete: the side files, then the index. Returns their names."""
     folder = tempfile.mkdtemp(prefix="sdadapt-upload-")
     try:
-        finish(folder)
-        if len(files) > 1:
-            with open(os.path.join(folder, INDEX_NAME), "w") as f:
-                f.write(index_json({k: TensorInfo(tuple(n.shape), n.dtype) for k, n in outputs.items()}, files))
-        names = sorted(os.listdir(folder))
+        names = side_files_and_index(folder, files, outputs, finish)
         up.put([(os.path.join(folder, n), up.dest(n)) for n in names])  # the index last
         return names
     except OSError as e:
@@ -315,4 +321,4 @@ def _assemble(f: FileLayout, a: int, b: int, runs: list[int], data: torch.Tensor
     return window
 
 
-__all__ = ["MIN_FILE_BYTES", "WINDOW_BYTES", "owners", "write_spread_remote"]
+__all__ = ["MIN_FILE_BYTES", "WINDOW_BYTES", "commit_index", "owners", "side_files_and_index", "write_spread_remote"]

@@ -15,6 +15,7 @@ import tempfile
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from .._plan.adapter import Adapter
 from .._recipes.nodes import Node
 from ..errors import ExportError, SdadaptError, SourceError
 from ..rules import PlanContext
-from ..sources import check_writable, is_url, upload
+from ..sources import Source, check_writable, copy_side_files, is_url, open_source, upload, write_config
 from .writers import make_writer
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,48 @@ class PageReleaser:
                 return
             if attempt == 0:
                 self._refresh()
+
+
+def read_back_compare(
+    tmp: str, dst: str, outputs: dict[str, Node], source: Source, release: PageReleaser, progress: Callable[[str, int], None] | None
+) -> None:
+    result = open_source(tmp)
+    """Read the output ``tmp`` (a folder, a file or a URL) back and compare every tensor of
+    ``outputs`` with ``source`` through its recipe, bit for bit; a difference is an ExportError."""
+    try:
+        release_out = PageReleaser(result.files())
+        missing = sorted(set(outputs) - set(result.schema))
+        extra = sorted(set(result.schema) - set(outputs))
+        if missing or extra:
+            raise ExportError(f"reading {dst} back: missing {missing[:8]}, unexpected {extra[:8]}")
+        io = CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
+        for key, node in outputs.items():
+            want = io.whole(node)
+            got = result.read(key, full_box(result.schema[key].shape))
+            same = got.dtype == want.dtype and tuple(got.shape) == tuple(want.shape) and torch.equal(got, want)
+            nbytes = got.numel() * got.element_size()
+            release_out(got)
+            io.flush()
+            if not same:
+                raise ExportError(f"reading {dst} back: key {key!r} differs from the source; the output is wrong")
+            if progress is not None:
+                progress(key, nbytes)
+            del want, got
+    finally:
+        result.close()
+
+
+def side_files(tmp: str, folder: str | None, config: dict[str, Any] | None) -> None:
+    """Into the folder being written (not a single file): ``folder``'s side files (config,
+    tokenizer, generation), or ``config`` as ``config.json``."""
+    if not os.path.isdir(tmp):
+        return
+    if folder is not None:
+        copy_side_files(folder, tmp)
+    elif config is not None:
+        write_config(tmp, config)
+    else:
+        log.warning("%s gets no config.json: pass assets='checkpoint folder' to copy its config and tokenizer files", tmp)
 
 
 # ------------------------------------------------------------------------------ output

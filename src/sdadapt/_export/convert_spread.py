@@ -1,0 +1,243 @@
+"""``convert(..., process_group=group)``: every rank of ``group`` converts the same checkpoint and
+writes its own share of the safetensors files, to a folder every rank sees or to an object
+storage URL; the index and side files come last, from rank 0, once every file is written.
+
+A checkpoint has no shards to split by: each output is read whole from the source. So the unit
+a rank owns is a file: the files are cut to about ``total / world`` bytes (never above
+``max_shard_size``, not below :data:`.spread_remote.MIN_FILE_BYTES`) and dealt largest first to
+the least loaded rank (:func:`.spread_remote.owners`); each rank reads only the source tensors
+its files need and writes those files whole, front to back (a local file with ``write``, an
+object through one multipart upload). No bytes move between ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .._base.agreement import agree_on
+from .._base.distributed import agree, rank_and_world
+from .._base.regions import full_box
+from .._base.schema import TensorInfo
+from .._base.tensor_bytes import tensor_bytes
+from .._plan.adapter import Adapter
+from .._plan.registry import config_folder
+from .._recipes.nodes import Node
+from .._transaction.steps import derive_adapter, open_checkpoint
+from .._transaction.transaction import Transaction
+from ..errors import ExportError, SdadaptError
+from ..sources import ObjectWriter, Source, Uploader, is_url
+from .spread_remote import MIN_FILE_BYTES, commit_index, owners, side_files_and_index
+from .writers import parse_size
+from .writers.base import check_pulled, write_bytes
+from .writers.safetensors_writer import FileLayout, check_dtypes, plan_files
+from .writing import (
+    CachedIO,
+    PageReleaser,
+    check_destination,
+    commit,
+    describe_failure,
+    plan_outputs,
+    read_back_compare,
+    remove,
+    side_files,
+)
+
+log = logging.getLogger(__name__)
+
+
+def plan_convert(outputs: dict[str, Node], max_shard_size: int | str, world: int) -> tuple[list[FileLayout], list[int]]:
+    """The files (cut to about ``1/world`` of the bytes) and the rank writing each."""
+    entries = {k: TensorInfo(tuple(n.shape), n.dtype) for k, n in outputs.items()}
+    check_dtypes(entries)
+    total = sum(i.nbytes for i in entries.values())
+    files = plan_files(entries, min(parse_size(max_shard_size), max(-(-total // world), MIN_FILE_BYTES)))
+    return files, owners(files, torch.zeros(world, len(files), dtype=torch.int64))
+
+
+def convert_spread(
+    dst: str,
+    outputs: dict[str, Node],
+    files: list[FileLayout],
+    owner: list[int],
+    whole: Callable[[str], torch.Tensor],
+    *,
+    rank: int,
+    group: dist.ProcessGroup | None,
+    overwrite: bool,
+    check: Callable[[str], None],
+    finish: Callable[[str], None],
+) -> tuple[list[str], int]:
+    """Collective: write this rank's ``files`` (``whole(key)`` gives an output's tensor), then
+    ``check(path or URL of each)`` (the read back), then rank 0 the side files (``finish``) and
+    the index. Returns the names written and the tensor bytes this rank wrote."""
+    mine = [f for f, o in zip(files, owner, strict=True) if o == rank]
+    mine_bytes = sum(f.size - len(f.header) for f in mine)
+    remote = is_url(dst)
+    error: SdadaptError | None = None
+    up: Uploader | None = None
+    old: list[str] = []
+    tmp = [f"{dst.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"]
+    if not remote:
+        dist.broadcast_object_list(tmp, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    folder = tmp[0]
+    try:
+        try:
+            if remote:
+                up = Uploader(dst)
+                if rank == 0:
+                    old = up.retire(overwrite)
+            elif rank == 0:
+                os.makedirs(folder)
+        except SdadaptError as e:
+            error = e if isinstance(e, ExportError) else ExportError(str(e))
+        except OSError as e:
+            error = ExportError(describe_failure(dst, e))
+        agree(error, group)
+        if not remote and not os.path.isdir(folder):
+            error = ExportError(f"{folder}, made by rank 0 for {dst}, is not visible on this rank: convert every rank to one shared "
+                                "filesystem, or to an object store (s3://...)")  # fmt: skip
+        agree(error, group)
+        for f in mine:
+            try:
+                if up is not None:
+                    _upload(up, f, outputs, whole)
+                    check(f"{up.url}/{f.name}")
+                else:
+                    _write(os.path.join(folder, f.name), f, outputs, whole)
+                    check(os.path.join(folder, f.name))
+            except SdadaptError as e:
+                error = e if isinstance(e, ExportError) else ExportError(str(e))
+            except OSError as e:
+                error = ExportError(describe_failure(dst, e) + f" (rank {rank}, file {f.name})")
+            if error is not None:
+                break
+        agree(error, group)  # every file is written: the index may go in
+        names = [f.name for f in files]
+        if rank == 0:
+            try:
+                if up is not None:
+                    names += commit_index(up, files, outputs, finish)
+                    up.sweep(old, {up.dest(n) for n in names})
+                else:
+                    names = side_files_and_index(folder, files, outputs, finish)
+                    commit(folder, dst, overwrite)
+            except SdadaptError as e:
+                error = e if isinstance(e, ExportError) else ExportError(str(e))
+            except OSError as e:
+                error = ExportError(describe_failure(dst, e))
+        agree(error, group)
+    except BaseException:
+        if up is not None:
+            up.undo()
+        elif rank == 0:
+            remove(folder)
+        raise
+    log.info("rank %d: wrote %d of %d file(s) of %s (%.1f MiB)", rank, len(mine), len(files), dst, mine_bytes / 2**20)
+    return sorted(set(names)), mine_bytes
+
+
+def _write(path: str, f: FileLayout, outputs: dict[str, Node], whole: Callable[[str], torch.Tensor]) -> None:
+    with open(path, "wb") as out:
+        write_bytes(out, f.header)
+        for key in f.starts:
+            t = _pulled(key, outputs, whole)
+            write_bytes(out, tensor_bytes(t))
+            del t
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def _upload(up: Uploader, f: FileLayout, outputs: dict[str, Node], whole: Callable[[str], torch.Tensor]) -> None:
+    writer = ObjectWriter(up, f.name)
+    writer.write(f.header)
+    for key in f.starts:
+        t = _pulled(key, outputs, whole)
+        writer.write(tensor_bytes(t))
+        del t
+    writer.finish()
+
+
+def _pulled(key: str, outputs: dict[str, Node], whole: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    t = whole(key)
+    node = outputs[key]
+    check_pulled(key, t, TensorInfo(tuple(node.shape), node.dtype))
+    return t
+
+
+
+
+def convert_ranks(
+    src: str | os.PathLike[str] | Source,
+    dst: str,
+    adapter: Adapter | str | None,
+    *,
+    max_shard_size: int | str,
+    subtree: str | None,
+    overwrite: bool,
+    read_back: bool,
+    on_progress: Callable[[str, int], None] | None,
+    group: dist.ProcessGroup,
+) -> tuple[int, int, list[str], list[str], int]:
+    """Collective over ``group``: :func:`sdadapt.convert` with every rank writing its files.
+    Opening and planning run on every rank and are agreed (the same files planned everywhere);
+    each rank reads only the source tensors its files need. Returns ``(tensors, bytes in all,
+    names written, non-tensor keys skipped, bytes this rank wrote)``."""
+    rank, world = rank_and_world(group)
+    error: SdadaptError | None = None
+    source: Source | None = None
+    planned: tuple[dict[str, Node], list[str], list[FileLayout], list[int]] | None = None
+    try:
+        if rank == 0:
+            check_destination(dst, overwrite)
+        source = open_checkpoint(src, subtree)
+        outputs, skipped = plan_outputs(source.schema, derive_adapter(adapter, source), non_tensor=source.non_tensor,
+                                        what=f"convert {source.path}")  # fmt: skip
+        planned = (outputs, skipped, *plan_convert(outputs, max_shard_size, world))
+    except SdadaptError as e:
+        error = e
+    layout = [] if planned is None else [(f.name, f.size, list(f.starts)) for f in planned[2]]
+    try:
+        agree_on({"files": layout}, error, group, what=f"convert to {dst}")
+    except BaseException:
+        if source is not None:
+            source.close()
+        raise
+    assert source is not None and planned is not None
+    outputs, skipped, files, owner = planned
+    txn = Transaction(None, None, source.path)
+    try:
+        txn.add_source(source)  # the source's files must not change while they are converted
+        mine = {k: outputs[k] for f, o in zip(files, owner, strict=True) if o == rank for k in f.starts}
+        if source.remote_url() is not None and mine:  # this rank's leaves, fetched in one concurrent batch
+            source.prefetch([(k, None) for k in sorted({leaf for n in mine.values() for leaf in n.leaves()})])
+        release = PageReleaser(source.files())
+        io = CachedIO(mine, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
+
+        def whole(key: str) -> torch.Tensor:
+            t = io.whole(outputs[key])
+            if on_progress is not None:
+                on_progress(key, t.numel() * t.element_size())
+            return t
+
+        def check(path: str) -> None:
+            io.flush()
+            if read_back:
+                inside = {k: outputs[k] for k in next(f for f in files if path.endswith("/" + f.name)).starts}
+                read_back_compare(path, dst, inside, source, release, on_progress)
+            txn.files_unchanged("while it was being converted")
+
+        names, written = convert_spread(dst, outputs, files, owner, whole, rank=rank, group=group, overwrite=overwrite,
+                                        check=check, finish=lambda tmp: side_files(tmp, config_folder(source.path), None))  # fmt: skip
+    finally:
+        txn.close()
+    total = sum(f.size - len(f.header) for f in files)
+    return len(outputs), total, names, skipped, written
+
+
+__all__ = ["convert_ranks", "convert_spread", "plan_convert"]
