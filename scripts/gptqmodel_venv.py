@@ -31,15 +31,8 @@ CHECK = ("import warnings; warnings.simplefilter('ignore'); import gptqmodel, op
 
 
 def venv_python(root: str | None = None, base_site: str | None = None) -> str:
-    """Make the venv (once; reused while GPTQModel imports there) and return its python.
-
-    Args:
-        root: where the small venvs live (default ``${TMPDIR:-/tmp}/sdadapt-compat``).
-        base_site: the site-packages it sees (default this interpreter's).
-
-    Returns:
-        The path of the venv's python.
-    """
+    """Make the venv once (reused while GPTQModel imports there) and return its python; ``root``
+    and ``base_site`` as :func:`small_venv.make_venv` takes them."""
     os.environ["BUILD_CUDA_EXT"] = "0"  # GPTQModel's setup: no CUDA extensions (torch is CPU here)
     os.environ["PIP_NO_BUILD_ISOLATION"] = "0"  # its setup imports the torch it builds against
     return make_venv(NAME, PACKAGES, CHECK, root, base_site, pins=PINS, no_deps=NO_DEPS)
