@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
 import importlib
 import inspect
 import re
@@ -69,13 +70,19 @@ def _instance_attribute(obj: Any, name: str) -> bool:
     if not isinstance(obj, type):
         return False
     for cls in obj.__mro__:
-        try:
-            source = inspect.getsource(cls)
-        except (OSError, TypeError):
-            continue
-        if re.search(rf"\bself\.{re.escape(name)}\s*(:[^=]+)?=", source):
+        source = _class_source(cls)
+        if source is not None and re.search(rf"\bself\.{re.escape(name)}\s*(:[^=]+)?=", source):
             return True
     return False
+
+
+@functools.cache
+def _class_source(cls: type) -> str | None:
+    """A class's source (None where it has none): read once, as many references ask about one class."""
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return None
 
 
 def _is_package(name: str) -> bool:
@@ -84,11 +91,16 @@ def _is_package(name: str) -> bool:
 
 def _imported_names(module: ModuleType) -> dict[str, str]:
     """``name -> dotted target`` of every import in the module's source (``TYPE_CHECKING`` ones too)."""
-    path = getattr(module, "__file__", None)
+    return _imports_of(module.__name__, getattr(module, "__file__", None))
+
+
+@functools.cache
+def _imports_of(name: str, path: str | None) -> dict[str, str]:
+    """:func:`_imported_names` of the module ``name`` at ``path``, parsed once."""
     if not path:
         return {}
     out: dict[str, str] = {}
-    pkg = module.__name__ if path.endswith("__init__.py") else module.__name__.rpartition(".")[0]
+    pkg = name if path.endswith("__init__.py") else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(Path(path).read_text())):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
