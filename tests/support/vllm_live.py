@@ -1,7 +1,7 @@
 """Refit into a live vLLM engine, run alone in the vLLM venv (scripts/vllm_venv.py) by
 tests/transaction/test_vllm_live.py:
 
-    python tests/support/vllm_live.py llama OUT.json
+    python tests/support/vllm_live.py llama OUT.json       # or qwen2_tp2, qwen3_moe, deepseek_v3
 
 One engine per run (``LLM(..., weight_transfer_config={"backend": "sdadapt"})``, bfloat16, the
 family's TP degree: ``FAMILIES``) in this process, which is also trainer rank 0 of 2 gloo ranks
@@ -60,6 +60,15 @@ FAMILIES = {
     "qwen3_moe": dict(cls="Qwen3MoeConfig", tp=1, vocab_size=300, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                       num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=64, tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[]),
+    # DeepSeek-V3, TP 1 (by hand): MLA (the CPU's MLA kernel takes kv_lora_rank 512 + rope 64 only), a dense layer, then
+    # a MoE layer of 4 routed experts (top 2) and a shared one, routed by noaux_tc (the router's correction bias). Its
+    # step cases fail: vLLM 0.32's CPU MLA serves other logits than transformers' from its own load (step0, before any
+    # refit; all-dense and with V3's head dims too); the refit cases (shapes, oracle, delta, mismatch) are what it shows
+    "deepseek_v3": dict(cls="DeepseekV3Config", tp=1, vocab_size=300, hidden_size=256, intermediate_size=512,
+                        moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, q_lora_rank=128,
+                        kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64, v_head_dim=64, n_routed_experts=4,
+                        num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                        topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, tie_word_embeddings=False),
 }  # fmt: skip
 
 
@@ -75,21 +84,29 @@ def family_config(family: str):
 
 def adapter_and_layout(family: str, config, tp: int, wrong: bool = False):
     """The adapter from the family's HF config (``wrong``: as if the model had as many KV heads as
-    query heads), and the layout module's ``layout``."""
-    from sdadapt.adapters import vllm_llama, vllm_qwen3_moe
+    query heads; DeepSeek-V3's: as if its routers had no correction bias), and the layout
+    module's ``layout``."""
+    from sdadapt.adapters import vllm_deepseek_v3, vllm_llama, vllm_qwen3_moe
 
-    module = vllm_qwen3_moe if family == "qwen3_moe" else vllm_llama
+    module = {"qwen3_moe": vllm_qwen3_moe, "deepseek_v3": vllm_deepseek_v3}.get(family, vllm_llama)
     shape = module.config_shape(config)
-    if wrong:
+    if wrong and family == "deepseek_v3":
+        shape["correction_bias"] = False
+    elif wrong:
         shape["n_kv_heads"] = shape["n_heads"]
     return module.build(tp=tp, **shape), module.layout
 
 
 def expected_shapes(family: str, config, tp: int) -> dict[str, tuple[int, ...]]:
     """What the family's layout module says vLLM's raw parameters on each rank are."""
-    from sdadapt.adapters import vllm_llama, vllm_qwen3_moe
+    from sdadapt.adapters import vllm_deepseek_v3, vllm_llama, vllm_qwen3_moe
 
     common = dict(n_layers=config.num_hidden_layers, vocab_size=config.vocab_size, dim=config.hidden_size, tp=tp)
+    if family == "deepseek_v3":
+        shape = vllm_deepseek_v3.config_shape(config)
+        del shape["stacked_experts"]
+        return vllm_deepseek_v3.parameter_shapes(**common, n_dense_layers=config.first_k_dense_replace, v_head_dim=config.v_head_dim,
+                                                 qk_nope_head_dim=config.qk_nope_head_dim, **shape)  # fmt: skip
     if family == "qwen3_moe":
         shape = vllm_qwen3_moe.config_shape(config)
         drop = ("hidden_dim", "stacked_experts", "qkv_bias")
@@ -180,6 +197,10 @@ def run_engine_cases(family: str, out_path: str, rank: int, world: int) -> None:
         trainer(tokens, labels=tokens).loss.backward()
         opt.step()
         opt.zero_grad()
+        with torch.no_grad():  # DeepSeek-V3's routers: the correction bias moves by load balancing, not by gradients
+            for name, buf in trainer.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buf.add_(torch.linspace(-0.01, 0.01, buf.numel()))
 
     def reference_model(full: dict[str, torch.Tensor], compute: torch.dtype) -> torch.nn.Module:
         """transformers with the trainer's weights rounded to bfloat16, computing in ``compute``."""
@@ -225,7 +246,8 @@ def run_engine_cases(family: str, out_path: str, rank: int, world: int) -> None:
         return worst
 
     def compare(case: str, extra: dict | None = None) -> tuple[list, list]:
-        full = {k: v.full_tensor() for k, v in trainer.state_dict().items()}  # collective: every rank
+        # collective: every rank (buffers, DeepSeek-V3's correction biases, are plain tensors on each)
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in trainer.state_dict().items()}
         got = served() if rank == 0 else None
         if rank == 0:
             assert got is not None

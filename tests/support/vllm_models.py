@@ -28,8 +28,10 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,19 +44,31 @@ DSV3 = dict(vocab_size=300, hidden_size=256, intermediate_size=512, moe_intermed
             num_attention_heads=4, q_lora_rank=128, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=64,
             v_head_dim=64, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
             n_group=1, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True)
+
+
+class Case(NamedTuple):
+    config: str  # the transformers config class
+    fields: dict[str, Any]
+    module: str  # the layout module
+    tp: int = 2
+    fp8: bool = False  # served block-quantized (quant_method fp8, block 128 x 128)
+    ep: bool = False  # vLLM's enable_expert_parallel: the experts spread whole over the TP ranks
+
+
+MOE = dict(LLAMA, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
 CASES = {
-    # (transformers config class, its fields, the layout module, TP degree, FP8 block-quantized)
-    "llama": ("LlamaConfig", LLAMA, "vllm_llama", 2, False),
-    "llama_bias": ("LlamaConfig", dict(LLAMA, attention_bias=True, mlp_bias=True), "vllm_llama", 2, False),
-    "qwen2_kv1": ("Qwen2Config", dict(LLAMA, num_key_value_heads=1, tie_word_embeddings=True), "vllm_llama", 2, False),
-    "qwen3": ("Qwen3Config", LLAMA, "vllm_llama", 2, False),
-    "mistral": ("MistralConfig", LLAMA, "vllm_llama", 2, False),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(LLAMA, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
-                                         decoder_sparse_step=1, mlp_only_layers=[]), "vllm_qwen3_moe", 2, False),
-    "deepseek_v3": ("DeepseekV3Config", DSV3, "vllm_deepseek_v3", 2, False),
-    "llama_fp8": ("LlamaConfig", dict(LLAMA, num_key_value_heads=4, intermediate_size=1024), "vllm_llama", 2, True),
-    "deepseek_v3_fp8": ("DeepseekV3Config", dict(DSV3, moe_intermediate_size=256), "vllm_deepseek_v3", 2, True),
-}  # fmt: skip
+    "llama": Case("LlamaConfig", LLAMA, "vllm_llama"),
+    "llama_bias": Case("LlamaConfig", dict(LLAMA, attention_bias=True, mlp_bias=True), "vllm_llama"),
+    "qwen2_kv1": Case("Qwen2Config", dict(LLAMA, num_key_value_heads=1, tie_word_embeddings=True), "vllm_llama"),
+    "qwen3": Case("Qwen3Config", LLAMA, "vllm_llama"),
+    "mistral": Case("MistralConfig", LLAMA, "vllm_llama"),
+    "qwen3_moe": Case("Qwen3MoeConfig", MOE, "vllm_qwen3_moe"),
+    "qwen3_moe_ep": Case("Qwen3MoeConfig", MOE, "vllm_qwen3_moe", ep=True),
+    "deepseek_v3": Case("DeepseekV3Config", DSV3, "vllm_deepseek_v3"),
+    "deepseek_v3_ep": Case("DeepseekV3Config", DSV3, "vllm_deepseek_v3", ep=True),
+    "llama_fp8": Case("LlamaConfig", dict(LLAMA, num_key_value_heads=4, intermediate_size=1024), "vllm_llama", fp8=True),
+    "deepseek_v3_fp8": Case("DeepseekV3Config", dict(DSV3, moe_intermediate_size=256), "vllm_deepseek_v3", fp8=True),
+}
 
 
 def hf_checkpoint(case: str, folder: str) -> dict[str, torch.Tensor]:
@@ -64,8 +78,8 @@ def hf_checkpoint(case: str, folder: str) -> dict[str, torch.Tensor]:
     import safetensors.torch
     import transformers
 
-    cls, fields, _, _, fp8 = CASES[case]
-    config = getattr(transformers, cls)(max_position_embeddings=256, initializer_range=0.1, **fields)
+    case_ = CASES[case]
+    config = getattr(transformers, case_.config)(max_position_embeddings=256, initializer_range=0.1, **case_.fields)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with torch.no_grad():  # a correction bias of zeros would not show a misplaced one
@@ -77,7 +91,7 @@ def hf_checkpoint(case: str, folder: str) -> dict[str, torch.Tensor]:
     for f in sorted(os.listdir(folder)):
         if f.endswith(".safetensors"):
             tensors |= safetensors.torch.load_file(os.path.join(folder, f))
-    if fp8:
+    if case_.fp8:
         with open(os.path.join(folder, "config.json")) as f:
             cfg = json.load(f)
         cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
@@ -119,7 +133,7 @@ def adapter_and_shapes(case: str, config, tp: int, rank: int):
     case's HF config (read as a user would: ``from_config`` / ``config_shape``)."""
     from sdadapt.adapters import vllm_deepseek_v3, vllm_fp8, vllm_llama, vllm_qwen3_moe
 
-    _, _, name, _, fp8 = CASES[case]
+    name, fp8, ep = CASES[case].module, CASES[case].fp8, CASES[case].ep
     common = dict(n_layers=config.num_hidden_layers, vocab_size=config.vocab_size, dim=config.hidden_size, tp=tp)
     if name == "vllm_llama":
         shape = vllm_llama.config_shape(config)
@@ -127,14 +141,14 @@ def adapter_and_shapes(case: str, config, tp: int, rank: int):
         shapes = vllm_llama.parameter_shapes(**common, **shape)
     elif name == "vllm_qwen3_moe":
         shape = vllm_qwen3_moe.config_shape(config, stacked_experts=False)
-        adapter, layout = vllm_qwen3_moe.build(tp=tp, **shape), vllm_qwen3_moe.layout(tp, rank)
+        adapter, layout = vllm_qwen3_moe.build(tp=tp, expert_parallel=ep, **shape), vllm_qwen3_moe.layout(tp, rank, expert_parallel=ep)
         drop = ("hidden_dim", "stacked_experts", "qkv_bias")
-        shapes = vllm_qwen3_moe.parameter_shapes(**common, **{k: v for k, v in shape.items() if k not in drop})
+        shapes = vllm_qwen3_moe.parameter_shapes(**common, expert_parallel=ep, **{k: v for k, v in shape.items() if k not in drop})
     else:
         shape = vllm_deepseek_v3.config_shape(config, stacked_experts=False)
-        adapter, layout = vllm_deepseek_v3.build(tp=tp, **shape), vllm_deepseek_v3.layout(tp, rank)
+        adapter, layout = vllm_deepseek_v3.build(tp=tp, expert_parallel=ep, **shape), vllm_deepseek_v3.layout(tp, rank, expert_parallel=ep)
         del shape["stacked_experts"]
-        shapes = vllm_deepseek_v3.parameter_shapes(**common, n_dense_layers=config.first_k_dense_replace,
+        shapes = vllm_deepseek_v3.parameter_shapes(**common, n_dense_layers=config.first_k_dense_replace, expert_parallel=ep,
                                                    qk_nope_head_dim=config.qk_nope_head_dim, v_head_dim=config.v_head_dim,
                                                    **shape)  # fmt: skip
     if fp8:
@@ -170,20 +184,25 @@ def tp_rank(tp: int, rank: int) -> Iterator[None]:
 ONE_RANK: list[object] = []
 
 
-def vllm_model(folder: str, tag: str) -> torch.nn.Module:
-    """vLLM's model of the checkpoint in ``folder``, built (not loaded) as vLLM's loader builds it
+def vllm_config(folder: str, ep: bool):
+    """vLLM's engine configuration for the checkpoint in ``folder`` (``ep``: expert parallel)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(model=folder, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128,
+                      load_format="dummy", enable_expert_parallel=ep).create_engine_config()  # fmt: skip
+
+
+def vllm_model(cfg, tag: str) -> torch.nn.Module:
+    """vLLM's model of ``cfg``'s checkpoint, built (not loaded) as vLLM's loader builds it
     in a worker (``initialize_model`` under the model's dtype): its parameters as its layers created them, vLLM's reload metadata
     recorded. Its FP8 linear layers' kernel choice is skipped: on a CPU without AMX vLLM has no
     block-FP8 kernel and refuses at that point, after the weights' shapes are fixed (no kernel
     runs here)."""
     from vllm.config import set_current_vllm_config
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.quantization import fp8
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    cfg = EngineArgs(model=folder, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True, max_model_len=128,
-                     load_format="dummy").create_engine_config()  # fmt: skip
     kernel = fp8.init_fp8_linear_kernel
     fp8.init_fp8_linear_kernel = lambda *args, **kwargs: None
     try:
@@ -206,7 +225,7 @@ def check_case(case: str, tmp: str) -> list[dict[str, object]]:
     """The case's rows, one per TP rank."""
     import transformers
 
-    tp, fp8 = CASES[case][3:]
+    tp, fp8 = CASES[case].tp, CASES[case].fp8
     folder = os.path.join(tmp, case)
     hf = hf_checkpoint(case, folder)
     config = transformers.AutoConfig.from_pretrained(folder)
@@ -214,14 +233,15 @@ def check_case(case: str, tmp: str) -> list[dict[str, object]]:
     trainer = dict(hf)
     if config.tie_word_embeddings:  # the trainer holds the head, tied (the files do not)
         trainer["lm_head.weight"] = trainer["model.embed_tokens.weight"]
+    cfg = vllm_config(folder, CASES[case].ep)
     rows = []
     for rank in range(tp):
         with tp_rank(tp, rank):
-            rows.append(check_rank(case, folder, config, files, trainer, rank))
+            rows.append(check_rank(case, cfg, config, files, trainer, rank))
     return rows
 
 
-def check_rank(case: str, folder: str, config, files: dict[str, torch.Tensor], trainer: dict[str, torch.Tensor],
+def check_rank(case: str, cfg, config, files: dict[str, torch.Tensor], trainer: dict[str, torch.Tensor],
                rank: int) -> dict[str, object]:  # fmt: skip
     """One TP rank: vLLM's model built and loaded by vLLM from ``files``, sdadapt's refit of
     ``trainer`` into tensors shaped as the sdadapt staging would be, compared."""
@@ -230,9 +250,9 @@ def check_rank(case: str, folder: str, config, files: dict[str, torch.Tensor], t
     import sdadapt
     from sdadapt._refit.vllm_worker import staged_parameters
 
-    tp = CASES[case][3]
+    tp = CASES[case].tp
     adapter, layout, want = adapter_and_shapes(case, config, tp, rank)
-    model = vllm_model(folder, f"{case}{rank}")
+    model = vllm_model(cfg, f"{case}{rank}")
     attention = {n for n, m in model.named_modules() if is_deferred_attention_layer(m)}
     created = {n: tuple(p.shape) for n, p in model.named_parameters() if n.rpartition(".")[0] not in attention}
     staged = {n: s for n, _, s in staged_parameters(model)}
@@ -260,7 +280,9 @@ def main() -> int:
         with open(out_path, "w") as out:
             for case in cases:
                 try:
+                    start = time.perf_counter()
                     rows = check_case(case, tmp)
+                    print(f"{case}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
                 except Exception:  # noqa: BLE001 - reported as the case's outcome
                     rows, failed = [{"case": case, "error": traceback.format_exc()[-3000:]}], failed + 1
                 for row in rows:

@@ -100,7 +100,8 @@ def test_refit_into_live_vllm(vllm_python: str, family: str, tp: int, tmp_path: 
 def test_layouts_against_vllm_model_code(vllm_python: str, tmp_path: Path) -> None:
     """Every shipped vLLM layout (``vllm_llama`` on Llama with and without biases, Qwen2 with one
     KV head on TP 2, Qwen3, Mistral; ``vllm_qwen3_moe``; ``vllm_deepseek_v3`` with DeepSeek-V3's
-    ``noaux_tc`` routing; ``vllm_fp8`` on Llama and DeepSeek-V3) against vLLM's own model classes,
+    ``noaux_tc`` routing; both MoE layouts with expert parallelism too; ``vllm_fp8`` on Llama and
+    DeepSeek-V3) against vLLM's own model classes,
     built without an engine by vLLM's ``initialize_model`` as each of 2 TP ranks
     (tests/support/vllm_models.py): the parameters vLLM's layers create, and those the sdadapt
     staging would lay out, equal ``parameter_shapes()``; vLLM's own ``load_weights`` of an HF
@@ -113,7 +114,7 @@ def test_layouts_against_vllm_model_code(vllm_python: str, tmp_path: Path) -> No
     assert p.returncode == 0 and rows and not [r for r in rows if "error" in r], f"exit {p.returncode}: {rows}\n{p.stderr[-4000:]}"
     from support.vllm_models import CASES
 
-    assert {(r["case"], r["rank"]) for r in rows} == {(c, r) for c, spec in CASES.items() for r in range(spec[3])}
+    assert {(r["case"], r["rank"]) for r in rows} == {(c, r) for c, spec in CASES.items() for r in range(spec.tp)}
     for r in rows:
         clean = {"missing": [], "extra": [], "shape": {}}
         assert r["created"] == clean and r["staged"] == clean and r["loaded_differ"] == [], r
