@@ -1,6 +1,7 @@
 """GGUF files on 2 gloo ranks: transformers Llama / Qwen2 / Qwen3 models sharded with FSDP2
 (``fully_shard``) load with no adapter, every shard bit-equal to transformers' own GGUF loading,
-each rank reading about half of the file; broken files fail on both ranks, nothing loaded, no hang.
+each rank reading about half of the file; our layout (``to="native"``) on sharded ranks as on one
+process; broken files fail on both ranks, nothing loaded, no hang.
 One launched group runs every case."""
 
 from __future__ import annotations
@@ -45,9 +46,11 @@ def _cases(folder: str) -> dict[str, Any]:
             bad = []
             for k, v in model.state_dict().items():
                 local, region = shard_of(v, want[k])
-                if local.dtype != region.dtype or not torch.equal(local.contiguous().view(torch.uint8), region.contiguous().view(torch.uint8)):
+                same = torch.equal(local.contiguous().view(torch.uint8), region.contiguous().view(torch.uint8))
+                if local.dtype != region.dtype or not same:
                     bad.append(k)
             out[f"{family}/{dtype}"] = {"bad": bad, "read": rep.bytes_read, "size": os.path.getsize(path)}
+    out["llama/native"] = _native(os.path.join(folder, "llama", "model.gguf"), mesh)
     oracle = oracle_model(os.path.join(folder, "llama", "model.gguf"), torch.float32)
     for broken in ("truncated", "block_count"):
         path = os.path.join(folder, "broken", f"{broken}.gguf")
@@ -60,6 +63,37 @@ def _cases(folder: str) -> dict[str, Any]:
             out[broken] = f"{type(e).__name__}: {e}"
         out[f"{broken}/meta"] = all(p.is_meta for p in model.parameters())  # nothing materialised or written
     return out
+
+
+def _native(path: str, mesh: Any) -> list[str]:
+    """The shipped ``gguf`` adapter to our layout (``to="native"``) into an FSDP2-sharded
+    Meta-layout Llama: every shard equal to the same load on one process (which
+    tests/adapters/test_adapters_gguf.py checks against transformers' checkpoint); the keys
+    that differ."""
+    from support.dist_helper import shard_of
+    from support.gguf_models import FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB
+    from support.reference_models import MetaLlama
+    from torch.distributed.fsdp import fully_shard
+
+    import sdadapt
+
+    cfg = {"dim": HIDDEN, "n_layers": LAYERS, "n_heads": HEADS, "n_kv_heads": KV_HEADS, "vocab_size": VOCAB,
+           "hidden_dim": FFN, "norm_eps": 1e-5, "rope_theta": 10000.0}  # fmt: skip
+    native = sdadapt.get_adapter("gguf", path, to="native")
+    whole = MetaLlama(cfg).to(torch.bfloat16)
+    sdadapt.load(whole, path, native, dtype="model")
+    want = whole.state_dict()
+    with torch.device("meta"):
+        model = MetaLlama(cfg).to(torch.bfloat16)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    sdadapt.load(model, path, native, dtype="model")
+    return [k for k, v in model.state_dict().items() if not torch.equal(*shard_of(v, want[k]))]
+
+
+def test_our_layout_on_sharded_ranks_equals_one_process(results: dict) -> None:
+    assert results[0]["llama/native"] == [] and results[1]["llama/native"] == []
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """GPTQ and AWQ releases (written by auto-gptq and AutoAWQ, ``support.quant_releases``) on 2 gloo
 ranks: transformers Llama models sharded with FSDP2 (``fully_shard``) load with no adapter, every
 shard bit-equal to the tools' own dequantisation in bfloat16 and float32, each rank reading about
-half of the packed file; a ``g_idx`` out of range fails on both ranks naming it, nothing loaded, no
-hang. One launched group runs every case."""
+half of the packed file; the shipped ``llama`` adapter into a sharded Meta-layout model as on one
+process; a ``g_idx`` out of range fails on both ranks naming it, nothing loaded, no hang. One
+launched group runs every case."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def _cases(folder: str, broken: str) -> dict[str, Any]:
                     bad.append(k)
             out[f"{name}/{dtype}"] = {"bad": bad, "read": rep.bytes_read,
                                       "size": os.path.getsize(os.path.join(path, "model.safetensors"))}
+    out.update(_meta_layout(folder, mesh))
     model = _model(broken, torch.bfloat16, mesh)
     try:
         sdadapt.load(model, broken)
@@ -64,6 +66,45 @@ def _cases(folder: str, broken: str) -> dict[str, Any]:
         out["broken"] = f"{type(e).__name__}: {e}"
     out["broken/meta"] = all(p.is_meta for p in model.parameters())
     return out
+
+
+def _meta_layout(folder: str, mesh: Any) -> dict[str, Any]:
+    """The shipped ``llama`` adapter into an FSDP2-sharded Meta-layout model (rotary rows permuted
+    across the shards): every shard equal to the same adapter's load on one process, whose logits
+    tests/rules/test_dequant_gptq.py checks against the tools' dequantised model."""
+    import json
+
+    from support.reference_models import MetaLlama
+    from torch.distributed.fsdp import fully_shard
+
+    import sdadapt
+
+    out: dict[str, Any] = {}
+    for name in ("gptq4_g32_asym_act", "awq4_g64"):
+        path = os.path.join(folder, name)
+        cfg = json.load(open(os.path.join(path, "config.json")))
+        spec = dict(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
+                    n_kv_heads=cfg["num_key_value_heads"], vocab_size=cfg["vocab_size"],
+                    hidden_dim=cfg["intermediate_size"], norm_eps=cfg["rms_norm_eps"])  # fmt: skip
+        whole = MetaLlama(spec).to(torch.bfloat16)
+        sdadapt.load(whole, path, "llama")
+        want = whole.state_dict()
+        with torch.device("meta"):
+            model = MetaLlama(spec).to(torch.bfloat16)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        sdadapt.load(model, path, "llama")
+        bad = [k for k, v in model.state_dict().items() if not torch.equal(*shard_of(v, want[k]))]
+        out[f"{name}/llama"] = {"bad": bad, "keys": len(want)}
+    return out
+
+
+def test_the_llama_adapter_into_a_sharded_meta_layout_model_equals_one_process(results: dict) -> None:
+    for rank in (0, 1):
+        for name in ("gptq4_g32_asym_act", "awq4_g64"):
+            case = results[rank][f"{name}/llama"]
+            assert case["bad"] == [] and case["keys"] > 10, (rank, name, case)
 
 
 @pytest.fixture(scope="module")
