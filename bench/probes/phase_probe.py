@@ -51,6 +51,8 @@ STEPS = [
     ("sdadapt._engine.reader", "AdaptedStorageReader.read_metadata"),
     ("sdadapt._engine.reader", "AdaptedStorageReader.prepare_local_plan"),
     ("sdadapt._engine.reader", "AdaptedStorageReader.read_data"),
+    ("sdadapt._engine.direct", "local_jobs"),  # a load into tensors and DTensors: no dcp.load
+    ("sdadapt._engine.direct", "EngineReader.run"),
     ("sdadapt._engine.engine", "IOEngine.run"),
     ("sdadapt._transaction.transaction", "after_read_checks"),
     ("sdadapt._transaction.transaction", "Transaction._commit"),

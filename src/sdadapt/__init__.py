@@ -3,8 +3,9 @@
     report = sdadapt.load(model, "ckpt.pt", sdadapt.Adapter([sdadapt.fuse([...], "...")]))
 
 Data flow: source headers -> source schema; model -> target schema; Adapter + schemas -> plan +
-report (strict: raise on every rank, nothing read); ``dcp.load`` with a reader that presents
-the target schema and reads, per shard, only the source regions the recipe needs.
+report (strict: raise on every rank, nothing read); then each rank's shards, as boxes in global
+coordinates (the read items DCP's planner would make), are read by the engine: per shard, only
+the source regions the recipe needs (``dcp.load`` serves only targets DCP alone can read).
 
 The top level holds what a user calls: the functions that load, plan, check, export and trim
 checkpoints, the adapter and its registry, one function per built-in rule, the engine's

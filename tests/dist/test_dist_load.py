@@ -17,6 +17,7 @@ returns per-case facts; the parametrised tests below check them. For every case:
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 import sdadapt
+from sdadapt._engine.direct import direct_targets, local_jobs
 from sdadapt._engine.reader import AdaptedLoadPlanner
 
 # Model sizes: vocab 37, ffn 40, dim 16 give uneven shards over 2, 3 and 4 ranks; "tiny" has a
@@ -196,7 +198,9 @@ def _check_model(model: torch.nn.Module, expected: dict[str, torch.Tensor]) -> d
 
 
 def _plans_agree(model: torch.nn.Module) -> bool:
-    """sdadapt's memoised local plan is DCP's ``DefaultLoadPlanner`` plan, item for item."""
+    """sdadapt's memoised local plan is DCP's ``DefaultLoadPlanner`` plan, item for item; and the
+    jobs a load without ``dcp.load`` runs (``direct.local_jobs``) are those items: key, box and
+    destination (the same memory, the same shape)."""
     sd = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     md = Metadata(
         state_dict_metadata={
@@ -207,7 +211,16 @@ def _plans_agree(model: torch.nn.Module) -> bool:
     ours, theirs = AdaptedLoadPlanner(), DefaultLoadPlanner()
     ours.set_up_planner(sd, md, False)
     theirs.set_up_planner(sd, md, False)
-    return ours.create_local_plan().items == theirs.create_local_plan().items
+    items = theirs.create_local_plan().items
+    if ours.create_local_plan().items != items or not direct_targets(sd):
+        return False
+    plan = SimpleNamespace(recipes={k: SimpleNamespace(shape=tuple(v.shape)) for k, v in sd.items()})
+    jobs, _ = local_jobs(plan, sd)  # type: ignore[arg-type] - local_jobs reads only the recipes' shapes
+    dests = [theirs.resolve_tensor(it).detach() for it in items]
+    return [(j.key, j.box, j.dest.data_ptr(), tuple(j.dest.shape)) for j in jobs] == [
+        (it.storage_index.fqn, tuple((o, o + n) for o, n in zip(it.storage_offsets, it.lengths)), d.data_ptr(), tuple(d.shape))
+        for it, d in zip(items, dests)
+    ]
 
 
 def _even_shape(v: DTensor) -> tuple[int, ...]:

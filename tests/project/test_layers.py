@@ -244,7 +244,8 @@ BENCH_PRIVATE: dict[str, dict[str, str]] = {
                              "sdadapt._recipes": "the FP8 nodes whose kernels the lane runs",
                              "sdadapt._recipes.nodes": "Leaf nodes over the source"},  # fmt: skip
     "probes/phase_probe.py": {"sdadapt._engine.engine": "wraps the load's steps to time each",
-                              "sdadapt._engine.reader": "the same", "sdadapt._plan.plan": "the same",
+                              "sdadapt._engine.reader": "the same", "sdadapt._engine.direct": "the same",
+                              "sdadapt._plan.plan": "the same",
                               "sdadapt._plan.target": "the same", "sdadapt._load.loading": "the same",
                               "sdadapt._transaction.steps": "the same", "sdadapt._transaction.materialize": "the same",
                               "sdadapt._transaction.transaction": "the same"},  # fmt: skip

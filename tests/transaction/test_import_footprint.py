@@ -1,5 +1,6 @@
 """What a plain load imports: a rename adapter and a bf16 safetensors file pull in neither the
-quantized formats, nor the LoRA merge, the Hub, export, drafting or the command line; the rule
+quantized formats, nor the LoRA merge, the Hub, export, drafting, the command line or
+``torch.distributed.checkpoint``; the rule
 kinds whose modules are imported on first use still read back from JSON and still clash with a
 user's kind of the same name. Asserted on ``sys.modules`` of a fresh process, never on timings."""
 
@@ -60,6 +61,12 @@ NOT_ON_THE_PLAIN_PATH = [
     "sdadapt._draft",
     "sdadapt.cli",
     "sdadapt.torchtitan",
+    # DCP: a load into tensors and DTensors runs the engine without dcp.load (importing any of
+    # torch.distributed.checkpoint imports the whole package, and torch.distributed.elastic)
+    "sdadapt._engine.reader",
+    "sdadapt._engine.safe_planner",
+    "torch.distributed.checkpoint",
+    "torch.distributed.elastic",
     # third-party packages of optional paths
     "peft",
     "transformers",
@@ -74,7 +81,7 @@ PLAIN_LOAD = IMPORT_SDADAPT + [
     *(f"sdadapt._base.{m}" for m in "agreement distributed env gc keyruns progress regions schema tensor_bytes".split()),
     "sdadapt._engine",
     *(f"sdadapt._engine.{m}" for m in (
-        "config device devread engine geometry lanes locate pinned planner prefetch reader share staging syscalls "
+        "config device devread direct engine geometry lanes locate pinned planner prefetch share staging syscalls "
         "tasks views workers").split()),
     "sdadapt._load", "sdadapt._load.loading",
     "sdadapt._plan", *(f"sdadapt._plan.{m}" for m in "adapter intent plan registry report resolve target titan_names".split()),
@@ -94,7 +101,7 @@ struck off, so that the list only shrinks (what each module costs: ``bench/probe
 
 PLAIN_LOAD_THIRD_PARTY = ["annotated_types", "pydantic", "pydantic_core", "typing_inspection"]
 """The packages besides torch and the standard library that a plain load imports: pydantic's
-(the rules are pydantic models). ``torch.distributed.checkpoint`` runs the load."""
+(the rules and the reports are pydantic models: ``LoadReport`` is one, so every load imports it)."""
 
 CHILD = textwrap.dedent(
     """

@@ -1,8 +1,9 @@
-"""The I/O engine behind :class:`~sdadapt._engine.reader.AdaptedStorageReader`.
+"""The I/O engine behind :class:`~sdadapt._engine.direct.EngineReader` (and its DCP face,
+:class:`~sdadapt._engine.reader.AdaptedStorageReader`).
 
-``dcp.load`` gives a rank its ``ReadItem``s (a target key, a box of it in global coordinates, a
-destination shard). The engine turns all of them into file reads at once and runs those reads
-on a thread pool:
+A rank gets its jobs (a target key, a box of it in global coordinates, a destination shard):
+DCP's read items, made by :func:`~sdadapt._engine.direct.local_jobs` without ``dcp.load``. The
+engine turns all of them into file reads at once and runs those reads on a thread pool:
 
 1. **Steps** (:mod:`sdadapt._recipes.nodes`). Each job's recipe says how its box is produced into the
    destination: pieces ("source tensor ``key``, region ``box``, goes into this view of the

@@ -1,4 +1,4 @@
-"""``sdadapt.load``: validate on headers, materialise, then one ``dcp.load`` of the adapted view."""
+"""``sdadapt.load``: validate on headers, materialise, then read each rank's shards of the adapted view."""
 
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ import sys
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from .._base.schema import MeshDim, TensorInfo
@@ -18,7 +17,12 @@ def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     Where ``get_model_state_dict`` can only return ``model.state_dict()`` unchanged (see
     :func:`_renames_nothing`), that is called directly: it skips the per-key FQN search that
     costs ``get_model_state_dict`` most of its time (tens of ms for a few hundred keys)."""
-    sd = model.state_dict() if _renames_nothing(model) else get_model_state_dict(model)
+    if _renames_nothing(model):
+        sd = model.state_dict()
+    else:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict  # noqa: PLC0415 - wrapped models only
+
+        sd = get_model_state_dict(model)
     return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 

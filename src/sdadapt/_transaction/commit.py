@@ -5,12 +5,12 @@ an optimizer that held no state can be given its own back after a failed commit.
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +36,21 @@ class CommitProgress:
         for name, step in steps:
             try:
                 step()
-            except (Exception, CheckpointException) as e:  # noqa: BLE001 - any step's failure is agreed, then re-raised as LoadError
+            except BaseException as e:  # noqa: BLE001 - any step's failure is agreed, then re-raised as LoadError
+                if not isinstance(e, (Exception, *_dcp_failure())):
+                    raise
                 self.error = f"{name} failed: {type(e).__name__}: {e}"
                 log.debug("rank-local commit failure in %r", name, exc_info=True)
                 return e
             self.done.append(name)
         return None
+
+
+def _dcp_failure() -> tuple[type[BaseException], ...]:
+    """DCP's ``CheckpointException`` (a ``BaseException``) where DCP was imported: a step can
+    raise it only then, and a load that needs no DCP does not import it for this."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return (api.CheckpointException,) if api is not None else ()
 
 
 def touching_optimizer(step: Callable[[], None], progress: CommitProgress, has_optimizer: bool) -> Callable[[], None]:

@@ -5,7 +5,7 @@ Steps, in order, each agreed on every rank (one rank's failure is every rank's e
 1. **prepare**: plan from headers, fingerprint the files (size, mtime, inode), agree that every
    rank plans the same; a failure leaves the model untouched (or back on meta); run buffer hooks;
 2. **check files** right before the first byte is written;
-3. **read** every part (one ``dcp.load`` each) into its targets: the model's own shards, or
+3. **read** every part (by the engine, or one ``dcp.load``) into its targets: the model's own shards, or
    a staged copy laid out like them (``atomic=True``);
 4. **check** after reading (read errors from every rank, files unchanged, ``check_finite``);
 5. **commit** (copy staged shards in, run the caller's finishing steps such as setting the
@@ -43,14 +43,11 @@ import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
@@ -58,7 +55,7 @@ from .._base.agreement import agree_on
 from .._base.distributed import any_rank, gather_if_any, is_distributed
 from .._base.env import version_problem
 from .._engine import EngineConfig
-from .._engine.reader import AdaptedLoadPlanner, AdaptedStorageReader
+from .._engine.direct import EngineReader, direct_targets
 from .._plan.intent import no_intent
 from .._plan.plan import Plan
 from .._plan.target import model_state_dict
@@ -78,6 +75,9 @@ from .commit import (
 from .materialize import InitFn, Reservation, choose_device, has_meta, materialize
 from .tidy import single_process_quiet
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.api import CheckpointException
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -96,7 +96,8 @@ _marks: weakref.WeakKeyDictionary[Any, RemovableHandle] = weakref.WeakKeyDiction
 
 @dataclass
 class Part:
-    """One ``dcp.load`` of a transaction: ``plan`` read from ``source`` into ``targets``.
+    """One read of a transaction: ``plan`` read from ``source`` into ``targets`` (by the engine
+    alone where :func:`~sdadapt._engine.direct.direct_targets` accepts them, else through ``dcp.load``).
 
     ``of_model``: the targets are the model's tensors (else the optimizer's state)."""
 
@@ -106,7 +107,7 @@ class Part:
     targets: dict[str, torch.Tensor]
     of_model: bool = True
     share_reads: bool = False
-    reader: AdaptedStorageReader | None = field(default=None, init=False)
+    reader: EngineReader | None = field(default=None, init=False)
     staged: dict[str, torch.Tensor] | None = field(default=None, init=False)  # atomic=True: read here
 
     @property
@@ -220,14 +221,14 @@ class Transaction:
 
     def fetch_ahead(self, parts: list[Part]) -> None:
         """Collective: a source at an object storage URL fetches what this rank will read
-        (:meth:`AdaptedStorageReader.fetch_ahead`) before any rank writes, so that a fetch
+        (:meth:`EngineReader.fetch_ahead`) before any rank writes, so that a fetch
         failing on one rank (403, a missing or changed object) leaves every rank's model as
         it was. Nothing for local sources."""
         if not any(p.source.remote_url() for p in parts):
             return
         error: SdadaptError | None = None
         for part in parts:
-            part.reader = AdaptedStorageReader(part.plan, part.source, config=self.engine, share_reads=part.share_reads)
+            part.reader = self._reader(part, direct_targets(part.targets))
         try:
             for part in parts:
                 assert part.reader is not None
@@ -384,24 +385,37 @@ class Transaction:
         said.append("atomic=True does not guard this step (it fails while committing); remove the cause and load again.")
         return " ".join(said)
 
+    def _reader(self, part: Part, direct: bool) -> EngineReader:
+        """The reader of ``part``: the engine's own (``direct``), else DCP's ``StorageReader`` face."""
+        if direct:
+            return EngineReader(part.plan, part.source, config=self.engine, share_reads=part.share_reads)
+        from .._engine.reader import AdaptedStorageReader  # noqa: PLC0415 - imports torch.distributed.checkpoint
+
+        return AdaptedStorageReader(part.plan, part.source, config=self.engine, share_reads=part.share_reads)
+
     def _read(self, part: Part) -> list[str]:
-        """``dcp.load`` of one part on this rank alone: the read plan is local (the reader's
-        metadata is the target schema, which every rank has), so DCP's plan exchange is skipped
-        (``no_dist``); the outcome is agreed in the checks after reading. Returns this rank's
+        """Read one part on this rank alone: by the engine (tensors and DTensors: the same jobs
+        ``dcp.load`` would make), else one ``dcp.load`` with a local read plan (the reader's
+        metadata is the target schema, which every rank has, so DCP's plan exchange is skipped:
+        ``no_dist``); the outcome is agreed in the checks after reading. Returns this rank's
         read errors, one line each."""
-        if part.reader is None:  # made by fetch_ahead for a source at a URL
-            part.reader = AdaptedStorageReader(part.plan, part.source, config=self.engine, share_reads=part.share_reads)
+        direct = direct_targets(part.into)
+        if part.reader is None or (not direct and type(part.reader) is EngineReader):
+            fetched = part.reader.fetched if part.reader is not None else (0, 0)
+            part.reader = self._reader(part, direct)  # made by fetch_ahead for a source at a URL
+            part.reader.fetched = fetched
         part.reader.on_done = self.on_done
         self.written.append(part)
         log.debug("reading %d keys of %s from %s", len(part.into), part.name, self.what)
         try:
-            with single_process_quiet():
-                dcp.load(part.into, storage_reader=part.reader, planner=AdaptedLoadPlanner(), process_group=self.group, no_dist=True)
-        except CheckpointException as e:  # a BaseException: turn it into ours
-            errors = read_errors(e)
+            if direct:
+                part.reader.load_into(part.into)
+                errors = []
+            else:
+                errors = _dcp_load(part, self.group)
         except Exception as e:  # noqa: BLE001 - named and agreed on after reading
             errors = [f"{type(e).__name__}: {e}"]
-        else:
+        if not errors:
             return []
         if not part.reader.began_writing:
             self.written.remove(part)  # it failed before writing a byte (fetching from object storage)
@@ -517,6 +531,22 @@ def staging_like(wanted: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def _dcp_load(part: Part, group: dist.ProcessGroup | None) -> list[str]:
+    """``dcp.load`` of ``part`` through its :class:`~sdadapt._engine.reader.AdaptedStorageReader`;
+    DCP's exception (a ``BaseException``) as this rank's read errors."""
+    import torch.distributed.checkpoint as dcp  # noqa: PLC0415 - only targets the engine cannot read alone need it
+    from torch.distributed.checkpoint.api import CheckpointException  # noqa: PLC0415
+
+    from .._engine.reader import AdaptedLoadPlanner  # noqa: PLC0415 - imports torch.distributed.checkpoint
+
+    try:
+        with single_process_quiet():
+            dcp.load(part.into, storage_reader=part.reader, planner=AdaptedLoadPlanner(), process_group=group, no_dist=True)
+    except CheckpointException as e:  # a BaseException: turn it into ours
+        return read_errors(e)
+    return []
+
+
 def read_errors(e: CheckpointException) -> list[str]:
     """This rank's own read errors out of DCP's exception (file, key), one line each."""
     failures = [(p[0] if isinstance(p, tuple) else p) for _, p in sorted((getattr(e, "failures", {}) or {}).items())]
@@ -536,6 +566,8 @@ def copy_back_if_detached(model: nn.Module, loaded: dict[str, torch.Tensor]) -> 
     detached: dict[str, Any] = {k: v for k, v in loaded.items() if not _same_storage(current.get(k), v)}
     if detached:
         log.debug("copying %d detached tensors back into the model", len(detached))
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # noqa: PLC0415 - wrapped models only
+
         set_model_state_dict(model, detached, options=StateDictOptions(strict=False))
 
 
