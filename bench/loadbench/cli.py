@@ -30,7 +30,7 @@ from .paths import (
     USER_LIBRARIES,
     Job,
 )
-from .report import machine, markdown, summarize
+from .report import combine_rounds, machine, markdown, summarize
 from .shapes import PRESETS, Shape
 
 BENCH = Path(__file__).resolve().parent.parent
@@ -69,6 +69,11 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--discussion-timeout", type=float, default=300.0)
     ap.add_argument("--timeout", type=float, default=3000.0, help="timeout of each path's process group (s)")
     ap.add_argument("--repeat", type=int, default=3, help="timed steady-state loads after the first load (default 3)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every row this many times, round-robin (every row's fresh process group once per round, "
+                         "in row order): a row's first load is the median of its rounds' first loads and its steady "
+                         "figure the median of all its rounds' repeats, so that rows compared are measured interleaved "
+                         "rather than minutes apart on a machine whose load moves (e.g. --rounds 5 --repeat 1)")
     ap.add_argument("--malloc", choices=sorted(MALLOC_MODES), default="default",
                     help="glibc memory reuse between loads in the workers (see MALLOC_MODES); default: glibc's own")
     ap.add_argument("--warmup", type=int, default=0,
@@ -288,25 +293,29 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], the_variants: dict[st
     pythonpath = [str(ROOT / "src")]
     the_machine = machine()  # the load average before the workers start
     groups = _one_group(args, jobs, common, work, pythonpath) if args.one_group else []
-    for job in [] if args.one_group else jobs:
+    if args.rounds < 1:
+        raise BenchError("--rounds takes 1 or more")
+    for rnd, job in ((r, j) for r in range(args.rounds) for j in ([] if args.one_group else jobs)):
         discussion = job.path in DISCUSSION_PATHS.values()
         timeout = args.discussion_timeout if discussion else args.timeout
-        cfg = {**common, "job": asdict(job), "out": str(work / job.tag), "repeat": 0 if discussion else args.repeat,
+        out = work / (job.tag if args.rounds == 1 else f"{job.tag}-round{rnd}")
+        cfg = {**common, "job": asdict(job), "out": str(out), "repeat": 0 if discussion else args.repeat,
                "warmup": 0 if discussion else args.warmup}
         if discussion:
             cfg.update(pg_timeout=int(timeout) + 60, dump_after=max(1.0, timeout * 0.6))
         settings = dict(the_variants.get(job.variant, {}))
         src = settings.pop("src", None)
         g = launch_group(cfg, args.nproc, timeout, job.tag, ENTRY, [src] if src else pythonpath, settings)
-        g.update(job=asdict(job), timeout=timeout)
+        g.update(job=asdict(job), timeout=timeout, round=rnd)
         groups.append(g)
-        print(f"{job.tag}: group done in {g['seconds']:.1f} s" + (" (hung, killed)" if g["hung"] else ""), file=sys.stderr)
+        which = f"{job.tag}" + (f" round {rnd + 1}/{args.rounds}" if args.rounds > 1 else "")
+        print(f"{which}: group done in {g['seconds']:.1f} s" + (" (hung, killed)" if g["hung"] else ""), file=sys.stderr)
     if not args.no_references and not args.cold:
         cfg = {**common, "job": None, "references": True, "out": str(work / "references")}
         g = launch_group(cfg, args.nproc, args.timeout, "references", ENTRY, pythonpath)
         g.update(job=None, timeout=args.timeout)
         groups.append(g)
-    rows = summarize(groups)
+    rows = combine_rounds(summarize(groups))
     loads = [run["load_avg"] for g in groups for r in g["ranks"] if r for run in r["runs"] if "load_avg" in run]
     shutil.rmtree(work, ignore_errors=True)
     return {
@@ -321,6 +330,7 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], the_variants: dict[st
         "import_in_load": args.import_in_load,
         "first_load": "one fresh process group per row; the row's first load is the first load of its processes",
         "repeat": args.repeat,
+        "rounds": args.rounds,
         "warmup": args.warmup,
         "malloc": args.malloc,
         "rss_interval_ms": args.rss_interval_ms,

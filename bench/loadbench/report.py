@@ -86,6 +86,35 @@ def summarize(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def combine_rounds(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per job out of the rows of its rounds (``--rounds``), in first-seen order:
+    ``first_s`` the median of the rounds' first loads (``first_all_s`` each of them, in round
+    order), ``steady_s`` the median of every round's steady repeats (``steady_all_s``); the
+    per-rank figures of the round whose first load is nearest that median. A job that failed
+    in any round is that round's failed row."""
+    by_job: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for r in rows:
+        by_job.setdefault((r["path"], r["layout"], r["flow"], r.get("variant", "")), []).append(r)
+    out = []
+    for same in by_job.values():
+        failed = [r for r in same if not r.get("ok")]
+        if failed or len(same) == 1:
+            out.append(failed[0] if failed else {**same[0], "first_all_s": [same[0]["first_s"]]})
+            continue
+        firsts = [r["first_s"] for r in same]
+        mid = statistics.median(firsts)
+        rep = min(same, key=lambda r: abs(r["first_s"] - mid))
+        walls = [w for r in same for w in r["steady_all_s"]]
+        errors = [r["steady_error"] for r in same if r.get("steady_error")]
+        row = {**rep, "first_s": mid, "wall_s": mid, "first_all_s": firsts, "steady_all_s": walls,
+               "steady_s": statistics.median(walls) if walls and not errors else None,
+               "repeats": len(walls) if not errors else 0, "rounds": len(same)}
+        if errors:
+            row["steady_error"] = errors[0]
+        out.append(row)
+    return out
+
+
 def _name(row: dict[str, Any]) -> str:
     """A row's path, with its variant's name where it ran under one."""
     return row["path"] + (f" @{row['variant']}" if row.get("variant") else "")
@@ -108,6 +137,7 @@ def _modules(pr: list[dict[str, Any]]) -> str:
 
 def how_line(result: dict[str, Any]) -> str:
     """How the figures were taken, in one paragraph (printed above the table)."""
+    rounds = result.get("rounds", 1)
     return (f"Each row ran in its own fresh process group: {result['nproc']} new Python processes started for that row "
             f"alone, which imported {', '.join(result['libraries'])} before anything was timed"
             + (" (each loader's own imports, sdadapt and what it needs among them, are inside its timed first load: "
@@ -116,7 +146,9 @@ def how_line(result: dict[str, Any]) -> str:
             "model (untimed; `materialized`: `to_empty` + values in every parameter, untimed), then timed the first load "
             f"of the process (**first load**, the headline); then {result.get('warmup', 0)} untimed warm-up load(s) and "
             f"{result['repeat']} timed steady-state load(s) in the same processes, each into a newly prepared model. "
-            "Wall = slowest rank. Extra RSS / GPU memory = peak over the load's start, per rank.")
+            + (f"The rows ran {rounds} times round-robin (each row's group once per round, in row order): first load = "
+               f"median of the rounds' first loads, steady = median of all rounds' repeats (both listed). " if rounds > 1 else "")
+            + "Wall = slowest rank. Extra RSS / GPU memory = peak over the load's start, per rank.")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -157,6 +189,8 @@ def markdown(result: dict[str, Any]) -> str:
         rel = f"{r['first_s'] / base[key]:.2f}" if key in base else "-"
         steady = f"{r['steady_s']:.3f}" if r["steady_s"] is not None else r.get("steady_error", "-")[:60].replace("|", "/")
         reps = " ".join(f"{w:.3f}" for w in r["steady_all_s"])
+        if len(r.get("first_all_s", [])) > 1:
+            reps += " (first loads: " + " ".join(f"{w:.3f}" for w in r["first_all_s"]) + ")"
         st_anon = _span([(p["steady"] or {}).get("rss_anon_extra_gib") for p in pr])
         lines.append(
             f"| {_name(r)} | {r['layout']} | {r['flow']} | **{r['first_s']:.3f}** | {rel} | {steady} | {reps} | "
