@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,7 +30,6 @@ from .._base.regions import box_shape
 from .._plan.plan import Plan
 from ..errors import LoadError
 from ..sources import Source
-from .config import EngineConfig
 from .direct import EngineReader
 from .prefetch import prefetch
 from .tasks import Job
@@ -100,18 +99,11 @@ class AdaptedStorageReader(EngineReader, StorageReader):
     (:meth:`EngineReader.load_into`); this serves the rest, and the torchtitan bridge.
     """
 
-    def __init__(
-        self,
-        plan: Plan,
-        source: Source,
-        *,
-        engine: str | None = None,
-        config: EngineConfig | None = None,
-        share_reads: bool = False,
-        on_done: Callable[[int], None] | None = None,
-    ):
+    def __init__(self, plan: Plan, source: Source, **options: Any):
+        """``options``: :class:`~sdadapt._engine.direct.EngineReader`'s (``engine``, ``config``,
+        ``share_reads``, ``on_done``)."""
         StorageReader.__init__(self)
-        EngineReader.__init__(self, plan, source, engine=engine, config=config, share_reads=share_reads, on_done=on_done)
+        EngineReader.__init__(self, plan, source, **options)
         self._metadata = Metadata(
             state_dict_metadata={
                 key: TensorStorageMetadata(
