@@ -285,7 +285,9 @@ def _one_group(args: argparse.Namespace, jobs: list[Job], common: dict[str, Any]
 
 def _run_groups(args: argparse.Namespace, jobs: list[Job], the_variants: dict[str, dict[str, str]], shape: Shape,
                 backend: str, files: dict[str, str], facts: dict[str, float], formats: list[str], warm: float) -> dict[str, Any]:
-    """One fresh process group per job, then one for the references; the result as a dict."""
+    """One fresh process group per job (per round), then one for the references; the result as a dict."""
+    if args.rounds < 1:
+        raise BenchError("--rounds takes 1 or more")
     work = Path(tempfile.mkdtemp(prefix="sdadapt-bench-run-"))
     common = {"shape": asdict(shape), "backend": backend, "files": files, "cold": args.cold,
               "verify": not args.no_verify, "malloc": args.malloc, "rss_interval": args.rss_interval_ms / 1000,
@@ -293,8 +295,6 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], the_variants: dict[st
     pythonpath = [str(ROOT / "src")]
     the_machine = machine()  # the load average before the workers start
     groups = _one_group(args, jobs, common, work, pythonpath) if args.one_group else []
-    if args.rounds < 1:
-        raise BenchError("--rounds takes 1 or more")
     for rnd, job in ((r, j) for r in range(args.rounds) for j in ([] if args.one_group else jobs)):
         discussion = job.path in DISCUSSION_PATHS.values()
         timeout = args.discussion_timeout if discussion else args.timeout
