@@ -52,6 +52,7 @@ NOT_ON_THE_PLAIN_PATH = [
     "sdadapt.sources._gguf_header",
     "sdadapt.sources._dcp_dir",
     "sdadapt.sources._inventory",
+    "sdadapt.sources._object_writer",
     "sdadapt._plan.hf_models",
     "sdadapt._export",
     "sdadapt._state",

@@ -55,7 +55,6 @@ from ._object_store import Uploader as Uploader
 from ._object_store import check_writable as check_writable
 from ._object_store import is_url
 from ._object_store import upload as upload
-from ._object_writer import ObjectWriter as ObjectWriter
 from ._peft import CONFIG_NAME as CONFIG_NAME
 from ._peft import LoraMerged as LoraMerged
 from ._peft import open_peft_weights as open_peft_weights
@@ -84,14 +83,16 @@ if TYPE_CHECKING:
     from ._inventory import human as human
     from ._inventory import inventory as inventory
     from ._joined import JoinedSource as JoinedSource
+    from ._object_writer import ObjectWriter as ObjectWriter
 
 _LAZY = {
     "DCPSource": "._dcp_dir", "SDADAPT_JSON": "._dcp_dir", "hub_folder": "._hub", "human": "._inventory",
     "inventory": "._inventory", "JoinedSource": "._joined", "Fetching": "._fetching", "ObjectFile": "._fetching",
+    "ObjectWriter": "._object_writer",
 }  # fmt: skip
 """Names of modules imported on first use, which a plain load does not import: the DCP source
 (it imports ``torch.distributed.checkpoint``), the Hub, the inventory, the joined (LoRA) source,
-the fetching of object storage ranges into memory."""
+the fetching of object storage ranges into memory, the writer of objects in parts (exports)."""
 
 __all__ = ["Source", "TensorInfo", "dtype_name", "open_source", "read_config_file", "read_megatron_common"]
 """The public names. ``SafetensorsFile``, ``HFShardedSource`` and ``TorchSaveFile`` (what
