@@ -9,7 +9,8 @@ process aborted at teardown (``terminate called without an active exception``). 
 row to tests/reports/README.md by hand (bench/ holds speed figures; this is the suite's own
 record). The report is rewritten after every run, so a series stopped
 early (the machine needed back) still says what its runs gave; SIGTERM or Ctrl-C ends the run in
-progress, which the report lists as stopped with what it had passed and failed so far.
+progress, which the report lists as stopped with what it had passed and failed so far. Each run's
+whole output (a failure's traceback) is kept in ``--logs`` (default ``<tmp>/<report's name>-logs/``).
 
     python scripts/repeat_tests.py --machine cpu2 [--runs 20] [--report PATH] [TESTS ...]
 """
@@ -53,7 +54,7 @@ def _progress(out: str) -> tuple[int, int]:
     return marks.count("."), marks.count("F") + marks.count("E")
 
 
-def one_run(tests: list[str], timeout: float) -> dict[str, object]:
+def one_run(tests: list[str], timeout: float, keep: Path | None = None) -> dict[str, object]:
     """One ``pytest`` run of ``tests``: exit status, seconds, failing node ids, teardown aborts,
     the machine's load average at its start and end, and pytest's one-line reason per failure.
     ``timeout`` counts the run's own time (tests/support/load_clock.py: wall time less the time
@@ -76,6 +77,9 @@ def one_run(tests: list[str], timeout: float) -> dict[str, object]:
             time.sleep(0 if rc is not None else 2)
         log.seek(0)
         out = log.read().decode(errors="replace")
+    if keep is not None:  # the whole output: a failure's traceback, beyond pytest's one line
+        keep.parent.mkdir(parents=True, exist_ok=True)
+        keep.write_text(out)
     failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", out, flags=re.M)))
     reasons = sorted(set(re.findall(r"^((?:FAILED|ERROR) \S+ - .*)$", out, flags=re.M)))
     summary = next((line for line in reversed(out.splitlines()) if re.search(r"\d+ (passed|failed)", line)), "")
@@ -125,6 +129,7 @@ def main() -> None:
     parser.add_argument("--machine", required=True, help="the machine's name, as in bench/RESULTS.md (cpu2, cpu16...)")
     parser.add_argument("--report", type=Path, default=None)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds of its own time one run may take")
+    parser.add_argument("--logs", type=Path, default=None, help="folder for each run's whole output (default: <tmp>/<report's name>-logs)")
     args = parser.parse_args()
     path = args.report or ROOT / "tests" / "reports" / f"repeat-tests-{args.machine}-{datetime.date.today().isoformat()}.md"
     signal.signal(signal.SIGTERM, _stop)
@@ -133,7 +138,8 @@ def main() -> None:
     for i in range(args.runs):
         if _STOP:
             break
-        runs.append(one_run(args.tests, args.timeout))
+        logs = args.logs or Path(tempfile.gettempdir(), f"{path.stem}-logs")
+        runs.append(one_run(args.tests, args.timeout, logs / f"run-{i + 1}.txt"))
         print(f"run {i + 1}/{args.runs}: {runs[-1]}", flush=True)
         # rewritten after every run: a series stopped early still leaves the runs it made
         path.write_text(report(runs, args.tests, args.machine, "python " + " ".join(sys.argv), args.runs))

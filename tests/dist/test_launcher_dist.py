@@ -60,7 +60,7 @@ def test_a_hang_names_the_rank_its_stage_and_stack() -> None:
     assert "ranks [1] of 2 did not finish within 8 s of the launch's own time (hang)" in msg, msg
     assert "rank 1 at stage 'running test_launcher_dist._hang: case hangs-here'" in msg, msg
     assert "most recent call first" in msg and "in _hang" in msg, msg  # the rank's Python stack
-    assert time.monotonic() - t0 < 8 * dist_helper.WALL_FACTOR
+    assert time.monotonic() - t0 < 8 * dist_helper.WALL_FACTOR + 60  # the wall bound, then the stacks and the kill
 
 
 def _fail_while_one_sleeps() -> None:

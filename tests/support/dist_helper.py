@@ -249,16 +249,12 @@ def _start_fresh(job: str, world_size: int, env: dict[str, str], logs: list[str]
     return ranks
 
 
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint", "transformers.modeling_utils"]
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint"]
 """What the fork server imports once; every rank is forked from it with these imported and
-nothing else: sdadapt, the test modules and every other import happen in the rank, fresh.
-transformers' model base (about 2 s of CPU per rank that needs it, and most launches of a
-transformers model run 2-4 ranks) is third-party code that sdadapt never changes; where it is not
-installed the fork server skips it."""
-HF_PACKAGES = ("huggingface_hub", "transformers")
-"""Preloaded packages that read the HF_* variables when imported (``huggingface_hub.constants``:
-HF_HUB_CACHE, HF_HUB_OFFLINE...): a rank whose such variables differ from the fork server's
-imports them again, so that it sees its launch's environment as a fresh interpreter would."""
+nothing else: sdadapt, the test modules and every other import happen in the rank, fresh. Not
+transformers: it imports huggingface_hub, whose settings (``HF_HUB_OFFLINE``, ``HF_HUB_CACHE``)
+are read once at import, so a rank forked from a server started before a test set them would
+ignore them."""
 _FORK_SERVER: Any = None
 
 
@@ -307,11 +303,6 @@ def _start_forked(job: str, world_size: int, env: dict[str, str], where: list[st
     return ranks
 
 
-def _hf_variables(env: Any) -> dict[str, str]:
-    """The variables :data:`HF_PACKAGES` read when imported (their cache folders default below XDG_CACHE_HOME)."""
-    return {k: v for k, v in env.items() if k.startswith(("HF_", "HUGGINGFACE_", "TRANSFORMERS_")) or k == "XDG_CACHE_HOME"}
-
-
 def _forked_rank(job: str, rank: int, env: dict[str, str], where: list[str], log: str) -> None:
     """A rank in a process forked from the fork server: its output to its log, the launch's
     environment, path and working folder, then :func:`_worker`."""
@@ -319,12 +310,8 @@ def _forked_rank(job: str, rank: int, env: dict[str, str], where: list[str], log
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    server_hf = _hf_variables(os.environ)
     os.environ.clear()
     os.environ.update(env)
-    if _hf_variables(os.environ) != server_hf:
-        for name in [m for m in sys.modules if m.partition(".")[0] in HF_PACKAGES]:
-            del sys.modules[name]
     sys.path[:0] = where
     os.chdir(TESTS_DIR)
     _worker(job, rank)
