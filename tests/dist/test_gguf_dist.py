@@ -70,26 +70,16 @@ def _native(path: str, mesh: Any) -> list[str]:
     Meta-layout Llama: every shard equal to the same load on one process (which
     tests/adapters/test_adapters_gguf.py checks against transformers' checkpoint); the keys
     that differ."""
-    from support.dist_helper import shard_of
     from support.gguf_models import FFN, HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB
     from support.reference_models import MetaLlama
-    from torch.distributed.fsdp import fully_shard
+    from support.sharded_load import sharded_differs
 
     import sdadapt
 
     cfg = {"dim": HIDDEN, "n_layers": LAYERS, "n_heads": HEADS, "n_kv_heads": KV_HEADS, "vocab_size": VOCAB,
            "hidden_dim": FFN, "norm_eps": 1e-5, "rope_theta": 10000.0}  # fmt: skip
     native = sdadapt.get_adapter("gguf", path, to="native")
-    whole = MetaLlama(cfg).to(torch.bfloat16)
-    sdadapt.load(whole, path, native, dtype="model")
-    want = whole.state_dict()
-    with torch.device("meta"):
-        model = MetaLlama(cfg).to(torch.bfloat16)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    sdadapt.load(model, path, native, dtype="model")
-    return [k for k, v in model.state_dict().items() if not torch.equal(*shard_of(v, want[k]))]
+    return sharded_differs(lambda: MetaLlama(cfg).to(torch.bfloat16), path, native, mesh, dtype="model")
 
 
 def test_our_layout_on_sharded_ranks_equals_one_process(results: dict) -> None:
