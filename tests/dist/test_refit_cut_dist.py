@@ -3,9 +3,9 @@
 FP8 (block 4 x 4, vLLM's layout) from trainers whose shards cut blocks: FSDP over 3 ranks (11/11/10
 rows), FSDP over 4 (9 rows each) and FSDP x TP 2 x 2 (18 rows per FSDP rank), float32 (some weights
 dequantised from FP8 first, so that the exact-neighbour scale search decides; FSDP 4 also
-bfloat16). Every
-engine shard equals the eager quantization of the whole weights (``support.refit_eager``: the
-arithmetic compressed-tensors' block quantization gives, ``test_vllm_fp8_against_compressed_tensors``),
+bfloat16). Every engine shard equals the eager quantization of the whole weights
+(``support.refit_eager``: the arithmetic compressed-tensors' block quantization gives,
+``test_vllm_fp8_against_compressed_tensors``),
 bit for bit, and the bytes the plan moves are the engine's own (no float32 block goes over the
 wire). MXFP8 (1 x 32 scales along rows) from FSDP 3: its blocks are never cut by rows.
 """
