@@ -185,16 +185,19 @@ def _supervise(job: str, ranks: list[_Rank], timeout: float) -> tuple[list[int],
     clock = WorkClock()
     failed_at: float | None = None
     first_failed = -1
+    judged: set[int] = set()  # the ended ranks whose result was read
+    now, read_at = 0.0, 0.0
     while True:
         codes = [r.poll() for r in ranks]
         alive = [i for i, c in enumerate(codes) if c is None]
         if not alive:
             return [], codes, "", clock.seconds([])
-        now = clock.seconds([ranks[i].pid for i in alive])
-        if failed_at is None:
-            ended_badly = [i for i, c in enumerate(codes) if c is not None and _failed(job, i)]
-            if ended_badly:
-                failed_at, first_failed = now, ended_badly[0]
+        if time.monotonic() - read_at >= 1.0:  # every rank thread's schedstat: read once a second
+            now, read_at = clock.seconds([ranks[i].pid for i in alive]), time.monotonic()
+        for i in [i for i, c in enumerate(codes) if c is not None and i not in judged]:
+            judged.add(i)
+            if failed_at is None and _failed(job, i):
+                failed_at, first_failed = now, i
         if failed_at is not None and now > failed_at + GRACE:
             why = f"did not end within {GRACE:.0f} s after rank {first_failed} failed"
             break
@@ -204,7 +207,7 @@ def _supervise(job: str, ranks: list[_Rank], timeout: float) -> tuple[list[int],
                 f"of which {clock.held:.0f} s waiting for a CPU; load average {os.getloadavg()[0]:.1f}"
             )
             break
-        time.sleep(0.2)
+        time.sleep(0.1)
     _dump_stacks(job, [ranks[i] for i in alive], alive)
     for r in ranks:
         r.kill()
