@@ -97,7 +97,7 @@ def parser(description: str) -> argparse.ArgumentParser:
                          "loaders' rows with the rows without a variant, first), so that 'x sdadapt' compares loads run "
                          "one after the other rather than minutes apart")
     ap.add_argument("--one-group", action="store_true",
-                    help="run every row in one process group, one after the other (no variants, no discussion): "
+                    help="run every row in one process group, one after the other (no variants, rounds or discussion): "
                          "only the first row's first load is its processes' first, so the figures are not the "
                          "headline's; for checking many paths at the cost of one process start (the test suite)")
     ap.add_argument("--out", default=str(BENCH / "out" / "load_bench"), help="output prefix: writes PREFIX.json and PREFIX.md")
@@ -206,8 +206,8 @@ def main(argv: list[str] | None = None, description: str = "") -> int:
         sys.path.insert(0, str(ROOT / "src"))
     the_variants = variants(args.variant)
     jobs = _jobs(args, the_variants)
-    if args.one_group and (args.variant or any(j.path in DISCUSSION_PATHS.values() for j in jobs)):
-        raise BenchError("--one-group runs neither --variant nor --discussion rows (they need processes of their own)")
+    if args.one_group and (args.variant or args.rounds > 1 or any(j.path in DISCUSSION_PATHS.values() for j in jobs)):
+        raise BenchError("--one-group runs neither --variant, --rounds nor --discussion rows (they need processes of their own)")
     if any(j.path == "sdadapt-dcp" for j in jobs):
         try:
             import sdadapt.sources._dcp_dir  # noqa: F401

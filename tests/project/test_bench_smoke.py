@@ -342,7 +342,8 @@ def test_a_bad_variant_is_refused_with_what_to_give(loadbench, spec, message):
         loadbench.cli.variants(["a:X=1", "a:Y=2"])
 
 
-@pytest.mark.parametrize("extra", [["--discussion", "meta"], ["--discussion", "", "--variant", "a:X=1"]])
+@pytest.mark.parametrize("extra", [["--discussion", "meta"], ["--discussion", "", "--variant", "a:X=1"],
+                                   ["--discussion", "", "--rounds", "2"]])
 def test_one_group_refuses_rows_that_need_processes_of_their_own(loadbench, tmp_path, extra):
     import loadbench.cli
 
