@@ -201,7 +201,7 @@ def _plans_agree(model: torch.nn.Module) -> bool:
     """sdadapt's memoised local plan is DCP's ``DefaultLoadPlanner`` plan, item for item; and the
     jobs a load without ``dcp.load`` runs (``direct.local_jobs``) are those items: key, box and
     destination (the same memory, the same shape)."""
-    sd = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    sd = {k: v for k, v in sorted(model.state_dict().items()) if isinstance(v, torch.Tensor)}  # dcp.load sorts the keys
     md = Metadata(
         state_dict_metadata={
             k: TensorStorageMetadata(TensorProperties(dtype=v.dtype), v.size(), [ChunkStorageMetadata(torch.Size([0] * v.dim()), v.size())])

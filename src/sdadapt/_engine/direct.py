@@ -55,15 +55,16 @@ def direct_targets(state_dict: Mapping[str, object]) -> bool:
 def local_jobs(plan: Plan, state_dict: Mapping[str, torch.Tensor]) -> tuple[list[Job], list[torch.Tensor]]:
     """This rank's jobs for ``state_dict`` (every key a target of ``plan``) and the tensor each
     belongs to: the read items ``dcp.load``'s planner makes against the whole-tensor metadata of
-    :class:`~sdadapt._engine.reader.AdaptedStorageReader`, in the same order, with the same
-    checks (a shape that differs from the plan's; no item for a rank outside a DTensor's mesh,
+    :class:`~sdadapt._engine.reader.AdaptedStorageReader`, in the same order (``dcp.load`` sorts
+    the keys), with the same checks (a shape that differs from the plan's; no item for a rank outside a DTensor's mesh,
     nor for a shard that DCP's overlap test finds outside the tensor)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: PLC0415 - DTensor's own
 
     jobs: list[Job] = []
     targets: list[torch.Tensor] = []
     memo: dict[object, Box | None] = {}
-    for key, obj in state_dict.items():
+    for key in sorted(state_dict):
+        obj = state_dict[key]
         node = plan.recipes[key]
         if tuple(node.shape) != tuple(obj.shape):
             raise ValueError(f"Size mismatch between saved {torch.Size(node.shape)} and current: {obj.size()} for {key}")
