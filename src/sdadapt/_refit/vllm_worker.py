@@ -171,9 +171,12 @@ def engine_class() -> type:
 def staged_parameters(model: torch.nn.Module) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
     """:func:`raw_parameters` of a vLLM model (in vLLM's process): what the sdadapt staging of
     its rank holds."""
-    from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
-    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+    except ImportError as e:
+        raise RefitError(f"the sdadapt staging is read inside vLLM (0.32 or later), which does not import here: {e}") from e
 
     return raw_parameters(model, LAYERWISE_INFO, frozenset(SKIP_LOAD_TENSORS), is_deferred_attention_layer)
 
