@@ -75,3 +75,16 @@ def test_draft_settles_a_meta_layout_model_numerically(releases: str, tmp_path: 
     tokens = torch.arange(18).remainder(cfg["vocab_size"]).view(2, 9)
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), oracle.eval()(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_rule_without_a_function_is_written_as_its_class() -> None:
+    """``dequant_gptq`` has no ``sdadapt.<kind>`` function (``dequant_rules`` builds it): a draft
+    that keeps a user's GPTQ rule writes ``sdadapt.rules.DequantGPTQ(...)``, which runs and builds
+    the same rule; kinds with a function keep their short form."""
+    from sdadapt._draft.render import rule_code
+    from sdadapt.rules import DequantGPTQ
+
+    rule = DequantGPTQ(keys="**", layout="awq", bits=4, group_size=64, dtype="bfloat16")
+    code = rule_code(rule)
+    assert code.startswith("sdadapt.rules.DequantGPTQ(") and eval(code, {"sdadapt": sdadapt}) == rule
+    assert rule_code(sdadapt.rename("a.{i}.w", "b.{i}.w")) == 'sdadapt.rename("a.{i}.w", "b.{i}.w")'

@@ -12,6 +12,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from .._base.rule_kinds import RULE_KINDS
+
+_FUNCTIONS = frozenset(fn for _, _, fn in RULE_KINDS)
+"""Kinds that :mod:`sdadapt` builds with a function of the kind's name; any other rule is written
+as its class in :mod:`sdadapt.rules` (``sdadapt.rules.DequantGPTQ(...)``) with keyword fields."""
+
 _POSITIONAL = {
     "rename": ("src", "dst"),
     "fuse": ("srcs", "dst"),
@@ -53,11 +59,16 @@ def rule_code(rule: BaseModel, width: int = 110, indent: str = "        ") -> st
     """``sdadapt.rename("a.{i}.w", "b.{i}.w")``: the constructor call that builds ``rule``."""
     data = rule.model_dump()
     kind = data.pop("kind")
-    pos = _POSITIONAL.get(kind, ())
-    args = [_lit(data.pop(k)) for k in pos]
-    defaults = _DEFAULTS.get(kind, {})
-    args += [f"{k}={_lit(v)}" for k, v in data.items() if k not in defaults or defaults[k] != v]
-    one = f"sdadapt.{kind}({', '.join(args)})"
+    if kind in _FUNCTIONS:
+        call = f"sdadapt.{kind}"
+        pos = _POSITIONAL.get(kind, ())
+        args = [_lit(data.pop(k)) for k in pos]
+        defaults = _DEFAULTS.get(kind, {})
+        args += [f"{k}={_lit(v)}" for k, v in data.items() if k not in defaults or defaults[k] != v]
+    else:
+        call = f"sdadapt.rules.{type(rule).__name__}"
+        args = [f"{k}={_lit(v)}" for k, v in rule.model_dump(exclude_defaults=True).items() if k != "kind"]
+    one = f"{call}({', '.join(args)})"
     if len(indent) + len(one) + 1 <= width:
         return one
     inner = indent + "    "
@@ -68,7 +79,7 @@ def rule_code(rule: BaseModel, width: int = 110, indent: str = "        ") -> st
             if items is not None:
                 a = "[\n" + "".join(f"{inner}    {json.dumps(x)},\n" for x in items) + inner + "]"
         parts.append(a)
-    return f"sdadapt.{kind}(\n" + "".join(f"{inner}{p},\n" for p in parts) + indent + ")"
+    return f"{call}(\n" + "".join(f"{inner}{p},\n" for p in parts) + indent + ")"
 
 
 def comment(text: str, indent: str = "        ", width: int = 110) -> list[str]:
