@@ -48,3 +48,18 @@ def test_each_plain_kind_documents_its_function_and_its_example_runs():
         scope = {"sdadapt": sdadapt, "hidden": 8}
         exec(inspect.cleandoc(example), scope)  # noqa: S102 - the docstring's own example
         assert type(scope["rule"]).__name__ == name
+
+
+def test_every_built_in_kind_is_in_a_table_and_imported_on_first_use():
+    """Each class of the tables lives in its row's module with its row's kind, and asking for any
+    built-in kind by name imports that module (the on-use map is derived from the tables)."""
+    import importlib
+
+    from sdadapt._base.rule_kinds import WITHOUT_FUNCTION
+    from sdadapt.rules._custom import _IMPORTED_ON_USE
+
+    for cls, module, kind in (*RULE_KINDS, *WITHOUT_FUNCTION):
+        found = getattr(importlib.import_module(f"sdadapt.rules.{module}"), cls)
+        assert found.model_fields["kind"].default == kind, (cls, kind)
+        assert _IMPORTED_ON_USE.get(kind, f"sdadapt.rules.{module}") == f"sdadapt.rules.{module}", kind
+    assert {kind for _, _, kind in WITHOUT_FUNCTION} <= set(_IMPORTED_ON_USE)

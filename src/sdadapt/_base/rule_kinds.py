@@ -41,5 +41,16 @@ ON_USE = ("_values", "_stacking", "_tensor_parallel", *QUANTIZED)
 """The modules of :data:`RULE_KINDS` imported when a kind of theirs is first used, not with
 :mod:`sdadapt.rules`: a plain adapter (renames, fused keys) imports only :mod:`sdadapt.rules._keys`."""
 
+WITHOUT_FUNCTION: tuple[tuple[str, str, str], ...] = (
+    ("QuantizeFP8", "_dequant", "quantize_fp8"),
+    ("QuantizeMXFP4", "_dequant", "quantize_mxfp4"),
+    ("QuantizeScaled", "_dequant_scaled", "quantize_scaled"),
+    ("DequantGPTQ", "_dequant_gptq", "dequant_gptq"),
+    ("MergeLora", "_lora", "merge_lora"),
+)
+"""The other built-in kinds: class, module, kind. No public function builds them by the kind's
+name (an export's ``quantize=``, :func:`sdadapt.dequant_rules` and LoRA merging do); their modules
+are imported when a kind of theirs is first used."""
+
 EAGER_KINDS = tuple((cls, module, fn) for cls, module, fn in RULE_KINDS if module not in ON_USE)
 """The kinds registered when :mod:`sdadapt.rules` is imported, in their order."""

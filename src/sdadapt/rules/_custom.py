@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pydantic import field_validator
 
+from .._base.rule_kinds import ON_USE, RULE_KINDS, WITHOUT_FUNCTION
 from ..errors import AdapterError
 from ._base import Keys, RuleBase, check_keys, key_patterns, matching
 
@@ -40,13 +41,8 @@ R = TypeVar("R", bound=type[RuleBase])
 
 _KINDS: dict[str, type[RuleBase]] = {}
 _IMPORTED_ON_USE: dict[str, str] = {
-    **dict.fromkeys(["cast", "transpose", "rotary", "affine", "pad", "trim"], "sdadapt.rules._values"),
-    **dict.fromkeys(["stack", "unstack"], "sdadapt.rules._stacking"),
-    **dict.fromkeys(["interleave", "deinterleave"], "sdadapt.rules._tensor_parallel"),
-    **dict.fromkeys(["dequant_fp8", "quantize_fp8", "dequant_mxfp4", "quantize_mxfp4"], "sdadapt.rules._dequant"),
-    **dict.fromkeys(["dequant_scaled", "quantize_scaled"], "sdadapt.rules._dequant_scaled"),
-    "dequant_gptq": "sdadapt.rules._dequant_gptq",
-    "merge_lora": "sdadapt.rules._lora",
+    **{kind: f"sdadapt.rules.{module}" for _, module, kind in RULE_KINDS if module in ON_USE},
+    **{kind: f"sdadapt.rules.{module}" for _, module, kind in WITHOUT_FUNCTION},
 }
 """Built-in kinds -> the module that registers them when imported; imported the first time one of
 its kinds is asked for, so that an adapter of plain rules does not import it."""
