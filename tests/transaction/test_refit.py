@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -419,12 +420,13 @@ def test_refit_four_ranks() -> None:
     )
 
 
-def _leaves(hang: bool) -> dict[str, object]:
+def _leaves(hang: bool, answered: str) -> dict[str, object]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Shard
 
     rank = dist.get_rank()
+    deadline = time.monotonic() + 120
     full = llama_hf(0)
     mesh = DeviceMesh("cpu", [0], mesh_dim_names=("dp",))
     trainer = shard(full, mesh, lambda k, v: [Shard(0)]) if rank == 0 else None
@@ -432,25 +434,29 @@ def _leaves(hang: bool) -> dict[str, object]:
     whole = eager(full, llama_adapter(1))
     engine = engine_shards(whole, layout) if rank == 1 else None
     refit = sdadapt.refit_plan(trainer, engine, llama_adapter(1), engine_layout=layout if rank == 1 else None,
-                               bucket_bytes=4096, timeout=3 if hang else 60)  # fmt: skip
+                               bucket_bytes=4096, timeout=8 if hang else 60)  # fmt: skip
     if rank == 0:
-        if hang:
-            time.sleep(12)  # the trainer does not take part in the refit for longer than the timeout
+        # hang: the trainer does not take part in the refit until the engine has given up on it
+        # (however long a loaded machine takes to get there), then leaves
+        while hang and not os.path.exists(answered) and time.monotonic() < deadline:
+            time.sleep(0.1)
         os._exit(0)  # the trainer leaves before the engine's refit
     try:
         refit.run()
     except RefitError as e:
         assert e.updated == [] and len(e.not_updated) == len(engine), (e.updated, e.not_updated)
         raise
+    finally:
+        open(answered, "w").close()
     return {}
 
 
 @pytest.mark.parametrize("hang", [False, True])
-def test_refit_rank_leaves_or_hangs(hang: bool) -> None:
+def test_refit_rank_leaves_or_hangs(hang: bool, tmp_path: Path) -> None:
     """A rank that leaves, or stops answering for longer than ``timeout``: the other rank raises
     RefitError naming what it did not update, and does not hang."""
     with pytest.raises(WorkerError) as info:
-        run_distributed(_leaves, 2, hang, timeout=200)
+        run_distributed(_leaves, 2, hang, str(tmp_path / "answered"), timeout=200)
     by_rank = {f.rank: f for f in info.value.failures}
     assert by_rank[0].type_name == "Crash"
     assert by_rank[1].type_name == "RefitError", by_rank[1]
