@@ -7,20 +7,20 @@ import torch
 from torch import nn
 
 import sdadapt
-from sdadapt._engine import reader
+from sdadapt._engine import direct
 
 
 @pytest.fixture
 def seen(monkeypatch):
     """The configs the I/O engine was built with during the test."""
     configs: list[object] = []
-    real = reader.IOEngine
+    real = direct.IOEngine
 
     def spy(source, config=None, **kw):
         configs.append(config)
         return real(source, config, **kw)
 
-    monkeypatch.setattr(reader, "IOEngine", spy)
+    monkeypatch.setattr(direct, "IOEngine", spy)
     return configs
 
 
