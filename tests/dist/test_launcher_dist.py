@@ -32,7 +32,10 @@ def _clock_over(procs: list[subprocess.Popen[bytes]]) -> tuple[float, float]:
     return clock.seconds([]), clock.wall
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/schedstat"), reason="the work clock reads Linux's schedstat")
+@pytest.mark.skipif(
+    not os.path.exists("/proc/self/schedstat"),
+    reason="Linux only: the clock subtracts CPU waits read from /proc schedstat; elsewhere it is the wall clock",
+)
 def test_the_clock_skips_cpu_waits_and_counts_sleep() -> None:
     # three processes that each need 0.6 s of CPU, all on one CPU: each waits for it about 2/3 of the time
     one_cpu = {min(os.sched_getaffinity(0))}
