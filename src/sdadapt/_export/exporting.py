@@ -64,7 +64,7 @@ from ..sources import (
 )
 from .convert_spread import convert_ranks
 from .export_local import local_pieces
-from .spread import write_spread
+from .spread import SpreadJob, write_spread
 from .spread_remote import write_spread_remote
 from .writers.base import FORMATS
 from .writing import CachedIO, PageReleaser, check_destination, plan_outputs, read_back_compare, side_files, write_folder
@@ -345,14 +345,12 @@ def export(
             return bars[0].update
 
         try:
-            how: dict[str, Any] = dict(
-                rank=rank, world=world, group=process_group, max_shard_size=max_shard_size, overwrite=overwrite,
-                finish=lambda tmp: side_files(tmp, folder, config), progress=progress_of, after_gather=stream.close,
+            job = SpreadJob(
+                dst, outputs, stream.state, stream.pull, rank=rank, world=world, group=process_group, max_shard_size=max_shard_size,
+                overwrite=overwrite, checksums=checksums, finish=lambda tmp: side_files(tmp, folder, config), progress=progress_of,
+                after_gather=stream.close,
             )  # fmt: skip
-            if is_url(dst):  # each file uploaded by one rank
-                names, mine = write_spread_remote(dst, outputs, stream.state, stream.pull, **how)
-            else:
-                names, mine = write_spread(dst, outputs, stream.state, stream.pull, checksums=checksums, **how)
+            names, mine = (write_spread_remote if is_url(dst) else write_spread)(job)  # a URL: each file uploaded by one rank
         finally:
             for b in bars:
                 b.close()

@@ -173,37 +173,45 @@ def _prepare_folder(tmp: str, files: list[FileLayout]) -> None:
             out.truncate(f.size)
 
 
-def write_spread(
-    dst: str,
-    outputs: dict[str, Node],
-    state: dict[str, torch.Tensor],
-    pull: Callable[[str], torch.Tensor],
-    *,
-    rank: int,
-    world: int,
-    group: dist.ProcessGroup | None,
-    max_shard_size: int | str,
-    overwrite: bool,
-    checksums: bool,
-    finish: Callable[[str], None],
-    progress: Callable[[int], Callable[[int], None]],
-    after_gather: Callable[[], None],
-) -> tuple[list[str], int]:
-    """Collective: write the HF folder ``dst`` from every rank. ``pull(key)`` gathers an output
-    whole (collective: called for the gathered outputs in the same order on every rank, then
-    ``after_gather()``); ``finish(tmp)`` (rank 0) adds the side files before the rename;
-    ``progress(bytes this rank writes)`` returns the function called with each piece's bytes.
-    Returns the files and the bytes this rank wrote."""
+@dataclass(frozen=True)
+class SpreadJob:
+    """One export written by every rank, built once by :func:`sdadapt.export` and handed to
+    :func:`write_spread` or :func:`.spread_remote.write_spread_remote` as it is.
+
+    ``pull(key)`` gathers an output whole (collective: called for the gathered outputs in the
+    same order on every rank, then ``after_gather()``); ``finish(folder)`` (rank 0) adds the side
+    files; ``progress(bytes this rank writes)`` returns the function called with each piece's
+    bytes. The other fields are :func:`sdadapt.export`'s arguments of the same names."""
+
+    dst: str
+    outputs: dict[str, Node]
+    state: dict[str, torch.Tensor]
+    pull: Callable[[str], torch.Tensor]
+    rank: int
+    world: int
+    group: dist.ProcessGroup | None
+    max_shard_size: int | str
+    overwrite: bool
+    checksums: bool
+    finish: Callable[[str], None]
+    progress: Callable[[int], Callable[[int], None]]
+    after_gather: Callable[[], None]
+
+
+def write_spread(job: SpreadJob) -> tuple[list[str], int]:
+    """Collective: write the HF folder ``job.dst`` from every rank; ``finish`` runs before the
+    rename. Returns the files and the bytes this rank wrote."""
+    dst, outputs, rank, world, group = job.dst, job.outputs, job.rank, job.world, job.group
     error: SdadaptError | None = None
     plan: SpreadPlan | None = None
     shards: dict[str, tuple[Box, torch.Tensor]] = {}
     try:
-        plan, shards = plan_spread(state, outputs, max_shard_size, rank, group)
+        plan, shards = plan_spread(job.state, outputs, job.max_shard_size, rank, group)
     except SdadaptError as e:
         error = e
     agree(error, group)
     assert plan is not None
-    on_written = progress(plan.my_bytes(outputs, rank, world))
+    on_written = job.progress(plan.my_bytes(outputs, rank, world))
     tmp = [f"{dst.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"]
     if dist.is_initialized():
         dist.broadcast_object_list(tmp, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
@@ -219,7 +227,7 @@ def write_spread(
             error = ExportError(f"{folder}, made by rank 0 for {dst}, is not visible on this rank: export every rank to one shared "
                                 "filesystem, or to an object store (s3://...)")  # fmt: skip
         agree(error, group)
-        written = _write_mine(folder, dst, plan, outputs, shards, pull, rank, world, on_written, after_gather)
+        written = _write_mine(job, folder, plan, shards, on_written)
         if isinstance(written, SdadaptError):
             error = written
         agree(error, group)  # every rank's bytes are written and synced: the index may go in
@@ -231,12 +239,12 @@ def write_spread(
             except OSError as e:
                 error = ExportError(describe_failure(dst, e))
         agree(error, group)  # the index is written before any rank reads the folder back (checksums)
-        if checksums:
+        if job.checksums:
             write_checksums_shared(folder, rank, world, group)
         if rank == 0:
             try:
-                finish(folder)
-                commit(folder, dst, overwrite)
+                job.finish(folder)
+                commit(folder, dst, job.overwrite)
             except SdadaptError as e:
                 error = e
             except OSError as e:
@@ -251,18 +259,18 @@ def write_spread(
 
 
 def _write_mine(
-    folder: str, dst: str, plan: SpreadPlan, outputs: dict[str, Node], shards: dict[str, tuple[Box, torch.Tensor]],
-    pull: Callable[[str], torch.Tensor], rank: int, world: int, on_written: Callable[[int], None], after_gather: Callable[[], None],
+    job: SpreadJob, folder: str, plan: SpreadPlan, shards: dict[str, tuple[Box, torch.Tensor]], on_written: Callable[[int], None],
 ) -> int | SdadaptError:  # fmt: skip
     """This rank's writes: its turns of the gathered outputs (every rank takes part in each
     gather, even after a failure of its own, so that none hangs), then its regions. Returns the
     bytes written, or the error that stopped it."""
+    dst, outputs, rank, world = job.dst, job.outputs, job.rank, job.world
     files = _Files(folder)
     error: SdadaptError | None = None
     n = 0
     try:
         for i, key in enumerate(plan.gathered):
-            t = pull(key)
+            t = job.pull(key)
             if i % world == rank and error is None:
                 try:
                     n += _write_piece(files, plan.start[key], outputs[key], t, full_box(tuple(t.shape)))
@@ -270,7 +278,7 @@ def _write_mine(
                 except OSError as e:
                     error = ExportError(describe_failure(dst, e) + f" (rank {rank}, key {key!r})")
             del t
-        after_gather()
+        job.after_gather()
         io = _Reads({k: t.dtype for k, (_, t) in shards.items()}, shards)
         for key, boxes in plan.mine.items():
             if error is not None:
@@ -295,4 +303,4 @@ def _write_mine(
     return error if error is not None else n
 
 
-__all__ = ["SpreadPlan", "byte_runs", "plan_spread", "write_spread"]
+__all__ = ["SpreadJob", "SpreadPlan", "byte_runs", "plan_spread", "write_spread"]

@@ -46,7 +46,7 @@ from .._recipes.nodes import Node
 from ..errors import ExportError, SdadaptError
 from ..sources import INDEX_NAME, ObjectWriter, Uploader
 from .export_local import _Reads
-from .spread import byte_runs, plan_spread
+from .spread import SpreadJob, byte_runs, plan_spread
 from .writers import parse_size
 from .writers.safetensors_writer import FileLayout, index_json
 
@@ -121,37 +121,24 @@ def _gone() -> torch.Tensor:
     raise AssertionError("a region was asked for after its last run was sent")
 
 
-def write_spread_remote(
-    dst: str,
-    outputs: dict[str, Node],
-    state: dict[str, torch.Tensor],
-    pull: Callable[[str], torch.Tensor],
-    *,
-    rank: int,
-    world: int,
-    group: dist.ProcessGroup | None,
-    max_shard_size: int | str,
-    overwrite: bool,
-    finish: Callable[[str], None],
-    progress: Callable[[int], Callable[[int], None]],
-    after_gather: Callable[[], None],
-) -> tuple[list[str], int]:
-    """Collective: write the HF folder at URL ``dst`` from every rank (see the module
-    docstring). ``pull``, ``after_gather`` and ``progress`` as for :func:`.spread.write_spread`;
-    ``finish(folder)`` (rank 0) puts the side files into a local folder uploaded with the
-    index. Returns the names written and the tensor bytes this rank uploaded."""
+def write_spread_remote(job: SpreadJob) -> tuple[list[str], int]:
+    """Collective: write the HF folder at URL ``job.dst`` from every rank (see the module
+    docstring); ``finish(folder)`` (rank 0) puts the side files into a local folder uploaded
+    with the index (``job.checksums`` is not read: checksums take the one-writer path). Returns
+    the names written and the tensor bytes this rank uploaded."""
+    dst, outputs, rank, world, group = job.dst, job.outputs, job.rank, job.world, job.group
     total = sum(math.prod(n.shape) * n.dtype.itemsize for n in outputs.values())
-    size = min(parse_size(max_shard_size), max(-(-total // world), MIN_FILE_BYTES))
+    size = min(parse_size(job.max_shard_size), max(-(-total // world), MIN_FILE_BYTES))
     error: SdadaptError | None = None
     plan = None
     shards: dict[str, tuple[Box, torch.Tensor]] = {}
     up: Uploader | None = None
     old: list[str] = []
     try:
-        plan, shards = plan_spread(state, outputs, size, rank, group)
+        plan, shards = plan_spread(job.state, outputs, size, rank, group)
         up = Uploader(dst)
         if rank == 0:
-            old = up.retire(overwrite)  # the old index goes first: the old folder stops looking complete
+            old = up.retire(job.overwrite)  # the old index goes first: the old folder stops looking complete
     except SdadaptError as e:
         error = ExportError(str(e)) if not isinstance(e, ExportError) else e
     agree(error, group)
@@ -183,17 +170,17 @@ def write_spread_remote(
     dist.all_reduce(held, group=group)
     owner = owners(plan.files, held.cpu())
     for key in plan.gathered:  # collective, in the same order on every rank
-        t = pull(key)
+        t = job.pull(key)
         if owner[which[plan.start[key][0]]] == rank:
             add(key, full_box(tuple(t.shape)), lambda t=t: t)  # type: ignore[misc]
         del t
-    after_gather()
+    job.after_gather()
     for m in mine:
         m.runs.sort()
     pieces = _Pieces(make, uses)
     my_files = [i for i, o in enumerate(owner) if o == rank]
     mine_bytes = sum(plan.files[i].size - len(plan.files[i].header) for i in my_files)
-    on_written = progress(mine_bytes)
+    on_written = job.progress(mine_bytes)
     try:
         sent = _rounds(plan.files, owner, mine, pieces, up, rank, world, group, dev, on_written)
         if isinstance(sent, SdadaptError):
@@ -202,7 +189,7 @@ def write_spread_remote(
         names = [f.name for f in plan.files]
         if rank == 0:
             try:
-                names += commit_index(up, plan.files, outputs, finish)
+                names += commit_index(up, plan.files, outputs, job.finish)
                 up.sweep(old, {up.dest(n) for n in names})
             except SdadaptError as e:
                 error = e if isinstance(e, ExportError) else ExportError(str(e))
