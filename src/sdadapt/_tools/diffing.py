@@ -88,7 +88,7 @@ def diff(
         schema, name = target_schema(target)
         stage = PipelineStage.of(schema, vacant_modules(model) if model is not None else ()) if pipeline_stage else None
         # **plan**, aimed at the target's names
-        report = plan_schema(schema, source, resolved, options, target_name=name, stage=stage).report
+        report = plan_schema(schema, source, resolved, options, target_name=name, stage=stage)[1].report
         if resolved is None and not report.ok:  # the family's shipped adapter, if it finds more keys
             report = report.model_copy(update={"suggestion": family_hint(report, source, schema, options, model)})
     return report

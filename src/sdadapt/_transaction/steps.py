@@ -66,38 +66,12 @@ def derive_adapter(spec: Adapter | str | os.PathLike[str] | None, source: Source
 
 
 def plan_model(model: nn.Module, source: Source, adapter: Adapter | None, options: Options) -> tuple[Source, Plan, dict[str, torch.Tensor]]:
-    """**plan** against a model: ``(source, plan, the model's state dict it planned against)``.
-    With ``options.lora``, the PEFT adapter's tensors join the source (the source returned is the
-    joined one) and its merge rule goes first (:mod:`sdadapt.rules._lora`). A shipped adapter is
-    aimed at the names the model holds (torchtitan's current ones, :mod:`sdadapt._plan.titan_names`).
-    On failure ``source`` is closed."""
+    """**plan** against a model: ``(source, plan, the model's state dict it planned against)``,
+    as :func:`plan_schema` plans. On failure ``source`` is closed."""
     try:
         state_dict = model_state_dict(model)
         stage = PipelineStage.of(state_dict, vacant_modules(model)) if options.pipeline_stage else None
-        target = schema_of(state_dict)
-        # a shipped adapter aimed at the model's names; the training state nothing fills allowed missing
-        adapter, state = for_plan(adapter, options.shipped, source.schema, source.non_tensor, target)
-        adapter, allowed = with_dtype(adapter, options.dtype), [*options.allow_missing, *state]
-        lora = options.lora
-        if lora is not None:
-            from ..rules import open_peft_lora  # imported only by a load that merges a LoRA
-
-            peft = open_peft_lora(lora)
-            source = peft.join(source)
-            adapter = Adapter([peft.rule, *(adapter.rules if adapter else [])], name=adapter.name if adapter else "lora",
-                              stages=[s + 1 for s in adapter.stages] if adapter else [])  # fmt: skip
-        plan = build_plan(
-            source.schema,
-            target,
-            adapter,
-            non_tensor=source.non_tensor,
-            allow_missing=allowed,
-            allow_unexpected=list(options.allow_unexpected),
-            source_name=options.name + (f" + LoRA {os.fspath(lora)}" if lora is not None else ""),
-            target_name=type(model).__name__,
-            pipeline_stage=stage,
-            allow_resized=list(options.allow_resized),
-        )
+        source, plan = plan_schema(schema_of(state_dict), source, adapter, options, target_name=type(model).__name__, stage=stage)
     except BaseException:
         source.close()
         raise
@@ -107,23 +81,31 @@ def plan_model(model: nn.Module, source: Source, adapter: Adapter | None, option
 def plan_schema(
     target: dict[str, TensorInfo], source: Source, adapter: Adapter | None, options: Options, *, target_name: str,
     stage: PipelineStage | None = None,
-) -> Plan:  # fmt: skip
-    """**plan** against a schema (``diff``'s target: a model's, a checkpoint's or one given):
-    the plan of the open ``source`` through ``adapter``, aimed at the target's names when it is
-    a shipped one (as :func:`plan_model`)."""
+) -> tuple[Source, Plan]:  # fmt: skip
+    """**plan** against a schema (a model's, a checkpoint's or one ``diff`` is given):
+    ``(source, plan)``, the plan of the open ``source`` through ``adapter``. A shipped adapter
+    is aimed at the target's names (torchtitan's current ones, :mod:`sdadapt._plan.titan_names`).
+    With ``options.lora``, the PEFT adapter's tensors join the source (the source returned is the
+    joined one, closed again if planning fails) and its merge rule goes first
+    (:mod:`sdadapt.rules._lora`)."""
+    # the training state nothing fills is allowed missing
     planned, state = for_plan(adapter, options.shipped, source.schema, source.non_tensor, target)
-    planned, allowed = with_dtype(planned, options.dtype), [*options.allow_missing, *state]
-    return build_plan(
-        source.schema,
-        target,
-        planned,
-        non_tensor=source.non_tensor,
-        allow_missing=allowed,
-        allow_unexpected=list(options.allow_unexpected),
-        source_name=options.name,
-        target_name=target_name,
-        pipeline_stage=stage,
-    )
+    planned, name = with_dtype(planned, options.dtype), options.name
+    if options.lora is not None:
+        from ..rules import open_peft_lora  # imported only by a load that merges a LoRA
+
+        peft = open_peft_lora(options.lora)
+        source, name = peft.join(source), f"{name} + LoRA {os.fspath(options.lora)}"
+        planned = Adapter([peft.rule, *(planned.rules if planned else [])], name=planned.name if planned else "lora",
+                          stages=[s + 1 for s in planned.stages] if planned else [])  # fmt: skip
+    try:
+        return source, build_plan(source.schema, target, planned, non_tensor=source.non_tensor, source_name=name, target_name=target_name,
+                                  pipeline_stage=stage, allow_missing=[*options.allow_missing, *state],
+                                  allow_unexpected=list(options.allow_unexpected), allow_resized=list(options.allow_resized))  # fmt: skip
+    except BaseException:
+        if options.lora is not None:
+            source.close()
+        raise
 
 
 def judge(plan: Plan, strict: bool, hint: Callable[[], str | None] | None = None) -> None:
@@ -159,7 +141,7 @@ def family_hint(report: Report, source: Source, target: dict[str, TensorInfo], o
     name = family[0]
     try:
         theirs = plan_schema(target, source, adapter_or_none(name, source, model), replace(options, adapter=name),
-                             target_name=report.target).report  # fmt: skip
+                             target_name=report.target)[1].report  # fmt: skip
     except SdadaptError as e:  # its options cannot be read from the folder, or it does not apply
         log.debug("the shipped adapter %s does not plan for %s: %s", name, options.name, e)
         return None
