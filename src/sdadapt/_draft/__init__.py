@@ -42,6 +42,7 @@ from .._tools import Target, target_schema
 from .._transaction import check_not_a_model
 from ..rules import StripPrefix
 from ..sources import Source, TensorInfo, open_source
+from .buffers import Check
 from .config import FP8_SCALE_SUFFIX, NO_CONFIG, read_facts
 from .match import match_trees
 from .proposals import Proposals, build_proposals
@@ -219,24 +220,12 @@ def draft(
         summary = str(d)
         open("my_adapter.py", "w").write(d.module)
     """
-    return run_draft(target, src, adapter, subtree=subtree, reference=reference, layers=layers,
-                     init_buffers=init_buffers)
+    return run_draft(target, src, adapter, subtree, Check(reference, layers, init_buffers))
 
 
-def run_draft(
-    target: Target,
-    src: str | os.PathLike[str] | Source | dict[str, TensorInfo],
-    adapter: Adapter | str | None = None,
-    *,
-    subtree: str | None = None,
-    reference: str | Callable[[dict[str, Any]], nn.Module] | None = "auto",
-    layers: int = 2,
-    init_buffers: Callable[[nn.Module], None] | None = None,
-    rebuild: Callable[[], nn.Module] | None = None,
-) -> Draft:
-    """:func:`draft`, and ``rebuild()``: the target built again (off the meta device its
-    parameters stay on meta, :func:`.buffers.parameters_on_meta`) when nothing else gives the
-    check's copy its non-persistent buffers (the CLI passes its ``--target`` function)."""
+def run_draft(target: Target, src: str | os.PathLike[str] | Source | dict[str, TensorInfo], adapter: Adapter | str | None,
+              subtree: str | None, check: Check) -> Draft:  # fmt: skip
+    """:func:`draft` with its check's options as one object (the CLI's carries ``rebuild``)."""
     check_not_a_model("sdadapt.draft(target, src, adapter=None, ...)", src, other=target)
     tschema, tname = target_schema(target)
     sschema, non_tensor, sname = _source_schema(src, subtree)
@@ -272,6 +261,7 @@ def run_draft(
     experiment_lines: list[str] = []
     values_checked: str | None = None
     ran = False
+    reference = check.reference
     explicit = reference not in ("auto", None, "none")
     if related:
         reference, skipped = _which_reference(target, facts, reference)
@@ -279,9 +269,8 @@ def run_draft(
             experiment_lines.append(skipped)
     if related and reference is not None:
         ran = True
-        values_checked, more = _experiment(target, _unquantized(facts) if release else facts, props, reference,
-                                           layers, init_buffers, strip, None if release else given, rebuild, explicit,
-                                           casts=release is None)
+        values_checked, more = _experiment(target, _unquantized(facts) if release else facts, props, reference, check,
+                                           strip, None if release else given, explicit, casts=release is None)
         experiment_lines += more
     if related and values_checked is None:
         from .numeric import choices_of
@@ -423,8 +412,7 @@ def _which_reference(target: Any, facts: Any, reference: Any) -> tuple[Any, str 
     return "config", None
 
 
-def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, layers: int, init_buffers: Any,
-                strip: str, given: Adapter | None, rebuild: Callable[[], nn.Module] | None = None,
+def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, check: Check, strip: str, given: Adapter | None,
                 explicit: bool = True, casts: bool = True) -> tuple[str | None, list[str]]:
     """Run :mod:`.numeric` on the draft's open choices; returns (what was checked, summary lines).
     A model copy whose buffers get no values raises when the reference was asked for
@@ -454,7 +442,7 @@ def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, layer
         return mine if given is None else Adapter.composed([*given.parts(), list(mine.rules)], name="draft-candidate")
 
     try:
-        exp = Experiment(target, facts, ref, layers, 0, init_buffers, rebuild)
+        exp = Experiment(target, facts, ref, check, 0)
     except ModelError as e:  # the copy's buffers: never run the check on garbage
         if explicit:
             raise
@@ -470,7 +458,7 @@ def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, layer
     finally:
         exp.close()
     how = " (run by default; reference='none' skips it)" if not explicit else ""
-    lines = [f"numerical check against {type(exp.reference).__name__}{how}: {layers} layer(s), float32, random "
+    lines = [f"numerical check against {type(exp.reference).__name__}{how}: {check.layers} layer(s), float32, random "
              f"weights; {len(choices)} open choice(s), {exp.runs} load(s)"
              + (f"; the copy's non-persistent buffers filled by {exp.buffers}" if exp.buffers else "")]
     if not out.ok:

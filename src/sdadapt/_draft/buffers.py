@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,15 +70,24 @@ def _marked(t: torch.Tensor) -> bool:
     return bool((t == torch.iinfo(t.dtype).min).all())
 
 
+@dataclass(frozen=True)
+class Check:
+    """How :func:`sdadapt.draft`'s numerical check builds its copies: ``reference``, ``layers`` and
+    ``init_buffers`` as that function takes them, built once there (or by the CLI) and handed down;
+    ``rebuild()``, the target built again, is the CLI's (its ``--target`` function)."""
+
+    reference: str | Callable[[dict[str, Any]], nn.Module] | None = "auto"
+    layers: int = 2
+    init_buffers: Callable[[nn.Module], None] | None = None
+    rebuild: Callable[[], nn.Module] | None = None
+
+
 def _call(fn: Callable[[], Any]) -> None:
     with torch.no_grad():
         fn()
 
 
-def fill_buffers(
-    model: nn.Module, names: list[str], init_buffers: Callable[[nn.Module], None] | None,
-    rebuild: Callable[[], nn.Module] | None = None,
-) -> str:
+def fill_buffers(model: nn.Module, names: list[str], check: Check) -> str:
     """Give the non-persistent buffers ``names`` of ``model`` (just materialised with ``to_empty``)
     values, as the module docstring says; returns how (for the summary). Raises ``ModelError``
     naming the buffers left without values."""
@@ -89,6 +99,7 @@ def fill_buffers(
     def left() -> list[str]:
         return [n for n in names if _marked(model.get_buffer(n))]
 
+    init_buffers, rebuild = check.init_buffers, check.rebuild
     if init_buffers is not None:
         _call(lambda: init_buffers(model))
         if not left():

@@ -45,7 +45,7 @@ from .._plan.adapter import Adapter
 from .._tools.verifying import _forward, _layer_list, _recording, _rel, default_rtol, random_tokens
 from ..errors import SdadaptError
 from ..rules import Fuse, Rename, Rotary, Split, compile_pattern
-from .buffers import fill_buffers, pending_buffers
+from .buffers import Check, fill_buffers, pending_buffers
 from .config import Facts
 from .names import canon_tokens
 from .proposals import Proposals, Proposed
@@ -162,10 +162,10 @@ def _perturb(model: nn.Module, seed: int) -> None:
                 p.add_(0.2 * noise)
 
 
-def _cut_layers(model: nn.Module, layers: int, init_buffers: Callable[[nn.Module], None] | None,
-                rebuild: Callable[[], nn.Module] | None) -> tuple[nn.Module, str]:
-    """A float32 CPU copy of ``model`` with its first ``layers`` decoder layers, its
+def _cut_layers(model: nn.Module, check: Check) -> tuple[nn.Module, str]:
+    """A float32 CPU copy of ``model`` with its first ``check.layers`` decoder layers, its
     non-persistent buffers filled (:mod:`.buffers`); also says how they were filled."""
+    layers = check.layers
     found = _layer_list(model)
     if found is None:
         raise SdadaptError("cannot find the model's layer list (a ModuleList of blocks) to shrink it")
@@ -188,22 +188,21 @@ def _cut_layers(model: nn.Module, layers: int, init_buffers: Callable[[nn.Module
     if any(t.is_meta for t in itertools.chain(small.parameters(), small.buffers())):
         pending = pending_buffers(small)
         small = small.to_empty(device="cpu")
-        how = fill_buffers(small, pending, init_buffers, rebuild)
-    elif init_buffers is not None:
+        how = fill_buffers(small, pending, check)
+    elif check.init_buffers is not None:
         with torch.no_grad():
-            init_buffers(small)
+            check.init_buffers(small)
     return small.float().eval(), how
 
 
 class Experiment:
     """A shrunken reference, its checkpoint, and a shrunken target to load candidates into."""
 
-    def __init__(self, target: nn.Module, facts: Facts, reference: Reference | None, layers: int, seed: int,
-                 init_buffers: Callable[[nn.Module], None] | None, rebuild: Callable[[], nn.Module] | None = None):
+    def __init__(self, target: nn.Module, facts: Facts, reference: Reference | None, check: Check, seed: int):
         if facts.config is None:
             raise SdadaptError("no config.json beside the checkpoint to build a reference from")
-        cfg = shrink_config(facts.config, layers)
-        self.model, self.buffers = _cut_layers(target, layers, init_buffers, rebuild)
+        cfg = shrink_config(facts.config, check.layers)
+        self.model, self.buffers = _cut_layers(target, check)
         with torch.random.fork_rng(devices=[]):  # the caller's random state stays as it was
             torch.manual_seed(seed)
             self.reference = (reference or _hf_reference)(cfg).float().eval()

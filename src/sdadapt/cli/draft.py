@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._draft import run_draft
+    from .._draft import Check, run_draft
     from .._plan.resolve import resolve_adapter, resolve_target, resolve_target_on_meta
     from ..errors import ResolveError
     from ..sources import open_source
@@ -84,8 +84,8 @@ def run(args: argparse.Namespace) -> int:
     def rebuild() -> Any:  # the target built again, its parameters on meta: its buffers for the check's copy
         return resolve_target(args.target, **options)
 
-    d = run_draft(target, args.src, adapter, subtree=args.subtree, reference=args.reference, layers=args.layers,
-                  init_buffers=init_buffers, rebuild=rebuild if not isinstance(target, str) else None)
+    check = Check(args.reference, args.layers, init_buffers, rebuild if not isinstance(target, str) else None)
+    d = run_draft(target, args.src, adapter, args.subtree, check)
     if args.json:
         print(d.model_dump_json(indent=2))
     elif args.output:
