@@ -5,17 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .._base.regions import Box
 from .._base.schema import dtype_name
-from .nodes import Compute, Input, Node, SourceIO, Step
+from .nodes import Compute, Derived, Input, Node, SourceIO, Step
 
 
 @dataclass(frozen=True, eq=False)
-class AffineMapped(Node):
+class AffineMapped(Derived):
     """The input times ``scale`` plus ``shift`` (``invert``: minus ``shift``, divided by
     ``scale``), elementwise; computed in float32 (float64 for float64 outputs) and rounded once to
     the input's floating dtype, or to ``out_dtype``. A box maps to the same box of the input."""
@@ -25,14 +25,11 @@ class AffineMapped(Node):
     shift: float
     invert: bool = False
     out_dtype: torch.dtype | None = None
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.child.dtype.is_floating_point:
             raise ValueError(f"affine needs a floating input, got {self.child.dtype}")
-        object.__setattr__(self, "shape", self.child.shape)
-        object.__setattr__(self, "dtype", self.out_dtype or self.child.dtype)
+        self.derive(self.child.shape, self.out_dtype or self.child.dtype)
 
     def as_dtype(self, dtype: torch.dtype) -> Node | None:
         """The same arithmetic, rounded once to ``dtype`` (a bf16 Gemma norm's ``1 + w`` into a

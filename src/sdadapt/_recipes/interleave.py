@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._base.regions import Box
-from .nodes import Compute, Input, Node, Read, Rearrangement, SourceIO, Step, emit, with_dim
+from .nodes import Compute, Derived, Input, Node, Read, Rearrangement, SourceIO, Step, emit, with_dim
 
 PICK_ROWS = 4
 PICK_BELOW = 64 * 1024
@@ -31,7 +31,7 @@ PICK_COVER_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, eq=False)
-class Interleaved(Rearrangement):
+class Interleaved(Rearrangement, Derived):
     """A fused tensor ``[part0; part1; ...]`` (``sizes`` along ``dim``) laid out per TP rank:
     ``[p0_r0; p1_r0; ...; p0_r1; p1_r1; ...]``, each part cut in ``tp`` equal blocks, so a
     ``ColwiseParallel`` shard of rank ``r`` holds ``[p0_r; p1_r; ...]``. ``inverse=True``
@@ -53,8 +53,6 @@ class Interleaved(Rearrangement):
     tp: int
     inverse: bool = False
     replicas: tuple[int, ...] | None = None
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
     segments: tuple[tuple[int, int, int], ...] = field(init=False, repr=False)  # (out_start, in_start, length)
 
     def __post_init__(self) -> None:
@@ -68,8 +66,7 @@ class Interleaved(Rearrangement):
         if self.tp <= 0 or any(s % (self.tp // n) for s, n in zip(self.sizes, reps, strict=True)):
             raise ValueError(f"sizes {self.sizes} do not divide by tp={self.tp} (over replicas {list(reps)})")
         size = contiguous if self.inverse else laid
-        object.__setattr__(self, "shape", self.child.shape[: self.dim] + (size,) + self.child.shape[self.dim + 1 :])
-        object.__setattr__(self, "dtype", self.child.dtype)
+        self.derive(self.child.shape[: self.dim] + (size,) + self.child.shape[self.dim + 1 :], self.child.dtype)
         segs = []
         out = 0
         starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]

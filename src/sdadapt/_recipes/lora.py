@@ -13,19 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .._base.regions import Box, box_shape
 from .._base.schema import dtype_name
-from .nodes import Compute, Input, Node, SourceIO, Step
+from .nodes import Compute, Derived, Input, Node, SourceIO, Step
 
 _ROWS_PER_CHUNK_ELEMENTS = 1 << 22  # float64 temporaries of a region are computed this many elements at a time
 
 
 @dataclass(frozen=True, eq=False)
-class MergedLora(Node):
+class MergedLora(Derived):
     """``weight + scale * B @ A`` (``weight`` ``[out, in]``, ``a`` ``[r, in]``, ``b`` ``[out, r]``),
     in ``weight``'s dtype (or ``out_dtype``); ``transposed``: ``weight`` is stored ``[in, out]``
     (PEFT's ``fan_in_fan_out``, GPT-2's ``Conv1D``) and gets ``(B @ A).T``. A region is one
@@ -38,12 +38,9 @@ class MergedLora(Node):
     scale: float
     transposed: bool = False
     out_dtype: torch.dtype | None = None
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", tuple(self.weight.shape))
-        object.__setattr__(self, "dtype", self.out_dtype or self.weight.dtype)
+        self.derive(tuple(self.weight.shape), self.out_dtype or self.weight.dtype)
 
     def as_dtype(self, dtype: torch.dtype) -> Node | None:
         """The same merge, rounded once from float64 to ``dtype`` (any floating dtype)."""

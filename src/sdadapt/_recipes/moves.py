@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from .._base.regions import Box, box_shape
 from .nodes import (
     Compute,
+    Derived,
     Fill,
     Input,
     Node,
@@ -27,19 +28,16 @@ from .nodes import (
 
 
 @dataclass(frozen=True, eq=False)
-class Concatenated(Rearrangement):
+class Concatenated(Rearrangement, Derived):
     """Inputs joined along ``dim`` (fuse). Sizes along ``dim`` may differ (GQA q/k/v)."""
 
     parts: tuple[Node, ...]
     dim: int
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         first = self.parts[0]
         size = sum(p.shape[self.dim] for p in self.parts)
-        object.__setattr__(self, "shape", with_dim_shape(first.shape, self.dim, size))
-        object.__setattr__(self, "dtype", first.dtype)
+        self.derive(with_dim_shape(first.shape, self.dim, size), first.dtype)
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         d = self.dim
@@ -70,19 +68,16 @@ class Concatenated(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class Narrowed(Rearrangement):
+class Narrowed(Rearrangement, Derived):
     """Rows ``[start, start + length)`` of the input along ``dim`` (split)."""
 
     child: Node
     dim: int
     start: int
     length: int
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", with_dim_shape(self.child.shape, self.dim, self.length))
-        object.__setattr__(self, "dtype", self.child.dtype)
+        self.derive(with_dim_shape(self.child.shape, self.dim, self.length), self.child.dtype)
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         a, b = box[self.dim]
@@ -103,21 +98,18 @@ class Narrowed(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class Transposed(Rearrangement):
+class Transposed(Rearrangement, Derived):
     """The input with dims ``dim0`` and ``dim1`` swapped (GPT-2 ``Conv1D`` ``[in, out]`` <->
     ``nn.Linear`` ``[out, in]``). A box maps to one box with the two spans swapped."""
 
     child: Node
     dim0: int
     dim1: int
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         s = list(self.child.shape)
         s[self.dim0], s[self.dim1] = s[self.dim1], s[self.dim0]
-        object.__setattr__(self, "shape", tuple(s))
-        object.__setattr__(self, "dtype", self.child.dtype)
+        self.derive(tuple(s), self.child.dtype)
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         b = list(box)
@@ -132,7 +124,7 @@ class Transposed(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class UnitPermuted(Rearrangement):
+class UnitPermuted(Rearrangement, Derived):
     """Along ``dim``, the input is cut in aligned units of ``unit`` rows (a head); inside every
     unit, output row ``j`` is input row ``perm[j]`` (rotary layouts). A region is a computation
     on the box widened to whole units, so a shard that cuts a unit is never permuted as if it
@@ -143,16 +135,13 @@ class UnitPermuted(Rearrangement):
     unit: int
     perm: tuple[int, ...]
     label: str = "permute"
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         if sorted(self.perm) != list(range(self.unit)):
             raise ValueError(f"perm {self.perm} is not a permutation of range({self.unit})")
         if self.unit <= 0 or self.child.shape[self.dim] % self.unit:
             raise ValueError(f"unit {self.unit} does not divide {self.child.shape[self.dim]}")
-        object.__setattr__(self, "shape", self.child.shape)
-        object.__setattr__(self, "dtype", self.child.dtype)
+        self.derive(self.child.shape, self.child.dtype)
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         out.append(Compute(self, box, dest, functools.partial(self._permuted, box), (Input(self.child, self._units(box)),)))
@@ -182,18 +171,15 @@ class UnitPermuted(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class Stacked(Rearrangement):
+class Stacked(Rearrangement, Derived):
     """Inputs of one shape stacked along a new dim ``dim`` (MoE experts -> ``[E, ...]``)."""
 
     parts: tuple[Node, ...]
     dim: int
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         first = self.parts[0].shape
-        object.__setattr__(self, "shape", first[: self.dim] + (len(self.parts),) + first[self.dim :])
-        object.__setattr__(self, "dtype", self.parts[0].dtype)
+        self.derive(first[: self.dim] + (len(self.parts),) + first[self.dim :], self.parts[0].dtype)
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         a, b = box[self.dim]
@@ -213,19 +199,16 @@ class Stacked(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class Selected(Rearrangement):
+class Selected(Rearrangement, Derived):
     """Entry ``index`` of the input along ``dim``, that dim removed (unstack)."""
 
     child: Node
     dim: int
     index: int
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         s = self.child.shape
-        object.__setattr__(self, "shape", s[: self.dim] + s[self.dim + 1 :])
-        object.__setattr__(self, "dtype", self.child.dtype)
+        self.derive(s[: self.dim] + s[self.dim + 1 :], self.child.dtype)
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         outer = box[: self.dim] + ((self.index, self.index + 1),) + box[self.dim :]
@@ -249,21 +232,18 @@ class Selected(Rearrangement):
 
 
 @dataclass(frozen=True, eq=False)
-class Padded(Node):
+class Padded(Derived):
     """The input extended along ``dim`` to ``size`` with ``value`` (vocab padded for TP)."""
 
     child: Node
     dim: int
     size: int
     value: float = 0.0
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         if self.size < self.child.shape[self.dim]:
             raise ValueError(f"cannot pad {self.child.shape[self.dim]} down to {self.size}")
-        object.__setattr__(self, "shape", with_dim_shape(self.child.shape, self.dim, self.size))
-        object.__setattr__(self, "dtype", self.child.dtype)
+        self.derive(with_dim_shape(self.child.shape, self.dim, self.size), self.child.dtype)
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         d = self.dim

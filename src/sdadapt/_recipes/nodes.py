@@ -340,6 +340,19 @@ class Rearrangement(Node):
 
 
 @dataclass(frozen=True, eq=False)
+class Derived(Node):
+    """A node whose shape and dtype follow from its other fields: they are not arguments, and its
+    ``__post_init__`` sets them once with :meth:`derive`."""
+
+    shape: tuple[int, ...] = field(init=False)
+    dtype: torch.dtype = field(init=False)
+
+    def derive(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", dtype)
+
+
+@dataclass(frozen=True, eq=False)
 class Leaf(Node):
     """A tensor of the source checkpoint, as stored."""
 

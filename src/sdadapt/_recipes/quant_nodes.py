@@ -28,7 +28,7 @@ from .._base.schema import dtype_name
 from . import quant as Q
 from . import quant_fused as QF
 from .moves import Concatenated
-from .nodes import Bands, Compute, Input, Kernel, Node, SourceIO, Step
+from .nodes import Bands, Compute, Derived, Input, Kernel, Node, SourceIO, Step
 
 Part = Literal["values", "scales"]
 
@@ -190,7 +190,7 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @dataclass(frozen=True, eq=False)
-class QuantizedFP8(_Computed):
+class QuantizedFP8(_Computed, Derived):
     """One part of ``child`` quantized to FP8 with ``block`` scale tiles: the e4m3 weight
     (``part="values"``) or its stored scale grid (``part="scales"``, in ``scale_dtype``, by
     default the format's first storage dtype). A region is computed from the whole blocks it
@@ -201,8 +201,6 @@ class QuantizedFP8(_Computed):
     scale_format: Q.ScaleFormat
     part: Part
     scale_dtype: torch.dtype | None = None
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         if self.part == "values":
@@ -210,8 +208,7 @@ class QuantizedFP8(_Computed):
         else:
             shape = Q.fp8_scale_shape(tuple(self.child.shape), self.block)
             dtype = self.scale_dtype or Q.SCALE_DTYPES[self.scale_format][0]
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "dtype", dtype)
+        self.derive(shape, dtype)
 
     def _inputs(self, box: Box) -> tuple[Input, ...]:
         """The whole blocks of ``child`` that ``box`` (of the values, or of the scale grid) touches."""
@@ -303,21 +300,18 @@ class QuantizedFP8(_Computed):
 
 
 @dataclass(frozen=True, eq=False)
-class QuantizedMXFP4(_Computed):
+class QuantizedMXFP4(_Computed, Derived):
     """One part of ``child [..., C]`` (``C`` a multiple of 32) quantized to MXFP4: the packed
     ``blocks [..., C/32, 16]`` (``part="values"``) or the e8m0 ``scales [..., C/32]``."""
 
     child: Node
     part: Part
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         s = tuple(self.child.shape)
         groups = (s[-1] // Q.MX_BLOCK,)
         shape = s[:-1] + groups + ((Q.MX_BYTES,) if self.part == "values" else ())
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "dtype", torch.uint8)
+        self.derive(shape, torch.uint8)
 
     def _inputs(self, box: Box) -> tuple[Input, ...]:
         lead = box[: len(self.child.shape) - 1]

@@ -19,7 +19,7 @@ from .._base.regions import Box, box_shape, full_box
 from .._base.schema import dtype_name
 from . import quant_fused as QF
 from . import quant_scaled as S
-from .nodes import Input, Node, SourceIO
+from .nodes import Derived, Input, Node, SourceIO
 from .quant_nodes import _Computed, _Dequant
 
 
@@ -118,7 +118,7 @@ class DequantizedScaled(_Dequant):
 
 
 @dataclass(frozen=True, eq=False)
-class QuantizedScaled(_Computed):
+class QuantizedScaled(_Computed, Derived):
     """One part of ``child [..., R, C]`` re-quantized in a scaled format (:func:`S.quantize`): the
     stored codes (``part="values"``: e4m3 or int8, e2m1 two per byte, int4 / int8 packed in int32
     words), the scales (``part="scales"``, in ``scale_dtype``: float, or e8m0 exponent bytes) or
@@ -135,8 +135,6 @@ class QuantizedScaled(_Computed):
     mode: S.GlobalMode = "divide"
     scale_shape: tuple[int, ...] | None = None  # the stored scale's shape (a per-tensor scale's 0-d or [1])
     zero: bool = False
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
         s = tuple(self.child.shape)
@@ -149,8 +147,7 @@ class QuantizedScaled(_Computed):
             shape, dtype = grid[:-2] + (rows, grid[-1]), torch.int32 if packed else torch.int8
         else:
             shape, dtype = self.scale_shape if self.scale_shape is not None else grid, self.scale_dtype
-        object.__setattr__(self, "shape", shape)
-        object.__setattr__(self, "dtype", dtype)
+        self.derive(shape, dtype)
 
     def children(self) -> tuple[Node, ...]:
         return (self.child,) if self.glob is None else (self.child, self.glob)
@@ -216,16 +213,13 @@ class QuantizedScaled(_Computed):
 
 
 @dataclass(frozen=True, eq=False)
-class ShapeOf(_Computed):
+class ShapeOf(_Computed, Derived):
     """The shape of ``child`` as a 1-D int64 tensor (compressed-tensors' ``weight_shape``)."""
 
     child: Node
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", (len(self.child.shape),))
-        object.__setattr__(self, "dtype", torch.int64)
+        self.derive((len(self.child.shape),), torch.int64)
 
     def _inputs(self, box: Box) -> tuple[Input, ...]:
         return ()  # the shape only: nothing is read
@@ -245,7 +239,7 @@ class ShapeOf(_Computed):
 
 
 @dataclass(frozen=True, eq=False)
-class GlobalScaleOf(_Computed):
+class GlobalScaleOf(_Computed, Derived):
     """NVFP4's per-tensor second scale of ``child``, as the release's tool chooses it from the
     tensor's largest magnitude: compressed-tensors' ``weight_global_scale = 448 * 6 / amax``
     (``mode="divide"``, shape ``[1]``), ModelOpt's ``weight_scale_2 = amax / (448 * 6)``
@@ -253,12 +247,9 @@ class GlobalScaleOf(_Computed):
 
     child: Node
     mode: S.GlobalMode
-    shape: tuple[int, ...] = field(init=False)
-    dtype: torch.dtype = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shape", (1,) if self.mode == "divide" else ())
-        object.__setattr__(self, "dtype", torch.float32)
+        self.derive((1,) if self.mode == "divide" else (), torch.float32)
 
     def _inputs(self, box: Box) -> tuple[Input, ...]:
         return (Input(self.child, full_box(tuple(self.child.shape))),)
