@@ -35,7 +35,9 @@ every tensor onto the rank's device with no model, as the reference for moving t
 The headline is what a job sees: the first load in a fresh process. Each row gets its own new
 process group (libraries imported before timing; with ``--import-in-load`` only what builds the model, each
 loader's own imports then being part of its first load), whose first load is timed, followed by
-``--repeat`` steady-state loads in the same processes. Per row and rank: wall time, bytes read,
+``--repeat`` steady-state loads in the same processes (``--fork-ranks``, for checking many rows on
+a small machine: each group's ranks are forked from one process that imported torch's libraries
+once, never sdadapt, which each rank imports before its first load). Per row and rank: wall time, bytes read,
 extra RSS over the load's start (anonymous and file-backed apart), peak GPU memory; the machine's
 own read rates in a last group. Every first load is checked bit-exactly against the source
 (the quantized paths against the whole-tensor dequantisation of their file, rounded once to bf16,

@@ -5,6 +5,7 @@ PREFIX.md."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -18,7 +19,8 @@ from typing import Any
 
 from .checkpoint import check_fits, drop_caches, stamp, warm_cache, write_checkpoint
 from .common import BenchError, GiB
-from .launch import MALLOC_MODES, launch_group
+from .forkserver import ForkServer
+from .launch import MALLOC_MODES, launch_group, server_env
 from .paths import (
     ALL_PATHS,
     DISCUSSION_PATHS,
@@ -100,6 +102,11 @@ def parser(description: str) -> argparse.ArgumentParser:
                     help="run every row in one process group, one after the other (no variants, rounds or discussion): "
                          "only the first row's first load is its processes' first, so the figures are not the "
                          "headline's; for checking many paths at the cost of one process start (the test suite)")
+    ap.add_argument("--fork-ranks", action="store_true",
+                    help="fork every rank from one process that imported torch's libraries once (not sdadapt: each rank "
+                         "imports it, and its first load is still its process's first): a group costs forks, not "
+                         "interpreters; the environment torch reads at import is that process's, so --variant may set "
+                         "only SDADAPT_ settings and src= (for checking many rows on a small machine: the test suite)")
     ap.add_argument("--out", default=str(BENCH / "out" / "load_bench"), help="output prefix: writes PREFIX.json and PREFIX.md")
     return ap
 
@@ -208,6 +215,9 @@ def main(argv: list[str] | None = None, description: str = "") -> int:
     jobs = _jobs(args, the_variants)
     if args.one_group and (args.variant or args.rounds > 1 or any(j.path in DISCUSSION_PATHS.values() for j in jobs)):
         raise BenchError("--one-group runs neither --variant, --rounds nor --discussion rows (they need processes of their own)")
+    if args.fork_ranks and any(k != "src" and not k.startswith("SDADAPT_") for v in the_variants.values() for k in v):
+        raise BenchError("--fork-ranks: a --variant may set only SDADAPT_ settings and src= (the ranks' torch was "
+                         "imported by the process they are forked from)")
     if any(j.path == "sdadapt-dcp" for j in jobs):
         try:
             import sdadapt.sources._dcp_dir  # noqa: F401
@@ -263,7 +273,7 @@ ONE_GROUP = "one process group for every row (--one-group): only the first row's
 
 
 def _one_group(args: argparse.Namespace, jobs: list[Job], common: dict[str, Any], work: Path,
-               pythonpath: list[str]) -> list[dict[str, Any]]:
+               pythonpath: list[str], server: ForkServer | None) -> list[dict[str, Any]]:
     """``--one-group``: every job run by the same ranks, one after the other; one group's
     record per job (its ranks' results, the shared launch's exit codes, seconds and log)."""
     cfgs = [{**common, "job": asdict(job), "out": str(work / job.tag), "repeat": args.repeat, "warmup": args.warmup}
@@ -272,7 +282,7 @@ def _one_group(args: argparse.Namespace, jobs: list[Job], common: dict[str, Any]
         Path(cfg["out"]).mkdir(parents=True, exist_ok=True)
     timeout = args.timeout * max(1, len(jobs))
     g = launch_group({**common, "job": None, "chain": cfgs, "out": str(work / "one-group")}, args.nproc, timeout,
-                     "one-group", ENTRY, pythonpath)
+                     "one-group", ENTRY, pythonpath, server=server)
     print(f"one group of {len(jobs)} rows done in {g['seconds']:.1f} s" + (" (hung, killed)" if g["hung"] else ""),
           file=sys.stderr)
     groups = []
@@ -294,30 +304,15 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], the_variants: dict[st
               "import_in_load": args.import_in_load}
     pythonpath = [str(ROOT / "src")]
     the_machine = machine()  # the load average before the workers start
-    groups = _one_group(args, jobs, common, work, pythonpath) if args.one_group else []
-    for rnd, job in ((r, j) for r in range(args.rounds) for j in ([] if args.one_group else jobs)):
-        discussion = job.path in DISCUSSION_PATHS.values()
-        timeout = args.discussion_timeout if discussion else args.timeout
-        out = work / (job.tag if args.rounds == 1 else f"{job.tag}-round{rnd}")
-        cfg = {**common, "job": asdict(job), "out": str(out), "repeat": 0 if discussion else args.repeat,
-               "warmup": 0 if discussion else args.warmup}
-        if discussion:
-            cfg.update(pg_timeout=int(timeout) + 60, dump_after=max(1.0, timeout * 0.6))
-        settings = dict(the_variants.get(job.variant, {}))
-        src = settings.pop("src", None)
-        g = launch_group(cfg, args.nproc, timeout, job.tag, ENTRY, [src] if src else pythonpath, settings)
-        g.update(job=asdict(job), timeout=timeout, round=rnd)
-        groups.append(g)
-        which = f"{job.tag}" + (f" round {rnd + 1}/{args.rounds}" if args.rounds > 1 else "")
-        print(f"{which}: group done in {g['seconds']:.1f} s" + (" (hung, killed)" if g["hung"] else ""), file=sys.stderr)
-    if not args.no_references and not args.cold:
-        cfg = {**common, "job": None, "references": True, "out": str(work / "references")}
-        g = launch_group(cfg, args.nproc, args.timeout, "references", ENTRY, pythonpath)
-        g.update(job=None, timeout=args.timeout)
-        groups.append(g)
+    preload = [n for n in (USER_LIBRARIES if args.import_in_load else LIBRARIES) if n != "sdadapt"]
+    with ForkServer(preload, server_env(args.malloc)) if args.fork_ranks else contextlib.nullcontext() as server:
+        groups = _launch_all(args, jobs, the_variants, common, work, pythonpath, server)
     rows = combine_rounds(summarize(groups))
     loads = [run["load_avg"] for g in groups for r in g["ranks"] if r for run in r["runs"] if "load_avg" in run]
     shutil.rmtree(work, ignore_errors=True)
+    first_load = "one fresh process group per row; the row's first load is the first load of its processes"
+    if args.fork_ranks:
+        first_load += f" (ranks forked from one process that had imported {', '.join(preload)}; not sdadapt: --fork-ranks)"
     return {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "machine": the_machine,
@@ -328,7 +323,8 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], the_variants: dict[st
         "backend": backend,
         "libraries": USER_LIBRARIES if args.import_in_load else LIBRARIES,
         "import_in_load": args.import_in_load,
-        "first_load": "one fresh process group per row; the row's first load is the first load of its processes",
+        "first_load": first_load,
+        "forked_from": preload if args.fork_ranks else None,
         "repeat": args.repeat,
         "rounds": args.rounds,
         "warmup": args.warmup,
@@ -340,3 +336,30 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], the_variants: dict[st
         "rows": rows,
         "groups": groups,
     }
+
+
+def _launch_all(args: argparse.Namespace, jobs: list[Job], the_variants: dict[str, dict[str, str]], common: dict[str, Any],
+                work: Path, pythonpath: list[str], server: ForkServer | None) -> list[dict[str, Any]]:
+    """Every job's group (per round), then the references' (forked from ``server`` where given)."""
+    groups = _one_group(args, jobs, common, work, pythonpath, server) if args.one_group else []
+    for rnd, job in ((r, j) for r in range(args.rounds) for j in ([] if args.one_group else jobs)):
+        discussion = job.path in DISCUSSION_PATHS.values()
+        timeout = args.discussion_timeout if discussion else args.timeout
+        out = work / (job.tag if args.rounds == 1 else f"{job.tag}-round{rnd}")
+        cfg = {**common, "job": asdict(job), "out": str(out), "repeat": 0 if discussion else args.repeat,
+               "warmup": 0 if discussion else args.warmup}
+        if discussion:
+            cfg.update(pg_timeout=int(timeout) + 60, dump_after=max(1.0, timeout * 0.6))
+        settings = dict(the_variants.get(job.variant, {}))
+        src = settings.pop("src", None)
+        g = launch_group(cfg, args.nproc, timeout, job.tag, ENTRY, [src] if src else pythonpath, settings, server)
+        g.update(job=asdict(job), timeout=timeout, round=rnd)
+        groups.append(g)
+        which = f"{job.tag}" + (f" round {rnd + 1}/{args.rounds}" if args.rounds > 1 else "")
+        print(f"{which}: group done in {g['seconds']:.1f} s" + (" (hung, killed)" if g["hung"] else ""), file=sys.stderr)
+    if not args.no_references and not args.cold:
+        cfg = {**common, "job": None, "references": True, "out": str(work / "references")}
+        g = launch_group(cfg, args.nproc, args.timeout, "references", ENTRY, pythonpath, server=server)
+        g.update(job=None, timeout=args.timeout)
+        groups.append(g)
+    return groups

@@ -1,5 +1,6 @@
 """Start one fresh process group (``nproc`` new Python processes, one per rank, rendezvous over
-TCP on this host), wait for it with a timeout, and collect what each rank wrote."""
+TCP on this host; or ``nproc`` processes forked from a :class:`~loadbench.forkserver.ForkServer`),
+wait for it with a timeout, and collect what each rank wrote."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from .common import GiB, MiB
+from .forkserver import ForkServer
 
 # glibc settings for the worker processes. Whether a load writes into fresh pages (one page
 # fault per 4 KiB on first write, which costs more than reading from the page cache) or into
@@ -31,38 +34,61 @@ MALLOC_MODES: dict[str, dict[str, str]] = {
 _GRACE_S = 15.0
 
 
+class _Rank:
+    """A started rank: its pid (and process group), and how to ask whether it ended."""
+
+    def __init__(self, pid: int, poll: Callable[[], int | None]) -> None:
+        self.pid, self._poll = pid, poll
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._poll()
+        return self.returncode
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+def server_env(malloc: str) -> dict[str, str]:
+    """The environment torch and glibc read at a worker's start (a fork server's, for its ranks)."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(MALLOC_MODES[malloc])
+    return env
+
+
 def launch_group(cfg: dict[str, Any], nproc: int, timeout: float, tag: str, entry: Path, pythonpath: list[str],
-                 extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+                 extra_env: dict[str, str] | None = None, server: ForkServer | None = None) -> dict[str, Any]:
     """Run ``entry --worker <config>`` as ``nproc`` fresh ranks of one process group (``pythonpath``
-    first on their path, ``extra_env`` set); kill the group after ``timeout`` s (a hang is a
-    result). Returns the tag, exit codes, whether it hung, its seconds, each rank's results (None
-    where a rank wrote none) and the log's tail."""
+    first on their path, ``extra_env`` set; forked from ``server`` where given); kill the group
+    after ``timeout`` s (a hang is a result). Returns the tag, exit codes, whether it hung, its
+    seconds, each rank's results (None where a rank wrote none) and the log's tail."""
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.json"
     cfg_path.write_text(json.dumps(cfg))
-    env = dict(os.environ)
+    env = server_env(cfg.get("malloc", "default"))
     env["PYTHONPATH"] = os.pathsep.join([*pythonpath, env.get("PYTHONPATH", "")])
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.update(MALLOC_MODES[cfg.get("malloc", "default")])
     env.update(extra_env or {})
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
     log_path = out / "log.txt"
     start = time.perf_counter()
-    procs: list[subprocess.Popen] = []
+    procs: list[_Rank] = []
     hung = False
     with open(log_path, "wb") as log:
         for r in range(nproc):
-            procs.append(subprocess.Popen(
-                [sys.executable, str(entry), "--worker", str(cfg_path)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            ))
+            argv, rank_env = [str(entry), "--worker", str(cfg_path)], {**env, "RANK": str(r), "LOCAL_RANK": str(r)}
+            if server is not None:
+                pid = server.start(argv, rank_env, pythonpath, str(log_path))
+                procs.append(_Rank(pid, lambda pid=pid, server=server: server.poll(pid)))
+            else:
+                p = subprocess.Popen([sys.executable, *argv], env=rank_env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+                procs.append(_Rank(p.pid, lambda p=p: p.poll()))
         deadline = start + timeout
         first_failure: float | None = None
         while any(p.poll() is None for p in procs):
@@ -75,7 +101,8 @@ def launch_group(cfg: dict[str, Any], nproc: int, timeout: float, tag: str, entr
                     if p.poll() is None:
                         os.killpg(p.pid, signal.SIGKILL)
                 for p in procs:
-                    p.wait()
+                    while p.poll() is None:
+                        time.sleep(0.01)
                 break
             time.sleep(0.05)
     ranks = []

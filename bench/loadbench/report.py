@@ -138,8 +138,12 @@ def _modules(pr: list[dict[str, Any]]) -> str:
 def how_line(result: dict[str, Any]) -> str:
     """How the figures were taken, in one paragraph (printed above the table)."""
     rounds = result.get("rounds", 1)
-    return (f"Each row ran in its own fresh process group: {result['nproc']} new Python processes started for that row "
-            f"alone, which imported {', '.join(result['libraries'])} before anything was timed"
+    forked = result.get("forked_from")
+    started = (f"{result['nproc']} processes forked for that row alone from one process that had imported "
+               f"{', '.join(forked)} once (--fork-ranks; each rank imported the rest itself, sdadapt among them)"
+               if forked else f"{result['nproc']} new Python processes started for that row alone")
+    return (f"Each row ran in its own fresh process group: {started}, "
+            f"which imported {', '.join(result['libraries'])} before anything was timed"
             + (" (each loader's own imports, sdadapt and what it needs among them, are inside its timed first load: "
                "column `imports s`)" if result.get("import_in_load") else "")
             + ", built and parallelised the "

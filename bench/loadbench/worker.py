@@ -40,6 +40,7 @@ def main(config_path: str) -> None:
     """Run the worker described by the JSON file ``config_path``; ends the process."""
     cfg = json.loads(Path(config_path).read_text())
     chain = cfg.get("chain") or [cfg]  # --one-group: every job's config, run one after the other
+    preloaded = sorted(n for n in sys.modules if n == "sdadapt" or n.startswith("sdadapt."))  # none: a fresh process
     t_start = time.perf_counter()
     imported: list[str] = []
     for c in chain:
@@ -67,6 +68,7 @@ def main(config_path: str) -> None:
 
     for c in chain:
         out: dict[str, Any] = {"rank": rank, "world": world, "pid": os.getpid(), "imported": imported,
+                               "sdadapt_preloaded": preloaded,
                                "import_s": import_s, "runs": [], "refs": {}, "sdadapt_file": spec.origin if spec else None,
                                "sdadapt_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("SDADAPT_")}}
         try:

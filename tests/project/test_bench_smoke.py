@@ -60,7 +60,7 @@ def test_every_path_first_load_in_a_fresh_process_meta_and_materialized(tmp_path
          "--paths", "sdadapt,sdadapt-fused,sdadapt-torchsave,sdadapt-fp8,rank0-broadcast,hf-reader,hf-fp8-reader", "--tp-paths", "sdadapt",
          "--materialized-paths", "sdadapt,hf-reader", "--no-references",
          "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--discussion", "materialized", "--discussion-timeout", "10",
-         "--timeout", "150"],
+         "--timeout", "150", "--fork-ranks"],
         env=_env(), capture_output=True, text=True, timeout=420,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -80,14 +80,17 @@ def test_every_path_first_load_in_a_fresh_process_meta_and_materialized(tmp_path
         for pr in row["per_rank"]:
             assert pr["wall_s"] > 0 and pr["local_gib"] > 0 and pr["rss_peak_gib"] > 0
             assert pr["steady"]["rss_peak_gib"] > 0
-    # every row's first load was the first of its own processes: no process served two rows
+    # every row's first load was the first of its own processes: no process served two rows; each
+    # was forked (--fork-ranks) from one that had imported torch's libraries but not sdadapt, which
+    # every rank imported itself before its first load
     pids = [r["pid"] for g in res["groups"] if g["job"] for r in g["ranks"] if r is not None]
     assert len(pids) == len(set(pids)) == 2 * len(want)
+    assert "torch" in res["forked_from"] and not any(n.startswith("sdadapt") for n in res["forked_from"])
     for g in res["groups"]:
         for r in g["ranks"]:
             if r is not None:
                 assert [x["phase"] for x in r["runs"]][:1] == ["first"]
-                assert "sdadapt" in r["imported"]
+                assert "sdadapt" in r["imported"] and r["sdadapt_preloaded"] == []
     # sdadapt reads its shards' bytes and no more (rename-only: exactly the local shards), in both flows
     for flow in ("meta", "materialized"):
         for pr in rows[("fsdp", "sdadapt", flow)]["per_rank"]:
@@ -100,9 +103,19 @@ def test_every_path_first_load_in_a_fresh_process_meta_and_materialized(tmp_path
     assert disc["ok"] or disc["error"]
     md = Path(f"{out}.md").read_text()
     assert "| sdadapt | fsdp | meta | **" in md and "| hf-reader | fsdp | materialized | **" in md
-    assert "fresh process group" in md and "torchsave-broadcast" in md
+    assert "fresh process group" in md and "forked for that row alone" in md and "torchsave-broadcast" in md
     # nothing is left behind without --keep
     assert not any((tmp_path / "ckpt").glob("sdadapt-bench-*"))
+
+
+def test_fork_ranks_refuses_a_variant_that_torch_reads_at_import(loadbench, tmp_path):
+    """Forked ranks share the torch their server imported: a variant may not change its settings."""
+    import loadbench.cli
+
+    with pytest.raises(loadbench.common.BenchError, match="only SDADAPT_ settings"):
+        loadbench.cli.main(["--preset", "tiny", "--nproc", "1", "--backend", "gloo", "--fork-ranks", "--dir", str(tmp_path),
+                            "--variant", "a:OMP_NUM_THREADS=2"])
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
 
 
 def test_materialize_with_values_fills_every_parameter(loadbench):
