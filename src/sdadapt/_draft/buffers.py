@@ -28,28 +28,12 @@ import torch
 from torch import nn
 
 from .._base.keyruns import compress
-from .._transaction import meta_non_persistent_buffers
 from ..errors import ModelError
 
 log = logging.getLogger(__name__)
 
 OWN_METHODS = ("init_weights", "init_buffers", "reset_parameters")
 """Methods of a model (or of a module owning a buffer) that compute its buffers, in the order tried."""
-
-
-def own_way(model: nn.Module) -> str | None:
-    """The name of the model's own method that can fill its buffers (:data:`OWN_METHODS`), or
-    of the first such method of a module owning a non-persistent buffer, or ``None``."""
-    for name in OWN_METHODS:
-        if callable(getattr(model, name, None)):
-            return name
-    owners = {n.rpartition(".")[0] for n in meta_non_persistent_buffers(model)}
-    for owner in sorted(owners):
-        mod = model.get_submodule(owner) if owner else model
-        for name in OWN_METHODS:
-            if callable(getattr(mod, name, None)):
-                return f"{owner}.{name}" if owner else name
-    return None
 
 
 def _mark(t: torch.Tensor) -> None:
@@ -162,8 +146,3 @@ def parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-def pending_buffers(model: nn.Module) -> list[str]:
-    """The model's non-persistent buffers on the meta device (what ``to_empty`` leaves without values)."""
-    return meta_non_persistent_buffers(model)

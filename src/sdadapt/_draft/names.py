@@ -114,11 +114,6 @@ def _template(toks: list[str]) -> str:
     return "_".join(out)
 
 
-def fused_roles(segment: str) -> tuple[str, ...]:
-    role, _ = role_of(segment)
-    return FUSED_ROLES.get(role or "", ())
-
-
 def _fuzzy(a: str, b: str) -> bool:
     return len(a) >= 3 and len(b) >= 3 and (a.startswith(b) or b.startswith(a))
 

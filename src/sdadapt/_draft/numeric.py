@@ -43,9 +43,10 @@ from torch import nn
 
 from .._plan.adapter import Adapter
 from .._tools.verifying import _forward, _layer_list, _recording, _rel, default_rtol, random_tokens
+from .._transaction import meta_non_persistent_buffers
 from ..errors import SdadaptError
 from ..rules import Fuse, Rename, Rotary, Split, compile_pattern
-from .buffers import Check, fill_buffers, pending_buffers
+from .buffers import Check, fill_buffers
 from .config import Facts
 from .names import canon_tokens
 from .proposals import Proposals, Proposed
@@ -186,7 +187,7 @@ def _cut_layers(model: nn.Module, check: Check) -> tuple[nn.Module, str]:
         setattr(owner, attr, parent)
     how = ""
     if any(t.is_meta for t in itertools.chain(small.parameters(), small.buffers())):
-        pending = pending_buffers(small)
+        pending = meta_non_persistent_buffers(small)
         small = small.to_empty(device="cpu")
         how = fill_buffers(small, pending, check)
     elif check.init_buffers is not None:

@@ -25,7 +25,7 @@ from .questions import (
     rotary_question,
     tp_question,
 )
-from .segments import Family, Tree
+from .segments import Tree
 
 
 @dataclass
@@ -307,6 +307,3 @@ def _merge_params(props: list[Proposed], src: Tree) -> list[Proposed]:
         out.append(merged)
     return out
 
-
-def family_label(f: Family) -> str:
-    return f.star_pattern()

@@ -25,14 +25,11 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import AdapterError
-
-if TYPE_CHECKING:
-    from .._base.schema import TensorInfo
 
 
 class _Model(BaseModel):
@@ -207,10 +204,6 @@ def ignored(module: str, ignore: list[str]) -> bool:
 def modelopt_excluded(module: str, patterns: list[str]) -> bool:
     """ModelOpt's ``exclude_modules`` are shell-style wildcards over module names."""
     return any(fnmatch.fnmatchcase(module, p) or fnmatch.fnmatchcase(module + ".weight", p) for p in patterns)
-
-
-def schema_modules(schema: Mapping[str, TensorInfo] | None) -> list[str]:
-    return sorted({module_of(k) for k in schema or {}})
 
 
 def ignored_modules(ignore: list[str], keys: Iterable[str]) -> list[str]:

@@ -105,18 +105,6 @@ class MegatronCommon:
     content_metadata: dict[str, Any] = field(default_factory=dict)
 
 
-def is_megatron(folder: str) -> bool:
-    """Whether ``folder`` holds Megatron-Core's ``metadata.json`` naming a sharded backend."""
-    path = os.path.join(folder, METADATA_JSON)
-    if not os.path.isfile(path):
-        return False
-    try:
-        data = read_json(path, None, what=METADATA_JSON)
-    except SourceError:
-        return False
-    return isinstance(data, dict) and "sharded_backend" in data
-
-
 def read_common(folder: str) -> MegatronCommon:
     """Read ``metadata.json`` and ``common.pt`` of a Megatron-Core checkpoint (no code runs).
 
