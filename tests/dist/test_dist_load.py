@@ -269,7 +269,9 @@ def _run_cases(folder: str, cases: list[tuple[str, str, str]]) -> dict[str, dict
         stage(case_id(world, mesh_kind, config, source))
         name, adapter, subtree, _ = SOURCES[source]
         model = _build(mesh_kind, config, meshes)
-        rep = sdadapt.load(model, os.path.join(folder, config, name), adapter, subtree=subtree, share_reads=source in SHARED)
+        # replicas only: TP peers' shared rows are tests/dist/test_row_share.py's
+        engine = sdadapt.EngineConfig(share_rows=False) if source in SHARED else None
+        rep = sdadapt.load(model, os.path.join(folder, config, name), adapter, subtree=subtree, share_reads=source in SHARED, engine=engine)
         expected = expected_state_dict(config, source)
         facts = _check_model(model, expected)
         facts.update(

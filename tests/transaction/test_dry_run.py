@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -92,7 +93,8 @@ def test_symmetry_sampling_and_headers(ckpt: str) -> None:
     assert joined.total_bytes_read == full.total_bytes_read
     for j, r in zip(joined.ranks, full.ranks, strict=True):
         assert j.storage_bytes >= r.storage_bytes >= r.bytes_read == j.bytes_read
-    shared = sdadapt.dry_run(None, ckpt, mesh="dp_replicate=2,dp_shard=4,tp=2", share_reads=True, max_ranks=64, engine=runs)
+    replicas = sdadapt.EngineConfig(gap_bytes=0, share_rows=False)
+    shared = sdadapt.dry_run(None, ckpt, mesh="dp_replicate=2,dp_shard=4,tp=2", share_reads=True, max_ranks=64, engine=replicas)
     # each replica pair reads a byte once; a norm, replicated over tp too, is shared over one dim only
     assert shared.classes == 16 and shared.total_bytes_read == shared.checkpoint_bytes + norms
     assert sum(r.shared_bytes for r in shared.ranks) == shared.checkpoint_bytes + norms
@@ -204,3 +206,40 @@ def test_a_node_never_holds_more_ranks_than_the_job(ckpt: str, capsys: Any) -> N
     assert main(["plan", ckpt, "--mesh", "dp_shard=2"]) == 0
     out = capsys.readouterr().out
     assert "busiest node (2 ranks)" in out and "(8 ranks)" not in out
+
+
+def _sparse_8b(folder: Any, layers: int = 2) -> str:
+    """Llama-3-8B shapes (``layers`` of them), bf16, one safetensors file of the right size
+    holding no data (sparse): a dry run reads headers only."""
+    h, kv, f, v = 4096, 1024, 14336, 128256
+    shapes: dict[str, list[int]] = {"model.embed_tokens.weight": [v, h], "model.norm.weight": [h], "lm_head.weight": [v, h]}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "self_attn.q_proj.weight": [h, h], p + "self_attn.k_proj.weight": [kv, h], p + "self_attn.v_proj.weight": [kv, h],
+                   p + "self_attn.o_proj.weight": [h, h], p + "mlp.gate_proj.weight": [f, h], p + "mlp.up_proj.weight": [f, h],
+                   p + "mlp.down_proj.weight": [h, f], p + "input_layernorm.weight": [h]}  # fmt: skip
+    header, at = {}, 0
+    for k, shape in shapes.items():
+        n = 2 * math.prod(shape)
+        header[k] = {"dtype": "BF16", "shape": shape, "data_offsets": [at, at + n]}
+        at += n
+    raw = json.dumps(header).encode()
+    path = os.path.join(str(folder), "model.safetensors")
+    with open(path, "wb") as out:
+        out.write(len(raw).to_bytes(8, "little") + raw)
+        out.truncate(8 + len(raw) + at)
+    return path
+
+
+@pytest.mark.parametrize("mesh", ["tp=8", "dp_shard=2,tp=8"])
+def test_a_lone_tp_rank_reads_its_rows_once_when_peers_share_them(tmp_path: Any, mesh: str) -> None:
+    # o_proj / down_proj are column slices of 8 and 28 KiB rows: alone, a TP-8 rank's reads
+    # touch every page of their rows; sharing the rows, each rank reads whole rows of its own
+    path = _sparse_8b(tmp_path)
+    alone = sdadapt.dry_run(None, path, mesh=mesh, device="cuda", share_reads=False, max_ranks=4)
+    shared = sdadapt.dry_run(None, path, mesh=mesh, device="cuda", share_reads=True, max_ranks=4)
+    for a, s in zip(alone.ranks, shared.ranks, strict=True):
+        assert a.storage_bytes > 1.5 * a.bytes_read, a  # 3.1x with 32 layers; the embeddings weigh more here
+        assert s.storage_bytes <= 1.1 * s.bytes_read and s.bytes_read <= 1.01 * s.local_bytes, s
+        assert s.shared_bytes > 0 and s.device_bytes > s.local_bytes  # the round buffers
+    assert shared.total_bytes_read <= alone.total_bytes_read  # the norms, replicated over tp, read once too

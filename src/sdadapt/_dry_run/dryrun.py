@@ -31,12 +31,12 @@ from torch import nn
 
 from .._base.agreement import agreement_bytes
 from .._base.regions import box_shape
-from .._engine import EngineConfig
+from .._engine import EngineConfig, RowShare, round_memory, row_cut, row_read_jobs, row_received, row_rounds
 from .._engine.predict import mapping_granule, predict
 from .._engine.tasks import Job
 from .._plan.adapter import Adapter, with_dtype
 from .._plan.intent import PARTS
-from .._plan.layout import Layout, Mesh, default_layouts, local_box, model_layouts
+from .._plan.layout import Layout, Mesh, default_layouts, group_coordinate, local_box, model_layouts
 from .._plan.plan import KeyPatterns, Plan, adapted_schema, build_plan, key_patterns
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
@@ -69,11 +69,13 @@ class DryRunRank(BaseModel):
         opens: files it opens: headers, ``preadv`` and mappings.
         header_bytes: header and index bytes it reads from disk.
         header_bytes_received: header bytes it receives by broadcast.
-        shared_bytes: bytes it receives from replicas instead of reading (``share_reads``).
+        shared_bytes: bytes it receives from replicas, and from TP peers sharing the rows of
+            column slices, instead of reading (``share_reads``).
         staging_bytes: at most this much staging and band memory.
         host_bytes: the host memory the load adds: on CPU its shards, the staging it writes
             and the file pages its mapped reads touch; on GPU its pinned staging and those pages.
-        device_bytes: the GPU memory of its shards (``device="cuda"``), else 0.
+            Shared rows add their largest round's buffers on the shards' device.
+        device_bytes: the GPU memory of its shards and row rounds (``device="cuda"``), else 0.
         tasks: the engine's tasks.
         plan_seconds: this dry run's time to plan the rank.
 
@@ -445,6 +447,7 @@ def _plan_rank(
 ) -> DryRunRank:
     t0 = time.perf_counter()
     jobs: list[Job] = []
+    rows: list[RowShare] = []
     keys = local = shared = 0
     for key, node in plan.recipes.items():
         info, lay = schema[key], layouts[key]
@@ -470,8 +473,21 @@ def _plan_rank(
             shared += nbytes - math.prod(shape) * info.dtype.itemsize
             if e <= s:
                 continue
-        jobs.append(Job(key, node, box, torch.empty(shape, dtype=info.dtype, device="meta")))
+        job = Job(key, node, box, torch.empty(shape, dtype=info.dtype, device="meta"))
+        cut = None
+        if share and cfg.share_rows:
+            mesh_shape, at = group_coordinate(grid, lay, coord)
+            cut = row_cut(box, tuple(info.shape), mesh_shape, at, tuple(p for _, p in lay.groups), info.dtype.itemsize, cfg.gap_bytes)
+        if cut is None:
+            jobs.append(job)
+        else:
+            rows.append(RowShare(None, job, cut))
+    rounds = row_rounds(rows, cfg.share_round_bytes)
+    shared += sum(row_received(r) for r in rounds)
     fig = predict(source, jobs, cfg, dev, granule)
+    for units in rounds:  # each round of shared rows is a run of its own
+        fig.add(predict(source, row_read_jobs(units), cfg, dev, granule))
+    exchange = max((round_memory(r) for r in rounds), default=0)  # the round buffers, on the shards' device
     return DryRunRank(
         rank=grid.rank_of(coord),
         ranks=per_class,
@@ -489,8 +505,8 @@ def _plan_rank(
         header_bytes_received=0,
         shared_bytes=shared,
         staging_bytes=fig.staging_bytes,
-        host_bytes=(local if dev.type == "cpu" else 0) + fig.staging_touched + fig.mapped_span,
-        device_bytes=local if dev.type == "cuda" else 0,
+        host_bytes=(local + exchange if dev.type == "cpu" else 0) + fig.staging_touched + fig.mapped_span,
+        device_bytes=local + exchange if dev.type == "cuda" else 0,
         tasks=fig.tasks,
         plan_seconds=time.perf_counter() - t0,
     )

@@ -55,6 +55,10 @@ from .devread import warm as warm_kvikio
 from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
 from .pinned import release_pinned_memory
+from .share import RowShare, round_memory, row_cut
+from .share import read_jobs as row_read_jobs
+from .share import received as row_received
+from .share import rounds as row_rounds
 from .tasks import Job
 from .workers import CountingIO
 
@@ -64,12 +68,18 @@ __all__ = [
     "EngineStats",
     "IOEngine",
     "Job",
+    "RowShare",
     "box_spans",
     "default_threads",
     "device_step",
     "device_work",
     "prefetch_pinned",
     "release_pinned_memory",
+    "round_memory",
+    "row_cut",
+    "row_read_jobs",
+    "row_received",
+    "row_rounds",
     "warm_kernels",
     "warm_kvikio",
     "warm_up",

@@ -104,6 +104,11 @@ class EngineConfig:
             (``None``: chosen from the measured latency and rate, docs/object-storage.md).
         remote_concurrency: a source at an object storage URL: the requests in flight, one per
             thread (``None``: chosen from the measured rate).
+        share_rows: with ``share_reads``, the ranks holding column slices of the same rows (TP's
+            row-parallel weights) split the rows, each reading whole rows once, and exchange
+            the slices (:mod:`sdadapt._engine.share`); ``False``: each reads its own slices.
+        share_round_bytes: the rows a rank reads per round of that exchange (one
+            ``all_to_all`` each); the round's buffers take about three times this.
 
     Raises:
         ValueError: a field out of range (``depth=0``).
@@ -139,6 +144,8 @@ class EngineConfig:
     kvikio_gathers: bool = False
     remote_request_bytes: int | None = None
     remote_concurrency: int | None = None
+    share_rows: bool = True
+    share_round_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
         for name, least, what in _LEAST:
@@ -217,6 +224,7 @@ _LEAST: tuple[tuple[str, float, str], ...] = (
     ("landing_buffers", 1, "at least 1 (band-sized buffers on the GPU)"),
     ("remote_request_bytes", 4096, "at least 4096"),
     ("remote_concurrency", 1, "at least 1"),
+    ("share_round_bytes", 4096, "at least 4096"),
     ("kvikio_threads", 1, "at least 1"),
     ("kvikio_task_bytes", 4096, "at least 4096"),
     ("kvikio_bounce_bytes", 4096, "at least 4096"),
@@ -273,6 +281,8 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "SDADAPT_IO_KVIKIO_BOUNCE_MB": ("kvikio_bounce_bytes", _mib_or_none),
     "SDADAPT_IO_REMOTE_REQUEST_MB": ("remote_request_bytes", _mib_or_none),
     "SDADAPT_IO_REMOTE_CONCURRENCY": ("remote_concurrency", _count),
+    "SDADAPT_IO_SHARE_ROWS": ("share_rows", _flag),
+    "SDADAPT_IO_SHARE_ROUND_MB": ("share_round_bytes", _mib(4096)),
     "SDADAPT_IO_SWITCH_MS": ("switch_interval", _seconds_of_ms),
     "SDADAPT_IO_PLAN_SWITCH_MS": ("plan_switch_interval", _seconds_of_ms),
 }

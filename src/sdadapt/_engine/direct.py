@@ -153,28 +153,37 @@ class EngineReader:
         start = time.perf_counter()
         to_read: list[Job] = jobs
         shares: list[share.Share] = []
+        rows: list[share.RowShare] = []
+        cfg = self.config or EngineConfig.from_env()
         if self.share_reads and is_distributed():
-            to_read, shares = share.split(jobs, targets)
+            to_read, shares, rows = share.split(jobs, targets, cfg.gap_bytes if cfg.share_rows else None)
         engine = IOEngine(self.source, self.config, on_done=self.on_done)
         failure: BaseException | None = None
         try:
-            self._prefetch(to_read)
+            self._prefetch(to_read + share.read_jobs([u for r in share.rounds(rows, cfg.share_round_bytes) for u in r]))
             engine.run(to_read)
-        except BaseException as e:  # noqa: BLE001 - the replicas must still hear of it (no hang)
+        except BaseException as e:  # noqa: BLE001 - the peers must still hear of it (no hang)
             failure = e
-        finally:
-            self.fetched = (self.fetched[0] + engine.stats.fetched_bytes, self.fetched[1] + engine.stats.requests)
-            self.io.bytes_read += engine.stats.bytes_read
-            self.io.reads += engine.stats.syscalls
-            self.stats.add(engine.stats)
+        received = 0
+        done = 0  # destination bytes filled by the exchanges, for progress
+        if rows:
+            rows_engine = IOEngine(self.source, self.config)  # its reads are others' too: progress counts the shards filled
+            error, received = share.exchange_rows(rows, rows_engine.run, failure is not None, cfg.share_round_bytes)
+            failure = failure or error
+            engine.stats.add(rows_engine.stats)
+            done += sum(r.job.dest.numel() * r.job.dest.element_size() for r in rows)
+        self.fetched = (self.fetched[0] + engine.stats.fetched_bytes, self.fetched[1] + engine.stats.requests)
+        self.io.bytes_read += engine.stats.bytes_read
+        self.io.reads += engine.stats.syscalls
+        self.stats.add(engine.stats)
         if shares:
             share.exchange(shares, failed=failure is not None)
-            received = sum(j.dest.numel() * j.dest.element_size() for j in jobs) - sum(
-                j.dest.numel() * j.dest.element_size() for j in to_read
-            )
-            self.shared_bytes += received
-            if self.on_done is not None:
-                self.on_done(received)
+            got = sum(sh.received() for sh in shares)
+            received += got
+            done += got
+        self.shared_bytes += received
+        if done and failure is None and self.on_done is not None:
+            self.on_done(done)
         if failure is not None:
             raise failure
         self.items_read += len(jobs)

@@ -73,6 +73,19 @@ class RunFigures:
         """Sum the storage the run's reads ask for (once every read is counted)."""
         self.storage_bytes = self.mapped_span + sum(storage_bytes(ext) for ext in self.extents.values())
 
+    def add(self, other: RunFigures) -> None:
+        """Count ``other`` (a later run of the same rank: a round of shared rows) in too; the
+        staging limits are the larger run's, the storage of each run its own."""
+        self.bytes_read += other.bytes_read
+        for path, n in other.file_bytes.items():
+            self.file_bytes[path] = self.file_bytes.get(path, 0) + n
+        for name in ("preadv_calls", "mapped_reads", "tasks", "staged_reads", "computations", "mapped_span", "storage_bytes"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.opened |= other.opened
+        self.mapped |= other.mapped
+        self.staging_bytes = max(self.staging_bytes, other.staging_bytes)
+        self.staging_touched = max(self.staging_touched, other.staging_touched)
+
     def _read(self, path: str, nbytes: int) -> None:
         self.bytes_read += nbytes
         self.file_bytes[path] = self.file_bytes.get(path, 0) + nbytes

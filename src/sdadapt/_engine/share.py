@@ -1,29 +1,52 @@
-"""Reading once for replicas (``sdadapt.load(..., share_reads=True)``).
+"""Reading once per group of ranks (``sdadapt.load(..., share_reads=True)``).
 
-Ranks along a mesh dim where a DTensor is ``Replicate`` (HSDP's replicate dim, a TP-replicated
-norm) hold the same local shard, and by default each of them reads all of it. With shared
-reads, each of the R ranks of that dim reads one row block of the shard (dim 0 cut in R nearly
-equal parts) and, once every rank has read, each block is broadcast within the dim's process
-group: every rank reads 1/R of those bytes and receives the rest over the interconnect (NVLink
-with NCCL, the network or loopback with gloo).
+**Replicas.** Ranks along a mesh dim where a DTensor is ``Replicate`` (HSDP's replicate dim, a
+TP-replicated norm) hold the same local shard, and by default each of them reads all of it.
+With shared reads, each of the R ranks of that dim reads one row block of the shard (dim 0 cut
+in R nearly equal parts) and, once every rank has read, each block is broadcast within the
+dim's process group: every rank reads 1/R of those bytes and receives the rest over the
+interconnect (NVLink with NCCL, the network or loopback with gloo).
+
+**Rows.** Ranks along a mesh dim where a DTensor is ``Shard(d)`` with ``d >= 1`` (a TP
+row-parallel weight: ``o_proj``, ``down_proj``, every expert's ``down_proj``) hold column
+slices of the same rows. Each rank's part of a row is a short run, so reading it alone makes
+storage deliver every page of the row (the gaps are read through, or page rounding costs as
+much): a TP-8 rank reads about 8 times its bytes of those tensors from a cold disk. With shared
+reads the R ranks of that dim split the rows (dim 0) among them instead: each reads a
+contiguous range of whole rows of the R slices together, once, and the slices are exchanged,
+one ``all_to_all`` per round within the group (:func:`exchange_rows`). A round holds at most
+``EngineConfig.share_round_bytes`` of reads per rank, so a rank's extra memory is bounded
+(the rows it read, what it sends and what it receives: about three times that); a tensor
+larger than a round is cut into blocks of rows. A tensor is shared this way where the rank's
+own runs would make storage deliver more than 1.1 times their bytes (:func:`row_cut`).
+
+Both kinds compose: a replica's row block of a row-parallel weight is split again among its
+TP peers, whose exchange comes first, then the replicas' broadcast.
 
 The order of collectives is the order of the load's items, the same on every member of a group
-(they have the same keys and placements). Before broadcasting, the members agree on whether all
-of them read their parts; if one failed, nobody broadcasts (no hang) and the load fails as any
-read failure does.
+(they have the same keys and placements). Before each round (and before broadcasting), the
+members agree on whether all of them read their parts; if one failed, nobody exchanges (no
+hang) and the load fails as any read failure does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from .._base.distributed import any_rank
+from .._base.regions import Box, box_shape, shard_box
 from .tasks import Job
+
+PAGE = 4096
+ALIGN = 16  # each piece of a round's flat buffers starts on a multiple of this (any dtype's views)
+ROW_GAIN = 1.1  # share a tensor's rows where reading its own runs would cost more than this
 
 
 @dataclass
@@ -34,6 +57,85 @@ class Share:
     ranks: list[int]  # global rank of each member, in group order
     dest: torch.Tensor
     parts: list[tuple[int, int]]  # [start, stop) of each member's block along dim 0
+    me: int  # this rank's member index
+
+    def received(self) -> int:
+        """The bytes of the destination this rank receives from the other members."""
+        s, e = self.parts[self.me]
+        rows = self.dest.shape[0] if self.dest.dim() else 1
+        return (self.dest.numel() * self.dest.element_size()) * (rows - (e - s)) // max(1, rows)
+
+
+@dataclass(frozen=True)
+class RowCut:
+    """How the members of one mesh dim share the rows of a tensor they hold column slices of.
+
+    ``mesh_dim``: the (flattened) mesh dim of the group; ``dim``: the tensor dim it cuts;
+    ``cols``: each member's ``[start, stop)`` along ``dim`` (member ``k``: coordinate ``k`` on
+    ``mesh_dim``), contiguous and in order; ``me``: this rank's member index."""
+
+    mesh_dim: int
+    dim: int
+    cols: tuple[tuple[int, int], ...]
+    me: int
+
+    @property
+    def span(self) -> tuple[int, int]:
+        return self.cols[0][0], self.cols[-1][1]
+
+
+@dataclass
+class RowShare:
+    """One job whose rows the members of ``group`` share (:class:`RowCut`)."""
+
+    group: dist.ProcessGroup | None  # None in a dry run
+    job: Job
+    cut: RowCut
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A block of rows ``[start, stop)`` (global, along dim 0) of a row-shared job: each member
+    reads its part of them across every member's columns."""
+
+    share: RowShare
+    start: int
+    stop: int
+
+    def rows(self, k: int) -> tuple[int, int]:
+        """Member ``k``'s rows of the block (global): a share of them as large as its share of
+        the columns, so that each member reads about its own shard's bytes."""
+        cols, n = self.share.cut.cols, self.stop - self.start
+        first, width = cols[0][0], cols[-1][1] - cols[0][0]
+        return self.start + n * (cols[k][0] - first) // width, self.start + n * (cols[k][1] - first) // width
+
+    def read_box(self) -> Box:
+        """The box this rank reads: its rows, every member's columns."""
+        box, cut = self.share.job.box, self.share.cut
+        out = list(box)
+        out[0] = self.rows(cut.me)
+        out[cut.dim] = cut.span
+        return tuple(out)
+
+    def piece_shape(self, j: int, k: int) -> tuple[int, ...]:
+        """The shape of what member ``j`` sends member ``k``: ``j``'s rows, ``k``'s columns."""
+        cut = self.share.cut
+        shape = list(box_shape(self.share.job.box))
+        a, b = self.rows(j)
+        shape[0] = b - a
+        shape[cut.dim] = cut.cols[k][1] - cut.cols[k][0]
+        return tuple(shape)
+
+    def piece_bytes(self, j: int, k: int) -> int:
+        return math.prod(self.piece_shape(j, k)) * self.share.job.dest.element_size()
+
+    def cost(self) -> int:
+        """The block's bytes over the members: about what each reads (the same on every member)."""
+        cut = self.share.cut
+        shape = list(box_shape(self.share.job.box))
+        shape[0] = self.stop - self.start
+        shape[cut.dim] = cut.span[1] - cut.span[0]
+        return -(-math.prod(shape) * self.share.job.dest.element_size() // len(cut.cols))
 
 
 def replica_dim(t: torch.Tensor) -> int | None:
@@ -49,32 +151,239 @@ def replica_dim(t: torch.Tensor) -> int | None:
     return best
 
 
-def split(jobs: Sequence[Job], targets: Sequence[torch.Tensor | None]) -> tuple[list[Job], list[Share]]:
-    """The jobs this rank reads (replicated ones cut to its block) and what to broadcast after.
+def row_cut(
+    box: Box, shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], placements: tuple[object, ...],
+    itemsize: int, gap: int,
+) -> RowCut | None:
+    """Whether the members of a mesh dim share the rows of job ``box`` of a tensor of ``shape``
+    placed by ``placements`` on a mesh of ``mesh_shape`` (this rank at ``coordinate``), and how.
+
+    The dim is the largest one (the first of equals) whose placement is ``Shard(d)``, ``d >= 1``.
+    Every member's shard must differ from this rank's only along ``d``, the members' columns
+    must tile one range, each member must hold columns and the box rows, and the rows must be
+    runs: some member reading its own runs would make storage deliver more than
+    :data:`ROW_GAIN` times their bytes (runs at most ``gap`` bytes apart are read through; a
+    run read alone costs a page more on average). Every member decides the same from the same
+    geometry. ``None`` where the rows are not shared."""
+    dims = [i for i, p in enumerate(placements)
+            if isinstance(p, Shard) and not isinstance(p, _StridedShard) and p.dim >= 1 and mesh_shape[i] > 1]
+    if not dims or not box or box[0][1] <= box[0][0]:
+        return None
+    i = max(dims, key=lambda j: (mesh_shape[j], -j))
+    d = placements[i].dim  # type: ignore[attr-defined]
+    mine = shard_box(shape, mesh_shape, coordinate, placements)
+    if mine is None:
+        return None
+    cols = []
+    for k in range(mesh_shape[i]):
+        other = shard_box(shape, mesh_shape, coordinate[:i] + (k,) + coordinate[i + 1 :], placements)
+        if other is None or any(other[x] != mine[x] for x in range(len(shape)) if x != d):
+            return None
+        cols.append(other[d])
+    if any(b <= a for a, b in cols) or any(cols[k][1] != cols[k + 1][0] for k in range(len(cols) - 1)):
+        return None
+    if box[d] != mine[d] or math.prod(n for n in (b - a for a, b in box[:d])) < 2:
+        return None  # one run: read whole already
+    inner = math.prod(b - a for a, b in box[d + 1 :]) * itemsize
+    span = (cols[-1][1] - cols[0][0]) * inner
+    worst = 0.0
+    for a, b in cols:
+        run = (b - a) * inner
+        cost = span if span - run <= gap else run + PAGE
+        worst = max(worst, cost / run)
+    if worst <= ROW_GAIN:
+        return None
+    return RowCut(i, d, tuple(cols), coordinate[i])
+
+
+def split(
+    jobs: Sequence[Job], targets: Sequence[torch.Tensor | None], rows_gap: int | None = None
+) -> tuple[list[Job], list[Share], list[RowShare]]:
+    """The jobs this rank reads on its own (replicated ones cut to its block), what to broadcast
+    after, and the jobs whose rows it shares with its peers (``rows_gap``: the engine's
+    ``gap_bytes``; ``None``: rows are not shared).
 
     ``targets[i]`` is the DTensor (or ``None``) whose local shard ``jobs[i].dest`` is part of."""
     mine: list[Job] = []
     shares: list[Share] = []
+    rows: list[RowShare] = []
     groups: dict[tuple[int, int], tuple[dist.ProcessGroup, list[int], int]] = {}
-    for job, target in zip(jobs, targets, strict=True):
-        dim = replica_dim(target) if target is not None else None
-        if dim is None or not job.box or not job.dest.is_contiguous():
-            mine.append(job)
-            continue
-        mesh = target.device_mesh  # type: ignore[union-attr]
+
+    def group_of(mesh: object, dim: int) -> tuple[dist.ProcessGroup, list[int], int]:
         key = (id(mesh), dim)
         if key not in groups:
-            group = mesh.get_group(dim)
+            group = mesh.get_group(dim)  # type: ignore[attr-defined]
             groups[key] = (group, dist.get_process_group_ranks(group), dist.get_group_rank(group, dist.get_rank()))
-        group, ranks, me = groups[key]
-        a, b = job.box[0]
-        n, r = b - a, len(ranks)
-        parts = [(j * n // r, (j + 1) * n // r) for j in range(r)]
-        s, e = parts[me]
-        if e > s:
-            mine.append(Job(job.key, job.node, ((a + s, a + e),) + tuple(job.box[1:]), job.dest.narrow(0, s, e - s)))
-        shares.append(Share(group, ranks, job.dest, parts))
-    return mine, shares
+        return groups[key]
+
+    for job, target in zip(jobs, targets, strict=True):
+        if not isinstance(target, DTensor) or not job.box or not job.dest.is_contiguous():
+            mine.append(job)
+            continue
+        dim = replica_dim(target)
+        if dim is not None:
+            group, ranks, me = group_of(target.device_mesh, dim)
+            a, b = job.box[0]
+            n, r = b - a, len(ranks)
+            parts = [(j * n // r, (j + 1) * n // r) for j in range(r)]
+            shares.append(Share(group, ranks, job.dest, parts, me))
+            s, e = parts[me]
+            if e <= s:
+                continue
+            job = Job(job.key, job.node, ((a + s, a + e),) + tuple(job.box[1:]), job.dest.narrow(0, s, e - s))
+        cut = None
+        if rows_gap is not None:
+            mesh = target.device_mesh
+            cut = row_cut(job.box, tuple(target.shape), tuple(mesh.shape), tuple(mesh.get_coordinate() or ()),
+                          tuple(target.placements), job.dest.element_size(), rows_gap)
+        if cut is None:
+            mine.append(job)
+        else:
+            rows.append(RowShare(group_of(target.device_mesh, cut.mesh_dim)[0], job, cut))
+    return mine, shares, rows
+
+
+def rounds(rows: Sequence[RowShare], round_bytes: int) -> list[list[Unit]]:
+    """The row-shared jobs cut into blocks of rows and packed into rounds of at most
+    ``round_bytes`` per member (a block alone may hold one row more), each round within one
+    group; the same rounds on every member. Groups come in the order their first job does."""
+    by_group: dict[object, list[Unit]] = {}
+    for rs in rows:
+        a, b = rs.job.box[0]
+        one = Unit(rs, a, a + 1).cost()
+        step = max(len(rs.cut.cols), round_bytes // max(1, one))
+        for s in range(a, b, step):
+            key = id(rs.group) if rs.group is not None else ("mesh dim", rs.cut.mesh_dim)
+            by_group.setdefault(key, []).append(Unit(rs, s, min(b, s + step)))
+    out: list[list[Unit]] = []
+    for units in by_group.values():
+        cur: list[Unit] = []
+        size = 0
+        for u in units:
+            if cur and size + u.cost() > round_bytes:
+                out.append(cur)
+                cur, size = [], 0
+            cur.append(u)
+            size += u.cost()
+        if cur:
+            out.append(cur)
+    return out
+
+
+def read_jobs(units: Sequence[Unit], device: torch.device | str = "meta") -> list[Job]:
+    """The jobs that read a round: each unit's rows across its members' columns, into a new
+    buffer on ``device``."""
+    jobs = []
+    for u in units:
+        box = u.read_box()
+        dest = u.share.job.dest
+        jobs.append(Job(u.share.job.key, u.share.job.node, box, torch.empty(box_shape(box), dtype=dest.dtype, device=device)))
+    return jobs
+
+
+def round_memory(units: Sequence[Unit]) -> int:
+    """The bytes a round holds on this rank: the rows it read, what it sends, what it receives."""
+    me = units[0].share.cut.me if units else 0
+    r = len(units[0].share.cut.cols) if units else 0
+    read = sum(math.prod(box_shape(u.read_box())) * u.share.job.dest.element_size() for u in units)
+    send = sum(_up(u.piece_bytes(me, k)) for u in units for k in range(r))
+    recv = sum(_up(u.piece_bytes(j, me)) for u in units for j in range(r))
+    return read + send + recv
+
+
+def received(units: Sequence[Unit]) -> int:
+    """The bytes of this rank's shards that a round brings from its peers."""
+    return sum(u.piece_bytes(j, u.share.cut.me) for u in units for j in range(len(u.share.cut.cols)) if j != u.share.cut.me)
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _segments(units: Sequence[Unit], r: int, send: bool) -> tuple[list[int], list[list[int]]]:
+    """Each member's segment size in a round's flat buffer, and each piece's offset within it
+    (``send``: pieces to each member; else from each member)."""
+    sizes, offsets = [], []
+    for other in range(r):
+        at, offs = 0, []
+        for u in units:
+            me = u.share.cut.me
+            offs.append(at)
+            at += _up(u.piece_bytes(me, other) if send else u.piece_bytes(other, me))
+        sizes.append(at)
+        offsets.append(offs)
+    return sizes, offsets
+
+
+def exchange_rows(
+    rows: Sequence[RowShare], read: Callable[[list[Job]], object], failed: bool, round_bytes: int
+) -> tuple[BaseException | None, int]:
+    """Collective over each row group: read this rank's part of each round (``read`` runs the
+    engine over the jobs), agree that every member read it, then exchange the slices with one
+    ``all_to_all`` while the next round is read. Where a member failed (``failed``: before the
+    rounds), no member exchanges again (nobody waits). Returns the read's error, if any, and the
+    bytes received from peers."""
+    error: BaseException | None = None
+    got = 0
+    pending: tuple[object, list[Unit], torch.Tensor, list[list[int]], torch.Tensor] | None = None
+
+    def finish() -> None:
+        nonlocal pending, got
+        if pending is None:
+            return
+        work, units, recv, offs, _send = pending
+        pending = None
+        work.wait()  # type: ignore[attr-defined]
+        sizes = [sum(_up(u.piece_bytes(j, u.share.cut.me)) for u in units) for j in range(len(offs))]
+        base = 0
+        for j, off in enumerate(offs):
+            for u, o in zip(units, off, strict=True):
+                me, dest = u.share.cut.me, u.share.job.dest
+                a, b = u.rows(j)
+                n = u.piece_bytes(j, me)
+                if n:
+                    piece = recv[base + o : base + o + n].view(dest.dtype).view(u.piece_shape(j, me))
+                    dest.narrow(0, a - u.share.job.box[0][0], b - a).copy_(piece)
+            base += sizes[j]
+        got += received(units)
+
+    all_rounds = rounds(rows, round_bytes)
+    stopped: set[int] = set()
+    for units in all_rounds:
+        group = units[0].share.group
+        if id(group) in stopped:
+            continue
+        device = units[0].share.job.dest.device
+        jobs = read_jobs(units, device)
+        if error is None and not failed:
+            try:
+                read(jobs)
+            except BaseException as e:  # noqa: BLE001 - the peers must still hear of it (no hang)
+                error = e
+        bad = any_rank(failed or error is not None, group)
+        finish()
+        if bad:
+            stopped.add(id(group))
+            continue
+        r = len(units[0].share.cut.cols)
+        out_sizes, out_offs = _segments(units, r, send=True)
+        in_sizes, in_offs = _segments(units, r, send=False)
+        send = torch.empty(sum(out_sizes), dtype=torch.uint8, device=device)
+        base = 0
+        for k in range(r):
+            for u, o, job in zip(units, out_offs[k], jobs, strict=True):
+                cut = u.share.cut
+                n = u.piece_bytes(cut.me, k)
+                if n:
+                    src = job.dest.narrow(cut.dim, cut.cols[k][0] - cut.span[0], cut.cols[k][1] - cut.cols[k][0])
+                    send[base + o : base + o + n].view(job.dest.dtype).view(src.shape).copy_(src)
+            base += out_sizes[k]
+        recv = torch.empty(sum(in_sizes), dtype=torch.uint8, device=device)
+        work = dist.all_to_all_single(recv, send, in_sizes, out_sizes, group=group, async_op=True)
+        pending = (work, units, recv, in_offs, send)
+        del jobs
+    finish()
+    return error, got
 
 
 def exchange(shares: Sequence[Share], failed: bool) -> None:

@@ -305,8 +305,9 @@ def load(
         checksums: check every region read against ``sdadapt.checksums.json``.
         check_finite: refuse NaN/Inf values, naming each key.
         atomic: read into a second copy and copy in only once every rank succeeded.
-        share_reads: ranks holding the same shard each read a part and broadcast it
-            (``None``: on for GPU shards, off for CPU ones).
+        share_reads: ranks holding the same shard each read a part and broadcast it, and TP
+            peers holding column slices of the same rows each read whole rows once and
+            exchange the slices (``None``: on for GPU shards, off for CPU ones).
         pipeline_stage: ``model`` is one pipeline stage; other stages' keys are allowed.
         dtype: ``"model"`` or a dtype: convert every tensor (a ``cast`` rule after ``adapter``'s).
         lora: a PEFT LoRA adapter folder merged into the base weights as they are read.

@@ -36,7 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--subtree", "-s", metavar="S", help="nested dict of a torch.save SRC to use")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the shards are (default cpu)")
     share = parser.add_mutually_exclusive_group()
-    share.add_argument("--share-reads", dest="share_reads", action="store_true", default=None, help="replicas read once and broadcast")
+    share.add_argument("--share-reads", dest="share_reads", action="store_true", default=None,
+                       help="replicas read once and broadcast; TP peers share column slices' rows")
     share.add_argument("--no-share-reads", dest="share_reads", action="store_false", help="every replica reads (default for cpu)")
     parser.add_argument("--headers", choices=("once", "every"), default="once", help="one rank reads the headers (default) or every rank")
     parser.add_argument("--ranks-per-node", type=int, default=8, metavar="N", help="ranks per node for the node figures (default 8)")

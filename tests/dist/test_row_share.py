@@ -1,0 +1,158 @@
+"""TP peers share the rows of column slices (``share_reads=True``), on 4 gloo ranks.
+
+A model with row-parallel weights (``wo``, ``w2``: ``Shard(1)`` under TP, uneven where TP 4
+cuts 10 columns 3/3/3/1) is loaded from a bf16 checkpoint into fp32 (a cast recipe) on TP 4, on
+2 x 2 FSDP x TP and on 2 x 2 HSDP x TP (replicas and rows shared together), with rounds small
+enough that a tensor is cut into blocks and the exchange takes several rounds. Each shard
+must equal the eager cast of the full tensor bit for bit, and each rank's bytes read, bytes
+from storage and bytes received must be the ones :func:`sdadapt.dry_run` predicts for it. A
+read error on one rank during the rounds is every rank's error, promptly (no hang).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from support.dist_helper import outcome, run_distributed, stage
+from torch import nn
+
+import sdadapt
+
+D, H, F, LAYERS = 1024, 10, 40, 2
+ROUND = sdadapt.EngineConfig(share_round_bytes=16 << 10)  # several rounds; w2 (40 KiB a rank) cut in blocks
+MESHES = {"tp4": {"tp": 4}, "fsdp_tp": {"dp_shard": 2, "tp": 2}, "hsdp_tp": {"dp_replicate": 2, "tp": 2}}
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.wq = nn.Linear(D, H, bias=False)
+        self.wo = nn.Linear(H, D, bias=False)
+        self.w1 = nn.Linear(D, F, bias=False)
+        self.w2 = nn.Linear(F, D, bias=False)
+        self.norm = nn.RMSNorm(D)
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): Layer() for i in range(LAYERS)})
+
+
+def _checkpoint(path: str) -> None:
+    torch.manual_seed(0)
+    save_file({k: v.detach().to(torch.bfloat16) for k, v in Model().state_dict().items()}, path)
+
+
+def _parallel(spec: dict[str, int]) -> nn.Module:
+    """The model on meta: TP (``wq``/``w1`` columns, ``wo``/``w2`` rows), then FSDP2 / HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", tuple(spec.values()), mesh_dim_names=tuple(spec))
+    with torch.device("meta"):
+        model = Model()
+    for layer in model.layers.values():
+        parallelize_module(layer, mesh["tp"], {"wq": ColwiseParallel(), "wo": RowwiseParallel(),
+                                               "w1": ColwiseParallel(), "w2": RowwiseParallel()})  # fmt: skip
+    dp = tuple(n for n in ("dp_replicate", "dp_shard") if n in spec)
+    if dp:
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=mesh[dp[0]])
+    return model
+
+
+def _cases(path: str) -> dict[str, Any]:
+    from safetensors.torch import load_file
+    from torch.distributed.tensor import DTensor
+
+    from sdadapt._engine import direct
+
+    full = {k: v.float() for k, v in load_file(path).items()}
+    out: dict[str, Any] = {"path": path, "header": 8 + int.from_bytes(open(path, "rb").read(8), "little")}
+    for name, spec in MESHES.items():
+        stage(f"case {name}")
+        mesh = ",".join(f"{k}={v}" for k, v in spec.items())
+        model = _parallel(spec)
+        alone = sdadapt.dry_run(model, path, mesh=mesh, share_reads=False, dtype="model", engine=ROUND, max_ranks=64)
+        predicted = sdadapt.dry_run(model, path, mesh=mesh, share_reads=True, dtype="model", engine=ROUND, max_ranks=64)
+        mine = next(r for r in predicted.ranks if r.rank == dist.get_rank())
+        rep = sdadapt.load(model, path, dtype="model", share_reads=True, engine=ROUND)
+        for k, t in model.state_dict().items():
+            local, want = t, full[k]
+            if isinstance(t, DTensor):
+                local, want = t.to_local(), want[tuple(slice(a, b) for a, b in _box(t))]
+            assert torch.equal(local, want), (name, k)
+        got = {
+            "load": [rep.bytes_read, rep.storage_bytes, rep.bytes_shared],
+            "predicted": [mine.bytes_read, mine.storage_bytes, mine.shared_bytes],
+            "alone": next(r for r in alone.ranks if r.rank == dist.get_rank()).storage_bytes,
+            "rows": [k for k, t in model.state_dict().items() if isinstance(t, DTensor) and _row_shared(t)],
+        }
+        out[name] = got
+
+    # a read error on rank 1 inside the rounds (a w2 block): every rank fails, none waits
+    stage("case read error")
+    real = direct.IOEngine
+
+    class Failing(real):  # type: ignore[misc, valid-type]
+        def run(self, jobs: Any) -> Any:
+            if any(j.key.endswith("w2.weight") for j in jobs) and self.on_done is None:
+                raise OSError(5, "Input/output error (injected)")
+            return real.run(self, jobs)
+
+    direct.IOEngine = Failing if dist.get_rank() == 1 else real  # type: ignore[misc]
+    try:
+        kind, message, seconds = outcome(lambda: sdadapt.load(_parallel(MESHES["tp4"]), path, dtype="model", share_reads=True, engine=ROUND))
+    finally:
+        direct.IOEngine = real  # type: ignore[misc]
+    out["error"] = {"kind": kind, "message": message, "seconds": seconds}
+    # the group is still healthy: the next load succeeds
+    sdadapt.load(_parallel(MESHES["tp4"]), path, dtype="model", share_reads=True, engine=ROUND)
+    return out
+
+
+def _box(t: Any) -> tuple[tuple[int, int], ...]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return tuple((o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def _row_shared(t: Any) -> bool:
+    from sdadapt._engine import row_cut
+
+    box, mesh = _box(t), t.device_mesh
+    cut = row_cut(box, tuple(t.shape), tuple(mesh.shape), tuple(mesh.get_coordinate()), tuple(t.placements), 4, ROUND.gap_bytes)
+    return cut is not None
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    path = os.path.join(str(tmp_path_factory.mktemp("rows")), "model.safetensors")
+    _checkpoint(path)
+    return run_distributed(_cases, 4, path, timeout=300)
+
+
+@pytest.mark.parametrize("case", list(MESHES))
+def test_rows_shared_bit_exact_and_as_predicted(results: list[dict[str, Any]], case: str) -> None:
+    for rank, res in enumerate(results):
+        got = res[case]
+        assert sorted(got["rows"]) == [f"layers.{i}.{w}.weight" for i in range(LAYERS) for w in ("w2", "wo")], (rank, got["rows"])
+        assert got["load"] == got["predicted"], (rank, got)  # bytes read, from storage, received: as planned
+        # each TP rank reads about its own share of whole rows: less from storage than its slices' rows
+        assert got["load"][1] < got["alone"], (rank, got)
+        assert got["load"][2] > 0
+
+def test_a_read_error_in_a_round_is_every_ranks_error(results: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(results):
+        err = res["error"]
+        assert err["kind"] == "LoadError", (rank, err)
+        assert err["seconds"] < 60, (rank, err)
+    assert "injected" in results[1]["error"]["message"] or "Input/output" in results[1]["error"]["message"], results[1]["error"]
