@@ -38,7 +38,7 @@ import struct
 import threading
 import warnings
 import zipfile
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, Metadata
@@ -201,15 +201,15 @@ class _TensorRecordUnpickler(pickle.Unpickler):
     """Reads a ``torch.save`` data.pkl of one plain tensor without building it: returns the
     arguments of ``_rebuild_tensor_v2`` / ``_v3`` and the storage's (dtype, record key, numel)."""
 
+    BUILDS: ClassVar[dict[tuple[str, str], Any]] = {
+        ("torch._utils", "_rebuild_tensor_v2"): _Rebuild, ("torch._utils", "_rebuild_tensor_v3"): _RebuildV3,
+        ("torch.storage", "UntypedStorage"): _UNTYPED, ("collections", "OrderedDict"): dict,
+    }  # fmt: skip
+    """What each name the pickle may ask for becomes; besides these, torch's dtypes and typed storages."""
+
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _Rebuild
-        if (module, name) == ("torch._utils", "_rebuild_tensor_v3"):
-            return _RebuildV3
-        if (module, name) == ("torch.storage", "UntypedStorage"):
-            return _UNTYPED
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict
+        if (module, name) in self.BUILDS:
+            return self.BUILDS[module, name]
         if module == "torch" and "." not in name:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")

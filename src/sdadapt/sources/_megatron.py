@@ -24,7 +24,7 @@ import os
 import pickle
 import zipfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -77,17 +77,18 @@ def _opaque(module: str, name: str) -> type:
 
 
 class _CommonUnpickler(pickle.Unpickler):
+    BUILDS: ClassVar[dict[tuple[str, str], Any]] = {
+        ("argparse", "Namespace"): _Namespace, ("collections", "OrderedDict"): dict, ("torch", "Size"): tuple,
+        **{("builtins", c.__name__): c for c in (set, frozenset, slice, complex)},
+    }  # fmt: skip
+    """What each name the pickle may ask for becomes; besides these, torch's dtypes, and any other
+    name an :class:`Opaque` record of it."""
+
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("argparse", "Namespace"):
-            return _Namespace
-        if (module, name) == ("collections", "OrderedDict"):
-            return dict
-        if (module, name) == ("torch", "Size"):
-            return tuple
+        if (module, name) in self.BUILDS:
+            return self.BUILDS[module, name]
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if module == "builtins" and name in ("set", "frozenset", "slice", "complex"):
-            return {"set": set, "frozenset": frozenset, "slice": slice, "complex": complex}[name]
         return _opaque(module, name)
 
     def persistent_load(self, pid: Any) -> Any:
