@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -76,6 +76,10 @@ class PeftConfig(_Lenient):
     target_modules: list[str] | str | None = None
 
 
+Count = Annotated[int | None, Field(ge=0)]
+"""A count of a ``config.json``: a non-negative integer, or absent."""
+
+
 class HFConfig(_Lenient):
     """The fields of an HF ``config.json`` that sdadapt's adapters, ``shrink`` and ``verify`` read.
     Counts are non-negative integers; ``quantization_config`` is an object (its fields are the
@@ -83,31 +87,31 @@ class HFConfig(_Lenient):
 
     architectures: list[str] | None = None
     model_type: str | None = None
-    num_hidden_layers: int | None = Field(default=None, ge=0)
-    num_attention_heads: int | None = Field(default=None, ge=0)
-    num_key_value_heads: int | None = Field(default=None, ge=0)
-    hidden_size: int | None = Field(default=None, ge=0)
-    head_dim: int | None = Field(default=None, ge=0)
-    intermediate_size: int | None = Field(default=None, ge=0)
+    num_hidden_layers: Count = None
+    num_attention_heads: Count = None
+    num_key_value_heads: Count = None
+    hidden_size: Count = None
+    head_dim: Count = None
+    intermediate_size: Count = None
     vocab_size: int | None = None  # Meta params.json: -1 when the tokenizer decides
     tie_word_embeddings: bool | None = None
     attention_bias: bool | None = None
-    num_local_experts: int | None = Field(default=None, ge=0)
-    num_experts: int | None = Field(default=None, ge=0)
-    n_routed_experts: int | None = Field(default=None, ge=0)
-    first_k_dense_replace: int | None = Field(default=None, ge=0)
-    num_nextn_predict_layers: int | None = Field(default=None, ge=0)
-    q_lora_rank: int | None = Field(default=None, ge=0)
-    kv_lora_rank: int | None = Field(default=None, ge=0)
-    qk_nope_head_dim: int | None = Field(default=None, ge=0)
-    qk_rope_head_dim: int | None = Field(default=None, ge=0)
+    num_local_experts: Count = None
+    num_experts: Count = None
+    n_routed_experts: Count = None
+    first_k_dense_replace: Count = None
+    num_nextn_predict_layers: Count = None
+    q_lora_rank: Count = None
+    kv_lora_rank: Count = None
+    qk_nope_head_dim: Count = None
+    qk_rope_head_dim: Count = None
     rope_interleave: bool | None = None
-    decoder_sparse_step: int | None = Field(default=None, ge=0)
+    decoder_sparse_step: Count = None
     mlp_only_layers: list[int] | None = None
-    n_layers: int | None = Field(default=None, ge=0)  # Meta params.json
-    n_heads: int | None = Field(default=None, ge=0)
-    n_kv_heads: int | None = Field(default=None, ge=0)
-    dim: int | None = Field(default=None, ge=0)
+    n_layers: Count = None  # Meta params.json
+    n_heads: Count = None
+    n_kv_heads: Count = None
+    dim: Count = None
     quantization_config: dict[str, Any] | None = None
     text_config: dict[str, Any] | None = None
 
