@@ -21,6 +21,17 @@ def box_shape(box: Box) -> tuple[int, ...]:
     return tuple(b - a for a, b in box)
 
 
+def box_inside(box: Box, outer: Box) -> bool:
+    """Whether region ``box`` lies within region ``outer``."""
+    return all(o0 <= a and b <= o1 for (a, b), (o0, o1) in zip(box, outer, strict=True))
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common region of two boxes, or ``None``."""
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
+    return None if any(s >= e for s, e in out) else out
+
+
 def shard_box(shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], placements: tuple[Any, ...]) -> Box | None:
     """The box of a tensor of global ``shape`` that the rank at ``coordinate`` of a mesh of
     ``mesh_shape`` holds under ``placements`` (one per mesh dim), by DTensor's own offset rule

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .._base.distributed import collective_device, is_distributed
-from .._base.regions import Box, box_shape, dtensor_box, full_box
+from .._base.regions import Box, box_inside, box_shape, dtensor_box, full_box, intersect
 from .._base.schema import slices
 from .._recipes.nodes import Compute, Node, Piece
 from ..errors import ExportError
@@ -86,14 +86,6 @@ def _follow(node: Node, box: Box, rec: _Reads) -> None:
                 s.fn(rec)
 
 
-def _inside(box: Box, outer: Box) -> bool:
-    return all(o0 <= a and b <= o1 for (a, b), (o0, o1) in zip(box, outer, strict=True))
-
-
-def _meets(box: Box, outer: Box) -> bool:
-    return all(max(a, o0) < min(b, o1) for (a, b), (o0, o1) in zip(box, outer, strict=True))
-
-
 def regions(node: Node, box: Box, owned: dict[str, Box], dtypes: dict[str, torch.dtype], rank: int, name: str) -> Iterator[Box]:
     """The parts of ``box`` of ``node`` this rank makes from the shards it owns (``owned``)."""
     reads = reads_of(node, box, dtypes)
@@ -101,11 +93,11 @@ def regions(node: Node, box: Box, owned: dict[str, Box], dtypes: dict[str, torch
         if rank == 0:
             yield box
         return
-    mine = [k in owned and _inside(b, owned[k]) for k, b in reads]
+    mine = [k in owned and box_inside(b, owned[k]) for k, b in reads]
     if all(mine):
         yield box
         return
-    if not any(k in owned and _meets(b, owned[k]) for k, b in reads):
+    if not any(k in owned and intersect(b, owned[k]) is not None for k, b in reads):
         return
     d = max(range(len(box)), key=lambda i: box[i][1] - box[i][0], default=-1)  # -1: a 0-d output
     a, b = box[d] if d >= 0 else (0, 1)

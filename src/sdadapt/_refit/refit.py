@@ -51,7 +51,7 @@ from .._transaction.options import Options
 from ..errors import RefitError, SdadaptError
 from .refit_cut import CutBlocks, applies, plan_cut
 from .refit_run import Refit, _Mine
-from .refit_schedule import Held, Request, round_bytes, transfers_of, volume
+from .refit_schedule import Held, Request, maker, round_bytes, transfers_of, volume
 from .refit_send import Region, SendFn, plan_regions
 
 log = logging.getLogger(__name__)
@@ -318,15 +318,11 @@ def _made_by_senders(
     def nbytes(reads: list[tuple[str, Box]]) -> int:
         return sum(volume(b) * dtypes[k].itemsize for k, b in reads)
 
-    def maker(reads: list[tuple[str, Box]]) -> int:
-        ranks = [r for r, held in enumerate(trainer) if all(k in held and _inside(b, held[k].box) for k, b in reads)]
-        return -1 if not ranks else dst if dst in ranks else ranks[0]
-
     reads = reads_of(node, box, dtypes)
     if volume(box) * node.dtype.itemsize >= nbytes(reads):
         return []
     if len(box) < 2:  # a per-tensor scale: made where the whole tensor is, if one rank holds it
-        src = maker(reads)
+        src = maker(trainer, reads, dst)
         return [(box, src)] if src >= 0 else []
     out: list[tuple[Box, int]] = []
 
@@ -335,7 +331,7 @@ def _made_by_senders(
         return [part[:d] + (h,) + part[d + 1 :] for h in ((a, (a + b) // 2), ((a + b) // 2, b))]
 
     def split(part: Box, reads: list[tuple[str, Box]], depth: int) -> None:
-        src = maker(reads)
+        src = maker(trainer, reads, dst)
         if src >= 0 or depth > 24:
             out.append((part, src))
             return
@@ -348,7 +344,7 @@ def _made_by_senders(
             got = [reads_of(node, h, dtypes) for h in hs]
             if any(set(g) == set(reads) for g in got):
                 continue
-            if all(maker(g) >= 0 for g in got):
+            if all(maker(trainer, g, dst) >= 0 for g in got):
                 best = (hs, got)
                 break
             best = best or (hs, got)
@@ -360,10 +356,6 @@ def _made_by_senders(
 
     split(box, reads, 0)
     return out if any(src >= 0 for _, src in out) or applies(node) else []
-
-
-def _inside(box: Box, outer: Box) -> bool:
-    return all(o0 <= a and b <= o1 for (a, b), (o0, o1) in zip(box, outer, strict=True))
 
 
 def _requests(k: str, node: Node, steps: list[Step], source: dict[str, TensorInfo], dtypes: dict[str, torch.dtype], mine: _Mine) -> None:

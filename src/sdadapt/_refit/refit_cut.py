@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .._base.regions import Box
+from .._base.regions import Box, intersect
 from .._export import reads_of
 from .._recipes import quant as Q
 from .._recipes.nodes import Node, SourceIO
 from .._recipes.quant_nodes import QuantizedFP8
 from ..errors import RefitError
-from .refit_schedule import Held, Request, intersect
+from .refit_schedule import Held, Request, maker
 
 _NAN_BITS = 0x7FC00000  # every NaN largest magnitude as the one positive NaN: the bits' MAX keeps it
 
@@ -76,9 +76,7 @@ def _pieces(child: Node, box: Box, trainer: list[dict[str, Held]], dtypes: dict[
     each part reads (``dst`` where it does), adjacent parts of one rank joined again."""
 
     def holder(part: Box) -> int:
-        reads = reads_of(child, part, dtypes)
-        ranks = [r for r, held in enumerate(trainer) if all(k in held and _inside(b, held[k].box) for k, b in reads)]
-        return -1 if not ranks else dst if dst in ranks else ranks[0]
+        return maker(trainer, reads_of(child, part, dtypes), dst)
 
     out: list[tuple[int, Box]] = []
 
@@ -113,10 +111,6 @@ def _join(a: Box, b: Box) -> Box | None:
         return None
     d = diff[0]
     return a[:d] + ((a[d][0], b[d][1]),) + a[d + 1 :]
-
-
-def _inside(box: Box, outer: Box) -> bool:
-    return all(o0 <= a and b <= o1 for (a, b), (o0, o1) in zip(box, outer, strict=True))
 
 
 def _band(cut: CutPlan, target: str, node: QuantizedFP8, box: Box, trainer: list[dict[str, Held]],

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._base.regions import Box, box_shape
+from .._base.regions import Box, box_inside, box_shape, intersect
 from .._base.schema import MeshDim
 from ..errors import RefitError
 
@@ -81,10 +81,10 @@ class Transfer:
         return -(-self.nbytes // ALIGN) * ALIGN
 
 
-def intersect(a: Box, b: Box) -> Box | None:
-    """The common region of two boxes, or ``None``."""
-    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b, strict=True))
-    return None if any(s >= e for s, e in out) else out
+def maker(trainer: list[dict[str, Held]], reads: list[tuple[str, Box]], dst: int) -> int:
+    """The trainer rank holding every region ``reads`` names (``dst`` where it does), else -1."""
+    ranks = [r for r, held in enumerate(trainer) if all(k in held and box_inside(b, held[k].box) for k, b in reads)]
+    return -1 if not ranks else dst if dst in ranks else ranks[0]
 
 
 def volume(box: Box) -> int:
@@ -200,4 +200,4 @@ def rounds_of(transfers: list[Transfer], bucket: int, world: int) -> list[list[T
     return rounds
 
 
-__all__ = ["Held", "Request", "Transfer", "holders", "intersect", "round_bytes", "rounds_of", "transfers_of", "volume"]
+__all__ = ["Held", "Request", "Transfer", "holders", "maker", "round_bytes", "rounds_of", "transfers_of", "volume"]
