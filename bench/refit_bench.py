@@ -3,7 +3,7 @@
     python bench/refit_bench.py [--model llama|qwen3_moe] [--scenario disaggregated|colocated|single]
                                 [--size small|8b] [--repeat 3] [--bucket-mib 64] [--engine-dtype bfloat16]
                                 [--device cpu|cuda] [--fp8 | --quant FORMAT] [--layers N] [--no-baseline]
-                                [--baseline-repeat N] [--hang-s 300] [--profile N]
+                                [--baseline-repeat N] [--hang-s 300] [--profile N [--trace FILE]]
 
 Scenarios (CPU, gloo, one process per rank, started here):
 
@@ -29,8 +29,9 @@ norms in ``--engine-dtype``). ``--quant FORMAT``: the engine's linear weights in
 ``fp8_channel``, ``fp8_tensor``, ``mxfp8``, ``nvfp4``: compressed-tensors' arithmetic, Llama and
 ``--scenario single`` only). ``--layers``: fewer decoder layers than the size has (a quick
 run). ``--profile N``: one more refit under torch's profiler; rank 0 prints its N costliest
-operations (by GPU time, then by CPU time). Rank 0 prints each phase's start on stderr with the
-time since launch; a phase that hangs dumps every thread's stack after ``--hang-s`` seconds.
+operations (by GPU time, then by CPU time); ``--trace FILE`` also writes its Chrome trace. Rank 0
+prints each phase's start on stderr with the time since launch; a phase that hangs dumps every
+thread's stack after ``--hang-s`` seconds.
 
 Each refit is planned once, then run ``--repeat`` times (the median and every run are printed);
 the baseline likewise. After each, every engine tensor is compared bit for bit with the other
@@ -243,6 +244,8 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
             sync()
         for key in ("self_cuda_time_total", "cpu_time_total") if gpu and rank == 0 else ("cpu_time_total",) if rank == 0 else ():
             print(prof.key_averages().table(sort_by=key, row_limit=args.profile), file=sys.stderr, flush=True)
+        if args.trace and rank == 0:
+            prof.export_chrome_trace(args.trace)
     got = {k: v.clone() for k, v in engine.items()} if engine is not None and args.baseline else {}
 
     # baseline: gather whole (export_iter) then cut
@@ -332,6 +335,7 @@ def main() -> None:
     p.add_argument("--baseline-repeat", type=int, default=0, help="gather-then-cut runs (default: --repeat)")
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip gather-then-cut")
     p.add_argument("--profile", type=int, default=0, help="print the N costliest operations of one more refit")
+    p.add_argument("--trace", default="", help="with --profile: write that refit's Chrome trace (rank 0) to this file")
     p.add_argument("--hang-s", type=float, default=300.0, help="dump the stacks of a phase that takes longer")
     args = p.parse_args()
     args.t0 = T0

@@ -149,6 +149,86 @@ def test_nvfp4_kernel_is_the_eager_function(mode: S.GlobalMode, dtype: torch.dty
         assert _fused_used("nvfp4")
 
 
+def _global_scale_reference(x: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' ``weight_global_scale`` (``448 * 6 / amax``) of ``x``, or of its float32
+    neighbours the first whose NVFP4 values give back ``x`` exactly, each tried on the whole
+    tensor on the CPU: what a release's global scale comes back as."""
+    x = x.cpu().float()
+    g = ct_release.generate_gparam(x.amin(), x.amax()).reshape(1)
+    for cand in (g, torch.nextafter(g, torch.zeros_like(g)), torch.nextafter(g, 2 * g)):
+        q, sc = S.quantize_nvfp4(x, cand, "divide")
+        if torch.equal(S.dequantize(q, "e2m1", sc, (1, 16), x.shape[-1], torch.float32, glob=cand), x):
+            return cand
+    return g
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nvfp4_global_scale_is_compressed_tensors_once_per_refit(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVFP4's global scale (``GlobalScaleOf``), made on ``device``, is
+    :func:`_global_scale_reference`'s: for a trainer's values (float32; bf16 whose first row's
+    groups repeat a few magnitudes), values dequantised by compressed-tensors from its NVFP4
+    release, and values dequantised in float32 whose amax gives back the global scale only to a
+    unit in the last place (the neighbour is found). Inside ``scales_memo`` (a refit's run) it is
+    made once per weight however often the values, the scales and the global scale itself read
+    it; on a CUDA device the host waits once while it is made for a trainer's values, not once
+    per candidate."""
+    import warnings
+
+    from support.checkpoints import DictIO
+
+    from sdadapt._base.regions import full_box
+    from sdadapt._recipes import quant_scaled_nodes as SN
+    from sdadapt._recipes.nodes import Leaf
+
+    w = _weight(300, 640, seed=4)
+    coarse = w.clone()
+    coarse[0] = torch.tensor([0.5, -1.0, 2.0, 0.25]).repeat(160)  # 4 magnitudes a group: the search runs
+    scheme = ct_release.scheme_of("nvfp4")
+    released = ct_release.decompress(ct_release.compress(w, "nvfp4", scheme), "nvfp4", scheme)
+    found = 0
+    for k in range(24):  # dequantised in float32 under a global scale one unit off the amax's
+        glob = torch.nextafter(ct_release.generate_gparam(w.amin(), w.amax()).reshape(1) * (1 + k / 64), torch.zeros(1))
+        q, sc = S.quantize_nvfp4(w, glob, "divide")
+        deq = S.dequantize(q, "e2m1", sc, (1, 16), w.shape[-1], torch.float32, glob=glob)
+        found += not torch.equal(_global_scale_reference(deq), ct_release.generate_gparam(deq.amin(), deq.amax()).reshape(1))
+        if found:
+            break
+    assert found, "no case whose global scale is a neighbour of its amax's"
+    made: list[int] = []
+    of = SN.GlobalScaleOf._of
+    monkeypatch.setattr(SN.GlobalScaleOf, "_of", lambda self, child: made.append(1) or of(self, child))
+    for i, x in enumerate([w, coarse.to(torch.bfloat16), released, deq]):
+        want = _global_scale_reference(x)
+        leaf = Leaf("x", tuple(x.shape), x.dtype)
+        node = SN.GlobalScaleOf(leaf, "divide")
+        io = DictIO({"x": x.to(device)})
+        box = full_box(node.shape)
+        got = node.read(box, io)
+        assert got.device.type == device and _same(got, want), i
+        values = SN.QuantizedScaled(leaf, "e2m1", (1, 16), "values", Q.FP8_DTYPE, node)
+        scales = SN.QuantizedScaled(leaf, "e2m1", (1, 16), "scales", Q.FP8_DTYPE, node)
+        made.clear()
+        with QF.scales_memo():
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    node.read(box, io)
+            finally:
+                if device == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+            q = values.read(full_box(values.shape), io)
+            s = scales.read(full_box(scales.shape), io)
+            assert _same(node.read(box, io), want), i
+        assert len(made) == 1, i
+        if device == "cuda" and i == 0:
+            assert sum("synchroniz" in str(m.message) for m in seen) <= 1, [str(m.message) for m in seen]
+        want_q, want_s, _ = S.quantize(x.float(), "e2m1", (1, 16), Q.FP8_DTYPE, glob=want)
+        assert _same(q, want_q) and _same(s, want_s), i
+
+
 def test_cpu_tensors_take_the_eager_functions() -> None:
     x = _weight(256, 256)
     q, s = QF.quantize_fp8(x, (128, 128), "float32", values=False)

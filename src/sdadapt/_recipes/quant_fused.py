@@ -185,6 +185,7 @@ class _Memo(threading.local):
     """The scales :func:`quantize_fp8` made for the codes of an input, inside :func:`scales_memo`."""
 
     entries: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]] | None = None
+    values: dict[object, torch.Tensor] | None = None  # memoized(): per-tensor values, by the node that makes them
 
 
 _memo = _Memo()
@@ -198,12 +199,26 @@ def scales_memo() -> Iterator[None]:
     strides, dtype and version counter) takes them instead of reading the input again: a refit
     computes the codes and then the scales of each weight from the same trainer region, which
     nothing changes while it runs. The last few inputs are kept, and held until used or until the
-    block ends."""
-    saved, _memo.entries = _memo.entries, {}
+    block ends; :func:`memoized` values until it ends."""
+    saved = (_memo.entries, _memo.values)
+    _memo.entries, _memo.values = {}, {}
     try:
         yield
     finally:
-        _memo.entries = saved
+        _memo.entries, _memo.values = saved
+
+
+def memoized(key: object, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``make()``, made once per ``key`` inside :func:`scales_memo` (on this thread), else each
+    time: a per-tensor value (NVFP4's global scale) that a refit's values, scales and the value
+    itself each read, from trainer weights nothing changes while it runs."""
+    values = _memo.values
+    if values is None:
+        return make()
+    got = values.get(key)
+    if got is None:
+        got = values[key] = make()
+    return got
 
 
 def _memo_key(x: torch.Tensor, block: tuple[int, int], fmt: Q.ScaleFormat) -> tuple[object, ...] | None:

@@ -255,31 +255,47 @@ class GlobalScaleOf(_Computed, Derived):
         return (Input(self.child, full_box(tuple(self.child.shape))),)
 
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
-        return self._of(self.child.read(full_box(tuple(self.child.shape)), io))
+        return QF.memoized(("global", self), lambda: self._of(self.child.read(full_box(tuple(self.child.shape)), io)))
 
     def full(self, io: SourceIO) -> torch.Tensor:
         return self._of(self.child.full(io))
 
     def _of(self, child: torch.Tensor) -> torch.Tensor:
-        """The global scale of ``child``'s values."""
-        x = child.to(torch.float32)
-        amax = x.abs().amax()
-        top = torch.tensor(S.E4M3_MAX * S.E2M1_MAX, dtype=torch.float32)
+        """The global scale of ``child``'s values, on ``child``'s device."""
+        flat = child.reshape(-1, child.shape[-1]) if child.dim() else child.reshape(1, 1)
+        if flat.numel() == 0:
+            return torch.ones(self.shape, dtype=torch.float32, device=child.device)
+        low, high = torch.aminmax(flat)  # one pass, no float32 copy: a largest magnitude is exact in any float dtype
+        amax = torch.maximum(-low, high).to(torch.float32)
+        top = torch.full_like(amax, S.E4M3_MAX * S.E2M1_MAX)
         g = torch.where(amax > 0, top / amax if self.mode == "divide" else amax / top, torch.ones_like(amax))
         # values dequantised from NVFP4 give back amax / 6 only to a unit in the last place of the
-        # original scale: of g and its float32 neighbours, the first that reproduces the values
-        # (rows quantize apart given the global scale: a candidate that fails the first row fails
-        # the tensor, so trainer values, which never were NVFP4, cost one row a candidate)
-        first = x.reshape(-1, x.shape[-1])[:1]
+        # original scale: of g and its float32 neighbours, the first that reproduces the values.
+        # Rows quantize apart given the global scale, so a candidate that fails the first row fails
+        # the tensor; and a group of 16 values that one scale reproduces holds at most 8 magnitudes
+        # (e2m1's), so a first row with a group of more fails every candidate: trainer values,
+        # which never were NVFP4, stop there with g after a few operations and one wait
+        if not bool(self._few_magnitudes(flat[:1])):
+            return g.reshape(self.shape)
+        x = flat.to(torch.float32)
         for cand in (g, torch.nextafter(g, torch.zeros_like(g)), torch.nextafter(g, 2 * g)):
-            if self._reproduces(first, cand) and self._reproduces(x, cand):
+            if bool(self._reproduced(x[:1], cand)) and bool(self._reproduced(x, cand)):
                 return cand.reshape(self.shape)
         return g.reshape(self.shape)
 
-    def _reproduces(self, x: torch.Tensor, glob: torch.Tensor) -> bool:
+    @staticmethod
+    def _few_magnitudes(row: torch.Tensor) -> torch.Tensor:
+        """Whether each whole group of 16 in ``row [1, C]`` holds at most 8 distinct magnitudes
+        (a device bool; a NaN is distinct from everything)."""
+        whole = row.shape[-1] // S.NVFP4_GROUP * S.NVFP4_GROUP
+        mags = row[..., :whole].abs().reshape(-1, S.NVFP4_GROUP).sort(dim=-1).values
+        return ((mags[:, 1:] != mags[:, :-1]).sum(dim=-1) < 8).all()
+
+    def _reproduced(self, x: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
+        """Whether the NVFP4 values of ``x`` under ``glob`` give back ``x`` exactly (a device bool)."""
         packed, scales = S.quantize_nvfp4(x, glob, self.mode)
         back = S.dequantize(packed, "e2m1", scales, (1, S.NVFP4_GROUP), x.shape[-1], torch.float32, glob=glob, mode=self.mode)
-        return torch.equal(back, x)
+        return (back == x).all()
 
     def describe(self) -> str:
         return f"global_scale_of({self.child.describe()}, {self.mode})"
