@@ -5,7 +5,9 @@ A flaky test passes most runs: one green run says little. This runs
 ``tests/project/test_doc_blocks.py``), never retrying a failure, and writes a dated report
 (``tests/reports/repeat-tests-<machine>-<date>.md`` unless ``--report`` says otherwise): the
 command, the machine, the tree, each run's exit status, time, failing tests and whether any
-process aborted at teardown (``terminate called without an active exception``). Add the report's
+process aborted at teardown (``terminate called without an active exception``): in a passing
+test too, since the launcher and the doc-block test write down every rank or page process that
+ended by a signal or printed the abort (tests/support/aborts.py), and the report lists them. Add the report's
 row to tests/reports/README.md by hand (bench/ holds speed figures; this is the suite's own
 record). The report is rewritten after every run, so a series stopped
 early (the machine needed back) still says what its runs gave; SIGTERM or Ctrl-C ends the run in
@@ -32,10 +34,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+from support import aborts  # noqa: E402
 from support.load_clock import WorkClock, descendants  # noqa: E402
 
 DEFAULT_TESTS = ["tests/dist", "tests/project/test_doc_blocks.py"]
-ABORT = "terminate called without an active exception"
 
 
 _STOP = False
@@ -62,7 +64,9 @@ def one_run(tests: list[str], timeout: float, keep: Path | None = None) -> dict[
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
     argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    seen = tempfile.NamedTemporaryFile(prefix="sdadapt-aborts-", suffix=".txt", delete=False)
+    seen.close()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", aborts.ENV: seen.name}
     with tempfile.TemporaryFile() as log:
         # its own session: the run, its fork server and every rank end together if it is stopped
         proc = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -77,6 +81,8 @@ def one_run(tests: list[str], timeout: float, keep: Path | None = None) -> dict[
             time.sleep(0 if rc is not None else 2)
         log.seek(0)
         out = log.read().decode(errors="replace")
+    noted = Path(seen.name).read_text(errors="replace").splitlines()
+    os.unlink(seen.name)
     if keep is not None:  # the whole output: a failure's traceback, beyond pytest's one line
         keep.parent.mkdir(parents=True, exist_ok=True)
         keep.write_text(out)
@@ -86,7 +92,10 @@ def one_run(tests: list[str], timeout: float, keep: Path | None = None) -> dict[
     if rc in ("stopped", "timeout"):
         passed, failing = _progress(out)
         summary = f"{rc} after {passed} passed and {failing} failed (pytest's progress marks)"
-    return {"rc": rc, "seconds": time.perf_counter() - start, "failed": failed, "aborts": out.count(ABORT), "summary": summary,
+    # the processes written down as aborted (passing tests included); a failing test's output
+    # holds the text too, so the larger count, not the sum
+    return {"rc": rc, "seconds": time.perf_counter() - start, "failed": failed, "summary": summary,
+            "aborts": max(len(noted), out.count(aborts.ABORT)), "noted": noted,
             "load": f"{load_before:.1f}-{os.getloadavg()[0]:.1f}", "reasons": reasons}  # fmt: skip
 
 
@@ -102,6 +111,7 @@ def report(runs: list[dict[str, object]], tests: list[str], machine: str, comman
     ]
     # pytest's one-line reason for each failure (cut to 300 characters), by run
     reasons = [f"- run {i}: `{line[:300]}`" for i, r in enumerate(runs, 1) for line in r["reasons"]]  # type: ignore[attr-defined]
+    noted = [f"- run {i}: `{line[:300]}`" for i, r in enumerate(runs, 1) for line in r["noted"]]  # type: ignore[attr-defined]
     return "\n".join([
         f"# {green}/{len(finished)} green runs of {' '.join(tests)}",
         "",
@@ -112,13 +122,17 @@ def report(runs: list[dict[str, object]], tests: list[str], machine: str, comman
         f"- machine: {machine} ({platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
         f"torch {importlib.metadata.version('torch')}, run at nice {os.nice(0)})",
         f"- tree: {tree}",
+        "- aborted processes: launched ranks and doc-page processes that ended by a signal or printed "
+        f"`{aborts.ABORT}`, in passing tests too (tests/support/aborts.py)",
         f"- date: {datetime.date.today().isoformat()}",
         "",
-        "| run | exit | seconds | load average (start-end) | teardown aborts | failed | pytest's summary |",
+        "| run | exit | seconds | load average (start-end) | aborted processes | failed | pytest's summary |",
         "|---|---|---|---|---|---|---|",
         *rows,
         "",
         *(["## Why each failure failed (pytest's one line)", "", *reasons, ""] if reasons else []),
+        *(["## Processes that ended by a signal or aborted at teardown (tests/support/aborts.py)", "", *noted, ""]
+          if noted else []),
     ])  # fmt: skip
 
 

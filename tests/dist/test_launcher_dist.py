@@ -4,7 +4,9 @@
   are not charged, processes asleep (a hang) are charged at wall speed;
 - a hang fails naming each hung rank's stage, with its threads' Python stacks;
 - a rank that fails while another keeps running ends the launch, the failure first, the rank
-  still running named as hung at its stage.
+  still running named as hung at its stage;
+- a rank that aborts after its result leaves the launch green and is written down for the repeat
+  series (tests/support/aborts.py); a launch removes the folders of launchers that are gone.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import time
 
 import pytest
 import torch.distributed as dist
-from support import dist_helper
+from support import aborts, dist_helper
 from support.dist_helper import WorkerError, run_distributed, stage
 from support.load_clock import WorkClock, descendants
 
@@ -83,3 +85,45 @@ def test_a_failure_ends_the_launch_and_names_the_rank_left_running(monkeypatch: 
     assert "stage 'running test_launcher_dist._fail_while_one_sleeps: sleeping'" in failures[1].message
     assert str(info.value).index("the first cause") < str(info.value).index("Hang")
     assert 3.0 < info.value.seconds < 300, info.value.seconds  # the launch's own time, the grace included
+
+
+def _abort_at_teardown() -> int:
+    """Rank 1 returns its result, then aborts in ``destroy_process_group`` (as torch 2.13 + gloo
+    can at a process's end): the launch passes, the abort is written down."""
+    if dist.get_rank() == 1:
+
+        def abort() -> None:
+            print(aborts.ABORT, file=sys.stderr, flush=True)
+            os.abort()
+
+        dist.destroy_process_group = abort
+    return dist.get_rank()
+
+
+def test_an_abort_after_the_result_passes_and_is_written_down(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = tmp_path / "aborts.txt"
+    monkeypatch.setenv(aborts.ENV, str(seen))
+    assert run_distributed(_abort_at_teardown, 2, timeout=120) == [0, 1]
+    (line,) = seen.read_text().splitlines()
+    assert line.endswith("test_launcher_dist._abort_at_teardown rank 1 of 2: ended by SIGABRT"), line
+    assert line.startswith("tests/dist/test_launcher_dist.py::test_an_abort_after_the_result_passes"), line
+    aborts.scan("a page", f"x\n{aborts.ABORT}\n")  # a doc page's output, as test_doc_blocks gives it
+    assert seen.read_text().splitlines()[1].endswith(f"a page: 1 x {aborts.ABORT!r}")
+
+
+def test_a_launch_removes_the_folders_of_launchers_that_are_gone(tmp_path) -> None:
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)
+    folders = {name: tmp_path / f"{dist_helper.PREFIX}{name}" for name in ("dead", "alive", "new", "legacy", "legacy_new")}
+    for f in folders.values():
+        f.mkdir()
+    (folders["dead"] / "launcher").write_text(str(dead))
+    (folders["alive"] / "launcher").write_text(str(os.getpid()))
+    (folders["new"] / "launcher").write_text(str(dead))
+    (folders["legacy"] / "pid.0").write_text(str(dead))  # written before folders named their launcher
+    now = time.time()
+    for name, age in (("dead", 10), ("alive", 10), ("new", -10), ("legacy", 2 * dist_helper.LEGACY_AGE), ("legacy_new", 10)):
+        os.utime(folders[name], (now - age, now - age))
+    removed = dist_helper.clean_stale(tmp_path, now)
+    assert sorted(p.name for p in removed) == [f"{dist_helper.PREFIX}dead", f"{dist_helper.PREFIX}legacy"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(f"{dist_helper.PREFIX}{n}" for n in ("alive", "new", "legacy_new"))

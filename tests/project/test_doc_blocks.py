@@ -15,7 +15,7 @@ import re
 import sys
 
 import pytest
-from support import load_clock
+from support import aborts, load_clock
 from support.doc_blocks import DOC_FILES, EXECUTED_ELSEWHERE, LANGUAGES, ROOT, all_blocks, blocks, runnable
 
 
@@ -75,6 +75,8 @@ def test_doc_blocks_run(file, tmp_path):
     # the timeout counts the page's own time (support.load_clock): a loaded machine slows it, a hang fails it
     r = load_clock.run([sys.executable, str(ROOT / "tests" / "support" / "doc_blocks.py"), file, str(out)],
                        cwd=tmp_path, env=env, timeout=600)  # fmt: skip
+    # a process that aborted at teardown after its work (a torchrun rank) is written down even when the page passes
+    aborts.scan(f"{file}'s blocks", r.stdout + r.stderr)
     assert r.returncode == 0 and out.exists(), r.stdout[-4000:] + r.stderr[-4000:]
     results = json.loads(out.read_text())
     assert [x["block"] for x in results] == [b.name for b in runnable(file)]

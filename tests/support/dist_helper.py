@@ -15,6 +15,11 @@ ranks waited for a CPU, so a loaded machine makes a launch slower, never a failu
 (every rank asleep) still fails after ``timeout`` s. A rank that hangs is named with its stage
 (where the launcher, or ``fn`` through :func:`stage`, last said it was) and the Python stack of
 each of its threads; once one rank has failed, the others get :data:`GRACE` s to end.
+
+A rank that ends by a signal or aborts at teardown after its result is written leaves the launch
+green; it is written down for scripts/repeat_tests.py (tests/support/aborts.py). Each launch's
+folder names its launcher's process; a launch removes the folders of launchers that are gone
+(a run killed by SIGKILL leaves its folder).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from support import aborts
 from support.load_clock import WorkClock
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
@@ -78,12 +84,72 @@ class WorkerError(AssertionError):
         super().__init__(f"{len(failures)} rank(s) failed:\n{text}\n--- worker output (tail) ---\n{logs}")
 
 
+PREFIX = "sdadapt-dist-"
+LEGACY_AGE = 3600.0
+"""Seconds after which a launch folder that names no launcher (written before folders named
+one) is stale, once none of the ranks it names is alive."""
+_CLEANED = False
+
+
 def run_distributed(fn: Any, world_size: int, *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
-    job = tempfile.mkdtemp(prefix="sdadapt-dist-")
+    global _CLEANED
+    job = tempfile.mkdtemp(prefix=PREFIX)
+    Path(job, "launcher").write_text(str(os.getpid()))
+    if not _CLEANED:  # once per process: the folders left before it started
+        _CLEANED = True
+        clean_stale(Path(job).parent, os.stat(job).st_mtime)
     try:
         return _run_job(job, fn, world_size, args, kwargs, timeout)
     finally:
         shutil.rmtree(job, ignore_errors=True)  # the ranks' logs are in the error raised, if any
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True
+
+
+def clean_stale(where: Path, before: float) -> list[Path]:
+    """Remove the launch folders in ``where`` last changed before ``before`` (a time) whose
+    launcher process is gone (a folder that names none: whose ranks are all gone, and older than
+    :data:`LEGACY_AGE`); return them. Another user's folders, or one in use, are left."""
+    removed = []
+    for folder in where.glob(f"{PREFIX}*"):
+        try:
+            changed = folder.stat().st_mtime
+            owner = Path(folder, "launcher")
+            if owner.exists():
+                stale = changed < before and not _alive(int(owner.read_text() or 0))
+            else:
+                ranks = [int(p.read_text() or 0) for p in folder.glob("pid.*")]
+                stale = changed < before - LEGACY_AGE and not any(_alive(r) for r in ranks)
+        except (OSError, ValueError):
+            continue  # removed meanwhile, or not ours to read
+        if stale and folder.is_dir():
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _note_aborts(fn: Any, job: str, codes: list[Any], hung: list[int]) -> None:
+    """Write down (tests/support/aborts.py) each rank that ended by a signal, with a non-zero
+    status, or with the teardown abort's text in its log, other than the ranks ended as hung."""
+    for rank, code in enumerate(codes):
+        if rank in hung:
+            continue
+        who = f"{fn.__module__}.{fn.__qualname__} rank {rank} of {len(codes)}"
+        if code is not None and code < 0:
+            aborts.record(f"{who}: ended by {signal.Signals(-code).name}")
+        elif code:
+            aborts.record(f"{who}: ended with exit status {code}")
+        else:
+            log = Path(job, f"log.{rank}")
+            aborts.scan(who, log.read_text(errors="replace") if log.exists() else "")
 
 
 def _run_job(job: str, fn: Any, world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float) -> list[Any]:
@@ -108,6 +174,7 @@ def _run_job(job: str, fn: Any, world_size: int, args: tuple[Any, ...], kwargs: 
     else:
         ranks = _start_forked(job, world_size, env, where, logs)
     hung, codes, why, seconds = _supervise(job, ranks, timeout)
+    _note_aborts(fn, job, codes, hung)
     tail = _log_tails(job, world_size)
     if hung and all(c is not None and not _failed(job, r) for r, c in enumerate(codes) if r not in hung):
         raise AssertionError(f"ranks {hung} of {world_size} {why}\n{_stages(job, hung)}\n{tail}")
