@@ -28,6 +28,13 @@ on: the engine before this change), ``readahead`` (``preadv`` with read-ahead on
 (``gap_bytes=0``: a column slice's rows read one call each, only their own pages). ``--node``
 also loads the 8 ranks of ``tp=8`` at once, each in its own process, cold, as a fresh node does:
 the machine's paged-in bytes against the checkpoint's size.
+
+Mode ``shared`` (``share_reads``' row sharing) needs the peers that exchange: the 8 ranks of the
+mesh's first TP group run at once, one process each, cold, joined by a gloo group. Each reads its
+row shards and its range of whole rows of every column slice, then the slices are exchanged
+(:func:`sdadapt._engine.exchange_rows`); each reports its own figures as above (``predicted``:
+the dry run's count of the same runs and rounds), ``shared`` (bytes received from its peers)
+and the group's wall time.
 """
 
 from __future__ import annotations
@@ -192,6 +199,94 @@ def rank(folder: Path, mesh_spec: str, rank_: int, mode: str, verify: bool) -> d
     return out
 
 
+def member(folder: Path, mesh_spec: str, rank_: int, port: int, verify: bool) -> dict:
+    """One rank of the mesh's first TP group, sharing rows with its 7 peers (mode ``shared``)."""
+    import torch.distributed as dist
+
+    from sdadapt._base.regions import box_shape
+    from sdadapt._engine import IOEngine, Job, RowShare, exchange_rows, row_cut, row_read_jobs, row_received, row_rounds
+    from sdadapt._engine.predict import predict
+    from sdadapt._plan.layout import Mesh, default_layouts, group_coordinate, local_box
+    from sdadapt._recipes.nodes import Leaf
+    from sdadapt.sources import open_source
+
+    cfg = config("preadv")
+    mesh = Mesh.parse(mesh_spec)
+    coord = mesh.coordinate(rank_)
+    tp = mesh.size_of("tp")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank_ % tp, world_size=tp)
+    with open_source(str(folder)) as src:
+        layouts = default_layouts(src.schema, mesh)
+        plain: list[Job] = []
+        rows: list[RowShare] = []
+        for key, info in src.schema.items():
+            lay = layouts[key]
+            box = local_box(info, mesh, lay, coord)
+            if box is None or not math.prod(box_shape(box)):
+                continue
+            job = Job(key, Leaf(key, info.shape, info.dtype), box, torch.empty(box_shape(box), dtype=info.dtype))
+            shape, at = group_coordinate(mesh, lay, coord)
+            cut = row_cut(box, tuple(info.shape), shape, at, tuple(p for _, p in lay.groups), info.dtype.itemsize, cfg.gap_bytes)
+            if cut is None:
+                plain.append(job)
+            else:
+                rows.append(RowShare(dist.group.WORLD, job, cut))
+        rounds = row_rounds(rows, cfg.share_round_bytes)
+        meta = [Job(j.key, j.node, j.box, torch.empty(j.dest.shape, dtype=j.dest.dtype, device="meta")) for j in plain]
+        fig = predict(src, meta, cfg, torch.device("cpu"))
+        for units in rounds:
+            fig.add(predict(src, row_read_jobs(units), cfg, torch.device("cpu")))
+        jobs = plain + [r.job for r in rows]
+        local = sum(j.dest.numel() * j.dest.element_size() for j in jobs)
+        for j in jobs:  # the shards' pages made resident before the clock starts
+            j.dest.view(-1).view(torch.uint8)[:: 4096] = 0
+        base = _status("VmRSS")
+        dist.barrier()
+        io0, t0 = _io(), time.perf_counter()
+        engine = IOEngine(src, cfg)
+        engine.run(plain)
+        error, got = exchange_rows(rows, engine.run, False, cfg.share_round_bytes)
+        if error is not None:
+            raise error
+        seconds = time.perf_counter() - t0
+        io1 = _io()
+        dist.barrier()
+        wall = time.perf_counter() - t0
+        exact = None
+        if verify:
+            exact = all(torch.equal(j.dest.view(torch.int16), src.read(j.key, j.box).view(torch.int16)) for j in jobs)
+    st = engine.stats
+    out = {
+        "mesh": mesh_spec, "rank": rank_, "mode": "shared", "local": local, "bytes_read": st.bytes_read,
+        "storage": st.storage_bytes, "predicted": fig.storage_bytes, "predicted_read": fig.bytes_read,
+        "shared": got, "predicted_shared": sum(row_received(r) for r in rounds), "rounds": len(rounds),
+        "from_storage": io1["read_bytes"] - io0["read_bytes"], "rchar": io1["rchar"] - io0["rchar"], "pgpgin": 0,
+        "host_peak": _status("VmHWM"), "base": base, "staging": st.staging_bytes, "syscalls": st.syscalls,
+        "threads": st.threads, "seconds": round(seconds, 3), "group_wall": round(wall, 3), "exact": exact,
+    }
+    print(json.dumps(out), flush=True)
+    dist.destroy_process_group()
+    return out
+
+
+def shared_group(folder: Path, mesh: str, port: int) -> list[dict]:
+    """The 8 ranks of ``mesh``'s first TP group at once, cold, sharing rows (mode ``shared``)."""
+    drop(folder)
+    pg0, t0 = _pgpgin(), time.perf_counter()
+    procs = [subprocess.Popen([sys.executable, __file__, "member", "--dir", str(folder), "--mesh", mesh, "--rank", str(r),
+                               "--port", str(port)] + (["--verify"] if r == 0 else []),
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "LOCAL_WORLD_SIZE": "8"}) for r in range(8)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    wall, paged = time.perf_counter() - t0, _pgpgin() - pg0
+    rows = [json.loads(o.strip().splitlines()[-1]) for o in outs if o.strip()]
+    for r in rows:
+        r["pgpgin"] = paged  # the machine's, for the whole group
+        print(_row(r), flush=True)
+    print(json.dumps({"group": mesh, "mode": "shared", "wall": round(wall, 2), "pgpgin": paged,
+                      "sum_from_storage": sum(r["from_storage"] for r in rows), "ranks": len(rows)}), flush=True)
+    return rows
+
+
 def drop(folder: Path) -> None:
     """Empty the page cache of the checkpoint's files (``DROP_ALL=1``: all of it, as root)."""
     os.sync()
@@ -218,7 +313,9 @@ def run(folder: Path, meshes: list[str], ranks: str, modes: list[str], node: boo
     for mesh in meshes:
         size = Mesh.parse(mesh).size
         sample = sorted({size - 1 if r == "last" else int(r) for r in ranks.split(",")})
-        for mode in modes:
+        if "shared" in modes:
+            rows += shared_group(folder, mesh, 29500 + len(rows))
+        for mode in (m for m in modes if m != "shared"):
             for i, r in enumerate(sample):
                 drop(folder)
                 child = _child(folder, mesh, r, mode, i == 0 and mode == modes[0])
@@ -230,7 +327,7 @@ def run(folder: Path, meshes: list[str], ranks: str, modes: list[str], node: boo
                 print(_row(rows[-1]), flush=True)
     if node:
         ckpt = sum(p.stat().st_size for p in folder.iterdir())
-        for mode in modes:
+        for mode in (m for m in modes if m != "shared"):
             drop(folder)
             pg0, t0 = _pgpgin(), time.perf_counter()
             procs = [subprocess.Popen(_child(folder, "tp=8", r, mode, False), stdout=subprocess.PIPE, text=True,
@@ -266,6 +363,12 @@ def main() -> None:
     r.add_argument("--rank", type=int, required=True)
     r.add_argument("--mode", default="preadv", choices=["preadv", "mapping", "readahead", "runs"])
     r.add_argument("--verify", action="store_true")
+    g = sub.add_parser("member")
+    g.add_argument("--dir", type=Path, required=True)
+    g.add_argument("--mesh", required=True)
+    g.add_argument("--rank", type=int, required=True)
+    g.add_argument("--port", type=int, required=True)
+    g.add_argument("--verify", action="store_true")
     a = sub.add_parser("run")
     a.add_argument("--dir", type=Path, required=True)
     a.add_argument("--meshes", nargs="*", default=["tp=8", "dp_shard=2,tp=8", "dp_shard=4,tp=8"])
@@ -278,6 +381,8 @@ def main() -> None:
         write(args.dir, layers=args.layers)
     elif args.cmd == "rank":
         rank(args.dir, args.mesh, args.rank, args.mode, args.verify)
+    elif args.cmd == "member":
+        member(args.dir, args.mesh, args.rank, args.port, args.verify)
     else:
         print("| mesh | rank | mode | shards GiB | bytes_read | storage (engine) | predicted | from storage | pgpgin "
               "| from storage / bytes_read | host peak | base | staging | engine s | bit-exact |\n|" + "---|" * 15, flush=True)

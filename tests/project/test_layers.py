@@ -220,7 +220,7 @@ BENCH_PRIVATE: dict[str, dict[str, str]] = {
                            "sdadapt._plan.target": "the model's schema for that plan"},  # fmt: skip
     "loadbench/references.py": {"sdadapt._engine": "the engine's default thread count for the machine references"},
     "cold_read_bench.py": {"sdadapt._base.regions": "the shape of each rank's box",
-                           "sdadapt._engine": "runs the engine on one simulated rank's jobs, no process group",
+                           "sdadapt._engine": "runs the engine on one simulated rank's jobs; a TP group's shared rows over gloo",
                            "sdadapt._engine.predict": "the dry run's storage figure for the same jobs",
                            "sdadapt._plan.layout": "a rank's boxes on a mesh it does not have (TP x FSDP rules)",
                            "sdadapt._recipes.nodes": "Leaf nodes over the source"},  # fmt: skip

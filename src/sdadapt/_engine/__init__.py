@@ -55,7 +55,7 @@ from .devread import warm as warm_kvikio
 from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
 from .pinned import release_pinned_memory
-from .share import RowShare, round_memory, row_cut
+from .share import RowShare, exchange_rows, round_memory, row_cut
 from .share import read_jobs as row_read_jobs
 from .share import received as row_received
 from .share import rounds as row_rounds
@@ -73,6 +73,7 @@ __all__ = [
     "default_threads",
     "device_step",
     "device_work",
+    "exchange_rows",
     "prefetch_pinned",
     "release_pinned_memory",
     "round_memory",
