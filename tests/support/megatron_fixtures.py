@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import types
@@ -307,14 +308,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def write(out: str, names: list[str]) -> None:
+_PRELOAD = ("megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs", "megatron.core.parallel_state",
+            "megatron.core.transformer.transformer_config", "megatron.core.dist_checkpointing",
+            "megatron.core.dist_checkpointing.strategies.torch", "megatron.core.tensor_parallel")
+"""Megatron-Core's modules the ranks use, imported before they are forked."""
+
+
+def _group(fn: Any, world: int, *args: Any) -> None:
+    """``fn(rank, world, port, *args)`` on ``world`` new gloo ranks, forked from this process with
+    torch and Megatron-Core already imported (an import each costs seconds of CPU); this process
+    itself never joins a process group, so the ranks start from a clean state."""
     import torch.multiprocessing as mp
 
+    _cpu_patches()
+    for name in _PRELOAD:
+        importlib.import_module(name)
+    mp.start_processes(_spawned, args=(world, _free_port(), fn, *args), nprocs=world, join=True, start_method="fork")
+
+
+def write(out: str, names: list[str]) -> None:
     for name in names:
         tp = FIXTURES[name]["tp"]
-        mp.spawn(_spawned, args=(tp, _free_port(), _write_rank, name, out), nprocs=tp, join=True)
+        _group(_write_rank, tp, name, out)
         if tp > 1:
-            mp.spawn(_spawned, args=(1, _free_port(), _oracle_tp1, name, out), nprocs=1, join=True)
+            _group(_oracle_tp1, 1, name, out)
 
 
 def _verify_rank(rank: int, world: int, port: int, jobs: list[list[str]]) -> None:
@@ -350,11 +367,8 @@ def _verify_rank(rank: int, world: int, port: int, jobs: list[list[str]]) -> Non
 
 def verify_load(jobs: list[dict[str, Any]]) -> None:
     """Megatron's load of each job's ``ckpt`` at its ``tp``; one group of processes per TP degree."""
-    import torch.multiprocessing as mp
-
     for tp in sorted({int(j["tp"]) for j in jobs}):
-        mine = [[j["ckpt"], j["oracle"], j["result"]] for j in jobs if int(j["tp"]) == tp]
-        mp.spawn(_spawned, args=(tp, _free_port(), _verify_rank, mine), nprocs=tp, join=True)
+        _group(_verify_rank, tp, [[j["ckpt"], j["oracle"], j["result"]] for j in jobs if int(j["tp"]) == tp])
 
 
 def main() -> None:
