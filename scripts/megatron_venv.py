@@ -37,8 +37,9 @@ NEEDS_CHECK = (f"{CHECK.split('; raise')[0]}, importlib.util as u; raise SystemE
                "('omegaconf', 'hydra', 'rich', 'wandb', 'tensorboard', 'accelerate', 'einops', 'regex', 'yaml', 'tqdm')))")
 """Whether every one of ``BRIDGE_NEEDS`` is there, in the venv or in the base it sees (the base
 changes with the checkout: a package found there once may be gone from the next)."""
-BRIDGE_CHECK = (f"import importlib.metadata as m, psutil, megatron.core; raise SystemExit(m.version('megatron-core') != "
-                f"{MEGATRON_CORE!r} or m.version('megatron-bridge') != {BRIDGE!r})")
+BRIDGE_CHECK = f"import importlib.metadata as m; raise SystemExit(m.version('megatron-bridge') != {BRIDGE!r})"
+"""Whether Bridge's pinned release is installed; run after :data:`NEEDS_CHECK`, which imported
+megatron-core there already (an import of seconds, not repeated)."""
 
 
 def venv_python(root: str | None = None, base_site: str | None = None, bridge: bool = False) -> str:
@@ -64,7 +65,7 @@ def venv_python(root: str | None = None, base_site: str | None = None, bridge: b
 def importable(py: str, bridge: bool = False) -> bool:
     """Whether megatron-core (the pinned release) and psutil import under ``py`` (and, for the
     bridge venv, megatron-bridge's pinned release is installed)."""
-    return runs(py, BRIDGE_CHECK if bridge else CHECK)
+    return runs(py, NEEDS_CHECK) and runs(py, BRIDGE_CHECK) if bridge else runs(py, CHECK)
 
 
 def main() -> int:

@@ -9,6 +9,7 @@ installed. :func:`hf_reference` is an independent reading of Megatron's layout: 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -31,8 +32,10 @@ written again (its load-checking half may change without that)."""
 SPEC = {"n_heads": 4, "n_groups": 2, "head_dim": 16}
 
 
+@functools.cache
 def megatron_python(bridge: bool = False) -> str:
-    """The megatron venv's python (``bridge``: the Megatron-Bridge venv's). Where it cannot be made:
+    """The megatron venv's python (``bridge``: the Megatron-Bridge venv's), made or checked once per
+    test process (the check imports megatron-core there: seconds of CPU). Where it cannot be made:
     a failure in CI (``CI`` set), where the registry is reachable and a broken venv must not pass as
     a skip; elsewhere a skip quoting pip (an offline machine, a Python that megatron-core 0.16.1 does
     not support)."""
