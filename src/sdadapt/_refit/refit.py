@@ -26,9 +26,10 @@ step included, bumps it) and moves only the engine tensors made from a changed o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, ParamSpec
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,7 @@ from .refit_schedule import Held, Request, maker, round_bytes, transfers_of, vol
 from .refit_send import Region, SendFn, plan_regions
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
 
 
 # ------------------------------------------------------------------------------ what a rank holds
@@ -82,6 +84,23 @@ def _tensors(obj: nn.Module | Mapping[str, torch.Tensor] | None, engine: bool) -
 
 
 # ------------------------------------------------------------------------------ planning
+def _collectives_failing(plan: Callable[P, Refit]) -> Callable[P, Refit]:
+    """``plan`` with the backend's error (a rank left, or broke the group, while the ranks
+    planned) raised as a :class:`RefitError` naming this rank."""
+
+    @functools.wraps(plan)
+    def planned(*args: P.args, **kwargs: P.kwargs) -> Refit:
+        try:
+            return plan(*args, **kwargs)
+        except RuntimeError as e:
+            rank = rank_and_world(kwargs.get("process_group"))[0]  # type: ignore[arg-type]
+            raise RefitError(f"planning the refit failed on rank {rank}: a collective failed ({type(e).__name__}: {e}); "
+                             "nothing was written; plan again once every rank is back") from e  # fmt: skip
+
+    return planned
+
+
+@_collectives_failing
 def refit_plan(
     trainer: nn.Module | Mapping[str, torch.Tensor] | None,
     engine: nn.Module | Mapping[str, torch.Tensor] | None,
@@ -153,20 +172,7 @@ def refit_plan(
         # an engine outside the group: every trainer rank sends the regions it makes
         sdadapt.refit_plan(trainer, whole_engine_on_meta, adapter, send=push_to_engine)()
     """
-    try:
-        options = Options(name="the trainer", allow_missing=tuple(allow_missing or ()), allow_unexpected=tuple(allow_unexpected or ()))
-        return _refit_plan(trainer, engine, adapter, engine_layout, process_group, bucket_bytes, delta, timeout, options, send)
-    except RuntimeError as e:  # the backend's error: a rank left, or broke the group, while the ranks planned
-        raise RefitError(
-            f"planning the refit failed on rank {rank_and_world(process_group)[0]}: a collective failed ({type(e).__name__}: "
-            f"{e}); nothing was written; plan again once every rank is back"
-        ) from e
-
-
-def _refit_plan(trainer: nn.Module | Mapping[str, torch.Tensor] | None, engine: nn.Module | Mapping[str, torch.Tensor] | None,
-                adapter: Adapter | None, engine_layout: EngineLayout | None, process_group: dist.ProcessGroup | None,
-                bucket_bytes: int, delta: bool, timeout: float, options: Options, send: SendFn | None) -> Refit:  # fmt: skip
-    """:func:`refit_plan`'s planning."""
+    options = Options(name="the trainer", allow_missing=tuple(allow_missing or ()), allow_unexpected=tuple(allow_unexpected or ()))
     group = process_group
     rank, world = rank_and_world(group)
     if not isinstance(bucket_bytes, int) or bucket_bytes < 32:
