@@ -16,6 +16,7 @@ import logging
 import os
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -172,33 +173,38 @@ def _pulled(key: str, outputs: dict[str, Node], whole: Callable[[str], torch.Ten
 
 
 
-def convert_ranks(
-    src: str | os.PathLike[str] | Source,
-    dst: str,
-    adapter: Adapter | str | None,
-    *,
-    max_shard_size: int | str,
-    subtree: str | None,
-    overwrite: bool,
-    read_back: bool,
-    on_progress: Callable[[str, int], None] | None,
-    group: dist.ProcessGroup,
-) -> tuple[int, int, list[str], list[str], int]:
+@dataclass(frozen=True)
+class ConvertJob:
+    """What one :func:`sdadapt.convert` call asked for, built once there: its arguments of the
+    same names (``dst`` as a string)."""
+
+    src: str | os.PathLike[str] | Source
+    dst: str
+    adapter: Adapter | str | None
+    max_shard_size: int | str
+    subtree: str | None
+    overwrite: bool
+    read_back: bool
+    on_progress: Callable[[str, int], None] | None
+
+
+def convert_ranks(job: ConvertJob, group: dist.ProcessGroup) -> tuple[int, int, list[str], list[str], int]:
     """Collective over ``group``: :func:`sdadapt.convert` with every rank writing its files.
     Opening and planning run on every rank and are agreed (the same files planned everywhere);
     each rank reads only the source tensors its files need. Returns ``(tensors, bytes in all,
     names written, non-tensor keys skipped, bytes this rank wrote)``."""
     rank, world = rank_and_world(group)
+    dst, on_progress = job.dst, job.on_progress
     error: SdadaptError | None = None
     source: Source | None = None
     planned: tuple[dict[str, Node], list[str], list[FileLayout], list[int]] | None = None
     try:
         if rank == 0:
-            check_destination(dst, overwrite)
-        source = open_checkpoint(src, subtree)
-        outputs, skipped = plan_outputs(source.schema, derive_adapter(adapter, source), non_tensor=source.non_tensor,
+            check_destination(dst, job.overwrite)
+        source = open_checkpoint(job.src, job.subtree)
+        outputs, skipped = plan_outputs(source.schema, derive_adapter(job.adapter, source), non_tensor=source.non_tensor,
                                         what=f"convert {source.path}")  # fmt: skip
-        planned = (outputs, skipped, *plan_convert(outputs, max_shard_size, world))
+        planned = (outputs, skipped, *plan_convert(outputs, job.max_shard_size, world))
     except SdadaptError as e:
         error = e
     layout = [] if planned is None else [(f.name, f.size, list(f.starts)) for f in planned[2]]
@@ -227,12 +233,12 @@ def convert_ranks(
 
         def check(path: str) -> None:
             io.flush()
-            if read_back:
+            if job.read_back:
                 inside = {k: outputs[k] for k in next(f for f in files if path.endswith("/" + f.name)).starts}
                 read_back_compare(path, dst, inside, source, release, on_progress)
             txn.files_unchanged("while it was being converted")
 
-        names, written = convert_spread(dst, outputs, files, owner, whole, rank=rank, group=group, overwrite=overwrite,
+        names, written = convert_spread(dst, outputs, files, owner, whole, rank=rank, group=group, overwrite=job.overwrite,
                                         check=check, finish=lambda tmp: side_files(tmp, config_folder(source.path), None))  # fmt: skip
     finally:
         txn.close()
@@ -240,4 +246,4 @@ def convert_ranks(
     return len(outputs), total, names, skipped, written
 
 
-__all__ = ["convert_ranks", "convert_spread", "plan_convert"]
+__all__ = ["ConvertJob", "convert_ranks", "convert_spread", "plan_convert"]

@@ -62,7 +62,7 @@ from ..sources import (
     transformers_config,
     write_checksums_data,
 )
-from .convert_spread import convert_ranks
+from .convert_spread import ConvertJob, convert_ranks
 from .export_local import local_pieces
 from .spread import SpreadJob, write_spread
 from .spread_remote import write_spread_remote
@@ -490,10 +490,8 @@ def convert(
         if format != "safetensors":
             raise ExportError(f"convert(..., process_group=...) writes safetensors from every rank; format {format!r} is written "
                               "by one process: call convert without process_group on one rank")  # fmt: skip
-        n, total, names, skipped, mine = convert_ranks(
-            src, dst, adapter, max_shard_size=max_shard_size, subtree=subtree, overwrite=overwrite, read_back=read_back,
-            on_progress=on_progress, group=process_group,
-        )  # fmt: skip
+        job = ConvertJob(src, dst, adapter, max_shard_size, subtree, overwrite, read_back, on_progress)
+        n, total, names, skipped, mine = convert_ranks(job, process_group)
         return ExportReport(dst=dst, format=format, tensors=n, bytes=total, rank_bytes=mine, files=names, skipped_non_tensor=skipped,
                             read_back=read_back, seconds=time.perf_counter() - t0)  # fmt: skip
     check_destination(dst, overwrite)
