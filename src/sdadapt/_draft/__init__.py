@@ -253,7 +253,7 @@ def run_draft(target: Target, src: str | os.PathLike[str] | Source | dict[str, T
     props = build_proposals(result, stree, ttree, strip or None, facts)
     frac = props.matched_target_keys / max(1, props.target_keys)
     related = frac >= RELATED_FRACTION and props.target_keys > 0
-    summary = _summary(result, props, frac, related, strip)
+    summary = _summary(result, props, frac, related)
     summary.insert(0, f"config: {facts.describe()}")
     proposals: list[Proposal] = []
     sections: list[tuple[str, list[tuple[list[str], list[str]]]]] = []
@@ -474,7 +474,7 @@ def _experiment(target: Any, facts: Any, props: Proposals, reference: Any, check
     return out.detail, lines
 
 
-def _summary(result: Any, props: Proposals, frac: float, related: bool, strip: str) -> list[str]:
+def _summary(result: Any, props: Proposals, frac: float, related: bool) -> list[str]:
     lines = []
     for p in result.pairs:
         lines.append(f"blocks {p.src.label()} ~ {p.tgt.label()}: {p.evidence}")
