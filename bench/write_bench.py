@@ -13,9 +13,12 @@ all ranks and as FSDP x TP 2. Per rank:
   peak reset through ``/proc/self/clear_refs``) against this rank's shards.
 - **async save** (FSDP mesh, Adam): a training step's seconds; ``save_state`` blocking; then
   ``save_state(..., async_=True)``: how long the call held training (against the time its
-  copy into host memory took, ``handle.staging_seconds``), how long the background write took, and the training steps run while it wrote
-  (their seconds against the steps before); ``--async-saves`` of them in a row (the first stages into
-  fresh host memory, the later ones reuse it).
+  copy into host memory took, ``handle.staging_seconds``; and on the caller's thread CPU clock,
+  the call's own work beyond the copy, apart from waiting for a CPU on a loaded host), how long
+  the background write took, and the training steps run while it wrote (their seconds against
+  the steps before); ``--async-saves`` of them in a row (the first makes the background group,
+  takes the state dicts in full and stages into fresh host memory; the later ones reuse all
+  three).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import sdadapt  # noqa: E402
+from sdadapt._state import background  # noqa: E402
 
 SIZE = {"layers": 4, "dim": 512, "heads": 8, "ffn": 1376, "vocab": 8192}
 
@@ -82,11 +86,12 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
     rows: dict[str, object] = {}
     tmp = os.path.join(out, "dst")
     os.makedirs(tmp, exist_ok=True)
-    warm = _model("fsdp", world)  # the first export imports what it uses: not measured
-    sdadapt.export(warm, os.path.join(tmp, "warm"), progress=False)
-    sdadapt.export(warm, os.path.join(tmp, "warm.pt"), format="torch", progress=False)
-    del warm
-    for mesh_kind in ("fsdp", "fsdp_tp2"):
+    if "export" in args.parts:
+        warm = _model("fsdp", world)  # the first export imports what it uses: not measured
+        sdadapt.export(warm, os.path.join(tmp, "warm"), progress=False)
+        sdadapt.export(warm, os.path.join(tmp, "warm.pt"), format="torch", progress=False)
+        del warm
+    for mesh_kind in ("fsdp", "fsdp_tp2") if "export" in args.parts else ():
         model = _model(mesh_kind, world)
         shards = _shard_bytes(model)
         for fmt in ("safetensors", "torch"):
@@ -109,11 +114,23 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
     t0 = time.perf_counter()
     sdadapt.save_state(model, os.path.join(tmp, "sync"), opt, extra={"step": 1})
     sync = time.perf_counter() - t0
+    staging_cpu: list[float] = []  # the copy on this thread's CPU clock: the call's own work, apart from the box's load
+    stage = background.stage
+
+    def stage_timed(state: dict) -> dict:
+        c0 = time.thread_time()
+        try:
+            return stage(state)
+        finally:
+            staging_cpu.append(time.thread_time() - c0)
+
+    background.stage = stage_timed
     for i in range(args.async_saves):  # the first stages into fresh memory, the later ones reuse it
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         pending = sdadapt.save_state(model, os.path.join(tmp, f"async{i}"), opt, extra={"step": 2 + i}, async_=True)
         held = time.perf_counter() - t0  # what training waited for, as its loop sees it
+        held_cpu = time.thread_time() - c0
         during = []
         while not pending.done():
             s0 = time.perf_counter()
@@ -123,7 +140,8 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
         pending.wait()
         rows["async" if i == 0 else f"async{i + 1}"] = {
             "step": statistics.median(steps), "sync_save": sync, "held": held, "staging": pending.staging_seconds,
-            "held_reported": pending.held_seconds, "write_done_after": write, "steps_during": len(during),
+            "held_reported": pending.held_seconds, "held_cpu": held_cpu, "staging_cpu": staging_cpu[-1],
+            "write_done_after": write, "steps_during": len(during),
             "step_during": statistics.median(during) if during else None,
         }  # fmt: skip
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -137,7 +155,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--world", type=int, default=8)
     p.add_argument("--steps", type=int, default=5, help="training steps timed before the saves")
-    p.add_argument("--async-saves", type=int, default=2, help="background saves in a row (the later ones reuse the staging memory)")
+    p.add_argument("--async-saves", type=int, default=3,
+                   help="background saves in a row (the later ones reuse the staging memory and the state dicts taken)")
+    p.add_argument("--parts", default="export,async", help="what to measure: export, async (comma-separated)")
     p.add_argument("--out", default=None, help="write every rank's figures here (JSON)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="sdadapt-write-bench-") as tmp:
@@ -161,7 +181,8 @@ def main() -> None:
         for r, rows in enumerate(ranks):
             a = rows[key]
             print(f"  rank {r}: step {a['step']:.3f}; sync save {a['sync_save']:.2f}; async call held {a['held']:.3f} "
-                  f"(staging {a['staging']:.3f}, beyond it {a['held'] - a['staging']:.3f}); "
+                  f"(staging {a['staging']:.3f}, beyond it {a['held'] - a['staging']:.3f}; CPU beyond it "
+                  f"{a['held_cpu'] - a['staging_cpu']:.4f}); "
                   f"write done after {a['write_done_after']:.2f}, {a['steps_during']} steps meanwhile "
                   f"({a['step_during'] if a['step_during'] is None else round(a['step_during'], 3)} s each)")
     if args.out:

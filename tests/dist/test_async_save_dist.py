@@ -2,8 +2,9 @@
 
 An FSDP2 model and its Adam optimizer train while :class:`sdadapt.Checkpointer` saves every 2
 steps in the background, keeping 2: each folder holds the state as it was when its save was
-called (training changed the model meanwhile), bit for bit, and only the last two remain. Then
-faults, each over the complete checkpoints before it: a full disk on rank 1 mid-write (every
+called (training changed the model meanwhile), bit for bit, and only the last two remain (the
+later saves took the state dicts remembered from the first). Then a check failing on one rank
+(raised by every rank's ``wait()``), and faults, each over the complete checkpoints before it: a full disk on rank 1 mid-write (every
 rank's ``wait()`` raises, the folder never looks complete, ``latest()`` is the previous one),
 and last a rank killed mid-write (the other rank raises instead of hanging).
 """
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import sdadapt
+from sdadapt._state import taken
 from sdadapt._state.checkpointer import complete
 
 WORLD = 2
@@ -71,12 +73,21 @@ def _cases(root: str) -> dict:
     out["kept"] = sorted(os.listdir(os.path.join(root, "run")))
     out["latest"] = os.path.basename(ckpt.latest() or "")
     out["held"] = held
+    out["remembered"] = model in taken._TAKEN  # steps 4 and 6 were taken from the remembered dicts
     for step in (4, 6):  # what each save holds: the model as it was when save_state returned
         back, back_opt = _model()
         extra = {"step": 0}
         sdadapt.load_state(back, os.path.join(root, "run", f"step_{step:08d}"), back_opt, extra=extra)
         got = _full(back)
         out[f"same_{step}"] = extra["step"] == step and all(torch.equal(got[k], v) for k, v in wanted[step].items())
+
+    # a check failing on rank 0 only (its folder is not empty): the call returns, every rank's wait() raises
+    busy = os.path.join(root, "busy")
+    if rank == 0:
+        os.makedirs(busy)
+        open(os.path.join(busy, "x"), "w").close()
+    pending = sdadapt.save_state(model, busy, opt, async_=True)
+    out["busy"] = outcome(lambda: pending.wait())
 
     # a full disk on rank 1 in the background write: wait() raises on both ranks; step 6 stays the latest
     def enospc() -> None:
@@ -112,7 +123,8 @@ def test_background_saves_while_training(tmp_path):
     for r in results:
         assert r["kept"] == ["step_00000004", "step_00000006"], r["kept"]
         assert r["latest"] == "step_00000006"
-        assert r["same_4"] and r["same_6"]
+        assert r["same_4"] and r["same_6"] and r["remembered"]
+        assert r["busy"][0] in ("StateError", "RemoteRankError") and "exists and is not empty" in r["busy"][1], r["busy"]
         assert len(r["held"]) == 3 and all(h > 0 for h in r["held"])
         assert r["full"][0] in ("StateError", "RemoteRankError"), r["full"]
         assert not r["full_complete"] and r["latest_after_full"] == "step_00000006"

@@ -1,32 +1,38 @@
 """Saves that do not stop training: ``save_state(..., async_=True)``.
 
-The caller's thread stages the state (tensors copied into host memory by DCP's own stager,
-``Stateful`` extras turned into their ``state_dict()``, other values copied), then a thread of
-this process runs the collective save of the staged copy (DCP's ``.metadata`` last, then
-``sdadapt.json``) over a gloo group of the same ranks, made once per group, so that the
-training loop's collectives on its own group go on meanwhile (as torchtitan's asynchronous
-checkpointer does). One save runs at a time per process: a new one waits for the one before.
+The caller's thread takes the state dicts (remembered between saves: :mod:`.taken`) and stages
+them (tensors copied into host memory by DCP's own stager, ``Stateful`` extras turned into
+their ``state_dict()``, other values copied), and nothing more: a thread of this process then
+agrees with the other ranks (every rank's checks, the same adapter and versions) and runs the
+collective save of the staged copy (DCP's ``.metadata`` last, then ``sdadapt.json``) over a
+gloo group of the same ranks, made once per group, so that the training loop's collectives on
+its own group go on meanwhile (as torchtitan's asynchronous checkpointer does). A check that
+failed on any rank is raised by every rank's ``wait()``. One save runs at a time per process:
+a new one waits for the one before.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import queue
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
-from .._base.distributed import is_distributed, rank_and_world
+from .._base.distributed import is_distributed
 from ..errors import SdadaptError, StateError
 from .saved import SaveReport
 
 log = logging.getLogger(__name__)
 
-WriteRest = Callable[[dict[str, Any], str, dict[str, Any], int, int, "dist.ProcessGroup | None", bool], None]
+Write = Callable[[dict[str, Any], "dist.ProcessGroup | None"], None]
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 _RUNNING: list[SaveHandle] = []  # the save this process runs in the background, if any
@@ -86,7 +92,7 @@ class SaveHandle:
         self.held_seconds = staging_seconds
         self._saved = saved
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
+        self._finished = threading.Event()
 
     def done(self) -> bool:
         """Whether the background write has finished (well or not).
@@ -99,7 +105,7 @@ class SaveHandle:
             if pending.done():
                 pending.wait()
         """
-        return self._thread is None or not self._thread.is_alive()
+        return self._finished.is_set()
 
     def wait(self, timeout: float | None = None) -> SaveReport:
         """Wait for the background write.
@@ -118,10 +124,8 @@ class SaveHandle:
 
             saved = pending.wait()
         """
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                raise StateError(f"saving to {self.path} is still running after {timeout} s")
+        if not self._finished.wait(timeout):
+            raise StateError(f"saving to {self.path} is still running after {timeout} s")
         if self in _RUNNING:
             _RUNNING.remove(self)
         if self._error is not None:
@@ -134,31 +138,54 @@ class SaveHandle:
         return f"SaveHandle({self.path!r}, {state}, held the caller {self.held_seconds:.3f} s, staging {self.staging_seconds:.3f} s)"
 
 
-def start_save(state: dict[str, Any], saved: SaveReport, record: dict[str, Any], group: dist.ProcessGroup | None, t0: float,
-               write_rest: WriteRest) -> SaveHandle:  # fmt: skip
-    """Collective: wait for this process's save before, stage ``state``, start the write in a
-    thread (``write_rest``, over the background group), return its handle."""
+def start_save(state: dict[str, Any] | None, saved: SaveReport, group: dist.ProcessGroup | None, t0: float,
+               write: Write) -> SaveHandle:  # fmt: skip
+    """Wait for this process's save before, stage ``state``, hand ``write(staged, group)`` to the
+    writing thread, over the background group, and return its handle. No collective runs in the
+    caller: ``write`` agrees first, in the thread (``state`` is ``None`` on a rank whose checks
+    failed: nothing is staged, and the agreement raises the error on every rank)."""
     for h in list(_RUNNING):  # one save at a time: its error is raised here, on every rank
         h.wait()
-    rank, world = rank_and_world(group)
     bg = background_group(group)
     t_stage = time.perf_counter()
-    staged = stage(state)
+    with torch.no_grad():  # the state may hold the live parameters: copies without autograd
+        staged = stage(state) if state is not None else {}
     handle = SaveHandle(saved, time.perf_counter() - t_stage)
 
     def run() -> None:
         try:
-            write_rest(staged, saved.path, record, rank, world, bg, saved.checksums)
+            write(staged, bg)
             saved.seconds = time.perf_counter() - t0
             log.info("%s (in the background; the caller was held %.3f s)", saved.format(), handle.held_seconds)
         except BaseException as e:  # noqa: BLE001 - a CheckpointException or a peer gone: raised by wait()
             handle._error = e
+        finally:
+            handle._finished.set()
 
-    handle._thread = threading.Thread(target=run, name=f"sdadapt-save {saved.path}", daemon=True)
     _RUNNING.append(handle)
-    handle._thread.start()
+    _writer().put(run)
     handle.held_seconds = time.perf_counter() - t0
     return handle
+
+
+_WRITER: dict[int, queue.SimpleQueue[Callable[[], None]]] = {}  # by process id: a forked child starts its own
+
+
+def _writer() -> queue.SimpleQueue[Callable[[], None]]:
+    """The queue of this process's writing thread, started on first use and kept: handing a
+    save to a running thread costs the caller nothing, where starting a thread makes the caller
+    wait until the new thread is scheduled (long on a busy host)."""
+    pid = os.getpid()
+    if pid not in _WRITER:
+        jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+
+        def serve() -> None:
+            while True:
+                jobs.get()()
+
+        threading.Thread(target=serve, name="sdadapt-save", daemon=True).start()
+        _WRITER[pid] = jobs
+    return _WRITER[pid]
 
 
 __all__ = ["SaveHandle", "background_group", "stage", "start_save"]

@@ -40,6 +40,7 @@ from ..sources import SDADAPT_JSON, is_url, write_checksums_shared
 from .background import SaveHandle, start_save
 from .saved import SaveReport
 from .state import MODEL_KEY, OPTIM_KEY, STATE_FORMAT, _get_state
+from .taken import take_state
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +89,12 @@ def save_state(
     extras are copied into host memory, and writes them in a background thread (over a gloo
     group of the same ranks, made once, so training's own collectives go on meanwhile): it
     returns a :class:`~sdadapt.reports.SaveHandle` whose ``wait()`` gives the
-    :class:`~sdadapt.reports.SaveReport` or raises the save's error, on every rank. The model
+    :class:`~sdadapt.reports.SaveReport` or raises the save's error, on every rank (a check
+    that failed on any rank too: the ranks agree in the background, not in the call). The model
     and optimizer may change as soon as it returns; the host copy is kept and reused by the
     next save (one copy of this rank's state in host memory while the model lives, and no
-    fresh memory touched by later saves). ``.metadata`` (DCP's) and then
+    fresh memory touched by later saves), and so are the state dicts' names while the model's
+    tensors stay where they were. ``.metadata`` (DCP's) and then
     ``sdadapt.json`` are written last, once every rank's files are written, so a folder a crash
     cut short never looks complete. :class:`sdadapt.Checkpointer` saves every N training steps
     and keeps the last few.
@@ -137,6 +140,7 @@ def save_state(
     rank, world = rank_and_world(process_group)
     extra = dict(extra or {})
     error: SdadaptError | None = None
+    state: dict[str, Any] = {}
     try:
         for name in extra:
             if not isinstance(name, str) or not name or "." in name or name in (MODEL_KEY, OPTIM_KEY):
@@ -149,17 +153,20 @@ def save_state(
             raise StateError(f"{dst} exists and is not a folder")
         if has_meta(model):
             raise StateError("the model still has tensors on the meta device; there is nothing to save")
+        # in the background the dicts are remembered between saves (the name walk held training)
+        take = (lambda m, o: take_state(m, o, _take)) if async_ else _take
+        model_sd, optim_sd = take(model, optimizer)
+        state = {MODEL_KEY: model_sd} if optim_sd is None else {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
+        state.update(extra)
     except SdadaptError as e:
         error = e
-    # the stages of a pipeline save different keys: the adapter, extras and versions are compared
-    parts = no_intent() if error is not None else intent(adapter, None, extra=sorted(extra), optimizer=optimizer is not None)
-    agree_on(parts, error, process_group, what=f"save {dst}")
-    if optimizer is not None:
-        model_sd, optim_sd = _get_state(model, optimizer)
-        state: dict[str, Any] = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
-    else:
-        state = {MODEL_KEY: model_state_dict(model)}
-    state.update(extra)
+
+    def agreement(group: dist.ProcessGroup | None) -> None:
+        """Every rank's checks, and the same adapter, extras and versions (the stages of a
+        pipeline save different keys), agreed before anything is written."""
+        parts = no_intent() if error is not None else intent(adapter, None, extra=sorted(extra), optimizer=optimizer is not None)
+        agree_on(parts, error, group, what=f"save {dst}")
+
     record = {
         "format": STATE_FORMAT,
         "sdadapt_version": _version(),
@@ -172,22 +179,34 @@ def save_state(
         "adapter": json.loads(adapter.to_json()) if adapter is not None else None,
     }
     saved = SaveReport(
-        rank=rank, world_size=world, path=dst, model_keys=len(state[MODEL_KEY]),
+        rank=rank, world_size=world, path=dst, model_keys=len(state.get(MODEL_KEY, ())),
         optimizer=type(optimizer).__name__ if optimizer is not None else None, extra=sorted(extra),
         checksums=checksums, seconds=0.0,
     )  # fmt: skip
-    if async_:
-        return start_save(state, saved, record, process_group, t0, write_rest=_write_rest)
+
+    def write(staged: dict[str, Any], group: dist.ProcessGroup | None) -> None:
+        agreement(group)
+        _write_rest(staged, dst, record, rank, world, group, checksums)
+
+    if async_:  # a failed check is raised by the handle's wait(), on every rank
+        return start_save(state if error is None else None, saved, process_group, t0, write)
     with single_process_quiet():
-        _write_rest(state, dst, record, rank, world, process_group, checksums)
+        write(state, process_group)
     saved.seconds = time.perf_counter() - t0
     log.info("%s", saved.format())
     return saved
 
 
+def _take(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The model's state dict and the optimizer's (``get_state_dict``'s names), or ``None`` for it."""
+    if optimizer is None:
+        return model_state_dict(model), None
+    return _get_state(model, optimizer)
+
+
 def _write_rest(state: dict[str, Any], dst: str, record: dict[str, Any], rank: int, world: int,
                 group: dist.ProcessGroup | None, checksums: bool) -> None:  # fmt: skip
-    """Collective over ``group``: the old ``.metadata`` removed (a save cut short must not look
+    """Collective over ``group``, once the ranks agreed: the old ``.metadata`` removed (a save cut short must not look
     complete, with old and new files mixed) before any rank writes, the DCP save of ``state``
     (its ``.metadata`` last), then ``sdadapt.json`` by rank 0, then the checksums; one rank's
     failure is every rank's. In the background (``async_=True``) all of it runs on the

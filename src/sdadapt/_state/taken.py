@@ -1,0 +1,139 @@
+"""The model's and optimizer's state dicts for a background save, taken again cheaply.
+
+``get_state_dict`` finds every parameter's canonical name by walking the module tree, which
+costs far more than listing the parameters; a background save (``save_state(...,
+async_=True)``) would hold training for that walk at every save. :func:`take_state` runs it
+once per model and optimizer and remembers which live tensor each key names and which name
+each optimizer parameter has. A later save reuses that while the model's parameters and
+buffers are the same tensors at the same memory (a fingerprint: one pass over the modules,
+each tensor's identity, data pointer and shape) and the optimizer holds the same parameters;
+the optimizer's state is always read afresh (``optimizer.state_dict()``, whose per-parameter
+dicts are the live ones), so a changed learning rate or a new state entry is never missed.
+
+A model whose state dict is not just its tensors is taken in full every time: a module with
+``get_extra_state``, a ``state_dict`` hook other than FSDP2's (which only reshards, and a
+fingerprint taken while parameters are unsharded differs anyway), FSDP1 (its state dict
+gathers), or keys that name no live tensor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+_FSDP2_HOOK = "to_sharded_hook"  # fully_shard's state-dict pre-hook: moves parameters to their sharded form
+
+
+@dataclass
+class _Taken:
+    fingerprint: tuple[Any, ...]
+    tensors: dict[str, weakref.ref[torch.Tensor]]  # model state dict key -> the live parameter or buffer
+    optimizer: weakref.ref[torch.optim.Optimizer] | None
+    names: tuple[str, ...]  # the optimizer's parameters in param_groups order -> their state dict names
+
+
+_TAKEN: weakref.WeakKeyDictionary[nn.Module, _Taken] = weakref.WeakKeyDictionary()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, ...] | None:
+    """What must stay the same for a remembered state dict to still describe ``model``: every
+    parameter's and buffer's identity, data pointer and shape, and the optimizer's parameters.
+    ``None`` when the model's state dict holds more than its tensors (never remembered)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: PLC0415 - loaded with torch.distributed
+
+    seen: list[Any] = []
+    for m in model.modules():
+        if isinstance(m, FullyShardedDataParallel) or m._state_dict_hooks:
+            return None
+        if type(m).get_extra_state is not nn.Module.get_extra_state:
+            return None
+        if any(getattr(h, "__name__", "") != _FSDP2_HOOK for h in m._state_dict_pre_hooks.values()):
+            return None
+        for t in itertools.chain(m._parameters.values(), m._buffers.values()):
+            if t is None:
+                seen.append(None)
+            else:
+                local = _local(t)
+                seen.append((id(t), local.data_ptr(), tuple(local.shape)))
+    params = () if optimizer is None else tuple(id(p) for g in optimizer.param_groups for p in g["params"])
+    return (tuple(seen), id(optimizer), params)
+
+
+def _remember(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict[str, Any],
+              optim_sd: dict[str, Any] | None) -> None:  # fmt: skip
+    """Remember which live tensor each of ``model_sd``'s keys is (matched by memory) and each
+    optimizer parameter's name, unless the state holds anything else."""
+    _TAKEN.pop(model, None)
+    fingerprint = _fingerprint(model, optimizer)
+    if fingerprint is None:
+        return
+    live: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor] = {}
+    for m in model.modules():
+        for t in itertools.chain(m._parameters.values(), m._buffers.values()):
+            if t is not None:
+                local = _local(t)
+                live[(local.data_ptr(), tuple(local.shape), local.stride(), local.dtype)] = t
+    tensors: dict[str, weakref.ref[torch.Tensor]] = {}
+    for key, value in model_sd.items():
+        if not isinstance(value, torch.Tensor):
+            return
+        local = _local(value)
+        found = live.get((local.data_ptr(), tuple(local.shape), local.stride(), local.dtype))
+        if found is None or isinstance(found, DTensor) != isinstance(value, DTensor):
+            return
+        tensors[key] = weakref.ref(found)
+    names: tuple[str, ...] = ()
+    if optimizer is not None:
+        assert optim_sd is not None
+        names = tuple(n for g in optim_sd["param_groups"] for n in g["params"])
+        if len(names) != len(fingerprint[2]) or not all(isinstance(n, str) for n in names):
+            return
+    _TAKEN[model] = _Taken(fingerprint, tensors, weakref.ref(optimizer) if optimizer is not None else None, names)
+
+
+def _again(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+    """The state dicts from what was remembered, or ``None`` when anything moved."""
+    taken = _TAKEN.get(model)
+    if taken is None or (taken.optimizer() if taken.optimizer is not None else None) is not optimizer:
+        return None
+    if optimizer is not None and not optimizer.state:
+        return None  # get_state_dict gives a fresh optimizer its state first
+    if _fingerprint(model, optimizer) != taken.fingerprint:
+        return None
+    model_sd = {k: ref() for k, ref in taken.tensors.items()}
+    if any(v is None for v in model_sd.values()):
+        return None
+    if optimizer is None:
+        return model_sd, None
+    osd = optimizer.state_dict()  # the live per-parameter dicts, under their parameter's index
+    names = taken.names
+    state = {names[i]: v for i, v in osd["state"].items()}
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]
+    return model_sd, {"state": state, "param_groups": groups}
+
+
+def take_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               take: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:  # fmt: skip
+    """``take(model, optimizer)`` (the full ``get_state_dict`` or ``model_state_dict``), or the
+    same dicts rebuilt from the last call's while nothing they rest on moved. The values of the
+    rebuilt model dict are the live parameters and buffers themselves (a copy reads them
+    without autograd); its keys and the optimizer dict's layout are ``take``'s."""
+    again = _again(model, optimizer)
+    if again is not None:
+        return again
+    model_sd, optim_sd = take(model, optimizer)
+    _remember(model, optimizer, model_sd, optim_sd)
+    return model_sd, optim_sd
+
+
+__all__ = ["take_state"]

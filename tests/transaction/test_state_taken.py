@@ -1,0 +1,119 @@
+"""The state dicts a background save takes, remembered between saves (``_state/taken.py``).
+
+Each remembered take is compared with a fresh ``get_state_dict``: the same keys, each model
+value the same memory, the optimizer's state the live dicts and its hyperparameters current.
+Anything that moves a tensor (a new parameter, ``.data`` swapped) takes the state afresh, and a
+model whose state dict holds more than tensors is never remembered. Last, two background saves
+of one process read back bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+from support.models import TinyTransformer
+from support.training import train_steps
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+import sdadapt
+from sdadapt._state import taken
+from sdadapt._state.taken import take_state
+
+
+def _counted() -> tuple[list[int], object]:
+    calls: list[int] = []
+
+    def take(m: nn.Module, o: torch.optim.Optimizer | None):
+        calls.append(1)
+        return get_state_dict(m, o)
+
+    return calls, take
+
+
+def _same_as_fresh(model: nn.Module, opt: torch.optim.Optimizer, got: tuple) -> None:
+    model_sd, optim_sd = got
+    want_model, want_optim = get_state_dict(model, opt)
+    assert list(model_sd) == list(want_model)
+    for k, v in want_model.items():
+        assert model_sd[k].data_ptr() == v.data_ptr() and torch.equal(model_sd[k], v), k
+    assert list(optim_sd["state"]) == list(want_optim["state"])
+    for k, v in want_optim["state"].items():
+        assert optim_sd["state"][k].keys() == v.keys()
+        assert all(torch.equal(optim_sd["state"][k][n], v[n]) for n in v), k
+    assert optim_sd["param_groups"] == want_optim["param_groups"]
+
+
+def test_a_remembered_take_is_get_state_dict():
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 1)
+    calls, take = _counted()
+    _same_as_fresh(model, opt, take_state(model, opt, take))
+    train_steps(model, opt, 1)
+    opt.param_groups[0]["lr"] = 5e-3  # as a scheduler would
+    _same_as_fresh(model, opt, take_state(model, opt, take))
+    assert len(calls) == 1  # the second take walked nothing
+
+    model.head.weight = nn.Parameter(model.head.weight.detach().clone())  # a new tensor object
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train_steps(model, opt, 1)
+    _same_as_fresh(model, opt, take_state(model, opt, take))
+    assert len(calls) == 2
+    model.norm.weight.data = model.norm.weight.detach().clone()  # same object, new memory
+    _same_as_fresh(model, opt, take_state(model, opt, take))
+    assert len(calls) == 3
+    take_state(model, None, lambda m, o: (m.state_dict(), None))  # another optimizer (none): afresh
+    assert taken._TAKEN[model].optimizer is None
+
+
+class _WithExtra(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def get_extra_state(self):
+        return {"calls": 1}
+
+    def set_extra_state(self, state):
+        pass
+
+
+def test_a_state_dict_beyond_tensors_is_never_remembered():
+    model = _WithExtra()
+    calls, take = _counted()
+    for _ in range(2):
+        take_state(model, None, lambda m, o: (calls.append(1) or m.state_dict(), None))
+    assert len(calls) == 2 and model not in taken._TAKEN
+    hooked = nn.Linear(3, 3)
+    hooked.register_state_dict_pre_hook(lambda *a, **k: None)
+    take_state(hooked, None, lambda m, o: (m.state_dict(), None))
+    assert hooked not in taken._TAKEN
+
+
+def test_background_saves_of_one_process_read_back(tmp_path):
+    torch.manual_seed(0)
+    model = TinyTransformer()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    wanted = []
+    for i in range(2):
+        train_steps(model, opt, 1)
+        wanted.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        pending = sdadapt.save_state(model, tmp_path / f"s{i}", opt, extra={"step": i}, async_=True)
+        train_steps(model, opt, 1)  # changes the model while it writes
+        pending.wait()
+    for i, want in enumerate(wanted):
+        back = TinyTransformer()
+        back_opt = torch.optim.Adam(back.parameters(), lr=1e-2)
+        extra = {"step": -1}
+        sdadapt.load_state(back, tmp_path / f"s{i}", back_opt, extra=extra, progress=False)
+        assert extra["step"] == i
+        assert all(torch.equal(back.state_dict()[k], v) for k, v in want.items())
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    pending = sdadapt.save_state(model, tmp_path / "full", opt, async_=True)  # the check is raised by wait()
+    try:
+        pending.wait()
+        raise AssertionError("a non-empty folder was overwritten")
+    except sdadapt.errors.StateError as e:
+        assert "exists and is not empty" in str(e)
