@@ -234,3 +234,17 @@ def test_convert_refuses_a_source_that_changes_while_read(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["src.safetensors"]
     convert(src, dst)  # unchanged: converts
     assert sorted(os.listdir(dst)) == ["model.safetensors"]
+
+
+def test_a_rank_that_cannot_see_the_shared_folder_is_told_where_to_write(tmp_path):
+    """Every-rank writes go into one temporary folder beside ``dst``, named by rank 0; a rank
+    that cannot see it gets an error naming the folder, the destination and the way out."""
+    from sdadapt._export.writing import shared_temp, unseen
+
+    dst = str(tmp_path / "out")
+    folder = shared_temp(dst + os.sep, None)  # one process: its own name, beside dst
+    assert os.path.dirname(folder) == str(tmp_path) and os.path.basename(folder).startswith("out.tmp-")
+    assert unseen(str(tmp_path), dst, "export") is None
+    err = unseen(folder, dst, "convert")
+    assert isinstance(err, ExportError)
+    assert folder in str(err) and dst in str(err) and "convert every rank to one shared filesystem" in str(err)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -46,7 +45,10 @@ from .writing import (
     plan_outputs,
     read_back_compare,
     remove,
+    shared_temp,
     side_files,
+    temp_path,
+    unseen,
 )
 
 log = logging.getLogger(__name__)
@@ -83,10 +85,7 @@ def convert_spread(
     error: SdadaptError | None = None
     up: Uploader | None = None
     old: list[str] = []
-    tmp = [f"{dst.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"]
-    if not remote:
-        dist.broadcast_object_list(tmp, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    folder = tmp[0]
+    folder = temp_path(dst) if remote else shared_temp(dst, group)
     try:
         try:
             if remote:
@@ -100,10 +99,7 @@ def convert_spread(
         except OSError as e:
             error = ExportError(describe_failure(dst, e))
         agree(error, group)
-        if not remote and not os.path.isdir(folder):
-            error = ExportError(f"{folder}, made by rank 0 for {dst}, is not visible on this rank: convert every rank to one shared "
-                                "filesystem, or to an object store (s3://...)")  # fmt: skip
-        agree(error, group)
+        agree(None if remote else unseen(folder, dst, "convert"), group)
         for f in mine:
             try:
                 if up is not None:

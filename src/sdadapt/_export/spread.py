@@ -25,7 +25,6 @@ import itertools
 import logging
 import math
 import os
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -44,7 +43,7 @@ from .export_local import _Reads, first_copies, owned_shard, regions
 from .writers import parse_size
 from .writers.base import write_at
 from .writers.safetensors_writer import FileLayout, check_dtypes, index_json, plan_files
-from .writing import commit, describe_failure, remove
+from .writing import commit, describe_failure, remove, shared_temp, unseen
 
 log = logging.getLogger(__name__)
 
@@ -212,10 +211,7 @@ def write_spread(job: SpreadJob) -> tuple[list[str], int]:
     agree(error, group)
     assert plan is not None
     on_written = job.progress(plan.my_bytes(outputs, rank, world))
-    tmp = [f"{dst.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"]
-    if dist.is_initialized():
-        dist.broadcast_object_list(tmp, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    folder = tmp[0]
+    folder = shared_temp(dst, group)
     try:
         if rank == 0:
             try:
@@ -223,10 +219,7 @@ def write_spread(job: SpreadJob) -> tuple[list[str], int]:
             except OSError as e:
                 error = ExportError(describe_failure(dst, e))
         agree(error, group)
-        if not os.path.isdir(folder):
-            error = ExportError(f"{folder}, made by rank 0 for {dst}, is not visible on this rank: export every rank to one shared "
-                                "filesystem, or to an object store (s3://...)")  # fmt: skip
-        agree(error, group)
+        agree(unseen(folder, dst, "export"), group)
         written = _write_mine(job, folder, plan, shards, on_written)
         if isinstance(written, SdadaptError):
             error = written

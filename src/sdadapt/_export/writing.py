@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._base.regions import Box, full_box
 from .._base.schema import TensorInfo, slices
@@ -206,6 +207,27 @@ def remove(path: str) -> None:
         os.remove(path)
 
 
+def temp_path(dst: str) -> str:
+    """The temporary folder (or file) beside ``dst`` that a write goes into before it is renamed into place."""
+    return f"{dst.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"
+
+
+def shared_temp(dst: str, group: dist.ProcessGroup | None) -> str:
+    """Collective: the temporary folder beside ``dst`` every rank of ``group`` writes into (rank 0's name)."""
+    tmp = [temp_path(dst)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(tmp, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return tmp[0]
+
+
+def unseen(folder: str, dst: str, what: str) -> ExportError | None:
+    """The error of a rank that cannot see ``folder``, made by rank 0 for ``dst``; ``None`` where it can."""
+    if os.path.isdir(folder):
+        return None
+    return ExportError(f"{folder}, made by rank 0 for {dst}, is not visible on this rank: {what} every rank to one shared "
+                       "filesystem, or to an object store (s3://...)")  # fmt: skip
+
+
 def commit(tmp: str, dst: str, overwrite: bool) -> None:
     old = None
     if os.path.lexists(dst):
@@ -265,7 +287,7 @@ def write_folder(
             return files
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-    tmp = f"{dst.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = temp_path(dst)
     writer = make_writer(fmt, tmp, max_shard_size)
     try:
         writer.write(_entries(outputs), pull)
