@@ -4,10 +4,10 @@ For each family (dense and MoE, tiny configs), the test process builds the model
 config, puts random values in every parameter (HF's ones/zeros norms would hide a misplaced
 slice), writes it with ``save_pretrained`` (sharded for some) and loads it back with
 ``from_pretrained``: that model's state dict and logits are the reference. One launched gloo
-group per mesh then, for every family: builds a fresh model on meta, parallelises it
-(FSDP2 x TP on a 2x2 mesh, FSDP2 on 3 uneven ranks), ``sdadapt.load(model, folder)``, and
-compares every parameter's full tensor with the reference bit for bit and the logits with
-the reference's.
+group of 4 ranks then, for every family and on each mesh in turn (FSDP2 x TP on a 2x2 mesh, then
+FSDP2 on ranks 0-2, uneven shards, while rank 3 waits): builds a fresh model on meta, parallelises
+it, ``sdadapt.load(model, folder)``, and compares every parameter's full tensor with the reference
+bit for bit and the logits with the reference's.
 
 TP plans: each family's own ``config.base_model_tp_plan`` (transformers' TP plan), its
 ``colwise`` / ``rowwise`` / ``colwise_gather_output`` / ``rowwise_split_input`` entries on
@@ -175,15 +175,28 @@ def _get(module: Any, path: str) -> Any:
     return module
 
 
-def hf_worker(root: str, mesh_shape: tuple[int, ...]) -> dict[str, Any]:
+def hf_worker(root: str) -> dict[str, Any]:
+    """On 4 ranks: every family on the 2x2 (dp, tp) mesh, then on the 3-rank mesh of ranks 0-2
+    (rank 3 waits), with the failing derivation there. Returns ``{"2x2": ..., "3": ...}``."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    names = ("dp", "tp") if len(mesh_shape) == 2 else ("dp",)
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    out = {"2x2": _families(root, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), None)}
+    mesh3 = DeviceMesh("cpu", torch.arange(3), mesh_dim_names=("dp",))  # every rank takes part in creating it
+    if dist.get_rank() < 3:
+        out["3"] = _families(root, mesh3, mesh3.get_group())
+        out["3"]["one_rank_unmapped"] = _one_rank_unmapped(root, mesh3, mesh3.get_group())
+    dist.barrier()
+    return out
+
+
+def _families(root: str, mesh: Any, group: Any) -> dict[str, Any]:
+    """Every family loaded on ``mesh`` (whose ranks form ``group``; None: all of them)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
     out: dict[str, Any] = {}
     for family in FAMILY_NAMES:
         folder = os.path.join(root, family)
@@ -193,7 +206,7 @@ def hf_worker(root: str, mesh_shape: tuple[int, ...]) -> dict[str, Any]:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(cfg)
         _parallelize(model, family, mesh)
-        report = sdadapt.load(model, folder)
+        report = sdadapt.load(model, folder, process_group=group)
         bad = []
         for k, v in model.state_dict().items():
             full = v.full_tensor() if isinstance(v, DTensor) else v
@@ -214,13 +227,11 @@ def hf_worker(root: str, mesh_shape: tuple[int, ...]) -> dict[str, Any]:
             "logits_diff": diff,
             "placements": placements,
         }
-        dist.barrier()
-    if len(mesh_shape) == 1:
-        out["one_rank_unmapped"] = _one_rank_unmapped(root, mesh)
+        dist.barrier(group=group)
     return out
 
 
-def _one_rank_unmapped(root: str, mesh: Any) -> tuple[str, str, bool]:
+def _one_rank_unmapped(root: str, mesh: Any, group: Any) -> tuple[str, str, bool]:
     """Rank 0 alone has a mapping with an operation sdadapt cannot map: every rank raises,
     none hangs, and the model is left on meta."""
     import torch.distributed as dist
@@ -235,20 +246,27 @@ def _one_rank_unmapped(root: str, mesh: Any) -> tuple[str, str, bool]:
         converter = WeightConverter("self_attn.q_proj.weight", "self_attn.q_proj.weight", [PermuteForRope()])
         cm.register_checkpoint_conversion_mapping("LlamaForCausalLM", [converter], overwrite=True)
     try:
-        sdadapt.load(model, folder)
+        sdadapt.load(model, folder, process_group=group)
     except sdadapt.SdadaptError as e:
         return type(e).__name__, str(e), all(p.to_local().is_meta for p in model.parameters())
     return "", "no error", False
 
 
 @pytest.fixture(scope="module")
-def results_2x2(checkpoints: str) -> list[dict[str, Any]]:
-    return run_distributed(hf_worker, 4, checkpoints, (2, 2), timeout=400)
+def results(checkpoints: str) -> list[dict[str, Any]]:
+    ranks = run_distributed(hf_worker, 4, checkpoints, timeout=600)
+    assert "3" not in ranks[3]  # rank 3 is outside the 3-rank mesh
+    return ranks
 
 
 @pytest.fixture(scope="module")
-def results_3(checkpoints: str) -> list[dict[str, Any]]:
-    return run_distributed(hf_worker, 3, checkpoints, (3,), timeout=400)
+def results_2x2(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r["2x2"] for r in results]
+
+
+@pytest.fixture(scope="module")
+def results_3(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r["3"] for r in results[:3]]
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
