@@ -8,6 +8,9 @@ bfloat16). Every engine shard equals the eager quantization of the whole weights
 ``test_vllm_fp8_against_compressed_tensors``),
 bit for bit, and the bytes the plan moves are the engine's own (no float32 block goes over the
 wire). MXFP8 (1 x 32 scales along rows) from FSDP 3: its blocks are never cut by rows.
+FP8 with one scale per weight (compressed-tensors' ``strategy="tensor"``) from FSDP 3, FSDP 4
+(bfloat16) and 2 x 2: no rank holds a weight whole, its holders agree on its largest magnitude
+and each sends its rows' codes (the scale is written on the engine from the agreed value).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import math
 import torch
 from sdadapt.adapters import vllm_fp8, vllm_llama
 from support.dist_helper import run_distributed
-from support.refit_eager import bits, eager, llama_weights, local_shape
+from support.refit_eager import bits, eager, llama_weights, local_shape, quant_adapter
 
 import sdadapt
 from sdadapt._base.schema import slices
@@ -59,6 +62,8 @@ def adapter(dims: tuple[int, int, int, int, int], tp: int, fmt: str) -> sdadapt.
     ad = vllm_llama.build(n_heads=h, n_kv_heads=kv, head_dim=hd, hidden_dim=f, tp=tp)
     if fmt == "fp8":
         return ad + vllm_fp8.build(block=BLOCK)
+    if fmt == "fp8_tensor":
+        return ad + quant_adapter("fp8_tensor")
     rule = sdadapt.dequant_scaled("model.layers.**.*_proj.weight", codec="e4m3", strategy="group", group_size=32,
                                   scale_dtype="uint8", scale_suffix=vllm_fp8.SCALE_SUFFIX)  # fmt: skip
     return ad + sdadapt.Adapter([rule]).inverse()
@@ -79,9 +84,15 @@ def _case(name: str, trainer, engine_ranks: list[int], dims, tp: int, dtype: tor
     whole = eager(full, ad)
     erank = engine_ranks.index(rank) if rank in engine_ranks else -1
     layout = vllm_llama.layout(tp, erank) if erank >= 0 else None
-    if layout is not None:  # the scales cut as their weights, whole blocks per rank
+    engine = None
+    if layout is not None and fmt == "fp8_tensor":  # one scale per weight, whole on every engine rank
+        base = layout
+        layout = lambda k, t: (tuple(t.shape), ((0, 1),)) if k.endswith(vllm_fp8.SCALE_SUFFIX) else base(k, t)  # noqa: E731
+        engine = {k: torch.zeros(t.shape, dtype=t.dtype) if k.endswith(vllm_fp8.SCALE_SUFFIX) else engine_of({k: t}, base)[k]
+                  for k, t in whole.items()}  # fmt: skip
+    elif layout is not None:  # the scales cut as their weights, whole blocks per rank
         layout = vllm_fp8.layout(layout, BLOCK if fmt == "fp8" else (1, 32))
-    engine = engine_of(whole, layout) if layout is not None else None
+        engine = engine_of(whole, layout)
     refit = sdadapt.refit_plan(trainer(full), engine, ad, engine_layout=layout, bucket_bytes=4096)
     rep = refit()
     engine_bytes = 0
@@ -126,6 +137,9 @@ def _cases() -> dict[str, dict]:
     for dtype in (torch.float32, torch.bfloat16):  # bfloat16: no scale search, one agreement only
         out[f"fsdp4_{str(dtype).removeprefix('torch.')}"] = _case("fsdp4", fsdp4, [0, 1, 2, 3], (D, H, KV, HD, F), 4, dtype, "fp8", True)
     out["mxfp8_fsdp3"] = _case("mxfp8", trainer3, [2, 3], (32, 4, 2, 16, 64), 2, torch.float32, "mxfp8", False)
+    out["tensor_fsdp3"] = _case("tensor_fsdp3", trainer3, [2, 3], (D3, H3, KV3, HD3, F3), 2, torch.float32, "fp8_tensor", False)
+    out["tensor_fsdp4"] = _case("tensor_fsdp4", fsdp4, [0, 1, 2, 3], (D, H, KV, HD, F), 4, torch.bfloat16, "fp8_tensor", False)
+    out["tensor_2x2"] = _case("tensor_2x2", two_d, [0, 1, 2, 3], (D, H, KV, HD, F), 4, torch.float32, "fp8_tensor", False)
     return out
 
 
@@ -137,5 +151,5 @@ def test_refit_cut_blocks_move_the_engines_bytes() -> None:
         assert all(r[case]["moved"] == moved for r in results)
         assert sum(r[case]["received"] for r in results) == moved, case
         assert moved <= 1.05 * engine, (case, moved, engine, moved / engine)
-        if case.startswith(("fsdp", "2x2")):  # blocks were cut, and quantized by their holders
+        if case.startswith(("fsdp", "2x2", "tensor")):  # blocks (weights) were cut, and quantized by their holders
             assert sum(r[case]["cut_bands"] for r in results) > 0, case

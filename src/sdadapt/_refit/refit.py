@@ -11,9 +11,9 @@ A cast to a narrower dtype happens on the sending side (the same bits, fewer byt
 a computation whose result is smaller than what it reads (a re-quantization) wherever one
 trainer rank holds all it reads: the engine region is cut (in halves along its leading dims,
 never inside what one value reads, such as an FP8 block) into parts that one rank can make, the
-rest computed on the receiving rank from its inputs, but for FP8 blocks cut by the trainer's
-shards: their holders agree on each block's largest magnitude and quantize their own rows
-(``refit_cut``), so an FP8 engine receives its own bytes only. Nothing is gathered whole unless
+rest computed on the receiving rank from its inputs, but for FP8 blocks (and FP8 weights of one
+scale) cut by the trainer's shards: their holders agree on each block's largest magnitude and
+quantize their own rows (``refit_cut``), so an FP8 engine receives its own bytes only. Nothing is gathered whole unless
 an engine rank holds it whole.
 
 Transport: point-to-point sends and receives of the group's backend (gloo on the CPU, NCCL on
@@ -47,7 +47,6 @@ from .._plan.plan import build_plan
 from .._plan.registry import EngineLayout
 from .._plan.target import model_state_dict, schema_of
 from .._recipes.nodes import Compute, Node, Piece, Step
-from .._recipes.quant_nodes import QuantizedFP8
 from .._transaction.options import Options
 from ..errors import RefitError, SdadaptError
 from .refit_cut import CutBlocks, applies, plan_cut
@@ -270,7 +269,6 @@ def refit_plan(
                 if src >= 0:
                     add(Request(k, k, part, dtype_name(node.dtype), -1, src), dest[_within(part, ebox)])
             for part in cut:
-                assert isinstance(node, QuantizedFP8)
                 plan_cut(k, node, part, dest[_within(part, ebox)], trainer_all, dtypes, rank, mine.cut, add)
     except SdadaptError as e:
         error = e
@@ -327,9 +325,9 @@ def _made_by_senders(
     reads = reads_of(node, box, dtypes)
     if volume(box) * node.dtype.itemsize >= nbytes(reads):
         return []
-    if len(box) < 2:  # a per-tensor scale: made where the whole tensor is, if one rank holds it
+    if len(box) < 2:  # a per-tensor scale: made where the whole tensor is, if one rank holds it, else agreed
         src = maker(trainer, reads, dst)
-        return [(box, src)] if src >= 0 else []
+        return [(box, src)] if src >= 0 or applies(node) else []
     out: list[tuple[Box, int]] = []
 
     def halves(part: Box, d: int) -> list[Box]:

@@ -12,6 +12,8 @@ values (nothing moves for them). For float32 trainers the scale is then the firs
 (:func:`sdadapt._recipes.quant.fp8_scale_candidates`): each holder checks the three on its rows
 and a second ``all_reduce`` (MIN) combines them. The codes and scales are those of quantizing the
 whole block: division, rounding and the scale choice are elementwise once the scale is known.
+FP8 with one float scale per weight (compressed-tensors' ``strategy="tensor"``, :func:`per_tensor`)
+is one block the size of the weight: ``amax / 448`` in its scale dtype, no search.
 
 Planned once (:func:`plan_cut`): the cut region's rows of blocks (:class:`Band`), each cut among
 the trainer ranks holding its values (:class:`Band.pieces`); one engine rank's bands are gathered
@@ -33,6 +35,7 @@ from .._export import reads_of
 from .._recipes import quant as Q
 from .._recipes.nodes import Node, SourceIO
 from .._recipes.quant_nodes import QuantizedFP8
+from .._recipes.quant_scaled_nodes import QuantizedScaled
 from ..errors import RefitError
 from .refit_schedule import Held, Request, maker
 
@@ -68,7 +71,18 @@ class CutPlan:
 
 def applies(node: Node) -> bool:
     """Whether a region of ``node`` cut by the trainer's shards is quantized by its holders."""
-    return isinstance(node, QuantizedFP8)
+    return isinstance(node, QuantizedFP8) or per_tensor(node)
+
+
+def per_tensor(node: Node) -> bool:
+    """Whether ``node`` is the values or the scale of a 2-D weight quantized to FP8 with one float
+    scale for the whole weight (compressed-tensors' ``strategy="tensor"``): its holders agree on
+    the weight's largest magnitude as on one block's."""
+    if not isinstance(node, QuantizedScaled) or len(node.child.shape) != 2 or node.part not in ("values", "scales"):
+        return False
+    rows, cols = node.child.shape
+    return (node.codec == "e4m3" and node.glob is None and not node.zero and node.scale_dtype.is_floating_point
+            and node.scale_dtype.itemsize >= 2 and node.block[0] >= rows and node.block[1] >= cols)  # fmt: skip
 
 
 def _pieces(child: Node, box: Box, trainer: list[dict[str, Held]], dtypes: dict[str, torch.dtype], dst: int) -> list[tuple[int, Box]]:
@@ -113,7 +127,7 @@ def _join(a: Box, b: Box) -> Box | None:
     return a[:d] + ((a[d][0], b[d][1]),) + a[d + 1 :]
 
 
-def _band(cut: CutPlan, target: str, node: QuantizedFP8, box: Box, trainer: list[dict[str, Held]],
+def _band(cut: CutPlan, target: str, node: QuantizedFP8 | QuantizedScaled, box: Box, trainer: list[dict[str, Held]],
           dtypes: dict[str, torch.dtype], dst: int) -> int:  # fmt: skip
     i = cut.index.get((target, box), -1)
     if i < 0:
@@ -122,12 +136,17 @@ def _band(cut: CutPlan, target: str, node: QuantizedFP8, box: Box, trainer: list
     return i
 
 
-def plan_cut(target: str, node: QuantizedFP8, part: Box, dest: torch.Tensor, trainer: list[dict[str, Held]],
+def plan_cut(target: str, node: Node, part: Box, dest: torch.Tensor, trainer: list[dict[str, Held]],
              dtypes: dict[str, torch.dtype], dst: int, cut: CutPlan, add: Callable[[Request, torch.Tensor], None]) -> None:  # fmt: skip
     """Region ``part`` of FP8 engine tensor ``target`` (into ``dest``, its view here), which no
-    one trainer rank can make: its rows of blocks as bands; for the values, one request per piece
-    (its codes, computed by the piece's holder); for the scales, a write from the agreed values."""
+    one trainer rank can make: its rows of blocks as bands (a per-tensor scale's weight: one band);
+    for the values, one request per piece (its codes, computed by the piece's holder); for the
+    scales, a write from the agreed values."""
+    assert isinstance(node, (QuantizedFP8, QuantizedScaled)) and applies(node)
     rows, cols = node.child.shape[-2:]
+    if isinstance(node, QuantizedScaled) and node.part == "scales":  # one scale for the whole weight
+        cut.writes.append((_band(cut, target, node, ((0, rows), (0, cols)), trainer, dtypes, dst), dest))
+        return
     b0, b1 = node.block
     lead = part[:-2]
     (r0, r1), (c0, c1) = part[-2:]
@@ -195,6 +214,11 @@ class CutBlocks:
         self.stored = {}
         for r, i, b in todo:
             node, at = self._node(b), self.offset[(r, i)]
+            if isinstance(node, QuantizedScaled):  # compressed-tensors' per-tensor FP8: amax / 448 in its scale dtype
+                a = amax[at : at + b.tiles]
+                stored = torch.where(a > 0, Q.true_div(a, Q.E4M3_MAX), torch.ones_like(a)).to(node.scale_dtype)
+                self.stored[(r, i)], mult[at : at + b.tiles] = stored, stored.to(torch.float32)
+                continue
             self.stored[(r, i)], mult[at : at + b.tiles] = Q.fp8_scale_of(amax[at : at + b.tiles], node.scale_format)
             search[at : at + b.tiles] = node.scale_format == "float32" and node.child.dtype == torch.float32
         if bool(search.any()):  # the same on every rank: from the plan
@@ -212,9 +236,9 @@ class CutBlocks:
                     self.stored[(r, i)] = mult[at : at + b.tiles]
         self.mult = mult
 
-    def _node(self, band: Band) -> QuantizedFP8:
+    def _node(self, band: Band) -> QuantizedFP8 | QuantizedScaled:
         node = self.recipes[band.target]
-        assert isinstance(node, QuantizedFP8)
+        assert isinstance(node, (QuantizedFP8, QuantizedScaled))
         return node
 
     def _reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType, world: int) -> torch.Tensor:
@@ -245,4 +269,4 @@ class CutBlocks:
                 view.copy_(Q.store_scales(self.stored[key], self._node(self.bands[self.rank][i]).dtype).reshape(view.shape))
 
 
-__all__ = ["Band", "CutBlocks", "CutPlan", "applies", "plan_cut"]
+__all__ = ["Band", "CutBlocks", "CutPlan", "applies", "per_tensor", "plan_cut"]
