@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from .._base.agreement import agree_on
 from .._base.distributed import agree, rank_and_world
-from .._base.regions import full_box
 from .._base.schema import TensorInfo
 from .._base.tensor_bytes import tensor_bytes
 from .._plan.adapter import Adapter
@@ -37,13 +36,11 @@ from .writers import parse_size
 from .writers.base import check_pulled, write_bytes
 from .writers.safetensors_writer import FileLayout, check_dtypes, plan_files
 from .writing import (
-    CachedIO,
-    PageReleaser,
+    ConvertReads,
     check_destination,
     commit,
     describe_failure,
     plan_outputs,
-    read_back_compare,
     remove,
     shared_temp,
     side_files,
@@ -190,7 +187,7 @@ def convert_ranks(job: ConvertJob, group: dist.ProcessGroup) -> tuple[int, int, 
     each rank reads only the source tensors its files need. Returns ``(tensors, bytes in all,
     names written, non-tensor keys skipped, bytes this rank wrote)``."""
     rank, world = rank_and_world(group)
-    dst, on_progress = job.dst, job.on_progress
+    dst = job.dst
     error: SdadaptError | None = None
     source: Source | None = None
     planned: tuple[dict[str, Node], list[str], list[FileLayout], list[int]] | None = None
@@ -216,25 +213,12 @@ def convert_ranks(job: ConvertJob, group: dist.ProcessGroup) -> tuple[int, int, 
     try:
         txn.add_source(source)  # the source's files must not change while they are converted
         mine = {k: outputs[k] for f, o in zip(files, owner, strict=True) if o == rank for k in f.starts}
-        if source.remote_url() is not None and mine:  # this rank's leaves, fetched in one concurrent batch
-            source.prefetch([(k, None) for k in sorted({leaf for n in mine.values() for leaf in n.leaves()})])
-        release = PageReleaser(source.files())
-        io = CachedIO(mine, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
+        reads = ConvertReads(source, mine, txn, dst, job.read_back, job.on_progress)
 
-        def whole(key: str) -> torch.Tensor:
-            t = io.whole(outputs[key])
-            if on_progress is not None:
-                on_progress(key, t.numel() * t.element_size())
-            return t
+        def check(path: str) -> None:  # one of this rank's files
+            reads.check(path, {k: outputs[k] for k in next(f for f in files if path.endswith("/" + f.name)).starts})
 
-        def check(path: str) -> None:
-            io.flush()
-            if job.read_back:
-                inside = {k: outputs[k] for k in next(f for f in files if path.endswith("/" + f.name)).starts}
-                read_back_compare(path, dst, inside, source, release, on_progress)
-            txn.files_unchanged("while it was being converted")
-
-        names, written = convert_spread(dst, outputs, files, owner, whole, rank=rank, group=group, overwrite=job.overwrite,
+        names, written = convert_spread(dst, outputs, files, owner, reads.whole, rank=rank, group=group, overwrite=job.overwrite,
                                         check=check, finish=lambda tmp: side_files(tmp, config_folder(source.path), None))  # fmt: skip
     finally:
         txn.close()

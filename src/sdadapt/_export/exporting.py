@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from .._base.distributed import is_distributed, rank_and_world
 from .._base.progress import TransferBar
-from .._base.regions import Box, full_box
+from .._base.regions import Box
 from .._base.schema import TensorInfo, slices
 from .._plan.adapter import Adapter
 from .._plan.intent import intent
@@ -67,7 +67,7 @@ from .export_local import local_pieces
 from .spread import SpreadJob, write_spread
 from .spread_remote import write_spread_remote
 from .writers.base import FORMATS
-from .writing import CachedIO, PageReleaser, check_destination, plan_outputs, read_back_compare, side_files, write_folder
+from .writing import CachedIO, ConvertReads, PageReleaser, check_destination, plan_outputs, side_files, write_folder
 
 log = logging.getLogger(__name__)
 
@@ -503,36 +503,21 @@ def convert(
         outputs, skipped = plan_outputs(source.schema, adapter, non_tensor=source.non_tensor, what=f"convert {source.path}")
         if skipped:
             log.warning("convert: %d non-tensor entries are not written: %s", len(skipped), ", ".join(skipped[:8]))
-        if source.remote_url() is not None:  # every leaf is read whole: fetch them in one concurrent batch
-            source.prefetch([(k, None) for k in sorted({leaf for n in outputs.values() for leaf in n.leaves()})])
-        release = PageReleaser(source.files())
-        io = CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), release)
-        written = [0]
-
-        def pull(key: str) -> torch.Tensor:
-            t = io.whole(outputs[key])
-            n = t.numel() * t.element_size()
-            written[0] += n
-            if on_progress is not None:
-                on_progress(key, n)
-            return t
+        reads = ConvertReads(source, outputs, txn, dst, read_back, on_progress)
 
         def check(tmp: str) -> None:
-            io.flush()
-            if read_back:
-                read_back_compare(tmp, dst, outputs, source, release, on_progress)
-            txn.files_unchanged("while it was being converted")
+            reads.check(tmp, outputs)
             side_files(tmp, config_folder(source.path), None)
 
-        files = write_folder(dst, format, outputs, pull, max_shard_size=max_shard_size, overwrite=overwrite, check=check)
+        files = write_folder(dst, format, outputs, reads.whole, max_shard_size=max_shard_size, overwrite=overwrite, check=check)
     finally:
         txn.close()
     return ExportReport(
         dst=dst,
         format=format,
         tensors=len(outputs),
-        bytes=written[0],
-        rank_bytes=written[0],
+        bytes=reads.bytes,
+        rank_bytes=reads.bytes,
         files=files,
         skipped_non_tensor=skipped,
         read_back=read_back,

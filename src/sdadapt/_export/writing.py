@@ -24,6 +24,7 @@ from .._base.regions import Box, full_box
 from .._base.schema import TensorInfo, slices
 from .._plan.adapter import Adapter
 from .._recipes.nodes import Node
+from .._transaction.transaction import Transaction
 from ..errors import ExportError, SdadaptError, SourceError
 from ..rules import PlanContext
 from ..sources import Source, check_writable, copy_side_files, is_url, open_source, upload, write_config
@@ -146,9 +147,9 @@ class PageReleaser:
 def read_back_compare(
     tmp: str, dst: str, outputs: dict[str, Node], source: Source, release: PageReleaser, progress: Callable[[str, int], None] | None
 ) -> None:
-    result = open_source(tmp)
     """Read the output ``tmp`` (a folder, a file or a URL) back and compare every tensor of
     ``outputs`` with ``source`` through its recipe, bit for bit; a difference is an ExportError."""
+    result = open_source(tmp)
     try:
         release_out = PageReleaser(result.files())
         missing = sorted(set(outputs) - set(result.schema))
@@ -170,6 +171,38 @@ def read_back_compare(
             del want, got
     finally:
         result.close()
+
+
+class ConvertReads:
+    """What one convert reads of the open ``source`` for ``outputs`` (all of them, or one rank's):
+    their leaves fetched whole once (from object storage in one concurrent batch), their pages
+    handed back after use. :meth:`whole` gives an output (``on_progress(key, bytes)`` after each,
+    ``bytes`` counts them); :meth:`check` compares a written file with the source
+    (``read_back``), then checks that the source's files (``txn``'s) did not change."""
+
+    def __init__(self, source: Source, outputs: dict[str, Node], txn: Transaction, dst: str, read_back: bool,
+                 on_progress: Callable[[str, int], None] | None):  # fmt: skip
+        if source.remote_url() is not None and outputs:
+            source.prefetch([(k, None) for k in sorted({leaf for n in outputs.values() for leaf in n.leaves()})])
+        self.source, self.outputs, self.txn, self.dst, self.read_back, self.on_progress = source, outputs, txn, dst, read_back, on_progress
+        self.release = PageReleaser(source.files())
+        self.io = CachedIO(outputs, lambda k: source.read(k, full_box(source.schema[k].shape)), self.release)
+        self.bytes = 0
+
+    def whole(self, key: str) -> torch.Tensor:
+        t = self.io.whole(self.outputs[key])
+        n = t.numel() * t.element_size()
+        self.bytes += n
+        if self.on_progress is not None:
+            self.on_progress(key, n)
+        return t
+
+    def check(self, path: str, outputs: dict[str, Node]) -> None:
+        """``outputs``, written at ``path`` (a folder, a file or a URL), read back and compared."""
+        self.io.flush()
+        if self.read_back:
+            read_back_compare(path, self.dst, outputs, self.source, self.release, self.on_progress)
+        self.txn.files_unchanged("while it was being converted")
 
 
 def side_files(tmp: str, folder: str | None, config: dict[str, Any] | None) -> None:
