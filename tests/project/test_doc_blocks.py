@@ -3,8 +3,9 @@
 The convention and the runner are in tests/support/doc_blocks.py: a ```python or ```bash block runs as
 written unless its first line is ``# fragment: <why>``; ```json blocks are docs/rules.md's
 adapters (tests/project/test_docs_rules.py); ```text blocks are output and diagrams. Each file's blocks
-run in one subprocess (a fresh interpreter: a block's registered rule kinds, imports and
-working directory stay there), each block in its own temporary folder.
+run in one fresh process (a block's registered rule kinds, imports and working directory stay
+there; forked from the launcher's fork server, which imported torch, transformers and sdadapt
+once, where tests/support/dist_helper.py can fork), each block in its own temporary folder.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 import sys
 
 import pytest
-from support import aborts, load_clock
+from support import aborts, dist_helper, doc_blocks, load_clock
 from support.doc_blocks import DOC_FILES, EXECUTED_ELSEWHERE, LANGUAGES, ROOT, all_blocks, blocks, runnable
 
 
@@ -73,8 +74,11 @@ def test_doc_blocks_run(file, tmp_path):
     # a process of the page (a torchrun rank included) that aborts prints every thread's Python stack
     env["PYTHONFAULTHANDLER"] = "1"
     # the timeout counts the page's own time (support.load_clock): a loaded machine slows it, a hang fails it
-    r = load_clock.run([sys.executable, str(ROOT / "tests" / "support" / "doc_blocks.py"), file, str(out)],
-                       cwd=tmp_path, env=env, timeout=600)  # fmt: skip
+    if dist_helper.forkable():  # forked from a process that imported torch, transformers and sdadapt once
+        r = dist_helper.run_forked(doc_blocks.main, file, str(out), cwd=str(tmp_path), env=env, timeout=600)
+    else:
+        r = load_clock.run([sys.executable, str(ROOT / "tests" / "support" / "doc_blocks.py"), file, str(out)],
+                           cwd=tmp_path, env=env, timeout=600)  # fmt: skip
     # a process that aborted at teardown after its work (a torchrun rank) is written down even when the page passes
     aborts.scan(f"{file}'s blocks", r.stdout + r.stderr)
     assert r.returncode == 0 and out.exists(), r.stdout[-4000:] + r.stderr[-4000:]

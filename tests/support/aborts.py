@@ -7,8 +7,8 @@ output to no one, so a series reading pytest's output alone would count aborts i
 only. Where the environment variable :data:`ENV` names a file, :func:`record` appends one line per
 abort seen there:
 
-- tests/support/dist_helper.py: a launched rank that ended by a signal or with a non-zero status,
-  or whose log holds :data:`ABORT`;
+- tests/support/dist_helper.py: a launched rank that ended by a signal (SIGABRT for an abort), or
+  whose log holds :data:`ABORT`;
 - tests/project/test_doc_blocks.py: a page whose processes printed :data:`ABORT`.
 
     SDADAPT_TEST_ABORTS=/tmp/aborts.txt python -m pytest tests/dist   # then: cat /tmp/aborts.txt

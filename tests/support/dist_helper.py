@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from support import aborts
+from support import aborts, load_clock
 from support.load_clock import WorkClock
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
@@ -137,16 +137,15 @@ def clean_stale(where: Path, before: float) -> list[Path]:
 
 
 def _note_aborts(fn: Any, job: str, codes: list[Any], hung: list[int]) -> None:
-    """Write down (tests/support/aborts.py) each rank that ended by a signal, with a non-zero
-    status, or with the teardown abort's text in its log, other than the ranks ended as hung."""
+    """Write down (tests/support/aborts.py) each rank that ended by a signal or with the teardown
+    abort's text in its log, other than the ranks ended as hung. An exit status alone is not one:
+    tests end ranks with ``os._exit(9)`` to play a crash."""
     for rank, code in enumerate(codes):
         if rank in hung:
             continue
         who = f"{fn.__module__}.{fn.__qualname__} rank {rank} of {len(codes)}"
         if code is not None and code < 0:
             aborts.record(f"{who}: ended by {signal.Signals(-code).name}")
-        elif code:
-            aborts.record(f"{who}: ended with exit status {code}")
         else:
             log = Path(job, f"log.{rank}")
             aborts.scan(who, log.read_text(errors="replace") if log.exists() else "")
@@ -319,13 +318,30 @@ def _start_fresh(job: str, world_size: int, env: dict[str, str], logs: list[str]
     return ranks
 
 
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint"]
-"""What the fork server imports once; every rank is forked from it with these imported and
-nothing else: sdadapt, the test modules and every other import happen in the rank, fresh. Not
-transformers: it imports huggingface_hub, whose settings (``HF_HUB_OFFLINE``, ``HF_HUB_CACHE``)
-are read once at import, so a rank forked from a server started before a test set them would
-ignore them."""
+PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.tensor", "torch.distributed.checkpoint",
+    "transformers.modeling_utils", "support.rank_preload",
+]  # fmt: skip
+"""What the fork server imports once (``support.rank_preload``: every sdadapt module); each rank
+is forked from it with these imported, the test modules and everything else imported in the rank.
+A library may read its environment once, at import (huggingface_hub's ``HF_HUB_OFFLINE`` and
+``HF_HUB_CACHE``): the server is started again whenever this process's environment differs from
+the one it was started with (:func:`_env_key`), so a rank sees what a fresh interpreter would."""
 _FORK_SERVER: Any = None
+_FORK_ENV: frozenset[tuple[str, str]] = frozenset()
+
+
+UNREAD_AT_IMPORT = ("PYTEST_", "SDADAPT_", "AWS_")
+"""Prefixes of the environment variables no module of :data:`PRELOAD` reads at import: pytest's
+(``PYTEST_CURRENT_TEST`` changes with every test), sdadapt's (read when called) and the object
+stores' (read by sdadapt when called, and by obstore, which is not preloaded)."""
+
+
+def _env_key() -> frozenset[tuple[str, str]]:
+    """This process's environment, less the variables of :data:`UNREAD_AT_IMPORT`. (Tested by
+    tests/dist/test_corpus_doors.py: its ranks read the Hub offline only if the server started
+    again after it set ``HF_HUB_OFFLINE``.)"""
+    return frozenset((k, v) for k, v in os.environ.items() if not k.startswith(UNREAD_AT_IMPORT))
 
 
 def _forkable_main() -> bool:
@@ -338,15 +354,20 @@ def _forkable_main() -> bool:
 
 
 def _fork_context() -> Any:
-    """The multiprocessing fork server of this process, started once with :data:`PRELOAD`
-    imported under ``OMP_NUM_THREADS=1`` (the ranks' setting: OpenMP reads it when torch loads)."""
-    global _FORK_SERVER
-    if _FORK_SERVER is None:
-        import multiprocessing
-        import multiprocessing.forkserver
+    """The multiprocessing fork server of this process, started with :data:`PRELOAD` imported
+    under ``OMP_NUM_THREADS=1`` (the ranks' setting: OpenMP reads it when torch loads) and this
+    process's environment; started again where that environment has changed since."""
+    global _FORK_SERVER, _FORK_ENV
+    import multiprocessing
+    import multiprocessing.forkserver
 
+    if _FORK_SERVER is not None and _env_key() != _FORK_ENV:
+        multiprocessing.forkserver._forkserver._stop()  # noqa: SLF001 - the only way to start it anew
+        _FORK_SERVER = None
+    if _FORK_SERVER is None:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
+        _FORK_ENV = _env_key()
         saved = os.environ.get("OMP_NUM_THREADS")
         os.environ["OMP_NUM_THREADS"] = "1"
         try:
@@ -385,6 +406,59 @@ def _forked_rank(job: str, rank: int, env: dict[str, str], where: list[str], log
     sys.path[:0] = where
     os.chdir(TESTS_DIR)
     _worker(job, rank)
+
+
+def forkable() -> bool:
+    """Whether :func:`run_forked` may fork from the server (under ``python -m pytest``, and not
+    asked for fresh processes by ``SDADAPT_TEST_FRESH_PROCESSES=1``)."""
+    return os.environ.get("SDADAPT_TEST_FRESH_PROCESSES") != "1" and _forkable_main()
+
+
+def run_forked(fn: Any, *args: Any, cwd: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """``fn(*args)`` in one process forked from the fork server (torch, transformers and sdadapt
+    imported once), as a fresh ``python`` would run it with ``env`` in ``cwd`` (``PYTHONPATH``
+    first on its path; ``PYTHONFAULTHANDLER`` set: faulthandler on). Its exit status (1 where
+    ``fn`` raised, with the traceback on stderr) and output, as :func:`support.load_clock.run`
+    gives them, with the same timeout on the process's and its children's own time."""
+    out, err = Path(cwd, ".forked.stdout"), Path(cwd, ".forked.stderr")
+    p = _fork_context().Process(target=_forked_call, args=(fn, args, env, cwd, str(out), str(err)))
+    p.start()
+    hung = load_clock.watch(p.pid, lambda: p.exitcode, timeout)
+    p.join()
+    texts = [f.read_text(errors="replace") if f.exists() else "" for f in (out, err)]
+    for f in (out, err):
+        f.unlink(missing_ok=True)
+    name = f"{fn.__module__}.{fn.__qualname__}{args!r}"
+    if hung:
+        raise AssertionError(load_clock.hang_message(name, hung, timeout, *texts))
+    return subprocess.CompletedProcess([name], p.exitcode, *texts)
+
+
+def _forked_call(fn: Any, args: tuple[Any, ...], env: dict[str, str], cwd: str, out: str, err: str) -> None:
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.chdir(cwd)
+    if env.get("PYTHONFAULTHANDLER"):
+        import faulthandler
+
+        faulthandler.enable()
+    code = 0
+    try:
+        fn(*args)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # noqa: BLE001 - printed, as an interpreter would, and the status says it
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 _STAGE_FILE: Path | None = None

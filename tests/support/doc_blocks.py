@@ -19,6 +19,9 @@ In a bash block, ``sdadapt ARGS`` runs ``sdadapt.cli.main(ARGS)`` in this proces
 N``. Python blocks see ``sdadapt`` imported (as the page's first block does).
 
     python tests/support/doc_blocks.py README.md out.json   # runs the file's blocks; each one's outcome in out.json
+
+(tests/project/test_doc_blocks.py calls :func:`main` in a process forked from the launcher's fork
+server, tests/support/dist_helper.py: a fresh process, without the cost of importing torch.)
 """
 
 from __future__ import annotations
@@ -303,8 +306,13 @@ def run_file(file: str) -> list[dict[str, str]]:
     return results
 
 
+def main(file: str, out: str) -> None:
+    """Run ``file``'s blocks; each one's outcome, in order, to the JSON file ``out``."""
+    outcome = run_file(file)
+    with open(out, "w", encoding="utf-8") as f:
+        json.dump(outcome, f)
+
+
 if __name__ == "__main__":
     sys.path[:0] = [str(TESTS)]
-    outcome = run_file(sys.argv[1])
-    with open(sys.argv[2], "w", encoding="utf-8") as f:
-        json.dump(outcome, f)
+    main(sys.argv[1], sys.argv[2])

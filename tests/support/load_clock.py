@@ -29,6 +29,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -116,6 +117,31 @@ class WorkClock:
         return self.wall - self._elapsed
 
 
+def watch(pid: int, poll: Callable[[], int | None], timeout: float) -> WorkClock | None:
+    """Wait for process ``pid`` (``poll()``: its exit status, None while it runs) on a
+    :class:`WorkClock` of it and every process it starts; past ``timeout`` kill them all and
+    return the clock (a hang), else None."""
+    clock = WorkClock()
+    while poll() is None:
+        tree = [pid, *descendants(pid)]
+        if clock.seconds(tree) > timeout:
+            for p in reversed(tree):
+                with contextlib.suppress(OSError):
+                    os.kill(p, signal.SIGKILL)
+            return clock
+        time.sleep(0.5)  # reading every process's parent costs a little CPU: not too often
+    return None
+
+
+def hang_message(what: str, clock: WorkClock, timeout: float, stdout: str, stderr: str) -> str:
+    """What a timed-out run says: how long it ran, how much of it waiting for a CPU, its output's end."""
+    return (
+        f"{what} did not finish within {timeout:.0f} s of its own time (hang): {clock.wall:.0f} s wall, "
+        f"of which {clock.held:.0f} s waiting for a CPU; load average {os.getloadavg()[0]:.1f}\n"
+        f"--- stdout (tail) ---\n{stdout[-4000:]}\n--- stderr (tail) ---\n{stderr[-4000:]}"
+    )
+
+
 def run(argv: list[str], *, timeout: float, capture: bool = True, **popen: Any) -> subprocess.CompletedProcess[str]:
     """``subprocess.run(argv, ...)`` whose ``timeout`` is counted on a :class:`WorkClock` of the
     process and every process it starts (a launcher's ranks included). On timeout the whole tree
@@ -124,26 +150,12 @@ def run(argv: list[str], *, timeout: float, capture: bool = True, **popen: Any) 
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         streams = {"stdout": out, "stderr": err} if capture else {}
         proc = subprocess.Popen(argv, **streams, **popen)
-        clock = WorkClock()
-        hung = False
-        while proc.poll() is None:
-            tree = [proc.pid, *descendants(proc.pid)]
-            if clock.seconds(tree) > timeout:
-                hung = True
-                for pid in reversed(tree):
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, signal.SIGKILL)
-                proc.wait()
-                break
-            time.sleep(0.5)  # reading every process's parent costs a little CPU: not too often
+        hung = watch(proc.pid, proc.poll, timeout)
+        proc.wait()
         texts = []
         for f in (out, err):
             f.seek(0)
             texts.append(f.read().decode(errors="replace"))
         if hung:
-            raise AssertionError(
-                f"{shlex.join(argv)} did not finish within {timeout:.0f} s of its own time (hang): {clock.wall:.0f} s wall, "
-                f"of which {clock.held:.0f} s waiting for a CPU; load average {os.getloadavg()[0]:.1f}\n"
-                f"--- stdout (tail) ---\n{texts[0][-4000:]}\n--- stderr (tail) ---\n{texts[1][-4000:]}"
-            )
+            raise AssertionError(hang_message(shlex.join(argv), hung, timeout, *texts))
         return subprocess.CompletedProcess(argv, proc.returncode, texts[0] if capture else None, texts[1] if capture else None)
