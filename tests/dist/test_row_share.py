@@ -3,7 +3,8 @@
 A model with row-parallel weights (``wo``, ``w2``: ``Shard(1)`` under TP, uneven where TP 4
 cuts 10 columns 3/3/3/1) is loaded from a bf16 checkpoint into fp32 (a cast recipe) on TP 4, on
 2 x 2 FSDP x TP and on 2 x 2 HSDP x TP (replicas and rows shared together), with rounds small
-enough that a tensor is cut into blocks and the exchange takes several rounds. Each shard
+enough that a tensor is cut into blocks and the exchange takes several rounds (``w4``'s blocks
+too small to split go whole to one peer). Each shard
 must equal the eager cast of the full tensor bit for bit, and each rank's bytes read, bytes
 from storage and bytes received must be the ones :func:`sdadapt.dry_run` predicts for it. A
 read error on one rank during the rounds is every rank's error, promptly (no hang).
@@ -35,6 +36,7 @@ class Layer(nn.Module):
         self.wo = nn.Linear(H, D, bias=False)
         self.w1 = nn.Linear(D, F, bias=False)
         self.w2 = nn.Linear(F, D, bias=False)
+        self.w4 = nn.Linear(8, 256, bias=False)  # small: its rows go whole to one peer
         self.norm = nn.RMSNorm(D)
 
 
@@ -60,7 +62,7 @@ def _parallel(spec: dict[str, int]) -> nn.Module:
         model = Model()
     for layer in model.layers.values():
         parallelize_module(layer, mesh["tp"], {"wq": ColwiseParallel(), "wo": RowwiseParallel(),
-                                               "w1": ColwiseParallel(), "w2": RowwiseParallel()})  # fmt: skip
+                                               "w1": ColwiseParallel(), "w2": RowwiseParallel(), "w4": RowwiseParallel()})  # fmt: skip
     dp = tuple(n for n in ("dp_replicate", "dp_shard") if n in spec)
     if dp:
         for layer in model.layers.values():
@@ -144,11 +146,16 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def test_rows_shared_bit_exact_and_as_predicted(results: list[dict[str, Any]], case: str) -> None:
     for rank, res in enumerate(results):
         got = res[case]
-        assert sorted(got["rows"]) == [f"layers.{i}.{w}.weight" for i in range(LAYERS) for w in ("w2", "wo")], (rank, got["rows"])
+        assert sorted(got["rows"]) == [f"layers.{i}.{w}.weight" for i in range(LAYERS) for w in ("w2", "w4", "wo")], (rank, got["rows"])
         assert got["load"] == got["predicted"], (rank, got)  # bytes read, from storage, received: as planned
         # each TP rank reads about its own share of whole rows: less from storage than its slices' rows
         assert got["load"][1] < got["alone"], (rank, got)
         assert got["load"][2] > 0
+    if case == "tp4":  # the ranks together read each byte once; the norms (plain tensors) on every rank
+        norms = LAYERS * D * 2
+        tensors = os.path.getsize(results[0]["path"]) - results[0]["header"]
+        assert sum(r[case]["load"][0] for r in results) == tensors + 3 * norms
+
 
 def test_a_read_error_in_a_round_is_every_ranks_error(results: list[dict[str, Any]]) -> None:
     for rank, res in enumerate(results):

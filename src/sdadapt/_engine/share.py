@@ -14,11 +14,14 @@ storage deliver every page of the row (the gaps are read through, or page roundi
 much): a TP-8 rank reads about 8 times its bytes of those tensors from a cold disk. With shared
 reads the R ranks of that dim split the rows (dim 0) among them instead: each reads a
 contiguous range of whole rows of the R slices together, once, and the slices are exchanged,
-one ``all_to_all`` per round within the group (:func:`exchange_rows`). A round holds at most
+one ``all_to_all`` per round within the group (:func:`exchange_rows`). A round holds about
 ``EngineConfig.share_round_bytes`` of reads per rank, so a rank's extra memory is bounded
 (the rows it read, what it sends and what it receives: about three times that); a tensor
-larger than a round is cut into blocks of rows. A tensor is shared this way where the rank's
-own runs would make storage deliver more than 1.1 times their bytes (:func:`row_cut`).
+larger than a round is cut into blocks of rows. A block too small to split well (each member
+would read under :data:`MIN_SPLIT`, a few pages at 1024 ranks, where page rounding would cost
+more than the bytes) is read whole by one member, the least loaded so far, so that each reads
+long runs and about its share. A tensor is shared this way where the rank's own runs would
+make storage deliver more than 1.1 times their bytes (:func:`row_cut`).
 
 Both kinds compose: a replica's row block of a row-parallel weight is split again among its
 TP peers, whose exchange comes first, then the replicas' broadcast.
@@ -47,6 +50,7 @@ from .tasks import Job
 PAGE = 4096
 ALIGN = 16  # each piece of a round's flat buffers starts on a multiple of this (any dtype's views)
 ROW_GAIN = 1.1  # share a tensor's rows where reading its own runs would cost more than this
+MIN_SPLIT = 1 << 20  # a block whose members would read less than this each (or half a round) is read whole by one of them
 
 
 @dataclass
@@ -101,10 +105,14 @@ class Unit:
     share: RowShare
     start: int
     stop: int
+    owner: int | None = None  # the one member that reads the whole block (a small one), or None
 
     def rows(self, k: int) -> tuple[int, int]:
-        """Member ``k``'s rows of the block (global): a share of them as large as its share of
-        the columns, so that each member reads about its own shard's bytes."""
+        """Member ``k``'s rows of the block (global): all of them for its owner; else a share
+        as large as its share of the columns, so that each member reads about its own shard's
+        bytes."""
+        if self.owner is not None:
+            return (self.start, self.stop) if k == self.owner else (self.start, self.start)
         cols, n = self.share.cut.cols, self.stop - self.start
         first, width = cols[0][0], cols[-1][1] - cols[0][0]
         return self.start + n * (cols[k][0] - first) // width, self.start + n * (cols[k][1] - first) // width
@@ -129,13 +137,17 @@ class Unit:
     def piece_bytes(self, j: int, k: int) -> int:
         return math.prod(self.piece_shape(j, k)) * self.share.job.dest.element_size()
 
-    def cost(self) -> int:
-        """The block's bytes over the members: about what each reads (the same on every member)."""
+    def nbytes(self) -> int:
+        """The block's bytes: its rows across every member's columns."""
         cut = self.share.cut
         shape = list(box_shape(self.share.job.box))
         shape[0] = self.stop - self.start
         shape[cut.dim] = cut.span[1] - cut.span[0]
-        return -(-math.prod(shape) * self.share.job.dest.element_size() // len(cut.cols))
+        return math.prod(shape) * self.share.job.dest.element_size()
+
+    def cost(self) -> int:
+        """The block's bytes over the members: what each reads on average (the same on every member)."""
+        return -(-self.nbytes() // len(self.share.cut.cols))
 
 
 def replica_dim(t: torch.Tensor) -> int | None:
@@ -246,15 +258,28 @@ def split(
 def rounds(rows: Sequence[RowShare], round_bytes: int) -> list[list[Unit]]:
     """The row-shared jobs cut into blocks of rows and packed into rounds of at most
     ``round_bytes`` per member (a block alone may hold one row more), each round within one
-    group; the same rounds on every member. Groups come in the order their first job does."""
+    group; the same rounds on every member (the jobs taken in key order). Groups come in the
+    order their first job does."""
     by_group: dict[object, list[Unit]] = {}
-    for rs in rows:
+    loads: dict[object, list[int]] = {}  # bytes each member of a group reads so far
+    for rs in sorted(rows, key=lambda x: (x.job.key, x.job.box)):  # one order for every member and the dry run
         a, b = rs.job.box[0]
+        r = len(rs.cut.cols)
         one = Unit(rs, a, a + 1).cost()
-        step = max(len(rs.cut.cols), round_bytes // max(1, one))
+        step = max(r, round_bytes // max(1, one))
+        key = id(rs.group) if rs.group is not None else ("mesh dim", rs.cut.mesh_dim)
+        load = loads.setdefault(key, [0] * r)
         for s in range(a, b, step):
-            key = id(rs.group) if rs.group is not None else ("mesh dim", rs.cut.mesh_dim)
-            by_group.setdefault(key, []).append(Unit(rs, s, min(b, s + step)))
+            u = Unit(rs, s, min(b, s + step))
+            if u.cost() < min(MIN_SPLIT, round_bytes // 2):  # too small to split well: whole to the least-loaded member
+                owner = min(range(r), key=lambda k: (load[k], k))
+                u = Unit(rs, u.start, u.stop, owner)
+                load[owner] += u.nbytes()
+            else:
+                for k in range(r):
+                    first, last = u.rows(k)
+                    load[k] += u.nbytes() * (last - first) // (u.stop - u.start)
+            by_group.setdefault(key, []).append(u)
     out: list[list[Unit]] = []
     for units in by_group.values():
         cur: list[Unit] = []
@@ -272,12 +297,13 @@ def rounds(rows: Sequence[RowShare], round_bytes: int) -> list[list[Unit]]:
 
 def read_jobs(units: Sequence[Unit], device: torch.device | str = "meta") -> list[Job]:
     """The jobs that read a round: each unit's rows across its members' columns, into a new
-    buffer on ``device``."""
+    buffer on ``device``, for the units this rank reads rows of (in their order)."""
     jobs = []
     for u in units:
         box = u.read_box()
-        dest = u.share.job.dest
-        jobs.append(Job(u.share.job.key, u.share.job.node, box, torch.empty(box_shape(box), dtype=dest.dtype, device=device)))
+        if box[0][1] > box[0][0]:  # this rank reads rows of it
+            dest = u.share.job.dest
+            jobs.append(Job(u.share.job.key, u.share.job.node, box, torch.empty(box_shape(box), dtype=dest.dtype, device=device)))
     return jobs
 
 
@@ -370,18 +396,20 @@ def exchange_rows(
         in_sizes, in_offs = _segments(units, r, send=False)
         send = torch.empty(sum(out_sizes), dtype=torch.uint8, device=device)
         base = 0
+        mine = iter(jobs)
+        read_of = [next(mine) if u.read_box()[0][1] > u.read_box()[0][0] else None for u in units]
         for k in range(r):
-            for u, o, job in zip(units, out_offs[k], jobs, strict=True):
+            for u, o, job in zip(units, out_offs[k], read_of, strict=True):
                 cut = u.share.cut
                 n = u.piece_bytes(cut.me, k)
-                if n:
+                if n and job is not None:
                     src = job.dest.narrow(cut.dim, cut.cols[k][0] - cut.span[0], cut.cols[k][1] - cut.cols[k][0])
                     send[base + o : base + o + n].view(job.dest.dtype).view(src.shape).copy_(src)
             base += out_sizes[k]
         recv = torch.empty(sum(in_sizes), dtype=torch.uint8, device=device)
         work = dist.all_to_all_single(recv, send, in_sizes, out_sizes, group=group, async_op=True)
         pending = (work, units, recv, in_offs, send)
-        del jobs
+        del jobs, read_of
     finish()
     return error, got
 
