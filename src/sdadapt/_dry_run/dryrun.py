@@ -31,7 +31,7 @@ from torch import nn
 
 from .._base.agreement import agreement_bytes
 from .._base.regions import box_shape
-from .._engine import EngineConfig, RowShare, round_memory, row_cut, row_read_jobs, row_received, row_rounds
+from .._engine import EngineConfig, RowShare, replica_parts, round_memory, row_cut, row_read_jobs, row_received, row_rounds
 from .._engine.predict import mapping_granule, predict
 from .._engine.tasks import Job
 from .._plan.adapter import Adapter, with_dtype
@@ -467,7 +467,7 @@ def _plan_rank(
             for d in group:
                 me = me * grid.sizes[d] + coord[d]
             (a, b) = box[0]
-            s, e = me * (b - a) // r, (me + 1) * (b - a) // r
+            s, e = replica_parts(key, b - a, nbytes, r)[me]
             box = ((a + s, a + e), *box[1:])
             shape = box_shape(box)
             shared += nbytes - math.prod(shape) * info.dtype.itemsize

@@ -3,7 +3,8 @@
 **Replicas.** Ranks along a mesh dim where a DTensor is ``Replicate`` (HSDP's replicate dim, a
 TP-replicated norm) hold the same local shard, and by default each of them reads all of it.
 With shared reads, each of the R ranks of that dim reads one row block of the shard (dim 0 cut
-in R nearly equal parts) and, once every rank has read, each block is broadcast within the
+in R nearly equal parts; a shard too small for that is read whole by one of them,
+:func:`replica_parts`) and, once every rank has read, each block is broadcast within the
 dim's process group: every rank reads 1/R of those bytes and receives the rest over the
 interconnect (NVLink with NCCL, the network or loopback with gloo).
 
@@ -35,6 +36,7 @@ hang) and the load fails as any read failure does.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -163,6 +165,17 @@ def replica_dim(t: torch.Tensor) -> int | None:
     return best
 
 
+def replica_parts(key: str, rows: int, nbytes: int, r: int) -> list[tuple[int, int]]:
+    """Each of ``r`` replicas' block of a shard of ``rows`` rows and ``nbytes`` bytes along dim
+    0: nearly equal parts; or, where each part would be under :data:`MIN_SPLIT`, the whole shard
+    for one replica (picked from the key, so the same on every replica and in the dry run) and
+    nothing for the others: short reads cost storage whole pages."""
+    if nbytes < r * MIN_SPLIT:
+        owner = zlib.crc32(key.encode()) % r
+        return [(0, rows) if j == owner else (0, 0) for j in range(r)]
+    return [(j * rows // r, (j + 1) * rows // r) for j in range(r)]
+
+
 def row_cut(
     box: Box, shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], placements: tuple[object, ...],
     itemsize: int, gap: int,
@@ -236,8 +249,7 @@ def split(
         if dim is not None:
             group, ranks, me = group_of(target.device_mesh, dim)
             a, b = job.box[0]
-            n, r = b - a, len(ranks)
-            parts = [(j * n // r, (j + 1) * n // r) for j in range(r)]
+            parts = replica_parts(job.key, b - a, job.dest.numel() * job.dest.element_size(), len(ranks))
             shares.append(Share(group, ranks, job.dest, parts, me))
             s, e = parts[me]
             if e <= s:
