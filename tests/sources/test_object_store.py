@@ -10,8 +10,11 @@ export to ``s3://`` from every rank (files of several windows, files of several 
 parts: read back bit for bit by safetensors and ``sdadapt.load``, each rank's share of the
 bytes), ``convert`` on every rank to ``s3://`` and to a folder (read back, loaded bit for bit),
 one rank's uploads refused (403, of an export and of a ``save_state``: every rank's
-error naming the object, nothing left, the checkpoint saved before whole), and on 3 ranks last
-a rank killed mid-upload (the others raise, no index).
+error naming the object, nothing left, the checkpoint saved before whole), rank 1's store out
+of room (QuotaExceeded) and its local spool full (the same, and the checkpoint at that URL still
+loads); on one process a store refusing for space (507, quota, too large), a real SeaweedFS of
+one small volume filling up, and a full spool; and on 3 ranks last a rank killed mid-upload (the
+others raise, no index).
 """
 
 from __future__ import annotations
@@ -341,8 +344,33 @@ def _every_rank_exports(rank: int, world: int, proxy_endpoint: str, folder: str)
             os.environ["AWS_ENDPOINT_URL"] = proxy_endpoint
         out["refused"] = outcome(lambda: sdadapt.export(small, f"s3://{BUCKET}/out/w2-denied", max_shard_size="20KB"))[:2]
         out["state_refused"] = outcome(lambda: sdadapt.save_state(small, f"s3://{BUCKET}/out/w2-denied-state"))[:2]
+        out["no_room"] = outcome(lambda: sdadapt.export(small, f"s3://{BUCKET}/out/w2-full", max_shard_size="20KB"))[:2]
         os.environ["AWS_ENDPOINT_URL"] = os.environ["SERVER_ENDPOINT"]
+        out["spool_full"] = _spool_full_on_rank_1(rank, world, mesh)
     return out
+
+
+def _spool_full_on_rank_1(rank: int, world: int, mesh: Any) -> tuple[str, str, bool]:
+    """Rank 1's local copy of a save_state to s3:// fills: every rank's error, and the state
+    saved at that URL before still loads bit for bit."""
+    import errno
+
+    import torch.distributed.checkpoint.filesystem as fs
+
+    def enospc(*args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    orig, dst = fs._write_item, f"s3://{BUCKET}/state-w{world}"
+    if rank == 1:
+        fs._write_item = enospc
+    try:
+        kind, message, _ = outcome(lambda: sdadapt.save_state(TinyTransformer(**CONFIG), dst, overwrite=True))
+    finally:
+        fs._write_item = orig
+    with torch.device("meta"):
+        again = parallelize(TinyTransformer(**CONFIG), mesh)
+    sdadapt.load_state(again, dst)
+    return kind, message, all(torch.equal(v.full_tensor(), reference()[k]) for k, v in again.state_dict().items())
 
 
 @pytest.mark.slow
@@ -352,6 +380,7 @@ def test_ranks_load_bit_exactly_and_fetch_each_byte_about_once(
 ) -> None:
     proxy.rules.append(Rule(data_get, status=403))
     proxy.rules.append(Rule(lambda m, p, h: m in ("PUT", "POST") and "/w2-denied" in p, status=403))
+    proxy.rules.append(Rule(lambda m, p, h: m in ("PUT", "POST") and "/w2-full" in p, status=403, code="QuotaExceeded"))
     midway = FaultProxy(s3.endpoint)
     midway.rules.append(Rule(after_the_probes(), status=403))
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)  # the ranks go to the server itself
@@ -431,6 +460,13 @@ def _check_every_rank_exports(results: list[dict[str, Any]], world: int, proxy: 
         assert sorted(kinds) == ["RemoteRankError", "StateError"], results
         assert all("access denied" in r["state_refused"][1] and "w2-denied-state" in r["state_refused"][1] for r in results)
         assert _objects("out/w2-denied-state") == []
+        # rank 1's store out of room (QuotaExceeded) mid-export: every rank's error naming the object and what to do
+        assert sorted(r["no_room"][0] for r in results) == ["ExportError", "RemoteRankError"], results
+        assert all("no room for it" in r["no_room"][1] and "s3://ckpts/out/w2-full/model-" in r["no_room"][1] for r in results)
+        assert _objects("out/w2-full") == []
+        # rank 1's spool full in a save_state to s3://: every rank raises naming TMPDIR; what was there still loads
+        assert all(r["spool_full"][0] == "StateError" and "set TMPDIR" in r["spool_full"][1] for r in results), results
+        assert all(r["spool_full"][2] for r in results)
         assert {".metadata", "sdadapt.json"} <= set(_objects("state-w2"))
 
 
@@ -674,3 +710,96 @@ def test_a_gguf_file_at_a_url_fetches_its_header_then_only_the_blocks_read(s3: S
     sdadapt.load(model, f"s3://{BUCKET}/gguf/model.gguf", device="cpu")
     want = oracle.state_dict()
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
+# ----------------------------------------------------------------------------------------------
+# a store without room, a spool without room
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "status,code,said",
+    [(507, "InsufficientStorage", "no room for it"), (403, "QuotaExceeded", "no room for it"),
+     (400, "EntityTooLarge", "smaller max_shard_size")],  # fmt: skip
+    ids=["507", "quota", "too-large"],
+)
+def test_a_store_refusing_for_space_names_the_object(proxy: FaultProxy, status: int, code: str, said: str) -> None:
+    """Every upload refused as a full (or quota-bound) store refuses it: an export and a
+    save_state each fail naming the object and what to do, leave nothing, and the checkpoint
+    saved before stays whole."""
+    torch.manual_seed(3)
+    model = TinyTransformer(**CONFIG)
+    before = f"s3://{BUCKET}/out/space-before"
+    sdadapt.save_state(model, before, overwrite=True)
+    proxy.rules.append(Rule(lambda m, p, h: m in ("PUT", "POST") and "/out/space-x" in p, status=status, code=code))
+    with pytest.raises(sdadapt.errors.ExportError, match=r"s3://ckpts/out/space-x/model-\d+-of-\d+\.safetensors: uploading") as e:
+        sdadapt.export(model, f"s3://{BUCKET}/out/space-x", max_shard_size="64KB")
+    assert said in str(e.value)
+    with pytest.raises(sdadapt.errors.StateError, match=r"s3://ckpts/out/space-x-state/__0_0\.distcp: uploading") as e:
+        sdadapt.save_state(model, f"s3://{BUCKET}/out/space-x-state")
+    assert said in str(e.value)
+    assert _objects("out/space-x") == [] and _objects("out/space-x-state") == []
+    again = TinyTransformer(**CONFIG)
+    sdadapt.load_state(again, before)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in again.state_dict().items())
+
+
+def test_a_full_seaweedfs_names_the_object(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real SeaweedFS of one 1 MB volume: a checkpoint that fits is saved; an export that does not
+    fit fails naming the object and the store's answer (a 500 after retries: SeaweedFS says
+    nothing of space to its S3 clients), leaves nothing, and the first checkpoint loads bit for bit."""
+    assert WEED is not None
+    server = SeaweedFS(tmp_path / "weed", WEED, volume_mb=1, volumes=1)
+    try:
+        server.create_bucket("full")
+        for k, v in client_env(server.endpoint).items():
+            monkeypatch.setenv(k, v)
+        torch.manual_seed(3)
+        model = TinyTransformer(**CONFIG)  # 0.3 MB
+        sdadapt.save_state(model, "s3://full/step1")
+        torch.manual_seed(4)
+        large = TinyTransformer(layers=1, dim=256, heads=4, ffn=64, vocab=2048)  # 4.3 MB
+        with pytest.raises(sdadapt.errors.ExportError, match=r"s3://full/big/model-\d+-of-\d+\.safetensors: uploading") as e:
+            sdadapt.export(large, "s3://full/big", max_shard_size="1MB")
+        assert "kept failing it (500 Internal Server Error" in str(e.value) and "out of space" in str(e.value)
+        store = obstore.store.S3Store("full")
+        names = {m["path"] for batch in obstore.list(store) for m in batch}
+        assert not any(n.startswith("big/") for n in names), names
+        again = TinyTransformer(**CONFIG)
+        sdadapt.load_state(again, "s3://full/step1")
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in again.state_dict().items())
+    finally:
+        server.stop()
+
+
+def test_a_full_spool_keeps_the_checkpoint_there(s3: SeaweedFS, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local copy a URL is written into before its upload (save_state's DCP folder, a
+    one-writer export's folder) fills: the error names the URL and TMPDIR, nothing is uploaded,
+    and the checkpoint already at that URL is still whole (its commit objects are retired only
+    once the local copy is written)."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    import sdadapt._export.writers.safetensors_writer as sw
+
+    def enospc(*args: Any, **kwargs: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    torch.manual_seed(3)
+    model = TinyTransformer(**CONFIG)
+    state, export = f"s3://{BUCKET}/out/spool-state", f"s3://{BUCKET}/out/spool-export"
+    sdadapt.save_state(model, state, overwrite=True)
+    sdadapt.export(model, export, overwrite=True)
+    kept = (_objects("out/spool-state"), _objects("out/spool-export"))
+    with monkeypatch.context() as m:
+        m.setattr(fs, "_write_item", enospc)
+        m.setattr(sw, "write_bytes", enospc)
+        with pytest.raises(sdadapt.errors.StateError, match=r"saving to s3://ckpts/out/spool-state failed writing the local copy") as e:
+            sdadapt.save_state(TinyTransformer(**CONFIG), state, overwrite=True)
+        assert "disk is full" in str(e.value) and "set TMPDIR" in str(e.value)
+        with pytest.raises(sdadapt.errors.ExportError, match=r"writing s3://ckpts/out/spool-export failed in the local copy") as e:
+            sdadapt.export(TinyTransformer(**CONFIG), export, overwrite=True)
+        assert "disk is full" in str(e.value) and "set TMPDIR" in str(e.value)
+    assert (_objects("out/spool-state"), _objects("out/spool-export")) == kept
+    again = TinyTransformer(**CONFIG)
+    sdadapt.load_state(again, state)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in again.state_dict().items())
+    sdadapt.load(again, export)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in again.state_dict().items())

@@ -52,9 +52,11 @@ def _ports(n: int) -> list[int]:
 
 
 class SeaweedFS:
-    """``weed server`` in ``folder``: :attr:`endpoint` is its S3 gateway (``http://127.0.0.1:P``)."""
+    """``weed server`` in ``folder``: :attr:`endpoint` is its S3 gateway (``http://127.0.0.1:P``).
+    ``volume_mb`` and ``volumes`` (``0``: as many as the disk holds) bound what it stores: a
+    server of one small volume refuses writes once it is full, as a full store does."""
 
-    def __init__(self, folder: str | os.PathLike[str], binary: str):
+    def __init__(self, folder: str | os.PathLike[str], binary: str, volume_mb: int = 64, volumes: int = 0):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         master, volume, filer, s3 = self.ports = _ports(4)
@@ -63,7 +65,7 @@ class SeaweedFS:
             binary, f"-logdir={self.folder}", "server", f"-dir={self.folder}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}",
             "-s3", f"-s3.port={s3}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-            "-master.volumeSizeLimitMB=64", "-volume.max=0",
+            f"-master.volumeSizeLimitMB={volume_mb}", f"-volume.max={volumes}",
         ]  # fmt: skip
         self.log = open(self.folder / "weed.log", "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -122,12 +124,14 @@ class SeaweedFS:
 
 @dataclass
 class Rule:
-    """What the proxy does to the requests it matches: ``status`` (answer it), ``drop`` (close the
+    """What the proxy does to the requests it matches: ``status`` (answer it, the S3 error ``code``
+    in the body, as a server that refuses for space says ``QuotaExceeded``), ``drop`` (close the
     connection without an answer), ``cut`` (forward, then send only half the body and close) or
     ``delay`` seconds (then forward); for the first ``times`` matches (``None``: always)."""
 
     match: Callable[[str, str, dict[str, str]], bool]
     status: int | None = None
+    code: str = "Injected"
     drop: bool = False
     cut: bool = False
     delay: float = 0.0
@@ -181,7 +185,7 @@ class FaultProxy:
             h.connection.shutdown(socket.SHUT_RDWR)
             return
         if rule is not None and rule.status is not None:
-            text = f"<Error><Code>Injected</Code><Message>HTTP {rule.status}</Message></Error>".encode()
+            text = f"<Error><Code>{rule.code}</Code><Message>HTTP {rule.status}</Message></Error>".encode()
             h.send_response(rule.status)
             h.send_header("Content-Length", str(len(text)))
             h.end_headers()

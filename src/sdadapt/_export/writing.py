@@ -312,7 +312,15 @@ def write_folder(
         staging = tempfile.mkdtemp(prefix="sdadapt-upload-")
         try:
             local = os.path.join(staging, dst.rstrip("/").rsplit("/", 1)[-1])
-            files = write_folder(local, fmt, outputs, pull, max_shard_size=max_shard_size, overwrite=False, check=check)
+            try:
+                files = write_folder(local, fmt, outputs, pull, max_shard_size=max_shard_size, overwrite=False, check=check)
+            except ExportError as e:
+                if not str(e).startswith(f"writing {local} failed"):  # a check, not the writing
+                    raise
+                raise ExportError(
+                    f"writing {dst} failed in the local copy it is uploaded from ({e}); set TMPDIR to a folder with room for the "
+                    f"whole checkpoint; nothing was uploaded, and what {dst} held before is as it was"
+                ) from None
             try:
                 upload(local, dst, overwrite=overwrite)
             except SourceError as e:

@@ -8,6 +8,7 @@ the commit objects last (:func:`_save_to_url`). ``async_=True`` stages and retur
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -221,6 +222,10 @@ def _write_rest(state: dict[str, Any], dst: str, record: dict[str, Any], rank: i
     try:
         dcp.save(state, checkpoint_id=dst, process_group=group, no_dist=not is_distributed())
     except CheckpointException as e:
+        cause = _os_error(e)
+        if cause is not None:  # a full disk on any rank: named, with its errno, on every rank
+            full = " (the disk is full)" if cause.errno == errno.ENOSPC else ""
+            raise StateError(f"saving to {dst} failed{full}: {cause}") from None
         raise StateError(f"saving to {dst} failed: {e}") from None
     if rank == 0:
         try:
@@ -235,12 +240,23 @@ def _write_rest(state: dict[str, Any], dst: str, record: dict[str, Any], rank: i
         write_checksums_shared(dst, rank, world, group)
 
 
+def _os_error(e: CheckpointException) -> OSError | None:
+    """The first rank's ``OSError`` among DCP's failures ({rank: exception or (exception, trace)})."""
+    for _, failure in sorted(e.failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) and failure else failure
+        if isinstance(inner, OSError):
+            return inner
+    return None
+
+
 def _save_to_url(url: str, local_save: Callable[[str], None], overwrite: bool, group: dist.ProcessGroup | None) -> str:
-    """Collective: save into a local folder on each rank, then upload: one rank retires the old
-    checkpoint's commit objects, every rank uploads its own ``.distcp`` files, and only once
-    all succeeded does one rank upload ``sdadapt.json`` and ``.metadata`` (so a reader never
-    sees a half-written checkpoint), then delete what the old checkpoint had beyond the new."""
-    from ..sources import COMMIT_NAMES, Uploader  # only for a URL: the object store client
+    """Collective: save into a local folder on each rank (the spool, under ``TMPDIR``), then
+    upload: one rank retires the old checkpoint's commit objects (only once every rank's local
+    copy is written: a spool that fills leaves the old checkpoint as it was), every rank uploads
+    its own ``.distcp`` files, and only once all succeeded does one rank upload
+    ``sdadapt.json`` and ``.metadata`` (so a reader never sees a half-written checkpoint), then
+    delete what the old checkpoint had beyond the new."""
+    from ..sources import COMMIT_NAMES, Uploader, check_writable  # only for a URL: the object store client
 
     rank, _ = rank_and_world(group)
     folder = tempfile.mkdtemp(prefix="sdadapt-save-")
@@ -251,14 +267,29 @@ def _save_to_url(url: str, local_save: Callable[[str], None], overwrite: bool, g
         try:
             up = Uploader(url)
             if rank == 0:
-                old = up.retire(overwrite)
+                check_writable(url, overwrite)
         except SdadaptError as e:
             error = StateError(str(e))
         agree(error, group)
         assert up is not None
-        local_save(folder)
+        try:
+            local_save(folder)
+        except StateError as e:
+            if not str(e).startswith(f"saving to {folder} failed"):  # a check, not the writing
+                raise
+            raise StateError(
+                f"saving to {url} failed writing the local copy each rank uploads from ({e}); set "
+                "TMPDIR to a folder with room for this rank's shards and optimizer state; nothing was uploaded, and what "
+                f"{url} held before is as it was"
+            ) from None
         names = sorted(os.listdir(folder))
         data = [n for n in names if n not in COMMIT_NAMES]
+        try:
+            if rank == 0:
+                old = up.retire(overwrite)
+        except SdadaptError as e:
+            error = StateError(str(e))
+        agree(error, group)
         try:
             up.put([(os.path.join(folder, n), up.dest(n)) for n in data])
         except SdadaptError as e:

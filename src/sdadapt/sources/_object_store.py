@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SourceError
+from ._object_errors import fetch_error, short_error
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def make_store(url: str, storage_options: Mapping[str, Any] | None) -> Any:
     except Exception as e:  # noqa: BLE001 - obstore's configuration errors have many types
         keys = ", ".join(sorted(opts)) or "none"
         why = f"{type(e).__name__}; storage_options keys: {keys}"
-        raise SourceError(f"cannot configure the object store client ({why}): {_short(e)}", path=url) from None
+        raise SourceError(f"cannot configure the object store client ({why}): {short_error(e)}", path=url) from None
 
 
 def _profile_keys(scheme: str, opts: dict[str, Any]) -> dict[str, str]:
@@ -161,29 +162,6 @@ def _client(url: str) -> Any:
         raise SourceError(f"{scheme}:// URLs need the obstore client: pip install 'sdadapt[{SCHEMES[scheme]}]'", path=url) from None
     module: Any = obstore
     return module
-
-
-def _short(e: BaseException) -> str:
-    """obstore's message without its debug dump (which repeats it)."""
-    return str(e).split("\n\nDebug source:", 1)[0].strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
-def fetch_error(e: BaseException, url: str, what: str) -> SourceError:
-    """An obstore / OS error while ``what`` as a SourceError naming ``url`` and what to do."""
-    name = type(e).__name__
-    text = str(e)
-    if isinstance(e, FileNotFoundError) or name == "NotFoundError" or "404 Not Found" in text or "NoSuchBucket" in text:
-        why = "no such object or bucket (check the URL, and the endpoint in AWS_ENDPOINT_URL)"
-    elif name in ("PermissionDeniedError", "UnauthenticatedError") or isinstance(e, PermissionError) or "403 Forbidden" in text:
-        why = "access denied (403): check the credentials (AWS_ACCESS_KEY_ID..., GOOGLE_APPLICATION_CREDENTIALS) and the bucket's policy"
-    elif name == "PreconditionError":
-        why = (
-            "the object changed while it was read (its ETag differs from the one listed when the checkpoint "
-            "was opened); load again once the upload is complete"
-        )
-    else:
-        why = f"{name}: {_short(e)}"
-    return SourceError(f"{what}: {why}", path=url)
 
 
 class Remote:
@@ -505,6 +483,11 @@ class Uploader:
     def dest(self, name: str) -> str:
         return f"{self.key}/{name}" if self.key else name
 
+    def object_url(self, dest: str) -> str:
+        """The URL of the object at key ``dest`` (for messages)."""
+        bucket_url = self.url[: len(self.url) - len(self.key)] if self.key else f"{self.url}/"
+        return f"{bucket_url}{dest}"
+
     def retire(self, overwrite: bool) -> list[str]:
         """Refuse a destination that holds objects unless ``overwrite``; else delete its commit
         objects first (the old checkpoint stops looking complete). Returns the old object keys."""
@@ -528,17 +511,17 @@ class Uploader:
         commit = sorted((f for f in files if f not in data), key=lambda f: COMMIT_NAMES.index(f[1].rsplit("/", 1)[-1]), reverse=True)
 
         def one(pair: tuple[str, str]) -> None:
-            self.obstore.put(self.store, pair[1], Path(pair[0]))
+            try:
+                self.obstore.put(self.store, pair[1], Path(pair[0]))
+            except Exception as e:  # noqa: BLE001 - obstore raises its own error types
+                raise fetch_error(e, self.object_url(pair[1]), "uploading") from None
             self.done.append(pair[1])
 
-        try:
-            with ThreadPoolExecutor(min(8, max(1, len(data)))) as pool:
-                for f in [pool.submit(one, p) for p in data]:
-                    f.result()
-            for p in commit:
-                one(p)
-        except Exception as e:  # noqa: BLE001 - obstore raises its own error types
-            raise fetch_error(e, self.url, "uploading") from None
+        with ThreadPoolExecutor(min(8, max(1, len(data)))) as pool:
+            for f in [pool.submit(one, p) for p in data]:
+                f.result()
+        for p in commit:
+            one(p)
 
     def undo(self) -> None:
         """Delete what this uploader wrote (after a failure: the commit objects were never written)."""
