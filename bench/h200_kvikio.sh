@@ -7,9 +7,11 @@
 # RAW: the raw rows (default instanttensor,instanttensor-mmap,kvikio). `probe`: kvikio's start-up
 # and the page-cache checks (bench/probes/kvikio_start_probe.py) on the bench's kept checkpoint;
 # `cold`: the cold-cache rows (the page cache dropped before every load; COLD_EXTRA, COLD_RAW,
-# COLD_REPEAT); `cpu16`: 16 gloo ranks on the CPUs against DCP's HF reader. FORMATS_EXTRA: more
-# arguments of the formats run. Each step prints the time it ends.
-# Usage: bash bench/h200_kvikio.sh [tests] [bench] [formats] [probe] [cold] [cpu16]
+# COLD_REPEAT); `imports`: bench/probes/import_probe.py (IMPORT_RUNS); `cpu2`: two of the CPUs
+# (`taskset -c 0,1`), 2 gloo ranks, meta and materialised flows against DCP's HF reader, in
+# CPU2_ROUNDS interleaved rounds; `cpu16`: 16 gloo ranks on the CPUs against DCP's HF reader.
+# FORMATS_EXTRA: more arguments of the formats run. Each step prints the time it ends.
+# Usage: bash bench/h200_kvikio.sh [tests] [bench] [formats] [probe] [cold] [imports] [cpu2] [cpu16]
 set -u
 WHL=${WHL:-../../.whl}
 OUT=${OUT:-/tmp/out}
@@ -55,6 +57,19 @@ for what in "$@"; do
         --hsdp-paths '' --materialized-paths '' --discussion '' --timeout 120 --import-in-load --repeat ${COLD_REPEAT:-1} --no-verify \
         --paths sdadapt --raw-paths ${COLD_RAW:-instanttensor,instanttensor-direct,kvikio} --cold --by-variant \
         ${COLD_EXTRA:---variant nokv:SDADAPT_IO_KVIKIO=0} --out "$OUT"/kv8b_cold 2>&1 | tail -30
+      ;;
+    imports)
+      # the import tax of a first local load: -X importtime between the probe's markers, and its
+      # process CPU (what -X importtime misses: modules imported through importlib, module bodies)
+      timeout 120 python3 bench/probes/import_probe.py --runs ${IMPORT_RUNS:-3} --top 12 --out "$OUT"/imports.json 2>&1 | tee "$OUT"/imports.log
+      ;;
+    cpu2)
+      # the device's CPUs, two of them (quiet, unlike a shared 2-core box): 2 gloo ranks, meta and
+      # materialised flows against DCP's HF reader, interleaved rounds in fresh processes
+      CUDA_VISIBLE_DEVICES= timeout ${CPU2_TIMEOUT:-240} taskset -c 0,1 python3 bench/load_bench.py --preset 1.9g --shard-gb 0.5 \
+        --nproc 2 --backend gloo --dir /tmp/ckc2 --keep --rounds ${CPU2_ROUNDS:-5} --repeat 1 --no-references --discussion '' \
+        --timeout 150 --paths sdadapt,hf-reader --tp-paths '' --hsdp-paths '' --materialized-paths sdadapt,hf-reader \
+        --out "$OUT"/cpu2 2>&1 | tail -14
       ;;
     cpu16)
       CUDA_VISIBLE_DEVICES= timeout ${CPU_TIMEOUT:-200} python3 bench/load_bench.py --preset 1.9g --shard-gb 0.5 --nproc 16 --backend gloo \

@@ -215,15 +215,19 @@ def test_gpu_run_is_bit_exact_with_kvikio_and_without(tmp_path, kvikio):
             EngineConfig(threads=4, kvikio=kvikio),
             EngineConfig(threads=2, kvikio=kvikio, kvikio_task_bytes=4096, kvikio_threads=3, direct_min_bytes=4096),
         ):
-            pairs = _jobs(sd, rng, "cuda")
-            stats = IOEngine(src, cfg).run([j for j, _ in pairs])
-            for job, want in pairs:
-                assert torch.equal(_bits(job.dest), _bits(want)), (job.key, job.box)
-            if kvikio is None and HAS_KVIKIO:
-                assert stats.kvikio_bytes > 0 and stats.staged_bytes > 0
-                assert stats.kvikio_bytes == stats.direct_bytes
-            else:
-                assert stats.kvikio_bytes == 0 == stats.direct_bytes
+            # the process's first run with these settings reads without kvikio and starts it;
+            # the second waits for that start and reads through it
+            for run in (1, 2):
+                pairs = _jobs(sd, rng, "cuda")
+                stats = IOEngine(src, cfg).run([j for j, _ in pairs])
+                for job, want in pairs:
+                    assert torch.equal(_bits(job.dest), _bits(want)), (run, job.key, job.box)
+                if kvikio is None and HAS_KVIKIO and run == 2:
+                    assert stats.kvikio_bytes > 0 and stats.staged_bytes > 0
+                    assert stats.kvikio_bytes == stats.direct_bytes
+                else:
+                    assert stats.kvikio_bytes == 0 == stats.direct_bytes
+                assert devread.deferred(cfg.kvikio, *cfg.kvikio_settings()) is False
 
 
 @CUDA
@@ -231,11 +235,12 @@ def test_gpu_run_falls_back_when_kvikio_fails_to_start(tmp_path, monkeypatch, ca
     monkeypatch.setattr(devread, "importer", _failing)
     path, sd = _checkpoint(tmp_path)
     with open_source(path) as src, caplog.at_level(logging.INFO, logger=devread.__name__):
-        pairs = _jobs(sd, random.Random(1), "cuda")
-        stats = IOEngine(src, EngineConfig(threads=3)).run([j for j, _ in pairs])
-    assert stats.kvikio_bytes == 0
-    for job, want in pairs:
-        assert torch.equal(_bits(job.dest), _bits(want)), (job.key, job.box)
+        for _ in range(2):  # the first run starts kvikio afterwards; the second waits for that start
+            pairs = _jobs(sd, random.Random(1), "cuda")
+            stats = IOEngine(src, EngineConfig(threads=3)).run([j for j, _ in pairs])
+            assert stats.kvikio_bytes == 0
+            for job, want in pairs:
+                assert torch.equal(_bits(job.dest), _bits(want)), (job.key, job.box)
     assert any("failed to start" in r.getMessage() for r in caplog.records)
 
 
@@ -253,6 +258,26 @@ def test_a_truncated_file_fails_the_kvikio_read_naming_the_key(tmp_path):
         job = Job("model.odd", N.Leaf("odd", (333, 777), torch.bfloat16), ((0, 333), (0, 777)), dest)
         with pytest.raises(LoadError, match=r"key 'model.odd' \(source key 'odd' in .*m.safetensors\).*(truncated|EOF)"):
             IOEngine(src, EngineConfig(threads=2, kvikio=True)).run([job])
+
+
+def test_only_the_first_run_of_default_settings_defers_kvikio(monkeypatch, tmp_path):
+    """``kvikio=None``: deferred until anything asks kvikio to start with those settings
+    (a run's :func:`start_later`, :func:`select`, :func:`prefetch`, :func:`warm`); asked for
+    explicitly or turned off, never deferred."""
+    monkeypatch.setattr(devread, "importer", _absent)
+    assert devread.deferred(None, 2, 4096) and devread.deferred(None, 2, 4096, 8192)
+    assert not devread.deferred(True, 2, 4096) and not devread.deferred(False, 2, 4096)
+    path = write_safetensors(tmp_path / "m.safetensors", {"w": torch.zeros(8)})
+    devread.start_later(GPU, [path], None, 2, 4096)
+    assert not devread.deferred(None, 2, 4096)  # asked for at once, before its thread runs
+    assert devread.select(GPU, None, 2, 4096) is None  # waits for that start: kvikio is absent
+    assert devread.deferred(None, 2, 4096, 8192)  # other settings: their own first run
+    devread.prefetch(GPU, None, 2, 4096, 8192)
+    assert not devread.deferred(None, 2, 4096, 8192)
+    devread.forget()
+    assert devread.deferred(None, 2, 4096)
+    devread.start_later(GPU, [], None, 2, 4096)  # nothing to warm on: the choice alone
+    assert not devread.deferred(None, 2, 4096)
 
 
 def test_warm_up_needs_a_gpu_a_file_and_kvikio_not_turned_off(monkeypatch, tmp_path):

@@ -51,6 +51,7 @@ the calls touch once, the gaps of joined reads included; files are opened with r
 
 from .config import EngineConfig, default_threads
 from .device import device_step, device_work, warm_kernels, warm_up
+from .devread import deferred as kvikio_deferred
 from .devread import warm as warm_kvikio
 from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
@@ -74,6 +75,7 @@ __all__ = [
     "device_step",
     "device_work",
     "exchange_rows",
+    "kvikio_deferred",
     "prefetch_pinned",
     "release_pinned_memory",
     "replica_parts",

@@ -91,7 +91,8 @@ class EngineConfig:
         gather_bytes: the largest gathered input (``None``: four chunks).
         kvikio: read GPU pieces that land contiguously in their shard through kvikio (extra
             ``sdadapt[cuda]``): ``None`` where it is installed and starts (else the staged
-            path, said once in the log), ``True`` always (an error where it cannot), ``False``
+            path, said once in the log), from a process's second GPU load on (the first
+            starts it as it ends), ``True`` always (an error where it cannot), ``False``
             never.
         kvikio_threads: kvikio's thread pool (``None``: this rank's CPUs).
         kvikio_task_bytes: the size kvikio cuts a read into.

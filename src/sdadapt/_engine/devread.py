@@ -202,6 +202,8 @@ def _compute(gather: Gather, buffer: torch.Tensor) -> None:
 _LOCK = threading.Lock()
 _CHOSEN: dict[tuple[int, int, int | None], DeviceReads | None] = {}
 _WARMED: set[tuple[torch.device, int, int, int | None]] = set()  # warm() has run for these
+# kvikio's start was asked for (select, prefetch, warm, start_later): a run no longer defers it
+_ASKED: set[tuple[int, int, int | None]] = set()
 
 
 def _import_kvikio() -> Any:
@@ -258,6 +260,7 @@ def select(
     if wanted is False or device is None or device.type != "cuda":
         return None
     key = (threads, task_bytes, bounce_bytes)
+    _ASKED.add(key)
     with _LOCK:
         if key in _CHOSEN:
             chosen = _CHOSEN[key]
@@ -290,6 +293,7 @@ def prefetch(device: torch.device, wanted: bool | None, threads: int, task_bytes
     with _LOCK:
         if (threads, task_bytes, bounce_bytes) in _CHOSEN:
             return
+    _ASKED.add((threads, task_bytes, bounce_bytes))
 
     def run() -> None:
         try:
@@ -319,6 +323,7 @@ def warm(
             return None
         _WARMED.add(key)
     largest, path = max(sized)
+    _ASKED.add((threads, task_bytes, bounce_bytes))
 
     def run() -> None:
         try:
@@ -349,8 +354,29 @@ def warm(
     return th
 
 
+def deferred(wanted: bool | None, threads: int, task_bytes: int, bounce_bytes: int | None = None) -> bool:
+    """Whether a GPU run takes the staged path without starting kvikio: ``wanted`` is ``None``
+    (kvikio where it starts) and nothing in this process has asked kvikio to start with these
+    settings yet. A process's first GPU load so pays neither kvikio's import nor its threads'
+    and bounce buffers' start, which competed with materialising the model and made first loads
+    longer than the staged path's wherever it was measured; the run then starts kvikio in the
+    background (:func:`start_later`) for the loads after it."""
+    return wanted is None and (threads, task_bytes, bounce_bytes) not in _ASKED
+
+
+def start_later(
+    device: torch.device, files: list[str], wanted: bool | None, threads: int, task_bytes: int, bounce_bytes: int | None = None
+) -> None:
+    """After a deferred run (:func:`deferred`): choose kvikio and warm it up on ``files`` on a
+    background thread (:func:`warm`; :func:`prefetch` where there is nothing to warm on), so
+    that the next load finds it started, or waits for the start in progress."""
+    if warm(device, files, wanted, threads, task_bytes, bounce_bytes) is None:
+        prefetch(device, wanted, threads, task_bytes, bounce_bytes)
+
+
 def forget() -> None:
     """Drop the kept choices and warm-ups (the next run chooses, logs and warms again); for tests."""
     with _LOCK:
         _CHOSEN.clear()
         _WARMED.clear()
+        _ASKED.clear()

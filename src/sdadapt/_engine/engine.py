@@ -108,9 +108,10 @@ def prefetch_pinned(device: torch.device, bands: bool, config: EngineConfig | No
     materialised) and once planned (the band buffers, where its computations may use them:
     :func:`~sdadapt._engine.device.device_work`); what is pinned or on its way already is not
     asked for again. The choice of kvikio for the run's reads is made meanwhile too
-    (:func:`~sdadapt._engine.devread.prefetch`)."""
+    (:func:`~sdadapt._engine.devread.prefetch`), unless the process's first run defers it
+    (:func:`~sdadapt._engine.devread.deferred`)."""
     cfg = config or EngineConfig.from_env()
-    if device.type == "cuda":
+    if device.type == "cuda" and not devread.deferred(cfg.kvikio, *cfg.kvikio_settings()):
         devread.prefetch(device, cfg.kvikio, *cfg.kvikio_settings())
     SLABS.prefetch(StagingPool.slab_bytes(cfg.staging_buffers(cfg.threads), cfg.chunk()), device)
     if bands:
@@ -178,8 +179,11 @@ class IOEngine:
         if device is not None:
             shared.lane = DeviceLane(device, bands.size, shared.fail, cfg.landing_buffers)
             shared.lane.start()
-        # kvikio reads files: never the mirror of an object store
-        reads = devread.select(device, cfg.kvikio, *cfg.kvikio_settings()) if device is not None and fetching is None else None
+        # kvikio reads files: never the mirror of an object store; a process's first GPU run
+        # reads without it and starts it for the next (devread.deferred)
+        kvikio = device is not None and fetching is None
+        later = kvikio and device is not None and device.type == "cuda" and devread.deferred(cfg.kvikio, *cfg.kvikio_settings())
+        reads = devread.select(device, cfg.kvikio, *cfg.kvikio_settings()) if kvikio and not later else None
         if reads is not None and device is not None and device.type == "cuda":
             # kvikio writes from its own threads and streams: whatever the caller's stream
             # still has queued for the destinations (their allocation, a materialised model's
@@ -303,4 +307,7 @@ class IOEngine:
         st.seconds += time.perf_counter() - start
         if shared.errors:
             raise shared.errors[0]
+        if later:
+            assert device is not None
+            devread.start_later(device, sorted(shared.fds), cfg.kvikio, *cfg.kvikio_settings())
         return st

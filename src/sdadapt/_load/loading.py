@@ -18,7 +18,7 @@ from torch import nn
 from .._base.distributed import rank_and_world
 from .._base.gc import without_gc
 from .._base.progress import TransferBar
-from .._engine import EngineConfig, EngineStats, device_work, prefetch_pinned, warm_kernels, warm_kvikio
+from .._engine import EngineConfig, EngineStats, device_work, kvikio_deferred, prefetch_pinned, warm_kernels, warm_kvikio
 from .._plan.adapter import Adapter
 from .._plan.intent import intent
 from .._plan.plan import KeyPatterns, Plan, key_patterns
@@ -227,11 +227,12 @@ def _prepare_device(
     its computations may use them, and (when its recipes compute on the device) loads their
     kernels into the GPU, while the model is materialised: the engine's first run then finds
     both done (or nearly). Its staging is pinned from the start of the load. Where it reads
-    through kvikio, kvikio is warmed up meanwhile on the source's ``files``."""
+    through kvikio, kvikio is warmed up meanwhile on the source's ``files`` (not by a process's
+    first GPU load, which reads without kvikio and starts it afterwards)."""
     if target is None:
         return
     cfg = engine or EngineConfig.from_env()
-    if cfg.kvikio_warm:
+    if cfg.kvikio_warm and not kvikio_deferred(cfg.kvikio, *cfg.kvikio_settings()):
         warm_kvikio(target, list(files), cfg.kvikio, *cfg.kvikio_settings())
     kernels, bands = device_work(plan.recipes, planned, cfg.gather_inputs)
     if bands:
