@@ -59,7 +59,7 @@ def test_every_path_first_load_in_a_fresh_process_meta_and_materialized(tmp_path
         [sys.executable, str(BENCH), "--preset", "tiny", "--nproc", "2", "--backend", "gloo", "--repeat", "1",
          "--paths", "sdadapt,sdadapt-fused,sdadapt-torchsave,sdadapt-fp8,rank0-broadcast,hf-reader,hf-fp8-reader", "--tp-paths", "sdadapt",
          "--materialized-paths", "sdadapt,hf-reader", "--no-references",
-         "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--discussion", "materialized", "--discussion-timeout", "10",
+         "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--discussion", "materialized", "--discussion-timeout", "4",
          "--timeout", "150", "--fork-ranks"],
         env=_env(), capture_output=True, text=True, timeout=420,
     )
@@ -242,7 +242,7 @@ def test_a_variant_runs_each_sdadapt_row_again_under_other_settings_and_another_
         [sys.executable, str(BENCH), "--preset", "tiny", "--nproc", "1", "--backend", "gloo", "--repeat", "0",
          "--paths", "sdadapt", "--tp-paths", "", "--materialized-paths", "", "--discussion", "", "--no-references",
          "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--timeout", "150",
-         "--variant", f"v:SDADAPT_IO_THREADS=1,SDADAPT_IO_CHUNK_MB=1,src={tree},SDADAPT_TRACE={traces}"],
+         "--variant", f"v:SDADAPT_IO_THREADS=1,SDADAPT_IO_CHUNK_MB=1,src={tree},SDADAPT_TRACE={traces}", "--fork-ranks"],
         env=_env(), capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -253,6 +253,7 @@ def test_a_variant_runs_each_sdadapt_row_again_under_other_settings_and_another_
     assert own["sdadapt_env"] == {} and Path(own["sdadapt_file"]).resolve().is_relative_to((ROOT / "src").resolve())
     assert varied["sdadapt_env"] == {"SDADAPT_IO_CHUNK_MB": "1", "SDADAPT_IO_THREADS": "1", "SDADAPT_TRACE": str(traces)}
     assert Path(varied["sdadapt_file"]).resolve().is_relative_to(tree.resolve())
+    assert own["sdadapt_preloaded"] == varied["sdadapt_preloaded"] == []  # forked before any sdadapt was imported
     md = Path(f"{out}.md").read_text()
     assert re.search(r"\| sdadapt @v \| fsdp \| meta \| \*\*[0-9.]+\*\* \| 1\.00 \|", md)  # its own base
     assert f"`v`: SDADAPT_IO_THREADS=1, SDADAPT_IO_CHUNK_MB=1, src={tree.resolve()}, SDADAPT_TRACE={traces}" in md
@@ -271,7 +272,7 @@ def test_raw_loaders_and_the_loaders_imports_inside_the_first_load(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--preset", "tiny", "--nproc", "1", "--backend", "gloo", "--repeat", "1",
          "--paths", "sdadapt", "--tp-paths", "", "--materialized-paths", "", "--discussion", "", "--no-references",
-         "--raw-paths", "safetensors-gpu", "--import-in-load",
+         "--raw-paths", "safetensors-gpu", "--import-in-load", "--fork-ranks",
          "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--timeout", "150"],
         env=_env(), capture_output=True, text=True, timeout=300,
     )
@@ -281,8 +282,10 @@ def test_raw_loaders_and_the_loaders_imports_inside_the_first_load(tmp_path):
     assert rows["sdadapt"]["ok"] and rows["sdadapt"]["check"].startswith("= source")
     raw = rows["safetensors-gpu"]
     assert raw["ok"] and raw["layout"] == "raw" and raw["check"] == "= file bytes (21 shards)"  # every tensor of the tiny preset
+    assert res["forked_from"] == ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor.parallel"]
     for g in res["groups"]:
         assert "sdadapt" not in g["ranks"][0]["imported"]  # nothing of the loaders before timing
+        assert g["ranks"][0]["sdadapt_preloaded"] == []
     first = rows["sdadapt"]["per_rank"][0]
     assert first["load_import_s"] > 0 and first["modules_imported_by_call"] is not None
     assert res["import_in_load"] and "inside its timed first load" in Path(f"{out}.md").read_text()
