@@ -2,6 +2,7 @@
 
     python scripts/megatron_venv.py            # make it (once) and print its python
     python scripts/megatron_venv.py --check    # exit 0 only if megatron-core imports there
+    python scripts/megatron_venv.py --path     # print where its python is (or would be): no making, no check
     python scripts/megatron_venv.py --bridge   # the same for the Megatron-Bridge venv
 
 A small venv of ``scripts/small_venv.py`` (under ``${TMPDIR:-/tmp}/sdadapt-compat``, seeing the base
@@ -73,7 +74,12 @@ def main() -> int:
     ap.add_argument("--root", default=None, help="where the small venvs live")
     ap.add_argument("--check", action="store_true", help="only say whether it is made")
     ap.add_argument("--bridge", action="store_true", help=f"the Megatron-Bridge {BRIDGE} venv")
+    ap.add_argument("--path", action="store_true", help="only print where its python is or would be")
     args = ap.parse_args()
+    if args.path:
+        name = f"megatron-bridge-{BRIDGE}" if args.bridge else f"megatron-core-{MEGATRON_CORE}"
+        print(os.path.join(args.root or default_root(), name, "bin", "python"))
+        return 0
     if args.check:
         name = f"megatron-bridge-{BRIDGE}" if args.bridge else f"megatron-core-{MEGATRON_CORE}"
         return 0 if importable(os.path.join(args.root or default_root(), name, "bin", "python"), args.bridge) else 1

@@ -2,7 +2,7 @@
 
 :func:`megatron_checkpoints` makes the megatron venv (``scripts/megatron_venv.py``) and runs
 ``megatron_fixtures.py`` there once per :data:`FIXTURES_VERSION` (cached beside the venv, under
-``${TMPDIR:-/tmp}/sdadapt-compat``); the tests skip, saying why, only where megatron-core cannot be
+``${TMPDIR:-/tmp}/sdadapt-compat``; once cached, the venv is not needed); the tests skip, saying why, only where megatron-core cannot be
 installed. :func:`hf_reference` is an independent reading of Megatron's layout: its module state dict
 (``model.state_dict()``, per-layer keys, TP 1) written out with HF names by plain tensor slicing.
 """
@@ -48,7 +48,13 @@ def megatron_python(bridge: bool = False) -> str:
 
 
 def megatron_checkpoints() -> str:
-    """The folder holding each fixture ``NAME/`` (written by Megatron-Core) and ``NAME.oracle.pt``."""
+    """The folder holding each fixture ``NAME/`` (written by Megatron-Core) and ``NAME.oracle.pt``.
+    Cached fixtures are read without making or checking the venv (the check imports megatron-core
+    there: seconds of CPU, and reading them needs no megatron-core)."""
+    where = subprocess.run([sys.executable, str(ROOT / "scripts" / "megatron_venv.py"), "--path"], capture_output=True, text=True)
+    folder = os.path.join(os.path.dirname(os.path.dirname(where.stdout.strip())), f"fixtures-v{FIXTURES_VERSION}")
+    if where.returncode == 0 and all(os.path.isfile(os.path.join(folder, f"{n}.oracle.pt")) for n in NAMES):
+        return folder
     py = megatron_python()
     folder = os.path.join(os.path.dirname(os.path.dirname(py)), f"fixtures-v{FIXTURES_VERSION}")
     if all(os.path.isfile(os.path.join(folder, f"{n}.oracle.pt")) for n in NAMES):
