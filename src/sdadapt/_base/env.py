@@ -24,6 +24,7 @@ import types
 from importlib import metadata
 from typing import Any
 
+from .summary import Summarized
 from .version import VERSION
 
 # package -> (oldest supported, newest tested): the matrix in docs/compatibility.md
@@ -156,7 +157,7 @@ class Feature:
 
 
 @dataclasses.dataclass(frozen=True)
-class EnvReport:
+class EnvReport(Summarized):
     """What :func:`sdadapt.env` finds.
 
     Attributes:
@@ -185,9 +186,6 @@ class EnvReport:
         lines.append("features:")
         lines += [f"  [{'x' if f.available else ' '}] {f.name}: {f.detail}" for f in self.features]
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.format()
 
 
 def _torch_facts() -> tuple[str | None, str]:

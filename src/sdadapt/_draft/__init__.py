@@ -32,6 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from .._base.summary import Summarized
 from .._export import plan_outputs
 from .._plan.adapter import Adapter
 from .._plan.hf_quant import config_path, release_dequant
@@ -79,7 +80,7 @@ class Question(BaseModel):
     suggestion: list[str]
 
 
-class Draft(BaseModel):
+class Draft(Summarized, BaseModel):
     """The result of :func:`draft`: proposals, questions, the adapter module and the remaining diff.
 
     Attributes:
@@ -141,9 +142,6 @@ class Draft(BaseModel):
         lines.append("remaining diff with the drafted adapter:")
         lines += ["  " + line for line in self.report.format(max_rows=max_rows).splitlines()]
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.format()
 
 
 def _common_prefix(keys: list[str]) -> str:

@@ -31,6 +31,7 @@ from torch import nn
 
 from .._base.agreement import agreement_bytes
 from .._base.regions import box_shape
+from .._base.summary import Summarized
 from .._engine import EngineConfig, RowShare, replica_parts, round_memory, row_cut, row_read_jobs, row_received, row_rounds
 from .._engine.predict import mapping_granule, predict
 from .._engine.tasks import Job
@@ -106,7 +107,7 @@ class DryRunRank(BaseModel):
     plan_seconds: float
 
 
-class DryRunReport(BaseModel):
+class DryRunReport(Summarized, BaseModel):
     """What a load at a world size would do on each rank, from one process (:func:`dry_run`).
 
     Attributes:
@@ -198,9 +199,6 @@ class DryRunReport(BaseModel):
             f"{human(self.agreement_bytes_per_rank)} in the ranks' agreement; dry run {self.seconds:.1f} s"
         )
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.format()
 
 
 def _name(src: str | os.PathLike[str] | Source) -> str:

@@ -18,6 +18,7 @@ from torch import nn
 from .._base.distributed import rank_and_world
 from .._base.gc import without_gc
 from .._base.progress import TransferBar
+from .._base.summary import Summarized
 from .._engine import EngineConfig, EngineStats, device_work, kvikio_deferred, prefetch_pinned, warm_kernels, warm_kvikio
 from .._plan.adapter import Adapter
 from .._plan.intent import intent
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("sdadapt")
 
 
-class LoadReport(BaseModel):
+class LoadReport(Summarized, BaseModel):
     """What one rank did: keys and bytes it read, and how long each phase took.
 
     Attributes:
@@ -131,9 +132,6 @@ class LoadReport(BaseModel):
         shown = ", ".join(rows[:4]) + (f" and {len(rows) - 4} more" if len(rows) > 4 else "")
         return f"\nnot in the checkpoint: {len(skipped)} key(s) {shown}: {self.missing_values}" + line
 
-    def __str__(self) -> str:
-        return self.format()
-
 
 class _Phases:
     """Wall time between consecutive marks (for ``LoadReport.phase_seconds``)."""
@@ -157,7 +155,6 @@ def _thread_seconds(st: EngineStats) -> dict[str, float]:
     if st.kvikio_bytes:
         out["kvikio_wait"] = st.kvikio_wait_seconds
     return {k: round(v, 6) for k, v in out.items()}
-
 
 
 @public

@@ -13,6 +13,7 @@ from collections import Counter, defaultdict
 from pydantic import BaseModel, computed_field
 
 from .._base.keyruns import compress
+from .._base.summary import Summarized
 from ..rules import RuleIssue
 
 _INDEX = re.compile(r"\.\d+(?=[.,\])\[]|$)")  # ".3." in a recipe -> ".{i}."
@@ -41,7 +42,7 @@ class Mismatch(BaseModel):
     recipe: str  # how the value is made, e.g. "cat([q, k, v], dim=0)"
 
 
-class Report(BaseModel):
+class Report(Summarized, BaseModel):
     """How a checkpoint lines up with a model under an adapter (from headers alone).
 
     ``missing`` / ``unexpected`` list target keys nothing produces and source keys nothing
@@ -372,9 +373,6 @@ class Report(BaseModel):
         else:
             lines.append(VERDICT_UNCHECKED)
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.format()
 
 
 # --- the hint for quantized checkpoints read without their dequant rule ---

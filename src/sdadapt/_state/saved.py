@@ -7,8 +7,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from .._base.summary import Summarized
 
-class SaveReport(BaseModel):
+
+class SaveReport(Summarized, BaseModel):
     """What :func:`sdadapt.save_state` wrote on this rank. It stands for the folder where a path
     is wanted (``os.fspath(report)``, ``open(os.path.join(report, ...))``, ``report == dst``), as
     the plain path ``save_state`` used to return did; ``report.path`` is that path as a string.
@@ -45,9 +47,6 @@ class SaveReport(BaseModel):
             what += f", extras {self.extra}"
         sums = " with checksums" if self.checksums else ""
         return f"rank {self.rank}/{self.world_size}: saved {what} to {self.path}{sums} in {self.seconds:.2f} s"
-
-    def __str__(self) -> str:
-        return self.format()
 
     def __fspath__(self) -> str:
         return self.path

@@ -37,6 +37,7 @@ from .._base.distributed import is_distributed, rank_and_world
 from .._base.gc import without_gc
 from .._base.progress import TransferBar
 from .._base.regions import full_box
+from .._base.summary import Summarized
 from .._engine import EngineConfig
 from .._engine.safe_planner import SafeLoadPlanner
 from .._plan.adapter import Adapter
@@ -61,7 +62,7 @@ MODEL_KEY = "model"
 OPTIM_KEY = "optim"
 
 
-class StateLoadReport(BaseModel):
+class StateLoadReport(Summarized, BaseModel):
     """What :func:`load_state` restored on this rank.
 
     Attributes:
@@ -103,9 +104,6 @@ class StateLoadReport(BaseModel):
             f"{self.optimizer_keys} optimizer tensors ({', '.join(self.optimizer_state_names) or 'none'}), "
             f"{self.param_groups} param group(s), extras {self.extra} in {self.seconds:.2f} s"
         )
-
-    def __str__(self) -> str:
-        return self.format()
 
 
 def _get_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._base.env import parse
+from .._base.summary import Summarized
 from ..errors import SourceError, VerifyError
 from ..sources import HFConfig, fetch_all, local_path, read_json
 from .localise import drill, recording
@@ -63,7 +64,7 @@ class LayerDiff(BaseModel):
     ok: bool
 
 
-class VerifyReport(BaseModel):
+class VerifyReport(Summarized, BaseModel):
     """The outcome of :func:`verify`: ``passed`` when the logits agree within tolerance.
 
     ``atol`` is the absolute tolerance used: given, or ``rtol`` times the reference's largest
@@ -124,9 +125,6 @@ class VerifyReport(BaseModel):
         if self.first_difference and not self.passed:
             lines.append(f"  first difference: {self.first_difference}")
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.format()
 
 
 def random_tokens(vocab_size: int, batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:

@@ -10,6 +10,7 @@ from pydantic import BaseModel
 
 from .._base.keyruns import compress
 from .._base.schema import dtype_name
+from .._base.summary import Summarized
 
 
 class InventoryRow(BaseModel):
@@ -22,7 +23,7 @@ class InventoryRow(BaseModel):
     bytes: int  # all ``count`` tensors together
 
 
-class Inventory(BaseModel):
+class Inventory(Summarized, BaseModel):
     """What a checkpoint holds, from its headers."""
 
     source: str
@@ -47,9 +48,6 @@ class Inventory(BaseModel):
         if self.non_tensor:
             lines.append(f"not tensors ({len(self.non_tensor)}): {', '.join(compress(self.non_tensor))}")
         return "\n".join(lines)
-
-    def __str__(self) -> str:  # str(inventory): the table, not the fields
-        return self.format()
 
 
 def human(n: int) -> str:

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from .._base.summary import Summarized
 from ..errors import AdapterError, SourceError
 from ._json import read_json
 from ._safetensors_file import SafetensorsFile
@@ -56,7 +57,7 @@ def open_peft_weights(path: str | os.PathLike[str]) -> SafetensorsFile:
     return source
 
 
-class LoraMerged(BaseModel):
+class LoraMerged(Summarized, BaseModel):
     """A PEFT LoRA merged by a load: its folder, the ranks of its pairs, how many weights it changed."""
 
     folder: str
@@ -67,6 +68,3 @@ class LoraMerged(BaseModel):
     def format(self) -> str:
         ranks = ", ".join(map(str, self.ranks)) or "-"
         return f"merged LoRA {self.folder} (r={ranks}: {self.pairs} pairs) into {self.keys} model keys"
-
-    def __str__(self) -> str:
-        return self.format()
