@@ -78,12 +78,18 @@ def _env(cache: Path, **more: str) -> dict[str, str]:
     return {**env, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": path, **more}
 
 
-def _run_child(func: str, env: dict[str, str], *args: str) -> dict:
-    """Run ``test_hub.<func>(*args)`` in a fresh Python; it prints one JSON line last."""
-    code = f"import json, test_hub; print(json.dumps(test_hub.{func}(*{args!r})))"
+def _run_children(env: dict[str, str], *calls: tuple[str, ...]) -> list[dict]:
+    """Run ``test_hub.<func>(*args)`` for each ``(func, *args)`` of ``calls``, one after the other in
+    one fresh Python (huggingface_hub reads ``env`` at its import); it prints one JSON line last."""
+    code = f"import json, test_hub; print(json.dumps([getattr(test_hub, f)(*a) for f, *a in {list(calls)!r}]))"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _run_child(func: str, env: dict[str, str], *args: str) -> dict:
+    """Run ``test_hub.<func>(*args)`` in a fresh Python."""
+    return _run_children(env, (func, *args))[0]
 
 
 def _record_snapshot_calls() -> list[dict]:
@@ -170,9 +176,10 @@ def test_revision_and_hf_home(tmp_path, revision):
 def test_missing_shard_and_missing_repo_name_the_cache(tmp_path):
     make_cache(tmp_path / "hub", drop="model-00002-of-00002.safetensors")
     env = _env(tmp_path / "hub")
-    err = _run_child("child_error", env, f"hf://{REPO}")["error"]
+    shard, repo = _run_children(env, ("child_error", f"hf://{REPO}"), ("child_error", "hf://org/absent"))
+    err = shard["error"]
     assert "model-00002-of-00002.safetensors" in err and "not found in the local cache" in err
-    err = _run_child("child_error", env, "hf://org/absent")["error"]
+    err = repo["error"]
     assert "org/absent is not in the local Hub cache" in err and "HF_HUB_OFFLINE is set" in err
     assert str(tmp_path / "hub") in err
 
@@ -180,13 +187,13 @@ def test_missing_shard_and_missing_repo_name_the_cache(tmp_path):
 def test_cli_commands_take_hub_ids(tmp_path):
     make_cache(tmp_path / "hub")
     env = _env(tmp_path / "hub")
-    got = _run_child("child_cli", env, "inspect", f"hf://{REPO}")
+    dst = tmp_path / "out"
+    got, converted = _run_children(env, ("child_cli", "inspect", f"hf://{REPO}"),
+                                   ("child_cli", "convert", f"hf://{REPO}", str(dst), "--to", "torch", "-a", "discussion"))
     n = len(_reference())
     assert got["rc"] == 0 and f"total: {n} tensors" in got["out"]
     assert got["out"].startswith(f"HFShardedSource {tmp_path / 'hub' / 'models--org--tiny' / 'snapshots' / COMMIT}")
-    dst = tmp_path / "out"
-    got = _run_child("child_cli", env, "convert", f"hf://{REPO}", str(dst), "--to", "torch", "-a", "discussion")
-    assert got["rc"] == 0
+    assert converted["rc"] == 0
     out = torch.load(dst, weights_only=True)
     model = TinyTransformer()
     model.load_state_dict(out)
