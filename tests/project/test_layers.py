@@ -291,6 +291,10 @@ BENCH_TEST_IMPORTS = {
         "support.object_store_server": "the SeaweedFS the object storage tests start",
     },
     "object_store_clients.py": {"support.object_store_server": "the SeaweedFS the object storage tests start"},
+    "object_store_write_bench.py": {
+        "support.dist_helper": "gloo ranks launched as the distributed tests launch them",
+        "support.object_store_server": "the SeaweedFS the object storage tests start",
+    },
     "refit_bench.py": {"support.models": "a module tree over a state dict, as the refit tests build their engines",
                        "support.refit_eager": "the quantized engines' adapters and tensors the refit tests use"},  # fmt: skip
     "write_bench.py": {
