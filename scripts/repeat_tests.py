@@ -12,7 +12,8 @@ row to tests/reports/README.md by hand (bench/ holds speed figures; this is the 
 record). The report is rewritten after every run, so a series stopped
 early (the machine needed back) still says what its runs gave; SIGTERM or Ctrl-C ends the run in
 progress, which the report lists as stopped with what it had passed and failed so far. Each run's
-whole output (a failure's traceback) is kept in ``--logs`` (default ``<tmp>/<report's name>-logs/``).
+whole output (a failure's traceback, the slowest test steps) is kept in ``--logs`` (default
+``<tmp>/<report's name>-logs/``).
 
     python scripts/repeat_tests.py --machine cpu2 [--runs 20] [--report PATH] [TESTS ...]
 """
@@ -38,6 +39,10 @@ from support import aborts  # noqa: E402
 from support.load_clock import WorkClock, descendants  # noqa: E402
 
 DEFAULT_TESTS = ["tests/dist", "tests/project/test_doc_blocks.py"]
+SLOWEST = 30
+"""How many of a run's slowest test steps pytest prints (``--durations``), into its log; the
+report lists the last finished run's first ten: what to cut next, since a series pays every
+second of a run once per run."""
 
 
 _STOP = False
@@ -63,7 +68,7 @@ def one_run(tests: list[str], timeout: float, keep: Path | None = None) -> dict[
     spent waiting for a CPU), so a loaded machine slows a run without ending it."""
     load_before = os.getloadavg()[0]
     start = time.perf_counter()
-    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests]
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--durations={SLOWEST}", *tests]
     seen = tempfile.NamedTemporaryFile(prefix="sdadapt-aborts-", suffix=".txt", delete=False)
     seen.close()
     env = {**os.environ, "OMP_NUM_THREADS": "1", aborts.ENV: seen.name}
@@ -88,6 +93,7 @@ def one_run(tests: list[str], timeout: float, keep: Path | None = None) -> dict[
         keep.write_text(out)
     failed = sorted(set(re.findall(r"^(?:FAILED|ERROR) (\S+)", out, flags=re.M)))
     reasons = sorted(set(re.findall(r"^((?:FAILED|ERROR) \S+ - .*)$", out, flags=re.M)))
+    slowest = re.findall(r"^\d+\.\d+s (?:call|setup|teardown) +\S+$", out, flags=re.M)[:10]
     summary = next((line for line in reversed(out.splitlines()) if re.search(r"\d+ (passed|failed)", line)), "")
     if rc in ("stopped", "timeout"):
         passed, failing = _progress(out)
@@ -95,7 +101,7 @@ def one_run(tests: list[str], timeout: float, keep: Path | None = None) -> dict[
     # the processes written down as aborted (passing tests included); a failing test's output
     # holds the text too, so the larger count, not the sum
     return {"rc": rc, "seconds": time.perf_counter() - start, "failed": failed, "summary": summary,
-            "aborts": max(len(noted), out.count(aborts.ABORT)), "noted": noted,
+            "aborts": max(len(noted), out.count(aborts.ABORT)), "noted": noted, "slowest": slowest,
             "load": f"{load_before:.1f}-{os.getloadavg()[0]:.1f}", "reasons": reasons}  # fmt: skip
 
 
@@ -133,6 +139,9 @@ def report(runs: list[dict[str, object]], tests: list[str], machine: str, comman
         *(["## Why each failure failed (pytest's one line)", "", *reasons, ""] if reasons else []),
         *(["## Processes that ended by a signal or aborted at teardown (tests/support/aborts.py)", "", *noted, ""]
           if noted else []),
+        *(["## The slowest test steps of the last finished run (pytest --durations)", "",
+           *[f"- `{line}`" for line in finished[-1]["slowest"]], ""]  # type: ignore[attr-defined]
+          if finished and finished[-1].get("slowest") else []),
     ])  # fmt: skip
 
 
