@@ -79,7 +79,7 @@ IMPORT_SDADAPT = ["sdadapt", "sdadapt._base", "sdadapt._base.lazy", "sdadapt._ba
 
 PLAIN_LOAD = IMPORT_SDADAPT + [
     "sdadapt.errors",
-    *(f"sdadapt._base.{m}" for m in "agreement distributed env gc keyruns progress regions schema tensor_bytes".split()),
+    *(f"sdadapt._base.{m}" for m in "agreement distributed env gc keyruns progress regions schema summary tensor_bytes".split()),
     "sdadapt._engine",
     *(f"sdadapt._engine.{m}" for m in (
         "config device devread direct engine geometry lanes locate pinned planner prefetch share staging syscalls "
@@ -93,8 +93,8 @@ PLAIN_LOAD = IMPORT_SDADAPT + [
     *(f"sdadapt.rules._{m}" for m in "base custom functions keys patterns".split()),
     "sdadapt.sources",
     *(f"sdadapt.sources._{m}" for m in (
-        "assets base formats headers hf_sharded integrity json namespaced object_store peft remote safetensors_file "
-        "torch_save").split()),
+        "assets base formats headers hf_sharded integrity json namespaced object_errors object_store peft remote "
+        "safetensors_file torch_save").split()),
 ]  # fmt: skip
 """Every sdadapt module a plain load (a rename, a safetensors file, a CPU model) imports. Pinned
 both ways: a module that joins the path must be justified here, and one that leaves it is
