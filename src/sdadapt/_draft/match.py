@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .names import FUSED_ROLES, PARAM_BIAS, ROLE_ORDER, Similarity, role_of
-from .segments import Family, Scope, Tree, numel
+from .segments import Family, Scope, Tree
 
 log = logging.getLogger(__name__)
 
@@ -592,4 +592,4 @@ def match_trees(src: Tree, tgt: Tree) -> MatchResult:
     return result
 
 
-__all__ = ["Item", "Match", "MatchResult", "ScopePair", "match_trees", "fmt", "numel", "transposed"]
+__all__ = ["Item", "Match", "MatchResult", "ScopePair", "match_trees", "fmt", "transposed"]

@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor
 
 from .._base.distributed import collective_device, is_distributed
 from .._base.regions import Box, box_inside, box_shape, dtensor_box, full_box, intersect
-from .._base.schema import slices
 from .._recipes.nodes import Compute, Node, Piece
 from ..errors import ExportError
 
@@ -149,4 +148,4 @@ def local_pieces(state: dict[str, torch.Tensor], outputs: dict[str, Node], rank:
             yield name, node.read(box, io), box
 
 
-__all__ = ["local_pieces", "owned_shard", "reads_of", "slices"]
+__all__ = ["local_pieces", "owned_shard", "reads_of"]

@@ -67,7 +67,7 @@ from .export_local import local_pieces
 from .spread import SpreadJob, write_spread
 from .spread_remote import write_spread_remote
 from .writers.base import FORMATS
-from .writing import CachedIO, ConvertReads, PageReleaser, check_destination, plan_outputs, side_files, write_folder
+from .writing import CachedIO, ConvertReads, check_destination, plan_outputs, side_files, write_folder
 
 log = logging.getLogger(__name__)
 
@@ -525,4 +525,4 @@ def convert(
     )
 
 
-__all__ = ["ExportError", "ExportReport", "PageReleaser", "convert", "export", "export_iter", "plan_outputs"]
+__all__ = ["ExportError", "ExportReport", "convert", "export", "export_iter"]

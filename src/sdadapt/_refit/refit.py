@@ -389,4 +389,4 @@ def _requests(k: str, node: Node, steps: list[Step], source: dict[str, TensorInf
         mine.by_target[k].append(i)
 
 
-__all__ = ["EngineLayout", "refit_plan"]
+__all__ = ["refit_plan"]

@@ -28,7 +28,7 @@ from .._base.regions import Box, full_box
 from ..errors import SdadaptError
 from ._base import Source
 from ._formats import format_of_name
-from ._object_store import Remote, is_url
+from ._object_store import Remote
 
 if TYPE_CHECKING:
     from ._fetching import Fetching, ObjectFile
@@ -361,5 +361,5 @@ def in_urls(error: SdadaptError) -> SdadaptError:
 
 
 __all__ = [
-    "attach", "box_runs", "fetch_all", "fetch_dcp_entries", "fetching_for", "in_urls", "is_url", "object_file", "remote_of", "remote_root",
+    "attach", "box_runs", "fetch_all", "fetch_dcp_entries", "fetching_for", "in_urls", "object_file", "remote_of", "remote_root",
 ]  # fmt: skip
