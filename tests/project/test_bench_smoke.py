@@ -453,13 +453,14 @@ def test_every_quantized_twin_loads_and_equals_its_format_reference(tmp_path):
     through ``sdadapt.dequant_rules`` into the bf16 FSDP2 model on 2 ranks, every shard equal to
     the whole-tensor dequantisation of its file and, for the quantized weights, to the format's
     own reference decompression; each moves fewer bytes than the bf16 shards it fills. The rows
-    run in one process group (``--one-group``: 2 process starts, not 2 per row; a fresh process's
-    first load is test_every_path_first_load_in_a_fresh_process_meta_and_materialized's)."""
+    run in one process group (``--one-group``: 2 processes, not 2 per row, forked from one that
+    imported torch: ``--fork-ranks``; a fresh process's first load is
+    test_every_path_first_load_in_a_fresh_process_meta_and_materialized's)."""
     out = tmp_path / "res"
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--preset", "tiny", "--nproc", "2", "--backend", "gloo", "--repeat", "0",
          "--paths", ",".join(QUANT_TWIN_PATHS), "--tp-paths", "", "--materialized-paths", "", "--discussion", "",
-         "--no-references", "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--timeout", "150", "--one-group"],
+         "--no-references", "--dir", str(tmp_path / "ckpt"), "--out", str(out), "--timeout", "150", "--one-group", "--fork-ranks"],
         env=_env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
