@@ -23,6 +23,7 @@ from support.dist_helper import run_distributed
 from support.refit_eager import bits, eager, llama_weights, local_shape, quant_adapter
 
 import sdadapt
+from sdadapt._base.regions import box_shape
 from sdadapt._base.schema import slices
 
 BLOCK = (4, 4)
@@ -32,11 +33,15 @@ D, H, KV, HD, F = 36, 4, 4, 8, 32
 D3, H3, KV3, HD3, F3 = 32, 4, 2, 8, 24  # TP 2, FSDP over 3 ranks: 11 / 11 / 10 rows
 
 
-def hf(dims: tuple[int, int, int, int, int], dtype: torch.dtype, from_fp8: bool) -> dict[str, torch.Tensor]:
+def hf(dims: tuple[int, int, int, int, int], dtype: torch.dtype, from_fp8: bool, fmt: str = "fp8") -> dict[str, torch.Tensor]:
     """A one-layer Llama in HF's layout; ``from_fp8``: o_proj and down_proj hold values dequantised
-    from FP8 blocks (:func:`from_fp8_blocks`)."""
+    from FP8 blocks (:func:`from_fp8_blocks`), or for ``fmt="nvfp4"`` from NVFP4 (:func:`from_nvfp4`)."""
     sd = llama_weights(1, dims, V, 5)
-    if from_fp8:
+    if from_fp8 and fmt == "nvfp4":
+        for name in ("self_attn.o_proj", "mlp.down_proj"):
+            k = f"model.layers.0.{name}.weight"
+            sd[k] = from_nvfp4(sd[k])
+    elif from_fp8:
         g = torch.Generator().manual_seed(6)
         for name in ("self_attn.o_proj", "mlp.down_proj"):
             k = f"model.layers.0.{name}.weight"
@@ -62,8 +67,8 @@ def adapter(dims: tuple[int, int, int, int, int], tp: int, fmt: str) -> sdadapt.
     ad = vllm_llama.build(n_heads=h, n_kv_heads=kv, head_dim=hd, hidden_dim=f, tp=tp)
     if fmt == "fp8":
         return ad + vllm_fp8.build(block=BLOCK)
-    if fmt == "fp8_tensor":
-        return ad + quant_adapter("fp8_tensor")
+    if fmt in ("fp8_tensor", "nvfp4"):
+        return ad + quant_adapter(fmt)
     rule = sdadapt.dequant_scaled("model.layers.**.*_proj.weight", codec="e4m3", strategy="group", group_size=32,
                                   scale_dtype="uint8", scale_suffix=vllm_fp8.SCALE_SUFFIX)  # fmt: skip
     return ad + sdadapt.Adapter([rule]).inverse()
@@ -75,21 +80,58 @@ def engine_of(whole: dict[str, torch.Tensor], layout) -> dict[str, torch.Tensor]
                            else torch.bfloat16) for k, t in whole.items()}  # fmt: skip
 
 
+QUANT_SUFFIXES = ("_proj.weight", vllm_fp8.SCALE_SUFFIX, "_global_scale")
+
+
+def quant_layout(base, whole: dict[str, torch.Tensor], erank: int):  # noqa: ANN001, ANN201 - a vLLM ShardLayout
+    """``base`` (a vLLM layout) with the quantized tensors (codes, scales along their weight's rows
+    or columns) cut along their weight's TP dim, a one-value scale (per-tensor FP8, NVFP4's global
+    scale) whole on every engine rank."""
+
+    def layout(k: str, t: torch.Tensor):  # noqa: ANN202
+        if not k.endswith(QUANT_SUFFIXES):
+            return base(k, t)
+        shape = tuple(whole[k].shape)
+        d = base.dim_of(k.removesuffix(vllm_fp8.SCALE_SUFFIX)) if k.endswith(("_proj.weight", vllm_fp8.SCALE_SUFFIX)) else None
+        d = d if d is not None and len(shape) == 2 else None
+        return shape, tuple((erank * n // base.size, (erank + 1) * n // base.size) if i == d else (0, n) for i, n in enumerate(shape))
+
+    return layout
+
+
+def from_nvfp4(w: torch.Tensor) -> torch.Tensor:
+    """Values dequantised from NVFP4 under a global scale near ``448 * 6 / amax`` whose dequantised
+    values' own ``448 * 6 / amax`` misses it by a float32 unit: the neighbour search decides."""
+    from support.checkpoints import DictIO
+
+    from sdadapt._recipes import quant_scaled as S
+    from sdadapt._recipes.nodes import Leaf
+    from sdadapt._recipes.quant_scaled_nodes import GlobalScaleOf
+
+    node = GlobalScaleOf(Leaf("w", tuple(w.shape), torch.float32), "divide")
+    for k in range(64):
+        g = torch.nextafter(torch.full((1,), 448.0 * 6.0) / w.abs().amax().reshape(1) * (1 + k / 64), torch.zeros(1))
+        q, sc = S.quantize_nvfp4(w, g, "divide")
+        deq = S.dequantize(q, "e2m1", sc, (1, 16), w.shape[-1], torch.float32, glob=g)
+        if not torch.equal(node.full(DictIO({"w": deq})), torch.full((1,), 448.0 * 6.0) / deq.abs().amax().reshape(1)):
+            return deq
+    raise AssertionError("no global scale whose dequantised values miss it")
+
+
 def _case(name: str, trainer, engine_ranks: list[int], dims, tp: int, dtype: torch.dtype, fmt: str, from_fp8: bool) -> dict:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    full = hf(dims, dtype, from_fp8)
+    full = hf(dims, dtype, from_fp8, fmt)
     ad = adapter(dims, tp, fmt)
     whole = eager(full, ad)
     erank = engine_ranks.index(rank) if rank in engine_ranks else -1
     layout = vllm_llama.layout(tp, erank) if erank >= 0 else None
     engine = None
-    if layout is not None and fmt == "fp8_tensor":  # one scale per weight, whole on every engine rank
-        base = layout
-        layout = lambda k, t: (tuple(t.shape), ((0, 1),)) if k.endswith(vllm_fp8.SCALE_SUFFIX) else base(k, t)  # noqa: E731
-        engine = {k: torch.zeros(t.shape, dtype=t.dtype) if k.endswith(vllm_fp8.SCALE_SUFFIX) else engine_of({k: t}, base)[k]
-                  for k, t in whole.items()}  # fmt: skip
+    if layout is not None and fmt in ("fp8_tensor", "nvfp4"):
+        layout = quant_layout(layout, whole, erank)
+        engine = {k: torch.zeros(box_shape(layout(k, t)[1]), dtype=t.dtype) if k.endswith(QUANT_SUFFIXES)
+                  else engine_of({k: t}, vllm_llama.layout(tp, erank))[k] for k, t in whole.items()}  # fmt: skip
     elif layout is not None:  # the scales cut as their weights, whole blocks per rank
         layout = vllm_fp8.layout(layout, BLOCK if fmt == "fp8" else (1, 32))
         engine = engine_of(whole, layout)
@@ -140,6 +182,10 @@ def _cases() -> dict[str, dict]:
     out["tensor_fsdp3"] = _case("tensor_fsdp3", trainer3, [2, 3], (D3, H3, KV3, HD3, F3), 2, torch.float32, "fp8_tensor", False)
     out["tensor_fsdp4"] = _case("tensor_fsdp4", fsdp4, [0, 1, 2, 3], (D, H, KV, HD, F), 4, torch.bfloat16, "fp8_tensor", False)
     out["tensor_2x2"] = _case("tensor_2x2", two_d, [0, 1, 2, 3], (D, H, KV, HD, F), 4, torch.float32, "fp8_tensor", False)
+    fp4 = (32, 4, 2, 16, 64)  # rows of whole groups of 16 on every engine rank (TP 2 and 4)
+    out["nvfp4_fsdp3"] = _case("nvfp4_fsdp3", trainer3, [2, 3], fp4, 2, torch.float32, "nvfp4", True)
+    out["nvfp4_fsdp4"] = _case("nvfp4_fsdp4", fsdp4, [0, 1, 2, 3], fp4, 4, torch.bfloat16, "nvfp4", False)
+    out["nvfp4_2x2"] = _case("nvfp4_2x2", two_d, [0, 1, 2, 3], fp4, 4, torch.float32, "nvfp4", True)
     return out
 
 
@@ -151,5 +197,5 @@ def test_refit_cut_blocks_move_the_engines_bytes() -> None:
         assert all(r[case]["moved"] == moved for r in results)
         assert sum(r[case]["received"] for r in results) == moved, case
         assert moved <= 1.05 * engine, (case, moved, engine, moved / engine)
-        if case.startswith(("fsdp", "2x2", "tensor")):  # blocks (weights) were cut, and quantized by their holders
+        if case.startswith(("fsdp", "2x2", "tensor", "nvfp4")):  # blocks (weights) were cut, and quantized by their holders
             assert sum(r[case]["cut_bands"] for r in results) > 0, case

@@ -275,27 +275,30 @@ class GlobalScaleOf(_Computed, Derived):
         # the tensor; and a group of 16 values that one scale reproduces holds at most 8 magnitudes
         # (e2m1's), so a first row with a group of more fails every candidate: trainer values,
         # which never were NVFP4, stop there with g after a few operations and one wait
-        if not bool(self._few_magnitudes(flat[:1])):
+        if not bool(few_magnitudes(flat[:1])):
             return g.reshape(self.shape)
         x = flat.to(torch.float32)
         for cand in (g, torch.nextafter(g, torch.zeros_like(g)), torch.nextafter(g, 2 * g)):
-            if bool(self._reproduced(x[:1], cand)) and bool(self._reproduced(x, cand)):
+            if bool(nvfp4_reproduced(x[:1], cand, self.mode)) and bool(nvfp4_reproduced(x, cand, self.mode)):
                 return cand.reshape(self.shape)
         return g.reshape(self.shape)
 
-    @staticmethod
-    def _few_magnitudes(row: torch.Tensor) -> torch.Tensor:
-        """Whether each whole group of 16 in ``row [1, C]`` holds at most 8 distinct magnitudes
-        (a device bool; a NaN is distinct from everything)."""
-        whole = row.shape[-1] // S.NVFP4_GROUP * S.NVFP4_GROUP
-        mags = row[..., :whole].abs().reshape(-1, S.NVFP4_GROUP).sort(dim=-1).values
-        return ((mags[:, 1:] != mags[:, :-1]).sum(dim=-1) < 8).all()
-
-    def _reproduced(self, x: torch.Tensor, glob: torch.Tensor) -> torch.Tensor:
-        """Whether the NVFP4 values of ``x`` under ``glob`` give back ``x`` exactly (a device bool)."""
-        packed, scales = S.quantize_nvfp4(x, glob, self.mode)
-        back = S.dequantize(packed, "e2m1", scales, (1, S.NVFP4_GROUP), x.shape[-1], torch.float32, glob=glob, mode=self.mode)
-        return (back == x).all()
-
     def describe(self) -> str:
         return f"global_scale_of({self.child.describe()}, {self.mode})"
+
+
+def few_magnitudes(rows: torch.Tensor) -> torch.Tensor:
+    """Whether each whole group of 16 in ``rows [..., C]`` holds at most 8 distinct magnitudes, as
+    every group of values that one NVFP4 scale gives back does (a device bool; a NaN is distinct
+    from everything)."""
+    whole = rows.shape[-1] // S.NVFP4_GROUP * S.NVFP4_GROUP
+    mags = rows[..., :whole].abs().reshape(-1, S.NVFP4_GROUP).sort(dim=-1).values
+    return ((mags[:, 1:] != mags[:, :-1]).sum(dim=-1) < 8).all()
+
+
+def nvfp4_reproduced(x: torch.Tensor, glob: torch.Tensor, mode: S.GlobalMode) -> torch.Tensor:
+    """Whether the NVFP4 values of float32 ``x [..., C]`` under global scale ``glob`` give back
+    ``x`` exactly (a device bool)."""
+    packed, scales = S.quantize_nvfp4(x, glob, mode)
+    back = S.dequantize(packed, "e2m1", scales, (1, S.NVFP4_GROUP), x.shape[-1], torch.float32, glob=glob, mode=mode)
+    return (back == x).all()

@@ -11,9 +11,9 @@ A cast to a narrower dtype happens on the sending side (the same bits, fewer byt
 a computation whose result is smaller than what it reads (a re-quantization) wherever one
 trainer rank holds all it reads: the engine region is cut (in halves along its leading dims,
 never inside what one value reads, such as an FP8 block) into parts that one rank can make, the
-rest computed on the receiving rank from its inputs, but for FP8 blocks (and FP8 weights of one
-scale) cut by the trainer's shards: their holders agree on each block's largest magnitude and
-quantize their own rows (``refit_cut``), so an FP8 engine receives its own bytes only. Nothing is gathered whole unless
+rest computed on the receiving rank from its inputs, but for FP8 blocks (FP8 weights of one
+scale, NVFP4 weights) cut by the trainer's shards: their holders agree on each block's largest
+magnitude and quantize their own rows (``refit_cut``), so such an engine receives its own bytes only. Nothing is gathered whole unless
 an engine rank holds it whole.
 
 Transport: point-to-point sends and receives of the group's backend (gloo on the CPU, NCCL on
@@ -49,7 +49,7 @@ from .._plan.target import model_state_dict, schema_of
 from .._recipes.nodes import Compute, Node, Piece, Step
 from .._transaction.options import Options
 from ..errors import RefitError, SdadaptError
-from .refit_cut import CutBlocks, applies, plan_cut
+from .refit_cut import CutBlocks, applies, can_cut, plan_cut, whole_weight
 from .refit_run import Refit, _Mine
 from .refit_schedule import Held, Request, maker, round_bytes, transfers_of, volume
 from .refit_send import Region, SendFn, plan_regions
@@ -252,7 +252,7 @@ def refit_plan(
             made = _made_by_senders(node, ebox, steps, trainer_all, dtypes, rank)
             # the parts no one trainer rank can make: FP8 blocks quantized by their holders on
             # agreed scales (refit_cut), anything else computed here from its inputs
-            cut = [part for part, src in made if src < 0 and applies(node)]
+            cut = [part for part, src in made if src < 0 and can_cut(node, part, trainer_all, dtypes, rank)]
             if made:
                 steps = [s for part, src in made if src < 0 and part not in cut for s in node.steps(part, dest[_within(part, ebox)])]
             mine.steps[k] = steps
@@ -325,7 +325,7 @@ def _made_by_senders(
     reads = reads_of(node, box, dtypes)
     if volume(box) * node.dtype.itemsize >= nbytes(reads):
         return []
-    if len(box) < 2:  # a per-tensor scale: made where the whole tensor is, if one rank holds it, else agreed
+    if len(box) < 2 or whole_weight(node):  # a per-tensor value: made where the whole tensor is, if one rank holds it, else agreed
         src = maker(trainer, reads, dst)
         return [(box, src)] if src >= 0 or applies(node) else []
     out: list[tuple[Box, int]] = []
