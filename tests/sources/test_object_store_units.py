@@ -4,7 +4,10 @@ in test_object_store.py.)"""
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -146,3 +149,42 @@ def test_ranges_land_packed_in_memory_joined_by_the_gap_and_taken_from_the_probe
     # (0, 30) joined across a 10-byte gap; (100, 150) less the probe's (100, 140); (600, 608) alone
     assert obj.asked == [(0, 30), (140, 150), (600, 608)]
     assert (requests, fetched) == (3, 30 + 10 + 8)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="mirrors are locked with flock, which Windows lacks; there they go at exit only")
+def test_mirrors_left_by_ended_processes_go_and_live_ones_stay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that ends without its exit handlers (killed, or a fork leaving with os._exit)
+    leaves its mirror folder behind; the next mirror made on the machine removes it, and never
+    the mirror of a process still alive."""
+    from sdadapt.sources import _object_store as store
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def child(stay: bool) -> tuple[int, str]:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child makes a mirror, says where, and leaves (or waits to be killed)
+            os.close(r)
+            root = store._new_mirror("sdadapt-mirror-s3-b-")
+            Path(root, "model.safetensors").write_bytes(b"x" * 10)
+            os.write(w, root.encode() + b"\n")
+            if stay:
+                time.sleep(60)
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            return pid, f.readline().strip()
+
+    ended, left = child(stay=False)
+    os.waitpid(ended, 0)
+    assert Path(left, "model.safetensors").exists() and Path(f"{left}.lock").exists()
+    alive, live = child(stay=True)  # its mirror's making removes the one left behind
+    try:
+        assert not Path(left).exists() and not Path(f"{left}.lock").exists()
+        mine = store._new_mirror("sdadapt-mirror-s3-b-")
+        assert Path(live, "model.safetensors").read_bytes() == b"x" * 10
+        store._drop_mirror(mine)
+        assert not Path(mine).exists() and not Path(f"{mine}.lock").exists()
+    finally:
+        os.kill(alive, 9)
+        os.waitpid(alive, 0)
