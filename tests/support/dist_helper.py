@@ -24,6 +24,7 @@ folder names its launcher's process; a launch removes the folders of launchers t
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pickle
@@ -362,7 +363,12 @@ def _fork_context() -> Any:
     import multiprocessing.forkserver
 
     if _FORK_SERVER is not None and _env_key() != _FORK_ENV:
-        multiprocessing.forkserver._forkserver._stop()  # noqa: SLF001 - the only way to start it anew
+        server = multiprocessing.forkserver._forkserver  # noqa: SLF001 - the only way to start it anew
+        # ended, not asked to end: it waits for every process holding its pipe, and a process a
+        # page or rank left behind may hold it (no launch is in flight here)
+        with contextlib.suppress(OSError, TypeError):
+            os.kill(server._forkserver_pid, signal.SIGKILL)  # noqa: SLF001
+        server._stop()  # noqa: SLF001
         _FORK_SERVER = None
     if _FORK_SERVER is None:
         ctx = multiprocessing.get_context("forkserver")
