@@ -53,7 +53,7 @@ class LoadReport(Summarized, BaseModel):
         storage_bytes: what storage delivers for those reads on a cold page cache: every file
             page they touch, once, the gaps a joined read of a column slice's rows reads through
             included (the dry run predicts it: ``DryRunRank.storage_bytes``).
-        bytes_shared: the bytes received from replicas (``share_reads=True``).
+        bytes_shared: the bytes received from replicas and TP peers (``share_reads=True``).
         bytes_fetched: the bytes fetched from object storage (a ``s3://`` / ``gs://`` source):
             the ranges the engine fetched into memory, the probes made before writing, and what
             ``Source.read`` reads (quantized blocks, DCP records); headers not counted. The line
@@ -89,7 +89,7 @@ class LoadReport(Summarized, BaseModel):
     items_read: int
     bytes_read: int
     storage_bytes: int = 0  # what a cold page cache reads from storage for this rank's reads
-    bytes_shared: int = 0  # received from replicas (share_reads=True) instead of read
+    bytes_shared: int = 0  # received from replicas and TP peers (share_reads=True) instead of read
     bytes_fetched: int = 0  # from object storage (s3:// and gs:// sources)
     requests: int = 0  # the ranged requests that fetch took
     local_bytes: int  # bytes of this rank's destination shards
@@ -114,7 +114,7 @@ class LoadReport(Summarized, BaseModel):
             + (f" ({self.storage_bytes / 2**20:.1f} MiB from storage when cold)" if self.storage_bytes and not self.bytes_fetched else "")
             + (f", fetched {self.bytes_fetched / 2**20:.1f} MiB from object storage in {self.requests} requests"
                if self.bytes_fetched else "")
-            + (f" (+{self.bytes_shared / 2**20:.1f} MiB from replicas)" if self.bytes_shared else "")
+            + (f" (+{self.bytes_shared / 2**20:.1f} MiB from peers)" if self.bytes_shared else "")
             + f" in {self.seconds:.2f} s (plan {self.plan_seconds:.2f} s, read {self.read_seconds:.2f} s)"
             + (f"; {self.lora.format()}" if self.lora is not None else "")
             + self._missing_line()
