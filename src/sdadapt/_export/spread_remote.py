@@ -259,8 +259,7 @@ def _rounds(
             break
         flat_runs = torch.tensor([x for o in range(world) for x in runs[o]], dtype=torch.int64)
         in_runs = _exchange(flat_runs, [len(x) for x in runs], got[:, 0].tolist(), group, dev)
-        flat = torch.frombuffer(bytearray(b"".join(d for o in range(world) for d in data[o])), dtype=torch.uint8) \
-            if any(data) else torch.empty(0, dtype=torch.uint8)  # fmt: skip
+        flat = _packed([d for o in range(world) for d in data[o]])
         in_data = _exchange(flat, [sum(len(d) for d in x) for x in data], got[:, 1].tolist(), group, dev)
         sent += sum(sum(len(d) for d in data[o]) for o in range(world) if o != rank)
         if r >= len(items[rank]):
@@ -280,6 +279,17 @@ def _rounds(
             error = ExportError(f"{e} (rank {rank} uploads {files[i].name}); nothing that looks complete was left at {up.url}: "
                                 "check the destination and write again")  # fmt: skip
     return error if error is not None else sent
+
+
+def _packed(parts: list[memoryview]) -> torch.Tensor:
+    """``parts`` one after the other in one uint8 tensor, copied once (a round's bytes are
+    never held twice)."""
+    out = torch.empty(sum(len(d) for d in parts), dtype=torch.uint8)
+    view, pos = tensor_bytes(out), 0  # a writable view of out's memory
+    for d in parts:
+        view[pos : pos + len(d)] = d
+        pos += len(d)
+    return out
 
 
 def _exchange(t: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None, dev: torch.device) -> torch.Tensor:
