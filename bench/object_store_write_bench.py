@@ -36,14 +36,7 @@ sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "bench")]
 
 import torch  # noqa: E402
 from object_store_bench import BUCKET, COLS, Model, env_for, state  # noqa: E402
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
+from write_bench import proc_status  # noqa: E402
 
 
 def _export_ranks(prefix: str, layers: int, rows: int) -> dict[str, Any]:
@@ -66,11 +59,11 @@ def _export_ranks(prefix: str, layers: int, rows: int) -> dict[str, Any]:
         dist.barrier()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM back to the current RSS
-        before = _status("VmRSS")
+        before = proc_status("VmRSS")
         t0 = time.perf_counter()
         rep = sdadapt.export(model, f"s3://{BUCKET}/{prefix}/{path}", progress=False, **extra)
         out[path] = {"seconds": time.perf_counter() - t0, "rank_bytes": rep.rank_bytes, "bytes": rep.bytes,
-                     "files": sum(f.endswith(".safetensors") for f in rep.files), "peak": _status("VmHWM") - before}  # fmt: skip
+                     "files": sum(f.endswith(".safetensors") for f in rep.files), "peak": proc_status("VmHWM") - before}  # fmt: skip
     return out
 
 

@@ -49,7 +49,8 @@ from sdadapt._state import background  # noqa: E402
 SIZE = {"layers": 4, "dim": 512, "heads": 8, "ffn": 1376, "vocab": 8192}
 
 
-def _status(field: str) -> int:
+def proc_status(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -61,10 +62,10 @@ def _export_measured(model: torch.nn.Module, dst: str, fmt: str) -> tuple[sdadap
     """The export's report, seconds and the peak resident memory it added."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
-    before = _status("VmRSS")
+    before = proc_status("VmRSS")
     t0 = time.perf_counter()
     rep = sdadapt.export(model, dst, format=fmt, max_shard_size="20MB", progress=False)
-    return rep, time.perf_counter() - t0, _status("VmHWM") - before
+    return rep, time.perf_counter() - t0, proc_status("VmHWM") - before
 
 
 def _model(mesh_kind: str, world: int) -> torch.nn.Module:
