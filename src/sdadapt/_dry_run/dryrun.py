@@ -465,7 +465,7 @@ def _plan_rank(
             for d in group:
                 me = me * grid.sizes[d] + coord[d]
             (a, b) = box[0]
-            s, e = replica_parts(key, b - a, nbytes, r)[me]
+            s, e = replica_parts(key, b - a, (b - a) * math.prod(info.shape[1:]) * info.dtype.itemsize, r)[me]
             box = ((a + s, a + e), *box[1:])
             shape = box_shape(box)
             shared += nbytes - math.prod(shape) * info.dtype.itemsize

@@ -166,10 +166,11 @@ def replica_dim(t: torch.Tensor) -> int | None:
 
 
 def replica_parts(key: str, rows: int, nbytes: int, r: int) -> list[tuple[int, int]]:
-    """Each of ``r`` replicas' block of a shard of ``rows`` rows and ``nbytes`` bytes along dim
-    0: nearly equal parts; or, where each part would be under :data:`MIN_SPLIT`, the whole shard
-    for one replica (picked from the key, so the same on every replica and in the dry run) and
-    nothing for the others: short reads cost storage whole pages."""
+    """Each of ``r`` replicas' block of a shard of ``rows`` rows along dim 0: nearly equal parts;
+    or, where ``nbytes`` (the rows at the tensor's full width: the same for every replica and
+    every TP peer, so that peers sharing rows cut alike) over ``r`` is under :data:`MIN_SPLIT`,
+    the whole shard for one replica (picked from the key, so the same on every replica and in
+    the dry run) and nothing for the others: short reads cost storage whole pages."""
     if nbytes < r * MIN_SPLIT:
         owner = zlib.crc32(key.encode()) % r
         return [(0, rows) if j == owner else (0, 0) for j in range(r)]
@@ -249,7 +250,10 @@ def split(
         if dim is not None:
             group, ranks, me = group_of(target.device_mesh, dim)
             a, b = job.box[0]
-            parts = replica_parts(job.key, b - a, job.dest.numel() * job.dest.element_size(), len(ranks))
+            # the decision's bytes: the shard's rows at the tensor's full width, the same on every
+            # replica and every TP peer (their slices may differ in width)
+            width = math.prod(target.shape[1:]) * job.dest.element_size()
+            parts = replica_parts(job.key, b - a, (b - a) * width, len(ranks))
             shares.append(Share(group, ranks, job.dest, parts, me))
             s, e = parts[me]
             if e <= s:
