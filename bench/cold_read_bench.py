@@ -142,6 +142,7 @@ def config(mode: str):  # noqa: ANN201 - EngineConfig, imported late
     from sdadapt._engine import EngineConfig
 
     cfg = EngineConfig.from_env()
+    cfg.share_rows = mode == "shared"
     if mode == "mapping":
         cfg.min_span_bytes, cfg.readahead = 64 * 1024, True
     elif mode == "readahead":

@@ -26,7 +26,7 @@ from torch import nn
 import sdadapt
 
 D, H, F, LAYERS = 1024, 11, 40, 2
-ROUND = sdadapt.EngineConfig(share_round_bytes=16 << 10)  # several rounds; w2 (40 KiB a rank) cut in blocks
+ROUND = sdadapt.EngineConfig(share_rows=True, share_round_bytes=16 << 10)  # several rounds; w2 (40 KiB a rank) cut in blocks
 MESHES = {"tp4": {"tp": 4}, "fsdp_tp": {"dp_shard": 2, "tp": 2}, "hsdp_tp": {"dp_replicate": 2, "dp_shard": 1, "tp": 2}}
 
 

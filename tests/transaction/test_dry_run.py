@@ -237,7 +237,8 @@ def test_a_lone_tp_rank_reads_its_rows_once_when_peers_share_them(tmp_path: Any,
     # touch every page of their rows; sharing the rows, each rank reads whole rows of its own
     path = _sparse_8b(tmp_path)
     alone = sdadapt.dry_run(None, path, mesh=mesh, device="cuda", share_reads=False, max_ranks=4)
-    shared = sdadapt.dry_run(None, path, mesh=mesh, device="cuda", share_reads=True, max_ranks=4)
+    rows = sdadapt.EngineConfig(share_rows=True)
+    shared = sdadapt.dry_run(None, path, mesh=mesh, device="cuda", share_reads=True, max_ranks=4, engine=rows)
     for a, s in zip(alone.ranks, shared.ranks, strict=True):
         assert a.storage_bytes > 1.5 * a.bytes_read, a  # 3.1x with 32 layers; the embeddings weigh more here
         assert s.storage_bytes <= 1.1 * s.bytes_read and s.bytes_read <= 1.01 * s.local_bytes, s

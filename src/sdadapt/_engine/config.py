@@ -107,7 +107,9 @@ class EngineConfig:
             thread (``None``: chosen from the measured rate).
         share_rows: with ``share_reads``, the ranks holding column slices of the same rows (TP's
             row-parallel weights) split the rows, each reading whole rows once, and exchange
-            the slices (:mod:`sdadapt._engine.share`); ``False``: each reads its own slices.
+            the slices (:mod:`sdadapt._engine.share`); off by default (each reads its own
+            slices): it cuts a cold rank's storage bytes to its share, but its exchange was
+            measured slower than the reads it saves on gloo, and not yet on several GPUs.
         share_round_bytes: the rows a rank reads per round of that exchange (one
             ``all_to_all`` each); the round's buffers take about three times this.
 
@@ -145,7 +147,7 @@ class EngineConfig:
     kvikio_gathers: bool = False
     remote_request_bytes: int | None = None
     remote_concurrency: int | None = None
-    share_rows: bool = True
+    share_rows: bool = False
     share_round_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
