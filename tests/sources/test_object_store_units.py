@@ -156,7 +156,7 @@ def test_mirrors_left_by_ended_processes_go_and_live_ones_stay(tmp_path: Path, m
     """A process that ends without its exit handlers (killed, or a fork leaving with os._exit)
     leaves its mirror folder behind; the next mirror made on the machine removes it, and never
     the mirror of a process still alive."""
-    from sdadapt.sources import _object_store as store
+    from sdadapt.sources import _mirrors as store
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
@@ -165,7 +165,7 @@ def test_mirrors_left_by_ended_processes_go_and_live_ones_stay(tmp_path: Path, m
         pid = os.fork()
         if pid == 0:  # the child makes a mirror, says where, and leaves (or waits to be killed)
             os.close(r)
-            root = store._new_mirror("sdadapt-mirror-s3-b-")
+            root = store.new_mirror("sdadapt-mirror-s3-b-")
             Path(root, "model.safetensors").write_bytes(b"x" * 10)
             os.write(w, root.encode() + b"\n")
             if stay:
@@ -181,9 +181,9 @@ def test_mirrors_left_by_ended_processes_go_and_live_ones_stay(tmp_path: Path, m
     alive, live = child(stay=True)  # its mirror's making removes the one left behind
     try:
         assert not Path(left).exists() and not Path(f"{left}.lock").exists()
-        mine = store._new_mirror("sdadapt-mirror-s3-b-")
+        mine = store.new_mirror("sdadapt-mirror-s3-b-")
         assert Path(live, "model.safetensors").read_bytes() == b"x" * 10
-        store._drop_mirror(mine)
+        store.drop_mirror(mine)
         assert not Path(mine).exists() and not Path(f"{mine}.lock").exists()
     finally:
         os.kill(alive, 9)

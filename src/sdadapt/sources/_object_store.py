@@ -35,9 +35,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SourceError
-from ._mirrors import MIRROR as _MIRROR
-from ._mirrors import drop_mirror as _drop_mirror
-from ._mirrors import new_mirror as _new_mirror
 from ._object_errors import fetch_error, short_error
 
 log = logging.getLogger(__name__)
@@ -190,7 +187,9 @@ class Remote:
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._list()
-        self.root = _new_mirror(f"{_MIRROR}{self.scheme}-{self.bucket}-")
+        from ._mirrors import MIRROR, new_mirror  # noqa: PLC0415 - object storage loads only
+
+        self.root = new_mirror(f"{MIRROR}{self.scheme}-{self.bucket}-")
         for name, (size, _) in self.objects.items():
             path = self.local(name)
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -394,7 +393,9 @@ class Remote:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        _drop_mirror(self.root)
+        from ._mirrors import drop_mirror  # noqa: PLC0415 - imported with the mirror's making
+
+        drop_mirror(self.root)
 
 
 def _merge(spans: list[tuple[int, int]], gap: int) -> list[tuple[int, int]]:
