@@ -44,6 +44,15 @@ class _Stacking(RuleBase):
     dim: int = 0
     count: int | None = Field(default=None, gt=0)
 
+    @model_validator(mode="after")
+    def _check(self) -> _Stacking:
+        check_over(*self.sides(), self.over, self.label())
+        return self
+
+    def sides(self) -> tuple[str, str]:
+        """The per-entry pattern (it captures ``over``) and the stacked tensor's pattern."""
+        raise NotImplementedError
+
     def input_patterns(self) -> list[str]:
         return [self.src]
 
@@ -58,10 +67,8 @@ class Stack(_Stacking):
 
     kind: Literal["stack"] = "stack"
 
-    @model_validator(mode="after")
-    def _check(self) -> Stack:
-        check_over(self.src, self.dst, self.over, f"stack into {self.dst!r}")
-        return self
+    def sides(self) -> tuple[str, str]:
+        return self.src, self.dst
 
     def apply(self, ctx: PlanContext, index: int) -> None:
         out = compile_pattern(self.dst)
@@ -119,10 +126,8 @@ class Unstack(_Stacking):
 
     kind: Literal["unstack"] = "unstack"
 
-    @model_validator(mode="after")
-    def _check(self) -> Unstack:
-        check_over(self.dst, self.src, self.over, f"unstack of {self.src!r}")
-        return self
+    def sides(self) -> tuple[str, str]:
+        return self.dst, self.src
 
     def apply(self, ctx: PlanContext, index: int) -> None:
         out = compile_pattern(self.dst)
