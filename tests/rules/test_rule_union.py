@@ -55,11 +55,11 @@ def test_every_built_in_kind_is_in_a_table_and_imported_on_first_use():
     built-in kind by name imports that module (the on-use map is derived from the tables)."""
     import importlib
 
-    from sdadapt._base.rule_kinds import WITHOUT_FUNCTION
+    from sdadapt._base.rule_kinds import BUILT_IN
     from sdadapt.rules._custom import _IMPORTED_ON_USE
 
-    for cls, module, kind in (*RULE_KINDS, *WITHOUT_FUNCTION):
+    for cls, module, kind, _ in BUILT_IN:
         found = getattr(importlib.import_module(f"sdadapt.rules.{module}"), cls)
         assert found.model_fields["kind"].default == kind, (cls, kind)
         assert _IMPORTED_ON_USE.get(kind, f"sdadapt.rules.{module}") == f"sdadapt.rules.{module}", kind
-    assert {kind for _, _, kind in WITHOUT_FUNCTION} <= set(_IMPORTED_ON_USE)
+    assert {kind for _, _, kind, public in BUILT_IN if not public} <= set(_IMPORTED_ON_USE)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from pydantic import field_validator
 
-from .._base.rule_kinds import ON_USE, RULE_KINDS, WITHOUT_FUNCTION
+from .._base.rule_kinds import BUILT_IN, ON_USE
 from ..errors import AdapterError
 from ._base import Keys, RuleBase, check_keys, key_patterns, matching
 
@@ -41,8 +41,7 @@ R = TypeVar("R", bound=type[RuleBase])
 
 _KINDS: dict[str, type[RuleBase]] = {}
 _IMPORTED_ON_USE: dict[str, str] = {
-    **{kind: f"sdadapt.rules.{module}" for _, module, kind in RULE_KINDS if module in ON_USE},
-    **{kind: f"sdadapt.rules.{module}" for _, module, kind in WITHOUT_FUNCTION},
+    kind: f"sdadapt.rules.{module}" for _, module, kind, public in BUILT_IN if module in ON_USE or not public
 }
 """Built-in kinds -> the module that registers them when imported; imported the first time one of
 its kinds is asked for, so that an adapter of plain rules does not import it."""
