@@ -3,7 +3,6 @@ each a computation step of the node protocol in :mod:`sdadapt._recipes.nodes`.""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -11,11 +10,11 @@ import torch
 
 from .._base.regions import Box
 from .._base.schema import dtype_name
-from .nodes import Compute, Derived, Input, Node, SourceIO, Step
+from .nodes import Compute, Input, Node, RoundedOnce, SourceIO, Step
 
 
 @dataclass(frozen=True, eq=False)
-class AffineMapped(Derived):
+class AffineMapped(RoundedOnce):
     """The input times ``scale`` plus ``shift`` (``invert``: minus ``shift``, divided by
     ``scale``), elementwise; computed in float32 (float64 for float64 outputs) and rounded once to
     the input's floating dtype, or to ``out_dtype``. A box maps to the same box of the input."""
@@ -24,17 +23,11 @@ class AffineMapped(Derived):
     scale: float
     shift: float
     invert: bool = False
-    out_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if not self.child.dtype.is_floating_point:
             raise ValueError(f"affine needs a floating input, got {self.child.dtype}")
         self.derive(self.child.shape, self.out_dtype or self.child.dtype)
-
-    def as_dtype(self, dtype: torch.dtype) -> Node | None:
-        """The same arithmetic, rounded once to ``dtype`` (a bf16 Gemma norm's ``1 + w`` into a
-        float32 model, exactly)."""
-        return dataclasses.replace(self, out_dtype=dtype) if dtype.is_floating_point else None
 
     def _apply(self, t: torch.Tensor) -> torch.Tensor:
         w = t.to(torch.float64 if self.dtype == torch.float64 else torch.float32)

@@ -11,7 +11,6 @@ block it was computed in (BLAS may sum a block's products in another order), and
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -19,13 +18,13 @@ import torch
 
 from .._base.regions import Box, box_shape
 from .._base.schema import dtype_name
-from .nodes import Compute, Derived, Input, Node, SourceIO, Step
+from .nodes import Compute, Input, Node, RoundedOnce, SourceIO, Step
 
 _ROWS_PER_CHUNK_ELEMENTS = 1 << 22  # float64 temporaries of a region are computed this many elements at a time
 
 
 @dataclass(frozen=True, eq=False)
-class MergedLora(Derived):
+class MergedLora(RoundedOnce):
     """``weight + scale * B @ A`` (``weight`` ``[out, in]``, ``a`` ``[r, in]``, ``b`` ``[out, r]``),
     in ``weight``'s dtype (or ``out_dtype``); ``transposed``: ``weight`` is stored ``[in, out]``
     (PEFT's ``fan_in_fan_out``, GPT-2's ``Conv1D``) and gets ``(B @ A).T``. A region is one
@@ -37,14 +36,9 @@ class MergedLora(Derived):
     b: Node
     scale: float
     transposed: bool = False
-    out_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         self.derive(tuple(self.weight.shape), self.out_dtype or self.weight.dtype)
-
-    def as_dtype(self, dtype: torch.dtype) -> Node | None:
-        """The same merge, rounded once from float64 to ``dtype`` (any floating dtype)."""
-        return dataclasses.replace(self, out_dtype=dtype) if dtype.is_floating_point else None
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         out.append(Compute(self, box, dest, functools.partial(self._region, box), self._inputs(box)))

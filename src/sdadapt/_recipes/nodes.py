@@ -353,6 +353,20 @@ class Derived(Node):
 
 
 @dataclass(frozen=True, eq=False)
+class RoundedOnce(Derived):
+    """A node that computes in a wider float and rounds once to its dtype: ``out_dtype`` (a
+    keyword), else the one its ``__post_init__`` derives from its input."""
+
+    out_dtype: torch.dtype | None = field(default=None, kw_only=True)
+
+    def as_dtype(self, dtype: torch.dtype) -> Node | None:
+        """The same computation, rounded once to ``dtype`` (any floating dtype): no value is
+        rounded twice, as a cast of a narrower result would (a bf16 Gemma norm's ``1 + w`` into a
+        float32 model is exact)."""
+        return dataclasses.replace(self, out_dtype=dtype) if dtype.is_floating_point else None
+
+
+@dataclass(frozen=True, eq=False)
 class Leaf(Node):
     """A tensor of the source checkpoint, as stored."""
 
