@@ -23,6 +23,7 @@ import math
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -306,7 +307,8 @@ def dry_run(
         if state is not None and any(isinstance(t, DTensor) for t in state.values()):
             layouts = model_layouts(state, grid, layouts)  # an already-parallelised model: its own placements
         granule = mapping_granule(source)
-        ranks, exact, n_classes, class_of = _plan_ranks(source, plan, schema, layouts, grid, cfg, device, share, max_ranks, granule)
+        dry = DryRunJob(source, plan, schema, layouts, grid, cfg, torch.device(device), share, granule)
+        ranks, exact, n_classes, class_of = _plan_ranks(dry, max_ranks)
         payload = len(encode_headers(rec_src)) if headers == "once" and grid.size > 1 else 0
         for r in ranks:
             first = r.rank == 0 or headers == "every" or grid.size == 1
@@ -401,17 +403,34 @@ def _relevant(layouts: dict[str, Layout], grid: Mesh, share: bool) -> list[int]:
     return sorted(dims)
 
 
-def _plan_ranks(
-    source: Source, plan: Plan, schema: dict[str, TensorInfo], layouts: dict[str, Layout], grid: Mesh,
-    cfg: EngineConfig, device: str, share: bool, max_ranks: int, granule: int,
-) -> tuple[list[DryRunRank], bool, int, Any]:
-    dims = _relevant(layouts, grid, share)
-    sizes = [grid.sizes[d] for d in dims]
+@dataclass(frozen=True)
+class DryRunJob:
+    """What every rank of one dry run is planned from, built once by :func:`dry_run`: the open
+    source, the plan, the target's schema and layouts, the mesh, the engine settings, the
+    shards' device, whether replicas share reads, and what one fault on a file mapping makes
+    resident (:func:`~sdadapt._engine.predict.mapping_granule`)."""
+
+    source: Source
+    plan: Plan
+    schema: dict[str, TensorInfo]
+    layouts: dict[str, Layout]
+    grid: Mesh
+    cfg: EngineConfig
+    device: torch.device
+    share: bool
+    granule: int
+
+
+def _plan_ranks(dry: DryRunJob, max_ranks: int) -> tuple[list[DryRunRank], bool, int, Any]:
+    """One rank of each class of ``dry``'s mesh (of an evenly spaced sample of at most
+    ``max_ranks`` classes), whether every class was planned, how many classes, the class of a rank."""
+    dims = _relevant(dry.layouts, dry.grid, dry.share)
+    sizes = [dry.grid.sizes[d] for d in dims]
     n_classes = math.prod(sizes)
-    per_class = grid.size // n_classes
+    per_class = dry.grid.size // n_classes
 
     def class_of(rank: int) -> int:
-        coord = grid.coordinate(rank)
+        coord = dry.grid.coordinate(rank)
         c = 0
         for d, s in zip(dims, sizes, strict=True):
             c = c * s + coord[d]
@@ -419,37 +438,33 @@ def _plan_ranks(
 
     def coordinate(c: int, over: list[int], coord: list[int]) -> list[int]:
         for d in reversed(over):
-            coord[d] = c % grid.sizes[d]
-            c //= grid.sizes[d]
+            coord[d] = c % dry.grid.sizes[d]
+            c //= dry.grid.sizes[d]
         return coord
 
     if n_classes <= max_ranks:
-        coords = [coordinate(c, dims, [0] * len(grid.sizes)) for c in range(n_classes)]
+        coords = [coordinate(c, dims, [0] * len(dry.grid.sizes)) for c in range(n_classes)]
     else:
         # a sample of the classes without sharing, each with its whole replica group: the
         # members of a group split its reads between them, so only whole groups add up
-        base = _relevant(layouts, grid, False)
+        base = _relevant(dry.layouts, dry.grid, False)
         group = [d for d in dims if d not in base]
-        n_group = math.prod(grid.sizes[d] for d in group)
-        coords = [coordinate(g, group, coordinate(c, base, [0] * len(grid.sizes)))
-                  for c in _sample(math.prod(grid.sizes[d] for d in base), max(2, max_ranks // n_group)) for g in range(n_group)]
-    dev = torch.device(device)
-    out = [_plan_rank(source, plan, schema, layouts, grid, tuple(coord), cfg, dev, share, per_class, granule) for coord in coords]
+        n_group = math.prod(dry.grid.sizes[d] for d in group)
+        coords = [coordinate(g, group, coordinate(c, base, [0] * len(dry.grid.sizes)))
+                  for c in _sample(math.prod(dry.grid.sizes[d] for d in base), max(2, max_ranks // n_group)) for g in range(n_group)]
+    out = [_plan_rank(dry, tuple(coord), per_class) for coord in coords]
     out.sort(key=lambda r: r.rank)
     return out, len(coords) == n_classes, n_classes, class_of
 
 
-def _plan_rank(
-    source: Source, plan: Plan, schema: dict[str, TensorInfo], layouts: dict[str, Layout], grid: Mesh,
-    coord: tuple[int, ...], cfg: EngineConfig, dev: torch.device, share: bool, per_class: int, granule: int,
-) -> DryRunRank:
+def _plan_rank(dry: DryRunJob, coord: tuple[int, ...], per_class: int) -> DryRunRank:
     t0 = time.perf_counter()
     jobs: list[Job] = []
     rows: list[RowShare] = []
     keys = local = shared = 0
-    for key, node in plan.recipes.items():
-        info, lay = schema[key], layouts[key]
-        box = local_box(info, grid, lay, coord)
+    for key, node in dry.plan.recipes.items():
+        info, lay = dry.schema[key], dry.layouts[key]
+        box = local_box(info, dry.grid, lay, coord)
         if box is None:
             continue
         keys += 1
@@ -458,12 +473,12 @@ def _plan_rank(
         local += nbytes
         if nbytes == 0:
             continue
-        group = lay.replica_group(grid) if share else None
+        group = lay.replica_group(dry.grid) if dry.share else None
         if group is not None and box:
-            r = math.prod(grid.sizes[d] for d in group)
+            r = math.prod(dry.grid.sizes[d] for d in group)
             me = 0
             for d in group:
-                me = me * grid.sizes[d] + coord[d]
+                me = me * dry.grid.sizes[d] + coord[d]
             (a, b) = box[0]
             s, e = replica_parts(key, b - a, (b - a) * math.prod(info.shape[1:]) * info.dtype.itemsize, r)[me]
             box = ((a + s, a + e), *box[1:])
@@ -473,23 +488,23 @@ def _plan_rank(
                 continue
         job = Job(key, node, box, torch.empty(shape, dtype=info.dtype, device="meta"))
         cut = None
-        if share and cfg.share_rows:
-            mesh_shape, at = group_coordinate(grid, lay, coord)
-            cut = row_cut(box, tuple(info.shape), mesh_shape, at, tuple(p for _, p in lay.groups), info.dtype.itemsize, cfg.gap_bytes)
+        if dry.share and dry.cfg.share_rows:
+            mesh_shape, at = group_coordinate(dry.grid, lay, coord)
+            cut = row_cut(box, tuple(info.shape), mesh_shape, at, tuple(p for _, p in lay.groups), info.dtype.itemsize, dry.cfg.gap_bytes)
         if cut is None:
             jobs.append(job)
         else:
             rows.append(RowShare(None, job, cut))
-    rounds = row_rounds(rows, cfg.share_round_bytes)
+    rounds = row_rounds(rows, dry.cfg.share_round_bytes)
     shared += sum(row_received(r) for r in rounds)
-    fig = predict(source, jobs, cfg, dev, granule)
+    fig = predict(dry.source, jobs, dry.cfg, dry.device, dry.granule)
     for units in rounds:  # each round of shared rows is a run of its own
-        fig.add(predict(source, row_read_jobs(units), cfg, dev, granule))
+        fig.add(predict(dry.source, row_read_jobs(units), dry.cfg, dry.device, dry.granule))
     exchange = max((round_memory(r) for r in rounds), default=0)  # the round buffers, on the shards' device
     return DryRunRank(
-        rank=grid.rank_of(coord),
+        rank=dry.grid.rank_of(coord),
         ranks=per_class,
-        coordinate=dict(zip(grid.names, coord, strict=True)),
+        coordinate=dict(zip(dry.grid.names, coord, strict=True)),
         keys=keys,
         local_bytes=local,
         bytes_read=fig.bytes_read,
@@ -503,8 +518,8 @@ def _plan_rank(
         header_bytes_received=0,
         shared_bytes=shared,
         staging_bytes=fig.staging_bytes,
-        host_bytes=(local + exchange if dev.type == "cpu" else 0) + fig.staging_touched + fig.mapped_span,
-        device_bytes=local + exchange if dev.type == "cuda" else 0,
+        host_bytes=(local + exchange if dry.device.type == "cpu" else 0) + fig.staging_touched + fig.mapped_span,
+        device_bytes=local + exchange if dry.device.type == "cuda" else 0,
         tasks=fig.tasks,
         plan_seconds=time.perf_counter() - t0,
     )
