@@ -305,11 +305,13 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], the_variants: dict[st
     pythonpath = [str(ROOT / "src")]
     the_machine = machine()  # the load average before the workers start
     preload = [n for n in (USER_LIBRARIES if args.import_in_load else LIBRARIES) if n != "sdadapt"]
-    with ForkServer(preload, server_env(args.malloc)) if args.fork_ranks else contextlib.nullcontext() as server:
-        groups = _launch_all(args, jobs, the_variants, common, work, pythonpath, server)
+    try:  # the groups' results are read back into memory: their folders go, even on an error
+        with ForkServer(preload, server_env(args.malloc)) if args.fork_ranks else contextlib.nullcontext() as server:
+            groups = _launch_all(args, jobs, the_variants, common, work, pythonpath, server)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     rows = combine_rounds(summarize(groups))
     loads = [run["load_avg"] for g in groups for r in g["ranks"] if r for run in r["runs"] if "load_avg" in run]
-    shutil.rmtree(work, ignore_errors=True)
     first_load = "one fresh process group per row; the row's first load is the first load of its processes"
     if args.fork_ranks:
         first_load += f" (ranks forked from one process that had imported {', '.join(preload)}; not sdadapt: --fork-ranks)"

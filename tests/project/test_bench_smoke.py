@@ -328,6 +328,24 @@ def test_rounds_combine_into_one_row_per_job_with_medians(loadbench):
         loadbench.cli._run_groups(args, [], {}, None, "gloo", {}, {}, [], 0.0)  # type: ignore[arg-type]
 
 
+def test_run_folder_removed_when_launching_fails(loadbench, tmp_path, monkeypatch):
+    """The run's folder of rank configs and logs goes even when launching its groups raises."""
+    import tempfile
+
+    import loadbench.cli
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(loadbench.cli, "_launch_all", fail)
+    args = loadbench.cli.parser("").parse_args([])
+    shape = loadbench.shapes.Shape(layers=1, hidden=8, intermediate=16, heads=2, kv_heads=1, vocab=32)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        loadbench.cli._run_groups(args, [], {}, shape, "gloo", {}, {}, [], 0.0)
+    assert not list(tmp_path.glob("sdadapt-bench-run-*"))
+
+
 def test_variants_apply_to_sdadapt_rows_only(loadbench):
     """The other loaders do not read sdadapt's settings: their rows run once."""
     import loadbench.cli
