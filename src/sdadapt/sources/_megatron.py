@@ -35,11 +35,6 @@ METADATA_JSON = "metadata.json"
 COMMON_PT = "common.pt"
 _COMMON_LIMIT = 64 << 20  # bytes of common.pt's pickle (real ones: KBs)
 
-SEEN_BACKENDS = {("torch_dist", 1, "torch", 1)}
-"""(sharded backend, its version, common backend, its version) of the checkpoints sdadapt reads."""
-SEEN_CHECKPOINT_VERSIONS = (3.0,)
-"""Megatron-LM's ``checkpoint_version`` values whose layout sdadapt has seen (0.16.1 writes 3.0)."""
-
 
 class Opaque:
     """A class or function ``common.pt`` named that sdadapt does not build: its dotted name, the
