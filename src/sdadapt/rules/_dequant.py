@@ -33,16 +33,10 @@ from .._recipes import quant_nodes as QN
 from ._base import dtype_str, parse_dtype
 from ._custom import register_rule
 from ._patterns import compile_pattern, union_of
-from ._quant_rule import QuantRule
+from ._quant_rule import Block, QuantRule
 
 if TYPE_CHECKING:
     from ._base import PlanContext
-
-
-def _block(v: object) -> tuple[int, int]:
-    if not isinstance(v, (list, tuple)) or len(v) != 2 or not all(isinstance(b, int) and b > 0 for b in v):
-        raise ValueError(f"block must be two positive integers [rows, cols], got {v!r}")
-    return (int(v[0]), int(v[1]))
 
 
 class _FP8Fields(QuantRule):
@@ -54,15 +48,10 @@ class _FP8Fields(QuantRule):
 
     keys: str = "**.weight"
     exclude: list[str] = []
-    block: tuple[int, int]
+    block: Block
     scale_suffix: str = Field(default=Q.FP8_SCALE_SUFFIX, min_length=1)
     scale_format: Q.ScaleFormat = "float32"
     scale_dtype: str | None = None
-
-    @field_validator("block", mode="before")
-    @classmethod
-    def _check_block(cls, v: object) -> tuple[int, int]:
-        return _block(v)
 
     @field_validator("scale_dtype", mode="before")
     @classmethod

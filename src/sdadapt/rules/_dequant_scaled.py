@@ -28,7 +28,7 @@ from ..errors import AdapterError
 from ._base import dtype_str, parse_dtype, target_info
 from ._custom import register_rule
 from ._patterns import compile_pattern, union_of
-from ._quant_rule import QuantRule
+from ._quant_rule import Block, QuantRule
 
 if TYPE_CHECKING:
     from ._base import PlanContext
@@ -40,14 +40,6 @@ ACTIVATION_SCALES = ["**.input_scale", "**.input_global_scale", "**.input_zero_p
 loader has no use for them, so the rules built from a config drop them on purpose."""
 
 
-def _pair(v: object, what: str) -> tuple[int, int] | None:
-    if v is None:
-        return None
-    if not isinstance(v, (list, tuple)) or len(v) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in v):
-        raise ValueError(f"{what} must be two positive integers [rows, cols], got {v!r}")
-    return (int(v[0]), int(v[1]))
-
-
 class _ScaledFields(QuantRule):
     """What dequantising and re-quantizing a scaled format share."""
 
@@ -56,7 +48,7 @@ class _ScaledFields(QuantRule):
     codec: S.Codec = "e4m3"
     strategy: S.Strategy = "tensor"
     group_size: int | None = Field(default=None, gt=0)
-    block: tuple[int, int] | None = None
+    block: Block | None = None
     values_suffix: str = ""
     scale_suffix: str = Field(default="_scale", min_length=1)
     scale_dtype: str | None = None
@@ -66,11 +58,6 @@ class _ScaledFields(QuantRule):
     shape_suffix: str | None = None
     drop: list[str] = []
     tensor_scale_shape: list[int] = Field(default=[1], max_length=1)  # a per-tensor scale as stored: [1] or 0-d []
-
-    @field_validator("block", mode="before")
-    @classmethod
-    def _check_block(cls, v: object) -> tuple[int, int] | None:
-        return _pair(v, "block")
 
     @field_validator("scale_dtype", mode="before")
     @classmethod

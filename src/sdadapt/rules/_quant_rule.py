@@ -4,16 +4,26 @@ the dtype of its values. A module of its own so that each family's module import
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 import torch
-from pydantic import field_validator
+from pydantic import BeforeValidator, field_validator
 
 from ._base import RuleBase, dtype_str, parse_dtype
 
 VALUES_DTYPE = torch.bfloat16
 """The dtype of dequantised values where nothing says another: no ``dtype=`` on the rule, and no
 model tensor to take the dtype from (``convert`` to a plain release)."""
+
+
+def _two_positive(v: object) -> tuple[int, int]:
+    if not isinstance(v, (list, tuple)) or len(v) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in v):
+        raise ValueError(f"block must be two positive integers [rows, cols], got {v!r}")
+    return (int(v[0]), int(v[1]))
+
+
+Block = Annotated[tuple[int, int], BeforeValidator(_two_positive)]
+"""A rule's ``block``: the values one scale covers, two positive integers ``[rows, cols]``."""
 
 
 class QuantRule(RuleBase):
