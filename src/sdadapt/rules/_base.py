@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from .._recipes.nodes import Leaf, Node
 from ..errors import AdapterError
@@ -172,6 +172,24 @@ def check_keys(keys: Keys) -> Keys:
     if not isinstance(keys, str) and not keys:
         raise AdapterError("keys must be a pattern or a non-empty list of patterns")
     return keys
+
+
+class InPlaceRule(RuleBase):
+    """A rule that changes the tensors under the keys ``keys`` matches (one pattern or a list)
+    and keeps their keys, so that it takes none away from the rules after it. The subclass
+    declares ``keys`` after its ``kind``, which its JSON then starts with."""
+
+    moves_keys: ClassVar[bool] = False
+    if TYPE_CHECKING:
+        keys: Keys
+
+    @field_validator("keys", check_fields=False)
+    @classmethod
+    def _keys(cls, v: Keys) -> Keys:
+        return check_keys(v)
+
+    def input_patterns(self) -> list[str]:
+        return key_patterns(self.keys)
 
 
 def matching(ctx: PlanContext, keys: Keys) -> Iterator[tuple[str, Node]]:

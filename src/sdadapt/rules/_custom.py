@@ -25,13 +25,11 @@ plan context (``ctx.keys()``, ``ctx.get``, ``ctx.take``, ``ctx.put``, ``ctx.repl
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
-
-from pydantic import field_validator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .._base.rule_kinds import BUILT_IN, ON_USE
 from ..errors import AdapterError
-from ._base import Keys, RuleBase, check_keys, key_patterns, matching
+from ._base import InPlaceRule, Keys, RuleBase, matching
 
 if TYPE_CHECKING:
     from .._recipes.nodes import Node
@@ -151,7 +149,7 @@ def rule_from_data(data: Any) -> RuleBase:
     return cls(**data)
 
 
-class ValueRule(RuleBase):
+class ValueRule(InPlaceRule):
     """A value rule of one's own: for each key ``keys`` matches (one pattern or a list),
     :meth:`transform` returns the node that replaces the key's node. The node carries the
     shape, dtype and region mapping (see :class:`sdadapt.rules.Node`); the subclass adds its
@@ -174,16 +172,7 @@ class ValueRule(RuleBase):
                 return [Negate(keys=self.keys)]
     """
 
-    moves_keys: ClassVar[bool] = False
     keys: Keys
-
-    @field_validator("keys")
-    @classmethod
-    def _keys(cls, v: Keys) -> Keys:
-        return check_keys(v)
-
-    def input_patterns(self) -> list[str]:
-        return key_patterns(self.keys)
 
     def transform(self, key: str, node: Node) -> Node | str:
         """The node that replaces ``node`` under ``key``, or a message saying why this key

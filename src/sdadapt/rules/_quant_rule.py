@@ -4,12 +4,12 @@ the dtype of its values. A module of its own so that each family's module import
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any
 
 import torch
 from pydantic import BeforeValidator, field_validator
 
-from ._base import RuleBase, dtype_str, parse_dtype
+from ._base import InPlaceRule, dtype_str, parse_dtype
 
 VALUES_DTYPE = torch.bfloat16
 """The dtype of dequantised values where nothing says another: no ``dtype=`` on the rule, and no
@@ -26,14 +26,13 @@ Block = Annotated[tuple[int, int], BeforeValidator(_two_positive)]
 """A rule's ``block``: the values one scale covers, two positive integers ``[rows, cols]``."""
 
 
-class QuantRule(RuleBase):
+class QuantRule(InPlaceRule):
     """What every rule of the family has: the keys it acts on and the dtype of the values.
 
     ``dtype=None`` (the default): the values take the dtype the model holds for each key
     (float32 master weights get ``float(w) * scale`` in float32, computed so, not widened from
     bfloat16), or :data:`VALUES_DTYPE` where there is no model; a dtype pins it."""
 
-    moves_keys: ClassVar[bool] = False
     keys: str
     dtype: str | None = None
 
@@ -45,9 +44,6 @@ class QuantRule(RuleBase):
     def _values_dtype(self) -> tuple[torch.dtype, bool]:
         """The dtype the dequantised nodes start with, and whether the target's replaces it."""
         return (VALUES_DTYPE, True) if self.dtype is None else (parse_dtype(self.dtype), False)
-
-    def input_patterns(self) -> list[str]:
-        return [self.keys]
 
     def _fields(self) -> dict[str, Any]:
         return self.model_dump(exclude={"kind"})

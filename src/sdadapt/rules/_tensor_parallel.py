@@ -15,7 +15,7 @@ from .._recipes.interleave import Interleaved
 from .._recipes.moves import UnitPermuted
 from .._recipes.nodes import Converted, Node
 from ..errors import AdapterError
-from ._base import Keys, RuleBase, built_by, check_keys, key_patterns, matching_dim, target_info
+from ._base import InPlaceRule, Keys, RuleBase, built_by, matching_dim, target_info
 from ._custom import register_rule
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def tp_degree(info: TensorInfo, dim: int) -> int | str:
 
 
 @built_by('"layers.{i}.feed_forward.w13.weight", sizes=[hidden, hidden]')
-class Interleave(RuleBase):
+class Interleave(InPlaceRule):
     """Lay a fused tensor ``[part0; part1; ...]`` (``sizes`` along ``dim``, e.g. q, k, v rows)
     out per TP rank: ``[p0_r0; p1_r0; ...; p0_r1; ...]``, so that a ``ColwiseParallel`` shard on
     TP rank ``r`` holds ``[q_r; k_r; v_r]`` as the layer's code expects. ``keys`` is one pattern
@@ -80,7 +80,6 @@ class Interleave(RuleBase):
     copies. :class:`Deinterleave` with the same ``replicas`` reads each block from the first
     rank holding it."""
 
-    moves_keys: ClassVar[bool] = False
     kind: Literal["interleave"] = "interleave"
     keys: Keys
     sizes: list[int]
@@ -92,7 +91,6 @@ class Interleave(RuleBase):
 
     @model_validator(mode="after")
     def _check(self) -> Interleave:
-        check_keys(self.keys)
         if not self.sizes or any(s < 0 for s in self.sizes):
             raise AdapterError(f"{self.kind} of {self.keys!r}: sizes must be a non-empty list of sizes >= 0, got {self.sizes}")
         if self.replicas is not None and (len(self.replicas) != len(self.sizes) or any(n < 1 for n in self.replicas)):
@@ -115,9 +113,6 @@ class Interleave(RuleBase):
             over = "" if self.replicas is None else f" (over replicas {reps})"
             return f"sizes {self.sizes} do not all divide by {degree}{over}"
         return None
-
-    def input_patterns(self) -> list[str]:
-        return key_patterns(self.keys)
 
     def _degree(self, ctx: PlanContext, key: str, node: Node, d: int, index: int) -> int | str:
         if self.tp is not None:

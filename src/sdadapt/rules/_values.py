@@ -6,7 +6,7 @@ under the name it will have after the later key-moving rules (:func:`._base.fina
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -16,13 +16,12 @@ from .._recipes.moves import Narrowed
 from .._recipes.nodes import Converted
 from ..errors import AdapterError
 from ._base import (
+    InPlaceRule,
     Keys,
     RuleBase,
     built_by,
-    check_keys,
     dim_of,
     dtype_str,
-    key_patterns,
     matching,
     matching_dim,
     parse_dtype,
@@ -40,7 +39,7 @@ MODEL_DTYPE = "model"
 
 
 @built_by('"**", "model"')
-class Cast(RuleBase):
+class Cast(InPlaceRule):
     """Convert matched tensors to ``dtype`` (optionally only those stored as ``from_dtype``).
     Dtype changes are never silent: without a cast rule a dtype mismatch is a problem.
     ``dtype="model"`` converts each tensor to the dtype the model holds for it (looked up under
@@ -49,7 +48,6 @@ class Cast(RuleBase):
     ``dtype`` to compute in instead (:meth:`~sdadapt._recipes.nodes.Node.as_dtype`), so a float32 model
     gets float32 values, not bfloat16 ones widened."""
 
-    moves_keys: ClassVar[bool] = False
     kind: Literal["cast"] = "cast"
     keys: str = "**"
     dtype: str
@@ -68,9 +66,6 @@ class Cast(RuleBase):
         if v == MODEL_DTYPE:
             raise AdapterError('cast: from_dtype names a dtype; "model" applies to dtype only')
         return v
-
-    def input_patterns(self) -> list[str]:
-        return [self.keys]
 
     def apply(self, ctx: PlanContext, index: int) -> None:
         only = parse_dtype(self.from_dtype) if self.from_dtype else None
@@ -100,18 +95,14 @@ class Cast(RuleBase):
 
 
 @built_by('"h.{i}.attn.c_attn.weight"')
-class Transpose(RuleBase):
+class Transpose(InPlaceRule):
     """Swap dims ``dim0`` and ``dim1`` of matched tensors, keeping their keys (GPT-2 ``Conv1D``
     ``[in, out]`` <-> ``nn.Linear`` ``[out, in]``). Its own inverse."""
 
-    moves_keys: ClassVar[bool] = False
     kind: Literal["transpose"] = "transpose"
     keys: str
     dim0: int = 0
     dim1: int = 1
-
-    def input_patterns(self) -> list[str]:
-        return [self.keys]
 
     def apply(self, ctx: PlanContext, index: int) -> None:
         for key, node in matching(ctx, self.keys):
@@ -145,7 +136,7 @@ def rotary_perm(head_dim: int, to: str, rotary_dim: int | None = None) -> tuple[
 
 
 @built_by('"layers.{i}.attention.wq.weight", heads=32, rotary_dim=0.25')
-class Rotary(RuleBase):
+class Rotary(InPlaceRule):
     """Reorder the rows inside each head between rotary layouts, for every tensor ``keys``
     matches (one pattern, or a list: q/k weights, their biases, per-head q/k norm weights).
 
@@ -163,7 +154,6 @@ class Rotary(RuleBase):
     first ``rotary_dim`` rows of each head rotate. ``rotary_dim`` is a row count (an int) or a
     fraction of the head (a float in (0, 1]); the rotating rows are reordered, the others stay."""
 
-    moves_keys: ClassVar[bool] = False
     kind: Literal["rotary"] = "rotary"
     keys: Keys
     heads: int | None = Field(default=None, gt=0)
@@ -174,7 +164,6 @@ class Rotary(RuleBase):
 
     @model_validator(mode="after")
     def _check(self) -> Rotary:
-        check_keys(self.keys)
         if self.heads is None and self.head_dim is None:
             raise AdapterError(f"rotary of {self.keys!r}: give heads= (heads of the matched tensors) or head_dim=")
         rd = self.rotary_dim
@@ -199,9 +188,6 @@ class Rotary(RuleBase):
         if rows > hd or rows < 2 or rows % 2:
             return f"rotary_dim={rd} gives {rows} rotating rows of head_dim {hd}; they must be even and at most the head"
         return rows
-
-    def input_patterns(self) -> list[str]:
-        return key_patterns(self.keys)
 
     def _unit(self, rows: int, d: int) -> int | str:
         """Rows of one head along dim ``d`` (of ``rows``), or why the tensor cannot be cut in heads."""
@@ -244,7 +230,7 @@ SQUARED_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum"
 
 
 @built_by('"**norm.weight"', "shift=1.0")
-class Affine(RuleBase):
+class Affine(InPlaceRule):
     """``w * scale + shift`` for every tensor ``keys`` matches (one pattern or a list): Gemma's
     norms store ``w`` and compute with ``1 + w``, so a model that multiplies by its weight
     directly loads them with ``affine("**norm.weight", shift=1.0)``. ``invert=True`` computes
@@ -259,7 +245,6 @@ class Affine(RuleBase):
     (:data:`SQUARED_MOMENTS`) by ``scale ** 2`` (multiplied, with ``invert``). Other optimizer
     state is refused by name, since its scaling is not known."""
 
-    moves_keys: ClassVar[bool] = False
     kind: Literal["affine"] = "affine"
     keys: Keys
     scale: float = 1.0
@@ -268,13 +253,9 @@ class Affine(RuleBase):
 
     @model_validator(mode="after")
     def _check(self) -> Affine:
-        check_keys(self.keys)
         if self.scale == 0 or not math.isfinite(self.scale) or not math.isfinite(self.shift):
             raise AdapterError(f"affine of {self.keys!r}: scale must be finite and non-zero, shift finite")
         return self
-
-    def input_patterns(self) -> list[str]:
-        return key_patterns(self.keys)
 
     def apply(self, ctx: PlanContext, index: int) -> None:
         for key, node in matching(ctx, self.keys):
@@ -306,13 +287,12 @@ class Affine(RuleBase):
 
 
 @built_by('"embed_tokens.weight", multiple_of=64')
-class Pad(RuleBase):
+class Pad(InPlaceRule):
     """Extend matched tensors along ``dim`` with ``value`` up to ``size``, or to the next multiple
     of ``multiple_of``, or (neither given) to the target's size for that key (vocab padded for
     TP). The inverse is :class:`Trim` to the target's size: exporting needs a target (or a
     ``Trim`` with an explicit ``size``), since one rule may match tensors of several sizes."""
 
-    moves_keys: ClassVar[bool] = False
     kind: Literal["pad"] = "pad"
     keys: str
     dim: int = 0
@@ -325,9 +305,6 @@ class Pad(RuleBase):
         if self.size is not None and self.multiple_of is not None:
             raise AdapterError(f"pad of {self.keys!r}: give size or multiple_of, not both")
         return self
-
-    def input_patterns(self) -> list[str]:
-        return [self.keys]
 
     def apply(self, ctx: PlanContext, index: int) -> None:
         for key, node, d in matching_dim(ctx, index, self.keys, self.dim):
@@ -356,18 +333,14 @@ class Pad(RuleBase):
 
 
 @built_by('"embed_tokens.weight", size=32000')
-class Trim(RuleBase):
+class Trim(InPlaceRule):
     """Keep the first ``size`` entries of matched tensors along ``dim`` (``size`` omitted: the
     target's size for that key; a plan without that key in its target reports it)."""
 
-    moves_keys: ClassVar[bool] = False
     kind: Literal["trim"] = "trim"
     keys: str
     dim: int = 0
     size: int | None = Field(default=None, ge=0)
-
-    def input_patterns(self) -> list[str]:
-        return [self.keys]
 
     def apply(self, ctx: PlanContext, index: int) -> None:
         for key, node, d in matching_dim(ctx, index, self.keys, self.dim):
