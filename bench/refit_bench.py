@@ -3,7 +3,7 @@
     python bench/refit_bench.py [--model llama|qwen3_moe] [--scenario disaggregated|colocated|single]
                                 [--size small|8b] [--repeat 3] [--bucket-mib 64] [--engine-dtype bfloat16]
                                 [--device cpu|cuda] [--fp8 | --quant FORMAT] [--layers N] [--no-baseline]
-                                [--baseline-repeat N] [--hang-s 300] [--profile N [--trace FILE]]
+                                [--baseline-repeat N] [--hang-s 300] [--profile N [--trace FILE]] [--cprofile N]
 
 Scenarios (CPU, gloo, one process per rank, started here):
 
@@ -29,7 +29,9 @@ norms in ``--engine-dtype``). ``--quant FORMAT``: the engine's linear weights in
 ``fp8_channel``, ``fp8_tensor``, ``mxfp8``, ``nvfp4``: compressed-tensors' arithmetic, Llama and
 ``--scenario single`` only). ``--layers``: fewer decoder layers than the size has (a quick
 run). ``--profile N``: one more refit under torch's profiler; rank 0 prints its N costliest
-operations (by GPU time, then by CPU time); ``--trace FILE`` also writes its Chrome trace. Rank 0
+operations (by GPU time, then by CPU time); ``--trace FILE`` also writes its Chrome trace.
+``--cprofile N``: one more refit under Python's ``cProfile`` (the host's work, which the GPU
+waits on where it is the larger); rank 0 prints its N costliest functions by own time. Rank 0
 prints each phase's start on stderr with the time since launch; a phase that hangs dumps every
 thread's stack after ``--hang-s`` seconds.
 
@@ -246,6 +248,18 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
             print(prof.key_averages().table(sort_by=key, row_limit=args.profile), file=sys.stderr, flush=True)
         if args.trace and rank == 0:
             prof.export_chrome_trace(args.trace)
+    if args.cprofile:  # one more refit under cProfile: the host's share, function by function
+        import cProfile
+        import pstats
+
+        dist.barrier()
+        cp = cProfile.Profile()
+        cp.enable()
+        refit()
+        sync()
+        cp.disable()
+        if rank == 0:
+            pstats.Stats(cp, stream=sys.stderr).sort_stats("tottime").print_stats(args.cprofile)
     got = {k: v.clone() for k, v in engine.items()} if engine is not None and args.baseline else {}
 
     # baseline: gather whole (export_iter) then cut
@@ -336,6 +350,7 @@ def main() -> None:
     p.add_argument("--no-baseline", dest="baseline", action="store_false", help="skip gather-then-cut")
     p.add_argument("--profile", type=int, default=0, help="print the N costliest operations of one more refit")
     p.add_argument("--trace", default="", help="with --profile: write that refit's Chrome trace (rank 0) to this file")
+    p.add_argument("--cprofile", type=int, default=0, help="print the N costliest Python functions of one more refit")
     p.add_argument("--hang-s", type=float, default=300.0, help="dump the stacks of a phase that takes longer")
     args = p.parse_args()
     args.t0 = T0
@@ -354,8 +369,12 @@ def main() -> None:
     out = f"{args.engine_dtype}" + (" + FP8 e4m3 block 128x128" if args.fp8 else f" + {args.quant}" if args.quant else "")
     size = f"{args.size} ({args.layers} layers)" if args.layers else args.size
     print(f"\n{args.model} {size}, {args.scenario}, engine {out}, bucket {args.bucket_mib} MiB")
+    steady = max(med(r["runs"][1:] or r["runs"]) for r in rows)
+    least = max(min(r["runs"][1:] or r["runs"]) for r in rows)
     print(f"refit {refit_s:.3f} s (median of {args.repeat}, slowest rank; plan {max(r['plan_s'] for r in rows):.2f} s), "
           f"gather-then-cut {base_s:.3f} s; identical results: {[r['same'] for r in rows]}")  # fmt: skip
+    print(f"refit after the first run (which builds the kernels): median {steady:.3f} s, min {least:.3f} s "
+          f"of {max(len(rows[0]['runs']) - 1, 1)}")  # fmt: skip
     print(
         "\n| rank | engine shard MiB | refit sent MiB | refit received MiB | refit local MiB | buffer MiB | rounds | "
         "baseline sent MiB | baseline received MiB |"
