@@ -195,8 +195,8 @@ def test_nvfp4_global_scale_is_compressed_tensors_once_per_refit(device: str, mo
             break
     assert found, "no case whose global scale is a neighbour of its amax's"
     made: list[int] = []
-    of = SN.GlobalScaleOf._of
-    monkeypatch.setattr(SN.GlobalScaleOf, "_of", lambda self, child: made.append(1) or of(self, child))
+    of = SN.GlobalScaleOf._of_parts
+    monkeypatch.setattr(SN.GlobalScaleOf, "_of_parts", lambda self, parts: made.append(1) or of(self, parts))
     for i, x in enumerate([w, coarse.to(torch.bfloat16), released, deq]):
         want = _global_scale_reference(x)
         leaf = Leaf("x", tuple(x.shape), x.dtype)

@@ -1,8 +1,9 @@
 """Refit into each quantized engine on one process: FP8 per 128 x 128 block, FP8 per channel and
 per tensor, MXFP8 and NVFP4 (``support.refit_eager.QUANT_FORMATS``), from a float32 and a bfloat16
-trainer. Every engine tensor equals the eager quantization of the whole weights bit for bit, each
-weight is quantized where its trainer values are (its codes and scales move, nothing is staged),
-and a second run gives the same bytes."""
+trainer, on the CPU and (where there is one) a CUDA device, whose kernels quantize. Every engine
+tensor equals the eager quantization of the whole weights on the CPU bit for bit, each weight is
+quantized where its trainer values are (its codes and scales move, nothing is staged), a second
+run gives the same bytes, and a run after the trainer's values changed in place gives theirs."""
 
 from __future__ import annotations
 
@@ -12,27 +13,48 @@ from sdadapt.adapters import vllm_llama
 from support.refit_eager import QUANT_FORMATS, bits, eager, llama_weights, quant_adapter, quant_engine
 
 import sdadapt
+from sdadapt._recipes import quant_fused as QF
 
 DIMS = (64, 4, 2, 16, 64)  # hidden, heads, kv heads, head dim, MLP hidden: whole 32-value groups, 2 x 2 blocks of 32
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", sorted(QUANT_FORMATS))
-def test_refit_into_a_quantized_engine(fmt: str) -> None:
+def test_refit_into_a_quantized_engine(fmt: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     base = vllm_llama.build(n_heads=DIMS[1], n_kv_heads=DIMS[2], head_dim=DIMS[3], hidden_dim=DIMS[4], tp=1)
     adapter = base + quant_adapter(fmt, block=(32, 32))
     for dtype in (torch.float32, torch.bfloat16):
-        full = llama_weights(1, DIMS, 101, 7, dtype)
-        whole = eager(full, adapter)
-        engine = quant_engine({k: tuple(v.shape) for k, v in full.items()}, adapter, torch.bfloat16)
+        host = llama_weights(1, DIMS, 101, 7, dtype)
+        whole = eager(host, adapter)
+        full = {k: v.to(device) for k, v in host.items()}
+        engine = quant_engine({k: tuple(v.shape) for k, v in full.items()}, adapter, torch.bfloat16, device)
         refit = sdadapt.refit_plan(full, engine, adapter)
         rep = refit()
         for k, t in engine.items():
-            assert torch.equal(bits(t), bits(whole[k].to(t.dtype))), (fmt, k)
+            assert torch.equal(bits(t.cpu()), bits(whole[k].to(t.dtype))), (fmt, k)
         quantized = [k for k in engine if k.endswith("_scale_inv")]
         assert len(quantized) == 4 and all(engine[k.removesuffix("_scale_inv")].element_size() == 1 for k in quantized)
         padding = (128 - 101) * DIMS[0] * 2 * 2  # vLLM's vocabulary rows, filled
         assert rep.bytes_local == sum(t.numel() * t.element_size() for t in engine.values()) - padding, fmt
         assert rep.staged_bytes == 0, fmt  # no whole tensor staged for a per-tensor or global scale
         again = {k: t.clone() for k, t in engine.items()}
+        made: list[int] = []
+        for name in ("_quantize_fp8", "_quantize_scaled"):
+            fn = getattr(QF, name)
+            monkeypatch.setattr(QF, name, lambda *a, fn=fn, made=made: made.append(1) or fn(*a))
         assert refit().bytes_local == rep.bytes_local
+        monkeypatch.undo()
+        # each trainer weight quantized once a run: q, k, v, o, gate, up, down (no joined copies;
+        # the scales from the codes' pass); per tensor, a scale spans the joined q|k|v and gate|up,
+        # each quantized whole for its codes and again for its scale
+        assert len(made) == (6 if fmt == "fp8_tensor" else 7), (fmt, len(made))
         assert all(torch.equal(bits(again[k]), bits(engine[k])) for k in engine)
+        for v in full.values():  # a training step: new values, in place
+            v.mul_(-1.5).add_(0.25)
+        whole = eager({k: v.cpu() for k, v in full.items()}, adapter)
+        refit()
+        for k, t in engine.items():
+            assert torch.equal(bits(t.cpu()), bits(whole[k].to(t.dtype))), (fmt, k, "after a step")

@@ -68,10 +68,18 @@ def _as3(x: torch.Tensor) -> torch.Tensor:
     return x.reshape((-1,) + tuple(x.shape[-2:])) if x.dim() != 3 else x
 
 
-def writable(t: torch.Tensor) -> bool:
-    """Whether the FP8 kernels write their codes straight into ``t``: an FP8 CUDA tensor of 2 or 3
-    dims whose last dim is contiguous (any row stride: a view of an engine tensor)."""
-    return t.device.type == "cuda" and t.dtype == Q.FP8_DTYPE and t.dim() in (2, 3) and (t.stride(-1) == 1 or t.shape[-1] == 1)
+def writable(t: torch.Tensor, dtype: torch.dtype = Q.FP8_DTYPE) -> bool:
+    """Whether the kernels write their codes straight into ``t``: a CUDA tensor of the codes'
+    ``dtype`` (e4m3, or ``uint8`` for e2m1 two per byte) of 2 or 3 dims whose last dim is
+    contiguous (any row stride: a view of an engine tensor)."""
+    return t.device.type == "cuda" and t.dtype == dtype and t.dim() in (2, 3) and (t.stride(-1) == 1 or t.shape[-1] == 1)
+
+
+def _into(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    """``out`` where the kernels can write codes of ``shape`` there, else ``None``."""
+    if out is None or tuple(out.shape) != shape or out.device != device or not writable(out, dtype):
+        return None
+    return out
 
 
 def _launch(
@@ -91,11 +99,10 @@ def _launch(
     lead, (rows, cols) = tuple(x.shape[:-2]), tuple(x.shape[-2:])
     x3 = _as3(x)
     nr, nc = Q.cdiv(rows, b0), Q.cdiv(cols, b1)
-    qcols = cols // 2 if packed else cols
-    if out is not None and values and not packed and out.shape == x.shape and out.device == x.device and writable(out):
-        q: torch.Tensor | None = out
-    else:
-        q = torch.empty(lead + (rows, qcols), dtype=torch.uint8 if packed else Q.FP8_DTYPE, device=x.device) if values else None
+    qshape, qdtype = lead + (rows, cols // 2 if packed else cols), torch.uint8 if packed else Q.FP8_DTYPE
+    q = _into(out, qshape, x.device, qdtype) if values else None
+    if values and q is None:
+        q = torch.empty(qshape, dtype=qdtype, device=x.device)
     s = torch.empty(lead + (nr, nc), dtype=scale_dtype, device=x.device)
     q3 = _as3(q.view(torch.uint8)) if q is not None else torch.empty((1, 1, 1), dtype=torch.uint8, device=x.device)
     s3 = _as3(s.view(torch.uint8) if scale_dtype.itemsize == 1 else s)
@@ -221,7 +228,7 @@ def memoized(key: object, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     return got
 
 
-def _memo_key(x: torch.Tensor, block: tuple[int, int], fmt: Q.ScaleFormat) -> tuple[object, ...] | None:
+def _memo_key(x: torch.Tensor, block: tuple[int, int], fmt: object) -> tuple[object, ...] | None:
     try:
         version = x._version
     except RuntimeError:  # an inference tensor has no version counter: never kept
@@ -270,10 +277,34 @@ def _quantize_fp8(
 
 def quantize_scaled(
     x: torch.Tensor, codec: S.Codec, block: tuple[int, int], scale_dtype: torch.dtype, zero: bool = False,
-    glob: torch.Tensor | None = None, mode: S.GlobalMode = "divide", *, values: bool = True,
+    glob: torch.Tensor | None = None, mode: S.GlobalMode = "divide", *, values: bool = True, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """:func:`sdadapt._recipes.quant_scaled.quantize`, in one pass where that is exact (the codes
-    ``None`` with ``values=False`` on that path)."""
+    ``None`` with ``values=False`` on that path; written into ``out`` where the kernel serves and
+    ``out`` is :func:`writable` for them, of the codes' shape: the codes returned are then
+    ``out``). Inside :func:`scales_memo`, as :func:`quantize_fp8`: the scales of an input whose
+    codes were made here are kept for a later ``values=False`` call on it."""
+    entries = _memo.entries
+    key = None
+    if entries is not None and not zero:
+        got = _memo_key(x, block, (codec, scale_dtype, mode))
+        key = None if got is None else got + ((glob.data_ptr(), glob._version) if glob is not None else None,)
+    if entries is not None and key is not None and not values:
+        hit = entries.pop(key, None)
+        if hit is not None:
+            return None, hit[1], None
+    q, s, z = _quantize_scaled(x, codec, block, scale_dtype, zero, glob, mode, values, out)
+    if entries is not None and key is not None and values:
+        if len(entries) >= _MEMO_SIZE:
+            entries.pop(next(iter(entries)))
+        entries[key] = (x, s)
+    return q, s, z
+
+
+def _quantize_scaled(
+    x: torch.Tensor, codec: S.Codec, block: tuple[int, int], scale_dtype: torch.dtype, zero: bool,
+    glob: torch.Tensor | None, mode: S.GlobalMode, values: bool, out: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     run = _scaled_kernel(x, codec, block, scale_dtype, zero, glob, mode)
     if run is None:
         return S.quantize(x, codec, block, scale_dtype, zero, glob, mode)
@@ -288,17 +319,17 @@ def quantize_scaled(
         return S.quantize(t, codec, sample_geometry(t), scale_dtype, zero, g, mode)[:2]
 
     def fused_sample(t: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return fused(t, sample_geometry(t), True)
+        return fused(t, sample_geometry(t), True, None)
 
     whole = key[0] == "nvfp4"  # its groups are whole, its values around the global scale's amax
     peak = _nvfp4_peak(glob, mode) if whole and glob is not None and not _checked_already(key, x.device) else 0.0
     if not _exact(key, x.device, fused_sample, eager, lambda: _sample(sample_block, x.dtype, x.device, whole, peak)):
         return S.quantize(x, codec, block, scale_dtype, zero, glob, mode)
-    q, s = fused(x, block, values)
+    q, s = fused(x, block, values, out)
     return q, s, None
 
 
-_Scaled = Callable[[torch.Tensor, tuple[int, int], bool], tuple[torch.Tensor | None, torch.Tensor]]
+_Scaled = Callable[[torch.Tensor, tuple[int, int], bool, torch.Tensor | None], tuple[torch.Tensor | None, torch.Tensor]]
 
 
 def _scaled_kernel(
@@ -317,8 +348,8 @@ def _scaled_kernel(
             return None
         g = glob.reshape(1)
 
-        def nvfp4(t: torch.Tensor, _b: tuple[int, int], values: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-            return _launch(t, group, MODE_NVFP4, mult=False, glob=g, values=values, scale_dtype=Q.FP8_DTYPE, packed=True)
+        def nvfp4(t: torch.Tensor, _b: tuple[int, int], values: bool, out: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+            return _launch(t, group, MODE_NVFP4, mult=False, glob=g, values=values, scale_dtype=Q.FP8_DTYPE, packed=True, out=out)
 
         return nvfp4, ("nvfp4", mode, x.dtype, glob.dtype), group
     if codec != "e4m3" or glob is not None:
@@ -327,8 +358,8 @@ def _scaled_kernel(
         if _geometry(block, False) is None:
             return None
 
-        def mx(t: torch.Tensor, b: tuple[int, int], values: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-            return _launch(t, b, MODE_POW2, values=values, scale_dtype=scale_dtype)
+        def mx(t: torch.Tensor, b: tuple[int, int], values: bool, out: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+            return _launch(t, b, MODE_POW2, values=values, scale_dtype=scale_dtype, out=out)
 
         return mx, ("mx", block, scale_dtype, x.dtype), block
     name = str(scale_dtype).removeprefix("torch.")
@@ -336,8 +367,8 @@ def _scaled_kernel(
         return None
     if _geometry(block, False) is not None:
 
-        def small(t: torch.Tensor, b: tuple[int, int], values: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-            return _launch(t, b, MODE_SCALED, sdt=SDT_CODES[name], values=values, scale_dtype=scale_dtype)
+        def small(t: torch.Tensor, b: tuple[int, int], values: bool, out: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+            return _launch(t, b, MODE_SCALED, sdt=SDT_CODES[name], values=values, scale_dtype=scale_dtype, out=out)
 
         return small, ("scaled", block, scale_dtype, x.dtype), block
     rows, cols = x.shape[-2:]
@@ -351,12 +382,15 @@ def _scaled_kernel(
 def _per_row(sdt: int, scale_dtype: torch.dtype) -> _Scaled:
     """One scale per row of the whole width: each program's rows read for the amax, then for the codes."""
 
-    def run(t: torch.Tensor, block: tuple[int, int], values: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def run(t: torch.Tensor, block: tuple[int, int], values: bool, out: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         kernels = build()
         assert kernels is not None
         rows, cols = t.shape[-2:]
         x3 = _as3(t)
-        q = torch.empty(t.shape, dtype=Q.FP8_DTYPE, device=t.device) if values else None
+        shape = tuple(t.shape)
+        q = _into(out, shape, t.device, Q.FP8_DTYPE) if values else None
+        if values and q is None:
+            q = torch.empty(shape, dtype=Q.FP8_DTYPE, device=t.device)
         s = torch.empty(tuple(t.shape[:-1]) + (1,), dtype=scale_dtype, device=t.device)
         q3 = _as3(q.view(torch.uint8)) if q is not None else torch.empty((1, 1, 1), dtype=torch.uint8, device=t.device)
         s2 = (s.view(torch.uint8) if scale_dtype.itemsize == 1 else s).reshape(x3.shape[0], rows)
@@ -376,7 +410,7 @@ def _large_of(scale_dtype: torch.dtype, whole: bool) -> _Scaled:
     makes them (``whole``: one per tensor of the lead dims, its amax in one pass), then one pass
     dividing by them."""
 
-    def run(t: torch.Tensor, block: tuple[int, int], values: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def run(t: torch.Tensor, block: tuple[int, int], values: bool, out: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         lead = tuple(t.shape[:-2])
         if whole:
             low, high = torch.aminmax(t.reshape(lead + (-1,)).to(torch.float32), dim=-1)
@@ -391,7 +425,10 @@ def _large_of(scale_dtype: torch.dtype, whole: bool) -> _Scaled:
         s = stored.to(torch.float32).contiguous()
         rows, cols = t.shape[-2:]
         x3 = _as3(t)
-        q = torch.empty(t.shape, dtype=Q.FP8_DTYPE, device=t.device)
+        shape = tuple(t.shape)
+        q = _into(out, shape, t.device, Q.FP8_DTYPE)
+        if q is None:
+            q = torch.empty(shape, dtype=Q.FP8_DTYPE, device=t.device)
         q3, s3 = _as3(q.view(torch.uint8)), _as3(s)
         tr, tc = 32, 256
         with torch.cuda.device(t.device):

@@ -189,6 +189,26 @@ def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
+def row_parts(child: Node, box: Box, b0: int) -> list[tuple[Node, Box, int]] | None:
+    """Where ``child`` joins parts along its rows (dim -2) and ``box`` (whole blocks of ``b0``
+    rows) cuts them only at block boundaries (fused q/k/v, gate/up): ``(part, its region, first
+    row in box)`` for each part the box touches, to be quantized apart (no block holds two parts'
+    rows), never joined first; else ``None``."""
+    rows_dim = len(child.shape) - 2
+    if not isinstance(child, Concatenated) or child.dim % len(child.shape) != rows_dim:
+        return None
+    (a0, a1), out, offset = box[rows_dim], [], 0
+    for part in child.parts:
+        n = part.shape[rows_dim]
+        lo, hi = max(a0, offset), min(a1, offset + n)
+        if lo < hi:
+            if (lo - a0) % b0:
+                return None
+            out.append((part, box[:rows_dim] + ((lo - offset, hi - offset),) + box[rows_dim + 1 :], lo - a0))
+        offset += n
+    return out if len(out) > 1 else None
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedFP8(_Computed, Derived):
     """One part of ``child`` quantized to FP8 with ``block`` scale tiles: the e4m3 weight
@@ -221,30 +241,10 @@ class QuantizedFP8(_Computed, Derived):
             wide = ((a0 * b0, min(rows, a1 * b0)), (c0 * b1, min(cols, c1 * b1)))
         return (Input(self.child, box[:-2] + wide),)
 
-    def _row_parts(self, box: Box) -> list[tuple[Node, Box, int]] | None:
-        """Where ``child`` joins parts along its rows and ``box`` (whole blocks) cuts them only
-        at block boundaries (fused q/k/v, gate/up): ``(part, its region, first row in box)`` for
-        each part the box touches, quantized apart (no block holds two parts' rows), never
-        joined first; else ``None``."""
-        child = self.child
-        rows_dim = len(child.shape) - 2
-        if not isinstance(child, Concatenated) or child.dim % len(child.shape) != rows_dim:
-            return None
-        (a0, a1), out, offset = box[rows_dim], [], 0
-        for part in child.parts:
-            n = part.shape[rows_dim]
-            lo, hi = max(a0, offset), min(a1, offset + n)
-            if lo < hi:
-                if (lo - a0) % self.block[0]:
-                    return None
-                out.append((part, box[:rows_dim] + ((lo - offset, hi - offset),) + box[rows_dim + 1 :], lo - a0))
-            offset += n
-        return out if len(out) > 1 else None
-
     def _quantize(self, src: Input, io: SourceIO, into: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Codes (``into`` where given: the codes are written there) and scales of ``src``'s region."""
         values = self.part == "values"
-        parts = self._row_parts(src.box)
+        parts = row_parts(self.child, src.box, self.block[0])
         if parts is None:
             return QF.quantize_fp8(src.value(io), self.block, self.scale_format, values=values, out=into)
         b0 = self.block[0]

@@ -11,6 +11,7 @@ there, in the target's dtype.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -19,8 +20,9 @@ from .._base.regions import Box, box_shape, full_box
 from .._base.schema import dtype_name
 from . import quant_fused as QF
 from . import quant_scaled as S
-from .nodes import Derived, Input, Node, SourceIO
-from .quant_nodes import _Computed, _Dequant
+from .moves import Concatenated
+from .nodes import Compute, Derived, Input, Node, SourceIO, Step
+from .quant_nodes import _Computed, _Dequant, _same_view, row_parts
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,10 +154,45 @@ class QuantizedScaled(_Computed, Derived):
     def children(self) -> tuple[Node, ...]:
         return (self.child,) if self.glob is None else (self.child, self.glob)
 
-    def _quantize(self, x: torch.Tensor, io: SourceIO) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """The codes (``None`` where the fused path skipped them for a part that is not the values), scales, zero points."""
-        glob = None if self.glob is None else self.glob.read(full_box(tuple(self.glob.shape)), io)
-        return QF.quantize_scaled(x, self.codec, self.block, self.scale_dtype, self.zero, glob, self.mode, values=self.part == "values")
+    def _glob(self, io: SourceIO) -> torch.Tensor | None:
+        if self.glob is None:
+            return None
+        if isinstance(self.glob, GlobalScaleOf):  # made once per run (memoized), on the weight's device
+            return self.glob.value(io)
+        return self.glob.read(full_box(tuple(self.glob.shape)), io)
+
+    def _quantize(
+        self, src: Box, io: SourceIO, into: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """The codes (``None`` where the fused path skipped them for a part that is not the
+        values; ``into`` where given and the kernels wrote there), scales and zero points of
+        region ``src`` of ``child`` (whole tiles). Parts joined along the rows that the tiles do
+        not straddle are quantized apart, from their own regions (no joined copy)."""
+        glob = self._glob(io)
+        values = self.part == "values"
+        parts = None if self.zero else row_parts(self.child, src, self.block[0])
+        if parts is None:
+            return QF.quantize_scaled(self.child.read(src, io), self.codec, self.block, self.scale_dtype, self.zero, glob,
+                                      self.mode, values=values, out=into)  # fmt: skip
+        b0 = self.block[0]
+        q: torch.Tensor | None = into
+        scale: torch.Tensor | None = None
+        for part, box, first in parts:
+            rows = box_shape(box)[-2]
+            view = None if into is None else into[..., first : first + rows, :]
+            qi, si, _ = QF.quantize_scaled(part.read(box, io), self.codec, self.block, self.scale_dtype, False, glob, self.mode,
+                                           values=values, out=view)  # fmt: skip
+            if scale is None:
+                shape = box_shape(src)
+                grid = shape[:-2] + (S.cdiv(shape[-2], b0), S.cdiv(shape[-1], self.block[1]))
+                scale = si.new_empty(grid)
+                if values and q is None:
+                    q = torch.empty(shape[:-1] + (S.cdiv(shape[-1], S.PER_UNIT[self.codec]),), dtype=S.STORED[self.codec], device=si.device)
+            scale[..., first // b0 : first // b0 + si.shape[-2], :] = si
+            if q is not None and qi is not None and not _same_view(qi, q[..., first : first + rows, :]):
+                q[..., first : first + rows, :] = qi
+        assert scale is not None
+        return q, scale, None
 
     def _source_box(self, box: Box) -> Box:
         """The region of ``child`` that region ``box`` is quantized from: the whole blocks it
@@ -182,6 +219,26 @@ class QuantizedScaled(_Computed, Derived):
         src = (Input(self.child, self._source_box(box)),)
         return src if self.glob is None else src + (Input(self.glob, full_box(tuple(self.glob.shape))),)
 
+    def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
+        out.append(Compute(self, box, dest, functools.partial(self._region_into, box, dest), self._inputs(box)))
+
+    def _region_into(self, box: Box, dest: torch.Tensor, io: SourceIO) -> torch.Tensor:
+        """:meth:`_region`, the codes written straight into ``dest`` (returned: its copy into
+        itself is none) where ``box`` is whole tiles and ``dest`` a device tensor the kernels
+        write (last dim contiguous, 2 or 3 dims)."""
+        src = self._source_box(box)
+        if self.part != "values" or self.zero or not QF.writable(dest, S.STORED[self.codec]):
+            return self._region(box, io)
+        (a0, a1), (p0, p1) = box[-2:]
+        unit = S.PER_UNIT[self.codec]
+        c0, c1 = src[-1]
+        if src[:-1] != box[:-1] or c0 != p0 * unit or c1 != min(self.child.shape[-1], p1 * unit) or S.cdiv(c1 - c0, unit) != p1 - p0:
+            return self._region(box, io)
+        q = self._quantize(src, io, into=dest)[0]
+        if q is not None and not _same_view(q, dest):
+            dest.copy_(q)
+        return dest
+
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
         src = self._source_box(box)
         if self.part == "values":
@@ -189,10 +246,10 @@ class QuantizedScaled(_Computed, Derived):
             unit = S.PER_UNIT[self.codec]
             c0 = p0 * unit
             (r_lo, _), (c_lo, _) = src[-2:]
-            q = self._quantize(self.child.read(src, io), io)[0]
+            q = self._quantize(src, io)[0]
             assert q is not None
             return q[..., a0 - r_lo : a1 - r_lo, (c0 - c_lo) // unit : (c0 - c_lo) // unit + p1 - p0]
-        _, scales, zeros = self._quantize(self.child.read(src, io), io)
+        _, scales, zeros = self._quantize(src, io)
         if self._per_tensor():  # one scale for the whole tensor
             return scales.reshape(self.shape)
         out = scales if self.part == "scales" else zeros
@@ -254,19 +311,44 @@ class GlobalScaleOf(_Computed, Derived):
     def _inputs(self, box: Box) -> tuple[Input, ...]:
         return (Input(self.child, full_box(tuple(self.child.shape))),)
 
+    def value(self, io: SourceIO) -> torch.Tensor:
+        """The global scale of the child's values in ``io``, on the device they are on; made once
+        per ``key`` inside ``quant_fused.scales_memo`` (a refit's run), however often the values,
+        the scales and the global scale itself read it."""
+        return QF.memoized(("global", self), lambda: self._of_parts(self._parts(io)))
+
     def _region(self, box: Box, io: SourceIO) -> torch.Tensor:
-        return QF.memoized(("global", self), lambda: self._of(self.child.read(full_box(tuple(self.child.shape)), io)))
+        return self.value(io)
+
+    def _parts(self, io: SourceIO) -> list[torch.Tensor]:
+        """The child's values as read, by part where it joins parts along a dim before the last
+        (fused q/k/v, gate/up: the largest magnitude is the parts' largest, and rows quantize
+        apart), so that no joined copy is made."""
+        child, nd = self.child, len(self.child.shape)
+        if isinstance(child, Concatenated) and nd >= 2 and child.dim % nd != nd - 1:
+            return [p.read(full_box(tuple(p.shape)), io) for p in child.parts]
+        return [child.read(full_box(tuple(child.shape)), io)]
 
     def full(self, io: SourceIO) -> torch.Tensor:
         return self._of(self.child.full(io))
 
     def _of(self, child: torch.Tensor) -> torch.Tensor:
         """The global scale of ``child``'s values, on ``child``'s device."""
-        flat = child.reshape(-1, child.shape[-1]) if child.dim() else child.reshape(1, 1)
-        if flat.numel() == 0:
-            return torch.ones(self.shape, dtype=torch.float32, device=child.device)
-        low, high = torch.aminmax(flat)  # one pass, no float32 copy: a largest magnitude is exact in any float dtype
-        amax = torch.maximum(-low, high).to(torch.float32)
+        return self._of_parts([child])
+
+    def _of_parts(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        """The global scale of the values of ``parts`` (a tensor's rows, in order), on their device."""
+        flats = [p.reshape(-1, p.shape[-1]) if p.dim() else p.reshape(1, 1) for p in parts]
+        flats = [f for f in flats if f.numel()]
+        if not flats:
+            return torch.ones(self.shape, dtype=torch.float32, device=parts[0].device)
+        amax: torch.Tensor | None = None
+        for f in flats:  # one pass each, no float32 copy: a largest magnitude is exact in any float dtype
+            low, high = torch.aminmax(f)
+            m = torch.maximum(-low, high)
+            amax = m if amax is None else torch.maximum(amax, m)
+        assert amax is not None
+        amax = amax.to(torch.float32)
         top = torch.full_like(amax, S.E4M3_MAX * S.E2M1_MAX)
         g = torch.where(amax > 0, top / amax if self.mode == "divide" else amax / top, torch.ones_like(amax))
         # values dequantised from NVFP4 give back amax / 6 only to a unit in the last place of the
@@ -275,9 +357,9 @@ class GlobalScaleOf(_Computed, Derived):
         # the tensor; and a group of 16 values that one scale reproduces holds at most 8 magnitudes
         # (e2m1's), so a first row with a group of more fails every candidate: trainer values,
         # which never were NVFP4, stop there with g after a few operations and one wait
-        if not bool(few_magnitudes(flat[:1])):
+        if not bool(few_magnitudes(flats[0][:1])):
             return g.reshape(self.shape)
-        x = flat.to(torch.float32)
+        x = (torch.cat(flats) if len(flats) > 1 else flats[0]).to(torch.float32)
         for cand in (g, torch.nextafter(g, torch.zeros_like(g)), torch.nextafter(g, 2 * g)):
             if bool(nvfp4_reproduced(x[:1], cand, self.mode)) and bool(nvfp4_reproduced(x, cand, self.mode)):
                 return cand.reshape(self.shape)
