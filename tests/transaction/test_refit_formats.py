@@ -58,3 +58,19 @@ def test_refit_into_a_quantized_engine(fmt: str, device: str, monkeypatch: pytes
         refit()
         for k, t in engine.items():
             assert torch.equal(bits(t.cpu()), bits(whole[k].to(t.dtype))), (fmt, k, "after a step")
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4", "fp8_channel"])
+def test_codes_written_into_the_engine_where_the_kernels_write(fmt: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path a CUDA engine takes (the codes of each part written into a view of the engine
+    tensor, the scales gathered from the parts), taken on the CPU: the same bytes as the eager
+    quantization of the joined weights."""
+    monkeypatch.setattr(QF, "writable", lambda t, dtype=QF.Q.FP8_DTYPE: t.dtype == dtype and t.dim() in (2, 3) and t.stride(-1) == 1)
+    base = vllm_llama.build(n_heads=DIMS[1], n_kv_heads=DIMS[2], head_dim=DIMS[3], hidden_dim=DIMS[4], tp=1)
+    adapter = base + quant_adapter(fmt, block=(32, 32))
+    full = llama_weights(1, DIMS, 101, 9)
+    whole = eager(full, adapter)
+    engine = quant_engine({k: tuple(v.shape) for k, v in full.items()}, adapter, torch.bfloat16)
+    sdadapt.refit_plan(full, engine, adapter)()
+    for k, t in engine.items():
+        assert torch.equal(bits(t), bits(whole[k].to(t.dtype))), (fmt, k)
