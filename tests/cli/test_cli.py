@@ -173,6 +173,7 @@ def test_diff_with_adapters(work, capsys):
         (["diff", "good.pt", "-t", "cli_models:build", "-a", "cli_models:build"], "not an sdadapt.Adapter"),
         (["diff", "good.pt", "-t", "cli_models:build", "-a", "none.json"], "cannot read adapter JSON"),
         (["diff", "good.pt", "-t", "cli_models:build", "-O", "x=1"], "--adapter-option needs --adapter"),
+        (["convert", "good.pt", "out.safetensors", "--to", "safetensors", "--option", "x=1"], "--adapter-option needs --adapter"),
         (["diff", "bad.pt", "-s", "nomodel", "-t", "cli_models:build"], "subtree 'nomodel'"),
         (["inspect", "nope.pt"], "nope.pt: no such file"),
         (["diff", "good.pt", "-t", "cli_models.py"], "give cli_models.py:FUNCTION naming the function that returns the model"),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
+
+from .diff import adapter_of, add_adapter
 
 NAME = "convert"
 HELP = "rewrite a checkpoint in another layout (adapter) and format, tensor by tensor, in one process"
@@ -25,11 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", metavar="SRC", help="checkpoint to read (a path, or hf://org/name[@rev])")
     parser.add_argument("dst", metavar="DST", help="file (torch) or folder (safetensors, dcp) to write")
     parser.add_argument("--to", dest="fmt", required=True, choices=["safetensors", "torch", "dcp", "torch_dist"], help="output format")
-    parser.add_argument("--adapter", "-a", metavar="A", help="adapter name, .json file, or module:ATTR")
-    parser.add_argument(
-        "--adapter-option", "--option", "-O", action="append", default=[], metavar="KEY=VALUE",
-        help="option passed to an adapter function or shipped adapter (repeatable)",
-    )
+    add_adapter(parser)
     parser.add_argument("--shard-size", default="5GB", metavar="SIZE", help="largest safetensors shard (default 5GB)")
     parser.add_argument("--subtree", "-s", metavar="S", help="nested dict of a torch.save file to convert, e.g. model")
     parser.add_argument("--read-back", action="store_true", help="read the result back and compare every tensor")
@@ -37,15 +34,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verify", dest="old_verify", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (one is drawn on stderr only when it is a terminal)")
-
-
-def _adapter(args: argparse.Namespace) -> Any:
-    if not args.adapter:
-        return None
-    from .._plan.resolve import resolve_adapter
-    from .diff import parse_options
-
-    return resolve_adapter(args.adapter, source=args.src, **parse_options(args.adapter_option))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
             "--verify is now --read-back (read the result back and compare every tensor); "
             "`sdadapt verify` compares a loaded model's outputs with a reference"
         )
-    adapter = _adapter(args)
+    adapter = adapter_of(args)
     progress = None
     if not args.no_progress and show_progress():
         with open_source(args.src, subtree=args.subtree) as source:

@@ -35,6 +35,27 @@ def parse_options(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
+def add_adapter(parser: argparse.ArgumentParser, what: str = "adapter name, .json file, or module:ATTR") -> None:
+    """The ``--adapter`` of a command (``what`` its help) and its ``--adapter-option`` list."""
+    parser.add_argument("--adapter", "-a", metavar="A", help=what)
+    parser.add_argument(
+        "--adapter-option", "--option", "-O", action="append", default=[], metavar="KEY=VALUE",
+        help="option passed to an adapter function or shipped adapter (repeatable)",
+    )
+
+
+def adapter_of(args: argparse.Namespace) -> Any:
+    """The adapter ``--adapter`` names, built with its ``--adapter-option`` values; ``None``
+    without one (options without an adapter are a usage error)."""
+    if args.adapter_option and not args.adapter:
+        raise ResolveError("--adapter-option needs --adapter")
+    if not args.adapter:
+        return None
+    from .._plan.resolve import resolve_adapter
+
+    return resolve_adapter(args.adapter, source=args.src, **parse_options(args.adapter_option))
+
+
 def add_compared(parser: argparse.ArgumentParser, epilog: str) -> None:
     """What ``diff`` and ``draft`` compare: ``SRC``, ``--target`` and where in each to look."""
     parser.epilog = epilog
@@ -54,11 +75,7 @@ def add_compared(parser: argparse.ArgumentParser, epilog: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_compared(parser, EPILOG)
-    parser.add_argument("--adapter", "-a", metavar="A", help="adapter name, .json file, or module:ATTR")
-    parser.add_argument(
-        "--adapter-option", "--option", "-O", action="append", default=[], metavar="KEY=VALUE",
-        help="option passed to an adapter function or shipped adapter (repeatable)",
-    )
+    add_adapter(parser)
     parser.add_argument("--allow-missing", action="append", default=[], metavar="PAT", help="key pattern the model may lack values for")
     parser.add_argument("--allow-unexpected", action="append", default=[], metavar="PAT", help="checkpoint key pattern to ignore")
     parser.add_argument(
@@ -75,17 +92,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .._plan.resolve import resolve_adapter, resolve_target_on_meta
+    from .._plan.resolve import resolve_target_on_meta
     from .._tools import diff
     from ..sources import open_source
 
-    if args.adapter_option and not args.adapter:
-        raise ResolveError("--adapter-option needs --adapter")
     target: Any
     target, note = resolve_target_on_meta(args.target, **parse_options(args.target_option))
     if note:
         print(f"note: {note}", file=sys.stderr)
-    adapter = resolve_adapter(args.adapter, source=args.src, **parse_options(args.adapter_option)) if args.adapter else None
+    adapter = adapter_of(args)
     if isinstance(target, str) and args.target_subtree:
         target = open_source(target, subtree=args.target_subtree)
     report = diff(

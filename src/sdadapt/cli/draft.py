@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-from .diff import add_compared
+from .diff import adapter_of, add_adapter, add_compared
 
 NAME = "draft"
 HELP = "infer a first adapter from a checkpoint and a model (headers, then a numerical check); review it, then use it"
@@ -38,11 +38,7 @@ a target that cannot be imported or built)."""
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_compared(parser, EPILOG)
-    parser.add_argument("--adapter", "-a", metavar="A", help="start from this adapter (name, .json, module:ATTR)")
-    parser.add_argument(
-        "--adapter-option", "-O", action="append", default=[], metavar="KEY=VALUE",
-        help="option passed to an adapter function or shipped adapter (repeatable)",
-    )
+    add_adapter(parser, "start from this adapter (name, .json, module:ATTR)")
     parser.add_argument("--reference", "-r", metavar="R", default="auto",
                         help="settle open choices numerically: 'auto' (default: 'config' when SRC's config.json names "
                              "a class the installed transformers has), 'config', module:function(config) -> model, "
@@ -56,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from .._draft import Check, run_draft
-    from .._plan.resolve import resolve_adapter, resolve_target, resolve_target_on_meta
+    from .._plan.resolve import resolve_target, resolve_target_on_meta
     from ..errors import ResolveError
     from ..sources import open_source
     from .diff import parse_options
@@ -69,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {note}", file=sys.stderr)
     if isinstance(target, str) and args.target_subtree:
         target = open_source(target, subtree=args.target_subtree)
-    adapter = resolve_adapter(args.adapter, source=args.src, **parse_options(args.adapter_option)) if args.adapter else None
+    adapter = adapter_of(args)
     if args.reference not in ("auto", "none") and isinstance(target, str):
         raise ResolveError("--reference needs the model as --target (module:function), not a checkpoint")
     init_buffers = None

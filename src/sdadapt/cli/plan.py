@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..errors import ResolveError
-from .diff import parse_options
+from .diff import adapter_of, add_adapter, parse_options
 
 NAME = "plan"
 HELP = "dry run: what each rank of a load on a mesh of any size would read, open and hold (headers only, one process)"
@@ -31,8 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, metavar="N", help="pipeline stages")
     parser.add_argument("--target", "-t", metavar="T", help="model (module:function) or checkpoint; default: SRC's own layout")
     parser.add_argument("--target-option", action="append", default=[], metavar="KEY=VALUE", help="keyword for the target function")
-    parser.add_argument("--adapter", "-a", metavar="A", help="adapter name, .json file, or module:ATTR")
-    parser.add_argument("--adapter-option", "-O", action="append", default=[], metavar="KEY=VALUE", help="adapter option (repeatable)")
+    add_adapter(parser)
     parser.add_argument("--subtree", "-s", metavar="S", help="nested dict of a torch.save SRC to use")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the shards are (default cpu)")
     share = parser.add_mutually_exclusive_group()
@@ -52,12 +50,10 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from .._dry_run import dry_run
-    from .._plan.resolve import resolve_adapter, resolve_target_on_meta
+    from .._plan.resolve import resolve_target_on_meta
     from ..errors import PlanError
     from ..sources import open_source
 
-    if args.adapter_option and not args.adapter:
-        raise ResolveError("--adapter-option needs --adapter")
     target: Any = None
     if args.target:
         target, note = resolve_target_on_meta(args.target, **parse_options(args.target_option))
@@ -66,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(target, str):
             with open_source(target) as t:
                 target = dict(t.schema)
-    adapter = resolve_adapter(args.adapter, source=args.src, **parse_options(args.adapter_option)) if args.adapter else None
+    adapter = adapter_of(args)
     try:
         report = dry_run(
             target, args.src, adapter, mesh=args.mesh, ep=args.ep, pp=args.pp, device=args.device,

@@ -6,6 +6,8 @@ import argparse
 import os
 from typing import Any
 
+from .diff import adapter_of, add_adapter
+
 NAME = "verify"
 HELP = "load a checkpoint into a model and compare its logits with a reference on random tokens (PASS/FAIL)"
 
@@ -40,11 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("src", metavar="SRC", help="checkpoint to load (a path, or hf://org/name[@rev])")
     parser.add_argument("--model", "-m", required=True, metavar="M", help="module:function returning the model")
     parser.add_argument("--model-option", action="append", default=[], metavar="KEY=VALUE", help="keyword argument for M (repeatable)")
-    parser.add_argument("--adapter", "-a", metavar="A", help="adapter name, .json file, or module:ATTR")
-    parser.add_argument(
-        "--adapter-option", "--option", "-O", action="append", default=[], metavar="KEY=VALUE",
-        help="option passed to an adapter function or shipped adapter (repeatable)",
-    )
+    add_adapter(parser)
     parser.add_argument("--reference", "-r", metavar="R", help="module:function returning the reference (default: config.json's class)")
     parser.add_argument("--mesh", metavar="DIMS", help="device mesh under torchrun, e.g. fsdp=2,tp=2")
     parser.add_argument("--parallelize", metavar="FN", help="module:function(model, mesh) that parallelises the model")
@@ -121,9 +119,8 @@ def _loaded_model(args: argparse.Namespace, mesh_spec: str | None, adapter: Any,
 def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from .._plan.resolve import ResolveError, resolve_adapter, resolve_target
+    from .._plan.resolve import ResolveError, resolve_target
     from .._tools import reference_from_checkpoint, verify
-    from .diff import parse_options
 
     started = False
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -141,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
                 raise ResolveError(why)
         if (args.mesh or args.parity_mesh) and not args.parallelize:
             raise ResolveError("--mesh / --parity-mesh need --parallelize module:function(model, mesh)")
-        adapter = resolve_adapter(args.adapter, source=args.src, **parse_options(args.adapter_option)) if args.adapter else None
+        adapter = adapter_of(args)
         model = _loaded_model(args, args.mesh, adapter, None)
         if args.parity_mesh:
             reference = _loaded_model(args, args.parity_mesh, adapter, None)
