@@ -298,6 +298,10 @@ def test_a_gpu_load_pins_its_staging_before_it_plans(tmp_path, monkeypatch):
     assert _load._gpu_target(model, "cuda:0") == torch.device("cuda:0")
     assert _load._gpu_target(model, "cpu") is None
     assert _load._gpu_target(torch.nn.Linear(2, 2), None) is None  # nothing on meta or a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("a load into the CPU asked CUDA (it starts the driver)"))
+    assert _load._gpu_target(torch.nn.Linear(2, 2), None) is None
+    assert _load._gpu_target(model, "cpu") is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     events.clear()
     with pytest.raises(PlanError):
         sdadapt.load(model, str(tmp_path), device="cuda:0")
@@ -317,3 +321,20 @@ def test_slab_prefetched_on_a_background_thread_is_pinned_for_the_device():
     torch.cuda.synchronize()
     assert bool((dev == 7).all())
     slab.release()
+
+
+def test_a_load_into_the_cpu_never_asks_cuda(tmp_path, monkeypatch):
+    """A whole load into a model on the CPU never calls ``torch.cuda.is_available()``: in a process
+    that has not used CUDA on a GPU machine, that call starts the driver (a first-call tax)."""
+    from safetensors.torch import save_file
+
+    import sdadapt
+
+    src = torch.nn.Linear(3, 2)
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(tmp_path / "model.safetensors"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("a load into the CPU asked CUDA"))
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: pytest.fail("a load into the CPU started CUDA"))
+    model = torch.nn.Linear(3, 2)
+    report = sdadapt.load(model, str(tmp_path / "model.safetensors"))
+    assert report.keys_loaded == 2
+    assert torch.equal(model.weight, src.weight) and torch.equal(model.bias, src.bias)

@@ -204,9 +204,9 @@ def plan_load(
 def _gpu_target(model: nn.Module, device: torch.device | str | None) -> torch.device | None:
     """The GPU a load into ``model`` reads to: the device of its first parameter or buffer on a
     GPU, else, for a model with tensors on meta, the device it is materialised on (``device``,
-    or its mesh's); ``None`` for a load that stays off GPUs."""
-    if not torch.cuda.is_available():
-        return None
+    or its mesh's); ``None`` for a load that stays off GPUs. CUDA is asked about only for a load
+    bound for a GPU: in a process that has not used it, ``torch.cuda.is_available()`` starts the
+    driver, a wait a load into the CPU has no use for."""
     tensors = itertools.chain(model.parameters(), model.buffers())
     target = next((t.device for t in tensors if t.device.type == "cuda"), None)
     if target is None and has_meta(model):
@@ -214,7 +214,9 @@ def _gpu_target(model: nn.Module, device: torch.device | str | None) -> torch.de
             target = choose_device(model, device)
         except Exception:  # noqa: BLE001 - a bad device= is reported by materialising, agreed on every rank
             return None
-    return target if target is not None and target.type == "cuda" else None
+    if target is None or target.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return target
 
 
 def _prepare_device(
