@@ -7,9 +7,10 @@
 # RAW: the raw rows (default instanttensor,instanttensor-mmap,kvikio). `probe`: kvikio's start-up
 # and the page-cache checks (bench/probes/kvikio_start_probe.py) on the bench's kept checkpoint;
 # `cold`: the cold-cache rows (the page cache dropped before every load; COLD_EXTRA, COLD_RAW,
-# COLD_REPEAT); `imports`: bench/probes/import_probe.py (IMPORT_RUNS); `cpu2`: two of the CPUs
-# (`taskset -c 0,1`), 2 gloo ranks, meta and materialised flows against DCP's HF reader, in
-# CPU2_ROUNDS interleaved rounds; `cpu16`: 16 gloo ranks on the CPUs against DCP's HF reader.
+# COLD_REPEAT); `imports`: bench/probes/import_probe.py (IMPORT_RUNS; IMPORT_EXTRA: more of its
+# arguments, such as `--profile 25`); `cpu2`: two of the CPUs (`taskset -c 0,1`), 2 gloo ranks,
+# meta and materialised flows against DCP's HF reader, in CPU2_ROUNDS interleaved rounds;
+# `cpu16`: 16 gloo ranks on the CPUs against DCP's HF reader.
 # FORMATS_EXTRA: more arguments of the formats run. Each step prints the time it ends.
 # Usage: bash bench/h200_kvikio.sh [tests] [bench] [formats] [probe] [cold] [imports] [cpu2] [cpu16]
 set -u
@@ -61,7 +62,7 @@ for what in "$@"; do
     imports)
       # the import tax of a first local load: -X importtime between the probe's markers, and its
       # process CPU (what -X importtime misses: modules imported through importlib, module bodies)
-      timeout 120 python3 bench/probes/import_probe.py --runs ${IMPORT_RUNS:-3} --top 12 --out "$OUT"/imports.json 2>&1 | tee "$OUT"/imports.log
+      timeout 120 python3 bench/probes/import_probe.py --runs ${IMPORT_RUNS:-3} --top 12 ${IMPORT_EXTRA:-} --out "$OUT"/imports.json 2>&1 | tee "$OUT"/imports.log
       ;;
     cpu2)
       # the device's CPUs, two of them (quiet, unlike a shared 2-core box): 2 gloo ranks, meta and

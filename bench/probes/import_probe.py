@@ -13,7 +13,10 @@ module count, and the packages that cost most (median self time summed per packa
 sources are compiled first into a private bytecode cache (as installing a wheel does); ``--source``
 leaves them uncompiled (each process compiles what it imports, as an editable install under
 ``PYTHONDONTWRITEBYTECODE=1`` does). ``--preimport MODULE`` imports MODULE before the markers, as
-a trainer that checkpoints has (``torch.distributed.checkpoint``).
+a trainer that checkpoints has (``torch.distributed.checkpoint``). ``--profile N``: one more child
+runs the same region under cProfile (no ``-X importtime``), and the N functions with the most own
+time and the N with the most cumulative time are printed: what the importtime lines do not show
+(module bodies imported through ``importlib``, pydantic's plugin scan, the load itself).
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ def main() -> None:
     ap.add_argument("--source", action="store_true", help="leave sdadapt's sources uncompiled")
     ap.add_argument("--preimport", action="append", default=[], metavar="MODULE")
     ap.add_argument("--out", default=None, help="write every run as JSON here")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="also print a cProfile of the region: N rows each")
     args = ap.parse_args()
     import torch
     from safetensors.torch import save_file
@@ -90,6 +94,14 @@ def main() -> None:
             res = json.loads(r.stdout.strip().splitlines()[-1])
             res["imports"] = [(us, name) for us, _, _, name in _import_lines(r.stderr)]
             runs.append(res)
+        profiled = ""
+        if args.profile:
+            r = subprocess.run([sys.executable, "-c", _profiled_child(args.profile), path, *args.preimport],
+                               env=env, capture_output=True, text=True, timeout=600)
+            if r.returncode != 0:
+                sys.exit(f"profiled child failed:\n{r.stderr[-4000:]}")
+            profiled = "cProfile of the region (one more child; times inflated by the profiler):\n" + \
+                "\n".join(line for line in r.stderr.splitlines() if "@@sdadapt-first-call" not in line)
     sums = [sum(us for us, _ in r["imports"]) / 1e6 for r in runs]
     counts = [len(r["imports"]) for r in runs]
     by_pkg: dict[str, list[float]] = {}
@@ -110,6 +122,20 @@ def main() -> None:
         print(f"  {statistics.median(v):.4f}  {k}")
     if args.out:
         Path(args.out).write_text(json.dumps({"sums": sums, "runs": runs}, indent=1))
+    if args.profile:
+        print(profiled)
+
+
+def _profiled_child(rows: int) -> str:
+    """:data:`CHILD` with the region between its markers run under cProfile; the table on stderr."""
+    start = "t0, c0 = time.perf_counter(), time.process_time()\n"
+    end = "t1, c1 = time.perf_counter(), time.process_time()\n"
+    if start not in CHILD or end not in CHILD:
+        raise SystemExit("import_probe: CHILD's timing lines changed; --profile cannot find its region")
+    on = "import cProfile, io, pstats\n_pr = cProfile.Profile()\n_pr.enable()\n"
+    off = (f"_pr.disable()\n_s = io.StringIO()\nfor _key in ('tottime', 'cumulative'):\n"
+           f"    pstats.Stats(_pr, stream=_s).sort_stats(_key).print_stats({rows})\nsys.stderr.write(_s.getvalue())\n")
+    return CHILD.replace(start, start + on).replace(end, off + end)
 
 
 if __name__ == "__main__":
