@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from ..rules import PlanContext, cast
-from ..sources import Source, TensorInfo, format_of, open_source
+from ..sources import Source, TensorInfo, checkpoint_schema, format_of
 from .adapter import Adapter
 
 
@@ -43,11 +43,7 @@ def gguf_hf_adapter(model: nn.Module, source: Any) -> Adapter:
     from .hf_models import hf_adapter
 
     names = registry.get_adapter("gguf", source, to="hf")
-    if isinstance(source, Source):
-        schema = dict(source.schema)
-    else:
-        with open_source(source) as src:
-            schema = dict(src.schema)
+    schema = checkpoint_schema(source)
     hf = hf_adapter(model, adapted_schema(schema, names))
     return Adapter.composed(
         [list(names.rules), list(hf.rules), [cast("**", "model")]],

@@ -120,13 +120,9 @@ def hf_adapter(
     elif isinstance(src, dict):
         ckpt = src
     else:
-        from ..sources import Source, open_source
+        from ..sources import checkpoint_schema
 
-        if isinstance(src, Source):
-            ckpt = dict(src.schema)
-        else:
-            with open_source(src, subtree=subtree) as s:
-                ckpt = dict(s.schema)
+        ckpt = checkpoint_schema(src, subtree)
     return _derive(model, ckpt, target)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from ..rules import cast, dequant_rules
-from ..sources import Source, read_config_file
+from ..sources import Source, checkpoint_schema, read_config_file
 from .adapter import Adapter
 from .hf_gguf import adapted_schema
 
@@ -58,14 +58,9 @@ def release_dequant(source: Any, schema: dict[str, Any], target_keys: list[str])
 
 def quantized_hf_adapter(model: nn.Module, source: Any) -> Adapter:
     """The adapter from the GPTQ / AWQ release ``source`` (a path or an open source) to ``model``."""
-    from ..sources import open_source
     from .hf_models import hf_adapter
 
-    if isinstance(source, Source):
-        schema = dict(source.schema)
-    else:
-        with open_source(source) as src:
-            schema = dict(src.schema)
+    schema = checkpoint_schema(source)
     rules = dequant_rules(config_path(source) or source, schema=schema)
     deq = Adapter(list(rules), name="dequant")
     hf = hf_adapter(model, adapted_schema(schema, deq))

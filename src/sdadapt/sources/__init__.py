@@ -164,6 +164,15 @@ def open_source(
     return attach(source, p)  # a URL's mirror: fetch tensor bytes when read
 
 
+def checkpoint_schema(src: str | os.PathLike[str] | Source, subtree: str | None = None) -> dict[str, TensorInfo]:
+    """The tensors of ``src``: an open source's, or those of the checkpoint at that path (opened
+    for its headers, then closed)."""
+    if isinstance(src, Source):
+        return dict(src.schema)
+    with open_source(src, subtree=subtree) as source:
+        return dict(source.schema)
+
+
 def _open_local(p: str, subtree: str | None) -> Source:
     if not os.path.exists(p):
         if _looks_like_hub_id(p):
