@@ -593,11 +593,11 @@ def test_device_lane_accounts_its_thread_time(tmp_path):
         laned = IOEngine(src, cfg, cpu_lane=True).run(lane_jobs := jobs())
         plain = IOEngine(src, cfg).run(jobs())
     assert all(torch.equal(j.dest, sd[j.key]) for j in lane_jobs)
-    assert laned.lane_seconds > 0 and laned.lane_cpu_seconds > 0
-    assert laned.lane_cpu_seconds <= laned.lane_seconds + 0.01  # the clocks' granularity
-    assert laned.lane_idle_seconds + laned.lane_copy_wait_seconds <= laned.lane_seconds
-    assert plain.lane_seconds == plain.lane_cpu_seconds == plain.lane_idle_seconds == 0
+    assert laned.lane.wall > 0 and laned.lane.cpu > 0
+    assert laned.lane.cpu <= laned.lane.wall + 0.01  # the clocks' granularity
+    assert laned.lane.idle + laned.lane.copy_wait <= laned.lane.wall
+    assert plain.lane.wall == plain.lane.cpu == plain.lane.idle == 0
     times = _thread_seconds(laned)
     assert set(times) == {"busy", "read", "wait", "lane", "lane_cpu", "lane_idle", "lane_copy_wait"}
-    assert times["lane"] == round(laned.lane_seconds, 6)
+    assert times["lane"] == round(laned.lane.wall, 6)
     assert set(_thread_seconds(plain)) == {"busy", "read", "wait"}

@@ -187,6 +187,10 @@ class LaneTimes:
     idle: float = 0.0
     copy_wait: float = 0.0
 
+    def __add__(self, other: LaneTimes) -> LaneTimes:
+        """Both runs' times together."""
+        return LaneTimes(self.wall + other.wall, self.cpu + other.cpu, self.idle + other.idle, self.copy_wait + other.copy_wait)
+
 
 @dataclass
 class _Upload:

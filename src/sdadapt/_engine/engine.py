@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -20,7 +20,7 @@ from .._base.gc import gc_paused
 from ..sources import Source, fetching_for, object_file
 from . import devread
 from .config import EngineConfig
-from .device import DeviceLane
+from .device import DeviceLane, LaneTimes
 from .lanes import TaskQueues
 from .pinned import SLABS
 from .planner import Planner
@@ -58,12 +58,7 @@ class EngineStats:
     busy_seconds: float = 0.0
     read_seconds: float = 0.0
     wait_seconds: float = 0.0
-    # the device lane's thread (GPU runs; :class:`~sdadapt._engine.device.LaneTimes`): its run,
-    # of which CPU time, waiting for work, and waiting for copies to finish
-    lane_seconds: float = 0.0
-    lane_cpu_seconds: float = 0.0
-    lane_idle_seconds: float = 0.0
-    lane_copy_wait_seconds: float = 0.0
+    lane: LaneTimes = field(default_factory=LaneTimes)  # the device lane's thread (GPU runs)
     kvikio_bytes: int = 0  # of direct_bytes, read by kvikio straight into GPU destinations
     kvikio_wait_seconds: float = 0.0  # waiting for kvikio's reads once the threads had finished
     fetched_bytes: int = 0  # from object storage straight into memory (in storage_bytes too)
@@ -72,7 +67,8 @@ class EngineStats:
     _PEAKS: ClassVar[tuple[str, ...]] = ("threads", "staging_buffers", "staging_bytes")
 
     def add(self, other: EngineStats) -> None:
-        """Accumulate ``other`` (another run): counts and times add up, peaks take the maximum."""
+        """Accumulate ``other`` (another run): counts and times (the lane's too) add up, peaks take
+        the maximum."""
         for f in dataclasses.fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             setattr(self, f.name, max(mine, theirs) if f.name in self._PEAKS else mine + theirs)
@@ -284,11 +280,7 @@ class IOEngine:
             st.requests += w.requests
             st.storage_bytes += w.fetched
         if shared.lane is not None:
-            lt = shared.lane.times
-            st.lane_seconds += lt.wall
-            st.lane_cpu_seconds += lt.cpu
-            st.lane_idle_seconds += lt.idle
-            st.lane_copy_wait_seconds += lt.copy_wait
+            st.lane += shared.lane.times
         st.storage_bytes += sum(storage_bytes(ext) for ext in extents.values())
         st.tasks += count
         st.kvikio_bytes += pending.nbytes

@@ -149,9 +149,8 @@ class _Phases:
 def _thread_seconds(st: EngineStats) -> dict[str, float]:
     """``LoadReport.engine_thread_seconds`` of a load whose engine runs counted ``st``."""
     out = {"busy": st.busy_seconds, "read": st.read_seconds, "wait": st.wait_seconds}
-    if st.lane_seconds:
-        out.update(lane=st.lane_seconds, lane_cpu=st.lane_cpu_seconds, lane_idle=st.lane_idle_seconds,
-                   lane_copy_wait=st.lane_copy_wait_seconds)
+    if st.lane.wall:
+        out.update(lane=st.lane.wall, lane_cpu=st.lane.cpu, lane_idle=st.lane.idle, lane_copy_wait=st.lane.copy_wait)
     if st.kvikio_bytes:
         out["kvikio_wait"] = st.kvikio_wait_seconds
     return {k: round(v, 6) for k, v in out.items()}
