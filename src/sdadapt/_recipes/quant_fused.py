@@ -85,10 +85,11 @@ def _into(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device
 def _launch(
     x: torch.Tensor, block: tuple[int, int], mode: int, *, search: bool = False, sdt: int = 0, mult: bool = False,
     glob: torch.Tensor | None = None, values: bool = True, scale_dtype: torch.dtype = torch.float32, packed: bool = False,
-    out: torch.Tensor | None = None,
+    out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Run the block kernel: (codes as stored, or ``None`` without ``values``: into ``out`` where
-    given, one :func:`writable` of ``x``'s shape; scales in ``scale_dtype``)."""
+    given, one :func:`writable` of the codes' shape; scales in ``scale_dtype``, into
+    ``scales_out`` where it is one of theirs)."""
     kernels = build()
     assert kernels is not None
     blocks_kernel = kernels[0]
@@ -103,7 +104,9 @@ def _launch(
     q = _into(out, qshape, x.device, qdtype) if values else None
     if values and q is None:
         q = torch.empty(qshape, dtype=qdtype, device=x.device)
-    s = torch.empty(lead + (nr, nc), dtype=scale_dtype, device=x.device)
+    s = _into(scales_out, lead + (nr, nc), x.device, scale_dtype)
+    if s is None:
+        s = torch.empty(lead + (nr, nc), dtype=scale_dtype, device=x.device)
     q3 = _as3(q.view(torch.uint8)) if q is not None else torch.empty((1, 1, 1), dtype=torch.uint8, device=x.device)
     s3 = _as3(s.view(torch.uint8) if scale_dtype.itemsize == 1 else s)
     g = glob if glob is not None else s3
@@ -237,18 +240,20 @@ def _memo_key(x: torch.Tensor, block: tuple[int, int], fmt: object) -> tuple[obj
 
 
 def quantize_fp8(
-    x: torch.Tensor, block: tuple[int, int], fmt: Q.ScaleFormat, *, values: bool = True, out: torch.Tensor | None = None
+    x: torch.Tensor, block: tuple[int, int], fmt: Q.ScaleFormat, *, values: bool = True, out: torch.Tensor | None = None,
+    scales_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """:func:`sdadapt._recipes.quant.quantize_fp8`, in one pass where that is exact (the codes
     ``None`` with ``values=False`` on that path; written into ``out`` where the kernel serves and
-    ``out`` is :func:`writable`, of ``x``'s shape: the codes returned are then ``out``)."""
+    ``out`` is :func:`writable`, of ``x``'s shape: the codes returned are then ``out``; the
+    scales likewise into ``scales_out``, of the scales' shape and stored dtype)."""
     entries = _memo.entries
     key = _memo_key(x, block, fmt) if entries is not None else None
     if entries is not None and key is not None and not values:
         hit = entries.pop(key, None)
         if hit is not None:
             return None, hit[1]
-    q, s = _quantize_fp8(x, block, fmt, values, out)
+    q, s = _quantize_fp8(x, block, fmt, values, out, scales_out)
     if entries is not None and key is not None and values:
         if len(entries) >= _MEMO_SIZE:
             entries.pop(next(iter(entries)))
@@ -257,7 +262,8 @@ def quantize_fp8(
 
 
 def _quantize_fp8(
-    x: torch.Tensor, block: tuple[int, int], fmt: Q.ScaleFormat, values: bool, out: torch.Tensor | None
+    x: torch.Tensor, block: tuple[int, int], fmt: Q.ScaleFormat, values: bool, out: torch.Tensor | None,
+    scales_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     search = fmt == "float32" and x.dtype == torch.float32
     if not _device_ok(x) or _geometry(block, search) is None:
@@ -265,24 +271,44 @@ def _quantize_fp8(
     mode = MODE_FP8 if fmt == "float32" else MODE_POW2
     scale_dtype = torch.float32 if mode == MODE_FP8 else torch.uint8
 
-    def fused(t: torch.Tensor, values: bool = True, out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-        q, s = _launch(t, block, mode, search=search, values=values, scale_dtype=scale_dtype, out=out)
-        return q, (Q.decode_e8m0(s) if fmt == "ue8m0_float32" else s)
+    def fused(t: torch.Tensor, values: bool = True, out: torch.Tensor | None = None,
+              scales_out: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
+        decode = fmt == "ue8m0_float32"  # the kernel's exponent bytes, decoded: never written in place
+        q, s = _launch(t, block, mode, search=search, values=values, scale_dtype=scale_dtype, out=out,
+                       scales_out=None if decode else scales_out)  # fmt: skip
+        return q, (Q.decode_e8m0(s) if decode else s)
 
     key = ("fp8", fmt, block, x.dtype)
     if not _exact(key, x.device, fused, lambda t: Q.quantize_fp8(t, block, fmt), lambda: _sample(block, x.dtype, x.device)):
         return Q.quantize_fp8(x, block, fmt)
-    return fused(x, values, out)
+    return fused(x, values, out, scales_out)
+
+
+def kept(key: object) -> torch.Tensor | None:
+    """Inside :func:`scales_memo` (on this thread): the tensor :func:`keep` put under ``key``,
+    taken (a later call finds none), else ``None``."""
+    values = _memo.values
+    return None if values is None else values.pop(key, None)
+
+
+def keep(key: object, t: torch.Tensor) -> None:
+    """Inside :func:`scales_memo` (on this thread), keep ``t`` under ``key`` for one :func:`kept`:
+    the scales a node's codes pass made, for the node of its scales (the key names the input
+    node and region, which nothing changes while a refit runs)."""
+    if _memo.values is not None:
+        _memo.values[key] = t
 
 
 def quantize_scaled(
     x: torch.Tensor, codec: S.Codec, block: tuple[int, int], scale_dtype: torch.dtype, zero: bool = False,
     glob: torch.Tensor | None = None, mode: S.GlobalMode = "divide", *, values: bool = True, out: torch.Tensor | None = None,
+    scales_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """:func:`sdadapt._recipes.quant_scaled.quantize`, in one pass where that is exact (the codes
     ``None`` with ``values=False`` on that path; written into ``out`` where the kernel serves and
     ``out`` is :func:`writable` for them, of the codes' shape: the codes returned are then
-    ``out``). Inside :func:`scales_memo`, as :func:`quantize_fp8`: the scales of an input whose
+    ``out``; the scales likewise into ``scales_out``, of their shape and dtype). Inside
+    :func:`scales_memo`, as :func:`quantize_fp8`: the scales of an input whose
     codes were made here are kept for a later ``values=False`` call on it."""
     entries = _memo.entries
     key = None
@@ -293,7 +319,7 @@ def quantize_scaled(
         hit = entries.pop(key, None)
         if hit is not None:
             return None, hit[1], None
-    q, s, z = _quantize_scaled(x, codec, block, scale_dtype, zero, glob, mode, values, out)
+    q, s, z = _quantize_scaled(x, codec, block, scale_dtype, zero, glob, mode, values, out, scales_out)
     if entries is not None and key is not None and values:
         if len(entries) >= _MEMO_SIZE:
             entries.pop(next(iter(entries)))
@@ -303,7 +329,7 @@ def quantize_scaled(
 
 def _quantize_scaled(
     x: torch.Tensor, codec: S.Codec, block: tuple[int, int], scale_dtype: torch.dtype, zero: bool,
-    glob: torch.Tensor | None, mode: S.GlobalMode, values: bool, out: torch.Tensor | None,
+    glob: torch.Tensor | None, mode: S.GlobalMode, values: bool, out: torch.Tensor | None, scales_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     run = _scaled_kernel(x, codec, block, scale_dtype, zero, glob, mode)
     if run is None:
@@ -319,17 +345,18 @@ def _quantize_scaled(
         return S.quantize(t, codec, sample_geometry(t), scale_dtype, zero, g, mode)[:2]
 
     def fused_sample(t: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return fused(t, sample_geometry(t), True, None)
+        return fused(t, sample_geometry(t), True, None, None)
 
     whole = key[0] == "nvfp4"  # its groups are whole, its values around the global scale's amax
     peak = _nvfp4_peak(glob, mode) if whole and glob is not None and not _checked_already(key, x.device) else 0.0
     if not _exact(key, x.device, fused_sample, eager, lambda: _sample(sample_block, x.dtype, x.device, whole, peak)):
         return S.quantize(x, codec, block, scale_dtype, zero, glob, mode)
-    q, s = fused(x, block, values, out)
+    q, s = fused(x, block, values, out, scales_out)
     return q, s, None
 
 
-_Scaled = Callable[[torch.Tensor, tuple[int, int], bool, torch.Tensor | None], tuple[torch.Tensor | None, torch.Tensor]]
+_Out = torch.Tensor | None
+_Scaled = Callable[[torch.Tensor, tuple[int, int], bool, _Out, _Out], tuple[_Out, torch.Tensor]]  # fn(x, block, values, out, scales_out)
 
 
 def _scaled_kernel(
@@ -348,8 +375,10 @@ def _scaled_kernel(
             return None
         g = glob.reshape(1)
 
-        def nvfp4(t: torch.Tensor, _b: tuple[int, int], values: bool, out: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
-            return _launch(t, group, MODE_NVFP4, mult=False, glob=g, values=values, scale_dtype=Q.FP8_DTYPE, packed=True, out=out)
+        def nvfp4(t: torch.Tensor, _b: tuple[int, int], values: bool, out: torch.Tensor | None,
+                  so: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
+            return _launch(t, group, MODE_NVFP4, mult=False, glob=g, values=values, scale_dtype=Q.FP8_DTYPE, packed=True,
+                           out=out, scales_out=so)  # fmt: skip
 
         return nvfp4, ("nvfp4", mode, x.dtype, glob.dtype), group
     if codec != "e4m3" or glob is not None:
@@ -358,8 +387,9 @@ def _scaled_kernel(
         if _geometry(block, False) is None:
             return None
 
-        def mx(t: torch.Tensor, b: tuple[int, int], values: bool, out: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
-            return _launch(t, b, MODE_POW2, values=values, scale_dtype=scale_dtype, out=out)
+        def mx(t: torch.Tensor, b: tuple[int, int], values: bool, out: torch.Tensor | None,
+               so: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
+            return _launch(t, b, MODE_POW2, values=values, scale_dtype=scale_dtype, out=out, scales_out=so)
 
         return mx, ("mx", block, scale_dtype, x.dtype), block
     name = str(scale_dtype).removeprefix("torch.")
@@ -367,8 +397,9 @@ def _scaled_kernel(
         return None
     if _geometry(block, False) is not None:
 
-        def small(t: torch.Tensor, b: tuple[int, int], values: bool, out: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
-            return _launch(t, b, MODE_SCALED, sdt=SDT_CODES[name], values=values, scale_dtype=scale_dtype, out=out)
+        def small(t: torch.Tensor, b: tuple[int, int], values: bool, out: torch.Tensor | None,
+                  so: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
+            return _launch(t, b, MODE_SCALED, sdt=SDT_CODES[name], values=values, scale_dtype=scale_dtype, out=out, scales_out=so)
 
         return small, ("scaled", block, scale_dtype, x.dtype), block
     rows, cols = x.shape[-2:]
@@ -382,7 +413,8 @@ def _scaled_kernel(
 def _per_row(sdt: int, scale_dtype: torch.dtype) -> _Scaled:
     """One scale per row of the whole width: each program's rows read for the amax, then for the codes."""
 
-    def run(t: torch.Tensor, block: tuple[int, int], values: bool, out: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def run(t: torch.Tensor, block: tuple[int, int], values: bool, out: torch.Tensor | None,
+            so: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
         kernels = build()
         assert kernels is not None
         rows, cols = t.shape[-2:]
@@ -391,7 +423,9 @@ def _per_row(sdt: int, scale_dtype: torch.dtype) -> _Scaled:
         q = _into(out, shape, t.device, Q.FP8_DTYPE) if values else None
         if values and q is None:
             q = torch.empty(shape, dtype=Q.FP8_DTYPE, device=t.device)
-        s = torch.empty(tuple(t.shape[:-1]) + (1,), dtype=scale_dtype, device=t.device)
+        s = _into(so, tuple(t.shape[:-1]) + (1,), t.device, scale_dtype)
+        if s is None or not s.is_contiguous():  # its rows are reshaped into the kernel's view: a copy would be lost
+            s = torch.empty(tuple(t.shape[:-1]) + (1,), dtype=scale_dtype, device=t.device)
         q3 = _as3(q.view(torch.uint8)) if q is not None else torch.empty((1, 1, 1), dtype=torch.uint8, device=t.device)
         s2 = (s.view(torch.uint8) if scale_dtype.itemsize == 1 else s).reshape(x3.shape[0], rows)
         tr = 4
@@ -410,7 +444,8 @@ def _large_of(scale_dtype: torch.dtype, whole: bool) -> _Scaled:
     makes them (``whole``: one per tensor of the lead dims, its amax in one pass), then one pass
     dividing by them."""
 
-    def run(t: torch.Tensor, block: tuple[int, int], values: bool, out: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    def run(t: torch.Tensor, block: tuple[int, int], values: bool, out: torch.Tensor | None,
+            so: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
         lead = tuple(t.shape[:-2])
         if whole:
             low, high = torch.aminmax(t.reshape(lead + (-1,)).to(torch.float32), dim=-1)

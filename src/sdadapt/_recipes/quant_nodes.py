@@ -242,7 +242,18 @@ class QuantizedFP8(_Computed, Derived):
         return (Input(self.child, box[:-2] + wide),)
 
     def _quantize(self, src: Input, io: SourceIO, into: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """Codes (``into`` where given: the codes are written there) and scales of ``src``'s region."""
+        """Codes (``into`` where given: the codes are written there) and scales of ``src``'s
+        region; inside a refit's run the scales of the codes' pass serve the scales' node."""
+        values = self.part == "values"
+        key = ("fp8-scales", self.child, src.box, self.block, self.scale_format)
+        if not values and (hit := QF.kept(key)) is not None:
+            return None, hit
+        q, scale = self._quantize_parts(src, io, into)
+        if values:
+            QF.keep(key, scale)
+        return q, scale
+
+    def _quantize_parts(self, src: Input, io: SourceIO, into: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:
         values = self.part == "values"
         parts = row_parts(self.child, src.box, self.block[0])
         if parts is None:
@@ -250,16 +261,20 @@ class QuantizedFP8(_Computed, Derived):
         b0 = self.block[0]
         q: torch.Tensor | None = into
         scale: torch.Tensor | None = None
+        shape = box_shape(src.box)
         for part, box, first in parts:
             rows = box_shape(box)[-2]
-            qi, si = QF.quantize_fp8(part.read(box, io), self.block, self.scale_format, values=values,
+            x = part.read(box, io)
+            if scale is None:  # the whole grid, each part's kernel writing its rows where it can
+                dtype = torch.uint8 if self.scale_format == "ue8m0" else torch.float32
+                scale = torch.empty(Q.fp8_scale_shape(shape, self.block), dtype=dtype, device=x.device)
+            rows_of = scale[..., first // b0 : first // b0 + Q.cdiv(rows, b0), :]
+            qi, si = QF.quantize_fp8(x, self.block, self.scale_format, values=values, scales_out=rows_of,
                                      out=None if into is None else into[..., first : first + rows, :])  # fmt: skip
-            if scale is None:
-                shape = box_shape(src.box)
-                scale = si.new_empty(Q.fp8_scale_shape(shape, self.block))
-                if values and q is None:
-                    q = torch.empty(shape, dtype=Q.FP8_DTYPE, device=si.device)
-            scale[..., first // b0 : first // b0 + si.shape[-2], :] = si
+            if not _same_view(si, rows_of):
+                rows_of.copy_(si)
+            if values and q is None:
+                q = torch.empty(shape, dtype=Q.FP8_DTYPE, device=x.device)
             if q is not None and qi is not None and not _same_view(qi, q[..., first : first + rows, :]):
                 q[..., first : first + rows, :] = qi
         assert scale is not None

@@ -168,6 +168,18 @@ class QuantizedScaled(_Computed, Derived):
         values; ``into`` where given and the kernels wrote there), scales and zero points of
         region ``src`` of ``child`` (whole tiles). Parts joined along the rows that the tiles do
         not straddle are quantized apart, from their own regions (no joined copy)."""
+        values = self.part == "values"
+        key = ("scaled-scales", self.child, src, self.codec, self.block, self.scale_dtype, self.glob, self.mode)
+        if not values and not self.zero and (hit := QF.kept(key)) is not None:
+            return None, hit, None
+        got = self._quantize_parts(src, io, into)
+        if values and not self.zero:
+            QF.keep(key, got[1])
+        return got
+
+    def _quantize_parts(
+        self, src: Box, io: SourceIO, into: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         glob = self._glob(io)
         values = self.part == "values"
         parts = None if self.zero else row_parts(self.child, src, self.block[0])
@@ -177,18 +189,21 @@ class QuantizedScaled(_Computed, Derived):
         b0 = self.block[0]
         q: torch.Tensor | None = into
         scale: torch.Tensor | None = None
+        shape = box_shape(src)
         for part, box, first in parts:
             rows = box_shape(box)[-2]
-            view = None if into is None else into[..., first : first + rows, :]
-            qi, si, _ = QF.quantize_scaled(part.read(box, io), self.codec, self.block, self.scale_dtype, False, glob, self.mode,
-                                           values=values, out=view)  # fmt: skip
-            if scale is None:
-                shape = box_shape(src)
+            x = part.read(box, io)
+            if scale is None:  # the whole grid, each part's kernel writing its rows where it can
                 grid = shape[:-2] + (S.cdiv(shape[-2], b0), S.cdiv(shape[-1], self.block[1]))
-                scale = si.new_empty(grid)
-                if values and q is None:
-                    q = torch.empty(shape[:-1] + (S.cdiv(shape[-1], S.PER_UNIT[self.codec]),), dtype=S.STORED[self.codec], device=si.device)
-            scale[..., first // b0 : first // b0 + si.shape[-2], :] = si
+                scale = torch.empty(grid, dtype=self.scale_dtype, device=x.device)
+            rows_of = scale[..., first // b0 : first // b0 + S.cdiv(rows, b0), :]
+            view = None if into is None else into[..., first : first + rows, :]
+            qi, si, _ = QF.quantize_scaled(x, self.codec, self.block, self.scale_dtype, False, glob, self.mode,
+                                           values=values, out=view, scales_out=rows_of)  # fmt: skip
+            if not _same_view(si, rows_of):
+                rows_of.copy_(si.view(rows_of.shape))
+            if values and q is None:
+                q = torch.empty(shape[:-1] + (S.cdiv(shape[-1], S.PER_UNIT[self.codec]),), dtype=S.STORED[self.codec], device=x.device)
             if q is not None and qi is not None and not _same_view(qi, q[..., first : first + rows, :]):
                 q[..., first : first + rows, :] = qi
         assert scale is not None

@@ -188,6 +188,11 @@ class Refit:
         self.source_dtype = source_dtype
         self.transfers = transfers  # every rank's: every rank packs the same rounds
         self.local = [t for t in transfers if t.src == rank and t.dst == rank]
+        # per local transfer, made at its first run and reused (the plan's tensors stay the same):
+        # its steps (a region computed straight into its engine view) or (its engine view, its
+        # trainer view) for a plain copy; None where it lands elsewhere (a computation's input)
+        self._local_made: dict[int, list[Step] | tuple[torch.Tensor, torch.Tensor] | None] = {}
+        self._local_bytes = [t.nbytes for t in self.local]
         self.device = device
         self.cut = cut
         self._rounds: dict[frozenset[str], list[list[Transfer]]] = {}
@@ -265,11 +270,13 @@ class Refit:
             self.cut.write(self.mine.cut)
         self._start(st, todo, active)
         size = max((self._load(r) for r in rounds), default=0)
-        for t in self.local:
+        io = LocalShards(self.trainer, self.trainer_box, self._trainer_device())
+        for i, t in enumerate(self.local):
             if t.target in active:
-                st.rep.bytes_local += t.nbytes
-                self._land_local(t, st)
-                self._finish_ready(st)  # a computation runs once its inputs are in: staged inputs go
+                st.rep.bytes_local += self._local_bytes[i]
+                self._land_local(i, t, st, io)
+                if st.ready:
+                    self._finish_ready(st)  # a computation runs once its inputs are in: staged inputs go
         self._finish_ready(st)
         # two buffers of at most half the bucket: a round is packed while the one before is in flight
         buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(rounds)))] if size else []
@@ -355,18 +362,33 @@ class Refit:
         local, box = self.trainer[t.key], self.trainer_box[t.key]
         return local[_offset(t.box, box)]
 
-    def _land_local(self, t: Transfer, st: _Run) -> None:
-        """A transfer from this rank to itself; a computed region whose request lands in the
-        engine tensor is computed straight into it (no copy of the result)."""
-        dest = self.mine.dest.get(t.request) if t.computed and t.band < 0 else None
-        if dest is None:
+    def _land_local(self, i: int, t: Transfer, st: _Run, io: LocalShards) -> None:
+        """Local transfer ``i`` (``t``, from this rank to itself); a computed region whose request
+        lands in the engine tensor is computed straight into it (no copy of the result)."""
+        if i not in self._local_made:
+            self._local_made[i] = self._made_local(t)
+        made = self._local_made[i]
+        if made is None:
             self._land(t, self._source_view(t), st)
             return
-        view = dest[_offset(t.box, self.mine.requests[t.request].box)]
-        io = LocalShards(self.trainer, self.trainer_box, self._trainer_device())
-        for step in self.recipes[t.target].steps(t.box, view):
-            step.run(io)
+        if isinstance(made, tuple):
+            made[0].copy_(made[1])
+        else:
+            for step in made:
+                step.run(io)
         self._landed(t, st)
+
+    def _made_local(self, t: Transfer) -> list[Step] | tuple[torch.Tensor, torch.Tensor] | None:
+        """What :meth:`_land_local` runs for ``t``, every run: see ``_local_made``."""
+        if t.band >= 0:
+            return None
+        dest = self.mine.dest.get(t.request)
+        if dest is None:
+            return None
+        view = dest[_offset(t.box, self.mine.requests[t.request].box)]
+        if t.computed:
+            return self.recipes[t.target].steps(t.box, view)
+        return view, self.trainer[t.key][_offset(t.box, self.trainer_box[t.key])]
 
     def _land(self, t: Transfer, data: torch.Tensor, st: _Run) -> None:
         """Put transfer ``t``'s data where its request goes."""
