@@ -45,7 +45,7 @@ from .._plan.resolve import adapter_or_none
 from .._transaction.options import Options
 from .._transaction.steps import derive_adapter, open_checkpoint, plan_model
 from ..errors import PlanError, UsageError
-from ..sources import HeaderRecord, Source, TensorInfo, encode_headers, open_source, recording_headers
+from ..sources import Source, TensorInfo, encode_headers, open_source, recording_headers
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11; annotations only, the package runs on 3.10
@@ -206,10 +206,6 @@ def _name(src: str | os.PathLike[str] | Source) -> str:
     return src.path if isinstance(src, Source) else os.fspath(src)
 
 
-def _own_header_opens(r: DryRunRank, rec: HeaderRecord, headers: str, grid: Mesh) -> int:
-    return len(rec.files) if r.rank == 0 or headers == "every" or grid.size == 1 else 0
-
-
 def _sample(n: int, k: int) -> list[int]:
     if n <= k:
         return list(range(n))
@@ -309,13 +305,14 @@ def dry_run(
         granule = mapping_granule(source)
         dry = DryRunJob(source, plan, schema, layouts, grid, cfg, torch.device(device), share, granule)
         ranks, exact, n_classes, class_of = _plan_ranks(dry, max_ranks)
-        payload = len(encode_headers(rec_src)) if headers == "once" and grid.size > 1 else 0
+        ckpt_files = len(rec_src.files)  # header and index files: what a rank that reads the headers opens
+        every = headers == "every" or grid.size == 1  # each rank reads the headers (else the first, and broadcasts them)
+        payload = 0 if every else len(encode_headers(rec_src))
         for r in ranks:
-            first = r.rank == 0 or headers == "every" or grid.size == 1
+            first = every or r.rank == 0
             r.header_bytes = (rec_src.nbytes if first else 0) + sum(len(rec_all.files[p][0]) for p in other)
             r.header_bytes_received = 0 if first else payload
-            r.opens += (len(rec_src.files) if first else 0) + len(other)
-        ckpt_files = len(rec_src.files)
+            r.opens += (ckpt_files if first else 0) + len(other)
         ckpt_bytes = sum(i.nbytes for i in source.schema.values())
     finally:
         source.close()
@@ -328,9 +325,10 @@ def dry_run(
         # bytes read per shard byte, times every rank's shard bytes (exact), not the sample's mean
         total_read = round(total_local * sum(r.bytes_read * r.ranks for r in ranks) / sampled_local)
     # every rank opens the files it reads and the side files; the headers once, or on every rank
-    header_opens = len(rec_src.files) * (grid.size if headers == "every" or grid.size == 1 else 1)
-    total_opens = header_opens + round(sum((r.opens - _own_header_opens(r, rec_src, headers, grid)) * r.ranks for r in ranks) * scale)
-    header_total = rec_src.nbytes * (grid.size if headers == "every" else 1) + sum(len(rec_all.files[p][0]) for p in other) * grid.size
+    readers = grid.size if every else 1
+    rank_opens = sum((r.opens - (ckpt_files if every or r.rank == 0 else 0)) * r.ranks for r in ranks)  # but the headers
+    total_opens = ckpt_files * readers + round(rank_opens * scale)
+    header_total = rec_src.nbytes * readers + sum(len(rec_all.files[p][0]) for p in other) * grid.size
     node_max = None
     if exact:
         per_class = {class_of(r.rank): r.bytes_read for r in ranks}
