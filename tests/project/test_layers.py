@@ -239,6 +239,7 @@ BENCH_PRIVATE: dict[str, dict[str, str]] = {
     # the probes: each asks one question about the engine's internals
     "probes/first_kernel_probe.py": {"sdadapt._recipes": "times the first launch of each dequantisation op",
                                      "sdadapt._recipes.quant": "the e2m1 table built on the device and on the host"},  # fmt: skip
+    "probes/refit_host_probe.py": {"sdadapt._recipes": "fakes the fused quantization's kernels to time the host's part"},
     "probes/lane_probe.py": {"sdadapt._base.regions": "whole-tensor boxes for the jobs it builds",
                              "sdadapt._engine": "runs the engine on jobs it builds, without a model",
                              "sdadapt._engine.tasks": "the engine's Job",
@@ -295,6 +296,7 @@ BENCH_TEST_IMPORTS = {
         "support.dist_helper": "gloo ranks launched as the distributed tests launch them",
         "support.object_store_server": "the SeaweedFS the object storage tests start",
     },
+    "probes/refit_host_probe.py": {"support.refit_eager": "the quantized engines' tensors the refit tests use"},
     "refit_bench.py": {"support.models": "a module tree over a state dict, as the refit tests build their engines",
                        "support.refit_eager": "the quantized engines' adapters and tensors the refit tests use"},  # fmt: skip
     "write_bench.py": {

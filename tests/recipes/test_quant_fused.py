@@ -163,6 +163,40 @@ def _global_scale_reference(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_nvfp4_global_scale_is_generate_gparams(device: str) -> None:
+    """The global scale of a largest magnitude, made on ``device``, is compressed-tensors'
+    ``generate_gparam`` of it on the CPU bit for bit: magnitudes over 12 decades, and zero,
+    subnormal, tiny, NaN, infinite and largest ones (its true quotient differs in about a quarter)."""
+    g = torch.Generator().manual_seed(7)
+    spread = torch.rand(600, generator=g) * 10.0 ** torch.randint(-6, 7, (600,), generator=g).float()
+    edges = torch.tensor([0.0, 1e-41, 1e-38, 1e-36, 7e-36, 1.0, 448.0, float("nan"), float("inf"), 3.4e38])
+    for a in torch.cat([spread, edges]):
+        want = ct_release.generate_gparam(-a.reshape(1), a.reshape(1))
+        assert _same(S.nvfp4_global_scale(a.reshape(1).to(device), "divide"), want), float(a)
+
+
+def _global_scale_inputs() -> list[torch.Tensor]:
+    """A trainer's values (float32; bf16 whose first row's groups repeat a few magnitudes), values
+    dequantised by compressed-tensors from its NVFP4 release, and values dequantised in float32
+    whose amax gives back the global scale only to a unit in the last place."""
+    w = _weight(300, 640, seed=4)
+    coarse = w.clone()
+    coarse[0] = torch.tensor([0.5, -1.0, 2.0, 0.25]).repeat(160)  # 4 magnitudes a group: the search runs
+    scheme = ct_release.scheme_of("nvfp4")
+    released = ct_release.decompress(ct_release.compress(w, "nvfp4", scheme), "nvfp4", scheme)
+    found = 0
+    for k in range(24):  # dequantised in float32 under a global scale one unit off the amax's
+        glob = torch.nextafter(ct_release.generate_gparam(w.amin(), w.amax()).reshape(1) * (1 + k / 64), torch.zeros(1))
+        q, sc = S.quantize_nvfp4(w, glob, "divide")
+        deq = S.dequantize(q, "e2m1", sc, (1, 16), w.shape[-1], torch.float32, glob=glob)
+        found += not torch.equal(_global_scale_reference(deq), ct_release.generate_gparam(deq.amin(), deq.amax()).reshape(1))
+        if found:
+            break
+    assert found, "no case whose global scale is a neighbour of its amax's"
+    return [w, coarse.to(torch.bfloat16), released, deq]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_nvfp4_global_scale_is_compressed_tensors_once_per_refit(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """NVFP4's global scale (``GlobalScaleOf``), made on ``device``, is
     :func:`_global_scale_reference`'s: for a trainer's values (float32; bf16 whose first row's
@@ -180,24 +214,11 @@ def test_nvfp4_global_scale_is_compressed_tensors_once_per_refit(device: str, mo
     from sdadapt._recipes import quant_scaled_nodes as SN
     from sdadapt._recipes.nodes import Leaf
 
-    w = _weight(300, 640, seed=4)
-    coarse = w.clone()
-    coarse[0] = torch.tensor([0.5, -1.0, 2.0, 0.25]).repeat(160)  # 4 magnitudes a group: the search runs
-    scheme = ct_release.scheme_of("nvfp4")
-    released = ct_release.decompress(ct_release.compress(w, "nvfp4", scheme), "nvfp4", scheme)
-    found = 0
-    for k in range(24):  # dequantised in float32 under a global scale one unit off the amax's
-        glob = torch.nextafter(ct_release.generate_gparam(w.amin(), w.amax()).reshape(1) * (1 + k / 64), torch.zeros(1))
-        q, sc = S.quantize_nvfp4(w, glob, "divide")
-        deq = S.dequantize(q, "e2m1", sc, (1, 16), w.shape[-1], torch.float32, glob=glob)
-        found += not torch.equal(_global_scale_reference(deq), ct_release.generate_gparam(deq.amin(), deq.amax()).reshape(1))
-        if found:
-            break
-    assert found, "no case whose global scale is a neighbour of its amax's"
+    inputs = _global_scale_inputs()
     made: list[int] = []
     of = SN.GlobalScaleOf._of_parts
     monkeypatch.setattr(SN.GlobalScaleOf, "_of_parts", lambda self, parts: made.append(1) or of(self, parts))
-    for i, x in enumerate([w, coarse.to(torch.bfloat16), released, deq]):
+    for i, x in enumerate(inputs):
         want = _global_scale_reference(x)
         leaf = Leaf("x", tuple(x.shape), x.dtype)
         node = SN.GlobalScaleOf(leaf, "divide")
@@ -229,6 +250,42 @@ def test_nvfp4_global_scale_is_compressed_tensors_once_per_refit(device: str, mo
             assert sum("synchroniz" in str(m.message) for m in seen) < 3, [str(m.message) for m in seen]
         want_q, want_s, _ = S.quantize(x.float(), "e2m1", (1, 16), Q.FP8_DTYPE, glob=want)
         assert _same(q, want_q) and _same(s, want_s), i
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nvfp4_global_scales_made_together(device: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refit's run makes its NVFP4 global scales ahead (``prepare_global_scales``): the same
+    values as each alone, read back from the memo without making them again; on a CUDA device
+    with one wait for all of them (the first-row tests of several weights read together)."""
+    import warnings
+
+    from support.checkpoints import DictIO
+
+    from sdadapt._base.regions import full_box
+    from sdadapt._recipes import quant_scaled_nodes as SN
+    from sdadapt._recipes.nodes import Leaf
+
+    inputs = _global_scale_inputs()
+    trainer = [x.clone() for x in inputs] + [_weight(64, 128, seed=s) for s in (5, 6)]
+    io = DictIO({f"x{i}": x.to(device) for i, x in enumerate(trainer)})
+    nodes = [SN.GlobalScaleOf(Leaf(f"x{i}", tuple(x.shape), x.dtype), "divide") for i, x in enumerate(trainer)]
+    with QF.scales_memo():
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                SN.prepare_global_scales([nodes[0], nodes[4], nodes[5]], io)  # trainer values: no search
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        if device == "cuda":
+            assert sum("synchroniz" in str(m.message) for m in seen) == 1, [str(m.message) for m in seen]
+        SN.prepare_global_scales(nodes, io)  # the rest, the searches among them
+        monkeypatch.setattr(SN.GlobalScaleOf, "_of_parts", lambda self, parts: pytest.fail("made again"))
+        for x, node in zip(trainer, nodes, strict=True):
+            assert _same(node.read(full_box(node.shape), io), _global_scale_reference(x))
 
 
 def test_cpu_tensors_take_the_eager_functions() -> None:

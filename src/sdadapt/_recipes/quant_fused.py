@@ -231,6 +231,13 @@ def memoized(key: object, make: Callable[[], torch.Tensor]) -> torch.Tensor:
     return got
 
 
+def memoized_already(key: object) -> bool:
+    """Whether :func:`memoized` holds a value for ``key``; outside :func:`scales_memo`, ``True``
+    (nothing is kept there: nothing to make ahead)."""
+    values = _memo.values
+    return values is None or key in values
+
+
 def _memo_key(x: torch.Tensor, block: tuple[int, int], fmt: object) -> tuple[object, ...] | None:
     try:
         version = x._version

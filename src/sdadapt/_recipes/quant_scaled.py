@@ -298,6 +298,19 @@ def quantize_mx(x: torch.Tensor, block: tuple[int, int], codec: Codec, scale_dty
     return values, raw.view(scale_dtype) if scale_dtype != torch.uint8 else raw
 
 
+def nvfp4_global_scale(amax: torch.Tensor, mode: GlobalMode) -> torch.Tensor:
+    """The per-tensor second scale of NVFP4 values whose largest magnitude is ``amax`` (float32),
+    as each tool makes it. ``"divide"``: compressed-tensors' ``generate_gparam``, ``448 * 6 / amax``
+    in torch's arithmetic for a number over a tensor (the reciprocal, then the product: not the
+    quotient, which differs by a unit in the last place for about a quarter of the values), with
+    ``amax`` raised to the least normal float and a NaN or infinite result taken as 1.
+    ``"multiply"``: ModelOpt's ``amax / (448 * 6)``, 1 where ``amax`` is not positive."""
+    if mode == "divide":
+        g = (E4M3_MAX * E2M1_MAX) / amax.clamp(min=torch.finfo(torch.float32).tiny)
+        return torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0)
+    return torch.where(amax > 0, amax / torch.full_like(amax, E4M3_MAX * E2M1_MAX), torch.ones_like(amax))
+
+
 def quantize_nvfp4(
     x: torch.Tensor, glob: torch.Tensor, mode: GlobalMode
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -353,35 +353,66 @@ class GlobalScaleOf(_Computed, Derived):
 
     def _of_parts(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The global scale of the values of ``parts`` (a tensor's rows, in order), on their device."""
+        flats, g, first = self._start(parts)
+        return self._finish(flats, g, first is not None and bool(first))
+
+    def _start(self, parts: list[torch.Tensor]) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor | None]:
+        """(the parts as rows, ``448 * 6 / amax`` or its inverse as the mode has it, whether the
+        first row's groups hold few enough magnitudes for a neighbour to be searched (a device
+        bool; ``None`` for no values)), with no wait for the device.
+
+        Values dequantised from NVFP4 give back amax / 6 only to a unit in the last place of the
+        original scale: of g and its float32 neighbours, the first that reproduces the values is
+        the global scale. Rows quantize apart given the global scale, so a candidate that fails
+        the first row fails the tensor; and a group of 16 values that one scale reproduces holds
+        at most 8 magnitudes (e2m1's), so a first row with a group of more fails every candidate:
+        trainer values, which never were NVFP4, need no search."""
         flats = [p.reshape(-1, p.shape[-1]) if p.dim() else p.reshape(1, 1) for p in parts]
         flats = [f for f in flats if f.numel()]
         if not flats:
-            return torch.ones(self.shape, dtype=torch.float32, device=parts[0].device)
+            return flats, torch.ones(self.shape, dtype=torch.float32, device=parts[0].device), None
         amax: torch.Tensor | None = None
         for f in flats:  # one pass each, no float32 copy: a largest magnitude is exact in any float dtype
             low, high = torch.aminmax(f)
             m = torch.maximum(-low, high)
             amax = m if amax is None else torch.maximum(amax, m)
         assert amax is not None
-        amax = amax.to(torch.float32)
-        top = torch.full_like(amax, S.E4M3_MAX * S.E2M1_MAX)
-        g = torch.where(amax > 0, top / amax if self.mode == "divide" else amax / top, torch.ones_like(amax))
-        # values dequantised from NVFP4 give back amax / 6 only to a unit in the last place of the
-        # original scale: of g and its float32 neighbours, the first that reproduces the values.
-        # Rows quantize apart given the global scale, so a candidate that fails the first row fails
-        # the tensor; and a group of 16 values that one scale reproduces holds at most 8 magnitudes
-        # (e2m1's), so a first row with a group of more fails every candidate: trainer values,
-        # which never were NVFP4, stop there with g after a few operations and one wait
-        if not bool(few_magnitudes(flats[0][:1])):
-            return g.reshape(self.shape)
-        x = (torch.cat(flats) if len(flats) > 1 else flats[0]).to(torch.float32)
-        for cand in (g, torch.nextafter(g, torch.zeros_like(g)), torch.nextafter(g, 2 * g)):
-            if bool(nvfp4_reproduced(x[:1], cand, self.mode)) and bool(nvfp4_reproduced(x, cand, self.mode)):
-                return cand.reshape(self.shape)
+        g = S.nvfp4_global_scale(amax.to(torch.float32), self.mode)
+        return flats, g, few_magnitudes(flats[0][:1])
+
+    def _finish(self, flats: list[torch.Tensor], g: torch.Tensor, search: bool) -> torch.Tensor:
+        """The global scale from :meth:`_start`'s ``g``: it, or where ``search`` its first float32
+        neighbour that reproduces the values (each candidate tried on the first row, then on all)."""
+        if search:
+            x = (torch.cat(flats) if len(flats) > 1 else flats[0]).to(torch.float32)
+            for cand in (g, torch.nextafter(g, torch.zeros_like(g)), torch.nextafter(g, 2 * g)):
+                if bool(nvfp4_reproduced(x[:1], cand, self.mode)) and bool(nvfp4_reproduced(x, cand, self.mode)):
+                    return cand.reshape(self.shape)
         return g.reshape(self.shape)
+
 
     def describe(self) -> str:
         return f"global_scale_of({self.child.describe()}, {self.mode})"
+
+
+def prepare_global_scales(nodes: list[GlobalScaleOf], io: SourceIO) -> None:
+    """Inside ``quant_fused.scales_memo`` (a refit's run): make the global scales of ``nodes``
+    from ``io`` with one wait for the device in all (each first-row test read together), not one
+    per weight, before any is used; outside it, nothing."""
+    pending = []
+    for node in nodes:
+        if QF.memoized_already(("global", node)):
+            continue
+        flats, g, first = node._start(node._parts(io))
+        pending.append((node, flats, g, first))
+    firsts = [f for *_, f in pending if f is not None]
+    if not firsts or len({f.device for f in firsts}) != 1:
+        return  # nothing to wait for, or devices apart: each node's own wait serves
+    found = iter(torch.stack(firsts).tolist())  # the one wait
+    for node, flats, g, first in pending:
+        search = first is not None and bool(next(found))
+        QF.memoized(("global", node), functools.partial(node._finish, flats, g, search))
+
 
 
 def few_magnitudes(rows: torch.Tensor) -> torch.Tensor:

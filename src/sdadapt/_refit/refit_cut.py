@@ -292,9 +292,7 @@ class CutBlocks:
         for r, i, b in todo:
             node, at = self._node(b), self.offset[(r, i)]
             if nvfp4(node):  # the global scale of the largest magnitude, searched below
-                a = amax[at : at + 1]
-                top = torch.full_like(a, S.E4M3_MAX * S.E2M1_MAX)
-                g = torch.where(a > 0, top / a if _mode(node) == "divide" else a / top, torch.ones_like(a))
+                g = S.nvfp4_global_scale(amax[at : at + 1], _mode(node))
                 self.stored[(r, i)], mult[at : at + 1], search[at] = g, g, True
                 continue
             if isinstance(node, QuantizedScaled):  # compressed-tensors' per-tensor FP8: amax / 448 in its scale dtype

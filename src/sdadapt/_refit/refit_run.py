@@ -193,6 +193,7 @@ class Refit:
         # trainer view) for a plain copy; None where it lands elsewhere (a computation's input)
         self._local_made: dict[int, list[Step] | tuple[torch.Tensor, torch.Tensor] | None] = {}
         self._local_bytes = [t.nbytes for t in self.local]
+        self._globals: dict[str, list[Node]] | None = None  # engine key -> the NVFP4 global scales its recipe reads
         self.device = device
         self.cut = cut
         self._rounds: dict[frozenset[str], list[list[Transfer]]] = {}
@@ -271,6 +272,7 @@ class Refit:
         self._start(st, todo, active)
         size = max((self._load(r) for r in rounds), default=0)
         io = LocalShards(self.trainer, self.trainer_box, self._trainer_device())
+        self._prepare_global_scales(active, io)
         for i, t in enumerate(self.local):
             if t.target in active:
                 st.rep.bytes_local += self._local_bytes[i]
@@ -292,6 +294,29 @@ class Refit:
         del buffers
         if len(st.done) != len(todo):
             raise RefitError(f"engine tensors {sorted(set(todo) - st.done)[:8]} did not get all their bytes")
+
+    def _prepare_global_scales(self, active: set[str], io: LocalShards) -> None:
+        """NVFP4's global scales of the regions this rank computes, made before any is used, with
+        one wait for the device in all (``quant_scaled_nodes.prepare_global_scales``); only where
+        a recipe quantizes to a scaled format (that module is then imported)."""
+        nodes_mod = sys.modules.get("sdadapt._recipes.quant_scaled_nodes")
+        if nodes_mod is None:
+            return
+        if self._globals is None:
+            self._globals = {}
+            for t in self.transfers:
+                if t.src == self.rank and t.computed and t.band < 0 and t.target not in self._globals:
+                    found, stack = [], [self.recipes[t.target]]
+                    while stack:
+                        n = stack.pop()
+                        if isinstance(n, nodes_mod.GlobalScaleOf):
+                            found.append(n)
+                        else:
+                            stack.extend(n.children())
+                    self._globals[t.target] = found
+        nodes = list({id(n): n for k in sorted(active) for n in self._globals.get(k, [])}.values())
+        if nodes:
+            nodes_mod.prepare_global_scales(nodes, io)
 
     def _trainer_device(self) -> torch.device:
         return next((t.device for t in self.trainer.values()), torch.device("cpu"))
