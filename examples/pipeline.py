@@ -289,9 +289,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # torch 2.13 + gloo can abort at interpreter exit after destroy_process_group
-    # ("terminate called without an active exception"); leaving through os._exit avoids it.
-    os._exit(code)
+    # main()'s end drops the model and the optimizer; the process group was destroyed last
+    # (docs/errors-and-guarantees.md, "Ending a run")
+    sys.exit(main())

@@ -11,11 +11,15 @@ import torch
 import torch.distributed as dist
 
 from ..errors import RemoteRankError, SdadaptError
+from . import teardown
 
 CHECKPOINT: contextvars.ContextVar[str | None] = contextvars.ContextVar("sdadapt_checkpoint", default=None)
 """The checkpoint of the public operation running (its ``src`` or ``dst``, set by
 :func:`sdadapt._transaction.tidy.public`): the one-line errors of ranks other than 0
 (:func:`brief_off_rank0`) name it when their line does not."""
+
+
+teardown.register()  # a process that runs sdadapt's collectives ends its groups before finalizing
 
 
 def is_distributed() -> bool:

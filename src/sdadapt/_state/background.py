@@ -18,6 +18,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,9 @@ log = logging.getLogger(__name__)
 
 Write = Callable[[dict[str, Any], "dist.ProcessGroup | None"], None]
 
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+# held weakly: torch's world holds each group until destroy_process_group(), which must end it
+# (its gloo threads joined) rather than leave it to the interpreter's finalization
+_GROUPS: weakref.WeakValueDictionary[tuple[int, ...], dist.ProcessGroup] = weakref.WeakValueDictionary()
 _RUNNING: list[SaveHandle] = []  # the save this process runs in the background, if any
 
 
@@ -45,6 +48,11 @@ def background_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | Non
         return None
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     made = _GROUPS.get(ranks)
+    if made is not None:
+        try:
+            dist.get_process_group_ranks(made)
+        except (KeyError, ValueError, RuntimeError):  # a group of a world destroyed since, still held elsewhere
+            made = None
     if made is None:
         made = _GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
     return made

@@ -1,0 +1,55 @@
+"""The end of a run: after FSDP2 training on gloo, sdadapt's exit handler ends the process
+groups that torch's DTensor caches still hold once the world is destroyed, so that no gloo
+thread is alive when the interpreter finalizes (src/sdadapt/_base/teardown.py says why that
+matters: the teardown abort, tests/reports/teardown-abort-cpu2-2026-12-07.md)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from support.dist_helper import run_distributed
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from sdadapt._base import teardown
+from sdadapt._state.background import background_group
+
+
+def _train_then_end(folder: str) -> dict[str, object]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    model[0].weight.full_tensor()
+    background_group(None)  # sdadapt's own gloo group (the async saves'), made as a save makes it
+    seen: dict[str, object] = {"training": teardown.gloo_threads()}
+    del model, optimizer, mesh  # as at the end of a main(): the user's references are gone
+    dist.destroy_process_group()
+    seen["destroyed"] = teardown.gloo_threads()  # torch's DTensor caches still hold the mesh and its group
+    teardown.release_groups()  # what the exit handler runs
+    seen["released"] = teardown.gloo_threads()
+    seen["left"] = [n for n in teardown.thread_names() or [] if n in teardown.GLOO_THREADS]
+
+    # a world made again in this process gets a background group of its own, not the destroyed one's
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'again')}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    group = background_group(None)
+    assert group is not None
+    seen["again"] = dist.get_process_group_ranks(group)
+    dist.destroy_process_group()
+    return seen
+
+
+def test_exit_handler_ends_the_groups_dtensor_keeps(tmp_path):
+    [seen] = run_distributed(_train_then_end, 1, str(tmp_path), timeout=120)
+    assert seen["training"], seen  # the world's group and the background group run gloo threads
+    assert seen["destroyed"], seen  # destroy_process_group() alone leaves them running
+    assert seen["released"] == 0 and seen["left"] == [], seen
+    assert seen["again"] == [0], seen
