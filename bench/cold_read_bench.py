@@ -29,12 +29,14 @@ on: the engine before this change), ``readahead`` (``preadv`` with read-ahead on
 also loads the 8 ranks of ``tp=8`` at once, each in its own process, cold, as a fresh node does:
 the machine's paged-in bytes against the checkpoint's size.
 
-Mode ``shared`` (``share_reads``' row sharing) needs the peers that exchange: the 8 ranks of the
+Mode ``shared`` (``share_reads``' row sharing) needs the peers that exchange: the ranks of the
 mesh's first TP group run at once, one process each, cold, joined by a gloo group. Each reads its
-row shards and its range of whole rows of every column slice, then the slices are exchanged
-(:func:`sdadapt._engine.exchange_rows`); each reports its own figures as above (``predicted``:
-the dry run's count of the same runs and rounds), ``shared`` (bytes received from its peers)
-and the group's wall time.
+row shards and, beside them, its range of whole rows of every column slice, and the slices are
+exchanged as the engine does (:func:`sdadapt._engine.read_and_exchange`); each reports its own
+figures as above (``predicted``: the dry run's count of the same runs and rounds), ``shared``
+(bytes received from its peers) and the group's wall time. Mode ``group``: the same processes at
+once, each reading its own slices (the baseline for ``shared``: a TP group on one node, sharing
+the page cache).
 """
 
 from __future__ import annotations
@@ -200,12 +202,13 @@ def rank(folder: Path, mesh_spec: str, rank_: int, mode: str, verify: bool) -> d
     return out
 
 
-def member(folder: Path, mesh_spec: str, rank_: int, port: int, verify: bool) -> dict:
-    """One rank of the mesh's first TP group, sharing rows with its 7 peers (mode ``shared``)."""
+def member(folder: Path, mesh_spec: str, rank_: int, port: int, verify: bool, mode: str = "shared") -> dict:
+    """One rank of the mesh's first TP group, sharing rows with its peers (mode ``shared``), or
+    reading its own slices beside them (mode ``group``)."""
     import torch.distributed as dist
 
     from sdadapt._base.regions import box_shape
-    from sdadapt._engine import IOEngine, Job, RowShare, exchange_rows, row_cut, row_read_jobs, row_received, row_rounds
+    from sdadapt._engine import IOEngine, Job, RowShare, read_and_exchange, row_cut, row_read_jobs, row_received, row_rounds
     from sdadapt._engine.predict import predict
     from sdadapt._plan.layout import Mesh, default_layouts, group_coordinate, local_box
     from sdadapt._recipes.nodes import Leaf
@@ -228,7 +231,7 @@ def member(folder: Path, mesh_spec: str, rank_: int, port: int, verify: bool) ->
             job = Job(key, Leaf(key, info.shape, info.dtype), box, torch.empty(box_shape(box), dtype=info.dtype))
             shape, at = group_coordinate(mesh, lay, coord)
             cut = row_cut(box, tuple(info.shape), shape, at, tuple(p for _, p in lay.groups), info.dtype.itemsize, cfg.gap_bytes)
-            if cut is None:
+            if cut is None or mode != "shared":
                 plain.append(job)
             else:
                 rows.append(RowShare(dist.group.WORLD, job, cut))
@@ -244,11 +247,11 @@ def member(folder: Path, mesh_spec: str, rank_: int, port: int, verify: bool) ->
         base = _status("VmRSS")
         dist.barrier()
         io0, t0 = _io(), time.perf_counter()
-        engine = IOEngine(src, cfg)
-        engine.run(plain)
-        error, got = exchange_rows(rows, engine.run, False, cfg.share_round_bytes)
-        if error is not None:
-            raise error
+        engine, rows_engine = IOEngine(src, cfg), IOEngine(src, cfg)
+        own, error, got = read_and_exchange(lambda: engine.run(plain), rows, rows_engine.run, cfg.share_round_bytes)
+        if own or error:
+            raise own or error  # type: ignore[misc]
+        engine.stats.add(rows_engine.stats)
         seconds = time.perf_counter() - t0
         io1 = _io()
         dist.barrier()
@@ -258,7 +261,7 @@ def member(folder: Path, mesh_spec: str, rank_: int, port: int, verify: bool) ->
             exact = all(torch.equal(j.dest.view(torch.int16), src.read(j.key, j.box).view(torch.int16)) for j in jobs)
     st = engine.stats
     out = {
-        "mesh": mesh_spec, "rank": rank_, "mode": "shared", "local": local, "bytes_read": st.bytes_read,
+        "mesh": mesh_spec, "rank": rank_, "mode": mode, "local": local, "bytes_read": st.bytes_read,
         "storage": st.storage_bytes, "predicted": fig.storage_bytes, "predicted_read": fig.bytes_read,
         "shared": got, "predicted_shared": sum(row_received(r) for r in rounds), "rounds": len(rounds),
         "from_storage": io1["read_bytes"] - io0["read_bytes"], "rchar": io1["rchar"] - io0["rchar"], "pgpgin": 0,
@@ -270,20 +273,24 @@ def member(folder: Path, mesh_spec: str, rank_: int, port: int, verify: bool) ->
     return out
 
 
-def shared_group(folder: Path, mesh: str, port: int) -> list[dict]:
-    """The 8 ranks of ``mesh``'s first TP group at once, cold, sharing rows (mode ``shared``)."""
+def shared_group(folder: Path, mesh: str, port: int, mode: str = "shared") -> list[dict]:
+    """The ranks of ``mesh``'s first TP group at once, cold, sharing rows (mode ``shared``) or
+    each reading its own slices (mode ``group``)."""
+    from sdadapt._plan.layout import Mesh
+
+    tp = Mesh.parse(mesh).size_of("tp")
     drop(folder)
     pg0, t0 = _pgpgin(), time.perf_counter()
     procs = [subprocess.Popen([sys.executable, __file__, "member", "--dir", str(folder), "--mesh", mesh, "--rank", str(r),
-                               "--port", str(port)] + (["--verify"] if r == 0 else []),
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, "LOCAL_WORLD_SIZE": "8"}) for r in range(8)]
+                               "--port", str(port), "--mode", mode] + (["--verify"] if r == 0 else []),
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "LOCAL_WORLD_SIZE": str(tp)}) for r in range(tp)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     wall, paged = time.perf_counter() - t0, _pgpgin() - pg0
     rows = [json.loads(o.strip().splitlines()[-1]) for o in outs if o.strip()]
     for r in rows:
         r["pgpgin"] = paged  # the machine's, for the whole group
         print(_row(r), flush=True)
-    print(json.dumps({"group": mesh, "mode": "shared", "wall": round(wall, 2), "pgpgin": paged,
+    print(json.dumps({"group": mesh, "mode": mode, "wall": round(wall, 2), "pgpgin": paged,
                       "sum_from_storage": sum(r["from_storage"] for r in rows), "ranks": len(rows)}), flush=True)
     return rows
 
@@ -314,9 +321,9 @@ def run(folder: Path, meshes: list[str], ranks: str, modes: list[str], node: boo
     for mesh in meshes:
         size = Mesh.parse(mesh).size
         sample = sorted({size - 1 if r == "last" else int(r) for r in ranks.split(",")})
-        if "shared" in modes:
-            rows += shared_group(folder, mesh, 29500 + len(rows))
-        for mode in (m for m in modes if m != "shared"):
+        for mode in (m for m in modes if m in ("shared", "group")):
+            rows += shared_group(folder, mesh, 29500 + len(rows), mode)
+        for mode in (m for m in modes if m not in ("shared", "group")):
             for i, r in enumerate(sample):
                 drop(folder)
                 child = _child(folder, mesh, r, mode, i == 0 and mode == modes[0])
@@ -328,7 +335,7 @@ def run(folder: Path, meshes: list[str], ranks: str, modes: list[str], node: boo
                 print(_row(rows[-1]), flush=True)
     if node:
         ckpt = sum(p.stat().st_size for p in folder.iterdir())
-        for mode in (m for m in modes if m != "shared"):
+        for mode in (m for m in modes if m not in ("shared", "group")):
             drop(folder)
             pg0, t0 = _pgpgin(), time.perf_counter()
             procs = [subprocess.Popen(_child(folder, "tp=8", r, mode, False), stdout=subprocess.PIPE, text=True,
@@ -370,6 +377,7 @@ def main() -> None:
     g.add_argument("--rank", type=int, required=True)
     g.add_argument("--port", type=int, required=True)
     g.add_argument("--verify", action="store_true")
+    g.add_argument("--mode", default="shared", choices=["shared", "group"])
     a = sub.add_parser("run")
     a.add_argument("--dir", type=Path, required=True)
     a.add_argument("--meshes", nargs="*", default=["tp=8", "dp_shard=2,tp=8", "dp_shard=4,tp=8"])
@@ -383,7 +391,7 @@ def main() -> None:
     elif args.cmd == "rank":
         rank(args.dir, args.mesh, args.rank, args.mode, args.verify)
     elif args.cmd == "member":
-        member(args.dir, args.mesh, args.rank, args.port, args.verify)
+        member(args.dir, args.mesh, args.rank, args.port, args.verify, args.mode)
     else:
         print("| mesh | rank | mode | shards GiB | bytes_read | storage (engine) | predicted | from storage | pgpgin "
               "| from storage / bytes_read | host peak | base | staging | engine s | bit-exact |\n|" + "---|" * 15, flush=True)

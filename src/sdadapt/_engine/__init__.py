@@ -56,7 +56,7 @@ from .devread import warm as warm_kvikio
 from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
 from .pinned import release_pinned_memory
-from .share import RowShare, exchange_rows, replica_parts, round_memory, row_cut
+from .share import RowShare, exchange_rows, read_and_exchange, replica_parts, round_memory, row_cut
 from .share import read_jobs as row_read_jobs
 from .share import received as row_received
 from .share import rounds as row_rounds
@@ -77,6 +77,7 @@ __all__ = [
     "exchange_rows",
     "kvikio_deferred",
     "prefetch_pinned",
+    "read_and_exchange",
     "release_pinned_memory",
     "replica_parts",
     "round_memory",

@@ -158,18 +158,19 @@ class EngineReader:
         if self.share_reads and is_distributed():
             to_read, shares, rows = share.split(jobs, targets, cfg.gap_bytes if cfg.share_rows else None)
         engine = IOEngine(self.source, self.config, on_done=self.on_done)
+        rows_engine = IOEngine(self.source, self.config)  # its reads are others' too: progress counts the shards filled
         failure: BaseException | None = None
-        try:
+        try:  # before any round is read: the rounds' regions are fetched here too
             self._prefetch(to_read + share.read_jobs([u for r in share.rounds(rows, cfg.share_round_bytes) for u in r]))
-            engine.run(to_read)
         except BaseException as e:  # noqa: BLE001 - the peers must still hear of it (no hang)
             failure = e
-        received = 0
+        # the rows' rounds are read and exchanged beside this rank's other reads (no hang if either fails)
+        own, error, received = share.read_and_exchange(
+            None if failure is not None else lambda: engine.run(to_read), rows, rows_engine.run, cfg.share_round_bytes
+        )
+        failure = failure or own or error
         done = 0  # destination bytes filled by the exchanges, for progress
         if rows:
-            rows_engine = IOEngine(self.source, self.config)  # its reads are others' too: progress counts the shards filled
-            error, received = share.exchange_rows(rows, rows_engine.run, failure is not None, cfg.share_round_bytes)
-            failure = failure or error
             engine.stats.add(rows_engine.stats)
             done += sum(r.job.dest.numel() * r.job.dest.element_size() for r in rows)
         self.fetched = (self.fetched[0] + engine.stats.fetched_bytes, self.fetched[1] + engine.stats.requests)

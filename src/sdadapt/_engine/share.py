@@ -15,7 +15,9 @@ storage deliver every page of the row (the gaps are read through, or page roundi
 much): a TP-8 rank reads about 8 times its bytes of those tensors from a cold disk. With shared
 reads the R ranks of that dim split the rows (dim 0) among them instead: each reads a
 contiguous range of whole rows of the R slices together, once, and the slices are exchanged,
-one ``all_to_all`` per round within the group (:func:`exchange_rows`). A round holds about
+one ``all_to_all`` per round within the group (:func:`exchange_rows`). The rounds run on a
+thread of their own beside the engine's run over the rank's other reads
+(:func:`read_and_exchange`), each round read while the previous one is exchanged. A round holds about
 ``EngineConfig.share_round_bytes`` of reads per rank, so a rank's extra memory is bounded
 (the rows it read, what it sends and what it receives: about three times that); a tensor
 larger than a round is cut into blocks of rows. A block too small to split well (each member
@@ -28,14 +30,17 @@ Both kinds compose: a replica's row block of a row-parallel weight is split agai
 TP peers, whose exchange comes first, then the replicas' broadcast.
 
 The order of collectives is the order of the load's items, the same on every member of a group
-(they have the same keys and placements). Before each round (and before broadcasting), the
-members agree on whether all of them read their parts; if one failed, nobody exchanges (no
-hang) and the load fails as any read failure does.
+(they have the same keys and placements). Every member runs every round's exchange, even after
+a read of its own failed (it then reads no more and sends what its buffers hold), so no round
+waits for an agreement and nobody hangs; the load then fails on every rank where the ranks
+agree on its outcome after reading. Before broadcasting, the replicas agree on whether all of
+them read their blocks; if one failed, nobody broadcasts.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,6 +58,7 @@ PAGE = 4096
 ALIGN = 16  # each piece of a round's flat buffers starts on a multiple of this (any dtype's views)
 ROW_GAIN = 1.1  # share a tensor's rows where reading its own runs would cost more than this
 MIN_SPLIT = 1 << 20  # a block whose members would read less than this each (or half a round) is read whole by one of them
+GRAIN = 32768  # torch's grain size: a copy of fewer elements runs on the calling thread alone
 
 
 @dataclass
@@ -357,77 +363,184 @@ def _segments(units: Sequence[Unit], r: int, send: bool) -> tuple[list[int], lis
     return sizes, offsets
 
 
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` (same dtype and shape) in blocks of fewer than :data:`GRAIN`
+    elements, each on this thread.
+
+    torch runs a larger copy on its intra-op thread team: with several ranks per host (each
+    process a team as large as the host's cores) those teams outnumber the cores, and a round's
+    piece copies took seconds instead of milliseconds (bench/reports/rows-timeline-cpu2-2026-12-07.md).
+    The bytes are viewed as the widest integers both views allow, so that a block holds more
+    of them, and contiguous ones as one run."""
+    for wide in (torch.int64, torch.int32):
+        if wide.itemsize > dst.element_size():
+            try:
+                dst, src = dst.view(wide), src.view(wide)
+                break
+            except RuntimeError:  # a piece's width or offset not a multiple of it
+                continue
+    if dst.is_contiguous() and src.is_contiguous():
+        dst, src = dst.view(-1), src.view(-1)
+    _blocks(dst, src)
+
+
+def _blocks(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """:func:`_copy`'s blocks: whole rows along dim 0 (a row wider than a block, in blocks of
+    its own rows)."""
+    if dst.numel() < GRAIN or dst.dim() == 0:
+        dst.copy_(src)
+        return
+    rows = dst.shape[0]
+    row = dst.numel() // max(1, rows)
+    if row >= GRAIN and dst.dim() > 1:
+        for i in range(rows):
+            _blocks(dst[i], src[i])
+        return
+    step = max(1, (GRAIN - 1) // max(1, row))
+    for s in range(0, rows, step):
+        dst[s : s + step].copy_(src[s : s + step])
+
+
+def _pack(units: Sequence[Unit], jobs: Sequence[Job], r: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """A round's send buffer (each member's pieces, in member order) from the rows this rank
+    read (``jobs``: :func:`read_jobs` of ``units``), and each member's segment size."""
+    out_sizes, out_offs = _segments(units, r, send=True)
+    send = torch.empty(sum(out_sizes), dtype=torch.uint8, device=device)
+    mine = iter(jobs)
+    read_of = [next(mine) if u.read_box()[0][1] > u.read_box()[0][0] else None for u in units]
+    base = 0
+    for k in range(r):
+        for u, o, job in zip(units, out_offs[k], read_of, strict=True):
+            cut = u.share.cut
+            n = u.piece_bytes(cut.me, k)
+            if n and job is not None:
+                src = job.dest.narrow(cut.dim, cut.cols[k][0] - cut.span[0], cut.cols[k][1] - cut.cols[k][0])
+                _copy(send[base + o : base + o + n].view(job.dest.dtype).view(src.shape), src)
+        base += out_sizes[k]
+    return send, out_sizes
+
+
+def _unpack(units: Sequence[Unit], recv: torch.Tensor, r: int) -> None:
+    """Each member's pieces of a round's receive buffer into this rank's destinations."""
+    in_sizes, in_offs = _segments(units, r, send=False)
+    base = 0
+    for j in range(r):
+        for u, o in zip(units, in_offs[j], strict=True):
+            me, dest = u.share.cut.me, u.share.job.dest
+            a, b = u.rows(j)
+            n = u.piece_bytes(j, me)
+            if n:
+                piece = recv[base + o : base + o + n].view(dest.dtype).view(u.piece_shape(j, me))
+                _copy(dest.narrow(0, a - u.share.job.box[0][0], b - a), piece)
+        base += in_sizes[j]
+
+
 def exchange_rows(
-    rows: Sequence[RowShare], read: Callable[[list[Job]], object], failed: bool, round_bytes: int
+    rows: Sequence[RowShare], read: Callable[[list[Job]], object], stop: threading.Event, round_bytes: int
 ) -> tuple[BaseException | None, int]:
-    """Collective over each row group: read this rank's part of each round (``read`` runs the
-    engine over the jobs), agree that every member read it, then exchange the slices with one
-    ``all_to_all`` while the next round is read. Where a member failed (``failed``: before the
-    rounds), no member exchanges again (nobody waits). Returns the read's error, if any, and the
-    bytes received from peers."""
+    """Collective over each row group: for each round, read this rank's part (``read`` runs the
+    engine over the jobs), pack the slices and post one ``all_to_all``; the next round is read
+    while it is in flight, then its pieces are copied into the destinations.
+
+    Every member runs every round's exchange, whatever fails, so that no member waits for
+    another; no round needs an agreement. Once ``stop`` is set (a read of this rank failed, in a
+    round or in the caller's run beside it) this rank reads nothing more and sends what its
+    buffers hold: its peers' shards are then wrong, and the load fails on every rank where the
+    ranks agree on its outcome after reading. Returns the first error of this rank's rounds (a
+    read's, or the exchange's own), if any, and the bytes received from peers."""
     error: BaseException | None = None
     got = 0
-    pending: tuple[object, list[Unit], torch.Tensor, list[list[int]], torch.Tensor] | None = None
+    pending: tuple[object, list[Unit], torch.Tensor, torch.Tensor] | None = None
 
     def finish() -> None:
-        nonlocal pending, got
+        nonlocal pending, got, error
         if pending is None:
             return
-        work, units, recv, offs, _send = pending
+        work, units, recv, _send = pending
         pending = None
         work.wait()  # type: ignore[attr-defined]
-        sizes = [sum(_up(u.piece_bytes(j, u.share.cut.me)) for u in units) for j in range(len(offs))]
-        base = 0
-        for j, off in enumerate(offs):
-            for u, o in zip(units, off, strict=True):
-                me, dest = u.share.cut.me, u.share.job.dest
-                a, b = u.rows(j)
-                n = u.piece_bytes(j, me)
-                if n:
-                    piece = recv[base + o : base + o + n].view(dest.dtype).view(u.piece_shape(j, me))
-                    dest.narrow(0, a - u.share.job.box[0][0], b - a).copy_(piece)
-            base += sizes[j]
+        if stop.is_set():
+            return  # the load fails: the pieces are not copied
+        try:
+            _unpack(units, recv, len(units[0].share.cut.cols))
+        except BaseException as e:  # noqa: BLE001 - later rounds' exchanges must still run (no hang)
+            error = error or e
+            stop.set()
+            return
         got += received(units)
 
-    all_rounds = rounds(rows, round_bytes)
-    stopped: set[int] = set()
-    for units in all_rounds:
+    for units in rounds(rows, round_bytes):
         group = units[0].share.group
-        if id(group) in stopped:
-            continue
         device = units[0].share.job.dest.device
+        r = len(units[0].share.cut.cols)
         jobs = read_jobs(units, device)
-        if error is None and not failed:
+        if not stop.is_set():
             try:
                 read(jobs)
-            except BaseException as e:  # noqa: BLE001 - the peers must still hear of it (no hang)
-                error = e
-        bad = any_rank(failed or error is not None, group)
+            except BaseException as e:  # noqa: BLE001 - the peers still exchange with this rank (no hang)
+                error = error or e
+                stop.set()
         finish()
-        if bad:
-            stopped.add(id(group))
-            continue
-        r = len(units[0].share.cut.cols)
-        out_sizes, out_offs = _segments(units, r, send=True)
-        in_sizes, in_offs = _segments(units, r, send=False)
-        send = torch.empty(sum(out_sizes), dtype=torch.uint8, device=device)
-        base = 0
-        mine = iter(jobs)
-        read_of = [next(mine) if u.read_box()[0][1] > u.read_box()[0][0] else None for u in units]
-        for k in range(r):
-            for u, o, job in zip(units, out_offs[k], read_of, strict=True):
-                cut = u.share.cut
-                n = u.piece_bytes(cut.me, k)
-                if n and job is not None:
-                    src = job.dest.narrow(cut.dim, cut.cols[k][0] - cut.span[0], cut.cols[k][1] - cut.cols[k][0])
-                    send[base + o : base + o + n].view(job.dest.dtype).view(src.shape).copy_(src)
-            base += out_sizes[k]
+        send: torch.Tensor | None = None
+        if not stop.is_set():
+            try:
+                send, out_sizes = _pack(units, jobs, r, device)
+            except BaseException as e:  # noqa: BLE001 - as above
+                error = error or e
+                stop.set()
+        if send is None:  # a buffer of the right sizes all the same
+            out_sizes = _segments(units, r, send=True)[0]
+            send = torch.empty(sum(out_sizes), dtype=torch.uint8, device=device)
+        in_sizes = _segments(units, r, send=False)[0]
         recv = torch.empty(sum(in_sizes), dtype=torch.uint8, device=device)
         work = dist.all_to_all_single(recv, send, in_sizes, out_sizes, group=group, async_op=True)
-        pending = (work, units, recv, in_offs, send)
-        del jobs, read_of
+        pending = (work, units, recv, send)
+        del jobs
     finish()
     return error, got
+
+
+def read_and_exchange(
+    read_own: Callable[[], object] | None, rows: Sequence[RowShare], read_rows: Callable[[list[Job]], object], round_bytes: int
+) -> tuple[BaseException | None, BaseException | None, int]:
+    """Collective over each row group: ``read_own()`` (the engine over this rank's other jobs)
+    on this thread while a second thread reads and exchanges the rows' rounds
+    (:func:`exchange_rows`, ``read_rows`` reading each round), so that the exchanges overlap
+    the reads. A failure of either stops the other's reads (the exchanges still run);
+    ``read_own=None``: this rank failed before reading (it reads nothing, and still exchanges).
+    Returns the error of ``read_own``, that of the rounds, and the bytes received from peers."""
+    stop = threading.Event()
+    if read_own is None:
+        stop.set()
+    out: list[tuple[BaseException | None, int]] = []
+    device = next((r.job.dest.device for r in rows), None)
+
+    def rounds_thread() -> None:
+        try:
+            if device is not None and device.type == "cuda":
+                with torch.cuda.device(device):
+                    out.append(exchange_rows(rows, read_rows, stop, round_bytes))
+                    torch.cuda.current_stream(device).synchronize()  # the pieces are in place on return
+            else:
+                out.append(exchange_rows(rows, read_rows, stop, round_bytes))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            out.append((e, 0))
+
+    thread = None
+    if rows:
+        thread = threading.Thread(target=rounds_thread, name="sdadapt-rows", daemon=True)
+        thread.start()
+    own: BaseException | None = None
+    try:
+        if read_own is not None:
+            read_own()
+    except BaseException as e:  # noqa: BLE001 - the rounds still run (no hang); handed to the caller
+        own = e
+        stop.set()
+    if thread is None:
+        return own, None, 0
+    thread.join()
+    return own, out[0][0], out[0][1]
 
 
 def exchange(shares: Sequence[Share], failed: bool) -> None:
