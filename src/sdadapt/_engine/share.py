@@ -369,7 +369,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
     torch runs a larger copy on its intra-op thread team: with several ranks per host (each
     process a team as large as the host's cores) those teams outnumber the cores, and a round's
-    piece copies took seconds instead of milliseconds (bench/reports/rows-timeline-cpu2-2026-12-07.md).
+    piece copies crawl (bench/reports/rows-timeline-cpu2-2026-12-07.md).
     The bytes are viewed as the widest integers both views allow, so that a block holds more
     of them, and contiguous ones as one run."""
     for wide in (torch.int64, torch.int32):
@@ -495,7 +495,7 @@ def exchange_rows(
         recv = torch.empty(sum(in_sizes), dtype=torch.uint8, device=device)
         work = dist.all_to_all_single(recv, send, in_sizes, out_sizes, group=group, async_op=True)
         pending = (work, units, recv, send)
-        del jobs
+        del jobs, send, recv  # held by ``pending`` alone: freed once unpacked, before the next round's buffers are made
     finish()
     return error, got
 
