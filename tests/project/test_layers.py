@@ -220,6 +220,7 @@ BENCH_PRIVATE: dict[str, dict[str, str]] = {
                            "sdadapt._plan.target": "the model's schema for that plan"},  # fmt: skip
     "loadbench/references.py": {"sdadapt._engine": "the engine's default thread count for the machine references"},
     "write_bench.py": {"sdadapt._state": "times the copy into host memory of a background save on the thread's CPU clock"},
+    "object_store_write_bench.py": {"sdadapt._export.spread_remote": "the window an every-rank upload holds: the memory bound"},
     "cold_read_bench.py": {"sdadapt._base.regions": "the shape of each rank's box",
                            "sdadapt._engine": "runs the engine on one simulated rank's jobs; a TP group's shared rows over gloo",
                            "sdadapt._engine.predict": "the dry run's storage figure for the same jobs",
@@ -294,6 +295,7 @@ BENCH_TEST_IMPORTS = {
         "support.object_store_server": "the SeaweedFS the object storage tests start",
     },
     "object_store_clients.py": {"support.object_store_server": "the SeaweedFS the object storage tests start"},
+    "object_store_gpu_bench.py": {"support.object_store_server": "the SeaweedFS the object storage tests start"},
     "object_store_write_bench.py": {
         "support.dist_helper": "gloo ranks launched as the distributed tests launch them",
         "support.object_store_server": "the SeaweedFS the object storage tests start",

@@ -304,7 +304,7 @@ def _ranks(formats: list[str], proxy_endpoint: str, midway_endpoint: str, folder
         json.dump(out, f)
     if world == 3:  # last (the group breaks): rank 2 dies mid-upload; the others raise, no index is left
         if rank == 2:
-            spread_remote._assemble = _dies  # type: ignore[assignment]
+            spread_remote._in_file_order = _dies  # type: ignore[assignment]
         kill = outcome(lambda: sdadapt.export(_big(mesh), f"s3://{BUCKET}/out/w3-killed", max_shard_size="6MB"))
         with open(os.path.join(folder, f"kill.{rank}.json"), "w") as f:
             json.dump(kill[:2], f)

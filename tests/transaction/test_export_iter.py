@@ -124,3 +124,18 @@ def test_stream_fsdp_tp_every_rank_same_sequence(tmp_path):
     assert sorted(results[0]["keys"]) == sorted(sd)
     assert [r["differ"] for r in results] == [[]] * 4
     assert [r["most_alive"] for r in results] == [1] * 4
+
+
+def test_outer_first_regions_keep_a_row_shard_whole():
+    """A rank owning rows 4-8 of an [8, 16] tensor: halving the longest dimension gives it two
+    column blocks (a run per row each); ``outer_first`` gives it the rows whole (one run)."""
+    from sdadapt._export.export_local import regions
+    from sdadapt._recipes.nodes import Leaf
+
+    leaf = Leaf("w", (8, 16), torch.bfloat16)
+    owned = {"w": ((4, 8), (0, 16))}
+    args = (leaf, ((0, 8), (0, 16)), owned, {"w": torch.bfloat16}, 1, "w")
+    assert list(regions(*args)) == [((4, 8), (0, 8)), ((4, 8), (8, 16))]
+    assert list(regions(*args, outer_first=True)) == [((4, 8), (0, 16))]
+    cols = {"w": ((0, 8), (0, 4))}  # a column shard: no halving of the rows settles anything
+    assert list(regions(leaf, ((0, 8), (0, 16)), cols, {"w": torch.bfloat16}, 0, "w", outer_first=True)) == [((0, 8), (0, 4))]

@@ -148,7 +148,7 @@ def _write(path: str, f: FileLayout, outputs: dict[str, Node], whole: Callable[[
 
 
 def _upload(up: Uploader, f: FileLayout, outputs: dict[str, Node], whole: Callable[[str], torch.Tensor]) -> None:
-    writer = ObjectWriter(up, f.name)
+    writer = ObjectWriter(up, f.name, size=f.size)
     writer.write(f.header)
     for key in f.starts:
         t = _pulled(key, outputs, whole)

@@ -85,20 +85,27 @@ def _follow(node: Node, box: Box, rec: _Reads) -> None:
                 s.fn(rec)
 
 
-def regions(node: Node, box: Box, owned: dict[str, Box], dtypes: dict[str, torch.dtype], rank: int, name: str) -> Iterator[Box]:
-    """The parts of ``box`` of ``node`` this rank makes from the shards it owns (``owned``)."""
+def regions(node: Node, box: Box, owned: dict[str, Box], dtypes: dict[str, torch.dtype], rank: int, name: str,
+            outer_first: bool = False) -> Iterator[Box]:  # fmt: skip
+    """The parts of ``box`` of ``node`` this rank makes from the shards it owns (``owned``): a
+    box split in halves until each half is made from owned shards or from none. Each split
+    halves the longest dimension; with ``outer_first``, the outermost dimension whose halving
+    settles a half (all owned or none) instead, so that a row shard comes out as whole rows
+    (contiguous bytes, one run in a file) rather than as column blocks."""
     reads = reads_of(node, box, dtypes)
     if not reads:  # filled, read from nowhere: rank 0's
         if rank == 0:
             yield box
         return
-    mine = [k in owned and box_inside(b, owned[k]) for k, b in reads]
-    if all(mine):
+    mine = _owned(reads, owned)
+    if mine == "all":
         yield box
         return
-    if not any(k in owned and intersect(b, owned[k]) is not None for k, b in reads):
+    if mine == "none":
         return
     d = max(range(len(box)), key=lambda i: box[i][1] - box[i][0], default=-1)  # -1: a 0-d output
+    if outer_first:
+        d = next((i for i in range(len(box)) if _settles(node, box, i, owned, dtypes)), d)
     a, b = box[d] if d >= 0 else (0, 1)
     if b - a <= 1:
         raise ExportError(
@@ -107,7 +114,25 @@ def regions(node: Node, box: Box, owned: dict[str, Box], dtypes: dict[str, torch
         )
     mid = (a + b) // 2
     for half in ((a, mid), (mid, b)):
-        yield from regions(node, box[:d] + (half,) + box[d + 1 :], owned, dtypes, rank, name)
+        yield from regions(node, box[:d] + (half,) + box[d + 1 :], owned, dtypes, rank, name, outer_first)
+
+
+def _owned(reads: list[tuple[str, Box]], owned: dict[str, Box]) -> str:
+    """Whether ``reads`` are ``"all"`` inside the owned shards, ``"none"`` of them touches one, or ``"some"``."""
+    if all(k in owned and box_inside(b, owned[k]) for k, b in reads):
+        return "all"
+    if not any(k in owned and intersect(b, owned[k]) is not None for k, b in reads):
+        return "none"
+    return "some"
+
+
+def _settles(node: Node, box: Box, d: int, owned: dict[str, Box], dtypes: dict[str, torch.dtype]) -> bool:
+    """Whether halving ``box`` along ``d`` leaves a half made all from owned shards or from none."""
+    a, b = box[d]
+    if b - a <= 1:
+        return False
+    mid = (a + b) // 2
+    return any(_owned(reads_of(node, box[:d] + (h,) + box[d + 1 :], dtypes), owned) != "some" for h in ((a, mid), (mid, b)))
 
 
 def first_copies(state: dict[str, torch.Tensor], keys: list[str], group: dist.ProcessGroup | None) -> set[str]:

@@ -10,13 +10,14 @@ client (obstore) hands out no upload of one process to another. So the layout of
 cut to about ``total / world`` bytes each (never above ``max_shard_size``) and dealt to the
 ranks (largest first, to the least loaded; a tie to the rank holding most of the file), and
 each owner streams its files front to back through one multipart upload each
-(:class:`~sdadapt.sources.ObjectWriter`, parts of 16 MiB). The bytes travel in rounds: in
-round ``r`` each owner assembles window ``r`` of its files (:data:`WINDOW_BYTES`), every rank
-sends it the runs of its own regions that fall inside (one ``all_to_all`` of counts, one of
-offsets, one of bytes), and the owner appends the window to its upload. A rank holds its own
-shards, the window it assembles and what it sends in one round: never a tensor it does not
-own. Outputs computed across shards are gathered as :mod:`.spread` gathers them and kept only
-by the owner of their file.
+(:class:`~sdadapt.sources.ObjectWriter`, parts of 8 MiB). The bytes travel in rounds: in
+round ``r`` each owner takes window ``r`` of its files (:data:`WINDOW_BYTES`, a whole number of
+parts), every rank sends it the runs of its own regions that fall inside (one ``all_to_all`` of
+counts, one of offsets, one of bytes), and the owner hands the bytes received, in file order, to
+its upload without copying them; before the next round it waits for that window's parts to be
+uploaded, which releases them. A rank holds its own shards, the bytes it sends in one round and
+one window it receives: never a tensor it does not own. Outputs computed across shards are
+gathered as :mod:`.spread` gathers them and kept only by the owner of their file.
 
 Faults: a rank that fails (an upload refused, a read) says so in the next round's counts, every
 rank stops after that round, and every rank raises; the uploads left unfinished leave no object,
@@ -27,11 +28,13 @@ looks complete with a mix of old and new files.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import math
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -225,19 +228,33 @@ def commit_index(up: Uploader, files: list[FileLayout], outputs: dict[str, Node]
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def windows(f: FileLayout) -> list[tuple[int, int]]:
+    """File ``f``'s windows ``(start, stop)``: :data:`WINDOW_BYTES` rounded up to a whole number
+    of its upload's parts, so that each window's parts are full and go out before the next."""
+    part = ObjectWriter.part_size(f.size)
+    step = -(-WINDOW_BYTES // part) * part
+    return [(a, min(a + step, f.size)) for a in range(0, f.size, step)]
+
+
 def _rounds(
     files: list[FileLayout], owner: list[int], mine: list[_Mine], pieces: _Pieces, up: Uploader, rank: int, world: int,
     group: dist.ProcessGroup | None, dev: torch.device, on_written: Callable[[int], None],
 ) -> int | SdadaptError:  # fmt: skip
-    """Every round: each owner's next window, assembled from every rank's runs and appended to
-    its upload. Returns the bytes this rank sent to other ranks, or the error that stopped it
-    (every rank stops in the round after any rank failed)."""
+    """Every round: each owner's next window, from every rank's runs, handed to its upload
+    without a copy (the received bytes themselves go out). One buffer holds what this rank
+    sends and one what it receives, both reused round after round: the receiving one once the
+    upload has let go of the window before (every view of it released, its parts uploaded), so
+    a rank holds two windows' bytes beyond its shards. Returns the bytes this rank sent to other
+    ranks, or the error that stopped it (every rank stops in the round after any rank failed)."""
     items: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
     for i, f in enumerate(files):
-        items[owner[i]] += [(i, a, min(a + WINDOW_BYTES, f.size)) for a in range(0, f.size, WINDOW_BYTES)]
+        items[owner[i]] += [(i, a, b) for a, b in windows(f)]
     error: SdadaptError | None = None
     writer: ObjectWriter | None = None
     sent = 0
+    send = torch.empty(0, dtype=torch.uint8)
+    landing = torch.empty(max((b - a for _, a, b in items[rank]), default=0), dtype=torch.uint8)
+    released: threading.Event | None = None  # set once the upload let go of the last window
     for r in range(max(len(x) for x in items)):
         runs: list[list[int]] = [[] for _ in range(world)]
         data: list[list[memoryview]] = [[] for _ in range(world)]
@@ -252,70 +269,120 @@ def _rounds(
                             pieces.done(p)
         except SdadaptError as e:
             error = ExportError(f"writing {up.url} failed on rank {rank}: {e}")
-        counts = torch.tensor([[len(runs[o]), sum(len(d) for d in data[o]), error is not None] for o in range(world)],
-                              dtype=torch.int64)  # fmt: skip
-        got = _exchange(counts.reshape(-1), [3] * world, [3] * world, group, dev).reshape(world, 3)
+        sizes = [sum(x[1::2]) for x in runs]
+        counts = torch.tensor([[len(runs[o]), sizes[o], error is not None] for o in range(world)], dtype=torch.int64)
+        got = _exchange(counts.reshape(-1), [3] * world, [3] * world, group, dev)
+        got = got.reshape(world, 3)
         if int(got[:, 2].max()) or error is not None:
             break
         flat_runs = torch.tensor([x for o in range(world) for x in runs[o]], dtype=torch.int64)
         in_runs = _exchange(flat_runs, [len(x) for x in runs], got[:, 0].tolist(), group, dev)
-        flat = _packed([d for o in range(world) for d in data[o]])
-        in_data = _exchange(flat, [sum(len(d) for d in x) for x in data], got[:, 1].tolist(), group, dev)
-        sent += sum(sum(len(d) for d in data[o]) for o in range(world) if o != rank)
+        if sum(sizes) > send.numel():  # the old buffer let go of before the larger one is made
+            send = torch.empty(0, dtype=torch.uint8)
+            send = torch.empty(max(sum(sizes), landing.numel()), dtype=torch.uint8)
+        _packed([d for o in range(world) for d in data[o]], send)
+        del data
+        if released is not None and not released.wait(RELEASE_WAIT_S):
+            log.debug("rank %d: the upload still holds the last window after %d s; receiving into a new buffer", rank, RELEASE_WAIT_S)
+            landing = torch.empty_like(landing)  # the old one is freed once the upload lets go of it
+        released = None
+        in_data = _exchange(send[: sum(sizes)], sizes, got[:, 1].tolist(), group, dev, landing)
+        sent += sum(n for o, n in enumerate(sizes) if o != rank)
         if r >= len(items[rank]):
             continue
         i, a, b = items[rank][r]
         try:
             if a == 0:
-                writer = ObjectWriter(up, files[i].name)
-            window = _assemble(files[i], a, b, in_runs.tolist(), in_data)
+                writer = ObjectWriter(up, files[i].name, size=files[i].size)
             assert writer is not None
-            writer.write(tensor_bytes(window))
+            released = _upload(writer, files[i], a, b, in_runs.tolist(), in_data)
+            del in_data
             on_written(max(0, b - max(a, len(files[i].header))))  # tensor bytes, not the header's
             if b == files[i].size:
                 writer.finish()
                 writer = None
         except SdadaptError as e:
-            error = ExportError(f"{e} (rank {rank} uploads {files[i].name}); nothing that looks complete was left at {up.url}: "
-                                "check the destination and write again")  # fmt: skip
+            error = _failed(e, rank, files[i].name, up)
     return error if error is not None else sent
 
 
-def _packed(parts: list[memoryview]) -> torch.Tensor:
-    """``parts`` one after the other in one uint8 tensor, copied once (a round's bytes are
-    never held twice)."""
-    out = torch.empty(sum(len(d) for d in parts), dtype=torch.uint8)
-    view, pos = tensor_bytes(out), 0  # a writable view of out's memory
+RELEASE_WAIT_S = 120
+"""How long a round waits for the upload to let go of the window before (its parts uploaded)
+before it receives into a new buffer instead (only memory is at stake, never the bytes)."""
+
+
+class _Watch:
+    """Calls ``done`` when collected: kept in the one object every view of a window refers to."""
+
+    def __init__(self, done: Callable[[], None]):
+        self.done = done
+
+    def __del__(self) -> None:
+        self.done()
+
+
+def _upload(writer: ObjectWriter, f: FileLayout, a: int, b: int, runs: list[int], data: torch.Tensor) -> threading.Event:
+    """Hand window ``[a, b)`` of ``f`` (``data``: the runs received) to ``writer``, viewed, not
+    copied. Returns an event set once every view of ``data`` is released: obstore holds its views
+    until their parts are uploaded, and none outlives this call here."""
+    released = threading.Event()
+    flat = data.reshape(-1)
+    mem = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr()) if flat.numel() else bytearray()
+    if flat.numel():
+        vars(mem)["owner"] = flat  # from_address holds no reference to the memory it maps
+        vars(mem)["watch"] = _Watch(released.set)  # collected with the array, once no view refers to it
+    else:
+        released.set()
+    for view in _in_file_order(f, a, b, runs, memoryview(mem).cast("B")):
+        writer.write(view)  # obstore refers to the view until its part is uploaded
+    return released
+
+
+def _failed(e: SdadaptError, rank: int, name: str, up: Uploader) -> ExportError:
+    return ExportError(f"{e} (rank {rank} uploads {name.rsplit('/', 1)[-1]}); nothing that looks complete was left at {up.url}: "
+                       "check the destination and write again")  # fmt: skip
+
+
+def _packed(parts: list[memoryview], buf: torch.Tensor) -> None:
+    """``parts`` one after the other at the start of ``buf``, copied once: a round's bytes are
+    never held twice."""
+    view, pos = tensor_bytes(buf), 0  # a writable view of buf's memory
     for d in parts:
         view[pos : pos + len(d)] = d
         pos += len(d)
-    return out
 
 
-def _exchange(t: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None, dev: torch.device) -> torch.Tensor:
-    out = torch.empty(sum(recv), dtype=t.dtype, device=dev)
+def _exchange(t: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None, dev: torch.device,
+              into: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """``all_to_all_single`` of ``t``; received into the start of ``into`` where given (on the host)."""
+    n = sum(recv)
+    out = into[:n] if into is not None and dev.type == "cpu" else torch.empty(n, dtype=t.dtype, device=dev)
     dist.all_to_all_single(out, t.to(dev), recv, send, group=group)
     return out.cpu()
 
 
-def _assemble(f: FileLayout, a: int, b: int, runs: list[int], data: torch.Tensor) -> torch.Tensor:
-    """Window ``[a, b)`` of file ``f`` from the header and the runs received (in rank order,
-    each rank's in file order); every byte must be covered exactly once."""
-    window = torch.empty(b - a, dtype=torch.uint8)
-    covered = 0
+def _in_file_order(f: FileLayout, a: int, b: int, runs: list[int], data: memoryview) -> list[memoryview]:
+    """Window ``[a, b)`` of file ``f`` as views, in file order, of the header and of the runs
+    received (``data``: in rank order, each rank's runs in file order; ``runs``: offset in the
+    window and length of each); every byte must be covered exactly once."""
+    parts: list[tuple[int, memoryview]] = []
     if a < len(f.header):
-        head = f.header[a : min(b, len(f.header))]
-        window[: len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        covered += len(head)
+        parts.append((0, memoryview(f.header)[a : min(b, len(f.header))]))
     pos = 0
     for j in range(0, len(runs), 2):
         off, n = runs[j], runs[j + 1]
-        window[off : off + n] = data[pos : pos + n]
+        parts.append((off, data[pos : pos + n]))
         pos += n
-        covered += n
-    if covered != b - a:
-        raise ExportError(f"{f.name}: the ranks' regions cover {covered} of the {b - a} bytes {a}-{b} (a bug; please report it)")
-    return window
+    parts.sort(key=lambda x: x[0])
+    at = 0
+    for off, view in parts:
+        if off != at:
+            break
+        at += len(view)
+    if at != b - a:
+        raise ExportError(f"{f.name}: the ranks' regions leave bytes {a + at}-{b} of {a}-{b} uncovered or twice covered "
+                          "(a bug; please report it)")  # fmt: skip
+    return [view for _, view in parts]
 
 
-__all__ = ["MIN_FILE_BYTES", "WINDOW_BYTES", "commit_index", "owners", "side_files_and_index", "write_spread_remote"]
+__all__ = ["MIN_FILE_BYTES", "WINDOW_BYTES", "commit_index", "owners", "side_files_and_index", "windows", "write_spread_remote"]
