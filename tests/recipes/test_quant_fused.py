@@ -7,6 +7,10 @@ the bytes of the eager functions run on the GPU. For float32 inputs the kernels 
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -175,6 +179,24 @@ def test_nvfp4_global_scale_is_generate_gparams(device: str) -> None:
         assert _same(S.nvfp4_global_scale(a.reshape(1).to(device), "divide"), want), float(a)
 
 
+@contextlib.contextmanager
+def _waits(device: str) -> Iterator[list[str]]:
+    """The host's waits for a CUDA device inside the block (torch's synchronisation warnings,
+    listed as they come); on the CPU none is listed."""
+    seen: list[str] = []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            yield seen
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    seen += [str(m.message) for m in got if "synchroniz" in str(m.message)]
+
+
 def _global_scale_inputs() -> list[torch.Tensor]:
     """A trainer's values (float32; bf16 whose first row's groups repeat a few magnitudes), values
     dequantised by compressed-tensors from its NVFP4 release, and values dequantised in float32
@@ -206,7 +228,6 @@ def test_nvfp4_global_scale_is_compressed_tensors_once_per_refit(device: str, mo
     made once per weight however often the values, the scales and the global scale itself read
     it; on a CUDA device the host waits fewer times than there are candidates while it is made for
     a trainer's values (once: the first-row test)."""
-    import warnings
 
     from support.checkpoints import DictIO
 
@@ -231,23 +252,15 @@ def test_nvfp4_global_scale_is_compressed_tensors_once_per_refit(device: str, mo
         scales = SN.QuantizedScaled(leaf, "e2m1", (1, 16), "scales", Q.FP8_DTYPE, node)
         made.clear()
         with QF.scales_memo():
-            if device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("warn")
-            try:
-                with warnings.catch_warnings(record=True) as seen:
-                    warnings.simplefilter("always")
-                    node.read(box, io)
-            finally:
-                if device == "cuda":
-                    torch.cuda.set_sync_debug_mode("default")
+            with _waits(device) as seen:
+                node.read(box, io)
             q = values.read(full_box(values.shape), io)
             s = scales.read(full_box(scales.shape), io)
             assert _same(node.read(box, io), want), i
         assert len(made) == 1, i
         if device == "cuda" and i == 0:
             # the first-row test's one wait expected; never one per candidate, as the search before it had
-            assert sum("synchroniz" in str(m.message) for m in seen) < 3, [str(m.message) for m in seen]
+            assert len(seen) < 3, seen
         want_q, want_s, _ = S.quantize(x.float(), "e2m1", (1, 16), Q.FP8_DTYPE, glob=want)
         assert _same(q, want_q) and _same(s, want_s), i
 
@@ -257,7 +270,6 @@ def test_nvfp4_global_scales_made_together(device: str, monkeypatch: pytest.Monk
     """A refit's run makes its NVFP4 global scales ahead (``prepare_global_scales``): the same
     values as each alone, read back from the memo without making them again; on a CUDA device
     with one wait for all of them (the first-row tests of several weights read together)."""
-    import warnings
 
     from support.checkpoints import DictIO
 
@@ -270,18 +282,10 @@ def test_nvfp4_global_scales_made_together(device: str, monkeypatch: pytest.Monk
     io = DictIO({f"x{i}": x.to(device) for i, x in enumerate(trainer)})
     nodes = [SN.GlobalScaleOf(Leaf(f"x{i}", tuple(x.shape), x.dtype), "divide") for i, x in enumerate(trainer)]
     with QF.scales_memo():
+        with _waits(device) as seen:
+            SN.prepare_global_scales([nodes[0], nodes[4], nodes[5]], io)  # trainer values: no search
         if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always")
-                SN.prepare_global_scales([nodes[0], nodes[4], nodes[5]], io)  # trainer values: no search
-        finally:
-            if device == "cuda":
-                torch.cuda.set_sync_debug_mode("default")
-        if device == "cuda":
-            assert sum("synchroniz" in str(m.message) for m in seen) == 1, [str(m.message) for m in seen]
+            assert len(seen) == 1, seen
         SN.prepare_global_scales(nodes, io)  # the rest, the searches among them
         monkeypatch.setattr(SN.GlobalScaleOf, "_of_parts", lambda self, parts: pytest.fail("made again"))
         for x, node in zip(trainer, nodes, strict=True):
