@@ -314,6 +314,8 @@ class Refit:
                         else:
                             stack.extend(n.children())
                     self._globals[t.target] = found
+        if not any(self._globals.values()):
+            return
         nodes = list({id(n): n for k in sorted(active) for n in self._globals.get(k, [])}.values())
         if nodes:
             nodes_mod.prepare_global_scales(nodes, io)
