@@ -22,9 +22,14 @@ for f in fp8_block nvfp4; do
     gzip -f "$OUT"/${f}_trace.json
 done
 for f in mxfp8 fp8_channel fp8_tensor; do timeout ${T2:-45} $B --quant $f >"$OUT"/$f.log 2>&1; done
-T="tests/recipes/test_quant_fused.py tests/rules/test_quant_export.py"
-PYTHONPATH=$PYTHONPATH:/tmp/kv timeout 90 python3 -m pytest -q -p no:cacheprovider -rs $T >"$OUT"/tests_kvikio.log 2>&1
-[ "${NOKV:-1}" = 1 ] && timeout 90 python3 -m pytest -q -p no:cacheprovider -rs $T >"$OUT"/tests_no_kvikio.log 2>&1
+T="tests/transaction/test_refit_formats.py tests/recipes/test_quant_fused.py tests/rules/test_quant_export.py"
+echo "== with kvikio" >"$OUT"/tests.log  # one file for both runs: at most 8 files come back from a call
+PYTHONPATH=$PYTHONPATH:/tmp/kv timeout 90 python3 -m pytest -q -p no:cacheprovider -rs $T >>"$OUT"/tests.log 2>&1
+tail -n 4 "$OUT"/tests.log
+if [ "${NOKV:-1}" = 1 ]; then
+    echo "== without kvikio" >>"$OUT"/tests.log
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -rs $T >>"$OUT"/tests.log 2>&1
+    tail -n 4 "$OUT"/tests.log
+fi
 date -u
 grep -hE "^refit|^GPU:|^llama" "$OUT"/fp8_block.log "$OUT"/nvfp4.log "$OUT"/mxfp8.log "$OUT"/fp8_channel.log "$OUT"/fp8_tensor.log
-tail -n 4 "$OUT"/tests_kvikio.log "$OUT"/tests_no_kvikio.log 2>/dev/null
