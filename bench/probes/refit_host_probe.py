@@ -62,11 +62,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quant", choices=["fp8_block", "fp8_channel", "fp8_tensor", "mxfp8", "nvfp4"], default="fp8_block")
     p.add_argument("--repeat", type=int, default=11)
+    p.add_argument("--layers", type=int, default=32, help="decoder layers (Llama 8B's 32 by default)")
     p.add_argument("--cprofile", type=int, default=0, help="print the N costliest functions of one more run")
     args = p.parse_args()
     torch.set_num_threads(1)
     fake_kernels()
-    s = dict(refit_bench.SIZES["small"], layers=32, vocab=1024)
+    s = dict(refit_bench.SIZES["small"], layers=args.layers, vocab=1024)
     full = refit_bench.weights("llama", s, "cpu")
     adapter = refit_bench.adapter("llama", s, 1, args.quant == "fp8_block", args.quant)
     if args.quant == "fp8_block":
@@ -82,7 +83,7 @@ def main() -> None:
         refit()
         runs.append(time.process_time() - t0)
     print(f"{args.quant}: host CPU per run {statistics.median(runs) * 1e3:.1f} ms median, {min(runs) * 1e3:.1f} ms least "
-          f"of {args.repeat} ({len(engine)} engine tensors, 32 layers)")  # fmt: skip
+          f"of {args.repeat} ({len(engine)} engine tensors, {args.layers} layers)")  # fmt: skip
     if args.cprofile:
         prof = cProfile.Profile()
         prof.enable()

@@ -649,6 +649,17 @@ def test_the_disk_estimate_knows_every_quantized_twin_and_is_near_what_is_writte
             assert estimate < 0.65 * lb.checkpoint.format_nbytes(shape, "safetensors"), fmt
 
 
+def test_refit_host_probe_runs_every_format_path_with_the_kernels_faked():
+    """bench/probes/refit_host_probe.py at 2 layers: the fused path taken on the CPU for the
+    NVFP4 engine (its global scales and packed codes), a run timed."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "probes" / "refit_host_probe.py"), "--quant", "nvfp4", "--repeat", "1", "--layers", "2"],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "nvfp4: host CPU per run" in out.stdout and "2 layers" in out.stdout, out.stdout
+
+
 def test_gil_probe_prints_a_row_per_interval_and_sets_the_interval_back():
     """bench/probes/gil_probe.py: one table row per switch interval asked for, each with the calls per
     second alone and beside a Python loop (positive), and the interval set back afterwards."""
