@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from sdadapt._plan.target import _renames_nothing, model_state_dict
+from sdadapt._plan.target import model_state_dict, renames_nothing
 
 
 class Block(nn.Module):
@@ -56,7 +56,7 @@ class Modifier(nn.Module):
 )
 def test_same_as_get_model_state_dict(make, fast):
     model = make()
-    assert _renames_nothing(model) is fast
+    assert renames_nothing(model) is fast
     ours = model_state_dict(model)
     theirs = {k: v for k, v in get_model_state_dict(model).items() if isinstance(v, torch.Tensor)}
     assert list(ours) == list(theirs)

@@ -1,9 +1,11 @@
 """The state dicts a background save takes, remembered between saves (``_state/taken.py``).
 
-Each remembered take is compared with a fresh ``get_state_dict``: the same keys, each model
-value the same memory, the optimizer's state the live dicts and its hyperparameters current.
-Anything that moves a tensor (a new parameter, ``.data`` swapped) takes the state afresh, and a
-model whose state dict holds more than tensors is never remembered. Last, two background saves
+Each take, the first (named without ``get_state_dict``'s walk) and the remembered ones, is
+compared with a fresh ``get_state_dict``: the same keys, each model value the same memory, the
+optimizer's state the live dicts and its hyperparameters current. Anything that moves a tensor
+(a new parameter, ``.data`` swapped) takes the state afresh; a fresh optimizer, a model whose
+keys are renamed or an optimizer over another model's parameter go through ``get_state_dict``;
+a model whose state dict holds more than tensors is never remembered. Last, two background saves
 of one process read back bit for bit.
 """
 
@@ -13,6 +15,7 @@ import torch
 from support.models import TinyTransformer
 from support.training import train_steps
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import sdadapt
@@ -49,22 +52,37 @@ def test_a_remembered_take_is_get_state_dict():
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     train_steps(model, opt, 1)
     calls, take = _counted()
-    _same_as_fresh(model, opt, take_state(model, opt, take))
+    _same_as_fresh(model, opt, take_state(model, opt, take))  # the first: named without get_state_dict
+    assert model in taken._TAKEN
     train_steps(model, opt, 1)
     opt.param_groups[0]["lr"] = 5e-3  # as a scheduler would
-    _same_as_fresh(model, opt, take_state(model, opt, take))
-    assert len(calls) == 1  # the second take walked nothing
-
+    _same_as_fresh(model, opt, take_state(model, opt, take))  # remembered
     model.head.weight = nn.Parameter(model.head.weight.detach().clone())  # a new tensor object
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     train_steps(model, opt, 1)
     _same_as_fresh(model, opt, take_state(model, opt, take))
-    assert len(calls) == 2
     model.norm.weight.data = model.norm.weight.detach().clone()  # same object, new memory
     _same_as_fresh(model, opt, take_state(model, opt, take))
-    assert len(calls) == 3
+    assert calls == []  # no take walked the names
     take_state(model, None, lambda m, o: (m.state_dict(), None))  # another optimizer (none): afresh
     assert taken._TAKEN[model].optimizer is None
+
+    fresh = torch.optim.Adam(model.parameters(), lr=1e-2)  # no state yet: get_state_dict makes it
+    _same_as_fresh(model, fresh, take_state(model, fresh, take))
+    assert len(calls) == 1
+    wrapped = nn.Sequential(checkpoint_wrapper(nn.Linear(3, 3)))  # its keys are renamed: taken in full
+    wopt = torch.optim.Adam(wrapped.parameters(), lr=1e-2)
+    wrapped(torch.ones(2, 3)).sum().backward()
+    wopt.step()
+    _same_as_fresh(wrapped, wopt, take_state(wrapped, wopt, take))
+    assert len(calls) == 2
+    stranger = torch.optim.Adam([nn.Parameter(torch.ones(2))] + list(model.parameters()))  # a parameter the model lacks
+    stranger.state[stranger.param_groups[0]["params"][0]]["step"] = torch.tensor(1.0)
+    try:
+        take_state(model, stranger, take)
+        raise AssertionError("an optimizer over a parameter the model lacks was taken")
+    except KeyError:
+        assert len(calls) == 3  # the full take raised get_state_dict's own error
 
 
 class _WithExtra(nn.Module):

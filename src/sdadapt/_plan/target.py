@@ -15,9 +15,9 @@ def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``get_model_state_dict(model)`` restricted to tensors (DTensors stay sharded).
 
     Where ``get_model_state_dict`` can only return ``model.state_dict()`` unchanged (see
-    :func:`_renames_nothing`), that is called directly: it skips the per-key FQN search that
+    :func:`renames_nothing`), that is called directly: it skips the per-key FQN search that
     costs ``get_model_state_dict`` most of its time (tens of ms for a few hundred keys)."""
-    if _renames_nothing(model):
+    if renames_nothing(model):
         sd = model.state_dict()
     else:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict  # noqa: PLC0415 - wrapped models only
@@ -26,7 +26,7 @@ def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
-def _renames_nothing(model: nn.Module) -> bool:
+def renames_nothing(model: nn.Module) -> bool:
     """True when ``get_model_state_dict(model)`` is ``model.state_dict()`` as it is: no module
     whose keys it rewrites (DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``, FSDP1 and its
     flat parameters, activation checkpointing's wrapper, modules with ``_fqn_modifiers``)."""

@@ -5,14 +5,16 @@ them (tensors copied into host memory by DCP's own stager, ``Stateful`` extras t
 their ``state_dict()``, other values copied), and nothing more: a thread of this process then
 agrees with the other ranks (every rank's checks, the same adapter and versions) and runs the
 collective save of the staged copy (DCP's ``.metadata`` last, then ``sdadapt.json``) over a
-gloo group of the same ranks, made once per group, so that the training loop's collectives on
-its own group go on meanwhile (as torchtitan's asynchronous checkpointer does). A check that
+gloo group of the same ranks, made once per group by that thread (the first save's caller does
+not wait for the ranks to meet), so that the training loop's collectives on its own group go
+on meanwhile (as torchtitan's asynchronous checkpointer does). A check that
 failed on any rank is raised by every rank's ``wait()``. One save runs at a time per process:
 a new one waits for the one before.
 """
 
 from __future__ import annotations
 
+import _thread
 import logging
 import os
 import queue
@@ -42,8 +44,10 @@ _RUNNING: list[SaveHandle] = []  # the save this process runs in the background,
 
 
 def background_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """A gloo group over ``group``'s ranks for the background thread's collectives (made once;
-    only its members take part in making it)."""
+    """A gloo group over ``group``'s ranks for the background thread's collectives, made once
+    (only its members take part in making it). Called on the writing thread only (see
+    :func:`prepare_group`), so groups are made in the same order on every rank while the
+    caller's thread goes on with its own collectives."""
     if not is_distributed():
         return None
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
@@ -56,6 +60,20 @@ def background_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | Non
     if made is None:
         made = _GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
     return made
+
+
+def prepare_group(group: dist.ProcessGroup | None) -> None:
+    """Have the writing thread make the background group over ``group``'s ranks now, while the
+    caller goes on (a save made later finds it made; a failure here is met again, and raised,
+    by that save)."""
+
+    def make() -> None:
+        try:
+            background_group(group)
+        except Exception as e:  # noqa: BLE001 - the first save tries again and raises it
+            log.warning("making the gloo group for background saves failed (%s: %s)", type(e).__name__, e)
+
+    _writer().put(make)
 
 
 _STAGER: list[DefaultStager] = []  # one per process, kept: its host copies are reused by the next save
@@ -149,12 +167,11 @@ class SaveHandle:
 def start_save(state: dict[str, Any] | None, saved: SaveReport, group: dist.ProcessGroup | None, t0: float,
                write: Write) -> SaveHandle:  # fmt: skip
     """Wait for this process's save before, stage ``state``, hand ``write(staged, group)`` to the
-    writing thread, over the background group, and return its handle. No collective runs in the
-    caller: ``write`` agrees first, in the thread (``state`` is ``None`` on a rank whose checks
+    writing thread, over the background group (made there the first time), and return its
+    handle. No collective runs in the caller: ``write`` agrees first, in the thread (``state`` is ``None`` on a rank whose checks
     failed: nothing is staged, and the agreement raises the error on every rank)."""
     for h in list(_RUNNING):  # one save at a time: its error is raised here, on every rank
         h.wait()
-    bg = background_group(group)
     t_stage = time.perf_counter()
     with torch.no_grad():  # the state may hold the live parameters: copies without autograd
         staged = stage(state) if state is not None else {}
@@ -162,7 +179,7 @@ def start_save(state: dict[str, Any] | None, saved: SaveReport, group: dist.Proc
 
     def run() -> None:
         try:
-            write(staged, bg)
+            write(staged, background_group(group))  # made here, not in the call, the first time
             saved.seconds = time.perf_counter() - t0
             log.info("%s (in the background; the caller was held %.3f s)", saved.format(), handle.held_seconds)
         except BaseException as e:  # noqa: BLE001 - a CheckpointException or a peer gone: raised by wait()
@@ -180,9 +197,10 @@ _WRITER: dict[int, queue.SimpleQueue[Callable[[], None]]] = {}  # by process id:
 
 
 def _writer() -> queue.SimpleQueue[Callable[[], None]]:
-    """The queue of this process's writing thread, started on first use and kept: handing a
-    save to a running thread costs the caller nothing, where starting a thread makes the caller
-    wait until the new thread is scheduled (long on a busy host)."""
+    """The queue of this process's writing thread, started on first use and kept. Started
+    with ``_thread.start_new_thread``, which returns at once, where ``Thread.start`` waits until
+    the new thread has been scheduled (long on a busy host: the first save's caller would wait
+    for it). The thread runs until the process ends, as a daemon thread does."""
     pid = os.getpid()
     if pid not in _WRITER:
         jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -191,9 +209,9 @@ def _writer() -> queue.SimpleQueue[Callable[[], None]]:
             while True:
                 jobs.get()()
 
-        threading.Thread(target=serve, name="sdadapt-save", daemon=True).start()
+        _thread.start_new_thread(serve, ())
         _WRITER[pid] = jobs
     return _WRITER[pid]
 
 
-__all__ = ["SaveHandle", "background_group", "stage", "start_save"]
+__all__ = ["SaveHandle", "background_group", "prepare_group", "stage", "start_save"]

@@ -18,7 +18,7 @@ from torch import nn
 from .._base.distributed import rank_and_world
 from ..errors import StateError
 from ..sources import SDADAPT_JSON
-from .background import SaveHandle, background_group
+from .background import SaveHandle, prepare_group
 from .saved import SaveReport
 from .saving import save_state
 
@@ -53,8 +53,8 @@ class Checkpointer:
         async_: write in the background (``save_state(..., async_=True)``).
         process_group: the group the ranks save over.
 
-    Every rank makes it: with ``async_``, the gloo group the background writes use is made
-    here (a collective of ``process_group``'s ranks), not during the first save.
+    Every rank makes it: with ``async_``, the gloo group the background writes use starts being
+    made here, on the writing thread (the ranks meet there, not in this call).
 
     Example::
 
@@ -75,7 +75,7 @@ class Checkpointer:
         self.process_group = process_group
         self.pending: SaveHandle | None = None
         if async_:
-            background_group(process_group)
+            prepare_group(process_group)
 
     def step(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
              extra: dict[str, Any] | None = None, *, force: bool = False) -> SaveHandle | SaveReport | None:  # fmt: skip

@@ -10,6 +10,12 @@ each tensor's identity, data pointer and shape) and the optimizer holds the same
 the optimizer's state is always read afresh (``optimizer.state_dict()``, whose per-parameter
 dicts are the live ones), so a changed learning rate or a new state entry is never missed.
 
+The first take skips that walk too where ``get_state_dict``'s names are the ones
+``model.state_dict()`` already has (no module renames keys: no DDP, ``torch.compile``, FSDP1 or
+activation-checkpointing wrapper) and the optimizer's state exists (``get_state_dict`` would
+create it first): the model's dict is ``model.state_dict()`` and each optimizer parameter is
+named by ``model.named_parameters()``, as ``get_state_dict`` names it.
+
 A model whose state dict is not just its tensors is taken in full every time: a module with
 ``get_extra_state``, a ``state_dict`` hook other than FSDP2's (which only reshards, and a
 fingerprint taken while parameters are unsharded differs anyway), FSDP1 (its state dict
@@ -26,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from .._plan.target import renames_nothing
 
 _FSDP2_HOOK = "to_sharded_hook"  # fully_shard's state-dict pre-hook: moves parameters to their sharded form
 
@@ -101,6 +109,28 @@ def _remember(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_s
     _TAKEN[model] = _Taken(fingerprint, tensors, weakref.ref(optimizer) if optimizer is not None else None, names)
 
 
+def _first(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+    """``get_state_dict(model, optimizer)`` without its per-key name search, where its names are
+    the state dict's own (see the module docstring); ``None`` elsewhere."""
+    if optimizer is None or not optimizer.state or _fingerprint(model, optimizer) is None or not renames_nothing(model):
+        return None
+    model_sd = model.state_dict()
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    names = [name_of.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+    if not model_sd or None in names:
+        return None  # get_state_dict's own error (a parameter the model does not hold) comes from the full take
+    return model_sd, _named(optimizer, names)  # type: ignore[arg-type]
+
+
+def _named(optimizer: torch.optim.Optimizer, names: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``optimizer.state_dict()`` (the live per-parameter dicts) with each parameter's index
+    replaced by its name, as ``get_state_dict`` gives it."""
+    osd = optimizer.state_dict()
+    state = {names[i]: v for i, v in osd["state"].items()}
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
 def _again(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
     """The state dicts from what was remembered, or ``None`` when anything moved."""
     taken = _TAKEN.get(model)
@@ -115,23 +145,20 @@ def _again(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[d
         return None
     if optimizer is None:
         return model_sd, None
-    osd = optimizer.state_dict()  # the live per-parameter dicts, under their parameter's index
-    names = taken.names
-    state = {names[i]: v for i, v in osd["state"].items()}
-    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in osd["param_groups"]]
-    return model_sd, {"state": state, "param_groups": groups}
+    return model_sd, _named(optimizer, taken.names)
 
 
 def take_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                take: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:  # fmt: skip
     """``take(model, optimizer)`` (the full ``get_state_dict`` or ``model_state_dict``), or the
-    same dicts rebuilt from the last call's while nothing they rest on moved. The values of the
-    rebuilt model dict are the live parameters and buffers themselves (a copy reads them
-    without autograd); its keys and the optimizer dict's layout are ``take``'s."""
+    same dicts rebuilt from the last call's while nothing they rest on moved, or made without
+    ``get_state_dict``'s name search where it renames nothing. The values of the rebuilt model
+    dict are the live parameters and buffers themselves (a copy reads them without autograd);
+    its keys and the optimizer dict's layout are ``take``'s."""
     again = _again(model, optimizer)
     if again is not None:
         return again
-    model_sd, optim_sd = take(model, optimizer)
+    model_sd, optim_sd = _first(model, optimizer) or take(model, optimizer)
     _remember(model, optimizer, model_sd, optim_sd)
     return model_sd, optim_sd
 
