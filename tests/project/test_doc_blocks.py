@@ -73,6 +73,7 @@ def test_doc_blocks_run(file, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT / "tests")])}
     # a process of the page (a torchrun rank included) that aborts prints every thread's Python stack
     env["PYTHONFAULTHANDLER"] = "1"
+    env[doc_blocks.CHILD_TMPDIR] = str(tmp_path / "tmp")  # what the page's processes leave goes with tmp_path
     # the timeout counts the page's own time (support.load_clock): a loaded machine slows it, a hang fails it
     if dist_helper.forkable():  # forked from a process that imported torch, transformers and sdadapt once
         r = dist_helper.run_forked(doc_blocks.main, file, str(out), cwd=str(tmp_path), env=env, timeout=600)

@@ -45,7 +45,8 @@ def test_pipeline_tp_only_two_processes(tmp_path):
     ckpt = tmp_path / "ckpt.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += [str(EXAMPLES / "pipeline.py"), "--mesh", "1x2", "--ckpt", str(ckpt), "--steps", "3", "--check"]
-    r = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    env = {**_env(), "TMPDIR": str(tmp_path)}  # torchrun's torchelastic_* log folder goes with tmp_path
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert "wrote " in out and ckpt.exists()  # the script wrote its checkpoint (split q/k/v)
@@ -57,7 +58,7 @@ def test_pipeline_tp_only_two_processes(tmp_path):
 def test_demo(tmp_path):
     r = subprocess.run(
         [sys.executable, str(EXAMPLES / "demo.py"), "--steps", "2", "--keep", str(tmp_path / "demo")],
-        env=_env(), capture_output=True, text=True, timeout=240, cwd=ROOT,
+        env={**_env(), "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=240, cwd=ROOT,  # torchrun's log folder too
     )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out

@@ -440,6 +440,15 @@ def run_forked(fn: Any, *args: Any, cwd: str, env: dict[str, str], timeout: floa
     return subprocess.CompletedProcess([name], p.exitcode, *texts)
 
 
+def _drop_mirrors() -> None:
+    """Remove the object storage mirror folders this process made: leaving through ``os._exit``
+    skips the exit handler that would (sdadapt.sources._mirrors), and the sweep of a later
+    mirror comes only if one is made."""
+    mirrors = sys.modules.get("sdadapt.sources._mirrors")
+    if mirrors is not None:
+        mirrors._remove_mirrors()
+
+
 def _forked_call(fn: Any, args: tuple[Any, ...], env: dict[str, str], cwd: str, out: str, err: str) -> None:
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -462,6 +471,7 @@ def _forked_call(fn: Any, args: tuple[Any, ...], env: dict[str, str], cwd: str, 
         traceback.print_exc()
         code = 1
     finally:
+        _drop_mirrors()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
@@ -532,9 +542,10 @@ def _worker(job: str, rank: int) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
     finally:
+        _drop_mirrors()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)  # avoids gloo's abort at interpreter exit (see shared/DESIGN.md)
+        os._exit(0)  # a fast end: no interpreter finalization (src/sdadapt/_base/teardown.py: the abort it risked)
 
 
 if __name__ == "__main__":

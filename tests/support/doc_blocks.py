@@ -306,8 +306,19 @@ def run_file(file: str) -> list[dict[str, str]]:
     return results
 
 
+CHILD_TMPDIR = "SDADAPT_TEST_PAGE_TMPDIR"
+"""Names the temporary folder of the processes a page starts (torchrun's ``torchelastic_*`` log
+folders, a server's files): the test's own, removed with it. The page's process keeps the
+machine's, where the checkpoints that :data:`SETUPS` make are cached between runs."""
+
+
 def main(file: str, out: str) -> None:
     """Run ``file``'s blocks; each one's outcome, in order, to the JSON file ``out``."""
+    children = os.environ.pop(CHILD_TMPDIR, None)
+    if children:
+        tempfile.gettempdir()  # this process's own, fixed before TMPDIR changes for its children
+        os.makedirs(children, exist_ok=True)
+        os.environ["TMPDIR"] = children
     outcome = run_file(file)
     with open(out, "w", encoding="utf-8") as f:
         json.dump(outcome, f)
