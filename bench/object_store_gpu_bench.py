@@ -123,7 +123,10 @@ def machine(device: str) -> str:
     parts = [f"torch {torch.__version__}", f"{os.cpu_count()} CPUs"]
     if device.startswith("cuda"):
         parts.insert(0, torch.cuda.get_device_name(0))
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    except OSError:  # no git on the machine (a bare device copy of the tree)
+        head = ""
     return ", ".join(parts) + (f"; tree {head}" if head else "")
 
 
