@@ -139,3 +139,32 @@ def test_outer_first_regions_keep_a_row_shard_whole():
     assert list(regions(*args, outer_first=True)) == [((4, 8), (0, 16))]
     cols = {"w": ((0, 8), (0, 4))}  # a column shard: no halving of the rows settles anything
     assert list(regions(leaf, ((0, 8), (0, 16)), cols, {"w": torch.bfloat16}, 0, "w", outer_first=True)) == [((0, 8), (0, 4))]
+
+
+def test_a_window_is_free_only_once_the_upload_let_go_of_every_view():
+    """An every-rank s3:// export hands the window it received to obstore as views and reuses
+    the buffer only once the event ``_upload`` returns is set: set when the last view the
+    writer holds is released, never before (the views in file order, the header first)."""
+    from sdadapt._export import spread_remote
+    from sdadapt._export.writers.safetensors_writer import FileLayout
+
+    class Holding:  # obstore's writer as seen from here: it keeps what it is given
+        def __init__(self) -> None:
+            self.held: list[memoryview] = []
+
+        def write(self, data: memoryview) -> None:
+            self.held.append(data)
+
+    f = FileLayout("m.safetensors", b"HEAD", {}, 12)
+    data = torch.tensor([5, 6, 7, 8, 1, 2, 3, 4], dtype=torch.uint8)  # runs in rank order
+    writer = Holding()
+    released = spread_remote._upload(writer, f, 0, 12, [8, 4, 4, 4], data)
+    assert b"".join(bytes(v) for v in writer.held) == b"HEAD" + bytes([1, 2, 3, 4, 5, 6, 7, 8])
+    gc.collect()
+    assert not released.is_set()
+    writer.held.pop()
+    assert not released.is_set()  # one view still held
+    writer.held.clear()
+    assert released.is_set()
+    with pytest.raises(sdadapt.errors.ExportError, match="uncovered or twice covered"):
+        spread_remote._upload(Holding(), f, 0, 12, [4, 4, 4, 4], data)
