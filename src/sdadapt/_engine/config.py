@@ -109,8 +109,9 @@ class EngineConfig:
             row-parallel weights) split the rows, each reading whole rows once, and exchange
             the slices (:mod:`sdadapt._engine.share`); off by default (each reads its own
             slices): it cuts a cold rank's storage bytes to its share, which saves storage
-            reads where the peers do not share a page cache; a TP group on one node does, and
-            there it measured no faster on gloo (docs/performance.md), not yet on NCCL.
+            reads where the peers do not share a page cache (a TP group over several hosts);
+            a TP group on one node does, and there it measured no faster on gloo
+            (docs/performance.md), not yet on NCCL.
         share_round_bytes: the rows a rank reads per round of that exchange (one
             ``all_to_all`` each); the round's buffers take about three times this.
 
