@@ -15,6 +15,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/kv \
     "$WHL"/kvikio_cu13-*.whl "$WHL"/libkvikio_cu13-*.whl "$WHL"/rapids_logger-*.whl || echo "kvikio did not install"
 export PYTHONPATH=$PWD/src:/tmp/base
+# setup.py ships adapters/ as sdadapt.adapters; a copy of the tree run from src/ needs that link
+[ -e src/sdadapt/adapters ] || ln -s ../../adapters src/sdadapt/adapters
 nvidia-smi -L; nproc; date -u; echo "tree $(cat .tree 2>/dev/null || echo unknown)"
 B="python3 bench/refit_bench.py --scenario single --device cuda --size 8b --hang-s 40 --no-baseline --repeat ${REPEAT:-11}"
 for f in fp8_block nvfp4; do
