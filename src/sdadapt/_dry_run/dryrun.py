@@ -43,7 +43,7 @@ from .._plan.plan import KeyPatterns, Plan, adapted_schema, build_plan, key_patt
 from .._plan.report import Report
 from .._plan.resolve import adapter_or_none
 from .._transaction.options import Options
-from .._transaction.steps import derive_adapter, open_checkpoint, plan_model
+from .._transaction.steps import open_checkpoint, plan_model
 from ..errors import PlanError, UsageError
 from ..sources import Source, TensorInfo, encode_headers, open_source, recording_headers
 
@@ -368,7 +368,7 @@ def _plan(target: Any, src: Any, options: Options) -> tuple[Source, Plan, str, d
     """The source, the plan, the target's name and, for a model, its state dict, as a load plans them."""
     if isinstance(target, nn.Module):
         source = open_checkpoint(src, options.subtree)  # once: the adapter is derived from the open source
-        source, plan, state = plan_model(target, source, derive_adapter(options.adapter, source, target), options)
+        source, plan, state, _ = plan_model(target, source, options)
         return source, plan, type(target).__name__, state
     source = open_source(src, subtree=options.subtree)
     try:

@@ -29,7 +29,7 @@ from .._transaction.args import check_model_and_path, renamed_keywords
 from .._transaction.headers import SharedHeaders, share_headers
 from .._transaction.materialize import InitFn, MissingInitFn, Reservation, check_buffers, choose_device, has_meta, missing_values
 from .._transaction.options import Options
-from .._transaction.steps import derive_adapter, family_hint, judge, open_checkpoint, plan_model
+from .._transaction.steps import family_hint, judge, open_checkpoint, plan_model
 from .._transaction.tidy import call_started, public
 from .._transaction.transaction import ATOMIC_WHY, Part, Transaction
 from ..sources import CHECKSUMS_WHY, ChecksummedSource, LoraMerged, Source, read_checksums, remember_source
@@ -196,7 +196,7 @@ def plan_load(
     options = Options.of(src, adapter=adapter, subtree=subtree, pipeline_stage=pipeline_stage, lora=lora, dtype=dtype,
                          **key_patterns("sdadapt.plan_load", patterns))  # fmt: skip
     source = open_checkpoint(src, subtree)
-    source, plan, _ = plan_model(model, source, derive_adapter(adapter, source, model), options)
+    source, plan, _, _ = plan_model(model, source, options)
     return source, plan
 
 
@@ -401,9 +401,8 @@ def _prepare(txn: Transaction, model: nn.Module, local: str | os.PathLike[str] |
     hooks, what fills the missing keys, the checksums sidecar). The source joins the transaction
     (closed with it)."""
     source = shared.open(local, options.subtree)
-    # resolved inside the agreed step: a rank failing to resolve or derive it stops them all
-    resolved = derive_adapter(options.adapter, source, model)
-    source, plan, planned = plan_model(model, source, resolved, options)
+    # the adapter is resolved inside the agreed step: a rank failing to resolve or derive it stops them all
+    source, plan, planned, resolved = plan_model(model, source, options)
     txn.add_source(source)
     judge(plan, options.strict, lambda: family_hint(plan.report, source, schema_of(planned), options, model))
     check_buffers(model, options.init_buffers)

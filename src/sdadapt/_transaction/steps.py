@@ -6,9 +6,10 @@
    distributed load the group's first rank keeps the source it opened to record the headers,
    and the other ranks open theirs from that record (:mod:`sdadapt._transaction.headers`);
 3. **adapter**: the ``adapter`` argument becomes an :class:`~sdadapt.Adapter`
-   (:func:`derive_adapter`) from that open source: a shipped name reads its options from the
-   source's folder (config files) and the source's schema (key names, stored dtypes), a
-   transformers model's adapter is derived from the source's schema;
+   (:func:`derive_adapter`; :func:`plan_model` derives it itself) from that open source: a
+   shipped name reads its options from the source's folder (config files) and the source's
+   schema (key names, stored dtypes), a transformers model's adapter is derived from the
+   source's schema;
 4. **plan**: the source's schema, the target's and the adapter give the plan
    (:func:`plan_model`, :func:`plan_schema`), then :func:`judge` refuses it or warns;
 5. **run**: the transaction reads, checks and commits
@@ -65,17 +66,20 @@ def derive_adapter(spec: Adapter | str | os.PathLike[str] | None, source: Source
         raise
 
 
-def plan_model(model: nn.Module, source: Source, adapter: Adapter | None, options: Options) -> tuple[Source, Plan, dict[str, torch.Tensor]]:
-    """**plan** against a model: ``(source, plan, the model's state dict it planned against)``,
-    as :func:`plan_schema` plans. On failure ``source`` is closed."""
+def plan_model(model: nn.Module, source: Source, options: Options) -> tuple[Source, Plan, dict[str, torch.Tensor], Adapter | None]:
+    """**adapter** and **plan** against a model: ``(source, plan, the model's state dict it
+    planned against, the adapter)``. The adapter is ``options.adapter`` derived from the open
+    ``source`` (:func:`derive_adapter`); the plan is as :func:`plan_schema` plans. On failure
+    ``source`` is closed."""
     try:
+        adapter = adapter_or_none(options.adapter, source, model)
         state_dict = model_state_dict(model)
         stage = PipelineStage.of(state_dict, vacant_modules(model)) if options.pipeline_stage else None
         source, plan = plan_schema(schema_of(state_dict), source, adapter, options, target_name=type(model).__name__, stage=stage)
     except BaseException:
         source.close()
         raise
-    return source, plan, state_dict
+    return source, plan, state_dict, adapter
 
 
 def plan_schema(
