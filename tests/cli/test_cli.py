@@ -173,7 +173,6 @@ def test_diff_with_adapters(work, capsys):
         (["diff", "good.pt", "-t", "cli_models:build", "-a", "cli_models:build"], "not an sdadapt.Adapter"),
         (["diff", "good.pt", "-t", "cli_models:build", "-a", "none.json"], "cannot read adapter JSON"),
         (["diff", "good.pt", "-t", "cli_models:build", "-O", "x=1"], "--adapter-option needs --adapter"),
-        (["convert", "good.pt", "out.safetensors", "--to", "safetensors", "--option", "x=1"], "--adapter-option needs --adapter"),
         (["diff", "bad.pt", "-s", "nomodel", "-t", "cli_models:build"], "subtree 'nomodel'"),
         (["inspect", "nope.pt"], "nope.pt: no such file"),
         (["diff", "good.pt", "-t", "cli_models.py"], "give cli_models.py:FUNCTION naming the function that returns the model"),
@@ -184,6 +183,8 @@ def test_diff_with_adapters(work, capsys):
         (["diff", "good.pt", "-t", "cli_models.py:cpu_modle"], "did you mean cli_models.py:cpu_model?"),
         (["diff", "Qwen/Qwen2.5-0.5B", "-t", "good.pt"], "write hf://Qwen/Qwen2.5-0.5B"),
         (["inspect", "meta-llama/Llama-3.1-8B"], "looks like a Hugging Face Hub id"),
+        # added after the cases above: appended, so their node ids (argv0..argv18) stay as they were
+        (["convert", "good.pt", "out.safetensors", "--to", "safetensors", "--option", "x=1"], "--adapter-option needs --adapter"),
     ],
 )
 def test_usage_errors_exit_2(work, capsys, argv, message):

@@ -18,11 +18,12 @@ from sdadapt._recipes import quant_fused as QF
 DIMS = (64, 4, 2, 16, 64)  # hidden, heads, kv heads, head dim, MLP hidden: whole 32-value groups, 2 x 2 blocks of 32
 
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# every format on the CPU (node ids [FORMAT]) and, where there is a GPU, on it too ([FORMAT-cuda])
+CASES = [pytest.param(f, "cpu", id=f) for f in sorted(QUANT_FORMATS)]
+CASES += [pytest.param(f, "cuda", id=f"{f}-cuda") for f in sorted(QUANT_FORMATS) if torch.cuda.is_available()]
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fmt", sorted(QUANT_FORMATS))
+@pytest.mark.parametrize("fmt, device", CASES)
 def test_refit_into_a_quantized_engine(fmt: str, device: str, monkeypatch: pytest.MonkeyPatch) -> None:
     base = vllm_llama.build(n_heads=DIMS[1], n_kv_heads=DIMS[2], head_dim=DIMS[3], hidden_dim=DIMS[4], tp=1)
     adapter = base + quant_adapter(fmt, block=(32, 32))
