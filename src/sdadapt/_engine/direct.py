@@ -158,7 +158,8 @@ class EngineReader:
         if self.share_reads and is_distributed():
             to_read, shares, rows = share.split(jobs, targets, cfg.gap_bytes if cfg.share_rows else None)
         engine = IOEngine(self.source, self.config, on_done=self.on_done)
-        rows_engine = IOEngine(self.source, self.config)  # its reads are others' too: progress counts the shards filled
+        # the rows' own engine, only where there are rows: its reads are others' too (progress counts the shards filled)
+        rows_engine = IOEngine(self.source, self.config) if rows else None
         failure: BaseException | None = None
         try:  # before any round is read: the rounds' regions are fetched here too
             self._prefetch(to_read + share.read_jobs([u for r in share.rounds(rows, cfg.share_round_bytes) for u in r]))
@@ -166,11 +167,12 @@ class EngineReader:
             failure = e
         # the rows' rounds are read and exchanged beside this rank's other reads (no hang if either fails)
         own, error, received = share.read_and_exchange(
-            None if failure is not None else lambda: engine.run(to_read), rows, rows_engine.run, cfg.share_round_bytes
+            None if failure is not None else lambda: engine.run(to_read), rows, rows_engine.run if rows_engine else engine.run,
+            cfg.share_round_bytes,
         )
         failure = failure or own or error
         done = 0  # destination bytes filled by the exchanges, for progress
-        if rows:
+        if rows_engine is not None:
             engine.stats.add(rows_engine.stats)
             done += sum(r.job.dest.numel() * r.job.dest.element_size() for r in rows)
         self.fetched = (self.fetched[0] + engine.stats.fetched_bytes, self.fetched[1] + engine.stats.requests)
