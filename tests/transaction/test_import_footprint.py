@@ -80,6 +80,9 @@ IMPORT_SDADAPT = ["sdadapt", "sdadapt._base", "sdadapt._base.lazy", "sdadapt._ba
 PLAIN_LOAD = IMPORT_SDADAPT + [
     "sdadapt.errors",
     *(f"sdadapt._base.{m}" for m in "agreement distributed env gc keyruns progress regions schema summary tensor_bytes".split()),
+    # the exit handler that ends process groups DTensor keeps, registered with _base.distributed:
+    # every process that runs sdadapt's collectives needs it (tests/reports/teardown-abort-cpu2-2026-12-07.md)
+    "sdadapt._base.teardown",
     "sdadapt._engine",
     *(f"sdadapt._engine.{m}" for m in (
         "config device devread direct engine geometry lanes locate pinned planner prefetch share staging syscalls "
