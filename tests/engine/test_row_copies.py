@@ -1,7 +1,11 @@
 """The copies into and out of a row-sharing round's buffers (``_engine.share._copy``): equal to
-``copy_`` bit for bit, in blocks small enough that torch runs each on the calling thread."""
+``copy_`` bit for bit, in blocks small enough that torch runs each on the calling thread; and
+``read_and_exchange``'s readers."""
 
 from __future__ import annotations
+
+import threading
+from typing import cast
 
 import pytest
 import torch
@@ -43,3 +47,23 @@ def test_copy_equals_copy_in_blocks(case: str, monkeypatch: pytest.MonkeyPatch) 
     assert calls and max(calls) < share.GRAIN, (case, max(calls))
     if case == "down_proj slice, int64 view":  # 4 bf16 values a block element: a quarter of the calls
         assert len(calls) <= -(-src.numel() // 4 // (share.GRAIN - 1)) + 1, len(calls)
+
+
+def test_read_and_exchange_without_rows_needs_no_reader() -> None:
+    """No rows: ``read_rows`` is None and only ``read_own`` runs, on this thread, no rounds thread."""
+    seen: list[str] = []
+    own, error, got = share.read_and_exchange(lambda: seen.append(threading.current_thread().name), [], None, 1 << 20)
+    assert (own, error, got) == (None, None, 0)
+    assert seen == [threading.current_thread().name]
+
+    def fail() -> None:
+        raise OSError("disk gone")
+
+    own, error, got = share.read_and_exchange(fail, [], None, 1 << 20)
+    assert isinstance(own, OSError) and error is None and got == 0
+
+
+def test_read_and_exchange_rows_need_a_reader() -> None:
+    rows = cast("list[share.RowShare]", [object()])  # refused before a row is looked at
+    with pytest.raises(ValueError, match="read_rows"):
+        share.read_and_exchange(lambda: None, rows, None, 1 << 20)

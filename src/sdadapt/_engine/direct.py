@@ -167,7 +167,7 @@ class EngineReader:
             failure = e
         # the rows' rounds are read and exchanged beside this rank's other reads (no hang if either fails)
         own, error, received = share.read_and_exchange(
-            None if failure is not None else lambda: engine.run(to_read), rows, rows_engine.run if rows_engine else engine.run,
+            None if failure is not None else lambda: engine.run(to_read), rows, rows_engine.run if rows_engine else None,
             cfg.share_round_bytes,
         )
         failure = failure or own or error

@@ -501,34 +501,37 @@ def exchange_rows(
 
 
 def read_and_exchange(
-    read_own: Callable[[], object] | None, rows: Sequence[RowShare], read_rows: Callable[[list[Job]], object], round_bytes: int
+    read_own: Callable[[], object] | None, rows: Sequence[RowShare], read_rows: Callable[[list[Job]], object] | None, round_bytes: int
 ) -> tuple[BaseException | None, BaseException | None, int]:
     """Collective over each row group: ``read_own()`` (the engine over this rank's other jobs)
     on this thread while a second thread reads and exchanges the rows' rounds
     (:func:`exchange_rows`, ``read_rows`` reading each round), so that the exchanges overlap
     the reads. A failure of either stops the other's reads (the exchanges still run);
-    ``read_own=None``: this rank failed before reading (it reads nothing, and still exchanges).
+    ``read_own=None``: this rank failed before reading (it reads nothing, and still exchanges);
+    ``read_rows=None``: there are no rows (``rows`` empty), only ``read_own`` runs.
     Returns the error of ``read_own``, that of the rounds, and the bytes received from peers."""
+    if rows and read_rows is None:
+        raise ValueError("read_and_exchange: rows to exchange need read_rows, the reader of their rounds")
     stop = threading.Event()
     if read_own is None:
         stop.set()
     out: list[tuple[BaseException | None, int]] = []
     device = next((r.job.dest.device for r in rows), None)
 
-    def rounds_thread() -> None:
+    def rounds_thread(read: Callable[[list[Job]], object]) -> None:
         try:
             if device is not None and device.type == "cuda":
                 with torch.cuda.device(device):
-                    out.append(exchange_rows(rows, read_rows, stop, round_bytes))
+                    out.append(exchange_rows(rows, read, stop, round_bytes))
                     torch.cuda.current_stream(device).synchronize()  # the pieces are in place on return
             else:
-                out.append(exchange_rows(rows, read_rows, stop, round_bytes))
+                out.append(exchange_rows(rows, read, stop, round_bytes))
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             out.append((e, 0))
 
     thread = None
-    if rows:
-        thread = threading.Thread(target=rounds_thread, name="sdadapt-rows", daemon=True)
+    if rows and read_rows is not None:
+        thread = threading.Thread(target=rounds_thread, args=(read_rows,), name="sdadapt-rows", daemon=True)
         thread.start()
     own: BaseException | None = None
     try:
