@@ -53,3 +53,25 @@ def test_exit_handler_ends_the_groups_dtensor_keeps(tmp_path):
     assert seen["destroyed"], seen  # destroy_process_group() alone leaves them running
     assert seen["released"] == 0 and seen["left"] == [], seen
     assert seen["again"] == [0], seen
+
+
+def _groups_destroyed_while_held(folder: str) -> dict[str, object]:
+    first = background_group(None)
+    seen: dict[str, object] = {"cached": background_group(None) is first}
+    dist.destroy_process_group(first)  # this group alone, still held here
+    second = background_group(None)
+    seen["after_group"] = second is not first and second in dist.distributed_c10d._world.pg_map
+    dist.destroy_process_group()  # the whole world, ``second`` still held here
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'again')}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=60))  # fmt: skip
+    third = background_group(None)
+    seen["after_world"] = third not in (first, second) and dist.get_process_group_ranks(third) == [0]
+    dist.destroy_process_group()
+    return seen
+
+
+def test_background_group_made_again_once_destroyed(tmp_path):
+    """A cached background group that torch's world no longer holds (the group destroyed, or the
+    whole world) is made again, even while a reference keeps the old one alive."""
+    [seen] = run_distributed(_groups_destroyed_while_held, 1, str(tmp_path), timeout=120)
+    assert seen == {"cached": True, "after_group": True, "after_world": True}, seen

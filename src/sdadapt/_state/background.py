@@ -52,12 +52,7 @@ def background_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | Non
         return None
     ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
     made = _GROUPS.get(ranks)
-    if made is not None:
-        try:
-            dist.get_process_group_ranks(made)
-        except (KeyError, ValueError, RuntimeError):  # a group of a world destroyed since, still held elsewhere
-            made = None
-    if made is None:
+    if made is None or made not in dist.distributed_c10d._world.pg_map:  # none, or destroyed since (still held elsewhere)
         made = _GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
     return made
 
