@@ -9,6 +9,11 @@ too small to split go whole to one peer). Each shard
 must equal the eager cast of the full tensor bit for bit, and each rank's bytes read, bytes
 from storage and bytes received must be the ones :func:`sdadapt.dry_run` predicts for it. A
 read error on one rank during the rounds is every rank's error, promptly (no hang).
+
+The default, ``share_rows="auto"``, on 2 x 2 FSDP x TP with the hosts played by
+``SDADAPT_HOST_ID``: one host (rows not shared, and no rank asks its TP group anything), each TP
+group split over two hosts (shared), two hosts each holding a whole TP group (not shared, each
+group asked once); the dry run with the matching ``ranks_per_node`` predicts each.
 """
 
 from __future__ import annotations
@@ -122,7 +127,47 @@ def _cases(path: str) -> dict[str, Any]:
     out["error"] = {"kind": kind, "message": message, "seconds": seconds}
     # the group is still healthy: the next load succeeds
     sdadapt.load(_parallel(MESHES["tp4"]), path, dtype="model", share_reads=True, engine=ROUND)
+    for name, (host, per_node) in HOSTS.items():
+        stage(f"case hosts {name}")
+        out[f"hosts_{name}"] = _auto_case(full, path, host(dist.get_rank()), per_node)
     return out
+
+
+AUTO = sdadapt.EngineConfig(share_round_bytes=16 << 10)  # share_rows="auto", the default
+# each case: this rank's host, and the ranks per node that gives the dry run the same hosts
+# (on dp_shard=2,tp=2 ranks 0, 1 form one TP group and 2, 3 the other)
+HOSTS = {"one": (lambda r: "a", 4), "tp_apart": (lambda r: f"h{r % 2}", 1), "tp_together": (lambda r: f"h{r // 2}", 2)}
+
+
+def _auto_case(full: dict[str, torch.Tensor], path: str, host: str, per_node: int) -> dict[str, Any]:
+    """A load with the default ``share_rows`` on ``host`` (``SDADAPT_HOST_ID``), checked bit for
+    bit; its figures, the dry run's for the same hosts, and how many TP groups it asked."""
+    from torch.distributed.tensor import DTensor
+
+    from sdadapt._engine import direct
+
+    asked: list[bool] = []
+    real = direct.spans_hosts
+
+    def counted(group: Any) -> bool:
+        asked.append(real(group))
+        return asked[-1]
+
+    os.environ["SDADAPT_HOST_ID"], direct.spans_hosts = host, counted  # type: ignore[assignment]
+    try:
+        model = _parallel(MESHES["fsdp_tp"])
+        predicted = sdadapt.dry_run(model, path, mesh="dp_shard=2,tp=2", share_reads=True, dtype="model", engine=AUTO,
+                                    ranks_per_node=per_node, max_ranks=64)  # fmt: skip
+        rep = sdadapt.load(model, path, dtype="model", share_reads=True, engine=AUTO)
+    finally:
+        del os.environ["SDADAPT_HOST_ID"]
+        direct.spans_hosts = real  # type: ignore[assignment]
+    exact = all(torch.equal(t.to_local(), full[k][tuple(slice(a, b) for a, b in _box(t))]) if isinstance(t, DTensor)
+                else torch.equal(t, full[k]) for k, t in model.state_dict().items())  # fmt: skip
+    mine = next(r for r in predicted.ranks if r.rank == dist.get_rank())
+    return {"exact": exact, "load": [rep.bytes_read, rep.storage_bytes, rep.bytes_shared], "asked": asked,
+            "predicted": [mine.bytes_read, mine.storage_bytes, mine.shared_bytes], "rows_bytes": mine.rows_bytes,
+            "said": predicted.share_rows, "agreement": predicted.agreement_bytes_per_rank}  # fmt: skip
 
 
 def _same_class(coordinate: dict[str, int], mesh: str) -> bool:
@@ -177,3 +222,20 @@ def test_a_read_error_in_a_round_is_every_ranks_error(results: list[dict[str, An
         assert err["kind"] == "LoadError", (rank, err)
         assert err["seconds"] < 60, (rank, err)
     assert "injected" in results[1]["error"]["message"] or "Input/output" in results[1]["error"]["message"], results[1]["error"]
+
+
+@pytest.mark.parametrize("hosts", list(HOSTS))
+def test_auto_shares_rows_only_where_a_tp_group_spans_hosts(results: list[dict[str, Any]], hosts: str) -> None:
+    apart = hosts == "tp_apart"
+    for rank, res in enumerate(results):
+        got = res[f"hosts_{hosts}"]
+        assert got["exact"], (rank, got)
+        assert got["load"] == got["predicted"], (rank, got)  # bytes read, from storage, received: as the dry run says
+        assert (got["load"][2] > 0) == apart and (got["rows_bytes"] > 0) == apart, (rank, got)
+        assert got["said"].startswith("auto (on" if apart else "auto (off"), got["said"]
+        assert got["agreement"] == 72, got  # the plan's agreement carries the host: 16 bytes more
+        # one host: the agreement said so, no group is asked; else each rank's TP group once
+        assert got["asked"] == ([] if hosts == "one" else [apart]), (rank, got)
+    if apart:  # each rank of a TP group reads about half its rows' pages: less than its slices' rows alone
+        one = [r["hosts_one"]["load"][1] for r in results]
+        assert all(r["hosts_tp_apart"]["load"][1] < o for r, o in zip(results, one, strict=True))

@@ -84,3 +84,18 @@ def test_every_variable_of_the_table_sets_its_field(monkeypatch):
     assert (cfg.kvikio_bounce_bytes, cfg.switch_interval, cfg.plan_switch_interval) == (None, 0.002, None)
     docs = "".join(p.read_text() for p in (Path(__file__).resolve().parents[2] / "docs").glob("*.md"))
     assert [var for var in config.ENV if var not in docs] == []
+
+
+def test_share_rows_is_auto_by_default_and_takes_three_values(monkeypatch):
+    from sdadapt._engine.direct import rows_mode
+
+    assert sdadapt.EngineConfig().share_rows == "auto"
+    for text, want in (("auto", "auto"), ("1", True), ("0", False)):
+        monkeypatch.setenv("SDADAPT_IO_SHARE_ROWS", text)
+        assert sdadapt.EngineConfig.from_env().share_rows == want
+    with pytest.raises(ValueError, match="share_rows must be True, False or 'auto'"):
+        sdadapt.EngineConfig(share_rows="yes")  # type: ignore[arg-type]
+    # (rows_gap, ask each TP group): auto is off on one host without asking, else each group asks
+    assert rows_mode("auto", True, 7) == (None, False) and rows_mode("auto", False, 7) == (7, True)
+    assert rows_mode("auto", None, 7) == (7, True) and rows_mode(True, True, 7) == (7, False)
+    assert rows_mode(False, False, 7) == (None, False)

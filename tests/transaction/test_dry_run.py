@@ -244,3 +244,19 @@ def test_a_lone_tp_rank_reads_its_rows_once_when_peers_share_them(tmp_path: Any,
         assert s.storage_bytes <= 1.1 * s.bytes_read and s.bytes_read <= 1.01 * s.local_bytes, s
         assert s.shared_bytes > 0 and s.device_bytes > s.local_bytes  # the round buffers
     assert shared.total_bytes_read <= alone.total_bytes_read  # the norms, replicated over tp, read once too
+
+
+def test_by_default_tp_rows_are_shared_only_across_nodes(tmp_path: Any) -> None:
+    # share_rows="auto": a TP-8 group within a node of 8 ranks reads its own slices (the node's
+    # page cache serves every rank, so the node reads each byte once); spread over nodes of 4
+    # ranks, the peers share rows and each rank's storage comes to about its bytes read
+    path = _sparse_8b(tmp_path)
+    one = sdadapt.dry_run(None, path, mesh="tp=8", device="cuda", max_ranks=4)
+    two = sdadapt.dry_run(None, path, mesh="tp=8", device="cuda", max_ranks=4, ranks_per_node=4)
+    assert one.share_rows.startswith("auto (off") and two.share_rows.startswith("auto (on"), (one.share_rows, two.share_rows)
+    assert one.agreement_bytes_per_rank == two.agreement_bytes_per_rank == 72
+    for a, s in zip(one.ranks, two.ranks, strict=True):
+        assert a.rows_bytes == 0 and a.storage_bytes > 1.5 * a.bytes_read, a
+        assert s.rows_bytes > 0 and s.storage_bytes <= 1.1 * s.bytes_read, s
+        assert s.device_bytes > a.device_bytes == a.local_bytes  # the round buffers only where rows are shared
+    assert "TP rows shared: auto (on" in two.format()

@@ -10,6 +10,10 @@ it is about to do (a fixed-size hash per part), and one all-reduce of a fixed-si
 hold the same digests and whether any rank failed. The traffic is the same at any world size
 (``8 * (1 + 2 * parts)`` bytes per rank); only when the ranks differ do they exchange the parts
 themselves, to name the ranks and what differs.
+
+The same all-reduce can carry one value the ranks need not agree on (``spread``), to learn
+whether every rank holds the same: a load asks so of each rank's host (:func:`host_id`), since
+ranks on one host share its page cache (TP row sharing's ``"auto"``, :mod:`sdadapt._engine.share`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -44,9 +50,36 @@ def digest(value: Any) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & _TOP
 
 
-def agreement_bytes(parts: int) -> int:
-    """The bytes each rank contributes to one agreement over ``parts`` parts (any world size)."""
-    return 8 * (1 + 2 * parts)
+def agreement_bytes(parts: int, spread: bool = False) -> int:
+    """The bytes each rank contributes to one agreement over ``parts`` parts (any world size);
+    ``spread``: carrying a value the ranks compare without agreeing (:func:`agree_on`)."""
+    return 8 * (1 + 2 * parts + (2 if spread else 0))
+
+
+def host_id() -> str:
+    """What tells this rank's host from others: its hostname and the running kernel's boot id
+    (``/proc/sys/kernel/random/boot_id``, new at every boot), so that two machines never look
+    alike. Ranks with the same id share one page cache. ``SDADAPT_HOST_ID`` replaces it (a test
+    that plays several hosts on one machine)."""
+    forced = os.environ.get("SDADAPT_HOST_ID")
+    if forced:
+        return forced
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:  # not Linux
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+def spans_hosts(group: dist.ProcessGroup) -> bool:
+    """Collective over ``group``: whether its members run on more than one host (:func:`host_id`);
+    one all-reduce of two integers."""
+    code = digest(host_id())
+    t = torch.tensor([code, _TOP - code], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    high, low = t.tolist()
+    return high != _TOP - low
 
 
 def agree_on(
@@ -58,7 +91,8 @@ def agree_on(
     mismatch: Callable[[str], BaseException] = DisagreementError,
     remote: Callable[[str], BaseException] = RemoteRankError,
     timeout: float | None = None,
-) -> None:
+    spread: Any = _NOTHING,
+) -> bool:
     """Collective: every rank calls it at the same point with the same part names. If any rank
     passes ``error``, every rank raises (as :func:`~sdadapt._base.distributed.agree`: its own
     error, or ``remote(message)`` quoting the first failing rank's); else if
@@ -69,13 +103,20 @@ def agree_on(
     shape, dtype, recipe, ``"versions"``: :func:`installed_versions`). A failing rank may pass
     ``None`` values. ``what``: the operation, for the message ("load ckpt/"). ``timeout``: seconds
     to wait for the other ranks (``None``: the group's own timeout); past it, a ``RuntimeError``
-    from the backend."""
+    from the backend. ``spread``: a JSON-able value the ranks need not agree on, carried in the
+    same all-reduce (every rank passes one or none does: :func:`agreement_bytes` with ``spread``).
+
+    Returns:
+        Whether every rank passed the same ``spread`` (``True`` where none is passed, or outside
+        a process group)."""
     if not is_distributed():
         if error is not None:
             raise error
-        return
+        return True
     names = sorted(parts)
     codes = [0] * len(names) if error is not None else [digest(parts[n]) for n in names]
+    if spread is not _NOTHING:
+        codes.append(digest(spread))
     flag = 1 if error is not None else 0
     t = torch.tensor([flag, *codes, *(_TOP - c for c in codes)], dtype=torch.int64, device=collective_device(group))
     work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=timeout is not None)
@@ -85,10 +126,10 @@ def agree_on(
     got = t.tolist()
     if got[0]:
         raise_agreed(error, group, remote)
-    k = len(names)
+    k = len(codes)
     differ = [n for i, n in enumerate(names) if got[1 + i] != _TOP - got[1 + k + i]]
     if not differ:
-        return
+        return spread is _NOTHING or got[k] == _TOP - got[2 * k]
     every = gather_objects({n: parts[n] for n in differ}, group)
     e = mismatch(disagreement_message(every, differ, what))
     brief_off_rank0(e, group)
@@ -203,4 +244,4 @@ def _rule(rule: Any) -> str:
     return _short(f"{rule.get('kind')}({fields})")
 
 
-__all__ = ["agree_on", "agreement_bytes", "digest", "disagreement_message", "installed_versions"]
+__all__ = ["agree_on", "agreement_bytes", "digest", "disagreement_message", "host_id", "installed_versions", "spans_hosts"]

@@ -73,6 +73,8 @@ class DryRunRank(BaseModel):
         header_bytes_received: header bytes it receives by broadcast.
         shared_bytes: bytes it receives from replicas, and from TP peers sharing the rows of
             column slices, instead of reading (``share_reads``).
+        rows_bytes: the part of ``shared_bytes`` it receives from TP peers sharing rows
+            (``EngineConfig.share_rows``; 0 where it reads its own column slices).
         staging_bytes: at most this much staging and band memory.
         host_bytes: the host memory the load adds: on CPU its shards, the staging it writes
             and the file pages its mapped reads touch; on GPU its pinned staging and those pages.
@@ -101,6 +103,7 @@ class DryRunRank(BaseModel):
     header_bytes: int
     header_bytes_received: int
     shared_bytes: int
+    rows_bytes: int = 0
     staging_bytes: int
     host_bytes: int
     device_bytes: int
@@ -119,6 +122,8 @@ class DryRunReport(Summarized, BaseModel):
         device: the device the shards are on (``cpu`` or ``cuda``).
         share_reads: whether replicas read once and broadcast, and ``share_why`` why.
         share_why: why (or why not).
+        share_rows: TP row sharing (``EngineConfig.share_rows``): ``"on"``, ``"off"``, or
+            ``"auto"``, on for the TP groups whose ranks lie on more than one node.
         headers: ``"once"`` (the first rank reads them, one broadcast) or ``"every"``.
         checkpoint_bytes: the checkpoint's tensor bytes.
         checkpoint_files: its files (headers and index included).
@@ -153,6 +158,7 @@ class DryRunReport(Summarized, BaseModel):
     device: str
     share_reads: bool
     share_why: str
+    share_rows: str = "off"
     headers: str
     checkpoint_bytes: int
     checkpoint_files: int
@@ -178,7 +184,8 @@ class DryRunReport(Summarized, BaseModel):
 
         lines = [
             f"dry run of {self.source} into {self.target} on {self.world_size} ranks ({self.mesh}), {self.device}; "
-            f"headers {self.headers}; share_reads {'on' if self.share_reads else 'off'} ({self.share_why})",
+            f"headers {self.headers}; share_reads {'on' if self.share_reads else 'off'} ({self.share_why})"
+            + (f"; TP rows shared: {self.share_rows}" if self.share_reads else ""),
             f"{self.classes} class(es) of ranks with the same shards; "
             + ("every class planned" if self.exact else f"{len(self.ranks)} planned (evenly spaced); totals estimated: bytes "
                "read as the sample's bytes read per shard byte times all shard bytes (exact), opens as its mean"),
@@ -303,7 +310,7 @@ def dry_run(
         if state is not None and any(isinstance(t, DTensor) for t in state.values()):
             layouts = model_layouts(state, grid, layouts)  # an already-parallelised model: its own placements
         granule = mapping_granule(source)
-        dry = DryRunJob(source, plan, schema, layouts, grid, cfg, torch.device(device), share, granule)
+        dry = DryRunJob(source, plan, schema, layouts, grid, cfg, torch.device(device), share, granule, ranks_per_node)
         ranks, exact, n_classes, class_of = _plan_ranks(dry, max_ranks)
         ckpt_files = len(rec_src.files)  # header and index files: what a rank that reads the headers opens
         every = headers == "every" or grid.size == 1  # each rank reads the headers (else the first, and broadcasts them)
@@ -344,6 +351,7 @@ def dry_run(
         device=device,
         share_reads=share,
         share_why=why,
+        share_rows=_rows_said(cfg.share_rows, ranks, ranks_per_node) if share else "off",
         headers=headers,
         checkpoint_bytes=ckpt_bytes,
         checkpoint_files=ckpt_files,
@@ -358,10 +366,19 @@ def dry_run(
         ranks_per_node=min(ranks_per_node, grid.size),  # a node never holds more ranks than the job
         max_node_bytes_read=node_max,
         collective_bytes_per_rank=payload,
+        agreement_bytes_per_rank=agreement_bytes(len(PARTS), spread=share and grid.size > 1 and cfg.share_rows == "auto"),
         mapping_granule=granule,
         seconds=time.perf_counter() - start,
         report=plan.report,
     )
+
+
+def _rows_said(share_rows: bool | str, ranks: list[DryRunRank], per_node: int) -> str:
+    """How the dry run's ranks share TP rows, for :attr:`DryRunReport.share_rows`."""
+    if share_rows != "auto":
+        return "on" if share_rows else "off"
+    on = any(r.rows_bytes for r in ranks)
+    return f"auto ({'on: TP groups span' if on else 'off: every TP group within'} nodes of {per_node} ranks)"
 
 
 def _plan(target: Any, src: Any, options: Options) -> tuple[Source, Plan, str, dict[str, torch.Tensor] | None]:
@@ -417,6 +434,20 @@ class DryRunJob:
     device: torch.device
     share: bool
     granule: int
+    ranks_per_node: int = 8
+
+    def rows_apart(self, layout: Layout, coord: tuple[int, ...], mesh_dim: int) -> bool:
+        """Whether the members of the row group on ``layout``'s flattened mesh dim ``mesh_dim``
+        (the rank at ``coord`` among them) lie on more than one node (``ranks_per_node`` ranks
+        each, in rank order): where ``share_rows="auto"`` shares their rows."""
+        dims = layout.groups[mesh_dim][0]
+        nodes = set()
+        for k in range(math.prod(self.grid.sizes[d] for d in dims)):
+            at = list(coord)
+            for d in reversed(dims):
+                at[d], k = k % self.grid.sizes[d], k // self.grid.sizes[d]
+            nodes.add(self.grid.rank_of(tuple(at)) // self.ranks_per_node)
+        return len(nodes) > 1
 
 
 def _plan_ranks(dry: DryRunJob, max_ranks: int) -> tuple[list[DryRunRank], bool, int, Any]:
@@ -489,12 +520,15 @@ def _plan_rank(dry: DryRunJob, coord: tuple[int, ...], per_class: int) -> DryRun
         if dry.share and dry.cfg.share_rows:
             mesh_shape, at = group_coordinate(dry.grid, lay, coord)
             cut = row_cut(box, tuple(info.shape), mesh_shape, at, tuple(p for _, p in lay.groups), info.dtype.itemsize, dry.cfg.gap_bytes)
+            if cut is not None and dry.cfg.share_rows == "auto" and not dry.rows_apart(lay, coord, cut.mesh_dim):
+                cut = None  # the group on one node: its page cache is shared
         if cut is None:
             jobs.append(job)
         else:
             rows.append(RowShare(None, job, cut))
     rounds = row_rounds(rows, dry.cfg.share_round_bytes)
-    shared += sum(row_received(r) for r in rounds)
+    rows_got = sum(row_received(r) for r in rounds)
+    shared += rows_got
     fig = predict(dry.source, jobs, dry.cfg, dry.device, dry.granule)
     for units in rounds:  # each round of shared rows is a run of its own
         fig.add(predict(dry.source, row_read_jobs(units), dry.cfg, dry.device, dry.granule))
@@ -515,6 +549,7 @@ def _plan_rank(dry: DryRunJob, coord: tuple[int, ...], per_class: int) -> DryRun
         header_bytes=0,
         header_bytes_received=0,
         shared_bytes=shared,
+        rows_bytes=rows_got,
         staging_bytes=fig.staging_bytes,
         host_bytes=(local + exchange if dry.device.type == "cpu" else 0) + fig.staging_touched + fig.mapped_span,
         device_bytes=local + exchange if dry.device.type == "cuda" else 0,

@@ -6,7 +6,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 MiB = 1 << 20
 
@@ -107,11 +107,12 @@ class EngineConfig:
             thread (``None``: chosen from the measured rate).
         share_rows: with ``share_reads``, the ranks holding column slices of the same rows (TP's
             row-parallel weights) split the rows, each reading whole rows once, and exchange
-            the slices (:mod:`sdadapt._engine.share`); off by default (each reads its own
-            slices): it cuts a cold rank's storage bytes to its share, which saves storage
-            reads where the peers do not share a page cache (a TP group over several hosts);
-            a TP group on one node does, and there it measured no faster on gloo
-            (docs/performance.md), not yet on NCCL.
+            the slices (:mod:`sdadapt._engine.share`), which cuts a cold rank's storage bytes
+            to its share. ``"auto"`` (the default): on for a TP group whose ranks run on more
+            than one host (they share no page cache), off for one on a single host (its ranks
+            share the page cache, so the host reads each byte from storage once either way,
+            and sharing measured no faster there: docs/performance.md); ``True``: always
+            (storage read around the page cache); ``False``: never.
         share_round_bytes: the rows a rank reads per round of that exchange (one
             ``all_to_all`` each); the round's buffers take about three times this.
 
@@ -149,10 +150,12 @@ class EngineConfig:
     kvikio_gathers: bool = False
     remote_request_bytes: int | None = None
     remote_concurrency: int | None = None
-    share_rows: bool = False
+    share_rows: bool | Literal["auto"] = "auto"
     share_round_bytes: int = 64 * MiB
 
     def __post_init__(self) -> None:
+        if self.share_rows not in (True, False, "auto"):
+            raise ValueError(f"EngineConfig.share_rows must be True, False or 'auto', got {self.share_rows!r}")
         for name, least, what in _LEAST:
             value = getattr(self, name)
             if value is not None and value < least:
@@ -256,6 +259,10 @@ def _flag(text: str) -> bool:
     return text not in ("0", "false", "no")
 
 
+def _auto_or_flag(text: str) -> bool | str:
+    return "auto" if text == "auto" else _flag(text)
+
+
 def _mib_or_none(text: str) -> int | None:
     mb = float(text)
     return max(4096, int(mb * MiB)) if mb > 0 else None
@@ -286,12 +293,13 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "SDADAPT_IO_KVIKIO_BOUNCE_MB": ("kvikio_bounce_bytes", _mib_or_none),
     "SDADAPT_IO_REMOTE_REQUEST_MB": ("remote_request_bytes", _mib_or_none),
     "SDADAPT_IO_REMOTE_CONCURRENCY": ("remote_concurrency", _count),
-    "SDADAPT_IO_SHARE_ROWS": ("share_rows", _flag),
+    "SDADAPT_IO_SHARE_ROWS": ("share_rows", _auto_or_flag),
     "SDADAPT_IO_SHARE_ROUND_MB": ("share_round_bytes", _mib(4096)),
     "SDADAPT_IO_SWITCH_MS": ("switch_interval", _seconds_of_ms),
     "SDADAPT_IO_PLAN_SWITCH_MS": ("plan_switch_interval", _seconds_of_ms),
 }
 """Each ``SDADAPT_IO_*`` variable :meth:`EngineConfig.from_env` reads: the field it sets and how
 its text becomes the value (sizes in MiB, at least 4 KiB where a buffer must hold a page;
-counts at least 1; ``0`` / ``false`` / ``no`` turn a switch off; ``0`` MiB or ms: none)."""
+counts at least 1; ``0`` / ``false`` / ``no`` turn a switch off, ``auto`` sets ``share_rows`` to
+``"auto"``; ``0`` MiB or ms: none)."""
 

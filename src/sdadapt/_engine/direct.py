@@ -23,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .._base.agreement import spans_hosts
 from .._base.distributed import is_distributed
 from .._base.regions import Box, box_shape
 from .._plan.plan import Plan
@@ -36,6 +37,16 @@ from .tasks import Job
 from .workers import CountingIO
 
 log = logging.getLogger(__name__)
+
+
+def rows_mode(share_rows: bool | str, one_host: bool | None, gap: int) -> tuple[int | None, bool]:
+    """How ``share_reads`` treats TP peers' rows: the ``rows_gap`` for :func:`~sdadapt._engine.share.split`
+    (``None``: not shared) and whether each row group asks if it spans hosts first.
+    ``share_rows="auto"``: off where every rank of the load runs on one host (``one_host``, from
+    the ranks' agreement: no collective more); else each group asks."""
+    if share_rows == "auto":
+        return (None, False) if one_host else (gap, True)
+    return (gap if share_rows else None), False
 
 
 def direct_targets(state_dict: Mapping[str, object]) -> bool:
@@ -106,7 +117,9 @@ class EngineReader:
     CPU shards or through bounded pinned staging to GPU shards). ``engine="simple"`` (or the
     environment variable ``SDADAPT_IO=simple``) reads job by job on one thread instead: the
     reference the engine is measured and tested against (it reads every job itself:
-    ``share_reads`` applies to the engine only).
+    ``share_reads`` applies to the engine only). ``one_host``: whether every rank of the load
+    runs on one host, as the ranks agreed (``None``: not known), for
+    ``EngineConfig.share_rows="auto"`` (:func:`rows_mode`).
     """
 
     def __init__(
@@ -118,6 +131,7 @@ class EngineReader:
         config: EngineConfig | None = None,
         share_reads: bool = False,
         on_done: Callable[[int], None] | None = None,
+        one_host: bool | None = None,
     ):
         self.on_done = on_done  # progress: called with the destination bytes of each finished read
         self.plan = plan
@@ -130,6 +144,7 @@ class EngineReader:
             raise LoadError(f"unknown I/O engine {self.engine!r} (SDADAPT_IO); use 'engine' or 'simple'")
         self.config = config
         self.share_reads = share_reads
+        self.one_host = one_host  # whether every rank runs on one host, as the ranks agreed (None: not known)
         self.shared_bytes = 0  # bytes this rank received from replicas instead of reading
         self.fetched = (0, 0)  # (bytes, requests) fetched from object storage before reading
         self.began_writing = False  # set once the fetch ahead succeeded, before the first write
@@ -156,7 +171,8 @@ class EngineReader:
         rows: list[share.RowShare] = []
         cfg = self.config or EngineConfig.from_env()
         if self.share_reads and is_distributed():
-            to_read, shares, rows = share.split(jobs, targets, cfg.gap_bytes if cfg.share_rows else None)
+            rows_gap, ask = rows_mode(cfg.share_rows, self.one_host, cfg.gap_bytes)
+            to_read, shares, rows = share.split(jobs, targets, rows_gap, spans_hosts if ask else None)
         engine = IOEngine(self.source, self.config, on_done=self.on_done)
         # the rows' own engine, only where there are rows: its reads are others' too (progress counts the shards filled)
         rows_engine = IOEngine(self.source, self.config) if rows else None

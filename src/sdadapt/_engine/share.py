@@ -229,13 +229,18 @@ def row_cut(
 
 
 def split(
-    jobs: Sequence[Job], targets: Sequence[torch.Tensor | None], rows_gap: int | None = None
+    jobs: Sequence[Job], targets: Sequence[torch.Tensor | None], rows_gap: int | None = None,
+    spans_hosts: Callable[[dist.ProcessGroup], bool] | None = None,
 ) -> tuple[list[Job], list[Share], list[RowShare]]:
     """The jobs this rank reads on its own (replicated ones cut to its block), what to broadcast
     after, and the jobs whose rows it shares with its peers (``rows_gap``: the engine's
     ``gap_bytes``; ``None``: rows are not shared).
 
-    ``targets[i]`` is the DTensor (or ``None``) whose local shard ``jobs[i].dest`` is part of."""
+    ``targets[i]`` is the DTensor (or ``None``) whose local shard ``jobs[i].dest`` is part of.
+    ``spans_hosts``: rows are shared only within the groups for which it answers ``True``
+    (collective over the group: ``share_rows="auto"``'s question, whether its members run on
+    more than one host); asked once per group that has rows to share, in one order on every
+    rank (the groups' sorted ranks), so that no two ranks wait on each other's groups."""
     mine: list[Job] = []
     shares: list[Share] = []
     rows: list[RowShare] = []
@@ -274,6 +279,12 @@ def split(
             mine.append(job)
         else:
             rows.append(RowShare(group_of(target.device_mesh, cut.mesh_dim)[0], job, cut))
+    if spans_hosts is not None and rows:
+        asked = {id(r.group): r.group for r in rows}
+        order = sorted(asked.values(), key=lambda g: tuple(sorted(dist.get_process_group_ranks(g))))
+        apart = {id(g) for g in order if spans_hosts(g)}  # type: ignore[arg-type]
+        mine += [r.job for r in rows if id(r.group) not in apart]
+        rows = [r for r in rows if id(r.group) in apart]
     return mine, shares, rows
 
 

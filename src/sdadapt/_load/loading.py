@@ -306,7 +306,8 @@ def load(
         atomic: read into a second copy and copy in only once every rank succeeded.
         share_reads: ranks holding the same shard each read a part and broadcast it, and TP
             peers holding column slices of the same rows each read whole rows once and
-            exchange the slices (``None``: on for GPU shards, off for CPU ones).
+            exchange the slices, by default only where the peers run on more than one host
+            (``EngineConfig.share_rows``) (``None``: on for GPU shards, off for CPU ones).
         pipeline_stage: ``model`` is one pipeline stage; other stages' keys are allowed.
         dtype: ``"model"`` or a dtype: convert every tensor (a ``cast`` rule after ``adapter``'s).
         lora: a PEFT LoRA adapter folder merged into the base weights as they are read.
@@ -346,6 +347,9 @@ def load(
     if target is not None:  # pinned while the plan is made (kept for the next load if it fails)
         prefetch_pinned(target, False, engine)
     shared = share_headers(local, subtree, process_group)  # opened by one rank, its headers broadcast
+    share = share_reads if share_reads is not None else target is not None  # GPU shards: share by default
+    # TP row sharing's "auto" needs to know whether the ranks share a host: asked in the plan's agreement
+    txn.ask_hosts = share and world > 1 and (engine or EngineConfig.from_env()).share_rows == "auto"
     try:  # every rank raises if any failed; nothing was changed
         prep = txn.prepare(lambda: _prepare(txn, model, local, shared, options), _intent(options))
     except BaseException:
@@ -359,7 +363,6 @@ def load(
     phases.mark("materialize")
     # materialising gave the parameters new tensors; otherwise the planned state dict is current
     wanted = {k: v for k, v in (model_state_dict(model) if materialized else prep.planned).items() if k in prep.plan.recipes}
-    share = share_reads if share_reads is not None else target is not None  # GPU shards: share by default
     part = Part("model", prep.plan, txn.sources[-1], wanted, share_reads=share)
     phases.mark("prepare")
     log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), options.name, " (atomic)" if atomic else "")

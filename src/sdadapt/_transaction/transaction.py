@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
-from .._base.agreement import agree_on
+from .._base.agreement import agree_on, host_id
 from .._base.distributed import any_rank, gather_if_any, is_distributed
 from .._base.env import version_problem
 from .._engine import EngineConfig
@@ -136,6 +136,8 @@ class Transaction:
         self.written: list[Part] = []  # parts this rank began writing into
         self.engine: EngineConfig | None = None  # the I/O engine's settings; None: from the environment
         self.on_done: Callable[[int], None] | None = None  # progress: each finished read's destination bytes
+        self.ask_hosts = False  # whether prepare's agreement also asks whether every rank runs on one host
+        self.one_host: bool | None = None  # its answer (None: not asked)
 
     # ------------------------------------------------------------------ prepare
     def add_source(self, source: Source) -> None:
@@ -166,7 +168,7 @@ class Transaction:
             error = e
         except Exception as e:  # noqa: BLE001 - every failure must be agreed, whatever its type
             error = foreign_error(e, self.what, "preparing")
-        self.agree(error, parts)
+        self.agree(error, parts, hosts=self.ask_hosts)
         return out
 
     def resolve(self, src: T) -> T | str:
@@ -182,11 +184,15 @@ class Transaction:
             return hub_folder(hub_id, agree_fn=self.agree)
         return self.prepare(lambda: hub_folder(hub_id))
 
-    def agree(self, error: BaseException | None, parts: Mapping[str, Any] | None = None) -> None:
+    def agree(self, error: BaseException | None, parts: Mapping[str, Any] | None = None, hosts: bool = False) -> None:
         """Collective: if any rank failed (or ``parts`` differ), close the sources, undo what this
-        load changed, raise."""
+        load changed, raise. ``hosts``: the same all-reduce learns whether every rank runs on
+        one host (:attr:`one_host`; TP row sharing's ``"auto"``)."""
         try:
-            agree_on(parts or {}, error, self.group, what=self.what)
+            if hosts:
+                self.one_host = agree_on(parts or {}, error, self.group, what=self.what, spread=host_id())
+            else:
+                agree_on(parts or {}, error, self.group, what=self.what)
         except SdadaptError:
             self.close()
             self._undo(partly_written=False)
@@ -388,10 +394,10 @@ class Transaction:
     def _reader(self, part: Part, direct: bool) -> EngineReader:
         """The reader of ``part``: the engine's own (``direct``), else DCP's ``StorageReader`` face."""
         if direct:
-            return EngineReader(part.plan, part.source, config=self.engine, share_reads=part.share_reads)
+            return EngineReader(part.plan, part.source, config=self.engine, share_reads=part.share_reads, one_host=self.one_host)
         from .._engine.reader import AdaptedStorageReader  # noqa: PLC0415 - imports torch.distributed.checkpoint
 
-        return AdaptedStorageReader(part.plan, part.source, config=self.engine, share_reads=part.share_reads)
+        return AdaptedStorageReader(part.plan, part.source, config=self.engine, share_reads=part.share_reads, one_host=self.one_host)
 
     def _read(self, part: Part) -> list[str]:
         """Read one part on this rank alone: by the engine (tensors and DTensors: the same jobs
