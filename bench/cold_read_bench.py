@@ -34,9 +34,10 @@ mesh's first TP group run at once, one process each, cold, joined by a gloo grou
 row shards and, beside them, its range of whole rows of every column slice, and the slices are
 exchanged as the engine does (:func:`sdadapt._engine.read_and_exchange`); each reports its own
 figures as above (``predicted``: the dry run's count of the same runs and rounds), ``shared``
-(bytes received from its peers) and the group's wall time. Mode ``group``: the same processes at
+(bytes received from its peers), ``predicted_exchange`` (the dry run's round buffers, against
+``host_peak - base``) and the group's wall time (``SDADAPT_IO_SHARE_ROUND_MB`` sets the round). Mode ``group``: the same processes at
 once, each reading its own slices (the baseline for ``shared``: a TP group on one node, sharing
-the page cache).
+the page cache; what ``share_rows="auto"``, the default, does there).
 """
 
 from __future__ import annotations
@@ -208,7 +209,18 @@ def member(folder: Path, mesh_spec: str, rank_: int, port: int, verify: bool, mo
     import torch.distributed as dist
 
     from sdadapt._base.regions import box_shape
-    from sdadapt._engine import IOEngine, Job, RowShare, read_and_exchange, row_cut, row_read_jobs, row_received, row_rounds
+    from sdadapt._engine import (
+        IOEngine,
+        Job,
+        RowShare,
+        read_and_exchange,
+        rounds_memory,
+        row_cut,
+        row_read_jobs,
+        row_received,
+        row_rounds,
+        rows_config,
+    )
     from sdadapt._engine.predict import predict
     from sdadapt._plan.layout import Mesh, default_layouts, group_coordinate, local_box
     from sdadapt._recipes.nodes import Leaf
@@ -239,7 +251,7 @@ def member(folder: Path, mesh_spec: str, rank_: int, port: int, verify: bool, mo
         meta = [Job(j.key, j.node, j.box, torch.empty(j.dest.shape, dtype=j.dest.dtype, device="meta")) for j in plain]
         fig = predict(src, meta, cfg, torch.device("cpu"))
         for units in rounds:
-            fig.add(predict(src, row_read_jobs(units), cfg, torch.device("cpu")))
+            fig.add(predict(src, row_read_jobs(units), rows_config(cfg), torch.device("cpu")))
         jobs = plain + [r.job for r in rows]
         local = sum(j.dest.numel() * j.dest.element_size() for j in jobs)
         for j in jobs:  # the shards' pages made resident before the clock starts
@@ -247,7 +259,7 @@ def member(folder: Path, mesh_spec: str, rank_: int, port: int, verify: bool, mo
         base = _status("VmRSS")
         dist.barrier()
         io0, t0 = _io(), time.perf_counter()
-        engine, rows_engine = IOEngine(src, cfg), IOEngine(src, cfg)
+        engine, rows_engine = IOEngine(src, cfg), IOEngine(src, rows_config(cfg))
         own, error, got = read_and_exchange(lambda: engine.run(plain), rows, rows_engine.run, cfg.share_round_bytes)
         if own or error:
             raise own or error  # type: ignore[misc]
@@ -264,6 +276,7 @@ def member(folder: Path, mesh_spec: str, rank_: int, port: int, verify: bool, mo
         "mesh": mesh_spec, "rank": rank_, "mode": mode, "local": local, "bytes_read": st.bytes_read,
         "storage": st.storage_bytes, "predicted": fig.storage_bytes, "predicted_read": fig.bytes_read,
         "shared": got, "predicted_shared": sum(row_received(r) for r in rounds), "rounds": len(rounds),
+        "round_bytes": cfg.share_round_bytes, "predicted_exchange": rounds_memory(rounds),
         "from_storage": io1["read_bytes"] - io0["read_bytes"], "rchar": io1["rchar"] - io0["rchar"], "pgpgin": 0,
         "host_peak": _status("VmHWM"), "base": base, "staging": st.staging_bytes, "syscalls": st.syscalls,
         "threads": st.threads, "seconds": round(seconds, 3), "group_wall": round(wall, 3), "exact": exact,

@@ -1,4 +1,4 @@
-"""The copies into and out of a row-sharing round's buffers (``_engine.share._copy``): equal to
+"""The copies into and out of a row-sharing round's buffers (``_engine.blockcopy.copy_in_blocks``): equal to
 ``copy_`` bit for bit, in blocks small enough that torch runs each on the calling thread; and
 ``read_and_exchange``'s readers."""
 
@@ -10,7 +10,7 @@ from typing import cast
 import pytest
 import torch
 
-from sdadapt._engine import share
+from sdadapt._engine import blockcopy, share
 
 CASES = {
     # (shape, dim cut, [start, stop), dtype): what each takes
@@ -40,13 +40,13 @@ def test_copy_equals_copy_in_blocks(case: str, monkeypatch: pytest.MonkeyPatch) 
 
     dst = torch.full(src.shape, 0, dtype=dtype)
     monkeypatch.setattr(torch.Tensor, "copy_", counted)
-    share._copy(dst, src)
+    blockcopy.copy_in_blocks(dst, src)
     monkeypatch.undo()
     raw = lambda t: t.contiguous().view(-1).view(torch.uint8)  # noqa: E731 - bit for bit, NaN payloads too
     assert torch.equal(raw(dst), raw(src)), case
-    assert calls and max(calls) < share.GRAIN, (case, max(calls))
+    assert calls and max(calls) < blockcopy.GRAIN, (case, max(calls))
     if case == "down_proj slice, int64 view":  # 4 bf16 values a block element: a quarter of the calls
-        assert len(calls) <= -(-src.numel() // 4 // (share.GRAIN - 1)) + 1, len(calls)
+        assert len(calls) <= -(-src.numel() // 4 // (blockcopy.GRAIN - 1)) + 1, len(calls)
 
 
 def test_read_and_exchange_without_rows_needs_no_reader() -> None:

@@ -260,3 +260,9 @@ def test_by_default_tp_rows_are_shared_only_across_nodes(tmp_path: Any) -> None:
         assert s.rows_bytes > 0 and s.storage_bytes <= 1.1 * s.bytes_read, s
         assert s.device_bytes > a.device_bytes == a.local_bytes  # the round buffers only where rows are shared
     assert "TP rows shared: auto (on" in two.format()
+    # either way the first node's ranks, sharing its page cache, make storage deliver about
+    # what they read: on one node the TP peers' column slices together cover their rows
+    for report in (one, two):
+        assert report.node_bytes_read > 0 and report.node_storage_bytes <= 1.1 * report.node_bytes_read, report
+    assert one.node_bytes_read == pytest.approx(one.total_bytes_read, rel=1e-3)  # the node is the whole job (a sample: estimated)
+    assert "from storage cold (one page cache)" in one.format()

@@ -85,7 +85,7 @@ PLAIN_LOAD = IMPORT_SDADAPT + [
     "sdadapt._base.teardown",
     "sdadapt._engine",
     *(f"sdadapt._engine.{m}" for m in (
-        "config device devread direct engine geometry lanes locate pinned planner prefetch share staging syscalls "
+        "blockcopy config device devread direct engine geometry lanes locate pinned planner prefetch share staging syscalls "
         "tasks views workers").split()),
     "sdadapt._load", "sdadapt._load.loading",
     "sdadapt._plan", *(f"sdadapt._plan.{m}" for m in "adapter intent plan registry report resolve target titan_names".split()),

@@ -33,7 +33,7 @@ from torch import nn
 from .._base.agreement import agreement_bytes
 from .._base.regions import box_shape
 from .._base.summary import Summarized
-from .._engine import EngineConfig, RowShare, replica_parts, round_memory, row_cut, row_read_jobs, row_received, row_rounds
+from .._engine import EngineConfig, RowShare, replica_parts, rounds_memory, row_cut, row_read_jobs, row_received, row_rounds, rows_config
 from .._engine.predict import mapping_granule, predict
 from .._engine.tasks import Job
 from .._plan.adapter import Adapter, with_dtype
@@ -46,6 +46,7 @@ from .._transaction.options import Options
 from .._transaction.steps import open_checkpoint, plan_model
 from ..errors import PlanError, UsageError
 from ..sources import Source, TensorInfo, encode_headers, open_source, recording_headers
+from .nodes import Extents, node_storage, rows_apart, rows_said
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11; annotations only, the package runs on 3.10
@@ -137,6 +138,10 @@ class DryRunReport(Summarized, BaseModel):
         amplification: ``total_bytes_read / checkpoint_bytes``.
         ranks_per_node: ranks per node for the node figures.
         max_node_bytes_read: the most any node's ranks read together (exact runs only).
+        node_bytes_read: the bytes the first node's ranks (0 to ``ranks_per_node - 1``) read together.
+        node_storage_bytes: what those ranks make storage deliver together on a cold page cache,
+            which they share: every file page their reads touch, once (TP peers reading their
+            own column slices on one node touch each page of the rows, together, once).
         collective_bytes_per_rank: bytes each rank receives in the header broadcast.
         agreement_bytes_per_rank: bytes each rank puts into the all-reduce in which the ranks agree
             on the adapter, the plan and the versions (and on failures), at any world size.
@@ -172,6 +177,8 @@ class DryRunReport(Summarized, BaseModel):
     amplification: float
     ranks_per_node: int
     max_node_bytes_read: int | None
+    node_bytes_read: int = 0
+    node_storage_bytes: int = 0
     collective_bytes_per_rank: int
     agreement_bytes_per_rank: int = agreement_bytes(len(PARTS))
     mapping_granule: int = 4096
@@ -199,6 +206,8 @@ class DryRunReport(Summarized, BaseModel):
                 f"{human(r.shared_bytes):>10} {human(r.host_bytes):>10} {r.plan_seconds:>7.2f}"
             )
         node = f"; busiest node ({self.ranks_per_node} ranks) reads {human(self.max_node_bytes_read)}" if self.max_node_bytes_read else ""
+        node += (f"; the first node's ranks read {human(self.node_bytes_read)}, {human(self.node_storage_bytes)} from storage "
+                 "cold (one page cache)") if self.node_bytes_read else ""
         lines.append(
             f"total: {human(self.total_bytes_read)} read for a checkpoint of {human(self.checkpoint_bytes)} in "
             f"{self.checkpoint_files} files (amplification {self.amplification:.2f}x), {self.total_opens} opens, "
@@ -311,7 +320,8 @@ def dry_run(
             layouts = model_layouts(state, grid, layouts)  # an already-parallelised model: its own placements
         granule = mapping_granule(source)
         dry = DryRunJob(source, plan, schema, layouts, grid, cfg, torch.device(device), share, granule, ranks_per_node)
-        ranks, exact, n_classes, class_of = _plan_ranks(dry, max_ranks)
+        ranks, exact, n_classes, class_of, planned = _plan_ranks(dry, max_ranks)
+        node_read, node_cold = _first_node(dry, planned, class_of)
         ckpt_files = len(rec_src.files)  # header and index files: what a rank that reads the headers opens
         every = headers == "every" or grid.size == 1  # each rank reads the headers (else the first, and broadcasts them)
         payload = 0 if every else len(encode_headers(rec_src))
@@ -351,7 +361,7 @@ def dry_run(
         device=device,
         share_reads=share,
         share_why=why,
-        share_rows=_rows_said(cfg.share_rows, ranks, ranks_per_node) if share else "off",
+        share_rows=rows_said(cfg.share_rows, (r.rows_bytes for r in ranks), ranks_per_node) if share else "off",
         headers=headers,
         checkpoint_bytes=ckpt_bytes,
         checkpoint_files=ckpt_files,
@@ -365,20 +375,14 @@ def dry_run(
         amplification=total_read / ckpt_bytes if ckpt_bytes else 0.0,
         ranks_per_node=min(ranks_per_node, grid.size),  # a node never holds more ranks than the job
         max_node_bytes_read=node_max,
+        node_bytes_read=node_read,
+        node_storage_bytes=node_cold,
         collective_bytes_per_rank=payload,
         agreement_bytes_per_rank=agreement_bytes(len(PARTS), spread=share and grid.size > 1 and cfg.share_rows == "auto"),
         mapping_granule=granule,
         seconds=time.perf_counter() - start,
         report=plan.report,
     )
-
-
-def _rows_said(share_rows: bool | str, ranks: list[DryRunRank], per_node: int) -> str:
-    """How the dry run's ranks share TP rows, for :attr:`DryRunReport.share_rows`."""
-    if share_rows != "auto":
-        return "on" if share_rows else "off"
-    on = any(r.rows_bytes for r in ranks)
-    return f"auto ({'on: TP groups span' if on else 'off: every TP group within'} nodes of {per_node} ranks)"
 
 
 def _plan(target: Any, src: Any, options: Options) -> tuple[Source, Plan, str, dict[str, torch.Tensor] | None]:
@@ -436,23 +440,11 @@ class DryRunJob:
     granule: int
     ranks_per_node: int = 8
 
-    def rows_apart(self, layout: Layout, coord: tuple[int, ...], mesh_dim: int) -> bool:
-        """Whether the members of the row group on ``layout``'s flattened mesh dim ``mesh_dim``
-        (the rank at ``coord`` among them) lie on more than one node (``ranks_per_node`` ranks
-        each, in rank order): where ``share_rows="auto"`` shares their rows."""
-        dims = layout.groups[mesh_dim][0]
-        nodes = set()
-        for k in range(math.prod(self.grid.sizes[d] for d in dims)):
-            at = list(coord)
-            for d in reversed(dims):
-                at[d], k = k % self.grid.sizes[d], k // self.grid.sizes[d]
-            nodes.add(self.grid.rank_of(tuple(at)) // self.ranks_per_node)
-        return len(nodes) > 1
 
-
-def _plan_ranks(dry: DryRunJob, max_ranks: int) -> tuple[list[DryRunRank], bool, int, Any]:
+def _plan_ranks(dry: DryRunJob, max_ranks: int) -> tuple[list[DryRunRank], bool, int, Any, dict[int, Planned]]:
     """One rank of each class of ``dry``'s mesh (of an evenly spaced sample of at most
-    ``max_ranks`` classes), whether every class was planned, how many classes, the class of a rank."""
+    ``max_ranks`` classes), whether every class was planned, how many classes, the class of a
+    rank, and each planned rank with what its reads ask storage for (by rank)."""
     dims = _relevant(dry.layouts, dry.grid, dry.share)
     sizes = [dry.grid.sizes[d] for d in dims]
     n_classes = math.prod(sizes)
@@ -481,12 +473,27 @@ def _plan_ranks(dry: DryRunJob, max_ranks: int) -> tuple[list[DryRunRank], bool,
         n_group = math.prod(dry.grid.sizes[d] for d in group)
         coords = [coordinate(g, group, coordinate(c, base, [0] * len(dry.grid.sizes)))
                   for c in _sample(math.prod(dry.grid.sizes[d] for d in base), max(2, max_ranks // n_group)) for g in range(n_group)]
-    out = [_plan_rank(dry, tuple(coord), per_class) for coord in coords]
-    out.sort(key=lambda r: r.rank)
-    return out, len(coords) == n_classes, n_classes, class_of
+    planned = [_plan_rank(dry, tuple(coord), per_class) for coord in coords]
+    out = sorted((p[0] for p in planned), key=lambda r: r.rank)
+    return out, len(coords) == n_classes, n_classes, class_of, {p[0].rank: p for p in planned}
 
 
-def _plan_rank(dry: DryRunJob, coord: tuple[int, ...], per_class: int) -> DryRunRank:
+Planned = tuple[DryRunRank, Extents, int]  # a planned rank, the extents its reads ask storage for, its mapped reads' span
+
+
+def _first_node(dry: DryRunJob, planned: dict[int, Planned], class_of: Any) -> tuple[int, int]:
+    """The bytes the first node's ranks (0 to ``ranks_per_node - 1``) read, and what they make
+    storage deliver together on a cold page cache they share (:func:`~sdadapt._dry_run.nodes.node_storage`);
+    a rank whose class was not planned is planned here."""
+    by_class = {class_of(rank): p for rank, p in planned.items()}
+    members = []
+    for rank in range(min(dry.ranks_per_node, dry.grid.size)):
+        p = by_class.get(class_of(rank)) or _plan_rank(dry, dry.grid.coordinate(rank), 1)
+        members.append(p)
+    return sum(p[0].bytes_read for p in members), node_storage((p[1], p[2]) for p in members)
+
+
+def _plan_rank(dry: DryRunJob, coord: tuple[int, ...], per_class: int) -> Planned:
     t0 = time.perf_counter()
     jobs: list[Job] = []
     rows: list[RowShare] = []
@@ -520,7 +527,7 @@ def _plan_rank(dry: DryRunJob, coord: tuple[int, ...], per_class: int) -> DryRun
         if dry.share and dry.cfg.share_rows:
             mesh_shape, at = group_coordinate(dry.grid, lay, coord)
             cut = row_cut(box, tuple(info.shape), mesh_shape, at, tuple(p for _, p in lay.groups), info.dtype.itemsize, dry.cfg.gap_bytes)
-            if cut is not None and dry.cfg.share_rows == "auto" and not dry.rows_apart(lay, coord, cut.mesh_dim):
+            if cut is not None and dry.cfg.share_rows == "auto" and not rows_apart(dry.grid, lay, coord, cut.mesh_dim, dry.ranks_per_node):
                 cut = None  # the group on one node: its page cache is shared
         if cut is None:
             jobs.append(job)
@@ -530,10 +537,14 @@ def _plan_rank(dry: DryRunJob, coord: tuple[int, ...], per_class: int) -> DryRun
     rows_got = sum(row_received(r) for r in rounds)
     shared += rows_got
     fig = predict(dry.source, jobs, dry.cfg, dry.device, dry.granule)
+    staging, touched = fig.staging_bytes, fig.staging_touched
+    rows_staging = rows_touched = 0  # the rounds' own engine runs beside the rank's other reads: its staging adds
     for units in rounds:  # each round of shared rows is a run of its own
-        fig.add(predict(dry.source, row_read_jobs(units), dry.cfg, dry.device, dry.granule))
-    exchange = max((round_memory(r) for r in rounds), default=0)  # the round buffers, on the shards' device
-    return DryRunRank(
+        run = predict(dry.source, row_read_jobs(units), rows_config(dry.cfg), dry.device, dry.granule)
+        rows_staging, rows_touched = max(rows_staging, run.staging_bytes), max(rows_touched, run.staging_touched)
+        fig.add(run)
+    exchange = rounds_memory(rounds)  # the round buffers, on the shards' device
+    rank = DryRunRank(
         rank=dry.grid.rank_of(coord),
         ranks=per_class,
         coordinate=dict(zip(dry.grid.names, coord, strict=True)),
@@ -550,12 +561,13 @@ def _plan_rank(dry: DryRunJob, coord: tuple[int, ...], per_class: int) -> DryRun
         header_bytes_received=0,
         shared_bytes=shared,
         rows_bytes=rows_got,
-        staging_bytes=fig.staging_bytes,
-        host_bytes=(local + exchange if dry.device.type == "cpu" else 0) + fig.staging_touched + fig.mapped_span,
+        staging_bytes=staging + rows_staging,
+        host_bytes=(local + exchange if dry.device.type == "cpu" else 0) + touched + rows_touched + fig.mapped_span,
         device_bytes=local + exchange if dry.device.type == "cuda" else 0,
         tasks=fig.tasks,
         plan_seconds=time.perf_counter() - t0,
     )
+    return rank, fig.extents, fig.mapped_span
 
 
 def _total_local(schema: dict[str, TensorInfo], layouts: dict[str, Layout], grid: Mesh) -> int:

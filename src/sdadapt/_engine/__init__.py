@@ -56,7 +56,7 @@ from .devread import warm as warm_kvikio
 from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
 from .pinned import release_pinned_memory
-from .share import RowShare, exchange_rows, read_and_exchange, replica_parts, round_memory, row_cut
+from .share import RowShare, exchange_rows, read_and_exchange, replica_parts, round_memory, rounds_memory, row_cut, rows_config
 from .share import read_jobs as row_read_jobs
 from .share import received as row_received
 from .share import rounds as row_rounds
@@ -81,10 +81,12 @@ __all__ = [
     "release_pinned_memory",
     "replica_parts",
     "round_memory",
+    "rounds_memory",
     "row_cut",
     "row_read_jobs",
     "row_received",
     "row_rounds",
+    "rows_config",
     "warm_kernels",
     "warm_kvikio",
     "warm_up",

@@ -114,7 +114,9 @@ class EngineConfig:
             and sharing measured no faster there: docs/performance.md); ``True``: always
             (storage read around the page cache); ``False``: never.
         share_round_bytes: the rows a rank reads per round of that exchange (one
-            ``all_to_all`` each); the round's buffers take about three times this.
+            ``all_to_all`` each); the rounds' three buffers (rows read, sent, received), made
+            once, take about three times this. The last round's exchange and copies follow the
+            last read: smaller rounds shorten that tail, larger ones make fewer collectives.
 
     Raises:
         ValueError: a field out of range (``depth=0``).
@@ -151,7 +153,7 @@ class EngineConfig:
     remote_request_bytes: int | None = None
     remote_concurrency: int | None = None
     share_rows: bool | Literal["auto"] = "auto"
-    share_round_bytes: int = 64 * MiB
+    share_round_bytes: int = 16 * MiB
 
     def __post_init__(self) -> None:
         if self.share_rows not in (True, False, "auto"):

@@ -175,7 +175,7 @@ class EngineReader:
             to_read, shares, rows = share.split(jobs, targets, rows_gap, spans_hosts if ask else None)
         engine = IOEngine(self.source, self.config, on_done=self.on_done)
         # the rows' own engine, only where there are rows: its reads are others' too (progress counts the shards filled)
-        rows_engine = IOEngine(self.source, self.config) if rows else None
+        rows_engine = IOEngine(self.source, share.rows_config(cfg)) if rows else None
         failure: BaseException | None = None
         try:  # before any round is read: the rounds' regions are fetched here too
             self._prefetch(to_read + share.read_jobs([u for r in share.rounds(rows, cfg.share_round_bytes) for u in r]))

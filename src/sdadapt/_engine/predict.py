@@ -75,7 +75,8 @@ class RunFigures:
 
     def add(self, other: RunFigures) -> None:
         """Count ``other`` (a later run of the same rank: a round of shared rows) in too; the
-        staging limits are the larger run's, the storage of each run its own."""
+        staging limits are the larger run's, the storage of each run its own (its extents kept
+        beside this run's)."""
         self.bytes_read += other.bytes_read
         for path, n in other.file_bytes.items():
             self.file_bytes[path] = self.file_bytes.get(path, 0) + n
@@ -83,6 +84,8 @@ class RunFigures:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.opened |= other.opened
         self.mapped |= other.mapped
+        for path, ext in other.extents.items():
+            self.extents.setdefault(path, []).extend(ext)
         self.staging_bytes = max(self.staging_bytes, other.staging_bytes)
         self.staging_touched = max(self.staging_touched, other.staging_touched)
 

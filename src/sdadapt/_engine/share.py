@@ -18,9 +18,10 @@ contiguous range of whole rows of the R slices together, once, and the slices ar
 one ``all_to_all`` per round within the group (:func:`exchange_rows`). The rounds run on a
 thread of their own beside the engine's run over the rank's other reads
 (:func:`read_and_exchange`), each round read while the previous one is exchanged. A round holds about
-``EngineConfig.share_round_bytes`` of reads per rank, so a rank's extra memory is bounded
-(the rows it read, what it sends and what it receives: about three times that); a tensor
-larger than a round is cut into blocks of rows. A block too small to split well (each member
+``EngineConfig.share_round_bytes`` of reads per rank, so a rank's extra memory is bounded: three
+buffers (the rows it reads, what it sends, what it receives: about three times that), made once
+and reused by every round (:func:`rounds_memory`); a tensor larger than a round is cut into
+blocks of rows. A block too small to split well (each member
 would read under :data:`MIN_SPLIT`, a few pages at 1024 ranks, where page rounding would cost
 more than the bytes) is read whole by one member, the least loaded so far, so that each reads
 long runs and about its share. A tensor is shared this way where the rank's own runs would
@@ -39,6 +40,7 @@ them read their blocks; if one failed, nobody broadcasts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import zlib
@@ -52,13 +54,14 @@ from torch.distributed.tensor.placement_types import Shard, _StridedShard
 
 from .._base.distributed import any_rank
 from .._base.regions import Box, box_shape, shard_box
+from .blockcopy import copy_in_blocks as _copy
+from .config import EngineConfig
 from .tasks import Job
 
 PAGE = 4096
 ALIGN = 16  # each piece of a round's flat buffers starts on a multiple of this (any dtype's views)
 ROW_GAIN = 1.1  # share a tensor's rows where reading its own runs would cost more than this
 MIN_SPLIT = 1 << 20  # a block whose members would read less than this each (or half a round) is read whole by one of them
-GRAIN = 32768  # torch's grain size: a copy of fewer elements runs on the calling thread alone
 
 
 @dataclass
@@ -328,26 +331,53 @@ def rounds(rows: Sequence[RowShare], round_bytes: int) -> list[list[Unit]]:
     return out
 
 
-def read_jobs(units: Sequence[Unit], device: torch.device | str = "meta") -> list[Job]:
-    """The jobs that read a round: each unit's rows across its members' columns, into a new
-    buffer on ``device``, for the units this rank reads rows of (in their order)."""
+def read_jobs(units: Sequence[Unit], device: torch.device | str = "meta", buffer: torch.Tensor | None = None) -> list[Job]:
+    """The jobs that read a round: each unit's rows across its members' columns, for the units
+    this rank reads rows of (in their order), each into a new buffer on ``device``, or into
+    views of ``buffer`` (uint8, at least :func:`round_sizes`' read bytes), one after the other."""
     jobs = []
+    at = 0
     for u in units:
         box = u.read_box()
         if box[0][1] > box[0][0]:  # this rank reads rows of it
-            dest = u.share.job.dest
-            jobs.append(Job(u.share.job.key, u.share.job.node, box, torch.empty(box_shape(box), dtype=dest.dtype, device=device)))
+            dtype = u.share.job.dest.dtype
+            if buffer is None:
+                dest = torch.empty(box_shape(box), dtype=dtype, device=device)
+            else:
+                n = math.prod(box_shape(box)) * dtype.itemsize
+                dest = buffer[at : at + n].view(dtype).view(box_shape(box))
+                at += _up(n)
+            jobs.append(Job(u.share.job.key, u.share.job.node, box, dest))
     return jobs
+
+
+def round_sizes(units: Sequence[Unit]) -> tuple[int, int, int]:
+    """The bytes of a round's three buffers on this rank: the rows it reads, what it sends, what
+    it receives (each piece starting on a multiple of :data:`ALIGN`)."""
+    me = units[0].share.cut.me if units else 0
+    r = len(units[0].share.cut.cols) if units else 0
+    read = sum(_up(math.prod(box_shape(u.read_box())) * u.share.job.dest.element_size()) for u in units)
+    send = sum(_up(u.piece_bytes(me, k)) for u in units for k in range(r))
+    recv = sum(_up(u.piece_bytes(j, me)) for u in units for j in range(r))
+    return read, send, recv
 
 
 def round_memory(units: Sequence[Unit]) -> int:
     """The bytes a round holds on this rank: the rows it read, what it sends, what it receives."""
-    me = units[0].share.cut.me if units else 0
-    r = len(units[0].share.cut.cols) if units else 0
-    read = sum(math.prod(box_shape(u.read_box())) * u.share.job.dest.element_size() for u in units)
-    send = sum(_up(u.piece_bytes(me, k)) for u in units for k in range(r))
-    recv = sum(_up(u.piece_bytes(j, me)) for u in units for j in range(r))
-    return read + send + recv
+    return sum(round_sizes(units))
+
+
+def rows_config(cfg: EngineConfig) -> EngineConfig:
+    """The settings of the engine that reads the rows' rounds beside a rank's other reads: its
+    staging no larger than a round (it never holds more of a round's reads at once)."""
+    return dataclasses.replace(cfg, staging_bytes=min(cfg.staging_bytes, cfg.share_round_bytes))
+
+
+def rounds_memory(rounds: Sequence[Sequence[Unit]]) -> int:
+    """The bytes the exchange of ``rounds`` holds on this rank: its three buffers, each as large
+    as the largest round needs, allocated once and reused by every round (:func:`exchange_rows`)."""
+    sizes = [round_sizes(units) for units in rounds]
+    return sum(max((s[i] for s in sizes), default=0) for i in range(3))
 
 
 def received(units: Sequence[Unit]) -> int:
@@ -374,49 +404,10 @@ def _segments(units: Sequence[Unit], r: int, send: bool) -> tuple[list[int], lis
     return sizes, offsets
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` (same dtype and shape) in blocks of fewer than :data:`GRAIN`
-    elements, each on this thread.
-
-    torch runs a larger copy on its intra-op thread team: with several ranks per host (each
-    process a team as large as the host's cores) those teams outnumber the cores, and a round's
-    piece copies crawl (bench/reports/rows-timeline-cpu2-2026-12-07.md).
-    The bytes are viewed as the widest integers both views allow, so that a block holds more
-    of them, and contiguous ones as one run."""
-    for wide in (torch.int64, torch.int32):
-        if wide.itemsize > dst.element_size():
-            try:
-                dst, src = dst.view(wide), src.view(wide)
-                break
-            except RuntimeError:  # a piece's width or offset not a multiple of it
-                continue
-    if dst.is_contiguous() and src.is_contiguous():
-        dst, src = dst.view(-1), src.view(-1)
-    _blocks(dst, src)
-
-
-def _blocks(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """:func:`_copy`'s blocks: whole rows along dim 0 (a row wider than a block, in blocks of
-    its own rows)."""
-    if dst.numel() < GRAIN or dst.dim() == 0:
-        dst.copy_(src)
-        return
-    rows = dst.shape[0]
-    row = dst.numel() // max(1, rows)
-    if row >= GRAIN and dst.dim() > 1:
-        for i in range(rows):
-            _blocks(dst[i], src[i])
-        return
-    step = max(1, (GRAIN - 1) // max(1, row))
-    for s in range(0, rows, step):
-        dst[s : s + step].copy_(src[s : s + step])
-
-
-def _pack(units: Sequence[Unit], jobs: Sequence[Job], r: int, device: torch.device) -> tuple[torch.Tensor, list[int]]:
-    """A round's send buffer (each member's pieces, in member order) from the rows this rank
-    read (``jobs``: :func:`read_jobs` of ``units``), and each member's segment size."""
+def _pack(units: Sequence[Unit], jobs: Sequence[Job], r: int, send: torch.Tensor) -> list[int]:
+    """A round's send buffer (each member's pieces, in member order, written into ``send``) from
+    the rows this rank read (``jobs``: :func:`read_jobs` of ``units``); each member's segment size."""
     out_sizes, out_offs = _segments(units, r, send=True)
-    send = torch.empty(sum(out_sizes), dtype=torch.uint8, device=device)
     mine = iter(jobs)
     read_of = [next(mine) if u.read_box()[0][1] > u.read_box()[0][0] else None for u in units]
     base = 0
@@ -428,7 +419,7 @@ def _pack(units: Sequence[Unit], jobs: Sequence[Job], r: int, device: torch.devi
                 src = job.dest.narrow(cut.dim, cut.cols[k][0] - cut.span[0], cut.cols[k][1] - cut.cols[k][0])
                 _copy(send[base + o : base + o + n].view(job.dest.dtype).view(src.shape), src)
         base += out_sizes[k]
-    return send, out_sizes
+    return out_sizes
 
 
 def _unpack(units: Sequence[Unit], recv: torch.Tensor, r: int) -> None:
@@ -461,13 +452,13 @@ def exchange_rows(
     read's, or the exchange's own), if any, and the bytes received from peers."""
     error: BaseException | None = None
     got = 0
-    pending: tuple[object, list[Unit], torch.Tensor, torch.Tensor] | None = None
+    pending: tuple[object, list[Unit], torch.Tensor] | None = None
 
     def finish() -> None:
         nonlocal pending, got, error
         if pending is None:
             return
-        work, units, recv, _send = pending
+        work, units, recv = pending
         pending = None
         work.wait()  # type: ignore[attr-defined]
         if stop.is_set():
@@ -480,33 +471,36 @@ def exchange_rows(
             return
         got += received(units)
 
-    for units in rounds(rows, round_bytes):
+    planned = rounds(rows, round_bytes)
+    sizes = [round_sizes(units) for units in planned]
+    buffers: dict[torch.device, list[torch.Tensor]] = {}  # read, send, receive: made once, as large as the largest round's
+    for units, (_, n_send, n_recv) in zip(planned, sizes, strict=True):
         group = units[0].share.group
         device = units[0].share.job.dest.device
         r = len(units[0].share.cut.cols)
-        jobs = read_jobs(units, device)
+        if device not in buffers:
+            buffers[device] = [torch.empty(max(s[i] for s in sizes), dtype=torch.uint8, device=device) for i in range(3)]
+        read_buf, send, recv = buffers[device]
+        jobs = read_jobs(units, device, read_buf)
         if not stop.is_set():
             try:
                 read(jobs)
             except BaseException as e:  # noqa: BLE001 - the peers still exchange with this rank (no hang)
                 error = error or e
                 stop.set()
-        finish()
-        send: torch.Tensor | None = None
-        if not stop.is_set():
+        finish()  # the previous round's exchange is over: its send and receive buffers are free again
+        out_sizes = _segments(units, r, send=True)[0]
+        if not stop.is_set():  # else the buffer is sent as it is (the load fails)
             try:
-                send, out_sizes = _pack(units, jobs, r, device)
+                _pack(units, jobs, r, send)
+                if device.type == "cuda":  # the copies out of the read buffer are done before the next round reads into it
+                    torch.cuda.current_stream(device).synchronize()
             except BaseException as e:  # noqa: BLE001 - as above
                 error = error or e
                 stop.set()
-        if send is None:  # a buffer of the right sizes all the same
-            out_sizes = _segments(units, r, send=True)[0]
-            send = torch.empty(sum(out_sizes), dtype=torch.uint8, device=device)
         in_sizes = _segments(units, r, send=False)[0]
-        recv = torch.empty(sum(in_sizes), dtype=torch.uint8, device=device)
-        work = dist.all_to_all_single(recv, send, in_sizes, out_sizes, group=group, async_op=True)
-        pending = (work, units, recv, send)
-        del jobs, send, recv  # held by ``pending`` alone: freed once unpacked, before the next round's buffers are made
+        work = dist.all_to_all_single(recv[:n_recv], send[:n_send], in_sizes, out_sizes, group=group, async_op=True)
+        pending = (work, units, recv[:n_recv])
     finish()
     return error, got
 
