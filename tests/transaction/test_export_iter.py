@@ -127,18 +127,17 @@ def test_stream_fsdp_tp_every_rank_same_sequence(tmp_path):
 
 
 def test_outer_first_regions_keep_a_row_shard_whole():
-    """A rank owning rows 4-8 of an [8, 16] tensor: halving the longest dimension gives it two
-    column blocks (a run per row each); ``outer_first`` gives it the rows whole (one run)."""
+    """A rank owning rows 4-8 of an [8, 16] tensor gets the rows whole (one run), not two column
+    blocks (a run per row each, what halving the longest dimension gave): for the every-rank
+    export, refit's ``plan_regions`` and ``export_iter(local=True)`` alike."""
     from sdadapt._export.export_local import regions
     from sdadapt._recipes.nodes import Leaf
 
     leaf = Leaf("w", (8, 16), torch.bfloat16)
     owned = {"w": ((4, 8), (0, 16))}
-    args = (leaf, ((0, 8), (0, 16)), owned, {"w": torch.bfloat16}, 1, "w")
-    assert list(regions(*args)) == [((4, 8), (0, 8)), ((4, 8), (8, 16))]
-    assert list(regions(*args, outer_first=True)) == [((4, 8), (0, 16))]
+    assert list(regions(leaf, ((0, 8), (0, 16)), owned, {"w": torch.bfloat16}, 1, "w")) == [((4, 8), (0, 16))]
     cols = {"w": ((0, 8), (0, 4))}  # a column shard: no halving of the rows settles anything
-    assert list(regions(leaf, ((0, 8), (0, 16)), cols, {"w": torch.bfloat16}, 0, "w", outer_first=True)) == [((0, 8), (0, 4))]
+    assert list(regions(leaf, ((0, 8), (0, 16)), cols, {"w": torch.bfloat16}, 0, "w")) == [((0, 8), (0, 4))]
 
 
 def test_a_window_is_free_only_once_the_upload_let_go_of_every_view():

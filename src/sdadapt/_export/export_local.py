@@ -85,13 +85,12 @@ def _follow(node: Node, box: Box, rec: _Reads) -> None:
                 s.fn(rec)
 
 
-def regions(node: Node, box: Box, owned: dict[str, Box], dtypes: dict[str, torch.dtype], rank: int, name: str,
-            outer_first: bool = False) -> Iterator[Box]:  # fmt: skip
+def regions(node: Node, box: Box, owned: dict[str, Box], dtypes: dict[str, torch.dtype], rank: int, name: str) -> Iterator[Box]:
     """The parts of ``box`` of ``node`` this rank makes from the shards it owns (``owned``): a
     box split in halves until each half is made from owned shards or from none. Each split
-    halves the longest dimension; with ``outer_first``, the outermost dimension whose halving
-    settles a half (all owned or none) instead, so that a row shard comes out as whole rows
-    (contiguous bytes, one run in a file) rather than as column blocks."""
+    halves the outermost dimension whose halving settles a half (all owned or none), else the
+    longest, so that a row shard comes out as whole rows (contiguous bytes, one run in a file,
+    one piece to send) rather than as column blocks."""
     reads = reads_of(node, box, dtypes)
     if not reads:  # filled, read from nowhere: rank 0's
         if rank == 0:
@@ -103,9 +102,8 @@ def regions(node: Node, box: Box, owned: dict[str, Box], dtypes: dict[str, torch
         return
     if mine == "none":
         return
-    d = max(range(len(box)), key=lambda i: box[i][1] - box[i][0], default=-1)  # -1: a 0-d output
-    if outer_first:
-        d = next((i for i in range(len(box)) if _settles(node, box, i, owned, dtypes)), d)
+    longest = max(range(len(box)), key=lambda i: box[i][1] - box[i][0], default=-1)  # -1: a 0-d output
+    d = next((i for i in range(len(box)) if _settles(node, box, i, owned, dtypes)), longest)
     a, b = box[d] if d >= 0 else (0, 1)
     if b - a <= 1:
         raise ExportError(
@@ -114,7 +112,7 @@ def regions(node: Node, box: Box, owned: dict[str, Box], dtypes: dict[str, torch
         )
     mid = (a + b) // 2
     for half in ((a, mid), (mid, b)):
-        yield from regions(node, box[:d] + (half,) + box[d + 1 :], owned, dtypes, rank, name, outer_first)
+        yield from regions(node, box[:d] + (half,) + box[d + 1 :], owned, dtypes, rank, name)
 
 
 def _owned(reads: list[tuple[str, Box]], owned: dict[str, Box]) -> str:

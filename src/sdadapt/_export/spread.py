@@ -114,7 +114,7 @@ def plan_spread(
             whole.append(name)
             continue
         try:
-            mine[name] = list(regions(node, full_box(tuple(node.shape)), owned, dtypes, rank, name, outer_first=True))
+            mine[name] = list(regions(node, full_box(tuple(node.shape)), owned, dtypes, rank, name))
         except ExportError:  # computed across shards: gathered
             whole.append(name)
             mine.pop(name, None)
