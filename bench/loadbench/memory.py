@@ -3,7 +3,10 @@ apart) sampled over the load, and the bytes it read through ``read()``."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
+from typing import Any
 
 from .common import GiB
 
@@ -85,3 +88,34 @@ class RssSampler:
             "rss_peak_gib": self.peak.get("VmHWM", 0) / GiB if self.hwm_reset else max(self.peak.get("VmRSS", 0), 0) / GiB,
             "rss_start_gib": self.start.get("VmRSS", 0) / GiB,
         }
+
+
+class GcClock:
+    """The cycle collector's runs over a region: each one's generation, start and end (through
+    ``gc.callbacks``), for telling a load's own time from a collection that landed in it."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[int, float, float]] = []
+        self._started: tuple[int, float] | None = None
+
+    def _note(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._started = (info["generation"], now)
+        elif self._started is not None:
+            self.runs.append((self._started[0], self._started[1], now))
+            self._started = None
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self._note)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._note)
+
+    def summary(self, until: float | None = None) -> dict[str, Any]:
+        """Collections per generation and their seconds (the runs that started before ``until``)."""
+        runs = [r for r in self.runs if until is None or r[1] < until]
+        return {"collections": [sum(1 for g, _, _ in runs if g == gen) for gen in range(3)],
+                "seconds": round(sum(e - s for _, s, e in runs), 6),
+                "full_seconds": round(sum(e - s for g, s, e in runs if g == 2), 6)}

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .common import BenchError
+from .memory import GcClock
 from .models import build_model, materialize_with_values, parallelize
 from .shapes import Shape, adapter_for
 from .twins import TWINS, FormatReference
@@ -181,21 +182,38 @@ def local_of(t: Any) -> tuple[Any, tuple[int, ...]]:
 
 def timed_load(model: Any, job: Job, files: dict[str, str], dev: Any) -> dict[str, Any]:
     """Load the checkpoint into ``model`` by ``job.path``, timed from here (all ranks start
-    together) to the last byte on the device. Returns facts, ``wall`` among them."""
+    together) to the last byte on the device. Returns facts, ``wall`` among them, and the cycle
+    collector's runs inside (``gc``; ``import_gc``: those inside sdadapt's imports)."""
+    import torch.distributed as dist
+
+    facts: dict[str, Any] = {}
+    dist.barrier()
+    with GcClock() as clock:
+        t0 = time.perf_counter()
+        _timed(model, job, files, dev, facts, t0)
+        facts["wall"] = time.perf_counter() - t0
+    facts["gc"] = clock.summary()  # collections inside the timed load, a loader's imports included
+    if "import_end" in facts:
+        facts["import_gc"] = clock.summary(facts.pop("import_end"))
+    return facts
+
+
+def _timed(model: Any, job: Job, files: dict[str, str], dev: Any, facts: dict[str, Any], t0: float) -> None:
+    """:func:`timed_load`'s timed region: the load by ``job.path``, to the last byte on the device."""
     import torch
     import torch.distributed as dist
 
     path, meta = job.path, job.flow == "meta"
-    facts: dict[str, Any] = {}
-    dist.barrier()
-    t0 = time.perf_counter()
     if path in RAW_PATHS:
         facts["_loaded"] = _raw_load(path, files["safetensors"], dev, facts, t0)
     elif path.startswith("sdadapt"):
+        c0 = time.process_time()
         import sdadapt  # inside the timing: with --import-in-load, the user's first import is part of the load
 
         load, adapter = sdadapt.load, adapter_of(path, files)
-        facts["import_s"] = time.perf_counter() - t0  # sdadapt's imports (and building the adapter)
+        facts["import_end"] = time.perf_counter()
+        facts["import_s"] = facts["import_end"] - t0  # sdadapt's imports (and building the adapter)
+        facts["import_cpu_s"] = time.process_time() - c0
         known = len(sys.modules)
         rep = load(model, files[source_format(path)], adapter, share_reads=path == "sdadapt-shared")
         facts["modules_imported_by_call"] = len(sys.modules) - known
@@ -253,8 +271,6 @@ def timed_load(model: Any, job: Job, files: dict[str, str], dev: Any) -> dict[st
         raise BenchError(f"unknown path {path!r}")
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    facts["wall"] = time.perf_counter() - t0
-    return facts
 
 
 def shard_files(folder: str) -> list[str]:

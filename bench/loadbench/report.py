@@ -71,6 +71,9 @@ def summarize(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "local_gib": f["local_bytes"] / GiB,
                 "import_s": (g["ranks"][rk] or {}).get("import_s"),
                 "load_import_s": f.get("import_s"),  # the loader's own imports inside the timed first load
+                "load_import_cpu_s": f.get("import_cpu_s"),
+                "gc": f.get("gc"),  # the cycle collector's runs inside the timed first load
+                "import_gc": f.get("import_gc"),  # of which inside sdadapt's imports
                 "modules_imported_by_call": f.get("modules_imported_by_call"),
                 "raw_backend": f.get("backend"),
                 "raw_io": f.get("io"),
@@ -130,9 +133,14 @@ def _span(vals: list[float | None], fmt: str = "{:.2f}") -> str:
 
 
 def _modules(pr: list[dict[str, Any]]) -> str:
-    """`` (N)``: the modules sdadapt's load call itself imported (first rank), where counted."""
+    """`` (N)``: the modules sdadapt's load call itself imported (first rank), where counted; then
+    the seconds the cycle collector ran inside the first load, and how many of its runs were full."""
     n = pr[0].get("modules_imported_by_call")
-    return f" ({n})" if n is not None else ""
+    out = f" ({n})" if n is not None else ""
+    gc = pr[0].get("gc")
+    if gc and gc.get("seconds"):  # the cycle collector's runs inside the first load (first rank)
+        out += f"; GC {gc['seconds']:.3f} s, {gc['collections'][2]} full"
+    return out
 
 
 def how_line(result: dict[str, Any]) -> str:
@@ -173,7 +181,7 @@ def markdown(result: dict[str, Any]) -> str:
     hdr = ("| path | layout | model before load | first load s | x sdadapt | steady s, median | steady repeats s | "
            "GiB/s per rank (first) | bytes read / rank GiB | extra RSS anon / file per rank GiB, first load | "
            "extra RSS anon per rank GiB, steady | peak RSS rank 0 GiB | extra GPU GiB per rank | check | "
-           "imports in the first load s (modules the load call imported) |")
+           "imports in the first load s (modules the load call imported; GC: the collector inside the first load) |")
     lines += ["", hdr, "|" + "|".join(["---"] * (hdr.count("|") - 1)) + "|"]
     if result.get("variants"):
         defs = [f"`{name}`: " + ", ".join(f"{k}={v}" for k, v in settings.items()) for name, settings in result["variants"].items()]

@@ -35,13 +35,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from first_call_probe import _import_lines  # noqa: E402 - its -X importtime parse, between its markers (CHILD writes them)
 
 CHILD = """
-import importlib, json, sys, time
+import gc, importlib, json, os, sys, time
 import torch, torch.distributed, torch.distributed.fsdp, torch.distributed.tensor.parallel
 from torch import nn
 
 for name in sys.argv[2:]:
     importlib.import_module(name)
 model = nn.Sequential(nn.Linear(4, 3))
+if os.environ.get("PROBE_COLLECT") == "1":
+    gc.collect()  # as load_bench's worker does before each load: the collector's counts start afresh
+runs = []
+gc.callbacks.append(lambda phase, info: runs.append((info["generation"], time.perf_counter())))
 before = set(sys.modules)
 sys.stderr.write("@@sdadapt-first-call-start\\n")
 t0, c0 = time.perf_counter(), time.process_time()
@@ -51,7 +55,9 @@ report = sdadapt.load(model, sys.argv[1], sdadapt.Adapter([sdadapt.rename("layer
 t1, c1 = time.perf_counter(), time.process_time()
 sys.stderr.write("@@sdadapt-first-call-end\\n")
 assert report.keys_loaded == 2
-print(json.dumps({"wall_s": t1 - t0, "cpu_s": c1 - c0, "modules": sorted(set(sys.modules) - before)}))
+done = [(g, b - a) for (g, a), (_, b) in zip(runs[::2], runs[1::2]) if a < t1]
+print(json.dumps({"wall_s": t1 - t0, "cpu_s": c1 - c0, "modules": sorted(set(sys.modules) - before),
+                  "gc_s": sum(d for _, d in done), "gc_full": sum(1 for g, _ in done if g == 2)}))
 """
 
 
@@ -68,6 +74,8 @@ def main() -> None:
     ap.add_argument("--preimport", action="append", default=[], metavar="MODULE")
     ap.add_argument("--out", default=None, help="write every run as JSON here")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="also print a cProfile of the region: N rows each")
+    ap.add_argument("--collect", action="store_true",
+                    help="gc.collect() in each child before the region, as load_bench's worker does before a load")
     args = ap.parse_args()
     import torch
     from safetensors.torch import save_file
@@ -75,7 +83,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sdadapt-import-probe-") as tmp:
         path = str(Path(tmp) / "model.safetensors")
         save_file({"layer.weight": torch.ones(3, 4), "layer.bias": torch.zeros(3)}, path)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+               "PROBE_COLLECT": "1" if args.collect else "0"}
         if not args.source:
             cache = str(Path(tmp) / "pycache")
             env.update(PYTHONPYCACHEPREFIX=cache)
@@ -115,8 +124,11 @@ def main() -> None:
           f"preimported: {args.preimport or 'nothing'}, {args.runs} runs")
     print(f"imports between the markers (-X importtime self times summed): median {statistics.median(sums):.3f} s "
           f"(runs {', '.join(f'{s:.3f}' for s in sums)}), modules {statistics.median(counts):.0f}")
+    gc_s = ", ".join(f"{r['gc_s']:.3f}" for r in runs)
+    gc_full = ", ".join(str(r["gc_full"]) for r in runs)
     print(f"import + load, wall median {statistics.median(r['wall_s'] for r in runs):.3f} s, "
-          f"process CPU median {statistics.median(r['cpu_s'] for r in runs):.3f} s")
+          f"process CPU median {statistics.median(r['cpu_s'] for r in runs):.3f} s; the cycle collector in the region: "
+          f"{gc_s} s, full collections {gc_full}{' (gc.collect() before it)' if args.collect else ''}")
     print("packages (median self time summed, s):")
     for k, v in sorted(by_pkg.items(), key=lambda kv: -statistics.median(kv[1]))[: args.top]:
         print(f"  {statistics.median(v):.4f}  {k}")

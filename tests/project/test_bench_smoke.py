@@ -288,6 +288,9 @@ def test_raw_loaders_and_the_loaders_imports_inside_the_first_load(tmp_path):
         assert g["ranks"][0]["sdadapt_preloaded"] == []
     first = rows["sdadapt"]["per_rank"][0]
     assert first["load_import_s"] > 0 and first["modules_imported_by_call"] is not None
+    # the cycle collector's runs inside each first load, and of them those inside sdadapt's imports
+    assert len(first["gc"]["collections"]) == 3 and first["import_gc"]["seconds"] <= first["gc"]["seconds"]
+    assert raw["per_rank"][0]["gc"] is not None and raw["per_rank"][0]["import_gc"] is None
     assert res["import_in_load"] and "inside its timed first load" in Path(f"{out}.md").read_text()
 
 

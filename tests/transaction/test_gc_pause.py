@@ -4,6 +4,10 @@ it, also when the load fails; pauses nest."""
 from __future__ import annotations
 
 import gc
+import json
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -52,3 +56,36 @@ def test_load_plans_and_reads_with_the_collector_paused(tmp_path, monkeypatch):
     with pytest.raises(sdadapt.errors.PlanError, match="bias"):
         sdadapt.load(model, str(path))
     assert seen == [False, False] and gc.isenabled()
+
+
+def test_a_public_name_imports_its_modules_with_the_collector_paused():
+    """The first use of a public name imports its modules (``sdadapt._base.lazy``) with no
+    collection inside, even where the collector's thresholds would run many; the collector is on
+    again afterwards, and one the caller turned off stays off."""
+    child = textwrap.dedent(
+        """
+        import gc, json, sys
+        import sdadapt
+
+        runs = []
+
+        def importing():  # the load's module is being imported (its body or the modules it imports)
+            module = sys.modules.get("sdadapt._load.loading")
+            return module is not None and getattr(module.__spec__, "_initializing", False)
+
+        gc.callbacks.append(lambda phase, info: runs.append(info["generation"]) if phase == "start" and importing() else None)
+        gc.disable()
+        rename = sdadapt.rename  # the rules and pydantic, imported while the caller has the collector off
+        off_after = not gc.isenabled()
+        gc.enable()
+        gc.set_threshold(100)  # unpaused, importing the engine would run collections of every generation
+        before = "sdadapt._engine.engine" in sys.modules
+        load = sdadapt.load
+        print(json.dumps({"runs": runs, "on": gc.isenabled(), "off_after": off_after, "before": before,
+                          "imported": "sdadapt._engine.engine" in sys.modules, "rename": rename.__name__}))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result == {"runs": [], "on": True, "off_after": True, "before": False, "imported": True, "rename": "rename"}, result

@@ -13,6 +13,7 @@ import ...`` statement, which would otherwise report only "cannot import name").
 from __future__ import annotations
 
 import dis
+import gc
 import importlib
 import sys
 from collections.abc import Callable, Mapping
@@ -44,7 +45,7 @@ def attach(
     def __getattr__(name: str) -> Any:
         where = table.get(name)
         if where is None and name in submodules:
-            return importlib.import_module(f"{package}.{name}")  # importing sets the attribute
+            return _imported(f"{package}.{name}", package)  # importing sets the attribute
         if where is None:
             if name in moved:
                 if _importing_from(sys._getframe(1)):
@@ -53,7 +54,7 @@ def attach(
                     raise ImportError(f"cannot import name {name!r} from {package!r}: it is spelled {moved[name]} now", name=package)
                 raise AttributeError(f"module {package!r} has no attribute {name!r}: it is spelled {moved[name]} now")
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        module = importlib.import_module(where, package) if where.startswith(".") else importlib.import_module(where)
+        module = _imported(where, package)
         value = getattr(module, name)
         setattr(sys.modules[package], name, value)  # cached: the next access is a plain attribute
         return value
@@ -62,6 +63,24 @@ def attach(
         return sorted({*vars(sys.modules[package]), *table, *submodules})
 
     return __getattr__, __dir__, list(table)
+
+
+def _imported(where: str, package: str) -> Any:
+    """The module ``where`` (relative to ``package`` when it starts with a dot), imported with the
+    cycle collector paused. Importing a public name's modules makes many objects that live as
+    long as the process (classes, functions, pydantic's schemas): enough to set off a full
+    collection, which walks every object of the process (torch's too), in the middle of the
+    import, the first load's critical path. Such a collection frees nothing of the import's; the
+    process runs its next collection when it next allocates. The collector is turned back on
+    only if it was on (nested imports leave that to the outermost), as ``sdadapt._base.gc``
+    does for a load."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        return importlib.import_module(where, package) if where.startswith(".") else importlib.import_module(where)
+    finally:
+        if was_on:
+            gc.enable()
 
 
 _IMPORT_FROM = dis.opmap["IMPORT_FROM"]
