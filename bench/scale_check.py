@@ -269,7 +269,11 @@ def launch(folder: Path, world: int, dim: int, layers: int, timeout: float) -> l
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = tempfile.mkdtemp()
+    with tempfile.TemporaryDirectory(prefix="sdadapt-scale-check-ranks-") as out:
+        return _launch(folder, world, dim, layers, timeout, port, out)
+
+
+def _launch(folder: Path, world: int, dim: int, layers: int, timeout: float, port: int, out: str) -> list[list[dict]]:
     procs = []
     for rank in range(world):
         env = dict(
@@ -324,13 +328,20 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--timeout", type=float, default=1200)
-    ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp()))
+    ap.add_argument("--out", type=Path, help="keep the checkpoint and ranks.json there (default: a temporary folder, removed)")
     ap.add_argument("--cases", nargs="+", help="MESH:on|off:once|every, replacing the cases of every --worlds")
     args = ap.parse_args()
+    if args.out is None:
+        with tempfile.TemporaryDirectory(prefix="sdadapt-scale-check-") as tmp:
+            return run(args, Path(tmp))
+    run(args, args.out)
+
+
+def run(args: argparse.Namespace, out: Path) -> None:
     if args.cases:
         for world in args.worlds:
             CASES[world] = [(m, s == "on", h) for m, s, h in (c.split(":") for c in args.cases)]
-    folder = args.out / "ckpt"
+    folder = out / "ckpt"
     folder.mkdir(parents=True, exist_ok=True)
     write(folder, args.dim, args.layers)
     size = sum(f.stat().st_size for f in folder.iterdir())
@@ -388,7 +399,7 @@ def main() -> None:
                 f"| {min(ratios):.2f}-{max(ratios):.2f} | {max(r['seconds'] for r in rows):.3f} |",
                 flush=True,
             )
-    (args.out / "ranks.json").write_text(json.dumps(raw))
+    (out / "ranks.json").write_text(json.dumps(raw))
 
 
 if __name__ == "__main__":

@@ -27,10 +27,17 @@ import sdadapt  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", help="where to write the files (default: a temporary folder)")
+    ap.add_argument("--dir", help="where to write the files (default: a temporary folder, removed at the end)")
     args = ap.parse_args(argv)
-    folder = args.dir or tempfile.mkdtemp(prefix="sdadapt-example-")
-    os.makedirs(folder, exist_ok=True)
+    if args.dir is None:
+        with tempfile.TemporaryDirectory(prefix="sdadapt-example-") as folder:
+            return run(folder)
+    os.makedirs(args.dir, exist_ok=True)
+    return run(args.dir)
+
+
+def run(folder: str) -> int:
+    """The steps, writing their files into ``folder``."""
     cfg = pipeline.Config()
     ckpt = os.path.join(folder, "pretrained.pt")
     pipeline.write_checkpoint(ckpt, cfg)  # q_proj/k_proj/v_proj apart; the model fuses them
