@@ -201,3 +201,13 @@ def test_absent_capabilities_take_the_older_behaviour() -> None:
     assert not hf_compat.transposes_only_when_shapes_differ(types.SimpleNamespace(dim0=0, dim1=1))
     llama = type(_tiny())
     assert not hf_compat.skips_custom_code(cm, llama, "llama")  # transformers' own class
+
+
+def test_version_of_reads_the_version_line_of_the_metadata() -> None:
+    """``version_of`` gives what ``importlib.metadata.version`` gives, from the metadata file's
+    headers alone; ``None`` for a distribution that is not installed."""
+    from importlib import metadata
+
+    for dist in ("torch", "pydantic", "safetensors", "transformers", "numpy"):
+        assert env_mod.version_of(dist) == metadata.version(dist), dist
+    assert env_mod.version_of("sdadapt-no-such-distribution") is None

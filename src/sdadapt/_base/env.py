@@ -54,11 +54,21 @@ API_PACKAGES = ("transformers", "torch", "torchtitan", "huggingface_hub", "safet
 
 
 def version_of(dist: str) -> str | None:
-    """The installed version of distribution ``dist``, ``None`` if it is not installed."""
+    """The installed version of distribution ``dist``, ``None`` if it is not installed. Taken from
+    the ``Version:`` line among the first lines of its metadata file: ``importlib.metadata.version``
+    runs the email parser over the whole file (a long description included), which on a
+    process's first call costs more than planning a small load (every load agrees on
+    transformers' version)."""
     try:
-        return metadata.version(dist)
+        found = metadata.distribution(dist)
     except metadata.PackageNotFoundError:
         return None
+    for line in (found.read_text("METADATA") or found.read_text("PKG-INFO") or "").splitlines():
+        if not line.strip():
+            break  # the headers end at the first blank line
+        if line.startswith("Version:"):
+            return line[len("Version:") :].strip()
+    return found.version
 
 
 def parse(version: str) -> tuple[int, ...]:
