@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -209,6 +210,34 @@ def row_parts(child: Node, box: Box, b0: int) -> list[tuple[Node, Box, int]] | N
     return out if len(out) > 1 else None
 
 
+def quantize_parts(
+    parts: list[tuple[Node, Box, int]], io: SourceIO, quantize: Callable[..., tuple[torch.Tensor | None, ...]], b0: int,
+    grid: tuple[tuple[int, ...], torch.dtype], codes: tuple[tuple[int, ...], torch.dtype] | None, into: torch.Tensor | None,
+) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
+    """The codes and scales of :func:`row_parts`' ``parts``, each read and quantized apart by
+    ``quantize(x, out=its rows of into or None, scales_out=its rows of the grid)`` (codes, scales,
+    ...), into one scale grid of ``grid`` (shape, dtype) and, with ``codes`` (shape, dtype), one
+    codes tensor (``into`` where given), each kernel writing its rows in place where it can."""
+    q: torch.Tensor | None = into
+    scale: torch.Tensor | None = None
+    for part, box, first in parts:
+        rows = box_shape(box)[-2]
+        x = part.read(box, io)
+        if scale is None:
+            scale = torch.empty(grid[0], dtype=grid[1], device=x.device)
+        rows_of = scale[..., first // b0 : first // b0 + Q.cdiv(rows, b0), :]
+        qi, si = quantize(x, out=None if into is None else into[..., first : first + rows, :], scales_out=rows_of)[:2]
+        assert si is not None
+        if not _same_view(si, rows_of):
+            rows_of.copy_(si.reshape(rows_of.shape))
+        if codes is not None and q is None:
+            q = torch.empty(codes[0], dtype=codes[1], device=x.device)
+        if q is not None and qi is not None and not _same_view(qi, q[..., first : first + rows, :]):
+            q[..., first : first + rows, :] = qi
+    assert scale is not None
+    return q, scale
+
+
 @dataclass(frozen=True, eq=False)
 class QuantizedFP8(_Computed, Derived):
     """One part of ``child`` quantized to FP8 with ``block`` scale tiles: the e4m3 weight
@@ -258,27 +287,10 @@ class QuantizedFP8(_Computed, Derived):
         parts = row_parts(self.child, src.box, self.block[0])
         if parts is None:
             return QF.quantize_fp8(src.value(io), self.block, self.scale_format, values=values, out=into)
-        b0 = self.block[0]
-        q: torch.Tensor | None = into
-        scale: torch.Tensor | None = None
         shape = box_shape(src.box)
-        for part, box, first in parts:
-            rows = box_shape(box)[-2]
-            x = part.read(box, io)
-            if scale is None:  # the whole grid, each part's kernel writing its rows where it can
-                dtype = torch.uint8 if self.scale_format == "ue8m0" else torch.float32
-                scale = torch.empty(Q.fp8_scale_shape(shape, self.block), dtype=dtype, device=x.device)
-            rows_of = scale[..., first // b0 : first // b0 + Q.cdiv(rows, b0), :]
-            qi, si = QF.quantize_fp8(x, self.block, self.scale_format, values=values, scales_out=rows_of,
-                                     out=None if into is None else into[..., first : first + rows, :])  # fmt: skip
-            if not _same_view(si, rows_of):
-                rows_of.copy_(si)
-            if values and q is None:
-                q = torch.empty(shape, dtype=Q.FP8_DTYPE, device=x.device)
-            if q is not None and qi is not None and not _same_view(qi, q[..., first : first + rows, :]):
-                q[..., first : first + rows, :] = qi
-        assert scale is not None
-        return q, scale
+        grid = (Q.fp8_scale_shape(shape, self.block), torch.uint8 if self.scale_format == "ue8m0" else torch.float32)
+        quantize = functools.partial(QF.quantize_fp8, block=self.block, fmt=self.scale_format, values=values)
+        return quantize_parts(parts, io, quantize, self.block[0], grid, (shape, Q.FP8_DTYPE) if values else None, into)
 
     def produce(self, box: Box, dest: torch.Tensor, out: list[Step]) -> None:
         out.append(Compute(self, box, dest, functools.partial(self._region_into, box, dest), self._inputs(box)))

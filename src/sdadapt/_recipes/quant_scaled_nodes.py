@@ -22,7 +22,7 @@ from . import quant_fused as QF
 from . import quant_scaled as S
 from .moves import Concatenated
 from .nodes import Compute, Derived, Input, Node, SourceIO, Step
-from .quant_nodes import _Computed, _Dequant, _same_view, row_parts
+from .quant_nodes import _Computed, _Dequant, _same_view, quantize_parts, row_parts
 
 
 @dataclass(frozen=True, eq=False)
@@ -186,28 +186,12 @@ class QuantizedScaled(_Computed, Derived):
         if parts is None:
             return QF.quantize_scaled(self.child.read(src, io), self.codec, self.block, self.scale_dtype, self.zero, glob,
                                       self.mode, values=values, out=into)  # fmt: skip
-        b0 = self.block[0]
-        q: torch.Tensor | None = into
-        scale: torch.Tensor | None = None
-        shape = box_shape(src)
-        for part, box, first in parts:
-            rows = box_shape(box)[-2]
-            x = part.read(box, io)
-            if scale is None:  # the whole grid, each part's kernel writing its rows where it can
-                grid = shape[:-2] + (S.cdiv(shape[-2], b0), S.cdiv(shape[-1], self.block[1]))
-                scale = torch.empty(grid, dtype=self.scale_dtype, device=x.device)
-            rows_of = scale[..., first // b0 : first // b0 + S.cdiv(rows, b0), :]
-            view = None if into is None else into[..., first : first + rows, :]
-            qi, si, _ = QF.quantize_scaled(x, self.codec, self.block, self.scale_dtype, False, glob, self.mode,
-                                           values=values, out=view, scales_out=rows_of)  # fmt: skip
-            if not _same_view(si, rows_of):
-                rows_of.copy_(si.view(rows_of.shape))
-            if values and q is None:
-                q = torch.empty(shape[:-1] + (S.cdiv(shape[-1], S.PER_UNIT[self.codec]),), dtype=S.STORED[self.codec], device=x.device)
-            if q is not None and qi is not None and not _same_view(qi, q[..., first : first + rows, :]):
-                q[..., first : first + rows, :] = qi
-        assert scale is not None
-        return q, scale, None
+        (b0, b1), shape = self.block, box_shape(src)
+        quantize = functools.partial(QF.quantize_scaled, codec=self.codec, block=self.block, scale_dtype=self.scale_dtype, glob=glob,
+                                     mode=self.mode, values=values)  # fmt: skip
+        grid = (shape[:-2] + (S.cdiv(shape[-2], b0), S.cdiv(shape[-1], b1)), self.scale_dtype)
+        codes = (shape[:-1] + (S.cdiv(shape[-1], S.PER_UNIT[self.codec]),), S.STORED[self.codec])
+        return *quantize_parts(parts, io, quantize, b0, grid, codes if values else None, into), None
 
     def _source_box(self, box: Box) -> Box:
         """The region of ``child`` that region ``box`` is quantized from: the whole blocks it
@@ -390,7 +374,6 @@ class GlobalScaleOf(_Computed, Derived):
                     return cand.reshape(self.shape)
         return g.reshape(self.shape)
 
-
     def describe(self) -> str:
         return f"global_scale_of({self.child.describe()}, {self.mode})"
 
@@ -412,7 +395,6 @@ def prepare_global_scales(nodes: list[GlobalScaleOf], io: SourceIO) -> None:
     for node, flats, g, first in pending:
         search = first is not None and bool(next(found))
         QF.memoized(("global", node), functools.partial(node._finish, flats, g, search))
-
 
 
 def few_magnitudes(rows: torch.Tensor) -> torch.Tensor:
