@@ -247,7 +247,7 @@ def test_nvfp4_global_scale_is_compressed_tensors_once_per_refit(device: str, mo
         box = full_box(node.shape)
         got = node.read(box, io)  # lands where io says (this one names no device: the host)
         assert _same(got, want), i
-        assert node._of(io.tensors["x"]).device.type == device, i  # computed where the weight is
+        assert node._of_parts([io.tensors["x"]]).device.type == device, i  # computed where the weight is
         values = SN.QuantizedScaled(leaf, "e2m1", (1, 16), "values", Q.FP8_DTYPE, node)
         scales = SN.QuantizedScaled(leaf, "e2m1", (1, 16), "scales", Q.FP8_DTYPE, node)
         made.clear()

@@ -49,8 +49,8 @@ def test_refit_into_a_quantized_engine(fmt: str, device: str, monkeypatch: pytes
         assert refit().bytes_local == rep.bytes_local
         monkeypatch.undo()
         # each trainer weight quantized once a run, the scales from the codes' pass: q, k, v, o,
-        # gate, up, down (no joined copies); per tensor, a scale spans the joined q|k|v and gate|up
-        assert len(made) == (4 if fmt == "fp8_tensor" else 7), (fmt, len(made))
+        # gate, up, down (no joined copies; per tensor, q|k|v and gate|up under their parts' largest magnitude)
+        assert len(made) == 7, (fmt, len(made))
         assert all(torch.equal(bits(again[k]), bits(engine[k])) for k in engine)
         for v in full.values():  # a training step: new values, in place
             v.mul_(-1.5).add_(0.25)
@@ -74,3 +74,35 @@ def test_codes_written_into_the_engine_where_the_kernels_write(fmt: str, monkeyp
     sdadapt.refit_plan(full, engine, adapter)()
     for k, t in engine.items():
         assert torch.equal(bits(t), bits(whole[k].to(t.dtype))), (fmt, k)
+
+
+def test_fp8_per_tensor_parts_against_compressed_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 per tensor into fused q|k|v and gate|up: each part quantized apart under the parts'
+    largest magnitude (no joined copy of the parts: no quantization sees a whole fused weight),
+    equal to compressed-tensors' per-tensor quantization of the joined weight bit for bit, from
+    a float32 and a bfloat16 trainer (CPU)."""
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import quantize
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(num_bits=8, type="float", strategy="tensor", symmetric=True)
+    base = vllm_llama.build(n_heads=DIMS[1], n_kv_heads=DIMS[2], head_dim=DIMS[3], hidden_dim=DIMS[4], tp=1)
+    adapter = base + quant_adapter("fp8_tensor")
+    for dtype in (torch.float32, torch.bfloat16):
+        full = llama_weights(1, DIMS, 101, 11, dtype)
+        full["model.layers.0.mlp.up_proj.weight"][3, 5] = 9.0  # the largest magnitude in the second part of gate|up
+        plain = eager(full, base)
+        engine = quant_engine({k: tuple(v.shape) for k, v in full.items()}, adapter, torch.bfloat16)
+        refit = sdadapt.refit_plan(full, engine, adapter)
+        seen: list[tuple[int, ...]] = []
+        fn = QF._quantize_scaled
+        monkeypatch.setattr(QF, "_quantize_scaled", lambda x, *a, fn=fn, seen=seen: seen.append(tuple(x.shape)) or fn(x, *a))
+        refit()
+        monkeypatch.undo()
+        assert max(s[0] for s in seen) == DIMS[4], seen  # the largest part quantized: gate or up, never gate|up
+        for k in ("model.layers.0.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"):
+            x = plain[k].float()
+            scale, zp = calculate_qparams(x.amin().reshape(1), x.amax().reshape(1), args)
+            want = quantize(x, scale, zp, args).to(torch.float8_e4m3fn)
+            assert torch.equal(engine[k + "_scale_inv"].float().reshape(1), scale.float().reshape(1)), (k, dtype)
+            assert torch.equal(bits(engine[k]), bits(want)), (k, dtype)

@@ -309,24 +309,25 @@ def keep(key: object, t: torch.Tensor) -> None:
 def quantize_scaled(
     x: torch.Tensor, codec: S.Codec, block: tuple[int, int], scale_dtype: torch.dtype, zero: bool = False,
     glob: torch.Tensor | None = None, mode: S.GlobalMode = "divide", *, values: bool = True, out: torch.Tensor | None = None,
-    scales_out: torch.Tensor | None = None,
+    scales_out: torch.Tensor | None = None, amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """:func:`sdadapt._recipes.quant_scaled.quantize`, in one pass where that is exact (the codes
     ``None`` with ``values=False`` on that path; written into ``out`` where the kernel serves and
     ``out`` is :func:`writable` for them, of the codes' shape: the codes returned are then
-    ``out``; the scales likewise into ``scales_out``, of their shape and dtype). Inside
+    ``out``; the scales likewise into ``scales_out``, of their shape and dtype; ``amax``: FP8's
+    one largest magnitude, given, for a part of a per-tensor weight). Inside
     :func:`scales_memo`, as :func:`quantize_fp8`: the scales of an input whose
     codes were made here are kept for a later ``values=False`` call on it."""
     entries = _memo.entries
     key = None
-    if entries is not None and not zero:
+    if entries is not None and not zero and amax is None:
         got = _memo_key(x, block, (codec, scale_dtype, mode))
         key = None if got is None else got + ((glob.data_ptr(), glob._version) if glob is not None else None,)
     if entries is not None and key is not None and not values:
         hit = entries.pop(key, None)
         if hit is not None:
             return None, hit[1], None
-    q, s, z = _quantize_scaled(x, codec, block, scale_dtype, zero, glob, mode, values, out, scales_out)
+    q, s, z = _quantize_scaled(x, codec, block, scale_dtype, zero, glob, mode, values, out, scales_out, amax)
     if entries is not None and key is not None and values:
         if len(entries) >= _MEMO_SIZE:
             entries.pop(next(iter(entries)))
@@ -337,10 +338,11 @@ def quantize_scaled(
 def _quantize_scaled(
     x: torch.Tensor, codec: S.Codec, block: tuple[int, int], scale_dtype: torch.dtype, zero: bool,
     glob: torch.Tensor | None, mode: S.GlobalMode, values: bool, out: torch.Tensor | None, scales_out: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     run = _scaled_kernel(x, codec, block, scale_dtype, zero, glob, mode)
-    if run is None:
-        return S.quantize(x, codec, block, scale_dtype, zero, glob, mode)
+    if run is None or amax is not None and run[1][0] != "scaled-tensor":  # a given amax: the per-tensor kernel's, or eager
+        return S.quantize(x, codec, block, scale_dtype, zero, glob, mode, amax)
     fused, key, sample_block = run
 
     def sample_geometry(t: torch.Tensor) -> tuple[int, int]:  # the sample's block: per row and per tensor span it
@@ -357,8 +359,8 @@ def _quantize_scaled(
     whole = key[0] == "nvfp4"  # its groups are whole, its values around the global scale's amax
     peak = _nvfp4_peak(glob, mode) if whole and glob is not None and not _checked_already(key, x.device) else 0.0
     if not _exact(key, x.device, fused_sample, eager, lambda: _sample(sample_block, x.dtype, x.device, whole, peak)):
-        return S.quantize(x, codec, block, scale_dtype, zero, glob, mode)
-    q, s = fused(x, block, values, out, scales_out)
+        return S.quantize(x, codec, block, scale_dtype, zero, glob, mode, amax)
+    q, s = (fused if amax is None else _large_of(scale_dtype, True, amax))(x, block, values, out, scales_out)
     return q, s, None
 
 
@@ -446,15 +448,17 @@ def _per_row(sdt: int, scale_dtype: torch.dtype) -> _Scaled:
     return run
 
 
-def _large_of(scale_dtype: torch.dtype, whole: bool) -> _Scaled:
+def _large_of(scale_dtype: torch.dtype, whole: bool, given: torch.Tensor | None = None) -> _Scaled:
     """FP8 against blocks too large for one program: the block scales as the eager function
-    makes them (``whole``: one per tensor of the lead dims, its amax in one pass), then one pass
-    dividing by them."""
+    makes them (``whole``: one per tensor of the lead dims, its amax in one pass, or ``given``),
+    then one pass dividing by them."""
 
     def run(t: torch.Tensor, block: tuple[int, int], values: bool, out: torch.Tensor | None,
             so: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor]:  # fmt: skip
         lead = tuple(t.shape[:-2])
-        if whole:
+        if given is not None:
+            amax = given.to(torch.float32).reshape(lead + (1, 1))
+        elif whole:
             low, high = torch.aminmax(t.reshape(lead + (-1,)).to(torch.float32), dim=-1)
             amax = torch.maximum(-low, high).reshape(lead + (1, 1))
         else:

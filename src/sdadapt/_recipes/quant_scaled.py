@@ -246,12 +246,13 @@ def quantize(
     zero: bool = False,
     glob: torch.Tensor | None = None,
     mode: GlobalMode = "divide",
+    amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``x [..., R, C]`` -> (stored values ``[..., R, ceil(C / PER_UNIT)]``, scales ``[..., nR, nC]``
     in ``scale_dtype``, zero points as stored or ``None``): the inverse of :func:`dequantize`
     (see :func:`quantize_problem` for the combinations it takes). Scale choice per format:
-    :func:`quantize_fp8_scaled` (FP8, float scales), :func:`quantize_nvfp4`, :func:`quantize_mx`
-    (e8m0 exponents) and :func:`quantize_int`."""
+    :func:`quantize_fp8_scaled` (FP8, float scales; ``amax``: its blocks' largest magnitudes,
+    given), :func:`quantize_nvfp4`, :func:`quantize_mx` (e8m0 exponents) and :func:`quantize_int`."""
     if glob is not None and codec == "e2m1":
         packed, scales = quantize_nvfp4(x, glob, mode)
         return packed, scales, None
@@ -259,7 +260,7 @@ def quantize(
         values, scales = quantize_mx(x, block, codec, scale_dtype)
         return values, scales, None
     if codec == "e4m3":
-        values, scales = quantize_fp8_scaled(x, block, scale_dtype)
+        values, scales = quantize_fp8_scaled(x, block, scale_dtype, amax)
         return values, scales, None
     codes, scales, zeros = quantize_int(x, block, BITS[codec], scale_dtype, zero)
     if zeros is not None:
@@ -267,12 +268,15 @@ def quantize(
     return pack_int_codes(codes, codec), scales, zeros
 
 
-def quantize_fp8_scaled(x: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_scaled(
+    x: torch.Tensor, block: tuple[int, int], scale_dtype: torch.dtype, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., R, C]`` -> (e4m3 codes, scales ``[..., nR, nC]`` in ``scale_dtype``) with the
     scale ``amax / 448`` of each block (all-zero blocks: 1), as compressed-tensors' min-max
-    observer chooses it. Values dequantised from such codes give their scales back exactly
+    observer chooses it (``amax``: given, one for all of ``x``, a part of a per-tensor weight
+    under the weight's). Values dequantised from such codes give their scales back exactly
     whenever some code of the block is +-448 (the largest value of a block quantizes to 448)."""
-    amax = _grid_amax(x, block)
+    amax = _grid_amax(x, block) if amax is None else amax.to(torch.float32).reshape(x.shape[:-2] + (1, 1))
     stored = torch.where(amax > 0, true_div(amax, E4M3_MAX), torch.ones_like(amax)).to(scale_dtype)
     s = stored.to(torch.float32)
     codes = e4m3_codes(x.to(torch.float32) / _spread(s, x.shape, block))

@@ -182,16 +182,27 @@ class QuantizedScaled(_Computed, Derived):
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         glob = self._glob(io)
         values = self.part == "values"
-        parts = None if self.zero else row_parts(self.child, src, self.block[0])
+        parts, amax = None if self.zero else row_parts(self.child, src, self.block[0]), None
+        if parts is None and self.one_fp8_scale():  # its parts quantized apart, under their largest magnitude
+            parts = row_parts(self.child, src, 1)
+            amax = None if parts is None else largest_magnitude([p.read(b, io) for p, b, _ in parts])
         if parts is None:
             return QF.quantize_scaled(self.child.read(src, io), self.codec, self.block, self.scale_dtype, self.zero, glob,
                                       self.mode, values=values, out=into)  # fmt: skip
         (b0, b1), shape = self.block, box_shape(src)
         quantize = functools.partial(QF.quantize_scaled, codec=self.codec, block=self.block, scale_dtype=self.scale_dtype, glob=glob,
-                                     mode=self.mode, values=values)  # fmt: skip
+                                     mode=self.mode, values=values, amax=amax)  # fmt: skip
         grid = (shape[:-2] + (S.cdiv(shape[-2], b0), S.cdiv(shape[-1], b1)), self.scale_dtype)
         codes = (shape[:-1] + (S.cdiv(shape[-1], S.PER_UNIT[self.codec]),), S.STORED[self.codec])
         return *quantize_parts(parts, io, quantize, b0, grid, codes if values else None, into), None
+
+    def one_fp8_scale(self) -> bool:
+        """Whether this is a 2-D weight quantized to FP8 with one float scale for the whole weight
+        (compressed-tensors' ``strategy="tensor"``)."""
+        rows, cols = self.child.shape[-2:]
+        return (len(self.child.shape) == 2 and self.codec == "e4m3" and self.glob is None and not self.zero
+                and self.scale_dtype.is_floating_point and self.scale_dtype.itemsize >= 2 and self.block[0] >= rows
+                and self.block[1] >= cols)  # fmt: skip
 
     def _source_box(self, box: Box) -> Box:
         """The region of ``child`` that region ``box`` is quantized from: the whole blocks it
@@ -329,11 +340,7 @@ class GlobalScaleOf(_Computed, Derived):
         return [child.read(full_box(tuple(child.shape)), io)]
 
     def full(self, io: SourceIO) -> torch.Tensor:
-        return self._of(self.child.full(io))
-
-    def _of(self, child: torch.Tensor) -> torch.Tensor:
-        """The global scale of ``child``'s values, on ``child``'s device."""
-        return self._of_parts([child])
+        return self._of_parts([self.child.full(io)])
 
     def _of_parts(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The global scale of the values of ``parts`` (a tensor's rows, in order), on their device."""
@@ -355,13 +362,7 @@ class GlobalScaleOf(_Computed, Derived):
         flats = [f for f in flats if f.numel()]
         if not flats:
             return flats, torch.ones(self.shape, dtype=torch.float32, device=parts[0].device), None
-        amax: torch.Tensor | None = None
-        for f in flats:  # one pass each, no float32 copy: a largest magnitude is exact in any float dtype
-            low, high = torch.aminmax(f)
-            m = torch.maximum(-low, high)
-            amax = m if amax is None else torch.maximum(amax, m)
-        assert amax is not None
-        g = S.nvfp4_global_scale(amax.to(torch.float32), self.mode)
+        g = S.nvfp4_global_scale(largest_magnitude(flats).to(torch.float32), self.mode)
         return flats, g, few_magnitudes(flats[0][:1])
 
     def _finish(self, flats: list[torch.Tensor], g: torch.Tensor, search: bool) -> torch.Tensor:
@@ -395,6 +396,19 @@ def prepare_global_scales(nodes: list[GlobalScaleOf], io: SourceIO) -> None:
     for node, flats, g, first in pending:
         search = first is not None and bool(next(found))
         QF.memoized(("global", node), functools.partial(node._finish, flats, g, search))
+
+
+def largest_magnitude(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The largest magnitude of the values of ``parts`` (NaN where one holds a NaN), a 0-d tensor
+    on their device: one pass each, no float32 copy (a largest magnitude is exact in any float
+    dtype)."""
+    amax: torch.Tensor | None = None
+    for f in parts:
+        low, high = torch.aminmax(f)
+        m = torch.maximum(-low, high)
+        amax = m if amax is None else torch.maximum(amax, m)
+    assert amax is not None
+    return amax
 
 
 def few_magnitudes(rows: torch.Tensor) -> torch.Tensor:

@@ -104,11 +104,7 @@ def per_tensor(node: Node) -> bool:
     """Whether ``node`` is the values or the scale of a 2-D weight quantized to FP8 with one float
     scale for the whole weight (compressed-tensors' ``strategy="tensor"``): its holders agree on
     the weight's largest magnitude as on one block's."""
-    if not isinstance(node, QuantizedScaled) or len(node.child.shape) != 2 or node.part not in ("values", "scales"):
-        return False
-    rows, cols = node.child.shape
-    return (node.codec == "e4m3" and node.glob is None and not node.zero and node.scale_dtype.is_floating_point
-            and node.scale_dtype.itemsize >= 2 and node.block[0] >= rows and node.block[1] >= cols)  # fmt: skip
+    return isinstance(node, QuantizedScaled) and node.part in ("values", "scales") and node.one_fp8_scale()
 
 
 def _pieces(child: Node, box: Box, trainer: list[dict[str, Held]], dtypes: dict[str, torch.dtype], dst: int,
