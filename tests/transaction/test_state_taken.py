@@ -135,3 +135,41 @@ def test_background_saves_of_one_process_read_back(tmp_path):
         raise AssertionError("a non-empty folder was overwritten")
     except sdadapt.errors.StateError as e:
         assert "exists and is not empty" in str(e)
+
+
+class _Tied(nn.Module):
+    """A tied weight (two keys, one tensor), a persistent and a non-persistent buffer, and a
+    submodule that saves its state its own way (its model is taken through ``state_dict()``)."""
+
+    def __init__(self, own: bool):
+        super().__init__()
+        self.emb = nn.Embedding(5, 3)
+        self.out = nn.Linear(3, 5, bias=False)
+        self.out.weight = self.emb.weight
+        self.register_buffer("seen", torch.zeros(2))
+        self.register_buffer("scratch", torch.ones(2), persistent=False)
+        self.own = _OwnSave() if own else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.emb(x)) + self.seen.sum()
+
+
+class _OwnSave(nn.Linear):
+    def __init__(self):
+        super().__init__(2, 2)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+
+
+def test_a_first_take_keeps_state_dict_keys():
+    for own in (False, True):
+        model = _Tied(own)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        model(torch.tensor([1, 2])).sum().backward()
+        opt.step()
+        calls, take = _counted()
+        got = take_state(model, opt, take)
+        _same_as_fresh(model, opt, got)  # out.weight beside emb.weight, seen, not scratch
+        assert "out.weight" in got[0] and "scratch" not in got[0] and calls == []
+        assert (got[0]["emb.weight"] is model.emb.weight) != own  # the live tensor, or state_dict()'s detached one

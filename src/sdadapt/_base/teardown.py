@@ -12,6 +12,9 @@ and the process aborts (tests/reports/teardown-abort-cpu2-2026-12-07.md).
 :func:`release_groups` runs at exit, before finalization: once the world was destroyed it empties
 those caches and collects the cycles that hold a model's meshes, so that a group nothing else
 holds is destroyed there, and its destructor joins its threads while they can still take the GIL.
+Before it, the handler runs what :func:`at_exit` was given (a background save's writer finishing
+its save and ending its group: a thread still working when finalization begins would meet the
+same end).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import importlib
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 import torch.distributed as dist
 
@@ -83,13 +87,32 @@ def release_groups() -> None:
 
 
 _REGISTERED: list[bool] = []
+_FIRST: list[Callable[[], None]] = []  # run by the exit handler before release_groups, in this order
+
+
+def _exit() -> None:
+    for fn in _FIRST:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the next one and the release still run
+            log.warning("at exit, %s failed (%s: %s)", getattr(fn, "__qualname__", fn), type(e).__name__, e)
+    release_groups()
 
 
 def register() -> None:
-    """Run :func:`release_groups` at this process's exit (once, however often called)."""
+    """Run the exit handler at this process's exit: what :func:`at_exit` was given, then
+    :func:`release_groups` (registered once, however often called)."""
     if not _REGISTERED:
-        atexit.register(release_groups)
+        atexit.register(_exit)
         _REGISTERED.append(True)
 
 
-__all__ = ["GLOO_THREADS", "gloo_threads", "register", "release_groups", "thread_names"]
+def at_exit(fn: Callable[[], None]) -> None:
+    """Have the exit handler run ``fn`` (once, however often given) before it releases the groups,
+    while the interpreter is whole and the world not yet released by sdadapt."""
+    register()
+    if fn not in _FIRST:
+        _FIRST.append(fn)
+
+
+__all__ = ["GLOO_THREADS", "at_exit", "gloo_threads", "register", "release_groups", "thread_names"]

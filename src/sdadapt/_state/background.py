@@ -3,13 +3,15 @@
 The caller's thread takes the state dicts (remembered between saves: :mod:`.taken`) and stages
 them (tensors copied into host memory by DCP's own stager, ``Stateful`` extras turned into
 their ``state_dict()``, other values copied), and nothing more: a thread of this process then
-agrees with the other ranks (every rank's checks, the same adapter and versions) and runs the
+checks the folder, resolves the adapter, agrees with the other ranks (every rank's checks, the
+same adapter and versions), makes the report and runs the
 collective save of the staged copy (DCP's ``.metadata`` last, then ``sdadapt.json``) over a
 gloo group of the same ranks, made once per group by that thread (the first save's caller does
 not wait for the ranks to meet), so that the training loop's collectives on its own group go
 on meanwhile (as torchtitan's asynchronous checkpointer does). A check that
 failed on any rank is raised by every rank's ``wait()``. One save runs at a time per process:
-a new one waits for the one before.
+a new one waits for the one before. At exit, sdadapt's exit handler lets the thread end what it
+was handed before the interpreter finalizes (:func:`finish_at_exit`).
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
+from .._base import teardown
 from .._base.distributed import is_distributed
 from ..errors import SdadaptError, StateError
 from .saved import SaveReport
 
 log = logging.getLogger(__name__)
 
-Write = Callable[[dict[str, Any], "dist.ProcessGroup | None"], None]
+Write = Callable[[dict[str, Any], "dist.ProcessGroup | None"], SaveReport]
 
 # held weakly: torch's world holds each group until destroy_process_group(), which must end it
 # (its gloo threads joined) rather than leave it to the interpreter's finalization
@@ -68,7 +71,7 @@ def prepare_group(group: dist.ProcessGroup | None) -> None:
         except Exception as e:  # noqa: BLE001 - the first save tries again and raises it
             log.warning("making the gloo group for background saves failed (%s: %s)", type(e).__name__, e)
 
-    _writer().put(make)
+    start_writer().put(make)
 
 
 _STAGER: list[DefaultStager] = []  # one per process, kept: its host copies are reused by the next save
@@ -107,11 +110,11 @@ class SaveHandle:
         saved = pending.wait()  # the SaveReport, or the save's error
     """
 
-    def __init__(self, saved: SaveReport, staging_seconds: float):
-        self.path = saved.path
+    def __init__(self, path: str, staging_seconds: float):
+        self.path = path
         self.staging_seconds = staging_seconds
         self.held_seconds = staging_seconds
-        self._saved = saved
+        self._saved: SaveReport | None = None
         self._error: BaseException | None = None
         self._finished = threading.Event()
 
@@ -152,6 +155,7 @@ class SaveHandle:
         if self._error is not None:
             e = self._error
             raise e if isinstance(e, SdadaptError) else StateError(f"saving to {self.path} failed ({type(e).__name__}: {e})")
+        assert self._saved is not None
         return self._saved
 
     def __repr__(self) -> str:
@@ -159,23 +163,31 @@ class SaveHandle:
         return f"SaveHandle({self.path!r}, {state}, held the caller {self.held_seconds:.3f} s, staging {self.staging_seconds:.3f} s)"
 
 
-def start_save(state: dict[str, Any] | None, saved: SaveReport, group: dist.ProcessGroup | None, t0: float,
+def start_save(state: dict[str, Any] | None, path: str, group: dist.ProcessGroup | None, t0: float,
                write: Write) -> SaveHandle:  # fmt: skip
     """Wait for this process's save before, stage ``state``, hand ``write(staged, group)`` to the
     writing thread, over the background group (made there the first time), and return its
-    handle. No collective runs in the caller: ``write`` agrees first, in the thread (``state`` is ``None`` on a rank whose checks
-    failed: nothing is staged, and the agreement raises the error on every rank)."""
+    handle. The caller does nothing else: ``write`` checks, agrees with the other ranks and
+    makes the report, in the thread (``state`` is ``None`` on a rank whose checks failed:
+    nothing is staged, and the agreement raises the error on every rank)."""
     for h in list(_RUNNING):  # one save at a time: its error is raised here, on every rank
         h.wait()
     t_stage = time.perf_counter()
     with torch.no_grad():  # the state may hold the live parameters: copies without autograd
         staged = stage(state) if state is not None else {}
-    handle = SaveHandle(saved, time.perf_counter() - t_stage)
+    handle = SaveHandle(path, time.perf_counter() - t_stage)
+    distributed = is_distributed()
 
     def run() -> None:
         try:
-            write(staged, background_group(group))  # made here, not in the call, the first time
+            made = background_group(group) if distributed else None  # made here, not in the call, the first time
+            if distributed and made is None:  # never a single-process save of one rank's shards
+                raise StateError(f"saving to {path} in the background failed: the process group was destroyed before it "
+                                 "was written; wait for the save (handle.wait(), Checkpointer.close()) before "
+                                 "destroy_process_group()")  # fmt: skip
+            saved = write(staged, made)
             saved.seconds = time.perf_counter() - t0
+            handle._saved = saved
             log.info("%s (in the background; the caller was held %.3f s)", saved.format(), handle.held_seconds)
         except BaseException as e:  # noqa: BLE001 - a CheckpointException or a peer gone: raised by wait()
             handle._error = e
@@ -183,30 +195,76 @@ def start_save(state: dict[str, Any] | None, saved: SaveReport, group: dist.Proc
             handle._finished.set()
 
     _RUNNING.append(handle)
-    _writer().put(run)
     handle.held_seconds = time.perf_counter() - t0
+    start_writer().put(run)  # last: the thread it wakes may take the interpreter lock from here on
     return handle
 
 
-_WRITER: dict[int, queue.SimpleQueue[Callable[[], None]]] = {}  # by process id: a forked child starts its own
+# by process id (a forked child starts its own): the writing thread's queue (``None`` ends it) and
+# the event it sets once it has ended
+_WRITER: dict[int, tuple[queue.SimpleQueue[Callable[[], None] | None], threading.Event]] = {}
 
 
-def _writer() -> queue.SimpleQueue[Callable[[], None]]:
-    """The queue of this process's writing thread, started on first use and kept. Started
-    with ``_thread.start_new_thread``, which returns at once, where ``Thread.start`` waits until
-    the new thread has been scheduled (long on a busy host: the first save's caller would wait
-    for it). The thread runs until the process ends, as a daemon thread does."""
+def start_writer() -> queue.SimpleQueue[Callable[[], None] | None]:
+    """The queue of this process's writing thread, started on first use and kept until the
+    process exits (:func:`finish_at_exit`). Started with ``_thread.start_new_thread``, which
+    returns at once, where ``Thread.start`` waits until the new thread has been scheduled (long
+    on a busy host: the first save's caller would wait for it)."""
     pid = os.getpid()
     if pid not in _WRITER:
-        jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        ended = threading.Event()
 
         def serve() -> None:
-            while True:
-                jobs.get()()
+            try:
+                while (job := jobs.get()) is not None:
+                    job()
+            finally:
+                ended.set()
 
         _thread.start_new_thread(serve, ())
-        _WRITER[pid] = jobs
-    return _WRITER[pid]
+        _WRITER[pid] = (jobs, ended)
+        teardown.at_exit(finish_at_exit)
+    return _WRITER[pid][0]
 
 
-__all__ = ["SaveHandle", "background_group", "prepare_group", "stage", "start_save"]
+DESTROYED_WAIT_S = 10
+"""How long exit waits for a background save once the process group was destroyed under it."""
+
+
+def finish_at_exit() -> None:
+    """At exit (sdadapt's exit handler runs it, before finalization): let the writing thread end
+    what it was handed (a save in flight, or making its group: the other ranks wait at their
+    exit for theirs too), then end the background groups, so that no thread of a save is still
+    working, nor a gloo thread of its group, when the interpreter finalizes (see
+    :mod:`sdadapt._base.teardown`). A save that failed is logged (no one waits for it); the one
+    before stays the latest complete checkpoint."""
+    writer = _WRITER.pop(os.getpid(), None)
+    if writer is None:
+        return
+    jobs, ended = writer
+    for h in _RUNNING:
+        if not h.done():
+            log.info("waiting for the save to %s (in the background) to end before this process exits", h.path)
+    jobs.put(None)
+    # with the world up, every rank waits for its own writer, so their collectives meet; once it
+    # was destroyed, a writer may wait for a rank that will never come (making the group): bounded
+    if not ended.wait(None if is_distributed() else DESTROYED_WAIT_S):
+        log.warning("the save in the background still waits for other ranks %d s after this process began to exit, with "
+                    "the process group destroyed; it is left unfinished (not a complete checkpoint): wait for the save "
+                    "before destroy_process_group()", DESTROYED_WAIT_S)  # fmt: skip
+        return
+    for h in list(_RUNNING):
+        if h._error is not None:
+            log.warning("the save to %s in the background failed (%s: %s); it is not a complete checkpoint",
+                        h.path, type(h._error).__name__, h._error)  # fmt: skip
+    _RUNNING.clear()
+    for group in list(_GROUPS.values()):  # a destroyed world took its groups with it
+        try:
+            if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+                dist.destroy_process_group(group)
+        except Exception as e:  # noqa: BLE001 - left to the interpreter's end
+            log.debug("cannot end the background saves' group: %s", e)
+
+
+__all__ = ["SaveHandle", "background_group", "finish_at_exit", "prepare_group", "stage", "start_save", "start_writer"]

@@ -38,7 +38,7 @@ from .._transaction.materialize import has_meta
 from .._transaction.tidy import call_started, public, single_process_quiet
 from ..errors import SdadaptError, StateError
 from ..sources import SDADAPT_JSON, is_url, write_checksums_shared
-from .background import SaveHandle, start_save
+from .background import SaveHandle, start_save, start_writer
 from .saved import SaveReport
 from .state import MODEL_KEY, OPTIM_KEY, STATE_FORMAT, _get_state
 from .taken import take_state
@@ -137,65 +137,80 @@ def save_state(
             raise StateError("checksums=True is not supported for an object storage destination yet; save without it")
         _save_to_url(dst, local_save, overwrite, process_group)
         return done[0].model_copy(update={"path": dst, "seconds": time.perf_counter() - t0})
-    adapter = adapter_or_none(adapter, None, model) if adapter is not None else None  # None: nothing to import
     rank, world = rank_and_world(process_group)
     extra = dict(extra or {})
     error: SdadaptError | None = None
     state: dict[str, Any] = {}
+    if async_:
+        start_writer()  # its thread starts while this one copies, not after
     try:
         for name in extra:
             if not isinstance(name, str) or not name or "." in name or name in (MODEL_KEY, OPTIM_KEY):
                 raise StateError(
                     f"extra entry name {name!r}: use a non-empty name without dots, other than {MODEL_KEY!r} and {OPTIM_KEY!r}"
                 )
-        if rank == 0 and os.path.isdir(dst) and os.listdir(dst) and not overwrite:
-            raise StateError(f"{dst} exists and is not empty; pass overwrite=True or choose a new folder")
-        if rank == 0 and os.path.exists(dst) and not os.path.isdir(dst):
-            raise StateError(f"{dst} exists and is not a folder")
-        if has_meta(model):
-            raise StateError("the model still has tensors on the meta device; there is nothing to save")
-        # in the background the dicts are remembered between saves (the name walk held training)
-        take = (lambda m, o: take_state(m, o, _take)) if async_ else _take
-        model_sd, optim_sd = take(model, optimizer)
+        if async_:  # the dicts are remembered between saves (the name walk held training); the rest of the checks in the background
+            model_sd, optim_sd = take_state(model, optimizer, _take, lambda: _check_meta(model))
+        else:
+            _check_dst(dst, rank, overwrite)
+            _check_meta(model)
+            model_sd, optim_sd = _take(model, optimizer)
         state = {MODEL_KEY: model_sd} if optim_sd is None else {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
         state.update(extra)
     except SdadaptError as e:
         error = e
+    keys = len(state.get(MODEL_KEY, ()))
 
-    def agreement(group: dist.ProcessGroup | None) -> None:
+    def write(staged: dict[str, Any], group: dist.ProcessGroup | None) -> SaveReport:
         """Every rank's checks, and the same adapter, extras and versions (the stages of a
-        pipeline save different keys), agreed before anything is written."""
-        parts = no_intent() if error is not None else intent(adapter, None, extra=sorted(extra), optimizer=optimizer is not None)
-        agree_on(parts, error, group, what=f"save {dst}")
-
-    record = {
-        "format": STATE_FORMAT,
-        "sdadapt_version": _version(),
-        "torch_version": torch.__version__,
-        "world_size": world,
-        "model_key": MODEL_KEY,
-        "optim_key": OPTIM_KEY if optimizer is not None else None,
-        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
-        "extra": sorted(extra),
-        "adapter": json.loads(adapter.to_json()) if adapter is not None else None,
-    }
-    saved = SaveReport(
-        rank=rank, world_size=world, path=dst, model_keys=len(state.get(MODEL_KEY, ())),
-        optimizer=type(optimizer).__name__ if optimizer is not None else None, extra=sorted(extra),
-        checksums=checksums, seconds=0.0,
-    )  # fmt: skip
-
-    def write(staged: dict[str, Any], group: dist.ProcessGroup | None) -> None:
-        agreement(group)
+        pipeline save different keys), agreed before anything is written; then the writing."""
+        failed = error
+        resolved: Adapter | None = None
+        try:
+            if async_ and failed is None:
+                _check_dst(dst, rank, overwrite)
+            resolved = adapter_or_none(adapter, None, model) if adapter is not None else None  # None: nothing to import
+        except SdadaptError as e:
+            failed = failed or e
+        parts = no_intent() if failed is not None else intent(resolved, None, extra=sorted(extra), optimizer=optimizer is not None)
+        agree_on(parts, failed, group, what=f"save {dst}")
+        record = {
+            "format": STATE_FORMAT,
+            "sdadapt_version": _version(),
+            "torch_version": torch.__version__,
+            "world_size": world,
+            "model_key": MODEL_KEY,
+            "optim_key": OPTIM_KEY if optimizer is not None else None,
+            "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+            "extra": sorted(extra),
+            "adapter": json.loads(resolved.to_json()) if resolved is not None else None,
+        }
         _write_rest(staged, dst, record, rank, world, group, checksums)
+        return SaveReport(
+            rank=rank, world_size=world, path=dst, model_keys=keys,
+            optimizer=type(optimizer).__name__ if optimizer is not None else None, extra=sorted(extra),
+            checksums=checksums, seconds=time.perf_counter() - t0,
+        )  # fmt: skip
 
     if async_:  # a failed check is raised by the handle's wait(), on every rank
-        return start_save(state if error is None else None, saved, process_group, t0, write)
+        return start_save(state if error is None else None, dst, process_group, t0, write)
     with single_process_quiet():
-        write(state, process_group)
-    saved.seconds = time.perf_counter() - t0
+        saved = write(state, process_group)
     log.info("%s", saved.format())
     return saved
+
+
+def _check_dst(dst: str, rank: int, overwrite: bool) -> None:
+    """Rank 0: ``dst`` is a folder, empty unless ``overwrite``."""
+    if rank == 0 and os.path.isdir(dst) and os.listdir(dst) and not overwrite:
+        raise StateError(f"{dst} exists and is not empty; pass overwrite=True or choose a new folder")
+    if rank == 0 and os.path.exists(dst) and not os.path.isdir(dst):
+        raise StateError(f"{dst} exists and is not a folder")
+
+
+def _check_meta(model: nn.Module) -> None:
+    if has_meta(model):
+        raise StateError("the model still has tensors on the meta device; there is nothing to save")
 
 
 def _take(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -220,7 +235,8 @@ def _write_rest(state: dict[str, Any], dst: str, record: dict[str, Any], rank: i
             error = StateError(f"saving to {dst} failed removing the old .metadata ({e}); nothing was written")
     agree(error, group)  # and no rank writes before it is gone
     try:
-        dcp.save(state, checkpoint_id=dst, process_group=group, no_dist=not is_distributed())
+        # a group given (the background one) is used even if the world was destroyed meanwhile: its collectives fail
+        dcp.save(state, checkpoint_id=dst, process_group=group, no_dist=group is None and not is_distributed())
     except CheckpointException as e:
         cause = _os_error(e)
         if cause is not None:  # a full disk on any rank: named, with its errno, on every rank

@@ -13,8 +13,9 @@ dicts are the live ones), so a changed learning rate or a new state entry is nev
 The first take skips that walk too where ``get_state_dict``'s names are the ones
 ``model.state_dict()`` already has (no module renames keys: no DDP, ``torch.compile``, FSDP1 or
 activation-checkpointing wrapper) and the optimizer's state exists (``get_state_dict`` would
-create it first): the model's dict is ``model.state_dict()`` and each optimizer parameter is
-named by ``model.named_parameters()``, as ``get_state_dict`` names it.
+create it first): the model's dict holds the live tensors under ``model.state_dict()``'s keys
+(found as it finds them, after its pre-hooks, without a ``detach()`` each) and each optimizer
+parameter is named by ``model.named_parameters()``, as ``get_state_dict`` names it.
 
 A model whose state dict is not just its tensors is taken in full every time: a module with
 ``get_extra_state``, a ``state_dict`` hook other than FSDP2's (which only reshards, and a
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,10 +55,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[Any, ...] | None:
+Live = dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor]
+
+
+def _fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None, live: Live | None = None) -> tuple[Any, ...] | None:
     """What must stay the same for a remembered state dict to still describe ``model``: every
     parameter's and buffer's identity, data pointer and shape, and the optimizer's parameters.
-    ``None`` when the model's state dict holds more than its tensors (never remembered)."""
+    ``None`` when the model's state dict holds more than its tensors (never remembered). In the
+    same pass, ``live`` (when given) gets every tensor by its memory (pointer, shape, stride,
+    dtype)."""
     from torch.distributed.fsdp import FullyShardedDataParallel  # noqa: PLC0415 - loaded with torch.distributed
 
     seen: list[Any] = []
@@ -72,7 +79,10 @@ def _fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> t
                 seen.append(None)
             else:
                 local = _local(t)
-                seen.append((id(t), local.data_ptr(), tuple(local.shape)))
+                ptr, shape = local.data_ptr(), tuple(local.shape)
+                seen.append((id(t), ptr, shape))
+                if live is not None:
+                    live[(ptr, shape, local.stride(), local.dtype)] = t
     params = () if optimizer is None else tuple(id(p) for g in optimizer.param_groups for p in g["params"])
     return (tuple(seen), id(optimizer), params)
 
@@ -82,15 +92,10 @@ def _remember(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_s
     """Remember which live tensor each of ``model_sd``'s keys is (matched by memory) and each
     optimizer parameter's name, unless the state holds anything else."""
     _TAKEN.pop(model, None)
-    fingerprint = _fingerprint(model, optimizer)
+    live: Live = {}
+    fingerprint = _fingerprint(model, optimizer, live)
     if fingerprint is None:
         return
-    live: dict[tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype], torch.Tensor] = {}
-    for m in model.modules():
-        for t in itertools.chain(m._parameters.values(), m._buffers.values()):
-            if t is not None:
-                local = _local(t)
-                live[(local.data_ptr(), tuple(local.shape), local.stride(), local.dtype)] = t
     tensors: dict[str, weakref.ref[torch.Tensor]] = {}
     for key, value in model_sd.items():
         if not isinstance(value, torch.Tensor):
@@ -114,12 +119,34 @@ def _first(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[d
     the state dict's own (see the module docstring); ``None`` elsewhere."""
     if optimizer is None or not optimizer.state or _fingerprint(model, optimizer) is None or not renames_nothing(model):
         return None
-    model_sd = model.state_dict()
+    model_sd = _live_state_dict(model, "", {})
+    if model_sd is None:
+        model_sd = model.state_dict()
     name_of = {id(p): n for n, p in model.named_parameters()}
     names = [name_of.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
     if not model_sd or None in names:
         return None  # get_state_dict's own error (a parameter the model does not hold) comes from the full take
     return model_sd, _named(optimizer, names)  # type: ignore[arg-type]
+
+
+def _live_state_dict(module: nn.Module, prefix: str, out: dict[str, Any]) -> dict[str, Any] | None:
+    """``module.state_dict(keep_vars=True)``: the live parameters and buffers under the same keys,
+    without a ``detach()`` each (a DTensor's costs a dispatch), after the same pre-hooks (FSDP2's
+    only: :func:`_fingerprint` checked); ``None`` where a module saves its state its own way."""
+    if type(module).state_dict is not nn.Module.state_dict or type(module)._save_to_state_dict is not nn.Module._save_to_state_dict:
+        return None
+    for hook in module._state_dict_pre_hooks.values():
+        hook(module, prefix, True)
+    for name, p in module._parameters.items():
+        if p is not None:
+            out[prefix + name] = p
+    for name, b in module._buffers.items():
+        if b is not None and name not in module._non_persistent_buffers_set:
+            out[prefix + name] = b
+    for name, child in module._modules.items():
+        if child is not None and _live_state_dict(child, f"{prefix}{name}.", out) is None:
+            return None
+    return out
 
 
 def _named(optimizer: torch.optim.Optimizer, names: list[str] | tuple[str, ...]) -> dict[str, Any]:
@@ -148,16 +175,19 @@ def _again(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[d
     return model_sd, _named(optimizer, taken.names)
 
 
-def take_state(model: nn.Module, optimizer: torch.optim.Optimizer | None,
-               take: Any) -> tuple[dict[str, Any], dict[str, Any] | None]:  # fmt: skip
+def take_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, take: Any,
+               check: Callable[[], None] | None = None) -> tuple[dict[str, Any], dict[str, Any] | None]:  # fmt: skip
     """``take(model, optimizer)`` (the full ``get_state_dict`` or ``model_state_dict``), or the
     same dicts rebuilt from the last call's while nothing they rest on moved, or made without
     ``get_state_dict``'s name search where it renames nothing. The values of the rebuilt model
     dict are the live parameters and buffers themselves (a copy reads them without autograd);
-    its keys and the optimizer dict's layout are ``take``'s."""
+    its keys and the optimizer dict's layout are ``take``'s. ``check`` runs before a take that
+    is not rebuilt (a rebuilt one rests on the tensors it checked: same objects, same memory)."""
     again = _again(model, optimizer)
     if again is not None:
         return again
+    if check is not None:
+        check()
     model_sd, optim_sd = _first(model, optimizer) or take(model, optimizer)
     _remember(model, optimizer, model_sd, optim_sd)
     return model_sd, optim_sd
