@@ -11,8 +11,12 @@
 # arguments, such as `--profile 25`); `cpu2`: two of the CPUs (`taskset -c 0,1`), 2 gloo ranks,
 # meta and materialised flows against DCP's HF reader, in CPU2_ROUNDS interleaved rounds;
 # `cpu16`: 16 gloo ranks on the CPUs against DCP's HF reader.
+# `steady`: the steady 8B load's split and kvikio's settings in one run: sdadapt, @nokv, @k12
+# (12 kvikio threads), @b4 (4 MiB bounce buffers), @k12b4, STEADY_EXTRA (more --variant), against
+# InstantTensor buffered and raw kvikio (STEADY_RAW), STEADY_REPEAT steady loads (default 4; the
+# phases of every load are in kv8b_steady.json), then bench/probes/steady_overhead_probe.py on the GPU.
 # FORMATS_EXTRA: more arguments of the formats run. Each step prints the time it ends.
-# Usage: bash bench/h200_kvikio.sh [tests] [bench] [formats] [probe] [cold] [imports] [cpu2] [cpu16]
+# Usage: bash bench/h200_kvikio.sh [tests] [bench] [formats] [probe] [cold] [imports] [cpu2] [cpu16] [steady]
 set -u
 WHL=${WHL:-../../.whl}
 OUT=${OUT:-/tmp/out}
@@ -71,6 +75,15 @@ for what in "$@"; do
         --nproc 2 --backend gloo --dir /tmp/ckc2 --keep --rounds ${CPU2_ROUNDS:-5} --repeat 1 --no-references --discussion '' \
         --timeout 150 --paths sdadapt,hf-reader --tp-paths '' --hsdp-paths '' --materialized-paths sdadapt,hf-reader \
         --out "$OUT"/cpu2 2>&1 | tail -14
+      ;;
+    steady)
+      timeout ${STEADY_TIMEOUT:-300} python3 bench/load_bench.py --preset 8b --nproc 1 --backend nccl --dir /tmp/ck --keep --tp-paths '' \
+        --hsdp-paths '' --materialized-paths '' --discussion '' --timeout 120 --import-in-load --repeat ${STEADY_REPEAT:-4} --no-verify \
+        --paths sdadapt --raw-paths ${STEADY_RAW:-instanttensor,kvikio} --by-variant --variant nokv:SDADAPT_IO_KVIKIO=0 \
+        --variant k12:SDADAPT_IO_KVIKIO_THREADS=12 --variant b4:SDADAPT_IO_KVIKIO_BOUNCE_MB=4 \
+        --variant k12b4:SDADAPT_IO_KVIKIO_THREADS=12,SDADAPT_IO_KVIKIO_BOUNCE_MB=4 ${STEADY_EXTRA:-} \
+        --out "$OUT"/kv8b_steady 2>&1 | tail -40
+      timeout 120 python3 bench/probes/steady_overhead_probe.py --device cuda --loads 9 --json "$OUT"/steady_overhead.json 2>&1 | tail -3
       ;;
     cpu16)
       CUDA_VISIBLE_DEVICES= timeout ${CPU_TIMEOUT:-200} python3 bench/load_bench.py --preset 1.9g --shard-gb 0.5 --nproc 16 --backend gloo \

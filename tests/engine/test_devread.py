@@ -13,12 +13,11 @@ import importlib.util
 import logging
 import os
 import random
-import threading
-import time
 
 import pytest
 import torch
 from support.checkpoints import write_safetensors
+from support.kvikio_host import HostCuFile as _CuFile
 
 from sdadapt._engine import EngineConfig, IOEngine, Job, default_threads, devread
 from sdadapt._engine.config import local_ranks, process_cpus, rank_cpus
@@ -316,48 +315,6 @@ def test_warm_up_reads_once_per_pool_thread_and_leaves_kvikio_chosen(tmp_path, c
 
 
 # --- a gather's inputs read by kvikio (a stand-in for kvikio on the CPU lane) --------------------
-
-
-class _Future:
-    def __init__(self, fut):
-        self.fut = fut
-
-    def get(self):
-        return self.fut.result()
-
-
-class _CuFile:
-    """kvikio's ``CuFile`` on the host: ``pread`` into a CPU tensor on a small pool; ``short``
-    files read one byte less than asked (a truncated file)."""
-
-    pool = None
-    short: set[str] = set()
-    reading = 0  # reads queued and not yet ended
-    lock = threading.Lock()
-
-    def __init__(self, path, mode):
-        from concurrent.futures import ThreadPoolExecutor
-
-        if _CuFile.pool is None:
-            _CuFile.pool = ThreadPoolExecutor(3)
-        self.path, self.fd = path, os.open(path, os.O_RDONLY)
-
-    def _read(self, buf, size, offset):
-        time.sleep(0.001)
-        try:
-            got = os.preadv(self.fd, [memoryview(buf.numpy())[:size]], offset)
-            return got - 1 if self.path in _CuFile.short else got
-        finally:
-            with _CuFile.lock:
-                _CuFile.reading -= 1
-
-    def pread(self, buf, size, offset):
-        with _CuFile.lock:
-            _CuFile.reading += 1
-        return _Future(self.pool.submit(self._read, buf, size, offset))
-
-    def close(self):
-        os.close(self.fd)
 
 
 def _fp8_checkpoint(tmp_path):

@@ -52,6 +52,7 @@ the calls touch once, the gaps of joined reads included; files are opened with r
 from .config import EngineConfig, default_threads
 from .device import device_step, device_work, warm_kernels, warm_up
 from .devread import deferred as kvikio_deferred
+from .devread import heading
 from .devread import warm as warm_kvikio
 from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
@@ -75,6 +76,7 @@ __all__ = [
     "device_step",
     "device_work",
     "exchange_rows",
+    "heading",
     "kvikio_deferred",
     "prefetch_pinned",
     "read_and_exchange",

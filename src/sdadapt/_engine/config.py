@@ -101,6 +101,10 @@ class EngineConfig:
         kvikio_gathers: where a run reads through kvikio, have kvikio read the stored inputs of
             gathered computations (dequantisation) into their device buffers too; off by default,
             as measured slower than the staged gathers (docs/performance.md).
+        head_bytes: a one-rank GPU load that reads through kvikio has kvikio read up to this
+            many bytes of its plain reads into pinned host memory while the model is
+            materialised, and copies them to the GPU from there once its run begins
+            (:class:`~sdadapt._engine.devread.HeadStart`); 0 (the default): none.
         remote_request_bytes: a source at an object storage URL: the size of one ranged request
             (``None``: chosen from the measured latency and rate, docs/object-storage.md).
         remote_concurrency: a source at an object storage URL: the requests in flight, one per
@@ -150,6 +154,7 @@ class EngineConfig:
     kvikio_bounce_bytes: int | None = None
     kvikio_warm: bool = True
     kvikio_gathers: bool = False
+    head_bytes: int = 0
     remote_request_bytes: int | None = None
     remote_concurrency: int | None = None
     share_rows: bool | Literal["auto"] = "auto"
@@ -238,6 +243,7 @@ _LEAST: tuple[tuple[str, float, str], ...] = (
     ("kvikio_threads", 1, "at least 1"),
     ("kvikio_task_bytes", 4096, "at least 4096"),
     ("kvikio_bounce_bytes", 4096, "at least 4096"),
+    ("head_bytes", 0, "0 or more"),
     ("switch_interval", _ABOVE_ZERO, "positive seconds or None"),
     ("plan_switch_interval", _ABOVE_ZERO, "positive seconds or None"),
 )
@@ -293,6 +299,7 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "SDADAPT_IO_KVIKIO_GATHERS": ("kvikio_gathers", _flag),
     "SDADAPT_IO_KVIKIO_TASK_MB": ("kvikio_task_bytes", _mib(4096)),
     "SDADAPT_IO_KVIKIO_BOUNCE_MB": ("kvikio_bounce_bytes", _mib_or_none),
+    "SDADAPT_IO_HEAD_MB": ("head_bytes", _mib(0)),
     "SDADAPT_IO_REMOTE_REQUEST_MB": ("remote_request_bytes", _mib_or_none),
     "SDADAPT_IO_REMOTE_CONCURRENCY": ("remote_concurrency", _count),
     "SDADAPT_IO_SHARE_ROWS": ("share_rows", _auto_or_flag),

@@ -61,6 +61,7 @@ class EngineStats:
     lane: LaneTimes = field(default_factory=LaneTimes)  # the device lane's thread (GPU runs)
     kvikio_bytes: int = 0  # of direct_bytes, read by kvikio straight into GPU destinations
     kvikio_wait_seconds: float = 0.0  # waiting for kvikio's reads once the threads had finished
+    head_bytes: int = 0  # of kvikio_bytes, copied from a head start's buffer (EngineConfig.head_bytes)
     fetched_bytes: int = 0  # from object storage straight into memory (in storage_bytes too)
     requests: int = 0  # the ranged requests that fetched them
 
@@ -190,6 +191,8 @@ class IOEngine:
         if reads is not None and shared.lane is not None:
             gathers = devread.GatherReads(reads, shared.lane, shared.fail, 2 * cfg.staging_bytes)
         pending = devread.Pending()
+        # a head start begun by the load: the tensors it read ahead are copied from its buffer
+        head = devread.take_head(device) if reads is not None and device is not None else None
         handles: dict[str, Any] = {}  # path -> kvikio file handle
         workers = [Worker(shared, cfg.depth, cfg.band_depth, computes=i < computing) for i in range(threads)]
         pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
@@ -216,6 +219,13 @@ class IOEngine:
                 except Exception as e:  # noqa: BLE001 - named; the reads queued so far are still waited for
                     shared.fail(task.where.error(e))
                 return
+            if head is not None and isinstance(task, DirectRead) and task.dest.device == head.device:
+                try:
+                    if head.serve(task):
+                        return
+                except Exception as e:  # noqa: BLE001 - named; the reads queued so far are still waited for
+                    shared.fail(task.where.error(e))
+                    return
             if reads is not None and isinstance(task, DirectRead) and task.dest.device.type == "cuda":
                 # kvikio's: queued at once, waited for at the end of the run
                 try:
@@ -253,6 +263,8 @@ class IOEngine:
                     shared.lane.close()  # every copy and kernel has finished
                 t = time.perf_counter()
                 shared.errors.extend(devread.DeviceReads.wait(pending))  # every kvikio read has ended
+                if head is not None:
+                    head.close()  # its copies have ended too
                 kvikio_wait = time.perf_counter() - t
                 pool.close()
                 bands.close()
@@ -283,10 +295,12 @@ class IOEngine:
             st.lane += shared.lane.times
         st.storage_bytes += sum(storage_bytes(ext) for ext in extents.values())
         st.tasks += count
-        st.kvikio_bytes += pending.nbytes
-        st.storage_bytes += pending.nbytes + (gathers.nbytes if gathers is not None else 0)
-        st.direct_bytes += pending.nbytes
-        st.bytes_read += pending.nbytes
+        served = head.served if head is not None else 0  # read by kvikio into the head start's buffer
+        st.kvikio_bytes += pending.nbytes + served
+        st.head_bytes += served
+        st.storage_bytes += pending.nbytes + served + (gathers.nbytes if gathers is not None else 0)
+        st.direct_bytes += pending.nbytes + served
+        st.bytes_read += pending.nbytes + served
         if gathers is not None:
             st.kvikio_bytes += gathers.nbytes
             st.bytes_read += gathers.nbytes

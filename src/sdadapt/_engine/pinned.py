@@ -100,10 +100,8 @@ class SlabCache:
         being prefetched is pinned, that one; else a new slab."""
         while True:
             with self._lock:
-                fits = [s for s in self._kept if s.nbytes >= nbytes]
-                if fits:
-                    slab = min(fits, key=lambda s: s.nbytes)
-                    self._kept.remove(slab)
+                slab = self._pop_fit(nbytes)
+                if slab is not None:
                     return slab
                 coming = [p for p in self._pending if p[0] >= nbytes]
                 if not coming:
@@ -111,6 +109,20 @@ class SlabCache:
                 done = min(coming, key=lambda p: p[0])[1]
             done.wait()
         return self.allocate(round_up(nbytes, HUGE_PAGE))
+
+    def take_kept(self, nbytes: int) -> Slab | None:
+        """The smallest kept slab of at least ``nbytes``, or ``None`` without waiting or pinning."""
+        with self._lock:
+            return self._pop_fit(nbytes)
+
+    def _pop_fit(self, nbytes: int) -> Slab | None:
+        """Remove and return the smallest kept slab of at least ``nbytes`` (the lock held)."""
+        fits = [s for s in self._kept if s.nbytes >= nbytes]
+        if not fits:
+            return None
+        slab = min(fits, key=lambda s: s.nbytes)
+        self._kept.remove(slab)
+        return slab
 
     def prefetch(self, nbytes: int, device: torch.device) -> None:
         """Start pinning a slab of ``nbytes`` (registered with ``device``'s context) on a
@@ -186,13 +198,15 @@ class SlabCache:
 
 
 SLABS = SlabCache()
+# the head start's memory (EngineConfig.head_bytes), kept apart so that a staging pool never takes it
+HEAD_SLABS = SlabCache(keep=1)
 
 
 def release_pinned_memory() -> int:
     """Unpin and free the staging memory that loads to a GPU keep for the next load of this
     process (at most :data:`KEEP` slabs, about ``2 x EngineConfig.staging_bytes`` per load
-    configuration); returns the bytes freed. A later GPU load pins its staging afresh (tens of
-    milliseconds). Call it between loads, never during one.
+    configuration, and the head start's ``EngineConfig.head_bytes``); returns the bytes freed.
+    A later GPU load pins its staging afresh (tens of milliseconds). Call it between loads, never during one.
 
     Returns:
         The bytes freed.
@@ -202,6 +216,6 @@ def release_pinned_memory() -> int:
         sdadapt.load(model, "ckpt/", device="cuda")
         sdadapt.release_pinned_memory()
     """
-    freed = SLABS.clear()
+    freed = SLABS.clear() + HEAD_SLABS.clear()
     log.debug("released %d bytes of pinned staging memory", freed)
     return freed

@@ -19,7 +19,7 @@ from .._base.distributed import rank_and_world
 from .._base.gc import without_gc
 from .._base.progress import TransferBar
 from .._base.summary import Summarized
-from .._engine import EngineConfig, EngineStats, device_work, kvikio_deferred, prefetch_pinned, warm_kernels, warm_kvikio
+from .._engine import EngineConfig, EngineStats, device_work, heading, kvikio_deferred, prefetch_pinned, warm_kernels, warm_kvikio
 from .._plan.adapter import Adapter
 from .._plan.intent import intent
 from .._plan.plan import KeyPatterns, Plan, key_patterns
@@ -358,18 +358,19 @@ def load(
     phases = _Phases(t0)
     phases.mark("plan")
     _prepare_device(target, prep.planned, prep.plan, engine, txn.sources[-1].files())
-    # every rank's hook has run (a hook may touch the files) before any rank checks them
-    materialized = txn.materialize(device, init_buffers, reserved, then=prep.fill_missing[1])
-    phases.mark("materialize")
-    # materialising gave the parameters new tensors; otherwise the planned state dict is current
-    wanted = {k: v for k, v in (model_state_dict(model) if materialized else prep.planned).items() if k in prep.plan.recipes}
-    part = Part("model", prep.plan, txn.sources[-1], wanted, share_reads=share)
-    phases.mark("prepare")
-    log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), options.name, " (atomic)" if atomic else "")
-    total = sum(local_nbytes(t) for t in wanted.values())
-    with TransferBar(total, "sdadapt.load", tensors=len(wanted), rank=rank, enabled=progress) as bar:  # **run**
-        txn.on_done = bar.update if bar.on else None
-        txn.run([part], atomic=atomic, check_finite=check_finite, mark=phases.mark)
+    with heading(target, txn.sources[-1], prep.plan.recipes, engine, world == 1):  # read ahead while materialising
+        # every rank's hook has run (a hook may touch the files) before any rank checks them
+        materialized = txn.materialize(device, init_buffers, reserved, then=prep.fill_missing[1])
+        phases.mark("materialize")
+        # materialising gave the parameters new tensors; otherwise the planned state dict is current
+        wanted = {k: v for k, v in (model_state_dict(model) if materialized else prep.planned).items() if k in prep.plan.recipes}
+        part = Part("model", prep.plan, txn.sources[-1], wanted, share_reads=share)
+        phases.mark("prepare")
+        log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), options.name, " (atomic)" if atomic else "")
+        total = sum(local_nbytes(t) for t in wanted.values())
+        with TransferBar(total, "sdadapt.load", tensors=len(wanted), rank=rank, enabled=progress) as bar:  # **run**
+            txn.on_done = bar.update if bar.on else None
+            txn.run([part], atomic=atomic, check_finite=check_finite, mark=phases.mark)
     rep = _load_report(part, prep, options, phases, rank=rank, world=world, total=total, materialized=materialized, t0=t0)
     remember_source(model, src)  # export / save_state with an adapter name read the same folder
     rep.seconds = time.perf_counter() - t0  # the whole call, from entering it
