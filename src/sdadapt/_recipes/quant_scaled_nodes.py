@@ -88,9 +88,9 @@ class DequantizedScaled(_Dequant):
         raw, scale, rest = inputs[0], inputs[1], list(inputs[2:])
         zero = rest.pop(0) if self.zero is not None else None
         glob = rest.pop(0) if self.glob is not None else None
-        if zero is None and dest.dtype == self.dtype:
-            s = S.scale_multipliers(scale, glob, self.mode)
-            if (self._per_tensor() or b0 == 1) and S.dequantize_into(dest, raw, self.codec, s, self.block, c0):
+        s = S.scale_multipliers(scale, glob, self.mode)
+        if zero is None and dest.dtype == self.dtype and (self._per_tensor() or b0 == 1):
+            if S.dequantize_into(dest, raw, self.codec, s, self.block, c0):
                 return
         unit = S.PER_UNIT[self.codec]
         skip = c0 // unit * unit
@@ -103,7 +103,6 @@ class DequantizedScaled(_Dequant):
                 z = S.decode_zero_rows(zero, S.BITS[self.codec])[..., g0 - g0 // per * per : g1 - g0 // per * per, :]
             else:
                 z = zero.to(torch.float32)
-        s = S.scale_multipliers(scale, glob, self.mode)
         dest.copy_(S.dequantize_region(codes, s, self.block, (r0 % b0, c0 % b1), z, self.dtype))
 
     def full(self, io: SourceIO) -> torch.Tensor:
@@ -182,10 +181,8 @@ class QuantizedScaled(_Computed, Derived):
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         glob = self._glob(io)
         values = self.part == "values"
-        parts, amax = None if self.zero else row_parts(self.child, src, self.block[0]), None
-        if parts is None and self.one_fp8_scale():  # its parts quantized apart, under their largest magnitude
-            parts = row_parts(self.child, src, 1)
-            amax = None if parts is None else largest_magnitude([p.read(b, io) for p, b, _ in parts])
+        parts = None if self.zero else row_parts(self.child, src, 1 if self.one_fp8_scale() else self.block[0])
+        amax = largest_magnitude([p.read(b, io) for p, b, _ in parts]) if parts and self.one_fp8_scale() else None  # the parts'
         if parts is None:
             return QF.quantize_scaled(self.child.read(src, io), self.codec, self.block, self.scale_dtype, self.zero, glob,
                                       self.mode, values=values, out=into)  # fmt: skip
