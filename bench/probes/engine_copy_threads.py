@@ -76,14 +76,14 @@ def _member(rank: int, world: int, folder: str, n: int, repeat: int, team: int |
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--mib", type=int, default=256)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--team", type=int, help="torch.set_num_threads(N) in each process first (default: torch's)")
     p.add_argument("--blocks", action="store_true", help="the workers' copies in blocks on their own thread")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     os.environ.pop("OMP_NUM_THREADS", None)  # the children start without it
     import torch
     import torch.multiprocessing as mp
