@@ -12,7 +12,8 @@
 # meta and materialised flows against DCP's HF reader, in CPU2_ROUNDS interleaved rounds;
 # `cpu16`: 16 gloo ranks on the CPUs against DCP's HF reader.
 # `steady`: the steady 8B load's split and kvikio's settings in one run: sdadapt, @nokv, @k12
-# (12 kvikio threads), @b4 (4 MiB bounce buffers), @k12b4, STEADY_EXTRA (more --variant), against
+# (12 kvikio threads), @b4 (4 MiB bounce buffers), @k12b4, @hd2g / @hd1g (a head start of 2 / 1 GiB:
+# SDADAPT_IO_HEAD_MB; its first steady load may still pin it), STEADY_EXTRA (more --variant), against
 # InstantTensor buffered and raw kvikio (STEADY_RAW), STEADY_REPEAT steady loads (default 4; the
 # phases of every load are in kv8b_steady.json), then bench/probes/steady_overhead_probe.py on the GPU.
 # FORMATS_EXTRA: more arguments of the formats run. Each step prints the time it ends.
@@ -35,7 +36,7 @@ python3 -c "import torch, kvikio, kvikio.defaults as d; print('torch', torch.__v
 for what in "$@"; do
   case $what in
     tests)
-      T="tests/engine/test_devread.py tests/engine/test_compute_device.py tests/engine/test_pinned.py tests/rules/test_quant_export.py"
+      T="tests/engine/test_devread.py tests/engine/test_head_start.py tests/engine/test_compute_device.py tests/engine/test_pinned.py tests/rules/test_quant_export.py"
       PYTHONPATH=$BASE:/tmp/kv timeout 240 python3 -m pytest -q -p no:cacheprovider $T 2>&1 | tail -25 | tee "$OUT"/tests_kvikio.log
       PYTHONPATH=$BASE timeout 150 python3 -m pytest -q -p no:cacheprovider $T 2>&1 | tail -12 | tee "$OUT"/tests_no_kvikio.log
       PYTHONPATH=$BASE:/tmp/kv timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_scenario.py 2>&1 | tail -8 | tee "$OUT"/gpu_scenario_kvikio.log
@@ -81,7 +82,8 @@ for what in "$@"; do
         --hsdp-paths '' --materialized-paths '' --discussion '' --timeout 120 --import-in-load --repeat ${STEADY_REPEAT:-4} --no-verify \
         --paths sdadapt --raw-paths ${STEADY_RAW:-instanttensor,kvikio} --by-variant --variant nokv:SDADAPT_IO_KVIKIO=0 \
         --variant k12:SDADAPT_IO_KVIKIO_THREADS=12 --variant b4:SDADAPT_IO_KVIKIO_BOUNCE_MB=4 \
-        --variant k12b4:SDADAPT_IO_KVIKIO_THREADS=12,SDADAPT_IO_KVIKIO_BOUNCE_MB=4 ${STEADY_EXTRA:-} \
+        --variant k12b4:SDADAPT_IO_KVIKIO_THREADS=12,SDADAPT_IO_KVIKIO_BOUNCE_MB=4 --variant hd2g:SDADAPT_IO_HEAD_MB=2048 \
+        --variant hd1g:SDADAPT_IO_HEAD_MB=1024 ${STEADY_EXTRA:-} \
         --out "$OUT"/kv8b_steady 2>&1 | tail -40
       timeout 120 python3 bench/probes/steady_overhead_probe.py --device cuda --loads 9 --json "$OUT"/steady_overhead.json 2>&1 | tail -3
       ;;

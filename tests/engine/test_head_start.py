@@ -1,4 +1,4 @@
-"""The head start (``EngineConfig.head_bytes``, sdadapt._engine.devread.HeadStart): a one-rank
+"""The head start (``EngineConfig.head_bytes``, sdadapt._engine.head): a one-rank
 GPU load has kvikio read its first plain reads into pinned host memory while the model is
 materialised, and its run copies them from there.
 
@@ -19,6 +19,7 @@ from support.checkpoints import write_safetensors
 from support.kvikio_host import HostCuFile
 
 from sdadapt._engine import EngineConfig, IOEngine, Job, devread
+from sdadapt._engine import head as H
 from sdadapt._engine.pinned import Slab, SlabCache, register_slab
 from sdadapt._recipes import nodes as N
 from sdadapt.sources import open_source
@@ -33,7 +34,7 @@ def _fresh(monkeypatch):
     monkeypatch.setattr(HostCuFile, "offsets", [])
     yield
     devread.forget()
-    assert not devread._HEADS and HostCuFile.reading == 0  # every head start closed, every read ended
+    assert not H._HEADS and HostCuFile.reading == 0  # every head start closed, every read ended
 
 
 def _checkpoint(tmp_path):
@@ -84,13 +85,13 @@ def _cfg(**kw) -> EngineConfig:
 def test_plain_reads_are_whole_stored_tensors_in_plan_order_within_the_budget(tmp_path):
     path, sd, recipes = _checkpoint(tmp_path)
     with open_source(path) as src:
-        pieces = devread.plain_reads(src, recipes, (32 + 128) << 10)
+        pieces = H.plain_reads(src, recipes, (32 + 128) << 10)
         loc = {k: src.locate(k) for k in sd}
     # "c32" computes (skipped); "b" (256 KiB) does not fit after "a"; "c" and "d" do
     assert [(p.offset, p.nbytes) for p in pieces] == [(loc[k].offset, sd[k].numel() * sd[k].element_size()) for k in ("a", "c")]
     assert [p.at for p in pieces] == [0, 32 << 10] and all(p.path == path for p in pieces)
     with open_source(path) as src:
-        assert devread.plain_reads(src, recipes, 0) == []
+        assert H.plain_reads(src, recipes, 0) == []
 
 
 def test_a_run_copies_what_the_head_start_read_and_reads_only_the_rest(tmp_path, monkeypatch):
@@ -101,9 +102,9 @@ def test_a_run_copies_what_the_head_start_read_and_reads_only_the_rest(tmp_path,
     cfg = _cfg(head_bytes=(32 + 128) << 10)
     slabs = _slabs(1 << 20)
     with open_source(path) as src:
-        head = devread.begin_head(CPU, src, recipes, cfg, slabs)
-        assert head is not None and devread.take_head(CPU) is head
-        devread._HEADS[CPU] = head  # for the run
+        head = H.begin_head(CPU, src, recipes, cfg, slabs)
+        assert head is not None and H.take_head(CPU) is head
+        H._HEADS[CPU] = head  # for the run
         pairs = _jobs(sd, recipes, "cpu")
         stats = IOEngine(src, cfg, cpu_lane=True).run([j for j, _ in pairs])
     for job, want in pairs:
@@ -112,7 +113,7 @@ def test_a_run_copies_what_the_head_start_read_and_reads_only_the_rest(tmp_path,
     assert stats.head_bytes == ahead == stats.kvikio_bytes
     assert stats.bytes_read == sum(want.numel() * want.element_size() for _, want in pairs)
     assert sorted(HostCuFile.offsets) == sorted((path, p.offset) for p in head.pieces)  # read once, ahead
-    assert devread.take_head(CPU) is None and slabs.take_kept(1 << 20) is not None
+    assert H.take_head(CPU) is None and slabs.take_kept(1 << 20) is not None
 
 
 def test_a_failed_read_ahead_leaves_the_run_to_read_those_tensors(tmp_path, monkeypatch):
@@ -122,7 +123,7 @@ def test_a_failed_read_ahead_leaves_the_run_to_read_those_tensors(tmp_path, monk
     cfg = _cfg(head_bytes=1 << 20)
     slabs = _slabs(1 << 20)
     with open_source(path) as src:
-        assert devread.begin_head(CPU, src, recipes, cfg, slabs) is not None
+        assert H.begin_head(CPU, src, recipes, cfg, slabs) is not None
         pairs = _jobs(sd, recipes, "cpu")
         stats = IOEngine(src, cfg, cpu_lane=True).run([j for j, _ in pairs])
     for job, want in pairs:
@@ -136,27 +137,27 @@ def test_without_a_kept_buffer_none_starts_and_one_is_pinned_for_the_next_load(t
     cfg = _cfg(head_bytes=1 << 20)
     slabs = SlabCache(allocate=lambda n: Slab(torch.empty(n, dtype=torch.uint8)), keep=1)
     with open_source(path) as src:
-        assert devread.begin_head(CPU, src, recipes, cfg, slabs) is None
+        assert H.begin_head(CPU, src, recipes, cfg, slabs) is None
         deadline = time.monotonic() + 10
         while (slab := slabs.take_kept(1 << 20)) is None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert slab is not None and slab.nbytes >= 1 << 20
         slabs.put(slab)
-        assert devread.begin_head(CPU, src, recipes, cfg, slabs) is not None
-        devread.take_head(CPU).close()  # type: ignore[union-attr]
+        assert H.begin_head(CPU, src, recipes, cfg, slabs) is not None
+        H.take_head(CPU).close()  # type: ignore[union-attr]
 
 
 def test_a_head_start_no_run_took_is_closed_when_the_load_ends(tmp_path, monkeypatch):
     _host_kvikio(monkeypatch)
     path, _, recipes = _checkpoint(tmp_path)
     slabs = _slabs(1 << 20)
-    monkeypatch.setattr(devread, "HEAD_SLABS", slabs)
-    monkeypatch.setattr(devread, "wants_head", lambda *a: True)
+    monkeypatch.setattr(H, "HEAD_SLABS", slabs)
+    monkeypatch.setattr(H, "wants_head", lambda *a: True)
     with open_source(path) as src:
-        with pytest.raises(RuntimeError, match="materialising failed"), devread.heading(CPU, src, recipes, _cfg(head_bytes=1 << 20), True):
-            assert CPU in devread._HEADS
+        with pytest.raises(RuntimeError, match="materialising failed"), H.heading(CPU, src, recipes, _cfg(head_bytes=1 << 20), True):
+            assert CPU in H._HEADS
             raise RuntimeError("materialising failed")
-    assert not devread._HEADS and slabs.take_kept(1 << 20) is not None
+    assert not H._HEADS and slabs.take_kept(1 << 20) is not None
 
 
 def test_head_bytes_setting_and_when_a_load_gets_a_head_start(tmp_path, monkeypatch):
@@ -171,14 +172,14 @@ def test_head_bytes_setting_and_when_a_load_gets_a_head_start(tmp_path, monkeypa
     on = EngineConfig(head_bytes=1 << 20)
     with open_source(path) as src:
         devread._ASKED.add(on.kvikio_settings())  # kvikio asked for: not a process's first GPU load
-        assert devread.wants_head(gpu, src, on, True)
-        assert not devread.wants_head(gpu, src, on, False)  # several ranks
-        assert not devread.wants_head(CPU, src, on, True)
-        assert not devread.wants_head(None, src, on, True)
-        assert not devread.wants_head(gpu, src, EngineConfig(), True)  # head_bytes 0
-        assert not devread.wants_head(gpu, src, EngineConfig(head_bytes=1 << 20, kvikio=False), True)
+        assert H.wants_head(gpu, src, on, True)
+        assert not H.wants_head(gpu, src, on, False)  # several ranks
+        assert not H.wants_head(CPU, src, on, True)
+        assert not H.wants_head(None, src, on, True)
+        assert not H.wants_head(gpu, src, EngineConfig(), True)  # head_bytes 0
+        assert not H.wants_head(gpu, src, EngineConfig(head_bytes=1 << 20, kvikio=False), True)
         devread.forget()
-        assert not devread.wants_head(gpu, src, on, True)  # the first GPU load reads without kvikio
+        assert not H.wants_head(gpu, src, on, True)  # the first GPU load reads without kvikio
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("kvikio") is None, reason="needs CUDA and kvikio")
@@ -189,10 +190,38 @@ def test_gpu_run_copies_the_head_start_through_kvikio_bit_exact(tmp_path):
     slabs = SlabCache(keep=1)
     slabs.put(register_slab(1 << 20))
     with open_source(path) as src:
-        assert devread.begin_head(gpu, src, recipes, cfg, slabs) is not None
+        assert H.begin_head(gpu, src, recipes, cfg, slabs) is not None
         pairs = _jobs(sd, recipes, "cuda")
         stats = IOEngine(src, cfg).run([j for j, _ in pairs])
     for job, want in pairs:
         assert torch.equal(_bits(job.dest), _bits(want)), (job.key, job.box)
     assert stats.head_bytes > 0 and stats.kvikio_bytes == stats.direct_bytes
     slabs.clear()
+
+
+def test_reads_the_head_start_holds_wait_for_it_only_once_planned(tmp_path, monkeypatch):
+    """A covered read planned before the head start's reads have ended is served after the
+    plan (planning never waits for it): bit-exact, all of it from the buffer."""
+    _host_kvikio(monkeypatch)
+    monkeypatch.setattr(H.HeadStart, "done", lambda self: False)
+    path, sd, recipes = _checkpoint(tmp_path)
+    cfg = _cfg(head_bytes=1 << 20)
+    with open_source(path) as src:
+        assert H.begin_head(CPU, src, recipes, cfg, _slabs(1 << 20)) is not None
+        pairs = _jobs(sd, recipes, "cpu")
+        stats = IOEngine(src, cfg, cpu_lane=True).run([j for j, _ in pairs])
+    for job, want in pairs:
+        assert torch.equal(_bits(job.dest), _bits(want)), (job.key, job.box)
+    assert stats.head_bytes == stats.direct_bytes == stats.bytes_read - stats.staged_bytes > 0  # "d" is small: staged
+
+
+def test_after_a_first_gpu_run_the_memory_is_pinned_for_the_next_load_of_one_rank(monkeypatch):
+    slabs = SlabCache(allocate=lambda n: Slab(torch.empty(n, dtype=torch.uint8)), keep=1)
+    monkeypatch.setattr(H, "HEAD_SLABS", slabs)
+    H.pin_later(CPU, EngineConfig())  # no head start asked for: nothing pinned
+    assert not slabs._pending
+    H.pin_later(CPU, EngineConfig(head_bytes=1 << 20))
+    deadline = time.monotonic() + 10
+    while (slab := slabs.take_kept(1 << 20)) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert slab is not None and slabs.take_kept(1) is None  # one slab, of the head start's size

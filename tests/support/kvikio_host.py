@@ -19,6 +19,9 @@ class HostFuture:
     def get(self) -> int:
         return self.fut.result()
 
+    def done(self) -> bool:
+        return self.fut.done()
+
 
 class HostCuFile:
     """kvikio's ``CuFile`` on the host: ``pread`` into a CPU tensor on a small pool; ``short``

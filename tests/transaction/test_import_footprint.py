@@ -84,8 +84,9 @@ PLAIN_LOAD = IMPORT_SDADAPT + [
     # every process that runs sdadapt's collectives needs it (tests/reports/teardown-abort-cpu2-2026-12-07.md)
     "sdadapt._base.teardown",
     "sdadapt._engine",
+    # _engine.head: every load asks whether it gets a head start (EngineConfig.head_bytes), and every run whether one was begun
     *(f"sdadapt._engine.{m}" for m in (
-        "blockcopy config device devread direct engine geometry lanes locate pinned planner prefetch share staging syscalls "
+        "blockcopy config device devread direct engine geometry head lanes locate pinned planner prefetch share staging syscalls "
         "tasks views workers").split()),
     "sdadapt._load", "sdadapt._load.loading",
     "sdadapt._plan", *(f"sdadapt._plan.{m}" for m in "adapter intent plan registry report resolve target titan_names".split()),

@@ -52,10 +52,10 @@ the calls touch once, the gaps of joined reads included; files are opened with r
 from .config import EngineConfig, default_threads
 from .device import device_step, device_work, warm_kernels, warm_up
 from .devread import deferred as kvikio_deferred
-from .devread import heading
 from .devread import warm as warm_kvikio
 from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
+from .head import heading
 from .pinned import release_pinned_memory
 from .share import RowShare, exchange_rows, read_and_exchange, replica_parts, round_memory, rounds_memory, row_cut, rows_config
 from .share import read_jobs as row_read_jobs

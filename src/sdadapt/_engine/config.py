@@ -104,7 +104,7 @@ class EngineConfig:
         head_bytes: a one-rank GPU load that reads through kvikio has kvikio read up to this
             many bytes of its plain reads into pinned host memory while the model is
             materialised, and copies them to the GPU from there once its run begins
-            (:class:`~sdadapt._engine.devread.HeadStart`); 0 (the default): none.
+            (:mod:`sdadapt._engine.head`); 0 (the default): none.
         remote_request_bytes: a source at an object storage URL: the size of one ranged request
             (``None``: chosen from the measured latency and rate, docs/object-storage.md).
         remote_concurrency: a source at an object storage URL: the requests in flight, one per

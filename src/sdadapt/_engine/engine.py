@@ -19,6 +19,7 @@ import torch
 from .._base.gc import gc_paused
 from ..sources import Source, fetching_for, object_file
 from . import devread
+from . import head as headstart
 from .config import EngineConfig
 from .device import DeviceLane, LaneTimes
 from .lanes import TaskQueues
@@ -192,7 +193,7 @@ class IOEngine:
             gathers = devread.GatherReads(reads, shared.lane, shared.fail, 2 * cfg.staging_bytes)
         pending = devread.Pending()
         # a head start begun by the load: the tensors it read ahead are copied from its buffer
-        head = devread.take_head(device) if reads is not None and device is not None else None
+        head = headstart.take_head(device) if reads is not None and device is not None else None
         handles: dict[str, Any] = {}  # path -> kvikio file handle
         workers = [Worker(shared, cfg.depth, cfg.band_depth, computes=i < computing) for i in range(threads)]
         pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
@@ -207,11 +208,22 @@ class IOEngine:
                 handles[path] = open_device_file(reads, path, target)
             return handles[path]
 
-        def push(task: Task) -> None:
+        waiting: list[DirectRead] = []  # the head start holds them, its reads not ended yet
+
+        def from_head(task: DirectRead) -> bool:
+            """Whether ``task`` was served from the head start (or failed the run trying)."""
+            assert head is not None
+            try:
+                return head.serve(task)
+            except Exception as e:  # noqa: BLE001 - named; the reads queued so far are still waited for
+                shared.fail(task.where.error(e))
+                return True
+
+        def push(task: Task, ahead: bool = True) -> None:
             nonlocal count
             if shared.failed.is_set():
                 return  # a thread failed: the load fails, reading on is no use
-            count += 1
+            count += ahead
             if isinstance(task, GatherRead):
                 assert gathers is not None, "gathers are read by kvikio only in runs that read through it"
                 try:
@@ -219,12 +231,11 @@ class IOEngine:
                 except Exception as e:  # noqa: BLE001 - named; the reads queued so far are still waited for
                     shared.fail(task.where.error(e))
                 return
-            if head is not None and isinstance(task, DirectRead) and task.dest.device == head.device:
-                try:
-                    if head.serve(task):
-                        return
-                except Exception as e:  # noqa: BLE001 - named; the reads queued so far are still waited for
-                    shared.fail(task.where.error(e))
+            if ahead and head is not None and isinstance(task, DirectRead) and task.dest.device == head.device and head.covers(task):
+                if not head.done():
+                    waiting.append(task)  # served once planned, so that planning never waits for the head start
+                    return
+                if from_head(task):
                     return
             if reads is not None and isinstance(task, DirectRead) and task.dest.device.type == "cuda":
                 # kvikio's: queued at once, waited for at the end of the run
@@ -249,6 +260,9 @@ class IOEngine:
             try:
                 with switch_interval(cfg.plan_switch_interval):
                     self.plan(jobs, push, device, device if reads is not None else None, cfg)
+                for task in waiting:  # kvikio's queue runs in order: the head start's reads end before the run's own
+                    if not from_head(task):
+                        push(task, ahead=False)
             except BaseException as e:  # noqa: BLE001 - stop the threads, then raise
                 shared.errors.insert(0, e)
                 shared.failed.set()
@@ -316,4 +330,5 @@ class IOEngine:
         if later:
             assert device is not None
             devread.start_later(device, sorted(shared.fds), cfg.kvikio, *cfg.kvikio_settings())
+            headstart.pin_later(device, cfg)
         return st
