@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -211,6 +212,8 @@ def connect(
         except RefitError as e:
             error = e
         except Exception as e:  # noqa: BLE001 - the engine's refusal becomes every rank's error
+            if not staging:  # made here for the engine, which refused it (else its shutdown removes it)
+                shutil.rmtree(folder, ignore_errors=True)
             error = RefitError(
                 f"the vLLM engine did not set up the sdadapt staging: {type(e).__name__}: {e}. Start it with "
                 "weight_transfer_config={'backend': 'sdadapt'} and sdadapt installed in its environment"

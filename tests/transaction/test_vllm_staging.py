@@ -3,6 +3,9 @@ errors before anything moves (the live engine: tests/transaction/test_vllm_live.
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 from sdadapt.adapters import vllm_llama
@@ -91,3 +94,20 @@ def test_connect_refuses_before_anything_moves(tmp_path) -> None:
     with pytest.raises(RefitError, match="pass client="):
         sdadapt.vllm.connect(_trainer(), None, vllm_llama.build(**SHAPE), vllm_llama.layout, staging=str(tmp_path))
     sdadapt.vllm.register()  # without vLLM installed: nothing to register, no error
+
+
+def test_a_staging_folder_the_engine_refused_is_removed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """connect() makes the shared-memory folder for the engine (its shutdown removes it); where the
+    engine refuses to set up there, connect() removes it again."""
+    made: list[str] = []
+    real = tempfile.mkdtemp
+    monkeypatch.setattr(tempfile, "mkdtemp", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+
+    class Refuses(_Engine):
+        def init_weight_transfer_engine(self, request: dict) -> None:
+            super().init_weight_transfer_engine(request)  # its files made, then a failure
+            raise RuntimeError("no sdadapt backend here")
+
+    with pytest.raises(RefitError, match="did not set up the sdadapt staging"):
+        sdadapt.vllm.connect(_trainer(), Refuses(), vllm_llama.build(**SHAPE), vllm_llama.layout)
+    assert len(made) == 1 and "sdadapt-vllm-" in made[0] and not os.path.exists(made[0]), made

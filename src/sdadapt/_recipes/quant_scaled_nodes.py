@@ -197,9 +197,8 @@ class QuantizedScaled(_Computed, Derived):
         """Whether this is a 2-D weight quantized to FP8 with one float scale for the whole weight
         (compressed-tensors' ``strategy="tensor"``)."""
         rows, cols = self.child.shape[-2:]
-        return (len(self.child.shape) == 2 and self.codec == "e4m3" and self.glob is None and not self.zero
-                and self.scale_dtype.is_floating_point and self.scale_dtype.itemsize >= 2 and self.block[0] >= rows
-                and self.block[1] >= cols)  # fmt: skip
+        return (len(self.child.shape) == 2 and self.codec == "e4m3" and self.glob is None and not self.zero and self.block[0] >= rows
+                and self.block[1] >= cols and self.scale_dtype.is_floating_point and self.scale_dtype.itemsize >= 2)  # fmt: skip
 
     def _source_box(self, box: Box) -> Box:
         """The region of ``child`` that region ``box`` is quantized from: the whole blocks it
