@@ -179,8 +179,7 @@ class QuantizedScaled(_Computed, Derived):
     def _quantize_parts(
         self, src: Box, io: SourceIO, into: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        glob = self._glob(io)
-        values = self.part == "values"
+        glob, values = self._glob(io), self.part == "values"
         parts = None if self.zero else row_parts(self.child, src, 1 if self.one_fp8_scale() else self.block[0])
         amax = largest_magnitude([p.read(b, io) for p, b, _ in parts]) if parts and self.one_fp8_scale() else None  # the parts'
         if parts is None:
