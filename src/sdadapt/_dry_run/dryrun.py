@@ -444,7 +444,8 @@ class DryRunJob:
 def _plan_ranks(dry: DryRunJob, max_ranks: int) -> tuple[list[DryRunRank], bool, int, Any, dict[int, Planned]]:
     """One rank of each class of ``dry``'s mesh (of an evenly spaced sample of at most
     ``max_ranks`` classes), whether every class was planned, how many classes, the class of a
-    rank, and each planned rank with what its reads ask storage for (by rank)."""
+    rank, and each planned rank (by rank) with what its reads ask storage for, where its class
+    has a rank on the first node (:func:`_first_node`; else nothing, to hold less)."""
     dims = _relevant(dry.layouts, dry.grid, dry.share)
     sizes = [dry.grid.sizes[d] for d in dims]
     n_classes = math.prod(sizes)
@@ -473,7 +474,11 @@ def _plan_ranks(dry: DryRunJob, max_ranks: int) -> tuple[list[DryRunRank], bool,
         n_group = math.prod(dry.grid.sizes[d] for d in group)
         coords = [coordinate(g, group, coordinate(c, base, [0] * len(dry.grid.sizes)))
                   for c in _sample(math.prod(dry.grid.sizes[d] for d in base), max(2, max_ranks // n_group)) for g in range(n_group)]
-    planned = [_plan_rank(dry, tuple(coord), per_class) for coord in coords]
+    node = {class_of(rank) for rank in range(min(dry.ranks_per_node, dry.grid.size))}
+    planned = []
+    for coord in coords:
+        p = _plan_rank(dry, tuple(coord), per_class)
+        planned.append(p if class_of(p[0].rank) in node else (p[0], {}, 0))  # extents kept for the first node only
     out = sorted((p[0] for p in planned), key=lambda r: r.rank)
     return out, len(coords) == n_classes, n_classes, class_of, {p[0].rank: p for p in planned}
 
