@@ -13,8 +13,11 @@ left out. Printed: per load the wall time, the calling thread's CPU time (``time
 what the interpreter did on that thread, not charged for other processes on a shared machine)
 and ``LoadReport.phase_seconds``; then the medians. ``--profile N`` runs one more load under
 cProfile on the thread's CPU clock and prints the N functions with most own and most cumulative
-time. ``--src FOLDER`` imports sdadapt from another tree's ``src`` (to compare two trees on one
-machine, interleaved runs of the probe).
+time. ``--pieces`` times, on the same model (calling thread's CPU, best of 9), steps a load
+repeats per tensor: materialising (``model._apply`` with sdadapt's ``_empty_like``, as
+``to_empty`` does; and the same work without ``Module._apply``: a new ``Parameter`` per tensor
+swapped in), ``model.state_dict()`` and one walk over the parameters. ``--src FOLDER`` imports
+sdadapt from another tree's ``src`` (to compare two trees on one machine, interleaved runs).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def main() -> int:
     ap.add_argument("--profile", type=int, default=0, help="one more load under cProfile: print its top N")
     ap.add_argument("--src", default=None, help="a folder holding the sdadapt package to import (default: installed)")
     ap.add_argument("--json", default=None, help="write the loads' figures here")
+    ap.add_argument("--pieces", action="store_true", help="time the per-tensor steps of a load apart (see above)")
     args = ap.parse_args()
     if args.src:
         sys.path.insert(0, os.path.abspath(args.src))
@@ -98,6 +102,8 @@ def main() -> int:
         print("median: " + " ".join(f"{k} {v:.4f}" for k, v in medians.items()))
         if args.json:
             Path(args.json).write_text(json.dumps({"runs": runs, "median": medians}, indent=1))
+        if args.pieces:
+            pieces(shape, naming, torch.device(args.device), build_model, parallelize)
         if args.profile:
             prof = cProfile.Profile(time.thread_time)
             one(prof)
@@ -108,6 +114,40 @@ def main() -> int:
         shutil.rmtree(folder, ignore_errors=True)
         dist.destroy_process_group()
     return 0
+
+
+def pieces(shape: object, naming: str, device: object, build_model: object, parallelize: object) -> None:
+    """Print the calling thread's CPU time (best of 9, each on a fresh meta model) of the
+    steps a load repeats per tensor."""
+    import torch
+    from torch import nn
+
+    from sdadapt._plan.target import model_state_dict
+    from sdadapt._transaction.materialize import _empty_like
+
+    def fresh() -> nn.Module:
+        model, blocks = build_model(shape, naming)  # type: ignore[operator]
+        parallelize(model, blocks, naming, "fsdp", device.type)  # type: ignore[attr-defined,operator]
+        return model  # type: ignore[no-any-return]
+
+    def swapped(model: nn.Module) -> None:
+        for p in list(model.parameters()):
+            torch.utils.swap_tensors(p, nn.Parameter(_empty_like(p, device), p.requires_grad))  # type: ignore[arg-type]
+
+    steps = {
+        "materialise: model._apply(_empty_like)": lambda m: m._apply(lambda t: _empty_like(t, device)),  # type: ignore[arg-type]
+        "the same tensors made and swapped in, no Module._apply": swapped,
+        "model.state_dict() (model_state_dict)": model_state_dict,
+        "list(model.parameters())": lambda m: list(m.parameters()),
+    }
+    for name, step in steps.items():
+        best = float("inf")
+        for _ in range(9):
+            model = fresh()
+            cpu = time.thread_time()
+            step(model)
+            best = min(best, time.thread_time() - cpu)
+        print(f"piece: {name}: {best * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":
