@@ -248,6 +248,8 @@ BENCH_PRIVATE: dict[str, dict[str, str]] = {
                              "sdadapt._recipes.nodes": "Leaf nodes over the source"},  # fmt: skip
     "probes/row_share_trace.py": {"sdadapt._engine": "times the engine's runs and the row exchange's steps",
                                   "sdadapt._plan.layout": "the TP group's size on the mesh"},
+    "probes/steady_overhead_probe.py": {"sdadapt._plan.target": "times the state dict a load takes (--pieces)",
+                                        "sdadapt._transaction.materialize": "times materialising as a load does it (--pieces)"},
     "probes/phase_probe.py": {"sdadapt._engine.engine": "wraps the load's steps to time each",
                               "sdadapt._engine.reader": "the same", "sdadapt._engine.direct": "the same",
                               "sdadapt._plan.plan": "the same",

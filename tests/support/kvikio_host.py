@@ -24,7 +24,7 @@ class HostFuture:
 
 
 class HostCuFile:
-    """kvikio's ``CuFile`` on the host: ``pread`` into a CPU tensor on a small pool; ``short``
+    """kvikio's ``CuFile`` on the host: ``pread`` into a CPU tensor (or a numpy array) on a small pool; ``short``
     files read one byte less than asked (a truncated file); ``reading`` counts the reads queued
     and not yet ended, ``offsets`` every (path, offset) asked for."""
 
@@ -42,7 +42,8 @@ class HostCuFile:
     def _read(self, buf: Any, size: int, offset: int) -> int:
         time.sleep(0.001)
         try:
-            got = os.preadv(self.fd, [memoryview(buf.numpy())[:size]], offset)
+            host = buf.numpy() if hasattr(buf, "numpy") else buf  # a CPU tensor, or a numpy array as kvikio takes host memory
+            got = os.preadv(self.fd, [memoryview(host)[:size]], offset)
             return got - 1 if self.path in HostCuFile.short else got
         finally:
             with HostCuFile.lock:

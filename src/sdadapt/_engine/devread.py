@@ -76,11 +76,12 @@ class DeviceReads:
         """Close a handle from :meth:`open`."""
         handle.close()
 
-    def submit(self, handle: Any, segments: list[tuple[int, int]], dest: torch.Tensor, where: Where, pending: Pending) -> None:
+    def submit(self, handle: Any, segments: list[tuple[int, int]], dest: Any, where: Where, pending: Pending) -> None:
         """Hand kvikio the reads of the file's ``segments`` ((offset, nbytes), in order) into
-        ``dest`` (a contiguous uint8 tensor on the GPU, as long as the segments together), one
-        after the other; each is added to ``pending`` as soon as it is queued (so that it is
-        waited for even if a later one cannot be queued). Returns at once."""
+        ``dest`` (a contiguous uint8 tensor on the GPU, or a host buffer as a numpy array: kvikio
+        takes no CPU tensor; as long as the segments together), one after the other; each is
+        added to ``pending`` as soon as it is queued (so that it is waited for even if a later
+        one cannot be queued). Returns at once."""
         pos = 0
         for off, n in segments:
             pending.reads.append((handle.pread(dest[pos : pos + n], n, off), off, n, where))

@@ -93,7 +93,9 @@ class HeadStart:
                     handles[p.path] = reads.open(p.path)
                     self._handles.append(handles[p.path])
                 where = Where("(head start)", None, p.path, ())
-                reads.submit(handles[p.path], [(p.offset, p.nbytes)], self.buffer[p.at : p.at + p.nbytes], where, self._pending)
+                into = self.buffer[p.at : p.at + p.nbytes]
+                into_host = into.numpy() if into.device.type == "cpu" else into  # kvikio reads a host buffer through its array interface
+                reads.submit(handles[p.path], [(p.offset, p.nbytes)], into_host, where, self._pending)
             self._complete = True
         except Exception as e:  # noqa: BLE001 - the run reads these tensors itself
             log.debug("the head start's reads could not be queued: %s", e)
@@ -253,6 +255,8 @@ def heading(
     no run took is closed at the end (its reads waited for, its memory kept)."""
     cfg = cfg or EngineConfig.from_env()
     if device is not None and wants_head(device, source, cfg, one_rank):
+        if device.type == "cuda" and device.index is None:  # the run's destinations name their GPU: key the head start by it too
+            device = torch.device(device.type, torch.cuda.current_device())
         begin_head(device, source, recipes, cfg)
     try:
         yield
