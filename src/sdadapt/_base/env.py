@@ -55,10 +55,9 @@ API_PACKAGES = ("transformers", "torch", "torchtitan", "huggingface_hub", "safet
 
 def version_of(dist: str) -> str | None:
     """The installed version of distribution ``dist``, ``None`` if it is not installed. Taken from
-    the ``Version:`` line among the first lines of its metadata file: ``importlib.metadata.version``
-    runs the email parser over the whole file (a long description included), which on a
-    process's first call costs more than planning a small load (every load agrees on
-    transformers' version)."""
+    the ``Version:`` line among the first lines of its metadata file, where
+    ``importlib.metadata.version`` runs the email parser over the whole file, a long description
+    included (every load agrees on transformers' version)."""
     try:
         found = metadata.distribution(dist)
     except metadata.PackageNotFoundError:
