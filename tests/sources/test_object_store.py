@@ -39,8 +39,9 @@ from torch.distributed.tensor import DTensor
 
 import sdadapt
 import sdadapt._export.spread_remote as spread_remote
+from sdadapt._base.schema import TensorInfo
 from sdadapt.errors import ModelError, SdadaptError, SourceError
-from sdadapt.sources import _object_writer, _remote
+from sdadapt.sources import _object_writer, _remote, tensor_checksums
 
 obstore = pytest.importorskip("obstore", reason="the test extra installs obstore (sdadapt[s3])")
 WEED = weed_binary()
@@ -334,6 +335,8 @@ def _every_rank_exports(rank: int, world: int, proxy_endpoint: str, folder: str)
     small = parallelize(TinyTransformer(**CONFIG), mesh)
     rep = sdadapt.export(small, f"s3://{BUCKET}/out/w{world}-small", max_shard_size="20KB", overwrite=True)
     out["small"] = (rep.bytes, rep.rank_bytes, rep.files)
+    rep = sdadapt.export(small, f"s3://{BUCKET}/out/w{world}-sums", max_shard_size="20KB", overwrite=True, checksums=True)
+    out["sums"] = (rep.bytes, rep.rank_bytes, rep.files)
     rep = sdadapt.export(_big(mesh), f"s3://{BUCKET}/out/w{world}-big", max_shard_size="13MB", overwrite=True)
     out["big"] = (rep.bytes, rep.rank_bytes, rep.files)
     for name, dst in (("conv_s3", f"s3://{BUCKET}/out/w{world}-convert"), ("conv_local", os.path.join(folder, "convert"))):
@@ -436,6 +439,11 @@ def _check_every_rank_exports(results: list[dict[str, Any]], world: int, proxy: 
         back = TinyTransformer(**CONFIG) if name == "small" else _big(None)
         sdadapt.load(back, f"s3://{BUCKET}/out/w{world}-{name}")
         assert all(torch.equal(v, want[k]) for k, v in back.state_dict().items()), name
+    # checksums=True from every rank: each file's owner summed the bytes it uploaded, as reading them back would
+    sidecar = json.loads(bytes(obstore.get(store, f"out/w{world}-sums/sdadapt.checksums.json").bytes()))
+    block = {k: (TensorInfo(tuple(v.shape), v.dtype), lambda box, v=v: v[tuple(slice(a, b) for a, b in box)]) for k, v in small.items()}
+    assert sidecar["tensors"] == {k: tensor_checksums(info, read) for k, (info, read) in block.items()}
+    assert min(r["sums"][1] for r in results) > 0 and "sdadapt.checksums.json" in results[0]["sums"][2]
     for name, where in (("conv_s3", f"s3://{BUCKET}/out/w{world}-convert"), ("conv_local", str(tmp_path / "convert"))):
         total, _, files = results[0][name]
         shares = [r[name][1] for r in results]

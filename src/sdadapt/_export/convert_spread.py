@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ from .._transaction.steps import derive_adapter, open_checkpoint
 from .._transaction.transaction import Transaction
 from ..errors import ExportError, SdadaptError
 from ..sources import ObjectWriter, Source, Uploader, is_url
-from .spread_remote import MIN_FILE_BYTES, commit_index, owners, side_files_and_index
+from .spread_remote import BUCKET_BYTES, MIN_FILE_BYTES, RELEASE_WAIT_S, commit_index, owners, side_files_and_index, watched
 from .writers import parse_size
 from .writers.base import check_pulled, write_bytes
 from .writers.safetensors_writer import FileLayout, check_dtypes, plan_files
@@ -148,13 +149,39 @@ def _write(path: str, f: FileLayout, outputs: dict[str, Node], whole: Callable[[
 
 
 def _upload(up: Uploader, f: FileLayout, outputs: dict[str, Node], whole: Callable[[str], torch.Tensor]) -> None:
+    """File ``f`` through one multipart upload. obstore refers to each tensor given until its
+    parts are uploaded and does not make ``write`` wait for them: a tensor is read only once the
+    ones before that it still holds are under :data:`.spread_remote.BUCKET_BYTES`, so a rank
+    holds about one bucket of its files, not the file."""
     writer = ObjectWriter(up, f.name, size=f.size)
     writer.write(f.header)
+    held = _Held()
     for key in f.starts:
-        t = _pulled(key, outputs, whole)
-        writer.write(tensor_bytes(t))
+        held.wait_below(BUCKET_BYTES)
+        t = _pulled(key, outputs, whole).contiguous()
+        n = t.numel() * t.element_size()
+        held.add(n)
+        writer.write(watched(t, lambda n=n: held.add(-n)))  # type: ignore[misc]
         del t
     writer.finish()
+
+
+class _Held:
+    """Bytes the upload still refers to, released from obstore's threads (a view collected)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.changed = threading.Condition()
+
+    def add(self, n: int) -> None:
+        with self.changed:
+            self.bytes += n
+            self.changed.notify_all()
+
+    def wait_below(self, limit: int) -> None:
+        with self.changed:
+            if not self.changed.wait_for(lambda: self.bytes < limit, RELEASE_WAIT_S):
+                log.debug("the upload still holds %d bytes after %d s; reading on", self.bytes, RELEASE_WAIT_S)
 
 
 def _pulled(key: str, outputs: dict[str, Node], whole: Callable[[str], torch.Tensor]) -> torch.Tensor:

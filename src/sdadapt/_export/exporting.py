@@ -281,9 +281,9 @@ def export(
     written by one rank). The folder must be on a filesystem every rank sees. To an object
     storage URL each file is uploaded by one rank, which receives the bytes the other ranks
     hold window by window (files cut to about ``1/world`` of the checkpoint; see
-    docs/object-storage.md); with ``checksums=True`` a URL takes the one-writer path.
-    ``checksums=True`` also writes ``sdadapt.checksums.json`` (beside a torch file:
-    ``<file>.sdadapt.checksums.json``), computed from the tensors as they are written, for
+    docs/object-storage.md). ``checksums=True`` also writes ``sdadapt.checksums.json`` (beside a
+    torch file: ``<file>.sdadapt.checksums.json``), computed from the tensors as they are
+    written (to a URL from every rank: by each file's owner, from the bytes it uploads), for
     ``load(..., checksums=True)``.
 
     A folder (``"safetensors"``, ``"dcp"``) also gets the checkpoint's side files, so that it
@@ -337,7 +337,7 @@ def export(
     stream = _ModelStream(model, adapter, process_group, f"export to {dst}", check, native_names=shipped, folder=folder)
     outputs = stream.outputs
     total = sum(math.prod(n.shape) * n.dtype.itemsize for n in outputs.values())
-    if format == "safetensors" and world > 1 and not (is_url(dst) and checksums):  # every rank writes its regions
+    if format == "safetensors" and world > 1:  # every rank writes its regions
         bars: list[TransferBar] = []
 
         def progress_of(mine: int) -> Callable[[int], None]:

@@ -16,7 +16,8 @@ parts), every rank sends it the runs of its own regions that fall inside (one ``
 counts, one of offsets, one of bytes), and the owner hands the bytes received, in file order, to
 its upload without copying them; before the next round it waits for that window's parts to be
 uploaded, which releases them. A rank holds its own shards, the bytes it sends in one round and
-one window it receives: never a tensor it does not own. Outputs computed across shards are
+one window it receives (:data:`BUCKET_BYTES` in all, where a rank's bytes in a round's windows
+are about one window, as with even shards): never a tensor it does not own. Outputs computed across shards are
 gathered as :mod:`.spread` gathers them and kept only by the owner of their file.
 
 Faults: a rank that fails (an upload refused, a read) says so in the next round's counts, every
@@ -41,13 +42,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .._base.distributed import agree, collective_device
+from .._base.distributed import agree, collective_device, gather_objects
 from .._base.regions import Box, full_box
 from .._base.schema import TensorInfo
 from .._base.tensor_bytes import tensor_bytes
 from .._recipes.nodes import Node
 from ..errors import ExportError, SdadaptError
-from ..sources import INDEX_NAME, ObjectWriter, Uploader
+from ..sources import INDEX_NAME, ObjectWriter, StreamedChecksums, Uploader, write_checksums_data
 from .export_local import _Reads
 from .spread import SpreadJob, byte_runs, plan_spread
 from .writers import parse_size
@@ -55,8 +56,12 @@ from .writers.safetensors_writer import FileLayout, index_json
 
 log = logging.getLogger(__name__)
 
-WINDOW_BYTES = 32 << 20
-"""Bytes of one file an owner assembles per round."""
+BUCKET_BYTES = 32 << 20
+"""What a rank's exchange holds beyond its shards: half for the bytes it sends in a round, half
+for the window of a file it receives (the next round's bytes are packed while the window's parts
+upload)."""
+WINDOW_BYTES = BUCKET_BYTES // 2
+"""Bytes of one file an owner receives per round (rounded up to whole parts: :func:`windows`)."""
 MIN_FILE_BYTES = 64 << 20
 """Files are cut to ``total / world`` bytes, but not below this (small files: one rank)."""
 
@@ -127,8 +132,9 @@ def _gone() -> torch.Tensor:
 def write_spread_remote(job: SpreadJob) -> tuple[list[str], int]:
     """Collective: write the HF folder at URL ``job.dst`` from every rank (see the module
     docstring); ``finish(folder)`` (rank 0) puts the side files into a local folder uploaded
-    with the index (``job.checksums`` is not read: checksums take the one-writer path). Returns
-    the names written and the tensor bytes this rank uploaded."""
+    with the index. With ``job.checksums`` each owner computes its files' block checksums from
+    the bytes it uploads, and rank 0 writes ``sdadapt.checksums.json`` beside the side files.
+    Returns the names written and the tensor bytes this rank uploaded."""
     dst, outputs, rank, world, group = job.dst, job.outputs, job.rank, job.world, job.group
     total = sum(math.prod(n.shape) * n.dtype.itemsize for n in outputs.values())
     size = min(parse_size(job.max_shard_size), max(-(-total // world), MIN_FILE_BYTES))
@@ -184,15 +190,23 @@ def write_spread_remote(job: SpreadJob) -> tuple[list[str], int]:
     my_files = [i for i, o in enumerate(owner) if o == rank]
     mine_bytes = sum(plan.files[i].size - len(plan.files[i].header) for i in my_files)
     on_written = job.progress(mine_bytes)
+    sums: dict[str, dict] | None = {} if job.checksums else None
     try:
-        sent = _rounds(plan.files, owner, mine, pieces, up, rank, world, group, dev, on_written)
+        sent = _rounds(plan.files, owner, mine, pieces, up, rank, world, group, dev, on_written, outputs, sums)
         if isinstance(sent, SdadaptError):
             error = sent
         agree(error, group)  # every file is complete: the index may go in
+        every = {k: v for part in gather_objects(sums, group) for k, v in part.items()} if sums is not None else None
         names = [f.name for f in plan.files]
         if rank == 0:
+
+            def finish(tmp: str) -> None:
+                job.finish(tmp)
+                if every is not None:  # uploaded with the side files, before the index
+                    write_checksums_data(tmp, every)
+
             try:
-                names += commit_index(up, plan.files, outputs, job.finish)
+                names += commit_index(up, plan.files, outputs, finish)
                 up.sweep(old, {up.dest(n) for n in names})
             except SdadaptError as e:
                 error = e if isinstance(e, ExportError) else ExportError(str(e))
@@ -238,19 +252,23 @@ def windows(f: FileLayout) -> list[tuple[int, int]]:
 
 def _rounds(
     files: list[FileLayout], owner: list[int], mine: list[_Mine], pieces: _Pieces, up: Uploader, rank: int, world: int,
-    group: dist.ProcessGroup | None, dev: torch.device, on_written: Callable[[int], None],
+    group: dist.ProcessGroup | None, dev: torch.device, on_written: Callable[[int], None], outputs: dict[str, Node],
+    sums: dict[str, dict] | None,
 ) -> int | SdadaptError:  # fmt: skip
     """Every round: each owner's next window, from every rank's runs, handed to its upload
     without a copy (the received bytes themselves go out). One buffer holds what this rank
     sends and one what it receives, both reused round after round: the receiving one once the
     upload has let go of the window before (every view of it released, its parts uploaded), so
-    a rank holds two windows' bytes beyond its shards. Returns the bytes this rank sent to other
+    a rank holds two windows' bytes beyond its shards (one bucket) where what it sends in a round
+    is about a window. ``sums`` (when given) gets the block checksums of this rank's files,
+    from the bytes uploaded. Returns the bytes this rank sent to other
     ranks, or the error that stopped it (every rank stops in the round after any rank failed)."""
     items: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
     for i, f in enumerate(files):
         items[owner[i]] += [(i, a, b) for a, b in windows(f)]
     error: SdadaptError | None = None
     writer: ObjectWriter | None = None
+    summed: StreamedChecksums | None = None
     sent = 0
     send = torch.empty(0, dtype=torch.uint8)
     landing = torch.empty(max((b - a for _, a, b in items[rank]), default=0), dtype=torch.uint8)
@@ -294,13 +312,18 @@ def _rounds(
         try:
             if a == 0:
                 writer = ObjectWriter(up, files[i].name, size=files[i].size)
+                if sums is not None:
+                    infos = {k: TensorInfo(tuple(outputs[k].shape), outputs[k].dtype) for k in files[i].starts}
+                    summed = StreamedChecksums(infos, files[i].starts)
             assert writer is not None
-            released = _upload(writer, files[i], a, b, in_runs.tolist(), in_data)
+            released = _upload(writer, files[i], a, b, in_runs.tolist(), in_data, summed)
             del in_data
             on_written(max(0, b - max(a, len(files[i].header))))  # tensor bytes, not the header's
             if b == files[i].size:
                 writer.finish()
                 writer = None
+                if summed is not None and sums is not None:
+                    sums.update(summed.done())
         except SdadaptError as e:
             error = _failed(e, rank, files[i].name, up)
     return error if error is not None else sent
@@ -321,19 +344,33 @@ class _Watch:
         self.done()
 
 
-def _upload(writer: ObjectWriter, f: FileLayout, a: int, b: int, runs: list[int], data: torch.Tensor) -> threading.Event:
-    """Hand window ``[a, b)`` of ``f`` (``data``: the runs received) to ``writer``, viewed, not
-    copied. Returns an event set once every view of ``data`` is released: obstore holds its views
-    until their parts are uploaded, and none outlives this call here."""
-    released = threading.Event()
+def watched(data: torch.Tensor, released: Callable[[], None]) -> memoryview:
+    """A byte view of ``data`` (a contiguous CPU tensor) after whose last view (and every slice of
+    it) is released, ``released()`` is called: how a caller learns that obstore, which refers to
+    what it is given until the part is uploaded, has let go of it. An empty ``data`` is released
+    at once."""
     flat = data.reshape(-1)
-    mem = (ctypes.c_ubyte * flat.numel()).from_address(flat.data_ptr()) if flat.numel() else bytearray()
-    if flat.numel():
-        vars(mem)["owner"] = flat  # from_address holds no reference to the memory it maps
-        vars(mem)["watch"] = _Watch(released.set)  # collected with the array, once no view refers to it
-    else:
-        released.set()
-    for view in _in_file_order(f, a, b, runs, memoryview(mem).cast("B")):
+    if not flat.numel():
+        released()
+        return memoryview(b"")
+    mem = (ctypes.c_ubyte * (flat.numel() * flat.element_size())).from_address(flat.data_ptr())
+    vars(mem)["owner"] = flat  # from_address holds no reference to the memory it maps
+    vars(mem)["watch"] = _Watch(released)  # collected with the array, once no view refers to it
+    return memoryview(mem).cast("B")
+
+
+def _upload(writer: ObjectWriter, f: FileLayout, a: int, b: int, runs: list[int], data: torch.Tensor,
+            summed: StreamedChecksums | None = None) -> threading.Event:  # fmt: skip
+    """Hand window ``[a, b)`` of ``f`` (``data``: the runs received) to ``writer``, viewed, not
+    copied (and to ``summed``, in file order). Returns an event set once every view of ``data`` is
+    released: obstore holds its views until their parts are uploaded, and none outlives this call
+    here."""
+    released = threading.Event()
+    pos = a
+    for view in _in_file_order(f, a, b, runs, watched(data, released.set)):
+        if summed is not None:
+            summed.feed(pos, view)
+            pos += len(view)
         writer.write(view)  # obstore refers to the view until its part is uploaded
     return released
 
@@ -385,4 +422,7 @@ def _in_file_order(f: FileLayout, a: int, b: int, runs: list[int], data: memoryv
     return [view for _, view in parts]
 
 
-__all__ = ["MIN_FILE_BYTES", "WINDOW_BYTES", "commit_index", "owners", "side_files_and_index", "windows", "write_spread_remote"]
+__all__ = [
+    "BUCKET_BYTES", "MIN_FILE_BYTES", "WINDOW_BYTES", "commit_index", "owners", "side_files_and_index", "windows",
+    "watched", "write_spread_remote",
+]  # fmt: skip

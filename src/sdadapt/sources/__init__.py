@@ -35,6 +35,7 @@ from ._hf_sharded import HFShardedSource as HFShardedSource
 from ._integrity import CHECKSUMS_WHY as CHECKSUMS_WHY
 from ._integrity import ChecksummedSource as ChecksummedSource
 from ._integrity import Fingerprint as Fingerprint
+from ._integrity import StreamedChecksums as StreamedChecksums
 from ._integrity import check_unchanged as check_unchanged
 from ._integrity import checksums_of_saved as checksums_of_saved
 from ._integrity import fingerprint as fingerprint

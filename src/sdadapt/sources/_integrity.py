@@ -128,6 +128,49 @@ def tensor_checksums(info: TensorInfo, read: Any, block_bytes: int = DEFAULT_BLO
     return {"dtype": dtype_name(info.dtype), "shape": list(info.shape), "rows_per_block": k, "blocks": blocks}
 
 
+class StreamedChecksums:
+    """:func:`tensor_checksums` of tensors laid out in one byte stream (a safetensors file: each
+    tensor's bytes from ``starts[key]``, row-major), computed from the stream's bytes as they pass
+    in order (:meth:`feed`), a block's digest once its last byte passed: the same entries as
+    reading each block back, without holding more than the bytes fed."""
+
+    def __init__(self, infos: Mapping[str, TensorInfo], starts: Mapping[str, int], block_bytes: int = DEFAULT_BLOCK_BYTES):
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.blocks: list[tuple[int, int, str]] = []  # (start, stop, key) in stream order
+        for key, start in sorted(starts.items(), key=lambda kv: kv[1]):
+            info = infos[key]
+            k = rows_per_block(info, block_bytes)
+            self.entries[key] = {"dtype": dtype_name(info.dtype), "shape": list(info.shape), "rows_per_block": k, "blocks": []}
+            if not info.shape:
+                self.blocks.append((start, start + info.nbytes, key))
+                continue
+            rows = info.shape[0]
+            row = info.nbytes // rows if rows else 0
+            self.blocks += [(start + lo * row, start + min(rows, lo + k) * row, key) for lo in range(0, rows, k)]
+        self.at = 0  # the next block
+        self.hasher = hashlib.blake2b(digest_size=16)
+
+    def feed(self, pos: int, data: memoryview) -> None:
+        """The stream's bytes ``[pos, pos + len(data))``, following the ones fed before."""
+        end = pos + len(data)
+        while self.at < len(self.blocks):
+            a, b, key = self.blocks[self.at]
+            lo, hi = max(a, pos), min(b, end)
+            if hi > lo:
+                self.hasher.update(data[lo - pos : hi - pos])
+            if b > end:
+                return
+            self.entries[key]["blocks"].append(self.hasher.hexdigest())
+            self.hasher = hashlib.blake2b(digest_size=16)
+            self.at += 1
+
+    def done(self) -> dict[str, dict[str, Any]]:
+        """Every tensor's entry, once the whole stream was fed."""
+        if self.at != len(self.blocks):
+            raise SdadaptError(f"checksums: the stream ended before block {self.at} of {len(self.blocks)} (a bug; please report it)")
+        return self.entries
+
+
 def compute_checksums(source: Source, keys: Iterable[str] | None = None, block_bytes: int = DEFAULT_BLOCK_BYTES) -> dict[str, Any]:
     """Checksums of ``keys`` (default: every tensor) of an open source, read block by block."""
     tensors = {}
