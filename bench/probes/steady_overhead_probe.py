@@ -16,7 +16,7 @@ cProfile on the thread's CPU clock and prints the N functions with most own and 
 time. ``--pieces`` times, on the same model (calling thread's CPU, best of 9), steps a load
 repeats per tensor: materialising (``model._apply`` with sdadapt's ``_empty_like``, as
 ``to_empty`` does; and the same work without ``Module._apply``: a new ``Parameter`` per tensor
-swapped in), ``model.state_dict()`` and one walk over the parameters. ``--src FOLDER`` imports
+swapped in), ``model.state_dict()``, one walk over the parameters and ``has_meta``. ``--src FOLDER`` imports
 sdadapt from another tree's ``src`` (to compare two trees on one machine, interleaved runs).
 """
 
@@ -123,7 +123,7 @@ def pieces(shape: object, naming: str, device: object, build_model: object, para
     from torch import nn
 
     from sdadapt._plan.target import model_state_dict
-    from sdadapt._transaction.materialize import _empty_like
+    from sdadapt._transaction.materialize import _empty_like, has_meta
 
     def fresh() -> nn.Module:
         model, blocks = build_model(shape, naming)  # type: ignore[operator]
@@ -139,6 +139,7 @@ def pieces(shape: object, naming: str, device: object, build_model: object, para
         "the same tensors made and swapped in, no Module._apply": swapped,
         "model.state_dict() (model_state_dict)": model_state_dict,
         "list(model.parameters())": lambda m: list(m.parameters()),
+        "has_meta(model) (a load asks it three times)": has_meta,
     }
     for name, step in steps.items():
         best = float("inf")

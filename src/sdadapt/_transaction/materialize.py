@@ -9,6 +9,7 @@ dict, so something must compute them: the ``init_buffers`` callback, or the mode
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import threading
@@ -32,7 +33,9 @@ _SMALL = 1 << 20  # the CUDA caching allocator serves requests up to 1 MiB from 
 
 
 def has_meta(model: nn.Module) -> bool:
-    return any(is_meta(t) for t in (*model.parameters(), *model.buffers()))
+    """Whether any parameter or buffer of ``model`` is on meta: stops at the first (a load asks
+    this several times of a meta model, whose first parameter answers it)."""
+    return any(is_meta(t) for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def meta_non_persistent_buffers(model: nn.Module) -> list[str]:
