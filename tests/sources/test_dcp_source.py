@@ -65,9 +65,7 @@ def test_schema_and_chunks(sharded):
     assert {k: (i.shape, i.dtype) for k, i in src.schema.items()} == {k: (tuple(v.shape), v.dtype) for k, v in want.items()}
     assert src.non_tensor == ["note"]
     assert src.read_object("note") == "hello"
-    chunks = dcp.FileSystemReader(sharded).read_metadata().state_dict_metadata["w"].chunks  # type: ignore[union-attr]
-    boxes = [[(o, o + n) for o, n in zip(c.offsets, c.sizes, strict=True)] for c in chunks]
-    assert boxes == [[(0, 13), (0, 4)], [(0, 13), (4, 7)]]  # 7 columns over 2 ranks
+    assert src.chunks_of("w") == [((0, 13), (0, 4)), ((0, 13), (4, 7))]  # 7 columns over 2 ranks
     assert src.file_of("w").endswith(".distcp")
 
 

@@ -457,6 +457,13 @@ class DCPSource(Source):
         rows = buf[loc.offset + a * row : loc.offset + b * row].clone().view(loc.dtype).view((b - a, *loc.shape[1:]))
         return rows[(slice(None), *slices(rest))]
 
+    def chunks_of(self, key: str) -> list[Box]:
+        """The boxes the tensor ``key`` was saved in (one per saving shard); an adapter checks with
+        them that every element was saved (``adapters/megatron_gpt.py``)."""
+        return [
+            tuple((o, o + n) for o, n in zip(c.offsets, c.sizes, strict=True)) for c in self._entries[key].chunks
+        ]
+
     def read(self, key: str, box: Box) -> torch.Tensor:
         md = self._entries.get(key)
         if md is None:
