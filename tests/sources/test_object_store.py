@@ -337,7 +337,25 @@ def _every_rank_exports(rank: int, world: int, proxy_endpoint: str, folder: str)
     out["small"] = (rep.bytes, rep.rank_bytes, rep.files)
     rep = sdadapt.export(small, f"s3://{BUCKET}/out/w{world}-sums", max_shard_size="20KB", overwrite=True, checksums=True)
     out["sums"] = (rep.bytes, rep.rank_bytes, rep.files)
-    rep = sdadapt.export(_big(mesh), f"s3://{BUCKET}/out/w{world}-big", max_shard_size="13MB", overwrite=True)
+    out["sends"], out["steps"] = [], []
+    spread_remote.SEND_BYTES = 1 << 20  # a round's bytes sent in steps (a 5 MiB window's bytes from 2-3 ranks)
+    steps_of, exchange = spread_remote.steps_of, spread_remote._exchange
+
+    def counted_steps(total: int, cap: int) -> list[tuple[int, int]]:
+        out["steps"].append(len(steps_of(total, cap)))
+        return steps_of(total, cap)
+
+    def counted_exchange(t: torch.Tensor, *args: Any) -> torch.Tensor:
+        if t.dtype == torch.uint8:
+            out["sends"].append(t.numel())
+        return exchange(t, *args)
+
+    spread_remote.steps_of, spread_remote._exchange = counted_steps, counted_exchange  # type: ignore[assignment]
+    try:
+        rep = sdadapt.export(_big(mesh), f"s3://{BUCKET}/out/w{world}-big", max_shard_size="13MB", overwrite=True)
+    finally:
+        spread_remote.steps_of, spread_remote._exchange = steps_of, exchange  # type: ignore[assignment]
+        spread_remote.SEND_BYTES = spread_remote.BUCKET_BYTES // 2
     out["big"] = (rep.bytes, rep.rank_bytes, rep.files)
     for name, dst in (("conv_s3", f"s3://{BUCKET}/out/w{world}-convert"), ("conv_local", os.path.join(folder, "convert"))):
         rep = sdadapt.convert(url("hf"), dst, max_shard_size="20KB", overwrite=True, read_back=True, process_group=dist.group.WORLD)
@@ -456,6 +474,8 @@ def _check_every_rank_exports(results: list[dict[str, Any]], world: int, proxy: 
     assert min(shares) > 0 and max(shares) <= 1.5 * sum(shares) / world, shares  # many small files, dealt round
     assert [f.endswith(".safetensors") for f in results[0]["big"][2]].count(True) == 3
     assert [r["big"][1] > 0 for r in results].count(True) >= 2  # the large files on two ranks
+    # no rank sent more than the send half at once, though rounds had more to send (sent in steps)
+    assert all(max(r["sends"]) <= 1 << 20 for r in results) and max(max(r["steps"]) for r in results) > 1, results
     if world == 2:
         kinds = [r["refused"][0] for r in results]
         assert sorted(kinds) == ["ExportError", "RemoteRankError"], results

@@ -167,3 +167,36 @@ def test_a_window_is_free_only_once_the_upload_let_go_of_every_view():
     assert released.is_set()
     with pytest.raises(sdadapt.errors.ExportError, match="uncovered or twice covered"):
         spread_remote._upload(Holding(), f, 0, 12, [4, 4, 4, 4], data)
+
+
+def test_a_round_sent_in_steps_lands_in_file_order():
+    """A round whose bytes to send exceed the send half goes in steps: each step's bytes of each
+    sender land behind the step before, so a run cut between two steps is read as two views
+    (``segs``), and the window still comes out in file order, bit for bit."""
+    from sdadapt._export import spread_remote
+    from sdadapt._export.writers.safetensors_writer import FileLayout
+
+    assert spread_remote.steps_of(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert spread_remote.steps_of(0, 4) == [(0, 0)]
+    parts = [memoryview(bytes(range(0, 5))), memoryview(bytes(range(5, 8)))]
+    buf = torch.zeros(4, dtype=torch.uint8)
+    spread_remote._packed(parts, buf, 3, 7)  # bytes 3-6 of the parts laid one after the other
+    assert buf.tolist() == [3, 4, 5, 6]
+    # file bytes 0-11 after a 4-byte header; sender 0 holds file bytes 4-9 (one run), sender 1
+    # bytes 0-3 and 10-11 (two runs); steps of 4 bytes per sender
+    f = FileLayout("m.safetensors", b"HEAD", {}, 16)
+    runs = [8, 6, 4, 4, 14, 2]  # (offset in the window, length): sender 0's, then sender 1's
+    want = bytes(range(100, 112))
+    theirs = [want[4:10], want[0:4] + want[10:12]]
+    landing, segs, done, bases = bytearray(), [], 0, [0, 6]
+    for lo, hi in spread_remote.steps_of(6, 4):
+        for s, stream in enumerate(theirs):
+            got = stream[lo:hi]
+            if got:
+                segs.append((bases[s] + lo, done, len(got)))
+                landing += got
+                done += len(got)
+    segs.sort()
+    views = spread_remote._in_file_order(f, 0, 16, runs, memoryview(bytes(landing)), segs)
+    assert b"".join(bytes(v) for v in views) == b"HEAD" + want
+    assert len(views) == 1 + 3 + 1  # the header, sender 0's run in two steps, sender 1's two runs

@@ -15,10 +15,12 @@ round ``r`` each owner takes window ``r`` of its files (:data:`WINDOW_BYTES`, a 
 parts), every rank sends it the runs of its own regions that fall inside (one ``all_to_all`` of
 counts, one of offsets, one of bytes), and the owner hands the bytes received, in file order, to
 its upload without copying them; before the next round it waits for that window's parts to be
-uploaded, which releases them. A rank holds its own shards, the bytes it sends in one round and
-one window it receives (:data:`BUCKET_BYTES` in all, where a rank's bytes in a round's windows
-are about one window, as with even shards): never a tensor it does not own. Outputs computed across shards are
-gathered as :mod:`.spread` gathers them and kept only by the owner of their file.
+uploaded, which releases them. A round whose bytes to send exceed :data:`SEND_BYTES` on some rank
+(a rank holding most of several owners' next windows) is sent in steps of at most that many
+bytes per rank, each received behind the one before in the window. So a rank holds its own
+shards, at most :data:`SEND_BYTES` it sends and one window it receives (:data:`BUCKET_BYTES` in
+all): never a tensor it does not own. Outputs computed across shards are gathered as
+:mod:`.spread` gathers them and kept only by the owner of their file.
 
 Faults: a rank that fails (an upload refused, a read) says so in the next round's counts, every
 rank stops after that round, and every rank raises; the uploads left unfinished leave no object,
@@ -29,6 +31,7 @@ looks complete with a mix of old and new files.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import logging
 import math
@@ -57,11 +60,14 @@ from .writers.safetensors_writer import FileLayout, index_json
 log = logging.getLogger(__name__)
 
 BUCKET_BYTES = 32 << 20
-"""What a rank's exchange holds beyond its shards: half for the bytes it sends in a round, half
+"""What a rank's exchange holds beyond its shards: half for the bytes it sends at once, half
 for the window of a file it receives (the next round's bytes are packed while the window's parts
 upload)."""
 WINDOW_BYTES = BUCKET_BYTES // 2
 """Bytes of one file an owner receives per round (rounded up to whole parts: :func:`windows`)."""
+SEND_BYTES = BUCKET_BYTES // 2
+"""The most bytes a rank sends in one exchange (its send buffer): a round with more is sent in
+steps (:func:`steps_of`)."""
 MIN_FILE_BYTES = 64 << 20
 """Files are cut to ``total / world`` bytes, but not below this (small files: one rank)."""
 
@@ -257,12 +263,12 @@ def _rounds(
 ) -> int | SdadaptError:  # fmt: skip
     """Every round: each owner's next window, from every rank's runs, handed to its upload
     without a copy (the received bytes themselves go out). One buffer holds what this rank
-    sends and one what it receives, both reused round after round: the receiving one once the
-    upload has let go of the window before (every view of it released, its parts uploaded), so
-    a rank holds two windows' bytes beyond its shards (one bucket) where what it sends in a round
-    is about a window. ``sums`` (when given) gets the block checksums of this rank's files,
-    from the bytes uploaded. Returns the bytes this rank sent to other
-    ranks, or the error that stopped it (every rank stops in the round after any rank failed)."""
+    sends (at most :data:`SEND_BYTES`: a round with more goes in steps) and one what it
+    receives, both reused round after round: the receiving one once the upload has let go of
+    the window before (every view of it released, its parts uploaded), so a rank holds one
+    bucket beyond its shards. ``sums`` (when given) gets the block checksums of this rank's
+    files, from the bytes uploaded. Returns the bytes this rank sent to other ranks, or the
+    error that stopped it (every rank stops in the round after any rank failed)."""
     items: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
     for i, f in enumerate(files):
         items[owner[i]] += [(i, a, b) for a, b in windows(f)]
@@ -270,7 +276,7 @@ def _rounds(
     writer: ObjectWriter | None = None
     summed: StreamedChecksums | None = None
     sent = 0
-    send = torch.empty(0, dtype=torch.uint8)
+    send = torch.empty(min(SEND_BYTES, sum(n for m in mine for _, n, _, _ in m.runs)), dtype=torch.uint8)
     landing = torch.empty(max((b - a for _, a, b in items[rank]), default=0), dtype=torch.uint8)
     released: threading.Event | None = None  # set once the upload let go of the last window
     for r in range(max(len(x) for x in items)):
@@ -288,23 +294,38 @@ def _rounds(
         except SdadaptError as e:
             error = ExportError(f"writing {up.url} failed on rank {rank}: {e}")
         sizes = [sum(x[1::2]) for x in runs]
-        counts = torch.tensor([[len(runs[o]), sizes[o], error is not None] for o in range(world)], dtype=torch.int64)
-        got = _exchange(counts.reshape(-1), [3] * world, [3] * world, group, dev)
-        got = got.reshape(world, 3)
+        starts = [sum(sizes[:o]) for o in range(world)]
+        counts = torch.tensor([[len(runs[o]), sizes[o], error is not None, starts[o], sum(sizes)] for o in range(world)],
+                              dtype=torch.int64)  # fmt: skip
+        got = _exchange(counts.reshape(-1), [5] * world, [5] * world, group, dev)
+        got = got.reshape(world, 5)
         if int(got[:, 2].max()) or error is not None:
             break
         flat_runs = torch.tensor([x for o in range(world) for x in runs[o]], dtype=torch.int64)
         in_runs = _exchange(flat_runs, [len(x) for x in runs], got[:, 0].tolist(), group, dev)
-        if sum(sizes) > send.numel():  # the old buffer let go of before the larger one is made
-            send = torch.empty(0, dtype=torch.uint8)
-            send = torch.empty(max(sum(sizes), landing.numel()), dtype=torch.uint8)
-        _packed([d for o in range(world) for d in data[o]], send)
+        parts = [d for o in range(world) for d in data[o]]
         del data
-        if released is not None and not released.wait(RELEASE_WAIT_S):
-            log.debug("rank %d: the upload still holds the last window after %d s; receiving into a new buffer", rank, RELEASE_WAIT_S)
-            landing = torch.empty_like(landing)  # the old one is freed once the upload lets go of it
-        released = None
-        in_data = _exchange(send[: sum(sizes)], sizes, got[:, 1].tolist(), group, dev, landing)
+        theirs = list(zip(got[:, 3].tolist(), got[:, 1].tolist(), strict=True))  # each sender's bytes for this rank
+        bases = [sum(n for _, n in theirs[:s_]) for s_ in range(world)]  # where they start in the window's runs
+        segs: list[tuple[int, int, int]] = []  # (position in the senders' bytes, in the window received, length)
+        done = 0
+        for k, (lo, hi) in enumerate(steps_of(int(got[:, 4].max()), SEND_BYTES)):
+            _packed(parts, send, lo, hi)
+            if k == 0:
+                if released is not None and not released.wait(RELEASE_WAIT_S):
+                    log.debug("rank %d: the upload still holds the last window after %d s; receiving into a new buffer",
+                              rank, RELEASE_WAIT_S)  # fmt: skip
+                    landing = torch.empty_like(landing)  # the old one is freed once the upload lets go of it
+                released = None
+            out_n = [_clip(at, n, lo, hi) for at, n in zip(starts, sizes, strict=True)]
+            in_n = [_clip(at, n, lo, hi) for at, n in theirs]
+            _exchange(send[: sum(out_n)], out_n, in_n, group, dev, landing[done:])
+            for s_, (at, _n) in enumerate(theirs):
+                if in_n[s_]:
+                    segs.append((bases[s_] + max(lo, at) - at, done + sum(in_n[:s_]), in_n[s_]))
+            done += sum(in_n)
+        del parts
+        segs.sort()
         sent += sum(n for o, n in enumerate(sizes) if o != rank)
         if r >= len(items[rank]):
             continue
@@ -316,8 +337,7 @@ def _rounds(
                     infos = {k: TensorInfo(tuple(outputs[k].shape), outputs[k].dtype) for k in files[i].starts}
                     summed = StreamedChecksums(infos, files[i].starts)
             assert writer is not None
-            released = _upload(writer, files[i], a, b, in_runs.tolist(), in_data, summed)
-            del in_data
+            released = _upload(writer, files[i], a, b, in_runs.tolist(), landing[:done], summed, segs)
             on_written(max(0, b - max(a, len(files[i].header))))  # tensor bytes, not the header's
             if b == files[i].size:
                 writer.finish()
@@ -327,6 +347,17 @@ def _rounds(
         except SdadaptError as e:
             error = _failed(e, rank, files[i].name, up)
     return error if error is not None else sent
+
+
+def steps_of(total: int, cap: int) -> list[tuple[int, int]]:
+    """The steps ``[lo, hi)`` of a round in which the rank sending most sends ``total`` bytes, at
+    most ``cap`` each (one step where nobody sends: the owners still take their windows)."""
+    return [(lo, min(lo + cap, total)) for lo in range(0, total, cap)] or [(0, 0)]
+
+
+def _clip(at: int, n: int, lo: int, hi: int) -> int:
+    """How many of the bytes ``[at, at + n)`` lie inside ``[lo, hi)``."""
+    return max(0, min(at + n, hi) - max(at, lo))
 
 
 RELEASE_WAIT_S = 120
@@ -360,14 +391,14 @@ def watched(data: torch.Tensor, released: Callable[[], None]) -> memoryview:
 
 
 def _upload(writer: ObjectWriter, f: FileLayout, a: int, b: int, runs: list[int], data: torch.Tensor,
-            summed: StreamedChecksums | None = None) -> threading.Event:  # fmt: skip
-    """Hand window ``[a, b)`` of ``f`` (``data``: the runs received) to ``writer``, viewed, not
-    copied (and to ``summed``, in file order). Returns an event set once every view of ``data`` is
-    released: obstore holds its views until their parts are uploaded, and none outlives this call
-    here."""
+            summed: StreamedChecksums | None = None, segs: list[tuple[int, int, int]] | None = None) -> threading.Event:  # fmt: skip
+    """Hand window ``[a, b)`` of ``f`` (``data``: the runs received, placed by ``segs`` as
+    :func:`_in_file_order` reads them) to ``writer``, viewed, not copied (and to ``summed``, in
+    file order). Returns an event set once every view of ``data`` is released: obstore holds its
+    views until their parts are uploaded, and none outlives this call here."""
     released = threading.Event()
     pos = a
-    for view in _in_file_order(f, a, b, runs, watched(data, released.set)):
+    for view in _in_file_order(f, a, b, runs, watched(data, released.set), segs):
         if summed is not None:
             summed.feed(pos, view)
             pos += len(view)
@@ -380,13 +411,19 @@ def _failed(e: SdadaptError, rank: int, name: str, up: Uploader) -> ExportError:
                        "check the destination and write again")  # fmt: skip
 
 
-def _packed(parts: list[memoryview], buf: torch.Tensor) -> None:
-    """``parts`` one after the other at the start of ``buf``, copied once: a round's bytes are
-    never held twice."""
-    view, pos = tensor_bytes(buf), 0  # a writable view of buf's memory
+def _packed(parts: list[memoryview], buf: torch.Tensor, lo: int = 0, hi: int | None = None) -> None:
+    """Bytes ``[lo, hi)`` of ``parts`` laid one after the other, copied once to the start of
+    ``buf``: a round's bytes are never held twice."""
+    view, at, pos = tensor_bytes(buf), 0, 0  # a writable view of buf's memory
+    hi = sum(len(d) for d in parts) if hi is None else hi
     for d in parts:
-        view[pos : pos + len(d)] = d
-        pos += len(d)
+        a, b = max(lo, at), min(hi, at + len(d))
+        if a < b:
+            view[pos : pos + b - a] = d[a - at : b - at]
+            pos += b - a
+        at += len(d)
+        if at >= hi:
+            break
 
 
 def _exchange(t: torch.Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None, dev: torch.device,
@@ -395,20 +432,34 @@ def _exchange(t: torch.Tensor, send: list[int], recv: list[int], group: dist.Pro
     n = sum(recv)
     out = into[:n] if into is not None and dev.type == "cpu" else torch.empty(n, dtype=t.dtype, device=dev)
     dist.all_to_all_single(out, t.to(dev), recv, send, group=group)
+    if into is not None and dev.type != "cpu":
+        into[:n].copy_(out)
+        return into[:n]
     return out.cpu()
 
 
-def _in_file_order(f: FileLayout, a: int, b: int, runs: list[int], data: memoryview) -> list[memoryview]:
+def _in_file_order(f: FileLayout, a: int, b: int, runs: list[int], data: memoryview,
+                   segs: list[tuple[int, int, int]] | None = None) -> list[memoryview]:  # fmt: skip
     """Window ``[a, b)`` of file ``f`` as views, in file order, of the header and of the runs
-    received (``data``: in rank order, each rank's runs in file order; ``runs``: offset in the
-    window and length of each); every byte must be covered exactly once."""
+    received (``runs``: offset in the window and length of each, in rank order, each rank's in
+    file order; ``segs``: where those runs' bytes, laid one after the other, lie in ``data``,
+    as sorted ``(position in the runs' bytes, position in data, length)``, by default all in
+    order); every byte must be covered exactly once."""
     parts: list[tuple[int, memoryview]] = []
     if a < len(f.header):
         parts.append((0, memoryview(f.header)[a : min(b, len(f.header))]))
+    segs = [(0, 0, len(data))] if segs is None else segs
+    firsts = [x[0] for x in segs]
     pos = 0
     for j in range(0, len(runs), 2):
         off, n = runs[j], runs[j + 1]
-        parts.append((off, data[pos : pos + n]))
+        k = bisect.bisect_right(firsts, pos) - 1
+        at, left = pos, n
+        while left > 0 and 0 <= k < len(segs):  # a run cut between two steps is two views
+            s0, d0, m = segs[k]
+            take = min(left, s0 + m - at)
+            parts.append((off + at - pos, data[d0 + at - s0 : d0 + at - s0 + take]))
+            at, left, k = at + take, left - take, k + 1
         pos += n
     parts.sort(key=lambda x: x[0])
     at = 0
@@ -423,6 +474,6 @@ def _in_file_order(f: FileLayout, a: int, b: int, runs: list[int], data: memoryv
 
 
 __all__ = [
-    "BUCKET_BYTES", "MIN_FILE_BYTES", "WINDOW_BYTES", "commit_index", "owners", "side_files_and_index", "windows",
+    "BUCKET_BYTES", "MIN_FILE_BYTES", "SEND_BYTES", "WINDOW_BYTES", "commit_index", "owners", "side_files_and_index", "steps_of", "windows",
     "watched", "write_spread_remote",
 ]  # fmt: skip
