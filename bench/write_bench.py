@@ -12,13 +12,14 @@ all ranks and as FSDP x TP 2. Per rank:
   peak resident memory the call added (``VmHWM`` after the call less ``VmRSS`` before it, the
   peak reset through ``/proc/self/clear_refs``) against this rank's shards.
 - **async save** (FSDP mesh, Adam): a training step's seconds; ``save_state`` blocking; then
-  ``save_state(..., async_=True)``: how long the call held training (against the time its
-  copy into host memory took, ``handle.staging_seconds``; and on the caller's thread CPU clock,
-  the call's own work beyond the copy, apart from waiting for a CPU on a loaded host), how long
-  the background write took, and the training steps run while it wrote (their seconds against
-  the steps before); ``--async-saves`` of them in a row (the first makes the background group,
-  takes the state dicts in full and stages into fresh host memory; the later ones reuse all
-  three).
+  ``save_state(..., async_=True)``: how long the call held training against its staging
+  (``handle.staging_seconds``: taking the state dicts, then copying them into host memory;
+  each part timed here too), the rest being the hand-off to the writing thread; the same on
+  the caller's thread CPU clock, the call's own work apart from waiting for a CPU on a loaded
+  host; how long the background write took, and the training steps run while it wrote (their
+  seconds against the steps before); ``--async-saves`` of them in a row (the first makes the
+  background group, takes the state dicts in full and stages into fresh host memory; the later
+  ones reuse all three).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import sdadapt  # noqa: E402
-from sdadapt._state import background  # noqa: E402
+from sdadapt._state import background, saving  # noqa: E402
 
 SIZE = {"layers": 4, "dim": 512, "heads": 8, "ffn": 1376, "vocab": 8192}
 
@@ -126,6 +127,19 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
             staging_cpu.append(time.thread_time() - c0)
 
     background.stage = stage_timed
+    take_wall: list[float] = []
+    take_cpu: list[float] = []  # the take of the state dicts, the staging's first part
+    take = saving.take_state
+
+    def take_timed(*a: object, **kw: object) -> object:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return take(*a, **kw)  # type: ignore[arg-type]
+        finally:
+            take_wall.append(time.perf_counter() - t0)
+            take_cpu.append(time.thread_time() - c0)
+
+    saving.take_state = take_timed  # type: ignore[assignment]
     for i in range(args.async_saves):  # the first stages into fresh memory, the later ones reuse it
         dist.barrier()
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -142,6 +156,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
         rows["async" if i == 0 else f"async{i + 1}"] = {
             "step": statistics.median(steps), "sync_save": sync, "held": held, "staging": pending.staging_seconds,
             "held_reported": pending.held_seconds, "held_cpu": held_cpu, "staging_cpu": staging_cpu[-1],
+            "take": take_wall[-1], "take_cpu": take_cpu[-1],
             "write_done_after": write, "steps_during": len(during),
             "step_during": statistics.median(during) if during else None,
         }  # fmt: skip
@@ -181,9 +196,11 @@ def main() -> None:
         print(f"async save {i + 1} (FSDP, Adam): per rank seconds")
         for r, rows in enumerate(ranks):
             a = rows[key]
-            print(f"  rank {r}: step {a['step']:.3f}; sync save {a['sync_save']:.2f}; async call held {a['held']:.3f} "
-                  f"(staging {a['staging']:.3f}, beyond it {a['held'] - a['staging']:.3f}; CPU beyond it "
-                  f"{a['held_cpu'] - a['staging_cpu']:.4f}); "
+            staging_cpu = a["take_cpu"] + a["staging_cpu"]
+            print(f"  rank {r}: step {a['step']:.3f}; sync save {a['sync_save']:.2f}; async call held {a['held']:.4f} "
+                  f"(staging {a['staging']:.4f} = take {a['take']:.4f} + copy {a['staging'] - a['take']:.4f}; "
+                  f"hand-off {a['held'] - a['staging']:.4f}; CPU: held {a['held_cpu']:.4f}, staging {staging_cpu:.4f} = "
+                  f"take {a['take_cpu']:.4f} + copy {a['staging_cpu']:.4f}, hand-off {a['held_cpu'] - staging_cpu:.4f}); "
                   f"write done after {a['write_done_after']:.2f}, {a['steps_during']} steps meanwhile "
                   f"({a['step_during'] if a['step_during'] is None else round(a['step_during'], 3)} s each)")
     if args.out:

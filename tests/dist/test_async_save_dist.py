@@ -67,7 +67,7 @@ def _cases(root: str) -> dict:
             wanted[step] = _full(model)
         pending = ckpt.step(step, model, opt, extra={"step": step})
         if pending is not None:
-            held.append(pending.staging_seconds)
+            held.append((pending.staging_seconds, pending.held_seconds))
     ckpt.close()
     dist.barrier()  # rank 0 prunes
     out["kept"] = sorted(os.listdir(os.path.join(root, "run")))
@@ -125,7 +125,7 @@ def test_background_saves_while_training(tmp_path):
         assert r["latest"] == "step_00000006"
         assert r["same_4"] and r["same_6"] and r["remembered"]
         assert r["busy"][0] in ("StateError", "RemoteRankError") and "exists and is not empty" in r["busy"][1], r["busy"]
-        assert len(r["held"]) == 3 and all(h > 0 for h in r["held"])
+        assert len(r["held"]) == 3 and all(0 < staging <= held for staging, held in r["held"])  # the staging within the hold
         assert r["full"][0] in ("StateError", "RemoteRankError"), r["full"]
         assert not r["full_complete"] and r["latest_after_full"] == "step_00000006"
     assert "No space left" in results[1]["full"][1]

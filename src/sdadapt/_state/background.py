@@ -100,8 +100,10 @@ class SaveHandle:
 
     Attributes:
         path: the folder being written.
-        staging_seconds: how long copying the state into host memory took.
-        held_seconds: how long the call held the caller (checks, staging, starting the write).
+        staging_seconds: how long staging the state took: taking its state dicts and copying
+            them into host memory.
+        held_seconds: how long the call held the caller: the staging, plus handing the write
+            to the writing thread (argument checks, the save before awaited, the thread woken).
 
     Example::
 
@@ -164,18 +166,19 @@ class SaveHandle:
 
 
 def start_save(state: dict[str, Any] | None, path: str, group: dist.ProcessGroup | None, t0: float,
-               write: Write) -> SaveHandle:  # fmt: skip
+               write: Write, taking: float = 0.0) -> SaveHandle:  # fmt: skip
     """Wait for this process's save before, stage ``state``, hand ``write(staged, group)`` to the
     writing thread, over the background group (made there the first time), and return its
     handle. The caller does nothing else: ``write`` checks, agrees with the other ranks and
     makes the report, in the thread (``state`` is ``None`` on a rank whose checks failed:
-    nothing is staged, and the agreement raises the error on every rank)."""
+    nothing is staged, and the agreement raises the error on every rank). ``taking``: the
+    seconds the caller took to take ``state``, counted in the handle's staging with the copy."""
     for h in list(_RUNNING):  # one save at a time: its error is raised here, on every rank
         h.wait()
     t_stage = time.perf_counter()
     with torch.no_grad():  # the state may hold the live parameters: copies without autograd
         staged = stage(state) if state is not None else {}
-    handle = SaveHandle(path, time.perf_counter() - t_stage)
+    handle = SaveHandle(path, taking + time.perf_counter() - t_stage)
     distributed = is_distributed()
 
     def run() -> None:

@@ -141,6 +141,7 @@ def save_state(
     extra = dict(extra or {})
     error: SdadaptError | None = None
     state: dict[str, Any] = {}
+    taking = 0.0  # the take's seconds, part of a background save's staging
     if async_:
         start_writer()  # its thread starts while this one copies, not after
     try:
@@ -150,7 +151,9 @@ def save_state(
                     f"extra entry name {name!r}: use a non-empty name without dots, other than {MODEL_KEY!r} and {OPTIM_KEY!r}"
                 )
         if async_:  # the dicts are remembered between saves (the name walk held training); the rest of the checks in the background
+            t_take = time.perf_counter()
             model_sd, optim_sd = take_state(model, optimizer, _take, lambda: _check_meta(model))
+            taking = time.perf_counter() - t_take
         else:
             _check_dst(dst, rank, overwrite)
             _check_meta(model)
@@ -193,7 +196,7 @@ def save_state(
         )  # fmt: skip
 
     if async_:  # a failed check is raised by the handle's wait(), on every rank
-        return start_save(state if error is None else None, dst, process_group, t0, write)
+        return start_save(state if error is None else None, dst, process_group, t0, write, taking)
     with single_process_quiet():
         saved = write(state, process_group)
     log.info("%s", saved.format())
