@@ -11,6 +11,7 @@ of one process read back bit for bit.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from support.models import TinyTransformer
 from support.training import train_steps
@@ -173,3 +174,30 @@ def test_a_first_take_keeps_state_dict_keys():
         _same_as_fresh(model, opt, got)  # out.weight beside emb.weight, seen, not scratch
         assert "out.weight" in got[0] and "scratch" not in got[0] and calls == []
         assert (got[0]["emb.weight"] is model.emb.weight) != own  # the live tensor, or state_dict()'s detached one
+
+
+def test_a_tensor_on_meta_is_refused_before_any_take(tmp_path):
+    """The first take looks at every tensor in its one pass over the modules: with none on the
+    meta device it needs no separate check; with one (a buffer never materialised), the check
+    runs and refuses before anything is taken, and a background save's wait() raises it."""
+    model = nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    checks: list[int] = []
+    calls, take = _counted()
+    _same_as_fresh(model, opt, take_state(model, opt, take, lambda: checks.append(1)))
+    assert checks == [] and calls == []  # the cheap first take checked the tensors itself
+    taken._TAKEN.pop(model, None)
+    model.register_buffer("late", torch.empty(3, device="meta"))
+
+    def refuse() -> None:
+        checks.append(1)
+        raise sdadapt.errors.StateError("meta")
+
+    with pytest.raises(sdadapt.errors.StateError, match="meta"):
+        take_state(model, opt, take, refuse)
+    assert checks == [1] and calls == []
+    pending = sdadapt.save_state(model, str(tmp_path / "s"), opt, async_=True)
+    with pytest.raises(sdadapt.errors.StateError, match="meta device"):
+        pending.wait()

@@ -88,12 +88,15 @@ def _fingerprint(model: nn.Module, optimizer: torch.optim.Optimizer | None, live
 
 
 def _remember(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict[str, Any],
-              optim_sd: dict[str, Any] | None) -> None:  # fmt: skip
+              optim_sd: dict[str, Any] | None, seen: tuple[tuple[Any, ...], Live] | None = None) -> None:  # fmt: skip
     """Remember which live tensor each of ``model_sd``'s keys is (matched by memory) and each
-    optimizer parameter's name, unless the state holds anything else."""
+    optimizer parameter's name, unless the state holds anything else. ``seen``: the fingerprint
+    and live tensors the take found, where it found them (else found here)."""
     _TAKEN.pop(model, None)
     live: Live = {}
-    fingerprint = _fingerprint(model, optimizer, live)
+    fingerprint = _fingerprint(model, optimizer, live) if seen is None else seen[0]
+    if seen is not None:
+        live = seen[1]
     if fingerprint is None:
         return
     tensors: dict[str, weakref.ref[torch.Tensor]] = {}
@@ -114,10 +117,16 @@ def _remember(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_s
     _TAKEN[model] = _Taken(fingerprint, tensors, weakref.ref(optimizer) if optimizer is not None else None, names)
 
 
-def _first(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any], dict[str, Any] | None] | None:
+def _first(model: nn.Module, optimizer: torch.optim.Optimizer | None, live: Live
+           ) -> tuple[dict[str, Any], dict[str, Any] | None, tuple[Any, ...]] | None:  # fmt: skip
     """``get_state_dict(model, optimizer)`` without its per-key name search, where its names are
-    the state dict's own (see the module docstring); ``None`` elsewhere."""
-    if optimizer is None or not optimizer.state or _fingerprint(model, optimizer) is None or not renames_nothing(model):
+    the state dict's own (see the module docstring), with the model's fingerprint (``live``
+    gets its tensors: :func:`_fingerprint`); ``None`` elsewhere, and where a tensor is on the
+    meta device (before any hook runs: the full take's check raises that)."""
+    if optimizer is None or not optimizer.state:
+        return None
+    fingerprint = _fingerprint(model, optimizer, live)
+    if fingerprint is None or any(_local(t).is_meta for t in live.values()) or not renames_nothing(model):
         return None
     model_sd = _live_state_dict(model, "", {})
     if model_sd is None:
@@ -126,7 +135,7 @@ def _first(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[d
     names = [name_of.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
     if not model_sd or None in names:
         return None  # get_state_dict's own error (a parameter the model does not hold) comes from the full take
-    return model_sd, _named(optimizer, names)  # type: ignore[arg-type]
+    return model_sd, _named(optimizer, names), fingerprint  # type: ignore[arg-type]
 
 
 def _live_state_dict(module: nn.Module, prefix: str, out: dict[str, Any]) -> dict[str, Any] | None:
@@ -181,15 +190,24 @@ def take_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, take: 
     same dicts rebuilt from the last call's while nothing they rest on moved, or made without
     ``get_state_dict``'s name search where it renames nothing. The values of the rebuilt model
     dict are the live parameters and buffers themselves (a copy reads them without autograd);
-    its keys and the optimizer dict's layout are ``take``'s. ``check`` runs before a take that
-    is not rebuilt (a rebuilt one rests on the tensors it checked: same objects, same memory)."""
+    its keys and the optimizer dict's layout are ``take``'s. ``check`` (that no tensor is on the
+    meta device) runs before a full take; a rebuilt one rests on the tensors it checked (same
+    objects, same memory), and the first take without the name search looks at each tensor
+    itself, in its one pass over the modules."""
     again = _again(model, optimizer)
     if again is not None:
         return again
-    if check is not None:
-        check()
-    model_sd, optim_sd = _first(model, optimizer) or take(model, optimizer)
-    _remember(model, optimizer, model_sd, optim_sd)
+    live: Live = {}
+    first = _first(model, optimizer, live)
+    if first is None:
+        if check is not None:
+            check()
+        model_sd, optim_sd = take(model, optimizer)
+        _remember(model, optimizer, model_sd, optim_sd)
+    else:  # its fingerprint was taken before FSDP2's pre-hooks ran; a hook that moved a tensor
+        # leaves it unmatched below (nothing remembered) or the fingerprint unlike the next one
+        model_sd, optim_sd, fingerprint = first
+        _remember(model, optimizer, model_sd, optim_sd, (fingerprint, live))
     return model_sd, optim_sd
 
 
