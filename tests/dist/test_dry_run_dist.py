@@ -288,6 +288,12 @@ def test_boxes_and_reads_are_those_predicted(loaded: tuple[str, list[dict[str, A
         # the dry run of the parallelised model on that rank, from its own DTensors, agrees
         assert got["model_dry_run"] == [got["bytes_read"], got["bytes_shared"], got["local_bytes"]], (rank, got)
         assert "not a set of dims" in got["wrong_mesh"] or "beyond the dry run's mesh" in got["wrong_mesh"], got["wrong_mesh"]
+    # one host (the 4 ranks are its first node): its page cache serves a page to every rank that
+    # touches it, so the node reads the union of their pages; each load's figure is its rank alone
+    alone = [res[case]["storage_bytes"] for res in results]
+    assert max(alone) <= report.node_storage_bytes <= sum(alone), (report.node_storage_bytes, alone)
+    if case == "fsdp_tp":  # TP peers' column slices share pages
+        assert report.node_storage_bytes < sum(alone), (report.node_storage_bytes, alone)
     # headers once: the first rank opened the index and every shard's header, the others none
     files = 1 if case == "ep" else 4  # one file; or the index and 3 shards
     first = results[0][case]["opens"]

@@ -52,7 +52,11 @@ class LoadReport(Summarized, BaseModel):
         bytes_read: the bytes read from the files.
         storage_bytes: what storage delivers for those reads on a cold page cache: every file
             page they touch, once, the gaps a joined read of a column slice's rows reads through
-            included (the dry run predicts it: ``DryRunRank.storage_bytes``).
+            included (the dry run predicts it: ``DryRunRank.storage_bytes``). This rank's reads
+            as if it read alone: ranks on one host share its page cache, so the host reads each
+            page its ranks touch once, and their figures summed count a page they share once per
+            rank (the host's figure is the dry run's ``node_storage_bytes``; a process's own
+            ``read_bytes`` in ``/proc`` charges a shared page to the first rank that faults it).
         bytes_shared: the bytes received from replicas and TP peers (``share_reads=True``).
         bytes_fetched: the bytes fetched from object storage (a ``s3://`` / ``gs://`` source):
             the ranges the engine fetched into memory, the probes made before writing, and what
