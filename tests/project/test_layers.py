@@ -219,7 +219,7 @@ BENCH_PRIVATE: dict[str, dict[str, str]] = {
     "loadbench/paths.py": {"sdadapt._plan.plan": "the plan of a path, to check its shards against the eager recipe",
                            "sdadapt._plan.target": "the model's schema for that plan"},  # fmt: skip
     "loadbench/references.py": {"sdadapt._engine": "the engine's default thread count for the machine references"},
-    "write_bench.py": {"sdadapt._state": "times the copy into host memory of a background save on the thread's CPU clock"},
+    "write_bench.py": {"sdadapt._state": "times a background save's staging, the take and the copy, on the thread's CPU clock"},
     "object_store_write_bench.py": {"sdadapt._export.spread_remote": "the window an every-rank upload holds: the memory bound"},
     "cold_read_bench.py": {"sdadapt._base.regions": "the shape of each rank's box",
                            "sdadapt._engine": "runs the engine on one simulated rank's jobs; a TP group's shared rows over gloo",
