@@ -89,3 +89,88 @@ def test_a_public_name_imports_its_modules_with_the_collector_paused():
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result == {"runs": [], "on": True, "off_after": True, "before": False, "imported": True, "rename": "rename"}, result
+
+
+def test_a_first_load_leaves_a_full_collection_the_process_owes_to_the_caller(tmp_path):
+    """A process that owes a full collection (its oldest generation grew by over a quarter since
+    the last one, as building a model makes it) ran it inside its first ``sdadapt.load``: at
+    the first allocation after the load turned the collector back on. The load now ends its pause
+    with a collection of the youngest generation only: no full collection inside the call (its
+    imports included), and the one owed runs at the caller's next allocations, as it would have
+    without the load. A plain pause (``gc.disable()`` / ``gc.enable()``) shows the full one landing
+    inside, so the process here does owe it."""
+    child = textwrap.dedent(
+        """
+        import gc, json, sys
+        import torch
+        from safetensors.torch import save_file
+        import sdadapt
+
+        path, runs, inside, kept = sys.argv[1], [], [False], []
+        save_file({"weight": torch.randn(3, 4), "bias": torch.randn(3)}, path)
+        model = torch.nn.Linear(4, 3)
+
+        def owe_a_full_collection():
+            gc.collect()
+            gc.disable()
+            kept.append([[i] for i in range(len(gc.get_objects()) // 2)])  # long-lived, half the process again
+            for _ in range(11):  # the oldest generation's threshold is 10 middle-generation collections
+                gc.collect(1)
+            gc.enable()
+
+        gc.callbacks.append(lambda phase, info: runs.append((info["generation"], inside[0])) if phase == "start" else None)
+
+        def within(call):
+            runs.clear()
+            owe_a_full_collection()
+            runs.clear()
+            inside[0] = True
+            call()
+            inside[0] = False
+            after = [[i] for i in range(3000)]  # the caller's next allocations
+            return {"inside": [g for g, i in runs if i], "after": [g for g, i in runs if not i]}
+
+        def plain_pause():
+            gc.disable()
+            made = [[i] for i in range(3000)]
+            gc.enable()
+            return [made]
+
+        out = {"plain": within(plain_pause), "load": within(lambda: sdadapt.load(model, path)), "on": gc.isenabled()}
+        print(json.dumps(out))
+        """
+    )
+    path = tmp_path / "w.safetensors"
+    out = subprocess.run([sys.executable, "-c", child, str(path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 2 in result["plain"]["inside"], result  # the process owes it: a plain pause's end runs it
+    assert 2 not in result["load"]["inside"], result
+    assert 2 in result["load"]["after"], result  # not lost: the caller's code runs it
+    assert result["load"]["inside"] and set(result["load"]["inside"]) == {0}, result
+    assert result["on"], result
+
+
+def test_a_pause_is_one_for_the_process_across_threads():
+    """A background thread's pause (kvikio's import, started at a first load's end) that outlives
+    the load's keeps the collector off until it ends too; the last to end turns it back on."""
+    import threading
+
+    from sdadapt._base.gc import pause, resume
+
+    started, release = threading.Event(), threading.Event()
+
+    def background():
+        with gc_paused():
+            started.set()
+            release.wait(30)
+
+    pause()
+    thread = threading.Thread(target=background)
+    thread.start()
+    assert started.wait(30)
+    resume()
+    assert not gc.isenabled()  # the background pause is still on
+    release.set()
+    thread.join(30)
+    assert gc.isenabled()

@@ -74,12 +74,14 @@ NOT_ON_THE_PLAIN_PATH = [
     "huggingface_hub",
 ]
 
-IMPORT_SDADAPT = ["sdadapt", "sdadapt._base", "sdadapt._base.lazy", "sdadapt._base.rule_kinds", "sdadapt._base.version"]
+IMPORT_SDADAPT = ["sdadapt", "sdadapt._base", "sdadapt._base.lazy", "sdadapt._base.rule_kinds", "sdadapt._base.version",
+                  # the face's imports on first use pause the cycle collector as a load does (one pause per process)
+                  "sdadapt._base.gc"]
 """Every module ``import sdadapt`` imports (after torch): its face only, which imports the rest on first use."""
 
 PLAIN_LOAD = IMPORT_SDADAPT + [
     "sdadapt.errors",
-    *(f"sdadapt._base.{m}" for m in "agreement distributed env gc keyruns progress regions schema summary tensor_bytes".split()),
+    *(f"sdadapt._base.{m}" for m in "agreement distributed env keyruns progress regions schema summary tensor_bytes".split()),
     # the exit handler that ends process groups DTensor keeps, registered with _base.distributed:
     # every process that runs sdadapt's collectives needs it (tests/reports/teardown-abort-cpu2-2026-12-07.md)
     "sdadapt._base.teardown",

@@ -1,10 +1,22 @@
-"""Python's cycle collector paused for the length of a load.
+"""Python's cycle collector paused for the length of a load, and resumed without a collection
+falling due inside it.
 
 A full collection walks every object of the process (torch alone makes a few hundred thousand),
 so one that lands inside a load stalls it for a noticeable time, and with it every reading
 thread (the collector holds the GIL). Where it lands depends on how many objects the process
 made before: it is noise to a load, never useful work. Reference counting still frees all
 acyclic garbage while the collector is paused; the cycles a load leaves are collected after it.
+
+Resuming is where a collection would land: the objects made while paused all count towards
+the next automatic collection, so the first allocation after ``gc.enable()`` sets one off, and
+it is a full one whenever the process owes it (its oldest generation has grown by a quarter
+since the last full collection: a model built since then, mostly). The pause so ends with a
+collection of the youngest generation only (the objects made while paused that are still
+alive, a millisecond or so), which starts the count afresh: a full collection the process owes
+runs at its next automatic collection, in the caller's code after the call, where it would have
+run without sdadapt. The pause is one for the whole process, counted across threads: the
+collector comes back on when the last pause ends (a background thread's import outlives the
+load that started it), and only if it was on when the first began.
 """
 
 from __future__ import annotations
@@ -12,23 +24,47 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+_LOCK = threading.RLock()  # re-entrant: a finalizer the collection runs may pause too
+_paused = 0  # pauses in progress, all threads together
+_resume = False  # the collector was on when the first of them began
+
+
+def pause() -> None:
+    """Turn the cycle collector off until the matching :func:`resume` (pauses nest, across threads)."""
+    global _paused, _resume
+    with _LOCK:
+        if _paused == 0:
+            _resume = gc.isenabled()
+            gc.disable()
+        _paused += 1
+
+
+def resume() -> None:
+    """End a :func:`pause`: the last one to end collects the youngest generation, then turns the
+    collector back on if it was on when the first pause began."""
+    global _paused
+    with _LOCK:
+        _paused -= 1
+        if _paused == 0 and _resume:
+            gc.collect(0)
+            gc.enable()
+
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside the block; the collector is turned back on when the
-    block ends (also by an exception), if it was on when the block began (blocks nest)."""
-    was_on = gc.isenabled()
-    gc.disable()
+    """No cyclic garbage collection inside the block (:func:`pause`); at its end (also by an
+    exception) the collector is back as it was (:func:`resume`)."""
+    pause()
     try:
         yield
     finally:
-        if was_on:
-            gc.enable()
+        resume()
 
 
 def without_gc(fn: F) -> F:

@@ -13,11 +13,12 @@ import ...`` statement, which would otherwise report only "cannot import name").
 from __future__ import annotations
 
 import dis
-import gc
 import importlib
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from .gc import gc_paused
 
 
 def attach(
@@ -71,16 +72,10 @@ def _imported(where: str, package: str) -> Any:
     long as the process (classes, functions, pydantic's schemas): enough to set off a full
     collection, which walks every object of the process (torch's too), in the middle of the
     import, the first load's critical path. Such a collection frees nothing of the import's; the
-    process runs its next collection when it next allocates. The collector is turned back on
-    only if it was on (nested imports leave that to the outermost), as ``sdadapt._base.gc``
-    does for a load."""
-    was_on = gc.isenabled()
-    gc.disable()
-    try:
+    pause ends as a load's does (``sdadapt._base.gc``): a full collection the process owes runs
+    in the caller's code later, not as the import returns."""
+    with gc_paused():
         return importlib.import_module(where, package) if where.startswith(".") else importlib.import_module(where)
-    finally:
-        if was_on:
-            gc.enable()
 
 
 _IMPORT_FROM = dis.opmap["IMPORT_FROM"]

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .._base.gc import gc_paused
 from ..errors import LoadError, UsageError
 from .device import DeviceLane
 from .tasks import Gather, GatherRead, Where
@@ -222,8 +223,11 @@ importer: Callable[[], Any] = _import_kvikio
 
 def _start(threads: int, task_bytes: int, bounce_bytes: int | None) -> DeviceReads:
     """Import kvikio and size its thread pool, tasks and bounce buffers (``None``: kvikio's own
-    size, ``KVIKIO_BOUNCE_BUFFER_SIZE`` or 16 MiB); raises whatever that raises."""
-    kvikio = importer()
+    size, ``KVIKIO_BOUNCE_BUFFER_SIZE`` or 16 MiB); raises whatever that raises. The import runs
+    with the cycle collector paused (``sdadapt._base.gc``): started in the background at a first
+    load's end, it would otherwise set off, on its thread, the collection the load deferred."""
+    with gc_paused():
+        kvikio = importer()
     defaults = kvikio.defaults
     if defaults.get("num_threads") != threads:
         defaults.set("num_threads", threads)
