@@ -16,8 +16,11 @@ all ranks and as FSDP x TP 2. Per rank:
   (``handle.staging_seconds``: taking the state dicts, then copying them into host memory;
   each part timed here too), the rest being the hand-off to the writing thread; the same on
   the caller's thread CPU clock, the call's own work apart from waiting for a CPU on a loaded
-  host; how long the background write took, and the training steps run while it wrote (their
-  seconds against the steps before); ``--async-saves`` of them in a row (the first makes the
+  host; of the hand-off, the part after the call woke the writing thread (``held`` less
+  ``handle.held_seconds``: returning, while that thread may take the interpreter lock;
+  ``--switch-interval`` sets how long Python lets one thread keep it); how long the
+  background write took, and the training steps run while it wrote (their seconds against the
+  steps before); ``--async-saves`` of them in a row (the first makes the
   background group, takes the state dicts in full and stages into fresh host memory; the later
   ones reuse all three).
 """
@@ -84,6 +87,8 @@ def _shard_bytes(model: torch.nn.Module) -> int:
 
 def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(1)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval / 1000)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     rows: dict[str, object] = {}
     tmp = os.path.join(out, "dst")
@@ -174,6 +179,8 @@ def main() -> None:
     p.add_argument("--async-saves", type=int, default=3,
                    help="background saves in a row (the later ones reuse the staging memory and the state dicts taken)")
     p.add_argument("--parts", default="export,async", help="what to measure: export, async (comma-separated)")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval in ms in every rank (Python's default: 5)")
     p.add_argument("--out", default=None, help="write every rank's figures here (JSON)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="sdadapt-write-bench-") as tmp:
@@ -200,7 +207,8 @@ def main() -> None:
             print(f"  rank {r}: step {a['step']:.3f}; sync save {a['sync_save']:.2f}; async call held {a['held']:.4f} "
                   f"(staging {a['staging']:.4f} = take {a['take']:.4f} + copy {a['staging'] - a['take']:.4f}; "
                   f"hand-off {a['held'] - a['staging']:.4f}; CPU: held {a['held_cpu']:.4f}, staging {staging_cpu:.4f} = "
-                  f"take {a['take_cpu']:.4f} + copy {a['staging_cpu']:.4f}, hand-off {a['held_cpu'] - staging_cpu:.4f}); "
+                  f"take {a['take_cpu']:.4f} + copy {a['staging_cpu']:.4f}, hand-off {a['held_cpu'] - staging_cpu:.4f}; "
+                  f"hand-off after waking the writer {a['held'] - a['held_reported']:.4f}); "
                   f"write done after {a['write_done_after']:.2f}, {a['steps_during']} steps meanwhile "
                   f"({a['step_during'] if a['step_during'] is None else round(a['step_during'], 3)} s each)")
     if args.out:
