@@ -16,8 +16,11 @@
 # SDADAPT_IO_HEAD_MB; its first steady load may still pin it), STEADY_EXTRA (more --variant), against
 # InstantTensor buffered and raw kvikio (STEADY_RAW), STEADY_REPEAT steady loads (default 4; the
 # phases of every load are in kv8b_steady.json), then bench/probes/steady_overhead_probe.py on the GPU.
+# `firstgc`: the first load with imports, sdadapt against InstantTensor buffered, as the headline runs it, then
+# the same with --collect-after-build (a gc.collect() after each model build: the first load without the
+# full collection a model build leaves due; labelled, not the headline), FIRSTGC_ROUNDS interleaved rounds.
 # FORMATS_EXTRA: more arguments of the formats run. Each step prints the time it ends.
-# Usage: bash bench/h200_kvikio.sh [tests] [bench] [formats] [probe] [cold] [imports] [cpu2] [cpu16] [steady]
+# Usage: bash bench/h200_kvikio.sh [tests] [bench] [formats] [probe] [cold] [imports] [cpu2] [cpu16] [steady] [firstgc]
 set -u
 WHL=${WHL:-../../.whl}
 OUT=${OUT:-/tmp/out}
@@ -86,6 +89,14 @@ for what in "$@"; do
         --variant hd1g:SDADAPT_IO_HEAD_MB=1024 ${STEADY_EXTRA:-} \
         --out "$OUT"/kv8b_steady 2>&1 | tail -40
       timeout 120 python3 bench/probes/steady_overhead_probe.py --device cuda --loads 9 --json "$OUT"/steady_overhead.json 2>&1 | tail -3
+      ;;
+    firstgc)
+      for gcflag in "" --collect-after-build; do
+        timeout ${FIRSTGC_TIMEOUT:-200} python3 bench/load_bench.py --preset 8b --nproc 1 --backend nccl --dir /tmp/ck --keep \
+          --tp-paths '' --hsdp-paths '' --materialized-paths '' --discussion '' --timeout 120 --import-in-load --repeat 1 \
+          --no-verify --no-references --paths sdadapt --raw-paths instanttensor --rounds ${FIRSTGC_ROUNDS:-3} $gcflag \
+          --out "$OUT"/kv8b_firstgc${gcflag:+_collected} 2>&1 | tail -8
+      done
       ;;
     cpu16)
       CUDA_VISIBLE_DEVICES= timeout ${CPU_TIMEOUT:-200} python3 bench/load_bench.py --preset 1.9g --shard-gb 0.5 --nproc 16 --backend gloo \

@@ -67,6 +67,10 @@ def parser(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--import-in-load", action="store_true",
                     help="import only what a job needs to build and shard its model before timing: each loader's own "
                          "imports (sdadapt and what it needs, InstantTensor, safetensors, DCP) are part of its first load")
+    ap.add_argument("--collect-after-build", action="store_true",
+                    help="gc.collect() after each model is built, before its load is timed (every row, every loader): "
+                         "a first load without the full collection a model build leaves due (not what a user's first "
+                         "load sees; labelled in the output)")
     ap.add_argument("--discussion", default="materialized,meta", help="torchsave-broadcast variants to run ('' for none)")
     ap.add_argument("--discussion-timeout", type=float, default=300.0)
     ap.add_argument("--timeout", type=float, default=3000.0, help="timeout of each path's process group (s)")
@@ -301,7 +305,7 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], the_variants: dict[st
     work = Path(tempfile.mkdtemp(prefix="sdadapt-bench-run-"))
     common = {"shape": asdict(shape), "backend": backend, "files": files, "cold": args.cold,
               "verify": not args.no_verify, "malloc": args.malloc, "rss_interval": args.rss_interval_ms / 1000,
-              "import_in_load": args.import_in_load}
+              "import_in_load": args.import_in_load, "collect_after_build": args.collect_after_build}
     pythonpath = [str(ROOT / "src")]
     the_machine = machine()  # the load average before the workers start
     preload = [n for n in (USER_LIBRARIES if args.import_in_load else LIBRARIES) if n != "sdadapt"]
@@ -325,6 +329,7 @@ def _run_groups(args: argparse.Namespace, jobs: list[Job], the_variants: dict[st
         "backend": backend,
         "libraries": USER_LIBRARIES if args.import_in_load else LIBRARIES,
         "import_in_load": args.import_in_load,
+        "collect_after_build": args.collect_after_build,
         "first_load": first_load,
         "forked_from": preload if args.fork_ranks else None,
         "repeat": args.repeat,

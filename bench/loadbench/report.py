@@ -155,7 +155,10 @@ def how_line(result: dict[str, Any]) -> str:
             + (" (each loader's own imports, sdadapt and what it needs among them, are inside its timed first load: "
                "column `imports s`)" if result.get("import_in_load") else "")
             + ", built and parallelised the "
-            "model (untimed; `materialized`: `to_empty` + values in every parameter, untimed), then timed the first load "
+            "model (untimed; `materialized`: `to_empty` + values in every parameter, untimed)"
+            + (", **then ran `gc.collect()` (--collect-after-build: the first load no longer meets a full collection the "
+               "model build left due, as a user's would; not the headline's setting)**" if result.get("collect_after_build") else "")
+            + ", then timed the first load "
             f"of the process (**first load**, the headline); then {result.get('warmup', 0)} untimed warm-up load(s) and "
             f"{result['repeat']} timed steady-state load(s) in the same processes, each into a newly prepared model. "
             + (f"The rows ran {rounds} times round-robin (each row's group once per round, in row order): first load = "

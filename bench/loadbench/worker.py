@@ -130,6 +130,8 @@ def _measure_one(cfg: dict[str, Any], job: Job, shape: Shape, dev: Any, phase: s
         torch.cuda.empty_cache()
     try:
         model = prepare(job, shape, dev)
+        if cfg.get("collect_after_build"):
+            gc.collect()  # --collect-after-build: the collection the build left due, run before the timing
         if dev.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats(dev)
