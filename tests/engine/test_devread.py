@@ -19,6 +19,7 @@ import torch
 from support.checkpoints import write_safetensors
 from support.kvikio_host import HostCuFile as _CuFile
 
+from sdadapt._base import later
 from sdadapt._engine import EngineConfig, IOEngine, Job, default_threads, devread
 from sdadapt._engine.config import local_ranks, process_cpus, rank_cpus
 from sdadapt._recipes import moves as MV
@@ -214,10 +215,12 @@ def test_gpu_run_is_bit_exact_with_kvikio_and_without(tmp_path, kvikio):
             EngineConfig(threads=4, kvikio=kvikio),
             EngineConfig(threads=2, kvikio=kvikio, kvikio_task_bytes=4096, kvikio_threads=3, direct_min_bytes=4096),
         ):
-            # the process's first run with these settings reads without kvikio and starts it;
-            # the second waits for that start and reads through it
+            # the process's first run with these settings reads without kvikio and queues its
+            # start (begun when a public call returns, or as the next run begins); the second
+            # begins that start, waits for it and reads through it
             for run in (1, 2):
                 pairs = _jobs(sd, rng, "cuda")
+                first = devread.deferred(cfg.kvikio, *cfg.kvikio_settings())
                 stats = IOEngine(src, cfg).run([j for j, _ in pairs])
                 for job, want in pairs:
                     assert torch.equal(_bits(job.dest), _bits(want)), (run, job.key, job.box)
@@ -226,7 +229,10 @@ def test_gpu_run_is_bit_exact_with_kvikio_and_without(tmp_path, kvikio):
                     assert stats.kvikio_bytes == stats.direct_bytes
                 else:
                     assert stats.kvikio_bytes == 0 == stats.direct_bytes
-                assert devread.deferred(cfg.kvikio, *cfg.kvikio_settings()) is False
+                assert first is (kvikio is None and run == 1)
+                # kvikio's start and the head start's pinning, queued; nothing asked kvikio yet
+                assert later.queued() == (2 if first else 0)
+                assert devread.deferred(cfg.kvikio, *cfg.kvikio_settings()) is first
 
 
 @CUDA

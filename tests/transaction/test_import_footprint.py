@@ -85,6 +85,8 @@ PLAIN_LOAD = IMPORT_SDADAPT + [
     # the exit handler that ends process groups DTensor keeps, registered with _base.distributed:
     # every process that runs sdadapt's collectives needs it (tests/reports/teardown-abort-cpu2-2026-12-07.md)
     "sdadapt._base.teardown",
+    # what a public call queues for after it returns (a first GPU load's kvikio start): every public call runs the queue
+    "sdadapt._base.later",
     "sdadapt._engine",
     # _engine.head: every load asks whether it gets a head start (EngineConfig.head_bytes), and every run whether one was begun
     *(f"sdadapt._engine.{m}" for m in (

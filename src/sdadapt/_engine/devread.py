@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from .._base import later
 from .._base.gc import gc_paused
 from ..errors import LoadError, UsageError
 from .device import DeviceLane
@@ -364,8 +365,9 @@ def deferred(wanted: bool | None, threads: int, task_bytes: int, bounce_bytes: i
     (kvikio where it starts) and nothing in this process has asked kvikio to start with these
     settings yet. A process's first GPU load so pays neither kvikio's import nor its threads'
     and bounce buffers' start, which competed with materialising the model and made first loads
-    longer than the staged path's wherever it was measured; the run then starts kvikio in the
-    background (:func:`start_later`) for the loads after it."""
+    longer than the staged path's wherever it was measured; the run then queues kvikio's start
+    in the background (:func:`start_later`) for the loads after it, begun once its public call
+    returns (:mod:`sdadapt._base.later`)."""
     return wanted is None and (threads, task_bytes, bounce_bytes) not in _ASKED
 
 
@@ -380,7 +382,9 @@ def start_later(
 
 
 def forget() -> None:
-    """Drop the kept choices and warm-ups (the next run chooses, logs and warms again); for tests."""
+    """Drop the kept choices, warm-ups and queued starts (the next run chooses, logs and warms
+    again); for tests."""
+    later.drop()
     with _LOCK:
         _CHOSEN.clear()
         _WARMED.clear()

@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from .._base import later as after_call
 from .._base.gc import gc_paused
 from ..sources import Source, fetching_for, object_file
 from . import devread
@@ -109,6 +110,7 @@ def prefetch_pinned(device: torch.device, bands: bool, config: EngineConfig | No
     (:func:`~sdadapt._engine.devread.prefetch`), unless the process's first run defers it
     (:func:`~sdadapt._engine.devread.deferred`)."""
     cfg = config or EngineConfig.from_env()
+    after_call.run_queued()  # a start an earlier run left for after its call is never skipped
     if device.type == "cuda" and not devread.deferred(cfg.kvikio, *cfg.kvikio_settings()):
         devread.prefetch(device, cfg.kvikio, *cfg.kvikio_settings())
     SLABS.prefetch(StagingPool.slab_bytes(cfg.staging_buffers(cfg.threads), cfg.chunk()), device)
@@ -151,6 +153,7 @@ class IOEngine:
     def run(self, jobs: Sequence[Job]) -> EngineStats:
         """Plan and read ``jobs``; the threads start on the first tasks while planning goes on."""
         start = time.perf_counter()
+        after_call.run_queued()  # an earlier run's kvikio start, if its call has not returned yet
         cfg = self.config
         share = sum(j.dest.numel() * j.dest.element_size() for j in jobs)
         fetching = fetching_for(self.source, share, cfg.remote_request_bytes, cfg.remote_concurrency)
@@ -327,8 +330,8 @@ class IOEngine:
         st.seconds += time.perf_counter() - start
         if shared.errors:
             raise shared.errors[0]
-        if later:
+        if later:  # started once the public call returns: not competing with its last steps for the GIL
             assert device is not None
-            devread.start_later(device, sorted(shared.fds), cfg.kvikio, *cfg.kvikio_settings())
-            headstart.pin_later(device, cfg)
+            after_call.queue(functools.partial(devread.start_later, device, sorted(shared.fds), cfg.kvikio, *cfg.kvikio_settings()))
+            after_call.queue(functools.partial(headstart.pin_later, device, cfg))
         return st

@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import ParamSpec, TypeVar
 
+from .._base import later
 from .._base.distributed import CHECKPOINT
 from ..errors import SdadaptError
 
@@ -38,8 +39,9 @@ def public(fn: Callable[P, R]) -> Callable[P, R]:
     """``fn`` as a public operation: its clock starts on entry (:func:`call_started`), and an
     :class:`SdadaptError` it raises leaves with no internal frames and no exception chain (unless
     :func:`debugging`). Every rank's one-line error names the call's checkpoint (its ``src``, else
-    its ``dst``: :data:`~sdadapt._base.distributed.CHECKPOINT`). Put it outermost, above the
-    other decorators."""
+    its ``dst``: :data:`~sdadapt._base.distributed.CHECKPOINT`). Once the outermost public call
+    ends, what it queued for after it starts (:mod:`sdadapt._base.later`). Put it outermost,
+    above the other decorators."""
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
@@ -56,6 +58,7 @@ def public(fn: Callable[P, R]) -> Callable[P, R]:
             CHECKPOINT.reset(named)
             if token is not None:
                 _started.reset(token)
+                later.run_queued()  # what the call left to start once it returned (kvikio's start)
 
     return call
 

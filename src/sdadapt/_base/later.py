@@ -1,0 +1,51 @@
+"""Work a public call leaves until it has returned.
+
+A process's first GPU load reads without kvikio and starts kvikio for the loads after it: an
+import and a thread pool started on a background thread. Started inside the load, that thread
+competes for the GIL with the load's last Python steps (the checks, the commit, the report);
+queued here, it starts once the outermost public call returns (``_transaction.tidy.public``),
+or when the next engine run begins, whichever comes first, so the next load still finds it
+started or under way.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+_QUEUED: list[Callable[[], None]] = []
+
+
+def queue(fn: Callable[[], None]) -> None:
+    """Run ``fn`` (it should only start background work) once the running public call returns."""
+    with _LOCK:
+        _QUEUED.append(fn)
+
+
+def run_queued() -> None:
+    """Run what :func:`queue` holds, in order, each once; a failure is logged, never raised (what
+    runs here only starts work that a later call would otherwise start itself)."""
+    with _LOCK:
+        todo = _QUEUED[:]
+        _QUEUED.clear()
+    for fn in todo:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            log.debug("starting %r after the call failed: %s", fn, e)
+
+
+def queued() -> int:
+    """How many are waiting (for tests)."""
+    with _LOCK:
+        return len(_QUEUED)
+
+
+def drop() -> None:
+    """Forget what is waiting, unrun (for tests)."""
+    with _LOCK:
+        _QUEUED.clear()
