@@ -10,7 +10,7 @@ import difflib
 import re
 from collections import Counter, defaultdict
 
-from pydantic import BaseModel, computed_field
+from pydantic import BaseModel, ConfigDict, computed_field
 
 from .._base.keyruns import compress
 from .._base.summary import Summarized
@@ -36,6 +36,9 @@ VERDICT_UNCHECKED = "OK: checkpoint and model line up by names and shapes; value
 
 
 class Mismatch(BaseModel):
+    # built when a mismatch is first validated (Report's own schema holds it meanwhile)
+    model_config = ConfigDict(defer_build=True)
+
     key: str
     model: str  # what the model wants (shape or dtype)
     checkpoint: str  # what the checkpoint + adapter give

@@ -288,6 +288,8 @@ def unwrap_key(key: str) -> str:
 
 
 class RuleIssue(BaseModel):
+    model_config = ConfigDict(defer_build=True)  # built when a rule first reports an issue
+
     rule: str
     index: int
     key: str | None = None

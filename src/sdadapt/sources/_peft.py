@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from .._base.summary import Summarized
 from ..errors import AdapterError, SourceError
@@ -59,6 +59,8 @@ def open_peft_weights(path: str | os.PathLike[str]) -> SafetensorsFile:
 
 class LoraMerged(Summarized, BaseModel):
     """A PEFT LoRA merged by a load: its folder, the ranks of its pairs, how many weights it changed."""
+
+    model_config = ConfigDict(defer_build=True)  # built when a load first merges a LoRA
 
     folder: str
     keys: int  # model keys whose values include a LoRA delta
