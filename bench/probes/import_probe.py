@@ -17,6 +17,12 @@ a trainer that checkpoints has (``torch.distributed.checkpoint``). ``--profile N
 runs the same region under cProfile (no ``-X importtime``), and the N functions with the most own
 time and the N with the most cumulative time are printed: what the importtime lines do not show
 (module bodies imported through ``importlib``, pydantic's plugin scan, the load itself).
+``--src FOLDER`` imports sdadapt from another tree's ``src`` (two trees compared on one machine).
+``--classes N``: N more children time the classes made in the region (no ``-X importtime``;
+pydantic and ``dataclasses`` imported before it, so that their class makers can be timed):
+each pydantic model's class (its schema and validator built, unless deferred) and each
+dataclass, summed per module; printed: the medians, the models whose validators were built, and
+the N modules whose dataclasses cost most.
 """
 
 from __future__ import annotations
@@ -74,6 +80,9 @@ def main() -> None:
     ap.add_argument("--preimport", action="append", default=[], metavar="MODULE")
     ap.add_argument("--out", default=None, help="write every run as JSON here")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="also print a cProfile of the region: N rows each")
+    ap.add_argument("--src", default=str(SRC), help="the folder holding the sdadapt package to import (another tree's src/)")
+    ap.add_argument("--classes", type=int, default=0, metavar="N",
+                    help="N more children time the pydantic models and dataclasses the region makes")
     ap.add_argument("--collect", action="store_true",
                     help="gc.collect() in each child before the region, as load_bench's worker does before a load")
     args = ap.parse_args()
@@ -83,13 +92,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sdadapt-import-probe-") as tmp:
         path = str(Path(tmp) / "model.safetensors")
         save_file({"layer.weight": torch.ones(3, 4), "layer.bias": torch.zeros(3)}, path)
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([args.src, os.environ.get("PYTHONPATH", "")]),
                "PROBE_COLLECT": "1" if args.collect else "0"}
         if not args.source:
             cache = str(Path(tmp) / "pycache")
             env.update(PYTHONPYCACHEPREFIX=cache)
             env.pop("PYTHONDONTWRITEBYTECODE", None)
-            subprocess.run([sys.executable, "-m", "compileall", "-q", str(SRC)], env=env, check=True,
+            subprocess.run([sys.executable, "-m", "compileall", "-q", args.src], env=env, check=True,
                            stdout=subprocess.DEVNULL)
             # torch and the rest keep their own bytecode: a first run writes theirs into the cache
             subprocess.run([sys.executable, "-c", CHILD, path, *args.preimport], env=env, check=True,
@@ -103,6 +112,13 @@ def main() -> None:
             res = json.loads(r.stdout.strip().splitlines()[-1])
             res["imports"] = [(us, name) for us, _, _, name in _import_lines(r.stderr)]
             runs.append(res)
+        classes = []
+        for _ in range(args.classes):
+            r = subprocess.run([sys.executable, "-c", _classes_child(), path, *args.preimport],
+                               env=env, capture_output=True, text=True, timeout=600)
+            if r.returncode != 0:
+                sys.exit(f"classes child failed:\n{r.stderr[-4000:]}")
+            classes.append(json.loads(r.stdout.strip().splitlines()[-1]))
         profiled = ""
         if args.profile:
             r = subprocess.run([sys.executable, "-c", _profiled_child(args.profile), path, *args.preimport],
@@ -132,10 +148,63 @@ def main() -> None:
     print("packages (median self time summed, s):")
     for k, v in sorted(by_pkg.items(), key=lambda kv: -statistics.median(kv[1]))[: args.top]:
         print(f"  {statistics.median(v):.4f}  {k}")
+    if classes:
+        _print_classes(classes)
     if args.out:
-        Path(args.out).write_text(json.dumps({"sums": sums, "runs": runs}, indent=1))
+        Path(args.out).write_text(json.dumps({"sums": sums, "runs": runs, "classes": classes}, indent=1))
     if args.profile:
         print(profiled)
+
+
+_CLASSES_ON = """
+import dataclasses
+import pydantic._internal._model_construction as _mc
+_made = {"models": [], "dataclasses": []}
+def _timed(kind, make):
+    def run(*a, **k):
+        t = time.perf_counter()
+        cls = make(*a, **k)
+        _made[kind].append((time.perf_counter() - t, getattr(cls, "__module__", "?"), getattr(cls, "__qualname__", "?"),
+                            bool(getattr(cls, "__pydantic_complete__", False))))
+        return cls
+    return run
+_mc.ModelMetaclass.__new__ = _timed("models", _mc.ModelMetaclass.__new__)
+dataclasses._process_class = _timed("dataclasses", dataclasses._process_class)
+"""
+
+
+def _classes_child() -> str:
+    """:data:`CHILD` with the classes the region makes timed (pydantic's model class maker and
+    ``dataclasses._process_class`` wrapped before it); their list printed as JSON instead."""
+    start = "sys.stderr.write(\"@@sdadapt-first-call-start\\n\")\n"
+    end = "print(json.dumps({\"wall_s\""
+    if start not in CHILD or end not in CHILD:
+        raise SystemExit("import_probe: CHILD's markers changed; --classes cannot find its region")
+    head, tail = CHILD.split(end, 1)
+    return head.replace(start, _CLASSES_ON + start) + "print(json.dumps(_made))\n"
+
+
+def _print_classes(children: list[dict]) -> None:
+    """The medians over ``children`` of what the region spent making classes."""
+    def med(kind: str, pick=lambda row: True) -> float:
+        return statistics.median(sum(t for t, *rest in c[kind] if pick(rest)) for c in children)
+    ours = lambda row: row[0].split(".")[0] == "sdadapt"  # noqa: E731
+    first = children[0]
+    built = [f"{m}.{n}" for _, m, n, complete in first["models"] if complete and m.startswith("sdadapt")]
+    print(f"classes made in the region ({len(children)} children, median ms): pydantic models "
+          f"{len(first['models'])}: {med('models') * 1e3:.2f} (sdadapt's {med('models', ours) * 1e3:.2f}); "
+          f"dataclasses {len(first['dataclasses'])}: {med('dataclasses') * 1e3:.2f} "
+          f"(sdadapt's {med('dataclasses', ours) * 1e3:.2f})")
+    print(f"  sdadapt's models built (schema and validator): {len(built)}: {', '.join(built)}")
+    per: dict[str, list[float]] = {}
+    for c in children:
+        acc: dict[str, float] = {}
+        for t, module, _, _ in c["dataclasses"]:
+            acc[module] = acc.get(module, 0.0) + t
+        for k, v in acc.items():
+            per.setdefault(k, []).append(v)
+    print("  dataclasses per module (median ms): " + ", ".join(
+        f"{k} {statistics.median(v) * 1e3:.2f}" for k, v in sorted(per.items(), key=lambda kv: -statistics.median(kv[1]))[:12]))
 
 
 def _profiled_child(rows: int) -> str:
