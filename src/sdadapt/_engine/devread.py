@@ -225,8 +225,8 @@ importer: Callable[[], Any] = _import_kvikio
 def _start(threads: int, task_bytes: int, bounce_bytes: int | None) -> DeviceReads:
     """Import kvikio and size its thread pool, tasks and bounce buffers (``None``: kvikio's own
     size, ``KVIKIO_BOUNCE_BUFFER_SIZE`` or 16 MiB); raises whatever that raises. The import runs
-    with the cycle collector paused (``sdadapt._base.gc``): started in the background at a first
-    load's end, it would otherwise set off, on its thread, the collection the load deferred."""
+    with the cycle collector paused (``sdadapt._base.gc``): started in the background once a first
+    load has returned, it would otherwise set off, on its thread, the collection the load deferred."""
     with gc_paused():
         kvikio = importer()
     defaults = kvikio.defaults
