@@ -216,12 +216,15 @@ def test_gpu_run_is_bit_exact_with_kvikio_and_without(tmp_path, kvikio):
             EngineConfig(threads=2, kvikio=kvikio, kvikio_task_bytes=4096, kvikio_threads=3, direct_min_bytes=4096),
         ):
             # the process's first run with these settings reads without kvikio and queues its
-            # start (begun when a public call returns, or as the next run begins); the second
-            # begins that start, waits for it and reads through it
+            # start (begun when the public call returns); the second waits for that start and
+            # reads through it
             for run in (1, 2):
                 pairs = _jobs(sd, rng, "cuda")
                 first = devread.deferred(cfg.kvikio, *cfg.kvikio_settings())
+                mark = later.enter()  # as inside a public call, which starts what it queued as it ends
                 stats = IOEngine(src, cfg).run([j for j, _ in pairs])
+                queued, still = later.queued(), devread.deferred(cfg.kvikio, *cfg.kvikio_settings())
+                later.leave(mark)
                 for job, want in pairs:
                     assert torch.equal(_bits(job.dest), _bits(want)), (run, job.key, job.box)
                 if kvikio is None and HAS_KVIKIO and run == 2:
@@ -230,9 +233,9 @@ def test_gpu_run_is_bit_exact_with_kvikio_and_without(tmp_path, kvikio):
                 else:
                     assert stats.kvikio_bytes == 0 == stats.direct_bytes
                 assert first is (kvikio is None and run == 1)
-                # kvikio's start and the head start's pinning, queued; nothing asked kvikio yet
-                assert later.queued() == (2 if first else 0)
-                assert devread.deferred(cfg.kvikio, *cfg.kvikio_settings()) is first
+                # kvikio's start and the head start's pinning, queued until the call ends
+                assert queued == (2 if first else 0) and still is first
+                assert devread.deferred(cfg.kvikio, *cfg.kvikio_settings()) is False
 
 
 @CUDA

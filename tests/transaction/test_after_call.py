@@ -54,19 +54,32 @@ def test_queued_work_starts_once_the_outermost_public_call_returns_or_fails(capl
         raise RuntimeError("no kvikio today")
 
     ran.clear()
-    later.queue(broken)
-    later.queue(lambda: ran.append("after the broken one"))
     with caplog.at_level(logging.DEBUG, logger="sdadapt._base.later"):
-        later.run_queued()  # never raises; the rest still runs
+        mark = later.enter()
+        later.queue(broken)
+        later.queue(lambda: ran.append("after the broken one"))
+        later.leave(mark)  # never raises; the rest still runs
     assert ran == ["after the broken one"] and "no kvikio today" in caplog.text
 
 
 def test_an_engine_run_starts_what_an_earlier_run_queued_before_reading(tmp_path):
     path = write_safetensors(tmp_path / "m.safetensors", {"w": torch.arange(6, dtype=torch.float32)})
     seen: list[int] = []
+    mark = later.enter()  # inside a public call: queued until it ends, or the next engine run
     later.queue(lambda: seen.append(later.queued()))
+    assert later.queued() == 1 and seen == []
     dest = torch.zeros(6)
     with open_source(path) as src:
         IOEngine(src, EngineConfig(threads=1)).run([Job("w", N.Leaf("w", (6,), torch.float32), ((0, 6),), dest)])
     assert seen == [0] and later.queued() == 0
+    later.leave(mark)
+    assert seen == [0]  # run once
     assert torch.equal(dest, torch.arange(6, dtype=torch.float32))
+
+
+def test_outside_a_public_call_queued_work_starts_at_once():
+    """An engine run under ``dcp.load`` (the torchtitan bridge's reader) is in no public call:
+    what it queues starts as it is queued, as before."""
+    ran: list[int] = []
+    later.queue(lambda: ran.append(1))
+    assert ran == [1] and later.queued() == 0

@@ -48,6 +48,7 @@ def public(fn: Callable[P, R]) -> Callable[P, R]:
     def call(*args: P.args, **kwargs: P.kwargs) -> R:
         token = _started.set(time.perf_counter()) if _started.get() is None else None
         named = CHECKPOINT.set(_checkpoint_of(signature, args, kwargs))
+        outermost = later.enter()
         try:
             return fn(*args, **kwargs)
         except SdadaptError as error:
@@ -58,7 +59,7 @@ def public(fn: Callable[P, R]) -> Callable[P, R]:
             CHECKPOINT.reset(named)
             if token is not None:
                 _started.reset(token)
-                later.run_queued()  # what the call left to start once it returned (kvikio's start)
+            later.leave(outermost)  # what the call left to start once it returned (kvikio's start)
 
     return call
 
