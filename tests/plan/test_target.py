@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-from sdadapt._plan.target import _plain_state_dict, model_state_dict, renames_nothing
+from sdadapt._plan.target import model_state_dict, renames_nothing
 
 
 class Block(nn.Module):
@@ -115,67 +115,3 @@ def test_reservation_asks_on_a_thread_and_never_raises(monkeypatch):
     materialize.Reservation(real, "cuda:0").wait()  # nothing on meta
     materialize.Reservation(model, "no-such-device").wait()
     assert asked == []
-
-
-def _fsdp_walk_case(folder: str) -> dict[str, object]:
-    """One rank: an FSDP2 model on meta (DTensor parameters): :func:`model_state_dict`'s walk
-    against ``model.state_dict()``, on meta and once materialised; then with FSDP2's own state-dict
-    hook (registered on a first forward), where it must be ``state_dict`` itself."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
-
-    with torch.device("meta"):
-        model = tiny()
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
-    seen: dict[str, object] = {}
-    for when in ("meta", "materialised"):
-        ours, theirs = model_state_dict(model), model.state_dict()
-        seen[when] = [
-            (k, type(ours[k]) is type(theirs[k]), ours[k].requires_grad, getattr(ours[k], "_spec", None) == getattr(theirs[k], "_spec", None),
-             when == "meta" or ours[k].to_local().data_ptr() == theirs[k].to_local().data_ptr() if isinstance(ours[k], DTensor) else True)
-            for k in ours
-        ] if list(ours) == list(theirs) else list(ours)  # fmt: skip
-        seen[when + "_dtensors"] = sum(isinstance(v, DTensor) for v in ours.values())
-        seen[when + "_walked"] = _plain_state_dict(model) is not None
-        model.to_empty(device="cpu")
-    calls: list[str] = []
-    model.layers[0].lin.register_state_dict_pre_hook(lambda *a: calls.append("hook"))
-    model_state_dict(model)
-    seen["hooked"] = calls
-    seen["hooked_walked"] = _plain_state_dict(model) is not None
-    return seen
-
-
-def test_the_walk_gives_state_dicts_tensors_and_state_dict_runs_where_a_module_saves_its_own_way(tmp_path):
-    """Without hooks or a class of its own saving, a plain model's state dict is made by one
-    walk (each DTensor detached from its parts): the same keys in the same order, the same
-    types, specs and memory, none requiring grad. A module with a state-dict hook, or whose class
-    saves its state (``get_extra_state``), gets ``model.state_dict()`` itself."""
-    from support.dist_helper import run_distributed
-
-    [seen] = run_distributed(_fsdp_walk_case, 1, str(tmp_path), timeout=120)
-    for when in ("meta", "materialised"):
-        rows = seen[when]
-        assert isinstance(rows, list) and len(rows) == 8 and all(isinstance(r, tuple) for r in rows), rows
-        assert all(same_type and not grad and same_spec and same_memory for _, same_type, grad, same_spec, same_memory in rows), rows
-        assert seen[when + "_dtensors"] == 6  # the parameters (the buffers stay plain tensors)
-        assert seen[when + "_walked"] is True
-    assert seen["hooked"] == ["hook"] and seen["hooked_walked"] is False
-
-    class Extra(nn.Linear):
-        def get_extra_state(self) -> torch.Tensor:
-            return torch.tensor([7.0])
-
-    model = tiny()
-    model.layers[1].lin = Extra(4, 4)
-    ours, theirs = model_state_dict(model), model.state_dict()
-    assert list(ours) == [k for k, v in theirs.items() if isinstance(v, torch.Tensor)]
-    assert _plain_state_dict(model) is None
-    assert "layers.1.lin._extra_state" in ours and torch.equal(ours["layers.1.lin._extra_state"], torch.tensor([7.0]))
-    plain = tiny()
-    sd = model_state_dict(plain)
-    assert _plain_state_dict(plain) is not None
-    assert list(sd) == list(plain.state_dict()) and sd["out.weight"].data_ptr() == plain.emb.weight.data_ptr()
-    assert not any(t.requires_grad for t in sd.values())
