@@ -201,3 +201,28 @@ def test_a_tensor_on_meta_is_refused_before_any_take(tmp_path):
     pending = sdadapt.save_state(model, str(tmp_path / "s"), opt, async_=True)
     with pytest.raises(sdadapt.errors.StateError, match="meta device"):
         pending.wait()
+
+
+def test_one_meta_check_for_a_model_and_a_take(monkeypatch):
+    """``has_meta`` answers for a model and for tensors already listed; the first take asks it
+    of the tensors its pass found (not a check of its own), and a meta tensor then goes to the
+    save's check, which refuses."""
+    from sdadapt._transaction import has_meta
+
+    model = nn.Linear(2, 2)
+    assert not has_meta(model) and not has_meta(list(model.parameters()))
+    model.register_buffer("late", torch.empty(3, device="meta"))
+    assert has_meta(model) and has_meta([model.weight, model.late]) and not has_meta([model.weight])
+    opt = torch.optim.Adam([model.weight, model.bias], lr=1e-2)
+    model.weight.grad = torch.ones_like(model.weight)
+    opt.step()
+    asked: list[list[torch.Tensor]] = []
+    monkeypatch.setattr(taken, "has_meta", lambda ts: asked.append(list(ts)) or has_meta(ts))
+
+    def refuse() -> None:
+        raise sdadapt.errors.StateError("meta")
+
+    calls, take = _counted()
+    with pytest.raises(sdadapt.errors.StateError, match="meta"):
+        take_state(model, opt, take, refuse)
+    assert len(asked) == 1 and any(t is model.late for t in asked[0]) and calls == []

@@ -43,7 +43,7 @@ from torch import nn
 
 from .._plan.adapter import Adapter
 from .._tools.verifying import _forward, _layer_list, _recording, _rel, default_rtol, random_tokens
-from .._transaction import meta_non_persistent_buffers
+from .._transaction import has_meta, meta_non_persistent_buffers
 from ..errors import SdadaptError
 from ..rules import Fuse, Rename, Rotary, Split, compile_pattern
 from .buffers import Check, fill_buffers
@@ -186,7 +186,7 @@ def _cut_layers(model: nn.Module, check: Check) -> tuple[nn.Module, str]:
     finally:
         setattr(owner, attr, parent)
     how = ""
-    if any(t.is_meta for t in itertools.chain(small.parameters(), small.buffers())):
+    if has_meta(small):
         pending = meta_non_persistent_buffers(small)
         small = small.to_empty(device="cpu")
         how = fill_buffers(small, pending, check)

@@ -36,6 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .._plan.target import renames_nothing
+from .._transaction import has_meta
 
 _FSDP2_HOOK = "to_sharded_hook"  # fully_shard's state-dict pre-hook: moves parameters to their sharded form
 
@@ -121,12 +122,13 @@ def _first(model: nn.Module, optimizer: torch.optim.Optimizer | None, live: Live
            ) -> tuple[dict[str, Any], dict[str, Any] | None, tuple[Any, ...]] | None:  # fmt: skip
     """``get_state_dict(model, optimizer)`` without its per-key name search, where its names are
     the state dict's own (see the module docstring), with the model's fingerprint (``live``
-    gets its tensors: :func:`_fingerprint`); ``None`` elsewhere, and where a tensor is on the
-    meta device (before any hook runs: the full take's check raises that)."""
+    gets its tensors: :func:`_fingerprint`); ``None`` elsewhere, and where one of those tensors
+    is on the meta device (``has_meta``, asked before any hook runs: the full take's check,
+    ``has_meta`` of the model, raises it)."""
     if optimizer is None or not optimizer.state:
         return None
     fingerprint = _fingerprint(model, optimizer, live)
-    if fingerprint is None or any(_local(t).is_meta for t in live.values()) or not renames_nothing(model):
+    if fingerprint is None or has_meta(live.values()) or not renames_nothing(model):
         return None
     model_sd = _live_state_dict(model, "", {})
     if model_sd is None:

@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -32,10 +32,13 @@ log = logging.getLogger(__name__)
 _SMALL = 1 << 20  # the CUDA caching allocator serves requests up to 1 MiB from a pool of its own
 
 
-def has_meta(model: nn.Module) -> bool:
-    """Whether any parameter or buffer of ``model`` is on meta: stops at the first (a load asks
-    this several times of a meta model, whose first parameter answers it)."""
-    return any(is_meta(t) for t in itertools.chain(model.parameters(), model.buffers()))
+def has_meta(model: nn.Module | Iterable[torch.Tensor]) -> bool:
+    """Whether any parameter or buffer of ``model`` is on meta (a DTensor by its local shard),
+    or any of the tensors given instead where a caller already listed them: stops at the first
+    (a load asks this several times of a meta model, whose first parameter answers it). The one
+    answer to that question for load, save and draft."""
+    tensors = itertools.chain(model.parameters(), model.buffers()) if isinstance(model, nn.Module) else model
+    return any(is_meta(t) for t in tensors)
 
 
 def meta_non_persistent_buffers(model: nn.Module) -> list[str]:
