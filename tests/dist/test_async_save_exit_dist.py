@@ -18,6 +18,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from support.dist_helper import SRC_DIR, TESTS_DIR
 from support.models import TinyTransformer
 
 import sdadapt
+from sdadapt._state import background
 from sdadapt._state.checkpointer import complete
 
 WORLD = 2
@@ -84,3 +87,104 @@ def test_exit_with_a_save_in_flight(tmp_path, how):
         sdadapt.load_state(back, str(folder / "new"))
         wanted = torch.load(folder / "wanted.pt")
         assert all(torch.equal(back.state_dict()[k], v) for k, v in wanted.items())
+
+
+STALLED = textwrap.dedent(
+    """
+    import logging, os, sys, time
+    import torch, torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from support.models import TinyTransformer, parallelize
+    from support.training import train_steps
+    import sdadapt
+
+    def main(folder: str, rank: int) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank, world_size=2)
+        torch.manual_seed(0)
+        model = parallelize(TinyTransformer(), init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",)))
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        train_steps(model, opt, 1)
+        sdadapt.save_state(model, os.path.join(folder, "prev"), opt, async_=True).wait()  # the saves' group made
+        train_steps(model, opt, 1)
+        if rank == 0:  # its peer never joins this save: the write waits for it past the exit's bound
+            sdadapt.save_state(model, os.path.join(folder, "new"), opt, async_=True)
+            print("exit begins", time.monotonic(), flush=True)
+            return
+        deadline = time.monotonic() + 180  # alive (the save's group up) until rank 0 has exited
+        while not os.path.exists(os.path.join(folder, "release")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    main(sys.argv[1], int(sys.argv[2]))
+    """
+)
+
+
+def test_exit_gives_up_a_save_past_its_bound(tmp_path):
+    """With the world up, exit waits ``SDADAPT_EXIT_WAIT_S`` for a background save whose peer
+    never joins, logs the folder it waits for, then gives it up, naming the folder: the process
+    exits 0 without an abort, the folder is not a complete checkpoint, and the one before is."""
+    script = tmp_path / "rank.py"
+    script.write_text(STALLED)
+    folder = tmp_path / "run"
+    folder.mkdir()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC_DIR), str(TESTS_DIR)]), "OMP_NUM_THREADS": "1",
+           "TMPDIR": str(tmp_path), "PYTHONFAULTHANDLER": "1", "SDADAPT_EXIT_WAIT_S": "3"}  # fmt: skip
+    procs = [subprocess.Popen([sys.executable, str(script), str(folder), str(r)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]  # fmt: skip
+    try:
+        out0 = procs[0].communicate(timeout=240)[0]
+        ended = time.monotonic()
+        (folder / "release").touch()
+        out1 = procs[1].communicate(timeout=240)[0]
+    finally:
+        for p in procs:
+            p.kill()
+    new = str(folder / "new")
+    assert procs[0].returncode == 0 and "terminate called" not in out0, out0[-3000:]
+    assert procs[1].returncode == 0 and "terminate called" not in out1, out1[-3000:]
+    assert f"waiting up to 3 s for the save to {new}" in out0, out0[-3000:]
+    assert f"the save to {new} in the background did not end 3 s after" in out0 and "given up" in out0, out0[-3000:]
+    began = float(out0.split("exit begins ")[1].split()[0])
+    assert 3 <= ended - began < 60  # waited its bound, not the save's collectives' own timeout (30 min)
+    assert complete(str(folder / "prev")) and not complete(new)
+
+
+def test_exit_wait_from_the_environment(monkeypatch, caplog):
+    monkeypatch.delenv("SDADAPT_EXIT_WAIT_S", raising=False)
+    assert background.exit_wait_s() == background.EXIT_WAIT_S == 600
+    for raw, want in [("5", 5.0), (" 0.5 ", 0.5), ("inf", None), ("-1", 0.0), ("soon", background.EXIT_WAIT_S)]:
+        monkeypatch.setenv("SDADAPT_EXIT_WAIT_S", raw)
+        assert background.exit_wait_s() == want, raw
+    assert "SDADAPT_EXIT_WAIT_S='soon' is not a number of seconds" in caplog.text
+
+
+def test_a_given_up_save_is_never_marked_complete(tmp_path, monkeypatch):
+    """A writer that runs on after exit gave its save up writes no ``sdadapt.json``: the folder
+    never counts as complete, and the handle says why."""
+    given_up = threading.Event()
+    given_up.set()
+    monkeypatch.setattr(background, "_GIVEN_UP", given_up)
+    model = TinyTransformer()
+    pending = sdadapt.save_state(model, str(tmp_path / "cut"), async_=True)
+    with pytest.raises(sdadapt.errors.StateError, match="given up at exit"):
+        pending.wait()
+    assert not complete(str(tmp_path / "cut"))
+
+
+def test_exit_waits_for_a_save_without_a_process_group(monkeypatch, caplog):
+    """The short wait for a world destroyed under a save is not applied to a process that never
+    saved over one: its save is waited for (here past the short wait), and not given up."""
+    monkeypatch.setattr(background, "DESTROYED_WAIT_S", 0.1)
+    monkeypatch.setattr(background, "_WORLD", threading.Event())
+    monkeypatch.setattr(background, "_GIVEN_UP", threading.Event())
+    background.start_writer().put(lambda: time.sleep(1.0))  # a write that outlasts the short wait
+    t0 = time.monotonic()
+    with caplog.at_level("INFO"):
+        background.finish_at_exit()
+    assert time.monotonic() - t0 >= 0.9 and not background.given_up() and "given up" not in caplog.text
+    background._WORLD.set()  # now as if the world its saves were made over was destroyed
+    background.start_writer().put(lambda: time.sleep(1.0))
+    with caplog.at_level("INFO"):
+        background.finish_at_exit()
+    assert background.given_up() and "with the process group destroyed" in caplog.text

@@ -11,7 +11,7 @@ not wait for the ranks to meet), so that the training loop's collectives on its 
 on meanwhile (as torchtitan's asynchronous checkpointer does). A check that
 failed on any rank is raised by every rank's ``wait()``. One save runs at a time per process:
 a new one waits for the one before. At exit, sdadapt's exit handler lets the thread end what it
-was handed before the interpreter finalizes (:func:`finish_at_exit`).
+was handed before the interpreter finalizes, for a bounded time (:func:`finish_at_exit`).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ Write = Callable[[dict[str, Any], "dist.ProcessGroup | None"], SaveReport]
 # (its gloo threads joined) rather than leave it to the interpreter's finalization
 _GROUPS: weakref.WeakValueDictionary[tuple[int, ...], dist.ProcessGroup] = weakref.WeakValueDictionary()
 _RUNNING: list[SaveHandle] = []  # the save this process runs in the background, if any
+_WORLD = threading.Event()  # set once the writing thread was handed work over the process group
 
 
 def background_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -71,6 +72,7 @@ def prepare_group(group: dist.ProcessGroup | None) -> None:
         except Exception as e:  # noqa: BLE001 - the first save tries again and raises it
             log.warning("making the gloo group for background saves failed (%s: %s)", type(e).__name__, e)
 
+    _WORLD.set()
     start_writer().put(make)
 
 
@@ -198,6 +200,8 @@ def start_save(state: dict[str, Any] | None, path: str, group: dist.ProcessGroup
             handle._finished.set()
 
     _RUNNING.append(handle)
+    if distributed:
+        _WORLD.set()
     handle.held_seconds = time.perf_counter() - t0
     start_writer().put(run)  # last: the thread it wakes may take the interpreter lock from here on
     return handle
@@ -231,31 +235,69 @@ def start_writer() -> queue.SimpleQueue[Callable[[], None] | None]:
     return _WRITER[pid][0]
 
 
-DESTROYED_WAIT_S = 10
-"""How long exit waits for a background save once the process group was destroyed under it."""
+EXIT_WAIT_S = 600.0
+"""How long exit waits, by default, for a background save while the process group is up:
+``SDADAPT_EXIT_WAIT_S`` (seconds; ``inf`` waits without limit) sets it. A save still writing
+then is given up, and its folder never counts as complete (:func:`given_up`)."""
+
+DESTROYED_WAIT_S = 10.0
+"""How long exit waits at most for a background save once the process group was destroyed under
+it (a writer may wait for a rank that will never come)."""
+
+_GIVEN_UP = threading.Event()  # set once exit stopped waiting for the writing thread
+
+
+def given_up() -> bool:
+    """Whether this process's exit stopped waiting for its background save: the writing thread,
+    if it runs on, must not mark the folder complete (``sdadapt.json``)."""
+    return _GIVEN_UP.is_set()
+
+
+def exit_wait_s() -> float | None:
+    """How long exit waits for a background save while the world is up: ``SDADAPT_EXIT_WAIT_S``
+    (read at exit, so a program may set it late), else :data:`EXIT_WAIT_S`; ``None``: no limit."""
+    raw = os.environ.get("SDADAPT_EXIT_WAIT_S", "").strip()
+    if not raw:
+        return EXIT_WAIT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        log.warning("SDADAPT_EXIT_WAIT_S=%r is not a number of seconds (or inf); exit waits %g s for a background save",
+                    raw, EXIT_WAIT_S)  # fmt: skip
+        return EXIT_WAIT_S
+    return None if seconds == float("inf") else max(seconds, 0.0)
 
 
 def finish_at_exit() -> None:
     """At exit (sdadapt's exit handler runs it, before finalization): let the writing thread end
     what it was handed (a save in flight, or making its group: the other ranks wait at their
-    exit for theirs too), then end the background groups, so that no thread of a save is still
+    exit for theirs too), for :func:`exit_wait_s` at most (:data:`DESTROYED_WAIT_S` once the
+    world its saves were made over was destroyed), then end the background groups, so that no thread of a save is still
     working, nor a gloo thread of its group, when the interpreter finalizes (see
-    :mod:`sdadapt._base.teardown`). A save that failed is logged (no one waits for it); the one
-    before stays the latest complete checkpoint."""
+    :mod:`sdadapt._base.teardown`). A save that failed, or was given up, is logged with its
+    folder (no one waits for it); the one before stays the latest complete checkpoint."""
     writer = _WRITER.pop(os.getpid(), None)
     if writer is None:
         return
     jobs, ended = writer
-    for h in _RUNNING:
-        if not h.done():
-            log.info("waiting for the save to %s (in the background) to end before this process exits", h.path)
     jobs.put(None)
-    # with the world up, every rank waits for its own writer, so their collectives meet; once it
-    # was destroyed, a writer may wait for a rank that will never come (making the group): bounded
-    if not ended.wait(None if is_distributed() else DESTROYED_WAIT_S):
-        log.warning("the save in the background still waits for other ranks %d s after this process began to exit, with "
-                    "the process group destroyed; it is left unfinished (not a complete checkpoint): wait for the save "
-                    "before destroy_process_group()", DESTROYED_WAIT_S)  # fmt: skip
+    destroyed = _WORLD.is_set() and not is_distributed()
+    bound = exit_wait_s()
+    if destroyed:  # a writer may wait for a rank that will never come (making the group)
+        bound = DESTROYED_WAIT_S if bound is None else min(bound, DESTROYED_WAIT_S)
+    writing = [h.path for h in _RUNNING if not h.done()]
+    if writing and not ended.is_set():
+        limit = "without limit" if bound is None else f"up to {bound:g} s"
+        log.info("waiting %s for the save to %s (in the background) to end before this process exits",
+                 limit, ", ".join(writing))  # fmt: skip
+    if not ended.wait(bound):
+        _GIVEN_UP.set()  # before anything else: the writer checks it before it marks a folder complete
+        what = f"the save to {', '.join(writing)}" if writing else "the background saves' thread (making its group)"
+        why = ("with the process group destroyed (wait for the save before destroy_process_group())" if destroyed
+               else "(SDADAPT_EXIT_WAIT_S sets how long exit waits; or wait for the save, handle.wait() or "
+                    "Checkpointer.close(), before exiting)")  # fmt: skip
+        log.warning("%s in the background did not end %g s after this process began to exit %s; it is given up and "
+                    "is not a complete checkpoint", what, bound, why)  # fmt: skip
         return
     for h in list(_RUNNING):
         if h._error is not None:
@@ -270,4 +312,5 @@ def finish_at_exit() -> None:
             log.debug("cannot end the background saves' group: %s", e)
 
 
-__all__ = ["SaveHandle", "background_group", "finish_at_exit", "prepare_group", "stage", "start_save", "start_writer"]
+__all__ = ["DESTROYED_WAIT_S", "EXIT_WAIT_S", "SaveHandle", "background_group", "exit_wait_s", "finish_at_exit", "given_up",
+           "prepare_group", "stage", "start_save", "start_writer"]

@@ -38,7 +38,7 @@ from .._transaction.materialize import has_meta
 from .._transaction.tidy import call_started, public, single_process_quiet
 from ..errors import SdadaptError, StateError
 from ..sources import SDADAPT_JSON, is_url, write_checksums_shared
-from .background import SaveHandle, start_save, start_writer
+from .background import SaveHandle, given_up, start_save, start_writer
 from .saved import SaveReport
 from .state import MODEL_KEY, OPTIM_KEY, STATE_FORMAT, _get_state
 from .taken import take_state
@@ -227,9 +227,10 @@ def _write_rest(state: dict[str, Any], dst: str, record: dict[str, Any], rank: i
                 group: dist.ProcessGroup | None, checksums: bool) -> None:  # fmt: skip
     """Collective over ``group``, once the ranks agreed: the old ``.metadata`` removed (a save cut short must not look
     complete, with old and new files mixed) before any rank writes, the DCP save of ``state``
-    (its ``.metadata`` last), then ``sdadapt.json`` by rank 0, then the checksums; one rank's
-    failure is every rank's. In the background (``async_=True``) all of it runs on the
-    writing thread: the caller waits for none of it."""
+    (its ``.metadata`` last), then ``sdadapt.json`` by rank 0 (not once exit gave the save up:
+    ``background.given_up``), then the checksums; one rank's failure is every rank's. In the
+    background (``async_=True``) all of it runs on the writing thread: the caller waits for none
+    of it."""
     error: SdadaptError | None = None
     if rank == 0 and os.path.isfile(os.path.join(dst, ".metadata")):
         try:
@@ -246,7 +247,9 @@ def _write_rest(state: dict[str, Any], dst: str, record: dict[str, Any], rank: i
             full = " (the disk is full)" if cause.errno == errno.ENOSPC else ""
             raise StateError(f"saving to {dst} failed{full}: {cause}") from None
         raise StateError(f"saving to {dst} failed: {e}") from None
-    if rank == 0:
+    if rank == 0 and given_up():  # exit stopped waiting for this save: it must not look complete
+        error = StateError(f"saving to {dst} was given up at exit before it was marked complete ({SDADAPT_JSON})")
+    elif rank == 0:
         try:
             tmp = os.path.join(dst, f".{SDADAPT_JSON}.{uuid.uuid4().hex[:8]}")
             with open(tmp, "w") as f:
