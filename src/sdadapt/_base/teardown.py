@@ -14,7 +14,11 @@ those caches and collects the cycles that hold a model's meshes, so that a group
 holds is destroyed there, and its destructor joins its threads while they can still take the GIL.
 Before it, the handler runs what :func:`at_exit` was given (a background save's writer finishing
 its save and ending its group: a thread still working when finalization begins would meet the
-same end).
+same end). What :func:`at_exit` is given also runs earlier, as the main thread ends and before
+any ``atexit`` handler (Python runs those last-registered first, so a handler a program
+registered after sdadapt's would otherwise run first, and one that destroys the process group
+or calls ``os._exit`` would cut a save short): through ``threading``'s hook for that moment,
+which ``concurrent.futures`` uses to let its pools finish their work.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import importlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -91,11 +96,7 @@ _FIRST: list[Callable[[], None]] = []  # run by the exit handler before release_
 
 
 def _exit() -> None:
-    for fn in _FIRST:
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - the next one and the release still run
-            log.warning("at exit, %s failed (%s: %s)", getattr(fn, "__qualname__", fn), type(e).__name__, e)
+    _first()
     release_groups()
 
 
@@ -107,12 +108,33 @@ def register() -> None:
         _REGISTERED.append(True)
 
 
+_EARLY: list[bool] = []  # whether the main thread's end runs _first (threading's hook): registered once
+
+
+def _first() -> None:
+    for fn in _FIRST:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the next one still runs; threading's hook would stop at a raise
+            log.warning("at exit, %s failed (%s: %s)", getattr(fn, "__qualname__", fn), type(e).__name__, e)
+
+
 def at_exit(fn: Callable[[], None]) -> None:
-    """Have the exit handler run ``fn`` (once, however often given) before it releases the groups,
-    while the interpreter is whole and the world not yet released by sdadapt."""
+    """Have ``fn`` (once, however often given) run as the main thread ends, before any ``atexit``
+    handler, and again in the exit handler before it releases the groups (for work handed over
+    after that: a thread of the program's own still running), while the interpreter is whole
+    and the world not yet released by sdadapt. ``fn`` must do nothing the second time unless
+    there is new work."""
     register()
     if fn not in _FIRST:
         _FIRST.append(fn)
+    early = getattr(threading, "_register_atexit", None)  # CPython's, since 3.9; absent: the exit handler only
+    if not _EARLY and early is not None:
+        try:
+            early(_first)
+            _EARLY.append(True)
+        except RuntimeError:  # the main thread has ended already: the exit handler runs it
+            log.debug("the main thread has ended; %s runs in the exit handler only", getattr(fn, "__qualname__", fn))
 
 
 __all__ = ["GLOO_THREADS", "at_exit", "gloo_threads", "register", "release_groups", "thread_names"]
