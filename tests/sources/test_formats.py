@@ -118,3 +118,22 @@ def test_header_ranges_fetch_exactly_what_opening_reads(tmp_path: str) -> None:
         assert 0 < fetched < size
         with open_source(copy) as src:
             assert set(src.schema) == set(sd)
+
+
+def test_the_tables_lazy_torch_save_entry_agrees_with_the_modules_format(tmp_path: str) -> None:
+    """The table declares ``torch.save`` files without importing their reader (a plain
+    safetensors load never does); it is the reader's own ``FORMAT``."""
+    from sdadapt.sources import _torch_save
+
+    pt = os.path.join(tmp_path, "w.pt")
+    write_torch_save(pt, random_state_dict(SPEC, seed=7))
+    lazy, own = _formats.format_of(pt), _torch_save.FORMAT
+    assert lazy is not None and lazy is not own and lazy is _formats.FORMATS[-1]
+    for field in ("name", "suffixes", "recordable", "folder_file", "members", "any_file", "config"):
+        assert getattr(lazy, field) == getattr(own, field), field
+    assert lazy.claims(pt) and own.claims(pt) and not lazy.claims(pt + ".missing")
+    size = os.path.getsize(pt)
+    assert lazy.header_ranges is not None and own.header_ranges is not None
+    assert list(lazy.header_ranges(pt, size)) == list(own.header_ranges(pt, size))
+    with lazy.open(pt, None) as src, own.open(pt, None) as other:
+        assert isinstance(src, _torch_save.TorchSaveFile) and src.schema == other.schema

@@ -53,6 +53,23 @@ NOT_ON_THE_PLAIN_PATH = [
     "sdadapt.sources._dcp_dir",
     "sdadapt.sources._inventory",
     "sdadapt.sources._object_writer",
+    # object storage: its client, errors and local mirrors (a process that opened no URL has no mirror)
+    "sdadapt.sources._object_store",
+    "sdadapt.sources._object_errors",
+    "sdadapt.sources._remote",
+    "sdadapt.sources._namespaced",
+    # the nodes of fused and split keys (a rename adapter makes none)
+    "sdadapt._recipes.moves",
+    "sdadapt._recipes.interleave",
+    # the torch.save reader (its format is declared in the table, its module imported to open one)
+    "sdadapt.sources._torch_save",
+    # reads shared between replicas and TP peers (share_reads=True) and the row rounds' block copies
+    "sdadapt._engine.share",
+    "sdadapt._engine.blockcopy",
+    # an adapter given by name: the registry of shipped adapters, the resolving of specs, torchtitan's names
+    "sdadapt._plan.registry",
+    "sdadapt._plan.resolve",
+    "sdadapt._plan.titan_names",
     "sdadapt._plan.hf_models",
     "sdadapt._export",
     "sdadapt._state",
@@ -90,19 +107,18 @@ PLAIN_LOAD = IMPORT_SDADAPT + [
     "sdadapt._engine",
     # _engine.head: every load asks whether it gets a head start (EngineConfig.head_bytes), and every run whether one was begun
     *(f"sdadapt._engine.{m}" for m in (
-        "blockcopy config device devread direct engine geometry head lanes locate pinned planner prefetch share staging syscalls "
+        "config device devread direct engine geometry head lanes locate pinned planner prefetch staging syscalls "
         "tasks views workers").split()),
     "sdadapt._load", "sdadapt._load.loading",
-    "sdadapt._plan", *(f"sdadapt._plan.{m}" for m in "adapter intent plan registry report resolve target titan_names".split()),
-    "sdadapt._recipes", *(f"sdadapt._recipes.{m}" for m in "interleave moves nodes".split()),
+    "sdadapt._plan", *(f"sdadapt._plan.{m}" for m in "adapter intent plan report target".split()),
+    "sdadapt._recipes", "sdadapt._recipes.nodes",
     "sdadapt._transaction",
     *(f"sdadapt._transaction.{m}" for m in "args checks commit headers materialize options steps tidy transaction".split()),
     "sdadapt.rules",
     *(f"sdadapt.rules._{m}" for m in "base custom functions keys patterns".split()),
     "sdadapt.sources",
     *(f"sdadapt.sources._{m}" for m in (
-        "assets base formats headers hf_sharded integrity json namespaced object_errors object_store peft remote "
-        "safetensors_file torch_save").split()),
+        "assets base formats headers hf_sharded integrity json peft safetensors_file").split()),
 ]  # fmt: skip
 """Every sdadapt module a plain load (a rename, a safetensors file, a CPU model) imports. Pinned
 both ways: a module that joins the path must be justified here, and one that leaves it is

@@ -49,6 +49,8 @@ what a cold page cache reads from storage for them (``EngineStats.storage_bytes`
 the calls touch once, the gaps of joined reads included; files are opened with read-ahead off).
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .config import EngineConfig, default_threads
 from .device import device_step, device_work, warm_kernels, warm_up
 from .devread import deferred as kvikio_deferred
@@ -57,12 +59,32 @@ from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
 from .head import heading
 from .pinned import release_pinned_memory
-from .share import RowShare, exchange_rows, read_and_exchange, replica_parts, round_memory, rounds_memory, row_cut, rows_config
-from .share import read_jobs as row_read_jobs
-from .share import received as row_received
-from .share import rounds as row_rounds
 from .tasks import Job
 from .workers import CountingIO
+
+if TYPE_CHECKING:
+    from .share import RowShare, exchange_rows, read_and_exchange, replica_parts, round_memory, rounds_memory, row_cut, rows_config
+    from .share import read_jobs as row_read_jobs
+    from .share import received as row_received
+    from .share import rounds as row_rounds
+
+_SHARED = {
+    "RowShare": "RowShare", "exchange_rows": "exchange_rows", "read_and_exchange": "read_and_exchange",
+    "replica_parts": "replica_parts", "round_memory": "round_memory", "rounds_memory": "rounds_memory", "row_cut": "row_cut",
+    "rows_config": "rows_config", "row_read_jobs": "read_jobs", "row_received": "received", "row_rounds": "rounds",
+}  # fmt: skip
+"""The face's names from :mod:`.share` (face name -> its name there), imported on first use:
+only ``share_reads=True`` and the dry run use them, and a plain load never imports the module."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SHARED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import share  # noqa: PLC0415 - on first use (see _SHARED)
+
+    value = getattr(share, _SHARED[name])
+    globals()[name] = value
+    return value
 
 __all__ = [
     "CountingIO",

@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -29,14 +30,25 @@ from .._base.regions import Box, box_shape
 from .._plan.plan import Plan
 from ..errors import LoadError
 from ..sources import Source
-from . import share
 from .config import EngineConfig
 from .engine import EngineStats, IOEngine
 from .prefetch import prefetch
 from .tasks import Job
 from .workers import CountingIO
 
+if TYPE_CHECKING:
+    from . import share
+
 log = logging.getLogger(__name__)
+
+
+def _attempt(read: Callable[[], object]) -> BaseException | None:
+    """``read()``'s error, or ``None`` (handed to the caller as :func:`.share.read_and_exchange` hands it)."""
+    try:
+        read()
+    except BaseException as e:  # noqa: BLE001 - handed to the caller, who raises it after the exchanges
+        return e
+    return None
 
 
 def rows_mode(share_rows: bool | str, one_host: bool | None, gap: int) -> tuple[int | None, bool]:
@@ -171,6 +183,8 @@ class EngineReader:
         rows: list[share.RowShare] = []
         cfg = self.config or EngineConfig.from_env()
         if self.share_reads and is_distributed():
+            from . import share  # noqa: PLC0415 - share_reads=True only: a plain load never imports it
+
             rows_gap, ask = rows_mode(cfg.share_rows, self.one_host, cfg.gap_bytes)
             to_read, shares, rows = share.split(jobs, targets, rows_gap, spans_hosts if ask else None)
         engine = IOEngine(self.source, self.config, on_done=self.on_done)
@@ -178,14 +192,17 @@ class EngineReader:
         rows_engine = IOEngine(self.source, share.rows_config(cfg)) if rows else None
         failure: BaseException | None = None
         try:  # before any round is read: the rounds' regions are fetched here too
-            self._prefetch(to_read + share.read_jobs([u for r in share.rounds(rows, cfg.share_round_bytes) for u in r]))
+            self._prefetch(to_read + (share.read_jobs([u for r in share.rounds(rows, cfg.share_round_bytes) for u in r])
+                                      if rows else []))
         except BaseException as e:  # noqa: BLE001 - the peers must still hear of it (no hang)
             failure = e
-        # the rows' rounds are read and exchanged beside this rank's other reads (no hang if either fails)
-        own, error, received = share.read_and_exchange(
-            None if failure is not None else lambda: engine.run(to_read), rows, rows_engine.run if rows_engine else None,
-            cfg.share_round_bytes,
-        )
+        if rows:  # the rows' rounds are read and exchanged beside this rank's other reads (no hang if either fails)
+            assert rows_engine is not None
+            own, error, received = share.read_and_exchange(
+                None if failure is not None else lambda: engine.run(to_read), rows, rows_engine.run, cfg.share_round_bytes
+            )
+        else:  # this rank's reads alone: what read_and_exchange returns without rows
+            own, error, received = (None if failure is not None else _attempt(lambda: engine.run(to_read))), None, 0
         failure = failure or own or error
         done = 0  # destination bytes filled by the exchanges, for progress
         if rows_engine is not None:

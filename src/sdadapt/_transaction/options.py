@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from .._plan.adapter import Adapter
-from .._plan.registry import is_shipped
 from ..sources import Source
 from .materialize import InitFn, MissingInitFn
 
@@ -54,5 +53,9 @@ class Options:
     @property
     def shipped(self) -> bool:
         """Whether ``adapter`` names a shipped adapter (our documented layout, aimed at the model's names)."""
+        if not isinstance(self.adapter, str):
+            return False  # an Adapter, a path or none: no registry lookup (a plain load never imports it)
+        from .._plan.registry import is_shipped  # noqa: PLC0415 - only for an adapter given by name
+
         return is_shipped(self.adapter)
 

@@ -33,11 +33,8 @@ from torch import nn
 
 from .._plan.adapter import Adapter, with_dtype
 from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
-from .._plan.registry import family_adapter, shipped_hint
 from .._plan.report import Report
-from .._plan.resolve import adapter_or_none
 from .._plan.target import model_state_dict, schema_of
-from .._plan.titan_names import for_plan
 from ..errors import PlanError, SdadaptError
 from ..sources import HeaderRecord, Source, TensorInfo, open_source, replaying_headers
 from .options import Options
@@ -53,6 +50,16 @@ def open_checkpoint(src: str | os.PathLike[str] | Source, subtree: str | None = 
         return open_source(src, subtree=subtree)
 
 
+def _adapter_or_none(spec: Adapter | str | os.PathLike[str] | None, source: Source, model: nn.Module | None) -> Adapter | None:
+    """:func:`sdadapt._plan.resolve.adapter_or_none`, whose module (the resolving of names, files
+    and modules) only an adapter not given as an :class:`Adapter` imports."""
+    if isinstance(spec, Adapter):
+        return spec
+    from .._plan.resolve import adapter_or_none  # noqa: PLC0415 - see the docstring
+
+    return adapter_or_none(spec, source, model)
+
+
 def derive_adapter(spec: Adapter | str | os.PathLike[str] | None, source: Source, model: nn.Module | None = None) -> Adapter | None:
     """**adapter**: ``spec`` (``load``'s ``adapter`` argument) as an :class:`Adapter`, from the
     open ``source``: a shipped name's options from the config files of the source's folder and
@@ -60,7 +67,7 @@ def derive_adapter(spec: Adapter | str | os.PathLike[str] | None, source: Source
     schema; nothing here opens the checkpoint again. ``None`` stays ``None`` otherwise. A
     failure closes ``source`` (a step between **open** and **plan** leaves no file open)."""
     try:
-        return adapter_or_none(spec, source, model)
+        return _adapter_or_none(spec, source, model)
     except BaseException:
         source.close()
         raise
@@ -72,7 +79,7 @@ def plan_model(model: nn.Module, source: Source, options: Options) -> tuple[Sour
     ``source`` (:func:`derive_adapter`); the plan is as :func:`plan_schema` plans. On failure
     ``source`` is closed."""
     try:
-        adapter = adapter_or_none(options.adapter, source, model)
+        adapter = _adapter_or_none(options.adapter, source, model)
         state_dict = model_state_dict(model)
         stage = PipelineStage.of(state_dict, vacant_modules(model)) if options.pipeline_stage else None
         source, plan = plan_schema(schema_of(state_dict), source, adapter, options, target_name=type(model).__name__, stage=stage)
@@ -93,7 +100,11 @@ def plan_schema(
     joined one, closed again if planning fails) and its merge rule goes first
     (:mod:`sdadapt.rules._lora`)."""
     # the training state nothing fills is allowed missing
-    planned, state = for_plan(adapter, options.shipped, source.schema, source.non_tensor, target)
+    planned, state = adapter, list[str]()
+    if options.shipped and adapter is not None:
+        from .._plan.titan_names import for_plan  # noqa: PLC0415 - a shipped adapter's only: aimed at the model's names
+
+        planned, state = for_plan(adapter, True, source.schema, source.non_tensor, target)
     planned, name = with_dtype(planned, options.dtype), options.name
     if options.lora is not None:
         from ..rules import open_peft_lora  # imported only by a load that merges a LoRA
@@ -139,12 +150,14 @@ def family_hint(report: Report, source: Source, target: dict[str, TensorInfo], o
 
     if model is not None and is_hf_model(model):
         return None
+    from .._plan.registry import family_adapter, shipped_hint  # noqa: PLC0415 - a report with problems only
+
     family = family_adapter(source.path) if isinstance(source.path, str) else None
     if family is None:
         return None
     name = family[0]
     try:
-        theirs = plan_schema(target, source, adapter_or_none(name, source, model), replace(options, adapter=name),
+        theirs = plan_schema(target, source, _adapter_or_none(name, source, model), replace(options, adapter=name),
                              target_name=report.target)[1].report  # fmt: skip
     except SdadaptError as e:  # its options cannot be read from the folder, or it does not apply
         log.debug("the shipped adapter %s does not plan for %s: %s", name, options.name, e)

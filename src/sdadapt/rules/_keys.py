@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from .._recipes.interleave import Interleaved
-from .._recipes.moves import Concatenated, Narrowed
 from .._recipes.nodes import Node
 from ..errors import AdapterError
 from ._base import RuleBase, built_by, captured, move
@@ -98,6 +96,10 @@ class Fuse(RuleBase):
         return list(self.srcs)
 
     def apply(self, ctx: PlanContext, index: int) -> None:
+        # the nodes of fused and split keys, imported by the first plan that fuses or splits (a rename never does)
+        from .._recipes.interleave import Interleaved  # noqa: PLC0415
+        from .._recipes.moves import Concatenated  # noqa: PLC0415
+
         out, others = compile_pattern(self.dst), [compile_pattern(s) for s in self.srcs[1:]]
         for key, caps in captured(ctx, self.srcs[0]):
             names = [key] + [p.format(caps) for p in others]
@@ -182,6 +184,9 @@ class Split(RuleBase):
         return [self.src]
 
     def apply(self, ctx: PlanContext, index: int) -> None:
+        from .._recipes.interleave import Interleaved  # noqa: PLC0415 - as Fuse.apply
+        from .._recipes.moves import Narrowed  # noqa: PLC0415
+
         outs = [compile_pattern(d) for d in self.dsts]
         for key, caps in captured(ctx, self.src):
             node = ctx.get(key)

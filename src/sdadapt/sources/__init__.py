@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +23,7 @@ from ._assets import model_config as model_config
 from ._assets import remember_source as remember_source
 from ._assets import transformers_config as transformers_config
 from ._assets import write_config as write_config
-from ._base import HUB_PREFIX, Source, is_hub_id
+from ._base import HUB_PREFIX, Source, is_hub_id, is_url
 from ._formats import FILE_SUFFIXES as FILE_SUFFIXES
 from ._formats import FOREIGN_SUFFIXES, open_local
 from ._formats import WEIGHT_SUFFIXES as WEIGHT_SUFFIXES
@@ -50,24 +51,12 @@ from ._json import PeftConfig as PeftConfig
 from ._json import ShardIndex as ShardIndex
 from ._json import read_json as read_json
 from ._json import validate as validate
-from ._namespaced import NamespacedSource as NamespacedSource
-from ._object_store import COMMIT_NAMES as COMMIT_NAMES
-from ._object_store import Uploader as Uploader
-from ._object_store import check_writable as check_writable
-from ._object_store import is_url
-from ._object_store import upload as upload
 from ._peft import CONFIG_NAME as CONFIG_NAME
 from ._peft import LoraMerged as LoraMerged
 from ._peft import open_peft_weights as open_peft_weights
 from ._peft import read_peft_config as read_peft_config
-from ._remote import attach, in_urls
-from ._remote import fetch_all as fetch_all
-from ._remote import fetch_dcp_entries as fetch_dcp_entries
-from ._remote import fetching_for as fetching_for
-from ._remote import object_file as object_file
 from ._safetensors_file import DTYPE_NAMES as DTYPE_NAMES
 from ._safetensors_file import SafetensorsFile as SafetensorsFile
-from ._torch_save import TorchSaveFile as TorchSaveFile
 
 # a rank's header reads, recorded and replayed (:mod:`._headers`), under names that say so here
 recording_headers = _headers.recording
@@ -84,16 +73,28 @@ if TYPE_CHECKING:
     from ._inventory import human as human
     from ._inventory import inventory as inventory
     from ._joined import JoinedSource as JoinedSource
+    from ._namespaced import NamespacedSource as NamespacedSource
+    from ._object_store import COMMIT_NAMES as COMMIT_NAMES
+    from ._object_store import Uploader as Uploader
+    from ._object_store import check_writable as check_writable
+    from ._object_store import upload as upload
     from ._object_writer import ObjectWriter as ObjectWriter
+    from ._remote import fetch_all as fetch_all
+    from ._remote import fetch_dcp_entries as fetch_dcp_entries
+    from ._torch_save import TorchSaveFile as TorchSaveFile
 
 _LAZY = {
     "DCPSource": "._dcp_dir", "SDADAPT_JSON": "._dcp_dir", "hub_folder": "._hub", "human": "._inventory",
     "inventory": "._inventory", "JoinedSource": "._joined", "Fetching": "._fetching", "ObjectFile": "._fetching",
-    "ObjectWriter": "._object_writer",
+    "ObjectWriter": "._object_writer", "NamespacedSource": "._namespaced", "COMMIT_NAMES": "._object_store",
+    "Uploader": "._object_store", "check_writable": "._object_store", "upload": "._object_store",
+    "fetch_all": "._remote", "fetch_dcp_entries": "._remote", "TorchSaveFile": "._torch_save",
 }  # fmt: skip
 """Names of modules imported on first use, which a plain load does not import: the DCP source
 (it imports ``torch.distributed.checkpoint``), the Hub, the inventory, the joined (LoRA) source,
-the fetching of object storage ranges into memory, the writer of objects in parts (exports)."""
+the fetching of object storage ranges into memory, the writer of objects in parts (exports), a
+training state's model as a source, object storage and its local mirrors (a URL's source), the
+``torch.save`` reader."""
 
 __all__ = ["Source", "TensorInfo", "dtype_name", "open_source", "read_config_file", "read_megatron_common"]
 """The public names. ``SafetensorsFile``, ``HFShardedSource`` and ``TorchSaveFile`` (what
@@ -111,6 +112,42 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(where, __name__), name)
     globals()[name] = value
     return value
+
+
+def _remote_module() -> Any:
+    """:mod:`._remote` where a URL was opened in this process, else ``None``: the mirrors of object
+    storage are registered there, so a process that never imported it has none (a local load
+    then never imports object storage's modules)."""
+    return sys.modules.get(f"{__name__}._remote")
+
+
+def attach(source: Source, path: str) -> Source:
+    """``source`` (opened on ``path``) as a remote source when ``path`` lies in a URL's mirror."""
+    remote = _remote_module()
+    return source if remote is None else remote.attach(source, path)
+
+
+def in_urls(error: SdadaptError) -> SdadaptError:
+    """``error`` with every mirror path in its message written as its URL."""
+    remote = _remote_module()
+    return error if remote is None else remote.in_urls(error)
+
+
+def object_file(path: str) -> ObjectFile | None:
+    """The object a mirror file stands for, read by the engine straight into memory; ``None``
+    for a local file."""
+    remote = _remote_module()
+    return None if remote is None else remote.object_file(path)
+
+
+def fetching_for(source: Source, share: int, request_bytes: int | None = None, concurrency: int | None = None) -> Fetching | None:
+    """How the engine fetches ``share`` bytes of ``source``; ``None`` for a source of local files
+    (see :func:`._remote.fetching_for`)."""
+    if source.remote_url() is None:
+        return None
+    from ._remote import fetching_for as fetching  # noqa: PLC0415 - object storage loads only
+
+    return fetching(source, share, request_bytes, concurrency)
 
 
 def open_source(

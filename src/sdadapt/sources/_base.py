@@ -30,6 +30,16 @@ def is_hub_id(text: object) -> bool:
     return isinstance(text, str) and text.startswith(HUB_PREFIX)
 
 
+SCHEMES = {"s3": "s3", "gs": "gcs"}
+"""Object storage URL scheme -> the extra that installs its client (``pip install 'sdadapt[s3]'``);
+:mod:`._object_store`, imported only for a URL, reads them."""
+
+
+def is_url(text: object) -> bool:
+    """``text`` is a string starting with ``s3://`` or ``gs://``."""
+    return isinstance(text, str) and text.split("://", 1)[0] in SCHEMES and "://" in text
+
+
 def read_json_file(path: str, limit: int, what: str) -> Any:
     """The JSON value in the file ``path`` (a checksums file...), refused before it is parsed
     when it is larger than ``limit`` bytes, not UTF-8 or nested too deep: see

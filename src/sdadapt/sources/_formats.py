@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ..errors import SourceError
-from . import _hf_sharded, _safetensors_file, _torch_save
+from . import _hf_sharded, _safetensors_file
 from ._base import Format, Source
 
 
@@ -62,12 +62,31 @@ _GGUF = Format(
 (the GGUF header parser and reader) is imported only to open, fetch or read the config of one;
 ``tests/sources/test_gguf.py`` checks that the two declarations agree."""
 
+def _torch_save_open(path: str, subtree: str | None) -> Source:
+    from ._torch_save import FORMAT  # noqa: PLC0415 - the torch.save reader, imported only to open one
+
+    return FORMAT.open(path, subtree)
+
+
+def _torch_save_header_ranges(path: str, size: int) -> Iterator[list[tuple[int, int]]]:
+    from ._torch_save import header_ranges  # noqa: PLC0415 - as _torch_save_open
+
+    return header_ranges(path, size)
+
+
+_TORCH_SAVE = Format(
+    "torch_save", (".bin", ".pt", ".pth", ".ckpt"), os.path.isfile, _torch_save_open, _torch_save_header_ranges, any_file=True
+)
+"""A ``torch.save`` zip file, any file no other format claims: :data:`sdadapt.sources._torch_save.FORMAT`,
+whose module (the zip directory and pickle reader) is imported only to open or fetch one;
+``tests/sources/test_formats.py`` checks that the two declarations agree."""
+
 FORMATS: tuple[Format, ...] = (
     _hf_sharded.FORMAT,
     _safetensors_file.FORMAT,
     _DCP,
     _GGUF,
-    _torch_save.FORMAT,  # any other file: last
+    _TORCH_SAVE,  # any other file: last
 )
 """Every format sdadapt reads, in the order a path is tried."""
 

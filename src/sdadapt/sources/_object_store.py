@@ -35,12 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SourceError
+from ._base import SCHEMES
+from ._base import is_url as is_url  # where it was first defined; the face imports it from _base
 from ._object_errors import fetch_error, short_error
 
 log = logging.getLogger(__name__)
-
-SCHEMES = {"s3": "s3", "gs": "gcs"}
-"""URL scheme -> the extra that installs its client (``pip install 'sdadapt[s3]'``)."""
 
 RETRY: dict[str, Any] = {
     "max_retries": 5,
@@ -50,11 +49,6 @@ RETRY: dict[str, Any] = {
 """obstore's retry settings unless ``storage_options["retry_config"]`` replaces them."""
 _MTIME_NS = 1_000_000_000 * 86400  # every mirror file's modification time
 _BODY_ATTEMPTS = 3  # a response body cut short is fetched again up to this many times in all
-
-
-def is_url(text: object) -> bool:
-    """``text`` is a string starting with ``s3://`` or ``gs://``."""
-    return isinstance(text, str) and text.split("://", 1)[0] in SCHEMES and "://" in text
 
 
 def split_url(url: str) -> tuple[str, str, str]:
