@@ -172,15 +172,21 @@ def test_exit_wait_from_the_environment(monkeypatch, caplog):
 
 def test_a_given_up_save_is_never_marked_complete(tmp_path, monkeypatch):
     """A writer that runs on after exit gave its save up writes no ``sdadapt.json``: the folder
-    never counts as complete, and the handle says why."""
+    never counts as complete, and the handle says why. Over a complete checkpoint
+    (``overwrite=True``), its record and checksums are gone before anything is written, so the
+    old ``sdadapt.json`` beside the new ``.metadata`` never makes the folder look complete."""
+    model = TinyTransformer()
+    cut = tmp_path / "cut"
+    sdadapt.save_state(model, str(cut), checksums=True)
+    assert complete(str(cut)) and (cut / "sdadapt.checksums.json").is_file()
     given_up = threading.Event()
     given_up.set()
     monkeypatch.setattr(background, "_GIVEN_UP", given_up)
-    model = TinyTransformer()
-    pending = sdadapt.save_state(model, str(tmp_path / "cut"), async_=True)
+    pending = sdadapt.save_state(model, str(cut), async_=True, overwrite=True)
     with pytest.raises(sdadapt.errors.StateError, match="given up at exit"):
         pending.wait()
-    assert not complete(str(tmp_path / "cut"))
+    assert (cut / ".metadata").is_file() and not (cut / "sdadapt.json").exists()
+    assert not complete(str(cut)) and not (cut / "sdadapt.checksums.json").exists()
 
 
 def test_exit_waits_for_a_save_without_a_process_group(monkeypatch, caplog):

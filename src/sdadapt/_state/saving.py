@@ -37,7 +37,7 @@ from .._transaction.args import check_model_and_path
 from .._transaction.materialize import has_meta
 from .._transaction.tidy import call_started, public, single_process_quiet
 from ..errors import SdadaptError, StateError
-from ..sources import SDADAPT_JSON, is_url, write_checksums_shared
+from ..sources import CHECKSUMS_NAME, SDADAPT_JSON, is_url, write_checksums_shared
 from .background import SaveHandle, given_up, start_save, start_writer
 from .saved import SaveReport
 from .state import MODEL_KEY, OPTIM_KEY, STATE_FORMAT, _get_state
@@ -225,19 +225,23 @@ def _take(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tuple[di
 
 def _write_rest(state: dict[str, Any], dst: str, record: dict[str, Any], rank: int, world: int,
                 group: dist.ProcessGroup | None, checksums: bool) -> None:  # fmt: skip
-    """Collective over ``group``, once the ranks agreed: the old ``.metadata`` removed (a save cut short must not look
-    complete, with old and new files mixed) before any rank writes, the DCP save of ``state``
-    (its ``.metadata`` last), then ``sdadapt.json`` by rank 0 (not once exit gave the save up:
-    ``background.given_up``), then the checksums; one rank's failure is every rank's. In the
-    background (``async_=True``) all of it runs on the writing thread: the caller waits for none
-    of it."""
+    """Collective over ``group``, once the ranks agreed: an old checkpoint's ``.metadata``,
+    ``sdadapt.json`` and checksums removed before any rank writes (a save cut short must not look
+    complete, with old and new files mixed, nor keep another save's record or checksums), the
+    DCP save of ``state`` (its ``.metadata`` last), the checksums, then ``sdadapt.json`` by rank 0,
+    which marks the folder complete (not once exit gave the save up: ``background.given_up``);
+    one rank's failure is every rank's. In the background (``async_=True``) all of it runs on
+    the writing thread: the caller waits for none of it."""
     error: SdadaptError | None = None
-    if rank == 0 and os.path.isfile(os.path.join(dst, ".metadata")):
+    for name in (".metadata", SDADAPT_JSON, CHECKSUMS_NAME) if rank == 0 else ():
         try:
-            os.remove(os.path.join(dst, ".metadata"))
+            os.remove(os.path.join(dst, name))
+        except FileNotFoundError:
+            pass
         except OSError as e:
-            error = StateError(f"saving to {dst} failed removing the old .metadata ({e}); nothing was written")
-    agree(error, group)  # and no rank writes before it is gone
+            error = StateError(f"saving to {dst} failed removing the old {name} ({e}); nothing was written")
+            break
+    agree(error, group)  # and no rank writes before they are gone
     try:
         # a group given (the background one) is used even if the world was destroyed meanwhile: its collectives fail
         dcp.save(state, checkpoint_id=dst, process_group=group, no_dist=group is None and not is_distributed())
@@ -247,6 +251,8 @@ def _write_rest(state: dict[str, Any], dst: str, record: dict[str, Any], rank: i
             full = " (the disk is full)" if cause.errno == errno.ENOSPC else ""
             raise StateError(f"saving to {dst} failed{full}: {cause}") from None
         raise StateError(f"saving to {dst} failed: {e}") from None
+    if checksums:  # before sdadapt.json: a folder that looks complete has the checksums asked for
+        write_checksums_shared(dst, rank, world, group)
     if rank == 0 and given_up():  # exit stopped waiting for this save: it must not look complete
         error = StateError(f"saving to {dst} was given up at exit before it was marked complete ({SDADAPT_JSON})")
     elif rank == 0:
@@ -258,8 +264,6 @@ def _write_rest(state: dict[str, Any], dst: str, record: dict[str, Any], rank: i
         except OSError as e:
             error = StateError(f"saving to {dst} failed writing {SDADAPT_JSON}: {e}")
     agree(error, group)
-    if checksums:
-        write_checksums_shared(dst, rank, world, group)
 
 
 def _os_error(e: CheckpointException) -> OSError | None:

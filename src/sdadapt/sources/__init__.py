@@ -33,6 +33,7 @@ from ._formats import recordable as recordable
 from ._headers import HeaderRecord as HeaderRecord
 from ._hf_sharded import INDEX_NAME
 from ._hf_sharded import HFShardedSource as HFShardedSource
+from ._integrity import CHECKSUMS_NAME as CHECKSUMS_NAME
 from ._integrity import CHECKSUMS_WHY as CHECKSUMS_WHY
 from ._integrity import ChecksummedSource as ChecksummedSource
 from ._integrity import Fingerprint as Fingerprint
