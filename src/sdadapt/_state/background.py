@@ -269,13 +269,15 @@ def exit_wait_s() -> float | None:
 
 
 def finish_at_exit() -> None:
-    """At exit (sdadapt's exit handler runs it, before finalization): let the writing thread end
-    what it was handed (a save in flight, or making its group: the other ranks wait at their
-    exit for theirs too), for :func:`exit_wait_s` at most (:data:`DESTROYED_WAIT_S` once the
-    world its saves were made over was destroyed), then end the background groups, so that no thread of a save is still
-    working, nor a gloo thread of its group, when the interpreter finalizes (see
-    :mod:`sdadapt._base.teardown`). A save that failed, or was given up, is logged with its
-    folder (no one waits for it); the one before stays the latest complete checkpoint."""
+    """At exit (as the main thread ends, before any ``atexit`` handler, and again in sdadapt's
+    exit handler for a save started since: :func:`sdadapt._base.teardown.at_exit`): let the
+    writing thread end what it was handed (a save in flight, or making its group: the other
+    ranks wait at their exit for theirs too), for :func:`exit_wait_s` at most
+    (:data:`DESTROYED_WAIT_S` once the world its saves were made over was destroyed), then end
+    the background groups, so that no thread of a save is still working, nor a gloo thread of
+    its group, when the interpreter finalizes (see :mod:`sdadapt._base.teardown`). A save that
+    failed, or was given up, is logged with its folder (no one waits for it); the one before
+    stays the latest complete checkpoint."""
     writer = _WRITER.pop(os.getpid(), None)
     if writer is None:
         return
