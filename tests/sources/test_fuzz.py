@@ -373,7 +373,8 @@ def test_fuzz_config_json(config: Any, how: str, at: int, name: str) -> None:
         except SdadaptError as e:
             event(f"refused: {type(e).__name__}")
         from sdadapt._tools.shrinking import shrink_config
-        from sdadapt.sources._json import HFConfig, read_json_dict
+        from sdadapt.sources._configs import HFConfig
+        from sdadapt.sources._json import read_json_dict
 
         try:
             shrink_config(read_json_dict(os.path.join(d, "config.json"), HFConfig, what="config.json"), 1)
@@ -422,7 +423,8 @@ def test_fuzz_peft_config(config: Any, how: str, at: int, rank: int) -> None:
 def test_fuzz_json_reader(data: bytes, how: str, at: int) -> None:
     """Any bytes through the one JSON reader: a value, or a SourceError naming the file."""
     from sdadapt.errors import SourceError
-    from sdadapt.sources._json import HFConfig, PeftConfig, ShardIndex, read_json
+    from sdadapt.sources._configs import HFConfig, PeftConfig
+    from sdadapt.sources._json import ShardIndex, read_json
 
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "f.json")

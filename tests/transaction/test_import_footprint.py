@@ -58,6 +58,8 @@ NOT_ON_THE_PLAIN_PATH = [
     "sdadapt.sources._object_errors",
     "sdadapt.sources._remote",
     "sdadapt.sources._namespaced",
+    # the config files' models (a plain load reads no config.json)
+    "sdadapt.sources._configs",
     # the nodes of fused and split keys (a rename adapter makes none)
     "sdadapt._recipes.moves",
     "sdadapt._recipes.interleave",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from .._base.distributed import rank_and_world
@@ -85,6 +85,9 @@ class LoadReport(Summarized, BaseModel):
         report = sdadapt.load(model, "ckpt/", "llama")
         summary = str(report)  # keys, bytes and time of each phase
     """
+
+    # built when a report is first validated or dumped: a load makes its report with model_construct
+    model_config = ConfigDict(defer_build=True)
 
     rank: int
     world_size: int
@@ -436,7 +439,8 @@ def _load_report(part: Part, prep: _Prepared, options: Options, phases: _Phases,
         from ..rules import merged_lora
 
         merged = merged_lora(options.lora, prep.plan.recipes)
-    return LoadReport(
+    # the load's own values, of the fields' types: not validated (a load builds no validator of its own)
+    return LoadReport.model_construct(
         rank=rank,
         world_size=world,
         source=options.name,

@@ -166,7 +166,8 @@ def build_plan(
 
     allow_missing = key_patterns("build_plan", patterns).get("allow_missing") or []
     allow_unexpected = patterns.get("allow_unexpected") or []
-    report = Report(
+    # the plan's own values, of the fields' types: not validated (a load builds no validator of its own)
+    report = Report.model_construct(
         source=source_name,
         target=target_name,
         adapter=adapter.name if adapter.rules else None,

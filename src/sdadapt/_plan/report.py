@@ -86,6 +86,9 @@ class Report(Summarized, BaseModel):
         assert report.ok, report.format()
     """
 
+    # built when a report is first validated or dumped: a plan makes its report with model_construct
+    model_config = ConfigDict(defer_build=True)
+
     source: str
     target: str
     adapter: str | None = None

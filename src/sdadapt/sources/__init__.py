@@ -47,10 +47,9 @@ from ._integrity import tensor_checksums as tensor_checksums
 from ._integrity import write_checksums_data as write_checksums_data
 from ._integrity import write_checksums_shared as write_checksums_shared
 from ._json import INDEX_LIMIT as INDEX_LIMIT
-from ._json import HFConfig, QuantConfigFile, read_json_dict
-from ._json import PeftConfig as PeftConfig
 from ._json import ShardIndex as ShardIndex
 from ._json import read_json as read_json
+from ._json import read_json_dict
 from ._json import validate as validate
 from ._peft import CONFIG_NAME as CONFIG_NAME
 from ._peft import LoraMerged as LoraMerged
@@ -66,6 +65,9 @@ encode_headers = _headers.encode
 decode_headers = _headers.decode
 
 if TYPE_CHECKING:
+    from ._configs import HFConfig as HFConfig
+    from ._configs import PeftConfig as PeftConfig
+    from ._configs import QuantConfigFile as QuantConfigFile
     from ._dcp_dir import SDADAPT_JSON as SDADAPT_JSON
     from ._dcp_dir import DCPSource as DCPSource
     from ._fetching import Fetching as Fetching
@@ -90,12 +92,13 @@ _LAZY = {
     "ObjectWriter": "._object_writer", "NamespacedSource": "._namespaced", "COMMIT_NAMES": "._object_store",
     "Uploader": "._object_store", "check_writable": "._object_store", "upload": "._object_store",
     "fetch_all": "._remote", "fetch_dcp_entries": "._remote", "TorchSaveFile": "._torch_save",
+    "HFConfig": "._configs", "PeftConfig": "._configs", "QuantConfigFile": "._configs",
 }  # fmt: skip
 """Names of modules imported on first use, which a plain load does not import: the DCP source
 (it imports ``torch.distributed.checkpoint``), the Hub, the inventory, the joined (LoRA) source,
 the fetching of object storage ranges into memory, the writer of objects in parts (exports), a
 training state's model as a source, object storage and its local mirrors (a URL's source), the
-``torch.save`` reader."""
+``torch.save`` reader, the config files' models."""
 
 __all__ = ["Source", "TensorInfo", "dtype_name", "open_source", "read_config_file", "read_megatron_common"]
 """The public names. ``SafetensorsFile``, ``HFShardedSource`` and ``TorchSaveFile`` (what
@@ -292,6 +295,8 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     p = os.fspath(path)
     name = os.path.basename(p)
+    from ._configs import HFConfig, QuantConfigFile  # noqa: PLC0415 - where a config file is read
+
     model = QuantConfigFile if name == "hf_quant_config.json" else HFConfig
     return read_json_dict(p, model, what=name)
 

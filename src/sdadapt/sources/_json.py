@@ -10,11 +10,9 @@ field must hold.
 The models describe only the fields sdadapt reads; other fields pass through untouched
 (``extra="allow"``), so a release with fields of its own is fine:
 
-- :class:`HFConfig`: an HF ``config.json`` (head counts, sizes, ``quantization_config`` as an
-  object, handed on as the dict it is to the quantization rules, which check its fields);
 - :class:`ShardIndex`: ``model.safetensors.index.json`` (``weight_map``: key -> file name);
-- :class:`PeftConfig`: a PEFT LoRA ``adapter_config.json``;
-- :class:`QuantConfigFile`: ModelOpt's ``hf_quant_config.json``.
+- the config files' models, in :mod:`._configs` (imported where a config file is read: a plain
+  load reads none): ``HFConfig``, ``PeftConfig``, ``QuantConfigFile``.
 
 Example:
     >>> from sdadapt.sources._json import ShardIndex, read_json
@@ -28,10 +26,10 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Annotated, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import SourceError
 from . import _headers
@@ -49,77 +47,17 @@ _STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _BRACKETS = bytes(range(256)).translate(None, b"[]{}")  # every byte but the brackets: deleted
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
     """A JSON object some of whose fields sdadapt reads: those strictly typed, the rest kept."""
 
     model_config = ConfigDict(strict=True, extra="allow", defer_build=True)
 
 
-class ShardIndex(_Lenient):
+class ShardIndex(Lenient):
     """``model.safetensors.index.json``: which file holds each key."""
 
     weight_map: dict[str, str]
     metadata: dict[str, Any] | None = None
-
-
-class PeftConfig(_Lenient):
-    """The fields of a PEFT ``adapter_config.json`` that decide a LoRA merge (see ``sdadapt.rules._lora``)."""
-
-    peft_type: str = "LORA"
-    bias: str = "none"
-    lora_alpha: float
-    r: int | None = Field(default=None, ge=1)
-    alpha_pattern: dict[str, float] = {}
-    rank_pattern: dict[str, int] = {}
-    use_rslora: bool = False
-    fan_in_fan_out: bool = False
-    target_modules: list[str] | str | None = None
-
-
-Count = Annotated[int | None, Field(ge=0)]
-"""A count of a ``config.json``: a non-negative integer, or absent."""
-
-
-class HFConfig(_Lenient):
-    """The fields of an HF ``config.json`` that sdadapt's adapters, ``shrink`` and ``verify`` read.
-    Counts are non-negative integers; ``quantization_config`` is an object (its fields are the
-    quantization rules' to check)."""
-
-    architectures: list[str] | None = None
-    model_type: str | None = None
-    num_hidden_layers: Count = None
-    num_attention_heads: Count = None
-    num_key_value_heads: Count = None
-    hidden_size: Count = None
-    head_dim: Count = None
-    intermediate_size: Count = None
-    vocab_size: int | None = None  # Meta params.json: -1 when the tokenizer decides
-    tie_word_embeddings: bool | None = None
-    attention_bias: bool | None = None
-    num_local_experts: Count = None
-    num_experts: Count = None
-    n_routed_experts: Count = None
-    first_k_dense_replace: Count = None
-    num_nextn_predict_layers: Count = None
-    q_lora_rank: Count = None
-    kv_lora_rank: Count = None
-    qk_nope_head_dim: Count = None
-    qk_rope_head_dim: Count = None
-    rope_interleave: bool | None = None
-    decoder_sparse_step: Count = None
-    mlp_only_layers: list[int] | None = None
-    n_layers: Count = None  # Meta params.json
-    n_heads: Count = None
-    n_kv_heads: Count = None
-    dim: Count = None
-    quantization_config: dict[str, Any] | None = None
-    text_config: dict[str, Any] | None = None
-
-
-class QuantConfigFile(_Lenient):
-    """ModelOpt's ``hf_quant_config.json``: its ``quantization`` object."""
-
-    quantization: dict[str, Any] | None = None
 
 
 def depth_of(data: bytes) -> int:
