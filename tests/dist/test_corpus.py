@@ -234,7 +234,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], dict[st
         "hf": os.path.join(folder, "good", "hf"),
         "dcp": os.path.join(folder, "good", "dcp"),
     }
-    sdadapt.sources._integrity.write_checksums(good["st"])
+    sdadapt.write_checksums(good["st"])
     return cases, good
 
 

@@ -60,6 +60,8 @@ NOT_ON_THE_PLAIN_PATH = [
     "sdadapt.sources._namespaced",
     # the config files' models (a plain load reads no config.json)
     "sdadapt.sources._configs",
+    # block checksums (checksums=True, and their writers)
+    "sdadapt.sources._integrity",
     # the nodes of fused and split keys (a rename adapter makes none)
     "sdadapt._recipes.moves",
     "sdadapt._recipes.interleave",
@@ -100,7 +102,7 @@ IMPORT_SDADAPT = ["sdadapt", "sdadapt._base", "sdadapt._base.lazy", "sdadapt._ba
 
 PLAIN_LOAD = IMPORT_SDADAPT + [
     "sdadapt.errors",
-    *(f"sdadapt._base.{m}" for m in "agreement distributed env keyruns progress regions schema summary tensor_bytes".split()),
+    *(f"sdadapt._base.{m}" for m in "agreement distributed env keyruns progress regions schema summary".split()),
     # the exit handler that ends process groups DTensor keeps, registered with _base.distributed:
     # every process that runs sdadapt's collectives needs it (tests/reports/teardown-abort-cpu2-2026-12-07.md)
     "sdadapt._base.teardown",
@@ -120,7 +122,7 @@ PLAIN_LOAD = IMPORT_SDADAPT + [
     *(f"sdadapt.rules._{m}" for m in "base custom functions keys patterns".split()),
     "sdadapt.sources",
     *(f"sdadapt.sources._{m}" for m in (
-        "assets base formats headers hf_sharded integrity json peft safetensors_file").split()),
+        "assets base checks formats headers hf_sharded json peft safetensors_file").split()),
 ]  # fmt: skip
 """Every sdadapt module a plain load (a rename, a safetensors file, a CPU model) imports. Pinned
 both ways: a module that joins the path must be justified here, and one that leaves it is

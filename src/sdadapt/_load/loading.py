@@ -32,7 +32,7 @@ from .._transaction.options import Options
 from .._transaction.steps import family_hint, judge, open_checkpoint, plan_model
 from .._transaction.tidy import call_started, public
 from .._transaction.transaction import ATOMIC_WHY, Part, Transaction
-from ..sources import CHECKSUMS_WHY, ChecksummedSource, LoraMerged, Source, read_checksums, remember_source
+from ..sources import CHECKSUMS_WHY, LoraMerged, Source, remember_source
 
 if TYPE_CHECKING:
     from typing import Unpack  # Python 3.11; annotations only, the package runs on 3.10
@@ -419,6 +419,8 @@ def _prepare(txn: Transaction, model: nn.Module, local: str | os.PathLike[str] |
     check_buffers(model, options.init_buffers)
     fill_missing = missing_values(model, [*plan.skipped, *plan.report.missing], options.init_buffers, options.init_missing)
     if options.checksums:
+        from ..sources import ChecksummedSource, read_checksums  # noqa: PLC0415 - checksums=True only
+
         sidecar, sums = read_checksums(source)
         leaves = sorted({k for node in plan.recipes.values() for k in node.leaves()})
         txn.sources[-1] = ChecksummedSource(source, sidecar, sums, leaves)

@@ -7,7 +7,7 @@ the record, a compact byte string (one broadcast: the same bytes whatever the wo
 gather); the first rank keeps the source it opened, every other rank opens it from the record,
 parsing and validating the bytes exactly as read from disk (:meth:`SharedHeaders.open`): one
 header read per file per job, one parse per rank. Each rank still opens the files it reads data
-from, and checks the files' size, mtime and inode itself (:mod:`sdadapt.sources._integrity`).
+from, and checks the files' size, mtime and inode itself (:mod:`sdadapt.sources._checks`).
 
 A failure cannot hang the group: the first rank broadcasts an empty record when opening fails,
 and then every rank opens the source itself and meets the error, which the load's agreed

@@ -24,6 +24,11 @@ from ._assets import remember_source as remember_source
 from ._assets import transformers_config as transformers_config
 from ._assets import write_config as write_config
 from ._base import HUB_PREFIX, Source, is_hub_id, is_url
+from ._checks import CHECKSUMS_WHY as CHECKSUMS_WHY
+from ._checks import Fingerprint as Fingerprint
+from ._checks import check_unchanged as check_unchanged
+from ._checks import fingerprint as fingerprint
+from ._checks import nonfinite_counts as nonfinite_counts
 from ._formats import FILE_SUFFIXES as FILE_SUFFIXES
 from ._formats import FOREIGN_SUFFIXES, open_local
 from ._formats import WEIGHT_SUFFIXES as WEIGHT_SUFFIXES
@@ -33,19 +38,6 @@ from ._formats import recordable as recordable
 from ._headers import HeaderRecord as HeaderRecord
 from ._hf_sharded import INDEX_NAME
 from ._hf_sharded import HFShardedSource as HFShardedSource
-from ._integrity import CHECKSUMS_NAME as CHECKSUMS_NAME
-from ._integrity import CHECKSUMS_WHY as CHECKSUMS_WHY
-from ._integrity import ChecksummedSource as ChecksummedSource
-from ._integrity import Fingerprint as Fingerprint
-from ._integrity import StreamedChecksums as StreamedChecksums
-from ._integrity import check_unchanged as check_unchanged
-from ._integrity import checksums_of_saved as checksums_of_saved
-from ._integrity import fingerprint as fingerprint
-from ._integrity import nonfinite_counts as nonfinite_counts
-from ._integrity import read_checksums as read_checksums
-from ._integrity import tensor_checksums as tensor_checksums
-from ._integrity import write_checksums_data as write_checksums_data
-from ._integrity import write_checksums_shared as write_checksums_shared
 from ._json import INDEX_LIMIT as INDEX_LIMIT
 from ._json import ShardIndex as ShardIndex
 from ._json import read_json as read_json
@@ -73,6 +65,14 @@ if TYPE_CHECKING:
     from ._fetching import Fetching as Fetching
     from ._fetching import ObjectFile as ObjectFile
     from ._hub import hub_folder as hub_folder
+    from ._integrity import CHECKSUMS_NAME as CHECKSUMS_NAME
+    from ._integrity import ChecksummedSource as ChecksummedSource
+    from ._integrity import StreamedChecksums as StreamedChecksums
+    from ._integrity import checksums_of_saved as checksums_of_saved
+    from ._integrity import read_checksums as read_checksums
+    from ._integrity import tensor_checksums as tensor_checksums
+    from ._integrity import write_checksums_data as write_checksums_data
+    from ._integrity import write_checksums_shared as write_checksums_shared
     from ._inventory import human as human
     from ._inventory import inventory as inventory
     from ._joined import JoinedSource as JoinedSource
@@ -93,12 +93,14 @@ _LAZY = {
     "Uploader": "._object_store", "check_writable": "._object_store", "upload": "._object_store",
     "fetch_all": "._remote", "fetch_dcp_entries": "._remote", "TorchSaveFile": "._torch_save",
     "HFConfig": "._configs", "PeftConfig": "._configs", "QuantConfigFile": "._configs",
+    **dict.fromkeys(("CHECKSUMS_NAME", "ChecksummedSource", "StreamedChecksums", "checksums_of_saved", "read_checksums", "tensor_checksums",
+                     "write_checksums_data", "write_checksums_shared"), "._integrity"),
 }  # fmt: skip
 """Names of modules imported on first use, which a plain load does not import: the DCP source
 (it imports ``torch.distributed.checkpoint``), the Hub, the inventory, the joined (LoRA) source,
 the fetching of object storage ranges into memory, the writer of objects in parts (exports), a
 training state's model as a source, object storage and its local mirrors (a URL's source), the
-``torch.save`` reader, the config files' models."""
+``torch.save`` reader, the config files' models, the checksums (``checksums=True`` and their writers)."""
 
 __all__ = ["Source", "TensorInfo", "dtype_name", "open_source", "read_config_file", "read_megatron_common"]
 """The public names. ``SafetensorsFile``, ``HFShardedSource`` and ``TorchSaveFile`` (what

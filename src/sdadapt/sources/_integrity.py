@@ -1,6 +1,8 @@
 """Integrity: files unchanged while we read them, per-block checksums, NaN/Inf checks.
 
-Three independent checks, run by the load transaction (:mod:`sdadapt._transaction.transaction`):
+Three independent checks, run by the load transaction (:mod:`sdadapt._transaction.transaction`);
+this module holds the checksums, imported by the loads and writes that use them; the
+fingerprints and the finite-value counts every load may run are in :mod:`._checks`:
 
 - **Fingerprints** (always on). The size, mtime and inode of every file a source reads from are
   taken when it is opened, and compared again right before the first byte of tensor data is
@@ -51,49 +53,7 @@ FORMAT = 1
 ALGORITHM = "blake2b-128"
 DEFAULT_BLOCK_BYTES = 4 << 20
 # why load calls it ``checksums`` (shown when the old keyword ``verify`` is passed)
-CHECKSUMS_WHY = (
-    "check every region read against sdadapt.checksums.json, the file save_state(checksums=True) and "
-    "export(checksums=True) write; sdadapt.verify compares a loaded model's outputs with a reference"
-)
 MAX_CHECKSUMS_BYTES = 256 << 20  # refuse larger sidecars: a header must not make us allocate without bound
-
-
-# --- fingerprints ---------------------------------------------------------------------------
-
-
-Fingerprint = dict[str, tuple[int, int, int, int]]
-
-
-def fingerprint(paths: Iterable[str]) -> Fingerprint:
-    """(size, mtime_ns, inode, device) of each file; a file that cannot be stat'ed is a SourceError."""
-    out: Fingerprint = {}
-    for p in paths:
-        try:
-            st = os.stat(p)
-        except OSError as e:
-            raise SourceError(f"cannot stat: {e.strerror or e}; was the checkpoint moved or deleted?", path=p) from None
-        out[p] = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
-    return out
-
-
-def check_unchanged(before: Fingerprint, when: str) -> None:
-    """Raise :class:`SourceError` naming the first file whose size, mtime or inode changed."""
-    now = fingerprint(before)
-    for p, old in before.items():
-        new = now[p]
-        if new != old:
-            what = (
-                f"its size changed from {old[0]} to {new[0]} bytes"
-                if new[0] != old[0]
-                else "it was replaced (other inode)"
-                if new[2:] != old[2:]
-                else "it was modified (mtime changed)"
-            )
-            raise SourceError(
-                f"the file changed {when}: {what}. It is being written or replaced; load again once "
-                "it is complete",
-                path=p,
-            )
 
 
 # --- checksums ------------------------------------------------------------------------------
@@ -388,26 +348,6 @@ class ChecksummedSource(Source):
 
     def close(self) -> None:
         self.inner.close()
-
-
-# --- finite values --------------------------------------------------------------------------
-
-
-def nonfinite_counts(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
-    """key -> (NaN count, Inf count) of the local shards of floating-point tensors that have any."""
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for key, t in tensors.items():
-        local = t._local_tensor if isinstance(t, DTensor) else t
-        if not (local.is_floating_point() or local.is_complex()) or local.numel() == 0:
-            continue
-        if local.dtype.itemsize == 1 and local.is_floating_point():  # float8: compare in float32
-            local = local.float()
-        if bool(torch.isfinite(local).all()):
-            continue
-        out[key] = (int(torch.isnan(local).sum()), int(torch.isinf(local).sum()))
-    return out
 
 
 def write_checksums_data(path: str, tensors: Mapping[str, Any]) -> str:
