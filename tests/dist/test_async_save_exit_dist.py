@@ -13,7 +13,8 @@ still making its group for a rank that already gave up is left after
 (``atexit`` runs the last registered first) that destroys the world and calls ``os._exit`` finds
 the save complete: sdadapt waits for it as the main thread ends, before any ``atexit`` handler.
 With the world up and a peer that never joins the save, exit gives it up after
-``SDADAPT_EXIT_WAIT_S``, and the folder is not complete.
+``SDADAPT_EXIT_WAIT_S``, and the folder is not complete; a save given up mid-write stops at its
+next file write, so the process still exits without an abort.
 """
 
 from __future__ import annotations
@@ -174,7 +175,13 @@ def test_a_given_up_save_is_never_marked_complete(tmp_path, monkeypatch):
     """A writer that runs on after exit gave its save up writes no ``sdadapt.json``: the folder
     never counts as complete, and the handle says why. Over a complete checkpoint
     (``overwrite=True``), its record and checksums are gone before anything is written, so the
-    old ``sdadapt.json`` beside the new ``.metadata`` never makes the folder look complete."""
+    old ``sdadapt.json`` beside the new ``.metadata`` never makes the folder look complete. (The
+    give-up here comes once DCP's files are written: DCP's own writer, which does not stop.)"""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from sdadapt._state import saving
+
+    monkeypatch.setattr(saving, "storage_writer", FileSystemWriter)
     model = TinyTransformer()
     cut = tmp_path / "cut"
     sdadapt.save_state(model, str(cut), checksums=True)
@@ -205,3 +212,36 @@ def test_exit_waits_for_a_save_without_a_process_group(monkeypatch, caplog):
     with caplog.at_level("INFO"):
         background.finish_at_exit()
     assert background.given_up() and "with the process group destroyed" in caplog.text
+
+
+MID_WRITE = textwrap.dedent(
+    """
+    import logging, sys
+    import torch
+    from torch import nn
+    import sdadapt
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    model = nn.Module()
+    for i in range(16):
+        model.register_parameter(f"p{i}", nn.Parameter(torch.randn(1024, 1024)))  # 64 MiB in all
+    sdadapt.save_state(model, sys.argv[1], async_=True)  # and exit at once, the write just begun
+    """
+)
+
+
+def test_a_save_given_up_mid_write_stops_before_the_interpreter_ends(tmp_path):
+    """Exit gives up a save still writing its files (``SDADAPT_EXIT_WAIT_S=0``): the writing
+    thread stops at its next file write, so the process exits 0 (a thread still inside torch's
+    serialization as the interpreter finalizes aborts it: "terminate called"), and the folder
+    is not a complete checkpoint."""
+    script = tmp_path / "save.py"
+    script.write_text(MID_WRITE)
+    cut = tmp_path / "cut"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC_DIR), str(TESTS_DIR)]), "OMP_NUM_THREADS": "1",
+           "TMPDIR": str(tmp_path), "PYTHONFAULTHANDLER": "1", "SDADAPT_EXIT_WAIT_S": "0"}  # fmt: skip
+    run = subprocess.run([sys.executable, str(script), str(cut)], env=env, capture_output=True, text=True, timeout=240)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and "terminate called" not in out, out[-3000:]
+    assert f"the save to {cut} in the background did not end 0 s after" in out and "given up and" in out, out[-3000:]
+    assert not complete(str(cut)) and not (cut / ".metadata").exists()

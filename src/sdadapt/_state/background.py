@@ -17,17 +17,21 @@ was handed before the interpreter finalizes, for a bounded time (:func:`finish_a
 from __future__ import annotations
 
 import _thread
+import contextlib
+import errno
+import io
 import logging
 import os
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -244,13 +248,48 @@ DESTROYED_WAIT_S = 10.0
 """How long exit waits at most for a background save once the process group was destroyed under
 it (a writer may wait for a rank that will never come)."""
 
+STOP_WAIT_S = 10.0
+"""How long exit waits, once it gave a save up, for the writing thread to stop at its next file
+write (a thread still writing when the interpreter finalizes, inside torch's serialization,
+aborts the process)."""
+
 _GIVEN_UP = threading.Event()  # set once exit stopped waiting for the writing thread
 
 
 def given_up() -> bool:
     """Whether this process's exit stopped waiting for its background save: the writing thread,
-    if it runs on, must not mark the folder complete (``sdadapt.json``)."""
+    if it runs on, must write no more (:func:`storage_writer`) nor mark the folder complete
+    (``sdadapt.json``)."""
     return _GIVEN_UP.is_set()
+
+
+class _Stopping(io.BufferedWriter):
+    """A file of a save: once exit gave the save up, its next write raises."""
+
+    def write(self, data: Any) -> int:
+        if _GIVEN_UP.is_set():
+            raise OSError(errno.ECANCELED, "the save was given up at exit")
+        return super().write(data)
+
+
+class _StoppingFileSystem(FileSystem):
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[io.IOBase]:
+        if mode != "wb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with _Stopping(io.FileIO(os.fspath(path), "wb")) as stream:
+            yield stream
+
+
+def storage_writer(path: str) -> FileSystemWriter:
+    """DCP's writer of the folder ``path``, as ``dcp.save(checkpoint_id=path)`` makes it, whose
+    files stop taking writes once exit gave the save up (:func:`given_up`): the writing thread
+    then fails at its next write and ends, its ``.metadata`` unwritten."""
+    writer = FileSystemWriter(path)
+    writer.fs = _StoppingFileSystem()
+    return writer
 
 
 def exit_wait_s() -> float | None:
@@ -293,16 +332,19 @@ def finish_at_exit() -> None:
         log.info("waiting %s for the save to %s (in the background) to end before this process exits",
                  limit, ", ".join(writing))  # fmt: skip
     if not ended.wait(bound):
-        _GIVEN_UP.set()  # before anything else: the writer checks it before it marks a folder complete
+        _GIVEN_UP.set()  # before anything else: the writer stops at its next write, and marks no folder complete
+        stopped = ended.wait(STOP_WAIT_S)
         what = f"the save to {', '.join(writing)}" if writing else "the background saves' thread (making its group)"
         why = ("with the process group destroyed (wait for the save before destroy_process_group())" if destroyed
                else "(SDADAPT_EXIT_WAIT_S sets how long exit waits; or wait for the save, handle.wait() or "
                     "Checkpointer.close(), before exiting)")  # fmt: skip
-        log.warning("%s in the background did not end %g s after this process began to exit %s; it is given up and "
-                    "is not a complete checkpoint", what, bound, why)  # fmt: skip
-        return
+        still = "" if stopped else f" (its thread still waits, for other ranks, {STOP_WAIT_S:g} s later)"
+        log.warning("%s in the background did not end %g s after this process began to exit %s; it is given up%s and "
+                    "is not a complete checkpoint", what, bound, why, still)  # fmt: skip
+        if not stopped:
+            return
     for h in list(_RUNNING):
-        if h._error is not None:
+        if h._error is not None and not given_up():
             log.warning("the save to %s in the background failed (%s: %s); it is not a complete checkpoint",
                         h.path, type(h._error).__name__, h._error)  # fmt: skip
     _RUNNING.clear()
@@ -314,5 +356,5 @@ def finish_at_exit() -> None:
             log.debug("cannot end the background saves' group: %s", e)
 
 
-__all__ = ["DESTROYED_WAIT_S", "EXIT_WAIT_S", "SaveHandle", "background_group", "exit_wait_s", "finish_at_exit", "given_up",
-           "prepare_group", "stage", "start_save", "start_writer"]
+__all__ = ["DESTROYED_WAIT_S", "EXIT_WAIT_S", "STOP_WAIT_S", "SaveHandle", "background_group", "exit_wait_s", "finish_at_exit",
+           "given_up", "prepare_group", "stage", "start_save", "start_writer", "storage_writer"]

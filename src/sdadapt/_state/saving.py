@@ -38,7 +38,7 @@ from .._transaction.materialize import has_meta
 from .._transaction.tidy import call_started, public, single_process_quiet
 from ..errors import SdadaptError, StateError
 from ..sources import CHECKSUMS_NAME, SDADAPT_JSON, is_url, write_checksums_shared
-from .background import SaveHandle, given_up, start_save, start_writer
+from .background import SaveHandle, given_up, start_save, start_writer, storage_writer
 from .saved import SaveReport
 from .state import MODEL_KEY, OPTIM_KEY, STATE_FORMAT, _get_state
 from .taken import take_state
@@ -244,7 +244,8 @@ def _write_rest(state: dict[str, Any], dst: str, record: dict[str, Any], rank: i
     agree(error, group)  # and no rank writes before they are gone
     try:
         # a group given (the background one) is used even if the world was destroyed meanwhile: its collectives fail
-        dcp.save(state, checkpoint_id=dst, process_group=group, no_dist=group is None and not is_distributed())
+        dcp.save(state, checkpoint_id=dst, storage_writer=storage_writer(dst), process_group=group,
+                 no_dist=group is None and not is_distributed())
     except CheckpointException as e:
         cause = _os_error(e)
         if cause is not None:  # a full disk on any rank: named, with its errno, on every rank
