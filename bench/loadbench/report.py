@@ -83,6 +83,9 @@ def summarize(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
             pr["gibps"] = pr["local_gib"] / pr["wall_s"]
             if f.get("phases"):
                 pr["phases"] = f["phases"]
+            steady_phases = [y["phases"] for y in s[:reps] if y.get("phases")]
+            if steady_phases and len(steady_phases) == reps:  # each phase's median over the steady loads
+                pr["steady_phases"] = {n: statistics.median(p.get(n, 0.0) for p in steady_phases) for n in steady_phases[0]}
             row["per_rank"].append(pr)
         row["check"] = f"{firsts[0].get('check', '?')} ({sum(f.get('checked', 0) for f in firsts)} shards)"
         rows.append(row)
@@ -224,6 +227,14 @@ def markdown(result: dict[str, Any]) -> str:
                   "| path | layout | model before load | " + " | ".join(names) + " |", "|" + "|".join(["---"] * (len(names) + 3)) + "|"]
         for r in split:
             vals = [max(p["phases"].get(n, 0.0) for p in r["per_rank"]) for n in names]
+            lines.append(f"| {_name(r)} | {r['layout']} | {r['flow']} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    steady = [r for r in split if all(p.get("steady_phases") for p in r["per_rank"])]
+    if steady:
+        names = list(steady[0]["per_rank"][0]["steady_phases"])
+        lines += ["", "The same split of the steady loads: each phase's median over a rank's steady loads, slowest rank:", "",
+                  "| path | layout | model before load | " + " | ".join(names) + " |", "|" + "|".join(["---"] * (len(names) + 3)) + "|"]
+        for r in steady:
+            vals = [max(p["steady_phases"].get(n, 0.0) for p in r["per_rank"]) for n in names]
             lines.append(f"| {_name(r)} | {r['layout']} | {r['flow']} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
     return "\n".join(lines) + "\n"
 

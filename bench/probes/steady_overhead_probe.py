@@ -15,8 +15,9 @@ and ``LoadReport.phase_seconds``; then the medians. ``--profile N`` runs one mor
 cProfile on the thread's CPU clock and prints the N functions with most own and most cumulative
 time. ``--pieces`` times, on the same model (calling thread's CPU, best of 9), steps a load
 repeats per tensor: materialising (``model._apply`` with sdadapt's ``_empty_like``, as
-``to_empty`` does; and the same work without ``Module._apply``: a new ``Parameter`` per tensor
-swapped in), ``model.state_dict()``, one walk over the parameters and ``has_meta``. ``--src FOLDER`` imports
+``to_empty`` does; the same work without ``Module._apply``: a new ``Parameter`` per tensor
+swapped in; and sdadapt's own ``to_empty``, where the tree has it), ``model.state_dict()``,
+``load_targets`` (where the tree has it), one walk over the parameters and ``has_meta``. ``--src FOLDER`` imports
 sdadapt from another tree's ``src`` (to compare two trees on one machine, interleaved runs).
 """
 
@@ -122,8 +123,11 @@ def pieces(shape: object, naming: str, device: object, build_model: object, para
     import torch
     from torch import nn
 
-    from sdadapt._plan.target import model_state_dict
+    import sdadapt._plan.target as target
+    import sdadapt._transaction.materialize as materialize
     from sdadapt._transaction.materialize import _empty_like, has_meta
+
+    model_state_dict = target.model_state_dict
 
     def fresh() -> nn.Module:
         model, blocks = build_model(shape, naming)  # type: ignore[operator]
@@ -141,6 +145,10 @@ def pieces(shape: object, naming: str, device: object, build_model: object, para
         "list(model.parameters())": lambda m: list(m.parameters()),
         "has_meta(model) (a load asks it three times)": has_meta,
     }
+    if hasattr(materialize, "to_empty"):  # the tree measured has them (--src may name an older one)
+        steps["materialise: sdadapt's to_empty (its own walk where exact)"] = lambda m: materialize.to_empty(m, device)
+    if hasattr(target, "load_targets"):
+        steps["load_targets(model) (a load's targets: state_dict(keep_vars=True))"] = target.load_targets
     for name, step in steps.items():
         best = float("inf")
         for _ in range(9):

@@ -12,7 +12,9 @@ rank saw. Cases:
   rank 1 raises its own error, the others RemoteRankError naming rank 1;
 - a model with a non-persistent buffer and no hook: every rank raises before anything changes;
   with ``init_buffers=`` the buffer is computed and the load succeeds; a model with
-  ``init_weights()`` gets it called once, and the load overwrites what it put in parameters.
+  ``init_weights()`` gets it called once, and the load overwrites what it put in parameters;
+- the last load's plan reused on two ranks while the third plans afresh: one agreement, the load
+  bit-exact; with other options on that rank, a ``DisagreementError`` on every rank.
 """
 
 from __future__ import annotations
@@ -203,6 +205,26 @@ def _error_cases(folder: str) -> dict[str, dict[str, Any]]:
     out["good_after_errors"]["exact"] = all(
         torch.equal(v.full_tensor() if isinstance(v, DTensor) else v, want[k]) for k, v in model.state_dict().items()
     )
+
+    # 10. the same load again: ranks 0 and 2 reuse the kept plan, rank 1 (its plan forgotten) plans
+    from sdadapt._transaction.steps import LAST_PLAN
+
+    if rank == 1:
+        LAST_PLAN.clear()
+    hits = LAST_PLAN.hits
+    model = _fsdp_meta_tiny(mesh)
+    out["reused_on_two"] = _outcome(lambda: sdadapt.load(model, path("good.pt")))
+    out["reused_on_two"]["exact"] = all(
+        torch.equal(v.full_tensor() if isinstance(v, DTensor) else v, want[k]) for k, v in model.state_dict().items()
+    )
+    out["reused_on_two"]["reused"] = LAST_PLAN.hits - hits
+
+    # 11. ranks 0 and 2 reuse it again, rank 1 asks for other options: the agreement still stops every rank
+    hits = LAST_PLAN.hits
+    model = _fsdp_meta_tiny(mesh)
+    more = {"allow_missing": ["nothing.*"]} if rank == 1 else {}
+    out["reused_disagrees"] = _outcome(lambda: sdadapt.load(model, path("good.pt"), **more))
+    out["reused_disagrees"].update(reused=LAST_PLAN.hits - hits, untouched=_all_meta(model))
     dist.barrier()
     return out
 
@@ -301,3 +323,16 @@ def test_init_weights_is_called(results: list[dict]) -> None:
 def test_group_still_healthy_after_errors(results: list[dict]) -> None:
     for rank, r in enumerate(results):
         assert r["good_after_errors"] == {"error": None, "exact": True}, rank
+
+
+def test_a_reused_plan_is_agreed_like_a_fresh_one(results: list[dict]) -> None:
+    """Ranks that reuse the kept plan and a rank that plans afresh meet in one agreement: the
+    load succeeds bit-exactly where they agree, and stops every rank where one asks otherwise."""
+    for rank, r in enumerate(results):
+        o = r["reused_on_two"]
+        assert o["error"] is None and o["exact"], (rank, o)
+        assert o["reused"] == (0 if rank == 1 else 1), (rank, o)
+        o = r["reused_disagrees"]
+        assert o["error"] == "DisagreementError", (rank, o)
+        assert o["untouched"], f"rank {rank}: the model changed"
+        assert o["reused"] == (0 if rank == 1 else 1), (rank, o)

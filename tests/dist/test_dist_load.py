@@ -260,11 +260,65 @@ def _untrained(model: torch.nn.Module, config: str) -> list[str]:
     return bad
 
 
+def _materialised(model: torch.nn.Module) -> list[Any]:
+    """What materialising left in ``model``: each parameter's object, kind and layout (its local
+    tensor's too), each buffer's, and FSDP2's view of each parameter (the module's parameter
+    object, its sharded data on the local tensor's memory, the padded size)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out: list[Any] = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        facts = [name, id(p), type(p), getattr(p, "_is_param", None), p.requires_grad, p.is_leaf, p.grad_fn, p.device, p.dtype,
+                 tuple(p.shape), p.stride()]  # fmt: skip
+        if isinstance(p, DTensor):
+            lt = p._local_tensor
+            facts += [p.placements, p.device_mesh, type(lt), lt.requires_grad, lt.device, tuple(lt.shape), lt.stride(), lt.is_contiguous()]
+        out.append(facts)
+    for name, b in model.named_buffers(remove_duplicate=False):
+        out.append([name, type(b), b.device, b.dtype, tuple(b.shape), b.stride()])
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                for fp in group.fsdp_params:
+                    held = getattr(fp._module_info.module, fp._module_info.param_name)
+                    data = fp._sharded_param_data
+                    out.append([fp._param_fqn, fp.sharded_param is held, tuple(data.shape),
+                                data.untyped_storage().data_ptr() == held._local_tensor.untyped_storage().data_ptr(),
+                                fp._sharding_spec == held._spec])  # fmt: skip
+    return out
+
+
+def _to_empty_facts(mesh_kind: str, config: str, meshes: dict[str, Any]) -> dict[str, Any]:
+    """sdadapt's ``to_empty`` against ``Module._apply`` (what ``model.to_empty`` runs) on two
+    fresh builds of one meta model: whether its own walk was taken, and whether both leave
+    the same objects, layouts and FSDP2 state (parameter ids compared with each build's own)."""
+    from sdadapt._transaction.materialize import _empty_like, _plain_apply, to_empty
+
+    cpu = torch.device("cpu")
+    theirs, ours = _build(mesh_kind, config, meshes), _build(mesh_kind, config, meshes)
+    before = ([id(p) for p in theirs.parameters()], [id(p) for p in ours.parameters()])
+    walked = _plain_apply(list(ours.modules()))
+    theirs._apply(lambda t: _empty_like(t, cpu))
+    to_empty(ours, cpu)
+    a, b = _materialised(theirs), _materialised(ours)
+    after = ([id(p) for p in theirs.parameters()], [id(p) for p in ours.parameters()])
+    ids_kept = [x == y for x, y in zip(before, after)]  # [Module._apply's, ours]
+    for facts in (a, b):  # object ids differ between the builds: compared above, each with its own
+        for f in facts:
+            if len(f) > 1 and isinstance(f[1], int):
+                f[1] = None
+    return {"walked": walked, "same": a == b, "ids_kept": ids_kept}
+
+
 def _run_cases(folder: str, cases: list[tuple[str, str, str]]) -> dict[str, dict[str, Any]]:
-    """On every rank: for each (mesh kind, config, source kind), build, load, check."""
+    """On every rank: for each (mesh kind, config, source kind), build, load, check; for each
+    meta (mesh kind, config) once, materialising compared with ``Module._apply``."""
     meshes: dict[str, Any] = {}
     out: dict[str, dict[str, Any]] = {}
     world = dist.get_world_size()
+    for mesh_kind, config in dict.fromkeys((m, c) for m, c, _ in cases):
+        if mesh_kind != "plain_cpu":
+            out[f"to_empty-w{world}-{mesh_kind}-{config}"] = _to_empty_facts(mesh_kind, config, meshes)
     for mesh_kind, config, source in cases:
         stage(case_id(world, mesh_kind, config, source))
         name, adapter, subtree, _ = SOURCES[source]
@@ -374,6 +428,24 @@ def test_load_bytes(world: int, mesh: str, config: str, source: str, folder: str
         assert total == 2 * ckpt, (total, ckpt)
     else:  # TP leaves norms and some biases replicated: more than once, less than everywhere
         assert ckpt < total < world * ckpt, (total, world, ckpt)
+
+
+TO_EMPTY = [(w, m, c) for w, m, c in dict.fromkeys((w, m, c) for w, m, c, _ in CASES) if m != "plain_cpu"]
+
+
+@pytest.mark.parametrize(("world", "mesh", "config"), TO_EMPTY, ids=[f"w{w}-{m}-{c}" for w, m, c in TO_EMPTY])
+def test_to_empty_matches_module_apply(world: int, mesh: str, config: str, folder: str) -> None:
+    """sdadapt's ``to_empty`` leaves what ``Module._apply`` leaves (objects, layouts, FSDP2's
+    state, uneven shards' padding), taking its own walk where every parameter is a DTensor."""
+    for rank, r in enumerate(results_for(world, folder)):
+        f = r[f"to_empty-w{world}-{mesh}-{config}"]
+        if "fsdp" in mesh or mesh == "hsdp":  # every parameter a DTensor (TP plans may leave norms plain)
+            assert f["walked"], (rank, f)
+        if mesh.startswith("plain"):
+            assert not f["walked"], (rank, f)
+        assert f["same"], f"rank {rank}: materialising differs from Module._apply"
+        theirs, ours = f["ids_kept"]
+        assert ours == theirs and (ours or not f["walked"]), f"rank {rank}: parameter objects kept: {f['ids_kept']}"
 
 
 def test_uneven_shards_are_exercised(folder: str) -> None:

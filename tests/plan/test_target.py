@@ -115,3 +115,20 @@ def test_reservation_asks_on_a_thread_and_never_raises(monkeypatch):
     materialize.Reservation(real, "cuda:0").wait()  # nothing on meta
     materialize.Reservation(model, "no-such-device").wait()
     assert asked == []
+
+
+@pytest.mark.parametrize("make", [tiny, lambda: torch.compile(tiny()), wrapped_layers])
+def test_load_targets_are_the_models_own_tensors(make):
+    """A load's targets: ``model_state_dict``'s keys, each value the model's own parameter or
+    buffer where that is ``model.state_dict()`` (else ``model_state_dict``'s own tensors)."""
+    from sdadapt._plan.target import load_targets
+
+    model = make()
+    ours, theirs = load_targets(model), model_state_dict(model)
+    assert list(ours) == list(theirs)
+    own = {id(t) for t in (*model.parameters(), *model.buffers())}
+    for k in ours:
+        assert ours[k].data_ptr() == theirs[k].data_ptr() and ours[k].shape == theirs[k].shape, k
+        assert (id(ours[k]) in own) is renames_nothing(model), k
+    if renames_nothing(model):
+        assert ours["out.weight"] is ours["emb.weight"] is model.emb.weight

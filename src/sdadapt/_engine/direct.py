@@ -99,7 +99,7 @@ def local_jobs(plan: Plan, state_dict: Mapping[str, torch.Tensor]) -> tuple[list
                 sizes, offsets = compute_local_shape_and_global_offset(obj.shape, obj.device_mesh, obj.placements)
                 memo[sig] = _overlap(tuple(obj.shape), tuple(offsets), tuple(sizes))
             box = memo[sig]
-            dest = obj.to_local()
+            dest = obj._local_tensor  # to_local()'s data, without its autograd step (a parameter needs grad)
         else:
             box = _overlap(tuple(obj.shape), (0,) * obj.dim(), tuple(obj.shape))
             dest = obj

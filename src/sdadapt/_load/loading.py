@@ -6,7 +6,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -24,12 +24,12 @@ from .._plan.adapter import Adapter
 from .._plan.intent import intent
 from .._plan.plan import KeyPatterns, Plan, key_patterns
 from .._plan.report import Report
-from .._plan.target import local_nbytes, model_state_dict, schema_of
+from .._plan.target import load_targets, local_nbytes, schema_of
 from .._transaction.args import check_model_and_path, renamed_keywords
 from .._transaction.headers import SharedHeaders, share_headers
 from .._transaction.materialize import InitFn, MissingInitFn, Reservation, check_buffers, choose_device, has_meta, missing_values
 from .._transaction.options import Options
-from .._transaction.steps import family_hint, judge, open_checkpoint, plan_model
+from .._transaction.steps import LAST_PLAN, family_hint, judge, open_checkpoint, plan_model
 from .._transaction.tidy import call_started, public
 from .._transaction.transaction import ATOMIC_WHY, Part, Transaction
 from ..sources import CHECKSUMS_WHY, LoraMerged, Source, remember_source
@@ -369,8 +369,8 @@ def load(
         # every rank's hook has run (a hook may touch the files) before any rank checks them
         materialized = txn.materialize(device, init_buffers, reserved, then=prep.fill_missing[1])
         phases.mark("materialize")
-        # materialising gave the parameters new tensors; otherwise the planned state dict is current
-        wanted = {k: v for k, v in (model_state_dict(model) if materialized else prep.planned).items() if k in prep.plan.recipes}
+        # materialising gave the buffers new tensors; otherwise the planned state dict is current
+        wanted = {k: v for k, v in (load_targets(model) if materialized else prep.planned).items() if k in prep.plan.recipes}
         part = Part("model", prep.plan, txn.sources[-1], wanted, share_reads=share)
         phases.mark("prepare")
         log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), options.name, " (atomic)" if atomic else "")
@@ -396,13 +396,13 @@ class _Prepared:
     adapter: Adapter | None = None  # as resolved and derived from the checkpoint
 
 
-def _intent(options: Options) -> Callable[[_Prepared], dict[str, Any]]:
+def _intent(options: Options) -> Callable[[_Prepared], Mapping[str, Any]]:
     """What the ranks agree on: the adapter, the plan (each stage of a pipeline plans its own
     keys: not compared), the options that change the plan, the versions."""
     o = options
-    return lambda p: intent(p.adapter, None if o.pipeline_stage else p.plan.recipes, strict=o.strict, dtype=str(o.dtype),
-                            pipeline_stage=o.pipeline_stage, subtree=o.subtree, allow_missing=list(o.allow_missing),
-                            allow_unexpected=list(o.allow_unexpected))  # fmt: skip
+    return lambda p: LAST_PLAN.parts(p.plan, lambda: intent(
+        p.adapter, None if o.pipeline_stage else p.plan.recipes, strict=o.strict, dtype=str(o.dtype), pipeline_stage=o.pipeline_stage,
+        subtree=o.subtree, allow_missing=list(o.allow_missing), allow_unexpected=list(o.allow_unexpected)))  # fmt: skip
 
 
 def _prepare(txn: Transaction, model: nn.Module, local: str | os.PathLike[str] | Source, shared: SharedHeaders,
@@ -413,7 +413,8 @@ def _prepare(txn: Transaction, model: nn.Module, local: str | os.PathLike[str] |
     (closed with it)."""
     source = shared.open(local, options.subtree)
     # the adapter is resolved inside the agreed step: a rank failing to resolve or derive it stops them all
-    source, plan, planned, resolved = plan_model(model, source, options)
+    # an open Source given by the caller may present any schema over its files: its plans are not kept
+    source, plan, planned, resolved = plan_model(model, source, options, None if isinstance(local, Source) else LAST_PLAN)
     txn.add_source(source)
     judge(plan, options.strict, lambda: family_hint(plan.report, source, schema_of(planned), options, model))
     check_buffers(model, options.init_buffers)

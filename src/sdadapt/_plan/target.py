@@ -26,6 +26,20 @@ def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
+def load_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a load writes into, under :func:`model_state_dict`'s keys. Where that is
+    ``model.state_dict()`` (:func:`renames_nothing`): ``model.state_dict(keep_vars=True)``
+    restricted to tensors, each value the model's own parameter or buffer rather than a detached
+    alias of it (a DTensor's ``detach`` runs through DTensor's operator dispatch: most of
+    ``state_dict``'s time for a model's hundreds of parameters); its hooks and modules' own
+    ``_save_to_state_dict`` still run. Else :func:`model_state_dict`. Nobody keeps these values
+    past the load: training code and refit read :func:`model_state_dict`, whose detached aliases
+    share their parameters' version counters."""
+    if not renames_nothing(model):
+        return model_state_dict(model)
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+
+
 def renames_nothing(model: nn.Module) -> bool:
     """True when ``get_model_state_dict(model)`` is ``model.state_dict()`` as it is: no module
     whose keys it rewrites (DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``, FSDP1 and its
@@ -38,10 +52,21 @@ def renames_nothing(model: nn.Module) -> bool:
     dynamo = sys.modules.get("torch._dynamo.eval_frame")
     if dynamo is not None:
         rewriting += (dynamo.OptimizedModule,)
-    for name, mod in model.named_modules(remove_duplicate=False):
-        if isinstance(mod, rewriting) or hasattr(mod, "_fqn_modifiers") or "_checkpoint_wrapped_module" in name:
+    # every module once, each edge's name once (the names named_modules would join, without joining them)
+    for mod in model.modules():
+        if isinstance(mod, rewriting) or _has_fqn_modifiers(mod) or any("_checkpoint_wrapped_module" in k for k in mod._modules):
             return False
     return True
+
+
+def _has_fqn_modifiers(mod: nn.Module) -> bool:
+    """``hasattr(mod, "_fqn_modifiers")``, without the failing lookup through ``nn.Module.__getattr__``
+    (which builds an error message) where the module's class does not override it."""
+    cls = type(mod)
+    if cls.__getattr__ is not nn.Module.__getattr__:
+        return hasattr(mod, "_fqn_modifiers")
+    name = "_fqn_modifiers"
+    return hasattr(cls, name) or name in mod.__dict__ or name in mod._parameters or name in mod._buffers or name in mod._modules
 
 
 def schema_of(state_dict: dict[str, torch.Tensor]) -> dict[str, TensorInfo]:

@@ -154,7 +154,7 @@ def materialize(
         reserved.wait()
     else:
         _reserve(model, device)
-    model._apply(lambda t: _empty_like(t, device))  # Module.to_empty, with a faster DTensor step
+    to_empty(model, device)
     if init_buffers is not None:
         init_buffers(model)
     elif callable(init_weights := getattr(model, "init_weights", None)):
@@ -187,6 +187,79 @@ class _DropRngSync(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return "synchronizing RNG states" not in record.getMessage()
+
+
+def to_empty(model: nn.Module, device: torch.device) -> None:
+    """``model.to_empty(device=device)``, with :func:`_empty_like` for each tensor. Where every
+    parameter is a DTensor (what TP and FSDP2 make) and no module has an ``_apply`` of its own
+    beyond FSDP2's (:func:`_plain_apply`), the same outcome is reached without ``Module._apply``,
+    which costs several times more per parameter (its per-module loop, and ``nn.Parameter``
+    detaching each new DTensor through DTensor's operator dispatch):
+
+    - every parameter keeps its object: ``_apply`` swaps a DTensor's new value in
+      (``torch.utils.swap_tensors``, as here), a parameter whose new value is a DTensor marked as
+      a parameter (``_is_param``, what ``nn.Parameter`` sets on a tensor subclass) with the old
+      one's ``requires_grad``; a parameter two modules share is swapped once (``_apply`` swaps it
+      twice, each time for new uninitialised memory);
+    - every buffer gets a new tensor in each module that holds it, as ``_apply`` gives it;
+    - FSDP2's modules are resharded first and their parameters' sharded data reset after
+      (``reset_sharded_param``: what ``FSDPModule._apply`` does around ``Module._apply``), so that
+      FSDP2's state holds the new local tensors (padded where its shards are uneven).
+    """
+    modules = list(model.modules())
+    if not _plain_apply(modules):
+        model._apply(lambda t: _empty_like(t, device))
+        return
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 - imported by fully_shard already, where one is used
+
+    fsdp = [f for f in modules if isinstance(f, FSDPModule)]
+    for f in fsdp:
+        f.reshard()
+    done: set[int] = set()
+    with torch.no_grad():
+        for m in modules:
+            for p in m._parameters.values():
+                if p is None or id(p) in done:
+                    continue
+                done.add(id(p))
+                fresh = _empty_like(p, device)
+                fresh.requires_grad_(p.requires_grad)
+                fresh._is_param = True
+                torch.utils.swap_tensors(p, fresh)
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = _empty_like(b, device)
+        for f in reversed(fsdp):  # inner modules first, as _apply's recursion resets them
+            for group in f._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    fsdp_param.reset_sharded_param()
+
+
+def _plain_apply(modules: list[nn.Module]) -> bool:
+    """Whether :func:`to_empty`'s own walk gives what ``Module._apply`` would: torch's default
+    conversion flags (``torch.__future__``), no module class with an ``_apply`` but
+    ``nn.Module``'s and FSDP2's, every parameter a DTensor (not a subclass of it) over a plain
+    local tensor, without a gradient."""
+    if torch.__future__.get_overwrite_module_params_on_conversion() or torch.__future__.get_swap_module_params_on_conversion():
+        return False
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
+
+    allowed = (nn.Module.__dict__["_apply"], FSDPModule.__dict__["_apply"])
+    classes: set[type] = set()
+    for m in modules:
+        cls = type(m)
+        if cls not in classes:
+            if any("_apply" in c.__dict__ and c.__dict__["_apply"] not in allowed for c in cls.__mro__):
+                return False
+            classes.add(cls)
+        for p in m._parameters.values():
+            if p is not None and (not _is_dtensor(p) or type(getattr(p, "_local_tensor", None)) is not torch.Tensor or p.grad is not None):
+                return False
+    return True
+
+
+def _is_dtensor(p: object) -> bool:
+    return type(p) is DTensor
 
 
 def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:

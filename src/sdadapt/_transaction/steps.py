@@ -11,7 +11,8 @@
    schema (key names, stored dtypes), a transformers model's adapter is derived from the
    source's schema;
 4. **plan**: the source's schema, the target's and the adapter give the plan
-   (:func:`plan_model`, :func:`plan_schema`), then :func:`judge` refuses it or warns;
+   (:func:`plan_model`, :func:`plan_schema`), then :func:`judge` refuses it or warns; a load
+   whose plan would equal the last load's reuses it (:class:`LastPlan`, below);
 5. **run**: the transaction reads, checks and commits
    (:meth:`~sdadapt._transaction.transaction.Transaction.run`).
 
@@ -25,8 +26,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import replace
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,9 +37,9 @@ from torch import nn
 from .._plan.adapter import Adapter, with_dtype
 from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
 from .._plan.report import Report
-from .._plan.target import model_state_dict, schema_of
+from .._plan.target import load_targets, schema_of
 from ..errors import PlanError, SdadaptError
-from ..sources import HeaderRecord, Source, TensorInfo, open_source, replaying_headers
+from ..sources import Fingerprint, HeaderRecord, Source, TensorInfo, fingerprint, open_source, replaying_headers
 from .options import Options
 
 log = logging.getLogger("sdadapt")
@@ -73,16 +76,27 @@ def derive_adapter(spec: Adapter | str | os.PathLike[str] | None, source: Source
         raise
 
 
-def plan_model(model: nn.Module, source: Source, options: Options) -> tuple[Source, Plan, dict[str, torch.Tensor], Adapter | None]:
+def plan_model(model: nn.Module, source: Source, options: Options, reuse: LastPlan | None = None,
+               ) -> tuple[Source, Plan, dict[str, torch.Tensor], Adapter | None]:  # fmt: skip
     """**adapter** and **plan** against a model: ``(source, plan, the model's state dict it
     planned against, the adapter)``. The adapter is ``options.adapter`` derived from the open
-    ``source`` (:func:`derive_adapter`); the plan is as :func:`plan_schema` plans. On failure
-    ``source`` is closed."""
+    ``source`` (:func:`derive_adapter`); the plan is as :func:`plan_schema` plans. The state
+    dict holds the model's own tensors (:func:`load_targets`). ``reuse``: the process's last
+    plan, returned instead where this one's key equals its own, else replaced by this one
+    (:class:`LastPlan`). On failure ``source`` is closed."""
     try:
         adapter = _adapter_or_none(options.adapter, source, model)
-        state_dict = model_state_dict(model)
+        state_dict = load_targets(model)
         stage = PipelineStage.of(state_dict, vacant_modules(model)) if options.pipeline_stage else None
-        source, plan = plan_schema(schema_of(state_dict), source, adapter, options, target_name=type(model).__name__, stage=stage)
+        target, name = schema_of(state_dict), type(model).__name__
+        key = None
+        if reuse is not None and not source.remote_url():  # object storage's files are local mirrors
+            key = plan_key(type(source).__qualname__, fingerprint(source.files()), adapter, target, name, options)
+        plan = reuse.get(key) if reuse is not None else None
+        if plan is None:
+            source, plan = plan_schema(target, source, adapter, options, target_name=name, stage=stage)
+            if reuse is not None:
+                reuse.keep(key, plan)
     except BaseException:
         source.close()
         raise
@@ -166,3 +180,107 @@ def family_hint(report: Report, source: Source, target: dict[str, TensorInfo], o
         log.debug("the shipped adapter %s finds %d keys, no more than %d: not suggested", name, theirs.found, report.found)
         return None
     return shipped_hint(source.path, theirs.ok)
+
+
+# ---------------------------------------------------------------------------- the last plan, reused
+@dataclass(frozen=True)
+class PlanKey:
+    """Everything a load's plan is made from (see :class:`LastPlan`); equal keys, equal plans."""
+
+    source: tuple[str, str | None, tuple[tuple[str, tuple[int, ...]], ...]]  # kind, subtree, each file's fingerprint
+    target: tuple[tuple[str, TensorInfo], ...]
+    target_name: str
+    adapter: Any
+    options: tuple[Any, ...]
+
+
+def plan_options(options: Options) -> tuple[Any, ...]:
+    """The options of ``options`` that change a plan (the init hooks do not: checked every load)."""
+    o = options
+    return (o.name, o.shipped, o.allow_missing, o.allow_unexpected, o.allow_resized, str(o.dtype), o.strict, o.checksums)
+
+
+def plan_key(kind: str, files: Fingerprint, adapter: Adapter | None, target: Mapping[str, TensorInfo], target_name: str,
+             options: Options) -> PlanKey | None:  # fmt: skip
+    """The key of a load's plan from a source of type ``kind`` whose ``files`` have these
+    fingerprints, or ``None`` where it is never reused (see :class:`LastPlan`)."""
+    if options.lora is not None or options.pipeline_stage or not files:
+        return None
+    try:
+        rules = adapter.model_dump(mode="json") if adapter is not None else None
+    except Exception:  # noqa: BLE001 - a rule JSON cannot hold (a function): never reused
+        return None
+    return PlanKey((kind, options.subtree, tuple(files.items())), tuple(target.items()), target_name, rules, plan_options(options))
+
+
+class LastPlan:
+    """The plan (and its agreement's parts) of the last load of this process, under its key,
+    handed to the next load of the same process that would plan the same.
+
+    A process that loads one checkpoint into models of one layout again and again (a benchmark's
+    repeats, a model rebuilt after a failure, an evaluation loop) makes the same plan every time.
+    It keeps the plan of the process's last load (one plan: memory stays bounded)
+    and gives it back only when everything the plan is made from is equal (:class:`PlanKey`):
+
+    - the source: its kind, the subtree read, and every file's identity (path, size, mtime_ns,
+      inode, device: what the load checks again right before reading);
+    - the model's layout: the target schema, in order (every key's global shape, dtype, placements
+      and mesh dims) and the model's class name (the report names it);
+    - the adapter as resolved from the open source, compared as its JSON (an adapter holding
+      something JSON cannot (a rule of one's own with a function) is never reused), and the
+      options that change a plan (:func:`plan_options`).
+
+    A reused plan is the validated plan of an equal load: its keys were checked strictly then (only
+    plans whose report has no problem are kept). Every other step still runs on every load: the
+    headers are read and the files fingerprinted, the model's tensors walked, the buffer and
+    missing-key checks made, and every rank takes part in the plan's agreement with the reused
+    plan's parts. Planning runs no collective, so ranks that differ in hit or miss still meet at
+    the same agreement, and disagree exactly where fresh plans would.
+
+    Not kept: loads of an open :class:`~sdadapt.sources.Source` object, of object storage, with a
+    LoRA, or into a pipeline stage (their plans depend on more than the key holds).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key: PlanKey | None = None
+        self._plan: Plan | None = None
+        self._parts: Mapping[str, Any] | None = None
+        self.hits = 0  # loads that reused the kept plan (for tests and probes)
+
+    def get(self, key: PlanKey | None) -> Plan | None:
+        """The kept plan where ``key`` equals its key, else ``None``."""
+        if key is None:
+            return None
+        with self._lock:
+            if self._plan is None or self._key != key:
+                return None
+            self.hits += 1
+            return self._plan
+
+    def keep(self, key: PlanKey | None, plan: Plan) -> None:
+        """Keep ``plan``, made for ``key``, in place of the last one where its report has no
+        problem; else (or ``key`` ``None``) forget the last one."""
+        with self._lock:
+            ok = key is not None and plan.report.ok
+            self._key, self._plan, self._parts = (key, plan, None) if ok else (None, None, None)
+
+    def parts(self, plan: Plan, make: Callable[[], Mapping[str, Any]]) -> Mapping[str, Any]:
+        """The agreement's parts of ``plan``: ``make()``, kept with the plan where it is the kept
+        one (equal keys give equal parts: the adapter, the plan and the options are the key's)."""
+        with self._lock:
+            if plan is self._plan and self._parts is not None:
+                return self._parts
+        parts = make()
+        with self._lock:
+            if plan is self._plan:
+                self._parts = parts
+        return parts
+
+    def clear(self) -> None:
+        """Forget the kept plan."""
+        with self._lock:
+            self._key, self._plan, self._parts = None, None, None
+
+
+LAST_PLAN = LastPlan()

@@ -563,9 +563,14 @@ def copy_back_if_detached(model: nn.Module, loaded: dict[str, torch.Tensor]) -> 
     """DCP wrote into the state dict's tensors. They are the model's own (sharded) tensors for
     plain modules, TP and FSDP2; if some are copies (other wrappers), copy them back.
 
-    Cheap check first: when every loaded tensor's memory is that of one of the model's own
-    parameters or buffers, nothing is detached (no second ``get_model_state_dict``)."""
-    own = {local(t).data_ptr() for t in (*model.parameters(), *model.buffers())}
+    Cheap checks first: when every loaded tensor is one of the model's own parameters or buffers
+    (a load's targets, :func:`~sdadapt._plan.target.load_targets`), or its memory is that of one,
+    nothing is detached (no second ``get_model_state_dict``)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    ids = {id(t) for t in tensors}
+    if all(id(v) in ids for v in loaded.values()):
+        return
+    own = {local(t).data_ptr() for t in tensors}
     if all(local(v).data_ptr() in own or local(v).numel() == 0 for v in loaded.values()):
         return
     current = model_state_dict(model)
