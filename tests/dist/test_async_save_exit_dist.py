@@ -248,3 +248,22 @@ def test_a_save_given_up_mid_write_stops_before_the_interpreter_ends(tmp_path):
     assert run.returncode == 0 and "terminate called" not in out, out[-3000:]
     assert f"the save to {cut} in the background did not end 0 s after" in out and "given up and" in out, out[-3000:]
     assert not complete(str(cut)) and not (cut / ".metadata").exists()
+
+
+def test_ctrl_c_while_exit_waits_gives_the_save_up(monkeypatch, caplog):
+    """Ctrl-C while exit waits without limit (``SDADAPT_EXIT_WAIT_S=inf``) gives the save up at
+    once (its thread then stops at its next file write), logged, rather than leaving the thread
+    running into the interpreter's end."""
+    import signal
+
+    monkeypatch.setenv("SDADAPT_EXIT_WAIT_S", "inf")
+    monkeypatch.setattr(background, "_GIVEN_UP", threading.Event())
+    background.start_writer().put(lambda: time.sleep(1.5))  # a save still writing
+    main = threading.get_ident()
+    threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
+    try:
+        with caplog.at_level("INFO"):
+            background.finish_at_exit()
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C while exit waited for a background save escaped finish_at_exit")
+    assert background.given_up() and "in the background was interrupted" in caplog.text and "given up and" in caplog.text

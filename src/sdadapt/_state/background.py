@@ -331,16 +331,24 @@ def finish_at_exit() -> None:
         limit = "without limit" if bound is None else f"up to {bound:g} s"
         log.info("waiting %s for the save to %s (in the background) to end before this process exits",
                  limit, ", ".join(writing))  # fmt: skip
-    if not ended.wait(bound):
+    t0 = time.monotonic()
+    try:
+        finished = ended.wait(bound)
+    except KeyboardInterrupt:  # Ctrl-C while exit waits: give the save up now
+        finished, bound = False, None
+    if not finished:
         _GIVEN_UP.set()  # before anything else: the writer stops at its next write, and marks no folder complete
         stopped = ended.wait(STOP_WAIT_S)
         what = f"the save to {', '.join(writing)}" if writing else "the background saves' thread (making its group)"
-        why = ("with the process group destroyed (wait for the save before destroy_process_group())" if destroyed
-               else "(SDADAPT_EXIT_WAIT_S sets how long exit waits; or wait for the save, handle.wait() or "
-                    "Checkpointer.close(), before exiting)")  # fmt: skip
+        if bound is None:
+            why = f"was interrupted {time.monotonic() - t0:.1f} s after this process began to exit"
+        else:
+            why = f"did not end {bound:g} s after this process began to exit " + (
+                "with the process group destroyed (wait for the save before destroy_process_group())" if destroyed
+                else "(SDADAPT_EXIT_WAIT_S sets how long exit waits; or wait for the save, handle.wait() or "
+                     "Checkpointer.close(), before exiting)")  # fmt: skip
         still = "" if stopped else f" (its thread still waits, for other ranks, {STOP_WAIT_S:g} s later)"
-        log.warning("%s in the background did not end %g s after this process began to exit %s; it is given up%s and "
-                    "is not a complete checkpoint", what, bound, why, still)  # fmt: skip
+        log.warning("%s in the background %s; it is given up%s and is not a complete checkpoint", what, why, still)
         if not stopped:
             return
     for h in list(_RUNNING):
