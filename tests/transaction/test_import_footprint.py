@@ -62,7 +62,8 @@ NOT_ON_THE_PLAIN_PATH = [
     "sdadapt.sources._configs",
     # block checksums (checksums=True, and their writers)
     "sdadapt.sources._integrity",
-    # the nodes of fused and split keys (a rename adapter makes none)
+    # the other key-moving rules (fuse, split, drop, tie, prefixes) and the nodes of fused and split keys
+    "sdadapt.rules._key_moves",
     "sdadapt._recipes.moves",
     "sdadapt._recipes.interleave",
     # the torch.save reader (its format is declared in the table, its module imported to open one)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 BUILT_IN: tuple[tuple[str, str, str, bool], ...] = (
     ("Rename", "_keys", "rename", True),
-    ("Fuse", "_keys", "fuse", True),
-    ("Split", "_keys", "split", True),
+    ("Fuse", "_key_moves", "fuse", True),
+    ("Split", "_key_moves", "split", True),
     ("Cast", "_values", "cast", True),
-    ("Drop", "_keys", "drop", True),
-    ("Tie", "_keys", "tie", True),
+    ("Drop", "_key_moves", "drop", True),
+    ("Tie", "_key_moves", "tie", True),
     ("Transpose", "_values", "transpose", True),
     ("Rotary", "_values", "rotary", True),
     ("Affine", "_values", "affine", True),
@@ -25,8 +25,8 @@ BUILT_IN: tuple[tuple[str, str, str, bool], ...] = (
     ("Trim", "_values", "trim", True),
     ("Interleave", "_tensor_parallel", "interleave", True),
     ("Deinterleave", "_tensor_parallel", "deinterleave", True),
-    ("StripPrefix", "_keys", "strip_prefix", True),
-    ("AddPrefix", "_keys", "add_prefix", True),
+    ("StripPrefix", "_key_moves", "strip_prefix", True),
+    ("AddPrefix", "_key_moves", "add_prefix", True),
     # the quantized formats: their public functions are in their own module (they import the kernels)
     ("DequantFP8", "_dequant", "dequant_fp8", True),
     ("DequantMXFP4", "_dequant", "dequant_mxfp4", True),
@@ -49,9 +49,9 @@ QUANTIZED = ("_dequant", "_dequant_scaled")
 """The modules of the quantized formats' kinds, whose public functions live in
 :mod:`sdadapt.rules._quant_functions` (the others' in :mod:`sdadapt.rules._functions`)."""
 
-ON_USE = ("_values", "_stacking", "_tensor_parallel", *QUANTIZED)
+ON_USE = ("_key_moves", "_values", "_stacking", "_tensor_parallel", *QUANTIZED)
 """The modules of :data:`RULE_KINDS` imported when a kind of theirs is first used, not with
-:mod:`sdadapt.rules`: a plain adapter (renames, fused keys) imports only :mod:`sdadapt.rules._keys`."""
+:mod:`sdadapt.rules`: an adapter of renames imports only :mod:`sdadapt.rules._keys`."""
 
 EAGER_KINDS = tuple((cls, module, fn) for cls, module, fn in RULE_KINDS if module not in ON_USE)
 """The kinds registered when :mod:`sdadapt.rules` is imported, in their order."""

@@ -121,13 +121,13 @@ if TYPE_CHECKING:
     from ._dequant_gptq import DequantGPTQ as DequantGPTQ
     from ._dequant_scaled import DequantScaled as DequantScaled
     from ._dequant_scaled import QuantizeScaled as QuantizeScaled
-    from ._keys import AddPrefix as AddPrefix
-    from ._keys import Drop as Drop
-    from ._keys import Fuse as Fuse
+    from ._key_moves import AddPrefix as AddPrefix
+    from ._key_moves import Drop as Drop
+    from ._key_moves import Fuse as Fuse
+    from ._key_moves import Split as Split
+    from ._key_moves import StripPrefix as StripPrefix
+    from ._key_moves import Tie as Tie
     from ._keys import Rename as Rename
-    from ._keys import Split as Split
-    from ._keys import StripPrefix as StripPrefix
-    from ._keys import Tie as Tie
     from ._lora import merged_lora as merged_lora
     from ._lora import open_peft_lora as open_peft_lora
     from ._quant_config import ignored_modules as ignored_modules

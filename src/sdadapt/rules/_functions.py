@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from ._keys import AddPrefix, Drop, Fuse, Rename, Split, StripPrefix, Tie
+from ._keys import Rename
 
 if TYPE_CHECKING:
+    from ._key_moves import AddPrefix, Drop, Fuse, Split, StripPrefix, Tie
     from ._stacking import Stack, Unstack
     from ._tensor_parallel import Deinterleave, Interleave
     from ._values import Affine, Cast, Pad, Rotary, Transpose, Trim
@@ -53,6 +54,8 @@ def fuse(srcs: list[str], dst: str, dim: int = 0, sizes: list[int] | None = None
         qkv = [f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv"]
         sdadapt.fuse(qkv, "layers.{i}.attention.wqkv.weight")
     """
+    from ._key_moves import Fuse  # noqa: PLC0415 - its module is imported on first use
+
     return Fuse(srcs=srcs, dst=dst, dim=dim, sizes=sizes, heads=heads)
 
 
@@ -75,6 +78,8 @@ def split(src: str, dsts: list[str], dim: int = 0, sizes: list[int] | None = Non
         qkv = ["h.{i}.q.weight", "h.{i}.k.weight", "h.{i}.v.weight"]
         sdadapt.split("h.{i}.attn.query_key_value.weight", qkv, heads=8)
     """
+    from ._key_moves import Split  # noqa: PLC0415 - its module is imported on first use
+
     return Split(src=src, dsts=dsts, dim=dim, sizes=sizes, heads=heads)
 
 
@@ -117,6 +122,8 @@ def drop(keys: str, *, shadows: bool = False) -> Drop:
 
         sdadapt.drop("**.rotary_emb.inv_freq")
     """
+    from ._key_moves import Drop  # noqa: PLC0415 - its module is imported on first use
+
     return Drop(keys=keys, shadows=shadows or None)
 
 
@@ -134,6 +141,8 @@ def tie(dst: str, src: str) -> Tie:
 
         sdadapt.tie("output.weight", "tok_embeddings.weight")
     """
+    from ._key_moves import Tie  # noqa: PLC0415 - its module is imported on first use
+
     return Tie(dst=dst, src=src)
 
 
@@ -366,6 +375,8 @@ def strip_prefix(prefix: str, optional: bool = False) -> StripPrefix:
 
         sdadapt.strip_prefix("model.")
     """
+    from ._key_moves import StripPrefix  # noqa: PLC0415 - its module is imported on first use
+
     return StripPrefix(prefix=prefix, optional=optional)
 
 
@@ -383,4 +394,6 @@ def add_prefix(prefix: str, keys: str = "**") -> AddPrefix:
 
         sdadapt.add_prefix("model.")
     """
+    from ._key_moves import AddPrefix  # noqa: PLC0415 - its module is imported on first use
+
     return AddPrefix(prefix=prefix, keys=keys)

@@ -16,7 +16,8 @@ _CLASSES = tuple(
 )
 
 if TYPE_CHECKING:
-    from ._keys import AddPrefix, Drop, Fuse, Rename, Split, StripPrefix, Tie
+    from ._key_moves import AddPrefix, Drop, Fuse, Split, StripPrefix, Tie
+    from ._keys import Rename
     from ._stacking import Stack, Unstack
     from ._tensor_parallel import Deinterleave, Interleave
     from ._values import Affine, Cast, Pad, Rotary, Transpose, Trim
