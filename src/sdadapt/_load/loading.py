@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import time
@@ -27,7 +26,16 @@ from .._plan.report import Report
 from .._plan.target import load_targets, local_nbytes, schema_of
 from .._transaction.args import check_model_and_path, renamed_keywords
 from .._transaction.headers import SharedHeaders, share_headers
-from .._transaction.materialize import InitFn, MissingInitFn, Reservation, check_buffers, choose_device, has_meta, missing_values
+from .._transaction.materialize import (
+    InitFn,
+    MissingInitFn,
+    Reservation,
+    check_buffers,
+    choose_device,
+    has_meta,
+    missing_values,
+    own_tensors,
+)
 from .._transaction.options import Options
 from .._transaction.steps import LAST_PLAN, family_hint, judge, open_checkpoint, plan_model
 from .._transaction.tidy import call_started, public
@@ -213,8 +221,7 @@ def _gpu_target(model: nn.Module, device: torch.device | str | None) -> torch.de
     or its mesh's); ``None`` for a load that stays off GPUs. CUDA is asked about only for a load
     bound for a GPU: in a process that has not used it, ``torch.cuda.is_available()`` starts the
     driver, a wait a load into the CPU has no use for."""
-    tensors = itertools.chain(model.parameters(), model.buffers())
-    target = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    target = next((t.device for t in own_tensors(model) if t.is_cuda), None)
     if target is None and has_meta(model):
         try:
             target = choose_device(model, device)

@@ -41,6 +41,16 @@ def has_meta(model: nn.Module | Iterable[torch.Tensor]) -> bool:
     return any(is_meta(t) for t in tensors)
 
 
+def own_tensors(model: nn.Module) -> list[torch.Tensor]:
+    """Every parameter, then every buffer, of ``model``'s modules: what ``model.parameters()``
+    then ``model.buffers()`` give, in their order, from one walk over the modules (a tensor two
+    modules hold comes twice: for the questions asked of it, whether any or which comes first)."""
+    modules = list(model.modules())
+    return [p for m in modules for p in m._parameters.values() if p is not None] + [
+        b for m in modules for b in m._buffers.values() if b is not None
+    ]
+
+
 def meta_non_persistent_buffers(model: nn.Module) -> list[str]:
     out = []
     for mod_name, mod in model.named_modules():

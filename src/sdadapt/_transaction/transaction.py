@@ -72,7 +72,7 @@ from .commit import (
     restore_param_groups,
     touching_optimizer,
 )
-from .materialize import InitFn, Reservation, choose_device, has_meta, materialize
+from .materialize import InitFn, Reservation, choose_device, has_meta, materialize, own_tensors
 from .tidy import single_process_quiet
 
 if TYPE_CHECKING:
@@ -566,7 +566,7 @@ def copy_back_if_detached(model: nn.Module, loaded: dict[str, torch.Tensor]) -> 
     Cheap checks first: when every loaded tensor is one of the model's own parameters or buffers
     (a load's targets, :func:`~sdadapt._plan.target.load_targets`), or its memory is that of one,
     nothing is detached (no second ``get_model_state_dict``)."""
-    tensors = [*model.parameters(), *model.buffers()]
+    tensors = own_tensors(model)
     ids = {id(t) for t in tensors}
     if all(id(v) in ids for v in loaded.values()):
         return
