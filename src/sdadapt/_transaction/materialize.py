@@ -232,8 +232,7 @@ def to_empty(model: nn.Module, device: torch.device) -> None:
                 if p is None or id(p) in done:
                     continue
                 done.add(id(p))
-                fresh = _empty_like(p, device)
-                fresh.requires_grad_(p.requires_grad)
+                fresh = _empty_like(p, device, p.requires_grad)
                 fresh._is_param = True
                 torch.utils.swap_tensors(p, fresh)
             for name, b in m._buffers.items():
@@ -272,18 +271,19 @@ def _is_dtensor(p: object) -> bool:
     return type(p) is DTensor
 
 
-def _empty_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _empty_like(t: torch.Tensor, device: torch.device, requires_grad: bool = False) -> torch.Tensor:
     """What ``Module.to_empty(device=device)`` makes of ``t``: uninitialised memory of its
     shape, strides and dtype on ``device``. A DTensor gets its local tensor that way and keeps
     its spec (mesh, placements, global shape): ``torch.empty_like`` on a DTensor reaches the
     same result through DTensor's operator dispatch, which costs several times more for each of
     a model's hundreds of parameters. ``t`` is a leaf (a parameter or a buffer), so building the
-    DTensor from its parts leaves no autograd history to keep."""
+    DTensor from its parts leaves no autograd history to keep. ``requires_grad``: the new
+    tensor's (what ``nn.Parameter`` sets on a parameter's new value)."""
     if isinstance(t, DTensor) and t.device_mesh.device_type == device.type:
         local = t._local_tensor
         fresh = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device=device)
-        return DTensor(fresh, t._spec, requires_grad=False)
-    return torch.empty_like(t, device=device)
+        return DTensor(fresh, t._spec, requires_grad=requires_grad)
+    return torch.empty_like(t, device=device).requires_grad_(requires_grad)
 
 
 def _reserve_bytes(model: nn.Module, device: torch.device) -> int:
@@ -297,7 +297,11 @@ def _reserve_bytes(model: nn.Module, device: torch.device) -> int:
     if "max_split_size" in conf or "expandable_segments" in conf:
         return 0
     total = 0
-    for t in (*model.parameters(), *model.buffers()):
+    seen: set[int] = set()
+    for t in own_tensors(model):  # each tensor once, as model.parameters() and buffers() give it
+        if id(t) in seen:
+            continue
+        seen.add(id(t))
         local = t._local_tensor if isinstance(t, DTensor) else t
         n = local.numel() * local.element_size()
         if local.is_meta and n > _SMALL:
