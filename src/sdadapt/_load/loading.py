@@ -14,6 +14,7 @@ import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
+from .._base import agreement
 from .._base.distributed import rank_and_world
 from .._base.gc import without_gc
 from .._base.progress import TransferBar
@@ -405,11 +406,13 @@ class _Prepared:
 
 def _intent(options: Options) -> Callable[[_Prepared], Mapping[str, Any]]:
     """What the ranks agree on: the adapter, the plan (each stage of a pipeline plans its own
-    keys: not compared), the options that change the plan, the versions."""
+    keys: not compared), the options that change the plan (kept with a reused plan), and the
+    versions, read every load (a reused plan's key does not hold them)."""
     o = options
-    return lambda p: LAST_PLAN.parts(p.plan, lambda: intent(
+    return lambda p: {**LAST_PLAN.parts(p.plan, lambda: intent(
         p.adapter, None if o.pipeline_stage else p.plan.recipes, strict=o.strict, dtype=str(o.dtype), pipeline_stage=o.pipeline_stage,
-        subtree=o.subtree, allow_missing=list(o.allow_missing), allow_unexpected=list(o.allow_unexpected)))  # fmt: skip
+        subtree=o.subtree, allow_missing=list(o.allow_missing), allow_unexpected=list(o.allow_unexpected))),
+        "versions": agreement.installed_versions()}  # fmt: skip
 
 
 def _prepare(txn: Transaction, model: nn.Module, local: str | os.PathLike[str] | Source, shared: SharedHeaders,
