@@ -15,6 +15,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -239,16 +240,31 @@ def to_empty(model: nn.Module, device: torch.device) -> None:
                 if b is not None:
                     m._buffers[name] = _empty_like(b, device)
         for f in reversed(fsdp):  # inner modules first, as _apply's recursion resets them
-            for group in f._get_fsdp_state()._fsdp_param_groups:
+            for group in _param_groups(f) or ():
                 for fsdp_param in group.fsdp_params:
                     fsdp_param.reset_sharded_param()
+
+
+def _param_groups(module: nn.Module) -> list[Any] | None:
+    """The FSDP2 parameter groups of ``module`` (an ``FSDPModule``), what its ``_apply`` resets:
+    a list in torch releases that let one module hold several groups (``_fsdp_param_groups``),
+    one optional group in earlier ones (``_fsdp_param_group``); ``None``
+    where the state has neither, so that :func:`to_empty` leaves the work to ``Module._apply``."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    if hasattr(state, "_fsdp_param_group"):
+        group = state._fsdp_param_group
+        return [] if group is None else [group]
+    return None
 
 
 def _plain_apply(modules: list[nn.Module]) -> bool:
     """Whether :func:`to_empty`'s own walk gives what ``Module._apply`` would: torch's default
     conversion flags (``torch.__future__``), no module class with an ``_apply`` but
-    ``nn.Module``'s and FSDP2's, every parameter a DTensor (not a subclass of it) over a plain
-    local tensor, without a gradient."""
+    ``nn.Module``'s and FSDP2's, FSDP2's state in a layout :func:`_param_groups` knows, every
+    parameter a DTensor (not a subclass of it) over a plain local tensor, without a gradient."""
     if torch.__future__.get_overwrite_module_params_on_conversion() or torch.__future__.get_swap_module_params_on_conversion():
         return False
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415
@@ -256,6 +272,8 @@ def _plain_apply(modules: list[nn.Module]) -> bool:
     allowed = (nn.Module.__dict__["_apply"], FSDPModule.__dict__["_apply"])
     classes: set[type] = set()
     for m in modules:
+        if isinstance(m, FSDPModule) and _param_groups(m) is None:
+            return False
         cls = type(m)
         if cls not in classes:
             if any("_apply" in c.__dict__ and c.__dict__["_apply"] not in allowed for c in cls.__mro__):
