@@ -276,9 +276,11 @@ def _materialised(model: torch.nn.Module) -> list[Any]:
         out.append(facts)
     for name, b in model.named_buffers(remove_duplicate=False):
         out.append([name, type(b), b.device, b.dtype, tuple(b.shape), b.stride()])
+    from sdadapt._transaction.materialize import _param_groups  # either torch layout of FSDP2's groups
+
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            for group in m._get_fsdp_state()._fsdp_param_groups:
+            for group in _param_groups(m) or ():
                 for fp in group.fsdp_params:
                     held = getattr(fp._module_info.module, fp._module_info.param_name)
                     data = fp._sharded_param_data
