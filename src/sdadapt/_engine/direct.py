@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .._base.agreement import spans_hosts
-from .._base.distributed import is_distributed
+from .._base.distributed import rank_and_world
 from .._base.regions import Box, box_shape
 from .._plan.plan import Plan
 from ..errors import LoadError
@@ -182,7 +182,8 @@ class EngineReader:
         shares: list[share.Share] = []
         rows: list[share.RowShare] = []
         cfg = self.config or EngineConfig.from_env()
-        if self.share_reads and is_distributed():
+        # one process alone has no peer to share with (every mesh has one member): no split
+        if self.share_reads and rank_and_world()[1] > 1:
             from . import share  # noqa: PLC0415 - share_reads=True only: a plain load never imports it
 
             rows_gap, ask = rows_mode(cfg.share_rows, self.one_host, cfg.gap_bytes)

@@ -46,6 +46,7 @@ import threading
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,9 @@ from .._base.regions import Box, box_shape, shard_box
 from .blockcopy import copy_in_blocks as _copy
 from .config import EngineConfig
 from .tasks import Job
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 PAGE = 4096
 ALIGN = 16  # each piece of a round's flat buffers starts on a multiple of this (any dtype's views)
@@ -161,15 +165,22 @@ class Unit:
         return -(-self.nbytes() // len(self.share.cut.cols))
 
 
-def replica_dim(t: torch.Tensor) -> int | None:
+def replica_dim(t: torch.Tensor, mesh_shape: tuple[int, ...] | None = None) -> int | None:
     """The mesh dim over which ``t`` is replicated on more than one rank (the largest such dim,
-    the first of equals), or ``None``."""
+    the first of equals), or ``None``. ``mesh_shape``: the shape of ``t``'s mesh where the caller
+    has it (asking a mesh its sizes rebuilds its layout in some torch releases).
+
+    Example::
+
+        dim = replica_dim(dtensor)  # None for a tensor sharded on every mesh dim
+    """
     if not isinstance(t, DTensor):
         return None
+    sizes = mesh_shape if mesh_shape is not None else tuple(t.device_mesh.shape)
     best = None
     for i, p in enumerate(t.placements):
-        n = t.device_mesh.size(i)
-        if p.is_replicate() and n > 1 and (best is None or n > t.device_mesh.size(best)):
+        n = sizes[i]
+        if p.is_replicate() and n > 1 and (best is None or n > sizes[best]):
             best = i
     return best
 
@@ -256,11 +267,20 @@ def split(
             groups[key] = (group, dist.get_process_group_ranks(group), dist.get_group_rank(group, dist.get_rank()))
         return groups[key]
 
+    # each mesh's shape and this rank's coordinate, asked once: the jobs' tensors share a few meshes
+    meshes: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+
+    def geometry(mesh: DeviceMesh) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        if (found := meshes.get(id(mesh))) is None:
+            found = meshes[id(mesh)] = (tuple(mesh.shape), tuple(mesh.get_coordinate() or ()))
+        return found
+
     for job, target in zip(jobs, targets, strict=True):
         if not isinstance(target, DTensor) or not job.box or not job.dest.is_contiguous():
             mine.append(job)
             continue
-        dim = replica_dim(target)
+        mesh_shape, coordinate = geometry(target.device_mesh)
+        dim = replica_dim(target, mesh_shape)
         if dim is not None:
             group, ranks, me = group_of(target.device_mesh, dim)
             a, b = job.box[0]
@@ -275,9 +295,7 @@ def split(
             job = Job(job.key, job.node, ((a + s, a + e),) + tuple(job.box[1:]), job.dest.narrow(0, s, e - s))
         cut = None
         if rows_gap is not None:
-            mesh = target.device_mesh
-            cut = row_cut(job.box, tuple(target.shape), tuple(mesh.shape), tuple(mesh.get_coordinate() or ()),
-                          tuple(target.placements), job.dest.element_size(), rows_gap)
+            cut = row_cut(job.box, tuple(target.shape), mesh_shape, coordinate, tuple(target.placements), job.dest.element_size(), rows_gap)
         if cut is None:
             mine.append(job)
         else:
