@@ -388,9 +388,9 @@ def dry_run(
 def _plan(target: Any, src: Any, options: Options) -> tuple[Source, Plan, str, dict[str, torch.Tensor] | None]:
     """The source, the plan, the target's name and, for a model, its state dict, as a load plans them."""
     if isinstance(target, nn.Module):
-        source = open_checkpoint(src, options.subtree)  # once: the adapter is derived from the open source
-        source, plan, state, _ = plan_model(target, source, options)
-        return source, plan, type(target).__name__, state
+        # opened once: the adapter is derived from the open source
+        planned = plan_model(target, open_checkpoint(src, options.subtree), options)
+        return planned.source, planned.plan, type(target).__name__, planned.targets
     source = open_source(src, subtree=options.subtree)
     try:
         resolved = adapter_or_none(options.adapter, source)

@@ -211,19 +211,20 @@ def plan_load(
     check_model_and_path("sdadapt.plan_load(model, src, adapter=None, ...)", model, src)
     options = Options.of(src, adapter=adapter, subtree=subtree, pipeline_stage=pipeline_stage, lora=lora, dtype=dtype,
                          **key_patterns("sdadapt.plan_load", patterns))  # fmt: skip
-    source = open_checkpoint(src, subtree)
-    source, plan, _, _ = plan_model(model, source, options)
-    return source, plan
+    planned = plan_model(model, open_checkpoint(src, subtree), options)
+    return planned.source, planned.plan
 
 
-def _gpu_target(model: nn.Module, device: torch.device | str | None) -> torch.device | None:
+def _gpu_target(model: nn.Module, device: torch.device | str | None, tensors: list[torch.Tensor] | None = None) -> torch.device | None:
     """The GPU a load into ``model`` reads to: the device of its first parameter or buffer on a
     GPU, else, for a model with tensors on meta, the device it is materialised on (``device``,
     or its mesh's); ``None`` for a load that stays off GPUs. CUDA is asked about only for a load
     bound for a GPU: in a process that has not used it, ``torch.cuda.is_available()`` starts the
-    driver, a wait a load into the CPU has no use for."""
-    target = next((t.device for t in own_tensors(model) if t.is_cuda), None)
-    if target is None and has_meta(model):
+    driver, a wait a load into the CPU has no use for. ``tensors``: :func:`own_tensors` of
+    ``model``, where the caller has them."""
+    tensors = own_tensors(model) if tensors is None else tensors
+    target = next((t.device for t in tensors if t.is_cuda), None)
+    if target is None and has_meta(tensors):
         try:
             target = choose_device(model, device)
         except Exception:  # noqa: BLE001 - a bad device= is reported by materialising, agreed on every rank
@@ -357,8 +358,9 @@ def load(
     txn = Transaction(model, process_group, options.name)
     txn.engine = engine
     local = txn.resolve(src)  # **resolve**: a Hub id's snapshot folder, fetched and agreed on every rank
-    reserved = Reservation(model, device)  # a meta model's GPU memory, asked for while the plan is made
-    target = _gpu_target(model, device)
+    tensors = own_tensors(model)  # once for both questions below
+    reserved = Reservation(model, device, tensors)  # a meta model's GPU memory, asked for while the plan is made
+    target = _gpu_target(model, device, tensors)
     if target is not None:  # pinned while the plan is made (kept for the next load if it fails)
         prefetch_pinned(target, False, engine)
     shared = share_headers(local, subtree, process_group)  # opened by one rank, its headers broadcast
@@ -378,7 +380,7 @@ def load(
         materialized = txn.materialize(device, init_buffers, reserved, then=prep.fill_missing[1])
         phases.mark("materialize")
         # materialising gave the buffers new tensors; otherwise the planned state dict is current
-        wanted = {k: v for k, v in (load_targets(model) if materialized else prep.planned).items() if k in prep.plan.recipes}
+        wanted = {k: v for k, v in (load_targets(model, prep.plain) if materialized else prep.planned).items() if k in prep.plan.recipes}
         part = Part("model", prep.plan, txn.sources[-1], wanted, share_reads=share)
         phases.mark("prepare")
         log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), options.name, " (atomic)" if atomic else "")
@@ -402,6 +404,7 @@ class _Prepared:
     planned: dict[str, torch.Tensor]
     fill_missing: tuple[str, InitFn | None]
     adapter: Adapter | None = None  # as resolved and derived from the checkpoint
+    plain: bool | None = None  # renames_nothing(model), as planned (None: not asked)
 
 
 def _intent(options: Options) -> Callable[[_Prepared], Mapping[str, Any]]:
@@ -424,9 +427,10 @@ def _prepare(txn: Transaction, model: nn.Module, local: str | os.PathLike[str] |
     source = shared.open(local, options.subtree)
     # the adapter is resolved inside the agreed step: a rank failing to resolve or derive it stops them all
     # an open Source given by the caller may present any schema over its files: its plans are not kept
-    source, plan, planned, resolved = plan_model(model, source, options, None if isinstance(local, Source) else LAST_PLAN)
-    txn.add_source(source)
-    judge(plan, options.strict, lambda: family_hint(plan.report, source, schema_of(planned), options, model))
+    planned = plan_model(model, source, options, None if isinstance(local, Source) else LAST_PLAN)
+    source, plan = planned.source, planned.plan
+    txn.add_source(source, planned.files)
+    judge(plan, options.strict, lambda: family_hint(plan.report, source, schema_of(planned.targets), options, model))
     check_buffers(model, options.init_buffers)
     fill_missing = missing_values(model, [*plan.skipped, *plan.report.missing], options.init_buffers, options.init_missing)
     if options.checksums:
@@ -435,7 +439,7 @@ def _prepare(txn: Transaction, model: nn.Module, local: str | os.PathLike[str] |
         sidecar, sums = read_checksums(source)
         leaves = sorted({k for node in plan.recipes.values() for k in node.leaves()})
         txn.sources[-1] = ChecksummedSource(source, sidecar, sums, leaves)
-    return _Prepared(plan, planned, fill_missing, resolved)
+    return _Prepared(plan, planned.targets, fill_missing, planned.adapter, planned.plain)
 
 
 def _load_report(part: Part, prep: _Prepared, options: Options, phases: _Phases, *, rank: int, world: int, total: int,

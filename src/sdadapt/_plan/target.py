@@ -11,13 +11,14 @@ from torch.distributed.tensor import DTensor
 from .._base.schema import MeshDim, TensorInfo
 
 
-def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def model_state_dict(model: nn.Module, plain: bool | None = None) -> dict[str, torch.Tensor]:
     """``get_model_state_dict(model)`` restricted to tensors (DTensors stay sharded).
 
     Where ``get_model_state_dict`` can only return ``model.state_dict()`` unchanged (see
     :func:`renames_nothing`), that is called directly: it skips the per-key FQN search that
-    costs ``get_model_state_dict`` most of its time (tens of ms for a few hundred keys)."""
-    if renames_nothing(model):
+    costs ``get_model_state_dict`` most of its time (tens of ms for a few hundred keys).
+    ``plain``: :func:`renames_nothing`'s answer for ``model``, where the caller has it."""
+    if renames_nothing(model) if plain is None else plain:
         sd = model.state_dict()
     else:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict  # noqa: PLC0415 - wrapped models only
@@ -26,7 +27,7 @@ def model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
 
-def load_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+def load_targets(model: nn.Module, plain: bool | None = None) -> dict[str, torch.Tensor]:
     """The tensors a load writes into, under :func:`model_state_dict`'s keys. Where that is
     ``model.state_dict()`` (:func:`renames_nothing`): ``model.state_dict(keep_vars=True)``
     restricted to tensors, each value the model's own parameter or buffer rather than a detached
@@ -34,9 +35,22 @@ def load_targets(model: nn.Module) -> dict[str, torch.Tensor]:
     ``state_dict``'s time for a model's hundreds of parameters); its hooks and modules' own
     ``_save_to_state_dict`` still run. Else :func:`model_state_dict`. Nobody keeps these values
     past the load: training code and refit read :func:`model_state_dict`, whose detached aliases
-    share their parameters' version counters."""
-    if not renames_nothing(model):
-        return model_state_dict(model)
+    share their parameters' version counters.
+
+    Args:
+        model: the model a load writes into.
+        plain: :func:`renames_nothing`'s answer for ``model``, where the caller has it (a load
+            asks it once: materialising changes no module); ``None``: asked here.
+
+    Returns:
+        ``key -> tensor`` for every tensor of the model's state dict.
+
+    Example::
+
+        targets = load_targets(model)  # the model's own parameters and buffers, by state-dict key
+    """
+    if not (renames_nothing(model) if plain is None else plain):
+        return model_state_dict(model, False)
     return {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
 
 
@@ -52,21 +66,25 @@ def renames_nothing(model: nn.Module) -> bool:
     dynamo = sys.modules.get("torch._dynamo.eval_frame")
     if dynamo is not None:
         rewriting += (dynamo.OptimizedModule,)
+    name = "_fqn_modifiers"
+    # each class asked once: a model repeats a few classes over hundreds of modules
+    plain: set[type] = set()  # neither rewriting nor holding _fqn_modifiers, with nn.Module's __getattr__
     # every module once, each edge's name once (the names named_modules would join, without joining them)
     for mod in model.modules():
-        if isinstance(mod, rewriting) or _has_fqn_modifiers(mod) or any("_checkpoint_wrapped_module" in k for k in mod._modules):
+        cls = type(mod)
+        if cls not in plain:
+            if issubclass(cls, rewriting) or hasattr(cls, name):
+                return False
+            if cls.__getattr__ is nn.Module.__getattr__:
+                plain.add(cls)
+            elif hasattr(mod, name):  # a __getattr__ of its own may answer it
+                return False
+        # hasattr(mod, name) for nn.Module's __getattr__, without its failing lookup (which builds a message)
+        if name in mod.__dict__ or name in mod._parameters or name in mod._buffers or name in mod._modules:
+            return False
+        if mod._modules and any("_checkpoint_wrapped_module" in k for k in mod._modules):
             return False
     return True
-
-
-def _has_fqn_modifiers(mod: nn.Module) -> bool:
-    """``hasattr(mod, "_fqn_modifiers")``, without the failing lookup through ``nn.Module.__getattr__``
-    (which builds an error message) where the module's class does not override it."""
-    cls = type(mod)
-    if cls.__getattr__ is not nn.Module.__getattr__:
-        return hasattr(mod, "_fqn_modifiers")
-    name = "_fqn_modifiers"
-    return hasattr(cls, name) or name in mod.__dict__ or name in mod._parameters or name in mod._buffers or name in mod._modules
 
 
 def schema_of(state_dict: dict[str, torch.Tensor]) -> dict[str, TensorInfo]:

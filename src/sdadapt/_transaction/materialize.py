@@ -304,11 +304,12 @@ def _empty_like(t: torch.Tensor, device: torch.device, requires_grad: bool = Fal
     return torch.empty_like(t, device=device).requires_grad_(requires_grad)
 
 
-def _reserve_bytes(model: nn.Module, device: torch.device) -> int:
+def _reserve_bytes(model: nn.Module, device: torch.device, tensors: list[torch.Tensor] | None = None) -> int:
     """How much :func:`_reserve` asks for: the model's large (> 1 MiB) local tensors on meta,
     rounded as the allocator rounds blocks; 0 where it is skipped (not a GPU, allocator settings
     ``max_split_size_mb`` or ``expandable_segments``, which change how cached blocks are reused
-    so that the memory could be stranded instead, under 64 MiB, or ``SDADAPT_RESERVE=0``)."""
+    so that the memory could be stranded instead, under 64 MiB, or ``SDADAPT_RESERVE=0``).
+    ``tensors``: :func:`own_tensors` of ``model``, where the caller has them."""
     if device.type != "cuda" or os.environ.get("SDADAPT_RESERVE", "1") == "0":
         return 0
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
@@ -316,7 +317,7 @@ def _reserve_bytes(model: nn.Module, device: torch.device) -> int:
         return 0
     total = 0
     seen: set[int] = set()
-    for t in own_tensors(model):  # each tensor once, as model.parameters() and buffers() give it
+    for t in own_tensors(model) if tensors is None else tensors:  # each tensor once, as model.parameters() and buffers() give it
         if id(t) in seen:
             continue
         seen.add(id(t))
@@ -352,13 +353,14 @@ class Reservation:
     Args:
         model: the model about to be materialised.
         device: where it will be (``sdadapt.load``'s ``device=``: ``None`` for its mesh's device).
+        tensors: :func:`own_tensors` of ``model``, where the caller has them (else walked here).
     """
 
-    def __init__(self, model: nn.Module, device: torch.device | str | None):
+    def __init__(self, model: nn.Module, device: torch.device | str | None, tensors: list[torch.Tensor] | None = None):
         self._thread: threading.Thread | None = None
         try:
             where = choose_device(model, device)
-            total = _reserve_bytes(model, where)  # 0 off a GPU, and for a model with nothing on meta
+            total = _reserve_bytes(model, where, tensors)  # 0 off a GPU, and for a model with nothing on meta
             stream = torch.cuda.current_stream(where) if total else None
         except Exception:  # noqa: BLE001 - a bad device= is reported by materialising, agreed on every rank
             return

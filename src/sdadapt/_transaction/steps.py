@@ -37,7 +37,7 @@ from torch import nn
 from .._plan.adapter import Adapter, with_dtype
 from .._plan.plan import PipelineStage, Plan, build_plan, vacant_modules
 from .._plan.report import Report
-from .._plan.target import load_targets, schema_of
+from .._plan.target import load_targets, renames_nothing, schema_of
 from ..errors import PlanError, SdadaptError
 from ..sources import Fingerprint, HeaderRecord, Source, TensorInfo, fingerprint, open_source, replaying_headers
 from .options import Options
@@ -76,22 +76,53 @@ def derive_adapter(spec: Adapter | str | os.PathLike[str] | None, source: Source
         raise
 
 
-def plan_model(model: nn.Module, source: Source, options: Options, reuse: LastPlan | None = None,
-               ) -> tuple[Source, Plan, dict[str, torch.Tensor], Adapter | None]:  # fmt: skip
-    """**adapter** and **plan** against a model: ``(source, plan, the model's state dict it
-    planned against, the adapter)``. The adapter is ``options.adapter`` derived from the open
-    ``source`` (:func:`derive_adapter`); the plan is as :func:`plan_schema` plans. The state
-    dict holds the model's own tensors (:func:`load_targets`). ``reuse``: the process's last
-    plan, returned instead where this one's key equals its own, else replaced by this one
-    (:class:`LastPlan`). On failure ``source`` is closed."""
+@dataclass
+class Planned:
+    """What :func:`plan_model` hands on.
+
+    Attributes:
+        source: the open source the plan reads (a LoRA's tensors joined to it, ``options.lora``).
+        plan: the plan.
+        targets: the model's state dict it planned against, the model's own tensors
+            (:func:`~sdadapt._plan.target.load_targets`).
+        adapter: the adapter, as derived from the open source.
+        plain: whether ``targets`` is the model's ``state_dict()`` as it is
+            (:func:`~sdadapt._plan.target.renames_nothing`): materialising changes no module, so
+            a load reads the targets again after it without asking.
+        files: the fingerprints of ``source``'s files where they were taken for the plan's key
+            (:func:`plan_key`), so that the transaction checks those (``None``: not taken).
+
+    Example::
+
+        planned = plan_model(model, open_checkpoint("ckpt/"), options)
+        with planned.source:
+            assert planned.plan.report.ok
+    """
+
+    source: Source
+    plan: Plan
+    targets: dict[str, torch.Tensor]
+    adapter: Adapter | None
+    plain: bool
+    files: Fingerprint | None = None
+
+
+def plan_model(model: nn.Module, source: Source, options: Options, reuse: LastPlan | None = None) -> Planned:
+    """**adapter** and **plan** against a model (:class:`Planned`). The adapter is
+    ``options.adapter`` derived from the open ``source`` (:func:`derive_adapter`); the plan is
+    as :func:`plan_schema` plans. ``reuse``: the process's last plan, returned instead where this
+    one's key equals its own, else replaced by this one (:class:`LastPlan`). On failure
+    ``source`` is closed."""
     try:
         adapter = _adapter_or_none(options.adapter, source, model)
-        state_dict = load_targets(model)
+        plain = renames_nothing(model)
+        state_dict = load_targets(model, plain)
         stage = PipelineStage.of(state_dict, vacant_modules(model)) if options.pipeline_stage else None
         target, name = schema_of(state_dict), type(model).__name__
-        key = None
-        if reuse is not None and not source.remote_url():  # object storage's files are local mirrors
-            key = plan_key(type(source).__qualname__, fingerprint(source.files()), adapter, target, name, options)
+        key, files = None, None
+        if reuse is not None and not source.remote_url() and reusable(options):  # object storage's files are local mirrors
+            files = fingerprint(source.files())
+            key = plan_key(type(source).__qualname__, files, adapter, target, name, options)
         plan = reuse.get(key) if reuse is not None else None
         if plan is None:
             source, plan = plan_schema(target, source, adapter, options, target_name=name, stage=stage)
@@ -100,7 +131,7 @@ def plan_model(model: nn.Module, source: Source, options: Options, reuse: LastPl
     except BaseException:
         source.close()
         raise
-    return source, plan, state_dict, adapter
+    return Planned(source, plan, state_dict, adapter, plain, files)
 
 
 def plan_schema(
@@ -200,11 +231,17 @@ def plan_options(options: Options) -> tuple[Any, ...]:
     return (o.name, o.shipped, o.allow_missing, o.allow_unexpected, o.allow_resized, str(o.dtype), o.strict, o.checksums)
 
 
+def reusable(options: Options) -> bool:
+    """Whether a load with ``options`` may reuse a plan: not with a LoRA, nor into a pipeline
+    stage (their plans depend on more than :class:`PlanKey` holds)."""
+    return options.lora is None and not options.pipeline_stage
+
+
 def plan_key(kind: str, files: Fingerprint, adapter: Adapter | None, target: Mapping[str, TensorInfo], target_name: str,
              options: Options) -> PlanKey | None:  # fmt: skip
     """The key of a load's plan from a source of type ``kind`` whose ``files`` have these
     fingerprints, or ``None`` where it is never reused (see :class:`LastPlan`)."""
-    if options.lora is not None or options.pipeline_stage or not files:
+    if not reusable(options) or not files:
         return None
     try:
         rules = adapter.model_dump(mode="json") if adapter is not None else None

@@ -140,10 +140,11 @@ class Transaction:
         self.one_host: bool | None = None  # its answer (None: not asked)
 
     # ------------------------------------------------------------------ prepare
-    def add_source(self, source: Source) -> None:
-        """Fingerprint the files of ``source`` (closed with the transaction)."""
+    def add_source(self, source: Source, files: Fingerprint | None = None) -> None:
+        """Fingerprint the files of ``source`` (closed with the transaction); ``files``: their
+        fingerprints, where the caller took them already (for the plan's key)."""
         self.sources.append(source)
-        self.files.update(fingerprint(source.files()))
+        self.files.update(files if files is not None else fingerprint(source.files()))
 
     def add_optimizer(self, optimizer: torch.optim.Optimizer, was_empty: bool) -> None:
         """The optimizer whose state the parts write; ``was_empty``: it held no state before."""
