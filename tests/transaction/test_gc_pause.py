@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 import sdadapt
+from sdadapt._base import gc as _gc
 from sdadapt._base.gc import gc_paused
 from sdadapt._transaction import steps as _steps
 
@@ -95,10 +96,12 @@ def test_a_first_load_leaves_a_full_collection_the_process_owes_to_the_caller(tm
     """A process that owes a full collection (its oldest generation grew by over a quarter since
     the last one, as building a model makes it) ran it inside its first ``sdadapt.load``: at
     the first allocation after the load turned the collector back on. The load now ends its pause
-    with a collection of the youngest generation only: no full collection inside the call (its
-    imports included), and the one owed runs at the caller's next allocations, as it would have
-    without the load. A plain pause (``gc.disable()`` / ``gc.enable()``) shows the full one landing
-    inside, so the process here does owe it."""
+    with a collection of the youngest generation only, and its imports' pause with none (their
+    objects moved to the oldest generation, which starts the generations' counts afresh): no full
+    collection inside the call, and the one owed still runs in the caller's code, once the
+    caller's allocations have run the oldest generation's count of middle collections again. A
+    plain pause (``gc.disable()`` / ``gc.enable()``) shows the full one landing inside, so the
+    process here does owe it."""
     child = textwrap.dedent(
         """
         import gc, json, sys
@@ -127,7 +130,7 @@ def test_a_first_load_leaves_a_full_collection_the_process_owes_to_the_caller(tm
             inside[0] = True
             call()
             inside[0] = False
-            after = [[i] for i in range(3000)]  # the caller's next allocations
+            after = [[i] for i in range(100_000)]  # the caller's next allocations: over 10 middle collections
             return {"inside": [g for g, i in runs if i], "after": [g for g, i in runs if not i]}
 
         def plain_pause():
@@ -174,3 +177,53 @@ def test_a_pause_is_one_for_the_process_across_threads():
     release.set()
     thread.join(30)
     assert gc.isenabled()
+
+
+def _collections_in(block) -> list[int]:
+    """The generations the collector ran while ``block()`` ran (its pause's end included)."""
+    runs: list[int] = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":
+            runs.append(info["generation"])
+
+    gc.callbacks.append(record)
+    try:
+        block()
+    finally:
+        gc.callbacks.remove(record)
+    return runs
+
+
+@pytest.mark.skipif(not _gc._SPLICES, reason="gc.freeze() walks every object here: imports end with a collection")
+def test_an_imports_pause_ends_without_a_collection_and_its_objects_stay_collectable():
+    """A pause for long-lived objects (an import) ends with no collection: what it made is in the
+    oldest generation, the youngest's count starts afresh, nothing stays frozen, and a cycle made
+    inside is still freed by a full collection. A plain pause nested in it, or objects the caller
+    froze, give the youngest generation's collection instead (the caller's frozen ones stay so)."""
+    gc.collect()
+    made: list = []
+
+    class Cycle:
+        pass
+
+    def importing(long_lived: bool = True) -> None:
+        with gc_paused(long_lived=True):
+            made.append([[i] for i in range(5000)])
+            cycle = Cycle()
+            cycle.me = cycle  # garbage once the block ends; only a collection frees it
+            with gc_paused(long_lived=long_lived):
+                made.append([[i] for i in range(10)])
+
+    assert _collections_in(importing) == []
+    assert gc.get_count()[0] < 100 and gc.get_freeze_count() == 0 and gc.isenabled()
+    assert any(type(o) is Cycle for o in gc.get_objects(generation=2))
+    gc.collect()
+    assert not any(type(o) is Cycle for o in gc.get_objects())
+    assert _collections_in(lambda: importing(long_lived=False)) == [0]
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert _collections_in(importing) == [0] and gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

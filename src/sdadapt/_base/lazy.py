@@ -71,10 +71,11 @@ def _imported(where: str, package: str) -> Any:
     cycle collector paused. Importing a public name's modules makes many objects that live as
     long as the process (classes, functions, pydantic's schemas): enough to set off a full
     collection, which walks every object of the process (torch's too), in the middle of the
-    import, the first load's critical path. Such a collection frees nothing of the import's; the
-    pause ends as a load's does (``sdadapt._base.gc``): a full collection the process owes runs
-    in the caller's code later, not as the import returns."""
-    with gc_paused():
+    import, the first load's critical path. Such a collection frees nothing of the import's, nor
+    does one of the youngest generation: the pause ends with the import's objects moved to the
+    oldest generation (``long_lived``, see ``sdadapt._base.gc``), and a full collection the
+    process owes runs in the caller's code later, not as the import returns."""
+    with gc_paused(long_lived=True):
         return importlib.import_module(where, package) if where.startswith(".") else importlib.import_module(where)
 
 
