@@ -226,8 +226,9 @@ def _start(threads: int, task_bytes: int, bounce_bytes: int | None) -> DeviceRea
     """Import kvikio and size its thread pool, tasks and bounce buffers (``None``: kvikio's own
     size, ``KVIKIO_BOUNCE_BUFFER_SIZE`` or 16 MiB); raises whatever that raises. The import runs
     with the cycle collector paused (``sdadapt._base.gc``): started in the background once a first
-    load has returned, it would otherwise set off, on its thread, the collection the load deferred."""
-    with gc_paused():
+    load has returned, it would otherwise set off, on its thread, the collection the load deferred;
+    what it makes lives as long as the process (``long_lived``: no collection ends the pause)."""
+    with gc_paused(long_lived=True):
         kvikio = importer()
     defaults = kvikio.defaults
     if defaults.get("num_threads") != threads:
