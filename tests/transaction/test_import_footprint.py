@@ -71,6 +71,8 @@ NOT_ON_THE_PLAIN_PATH = [
     # reads shared between replicas and TP peers (share_reads=True) and the row rounds' block copies
     "sdadapt._engine.share",
     "sdadapt._engine.blockcopy",
+    # the head start (EngineConfig.head_bytes, off unless asked for)
+    "sdadapt._engine.head",
     # an adapter given by name: the registry of shipped adapters, the resolving of specs, torchtitan's names
     "sdadapt._plan.registry",
     "sdadapt._plan.resolve",
@@ -110,9 +112,8 @@ PLAIN_LOAD = IMPORT_SDADAPT + [
     # what a public call queues for after it returns (a first GPU load's kvikio start): every public call runs the queue
     "sdadapt._base.later",
     "sdadapt._engine",
-    # _engine.head: every load asks whether it gets a head start (EngineConfig.head_bytes), and every run whether one was begun
     *(f"sdadapt._engine.{m}" for m in (
-        "config device devread direct engine geometry head lanes locate pinned planner prefetch staging syscalls "
+        "config device devread direct engine geometry lanes locate pinned planner prefetch staging syscalls "
         "tasks views workers").split()),
     "sdadapt._load", "sdadapt._load.loading",
     "sdadapt._plan", *(f"sdadapt._plan.{m}" for m in "adapter intent plan report target".split()),

@@ -49,7 +49,13 @@ what a cold page cache reads from storage for them (``EngineStats.storage_bytes`
 the calls touch once, the gaps of joined reads included; files are opened with read-ahead off).
 """
 
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from .config import EngineConfig, default_threads
 from .device import device_step, device_work, warm_kernels, warm_up
@@ -57,12 +63,13 @@ from .devread import deferred as kvikio_deferred
 from .devread import warm as warm_kvikio
 from .engine import EngineStats, IOEngine, prefetch_pinned
 from .geometry import box_spans
-from .head import heading
 from .pinned import release_pinned_memory
 from .tasks import Job
 from .workers import CountingIO
 
 if TYPE_CHECKING:
+    from .._recipes.nodes import Node
+    from ..sources import Source
     from .share import RowShare, exchange_rows, read_and_exchange, replica_parts, round_memory, rounds_memory, row_cut, rows_config
     from .share import read_jobs as row_read_jobs
     from .share import received as row_received
@@ -75,6 +82,36 @@ _SHARED = {
 }  # fmt: skip
 """The face's names from :mod:`.share` (face name -> its name there), imported on first use:
 only ``share_reads=True`` and the dry run use them, and a plain load never imports the module."""
+
+
+def heading(
+    device: torch.device | None, source: Source, recipes: Mapping[str, Node], cfg: EngineConfig | None, one_rank: bool
+) -> contextlib.AbstractContextManager[None]:
+    """Around a load's materialising and run: its head start (:func:`.head.heading`) where
+    ``cfg.head_bytes`` asks for one; otherwise a context that does nothing, and :mod:`.head` is
+    not imported (a plain load never does).
+
+    Args:
+        device: the load's destination device (``None``: a CPU load).
+        source: the checkpoint it reads.
+        recipes: the plan's recipes, target key -> node.
+        cfg: the engine's settings (``None``: :meth:`EngineConfig.from_env`).
+        one_rank: the load runs on one rank.
+
+    Returns:
+        The context manager to run the materialising and the run in.
+
+    Example::
+
+        with heading(device, source, plan.recipes, cfg, world == 1):
+            ...  # materialise, then run the engine
+    """
+    cfg = cfg or EngineConfig.from_env()
+    if cfg.head_bytes <= 0:
+        return contextlib.nullcontext()
+    from .head import heading as around  # noqa: PLC0415 - only where a head start is asked for
+
+    return around(device, source, recipes, cfg, one_rank)
 
 
 def __getattr__(name: str) -> Any:

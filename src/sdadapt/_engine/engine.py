@@ -20,7 +20,6 @@ from .._base import later as after_call
 from .._base.gc import gc_paused
 from ..sources import Source, fetching_for, object_file
 from . import devread
-from . import head as headstart
 from .config import EngineConfig
 from .device import DeviceLane, LaneTimes
 from .lanes import TaskQueues
@@ -118,6 +117,24 @@ def prefetch_pinned(device: torch.device, bands: bool, config: EngineConfig | No
         SLABS.prefetch(StagingPool.slab_bytes(cfg.band_buffers(cfg.threads), cfg.band_buffer_bytes()), device)
 
 
+_HEAD = f"{__package__}.head"
+"""The head start's module: imported only by a load that asks for one (``EngineConfig.head_bytes``)."""
+
+
+def _begun_head(device: torch.device) -> Any:
+    """The head start begun for ``device`` (``head.take_head``), ``None`` where none was: also
+    where no load of the process asked for one, whose module is then never imported."""
+    head = sys.modules.get(_HEAD)
+    return head.take_head(device) if head is not None else None
+
+
+def _pin_head_later(device: torch.device, cfg: EngineConfig) -> None:
+    """``head.pin_later``, its module imported now (a run queues this only where ``cfg.head_bytes`` asks)."""
+    from .head import pin_later  # noqa: PLC0415 - only where a head start is asked for
+
+    pin_later(device, cfg)
+
+
 class IOEngine:
     """Runs a rank's reads for one ``dcp.load``; see :mod:`sdadapt._engine`."""
 
@@ -196,7 +213,7 @@ class IOEngine:
             gathers = devread.GatherReads(reads, shared.lane, shared.fail, 2 * cfg.staging_bytes)
         pending = devread.Pending()
         # a head start begun by the load: the tensors it read ahead are copied from its buffer
-        head = headstart.take_head(device) if reads is not None and device is not None else None
+        head = _begun_head(device) if reads is not None and device is not None else None
         handles: dict[str, Any] = {}  # path -> kvikio file handle
         workers = [Worker(shared, cfg.depth, cfg.band_depth, computes=i < computing) for i in range(threads)]
         pool_threads = [threading.Thread(target=w.run, name=f"sdadapt-io-{i}", daemon=True) for i, w in enumerate(workers)]
@@ -333,5 +350,6 @@ class IOEngine:
         if later:  # started once the public call returns: not competing with its last steps for the GIL
             assert device is not None
             after_call.queue(functools.partial(devread.start_later, device, sorted(shared.fds), cfg.kvikio, *cfg.kvikio_settings()))
-            after_call.queue(functools.partial(headstart.pin_later, device, cfg))
+            if cfg.head_bytes > 0:
+                after_call.queue(functools.partial(_pin_head_later, device, cfg))
         return st
