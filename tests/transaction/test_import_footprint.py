@@ -58,6 +58,8 @@ NOT_ON_THE_PLAIN_PATH = [
     "sdadapt.sources._object_errors",
     "sdadapt.sources._remote",
     "sdadapt.sources._namespaced",
+    # the versions and optional features (sdadapt.env(), and a failed load's version check)
+    "sdadapt._base.env",
     # the config files' models (a plain load reads no config.json)
     "sdadapt.sources._configs",
     # block checksums (checksums=True, and their writers)
@@ -105,7 +107,7 @@ IMPORT_SDADAPT = ["sdadapt", "sdadapt._base", "sdadapt._base.lazy", "sdadapt._ba
 
 PLAIN_LOAD = IMPORT_SDADAPT + [
     "sdadapt.errors",
-    *(f"sdadapt._base.{m}" for m in "agreement distributed env keyruns progress regions schema summary".split()),
+    *(f"sdadapt._base.{m}" for m in "agreement distributed keyruns progress regions schema summary".split()),
     # the exit handler that ends process groups DTensor keeps, registered with _base.distributed:
     # every process that runs sdadapt's collectives needs it (tests/reports/teardown-abort-cpu2-2026-12-07.md)
     "sdadapt._base.teardown",

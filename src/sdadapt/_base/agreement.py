@@ -31,8 +31,7 @@ import torch.distributed as dist
 
 from ..errors import DisagreementError, RemoteRankError
 from .distributed import brief_off_rank0, collective_device, gather_objects, is_distributed, raise_agreed
-from .env import version_of
-from .version import VERSION
+from .version import VERSION, version_of
 
 _TOP = (1 << 62) - 1  # digests are 62-bit, so that TOP - digest is a non-negative int64 as well
 _NOTHING = object()

@@ -21,11 +21,10 @@ import platform
 import re
 import sys
 import types
-from importlib import metadata
 from typing import Any
 
 from .summary import Summarized
-from .version import VERSION
+from .version import VERSION, version_of
 
 # package -> (oldest supported, newest tested): the matrix in docs/compatibility.md
 SUPPORTED: dict[str, tuple[str, str]] = {
@@ -51,23 +50,6 @@ PACKAGES: tuple[tuple[str, str], ...] = (
 # packages whose API sdadapt calls into: an AttributeError / ImportError / TypeError from one of
 # them is a version mismatch, not bad input
 API_PACKAGES = ("transformers", "torch", "torchtitan", "huggingface_hub", "safetensors", "compressed_tensors")
-
-
-def version_of(dist: str) -> str | None:
-    """The installed version of distribution ``dist``, ``None`` if it is not installed. Taken from
-    the ``Version:`` line among the first lines of its metadata file, where
-    ``importlib.metadata.version`` runs the email parser over the whole file, a long description
-    included (every load agrees on transformers' version)."""
-    try:
-        found = metadata.distribution(dist)
-    except metadata.PackageNotFoundError:
-        return None
-    for line in (found.read_text("METADATA") or found.read_text("PKG-INFO") or "").splitlines():
-        if not line.strip():
-            break  # the headers end at the first blank line
-        if line.startswith("Version:"):
-            return line[len("Version:") :].strip()
-    return found.version
 
 
 def parse(version: str) -> tuple[int, ...]:

@@ -53,7 +53,6 @@ from torch.utils.hooks import RemovableHandle
 
 from .._base.agreement import agree_on, host_id
 from .._base.distributed import any_rank, gather_if_any, is_distributed
-from .._base.env import version_problem
 from .._engine import EngineConfig
 from .._engine.direct import EngineReader, direct_targets
 from .._plan.intent import no_intent
@@ -474,6 +473,8 @@ def foreign_error(e: BaseException, what: str, doing: str) -> SdadaptError:
     :class:`VersionError` naming the package and its version where it comes from a dependency's
     API (an ``AttributeError``, ``ImportError`` or ``TypeError`` of transformers, torch...), else a
     :class:`SourceError` naming the file it was about (an ``OSError``'s file name) or ``what``."""
+    from .._base.env import version_problem  # noqa: PLC0415 - on a failed load only: a plain load never imports it
+
     version = version_problem(e, f"{doing} the load of {what}")
     path = getattr(e, "filename", None)
     err = VersionError(version) if version is not None else SourceError(
