@@ -355,6 +355,14 @@ def test_collectives_of_a_load_do_not_grow_with_the_world(tmp_path: Any) -> None
     assert "broadcast_object_list" in names and not any(n.startswith(("all_gather", "gather")) for n in names), names
 
 
+def test_a_load_in_a_group_of_one_runs_no_collective(tmp_path: Any) -> None:
+    """One rank has nobody to agree with: its load asks the backend nothing (on one GPU each
+    all-reduce would also wait for the device)."""
+    folder = _checkpoint(str(tmp_path))
+    (result,) = run_distributed(_count_collectives, 1, folder, timeout=300)
+    assert result["calls"] == []
+
+
 # ---------------------------------------------------------------------------- a broken header
 def _load_broken(folder: str) -> str:
     with torch.device("meta"):

@@ -106,9 +106,9 @@ def agree_on(
     same all-reduce (every rank passes one or none does: :func:`agreement_bytes` with ``spread``).
 
     Returns:
-        Whether every rank passed the same ``spread`` (``True`` where none is passed, or outside
-        a process group)."""
-    if not is_distributed():
+        Whether every rank passed the same ``spread`` (``True`` where none is passed, outside
+        a process group, or in a group of one: there nothing is compared, no collective runs)."""
+    if not is_distributed() or dist.get_world_size(group) == 1:
         if error is not None:
             raise error
         return True

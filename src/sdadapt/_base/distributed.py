@@ -139,8 +139,10 @@ def gather_if_any(obj: Any, flagged: bool, group: dist.ProcessGroup | None = Non
 
 def any_rank(flagged: bool, group: dist.ProcessGroup | None = None, timeout: float | None = None) -> bool:
     """Collective: whether any rank of ``group`` passed ``flagged=True`` (one one-element
-    all-reduce). ``timeout``: seconds to wait for the other ranks (``None``: the group's own);
-    past it, the backend's ``RuntimeError``."""
+    all-reduce; none in a group of one). ``timeout``: seconds to wait for the other ranks
+    (``None``: the group's own); past it, the backend's ``RuntimeError``."""
+    if dist.get_world_size(group) == 1:
+        return flagged
     flag = torch.tensor([1 if flagged else 0], dtype=torch.int32, device=collective_device(group))
     work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=timeout is not None)
     if timeout is not None:

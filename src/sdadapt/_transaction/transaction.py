@@ -52,7 +52,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from .._base.agreement import agree_on, host_id
-from .._base.distributed import any_rank, gather_if_any, is_distributed
+from .._base.distributed import any_rank, gather_if_any, is_distributed, rank_and_world
 from .._engine import EngineConfig
 from .._engine.direct import EngineReader, direct_targets
 from .._plan.intent import no_intent
@@ -160,6 +160,8 @@ class Transaction:
         in the same collective (``DisagreementError`` where ranks differ)."""
         error: SdadaptError | None = None
         out: Any = None
+        # a rank alone has nobody to compare its intent with (agree_on compares nothing)
+        intent = intent if intent is not None and rank_and_world(self.group)[1] > 1 else None
         parts: Mapping[str, Any] = no_intent() if intent is not None else {}
         try:
             out = step()
