@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from .._recipes.nodes import Leaf, Node
 from ..errors import AdapterError
-from ._patterns import compile_pattern, latest_match
+from ._patterns import compile_pattern, latest_match, union_of
 
 if TYPE_CHECKING:
     from .._base.schema import TensorInfo
@@ -195,20 +195,20 @@ class InPlaceRule(RuleBase):
 def matching(ctx: PlanContext, keys: Keys) -> Iterator[tuple[str, Node]]:
     """``(key, node)`` for each key present when the rule starts that matches ``keys`` (one
     pattern or a list of them), in the working set's order."""
-    pats = [compile_pattern(k) for k in key_patterns(keys)]
+    match = union_of(tuple(key_patterns(keys))).match  # one C-level match per key, whatever the number of patterns
     for key in ctx.keys():
-        if any(p.match(key) is not None for p in pats):
+        if match(key) is not None:
             yield key, ctx.get(key)
 
 
 def captured(ctx: PlanContext, pattern: str) -> Iterator[tuple[str, dict[str, str]]]:
     """``(key, captures)`` for each key present when the rule starts that ``pattern`` matches,
     in the working set's order."""
-    pat = compile_pattern(pattern)
+    match = compile_pattern(pattern).regex.match  # KeyPattern.match's regex, without a call more per key
     for key in ctx.keys():
-        caps = pat.match(key)
-        if caps is not None:
-            yield key, caps
+        m = match(key)
+        if m is not None:
+            yield key, m.groupdict()
 
 
 def move(ctx: PlanContext, index: int, moved: list[tuple[str, str]]) -> None:
@@ -424,8 +424,10 @@ class PlanContext:
         stage = self.stage_of
         later = [(j, [compile_pattern(p) for p in r.input_patterns()]) for j, r in enumerate(rules) if r.moves_keys]
         latest: dict[int, Callable[[str], int]] = {}
+        # asked once per rule: a rule without the field answers through pydantic's failing __getattr__
+        shadows = [bool(getattr(r, "shadows", False)) for r in rules]
         for key, i in self.consumed:
-            if getattr(rules[i], "shadows", False):
+            if shadows[i]:
                 continue  # taken first on purpose (Drop(shadows=True))
             screen = latest.get(stage(i))
             if screen is None:  # the rules of the same composed part: the next part sees only the outputs
