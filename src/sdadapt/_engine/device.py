@@ -192,7 +192,8 @@ class LaneTimes:
         return LaneTimes(self.wall + other.wall, self.cpu + other.cpu, self.idle + other.idle, self.copy_wait + other.copy_wait)
 
 
-@dataclass
+# internal records: no generated __eq__ / __repr__ (unused; each costs the import an exec)
+@dataclass(eq=False, repr=False)
 class _Upload:
     buf: torch.Tensor
     deliveries: Sequence[Delivery]
@@ -201,7 +202,7 @@ class _Upload:
     handed: bool = False  # release left to the lane, behind the copy out of buf
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class _Kernel:
     step: Compute
     args: tuple[torch.Tensor, ...]
@@ -213,7 +214,7 @@ class _Kernel:
     handed: bool = False  # release left to the lane, behind the copy out of staged
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class _Call:
     fn: Callable[[], object]
     where: Where

@@ -109,7 +109,8 @@ class DeviceReads:
         return errors
 
 
-@dataclass
+# an internal record: no generated __eq__ / __repr__ (unused; each costs the import an exec)
+@dataclass(eq=False, repr=False)
 class Pending:
     """Reads handed to kvikio and not yet waited for: (future, file offset, nbytes, what it
     is for) each, and the bytes they read together."""

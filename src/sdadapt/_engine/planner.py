@@ -34,7 +34,8 @@ from .locate import file_runs
 from .tasks import ComputeTask, Delivery, DirectRead, FillTask, Gather, GatherRead, Job, SourceRead, StagedRead, Task, Where
 
 
-@dataclass
+# internal records: no generated __eq__ / __repr__ (unused; each costs the import an exec)
+@dataclass(eq=False, repr=False)
 class _Small:
     """A single-span staged read under half a chunk, waiting to be coalesced."""
 
@@ -47,7 +48,7 @@ class _Small:
     dtype: torch.dtype
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class _Part:
     """A piece's share of one located tensor (or stored chunk): ``box`` in the located
     tensor's coordinates, its destination view, the located tensor's origin in the source

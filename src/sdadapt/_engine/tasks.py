@@ -1,5 +1,9 @@
 """What the engine is asked (jobs) and what its threads do (tasks): one small dataclass per
-kind of task, run by :class:`~sdadapt._engine.workers.Worker` according to its type."""
+kind of task, run by :class:`~sdadapt._engine.workers.Worker` according to its type.
+
+They hold tensors, so they get no generated ``__eq__`` or ``__repr__`` (``eq=False, repr=False``):
+a tensor's ``==`` is no truth value and its repr no help, and every generated method costs the
+module's import an ``exec``; :class:`Where`, the error messages' part, keeps its repr."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from .._recipes.nodes import Compute, Fill, Node, Piece
 from ..errors import LoadError
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class Job:
     """One ReadItem: fill ``dest`` with region ``box`` of target ``key`` made by ``node``."""
 
@@ -22,7 +26,7 @@ class Job:
     dest: torch.Tensor
 
 
-@dataclass
+@dataclass(eq=False)
 class Where:
     """What a task is about, for error messages: target key, source key, file(s), region."""
 
@@ -41,7 +45,7 @@ class Where:
         return err
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class Gather:
     """A computation whose inputs are gathered on the destination's device: staged reads
     deliver their bytes into one device buffer of ``nbytes`` (the device lane makes it on the
@@ -59,7 +63,7 @@ class Gather:
     stream: int = 0
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class Delivery:
     """``staging[offset : offset + nbytes]`` viewed as ``dtype``/``shape`` goes into ``dest``;
     with ``into`` = (gather, at), the bytes go to offset ``at`` of the gather's device buffer
@@ -74,7 +78,7 @@ class Delivery:
     into: tuple[Gather, int] | None = None
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class DirectRead:
     """File ``path``'s ``segments`` (offset, nbytes), packed in order, read straight into
     ``dest`` (the contiguous destination's bytes, a uint8 view)."""
@@ -85,7 +89,7 @@ class DirectRead:
     where: Where
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class GatherRead:
     """A gather's inputs read by kvikio straight into one buffer on the device: ``runs`` holds,
     per input, its file, its (offset, nbytes) runs in order and its offset in the buffer
@@ -97,7 +101,7 @@ class GatherRead:
     where: Where
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class StagedRead:
     """File ``path``'s ``segments`` read into a staging buffer, then copied out by ``deliveries``
     (several when small adjacent reads were coalesced into one)."""
@@ -108,7 +112,7 @@ class StagedRead:
     where: Where
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class SourceRead:
     """A piece read through ``Source.read`` (storage without byte locations, or a strided copy
     out of the source's mapping) and copied into its destination."""
@@ -117,7 +121,7 @@ class SourceRead:
     where: Where
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class ComputeTask:
     """A computation step of a recipe, run against the thread's ``SourceIO``; ``files``: the
     files its leaves are in (opened before any thread sees the task, so that the thread may
@@ -128,7 +132,7 @@ class ComputeTask:
     files: tuple[str, ...] = ()
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class FillTask:
     """A fill step of a recipe."""
 

@@ -129,7 +129,8 @@ class StagingIO:
         return w.counter.read(key, box), None
 
 
-@dataclass
+# an internal record: no generated __eq__ / __repr__ (unused; each costs the import an exec)
+@dataclass(eq=False, repr=False)
 class Shared:
     """What the worker threads of one run share."""
 

@@ -395,7 +395,8 @@ def load(
     return rep
 
 
-@dataclass
+# an internal record: no generated __eq__ / __repr__ (unused; each costs the import an exec)
+@dataclass(eq=False, repr=False)
 class _Prepared:
     """What :func:`_prepare` hands on: the plan, the model's state dict it was made against, and
     what gives the keys the checkpoint lacks their values (``missing_values``)."""

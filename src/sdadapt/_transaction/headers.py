@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 ENV = "SDADAPT_HEADERS"
 
 
-@dataclass
+# an internal record: no generated __eq__ / __repr__ (unused; each costs the import an exec)
+@dataclass(eq=False, repr=False)
 class SharedHeaders:
     """What :func:`share_headers` gives a rank: the record of the headers the first rank read
     (``None``: this rank reads them itself), and on the first rank the source it opened then."""

@@ -36,7 +36,8 @@ class HeaderRecord:
         return sum(len(data) for data, _ in self.files.values())
 
 
-@dataclass
+# an internal record: no generated __eq__ / __repr__ (unused; each costs the import an exec)
+@dataclass(eq=False, repr=False)
 class _Active:
     record: HeaderRecord
     replay: bool
