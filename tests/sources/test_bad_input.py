@@ -198,6 +198,11 @@ E = {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}
         ({"w": {**E, "shape": "2x2"}}, bytes(16), None, ["corrupt shape"], "w"),
         ({"w": {**E, "data_offsets": [0]}}, bytes(16), None, ["corrupt data_offsets"], "w"),
         ({"w": {**E, "data_offsets": [0.0, 16.0]}}, bytes(16), None, ["corrupt data_offsets"], "w"),
+        # JSON booleans are no sizes or offsets (Python's bool is an int)
+        ({"w": {**E, "shape": [True, 4]}}, bytes(16), None, ["corrupt shape"], "w"),
+        ({"w": {**E, "shape": [2, 2.0]}}, bytes(16), None, ["corrupt shape"], "w"),
+        ({"w": {**E, "data_offsets": [False, 16]}}, bytes(16), None, ["corrupt data_offsets"], "w"),
+        ({"w": {"dtype": "F32", "shape": [2, 2], "offsets": [0, 16]}}, bytes(16), None, ["needs dtype, shape, data_offsets"], "w"),
         ({"w": {**E, "extra": 1}}, bytes(16), None, ["needs dtype, shape, data_offsets"], "w"),
         ({"w": [1]}, bytes(16), None, ["needs dtype, shape, data_offsets"], "w"),
     ],
