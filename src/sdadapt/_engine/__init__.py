@@ -52,36 +52,43 @@ the calls touch once, the gaps of joined reads included; files are opened with r
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .config import EngineConfig, default_threads
-from .device import device_step, device_work, warm_kernels, warm_up
-from .devread import deferred as kvikio_deferred
-from .devread import warm as warm_kvikio
-from .engine import EngineStats, IOEngine, prefetch_pinned
-from .geometry import box_spans
-from .pinned import release_pinned_memory
-from .tasks import Job
-from .workers import CountingIO
-
 if TYPE_CHECKING:
+    import torch
+
     from .._recipes.nodes import Node
     from ..sources import Source
+    from .config import EngineConfig, default_threads
+    from .device import device_step, device_work, warm_kernels, warm_up
+    from .devread import deferred as kvikio_deferred
+    from .devread import warm as warm_kvikio
+    from .engine import EngineStats, IOEngine, prefetch_pinned
+    from .geometry import box_spans
+    from .pinned import release_pinned_memory
     from .share import RowShare, exchange_rows, read_and_exchange, replica_parts, round_memory, rounds_memory, row_cut, rows_config
     from .share import read_jobs as row_read_jobs
     from .share import received as row_received
     from .share import rounds as row_rounds
+    from .tasks import Job
+    from .workers import CountingIO
 
-_SHARED = {
-    "RowShare": "RowShare", "exchange_rows": "exchange_rows", "read_and_exchange": "read_and_exchange",
-    "replica_parts": "replica_parts", "round_memory": "round_memory", "rounds_memory": "rounds_memory", "row_cut": "row_cut",
-    "rows_config": "rows_config", "row_read_jobs": "read_jobs", "row_received": "received", "row_rounds": "rounds",
+_NAMES = {
+    "EngineConfig": ".config", "default_threads": ".config",
+    "device_step": ".device", "device_work": ".device", "warm_kernels": ".device", "warm_up": ".device",
+    "kvikio_deferred": ".devread:deferred", "warm_kvikio": ".devread:warm",
+    "EngineStats": ".engine", "IOEngine": ".engine", "prefetch_pinned": ".engine",
+    "box_spans": ".geometry", "release_pinned_memory": ".pinned", "Job": ".tasks", "CountingIO": ".workers",
+    "RowShare": ".share", "exchange_rows": ".share", "read_and_exchange": ".share", "replica_parts": ".share",
+    "round_memory": ".share", "rounds_memory": ".share", "row_cut": ".share", "rows_config": ".share",
+    "row_read_jobs": ".share:read_jobs", "row_received": ".share:received", "row_rounds": ".share:rounds",
 }  # fmt: skip
-"""The face's names from :mod:`.share` (face name -> its name there), imported on first use:
-only ``share_reads=True`` and the dry run use them, and a plain load never imports the module."""
+"""The face's names but :func:`heading`: ``name -> ".module"`` (the same name there) or
+``".module:its_name"``, each imported on first use. Importing the package imports none of its
+modules, so that a module below the engine's run (:mod:`.pinned`, :mod:`.config`) can be
+imported alone, and a plain load never imports :mod:`.share`."""
 
 
 def heading(
@@ -106,7 +113,9 @@ def heading(
         with heading(device, source, plan.recipes, cfg, world == 1):
             ...  # materialise, then run the engine
     """
-    cfg = cfg or EngineConfig.from_env()
+    from .config import EngineConfig as Config  # noqa: PLC0415 - the face imports nothing until used
+
+    cfg = cfg or Config.from_env()
     if cfg.head_bytes <= 0:
         return contextlib.nullcontext()
     from .head import heading as around  # noqa: PLC0415 - only where a head start is asked for
@@ -115,12 +124,12 @@ def heading(
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _SHARED:
+    where = _NAMES.get(name)
+    if where is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from . import share  # noqa: PLC0415 - on first use (see _SHARED)
-
-    value = getattr(share, _SHARED[name])
-    globals()[name] = value
+    module, _, attr = where.partition(":")
+    value = getattr(importlib.import_module(module, __name__), attr or name)
+    globals()[name] = value  # cached: the next access is a plain attribute
     return value
 
 __all__ = [
