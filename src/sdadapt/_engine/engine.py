@@ -112,7 +112,7 @@ def prefetch_pinned(device: torch.device, bands: bool, config: EngineConfig | No
     after_call.run_queued()  # a start an earlier run left for after its call is never skipped
     if device.type == "cuda" and not devread.deferred(cfg.kvikio, *cfg.kvikio_settings()):
         devread.prefetch(device, cfg.kvikio, *cfg.kvikio_settings())
-    SLABS.prefetch(StagingPool.slab_bytes(cfg.staging_buffers(cfg.threads), cfg.chunk()), device)
+    SLABS.prefetch(StagingPool.run_slab_bytes(cfg, cfg.threads), device)
     if bands:
         SLABS.prefetch(StagingPool.slab_bytes(cfg.band_buffers(cfg.threads), cfg.band_buffer_bytes()), device)
 
@@ -187,7 +187,7 @@ class IOEngine:
         threads = max(1, min(cfg.threads, _estimate_tasks(jobs, chunk)))
         # Buffers are made on first use; no more than the threads can hold at once.
         pin = device is not None and device.type == "cuda"
-        pool = StagingPool(cfg.staging_buffers(threads), chunk, pin)
+        pool = StagingPool.for_run(cfg, threads, pin)
         # The first `computing` threads each hold a band buffer and are the only ones that compute.
         computing = cfg.computing_threads(threads)
         bands = StagingPool(cfg.band_buffers(threads), cfg.band_buffer_bytes(), pin)

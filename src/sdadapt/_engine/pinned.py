@@ -20,6 +20,7 @@ import ctypes
 import logging
 import mmap
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -157,9 +158,11 @@ class SlabCache:
         """Pin the slab of ``entry`` and keep it; a failure is only logged (the get that wanted
         it then allocates, and raises, itself)."""
         slab: Slab | None = None
+        start = time.perf_counter()
         try:
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 slab = self.allocate(entry[0])
+            log.debug("prefetched %d bytes of pinned memory in %.3f s", entry[0], time.perf_counter() - start)
         except Exception as e:  # noqa: BLE001 - see the docstring
             log.debug("prefetching %d bytes of pinned memory failed: %s", entry[0], e)
         finally:
@@ -188,7 +191,16 @@ class SlabCache:
         return smallest
 
     def clear(self) -> int:
-        """Free every kept slab; the bytes freed."""
+        """Free every kept slab, and a slab being prefetched once it is pinned (prefetches not
+        started yet are dropped); the bytes freed."""
+        with self._lock:
+            for entry, _ in self._queued:
+                self._pending.remove(entry)
+                entry[1].set()  # a get waiting for it allocates its own
+            self._queued.clear()
+            pinning = [done for _, done in self._pending]
+        for done in pinning:
+            done.wait()
         with self._lock:
             kept, self._kept = self._kept, []
         freed = sum(slab.nbytes for slab in kept)
@@ -205,8 +217,11 @@ HEAD_SLABS = SlabCache(keep=1)
 def release_pinned_memory() -> int:
     """Unpin and free the staging memory that loads to a GPU keep for the next load of this
     process (at most :data:`KEEP` slabs, about ``2 x EngineConfig.staging_bytes`` per load
-    configuration, and the head start's ``EngineConfig.head_bytes``); returns the bytes freed.
-    A later GPU load pins its staging afresh (tens of milliseconds). Call it between loads, never during one.
+    configuration, and the head start's ``EngineConfig.head_bytes``), the staging slab that a
+    process which has initialised CUDA pins ahead of its first load among them
+    (:mod:`sdadapt._engine.pin_ahead`; waited for while it is being pinned); returns the bytes
+    freed. A later GPU load pins its staging afresh (tens of milliseconds). Call it between
+    loads, never during one.
 
     Returns:
         The bytes freed.

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import queue
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from .geometry import round_up
 from .pinned import SLABS, Slab, SlabCache
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
 
 _ALIGN = 4096  # each buffer of a slab starts on a page (any dtype's alignment)
 
@@ -34,6 +38,18 @@ class StagingPool:
     def slab_bytes(count: int, size: int) -> int:
         """The pinned slab that ``count`` buffers of ``size`` bytes are cut from."""
         return count * round_up(size, _ALIGN)
+
+    @classmethod
+    def for_run(cls, config: EngineConfig, threads: int, pin: bool, slabs: SlabCache = SLABS) -> StagingPool:
+        """The staging pool of an engine run of ``config`` with ``threads`` threads: as many
+        buffers as ``config`` allows them, each of its chunk size."""
+        return cls(*_run_buffers(config, threads), pin, slabs)
+
+    @classmethod
+    def run_slab_bytes(cls, config: EngineConfig, threads: int) -> int:
+        """The pinned slab that :meth:`for_run`'s pool takes on its first buffer (what a GPU run
+        asks :data:`~sdadapt._engine.pinned.SLABS` for, and what is pinned ahead for it)."""
+        return cls.slab_bytes(*_run_buffers(config, threads))
 
     def _new(self) -> torch.Tensor:
         if not self.pin:
@@ -75,3 +91,8 @@ class StagingPool:
             self._free = queue.LifoQueue()  # views of the slab: no longer handed out
         if slab is not None:
             self._slabs.put(slab)
+
+
+def _run_buffers(config: EngineConfig, threads: int) -> tuple[int, int]:
+    """``(count, size)`` of the staging buffers of a run of ``config`` with ``threads`` threads."""
+    return config.staging_buffers(threads), config.chunk()
