@@ -379,8 +379,12 @@ def load(
         # every rank's hook has run (a hook may touch the files) before any rank checks them
         materialized = txn.materialize(device, init_buffers, reserved, then=prep.fill_missing[1])
         phases.mark("materialize")
-        # materialising gave the buffers new tensors; otherwise the planned state dict is current
-        wanted = {k: v for k, v in (load_targets(model, prep.plain) if materialized else prep.planned).items() if k in prep.plan.recipes}
+        # materialising gave the buffers new tensors (and a hook may have replaced any); otherwise
+        # the planned state dict is current
+        targets = prep.planned
+        if txn.materialized is not None:
+            targets = txn.materialized.current(prep.planned) or load_targets(model, prep.plain)
+        wanted = {k: v for k, v in targets.items() if k in prep.plan.recipes}
         part = Part("model", prep.plan, txn.sources[-1], wanted, share_reads=share)
         phases.mark("prepare")
         log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), options.name, " (atomic)" if atomic else "")

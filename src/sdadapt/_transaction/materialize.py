@@ -14,7 +14,8 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -148,33 +149,76 @@ def missing_values(
     return "initialised by reset_parameters() of their modules", reset
 
 
+# the id of each parameter and buffer a model held before materialising -> (that tensor, the one in its place now)
+Renewed = dict[int, tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class Materialized:
+    """What :func:`materialize` did to a model that was on meta.
+
+    Attributes:
+        renewed: each parameter and buffer the model held before (by id, kept alive here) and
+            the tensor in its place now, where that is the whole story: :func:`to_empty`'s own
+            walk made them (a parameter keeps its object, a buffer held by one module gets a new
+            tensor) and no hook ran after it; ``None`` where it is not known (``Module._apply``
+            ran, a buffer is held by several modules, a hook may have replaced tensors).
+
+    Example::
+
+        done = materialize(model, torch.device("cpu"), None)
+        targets = done.current(before) if done is not None else before
+    """
+
+    renewed: Renewed | None = None
+
+    def current(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """``tensors`` (the model's own parameters and buffers, taken before materialising) with
+        each value the tensor in its place now: what :func:`~sdadapt._plan.target.load_targets`
+        would give now, without walking the model again. ``None`` where that is not known
+        (:attr:`renewed` is ``None``, or a value is not one of the model's own tensors)."""
+        if self.renewed is None:
+            return None
+        out: dict[str, torch.Tensor] = {}
+        for key, t in tensors.items():
+            entry = self.renewed.get(id(t))
+            if entry is None or entry[0] is not t:
+                return None
+            out[key] = entry[1]
+        return out
+
+
 def materialize(
     model: nn.Module,
     device: torch.device,
     init_buffers: InitFn | None,
     reserved: Reservation | None = None,
     then: InitFn | None = None,
-) -> bool:
+) -> Materialized | None:
     """``to_empty`` on ``device`` if anything is on meta, then run the buffer hook (or the
     model's ``init_weights()``), then ``then(model)`` (the allowed-missing keys' values, see
-    :func:`missing_values`). Returns whether the model was materialised. ``reserved``: the
-    model's memory, asked for earlier (:class:`Reservation`); else it is asked for now."""
+    :func:`missing_values`). Returns what was done (:class:`Materialized`), ``None`` where the
+    model was not materialised (nothing on meta). ``reserved``: the model's memory, asked for
+    earlier (:class:`Reservation`); else it is asked for now."""
     if not has_meta(model):
-        return False
+        return None
     if reserved is not None:
         reserved.wait()
     else:
         _reserve(model, device)
-    to_empty(model, device)
+    renewed = to_empty(model, device)
     if init_buffers is not None:
+        renewed = None  # a hook may replace any tensor
         init_buffers(model)
     elif callable(init_weights := getattr(model, "init_weights", None)):
+        renewed = None
         with torch.no_grad(), quiet_random_ops():
             init_weights()
     if then is not None:
+        renewed = None
         with quiet_random_ops():
             then(model)
-    return True
+    return Materialized(renewed)
 
 
 @contextlib.contextmanager
@@ -200,7 +244,7 @@ class _DropRngSync(logging.Filter):
         return "synchronizing RNG states" not in record.getMessage()
 
 
-def to_empty(model: nn.Module, device: torch.device) -> None:
+def to_empty(model: nn.Module, device: torch.device) -> Renewed | None:
     """``model.to_empty(device=device)``, with :func:`_empty_like` for each tensor. Where every
     parameter is a DTensor (what TP and FSDP2 make) and no module has an ``_apply`` of its own
     beyond FSDP2's (:func:`_plain_apply`), the same outcome is reached without ``Module._apply``,
@@ -216,33 +260,41 @@ def to_empty(model: nn.Module, device: torch.device) -> None:
     - FSDP2's modules are resharded first and their parameters' sharded data reset after
       (``reset_sharded_param``: what ``FSDPModule._apply`` does around ``Module._apply``), so that
       FSDP2's state holds the new local tensors (padded where its shards are uneven).
+
+    Returns, where its own walk ran, every parameter and buffer before (by id) with the tensor
+    in its place now (:class:`Materialized`); ``None`` where ``Module._apply`` ran, or a buffer
+    is held by several modules (each got a tensor of its own).
     """
     modules = list(model.modules())
     if not _plain_apply(modules):
         model._apply(lambda t: _empty_like(t, device))
-        return
+        return None
     from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 - imported by fully_shard already, where one is used
 
     fsdp = [f for f in modules if isinstance(f, FSDPModule)]
     for f in fsdp:
         f.reshard()
-    done: set[int] = set()
+    renewed: Renewed = {}
+    shared = False  # a buffer held by several modules
     with torch.no_grad():
         for m in modules:
             for p in m._parameters.values():
-                if p is None or id(p) in done:
+                if p is None or id(p) in renewed:
                     continue
-                done.add(id(p))
+                renewed[id(p)] = (p, p)
                 fresh = _empty_like(p, device, p.requires_grad)
                 fresh._is_param = True
                 torch.utils.swap_tensors(p, fresh)
             for name, b in m._buffers.items():
                 if b is not None:
-                    m._buffers[name] = _empty_like(b, device)
+                    m._buffers[name] = new = _empty_like(b, device)
+                    shared = shared or id(b) in renewed
+                    renewed[id(b)] = (b, new)
         for f in reversed(fsdp):  # inner modules first, as _apply's recursion resets them
             for group in _param_groups(f) or ():
                 for fsdp_param in group.fsdp_params:
                     fsdp_param.reset_sharded_param()
+    return None if shared else renewed
 
 
 def _param_groups(module: nn.Module) -> list[Any] | None:

@@ -71,7 +71,7 @@ from .commit import (
     restore_param_groups,
     touching_optimizer,
 )
-from .materialize import InitFn, Reservation, choose_device, has_meta, materialize, own_tensors
+from .materialize import InitFn, Materialized, Reservation, choose_device, has_meta, materialize, own_tensors
 from .tidy import single_process_quiet
 
 if TYPE_CHECKING:
@@ -137,6 +137,7 @@ class Transaction:
         self.on_done: Callable[[int], None] | None = None  # progress: each finished read's destination bytes
         self.ask_hosts = False  # whether prepare's agreement also asks whether every rank runs on one host
         self.one_host: bool | None = None  # its answer (None: not asked)
+        self.materialized: Materialized | None = None  # what materialising did (None: nothing was on meta)
 
     # ------------------------------------------------------------------ prepare
     def add_source(self, source: Source, files: Fingerprint | None = None) -> None:
@@ -208,14 +209,13 @@ class Transaction:
         (see :func:`materialize`)."""
         assert self.model is not None
         error: SdadaptError | None = None
-        materialized = False
         try:
-            materialized = materialize(self.model, choose_device(self.model, device), init_buffers, reserved, then)
+            self.materialized = materialize(self.model, choose_device(self.model, device), init_buffers, reserved, then)
         except Exception as e:  # noqa: BLE001 - user hooks can raise anything; re-raised below
             error = e if isinstance(e, SdadaptError) else ModelError(f"materialising the model failed: {type(e).__name__}: {e}")
             error.__cause__ = e
         self.agree(error)
-        return materialized
+        return self.materialized is not None
 
     def check_files(self) -> None:
         """Collective: the files are unchanged since planning (every rank checks; a hook may have
