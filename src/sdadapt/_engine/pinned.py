@@ -142,7 +142,9 @@ class SlabCache:
             if self._pinning:
                 return
             self._pinning = True
-        threading.Thread(target=self._pin_queued, name="sdadapt-pin", daemon=True).start()
+        # not a daemon: a process that ends while a slab is being pinned waits for it (tens of
+        # milliseconds) rather than tear CUDA down under a cudaHostRegister still running
+        threading.Thread(target=self._pin_queued, name="sdadapt-pin", daemon=False).start()
 
     def _pin_queued(self) -> None:
         """Pin the queued prefetches in order, until none is left."""
