@@ -16,7 +16,9 @@ through ctypes, torch's ``zero_``, ``cudaHostRegister``), so it pins while the m
 
 It pins only in a process that has initialised CUDA already, for the current device, and only
 where that device has its CUDA context: it never initialises CUDA or makes a context (a process
-that has not used CUDA imports nothing more and pins nothing). ``SDADAPT_IO_PIN_AHEAD=0`` turns it
+that has not used CUDA imports nothing more and pins nothing). Memory registered with CUDA's
+default flags is portable on 64-bit systems (unified addressing), so a load to another device
+of the process copies out of the slab as well. ``SDADAPT_IO_PIN_AHEAD=0`` turns it
 off. The slab is kept like any other (:func:`~sdadapt.release_pinned_memory` frees it), also when
 the process's loads turn out to go to the CPU or ask for more staging (``engine=``).
 """
