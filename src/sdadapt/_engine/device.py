@@ -173,7 +173,7 @@ def warm_kernels(device: torch.device, nodes: Sequence[Node]) -> threading.Threa
     return th
 
 
-@dataclass
+@dataclass(eq=False)
 class LaneTimes:
     """Where a lane's thread spent one run, in seconds: ``wall`` from its start to its end,
     ``cpu`` the thread's CPU time (Python and the driver's calls), ``idle`` waiting for work

@@ -32,7 +32,7 @@ from .workers import Shared, Worker
 
 log = logging.getLogger(__name__)
 
-@dataclass
+@dataclass(eq=False)
 class EngineStats:
     """What one or more runs did: bytes, system calls, tasks, where the bytes went, time."""
 

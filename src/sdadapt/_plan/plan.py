@@ -70,7 +70,7 @@ class PipelineStage:
         return pattern != key and pattern in self.patterns
 
 
-@dataclass
+@dataclass(eq=False)
 class Plan:
     """What to load: ``recipes[target_key]`` makes that tensor from source regions.
 

@@ -58,9 +58,13 @@ def with_dim_shape(shape: tuple[int, ...], dim: int, size: int) -> tuple[int, ..
 
 
 # --- steps: what producing a region takes ------------------------------------------------------
+# A plan makes them per region, and they hold tensors: plain dataclasses with no generated
+# __eq__ or __repr__ (a tensor's == is no truth value, its repr no help; each generated method,
+# and a frozen class's __setattr__ / __delattr__, costs the import an exec, and a frozen field is
+# set through object.__setattr__ each time one is made).
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, repr=False)
 class Piece:
     """Region ``box`` of source tensor ``key`` goes into ``dest`` (same shape; ``copy_``
     converts the dtype)."""
@@ -73,7 +77,7 @@ class Piece:
         self.dest.copy_(io.read(self.key, self.box))
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, repr=False)
 class Fill:
     """``dest`` is set to ``value`` (already rounded to the producing node's dtype)."""
 
@@ -95,7 +99,7 @@ class Read:
     shape: tuple[int, ...]
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, repr=False)
 class Input:
     """Region ``box`` of ``node`` (a child of the computing node), one value a computation works
     on; ``read``: that region as a stored region (:meth:`Node.source_region`), or ``None``."""
@@ -105,7 +109,7 @@ class Input:
     read: Read | None = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "read", self.node.source_region(self.box))
+        self.read = self.node.source_region(self.box)
 
     def value(self, io: SourceIO) -> torch.Tensor:
         """The region's values, read from ``io``."""
@@ -134,7 +138,7 @@ class Bands:
     align: tuple[tuple[int, int], ...] = ()
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False, repr=False)
 class Compute:
     """Region ``box`` of ``node``'s output (its dtype), copied into ``dest``, computed from the
     regions of ``node``'s children that ``inputs`` declares. Either ``fn(io)`` reads them through

@@ -21,7 +21,7 @@ COPY_BACK = "copying detached tensors back into the model"
 CommitStep = tuple[str, Callable[[], None]]
 
 
-@dataclass
+@dataclass(eq=False)
 class CommitProgress:
     """How far this rank's commit got: whether it had begun changing the model or the
     optimizer, the steps it finished, and its failure (``"<step> failed: <error>"``)."""

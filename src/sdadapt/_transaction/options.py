@@ -19,7 +19,7 @@ from ..sources import Source
 from .materialize import InitFn, MissingInitFn
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Options:
     """The options of one public call about opening, planning and checking a checkpoint.
 

@@ -53,7 +53,7 @@ size, it yields the byte ranges ``(start, stop)`` that opening the file reads ne
 resumes they are in the mirror, so it may read them to find the next ranges."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Format:
     """What one checkpoint format is, declared once by its module (``FORMAT``) and collected in
     :data:`sdadapt.sources._formats.FORMATS`: every open path, suffix list, object storage
