@@ -381,11 +381,12 @@ def load(
         phases.mark("materialize")
         # materialising gave the buffers new tensors (and a hook may have replaced any); otherwise
         # the planned state dict is current
-        targets = prep.planned
+        targets, own = prep.planned, None
         if txn.materialized is not None:
-            targets = txn.materialized.current(prep.planned) or load_targets(model, prep.plain)
+            own = txn.materialized.current(prep.planned)  # the model's own tensors, known without a walk
+            targets = own or load_targets(model, prep.plain)
         wanted = {k: v for k, v in targets.items() if k in prep.plan.recipes}
-        part = Part("model", prep.plan, txn.sources[-1], wanted, share_reads=share)
+        part = Part("model", prep.plan, txn.sources[-1], wanted, share_reads=share, own=bool(own))
         phases.mark("prepare")
         log.info("rank %d: reading %d keys from %s%s", rank, len(wanted), options.name, " (atomic)" if atomic else "")
         total = sum(local_nbytes(t) for t in wanted.values())

@@ -98,7 +98,10 @@ class Part:
     """One read of a transaction: ``plan`` read from ``source`` into ``targets`` (by the engine
     alone where :func:`~sdadapt._engine.direct.direct_targets` accepts them, else through ``dcp.load``).
 
-    ``of_model``: the targets are the model's tensors (else the optimizer's state)."""
+    ``of_model``: the targets are the model's tensors (else the optimizer's state). ``own``: they
+    are known to be the model's own parameters and buffers (:meth:`Materialized.current
+    <sdadapt._transaction.materialize.Materialized.current>`), so the commit has no copy to
+    write back and does not look for one (:func:`copy_back_if_detached`)."""
 
     name: str
     plan: Plan
@@ -106,6 +109,7 @@ class Part:
     targets: dict[str, torch.Tensor]
     of_model: bool = True
     share_reads: bool = False
+    own: bool = False
     reader: EngineReader | None = field(default=None, init=False)
     staged: dict[str, torch.Tensor] | None = field(default=None, init=False)  # atomic=True: read here
 
@@ -359,7 +363,7 @@ class Transaction:
         assert self.model is not None
         progress.model = True
         for p in parts:
-            if p.of_model:
+            if p.of_model and not p.own:
                 copy_back_if_detached(self.model, p.targets)
 
     def _undo_commit(self, model_changed: bool, optimizer_changed: bool, groups: ParamGroups | None) -> str:
