@@ -68,15 +68,15 @@ def renames_nothing(model: nn.Module) -> bool:
         rewriting += (dynamo.OptimizedModule,)
     name = "_fqn_modifiers"
     # each class asked once: a model repeats a few classes over hundreds of modules
-    plain: set[type] = set()  # neither rewriting nor holding _fqn_modifiers, with nn.Module's __getattr__
+    cleared: set[type] = set()  # neither rewriting nor holding _fqn_modifiers, with nn.Module's __getattr__
     # every module once, each edge's name once (the names named_modules would join, without joining them)
     for mod in model.modules():
         cls = type(mod)
-        if cls not in plain:
+        if cls not in cleared:
             if issubclass(cls, rewriting) or hasattr(cls, name):
                 return False
             if cls.__getattr__ is nn.Module.__getattr__:
-                plain.add(cls)
+                cleared.add(cls)
             elif hasattr(mod, name):  # a __getattr__ of its own may answer it
                 return False
         # hasattr(mod, name) for nn.Module's __getattr__, without its failing lookup (which builds a message)
