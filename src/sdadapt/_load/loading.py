@@ -358,7 +358,7 @@ def load(
     txn = Transaction(model, process_group, options.name)
     txn.engine = engine
     local = txn.resolve(src)  # **resolve**: a Hub id's snapshot folder, fetched and agreed on every rank
-    tensors = own_tensors(model)  # once for both questions below
+    tensors = own_tensors(model, txn.modules)  # once for both questions below
     reserved = Reservation(model, device, tensors)  # a meta model's GPU memory, asked for while the plan is made
     target = _gpu_target(model, device, tensors)
     if target is not None:  # pinned while the plan is made (kept for the next load if it fails)
@@ -433,7 +433,7 @@ def _prepare(txn: Transaction, model: nn.Module, local: str | os.PathLike[str] |
     source = shared.open(local, options.subtree)
     # the adapter is resolved inside the agreed step: a rank failing to resolve or derive it stops them all
     # an open Source given by the caller may present any schema over its files: its plans are not kept
-    planned = plan_model(model, source, options, None if isinstance(local, Source) else LAST_PLAN)
+    planned = plan_model(model, source, options, None if isinstance(local, Source) else LAST_PLAN, txn.modules)
     source, plan = planned.source, planned.plan
     txn.add_source(source, planned.files)
     judge(plan, options.strict, lambda: family_hint(plan.report, source, schema_of(planned.targets), options, model))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -54,10 +55,11 @@ def load_targets(model: nn.Module, plain: bool | None = None) -> dict[str, torch
     return {k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
 
 
-def renames_nothing(model: nn.Module) -> bool:
+def renames_nothing(model: nn.Module, modules: Iterable[nn.Module] | None = None) -> bool:
     """True when ``get_model_state_dict(model)`` is ``model.state_dict()`` as it is: no module
     whose keys it rewrites (DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``, FSDP1 and its
-    flat parameters, activation checkpointing's wrapper, modules with ``_fqn_modifiers``)."""
+    flat parameters, activation checkpointing's wrapper, modules with ``_fqn_modifiers``).
+    ``modules``: ``model.modules()`` listed, where the caller has them."""
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
@@ -70,7 +72,7 @@ def renames_nothing(model: nn.Module) -> bool:
     # each class asked once: a model repeats a few classes over hundreds of modules
     cleared: set[type] = set()  # neither rewriting nor holding _fqn_modifiers, with nn.Module's __getattr__
     # every module once, each edge's name once (the names named_modules would join, without joining them)
-    for mod in model.modules():
+    for mod in model.modules() if modules is None else modules:
         cls = type(mod)
         if cls not in cleared:
             if issubclass(cls, rewriting) or hasattr(cls, name):

@@ -43,11 +43,12 @@ def has_meta(model: nn.Module | Iterable[torch.Tensor]) -> bool:
     return any(is_meta(t) for t in tensors)
 
 
-def own_tensors(model: nn.Module) -> list[torch.Tensor]:
+def own_tensors(model: nn.Module, modules: list[nn.Module] | None = None) -> list[torch.Tensor]:
     """Every parameter, then every buffer, of ``model``'s modules: what ``model.parameters()``
     then ``model.buffers()`` give, in their order, from one walk over the modules (a tensor two
-    modules hold comes twice: for the questions asked of it, whether any or which comes first)."""
-    modules = list(model.modules())
+    modules hold comes twice: for the questions asked of it, whether any or which comes first).
+    ``modules``: ``list(model.modules())``, where the caller has it."""
+    modules = list(model.modules()) if modules is None else modules
     return [p for m in modules for p in m._parameters.values() if p is not None] + [
         b for m in modules for b in m._buffers.values() if b is not None
     ]
@@ -194,19 +195,21 @@ def materialize(
     init_buffers: InitFn | None,
     reserved: Reservation | None = None,
     then: InitFn | None = None,
+    modules: list[nn.Module] | None = None,
 ) -> Materialized | None:
     """``to_empty`` on ``device`` if anything is on meta, then run the buffer hook (or the
     model's ``init_weights()``), then ``then(model)`` (the allowed-missing keys' values, see
     :func:`missing_values`). Returns what was done (:class:`Materialized`), ``None`` where the
     model was not materialised (nothing on meta). ``reserved``: the model's memory, asked for
-    earlier (:class:`Reservation`); else it is asked for now."""
+    earlier (:class:`Reservation`); else it is asked for now. ``modules``: ``list(model.modules())``,
+    where the caller has it."""
     if not has_meta(model):
         return None
     if reserved is not None:
         reserved.wait()
     else:
         _reserve(model, device)
-    renewed = to_empty(model, device)
+    renewed = to_empty(model, device, modules)
     if init_buffers is not None:
         renewed = None  # a hook may replace any tensor
         init_buffers(model)
@@ -244,7 +247,7 @@ class _DropRngSync(logging.Filter):
         return "synchronizing RNG states" not in record.getMessage()
 
 
-def to_empty(model: nn.Module, device: torch.device) -> Renewed | None:
+def to_empty(model: nn.Module, device: torch.device, modules: list[nn.Module] | None = None) -> Renewed | None:
     """``model.to_empty(device=device)``, with :func:`_empty_like` for each tensor. Where every
     parameter is a DTensor (what TP and FSDP2 make) and no module has an ``_apply`` of its own
     beyond FSDP2's (:func:`_plain_apply`), the same outcome is reached without ``Module._apply``,
@@ -263,9 +266,10 @@ def to_empty(model: nn.Module, device: torch.device) -> Renewed | None:
 
     Returns, where its own walk ran, every parameter and buffer before (by id) with the tensor
     in its place now (:class:`Materialized`); ``None`` where ``Module._apply`` ran, or a buffer
-    is held by several modules (each got a tensor of its own).
+    is held by several modules (each got a tensor of its own). ``modules``: ``list(model.modules())``,
+    where the caller has it.
     """
-    modules = list(model.modules())
+    modules = list(model.modules()) if modules is None else modules
     if not _plain_apply(modules):
         model._apply(lambda t: _empty_like(t, device))
         return None

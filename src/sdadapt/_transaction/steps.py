@@ -107,15 +107,16 @@ class Planned:
     files: Fingerprint | None = None
 
 
-def plan_model(model: nn.Module, source: Source, options: Options, reuse: LastPlan | None = None) -> Planned:
+def plan_model(model: nn.Module, source: Source, options: Options, reuse: LastPlan | None = None,
+               modules: list[nn.Module] | None = None) -> Planned:  # fmt: skip
     """**adapter** and **plan** against a model (:class:`Planned`). The adapter is
     ``options.adapter`` derived from the open ``source`` (:func:`derive_adapter`); the plan is
     as :func:`plan_schema` plans. ``reuse``: the process's last plan, returned instead where this
-    one's key equals its own, else replaced by this one (:class:`LastPlan`). On failure
-    ``source`` is closed."""
+    one's key equals its own, else replaced by this one (:class:`LastPlan`). ``modules``:
+    ``list(model.modules())``, where the caller has it. On failure ``source`` is closed."""
     try:
         adapter = _adapter_or_none(options.adapter, source, model)
-        plain = renames_nothing(model)
+        plain = renames_nothing(model, modules)
         state_dict = load_targets(model, plain)
         stage = PipelineStage.of(state_dict, vacant_modules(model)) if options.pipeline_stage else None
         target, name = schema_of(state_dict), type(model).__name__

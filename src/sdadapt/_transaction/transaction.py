@@ -38,6 +38,7 @@ rest of the restore (optimizer, extras) is not, and a meta model cannot run by m
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import weakref
@@ -143,6 +144,13 @@ class Transaction:
         self.one_host: bool | None = None  # its answer (None: not asked)
         self.materialized: Materialized | None = None  # what materialising did (None: nothing was on meta)
 
+    @functools.cached_property
+    def modules(self) -> list[nn.Module]:
+        """``list(model.modules())``, listed once for the walks a load makes up to materialising
+        (its own tensors, whether ``get_model_state_dict`` renames, ``to_empty``): nothing it runs
+        before then adds or removes a module (the buffer hooks run after)."""
+        return list(self.model.modules()) if self.model is not None else []
+
     # ------------------------------------------------------------------ prepare
     def add_source(self, source: Source, files: Fingerprint | None = None) -> None:
         """Fingerprint the files of ``source`` (closed with the transaction); ``files``: their
@@ -214,7 +222,7 @@ class Transaction:
         assert self.model is not None
         error: SdadaptError | None = None
         try:
-            self.materialized = materialize(self.model, choose_device(self.model, device), init_buffers, reserved, then)
+            self.materialized = materialize(self.model, choose_device(self.model, device), init_buffers, reserved, then, self.modules)
         except Exception as e:  # noqa: BLE001 - user hooks can raise anything; re-raised below
             error = e if isinstance(e, SdadaptError) else ModelError(f"materialising the model failed: {type(e).__name__}: {e}")
             error.__cause__ = e
