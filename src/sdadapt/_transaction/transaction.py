@@ -100,9 +100,7 @@ class Part:
     alone where :func:`~sdadapt._engine.direct.direct_targets` accepts them, else through ``dcp.load``).
 
     ``of_model``: the targets are the model's tensors (else the optimizer's state). ``own``: they
-    are known to be the model's own parameters and buffers (:meth:`Materialized.current
-    <sdadapt._transaction.materialize.Materialized.current>`), so the commit has no copy to
-    write back and does not look for one (:func:`copy_back_if_detached`)."""
+    are known to be the model's own (``Materialized.current``): no copy to write back is looked for."""
 
     name: str
     plan: Plan
@@ -146,9 +144,7 @@ class Transaction:
 
     @functools.cached_property
     def modules(self) -> list[nn.Module]:
-        """``list(model.modules())``, listed once for the walks a load makes up to materialising
-        (its own tensors, whether ``get_model_state_dict`` renames, ``to_empty``): nothing it runs
-        before then adds or removes a module (the buffer hooks run after)."""
+        """``list(model.modules())`` for the walks up to materialising (none adds a module: hooks run after)."""
         return list(self.model.modules()) if self.model is not None else []
 
     # ------------------------------------------------------------------ prepare
@@ -173,8 +169,7 @@ class Transaction:
         in the same collective (``DisagreementError`` where ranks differ)."""
         error: SdadaptError | None = None
         out: Any = None
-        # a rank alone has nobody to compare its intent with (agree_on compares nothing)
-        intent = intent if intent is not None and rank_and_world(self.group)[1] > 1 else None
+        intent = intent if rank_and_world(self.group)[1] > 1 else None  # a rank alone has nobody to compare it with
         parts: Mapping[str, Any] = no_intent() if intent is not None else {}
         try:
             out = step()
