@@ -338,27 +338,3 @@ def test_a_load_into_the_cpu_never_asks_cuda(tmp_path, monkeypatch):
     report = sdadapt.load(model, str(tmp_path / "model.safetensors"))
     assert report.keys_loaded == 2
     assert torch.equal(model.weight, src.weight) and torch.equal(model.bias, src.bias)
-
-
-def test_fault_in_touches_every_page_and_leaves_zeros():
-    # the mapping's pages are made resident by the call (RSS grows by about the mapping) and
-    # still read as zeros, whichever way the kernel allows (MADV_POPULATE_WRITE or memset)
-    import mmap
-
-    from sdadapt._engine.pinned import _fault_in
-
-    nbytes = 8 * HUGE_PAGE
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    t = torch.frombuffer(mapping, dtype=torch.uint8)
-
-    def resident_kib() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
-
-    before = resident_kib()
-    _fault_in(t.data_ptr(), nbytes)
-    grown = resident_kib() - before
-    assert grown >= 0.9 * nbytes / 1024
-    assert int(t.count_nonzero()) == 0
-    del t
-    mapping.close()

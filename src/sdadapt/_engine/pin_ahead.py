@@ -12,7 +12,7 @@ prefetch then finds it pinned or on its way and asks for nothing more, and its s
 it (the smallest kept slab large enough: also a run with fewer threads than the settings').
 
 The thread spends its time in calls that let go of the interpreter lock (``mmap``, ``madvise``
-through ctypes, ``cudaHostRegister``), so it pins while the main thread imports.
+through ctypes, torch's ``zero_``, ``cudaHostRegister``), so it pins while the main thread imports.
 
 It pins only in a process that has initialised CUDA already, for the current device, and only
 where that device has its CUDA context: it never initialises CUDA or makes a context (a process

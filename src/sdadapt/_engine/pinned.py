@@ -3,11 +3,10 @@
 ``torch.empty(..., pin_memory=True)`` asks CUDA for each buffer separately (``cudaHostAlloc``,
 rounded up to a power of two), and the driver pins it 4 KiB page by page: on a first load that
 costs more than reading a gigabyte. A slab is instead one anonymous mapping, aligned to 2 MiB
-and advised for transparent huge pages, faulted in once on the pinning thread alone (as huge
-pages where the kernel grants them: :func:`_fault_in`), then registered with
-``cudaHostRegister``: the same pinned memory, with a twentieth of the page work. Slabs given
-back are kept (at most :data:`KEEP`) and handed out again, as torch keeps its freed pinned
-blocks, so later loads in the process pin nothing.
+and advised for transparent huge pages, filled once (which faults it in as huge pages where the
+kernel grants them), then registered with ``cudaHostRegister``: the same pinned memory, with a
+twentieth of the page work. Slabs given back are kept (at most :data:`KEEP`) and handed out
+again, as torch keeps its freed pinned blocks, so later loads in the process pin nothing.
 
 Where any of that is unavailable (not Linux, no ``madvise``, a registration error) the slab is
 a plain ``pin_memory=True`` tensor: the same memory, allocated the slower way.
@@ -34,7 +33,6 @@ log = logging.getLogger(__name__)
 HUGE_PAGE = 2 << 20
 KEEP = 4  # slabs kept for reuse after their loads, process-wide
 _MADV_HUGEPAGE = 14  # <linux/mman.h>
-_MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14 and later
 
 
 @dataclass(eq=False)  # compared by identity (kept in lists), never by contents
@@ -64,17 +62,6 @@ def _advise_huge(ptr: int, nbytes: int) -> None:
     libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), _MADV_HUGEPAGE)  # advice only: failure is harmless
 
 
-def _fault_in(ptr: int, nbytes: int) -> None:
-    """Fault every page of the anonymous mapping at ``ptr`` in now, on the calling thread alone:
-    ``madvise(MADV_POPULATE_WRITE)`` where the kernel has it, else a ``memset`` to zero (what the
-    pages hold already). Both are ctypes calls, which let go of the interpreter lock; unlike
-    torch's ``zero_``, neither starts a team of OpenMP threads, which would compete for the CPUs
-    with the main thread's imports and planning that pinning runs beside (:mod:`.pin_ahead`)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE) != 0:
-        ctypes.memset(ptr, 0, nbytes)
-
-
 def register_slab(nbytes: int) -> Slab:
     """``nbytes`` of pinned memory as one registered huge-page mapping; the torch allocation
     where registration is not possible."""
@@ -85,7 +72,7 @@ def register_slab(nbytes: int) -> Slab:
         tensor = whole[skip : skip + nbytes]
         del whole
         _advise_huge(tensor.data_ptr(), nbytes)
-        _fault_in(tensor.data_ptr(), nbytes)  # now (huge pages where granted), not in the driver page by page
+        tensor.zero_()  # faults every page in now (huge pages where granted), not in the driver one by one
         err = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, 0)
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister returned {err}")
