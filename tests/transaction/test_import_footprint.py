@@ -114,9 +114,8 @@ PLAIN_LOAD = IMPORT_SDADAPT + [
     # what a public call queues for after it returns (a first GPU load's kvikio start): every public call runs the queue
     "sdadapt._base.later",
     "sdadapt._engine",
-    # _engine.pin_ahead: importing _load starts pinning a GPU load's staging there (nothing without CUDA)
     *(f"sdadapt._engine.{m}" for m in (
-        "config device devread direct engine geometry lanes locate pin_ahead pinned planner prefetch staging syscalls "
+        "config device devread direct engine geometry lanes locate pinned planner prefetch staging syscalls "
         "tasks views workers").split()),
     "sdadapt._load", "sdadapt._load.loading",
     "sdadapt._plan", *(f"sdadapt._plan.{m}" for m in "adapter intent plan report target".split()),

@@ -87,10 +87,8 @@ _NAMES = {
 }  # fmt: skip
 """The face's names but :func:`heading`: ``name -> ".module"`` (the same name there) or
 ``".module:its_name"``, each imported on first use. Importing the package imports none of its
-modules, so that a module below the engine's run (:mod:`.pinned`, :mod:`.config`,
-:mod:`.pin_ahead`) can be imported alone: a process's first load starts pinning its staging
-memory before it imports the rest (:mod:`.pin_ahead`), and a plain load never imports
-:mod:`.share`."""
+modules, so that a module below the engine's run (:mod:`.pinned`, :mod:`.config`) can be
+imported alone, and a plain load never imports :mod:`.share`."""
 
 
 def heading(

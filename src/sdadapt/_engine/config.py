@@ -57,9 +57,7 @@ class EngineConfig:
     ``min_span_bytes``) an environment variable that :meth:`from_env` reads; the table of
     variables, defaults and what each one trades is in docs/performance.md ("Engine settings").
     The staging memory of a GPU load is pinned and kept for the next load
-    (:func:`sdadapt.release_pinned_memory` frees it), in a process that has initialised CUDA
-    from its first ``sdadapt.load``'s imports on (``SDADAPT_IO_PIN_AHEAD``, no field: read then,
-    :mod:`sdadapt._engine.pin_ahead`); the computing threads and their band
+    (:func:`sdadapt.release_pinned_memory` frees it); the computing threads and their band
     buffers are described in :mod:`sdadapt._engine.lanes`, the device side in
     :mod:`sdadapt._engine.device`, reads through kvikio in :mod:`sdadapt._engine.devread`.
 
@@ -267,13 +265,6 @@ def _count(text: str) -> int:
 
 def _flag(text: str) -> bool:
     return text not in ("0", "false", "no")
-
-
-def env_switch(var: str, default: bool) -> bool:
-    """The switch ``var`` of the environment, read as :data:`ENV`'s switches are: ``0`` /
-    ``false`` / ``no`` off, any other text on; ``default`` where it is unset or empty."""
-    text = os.environ.get(var)
-    return _flag(text) if text else default
 
 
 def _auto_or_flag(text: str) -> bool | str:

@@ -219,11 +219,9 @@ HEAD_SLABS = SlabCache(keep=1)
 def release_pinned_memory() -> int:
     """Unpin and free the staging memory that loads to a GPU keep for the next load of this
     process (at most :data:`KEEP` slabs, about ``2 x EngineConfig.staging_bytes`` per load
-    configuration, and the head start's ``EngineConfig.head_bytes``), the staging slab that a
-    process which has initialised CUDA pins ahead of its first load among them
-    (:mod:`sdadapt._engine.pin_ahead`; waited for while it is being pinned); returns the bytes
-    freed. A later GPU load pins its staging afresh (tens of milliseconds). Call it between
-    loads, never during one.
+    configuration, and the head start's ``EngineConfig.head_bytes``; a slab still being pinned
+    in the background is waited for); returns the bytes freed. A later GPU load pins its
+    staging afresh (tens of milliseconds). Call it between loads, never during one.
 
     Returns:
         The bytes freed.
