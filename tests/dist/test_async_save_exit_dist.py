@@ -258,7 +258,21 @@ def test_ctrl_c_while_exit_waits_gives_the_save_up(monkeypatch, caplog):
 
     monkeypatch.setenv("SDADAPT_EXIT_WAIT_S", "inf")
     monkeypatch.setattr(background, "_GIVEN_UP", threading.Event())
-    background.start_writer().put(lambda: time.sleep(1.5))  # a save still writing
+    # Ctrl-C raises KeyboardInterrupt also where the suite was started with SIGINT ignored (a
+    # shell's background job, whose Python then leaves it ignored)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    release = threading.Event()
+
+    def writing() -> None:
+        """A save still writing until it is given up (as a real one stops at its next file
+        write), or the test ends: Ctrl-C comes while exit waits for it, however late a loaded
+        machine runs the timer."""
+        while not background.given_up() and not release.wait(0.01):
+            pass
+
+    background.start_writer().put(writing)
+    backstop = threading.Timer(60, release.set)  # a Ctrl-C that never came fails the test, never hangs it
+    backstop.start()
     main = threading.get_ident()
     threading.Timer(0.3, lambda: signal.pthread_kill(main, signal.SIGINT)).start()
     try:
@@ -266,4 +280,8 @@ def test_ctrl_c_while_exit_waits_gives_the_save_up(monkeypatch, caplog):
             background.finish_at_exit()
     except KeyboardInterrupt:
         pytest.fail("Ctrl-C while exit waited for a background save escaped finish_at_exit")
+    finally:
+        release.set()
+        backstop.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert background.given_up() and "in the background was interrupted" in caplog.text and "given up and" in caplog.text
