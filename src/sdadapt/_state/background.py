@@ -97,8 +97,19 @@ def stage(state: dict[str, Any]) -> dict[str, Any]:
         _STAGER.append(DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=False,
                                                     use_non_blocking_copy=False)))  # fmt: skip
     staged = _STAGER[0].stage(plain)
+    if not _reusable(_STAGER[0]):
+        _STAGER.clear()  # the next save makes a stager of its own
     assert isinstance(staged, dict)
     return staged
+
+
+def _reusable(stager: DefaultStager) -> bool:
+    """Whether ``stager`` can stage again. torch 2.11's ``DefaultStager`` closes its state-dict
+    stager after each stage (its table of copiers emptied: a second stage fails on the first
+    class it meets); later releases keep it open. Where torch no longer shows that table, a
+    new stager each save is the safe answer."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    return bool(getattr(inner, "_deepcopy_dispatch", None))
 
 
 class SaveHandle:
