@@ -15,15 +15,21 @@ engine, each written as a JSON line to OUT:
 - ``oracle``: refit from the untrained trainer, the staged shards equal what vLLM's own
   ``load_weights`` made of the same HF checkpoint (the engine's weights right after it started,
   read through a fresh model built by vLLM's loader in the worker);
-- ``step1``: one AdamW step, refit; vLLM's greedy tokens equal transformers' with the trained
-  weights (bfloat16), and its prompt logprobs are within ``TOL`` of transformers';
+- ``step0``: before any refit, the engine's own load of the checkpoint against transformers:
+  greedy tokens and prompt logprobs (within ``TOL``);
+- ``step1``: one AdamW step, refit; against vLLM's own path for the trained weights (saved, as
+  bfloat16, as an HF checkpoint): the staging equals what vLLM's loader makes of it (dtype and
+  bits), and the engine serves exactly what it serves once its own ``reload_weights`` has loaded
+  it (the engine is left so); transformers' tokens and logprobs are reported beside;
 - ``step2``: delta mode: a second step (every tensor resent), then one norm changed in place
-  (only its engine tensor sent), then nothing changed (nothing sent, the engine not called);
+  (only its engine tensor sent), each against vLLM's own path as ``step1``, then nothing
+  changed (nothing sent, the engine not called);
 - ``mismatch``: a wrong adapter (another head count): RefitError on both ranks before anything
   moves, and the engine still serves the previous weights (the same tokens and logprobs);
 - ``vllm_reload``: vLLM's own ``reload_weights`` (``load_weights`` of the checkpoint, through its
   layerwise reload) on the engine sdadapt updated serves the checkpoint again, and
-  ``after_vllm_reload``: sdadapt connected anew refits the trainer into it again.
+  ``after_vllm_reload``: sdadapt connected anew refits the trainer into it again (against vLLM's
+  own path as ``step1``).
 """
 
 from __future__ import annotations
@@ -114,26 +120,42 @@ def expected_shapes(family: str, config, tp: int) -> dict[str, tuple[int, ...]]:
     return vllm_llama.parameter_shapes(**common, **vllm_llama.config_shape(config))
 
 
-def vllm_loaded(self, folder: str) -> dict[str, object]:
-    """In the worker: vLLM's own loader run on the engine's HF checkpoint into a fresh model (raw
-    parameters, before post-processing), compared with the sdadapt staging."""
+def vllm_loaded(self, folder: str, checkpoint: str | None = None) -> dict[str, object]:
+    """In the worker: vLLM's own loader run on an HF checkpoint (``None``: the engine's) into a
+    fresh model (raw parameters, before post-processing), compared with the sdadapt staging: the
+    parameters whose dtype or bits differ."""
     from vllm.config import set_current_vllm_config
     from vllm.distributed import get_tensor_model_parallel_rank
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
 
     from sdadapt._refit.vllm_staging import read
 
     cfg = self.vllm_config
-    with set_current_vllm_config(cfg), torch.device("cpu"):
-        model = initialize_model(vllm_config=cfg, prefix="oracle")
-        loader = get_model_loader(cfg.load_config)
-        loader.load_weights(model, cfg.model_config)
+    served_from = cfg.model_config.model
+    cfg.model_config.model = checkpoint or served_from  # for the loader only, put back below
+    try:
+        with set_current_vllm_config(cfg), set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
+            model = initialize_model(vllm_config=cfg, prefix=f"oracle-{os.path.basename(checkpoint or '')}")  # names its own
+            loader = get_model_loader(cfg.load_config)
+            loader.load_weights(model, cfg.model_config)
+    finally:
+        cfg.model_config.model = served_from
     rank = get_tensor_model_parallel_rank()
     staged = read(folder, rank)[1]
     own = dict(model.named_parameters())
     return {"rank": rank, "keys_equal": sorted(own) == sorted(staged),
-            "differ": sorted(n for n in own if n in staged and not torch.equal(own[n].data, staged[n]))}  # fmt: skip
+            "differ": sorted(n for n in own if n in staged and (own[n].dtype != staged[n].dtype
+                                                                or not torch.equal(own[n].data, staged[n])))}  # fmt: skip
+
+
+def repack_experts(self) -> int:
+    """In the worker: the CPU MoE layers' packing run again (``repack_cpu_experts``), which vLLM
+    0.32's own reload omits (see ``vllm_reload`` in ``check_family``)."""
+    from sdadapt._refit.vllm_worker import repack_cpu_experts
+
+    return repack_cpu_experts(list(self.model_runner.get_model().modules()))
 
 
 def sdadapt_loaders(self) -> list[str]:
@@ -245,7 +267,30 @@ def run_engine_cases(family: str, out_path: str, rank: int, world: int) -> None:
                 worst.append(float((gap / (TOL[0] * best.abs() + TOL[1])).max()))
         return worst
 
-    def compare(case: str, extra: dict | None = None) -> tuple[list, list]:
+    def diff(a: list, b: list) -> float:
+        return max(abs(p - q) for x, y in zip(a, b, strict=True) for p, q in zip(x, y, strict=True))
+
+    def vllm_own(case: str, ref16: torch.nn.Module, got: tuple[list, list], staging: str) -> dict[str, object]:
+        """vLLM's own path for the weights just refit: the trainer's, rounded to bfloat16 as the refit
+        rounds them, saved as an HF checkpoint, which vLLM's loader turns into raw parameters
+        (compared with the staging, dtype and bits) and its ``reload_weights`` into the engine's
+        (whose greedy tokens and prompt logprobs are then compared with the refit's ``got``). The
+        engine then holds what the refit wrote, so delta mode goes on from there."""
+        assert llm is not None
+        path = os.path.join(folder, case)
+        ref16.save_pretrained(path)
+        oracle = llm.collective_rpc(vllm_loaded, args=(staging, path))
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        llm.collective_rpc(repack_experts)
+        own = served()
+        return dict(own_differ=sorted({n for o in oracle for n in o["differ"]}),
+                    own_keys_equal=all(o["keys_equal"] for o in oracle), own_tokens_equal=own[0] == got[0],
+                    own_logprobs_equal=own[1] == got[1], own_logprob_diff=diff(own[1], got[1]))  # fmt: skip
+
+    def compare(case: str, extra: dict | None = None, staging: str | None = None) -> tuple[list, list]:
+        """The engine's greedy tokens and prompt logprobs against transformers' with the trainer's
+        weights; ``staging``: the refit's staging, for a comparison with vLLM's own path too
+        (``vllm_own``)."""
         # collective: every rank (buffers, DeepSeek-V3's correction biases, are plain tensors on each)
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in trainer.state_dict().items()}
         got = served() if rank == 0 else None
@@ -253,17 +298,14 @@ def run_engine_cases(family: str, out_path: str, rank: int, world: int) -> None:
             assert got is not None
             ref16, ref32 = reference_model(full, torch.bfloat16), reference_model(full, torch.float32)
             want, want32 = reference(ref16), reference(ref32)
-
-            def diff(a: list, b: list) -> float:
-                return max(abs(p - q) for x, y in zip(a, b, strict=True) for p, q in zip(x, y, strict=True))
-
             within = all(abs(p - q) <= TOL[0] * abs(q) + TOL[1] for x, y in zip(got[1], want[1], strict=True)
                          for p, q in zip(x, y, strict=True))  # fmt: skip
+            own = vllm_own(case, ref16, got, staging) if staging is not None else {}
             emit(case=case, tokens_equal=got[0] == want[0], got=got[0], want=want[0], logprob_diff=diff(got[1], want[1]),
                  logprob_within=within, tol=list(TOL),
                  tokens_equal_fp32=got[0] == want32[0], logprob_diff_fp32=diff(got[1], want32[1]),
                  ref_bf16_vs_fp32=diff(want[1], want32[1]), lp=got[1][0][:4], lp_want=want[1][0][:4],
-                 near_greedy=max(near_greedy(ref32, got[0])), **(extra or {}))  # fmt: skip
+                 near_greedy=max(near_greedy(ref32, got[0])), **own, **(extra or {}))  # fmt: skip
         return got or ([], [])
 
     adapter, layout = adapter_and_layout(family, config, tp)
@@ -288,15 +330,15 @@ def run_engine_cases(family: str, out_path: str, rank: int, world: int) -> None:
 
     step()
     reps = refit()
-    compare("step1", {"bytes": [r.bytes_received + r.bytes_local for r in reps], "seconds": [r.seconds for r in reps]})
+    compare("step1", {"bytes": [r.bytes_received + r.bytes_local for r in reps], "seconds": [r.seconds for r in reps]}, refit.staging)
 
     step()
     reps = refit()
-    compare("step2_all", {"updated": sum(len(r.updated) for r in reps)})
+    compare("step2_all", {"updated": sum(len(r.updated) for r in reps)}, refit.staging)
     with torch.no_grad():
         trainer.model.norm.weight.mul_(1.5)
     reps = refit()
-    last = compare("step2_norm", {"updated": sorted({k for r in reps for k in r.updated})})
+    last = compare("step2_norm", {"updated": sorted({k for r in reps for k in r.updated})}, refit.staging)
     reps = refit()
     if rank == 0:
         assert llm is not None
@@ -322,7 +364,7 @@ def run_engine_cases(family: str, out_path: str, rank: int, world: int) -> None:
             emit(case="vllm_reload", raised=True, message=f"{type(e).__name__}: {e}"[:1500])
     again = sdadapt.vllm.connect(trainer, llm, adapter, layout, bucket_bytes=1 << 20)
     again()
-    compare("after_vllm_reload")
+    compare("after_vllm_reload", staging=again.staging)
     dist.barrier()
     dist.destroy_process_group()
     if out is not None:

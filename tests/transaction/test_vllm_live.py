@@ -4,9 +4,11 @@ Each test runs tests/support/vllm_live.py in the venv: one engine per model fami
 against it (see that script): the engine's raw parameter shapes on every rank against
 ``parameter_shapes()``; the staged shards against vLLM's own ``load_weights`` of the same HF
 checkpoint; a tiny Qwen2 (TP 2 with one KV head, biases, tied embeddings) or Qwen3-MoE
-(TP 1) trained by AdamW under FSDP2 on 2 gloo ranks, refit, then vLLM's greedy tokens
-equal transformers' with the trained weights and its prompt logprobs are within bfloat16's
-tolerance (``LOGPROB_TOL``); delta mode; a mismatched adapter refused on both ranks before
+(TP 1) trained by AdamW under FSDP2 on 2 gloo ranks, refit, then the staging equals vLLM's own
+loading of the trained weights saved as a checkpoint, and the engine serves exactly what it
+serves once its own ``reload_weights`` has loaded them (before any refit, its own load of the
+checkpoint serves transformers' greedy tokens, and prompt logprobs within bfloat16's tolerance,
+``LOGPROB_TOL``); delta mode; a mismatched adapter refused on both ranks before
 anything moves, the engine still serving the old weights; vLLM's own reload working on the
 engine sdadapt updated, and sdadapt again after it. And, without an engine, every shipped vLLM
 layout against vLLM's own model classes and their ``load_weights`` (tests/support/vllm_models.py).
@@ -33,10 +35,10 @@ MODELS = ROOT / "tests" / "support" / "vllm_models.py"
 pytestmark = pytest.mark.vllm_live
 
 LOGPROB_TOL = (0.02, 0.05)
-"""(relative, absolute): vLLM's bfloat16 prompt logprob may differ from transformers' bfloat16 one
-by ``0.02 * |logprob| + 0.05``: the two frameworks' bfloat16 kernels round differently, and
-transformers' own bfloat16 and float32 forwards differ as much (the script reports both); a
-tensor missed or misplaced by the refit moves logprobs by whole units."""
+"""(relative, absolute): vLLM's bfloat16 prompt logprob of the untrained checkpoint may differ
+from transformers' bfloat16 one by ``0.02 * |logprob| + 0.05``: the two frameworks' bfloat16
+kernels round differently, and transformers' own bfloat16 and float32 forwards differ as much
+(the script reports both)."""
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +69,23 @@ def check_family(cases: dict[str, dict], tp: int, moe: bool = False) -> None:
     oracle = cases["oracle"]
     assert oracle["ranks"] == list(range(tp)) and oracle["keys_equal"] and oracle["differ"] == [], oracle
     assert cases["unchanged_serves_same"]["tokens_equal"]
-    for name in ("step0", "step1", "step2_all", "step2_norm", "after_vllm_reload"):
+    # before any refit, the engine serves its own load of the checkpoint as transformers does: greedy
+    # tokens equal transformers' bfloat16 ones, or (where two candidates tie within bfloat16's
+    # rounding and the frameworks pick differently) each within LOGPROB_TOL of transformers' float32
+    # best at its position; prompt logprobs within LOGPROB_TOL
+    c = cases["step0"]
+    assert c["tokens_equal"] or c["near_greedy"] <= 1.0, (c["got"], c["want"], c["near_greedy"])
+    assert c["logprob_within"] and tuple(c["tol"]) == LOGPROB_TOL, (c["logprob_diff"], c["lp"], c["lp_want"])
+    for name in ("step1", "step2_all", "step2_norm", "after_vllm_reload"):
         c = cases[name]
-        # greedy tokens equal transformers' bfloat16 ones, or (where two candidates tie within
-        # bfloat16's rounding and the frameworks pick differently) each within LOGPROB_TOL of
-        # transformers' float32 best at its position; a wrong tensor misses both by whole units
-        assert c["tokens_equal"] or c["near_greedy"] <= 1.0, (name, c["got"], c["want"], c["near_greedy"])
-        assert c["logprob_within"] and tuple(c["tol"]) == LOGPROB_TOL, (name, c["logprob_diff"], c["lp"], c["lp_want"])
+        # after each refit: the staging holds, dtype and bits, what vLLM's own loader makes of the
+        # trained weights saved as a checkpoint, and the engine serves exactly (tokens and
+        # logprobs) what it serves once vLLM's own reload_weights has loaded that checkpoint. How
+        # close vLLM's serving then is to transformers' is vLLM's numerics (its CPU kernels round
+        # differently by ISA: with AMX it moves a trained model's logprobs by more than
+        # LOGPROB_TOL from transformers', whichever path loaded the weights), reported, not asserted
+        assert c["own_keys_equal"] and c["own_differ"] == [], (name, c["own_differ"])
+        assert c["own_tokens_equal"] and c["own_logprobs_equal"], (name, c["own_logprob_diff"], c["got"])
     assert cases["step2_all"]["updated"] == len(cases["shapes"]["got"])  # every tensor moved after an AdamW step
     assert cases["step2_norm"]["updated"] == ["model.norm.weight"]  # delta: only what changed
     assert cases["step2_nothing"] == {"case": "step2_nothing", "updated": [], "bytes": 0}

@@ -188,10 +188,11 @@ def raw_parameters(
     (before post-processing): ``(name, dtype, shape)``, in ``named_parameters()`` order (tied
     parameters once). Those vLLM recorded for reloading (``restore_metadata``) take the recorded
     shape; a checkpoint tensor of a recorded layer that vLLM keeps live instead (``LIVE``) takes
-    its own. ``skip``: names vLLM's layerwise reload never loads (its ``SKIP_LOAD_TENSORS``: expert
-    maps, and the router's correction bias, which is live). ``attention(layer)``: whether a layer
-    is an attention layer, whose parameters (an FP8 engine's KV-cache and activation scales:
-    calibration, not training) are left as the engine has them."""
+    its own shape and the dtype it was created in. ``skip``: names vLLM's layerwise reload never
+    loads (its ``SKIP_LOAD_TENSORS``: expert maps, and the router's correction bias, which is
+    live). ``attention(layer)``: whether a layer is an attention layer, whose parameters (an FP8
+    engine's KV-cache and activation scales: calibration, not training) are left as the engine
+    has them."""
     modules = dict(model.named_modules())
     out = []
     for name, param in model.named_parameters():
@@ -203,8 +204,16 @@ def raw_parameters(
         if meta is not None:
             out.append((name, meta.dtype, tuple(meta.shape)))
         elif attr in LIVE:
-            out.append((name, param.dtype, tuple(param.shape)))
+            out.append((name, _created_dtype(modules[owner], attr, param), tuple(param.shape)))
     return out
+
+
+def _created_dtype(layer: torch.nn.Module, attr: str, param: torch.Tensor) -> torch.dtype:
+    """The dtype a live parameter was created in, which vLLM's own loading rounds to: a linear
+    layer's ``bias`` in the layer's ``params_dtype`` (its post-processing may widen the live one:
+    vLLM's CPU kernels for AMX keep it in float32), anything else its own."""
+    dtype = getattr(layer, "params_dtype", None) if attr == "bias" else None
+    return dtype if isinstance(dtype, torch.dtype) else param.dtype
 
 
 def repack_cpu_experts(layers: list[torch.nn.Module]) -> int:
