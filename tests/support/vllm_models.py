@@ -12,7 +12,8 @@ them). Then, one JSON line per case and rank:
 - ``created``: the parameters vLLM's layers created (``named_parameters()`` before any
   post-processing), names and shapes, against the layout module's ``parameter_shapes()``;
 - ``staged``: what the sdadapt backend would lay out in its staging on a live engine of this model
-  (``raw_parameters``, from what vLLM recorded for reloading), against the same;
+  (``raw_parameters``, from what vLLM recorded for reloading), against the same, and its dtypes
+  against those of the parameters vLLM's layers created;
 - ``loaded``: vLLM's own ``load_weights`` fed the HF checkpoint of a random transformers model of
   the config (for FP8, each tensor block-quantized as DeepSeek-V3's releases are), against
   ``sdadapt.refit_plan`` with the layout module's adapter and layout writing the same rank's
@@ -255,8 +256,9 @@ def check_rank(case: str, cfg, config, files: dict[str, torch.Tensor], trainer: 
     model = vllm_model(cfg, f"{case}{rank}")
     attention = {n for n, m in model.named_modules() if is_deferred_attention_layer(m)}
     created = {n: tuple(p.shape) for n, p in model.named_parameters() if n.rpartition(".")[0] not in attention}
-    staged = {n: s for n, _, s in staged_parameters(model)}
     params = dict(model.named_parameters())
+    staged = {n: s for n, _, s in staged_parameters(model)}
+    dtypes = sorted(n for n, dt, _ in staged_parameters(model) if n in params and dt != params[n].dtype)
 
     def blank(t: torch.Tensor) -> torch.Tensor:  # NaN where floats hold one (a value nobody wrote shows)
         return t.fill_(float("nan")) if t.is_floating_point() and t.element_size() > 1 else t.zero_()
@@ -269,7 +271,7 @@ def check_rank(case: str, cfg, config, files: dict[str, torch.Tensor], trainer: 
     sdadapt.refit_plan(trainer, engine, adapter, engine_layout=layout)()
     differ = sorted(n for n in engine if not torch.equal(bits(engine[n]), bits(params[n].data)))
     return {"case": case, "rank": rank, "tp": tp, "created": diff_shapes(created, want), "staged": diff_shapes(staged, want),
-            "loaded_differ": differ, "n": len(staged)}  # fmt: skip
+            "staged_dtype_differ": dtypes, "loaded_differ": differ, "n": len(staged)}  # fmt: skip
 
 
 def main() -> int:

@@ -129,7 +129,7 @@ def test_layouts_against_vllm_model_code(vllm_python: str, tmp_path: Path) -> No
     assert {(r["case"], r["rank"]) for r in rows} == {(c, r) for c, spec in CASES.items() for r in range(spec.tp)}
     for r in rows:
         clean = {"missing": [], "extra": [], "shape": {}}
-        assert r["created"] == clean and r["staged"] == clean and r["loaded_differ"] == [], r
+        assert r["created"] == clean and r["staged"] == clean and r["staged_dtype_differ"] == [] and r["loaded_differ"] == [], r
 
 
 def test_refit_md_live_example_runs(vllm_python: str, tmp_path: Path) -> None:
