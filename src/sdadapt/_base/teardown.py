@@ -12,6 +12,9 @@ and the process aborts (tests/reports/teardown-abort-cpu2-2026-12-07.md).
 :func:`release_groups` runs at exit, before finalization: once the world was destroyed it empties
 those caches and collects the cycles that hold a model's meshes, so that a group nothing else
 holds is destroyed there, and its destructor joins its threads while they can still take the GIL.
+torch 2.11 also keeps the mesh of every DTensor view op (``detach``, ``alias``: FSDP2 detaches each
+parameter it makes) through a reference that no Python object holds, so no cache emptied here
+frees it: that mesh's groups end with the process (their threads idle once the world is destroyed).
 Before it, the handler runs what :func:`at_exit` was given (a background save's writer finishing
 its save and ending its group: a thread still working when finalization begins would meet the
 same end). What :func:`at_exit` is given also runs earlier, as the main thread ends and before
