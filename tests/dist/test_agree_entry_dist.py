@@ -19,7 +19,6 @@ One launched group per world size (2 and 4) runs every case:
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import torch

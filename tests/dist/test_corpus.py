@@ -27,9 +27,18 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from support.corpus import KEY, build_corpus, corpus_model, good_state_dict
+from support.corpus import (
+    BOUND_S,
+    KEY,
+    all_meta,
+    build_corpus,
+    good_state_dict,
+    make_corpus_model,
+    model_snapshot,
+    model_unchanged,
+    state_problems,
+)
 from support.dist_helper import group_seconds, run_distributed
-from support.models import parallelize
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -38,7 +47,6 @@ import sdadapt
 from sdadapt._engine import syscalls
 from sdadapt._transaction.transaction import is_marked
 from sdadapt.errors import LoadError, SourceError
-from support.corpus import BOUND_S, all_meta, make_corpus_model, model_snapshot, state_problems, model_unchanged
 
 TIMEOUT_S = 240.0
 

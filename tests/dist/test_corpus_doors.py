@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from support.corpus import BOUND_S, all_meta, make_corpus_model, model_snapshot, model_unchanged, state_problems
 from support.corpus_doors import build_door_cases
 from support.dist_helper import group_seconds, run_distributed
-from support.corpus import BOUND_S, all_meta, make_corpus_model, model_snapshot, state_problems, model_unchanged
 from torch import nn
 
 import sdadapt

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from support.dist_helper import run_distributed
 from safetensors.torch import save_file
+from support.dist_helper import run_distributed
 from torch import nn
 
 import sdadapt

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from support.checkpoints import write_safetensors
-from support.dist_helper import run_distributed
 from sdadapt.adapters._common import moe_rules
 from sdadapt.adapters.qwen3_moe import EXPERT_NAMES
+from support.checkpoints import write_safetensors
+from support.dist_helper import run_distributed
 from support.fp8_releases import fp8_release, ref_dequant_fp8
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh

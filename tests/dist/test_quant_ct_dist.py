@@ -28,8 +28,8 @@ from sdadapt._plan.target import model_state_dict
 
 pytest.importorskip("compressed_tensors")
 
-from support.scaled_releases import CT_FORMATS, HAND_FORMATS, Tiny, adapter_for, export_adapter, write_case  # noqa: E402
 from support.fp8_releases import parallelize_tiny  # noqa: E402
+from support.scaled_releases import CT_FORMATS, HAND_FORMATS, Tiny, adapter_for, export_adapter, write_case  # noqa: E402
 
 
 def _build(kind: str, dtype: torch.dtype) -> Tiny:

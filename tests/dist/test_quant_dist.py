@@ -18,16 +18,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from support.dist_helper import run_distributed
-from support.fp8_releases import BLOCK, Tiny, expected_model, fp8_adapter, release_tensors, write_release
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from support.fp8_releases import BLOCK, Tiny, expected_model, fp8_adapter, parallelize_tiny, release_tensors, write_release
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import sdadapt
-from support.fp8_releases import parallelize_tiny
 
 
 def _build(kind: str, dtype: torch.dtype) -> Tiny:

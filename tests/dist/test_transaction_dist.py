@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from support.dist_helper import run_distributed
 from support.models import TinyTransformer, parallelize
+from support.training import VOCAB, Counter, _tokens, forward_error, step_error, train_steps
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -41,7 +42,6 @@ from sdadapt._state import state as state_mod
 from sdadapt._transaction import transaction as txn_mod
 from sdadapt._transaction.transaction import Transaction, is_marked
 from sdadapt.sources._namespaced import NamespacedSource
-from support.training import Counter, VOCAB, forward_error, step_error, _tokens, train_steps
 
 WORLD = 2
 
