@@ -17,7 +17,6 @@ venv cannot be made.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -80,23 +79,17 @@ def ensure_venv(root: str | None = None) -> str:
         with open(os.path.join(venv, STAMP), "w") as f:
             json.dump(_want(), f)
     # the venv is shared by checkouts: sdadapt is re-pointed at this one when it is another's
-    probe = "import os, sdadapt, torch; print(os.path.dirname(sdadapt.__file__), torch.__version__.split('+')[0])"
+    probe = "import os, sdadapt; print(os.path.dirname(sdadapt.__file__))"
     where = subprocess.run([py, "-c", probe], capture_output=True, text=True).stdout.strip()
-    if where != f"{os.path.join(ROOT, 'src', 'sdadapt')} {TORCH_VERSION}":
+    if where != os.path.join(ROOT, "src", "sdadapt"):
         step(py, "-m", "pip", "install", *quiet, "-c", constraints, "--no-deps", "-e", ROOT)
     return py
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", default=default_root(), help="where the venv lives")
-    args = ap.parse_args()
-    try:
-        print(ensure_venv(args.root))
-    except subprocess.CalledProcessError as e:
-        print(f"[torch-venv] failed: {e}", file=sys.stderr)
-        return 1
-    return 0
+    from small_venv import own_main  # beside this script: importable when it runs as one
+
+    return own_main(__doc__, "torch-venv", ensure_venv, default_root())
 
 
 if __name__ == "__main__":

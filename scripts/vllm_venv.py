@@ -15,7 +15,6 @@ The live-engine tests (tests/transaction/test_vllm_live.py) and bench/vllm_refit
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -99,15 +98,9 @@ def ensure_venv(root: str | None = None, log=None) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--root", default=default_root(), help="where the venv lives")
-    args = ap.parse_args()
-    try:
-        print(ensure_venv(args.root))
-    except subprocess.CalledProcessError as e:
-        print(f"[vllm-venv] failed: {e}", file=sys.stderr)
-        return 1
-    return 0
+    from small_venv import own_main  # beside this script: importable when it runs as one
+
+    return own_main(__doc__, "vllm-venv", ensure_venv, default_root())
 
 
 if __name__ == "__main__":
