@@ -93,17 +93,3 @@ def main(doc: str, name: str, check: str, make: Callable[[str | None], str]) -> 
     print(make(args.root))
     return 0
 
-
-def own_main(doc: str, tag: str, ensure: Callable[[str], str], root: str) -> int:
-    """The command line of a script whose venv stands alone (its own torch; ``scripts/vllm_venv.py``,
-    ``scripts/torch_venv.py``): print the venv's python, made or reused by ``ensure(root)``; exit
-    status 1, with pip's words, where pip fails."""
-    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    ap.add_argument("--root", default=root, help="where the venv lives")
-    args = ap.parse_args()
-    try:
-        print(ensure(args.root))
-    except subprocess.CalledProcessError as e:
-        print(f"[{tag}] failed: {e}", file=sys.stderr)
-        return 1
-    return 0
